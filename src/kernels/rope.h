@@ -1,0 +1,33 @@
+// Rotary position embedding in the Hugging Face Llama convention ("rotate_half": element i
+// pairs with element i + D/2), with optional Llama-3 frequency scaling (rope_scaling
+// {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
+// original_max_position_embeddings}).
+#pragma once
+#include <cstdint>
+
+namespace strata::kernels {
+
+struct RopeConfig {
+  double theta = 10000.0;
+  bool llama3_scaling = false;
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+// inv_freq (D/2): theta^(-2i/D), then Llama-3 scaling when enabled. Computed in fp32 exactly
+// as transformers does, so that positions rotate by the same angles.
+void rope_inv_freq(float* inv_freq /*(D/2)*/, int64_t head_dim, const RopeConfig& config);
+
+#define STRATA_ROPE_OPS                                                                           \
+  /* position of token t is t. out may alias x. */                                                \
+  void rope_forward(float* out /*(B,T,H,D)*/, const float* x /*(B,T,H,D)*/,                       \
+                    const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D); \
+  /* dx = (rotation by -angle) dout. dx may alias dout. */                                         \
+  void rope_backward(float* dx /*(B,T,H,D)*/, const float* dout /*(B,T,H,D)*/,                    \
+                     const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D);
+namespace ref { STRATA_ROPE_OPS }
+namespace cpu { STRATA_ROPE_OPS }
+#undef STRATA_ROPE_OPS
+}  // namespace strata::kernels

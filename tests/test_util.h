@@ -1,0 +1,66 @@
+// Helpers shared by the test binaries: deterministic random data, NaN-safe comparisons and
+// central finite differences.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace strata::testing {
+
+inline std::vector<float> random_vector(int64_t n, uint64_t seed, float lo = -1.f, float hi = 1.f) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+// ||a - b|| / max(||b||, tiny). Returns +inf when either side holds a NaN or Inf, so that
+// `if (!(err <= tol))` style checks fail on them.
+inline double relative_error(const float* a, const float* b, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    double d = double(a[i]) - double(b[i]);
+    num += d * d;
+    den += double(b[i]) * double(b[i]);
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+inline double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  return relative_error(a.data(), b.data(), static_cast<int64_t>(std::min(a.size(), b.size())));
+}
+
+// Max |a - b| / (atol + rtol * |b|) over elements; <= 1 means every element is within tolerance.
+inline double max_scaled_error(const float* a, const float* b, int64_t n, double atol, double rtol) {
+  double worst = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    double e = std::fabs(double(a[i]) - double(b[i])) / (atol + rtol * std::fabs(double(b[i])));
+    worst = std::max(worst, e);
+  }
+  return worst;
+}
+
+#define EXPECT_WITHIN(err, tol) \
+  EXPECT_TRUE((err) <= (tol)) << #err " = " << (err) << " exceeds " << (tol)
+
+// Central finite difference of a scalar function f with respect to x[i] (f reads x).
+inline double finite_difference(const std::function<double()>& f, float* x, double h) {
+  float saved = *x;
+  *x = static_cast<float>(saved + h);
+  double fp = f();
+  *x = static_cast<float>(saved - h);
+  double fm = f();
+  *x = saved;
+  return (fp - fm) / (2 * h);
+}
+
+}  // namespace strata::testing
