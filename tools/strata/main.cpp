@@ -1,1 +1,39 @@
-int main() { return 0; }
+// strata: the command-line entry point. Each command lives in its own file (train.cpp, ...).
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tools/strata/commands.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(strata — train large language models on GPUs with little memory
+
+Usage: strata <command> [options]
+
+Commands:
+  train [CONFIG.yaml] [key=value ...]   train a model; without CONFIG, the embedded default run
+  version                               print the version
+
+Run 'strata <command> --help' for a command's options.
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    std::fputs(kUsage, args.empty() ? stderr : stdout);
+    return args.empty() ? 2 : 0;
+  }
+  const std::string command = args[0];
+  args.erase(args.begin());
+  if (command == "train") return strata::tools::train_command(args);
+  if (command == "version" || command == "--version") {
+    std::printf("strata %s\n", strata::tools::kVersion);
+    return 0;
+  }
+  std::fprintf(stderr, "strata: unknown command '%s'\n\n%s", command.c_str(), kUsage);
+  return 2;
+}

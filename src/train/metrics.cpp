@@ -1,0 +1,56 @@
+#include "train/metrics.h"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/units.h"
+
+namespace strata {
+
+std::string format_step_line(const StepMetrics& m) {
+  int width = static_cast<int>(std::to_string(m.total_steps).size());
+  std::string tps = m.tokens_per_s >= 1e6   ? fmt::format("{:.2f}M", m.tokens_per_s / 1e6)
+                    : m.tokens_per_s >= 1e3 ? fmt::format("{:.1f}k", m.tokens_per_s / 1e3)
+                                            : fmt::format("{:.0f}", m.tokens_per_s);
+  return fmt::format("step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {:.0f} ms | mem {} (rss {})",
+                     m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, tps, m.ms,
+                     format_bytes(m.state_bytes), format_bytes(m.rss_bytes));
+}
+
+Result<MetricsWriter> MetricsWriter::open(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr)
+    return Status::IOError("cannot create metrics file '" + path + "': " + std::strerror(errno) +
+                           "; check that run.dir is writable");
+  return MetricsWriter(f, path);
+}
+
+MetricsWriter::~MetricsWriter() {
+  if (file_ != nullptr) std::fclose(file_);
+}
+
+Status MetricsWriter::write(const StepMetrics& m) {
+  nlohmann::json j = {{"step", m.step},         {"loss", m.loss},
+                      {"lr", m.lr},             {"grad_norm", m.grad_norm},
+                      {"tokens_per_s", m.tokens_per_s}, {"ms", m.ms},
+                      {"tokens", m.tokens},     {"state_bytes", m.state_bytes},
+                      {"rss_bytes", m.rss_bytes}};
+  // Losses are printed with 17 significant digits so that runs can be compared bitwise.
+  std::string line = j.dump() + "\n";
+  if (std::fputs(line.c_str(), file_) < 0 || std::fflush(file_) != 0)
+    return Status::IOError("cannot write metrics file '" + path_ + "': " + std::strerror(errno));
+  return Status::OK();
+}
+
+uint64_t resident_bytes() {
+  std::ifstream in("/proc/self/statm");
+  uint64_t pages = 0, resident = 0;
+  if (!(in >> pages >> resident)) return 0;
+  return resident * 4096;
+}
+
+}  // namespace strata

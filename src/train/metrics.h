@@ -1,0 +1,49 @@
+// Per-step metrics: one human line on stderr (through the logger) and one JSON object per
+// line in RUN_DIR/metrics.jsonl, written and flushed as each step ends so that a crash loses
+// at most the line being written.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "core/status.h"
+
+namespace strata {
+
+struct StepMetrics {
+  int64_t step = 0;
+  int64_t total_steps = 0;
+  double loss = 0;
+  double lr = 0;
+  double grad_norm = 0;
+  double tokens_per_s = 0;
+  double ms = 0;
+  int64_t tokens = 0;          // tokens seen so far
+  uint64_t state_bytes = 0;    // parameters, gradients, optimizer states and workspaces
+  uint64_t rss_bytes = 0;      // resident memory of the process
+};
+
+// "step   10/200 | loss 3.2113 | lr 1.50e-03 | gnorm 0.912 | 5.1k tok/s | 199 ms | mem 14.2 MiB (rss 61.0 MiB)"
+std::string format_step_line(const StepMetrics& m);
+
+// Appends JSON lines to a file. Not thread-safe. Closes on destruction.
+class MetricsWriter {
+ public:
+  static Result<MetricsWriter> open(const std::string& path);
+  MetricsWriter(MetricsWriter&& other) noexcept : file_(other.file_), path_(std::move(other.path_)) { other.file_ = nullptr; }
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+  ~MetricsWriter();
+  Status write(const StepMetrics& m);
+
+ private:
+  MetricsWriter(std::FILE* f, std::string path) : file_(f), path_(std::move(path)) {}
+  std::FILE* file_ = nullptr;
+  std::string path_;
+};
+
+// Resident set size of this process, 0 when /proc is unavailable.
+uint64_t resident_bytes();
+
+}  // namespace strata

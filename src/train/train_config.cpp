@@ -1,0 +1,119 @@
+#include "train/train_config.h"
+
+namespace strata {
+namespace {
+
+ConfigSchema build_schema() {
+  using T = ConfigType;
+  ConfigSchema s;
+  s.add({.name = "model.preset", .type = T::kString, .default_value = "tiny",
+         .help = "built-in model shape (tiny, llama3.2-1b, llama3-8b), used when model.config is empty"});
+  s.add({.name = "model.config", .type = T::kString, .default_value = "",
+         .help = "Hugging Face config.json (or a directory holding one) describing the model"});
+  s.add({.name = "model.init", .type = T::kString, .default_value = "",
+         .help = "safetensors file with initial weights; empty = random init from train.seed"});
+  s.add({.name = "model.set", .type = T::kStringList, .default_value = "[]",
+         .help = "config.json keys to override, e.g. [num_hidden_layers=2, hidden_size=256]"});
+  s.add({.name = "data.paths", .type = T::kStringList, .default_value = "[builtin:licenses]",
+         .help = "token files, directories or globs; builtin:licenses = Debian's license texts as bytes"});
+  s.add({.name = "data.format", .type = T::kString, .default_value = "auto",
+         .choices = {"auto", "llmc", "megatron", "text"}, .help = "how to read data.paths"});
+  s.add({.name = "train.micro_batch", .type = T::kInt, .default_value = "8", .min = 1, .max = 1 << 20,
+         .help = "sequences per micro-batch"});
+  s.add({.name = "train.seq_len", .type = T::kInt, .default_value = "128", .min = 1, .max = 1 << 24,
+         .help = "tokens per sequence"});
+  s.add({.name = "train.grad_accum", .type = T::kInt, .default_value = "1", .min = 1, .max = 1 << 20,
+         .help = "micro-batches per optimizer step"});
+  s.add({.name = "train.steps", .type = T::kInt, .default_value = "200", .min = 1,
+         .help = "optimizer steps to run"});
+  s.add({.name = "train.seed", .type = T::kInt, .default_value = "1234", .min = 0,
+         .help = "seed for weights and data order; the same seed gives bitwise the same run"});
+  s.add({.name = "optim.lr", .type = T::kFloat, .default_value = "0.003", .min = 0, .max = 10,
+         .help = "peak learning rate"});
+  s.add({.name = "optim.schedule", .type = T::kString, .default_value = "cosine",
+         .choices = {"cosine", "linear", "constant"}, .help = "decay after warmup"});
+  s.add({.name = "optim.warmup_steps", .type = T::kInt, .default_value = "20", .min = 0,
+         .help = "steps of linear warmup from 0 to optim.lr"});
+  s.add({.name = "optim.min_lr_ratio", .type = T::kFloat, .default_value = "0.1", .min = 0, .max = 1,
+         .help = "final learning rate as a fraction of optim.lr"});
+  s.add({.name = "optim.beta1", .type = T::kFloat, .default_value = "0.9", .min = 0, .max = 0.999999, .help = "AdamW beta1"});
+  s.add({.name = "optim.beta2", .type = T::kFloat, .default_value = "0.95", .min = 0, .max = 0.999999, .help = "AdamW beta2"});
+  s.add({.name = "optim.eps", .type = T::kFloat, .default_value = "1e-8", .min = 0, .max = 1, .help = "AdamW epsilon"});
+  s.add({.name = "optim.weight_decay", .type = T::kFloat, .default_value = "0.1", .min = 0, .max = 10,
+         .help = "decoupled weight decay (matrices and embeddings only)"});
+  s.add({.name = "optim.grad_clip", .type = T::kFloat, .default_value = "1.0", .min = 0,
+         .help = "clip the global gradient norm to this; 0 = off"});
+  s.add({.name = "run.dir", .type = T::kString, .default_value = "runs/default",
+         .help = "where metrics.jsonl and config.yaml are written"});
+  s.add({.name = "run.log_every", .type = T::kInt, .default_value = "1", .min = 1, .help = "print a step line every N steps"});
+  s.add({.name = "run.device", .type = T::kString, .default_value = "cpu", .choices = {"auto", "cpu", "cuda"},
+         .help = "compute device"});
+  s.add({.name = "run.log_level", .type = T::kString, .default_value = "info",
+         .choices = {"debug", "info", "warn", "error"}, .help = "log verbosity"});
+  return s;
+}
+
+}  // namespace
+
+const ConfigSchema& train_schema() {
+  static const ConfigSchema schema = build_schema();
+  return schema;
+}
+
+const char* embedded_default_config() {
+  return R"(# The embedded default: a 0.8M-parameter Llama learns Debian's license texts byte by byte.
+model:
+  preset: tiny
+data:
+  paths: [builtin:licenses]
+  format: text
+train:
+  micro_batch: 8
+  seq_len: 128
+  steps: 200
+optim:
+  lr: 0.003
+  warmup_steps: 20
+run:
+  dir: runs/default
+  log_every: 10
+)";
+}
+
+Result<TrainConfig> make_train_config(const Config& c) {
+  TrainConfig t;
+  t.model_preset = c.get_string("model.preset");
+  t.model_config = c.get_string("model.config");
+  t.model_init = c.get_string("model.init");
+  t.model_overrides = c.get_list("model.set");
+  t.data_paths = c.get_list("data.paths");
+  t.data_format = c.get_string("data.format");
+  t.micro_batch = c.get_int("train.micro_batch");
+  t.seq_len = c.get_int("train.seq_len");
+  t.grad_accum = c.get_int("train.grad_accum");
+  t.steps = c.get_int("train.steps");
+  t.seed = static_cast<uint64_t>(c.get_int("train.seed"));
+  t.lr = c.get_float("optim.lr");
+  t.lr_schedule = c.get_string("optim.schedule");
+  t.warmup_steps = c.get_int("optim.warmup_steps");
+  t.min_lr_ratio = c.get_float("optim.min_lr_ratio");
+  t.beta1 = c.get_float("optim.beta1");
+  t.beta2 = c.get_float("optim.beta2");
+  t.eps = c.get_float("optim.eps");
+  t.weight_decay = c.get_float("optim.weight_decay");
+  t.grad_clip = c.get_float("optim.grad_clip");
+  t.run_dir = c.get_string("run.dir");
+  t.log_every = c.get_int("run.log_every");
+  t.device = c.get_string("run.device");
+  t.log_level = c.get_string("run.log_level");
+  if (t.data_paths.empty())
+    return Status::InvalidArgument(c.origin("data.paths") + ": key 'data.paths' is empty; name at least one token file");
+  if (t.warmup_steps > t.steps)
+    return Status::InvalidArgument(c.origin("optim.warmup_steps") + ": key 'optim.warmup_steps' (" +
+                                   std::to_string(t.warmup_steps) + ") exceeds train.steps (" +
+                                   std::to_string(t.steps) + ")");
+  if (t.run_dir.empty()) return Status::InvalidArgument("key 'run.dir' is empty; name a directory for metrics");
+  return t;
+}
+
+}  // namespace strata

@@ -1,0 +1,47 @@
+// The settings of `strata train`: the schema every key is checked against, the embedded
+// default run, and the typed struct the trainer reads.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+
+namespace strata {
+
+struct TrainConfig {
+  // model
+  std::string model_preset;       // "tiny", ... (used when model_config is empty)
+  std::string model_config;       // path to a Hugging Face config.json
+  std::string model_init;         // safetensors file with initial weights ("" = random init)
+  std::vector<std::string> model_overrides;  // "hidden_size=256" style, applied to the config
+  // data
+  std::vector<std::string> data_paths;
+  std::string data_format;
+  // schedule of work
+  int64_t micro_batch = 0;
+  int64_t seq_len = 0;
+  int64_t grad_accum = 0;
+  int64_t steps = 0;
+  uint64_t seed = 0;
+  // optimizer
+  double lr = 0, min_lr_ratio = 0;
+  int64_t warmup_steps = 0;
+  std::string lr_schedule;
+  double beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, grad_clip = 0;
+  // run
+  std::string run_dir;
+  int64_t log_every = 1;
+  std::string device;
+  std::string log_level;
+};
+
+// Every key `strata train` accepts.
+const ConfigSchema& train_schema();
+// The YAML run when `strata train` is given no config file.
+const char* embedded_default_config();
+// Typed view of a validated Config, plus cross-key checks (e.g. warmup longer than the run).
+Result<TrainConfig> make_train_config(const Config& config);
+
+}  // namespace strata

@@ -1,0 +1,204 @@
+#include "train/trainer.h"
+
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/log.h"
+#include "model/llama.h"
+#include "train/data.h"
+#include "train/lr_schedule.h"
+#include "train/metrics.h"
+#include "train/optimizer.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Set by SIGINT/SIGTERM; the loop stops after the step in progress. A signal handler can only
+// reach process-wide state, hence the one static.
+volatile std::sig_atomic_t g_stop_requested = 0;
+extern "C" void on_stop_signal(int) {
+  if (g_stop_requested) std::_Exit(130);  // a second signal stops at once
+  g_stop_requested = 1;
+}
+
+constexpr const char* kBuiltinLicenses = "builtin:licenses";
+
+Result<nlohmann::json> read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound("model config '" + path + "' cannot be opened; check model.config");
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Status::InvalidArgument(path + ": not valid JSON");
+  return j;
+}
+
+// The model's config.json (from a file or a preset) with model.set overrides applied.
+Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
+  nlohmann::json j;
+  std::string source;
+  if (!t.model_config.empty()) {
+    source = t.model_config;
+    if (fs::is_directory(source)) source = (fs::path(source) / "config.json").string();
+    ASSIGN_OR_RETURN(j, read_json_file(source));
+  } else {
+    ASSIGN_OR_RETURN(model::ModelConfig preset, model::ModelConfig::preset(t.model_preset));
+    j = preset.to_json();
+    source = "preset '" + t.model_preset + "'";
+  }
+  for (const auto& kv : t.model_overrides) {
+    size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0)
+      return Status::InvalidArgument("model.set: '" + kv + "' is not key=value (e.g. num_hidden_layers=2)");
+    std::string key = kv.substr(0, eq), text = kv.substr(eq + 1);
+    nlohmann::json value = nlohmann::json::parse(text, nullptr, false);
+    j[key] = value.is_discarded() ? nlohmann::json(text) : value;
+    source += " + model.set";
+  }
+  return model::ModelConfig::from_json(j, source);
+}
+
+Result<std::unique_ptr<TokenDataset>> open_training_data(const TrainConfig& t) {
+  DataConfig dc;
+  dc.format = t.data_format;
+  for (const auto& p : t.data_paths) {
+    if (p == kBuiltinLicenses) {
+      ASSIGN_OR_RETURN(std::string corpus, build_default_corpus((fs::path(t.run_dir) / "licenses.txt").string()));
+      dc.paths.push_back(corpus);
+    } else {
+      dc.paths.push_back(p);
+    }
+  }
+  return open_dataset(dc);
+}
+
+bool needs_run_dir_for_data(const TrainConfig& t) {
+  for (const auto& p : t.data_paths)
+    if (p == kBuiltinLicenses) return true;
+  return false;
+}
+
+}  // namespace
+
+Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effective_yaml) {
+  // 1. Everything that can be wrong with the inputs is checked before anything is written.
+  ASSIGN_OR_RETURN(model::ModelConfig mc, resolve_model_config(t));
+  if (t.seq_len > mc.max_position_embeddings)
+    LOG_WARN("train.seq_len {} exceeds the model's max_position_embeddings {}", t.seq_len,
+             mc.max_position_embeddings);
+  std::error_code ec;
+  if (needs_run_dir_for_data(t)) {
+    fs::create_directories(t.run_dir, ec);
+    if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> dataset, open_training_data(t));
+  if (dataset->vocab_hint() > mc.vocab_size)
+    return Status::InvalidArgument("data.paths are read as bytes (256 token ids) but the model's vocab_size is " +
+                                   std::to_string(mc.vocab_size) + "; use a model with vocab_size >= 256");
+  DataLoaderOptions lo;
+  lo.batch_size = t.micro_batch;
+  lo.seq_len = t.seq_len;
+  lo.seed = t.seed;
+  lo.vocab_size = mc.vocab_size;
+  ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(dataset.get(), lo));
+
+  model::LlamaModel net(mc);
+  if (t.model_init.empty()) {
+    net.init_weights(t.seed);
+  } else {
+    RETURN_IF_ERROR(net.load_safetensors(t.model_init));
+  }
+  OptimizerConfig oc;
+  oc.lr = static_cast<float>(t.lr);
+  oc.beta1 = static_cast<float>(t.beta1);
+  oc.beta2 = static_cast<float>(t.beta2);
+  oc.eps = static_cast<float>(t.eps);
+  oc.weight_decay = static_cast<float>(t.weight_decay);
+  oc.grad_clip = static_cast<float>(t.grad_clip);
+  AdamW optimizer(net.layout(), oc);
+  LrSchedule schedule{t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.lr_schedule};
+
+  // 2. The run directory: the effective config, then metrics as steps complete.
+  fs::create_directories(t.run_dir, ec);
+  if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
+  {
+    std::ofstream out(fs::path(t.run_dir) / "config.yaml");
+    out << effective_yaml;
+    if (!out) return Status::IOError("cannot write " + (fs::path(t.run_dir) / "config.yaml").string());
+  }
+  ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open((fs::path(t.run_dir) / "metrics.jsonl").string()));
+
+  const int64_t n_params = mc.num_parameters();
+  const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;
+  const uint64_t state_bytes = static_cast<uint64_t>(net.layout().total_size()) * sizeof(float) * 4;
+  LOG_INFO("model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {:.2f}M parameters", mc.num_hidden_layers,
+           mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size, n_params / 1e6);
+  LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation)",
+           dataset->num_tokens(), loader.num_windows(), t.seq_len, tokens_per_step, t.micro_batch, t.seq_len,
+           t.grad_accum);
+  LOG_INFO("run: {} steps on cpu, writing {}/metrics.jsonl", t.steps, t.run_dir);
+
+  g_stop_requested = 0;
+  auto old_int = std::signal(SIGINT, on_stop_signal);
+  auto old_term = std::signal(SIGTERM, on_stop_signal);
+
+  const int64_t micro_tokens = t.micro_batch * t.seq_len;
+  std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens * t.grad_accum));
+  std::vector<int32_t> targets(inputs.size());
+  TrainSummary summary;
+  Status failure;
+  int64_t tokens_seen = 0;
+  for (int64_t step = 1; step <= t.steps; ++step) {
+    if (g_stop_requested) {
+      summary.interrupted = true;
+      break;
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    for (int64_t m = 0; m < t.grad_accum && failure.ok(); ++m)
+      failure = loader.next(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens);
+    if (!failure.ok()) break;
+    const int64_t valid = model::count_valid_targets(targets.data(), static_cast<int64_t>(targets.size()));
+    const float grad_scale = valid > 0 ? 1.0f / static_cast<float>(valid) : 0.0f;
+    net.zero_grads();
+    double loss_sum = 0;
+    for (int64_t m = 0; m < t.grad_accum; ++m)
+      loss_sum += net.forward_backward(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens,
+                                       t.micro_batch, t.seq_len, grad_scale);
+    const double grad_norm = optimizer.clip_gradients(net.grads(), static_cast<float>(t.grad_clip));
+    const double lr = schedule.lr(step);
+    optimizer.step(net.params(), net.grads(), static_cast<float>(lr));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    tokens_seen += tokens_per_step;
+
+    StepMetrics sm;
+    sm.step = step;
+    sm.total_steps = t.steps;
+    sm.loss = valid > 0 ? loss_sum / static_cast<double>(valid) : 0.0;
+    sm.lr = lr;
+    sm.grad_norm = grad_norm;
+    sm.ms = seconds * 1e3;
+    sm.tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
+    sm.tokens = tokens_seen;
+    sm.state_bytes = state_bytes;
+    sm.rss_bytes = resident_bytes();
+    failure = metrics.write(sm);
+    if (!failure.ok()) break;
+    if (step == 1) summary.first_loss = sm.loss;
+    summary.last_loss = sm.loss;
+    summary.steps_done = step;
+    if (step % t.log_every == 0 || step == 1 || step == t.steps) LOG_INFO("{}", format_step_line(sm));
+  }
+  std::signal(SIGINT, old_int);
+  std::signal(SIGTERM, old_term);
+  RETURN_IF_ERROR(failure);
+  if (summary.interrupted) LOG_WARN("interrupted: stopped after step {}", summary.steps_done);
+  LOG_INFO("done: {} steps, loss {:.4f} -> {:.4f}", summary.steps_done, summary.first_loss, summary.last_loss);
+  return summary;
+}
+
+}  // namespace strata

@@ -1,0 +1,14 @@
+// The commands of the strata tool. Each returns the process exit code: 0 on success, 1 when
+// the work failed (the reason printed as one line), 2 for a usage error.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace strata::tools {
+
+inline constexpr const char* kVersion = "0.1.0";
+
+int train_command(const std::vector<std::string>& args);
+
+}  // namespace strata::tools
