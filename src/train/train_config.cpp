@@ -66,7 +66,6 @@ model:
   preset: tiny
 data:
   paths: [builtin:licenses]
-  format: text
 train:
   micro_batch: 8
   seq_len: 128

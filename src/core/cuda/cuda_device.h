@@ -1,0 +1,122 @@
+// The CUDA backend of Device (DESIGN §3.1): cudaStream_t streams, cudaEvent_t events (timing
+// disabled), cudaMemcpyAsync copies and cudaHostAlloc pinned memory. Device memory is one
+// cudaMalloc made when the device opens (the budget, or free memory less a margin), carved by
+// an Arena: no cudaMalloc/cudaFree in the steady state, and a budget below the card's size
+// behaves like a smaller card. Plain C++ over the runtime API; compiled only with CUDA on.
+// Every method makes its device current on the calling thread first. Thread safety as in
+// device.h.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "core/arena.h"
+#include "core/device.h"
+
+namespace strata {
+
+// Number of usable CUDA devices; 0 when there is no device or no driver. Never aborts.
+int cuda_device_count();
+
+class CudaStream final : public Stream {
+ public:
+  explicit CudaStream(int device);
+  ~CudaStream() override;  // waits for the queued work, then destroys the stream
+
+  void synchronize() override;
+  void wait(Event& event) override;
+  // For kernel launchers and libraries (cuBLAS, NCCL). Owned by this object.
+  cudaStream_t handle() const { return stream_; }
+  int device() const { return device_; }
+
+ private:
+  const int device_;
+  cudaStream_t stream_ = nullptr;
+};
+
+// REQUIRES: stream came from a CUDA device (aborts otherwise).
+CudaStream& as_cuda_stream(Stream& stream);
+
+class CudaEvent final : public Event {
+ public:
+  explicit CudaEvent(int device);
+  ~CudaEvent() override;
+
+  void record(Stream& stream) override;
+  void synchronize() override;
+  bool query() override;
+  cudaEvent_t handle() const { return event_; }
+  int device() const { return device_; }
+
+ private:
+  const int device_;
+  cudaEvent_t event_ = nullptr;
+};
+
+class CudaDevice final : public Device {
+ public:
+  // Left free when budget_bytes is 0, for the CUDA context, cuBLAS workspaces and NCCL.
+  static constexpr uint64_t kReserveMargin = uint64_t{1} << 30;
+
+  // Reserves the device memory region. Errors as in open_device() (device.h).
+  static Result<std::unique_ptr<CudaDevice>> create(int index, uint64_t budget_bytes);
+  // REQUIRES: every allocation, stream and event made by this device is gone.
+  ~CudaDevice() override;
+
+  DeviceKind kind() const override { return DeviceKind::kCuda; }
+  int index() const override { return index_; }
+  const std::string& name() const override { return name_; }
+
+  Result<DeviceAllocation> allocate(uint64_t bytes) override;
+  uint64_t memory_in_use() const override { return device_memory_.arena().in_use(); }
+  uint64_t memory_peak() const override { return device_memory_.arena().peak(); }
+  uint64_t memory_budget() const override { return device_memory_.arena().capacity(); }
+
+  Result<HostAllocation> allocate_pinned(uint64_t bytes) override;
+  uint64_t pinned_in_use() const override;
+
+  std::unique_ptr<Stream> create_stream() override;
+  std::unique_ptr<Event> create_event() override;
+  void copy(void* dst, const void* src, uint64_t bytes, Stream& stream) override;
+
+ private:
+  // The single cudaMalloc region and the Arena that carves it.
+  class DeviceMemory final : public MemoryOwner {
+   public:
+    DeviceMemory(int device, void* base, uint64_t bytes, ArenaOptions options);
+    ~DeviceMemory();  // frees the region after the arena checked nothing is live
+    void release(void* ptr, uint64_t bytes) override { arena_->free(ptr); }
+    Arena& arena() { return *arena_; }
+    const Arena& arena() const { return *arena_; }
+
+   private:
+    const int device_;
+    void* const base_;
+    std::unique_ptr<Arena> arena_;
+  };
+  class PinnedMemory final : public MemoryOwner {
+   public:
+    ~PinnedMemory();
+    void release(void* ptr, uint64_t bytes) override;
+    void add(uint64_t bytes);
+    uint64_t in_use() const;
+
+   private:
+    mutable std::mutex mu_;
+    uint64_t in_use_ = 0;  // GUARDED_BY(mu_)
+  };
+
+  CudaDevice(int index, std::string name, void* base, uint64_t bytes);
+  void make_current() const;
+
+  const int index_;
+  const std::string name_;
+  DeviceMemory device_memory_;
+  PinnedMemory pinned_memory_;
+};
+
+}  // namespace strata

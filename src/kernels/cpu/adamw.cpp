@@ -1,0 +1,106 @@
+// AdamW step in the operation order of torch.optim.AdamW's single-tensor path
+// (foreach=False): every fp32 operation below rounds where PyTorch's tensor op rounds, and the
+// scalar factors are formed in double (Python floats) before being cast to fp32 as PyTorch
+// does for fp32 tensors.
+//
+// The reference and the fast path must agree bitwise. Fusing a multiply and an add into one
+// FMA rounds once instead of twice, and a compiler may fuse the vectorised loop differently
+// from the scalar one, so contraction is turned off for this file.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include "kernels/adamw.h"
+
+#include <cmath>
+
+#include "core/check.h"
+
+namespace strata::kernels {
+namespace {
+
+// The fp32 scalars one step applies, computed once per call.
+struct AdamWScalars {
+  float decay;          // 1 - lr * weight_decay
+  float lerp_weight;    // 1 - beta1: exp_avg.lerp_(grad, 1 - beta1)
+  bool lerp_small;      // which of lerp's two formulas PyTorch uses (weight < 0.5)
+  float beta2;          // exp_avg_sq.mul_(beta2)
+  float one_minus_b2;   // .addcmul_(grad, grad, value=1 - beta2)
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+};
+
+AdamWScalars adamw_scalars(const AdamWParams& p) {
+  CHECK_MSG(p.step >= 1, "adamw step counts from 1");
+  const double lr = p.lr, beta1 = p.beta1, beta2 = p.beta2;
+  const double step = static_cast<double>(p.step);
+  AdamWScalars s;
+  s.decay = static_cast<float>(1.0 - lr * double(p.weight_decay));
+  s.lerp_weight = static_cast<float>(1.0 - beta1);
+  s.lerp_small = std::fabs(s.lerp_weight) < 0.5f;
+  s.beta2 = p.beta2;
+  s.one_minus_b2 = static_cast<float>(1.0 - beta2);
+  s.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
+  s.eps = p.eps;
+  s.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, step))));
+  return s;
+}
+
+}  // namespace
+
+namespace ref {
+
+void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n,
+                const AdamWParams& p) {
+  const AdamWScalars s = adamw_scalars(p);
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = grad[i];
+    // param.mul_(1 - lr * weight_decay)
+    float w = param[i] * s.decay;
+    // exp_avg.lerp_(grad, 1 - beta1): PyTorch's lerp picks the formula by the weight's size.
+    float mi = m[i];
+    if (s.lerp_small) {
+      mi = mi + s.lerp_weight * (g - mi);
+    } else {
+      mi = g - (g - mi) * (1.0f - s.lerp_weight);
+    }
+    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    float vi = v[i] * s.beta2;
+    vi = vi + s.one_minus_b2 * g * g;
+    // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    const float denom = std::sqrt(vi) / s.bc2_sqrt + s.eps;
+    // param.addcdiv_(exp_avg, denom, value=-step_size)
+    w = w + s.neg_step_size * mi / denom;
+    param[i] = w;
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+}  // namespace ref
+
+namespace cpu {
+
+void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n,
+                const AdamWParams& p) {
+  const AdamWScalars s = adamw_scalars(p);
+  // The lerp formula is chosen once so the loop body has no branch and vectorises; each
+  // expression repeats the reference's operations in the same order.
+  const float lerp_factor = s.lerp_small ? s.lerp_weight : 1.0f - s.lerp_weight;
+  const bool small = s.lerp_small;
+#pragma omp parallel for schedule(static) if (n >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = grad[i];
+    const float w = param[i] * s.decay;
+    const float mi = small ? m[i] + lerp_factor * (g - m[i]) : g - (g - m[i]) * lerp_factor;
+    const float vi = v[i] * s.beta2 + s.one_minus_b2 * g * g;
+    const float denom = std::sqrt(vi) / s.bc2_sqrt + s.eps;
+    param[i] = w + s.neg_step_size * mi / denom;
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+}  // namespace cpu
+}  // namespace strata::kernels

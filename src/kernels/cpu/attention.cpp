@@ -1,0 +1,288 @@
+// Causal grouped-query attention on the CPU: the reference (double, one row at
+// a time) and the fast path (fp32, blocks of query rows so that each key/value
+// row is loaded once per block).
+#include "kernels/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/check.h"
+
+namespace strata::kernels {
+
+namespace {
+void check_shapes(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+  CHECK(B >= 0 && T >= 0 && D > 0);
+  CHECK_MSG(Hkv > 0 && Hq % Hkv == 0,
+            "attention needs Hq a multiple of Hkv, got Hq=" +
+                std::to_string(Hq) + " Hkv=" + std::to_string(Hkv));
+}
+} // namespace
+
+namespace ref {
+
+namespace {
+double dot(const float *a, const float *b, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i)
+    s += double(a[i]) * double(b[i]);
+  return s;
+}
+} // namespace
+
+void attention_forward(float *out, float *lse, const float *q, const float *k,
+                       const float *v, int64_t B, int64_t T, int64_t Hq,
+                       int64_t Hkv, int64_t D) {
+  check_shapes(B, T, Hq, Hkv, D);
+  const int64_t group = Hq / Hkv;
+  const double scale = 1.0 / std::sqrt(double(D));
+  std::vector<double> s(static_cast<size_t>(T));
+  std::vector<double> acc(static_cast<size_t>(D));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t g = h / group;
+      for (int64_t t = 0; t < T; ++t) {
+        const float *qt = q + ((b * T + t) * Hq + h) * D;
+        double m = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j <= t; ++j) {
+          s[j] = scale * dot(qt, k + ((b * T + j) * Hkv + g) * D, D);
+          m = std::max(m, s[j]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j <= t; ++j)
+          sum += std::exp(s[j] - m);
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t j = 0; j <= t; ++j) {
+          const double p = std::exp(s[j] - m) / sum;
+          const float *vj = v + ((b * T + j) * Hkv + g) * D;
+          for (int64_t d = 0; d < D; ++d)
+            acc[d] += p * vj[d];
+        }
+        float *ot = out + ((b * T + t) * Hq + h) * D;
+        for (int64_t d = 0; d < D; ++d)
+          ot[d] = static_cast<float>(acc[d]);
+        lse[(b * Hq + h) * T + t] = static_cast<float>(m + std::log(sum));
+      }
+    }
+  }
+}
+
+// dq, dk, dv are overwritten.
+void attention_backward(float *dq, float *dk, float *dv, const float *dout,
+                        const float *q, const float *k, const float *v,
+                        const float *out, const float *lse, int64_t B,
+                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+  check_shapes(B, T, Hq, Hkv, D);
+  const int64_t group = Hq / Hkv;
+  const double scale = 1.0 / std::sqrt(double(D));
+  const size_t kv_size = static_cast<size_t>(B * T * Hkv * D);
+  std::vector<double> dk_acc(kv_size, 0.0), dv_acc(kv_size, 0.0);
+  std::vector<double> dq_row(static_cast<size_t>(D));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t g = h / group;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t row = ((b * T + t) * Hq + h) * D;
+        const double row_lse = lse[(b * Hq + h) * T + t];
+        const double delta =
+            dot(dout + row, out + row, D); // D_t = dout_t . out_t
+        std::fill(dq_row.begin(), dq_row.end(), 0.0);
+        for (int64_t j = 0; j <= t; ++j) {
+          const int64_t kv_row = ((b * T + j) * Hkv + g) * D;
+          const double p =
+              std::exp(scale * dot(q + row, k + kv_row, D) - row_lse);
+          const double dp = dot(dout + row, v + kv_row, D);
+          const double ds = p * (dp - delta);
+          for (int64_t d = 0; d < D; ++d) {
+            dq_row[d] += scale * ds * k[kv_row + d];
+            dk_acc[kv_row + d] += scale * ds * q[row + d];
+            dv_acc[kv_row + d] += p * dout[row + d];
+          }
+        }
+        for (int64_t d = 0; d < D; ++d)
+          dq[row + d] = static_cast<float>(dq_row[d]);
+      }
+    }
+  }
+  for (size_t i = 0; i < kv_size; ++i) {
+    dk[i] = static_cast<float>(dk_acc[i]);
+    dv[i] = static_cast<float>(dv_acc[i]);
+  }
+}
+
+} // namespace ref
+
+namespace cpu {
+
+namespace {
+// Query rows handled together: each key/value row loaded from memory serves
+// this many rows.
+constexpr int64_t kBlockRows = 16;
+
+inline float dot(const float *a, const float *b, int64_t n) {
+  float s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i)
+    s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float *y, float alpha, const float *x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    y[i] += alpha * x[i];
+}
+} // namespace
+
+// Work units are (b, query head, block of rows); each writes only its own
+// out/lse rows, so the result is the same for any thread count. Later blocks
+// see more keys, hence dynamic schedule.
+void attention_forward(float *out, float *lse, const float *q, const float *k,
+                       const float *v, int64_t B, int64_t T, int64_t Hq,
+                       int64_t Hkv, int64_t D) {
+  check_shapes(B, T, Hq, Hkv, D);
+  const int64_t group = Hq / Hkv;
+  const float scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
+  const int64_t units = B * Hq * blocks;
+#pragma omp parallel
+  {
+    // Scores of one block of rows against every key up to the block's last row.
+    std::vector<float> s(static_cast<size_t>(kBlockRows * T));
+    std::vector<float> acc(static_cast<size_t>(kBlockRows * D));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t unit = 0; unit < units; ++unit) {
+      const int64_t blk = unit % blocks;
+      const int64_t h = (unit / blocks) % Hq;
+      const int64_t b = unit / (blocks * Hq);
+      const int64_t g = h / group;
+      const int64_t t0 = blk * kBlockRows;
+      const int64_t rows = std::min(kBlockRows, T - t0);
+      const int64_t keys =
+          t0 + rows; // keys 0 .. t0 + rows - 1 are visible to some row
+      const float *q0 = q + ((b * T + t0) * Hq + h) * D;
+      const int64_t q_stride = Hq * D;
+      const float *kb = k + (b * T * Hkv + g) * D;
+      const float *vb = v + (b * T * Hkv + g) * D;
+      const int64_t kv_stride = Hkv * D;
+
+      for (int64_t j = 0; j < keys; ++j) {
+        const float *kj = kb + j * kv_stride;
+        // Row r sees keys j <= t0 + r; start at the first row that can see key
+        // j.
+        for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
+          s[r * T + j] = scale * dot(q0 + r * q_stride, kj, D);
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
+      for (int64_t r = 0; r < rows; ++r) {
+        float *sr = s.data() + r * T;
+        const int64_t n = t0 + r + 1;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j)
+          m = std::max(m, sr[j]);
+        double sum = 0; // double: n can be tens of thousands of terms
+        for (int64_t j = 0; j < n; ++j) {
+          sr[j] = std::exp(sr[j] - m);
+          sum += sr[j];
+        }
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int64_t j = 0; j < n; ++j)
+          sr[j] *= inv;
+        lse[(b * Hq + h) * T + t0 + r] = static_cast<float>(m + std::log(sum));
+      }
+      for (int64_t j = 0; j < keys; ++j) {
+        const float *vj = vb + j * kv_stride;
+        for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
+          axpy(acc.data() + r * D, s[r * T + j], vj, D);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        std::copy_n(acc.data() + r * D, D,
+                    out + ((b * T + t0 + r) * Hq + h) * D);
+      }
+    }
+  }
+}
+
+// dq, dk, dv are overwritten. Work units are (b, kv head): the unit owns the
+// dk/dv rows of its kv head and the dq rows of the query heads in its group, so
+// no two threads write the same element and the order of every sum is fixed.
+void attention_backward(float *dq, float *dk, float *dv, const float *dout,
+                        const float *q, const float *k, const float *v,
+                        const float *out, const float *lse, int64_t B,
+                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+  check_shapes(B, T, Hq, Hkv, D);
+  const int64_t group = Hq / Hkv;
+  const float scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
+  const int64_t q_stride = Hq * D;
+  const int64_t kv_stride = Hkv * D;
+#pragma omp parallel
+  {
+    std::vector<float> p(static_cast<size_t>(kBlockRows * T)); // probabilities
+    std::vector<float> ds(
+        static_cast<size_t>(kBlockRows * T)); // dS = P * (dP - D_r)
+    std::vector<float> dq_acc(static_cast<size_t>(kBlockRows * D));
+    std::vector<float> delta(static_cast<size_t>(kBlockRows));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t unit = 0; unit < B * Hkv; ++unit) {
+      const int64_t b = unit / Hkv;
+      const int64_t g = unit % Hkv;
+      const float *kb = k + (b * T * Hkv + g) * D;
+      const float *vb = v + (b * T * Hkv + g) * D;
+      float *dkb = dk + (b * T * Hkv + g) * D;
+      float *dvb = dv + (b * T * Hkv + g) * D;
+      for (int64_t j = 0; j < T; ++j) {
+        std::fill_n(dkb + j * kv_stride, D, 0.0f);
+        std::fill_n(dvb + j * kv_stride, D, 0.0f);
+      }
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+          const int64_t t0 = blk * kBlockRows;
+          const int64_t rows = std::min(kBlockRows, T - t0);
+          const int64_t keys = t0 + rows;
+          const int64_t row0 = ((b * T + t0) * Hq + h) * D;
+          const float *q0 = q + row0;
+          const float *do0 = dout + row0;
+          const float *o0 = out + row0;
+          const float *lse0 = lse + (b * Hq + h) * T + t0;
+          for (int64_t r = 0; r < rows; ++r) {
+            delta[r] = dot(do0 + r * q_stride, o0 + r * q_stride, D);
+          }
+          for (int64_t j = 0; j < keys; ++j) {
+            const float *kj = kb + j * kv_stride;
+            const float *vj = vb + j * kv_stride;
+            for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
+              const float pr =
+                  std::exp(scale * dot(q0 + r * q_stride, kj, D) - lse0[r]);
+              const float dp = dot(do0 + r * q_stride, vj, D);
+              p[r * T + j] = pr;
+              ds[r * T + j] = pr * (dp - delta[r]);
+            }
+          }
+          std::fill(dq_acc.begin(), dq_acc.begin() + rows * D, 0.0f);
+          for (int64_t j = 0; j < keys; ++j) {
+            const float *kj = kb + j * kv_stride;
+            float *dkj = dkb + j * kv_stride;
+            float *dvj = dvb + j * kv_stride;
+            for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
+              const float dsr = ds[r * T + j];
+              axpy(dq_acc.data() + r * D, scale * dsr, kj, D);
+              axpy(dkj, scale * dsr, q0 + r * q_stride, D);
+              axpy(dvj, p[r * T + j], do0 + r * q_stride, D);
+            }
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            std::copy_n(dq_acc.data() + r * D, D, dq + row0 + r * q_stride);
+          }
+        }
+      }
+    }
+  }
+}
+
+} // namespace cpu
+} // namespace strata::kernels

@@ -1,0 +1,159 @@
+// Rotary position embedding on the CPU: the reference (double arithmetic) and
+// the fast path (fp32, cos/sin computed once per position and shared by every
+// batch row and head).
+#include "kernels/rope.h"
+
+#include <cmath>
+#include <numbers>
+#include <vector>
+
+#include "core/check.h"
+
+namespace strata::kernels {
+
+// Every step is done in fp32 in the order transformers evaluates it, because
+// the angles a checkpoint was trained with are whatever those fp32 roundings
+// produced. Python scalars meet fp32 tensors there, so they are rounded to fp32
+// first; `scalar / tensor` is evaluated by PyTorch as reciprocal(tensor) *
+// scalar, which is reproduced below.
+void rope_inv_freq(float *inv_freq, int64_t head_dim,
+                   const RopeConfig &config) {
+  CHECK_MSG(head_dim > 0 && head_dim % 2 == 0,
+            "rope head_dim must be positive and even, got " +
+                std::to_string(head_dim));
+  const int64_t half = head_dim / 2;
+  const float theta = static_cast<float>(config.theta);
+  for (int64_t i = 0; i < half; ++i) {
+    const float exponent =
+        static_cast<float>(2 * i) / static_cast<float>(head_dim);
+    inv_freq[i] = 1.0f / std::pow(theta, exponent);
+  }
+  if (!config.llama3_scaling)
+    return;
+
+  CHECK_MSG(config.high_freq_factor != config.low_freq_factor,
+            "llama3 rope scaling needs high_freq_factor != low_freq_factor");
+  const float factor = static_cast<float>(config.factor);
+  const float low = static_cast<float>(config.low_freq_factor);
+  const float high = static_cast<float>(config.high_freq_factor);
+  const double old_context =
+      static_cast<double>(config.original_max_position_embeddings);
+  // Python floats in transformers; comparing them with an fp32 tensor rounds
+  // them to fp32.
+  const float low_freq_wavelen =
+      static_cast<float>(old_context / config.low_freq_factor);
+  const float high_freq_wavelen =
+      static_cast<float>(old_context / config.high_freq_factor);
+  const float two_pi = static_cast<float>(2.0 * std::numbers::pi);
+  for (int64_t i = 0; i < half; ++i) {
+    const float f = inv_freq[i];
+    const float wavelen = (1.0f / f) * two_pi;
+    if (wavelen > low_freq_wavelen) {
+      inv_freq[i] = f / factor; // long wavelengths: plain interpolation
+    } else if (!(wavelen < high_freq_wavelen)) {
+      // Medium band: blend the interpolated and the original frequency.
+      const float smooth =
+          ((1.0f / wavelen) * static_cast<float>(old_context) - low) /
+          (high - low);
+      inv_freq[i] = (1.0f - smooth) * f / factor + smooth * f;
+    }
+    // Short wavelengths (high frequencies) are left unchanged.
+  }
+}
+
+namespace ref {
+
+namespace {
+// Rotates every (i, i + D/2) pair of every head by sign * t * inv_freq[i].
+void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
+            int64_t T, int64_t H, int64_t D, double sign) {
+  CHECK(D % 2 == 0);
+  const int64_t half = D / 2;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t base = ((b * T + t) * H + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          // The angle is rounded to fp32 like transformers' freqs; the rest is
+          // exact-ish.
+          const float angle = static_cast<float>(t) * inv_freq[i];
+          const double c = std::cos(static_cast<double>(angle));
+          const double s = sign * std::sin(static_cast<double>(angle));
+          const double x1 = x[base + i];
+          const double x2 = x[base + i + half];
+          out[base + i] = static_cast<float>(x1 * c - x2 * s);
+          out[base + i + half] = static_cast<float>(x2 * c + x1 * s);
+        }
+      }
+    }
+  }
+}
+} // namespace
+
+void rope_forward(float *out, const float *x, const float *inv_freq, int64_t B,
+                  int64_t T, int64_t H, int64_t D) {
+  rotate(out, x, inv_freq, B, T, H, D, 1.0);
+}
+
+// dx = (rotation by -angle) dout: the transpose of a rotation is its inverse.
+void rope_backward(float *dx, const float *dout, const float *inv_freq,
+                   int64_t B, int64_t T, int64_t H, int64_t D) {
+  rotate(dx, dout, inv_freq, B, T, H, D, -1.0);
+}
+
+} // namespace ref
+
+namespace cpu {
+
+namespace {
+// Parallel over positions: each thread computes cos/sin of its position once
+// and applies them to all B x H rows there. Every output element depends only
+// on its own inputs, so results do not depend on the thread count.
+void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
+            int64_t T, int64_t H, int64_t D, float sign) {
+  CHECK(D % 2 == 0);
+  const int64_t half = D / 2;
+#pragma omp parallel
+  {
+    std::vector<float> cos_t(static_cast<size_t>(half));
+    std::vector<float> sin_t(static_cast<size_t>(half));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = static_cast<float>(t) * inv_freq[i];
+        cos_t[i] = std::cos(angle);
+        sin_t[i] = sign * std::sin(angle);
+      }
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t base = ((b * T + t) * H + h) * D;
+          const float *xr = x + base;
+          float *o = out + base;
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            // Both inputs are read before either output is written, so out may
+            // alias x.
+            const float x1 = xr[i];
+            const float x2 = xr[i + half];
+            o[i] = x1 * cos_t[i] - x2 * sin_t[i];
+            o[i + half] = x2 * cos_t[i] + x1 * sin_t[i];
+          }
+        }
+      }
+    }
+  }
+}
+} // namespace
+
+void rope_forward(float *out, const float *x, const float *inv_freq, int64_t B,
+                  int64_t T, int64_t H, int64_t D) {
+  rotate(out, x, inv_freq, B, T, H, D, 1.0f);
+}
+
+void rope_backward(float *dx, const float *dout, const float *inv_freq,
+                   int64_t B, int64_t T, int64_t H, int64_t D) {
+  rotate(dx, dout, inv_freq, B, T, H, D, -1.0f);
+}
+
+} // namespace cpu
+} // namespace strata::kernels

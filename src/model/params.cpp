@@ -1,0 +1,124 @@
+#include "model/params.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include <fmt/format.h>
+
+namespace strata::model {
+namespace {
+
+constexpr double kInitStd = 0.02;
+
+uint64_t splitmix64(uint64_t* state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// FNV-1a, so that a tensor's init depends on its name, not on its position in the layout.
+uint64_t hash_name(std::string_view name) {
+  uint64_t h = 0xCBF29CE484222325ull;
+  for (unsigned char c : name) {
+    h ^= c;
+    h *= 0x100000001B3ull;
+  }
+  return h;
+}
+
+// Uniform in (0, 1]: never 0, so that log() in Box-Muller stays finite.
+double uniform_open(uint64_t* state) {
+  return (static_cast<double>(splitmix64(state) >> 11) + 1.0) * 0x1.0p-53;
+}
+
+void fill_normal(float* out, int64_t n, double stddev, uint64_t seed) {
+  uint64_t state = seed;
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
+  for (int64_t i = 0; i < n; i += 2) {
+    double radius = std::sqrt(-2.0 * std::log(uniform_open(&state)));
+    double angle = kTwoPi * uniform_open(&state);
+    out[i] = static_cast<float>(stddev * radius * std::cos(angle));
+    if (i + 1 < n) out[i + 1] = static_cast<float>(stddev * radius * std::sin(angle));
+  }
+}
+
+}  // namespace
+
+ParamLayout::ParamLayout(const ModelConfig& config) {
+  const int64_t V = config.vocab_size;
+  const int64_t C = config.hidden_size;
+  const int64_t F = config.intermediate_size;
+  const int64_t q_dim = config.q_dim();
+  const int64_t kv_dim = config.kv_dim();
+
+  embed_tokens_ = add("model.embed_tokens.weight", {V, C}, TensorKind::kMatrix);
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    const std::string p = fmt::format("model.layers.{}.", i);
+    LayerOffsets o;
+    o.input_layernorm = add(p + "input_layernorm.weight", {C}, TensorKind::kNormWeight);
+    o.q_proj = add(p + "self_attn.q_proj.weight", {q_dim, C}, TensorKind::kMatrix);
+    if (config.attention_bias) o.q_bias = add(p + "self_attn.q_proj.bias", {q_dim}, TensorKind::kBias);
+    o.k_proj = add(p + "self_attn.k_proj.weight", {kv_dim, C}, TensorKind::kMatrix);
+    if (config.attention_bias) o.k_bias = add(p + "self_attn.k_proj.bias", {kv_dim}, TensorKind::kBias);
+    o.v_proj = add(p + "self_attn.v_proj.weight", {kv_dim, C}, TensorKind::kMatrix);
+    if (config.attention_bias) o.v_bias = add(p + "self_attn.v_proj.bias", {kv_dim}, TensorKind::kBias);
+    o.o_proj = add(p + "self_attn.o_proj.weight", {C, q_dim}, TensorKind::kMatrix);
+    o.post_attention_layernorm = add(p + "post_attention_layernorm.weight", {C}, TensorKind::kNormWeight);
+    o.gate_proj = add(p + "mlp.gate_proj.weight", {F, C}, TensorKind::kMatrix);
+    o.up_proj = add(p + "mlp.up_proj.weight", {F, C}, TensorKind::kMatrix);
+    o.down_proj = add(p + "mlp.down_proj.weight", {C, F}, TensorKind::kMatrix);
+    layers_.push_back(o);
+  }
+  final_norm_ = add("model.norm.weight", {C}, TensorKind::kNormWeight);
+  lm_head_ = config.tie_word_embeddings ? embed_tokens_
+                                        : add("lm_head.weight", {V, C}, TensorKind::kMatrix);
+}
+
+int64_t ParamLayout::add(std::string name, std::vector<int64_t> shape, TensorKind kind) {
+  TensorSpec spec;
+  spec.numel = 1;
+  for (int64_t d : shape) spec.numel *= d;
+  spec.offset = total_size_;
+  spec.kind = kind;
+  spec.weight_decay = kind == TensorKind::kMatrix;
+  spec.name = std::move(name);
+  spec.shape = std::move(shape);
+  total_size_ += (spec.numel + kParamAlignment - 1) / kParamAlignment * kParamAlignment;
+  CHECK_MSG(index_.emplace(spec.name, tensors_.size()).second, "duplicate tensor " + spec.name);
+  tensors_.push_back(spec);
+  return tensors_.back().offset;
+}
+
+const TensorSpec* ParamLayout::find(std::string_view name) const {
+  auto it = index_.find(std::string(name));
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+int64_t ParamLayout::num_parameters() const {
+  int64_t n = 0;
+  for (const auto& t : tensors_) n += t.numel;
+  return n;
+}
+
+void init_weights(const ParamLayout& layout, float* params, uint64_t seed) {
+  std::fill(params, params + layout.total_size(), 0.0f);
+  for (const auto& t : layout.tensors()) {
+    float* p = params + t.offset;
+    switch (t.kind) {
+      case TensorKind::kMatrix: {
+        uint64_t stream = seed ^ hash_name(t.name);
+        fill_normal(p, t.numel, kInitStd, splitmix64(&stream));
+        break;
+      }
+      case TensorKind::kNormWeight:
+        std::fill(p, p + t.numel, 1.0f);
+        break;
+      case TensorKind::kBias:
+        break;  // already zero
+    }
+  }
+}
+
+}  // namespace strata::model

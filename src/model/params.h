@@ -1,0 +1,117 @@
+// Parameter layout: every parameter of a model lives in ONE flat fp32 buffer per kind (params,
+// grads, and later master/adam_m/adam_v and chunks), all sharing one ParamLayout. Tensors are
+// packed in first-use order (embeddings, layer 0 ... layer L-1, final norm, lm_head) at offsets
+// aligned to kParamAlignment elements, under their Hugging Face names.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "model/config.h"
+
+namespace strata::model {
+
+// Offsets are multiples of this many elements (64 bytes of fp32), so every tensor starts on a
+// cache line and vector loads stay aligned.
+inline constexpr int64_t kParamAlignment = 16;
+
+enum class TensorKind : uint8_t {
+  kMatrix,      // projections and embeddings: normal(0, 0.02) init, weight decay
+  kNormWeight,  // RMSNorm gains: init 1, no weight decay
+  kBias,        // projection biases: init 0, no weight decay
+};
+
+struct TensorSpec {
+  std::string name;            // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;  // PyTorch layout, e.g. (out_features, in_features)
+  int64_t offset = 0;          // in elements from the start of the flat buffer
+  int64_t numel = 0;
+  bool weight_decay = false;   // true for 2-D matrices (embeddings included)
+  TensorKind kind = TensorKind::kMatrix;
+};
+
+// Element offsets of one decoder layer's tensors in the flat buffer; -1 for absent biases.
+struct LayerOffsets {
+  int64_t input_layernorm = -1;
+  int64_t q_proj = -1;
+  int64_t q_bias = -1;
+  int64_t k_proj = -1;
+  int64_t k_bias = -1;
+  int64_t v_proj = -1;
+  int64_t v_bias = -1;
+  int64_t o_proj = -1;
+  int64_t post_attention_layernorm = -1;
+  int64_t gate_proj = -1;
+  int64_t up_proj = -1;
+  int64_t down_proj = -1;
+};
+
+// Named pointers to one layer's tensors inside a flat buffer. T = const float for parameters,
+// float for gradients. Absent biases are null.
+template <typename T>
+struct LayerTensors {
+  T* input_layernorm;           // (C)
+  T* q_proj;                    // (Hq*D, C)
+  T* q_bias;                    // (Hq*D) or null
+  T* k_proj;                    // (Hkv*D, C)
+  T* k_bias;                    // (Hkv*D) or null
+  T* v_proj;                    // (Hkv*D, C)
+  T* v_bias;                    // (Hkv*D) or null
+  T* o_proj;                    // (C, Hq*D)
+  T* post_attention_layernorm;  // (C)
+  T* gate_proj;                 // (F, C)
+  T* up_proj;                   // (F, C)
+  T* down_proj;                 // (C, F)
+
+  static LayerTensors bind(T* base, const LayerOffsets& o) {
+    auto at = [base](int64_t offset) -> T* { return offset < 0 ? nullptr : base + offset; };
+    return {at(o.input_layernorm), at(o.q_proj), at(o.q_bias), at(o.k_proj),
+            at(o.k_bias),          at(o.v_proj), at(o.v_bias), at(o.o_proj),
+            at(o.post_attention_layernorm), at(o.gate_proj), at(o.up_proj), at(o.down_proj)};
+  }
+};
+using LayerParams = LayerTensors<const float>;
+using LayerGrads = LayerTensors<float>;
+
+class ParamLayout {
+ public:
+  ParamLayout() = default;
+  // REQUIRES: config.validate(...) is OK.
+  explicit ParamLayout(const ModelConfig& config);
+
+  const std::vector<TensorSpec>& tensors() const { return tensors_; }
+  // Null when no tensor has that name.
+  const TensorSpec* find(std::string_view name) const;
+  // Elements a flat buffer needs (including alignment padding).
+  int64_t total_size() const { return total_size_; }
+  // Sum of numel over tensors (no padding).
+  int64_t num_parameters() const;
+
+  int64_t embed_tokens() const { return embed_tokens_; }  // (V, C)
+  const LayerOffsets& layer(int64_t i) const { return layers_[static_cast<size_t>(i)]; }
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t final_norm() const { return final_norm_; }  // (C)
+  // (V, C); equals embed_tokens() when the embeddings are tied.
+  int64_t lm_head() const { return lm_head_; }
+
+ private:
+  int64_t add(std::string name, std::vector<int64_t> shape, TensorKind kind);
+
+  std::vector<TensorSpec> tensors_;
+  std::unordered_map<std::string, size_t> index_;
+  int64_t total_size_ = 0;
+  int64_t embed_tokens_ = -1;
+  std::vector<LayerOffsets> layers_;
+  int64_t final_norm_ = -1;
+  int64_t lm_head_ = -1;
+};
+
+// Deterministic, platform-independent init: normal(0, 0.02) for matrices (splitmix64 +
+// Box-Muller, one stream per tensor derived from `seed` and the tensor's name), 1 for norm
+// weights, 0 for biases and alignment padding. params has layout.total_size() elements.
+void init_weights(const ParamLayout& layout, float* params, uint64_t seed);
+
+}  // namespace strata::model

@@ -1,0 +1,217 @@
+// Causal GQA attention: fast path against the reference, reference backward
+// against finite differences, causality, determinism.
+#include "kernels/attention.h"
+
+#include <omp.h>
+
+#include <cmath>
+#include <ostream>
+#include <vector>
+
+#include "../test_util.h"
+
+namespace strata::kernels {
+namespace {
+
+using strata::testing::finite_difference;
+using strata::testing::max_scaled_error;
+using strata::testing::random_vector;
+using strata::testing::relative_error;
+
+struct AttnShape {
+  int64_t B, T, Hq, Hkv, D;
+};
+// Readable parameter names in test output.
+void PrintTo(const AttnShape &s, std::ostream *os) {
+  *os << "B=" << s.B << " "
+      << "T=" << s.T << " "
+      << "Hq=" << s.Hq << " "
+      << "Hkv=" << s.Hkv << " "
+      << "D=" << s.D;
+}
+const AttnShape kShapes[] = {{1, 1, 1, 1, 8},   {2, 7, 2, 1, 16},
+                             {1, 33, 4, 2, 8},  {2, 17, 4, 4, 16},
+                             {1, 65, 4, 1, 64}, {1, 33, 2, 2, 64}};
+
+struct AttnData {
+  explicit AttnData(const AttnShape &s, uint64_t seed)
+      : shape(s), q_size(s.B * s.T * s.Hq * s.D),
+        kv_size(s.B * s.T * s.Hkv * s.D),
+        // A wider spread than [-1, 1] makes the softmax rows peaked as well as
+        // flat.
+        q(random_vector(q_size, seed, -2.f, 2.f)),
+        k(random_vector(kv_size, seed + 1, -2.f, 2.f)),
+        v(random_vector(kv_size, seed + 2)),
+        dout(random_vector(q_size, seed + 3)) {}
+  AttnShape shape;
+  int64_t q_size, kv_size;
+  std::vector<float> q, k, v, dout;
+};
+
+struct AttnResult {
+  std::vector<float> out, lse, dq, dk, dv;
+};
+
+template <typename Forward, typename Backward>
+AttnResult run(const AttnData &d, Forward forward, Backward backward) {
+  const auto [B, T, Hq, Hkv, D] = d.shape;
+  AttnResult r;
+  r.out.assign(d.q_size, NAN);
+  r.lse.assign(B * Hq * T, NAN);
+  r.dq.assign(d.q_size, NAN);
+  r.dk.assign(d.kv_size,
+              NAN); // NaN-filled: backward must overwrite every element
+  r.dv.assign(d.kv_size, NAN);
+  forward(r.out.data(), r.lse.data(), d.q.data(), d.k.data(), d.v.data(), B, T,
+          Hq, Hkv, D);
+  backward(r.dq.data(), r.dk.data(), r.dv.data(), d.dout.data(), d.q.data(),
+           d.k.data(), d.v.data(), r.out.data(), r.lse.data(), B, T, Hq, Hkv,
+           D);
+  return r;
+}
+
+AttnResult run_ref(const AttnData &d) {
+  return run(d, ref::attention_forward, ref::attention_backward);
+}
+AttnResult run_cpu(const AttnData &d) {
+  return run(d, cpu::attention_forward, cpu::attention_backward);
+}
+
+class AttentionShapeTest : public ::testing::TestWithParam<AttnShape> {};
+
+TEST_P(AttentionShapeTest, FastMatchesReference) {
+  AttnData d(GetParam(), 10);
+  AttnResult want = run_ref(d);
+  AttnResult got = run_cpu(d);
+  EXPECT_WITHIN(relative_error(got.out, want.out), 1e-5);
+  EXPECT_WITHIN(max_scaled_error(got.lse.data(), want.lse.data(),
+                                 got.lse.size(), 1e-5, 1e-5),
+                1.0);
+  EXPECT_WITHIN(relative_error(got.dq, want.dq), 1e-5);
+  EXPECT_WITHIN(relative_error(got.dk, want.dk), 1e-5);
+  EXPECT_WITHIN(relative_error(got.dv, want.dv), 1e-5);
+}
+
+// The fast backward given the reference's out/lse must also agree: backward
+// only trusts its inputs, so this isolates it from the forward.
+TEST_P(AttentionShapeTest, FastBackwardMatchesReferenceOnSameInputs) {
+  AttnData d(GetParam(), 20);
+  const auto [B, T, Hq, Hkv, D] = d.shape;
+  AttnResult want = run_ref(d);
+  std::vector<float> dq(d.q_size), dk(d.kv_size), dv(d.kv_size);
+  cpu::attention_backward(dq.data(), dk.data(), dv.data(), d.dout.data(),
+                          d.q.data(), d.k.data(), d.v.data(), want.out.data(),
+                          want.lse.data(), B, T, Hq, Hkv, D);
+  EXPECT_WITHIN(relative_error(dq, want.dq), 1e-5);
+  EXPECT_WITHIN(relative_error(dk, want.dk), 1e-5);
+  EXPECT_WITHIN(relative_error(dv, want.dv), 1e-5);
+}
+
+// Changing key/value at position p must leave every output before p
+// bit-identical.
+TEST_P(AttentionShapeTest, FutureKeysDoNotAffectEarlierOutputs) {
+  AttnData d(GetParam(), 30);
+  const auto [B, T, Hq, Hkv, D] = d.shape;
+  const int64_t p = T / 2;
+  for (bool fast : {false, true}) {
+    AttnResult before = fast ? run_cpu(d) : run_ref(d);
+    AttnData changed = d;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < Hkv * D; ++i) {
+        changed.k[(b * T + p) * Hkv * D + i] += 3.0f;
+        changed.v[(b * T + p) * Hkv * D + i] -= 5.0f;
+      }
+    }
+    AttnResult after = fast ? run_cpu(changed) : run_ref(changed);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t row = (b * T + t) * Hq * D;
+        bool same = true;
+        for (int64_t i = 0; i < Hq * D; ++i)
+          same = same && before.out[row + i] == after.out[row + i];
+        if (t < p) {
+          EXPECT_TRUE(same) << "fast=" << fast << " b=" << b << " t=" << t;
+        } else {
+          EXPECT_FALSE(same) << "fast=" << fast << " b=" << b << " t=" << t;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(AttentionShapeTest, SameResultForAnyThreadCountAndRun) {
+  AttnData d(GetParam(), 40);
+  AttnResult first = run_cpu(d);
+  AttnResult second = run_cpu(d);
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  AttnResult single = run_cpu(d);
+  omp_set_num_threads(threads);
+  for (const AttnResult *r : {&second, &single}) {
+    EXPECT_EQ(r->out, first.out);
+    EXPECT_EQ(r->lse, first.lse);
+    EXPECT_EQ(r->dq, first.dq);
+    EXPECT_EQ(r->dk, first.dk);
+    EXPECT_EQ(r->dv, first.dv);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionShapeTest,
+                         ::testing::ValuesIn(kShapes));
+
+// L = sum(out * dout) through the reference forward; its gradient with respect
+// to every element of q, k and v must match the reference backward.
+void check_finite_difference(const AttnShape &shape) {
+  AttnData d(shape, 50);
+  const auto [B, T, Hq, Hkv, D] = shape;
+  AttnResult analytic = run_ref(d);
+  std::vector<float> out(d.q_size), lse(B * Hq * T);
+  auto loss = [&]() {
+    ref::attention_forward(out.data(), lse.data(), d.q.data(), d.k.data(),
+                           d.v.data(), B, T, Hq, Hkv, D);
+    double s = 0;
+    for (int64_t i = 0; i < d.q_size; ++i)
+      s += double(d.dout[i]) * out[i];
+    return s;
+  };
+  struct {
+    std::vector<float> *input;
+    const std::vector<float> *grad;
+    const char *name;
+  } cases[] = {{&d.q, &analytic.dq, "dq"},
+               {&d.k, &analytic.dk, "dk"},
+               {&d.v, &analytic.dv, "dv"}};
+  for (auto &c : cases) {
+    std::vector<float> numeric(c.input->size());
+    for (size_t i = 0; i < numeric.size(); ++i) {
+      numeric[i] = float(finite_difference(loss, &(*c.input)[i], 1e-2));
+    }
+    EXPECT_WITHIN(relative_error(numeric, *c.grad), 2e-4) << c.name;
+  }
+}
+
+TEST(AttentionTest, ReferenceBackwardMatchesFiniteDifference) {
+  check_finite_difference({1, 7, 2, 1, 8});
+  check_finite_difference({2, 5, 4, 2, 8});
+  check_finite_difference({1, 4, 2, 2, 16});
+}
+
+// A single key means the output row is that key's value row exactly, with lse =
+// its score.
+TEST(AttentionTest, FirstRowCopiesFirstValue) {
+  AttnData d({1, 3, 2, 1, 8}, 60);
+  for (bool fast : {false, true}) {
+    AttnResult r = fast ? run_cpu(d) : run_ref(d);
+    for (int64_t h = 0; h < 2; ++h) {
+      double score = 0;
+      for (int64_t i = 0; i < 8; ++i) {
+        EXPECT_FLOAT_EQ(r.out[h * 8 + i], d.v[i]);
+        score += double(d.q[h * 8 + i]) * d.k[i];
+      }
+      EXPECT_NEAR(r.lse[h * 3], score / std::sqrt(8.0), 1e-5);
+    }
+  }
+}
+
+} // namespace
+} // namespace strata::kernels

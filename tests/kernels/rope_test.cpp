@@ -1,0 +1,238 @@
+// RoPE: inv_freq against transformers' formulas, fast path against the
+// reference, backward against finite differences, forward then backward =
+// identity, in-place use.
+#include "kernels/rope.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <ostream>
+#include <vector>
+
+#include "../test_util.h"
+
+namespace strata::kernels {
+namespace {
+
+using strata::testing::finite_difference;
+using strata::testing::max_scaled_error;
+using strata::testing::random_vector;
+using strata::testing::relative_error;
+
+struct RopeShape {
+  int64_t B, T, H, D;
+};
+// Readable parameter names in test output.
+void PrintTo(const RopeShape &s, std::ostream *os) {
+  *os << "B=" << s.B << " "
+      << "T=" << s.T << " "
+      << "H=" << s.H << " "
+      << "D=" << s.D;
+}
+const RopeShape kShapes[] = {
+    {1, 1, 1, 8}, {2, 7, 3, 16}, {1, 33, 2, 64}, {2, 65, 4, 64}};
+
+RopeConfig llama3_config() {
+  RopeConfig config;
+  config.theta = 500000.0;
+  config.llama3_scaling = true;
+  config.factor = 8.0;
+  config.low_freq_factor = 1.0;
+  config.high_freq_factor = 4.0;
+  config.original_max_position_embeddings = 8192;
+  return config;
+}
+
+std::vector<float> inv_freq_for(int64_t D, const RopeConfig &config) {
+  std::vector<float> f(static_cast<size_t>(D / 2));
+  rope_inv_freq(f.data(), D, config);
+  return f;
+}
+
+// Expected values were produced with PyTorch 1.13 (fp32) by running
+// transformers' _compute_default_rope_parameters formula, 1.0 / (base **
+// (arange(0, dim, 2).float() / dim)).
+TEST(RopeTest, InvFreqMatchesTransformersDefault) {
+  RopeConfig config; // theta 10000, no scaling
+  std::vector<float> f = inv_freq_for(64, config);
+  const struct {
+    int index;
+    float expected;
+  } cases[] = {{0, 1.0f},
+               {1, 0.7498942017555237f},
+               {5, 0.23713736236095428f},
+               {17, 0.007498942315578461f},
+               {31, 0.0001333521504420787f}};
+  for (const auto &c : cases) {
+    // A couple of ulps: PyTorch's vectorised pow and libm's powf may round
+    // differently.
+    EXPECT_WITHIN(max_scaled_error(&f[c.index], &c.expected, 1, 0, 3e-7), 1.0)
+        << c.index;
+  }
+}
+
+// Expected values were produced with PyTorch 1.13 (fp32) by running the body of
+// transformers' _compute_llama3_parameters for Llama 3.1's rope_scaling (theta
+// 500000, head_dim 128, factor 8, low_freq_factor 1, high_freq_factor 4,
+// original_max_position_embeddings 8192). Indices 0..28 are in the
+// high-frequency band (unchanged), 29..34 in the medium band (smoothed), 35..63
+// in the low-frequency band (divided by factor).
+TEST(RopeTest, InvFreqMatchesTransformersLlama3) {
+  std::vector<float> f = inv_freq_for(128, llama3_config());
+  const struct {
+    int index;
+    float expected;
+  } cases[] = {{0, 1.0f},
+               {1, 0.8146172165870667f},
+               {20, 0.016560440883040428f},
+               {28, 0.0032114461064338684f},
+               {29, 0.0021665706299245358f},
+               {31, 0.0008567514596506953f},
+               {34, 0.0001785077911335975f},
+               {35, 9.556212171446532e-05f},
+               {50, 4.411534519022098e-06f},
+               {63, 3.068925877869333e-07f}};
+  for (const auto &c : cases) {
+    EXPECT_WITHIN(max_scaled_error(&f[c.index], &c.expected, 1, 0, 3e-7), 1.0)
+        << c.index;
+  }
+}
+
+TEST(RopeTest, Llama3ScalingOnlyLowersFrequencies) {
+  RopeConfig plain = llama3_config();
+  plain.llama3_scaling = false;
+  std::vector<float> base = inv_freq_for(128, plain);
+  std::vector<float> scaled = inv_freq_for(128, llama3_config());
+  for (size_t i = 0; i < base.size(); ++i) {
+    EXPECT_LE(scaled[i], base[i]) << i;
+    EXPECT_GE(scaled[i], base[i] / 8.0f) << i;
+  }
+}
+
+class RopeShapeTest : public ::testing::TestWithParam<RopeShape> {};
+
+TEST_P(RopeShapeTest, FastMatchesReference) {
+  const auto [B, T, H, D] = GetParam();
+  const int64_t n = B * T * H * D;
+  for (const RopeConfig &config : {RopeConfig{}, llama3_config()}) {
+    std::vector<float> inv_freq = inv_freq_for(D, config);
+    std::vector<float> x = random_vector(n, 1), dout = random_vector(n, 2);
+    std::vector<float> out_ref(n), out_cpu(n), dx_ref(n), dx_cpu(n);
+    ref::rope_forward(out_ref.data(), x.data(), inv_freq.data(), B, T, H, D);
+    cpu::rope_forward(out_cpu.data(), x.data(), inv_freq.data(), B, T, H, D);
+    ref::rope_backward(dx_ref.data(), dout.data(), inv_freq.data(), B, T, H, D);
+    cpu::rope_backward(dx_cpu.data(), dout.data(), inv_freq.data(), B, T, H, D);
+    EXPECT_WITHIN(
+        max_scaled_error(out_cpu.data(), out_ref.data(), n, 1e-6, 1e-5), 1.0);
+    EXPECT_WITHIN(max_scaled_error(dx_cpu.data(), dx_ref.data(), n, 1e-6, 1e-5),
+                  1.0);
+  }
+}
+
+TEST_P(RopeShapeTest, ForwardThenBackwardIsIdentity) {
+  const auto [B, T, H, D] = GetParam();
+  const int64_t n = B * T * H * D;
+  std::vector<float> inv_freq = inv_freq_for(D, llama3_config());
+  std::vector<float> x = random_vector(n, 3), y(n), back(n);
+  ref::rope_forward(y.data(), x.data(), inv_freq.data(), B, T, H, D);
+  ref::rope_backward(back.data(), y.data(), inv_freq.data(), B, T, H, D);
+  EXPECT_WITHIN(max_scaled_error(back.data(), x.data(), n, 1e-6, 1e-6), 1.0);
+  cpu::rope_forward(y.data(), x.data(), inv_freq.data(), B, T, H, D);
+  cpu::rope_backward(back.data(), y.data(), inv_freq.data(), B, T, H, D);
+  EXPECT_WITHIN(max_scaled_error(back.data(), x.data(), n, 1e-6, 1e-6), 1.0);
+}
+
+TEST_P(RopeShapeTest, InPlaceMatchesOutOfPlace) {
+  const auto [B, T, H, D] = GetParam();
+  const int64_t n = B * T * H * D;
+  std::vector<float> inv_freq = inv_freq_for(D, RopeConfig{});
+  std::vector<float> x = random_vector(n, 4), out(n);
+  cpu::rope_forward(out.data(), x.data(), inv_freq.data(), B, T, H, D);
+  std::vector<float> inplace = x;
+  cpu::rope_forward(inplace.data(), inplace.data(), inv_freq.data(), B, T, H,
+                    D);
+  EXPECT_EQ(inplace, out);
+  cpu::rope_backward(out.data(), x.data(), inv_freq.data(), B, T, H, D);
+  inplace = x;
+  cpu::rope_backward(inplace.data(), inplace.data(), inv_freq.data(), B, T, H,
+                     D);
+  EXPECT_EQ(inplace, out);
+  ref::rope_forward(out.data(), x.data(), inv_freq.data(), B, T, H, D);
+  inplace = x;
+  ref::rope_forward(inplace.data(), inplace.data(), inv_freq.data(), B, T, H,
+                    D);
+  EXPECT_EQ(inplace, out);
+}
+
+TEST_P(RopeShapeTest, SameResultForAnyThreadCount) {
+  const auto [B, T, H, D] = GetParam();
+  const int64_t n = B * T * H * D;
+  std::vector<float> inv_freq = inv_freq_for(D, llama3_config());
+  std::vector<float> x = random_vector(n, 5), many(n), one(n);
+  cpu::rope_forward(many.data(), x.data(), inv_freq.data(), B, T, H, D);
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  cpu::rope_forward(one.data(), x.data(), inv_freq.data(), B, T, H, D);
+  omp_set_num_threads(threads);
+  EXPECT_EQ(one, many);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RopeShapeTest, ::testing::ValuesIn(kShapes));
+
+// Far positions amplify any difference in inv_freq or in how the angle is
+// rounded. Expected cos/sin were produced with PyTorch 1.13 the way
+// transformers' LlamaRotaryEmbedding does it: freqs = position (fp32) *
+// inv_freq (fp32, Llama 3.1 scaling above), then cos/sin in fp32.
+TEST(RopeTest, FarPositionsRotateLikeTransformers) {
+  const int64_t T = 8192, D = 128, half = D / 2;
+  std::vector<float> inv_freq = inv_freq_for(D, llama3_config());
+  // x = (1, 0) in every pair, so out[i] = cos(angle_i) and out[i + D/2] =
+  // sin(angle_i).
+  std::vector<float> x(T * D, 0.0f), out(T * D);
+  for (int64_t t = 0; t < T; ++t)
+    std::fill_n(x.begin() + t * D, half, 1.0f);
+  const struct {
+    int64_t t, i;
+    float cos, sin;
+  } cases[] = {{8191, 3, -0.175013467669487f, -0.9845660328865051f},
+               {1000, 0, 0.5623790621757507f, 0.8268795609474182f},
+               {5000, 30, 0.8384937644004822f, 0.5449111461639404f},
+               {8191, 63, 0.9999968409538269f, 0.0025137546472251415f}};
+  for (bool fast : {false, true}) {
+    if (fast) {
+      cpu::rope_forward(out.data(), x.data(), inv_freq.data(), 1, T, 1, D);
+    } else {
+      ref::rope_forward(out.data(), x.data(), inv_freq.data(), 1, T, 1, D);
+    }
+    for (const auto &c : cases) {
+      EXPECT_NEAR(out[c.t * D + c.i], c.cos, 2e-6)
+          << "fast=" << fast << " t=" << c.t;
+      EXPECT_NEAR(out[c.t * D + c.i + half], c.sin, 2e-6)
+          << "fast=" << fast << " t=" << c.t;
+    }
+  }
+}
+
+// L = sum(w * rope_forward(x)); dL/dx must equal rope_backward(w).
+TEST(RopeTest, BackwardMatchesFiniteDifference) {
+  const int64_t B = 2, T = 7, H = 2, D = 8, n = B * T * H * D;
+  std::vector<float> inv_freq = inv_freq_for(D, llama3_config());
+  std::vector<float> x = random_vector(n, 6), w = random_vector(n, 7), out(n),
+                     dx(n);
+  auto loss = [&]() {
+    ref::rope_forward(out.data(), x.data(), inv_freq.data(), B, T, H, D);
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i)
+      s += double(w[i]) * out[i];
+    return s;
+  };
+  ref::rope_backward(dx.data(), w.data(), inv_freq.data(), B, T, H, D);
+  std::vector<float> numeric(n);
+  for (int64_t i = 0; i < n; ++i)
+    numeric[i] = float(finite_difference(loss, &x[i], 1e-2));
+  EXPECT_WITHIN(relative_error(numeric, dx), 2e-5);
+}
+
+} // namespace
+} // namespace strata::kernels
