@@ -45,7 +45,8 @@ void ActivationTable::reserve(const ModelConfig& config, int64_t B, int64_t T) {
       {&d_up, N * F},
       {&d_act, N * F},
   };
-  // Each buffer starts on a kParamAlignment boundary, like the parameters.
+  // Each buffer starts at a multiple of kParamAlignment elements into the block, like the
+  // parameters in theirs.
   auto aligned = [](int64_t n) { return (n + kParamAlignment - 1) / kParamAlignment * kParamAlignment; };
   int64_t total = 0;
   for (const auto& [field, n] : plan) total += aligned(n);
