@@ -15,7 +15,7 @@ packages=(
   libxxhash-dev                                 # checkpoint checksums
   libopenblas-dev                               # CPU GEMM (optional at build time)
   libgtest-dev                                  # tests
-  python3-torch python3-numpy                   # PyTorch reference for parity tests
+  python3-torch python3-numpy python3-pip       # PyTorch reference for parity tests
 )
 
 missing=()
@@ -23,13 +23,26 @@ for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 
+install_reference_python() {
+  # Hugging Face transformers for the parity tests (reference only; strata never needs Python).
+  # 4.40 runs on Debian's torch 1.13 (later releases need torch 2). Tests that need it skip when
+  # it cannot be installed (no network), saying so.
+  if /usr/bin/python3 -c "import transformers" 2>/dev/null; then return 0; fi
+  echo "setup: installing transformers==4.40.2 for /usr/bin/python3 (reference tests)"
+  $sudo /usr/bin/python3 -m pip install -q --break-system-packages "transformers==4.40.2" ||
+    echo "setup: warning: transformers could not be installed; the tests that compare with it will be skipped" >&2
+}
+
+sudo=""
+if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+
 if ((${#missing[@]} == 0)); then
   echo "setup: all ${#packages[@]} packages already installed"
+  install_reference_python
   exit 0
 fi
 
-sudo=""
-if [[ $(id -u) -ne 0 ]]; then
+if [[ -n $sudo ]]; then
   command -v sudo >/dev/null || { echo "setup: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
   sudo="sudo"
 fi
@@ -37,4 +50,5 @@ echo "setup: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 $sudo apt-get update -qq
 $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+install_reference_python
 echo "setup: done"
