@@ -1,5 +1,7 @@
 #include "train/train_config.h"
 
+#include "core/units.h"
+
 namespace strata {
 namespace {
 
@@ -12,6 +14,9 @@ ConfigSchema build_schema() {
          .help = "Hugging Face config.json (or a directory holding one) describing the model"});
   s.add({.name = "model.init", .type = T::kString, .default_value = "",
          .help = "safetensors file with initial weights; empty = random init from train.seed"});
+  s.add({.name = "model.from", .type = T::kString, .default_value = "",
+         .help = "Hugging Face model directory (config.json + safetensors) to start from; replaces "
+                 "model.config and model.init, and its tokenizer files go into run.export"});
   s.add({.name = "model.set", .type = T::kStringList, .default_value = "[]",
          .help = "config.json keys to override, e.g. [num_hidden_layers=2, hidden_size=256]"});
   s.add({.name = "data.paths", .type = T::kStringList, .default_value = "[builtin:licenses]",
@@ -43,8 +48,33 @@ ConfigSchema build_schema() {
          .help = "decoupled weight decay (matrices and embeddings only)"});
   s.add({.name = "optim.grad_clip", .type = T::kFloat, .default_value = "1.0", .min = 0,
          .help = "clip the global gradient norm to this; 0 = off"});
+  s.add({.name = "memory.device", .type = T::kBytes, .default_value = "0",
+         .help = "device memory budget, e.g. 24GiB; 0 = the whole device (unlimited on the cpu backend)"});
+  s.add({.name = "memory.host", .type = T::kBytes, .default_value = "0",
+         .help = "pinned host memory budget; 0 = 80% of the machine's RAM"});
+  s.add({.name = "memory.nvme.path", .type = T::kString, .default_value = "",
+         .help = "directory for the nvme tier (optimizer states that do not fit in host memory); empty = none"});
+  s.add({.name = "memory.nvme.size", .type = T::kBytes, .default_value = "0", .help = "nvme tier budget"});
+  s.add({.name = "memory.chunk_size", .type = T::kString, .default_value = "auto",
+         .help = "chunk size (e.g. 64MiB), or auto to pick the size that wastes the least padding"});
+  s.add({.name = "memory.offload_activations", .type = T::kString, .default_value = "auto",
+         .choices = {"auto", "true", "false"}, .help = "copy layer checkpoints to host memory during forward"});
+  s.add({.name = "hardware.gpu_tflops", .type = T::kFloat, .default_value = "781", .min = 1e-6,
+         .help = "dense bf16 GEMM rate used by predictions (strata bench measures it)"});
+  s.add({.name = "hardware.h2d_gbps", .type = T::kFloat, .default_value = "55", .min = 1e-6,
+         .help = "pinned host-to-device bandwidth in GB/s"});
+  s.add({.name = "hardware.d2h_gbps", .type = T::kFloat, .default_value = "55", .min = 1e-6,
+         .help = "device-to-host bandwidth in GB/s"});
+  s.add({.name = "hardware.disk_read_gbps", .type = T::kFloat, .default_value = "1.7", .min = 1e-6,
+         .help = "nvme tier read bandwidth in GB/s"});
+  s.add({.name = "hardware.disk_write_gbps", .type = T::kFloat, .default_value = "1.7", .min = 1e-6,
+         .help = "nvme tier write bandwidth in GB/s"});
+  s.add({.name = "hardware.cpu_adam_gparams", .type = T::kFloat, .default_value = "3.66", .min = 1e-6,
+         .help = "CPU AdamW rate in billions of parameters per second"});
   s.add({.name = "run.dir", .type = T::kString, .default_value = "runs/default",
          .help = "where metrics.jsonl and config.yaml are written"});
+  s.add({.name = "run.export", .type = T::kString, .default_value = "",
+         .help = "directory for a Hugging Face export (config.json + safetensors) after the last step; empty = none"});
   s.add({.name = "run.log_every", .type = T::kInt, .default_value = "1", .min = 1, .help = "print a step line every N steps"});
   s.add({.name = "run.device", .type = T::kString, .default_value = "cpu", .choices = {"auto", "cpu", "cuda"},
          .help = "compute device"});
@@ -84,6 +114,10 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.model_preset = c.get_string("model.preset");
   t.model_config = c.get_string("model.config");
   t.model_init = c.get_string("model.init");
+  t.model_from = c.get_string("model.from");
+  if (!t.model_from.empty() && (!t.model_config.empty() || !t.model_init.empty()))
+    return Status::InvalidArgument(c.origin("model.from") + ": key 'model.from' replaces model.config and model.init; "
+                                   "set only one of them");
   t.model_overrides = c.get_list("model.set");
   t.data_paths = c.get_list("data.paths");
   t.data_format = c.get_string("data.format");
@@ -101,7 +135,29 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.eps = c.get_float("optim.eps");
   t.weight_decay = c.get_float("optim.weight_decay");
   t.grad_clip = c.get_float("optim.grad_clip");
+  t.memory_device = c.get_bytes("memory.device");
+  t.memory_host = c.get_bytes("memory.host");
+  t.nvme_path = c.get_string("memory.nvme.path");
+  t.nvme_size = c.get_bytes("memory.nvme.size");
+  if (c.get_string("memory.chunk_size") != "auto") {
+    Result<uint64_t> cs = parse_bytes(c.get_string("memory.chunk_size"));
+    if (!cs.ok() || *cs == 0 || *cs % 4096 != 0)
+      return Status::InvalidArgument(c.origin("memory.chunk_size") + ": key 'memory.chunk_size': expected auto or a size "
+                                     "that is a multiple of 4 KiB (e.g. 64MiB), got '" + c.get_string("memory.chunk_size") + "'");
+    t.chunk_size = *cs;
+  }
+  t.offload_activations = c.get_string("memory.offload_activations");
+  if (!t.nvme_path.empty() && t.nvme_size == 0)
+    return Status::InvalidArgument(c.origin("memory.nvme.path") + ": memory.nvme.path is set but memory.nvme.size is 0; "
+                                   "give the nvme tier a budget (e.g. memory.nvme.size=500GiB)");
+  t.gpu_flops = c.get_float("hardware.gpu_tflops") * 1e12;
+  t.h2d_bytes_per_s = c.get_float("hardware.h2d_gbps") * 1e9;
+  t.d2h_bytes_per_s = c.get_float("hardware.d2h_gbps") * 1e9;
+  t.disk_read_bytes_per_s = c.get_float("hardware.disk_read_gbps") * 1e9;
+  t.disk_write_bytes_per_s = c.get_float("hardware.disk_write_gbps") * 1e9;
+  t.cpu_adam_params_per_s = c.get_float("hardware.cpu_adam_gparams") * 1e9;
   t.run_dir = c.get_string("run.dir");
+  t.run_export = c.get_string("run.export");
   t.log_every = c.get_int("run.log_every");
   t.device = c.get_string("run.device");
   t.log_level = c.get_string("run.log_level");

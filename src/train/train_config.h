@@ -15,6 +15,7 @@ struct TrainConfig {
   std::string model_preset;       // "tiny", ... (used when model_config is empty)
   std::string model_config;       // path to a Hugging Face config.json
   std::string model_init;         // safetensors file with initial weights ("" = random init)
+  std::string model_from;         // Hugging Face directory (config.json + weights); "" = unused
   std::vector<std::string> model_overrides;  // "hidden_size=256" style, applied to the config
   // data
   std::vector<std::string> data_paths;
@@ -30,8 +31,19 @@ struct TrainConfig {
   int64_t warmup_steps = 0;
   std::string lr_schedule;
   double beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, grad_clip = 0;
+  // memory tiers (0 = default, see the schema)
+  uint64_t memory_device = 0;
+  uint64_t memory_host = 0;
+  std::string nvme_path;
+  uint64_t nvme_size = 0;
+  uint64_t chunk_size = 0;  // 0 = auto
+  std::string offload_activations;
+  // rates the planner predicts with
+  double gpu_flops = 0, h2d_bytes_per_s = 0, d2h_bytes_per_s = 0, disk_read_bytes_per_s = 0,
+         disk_write_bytes_per_s = 0, cpu_adam_params_per_s = 0;
   // run
   std::string run_dir;
+  std::string run_export;         // Hugging Face export written after the last step; "" = none
   int64_t log_every = 1;
   std::string device;
   std::string log_level;

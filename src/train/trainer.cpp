@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/log.h"
+#include "model/hf_io.h"
 #include "model/llama.h"
 #include "train/data.h"
 #include "train/lr_schedule.h"
@@ -38,11 +39,15 @@ Result<nlohmann::json> read_json_file(const std::string& path) {
   return j;
 }
 
-// The model's config.json (from a file or a preset) with model.set overrides applied.
+}  // namespace
+
 Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
   nlohmann::json j;
   std::string source;
-  if (!t.model_config.empty()) {
+  if (!t.model_from.empty()) {
+    source = (fs::path(t.model_from) / "config.json").string();
+    ASSIGN_OR_RETURN(j, model::read_hf_config_json(t.model_from));
+  } else if (!t.model_config.empty()) {
     source = t.model_config;
     if (fs::is_directory(source)) source = (fs::path(source) / "config.json").string();
     ASSIGN_OR_RETURN(j, read_json_file(source));
@@ -62,6 +67,8 @@ Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
   }
   return model::ModelConfig::from_json(j, source);
 }
+
+namespace {
 
 Result<std::unique_ptr<TokenDataset>> open_training_data(const TrainConfig& t) {
   DataConfig dc;
@@ -108,11 +115,14 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(dataset.get(), lo));
 
   model::LlamaModel net(mc);
-  if (t.model_init.empty()) {
+  if (!t.model_from.empty()) {
+    RETURN_IF_ERROR(net.load_safetensors(t.model_from));
+  } else if (t.model_init.empty()) {
     net.init_weights(t.seed);
   } else {
     RETURN_IF_ERROR(net.load_safetensors(t.model_init));
   }
+  if (!t.run_export.empty()) RETURN_IF_ERROR(model::check_export_target(t.run_export));
   OptimizerConfig oc;
   oc.lr = static_cast<float>(t.lr);
   oc.beta1 = static_cast<float>(t.beta1);
@@ -197,6 +207,12 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   std::signal(SIGTERM, old_term);
   RETURN_IF_ERROR(failure);
   if (summary.interrupted) LOG_WARN("interrupted: stopped after step {}", summary.steps_done);
+  if (!t.run_export.empty()) {
+    model::ExportOptions eo;
+    eo.copy_tokenizer_from = t.model_from;
+    RETURN_IF_ERROR(model::export_hf(t.run_export, mc, net.layout(), net.params(), eo));
+    LOG_INFO("exported the weights after step {} to {} (Hugging Face format)", summary.steps_done, t.run_export);
+  }
   LOG_INFO("done: {} steps, loss {:.4f} -> {:.4f}", summary.steps_done, summary.first_loss, summary.last_loss);
   return summary;
 }

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/status.h"
+#include "model/config.h"
 #include "train/train_config.h"
 
 namespace strata {
@@ -16,6 +17,9 @@ struct TrainSummary {
   double last_loss = 0;
   bool interrupted = false;  // stopped early by SIGINT/SIGTERM
 };
+
+// The model's config.json (model.config, or the preset) with model.set overrides applied.
+Result<model::ModelConfig> resolve_model_config(const TrainConfig& config);
 
 // `effective_yaml` is the fully resolved configuration, saved as RUN_DIR/config.yaml.
 // An error leaves no half-written run directory behind: the directory and its files are

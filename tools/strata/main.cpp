@@ -14,6 +14,8 @@ Usage: strata <command> [options]
 
 Commands:
   train [CONFIG.yaml] [key=value ...]   train a model; without CONFIG, the embedded default run
+  convert --from SRC --to DST           rewrite a Hugging Face model (dtype, shards)
+  plan [CONFIG.yaml] [key=value ...]    memory per tier, traffic and predicted step time, no training
   version                               print the version
 
 Run 'strata <command> --help' for a command's options.
@@ -30,6 +32,8 @@ int main(int argc, char** argv) {
   const std::string command = args[0];
   args.erase(args.begin());
   if (command == "train") return strata::tools::train_command(args);
+  if (command == "convert") return strata::tools::convert_command(args);
+  if (command == "plan") return strata::tools::plan_command(args);
   if (command == "version" || command == "--version") {
     std::printf("strata %s\n", strata::tools::kVersion);
     return 0;

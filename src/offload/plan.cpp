@@ -1,0 +1,244 @@
+#include "offload/plan.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "core/units.h"
+
+namespace strata {
+
+KindBytes& KindBytes::operator+=(const KindBytes& o) {
+  param += o.param;
+  grad += o.grad;
+  master += o.master;
+  adam_m += o.adam_m;
+  adam_v += o.adam_v;
+  act += o.act;
+  return *this;
+}
+
+namespace {
+
+uint64_t round_up(uint64_t bytes, uint64_t chunk) {
+  if (chunk == 0 || bytes == 0) return bytes;
+  return (bytes + chunk - 1) / chunk * chunk;
+}
+
+// Per-group sizes, rounded up to whole chunks because chunks are what the tiers hold.
+struct GroupBytes {
+  uint64_t param, grad, master, adam_m, adam_v;
+  uint64_t optimizer() const { return master + adam_m + adam_v; }
+};
+
+GroupBytes group_bytes(const PlanInput& in, uint64_t elements) {
+  const uint64_t c = in.chunk_size;
+  GroupBytes g;
+  g.param = round_up(elements * in.param_bytes, c);
+  g.grad = round_up(elements * in.grad_bytes, c);
+  g.master = in.separate_master ? round_up(elements * 4, c) : 0;
+  g.adam_m = round_up(elements * 4, c);
+  g.adam_v = round_up(elements * 4, c);
+  return g;
+}
+
+}  // namespace
+
+Plan make_plan(const PlanInput& in) {
+  Plan p;
+  const int64_t L = in.num_layers;
+  const GroupBytes layer = group_bytes(in, in.layer_elements);
+  const GroupBytes edge = group_bytes(in, in.edge_elements);
+  const int64_t groups = L + 1;  // index L is the edge group
+  auto gb = [&](int64_t g) -> const GroupBytes& { return g == L ? edge : layer; };
+  const uint64_t ckpt_all = static_cast<uint64_t>(L + 1) * in.checkpoint_bytes_per_layer;
+
+  // 1. The device working set while everything streams.
+  const uint64_t ws_param = std::max(edge.param + layer.param, 2 * layer.param);
+  const uint64_t ws_grad = std::max(edge.grad + layer.grad, 2 * layer.grad);
+  const uint64_t ws_act = in.layer_workspace_bytes + in.head_workspace_bytes;
+  const uint64_t ws_ckpt_offloaded = 2 * in.checkpoint_bytes_per_layer;
+  bool offload = in.offload_activations == "true";
+  uint64_t minimum = ws_param + ws_grad + ws_act + (offload ? ws_ckpt_offloaded : ckpt_all);
+  if (in.offload_activations == "auto") minimum = ws_param + ws_grad + ws_act + ws_ckpt_offloaded;
+  p.min_device_budget = minimum;
+  if (minimum > in.device_budget) {
+    p.problem = fmt::format(
+        "the device budget {} cannot hold one layer's working set of {} (parameters {}, gradients {}, "
+        "activations {}, checkpoints {})",
+        format_bytes(in.device_budget), format_bytes(minimum), format_bytes(ws_param), format_bytes(ws_grad),
+        format_bytes(ws_act), format_bytes(minimum - ws_param - ws_grad - ws_act));
+    p.suggestions.push_back(fmt::format("raise memory.device to at least {}", format_bytes(minimum)));
+    p.suggestions.push_back("or lower train.micro_batch / train.seq_len (activations grow with tokens per micro-batch)");
+    return p;
+  }
+  uint64_t free_bytes = in.device_budget - minimum;
+  p.device.act = ws_act;
+  if (in.offload_activations == "auto") {
+    const uint64_t extra = ckpt_all - ws_ckpt_offloaded;
+    offload = extra > free_bytes;
+    if (!offload) free_bytes -= extra;
+  }
+  p.offload_activations = offload;
+  p.device.act += offload ? ws_ckpt_offloaded : ckpt_all;
+
+  // 2. Resident parameters, then gradients, then optimizer states, group by group (edge first:
+  // it is touched at both ends of every pass).
+  std::vector<bool> param_res(groups, false), grad_res(groups, false), opt_dev(groups, false);
+  auto order = [&](int64_t i) { return i == 0 ? L : i - 1; };
+  uint64_t ws_param_left = ws_param, ws_grad_left = ws_grad;
+  for (int64_t i = 0; i < groups; ++i) {
+    const int64_t g = order(i);
+    if (gb(g).param > free_bytes) continue;
+    free_bytes -= gb(g).param;
+    param_res[g] = true;
+    p.resident_param_groups++;
+  }
+  if (p.resident_param_groups == groups) free_bytes += ws_param_left, ws_param_left = 0;
+  for (int64_t i = 0; i < groups; ++i) {
+    const int64_t g = order(i);
+    if (gb(g).grad > free_bytes) continue;
+    free_bytes -= gb(g).grad;
+    grad_res[g] = true;
+    p.resident_grad_groups++;
+  }
+  if (p.resident_grad_groups == groups) free_bytes += ws_grad_left, ws_grad_left = 0;
+  for (int64_t i = 0; i < groups; ++i) {
+    const int64_t g = order(i);
+    if (!param_res[g] || !grad_res[g] || gb(g).optimizer() > free_bytes) continue;
+    free_bytes -= gb(g).optimizer();
+    opt_dev[g] = true;
+    p.device_optimizer_groups++;
+  }
+  p.device_working_set = ws_param_left + ws_grad_left + ws_act + (offload ? ws_ckpt_offloaded : 0);
+  p.device.param = ws_param_left;
+  p.device.grad = ws_grad_left;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (param_res[g]) p.device.param += gb(g).param;
+    if (grad_res[g]) p.device.grad += gb(g).grad;
+    if (opt_dev[g]) p.device.master += gb(g).master, p.device.adam_m += gb(g).adam_m, p.device.adam_v += gb(g).adam_v;
+  }
+
+  // 3. Host: every group whose optimizer runs on the CPU keeps a parameter copy, a gradient
+  // landing buffer and its optimizer state there, unless the state spills to NVMe.
+  if (offload) p.host.act = ckpt_all;
+  std::vector<int64_t> host_groups;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (opt_dev[g]) continue;
+    host_groups.push_back(g);
+    p.host.param += gb(g).param;
+    p.host.grad += gb(g).grad;
+    p.host.master += gb(g).master;
+    p.host.adam_m += gb(g).adam_m;
+    p.host.adam_v += gb(g).adam_v;
+  }
+  // Spill optimizer state to NVMe, whole groups at a time, until the host fits; each NVMe group
+  // then needs staging buffers on the host for the read -> update -> write pipeline.
+  // The pipeline holds two chunks of each optimizer kind in flight (read-ahead and write-behind).
+  const uint64_t pipeline_chunk = in.chunk_size ? in.chunk_size : (64ull << 20);
+  const uint64_t staging = 2 * (in.separate_master ? 3 : 2) * pipeline_chunk;
+  auto host_total = [&] { return p.host.total() + (p.nvme_optimizer_groups > 0 ? staging : 0); };
+  for (auto it = host_groups.rbegin(); it != host_groups.rend() && host_total() > in.host_budget; ++it) {
+    if (in.nvme_budget == 0) break;
+    const GroupBytes& b = gb(*it);
+    p.host.master -= b.master, p.host.adam_m -= b.adam_m, p.host.adam_v -= b.adam_v;
+    p.nvme.master += b.master, p.nvme.adam_m += b.adam_m, p.nvme.adam_v += b.adam_v;
+    p.nvme_optimizer_groups++;
+  }
+  if (p.nvme_optimizer_groups > 0) p.host.act += staging;
+  if (p.host.total() > in.host_budget) {
+    p.problem = fmt::format("the host budget {} cannot hold the {} this plan keeps there", format_bytes(in.host_budget),
+                            format_bytes(p.host.total()));
+    if (in.nvme_budget == 0) {
+      const uint64_t opt = p.host.master + p.host.adam_m + p.host.adam_v;
+      p.suggestions.push_back(fmt::format("raise memory.host to at least {}", format_bytes(p.host.total())));
+      p.suggestions.push_back(fmt::format("or add an nvme tier (memory.nvme.path, memory.nvme.size >= {}) for the optimizer states",
+                                          format_bytes(opt)));
+    } else {
+      p.suggestions.push_back(fmt::format("raise memory.host to at least {} (parameters and gradients stay on the host)",
+                                          format_bytes(p.host.total())));
+    }
+    return p;
+  }
+  if (p.nvme.total() > in.nvme_budget) {
+    p.problem = fmt::format("the nvme budget {} cannot hold the {} of optimizer state that spills there",
+                            format_bytes(in.nvme_budget), format_bytes(p.nvme.total()));
+    p.suggestions.push_back(fmt::format("raise memory.nvme.size to at least {}", format_bytes(p.nvme.total())));
+    return p;
+  }
+  p.fits = true;
+
+  // 4. Traffic per optimizer step.
+  const uint64_t accum = static_cast<uint64_t>(std::max<int64_t>(1, in.grad_accum));
+  for (int64_t g = 0; g < groups; ++g) {
+    const GroupBytes& b = gb(g);
+    if (!param_res[g]) p.h2d_bytes += 2 * accum * b.param;     // forward, and backward's recompute
+    else if (!opt_dev[g]) p.h2d_bytes += b.param;              // the updated copy after CPU AdamW
+    if (!grad_res[g]) p.d2h_bytes += accum * b.grad;            // streamed out per micro-batch
+    else if (!opt_dev[g]) p.d2h_bytes += b.grad;                // once, for CPU AdamW
+    if (!opt_dev[g]) p.cpu_adam_elements += (g == L ? in.edge_elements : in.layer_elements);
+  }
+  if (offload) {
+    p.d2h_bytes += accum * static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
+    p.h2d_bytes += accum * static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
+  }
+  p.disk_read_bytes = p.nvme.total();
+  p.disk_write_bytes = p.nvme.total();
+
+  // 5. Time, assuming the copy engines, the CPU and the disk all overlap with compute (the
+  // schedule is known in advance, so prefetch can hide everything but the largest term).
+  const MachineRates& r = in.rates;
+  p.compute_s = in.flops_per_step / r.compute_flops;
+  p.h2d_s = static_cast<double>(p.h2d_bytes) / r.h2d_bytes_per_s;
+  p.d2h_s = static_cast<double>(p.d2h_bytes) / r.d2h_bytes_per_s;
+  p.cpu_adam_s = static_cast<double>(p.cpu_adam_elements) / r.cpu_adam_params_per_s;
+  p.disk_s = static_cast<double>(p.disk_read_bytes) / r.disk_read_bytes_per_s +
+             static_cast<double>(p.disk_write_bytes) / r.disk_write_bytes_per_s;
+  const std::pair<double, const char*> terms[] = {{p.compute_s, "compute"},
+                                                  {p.h2d_s, "PCIe host-to-device"},
+                                                  {p.d2h_s, "PCIe device-to-host"},
+                                                  {p.cpu_adam_s, "CPU AdamW"},
+                                                  {p.disk_s, "disk"}};
+  for (const auto& [s, name] : terms)
+    if (s >= p.step_s) p.step_s = s, p.bottleneck = name;
+  return p;
+}
+
+std::string format_plan(const PlanInput& in, const Plan& p) {
+  std::ostringstream os;
+  auto row = [&](const char* tier, const KindBytes& k, uint64_t budget) {
+    os << fmt::format("  {:<7} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} | {:>11} of {}\n", tier,
+                      format_bytes(k.param), format_bytes(k.grad), format_bytes(k.master), format_bytes(k.adam_m),
+                      format_bytes(k.adam_v), format_bytes(k.act), format_bytes(k.total()),
+                      budget ? format_bytes(budget) : std::string("-"));
+  };
+  if (!p.fits) {
+    os << "does not fit: " << p.problem << "\n";
+    for (const auto& s : p.suggestions) os << "  - " << s << "\n";
+    return os.str();
+  }
+  os << fmt::format("  {:<7} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} | {:>11}\n", "tier", "param", "grad", "master",
+                    "adam_m", "adam_v", "act", "total");
+  row("device", p.device, in.device_budget);
+  row("host", p.host, in.host_budget);
+  row("nvme", p.nvme, in.nvme_budget);
+  const int64_t groups = in.num_layers + 1;
+  os << fmt::format("  resident on the device: parameters {}/{} groups, gradients {}/{}, optimizer {}/{}; "
+                    "activations {}\n",
+                    p.resident_param_groups, groups, p.resident_grad_groups, groups, p.device_optimizer_groups, groups,
+                    p.offload_activations ? "offloaded to host" : "kept on the device");
+  if (p.nvme_optimizer_groups > 0)
+    os << fmt::format("  optimizer state of {}/{} groups streams from nvme\n", p.nvme_optimizer_groups, groups);
+  os << fmt::format("  per step: host->device {}, device->host {}, disk read {}, write {}, CPU AdamW {:.3g}M params\n",
+                    format_bytes(p.h2d_bytes), format_bytes(p.d2h_bytes), format_bytes(p.disk_read_bytes),
+                    format_bytes(p.disk_write_bytes), p.cpu_adam_elements / 1e6);
+  os << fmt::format("  predicted step {:.3f} s (compute {:.3f}, h2d {:.3f}, d2h {:.3f}, CPU AdamW {:.3f}, disk {:.3f}); "
+                    "bound by {}\n",
+                    p.step_s, p.compute_s, p.h2d_s, p.d2h_s, p.cpu_adam_s, p.disk_s, p.bottleneck);
+  if (in.tokens_per_step > 0 && p.step_s > 0)
+    os << fmt::format("  predicted throughput {:.0f} tokens/s\n", in.tokens_per_step / p.step_s);
+  return os.str();
+}
+
+}  // namespace strata

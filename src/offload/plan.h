@@ -1,0 +1,100 @@
+// The memory planner: given the sizes of a model's state, one micro-batch's activations, the
+// tier budgets and the machine's rates, decide how many bytes of each kind of state live on
+// the device, in pinned host memory and on NVMe; how many bytes cross PCIe and the disk per
+// step; whether it fits at all; and, when it does not, the smallest change that would.
+//
+// The planner knows nothing about models: callers describe the model as L equal decoder-layer
+// groups plus one "edge" group (embeddings, final norm, LM head). Placement is decided per
+// group and kind, in the order that saves the most traffic per byte of device memory:
+//   device: the working set (one layer's parameters plus the prefetched next, gradients being
+//           produced, one layer's recompute workspace, the LM-head workspace, checkpoints),
+//           then layer-boundary checkpoints (else they are offloaded to host), then
+//           parameters (each resident group saves 2 x grad_accum transfers per step), then
+//           gradients (saves a transfer per micro-batch), then optimizer states (AdamW on the
+//           GPU: saves the gradient and updated-parameter transfers entirely).
+//   host:   everything not on the device that the CPU AdamW and the transfers need, filled in
+//           the order param copies, gradients, master weights, Adam m, Adam v.
+//   nvme:   what the host cannot hold, optimizer states only (v, then m, then master).
+// Pure computation; thread-compatible.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace strata {
+
+// Bytes per kind of state.
+struct KindBytes {
+  uint64_t param = 0;   // compute copy (bf16 on GPUs, fp32 on the CPU backend)
+  uint64_t grad = 0;
+  uint64_t master = 0;  // fp32 master weights (0 when the compute copy is the master)
+  uint64_t adam_m = 0;
+  uint64_t adam_v = 0;
+  uint64_t act = 0;     // saved activations and workspaces
+  uint64_t total() const { return param + grad + master + adam_m + adam_v + act; }
+  KindBytes& operator+=(const KindBytes& o);
+};
+
+// The machine's rates: defaults are the H200 box of DESIGN §2; `strata bench` measures them.
+struct MachineRates {
+  double compute_flops = 781e12;      // dense GEMM rate the model runs at
+  double h2d_bytes_per_s = 55e9;      // pinned host -> device
+  double d2h_bytes_per_s = 55e9;      // device -> pinned host
+  double disk_read_bytes_per_s = 1.7e9;
+  double disk_write_bytes_per_s = 1.7e9;
+  double cpu_adam_params_per_s = 3.66e9;
+};
+
+struct PlanInput {
+  // Model state, as L identical layer groups plus the edge group.
+  int64_t num_layers = 0;
+  uint64_t layer_elements = 0;  // parameters per decoder layer
+  uint64_t edge_elements = 0;   // embeddings + untied LM head + final norm
+  uint32_t param_bytes = 2;     // per element of the compute copy
+  uint32_t grad_bytes = 4;
+  bool separate_master = true;  // false on the CPU backend: the fp32 compute copy is the master
+  // Activations of one micro-batch.
+  uint64_t checkpoint_bytes_per_layer = 0;  // the layer-boundary checkpoint
+  uint64_t layer_workspace_bytes = 0;       // one layer's recomputation and backward scratch
+  uint64_t head_workspace_bytes = 0;        // chunked LM head + cross-entropy
+  // Work per optimizer step.
+  int64_t grad_accum = 1;
+  int64_t tokens_per_step = 0;
+  double flops_per_step = 0;  // including recomputation
+  // Budgets; 0 nvme bytes means no nvme tier.
+  uint64_t device_budget = 0;
+  uint64_t host_budget = 0;
+  uint64_t nvme_budget = 0;
+  uint64_t chunk_size = 64ull << 20;
+  std::string offload_activations = "auto";  // auto | true | false
+  MachineRates rates;
+};
+
+struct Plan {
+  bool fits = false;
+  std::string problem;                   // why it does not fit (empty when it does)
+  std::vector<std::string> suggestions;  // smallest changes that would make it fit
+  KindBytes device, host, nvme;          // steady-state bytes per tier
+  uint64_t device_working_set = 0;       // the part of `device` that is transient
+  uint64_t min_device_budget = 0;        // the smallest device budget this micro-batch can run in
+  bool offload_activations = false;
+  int64_t resident_param_groups = 0;     // of num_layers + 1
+  int64_t resident_grad_groups = 0;
+  int64_t device_optimizer_groups = 0;   // groups whose AdamW runs on the device
+  int64_t nvme_optimizer_groups = 0;     // groups whose optimizer state streams from NVMe
+  int prefetch_depth = 1;
+  // Traffic per optimizer step.
+  uint64_t h2d_bytes = 0, d2h_bytes = 0, disk_read_bytes = 0, disk_write_bytes = 0;
+  uint64_t cpu_adam_elements = 0;
+  // Predicted seconds per step and what bounds it.
+  double compute_s = 0, h2d_s = 0, d2h_s = 0, cpu_adam_s = 0, disk_s = 0, step_s = 0;
+  std::string bottleneck;
+};
+
+Plan make_plan(const PlanInput& input);
+
+// A human-readable report: bytes per tier per kind, traffic, predicted time, fit or not.
+std::string format_plan(const PlanInput& input, const Plan& plan);
+
+}  // namespace strata

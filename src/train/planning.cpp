@@ -1,0 +1,81 @@
+#include "train/planning.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace strata {
+
+double model_flops_per_token(const model::ModelConfig& m, int64_t seq_len) {
+  return 6.0 * static_cast<double>(m.num_parameters()) +
+         12.0 * static_cast<double>(m.num_hidden_layers * m.hidden_size * seq_len);
+}
+
+uint64_t default_host_budget() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return 0;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 10 * 8;
+}
+
+PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, bool cuda) {
+  PlanInput in;
+  const uint64_t C = static_cast<uint64_t>(m.hidden_size), F = static_cast<uint64_t>(m.intermediate_size);
+  const uint64_t V = static_cast<uint64_t>(m.vocab_size), L = static_cast<uint64_t>(m.num_hidden_layers);
+  const uint64_t qd = static_cast<uint64_t>(m.q_dim()), kvd = static_cast<uint64_t>(m.kv_dim());
+  const uint64_t total = static_cast<uint64_t>(m.num_parameters());
+  in.num_layers = m.num_hidden_layers;
+  in.edge_elements = V * C * (m.tie_word_embeddings ? 1 : 2) + C;
+  in.layer_elements = (total - in.edge_elements) / std::max<uint64_t>(L, 1);
+  in.param_bytes = cuda ? 2 : 4;
+  in.grad_bytes = cuda ? 2 : 4;
+  in.separate_master = cuda;
+
+  // Activations, in the shapes of model/activations.h, for N tokens per micro-batch.
+  const uint64_t act = cuda ? 2 : 4;
+  const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
+  const uint64_t H = static_cast<uint64_t>(m.num_attention_heads);
+  in.checkpoint_bytes_per_layer = N * C * act;
+  const uint64_t layer_floats = N * (3 * C + 2 + 2 * qd + 2 * kvd + H + 3 * F)   // forward intermediates
+                                + N * (2 * C + 2 * qd + 2 * kvd + 3 * F);         // backward scratch
+  const uint64_t kept_floats = N * (3 * C + 1);  // final norm output, its gradient, the residual gradient
+  in.layer_workspace_bytes = (layer_floats + kept_floats) * act;
+  const uint64_t loss_chunk = std::min<uint64_t>(N, 256);
+  in.head_workspace_bytes = loss_chunk * V * 4;
+
+  in.grad_accum = t.grad_accum;
+  in.tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;
+  // Recomputation runs each layer's forward a second time: 2N + 4LHT more per token.
+  const double per_token = model_flops_per_token(m, t.seq_len) +
+                           2.0 * static_cast<double>(total) + 4.0 * static_cast<double>(L * C * t.seq_len);
+  in.flops_per_step = per_token * static_cast<double>(in.tokens_per_step);
+
+  in.device_budget = t.memory_device;
+  in.host_budget = t.memory_host ? t.memory_host : default_host_budget();
+  in.nvme_budget = t.nvme_path.empty() ? 0 : t.nvme_size;
+  in.chunk_size = t.chunk_size;  // 0 (auto): sizes are planned without chunk padding
+  in.offload_activations = t.offload_activations;
+  in.rates.compute_flops = t.gpu_flops;
+  in.rates.h2d_bytes_per_s = t.h2d_bytes_per_s;
+  in.rates.d2h_bytes_per_s = t.d2h_bytes_per_s;
+  in.rates.disk_read_bytes_per_s = t.disk_read_bytes_per_s;
+  in.rates.disk_write_bytes_per_s = t.disk_write_bytes_per_s;
+  in.rates.cpu_adam_params_per_s = t.cpu_adam_params_per_s;
+  return in;
+}
+
+int64_t largest_micro_batch(const model::ModelConfig& m, TrainConfig t, bool cuda) {
+  auto fits = [&](int64_t b) {
+    t.micro_batch = b;
+    return make_plan(make_plan_input(m, t, cuda)).fits;
+  };
+  if (!fits(1)) return 0;
+  int64_t lo = 1, hi = 2;
+  while (hi <= (1 << 20) && fits(hi)) lo = hi, hi *= 2;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+}  // namespace strata

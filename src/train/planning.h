@@ -1,0 +1,28 @@
+// Builds the planner's input (offload/plan.h) from a model config and the training settings:
+// how many bytes each kind of state and each micro-batch's activations take on the backend
+// that will run them.
+#pragma once
+
+#include <cstdint>
+
+#include "core/status.h"
+#include "model/config.h"
+#include "offload/plan.h"
+#include "train/train_config.h"
+
+namespace strata {
+
+// `cuda` selects the GPU layout (bf16 compute copy and gradients, fp32 master and Adam
+// states, bf16 activations); otherwise the CPU backend's (fp32 everything, no separate master).
+PlanInput make_plan_input(const model::ModelConfig& model, const TrainConfig& train, bool cuda);
+
+// Model FLOPs per token, 6N + 12*L*H*T (DESIGN §2), without recomputation.
+double model_flops_per_token(const model::ModelConfig& model, int64_t seq_len);
+
+// The largest micro-batch (sequences) for which the plan fits, 0 when not even one does.
+int64_t largest_micro_batch(const model::ModelConfig& model, TrainConfig train, bool cuda);
+
+// Host memory the planner assumes when memory.host is 0: 80% of physical RAM.
+uint64_t default_host_budget();
+
+}  // namespace strata

@@ -1,0 +1,71 @@
+// The planner's byte counts against what the CPU backend really allocates.
+#include "train/planning.h"
+
+#include <gtest/gtest.h>
+
+#include "model/activations.h"
+#include "model/params.h"
+#include "offload/plan.h"
+
+namespace strata {
+namespace {
+
+TEST(Planning, PredictedBytesMatchTheRealAllocationWithin5Percent) {
+  struct Case {
+    const char* preset;
+    int64_t B, T;
+  };
+  for (const Case& c : {Case{"tiny", 8, 128}, Case{"tiny", 2, 512}, Case{"llama3.2-1b", 1, 64}}) {
+    auto mc = model::ModelConfig::preset(c.preset);
+    ASSERT_TRUE(mc.ok()) << mc.status().to_string();
+    TrainConfig t;
+    t.micro_batch = c.B;
+    t.seq_len = c.T;
+    t.grad_accum = 1;
+    t.memory_device = 1ull << 40;  // roomy: everything stays on the "device"
+    t.memory_host = 1ull << 40;
+    t.offload_activations = "false";
+    t.gpu_flops = t.h2d_bytes_per_s = t.d2h_bytes_per_s = 1e9;
+    t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = t.cpu_adam_params_per_s = 1e9;
+    Plan plan = make_plan(make_plan_input(*mc, t, /*cuda=*/false));
+    ASSERT_TRUE(plan.fits) << plan.problem;
+
+    // What a CPU run holds: params, grads, Adam m and v (flat buffers of the layout), the
+    // activation table, and the LM head's logits chunk.
+    model::ParamLayout layout(*mc);
+    model::ActivationTable acts;
+    acts.reserve(*mc, c.B, c.T);
+    const double real_state = 4.0 * 4.0 * static_cast<double>(layout.total_size());
+    const double real_act = 4.0 * static_cast<double>(acts.size()) +
+                            4.0 * static_cast<double>(std::min<int64_t>(c.B * c.T, 256) * mc->vocab_size);
+    const double planned_state = static_cast<double>(plan.device.total() - plan.device.act);
+    const double planned_act = static_cast<double>(plan.device.act);
+    const double state_err = std::abs(planned_state - real_state) / real_state;
+    const double act_err = std::abs(planned_act - real_act) / real_act;
+    EXPECT_TRUE(state_err <= 0.05) << c.preset << ": state planned " << planned_state << " real " << real_state;
+    EXPECT_TRUE(act_err <= 0.05) << c.preset << " B=" << c.B << " T=" << c.T << ": activations planned "
+                                 << planned_act << " real " << real_act;
+  }
+}
+
+TEST(Planning, LargestMicroBatchIsTheEdgeOfFitting) {
+  auto mc = model::ModelConfig::preset("llama3.2-1b");
+  ASSERT_TRUE(mc.ok()) << mc.status().to_string();
+  TrainConfig t;
+  t.seq_len = 2048;
+  t.grad_accum = 1;
+  t.memory_device = 24ull << 30;
+  t.memory_host = 100ull << 30;
+  t.offload_activations = "auto";
+  t.gpu_flops = t.h2d_bytes_per_s = t.d2h_bytes_per_s = 1e12;
+  t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = t.cpu_adam_params_per_s = 1e9;
+  const int64_t best = largest_micro_batch(*mc, t, /*cuda=*/true);
+  ASSERT_GT(best, 0);
+  t.micro_batch = best;
+  EXPECT_TRUE(make_plan(make_plan_input(*mc, t, true)).fits);
+  t.micro_batch = best + 1;
+  EXPECT_FALSE(make_plan(make_plan_input(*mc, t, true)).fits);
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,105 @@
+// strata plan [CONFIG.yaml] [key=value ...]: memory per tier, traffic and predicted step time
+// for a training config, without training.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/config.h"
+#include "core/units.h"
+#include "offload/plan.h"
+#include "tools/strata/commands.h"
+#include "train/planning.h"
+#include "train/train_config.h"
+#include "train/trainer.h"
+
+namespace strata::tools {
+namespace {
+
+constexpr const char* kPlanUsage = R"(Usage: strata plan [CONFIG.yaml] [key=value ...]
+
+Answers "will this fit, and how fast?" for a training config (the same file and keys as
+`strata train`) without training: bytes of parameters, gradients, master weights, Adam states
+and activations on each tier (device, pinned host, nvme), bytes moved over PCIe and to disk
+per step, the predicted step time and what bounds it, and the largest micro-batch that fits.
+An infeasible config is refused with the smallest change that would make it fit (exit 1).
+
+Budgets come from memory.device, memory.host and memory.nvme.*; rates from hardware.* (the
+defaults are an H200 box). run.device=cuda (or auto) plans the GPU layout (bf16 weights and
+gradients, fp32 master and Adam states); cpu plans the CPU backend (fp32 throughout).
+
+Example:
+  strata plan model.preset=llama3-8b memory.device=24GiB memory.host=100GiB \
+      run.device=cuda train.micro_batch=4 train.seq_len=2048 train.grad_accum=8
+)";
+
+}  // namespace
+
+int plan_command(const std::vector<std::string>& args) {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  for (const auto& a : args) {
+    if (a == "--help" || a == "-h") {
+      std::printf("%s", kPlanUsage);
+      return 0;
+    } else if (a.find('=') != std::string::npos) {
+      overrides.push_back(a);
+    } else if (config_path.empty() && !a.empty() && a[0] != '-') {
+      config_path = a;
+    } else {
+      std::fprintf(stderr, "strata plan: unexpected argument '%s' (see strata plan --help)\n", a.c_str());
+      return 2;
+    }
+  }
+  Result<Config> config = config_path.empty()
+                              ? Config::parse(train_schema(), embedded_default_config(), "<embedded default>", overrides)
+                              : Config::load_file(train_schema(), config_path, overrides);
+  if (!config.ok()) {
+    std::fprintf(stderr, "strata plan: error: %s\n", config.status().message().c_str());
+    return 1;
+  }
+  Result<TrainConfig> tc = make_train_config(*config);
+  if (!tc.ok()) {
+    std::fprintf(stderr, "strata plan: error: %s\n", tc.status().message().c_str());
+    return 1;
+  }
+  Result<model::ModelConfig> mc = resolve_model_config(*tc);
+  if (!mc.ok()) {
+    std::fprintf(stderr, "strata plan: error: %s\n", mc.status().message().c_str());
+    return 1;
+  }
+  const bool cuda = tc->device != "cpu";
+  if (tc->memory_device == 0) {
+    if (cuda) {
+      std::fprintf(stderr, "strata plan: error: memory.device is 0; set it to the GPU memory to plan for (e.g. memory.device=24GiB)\n");
+      return 1;
+    }
+    tc->memory_device = tc->memory_host ? tc->memory_host : default_host_budget();
+  }
+  const PlanInput in = make_plan_input(*mc, *tc, cuda);
+  const Plan plan = make_plan(in);
+  std::printf("model: %s layers, hidden %lld, vocab %lld, %.3fB parameters; %s layout\n",
+              std::to_string(mc->num_hidden_layers).c_str(), static_cast<long long>(mc->hidden_size),
+              static_cast<long long>(mc->vocab_size), mc->num_parameters() / 1e9, cuda ? "GPU (bf16)" : "CPU (fp32)");
+  std::printf("step: %lld x %lld tokens x %lld accumulation = %lld tokens; budgets device %s, host %s, nvme %s\n",
+              static_cast<long long>(tc->micro_batch), static_cast<long long>(tc->seq_len),
+              static_cast<long long>(tc->grad_accum), static_cast<long long>(in.tokens_per_step),
+              format_bytes(in.device_budget).c_str(), format_bytes(in.host_budget).c_str(),
+              in.nvme_budget ? format_bytes(in.nvme_budget).c_str() : "none");
+  std::printf("%s", format_plan(in, plan).c_str());
+  const int64_t best = largest_micro_batch(*mc, *tc, cuda);
+  if (best > 0)
+    std::printf("  largest micro-batch that fits: %lld sequences of %lld tokens\n", static_cast<long long>(best),
+                static_cast<long long>(tc->seq_len));
+  else
+    std::printf("  not even a micro-batch of 1 sequence fits these budgets\n");
+  if (plan.fits && cuda) {
+    const double model_flops = model_flops_per_token(*mc, tc->seq_len) * static_cast<double>(in.tokens_per_step);
+    std::printf("  predicted MFU %.1f%% of the H100/H200 dense bf16 peak (989 TFLOP/s; model FLOPs 6N + 12LHT, "
+                "recomputation not counted)\n", 100 * model_flops / plan.step_s / 989e12);
+  }
+  return plan.fits ? 0 : 1;
+}
+
+}  // namespace strata::tools
