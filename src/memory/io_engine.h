@@ -64,6 +64,10 @@ struct IoEngineOptions {
   std::string kind = "auto";  // auto | io_uring | threads
   uint32_t queue_depth = 32;  // io_uring entries / requests in flight (>= 8 recommended)
   uint32_t threads = 4;       // workers of the thread-pool engine
+  // Bytes one kernel transfer (pread/pwrite, SQE) moves at most; a larger request moves in
+  // consecutive pieces of this size. Keeps every request streaming at the device's preferred
+  // size (block layer max_sectors_kb is often 4 MiB) instead of one huge transfer. 0: 1 GiB.
+  uint64_t max_transfer = uint64_t{4} << 20;
 };
 
 class IoEngine {

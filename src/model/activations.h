@@ -1,6 +1,8 @@
 // The activation table of LlamaModel: every buffer forward and backward use, planned in one
 // list of (field, size), allocated as ONE block and handed out as pointers (as llm.c does).
-// N = B * T tokens; C hidden; F intermediate; Hq, Hkv heads; D head dim; L layers.
+// N = B * T tokens; C hidden; F the widest dense MLP (ModelConfig::dense_mlp_width: dense
+// layers and the shared expert); Hq, Hkv heads; D head dim; L layers. MoE: E experts, K per
+// token, S = N * K expert rows, Fe one expert's width. Buffers a config does not use are empty.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +32,10 @@ class ActivationTable {
   float* ln1_rstd = nullptr;  // (N)
   float* q = nullptr;         // (N, Hq*D) after RoPE
   float* k = nullptr;         // (N, Hkv*D) after RoPE
+  float* q_raw = nullptr;     // (N, Hq*D) q_proj output before q_norm (qk_norm only)
+  float* k_raw = nullptr;     // (N, Hkv*D) k_proj output before k_norm (qk_norm only)
+  float* q_norm_rstd = nullptr;  // (N*Hq) (qk_norm only)
+  float* k_norm_rstd = nullptr;  // (N*Hkv) (qk_norm only)
   float* v = nullptr;         // (N, Hkv*D)
   float* att = nullptr;       // (N, Hq*D) attention output before o_proj
   float* lse = nullptr;       // (B, Hq, T) softmax log-sum-exp
@@ -39,6 +45,22 @@ class ActivationTable {
   float* gate = nullptr;      // (N, F)
   float* up = nullptr;        // (N, F)
   float* act = nullptr;       // (N, F) silu(gate) * up
+
+  // One MoE layer's intermediates (MoE models only). The shared expert runs in gate/up/act.
+  float* router_logits = nullptr;  // (N, E)
+  float* router_probs = nullptr;   // (N, E) softmax over all experts
+  float* route_weights = nullptr;  // (N, K)
+  int32_t* expert_idx = nullptr;   // (N, K)
+  int32_t* slot_of = nullptr;      // (N, K) row of assignment (n, k) in the expert order
+  int32_t* token_of_slot = nullptr;  // (S)
+  int64_t* expert_offsets = nullptr;  // (E+1)
+  float* expert_xs = nullptr;      // (S, C) tokens gathered in expert order
+  float* expert_gate = nullptr;    // (S, Fe)
+  float* expert_up = nullptr;      // (S, Fe)
+  float* expert_act = nullptr;     // (S, Fe)
+  float* expert_ys = nullptr;      // (S, C)
+  float* shared_out = nullptr;     // (N, C) shared expert output before its sigmoid gate
+  float* shared_logit = nullptr;   // (N) shared_expert_gate(x)
 
   // One layer's gradient scratch.
   float* d_ln = nullptr;    // (N, C) gradient of a norm's output
@@ -50,10 +72,21 @@ class ActivationTable {
   float* d_gate = nullptr;  // (N, F)
   float* d_up = nullptr;    // (N, F)
   float* d_act = nullptr;   // (N, F)
+  float* d_qk_raw = nullptr;  // (N, Hq*D) gradient of q_raw or k_raw (qk_norm only)
+  float* d_route_weights = nullptr;  // (N, K)
+  float* d_router_logits = nullptr;  // (N, E)
+  float* d_expert_ys = nullptr;      // (S, C)
+  float* d_expert_xs = nullptr;      // (S, C)
+  float* d_expert_gate = nullptr;    // (S, Fe)
+  float* d_expert_up = nullptr;      // (S, Fe)
+  float* d_expert_act = nullptr;     // (S, Fe)
+  float* d_shared_logit = nullptr;   // (N)
 
  private:
   int64_t planned_tokens_ = 0;
   std::vector<float> storage_;
+  std::vector<int32_t> index_storage_;
+  std::vector<int64_t> offset_storage_;
 };
 
 }  // namespace strata::model

@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -113,6 +114,130 @@ Status positive(const std::string& source, const char* key, int64_t value) {
   return bad_key(source, key, fmt::format("must be positive, got {}", value));
 }
 
+// The architectures strata implements, with the model_type transformers pairs with each.
+struct Architecture {
+  const char* name;
+  const char* model_type;
+};
+constexpr Architecture kArchitectures[] = {
+    {"LlamaForCausalLM", "llama"},      {"MistralForCausalLM", "mistral"},
+    {"Qwen2ForCausalLM", "qwen2"},      {"MixtralForCausalLM", "mixtral"},
+    {"Qwen2MoeForCausalLM", "qwen2_moe"}, {"Qwen3MoeForCausalLM", "qwen3_moe"},
+};
+constexpr const char* kMixtral = "MixtralForCausalLM";
+constexpr const char* kQwen2 = "Qwen2ForCausalLM";
+constexpr const char* kQwen2Moe = "Qwen2MoeForCausalLM";
+constexpr const char* kQwen3Moe = "Qwen3MoeForCausalLM";
+constexpr const char* kMistral = "MistralForCausalLM";
+
+const Architecture* find_architecture(const std::string& name, bool by_model_type) {
+  for (const Architecture& a : kArchitectures) {
+    if (name == (by_model_type ? a.model_type : a.name)) return &a;
+  }
+  return nullptr;
+}
+
+std::string supported_list(bool by_model_type) {
+  std::string out;
+  for (const Architecture& a : kArchitectures) {
+    out += (out.empty() ? "" : ", ") + std::string(by_model_type ? a.model_type : a.name);
+  }
+  return out;
+}
+
+Status read_int_list(const json& object, const std::string& key, const std::string& source,
+                     std::vector<int64_t>* out) {
+  const json* value = find_key(object, key);
+  if (value == nullptr) return Status::OK();
+  if (!value->is_array()) {
+    return bad_key(source, key, fmt::format("must be a list of integers, got {}", value->dump()));
+  }
+  out->clear();
+  for (const json& item : *value) {
+    if (!item.is_number_integer()) {
+      return bad_key(source, key, fmt::format("must be a list of integers, got {}", value->dump()));
+    }
+    out->push_back(item.get<int64_t>());
+  }
+  return Status::OK();
+}
+
+// The Hugging Face key that holds the expert count of this architecture.
+const char* experts_key(const std::string& architecture) {
+  return architecture == kMixtral ? "num_local_experts" : "num_experts";
+}
+
+// Reads the architecture-specific keys: attention variants, sliding window and experts. Absent
+// keys take transformers' defaults for that architecture.
+Status read_architecture_keys(const json& json, const std::string& source, ModelConfig* c) {
+  const std::string& arch = c->architecture;
+  const bool qwen = arch == kQwen2 || arch == kQwen2Moe || arch == kQwen3Moe;
+  if (arch == kQwen2 || arch == kQwen2Moe) {
+    c->attention_bias = true;  // Qwen2 attention always has q/k/v biases
+  } else if (arch == kMistral || arch == kMixtral) {
+    c->attention_bias = false;
+  } else {
+    RETURN_IF_ERROR(read_bool(json, "attention_bias", source, &c->attention_bias));
+  }
+  c->qk_norm = arch == kQwen3Moe;
+
+  if (arch == kMistral || arch == kMixtral) {
+    if (arch == kMistral && json.find("sliding_window") == json.end()) c->sliding_window = 4096;
+    RETURN_IF_ERROR(read_int(json, "sliding_window", "sliding_window", source, false, &c->sliding_window));
+  } else if (qwen) {
+    bool use_sliding_window = false;
+    RETURN_IF_ERROR(read_bool(json, "use_sliding_window", source, &use_sliding_window));
+    if (use_sliding_window) {
+      c->sliding_window = 4096;
+      RETURN_IF_ERROR(read_int(json, "sliding_window", "sliding_window", source, false, &c->sliding_window));
+    }
+  }
+
+  if (arch == kMixtral) {
+    c->num_experts = 8;
+    c->num_experts_per_tok = 2;
+    c->moe_intermediate_size = c->intermediate_size;
+    c->router_scoring = kernels::RouterScoring::kTopKThenSoftmax;
+    c->router_aux_loss_coef = 0.001;
+    double jitter = 0.0;
+    RETURN_IF_ERROR(read_double(json, "router_jitter_noise", "router_jitter_noise", source, &jitter));
+    if (jitter != 0.0) {
+      return Status::Unimplemented(fmt::format(
+          "{}: key 'router_jitter_noise' is {}; strata implements 0 (no router jitter)", source, jitter));
+    }
+  } else if (arch == kQwen2Moe || arch == kQwen3Moe) {
+    const bool v2 = arch == kQwen2Moe;
+    c->num_experts = v2 ? 60 : 128;
+    c->num_experts_per_tok = v2 ? 4 : 8;
+    c->moe_intermediate_size = v2 ? 1408 : 768;
+    c->shared_expert_intermediate_size = v2 ? 5632 : 0;
+    c->router_scoring = kernels::RouterScoring::kSoftmaxThenTopK;
+    c->router_aux_loss_coef = 0.001;
+    RETURN_IF_ERROR(read_int(json, "moe_intermediate_size", "moe_intermediate_size", source, false,
+                             &c->moe_intermediate_size));
+    if (v2) {
+      RETURN_IF_ERROR(read_int(json, "shared_expert_intermediate_size", "shared_expert_intermediate_size",
+                               source, false, &c->shared_expert_intermediate_size));
+    }
+    RETURN_IF_ERROR(read_bool(json, "norm_topk_prob", source, &c->norm_topk_prob));
+    RETURN_IF_ERROR(read_int(json, "decoder_sparse_step", "decoder_sparse_step", source, false,
+                             &c->decoder_sparse_step));
+    RETURN_IF_ERROR(read_int_list(json, "mlp_only_layers", source, &c->mlp_only_layers));
+  } else {
+    return Status::OK();  // dense architectures have no expert keys
+  }
+  const char* ek = experts_key(arch);
+  RETURN_IF_ERROR(read_int(json, ek, ek, source, false, &c->num_experts));
+  RETURN_IF_ERROR(read_int(json, "num_experts_per_tok", "num_experts_per_tok", source, false,
+                           &c->num_experts_per_tok));
+  RETURN_IF_ERROR(read_double(json, "router_aux_loss_coef", "router_aux_loss_coef", source,
+                              &c->router_aux_loss_coef));
+  RETURN_IF_ERROR(read_bool(json, "output_router_logits", source, &c->output_router_logits));
+  RETURN_IF_ERROR(read_double(json, "router_bias_update_rate", "router_bias_update_rate", source,
+                              &c->router_bias_update_rate));
+  return Status::OK();
+}
+
 }  // namespace
 
 Result<ModelConfig> ModelConfig::from_json(const json& json, const std::string& source) {
@@ -120,20 +245,31 @@ Result<ModelConfig> ModelConfig::from_json(const json& json, const std::string& 
     return Status::InvalidArgument(fmt::format("{}: a model config must be a JSON object", source));
   }
   ModelConfig c;
+  const Architecture* arch = nullptr;
+  if (const auto* model_type = find_key(json, "model_type")) {
+    if (!model_type->is_string()) return bad_key(source, "model_type", "must be a string");
+    const std::string type = model_type->get<std::string>();
+    arch = find_architecture(type, /*by_model_type=*/true);
+    if (arch == nullptr) {
+      return Status::Unimplemented(fmt::format(
+          "{}: key 'model_type' is \"{}\"; strata reads {} configs", source, type, supported_list(true)));
+    }
+  }
   if (const auto* archs = find_key(json, "architectures")) {
     if (!archs->is_array() || archs->empty() || !(*archs)[0].is_string()) {
       return bad_key(source, "architectures", "must be a non-empty list of strings");
     }
-    c.architecture = (*archs)[0].get<std::string>();
-  }
-  if (const auto* model_type = find_key(json, "model_type")) {
-    if (!model_type->is_string()) return bad_key(source, "model_type", "must be a string");
-    const std::string type = model_type->get<std::string>();
-    if (type != "llama" && type != "mistral" && type != "qwen2") {
-      return Status::Unimplemented(fmt::format(
-          "{}: key 'model_type' is \"{}\"; strata reads llama, mistral and qwen2 configs", source,
-          type));
+    const std::string name = (*archs)[0].get<std::string>();
+    arch = find_architecture(name, /*by_model_type=*/false);
+    if (arch == nullptr) {
+      return Status::Unimplemented(fmt::format("{}: key 'architectures' is \"{}\"; strata implements {}",
+                                               source, name, supported_list(false)));
     }
+  }
+  if (arch != nullptr) c.architecture = arch->name;
+  if (c.architecture == kMixtral) {  // MixtralConfig defaults that differ from Llama's
+    c.rope.theta = 1e6;
+    c.rms_norm_eps = 1e-5;
   }
   if (const auto* act = find_key(json, "hidden_act")) {
     if (!act->is_string() || act->get<std::string>() != "silu") {
@@ -160,7 +296,7 @@ Result<ModelConfig> ModelConfig::from_json(const json& json, const std::string& 
   RETURN_IF_ERROR(read_int(json, "max_position_embeddings", "max_position_embeddings", source, false,
                            &c.max_position_embeddings));
   RETURN_IF_ERROR(read_bool(json, "tie_word_embeddings", source, &c.tie_word_embeddings));
-  RETURN_IF_ERROR(read_bool(json, "attention_bias", source, &c.attention_bias));
+  RETURN_IF_ERROR(read_architecture_keys(json, source, &c));
 
   RETURN_IF_ERROR(read_double(json, "rope_theta", "rope_theta", source, &c.rope.theta));
   if (const auto* scaling = find_key(json, "rope_scaling")) {
@@ -285,13 +421,76 @@ Status ModelConfig::validate(const std::string& source) const {
                      fmt::format("must be positive, got {}", rope.original_max_position_embeddings));
     }
   }
+  if (sliding_window < 0) {
+    return bad_key(source, "sliding_window", fmt::format("must be positive or null, got {}", sliding_window));
+  }
+  if (num_experts < 0) {
+    return bad_key(source, experts_key(architecture), fmt::format("must not be negative, got {}", num_experts));
+  }
+  if (num_experts == 0) return Status::OK();
+  if (num_experts_per_tok < 1 || num_experts_per_tok > num_experts) {
+    return bad_key(source, "num_experts_per_tok",
+                   fmt::format("must be between 1 and {} ({}), got {}", experts_key(architecture),
+                               num_experts, num_experts_per_tok));
+  }
+  RETURN_IF_ERROR(positive(source, uses_mixtral_tensor_names() ? "intermediate_size" : "moe_intermediate_size",
+                           moe_intermediate_size));
+  if (shared_expert_intermediate_size < 0) {
+    return bad_key(source, "shared_expert_intermediate_size",
+                   fmt::format("must not be negative, got {}", shared_expert_intermediate_size));
+  }
+  RETURN_IF_ERROR(positive(source, "decoder_sparse_step", decoder_sparse_step));
+  for (int64_t layer : mlp_only_layers) {
+    if (layer < 0 || layer >= num_hidden_layers) {
+      return bad_key(source, "mlp_only_layers",
+                     fmt::format("lists layer {}, outside [0, num_hidden_layers = {})", layer, num_hidden_layers));
+    }
+  }
+  if (!(router_aux_loss_coef >= 0) || !std::isfinite(router_aux_loss_coef)) {
+    return bad_key(source, "router_aux_loss_coef", fmt::format("must be >= 0, got {}", router_aux_loss_coef));
+  }
+  if (!(router_bias_update_rate >= 0) || !std::isfinite(router_bias_update_rate)) {
+    return bad_key(source, "router_bias_update_rate",
+                   fmt::format("must be >= 0, got {}", router_bias_update_rate));
+  }
   return Status::OK();
+}
+
+Status ModelConfig::check_sequence_length(int64_t seq_len, const std::string& source) const {
+  if (sliding_window == 0 || seq_len <= sliding_window) return Status::OK();
+  return Status::Unimplemented(fmt::format(
+      "{}: key 'sliding_window' is {}, shorter than the sequence length {}; strata implements full "
+      "causal attention only, so use sequences of at most {} tokens (or set sliding_window to null)",
+      source, sliding_window, seq_len, sliding_window));
+}
+
+bool ModelConfig::is_moe_layer(int64_t layer) const {
+  if (num_experts <= 0 || decoder_sparse_step <= 0) return false;
+  for (int64_t dense : mlp_only_layers) {
+    if (dense == layer) return false;
+  }
+  return (layer + 1) % decoder_sparse_step == 0;
+}
+
+int64_t ModelConfig::num_moe_layers() const {
+  int64_t n = 0;
+  for (int64_t l = 0; l < num_hidden_layers; ++l) n += is_moe_layer(l) ? 1 : 0;
+  return n;
+}
+
+int64_t ModelConfig::dense_mlp_width() const {
+  int64_t width = 0;
+  for (int64_t l = 0; l < num_hidden_layers; ++l) {
+    width = std::max(width, is_moe_layer(l) ? shared_expert_intermediate_size : intermediate_size);
+  }
+  return width;
 }
 
 nlohmann::json ModelConfig::to_json() const {
   json j;
+  const Architecture* arch = find_architecture(architecture, /*by_model_type=*/false);
   j["architectures"] = json::array({architecture});
-  j["model_type"] = "llama";
+  j["model_type"] = arch != nullptr ? arch->model_type : "llama";
   j["vocab_size"] = vocab_size;
   j["hidden_size"] = hidden_size;
   j["intermediate_size"] = intermediate_size;
@@ -300,7 +499,7 @@ nlohmann::json ModelConfig::to_json() const {
   j["num_key_value_heads"] = num_key_value_heads;
   // Written only when it is not the derived hidden_size / num_attention_heads, so that
   // overriding hidden_size or the head count on top of to_json() re-derives it.
-  if (head_dim * num_attention_heads != hidden_size) j["head_dim"] = head_dim;
+  if (head_dim * num_attention_heads != hidden_size || qk_norm) j["head_dim"] = head_dim;
   j["hidden_act"] = "silu";
   j["rms_norm_eps"] = rms_norm_eps;
   j["rope_theta"] = rope.theta;
@@ -320,20 +519,56 @@ nlohmann::json ModelConfig::to_json() const {
   j["mlp_bias"] = false;
   j["initializer_range"] = 0.02;
   j["torch_dtype"] = "float32";
+  const bool qwen = architecture == kQwen2 || architecture == kQwen2Moe || architecture == kQwen3Moe;
+  if (architecture == kMistral || architecture == kMixtral) {
+    j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
+  } else if (qwen) {
+    j["use_sliding_window"] = sliding_window > 0;
+    if (sliding_window > 0) j["sliding_window"] = sliding_window;
+  }
+  if (architecture == kMixtral) {
+    j["num_local_experts"] = num_experts;
+    j["router_jitter_noise"] = 0.0;
+  } else if (architecture == kQwen2Moe || architecture == kQwen3Moe) {
+    j["num_experts"] = num_experts;
+    j["moe_intermediate_size"] = moe_intermediate_size;
+    if (architecture == kQwen2Moe) j["shared_expert_intermediate_size"] = shared_expert_intermediate_size;
+    j["norm_topk_prob"] = norm_topk_prob;
+    j["decoder_sparse_step"] = decoder_sparse_step;
+    j["mlp_only_layers"] = mlp_only_layers;
+  }
+  if (architecture == kMixtral || architecture == kQwen2Moe || architecture == kQwen3Moe) {
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["router_aux_loss_coef"] = router_aux_loss_coef;
+    j["output_router_logits"] = output_router_logits;
+    if (router_bias_update_rate > 0) j["router_bias_update_rate"] = router_bias_update_rate;
+  }
   return j;
 }
 
 int64_t ModelConfig::num_parameters() const {
   const int64_t C = hidden_size;
-  int64_t per_layer = C                       // input_layernorm
-                      + C * q_dim()           // q_proj
-                      + 2 * C * kv_dim()      // k_proj, v_proj
-                      + q_dim() * C           // o_proj
-                      + C                     // post_attention_layernorm
-                      + 3 * C * intermediate_size;  // gate, up, down
-  if (attention_bias) per_layer += q_dim() + 2 * kv_dim();
-  int64_t total = vocab_size * C + num_hidden_layers * per_layer + C;
+  const int64_t attention = C                       // input_layernorm
+                            + C * q_dim()           // q_proj
+                            + 2 * C * kv_dim()      // k_proj, v_proj
+                            + q_dim() * C           // o_proj
+                            + C                     // post_attention_layernorm
+                            + (attention_bias ? q_dim() + 2 * kv_dim() : 0)
+                            + (qk_norm ? 2 * head_dim : 0);
+  int64_t total = vocab_size * C + C;  // embeddings, final norm
   if (!tie_word_embeddings) total += vocab_size * C;
+  for (int64_t l = 0; l < num_hidden_layers; ++l) {
+    total += attention;
+    if (!is_moe_layer(l)) {
+      total += 3 * C * intermediate_size;  // gate, up, down
+      continue;
+    }
+    total += num_experts * C                                  // router
+             + num_experts * 3 * C * moe_intermediate_size;   // experts
+    if (shared_expert_intermediate_size > 0) {
+      total += 3 * C * shared_expert_intermediate_size + C;  // shared expert and its gate
+    }
+  }
   return total;
 }
 

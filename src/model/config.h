@@ -1,13 +1,27 @@
-// ModelConfig: the architecture of a Llama-family model, read from (and written as) a Hugging
-// Face config.json, or taken from a named preset. Every error names the source file and key.
+// ModelConfig: the architecture of a decoder model, read from (and written as) a Hugging Face
+// config.json, or taken from a named preset. Every error names the source file and key.
+//
+// Architectures (config.json `architectures`, or `model_type` when that is absent):
+//   LlamaForCausalLM, MistralForCausalLM  the Llama decoder (Mistral: sliding window only when
+//                                         it covers the whole sequence)
+//   Qwen2ForCausalLM                      plus q/k/v projection biases
+//   MixtralForCausalLM                    every MLP is a mixture of experts (top-k logits, then
+//                                         softmax), tensors under block_sparse_moe
+//   Qwen2MoeForCausalLM                   q/k/v biases; experts (softmax, then top-k) plus a
+//                                         sigmoid-gated shared expert; dense layers where
+//                                         decoder_sparse_step / mlp_only_layers say so
+//   Qwen3MoeForCausalLM                   like Qwen2-MoE without the shared expert and biases,
+//                                         plus per-head RMSNorm of q and k before RoPE
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "core/status.h"
+#include "kernels/moe.h"
 #include "kernels/rope.h"
 
 namespace strata::model {
@@ -26,6 +40,26 @@ struct ModelConfig {
   int64_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v projection biases (Qwen2); o_proj never has one
+  bool qk_norm = false;         // Qwen3: RMSNorm over head_dim of every q and k head before RoPE
+  // Sliding-window attention (Mistral; Qwen with use_sliding_window); 0 = none. Attention is
+  // exact only while the window covers the sequence: see check_sequence_length.
+  int64_t sliding_window = 0;
+
+  // Mixture of experts. num_experts == 0: every layer has a dense MLP of intermediate_size.
+  int64_t num_experts = 0;                      // E (Mixtral: num_local_experts)
+  int64_t num_experts_per_tok = 0;              // K
+  int64_t moe_intermediate_size = 0;            // width of one expert (Mixtral: intermediate_size)
+  int64_t shared_expert_intermediate_size = 0;  // Qwen2-MoE shared expert; 0 = none
+  kernels::RouterScoring router_scoring = kernels::RouterScoring::kTopKThenSoftmax;
+  bool norm_topk_prob = false;    // kSoftmaxThenTopK: renormalise the K probabilities
+  int64_t decoder_sparse_step = 1;  // layer l is MoE when (l + 1) % step == 0 ...
+  std::vector<int64_t> mlp_only_layers;  // ... and l is not listed here
+  double router_aux_loss_coef = 0.0;
+  // As in transformers, the auxiliary loss joins the training loss only when this is true.
+  bool output_router_logits = false;
+  // strata extension (key `router_bias_update_rate`): > 0 turns on auxiliary-loss-free
+  // balancing (DeepSeek-V3), a per-expert selection bias moved by this much after each step.
+  double router_bias_update_rate = 0.0;
 
   // Reads the keys of a Hugging Face Llama config.json. `source` names the file in messages.
   // RoPE: top-level `rope_theta`, or the newer `rope_parameters` object (which wins when both
@@ -42,6 +76,23 @@ struct ModelConfig {
   Status validate(const std::string& source) const;
   // Hugging Face-compatible config.json content; from_json(to_json()) gives back this config.
   nlohmann::json to_json() const;
+
+  // Fails with Unimplemented naming `sliding_window` when a window shorter than seq_len would
+  // change attention (strata's attention is full causal).
+  Status check_sequence_length(int64_t seq_len, const std::string& source) const;
+
+  bool is_moe() const { return num_experts > 0; }
+  // Whether decoder layer `layer` has a mixture of experts instead of a dense MLP.
+  bool is_moe_layer(int64_t layer) const;
+  int64_t num_moe_layers() const;
+  // Widest dense MLP any layer runs: intermediate_size of the dense layers, the shared expert.
+  int64_t dense_mlp_width() const;
+  // Mixtral names its MoE tensors block_sparse_moe.{gate, experts.E.w1/w2/w3}; the Qwen models
+  // mlp.{gate, experts.E.gate_proj/up_proj/down_proj}.
+  bool uses_mixtral_tensor_names() const { return architecture == "MixtralForCausalLM"; }
+  kernels::RouterConfig router_config() const {
+    return {num_experts, num_experts_per_tok, router_scoring, norm_topk_prob};
+  }
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }    // width of q_proj output
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }   // width of k/v_proj output

@@ -9,10 +9,11 @@
 #include "kernels/cross_entropy.h"
 #include "kernels/embedding.h"
 #include "kernels/linear.h"
+#include "kernels/moe.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/rope.h"
 #include "kernels/swiglu.h"
-#include "model/safetensors_min.h"
+#include "model/hf_io.h"
 
 namespace strata::model {
 namespace {
@@ -37,21 +38,43 @@ LlamaModel::LlamaModel(const ModelConfig& config) : config_(config), layout_(con
   grads_.assign(static_cast<size_t>(layout_.total_size()), 0.0f);
   inv_freq_.resize(static_cast<size_t>(config_.head_dim / 2));
   kernels::rope_inv_freq(inv_freq_.data(), config_.head_dim, config_.rope);
+  if (config_.is_moe()) {
+    const size_t E = static_cast<size_t>(config_.num_experts);
+    expert_counts_.assign(static_cast<size_t>(config_.num_hidden_layers) * E, 0);
+    expert_bias_.assign(expert_counts_.size(), 0.0f);
+    forward_counts_.assign(E, 0);
+    forward_prob_sums_.assign(E, 0.0);
+  }
 }
 
 void LlamaModel::init_weights(uint64_t seed) { model::init_weights(layout_, params_.data(), seed); }
 
 Status LlamaModel::load_safetensors(const std::string& path) {
-  ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(path));
   std::vector<float> loaded(params_.size(), 0.0f);
-  for (const TensorSpec& t : layout_.tensors()) {
-    RETURN_IF_ERROR(reader.read_f32(t.name, t.shape, loaded.data() + t.offset));
-  }
+  RETURN_IF_ERROR(load_hf_weights(path, layout_, loaded.data()));
   params_.swap(loaded);
   return Status::OK();
 }
 
-void LlamaModel::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+void LlamaModel::zero_grads() {
+  std::fill(grads_.begin(), grads_.end(), 0.0f);
+  std::fill(expert_counts_.begin(), expert_counts_.end(), int64_t{0});
+}
+
+const float* LlamaModel::layer_selection_bias(int64_t layer) const {
+  if (config_.router_bias_update_rate <= 0) return nullptr;
+  return expert_bias_.data() + layer * config_.num_experts;
+}
+
+void LlamaModel::update_expert_bias() {
+  if (config_.router_bias_update_rate <= 0) return;
+  const int64_t E = config_.num_experts;
+  for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+    if (!config_.is_moe_layer(l)) continue;
+    kernels::moe_update_selection_bias(expert_bias_.data() + l * E, expert_counts_.data() + l * E, E,
+                                       static_cast<float>(config_.router_bias_update_rate));
+  }
+}
 
 void LlamaModel::check_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) const {
   const int64_t V = config_.vocab_size;
@@ -64,7 +87,7 @@ void LlamaModel::check_tokens(const int32_t* inputs, const int32_t* targets, int
 }
 
 void LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float* out /*(N,C)*/,
-                               int64_t B, int64_t T) {
+                               int64_t B, int64_t T, const RouterStats* stats) {
   namespace k = kernels::cpu;
   const LayerParams p = LayerParams::bind(params_.data(), layout_.layer(layer));
   const ActivationTable& a = acts_;
@@ -76,10 +99,18 @@ void LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float* o
   const int64_t D = config_.head_dim;
   const float eps = static_cast<float>(config_.rms_norm_eps);
 
-  // Attention block: h = x + o_proj(attention(rope(q), rope(k), v)).
+  // Attention block: h = x + o_proj(attention(rope(q), rope(k), v)); with qk_norm, q and k
+  // are RMS-normalised per head (rows of D) before RoPE.
   k::rmsnorm_forward(a.ln1, a.ln1_rstd, x, p.input_layernorm, N, C, eps);
-  k::linear_forward(a.q, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
-  k::linear_forward(a.k, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
+  if (p.q_norm != nullptr) {
+    k::linear_forward(a.q_raw, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
+    k::linear_forward(a.k_raw, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
+    k::rmsnorm_forward(a.q, a.q_norm_rstd, a.q_raw, p.q_norm, N * Hq, D, eps);
+    k::rmsnorm_forward(a.k, a.k_norm_rstd, a.k_raw, p.k_norm, N * Hkv, D, eps);
+  } else {
+    k::linear_forward(a.q, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
+    k::linear_forward(a.k, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
+  }
   k::linear_forward(a.v, a.ln1, p.v_proj, p.v_bias, N, C, Hkv * D);
   k::rope_forward(a.q, a.q, inv_freq_.data(), B, T, Hq, D);
   k::rope_forward(a.k, a.k, inv_freq_.data(), B, T, Hkv, D);
@@ -87,8 +118,14 @@ void LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float* o
   k::linear_forward(a.h, a.att, p.o_proj, nullptr, N, Hq * D, C);
   add_inplace(a.h, x, N * C);
 
-  // MLP block: out = h + down(silu(gate(ln2)) * up(ln2)).
+  // MLP block: out = h + mlp(ln2), mlp = down(silu(gate(ln2)) * up(ln2)) or the experts.
   k::rmsnorm_forward(a.ln2, a.ln2_rstd, a.h, p.post_attention_layernorm, N, C, eps);
+  if (config_.is_moe_layer(layer)) {
+    const MoeParams m = MoeParams::bind(params_.data(), layout_.layer(layer).moe);
+    moe_mlp_forward(config_, m, layer_selection_bias(layer), a, a.ln2, out, stats, N);
+    if (out != nullptr) add_inplace(out, a.h, N * C);
+    return;
+  }
   k::linear_forward(a.gate, a.ln2, p.gate_proj, nullptr, N, C, F);
   k::linear_forward(a.up, a.ln2, p.up_proj, nullptr, N, C, F);
   k::swiglu_forward(a.act, a.gate, a.up, N * F);
@@ -99,7 +136,7 @@ void LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float* o
 
 // Parameter gradients accumulate (+=); activation gradients overwrite (=).
 void LlamaModel::layer_backward(int64_t layer, const float* x /*(N,C)*/, float* dres /*(N,C)*/,
-                                int64_t B, int64_t T) {
+                                int64_t B, int64_t T, const float* prob_grad) {
   namespace k = kernels::cpu;
   const LayerParams p = LayerParams::bind(params_.data(), layout_.layer(layer));
   const LayerGrads g = LayerGrads::bind(grads_.data(), layout_.layer(layer));
@@ -111,12 +148,18 @@ void LlamaModel::layer_backward(int64_t layer, const float* x /*(N,C)*/, float* 
   const int64_t Hkv = config_.num_key_value_heads;
   const int64_t D = config_.head_dim;
 
-  // MLP block. out = h + down(act): dres is dL/dout, and dL/dh starts as dres.
-  k::linear_backward(a.d_act, g.down_proj, nullptr, dres, a.act, p.down_proj, N, F, C);
-  k::swiglu_backward(a.d_gate, a.d_up, a.d_act, a.gate, a.up, N * F);
-  k::linear_backward(a.d_ln, g.gate_proj, nullptr, a.d_gate, a.ln2, p.gate_proj, N, C, F);
-  k::linear_backward(a.d_tmp, g.up_proj, nullptr, a.d_up, a.ln2, p.up_proj, N, C, F);
-  add_inplace(a.d_ln, a.d_tmp, N * C);
+  // MLP block. out = h + mlp(ln2): dres is dL/dout, and dL/dh starts as dres.
+  if (config_.is_moe_layer(layer)) {
+    const MoeParams mp = MoeParams::bind(params_.data(), layout_.layer(layer).moe);
+    const MoeGrads mg = MoeGrads::bind(grads_.data(), layout_.layer(layer).moe);
+    moe_mlp_backward(config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N);
+  } else {
+    k::linear_backward(a.d_act, g.down_proj, nullptr, dres, a.act, p.down_proj, N, F, C);
+    k::swiglu_backward(a.d_gate, a.d_up, a.d_act, a.gate, a.up, N * F);
+    k::linear_backward(a.d_ln, g.gate_proj, nullptr, a.d_gate, a.ln2, p.gate_proj, N, C, F);
+    k::linear_backward(a.d_tmp, g.up_proj, nullptr, a.d_up, a.ln2, p.up_proj, N, C, F);
+    add_inplace(a.d_ln, a.d_tmp, N * C);
+  }
   k::rmsnorm_backward(a.d_tmp, g.post_attention_layernorm, a.d_ln, a.h, p.post_attention_layernorm,
                       a.ln2_rstd, N, C);
   add_inplace(dres, a.d_tmp, N * C);  // dres is now dL/dh
@@ -126,8 +169,16 @@ void LlamaModel::layer_backward(int64_t layer, const float* x /*(N,C)*/, float* 
   k::attention_backward(a.d_q, a.d_k, a.d_v, a.d_att, a.q, a.k, a.v, a.att, a.lse, B, T, Hq, Hkv, D);
   k::rope_backward(a.d_q, a.d_q, inv_freq_.data(), B, T, Hq, D);
   k::rope_backward(a.d_k, a.d_k, inv_freq_.data(), B, T, Hkv, D);
-  k::linear_backward(a.d_ln, g.q_proj, g.q_bias, a.d_q, a.ln1, p.q_proj, N, C, Hq * D);
-  k::linear_backward(a.d_tmp, g.k_proj, g.k_bias, a.d_k, a.ln1, p.k_proj, N, C, Hkv * D);
+  if (p.q_norm != nullptr) {
+    // Through the per-head norms; d_qk_raw serves q, then k.
+    k::rmsnorm_backward(a.d_qk_raw, g.q_norm, a.d_q, a.q_raw, p.q_norm, a.q_norm_rstd, N * Hq, D);
+    k::linear_backward(a.d_ln, g.q_proj, g.q_bias, a.d_qk_raw, a.ln1, p.q_proj, N, C, Hq * D);
+    k::rmsnorm_backward(a.d_qk_raw, g.k_norm, a.d_k, a.k_raw, p.k_norm, a.k_norm_rstd, N * Hkv, D);
+    k::linear_backward(a.d_tmp, g.k_proj, g.k_bias, a.d_qk_raw, a.ln1, p.k_proj, N, C, Hkv * D);
+  } else {
+    k::linear_backward(a.d_ln, g.q_proj, g.q_bias, a.d_q, a.ln1, p.q_proj, N, C, Hq * D);
+    k::linear_backward(a.d_tmp, g.k_proj, g.k_bias, a.d_k, a.ln1, p.k_proj, N, C, Hkv * D);
+  }
   add_inplace(a.d_ln, a.d_tmp, N * C);
   k::linear_backward(a.d_tmp, g.v_proj, g.v_bias, a.d_v, a.ln1, p.v_proj, N, C, Hkv * D);
   add_inplace(a.d_ln, a.d_tmp, N * C);
@@ -135,16 +186,34 @@ void LlamaModel::layer_backward(int64_t layer, const float* x /*(N,C)*/, float* 
   add_inplace(dres, a.d_tmp, N * C);  // dres is now dL/dx
 }
 
-void LlamaModel::forward(const int32_t* inputs, int64_t B, int64_t T) {
+void LlamaModel::forward(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens) {
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
+  const int64_t E = config_.num_experts;
+  {
+    Status window = config_.check_sequence_length(T, "LlamaModel config");
+    CHECK_MSG(window.ok(), window.to_string());
+  }
   acts_.reserve(config_, B, T);
+  std::fill(forward_counts_.begin(), forward_counts_.end(), int64_t{0});
+  std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
+  std::vector<int64_t> layer_counts(static_cast<size_t>(E));
   kernels::cpu::embedding_forward(acts_.checkpoints, inputs, params_.data() + layout_.embed_tokens(), N, C);
   for (int64_t l = 0; l < L; ++l) {
     const float* x = acts_.checkpoints + l * N * C;  // (N, C)
-    layer_forward(l, x, acts_.checkpoints + (l + 1) * N * C, B, T);
+    std::fill(layer_counts.begin(), layer_counts.end(), int64_t{0});
+    const RouterStats stats{layer_counts.data(), forward_prob_sums_.data()};
+    layer_forward(l, x, acts_.checkpoints + (l + 1) * N * C, B, T, &stats);
+    if (!config_.is_moe_layer(l)) continue;
+    for (int64_t e = 0; e < E; ++e) {
+      forward_counts_[e] += layer_counts[e];
+      if (count_tokens) expert_counts_[l * E + e] += layer_counts[e];
+    }
   }
+  last_aux_loss_ = config_.is_moe() ? kernels::moe_aux_loss(forward_counts_.data(), forward_prob_sums_.data(),
+                                                            config_.num_moe_layers() * N, E)
+                                    : 0.0;
   kernels::cpu::rmsnorm_forward(acts_.final_out, acts_.final_rstd, acts_.checkpoints + L * N * C,
                                 params_.data() + layout_.final_norm(), N, C,
                                 static_cast<float>(config_.rms_norm_eps));
@@ -153,7 +222,7 @@ void LlamaModel::forward(const int32_t* inputs, int64_t B, int64_t T) {
 double LlamaModel::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T) {
   CHECK(B > 0 && T > 0);
   check_tokens(inputs, targets, B * T);
-  forward(inputs, B, T);
+  forward(inputs, B, T, /*count_tokens=*/false);
   return kernels::cpu::lm_head_cross_entropy(
       nullptr, nullptr, acts_.final_out, params_.data() + layout_.lm_head(), targets, B * T,
       config_.hidden_size, config_.vocab_size, 1.0f, kLossChunkTokens);
@@ -167,7 +236,17 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
-  forward(inputs, B, T);
+  forward(inputs, B, T, /*count_tokens=*/true);
+
+  // The auxiliary loss's gradient with respect to the router softmax (see llama.h).
+  std::vector<float> prob_grad;
+  if (config_.is_moe() && config_.output_router_logits && config_.router_aux_loss_coef > 0) {
+    const double weight = static_cast<double>(grad_scale) * static_cast<double>(count_valid_targets(targets, N)) *
+                          config_.router_aux_loss_coef;
+    prob_grad.resize(static_cast<size_t>(config_.num_experts));
+    kernels::moe_aux_loss_prob_grad(prob_grad.data(), forward_counts_.data(), config_.num_moe_layers() * N,
+                                    config_.num_experts, weight);
+  }
 
   // With tied embeddings lm_head() is the embedding's offset, so both gradients add up there.
   const double loss = kernels::cpu::lm_head_cross_entropy(
@@ -181,8 +260,8 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
     const float* x = acts_.checkpoints + l * N * C;  // (N, C)
     // The scratch still holds the last layer's intermediates from forward; every other layer
     // is recomputed from its checkpoint.
-    if (l != L - 1) layer_forward(l, x, /*out=*/nullptr, B, T);
-    layer_backward(l, x, acts_.dres, B, T);
+    if (l != L - 1) layer_forward(l, x, /*out=*/nullptr, B, T, /*stats=*/nullptr);
+    layer_backward(l, x, acts_.dres, B, T, prob_grad.empty() ? nullptr : prob_grad.data());
   }
   kernels::cpu::embedding_backward(grads_.data() + layout_.embed_tokens(), acts_.dres, inputs, N, C);
   return loss;

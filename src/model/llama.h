@@ -1,5 +1,15 @@
 // LlamaModel: a Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) on the
-// CPU backend in fp32, with explicit per-layer forward and backward.
+// CPU backend in fp32, with explicit per-layer forward and backward. It runs every architecture
+// ModelConfig reads: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), and mixture-of-experts
+// MLPs with an optional shared expert (Mixtral, Qwen2-MoE, Qwen3-MoE; see moe_layer.h).
+//
+// MoE auxiliary loss: when config.output_router_logits and router_aux_loss_coef > 0, the
+// gradient of w * coef * aux is added, with aux computed over all MoE layers of the forward as
+// transformers' load_balancing_loss_func does and w = grad_scale * (valid targets of this
+// micro-batch). With one micro-batch and grad_scale = 1 / valid this is exactly the gradient of
+// transformers' loss, mean NLL + coef * aux. With several micro-batches sharing
+// grad_scale = 1 / (valid targets of the step), each micro-batch's aux is weighted by its share
+// of the step's tokens. The returned loss stays the NLL sum; last_aux_loss() reports aux.
 //
 // Activation memory: forward keeps only each layer's input (the layer-boundary checkpoint) plus
 // what the final norm and the LM head need; backward recomputes one layer at a time from its
@@ -16,6 +26,7 @@
 #include "core/status.h"
 #include "model/activations.h"
 #include "model/config.h"
+#include "model/moe_layer.h"
 #include "model/params.h"
 
 namespace strata::model {
@@ -44,8 +55,9 @@ class LlamaModel {
   const float* grads() const { return grads_.data(); }
 
   void init_weights(uint64_t seed);
-  // Fills every parameter from a single-file safetensors checkpoint by Hugging Face name
-  // (F32/BF16/F16). On error the parameters are unchanged and the Status names file and tensor.
+  // Fills every parameter by Hugging Face name from a safetensors file, index or directory
+  // (load_hf_weights, hf_io.h). On error the parameters are unchanged and the Status names file
+  // and tensor.
   Status load_safetensors(const std::string& path);
 
   void zero_grads();
@@ -58,14 +70,38 @@ class LlamaModel {
   // Same sum of NLLs without touching the gradients.
   double forward_loss(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T);
 
+  // MoE models: the auxiliary load-balancing loss of the last forward (0 for dense models),
+  // reported whether or not it joins the training loss.
+  double last_aux_loss() const { return last_aux_loss_; }
+  // (L, E) row-major: assignments (a token's K choices count K times) to each expert of each
+  // layer, summed over the forward_backward calls since the last zero_grads() (one optimizer
+  // step). Rows of dense layers are 0; empty for dense models.
+  const std::vector<int64_t>& expert_token_counts() const { return expert_counts_; }
+  // (L, E): the loss-free balancing selection bias (all 0 unless
+  // config.router_bias_update_rate > 0). Not a trained parameter; checkpoints save it apart.
+  const std::vector<float>& expert_selection_bias() const { return expert_bias_; }
+  std::vector<float>& mutable_expert_selection_bias() { return expert_bias_; }
+  // Loss-free balancing: moves each MoE layer's bias by rate * sign(mean load - load) using
+  // expert_token_counts(). Call once per optimizer step, after the micro-batches; a no-op
+  // unless config.router_bias_update_rate > 0.
+  void update_expert_bias();
+
  private:
   // Embedding, all layers, final norm; leaves the final norm's output in acts_.final_out.
-  void forward(const int32_t* inputs, int64_t B, int64_t T);
+  // Sets last_aux_loss_ and the router statistics of this forward (forward_counts_ and
+  // forward_prob_sums_, summed over MoE layers); when count_tokens, also adds the per-layer
+  // counts to expert_counts_.
+  void forward(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens);
   // One decoder layer from x (its checkpoint). When out is non-null, writes the layer output
   // there; backward's recomputation passes null because only the intermediates are needed.
-  void layer_forward(int64_t layer, const float* x, float* out, int64_t B, int64_t T);
-  // dres (N, C): on entry dL/d(layer output), on return dL/d(layer input x).
-  void layer_backward(int64_t layer, const float* x, float* dres, int64_t B, int64_t T);
+  // stats (null in the recomputation) receives the MoE router statistics.
+  void layer_forward(int64_t layer, const float* x, float* out, int64_t B, int64_t T,
+                     const RouterStats* stats);
+  // dres (N, C): on entry dL/d(layer output), on return dL/d(layer input x). prob_grad (E) or
+  // null: the auxiliary loss's gradient with respect to the router softmax.
+  void layer_backward(int64_t layer, const float* x, float* dres, int64_t B, int64_t T,
+                      const float* prob_grad);
+  const float* layer_selection_bias(int64_t layer) const;
   void check_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) const;
 
   ModelConfig config_;
@@ -74,6 +110,12 @@ class LlamaModel {
   std::vector<float> grads_;   // (total_size)
   std::vector<float> inv_freq_;  // (D/2) RoPE frequencies
   ActivationTable acts_;
+  // MoE state (empty for dense models).
+  std::vector<int64_t> expert_counts_;     // (L, E) since zero_grads()
+  std::vector<int64_t> forward_counts_;    // (E) this forward, summed over MoE layers
+  std::vector<double> forward_prob_sums_;  // (E) this forward, summed over MoE layers
+  std::vector<float> expert_bias_;         // (L, E) loss-free selection bias
+  double last_aux_loss_ = 0.0;
 };
 
 }  // namespace strata::model

@@ -52,6 +52,10 @@ ParamLayout::ParamLayout(const ModelConfig& config) {
   const int64_t F = config.intermediate_size;
   const int64_t q_dim = config.q_dim();
   const int64_t kv_dim = config.kv_dim();
+  const int64_t D = config.head_dim;
+  const int64_t E = config.num_experts;
+  const int64_t Fe = config.moe_intermediate_size;
+  const int64_t Fs = config.shared_expert_intermediate_size;
 
   embed_tokens_ = add("model.embed_tokens.weight", {V, C}, TensorKind::kMatrix);
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
@@ -65,10 +69,41 @@ ParamLayout::ParamLayout(const ModelConfig& config) {
     o.v_proj = add(p + "self_attn.v_proj.weight", {kv_dim, C}, TensorKind::kMatrix);
     if (config.attention_bias) o.v_bias = add(p + "self_attn.v_proj.bias", {kv_dim}, TensorKind::kBias);
     o.o_proj = add(p + "self_attn.o_proj.weight", {C, q_dim}, TensorKind::kMatrix);
+    if (config.qk_norm) {
+      o.q_norm = add(p + "self_attn.q_norm.weight", {D}, TensorKind::kNormWeight);
+      o.k_norm = add(p + "self_attn.k_norm.weight", {D}, TensorKind::kNormWeight);
+    }
     o.post_attention_layernorm = add(p + "post_attention_layernorm.weight", {C}, TensorKind::kNormWeight);
-    o.gate_proj = add(p + "mlp.gate_proj.weight", {F, C}, TensorKind::kMatrix);
-    o.up_proj = add(p + "mlp.up_proj.weight", {F, C}, TensorKind::kMatrix);
-    o.down_proj = add(p + "mlp.down_proj.weight", {C, F}, TensorKind::kMatrix);
+    if (!config.is_moe_layer(i)) {
+      o.gate_proj = add(p + "mlp.gate_proj.weight", {F, C}, TensorKind::kMatrix);
+      o.up_proj = add(p + "mlp.up_proj.weight", {F, C}, TensorKind::kMatrix);
+      o.down_proj = add(p + "mlp.down_proj.weight", {C, F}, TensorKind::kMatrix);
+    } else if (config.uses_mixtral_tensor_names()) {
+      // Mixtral: w1 = gate, w3 = up, w2 = down.
+      const std::string m = p + "block_sparse_moe.";
+      o.moe.router = add(m + "gate.weight", {E, C}, TensorKind::kMatrix);
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string x = fmt::format("{}experts.{}.", m, e);
+        o.moe.expert_gate.push_back(add(x + "w1.weight", {Fe, C}, TensorKind::kMatrix));
+        o.moe.expert_down.push_back(add(x + "w2.weight", {C, Fe}, TensorKind::kMatrix));
+        o.moe.expert_up.push_back(add(x + "w3.weight", {Fe, C}, TensorKind::kMatrix));
+      }
+    } else {
+      const std::string m = p + "mlp.";
+      o.moe.router = add(m + "gate.weight", {E, C}, TensorKind::kMatrix);
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string x = fmt::format("{}experts.{}.", m, e);
+        o.moe.expert_gate.push_back(add(x + "gate_proj.weight", {Fe, C}, TensorKind::kMatrix));
+        o.moe.expert_up.push_back(add(x + "up_proj.weight", {Fe, C}, TensorKind::kMatrix));
+        o.moe.expert_down.push_back(add(x + "down_proj.weight", {C, Fe}, TensorKind::kMatrix));
+      }
+      if (Fs > 0) {
+        o.moe.shared_gate_proj = add(m + "shared_expert.gate_proj.weight", {Fs, C}, TensorKind::kMatrix);
+        o.moe.shared_up_proj = add(m + "shared_expert.up_proj.weight", {Fs, C}, TensorKind::kMatrix);
+        o.moe.shared_down_proj = add(m + "shared_expert.down_proj.weight", {C, Fs}, TensorKind::kMatrix);
+        o.moe.shared_expert_gate = add(m + "shared_expert_gate.weight", {1, C}, TensorKind::kMatrix);
+      }
+    }
     layers_.push_back(o);
   }
   final_norm_ = add("model.norm.weight", {C}, TensorKind::kNormWeight);

@@ -1,7 +1,8 @@
 // Parameter layout: every parameter of a model lives in ONE flat fp32 buffer per kind (params,
 // grads, and later master/adam_m/adam_v and chunks), all sharing one ParamLayout. Tensors are
 // packed in first-use order (embeddings, layer 0 ... layer L-1, final norm, lm_head) at offsets
-// aligned to kParamAlignment elements, under their Hugging Face names.
+// aligned to kParamAlignment elements, under their Hugging Face names. Within an MoE layer:
+// router, then expert 0 (gate, up, down), expert 1, ..., then the shared expert and its gate.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kernels/moe.h"
 #include "model/config.h"
 
 namespace strata::model {
@@ -33,7 +35,20 @@ struct TensorSpec {
   TensorKind kind = TensorKind::kMatrix;
 };
 
-// Element offsets of one decoder layer's tensors in the flat buffer; -1 for absent biases.
+// Element offsets of one MoE block's tensors; empty / -1 in dense layers.
+struct MoeOffsets {
+  int64_t router = -1;                // (E, C)   mlp.gate / block_sparse_moe.gate
+  std::vector<int64_t> expert_gate;   // E x (Fe, C)  gate_proj / w1
+  std::vector<int64_t> expert_up;     // E x (Fe, C)  up_proj / w3
+  std::vector<int64_t> expert_down;   // E x (C, Fe)  down_proj / w2
+  int64_t shared_gate_proj = -1;      // (Fs, C) or -1
+  int64_t shared_up_proj = -1;        // (Fs, C)
+  int64_t shared_down_proj = -1;      // (C, Fs)
+  int64_t shared_expert_gate = -1;    // (1, C)
+};
+
+// Element offsets of one decoder layer's tensors in the flat buffer; -1 for absent tensors
+// (biases, q/k norms, and the dense MLP of an MoE layer).
 struct LayerOffsets {
   int64_t input_layernorm = -1;
   int64_t q_proj = -1;
@@ -43,10 +58,13 @@ struct LayerOffsets {
   int64_t v_proj = -1;
   int64_t v_bias = -1;
   int64_t o_proj = -1;
+  int64_t q_norm = -1;  // (D) Qwen3
+  int64_t k_norm = -1;  // (D) Qwen3
   int64_t post_attention_layernorm = -1;
   int64_t gate_proj = -1;
   int64_t up_proj = -1;
   int64_t down_proj = -1;
+  MoeOffsets moe;  // MoE layers only
 };
 
 // Named pointers to one layer's tensors inside a flat buffer. T = const float for parameters,
@@ -61,20 +79,55 @@ struct LayerTensors {
   T* v_proj;                    // (Hkv*D, C)
   T* v_bias;                    // (Hkv*D) or null
   T* o_proj;                    // (C, Hq*D)
+  T* q_norm;                    // (D) or null
+  T* k_norm;                    // (D) or null
   T* post_attention_layernorm;  // (C)
-  T* gate_proj;                 // (F, C)
-  T* up_proj;                   // (F, C)
-  T* down_proj;                 // (C, F)
+  T* gate_proj;                 // (F, C) or null in MoE layers
+  T* up_proj;                   // (F, C) or null
+  T* down_proj;                 // (C, F) or null
 
   static LayerTensors bind(T* base, const LayerOffsets& o) {
     auto at = [base](int64_t offset) -> T* { return offset < 0 ? nullptr : base + offset; };
-    return {at(o.input_layernorm), at(o.q_proj), at(o.q_bias), at(o.k_proj),
-            at(o.k_bias),          at(o.v_proj), at(o.v_bias), at(o.o_proj),
-            at(o.post_attention_layernorm), at(o.gate_proj), at(o.up_proj), at(o.down_proj)};
+    return {at(o.input_layernorm), at(o.q_proj),    at(o.q_bias), at(o.k_proj),
+            at(o.k_bias),          at(o.v_proj),    at(o.v_bias), at(o.o_proj),
+            at(o.q_norm),          at(o.k_norm),    at(o.post_attention_layernorm),
+            at(o.gate_proj),       at(o.up_proj),   at(o.down_proj)};
   }
 };
 using LayerParams = LayerTensors<const float>;
 using LayerGrads = LayerTensors<float>;
+
+// Named pointers to one MoE block's tensors (T as in LayerTensors). Owns its pointer arrays,
+// which kernels::ExpertTensors views.
+template <typename T>
+struct MoeTensors {
+  T* router = nullptr;  // (E, C)
+  std::vector<T*> expert_gate, expert_up, expert_down;  // E each
+  T* shared_gate_proj = nullptr;    // (Fs, C) or null
+  T* shared_up_proj = nullptr;      // (Fs, C) or null
+  T* shared_down_proj = nullptr;    // (C, Fs) or null
+  T* shared_expert_gate = nullptr;  // (1, C) or null
+
+  static MoeTensors bind(T* base, const MoeOffsets& o) {
+    auto at = [base](int64_t offset) -> T* { return offset < 0 ? nullptr : base + offset; };
+    MoeTensors m;
+    m.router = at(o.router);
+    for (int64_t off : o.expert_gate) m.expert_gate.push_back(at(off));
+    for (int64_t off : o.expert_up) m.expert_up.push_back(at(off));
+    for (int64_t off : o.expert_down) m.expert_down.push_back(at(off));
+    m.shared_gate_proj = at(o.shared_gate_proj);
+    m.shared_up_proj = at(o.shared_up_proj);
+    m.shared_down_proj = at(o.shared_down_proj);
+    m.shared_expert_gate = at(o.shared_expert_gate);
+    return m;
+  }
+  // View for the kernels; valid while this object lives.
+  kernels::ExpertTensors<T> experts() const {
+    return {expert_gate.data(), expert_up.data(), expert_down.data()};
+  }
+};
+using MoeParams = MoeTensors<const float>;
+using MoeGrads = MoeTensors<float>;
 
 class ParamLayout {
  public:

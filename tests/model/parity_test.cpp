@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/llama.h"
-#include "model/safetensors_min.h"
+#include "model/safetensors.h"
 #include "../test_util.h"
 #include "train/optimizer.h"
 
@@ -97,7 +97,7 @@ void check_parity(const std::string& variant) {
 
   Result<SafetensorsReader> grads = SafetensorsReader::open(dir + "/grads.safetensors");
   ASSERT_TRUE(grads.ok()) << grads.status().to_string();
-  EXPECT_EQ(grads->entries().size(), model.layout().tensors().size());
+  EXPECT_EQ(grads->tensors().size(), model.layout().tensors().size());
   double worst_grad = 0;
   std::string worst_grad_name;
   for (const TensorSpec& t : model.layout().tensors()) {

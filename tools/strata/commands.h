@@ -10,7 +10,9 @@ namespace strata::tools {
 inline constexpr const char* kVersion = "0.1.0";
 
 int train_command(const std::vector<std::string>& args);
+int bench_command(const std::vector<std::string>& args);
 int convert_command(const std::vector<std::string>& args);
 int plan_command(const std::vector<std::string>& args);
+int data_command(const std::vector<std::string>& args);
 
 }  // namespace strata::tools

@@ -32,8 +32,10 @@ int main(int argc, char** argv) {
   const std::string command = args[0];
   args.erase(args.begin());
   if (command == "train") return strata::tools::train_command(args);
+  if (command == "bench") return strata::tools::bench_command(args);
   if (command == "convert") return strata::tools::convert_command(args);
   if (command == "plan") return strata::tools::plan_command(args);
+  if (command == "data") return strata::tools::data_command(args);
   if (command == "version" || command == "--version") {
     std::printf("strata %s\n", strata::tools::kVersion);
     return 0;

@@ -1,0 +1,127 @@
+// The on-disk checkpoint format (docs/checkpoint-format.md): names, dtypes, the manifest and
+// the safetensors headers of a step directory. Model-agnostic: tensors are (name, dtype, shape)
+// and the model config is an opaque JSON object given by the caller.
+//
+//   DIR/latest                    "step-N", replaced atomically after each commit
+//   DIR/step-N/model.safetensors  parameters, by their Hugging Face names
+//   DIR/step-N/optimizer.safetensors  "master/NAME", "adam_m/NAME", "adam_v/NAME"
+//   DIR/step-N/manifest.json      written last; step, cursors, RNG, per-file size and xxh3_64
+//
+// Both .safetensors files pad their JSON header with spaces so that the data starts at a
+// multiple of kFileAlign (O_DIRECT writes), then hold the tensors back to back with no holes.
+//
+// Pure functions and value types; safe for concurrent use.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+
+namespace strata::ckpt {
+
+inline constexpr int kFormatVersion = 1;
+inline constexpr uint64_t kFileAlign = 4096;
+inline constexpr const char* kModelFile = "model.safetensors";
+inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
+inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kLatestFile = "latest";
+
+// What a saved tensor is. kParam goes to model.safetensors under its own name; the optimizer
+// kinds go to optimizer.safetensors under "<prefix>/<name>".
+enum class TensorKind : uint8_t { kParam, kMaster, kAdamM, kAdamV };
+inline constexpr int kTensorKindCount = 4;
+
+// "param", "master", "adam_m", "adam_v".
+const char* tensor_kind_name(TensorKind kind);
+// The name a tensor has in its file: "model.norm.weight" or "adam_m/model.norm.weight".
+std::string qualified_name(TensorKind kind, const std::string& name);
+// Splits a qualified name back; kParam for names without a known prefix.
+TensorKind kind_of_qualified(const std::string& qualified, std::string* name);
+// kModelFile for kParam, kOptimizerFile otherwise.
+const char* file_of_kind(TensorKind kind);
+
+enum class DType : uint8_t { kF32, kBF16 };
+const char* dtype_name(DType dtype);  // "F32", "BF16" (safetensors spelling)
+uint64_t dtype_size(DType dtype);
+std::optional<DType> parse_dtype(std::string_view name);
+
+inline uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+// "step-42"; parse_step_dir_name("step-42") == 42, nullopt for anything else ("step-42.tmp").
+std::string step_dir_name(int64_t step);
+std::optional<int64_t> parse_step_dir_name(std::string_view name);
+
+// 16 lowercase hex digits.
+std::string xxh3_hex(uint64_t hash);
+
+// One tensor of a safetensors file: `begin`/`end` count from the first data byte.
+struct HeaderEntry {
+  std::string name;  // qualified
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+};
+
+// The first data_start bytes of a safetensors file: 8-byte little-endian length, JSON, spaces
+// up to a multiple of kFileAlign. `entries` must tile [0, total) in order.
+std::string build_safetensors_header(const std::vector<HeaderEntry>& entries,
+                                     const std::map<std::string, std::string>& metadata);
+
+// A parsed header. Validates JSON, dtypes, shapes against byte counts, and that the tensors
+// tile the data section with no holes or overlaps and end exactly at `file_size`. Messages name
+// `path`.
+struct ParsedHeader {
+  uint64_t data_start = 0;
+  std::vector<HeaderEntry> entries;  // sorted by begin
+  std::map<std::string, std::string> metadata;
+};
+Result<ParsedHeader> parse_safetensors_header(const std::string& path, const std::string& prefix8,
+                                              const std::string& json_text, uint64_t file_size);
+
+struct DataCursor {
+  int64_t epoch = 0;
+  int64_t index = 0;
+};
+
+// The manifest fields the trainer supplies; the writer adds format_version, step and files.
+// JSON members are opaque to the checkpoint layer and default to empty objects.
+struct ManifestFields {
+  std::string strata_version;
+  uint64_t tokens_seen = 0;
+  DataCursor data_cursor;
+  int64_t optimizer_step = 0;
+  nlohmann::json rng = nlohmann::json::object();          // RNG states, any JSON
+  nlohmann::json lr_schedule = nlohmann::json::object();  // LR schedule state
+  nlohmann::json precision = nlohmann::json::object();    // loss scale, FP8 amax histories, ...
+  nlohmann::json model_config = nlohmann::json::object(); // the HF config.json, typically
+  nlohmann::json layout = nlohmann::json::object();       // informational: how it was laid out
+  nlohmann::json extra = nlohmann::json::object();        // future fields
+};
+
+struct FileRecord {
+  uint64_t size = 0;
+  uint64_t xxh3 = 0;
+};
+
+struct Manifest {
+  int format_version = kFormatVersion;
+  int64_t step = 0;
+  ManifestFields fields;
+  std::map<std::string, FileRecord> files;  // by file name within the step directory
+};
+
+nlohmann::json manifest_to_json(const Manifest& manifest);
+// Messages name `path`. A format_version above kFormatVersion is refused with
+// "checkpoint <step_dir> was written by a newer strata (format 2; this build reads 1); upgrade strata".
+Result<Manifest> manifest_from_json(const std::string& path, const std::string& step_dir,
+                                    const nlohmann::json& json);
+
+}  // namespace strata::ckpt

@@ -1,0 +1,238 @@
+// CheckpointReader: path resolution, manifest and header validation, tensor reads.
+#include "ckpt/reader.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <filesystem>
+
+namespace strata::ckpt {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string trim(std::string s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  size_t b = 0;
+  while (b < s.size() && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  return s.substr(b);
+}
+
+bool is_dir(const std::string& p) {
+  struct stat st;
+  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool exists(const std::string& p) {
+  struct stat st;
+  return ::stat(p.c_str(), &st) == 0;
+}
+
+float bf16_to_f32(uint16_t bits) {
+  const uint32_t u = uint32_t{bits} << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+Status pread_all(int fd, const std::string& path, void* out, uint64_t bytes, uint64_t offset) {
+  char* p = static_cast<char*>(out);
+  uint64_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pread(fd, p + done, bytes - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return sys_error("read at offset " + std::to_string(offset + done) + " of", path, errno);
+    }
+    if (n == 0) {
+      return Status::Corruption(path + " ends at offset " + std::to_string(offset + done) +
+                                ", before the data its header describes; the file is truncated");
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<std::string> resolve_checkpoint_path(const std::string& input) {
+  std::string path = input;
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  std::string latest;
+  if (is_dir(path) && exists(path + "/" + kManifestFile)) return path;
+  if (is_dir(path)) {
+    latest = path + "/" + kLatestFile;
+    if (!exists(latest)) {
+      // A step directory whose manifest is missing, or a directory with no checkpoint at all.
+      if (parse_step_dir_name(fs::path(path).filename().string())) {
+        return Status::NotFound("checkpoint " + path + " has no " + kManifestFile + " (" + path + "/" +
+                                kManifestFile + " is missing); the save did not finish or the file was deleted");
+      }
+      return Status::NotFound("no checkpoint in " + path + ": " + latest +
+                              " does not exist (pass a step-N directory to load a specific one)");
+    }
+  } else if (fs::path(path).filename() == kLatestFile) {
+    latest = path;
+  } else {
+    return Status::NotFound("checkpoint " + path + " does not exist");
+  }
+  ASSIGN_OR_RETURN(std::string text, read_small_file(latest, 4096));
+  const std::string name = trim(text);
+  if (!parse_step_dir_name(name)) {
+    return Status::Corruption(latest + " holds '" + name + "', not a step-N name; the file is damaged");
+  }
+  const std::string dir = fs::path(latest).parent_path().string();
+  const std::string step_dir = (dir.empty() ? std::string(".") : dir) + "/" + name;
+  if (!is_dir(step_dir)) return Status::NotFound(latest + " names " + step_dir + ", which does not exist");
+  if (!exists(step_dir + "/" + kManifestFile)) {
+    return Status::NotFound("checkpoint " + step_dir + " has no " + kManifestFile + " (" + step_dir + "/" +
+                            kManifestFile + " is missing)");
+  }
+  return step_dir;
+}
+
+Result<uint64_t> hash_file(const std::string& path) {
+  ASSIGN_OR_RETURN(UniqueFd fd, open_file(path, O_RDONLY));
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
+  CHECK(state != nullptr);
+  XXH3_64bits_reset(state.get());
+  std::vector<char> buf(8 << 20);
+  for (;;) {
+    const ssize_t n = ::read(fd.get(), buf.data(), buf.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return sys_error("read of", path, errno);
+    }
+    if (n == 0) break;
+    XXH3_64bits_update(state.get(), buf.data(), static_cast<size_t>(n));
+  }
+  return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));
+}
+
+Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::string& path,
+                                                                 const ReaderOpenOptions& options) {
+  std::unique_ptr<CheckpointReader> r(new CheckpointReader());
+  ASSIGN_OR_RETURN(r->step_dir_, resolve_checkpoint_path(path));
+  const std::string manifest_path = r->step_dir_ + "/" + kManifestFile;
+  ASSIGN_OR_RETURN(std::string text, read_small_file(manifest_path));
+  r->manifest_json_ = nlohmann::json::parse(text, nullptr, false);
+  if (r->manifest_json_.is_discarded()) {
+    return Status::Corruption(manifest_path + " is not valid JSON; the checkpoint is damaged");
+  }
+  ASSIGN_OR_RETURN(r->manifest_, manifest_from_json(manifest_path, r->step_dir_, r->manifest_json_));
+  for (const char* name : {kModelFile, kOptimizerFile}) {
+    if (r->manifest_.files.count(name) == 0) {
+      return Status::Corruption(manifest_path + " does not list " + name + "; the checkpoint is damaged");
+    }
+  }
+  for (const auto& [name, rec] : r->manifest_.files) {
+    SavedFile f{name, r->step_dir_ + "/" + name, rec.size, rec.xxh3};
+    struct stat st;
+    if (::stat(f.path.c_str(), &st) != 0) {
+      return Status::NotFound("checkpoint file " + f.path + " is missing (listed in " + manifest_path + ")");
+    }
+    if (static_cast<uint64_t>(st.st_size) != rec.size) {
+      return Status::Corruption("checkpoint file " + f.path + " is " + std::to_string(st.st_size) +
+                                " bytes but the manifest records " + std::to_string(rec.size) +
+                                (static_cast<uint64_t>(st.st_size) < rec.size ? "; the file is truncated"
+                                                                               : "; the file was modified"));
+    }
+    r->files_.push_back(std::move(f));
+  }
+  if (options.verify) RETURN_IF_ERROR(r->verify());
+  for (size_t i = 0; i < r->files_.size(); ++i) {
+    const SavedFile& f = r->files_[i];
+    if (f.name != kModelFile && f.name != kOptimizerFile) {
+      r->fds_.emplace_back();
+      continue;
+    }
+    ASSIGN_OR_RETURN(UniqueFd fd, open_file(f.path, O_RDONLY));
+    std::string prefix(8, '\0');
+    if (f.size < 8) return Status::Corruption(f.path + " is " + std::to_string(f.size) + " bytes; too short for a header");
+    RETURN_IF_ERROR(pread_all(fd.get(), f.path, prefix.data(), 8, 0));
+    uint64_t n = 0;
+    for (int b = 0; b < 8; ++b) n |= uint64_t(static_cast<unsigned char>(prefix[b])) << (8 * b);
+    if (n > f.size - 8 || n > 100'000'000) {
+      return Status::Corruption(f.path + " declares a " + std::to_string(n) +
+                                "-byte header, larger than the file; the file is damaged");
+    }
+    std::string header(n, '\0');
+    RETURN_IF_ERROR(pread_all(fd.get(), f.path, header.data(), n, 8));
+    ASSIGN_OR_RETURN(ParsedHeader parsed, parse_safetensors_header(f.path, prefix, header, f.size));
+    for (const HeaderEntry& e : parsed.entries) {
+      SavedTensor t;
+      t.name = e.name;
+      std::string base;
+      t.kind = f.name == kModelFile ? TensorKind::kParam : kind_of_qualified(e.name, &base);
+      t.dtype = e.dtype;
+      t.shape = e.shape;
+      t.nbytes = e.end - e.begin;
+      t.numel = t.nbytes / dtype_size(e.dtype);
+      t.file = static_cast<int>(i);
+      t.offset = parsed.data_start + e.begin;
+      if (!r->by_name_.emplace(t.name, r->tensors_.size()).second) {
+        return Status::Corruption(f.path + ": tensor '" + t.name + "' appears twice in the checkpoint");
+      }
+      r->tensors_.push_back(std::move(t));
+    }
+    r->fds_.push_back(std::move(fd));
+  }
+  return r;
+}
+
+const SavedTensor* CheckpointReader::find(const std::string& qualified) const {
+  auto it = by_name_.find(qualified);
+  return it == by_name_.end() ? nullptr : &tensors_[it->second];
+}
+
+Status CheckpointReader::read_at(int file, void* out, uint64_t bytes, uint64_t offset) const {
+  return pread_all(fds_[file].get(), files_[file].path, out, bytes, offset);
+}
+
+Status CheckpointReader::read_raw(const std::string& qualified, void* out, uint64_t bytes) const {
+  const SavedTensor* t = find(qualified);
+  if (t == nullptr) return Status::NotFound("checkpoint " + step_dir_ + " has no tensor '" + qualified + "'");
+  if (bytes != t->nbytes) {
+    return Status::InvalidArgument("tensor '" + qualified + "' in " + step_dir_ + " holds " + std::to_string(t->nbytes) +
+                                   " bytes, not " + std::to_string(bytes));
+  }
+  return read_at(t->file, out, bytes, t->offset);
+}
+
+Status CheckpointReader::read_f32(const std::string& qualified, float* out, uint64_t count) const {
+  const SavedTensor* t = find(qualified);
+  if (t == nullptr) return Status::NotFound("checkpoint " + step_dir_ + " has no tensor '" + qualified + "'");
+  if (count != t->numel) {
+    return Status::InvalidArgument("tensor '" + qualified + "' in " + step_dir_ + " has " + std::to_string(t->numel) +
+                                   " elements, not " + std::to_string(count));
+  }
+  if (t->dtype == DType::kF32) return read_at(t->file, out, t->nbytes, t->offset);
+  // BF16: through a bounded staging buffer.
+  constexpr uint64_t kPiece = uint64_t{1} << 20;  // elements
+  std::vector<uint16_t> staging(std::min(count, kPiece));
+  for (uint64_t i = 0; i < count; i += kPiece) {
+    const uint64_t m = std::min(kPiece, count - i);
+    RETURN_IF_ERROR(read_at(t->file, staging.data(), m * 2, t->offset + i * 2));
+    for (uint64_t k = 0; k < m; ++k) out[i + k] = bf16_to_f32(staging[k]);
+  }
+  return Status::OK();
+}
+
+Status CheckpointReader::verify() const {
+  for (const SavedFile& f : files_) {
+    ASSIGN_OR_RETURN(uint64_t h, hash_file(f.path));
+    if (h != f.xxh3) {
+      return Status::Corruption("checksum mismatch in checkpoint file " + f.path + ": xxh3_64 is " + xxh3_hex(h) +
+                                " but the manifest records " + xxh3_hex(f.xxh3) +
+                                "; the file is corrupt (restore it or load an earlier step)");
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace strata::ckpt

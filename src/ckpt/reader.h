@@ -1,0 +1,94 @@
+// CheckpointReader: opens a committed checkpoint, validates it and reads tensors by name.
+//
+// open(path) accepts DIR (follows DIR/latest), DIR/latest, or DIR/step-N. It parses and checks
+// manifest.json (a newer format_version is refused with a message saying to upgrade), checks
+// that every file the manifest lists exists with the recorded size, optionally recomputes the
+// xxh3_64 checksums (verify=true), and validates both safetensors headers. Every error names
+// the file: NotFound for a missing file, Corruption for truncation, checksum mismatches and
+// malformed headers, Unimplemented for a newer format.
+//
+// Reads use pread on descriptors the reader owns (closed by the destructor).
+// Thread safety: after open(), every const method is safe for concurrent use.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ckpt/format.h"
+#include "ckpt/fs_util.h"
+#include "core/status.h"
+
+namespace strata::ckpt {
+
+struct ReaderOpenOptions {
+  bool verify = false;  // recompute and compare every file's xxh3_64
+};
+
+struct SavedTensor {
+  std::string name;            // qualified: "model.norm.weight", "adam_m/model.norm.weight"
+  TensorKind kind = TensorKind::kParam;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t numel = 0;
+  uint64_t nbytes = 0;
+  int file = 0;                // index into files()
+  uint64_t offset = 0;         // absolute file offset of the first byte
+};
+
+struct SavedFile {
+  std::string name;  // kModelFile, kOptimizerFile
+  std::string path;
+  uint64_t size = 0;
+  uint64_t xxh3 = 0;  // from the manifest
+};
+
+class CheckpointReader {
+ public:
+  static Result<std::unique_ptr<CheckpointReader>> open(const std::string& path,
+                                                        const ReaderOpenOptions& options = {});
+  CheckpointReader(const CheckpointReader&) = delete;
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+
+  const std::string& step_dir() const { return step_dir_; }
+  int64_t step() const { return manifest_.step; }
+  const Manifest& manifest() const { return manifest_; }
+  const nlohmann::json& manifest_json() const { return manifest_json_; }
+  const std::vector<SavedFile>& files() const { return files_; }
+  const std::vector<SavedTensor>& tensors() const { return tensors_; }  // by file, then offset
+  // nullptr when absent. `qualified` as in tensors(): use qualified_name(kind, name).
+  const SavedTensor* find(const std::string& qualified) const;
+
+  // Reads tensor `qualified` into out[0, count) as fp32 (BF16 converted). InvalidArgument
+  // when count differs from the tensor's element count, NotFound for an unknown name.
+  Status read_f32(const std::string& qualified, float* out, uint64_t count) const;
+  // Reads the tensor's stored bytes unchanged; `bytes` must equal its nbytes.
+  Status read_raw(const std::string& qualified, void* out, uint64_t bytes) const;
+
+  // Recomputes every file's xxh3_64; Corruption naming the first file that differs.
+  Status verify() const;
+
+ private:
+  CheckpointReader() = default;
+  Status read_at(int file, void* out, uint64_t bytes, uint64_t offset) const;
+
+  std::string step_dir_;
+  Manifest manifest_;
+  nlohmann::json manifest_json_;
+  std::vector<SavedFile> files_;
+  std::vector<UniqueFd> fds_;
+  std::vector<SavedTensor> tensors_;
+  std::map<std::string, size_t> by_name_;
+};
+
+// Resolves DIR, DIR/latest or DIR/step-N to the step directory. NotFound naming what is missing.
+Result<std::string> resolve_checkpoint_path(const std::string& path);
+
+// xxh3_64 of a whole file, read in large pieces.
+Result<uint64_t> hash_file(const std::string& path);
+
+}  // namespace strata::ckpt

@@ -1,0 +1,153 @@
+// CheckpointWriter: asynchronous, atomic checkpoints (DESIGN §3.6, docs/checkpoint-format.md).
+//
+// The trainer's state is a list of regions: contiguous host buffers (the flat fp32 parameters,
+// Adam m, Adam v, later chunks), each holding tensors at byte offsets. begin_save() plans the
+// files and returns; a background thread writes the tensors straight from the live regions
+// through an IoEngine with O_DIRECT (staging only what is misaligned), hashes them (xxh3_64),
+// and commits:
+//   DIR/step-N.tmp/{model,optimizer}.safetensors, fsync each; manifest.json, fsync;
+//   fsync step-N.tmp; rename to DIR/step-N; fsync DIR; DIR/latest.tmp := "step-N", fsync,
+//   rename over DIR/latest, fsync DIR; then keep-last-K retention.
+//
+// Copy-on-write: while a save is in flight the trainer must call before_modify(region, b, e)
+// before it overwrites bytes [b, e) of a region. If some of those bytes are not yet persisted,
+// the writer copies them into its staging memory (when the staging budget allows) or makes the
+// trainer wait until they are written (the writer serves that range first). Either way the
+// checkpoint holds the state at begin_save() exactly; a stall is bounded by one piece's write.
+//
+// A failed save (EIO, ENOSPC, ...) logs one line naming the file and the directory, removes its
+// step-N.tmp and leaves DIR/latest and every earlier checkpoint untouched; wait()/poll() return
+// the error and the writer can save again.
+//
+// Ownership: the writer owns its background thread, its staging memory and the IoEngine of
+// each save (made by `engine_factory` per save, so that files registered with io_uring are
+// released when the save ends). Regions are borrowed: they must stay allocated, at the same
+// address, until the save ends (in_flight() false, or wait() returned).
+// Thread safety: begin_save, in_flight, wait, poll, cancel and last_stats are meant for one
+// (trainer) thread; before_modify may be called from any thread, concurrently.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ckpt/format.h"
+#include "core/status.h"
+#include "core/units.h"
+#include "memory/io_engine.h"
+
+namespace strata::ckpt {
+
+// One tensor inside a region.
+struct RegionTensor {
+  std::string name;            // Hugging Face name, without the kind prefix
+  std::vector<int64_t> shape;  // row-major; {} for a scalar
+  DType dtype = DType::kF32;
+  uint64_t offset = 0;         // byte offset within the region
+};
+
+// A contiguous host buffer holding tensors of one kind. Tensors may sit anywhere inside it
+// (gaps allowed) but must not overlap.
+struct Region {
+  TensorKind kind = TensorKind::kParam;
+  const void* data = nullptr;  // borrowed; 4 KiB alignment lets pieces be written in place
+  uint64_t size = 0;           // bytes
+  std::vector<RegionTensor> tensors;
+};
+
+struct SaveRequest {
+  std::string dir;  // the checkpoint directory; created when missing
+  int64_t step = 0;
+  std::vector<Region> regions;  // before_modify's `region` indexes this vector
+  ManifestFields manifest;
+};
+
+enum class IfBusy : uint8_t {
+  kWait,  // begin_save waits for the save in flight, then starts
+  kSkip,  // begin_save logs a line and returns SaveStart::kSkippedBusy
+};
+
+enum class SaveStart : uint8_t { kStarted, kSkippedBusy };
+
+using IoEngineFactory = std::function<Result<std::unique_ptr<IoEngine>>()>;
+
+struct CheckpointWriterOptions {
+  uint64_t staging_bytes = 64 * kMiB;  // alignment staging + copy-on-write copies; >= 64 KiB
+  int keep_last = 0;                    // keep the K newest committed steps; 0 keeps all
+  IfBusy if_busy = IfBusy::kWait;
+  uint32_t max_in_flight = 8;           // write requests outstanding at once
+  bool direct_io = true;                // O_DIRECT (falls back to buffered where refused)
+  IoEngineOptions io;                   // used when engine_factory is empty
+  IoEngineFactory engine_factory;       // called once per save; empty: make_io_engine(io)
+};
+
+// Figures of the last save, for logs, goodput and tests.
+struct SaveStats {
+  int64_t step = -1;
+  uint64_t file_bytes = 0;        // both .safetensors files
+  uint64_t direct_bytes = 0;      // written straight from the regions
+  uint64_t staged_bytes = 0;      // copied into staging for alignment
+  uint64_t cow_copied_bytes = 0;  // copied by before_modify
+  uint64_t cow_waits = 0;         // before_modify calls that waited for a write
+  double cow_wait_seconds = 0;    // total time before_modify callers waited
+  double write_seconds = 0;       // begin_save to data on disk
+  double total_seconds = 0;       // begin_save to committed
+  std::string engine;             // IoEngine::name()
+};
+
+class CheckpointWriter {
+ public:
+  explicit CheckpointWriter(CheckpointWriterOptions options = {});
+  ~CheckpointWriter();  // waits for the save in flight
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Validates the request (InvalidArgument naming the tensor), removes stale DIR/step-*.tmp
+  // left by a crash (one log line each), creates DIR/step-N.tmp and starts writing. Errors
+  // before the thread starts are returned here; later ones by wait()/poll().
+  Result<SaveStart> begin_save(const SaveRequest& request);
+
+  // REQUIRES: 0 <= region < regions of the save in flight, begin <= end <= its size. Returns
+  // at once when no save is in flight or the bytes are already persisted.
+  void before_modify(int region, uint64_t begin, uint64_t end);
+
+  bool in_flight() const;
+  // Blocks until the save in flight ends; returns the outcome of the last save (OK when none).
+  Status wait();
+  // OK while a save runs; once it has ended, its outcome (joins the thread).
+  Status poll();
+  // Stops the save in flight as soon as its writes in flight complete; it fails with
+  // "cancelled" and removes its tmp dir. No-op when idle.
+  void cancel();
+  SaveStats last_stats() const;
+
+ private:
+  struct Job;
+  void run(Job* job);
+  Status write_data(Job* job);
+  Status commit(Job* job);
+  void join_locked_out();
+
+  const CheckpointWriterOptions options_;
+  std::unique_ptr<Job> job_;           // the save in flight or last ended; trainer thread only
+  std::thread thread_;
+  std::atomic<bool> running_{false};   // a job's thread has not finished
+  std::atomic<bool> cow_active_{false};  // the job's regions may still be needed
+  Status last_status_;                 // trainer thread only
+  mutable std::mutex stats_mu_;
+  SaveStats stats_;                    // GUARDED_BY(stats_mu_)
+};
+
+// Removes DIR/step-*.tmp directories (logging each); used at the start of every save.
+Status remove_stale_tmp_dirs(const std::string& dir);
+// Deletes committed DIR/step-N directories beyond the `keep_last` newest, never `protect`
+// (the one latest names). Logs each deletion.
+Status apply_retention(const std::string& dir, int keep_last, const std::string& protect);
+
+}  // namespace strata::ckpt

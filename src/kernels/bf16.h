@@ -1,0 +1,24 @@
+// bfloat16 <-> fp32 on the CPU. bf16 is the top half of an fp32: widening is exact, narrowing
+// rounds to nearest, ties to even. Subnormals are kept (no flush to zero), overflow rounds to
+// infinity, and a NaN stays a NaN (quiet bit set) with its sign. Pure functions.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+
+namespace strata::kernels {
+
+inline float bf16_to_f32(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
+
+inline uint16_t f32_to_bf16(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  // Adding 0x7FFF plus the lowest kept bit carries into the kept half exactly when the dropped
+  // half is above one half, or equal to it with an odd kept half.
+  const uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+}  // namespace strata::kernels

@@ -1,0 +1,370 @@
+// AdamW on host-resident optimizer chunks: AVX-512 and AVX2 kernels chosen at run time, each
+// bitwise equal to kernels::ref::adamw_step (see adamw.cpp for the operation order).
+//
+// The vector code issues one intrinsic per operation of the reference, in the same order.
+// GCC implements the arithmetic intrinsics as plain vector operators, so it could fuse a
+// multiply and an add into an FMA (one rounding instead of two) like any other expression;
+// contraction is therefore turned off for this file, before the intrinsic headers are read.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include "kernels/adamw_simd.h"
+
+// GCC 12's AVX-512 headers make false -Wmaybe-uninitialized reports (GCC PR 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <string_view>
+
+#include "core/check.h"
+#include "core/log.h"
+#include "kernels/bf16.h"
+
+#define STRATA_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define STRATA_TARGET_AVX2 __attribute__((target("avx2")))
+
+namespace strata::kernels {
+namespace {
+
+// Elements per OpenMP work item: 64K fp32 = 256 KiB per array, large enough that scheduling
+// is free and small enough that the tail block of a chunk does not leave cores idle for long.
+constexpr int64_t kBlock = int64_t{1} << 16;
+
+// The fp32 scalars of one step, formed exactly as adamw.cpp forms them (in double, then cast),
+// so that the vector kernels and the reference multiply by the same numbers.
+struct Scalars {
+  float decay;          // 1 - lr * weight_decay
+  bool lerp_small;      // exp_avg.lerp_(grad, w) with w = 1 - beta1 < 0.5: m + w * (g - m)
+  float lerp_factor;    // w when lerp_small, else 1 - w for g - (g - m) * (1 - w)
+  float beta2;
+  float one_minus_b2;
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+};
+
+Scalars make_scalars(const AdamWParams& p) {
+  CHECK_MSG(p.step >= 1, "adamw step counts from 1");
+  const double lr = p.lr, beta1 = p.beta1, beta2 = p.beta2;
+  const double step = static_cast<double>(p.step);
+  Scalars s;
+  s.decay = static_cast<float>(1.0 - lr * double(p.weight_decay));
+  const float lerp_weight = static_cast<float>(1.0 - beta1);
+  s.lerp_small = std::fabs(lerp_weight) < 0.5f;
+  s.lerp_factor = s.lerp_small ? lerp_weight : 1.0f - lerp_weight;
+  s.beta2 = p.beta2;
+  s.one_minus_b2 = static_cast<float>(1.0 - beta2);
+  s.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
+  s.eps = p.eps;
+  s.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, step))));
+  return s;
+}
+
+// ---- scalar -------------------------------------------------------------------------------
+
+// One element, in the reference's order. Also the tail of the AVX2 kernel.
+template <bool kSmall>
+inline float update_one(float g, float& w, float& m, float& v, const Scalars& s) {
+  const float wd = w * s.decay;
+  const float mi = kSmall ? m + s.lerp_factor * (g - m) : g - (g - m) * s.lerp_factor;
+  float vi = v * s.beta2;
+  vi = vi + s.one_minus_b2 * g * g;
+  const float denom = std::sqrt(vi) / s.bc2_sqrt + s.eps;
+  w = wd + s.neg_step_size * mi / denom;
+  m = mi;
+  v = vi;
+  return w;
+}
+
+template <bool kSmall>
+void f32_scalar(float* w, const float* g, float* m, float* v, int64_t n, const Scalars& s) {
+  for (int64_t i = 0; i < n; ++i) update_one<kSmall>(g[i], w[i], m[i], v[i], s);
+}
+
+template <bool kSmall>
+void mixed_scalar(float* w, const uint16_t* g, float* m, float* v, uint16_t* out, int64_t n,
+                  const Scalars& s) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = f32_to_bf16(update_one<kSmall>(bf16_to_f32(g[i]), w[i], m[i], v[i], s));
+  }
+}
+
+// ---- AVX-512 ------------------------------------------------------------------------------
+
+struct Vec512 {
+  __m512 decay, lerp_factor, beta2, one_minus_b2, bc2_sqrt, eps, neg_step_size;
+};
+
+STRATA_TARGET_AVX512 inline Vec512 broadcast512(const Scalars& s) {
+  return {_mm512_set1_ps(s.decay),    _mm512_set1_ps(s.lerp_factor),  _mm512_set1_ps(s.beta2),
+          _mm512_set1_ps(s.one_minus_b2), _mm512_set1_ps(s.bc2_sqrt), _mm512_set1_ps(s.eps),
+          _mm512_set1_ps(s.neg_step_size)};
+}
+
+// 16 elements: w, m, v are updated in place; returns the new w.
+template <bool kSmall>
+STRATA_TARGET_AVX512 inline __m512 update512(__m512 g, __m512& w, __m512& m, __m512& v,
+                                             const Vec512& c) {
+  const __m512 wd = _mm512_mul_ps(w, c.decay);
+  const __m512 diff = _mm512_sub_ps(g, m);
+  m = kSmall ? _mm512_add_ps(m, _mm512_mul_ps(c.lerp_factor, diff))
+             : _mm512_sub_ps(g, _mm512_mul_ps(diff, c.lerp_factor));
+  v = _mm512_add_ps(_mm512_mul_ps(v, c.beta2), _mm512_mul_ps(_mm512_mul_ps(c.one_minus_b2, g), g));
+  const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bc2_sqrt), c.eps);
+  w = _mm512_add_ps(wd, _mm512_div_ps(_mm512_mul_ps(c.neg_step_size, m), denom));
+  return w;
+}
+
+STRATA_TARGET_AVX512 inline __m512 widen_bf16_512(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Round to nearest even with integer arithmetic, as f32_to_bf16 does. (VCVTNEPS2BF16 would
+// flush subnormals to zero, so it is not used.)
+STRATA_TARGET_AVX512 inline __m256i narrow_bf16_512(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i high = _mm512_srli_epi32(bits, 16);
+  const __m512i rounding =
+      _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, rounding), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(high, _mm512_set1_epi32(0x0040)));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <bool kSmall>
+STRATA_TARGET_AVX512 void f32_avx512(float* w, const float* g, float* m, float* v, int64_t n,
+                                     const Scalars& s) {
+  const Vec512 c = broadcast512(s);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 wi = _mm512_loadu_ps(w + i), mi = _mm512_loadu_ps(m + i), vi = _mm512_loadu_ps(v + i);
+    update512<kSmall>(_mm512_loadu_ps(g + i), wi, mi, vi, c);
+    _mm512_storeu_ps(w + i, wi);
+    _mm512_storeu_ps(m + i, mi);
+    _mm512_storeu_ps(v + i, vi);
+  }
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    __m512 wi = _mm512_maskz_loadu_ps(k, w + i), mi = _mm512_maskz_loadu_ps(k, m + i);
+    __m512 vi = _mm512_maskz_loadu_ps(k, v + i);
+    update512<kSmall>(_mm512_maskz_loadu_ps(k, g + i), wi, mi, vi, c);
+    _mm512_mask_storeu_ps(w + i, k, wi);
+    _mm512_mask_storeu_ps(m + i, k, mi);
+    _mm512_mask_storeu_ps(v + i, k, vi);
+  }
+}
+
+template <bool kSmall>
+STRATA_TARGET_AVX512 void mixed_avx512(float* w, const uint16_t* g, float* m, float* v,
+                                       uint16_t* out, int64_t n, const Scalars& s) {
+  const Vec512 c = broadcast512(s);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gi = widen_bf16_512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i)));
+    __m512 wi = _mm512_loadu_ps(w + i), mi = _mm512_loadu_ps(m + i), vi = _mm512_loadu_ps(v + i);
+    update512<kSmall>(gi, wi, mi, vi, c);
+    _mm512_storeu_ps(w + i, wi);
+    _mm512_storeu_ps(m + i, mi);
+    _mm512_storeu_ps(v + i, vi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), narrow_bf16_512(wi));
+  }
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 gi = widen_bf16_512(_mm256_maskz_loadu_epi16(k, g + i));
+    __m512 wi = _mm512_maskz_loadu_ps(k, w + i), mi = _mm512_maskz_loadu_ps(k, m + i);
+    __m512 vi = _mm512_maskz_loadu_ps(k, v + i);
+    update512<kSmall>(gi, wi, mi, vi, c);
+    _mm512_mask_storeu_ps(w + i, k, wi);
+    _mm512_mask_storeu_ps(m + i, k, mi);
+    _mm512_mask_storeu_ps(v + i, k, vi);
+    _mm256_mask_storeu_epi16(out + i, k, narrow_bf16_512(wi));
+  }
+}
+
+// ---- AVX2 ---------------------------------------------------------------------------------
+
+struct Vec256 {
+  __m256 decay, lerp_factor, beta2, one_minus_b2, bc2_sqrt, eps, neg_step_size;
+};
+
+STRATA_TARGET_AVX2 inline Vec256 broadcast256(const Scalars& s) {
+  return {_mm256_set1_ps(s.decay),    _mm256_set1_ps(s.lerp_factor),  _mm256_set1_ps(s.beta2),
+          _mm256_set1_ps(s.one_minus_b2), _mm256_set1_ps(s.bc2_sqrt), _mm256_set1_ps(s.eps),
+          _mm256_set1_ps(s.neg_step_size)};
+}
+
+template <bool kSmall>
+STRATA_TARGET_AVX2 inline __m256 update256(__m256 g, __m256& w, __m256& m, __m256& v,
+                                           const Vec256& c) {
+  const __m256 wd = _mm256_mul_ps(w, c.decay);
+  const __m256 diff = _mm256_sub_ps(g, m);
+  m = kSmall ? _mm256_add_ps(m, _mm256_mul_ps(c.lerp_factor, diff))
+             : _mm256_sub_ps(g, _mm256_mul_ps(diff, c.lerp_factor));
+  v = _mm256_add_ps(_mm256_mul_ps(v, c.beta2), _mm256_mul_ps(_mm256_mul_ps(c.one_minus_b2, g), g));
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2_sqrt), c.eps);
+  w = _mm256_add_ps(wd, _mm256_div_ps(_mm256_mul_ps(c.neg_step_size, m), denom));
+  return w;
+}
+
+STRATA_TARGET_AVX2 inline __m256 widen_bf16_256(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+STRATA_TARGET_AVX2 inline __m128i narrow_bf16_256(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i high = _mm256_srli_epi32(bits, 16);
+  const __m256i rounding =
+      _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(high, _mm256_set1_epi32(1)));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, rounding), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x0040)), nan);
+  // Every lane is below 0x10000, so the unsigned saturating pack only drops the zero halves.
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+template <bool kSmall>
+STRATA_TARGET_AVX2 void f32_avx2(float* w, const float* g, float* m, float* v, int64_t n,
+                                 const Scalars& s) {
+  const Vec256 c = broadcast256(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 wi = _mm256_loadu_ps(w + i), mi = _mm256_loadu_ps(m + i), vi = _mm256_loadu_ps(v + i);
+    update256<kSmall>(_mm256_loadu_ps(g + i), wi, mi, vi, c);
+    _mm256_storeu_ps(w + i, wi);
+    _mm256_storeu_ps(m + i, mi);
+    _mm256_storeu_ps(v + i, vi);
+  }
+  f32_scalar<kSmall>(w + i, g + i, m + i, v + i, n - i, s);
+}
+
+template <bool kSmall>
+STRATA_TARGET_AVX2 void mixed_avx2(float* w, const uint16_t* g, float* m, float* v,
+                                   uint16_t* out, int64_t n, const Scalars& s) {
+  const Vec256 c = broadcast256(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gi = widen_bf16_256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i)));
+    __m256 wi = _mm256_loadu_ps(w + i), mi = _mm256_loadu_ps(m + i), vi = _mm256_loadu_ps(v + i);
+    update256<kSmall>(gi, wi, mi, vi, c);
+    _mm256_storeu_ps(w + i, wi);
+    _mm256_storeu_ps(m + i, mi);
+    _mm256_storeu_ps(v + i, vi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), narrow_bf16_256(wi));
+  }
+  mixed_scalar<kSmall>(w + i, g + i, m + i, v + i, out + i, n - i, s);
+}
+
+// ---- dispatch -----------------------------------------------------------------------------
+
+using F32Kernel = void (*)(float*, const float*, float*, float*, int64_t, const Scalars&);
+using MixedKernel = void (*)(float*, const uint16_t*, float*, float*, uint16_t*, int64_t,
+                             const Scalars&);
+
+template <bool kSmall>
+F32Kernel pick_f32(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kAvx512: return &f32_avx512<kSmall>;
+    case SimdLevel::kAvx2: return &f32_avx2<kSmall>;
+    case SimdLevel::kScalar: break;
+  }
+  return &f32_scalar<kSmall>;
+}
+
+template <bool kSmall>
+MixedKernel pick_mixed(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kAvx512: return &mixed_avx512<kSmall>;
+    case SimdLevel::kAvx2: return &mixed_avx2<kSmall>;
+    case SimdLevel::kScalar: break;
+  }
+  return &mixed_scalar<kSmall>;
+}
+
+SimdLevel hardware_simd_level() {
+  static const SimdLevel level = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl")) {
+      return SimdLevel::kAvx512;
+    }
+    if (__builtin_cpu_supports("avx2")) return SimdLevel::kAvx2;
+    return SimdLevel::kScalar;
+  }();
+  return level;
+}
+
+}  // namespace
+
+const char* simd_level_name(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kAvx512: return "avx512";
+    case SimdLevel::kAvx2: return "avx2";
+    case SimdLevel::kScalar: break;
+  }
+  return "scalar";
+}
+
+bool simd_level_supported(SimdLevel level) {
+  return static_cast<int>(level) <= static_cast<int>(hardware_simd_level());
+}
+
+SimdLevel detect_simd_level() {
+  const SimdLevel hardware = hardware_simd_level();
+  const char* env = std::getenv("STRATA_SIMD");
+  if (env == nullptr || *env == '\0') return hardware;
+  SimdLevel cap;
+  const std::string_view name(env);
+  if (name == "scalar") {
+    cap = SimdLevel::kScalar;
+  } else if (name == "avx2") {
+    cap = SimdLevel::kAvx2;
+  } else if (name == "avx512") {
+    cap = SimdLevel::kAvx512;
+  } else {
+    LOG_WARN("STRATA_SIMD='{}' is not one of scalar, avx2, avx512; using {}", name,
+             simd_level_name(hardware));
+    return hardware;
+  }
+  return static_cast<int>(cap) < static_cast<int>(hardware) ? cap : hardware;
+}
+
+void adamw_step_f32(float* param, const float* grad, float* m, float* v, int64_t n,
+                    const AdamWParams& p, SimdLevel level) {
+  CHECK_MSG(simd_level_supported(level),
+            std::string("this CPU cannot run SIMD level ") + simd_level_name(level));
+  CHECK(n >= 0);
+  const Scalars s = make_scalars(p);
+  const F32Kernel kernel = s.lerp_small ? pick_f32<true>(level) : pick_f32<false>(level);
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (blocks > 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t i = b * kBlock;
+    kernel(param + i, grad + i, m + i, v + i, std::min(kBlock, n - i), s);
+  }
+}
+
+void adamw_step_mixed(float* master, const uint16_t* grad_bf16, float* m, float* v,
+                      uint16_t* param_bf16_out, int64_t n, const AdamWParams& p,
+                      SimdLevel level) {
+  CHECK_MSG(simd_level_supported(level),
+            std::string("this CPU cannot run SIMD level ") + simd_level_name(level));
+  CHECK(n >= 0);
+  const Scalars s = make_scalars(p);
+  const MixedKernel kernel = s.lerp_small ? pick_mixed<true>(level) : pick_mixed<false>(level);
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (blocks > 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t i = b * kBlock;
+    kernel(master + i, grad_bf16 + i, m + i, v + i, param_bf16_out + i, std::min(kBlock, n - i),
+           s);
+  }
+}
+
+}  // namespace strata::kernels

@@ -1,0 +1,129 @@
+// AdamW on CUDA over many tensors per launch (fp32 master weights, gradients and moments;
+// optionally the bf16 compute copy). Every fp32 operation is an explicitly rounded intrinsic
+// in the order of kernels::ref::adamw_step, so the compiler cannot fuse a multiply and an add
+// and the results equal the CPU reference bit for bit.
+#include <cmath>
+
+#include "kernels/cuda/common.cuh"
+
+namespace strata::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kChunk = 4096;          // elements per block
+constexpr int kMaxTensorsPerLaunch = 32;  // keeps the kernel parameters under 4 KiB
+
+// The fp32 scalars of one step, formed in double and rounded once, as the CPU path does.
+struct Scalars {
+  float decay;          // 1 - lr * weight_decay
+  float lerp_weight;    // 1 - beta1: exp_avg.lerp_(grad, 1 - beta1)
+  float one_minus_lerp; // 1 - lerp_weight, rounded in fp32 like the reference
+  bool lerp_small;      // PyTorch's lerp formula choice (weight < 0.5)
+  float beta2;
+  float one_minus_b2;
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+};
+
+Scalars make_scalars(const AdamWParams& p) {
+  CHECK_MSG(p.step >= 1, "adamw step counts from 1");
+  const double lr = p.lr, beta1 = p.beta1, beta2 = p.beta2;
+  const double step = static_cast<double>(p.step);
+  Scalars s;
+  s.decay = static_cast<float>(1.0 - lr * double(p.weight_decay));
+  s.lerp_weight = static_cast<float>(1.0 - beta1);
+  s.one_minus_lerp = 1.0f - s.lerp_weight;
+  s.lerp_small = std::fabs(s.lerp_weight) < 0.5f;
+  s.beta2 = p.beta2;
+  s.one_minus_b2 = static_cast<float>(1.0 - beta2);
+  s.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
+  s.eps = p.eps;
+  s.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, step))));
+  return s;
+}
+
+struct TensorList {
+  float* param[kMaxTensorsPerLaunch];
+  const float* grad[kMaxTensorsPerLaunch];
+  float* m[kMaxTensorsPerLaunch];
+  float* v[kMaxTensorsPerLaunch];
+  bf16* param_bf16[kMaxTensorsPerLaunch];
+  int64_t n[kMaxTensorsPerLaunch];
+  int64_t first_block[kMaxTensorsPerLaunch + 1];  // tensor t owns blocks [first_block[t], [t+1])
+  int count;
+};
+
+// grid (total blocks of the list). Block b updates kChunk elements of one tensor.
+__global__ void adamw_kernel(TensorList list, Scalars s) {
+  const int64_t block = blockIdx.x;
+  int t = 0;
+  while (t + 1 < list.count && list.first_block[t + 1] <= block) ++t;
+  const int64_t begin = (block - list.first_block[t]) * kChunk;
+  const int64_t end = min(list.n[t], begin + kChunk);
+  float* param = list.param[t];
+  const float* grad = list.grad[t];
+  float* m = list.m[t];
+  float* v = list.v[t];
+  bf16* param_bf16 = list.param_bf16[t];
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const float g = grad[i];
+    // param.mul_(1 - lr * weight_decay)
+    float w = __fmul_rn(param[i], s.decay);
+    // exp_avg.lerp_(grad, 1 - beta1)
+    float mi = m[i];
+    if (s.lerp_small) {
+      mi = __fadd_rn(mi, __fmul_rn(s.lerp_weight, __fsub_rn(g, mi)));
+    } else {
+      mi = __fsub_rn(g, __fmul_rn(__fsub_rn(g, mi), s.one_minus_lerp));
+    }
+    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    float vi = __fmul_rn(v[i], s.beta2);
+    vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(s.one_minus_b2, g), g));
+    // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), s.bc2_sqrt), s.eps);
+    // param.addcdiv_(exp_avg, denom, value=-step_size)
+    w = __fadd_rn(w, __fdiv_rn(__fmul_rn(s.neg_step_size, mi), denom));
+    param[i] = w;
+    m[i] = mi;
+    v[i] = vi;
+    if (param_bf16 != nullptr) param_bf16[i] = to_bf16(w);
+  }
+}
+
+}  // namespace
+
+void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p,
+                cudaStream_t stream) {
+  CHECK(count >= 0);
+  const Scalars s = make_scalars(p);
+  int t = 0;  // next tensor to place in a launch
+  while (t < count) {
+    TensorList list{};
+    int64_t blocks = 0;
+    list.count = 0;
+    for (; t < count && list.count < kMaxTensorsPerLaunch; ++t) {
+      const AdamWTensor& x = tensors[t];
+      CHECK(x.n >= 0);
+      if (x.n == 0) continue;
+      CHECK_MSG(x.param != nullptr && x.grad != nullptr && x.m != nullptr && x.v != nullptr,
+                "adamw_step: tensor " + std::to_string(t) + " lacks a buffer");
+      const int i = list.count++;
+      list.param[i] = x.param;
+      list.grad[i] = x.grad;
+      list.m[i] = x.m;
+      list.v[i] = x.v;
+      list.param_bf16[i] = x.param_bf16;
+      list.n[i] = x.n;
+      list.first_block[i] = blocks;
+      blocks += ceil_div(x.n, kChunk);
+    }
+    list.first_block[list.count] = blocks;
+    if (list.count == 0) continue;
+    CHECK_MSG(blocks < (int64_t{1} << 31), "adamw_step: too many elements in one launch");
+    adamw_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(list, s);
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace strata::kernels::cuda

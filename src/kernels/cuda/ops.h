@@ -1,0 +1,184 @@
+// The CUDA backend of every op in src/kernels/<op>.h, namespace strata::kernels::cuda.
+//
+// Signatures mirror the CPU ones (same argument order and shapes) with three differences:
+//   - every pointer is DEVICE memory, and every launcher takes its cudaStream_t LAST;
+//   - storage types follow the mixed-precision recipe: activations and compute weights are
+//     bf16 (`bf16` below), accumulation is fp32; parameter gradients, master weights, AdamW
+//     moments and saved statistics (rstd, lse, per-token losses) are fp32. Parameter gradients
+//     are fp32 on purpose: they accumulate over micro-batches (`+=`), and bf16 accumulation
+//     loses the low bits of every addend after the first few;
+//   - ops that need cuBLASLt or temporary device memory take a `Context&` first.
+// Backward conventions as on the CPU: parameter gradients accumulate (`+=`), activation
+// gradients are overwritten (`=`).
+//
+// Every reduction has a fixed order that depends on the shapes only (no float atomics), so
+// each op is bitwise reproducible from run to run on the same GPU and build.
+//
+// Launchers abort (CHECK / CUDA_CHECK) on bad arguments and on launch errors. Errors inside a
+// kernel (a token id outside the vocabulary) trap the kernel: the next CUDA call on the stream
+// fails and its CUDA_CHECK aborts. Usable from C++ (.cpp, C++20) and CUDA (.cu, C++17).
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/adamw.h"
+
+namespace strata::kernels::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// The cuBLASLt handle, the GEMM workspace and a scratch buffer for ops that need temporary
+// device memory (rmsnorm/linear partial sums, embedding sort, logits chunks, attention delta,
+// reduction partials). Created on the current device; owns its memory (two cudaMallocs at
+// construction, none afterwards). Not thread safe. Scratch is reused by every op, so all ops
+// given one Context must run on ONE stream (stream order keeps the reuse safe); use one
+// Context per stream.
+class Context {
+ public:
+  static constexpr size_t kDefaultScratchBytes = size_t{256} << 20;
+  static constexpr size_t kDefaultGemmWorkspaceBytes = size_t{32} << 20;
+
+  explicit Context(size_t scratch_bytes = kDefaultScratchBytes,
+                   size_t gemm_workspace_bytes = kDefaultGemmWorkspaceBytes);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  cublasLtHandle_t lt() const { return lt_; }
+  void* gemm_workspace() const { return gemm_workspace_; }
+  size_t gemm_workspace_bytes() const { return gemm_workspace_bytes_; }
+  // The scratch buffer (256-byte aligned); CHECKs that `bytes` fit, naming `what`.
+  void* scratch(size_t bytes, const char* what) const;
+  size_t scratch_bytes() const { return scratch_bytes_; }
+
+ private:
+  int device_ = 0;
+  cublasLtHandle_t lt_ = nullptr;
+  void* gemm_workspace_ = nullptr;
+  size_t gemm_workspace_bytes_ = 0;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+};
+
+// ---- embedding -----------------------------------------------------------------------------
+// REQUIRES 0 <= tokens[n] < V (traps otherwise).
+void embedding_forward(bf16* out /*(N,C)*/, const int32_t* tokens /*(N)*/,
+                       const bf16* table /*(V,C)*/, int64_t N, int64_t C, int64_t V,
+                       cudaStream_t stream);
+// dtable (V,C) += scatter of dout rows by token. Deterministic: positions are stably sorted by
+// token (CUB radix sort in scratch), then one thread per (distinct token, column) adds that
+// token's rows in position order. Scratch: embedding_backward_scratch_bytes(N, V).
+void embedding_backward(Context& ctx, float* dtable /*(V,C)*/, const bf16* dout /*(N,C)*/,
+                        const int32_t* tokens /*(N)*/, int64_t N, int64_t C, int64_t V,
+                        cudaStream_t stream);
+size_t embedding_backward_scratch_bytes(int64_t N, int64_t V);
+
+// ---- RMSNorm --------------------------------------------------------------------------------
+void rmsnorm_forward(bf16* out /*(N,C)*/, float* rstd /*(N)*/, const bf16* x /*(N,C)*/,
+                     const bf16* weight /*(C)*/, int64_t N, int64_t C, float eps,
+                     cudaStream_t stream);
+// dx (N,C) = ; dweight (C) += (per-row-chunk partials in scratch, then a fixed-order sum).
+void rmsnorm_backward(Context& ctx, bf16* dx /*(N,C)*/, float* dweight /*(C)*/,
+                      const bf16* dout /*(N,C)*/, const bf16* x /*(N,C)*/,
+                      const bf16* weight /*(C)*/, const float* rstd /*(N)*/, int64_t N,
+                      int64_t C, cudaStream_t stream);
+
+// ---- RoPE -----------------------------------------------------------------------------------
+// inv_freq: device copy of kernels::rope_inv_freq (computed on the host). out may alias x.
+void rope_forward(bf16* out /*(B,T,H,D)*/, const bf16* x /*(B,T,H,D)*/,
+                  const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,
+                  cudaStream_t stream);
+// dx = (rotation by -angle) dout. dx may alias dout.
+void rope_backward(bf16* dx /*(B,T,H,D)*/, const bf16* dout /*(B,T,H,D)*/,
+                   const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,
+                   cudaStream_t stream);
+
+// ---- SwiGLU ---------------------------------------------------------------------------------
+void swiglu_forward(bf16* out /*(n)*/, const bf16* gate /*(n)*/, const bf16* up /*(n)*/,
+                    int64_t n, cudaStream_t stream);
+// dgate, dup = (overwritten)
+void swiglu_backward(bf16* dgate /*(n)*/, bf16* dup /*(n)*/, const bf16* dout /*(n)*/,
+                     const bf16* gate /*(n)*/, const bf16* up /*(n)*/, int64_t n,
+                     cudaStream_t stream);
+
+// ---- linear (cuBLASLt, bf16 in, fp32 accumulate) ---------------------------------------------
+// out (N,OC) = x @ weight^T + bias; bias (bf16) may be null and is fused as a GEMM epilogue.
+void linear_forward(Context& ctx, bf16* out /*(N,OC)*/, const bf16* x /*(N,IC)*/,
+                    const bf16* weight /*(OC,IC)*/, const bf16* bias /*(OC) or null*/, int64_t N,
+                    int64_t IC, int64_t OC, cudaStream_t stream);
+// dx (N,IC) = (skipped when null); dweight (OC,IC) += (fp32, GEMM with beta = 1);
+// dbias (OC) += (fp32, skipped when null; fixed-order column sums through scratch).
+void linear_backward(Context& ctx, bf16* dx, float* dweight, float* dbias,
+                     const bf16* dout /*(N,OC)*/, const bf16* x /*(N,IC)*/,
+                     const bf16* weight /*(OC,IC)*/, int64_t N, int64_t IC, int64_t OC,
+                     cudaStream_t stream);
+
+// Row-major GEMM on cuBLASLt, the building block of the ops above (exposed for tests and
+// benchmarks): C (M,N) = alpha * op(A) @ op(B) + beta * C with op(X) = X or X^T; A and B bf16,
+// C bf16 or fp32 (c_is_fp32), fp32 accumulation; lda/ldb/ldc are row strides; bias (bf16, N)
+// is added to every row of C when non-null (requires beta == 0).
+void gemm(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+          const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float beta, void* C,
+          int64_t ldc, bool c_is_fp32, const bf16* bias, cudaStream_t stream);
+
+// ---- causal GQA attention (flash-style: the T x T scores never reach global memory) ---------
+// D in {64, 128}. Pointers 16-byte aligned. lse (B,Hq,T) fp32 is saved for backward.
+void attention_forward(bf16* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,
+                       const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,T,Hkv,D)*/,
+                       const bf16* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,
+                       int64_t Hkv, int64_t D, cudaStream_t stream);
+// dq, dk, dv = (overwritten). Recomputes P from lse. Two kernels, no atomics: one owns key
+// tiles (dk, dv summed over the query heads of the group), one owns query tiles (dq).
+// Scratch: B*Hq*T floats (delta = rowsum(dout * out)).
+void attention_backward(Context& ctx, bf16* dq /*(B,T,Hq,D)*/, bf16* dk /*(B,T,Hkv,D)*/,
+                        bf16* dv /*(B,T,Hkv,D)*/, const bf16* dout /*(B,T,Hq,D)*/,
+                        const bf16* q, const bf16* k, const bf16* v,
+                        const bf16* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/, int64_t B,
+                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D, cudaStream_t stream);
+
+// ---- LM head + cross-entropy, chunked over tokens --------------------------------------------
+// Per chunk of chunk_tokens tokens: logits (fp32, scratch) = x @ weight^T; one fused kernel
+// writes the per-token loss and dlogits = (softmax - onehot) * grad_scale (bf16, scratch);
+// then dx = dlogits @ weight and dweight += dlogits^T @ x. losses (N) = per-token
+// -log softmax[target], 0 where target < 0 (masked; no gradient there). dx = (skipped when
+// null); dweight (fp32) += (skipped when null). Scratch: lm_head_scratch_bytes(...).
+// Sum the losses with sum() below.
+void lm_head_cross_entropy(Context& ctx, float* losses /*(N)*/, bf16* dx /*(N,C)*/,
+                           float* dweight /*(V,C)*/, const bf16* x /*(N,C)*/,
+                           const bf16* weight /*(V,C)*/, const int32_t* targets /*(N)*/,
+                           int64_t N, int64_t C, int64_t V, float grad_scale,
+                           int64_t chunk_tokens, cudaStream_t stream);
+size_t lm_head_scratch_bytes(int64_t C, int64_t V, int64_t chunk_tokens);
+
+// ---- AdamW over many tensors per launch -----------------------------------------------------
+// One tensor's buffers: fp32 master weight, fp32 gradient, fp32 moments, and optionally the
+// bf16 compute copy written from the updated master weight (null: not written).
+struct AdamWTensor {
+  float* param;
+  const float* grad;
+  float* m;
+  float* v;
+  bf16* param_bf16;
+  int64_t n;
+};
+// Same per-element operations (and roundings) as kernels::ref::adamw_step: the results are
+// bitwise equal to the CPU reference. `tensors` is a HOST array of `count` entries.
+void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, cudaStream_t stream);
+
+// ---- reductions for gradient clipping and losses ---------------------------------------------
+// *out (device double) = sum of x[i]^2 (accumulate: += instead of =). Deterministic two-pass
+// reduction in double: fixed-size block partials in scratch, then one block sums them in order.
+void sum_squares(Context& ctx, double* out /*(1)*/, const float* x /*(n)*/, int64_t n,
+                 bool accumulate, cudaStream_t stream);
+// *out (device double) = sum of x[i] (accumulate: +=), same scheme.
+void sum(Context& ctx, double* out /*(1)*/, const float* x /*(n)*/, int64_t n, bool accumulate,
+         cudaStream_t stream);
+// x *= s
+void scale_inplace(float* x /*(n)*/, int64_t n, float s, cudaStream_t stream);
+
+}  // namespace strata::kernels::cuda

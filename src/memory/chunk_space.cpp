@@ -1,0 +1,421 @@
+#include "memory/chunk_space.h"
+
+#include <algorithm>
+#include <cstring>
+#include <tuple>
+
+#include "core/log.h"
+#include "core/units.h"
+
+namespace strata {
+namespace {
+
+constexpr int kDevice = static_cast<int>(Tier::kDevice);
+constexpr int kHost = static_cast<int>(Tier::kHost);
+constexpr int kNvme = static_cast<int>(Tier::kNvme);
+constexpr uint64_t kNever = UINT64_MAX;       // next use of a chunk not in the schedule
+constexpr uint64_t kZeroSourceBytes = 1 * kMiB;  // largest device zero-fill copy
+
+int idx(Tier t) { return static_cast<int>(t); }
+
+bool writes(AccessMode mode) { return mode != AccessMode::kRead; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Creation
+
+ChunkSpace::ChunkSpace(Device& device, IoEngine* io, ChunkLayout layout,
+                       const ChunkSpaceOptions& options)
+    : device_(device), io_(io), options_(options), layout_(std::move(layout)) {}
+
+Result<std::unique_ptr<ChunkSpace>> ChunkSpace::create(Device& device, IoEngine* io,
+                                                       const ChunkSpaceOptions& options) {
+  ASSIGN_OR_RETURN(ChunkLayout layout, ChunkLayout::create(options.chunk_bytes));
+  if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
+    return Status::InvalidArgument("rank " + std::to_string(options.rank) + " is outside world " +
+                                   std::to_string(options.world_size));
+  }
+  if (options.nvme_bytes > 0 && io == nullptr) {
+    return Status::InvalidArgument("the nvme tier needs an I/O engine");
+  }
+  const uint64_t chunk = options.chunk_bytes;
+  if (options.nvme_bytes > 0 && options.host_bytes < chunk) {
+    return Status::InvalidArgument(
+        "the nvme tier moves chunks through host memory, but memory.host (" +
+        format_bytes(options.host_bytes) + ") holds no chunk of " + format_bytes(chunk) +
+        "; raise memory.host to at least " + format_bytes(chunk));
+  }
+  std::unique_ptr<ChunkSpace> s(new ChunkSpace(device, io, std::move(layout), options));
+  ASSIGN_OR_RETURN(s->tiers_[kDevice],
+                   TierSlots::create_device(device, options.device_bytes, chunk));
+  ASSIGN_OR_RETURN(s->tiers_[kHost], TierSlots::create_host(device, io, options.host_bytes, chunk,
+                                                            options.host_block_bytes));
+  if (options.nvme_bytes > 0) {
+    ASSIGN_OR_RETURN(s->tiers_[kNvme],
+                     TierSlots::create_nvme(*io, options.nvme_dir, options.nvme_bytes, chunk,
+                                            options.nvme_file_bytes));
+  }
+  for (int t = 0; t < kNumTiers; ++t) {
+    if (!s->tiers_[t]) continue;
+    const uint32_t n = s->tiers_[t]->slot_count();
+    s->owner_[t].assign(n, -1);
+    s->fences_[t].resize(n);
+    if (t != kNvme) {
+      for (SlotFence& f : s->fences_[t]) f.event = device.create_event();
+    }
+  }
+  if (s->tiers_[kDevice]) {
+    s->up_ = device.create_stream();
+    s->down_ = device.create_stream();
+    ASSIGN_OR_RETURN(s->zeros_, device.allocate_pinned(std::min(chunk, kZeroSourceBytes)));
+    std::memset(s->zeros_.data(), 0, s->zeros_.size());
+  }
+  return s;
+}
+
+ChunkSpace::~ChunkSpace() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const ChunkState& c : chunks_) {
+    if (c.pins > 0) {
+      LOG_ERROR("chunk space destroyed while a chunk is pinned in tier '{}'",
+                tier_name(c.pinned_in));
+      break;
+    }
+  }
+  if (up_) up_->synchronize();
+  if (down_) down_->synchronize();
+  for (auto& tier_fences : fences_) {
+    for (SlotFence& f : tier_fences) {
+      if (f.io) (void)wait_io(*f.io);
+    }
+  }
+}
+
+Status ChunkSpace::check_feasible(uint32_t pinned_at_once, Tier where) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t chunk = layout_.chunk_bytes();
+  const uint64_t needed = uint64_t{pinned_at_once} * chunk;
+  const uint32_t slots = tiers_[idx(where)] ? tier(where).slot_count() : 0;
+  if (slots >= pinned_at_once) return Status::OK();
+  const uint64_t budget = tiers_[idx(where)] ? tier(where).budget() : 0;
+  return Status::OutOfMemory(std::string("tier '") + tier_name(where) + "' budget " +
+                             format_bytes(budget) + " holds " + std::to_string(slots) +
+                             " chunks of " + format_bytes(chunk) + ", but a layer needs " +
+                             std::to_string(pinned_at_once) + " pinned at once; raise " +
+                             tier_budget_key(where) + " to at least " + format_bytes(needed) +
+                             " or lower memory.chunk_size");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registration
+
+Result<ChunkId> ChunkSpace::new_chunk_home(std::optional<Tier> home) {
+  const ChunkId id = static_cast<ChunkId>(chunks_.size());
+  chunks_.emplace_back();
+  uses_.emplace_back();
+  std::vector<Tier> order = {Tier::kNvme, Tier::kHost, Tier::kDevice};
+  if (home) {
+    if (!has_tier(*home)) {
+      chunks_.pop_back();
+      uses_.pop_back();
+      return Status::InvalidArgument(std::string("cannot home a chunk in tier '") +
+                                     tier_name(*home) + "': " + tier_budget_key(*home) + " is 0");
+    }
+    order = {*home};
+  }
+  Status last = Status::OK();
+  for (Tier t : order) {
+    if (!has_tier(t)) continue;
+    // With an nvme tier, one host slot stays free of homes to stage nvme chunks through.
+    const uint32_t staging = t == Tier::kHost && has_tier(Tier::kNvme) ? 1 : 0;
+    if (homes_[idx(t)] + staging >= tier(t).slot_count()) continue;
+    busy_ = id;
+    Result<uint32_t> slot = take_slot(t, id, std::nullopt);
+    busy_.reset();
+    if (!slot.ok()) {
+      last = slot.status();
+      continue;
+    }
+    chunks_[id].home = t;
+    ++homes_[idx(t)];
+    return id;
+  }
+  chunks_.pop_back();
+  uses_.pop_back();
+  if (!last.ok()) return last;
+  std::string have;
+  for (Tier t : order) {
+    if (!has_tier(t)) continue;
+    have += std::string(have.empty() ? "" : ", ") + tier_name(t) + " " +
+            std::to_string(tier(t).slot_count());
+  }
+  return Status::OutOfMemory("no tier has room for chunk " + std::to_string(id) + " of " +
+                             format_bytes(layout_.chunk_bytes()) + " (chunks per tier: " + have +
+                             "); raise memory.nvme.size or memory.host");
+}
+
+Result<TensorId> ChunkSpace::add_tensor(const std::string& name, ChunkKind kind, uint64_t bytes,
+                                        std::optional<Tier> home) {
+  std::lock_guard<std::mutex> lock(mu_);
+  RETURN_IF_ERROR(layout_.validate(name, bytes));
+  if (layout_.opens_chunk(kind, bytes)) {
+    RETURN_IF_ERROR(new_chunk_home(home).status());
+  }
+  ASSIGN_OR_RETURN(TensorId id, layout_.add(name, kind, bytes));
+  CHECK(layout_.num_chunks() == chunks_.size());
+  return id;
+}
+
+Result<ChunkId> ChunkSpace::add_chunk(ChunkKind kind, std::optional<Tier> home) {
+  std::lock_guard<std::mutex> lock(mu_);
+  RETURN_IF_ERROR(new_chunk_home(home).status());
+  const ChunkId id = layout_.open_chunk(kind);
+  CHECK(layout_.num_chunks() == chunks_.size());
+  return id;
+}
+
+size_t ChunkSpace::num_chunks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return chunks_.size();
+}
+
+TensorPlacement ChunkSpace::tensor(TensorId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return layout_.tensor(id);
+}
+
+std::optional<TensorId> ChunkSpace::find_tensor(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return layout_.find(name);
+}
+
+ChunkKind ChunkSpace::chunk_kind(ChunkId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return layout_.chunk(id).kind;
+}
+
+Tier ChunkSpace::home(ChunkId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  CHECK(id < chunks_.size());
+  return chunks_[id].home;
+}
+
+ByteRange ChunkSpace::owned_range(ChunkId id) const {
+  return strata::owned_range(layout_.chunk_bytes(), options_.rank, options_.world_size);
+}
+
+bool ChunkSpace::is_resident(ChunkId id, Tier tier) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  CHECK(id < chunks_.size());
+  return chunks_[id].valid[idx(tier)];
+}
+
+ChunkSpaceStats ChunkSpace::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ChunkSpaceStats s = stats_;
+  for (int t = 0; t < kNumTiers; ++t) {
+    if (!tiers_[t]) continue;
+    s.tiers[t].capacity_bytes = uint64_t{tiers_[t]->slot_count()} * tiers_[t]->slot_bytes();
+    s.tiers[t].in_use_bytes = tiers_[t]->in_use_bytes();
+    s.tiers[t].peak_bytes = tiers_[t]->peak_bytes();
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Access
+
+Result<void*> ChunkSpace::acquire_chunk(ChunkId id, Tier where, AccessMode mode,
+                                        Stream* consumer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return acquire_locked(id, where, mode, /*whole_chunk=*/true, consumer);
+}
+
+Result<void*> ChunkSpace::acquire_tensor(TensorId id, Tier where, AccessMode mode,
+                                         Stream* consumer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const TensorPlacement& t = layout_.tensor(id);
+  ASSIGN_OR_RETURN(void* base, acquire_locked(t.chunk, where, mode, /*whole_chunk=*/false,
+                                              consumer));
+  return static_cast<void*>(static_cast<char*>(base) + t.offset);
+}
+
+Result<void*> ChunkSpace::acquire_locked(ChunkId id, Tier where, AccessMode mode,
+                                         bool whole_chunk, Stream* consumer) {
+  CHECK(id < chunks_.size());
+  if (where == Tier::kNvme || !has_tier(where)) {
+    return Status::InvalidArgument(std::string("cannot acquire chunk ") + std::to_string(id) +
+                                   " in tier '" + tier_name(where) + "'" +
+                                   (where == Tier::kNvme ? ": nvme is not addressable"
+                                                         : ": the tier is absent"));
+  }
+  ChunkState& c = chunks_[id];
+  if (c.pins > 0 && c.pinned_in != where) {
+    return Status::InvalidArgument("chunk " + std::to_string(id) + " is pinned in tier '" +
+                                   tier_name(c.pinned_in) + "'; release it before acquiring it in '" +
+                                   tier_name(where) + "'");
+  }
+  const int w = idx(where);
+  const uint64_t blocked_before = blocked_ns_;
+  ++stats_.tiers[w].acquires;
+  c.last_use = ++tick_;
+  busy_ = id;
+  struct Unbusy {
+    std::optional<ChunkId>& busy;
+    ~Unbusy() { busy.reset(); }
+  } unbusy{busy_};
+  const bool prefetch_hit = c.valid[w] && c.prefetched[w];
+  const bool load = !(mode == AccessMode::kWrite && whole_chunk);
+
+  if (c.slot[w] < 0) RETURN_IF_ERROR(take_slot(where, id, std::nullopt).status());
+  if (!c.valid[w] && load) RETURN_IF_ERROR(fill(id, where, MoveOrigin::kDemand));
+  const uint32_t slot = static_cast<uint32_t>(c.slot[w]);
+  Status st = Status::OK();
+  stats_.tiers[w].stall_ns += blocked_ns_ - blocked_before;
+  if (load && !c.valid[w]) {
+    // The read that was filling this copy failed.
+    return st.ok() ? Status::Internal("chunk " + std::to_string(id) + " lost its copy")
+                   : st.with_context("loading chunk " + std::to_string(id) + " into tier '" +
+                                     tier_name(where) + "'");
+  }
+  if (writes(mode)) {
+    c.zero = false;
+    for (int t = 0; t < kNumTiers; ++t) {
+      c.valid[t] = t == w;
+      if (t != w) c.prefetched[t] = false;
+    }
+  }
+  c.valid[w] = true;
+  if (prefetch_hit) stats_.prefetch_hit_bytes += layout_.chunk_bytes();
+  c.prefetched[w] = false;
+  ++c.pins;
+  c.pinned_in = where;
+  return tier(where).data(slot);
+}
+
+void ChunkSpace::release_chunk(ChunkId id, Stream* consumer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CHECK(id < chunks_.size());
+  ChunkState& c = chunks_[id];
+  CHECK_MSG(c.pins > 0, "release of chunk " + std::to_string(id) + " that is not acquired");
+  if (consumer != nullptr) {
+    record_on(c.pinned_in, static_cast<uint32_t>(c.slot[idx(c.pinned_in)]), *consumer);
+  }
+  --c.pins;
+}
+
+void ChunkSpace::release_tensor(TensorId id, Stream* consumer) {
+  ChunkId chunk;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    chunk = layout_.tensor(id).chunk;
+  }
+  release_chunk(chunk, consumer);
+}
+
+Status ChunkSpace::evict(ChunkId id, Tier from) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CHECK(id < chunks_.size());
+  const ChunkState& c = chunks_[id];
+  if (!has_tier(from) || c.slot[idx(from)] < 0) return Status::OK();
+  if (c.home == from) {
+    return Status::InvalidArgument("chunk " + std::to_string(id) + " lives in tier '" +
+                                   tier_name(from) + "' (its home); it cannot be evicted from it");
+  }
+  if (c.pins > 0 && c.pinned_in == from) {
+    return Status::InvalidArgument("chunk " + std::to_string(id) + " is pinned in tier '" +
+                                   tier_name(from) + "'");
+  }
+  busy_ = id;
+  Status st = evict_locked(id, from);
+  busy_.reset();
+  return st;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Schedule and prefetch
+
+void ChunkSpace::set_schedule(std::vector<ChunkId> order) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& u : uses_) u.clear();
+  for (size_t i = 0; i < order.size(); ++i) {
+    CHECK_MSG(order[i] < chunks_.size(), "schedule names an unknown chunk");
+    uses_[order[i]].push_back(i);
+  }
+  schedule_ = std::move(order);
+  position_ = 0;
+}
+
+void ChunkSpace::advance(size_t position) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CHECK(schedule_.empty() || position < schedule_.size());
+  position_ = position;
+}
+
+uint64_t ChunkSpace::next_use(ChunkId id) const {
+  if (id >= uses_.size()) return kNever;
+  const std::vector<uint64_t>& uses = uses_[id];
+  if (uses.empty()) return kNever;
+  auto it = std::lower_bound(uses.begin(), uses.end(), position_);
+  if (it != uses.end()) return *it - position_;
+  return uses.front() + schedule_.size() - position_;  // in the next step
+}
+
+Status ChunkSpace::prefetch(size_t lookahead, Tier to) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (schedule_.empty() || to == Tier::kNvme || !has_tier(to)) return Status::OK();
+  const int w = idx(to);
+  const size_t n = std::min(lookahead, schedule_.size());
+  for (size_t k = 0; k < n; ++k) {
+    const ChunkId id = schedule_[(position_ + k) % schedule_.size()];
+    ChunkState& c = chunks_[id];
+    if (c.valid[w] || (c.pins > 0 && c.pinned_in != to)) continue;
+    const uint64_t due = next_use(id);
+    busy_ = id;
+    struct Unbusy {
+      std::optional<ChunkId>& busy;
+      ~Unbusy() { busy.reset(); }
+    } unbusy{busy_};
+    // A chunk only on nvme goes to host first; its device copy waits for the read to finish
+    // (a later call), so that prefetch never blocks on a disk.
+    const bool on_nvme_only = !c.zero && !c.valid[kHost] && !c.valid[kDevice];
+    if (to == Tier::kDevice && on_nvme_only) {
+      if (!has_tier(Tier::kHost)) continue;
+      if (c.slot[kHost] < 0) {
+        if (tier(Tier::kHost).free_count() == 0 && !pick_victim(Tier::kHost, due)) continue;
+        RETURN_IF_ERROR(take_slot(Tier::kHost, id, due).status());
+      }
+      RETURN_IF_ERROR(fill(id, Tier::kHost, MoveOrigin::kPrefetch));
+      continue;
+    }
+    if (to == Tier::kDevice && !c.zero && !c.valid[kDevice] && c.slot[kHost] >= 0) {
+      const std::shared_ptr<IoFence>& f = fence(Tier::kHost, c.slot[kHost]).io;
+      if (f && !f->waited && !io_->done(f->ticket)) continue;  // its read is still running
+    }
+    if (c.slot[w] < 0) {
+      if (tier(to).free_count() == 0 && !pick_victim(to, due)) break;  // budget exhausted
+      RETURN_IF_ERROR(take_slot(to, id, due).status());
+    }
+    RETURN_IF_ERROR(fill(id, to, MoveOrigin::kPrefetch));
+  }
+  return Status::OK();
+}
+
+Status ChunkSpace::synchronize() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (up_) up_->synchronize();
+  if (down_) down_->synchronize();
+  Status first = Status::OK();
+  for (int t = 0; t < kNumTiers; ++t) {
+    for (SlotFence& f : fences_[t]) {
+      if (!f.io) continue;
+      Status st = wait_io(*f.io);
+      f.io.reset();
+      if (first.ok() && !st.ok()) first = st;
+    }
+  }
+  return first;
+}
+
+}  // namespace strata

@@ -1,0 +1,206 @@
+#include "model/hf_io.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/log.h"
+
+namespace strata::model {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// Extra tensors named in the warning of load_hf_weights.
+constexpr size_t kExtraTensorsNamed = 5;
+
+std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+// model_type transformers expects for each architecture strata writes.
+const char* model_type_of(const std::string& architecture) {
+  if (architecture == "LlamaForCausalLM") return "llama";
+  if (architecture == "MistralForCausalLM") return "mistral";
+  if (architecture == "Qwen2ForCausalLM") return "qwen2";
+  return nullptr;
+}
+
+Result<std::string> read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::NotFound(fmt::format("cannot open {}", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Status::IOError(fmt::format("reading {} failed", path));
+  return text.str();
+}
+
+std::string without_trailing_slashes(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  return path;
+}
+
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace
+
+const std::vector<std::string>& hf_tokenizer_files() {
+  static const std::vector<std::string> files = {
+      "tokenizer.json",      "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+      "tokenizer.model",     "vocab.json",            "merges.txt",              "added_tokens.json",
+      "chat_template.jinja", "chat_template.json",
+  };
+  return files;
+}
+
+bool is_hf_directory(const std::string& dir) {
+  std::error_code ec;
+  return fs::is_directory(dir, ec) && fs::is_regular_file(fs::path(dir) / "config.json", ec);
+}
+
+Result<json> read_hf_config_json(const std::string& dir) {
+  if (!is_hf_directory(dir)) {
+    return Status::NotFound(fmt::format("{}: not a Hugging Face directory (no config.json)", dir));
+  }
+  const std::string path = (fs::path(dir) / "config.json").string();
+  ASSIGN_OR_RETURN(std::string text, read_text_file(path));
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Status::InvalidArgument(fmt::format("{}: not a JSON object", path));
+  const auto type = j.find("model_type");
+  if (type != j.end() && type->is_string() && type->get<std::string>() == "qwen2" && !j.contains("attention_bias")) {
+    j["attention_bias"] = true;  // Qwen2 has q/k/v biases without saying so
+  }
+  return j;
+}
+
+Result<ModelConfig> load_hf_config(const std::string& dir) {
+  ASSIGN_OR_RETURN(json j, read_hf_config_json(dir));
+  return ModelConfig::from_json(j, (fs::path(dir) / "config.json").string());
+}
+
+Status load_hf_weights(const std::string& dir_or_file, const ParamLayout& layout, float* params,
+                       const ReaderOptions& options) {
+  ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(dir_or_file, options));
+  const bool tied = layout.lm_head() == layout.embed_tokens();
+
+  // Check everything before reading, so that a bad checkpoint leaves params untouched.
+  for (const TensorSpec& t : layout.tensors()) {
+    const SafetensorsTensorInfo* info = reader.find(t.name);
+    if (info == nullptr) {
+      std::string hint;
+      if (t.name == "lm_head.weight") hint = " (the config has tie_word_embeddings false, so it is needed)";
+      return Status::NotFound(fmt::format("{}: tensor '{}' of shape {} is missing{}", dir_or_file, t.name,
+                                          shape_text(t.shape), hint));
+    }
+    if (info->shape != t.shape) {
+      return Status::InvalidArgument(fmt::format("{}: tensor '{}' has shape {}, the model config expects {}",
+                                                 info->file, t.name, shape_text(info->shape), shape_text(t.shape)));
+    }
+    if (!safetensors_dtype_readable(info->dtype)) {
+      return Status::Unimplemented(fmt::format("{}: tensor '{}' has dtype {}; strata reads F32, BF16, F16, "
+                                               "F8_E4M3 and F8_E5M2",
+                                               info->file, t.name, info->dtype));
+    }
+  }
+  std::vector<std::string> extra;
+  for (const SafetensorsTensorInfo& info : reader.tensors()) {
+    if (layout.find(info.name) != nullptr) continue;
+    if (info.name.ends_with("rotary_emb.inv_freq")) continue;  // a buffer older transformers saved
+    if (tied && info.name == "lm_head.weight") continue;       // a copy of the tied embeddings
+    extra.push_back(info.name);
+  }
+  if (!extra.empty()) {
+    const size_t named = std::min(extra.size(), kExtraTensorsNamed);
+    LOG_WARN("{}: {} tensor(s) the model does not use are ignored: {}{}", dir_or_file, extra.size(),
+             fmt::join(extra.begin(), extra.begin() + static_cast<std::ptrdiff_t>(named), ", "),
+             extra.size() > named ? ", ..." : "");
+  }
+  for (const TensorSpec& t : layout.tensors()) RETURN_IF_ERROR(reader.read_f32(t.name, params + t.offset));
+  return Status::OK();
+}
+
+Status check_export_target(const std::string& out_dir) {
+  std::error_code ec;
+  const fs::path dir(without_trailing_slashes(out_dir));
+  if (out_dir.empty()) return Status::InvalidArgument("the export directory is empty; name one");
+  if (!fs::exists(dir, ec)) return Status::OK();
+  if (!fs::is_directory(dir, ec)) {
+    return Status::InvalidArgument(fmt::format("export target {} exists and is not a directory", dir.string()));
+  }
+  if (fs::is_empty(dir, ec) || fs::exists(dir / "config.json", ec)) return Status::OK();
+  return Status::InvalidArgument(fmt::format(
+      "export target {} is a non-empty directory without config.json; refusing to replace it (choose a new "
+      "directory)",
+      dir.string()));
+}
+
+Status export_hf(const std::string& out_dir, const ModelConfig& config, const ParamLayout& layout,
+                 const float* params, const ExportOptions& options) {
+  RETURN_IF_ERROR(check_export_target(out_dir));
+  std::error_code ec;
+  const fs::path dir(without_trailing_slashes(out_dir));
+  const fs::path tmp = dir.string() + ".tmp";
+  const fs::path old = dir.string() + ".old";
+  fs::remove_all(tmp, ec);  // left by an export that crashed
+  fs::create_directories(tmp, ec);
+  if (ec) return Status::IOError(fmt::format("cannot create {}: {}", tmp.string(), ec.message()));
+
+  // config.json
+  json j = config.to_json();
+  if (const char* type = model_type_of(config.architecture)) j["model_type"] = type;
+  j["torch_dtype"] = options.dtype == SafetensorsWriteDtype::kBF16 ? "bfloat16" : "float32";
+  if (!options.copy_tokenizer_from.empty() && is_hf_directory(options.copy_tokenizer_from)) {
+    // Special token ids live in config.json too; keep the source's.
+    Result<json> source = read_hf_config_json(options.copy_tokenizer_from);
+    if (source.ok()) {
+      for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
+        if (source->contains(key) && !j.contains(key)) j[key] = (*source)[key];
+      }
+    }
+  }
+  RETURN_IF_ERROR(write_file_atomic((tmp / "config.json").string(), j.dump(2) + "\n"));
+
+  // Weights, in layout order (first use), like transformers' state dict.
+  std::vector<SafetensorsWriteTensor> tensors;
+  for (const TensorSpec& t : layout.tensors()) tensors.push_back({t.name, t.shape, params + t.offset});
+  WriterOptions wo;
+  wo.dtype = options.dtype;
+  wo.max_shard_bytes = options.max_shard_bytes;
+  RETURN_IF_ERROR(write_safetensors_dir(tmp.string(), tensors, wo));
+
+  // Tokenizer files.
+  if (!options.copy_tokenizer_from.empty()) {
+    for (const std::string& name : hf_tokenizer_files()) {
+      const fs::path from = fs::path(options.copy_tokenizer_from) / name;
+      if (!fs::is_regular_file(from, ec)) continue;
+      ASSIGN_OR_RETURN(std::string text, read_text_file(from.string()));
+      RETURN_IF_ERROR(write_file_atomic((tmp / name).string(), text));
+    }
+  }
+  fsync_path(tmp.string(), /*directory=*/true);
+
+  // Swap the finished export in; a previous one is removed only after the rename.
+  const bool replace = fs::exists(dir, ec);
+  if (replace) {
+    fs::remove_all(old, ec);
+    fs::rename(dir, old, ec);
+    if (ec) return Status::IOError(fmt::format("cannot move the previous export {} aside: {}", dir.string(), ec.message()));
+  }
+  fs::rename(tmp, dir, ec);
+  if (ec) return Status::IOError(fmt::format("cannot rename {} to {}: {}", tmp.string(), dir.string(), ec.message()));
+  if (replace) fs::remove_all(old, ec);
+  fsync_path(dir.parent_path().empty() ? "." : dir.parent_path().string(), /*directory=*/true);
+  return Status::OK();
+}
+
+}  // namespace strata::model

@@ -1,0 +1,62 @@
+// Hugging Face model directories in and out: config.json, safetensors weights (single file or
+// sharded with model.safetensors.index.json) and the tokenizer files beside them.
+//
+// Weights travel by Hugging Face name through ParamLayout::tensors(), so every tensor a layout
+// declares (MoE experts included) loads and exports without code here knowing about it.
+// Functions are stateless; concurrent calls are safe when they touch different directories.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+#include "model/config.h"
+#include "model/params.h"
+#include "model/safetensors.h"
+
+namespace strata::model {
+
+// Files copied from a source model directory into an export when present.
+const std::vector<std::string>& hf_tokenizer_files();
+
+// True when `dir` is a directory holding config.json.
+bool is_hf_directory(const std::string& dir);
+
+// DIR/config.json as JSON with the implicit settings of some model types made explicit (Qwen2
+// always has q/k/v biases: "attention_bias": true unless the file says otherwise).
+// NotFound names the directory: "not a Hugging Face directory (no config.json)".
+Result<nlohmann::json> read_hf_config_json(const std::string& dir);
+// ModelConfig::from_json of read_hf_config_json(dir).
+Result<ModelConfig> load_hf_config(const std::string& dir);
+
+// Fills params (layout.total_size() elements) from a Hugging Face checkpoint: a directory, a
+// .safetensors file or a model.safetensors.index.json. Every layout tensor must be present
+// with its shape (any dtype SafetensorsReader converts); a tied layout ignores lm_head.weight.
+// Extra checkpoint tensors produce one warning naming a few (rotary_emb.inv_freq is expected
+// and ignored). Everything is checked before any byte is read, so on a NotFound, shape or
+// dtype error params are unchanged; an I/O error part-way leaves them partly written.
+Status load_hf_weights(const std::string& dir_or_file, const ParamLayout& layout, float* params,
+                       const ReaderOptions& options = {});
+
+struct ExportOptions {
+  SafetensorsWriteDtype dtype = SafetensorsWriteDtype::kF32;
+  uint64_t max_shard_bytes = kDefaultMaxShardBytes;
+  std::string copy_tokenizer_from;  // a model directory whose hf_tokenizer_files() to copy; "" = none
+};
+
+// OK when export_hf may write `out_dir`: it does not exist, is empty, or holds a previous
+// export (a config.json), which export_hf replaces. Lets callers fail before long work.
+Status check_export_target(const std::string& out_dir);
+
+// Writes a directory transformers' from_pretrained loads unchanged: config.json
+// (ModelConfig::to_json with model_type matching the architecture and torch_dtype), the weights
+// (model.safetensors, or shards plus index beyond max_shard_bytes) and the tokenizer files.
+// Everything is written into OUT_DIR.tmp, fsynced, then renamed to out_dir (a previous export
+// there is replaced only once the new one is complete).
+Status export_hf(const std::string& out_dir, const ModelConfig& config, const ParamLayout& layout,
+                 const float* params, const ExportOptions& options = {});
+
+}  // namespace strata::model

@@ -1,0 +1,618 @@
+#include "model/tokenizer.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <queue>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "model/tokenizer_unicode.h"
+
+namespace strata::model {
+
+using nlohmann::json;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// Pieces up to this many bytes go through the cache, which holds at most kCacheEntries.
+constexpr size_t kCacheMaxPiece = 128;
+constexpr size_t kCacheEntries = size_t{1} << 16;
+// Ids at or above this are not a tokenizer a trainer can use (and would overflow the tables).
+constexpr int64_t kMaxTokenId = int64_t{1} << 28;
+
+Result<std::string> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::NotFound(path + ": cannot open");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return Status::IOError(path + ": read failed");
+  return ss.str();
+}
+
+// The GPT-2 byte-level map: printable Latin-1 bytes stand for themselves, the others for
+// U+0100 upwards in byte order.
+uint32_t byte_to_char(int b) {
+  auto printable = [](int v) { return (v >= '!' && v <= '~') || (v >= 0xA1 && v <= 0xAC) || (v >= 0xAE && v <= 0xFF); };
+  if (printable(b)) return static_cast<uint32_t>(b);
+  uint32_t n = 0;
+  for (int v = 0; v < b; ++v) n += printable(v) ? 0 : 1;
+  return 256 + n;
+}
+
+// A token given in tokenizer_config.json: a string, {"content": ...} or null.
+std::string config_token(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end()) return {};
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_object()) {
+    auto c = it->find("content");
+    if (c != it->end() && c->is_string()) return c->get<std::string>();
+  }
+  return {};
+}
+
+std::string json_type(const json& j) {
+  auto it = j.find("type");
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string("<no type>");
+}
+
+bool json_bool(const json& j, const char* key, bool fallback) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_boolean() ? it->get<bool>() : fallback;
+}
+
+std::string_view trim_spaces(std::string_view s) {
+  std::vector<DecodedChar> chars;
+  decode_utf8(s, &chars);
+  size_t b = 0, e = chars.size();
+  while (b < e && is_space(chars[b].cp)) ++b;
+  while (e > b && is_space(chars[e - 1].cp)) --e;
+  if (b == e) return {};
+  const size_t begin = chars[b].byte_offset;
+  const size_t end = e < chars.size() ? chars[e].byte_offset : s.size();
+  return s.substr(begin, end - begin);
+}
+
+}  // namespace
+
+struct Tokenizer::Cache {
+  std::mutex mu;
+  std::unordered_map<std::string, std::vector<std::pair<int32_t, uint32_t>>> pieces;
+};
+
+Tokenizer::Tokenizer() : cache_(std::make_unique<Cache>()) {
+  for (int b = 0; b < 256; ++b) {
+    byte_ids_[b] = -1;
+    const uint32_t cp = byte_to_char(b);
+    append_utf8(cp, &byte_chars_[b]);
+    char_to_byte_[cp] = static_cast<uint8_t>(b);
+  }
+}
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+Tokenizer::~Tokenizer() = default;
+
+Result<Tokenizer> Tokenizer::load(const std::string& path) {
+  std::error_code ec;
+  fs::path dir = path;
+  fs::path json_file = dir / "tokenizer.json";
+  if (fs::is_regular_file(path, ec)) {
+    json_file = path;
+    dir = fs::path(path).parent_path();
+  } else if (!fs::is_directory(path, ec)) {
+    return Status::NotFound(path + ": no such tokenizer directory or tokenizer.json");
+  }
+  Tokenizer t;
+  RETURN_IF_ERROR(t.load_tokenizer_json(json_file.string()));
+  t.config_path_ = (dir / "tokenizer_config.json").string();
+  if (fs::exists(t.config_path_, ec)) RETURN_IF_ERROR(t.load_config(t.config_path_));
+  if (t.eos_id_ < 0) t.eos_id_ = t.token_to_id("<|endoftext|>");
+  return t;
+}
+
+Status Tokenizer::load_tokenizer_json(const std::string& file) {
+  ASSIGN_OR_RETURN(std::string text, read_file(file));
+  const json doc = json::parse(text, nullptr, false);
+  if (doc.is_discarded() || !doc.is_object()) return Status::Corruption(file + ": not valid JSON");
+  auto unimplemented = [&](const std::string& what) {
+    return Status::Unimplemented(file + ": " + what + " is not supported (strata reads byte-level BPE tokenizers "
+                                 "like GPT-2, Llama-3 and Qwen2)");
+  };
+
+  // model
+  auto model = doc.find("model");
+  if (model == doc.end() || !model->is_object()) return Status::Corruption(file + ": no \"model\" object");
+  if (json_type(*model) != "BPE") return unimplemented("model type " + json_type(*model));
+  if (json_bool(*model, "byte_fallback", false)) return unimplemented("model.byte_fallback");
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+    auto it = model->find(key);
+    if (it != model->end() && it->is_string() && !it->get<std::string>().empty()) {
+      return unimplemented(std::string("model.") + key);
+    }
+  }
+  ignore_merges_ = json_bool(*model, "ignore_merges", false);
+  auto vocab = model->find("vocab");
+  if (vocab == model->end() || !vocab->is_object()) return Status::Corruption(file + ": no model.vocab object");
+  int64_t size = 0;
+  for (auto it = vocab->begin(); it != vocab->end(); ++it) {
+    if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 || it.value().get<int64_t>() >= kMaxTokenId) {
+      return Status::Corruption(file + ": model.vocab[\"" + it.key() + "\"] is not a valid token id");
+    }
+    const int64_t id = it.value().get<int64_t>();
+    vocab_[it.key()] = static_cast<int32_t>(id);
+    size = std::max(size, id + 1);
+  }
+
+  // added_tokens
+  auto added = doc.find("added_tokens");
+  if (added != doc.end() && !added->is_null()) {
+    if (!added->is_array()) return Status::Corruption(file + ": added_tokens is not an array");
+    for (const json& a : *added) {
+      auto id = a.find("id");
+      auto content = a.find("content");
+      if (!a.is_object() || id == a.end() || !id->is_number_integer() || content == a.end() || !content->is_string() ||
+          id->get<int64_t>() < 0 || id->get<int64_t>() >= kMaxTokenId || content->get<std::string>().empty()) {
+        return Status::Corruption(file + ": added_tokens entry " + a.dump() + " needs an id and a content");
+      }
+      added_.push_back({static_cast<int32_t>(id->get<int64_t>()), content->get<std::string>()});
+      size = std::max(size, id->get<int64_t>() + 1);
+    }
+  }
+  id_to_token_.assign(static_cast<size_t>(size), std::string());
+  is_added_.assign(static_cast<size_t>(size), 0);
+  for (const auto& [token, id] : vocab_) id_to_token_[static_cast<size_t>(id)] = token;
+  for (const AddedToken& a : added_) {
+    id_to_token_[static_cast<size_t>(a.id)] = a.content;
+    is_added_[static_cast<size_t>(a.id)] = 1;
+    vocab_.emplace(a.content, a.id);
+  }
+  std::stable_sort(added_.begin(), added_.end(),
+                   [](const AddedToken& x, const AddedToken& y) { return x.content.size() > y.content.size(); });
+  for (int b = 0; b < 256; ++b) {
+    auto it = vocab_.find(byte_chars_[b]);
+    if (it != vocab_.end()) byte_ids_[b] = it->second;
+  }
+  auto unk = model->find("unk_token");
+  if (unk != model->end() && unk->is_string()) unk_id_ = token_to_id(unk->get<std::string>());
+
+  // merges: "a b" or ["a", "b"]
+  auto merges = model->find("merges");
+  if (merges == model->end() || !merges->is_array()) return Status::Corruption(file + ": no model.merges array");
+  int32_t rank = 0;
+  for (const json& m : *merges) {
+    std::string left, right;
+    if (m.is_string()) {
+      const std::string& s = m.get_ref<const std::string&>();
+      const size_t sp = s.find(' ');
+      if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) {
+        return Status::Corruption(file + ": merge " + std::to_string(rank) + " \"" + s + "\" is not \"a b\"");
+      }
+      left = s.substr(0, sp);
+      right = s.substr(sp + 1);
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      left = m[0].get<std::string>();
+      right = m[1].get<std::string>();
+    } else {
+      return Status::Corruption(file + ": merge " + std::to_string(rank) + " is neither \"a b\" nor [a, b]");
+    }
+    auto l = vocab_.find(left), r = vocab_.find(right), lr = vocab_.find(left + right);
+    if (l == vocab_.end() || r == vocab_.end() || lr == vocab_.end()) {
+      return Status::Corruption(file + ": merge " + std::to_string(rank) + " (" + left + " " + right +
+                                ") uses a token that is not in model.vocab");
+    }
+    const uint64_t key = (uint64_t{static_cast<uint32_t>(l->second)} << 32) | static_cast<uint32_t>(r->second);
+    merges_.emplace(key, Merge{rank, lr->second});  // the first (lowest rank) wins
+    ++rank;
+  }
+
+  // normalizer
+  auto normalizer = doc.find("normalizer");
+  if (normalizer != doc.end() && !normalizer->is_null()) return unimplemented("normalizer " + json_type(*normalizer));
+
+  // pre_tokenizer
+  bool byte_level = false;
+  std::function<Status(const json&)> pre = [&](const json& p) -> Status {
+    const std::string type = json_type(p);
+    if (type == "Sequence") {
+      auto list = p.find("pretokenizers");
+      if (list == p.end() || !list->is_array()) return Status::Corruption(file + ": pre_tokenizer Sequence without pretokenizers");
+      for (const json& q : *list) RETURN_IF_ERROR(pre(q));
+      return Status::OK();
+    }
+    if (type == "ByteLevel") {
+      if (byte_level) return unimplemented("a second ByteLevel pre_tokenizer");
+      byte_level = true;
+      if (json_bool(p, "add_prefix_space", false)) prefix_space_ = has_split_ ? PrefixSpace::kPiece : PrefixSpace::kSegment;
+      if (json_bool(p, "use_regex", true)) {
+        if (has_split_) return unimplemented("more than one Split in pre_tokenizer");
+        has_split_ = true;
+        split_ = SplitPattern::kGpt2;
+      }
+      return Status::OK();
+    }
+    if (type == "Split") {
+      auto pattern = p.find("pattern");
+      if (pattern == p.end() || !pattern->is_object() || !pattern->contains("Regex") || !(*pattern)["Regex"].is_string()) {
+        return unimplemented("a Split pre_tokenizer without a Regex pattern");
+      }
+      const std::string regex = (*pattern)["Regex"].get<std::string>();
+      std::optional<SplitPattern> known = recognise_split_pattern(regex);
+      if (!known) return unimplemented("Split pattern " + json(regex).dump() + " (known: the GPT-2, Llama-3 and Qwen2 patterns)");
+      auto behavior = p.find("behavior");
+      if (behavior == p.end() || !behavior->is_string() || behavior->get<std::string>() != "Isolated" ||
+          json_bool(p, "invert", false)) {
+        return unimplemented("a Split pre_tokenizer other than behavior Isolated, invert false");
+      }
+      if (byte_level) return unimplemented("a Split after the ByteLevel pre_tokenizer");
+      if (has_split_) return unimplemented("more than one Split in pre_tokenizer");
+      has_split_ = true;
+      split_ = *known;
+      return Status::OK();
+    }
+    return unimplemented("pre_tokenizer " + type);
+  };
+  auto pre_tokenizer = doc.find("pre_tokenizer");
+  if (pre_tokenizer != doc.end() && !pre_tokenizer->is_null()) RETURN_IF_ERROR(pre(*pre_tokenizer));
+  if (!byte_level) return unimplemented("a tokenizer without a ByteLevel pre_tokenizer");
+
+  // post_processor
+  std::function<Status(const json&)> post = [&](const json& p) -> Status {
+    const std::string type = json_type(p);
+    if (type == "ByteLevel") return Status::OK();
+    if (type == "Sequence") {
+      auto list = p.find("processors");
+      if (list == p.end() || !list->is_array()) return Status::Corruption(file + ": post_processor Sequence without processors");
+      for (const json& q : *list) RETURN_IF_ERROR(post(q));
+      return Status::OK();
+    }
+    if (type == "TemplateProcessing") {
+      auto single = p.find("single");
+      auto specials = p.find("special_tokens");
+      if (single == p.end() || !single->is_array() || specials == p.end() || !specials->is_object()) {
+        return Status::Corruption(file + ": TemplateProcessing without single / special_tokens");
+      }
+      bool seen_sequence = false;
+      for (const json& item : *single) {
+        if (item.is_object() && item.contains("Sequence")) {
+          if (seen_sequence) return unimplemented("a TemplateProcessing with two sequences in single");
+          seen_sequence = true;
+          continue;
+        }
+        const json* name = nullptr;
+        if (item.is_object() && item.contains("SpecialToken") && item["SpecialToken"].is_object() &&
+            item["SpecialToken"].contains("id") && item["SpecialToken"]["id"].is_string()) {
+          name = &item["SpecialToken"]["id"];
+        }
+        if (name == nullptr) return Status::Corruption(file + ": TemplateProcessing item " + item.dump() + " not understood");
+        auto entry = specials->find(name->get<std::string>());
+        if (entry == specials->end() || !entry->is_object() || !entry->contains("ids") || !(*entry)["ids"].is_array()) {
+          return Status::Corruption(file + ": TemplateProcessing special token " + name->dump() + " has no ids");
+        }
+        for (const json& id : (*entry)["ids"]) {
+          if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= size) {
+            return Status::Corruption(file + ": TemplateProcessing special token " + name->dump() + " has a bad id");
+          }
+          (seen_sequence ? template_suffix_ : template_prefix_).push_back(static_cast<int32_t>(id.get<int64_t>()));
+        }
+      }
+      return Status::OK();
+    }
+    return unimplemented("post_processor " + type);
+  };
+  auto post_processor = doc.find("post_processor");
+  if (post_processor != doc.end() && !post_processor->is_null()) RETURN_IF_ERROR(post(*post_processor));
+  return Status::OK();
+}
+
+Status Tokenizer::load_config(const std::string& file) {
+  ASSIGN_OR_RETURN(std::string text, read_file(file));
+  const json doc = json::parse(text, nullptr, false);
+  if (doc.is_discarded() || !doc.is_object()) return Status::Corruption(file + ": not valid JSON");
+  const std::string bos = config_token(doc, "bos_token");
+  const std::string eos = config_token(doc, "eos_token");
+  if (!bos.empty()) {
+    bos_id_ = token_to_id(bos);
+    if (bos_id_ < 0) return Status::Corruption(file + ": bos_token \"" + bos + "\" is not in the vocabulary");
+    bos_text_ = bos;
+  }
+  if (!eos.empty()) {
+    eos_id_ = token_to_id(eos);
+    if (eos_id_ < 0) return Status::Corruption(file + ": eos_token \"" + eos + "\" is not in the vocabulary");
+  }
+  std::string chat_template;
+  auto tmpl = doc.find("chat_template");
+  if (tmpl != doc.end() && tmpl->is_string()) {
+    chat_template = tmpl->get<std::string>();
+  } else if (tmpl != doc.end() && tmpl->is_array()) {  // [{name, template}]: the "default" one
+    for (const json& t : *tmpl) {
+      if (t.is_object() && t.value("name", json()).is_string() && t["name"] == "default" && t.contains("template") &&
+          t["template"].is_string()) {
+        chat_template = t["template"].get<std::string>();
+      }
+    }
+    if (chat_template.empty()) chat_format_ = ChatFormat::kUnknown;
+  }
+  if (chat_template.find("<|im_start|>") != std::string::npos) {
+    chat_format_ = ChatFormat::kChatML;
+  } else if (chat_template.find("<|start_header_id|>") != std::string::npos) {
+    chat_format_ = ChatFormat::kLlama3;
+  } else if (!chat_template.empty()) {
+    chat_format_ = ChatFormat::kUnknown;
+  }
+  return Status::OK();
+}
+
+bool Tokenizer::can_cut_after_newlines() const {
+  if (!has_split_ || prefix_space_ != PrefixSpace::kNone) return false;
+  for (const AddedToken& a : added_) {
+    if (a.content.find('\n') != std::string::npos) return false;
+  }
+  return true;
+}
+
+int32_t Tokenizer::token_to_id(std::string_view token) const {
+  auto it = vocab_.find(std::string(token));
+  return it == vocab_.end() ? -1 : it->second;
+}
+
+std::string Tokenizer::id_to_token(int32_t id) const {
+  if (id < 0 || id >= vocab_size()) return {};
+  return id_to_token_[static_cast<size_t>(id)];
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, const EncodeOptions& options) const {
+  std::vector<int32_t> ids;
+  std::vector<ByteSpan> spans;
+  encode_with_spans(text, options, &ids, &spans);
+  return ids;
+}
+
+void Tokenizer::encode_with_spans(std::string_view text, const EncodeOptions& options, std::vector<int32_t>* ids,
+                                  std::vector<ByteSpan>* spans) const {
+  ids->clear();
+  spans->clear();
+  if (options.add_special_tokens) {
+    for (int32_t id : template_prefix_) {
+      ids->push_back(id);
+      spans->push_back({0, 0});
+    }
+  }
+  size_t segment_begin = 0;
+  if (options.parse_special && !added_.empty()) {
+    for (size_t i = 0; i < text.size(); ++i) {
+      for (const AddedToken& a : added_) {  // longest first
+        if (a.content[0] != text[i] || text.compare(i, a.content.size(), a.content) != 0) continue;
+        if (i > segment_begin) {
+          encode_segment(text.substr(segment_begin, i - segment_begin), static_cast<uint32_t>(segment_begin), ids, spans);
+        }
+        ids->push_back(a.id);
+        spans->push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(i + a.content.size())});
+        segment_begin = i + a.content.size();
+        i = segment_begin - 1;
+        break;
+      }
+    }
+  }
+  if (segment_begin < text.size()) {
+    encode_segment(text.substr(segment_begin), static_cast<uint32_t>(segment_begin), ids, spans);
+  }
+  if (options.add_special_tokens) {
+    const uint32_t end = static_cast<uint32_t>(text.size());
+    for (int32_t id : template_suffix_) {
+      ids->push_back(id);
+      spans->push_back({end, end});
+    }
+  }
+}
+
+void Tokenizer::encode_segment(std::string_view text, uint32_t base, std::vector<int32_t>* ids,
+                               std::vector<ByteSpan>* spans) const {
+  std::vector<std::pair<int32_t, uint32_t>> tokens;
+  std::string scratch;
+  // Emits the BPE of s, whose first `inserted` bytes are a prefix space not in the text and
+  // whose other bytes start at text byte `begin`.
+  auto emit = [&](std::string_view s, uint32_t begin, uint32_t inserted) {
+    tokens.clear();
+    encode_piece(s, &tokens);
+    uint32_t offset = 0;
+    for (const auto& [id, len] : tokens) {
+      const uint32_t b = begin + (offset > inserted ? offset - inserted : 0);
+      const uint32_t e = begin + (offset + len > inserted ? offset + len - inserted : 0);
+      ids->push_back(id);
+      spans->push_back({b, e});
+      offset += len;
+    }
+  };
+  auto emit_piece = [&](std::string_view piece, uint32_t begin) {
+    if (prefix_space_ == PrefixSpace::kPiece && piece[0] != ' ') {
+      scratch.assign(" ").append(piece);
+      emit(scratch, begin, 1);
+    } else {
+      emit(piece, begin, 0);
+    }
+  };
+  std::string prefixed;
+  uint32_t inserted = 0;
+  if (prefix_space_ == PrefixSpace::kSegment && text[0] != ' ') {
+    prefixed.assign(" ").append(text);
+    text = prefixed;
+    inserted = 1;
+  }
+  if (!has_split_) {
+    emit(text, base, inserted);
+    return;
+  }
+  std::vector<ByteSpan> pieces;
+  split_text(split_, text, &pieces);
+  for (const ByteSpan& p : pieces) {
+    const std::string_view piece = text.substr(p.begin, p.end - p.begin);
+    if (p.begin == 0 && inserted > 0) {
+      emit(piece, base, inserted);
+    } else {
+      emit_piece(piece, base + p.begin - inserted);
+    }
+  }
+}
+
+void Tokenizer::encode_piece(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const {
+  if (piece.size() > kCacheMaxPiece) {
+    bpe(piece, out);
+    return;
+  }
+  const std::string key(piece);
+  {
+    std::lock_guard<std::mutex> lock(cache_->mu);
+    auto it = cache_->pieces.find(key);
+    if (it != cache_->pieces.end()) {
+      out->insert(out->end(), it->second.begin(), it->second.end());
+      return;
+    }
+  }
+  const size_t start = out->size();
+  bpe(piece, out);
+  std::lock_guard<std::mutex> lock(cache_->mu);
+  if (cache_->pieces.size() >= kCacheEntries) cache_->pieces.clear();
+  cache_->pieces.emplace(key, std::vector<std::pair<int32_t, uint32_t>>(out->begin() + start, out->end()));
+}
+
+void Tokenizer::bpe(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const {
+  if (ignore_merges_) {
+    std::string word;
+    for (char c : piece) word += byte_chars_[static_cast<uint8_t>(c)];
+    auto it = vocab_.find(word);
+    if (it != vocab_.end()) {
+      out->push_back({it->second, static_cast<uint32_t>(piece.size())});
+      return;
+    }
+  }
+  struct Symbol {
+    int32_t id;
+    int32_t prev;
+    int32_t next;
+    uint32_t len;  // bytes; 0 once merged into its left neighbour
+  };
+  struct Candidate {
+    int32_t rank;
+    int32_t pos;
+    int32_t id;
+    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  };
+  const int32_t n = static_cast<int32_t>(piece.size());
+  std::vector<Symbol> symbols(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t id = byte_ids_[static_cast<uint8_t>(piece[static_cast<size_t>(i)])];
+    symbols[static_cast<size_t>(i)] = {id >= 0 ? id : unk_id_, i - 1, i + 1 < n ? i + 1 : -1, 1};
+  }
+  auto find_merge = [&](int32_t left, int32_t right) -> const Merge* {
+    const int32_t a = symbols[static_cast<size_t>(left)].id, b = symbols[static_cast<size_t>(right)].id;
+    if (a < 0 || b < 0) return nullptr;
+    auto it = merges_.find((uint64_t{static_cast<uint32_t>(a)} << 32) | static_cast<uint32_t>(b));
+    return it == merges_.end() ? nullptr : &it->second;
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue;
+  for (int32_t i = 0; i + 1 < n; ++i) {
+    if (const Merge* m = find_merge(i, i + 1)) queue.push({m->rank, i, m->id});
+  }
+  while (!queue.empty()) {
+    const Candidate top = queue.top();
+    queue.pop();
+    Symbol& s = symbols[static_cast<size_t>(top.pos)];
+    if (s.len == 0 || s.next < 0) continue;
+    const Merge* m = find_merge(top.pos, s.next);
+    if (m == nullptr || m->id != top.id) continue;  // stale: a neighbour changed since
+    Symbol& right = symbols[static_cast<size_t>(s.next)];
+    s.id = top.id;
+    s.len += right.len;
+    right.len = 0;
+    s.next = right.next;
+    if (s.next >= 0) symbols[static_cast<size_t>(s.next)].prev = top.pos;
+    if (s.prev >= 0) {
+      if (const Merge* l = find_merge(s.prev, top.pos)) queue.push({l->rank, s.prev, l->id});
+    }
+    if (s.next >= 0) {
+      if (const Merge* r = find_merge(top.pos, s.next)) queue.push({r->rank, top.pos, r->id});
+    }
+  }
+  for (int32_t i = 0; i >= 0 && i < n; i = symbols[static_cast<size_t>(i)].next) {
+    const Symbol& s = symbols[static_cast<size_t>(i)];
+    if (s.id >= 0) out->push_back({s.id, s.len});
+  }
+}
+
+std::string Tokenizer::decode(std::span<const int32_t> ids) const {
+  std::string out;
+  std::vector<DecodedChar> chars;
+  for (int32_t id : ids) {
+    if (id < 0 || id >= vocab_size()) continue;
+    const std::string& token = id_to_token_[static_cast<size_t>(id)];
+    if (is_added_[static_cast<size_t>(id)]) {
+      out += token;
+      continue;
+    }
+    decode_utf8(token, &chars);
+    for (const DecodedChar& c : chars) {
+      auto it = char_to_byte_.find(c.cp);
+      if (it != char_to_byte_.end()) {
+        out.push_back(static_cast<char>(it->second));
+      } else if (c.cp != kInvalidCodepoint) {
+        append_utf8(c.cp, &out);
+      }
+    }
+  }
+  return out;
+}
+
+Result<EncodedChat> Tokenizer::encode_chat(std::span<const ChatMessage> messages) const {
+  if (chat_format_ == ChatFormat::kNone) {
+    return Status::Unimplemented(config_path_ + ": no chat_template; chat data needs a ChatML or Llama-3 template");
+  }
+  if (chat_format_ == ChatFormat::kUnknown) {
+    return Status::Unimplemented(config_path_ + ": chat_template is neither ChatML (<|im_start|>) nor Llama-3 "
+                                 "(<|start_header_id|>); strata renders only those two");
+  }
+  const bool chatml = chat_format_ == ChatFormat::kChatML;
+  static constexpr std::string_view kChatMLTokens[] = {"<|im_start|>", "<|im_end|>"};
+  static constexpr std::string_view kLlama3Tokens[] = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
+  for (std::string_view special : chatml ? std::span<const std::string_view>(kChatMLTokens)
+                                         : std::span<const std::string_view>(kLlama3Tokens)) {
+    const int32_t id = token_to_id(special);
+    if (id < 0 || !is_added_[static_cast<size_t>(id)]) {
+      return Status::InvalidArgument(config_path_ + ": the chat template uses " + std::string(special) +
+                                     ", which is not an added token of tokenizer.json");
+    }
+  }
+  EncodedChat chat;
+  std::vector<ByteSpan> assistant;  // bytes of the rendered text that count towards the loss
+  if (!chatml && bos_id_ >= 0) chat.text = bos_text_;
+  for (const ChatMessage& m : messages) {
+    std::string_view content = m.content;
+    if (chatml) {
+      chat.text += "<|im_start|>" + m.role + "\n";
+    } else {
+      chat.text += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n";
+      content = trim_spaces(content);
+    }
+    const uint32_t begin = static_cast<uint32_t>(chat.text.size());
+    chat.text.append(content);
+    chat.text += chatml ? "<|im_end|>" : "<|eot_id|>";
+    if (m.role == "assistant") assistant.push_back({begin, static_cast<uint32_t>(chat.text.size())});
+    if (chatml) chat.text += "\n";
+  }
+  std::vector<ByteSpan> spans;
+  encode_with_spans(chat.text, EncodeOptions{.add_special_tokens = false, .parse_special = true}, &chat.ids, &spans);
+  chat.loss_mask.resize(chat.ids.size());
+  for (size_t i = 0; i < spans.size(); ++i) {
+    uint8_t counts = 0;
+    for (const ByteSpan& a : assistant) counts |= (spans[i].begin < a.end && a.begin < spans[i].end) ? 1 : 0;
+    chat.loss_mask[i] = counts;
+  }
+  return chat;
+}
+
+}  // namespace strata::model

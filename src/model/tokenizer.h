@@ -1,0 +1,155 @@
+// A byte-level BPE tokenizer read from a Hugging Face tokenizer.json (GPT-2, Llama-3, Qwen2
+// and models built like them), with tokenizer_config.json beside it for the BOS/EOS tokens and
+// the chat template.
+//
+// Supported tokenizer.json: model.type "BPE" (vocab; merges as "a b" strings or [a, b] pairs;
+// ignore_merges), added_tokens (matched in the raw text before anything else, leftmost and
+// longest first), normalizer null, pre_tokenizer ByteLevel (add_prefix_space, use_regex) or
+// Sequence[Split(Regex, Isolated), ByteLevel(use_regex false)] with one of the split patterns
+// of tokenizer_split.h, post_processor ByteLevel / TemplateProcessing / a Sequence of them.
+// Anything else is Unimplemented naming the file and the field.
+//
+// Chat: tokenizer_config.json's chat_template is not interpreted as Jinja. A template that
+// contains "<|im_start|>" renders ChatML, one that contains "<|start_header_id|>" renders
+// Llama-3; encode_chat fails with Unimplemented for any other.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "core/status.h"
+#include "model/tokenizer_split.h"
+
+namespace strata::model {
+
+struct EncodeOptions {
+  // Applies the post-processor's template (Llama-3: BOS first), as `tokenizers` does by default.
+  bool add_special_tokens = false;
+  // Recognises the text of added tokens (e.g. "<|endoftext|>") in the input and emits their ids;
+  // when false, such text is encoded as ordinary bytes.
+  bool parse_special = true;
+};
+
+enum class ChatFormat : uint8_t {
+  kNone,     // no chat_template
+  kChatML,   // <|im_start|>role\ncontent<|im_end|>\n
+  kLlama3,   // <|begin_of_text|><|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>
+  kUnknown,  // a template this renderer does not know
+};
+
+struct ChatMessage {
+  std::string role;  // "system", "user", "assistant", ...
+  std::string content;
+};
+
+// A rendered and encoded conversation. loss_mask[i] is 1 when token i is part of an assistant
+// reply (its content or the end-of-turn token after it), 0 for everything the model is given.
+struct EncodedChat {
+  std::string text;
+  std::vector<int32_t> ids;
+  std::vector<uint8_t> loss_mask;
+};
+
+// Immutable after load except for an internal merge cache guarded by a mutex: safe for
+// concurrent use. Movable, not copyable.
+class Tokenizer {
+ public:
+  // `path`: a directory holding tokenizer.json (and optionally tokenizer_config.json), or the
+  // tokenizer.json file itself. Errors name the file.
+  static Result<Tokenizer> load(const std::string& path);
+
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+  Tokenizer(const Tokenizer&) = delete;
+  Tokenizer& operator=(const Tokenizer&) = delete;
+  ~Tokenizer();
+
+  std::vector<int32_t> encode(std::string_view text, const EncodeOptions& options = {}) const;
+  // As encode, and spans->at(i) are the bytes of text that token i stands for (empty for a token
+  // the post-processor added). Tokens of a prefix space that add_prefix_space inserted start
+  // at their segment's first byte.
+  void encode_with_spans(std::string_view text, const EncodeOptions& options, std::vector<int32_t>* ids,
+                         std::vector<ByteSpan>* spans) const;
+  // The bytes the ids stand for: added tokens as their content, others through the byte-level
+  // map. Ids outside the vocabulary are skipped. The result is not necessarily valid UTF-8 when
+  // the ids end inside a character.
+  std::string decode(std::span<const int32_t> ids) const;
+
+  // The id of a token as the vocabulary spells it ("Ġthe") or of an added token; -1 if absent.
+  int32_t token_to_id(std::string_view token) const;
+  // The vocabulary spelling of id; empty when absent.
+  std::string id_to_token(int32_t id) const;
+  // One more than the largest id of the vocabulary or the added tokens.
+  int64_t vocab_size() const { return static_cast<int64_t>(id_to_token_.size()); }
+  // From tokenizer_config.json (bos_token / eos_token); -1 when not set. Without an eos_token
+  // there, an added token "<|endoftext|>" serves as EOS (GPT-2 ships no eos_token).
+  int32_t bos_id() const { return bos_id_; }
+  int32_t eos_id() const { return eos_id_; }
+
+  // The ids the post-processor template puts before and after a sequence (add_special_tokens).
+  std::span<const int32_t> template_prefix() const { return template_prefix_; }
+  std::span<const int32_t> template_suffix() const { return template_suffix_; }
+  // True when encoding a text in parts, cut right after a '\n' that an ASCII letter or digit
+  // follows, gives the ids of encoding it whole (a split pattern ends every piece there, no
+  // prefix space is added per part and no added token contains a newline).
+  bool can_cut_after_newlines() const;
+
+  ChatFormat chat_format() const { return chat_format_; }
+  // Renders messages with the chat format and encodes the text (added tokens parsed, no
+  // post-processor template). Unimplemented naming tokenizer_config.json when the format is
+  // kNone or kUnknown.
+  Result<EncodedChat> encode_chat(std::span<const ChatMessage> messages) const;
+
+ private:
+  struct AddedToken {
+    int32_t id;
+    std::string content;
+  };
+  struct Merge {
+    int32_t rank;
+    int32_t id;
+  };
+  struct Cache;
+
+  Tokenizer();
+  Status load_tokenizer_json(const std::string& file);
+  Status load_config(const std::string& file);
+  // Encodes text without added tokens: prefix space, split, BPE. Spans are offset by `base`.
+  void encode_segment(std::string_view text, uint32_t base, std::vector<int32_t>* ids,
+                      std::vector<ByteSpan>* spans) const;
+  // BPE of one piece: (id, byte length) pairs, from the cache when there.
+  void encode_piece(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
+  void bpe(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
+
+  std::string config_path_;  // tokenizer_config.json, named in chat errors
+  std::unordered_map<std::string, int32_t> vocab_;
+  std::vector<std::string> id_to_token_;
+  std::vector<uint8_t> is_added_;                 // by id
+  std::unordered_map<uint64_t, Merge> merges_;    // (left id << 32 | right id) -> merge
+  int32_t byte_ids_[256];                         // id of each single-byte token, -1 if absent
+  std::string byte_chars_[256];                   // UTF-8 of each byte's byte-level character
+  std::unordered_map<uint32_t, uint8_t> char_to_byte_;  // byte-level character -> byte
+  std::vector<AddedToken> added_;                 // sorted: longest content first
+  bool ignore_merges_ = false;
+  // Where ByteLevel's add_prefix_space puts a space: before each text segment (ByteLevel before
+  // or doing the split) or before each piece (ByteLevel after a Split).
+  enum class PrefixSpace : uint8_t { kNone, kSegment, kPiece };
+  PrefixSpace prefix_space_ = PrefixSpace::kNone;
+  bool has_split_ = false;
+  SplitPattern split_ = SplitPattern::kGpt2;
+  int32_t unk_id_ = -1;
+  std::vector<int32_t> template_prefix_;  // post-processor ids before the sequence
+  std::vector<int32_t> template_suffix_;  // and after it
+  int32_t bos_id_ = -1;
+  int32_t eos_id_ = -1;
+  std::string bos_text_;
+  ChatFormat chat_format_ = ChatFormat::kNone;
+  std::unique_ptr<Cache> cache_;
+};
+
+}  // namespace strata::model

@@ -1,0 +1,167 @@
+#include "offload/state_store.h"
+
+#include <algorithm>
+#include <span>
+
+namespace strata {
+
+const char* state_kind_name(StateKind kind) {
+  switch (kind) {
+    case StateKind::kParam: return "param";
+    case StateKind::kGrad: return "grad";
+    case StateKind::kAdamM: return "adam_m";
+    case StateKind::kAdamV: return "adam_v";
+  }
+  return "?";
+}
+
+namespace {
+
+ChunkKind chunk_kind_of(StateKind kind) {
+  switch (kind) {
+    case StateKind::kParam: return ChunkKind::kParam;
+    case StateKind::kGrad: return ChunkKind::kGrad;
+    case StateKind::kAdamM: return ChunkKind::kAdamM;
+    case StateKind::kAdamV: return ChunkKind::kAdamV;
+  }
+  return ChunkKind::kParam;
+}
+
+uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
+
+// The chunk size that wastes the least padding when each group's tensors are packed into
+// chunks of their own; ties go to the smaller size (finer-grained paging).
+uint64_t choose_group_chunk_bytes(const std::vector<std::vector<uint64_t>>& groups) {
+  uint64_t largest_tensor = 0, largest_group = 0;
+  for (const auto& g : groups) {
+    uint64_t sum = 0;
+    for (uint64_t b : g) largest_tensor = std::max(largest_tensor, b), sum += round_up(b, kTensorAlignment);
+    largest_group = std::max(largest_group, sum);
+  }
+  const uint64_t lo = round_up(std::max<uint64_t>(largest_tensor, 1), kChunkAlignment);
+  const uint64_t hi = std::max(lo, round_up(largest_group, kChunkAlignment));
+  // At most ~256 candidates between the largest tensor and the largest group.
+  const uint64_t step = std::max(kChunkAlignment, round_up((hi - lo) / 256 + 1, kChunkAlignment));
+  uint64_t best = lo, best_padding = UINT64_MAX;
+  for (uint64_t c = lo; c <= hi; c += step) {
+    uint64_t padding = 0;
+    for (const auto& g : groups) padding += pack_tensors(std::span<const uint64_t>(g), c).padding_bytes;
+    if (padding < best_padding) best = c, best_padding = padding;
+  }
+  return best;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine* io, std::vector<StateTensor> tensors,
+                                                       const StateStoreOptions& options) {
+  std::unique_ptr<StateStore> s(new StateStore());
+  for (const auto& t : tensors) {
+    if (t.group < 0 || t.elements == 0)
+      return Status::InvalidArgument("state tensor '" + t.name + "' has no elements or a negative group");
+    s->num_groups_ = std::max(s->num_groups_, t.group + 1);
+  }
+  s->tensors_ = std::move(tensors);
+  s->lookahead_ = options.lookahead;
+  s->group_tensors_.resize(s->num_groups_);
+  std::vector<std::vector<uint64_t>> group_bytes(s->num_groups_);
+  for (size_t i = 0; i < s->tensors_.size(); ++i) {
+    s->group_tensors_[s->tensors_[i].group].push_back(i);
+    group_bytes[s->tensors_[i].group].push_back(s->tensors_[i].elements * sizeof(float));
+  }
+  ChunkSpaceOptions so = options.space;
+  if (so.chunk_bytes == 0) so.chunk_bytes = choose_group_chunk_bytes(group_bytes);
+  ASSIGN_OR_RETURN(s->space_, ChunkSpace::create(device, io, so));
+
+  s->ids_.resize(s->tensors_.size());
+  s->ptrs_.assign(s->tensors_.size(), {nullptr, nullptr, nullptr, nullptr});
+  s->chunks_.resize(static_cast<size_t>(s->num_groups_) * kNumStateKinds);
+  s->homes_.resize(s->chunks_.size(), Tier::kHost);
+  for (int k = 0; k < kNumStateKinds; ++k) {
+    const StateKind kind = static_cast<StateKind>(k);
+    for (int g = 0; g < s->num_groups_; ++g) {
+      std::optional<Tier> home;
+      if (options.home) home = options.home(g, kind);
+      ASSIGN_OR_RETURN(ChunkId first, s->space_->add_chunk(chunk_kind_of(kind), home));
+      GroupChunks& gc = s->group_chunks(g, kind);
+      gc.chunks.push_back(first);
+      for (size_t i : s->group_tensors_[g]) {
+        const StateTensor& t = s->tensors_[i];
+        ASSIGN_OR_RETURN(TensorId id, s->space_->add_tensor(std::string(state_kind_name(kind)) + "/" + t.name,
+                                                            chunk_kind_of(kind), t.elements * sizeof(float), home));
+        s->ids_[i][k] = id;
+        const ChunkId c = s->space_->tensor(id).chunk;
+        if (std::find(gc.chunks.begin(), gc.chunks.end(), c) == gc.chunks.end()) gc.chunks.push_back(c);
+      }
+      s->homes_[g * kNumStateKinds + k] = s->space_->home(first);
+    }
+  }
+  return s;
+}
+
+Tier StateStore::home(int group, StateKind kind) const { return homes_[group * kNumStateKinds + static_cast<int>(kind)]; }
+
+void StateStore::set_schedule(const std::vector<GroupAccess>& accesses) {
+  schedule_ = accesses;
+  schedule_chunk_start_.clear();
+  std::vector<ChunkId> order;
+  for (const GroupAccess& a : accesses) {
+    schedule_chunk_start_.push_back(order.size());
+    for (ChunkId c : group_chunks(a.group, a.kind).chunks) order.push_back(c);
+  }
+  schedule_pos_ = 0;
+  space_->set_schedule(std::move(order));
+}
+
+Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMode mode) {
+  CHECK(group >= 0 && group < num_groups_);
+  GroupChunks& gc = group_chunks(group, kind);
+  CHECK_MSG(!gc.pinned, "group acquired twice");
+  // Where this access sits in the step's schedule (the next matching entry).
+  std::optional<size_t> entry;
+  std::unique_lock<std::mutex> lock(schedule_mu_);
+  for (size_t n = 0; n < schedule_.size(); ++n) {
+    const size_t i = (schedule_pos_ + n) % schedule_.size();
+    if (schedule_[i] == GroupAccess{group, kind}) {
+      entry = i;
+      break;
+    }
+  }
+  if (entry) schedule_pos_ = (*entry + 1) % schedule_.size();
+  lock.unlock();
+  std::vector<void*> bases;
+  for (size_t j = 0; j < gc.chunks.size(); ++j) {
+    if (entry) space_->advance(schedule_chunk_start_[*entry] + j);
+    Result<void*> p = space_->acquire_chunk(gc.chunks[j], where, mode);
+    if (!p.ok()) {
+      for (size_t r = 0; r < j; ++r) space_->release_chunk(gc.chunks[r]);
+      return p.status();
+    }
+    bases.push_back(*p);
+  }
+  if (entry && lookahead_ > 0) RETURN_IF_ERROR(space_->prefetch(lookahead_ * gc.chunks.size(), where));
+  for (size_t i : group_tensors_[group]) {
+    const TensorPlacement tp = space_->tensor(ids_[i][static_cast<int>(kind)]);
+    const size_t j = std::find(gc.chunks.begin(), gc.chunks.end(), tp.chunk) - gc.chunks.begin();
+    ptrs_[i][static_cast<int>(kind)] = reinterpret_cast<float*>(static_cast<char*>(bases[j]) + tp.offset);
+  }
+  gc.pinned = true;
+  gc.pinned_in = where;
+  return Status::OK();
+}
+
+void StateStore::release_group(int group, StateKind kind) {
+  GroupChunks& gc = group_chunks(group, kind);
+  CHECK_MSG(gc.pinned, "release of a group that is not acquired");
+  for (ChunkId c : gc.chunks) space_->release_chunk(c);
+  for (size_t i : group_tensors_[group]) ptrs_[i][static_cast<int>(kind)] = nullptr;
+  gc.pinned = false;
+}
+
+float* StateStore::pointer(size_t i, StateKind kind) const {
+  float* p = ptrs_[i][static_cast<int>(kind)];
+  CHECK_MSG(p != nullptr, "tensor " + tensors_[i].name + " is not acquired for " + state_kind_name(kind));
+  return p;
+}
+
+}  // namespace strata

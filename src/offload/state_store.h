@@ -1,0 +1,117 @@
+// StateStore: a model's training state (parameters, gradients, Adam moments) held in the
+// ChunkSpace instead of flat buffers, addressed by tensor and acquired group by group.
+//
+// The model describes its tensors (in first-use order) and which group each belongs to (a
+// group is what one compute phase touches at once: the embedding, one decoder layer, the LM
+// head). Every tensor gets one chunk-space tensor per state kind; a group's tensors of a kind
+// are packed into chunks of their own, so a group's chunks can live in a different tier than
+// its neighbours'. The home tier of each (group, kind) comes from the caller (the planner's
+// placement); other copies are cached where compute asks for them and evicted by Belady along
+// the step schedule given to set_schedule().
+//
+// Ownership: the Device and IoEngine must outlive the store. Pointers from pointer() are valid
+// until the matching release_group(). Thread safety: safe for concurrent use from several
+// threads for different groups (the ChunkSpace serializes), e.g. AdamW threads on host groups
+// while compute works on device groups.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/status.h"
+#include "memory/chunk_space.h"
+#include "memory/io_engine.h"
+
+namespace strata {
+
+enum class StateKind : uint8_t { kParam = 0, kGrad, kAdamM, kAdamV };
+inline constexpr int kNumStateKinds = 4;
+const char* state_kind_name(StateKind kind);
+
+struct StateTensor {
+  std::string name;  // e.g. "model.layers.3.mlp.up_proj.weight"
+  uint64_t elements = 0;
+  int group = 0;
+};
+
+// One acquisition in the step's schedule.
+struct GroupAccess {
+  int group = 0;
+  StateKind kind = StateKind::kParam;
+  bool operator==(const GroupAccess&) const = default;
+};
+
+struct StateStoreOptions {
+  ChunkSpaceOptions space;  // budgets and nvme directory; chunk_bytes 0 = choose the size
+  size_t lookahead = 2;     // schedule entries prefetched ahead of the one being acquired
+  // The home tier of each group's chunks of a kind. Empty: the ChunkSpace's default (the
+  // lowest tier with room).
+  std::function<Tier(int group, StateKind kind)> home;
+};
+
+class StateStore {
+ public:
+  static Result<std::unique_ptr<StateStore>> create(Device& device, IoEngine* io,
+                                                    std::vector<StateTensor> tensors,
+                                                    const StateStoreOptions& options);
+  StateStore(const StateStore&) = delete;
+  StateStore& operator=(const StateStore&) = delete;
+
+  int num_groups() const { return num_groups_; }
+  size_t num_tensors() const { return tensors_.size(); }
+  const StateTensor& tensor(size_t i) const { return tensors_[i]; }
+  uint64_t chunk_bytes() const { return space_->chunk_bytes(); }
+
+  // The order in which a training step acquires groups; repeats every step. Belady eviction
+  // and prefetch follow it.
+  void set_schedule(const std::vector<GroupAccess>& accesses);
+
+  // Pins every chunk holding `kind` tensors of `group` in `where` (moving and prefetching as
+  // needed). Afterwards pointer(i, kind) is valid for the group's tensors.
+  Status acquire_group(int group, StateKind kind, Tier where, AccessMode mode);
+  void release_group(int group, StateKind kind);
+  // REQUIRES: tensor i's group is acquired for `kind`.
+  float* pointer(size_t i, StateKind kind) const;
+  // Tensors of a group, in order.
+  const std::vector<size_t>& group_tensors(int group) const { return group_tensors_[group]; }
+
+  // Home tier of a group's chunks of `kind`.
+  Tier home(int group, StateKind kind) const;
+  Status synchronize() { return space_->synchronize(); }
+  ChunkSpaceStats stats() const { return space_->stats(); }
+  ChunkSpace& space() { return *space_; }
+
+ private:
+  StateStore() = default;
+  struct GroupChunks {
+    std::vector<ChunkId> chunks;
+    Tier pinned_in = Tier::kDevice;
+    bool pinned = false;
+  };
+  GroupChunks& group_chunks(int group, StateKind kind) { return chunks_[group * kNumStateKinds + static_cast<int>(kind)]; }
+  const GroupChunks& group_chunks(int group, StateKind kind) const {
+    return chunks_[group * kNumStateKinds + static_cast<int>(kind)];
+  }
+
+  std::unique_ptr<ChunkSpace> space_;
+  std::vector<StateTensor> tensors_;
+  int num_groups_ = 0;
+  std::vector<std::vector<size_t>> group_tensors_;
+  std::vector<std::array<TensorId, kNumStateKinds>> ids_;  // per tensor
+  std::vector<std::array<float*, kNumStateKinds>> ptrs_;   // per tensor, while acquired
+  std::vector<GroupChunks> chunks_;
+  std::vector<Tier> homes_;  // per group * kind
+  // Schedule: the chunk order handed to the ChunkSpace, and for each group access where it starts.
+  std::vector<GroupAccess> schedule_;
+  std::vector<size_t> schedule_chunk_start_;
+  std::mutex schedule_mu_;  // guards schedule_pos_
+  size_t schedule_pos_ = 0;
+  size_t lookahead_ = 2;
+};
+
+}  // namespace strata

@@ -1,0 +1,260 @@
+// Perf mode of the parity runner (STRATA_PERF=1, or `test_gpu --perf`): times every CUDA op
+// at the shapes of a Llama-3-8B layer (8192 tokens) and prints achieved TFLOP/s (GEMM-like
+// ops) or GB/s (memory-bound ops) beside ceilings measured in the same run: a plain cuBLAS
+// bf16 GEMM 8192^3 and a device-to-device cudaMemcpy (bytes read + bytes written).
+// One line per op, "PERF|op|shape|ms|value|unit|ceiling|percent", is for tools/gpu_check.sh.
+#include <cublas_v2.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/rope.h"
+
+namespace strata::testing {
+namespace {
+
+namespace cu = kernels::cuda;
+
+bool perf_enabled() {
+  const char* env = std::getenv("STRATA_PERF");
+  return env != nullptr && std::string(env) == "1";
+}
+
+// Milliseconds per call of f, after one warm-up call.
+double time_ms(cudaStream_t stream, int iters, const std::function<void()>& f) {
+  f();
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  CUDA_CHECK(cudaEventRecord(start, stream));
+  for (int i = 0; i < iters; ++i) f();
+  CUDA_CHECK(cudaEventRecord(stop, stream));
+  CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  CUDA_CHECK(cudaEventDestroy(start));
+  CUDA_CHECK(cudaEventDestroy(stop));
+  return ms / iters;
+}
+
+// Device buffer of n bf16 values in [-1, 1) (a fast host generator; values only need to be
+// non-trivial so that power draw is realistic).
+std::unique_ptr<DeviceBuffer<bf16>> random_bf16(size_t n, uint32_t seed) {
+  std::vector<uint16_t> bits(n);
+  uint32_t s = seed * 2654435761u + 1u;
+  for (auto& b : bits) {
+    s = s * 1664525u + 1013904223u;
+    b = bf16_bits(static_cast<float>(s >> 8) / 8388608.0f - 1.0f);
+  }
+  return std::make_unique<DeviceBuffer<bf16>>(bits);
+}
+std::unique_ptr<DeviceBuffer<float>> zeros_f32(size_t n) {
+  auto buffer = std::make_unique<DeviceBuffer<float>>(n);
+  CUDA_CHECK(cudaMemset(buffer->get(), 0, n * sizeof(float)));
+  return buffer;
+}
+
+struct Row {
+  std::string op, shape;
+  double ms, value;
+  bool flops;  // value in TFLOP/s (else GB/s)
+};
+
+void print(const Row& r, double gemm_ceiling, double bw_ceiling) {
+  const double ceiling = r.flops ? gemm_ceiling : bw_ceiling;
+  const char* unit = r.flops ? "TFLOP/s" : "GB/s";
+  std::printf("  %-26s %-34s %9.3f ms %9.1f %-7s (%5.1f%% of %.1f)\n", r.op.c_str(),
+              r.shape.c_str(), r.ms, r.value, unit, 100.0 * r.value / ceiling, ceiling);
+  std::printf("PERF|%s|%s|%.4f|%.2f|%s|%.2f|%.1f\n",
+              r.op.c_str(), r.shape.c_str(), r.ms, r.value, unit, ceiling,
+              100.0 * r.value / ceiling);
+}
+
+TEST(OpsPerf, Report) {
+  if (!perf_enabled()) GTEST_SKIP() << "perf mode is off: set STRATA_PERF=1 or pass --perf";
+  StreamGuard stream_guard;
+  const cudaStream_t stream = stream_guard.get();
+  cu::Context ctx(size_t{1} << 30);
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("perf on %s\n", prop.name);
+
+  // ---- ceilings ----
+  double gemm_ceiling = 0, bw_ceiling = 0;
+  {
+    const int n = 8192;
+    auto a = random_bf16(size_t{n} * n, 1), b = random_bf16(size_t{n} * n, 2);
+    DeviceBuffer<bf16> c(size_t{n} * n);
+    cublasHandle_t handle;
+    ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
+    ASSERT_EQ(cublasSetStream(handle, stream), CUBLAS_STATUS_SUCCESS);
+    const float alpha = 1.0f, beta = 0.0f;
+    const double ms = time_ms(stream, 20, [&] {
+      const cublasStatus_t status = cublasGemmEx(
+          handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a->get(), CUDA_R_16BF, n, b->get(),
+          CUDA_R_16BF, n, &beta, c.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      CHECK(status == CUBLAS_STATUS_SUCCESS);
+    });
+    cublasDestroy(handle);
+    gemm_ceiling = 2.0 * n * n * double(n) / (ms * 1e-3) / 1e12;
+  }
+  {
+    const size_t bytes = size_t{1} << 30;
+    DeviceBuffer<char> src(bytes), dst(bytes);
+    CUDA_CHECK(cudaMemset(src.get(), 1, bytes));
+    const double ms = time_ms(stream, 20, [&] {
+      CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+    });
+    bw_ceiling = 2.0 * bytes / (ms * 1e-3) / 1e9;
+  }
+  std::printf("  %-26s %-34s %9.1f TFLOP/s\n", "ceiling: cuBLAS bf16 GEMM", "8192^3", gemm_ceiling);
+  std::printf("  %-26s %-34s %9.1f GB/s (read + write)\n", "ceiling: D2D cudaMemcpy", "1 GiB",
+              bw_ceiling);
+  std::printf("PERF|ceiling: cuBLAS GEMM|bf16 8192^3|0|%.2f|TFLOP/s|%.2f|100.0\n", gemm_ceiling,
+              gemm_ceiling);
+  std::printf("PERF|ceiling: D2D memcpy|1 GiB, read + write|0|%.2f|GB/s|%.2f|100.0\n",
+              bw_ceiling, bw_ceiling);
+
+  auto flops_row = [&](const std::string& op, const std::string& shape, double flops,
+                       const std::function<void()>& f) {
+    const double ms = time_ms(stream, 10, f);
+    print({op, shape, ms, flops / (ms * 1e-3) / 1e12, true}, gemm_ceiling, bw_ceiling);
+  };
+  auto bytes_row = [&](const std::string& op, const std::string& shape, double bytes,
+                       const std::function<void()>& f) {
+    const double ms = time_ms(stream, 20, f);
+    print({op, shape, ms, bytes / (ms * 1e-3) / 1e9, false}, gemm_ceiling, bw_ceiling);
+  };
+
+  // ---- a Llama-3-8B layer at 8192 tokens ----
+  const int64_t N = 8192, C = 4096, F = 14336, V = 128256;
+  const int64_t B = 4, T = 2048, Hq = 32, Hkv = 8, D = 128;
+  auto x = random_bf16(N * F, 3);      // (N, max(C, F)) activations
+  auto y = random_bf16(N * F, 4);
+  auto z = random_bf16(N * F, 5);
+  auto w = random_bf16(F * C, 6);      // (F, C) weight
+  auto dw = zeros_f32(F * C);
+
+  flops_row("linear_forward", "N=8192 IC=4096 OC=14336", 2.0 * N * C * F, [&] {
+    cu::linear_forward(ctx, y->get(), x->get(), w->get(), nullptr, N, C, F, stream);
+  });
+  flops_row("linear_backward", "N=8192 IC=4096 OC=14336", 4.0 * N * C * F, [&] {
+    cu::linear_backward(ctx, z->get(), dw->get(), nullptr, y->get(), x->get(), w->get(), N, C,
+                        F, stream);
+  });
+
+  {
+    auto q = random_bf16(B * T * Hq * D, 7), k = random_bf16(B * T * Hkv * D, 8);
+    auto v = random_bf16(B * T * Hkv * D, 9), out = random_bf16(B * T * Hq * D, 10);
+    auto dout = random_bf16(B * T * Hq * D, 11);
+    DeviceBuffer<bf16> dq(B * T * Hq * D), dk(B * T * Hkv * D), dv(B * T * Hkv * D);
+    DeviceBuffer<float> lse(B * Hq * T);
+    // Causal: half of the 2 * 2 * B * Hq * T^2 * D of full attention.
+    const double fwd = 2.0 * B * Hq * double(T) * T * D;
+    const std::string shape = "B=4 T=2048 Hq=32 Hkv=8 D=128";
+    flops_row("attention_forward", shape, fwd, [&] {
+      cu::attention_forward(out->get(), lse.get(), q->get(), k->get(), v->get(), B, T, Hq, Hkv,
+                            D, stream);
+    });
+    flops_row("attention_backward", shape + " (2.5x fwd)", 2.5 * fwd, [&] {
+      cu::attention_backward(ctx, dq.get(), dk.get(), dv.get(), dout->get(), q->get(), k->get(),
+                             v->get(), out->get(), lse.get(), B, T, Hq, Hkv, D, stream);
+    });
+  }
+
+  {
+    auto head = random_bf16(V * C, 12);
+    auto dhead = zeros_f32(V * C);
+    DeviceBuffer<float> losses(N);
+    std::vector<int32_t> targets(N);
+    for (int64_t i = 0; i < N; ++i) targets[i] = static_cast<int32_t>((i * 7919) % V);
+    DeviceBuffer<int32_t> d_targets(targets);
+    flops_row("lm_head_cross_entropy", "N=8192 C=4096 V=128256 chunk=1024", 6.0 * N * C * V,
+              [&] {
+                cu::lm_head_cross_entropy(ctx, losses.get(), z->get(), dhead->get(), x->get(),
+                                          head->get(), d_targets.get(), N, C, V, 1.0f / N, 1024,
+                                          stream);
+              });
+  }
+
+  {
+    auto weight = random_bf16(C, 13);
+    auto dweight = zeros_f32(C);
+    DeviceBuffer<float> rstd(N);
+    const std::string shape = "N=8192 C=4096";
+    bytes_row("rmsnorm_forward", shape, 2.0 * N * C * 2, [&] {
+      cu::rmsnorm_forward(y->get(), rstd.get(), x->get(), weight->get(), N, C, 1e-5f, stream);
+    });
+    bytes_row("rmsnorm_backward", shape, 3.0 * N * C * 2, [&] {
+      cu::rmsnorm_backward(ctx, z->get(), dweight->get(), y->get(), x->get(), weight->get(),
+                           rstd.get(), N, C, stream);
+    });
+  }
+  {
+    std::vector<float> inv_freq(D / 2);
+    kernels::RopeConfig config;
+    config.theta = 500000.0;
+    kernels::rope_inv_freq(inv_freq.data(), D, config);
+    DeviceBuffer<float> freq(inv_freq);
+    const int64_t n = B * T * Hq * D;
+    bytes_row("rope_forward", "B=4 T=2048 H=32 D=128", 2.0 * n * 2, [&] {
+      cu::rope_forward(y->get(), x->get(), freq.get(), B, T, Hq, D, stream);
+    });
+  }
+  {
+    const int64_t n = N * F;
+    bytes_row("swiglu_forward", "n=8192*14336", 3.0 * n * 2, [&] {
+      cu::swiglu_forward(z->get(), x->get(), y->get(), n, stream);
+    });
+    auto dup = random_bf16(n, 14), dout = random_bf16(n, 16);
+    bytes_row("swiglu_backward", "n=8192*14336", 5.0 * n * 2, [&] {
+      cu::swiglu_backward(z->get(), dup->get(), dout->get(), x->get(), y->get(), n, stream);
+    });
+  }
+  {
+    auto table = random_bf16(V * C, 15);
+    auto dtable = zeros_f32(V * C);
+    std::vector<int32_t> tokens(N);
+    for (int64_t i = 0; i < N; ++i) tokens[i] = static_cast<int32_t>((i * 104729) % V);
+    DeviceBuffer<int32_t> d_tokens(tokens);
+    bytes_row("embedding_forward", "N=8192 C=4096", 2.0 * N * C * 2, [&] {
+      cu::embedding_forward(y->get(), d_tokens.get(), table->get(), N, C, V, stream);
+    });
+    bytes_row("embedding_backward", "N=8192 C=4096 (dout + fp32 rmw)", N * C * (2.0 + 8.0), [&] {
+      cu::embedding_backward(ctx, dtable->get(), y->get(), d_tokens.get(), N, C, V, stream);
+    });
+  }
+  {
+    const int64_t n = int64_t{1} << 27;  // 134M parameters in 4 tensors
+    auto p = zeros_f32(n), g = zeros_f32(n), m = zeros_f32(n), v = zeros_f32(n);
+    DeviceBuffer<bf16> pb(n);
+    std::vector<cu::AdamWTensor> list;
+    for (int i = 0; i < 4; ++i) {
+      const int64_t off = i * (n / 4);
+      list.push_back({p->get() + off, g->get() + off, m->get() + off, v->get() + off,
+                      pb.get() + off, n / 4});
+    }
+    kernels::AdamWParams params;
+    bytes_row("adamw_step", "n=2^27 (4 tensors, bf16 copy)", 30.0 * n, [&] {
+      cu::adamw_step(list.data(), static_cast<int>(list.size()), params, stream);
+    });
+    DeviceBuffer<double> out(1);
+    bytes_row("sum_squares", "n=2^27", 4.0 * n, [&] {
+      cu::sum_squares(ctx, out.get(), g->get(), n, false, stream);
+    });
+    bytes_row("scale_inplace", "n=2^27", 8.0 * n, [&] {
+      cu::scale_inplace(g->get(), n, 1.0f, stream);
+    });
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+}  // namespace
+}  // namespace strata::testing

@@ -1,0 +1,284 @@
+// The data tool's tokenization: shards read back through open_dataset, EOS between documents,
+// shard cuts, chat loss masks and the errors bad input gets.
+#include "train/tokenize.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/tokenizer.h"
+#include "train/data.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using model::Tokenizer;
+
+const std::string kFixtures = std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/tokenizer";
+
+class TokenizeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = ::testing::TempDir() + "strata_tokenize_XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string write(const std::string& name, const std::string& text) const {
+    std::ofstream(path(name), std::ios::binary) << text;
+    return path(name);
+  }
+  static std::vector<int32_t> read_all(const std::string& dir) {
+    Result<std::unique_ptr<TokenDataset>> ds = open_dataset(DataConfig{{dir}, "auto"});
+    EXPECT_TRUE(ds.ok()) << ds.status().to_string();
+    if (!ds.ok()) return {};
+    std::vector<int32_t> out(static_cast<size_t>((*ds)->num_tokens()));
+    EXPECT_TRUE((*ds)->read(0, (*ds)->num_tokens(), out.data()).ok());
+    return out;
+  }
+  static Tokenizer load(const std::string& name) {
+    Result<Tokenizer> t = Tokenizer::load(kFixtures + "/" + name);
+    EXPECT_TRUE(t.ok()) << t.status().to_string();
+    return std::move(t).value();
+  }
+
+  std::string dir_;
+};
+
+std::vector<int32_t> concat(std::initializer_list<std::vector<int32_t>> parts) {
+  std::vector<int32_t> out;
+  for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
+TEST_F(TokenizeTest, TextFilesBecomeDocumentsFollowedByEos) {
+  const std::string a = "Hello, world! It's a test.\nSecond line 123.";
+  const std::string b = "日本語のテキスト 😀\n";
+  TokenizeOptions o;
+  o.tokenizer = kFixtures + "/gpt2";
+  o.inputs = {write("a.txt", a), write("b.txt", b)};
+  o.out_dir = path("out");
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  Tokenizer tok = load("gpt2");
+  const std::vector<int32_t> eos = {tok.eos_id()};
+  const std::vector<int32_t> expected = concat({tok.encode(a), eos, tok.encode(b), eos});
+  EXPECT_EQ(read_all(o.out_dir), expected);
+  EXPECT_EQ(s->documents, 2);
+  EXPECT_EQ(s->tokens, static_cast<int64_t>(expected.size()));
+  EXPECT_EQ(s->loss_tokens, s->tokens);
+  ASSERT_EQ(s->shards.size(), 1u);
+  EXPECT_EQ(s->shards[0], o.out_dir + "/train_000000.bin");
+  EXPECT_TRUE(s->masks.empty());
+  // A 700-token vocabulary fits uint16.
+  std::ifstream f(s->shards[0], std::ios::binary);
+  int32_t header[3];
+  f.read(reinterpret_cast<char*>(header), sizeof(header));
+  EXPECT_EQ(header[0], kLlmcMagicU16);
+  EXPECT_EQ(header[1], 1);
+  EXPECT_EQ(header[2], static_cast<int32_t>(expected.size()));
+  EXPECT_EQ(fs::file_size(s->shards[0]), static_cast<uintmax_t>(kLlmcHeaderBytes + 2 * expected.size()));
+  EXPECT_FALSE(fs::exists(s->shards[0] + ".tmp"));
+}
+
+TEST_F(TokenizeTest, JsonlShardsCutAtShardTokensWithTemplate) {
+  std::string jsonl;
+  std::vector<std::string> texts;
+  for (int i = 0; i < 20; ++i) {
+    texts.push_back("document " + std::to_string(i) + ": Grüße, 北京 and café.");
+    jsonl += nlohmann::json{{"text", texts.back()}, {"id", i}}.dump() + "\n";
+    if (i == 7) jsonl += "\n";  // blank lines are skipped
+  }
+  TokenizeOptions o;
+  o.tokenizer = kFixtures + "/llama3";
+  o.inputs = {write("docs.jsonl", jsonl)};
+  o.out_dir = path("out");
+  o.format = TokenizeFormat::kJsonl;
+  o.shard_tokens = 50;
+  o.progress = true;
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  Tokenizer tok = load("llama3");
+  std::vector<int32_t> expected;
+  for (const auto& t : texts) {
+    std::vector<int32_t> ids = tok.encode(t, {.add_special_tokens = true});
+    ASSERT_EQ(ids[0], tok.bos_id());  // Llama-3's template puts BOS first
+    expected = concat({expected, ids, {tok.eos_id()}});
+  }
+  EXPECT_EQ(read_all(o.out_dir), expected);
+  EXPECT_EQ(s->documents, 20);
+  const size_t shards = (expected.size() + 49) / 50;
+  ASSERT_EQ(s->shards.size(), shards);
+  for (size_t i = 0; i < shards; ++i) {
+    const size_t n = i + 1 < shards ? 50 : expected.size() - 50 * (shards - 1);
+    EXPECT_EQ(fs::file_size(s->shards[i]), static_cast<uintmax_t>(kLlmcHeaderBytes + 2 * n)) << s->shards[i];
+  }
+  char name[32];
+  std::snprintf(name, sizeof(name), "/train_%06zu.bin", shards - 1);
+  EXPECT_EQ(s->shards.back(), o.out_dir + name);
+
+  // Without the template: no BOS.
+  o.out_dir = path("raw");
+  o.add_special_tokens = false;
+  ASSERT_TRUE(tokenize_to_shards(o).ok());
+  EXPECT_EQ(read_all(o.out_dir).size(), expected.size() - texts.size());
+}
+
+TEST_F(TokenizeTest, LongTextEncodedInPartsMatchesWholeEncoding) {
+  std::string text;
+  for (int i = 0; text.size() < (size_t{9} << 20); ++i) {
+    text += "Line " + std::to_string(i) + " of a long file, with words: Köln 東京 it's\n  indented\n\n";
+  }
+  TokenizeOptions o;
+  o.tokenizer = kFixtures + "/qwen2";
+  o.inputs = {write("long.txt", text)};
+  o.out_dir = path("out");
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  Tokenizer tok = load("qwen2");
+  std::vector<int32_t> expected = tok.encode(text);
+  expected.push_back(tok.eos_id());
+  EXPECT_EQ(read_all(o.out_dir), expected);
+  EXPECT_EQ(s->bytes, static_cast<int64_t>(text.size()));
+}
+
+TEST_F(TokenizeTest, ChatWritesLossMasks) {
+  const nlohmann::json expected = nlohmann::json::parse(
+      std::ifstream(kFixtures + "/qwen2/expected.json"), nullptr, false);
+  ASSERT_FALSE(expected.is_discarded());
+  const nlohmann::json& chat = expected["chat"];
+  std::string jsonl;
+  for (int i = 0; i < 3; ++i) jsonl += nlohmann::json{{"messages", chat["messages"]}}.dump() + "\n";
+  TokenizeOptions o;
+  o.tokenizer = kFixtures + "/qwen2";
+  o.inputs = {write("chat.jsonl", jsonl)};
+  o.out_dir = path("out");
+  o.format = TokenizeFormat::kChat;
+  o.shard_tokens = 64;
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  ASSERT_EQ(s->masks.size(), s->shards.size());
+  ASSERT_GE(s->shards.size(), 2u);
+  EXPECT_EQ(s->masks[0], o.out_dir + "/masks/train_000000.mask");
+
+  Tokenizer tok = load("qwen2");
+  const std::vector<int32_t> ids = chat["ids"];
+  const std::vector<uint8_t> mask = chat["mask"];
+  ASSERT_NE(ids.back(), tok.eos_id());  // so an EOS (not counted) follows each conversation
+  std::vector<int32_t> want_ids;
+  std::vector<uint8_t> want_mask;
+  for (int i = 0; i < 3; ++i) {
+    want_ids = concat({want_ids, ids, {tok.eos_id()}});
+    want_mask.insert(want_mask.end(), mask.begin(), mask.end());
+    want_mask.push_back(0);
+  }
+  EXPECT_EQ(read_all(o.out_dir), want_ids);  // the masks directory is not read as data
+  std::vector<uint8_t> got_mask;
+  for (size_t i = 0; i < s->masks.size(); ++i) {
+    EXPECT_EQ(loss_mask_path(s->shards[i]), s->masks[i]);
+    Result<std::vector<uint8_t>> m = read_loss_mask(s->masks[i]);
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_EQ(static_cast<int64_t>(m->size()), (i + 1 < s->masks.size()) ? 64 : static_cast<int64_t>(want_ids.size()) - 64 * (static_cast<int64_t>(s->masks.size()) - 1));
+    got_mask.insert(got_mask.end(), m->begin(), m->end());
+  }
+  EXPECT_EQ(got_mask, want_mask);
+  int64_t ones = 0;
+  for (uint8_t b : want_mask) ones += b;
+  EXPECT_EQ(s->loss_tokens, ones);
+  EXPECT_GT(ones, 0);
+  EXPECT_LT(ones, static_cast<int64_t>(want_mask.size()) / 2);
+  // A data shard is not a mask.
+  EXPECT_EQ(read_loss_mask(s->shards[0]).status().code(), StatusCode::kCorruption);
+}
+
+TEST_F(TokenizeTest, Llama3ChatEndsWithEosNeedsNoSeparator) {
+  const nlohmann::json expected = nlohmann::json::parse(
+      std::ifstream(kFixtures + "/llama3/expected.json"), nullptr, false);
+  const nlohmann::json& chat = expected["chat"];
+  TokenizeOptions o;
+  o.tokenizer = kFixtures + "/llama3";
+  o.inputs = {write("chat.jsonl", nlohmann::json{{"messages", chat["messages"]}}.dump() + "\n")};
+  o.out_dir = path("out");
+  o.format = TokenizeFormat::kChat;
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  EXPECT_EQ(read_all(o.out_dir), chat["ids"].get<std::vector<int32_t>>());  // ends with <|eot_id|> = eos
+  Result<std::vector<uint8_t>> m = read_loss_mask(s->masks[0]);
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(*m, chat["mask"].get<std::vector<uint8_t>>());
+}
+
+TEST_F(TokenizeTest, BadInputFailsClearlyAndLeavesNothing) {
+  TokenizeOptions o;
+  o.tokenizer = kFixtures + "/gpt2";
+  o.out_dir = path("out");
+  o.format = TokenizeFormat::kJsonl;
+
+  o.inputs = {path("missing.jsonl")};
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  EXPECT_EQ(s.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(s.status().message().find("missing.jsonl"), std::string::npos);
+
+  // Enough good lines to fill shards before the bad one: those shards are removed again.
+  std::string jsonl;
+  for (int i = 0; i < 30; ++i) jsonl += R"({"text": "a fine line of text"})" "\n";
+  o.inputs = {write("bad.jsonl", jsonl + "{\"text\": \"broken\"\n")};
+  o.shard_tokens = 10;
+  s = tokenize_to_shards(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("bad.jsonl:31"), std::string::npos) << s.status().message();
+  EXPECT_TRUE(fs::is_empty(o.out_dir));
+
+  o.inputs = {write("notext.jsonl", "{\"text\": \"ok\"}\n{\"body\": \"x\"}\n")};
+  s = tokenize_to_shards(o);
+  EXPECT_NE(s.status().message().find("notext.jsonl:2"), std::string::npos) << s.status().message();
+
+  o.format = TokenizeFormat::kChat;
+  o.inputs = {write("c.jsonl", "{\"messages\": [{\"role\": \"user\"}]}\n")};
+  o.tokenizer = kFixtures + "/qwen2";
+  s = tokenize_to_shards(o);
+  EXPECT_NE(s.status().message().find("c.jsonl:1"), std::string::npos) << s.status().message();
+
+  // GPT-2 has no chat template.
+  o.tokenizer = kFixtures + "/gpt2";
+  o.inputs = {write("c2.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n")};
+  s = tokenize_to_shards(o);
+  EXPECT_EQ(s.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(s.status().message().find("tokenizer_config.json"), std::string::npos) << s.status().message();
+
+  // An output directory that already holds shards is refused.
+  o.format = TokenizeFormat::kText;
+  o.inputs = {write("t.txt", "text")};
+  ASSERT_TRUE(tokenize_to_shards(o).ok());
+  s = tokenize_to_shards(o);
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("already holds shards"), std::string::npos);
+}
+
+TEST(TokenizeParseTest, TokenCountsAndFormats) {
+  EXPECT_EQ(parse_token_count("100M").value(), 100'000'000);
+  EXPECT_EQ(parse_token_count("1.5B").value(), 1'500'000'000);
+  EXPECT_EQ(parse_token_count("250k").value(), 250'000);
+  EXPECT_EQ(parse_token_count("4096").value(), 4096);
+  for (const char* bad : {"", "M", "-5", "0", "1.5", "ten", "5X", "1.2.3M"}) {
+    EXPECT_FALSE(parse_token_count(bad).ok()) << bad;
+  }
+  EXPECT_EQ(parse_tokenize_format("chat").value(), TokenizeFormat::kChat);
+  EXPECT_FALSE(parse_tokenize_format("csv").ok());
+}
+
+}  // namespace
+}  // namespace strata
