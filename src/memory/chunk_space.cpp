@@ -271,7 +271,7 @@ Result<void*> ChunkSpace::acquire_locked(ChunkId id, Tier where, AccessMode mode
   if (c.slot[w] < 0) RETURN_IF_ERROR(take_slot(where, id, std::nullopt).status());
   if (!c.valid[w] && load) RETURN_IF_ERROR(fill(id, where, MoveOrigin::kDemand));
   const uint32_t slot = static_cast<uint32_t>(c.slot[w]);
-  Status st = Status::OK();
+  Status st = consumer != nullptr ? order_on(where, slot, *consumer) : wait_slot(where, slot);
   stats_.tiers[w].stall_ns += blocked_ns_ - blocked_before;
   if (load && !c.valid[w]) {
     // The read that was filling this copy failed.

@@ -175,13 +175,14 @@ void IoUringEngine::prep_locked(Context* ctx) {
   CHECK_MSG(sqe != nullptr, "io_uring submission queue full with " + std::to_string(in_flight_) + " requests in flight");
   const IoRequest& r = ctx->request;
   uint64_t want = std::min(r.length - ctx->done, max_transfer_);
+  // What the engine asks for; a hook's cap below it plays the kernel moving fewer bytes.
+  ctx->asked = want;
   ctx->injected = 0;
   if (hook_ != nullptr) {
     const TransferDecision d = hook_->before_transfer(r, ctx->done, want);
     ctx->injected = d.error;
     want = std::clamp<uint64_t>(d.length, 1, want);
   }
-  ctx->asked = want;
   ++stats_.sqes;
   pending_submit_ = true;
   if (ctx->injected != 0) {

@@ -1,11 +1,13 @@
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/log.h"
@@ -70,6 +72,30 @@ Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
 
 namespace {
 
+// "moe: aux loss 2.0113 | expert load max/mean 1.42 (layer 3)": the auxiliary loss of the last
+// micro-batch and the most loaded expert of the step relative to an even split.
+std::string format_moe_line(const model::ModelConfig& mc, const model::LlamaModel& net) {
+  const int64_t E = mc.num_experts;
+  const std::vector<int64_t>& counts = net.expert_token_counts();
+  double worst = 0;
+  int64_t worst_layer = -1;
+  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) {
+    if (!mc.is_moe_layer(l)) continue;
+    int64_t total = 0, most = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      total += counts[static_cast<size_t>(l * E + e)];
+      most = std::max(most, counts[static_cast<size_t>(l * E + e)]);
+    }
+    const double ratio = total > 0 ? static_cast<double>(most) * static_cast<double>(E) / static_cast<double>(total) : 0.0;
+    if (ratio > worst) {
+      worst = ratio;
+      worst_layer = l;
+    }
+  }
+  return fmt::format("moe: aux loss {:.4f} | expert load max/mean {:.2f} (layer {})", net.last_aux_loss(), worst,
+                     worst_layer);
+}
+
 Result<std::unique_ptr<TokenDataset>> open_training_data(const TrainConfig& t) {
   DataConfig dc;
   dc.format = t.data_format;
@@ -95,6 +121,7 @@ bool needs_run_dir_for_data(const TrainConfig& t) {
 Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effective_yaml) {
   // 1. Everything that can be wrong with the inputs is checked before anything is written.
   ASSIGN_OR_RETURN(model::ModelConfig mc, resolve_model_config(t));
+  RETURN_IF_ERROR(mc.check_sequence_length(t.seq_len, "the model config (with train.seq_len)"));
   if (t.seq_len > mc.max_position_embeddings)
     LOG_WARN("train.seq_len {} exceeds the model's max_position_embeddings {}", t.seq_len,
              mc.max_position_embeddings);
@@ -182,6 +209,7 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     const double grad_norm = optimizer.clip_gradients(net.grads(), static_cast<float>(t.grad_clip));
     const double lr = schedule.lr(step);
     optimizer.step(net.params(), net.grads(), static_cast<float>(lr));
+    net.update_expert_bias();  // loss-free MoE balancing; a no-op unless configured
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     tokens_seen += tokens_per_step;
 
@@ -201,7 +229,10 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     if (step == 1) summary.first_loss = sm.loss;
     summary.last_loss = sm.loss;
     summary.steps_done = step;
-    if (step % t.log_every == 0 || step == 1 || step == t.steps) LOG_INFO("{}", format_step_line(sm));
+    if (step % t.log_every == 0 || step == 1 || step == t.steps) {
+      LOG_INFO("{}", format_step_line(sm));
+      if (mc.is_moe()) LOG_INFO("{}", format_moe_line(mc, net));
+    }
   }
   std::signal(SIGINT, old_int);
   std::signal(SIGTERM, old_term);

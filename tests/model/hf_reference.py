@@ -13,10 +13,11 @@ Modes:
         OUT_DIR/reference.json  a batch (inputs, targets with -1 = ignored) and transformers'
                               mean cross-entropy on it
         OUT_DIR/grads.safetensors  the gradient of that loss for every parameter
-  hf_reference.py check EXPORT_DIR REF_DIR OUT_JSON
-      Loads EXPORT_DIR with AutoModelForCausalLM.from_pretrained and compares it with
+  hf_reference.py check REF_DIR EXPORT_DIR...
+      Loads each EXPORT_DIR with AutoModelForCausalLM.from_pretrained and compares it with
       REF_DIR/hf: class, loading info (missing/unexpected keys), weights (exactly, or against
       torch's BF16 rounding when the export is bfloat16) and logits/loss on REF_DIR's batch.
+      Writes the findings to EXPORT_DIR.check.json.
 """
 
 import json
@@ -121,11 +122,17 @@ def generate(out_dir, variant):
                        loss=loss.item(), architecture=model.__class__.__name__), f)
 
 
-def check(export_dir, ref_dir, out_json):
+def check(ref_dir, export_dirs):
     from transformers import AutoModelForCausalLM
-    result = {}
     original = AutoModelForCausalLM.from_pretrained(os.path.join(ref_dir, "hf"), torch_dtype=torch.float32,
                                                     attn_implementation="eager")
+    for export_dir in export_dirs:
+        check_one(original, export_dir, ref_dir, export_dir.rstrip("/") + ".check.json")
+
+
+def check_one(original, export_dir, ref_dir, out_json):
+    from transformers import AutoModelForCausalLM
+    result = {}
     exported, info = AutoModelForCausalLM.from_pretrained(export_dir, output_loading_info=True,
                                                           torch_dtype=torch.float32, attn_implementation="eager")
     with open(os.path.join(export_dir, "config.json")) as f:
@@ -167,8 +174,8 @@ def main():
         write_safetensors_sample(sys.argv[2])
     elif len(sys.argv) >= 4 and sys.argv[1] == "generate" and sys.argv[3] in VARIANTS:
         generate(sys.argv[2], sys.argv[3])
-    elif len(sys.argv) >= 5 and sys.argv[1] == "check":
-        check(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif len(sys.argv) >= 4 and sys.argv[1] == "check":
+        check(sys.argv[2], sys.argv[3:])
     else:
         print(__doc__, file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
-// `strata convert`: rewrites a Hugging Face directory with another dtype or shard size, and
-// names what is wrong with other inputs.
+// `strata convert` rewrites a Hugging Face directory with another dtype or shard size and names
+// what is wrong with other inputs; `strata train model.from=... run.export=...` starts from a
+// Hugging Face directory and exports one.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -104,6 +105,46 @@ TEST_F(ConvertTest, ReshardsToBf16AndKeepsTokenizerFiles) {
   // An existing non-empty target is refused.
   CmdResult again = run_strata("convert --from " + src.string() + " --to " + dst.string());
   EXPECT_EQ(again.exit_code, 1) << again.output;
+}
+
+TEST_F(ConvertTest, TrainStartsFromHuggingFaceDirectoryAndExportsOne) {
+  ModelConfig config;
+  config.vocab_size = 256;
+  config.hidden_size = 16;
+  config.intermediate_size = 24;
+  config.num_hidden_layers = 1;
+  config.num_attention_heads = 2;
+  config.max_position_embeddings = 64;
+  config.fill_defaults();
+  const ParamLayout layout(config);
+  std::vector<float> params(static_cast<size_t>(layout.total_size()), 0.0f);
+  init_weights(layout, params.data(), 9);
+  const fs::path src = dir_ / "src";
+  ASSERT_TRUE(export_hf(src.string(), config, layout, params.data()).ok());
+  std::ofstream(src / "tokenizer_config.json") << R"({"model_max_length": 64})";
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += "hello hugging face " + std::to_string(i % 5) + "\n";
+  std::ofstream(dir_ / "corpus.txt") << text;
+
+  const fs::path out = dir_ / "export";
+  const std::string run = "data.paths=[" + (dir_ / "corpus.txt").string() + "] run.dir=" + (dir_ / "run").string() +
+                          " train.micro_batch=2 train.seq_len=16 train.steps=3 optim.warmup_steps=1 model.from=" +
+                          src.string() + " run.export=" + out.string();
+  CmdResult r = run_strata("train " + run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(out / "tokenizer_config.json"));
+  Result<ModelConfig> back = load_hf_config(out.string());
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(back->to_json(), config.to_json());
+  std::vector<float> trained(params.size(), 0.0f);
+  Status st = load_hf_weights(out.string(), layout, trained.data());
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  EXPECT_FALSE(trained == params) << "the export holds the initial weights, not the trained ones";
+
+  // model.from with model.init is a configuration error.
+  CmdResult both = run_strata("train " + run + " model.init=" + (src / "model.safetensors").string());
+  EXPECT_EQ(both.exit_code, 1) << both.output;
+  EXPECT_NE(both.output.find("model.from"), std::string::npos) << both.output;
 }
 
 }  // namespace
