@@ -3,11 +3,13 @@
 // tests can swap in an engine that injects faults.
 //
 // Engines:
-//   io_uring     liburing, O_DIRECT, registered files and buffers, batched submission; the
-//                default (make_io_engine picks it when io_uring can be set up).
-//   thread pool  pread/pwrite on worker threads; chosen automatically when io_uring setup
-//                fails, with a log line saying so.
-//   faulty       wraps another engine and injects short transfers, EIO, ENOSPC and latency.
+//   io_uring     (io_uring_engine.h) liburing, O_DIRECT, registered files and buffers,
+//                batched submission; the default (make_io_engine picks it when io_uring can
+//                be set up).
+//   thread pool  (io_threads.h) pread/pwrite on worker threads; chosen automatically when
+//                io_uring setup fails, with a log line saying so.
+//   faulty       (io_faulty.h) wraps another engine and injects short transfers, -EAGAIN,
+//                EIO, ENOSPC and latency through the TransferHook below.
 //
 // Model: the caller registers files (opened by the caller, usually with O_DIRECT) and may
 // register buffers; it submits requests and later waits on their tickets. A request is
@@ -16,8 +18,8 @@
 // strerror; it never yields a silently zero-filled page.
 //
 // Ownership: the engine does not own file descriptors or buffers; both must stay valid until
-// the request's ticket has been waited on. Thread safety: submit() and wait() are safe for
-// concurrent use from several threads.
+// the request's ticket has been waited on. Thread safety: every method of the engines here is
+// safe for concurrent use from several threads; a ticket is waited on by one thread, once.
 #pragma once
 
 #include <cstdint>

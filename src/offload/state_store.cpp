@@ -82,7 +82,14 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
     for (int g = 0; g < s->num_groups_; ++g) {
       std::optional<Tier> home;
       if (options.home) home = options.home(g, kind);
-      ASSIGN_OR_RETURN(ChunkId first, s->space_->add_chunk(chunk_kind_of(kind), home));
+      // A home tier that is already full falls back to the tiers below it.
+      Result<ChunkId> added = s->space_->add_chunk(chunk_kind_of(kind), home);
+      while (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && home && *home != Tier::kNvme) {
+        home = static_cast<Tier>(static_cast<int>(*home) + 1);
+        if (!s->space_->has_tier(*home)) continue;
+        added = s->space_->add_chunk(chunk_kind_of(kind), home);
+      }
+      ASSIGN_OR_RETURN(ChunkId first, std::move(added));
       GroupChunks& gc = s->group_chunks(g, kind);
       gc.chunks.push_back(first);
       for (size_t i : s->group_tensors_[g]) {

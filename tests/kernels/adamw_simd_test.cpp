@@ -6,6 +6,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
@@ -39,9 +40,9 @@ template <typename T>
       b = want[i];
     }
     if (a != b) {
-      return ::testing::AssertionFailure()
-             << "element " << i << " of " << got.size() << ": bits 0x" << std::hex << a
-             << " vs 0x" << b;
+      char bits[64];
+      std::snprintf(bits, sizeof(bits), "bits 0x%08x vs 0x%08x", a, b);
+      return ::testing::AssertionFailure() << "element " << i << " of " << got.size() << ": " << bits;
     }
   }
   return ::testing::AssertionSuccess();
@@ -65,16 +66,16 @@ std::vector<AdamWParams> configs() {
 
 // Special values are placed at the start of a vector; the rest are ordinary.
 constexpr float kDenormal = 1e-40f;
-const std::vector<float> kSpecialGrads = {
-    0.0f, -0.0f, 1e30f, -3e38f, 1e-30f, -1e-25f, kDenormal, -std::numeric_limits<float>::denorm_min(),
-    std::numeric_limits<float>::min(), 65504.0f, -1e-20f, 1e19f, 2e-38f, 1.0f, -1.0f, 0.5f};
-const size_t kSpecialCount = 16;  // elements of kSpecialGrads
-// Special elements may legitimately overflow to inf or NaN (1e30^2); only the rest must stay finite.
+// Special elements may overflow (1e30 squared is inf), so only the others must stay finite.
+constexpr size_t kSpecialCount = 16;
+constexpr float kSpecialGrads[kSpecialCount] = {
+    0.0f,  -0.0f,   1e30f,  -3e38f,    1e-30f, -1e-25f, kDenormal, -1.4e-45f /* -denorm_min */,
+    1.2e-38f, 65504.0f, -1e-20f, 1e19f, 2e-38f, 1.0f,    -1.0f,     0.5f};
 
 std::vector<float> grads_for_step(int64_t n, int64_t step) {
   std::vector<float> g = random_vector(n, 100 + step, -1.0f, 1.0f);
   for (int64_t i = 0; i < n; ++i) g[i] *= std::pow(10.0f, -float(i % 9));  // 1 .. 1e-8
-  for (size_t i = 0; i < kSpecialGrads.size() && i < size_t(n); ++i) g[i] = kSpecialGrads[i];
+  for (size_t i = 0; i < kSpecialCount && i < size_t(n); ++i) g[i] = kSpecialGrads[i];
   return g;
 }
 
@@ -220,7 +221,9 @@ TEST_P(AdamWSimdTest, MixedNarrowsNaNAndInfMastersLikeScalar) {
   EXPECT_TRUE(std::isnan(st.w[33]));
   for (int64_t i = 0; i < n; ++i) {
     EXPECT_EQ(out[i], f32_to_bf16(st.w[i])) << "element " << i;
-    if (std::isnan(st.w[i])) EXPECT_TRUE(std::isnan(bf16_to_f32(out[i]))) << "element " << i;
+    if (std::isnan(st.w[i])) {
+      EXPECT_TRUE(std::isnan(bf16_to_f32(out[i]))) << "element " << i;
+    }
   }
 }
 

@@ -263,5 +263,201 @@ TEST(ModelConfigTest, FromFileNamesMissingAndMalformedFiles) {
   EXPECT_EQ(g->hidden_size, 256);
 }
 
+json mixtral_json() {
+  return json::parse(R"({
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+    "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 4096, "rope_theta": 1000000.0, "sliding_window": null,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+    "output_router_logits": true, "router_jitter_noise": 0.0, "tie_word_embeddings": false
+  })");
+}
+
+json qwen_moe_json(bool qwen3) {
+  json j = json::parse(R"({
+    "hidden_act": "silu", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 160,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 4096, "rope_theta": 1000000.0, "use_sliding_window": false,
+    "sliding_window": 4096, "num_experts": 6, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48, "norm_topk_prob": true, "decoder_sparse_step": 1,
+    "mlp_only_layers": [2], "router_aux_loss_coef": 0.001, "output_router_logits": false
+  })");
+  if (qwen3) {
+    j["architectures"] = {"Qwen3MoeForCausalLM"};
+    j["model_type"] = "qwen3_moe";
+    j["head_dim"] = 64;
+    j["attention_bias"] = false;
+  } else {
+    j["architectures"] = {"Qwen2MoeForCausalLM"};
+    j["model_type"] = "qwen2_moe";
+    j["shared_expert_intermediate_size"] = 80;
+  }
+  return j;
+}
+
+TEST(ModelConfigTest, UnknownArchitectureIsUnimplementedNamingFileAndValue) {
+  json j = llama_json();
+  j["architectures"] = {"GPTNeoXForCausalLM"};
+  j.erase("model_type");
+  expect_error(j, StatusCode::kUnimplemented, "GPTNeoXForCausalLM");
+  expect_error(j, StatusCode::kUnimplemented, "architectures");
+  json k = llama_json();
+  k["model_type"] = "deepseek_v3";
+  expect_error(k, StatusCode::kUnimplemented, "deepseek_v3");
+}
+
+TEST(ModelConfigTest, ArchitectureFollowsModelTypeWhenArchitecturesIsAbsent) {
+  json j = mixtral_json();
+  j.erase("architectures");
+  Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->architecture, "MixtralForCausalLM");
+  EXPECT_TRUE(c->is_moe());
+}
+
+TEST(ModelConfigTest, MistralSlidingWindowMustCoverTheSequence) {
+  json j = llama_json();
+  j["architectures"] = {"MistralForCausalLM"};
+  j["model_type"] = "mistral";
+  j["sliding_window"] = 1024;
+  Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->sliding_window, 1024);
+  EXPECT_FALSE(c->attention_bias);
+  EXPECT_TRUE(c->check_sequence_length(1024, kSource).ok());
+  Status longer = c->check_sequence_length(1025, kSource);
+  EXPECT_EQ(longer.code(), StatusCode::kUnimplemented);
+  EXPECT_NE(longer.message().find("sliding_window"), std::string::npos) << longer.to_string();
+  EXPECT_NE(longer.message().find(kSource), std::string::npos) << longer.to_string();
+
+  j["sliding_window"] = nullptr;
+  c = ModelConfig::from_json(j, kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->sliding_window, 0);
+  EXPECT_TRUE(c->check_sequence_length(1 << 20, kSource).ok());
+}
+
+TEST(ModelConfigTest, Qwen2HasAttentionBiasesAndIgnoresTheWindowUnlessUsed) {
+  json j = llama_json();
+  j["architectures"] = {"Qwen2ForCausalLM"};
+  j["model_type"] = "qwen2";
+  j["use_sliding_window"] = false;
+  j["sliding_window"] = 16;
+  Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_TRUE(c->attention_bias);
+  EXPECT_EQ(c->sliding_window, 0);
+  j["use_sliding_window"] = true;
+  c = ModelConfig::from_json(j, kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->sliding_window, 16);
+}
+
+TEST(ModelConfigTest, ReadsMixtralExpertKeys) {
+  Result<ModelConfig> c = ModelConfig::from_json(mixtral_json(), kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->num_experts, 8);
+  EXPECT_EQ(c->num_experts_per_tok, 2);
+  EXPECT_EQ(c->moe_intermediate_size, 96);  // Mixtral experts use intermediate_size
+  EXPECT_EQ(c->shared_expert_intermediate_size, 0);
+  EXPECT_EQ(c->router_scoring, kernels::RouterScoring::kTopKThenSoftmax);
+  EXPECT_DOUBLE_EQ(c->router_aux_loss_coef, 0.02);
+  EXPECT_TRUE(c->output_router_logits);
+  EXPECT_TRUE(c->uses_mixtral_tensor_names());
+  EXPECT_TRUE(c->is_moe_layer(0));
+  EXPECT_TRUE(c->is_moe_layer(1));
+  EXPECT_FALSE(c->attention_bias);
+  EXPECT_EQ(c->sliding_window, 0);
+
+  const ParamLayout layout(*c);
+  EXPECT_NE(layout.find("model.layers.1.block_sparse_moe.gate.weight"), nullptr);
+  const TensorSpec* w2 = layout.find("model.layers.0.block_sparse_moe.experts.7.w2.weight");
+  ASSERT_NE(w2, nullptr);
+  EXPECT_EQ(w2->shape, (std::vector<int64_t>{128, 96}));
+  EXPECT_EQ(layout.find("model.layers.0.mlp.gate_proj.weight"), nullptr);
+}
+
+TEST(ModelConfigTest, RouterJitterIsUnimplemented) {
+  json j = mixtral_json();
+  j["router_jitter_noise"] = 0.1;
+  expect_error(j, StatusCode::kUnimplemented, "router_jitter_noise");
+}
+
+TEST(ModelConfigTest, ReadsQwenMoeKeysAndDenseLayers) {
+  for (bool qwen3 : {false, true}) {
+    Result<ModelConfig> c = ModelConfig::from_json(qwen_moe_json(qwen3), kSource);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    EXPECT_EQ(c->num_experts, 6);
+    EXPECT_EQ(c->moe_intermediate_size, 48);
+    EXPECT_EQ(c->shared_expert_intermediate_size, qwen3 ? 0 : 80);
+    EXPECT_EQ(c->router_scoring, kernels::RouterScoring::kSoftmaxThenTopK);
+    EXPECT_TRUE(c->norm_topk_prob);
+    EXPECT_EQ(c->attention_bias, !qwen3);
+    EXPECT_EQ(c->qk_norm, qwen3);
+    EXPECT_FALSE(c->output_router_logits);
+    EXPECT_EQ(c->num_moe_layers(), 3);
+    EXPECT_FALSE(c->is_moe_layer(2));  // mlp_only_layers
+    EXPECT_EQ(c->dense_mlp_width(), 160);
+
+    const ParamLayout layout(*c);
+    EXPECT_NE(layout.find("model.layers.2.mlp.gate_proj.weight"), nullptr);
+    EXPECT_NE(layout.find("model.layers.3.mlp.experts.5.down_proj.weight"), nullptr);
+    EXPECT_EQ(layout.find("model.layers.2.mlp.gate.weight"), nullptr);
+    EXPECT_EQ(layout.find("model.layers.0.mlp.shared_expert_gate.weight") != nullptr, !qwen3);
+    EXPECT_EQ(layout.find("model.layers.0.self_attn.q_norm.weight") != nullptr, qwen3);
+    EXPECT_EQ(layout.find("model.layers.0.self_attn.q_proj.bias") != nullptr, !qwen3);
+    if (qwen3) {
+      EXPECT_EQ(layout.find("model.layers.0.self_attn.k_norm.weight")->shape, (std::vector<int64_t>{64}));
+      EXPECT_EQ(layout.find("model.layers.0.self_attn.q_proj.weight")->shape, (std::vector<int64_t>{256, 128}));
+    }
+  }
+  // decoder_sparse_step 2: layers 1 and 3 have experts.
+  json j = qwen_moe_json(false);
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = json::array();
+  Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_FALSE(c->is_moe_layer(0));
+  EXPECT_TRUE(c->is_moe_layer(1));
+  EXPECT_FALSE(c->is_moe_layer(2));
+  EXPECT_TRUE(c->is_moe_layer(3));
+  EXPECT_EQ(c->dense_mlp_width(), 160);
+}
+
+TEST(ModelConfigTest, BadExpertKeysNameTheKey) {
+  json j = mixtral_json();
+  j["num_experts_per_tok"] = 9;
+  expect_error(j, StatusCode::kInvalidArgument, "num_experts_per_tok");
+  json k = qwen_moe_json(true);
+  k["mlp_only_layers"] = {7};
+  expect_error(k, StatusCode::kInvalidArgument, "mlp_only_layers");
+  json m = qwen_moe_json(false);
+  m["decoder_sparse_step"] = 0;
+  expect_error(m, StatusCode::kInvalidArgument, "decoder_sparse_step");
+  json n = qwen_moe_json(false);
+  n["router_aux_loss_coef"] = -1.0;
+  expect_error(n, StatusCode::kInvalidArgument, "router_aux_loss_coef");
+}
+
+TEST(ModelConfigTest, EveryArchitectureRoundTripsAndCountsItsParameters) {
+  std::vector<json> configs = {mixtral_json(), qwen_moe_json(false), qwen_moe_json(true)};
+  for (const char* arch : {"MistralForCausalLM", "Qwen2ForCausalLM"}) {
+    json j = llama_json();
+    j["architectures"] = {arch};
+    j.erase("model_type");
+    configs.push_back(j);
+  }
+  for (const json& j : configs) {
+    Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    Result<ModelConfig> back = ModelConfig::from_json(c->to_json(), "to_json");
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_EQ(back->to_json(), c->to_json()) << c->architecture;
+    EXPECT_EQ(back->num_parameters(), c->num_parameters()) << c->architecture;
+    EXPECT_EQ(ParamLayout(*c).num_parameters(), c->num_parameters()) << c->architecture;
+  }
+}
+
 }  // namespace
 }  // namespace strata::model

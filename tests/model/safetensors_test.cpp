@@ -20,6 +20,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "memory/io_engine.h"
+#include "memory/io_faulty.h"
 #include "model/llama.h"
 #include "../test_util.h"
 
@@ -233,6 +235,33 @@ TEST(SafetensorsTest, ReadsInBoundedPiecesGiveTheSameValues) {
     ASSERT_TRUE(r->read_f32("w", back.data()).ok());
     EXPECT_EQ(bytes_of(back.data(), back.size()), bytes_of(w.data(), w.size())) << "piece " << piece;
   }
+}
+
+TEST(SafetensorsTest, ReadsThroughAnIoEngineAndReportsItsFailures) {
+  const std::string path = test_dir() + "/io.safetensors";
+  const std::vector<float> w = testing::random_vector(5000, 4);
+  WriterOptions wo;
+  wo.dtype = SafetensorsWriteDtype::kBF16;
+  ASSERT_TRUE(write_safetensors_file(path, {{"a", {5000}, w.data()}, {"b", {5000}, w.data()}}, wo).ok());
+  IoEngineOptions io_options;
+  io_options.kind = "threads";
+  Result<std::unique_ptr<IoEngine>> inner = make_io_engine(io_options);
+  ASSERT_TRUE(inner.ok()) << inner.status().to_string();
+  FaultOptions faults;
+  faults.short_read.every = 2;   // every other read comes back short and must be resumed
+  faults.eio_read.every = 7;     // the 7th read fails
+  faults.granularity = 8;
+  Result<std::unique_ptr<FaultyIoEngine>> engine = FaultyIoEngine::create(std::move(inner).value(), faults);
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  ReaderOptions ro;
+  ro.io = engine->get();
+  ro.piece_bytes = 2048;  // 5 pieces per tensor
+  Result<SafetensorsReader> r = SafetensorsReader::open(path, ro);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  std::vector<float> back(5000);
+  ASSERT_TRUE(r->read_f32("a", {5000}, back.data()).ok());
+  for (size_t i = 0; i < w.size(); ++i) ASSERT_EQ(back[i], bf16_to_f32(f32_to_bf16(w[i]))) << i;
+  expect_error(r->read_f32("b", {5000}, back.data()), StatusCode::kIOError, {path, "'b'"});
 }
 
 TEST(SafetensorsTest, ShardedRoundTripWritesHuggingFaceNamesAndIndex) {

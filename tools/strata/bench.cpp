@@ -34,9 +34,9 @@ reads them back, through each engine (--engine all: io_uring and threads). In th
 directory it times the reference
   dd if=/dev/zero of=DIR/dd.tmp bs=4M count=N oflag=direct conv=fsync
   dd if=DIR/dd.tmp of=/dev/null bs=4M iflag=direct
-and prints GB/s (10^9 bytes/s) of both and their ratio. Each round runs dd, then every engine;
---repeat rounds are run and the median of each figure is printed, which steadies the numbers
-on shared or virtual disks. --max-transfer is the engines' largest single transfer
+and prints GB/s (10^9 bytes/s) of both and their ratio. Each round runs dd and every engine,
+each round starting with a different one; the median of --repeat rounds is printed, which
+steadies the numbers on shared or virtual disks. --max-transfer is the engines' largest single transfer
 (IoEngineOptions::max_transfer; 0: a whole request at once). Temporary files are removed.
 )";
 
@@ -266,16 +266,17 @@ int bench_io(const std::vector<std::string>& args) {
   // seconds[0] is dd, seconds[1 + e] engine e; [op][round] with op 0 write, 1 read.
   std::vector<std::vector<std::vector<double>>> seconds(1 + engine_list.size(),
                                                           std::vector<std::vector<double>>(2));
+  // Round r starts with runner r mod n (dd is runner 0), so no runner always goes first on a
+  // disk whose speed drifts.
+  const size_t runners = 1 + engine_list.size();
   for (uint64_t round = 0; round < repeat; ++round) {
-    Result<Timing> dd = run_dd(dir, size);
-    if (!dd.ok()) return fail(dd.status());
-    seconds[0][0].push_back(dd->write_s);
-    seconds[0][1].push_back(dd->read_s);
-    for (size_t e = 0; e < engine_list.size(); ++e) {
-      Result<Timing> t = run_engine(*engine_list[e], dir, size, chunk, buffers);
+    for (size_t k = 0; k < runners; ++k) {
+      const size_t runner = (round + k) % runners;
+      Result<Timing> t = runner == 0 ? run_dd(dir, size)
+                                     : run_engine(*engine_list[runner - 1], dir, size, chunk, buffers);
       if (!t.ok()) return fail(t.status());
-      seconds[1 + e][0].push_back(t->write_s);
-      seconds[1 + e][1].push_back(t->read_s);
+      seconds[runner][0].push_back(t->write_s);
+      seconds[runner][1].push_back(t->read_s);
     }
   }
   const double gb = static_cast<double>(size) / 1e9;

@@ -1,0 +1,22 @@
+#include "model/param_access.h"
+
+#include <cstdlib>
+#include <string_view>
+
+namespace strata::model {
+
+int param_group_count(const ParamLayout& layout) { return static_cast<int>(layout.num_layers()) + 2; }
+
+int param_group_of(const ParamLayout& layout, const TensorSpec& tensor) {
+  constexpr std::string_view kLayerPrefix = "model.layers.";
+  const std::string_view name = tensor.name;
+  if (tensor.offset == layout.embed_tokens()) return 0;
+  if (name.substr(0, kLayerPrefix.size()) == kLayerPrefix) {
+    const int layer = std::atoi(std::string(name.substr(kLayerPrefix.size())).c_str());
+    CHECK_MSG(layer >= 0 && layer < layout.num_layers(), "tensor " + tensor.name + " names no layer of the model");
+    return 1 + layer;
+  }
+  return static_cast<int>(layout.num_layers()) + 1;  // final norm, untied LM head
+}
+
+}  // namespace strata::model

@@ -1,0 +1,207 @@
+#include "train/paged_state.h"
+
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "kernels/adamw.h"
+#include "kernels/adamw_simd.h"
+#include "kernels/grad_norm.h"
+
+namespace strata {
+namespace {
+
+// The home of each group's chunks, following the planner's placement. The planner treats the
+// embedding and the head as one "edge" group that it places first, then layers in order; it
+// spills optimizer state to NVMe from the edge and the last layers first.
+Tier planned_home(const Plan& plan, int num_layers, int group, StateKind kind) {
+  const bool edge = group == 0 || group == num_layers + 1;
+  const int layer_rank = edge ? 0 : group;  // position in the planner's order: edge 0, layer l at l + 1
+  auto resident = [&](int64_t count) { return count > 0 && layer_rank < count; };
+  switch (kind) {
+    case StateKind::kParam: return resident(plan.resident_param_groups) ? Tier::kDevice : Tier::kHost;
+    case StateKind::kGrad: return resident(plan.resident_grad_groups) ? Tier::kDevice : Tier::kHost;
+    case StateKind::kAdamM:
+    case StateKind::kAdamV: {
+      if (resident(plan.device_optimizer_groups)) return Tier::kDevice;
+      // Spill order: edge, then layer L-1, L-2, ...
+      const int spill_rank = edge ? 0 : num_layers - (group - 1);
+      return spill_rank < plan.nvme_optimizer_groups ? Tier::kNvme : Tier::kHost;
+    }
+  }
+  return Tier::kHost;
+}
+
+// One step's acquisitions, in the order LlamaModel and PagedState make them.
+std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_accum) {
+  const int head = num_layers + 1;
+  std::vector<GroupAccess> s;
+  auto add = [&](int g, StateKind k) { s.push_back({g, k}); };
+  for (int g = 0; g <= head; ++g) add(g, StateKind::kGrad);  // zero_grads
+  for (int64_t m = 0; m < grad_accum; ++m) {
+    add(0, StateKind::kParam);
+    for (int l = 0; l < num_layers; ++l) add(1 + l, StateKind::kParam);
+    if (tied) add(0, StateKind::kParam), add(0, StateKind::kGrad);
+    add(head, StateKind::kParam), add(head, StateKind::kGrad);
+    for (int l = num_layers - 1; l >= 0; --l) add(1 + l, StateKind::kParam), add(1 + l, StateKind::kGrad);
+    add(0, StateKind::kGrad);
+  }
+  for (int g = 0; g <= head; ++g) add(g, StateKind::kGrad);  // gradient norm
+  for (int g = 0; g <= head; ++g)
+    for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV}) add(g, k);
+  return s;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine* io, const model::ParamLayout& layout,
+                                                       const PagedStateOptions& options) {
+  std::unique_ptr<PagedState> ps(new PagedState());
+  ps->layout_ = layout;
+  ps->options_ = options;
+  std::vector<StateTensor> tensors;
+  for (const auto& t : ps->layout_.tensors()) {
+    ps->by_offset_[t.offset] = tensors.size();
+    ps->specs_.push_back(&t);
+    tensors.push_back({t.name, static_cast<uint64_t>(t.numel), model::param_group_of(ps->layout_, t)});
+  }
+  const int L = static_cast<int>(ps->layout_.num_layers());
+  StateStoreOptions so;
+  so.space.chunk_bytes = options.chunk_bytes;
+  so.space.device_bytes = options.device_bytes;
+  so.space.host_bytes = options.host_bytes;
+  so.space.nvme_bytes = options.nvme_bytes;
+  so.space.nvme_dir = options.nvme_dir;
+  so.lookahead = options.lookahead;
+  if (options.plan != nullptr) {
+    const Plan plan = *options.plan;
+    const bool has_nvme = options.nvme_bytes > 0;
+    so.home = [plan, L, has_nvme](int g, StateKind k) {
+      Tier t = planned_home(plan, L, g, k);
+      return (t == Tier::kNvme && !has_nvme) ? Tier::kHost : t;
+    };
+  }
+  ASSIGN_OR_RETURN(ps->store_, StateStore::create(device, io, std::move(tensors), so));
+  const bool tied = ps->layout_.lm_head() == ps->layout_.embed_tokens();
+  ps->store_->set_schedule(step_schedule(L, tied, options.grad_accum));
+  return ps;
+}
+
+size_t PagedState::tensor_at(int64_t offset) const {
+  auto it = by_offset_.find(offset);
+  CHECK_MSG(it != by_offset_.end(), "no parameter tensor starts at offset " + std::to_string(offset));
+  return it->second;
+}
+
+Status PagedState::copy_kind(StateKind kind, float* flat, bool to_store) {
+  for (int g = 0; g < store_->num_groups(); ++g) {
+    RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, to_store ? AccessMode::kReadWrite : AccessMode::kRead));
+    for (size_t i : store_->group_tensors(g)) {
+      float* chunk = store_->pointer(i, kind);
+      float* host = flat + specs_[i]->offset;
+      const size_t bytes = static_cast<size_t>(specs_[i]->numel) * sizeof(float);
+      if (to_store) std::memcpy(chunk, host, bytes);
+      else std::memcpy(host, chunk, bytes);
+    }
+    store_->release_group(g, kind);
+  }
+  return store_->synchronize();
+}
+
+Status PagedState::load_params(const float* flat) { return copy_kind(StateKind::kParam, const_cast<float*>(flat), true); }
+Status PagedState::store_params(float* flat) { return copy_kind(StateKind::kParam, flat, false); }
+Status PagedState::store_moments(float* m_flat, float* v_flat) {
+  RETURN_IF_ERROR(copy_kind(StateKind::kAdamM, m_flat, false));
+  return copy_kind(StateKind::kAdamV, v_flat, false);
+}
+
+Status PagedState::zero_grads() {
+  for (int g = 0; g < store_->num_groups(); ++g) {
+    RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kWrite));
+    for (size_t i : store_->group_tensors(g))
+      std::memset(store_->pointer(i, StateKind::kGrad), 0, static_cast<size_t>(specs_[i]->numel) * sizeof(float));
+    store_->release_group(g, StateKind::kGrad);
+  }
+  return Status::OK();
+}
+
+Result<double> PagedState::clip_and_step(float lr) {
+  // The global norm, summed tensor by tensor in layout order (as AdamW::grad_norm does).
+  double sum = 0;
+  for (int g = 0; g < store_->num_groups(); ++g) {
+    RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kRead));
+    for (size_t i : store_->group_tensors(g)) sum += kernels::cpu::sum_squares(store_->pointer(i, StateKind::kGrad), specs_[i]->numel);
+    store_->release_group(g, StateKind::kGrad);
+  }
+  const double norm = std::sqrt(sum);
+  const float coefficient = kernels::clip_coefficient(norm, options_.optimizer.grad_clip);
+
+  ++step_count_;
+  kernels::AdamWParams p;
+  p.lr = lr;
+  p.beta1 = options_.optimizer.beta1;
+  p.beta2 = options_.optimizer.beta2;
+  p.eps = options_.optimizer.eps;
+  p.step = step_count_;
+  static const kernels::SimdLevel simd = kernels::detect_simd_level();
+  for (int g = 0; g < store_->num_groups(); ++g) {
+    // AdamW runs where the group's moments live: the device tier, or host memory (NVMe-homed
+    // moments are read into host slots and written back when evicted).
+    const Tier where = store_->home(g, StateKind::kAdamM) == Tier::kDevice ? Tier::kDevice : Tier::kHost;
+    const StateKind kinds[] = {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV};
+    for (int k = 0; k < 4; ++k) {
+      Status st = store_->acquire_group(g, kinds[k], where, AccessMode::kReadWrite);
+      if (!st.ok()) {
+        for (int r = 0; r < k; ++r) store_->release_group(g, kinds[r]);
+        return st;
+      }
+    }
+    for (size_t i : store_->group_tensors(g)) {
+      const model::TensorSpec& t = *specs_[i];
+      float* grad = store_->pointer(i, StateKind::kGrad);
+      if (coefficient != 1.0f) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
+      p.weight_decay = t.weight_decay ? options_.optimizer.weight_decay : 0.0f;
+      float* param = store_->pointer(i, StateKind::kParam);
+      float* m = store_->pointer(i, StateKind::kAdamM);
+      float* v = store_->pointer(i, StateKind::kAdamV);
+      if (where == Tier::kHost) kernels::adamw_step_f32(param, grad, m, v, t.numel, p, simd);
+      else kernels::cpu::adamw_step(param, grad, m, v, t.numel, p);
+    }
+    for (StateKind k : kinds) store_->release_group(g, k);
+  }
+  return norm;
+}
+
+Status PagedState::begin(int group, bool params, bool grads) {
+  if (params) RETURN_IF_ERROR(store_->acquire_group(group, StateKind::kParam, Tier::kDevice, AccessMode::kRead));
+  if (grads) {
+    Status st = store_->acquire_group(group, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite);
+    if (!st.ok()) {
+      if (params) store_->release_group(group, StateKind::kParam);
+      return st;
+    }
+  }
+  return Status::OK();
+}
+
+void PagedState::end(int group, bool params, bool grads) {
+  if (params) store_->release_group(group, StateKind::kParam);
+  if (grads) store_->release_group(group, StateKind::kGrad);
+}
+
+const float* PagedState::param(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kParam); }
+float* PagedState::grad(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kGrad); }
+
+std::string PagedState::placement_summary() const {
+  std::string out;
+  for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV}) {
+    int counts[kNumTiers] = {0, 0, 0};
+    for (int g = 0; g < store_->num_groups(); ++g) counts[static_cast<int>(store_->home(g, k))]++;
+    out += fmt::format("{}{}: {} device, {} host, {} nvme", out.empty() ? "" : "; ", state_kind_name(k), counts[0],
+                       counts[1], counts[2]);
+  }
+  return out;
+}
+
+}  // namespace strata

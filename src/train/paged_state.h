@@ -1,0 +1,88 @@
+// PagedState: the training state of a model held in the chunk address space, with the
+// optimizer run where that state lives (DESIGN §3.2-3.3). It is the model's ParamAccess: the
+// model begins and ends parameter groups as it computes, and PagedState acquires their chunks
+// in device memory, prefetching along the step's schedule and letting Belady eviction push
+// the rest to pinned host memory and NVMe.
+//
+// One step: zero_grads(), then the model's forward/backward over each micro-batch (which calls
+// begin/end), then clip_and_step(): the global gradient norm (summed tensor by tensor in layout
+// order, like AdamW::clip_gradients) and AdamW per group, on the device tier for groups whose
+// Adam moments live there and with the SIMD CPU AdamW in host memory for the others (NVMe-homed
+// moments are read into host slots and written back by eviction). Both AdamW paths are bitwise
+// equal to the reference, so where a group is updated never changes the result: N steps under
+// any budgets give bitwise the parameters of an unpaged run.
+//
+// Ownership: borrows the Device and IoEngine, which must outlive it. Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/device.h"
+#include "memory/io_engine.h"
+#include "model/param_access.h"
+#include "model/params.h"
+#include "offload/plan.h"
+#include "offload/state_store.h"
+#include "train/optimizer.h"
+
+namespace strata {
+
+struct PagedStateOptions {
+  uint64_t device_bytes = 0;  // device tier (chunks only; activations are budgeted apart)
+  uint64_t host_bytes = 0;
+  uint64_t nvme_bytes = 0;    // 0 = no nvme tier
+  std::string nvme_dir;
+  uint64_t chunk_bytes = 0;   // 0 = choose the size that wastes the least padding
+  size_t lookahead = 2;       // groups prefetched ahead
+  int64_t grad_accum = 1;     // micro-batches per step (for the schedule)
+  const Plan* plan = nullptr; // homes per group and kind; null = lowest tier with room
+  OptimizerConfig optimizer;
+};
+
+class PagedState : public model::ParamAccess {
+ public:
+  static Result<std::unique_ptr<PagedState>> create(Device& device, IoEngine* io,
+                                                    const model::ParamLayout& layout,
+                                                    const PagedStateOptions& options);
+
+  // Copies parameters in from / out to a flat buffer of layout.total_size() floats.
+  Status load_params(const float* flat);
+  Status store_params(float* flat);
+  // Copies the Adam moments out (for checkpoints and tests).
+  Status store_moments(float* m_flat, float* v_flat);
+
+  Status zero_grads();
+  // Clips the global gradient norm to options.optimizer.grad_clip and applies one AdamW update
+  // with learning rate `lr`. Returns the pre-clip norm.
+  Result<double> clip_and_step(float lr);
+  int64_t step_count() const { return step_count_; }
+
+  // ParamAccess.
+  Status begin(int group, bool params, bool grads) override;
+  void end(int group, bool params, bool grads) override;
+  const float* param(int64_t offset) override;
+  float* grad(int64_t offset) override;
+
+  ChunkSpaceStats stats() const { return store_->stats(); }
+  StateStore& store() { return *store_; }
+  // Which tier each kind of each group calls home, e.g. for logs: "param: 3 device, 2 host".
+  std::string placement_summary() const;
+
+ private:
+  PagedState() = default;
+  Status copy_kind(StateKind kind, float* flat, bool to_store);
+  size_t tensor_at(int64_t offset) const;
+
+  model::ParamLayout layout_;
+  PagedStateOptions options_;
+  std::unique_ptr<StateStore> store_;
+  std::unordered_map<int64_t, size_t> by_offset_;  // flat offset -> store tensor index
+  std::vector<const model::TensorSpec*> specs_;     // store tensor index -> layout spec
+  int64_t step_count_ = 0;
+};
+
+}  // namespace strata

@@ -1,0 +1,153 @@
+// LlamaModel with mixture-of-experts layers: expert token counts, the auxiliary loss switch and
+// loss-free balancing. Parity with PyTorch is in moe_parity_test.cpp.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "../test_util.h"
+#include "model/llama.h"
+
+namespace strata::model {
+namespace {
+
+constexpr int64_t kB = 2;
+constexpr int64_t kT = 8;
+
+// A small Qwen2-MoE: layers 0 and 2 have 4 experts (top-2) and a shared expert, layer 1 is dense.
+ModelConfig moe_config(bool output_router_logits, double bias_rate) {
+  nlohmann::json j = {
+      {"architectures", {"Qwen2MoeForCausalLM"}}, {"vocab_size", 31}, {"hidden_size", 16},
+      {"intermediate_size", 24}, {"num_hidden_layers", 3}, {"num_attention_heads", 2},
+      {"num_key_value_heads", 1}, {"max_position_embeddings", 64}, {"num_experts", 4},
+      {"num_experts_per_tok", 2}, {"moe_intermediate_size", 12},
+      {"shared_expert_intermediate_size", 20}, {"mlp_only_layers", {1}},
+      {"router_aux_loss_coef", 0.1}, {"output_router_logits", output_router_logits},
+      {"router_bias_update_rate", bias_rate}};
+  Result<ModelConfig> c = ModelConfig::from_json(j, "moe_model_test");
+  CHECK_MSG(c.ok(), c.status().to_string());
+  return *c;
+}
+
+struct Batch {
+  std::vector<int32_t> inputs, targets;
+};
+
+Batch make_batch(uint64_t seed, int64_t vocab) {
+  const std::vector<float> r = testing::random_vector(2 * kB * kT, seed, 0.0f, 1.0f);
+  Batch b;
+  for (int64_t i = 0; i < kB * kT; ++i) {
+    b.inputs.push_back(static_cast<int32_t>(r[i] * (vocab - 1)));
+    b.targets.push_back(static_cast<int32_t>(r[kB * kT + i] * (vocab - 1)));
+  }
+  return b;
+}
+
+std::vector<float> gradients(bool output_router_logits, const Batch& batch) {
+  LlamaModel model(moe_config(output_router_logits, 0.0));
+  model.init_weights(7);
+  model.zero_grads();
+  model.forward_backward(batch.inputs.data(), batch.targets.data(), kB, kT, 1.0f / (kB * kT));
+  return std::vector<float>(model.grads(), model.grads() + model.layout().total_size());
+}
+
+TEST(MoeModelTest, AuxLossJoinsTheGradientOnlyWithOutputRouterLogits) {
+  const Batch batch = make_batch(1, 31);
+  const std::vector<float> without = gradients(false, batch);
+  const std::vector<float> with = gradients(true, batch);
+  LlamaModel model(moe_config(true, 0.0));
+  const TensorSpec* router = model.layout().find("model.layers.0.mlp.gate.weight");
+  ASSERT_NE(router, nullptr);
+  const double diff = testing::relative_error(with.data() + router->offset, without.data() + router->offset,
+                                              router->numel);
+  EXPECT_GT(diff, 1e-3) << "the auxiliary loss should change the router's gradient";
+  const TensorSpec* lm_head = model.layout().find("lm_head.weight");
+  ASSERT_NE(lm_head, nullptr);
+  // The LM head sits after every router: its gradient does not see the aux loss.
+  EXPECT_EQ(std::memcmp(with.data() + lm_head->offset, without.data() + lm_head->offset,
+                        static_cast<size_t>(lm_head->numel) * sizeof(float)),
+            0);
+}
+
+TEST(MoeModelTest, ExpertCountsAccumulateOverAStepAndResetWithZeroGrads) {
+  const Batch a = make_batch(2, 31), b = make_batch(3, 31);
+  LlamaModel model(moe_config(true, 0.0));
+  model.init_weights(3);
+  const int64_t E = 4, per_layer = kB * kT * 2;
+  auto layer_total = [&](int64_t layer) {
+    int64_t s = 0;
+    for (int64_t e = 0; e < E; ++e) s += model.expert_token_counts()[layer * E + e];
+    return s;
+  };
+  model.zero_grads();
+  model.forward_backward(a.inputs.data(), a.targets.data(), kB, kT, 0.01f);
+  EXPECT_EQ(layer_total(0), per_layer);
+  EXPECT_EQ(layer_total(1), 0);  // dense layer
+  model.forward_backward(b.inputs.data(), b.targets.data(), kB, kT, 0.01f);
+  EXPECT_EQ(layer_total(2), 2 * per_layer);
+  model.forward_loss(a.inputs.data(), a.targets.data(), kB, kT);  // evaluation does not count
+  EXPECT_EQ(layer_total(2), 2 * per_layer);
+  EXPECT_TRUE(std::isfinite(model.last_aux_loss()));
+  EXPECT_GT(model.last_aux_loss(), 0.0);
+  model.zero_grads();
+  EXPECT_EQ(layer_total(0), 0);
+}
+
+// Max over experts of load / mean load, over the MoE layers.
+double imbalance(const LlamaModel& model) {
+  const ModelConfig& c = model.config();
+  double worst = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (!c.is_moe_layer(l)) continue;
+    int64_t total = 0, most = 0;
+    for (int64_t e = 0; e < c.num_experts; ++e) {
+      const int64_t n = model.expert_token_counts()[l * c.num_experts + e];
+      total += n;
+      most = std::max(most, n);
+    }
+    worst = std::max(worst, static_cast<double>(most) * c.num_experts / static_cast<double>(total));
+  }
+  return worst;
+}
+
+TEST(MoeModelTest, LossFreeBiasBalancesTheExperts) {
+  const Batch batch = make_batch(4, 31);
+  LlamaModel model(moe_config(false, 0.02));
+  model.init_weights(5);
+  // Skew every router towards expert 0 so that the start is badly unbalanced.
+  for (const char* name : {"model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight"}) {
+    const TensorSpec* t = model.layout().find(name);
+    ASSERT_NE(t, nullptr);
+    for (int64_t i = 0; i < t->shape[1]; ++i) model.params()[t->offset + i] += 0.3f;
+  }
+  double first = 0, last = 0;
+  for (int step = 0; step < 60; ++step) {
+    model.zero_grads();
+    model.forward_backward(batch.inputs.data(), batch.targets.data(), kB, kT, 0.0f);
+    (step == 0 ? first : last) = imbalance(model);
+    model.update_expert_bias();
+  }
+  EXPECT_GT(first, 1.5);
+  EXPECT_LT(last, first);
+  EXPECT_LE(last, 1.25) << "60 bias updates should nearly balance " << kB * kT << " tokens";
+  bool moved = false;
+  for (float v : model.expert_selection_bias()) moved = moved || v != 0.0f;
+  EXPECT_TRUE(moved);
+}
+
+TEST(MoeModelTest, WithoutARateTheBiasStaysZero) {
+  const Batch batch = make_batch(5, 31);
+  LlamaModel model(moe_config(true, 0.0));
+  model.init_weights(5);
+  model.zero_grads();
+  model.forward_backward(batch.inputs.data(), batch.targets.data(), kB, kT, 0.01f);
+  model.update_expert_bias();
+  for (float v : model.expert_selection_bias()) EXPECT_EQ(v, 0.0f);
+}
+
+}  // namespace
+}  // namespace strata::model
