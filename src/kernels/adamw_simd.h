@@ -37,8 +37,8 @@ void adamw_step_f32(float* param /*(n)*/, const float* grad /*(n)*/, float* m /*
 // in place, and a bf16 copy of the new master (round to nearest even, kernels/bf16.h) written
 // to param_bf16_out. Bitwise equal to widening the gradients to fp32, running adamw_step_f32
 // and narrowing the master. REQUIRES: simd_level_supported(level); no arrays overlap.
-void adamw_step_mixed(float* master /*(n)*/, const uint16_t* grad_bf16 /*(n)*/,
-                      float* m /*(n)*/, float* v /*(n)*/, uint16_t* param_bf16_out /*(n)*/,
-                      int64_t n, const AdamWParams& p, SimdLevel level);
+void adamw_step_mixed(float* master /*(n)*/, const uint16_t* grad_bf16 /*(n)*/, float* m /*(n)*/,
+                      float* v /*(n)*/, uint16_t* param_bf16_out /*(n)*/, int64_t n,
+                      const AdamWParams& p, SimdLevel level);
 
 }  // namespace strata::kernels

@@ -9,7 +9,9 @@
 // strerror. At most queue_depth requests are in flight; submit blocks beyond that.
 //
 // Ownership: owns the ring and the completion thread; does not own registered descriptors or
-// buffers, which must outlive the engine (or at least every request that uses them).
+// buffers, which must outlive the engine (or at least every request that uses them). A file
+// registered with the ring stays referenced by it until the engine is destroyed, so closing
+// and unlinking it frees its disk space only then.
 // Thread safety: every method is safe for concurrent use. A TransferHook is called with the
 // engine's lock held and must not call back into the engine.
 #pragma once

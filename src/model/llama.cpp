@@ -89,7 +89,7 @@ void LlamaModel::check_tokens(const int32_t* inputs, const int32_t* targets, int
 void LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float* out /*(N,C)*/,
                                int64_t B, int64_t T, const RouterStats* stats) {
   namespace k = kernels::cpu;
-  const LayerParams p = LayerParams::bind(params_.data(), layout_.layer(layer));
+  const LayerParams p = LayerParams::bind_with(param_at(), layout_.layer(layer));
   const ActivationTable& a = acts_;
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
@@ -121,7 +121,7 @@ void LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float* o
   // MLP block: out = h + mlp(ln2), mlp = down(silu(gate(ln2)) * up(ln2)) or the experts.
   k::rmsnorm_forward(a.ln2, a.ln2_rstd, a.h, p.post_attention_layernorm, N, C, eps);
   if (config_.is_moe_layer(layer)) {
-    const MoeParams m = MoeParams::bind(params_.data(), layout_.layer(layer).moe);
+    const MoeParams m = MoeParams::bind_with(param_at(), layout_.layer(layer).moe);
     moe_mlp_forward(config_, m, layer_selection_bias(layer), a, a.ln2, out, stats, N);
     if (out != nullptr) add_inplace(out, a.h, N * C);
     return;
@@ -138,8 +138,8 @@ void LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float* o
 void LlamaModel::layer_backward(int64_t layer, const float* x /*(N,C)*/, float* dres /*(N,C)*/,
                                 int64_t B, int64_t T, const float* prob_grad) {
   namespace k = kernels::cpu;
-  const LayerParams p = LayerParams::bind(params_.data(), layout_.layer(layer));
-  const LayerGrads g = LayerGrads::bind(grads_.data(), layout_.layer(layer));
+  const LayerParams p = LayerParams::bind_with(param_at(), layout_.layer(layer));
+  const LayerGrads g = LayerGrads::bind_with(grad_at(), layout_.layer(layer));
   const ActivationTable& a = acts_;
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
@@ -150,8 +150,8 @@ void LlamaModel::layer_backward(int64_t layer, const float* x /*(N,C)*/, float* 
 
   // MLP block. out = h + mlp(ln2): dres is dL/dout, and dL/dh starts as dres.
   if (config_.is_moe_layer(layer)) {
-    const MoeParams mp = MoeParams::bind(params_.data(), layout_.layer(layer).moe);
-    const MoeGrads mg = MoeGrads::bind(grads_.data(), layout_.layer(layer).moe);
+    const MoeParams mp = MoeParams::bind_with(param_at(), layout_.layer(layer).moe);
+    const MoeGrads mg = MoeGrads::bind_with(grad_at(), layout_.layer(layer).moe);
     moe_mlp_backward(config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N);
   } else {
     k::linear_backward(a.d_act, g.down_proj, nullptr, dres, a.act, p.down_proj, N, F, C);
@@ -186,7 +186,15 @@ void LlamaModel::layer_backward(int64_t layer, const float* x /*(N,C)*/, float* 
   add_inplace(dres, a.d_tmp, N * C);  // dres is now dL/dx
 }
 
-void LlamaModel::forward(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens) {
+Status LlamaModel::begin_group(int group, bool params, bool grads) {
+  return access_ == nullptr ? Status::OK() : access_->begin(group, params, grads);
+}
+
+void LlamaModel::end_group(int group, bool params, bool grads) {
+  if (access_ != nullptr) access_->end(group, params, grads);
+}
+
+Status LlamaModel::forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens) {
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
@@ -199,12 +207,16 @@ void LlamaModel::forward(const int32_t* inputs, int64_t B, int64_t T, bool count
   std::fill(forward_counts_.begin(), forward_counts_.end(), int64_t{0});
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
   std::vector<int64_t> layer_counts(static_cast<size_t>(E));
-  kernels::cpu::embedding_forward(acts_.checkpoints, inputs, params_.data() + layout_.embed_tokens(), N, C);
+  RETURN_IF_ERROR(begin_group(0, true, false));
+  kernels::cpu::embedding_forward(acts_.checkpoints, inputs, param(layout_.embed_tokens()), N, C);
+  end_group(0, true, false);
   for (int64_t l = 0; l < L; ++l) {
     const float* x = acts_.checkpoints + l * N * C;  // (N, C)
     std::fill(layer_counts.begin(), layer_counts.end(), int64_t{0});
     const RouterStats stats{layer_counts.data(), forward_prob_sums_.data()};
+    RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, false));
     layer_forward(l, x, acts_.checkpoints + (l + 1) * N * C, B, T, &stats);
+    end_group(static_cast<int>(1 + l), true, false);
     if (!config_.is_moe_layer(l)) continue;
     for (int64_t e = 0; e < E; ++e) {
       forward_counts_[e] += layer_counts[e];
@@ -214,29 +226,51 @@ void LlamaModel::forward(const int32_t* inputs, int64_t B, int64_t T, bool count
   last_aux_loss_ = config_.is_moe() ? kernels::moe_aux_loss(forward_counts_.data(), forward_prob_sums_.data(),
                                                             config_.num_moe_layers() * N, E)
                                     : 0.0;
-  kernels::cpu::rmsnorm_forward(acts_.final_out, acts_.final_rstd, acts_.checkpoints + L * N * C,
-                                params_.data() + layout_.final_norm(), N, C,
-                                static_cast<float>(config_.rms_norm_eps));
+  return Status::OK();
 }
 
 double LlamaModel::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T) {
-  CHECK(B > 0 && T > 0);
-  check_tokens(inputs, targets, B * T);
-  forward(inputs, B, T, /*count_tokens=*/false);
-  return kernels::cpu::lm_head_cross_entropy(
-      nullptr, nullptr, acts_.final_out, params_.data() + layout_.lm_head(), targets, B * T,
-      config_.hidden_size, config_.vocab_size, 1.0f, kLossChunkTokens);
+  Result<double> loss = compute(inputs, targets, B, T, 1.0f, /*backward=*/false);
+  CHECK_MSG(loss.ok(), loss.status().to_string());
+  return *loss;
+}
+
+double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                                    float grad_scale) {
+  Result<double> loss = compute(inputs, targets, B, T, grad_scale, /*backward=*/true);
+  CHECK_MSG(loss.ok(), loss.status().to_string());
+  return *loss;
 }
 
 // Parameter gradients accumulate (+=); activation gradients overwrite (=).
-double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
-                                    int64_t T, float grad_scale) {
+Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                                   float grad_scale, bool backward) {
   CHECK(B > 0 && T > 0);
   check_tokens(inputs, targets, B * T);
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
-  forward(inputs, B, T, /*count_tokens=*/true);
+  RETURN_IF_ERROR(forward_layers(inputs, B, T, /*count_tokens=*/backward));
+
+  // The head: final norm, LM head and cross-entropy (and their backward). With tied
+  // embeddings the head reads (and accumulates into) the embedding's group as well.
+  const int head = static_cast<int>(L + 1);
+  const bool tied = layout_.lm_head() == layout_.embed_tokens();
+  if (tied) RETURN_IF_ERROR(begin_group(0, true, backward));
+  if (Status st = begin_group(head, true, backward); !st.ok()) {
+    if (tied) end_group(0, true, backward);
+    return st;
+  }
+  kernels::cpu::rmsnorm_forward(acts_.final_out, acts_.final_rstd, acts_.checkpoints + L * N * C,
+                                param(layout_.final_norm()), N, C, static_cast<float>(config_.rms_norm_eps));
+  if (!backward) {
+    const double loss = kernels::cpu::lm_head_cross_entropy(nullptr, nullptr, acts_.final_out,
+                                                            param(layout_.lm_head()), targets, N, C,
+                                                            config_.vocab_size, 1.0f, kLossChunkTokens);
+    end_group(head, true, false);
+    if (tied) end_group(0, true, false);
+    return loss;
+  }
 
   // The auxiliary loss's gradient with respect to the router softmax (see llama.h).
   std::vector<float> prob_grad;
@@ -250,20 +284,25 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
 
   // With tied embeddings lm_head() is the embedding's offset, so both gradients add up there.
   const double loss = kernels::cpu::lm_head_cross_entropy(
-      acts_.d_final, grads_.data() + layout_.lm_head(), acts_.final_out,
-      params_.data() + layout_.lm_head(), targets, N, C, config_.vocab_size, grad_scale,
-      kLossChunkTokens);
-  kernels::cpu::rmsnorm_backward(acts_.dres, grads_.data() + layout_.final_norm(), acts_.d_final,
-                                 acts_.checkpoints + L * N * C, params_.data() + layout_.final_norm(),
-                                 acts_.final_rstd, N, C);
+      acts_.d_final, grad(layout_.lm_head()), acts_.final_out, param(layout_.lm_head()), targets, N, C,
+      config_.vocab_size, grad_scale, kLossChunkTokens);
+  kernels::cpu::rmsnorm_backward(acts_.dres, grad(layout_.final_norm()), acts_.d_final,
+                                 acts_.checkpoints + L * N * C, param(layout_.final_norm()), acts_.final_rstd, N,
+                                 C);
+  end_group(head, true, true);
+  if (tied) end_group(0, true, true);
   for (int64_t l = L - 1; l >= 0; --l) {
     const float* x = acts_.checkpoints + l * N * C;  // (N, C)
+    RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, true));
     // The scratch still holds the last layer's intermediates from forward; every other layer
     // is recomputed from its checkpoint.
     if (l != L - 1) layer_forward(l, x, /*out=*/nullptr, B, T, /*stats=*/nullptr);
     layer_backward(l, x, acts_.dres, B, T, prob_grad.empty() ? nullptr : prob_grad.data());
+    end_group(static_cast<int>(1 + l), true, true);
   }
-  kernels::cpu::embedding_backward(grads_.data() + layout_.embed_tokens(), acts_.dres, inputs, N, C);
+  RETURN_IF_ERROR(begin_group(0, false, true));
+  kernels::cpu::embedding_backward(grad(layout_.embed_tokens()), acts_.dres, inputs, N, C);
+  end_group(0, false, true);
   return loss;
 }
 

@@ -27,6 +27,7 @@
 #include "model/activations.h"
 #include "model/config.h"
 #include "model/moe_layer.h"
+#include "model/param_access.h"
 #include "model/params.h"
 
 namespace strata::model {
@@ -69,6 +70,16 @@ class LlamaModel {
                           float grad_scale);
   // Same sum of NLLs without touching the gradients.
   double forward_loss(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T);
+  // The step both wrap: forward, and when `backward` the backward too. Through a ParamAccess
+  // (set_access) the parameters and gradients come from wherever it keeps them and its errors
+  // (an I/O error paging a group in) are returned; with the model's own flat buffers it cannot
+  // fail.
+  Result<double> compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
+                         bool backward);
+  // Routes parameter and gradient access through `access` (null: the flat buffers params()
+  // and grads()). The model begins and ends groups as model/param_access.h describes; it does
+  // not own `access`, which must outlive its use.
+  void set_access(ParamAccess* access) { access_ = access; }
 
   // MoE models: the auxiliary load-balancing loss of the last forward (0 for dense models),
   // reported whether or not it joins the training loss.
@@ -91,7 +102,18 @@ class LlamaModel {
   // Sets last_aux_loss_ and the router statistics of this forward (forward_counts_ and
   // forward_prob_sums_, summed over MoE layers); when count_tokens, also adds the per-layer
   // counts to expert_counts_.
-  void forward(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens);
+  Status forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens);
+  Status begin_group(int group, bool params, bool grads);
+  void end_group(int group, bool params, bool grads);
+  // The tensor starting at flat-layout `offset`, from the flat buffers or the ParamAccess.
+  const float* param(int64_t offset) { return access_ ? access_->param(offset) : params_.data() + offset; }
+  float* grad(int64_t offset) { return access_ ? access_->grad(offset) : grads_.data() + offset; }
+  auto param_at() {
+    return [this](int64_t offset) { return param(offset); };
+  }
+  auto grad_at() {
+    return [this](int64_t offset) { return grad(offset); };
+  }
   // One decoder layer from x (its checkpoint). When out is non-null, writes the layer output
   // there; backward's recomputation passes null because only the intermediates are needed.
   // stats (null in the recomputation) receives the MoE router statistics.
@@ -110,6 +132,7 @@ class LlamaModel {
   std::vector<float> grads_;   // (total_size)
   std::vector<float> inv_freq_;  // (D/2) RoPE frequencies
   ActivationTable acts_;
+  ParamAccess* access_ = nullptr;
   // MoE state (empty for dense models).
   std::vector<int64_t> expert_counts_;     // (L, E) since zero_grads()
   std::vector<int64_t> forward_counts_;    // (E) this forward, summed over MoE layers

@@ -87,7 +87,12 @@ struct LayerTensors {
   T* down_proj;                 // (C, F) or null
 
   static LayerTensors bind(T* base, const LayerOffsets& o) {
-    auto at = [base](int64_t offset) -> T* { return offset < 0 ? nullptr : base + offset; };
+    return bind_with([base](int64_t offset) { return base + offset; }, o);
+  }
+  // `resolve(offset)` gives the tensor starting at that flat-layout offset (e.g. inside a chunk).
+  template <typename Resolve>
+  static LayerTensors bind_with(Resolve resolve, const LayerOffsets& o) {
+    auto at = [&resolve](int64_t offset) -> T* { return offset < 0 ? nullptr : resolve(offset); };
     return {at(o.input_layernorm), at(o.q_proj),    at(o.q_bias), at(o.k_proj),
             at(o.k_bias),          at(o.v_proj),    at(o.v_bias), at(o.o_proj),
             at(o.q_norm),          at(o.k_norm),    at(o.post_attention_layernorm),
@@ -109,7 +114,11 @@ struct MoeTensors {
   T* shared_expert_gate = nullptr;  // (1, C) or null
 
   static MoeTensors bind(T* base, const MoeOffsets& o) {
-    auto at = [base](int64_t offset) -> T* { return offset < 0 ? nullptr : base + offset; };
+    return bind_with([base](int64_t offset) { return base + offset; }, o);
+  }
+  template <typename Resolve>
+  static MoeTensors bind_with(Resolve resolve, const MoeOffsets& o) {
+    auto at = [&resolve](int64_t offset) -> T* { return offset < 0 ? nullptr : resolve(offset); };
     MoeTensors m;
     m.router = at(o.router);
     for (int64_t off : o.expert_gate) m.expert_gate.push_back(at(off));

@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "ckpt_test_util.h"
@@ -51,6 +53,8 @@ void fill_for_step(TrainState* state, int64_t step) {
 TEST_F(CkptTest, KillingASaveAtRandomNeverBreaksLatest) {
   std::mt19937 rng(2024);
   int kills = 0, verified = 0;
+  std::set<int64_t> steps_seen;
+  int mid_save = 0;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (kills < 24 && std::chrono::steady_clock::now() < deadline) {
     const pid_t pid = fork();
@@ -62,6 +66,12 @@ TEST_F(CkptTest, KillingASaveAtRandomNeverBreaksLatest) {
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
     ASSERT_TRUE(WIFSIGNALED(status)) << "the child stopped by itself with status " << WEXITSTATUS(status);
     ++kills;
+    for (const auto& e : fs::directory_iterator(dir_)) {
+      if (e.path().extension() == ".tmp" && e.path().filename() != "latest.tmp") {
+        ++mid_save;  // the kill landed inside a save
+        break;
+      }
+    }
     if (!fs::exists(dir_ / "latest")) continue;  // killed before the first commit
     auto r = CheckpointReader::open(dir(), ReaderOpenOptions{true});
     ASSERT_TRUE(r.ok()) << "after kill " << kills << ": " << r.status().to_string();
@@ -83,9 +93,14 @@ TEST_F(CkptTest, KillingASaveAtRandomNeverBreaksLatest) {
       }
     }
     ++verified;
+    steps_seen.insert(step);
   }
   EXPECT_GE(kills, 20);
   EXPECT_GE(verified, 15) << "too few kills landed after a commit to prove anything";
+  EXPECT_GE(steps_seen.size(), 5u) << "the kills should land in many different saves";
+  EXPECT_GE(mid_save, 5) << "too few kills landed inside a save";
+  std::printf("%d kills (%d inside a save), %d verified, %zu distinct latest steps\n", kills, mid_save, verified,
+              steps_seen.size());
   // Leftovers of the last kill are cleaned by the next save.
   TrainState state(1);
   CheckpointWriter w;

@@ -164,7 +164,9 @@ void cow_case(const std::string& dir, uint64_t staging, uint64_t misalign, bool 
   ASSERT_TRUE(w.wait().ok());
   const SaveStats s = w.last_stats();
   EXPECT_GT(s.cow_copied_bytes, 0u);
-  if (expect_waits) EXPECT_GT(s.cow_waits, 0u);
+  if (expect_waits) {
+    EXPECT_GT(s.cow_waits, 0u);
+  }
   auto r = CheckpointReader::open(dir, ReaderOpenOptions{true});
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   expect_checkpoint_equals(**r, state, at_save);
@@ -239,7 +241,7 @@ TEST_F(CkptTest, BusyWriterSkipsOrWaitsAsConfigured) {
       return std::unique_ptr<IoEngine>(std::move(e));
     };
     CheckpointWriter w(opt);
-    ASSERT_EQ(*w.begin_save(state.request(dir(), 1)), SaveStart::kStarted);
+    ASSERT_EQ(w.begin_save(state.request(dir(), 1)).value(), SaveStart::kStarted);
     EXPECT_TRUE(w.in_flight());
     EXPECT_TRUE(w.poll().ok());
     Result<SaveStart> second = w.begin_save(state.request(dir(), 2));

@@ -6,8 +6,8 @@
 
 #include <bit>
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <optional>
@@ -42,7 +42,8 @@ template <typename T>
     if (a != b) {
       char bits[64];
       std::snprintf(bits, sizeof(bits), "bits 0x%08x vs 0x%08x", a, b);
-      return ::testing::AssertionFailure() << "element " << i << " of " << got.size() << ": " << bits;
+      return ::testing::AssertionFailure()
+             << "element " << i << " of " << got.size() << ": " << bits;
     }
   }
   return ::testing::AssertionSuccess();
@@ -51,16 +52,17 @@ template <typename T>
 // Every element is finite: a reference that went NaN must not be matched by a kernel that did too.
 ::testing::AssertionResult all_finite(const std::vector<float>& x, size_t begin) {
   for (size_t i = begin; i < x.size(); ++i) {
-    if (!std::isfinite(x[i])) return ::testing::AssertionFailure() << "element " << i << " = " << x[i];
+    if (!std::isfinite(x[i]))
+      return ::testing::AssertionFailure() << "element " << i << " = " << x[i];
   }
   return ::testing::AssertionSuccess();
 }
 
 std::vector<AdamWParams> configs() {
   return {
-      {},                                     // defaults, no weight decay
-      {3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1},   // a typical LLM setting with weight decay
-      {1e-2f, 0.3f, 0.5f, 1e-6f, 0.01f, 1},   // 1 - beta1 >= 0.5: lerp's other formula
+      {},                                    // defaults, no weight decay
+      {3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1},  // a typical LLM setting with weight decay
+      {1e-2f, 0.3f, 0.5f, 1e-6f, 0.01f, 1},  // 1 - beta1 >= 0.5: lerp's other formula
   };
 }
 
@@ -69,8 +71,8 @@ constexpr float kDenormal = 1e-40f;
 // Special elements may overflow (1e30 squared is inf), so only the others must stay finite.
 constexpr size_t kSpecialCount = 16;
 constexpr float kSpecialGrads[kSpecialCount] = {
-    0.0f,  -0.0f,   1e30f,  -3e38f,    1e-30f, -1e-25f, kDenormal, -1.4e-45f /* -denorm_min */,
-    1.2e-38f, 65504.0f, -1e-20f, 1e19f, 2e-38f, 1.0f,    -1.0f,     0.5f};
+    0.0f,     -0.0f,    1e30f,   -3e38f, 1e-30f, -1e-25f, kDenormal, -1.4e-45f /* -denorm_min */,
+    1.2e-38f, 65504.0f, -1e-20f, 1e19f,  2e-38f, 1.0f,    -1.0f,     0.5f};
 
 std::vector<float> grads_for_step(int64_t n, int64_t step) {
   std::vector<float> g = random_vector(n, 100 + step, -1.0f, 1.0f);
@@ -174,7 +176,8 @@ std::vector<uint16_t> bf16_grads_for_step(int64_t n, int64_t step) {
   std::vector<uint16_t> h(g.size());
   for (size_t i = 0; i < g.size(); ++i) h[i] = f32_to_bf16(g[i]);
   const uint16_t specials[] = {0x0001, 0x8001, 0x007F, 0x7F7F, 0xFF7F, 0x8000, 0x0000, 0x0080};
-  for (size_t i = 0; i < std::size(specials) && i < h.size(); ++i) h[h.size() - 1 - i] = specials[i];
+  for (size_t i = 0; i < std::size(specials) && i < h.size(); ++i)
+    h[h.size() - 1 - i] = specials[i];
   return h;
 }
 
@@ -182,8 +185,8 @@ TEST_P(AdamWSimdTest, MixedIsBitwiseEqualToWidenReferenceNarrow) {
   const SimdLevel level = GetParam();
   for (int64_t n : kSizes) {
     for (const AdamWParams& base : configs()) {
-      SCOPED_TRACE(::testing::Message() << "n=" << n << " beta1=" << base.beta1
-                                        << " wd=" << base.weight_decay);
+      SCOPED_TRACE(::testing::Message()
+                   << "n=" << n << " beta1=" << base.beta1 << " wd=" << base.weight_decay);
       State want = initial_state(n, false);
       State got = want;
       std::vector<uint16_t> out_want(n, 0xDEAD), out_got(n, 0xBEEF);
@@ -197,8 +200,8 @@ TEST_P(AdamWSimdTest, MixedIsBitwiseEqualToWidenReferenceNarrow) {
         ref::adamw_step(want.w.data(), g32.data(), want.m.data(), want.v.data(), n, p);
         for (int64_t i = 0; i < n; ++i) out_want[i] = f32_to_bf16(want.w[i]);
 
-        adamw_step_mixed(got.w.data(), g.data(), got.m.data(), got.v.data(), out_got.data(), n,
-                         p, level);
+        adamw_step_mixed(got.w.data(), g.data(), got.m.data(), got.v.data(), out_got.data(), n, p,
+                         level);
         ASSERT_TRUE(same_bits(got.w, want.w)) << "master after step " << step;
         ASSERT_TRUE(same_bits(got.m, want.m)) << "m after step " << step;
         ASSERT_TRUE(same_bits(got.v, want.v)) << "v after step " << step;
@@ -215,8 +218,8 @@ TEST_P(AdamWSimdTest, MixedNarrowsNaNAndInfMastersLikeScalar) {
   g[3] = 0x7F80;   // +inf gradient: master becomes NaN
   g[33] = 0x7FC1;  // NaN gradient with a payload, in the AVX-512 tail
   std::vector<uint16_t> out(n, 0);
-  adamw_step_mixed(st.w.data(), g.data(), st.m.data(), st.v.data(), out.data(), n,
-                   AdamWParams{}, GetParam());
+  adamw_step_mixed(st.w.data(), g.data(), st.m.data(), st.v.data(), out.data(), n, AdamWParams{},
+                   GetParam());
   EXPECT_TRUE(std::isnan(st.w[3]));
   EXPECT_TRUE(std::isnan(st.w[33]));
   for (int64_t i = 0; i < n; ++i) {
@@ -323,9 +326,9 @@ TEST(SimdLevel, EnvironmentCapsTheDetectedLevel) {
 
 TEST(SimdLevel, ThisMachineSupportsWhatItsCpuFlagsSay) {
   EXPECT_EQ(simd_level_supported(SimdLevel::kAvx2), bool(__builtin_cpu_supports("avx2")));
-  EXPECT_EQ(simd_level_supported(SimdLevel::kAvx512),
-            __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl"));
+  EXPECT_EQ(simd_level_supported(SimdLevel::kAvx512), __builtin_cpu_supports("avx512f") &&
+                                                          __builtin_cpu_supports("avx512bw") &&
+                                                          __builtin_cpu_supports("avx512vl"));
 }
 
 }  // namespace

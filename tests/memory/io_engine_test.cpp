@@ -483,5 +483,24 @@ TEST(MakeIoEngineTest, UnknownKindIsRejectedAndAutoAlwaysYieldsAnEngine) {
   EXPECT_TRUE(name == "io_uring" || name == "threads") << name;
 }
 
+TEST(MakeIoEngineTest, AutoFallsBackToThreadsWhenTheRingIsRefused) {
+  IoEngineOptions o;
+  o.queue_depth = 1u << 20;  // above the kernel's ring size limit: io_uring_queue_init fails
+  o.kind = "io_uring";
+  Result<std::unique_ptr<IoEngine>> uring = make_io_engine(o);
+  ASSERT_FALSE(uring.ok());
+  EXPECT_EQ(uring.status().code(), StatusCode::kUnimplemented);
+  EXPECT_TRUE(contains(uring.status().message(), "io_uring_queue_init(1048576) failed")) << uring.status().message();
+  o.kind = "auto";
+  Result<std::unique_ptr<IoEngine>> e = make_io_engine(o);
+  ASSERT_TRUE(e.ok());
+  EXPECT_EQ(std::string((*e)->name()), "threads");
+  auto file = open_buffered("fallback");
+  const int f = (*e)->register_file(file->fd(), file->path()).value();
+  AlignedBuffer buf(4096);
+  fill_random(buf.data(), 4096, 14);
+  EXPECT_TRUE((*e)->write(f, buf.data(), 4096, 0).ok());
+}
+
 }  // namespace
 }  // namespace strata

@@ -18,6 +18,7 @@
 
 #include "core/units.h"
 #include "memory/io_engine.h"
+#include "memory/io_uring_engine.h"
 #include "tools/strata/commands.h"
 
 extern char** environ;
@@ -36,8 +37,9 @@ directory it times the reference
   dd if=DIR/dd.tmp of=/dev/null bs=4M iflag=direct
 and prints GB/s (10^9 bytes/s) of both and their ratio. Each round runs dd and every engine,
 each round starting with a different one; the median of --repeat rounds is printed, which
-steadies the numbers on shared or virtual disks. --max-transfer is the engines' largest single transfer
-(IoEngineOptions::max_transfer; 0: a whole request at once). Temporary files are removed.
+steadies the numbers on shared or virtual disks. --max-transfer is the engines' largest
+single transfer (IoEngineOptions::max_transfer; 0: a whole request at once). Temporary files
+are removed.
 )";
 
 constexpr uint64_t kDdBlock = 4 * kMiB;
@@ -260,6 +262,10 @@ int bench_io(const std::vector<std::string>& args) {
     for (char* b : buffers) {
       Status st = (*engine)->register_buffer(b, chunk);
       if (!st.ok()) return fail(st);
+    }
+    if (auto* uring = dynamic_cast<IoUringEngine*>(engine->get())) {
+      std::printf("io_uring: registered files %s, %zu fixed buffers\n", uring->uses_fixed_files() ? "yes" : "no",
+                  uring->fixed_buffer_count());
     }
     engine_list.push_back(std::move(engine).value());
   }

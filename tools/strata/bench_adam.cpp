@@ -66,7 +66,8 @@ double best_seconds(Fn fn) {
   for (int run = 1; run <= kRuns; ++run) {
     const auto start = std::chrono::steady_clock::now();
     fn(run);
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    best = std::min(
+        best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return best;
 }
@@ -101,7 +102,8 @@ int bench_adam_command(const std::vector<std::string>& args) {
     if (a == "--params") {
       Result<uint64_t> count = parse_bytes(v);
       if (!count.ok()) return usage_error("--params: " + count.status().message());
-      if (*count == 0 || *count > (uint64_t{1} << 40)) return usage_error("--params must be between 1 and 1T");
+      if (*count == 0 || *count > (uint64_t{1} << 40))
+        return usage_error("--params must be between 1 and 1T");
       n = static_cast<int64_t>(*count);
     } else if (a == "--threads") {
       char* end = nullptr;
@@ -123,7 +125,9 @@ int bench_adam_command(const std::vector<std::string>& args) {
 
   std::vector<Row> rows;
   const auto out_of_memory = [](const char* what) {
-    std::fprintf(stderr, "strata bench adam: error: cannot allocate the %s buffers (lower --params)\n", what);
+    std::fprintf(stderr,
+                 "strata bench adam: error: cannot allocate the %s buffers (lower --params)\n",
+                 what);
     return 1;
   };
   kernels::AdamWParams p{3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1};
@@ -142,7 +146,8 @@ int bench_adam_command(const std::vector<std::string>& args) {
                     }),
                     28});
     g.reset();
-    auto gh = make_array<uint16_t>(n, grad_bf16_init), out = make_array<uint16_t>(n, zero_bf16_init);
+    auto gh = make_array<uint16_t>(n, grad_bf16_init),
+         out = make_array<uint16_t>(n, zero_bf16_init);
     if (!gh || !out) return out_of_memory("mixed-precision AdamW");
     rows.push_back({"adamw_step_mixed (" + level_name + ")", best_seconds([&](int run) {
                       p.step = 1 + run;

@@ -39,12 +39,12 @@ constexpr int64_t kBlock = int64_t{1} << 16;
 // The fp32 scalars of one step, formed exactly as adamw.cpp forms them (in double, then cast),
 // so that the vector kernels and the reference multiply by the same numbers.
 struct Scalars {
-  float decay;          // 1 - lr * weight_decay
-  bool lerp_small;      // exp_avg.lerp_(grad, w) with w = 1 - beta1 < 0.5: m + w * (g - m)
-  float lerp_factor;    // w when lerp_small, else 1 - w for g - (g - m) * (1 - w)
+  float decay;        // 1 - lr * weight_decay
+  bool lerp_small;    // exp_avg.lerp_(grad, w) with w = 1 - beta1 < 0.5: m + w * (g - m)
+  float lerp_factor;  // w when lerp_small, else 1 - w for g - (g - m) * (1 - w)
   float beta2;
   float one_minus_b2;
-  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float bc2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^step)
 };
@@ -102,8 +102,8 @@ struct Vec512 {
 };
 
 STRATA_TARGET_AVX512 inline Vec512 broadcast512(const Scalars& s) {
-  return {_mm512_set1_ps(s.decay),    _mm512_set1_ps(s.lerp_factor),  _mm512_set1_ps(s.beta2),
-          _mm512_set1_ps(s.one_minus_b2), _mm512_set1_ps(s.bc2_sqrt), _mm512_set1_ps(s.eps),
+  return {_mm512_set1_ps(s.decay),        _mm512_set1_ps(s.lerp_factor), _mm512_set1_ps(s.beta2),
+          _mm512_set1_ps(s.one_minus_b2), _mm512_set1_ps(s.bc2_sqrt),    _mm512_set1_ps(s.eps),
           _mm512_set1_ps(s.neg_step_size)};
 }
 
@@ -195,8 +195,8 @@ struct Vec256 {
 };
 
 STRATA_TARGET_AVX2 inline Vec256 broadcast256(const Scalars& s) {
-  return {_mm256_set1_ps(s.decay),    _mm256_set1_ps(s.lerp_factor),  _mm256_set1_ps(s.beta2),
-          _mm256_set1_ps(s.one_minus_b2), _mm256_set1_ps(s.bc2_sqrt), _mm256_set1_ps(s.eps),
+  return {_mm256_set1_ps(s.decay),        _mm256_set1_ps(s.lerp_factor), _mm256_set1_ps(s.beta2),
+          _mm256_set1_ps(s.one_minus_b2), _mm256_set1_ps(s.bc2_sqrt),    _mm256_set1_ps(s.eps),
           _mm256_set1_ps(s.neg_step_size)};
 }
 
@@ -245,8 +245,8 @@ STRATA_TARGET_AVX2 void f32_avx2(float* w, const float* g, float* m, float* v, i
 }
 
 template <bool kSmall>
-STRATA_TARGET_AVX2 void mixed_avx2(float* w, const uint16_t* g, float* m, float* v,
-                                   uint16_t* out, int64_t n, const Scalars& s) {
+STRATA_TARGET_AVX2 void mixed_avx2(float* w, const uint16_t* g, float* m, float* v, uint16_t* out,
+                                   int64_t n, const Scalars& s) {
   const Vec256 c = broadcast256(s);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -270,9 +270,12 @@ using MixedKernel = void (*)(float*, const uint16_t*, float*, float*, uint16_t*,
 template <bool kSmall>
 F32Kernel pick_f32(SimdLevel level) {
   switch (level) {
-    case SimdLevel::kAvx512: return &f32_avx512<kSmall>;
-    case SimdLevel::kAvx2: return &f32_avx2<kSmall>;
-    case SimdLevel::kScalar: break;
+    case SimdLevel::kAvx512:
+      return &f32_avx512<kSmall>;
+    case SimdLevel::kAvx2:
+      return &f32_avx2<kSmall>;
+    case SimdLevel::kScalar:
+      break;
   }
   return &f32_scalar<kSmall>;
 }
@@ -280,9 +283,12 @@ F32Kernel pick_f32(SimdLevel level) {
 template <bool kSmall>
 MixedKernel pick_mixed(SimdLevel level) {
   switch (level) {
-    case SimdLevel::kAvx512: return &mixed_avx512<kSmall>;
-    case SimdLevel::kAvx2: return &mixed_avx2<kSmall>;
-    case SimdLevel::kScalar: break;
+    case SimdLevel::kAvx512:
+      return &mixed_avx512<kSmall>;
+    case SimdLevel::kAvx2:
+      return &mixed_avx2<kSmall>;
+    case SimdLevel::kScalar:
+      break;
   }
   return &mixed_scalar<kSmall>;
 }
@@ -304,9 +310,12 @@ SimdLevel hardware_simd_level() {
 
 const char* simd_level_name(SimdLevel level) {
   switch (level) {
-    case SimdLevel::kAvx512: return "avx512";
-    case SimdLevel::kAvx2: return "avx2";
-    case SimdLevel::kScalar: break;
+    case SimdLevel::kAvx512:
+      return "avx512";
+    case SimdLevel::kAvx2:
+      return "avx2";
+    case SimdLevel::kScalar:
+      break;
   }
   return "scalar";
 }
@@ -351,8 +360,7 @@ void adamw_step_f32(float* param, const float* grad, float* m, float* v, int64_t
 }
 
 void adamw_step_mixed(float* master, const uint16_t* grad_bf16, float* m, float* v,
-                      uint16_t* param_bf16_out, int64_t n, const AdamWParams& p,
-                      SimdLevel level) {
+                      uint16_t* param_bf16_out, int64_t n, const AdamWParams& p, SimdLevel level) {
   CHECK_MSG(simd_level_supported(level),
             std::string("this CPU cannot run SIMD level ") + simd_level_name(level));
   CHECK(n >= 0);
@@ -362,8 +370,7 @@ void adamw_step_mixed(float* master, const uint16_t* grad_bf16, float* m, float*
 #pragma omp parallel for schedule(static) if (blocks > 1)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t i = b * kBlock;
-    kernel(master + i, grad_bf16 + i, m + i, v + i, param_bf16_out + i, std::min(kBlock, n - i),
-           s);
+    kernel(master + i, grad_bf16 + i, m + i, v + i, param_bf16_out + i, std::min(kBlock, n - i), s);
   }
 }
 

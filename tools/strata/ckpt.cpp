@@ -1,0 +1,238 @@
+// strata ckpt inspect DIR | verify DIR | bench --dir DIR --size SIZE
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ckpt/reader.h"
+#include "ckpt/writer.h"
+#include "core/units.h"
+#include "tools/strata/ckpt_command.h"
+
+extern char** environ;
+
+namespace strata::tools {
+namespace {
+
+constexpr const char* kCkptUsage = R"(Usage: strata ckpt <inspect|verify> PATH
+       strata ckpt bench --dir DIR --size SIZE [--engine auto|io_uring|threads] [--staging 64MiB] [--repeat 3]
+
+PATH is a checkpoint directory (its `latest` is followed), DIR/latest, or DIR/step-N.
+
+  inspect   step, tokens seen, data cursor, the files with sizes and checksums, tensor count
+            and bytes per kind (param, master, adam_m, adam_v) and a model config summary.
+  verify    recomputes every file's xxh3_64 and compares it with the manifest; prints OK and
+            exits 0, or names the damaged file and exits 1.
+  bench     writes a SIZE-byte checkpoint (one fp32 region) into DIR through the asynchronous
+            writer (O_DIRECT, checksums, fsync and commit inside the timing) and, in the same
+            run, times `dd if=/dev/zero of=DIR/dd.tmp bs=4M count=N oflag=direct conv=fsync`;
+            prints both in GB/s (10^9 bytes/s) and their ratio, the median of --repeat rounds.
+            Everything it writes in DIR is removed afterwards.
+)";
+
+int usage_error(const std::string& msg) {
+  std::fprintf(stderr, "strata ckpt: %s (see strata ckpt --help)\n", msg.c_str());
+  return 2;
+}
+
+int fail(const Status& st) {
+  std::fprintf(stderr, "strata ckpt: error: %s\n", st.message().c_str());
+  return 1;
+}
+
+std::string json_scalar(const nlohmann::json& j) {
+  if (j.is_string()) return j.get<std::string>();
+  return j.dump();
+}
+
+int inspect(const std::string& path) {
+  Result<std::unique_ptr<ckpt::CheckpointReader>> opened = ckpt::CheckpointReader::open(path);
+  if (!opened.ok()) return fail(opened.status());
+  const ckpt::CheckpointReader& r = **opened;
+  const ckpt::Manifest& m = r.manifest();
+  std::printf("checkpoint       %s\n", r.step_dir().c_str());
+  std::printf("step             %lld\n", static_cast<long long>(m.step));
+  std::printf("tokens seen      %llu\n", static_cast<unsigned long long>(m.fields.tokens_seen));
+  std::printf("optimizer step   %lld\n", static_cast<long long>(m.fields.optimizer_step));
+  std::printf("data cursor      epoch %lld, index %lld\n", static_cast<long long>(m.fields.data_cursor.epoch),
+              static_cast<long long>(m.fields.data_cursor.index));
+  std::printf("written by       strata %s (format %d)\n",
+              m.fields.strata_version.empty() ? "?" : m.fields.strata_version.c_str(), m.format_version);
+  std::printf("\n%-24s %14s  %s\n", "file", "size", "xxh3_64");
+  for (const ckpt::SavedFile& f : r.files()) {
+    std::printf("%-24s %14s  %s\n", f.name.c_str(), format_bytes(f.size).c_str(), ckpt::xxh3_hex(f.xxh3).c_str());
+  }
+  uint64_t counts[ckpt::kTensorKindCount] = {0}, bytes[ckpt::kTensorKindCount] = {0};
+  for (const ckpt::SavedTensor& t : r.tensors()) {
+    counts[static_cast<int>(t.kind)]++;
+    bytes[static_cast<int>(t.kind)] += t.nbytes;
+  }
+  std::printf("\n%-8s %8s %14s\n", "kind", "tensors", "bytes");
+  for (int k = 0; k < ckpt::kTensorKindCount; ++k) {
+    std::printf("%-8s %8llu %14s\n", ckpt::tensor_kind_name(static_cast<ckpt::TensorKind>(k)),
+                static_cast<unsigned long long>(counts[k]), format_bytes(bytes[k]).c_str());
+  }
+  const nlohmann::json& cfg = m.fields.model_config;
+  std::string summary;
+  for (const char* key : {"model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "intermediate_size", "vocab_size", "num_local_experts",
+                          "num_experts", "torch_dtype"}) {
+    auto it = cfg.find(key);
+    if (it == cfg.end()) continue;
+    summary += (summary.empty() ? "" : ", ") + std::string(key) + " " + json_scalar(*it);
+  }
+  std::printf("\nmodel            %s\n", summary.empty() ? "(no model config recorded)" : summary.c_str());
+  return 0;
+}
+
+int verify(const std::string& path) {
+  Result<std::unique_ptr<ckpt::CheckpointReader>> opened = ckpt::CheckpointReader::open(path);
+  if (!opened.ok()) return fail(opened.status());
+  Status st = (*opened)->verify();
+  if (!st.ok()) return fail(st);
+  std::printf("OK %s: %zu files, %zu tensors, checksums match\n", (*opened)->step_dir().c_str(),
+              (*opened)->files().size(), (*opened)->tensors().size());
+  return 0;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+Result<double> time_dd(const std::string& dir, uint64_t size) {
+  const std::string out = dir + "/dd.tmp";
+  std::vector<std::string> argv = {"dd", "if=/dev/zero", "of=" + out, "bs=4M",
+                                   "count=" + std::to_string((size + 4 * kMiB - 1) / (4 * kMiB)),
+                                   "oflag=direct", "conv=fsync", "status=none"};
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  pid_t pid = 0;
+  const int err = posix_spawnp(&pid, "dd", nullptr, nullptr, cargv.data(), environ);
+  if (err != 0) return Status::NotFound(std::string("cannot run dd: ") + std::strerror(err));
+  int ws = 0;
+  while (::waitpid(pid, &ws, 0) < 0) {
+    if (errno != EINTR) return Status::Internal(std::string("waitpid for dd failed: ") + std::strerror(errno));
+  }
+  const double secs = seconds_since(start);
+  ::unlink(out.c_str());
+  if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) return Status::IOError("dd writing " + out + " failed");
+  return secs;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int bench(const std::vector<std::string>& args) {
+  std::string dir, size_text, engine = "auto", staging_text = "64MiB";
+  int repeat = 3;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kCkptUsage, stdout);
+      return 0;
+    }
+    if (i + 1 >= args.size()) return usage_error(a + " needs a value");
+    if (a == "--dir") dir = args[++i];
+    else if (a == "--size") size_text = args[++i];
+    else if (a == "--engine") engine = args[++i];
+    else if (a == "--staging") staging_text = args[++i];
+    else if (a == "--repeat") repeat = std::atoi(args[++i].c_str());
+    else return usage_error("unknown argument '" + a + "'");
+  }
+  if (dir.empty() || size_text.empty()) return usage_error("bench needs --dir and --size");
+  if (repeat < 1) return usage_error("--repeat must be at least 1");
+  Result<uint64_t> size = parse_bytes(size_text);
+  if (!size.ok()) return usage_error(size.status().message());
+  Result<uint64_t> staging = parse_bytes(staging_text);
+  if (!staging.ok()) return usage_error(staging.status().message());
+  const uint64_t bytes = ckpt::round_up(std::max<uint64_t>(*size, 4096), 4 * kMiB);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return fail(Status::IOError("cannot create " + dir + ": " + ec.message()));
+  const std::string ckpt_dir = dir + "/strata-ckpt-bench";
+
+  std::unique_ptr<char, decltype(&std::free)> region(static_cast<char*>(std::aligned_alloc(4096, bytes)), &std::free);
+  if (region == nullptr) return fail(Status::OutOfMemory("cannot allocate " + format_bytes(bytes)));
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  uint64_t* words = reinterpret_cast<uint64_t*>(region.get());
+  for (uint64_t i = 0; i < bytes / 8; ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    words[i] = x;
+  }
+  ckpt::SaveRequest req;
+  req.dir = ckpt_dir;
+  req.regions.push_back(ckpt::Region{ckpt::TensorKind::kParam, region.get(), bytes,
+                                     {{"bench.weight", {int64_t(bytes / 4)}, ckpt::DType::kF32, 0}}});
+  req.manifest.strata_version = "bench";
+  ckpt::CheckpointWriterOptions opt;
+  opt.staging_bytes = *staging;
+  opt.keep_last = 1;
+  opt.io.kind = engine;
+  ckpt::CheckpointWriter writer(opt);
+
+  std::vector<double> ckpt_s, dd_s;
+  std::string engine_name;
+  for (int round = 0; round < repeat; ++round) {
+    for (int which = 0; which < 2; ++which) {
+      if ((which + round) % 2 == 0) {
+        req.step = round + 1;
+        const auto start = std::chrono::steady_clock::now();
+        Result<ckpt::SaveStart> st = writer.begin_save(req);
+        if (!st.ok()) return fail(st.status());
+        Status done = writer.wait();
+        if (!done.ok()) return fail(done);
+        ckpt_s.push_back(seconds_since(start));
+        engine_name = writer.last_stats().engine;
+      } else {
+        Result<double> t = time_dd(dir, bytes);
+        if (!t.ok()) return fail(t.status());
+        dd_s.push_back(*t);
+      }
+    }
+  }
+  (void)ckpt::remove_tree(ckpt_dir);
+  const double ckpt_rate = bytes / median(ckpt_s) / 1e9;
+  const double dd_rate = bytes / median(dd_s) / 1e9;
+  std::printf("checkpoint of %s into %s, median of %d rounds\n", format_bytes(bytes).c_str(), dir.c_str(), repeat);
+  std::printf("  strata ckpt (%s, O_DIRECT, xxh3, fsync, commit)  %6.2f GB/s\n", engine_name.c_str(), ckpt_rate);
+  std::printf("  dd bs=4M oflag=direct conv=fsync                     %6.2f GB/s\n", dd_rate);
+  std::printf("  ratio                                                %6.2f\n", ckpt_rate / dd_rate);
+  return 0;
+}
+
+}  // namespace
+
+int ckpt_command(const std::vector<std::string>& args) {
+  if (args.empty()) return usage_error("missing sub-command");
+  const std::string& sub = args[0];
+  if (sub == "--help" || sub == "-h" || sub == "help") {
+    std::fputs(kCkptUsage, stdout);
+    return 0;
+  }
+  std::vector<std::string> rest(args.begin() + 1, args.end());
+  if (sub == "bench") return bench(rest);
+  if (sub == "inspect" || sub == "verify") {
+    if (!rest.empty() && (rest[0] == "--help" || rest[0] == "-h")) {
+      std::fputs(kCkptUsage, stdout);
+      return 0;
+    }
+    if (rest.size() != 1) return usage_error(sub + " takes one checkpoint path");
+    return sub == "inspect" ? inspect(rest[0]) : verify(rest[0]);
+  }
+  return usage_error("unknown sub-command '" + sub + "'");
+}
+
+}  // namespace strata::tools
