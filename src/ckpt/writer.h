@@ -23,8 +23,9 @@
 // each save (made by `engine_factory` per save, so that files registered with io_uring are
 // released when the save ends). Regions are borrowed: they must stay allocated, at the same
 // address, until the save ends (in_flight() false, or wait() returned).
-// Thread safety: begin_save, in_flight, wait, poll, cancel and last_stats are meant for one
-// (trainer) thread; before_modify may be called from any thread, concurrently.
+// Thread safety: begin_save, in_flight, wait, poll and cancel are meant for one (trainer)
+// thread. before_modify may be called from any threads concurrently (e.g. CPU Adam workers),
+// but not concurrently with begin_save. last_stats is safe from any thread.
 #pragma once
 
 #include <atomic>

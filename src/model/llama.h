@@ -80,6 +80,12 @@ class LlamaModel {
   // and grads()). The model begins and ends groups as model/param_access.h describes; it does
   // not own `access`, which must outlive its use.
   void set_access(ParamAccess* access) { access_ = access; }
+  // Frees the flat parameter and gradient buffers once a ParamAccess holds the state; params()
+  // and grads() are empty afterwards.
+  void release_flat_buffers() {
+    std::vector<float>().swap(params_);
+    std::vector<float>().swap(grads_);
+  }
 
   // MoE models: the auxiliary load-balancing loss of the last forward (0 for dense models),
   // reported whether or not it joins the training loss.

@@ -16,9 +16,12 @@ std::string format_step_line(const StepMetrics& m) {
   std::string tps = m.tokens_per_s >= 1e6   ? fmt::format("{:.2f}M", m.tokens_per_s / 1e6)
                     : m.tokens_per_s >= 1e3 ? fmt::format("{:.1f}k", m.tokens_per_s / 1e3)
                                             : fmt::format("{:.0f}", m.tokens_per_s);
-  return fmt::format("step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {:.0f} ms | mem {} (rss {})",
-                     m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, tps, m.ms,
-                     format_bytes(m.state_bytes), format_bytes(m.rss_bytes));
+  return fmt::format(
+      "step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {:.0f} ms | dev {} host {} nvme {} | "
+      "moved {} stall {:.0f} ms | rss {}",
+      m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, tps, m.ms, format_bytes(m.tier_bytes[0]),
+      format_bytes(m.tier_bytes[1]), format_bytes(m.tier_bytes[2]), format_bytes(m.moved_bytes), m.stall_ms,
+      format_bytes(m.rss_bytes));
 }
 
 Result<MetricsWriter> MetricsWriter::open(const std::string& path) {
@@ -37,7 +40,9 @@ Status MetricsWriter::write(const StepMetrics& m) {
   nlohmann::json j = {{"step", m.step},         {"loss", m.loss},
                       {"lr", m.lr},             {"grad_norm", m.grad_norm},
                       {"tokens_per_s", m.tokens_per_s}, {"ms", m.ms},
-                      {"tokens", m.tokens},     {"state_bytes", m.state_bytes},
+                      {"tokens", m.tokens},
+                      {"device_bytes", m.tier_bytes[0]}, {"host_bytes", m.tier_bytes[1]},
+                      {"nvme_bytes", m.tier_bytes[2]}, {"moved_bytes", m.moved_bytes}, {"stall_ms", m.stall_ms},
                       {"rss_bytes", m.rss_bytes}};
   // Losses are printed with 17 significant digits so that runs can be compared bitwise.
   std::string line = j.dump() + "\n";

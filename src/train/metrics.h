@@ -20,11 +20,14 @@ struct StepMetrics {
   double tokens_per_s = 0;
   double ms = 0;
   int64_t tokens = 0;          // tokens seen so far
-  uint64_t state_bytes = 0;    // parameters, gradients, optimizer states and workspaces
+  uint64_t tier_bytes[3] = {0, 0, 0};  // chunk bytes in use on device, host, nvme
+  uint64_t moved_bytes = 0;    // bytes moved between tiers during the step
+  double stall_ms = 0;         // time compute waited for data during the step
   uint64_t rss_bytes = 0;      // resident memory of the process
 };
 
-// "step   10/200 | loss 3.2113 | lr 1.50e-03 | gnorm 0.912 | 5.1k tok/s | 199 ms | mem 14.2 MiB (rss 61.0 MiB)"
+// "step  10/200 | loss 3.2113 | lr 1.50e-03 | gnorm 0.912 | 5.1k tok/s | 199 ms |
+//  dev 4.0 MiB host 6.0 MiB nvme 8.0 MiB | moved 12.0 MiB stall 3 ms | rss 61.0 MiB"
 std::string format_step_line(const StepMetrics& m);
 
 // Appends JSON lines to a file. Not thread-safe. Closes on destruction.

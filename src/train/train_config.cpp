@@ -91,7 +91,7 @@ const ConfigSchema& train_schema() {
 }
 
 const char* embedded_default_config() {
-  return R"(# The embedded default: a 0.8M-parameter Llama learns Debian's license texts byte by byte.
+  return R"(# The embedded default: a 0.85M-parameter Llama learns Debian's license texts byte by byte.
 model:
   preset: tiny
 data:
@@ -103,6 +103,10 @@ train:
 optim:
   lr: 0.003
   warmup_steps: 20
+memory:              # small on purpose: every kind of state pages through host and nvme
+  device: 24MiB
+  host: 10MiB
+  nvme: {path: runs/default/nvme, size: 64MiB}
 run:
   dir: runs/default
   log_every: 10

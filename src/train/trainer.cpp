@@ -17,6 +17,11 @@
 #include "train/lr_schedule.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
+#include "train/paged_state.h"
+#include "train/planning.h"
+#include "core/device.h"
+#include "core/units.h"
+#include "memory/io_engine.h"
 
 namespace strata {
 namespace {
@@ -121,7 +126,10 @@ bool needs_run_dir_for_data(const TrainConfig& t) {
 Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effective_yaml) {
   // 1. Everything that can be wrong with the inputs is checked before anything is written.
   ASSIGN_OR_RETURN(model::ModelConfig mc, resolve_model_config(t));
-  RETURN_IF_ERROR(mc.check_sequence_length(t.seq_len, "the model config (with train.seq_len)"));
+  const std::string model_source = !t.model_from.empty()     ? (fs::path(t.model_from) / "config.json").string()
+                                   : !t.model_config.empty() ? t.model_config
+                                                             : "preset '" + t.model_preset + "'";
+  RETURN_IF_ERROR(mc.check_sequence_length(t.seq_len, model_source + " (train.seq_len)"));
   if (t.seq_len > mc.max_position_embeddings)
     LOG_WARN("train.seq_len {} exceeds the model's max_position_embeddings {}", t.seq_len,
              mc.max_position_embeddings);
@@ -157,8 +165,44 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   oc.eps = static_cast<float>(t.eps);
   oc.weight_decay = static_cast<float>(t.weight_decay);
   oc.grad_clip = static_cast<float>(t.grad_clip);
-  AdamW optimizer(net.layout(), oc);
   LrSchedule schedule{t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.lr_schedule};
+
+  // Where the state lives: the planner places each kind on the tiers, and the chunk space
+  // holds it there. The activations stay in the model's own table (budgeted apart).
+  TrainConfig budgets = t;
+  if (budgets.memory_host == 0) budgets.memory_host = default_host_budget();
+  const uint64_t all_state = static_cast<uint64_t>(net.layout().total_size()) * sizeof(float) * kNumStateKinds;
+  if (budgets.memory_device == 0) budgets.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
+  const PlanInput plan_input = make_plan_input(mc, budgets, /*cuda=*/false);
+  const Plan plan = make_plan(plan_input);
+  if (!plan.fits) {
+    std::string fix;
+    for (const auto& sgn : plan.suggestions) fix += (fix.empty() ? "" : "; ") + sgn;
+    return Status::OutOfMemory("the state does not fit: " + plan.problem + "; " + fix +
+                               " (strata plan shows the whole placement)");
+  }
+  if (!t.nvme_path.empty()) {
+    fs::create_directories(t.nvme_path, ec);
+    if (ec) return Status::IOError("cannot create memory.nvme.path '" + t.nvme_path + "': " + ec.message());
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Device> device, open_device("cpu", 0, 0));
+  std::unique_ptr<IoEngine> io;
+  if (!t.nvme_path.empty()) {
+    ASSIGN_OR_RETURN(io, make_io_engine(IoEngineOptions{}));
+  }
+  PagedStateOptions po;
+  po.device_bytes = budgets.memory_device > plan.device.act ? budgets.memory_device - plan.device.act : 0;
+  po.host_bytes = budgets.memory_host;
+  po.nvme_bytes = t.nvme_path.empty() ? 0 : t.nvme_size;
+  po.nvme_dir = t.nvme_path;
+  po.chunk_bytes = t.chunk_size;
+  po.grad_accum = t.grad_accum;
+  po.plan = &plan;
+  po.optimizer = oc;
+  ASSIGN_OR_RETURN(std::unique_ptr<PagedState> state, PagedState::create(*device, io.get(), net.layout(), po));
+  RETURN_IF_ERROR(state->load_params(net.params()));
+  net.release_flat_buffers();  // the chunk space holds the only copy from here on
+  net.set_access(state.get());
 
   // 2. The run directory: the effective config, then metrics as steps complete.
   fs::create_directories(t.run_dir, ec);
@@ -172,12 +216,16 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
 
   const int64_t n_params = mc.num_parameters();
   const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;
-  const uint64_t state_bytes = static_cast<uint64_t>(net.layout().total_size()) * sizeof(float) * 4;
+  const uint64_t chunk_bytes = state->store().chunk_bytes();
   LOG_INFO("model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {:.2f}M parameters", mc.num_hidden_layers,
            mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size, n_params / 1e6);
   LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation)",
            dataset->num_tokens(), loader.num_windows(), t.seq_len, tokens_per_step, t.micro_batch, t.seq_len,
            t.grad_accum);
+  LOG_INFO("memory: chunks of {}; device {}, host {}, nvme {}; homes: {}", format_bytes(chunk_bytes),
+           format_bytes(po.device_bytes), format_bytes(po.host_bytes),
+           po.nvme_bytes ? format_bytes(po.nvme_bytes) + " in " + t.nvme_path : std::string("none"),
+           state->placement_summary());
   LOG_INFO("run: {} steps on cpu, writing {}/metrics.jsonl", t.steps, t.run_dir);
 
   g_stop_requested = 0;
@@ -201,14 +249,24 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     if (!failure.ok()) break;
     const int64_t valid = model::count_valid_targets(targets.data(), static_cast<int64_t>(targets.size()));
     const float grad_scale = valid > 0 ? 1.0f / static_cast<float>(valid) : 0.0f;
-    net.zero_grads();
+    const ChunkSpaceStats before = state->stats();
+    net.zero_grads();  // router statistics; the gradients themselves live in the chunk space
+    failure = state->zero_grads();
     double loss_sum = 0;
-    for (int64_t m = 0; m < t.grad_accum; ++m)
-      loss_sum += net.forward_backward(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens,
-                                       t.micro_batch, t.seq_len, grad_scale);
-    const double grad_norm = optimizer.clip_gradients(net.grads(), static_cast<float>(t.grad_clip));
+    for (int64_t m = 0; m < t.grad_accum && failure.ok(); ++m) {
+      Result<double> loss = net.compute(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens,
+                                        t.micro_batch, t.seq_len, grad_scale, /*backward=*/true);
+      if (loss.ok()) loss_sum += *loss;
+      else failure = loss.status();
+    }
+    if (!failure.ok()) break;
     const double lr = schedule.lr(step);
-    optimizer.step(net.params(), net.grads(), static_cast<float>(lr));
+    Result<double> norm = state->clip_and_step(static_cast<float>(lr));
+    if (!norm.ok()) {
+      failure = norm.status();
+      break;
+    }
+    const double grad_norm = *norm;
     net.update_expert_bias();  // loss-free MoE balancing; a no-op unless configured
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     tokens_seen += tokens_per_step;
@@ -222,7 +280,10 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     sm.ms = seconds * 1e3;
     sm.tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
     sm.tokens = tokens_seen;
-    sm.state_bytes = state_bytes;
+    const ChunkSpaceStats after = state->stats();
+    for (int i = 0; i < kNumTiers; ++i) sm.tier_bytes[i] = after.tiers[i].in_use_bytes;
+    sm.stall_ms = static_cast<double>(after.stall_ns() - before.stall_ns()) / 1e6;
+    sm.moved_bytes = after.moved_bytes() - before.moved_bytes();
     sm.rss_bytes = resident_bytes();
     failure = metrics.write(sm);
     if (!failure.ok()) break;
@@ -241,7 +302,9 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   if (!t.run_export.empty()) {
     model::ExportOptions eo;
     eo.copy_tokenizer_from = t.model_from;
-    RETURN_IF_ERROR(model::export_hf(t.run_export, mc, net.layout(), net.params(), eo));
+    std::vector<float> weights(static_cast<size_t>(net.layout().total_size()));
+    RETURN_IF_ERROR(state->store_params(weights.data()));
+    RETURN_IF_ERROR(model::export_hf(t.run_export, mc, net.layout(), weights.data(), eo));
     LOG_INFO("exported the weights after step {} to {} (Hugging Face format)", summary.steps_done, t.run_export);
   }
   LOG_INFO("done: {} steps, loss {:.4f} -> {:.4f}", summary.steps_done, summary.first_loss, summary.last_loss);

@@ -165,6 +165,35 @@ TEST_F(CliTest, SameSeedGivesBitwiseIdenticalLosses) {
   EXPECT_NE(losses_of(fs::path(c) / "metrics.jsonl"), la);
 }
 
+TEST_F(CliTest, PagingThroughHostAndNvmeChangesNoBit) {
+  // The same run with roomy budgets and with budgets that push parameters, gradients and Adam
+  // moments through every tier: bitwise the same losses.
+  std::string roomy = (dir_ / "roomy").string(), tight = (dir_ / "tight").string();
+  const std::string common = small_run(roomy) + " train.grad_accum=2";
+  CmdResult a = run_strata("train " + common + " memory.device=256MiB memory.host=256MiB");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  CmdResult b = run_strata("train data.paths=[" + corpus() + "] run.dir=" + tight +
+                           " train.micro_batch=2 train.seq_len=32 train.steps=6 optim.warmup_steps=2 "
+                           "'model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96]' train.grad_accum=2"
+                           " memory.device=1MiB memory.host=1300KiB memory.nvme.path=" + (dir_ / "nvme").string() +
+                           " memory.nvme.size=16MiB");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_EQ(losses_of(fs::path(roomy) / "metrics.jsonl"), losses_of(fs::path(tight) / "metrics.jsonl"));
+  // The tight run really paged: its metrics show bytes on nvme and bytes moved every step.
+  std::ifstream in(fs::path(tight) / "metrics.jsonl");
+  std::string line;
+  std::getline(in, line);
+  auto j = nlohmann::json::parse(line);
+  EXPECT_GT(j["nvme_bytes"].get<uint64_t>(), 0u) << line;
+  EXPECT_GT(j["moved_bytes"].get<uint64_t>(), 0u) << line;
+}
+
+TEST_F(CliTest, BudgetsTooSmallAreRefusedWithTheMinimum) {
+  std::string run_dir = (dir_ / "run").string();
+  CmdResult r = run_strata("train data.paths=[" + corpus() + "] run.dir=" + run_dir + " memory.device=1MiB");
+  expect_clean_failure(r, run_dir, {"memory.device to at least"});
+}
+
 TEST_F(CliTest, LossFallsOnTheDefaultCorpus) {
   std::string run_dir = (dir_ / "run").string();
   CmdResult r = run_strata("train run.dir=" + run_dir + " train.steps=40 train.seq_len=64 run.log_every=10");
