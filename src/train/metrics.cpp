@@ -24,8 +24,8 @@ std::string format_step_line(const StepMetrics& m) {
       format_bytes(m.rss_bytes));
 }
 
-Result<MetricsWriter> MetricsWriter::open(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "w");
+Result<MetricsWriter> MetricsWriter::open(const std::string& path, bool append) {
+  std::FILE* f = std::fopen(path.c_str(), append ? "a" : "w");
   if (f == nullptr)
     return Status::IOError("cannot create metrics file '" + path + "': " + std::strerror(errno) +
                            "; check that run.dir is writable");

@@ -33,7 +33,8 @@ std::string format_step_line(const StepMetrics& m);
 // Appends JSON lines to a file. Not thread-safe. Closes on destruction.
 class MetricsWriter {
  public:
-  static Result<MetricsWriter> open(const std::string& path);
+  // append: continue the file of a resumed run instead of starting it anew.
+  static Result<MetricsWriter> open(const std::string& path, bool append = false);
   MetricsWriter(MetricsWriter&& other) noexcept : file_(other.file_), path_(std::move(other.path_)) { other.file_ = nullptr; }
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;

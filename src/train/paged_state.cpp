@@ -116,6 +116,11 @@ Status PagedState::store_moments(float* m_flat, float* v_flat) {
   return copy_kind(StateKind::kAdamV, v_flat, false);
 }
 
+Status PagedState::load_moments(const float* m_flat, const float* v_flat) {
+  RETURN_IF_ERROR(copy_kind(StateKind::kAdamM, const_cast<float*>(m_flat), true));
+  return copy_kind(StateKind::kAdamV, const_cast<float*>(v_flat), true);
+}
+
 Status PagedState::zero_grads() {
   for (int g = 0; g < store_->num_groups(); ++g) {
     RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kWrite));

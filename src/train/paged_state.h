@@ -52,8 +52,10 @@ class PagedState : public model::ParamAccess {
   // Copies parameters in from / out to a flat buffer of layout.total_size() floats.
   Status load_params(const float* flat);
   Status store_params(float* flat);
-  // Copies the Adam moments out (for checkpoints and tests).
+  // Copies the Adam moments out / in (checkpoints).
   Status store_moments(float* m_flat, float* v_flat);
+  Status load_moments(const float* m_flat, const float* v_flat);
+  void set_step_count(int64_t steps) { step_count_ = steps; }
 
   Status zero_grads();
   // Clips the global gradient norm to options.optimizer.grad_clip and applies one AdamW update

@@ -71,6 +71,14 @@ ConfigSchema build_schema() {
          .help = "nvme tier write bandwidth in GB/s"});
   s.add({.name = "hardware.cpu_adam_gparams", .type = T::kFloat, .default_value = "3.66", .min = 1e-6,
          .help = "CPU AdamW rate in billions of parameters per second"});
+  s.add({.name = "ckpt.every", .type = T::kInt, .default_value = "0", .min = 0,
+         .help = "save a checkpoint every N steps (0 = only when stopped by SIGINT/SIGTERM)"});
+  s.add({.name = "ckpt.dir", .type = T::kString, .default_value = "",
+         .help = "checkpoint directory; empty = RUN_DIR/checkpoints"});
+  s.add({.name = "ckpt.keep_last", .type = T::kInt, .default_value = "3", .min = 0,
+         .help = "committed checkpoints to keep (0 = all)"});
+  s.add({.name = "ckpt.if_busy", .type = T::kString, .default_value = "wait", .choices = {"wait", "skip"},
+         .help = "when a save is due while the previous one is still being written"});
   s.add({.name = "run.dir", .type = T::kString, .default_value = "runs/default",
          .help = "where metrics.jsonl and config.yaml are written"});
   s.add({.name = "run.export", .type = T::kString, .default_value = "",
@@ -161,6 +169,11 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.disk_write_bytes_per_s = c.get_float("hardware.disk_write_gbps") * 1e9;
   t.cpu_adam_params_per_s = c.get_float("hardware.cpu_adam_gparams") * 1e9;
   t.run_dir = c.get_string("run.dir");
+  t.ckpt_every = c.get_int("ckpt.every");
+  t.ckpt_dir = c.get_string("ckpt.dir");
+  if (t.ckpt_dir.empty()) t.ckpt_dir = t.run_dir + "/checkpoints";
+  t.ckpt_keep_last = c.get_int("ckpt.keep_last");
+  t.ckpt_skip_if_busy = c.get_string("ckpt.if_busy") == "skip";
   t.run_export = c.get_string("run.export");
   t.log_every = c.get_int("run.log_every");
   t.device = c.get_string("run.device");

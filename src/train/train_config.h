@@ -41,6 +41,12 @@ struct TrainConfig {
   // rates the planner predicts with
   double gpu_flops = 0, h2d_bytes_per_s = 0, d2h_bytes_per_s = 0, disk_read_bytes_per_s = 0,
          disk_write_bytes_per_s = 0, cpu_adam_params_per_s = 0;
+  // checkpoints
+  int64_t ckpt_every = 0;
+  std::string ckpt_dir;
+  int64_t ckpt_keep_last = 3;
+  bool ckpt_skip_if_busy = false;
+  std::string resume;  // --resume: a checkpoint path, "auto" (ckpt_dir if it has one), or ""
   // run
   std::string run_dir;
   std::string run_export;         // Hugging Face export written after the last step; "" = none

@@ -17,6 +17,7 @@
 #include "train/lr_schedule.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
+#include "train/checkpointing.h"
 #include "train/paged_state.h"
 #include "train/planning.h"
 #include "core/device.h"
@@ -204,6 +205,38 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   net.release_flat_buffers();  // the chunk space holds the only copy from here on
   net.set_access(state.get());
 
+  // Resume: parameters, moments, data position and step from a checkpoint (any budgets).
+  int64_t start_step = 1;
+  int64_t tokens_seen = 0;
+  std::string resume_from = t.resume;
+  if (resume_from == "auto") {
+    resume_from = fs::exists(fs::path(t.ckpt_dir) / "latest") ? t.ckpt_dir : "";
+    if (resume_from.empty()) LOG_INFO("resume: no checkpoint in {}; starting from step 1", t.ckpt_dir);
+  }
+  if (!resume_from.empty()) {
+    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, net.layout(), *state));
+    RETURN_IF_ERROR(loader.set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
+    start_step = pos.step + 1;
+    tokens_seen = static_cast<int64_t>(pos.tokens_seen);
+    if (start_step > t.steps) LOG_WARN("the checkpoint is at step {}; train.steps is {}: nothing to do", pos.step, t.steps);
+  }
+  CheckpointOptions co;
+  co.dir = t.ckpt_dir;
+  co.keep_last = static_cast<int>(t.ckpt_keep_last);
+  co.skip_if_busy = t.ckpt_skip_if_busy;
+  TrainCheckpointer checkpointer(co, net.layout());
+  int64_t last_saved_step = start_step - 1;
+  auto save_checkpoint = [&](int64_t step) -> Status {
+    RunPosition pos;
+    pos.step = step;
+    pos.tokens_seen = static_cast<uint64_t>(tokens_seen);
+    pos.data_epoch = static_cast<int64_t>(loader.cursor().epoch);
+    pos.data_index = static_cast<int64_t>(loader.cursor().index);
+    pos.optimizer_step = state->step_count();
+    last_saved_step = step;
+    return checkpointer.save(*state, pos, mc.to_json(), t.seed);
+  };
+
   // 2. The run directory: the effective config, then metrics as steps complete.
   fs::create_directories(t.run_dir, ec);
   if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
@@ -212,7 +245,8 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     out << effective_yaml;
     if (!out) return Status::IOError("cannot write " + (fs::path(t.run_dir) / "config.yaml").string());
   }
-  ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open((fs::path(t.run_dir) / "metrics.jsonl").string()));
+  ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open((fs::path(t.run_dir) / "metrics.jsonl").string(),
+                                                               /*append=*/!resume_from.empty()));
 
   const int64_t n_params = mc.num_parameters();
   const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;
@@ -237,8 +271,7 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   std::vector<int32_t> targets(inputs.size());
   TrainSummary summary;
   Status failure;
-  int64_t tokens_seen = 0;
-  for (int64_t step = 1; step <= t.steps; ++step) {
+  for (int64_t step = start_step; step <= t.steps; ++step) {
     if (g_stop_requested) {
       summary.interrupted = true;
       break;
@@ -287,9 +320,13 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     sm.rss_bytes = resident_bytes();
     failure = metrics.write(sm);
     if (!failure.ok()) break;
-    if (step == 1) summary.first_loss = sm.loss;
+    if (step == start_step) summary.first_loss = sm.loss;
     summary.last_loss = sm.loss;
     summary.steps_done = step;
+    if (t.ckpt_every > 0 && step % t.ckpt_every == 0) {
+      failure = save_checkpoint(step);
+      if (!failure.ok()) break;
+    }
     if (step % t.log_every == 0 || step == 1 || step == t.steps) {
       LOG_INFO("{}", format_step_line(sm));
       if (mc.is_moe()) LOG_INFO("{}", format_moe_line(mc, net));
@@ -298,6 +335,11 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   std::signal(SIGINT, old_int);
   std::signal(SIGTERM, old_term);
   RETURN_IF_ERROR(failure);
+  // A final checkpoint when stopped by a signal, or at the end of a run that saves periodically.
+  const int64_t done_step = summary.steps_done > 0 ? summary.steps_done : start_step - 1;
+  if ((summary.interrupted || t.ckpt_every > 0) && done_step > last_saved_step) RETURN_IF_ERROR(save_checkpoint(done_step));
+  if (Status saved = checkpointer.wait(); !saved.ok()) LOG_WARN("checkpoint: {}", saved.message());
+  else if (last_saved_step >= start_step) LOG_INFO("checkpoint: step {} committed in {}", last_saved_step, t.ckpt_dir);
   if (summary.interrupted) LOG_WARN("interrupted: stopped after step {}", summary.steps_done);
   if (!t.run_export.empty()) {
     model::ExportOptions eo;

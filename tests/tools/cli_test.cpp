@@ -1,7 +1,9 @@
 // The strata command end to end: bad inputs fail with one clear line and leave nothing
 // half-written; runs are bitwise reproducible; the loss falls.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -192,6 +194,51 @@ TEST_F(CliTest, BudgetsTooSmallAreRefusedWithTheMinimum) {
   std::string run_dir = (dir_ / "run").string();
   CmdResult r = run_strata("train data.paths=[" + corpus() + "] run.dir=" + run_dir + " memory.device=1MiB");
   expect_clean_failure(r, run_dir, {"memory.device to at least"});
+}
+
+TEST_F(CliTest, ResumeIsBitExactEvenWithOtherBudgets) {
+  std::string full = (dir_ / "full").string();
+  CmdResult a = run_strata("train " + small_run(full) + " ckpt.every=3 train.grad_accum=2");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const auto expected = losses_of(fs::path(full) / "metrics.jsonl");
+  ASSERT_EQ(expected.size(), 6u);
+  const std::string step3 = (fs::path(full) / "checkpoints" / "step-3").string();
+  ASSERT_TRUE(fs::exists(step3)) << a.output;
+  // Same budgets, and budgets that page everything through host and nvme.
+  for (const std::string& budgets :
+       {std::string(""), " memory.device=1MiB memory.host=1300KiB memory.nvme.path=" + (dir_ / "nvme").string() +
+                             " memory.nvme.size=16MiB"}) {
+    std::string resumed = (dir_ / ("resumed" + std::to_string(budgets.size()))).string();
+    CmdResult b = run_strata("train " + small_run(resumed) + " train.grad_accum=2 --resume " + step3 + budgets);
+    ASSERT_EQ(b.exit_code, 0) << b.output;
+    const auto got = losses_of(fs::path(resumed) / "metrics.jsonl");
+    EXPECT_EQ(got, std::vector<std::string>(expected.begin() + 3, expected.end())) << b.output;
+  }
+}
+
+TEST_F(CliTest, SigtermWritesAFinalCheckpointAndExitsZero) {
+  std::string run_dir = (dir_ / "run").string();
+  const std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata train " + small_run(run_dir) +
+                          " train.steps=100000 > " + (dir_ / "log.txt").string() + " 2>&1 & echo $!";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  int pid = 0;
+  ASSERT_EQ(fscanf(p, "%d", &pid), 1);
+  pclose(p);
+  // Wait for a few steps, then ask it to stop.
+  const fs::path metrics = fs::path(run_dir) / "metrics.jsonl";
+  for (int i = 0; i < 600 && losses_of(metrics).size() < 3; ++i) usleep(100 * 1000);
+  ASSERT_GE(losses_of(metrics).size(), 3u) << "training did not start";
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  int waited = 0;
+  while (kill(pid, 0) == 0 && waited++ < 600) usleep(100 * 1000);
+  std::ifstream log(dir_ / "log.txt");
+  std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("interrupted"), std::string::npos) << text;
+  const auto steps = losses_of(metrics).size();
+  EXPECT_TRUE(fs::exists(fs::path(run_dir) / "checkpoints" / ("step-" + std::to_string(steps)))) << text;
+  CmdResult verify = run_strata("ckpt verify " + run_dir + "/checkpoints");
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
 }
 
 TEST_F(CliTest, LossFallsOnTheDefaultCorpus) {

@@ -19,6 +19,7 @@
 #include "core/units.h"
 #include "memory/io_engine.h"
 #include "memory/io_uring_engine.h"
+#include "tools/strata/bench_adam.h"
 #include "tools/strata/commands.h"
 
 extern char** environ;
@@ -26,7 +27,8 @@ extern char** environ;
 namespace strata::tools {
 namespace {
 
-constexpr const char* kBenchUsage = R"(Usage: strata bench io --dir DIR --size SIZE [--chunk 64MiB] [--engine all|auto|io_uring|threads]
+constexpr const char* kBenchUsage = R"(Usage: strata bench adam [--params N] [--threads T]   (see strata bench adam --help)
+       strata bench io --dir DIR --size SIZE [--chunk 64MiB] [--engine all|auto|io_uring|threads]
                        [--depth 8] [--max-transfer 4MiB] [--repeat 3]
 
 Measures sequential disk throughput the way the nvme tier uses it: writes SIZE bytes to a
@@ -310,7 +312,8 @@ int bench_command(const std::vector<std::string>& args) {
     return args.empty() ? 2 : 0;
   }
   if (args[0] == "io") return bench_io(std::vector<std::string>(args.begin() + 1, args.end()));
-  return usage_error("unknown benchmark '" + args[0] + "'; available: io");
+  if (args[0] == "adam") return bench_adam_command(std::vector<std::string>(args.begin() + 1, args.end()));
+  return usage_error("unknown benchmark '" + args[0] + "'; available: io, adam");
 }
 
 }  // namespace strata::tools

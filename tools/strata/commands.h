@@ -5,9 +5,11 @@
 #include <string>
 #include <vector>
 
+#include "core/version.h"
+
 namespace strata::tools {
 
-inline constexpr const char* kVersion = "0.1.0";
+inline constexpr const char* kVersion = kStrataVersion;
 
 int train_command(const std::vector<std::string>& args);
 int bench_command(const std::vector<std::string>& args);

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "tools/strata/ckpt_command.h"
 #include "tools/strata/commands.h"
 
 namespace {
@@ -14,8 +15,11 @@ Usage: strata <command> [options]
 
 Commands:
   train [CONFIG.yaml] [key=value ...]   train a model; without CONFIG, the embedded default run
-  convert --from SRC --to DST           rewrite a Hugging Face model (dtype, shards)
   plan [CONFIG.yaml] [key=value ...]    memory per tier, traffic and predicted step time, no training
+  convert --from SRC --to DST           rewrite a Hugging Face model (dtype, shards)
+  data tokenize --tokenizer DIR ...     text, JSONL or chat JSONL -> llm.c token shards
+  ckpt inspect|verify DIR               summarise a checkpoint, or recompute its checksums
+  bench io|adam                         measure the disk through io_uring, or the CPU AdamW, beside a reference
   version                               print the version
 
 Run 'strata <command> --help' for a command's options.
@@ -36,6 +40,7 @@ int main(int argc, char** argv) {
   if (command == "convert") return strata::tools::convert_command(args);
   if (command == "plan") return strata::tools::plan_command(args);
   if (command == "data") return strata::tools::data_command(args);
+  if (command == "ckpt") return strata::tools::ckpt_command(args);
   if (command == "version" || command == "--version") {
     std::printf("strata %s\n", strata::tools::kVersion);
     return 0;

@@ -13,7 +13,7 @@
 namespace strata::tools {
 namespace {
 
-constexpr const char* kTrainUsage = R"(Usage: strata train [CONFIG.yaml] [key=value ...] [--print-config]
+constexpr const char* kTrainUsage = R"(Usage: strata train [CONFIG.yaml] [key=value ...] [--resume DIR|auto] [--print-config]
 
 Trains a model. CONFIG.yaml holds nested settings (e.g. `optim: {lr: 3e-4}`); key=value
 arguments override them (e.g. optim.lr=3e-4 train.steps=50). Without CONFIG.yaml the embedded
@@ -21,7 +21,10 @@ default runs: a 0.8M-parameter Llama learning Debian's license texts byte by byt
 --print-config prints the effective configuration and exits without training.
 
 Each step prints one line (step, loss, lr, gradient norm, tokens/s, ms/step, memory) and
-appends the same to RUN_DIR/metrics.jsonl. SIGINT/SIGTERM stop after the current step.
+appends the same to RUN_DIR/metrics.jsonl. SIGINT/SIGTERM stop after the current step, write a
+final checkpoint and exit 0 (a second signal exits at once). --resume DIR continues from a
+checkpoint (DIR, DIR/latest or DIR/step-N; auto = ckpt.dir when it holds one) with the data
+position, optimizer state and schedule restored; memory budgets may differ from the saved run.
 
 Settings:)";
 
@@ -36,12 +39,24 @@ int train_command(const std::vector<std::string>& args) {
   std::string config_path;
   std::vector<std::string> overrides;
   bool print_config = false;
-  for (const auto& a : args) {
+  std::string resume;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
       std::printf("%s\n%s", kTrainUsage, train_schema().help_text().c_str());
       return 0;
     } else if (a == "--print-config") {
       print_config = true;
+    } else if (a == "--resume" || a.rfind("--resume=", 0) == 0) {
+      if (a == "--resume") {
+        if (i + 1 >= args.size()) {
+          std::fprintf(stderr, "strata train: --resume needs a checkpoint directory or 'auto'\n");
+          return 2;
+        }
+        resume = args[++i];
+      } else {
+        resume = a.substr(9);
+      }
     } else if (a.find('=') != std::string::npos) {
       overrides.push_back(a);
     } else if (!a.empty() && a[0] == '-') {
@@ -65,6 +80,7 @@ int train_command(const std::vector<std::string>& args) {
   }
   Result<TrainConfig> tc = make_train_config(*config);
   if (!tc.ok()) return fail(tc.status());
+  tc->resume = resume;
   LogOptions lo;
   CHECK(parse_log_level(tc->log_level, &lo.level));
   init_logging(lo);
