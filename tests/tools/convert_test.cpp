@@ -1,10 +1,12 @@
-// `strata convert` rewrites a Hugging Face directory with another dtype or shard size and names
-// what is wrong with other inputs; `strata train model.from=... run.export=...` starts from a
+// `strata convert` rewrites a Hugging Face directory with another dtype or shard size, exports a
+// strata checkpoint as one, and names what is wrong with other inputs; `strata train model.from=... run.export=...` starts from a
 // Hugging Face directory and exports one.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -14,6 +16,7 @@
 
 #include "model/hf_io.h"
 #include "model/params.h"
+#include "model/safetensors.h"
 
 namespace strata::model {
 namespace {
@@ -66,6 +69,7 @@ TEST_F(ConvertTest, OtherInputsAreNotAHuggingFaceDirectory) {
   CmdResult r = run_strata("convert --from " + file.string() + " --to " + (dir_ / "out").string());
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("not a Hugging Face directory (no config.json)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("checkpoint"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(dir_ / "out"));
 }
 
@@ -145,6 +149,107 @@ TEST_F(ConvertTest, TrainStartsFromHuggingFaceDirectoryAndExportsOne) {
   CmdResult both = run_strata("train " + run + " model.init=" + (src / "model.safetensors").string());
   EXPECT_EQ(both.exit_code, 1) << both.output;
   EXPECT_NE(both.output.find("model.from"), std::string::npos) << both.output;
+}
+
+
+// Every tensor of `a` and `b` (Hugging Face directories) as fp32 values; true when both hold the
+// same names, shapes and bit patterns.
+void expect_same_tensors(const fs::path& a, const fs::path& b, bool expect_equal) {
+  Result<SafetensorsReader> ra = SafetensorsReader::open(a.string());
+  ASSERT_TRUE(ra.ok()) << ra.status().to_string();
+  Result<SafetensorsReader> rb = SafetensorsReader::open(b.string());
+  ASSERT_TRUE(rb.ok()) << rb.status().to_string();
+  ASSERT_EQ(ra->tensors().size(), rb->tensors().size());
+  bool all_equal = true;
+  for (size_t i = 0; i < ra->tensors().size(); ++i) {
+    const SafetensorsTensorInfo& ta = ra->tensors()[i];
+    const SafetensorsTensorInfo& tb = rb->tensors()[i];
+    ASSERT_EQ(ta.name, tb.name);
+    ASSERT_EQ(ta.shape, tb.shape) << ta.name;
+    EXPECT_EQ(ta.dtype, "F32") << ta.name;
+    EXPECT_EQ(tb.dtype, "F32") << tb.name;
+    std::vector<float> va(static_cast<size_t>(ta.numel)), vb(static_cast<size_t>(tb.numel));
+    ASSERT_TRUE(ra->read_f32(ta.name, va.data()).ok()) << ta.name;
+    ASSERT_TRUE(rb->read_f32(tb.name, vb.data()).ok()) << tb.name;
+    const bool same = std::memcmp(va.data(), vb.data(), va.size() * sizeof(float)) == 0;
+    if (expect_equal) EXPECT_TRUE(same) << ta.name << " differs between " << a << " and " << b;
+    all_equal = all_equal && same;
+  }
+  if (!expect_equal) EXPECT_FALSE(all_equal) << a << " and " << b << " hold the same weights";
+}
+
+TEST_F(ConvertTest, ExportsAStrataCheckpoint) {
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "the checkpoint converts to a model " + std::to_string(i % 7) + "\n";
+  std::ofstream(dir_ / "corpus.txt") << text;
+  const fs::path run = dir_ / "run";
+  const fs::path exported = dir_ / "export";
+  CmdResult train = run_strata("train data.paths=[" + (dir_ / "corpus.txt").string() +
+                               "] train.micro_batch=2 train.seq_len=32 train.steps=4 optim.warmup_steps=1"
+                               " 'model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96]' run.dir=" +
+                               run.string() + " ckpt.every=2 run.export=" + exported.string());
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  const fs::path ckpts = run / "checkpoints";
+  ASSERT_TRUE(fs::exists(ckpts / "latest"));
+  ASSERT_TRUE(fs::exists(ckpts / "step-2" / "manifest.json"));
+
+  // The latest checkpoint holds the final weights, which run.export wrote too (both fp32).
+  const fs::path out = dir_ / "out";
+  CmdResult r = run_strata("convert --from " + ckpts.string() + " --to " + out.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(out / "config.json"));
+  Result<ModelConfig> back = load_hf_config(out.string());
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  Result<ModelConfig> trained = load_hf_config(exported.string());
+  ASSERT_TRUE(trained.ok()) << trained.status().to_string();
+  EXPECT_EQ(back->to_json(), trained->to_json());
+  expect_same_tensors(out, exported, /*expect_equal=*/true);
+
+  // DIR/latest names the same checkpoint.
+  const fs::path via_latest = dir_ / "via_latest";
+  r = run_strata("convert --from " + (ckpts / "latest").string() + " --to " + via_latest.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_tensors(via_latest, exported, /*expect_equal=*/true);
+
+  // A specific step: the weights after step 2, not the final ones; bf16 on request.
+  const fs::path step2 = dir_ / "step2";
+  r = run_strata("convert --from " + (ckpts / "step-2").string() + " --to " + step2.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(step2 / "config.json"));
+  expect_same_tensors(step2, exported, /*expect_equal=*/false);
+  const fs::path step2_bf16 = dir_ / "step2_bf16";
+  r = run_strata("convert --from " + (ckpts / "step-2").string() + " --to " + step2_bf16.string() + " --dtype bf16");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  {
+    std::ifstream in(step2_bf16 / "config.json");
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    EXPECT_EQ(j["torch_dtype"], "bfloat16");
+  }
+
+  // transformers loads the converted directory, when it is installed.
+  if (std::system("/usr/bin/python3 -c 'import torch, transformers' >/dev/null 2>&1") == 0) {
+    const std::string cmd = "/usr/bin/python3 -c 'import sys; from transformers import AutoModelForCausalLM; "
+                            "AutoModelForCausalLM.from_pretrained(sys.argv[1])' " + out.string() + " 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << "transformers could not load " << out;
+  }
+
+  // A checkpoint whose manifest lacks model_config is refused, naming the manifest.
+  const fs::path bare = dir_ / "bare" / "step-2";
+  fs::create_directories(bare.parent_path());
+  fs::copy(ckpts / "step-2", bare, fs::copy_options::recursive);
+  nlohmann::json manifest;
+  {
+    std::ifstream in(bare / "manifest.json");
+    manifest = nlohmann::json::parse(in, nullptr, false);
+  }
+  ASSERT_TRUE(manifest.is_object());
+  manifest.erase("model_config");
+  std::ofstream(bare / "manifest.json", std::ios::trunc) << manifest.dump(2);
+  r = run_strata("convert --from " + bare.string() + " --to " + (dir_ / "bare_out").string());
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find((bare / "manifest.json").string()), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("model_config"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir_ / "bare_out"));
 }
 
 }  // namespace

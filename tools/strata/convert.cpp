@@ -1,9 +1,13 @@
 // strata convert --from SRC --to DST [--dtype f32|bf16] [--shard-size 5GB]
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "ckpt/format.h"
+#include "ckpt/reader.h"
 #include "core/log.h"
 #include "core/units.h"
 #include "model/hf_io.h"
@@ -19,11 +23,16 @@ Reads a Hugging Face model directory (config.json plus model.safetensors or shar
 model-*.safetensors with model.safetensors.index.json) and writes it again as a Hugging Face
 directory: to change the weights' dtype or reshard. Tokenizer files are copied along.
 
+SRC may also be a strata checkpoint: a checkpoint directory (RUN/checkpoints, holding `latest`),
+its `latest` file, or one step-N directory. Its checksums are verified, the model's config comes
+from the manifest's model_config and the fp32 parameters are exported (optimizer state is not).
+
 Options:
-  --from SRC         Hugging Face model directory to read
+  --from SRC         Hugging Face model directory or strata checkpoint to read
   --to DST           directory to write; must not exist or be empty (written to DST.tmp, then renamed)
-  --dtype D          f32 or bf16 (bf16 rounds to nearest even); default: bf16 when SRC's config.json
-                     says torch_dtype bfloat16, f32 otherwise
+  --dtype D          f32 or bf16 (bf16 rounds to nearest even); default: for a Hugging Face SRC,
+                     bf16 when its config.json says torch_dtype bfloat16, f32 otherwise; f32 for a
+                     checkpoint (its parameters are fp32)
   --shard-size S     largest shard, e.g. 5GB (the default, as transformers), 500MB, 2GiB
   -h, --help         this text
 )";
@@ -36,6 +45,57 @@ int usage_error(const std::string& message) {
 int fail(const Status& st) {
   std::fprintf(stderr, "strata convert: error: %s\n", st.message().c_str());
   return 1;
+}
+
+// A strata checkpoint: a `latest` file, a directory holding `latest` or manifest.json, or a
+// directory named step-N (whose manifest may be missing: the reader then names what is wrong).
+bool looks_like_checkpoint(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path p(path);
+  while (p.has_relative_path() && p.filename().empty()) p = p.parent_path();  // trailing '/'
+  if (fs::is_regular_file(p, ec) && p.filename() == ckpt::kLatestFile) return true;
+  if (!fs::is_directory(p, ec)) return false;
+  if (fs::exists(p / ckpt::kLatestFile, ec) || fs::exists(p / ckpt::kManifestFile, ec)) return true;
+  return ckpt::parse_step_dir_name(p.filename().string()).has_value();
+}
+
+struct LoadedModel {
+  model::ModelConfig config;
+  std::vector<float> params;
+};
+
+// Reads the parameters of a checkpoint (checksums verified first) and the config the trainer
+// recorded in its manifest.
+Result<LoadedModel> load_checkpoint(const std::string& path) {
+  ckpt::ReaderOpenOptions ro;
+  ro.verify = true;
+  ASSIGN_OR_RETURN(std::unique_ptr<ckpt::CheckpointReader> reader, ckpt::CheckpointReader::open(path, ro));
+  const std::string manifest = reader->step_dir() + "/" + ckpt::kManifestFile;
+  const nlohmann::json& mc = reader->manifest().fields.model_config;
+  if (!mc.is_object() || mc.empty()) {
+    return Status::InvalidArgument(manifest + " has no model_config, so the model's shape is unknown; convert a "
+                                   "checkpoint saved by strata train, which records the model's config.json there");
+  }
+  Result<model::ModelConfig> config = model::ModelConfig::from_json(mc, manifest + " model_config");
+  if (!config.ok()) return config.status();
+  LoadedModel out;
+  out.config = *config;
+  const model::ParamLayout layout(out.config);
+  out.params.assign(static_cast<size_t>(layout.total_size()), 0.0f);
+  LOG_INFO("reading checkpoint {} (step {}, {} parameters)", reader->step_dir(), reader->step(),
+           layout.num_parameters());
+  for (const model::TensorSpec& t : layout.tensors()) {
+    const std::string name = ckpt::qualified_name(ckpt::TensorKind::kParam, t.name);
+    if (reader->find(name) == nullptr) {
+      return Status::NotFound("checkpoint " + reader->step_dir() + " has no parameter tensor " + t.name +
+                              ", which the model_config in " + manifest + " requires; the checkpoint does not "
+                              "match its recorded config");
+    }
+    Status st = reader->read_f32(name, out.params.data() + t.offset, static_cast<uint64_t>(t.numel));
+    if (!st.ok()) return st.with_context("reading checkpoint " + reader->step_dir());
+  }
+  return out;
 }
 
 }  // namespace
@@ -67,31 +127,47 @@ int convert_command(const std::vector<std::string>& args) {
   }
   init_logging(LogOptions{});
 
-  if (!model::is_hf_directory(from)) {
-    return fail(Status::InvalidArgument(from + ": not a Hugging Face directory (no config.json)"));
+  const bool from_checkpoint = looks_like_checkpoint(from);
+  if (!from_checkpoint && !model::is_hf_directory(from)) {
+    return fail(Status::InvalidArgument(from + ": not a Hugging Face directory (no config.json) nor a strata "
+                                        "checkpoint (no latest or manifest.json); pass a model directory, "
+                                        "a checkpoint directory such as RUN/checkpoints, or a step-N directory"));
   }
   std::error_code ec;
   if (std::filesystem::exists(to, ec) && !std::filesystem::is_empty(to, ec)) {
     return fail(Status::InvalidArgument(to + " exists and is not empty; choose a new --to directory"));
   }
-  Result<nlohmann::json> source_json = model::read_hf_config_json(from);
-  if (!source_json.ok()) return fail(source_json.status());
-  Result<model::ModelConfig> config = model::load_hf_config(from);
-  if (!config.ok()) return fail(config.status());
-  if (dtype.empty()) {
-    const auto it = source_json->find("torch_dtype");
-    dtype = it != source_json->end() && *it == "bfloat16" ? "bf16" : "f32";
+
+  model::ModelConfig config;
+  std::vector<float> params;
+  if (from_checkpoint) {
+    Result<LoadedModel> loaded = load_checkpoint(from);
+    if (!loaded.ok()) return fail(loaded.status());
+    config = std::move(loaded->config);
+    params = std::move(loaded->params);
+    if (dtype.empty()) dtype = "f32";
+  } else {
+    Result<nlohmann::json> source_json = model::read_hf_config_json(from);
+    if (!source_json.ok()) return fail(source_json.status());
+    Result<model::ModelConfig> hf_config = model::load_hf_config(from);
+    if (!hf_config.ok()) return fail(hf_config.status());
+    config = *hf_config;
+    if (dtype.empty()) {
+      const auto it = source_json->find("torch_dtype");
+      dtype = it != source_json->end() && *it == "bfloat16" ? "bf16" : "f32";
+    }
+    eo.copy_tokenizer_from = from;
+    const model::ParamLayout layout(config);
+    params.assign(static_cast<size_t>(layout.total_size()), 0.0f);
+    LOG_INFO("reading {} ({} parameters, {} in fp32)", from, layout.num_parameters(),
+             format_bytes(static_cast<uint64_t>(layout.total_size()) * sizeof(float)));
+    Status st = model::load_hf_weights(from, layout, params.data());
+    if (!st.ok()) return fail(st);
   }
   eo.dtype = dtype == "bf16" ? model::SafetensorsWriteDtype::kBF16 : model::SafetensorsWriteDtype::kF32;
-  eo.copy_tokenizer_from = from;
 
-  const model::ParamLayout layout(*config);
-  std::vector<float> params(static_cast<size_t>(layout.total_size()), 0.0f);
-  LOG_INFO("reading {} ({} parameters, {} in fp32)", from, layout.num_parameters(),
-           format_bytes(static_cast<uint64_t>(layout.total_size()) * sizeof(float)));
-  Status st = model::load_hf_weights(from, layout, params.data());
-  if (!st.ok()) return fail(st);
-  st = model::export_hf(to, *config, layout, params.data(), eo);
+  const model::ParamLayout layout(config);
+  Status st = model::export_hf(to, config, layout, params.data(), eo);
   if (!st.ok()) return fail(st);
   LOG_INFO("wrote {} ({}, shards of at most {})", to, dtype, format_bytes(eo.max_shard_bytes));
   return 0;

@@ -19,17 +19,8 @@
 namespace strata::kernels {
 namespace {
 
-// The fp32 scalars one step applies, computed once per call.
-struct AdamWScalars {
-  float decay;          // 1 - lr * weight_decay
-  float lerp_weight;    // 1 - beta1: exp_avg.lerp_(grad, 1 - beta1)
-  bool lerp_small;      // which of lerp's two formulas PyTorch uses (weight < 0.5)
-  float beta2;          // exp_avg_sq.mul_(beta2)
-  float one_minus_b2;   // .addcmul_(grad, grad, value=1 - beta2)
-  float bc2_sqrt;       // sqrt(1 - beta2^step)
-  float eps;
-  float neg_step_size;  // -lr / (1 - beta1^step)
-};
+
+}  // namespace
 
 AdamWScalars adamw_scalars(const AdamWParams& p) {
   CHECK_MSG(p.step >= 1, "adamw step counts from 1");
@@ -38,7 +29,9 @@ AdamWScalars adamw_scalars(const AdamWParams& p) {
   AdamWScalars s;
   s.decay = static_cast<float>(1.0 - lr * double(p.weight_decay));
   s.lerp_weight = static_cast<float>(1.0 - beta1);
+  s.one_minus_lerp = 1.0f - s.lerp_weight;
   s.lerp_small = std::fabs(s.lerp_weight) < 0.5f;
+  s.lerp_factor = s.lerp_small ? s.lerp_weight : s.one_minus_lerp;
   s.beta2 = p.beta2;
   s.one_minus_b2 = static_cast<float>(1.0 - beta2);
   s.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
@@ -46,8 +39,6 @@ AdamWScalars adamw_scalars(const AdamWParams& p) {
   s.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, step))));
   return s;
 }
-
-}  // namespace
 
 namespace ref {
 
@@ -63,7 +54,7 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n,
     if (s.lerp_small) {
       mi = mi + s.lerp_weight * (g - mi);
     } else {
-      mi = g - (g - mi) * (1.0f - s.lerp_weight);
+      mi = g - (g - mi) * s.one_minus_lerp;
     }
     // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     float vi = v[i] * s.beta2;

@@ -36,35 +36,9 @@ namespace {
 // is free and small enough that the tail block of a chunk does not leave cores idle for long.
 constexpr int64_t kBlock = int64_t{1} << 16;
 
-// The fp32 scalars of one step, formed exactly as adamw.cpp forms them (in double, then cast),
-// so that the vector kernels and the reference multiply by the same numbers.
-struct Scalars {
-  float decay;        // 1 - lr * weight_decay
-  bool lerp_small;    // exp_avg.lerp_(grad, w) with w = 1 - beta1 < 0.5: m + w * (g - m)
-  float lerp_factor;  // w when lerp_small, else 1 - w for g - (g - m) * (1 - w)
-  float beta2;
-  float one_minus_b2;
-  float bc2_sqrt;  // sqrt(1 - beta2^step)
-  float eps;
-  float neg_step_size;  // -lr / (1 - beta1^step)
-};
-
-Scalars make_scalars(const AdamWParams& p) {
-  CHECK_MSG(p.step >= 1, "adamw step counts from 1");
-  const double lr = p.lr, beta1 = p.beta1, beta2 = p.beta2;
-  const double step = static_cast<double>(p.step);
-  Scalars s;
-  s.decay = static_cast<float>(1.0 - lr * double(p.weight_decay));
-  const float lerp_weight = static_cast<float>(1.0 - beta1);
-  s.lerp_small = std::fabs(lerp_weight) < 0.5f;
-  s.lerp_factor = s.lerp_small ? lerp_weight : 1.0f - lerp_weight;
-  s.beta2 = p.beta2;
-  s.one_minus_b2 = static_cast<float>(1.0 - beta2);
-  s.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
-  s.eps = p.eps;
-  s.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, step))));
-  return s;
-}
+// The scalars every level multiplies by, shared with the reference (kernels/adamw.h).
+using Scalars = AdamWScalars;
+inline Scalars make_scalars(const AdamWParams& p) { return adamw_scalars(p); }
 
 // ---- scalar -------------------------------------------------------------------------------
 

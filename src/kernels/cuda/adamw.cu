@@ -13,35 +13,9 @@ constexpr int kThreads = 256;
 constexpr int64_t kChunk = 4096;          // elements per block
 constexpr int kMaxTensorsPerLaunch = 32;  // keeps the kernel parameters under 4 KiB
 
-// The fp32 scalars of one step, formed in double and rounded once, as the CPU path does.
-struct Scalars {
-  float decay;          // 1 - lr * weight_decay
-  float lerp_weight;    // 1 - beta1: exp_avg.lerp_(grad, 1 - beta1)
-  float one_minus_lerp; // 1 - lerp_weight, rounded in fp32 like the reference
-  bool lerp_small;      // PyTorch's lerp formula choice (weight < 0.5)
-  float beta2;
-  float one_minus_b2;
-  float bc2_sqrt;       // sqrt(1 - beta2^step)
-  float eps;
-  float neg_step_size;  // -lr / (1 - beta1^step)
-};
-
-Scalars make_scalars(const AdamWParams& p) {
-  CHECK_MSG(p.step >= 1, "adamw step counts from 1");
-  const double lr = p.lr, beta1 = p.beta1, beta2 = p.beta2;
-  const double step = static_cast<double>(p.step);
-  Scalars s;
-  s.decay = static_cast<float>(1.0 - lr * double(p.weight_decay));
-  s.lerp_weight = static_cast<float>(1.0 - beta1);
-  s.one_minus_lerp = 1.0f - s.lerp_weight;
-  s.lerp_small = std::fabs(s.lerp_weight) < 0.5f;
-  s.beta2 = p.beta2;
-  s.one_minus_b2 = static_cast<float>(1.0 - beta2);
-  s.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
-  s.eps = p.eps;
-  s.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, step))));
-  return s;
-}
+// The scalars of one step, formed on the host exactly as the CPU paths do (kernels/adamw.h).
+using Scalars = AdamWScalars;
+inline Scalars make_scalars(const AdamWParams& p) { return adamw_scalars(p); }
 
 struct TensorList {
   float* param[kMaxTensorsPerLaunch];
