@@ -152,8 +152,8 @@ TEST_F(ConvertTest, TrainStartsFromHuggingFaceDirectoryAndExportsOne) {
 }
 
 
-// Every tensor of `a` and `b` (Hugging Face directories) as fp32 values; true when both hold the
-// same names, shapes and bit patterns.
+// Compares every tensor of the Hugging Face directories `a` and `b` (same names, shapes, F32):
+// bitwise equal when expect_equal, otherwise at least one tensor must differ.
 void expect_same_tensors(const fs::path& a, const fs::path& b, bool expect_equal) {
   Result<SafetensorsReader> ra = SafetensorsReader::open(a.string());
   ASSERT_TRUE(ra.ok()) << ra.status().to_string();
@@ -172,10 +172,14 @@ void expect_same_tensors(const fs::path& a, const fs::path& b, bool expect_equal
     ASSERT_TRUE(ra->read_f32(ta.name, va.data()).ok()) << ta.name;
     ASSERT_TRUE(rb->read_f32(tb.name, vb.data()).ok()) << tb.name;
     const bool same = std::memcmp(va.data(), vb.data(), va.size() * sizeof(float)) == 0;
-    if (expect_equal) EXPECT_TRUE(same) << ta.name << " differs between " << a << " and " << b;
+    if (expect_equal) {
+      EXPECT_TRUE(same) << ta.name << " differs between " << a << " and " << b;
+    }
     all_equal = all_equal && same;
   }
-  if (!expect_equal) EXPECT_FALSE(all_equal) << a << " and " << b << " hold the same weights";
+  if (!expect_equal) {
+    EXPECT_FALSE(all_equal) << a << " and " << b << " hold the same weights";
+  }
 }
 
 TEST_F(ConvertTest, ExportsAStrataCheckpoint) {

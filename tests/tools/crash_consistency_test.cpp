@@ -85,7 +85,8 @@ long step_of(const std::string& name) {
 }
 
 TEST(CrashConsistency, SigkillDuringTrainingAlwaysLeavesAVerifiableResumableCheckpoint) {
-  const fs::path dir = fs::path(::testing::TempDir()) / "strata_crash_consistency";
+  // Our own directory: other runs of this test (other build trees) may be going at the same time.
+  const fs::path dir = fs::path(::testing::TempDir()) / ("strata_crash_consistency." + std::to_string(getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   {
@@ -100,7 +101,7 @@ TEST(CrashConsistency, SigkillDuringTrainingAlwaysLeavesAVerifiableResumableChec
       "train.micro_batch=2",
       "train.seq_len=32",
       "optim.warmup_steps=1",
-      "model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96]",
+      "model.set=[num_hidden_layers=2,hidden_size=128,intermediate_size=512]",
       "run.dir=" + run.string(),
       "ckpt.every=1",
       "ckpt.keep_last=2",
@@ -110,9 +111,10 @@ TEST(CrashConsistency, SigkillDuringTrainingAlwaysLeavesAVerifiableResumableChec
   if (const char* s = std::getenv("STRATA_CRASH_SEED")) seed = static_cast<uint32_t>(std::strtoul(s, nullptr, 10));
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> delay_ms(50, 400);
+  std::uniform_int_distribution<int> jitter_ms(0, 40);
 
   constexpr int kKills = 24;
-  int mid_save = 0;
+  int mid_save = 0, mid_save_aimed = 0;  // kills at a purely random moment / aimed at a save
   std::vector<long> killed_at;
   const auto t0 = Clock::now();
   for (int i = 0; i < kKills; ++i) {
@@ -152,6 +154,16 @@ TEST(CrashConsistency, SigkillDuringTrainingAlwaysLeavesAVerifiableResumableChec
     ASSERT_TRUE(committed) << "no checkpoint committed within 30 s:\n" << read_text(log);
 
     std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms(rng)));
+    // Every other kill is aimed at a save: wait for a step-N.tmp directory to appear, then a
+    // little more, so kills land in all phases of a save (file writes, fsyncs, the rename).
+    const bool aimed = i % 2 == 1;
+    if (aimed) {
+      for (const auto until = Clock::now() + std::chrono::seconds(5); Clock::now() < until;) {
+        if (!tmp_step_dirs(ckpt).empty()) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(jitter_ms(rng)));
+    }
     ASSERT_EQ(kill(pid, SIGKILL), 0);
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "training ended by itself:\n" << read_text(log);
@@ -159,7 +171,7 @@ TEST(CrashConsistency, SigkillDuringTrainingAlwaysLeavesAVerifiableResumableChec
     // Each save removes stale step-N.tmp directories before it starts, and this process
     // committed at least one save, so any left now were being written when it died.
     const auto tmps = tmp_step_dirs(ckpt);
-    if (!tmps.empty()) ++mid_save;
+    if (!tmps.empty()) ++(aimed ? mid_save_aimed : mid_save);
 
     // The directory verifies...
     const fs::path vlog = dir / ("verify" + std::to_string(i) + ".log");
@@ -191,9 +203,12 @@ TEST(CrashConsistency, SigkillDuringTrainingAlwaysLeavesAVerifiableResumableChec
 
   std::ostringstream steps;
   for (long s : killed_at) steps << ' ' << s;
-  std::printf("[crash] %d kills in %.1f s (seed %u), %d of them mid-save; latest after each kill:%s\n", kKills, secs,
-              seed, mid_save, steps.str().c_str());
-  EXPECT_GE(mid_save, 3) << "too few kills landed during a save; the test is not exercising saves";
+  std::printf(
+      "[crash] %d kills in %.1f s (seed %u), %d of them mid-save (%d of %d random, %d of %d aimed); "
+      "latest after each kill:%s\n",
+      kKills, secs, seed, mid_save + mid_save_aimed, mid_save, (kKills + 1) / 2, mid_save_aimed, kKills / 2,
+      steps.str().c_str());
+  EXPECT_GE(mid_save + mid_save_aimed, 3) << "too few kills landed during a save; the test is not exercising saves";
   fs::remove_all(dir);
 }
 
