@@ -214,6 +214,8 @@ bool ChunkSpace::is_resident(ChunkId id, Tier tier) const {
 ChunkSpaceStats ChunkSpace::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   ChunkSpaceStats s = stats_;
+  for (ChunkId id = 0; id < chunks_.size(); ++id)
+    if (layout_.chunk(id).kind == ChunkKind::kAct) s.act_bytes += layout_.chunk_bytes();
   for (int t = 0; t < kNumTiers; ++t) {
     if (!tiers_[t]) continue;
     s.tiers[t].capacity_bytes = uint64_t{tiers_[t]->slot_count()} * tiers_[t]->slot_bytes();
@@ -371,6 +373,8 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier to) {
     const ChunkId id = schedule_[(position_ + k) % schedule_.size()];
     ChunkState& c = chunks_[id];
     if (c.valid[w] || (c.pins > 0 && c.pinned_in != to)) continue;
+    // Saved activations are copied in and out through host memory; a device copy is no use.
+    if (to == Tier::kDevice && layout_.chunk(id).kind == ChunkKind::kAct) continue;
     const uint64_t due = next_use(id);
     busy_ = id;
     struct Unbusy {

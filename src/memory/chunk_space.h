@@ -20,7 +20,8 @@
 //
 // Eviction: with a schedule (set_schedule + advance), the unpinned copy whose next use is the
 // farthest goes first (Belady); without one, the least recently acquired. Stale copies always
-// go first. prefetch() follows the schedule and starts moves ahead of need.
+// go first. prefetch() follows the schedule and starts moves ahead of need (chunks of kind
+// kAct, saved activations used from host memory, are never prefetched into device memory).
 //
 // Ownership: the Device and IoEngine passed to create() must outlive the ChunkSpace; so must
 // any consumer Stream passed to acquire/release until the work queued on it is done.
@@ -84,6 +85,7 @@ struct ChunkSpaceStats {
   uint64_t prefetched_bytes = 0;    // moves started by prefetch()
   uint64_t prefetch_hit_bytes = 0;  // acquired chunks whose move prefetch() had started
   uint64_t demand_bytes = 0;        // moves started by acquire() itself (not prefetched)
+  uint64_t act_bytes = 0;           // bytes of the chunks of kind kAct (saved activations)
   uint64_t moved_bytes() const {
     return device_to_host_bytes + host_to_device_bytes + host_to_nvme_bytes + nvme_to_host_bytes;
   }

@@ -1,14 +1,16 @@
 #include "model/activations.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "model/params.h"
 
 namespace strata::model {
 
-void ActivationTable::reserve(const ModelConfig& config, int64_t B, int64_t T) {
-  const int64_t N = B * T;
-  if (N <= planned_tokens_) return;
+void ActivationTable::reserve(const ModelConfig& config, int64_t B, int64_t T, bool offload_checkpoints) {
+  int64_t N = B * T;
+  if (N <= planned_tokens_ && offload_checkpoints == planned_offload_) return;
+  N = std::max(N, planned_tokens_);
   const int64_t C = config.hidden_size;
   const int64_t F = config.dense_mlp_width();
   const int64_t L = config.num_hidden_layers;
@@ -22,10 +24,11 @@ void ActivationTable::reserve(const ModelConfig& config, int64_t B, int64_t T) {
   const int64_t K = moe ? config.num_experts_per_tok : 0;
   const int64_t S = N * K;
   const int64_t Fe = moe ? config.moe_intermediate_size : 0;
+  const int64_t checkpoint_slots = offload_checkpoints ? std::min<int64_t>(3, L + 1) : L + 1;
   const int64_t shared = moe && config.shared_expert_intermediate_size > 0 ? 1 : 0;
 
   const std::pair<float**, int64_t> plan[] = {
-      {&checkpoints, (L + 1) * N * C},
+      {&checkpoints, checkpoint_slots * N * C},
       {&final_out, N * C},
       {&final_rstd, N},
       {&d_final, N * C},
@@ -95,6 +98,8 @@ void ActivationTable::reserve(const ModelConfig& config, int64_t B, int64_t T) {
   offset_storage_.assign(static_cast<size_t>(E + 1), 0);
   expert_offsets = offset_storage_.data();
   planned_tokens_ = N;
+  planned_offload_ = offload_checkpoints;
+  checkpoint_slots_ = checkpoint_slots;
 }
 
 }  // namespace strata::model

@@ -15,13 +15,19 @@ namespace strata::model {
 class ActivationTable {
  public:
   // Plans for B x T tokens. Every size depends on N = B * T only; the block is reallocated
-  // only when N grows, and the pointers below are valid until then.
-  void reserve(const ModelConfig& config, int64_t B, int64_t T);
+  // only when N grows or `offload_checkpoints` changes, and the pointers below are valid until
+  // then. With offload_checkpoints the checkpoints get min(3, L + 1) slots (see below).
+  void reserve(const ModelConfig& config, int64_t B, int64_t T, bool offload_checkpoints = false);
   // Floats held (for logging and tests).
   int64_t size() const { return static_cast<int64_t>(storage_.size()); }
+  // Slots of N * C floats in `checkpoints`: L + 1, or min(3, L + 1) when planned for offload.
+  int64_t checkpoint_slots() const { return checkpoint_slots_; }
 
   // Kept across the whole forward/backward.
-  float* checkpoints = nullptr;  // (L+1, N, C) input of layer l at slot l; slot L feeds the final norm
+  // (slots, N, C). Without offload, slot l holds the input of layer l and slot L feeds the final
+  // norm. With offload, checkpoint l < L rotates through slots l % 2 and checkpoint L is slot
+  // min(L, 2).
+  float* checkpoints = nullptr;
   float* final_out = nullptr;    // (N, C) final RMSNorm output, the LM head's input
   float* final_rstd = nullptr;   // (N)
   float* d_final = nullptr;      // (N, C) gradient of final_out
@@ -84,6 +90,8 @@ class ActivationTable {
 
  private:
   int64_t planned_tokens_ = 0;
+  bool planned_offload_ = false;
+  int64_t checkpoint_slots_ = 0;
   std::vector<float> storage_;
   std::vector<int32_t> index_storage_;
   std::vector<int64_t> offset_storage_;

@@ -194,7 +194,14 @@ void LlamaModel::end_group(int group, bool params, bool grads) {
   if (access_ != nullptr) access_->end(group, params, grads);
 }
 
-Status LlamaModel::forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens) {
+float* LlamaModel::checkpoint(int64_t l, int64_t N) {
+  const int64_t L = config_.num_hidden_layers;
+  int64_t slot = l;
+  if (acts_.checkpoint_slots() < L + 1) slot = l == L ? std::min<int64_t>(L, 2) : l % 2;
+  return acts_.checkpoints + slot * N * config_.hidden_size;
+}
+
+Status LlamaModel::forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens, bool offload) {
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
@@ -203,20 +210,24 @@ Status LlamaModel::forward_layers(const int32_t* inputs, int64_t B, int64_t T, b
     Status window = config_.check_sequence_length(T, "LlamaModel config");
     CHECK_MSG(window.ok(), window.to_string());
   }
-  acts_.reserve(config_, B, T);
+  acts_.reserve(config_, B, T, access_ != nullptr && access_->offloads_activations());
+  const int64_t offloaded = offload ? offloaded_checkpoint_count(static_cast<int>(L)) : 0;
   std::fill(forward_counts_.begin(), forward_counts_.end(), int64_t{0});
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
   std::vector<int64_t> layer_counts(static_cast<size_t>(E));
   RETURN_IF_ERROR(begin_group(0, true, false));
-  kernels::cpu::embedding_forward(acts_.checkpoints, inputs, param(layout_.embed_tokens()), N, C);
+  kernels::cpu::embedding_forward(checkpoint(0, N), inputs, param(layout_.embed_tokens()), N, C);
   end_group(0, true, false);
+  if (offloaded > 0) RETURN_IF_ERROR(access_->offload_checkpoint(0, checkpoint(0, N), N * C));
   for (int64_t l = 0; l < L; ++l) {
-    const float* x = acts_.checkpoints + l * N * C;  // (N, C)
+    const float* x = checkpoint(l, N);  // (N, C)
     std::fill(layer_counts.begin(), layer_counts.end(), int64_t{0});
     const RouterStats stats{layer_counts.data(), forward_prob_sums_.data()};
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, false));
-    layer_forward(l, x, acts_.checkpoints + (l + 1) * N * C, B, T, &stats);
+    layer_forward(l, x, checkpoint(l + 1, N), B, T, &stats);
     end_group(static_cast<int>(1 + l), true, false);
+    if (l + 1 < offloaded)
+      RETURN_IF_ERROR(access_->offload_checkpoint(static_cast<int>(l + 1), checkpoint(l + 1, N), N * C));
     if (!config_.is_moe_layer(l)) continue;
     for (int64_t e = 0; e < E; ++e) {
       forward_counts_[e] += layer_counts[e];
@@ -250,7 +261,9 @@ Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
-  RETURN_IF_ERROR(forward_layers(inputs, B, T, /*count_tokens=*/backward));
+  const bool offload = backward && access_ != nullptr && access_->offloads_activations();
+  const int64_t offloaded = offload ? offloaded_checkpoint_count(static_cast<int>(L)) : 0;
+  RETURN_IF_ERROR(forward_layers(inputs, B, T, /*count_tokens=*/backward, offload));
 
   // The head: final norm, LM head and cross-entropy (and their backward). With tied
   // embeddings the head reads (and accumulates into) the embedding's group as well.
@@ -261,7 +274,7 @@ Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets
     if (tied) end_group(0, true, backward);
     return st;
   }
-  kernels::cpu::rmsnorm_forward(acts_.final_out, acts_.final_rstd, acts_.checkpoints + L * N * C,
+  kernels::cpu::rmsnorm_forward(acts_.final_out, acts_.final_rstd, checkpoint(L, N),
                                 param(layout_.final_norm()), N, C, static_cast<float>(config_.rms_norm_eps));
   if (!backward) {
     const double loss = kernels::cpu::lm_head_cross_entropy(nullptr, nullptr, acts_.final_out,
@@ -287,12 +300,14 @@ Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets
       acts_.d_final, grad(layout_.lm_head()), acts_.final_out, param(layout_.lm_head()), targets, N, C,
       config_.vocab_size, grad_scale, kLossChunkTokens);
   kernels::cpu::rmsnorm_backward(acts_.dres, grad(layout_.final_norm()), acts_.d_final,
-                                 acts_.checkpoints + L * N * C, param(layout_.final_norm()), acts_.final_rstd, N,
+                                 checkpoint(L, N), param(layout_.final_norm()), acts_.final_rstd, N,
                                  C);
   end_group(head, true, true);
   if (tied) end_group(0, true, true);
   for (int64_t l = L - 1; l >= 0; --l) {
-    const float* x = acts_.checkpoints + l * N * C;  // (N, C)
+    float* x = checkpoint(l, N);  // (N, C)
+    // An offloaded checkpoint's slot has been reused since forward: fetch it back first.
+    if (l < offloaded) RETURN_IF_ERROR(access_->fetch_checkpoint(static_cast<int>(l), x, N * C));
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, true));
     // The scratch still holds the last layer's intermediates from forward; every other layer
     // is recomputed from its checkpoint.

@@ -15,6 +15,10 @@
 // what the final norm and the LM head need; backward recomputes one layer at a time from its
 // checkpoint into a shared scratch workspace and then runs that layer's backward. All buffers
 // come from one activation table planned for the largest (B, T) seen and reused afterwards.
+// When the ParamAccess offloads activations (param_access.h), the table keeps min(3, L + 1)
+// checkpoint slots instead of L + 1: forward hands each offloaded checkpoint to the access as
+// soon as it is written and backward fetches it back before recomputing its layer; the results
+// are bitwise those of the unoffloaded model.
 //
 // Not thread-safe; not copyable.
 #pragma once
@@ -80,6 +84,8 @@ class LlamaModel {
   // and grads()). The model begins and ends groups as model/param_access.h describes; it does
   // not own `access`, which must outlive its use.
   void set_access(ParamAccess* access) { access_ = access; }
+  // Floats held by the activation table (0 before the first compute).
+  int64_t activation_floats() const { return acts_.size(); }
   // Frees the flat parameter and gradient buffers once a ParamAccess holds the state; params()
   // and grads() are empty afterwards.
   void release_flat_buffers() {
@@ -108,7 +114,10 @@ class LlamaModel {
   // Sets last_aux_loss_ and the router statistics of this forward (forward_counts_ and
   // forward_prob_sums_, summed over MoE layers); when count_tokens, also adds the per-layer
   // counts to expert_counts_.
-  Status forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens);
+  // With `offload`, forward hands offloaded checkpoints to the access (see param_access.h).
+  Status forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens, bool offload);
+  // The activation table's slot for checkpoint l (0..L) of a micro-batch of N tokens.
+  float* checkpoint(int64_t l, int64_t N);
   Status begin_group(int group, bool params, bool grads);
   void end_group(int group, bool params, bool grads);
   // The tensor starting at flat-layout `offset`, from the flat buffers or the ParamAccess.

@@ -19,6 +19,13 @@ int param_group_count(const ParamLayout& layout);
 // The group of the tensor starting at `offset` in the flat layout. REQUIRES: a tensor offset.
 int param_group_of(const ParamLayout& layout, const TensorSpec& tensor);
 
+// Activation offload (DESIGN §3.3): the layer-boundary checkpoints the model hands to
+// offload_checkpoint() during forward and takes back with fetch_checkpoint() during backward
+// are 0 .. offloaded_checkpoint_count(L) - 1. The model keeps checkpoints in two rotating slots
+// (checkpoint l in slot l % 2) plus one for checkpoint L, so after forward the inputs of the
+// last two layers are still resident and only the earlier ones travel.
+inline int offloaded_checkpoint_count(int num_layers) { return num_layers > 2 ? num_layers - 2 : 0; }
+
 class ParamAccess {
  public:
   virtual ~ParamAccess() = default;
@@ -29,6 +36,22 @@ class ParamAccess {
   // The tensor starting at flat-layout `offset`. REQUIRES: its group has begun for that kind.
   virtual const float* param(int64_t offset) = 0;
   virtual float* grad(int64_t offset) = 0;
+
+  // Activation offload. When offloads_activations(), the model plans two checkpoint slots
+  // instead of L + 1; in a step with backward it calls offload_checkpoint(l, ...) as soon as
+  // forward has written checkpoint l (the input of layer l) and fetch_checkpoint(l, ...) before
+  // it recomputes layer l in backward, in reverse order, for l < offloaded_checkpoint_count(L).
+  // `floats` = tokens of the micro-batch * hidden size. The data pointers are borrowed for the
+  // call only. The defaults mean "not offloading" and are never called then.
+  virtual bool offloads_activations() const { return false; }
+  virtual Status offload_checkpoint(int index, const float* data, int64_t floats) {
+    (void)index, (void)data, (void)floats;
+    return Status::Internal("offload_checkpoint without activation offload");
+  }
+  virtual Status fetch_checkpoint(int index, float* data, int64_t floats) {
+    (void)index, (void)data, (void)floats;
+    return Status::Internal("fetch_checkpoint without activation offload");
+  }
 };
 
 }  // namespace strata::model

@@ -1,7 +1,9 @@
 #include "offload/state_store.h"
 
 #include <algorithm>
+#include <cstring>
 #include <span>
+#include <string>
 
 namespace strata {
 
@@ -114,6 +116,11 @@ void StateStore::set_schedule(const std::vector<GroupAccess>& accesses) {
   std::vector<ChunkId> order;
   for (const GroupAccess& a : accesses) {
     schedule_chunk_start_.push_back(order.size());
+    if (a.activation >= 0) {
+      CHECK_MSG(a.activation < num_activations(), "schedule names an activation buffer that does not exist");
+      for (ChunkId c : act_chunks_[a.activation]) order.push_back(c);
+      continue;
+    }
     for (ChunkId c : group_chunks(a.group, a.kind).chunks) order.push_back(c);
   }
   schedule_pos_ = 0;
@@ -125,17 +132,7 @@ Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMo
   GroupChunks& gc = group_chunks(group, kind);
   CHECK_MSG(!gc.pinned, "group acquired twice");
   // Where this access sits in the step's schedule (the next matching entry).
-  std::optional<size_t> entry;
-  std::unique_lock<std::mutex> lock(schedule_mu_);
-  for (size_t n = 0; n < schedule_.size(); ++n) {
-    const size_t i = (schedule_pos_ + n) % schedule_.size();
-    if (schedule_[i] == GroupAccess{group, kind}) {
-      entry = i;
-      break;
-    }
-  }
-  if (entry) schedule_pos_ = (*entry + 1) % schedule_.size();
-  lock.unlock();
+  const std::optional<size_t> entry = next_entry(GroupAccess{group, kind});
   std::vector<void*> bases;
   for (size_t j = 0; j < gc.chunks.size(); ++j) {
     if (entry) space_->advance(schedule_chunk_start_[*entry] + j);
@@ -155,6 +152,76 @@ Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMo
   gc.pinned = true;
   gc.pinned_in = where;
   return Status::OK();
+}
+
+std::optional<size_t> StateStore::next_entry(const GroupAccess& access) {
+  std::optional<size_t> entry;
+  std::lock_guard<std::mutex> lock(schedule_mu_);
+  for (size_t n = 0; n < schedule_.size(); ++n) {
+    const size_t i = (schedule_pos_ + n) % schedule_.size();
+    if (schedule_[i] == access) {
+      entry = i;
+      break;
+    }
+  }
+  if (entry) schedule_pos_ = (*entry + 1) % schedule_.size();
+  return entry;
+}
+
+Status StateStore::add_activations(int count, uint64_t floats) {
+  if (!act_chunks_.empty()) return Status::InvalidArgument("activation buffers are already registered");
+  if (count <= 0) return Status::OK();
+  if (floats == 0) return Status::InvalidArgument("activation buffers need at least one float");
+  if (!space_->has_tier(Tier::kHost)) return Status::InvalidArgument("activation offload needs a host memory tier");
+  const uint64_t piece_floats = space_->chunk_bytes() / sizeof(float);
+  std::vector<std::vector<ChunkId>> chunks(static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) {
+    for (uint64_t done = 0, p = 0; done < floats; done += piece_floats, ++p) {
+      const uint64_t n = std::min(piece_floats, floats - done);
+      // One chunk per piece, homed in host memory or, when that is full, on NVMe.
+      Result<ChunkId> added = space_->add_chunk(ChunkKind::kAct, Tier::kHost);
+      if (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && space_->has_tier(Tier::kNvme))
+        added = space_->add_chunk(ChunkKind::kAct, Tier::kNvme);
+      ASSIGN_OR_RETURN(ChunkId c, std::move(added));
+      ASSIGN_OR_RETURN(TensorId id, space_->add_tensor("act/" + std::to_string(i) + "/" + std::to_string(p),
+                                                       ChunkKind::kAct, n * sizeof(float)));
+      CHECK(space_->tensor(id).chunk == c && space_->tensor(id).offset == 0);
+      chunks[static_cast<size_t>(i)].push_back(c);
+    }
+  }
+  act_chunks_ = std::move(chunks);
+  act_floats_ = floats;
+  return Status::OK();
+}
+
+Status StateStore::copy_activation(int i, float* data, uint64_t floats, bool to_store) {
+  if (i < 0 || i >= num_activations())
+    return Status::InvalidArgument("no activation buffer " + std::to_string(i));
+  if (floats > act_floats_)
+    return Status::InvalidArgument("activation buffer " + std::to_string(i) + " holds " + std::to_string(act_floats_) +
+                                   " floats, not " + std::to_string(floats));
+  const std::optional<size_t> entry = next_entry(GroupAccess::of_activation(i));
+  const uint64_t piece_floats = space_->chunk_bytes() / sizeof(float);
+  const std::vector<ChunkId>& chunks = act_chunks_[static_cast<size_t>(i)];
+  for (size_t j = 0; j < chunks.size() && j * piece_floats < floats; ++j) {
+    const uint64_t n = std::min(piece_floats, floats - j * piece_floats);
+    if (entry) space_->advance(schedule_chunk_start_[*entry] + j);
+    // A piece written is written whole (the tail past `floats` is never read back).
+    ASSIGN_OR_RETURN(void* p, space_->acquire_chunk(chunks[j], Tier::kHost, to_store ? AccessMode::kWrite : AccessMode::kRead));
+    float* chunk = static_cast<float*>(p);
+    if (to_store) std::memcpy(chunk, data + j * piece_floats, n * sizeof(float));
+    else std::memcpy(data + j * piece_floats, chunk, n * sizeof(float));
+    space_->release_chunk(chunks[j]);
+  }
+  return Status::OK();
+}
+
+Status StateStore::write_activation(int i, const float* data, uint64_t floats) {
+  return copy_activation(i, const_cast<float*>(data), floats, /*to_store=*/true);
+}
+
+Status StateStore::read_activation(int i, float* data, uint64_t floats) {
+  return copy_activation(i, data, floats, /*to_store=*/false);
 }
 
 void StateStore::release_group(int group, StateKind kind) {

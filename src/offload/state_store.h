@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,10 +40,13 @@ struct StateTensor {
   int group = 0;
 };
 
-// One acquisition in the step's schedule.
+// One acquisition in the step's schedule: a group's chunks of a kind, or (activation >= 0)
+// the chunks of one activation buffer (group and kind unused).
 struct GroupAccess {
   int group = 0;
   StateKind kind = StateKind::kParam;
+  int activation = -1;
+  static GroupAccess of_activation(int i) { return {0, StateKind::kParam, i}; }
   bool operator==(const GroupAccess&) const = default;
 };
 
@@ -80,6 +84,18 @@ class StateStore {
   // Tensors of a group, in order.
   const std::vector<size_t>& group_tensors(int group) const { return group_tensors_[group]; }
 
+  // Activation buffers (saved layer-boundary checkpoints, DESIGN §3.3): `count` buffers of
+  // `floats` floats each, in chunks of kind kAct homed in host memory (NVMe when the host tier
+  // is full) and always accessed there; each chunk belongs to one buffer, so writing one buffer
+  // never touches another. Call before set_schedule(); at most once.
+  Status add_activations(int count, uint64_t floats);
+  int num_activations() const { return static_cast<int>(act_chunks_.size()); }
+  // Copies the first `floats` floats of `data` into buffer i / of buffer i into `data`,
+  // through host memory. InvalidArgument when i or floats is out of range; IOError and the
+  // like from moving the chunks.
+  Status write_activation(int i, const float* data, uint64_t floats);
+  Status read_activation(int i, float* data, uint64_t floats);
+
   // Home tier of a group's chunks of `kind`.
   Tier home(int group, StateKind kind) const;
   Status synchronize() { return space_->synchronize(); }
@@ -111,6 +127,13 @@ class StateStore {
   std::vector<size_t> schedule_chunk_start_;
   std::mutex schedule_mu_;  // guards schedule_pos_
   size_t schedule_pos_ = 0;
+  // Activation buffers: the chunks of each (one piece of up to chunk_bytes each), their floats.
+  std::vector<std::vector<ChunkId>> act_chunks_;
+  uint64_t act_floats_ = 0;
+
+  // The next schedule entry matching `access` from the current position (advancing past it).
+  std::optional<size_t> next_entry(const GroupAccess& access);
+  Status copy_activation(int i, float* data, uint64_t floats, bool to_store);
   size_t lookahead_ = 2;
 };
 

@@ -34,17 +34,23 @@ Tier planned_home(const Plan& plan, int num_layers, int group, StateKind kind) {
 }
 
 // One step's acquisitions, in the order LlamaModel and PagedState make them.
-std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_accum) {
+// `offloaded` checkpoints are offloaded after the layer that writes them (the embedding for 0)
+// and fetched before their layer's backward.
+std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded) {
   const int head = num_layers + 1;
   std::vector<GroupAccess> s;
   auto add = [&](int g, StateKind k) { s.push_back({g, k}); };
+  auto act = [&](int i) {
+    if (i < offloaded) s.push_back(GroupAccess::of_activation(i));
+  };
   for (int g = 0; g <= head; ++g) add(g, StateKind::kGrad);  // zero_grads
   for (int64_t m = 0; m < grad_accum; ++m) {
     add(0, StateKind::kParam);
-    for (int l = 0; l < num_layers; ++l) add(1 + l, StateKind::kParam);
+    act(0);
+    for (int l = 0; l < num_layers; ++l) add(1 + l, StateKind::kParam), act(l + 1);
     if (tied) add(0, StateKind::kParam), add(0, StateKind::kGrad);
     add(head, StateKind::kParam), add(head, StateKind::kGrad);
-    for (int l = num_layers - 1; l >= 0; --l) add(1 + l, StateKind::kParam), add(1 + l, StateKind::kGrad);
+    for (int l = num_layers - 1; l >= 0; --l) act(l), add(1 + l, StateKind::kParam), add(1 + l, StateKind::kGrad);
     add(0, StateKind::kGrad);
   }
   for (int g = 0; g <= head; ++g) add(g, StateKind::kGrad);  // gradient norm
@@ -83,8 +89,18 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     };
   }
   ASSIGN_OR_RETURN(ps->store_, StateStore::create(device, io, std::move(tensors), so));
+  int offloaded = 0;
+  if (options.offload_activations) {
+    if (options.activation_tokens <= 0)
+      return Status::InvalidArgument("activation offload needs activation_tokens (B * T of a micro-batch)");
+    offloaded = model::offloaded_checkpoint_count(L);
+    // Hidden size C: the final norm's weight has C elements.
+    const int64_t C = ps->specs_[ps->tensor_at(ps->layout_.final_norm())]->numel;
+    const uint64_t floats = static_cast<uint64_t>(options.activation_tokens) * static_cast<uint64_t>(C);
+    RETURN_IF_ERROR(ps->store_->add_activations(offloaded, floats));
+  }
   const bool tied = ps->layout_.lm_head() == ps->layout_.embed_tokens();
-  ps->store_->set_schedule(step_schedule(L, tied, options.grad_accum));
+  ps->store_->set_schedule(step_schedule(L, tied, options.grad_accum, offloaded));
   return ps;
 }
 
@@ -197,6 +213,16 @@ void PagedState::end(int group, bool params, bool grads) {
 
 const float* PagedState::param(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kParam); }
 float* PagedState::grad(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kGrad); }
+
+Status PagedState::offload_checkpoint(int index, const float* data, int64_t floats) {
+  if (floats < 0) return Status::InvalidArgument("negative checkpoint size");
+  return store_->write_activation(index, data, static_cast<uint64_t>(floats));
+}
+
+Status PagedState::fetch_checkpoint(int index, float* data, int64_t floats) {
+  if (floats < 0) return Status::InvalidArgument("negative checkpoint size");
+  return store_->read_activation(index, data, static_cast<uint64_t>(floats));
+}
 
 std::string PagedState::placement_summary() const {
   std::string out;

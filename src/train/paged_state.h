@@ -8,7 +8,8 @@
 // begin/end), then clip_and_step(): the global gradient norm (summed tensor by tensor in layout
 // order, like AdamW::clip_gradients) and AdamW per group, on the device tier for groups whose
 // Adam moments live there and with the SIMD CPU AdamW in host memory for the others (NVMe-homed
-// moments are read into host slots and written back by eviction). Both AdamW paths are bitwise
+// moments are read into host slots and written back by eviction). With offload_activations it
+// also keeps the model's offloaded activation checkpoints, in host memory. Both AdamW paths are bitwise
 // equal to the reference, so where a group is updated never changes the result: N steps under
 // any budgets give bitwise the parameters of an unpaged run.
 //
@@ -40,6 +41,11 @@ struct PagedStateOptions {
   size_t lookahead = 2;       // groups prefetched ahead
   int64_t grad_accum = 1;     // micro-batches per step (for the schedule)
   const Plan* plan = nullptr; // homes per group and kind; null = lowest tier with room
+  // Activation offload (DESIGN §3.3): keep the model's offloaded layer-boundary checkpoints
+  // (param_access.h) in kAct chunks homed in host memory. activation_tokens = B * T of one
+  // micro-batch; micro-batches may be smaller, never larger.
+  bool offload_activations = false;
+  int64_t activation_tokens = 0;
   OptimizerConfig optimizer;
 };
 
@@ -68,6 +74,9 @@ class PagedState : public model::ParamAccess {
   void end(int group, bool params, bool grads) override;
   const float* param(int64_t offset) override;
   float* grad(int64_t offset) override;
+  bool offloads_activations() const override { return options_.offload_activations; }
+  Status offload_checkpoint(int index, const float* data, int64_t floats) override;
+  Status fetch_checkpoint(int index, float* data, int64_t floats) override;
 
   ChunkSpaceStats stats() const { return store_->stats(); }
   StateStore& store() { return *store_; }

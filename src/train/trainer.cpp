@@ -199,6 +199,8 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   po.chunk_bytes = t.chunk_size;
   po.grad_accum = t.grad_accum;
   po.plan = &plan;
+  po.offload_activations = plan.offload_activations;
+  po.activation_tokens = t.micro_batch * t.seq_len;
   po.optimizer = oc;
   ASSIGN_OR_RETURN(std::unique_ptr<PagedState> state, PagedState::create(*device, io.get(), net.layout(), po));
   RETURN_IF_ERROR(state->load_params(net.params()));

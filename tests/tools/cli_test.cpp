@@ -178,7 +178,7 @@ TEST_F(CliTest, PagingThroughHostAndNvmeChangesNoBit) {
                            " train.micro_batch=2 train.seq_len=32 train.steps=6 optim.warmup_steps=2 "
                            "'model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96]' train.grad_accum=2"
                            " memory.device=1MiB memory.host=1300KiB memory.nvme.path=" + (dir_ / "nvme").string() +
-                           " memory.nvme.size=16MiB");
+                           " memory.nvme.size=16MiB memory.offload_activations=true");
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_EQ(losses_of(fs::path(roomy) / "metrics.jsonl"), losses_of(fs::path(tight) / "metrics.jsonl"));
   // The tight run really paged: its metrics show bytes on nvme and bytes moved every step.

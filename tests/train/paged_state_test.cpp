@@ -53,6 +53,7 @@ struct RunResult {
   std::vector<double> losses;
   std::vector<float> params;
   ChunkSpaceStats stats;
+  int64_t activation_floats = 0;  // the model's activation table
 };
 
 constexpr int64_t kB = 2, kT = 16, kSteps = 4, kAccum = 2;
@@ -82,11 +83,13 @@ RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batch
     r.losses.push_back(loss);
   }
   r.params.assign(net.params(), net.params() + net.layout().total_size());
+  r.activation_floats = net.activation_floats();
   return r;
 }
 
 RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batches, uint64_t device_bytes,
-                    uint64_t host_bytes, uint64_t nvme_bytes, const std::string& nvme_dir) {
+                    uint64_t host_bytes, uint64_t nvme_bytes, const std::string& nvme_dir,
+                    bool offload_activations = false) {
   auto device = CpuDevice::create(0, 0);
   CHECK(device.ok());
   auto io = make_io_engine({.kind = "threads"});
@@ -100,6 +103,8 @@ RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batc
   po.nvme_dir = nvme_dir;
   po.grad_accum = kAccum;
   po.optimizer = optimizer_config();
+  po.offload_activations = offload_activations;
+  po.activation_tokens = kB * kT;
   auto paged = PagedState::create(**device, io->get(), net.layout(), po);
   EXPECT_TRUE(paged.ok()) << paged.status().to_string();
   RunResult r;
@@ -124,6 +129,7 @@ RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batc
   r.params.assign(static_cast<size_t>(net.layout().total_size()), 0.0f);
   EXPECT_TRUE(ps.store_params(r.params.data()).ok());
   r.stats = ps.stats();
+  r.activation_floats = net.activation_floats();
   return r;
 }
 
@@ -174,6 +180,60 @@ TEST_P(PagedStateTest, TightBudgetsThroughHostAndNvmeMatchBitwise) {
   EXPECT_GT(paged.stats.device_to_host_bytes, 0u);
   EXPECT_GT(paged.stats.host_to_nvme_bytes, 0u) << "the nvme tier was never written";
   EXPECT_GT(paged.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
+}
+
+// Activation offload (DESIGN §3.3): the layer-boundary checkpoints travel through kAct chunks
+// in host memory and the model keeps 3 checkpoint slots instead of L + 1; nothing changes.
+model::ModelConfig offload_config(bool tied) {
+  model::ModelConfig mc = tiny_config(tied);
+  mc.num_hidden_layers = 5;  // checkpoints 0..2 travel; 3 and 4 stay resident
+  return mc;
+}
+
+void expect_offloaded(const RunResult& flat, const RunResult& paged, const RunResult& resident,
+                      const model::ModelConfig& mc) {
+  const int offloaded = model::offloaded_checkpoint_count(mc.num_hidden_layers);
+  ASSERT_EQ(offloaded, 3);
+  const uint64_t checkpoint_bytes = kB * kT * mc.hidden_size * sizeof(float);
+  EXPECT_GE(paged.stats.act_bytes, offloaded * checkpoint_bytes);
+  EXPECT_EQ(resident.stats.act_bytes, 0u);
+  // Every offload and every fetch acquires host memory.
+  const auto host = static_cast<int>(Tier::kHost);
+  EXPECT_GE(paged.stats.tiers[host].acquires,
+            resident.stats.tiers[host].acquires + uint64_t{2} * offloaded * kSteps * kAccum);
+  // L + 1 - 3 = L - 2 checkpoint slots fewer.
+  EXPECT_EQ(flat.activation_floats - paged.activation_floats,
+            static_cast<int64_t>(offloaded) * kB * kT * mc.hidden_size);
+  EXPECT_EQ(resident.activation_floats, flat.activation_floats);
+}
+
+TEST_P(PagedStateTest, OffloadedActivationsRoomyMatchFlatBitwise) {
+  const model::ModelConfig mc = offload_config(GetParam());
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 13);
+  RunResult flat = run_flat(mc, batches);
+  RunResult resident = run_paged(mc, batches, 64ull << 20, 64ull << 20, 0, "");
+  RunResult paged = run_paged(mc, batches, 64ull << 20, 64ull << 20, 0, "", /*offload_activations=*/true);
+  expect_bitwise_equal(flat, paged, mc);
+  expect_offloaded(flat, paged, resident, mc);
+}
+
+TEST_P(PagedStateTest, OffloadedActivationsTightMatchFlatBitwise) {
+  const model::ModelConfig mc = offload_config(GetParam());
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 13);
+  RunResult flat = run_flat(mc, batches);
+  model::ParamLayout layout(mc);
+  uint64_t largest = 0;
+  for (const auto& t : layout.tensors()) largest = std::max<uint64_t>(largest, t.numel * 4);
+  const uint64_t layer_bytes = static_cast<uint64_t>(layout.total_size()) * 4 / (mc.num_hidden_layers + 1);
+  const uint64_t chunk = std::max(largest, layer_bytes);
+  fs::create_directories(dir_ / "nvme");
+  const std::string nvme = (dir_ / "nvme").string();
+  RunResult resident = run_paged(mc, batches, 6 * chunk, 8 * chunk, 96 * chunk, nvme);
+  RunResult paged = run_paged(mc, batches, 6 * chunk, 8 * chunk, 96 * chunk, nvme, /*offload_activations=*/true);
+  expect_bitwise_equal(flat, paged, mc);
+  expect_offloaded(flat, paged, resident, mc);
+  EXPECT_GT(paged.stats.host_to_nvme_bytes, 0u);
+  EXPECT_GT(paged.stats.nvme_to_host_bytes, 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(TiedAndUntied, PagedStateTest, ::testing::Bool());
