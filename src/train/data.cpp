@@ -12,6 +12,7 @@
 #include <set>
 
 #include "core/log.h"
+#include "train/tokenize.h"
 
 namespace strata {
 
@@ -30,6 +31,27 @@ TokenDataset::TokenDataset(std::vector<std::unique_ptr<TokenSource>> sources) : 
     all_text = all_text && s->vocab_hint() == 256;
   }
   vocab_hint_ = all_text ? 256 : -1;
+}
+
+Status TokenDataset::attach_mask(int64_t source, std::vector<uint8_t> mask) {
+  CHECK(source >= 0 && source < num_sources());
+  const TokenSource& src = *sources_[static_cast<size_t>(source)];
+  if (static_cast<int64_t>(mask.size()) != src.num_tokens())
+    return Status::InvalidArgument("the loss mask of " + src.path() + " has " + std::to_string(mask.size()) +
+                                   " entries but the shard has " + std::to_string(src.num_tokens()) +
+                                   " tokens; re-run strata data tokenize");
+  masks_.resize(sources_.size());
+  masks_[static_cast<size_t>(source)] = std::move(mask);
+  has_masks_ = true;
+  return Status::OK();
+}
+
+void TokenDataset::read_mask(int64_t pos, int64_t n, uint8_t* out) const {
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t s = source_index(pos + i);
+    const bool masked = s < masks_.size() && !masks_[s].empty();
+    out[i] = masked ? masks_[s][static_cast<size_t>(pos + i - offsets_[s])] : 1;
+  }
 }
 
 size_t TokenDataset::source_index(int64_t pos) const {
@@ -191,6 +213,13 @@ Result<std::unique_ptr<TokenDataset>> open_dataset(const DataConfig& config) {
     if (!skip) sources.push_back(std::move(source));
   }
   auto dataset = std::make_unique<TokenDataset>(std::move(sources));
+  for (int64_t i = 0; i < dataset->num_sources(); ++i) {
+    const std::string mask_path = loss_mask_path(dataset->source(i).path());
+    if (!std::filesystem::exists(mask_path)) continue;
+    ASSIGN_OR_RETURN(std::vector<uint8_t> mask, read_loss_mask(mask_path));
+    RETURN_IF_ERROR(dataset->attach_mask(i, std::move(mask)));
+    LOG_INFO("data: {} masks the loss of {}", mask_path, dataset->source(i).path());
+  }
   if (dataset->num_tokens() == 0) {
     std::string names;
     for (const auto& p : config.paths) names += (names.empty() ? "" : ", ") + p;

@@ -45,6 +45,14 @@ class TokenDataset {
   // Copies tokens [pos, pos + n) of the stream to out, crossing file boundaries as needed.
   // REQUIRES: 0 <= pos, n >= 0, pos + n <= num_tokens().
   Status read(int64_t pos, int64_t n, int32_t* out) const;
+  // Loss masks (written by `strata data tokenize` for chat data): source i's mask has one byte
+  // per token, 1 = the token counts as a prediction target. Sources without one count fully.
+  // InvalidArgument when the sizes differ.
+  Status attach_mask(int64_t source, std::vector<uint8_t> mask);
+  bool has_masks() const { return has_masks_; }
+  // mask bytes of tokens [pos, pos + n) of the stream (1 where a source has no mask).
+  void read_mask(int64_t pos, int64_t n, uint8_t* out) const;
+
   // "position P in FILE" for a stream position: how error messages name a token.
   std::string describe_position(int64_t pos) const;
 
@@ -54,10 +62,12 @@ class TokenDataset {
   std::vector<std::unique_ptr<TokenSource>> sources_;
   std::vector<int64_t> offsets_;  // (num_sources + 1) stream position where each source starts
   int64_t vocab_hint_ = -1;
+  std::vector<std::vector<uint8_t>> masks_;  // per source; empty = no mask
+  bool has_masks_ = false;
 };
 
 // Resolves config.paths, opens each file with the reader the format picks and concatenates
-// them. NotFound names a missing path; a dataset without tokens is InvalidArgument.
+// them. An llm.c shard with a loss mask beside it (masks/NAME.mask) gets that mask attached. NotFound names a missing path; a dataset without tokens is InvalidArgument.
 Result<std::unique_ptr<TokenDataset>> open_dataset(const DataConfig& config);
 
 // Where a loader stands: the epoch and the position, within that epoch's window order, of
@@ -111,6 +121,7 @@ class DataLoader {
   uint64_t order_epoch_ = 0;
   std::vector<int64_t> order_;   // window permutation for order_epoch_; empty until first use
   std::vector<int32_t> window_;  // (T + 1) scratch
+  std::vector<uint8_t> mask_;    // (T + 1) scratch
 };
 
 // The permutation of [0, n) that the loader uses for (seed, epoch): splitmix64 feeding a

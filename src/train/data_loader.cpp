@@ -129,6 +129,13 @@ Status DataLoader::next(int32_t* inputs, int32_t* targets) {
     }
     std::memcpy(inputs + b * T, window_.data(), static_cast<size_t>(T) * sizeof(int32_t));
     std::memcpy(targets + b * T, window_.data() + 1, static_cast<size_t>(T) * sizeof(int32_t));
+    if (dataset_->has_masks()) {
+      // Masked positions (prompt tokens of chat data) are not prediction targets.
+      mask_.resize(static_cast<size_t>(T + 1));
+      dataset_->read_mask(start, T + 1, mask_.data());
+      for (int64_t t = 0; t < T; ++t)
+        if (mask_[static_cast<size_t>(t + 1)] == 0) targets[b * T + t] = -1;
+    }
   }
   c.index += per_step;
   cursor_ = c;

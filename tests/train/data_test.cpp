@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "train/tokenize.h"
+
 namespace strata {
 namespace {
 
@@ -442,6 +444,58 @@ TEST_F(DataTest, DefaultCorpusFromSystemLicensesLoads) {
   ASSERT_TRUE(d.ok()) << d.status().to_string();
   EXPECT_EQ((*d)->vocab_hint(), 256);
   EXPECT_GT((*d)->num_tokens(), 100000);
+}
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+// A shard with a loss mask beside it (as `strata data tokenize` writes for chat data): the
+// loader turns the targets at masked positions into -1, so they do not count in the loss.
+TEST(DataLoaderMasks, MaskedTokensAreNotTargets) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(::testing::TempDir()) / "strata_mask_test";
+  fs::remove_all(dir);
+  fs::create_directories(dir / "masks");
+  constexpr int32_t kTokens = 64;
+  std::vector<int32_t> header(256, 0);
+  header[0] = kLlmcMagicU16;
+  header[1] = 1;
+  header[2] = kTokens;
+  {
+    std::ofstream shard(dir / "train_000000.bin", std::ios::binary);
+    shard.write(reinterpret_cast<const char*>(header.data()), 1024);
+    for (uint16_t t = 0; t < kTokens; ++t) shard.write(reinterpret_cast<const char*>(&t), 2);
+  }
+  header[0] = kLossMaskMagic;
+  {
+    std::ofstream mask(dir / "masks" / "train_000000.mask", std::ios::binary);
+    mask.write(reinterpret_cast<const char*>(header.data()), 1024);
+    for (int32_t t = 0; t < kTokens; ++t) mask.put(static_cast<char>(t % 3 == 0 ? 1 : 0));
+  }
+  auto ds = open_dataset({.paths = {(dir / "train_000000.bin").string()}, .format = "auto"});
+  ASSERT_TRUE(ds.ok()) << ds.status().to_string();
+  ASSERT_TRUE((*ds)->has_masks());
+  auto loader = DataLoader::create(ds->get(), {.batch_size = 2, .seq_len = 8, .seed = 3});
+  ASSERT_TRUE(loader.ok()) << loader.status().to_string();
+  std::vector<int32_t> in(16), tgt(16);
+  int counted = 0;
+  for (int step = 0; step < 4; ++step) {
+    ASSERT_TRUE(loader->next(in.data(), tgt.data()).ok());
+    for (int i = 0; i < 16; ++i) {
+      const int32_t next_token = in[i] + 1;  // tokens are 0, 1, 2, ...: the target is the next id
+      if (next_token % 3 == 0) {
+        EXPECT_EQ(tgt[i], next_token);
+        ++counted;
+      } else {
+        EXPECT_EQ(tgt[i], -1) << "target " << next_token << " is masked";
+      }
+    }
+  }
+  EXPECT_GT(counted, 0);
+  fs::remove_all(dir);
 }
 
 }  // namespace
