@@ -88,6 +88,9 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
       return (t == Tier::kNvme && !has_nvme) ? Tier::kHost : t;
     };
   }
+  if (options.overlap_optimizer && options.optimizer.grad_clip > 0)
+    return Status::InvalidArgument("optim.overlap_backward needs optim.grad_clip=0: with clipping, no group can be "
+                                   "updated before the whole backward has produced the global gradient norm");
   ASSIGN_OR_RETURN(ps->store_, StateStore::create(device, io, std::move(tensors), so));
   int offloaded = 0;
   if (options.offload_activations) {
@@ -101,6 +104,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   }
   const bool tied = ps->layout_.lm_head() == ps->layout_.embed_tokens();
   ps->store_->set_schedule(step_schedule(L, tied, options.grad_accum, offloaded));
+  if (options.overlap_optimizer) ps->worker_ = std::thread([p = ps.get()] { p->worker_loop(); });
   return ps;
 }
 
@@ -147,7 +151,62 @@ Status PagedState::zero_grads() {
   return Status::OK();
 }
 
+kernels::AdamWParams PagedState::adamw_params(float lr) const {
+  kernels::AdamWParams p;
+  p.lr = lr;
+  p.beta1 = options_.optimizer.beta1;
+  p.beta2 = options_.optimizer.beta2;
+  p.eps = options_.optimizer.eps;
+  p.step = step_count_;
+  return p;
+}
+
+Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p) {
+  static const kernels::SimdLevel simd = kernels::detect_simd_level();
+  // AdamW runs where the group's moments live: the device tier, or host memory (NVMe-homed
+  // moments are read into host slots and written back when evicted).
+  const Tier where = store_->home(g, StateKind::kAdamM) == Tier::kDevice ? Tier::kDevice : Tier::kHost;
+  const StateKind kinds[] = {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV};
+  for (int k = 0; k < 4; ++k) {
+    Status st = store_->acquire_group(g, kinds[k], where, AccessMode::kReadWrite);
+    if (!st.ok()) {
+      for (int r = 0; r < k; ++r) store_->release_group(g, kinds[r]);
+      return st;
+    }
+  }
+  for (size_t i : store_->group_tensors(g)) {
+    const model::TensorSpec& t = *specs_[i];
+    float* grad = store_->pointer(i, StateKind::kGrad);
+    if (coefficient != 1.0f) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
+    p.weight_decay = t.weight_decay ? options_.optimizer.weight_decay : 0.0f;
+    float* param = store_->pointer(i, StateKind::kParam);
+    float* m = store_->pointer(i, StateKind::kAdamM);
+    float* v = store_->pointer(i, StateKind::kAdamV);
+    if (where == Tier::kHost) kernels::adamw_step_f32(param, grad, m, v, t.numel, p, simd);
+    else kernels::cpu::adamw_step(param, grad, m, v, t.numel, p);
+  }
+  for (StateKind k : kinds) store_->release_group(g, k);
+  return Status::OK();
+}
+
 Result<double> PagedState::clip_and_step(float lr) {
+  if (options_.overlap_optimizer) {
+    // The groups whose gradients became final during backward are being (or have been)
+    // updated by the worker; wait for it, then update any group it has not seen.
+    std::unique_lock<std::mutex> lock(worker_mu_);
+    CHECK_MSG(overlap_active_, "begin_last_micro_batch() was not called before the step's last micro-batch");
+    worker_cv_.wait(lock, [&] { return queue_.empty() && !worker_busy_; });
+    overlap_active_ = false;
+    Status failed = worker_status_;
+    worker_status_ = Status::OK();
+    const std::vector<bool> done = updated_;
+    const kernels::AdamWParams p = overlap_params_;
+    lock.unlock();
+    RETURN_IF_ERROR(failed);
+    for (int g = 0; g < store_->num_groups(); ++g)
+      if (!done[static_cast<size_t>(g)]) RETURN_IF_ERROR(update_group(g, 1.0f, p));
+    return 0.0;
+  }
   // The global norm, summed tensor by tensor in layout order (as AdamW::grad_norm does).
   double sum = 0;
   for (int g = 0; g < store_->num_groups(); ++g) {
@@ -157,41 +216,49 @@ Result<double> PagedState::clip_and_step(float lr) {
   }
   const double norm = std::sqrt(sum);
   const float coefficient = kernels::clip_coefficient(norm, options_.optimizer.grad_clip);
-
   ++step_count_;
-  kernels::AdamWParams p;
-  p.lr = lr;
-  p.beta1 = options_.optimizer.beta1;
-  p.beta2 = options_.optimizer.beta2;
-  p.eps = options_.optimizer.eps;
-  p.step = step_count_;
-  static const kernels::SimdLevel simd = kernels::detect_simd_level();
-  for (int g = 0; g < store_->num_groups(); ++g) {
-    // AdamW runs where the group's moments live: the device tier, or host memory (NVMe-homed
-    // moments are read into host slots and written back when evicted).
-    const Tier where = store_->home(g, StateKind::kAdamM) == Tier::kDevice ? Tier::kDevice : Tier::kHost;
-    const StateKind kinds[] = {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV};
-    for (int k = 0; k < 4; ++k) {
-      Status st = store_->acquire_group(g, kinds[k], where, AccessMode::kReadWrite);
-      if (!st.ok()) {
-        for (int r = 0; r < k; ++r) store_->release_group(g, kinds[r]);
-        return st;
-      }
-    }
-    for (size_t i : store_->group_tensors(g)) {
-      const model::TensorSpec& t = *specs_[i];
-      float* grad = store_->pointer(i, StateKind::kGrad);
-      if (coefficient != 1.0f) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
-      p.weight_decay = t.weight_decay ? options_.optimizer.weight_decay : 0.0f;
-      float* param = store_->pointer(i, StateKind::kParam);
-      float* m = store_->pointer(i, StateKind::kAdamM);
-      float* v = store_->pointer(i, StateKind::kAdamV);
-      if (where == Tier::kHost) kernels::adamw_step_f32(param, grad, m, v, t.numel, p, simd);
-      else kernels::cpu::adamw_step(param, grad, m, v, t.numel, p);
-    }
-    for (StateKind k : kinds) store_->release_group(g, k);
-  }
+  const kernels::AdamWParams p = adamw_params(lr);
+  for (int g = 0; g < store_->num_groups(); ++g) RETURN_IF_ERROR(update_group(g, coefficient, p));
   return norm;
+}
+
+void PagedState::begin_last_micro_batch(float lr) {
+  if (!options_.overlap_optimizer) return;
+  std::lock_guard<std::mutex> lock(worker_mu_);
+  ++step_count_;
+  overlap_params_ = adamw_params(lr);
+  updated_.assign(static_cast<size_t>(store_->num_groups()), false);
+  overlap_active_ = true;
+}
+
+void PagedState::worker_loop() {
+  std::unique_lock<std::mutex> lock(worker_mu_);
+  for (;;) {
+    worker_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop_ with nothing left
+    const int g = queue_.front();
+    queue_.pop_front();
+    worker_busy_ = true;
+    const kernels::AdamWParams p = overlap_params_;
+    lock.unlock();
+    Status st = update_group(g, 1.0f, p);
+    lock.lock();
+    worker_busy_ = false;
+    if (st.ok()) updated_[static_cast<size_t>(g)] = true, ++overlapped_updates_;
+    else if (worker_status_.ok()) worker_status_ = st;
+    worker_cv_.notify_all();
+  }
+}
+
+PagedState::~PagedState() {
+  if (worker_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(worker_mu_);
+      stop_ = true;
+    }
+    worker_cv_.notify_all();
+    worker_.join();
+  }
 }
 
 Status PagedState::begin(int group, bool params, bool grads) {
@@ -209,6 +276,16 @@ Status PagedState::begin(int group, bool params, bool grads) {
 void PagedState::end(int group, bool params, bool grads) {
   if (params) store_->release_group(group, StateKind::kParam);
   if (grads) store_->release_group(group, StateKind::kGrad);
+  // In the last micro-batch a group's gradients are final when backward releases them for the
+  // last time: every group but the embedding at its only backward end; the embedding (whose
+  // gradients the tied head also adds to) at the embedding backward, which holds no params.
+  if (options_.overlap_optimizer && overlap_active_ && grads && (group != 0 || !params)) {
+    {
+      std::lock_guard<std::mutex> lock(worker_mu_);
+      queue_.push_back(group);
+    }
+    worker_cv_.notify_all();
+  }
 }
 
 const float* PagedState::param(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kParam); }

@@ -16,7 +16,11 @@
 // Ownership: borrows the Device and IoEngine, which must outlive it. Not thread-safe.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <mutex>
+#include <thread>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -27,6 +31,7 @@
 #include "model/param_access.h"
 #include "model/params.h"
 #include "offload/plan.h"
+#include "kernels/adamw.h"
 #include "offload/state_store.h"
 #include "train/optimizer.h"
 
@@ -47,10 +52,14 @@ struct PagedStateOptions {
   bool offload_activations = false;
   int64_t activation_tokens = 0;
   OptimizerConfig optimizer;
+  // Start AdamW on each group as soon as its gradients are final in the step's last micro-batch,
+  // on a worker thread, while backward continues on earlier layers. Requires grad_clip = 0.
+  bool overlap_optimizer = false;
 };
 
 class PagedState : public model::ParamAccess {
  public:
+  ~PagedState() override;
   static Result<std::unique_ptr<PagedState>> create(Device& device, IoEngine* io,
                                                     const model::ParamLayout& layout,
                                                     const PagedStateOptions& options);
@@ -67,6 +76,15 @@ class PagedState : public model::ParamAccess {
   // Clips the global gradient norm to options.optimizer.grad_clip and applies one AdamW update
   // with learning rate `lr`. Returns the pre-clip norm.
   Result<double> clip_and_step(float lr);
+  // With overlap_optimizer: call before the last micro-batch's forward/backward of a step, with
+  // the step's learning rate; groups are then updated as backward finishes with them, and
+  // clip_and_step() only waits for the rest (and returns 0: no norm is computed).
+  void begin_last_micro_batch(float lr);
+  // Group updates the overlap worker has made (they ran while backward went on).
+  int64_t overlapped_updates() {
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    return overlapped_updates_;
+  }
   int64_t step_count() const { return step_count_; }
 
   // ParamAccess.
@@ -89,11 +107,29 @@ class PagedState : public model::ParamAccess {
   size_t tensor_at(int64_t offset) const;
 
   model::ParamLayout layout_;
+  kernels::AdamWParams adamw_params(float lr) const;
+  Status update_group(int group, float coefficient, kernels::AdamWParams p);
+  void worker_loop();
+
   PagedStateOptions options_;
   std::unique_ptr<StateStore> store_;
   std::unordered_map<int64_t, size_t> by_offset_;  // flat offset -> store tensor index
   std::vector<const model::TensorSpec*> specs_;     // store tensor index -> layout spec
   int64_t step_count_ = 0;
+
+  // Overlap of AdamW with backward (options.overlap_optimizer): end() queues groups whose
+  // gradients are final in the last micro-batch; the worker updates them while backward goes on.
+  std::thread worker_;
+  std::mutex worker_mu_;  // guards everything below
+  std::condition_variable worker_cv_;
+  std::deque<int> queue_;
+  std::vector<bool> updated_;
+  kernels::AdamWParams overlap_params_;
+  bool overlap_active_ = false;
+  bool worker_busy_ = false;
+  bool stop_ = false;
+  Status worker_status_;
+  int64_t overlapped_updates_ = 0;
 };
 
 }  // namespace strata

@@ -48,6 +48,8 @@ ConfigSchema build_schema() {
          .help = "decoupled weight decay (matrices and embeddings only)"});
   s.add({.name = "optim.grad_clip", .type = T::kFloat, .default_value = "1.0", .min = 0,
          .help = "clip the global gradient norm to this; 0 = off"});
+  s.add({.name = "optim.overlap_backward", .type = T::kBool, .default_value = "false",
+         .help = "start AdamW on each layer as soon as backward is done with it (needs optim.grad_clip=0)"});
   s.add({.name = "memory.device", .type = T::kBytes, .default_value = "0",
          .help = "device memory budget, e.g. 24GiB; 0 = the whole device (unlimited on the cpu backend)"});
   s.add({.name = "memory.host", .type = T::kBytes, .default_value = "0",
@@ -147,6 +149,11 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.eps = c.get_float("optim.eps");
   t.weight_decay = c.get_float("optim.weight_decay");
   t.grad_clip = c.get_float("optim.grad_clip");
+  t.overlap_backward = c.get_bool("optim.overlap_backward");
+  if (t.overlap_backward && t.grad_clip > 0)
+    return Status::InvalidArgument(c.origin("optim.overlap_backward") +
+                                   ": optim.overlap_backward needs optim.grad_clip=0 (clipping needs the whole "
+                                   "backward's gradient norm before any layer is updated)");
   t.memory_device = c.get_bytes("memory.device");
   t.memory_host = c.get_bytes("memory.host");
   t.nvme_path = c.get_string("memory.nvme.path");

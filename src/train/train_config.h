@@ -31,6 +31,7 @@ struct TrainConfig {
   int64_t warmup_steps = 0;
   std::string lr_schedule;
   double beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, grad_clip = 0;
+  bool overlap_backward = false;
   // memory tiers (0 = default, see the schema)
   uint64_t memory_device = 0;
   uint64_t memory_host = 0;

@@ -202,6 +202,7 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   po.offload_activations = plan.offload_activations;
   po.activation_tokens = t.micro_batch * t.seq_len;
   po.optimizer = oc;
+  po.overlap_optimizer = t.overlap_backward;
   ASSIGN_OR_RETURN(std::unique_ptr<PagedState> state, PagedState::create(*device, io.get(), net.layout(), po));
   RETURN_IF_ERROR(state->load_params(net.params()));
   net.release_flat_buffers();  // the chunk space holds the only copy from here on
@@ -288,14 +289,15 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     net.zero_grads();  // router statistics; the gradients themselves live in the chunk space
     failure = state->zero_grads();
     double loss_sum = 0;
+    const double lr = schedule.lr(step);
     for (int64_t m = 0; m < t.grad_accum && failure.ok(); ++m) {
+      if (m == t.grad_accum - 1) state->begin_last_micro_batch(static_cast<float>(lr));
       Result<double> loss = net.compute(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens,
                                         t.micro_batch, t.seq_len, grad_scale, /*backward=*/true);
       if (loss.ok()) loss_sum += *loss;
       else failure = loss.status();
     }
     if (!failure.ok()) break;
-    const double lr = schedule.lr(step);
     Result<double> norm = state->clip_and_step(static_cast<float>(lr));
     if (!norm.ok()) {
       failure = norm.status();

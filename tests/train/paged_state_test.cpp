@@ -53,16 +53,20 @@ struct RunResult {
   std::vector<double> losses;
   std::vector<float> params;
   ChunkSpaceStats stats;
+  int64_t overlapped_updates = 0;
   int64_t activation_floats = 0;  // the model's activation table
 };
 
 constexpr int64_t kB = 2, kT = 16, kSteps = 4, kAccum = 2;
 
+// Clipping is on unless a test turns it off (overlapping AdamW with backward requires that).
+float g_grad_clip = 0.5f;  // small enough that clipping is active
+
 OptimizerConfig optimizer_config() {
   OptimizerConfig oc;
   oc.lr = 1e-2f;
   oc.weight_decay = 0.1f;
-  oc.grad_clip = 0.5f;  // small enough that clipping is active
+  oc.grad_clip = g_grad_clip;
   return oc;
 }
 
@@ -89,7 +93,7 @@ RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batch
 
 RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batches, uint64_t device_bytes,
                     uint64_t host_bytes, uint64_t nvme_bytes, const std::string& nvme_dir,
-                    bool offload_activations = false) {
+                    bool offload_activations = false, bool overlap_optimizer = false) {
   auto device = CpuDevice::create(0, 0);
   CHECK(device.ok());
   auto io = make_io_engine({.kind = "threads"});
@@ -105,6 +109,7 @@ RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batc
   po.optimizer = optimizer_config();
   po.offload_activations = offload_activations;
   po.activation_tokens = kB * kT;
+  po.overlap_optimizer = overlap_optimizer;
   auto paged = PagedState::create(**device, io->get(), net.layout(), po);
   EXPECT_TRUE(paged.ok()) << paged.status().to_string();
   RunResult r;
@@ -117,6 +122,7 @@ RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batc
     double loss = 0;
     for (int m = 0; m < kAccum; ++m) {
       const Batch& b = batches[s * kAccum + m];
+      if (m == kAccum - 1) ps.begin_last_micro_batch(1e-2f);
       Result<double> l = net.compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kAccum * kB * kT), true);
       EXPECT_TRUE(l.ok()) << l.status().to_string();
       if (l.ok()) loss += *l;
@@ -129,6 +135,7 @@ RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batc
   r.params.assign(static_cast<size_t>(net.layout().total_size()), 0.0f);
   EXPECT_TRUE(ps.store_params(r.params.data()).ok());
   r.stats = ps.stats();
+  r.overlapped_updates = ps.overlapped_updates();
   r.activation_floats = net.activation_floats();
   return r;
 }
@@ -234,6 +241,29 @@ TEST_P(PagedStateTest, OffloadedActivationsTightMatchFlatBitwise) {
   expect_offloaded(flat, paged, resident, mc);
   EXPECT_GT(paged.stats.host_to_nvme_bytes, 0u);
   EXPECT_GT(paged.stats.nvme_to_host_bytes, 0u);
+}
+
+// AdamW starting on each group as soon as backward is done with it (on a worker thread, while
+// backward continues) gives bitwise the result of updating every group after backward.
+TEST_P(PagedStateTest, OptimizerOverlappingBackwardMatchesBitwise) {
+  g_grad_clip = 0.0f;
+  const model::ModelConfig mc = tiny_config(GetParam());
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 11);
+  RunResult flat = run_flat(mc, batches);
+  RunResult overlapped = run_paged(mc, batches, 64ull << 20, 64ull << 20, 0, "", false, /*overlap_optimizer=*/true);
+  model::ParamLayout layout(mc);
+  uint64_t largest = 0;
+  for (const auto& t : layout.tensors()) largest = std::max<uint64_t>(largest, t.numel * 4);
+  const uint64_t layer_bytes = static_cast<uint64_t>(layout.total_size()) * 4 / (mc.num_hidden_layers + 1);
+  const uint64_t chunk = std::max(largest, layer_bytes);
+  fs::create_directories(dir_ / "nvme");
+  RunResult tight = run_paged(mc, batches, 6 * chunk, 8 * chunk, 64 * chunk, (dir_ / "nvme").string(), false, true);
+  g_grad_clip = 0.5f;
+  expect_bitwise_equal(flat, overlapped, mc);
+  expect_bitwise_equal(flat, tight, mc);
+  // Every group of every step was updated by the worker, queued the moment backward released it.
+  EXPECT_EQ(overlapped.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
+  EXPECT_EQ(tight.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
 }
 
 INSTANTIATE_TEST_SUITE_P(TiedAndUntied, PagedStateTest, ::testing::Bool());
