@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "core/log.h"
 #include "tools/strata/ckpt_command.h"
 #include "tools/strata/commands.h"
 
@@ -16,10 +17,10 @@ Usage: strata <command> [options]
 Commands:
   train [CONFIG.yaml] [key=value ...]   train a model; without CONFIG, the embedded default run
   plan [CONFIG.yaml] [key=value ...]    memory per tier, traffic and predicted step time, no training
-  convert --from SRC --to DST           rewrite a Hugging Face model (dtype, shards)
+  convert --from SRC --to DST           Hugging Face model or strata checkpoint -> Hugging Face directory
   data tokenize --tokenizer DIR ...     text, JSONL or chat JSONL -> llm.c token shards
   ckpt inspect|verify DIR               summarise a checkpoint, or recompute its checksums
-  bench io|adam                         measure the disk through io_uring, or the CPU AdamW, beside a reference
+  bench io|adam                         the disk through io_uring, or the CPU AdamW, beside a reference
   version                               print the version
 
 Run 'strata <command> --help' for a command's options.
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
     std::fputs(kUsage, args.empty() ? stderr : stdout);
     return args.empty() ? 2 : 0;
   }
+  strata::init_logging({});  // one log format for every command; train sets its own level
   const std::string command = args[0];
   args.erase(args.begin());
   if (command == "train") return strata::tools::train_command(args);
