@@ -87,7 +87,7 @@ ConfigSchema build_schema() {
          .help = "directory for a Hugging Face export (config.json + safetensors) after the last step; empty = none"});
   s.add({.name = "run.log_every", .type = T::kInt, .default_value = "1", .min = 1, .help = "print a step line every N steps"});
   s.add({.name = "run.device", .type = T::kString, .default_value = "cpu", .choices = {"auto", "cpu", "cuda"},
-         .help = "compute device"});
+         .help = "compute device for training (cuda: not yet; strata plan uses it to choose the GPU layout)"});
   s.add({.name = "run.log_level", .type = T::kString, .default_value = "info",
          .choices = {"debug", "info", "warn", "error"}, .help = "log verbosity"});
   return s;

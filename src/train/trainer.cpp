@@ -126,6 +126,11 @@ bool needs_run_dir_for_data(const TrainConfig& t) {
 
 Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effective_yaml) {
   // 1. Everything that can be wrong with the inputs is checked before anything is written.
+  // Training runs on the CPU backend; the CUDA kernels exist but are not yet wired into the
+  // training loop, so asking for cuda is refused rather than silently running on the CPU.
+  if (t.device == "cuda")
+    return Status::Unimplemented("run.device=cuda: training on the GPU is not available in this version; "
+                                 "use run.device=cpu (or auto, which picks cpu)");
   ASSIGN_OR_RETURN(model::ModelConfig mc, resolve_model_config(t));
   const std::string model_source = !t.model_from.empty()     ? (fs::path(t.model_from) / "config.json").string()
                                    : !t.model_config.empty() ? t.model_config
@@ -169,7 +174,7 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   LrSchedule schedule{t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.lr_schedule};
 
   // Where the state lives: the planner places each kind on the tiers, and the chunk space
-  // holds it there. The activations stay in the model's own table (budgeted apart).
+  // holds it there. The model's activation workspace is budgeted apart from the chunks.
   TrainConfig budgets = t;
   if (budgets.memory_host == 0) budgets.memory_host = default_host_budget();
   const uint64_t all_state = static_cast<uint64_t>(net.layout().total_size()) * sizeof(float) * kNumStateKinds;
