@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../test_util.h"
+#include "model/reference_util.h"
 #include "model/llama.h"
 
 namespace strata::model {
@@ -26,30 +27,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kPython = "/usr/bin/python3";
 constexpr double kLossTolerance = 1e-5;
 constexpr double kGradTolerance = 1e-4;
 
-double relative(double a, double b) {
-  if (!std::isfinite(a) || !std::isfinite(b)) return INFINITY;
-  return std::fabs(a - b) / std::max(std::fabs(b), 1e-30);
-}
-
-bool python_has_transformers() {
-  const std::string cmd = std::string(kPython) + " -c 'import transformers' >/dev/null 2>&1";
-  return fs::exists(kPython) && std::system(cmd.c_str()) == 0;
-}
-
-// Runs the reference script for one variant; returns its output directory.
 std::string generate_reference(const std::string& variant) {
-  const fs::path out = fs::path(STRATA_BINARY_DIR) / "tests" / "model_moe_parity";
-  fs::create_directories(out);
-  const std::string script = std::string(STRATA_SOURCE_DIR) + "/tests/model/reference_moe.py";
-  const std::string log = (out / (variant + ".log")).string();
-  const std::string cmd =
-      std::string(kPython) + " " + script + " " + out.string() + " " + variant + " >" + log + " 2>&1";
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << "reference script failed; see " << log;
-  return (out / variant).string();
+  return run_reference("reference_moe.py", "model_moe_parity", variant);
 }
 
 std::vector<int32_t> flatten(const nlohmann::json& rows) {
@@ -60,8 +42,8 @@ std::vector<int32_t> flatten(const nlohmann::json& rows) {
 }
 
 void check_parity(const std::string& variant, const std::string& architecture) {
-  if (!python_has_transformers()) {
-    GTEST_SKIP() << kPython << " cannot import transformers; the architecture parity test needs it";
+  if (!python_can_import("transformers")) {
+    GTEST_SKIP() << kReferencePython << " cannot import transformers; the architecture parity test needs it";
   }
   const std::string dir = generate_reference(variant);
   ASSERT_FALSE(::testing::Test::HasFailure());

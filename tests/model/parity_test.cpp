@@ -16,6 +16,7 @@
 #include "model/llama.h"
 #include "model/safetensors.h"
 #include "../test_util.h"
+#include "model/reference_util.h"
 #include "train/optimizer.h"
 
 namespace strata::model {
@@ -23,31 +24,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kPython = "/usr/bin/python3";
 constexpr double kLossTolerance = 1e-5;
 constexpr double kGradTolerance = 1e-4;
 constexpr double kStepTolerance = 1e-4;
 
-double relative(double a, double b) {
-  if (!std::isfinite(a) || !std::isfinite(b)) return INFINITY;
-  return std::fabs(a - b) / std::max(std::fabs(b), 1e-30);
-}
-
-bool python_has_torch() {
-  const std::string cmd = std::string(kPython) + " -c 'import torch' >/dev/null 2>&1";
-  return fs::exists(kPython) && std::system(cmd.c_str()) == 0;
-}
-
-// Runs the reference script for one variant; returns its output directory.
 std::string generate_reference(const std::string& variant) {
-  const fs::path out = fs::path(STRATA_BINARY_DIR) / "tests" / "model_parity";
-  fs::create_directories(out);
-  const std::string script = std::string(STRATA_SOURCE_DIR) + "/tests/model/reference_llama.py";
-  const std::string log = (out / (variant + ".log")).string();
-  const std::string cmd = std::string(kPython) + " " + script + " " + out.string() + " " + variant +
-                          " >" + log + " 2>&1";
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << "reference script failed; see " << log;
-  return (out / variant).string();
+  return run_reference("reference_llama.py", "model_parity", variant);
 }
 
 nlohmann::json read_json(const std::string& path) {
@@ -57,8 +39,8 @@ nlohmann::json read_json(const std::string& path) {
 }
 
 void check_parity(const std::string& variant) {
-  if (!python_has_torch()) {
-    GTEST_SKIP() << kPython << " cannot import torch (Debian package python3-torch); "
+  if (!python_can_import("torch")) {
+    GTEST_SKIP() << kReferencePython << " cannot import torch (Debian package python3-torch); "
                  << "the PyTorch parity test needs it";
   }
   const std::string dir = generate_reference(variant);

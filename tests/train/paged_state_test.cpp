@@ -59,21 +59,29 @@ struct RunResult {
 
 constexpr int64_t kB = 2, kT = 16, kSteps = 4, kAccum = 2;
 
-// Clipping is on unless a test turns it off (overlapping AdamW with backward requires that).
-float g_grad_clip = 0.5f;  // small enough that clipping is active
-
-OptimizerConfig optimizer_config() {
+// grad_clip 0.5 is small enough that clipping is active; overlapping AdamW with backward
+// needs it off (0).
+OptimizerConfig optimizer_config(float grad_clip) {
   OptimizerConfig oc;
   oc.lr = 1e-2f;
   oc.weight_decay = 0.1f;
-  oc.grad_clip = g_grad_clip;
+  oc.grad_clip = grad_clip;
   return oc;
 }
+constexpr float kClip = 0.5f;
 
-RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batches) {
+// About one layer's worth of bytes: budgets of a few such chunks force paging.
+uint64_t tight_chunk_bytes(const model::ParamLayout& layout, const model::ModelConfig& mc) {
+  uint64_t largest = 0;
+  for (const auto& t : layout.tensors()) largest = std::max<uint64_t>(largest, t.numel * 4);
+  const uint64_t layer_bytes = static_cast<uint64_t>(layout.total_size()) * 4 / (mc.num_hidden_layers + 1);
+  return std::max(largest, layer_bytes);
+}
+
+RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batches, float grad_clip = kClip) {
   model::LlamaModel net(mc);
   net.init_weights(7);
-  AdamW opt(net.layout(), optimizer_config());
+  AdamW opt(net.layout(), optimizer_config(grad_clip));
   RunResult r;
   for (int s = 0; s < kSteps; ++s) {
     net.zero_grads();
@@ -82,7 +90,7 @@ RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batch
       const Batch& b = batches[s * kAccum + m];
       loss += net.forward_backward(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kAccum * kB * kT));
     }
-    opt.clip_gradients(net.grads(), optimizer_config().grad_clip);
+    opt.clip_gradients(net.grads(), grad_clip);
     opt.step(net.params(), net.grads(), 1e-2f);
     r.losses.push_back(loss);
   }
@@ -93,7 +101,7 @@ RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batch
 
 RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batches, uint64_t device_bytes,
                     uint64_t host_bytes, uint64_t nvme_bytes, const std::string& nvme_dir,
-                    bool offload_activations = false, bool overlap_optimizer = false) {
+                    bool offload_activations = false, bool overlap_optimizer = false, float grad_clip = kClip) {
   auto device = CpuDevice::create(0, 0);
   CHECK(device.ok());
   auto io = make_io_engine({.kind = "threads"});
@@ -106,7 +114,7 @@ RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batc
   po.nvme_bytes = nvme_bytes;
   po.nvme_dir = nvme_dir;
   po.grad_accum = kAccum;
-  po.optimizer = optimizer_config();
+  po.optimizer = optimizer_config(grad_clip);
   po.offload_activations = offload_activations;
   po.activation_tokens = kB * kT;
   po.overlap_optimizer = overlap_optimizer;
@@ -177,10 +185,7 @@ TEST_P(PagedStateTest, TightBudgetsThroughHostAndNvmeMatchBitwise) {
   RunResult flat = run_flat(mc, batches);
   // A few chunks per tier: every kind of state has to move between all three.
   model::ParamLayout layout(mc);
-  uint64_t largest = 0;
-  for (const auto& t : layout.tensors()) largest = std::max<uint64_t>(largest, t.numel * 4);
-  const uint64_t layer_bytes = static_cast<uint64_t>(layout.total_size()) * 4 / (mc.num_hidden_layers + 1);
-  const uint64_t chunk = std::max(largest, layer_bytes);
+  const uint64_t chunk = tight_chunk_bytes(layout, mc);
   fs::create_directories(dir_ / "nvme");
   RunResult paged = run_paged(mc, batches, 6 * chunk, 8 * chunk, 64 * chunk, (dir_ / "nvme").string());
   expect_bitwise_equal(flat, paged, mc);
@@ -229,10 +234,7 @@ TEST_P(PagedStateTest, OffloadedActivationsTightMatchFlatBitwise) {
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 13);
   RunResult flat = run_flat(mc, batches);
   model::ParamLayout layout(mc);
-  uint64_t largest = 0;
-  for (const auto& t : layout.tensors()) largest = std::max<uint64_t>(largest, t.numel * 4);
-  const uint64_t layer_bytes = static_cast<uint64_t>(layout.total_size()) * 4 / (mc.num_hidden_layers + 1);
-  const uint64_t chunk = std::max(largest, layer_bytes);
+  const uint64_t chunk = tight_chunk_bytes(layout, mc);
   fs::create_directories(dir_ / "nvme");
   const std::string nvme = (dir_ / "nvme").string();
   RunResult resident = run_paged(mc, batches, 6 * chunk, 8 * chunk, 96 * chunk, nvme);
@@ -246,19 +248,16 @@ TEST_P(PagedStateTest, OffloadedActivationsTightMatchFlatBitwise) {
 // AdamW starting on each group as soon as backward is done with it (on a worker thread, while
 // backward continues) gives bitwise the result of updating every group after backward.
 TEST_P(PagedStateTest, OptimizerOverlappingBackwardMatchesBitwise) {
-  g_grad_clip = 0.0f;
   const model::ModelConfig mc = tiny_config(GetParam());
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 11);
-  RunResult flat = run_flat(mc, batches);
-  RunResult overlapped = run_paged(mc, batches, 64ull << 20, 64ull << 20, 0, "", false, /*overlap_optimizer=*/true);
+  RunResult flat = run_flat(mc, batches, /*grad_clip=*/0.0f);
+  RunResult overlapped =
+      run_paged(mc, batches, 64ull << 20, 64ull << 20, 0, "", false, /*overlap_optimizer=*/true, /*grad_clip=*/0.0f);
   model::ParamLayout layout(mc);
-  uint64_t largest = 0;
-  for (const auto& t : layout.tensors()) largest = std::max<uint64_t>(largest, t.numel * 4);
-  const uint64_t layer_bytes = static_cast<uint64_t>(layout.total_size()) * 4 / (mc.num_hidden_layers + 1);
-  const uint64_t chunk = std::max(largest, layer_bytes);
+  const uint64_t chunk = tight_chunk_bytes(layout, mc);
   fs::create_directories(dir_ / "nvme");
-  RunResult tight = run_paged(mc, batches, 6 * chunk, 8 * chunk, 64 * chunk, (dir_ / "nvme").string(), false, true);
-  g_grad_clip = 0.5f;
+  RunResult tight =
+      run_paged(mc, batches, 6 * chunk, 8 * chunk, 64 * chunk, (dir_ / "nvme").string(), false, true, 0.0f);
   expect_bitwise_equal(flat, overlapped, mc);
   expect_bitwise_equal(flat, tight, mc);
   // Every group of every step was updated by the worker, queued the moment backward released it.
