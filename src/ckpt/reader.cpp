@@ -204,13 +204,19 @@ Status CheckpointReader::read_raw(const std::string& qualified, void* out, uint6
   return read_at(t->file, out, bytes, t->offset);
 }
 
-Status CheckpointReader::read_f32(const std::string& qualified, float* out, uint64_t count) const {
+Status CheckpointReader::check_f32(const std::string& qualified, uint64_t count) const {
   const SavedTensor* t = find(qualified);
   if (t == nullptr) return Status::NotFound("checkpoint " + step_dir_ + " has no tensor '" + qualified + "'");
   if (count != t->numel) {
     return Status::InvalidArgument("tensor '" + qualified + "' in " + step_dir_ + " has " + std::to_string(t->numel) +
                                    " elements, not " + std::to_string(count));
   }
+  return Status::OK();
+}
+
+Status CheckpointReader::read_f32(const std::string& qualified, float* out, uint64_t count) const {
+  RETURN_IF_ERROR(check_f32(qualified, count));
+  const SavedTensor* t = find(qualified);
   if (t->dtype == DType::kF32) return read_at(t->file, out, t->nbytes, t->offset);
   // BF16: through a bounded staging buffer.
   constexpr uint64_t kPiece = uint64_t{1} << 20;  // elements

@@ -66,6 +66,8 @@ class CheckpointReader {
   // Reads tensor `qualified` into out[0, count) as fp32 (BF16 converted). InvalidArgument
   // when count differs from the tensor's element count, NotFound for an unknown name.
   Status read_f32(const std::string& qualified, float* out, uint64_t count) const;
+  // The checks of read_f32 alone: the tensor exists and has `count` elements.
+  Status check_f32(const std::string& qualified, uint64_t count) const;
   // Reads the tensor's stored bytes unchanged; `bytes` must equal its nbytes.
   Status read_raw(const std::string& qualified, void* out, uint64_t bytes) const;
 

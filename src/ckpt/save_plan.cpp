@@ -63,8 +63,8 @@ void plan_file(int index, const std::string& name, std::vector<Placed>& placed, 
         continue;
       }
     }
-    extents.push_back(Extent{file_offset, p.nbytes, p.region, p.tensor->offset,
-                             static_cast<const char*>(region.data) + p.tensor->offset});
+    const char* data = region.data != nullptr ? static_cast<const char*>(region.data) + p.tensor->offset : nullptr;
+    extents.push_back(Extent{file_offset, p.nbytes, p.region, p.tensor->offset, data});
   }
 
   file.first_piece = static_cast<int>(plan->pieces.size());
@@ -114,9 +114,11 @@ void plan_file(int index, const std::string& name, std::vector<Placed>& placed, 
       const uint64_t b = std::max(x.file_offset, piece.offset);
       const uint64_t en = std::min(x.file_offset + x.length, real_end);
       const uint64_t into = b - x.file_offset;
-      piece.sources.push_back(PieceSource{x.data + into, en - b, b - piece.offset, x.region, x.region_offset + into});
+      piece.sources.push_back(PieceSource{x.data != nullptr ? x.data + into : nullptr, en - b, b - piece.offset, x.region,
+                                          x.region_offset + into});
     }
     piece.direct = piece.sources.size() == 1 && piece.sources[0].length == piece.length &&
+                   piece.sources[0].data != nullptr &&
                    reinterpret_cast<uintptr_t>(piece.sources[0].data) % kFileAlign == 0;
     for (const PieceSource& s : piece.sources) {
       plan->region_spans[s.region].push_back(RegionSpan{s.region_offset, s.region_offset + s.length, i});
@@ -138,7 +140,7 @@ Result<SavePlan> make_save_plan(const SaveRequest& request, uint64_t piece_bytes
   std::set<std::string> names[2];
   for (int r = 0; r < static_cast<int>(request.regions.size()); ++r) {
     const Region& region = request.regions[r];
-    if (region.data == nullptr && region.size > 0) {
+    if (region.data == nullptr && !region.read && region.size > 0) {
       return Status::InvalidArgument("checkpoint step " + std::to_string(request.step) + ": region " +
                                      std::to_string(r) + " has no memory");
     }

@@ -22,7 +22,7 @@ namespace strata::ckpt {
 // Bytes of a piece taken from one place: a region (region >= 0) or a header (region == -1;
 // `data` is null, see source_data).
 struct PieceSource {
-  const char* data = nullptr;
+  const char* data = nullptr;   // null for a header and for a region read through its reader
   uint64_t length = 0;
   uint64_t dst = 0;             // offset within the piece
   int region = -1;

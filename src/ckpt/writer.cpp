@@ -4,7 +4,8 @@
 //   kPending ──writer or trainer copies into a staging slot──> kCapturing ──> kCaptured
 //   kPending (direct) or kCaptured ──submit──> kInFlight ──completion──> kWritten
 // Every piece is hashed in file order before it is submitted (XXH3 streaming state per file),
-// from its slot when it has one, otherwise from the region (flagged `hashing`).
+// from its slot when it has one, otherwise from the region (flagged `hashing`; a region with a
+// reader is read into a scratch buffer for that, and read again when the piece is staged).
 // A piece no longer needs its region ("released") once its bytes sit in a slot or on disk and
 // no hash is reading the region; before_modify returns when every piece it touches is released.
 #include "ckpt/writer.h"
@@ -62,6 +63,7 @@ struct CheckpointWriter::Job {
   std::vector<int> engine_files;   // per planned file
   std::vector<uint64_t> hashes;    // per planned file, once written
   std::unique_ptr<char, FreeDeleter> staging;
+  std::unique_ptr<char, FreeDeleter> scratch;  // hashing pieces of reader regions; writer thread
   uint64_t piece_bytes = 0;
   Clock::time_point started;
   std::atomic<bool> cancel{false};
@@ -74,11 +76,12 @@ struct CheckpointWriter::Job {
   std::deque<int> urgent;          // GUARDED_BY(mu)
   std::set<int> captured;          // pieces in kCaptured; GUARDED_BY(mu)
   bool released_all = false;       // GUARDED_BY(mu): the regions are no longer read
+  Status failure;                  // GUARDED_BY(mu): a reader failed; the save is lost
   SaveStats stats;                 // GUARDED_BY(mu)
 
   bool released(int p) const {
     const PieceStatus& s = pieces[p];
-    if (released_all) return true;
+    if (released_all || !failure.ok()) return true;
     if (s.hashing) return false;
     return s.state == PieceState::kWritten || (s.slot != nullptr && s.state != PieceState::kCapturing);
   }
@@ -86,10 +89,25 @@ struct CheckpointWriter::Job {
 
   // Copies a piece's bytes into `slot` and zeroes its padding. Runs without the lock; the
   // caller has marked the piece kCapturing.
-  void copy_piece(int p, char* slot) const {
+  Status copy_piece(int p, char* slot) const {
     const Piece& piece = plan.pieces[p];
-    for (const PieceSource& s : piece.sources) std::memcpy(slot + s.dst, source_data(plan, piece, s), s.length);
+    for (const PieceSource& s : piece.sources) RETURN_IF_ERROR(copy_source(piece, s, slot + s.dst));
     std::memset(slot + piece.real, 0, piece.length - piece.real);
+    return Status::OK();
+  }
+  Status copy_source(const Piece& piece, const PieceSource& s, char* dst) const {
+    if (s.region >= 0 && request.regions[s.region].read) {
+      return request.regions[s.region].read(s.region_offset, s.length, dst)
+          .with_context("reading " + std::string(tensor_kind_name(request.regions[s.region].kind)) +
+                        " bytes for the checkpoint");
+    }
+    std::memcpy(dst, source_data(plan, piece, s), s.length);
+    return Status::OK();
+  }
+  bool has_reader() const {
+    for (const Region& r : request.regions)
+      if (r.read) return true;
+    return false;
   }
 };
 
@@ -225,6 +243,13 @@ Result<SaveStart> CheckpointWriter::begin_save(const SaveRequest& request) {
                                     " of checkpoint staging memory"));
   }
   for (uint64_t i = 0; i < slots; ++i) job->free_slots.push_back(job->staging.get() + i * job->piece_bytes);
+  if (job->has_reader()) {
+    job->scratch.reset(static_cast<char*>(std::aligned_alloc(kFileAlign, job->piece_bytes)));
+    if (job->scratch == nullptr) {
+      return fail(Status::OutOfMemory("cannot allocate " + format_bytes(job->piece_bytes) +
+                                      " of checkpoint staging memory"));
+    }
+  }
   job->pieces.resize(job->plan.pieces.size());
   job->stats.step = request.step;
   job->stats.engine = job->engine->name();
@@ -257,8 +282,17 @@ void CheckpointWriter::before_modify(int region, uint64_t begin, uint64_t end) {
         s.slot = slot;
         s.state = PieceState::kCapturing;
         lock.unlock();
-        job->copy_piece(p, slot);
+        Status copied = job->copy_piece(p, slot);
         lock.lock();
+        if (!copied.ok()) {
+          // The save is lost (the writer thread reports it); the caller may go on.
+          if (job->failure.ok()) job->failure = copied;
+          s.state = PieceState::kPending;
+          s.slot = nullptr;
+          job->free_slots.push_back(slot);
+          job->cv.notify_all();
+          break;
+        }
         s.state = PieceState::kCaptured;
         job->captured.insert(p);
         job->stats.cow_copied_bytes += job->plan.pieces[p].real;
@@ -326,12 +360,23 @@ Status CheckpointWriter::write_data(Job* job) {
       } else {
         s.hashing = true;
         lock.unlock();
+        Status read = Status::OK();
         for (const PieceSource& src : piece.sources) {
-          XXH3_64bits_update(state, source_data(job->plan, piece, src), src.length);
+          if (src.region >= 0 && job->request.regions[src.region].read) {
+            read = job->copy_source(piece, src, job->scratch.get());
+            if (!read.ok()) break;
+            XXH3_64bits_update(state, job->scratch.get(), src.length);
+          } else {
+            XXH3_64bits_update(state, source_data(job->plan, piece, src), src.length);
+          }
         }
         lock.lock();
         s.hashing = false;
         job->cv.notify_all();
+        if (!read.ok()) {
+          if (error.ok()) error = read;
+          return;
+        }
       }
       s.hashed = true;
       ++hash_cursor[f];
@@ -350,7 +395,7 @@ Status CheckpointWriter::write_data(Job* job) {
   };
 
   const uint32_t max_in_flight = std::max<uint32_t>(1, options_.max_in_flight);
-  while (written < n && error.ok() && !job->cancel.load()) {
+  while (written < n && error.ok() && job->failure.ok() && !job->cancel.load()) {
     int target = pick();
     if (target < 0) {
       if (!in_flight.empty()) {
@@ -378,7 +423,7 @@ Status CheckpointWriter::write_data(Job* job) {
     }
     if (!job->pieces[target].hashed) {
       hash_through(target);
-      continue;  // the lock was released; look again
+      continue;  // the lock was released (or an error set); look again
     }
     PieceStatus& t = job->pieces[target];
     const Piece& tp = job->plan.pieces[target];
@@ -395,8 +440,14 @@ Status CheckpointWriter::write_data(Job* job) {
       job->free_slots.pop_back();
       t.state = PieceState::kCapturing;
       lock.unlock();
-      job->copy_piece(target, t.slot);
+      Status copied = job->copy_piece(target, t.slot);
       lock.lock();
+      if (!copied.ok()) {
+        error = copied;
+        t.state = PieceState::kWritten;  // never submitted; its slot is simply dropped
+        job->cv.notify_all();
+        break;
+      }
       buffer = t.slot;
       job->stats.staged_bytes += tp.length;
     }
@@ -419,6 +470,7 @@ Status CheckpointWriter::write_data(Job* job) {
     in_flight.emplace_back(*ticket, target);
   }
   while (!in_flight.empty()) complete_oldest();
+  if (error.ok() && !job->failure.ok()) error = job->failure;
   job->released_all = true;
   job->cv.notify_all();
   cow_active_.store(false, std::memory_order_release);

@@ -14,6 +14,9 @@
 // the writer copies them into its staging memory (when the staging budget allows) or makes the
 // trainer wait until they are written (the writer serves that range first). Either way the
 // checkpoint holds the state at begin_save() exactly; a stall is bounded by one piece's write.
+// Regions with a reader instead of memory are read piece by piece into staging as the writer
+// gets to them (or as before_modify asks), so staging stays within its budget whatever the
+// size of the state; a reader's error fails the save like a write error.
 //
 // A failed save (EIO, ENOSPC, ...) logs one line naming the file and the directory, removes its
 // step-N.tmp and leaves DIR/latest and every earlier checkpoint untouched; wait()/poll() return
@@ -53,13 +56,19 @@ struct RegionTensor {
   uint64_t offset = 0;         // byte offset within the region
 };
 
-// A contiguous host buffer holding tensors of one kind. Tensors may sit anywhere inside it
-// (gaps allowed) but must not overlap.
+// Copies bytes [offset, offset + length) of a region into dst (e.g. out of a chunk space whose
+// chunks move between tiers). Called from the writer's thread and from before_modify callers.
+using RegionReader = std::function<Status(uint64_t offset, uint64_t length, void* dst)>;
+
+// Tensors of one kind laid out in a byte range: a contiguous host buffer (`data`), or a range
+// only `read` can copy out. Tensors may sit anywhere inside it (gaps allowed) but must not
+// overlap.
 struct Region {
   TensorKind kind = TensorKind::kParam;
   const void* data = nullptr;  // borrowed; 4 KiB alignment lets pieces be written in place
   uint64_t size = 0;           // bytes
   std::vector<RegionTensor> tensors;
+  RegionReader read;           // used when data is null: every piece is read into staging
 };
 
 struct SaveRequest {

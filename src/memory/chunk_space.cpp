@@ -1,7 +1,9 @@
 #include "memory/chunk_space.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <tuple>
 
 #include "core/log.h"
@@ -333,6 +335,63 @@ Status ChunkSpace::evict(ChunkId id, Tier from) {
   Status st = evict_locked(id, from);
   busy_.reset();
   return st;
+}
+
+Status ChunkSpace::read_tensor(TensorId id, uint64_t offset, uint64_t length, void* dst) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const TensorPlacement t = layout_.tensor(id);
+  if (offset > t.bytes || length > t.bytes - offset) {
+    return Status::InvalidArgument("read of bytes [" + std::to_string(offset) + ", " +
+                                   std::to_string(offset + length) + ") of tensor '" + t.name +
+                                   "', which has " + std::to_string(t.bytes));
+  }
+  if (length == 0) return Status::OK();
+  ChunkState& c = chunks_[t.chunk];
+  const uint64_t at = t.offset + offset;  // within the chunk
+  if (c.zero) {
+    std::memset(dst, 0, length);
+    return Status::OK();
+  }
+  // The cheapest valid copy first. Waiting on a slot's fence may find that the read filling
+  // it failed, which marks the copy stale; then the next copy is tried.
+  if (c.valid[kHost]) {
+    const uint32_t h = static_cast<uint32_t>(c.slot[kHost]);
+    (void)wait_slot(Tier::kHost, h);
+    if (c.valid[kHost]) {
+      std::memcpy(dst, static_cast<const char*>(tier(Tier::kHost).data(h)) + at, length);
+      return Status::OK();
+    }
+  }
+  if (c.valid[kDevice]) {
+    const uint32_t d = static_cast<uint32_t>(c.slot[kDevice]);
+    (void)order_on(Tier::kDevice, d, *down_);
+    device_.copy(dst, static_cast<const char*>(tier(Tier::kDevice).data(d)) + at, length, *down_);
+    record_on(Tier::kDevice, d, *down_);
+    down_->synchronize();
+    return Status::OK();
+  }
+  CHECK_MSG(c.valid[kNvme], "chunk " + std::to_string(t.chunk) + " has no valid copy");
+  // O_DIRECT wants 4 KiB-aligned offsets, lengths and memory: read the aligned span around
+  // the range (it stays inside the slot, whose size is a multiple of 4 KiB).
+  const uint32_t n = static_cast<uint32_t>(c.slot[kNvme]);
+  RETURN_IF_ERROR(wait_slot(Tier::kNvme, n));
+  const uint64_t begin = at / 4096 * 4096;
+  const uint64_t end = (at + length + 4095) / 4096 * 4096;
+  std::unique_ptr<char, void (*)(void*)> buffer(static_cast<char*>(std::aligned_alloc(4096, end - begin)),
+                                                std::free);
+  CHECK_MSG(buffer != nullptr, "out of host memory for a read of " + format_bytes(end - begin));
+  const FileSpan span = tier(Tier::kNvme).file_span(n);
+  IoRequest request;
+  request.op = IoOp::kRead;
+  request.file = span.file;
+  request.buffer = buffer.get();
+  request.length = end - begin;
+  request.offset = span.offset + begin;
+  Result<IoTicket> ticket = io_->submit(request);
+  Status st = ticket.ok() ? io_->wait(*ticket) : ticket.status();
+  if (!st.ok()) return st.with_context("reading tensor '" + t.name + "' from the nvme tier");
+  std::memcpy(dst, buffer.get() + (at - begin), length);
+  return Status::OK();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -153,6 +153,13 @@ class ChunkSpace {
   // the chunk is pinned there.
   Status evict(ChunkId id, Tier from);
 
+  // Copies bytes [offset, offset + length) of tensor `id` into `dst` from the tensor's latest
+  // copy wherever it is (host, device or nvme; zeros for a chunk never written), without
+  // moving the chunk, taking a slot, pinning it or touching the eviction order: a reader beside
+  // compute (a checkpoint save). The caller guarantees nobody writes those bytes meanwhile.
+  // Errors: InvalidArgument for a range outside the tensor; IOError from an nvme read.
+  Status read_tensor(TensorId id, uint64_t offset, uint64_t length, void* dst);
+
   // --- Schedule ---------------------------------------------------------------------------
   // The order in which chunks will be acquired, one entry per acquire; it repeats (the next
   // step follows the last entry). Replaces LRU by Belady eviction. An empty order clears it.

@@ -238,4 +238,9 @@ float* StateStore::pointer(size_t i, StateKind kind) const {
   return p;
 }
 
+Status StateStore::read_tensor(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst) {
+  CHECK(i < ids_.size());
+  return space_->read_tensor(ids_[i][static_cast<int>(kind)], first * sizeof(float), count * sizeof(float), dst);
+}
+
 }  // namespace strata

@@ -81,6 +81,10 @@ class StateStore {
   void release_group(int group, StateKind kind);
   // REQUIRES: tensor i's group is acquired for `kind`.
   float* pointer(size_t i, StateKind kind) const;
+  // Copies floats [first, first + count) of tensor i's `kind` state into `dst` from wherever
+  // its latest copy is, without moving or pinning anything (ChunkSpace::read_tensor). The
+  // caller guarantees nobody writes them meanwhile.
+  Status read_tensor(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst);
   // Tensors of a group, in order.
   const std::vector<size_t>& group_tensors(int group) const { return group_tensors_[group]; }
 

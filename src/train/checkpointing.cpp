@@ -1,25 +1,21 @@
 #include "train/checkpointing.h"
 
-#include <cstdlib>
-#include <cstring>
-
 #include "core/log.h"
 #include "core/version.h"
 
 namespace strata {
 namespace {
 
-float* aligned_floats(int64_t count) {
-  const size_t bytes = (static_cast<size_t>(count) * sizeof(float) + 4095) / 4096 * 4096;
-  void* p = std::aligned_alloc(4096, bytes);
-  CHECK_MSG(p != nullptr, "out of host memory for a checkpoint snapshot of " + std::to_string(bytes) + " bytes");
-  return static_cast<float*>(p);
-}
+constexpr StateKind kSavedKinds[] = {StateKind::kParam, StateKind::kAdamM, StateKind::kAdamV};
 
-ckpt::Region make_region(ckpt::TensorKind kind, const float* data, const model::ParamLayout& layout) {
+// The flat layout of one kind, read out of the chunk space on demand.
+ckpt::Region make_region(ckpt::TensorKind kind, StateKind state_kind, const model::ParamLayout& layout,
+                         PagedState& state) {
   ckpt::Region r;
   r.kind = kind;
-  r.data = data;
+  r.read = [&state, state_kind](uint64_t offset, uint64_t length, void* dst) {
+    return state.read_flat(state_kind, offset, length, dst);
+  };
   r.size = static_cast<uint64_t>(layout.total_size()) * sizeof(float);
   for (const auto& t : layout.tensors())
     r.tensors.push_back({t.name, t.shape, ckpt::DType::kF32, static_cast<uint64_t>(t.offset) * sizeof(float)});
@@ -28,26 +24,42 @@ ckpt::Region make_region(ckpt::TensorKind kind, const float* data, const model::
 
 }  // namespace
 
-TrainCheckpointer::TrainCheckpointer(const CheckpointOptions& options, const model::ParamLayout& layout)
-    : options_(options),
-      layout_(layout),
-      params_(aligned_floats(layout.total_size()), std::free),
-      m_(aligned_floats(layout.total_size()), std::free),
-      v_(aligned_floats(layout.total_size()), std::free) {
+TrainCheckpointer::TrainCheckpointer(const CheckpointOptions& options, const model::ParamLayout& layout,
+                                     PagedState& state, ckpt::IoEngineFactory engine_factory)
+    : options_(options), layout_(layout), state_(state) {
   ckpt::CheckpointWriterOptions wo;
   wo.keep_last = options.keep_last;
   wo.if_busy = options.skip_if_busy ? ckpt::IfBusy::kSkip : ckpt::IfBusy::kWait;
   wo.staging_bytes = options.staging_bytes;
+  wo.engine_factory = std::move(engine_factory);
   writer_ = std::make_unique<ckpt::CheckpointWriter>(wo);
+  // Each group's tensors as flat byte ranges, adjacent ones merged.
+  group_ranges_.resize(static_cast<size_t>(layout_.num_layers()) + 2);
+  for (const auto& t : layout_.tensors()) {
+    auto& ranges = group_ranges_[static_cast<size_t>(model::param_group_of(layout_, t))];
+    const uint64_t b = static_cast<uint64_t>(t.offset) * sizeof(float);
+    const uint64_t e = b + static_cast<uint64_t>(t.numel) * sizeof(float);
+    if (!ranges.empty() && ranges.back().second == b) ranges.back().second = e;
+    else ranges.emplace_back(b, e);
+  }
+  state_.set_before_modify([this](int group) { before_modify(group); });
 }
 
 TrainCheckpointer::~TrainCheckpointer() {
   Status st = writer_->wait();
   if (!st.ok()) LOG_WARN("checkpoint: {}", st.message());
+  state_.set_before_modify(nullptr);
+}
+
+void TrainCheckpointer::before_modify(int group) {
+  if (!writer_->in_flight()) return;
+  for (int region = 0; region < 3; ++region)
+    for (const auto& [b, e] : group_ranges_[static_cast<size_t>(group)]) writer_->before_modify(region, b, e);
 }
 
 Status TrainCheckpointer::save(PagedState& state, const RunPosition& pos, const nlohmann::json& model_config,
                                uint64_t seed) {
+  CHECK_MSG(&state == &state_, "a TrainCheckpointer saves the PagedState it was made for");
   if (writer_->in_flight()) {
     if (options_.skip_if_busy) {
       LOG_INFO("checkpoint: step {} skipped, the save of an earlier step is still being written", pos.step);
@@ -56,15 +68,12 @@ Status TrainCheckpointer::save(PagedState& state, const RunPosition& pos, const 
     Status previous = writer_->wait();
     if (!previous.ok()) LOG_WARN("checkpoint: the previous save failed: {}", previous.message());
   }
-  // The snapshot: the state after this step, copied out of the chunk space.
-  RETURN_IF_ERROR(state.store_params(params_.get()));
-  RETURN_IF_ERROR(state.store_moments(m_.get(), v_.get()));
   ckpt::SaveRequest req;
   req.dir = options_.dir;
   req.step = pos.step;
-  req.regions.push_back(make_region(ckpt::TensorKind::kParam, params_.get(), layout_));
-  req.regions.push_back(make_region(ckpt::TensorKind::kAdamM, m_.get(), layout_));
-  req.regions.push_back(make_region(ckpt::TensorKind::kAdamV, v_.get(), layout_));
+  req.regions.push_back(make_region(ckpt::TensorKind::kParam, kSavedKinds[0], layout_, state_));
+  req.regions.push_back(make_region(ckpt::TensorKind::kAdamM, kSavedKinds[1], layout_, state_));
+  req.regions.push_back(make_region(ckpt::TensorKind::kAdamV, kSavedKinds[2], layout_, state_));
   req.manifest.strata_version = kStrataVersion;
   req.manifest.tokens_seen = pos.tokens_seen;
   req.manifest.data_cursor = {pos.data_epoch, pos.data_index};
@@ -82,19 +91,20 @@ Result<RunPosition> restore_checkpoint(const std::string& path, const model::Par
   ckpt::ReaderOpenOptions ro;
   ro.verify = true;
   ASSIGN_OR_RETURN(std::unique_ptr<ckpt::CheckpointReader> reader, ckpt::CheckpointReader::open(path, ro));
-  std::vector<float> params(static_cast<size_t>(layout.total_size()), 0.0f), m(params.size(), 0.0f),
-      v(params.size(), 0.0f);
-  for (const auto& t : layout.tensors()) {
-    const uint64_t n = static_cast<uint64_t>(t.numel);
-    RETURN_IF_ERROR(reader->read_f32(ckpt::qualified_name(ckpt::TensorKind::kParam, t.name), params.data() + t.offset, n)
-                        .with_context("resuming from " + reader->step_dir()));
-    RETURN_IF_ERROR(reader->read_f32(ckpt::qualified_name(ckpt::TensorKind::kAdamM, t.name), m.data() + t.offset, n)
-                        .with_context("resuming from " + reader->step_dir()));
-    RETURN_IF_ERROR(reader->read_f32(ckpt::qualified_name(ckpt::TensorKind::kAdamV, t.name), v.data() + t.offset, n)
-                        .with_context("resuming from " + reader->step_dir()));
+  // Every tensor must be there with its size before anything is overwritten.
+  for (const auto& t : layout.tensors())
+    for (ckpt::TensorKind kind : {ckpt::TensorKind::kParam, ckpt::TensorKind::kAdamM, ckpt::TensorKind::kAdamV})
+      RETURN_IF_ERROR(reader->check_f32(ckpt::qualified_name(kind, t.name), static_cast<uint64_t>(t.numel))
+                          .with_context("resuming from " + reader->step_dir()));
+  const std::pair<StateKind, ckpt::TensorKind> kinds[] = {{StateKind::kParam, ckpt::TensorKind::kParam},
+                                                          {StateKind::kAdamM, ckpt::TensorKind::kAdamM},
+                                                          {StateKind::kAdamV, ckpt::TensorKind::kAdamV}};
+  for (const auto& [state_kind, kind] : kinds) {
+    RETURN_IF_ERROR(state.fill_kind(state_kind, [&, kind = kind](const model::TensorSpec& t, float* dst) {
+      return reader->read_f32(ckpt::qualified_name(kind, t.name), dst, static_cast<uint64_t>(t.numel))
+          .with_context("resuming from " + reader->step_dir());
+    }));
   }
-  RETURN_IF_ERROR(state.load_params(params.data()));
-  RETURN_IF_ERROR(state.load_moments(m.data(), v.data()));
   const ckpt::ManifestFields& f = reader->manifest().fields;
   RunPosition pos;
   pos.step = reader->step();

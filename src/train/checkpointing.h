@@ -1,11 +1,13 @@
 // Checkpoints of a training run: snapshots of the paged state written asynchronously by
 // ckpt::CheckpointWriter, and the restore that resumes a run bit-exactly.
 //
-// A save copies parameters and Adam moments out of the chunk space into three 4 KiB-aligned
-// host buffers (the snapshot) and hands those to the writer, so training continues while the
-// files are written, and the checkpoint holds exactly the state after its step. The snapshot
-// is the size of the state (fp32 parameters and two moments); the next save waits for the one
-// in flight before it reuses the buffers. Not thread-safe.
+// A save copies nothing up front: the writer reads parameters and Adam moments out of the chunk
+// space (wherever each chunk is: device, host or nvme) piece by piece into its staging memory
+// (CheckpointOptions::staging_bytes) while training goes on. Before the optimizer updates a
+// group it calls the writer's before_modify for that group's bytes, which captures what has
+// not been written yet (or waits for it), so the checkpoint holds exactly the state after its
+// step while host memory beyond the state stays bounded by the staging budget. Not
+// thread-safe, except that the PagedState hook it installs may run on the optimizer's worker.
 #pragma once
 
 #include <cstdint>
@@ -39,27 +41,35 @@ struct RunPosition {
 
 class TrainCheckpointer {
  public:
-  TrainCheckpointer(const CheckpointOptions& options, const model::ParamLayout& layout);
+  // Installs the copy-on-write hook in `state`, which must outlive the checkpointer.
+  TrainCheckpointer(const CheckpointOptions& options, const model::ParamLayout& layout, PagedState& state,
+                    ckpt::IoEngineFactory engine_factory = {});
   ~TrainCheckpointer();
 
-  // Snapshots `state` and starts writing DIR/step-N. The previous save is waited for first;
-  // its failure is logged (the run goes on) and returned by the next wait().
+  // Starts writing DIR/step-N from `state` (the state after step N). The previous save is waited
+  // for first (or, with skip_if_busy, this one skipped); its failure is logged (the run goes on)
+  // and returned by the next wait().
   Status save(PagedState& state, const RunPosition& position, const nlohmann::json& model_config, uint64_t seed);
   // Waits for the save in flight; its outcome.
   Status wait() { return writer_->wait(); }
   bool in_flight() const { return writer_->in_flight(); }
   void cancel() { writer_->cancel(); }
+  ckpt::SaveStats last_stats() const { return writer_->last_stats(); }
 
  private:
+  void before_modify(int group);
+
   CheckpointOptions options_;
   model::ParamLayout layout_;
+  PagedState& state_;
   std::unique_ptr<ckpt::CheckpointWriter> writer_;
-  std::unique_ptr<float, void (*)(void*)> params_, m_, v_;
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> group_ranges_;  // per group: flat byte ranges
 };
 
 // Restores parameters, Adam moments and the run position from a checkpoint (DIR, DIR/latest
 // or DIR/step-N). The model layout must match: a tensor missing or of another size is an error
 // naming it. Checksums are verified first.
+// Tensors are read straight into their chunks, group by group.
 Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, PagedState& state);
 
 }  // namespace strata

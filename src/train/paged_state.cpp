@@ -1,5 +1,6 @@
 #include "train/paged_state.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -69,9 +70,11 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   std::vector<StateTensor> tensors;
   for (const auto& t : ps->layout_.tensors()) {
     ps->by_offset_[t.offset] = tensors.size();
+    ps->sorted_.emplace_back(t.offset, tensors.size());
     ps->specs_.push_back(&t);
     tensors.push_back({t.name, static_cast<uint64_t>(t.numel), model::param_group_of(ps->layout_, t)});
   }
+  std::sort(ps->sorted_.begin(), ps->sorted_.end());
   const int L = static_cast<int>(ps->layout_.num_layers());
   StateStoreOptions so;
   so.space.chunk_bytes = options.chunk_bytes;
@@ -114,19 +117,59 @@ size_t PagedState::tensor_at(int64_t offset) const {
   return it->second;
 }
 
-Status PagedState::copy_kind(StateKind kind, float* flat, bool to_store) {
+Status PagedState::fill_kind(StateKind kind, const std::function<Status(const model::TensorSpec&, float*)>& fill) {
   for (int g = 0; g < store_->num_groups(); ++g) {
-    RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, to_store ? AccessMode::kReadWrite : AccessMode::kRead));
+    if (before_modify_ && kind != StateKind::kGrad) before_modify_(g);
+    RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kReadWrite));
+    Status st = Status::OK();
     for (size_t i : store_->group_tensors(g)) {
-      float* chunk = store_->pointer(i, kind);
-      float* host = flat + specs_[i]->offset;
-      const size_t bytes = static_cast<size_t>(specs_[i]->numel) * sizeof(float);
-      if (to_store) std::memcpy(chunk, host, bytes);
-      else std::memcpy(host, chunk, bytes);
+      st = fill(*specs_[i], store_->pointer(i, kind));
+      if (!st.ok()) break;
     }
+    store_->release_group(g, kind);
+    RETURN_IF_ERROR(st);
+  }
+  return store_->synchronize();
+}
+
+Status PagedState::copy_kind(StateKind kind, float* flat, bool to_store) {
+  if (to_store) {
+    return fill_kind(kind, [flat](const model::TensorSpec& t, float* chunk) {
+      std::memcpy(chunk, flat + t.offset, static_cast<size_t>(t.numel) * sizeof(float));
+      return Status::OK();
+    });
+  }
+  for (int g = 0; g < store_->num_groups(); ++g) {
+    RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kRead));
+    for (size_t i : store_->group_tensors(g))
+      std::memcpy(flat + specs_[i]->offset, store_->pointer(i, kind), static_cast<size_t>(specs_[i]->numel) * sizeof(float));
     store_->release_group(g, kind);
   }
   return store_->synchronize();
+}
+
+Status PagedState::read_flat(StateKind kind, uint64_t offset, uint64_t length, void* dst) {
+  CHECK_MSG(offset % sizeof(float) == 0 && length % sizeof(float) == 0, "read_flat of a range that splits a float");
+  int64_t first = static_cast<int64_t>(offset / sizeof(float));
+  const int64_t end = first + static_cast<int64_t>(length / sizeof(float));
+  float* out = static_cast<float*>(dst);
+  // The last tensor starting at or before `first`.
+  auto it = std::upper_bound(sorted_.begin(), sorted_.end(), std::make_pair(first, SIZE_MAX));
+  CHECK_MSG(it != sorted_.begin(), "read_flat before the first tensor");
+  --it;
+  while (first < end) {
+    CHECK_MSG(it != sorted_.end(), "read_flat past the last tensor");
+    const model::TensorSpec& t = *specs_[it->second];
+    CHECK_MSG(first >= t.offset && first < t.offset + t.numel,
+              "read_flat of flat offset " + std::to_string(first) + ", which is in no tensor");
+    const int64_t count = std::min(end, t.offset + t.numel) - first;
+    RETURN_IF_ERROR(store_->read_tensor(it->second, kind, static_cast<uint64_t>(first - t.offset),
+                                        static_cast<uint64_t>(count), out));
+    out += count;
+    first += count;
+    ++it;
+  }
+  return Status::OK();
 }
 
 Status PagedState::load_params(const float* flat) { return copy_kind(StateKind::kParam, const_cast<float*>(flat), true); }
@@ -167,6 +210,7 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   // moments are read into host slots and written back when evicted).
   const Tier where = store_->home(g, StateKind::kAdamM) == Tier::kDevice ? Tier::kDevice : Tier::kHost;
   const StateKind kinds[] = {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV};
+  if (before_modify_) before_modify_(g);
   for (int k = 0; k < 4; ++k) {
     Status st = store_->acquire_group(g, kinds[k], where, AccessMode::kReadWrite);
     if (!st.ok()) {

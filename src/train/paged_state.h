@@ -19,6 +19,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <memory>
@@ -67,9 +68,20 @@ class PagedState : public model::ParamAccess {
   // Copies parameters in from / out to a flat buffer of layout.total_size() floats.
   Status load_params(const float* flat);
   Status store_params(float* flat);
-  // Copies the Adam moments out / in (checkpoints).
+  // Copies the Adam moments out / in.
   Status store_moments(float* m_flat, float* v_flat);
   Status load_moments(const float* m_flat, const float* v_flat);
+  // Calls fill(tensor, data) for every tensor with its `kind` state acquired in host memory
+  // for writing, group by group, so that a checkpoint is restored without a second copy of
+  // the state. Stops at the first error.
+  Status fill_kind(StateKind kind, const std::function<Status(const model::TensorSpec&, float*)>& fill);
+  // Copies bytes [offset, offset + length) of the flat `kind` state (the layout of
+  // load_params; only tensor bytes, whole floats) into dst from wherever the chunks are,
+  // moving nothing: what a checkpoint save reads beside training.
+  Status read_flat(StateKind kind, uint64_t offset, uint64_t length, void* dst);
+  // Called with a group before the optimizer (or a load) modifies its parameters or moments,
+  // from the thread doing it: a save in flight captures the bytes it has not written yet.
+  void set_before_modify(std::function<void(int group)> hook) { before_modify_ = std::move(hook); }
   void set_step_count(int64_t steps) { step_count_ = steps; }
 
   Status zero_grads();
@@ -114,6 +126,8 @@ class PagedState : public model::ParamAccess {
   PagedStateOptions options_;
   std::unique_ptr<StateStore> store_;
   std::unordered_map<int64_t, size_t> by_offset_;  // flat offset -> store tensor index
+  std::vector<std::pair<int64_t, size_t>> sorted_;  // (flat offset, store tensor index), ascending
+  std::function<void(int group)> before_modify_;
   std::vector<const model::TensorSpec*> specs_;     // store tensor index -> layout spec
   int64_t step_count_ = 0;
 

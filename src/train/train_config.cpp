@@ -81,6 +81,9 @@ ConfigSchema build_schema() {
          .help = "committed checkpoints to keep (0 = all)"});
   s.add({.name = "ckpt.if_busy", .type = T::kString, .default_value = "wait", .choices = {"wait", "skip"},
          .help = "when a save is due while the previous one is still being written"});
+  s.add({.name = "ckpt.staging", .type = T::kBytes, .default_value = "64MiB", .min = 65536,
+         .help = "host memory a save may use besides the state: pieces being written, and parts the optimizer "
+                 "is about to change before they are written"});
   s.add({.name = "run.dir", .type = T::kString, .default_value = "runs/default",
          .help = "where metrics.jsonl and config.yaml are written"});
   s.add({.name = "run.export", .type = T::kString, .default_value = "",
@@ -181,6 +184,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   if (t.ckpt_dir.empty()) t.ckpt_dir = t.run_dir + "/checkpoints";
   t.ckpt_keep_last = c.get_int("ckpt.keep_last");
   t.ckpt_skip_if_busy = c.get_string("ckpt.if_busy") == "skip";
+  t.ckpt_staging = c.get_bytes("ckpt.staging");
   t.run_export = c.get_string("run.export");
   t.log_every = c.get_int("run.log_every");
   t.device = c.get_string("run.device");

@@ -47,6 +47,7 @@ struct TrainConfig {
   std::string ckpt_dir;
   int64_t ckpt_keep_last = 3;
   bool ckpt_skip_if_busy = false;
+  uint64_t ckpt_staging = 64ull << 20;
   std::string resume;  // --resume: a checkpoint path, "auto" (ckpt_dir if it has one), or ""
   // run
   std::string run_dir;

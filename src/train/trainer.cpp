@@ -232,7 +232,8 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   co.dir = t.ckpt_dir;
   co.keep_last = static_cast<int>(t.ckpt_keep_last);
   co.skip_if_busy = t.ckpt_skip_if_busy;
-  TrainCheckpointer checkpointer(co, net.layout());
+  co.staging_bytes = t.ckpt_staging;
+  TrainCheckpointer checkpointer(co, net.layout(), *state);
   int64_t last_saved_step = start_step - 1;
   auto save_checkpoint = [&](int64_t step) -> Status {
     RunPosition pos;

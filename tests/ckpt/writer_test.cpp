@@ -2,7 +2,9 @@
 // copy-on-write while the optimizer runs, atomic commit, retention, and busy handling.
 #include <sys/wait.h>
 
+#include <atomic>
 #include <cstdio>
+#include <memory>
 #include <cstring>
 #include <set>
 
@@ -129,9 +131,25 @@ TEST_F(CkptTest, ModelFileLoadsInPythonSafetensors) {
   }
 }
 
+// The request's regions, read through readers (as the trainer's chunk space is) instead of
+// from memory. `fail_after` > 0: the reader fails from that call on.
+SaveRequest with_readers(SaveRequest req, int fail_after = 0) {
+  auto calls = std::make_shared<std::atomic<int>>(0);
+  for (Region& r : req.regions) {
+    const char* data = static_cast<const char*>(r.data);
+    r.data = nullptr;
+    r.read = [data, calls, fail_after](uint64_t offset, uint64_t length, void* dst) {
+      if (fail_after > 0 && ++*calls >= fail_after) return Status::IOError("injected read failure");
+      std::memcpy(dst, data + offset, length);
+      return Status::OK();
+    };
+  }
+  return req;
+}
+
 // The optimizer overwrites every region piece by piece while the save runs; the checkpoint
 // still holds the values of the save point, whichever way each piece was protected.
-void cow_case(const std::string& dir, uint64_t staging, uint64_t misalign, bool expect_waits) {
+void cow_case(const std::string& dir, uint64_t staging, uint64_t misalign, bool expect_waits, bool readers = false) {
   TrainState state(24, misalign);  // ~12 MiB per region
   const auto at_save = state.snapshot();
   CheckpointWriterOptions opt;
@@ -147,7 +165,7 @@ void cow_case(const std::string& dir, uint64_t staging, uint64_t misalign, bool 
     return std::unique_ptr<IoEngine>(std::move(e));
   };
   CheckpointWriter w(opt);
-  ASSERT_TRUE(w.begin_save(state.request(dir, 5)).ok());
+  ASSERT_TRUE(w.begin_save(readers ? with_readers(state.request(dir, 5)) : state.request(dir, 5)).ok());
   // A step of the optimizer: regions in order, 100 KiB at a time (not aligned to pieces).
   std::mt19937 rng(9);
   const uint64_t step = 100 * 1000;
@@ -164,6 +182,9 @@ void cow_case(const std::string& dir, uint64_t staging, uint64_t misalign, bool 
   ASSERT_TRUE(w.wait().ok());
   const SaveStats s = w.last_stats();
   EXPECT_GT(s.cow_copied_bytes, 0u);
+  if (readers) {
+    EXPECT_EQ(s.direct_bytes, 0u) << "a region without memory cannot be written in place";
+  }
   if (expect_waits) {
     EXPECT_GT(s.cow_waits, 0u);
   }
@@ -177,6 +198,49 @@ void cow_case(const std::string& dir, uint64_t staging, uint64_t misalign, bool 
 TEST_F(CkptTest, CopyOnWriteKeepsTheStateOfTheSavePoint) { cow_case(dir(), 64 * kKiB, 0, true); }
 
 TEST_F(CkptTest, CopyOnWriteWithRoomyStagingCopiesInsteadOfWaiting) { cow_case(dir(), 8 * kMiB, 20, false); }
+
+TEST_F(CkptTest, CopyOnWriteThroughReadersWithTightStaging) { cow_case(dir(), 64 * kKiB, 0, true, true); }
+
+TEST_F(CkptTest, CopyOnWriteThroughReadersWithRoomyStaging) { cow_case(dir(), 8 * kMiB, 0, false, true); }
+
+TEST_F(CkptTest, RoundTripThroughReadersIsBitwise) {
+  TrainState state(1, 0);
+  CheckpointWriterOptions opt;
+  opt.engine_factory = engine_of_kind("threads");
+  opt.staging_bytes = 256 * kKiB;
+  CheckpointWriter w(opt);
+  save_and_wait(w, with_readers(state.request(dir(), 4)));
+  EXPECT_EQ(w.last_stats().direct_bytes, 0u);
+  EXPECT_GT(w.last_stats().staged_bytes, 0u);
+  auto r = CheckpointReader::open(dir(), ReaderOpenOptions{true});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  expect_checkpoint_equals(**r, state, state.snapshot());
+}
+
+TEST_F(CkptTest, ReaderErrorFailsTheSaveAndKeepsTheLatest) {
+  TrainState state(4, 0);
+  CheckpointWriterOptions opt;
+  opt.engine_factory = engine_of_kind("threads");
+  opt.staging_bytes = 256 * kKiB;
+  CheckpointWriter w(opt);
+  save_and_wait(w, state.request(dir(), 1));
+  const auto at_one = state.snapshot();
+  state.fill(7);
+  ASSERT_TRUE(w.begin_save(with_readers(state.request(dir(), 2), /*fail_after=*/5)).ok());
+  // The optimizer touches everything meanwhile; it must never hang on the failed save.
+  for (int region = 0; region < 3; ++region) w.before_modify(region, 0, state.regions[region].size);
+  Status st = w.wait();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("injected read failure"), std::string::npos) << st.message();
+  EXPECT_FALSE(fs::exists(fs::path(dir()) / "step-2.tmp"));
+  EXPECT_FALSE(fs::exists(fs::path(dir()) / "step-2"));
+  EXPECT_EQ(read_text(fs::path(dir()) / "latest"), "step-1\n");
+  auto r = CheckpointReader::open(dir(), ReaderOpenOptions{true});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  expect_checkpoint_equals(**r, state, at_one);
+  // The writer saves again afterwards.
+  save_and_wait(w, with_readers(state.request(dir(), 3)));
+}
 
 TEST_F(CkptTest, CommitIsAtomicAndRetentionKeepsTheLastK) {
   TrainState state;

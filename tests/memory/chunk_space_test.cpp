@@ -112,6 +112,55 @@ TEST(ChunkSpaceTest, NeverWrittenChunksReadAsZerosInEveryTier) {
   EXPECT_GT(s.zero_filled_bytes, 0u);
 }
 
+// read_tensor copies a tensor's latest bytes from whichever tier holds them (host, device,
+// nvme only, never written) and moves, pins or evicts nothing.
+TEST(ChunkSpaceTest, ReadTensorFindsTheLatestCopyWithoutMovingAnything) {
+  TempDir dir;
+  auto device = make_device();
+  auto io = make_threads_engine();
+  auto space = ChunkSpace::create(*device, io.get(), small_options(dir, 1, 1, 4)).value();
+  // Four chunks with one odd-sized tensor each (at a 256-byte offset inside its chunk).
+  std::vector<TensorId> ids;
+  for (int i = 0; i < 4; ++i) {
+    (void)space->add_chunk(ChunkKind::kParam, Tier::kNvme).value();
+    (void)space->add_tensor("pad" + std::to_string(i), ChunkKind::kParam, 100).value();
+    ids.push_back(space->add_tensor("t" + std::to_string(i), ChunkKind::kParam, 40000 + 4 * i).value());
+  }
+  std::mt19937_64 rng(3);
+  std::vector<std::vector<char>> want(4);
+  for (int i = 0; i < 3; ++i) {  // t3 is never written
+    const uint64_t bytes = space->tensor(ids[i]).bytes;
+    want[i].resize(bytes);
+    fill_random(want[i].data(), bytes / 8 * 8, rng);
+    void* p = space->acquire_tensor(ids[i], Tier::kDevice, AccessMode::kReadWrite).value();
+    std::memcpy(p, want[i].data(), bytes);
+    space->release_tensor(ids[i]);
+  }
+  // Now: t2 valid only on device, t1 written back to host, t0 on nvme only (one device slot,
+  // one host slot).
+  EXPECT_TRUE(space->is_resident(space->tensor(ids[2]).chunk, Tier::kDevice));
+  EXPECT_FALSE(space->is_resident(space->tensor(ids[0]).chunk, Tier::kHost));
+  EXPECT_FALSE(space->is_resident(space->tensor(ids[0]).chunk, Tier::kDevice));
+  want[3].assign(space->tensor(ids[3]).bytes, 0);
+  const ChunkSpaceStats before = space->stats();
+  for (int i = 0; i < 4; ++i) {
+    // The whole tensor, and an unaligned slice of it.
+    std::vector<char> got(want[i].size(), 1);
+    ASSERT_TRUE(space->read_tensor(ids[i], 0, got.size(), got.data()).ok());
+    EXPECT_EQ(got, want[i]) << "tensor " << i;
+    std::vector<char> part(5000);
+    ASSERT_TRUE(space->read_tensor(ids[i], 4099, part.size(), part.data()).ok());
+    EXPECT_EQ(0, std::memcmp(part.data(), want[i].data() + 4099, part.size())) << "tensor " << i;
+  }
+  const ChunkSpaceStats after = space->stats();
+  EXPECT_EQ(after.moved_bytes(), before.moved_bytes());
+  EXPECT_EQ(after.tiers[0].in_use_bytes, before.tiers[0].in_use_bytes);
+  EXPECT_EQ(after.tiers[1].in_use_bytes, before.tiers[1].in_use_bytes);
+  EXPECT_TRUE(space->is_resident(space->tensor(ids[2]).chunk, Tier::kDevice));
+  char byte;
+  EXPECT_EQ(space->read_tensor(ids[0], want[0].size(), 1, &byte).code(), StatusCode::kInvalidArgument);
+}
+
 TEST(ChunkSpaceTest, TensorsMapIntoChunksAndOwnedRanges) {
   TempDir dir;
   auto device = make_device();

@@ -4,6 +4,7 @@
 #include "train/paged_state.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -13,41 +14,12 @@
 #include "memory/io_engine.h"
 #include "model/llama.h"
 #include "train/optimizer.h"
+#include "train_test_util.h"
 
 namespace strata {
 namespace {
 
 namespace fs = std::filesystem;
-
-model::ModelConfig tiny_config(bool tied) {
-  auto c = model::ModelConfig::preset("tiny");
-  CHECK(c.ok());
-  model::ModelConfig mc = *c;
-  mc.hidden_size = 32;
-  mc.intermediate_size = 48;
-  mc.num_hidden_layers = 3;
-  mc.num_attention_heads = 4;
-  mc.num_key_value_heads = 2;
-  mc.head_dim = 8;
-  mc.tie_word_embeddings = tied;
-  return mc;
-}
-
-struct Batch {
-  std::vector<int32_t> inputs, targets;
-};
-
-std::vector<Batch> make_batches(int n, int64_t tokens, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<Batch> out(n);
-  for (auto& b : out) {
-    for (int64_t i = 0; i < tokens; ++i) {
-      b.inputs.push_back(static_cast<int32_t>(rng() % 256));
-      b.targets.push_back(static_cast<int32_t>(rng() % 256));
-    }
-  }
-  return out;
-}
 
 struct RunResult {
   std::vector<double> losses;
@@ -59,15 +31,6 @@ struct RunResult {
 
 constexpr int64_t kB = 2, kT = 16, kSteps = 4, kAccum = 2;
 
-// grad_clip 0.5 is small enough that clipping is active; overlapping AdamW with backward
-// needs it off (0).
-OptimizerConfig optimizer_config(float grad_clip) {
-  OptimizerConfig oc;
-  oc.lr = 1e-2f;
-  oc.weight_decay = 0.1f;
-  oc.grad_clip = grad_clip;
-  return oc;
-}
 constexpr float kClip = 0.5f;
 
 // About one layer's worth of bytes: budgets of a few such chunks force paging.
@@ -162,7 +125,11 @@ void expect_bitwise_equal(const RunResult& a, const RunResult& b, const model::M
 class PagedStateTest : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) / ("strata_paged_" + std::to_string(GetParam()));
+    // One directory per test and process: ctest runs tests of this suite in parallel.
+    const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    dir_ = fs::path(::testing::TempDir()) /
+           ("strata_paged_" + std::to_string(::getpid()) + "_" + test.substr(0, test.find('/')) + "_" +
+            std::to_string(GetParam()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }

@@ -1,0 +1,205 @@
+// Checkpoints of a paged training state: a save streams the state out of the chunk space while
+// the optimizer keeps changing it, and still holds exactly the state of its step; a save that
+// runs out of disk fails alone (training goes on, the previous checkpoint stays); a restore
+// under other budgets gives the same state back.
+#include "train/checkpointing.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "core/cpu_device.h"
+#include "memory/io_faulty.h"
+#include "model/llama.h"
+#include "train_test_util.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int64_t kB = 2, kT = 16;
+
+struct Budgets {
+  uint64_t device = 0, host = 0, nvme = 0;  // in chunks of the test's chunk size
+};
+
+// A model and its paged state on the CPU backend, trained one step at a time.
+class Trainer {
+ public:
+  Trainer(const fs::path& dir, Budgets b) : mc_(tiny_config(false)), net_(mc_) {
+    device_ = CpuDevice::create(0, 0).value();
+    io_ = make_io_engine({.kind = "threads"}).value();
+    net_.init_weights(7);
+    // About a layer per chunk, so that small budgets page every kind.
+    uint64_t chunk = 0;
+    for (const auto& t : net_.layout().tensors()) chunk = std::max<uint64_t>(chunk, t.numel * 4);
+    chunk = (chunk + 4095) / 4096 * 4096;
+    PagedStateOptions po;
+    po.chunk_bytes = chunk;
+    po.device_bytes = b.device * chunk;
+    po.host_bytes = b.host * chunk;
+    po.nvme_bytes = b.nvme * chunk;
+    po.nvme_dir = (dir / "nvme").string();
+    fs::create_directories(po.nvme_dir);
+    po.optimizer = optimizer_config(0.5f);
+    state_ = PagedState::create(*device_, io_.get(), net_.layout(), po).value();
+    CHECK(state_->load_params(net_.params()).ok());
+    net_.set_access(state_.get());
+    batches_ = make_batches(64, kB * kT, 11);
+  }
+  ~Trainer() { net_.set_access(nullptr); }
+
+  double step() {
+    const Batch& b = batches_[static_cast<size_t>(steps_++) % batches_.size()];
+    EXPECT_TRUE(state_->zero_grads().ok());
+    Result<double> loss = net_.compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kB * kT), true);
+    EXPECT_TRUE(loss.ok()) << loss.status().to_string();
+    EXPECT_TRUE(state_->clip_and_step(1e-2f).ok());
+    return loss.ok() ? *loss : NAN;
+  }
+  // Parameters, m and v as flat vectors.
+  std::vector<std::vector<float>> snapshot() {
+    const size_t n = static_cast<size_t>(net_.layout().total_size());
+    std::vector<std::vector<float>> s(3, std::vector<float>(n));
+    EXPECT_TRUE(state_->store_params(s[0].data()).ok());
+    EXPECT_TRUE(state_->store_moments(s[1].data(), s[2].data()).ok());
+    return s;
+  }
+  RunPosition position() const {
+    RunPosition p;
+    p.step = steps_;
+    p.optimizer_step = state_->step_count();
+    return p;
+  }
+  PagedState& state() { return *state_; }
+  const model::ParamLayout& layout() const { return net_.layout(); }
+  const model::ModelConfig& config() const { return mc_; }
+
+ private:
+  model::ModelConfig mc_;
+  std::unique_ptr<CpuDevice> device_;
+  std::unique_ptr<IoEngine> io_;
+  model::LlamaModel net_;
+  std::unique_ptr<PagedState> state_;
+  std::vector<Batch> batches_;
+  int64_t steps_ = 0;
+};
+
+// A thread-pool engine behind a fault injector: a slow disk, and ENOSPC after `enospc_after`.
+ckpt::IoEngineFactory faulty_engine(std::chrono::microseconds latency, uint64_t enospc_after = UINT64_MAX) {
+  return [=]() -> Result<std::unique_ptr<IoEngine>> {
+    ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> inner, make_io_engine({.kind = "threads"}));
+    FaultOptions f;
+    f.write_latency = latency;
+    f.enospc_after_bytes = enospc_after;
+    ASSIGN_OR_RETURN(std::unique_ptr<FaultyIoEngine> e, FaultyIoEngine::create(std::move(inner), f));
+    return std::unique_ptr<IoEngine>(std::move(e));
+  };
+}
+
+// Every saved tensor equals `want` (params, m, v) bitwise.
+void expect_checkpoint_holds(const std::string& dir, const model::ParamLayout& layout,
+                             const std::vector<std::vector<float>>& want) {
+  auto reader = ckpt::CheckpointReader::open(dir, ckpt::ReaderOpenOptions{true});
+  ASSERT_TRUE(reader.ok()) << reader.status().to_string();
+  const ckpt::TensorKind kinds[] = {ckpt::TensorKind::kParam, ckpt::TensorKind::kAdamM, ckpt::TensorKind::kAdamV};
+  for (int k = 0; k < 3; ++k) {
+    for (const auto& t : layout.tensors()) {
+      std::vector<float> got(static_cast<size_t>(t.numel));
+      ASSERT_TRUE((*reader)->read_f32(ckpt::qualified_name(kinds[k], t.name), got.data(), got.size()).ok());
+      ASSERT_EQ(0, std::memcmp(got.data(), want[k].data() + t.offset, got.size() * sizeof(float)))
+          << ckpt::tensor_kind_name(kinds[k]) << " " << t.name << " is not the state of the saved step";
+    }
+  }
+}
+
+class CheckpointingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           ("strata_checkpointing_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+// Tight budgets put parameters and moments in every tier; a slow disk and 64 KiB of staging
+// keep the save in flight across the next steps, whose optimizer changes every byte of it.
+TEST_F(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
+  Trainer tr(dir_, {6, 8, 96});
+  for (int i = 0; i < 2; ++i) tr.step();
+  const auto at_save = tr.snapshot();
+  CheckpointOptions co;
+  co.dir = (dir_ / "ckpt").string();
+  co.staging_bytes = 64 * 1024;
+  TrainCheckpointer ck(co, tr.layout(), tr.state(), faulty_engine(std::chrono::microseconds(2000)));
+  ASSERT_TRUE(ck.save(tr.state(), tr.position(), tr.config().to_json(), 1).ok());
+  EXPECT_TRUE(ck.in_flight());
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(std::isfinite(tr.step()));
+  ASSERT_TRUE(ck.wait().ok());
+  const ckpt::SaveStats s = ck.last_stats();
+  EXPECT_GT(s.cow_copied_bytes + s.cow_waits, 0u) << "the optimizer should have met bytes not yet written";
+  expect_checkpoint_holds(co.dir, tr.layout(), at_save);
+  EXPECT_NE(tr.snapshot()[0], at_save[0]) << "training went on";
+
+  // Restored under other budgets (no nvme tier, more device memory): the same state.
+  Trainer other(dir_ / "other", {12, 64, 0});
+  Result<RunPosition> pos = restore_checkpoint(co.dir, other.layout(), other.state());
+  ASSERT_TRUE(pos.ok()) << pos.status().to_string();
+  EXPECT_EQ(pos->step, 2);
+  EXPECT_EQ(other.state().step_count(), 2);
+  const auto restored = other.snapshot();
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(restored[k], at_save[k]) << "kind " << k;
+}
+
+// ENOSPC in the middle of a save: that save fails with a line naming the file, training goes
+// on, DIR/latest still names the previous checkpoint, which verifies; the next save succeeds.
+TEST_F(CheckpointingTest, OutOfSpaceDuringASaveKeepsTrainingAndThePreviousCheckpoint) {
+  Trainer tr(dir_, {6, 8, 96});
+  tr.step();
+  CheckpointOptions co;
+  co.dir = (dir_ / "ckpt").string();
+  co.staging_bytes = 256 * 1024;
+  auto saves = std::make_shared<std::atomic<int>>(0);
+  ckpt::IoEngineFactory factory = [saves]() {
+    const bool full_disk = ++*saves == 2;  // the second save finds the disk full
+    return faulty_engine(std::chrono::microseconds(0), full_disk ? 64 * 1024 : UINT64_MAX)();
+  };
+  TrainCheckpointer ck(co, tr.layout(), tr.state(), factory);
+  ASSERT_TRUE(ck.save(tr.state(), tr.position(), tr.config().to_json(), 1).ok());
+  ASSERT_TRUE(ck.wait().ok());
+  const auto at_one = tr.snapshot();
+
+  tr.step();
+  ASSERT_TRUE(ck.save(tr.state(), tr.position(), tr.config().to_json(), 1).ok());
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(std::isfinite(tr.step()));
+  Status failed = ck.wait();
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.message().find("No space left on device"), std::string::npos) << failed.message();
+  EXPECT_NE(failed.message().find(".safetensors"), std::string::npos) << "names the file: " << failed.message();
+  EXPECT_FALSE(fs::exists(fs::path(co.dir) / "step-2.tmp"));
+  EXPECT_FALSE(fs::exists(fs::path(co.dir) / "step-2"));
+  std::ifstream latest(fs::path(co.dir) / "latest");
+  std::string name;
+  latest >> name;
+  EXPECT_EQ(name, "step-1");
+  expect_checkpoint_holds(co.dir, tr.layout(), at_one);
+
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(std::isfinite(tr.step()));
+  const auto at_six = tr.snapshot();
+  ASSERT_TRUE(ck.save(tr.state(), tr.position(), tr.config().to_json(), 1).ok());
+  ASSERT_TRUE(ck.wait().ok());
+  expect_checkpoint_holds(co.dir, tr.layout(), at_six);
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,55 @@
+// Helpers shared by the training-state tests: a small Llama config, random batches, an
+// optimizer configuration.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "core/check.h"
+#include "model/config.h"
+#include "train/optimizer.h"
+
+namespace strata {
+
+inline model::ModelConfig tiny_config(bool tied) {
+  auto c = model::ModelConfig::preset("tiny");
+  CHECK(c.ok());
+  model::ModelConfig mc = *c;
+  mc.hidden_size = 32;
+  mc.intermediate_size = 48;
+  mc.num_hidden_layers = 3;
+  mc.num_attention_heads = 4;
+  mc.num_key_value_heads = 2;
+  mc.head_dim = 8;
+  mc.tie_word_embeddings = tied;
+  return mc;
+}
+
+struct Batch {
+  std::vector<int32_t> inputs, targets;
+};
+
+inline std::vector<Batch> make_batches(int n, int64_t tokens, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<Batch> out(n);
+  for (auto& b : out) {
+    for (int64_t i = 0; i < tokens; ++i) {
+      b.inputs.push_back(static_cast<int32_t>(rng() % 256));
+      b.targets.push_back(static_cast<int32_t>(rng() % 256));
+    }
+  }
+  return out;
+}
+
+// grad_clip 0.5 is small enough that clipping is active; overlapping AdamW with backward
+// needs it off (0).
+inline OptimizerConfig optimizer_config(float grad_clip) {
+  OptimizerConfig oc;
+  oc.lr = 1e-2f;
+  oc.weight_decay = 0.1f;
+  oc.grad_clip = grad_clip;
+  return oc;
+}
+
+}  // namespace strata
