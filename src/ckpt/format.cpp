@@ -11,7 +11,7 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kKindPrefixes[kTensorKindCount] = {"", "master/", "adam_m/", "adam_v/"};
+constexpr const char* kKindPrefixes[kTensorKindCount] = {"", "master/", "adam_m/", "adam_v/", "state/"};
 // safetensors refuses headers above 100 MB; so do we.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
@@ -36,6 +36,7 @@ const char* tensor_kind_name(TensorKind kind) {
     case TensorKind::kMaster: return "master";
     case TensorKind::kAdamM: return "adam_m";
     case TensorKind::kAdamV: return "adam_v";
+    case TensorKind::kState: return "state";
   }
   return "?";
 }

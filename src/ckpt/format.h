@@ -33,12 +33,13 @@ inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
 inline constexpr const char* kManifestFile = "manifest.json";
 inline constexpr const char* kLatestFile = "latest";
 
-// What a saved tensor is. kParam goes to model.safetensors under its own name; the optimizer
-// kinds go to optimizer.safetensors under "<prefix>/<name>".
-enum class TensorKind : uint8_t { kParam, kMaster, kAdamM, kAdamV };
-inline constexpr int kTensorKindCount = 4;
+// What a saved tensor is. kParam goes to model.safetensors under its own name; the others go
+// to optimizer.safetensors under "<prefix>/<name>". kState is other training state a resume
+// needs (e.g. the MoE routers' loss-free balancing bias).
+enum class TensorKind : uint8_t { kParam, kMaster, kAdamM, kAdamV, kState };
+inline constexpr int kTensorKindCount = 5;
 
-// "param", "master", "adam_m", "adam_v".
+// "param", "master", "adam_m", "adam_v", "state".
 const char* tensor_kind_name(TensorKind kind);
 // The name a tensor has in its file: "model.norm.weight" or "adam_m/model.norm.weight".
 std::string qualified_name(TensorKind kind, const std::string& name);

@@ -16,9 +16,11 @@ namespace {
 const char* advice_for(int err) {
   switch (err) {
     case ENOSPC:
-      return "free space there or point memory.nvme.path at a larger disk";
+      return "free space there or move to a larger disk (memory.nvme.path for the nvme tier, ckpt.dir for "
+             "checkpoints)";
     case EDQUOT:
-      return "raise the disk quota or point memory.nvme.path at another disk";
+      return "raise the disk quota or move to another disk (memory.nvme.path for the nvme tier, ckpt.dir for "
+             "checkpoints)";
     case EIO:
       return "the device reported an I/O error; check `dmesg` and the disk's health";
     case EINVAL:

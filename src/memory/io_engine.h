@@ -102,8 +102,7 @@ class IoEngine {
 };
 
 // The Status of a failed transfer: "write of 64.00 MiB at offset 134217728 to PATH failed:
-// No space left on device (ENOSPC); free space there or point memory.nvme.path at a larger
-// disk". `done` bytes had moved before the failure (named when nonzero); `err` is an errno.
+// No space left on device (ENOSPC); free space there or move to a larger disk (...)". `done` bytes had moved before the failure (named when nonzero); `err` is an errno.
 Status io_error(IoOp op, uint64_t length, uint64_t offset, const std::string& path, int err,
                 uint64_t done = 0);
 // The Status of a read that hit end of file after `done` of `length` bytes.

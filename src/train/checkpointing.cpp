@@ -58,7 +58,7 @@ void TrainCheckpointer::before_modify(int group) {
 }
 
 Status TrainCheckpointer::save(PagedState& state, const RunPosition& pos, const nlohmann::json& model_config,
-                               uint64_t seed) {
+                               uint64_t seed, const std::vector<ExtraState>& extra) {
   CHECK_MSG(&state == &state_, "a TrainCheckpointer saves the PagedState it was made for");
   if (writer_->in_flight()) {
     if (options_.skip_if_busy) {
@@ -74,6 +74,20 @@ Status TrainCheckpointer::save(PagedState& state, const RunPosition& pos, const 
   req.regions.push_back(make_region(ckpt::TensorKind::kParam, kSavedKinds[0], layout_, state_));
   req.regions.push_back(make_region(ckpt::TensorKind::kAdamM, kSavedKinds[1], layout_, state_));
   req.regions.push_back(make_region(ckpt::TensorKind::kAdamV, kSavedKinds[2], layout_, state_));
+  if (!extra.empty()) {
+    // The writer waited for above no longer reads extra_values_.
+    extra_values_.clear();
+    ckpt::Region r;
+    r.kind = ckpt::TensorKind::kState;
+    for (const ExtraState& e : extra) {
+      r.tensors.push_back({e.name, {static_cast<int64_t>(e.values.size())}, ckpt::DType::kF32,
+                           extra_values_.size() * sizeof(float)});
+      extra_values_.insert(extra_values_.end(), e.values.begin(), e.values.end());
+    }
+    r.data = extra_values_.data();
+    r.size = extra_values_.size() * sizeof(float);
+    req.regions.push_back(std::move(r));
+  }
   req.manifest.strata_version = kStrataVersion;
   req.manifest.tokens_seen = pos.tokens_seen;
   req.manifest.data_cursor = {pos.data_epoch, pos.data_index};
@@ -87,7 +101,8 @@ Status TrainCheckpointer::save(PagedState& state, const RunPosition& pos, const 
   return Status::OK();
 }
 
-Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, PagedState& state) {
+Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, PagedState& state,
+                                       std::vector<ExtraState>* extra) {
   ckpt::ReaderOpenOptions ro;
   ro.verify = true;
   ASSIGN_OR_RETURN(std::unique_ptr<ckpt::CheckpointReader> reader, ckpt::CheckpointReader::open(path, ro));
@@ -104,6 +119,17 @@ Result<RunPosition> restore_checkpoint(const std::string& path, const model::Par
       return reader->read_f32(ckpt::qualified_name(kind, t.name), dst, static_cast<uint64_t>(t.numel))
           .with_context("resuming from " + reader->step_dir());
     }));
+  }
+  if (extra != nullptr) {
+    for (ExtraState& e : *extra) {
+      const std::string q = ckpt::qualified_name(ckpt::TensorKind::kState, e.name);
+      if (reader->find(q) == nullptr) {
+        LOG_WARN("checkpoint {} has no '{}'; it starts from its initial values", reader->step_dir(), q);
+        continue;
+      }
+      RETURN_IF_ERROR(reader->read_f32(q, e.values.data(), e.values.size()).with_context("resuming from " +
+                                                                                         reader->step_dir()));
+    }
   }
   const ckpt::ManifestFields& f = reader->manifest().fields;
   RunPosition pos;

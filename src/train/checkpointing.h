@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -39,6 +40,13 @@ struct RunPosition {
   int64_t optimizer_step = 0;
 };
 
+// Small training state saved beside the tensors under "state/NAME" (e.g. a MoE router's
+// loss-free balancing bias): a name and its values, one-dimensional.
+struct ExtraState {
+  std::string name;
+  std::vector<float> values;
+};
+
 class TrainCheckpointer {
  public:
   // Installs the copy-on-write hook in `state`, which must outlive the checkpointer.
@@ -49,7 +57,9 @@ class TrainCheckpointer {
   // Starts writing DIR/step-N from `state` (the state after step N). The previous save is waited
   // for first (or, with skip_if_busy, this one skipped); its failure is logged (the run goes on)
   // and returned by the next wait().
-  Status save(PagedState& state, const RunPosition& position, const nlohmann::json& model_config, uint64_t seed);
+  // `extra` is copied.
+  Status save(PagedState& state, const RunPosition& position, const nlohmann::json& model_config, uint64_t seed,
+              const std::vector<ExtraState>& extra = {});
   // Waits for the save in flight; its outcome.
   Status wait() { return writer_->wait(); }
   bool in_flight() const { return writer_->in_flight(); }
@@ -64,12 +74,16 @@ class TrainCheckpointer {
   PagedState& state_;
   std::unique_ptr<ckpt::CheckpointWriter> writer_;
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> group_ranges_;  // per group: flat byte ranges
+  std::vector<float> extra_values_;  // the extra state of the save in flight, back to back
 };
 
 // Restores parameters, Adam moments and the run position from a checkpoint (DIR, DIR/latest
 // or DIR/step-N). The model layout must match: a tensor missing or of another size is an error
 // naming it. Checksums are verified first.
-// Tensors are read straight into their chunks, group by group.
-Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, PagedState& state);
+// Tensors are read straight into their chunks, group by group. Each entry of `extra` whose
+// name the checkpoint has gets its values (the size must match); one it lacks keeps its values
+// and is named in a warning.
+Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, PagedState& state,
+                                       std::vector<ExtraState>* extra = nullptr);
 
 }  // namespace strata

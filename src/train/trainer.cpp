@@ -64,19 +64,54 @@ Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
     j = preset.to_json();
     source = "preset '" + t.model_preset + "'";
   }
+  bool architectures_set = false, model_type_set = false;
   for (const auto& kv : t.model_overrides) {
     size_t eq = kv.find('=');
     if (eq == std::string::npos || eq == 0)
       return Status::InvalidArgument("model.set: '" + kv + "' is not key=value (e.g. num_hidden_layers=2)");
     std::string key = kv.substr(0, eq), text = kv.substr(eq + 1);
     nlohmann::json value = nlohmann::json::parse(text, nullptr, false);
-    j[key] = value.is_discarded() ? nlohmann::json(text) : value;
-    source += " + model.set";
+    if (value.is_discarded()) value = text;
+    // architectures=MixtralForCausalLM: one name is enough on a command line.
+    if (key == "architectures" && value.is_string()) value = nlohmann::json::array({value});
+    architectures_set |= key == "architectures";
+    model_type_set |= key == "model_type";
+    j[key] = value;
   }
+  // model_type=mixtral alone switches the architecture too (the base's list would win).
+  if (model_type_set && !architectures_set) j.erase("architectures");
+  if (!t.model_overrides.empty()) source += " + model.set";
   return model::ModelConfig::from_json(j, source);
 }
 
 namespace {
+
+// Training state outside the chunk space that a resume needs: the MoE routers' loss-free
+// balancing bias, one tensor per MoE layer, when that balancing is on.
+std::vector<ExtraState> extra_state(const model::ModelConfig& mc, const model::LlamaModel& net) {
+  std::vector<ExtraState> out;
+  if (!mc.is_moe() || !(mc.router_bias_update_rate > 0)) return out;
+  const std::vector<float>& bias = net.expert_selection_bias();
+  const int64_t E = mc.num_experts;
+  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) {
+    if (!mc.is_moe_layer(l)) continue;
+    out.push_back({fmt::format("model.layers.{}.mlp.gate.selection_bias", l),
+                   std::vector<float>(bias.begin() + l * E, bias.begin() + (l + 1) * E)});
+  }
+  return out;
+}
+
+void set_extra_state(const model::ModelConfig& mc, const std::vector<ExtraState>& extra, model::LlamaModel& net) {
+  if (extra.empty()) return;
+  std::vector<float>& bias = net.mutable_expert_selection_bias();
+  const int64_t E = mc.num_experts;
+  size_t i = 0;
+  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) {
+    if (!mc.is_moe_layer(l)) continue;
+    std::copy(extra[i].values.begin(), extra[i].values.end(), bias.begin() + l * E);
+    ++i;
+  }
+}
 
 // "moe: aux loss 2.0113 | expert load max/mean 1.42 (layer 3)": the auxiliary loss of the last
 // micro-batch and the most loaded expert of the step relative to an even split.
@@ -222,7 +257,9 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     if (resume_from.empty()) LOG_INFO("resume: no checkpoint in {}; starting from step 1", t.ckpt_dir);
   }
   if (!resume_from.empty()) {
-    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, net.layout(), *state));
+    std::vector<ExtraState> extra = extra_state(mc, net);
+    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, net.layout(), *state, &extra));
+    set_extra_state(mc, extra, net);
     RETURN_IF_ERROR(loader.set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
     start_step = pos.step + 1;
     tokens_seen = static_cast<int64_t>(pos.tokens_seen);
@@ -243,7 +280,7 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     pos.data_index = static_cast<int64_t>(loader.cursor().index);
     pos.optimizer_step = state->step_count();
     last_saved_step = step;
-    return checkpointer.save(*state, pos, mc.to_json(), t.seed);
+    return checkpointer.save(*state, pos, mc.to_json(), t.seed, extra_state(mc, net));
   };
 
   // 2. The run directory: the effective config, then metrics as steps complete.

@@ -387,7 +387,8 @@ TEST_P(IoEngineTest, InjectedEnospcStopsWritesWithAdvice) {
   ASSERT_FALSE(st.ok());
   EXPECT_TRUE(contains(st.message(), "write of 512.00 KiB at offset 1048576 to " + file->path() +
                                          " failed at offset 1310720 (256.00 KiB done): No space left on device (ENOSPC); "
-                                         "free space there or point memory.nvme.path at a larger disk"))
+                                         "free space there or move to a larger disk (memory.nvme.path for the nvme "
+                                         "tier, ckpt.dir for checkpoints)"))
       << st.message();
   EXPECT_FALSE(e->write(f, src.data(), 4096, 0).ok());
   // Reads are unaffected.

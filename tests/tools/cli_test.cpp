@@ -216,6 +216,32 @@ TEST_F(CliTest, ResumeIsBitExactEvenWithOtherBudgets) {
   }
 }
 
+// A MoE run with auxiliary-loss-free balancing keeps a per-expert bias outside the tensors;
+// the checkpoint carries it (state/...selection_bias), so the resumed run is bit-exact too.
+TEST_F(CliTest, ResumeOfLossFreeBalancedMoeIsBitExact) {
+  auto moe_run = [&](const std::string& run_dir) {
+    return "data.paths=[" + corpus() + "] run.dir=" + run_dir +
+           " train.micro_batch=2 train.seq_len=32 train.steps=6 optim.warmup_steps=2 "
+           "'model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96,model_type=mixtral,"
+           "num_local_experts=4,num_experts_per_tok=2,router_bias_update_rate=0.05]'";
+  };
+  std::string full = (dir_ / "full").string();
+  CmdResult a = run_strata("train " + moe_run(full) + " ckpt.every=3");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const auto expected = losses_of(fs::path(full) / "metrics.jsonl");
+  ASSERT_EQ(expected.size(), 6u);
+  const std::string step3 = (fs::path(full) / "checkpoints" / "step-3").string();
+  CmdResult inspect = run_strata("ckpt inspect " + step3);
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+  EXPECT_NE(inspect.output.find("state           2"), std::string::npos) << inspect.output;
+  std::string resumed = (dir_ / "resumed").string();
+  CmdResult b = run_strata("train " + moe_run(resumed) + " --resume " + step3);
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_EQ(losses_of(fs::path(resumed) / "metrics.jsonl"),
+            std::vector<std::string>(expected.begin() + 3, expected.end()))
+      << b.output;
+}
+
 TEST_F(CliTest, SigtermWritesAFinalCheckpointAndExitsZero) {
   std::string run_dir = (dir_ / "run").string();
   const std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata train " + small_run(run_dir) +
