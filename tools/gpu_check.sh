@@ -72,7 +72,7 @@ if [[ "$sanitize" == 1 ]]; then
   else
     for tool in $sanitize_tools; do
       run "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-        "$test_gpu" --gtest_filter='OpsParity.*'
+        "$test_gpu" --gtest_filter='OpsParity.*:MoeParity.*'
     done
   fi
 fi

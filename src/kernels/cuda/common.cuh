@@ -49,6 +49,12 @@ __device__ __forceinline__ float warp_max(float v) {
   }
   return v;
 }
+__device__ __forceinline__ double warp_max(double v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    v = fmax(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
 
 // Sum over the block; every thread gets the result. REQUIRES blockDim.x a multiple of 32 and
 // at most 1024; `shared` holds 32 values. Called by every thread of the block. The order of

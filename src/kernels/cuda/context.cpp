@@ -1,5 +1,6 @@
 // Context (cuBLASLt handle, GEMM workspace, scratch) and the row-major cuBLASLt GEMM.
 #include <cublasLt.h>
+#include <cublas_v2.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -7,18 +8,8 @@
 
 #include "core/check.h"
 #include "core/cuda/cuda_check.h"
+#include "kernels/cuda/cublas_check.h"
 #include "kernels/cuda/ops.h"
-
-#define CUBLAS_CHECK(expr)                                                              \
-  do {                                                                                  \
-    const cublasStatus_t strata_cublas_status_ = (expr);                                \
-    if (strata_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                               \
-      ::strata::check_failed(#expr, __FILE__, __LINE__,                                 \
-                             std::string("cuBLAS status ") +                            \
-                                 cublasLtGetStatusName(strata_cublas_status_) + " (" +  \
-                                 cublasLtGetStatusString(strata_cublas_status_) + ")"); \
-    }                                                                                   \
-  } while (0)
 
 namespace strata::kernels::cuda {
 
@@ -34,6 +25,7 @@ Context::~Context() {
   CUDA_CHECK(cudaSetDevice(device_));
   // Work queued by ops may still use the buffers: wait for the device before freeing.
   CUDA_CHECK(cudaDeviceSynchronize());
+  if (blas_ != nullptr) CUBLAS_CHECK(cublasDestroy(blas_));
   if (scratch_ != nullptr) CUDA_CHECK(cudaFree(scratch_));
   if (gemm_workspace_ != nullptr) CUDA_CHECK(cudaFree(gemm_workspace_));
   CUBLAS_CHECK(cublasLtDestroy(lt_));
@@ -46,6 +38,20 @@ void* Context::scratch(size_t bytes, const char* what) const {
                                          "; create the Context with more scratch (or use "
                                          "smaller chunks)");
   return scratch_;
+}
+
+cublasHandle_t Context::blas(cudaStream_t stream) {
+  if (blas_ == nullptr) {
+    CUBLAS_CHECK(cublasCreate(&blas_));
+    // Plain fp32 arithmetic for fp32 GEMMs (no TF32), host pointers for alpha and beta.
+    CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
+    CUBLAS_CHECK(cublasSetPointerMode(blas_, CUBLAS_POINTER_MODE_HOST));
+  }
+  // cublasSetStream resets the workspace to cuBLAS's own pool, so the workspace comes after.
+  // Sharing it with cuBLASLt is safe: both run in the order of the one stream.
+  CUBLAS_CHECK(cublasSetStream(blas_, stream));
+  CUBLAS_CHECK(cublasSetWorkspace(blas_, gemm_workspace_, gemm_workspace_bytes_));
+  return blas_;
 }
 
 namespace {

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -27,6 +28,7 @@
 #include <cstdint>
 
 #include "kernels/adamw.h"
+#include "kernels/moe.h"
 
 namespace strata::kernels::cuda {
 
@@ -34,8 +36,9 @@ using bf16 = __nv_bfloat16;
 
 // The cuBLASLt handle, the GEMM workspace and a scratch buffer for ops that need temporary
 // device memory (rmsnorm/linear partial sums, embedding sort, logits chunks, attention delta,
-// reduction partials). Created on the current device; owns its memory (two cudaMallocs at
-// construction, none afterwards). Not thread safe. Scratch is reused by every op, so all ops
+// reduction partials, MoE sort and grouped-GEMM pointer tables). Created on the current device;
+// owns its memory (two cudaMallocs at construction; the cuBLAS handle of the grouped GEMMs is
+// created by the first op that needs it). Not thread safe. Scratch is reused by every op, so all ops
 // given one Context must run on ONE stream (stream order keeps the reuse safe); use one
 // Context per stream.
 class Context {
@@ -50,6 +53,9 @@ class Context {
   Context& operator=(const Context&) = delete;
 
   cublasLtHandle_t lt() const { return lt_; }
+  // The cuBLAS handle (grouped GEMMs), bound to `stream` and to the GEMM workspace. Created on
+  // first use, on the current device (call it on the Context's device).
+  cublasHandle_t blas(cudaStream_t stream);
   void* gemm_workspace() const { return gemm_workspace_; }
   size_t gemm_workspace_bytes() const { return gemm_workspace_bytes_; }
   // The scratch buffer (256-byte aligned); CHECKs that `bytes` fit, naming `what`.
@@ -59,6 +65,7 @@ class Context {
  private:
   int device_ = 0;
   cublasLtHandle_t lt_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
   void* gemm_workspace_ = nullptr;
   size_t gemm_workspace_bytes_ = 0;
   void* scratch_ = nullptr;
@@ -180,5 +187,71 @@ void sum(Context& ctx, double* out /*(1)*/, const float* x /*(n)*/, int64_t n, b
          cudaStream_t stream);
 // x *= s
 void scale_inplace(float* x /*(n)*/, int64_t n, float s, cudaStream_t stream);
+
+// ---- mixture of experts (kernels/moe.h) -----------------------------------------------------
+// fp32 storage throughout, like the CPU reference these ops are checked against; the bf16
+// variants (bf16 activations and expert weights, fp32 parameter gradients) come later.
+// Shapes and semantics as in kernels/moe.h; S = N*K slots. REQUIRES N*K < 2^31.
+
+// One warp per token; probabilities, selection scores and weights are computed in double like
+// the reference, so the selected experts agree with it (ties to the lower expert index) except
+// where two scores differ by less than a double rounding. REQUIRES E <= 2048.
+void moe_route_forward(int32_t* expert_idx /*(N,K)*/, float* weights /*(N,K)*/,
+                       float* probs /*(N,E)*/, const float* logits /*(N,E)*/,
+                       const float* selection_bias /*(E) or null*/, int64_t N,
+                       const RouterConfig& config, cudaStream_t stream);
+// dlogits (N,E) = (overwritten). One warp per token, double arithmetic. REQUIRES E <= 2048.
+void moe_route_backward(float* dlogits /*(N,E)*/, const float* dweights /*(N,K)*/,
+                        const float* prob_grad /*(E) or null*/, const float* probs /*(N,E)*/,
+                        const int32_t* expert_idx /*(N,K)*/, const float* weights /*(N,K)*/,
+                        int64_t N, const RouterConfig& config, cudaStream_t stream);
+// Stable sort of the N*K assignments by expert: a CUB radix sort of (expert, assignment)
+// pairs in scratch (one 8-bit counting pass when E <= 256), so the slots are exactly the
+// reference's: by expert, then (token, k). Traps on an expert index outside [0, E).
+// Scratch: moe_permute_scratch_bytes(N * K, E).
+void moe_permute(Context& ctx, int32_t* slot_of /*(N,K)*/, int32_t* token_of_slot /*(N*K)*/,
+                 int64_t* expert_offsets /*(E+1)*/, const int32_t* expert_idx /*(N,K)*/,
+                 int64_t N, int64_t K, int64_t E, cudaStream_t stream);
+size_t moe_permute_scratch_bytes(int64_t assignments, int64_t E);
+void moe_gather(float* xs /*(S,C)*/, const float* x /*(N,C)*/,
+                const int32_t* token_of_slot /*(S)*/, int64_t S, int64_t C, cudaStream_t stream);
+// dx (N,C) = (overwritten); each element sums its token's K slots in k order.
+void moe_gather_backward(float* dx /*(N,C)*/, const float* dxs /*(N*K,C)*/,
+                         const int32_t* slot_of /*(N,K)*/, int64_t N, int64_t K, int64_t C,
+                         cudaStream_t stream);
+// out (N,C) = (overwritten), k order.
+void moe_combine_forward(float* out /*(N,C)*/, const float* ys /*(N*K,C)*/,
+                         const float* weights /*(N,K)*/, const int32_t* slot_of /*(N,K)*/,
+                         int64_t N, int64_t K, int64_t C, cudaStream_t stream);
+// dys (N*K,C) =, dweights (N,K) = ; one warp per (token, k), dot products by a fixed-order
+// warp reduction.
+void moe_combine_backward(float* dys /*(N*K,C)*/, float* dweights /*(N,K)*/,
+                          const float* dout /*(N,C)*/, const float* ys /*(N*K,C)*/,
+                          const float* weights /*(N,K)*/, const int32_t* slot_of /*(N,K)*/,
+                          int64_t N, int64_t K, int64_t C, cudaStream_t stream);
+// The experts' SwiGLU MLPs as grouped GEMMs (cublasSgemmGroupedBatched, one group per expert
+// with rows; fp32 math, no TF32). The pointer arrays of `w` (and `dw`) are HOST arrays of E
+// device pointers; the gradient tensors of different experts must not overlap. The launch
+// shapes come from the host: each call copies expert_offsets (E+1 int64s) to the host and
+// synchronises the stream. The grouped GEMMs' device pointer tables go to scratch (at most
+// 18 * E pointers). REQUIRES C, F and the rows of every expert < 2^31.
+void moe_experts_forward(Context& ctx, float* ys /*(S,C)*/, float* gate /*(S,F)*/,
+                         float* up /*(S,F)*/, float* act /*(S,F)*/, const float* xs /*(S,C)*/,
+                         const int64_t* expert_offsets /*(E+1)*/,
+                         const ExpertTensors<const float>& w, int64_t E, int64_t C, int64_t F,
+                         cudaStream_t stream);
+// dxs (S,C) =; dw.gate/up/down += ; dgate, dup, dact (S,F) are scratch (overwritten).
+void moe_experts_backward(Context& ctx, float* dxs /*(S,C)*/, const ExpertTensors<float>& dw,
+                          float* dgate /*(S,F)*/, float* dup /*(S,F)*/, float* dact /*(S,F)*/,
+                          const float* dys /*(S,C)*/, const float* xs /*(S,C)*/,
+                          const float* gate /*(S,F)*/, const float* up /*(S,F)*/,
+                          const float* act /*(S,F)*/, const int64_t* expert_offsets /*(E+1)*/,
+                          const ExpertTensors<const float>& w, int64_t E, int64_t C, int64_t F,
+                          cudaStream_t stream);
+// counts (E) += (integer atomics: exact); prob_sums (E) += column sums of probs in double, in a
+// fixed order. Traps on an expert index outside [0, E).
+void moe_router_stats(int64_t* counts /*(E)*/, double* prob_sums /*(E)*/,
+                      const int32_t* expert_idx /*(N,K)*/, const float* probs /*(N,E)*/,
+                      int64_t N, int64_t K, int64_t E, cudaStream_t stream);
 
 }  // namespace strata::kernels::cuda

@@ -1,0 +1,656 @@
+// Mixture-of-experts ops on CUDA (fp32 storage, like the CPU reference): routing, the stable
+// permutation to experts, gather/combine, the experts' SwiGLU MLPs as grouped GEMMs on cuBLAS,
+// and the router statistics. Deterministic: the only atomics are integer counts; every float
+// sum runs in an order fixed by the shapes.
+#include <cublas_v2.h>
+
+#include <climits>
+#include <cub/device/device_radix_sort.cuh>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cublas_check.h"
+
+namespace strata::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kMaxRouteWarps = 4;                       // tokens per routing block, one warp each
+constexpr size_t kRouteSharedBytes = size_t{48} << 10;  // without opting in to more
+constexpr int64_t kMaxRouteExperts = 2048;
+constexpr int kStatsTile = 32;  // router stats: 32 experts x 32 row lanes per block
+
+size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Bits needed to hold every expert index in [0, E).
+int key_bits(int64_t E) {
+  int bits = 1;
+  while (bits < 31 && (int64_t{1} << bits) < E) ++bits;
+  return bits;
+}
+
+// ---- routing --------------------------------------------------------------------------------
+
+// Per-warp shared memory of the routing kernels, in doubles: two arrays of E doubles, then E
+// flag bytes rounded up to whole doubles.
+__host__ __device__ inline int64_t route_shared_doubles(int64_t E) { return 2 * E + (E + 7) / 8; }
+
+__device__ __forceinline__ void check_expert(int32_t e, int E) {
+  if (e < 0 || e >= E) __trap();  // REQUIRES 0 <= expert index < E
+}
+
+// One warp per token. probs = softmax(logits) in double; score = logits or probs, plus the
+// selection bias; the K best scores by repeated warp arg-max (ties to the lower index, as the
+// reference); then the weights of the selected experts, by lane 0 in k order.
+__global__ void route_forward_kernel(int32_t* expert_idx, float* weights, float* probs, const float* logits,
+                                     const float* bias, int64_t N, int E, int K, bool topk_then_softmax,
+                                     bool normalize) {
+  extern __shared__ double route_shared[];
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int64_t n = int64_t{blockIdx.x} * (blockDim.x / kWarpSize) + warp;
+  if (n >= N) return;                                         // the whole warp leaves together; no block barriers below
+  double* p = route_shared + warp * route_shared_doubles(E);  // (E)
+  double* score = p + E;                                      // (E)
+  auto* taken = reinterpret_cast<unsigned char*>(score + E);  // (E)
+  const float* l = logits + n * E;
+
+  double max_logit = -INFINITY;
+  for (int e = lane; e < E; e += kWarpSize) max_logit = fmax(max_logit, double(l[e]));
+  max_logit = warp_max(max_logit);
+  double partial = 0.0;
+  for (int e = lane; e < E; e += kWarpSize) {
+    const double v = exp(double(l[e]) - max_logit);
+    p[e] = v;
+    partial += v;
+  }
+  const double denom = warp_sum(partial);
+  for (int e = lane; e < E; e += kWarpSize) {
+    p[e] /= denom;
+    probs[n * E + e] = static_cast<float>(p[e]);
+    const double base = topk_then_softmax ? double(l[e]) : p[e];
+    score[e] = base + (bias != nullptr ? double(bias[e]) : 0.0);
+    taken[e] = 0;
+  }
+  __syncwarp();
+
+  int32_t* idx = expert_idx + n * K;
+  for (int k = 0; k < K; ++k) {
+    // Each lane's best untaken expert (its experts come in increasing index order)...
+    int best = -1;
+    double best_score = 0.0;
+    for (int e = lane; e < E; e += kWarpSize) {
+      if (taken[e] == 0 && (best < 0 || score[e] > best_score)) {
+        best = e;
+        best_score = score[e];
+      }
+    }
+    // ...then the warp's: the higher score, on equal scores the lower index.
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+      const int other = __shfl_xor_sync(kFullMask, best, offset);
+      const double other_score = __shfl_xor_sync(kFullMask, best_score, offset);
+      if (other >= 0 && (best < 0 || other_score > best_score || (other_score == best_score && other < best))) {
+        best = other;
+        best_score = other_score;
+      }
+    }
+    best = __shfl_sync(kFullMask, best, 0);  // one answer even if a score is NaN
+    if (lane == 0) {
+      idx[k] = best;
+      taken[best] = 1;
+    }
+    __syncwarp();
+  }
+
+  if (lane == 0) {
+    float* w = weights + n * K;
+    if (topk_then_softmax) {
+      double top_max = l[idx[0]];
+      for (int k = 1; k < K; ++k) {
+        const double v = l[idx[k]];
+        top_max = top_max < v ? v : top_max;
+      }
+      double z = 0.0;
+      for (int k = 0; k < K; ++k) z += exp(double(l[idx[k]]) - top_max);
+      for (int k = 0; k < K; ++k) w[k] = static_cast<float>(exp(double(l[idx[k]]) - top_max) / z);
+    } else {
+      double z = 0.0;
+      for (int k = 0; k < K; ++k) z += p[idx[k]];
+      for (int k = 0; k < K; ++k) w[k] = static_cast<float>(normalize ? p[idx[k]] / z : p[idx[k]]);
+    }
+  }
+}
+
+// One warp per token: the gradient through the selected weights (lane 0, k order), plus
+// prob_grad, then the softmax backward dl += p * (dp - <p, dp>) over all experts. Double.
+__global__ void route_backward_kernel(float* dlogits, const float* dweights, const float* prob_grad, const float* probs,
+                                      const int32_t* expert_idx, const float* weights, int64_t N, int E, int K,
+                                      bool topk_then_softmax, bool normalize) {
+  extern __shared__ double route_shared[];
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int64_t n = int64_t{blockIdx.x} * (blockDim.x / kWarpSize) + warp;
+  if (n >= N) return;
+  double* dl = route_shared + warp * route_shared_doubles(E);  // (E)
+  double* dp = dl + E;                                         // (E)
+  const float* p = probs + n * E;
+  for (int e = lane; e < E; e += kWarpSize) {
+    dl[e] = 0.0;
+    dp[e] = 0.0;
+  }
+  __syncwarp();
+  if (lane == 0) {
+    const int32_t* idx = expert_idx + n * K;
+    const float* w = weights + n * K;
+    const float* dw = dweights + n * K;
+    for (int k = 0; k < K; ++k) check_expert(idx[k], E);
+    double w_dot_dw = 0.0;
+    for (int k = 0; k < K; ++k) w_dot_dw += double(w[k]) * double(dw[k]);
+    if (topk_then_softmax) {
+      // w = softmax over the selected logits: dl_s = w_s (dw_s - <w, dw>).
+      for (int k = 0; k < K; ++k) dl[idx[k]] += double(w[k]) * (double(dw[k]) - w_dot_dw);
+    } else if (normalize) {
+      // w_k = p_k / Z, Z = sum of the selected p: dp_k = (dw_k - <w, dw>) / Z.
+      double z = 0.0;
+      for (int k = 0; k < K; ++k) z += double(p[idx[k]]);
+      for (int k = 0; k < K; ++k) dp[idx[k]] += (double(dw[k]) - w_dot_dw) / z;
+    } else {
+      for (int k = 0; k < K; ++k) dp[idx[k]] += double(dw[k]);
+    }
+  }
+  __syncwarp();
+  double partial = 0.0;
+  for (int e = lane; e < E; e += kWarpSize) {
+    if (prob_grad != nullptr) dp[e] += double(prob_grad[e]);
+    partial += double(p[e]) * dp[e];
+  }
+  const double p_dot_dp = warp_sum(partial);
+  for (int e = lane; e < E; e += kWarpSize) {
+    dlogits[n * E + e] = static_cast<float>(dl[e] + double(p[e]) * (dp[e] - p_dot_dp));
+  }
+}
+
+// Launch shape of the routing kernels: as many warps per block as the shared memory allows.
+struct RouteLaunch {
+  unsigned blocks;
+  int threads;
+  size_t shared_bytes;
+};
+
+RouteLaunch route_launch(int64_t N, int64_t E) {
+  CHECK_MSG(E <= kMaxRouteExperts, "MoE routing on CUDA supports at most " + std::to_string(kMaxRouteExperts) +
+                                       " experts, got " + std::to_string(E));
+  const size_t per_warp = static_cast<size_t>(route_shared_doubles(E)) * sizeof(double);
+  int warps = kMaxRouteWarps;
+  while (warps > 1 && warps * per_warp > kRouteSharedBytes) warps /= 2;
+  CHECK(per_warp <= kRouteSharedBytes);
+  const int64_t blocks = ceil_div(N, warps);
+  CHECK(blocks <= INT_MAX);
+  return {static_cast<unsigned>(blocks), warps * kWarpSize, warps * per_warp};
+}
+
+void check_router(const RouterConfig& c) {
+  CHECK_MSG(c.num_experts > 0 && c.top_k >= 1 && c.top_k <= c.num_experts, "router needs 1 <= top_k <= num_experts");
+}
+
+// ---- permutation ----------------------------------------------------------------------------
+
+// keys (A) = expert of each assignment, assignments (A) = 0..A-1: the input of the stable sort.
+__global__ void permute_input_kernel(uint32_t* keys, int32_t* assignments, const int32_t* expert_idx, int64_t A,
+                                     int E) {
+  for (int64_t a = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; a < A; a += int64_t{gridDim.x} * blockDim.x) {
+    const int32_t e = expert_idx[a];
+    check_expert(e, E);
+    keys[a] = static_cast<uint32_t>(e);
+    assignments[a] = static_cast<int32_t>(a);
+  }
+}
+
+// Slot s holds the s-th assignment of the sorted order; a = n * K + k.
+__global__ void permute_output_kernel(int32_t* slot_of, int32_t* token_of_slot, const int32_t* sorted_assignments,
+                                      int64_t A, int64_t K) {
+  for (int64_t s = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; s < A; s += int64_t{gridDim.x} * blockDim.x) {
+    const int32_t a = sorted_assignments[s];
+    slot_of[a] = static_cast<int32_t>(s);
+    token_of_slot[s] = static_cast<int32_t>(a / K);
+  }
+}
+
+// offsets[e] = the first slot whose expert is >= e. Position s in [0, A] writes the offsets of
+// the experts in (key[s-1], key[s]] (key[-1] = -1, key[A] = E), so each is written once.
+__global__ void expert_offsets_kernel(int64_t* offsets, const uint32_t* sorted_keys, int64_t A, int64_t E) {
+  for (int64_t s = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; s <= A; s += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t prev = s > 0 ? int64_t{sorted_keys[s - 1]} : -1;
+    const int64_t cur = s < A ? int64_t{sorted_keys[s]} : E;
+    for (int64_t e = prev + 1; e <= cur; ++e) offsets[e] = s;
+  }
+}
+
+struct PermuteScratch {
+  uint32_t* keys_in;
+  uint32_t* keys_out;
+  int32_t* assignments_in;
+  int32_t* assignments_out;
+  void* cub_temp;
+  size_t cub_temp_bytes;
+  size_t total_bytes;
+};
+
+// Carves the scratch for A assignments starting at `base` (null: sizes only).
+PermuteScratch permute_scratch(void* base, int64_t A, int64_t E) {
+  PermuteScratch s{};
+  size_t cub_bytes = 0;
+  // A size query: no work is launched and no memory is touched.
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<uint32_t*>(nullptr),
+                                             static_cast<uint32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                             static_cast<int32_t*>(nullptr), static_cast<int>(A), 0, key_bits(E)));
+  const size_t keys = align256(static_cast<size_t>(A) * sizeof(uint32_t));
+  const size_t assignments = align256(static_cast<size_t>(A) * sizeof(int32_t));
+  auto* p = static_cast<char*>(base);
+  s.keys_in = reinterpret_cast<uint32_t*>(p);
+  s.keys_out = reinterpret_cast<uint32_t*>(p + keys);
+  s.assignments_in = reinterpret_cast<int32_t*>(p + 2 * keys);
+  s.assignments_out = reinterpret_cast<int32_t*>(p + 2 * keys + assignments);
+  s.cub_temp = p + 2 * keys + 2 * assignments;
+  s.cub_temp_bytes = cub_bytes;
+  s.total_bytes = 2 * keys + 2 * assignments + align256(cub_bytes);
+  return s;
+}
+
+// ---- gather and combine ---------------------------------------------------------------------
+
+// xs (S,C) = x[token_of_slot]
+__global__ void gather_kernel(float* xs, const float* x, const int32_t* token_of_slot, int64_t S, int64_t C) {
+  const int64_t total = S * C;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t s = i / C, c = i - s * C;
+    xs[i] = x[int64_t{token_of_slot[s]} * C + c];
+  }
+}
+
+// dx (N,C) = sum over k, in k order, of dxs[slot_of[n,k]]
+__global__ void gather_backward_kernel(float* dx, const float* dxs, const int32_t* slot_of, int64_t N, int64_t K,
+                                       int64_t C) {
+  const int64_t total = N * C;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t n = i / C, c = i - n * C;
+    const int32_t* slots = slot_of + n * K;
+    float acc = dxs[int64_t{slots[0]} * C + c];
+    for (int64_t k = 1; k < K; ++k) acc += dxs[int64_t{slots[k]} * C + c];
+    dx[i] = acc;
+  }
+}
+
+// out (N,C) = sum over k, in k order, of weights[n,k] * ys[slot_of[n,k]]
+__global__ void combine_forward_kernel(float* out, const float* ys, const float* weights, const int32_t* slot_of,
+                                       int64_t N, int64_t K, int64_t C) {
+  const int64_t total = N * C;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t n = i / C, c = i - n * C;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      acc += weights[n * K + k] * ys[int64_t{slot_of[n * K + k]} * C + c];
+    }
+    out[i] = acc;
+  }
+}
+
+// One warp per assignment a = (n, k): dys[slot] = w * dout[n]; dweights[a] = <dout[n], ys[slot]>
+// (lane partials in column order, then the fixed warp tree).
+__global__ void combine_backward_kernel(float* dys, float* dweights, const float* dout, const float* ys,
+                                        const float* weights, const int32_t* slot_of, int64_t A, int64_t K, int64_t C) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t a = int64_t{blockIdx.x} * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  if (a >= A) return;  // the whole warp leaves together
+  const int64_t slot = slot_of[a];
+  const float w = weights[a];
+  const float* d = dout + (a / K) * C;
+  const float* y = ys + slot * C;
+  float* dy = dys + slot * C;
+  float dot = 0.0f;
+  for (int64_t c = lane; c < C; c += kWarpSize) {
+    dy[c] = w * d[c];
+    dot += d[c] * y[c];
+  }
+  dot = warp_sum(dot);
+  if (lane == 0) dweights[a] = dot;
+}
+
+// ---- SwiGLU in fp32 -------------------------------------------------------------------------
+
+// sigmoid(g) = 1 / (1 + exp(-g)); exp(-g) overflows to +inf for g below about -88, which gives
+// sigmoid 0 and silu 0, the right limits.
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+__global__ void swiglu_forward_f32_kernel(float* out, const float* gate, const float* up, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float g = gate[i];
+    out[i] = g * sigmoid(g) * up[i];
+  }
+}
+
+// d silu(g) / dg = sig + g sig (1 - sig).
+__global__ void swiglu_backward_f32_kernel(float* dgate, float* dup, const float* dout, const float* gate,
+                                           const float* up, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float g = gate[i], d = dout[i];
+    const float sig = sigmoid(g);
+    const float silu = g * sig;
+    dgate[i] = d * up[i] * (sig + silu * (1.0f - sig));
+    dup[i] = d * silu;
+  }
+}
+
+// ---- router statistics ----------------------------------------------------------------------
+
+static_assert(sizeof(unsigned long long) == sizeof(int64_t), "counts are 64-bit");
+
+// counts[e] += assignments to e. Integer atomics: the result does not depend on their order.
+__global__ void count_assignments_kernel(int64_t* counts, const int32_t* expert_idx, int64_t A, int E) {
+  for (int64_t a = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; a < A; a += int64_t{gridDim.x} * blockDim.x) {
+    const int32_t e = expert_idx[a];
+    check_expert(e, E);
+    atomicAdd(reinterpret_cast<unsigned long long*>(counts + e), 1ull);
+  }
+}
+
+// Block (kStatsTile, kStatsTile) per kStatsTile experts: thread (x, y) sums the rows y, y + 32,
+// ... of expert x in double (coalesced across x), then thread (x, 0) adds the 32 partials in y
+// order.
+__global__ void prob_sums_kernel(double* prob_sums, const float* probs, int64_t N, int64_t E) {
+  __shared__ double partial[kStatsTile][kStatsTile + 1];
+  const int64_t e = int64_t{blockIdx.x} * kStatsTile + threadIdx.x;
+  double acc = 0.0;
+  if (e < E) {
+    for (int64_t n = threadIdx.y; n < N; n += kStatsTile) acc += double(probs[n * E + e]);
+  }
+  partial[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && e < E) {
+    double sum = 0.0;
+    for (int r = 0; r < kStatsTile; ++r) sum += partial[r][threadIdx.x];
+    prob_sums[e] += sum;
+  }
+}
+
+// ---- grouped GEMMs --------------------------------------------------------------------------
+
+// One row-major GEMM: C (M,N) = op(A) @ op(B) + beta * C with op(X) = X or X^T and row strides
+// lda/ldb/ldc (the conventions of gemm() in context.cpp), alpha = 1.
+struct GemmProblem {
+  bool trans_a, trans_b;
+  int64_t M, N, K;
+  const float* A;
+  int64_t lda;
+  const float* B;
+  int64_t ldb;
+  float beta;
+  float* C;
+  int64_t ldc;
+};
+
+int to_int(int64_t v) {
+  CHECK_MSG(v >= 0 && v <= INT_MAX,
+            "grouped GEMM dimension " + std::to_string(v) + " does not fit the 32-bit cuBLAS interface");
+  return static_cast<int>(v);
+}
+
+// The grouped GEMM calls of one op, each a list of independent problems (no problem writes
+// what another of the same call reads or writes). The device arrays of pointers of every call
+// go to scratch in one host-to-device copy; then the calls run in the order of the stream, each
+// as one cublasSgemmGroupedBatched with one group per problem (their shapes differ).
+//
+// cuBLAS is column-major: a row-major (R, S) matrix with row stride ld is the column-major
+// (S, R) matrix with leading dimension ld. So row-major C = op(A) @ op(B) is column-major
+// C^T = op(B)^T @ op(A)^T: m = N, n = M, first operand B (transposed iff trans_b), second A.
+class GroupedGemms {
+ public:
+  size_t add(std::vector<GemmProblem> call) {
+    calls_.push_back(std::move(call));
+    return calls_.size() - 1;
+  }
+
+  void upload(Context& ctx, cudaStream_t stream, const char* what) {
+    std::vector<void*> table;
+    for (const std::vector<GemmProblem>& call : calls_) {
+      first_.push_back(table.size());
+      // Column-major first operand, second operand, output (the operands are only read).
+      for (const GemmProblem& p : call) table.push_back(const_cast<float*>(p.B));
+      for (const GemmProblem& p : call) table.push_back(const_cast<float*>(p.A));
+      for (const GemmProblem& p : call) table.push_back(p.C);
+    }
+    const size_t bytes = table.size() * sizeof(void*);
+    device_table_ = static_cast<void**>(ctx.scratch(bytes, what));
+    // From pageable memory: staged before the call returns, so `table` may go away after it.
+    CUDA_CHECK(cudaMemcpyAsync(device_table_, table.data(), bytes, cudaMemcpyHostToDevice, stream));
+  }
+
+  void run(Context& ctx, size_t call_index, cudaStream_t stream) const {
+    const std::vector<GemmProblem>& call = calls_[call_index];
+    const size_t count = call.size();
+    if (count == 0) return;
+    std::vector<cublasOperation_t> trans_first(count), trans_second(count);
+    std::vector<int> m(count), n(count), k(count), ld_first(count), ld_second(count), ldc(count);
+    std::vector<float> alpha(count, 1.0f), beta(count);
+    const std::vector<int> group_size(count, 1);
+    for (size_t i = 0; i < count; ++i) {
+      const GemmProblem& p = call[i];
+      CHECK(p.M > 0 && p.N > 0 && p.K > 0);
+      CHECK(p.ldc >= p.N);
+      CHECK(p.ldb >= (p.trans_b ? p.K : p.N));
+      CHECK(p.lda >= (p.trans_a ? p.M : p.K));
+      trans_first[i] = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+      trans_second[i] = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+      m[i] = to_int(p.N);
+      n[i] = to_int(p.M);
+      k[i] = to_int(p.K);
+      ld_first[i] = to_int(p.ldb);
+      ld_second[i] = to_int(p.lda);
+      ldc[i] = to_int(p.ldc);
+      beta[i] = p.beta;
+    }
+    void** table = device_table_ + first_[call_index];
+    CUBLAS_CHECK(cublasSgemmGroupedBatched(
+        ctx.blas(stream), trans_first.data(), trans_second.data(), m.data(), n.data(), k.data(), alpha.data(),
+        reinterpret_cast<const float* const*>(table), ld_first.data(),
+        reinterpret_cast<const float* const*>(table + count), ld_second.data(), beta.data(),
+        reinterpret_cast<float* const*>(table + 2 * count), ldc.data(), static_cast<int>(count), group_size.data()));
+  }
+
+ private:
+  std::vector<std::vector<GemmProblem>> calls_;
+  std::vector<size_t> first_;  // where each call's pointers start in the device table
+  void** device_table_ = nullptr;
+};
+
+// The expert offsets on the host (the grouped GEMMs' shapes are host arguments): a copy of E+1
+// int64s and a stream synchronisation. Checks that they are non-decreasing from >= 0.
+std::vector<int64_t> host_offsets(const int64_t* expert_offsets, int64_t E, cudaStream_t stream) {
+  std::vector<int64_t> offsets(static_cast<size_t>(E + 1));
+  CUDA_CHECK(cudaMemcpyAsync(offsets.data(), expert_offsets, offsets.size() * sizeof(int64_t), cudaMemcpyDeviceToHost,
+                             stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CHECK_MSG(offsets[0] >= 0, "expert offsets must start at a slot >= 0");
+  for (int64_t e = 0; e < E; ++e) {
+    CHECK_MSG(offsets[e] <= offsets[e + 1], "expert offsets must be non-decreasing");
+  }
+  return offsets;
+}
+
+}  // namespace
+
+// ---- launchers ------------------------------------------------------------------------------
+
+void moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const float* logits,
+                       const float* selection_bias, int64_t N, const RouterConfig& config, cudaStream_t stream) {
+  check_router(config);
+  CHECK(N >= 0);
+  if (N == 0) return;
+  const RouteLaunch launch = route_launch(N, config.num_experts);
+  route_forward_kernel<<<launch.blocks, launch.threads, launch.shared_bytes, stream>>>(
+      expert_idx, weights, probs, logits, selection_bias, N, static_cast<int>(config.num_experts),
+      static_cast<int>(config.top_k), config.scoring == RouterScoring::kTopKThenSoftmax, config.normalize_top_k);
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_route_backward(float* dlogits, const float* dweights, const float* prob_grad, const float* probs,
+                        const int32_t* expert_idx, const float* weights, int64_t N, const RouterConfig& config,
+                        cudaStream_t stream) {
+  check_router(config);
+  CHECK(N >= 0);
+  if (N == 0) return;
+  const RouteLaunch launch = route_launch(N, config.num_experts);
+  route_backward_kernel<<<launch.blocks, launch.threads, launch.shared_bytes, stream>>>(
+      dlogits, dweights, prob_grad, probs, expert_idx, weights, N, static_cast<int>(config.num_experts),
+      static_cast<int>(config.top_k), config.scoring == RouterScoring::kTopKThenSoftmax, config.normalize_top_k);
+  CUDA_CHECK_LAUNCH();
+}
+
+size_t moe_permute_scratch_bytes(int64_t assignments, int64_t E) {
+  return permute_scratch(nullptr, assignments, E).total_bytes;
+}
+
+void moe_permute(Context& ctx, int32_t* slot_of, int32_t* token_of_slot, int64_t* expert_offsets,
+                 const int32_t* expert_idx, int64_t N, int64_t K, int64_t E, cudaStream_t stream) {
+  CHECK(N >= 0 && K > 0 && E > 0 && E <= INT_MAX);
+  const int64_t A = N * K;
+  CHECK_MSG(A < (int64_t{1} << 31), "moe_permute: N * K must fit in int32");
+  if (A > 0) {
+    PermuteScratch s = permute_scratch(ctx.scratch(moe_permute_scratch_bytes(A, E), "moe_permute"), A, E);
+    permute_input_kernel<<<elementwise_blocks(A, kThreads), kThreads, 0, stream>>>(s.keys_in, s.assignments_in,
+                                                                                   expert_idx, A, static_cast<int>(E));
+    CUDA_CHECK_LAUNCH();
+    size_t cub_bytes = s.cub_temp_bytes;
+    // Stable (LSD radix sort): equal experts keep the (token, k) order of the input.
+    CUDA_CHECK(cub::DeviceRadixSort::SortPairs(s.cub_temp, cub_bytes, s.keys_in, s.keys_out, s.assignments_in,
+                                               s.assignments_out, static_cast<int>(A), 0, key_bits(E), stream));
+    permute_output_kernel<<<elementwise_blocks(A, kThreads), kThreads, 0, stream>>>(slot_of, token_of_slot,
+                                                                                    s.assignments_out, A, K);
+    CUDA_CHECK_LAUNCH();
+    expert_offsets_kernel<<<elementwise_blocks(A + 1, kThreads), kThreads, 0, stream>>>(expert_offsets, s.keys_out, A,
+                                                                                        E);
+  } else {
+    expert_offsets_kernel<<<1, kThreads, 0, stream>>>(expert_offsets, nullptr, 0, E);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_gather(float* xs, const float* x, const int32_t* token_of_slot, int64_t S, int64_t C, cudaStream_t stream) {
+  CHECK(S >= 0 && C > 0);
+  if (S == 0) return;
+  gather_kernel<<<elementwise_blocks(S * C, kThreads), kThreads, 0, stream>>>(xs, x, token_of_slot, S, C);
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_gather_backward(float* dx, const float* dxs, const int32_t* slot_of, int64_t N, int64_t K, int64_t C,
+                         cudaStream_t stream) {
+  CHECK(N >= 0 && K > 0 && C > 0);
+  if (N == 0) return;
+  gather_backward_kernel<<<elementwise_blocks(N * C, kThreads), kThreads, 0, stream>>>(dx, dxs, slot_of, N, K, C);
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_combine_forward(float* out, const float* ys, const float* weights, const int32_t* slot_of, int64_t N,
+                         int64_t K, int64_t C, cudaStream_t stream) {
+  CHECK(N >= 0 && K > 0 && C > 0);
+  if (N == 0) return;
+  combine_forward_kernel<<<elementwise_blocks(N * C, kThreads), kThreads, 0, stream>>>(out, ys, weights, slot_of, N, K,
+                                                                                       C);
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_combine_backward(float* dys, float* dweights, const float* dout, const float* ys, const float* weights,
+                          const int32_t* slot_of, int64_t N, int64_t K, int64_t C, cudaStream_t stream) {
+  CHECK(N >= 0 && K > 0 && C > 0);
+  const int64_t A = N * K;
+  if (A == 0) return;
+  constexpr int kWarps = kThreads / kWarpSize;
+  const int64_t blocks = ceil_div(A, kWarps);
+  CHECK(blocks <= INT_MAX);
+  combine_backward_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(dys, dweights, dout, ys, weights,
+                                                                                  slot_of, A, K, C);
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_experts_forward(Context& ctx, float* ys, float* gate, float* up, float* act, const float* xs,
+                         const int64_t* expert_offsets, const ExpertTensors<const float>& w, int64_t E, int64_t C,
+                         int64_t F, cudaStream_t stream) {
+  CHECK(E > 0 && C > 0 && F > 0);
+  const std::vector<int64_t> offsets = host_offsets(expert_offsets, E, stream);
+  std::vector<GemmProblem> gate_up, down;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+    if (rows == 0) continue;
+    // gate, up (rows,F) = xs (rows,C) @ W^T, W (F,C)
+    gate_up.push_back({false, true, rows, F, C, xs + r0 * C, C, w.gate[e], C, 0.0f, gate + r0 * F, F});
+    gate_up.push_back({false, true, rows, F, C, xs + r0 * C, C, w.up[e], C, 0.0f, up + r0 * F, F});
+    // ys (rows,C) = act (rows,F) @ W_down^T, W_down (C,F)
+    down.push_back({false, true, rows, C, F, act + r0 * F, F, w.down[e], F, 0.0f, ys + r0 * C, C});
+  }
+  if (down.empty()) return;
+  GroupedGemms gemms;
+  const size_t gate_up_call = gemms.add(std::move(gate_up));
+  const size_t down_call = gemms.add(std::move(down));
+  gemms.upload(ctx, stream, "moe_experts_forward (grouped GEMM pointers)");
+  gemms.run(ctx, gate_up_call, stream);
+  // The experts' rows are contiguous: [offsets[0], offsets[E]).
+  const int64_t first = offsets[0] * F, n = (offsets[E] - offsets[0]) * F;
+  swiglu_forward_f32_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(act + first, gate + first,
+                                                                                      up + first, n);
+  CUDA_CHECK_LAUNCH();
+  gemms.run(ctx, down_call, stream);
+}
+
+void moe_experts_backward(Context& ctx, float* dxs, const ExpertTensors<float>& dw, float* dgate, float* dup,
+                          float* dact, const float* dys, const float* xs, const float* gate, const float* up,
+                          const float* act, const int64_t* expert_offsets, const ExpertTensors<const float>& w,
+                          int64_t E, int64_t C, int64_t F, cudaStream_t stream) {
+  CHECK(E > 0 && C > 0 && F > 0);
+  const std::vector<int64_t> offsets = host_offsets(expert_offsets, E, stream);
+  // Three calls; the problems inside one call are independent.
+  //   1: dact = dys @ W_down; dW_down += dys^T @ act
+  //   2: dxs = dgate @ W_gate; dW_gate += dgate^T @ xs; dW_up += dup^T @ xs
+  //   3: dxs += dup @ W_up
+  std::vector<GemmProblem> first_call, second_call, third_call;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+    if (rows == 0) continue;
+    const float* dy = dys + r0 * C;  // (rows,C)
+    const float* x = xs + r0 * C;    // (rows,C)
+    first_call.push_back({false, false, rows, F, C, dy, C, w.down[e], F, 0.0f, dact + r0 * F, F});
+    first_call.push_back({true, false, C, F, rows, dy, C, act + r0 * F, F, 1.0f, dw.down[e], F});
+    second_call.push_back({false, false, rows, C, F, dgate + r0 * F, F, w.gate[e], C, 0.0f, dxs + r0 * C, C});
+    second_call.push_back({true, false, F, C, rows, dgate + r0 * F, F, x, C, 1.0f, dw.gate[e], C});
+    second_call.push_back({true, false, F, C, rows, dup + r0 * F, F, x, C, 1.0f, dw.up[e], C});
+    third_call.push_back({false, false, rows, C, F, dup + r0 * F, F, w.up[e], C, 1.0f, dxs + r0 * C, C});
+  }
+  if (third_call.empty()) return;
+  GroupedGemms gemms;
+  const size_t call1 = gemms.add(std::move(first_call));
+  const size_t call2 = gemms.add(std::move(second_call));
+  const size_t call3 = gemms.add(std::move(third_call));
+  gemms.upload(ctx, stream, "moe_experts_backward (grouped GEMM pointers)");
+  gemms.run(ctx, call1, stream);
+  const int64_t first = offsets[0] * F, n = (offsets[E] - offsets[0]) * F;
+  swiglu_backward_f32_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(
+      dgate + first, dup + first, dact + first, gate + first, up + first, n);
+  CUDA_CHECK_LAUNCH();
+  gemms.run(ctx, call2, stream);
+  gemms.run(ctx, call3, stream);
+}
+
+void moe_router_stats(int64_t* counts, double* prob_sums, const int32_t* expert_idx, const float* probs, int64_t N,
+                      int64_t K, int64_t E, cudaStream_t stream) {
+  CHECK(N >= 0 && K > 0 && E > 0 && E <= INT_MAX);
+  if (N == 0) return;
+  const int64_t A = N * K;
+  count_assignments_kernel<<<elementwise_blocks(A, kThreads), kThreads, 0, stream>>>(counts, expert_idx, A,
+                                                                                     static_cast<int>(E));
+  CUDA_CHECK_LAUNCH();
+  const dim3 block(kStatsTile, kStatsTile);
+  prob_sums_kernel<<<static_cast<unsigned>(ceil_div(E, kStatsTile)), block, 0, stream>>>(prob_sums, probs, N, E);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::kernels::cuda
