@@ -338,7 +338,7 @@ Status ChunkSpace::evict(ChunkId id, Tier from) {
 }
 
 Status ChunkSpace::read_tensor(TensorId id, uint64_t offset, uint64_t length, void* dst) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   const TensorPlacement t = layout_.tensor(id);
   if (offset > t.bytes || length > t.bytes - offset) {
     return Status::InvalidArgument("read of bytes [" + std::to_string(offset) + ", " +
@@ -387,6 +387,10 @@ Status ChunkSpace::read_tensor(TensorId id, uint64_t offset, uint64_t length, vo
   request.buffer = buffer.get();
   request.length = end - begin;
   request.offset = span.offset + begin;
+  // The read runs without the lock, so that compute is not held up behind the disk. The slot
+  // is the chunk's home (never given back), and nothing writes it while the caller's bytes are
+  // unchanged: a write-back to nvme only follows a modification of the chunk.
+  lock.unlock();
   Result<IoTicket> ticket = io_->submit(request);
   Status st = ticket.ok() ? io_->wait(*ticket) : ticket.status();
   if (!st.ok()) return st.with_context("reading tensor '" + t.name + "' from the nvme tier");

@@ -467,7 +467,9 @@ TEST(IoUringEngineTest, UsesFixedFilesFixedBuffersAndBatchedSubmission) {
   EXPECT_EQ(checksum(src.data(), src.size()), checksum(dst.data(), dst.size()));
   const IoUringEngine::Stats s = e.stats();
   EXPECT_EQ(s.requests, 2u * kRequests);
-  if (e.fixed_buffer_count() > 0) EXPECT_EQ(s.fixed_buffer_sqes, s.sqes);
+  if (e.fixed_buffer_count() > 0) {
+    EXPECT_EQ(s.fixed_buffer_sqes, s.sqes);
+  }
   EXPECT_LT(s.submit_calls, s.sqes);  // batched: fewer io_uring_enter calls than SQEs
 }
 
