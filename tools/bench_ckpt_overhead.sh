@@ -2,8 +2,10 @@
 # Training throughput with a checkpoint save in flight every step versus no checkpoints.
 # Builds nothing. Usage: tools/bench_ckpt_overhead.sh path/to/strata [steps] [rounds] [extra overrides...]
 # Runs the same training (model.preset=tiny) with ckpt.every=0 and ckpt.every=1, alternating,
-# `rounds` times each (default 3, to even out a busy machine), and prints the median tokens/s
-# of each mode from metrics.jsonl (the first 3 steps of every run skipped) and their ratio.
+# `rounds` times each (default 3, to even out a busy machine). Each run's throughput is wall
+# clock: tokens from step 3 to the last step over the elapsed time between them (metrics.jsonl
+# `elapsed_s`), so starting saves and waiting for a busy writer count against it. Prints the
+# median of each mode and their ratio.
 set -euo pipefail
 
 strata=${1:?usage: $0 path/to/strata [steps] [rounds] [extra overrides...]}
@@ -16,25 +18,22 @@ command -v python3 >/dev/null || { echo "error: python3 is needed to read metric
 work=$(mktemp -d "${TMPDIR:-/tmp}/strata_ckpt_bench.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
-median_tps() {  # metrics.jsonl files -> "median_tokens_per_s count" over the steps after the third
-  python3 - "$@" <<'PY'
-import json, statistics, sys
-v = []
-for path in sys.argv[1:]:
-    for line in open(path):
-        line = line.strip()
-        if not line:
-            continue
-        m = json.loads(line)
-        if "tokens_per_s" in m and m.get("step", 0) > 3:
-            v.append(float(m["tokens_per_s"]))
-if not v:
-    sys.exit("no steps after the third in " + " ".join(sys.argv[1:]))
-print(f"{statistics.median(v):.1f} {len(v)}")
+run_tps() {  # metrics.jsonl -> wall-clock tokens/s from the end of step 3 to the last step
+  python3 - "$1" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in rows if "elapsed_s" in r]
+first = next((r for r in rows if r["step"] == 3), None)
+last = rows[-1] if rows else None
+if first is None or last["step"] <= first["step"]:
+    sys.exit("fewer than 4 steps in " + sys.argv[1])
+print(f"{(last['tokens'] - first['tokens']) / (last['elapsed_s'] - first['elapsed_s']):.1f}")
 PY
 }
 
-declare -A tps n
+median() { python3 -c "import statistics, sys; print(f'{statistics.median(map(float, sys.argv[1:])):.1f}')" "$@"; }
+
+declare -A runs
 for r in $(seq "$rounds"); do
   for every in 0 1; do
     run="$work/every$every.round$r"
@@ -44,15 +43,15 @@ for r in $(seq "$rounds"); do
       tail -20 "$work/log$every.$r.txt" >&2
       exit 1
     fi
-    read -r t _ < <(median_tps "$run/metrics.jsonl")
+    t=$(run_tps "$run/metrics.jsonl")
+    runs[$every]+=" $t"
     echo "round $r ckpt.every=$every: $t tokens/s" >&2
   done
 done
-for every in 0 1; do
-  read -r tps[$every] n[$every] < <(median_tps "$work"/every$every.round*/metrics.jsonl)
-done
+# shellcheck disable=SC2086
+t0=$(median ${runs[0]}); t1=$(median ${runs[1]})
 
-printf '%-30s %14s %8s\n' "$rounds x $steps steps, tiny" "tokens/s (med)" "steps"
-printf '%-30s %14s %8s\n' "ckpt.every=0 (no saves)" "${tps[0]}" "${n[0]}"
-printf '%-30s %14s %8s\n' "ckpt.every=1 (save in flight)" "${tps[1]}" "${n[1]}"
-python3 -c "import sys; a,b=float(sys.argv[1]),float(sys.argv[2]); print(f'ratio with/without saves: {b/a:.3f}  (overhead {100*(1-b/a):.1f}%)')" "${tps[0]}" "${tps[1]}"
+printf '%-30s %14s\n' "$rounds x $steps steps, tiny" "tokens/s (med)"
+printf '%-30s %14s\n' "ckpt.every=0 (no saves)" "$t0"
+printf '%-30s %14s\n' "ckpt.every=1 (save in flight)" "$t1"
+python3 -c "import sys; a,b=float(sys.argv[1]),float(sys.argv[2]); print(f'ratio with/without saves: {b/a:.3f}  (overhead {100*(1-b/a):.1f}%)')" "$t0" "$t1"

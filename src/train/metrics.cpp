@@ -37,12 +37,20 @@ MetricsWriter::~MetricsWriter() {
 }
 
 Status MetricsWriter::write(const StepMetrics& m) {
-  nlohmann::json j = {{"step", m.step},         {"loss", m.loss},
-                      {"lr", m.lr},             {"grad_norm", m.grad_norm},
-                      {"tokens_per_s", m.tokens_per_s}, {"ms", m.ms},
+  nlohmann::json j = {{"step", m.step},
+                      {"loss", m.loss},
+                      {"lr", m.lr},
+                      {"grad_norm", m.grad_norm},
+                      {"tokens_per_s", m.tokens_per_s},
+                      {"ms", m.ms},
                       {"tokens", m.tokens},
-                      {"device_bytes", m.tier_bytes[0]}, {"host_bytes", m.tier_bytes[1]},
-                      {"nvme_bytes", m.tier_bytes[2]}, {"moved_bytes", m.moved_bytes}, {"stall_ms", m.stall_ms},
+                      {"device_bytes", m.tier_bytes[0]},
+                      {"host_bytes", m.tier_bytes[1]},
+                      {"nvme_bytes", m.tier_bytes[2]},
+                      {"moved_bytes", m.moved_bytes},
+                      {"stall_ms", m.stall_ms},
+                      {"elapsed_s", m.elapsed_s},
+                      {"ckpt_in_flight", m.ckpt_in_flight},
                       {"rss_bytes", m.rss_bytes}};
   // Losses are printed with 17 significant digits so that runs can be compared bitwise.
   std::string line = j.dump() + "\n";

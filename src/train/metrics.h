@@ -24,6 +24,10 @@ struct StepMetrics {
   uint64_t moved_bytes = 0;    // bytes moved between tiers during the step
   double stall_ms = 0;         // time compute waited for data during the step
   uint64_t rss_bytes = 0;      // resident memory of the process
+  // Seconds since the first step of this run began, at the end of this step's compute: wall
+  // time between two steps includes everything in between (checkpoint starts, logging).
+  double elapsed_s = 0;
+  bool ckpt_in_flight = false;  // a checkpoint save was being written when the step began
 };
 
 // "step  10/200 | loss 3.2113 | lr 1.50e-03 | gnorm 0.912 | 5.1k tok/s | 199 ms |

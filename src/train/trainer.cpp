@@ -317,12 +317,14 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   std::vector<int32_t> targets(inputs.size());
   TrainSummary summary;
   Status failure;
+  const auto run_start = std::chrono::steady_clock::now();
   for (int64_t step = start_step; step <= t.steps; ++step) {
     if (g_stop_requested) {
       summary.interrupted = true;
       break;
     }
     auto t0 = std::chrono::steady_clock::now();
+    const bool ckpt_in_flight = checkpointer.in_flight();
     for (int64_t m = 0; m < t.grad_accum && failure.ok(); ++m)
       failure = loader.next(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens);
     if (!failure.ok()) break;
@@ -365,6 +367,8 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     sm.stall_ms = static_cast<double>(after.stall_ns() - before.stall_ns()) / 1e6;
     sm.moved_bytes = after.moved_bytes() - before.moved_bytes();
     sm.rss_bytes = resident_bytes();
+    sm.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    sm.ckpt_in_flight = ckpt_in_flight;
     failure = metrics.write(sm);
     if (!failure.ok()) break;
     if (step == start_step) summary.first_loss = sm.loss;
