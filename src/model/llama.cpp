@@ -86,8 +86,8 @@ void LlamaModel::check_tokens(const int32_t* inputs, const int32_t* targets, int
   }
 }
 
-void LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float* out /*(N,C)*/,
-                               int64_t B, int64_t T, const RouterStats* stats) {
+Status LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float* out /*(N,C)*/,
+                                 int64_t B, int64_t T, const RouterStats* stats, bool grads) {
   namespace k = kernels::cpu;
   const LayerParams p = LayerParams::bind_with(param_at(), layout_.layer(layer));
   const ActivationTable& a = acts_;
@@ -121,17 +121,21 @@ void LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float* o
   // MLP block: out = h + mlp(ln2), mlp = down(silu(gate(ln2)) * up(ln2)) or the experts.
   k::rmsnorm_forward(a.ln2, a.ln2_rstd, a.h, p.post_attention_layernorm, N, C, eps);
   if (config_.is_moe_layer(layer)) {
-    const MoeParams m = MoeParams::bind_with(param_at(), layout_.layer(layer).moe);
-    moe_mlp_forward(config_, m, layer_selection_bias(layer), a, a.ln2, out, stats, N);
+    // Only the experts the router picks are needed: route first, then fetch them.
+    moe_route(config_, param(layout_.layer(layer).moe.router), layer_selection_bias(layer), a, a.ln2, stats, N);
+    RETURN_IF_ERROR(begin_experts(layer, /*params=*/true, grads));
+    const MoeParams m = MoeParams::bind_with(param_at(), moe_offsets(layer));
+    moe_mlp_forward(config_, m, a, a.ln2, out, N);
     if (out != nullptr) add_inplace(out, a.h, N * C);
-    return;
+    return Status::OK();
   }
   k::linear_forward(a.gate, a.ln2, p.gate_proj, nullptr, N, C, F);
   k::linear_forward(a.up, a.ln2, p.up_proj, nullptr, N, C, F);
   k::swiglu_forward(a.act, a.gate, a.up, N * F);
-  if (out == nullptr) return;
+  if (out == nullptr) return Status::OK();
   k::linear_forward(out, a.act, p.down_proj, nullptr, N, F, C);
   add_inplace(out, a.h, N * C);
+  return Status::OK();
 }
 
 // Parameter gradients accumulate (+=); activation gradients overwrite (=).
@@ -150,8 +154,9 @@ void LlamaModel::layer_backward(int64_t layer, const float* x /*(N,C)*/, float* 
 
   // MLP block. out = h + mlp(ln2): dres is dL/dout, and dL/dh starts as dres.
   if (config_.is_moe_layer(layer)) {
-    const MoeParams mp = MoeParams::bind_with(param_at(), layout_.layer(layer).moe);
-    const MoeGrads mg = MoeGrads::bind_with(grad_at(), layout_.layer(layer).moe);
+    const MoeOffsets mo = moe_offsets(layer);
+    const MoeParams mp = MoeParams::bind_with(param_at(), mo);
+    const MoeGrads mg = MoeGrads::bind_with(grad_at(), mo);
     moe_mlp_backward(config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N);
   } else {
     k::linear_backward(a.d_act, g.down_proj, nullptr, dres, a.act, p.down_proj, N, F, C);
@@ -194,6 +199,34 @@ void LlamaModel::end_group(int group, bool params, bool grads) {
   if (access_ != nullptr) access_->end(group, params, grads);
 }
 
+Status LlamaModel::begin_experts(int64_t layer, bool params, bool grads) {
+  active_experts_.clear();
+  if (!config_.is_moe_layer(layer)) return Status::OK();
+  for (int64_t e = 0; e < config_.num_experts; ++e)
+    if (acts_.expert_offsets[e + 1] > acts_.expert_offsets[e]) active_experts_.push_back(static_cast<int>(e));
+  if (access_ == nullptr) return Status::OK();
+  Status st = access_->begin_experts(static_cast<int>(1 + layer), active_experts_, params, grads);
+  if (!st.ok()) active_experts_.clear();
+  return st;
+}
+
+void LlamaModel::end_experts(int64_t layer, bool params, bool grads) {
+  if (!config_.is_moe_layer(layer)) return;
+  if (access_ != nullptr) access_->end_experts(static_cast<int>(1 + layer), active_experts_, params, grads);
+  active_experts_.clear();
+}
+
+MoeOffsets LlamaModel::moe_offsets(int64_t layer) const {
+  MoeOffsets o = layout_.layer(layer).moe;
+  std::vector<bool> active(o.expert_gate.size(), false);
+  for (int e : active_experts_) active[static_cast<size_t>(e)] = true;
+  for (size_t e = 0; e < active.size(); ++e) {
+    if (active[e]) continue;
+    o.expert_gate[e] = o.expert_up[e] = o.expert_down[e] = -1;
+  }
+  return o;
+}
+
 float* LlamaModel::checkpoint(int64_t l, int64_t N) {
   const int64_t L = config_.num_hidden_layers;
   int64_t slot = l;
@@ -224,8 +257,10 @@ Status LlamaModel::forward_layers(const int32_t* inputs, int64_t B, int64_t T, b
     std::fill(layer_counts.begin(), layer_counts.end(), int64_t{0});
     const RouterStats stats{layer_counts.data(), forward_prob_sums_.data()};
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, false));
-    layer_forward(l, x, checkpoint(l + 1, N), B, T, &stats);
+    const Status st = layer_forward(l, x, checkpoint(l + 1, N), B, T, &stats, /*grads=*/false);
+    if (st.ok()) end_experts(l, true, false);
     end_group(static_cast<int>(1 + l), true, false);
+    RETURN_IF_ERROR(st);
     if (l + 1 < offloaded)
       RETURN_IF_ERROR(access_->offload_checkpoint(static_cast<int>(l + 1), checkpoint(l + 1, N), N * C));
     if (!config_.is_moe_layer(l)) continue;
@@ -309,11 +344,17 @@ Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets
     // An offloaded checkpoint's slot has been reused since forward: fetch it back first.
     if (l < offloaded) RETURN_IF_ERROR(access_->fetch_checkpoint(static_cast<int>(l), x, N * C));
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, true));
-    // The scratch still holds the last layer's intermediates from forward; every other layer
-    // is recomputed from its checkpoint.
-    if (l != L - 1) layer_forward(l, x, /*out=*/nullptr, B, T, /*stats=*/nullptr);
-    layer_backward(l, x, acts_.dres, B, T, prob_grad.empty() ? nullptr : prob_grad.data());
+    // The scratch still holds the last layer's intermediates (and routing) from forward; every
+    // other layer is recomputed from its checkpoint. Either way the experts that received
+    // tokens are begun, parameters and gradients, for the backward.
+    const Status st = l != L - 1 ? layer_forward(l, x, /*out=*/nullptr, B, T, /*stats=*/nullptr, /*grads=*/true)
+                                 : begin_experts(l, true, true);
+    if (st.ok()) {
+      layer_backward(l, x, acts_.dres, B, T, prob_grad.empty() ? nullptr : prob_grad.data());
+      end_experts(l, true, true);
+    }
     end_group(static_cast<int>(1 + l), true, true);
+    RETURN_IF_ERROR(st);
   }
   RETURN_IF_ERROR(begin_group(0, false, true));
   kernels::cpu::embedding_backward(grad(layout_.embed_tokens()), acts_.dres, inputs, N, C);

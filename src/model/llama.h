@@ -20,6 +20,10 @@
 // soon as it is written and backward fetches it back before recomputing its layer; the results
 // are bitwise those of the unoffloaded model.
 //
+// MoE layers route first and then begin, through the ParamAccess, only the experts that received
+// tokens (ParamAccess::begin_experts), so a paged state fetches just those; the other experts'
+// tensors are never touched (the kernels skip experts without rows).
+//
 // Not thread-safe; not copyable.
 #pragma once
 
@@ -131,9 +135,18 @@ class LlamaModel {
   }
   // One decoder layer from x (its checkpoint). When out is non-null, writes the layer output
   // there; backward's recomputation passes null because only the intermediates are needed.
-  // stats (null in the recomputation) receives the MoE router statistics.
-  void layer_forward(int64_t layer, const float* x, float* out, int64_t B, int64_t T,
-                     const RouterStats* stats);
+  // stats (null in the recomputation) receives the MoE router statistics. An MoE layer begins
+  // the experts its router picked (begin_experts, with their gradients when `grads`) and leaves
+  // them begun: the caller ends them with end_experts() once done with the layer.
+  Status layer_forward(int64_t layer, const float* x, float* out, int64_t B, int64_t T,
+                       const RouterStats* stats, bool grads);
+  // MoE layers: begins, through the ParamAccess, the experts that the last routing
+  // (acts_.expert_offsets) gave at least one token, and records them in active_experts_; only
+  // their tensors are bound (moe_offsets()). No-ops for dense layers.
+  Status begin_experts(int64_t layer, bool params, bool grads);
+  void end_experts(int64_t layer, bool params, bool grads);
+  // The layer's MoE offsets with -1 for the experts not in active_experts_.
+  MoeOffsets moe_offsets(int64_t layer) const;
   // dres (N, C): on entry dL/d(layer output), on return dL/d(layer input x). prob_grad (E) or
   // null: the auxiliary loss's gradient with respect to the router softmax.
   void layer_backward(int64_t layer, const float* x, float* dres, int64_t B, int64_t T,
@@ -153,6 +166,7 @@ class LlamaModel {
   std::vector<int64_t> forward_counts_;    // (E) this forward, summed over MoE layers
   std::vector<double> forward_prob_sums_;  // (E) this forward, summed over MoE layers
   std::vector<float> expert_bias_;         // (L, E) loss-free selection bias
+  std::vector<int> active_experts_;        // the experts begun by begin_experts(), ascending
   double last_aux_loss_ = 0.0;
 };
 

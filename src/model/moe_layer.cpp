@@ -18,25 +18,32 @@ void add_inplace(float* a, const float* b, int64_t n) {
 
 }  // namespace
 
-void moe_mlp_forward(const ModelConfig& config, const MoeParams& p, const float* selection_bias,
-                     const ActivationTable& a, const float* x, float* out, const RouterStats* stats,
-                     int64_t N) {
+void moe_route(const ModelConfig& config, const float* router, const float* selection_bias,
+               const ActivationTable& a, const float* x, const RouterStats* stats, int64_t N) {
+  namespace k = kernels::cpu;
+  const int64_t C = config.hidden_size;
+  const int64_t E = config.num_experts;
+  const int64_t K = config.num_experts_per_tok;
+  k::linear_forward(a.router_logits, x, router, nullptr, N, C, E);
+  k::moe_route_forward(a.expert_idx, a.route_weights, a.router_probs, a.router_logits, selection_bias, N,
+                       config.router_config());
+  if (stats != nullptr) {
+    k::moe_router_stats(stats->counts, stats->prob_sums, a.expert_idx, a.router_probs, N, K, E);
+  }
+  k::moe_permute(a.slot_of, a.token_of_slot, a.expert_offsets, a.expert_idx, N, K, E);
+  k::moe_gather(a.expert_xs, x, a.token_of_slot, N * K, C);
+}
+
+void moe_mlp_forward(const ModelConfig& config, const MoeParams& p, const ActivationTable& a, const float* x,
+                     float* out, int64_t N) {
   namespace k = kernels::cpu;
   const int64_t C = config.hidden_size;
   const int64_t E = config.num_experts;
   const int64_t K = config.num_experts_per_tok;
   const int64_t Fe = config.moe_intermediate_size;
   const int64_t Fs = config.shared_expert_intermediate_size;
-  const kernels::RouterConfig rc = config.router_config();
 
   // Routed experts.
-  k::linear_forward(a.router_logits, x, p.router, nullptr, N, C, E);
-  k::moe_route_forward(a.expert_idx, a.route_weights, a.router_probs, a.router_logits, selection_bias, N, rc);
-  if (stats != nullptr) {
-    k::moe_router_stats(stats->counts, stats->prob_sums, a.expert_idx, a.router_probs, N, K, E);
-  }
-  k::moe_permute(a.slot_of, a.token_of_slot, a.expert_offsets, a.expert_idx, N, K, E);
-  k::moe_gather(a.expert_xs, x, a.token_of_slot, N * K, C);
   k::moe_experts_forward(a.expert_ys, a.expert_gate, a.expert_up, a.expert_act, a.expert_xs,
                          a.expert_offsets, p.experts(), E, C, Fe);
   if (out != nullptr) k::moe_combine_forward(out, a.expert_ys, a.route_weights, a.slot_of, N, K, C);

@@ -19,4 +19,15 @@ int param_group_of(const ParamLayout& layout, const TensorSpec& tensor) {
   return static_cast<int>(layout.num_layers()) + 1;  // final norm, untied LM head
 }
 
+int param_expert_of(const ParamLayout& layout, const TensorSpec& tensor) {
+  const int group = param_group_of(layout, tensor);
+  if (group < 1 || group > layout.num_layers()) return -1;
+  const MoeOffsets& moe = layout.layer(group - 1).moe;
+  for (size_t e = 0; e < moe.expert_gate.size(); ++e) {
+    if (tensor.offset == moe.expert_gate[e] || tensor.offset == moe.expert_up[e] || tensor.offset == moe.expert_down[e])
+      return static_cast<int>(e);
+  }
+  return -1;
+}
+
 }  // namespace strata::model

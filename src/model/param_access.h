@@ -3,9 +3,15 @@
 // group it touches (the embedding, one decoder layer, the head), so an implementation can
 // page groups in and out of device memory around compute. Without one, LlamaModel uses flat
 // buffers it owns.
+//
+// Mixture-of-experts layers: the experts of a layer are part of its group, but the model only
+// touches the experts its router sent tokens to. After routing, it begins that subset with
+// begin_experts() and ends it with end_experts(), inside the layer's begin()/end(); an
+// implementation may leave the experts out of begin() and fetch just these (PagedState does).
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "core/status.h"
 #include "model/params.h"
@@ -18,6 +24,9 @@ namespace strata::model {
 int param_group_count(const ParamLayout& layout);
 // The group of the tensor starting at `offset` in the flat layout. REQUIRES: a tensor offset.
 int param_group_of(const ParamLayout& layout, const TensorSpec& tensor);
+// The expert of its MoE layer (0 .. E-1) a tensor belongs to (its gate, up or down projection),
+// or -1 for every other tensor, the router and the shared expert included.
+int param_expert_of(const ParamLayout& layout, const TensorSpec& tensor);
 
 // Activation offload (DESIGN §3.3): the layer-boundary checkpoints the model hands to
 // offload_checkpoint() during forward and takes back with fetch_checkpoint() during backward
@@ -36,6 +45,18 @@ class ParamAccess {
   // The tensor starting at flat-layout `offset`. REQUIRES: its group has begun for that kind.
   virtual const float* param(int64_t offset) = 0;
   virtual float* grad(int64_t offset) = 0;
+
+  // Makes the tensors of `experts` (ascending expert indices of the MoE layer of `group`, each
+  // with at least one token in this micro-batch) addressable like begin() does, until
+  // end_experts() with the same arguments. REQUIRES: the group has begun for the same kinds.
+  // The default: begin() already made every expert addressable.
+  virtual Status begin_experts(int group, std::span<const int> experts, bool params, bool grads) {
+    (void)group, (void)experts, (void)params, (void)grads;
+    return Status::OK();
+  }
+  virtual void end_experts(int group, std::span<const int> experts, bool params, bool grads) {
+    (void)group, (void)experts, (void)params, (void)grads;
+  }
 
   // Activation offload. When offloads_activations(), the model plans two checkpoint slots
   // instead of L + 1; in a step with backward it calls offload_checkpoint(l, ...) as soon as

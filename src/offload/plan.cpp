@@ -173,11 +173,16 @@ Plan make_plan(const PlanInput& in) {
 
   // 4. Traffic per optimizer step.
   const uint64_t accum = static_cast<uint64_t>(std::max<int64_t>(1, in.grad_accum));
+  // The experts a micro-batch leaves without tokens, which a streamed layer does not move.
+  const double idle = std::clamp(1.0 - in.expert_fetch_fraction, 0.0, 1.0);
+  const uint64_t idle_experts = static_cast<uint64_t>(idle * static_cast<double>(in.expert_elements));
   for (int64_t g = 0; g < groups; ++g) {
     const GroupBytes& b = gb(g);
-    if (!param_res[g]) p.h2d_bytes += 2 * accum * b.param;     // forward, and backward's recompute
-    else if (!opt_dev[g]) p.h2d_bytes += b.param;              // the updated copy after CPU AdamW
-    if (!grad_res[g]) p.d2h_bytes += accum * b.grad;            // streamed out per micro-batch
+    const uint64_t idle_param = g == L ? 0 : std::min(b.param, idle_experts * in.param_bytes);
+    const uint64_t idle_grad = g == L ? 0 : std::min(b.grad, idle_experts * in.grad_bytes);
+    if (!param_res[g]) p.h2d_bytes += 2 * accum * (b.param - idle_param);  // forward, and backward's recompute
+    else if (!opt_dev[g]) p.h2d_bytes += b.param;                          // the updated copy after CPU AdamW
+    if (!grad_res[g]) p.d2h_bytes += accum * (b.grad - idle_grad);          // streamed out per micro-batch
     else if (!opt_dev[g]) p.d2h_bytes += b.grad;                // once, for CPU AdamW
     if (!opt_dev[g]) p.cpu_adam_elements += (g == L ? in.edge_elements : in.layer_elements);
   }
@@ -232,6 +237,10 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
                     p.offload_activations ? "offloaded to host" : "kept on the device");
   if (p.nvme_optimizer_groups > 0)
     os << fmt::format("  optimizer state of {}/{} groups streams from nvme\n", p.nvme_optimizer_groups, groups);
+  if (in.expert_elements > 0)
+    os << fmt::format("  experts: a micro-batch reaches an expected {:.0f}% of each MoE layer's experts; only those "
+                      "are fetched\n",
+                      100 * std::clamp(in.expert_fetch_fraction, 0.0, 1.0));
   os << fmt::format("  per step: host->device {}, device->host {}, disk read {}, write {}, CPU AdamW {:.3g}M params\n",
                     format_bytes(p.h2d_bytes), format_bytes(p.d2h_bytes), format_bytes(p.disk_read_bytes),
                     format_bytes(p.disk_write_bytes), p.cpu_adam_elements / 1e6);

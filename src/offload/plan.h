@@ -51,6 +51,11 @@ struct PlanInput {
   int64_t num_layers = 0;
   uint64_t layer_elements = 0;  // parameters per decoder layer
   uint64_t edge_elements = 0;   // embeddings + untied LM head + final norm
+  // MoE: the routed experts' parameters per layer (averaged over the L layers; part of
+  // layer_elements) and the expected fraction of them that one micro-batch's tokens reach. A
+  // streamed layer fetches only those experts and produces only their gradients.
+  uint64_t expert_elements = 0;
+  double expert_fetch_fraction = 1.0;
   uint32_t param_bytes = 2;     // per element of the compute copy
   uint32_t grad_bytes = 4;
   bool separate_master = true;  // false on the CPU backend: the fp32 compute copy is the master

@@ -1,6 +1,7 @@
 #include "offload/state_store.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <span>
 #include <string>
@@ -61,54 +62,93 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
   for (const auto& t : tensors) {
     if (t.group < 0 || t.elements == 0)
       return Status::InvalidArgument("state tensor '" + t.name + "' has no elements or a negative group");
+    if (t.part < kDensePart)
+      return Status::InvalidArgument("state tensor '" + t.name + "' names part " + std::to_string(t.part) +
+                                     " (parts are >= 0, or kDensePart)");
     s->num_groups_ = std::max(s->num_groups_, t.group + 1);
   }
   s->tensors_ = std::move(tensors);
   s->lookahead_ = options.lookahead;
   s->group_tensors_.resize(s->num_groups_);
-  std::vector<std::vector<uint64_t>> group_bytes(s->num_groups_);
+  s->parts_.assign(s->num_groups_, std::vector<Part>(1));  // every group has its dense part
   for (size_t i = 0; i < s->tensors_.size(); ++i) {
-    s->group_tensors_[s->tensors_[i].group].push_back(i);
-    group_bytes[s->tensors_[i].group].push_back(s->tensors_[i].elements * sizeof(float));
+    const StateTensor& t = s->tensors_[i];
+    s->group_tensors_[t.group].push_back(i);
+    std::vector<Part>& parts = s->parts_[t.group];
+    auto it = std::lower_bound(parts.begin(), parts.end(), t.part, [](const Part& p, int id) { return p.id < id; });
+    if (it == parts.end() || it->id != t.part) {
+      it = parts.insert(it, Part{});
+      it->id = t.part;
+    }
+    it->tensors.push_back(i);
+  }
+  // Each part is packed on its own, so the chunk size is chosen over parts.
+  std::vector<std::vector<uint64_t>> part_bytes;
+  for (const auto& parts : s->parts_) {
+    for (const Part& p : parts) {
+      part_bytes.emplace_back();
+      for (size_t i : p.tensors) part_bytes.back().push_back(s->tensors_[i].elements * sizeof(float));
+    }
   }
   ChunkSpaceOptions so = options.space;
-  if (so.chunk_bytes == 0) so.chunk_bytes = choose_group_chunk_bytes(group_bytes);
+  if (so.chunk_bytes == 0) so.chunk_bytes = choose_group_chunk_bytes(part_bytes);
+  s->demand_stream_ = device.create_stream();
   ASSIGN_OR_RETURN(s->space_, ChunkSpace::create(device, io, so));
 
   s->ids_.resize(s->tensors_.size());
   s->ptrs_.assign(s->tensors_.size(), {nullptr, nullptr, nullptr, nullptr});
-  s->chunks_.resize(static_cast<size_t>(s->num_groups_) * kNumStateKinds);
-  s->homes_.resize(s->chunks_.size(), Tier::kHost);
+  s->homes_.resize(static_cast<size_t>(s->num_groups_) * kNumStateKinds, Tier::kHost);
   for (int k = 0; k < kNumStateKinds; ++k) {
     const StateKind kind = static_cast<StateKind>(k);
     for (int g = 0; g < s->num_groups_; ++g) {
       std::optional<Tier> home;
       if (options.home) home = options.home(g, kind);
-      // A home tier that is already full falls back to the tiers below it.
-      Result<ChunkId> added = s->space_->add_chunk(chunk_kind_of(kind), home);
-      while (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && home && *home != Tier::kNvme) {
-        home = static_cast<Tier>(static_cast<int>(*home) + 1);
-        if (!s->space_->has_tier(*home)) continue;
-        added = s->space_->add_chunk(chunk_kind_of(kind), home);
+      for (Part& part : s->parts_[g]) {
+        // A home tier that is already full falls back to the tiers below it (for the rest of
+        // the group too).
+        Result<ChunkId> added = s->space_->add_chunk(chunk_kind_of(kind), home);
+        while (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && home && *home != Tier::kNvme) {
+          home = static_cast<Tier>(static_cast<int>(*home) + 1);
+          if (!s->space_->has_tier(*home)) continue;
+          added = s->space_->add_chunk(chunk_kind_of(kind), home);
+        }
+        ASSIGN_OR_RETURN(ChunkId first, std::move(added));
+        std::vector<ChunkId>& chunks = part.chunks[k];
+        chunks.push_back(first);
+        for (size_t i : part.tensors) {
+          const StateTensor& t = s->tensors_[i];
+          ASSIGN_OR_RETURN(TensorId id, s->space_->add_tensor(std::string(state_kind_name(kind)) + "/" + t.name,
+                                                              chunk_kind_of(kind), t.elements * sizeof(float), home));
+          s->ids_[i][k] = id;
+          const ChunkId c = s->space_->tensor(id).chunk;
+          if (std::find(chunks.begin(), chunks.end(), c) == chunks.end()) chunks.push_back(c);
+        }
       }
-      ASSIGN_OR_RETURN(ChunkId first, std::move(added));
-      GroupChunks& gc = s->group_chunks(g, kind);
-      gc.chunks.push_back(first);
-      for (size_t i : s->group_tensors_[g]) {
-        const StateTensor& t = s->tensors_[i];
-        ASSIGN_OR_RETURN(TensorId id, s->space_->add_tensor(std::string(state_kind_name(kind)) + "/" + t.name,
-                                                            chunk_kind_of(kind), t.elements * sizeof(float), home));
-        s->ids_[i][k] = id;
-        const ChunkId c = s->space_->tensor(id).chunk;
-        if (std::find(gc.chunks.begin(), gc.chunks.end(), c) == gc.chunks.end()) gc.chunks.push_back(c);
-      }
-      s->homes_[g * kNumStateKinds + k] = s->space_->home(first);
+      s->homes_[g * kNumStateKinds + k] = s->space_->home(s->parts_[g].front().chunks[k].front());
     }
   }
   return s;
 }
 
 Tier StateStore::home(int group, StateKind kind) const { return homes_[group * kNumStateKinds + static_cast<int>(kind)]; }
+
+size_t StateStore::part_index(int group, int part) const {
+  CHECK(group >= 0 && group < num_groups_);
+  const std::vector<Part>& parts = parts_[group];
+  auto it = std::lower_bound(parts.begin(), parts.end(), part, [](const Part& p, int id) { return p.id < id; });
+  CHECK_MSG(it != parts.end() && it->id == part,
+            "group " + std::to_string(group) + " has no part " + std::to_string(part));
+  return static_cast<size_t>(it - parts.begin());
+}
+
+std::vector<size_t> StateStore::part_indices(int group, std::span<const int> parts) const {
+  std::vector<size_t> out;
+  for (size_t j = 0; j < parts.size(); ++j) {
+    CHECK_MSG(j == 0 || parts[j - 1] < parts[j], "parts must be ascending, without repeats");
+    out.push_back(part_index(group, parts[j]));
+  }
+  return out;
+}
 
 void StateStore::set_schedule(const std::vector<GroupAccess>& accesses) {
   schedule_ = accesses;
@@ -121,37 +161,107 @@ void StateStore::set_schedule(const std::vector<GroupAccess>& accesses) {
       for (ChunkId c : act_chunks_[a.activation]) order.push_back(c);
       continue;
     }
-    for (ChunkId c : group_chunks(a.group, a.kind).chunks) order.push_back(c);
+    const int k = static_cast<int>(a.kind);
+    if (a.part != kAllParts) {
+      for (ChunkId c : parts_[a.group][part_index(a.group, a.part)].chunks[k]) order.push_back(c);
+      continue;
+    }
+    for (const Part& p : parts_[a.group])
+      for (ChunkId c : p.chunks[k]) order.push_back(c);
   }
   schedule_pos_ = 0;
   space_->set_schedule(std::move(order));
 }
 
+Status StateStore::pin(int group, const std::vector<size_t>& parts, StateKind kind, Tier where, AccessMode mode,
+                       std::optional<size_t> entry, Stream* consumer) {
+  const int k = static_cast<int>(kind);
+  std::vector<Part>& ps = parts_[group];
+  for (size_t p : parts) CHECK_MSG(!ps[p].pinned[k], "part " + std::to_string(ps[p].id) + " of group " +
+                                                         std::to_string(group) + " acquired twice");
+  std::vector<ChunkId> chunks;
+  std::vector<void*> bases;
+  Status st = Status::OK();
+  for (size_t p : parts) {
+    for (ChunkId c : ps[p].chunks[k]) {
+      if (entry) space_->advance(schedule_chunk_start_[*entry] + chunks.size());
+      Result<void*> base = space_->acquire_chunk(c, where, mode, consumer);
+      if (!base.ok()) {
+        st = base.status();
+        break;
+      }
+      chunks.push_back(c);
+      bases.push_back(*base);
+    }
+    if (!st.ok()) break;
+  }
+  if (consumer != nullptr) {
+    // Every move started above has landed afterwards; the wait is compute stalled on data.
+    const auto start = std::chrono::steady_clock::now();
+    consumer->synchronize();
+    const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+    demand_stall_ns_[static_cast<int>(where)] += static_cast<uint64_t>(waited.count());
+  }
+  if (st.ok() && entry && lookahead_ > 0) st = space_->prefetch(lookahead_ * chunks.size(), where);
+  if (!st.ok()) {
+    for (ChunkId c : chunks) space_->release_chunk(c, consumer);
+    return st;
+  }
+  for (size_t p : parts) {
+    for (size_t i : ps[p].tensors) {
+      const TensorPlacement tp = space_->tensor(ids_[i][k]);
+      const size_t j = std::find(chunks.begin(), chunks.end(), tp.chunk) - chunks.begin();
+      ptrs_[i][k] = reinterpret_cast<float*>(static_cast<char*>(bases[j]) + tp.offset);
+    }
+    ps[p].pinned[k] = true;
+  }
+  return Status::OK();
+}
+
+void StateStore::unpin(int group, const std::vector<size_t>& parts, StateKind kind, Stream* consumer) {
+  const int k = static_cast<int>(kind);
+  for (size_t p : parts) {
+    Part& part = parts_[group][p];
+    CHECK_MSG(part.pinned[k], "release of part " + std::to_string(part.id) + " of group " + std::to_string(group) +
+                                  ", which is not acquired");
+    for (ChunkId c : part.chunks[k]) space_->release_chunk(c, consumer);
+    for (size_t i : part.tensors) ptrs_[i][k] = nullptr;
+    part.pinned[k] = false;
+  }
+}
+
 Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMode mode) {
   CHECK(group >= 0 && group < num_groups_);
-  GroupChunks& gc = group_chunks(group, kind);
-  CHECK_MSG(!gc.pinned, "group acquired twice");
+  std::vector<size_t> all(parts_[group].size());
+  for (size_t p = 0; p < all.size(); ++p) all[p] = p;
   // Where this access sits in the step's schedule (the next matching entry).
   const std::optional<size_t> entry = next_entry(GroupAccess{group, kind});
-  std::vector<void*> bases;
-  for (size_t j = 0; j < gc.chunks.size(); ++j) {
-    if (entry) space_->advance(schedule_chunk_start_[*entry] + j);
-    Result<void*> p = space_->acquire_chunk(gc.chunks[j], where, mode);
-    if (!p.ok()) {
-      for (size_t r = 0; r < j; ++r) space_->release_chunk(gc.chunks[r]);
-      return p.status();
-    }
-    bases.push_back(*p);
-  }
-  if (entry && lookahead_ > 0) RETURN_IF_ERROR(space_->prefetch(lookahead_ * gc.chunks.size(), where));
-  for (size_t i : group_tensors_[group]) {
-    const TensorPlacement tp = space_->tensor(ids_[i][static_cast<int>(kind)]);
-    const size_t j = std::find(gc.chunks.begin(), gc.chunks.end(), tp.chunk) - gc.chunks.begin();
-    ptrs_[i][static_cast<int>(kind)] = reinterpret_cast<float*>(static_cast<char*>(bases[j]) + tp.offset);
-  }
-  gc.pinned = true;
-  gc.pinned_in = where;
-  return Status::OK();
+  return pin(group, all, kind, where, mode, entry, nullptr);
+}
+
+void StateStore::release_group(int group, StateKind kind) {
+  std::vector<size_t> all(parts_[group].size());
+  for (size_t p = 0; p < all.size(); ++p) all[p] = p;
+  unpin(group, all, kind, nullptr);
+}
+
+Status StateStore::acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode) {
+  const std::vector<size_t> parts{part_index(group, part)};
+  const std::optional<size_t> entry = next_entry(GroupAccess::of_part(group, kind, part));
+  return pin(group, parts, kind, where, mode, entry, nullptr);
+}
+
+void StateStore::release_part(int group, int part, StateKind kind) {
+  unpin(group, {part_index(group, part)}, kind, nullptr);
+}
+
+Status StateStore::acquire_parts(int group, std::span<const int> parts, StateKind kind, Tier where,
+                                 AccessMode mode) {
+  return pin(group, part_indices(group, parts), kind, where, mode, std::nullopt, demand_stream_.get());
+}
+
+void StateStore::release_parts(int group, std::span<const int> parts, StateKind kind) {
+  unpin(group, part_indices(group, parts), kind, demand_stream_.get());
 }
 
 std::optional<size_t> StateStore::next_entry(const GroupAccess& access) {
@@ -224,12 +334,10 @@ Status StateStore::read_activation(int i, float* data, uint64_t floats) {
   return copy_activation(i, data, floats, /*to_store=*/false);
 }
 
-void StateStore::release_group(int group, StateKind kind) {
-  GroupChunks& gc = group_chunks(group, kind);
-  CHECK_MSG(gc.pinned, "release of a group that is not acquired");
-  for (ChunkId c : gc.chunks) space_->release_chunk(c);
-  for (size_t i : group_tensors_[group]) ptrs_[i][static_cast<int>(kind)] = nullptr;
-  gc.pinned = false;
+ChunkSpaceStats StateStore::stats() const {
+  ChunkSpaceStats s = space_->stats();
+  for (int t = 0; t < kNumTiers; ++t) s.tiers[t].stall_ns += demand_stall_ns_[t].load();
+  return s;
 }
 
 float* StateStore::pointer(size_t i, StateKind kind) const {

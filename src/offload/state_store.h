@@ -9,17 +9,27 @@
 // placement); other copies are cached where compute asks for them and evicted by Belady along
 // the step schedule given to set_schedule().
 //
+// Parts: a tensor may also name a part of its group (StateTensor::part, e.g. the index of one
+// expert of an MoE layer; kDensePart for the rest). Each part of a group is packed into chunks
+// of its own, so it can be acquired without the others: acquire_group() takes every part,
+// acquire_part() one part along the schedule (the dense part, before compute), acquire_parts()
+// several parts on demand, outside the schedule (the experts a router picked: which ones is only
+// known once the router has run).
+//
 // Ownership: the Device and IoEngine must outlive the store. Pointers from pointer() are valid
-// until the matching release_group(). Thread safety: safe for concurrent use from several
-// threads for different groups (the ChunkSpace serializes), e.g. AdamW threads on host groups
-// while compute works on device groups.
+// until the matching release. Thread safety: safe for concurrent use from several threads for
+// different groups (the ChunkSpace serializes), e.g. AdamW threads on host groups while compute
+// works on device groups; acquire_parts() from one thread at a time.
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -34,19 +44,27 @@ enum class StateKind : uint8_t { kParam = 0, kGrad, kAdamM, kAdamV };
 inline constexpr int kNumStateKinds = 4;
 const char* state_kind_name(StateKind kind);
 
+// StateTensor::part of the tensors that belong to no part of their own.
+inline constexpr int kDensePart = -1;
+// GroupAccess::part for an acquisition of every part of the group.
+inline constexpr int kAllParts = -2;
+
 struct StateTensor {
   std::string name;  // e.g. "model.layers.3.mlp.up_proj.weight"
   uint64_t elements = 0;
   int group = 0;
+  int part = kDensePart;  // >= 0: a part of the group with chunks of its own (e.g. an expert)
 };
 
-// One acquisition in the step's schedule: a group's chunks of a kind, or (activation >= 0)
-// the chunks of one activation buffer (group and kind unused).
+// One acquisition in the step's schedule: a group's chunks of a kind (all its parts, or one),
+// or (activation >= 0) the chunks of one activation buffer (group, kind and part unused).
 struct GroupAccess {
   int group = 0;
   StateKind kind = StateKind::kParam;
   int activation = -1;
+  int part = kAllParts;
   static GroupAccess of_activation(int i) { return {0, StateKind::kParam, i}; }
+  static GroupAccess of_part(int group, StateKind kind, int part) { return {group, kind, -1, part}; }
   bool operator==(const GroupAccess&) const = default;
 };
 
@@ -77,9 +95,19 @@ class StateStore {
 
   // Pins every chunk holding `kind` tensors of `group` in `where` (moving and prefetching as
   // needed). Afterwards pointer(i, kind) is valid for the group's tensors.
+  // REQUIRES: no part of the group is acquired for `kind`.
   Status acquire_group(int group, StateKind kind, Tier where, AccessMode mode);
   void release_group(int group, StateKind kind);
-  // REQUIRES: tensor i's group is acquired for `kind`.
+  // The same for one part of the group (following its schedule entry GroupAccess::of_part, when
+  // the schedule has one). REQUIRES: the group has the part (kDensePart always exists).
+  Status acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode);
+  void release_part(int group, int part, StateKind kind);
+  // Several parts at once, on demand: not in the schedule (nothing is prefetched for them or
+  // ahead of them) and the moves of all their chunks are started before any is waited for.
+  // On error nothing stays acquired. REQUIRES: as acquire_part for each part.
+  Status acquire_parts(int group, std::span<const int> parts, StateKind kind, Tier where, AccessMode mode);
+  void release_parts(int group, std::span<const int> parts, StateKind kind);
+  // REQUIRES: tensor i's group or part is acquired for `kind`.
   float* pointer(size_t i, StateKind kind) const;
   // Copies floats [first, first + count) of tensor i's `kind` state into `dst` from wherever
   // its latest copy is, without moving or pinning anything (ChunkSpace::read_tensor). The
@@ -87,6 +115,10 @@ class StateStore {
   Status read_tensor(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst);
   // Tensors of a group, in order.
   const std::vector<size_t>& group_tensors(int group) const { return group_tensors_[group]; }
+  // Chunks holding the `kind` tensors of one part of a group.
+  size_t part_chunk_count(int group, int part, StateKind kind) const {
+    return parts_[group][part_index(group, part)].chunks[static_cast<int>(kind)].size();
+  }
 
   // Activation buffers (saved layer-boundary checkpoints, DESIGN §3.3): `count` buffers of
   // `floats` floats each, in chunks of kind kAct homed in host memory (NVMe when the host tier
@@ -103,28 +135,40 @@ class StateStore {
   // Home tier of a group's chunks of `kind`.
   Tier home(int group, StateKind kind) const;
   Status synchronize() { return space_->synchronize(); }
-  ChunkSpaceStats stats() const { return space_->stats(); }
+  // The ChunkSpace's statistics, with the time acquire_parts() waited for its moves added to
+  // the stall time of the tier it acquired in.
+  ChunkSpaceStats stats() const;
   ChunkSpace& space() { return *space_; }
 
  private:
   StateStore() = default;
-  struct GroupChunks {
-    std::vector<ChunkId> chunks;
-    Tier pinned_in = Tier::kDevice;
-    bool pinned = false;
+  // One part of a group: its tensors (in order) and, per kind, the chunks holding them.
+  struct Part {
+    int id = kDensePart;
+    std::vector<size_t> tensors;
+    std::array<std::vector<ChunkId>, kNumStateKinds> chunks;
+    std::array<bool, kNumStateKinds> pinned{};
   };
-  GroupChunks& group_chunks(int group, StateKind kind) { return chunks_[group * kNumStateKinds + static_cast<int>(kind)]; }
-  const GroupChunks& group_chunks(int group, StateKind kind) const {
-    return chunks_[group * kNumStateKinds + static_cast<int>(kind)];
-  }
+  // Index in parts_[group]. REQUIRES: the group has the part.
+  size_t part_index(int group, int part) const;
+  // Pins the chunks of parts_[group][parts...] (in that order) in `where`. With `entry`, each
+  // acquisition advances the schedule and the next entries are prefetched; with `consumer`, the
+  // moves all start before the caller waits for them (on that stream) at the end.
+  Status pin(int group, const std::vector<size_t>& parts, StateKind kind, Tier where, AccessMode mode,
+             std::optional<size_t> entry, Stream* consumer);
+  void unpin(int group, const std::vector<size_t>& parts, StateKind kind, Stream* consumer);
+  std::vector<size_t> part_indices(int group, std::span<const int> parts) const;
 
+  // Waits for the moves of acquire_parts(); declared first so that it outlives the ChunkSpace.
+  std::unique_ptr<Stream> demand_stream_;
+  std::array<std::atomic<uint64_t>, kNumTiers> demand_stall_ns_{};  // per tier, waiting on it
   std::unique_ptr<ChunkSpace> space_;
   std::vector<StateTensor> tensors_;
   int num_groups_ = 0;
   std::vector<std::vector<size_t>> group_tensors_;
   std::vector<std::array<TensorId, kNumStateKinds>> ids_;  // per tensor
   std::vector<std::array<float*, kNumStateKinds>> ptrs_;   // per tensor, while acquired
-  std::vector<GroupChunks> chunks_;
+  std::vector<std::vector<Part>> parts_;  // per group: kDensePart first, then the others ascending
   std::vector<Tier> homes_;  // per group * kind
   // Schedule: the chunk order handed to the ChunkSpace, and for each group access where it starts.
   std::vector<GroupAccess> schedule_;

@@ -34,17 +34,19 @@ Tier planned_home(const Plan& plan, int num_layers, int group, StateKind kind) {
   return Tier::kHost;
 }
 
-// One step's acquisitions, in the order LlamaModel and PagedState make them.
-// `offloaded` checkpoints are offloaded after the layer that writes them (the embedding for 0)
-// and fetched before their layer's backward.
+// One step's acquisitions, in the order LlamaModel and PagedState make them. The model's
+// begin() takes a group's dense part; the experts it fetches after routing are not in the
+// schedule. `offloaded` checkpoints are offloaded after the layer that writes them (the
+// embedding for 0) and fetched before their layer's backward.
 std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded) {
   const int head = num_layers + 1;
   std::vector<GroupAccess> s;
-  auto add = [&](int g, StateKind k) { s.push_back({g, k}); };
+  auto all = [&](int g, StateKind k) { s.push_back({g, k}); };
+  auto add = [&](int g, StateKind k) { s.push_back(GroupAccess::of_part(g, k, kDensePart)); };
   auto act = [&](int i) {
     if (i < offloaded) s.push_back(GroupAccess::of_activation(i));
   };
-  for (int g = 0; g <= head; ++g) add(g, StateKind::kGrad);  // zero_grads
+  for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // zero_grads
   for (int64_t m = 0; m < grad_accum; ++m) {
     add(0, StateKind::kParam);
     act(0);
@@ -54,9 +56,9 @@ std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_a
     for (int l = num_layers - 1; l >= 0; --l) act(l), add(1 + l, StateKind::kParam), add(1 + l, StateKind::kGrad);
     add(0, StateKind::kGrad);
   }
-  for (int g = 0; g <= head; ++g) add(g, StateKind::kGrad);  // gradient norm
+  for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // gradient norm
   for (int g = 0; g <= head; ++g)
-    for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV}) add(g, k);
+    for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV}) all(g, k);
   return s;
 }
 
@@ -72,7 +74,8 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     ps->by_offset_[t.offset] = tensors.size();
     ps->sorted_.emplace_back(t.offset, tensors.size());
     ps->specs_.push_back(&t);
-    tensors.push_back({t.name, static_cast<uint64_t>(t.numel), model::param_group_of(ps->layout_, t)});
+    tensors.push_back({t.name, static_cast<uint64_t>(t.numel), model::param_group_of(ps->layout_, t),
+                       model::param_expert_of(ps->layout_, t)});
   }
   std::sort(ps->sorted_.begin(), ps->sorted_.end());
   const int L = static_cast<int>(ps->layout_.num_layers());
@@ -306,20 +309,39 @@ PagedState::~PagedState() {
 }
 
 Status PagedState::begin(int group, bool params, bool grads) {
-  if (params) RETURN_IF_ERROR(store_->acquire_group(group, StateKind::kParam, Tier::kDevice, AccessMode::kRead));
+  if (params)
+    RETURN_IF_ERROR(store_->acquire_part(group, kDensePart, StateKind::kParam, Tier::kDevice, AccessMode::kRead));
   if (grads) {
-    Status st = store_->acquire_group(group, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite);
+    Status st = store_->acquire_part(group, kDensePart, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite);
     if (!st.ok()) {
-      if (params) store_->release_group(group, StateKind::kParam);
+      if (params) store_->release_part(group, kDensePart, StateKind::kParam);
       return st;
     }
   }
   return Status::OK();
 }
 
+Status PagedState::begin_experts(int group, std::span<const int> experts, bool params, bool grads) {
+  if (params)
+    RETURN_IF_ERROR(store_->acquire_parts(group, experts, StateKind::kParam, Tier::kDevice, AccessMode::kRead));
+  if (grads) {
+    Status st = store_->acquire_parts(group, experts, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite);
+    if (!st.ok()) {
+      if (params) store_->release_parts(group, experts, StateKind::kParam);
+      return st;
+    }
+  }
+  return Status::OK();
+}
+
+void PagedState::end_experts(int group, std::span<const int> experts, bool params, bool grads) {
+  if (params) store_->release_parts(group, experts, StateKind::kParam);
+  if (grads) store_->release_parts(group, experts, StateKind::kGrad);
+}
+
 void PagedState::end(int group, bool params, bool grads) {
-  if (params) store_->release_group(group, StateKind::kParam);
-  if (grads) store_->release_group(group, StateKind::kGrad);
+  if (params) store_->release_part(group, kDensePart, StateKind::kParam);
+  if (grads) store_->release_part(group, kDensePart, StateKind::kGrad);
   // In the last micro-batch a group's gradients are final when backward releases them for the
   // last time: every group but the embedding at its only backward end; the embedding (whose
   // gradients the tied head also adds to) at the embedding backward, which holds no params.

@@ -4,6 +4,15 @@
 // in device memory, prefetching along the step's schedule and letting Belady eviction push
 // the rest to pinned host memory and NVMe.
 //
+// Experts (MoE layers): each expert's tensors are a part of the layer's group with chunks of
+// their own (StateStore parts). begin() acquires only the dense part (attention, router, shared
+// expert); after routing, begin_experts() fetches the experts that received tokens, all of
+// them at once, on demand: routing is data dependent, so the experts are not in the schedule and
+// are not prefetched ahead of it. Experts without tokens in a micro-batch are never fetched and
+// get no gradient chunks acquired; zero_grads() and AdamW still cover every expert (an expert
+// without tokens has a zero gradient, and AdamW decays its moments and weights as the flat
+// AdamW does).
+//
 // One step: zero_grads(), then the model's forward/backward over each micro-batch (which calls
 // begin/end), then clip_and_step(): the global gradient norm (summed tensor by tensor in layout
 // order, like AdamW::clip_gradients) and AdamW per group, on the device tier for groups whose
@@ -20,9 +29,10 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <mutex>
-#include <thread>
 #include <memory>
+#include <mutex>
+#include <span>
+#include <thread>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -102,6 +112,8 @@ class PagedState : public model::ParamAccess {
   // ParamAccess.
   Status begin(int group, bool params, bool grads) override;
   void end(int group, bool params, bool grads) override;
+  Status begin_experts(int group, std::span<const int> experts, bool params, bool grads) override;
+  void end_experts(int group, std::span<const int> experts, bool params, bool grads) override;
   const float* param(int64_t offset) override;
   float* grad(int64_t offset) override;
   bool offloads_activations() const override { return options_.offload_activations; }

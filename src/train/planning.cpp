@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace strata {
 
@@ -26,6 +27,14 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   in.num_layers = m.num_hidden_layers;
   in.edge_elements = V * C * (m.tie_word_embeddings ? 1 : 2) + C;
   in.layer_elements = (total - in.edge_elements) / std::max<uint64_t>(L, 1);
+  if (m.is_moe()) {
+    // Expected share of a layer's E experts that N tokens reach, each picking K of them, with
+    // uniform routing: 1 - (1 - K/E)^N. Training micro-batches usually reach every expert.
+    const uint64_t E = static_cast<uint64_t>(m.num_experts), Fe = static_cast<uint64_t>(m.moe_intermediate_size);
+    const double tokens = static_cast<double>(t.micro_batch * t.seq_len);
+    in.expert_elements = static_cast<uint64_t>(m.num_moe_layers()) * E * 3 * Fe * C / std::max<uint64_t>(L, 1);
+    in.expert_fetch_fraction = 1.0 - std::pow(1.0 - static_cast<double>(m.num_experts_per_tok) / E, tokens);
+  }
   in.param_bytes = cuda ? 2 : 4;
   in.grad_bytes = cuda ? 2 : 4;
   in.separate_master = cuda;

@@ -129,5 +129,26 @@ TEST(Plan, ChunkPaddingIsCounted) {
   EXPECT_GT(p.device.param, 1'000'000'000ull * 2);
 }
 
+// MoE layers fetch only the experts a micro-batch reaches: a streamed layer moves its dense part
+// plus that share of its experts, forward and backward.
+TEST(Plan, StreamedExpertsCountOnlyTheShareAMicroBatchReaches) {
+  PlanInput in = base_input();
+  in.device_budget = make_plan(in).min_device_budget;  // every layer streams
+  in.expert_elements = 40'000'000;                     // of the 50M per layer
+  const Plan every = make_plan(in);
+  in.expert_fetch_fraction = 0.25;
+  const Plan quarter = make_plan(in);
+  ASSERT_TRUE(every.fits && quarter.fits);
+  ASSERT_EQ(every.resident_param_groups, 0);
+  ASSERT_EQ(quarter.resident_param_groups, 0);
+  ASSERT_EQ(every.resident_grad_groups, quarter.resident_grad_groups);
+  // 30M idle expert elements of bf16, twice per micro-batch, for every layer (the edge group has
+  // no experts).
+  EXPECT_EQ(every.h2d_bytes - quarter.h2d_bytes,
+            static_cast<uint64_t>(in.num_layers) * 2 * in.grad_accum * 30'000'000 * in.param_bytes);
+  EXPECT_LT(quarter.d2h_bytes, every.d2h_bytes);
+  EXPECT_NE(format_plan(in, quarter).find("25% of each MoE layer's experts"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace strata

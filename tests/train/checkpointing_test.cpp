@@ -132,8 +132,9 @@ class CheckpointingTest : public ::testing::Test {
   fs::path dir_;
 };
 
-// Tight budgets put parameters and moments in every tier; a slow disk and 64 KiB of staging
-// keep the save in flight across the next steps, whose optimizer changes every byte of it.
+// Tight budgets put parameters and moments in every tier; a slow disk (30 ms per write, so the
+// save takes far longer than the steps after it) and 64 KiB of staging keep the save in flight
+// across the next steps, whose optimizer changes every byte of it.
 TEST_F(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
   Trainer tr(dir_, {6, 8, 96});
   for (int i = 0; i < 2; ++i) tr.step();
@@ -141,7 +142,7 @@ TEST_F(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
   CheckpointOptions co;
   co.dir = (dir_ / "ckpt").string();
   co.staging_bytes = 64 * 1024;
-  TrainCheckpointer ck(co, tr.layout(), tr.state(), faulty_engine(std::chrono::microseconds(2000)));
+  TrainCheckpointer ck(co, tr.layout(), tr.state(), faulty_engine(std::chrono::milliseconds(30)));
   ASSERT_TRUE(ck.save(tr.state(), tr.position(), tr.config().to_json(), 1).ok());
   EXPECT_TRUE(ck.in_flight());
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(std::isfinite(tr.step()));

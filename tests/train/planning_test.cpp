@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include "model/activations.h"
 #include "model/params.h"
 #include "offload/plan.h"
@@ -65,6 +67,26 @@ TEST(Planning, LargestMicroBatchIsTheEdgeOfFitting) {
   EXPECT_TRUE(make_plan(make_plan_input(*mc, t, true)).fits);
   t.micro_batch = best + 1;
   EXPECT_FALSE(make_plan(make_plan_input(*mc, t, true)).fits);
+}
+
+// The expected share of experts a micro-batch reaches (uniform routing): few tokens leave most
+// experts idle, a training-sized micro-batch reaches them all.
+TEST(Planning, ExpertFetchFractionFollowsTheTokensPerMicroBatch) {
+  nlohmann::json j = {{"architectures", {"MixtralForCausalLM"}}, {"vocab_size", 64}, {"hidden_size", 32},
+                      {"intermediate_size", 16}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+                      {"num_key_value_heads", 2}, {"max_position_embeddings", 4096}, {"num_local_experts", 8},
+                      {"num_experts_per_tok", 2}};
+  auto mc = model::ModelConfig::from_json(j, "planning_test");
+  ASSERT_TRUE(mc.ok()) << mc.status().to_string();
+  TrainConfig t;
+  t.micro_batch = 1;
+  t.seq_len = 2;
+  PlanInput in = make_plan_input(*mc, t, /*cuda=*/false);
+  EXPECT_EQ(in.expert_elements, 8u * 3 * 16 * 32);  // every layer is MoE
+  EXPECT_DOUBLE_EQ(in.expert_fetch_fraction, 1.0 - 0.75 * 0.75);
+  t.seq_len = 2048;
+  EXPECT_DOUBLE_EQ(make_plan_input(*mc, t, false).expert_fetch_fraction, 1.0);
+  EXPECT_EQ(make_plan_input(model::ModelConfig::preset("tiny").value(), t, false).expert_elements, 0u);
 }
 
 }  // namespace
