@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/tokenizer_unicode.h"
+#include "model/unicode_nfc.h"
 
 namespace strata::model {
 
@@ -160,7 +161,9 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
           id->get<int64_t>() < 0 || id->get<int64_t>() >= kMaxTokenId || content->get<std::string>().empty()) {
         return Status::Corruption(file + ": added_tokens entry " + a.dump() + " needs an id and a content");
       }
-      added_.push_back({static_cast<int32_t>(id->get<int64_t>()), content->get<std::string>()});
+      // tokenizers requires "normalized"; absent, it defaults here as AddedToken::from does: !special.
+      const bool normalized = json_bool(a, "normalized", !json_bool(a, "special", false));
+      added_.push_back({static_cast<int32_t>(id->get<int64_t>()), content->get<std::string>(), normalized, {}});
       size = std::max(size, id->get<int64_t>() + 1);
     }
   }
@@ -172,8 +175,6 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
     is_added_[static_cast<size_t>(a.id)] = 1;
     vocab_.emplace(a.content, a.id);
   }
-  std::stable_sort(added_.begin(), added_.end(),
-                   [](const AddedToken& x, const AddedToken& y) { return x.content.size() > y.content.size(); });
   for (int b = 0; b < 256; ++b) {
     auto it = vocab_.find(byte_chars_[b]);
     if (it != vocab_.end()) byte_ids_[b] = it->second;
@@ -211,9 +212,32 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
     ++rank;
   }
 
-  // normalizer
+  // normalizer: none, NFC, or a Sequence of NFC only
+  std::function<Status(const json&)> norm = [&](const json& n) -> Status {
+    const std::string type = json_type(n);
+    if (type == "NFC") {
+      nfc_ = true;
+      return Status::OK();
+    }
+    if (type == "Sequence") {
+      auto list = n.find("normalizers");
+      if (list == n.end() || !list->is_array()) {
+        return Status::Corruption(file + ": normalizer Sequence without normalizers");
+      }
+      for (const json& m : *list) RETURN_IF_ERROR(norm(m));
+      return Status::OK();
+    }
+    return unimplemented("normalizer " + type + " (known: NFC)");
+  };
   auto normalizer = doc.find("normalizer");
-  if (normalizer != doc.end() && !normalizer->is_null()) return unimplemented("normalizer " + json_type(*normalizer));
+  if (normalizer != doc.end() && !normalizer->is_null()) RETURN_IF_ERROR(norm(*normalizer));
+  // tokenizers looks for a `normalized` added token in normalized text, as its content normalizes.
+  for (AddedToken& a : added_) {
+    a.match = a.normalized && nfc_ ? nfc(a.content) : a.content;
+    has_normalized_added_ = has_normalized_added_ || a.normalized;
+  }
+  std::stable_sort(added_.begin(), added_.end(),
+                   [](const AddedToken& x, const AddedToken& y) { return x.match.size() > y.match.size(); });
 
   // pre_tokenizer
   bool byte_level = false;
@@ -383,24 +407,20 @@ void Tokenizer::encode_with_spans(std::string_view text, const EncodeOptions& op
       spans->push_back({0, 0});
     }
   }
-  size_t segment_begin = 0;
-  if (options.parse_special && !added_.empty()) {
-    for (size_t i = 0; i < text.size(); ++i) {
-      for (const AddedToken& a : added_) {  // longest first
-        if (a.content[0] != text[i] || text.compare(i, a.content.size(), a.content) != 0) continue;
-        if (i > segment_begin) {
-          encode_segment(text.substr(segment_begin, i - segment_begin), static_cast<uint32_t>(segment_begin), ids, spans);
-        }
-        ids->push_back(a.id);
-        spans->push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(i + a.content.size())});
-        segment_begin = i + a.content.size();
-        i = segment_begin - 1;
-        break;
-      }
+  // As tokenizers' AddedVocabulary::extract_and_normalize: the added tokens that are not
+  // `normalized` are found in the raw text first; each stretch between them is normalized on its
+  // own, and the `normalized` added tokens are then found in it (encode_stretch).
+  size_t pos = 0;
+  if (options.parse_special) {
+    for (const auto& [at, a] : find_added(text, /*normalized=*/false)) {
+      if (at > pos) encode_stretch(text.substr(pos, at - pos), static_cast<uint32_t>(pos), true, ids, spans);
+      ids->push_back(a->id);
+      spans->push_back({static_cast<uint32_t>(at), static_cast<uint32_t>(at + a->match.size())});
+      pos = at + a->match.size();
     }
   }
-  if (segment_begin < text.size()) {
-    encode_segment(text.substr(segment_begin), static_cast<uint32_t>(segment_begin), ids, spans);
+  if (pos < text.size()) {
+    encode_stretch(text.substr(pos), static_cast<uint32_t>(pos), options.parse_special, ids, spans);
   }
   if (options.add_special_tokens) {
     const uint32_t end = static_cast<uint32_t>(text.size());
@@ -408,6 +428,46 @@ void Tokenizer::encode_with_spans(std::string_view text, const EncodeOptions& op
       ids->push_back(id);
       spans->push_back({end, end});
     }
+  }
+}
+
+std::vector<std::pair<size_t, const Tokenizer::AddedToken*>> Tokenizer::find_added(std::string_view text,
+                                                                                     bool normalized) const {
+  std::vector<std::pair<size_t, const AddedToken*>> found;
+  for (size_t i = 0; i < text.size(); ++i) {
+    for (const AddedToken& a : added_) {  // longest first
+      if (a.normalized != normalized || a.match[0] != text[i] || text.compare(i, a.match.size(), a.match) != 0) {
+        continue;
+      }
+      found.push_back({i, &a});
+      i += a.match.size() - 1;
+      break;
+    }
+  }
+  return found;
+}
+
+void Tokenizer::encode_stretch(std::string_view raw, uint32_t base, bool parse_special, std::vector<int32_t>* ids,
+                               std::vector<ByteSpan>* spans) const {
+  std::string normalized;
+  std::vector<NfcEdit> edits;
+  const std::string_view text = nfc_ && to_nfc(raw, &normalized, &edits) ? std::string_view(normalized) : raw;
+  const size_t first = ids->size();
+  size_t pos = 0;
+  if (parse_special && has_normalized_added_) {
+    for (const auto& [at, a] : find_added(text, /*normalized=*/true)) {
+      if (at > pos) encode_segment(text.substr(pos, at - pos), static_cast<uint32_t>(pos), ids, spans);
+      ids->push_back(a->id);
+      spans->push_back({static_cast<uint32_t>(at), static_cast<uint32_t>(at + a->match.size())});
+      pos = at + a->match.size();
+    }
+  }
+  if (pos < text.size()) encode_segment(text.substr(pos), static_cast<uint32_t>(pos), ids, spans);
+  // Spans of the normalized text back to the raw one: a token that covers part of a changed
+  // stretch stands for all of it.
+  for (size_t i = first; i < spans->size(); ++i) {
+    ByteSpan& s = (*spans)[i];
+    s = {base + nfc_source_begin(edits, s.begin), base + nfc_source_end(edits, s.end)};
   }
 }
 

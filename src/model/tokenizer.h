@@ -3,11 +3,21 @@
 // the chat template.
 //
 // Supported tokenizer.json: model.type "BPE" (vocab; merges as "a b" strings or [a, b] pairs;
-// ignore_merges), added_tokens (matched in the raw text before anything else, leftmost and
-// longest first), normalizer null, pre_tokenizer ByteLevel (add_prefix_space, use_regex) or
+// ignore_merges), added_tokens (leftmost and longest first; lstrip, rstrip and single_word are
+// not interpreted), normalizer null, NFC or a Sequence of NFC alone (Qwen2, Qwen2-MoE, Qwen3;
+// unicode_nfc.h), pre_tokenizer ByteLevel (add_prefix_space, use_regex) or
 // Sequence[Split(Regex, Isolated), ByteLevel(use_regex false)] with one of the split patterns
 // of tokenizer_split.h, post_processor ByteLevel / TemplateProcessing / a Sequence of them.
 // Anything else is Unimplemented naming the file and the field.
+//
+// Encoding follows tokenizers: added tokens with "normalized": false (the special tokens of
+// the models above) are found in the raw text first; the text between them is normalized piece
+// by piece, and added tokens with "normalized": true are then found in it by their normalized
+// content. Pre-tokenization and BPE see the normalized text; spans refer to the raw text (a
+// token inside a stretch that normalization changed stands for the whole stretch). Text that
+// is not valid UTF-8 is normalized around its invalid bytes, which pass unchanged. NFC follows
+// the Unicode version of unicode_nfc_tables.h; tokenizers' own tables are older and give class
+// 0 to the few combining marks added since, so text with those marks can order differently.
 //
 // Chat: tokenizer_config.json's chat_template is not interpreted as Jinja. A template that
 // contains "<|im_start|>" renders ChatML, one that contains "<|start_header_id|>" renders
@@ -109,6 +119,8 @@ class Tokenizer {
   struct AddedToken {
     int32_t id;
     std::string content;
+    bool normalized;    // looked for in normalized text
+    std::string match;  // what is looked for: content, normalized when `normalized`
   };
   struct Merge {
     int32_t rank;
@@ -119,6 +131,14 @@ class Tokenizer {
   Tokenizer();
   Status load_tokenizer_json(const std::string& file);
   Status load_config(const std::string& file);
+  // Where the added tokens with this `normalized` flag occur in text: (offset, token), leftmost
+  // and longest first, not overlapping.
+  std::vector<std::pair<size_t, const AddedToken*>> find_added(std::string_view text, bool normalized) const;
+  // Encodes a stretch of raw text that holds no non-normalized added token: normalizes it, then
+  // finds the normalized added tokens (when parse_special) and encodes the rest. Spans refer to
+  // the raw text and are offset by `base`.
+  void encode_stretch(std::string_view raw, uint32_t base, bool parse_special, std::vector<int32_t>* ids,
+                      std::vector<ByteSpan>* spans) const;
   // Encodes text without added tokens: prefix space, split, BPE. Spans are offset by `base`.
   void encode_segment(std::string_view text, uint32_t base, std::vector<int32_t>* ids,
                       std::vector<ByteSpan>* spans) const;
@@ -134,7 +154,9 @@ class Tokenizer {
   int32_t byte_ids_[256];                         // id of each single-byte token, -1 if absent
   std::string byte_chars_[256];                   // UTF-8 of each byte's byte-level character
   std::unordered_map<uint32_t, uint8_t> char_to_byte_;  // byte-level character -> byte
-  std::vector<AddedToken> added_;                 // sorted: longest content first
+  std::vector<AddedToken> added_;                 // sorted: longest match first
+  bool has_normalized_added_ = false;
+  bool nfc_ = false;                              // the normalizer is NFC
   bool ignore_merges_ = false;
   // Where ByteLevel's add_prefix_space puts a space: before each text segment (ByteLevel before
   // or doing the split) or before each piece (ByteLevel after a Split).

@@ -1,11 +1,13 @@
 // The byte-level BPE tokenizer against ids produced by Hugging Face `tokenizers` for three
-// small tokenizers (tests/fixtures/tokenizer/make_fixtures.py builds them), its splitters
-// against the library's regex pieces, and its errors.
+// small tokenizers (tests/fixtures/tokenizer/make_fixtures.py builds them) and a Qwen2 one with
+// the NFC normalizer (make_nfc_fixture.py), its splitters against the library's regex pieces,
+// and its errors.
 #include "model/tokenizer.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -15,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/tokenizer_split.h"
+#include "model/unicode_nfc.h"
 #include "test_util.h"
 
 namespace strata::model {
@@ -257,6 +260,115 @@ TEST(TokenizerTest, UnknownChatTemplateIsUnimplementedNamingTheConfig) {
   // An eos_token that is not in the vocabulary fails the load.
   dir.write("tokenizer_config.json", R"({"eos_token": "<|nope|>"})");
   EXPECT_EQ(Tokenizer::load(dir.path()).status().code(), StatusCode::kCorruption);
+}
+
+TEST(TokenizerNfcTest, IdsOnDecomposedTextMatchHuggingFaceTokenizers) {
+  Result<Tokenizer> tok = Tokenizer::load(kFixtures + "/qwen2_nfc");
+  ASSERT_TRUE(tok.ok()) << tok.status().to_string();
+  const json expected = read_json(kFixtures + "/qwen2_nfc/expected.json");
+  ASSERT_GE(expected["cases"].size(), 8u);
+  for (const json& c : expected["cases"]) {
+    const std::string text = c["text"];
+    const std::vector<int32_t> ids = tok->encode(text);
+    EXPECT_EQ(ids, ids_of(c["ids"])) << text;
+    EXPECT_EQ(tok->decode(ids), c["decoded"].get<std::string>()) << text;
+  }
+}
+
+TEST(TokenizerNfcTest, CanonicallyEquivalentSpellingsGetTheSameIds) {
+  Result<Tokenizer> with_nfc = Tokenizer::load(kFixtures + "/qwen2_nfc");
+  Result<Tokenizer> without = Tokenizer::load(kFixtures + "/qwen2");
+  ASSERT_TRUE(with_nfc.ok() && without.ok());
+  const std::vector<std::pair<std::string, std::string>> pairs = {
+      {"caf\u00e9", "cafe\u0301"},
+      {"\ud55c\uae00", "\u1112\u1161\u11ab\u1100\u1173\u11af"},
+      {"Vi\u1ec7t", "Vie\u0302\u0323t"},
+      {"\u00c5", "\u212b"},
+  };
+  for (const auto& [composed, decomposed] : pairs) {
+    EXPECT_EQ(with_nfc->encode(decomposed), with_nfc->encode(composed)) << decomposed;
+    EXPECT_EQ(with_nfc->encode(decomposed), without->encode(composed)) << decomposed;
+    EXPECT_NE(without->encode(decomposed), without->encode(composed)) << decomposed;  // so the test can tell
+  }
+}
+
+TEST(TokenizerNfcTest, SequenceOfNfcIsAccepted) {
+  TempDir dir;
+  copy_with_edit("qwen2_nfc", dir, [](json* t) {
+    (*t)["normalizer"] = json{{"type", "Sequence"}, {"normalizers", json::array({json{{"type", "NFC"}}})}};
+  });
+  Result<Tokenizer> tok = Tokenizer::load(dir.path());
+  ASSERT_TRUE(tok.ok()) << tok.status().to_string();
+  const json expected = read_json(kFixtures + "/qwen2_nfc/expected.json");
+  for (const json& c : expected["cases"]) EXPECT_EQ(tok->encode(c["text"].get<std::string>()), ids_of(c["ids"]));
+}
+
+TEST(TokenizerNfcTest, SpansReferToTheRawText) {
+  Result<Tokenizer> tok = Tokenizer::load(kFixtures + "/qwen2_nfc");
+  ASSERT_TRUE(tok.ok());
+  const std::string text = "Cafe\u0301 <|im_end|>\u1112\u1161\u11ab x";
+  std::vector<int32_t> ids;
+  std::vector<ByteSpan> spans;
+  tok->encode_with_spans(text, {}, &ids, &spans);
+  ASSERT_EQ(ids, tok->encode(text));
+  ASSERT_EQ(ids.size(), spans.size());
+  // Spans run forward over the whole text without gaps (tokens of one changed stretch share
+  // it); the decoded tokens spell its NFC.
+  uint32_t begin = 0, end = 0;
+  std::string decoded;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    EXPECT_GE(spans[i].begin, begin) << i;
+    EXPECT_LE(spans[i].begin, end) << i;
+    EXPECT_GE(spans[i].end, end) << i;
+    EXPECT_LT(spans[i].begin, spans[i].end) << i;
+    begin = spans[i].begin;
+    end = spans[i].end;
+    decoded += tok->decode(std::vector<int32_t>{ids[i]});
+    // A token inside "e\u0301" (bytes 3..6) stands for all of it.
+    if (spans[i].begin < 6 && spans[i].end > 3) {
+      EXPECT_LE(spans[i].begin, 3u) << i;
+      EXPECT_EQ(spans[i].end, 6u) << i;
+    }
+  }
+  EXPECT_EQ(spans.front().begin, 0u);
+  EXPECT_EQ(end, text.size());
+  EXPECT_EQ(decoded, nfc(text));
+  const int32_t im_end = tok->token_to_id("<|im_end|>");
+  auto it = std::find(ids.begin(), ids.end(), im_end);
+  ASSERT_NE(it, ids.end());
+  const ByteSpan s = spans[static_cast<size_t>(it - ids.begin())];
+  EXPECT_EQ(text.substr(s.begin, s.end - s.begin), "<|im_end|>");
+}
+
+TEST(TokenizerNfcTest, ChatLossMaskCoversTheNormalizedReply) {
+  Result<Tokenizer> tok = Tokenizer::load(kFixtures + "/qwen2_nfc");
+  ASSERT_TRUE(tok.ok());
+  std::vector<ChatMessage> messages = {{"user", "Cafe\u0301?"}, {"assistant", "Oui, cafe\u0301 \u1112\u1161\u11ab."}};
+  Result<EncodedChat> chat = tok->encode_chat(messages);
+  ASSERT_TRUE(chat.ok()) << chat.status().to_string();
+  std::vector<int32_t> counted;
+  for (size_t i = 0; i < chat->ids.size(); ++i) {
+    if (chat->loss_mask[i]) counted.push_back(chat->ids[i]);
+  }
+  EXPECT_EQ(tok->decode(counted), "Oui, caf\u00e9 \ud55c.<|im_end|>");
+}
+
+TEST(TokenizerNfcTest, UnsupportedNormalizerIsUnimplementedNamingFileAndType) {
+  const std::vector<std::pair<json, std::string>> cases = {
+      {json{{"type", "Lowercase"}}, "Lowercase"},
+      {json{{"type", "NFKC"}}, "NFKC"},
+      {json{{"type", "Sequence"}, {"normalizers", json::array({json{{"type", "NFC"}}, json{{"type", "Strip"}}})}},
+       "Strip"},
+  };
+  for (const auto& [normalizer, type] : cases) {
+    TempDir dir;
+    copy_with_edit("qwen2_nfc", dir, [&](json* t) { (*t)["normalizer"] = normalizer; });
+    Result<Tokenizer> tok = Tokenizer::load(dir.path());
+    ASSERT_FALSE(tok.ok()) << type;
+    EXPECT_EQ(tok.status().code(), StatusCode::kUnimplemented);
+    EXPECT_NE(tok.status().message().find(dir.path() + "/tokenizer.json"), std::string::npos) << tok.status().message();
+    EXPECT_NE(tok.status().message().find("normalizer " + type), std::string::npos) << tok.status().message();
+  }
 }
 
 TEST(SplitTest, PiecesMatchTheRegex) {
