@@ -401,14 +401,16 @@ Status ChunkSpace::read_tensor(TensorId id, uint64_t offset, uint64_t length, vo
 // ---------------------------------------------------------------------------------------------
 // Schedule and prefetch
 
-void ChunkSpace::set_schedule(std::vector<ChunkId> order) {
+void ChunkSpace::set_schedule(std::vector<ChunkId> order, std::vector<Tier> tiers) {
   std::lock_guard<std::mutex> lock(mu_);
+  CHECK_MSG(tiers.empty() || tiers.size() == order.size(), "set_schedule: one tier per entry, or none");
   for (auto& u : uses_) u.clear();
   for (size_t i = 0; i < order.size(); ++i) {
     CHECK_MSG(order[i] < chunks_.size(), "schedule names an unknown chunk");
     uses_[order[i]].push_back(i);
   }
   schedule_ = std::move(order);
+  schedule_tiers_ = std::move(tiers);
   position_ = 0;
 }
 
@@ -427,13 +429,17 @@ uint64_t ChunkSpace::next_use(ChunkId id) const {
   return uses.front() + schedule_.size() - position_;  // in the next step
 }
 
-Status ChunkSpace::prefetch(size_t lookahead, Tier to) {
+Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (schedule_.empty() || to == Tier::kNvme || !has_tier(to)) return Status::OK();
-  const int w = idx(to);
+  if (schedule_.empty()) return Status::OK();
   const size_t n = std::min(lookahead, schedule_.size());
+  std::array<bool, kNumTiers> full{};  // no slot left for prefetches into the tier
   for (size_t k = 0; k < n; ++k) {
-    const ChunkId id = schedule_[(position_ + k) % schedule_.size()];
+    const size_t entry = (position_ + k) % schedule_.size();
+    const Tier to = schedule_tiers_.empty() ? default_to : schedule_tiers_[entry];
+    if (to == Tier::kNvme || !has_tier(to) || full[idx(to)]) continue;
+    const int w = idx(to);
+    const ChunkId id = schedule_[entry];
     ChunkState& c = chunks_[id];
     if (c.valid[w] || (c.pins > 0 && c.pinned_in != to)) continue;
     // Saved activations are copied in and out through host memory; a device copy is no use.
@@ -461,7 +467,10 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier to) {
       if (f && !f->waited && !io_->done(f->ticket)) continue;  // its read is still running
     }
     if (c.slot[w] < 0) {
-      if (tier(to).free_count() == 0 && !pick_victim(to, due)) break;  // budget exhausted
+      if (tier(to).free_count() == 0 && !pick_victim(to, due)) {
+        full[w] = true;  // later entries are due even later: none of them gets a slot either
+        continue;
+      }
       RETURN_IF_ERROR(take_slot(to, id, due).status());
     }
     RETURN_IF_ERROR(fill(id, to, MoveOrigin::kPrefetch));

@@ -163,11 +163,14 @@ class ChunkSpace {
   // --- Schedule ---------------------------------------------------------------------------
   // The order in which chunks will be acquired, one entry per acquire; it repeats (the next
   // step follows the last entry). Replaces LRU by Belady eviction. An empty order clears it.
-  void set_schedule(std::vector<ChunkId> order);
+  // `tiers`, when given (one per entry), is where each entry will be acquired: prefetch()
+  // moves an entry's chunk there instead of into its `to` tier.
+  void set_schedule(std::vector<ChunkId> order, std::vector<Tier> tiers = {});
   // Marks entry `position` of the schedule as the current one (call before its acquire).
   void advance(size_t position);
   // Starts moving the chunks of the next `lookahead` schedule entries (from the current one)
-  // into `to`: into free slots, or into slots of copies not needed before them. Never blocks
+  // into `to` (or each entry's tier from set_schedule): into free slots, or into slots of
+  // copies not needed before them. Never blocks
   // on moves in flight, so an nvme-homed chunk may only reach host by this call and device by
   // a later one. Errors: write-backs forced by its evictions.
   Status prefetch(size_t lookahead, Tier to = Tier::kDevice);
@@ -254,6 +257,7 @@ class ChunkSpace {
   std::unique_ptr<Stream> down_;  // device -> host copies
   HostAllocation zeros_;          // source of device zero fills
   std::vector<ChunkId> schedule_;                    // GUARDED_BY(mu_)
+  std::vector<Tier> schedule_tiers_;                 // GUARDED_BY(mu_); empty or one per entry
   std::vector<std::vector<uint64_t>> uses_;          // GUARDED_BY(mu_); chunk -> positions
   uint64_t position_ = 0;                            // GUARDED_BY(mu_)
   uint64_t tick_ = 0;                                // GUARDED_BY(mu_); LRU clock

@@ -154,23 +154,24 @@ void StateStore::set_schedule(const std::vector<GroupAccess>& accesses) {
   schedule_ = accesses;
   schedule_chunk_start_.clear();
   std::vector<ChunkId> order;
+  std::vector<Tier> tiers;
   for (const GroupAccess& a : accesses) {
     schedule_chunk_start_.push_back(order.size());
     if (a.activation >= 0) {
       CHECK_MSG(a.activation < num_activations(), "schedule names an activation buffer that does not exist");
       for (ChunkId c : act_chunks_[a.activation]) order.push_back(c);
-      continue;
+    } else if (a.part != kAllParts) {
+      for (ChunkId c : parts_[a.group][part_index(a.group, a.part)].chunks[static_cast<int>(a.kind)]) order.push_back(c);
+    } else {
+      for (const Part& p : parts_[a.group])
+        for (ChunkId c : p.chunks[static_cast<int>(a.kind)]) order.push_back(c);
     }
-    const int k = static_cast<int>(a.kind);
-    if (a.part != kAllParts) {
-      for (ChunkId c : parts_[a.group][part_index(a.group, a.part)].chunks[k]) order.push_back(c);
-      continue;
-    }
-    for (const Part& p : parts_[a.group])
-      for (ChunkId c : p.chunks[k]) order.push_back(c);
+    // Activation entries keep the device default, which prefetch skips for kAct chunks: they
+    // are written before they are read, so reading them ahead would be wasted I/O.
+    tiers.resize(order.size(), a.prefetch_to);
   }
   schedule_pos_ = 0;
-  space_->set_schedule(std::move(order));
+  space_->set_schedule(std::move(order), std::move(tiers));
 }
 
 Status StateStore::pin(int group, const std::vector<size_t>& parts, StateKind kind, Tier where, AccessMode mode,

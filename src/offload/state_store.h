@@ -63,9 +63,14 @@ struct GroupAccess {
   StateKind kind = StateKind::kParam;
   int activation = -1;
   int part = kAllParts;
+  // Where the acquisition will happen, so that prefetch moves the chunks there (e.g. host for
+  // AdamW on host memory). Not part of an access's identity: acquires match entries without it.
+  Tier prefetch_to = Tier::kDevice;
   static GroupAccess of_activation(int i) { return {0, StateKind::kParam, i}; }
   static GroupAccess of_part(int group, StateKind kind, int part) { return {group, kind, -1, part}; }
-  bool operator==(const GroupAccess&) const = default;
+  bool operator==(const GroupAccess& o) const {
+    return group == o.group && kind == o.kind && activation == o.activation && part == o.part;
+  }
 };
 
 struct StateStoreOptions {

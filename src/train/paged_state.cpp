@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 
 #include <fmt/format.h>
 
@@ -38,7 +39,9 @@ Tier planned_home(const Plan& plan, int num_layers, int group, StateKind kind) {
 // begin() takes a group's dense part; the experts it fetches after routing are not in the
 // schedule. `offloaded` checkpoints are offloaded after the layer that writes them (the
 // embedding for 0) and fetched before their layer's backward.
-std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded) {
+// `adam_tier(g)` is where AdamW updates group g, so that the optimizer phase prefetches there.
+std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded,
+                                       const std::function<Tier(int)>& adam_tier) {
   const int head = num_layers + 1;
   std::vector<GroupAccess> s;
   auto all = [&](int g, StateKind k) { s.push_back({g, k}); };
@@ -57,8 +60,12 @@ std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_a
     add(0, StateKind::kGrad);
   }
   for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // gradient norm
-  for (int g = 0; g <= head; ++g)
-    for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV}) all(g, k);
+  for (int g = 0; g <= head; ++g) {
+    for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV}) {
+      all(g, k);
+      s.back().prefetch_to = adam_tier(g);
+    }
+  }
   return s;
 }
 
@@ -109,9 +116,14 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     RETURN_IF_ERROR(ps->store_->add_activations(offloaded, floats));
   }
   const bool tied = ps->layout_.lm_head() == ps->layout_.embed_tokens();
-  ps->store_->set_schedule(step_schedule(L, tied, options.grad_accum, offloaded));
+  ps->store_->set_schedule(
+      step_schedule(L, tied, options.grad_accum, offloaded, [p = ps.get()](int g) { return p->adam_tier(g); }));
   if (options.overlap_optimizer) ps->worker_ = std::thread([p = ps.get()] { p->worker_loop(); });
   return ps;
+}
+
+Tier PagedState::adam_tier(int group) const {
+  return store_->home(group, StateKind::kAdamM) == Tier::kDevice ? Tier::kDevice : Tier::kHost;
 }
 
 size_t PagedState::tensor_at(int64_t offset) const {
@@ -211,7 +223,7 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   static const kernels::SimdLevel simd = kernels::detect_simd_level();
   // AdamW runs where the group's moments live: the device tier, or host memory (NVMe-homed
   // moments are read into host slots and written back when evicted).
-  const Tier where = store_->home(g, StateKind::kAdamM) == Tier::kDevice ? Tier::kDevice : Tier::kHost;
+  const Tier where = adam_tier(g);
   const StateKind kinds[] = {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV};
   if (before_modify_) before_modify_(g);
   for (int k = 0; k < 4; ++k) {

@@ -129,6 +129,9 @@ class PagedState : public model::ParamAccess {
   PagedState() = default;
   Status copy_kind(StateKind kind, float* flat, bool to_store);
   size_t tensor_at(int64_t offset) const;
+  // Where AdamW updates a group: the device tier when its moments live there, else host memory
+  // (NVMe-homed moments are read into host slots).
+  Tier adam_tier(int group) const;
 
   model::ParamLayout layout_;
   kernels::AdamWParams adamw_params(float lr) const;

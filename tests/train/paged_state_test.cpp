@@ -13,6 +13,7 @@
 #include "core/cpu_device.h"
 #include "memory/io_engine.h"
 #include "model/llama.h"
+#include "offload/plan.h"
 #include "train/optimizer.h"
 #include "train_test_util.h"
 
@@ -230,6 +231,50 @@ TEST_P(PagedStateTest, OptimizerOverlappingBackwardMatchesBitwise) {
   // Every group of every step was updated by the worker, queued the moment backward released it.
   EXPECT_EQ(overlapped.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
   EXPECT_EQ(tight.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
+}
+
+// With the Adam moments homed in host memory, AdamW runs there, so the optimizer phase
+// prefetches into host memory: no moment chunk ever gets a device slot, even with free device
+// slots (which prefetching the phase into the device would fill).
+TEST(PagedStatePrefetchTest, HostOptimizerPhaseIsNotPrefetchedIntoTheDevice) {
+  const model::ModelConfig mc = tiny_config(false);
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 11);
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  model::LlamaModel net(mc);
+  net.init_weights(7);
+  Plan plan;
+  plan.resident_param_groups = plan.resident_grad_groups = mc.num_hidden_layers + 1;
+  plan.device_optimizer_groups = 0;  // every group's moments in host memory
+  PagedStateOptions po;
+  po.device_bytes = 64ull << 20;  // roomy: prefetch could put anything there
+  po.host_bytes = 64ull << 20;
+  po.lookahead = 8;  // from the gradient norm far into the optimizer phase
+  po.grad_accum = kAccum;
+  po.optimizer = optimizer_config(kClip);
+  po.plan = &plan;
+  auto paged = PagedState::create(**device, nullptr, net.layout(), po);
+  ASSERT_TRUE(paged.ok()) << paged.status().to_string();
+  PagedState& ps = **paged;
+  ASSERT_TRUE(ps.load_params(net.params()).ok());
+  net.set_access(&ps);
+  for (int s = 0; s < kSteps; ++s) {
+    ASSERT_TRUE(ps.zero_grads().ok());
+    for (int m = 0; m < kAccum; ++m) {
+      const Batch& b = batches[s * kAccum + m];
+      ASSERT_TRUE(net.compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kAccum * kB * kT), true).ok());
+    }
+    ASSERT_TRUE(ps.clip_and_step(1e-2f).ok());
+    // The device holds the parameter and gradient chunks, and nothing else (a moment chunk
+    // copied there would keep its slot, even once its copy went stale).
+    uint64_t chunks = 0;
+    for (int g = 0; g < ps.store().num_groups(); ++g)
+      for (StateKind k : {StateKind::kParam, StateKind::kGrad}) chunks += ps.store().part_chunk_count(g, kDensePart, k);
+    EXPECT_EQ(ps.stats().tiers[0].in_use_bytes, chunks * ps.store().chunk_bytes()) << "after step " << s;
+  }
+  net.set_access(nullptr);
+  // The parameters still went up to the device for compute.
+  EXPECT_GT(ps.stats().host_to_device_bytes, 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(TiedAndUntied, PagedStateTest, ::testing::Bool());
