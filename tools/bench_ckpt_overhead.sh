@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Training throughput with a checkpoint save in flight every step versus no checkpoints.
-# Builds nothing. Usage: tools/bench_ckpt_overhead.sh path/to/strata [steps] [rounds] [extra overrides...]
-# Runs the same training (model.preset=tiny) with ckpt.every=0 and ckpt.every=1, alternating,
-# `rounds` times each (default 3, to even out a busy machine). Each run's throughput is wall
-# clock: tokens from step 3 to the last step over the elapsed time between them (metrics.jsonl
-# `elapsed_s`), so starting saves and waiting for a busy writer count against it. Prints the
-# median of each mode and their ratio.
+# Training throughput with a checkpoint save in flight versus without. Builds nothing.
+# Usage: tools/bench_ckpt_overhead.sh path/to/strata [steps] [rounds] [extra overrides...]
+# Two measurements of the same training (model.preset=tiny; wall-clock time from metrics.jsonl
+# `elapsed_s`, so starting saves and waiting for a busy writer count against it):
+#  1. separate runs with ckpt.every=0 and ckpt.every=1, alternating, `rounds` times each
+#     (default 3): tokens from step 3 to the last over the time between them, median per mode;
+#  2. within one run with ckpt.every=2, each step's wall time (since the previous step ended)
+#     for steps that began with a save in flight versus steps that did not, median of each,
+#     which pairs neighbouring steps and so is immune to the machine's load drifting.
 set -euo pipefail
 
 strata=${1:?usage: $0 path/to/strata [steps] [rounds] [extra overrides...]}
@@ -28,6 +30,22 @@ last = rows[-1] if rows else None
 if first is None or last["step"] <= first["step"]:
     sys.exit("fewer than 4 steps in " + sys.argv[1])
 print(f"{(last['tokens'] - first['tokens']) / (last['elapsed_s'] - first['elapsed_s']):.1f}")
+PY
+}
+
+paired_tps() {  # metrics.jsonl -> "with without" median tokens/s by ckpt_in_flight, after step 3
+  python3 - "$1" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+w, wo = [], []
+for prev, r in zip(rows, rows[1:]):
+    if r["step"] <= 3:
+        continue
+    tps = (r["tokens"] - prev["tokens"]) / (r["elapsed_s"] - prev["elapsed_s"])
+    (w if r["ckpt_in_flight"] else wo).append(tps)
+if not w or not wo:
+    sys.exit("no steps with and without a save in flight in " + sys.argv[1])
+print(f"{statistics.median(w):.1f} {statistics.median(wo):.1f} {len(w)} {len(wo)}")
 PY
 }
 
@@ -55,3 +73,17 @@ printf '%-30s %14s\n' "$rounds x $steps steps, tiny" "tokens/s (med)"
 printf '%-30s %14s\n' "ckpt.every=0 (no saves)" "$t0"
 printf '%-30s %14s\n' "ckpt.every=1 (save in flight)" "$t1"
 python3 -c "import sys; a,b=float(sys.argv[1]),float(sys.argv[2]); print(f'ratio with/without saves: {b/a:.3f}  (overhead {100*(1-b/a):.1f}%)')" "$t0" "$t1"
+
+run="$work/paired"
+if ! "$strata" train model.preset=tiny train.steps="$((steps * rounds))" run.log_every=1000 \
+     run.dir="$run" ckpt.every=2 ckpt.keep_last=2 "$@" >"$work/log.paired.txt" 2>&1; then
+  echo "error: training with ckpt.every=2 failed:" >&2
+  tail -20 "$work/log.paired.txt" >&2
+  exit 1
+fi
+read -r pw pwo nw nwo < <(paired_tps "$run/metrics.jsonl")
+echo
+printf '%-40s %14s %6s\n' "one run of $((steps * rounds)) steps, ckpt.every=2" "tokens/s (med)" "steps"
+printf '%-40s %14s %6s\n' "steps with a save in flight" "$pw" "$nw"
+printf '%-40s %14s %6s\n' "steps without" "$pwo" "$nwo"
+python3 -c "import sys; a,b=float(sys.argv[1]),float(sys.argv[2]); print(f'ratio with/without a save in flight: {b/a:.3f}')" "$pwo" "$pw"

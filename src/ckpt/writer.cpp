@@ -197,6 +197,20 @@ Result<SaveStart> CheckpointWriter::begin_save(const SaveRequest& request) {
   job->final_dir = job->dir + "/" + step_dir_name(request.step);
   job->tmp_dir = job->final_dir + ".tmp";
 
+  job->pieces.resize(job->plan.pieces.size());
+  job->stats.step = request.step;
+
+  job_ = std::move(job);
+  running_ = true;
+  cow_active_ = true;
+  thread_ = std::thread([this, raw = job_.get()] { run(raw); });
+  return SaveStart::kStarted;
+}
+
+// The file-system half of starting a save, on the writer's thread so that the trainer does not
+// wait for it: stale tmp dirs, DIR/step-N.tmp, the engine, the files (reserved with
+// fallocate), the staging memory. On failure nothing of step-N.tmp is left.
+Status CheckpointWriter::setup(Job* job) {
   std::error_code ec;
   std::filesystem::create_directories(job->dir, ec);
   if (ec) return Status::IOError("cannot create checkpoint directory " + job->dir + ": " + ec.message());
@@ -242,7 +256,6 @@ Result<SaveStart> CheckpointWriter::begin_save(const SaveRequest& request) {
     return fail(Status::OutOfMemory("cannot allocate " + format_bytes(slots * job->piece_bytes) +
                                     " of checkpoint staging memory"));
   }
-  for (uint64_t i = 0; i < slots; ++i) job->free_slots.push_back(job->staging.get() + i * job->piece_bytes);
   if (job->has_reader()) {
     job->scratch.reset(static_cast<char*>(std::aligned_alloc(kFileAlign, job->piece_bytes)));
     if (job->scratch == nullptr) {
@@ -250,15 +263,11 @@ Result<SaveStart> CheckpointWriter::begin_save(const SaveRequest& request) {
                                       " of checkpoint staging memory"));
     }
   }
-  job->pieces.resize(job->plan.pieces.size());
-  job->stats.step = request.step;
+  std::lock_guard<std::mutex> lock(job->mu);
+  for (uint64_t i = 0; i < slots; ++i) job->free_slots.push_back(job->staging.get() + i * job->piece_bytes);
   job->stats.engine = job->engine->name();
-
-  job_ = std::move(job);
-  running_ = true;
-  cow_active_ = true;
-  thread_ = std::thread([this, raw = job_.get()] { run(raw); });
-  return SaveStart::kStarted;
+  job->cv.notify_all();  // before_modify callers may wait for slots
+  return Status::OK();
 }
 
 void CheckpointWriter::before_modify(int region, uint64_t begin, uint64_t end) {
@@ -514,7 +523,15 @@ Status CheckpointWriter::commit(Job* job) {
 }
 
 void CheckpointWriter::run(Job* job) {
-  Status st = write_data(job);
+  Status st = setup(job);
+  if (!st.ok()) {
+    // Nothing was written; let before_modify callers go.
+    std::lock_guard<std::mutex> lock(job->mu);
+    job->released_all = true;
+    job->cv.notify_all();
+    cow_active_.store(false, std::memory_order_release);
+  }
+  if (st.ok()) st = write_data(job);
   if (st.ok()) st = commit(job);
   job->fds.clear();
   job->engine.reset();  // releases the files registered with it
@@ -526,8 +543,13 @@ void CheckpointWriter::run(Job* job) {
   for (const PlannedFile& f : job->plan.files) stats.file_bytes += f.size;
   stats.total_seconds = seconds_since(job->started);
   if (st.ok()) {
-    LOG_INFO("checkpoint {} written: {} in {:.2f} s ({:.2f} GB/s)", job->final_dir, format_bytes(stats.file_bytes),
-             stats.total_seconds, stats.file_bytes / std::max(stats.total_seconds, 1e-9) / 1e9);
+    std::string cow;
+    if (stats.cow_copied_bytes > 0 || stats.cow_waits > 0) {
+      cow = fmt::format("; the optimizer had {} copied first and waited {} times ({:.0f} ms)",
+                        format_bytes(stats.cow_copied_bytes), stats.cow_waits, stats.cow_wait_seconds * 1e3);
+    }
+    LOG_INFO("checkpoint {} written: {} in {:.2f} s ({:.2f} GB/s){}", job->final_dir, format_bytes(stats.file_bytes),
+             stats.total_seconds, stats.file_bytes / std::max(stats.total_seconds, 1e-9) / 1e9, cow);
   } else {
     struct stat sb;
     const bool committed = ::stat(job->tmp_dir.c_str(), &sb) != 0 && ::stat(job->final_dir.c_str(), &sb) == 0;

@@ -118,9 +118,10 @@ class CheckpointWriter {
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
 
-  // Validates the request (InvalidArgument naming the tensor), removes stale DIR/step-*.tmp
-  // left by a crash (one log line each), creates DIR/step-N.tmp and starts writing. Errors
-  // before the thread starts are returned here; later ones by wait()/poll().
+  // Validates the request (InvalidArgument naming the tensor), plans the files and starts the
+  // writer's thread, which removes stale DIR/step-*.tmp left by a crash (one log line each),
+  // creates DIR/step-N.tmp and its files and writes them. Errors of the request are returned
+  // here; everything touching the disk reports through wait()/poll() (and a log line).
   Result<SaveStart> begin_save(const SaveRequest& request);
 
   // REQUIRES: 0 <= region < regions of the save in flight, begin <= end <= its size. Returns
@@ -140,6 +141,7 @@ class CheckpointWriter {
  private:
   struct Job;
   void run(Job* job);
+  Status setup(Job* job);
   Status write_data(Job* job);
   Status commit(Job* job);
   void join_locked_out();
