@@ -62,8 +62,8 @@ struct CheckpointWriter::Job {
   std::vector<UniqueFd> fds;       // per planned file
   std::vector<int> engine_files;   // per planned file
   std::vector<uint64_t> hashes;    // per planned file, once written
-  std::unique_ptr<char, FreeDeleter> staging;
-  std::unique_ptr<char, FreeDeleter> scratch;  // hashing pieces of reader regions; writer thread
+  char* staging = nullptr;  // the writer's staging memory (kept across saves)
+  char* scratch = nullptr;  // hashing pieces of reader regions; writer thread
   uint64_t piece_bytes = 0;
   Clock::time_point started;
   std::atomic<bool> cancel{false};
@@ -77,6 +77,7 @@ struct CheckpointWriter::Job {
   std::set<int> captured;          // pieces in kCaptured; GUARDED_BY(mu)
   bool released_all = false;       // GUARDED_BY(mu): the regions are no longer read
   Status failure;                  // GUARDED_BY(mu): a reader failed; the save is lost
+  bool ready = false;              // GUARDED_BY(mu): setup() is done, the staging slots exist
   SaveStats stats;                 // GUARDED_BY(mu)
 
   bool released(int p) const {
@@ -251,20 +252,22 @@ Status CheckpointWriter::setup(Job* job) {
     job->fds.push_back(std::move(fd).value());
   }
   const uint64_t slots = options_.staging_bytes / job->piece_bytes;
-  job->staging.reset(static_cast<char*>(std::aligned_alloc(kFileAlign, slots * job->piece_bytes)));
-  if (job->staging == nullptr) {
-    return fail(Status::OutOfMemory("cannot allocate " + format_bytes(slots * job->piece_bytes) +
-                                    " of checkpoint staging memory"));
-  }
-  if (job->has_reader()) {
-    job->scratch.reset(static_cast<char*>(std::aligned_alloc(kFileAlign, job->piece_bytes)));
-    if (job->scratch == nullptr) {
-      return fail(Status::OutOfMemory("cannot allocate " + format_bytes(job->piece_bytes) +
+  // Staging is allocated by the first save and kept: its pages are faulted in once, not on
+  // every save. Its size depends on the options only. A save with reader regions uses its
+  // last piece as the hashing scratch (at least 4 pieces fit: piece_bytes_for_staging).
+  if (staging_ == nullptr) {
+    staging_.reset(static_cast<char*>(std::aligned_alloc(kFileAlign, slots * job->piece_bytes)));
+    if (staging_ == nullptr) {
+      return fail(Status::OutOfMemory("cannot allocate " + format_bytes(slots * job->piece_bytes) +
                                       " of checkpoint staging memory"));
     }
   }
+  job->staging = staging_.get();
+  const uint64_t usable = job->has_reader() ? slots - 1 : slots;
+  if (job->has_reader()) job->scratch = job->staging + usable * job->piece_bytes;
   std::lock_guard<std::mutex> lock(job->mu);
-  for (uint64_t i = 0; i < slots; ++i) job->free_slots.push_back(job->staging.get() + i * job->piece_bytes);
+  for (uint64_t i = 0; i < usable; ++i) job->free_slots.push_back(job->staging + i * job->piece_bytes);
+  job->ready = true;
   job->stats.engine = job->engine->name();
   job->cv.notify_all();  // before_modify callers may wait for slots
   return Status::OK();
@@ -281,6 +284,8 @@ void CheckpointWriter::before_modify(int region, uint64_t begin, uint64_t end) {
   auto it = std::lower_bound(spans.begin(), spans.end(), begin,
                              [](const RegionSpan& s, uint64_t b) { return s.end <= b; });
   std::unique_lock<std::mutex> lock(job->mu);
+  // Until the writer's thread has set up the save there are no staging slots to copy into.
+  job->cv.wait(lock, [&] { return job->ready || job->released_all; });
   for (; it != spans.end() && it->begin < end; ++it) {
     const int p = it->piece;
     while (!job->released(p)) {
@@ -372,9 +377,9 @@ Status CheckpointWriter::write_data(Job* job) {
         Status read = Status::OK();
         for (const PieceSource& src : piece.sources) {
           if (src.region >= 0 && job->request.regions[src.region].read) {
-            read = job->copy_source(piece, src, job->scratch.get());
+            read = job->copy_source(piece, src, job->scratch);
             if (!read.ok()) break;
-            XXH3_64bits_update(state, job->scratch.get(), src.length);
+            XXH3_64bits_update(state, job->scratch, src.length);
           } else {
             XXH3_64bits_update(state, source_data(job->plan, piece, src), src.length);
           }

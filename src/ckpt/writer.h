@@ -33,6 +33,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -152,6 +153,9 @@ class CheckpointWriter {
   std::atomic<bool> running_{false};   // a job's thread has not finished
   std::atomic<bool> cow_active_{false};  // the job's regions may still be needed
   Status last_status_;                 // trainer thread only
+  // Staging slots plus one piece of scratch, allocated by the first save and reused (only one
+  // save runs at a time).
+  std::unique_ptr<char, void (*)(void*)> staging_{nullptr, std::free};
   mutable std::mutex stats_mu_;
   SaveStats stats_;                    // GUARDED_BY(stats_mu_)
 };
