@@ -64,6 +64,8 @@ ctest_gpu() {
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 run ctest ctest_gpu
+# Again on its own so the log shows every tensor's error margins (ctest hides passing output).
+run model "$test_gpu" --gtest_filter='*ModelParity*'
 run perf "$test_gpu" --perf --gtest_filter='OpsPerf.*'
 if [[ "$sanitize" == 1 ]]; then
   if ! command -v compute-sanitizer > /dev/null; then
@@ -72,7 +74,7 @@ if [[ "$sanitize" == 1 ]]; then
   else
     for tool in $sanitize_tools; do
       run "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-        "$test_gpu" --gtest_filter='OpsParity.*:MoeParity.*'
+        "$test_gpu" --gtest_filter='OpsParity.*:MoeParity.*:*ModelParity*'
     done
   fi
 fi
