@@ -90,6 +90,13 @@ Result<ModelConfig> load_hf_config(const std::string& dir) {
 
 Status load_hf_weights(const std::string& dir_or_file, const ParamLayout& layout, float* params,
                        const ReaderOptions& options) {
+  ASSIGN_OR_RETURN(SafetensorsReader reader, open_hf_weights(dir_or_file, layout, options));
+  for (const TensorSpec& t : layout.tensors()) RETURN_IF_ERROR(reader.read_f32(t.name, params + t.offset));
+  return Status::OK();
+}
+
+Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const ParamLayout& layout,
+                                          const ReaderOptions& options) {
   ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(dir_or_file, options));
   const bool tied = layout.lm_head() == layout.embed_tokens();
 
@@ -125,8 +132,7 @@ Status load_hf_weights(const std::string& dir_or_file, const ParamLayout& layout
              fmt::join(extra.begin(), extra.begin() + static_cast<std::ptrdiff_t>(named), ", "),
              extra.size() > named ? ", ..." : "");
   }
-  for (const TensorSpec& t : layout.tensors()) RETURN_IF_ERROR(reader.read_f32(t.name, params + t.offset));
-  return Status::OK();
+  return reader;
 }
 
 Status check_export_target(const std::string& out_dir) {

@@ -40,6 +40,11 @@ Result<ModelConfig> load_hf_config(const std::string& dir);
 // dtype error params are unchanged; an I/O error part-way leaves them partly written.
 Status load_hf_weights(const std::string& dir_or_file, const ParamLayout& layout, float* params,
                        const ReaderOptions& options = {});
+// The checks of load_hf_weights alone, returning the open reader: the caller then reads each
+// layout tensor with read_f32(name, ...) wherever it wants it (e.g. straight into its chunks,
+// so that the model is never held twice in memory).
+Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const ParamLayout& layout,
+                                          const ReaderOptions& options = {});
 
 struct ExportOptions {
   SafetensorsWriteDtype dtype = SafetensorsWriteDtype::kF32;

@@ -31,11 +31,13 @@ int64_t count_valid_targets(const int32_t* targets, int64_t n) {
   return valid;
 }
 
-LlamaModel::LlamaModel(const ModelConfig& config) : config_(config), layout_(config) {
+LlamaModel::LlamaModel(const ModelConfig& config, bool flat_buffers) : config_(config), layout_(config) {
   Status st = config_.validate("LlamaModel config");
   CHECK_MSG(st.ok(), st.to_string());
-  params_.assign(static_cast<size_t>(layout_.total_size()), 0.0f);
-  grads_.assign(static_cast<size_t>(layout_.total_size()), 0.0f);
+  if (flat_buffers) {
+    params_.assign(static_cast<size_t>(layout_.total_size()), 0.0f);
+    grads_.assign(static_cast<size_t>(layout_.total_size()), 0.0f);
+  }
   inv_freq_.resize(static_cast<size_t>(config_.head_dim / 2));
   kernels::rope_inv_freq(inv_freq_.data(), config_.head_dim, config_.rope);
   if (config_.is_moe()) {
@@ -292,6 +294,7 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
 Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                    float grad_scale, bool backward) {
   CHECK(B > 0 && T > 0);
+  CHECK_MSG(access_ != nullptr || !params_.empty(), "LlamaModel without flat buffers computes through a ParamAccess");
   check_tokens(inputs, targets, B * T);
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;

@@ -51,7 +51,9 @@ class LlamaModel {
  public:
   // REQUIRES: config.validate(...) is OK. Parameters start at zero; call init_weights or
   // load_safetensors.
-  explicit LlamaModel(const ModelConfig& config);
+  // flat_buffers = false: no flat parameter and gradient buffers are allocated; a ParamAccess
+  // must be set before compute (a paged run, whose state never fits in memory twice).
+  explicit LlamaModel(const ModelConfig& config, bool flat_buffers = true);
   LlamaModel(const LlamaModel&) = delete;
   LlamaModel& operator=(const LlamaModel&) = delete;
 
@@ -91,7 +93,7 @@ class LlamaModel {
   // Floats held by the activation table (0 before the first compute).
   int64_t activation_floats() const { return acts_.size(); }
   // Frees the flat parameter and gradient buffers once a ParamAccess holds the state; params()
-  // and grads() are empty afterwards.
+  // and grads() are empty afterwards. (Or construct with flat_buffers = false.)
   void release_flat_buffers() {
     std::vector<float>().swap(params_);
     std::vector<float>().swap(grads_);

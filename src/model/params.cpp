@@ -137,23 +137,25 @@ int64_t ParamLayout::num_parameters() const {
   return n;
 }
 
+void init_tensor(const TensorSpec& t, float* p, uint64_t seed) {
+  switch (t.kind) {
+    case TensorKind::kMatrix: {
+      uint64_t stream = seed ^ hash_name(t.name);
+      fill_normal(p, t.numel, kInitStd, splitmix64(&stream));
+      break;
+    }
+    case TensorKind::kNormWeight:
+      std::fill(p, p + t.numel, 1.0f);
+      break;
+    case TensorKind::kBias:
+      std::fill(p, p + t.numel, 0.0f);
+      break;
+  }
+}
+
 void init_weights(const ParamLayout& layout, float* params, uint64_t seed) {
   std::fill(params, params + layout.total_size(), 0.0f);
-  for (const auto& t : layout.tensors()) {
-    float* p = params + t.offset;
-    switch (t.kind) {
-      case TensorKind::kMatrix: {
-        uint64_t stream = seed ^ hash_name(t.name);
-        fill_normal(p, t.numel, kInitStd, splitmix64(&stream));
-        break;
-      }
-      case TensorKind::kNormWeight:
-        std::fill(p, p + t.numel, 1.0f);
-        break;
-      case TensorKind::kBias:
-        break;  // already zero
-    }
-  }
+  for (const auto& t : layout.tensors()) init_tensor(t, params + t.offset, seed);
 }
 
 }  // namespace strata::model

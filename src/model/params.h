@@ -175,5 +175,7 @@ class ParamLayout {
 // Box-Muller, one stream per tensor derived from `seed` and the tensor's name), 1 for norm
 // weights, 0 for biases and alignment padding. params has layout.total_size() elements.
 void init_weights(const ParamLayout& layout, float* params, uint64_t seed);
+// The same for one tensor (p holds its t.numel elements): init_weights is this for every tensor.
+void init_tensor(const TensorSpec& t, float* p, uint64_t seed);
 
 }  // namespace strata::model

@@ -5,6 +5,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -190,13 +191,15 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   lo.vocab_size = mc.vocab_size;
   ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(dataset.get(), lo));
 
-  model::LlamaModel net(mc);
-  if (!t.model_from.empty()) {
-    RETURN_IF_ERROR(net.load_safetensors(t.model_from));
-  } else if (t.model_init.empty()) {
-    net.init_weights(t.seed);
-  } else {
-    RETURN_IF_ERROR(net.load_safetensors(t.model_init));
+  // The state lives in the chunk space only: the model keeps no flat copy, and the starting
+  // weights are read (or initialised) tensor by tensor straight into their chunks below, so a
+  // model is never held twice in memory. The checkpoint is checked completely here, first.
+  model::LlamaModel net(mc, /*flat_buffers=*/false);
+  const std::string weights_from = !t.model_from.empty() ? t.model_from : t.model_init;
+  std::optional<model::SafetensorsReader> weights;
+  if (!weights_from.empty()) {
+    ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_hf_weights(weights_from, net.layout()));
+    weights.emplace(std::move(reader));
   }
   if (!t.run_export.empty()) RETURN_IF_ERROR(model::check_export_target(t.run_export));
   OptimizerConfig oc;
@@ -244,11 +247,10 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   po.optimizer = oc;
   po.overlap_optimizer = t.overlap_backward;
   ASSIGN_OR_RETURN(std::unique_ptr<PagedState> state, PagedState::create(*device, io.get(), net.layout(), po));
-  RETURN_IF_ERROR(state->load_params(net.params()));
-  net.release_flat_buffers();  // the chunk space holds the only copy from here on
   net.set_access(state.get());
 
   // Resume: parameters, moments, data position and step from a checkpoint (any budgets).
+  // Otherwise the starting weights, from model.from / model.init or initialised.
   int64_t start_step = 1;
   int64_t tokens_seen = 0;
   std::string resume_from = t.resume;
@@ -256,6 +258,14 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     resume_from = fs::exists(fs::path(t.ckpt_dir) / "latest") ? t.ckpt_dir : "";
     if (resume_from.empty()) LOG_INFO("resume: no checkpoint in {}; starting from step 1", t.ckpt_dir);
   }
+  if (resume_from.empty()) {
+    RETURN_IF_ERROR(state->fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
+      if (weights) return weights->read_f32(spec.name, dst);
+      model::init_tensor(spec, dst, t.seed);
+      return Status::OK();
+    }));
+  }
+  weights.reset();
   if (!resume_from.empty()) {
     std::vector<ExtraState> extra = extra_state(mc, net);
     ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, net.layout(), *state, &extra));
