@@ -5,7 +5,12 @@
 #   tools/gpu_check.sh [BUILD_DIR]          (default: build-gpu, relative to the repository)
 #   SANITIZE=1 tools/gpu_check.sh           also runs the parity runner under compute-sanitizer
 #   SANITIZE=1 SANITIZE_TOOLS="memcheck racecheck synccheck initcheck" tools/gpu_check.sh
+#   TRAIN_BENCH=0 tools/gpu_check.sh        skips the training benchmark (strata vs PyTorch)
 #
+# The training benchmark trains the 0.44B Llama of the CUDA issue for a few steps with
+# `strata bench train-gpu`, then with tools/bench_gpu_train_torch.py (needs python3 with torch
+# and transformers), and tables both against the target strata >= 1.2x PyTorch. Missing the
+# target does not fail the script; a benchmark that does not finish does.
 # Exits 0 when every step passed, 1 otherwise (a machine without a visible CUDA device fails:
 # this script is for GPU machines).
 set -u -o pipefail
@@ -16,6 +21,11 @@ build="${1:-build-gpu}"
 test_gpu="$build/tests/test_gpu"
 sanitize="${SANITIZE:-0}"
 sanitize_tools="${SANITIZE_TOOLS:-memcheck}"
+train_bench="${TRAIN_BENCH:-1}"
+# Each benchmark: model build, 3 warm-up and 20 timed steps of 8 x 2048 tokens (well under a
+# minute on an H200 at the baseline's speed); the timeout bounds a slow or hung run.
+train_args=(--preset 0.44b --warmup 3 --steps 20 --micro-batch 8 --seq 2048 --grad-accum 1)
+train_timeout=150
 
 if [[ ! -x "$test_gpu" ]]; then
   echo "gpu_check: $test_gpu not found; build first, e.g." >&2
@@ -67,6 +77,10 @@ run ctest ctest_gpu
 # Again on its own so the log shows every tensor's error margins (ctest hides passing output).
 run model "$test_gpu" --gtest_filter='*ModelParity*'
 run perf "$test_gpu" --perf --gtest_filter='OpsPerf.*'
+if [[ "$train_bench" == 1 ]]; then
+  run train-strata timeout "$train_timeout" "$build/strata" bench train-gpu "${train_args[@]}"
+  run train-torch timeout "$train_timeout" python3 "$repo/tools/bench_gpu_train_torch.py" "${train_args[@]}"
+fi
 if [[ "$sanitize" == 1 ]]; then
   if ! command -v compute-sanitizer > /dev/null; then
     names+=("sanitize"); results+=("FAIL (compute-sanitizer not on PATH)"); seconds+=(0)
@@ -88,6 +102,32 @@ if grep -q '^PERF|' "$log_dir/perf.log" 2>/dev/null; then
   done
 else
   echo "(no perf lines)"
+fi
+
+# result_field LOG KEY: the number under KEY in the log's last "RESULT {json}" line, or nothing.
+result_field() {
+  [[ -f "$1" ]] || return 0
+  grep '^RESULT ' "$1" | tail -n 1 | sed -n 's/.*"'"$2"'": \([-0-9.eE+]*\).*/\1/p'
+}
+
+if [[ "$train_bench" == 1 ]]; then
+  echo
+  echo "==== training throughput (${train_args[*]}; target: strata >= 1.2x PyTorch)"
+  strata_tps="$(result_field "$log_dir/train-strata.log" tokens_per_s)"
+  torch_tps="$(result_field "$log_dir/train-torch.log" tokens_per_s)"
+  printf '%-24s %12s %10s\n' implementation tokens/s TFLOP/s
+  printf '%-24s %12s %10s\n' "strata bench train-gpu" "${strata_tps:--}" \
+    "$(result_field "$log_dir/train-strata.log" tflops)"
+  printf '%-24s %12s %10s\n' "PyTorch (HF, SDPA, AMP)" "${torch_tps:--}" \
+    "$(result_field "$log_dir/train-torch.log" tflops)"
+  if [[ -n "$strata_tps" && -n "$torch_tps" ]]; then
+    awk -v s="$strata_tps" -v t="$torch_tps" 'BEGIN {
+      printf "%-24s %12.3f   (target 1.2: %s)\n", "ratio strata / PyTorch", s / t,
+             (s >= 1.2 * t) ? "met" : "NOT met"
+    }'
+  else
+    echo "ratio strata / PyTorch: - (a benchmark printed no RESULT line; see its log)"
+  fi
 fi
 
 echo

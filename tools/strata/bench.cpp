@@ -20,6 +20,7 @@
 #include "memory/io_engine.h"
 #include "memory/io_uring_engine.h"
 #include "tools/strata/bench_adam.h"
+#include "tools/strata/bench_train_gpu.h"
 #include "tools/strata/commands.h"
 
 extern char** environ;
@@ -28,6 +29,7 @@ namespace strata::tools {
 namespace {
 
 constexpr const char* kBenchUsage = R"(Usage: strata bench adam [--params N] [--threads T]   (see strata bench adam --help)
+       strata bench train-gpu [--preset 0.44b|tiny] [--steps N] ...   (see strata bench train-gpu --help)
        strata bench io --dir DIR --size SIZE [--chunk 64MiB] [--engine all|auto|io_uring|threads]
                        [--depth 8] [--max-transfer 4MiB] [--repeat 3]
 
@@ -313,7 +315,10 @@ int bench_command(const std::vector<std::string>& args) {
   }
   if (args[0] == "io") return bench_io(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "adam") return bench_adam_command(std::vector<std::string>(args.begin() + 1, args.end()));
-  return usage_error("unknown benchmark '" + args[0] + "'; available: io, adam");
+  if (args[0] == "train-gpu") {
+    return bench_train_gpu_command(std::vector<std::string>(args.begin() + 1, args.end()));
+  }
+  return usage_error("unknown benchmark '" + args[0] + "'; available: io, adam, train-gpu");
 }
 
 }  // namespace strata::tools

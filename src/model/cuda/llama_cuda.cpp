@@ -99,6 +99,8 @@ CudaLlama::~CudaLlama() {
   CUDA_CHECK(cudaStreamDestroy(stream_));
 }
 
+void CudaLlama::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
 size_t CudaLlama::param_state_bytes() const {
   return static_cast<size_t>(layout_.total_size()) * (4 * sizeof(float) + sizeof(bf16));
 }

@@ -87,6 +87,10 @@ class CudaLlama {
   // strata::AdamW; the caller decides whether to skip such steps).
   double adamw_step(float lr, const CudaAdamWConfig& config);
   int64_t step_count() const { return step_count_; }
+
+  // Waits until every operation queued on the model's stream has finished (adamw_step returns
+  // with the update still running; time a step only after this).
+  void synchronize();
   void set_step_count(int64_t steps) { step_count_ = steps; }
 
   // Bytes of device memory held by the parameter state and by the activation table.
