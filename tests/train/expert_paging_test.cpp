@@ -171,14 +171,7 @@ RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batc
 }
 
 void expect_bitwise_equal(const RunResult& a, const RunResult& b, const model::ModelConfig& mc) {
-  ASSERT_EQ(a.losses.size(), b.losses.size());
-  for (size_t i = 0; i < a.losses.size(); ++i)
-    EXPECT_EQ(std::memcmp(&a.losses[i], &b.losses[i], sizeof(double)), 0)
-        << "step " << i << ": " << a.losses[i] << " vs " << b.losses[i];
-  model::ParamLayout layout(mc);
-  for (const auto& t : layout.tensors())
-    EXPECT_EQ(std::memcmp(a.params.data() + t.offset, b.params.data() + t.offset, t.numel * sizeof(float)), 0)
-        << t.name << " differs";
+  expect_runs_bitwise_equal(a.losses, a.params, b.losses, b.params, mc);
 }
 
 class ExpertPagingTest : public ::testing::Test {

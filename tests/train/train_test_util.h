@@ -6,8 +6,13 @@
 #include <random>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include <cstring>
+
 #include "core/check.h"
 #include "model/config.h"
+#include "model/params.h"
 #include "train/optimizer.h"
 
 namespace strata {
@@ -50,6 +55,20 @@ inline OptimizerConfig optimizer_config(float grad_clip) {
   oc.weight_decay = 0.1f;
   oc.grad_clip = grad_clip;
   return oc;
+}
+
+// Two runs gave bitwise the same losses and parameters (flat layout of mc).
+inline void expect_runs_bitwise_equal(const std::vector<double>& losses_a, const std::vector<float>& params_a,
+                                      const std::vector<double>& losses_b, const std::vector<float>& params_b,
+                                      const model::ModelConfig& mc) {
+  ASSERT_EQ(losses_a.size(), losses_b.size());
+  for (size_t i = 0; i < losses_a.size(); ++i)
+    EXPECT_EQ(std::memcmp(&losses_a[i], &losses_b[i], sizeof(double)), 0)
+        << "step " << i << ": " << losses_a[i] << " vs " << losses_b[i];
+  model::ParamLayout layout(mc);
+  for (const auto& t : layout.tensors())
+    EXPECT_EQ(std::memcmp(params_a.data() + t.offset, params_b.data() + t.offset, t.numel * sizeof(float)), 0)
+        << t.name << " differs";
 }
 
 }  // namespace strata
