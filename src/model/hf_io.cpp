@@ -152,6 +152,16 @@ Status check_export_target(const std::string& out_dir) {
 
 Status export_hf(const std::string& out_dir, const ModelConfig& config, const ParamLayout& layout,
                  const float* params, const ExportOptions& options) {
+  return export_hf(out_dir, config, layout,
+                   [params](const TensorSpec& t, float* out) {
+                     std::copy(params + t.offset, params + t.offset + t.numel, out);
+                     return Status::OK();
+                   },
+                   options);
+}
+
+Status export_hf(const std::string& out_dir, const ModelConfig& config, const ParamLayout& layout,
+                 const TensorReader& read, const ExportOptions& options) {
   RETURN_IF_ERROR(check_export_target(out_dir));
   std::error_code ec;
   const fs::path dir(without_trailing_slashes(out_dir));
@@ -178,7 +188,9 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
 
   // Weights, in layout order (first use), like transformers' state dict.
   std::vector<SafetensorsWriteTensor> tensors;
-  for (const TensorSpec& t : layout.tensors()) tensors.push_back({t.name, t.shape, params + t.offset});
+  for (const TensorSpec& t : layout.tensors()) {
+    tensors.push_back({t.name, t.shape, nullptr, [&read, &t](float* out) { return read(t, out); }});
+  }
   WriterOptions wo;
   wo.dtype = options.dtype;
   wo.max_shard_bytes = options.max_shard_bytes;

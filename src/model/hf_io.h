@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -63,5 +64,10 @@ Status check_export_target(const std::string& out_dir);
 // there is replaced only once the new one is complete).
 Status export_hf(const std::string& out_dir, const ModelConfig& config, const ParamLayout& layout,
                  const float* params, const ExportOptions& options = {});
+// The same with each tensor read by `read` (into a buffer of t.numel floats) as it is written,
+// so that only one tensor is held in memory at a time.
+using TensorReader = std::function<Status(const TensorSpec& t, float* out)>;
+Status export_hf(const std::string& out_dir, const ModelConfig& config, const ParamLayout& layout,
+                 const TensorReader& read, const ExportOptions& options = {});
 
 }  // namespace strata::model

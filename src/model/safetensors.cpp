@@ -559,7 +559,7 @@ Status write_safetensors_file(const std::string& path, const std::vector<Safeten
       if (d < 0) return Status::InvalidArgument(fmt::format("{}: tensor '{}' has a negative dimension", path, t.name));
     }
     const int64_t bytes = numel_of(t.shape) * element;
-    CHECK_MSG(bytes == 0 || t.data != nullptr, fmt::format("tensor '{}' has no data", t.name));
+    CHECK_MSG(bytes == 0 || t.data != nullptr || t.read, fmt::format("tensor '{}' has no data", t.name));
     header[t.name] = {{"dtype", dtype_name}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
@@ -573,16 +573,23 @@ Status write_safetensors_file(const std::string& path, const std::vector<Safeten
   RETURN_IF_ERROR(out.write(length_bytes, 8));
   RETURN_IF_ERROR(out.write(text.data(), static_cast<int64_t>(text.size())));
   std::vector<uint16_t> staging;
+  std::vector<float> fetched;  // a tensor given by its reader
   const int64_t piece_elems = options.piece_bytes / element;
   for (const auto& t : tensors) {
     const int64_t n = numel_of(t.shape);
+    const float* data = t.data;
+    if (data == nullptr && n > 0) {
+      fetched.resize(static_cast<size_t>(n));
+      RETURN_IF_ERROR(t.read(fetched.data()).with_context(fmt::format("{}: tensor '{}'", path, t.name)));
+      data = fetched.data();
+    }
     for (int64_t done = 0; done < n;) {
       const int64_t count = std::min(piece_elems, n - done);
       if (options.dtype == SafetensorsWriteDtype::kF32) {
-        RETURN_IF_ERROR(out.write(t.data + done, count * 4));
+        RETURN_IF_ERROR(out.write(data + done, count * 4));
       } else {
         staging.resize(static_cast<size_t>(count));
-        for (int64_t i = 0; i < count; ++i) staging[static_cast<size_t>(i)] = f32_to_bf16(t.data[done + i]);
+        for (int64_t i = 0; i < count; ++i) staging[static_cast<size_t>(i)] = f32_to_bf16(data[done + i]);
         RETURN_IF_ERROR(out.write(staging.data(), count * 2));
       }
       done += count;

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -125,6 +126,9 @@ struct SafetensorsWriteTensor {
   std::string name;
   std::vector<int64_t> shape;
   const float* data = nullptr;  // numel(shape) elements; not owned
+  // Used when data is null: fills numel(shape) floats, called once when the tensor is written
+  // (so only one tensor at a time is held in memory, e.g. read out of a chunk space).
+  std::function<Status(float* out)> read;
 };
 
 struct WriterOptions {

@@ -405,9 +405,14 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   if (!t.run_export.empty()) {
     model::ExportOptions eo;
     eo.copy_tokenizer_from = t.model_from;
-    std::vector<float> weights(static_cast<size_t>(net.layout().total_size()));
-    RETURN_IF_ERROR(state->store_params(weights.data()));
-    RETURN_IF_ERROR(model::export_hf(t.run_export, mc, net.layout(), weights.data(), eo));
+    // Tensor by tensor out of the chunk space: no second copy of the model.
+    RETURN_IF_ERROR(model::export_hf(
+        t.run_export, mc, net.layout(),
+        [&](const model::TensorSpec& spec, float* out) {
+          return state->read_flat(StateKind::kParam, static_cast<uint64_t>(spec.offset) * sizeof(float),
+                                  static_cast<uint64_t>(spec.numel) * sizeof(float), out);
+        },
+        eo));
     LOG_INFO("exported the weights after step {} to {} (Hugging Face format)", summary.steps_done, t.run_export);
   }
   LOG_INFO("done: {} steps, loss {:.4f} -> {:.4f}", summary.steps_done, summary.first_loss, summary.last_loss);
