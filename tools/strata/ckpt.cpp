@@ -31,7 +31,7 @@ constexpr const char* kCkptUsage = R"(Usage: strata ckpt <inspect|verify> PATH
 PATH is a checkpoint directory (its `latest` is followed), DIR/latest, or DIR/step-N.
 
   inspect   step, tokens seen, data cursor, the files with sizes and checksums, tensor count
-            and bytes per kind (param, master, adam_m, adam_v) and a model config summary.
+            and bytes per kind (param, master, adam_m, adam_v, state) and a model config summary.
   verify    recomputes every file's xxh3_64 and compares it with the manifest; prints OK and
             exits 0, or names the damaged file and exits 1.
   bench     writes a SIZE-byte checkpoint into DIR through the asynchronous writer (O_DIRECT,
