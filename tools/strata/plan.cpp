@@ -79,9 +79,13 @@ int plan_command(const std::vector<std::string>& args) {
   }
   const PlanInput in = make_plan_input(*mc, *tc, cuda);
   const Plan plan = make_plan(in);
-  std::printf("model: %s layers, hidden %lld, vocab %lld, %.3fB parameters; %s layout\n",
+  const double n_params = static_cast<double>(mc->num_parameters());
+  char params_text[32];
+  if (n_params >= 1e9) std::snprintf(params_text, sizeof params_text, "%.3fB", n_params / 1e9);
+  else std::snprintf(params_text, sizeof params_text, "%.3fM", n_params / 1e6);
+  std::printf("model: %s layers, hidden %lld, vocab %lld, %s parameters; %s layout\n",
               std::to_string(mc->num_hidden_layers).c_str(), static_cast<long long>(mc->hidden_size),
-              static_cast<long long>(mc->vocab_size), mc->num_parameters() / 1e9, cuda ? "GPU (bf16)" : "CPU (fp32)");
+              static_cast<long long>(mc->vocab_size), params_text, cuda ? "GPU (bf16)" : "CPU (fp32)");
   std::printf("step: %lld x %lld tokens x %lld accumulation = %lld tokens; budgets device %s, host %s, nvme %s\n",
               static_cast<long long>(tc->micro_batch), static_cast<long long>(tc->seq_len),
               static_cast<long long>(tc->grad_accum), static_cast<long long>(in.tokens_per_step),
