@@ -95,19 +95,8 @@ struct RunResult {
 RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batches, float grad_clip = 0.5f) {
   model::LlamaModel net(mc);
   net.init_weights(7);
-  AdamW opt(net.layout(), optimizer_config(grad_clip));
   RunResult r;
-  for (int s = 0; s < kSteps; ++s) {
-    net.zero_grads();
-    double loss = 0;
-    for (int m = 0; m < kAccum; ++m) {
-      const Batch& b = batches[s * kAccum + m];
-      loss += net.forward_backward(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kAccum * kB * kT));
-    }
-    opt.clip_gradients(net.grads(), grad_clip);
-    opt.step(net.params(), net.grads(), kLr);
-    r.losses.push_back(loss);
-  }
+  r.losses = train_flat(net, batches, kSteps, kAccum, kB, kT, grad_clip, kLr);
   r.params.assign(net.params(), net.params() + net.layout().total_size());
   return r;
 }

@@ -45,19 +45,8 @@ uint64_t tight_chunk_bytes(const model::ParamLayout& layout, const model::ModelC
 RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batches, float grad_clip = kClip) {
   model::LlamaModel net(mc);
   net.init_weights(7);
-  AdamW opt(net.layout(), optimizer_config(grad_clip));
   RunResult r;
-  for (int s = 0; s < kSteps; ++s) {
-    net.zero_grads();
-    double loss = 0;
-    for (int m = 0; m < kAccum; ++m) {
-      const Batch& b = batches[s * kAccum + m];
-      loss += net.forward_backward(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kAccum * kB * kT));
-    }
-    opt.clip_gradients(net.grads(), grad_clip);
-    opt.step(net.params(), net.grads(), 1e-2f);
-    r.losses.push_back(loss);
-  }
+  r.losses = train_flat(net, batches, kSteps, kAccum, kB, kT, grad_clip, 1e-2f);
   r.params.assign(net.params(), net.params() + net.layout().total_size());
   r.activation_floats = net.activation_floats();
   return r;

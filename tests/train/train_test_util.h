@@ -12,6 +12,7 @@
 
 #include "core/check.h"
 #include "model/config.h"
+#include "model/llama.h"
 #include "model/params.h"
 #include "train/optimizer.h"
 
@@ -55,6 +56,27 @@ inline OptimizerConfig optimizer_config(float grad_clip) {
   oc.weight_decay = 0.1f;
   oc.grad_clip = grad_clip;
   return oc;
+}
+
+// The reference run: `steps` AdamW steps on the model's flat buffers, `accum` micro-batches of
+// B x T tokens each (batches[s * accum + m]), the global norm clipped to `grad_clip` first.
+// Returns each step's loss sum; the parameters stay in `net`.
+inline std::vector<double> train_flat(model::LlamaModel& net, const std::vector<Batch>& batches, int steps, int accum,
+                                      int64_t B, int64_t T, float grad_clip, float lr) {
+  AdamW opt(net.layout(), optimizer_config(grad_clip));
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
+    net.zero_grads();
+    double loss = 0;
+    for (int m = 0; m < accum; ++m) {
+      const Batch& b = batches[static_cast<size_t>(s * accum + m)];
+      loss += net.forward_backward(b.inputs.data(), b.targets.data(), B, T, 1.0f / static_cast<float>(accum * B * T));
+    }
+    opt.clip_gradients(net.grads(), grad_clip);
+    opt.step(net.params(), net.grads(), lr);
+    losses.push_back(loss);
+  }
+  return losses;
 }
 
 // Two runs gave bitwise the same losses and parameters (flat layout of mc).
