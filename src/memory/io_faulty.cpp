@@ -172,4 +172,10 @@ TransferDecision FaultyIoEngine::before_transfer(const IoRequest& request, uint6
   return TransferDecision{length, 0};
 }
 
+Result<std::unique_ptr<IoEngine>> make_faulty_io_engine(const IoEngineOptions& inner, const FaultOptions& faults) {
+  ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> engine, make_io_engine(inner));
+  ASSIGN_OR_RETURN(std::unique_ptr<FaultyIoEngine> faulty, FaultyIoEngine::create(std::move(engine), faults));
+  return std::unique_ptr<IoEngine>(std::move(faulty));
+}
+
 }  // namespace strata

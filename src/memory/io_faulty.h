@@ -111,4 +111,8 @@ class FaultyIoEngine final : public IoEngine, private TransferHook {
   std::atomic<uint64_t> short_count_{0}, eagain_count_{0}, eio_count_{0}, enospc_count_{0};
 };
 
+// A FaultyIoEngine over a fresh engine of `inner.kind` (make_io_engine), as one value: what a
+// test hands to code that takes an IoEngine factory.
+Result<std::unique_ptr<IoEngine>> make_faulty_io_engine(const IoEngineOptions& inner, const FaultOptions& faults);
+
 }  // namespace strata

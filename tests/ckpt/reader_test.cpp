@@ -121,12 +121,8 @@ struct FlakyDisk {
   FaultOptions faults;
   IoEngineFactory factory() {
     return [this]() -> Result<std::unique_ptr<IoEngine>> {
-      IoEngineOptions o;
-      o.kind = "threads";
-      ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> inner, make_io_engine(o));
-      if (!inject) return inner;
-      ASSIGN_OR_RETURN(std::unique_ptr<FaultyIoEngine> e, FaultyIoEngine::create(std::move(inner), faults));
-      return std::unique_ptr<IoEngine>(std::move(e));
+      if (!inject) return make_io_engine({.kind = "threads"});
+      return make_faulty_io_engine({.kind = "threads"}, faults);
     };
   }
 };

@@ -16,6 +16,15 @@
 namespace strata::ckpt::testing {
 namespace {
 
+// The thread-pool engine with `latency` added to every write.
+IoEngineFactory slow_disk(std::chrono::microseconds latency) {
+  return [latency] {
+    FaultOptions f;
+    f.write_latency = latency;
+    return make_faulty_io_engine({.kind = "threads"}, f);
+  };
+}
+
 void save_and_wait(CheckpointWriter& w, const SaveRequest& req) {
   Result<SaveStart> st = w.begin_save(req);
   ASSERT_TRUE(st.ok()) << st.status().to_string();
@@ -155,15 +164,7 @@ void cow_case(const std::string& dir, uint64_t staging, uint64_t misalign, bool 
   CheckpointWriterOptions opt;
   opt.staging_bytes = staging;
   opt.max_in_flight = 2;
-  opt.engine_factory = [] () -> Result<std::unique_ptr<IoEngine>> {
-    IoEngineOptions o;
-    o.kind = "threads";
-    ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> inner, make_io_engine(o));
-    FaultOptions f;
-    f.write_latency = std::chrono::microseconds(3000);  // a slow disk
-    ASSIGN_OR_RETURN(std::unique_ptr<FaultyIoEngine> e, FaultyIoEngine::create(std::move(inner), f));
-    return std::unique_ptr<IoEngine>(std::move(e));
-  };
+  opt.engine_factory = slow_disk(std::chrono::microseconds(3000));
   CheckpointWriter w(opt);
   ASSERT_TRUE(w.begin_save(readers ? with_readers(state.request(dir, 5)) : state.request(dir, 5)).ok());
   // A step of the optimizer: regions in order, 100 KiB at a time (not aligned to pieces).
@@ -295,15 +296,7 @@ TEST_F(CkptTest, BusyWriterSkipsOrWaitsAsConfigured) {
     CheckpointWriterOptions opt;
     opt.if_busy = mode;
     opt.max_in_flight = 1;
-    opt.engine_factory = []() -> Result<std::unique_ptr<IoEngine>> {
-      IoEngineOptions o;
-      o.kind = "threads";
-      ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> inner, make_io_engine(o));
-      FaultOptions f;
-      f.write_latency = std::chrono::microseconds(20000);
-      ASSIGN_OR_RETURN(std::unique_ptr<FaultyIoEngine> e, FaultyIoEngine::create(std::move(inner), f));
-      return std::unique_ptr<IoEngine>(std::move(e));
-    };
+    opt.engine_factory = slow_disk(std::chrono::microseconds(20000));
     CheckpointWriter w(opt);
     ASSERT_EQ(w.begin_save(state.request(dir(), 1)).value(), SaveStart::kStarted);
     EXPECT_TRUE(w.in_flight());
@@ -325,15 +318,7 @@ TEST_F(CkptTest, CancelRemovesTheTmpDirAndKeepsLatest) {
   CheckpointWriter w(opt);
   save_and_wait(w, state.request(dir(), 1));
   CheckpointWriterOptions slow = opt;
-  slow.engine_factory = []() -> Result<std::unique_ptr<IoEngine>> {
-    IoEngineOptions o;
-    o.kind = "threads";
-    ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> inner, make_io_engine(o));
-    FaultOptions f;
-    f.write_latency = std::chrono::microseconds(20000);
-    ASSIGN_OR_RETURN(std::unique_ptr<FaultyIoEngine> e, FaultyIoEngine::create(std::move(inner), f));
-    return std::unique_ptr<IoEngine>(std::move(e));
-  };
+  slow.engine_factory = slow_disk(std::chrono::microseconds(20000));
   CheckpointWriter w2(slow);
   ASSERT_TRUE(w2.begin_save(state.request(dir(), 2)).ok());
   w2.cancel();

@@ -93,13 +93,11 @@ class Trainer {
 
 // A thread-pool engine behind a fault injector: a slow disk, and ENOSPC after `enospc_after`.
 ckpt::IoEngineFactory faulty_engine(std::chrono::microseconds latency, uint64_t enospc_after = UINT64_MAX) {
-  return [=]() -> Result<std::unique_ptr<IoEngine>> {
-    ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> inner, make_io_engine({.kind = "threads"}));
+  return [=] {
     FaultOptions f;
     f.write_latency = latency;
     f.enospc_after_bytes = enospc_after;
-    ASSIGN_OR_RETURN(std::unique_ptr<FaultyIoEngine> e, FaultyIoEngine::create(std::move(inner), f));
-    return std::unique_ptr<IoEngine>(std::move(e));
+    return make_faulty_io_engine({.kind = "threads"}, f);
   };
 }
 
