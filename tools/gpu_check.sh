@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One command for a GPU machine: runs the GPU tests of an existing build, the op parity runner
-# in perf mode, and prints a summary table last. Builds nothing.
+# One command for a GPU machine: runs the GPU tests of an existing build, `strata train` on the
+# GPU against the CPU backend (tools/gpu_train_check.sh), the op parity runner in perf mode, and
+# prints a summary table last. Builds nothing.
 #
 #   tools/gpu_check.sh [BUILD_DIR]          (default: build-gpu, relative to the repository)
 #   SANITIZE=1 tools/gpu_check.sh           also runs the parity runner under compute-sanitizer
@@ -76,6 +77,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 run ctest ctest_gpu
 # Again on its own so the log shows every tensor's error margins (ctest hides passing output).
 run model "$test_gpu" --gtest_filter='*ModelParity*'
+# strata train on the GPU against the CPU backend: loss curves, checkpoints resumed across devices.
+run train-cuda bash "$repo/tools/gpu_train_check.sh" "$build/strata"
 run perf "$test_gpu" --perf --gtest_filter='OpsPerf.*'
 if [[ "$train_bench" == 1 ]]; then
   run train-strata timeout "$train_timeout" "$build/strata" bench train-gpu "${train_args[@]}"

@@ -8,14 +8,17 @@ namespace {
 
 constexpr StateKind kSavedKinds[] = {StateKind::kParam, StateKind::kAdamM, StateKind::kAdamV};
 
-// The flat layout of one kind, read out of the chunk space on demand.
+// The flat layout of one kind: the state's host copy, or read out of it on demand.
 ckpt::Region make_region(ckpt::TensorKind kind, StateKind state_kind, const model::ParamLayout& layout,
-                         PagedState& state) {
+                         SavableState& state) {
   ckpt::Region r;
   r.kind = kind;
-  r.read = [&state, state_kind](uint64_t offset, uint64_t length, void* dst) {
-    return state.read_flat(state_kind, offset, length, dst);
-  };
+  r.data = state.flat_data(state_kind);
+  if (r.data == nullptr) {
+    r.read = [&state, state_kind](uint64_t offset, uint64_t length, void* dst) {
+      return state.read_flat(state_kind, offset, length, dst);
+    };
+  }
   r.size = static_cast<uint64_t>(layout.total_size()) * sizeof(float);
   for (const auto& t : layout.tensors())
     r.tensors.push_back({t.name, t.shape, ckpt::DType::kF32, static_cast<uint64_t>(t.offset) * sizeof(float)});
@@ -25,7 +28,7 @@ ckpt::Region make_region(ckpt::TensorKind kind, StateKind state_kind, const mode
 }  // namespace
 
 TrainCheckpointer::TrainCheckpointer(const CheckpointOptions& options, const model::ParamLayout& layout,
-                                     PagedState& state, ckpt::IoEngineFactory engine_factory)
+                                     SavableState& state, ckpt::IoEngineFactory engine_factory)
     : options_(options), layout_(layout), state_(state) {
   ckpt::CheckpointWriterOptions wo;
   wo.keep_last = options.keep_last;
@@ -57,9 +60,9 @@ void TrainCheckpointer::before_modify(int group) {
     for (const auto& [b, e] : group_ranges_[static_cast<size_t>(group)]) writer_->before_modify(region, b, e);
 }
 
-Status TrainCheckpointer::save(PagedState& state, const RunPosition& pos, const nlohmann::json& model_config,
+Status TrainCheckpointer::save(SavableState& state, const RunPosition& pos, const nlohmann::json& model_config,
                                uint64_t seed, const std::vector<ExtraState>& extra) {
-  CHECK_MSG(&state == &state_, "a TrainCheckpointer saves the PagedState it was made for");
+  CHECK_MSG(&state == &state_, "a TrainCheckpointer saves the state it was made for");
   if (writer_->in_flight()) {
     if (options_.skip_if_busy) {
       LOG_INFO("checkpoint: step {} skipped, the save of an earlier step is still being written", pos.step);
@@ -68,6 +71,7 @@ Status TrainCheckpointer::save(PagedState& state, const RunPosition& pos, const 
     Status previous = writer_->wait();
     if (!previous.ok()) LOG_WARN("checkpoint: the previous save failed: {}", previous.message());
   }
+  RETURN_IF_ERROR(state_.capture());
   ckpt::SaveRequest req;
   req.dir = options_.dir;
   req.step = pos.step;
@@ -101,7 +105,7 @@ Status TrainCheckpointer::save(PagedState& state, const RunPosition& pos, const 
   return Status::OK();
 }
 
-Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, PagedState& state,
+Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, SavableState& state,
                                        std::vector<ExtraState>* extra) {
   ckpt::ReaderOpenOptions ro;
   ro.verify = true;

@@ -1,13 +1,15 @@
-// Checkpoints of a training run: snapshots of the paged state written asynchronously by
+// Checkpoints of a training run: the state (a SavableState) written asynchronously by
 // ckpt::CheckpointWriter, and the restore that resumes a run bit-exactly.
 //
-// A save copies nothing up front: the writer reads parameters and Adam moments out of the chunk
-// space (wherever each chunk is: device, host or nvme) piece by piece into its staging memory
-// (CheckpointOptions::staging_bytes) while training goes on. Before the optimizer updates a
-// group it calls the writer's before_modify for that group's bytes, which captures what has
-// not been written yet (or waits for it), so the checkpoint holds exactly the state after its
-// step while host memory beyond the state stays bounded by the staging budget. Not
-// thread-safe, except that the PagedState hook it installs may run on the optimizer's worker.
+// For the paged state a save copies nothing up front: the writer reads parameters and Adam
+// moments out of the chunk space (wherever each chunk is: device, host or nvme) piece by piece
+// into its staging memory (CheckpointOptions::staging_bytes) while training goes on. Before the
+// optimizer updates a group it calls the writer's before_modify for that group's bytes, which
+// captures what has not been written yet (or waits for it), so the checkpoint holds exactly the
+// state after its step while host memory beyond the state stays bounded by the staging budget.
+// A state with a host copy (SavableState::capture, e.g. a model resident on a GPU) is written
+// straight from that copy. Not thread-safe, except that the hook it installs may run on the
+// optimizer's worker.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +22,8 @@
 #include "ckpt/reader.h"
 #include "ckpt/writer.h"
 #include "model/params.h"
-#include "train/paged_state.h"
+#include "model/param_access.h"
+#include "train/savable_state.h"
 
 namespace strata {
 
@@ -40,17 +43,10 @@ struct RunPosition {
   int64_t optimizer_step = 0;
 };
 
-// Small training state saved beside the tensors under "state/NAME" (e.g. a MoE router's
-// loss-free balancing bias): a name and its values, one-dimensional.
-struct ExtraState {
-  std::string name;
-  std::vector<float> values;
-};
-
 class TrainCheckpointer {
  public:
   // Installs the copy-on-write hook in `state`, which must outlive the checkpointer.
-  TrainCheckpointer(const CheckpointOptions& options, const model::ParamLayout& layout, PagedState& state,
+  TrainCheckpointer(const CheckpointOptions& options, const model::ParamLayout& layout, SavableState& state,
                     ckpt::IoEngineFactory engine_factory = {});
   ~TrainCheckpointer();
 
@@ -58,7 +54,7 @@ class TrainCheckpointer {
   // for first (or, with skip_if_busy, this one skipped); its failure is logged (the run goes on)
   // and returned by the next wait().
   // `extra` is copied.
-  Status save(PagedState& state, const RunPosition& position, const nlohmann::json& model_config, uint64_t seed,
+  Status save(SavableState& state, const RunPosition& position, const nlohmann::json& model_config, uint64_t seed,
               const std::vector<ExtraState>& extra = {});
   // Waits for the save in flight; its outcome.
   Status wait() { return writer_->wait(); }
@@ -71,7 +67,7 @@ class TrainCheckpointer {
 
   CheckpointOptions options_;
   model::ParamLayout layout_;
-  PagedState& state_;
+  SavableState& state_;
   std::unique_ptr<ckpt::CheckpointWriter> writer_;
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> group_ranges_;  // per group: flat byte ranges
   std::vector<float> extra_values_;  // the extra state of the save in flight, back to back
@@ -83,7 +79,7 @@ class TrainCheckpointer {
 // Tensors are read straight into their chunks, group by group. Each entry of `extra` whose
 // name the checkpoint has gets its values (the size must match); one it lacks keeps its values
 // and is named in a warning.
-Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, PagedState& state,
+Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, SavableState& state,
                                        std::vector<ExtraState>* extra = nullptr);
 
 }  // namespace strata

@@ -132,7 +132,7 @@ size_t PagedState::tensor_at(int64_t offset) const {
   return it->second;
 }
 
-Status PagedState::fill_kind(StateKind kind, const std::function<Status(const model::TensorSpec&, float*)>& fill) {
+Status PagedState::fill_kind(StateKind kind, const TensorFill& fill) {
   for (int g = 0; g < store_->num_groups(); ++g) {
     if (before_modify_ && kind != StateKind::kGrad) before_modify_(g);
     RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kReadWrite));

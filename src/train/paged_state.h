@@ -45,6 +45,7 @@
 #include "kernels/adamw.h"
 #include "offload/state_store.h"
 #include "train/optimizer.h"
+#include "train/savable_state.h"
 
 namespace strata {
 
@@ -68,7 +69,7 @@ struct PagedStateOptions {
   bool overlap_optimizer = false;
 };
 
-class PagedState : public model::ParamAccess {
+class PagedState : public model::ParamAccess, public SavableState {
  public:
   ~PagedState() override;
   static Result<std::unique_ptr<PagedState>> create(Device& device, IoEngine* io,
@@ -84,15 +85,15 @@ class PagedState : public model::ParamAccess {
   // Calls fill(tensor, data) for every tensor with its `kind` state acquired in host memory
   // for writing, group by group, so that a checkpoint is restored without a second copy of
   // the state. Stops at the first error.
-  Status fill_kind(StateKind kind, const std::function<Status(const model::TensorSpec&, float*)>& fill);
+  Status fill_kind(StateKind kind, const TensorFill& fill) override;
   // Copies bytes [offset, offset + length) of the flat `kind` state (the layout of
   // load_params; only tensor bytes, whole floats) into dst from wherever the chunks are,
   // moving nothing: what a checkpoint save reads beside training.
-  Status read_flat(StateKind kind, uint64_t offset, uint64_t length, void* dst);
+  Status read_flat(StateKind kind, uint64_t offset, uint64_t length, void* dst) override;
   // Called with a group before the optimizer (or a load) modifies its parameters or moments,
   // from the thread doing it: a save in flight captures the bytes it has not written yet.
-  void set_before_modify(std::function<void(int group)> hook) { before_modify_ = std::move(hook); }
-  void set_step_count(int64_t steps) { step_count_ = steps; }
+  void set_before_modify(std::function<void(int group)> hook) override { before_modify_ = std::move(hook); }
+  void set_step_count(int64_t steps) override { step_count_ = steps; }
 
   Status zero_grads();
   // Clips the global gradient norm to options.optimizer.grad_clip and applies one AdamW update
@@ -107,7 +108,7 @@ class PagedState : public model::ParamAccess {
     std::lock_guard<std::mutex> lock(worker_mu_);
     return overlapped_updates_;
   }
-  int64_t step_count() const { return step_count_; }
+  int64_t step_count() const override { return step_count_; }
 
   // ParamAccess.
   Status begin(int group, bool params, bool grads) override;

@@ -19,11 +19,12 @@
 #include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/checkpointing.h"
-#include "train/paged_state.h"
-#include "train/planning.h"
-#include "core/device.h"
-#include "core/units.h"
-#include "memory/io_engine.h"
+#include "train/paged_engine.h"
+#include "train/resident_engine.h"
+#if STRATA_HAVE_CUDA
+#include "core/cuda/cuda_device.h"
+#include "train/cuda/cuda_model.h"
+#endif
 
 namespace strata {
 namespace {
@@ -87,57 +88,6 @@ Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
 
 namespace {
 
-// Training state outside the chunk space that a resume needs: the MoE routers' loss-free
-// balancing bias, one tensor per MoE layer, when that balancing is on.
-std::vector<ExtraState> extra_state(const model::ModelConfig& mc, const model::LlamaModel& net) {
-  std::vector<ExtraState> out;
-  if (!mc.is_moe() || !(mc.router_bias_update_rate > 0)) return out;
-  const std::vector<float>& bias = net.expert_selection_bias();
-  const int64_t E = mc.num_experts;
-  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) {
-    if (!mc.is_moe_layer(l)) continue;
-    out.push_back({fmt::format("model.layers.{}.mlp.gate.selection_bias", l),
-                   std::vector<float>(bias.begin() + l * E, bias.begin() + (l + 1) * E)});
-  }
-  return out;
-}
-
-void set_extra_state(const model::ModelConfig& mc, const std::vector<ExtraState>& extra, model::LlamaModel& net) {
-  if (extra.empty()) return;
-  std::vector<float>& bias = net.mutable_expert_selection_bias();
-  const int64_t E = mc.num_experts;
-  size_t i = 0;
-  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) {
-    if (!mc.is_moe_layer(l)) continue;
-    std::copy(extra[i].values.begin(), extra[i].values.end(), bias.begin() + l * E);
-    ++i;
-  }
-}
-
-// "moe: aux loss 2.0113 | expert load max/mean 1.42 (layer 3)": the auxiliary loss of the last
-// micro-batch and the most loaded expert of the step relative to an even split.
-std::string format_moe_line(const model::ModelConfig& mc, const model::LlamaModel& net) {
-  const int64_t E = mc.num_experts;
-  const std::vector<int64_t>& counts = net.expert_token_counts();
-  double worst = 0;
-  int64_t worst_layer = -1;
-  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) {
-    if (!mc.is_moe_layer(l)) continue;
-    int64_t total = 0, most = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      total += counts[static_cast<size_t>(l * E + e)];
-      most = std::max(most, counts[static_cast<size_t>(l * E + e)]);
-    }
-    const double ratio = total > 0 ? static_cast<double>(most) * static_cast<double>(E) / static_cast<double>(total) : 0.0;
-    if (ratio > worst) {
-      worst = ratio;
-      worst_layer = l;
-    }
-  }
-  return fmt::format("moe: aux loss {:.4f} | expert load max/mean {:.2f} (layer {})", net.last_aux_loss(), worst,
-                     worst_layer);
-}
-
 Result<std::unique_ptr<TokenDataset>> open_training_data(const TrainConfig& t) {
   DataConfig dc;
   dc.format = t.data_format;
@@ -158,15 +108,55 @@ bool needs_run_dir_for_data(const TrainConfig& t) {
   return false;
 }
 
+Result<std::unique_ptr<TrainEngine>> make_cuda_engine(const model::ModelConfig& mc, const TrainConfig& t,
+                                                      const OptimizerConfig& oc) {
+#if STRATA_HAVE_CUDA
+  CudaModelOptions co;
+  co.micro_batch = t.micro_batch;
+  co.seq_len = t.seq_len;
+  co.budget_bytes = t.memory_device;
+  ASSIGN_OR_RETURN(std::unique_ptr<ResidentModel> model, make_cuda_model(mc, oc, co));
+  return std::unique_ptr<TrainEngine>(new ResidentEngine(std::move(model)));
+#else
+  (void)mc, (void)t, (void)oc;
+  return Status::Unimplemented("this strata was built without the CUDA backend (configure with -DSTRATA_CUDA=ON)");
+#endif
+}
+
+bool cuda_visible() {
+#if STRATA_HAVE_CUDA
+  return cuda_device_count() > 0;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
+Result<std::unique_ptr<TrainEngine>> make_train_engine(const model::ModelConfig& mc, const TrainConfig& t,
+                                                       const OptimizerConfig& oc) {
+  if (t.device == "cuda" || (t.device == "auto" && cuda_visible())) {
+    Result<std::unique_ptr<TrainEngine>> cuda = make_cuda_engine(mc, t, oc);
+    if (cuda.ok() || t.device == "cuda") {
+      if (cuda.ok() && (!t.nvme_path.empty() || t.overlap_backward))
+        LOG_WARN("run.device=cuda keeps the whole state in device memory: memory.nvme.* and train.overlap_backward "
+                 "are not used");
+      return cuda.ok() ? std::move(cuda) : Result<std::unique_ptr<TrainEngine>>(
+                                               cuda.status().with_context("run.device=cuda"));
+    }
+    LOG_INFO("run.device=auto: not on the GPU ({}); training on the CPU", cuda.status().message());
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> paged, PagedEngine::create(mc, t, oc));
+  return std::unique_ptr<TrainEngine>(std::move(paged));
+}
+
 Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effective_yaml) {
+  return run_training(t, effective_yaml, make_train_engine);
+}
+
+Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effective_yaml,
+                                  const EngineFactory& make_engine) {
   // 1. Everything that can be wrong with the inputs is checked before anything is written.
-  // Training runs on the CPU backend; the CUDA kernels exist but are not yet wired into the
-  // training loop, so asking for cuda is refused rather than silently running on the CPU.
-  if (t.device == "cuda")
-    return Status::Unimplemented("run.device=cuda: training on the GPU is not available in this version; "
-                                 "use run.device=cpu (or auto, which picks cpu)");
   ASSIGN_OR_RETURN(model::ModelConfig mc, resolve_model_config(t));
   const std::string model_source = !t.model_from.empty()     ? (fs::path(t.model_from) / "config.json").string()
                                    : !t.model_config.empty() ? t.model_config
@@ -191,14 +181,14 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   lo.vocab_size = mc.vocab_size;
   ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(dataset.get(), lo));
 
-  // The state lives in the chunk space only: the model keeps no flat copy, and the starting
-  // weights are read (or initialised) tensor by tensor straight into their chunks below, so a
-  // model is never held twice in memory. The checkpoint is checked completely here, first.
-  model::LlamaModel net(mc, /*flat_buffers=*/false);
+  // The starting weights are read (or initialised) tensor by tensor straight into the engine's
+  // state below, so a model is never held twice in memory. The checkpoint is checked
+  // completely here, first.
+  const model::ParamLayout layout(mc);
   const std::string weights_from = !t.model_from.empty() ? t.model_from : t.model_init;
   std::optional<model::SafetensorsReader> weights;
   if (!weights_from.empty()) {
-    ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_hf_weights(weights_from, net.layout()));
+    ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_hf_weights(weights_from, layout));
     weights.emplace(std::move(reader));
   }
   if (!t.run_export.empty()) RETURN_IF_ERROR(model::check_export_target(t.run_export));
@@ -211,43 +201,9 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   oc.grad_clip = static_cast<float>(t.grad_clip);
   LrSchedule schedule{t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.lr_schedule};
 
-  // Where the state lives: the planner places each kind on the tiers, and the chunk space
-  // holds it there. The model's activation workspace is budgeted apart from the chunks.
-  TrainConfig budgets = t;
-  if (budgets.memory_host == 0) budgets.memory_host = default_host_budget();
-  const uint64_t all_state = static_cast<uint64_t>(net.layout().total_size()) * sizeof(float) * kNumStateKinds;
-  if (budgets.memory_device == 0) budgets.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
-  const PlanInput plan_input = make_plan_input(mc, budgets, /*cuda=*/false);
-  const Plan plan = make_plan(plan_input);
-  if (!plan.fits) {
-    std::string fix;
-    for (const auto& sgn : plan.suggestions) fix += (fix.empty() ? "" : "; ") + sgn;
-    return Status::OutOfMemory("the state does not fit: " + plan.problem + "; " + fix +
-                               " (strata plan shows the whole placement)");
-  }
-  if (!t.nvme_path.empty()) {
-    fs::create_directories(t.nvme_path, ec);
-    if (ec) return Status::IOError("cannot create memory.nvme.path '" + t.nvme_path + "': " + ec.message());
-  }
-  ASSIGN_OR_RETURN(std::unique_ptr<Device> device, open_device("cpu", 0, 0));
-  std::unique_ptr<IoEngine> io;
-  if (!t.nvme_path.empty()) {
-    ASSIGN_OR_RETURN(io, make_io_engine(IoEngineOptions{}));
-  }
-  PagedStateOptions po;
-  po.device_bytes = budgets.memory_device > plan.device.act ? budgets.memory_device - plan.device.act : 0;
-  po.host_bytes = budgets.memory_host;
-  po.nvme_bytes = t.nvme_path.empty() ? 0 : t.nvme_size;
-  po.nvme_dir = t.nvme_path;
-  po.chunk_bytes = t.chunk_size;
-  po.grad_accum = t.grad_accum;
-  po.plan = &plan;
-  po.offload_activations = plan.offload_activations;
-  po.activation_tokens = t.micro_batch * t.seq_len;
-  po.optimizer = oc;
-  po.overlap_optimizer = t.overlap_backward;
-  ASSIGN_OR_RETURN(std::unique_ptr<PagedState> state, PagedState::create(*device, io.get(), net.layout(), po));
-  net.set_access(state.get());
+  // Where the state lives and where the steps compute (run.device, memory.*).
+  ASSIGN_OR_RETURN(std::unique_ptr<TrainEngine> engine, make_engine(mc, t, oc));
+  SavableState& state = engine->state();
 
   // Resume: parameters, moments, data position and step from a checkpoint (any budgets).
   // Otherwise the starting weights, from model.from / model.init or initialised.
@@ -259,7 +215,7 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     if (resume_from.empty()) LOG_INFO("resume: no checkpoint in {}; starting from step 1", t.ckpt_dir);
   }
   if (resume_from.empty()) {
-    RETURN_IF_ERROR(state->fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
+    RETURN_IF_ERROR(state.fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
       if (weights) return weights->read_f32(spec.name, dst);
       model::init_tensor(spec, dst, t.seed);
       return Status::OK();
@@ -267,9 +223,9 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   }
   weights.reset();
   if (!resume_from.empty()) {
-    std::vector<ExtraState> extra = extra_state(mc, net);
-    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, net.layout(), *state, &extra));
-    set_extra_state(mc, extra, net);
+    std::vector<ExtraState> extra = engine->extra_state();
+    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, layout, state, &extra));
+    engine->set_extra_state(extra);
     RETURN_IF_ERROR(loader.set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
     start_step = pos.step + 1;
     tokens_seen = static_cast<int64_t>(pos.tokens_seen);
@@ -280,7 +236,7 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   co.keep_last = static_cast<int>(t.ckpt_keep_last);
   co.skip_if_busy = t.ckpt_skip_if_busy;
   co.staging_bytes = t.ckpt_staging;
-  TrainCheckpointer checkpointer(co, net.layout(), *state);
+  TrainCheckpointer checkpointer(co, layout, state);
   int64_t last_saved_step = start_step - 1;
   auto save_checkpoint = [&](int64_t step) -> Status {
     RunPosition pos;
@@ -288,9 +244,9 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     pos.tokens_seen = static_cast<uint64_t>(tokens_seen);
     pos.data_epoch = static_cast<int64_t>(loader.cursor().epoch);
     pos.data_index = static_cast<int64_t>(loader.cursor().index);
-    pos.optimizer_step = state->step_count();
+    pos.optimizer_step = state.step_count();
     last_saved_step = step;
-    return checkpointer.save(*state, pos, mc.to_json(), t.seed, extra_state(mc, net));
+    return checkpointer.save(state, pos, mc.to_json(), t.seed, engine->extra_state());
   };
 
   // 2. The run directory: the effective config, then metrics as steps complete.
@@ -306,17 +262,13 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
 
   const int64_t n_params = mc.num_parameters();
   const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;
-  const uint64_t chunk_bytes = state->store().chunk_bytes();
   LOG_INFO("model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {:.2f}M parameters", mc.num_hidden_layers,
            mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size, n_params / 1e6);
   LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation)",
            dataset->num_tokens(), loader.num_windows(), t.seq_len, tokens_per_step, t.micro_batch, t.seq_len,
            t.grad_accum);
-  LOG_INFO("memory: chunks of {}; device {}, host {}, nvme {}; homes: {}", format_bytes(chunk_bytes),
-           format_bytes(po.device_bytes), format_bytes(po.host_bytes),
-           po.nvme_bytes ? format_bytes(po.nvme_bytes) + " in " + t.nvme_path : std::string("none"),
-           state->placement_summary());
-  LOG_INFO("run: {} steps on cpu, writing {}/metrics.jsonl", t.steps, t.run_dir);
+  LOG_INFO("memory: {}", engine->memory_summary());
+  LOG_INFO("run: {} steps on {}, writing {}/metrics.jsonl", t.steps, engine->device_name(), t.run_dir);
 
   g_stop_requested = 0;
   auto old_int = std::signal(SIGINT, on_stop_signal);
@@ -340,26 +292,24 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     if (!failure.ok()) break;
     const int64_t valid = model::count_valid_targets(targets.data(), static_cast<int64_t>(targets.size()));
     const float grad_scale = valid > 0 ? 1.0f / static_cast<float>(valid) : 0.0f;
-    const ChunkSpaceStats before = state->stats();
-    net.zero_grads();  // router statistics; the gradients themselves live in the chunk space
-    failure = state->zero_grads();
+    const EngineStats before = engine->stats();
+    failure = engine->zero_grads();
     double loss_sum = 0;
     const double lr = schedule.lr(step);
     for (int64_t m = 0; m < t.grad_accum && failure.ok(); ++m) {
-      if (m == t.grad_accum - 1) state->begin_last_micro_batch(static_cast<float>(lr));
-      Result<double> loss = net.compute(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens,
-                                        t.micro_batch, t.seq_len, grad_scale, /*backward=*/true);
+      Result<double> loss = engine->micro_batch(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens,
+                                                t.micro_batch, t.seq_len, grad_scale, m == t.grad_accum - 1,
+                                                static_cast<float>(lr));
       if (loss.ok()) loss_sum += *loss;
       else failure = loss.status();
     }
     if (!failure.ok()) break;
-    Result<double> norm = state->clip_and_step(static_cast<float>(lr));
+    Result<double> norm = engine->step(static_cast<float>(lr));
     if (!norm.ok()) {
       failure = norm.status();
       break;
     }
     const double grad_norm = *norm;
-    net.update_expert_bias();  // loss-free MoE balancing; a no-op unless configured
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     tokens_seen += tokens_per_step;
 
@@ -372,10 +322,10 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     sm.ms = seconds * 1e3;
     sm.tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
     sm.tokens = tokens_seen;
-    const ChunkSpaceStats after = state->stats();
-    for (int i = 0; i < kNumTiers; ++i) sm.tier_bytes[i] = after.tiers[i].in_use_bytes;
-    sm.stall_ms = static_cast<double>(after.stall_ns() - before.stall_ns()) / 1e6;
-    sm.moved_bytes = after.moved_bytes() - before.moved_bytes();
+    const EngineStats after = engine->stats();
+    for (int i = 0; i < kNumTiers; ++i) sm.tier_bytes[i] = after.tier_bytes[i];
+    sm.stall_ms = static_cast<double>(after.stall_ns - before.stall_ns) / 1e6;
+    sm.moved_bytes = after.moved_bytes - before.moved_bytes;
     sm.rss_bytes = resident_bytes();
     sm.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     sm.ckpt_in_flight = ckpt_in_flight;
@@ -390,7 +340,7 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     }
     if (step % t.log_every == 0 || step == 1 || step == t.steps) {
       LOG_INFO("{}", format_step_line(sm));
-      if (mc.is_moe()) LOG_INFO("{}", format_moe_line(mc, net));
+      if (std::string note = engine->step_note(); !note.empty()) LOG_INFO("{}", note);
     }
   }
   std::signal(SIGINT, old_int);
@@ -405,11 +355,11 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   if (!t.run_export.empty()) {
     model::ExportOptions eo;
     eo.copy_tokenizer_from = t.model_from;
-    // Tensor by tensor out of the chunk space: no second copy of the model.
+    // Tensor by tensor out of the engine's state: no second copy of the model.
     RETURN_IF_ERROR(model::export_hf(
-        t.run_export, mc, net.layout(),
+        t.run_export, mc, layout,
         [&](const model::TensorSpec& spec, float* out) {
-          return state->read_flat(StateKind::kParam, static_cast<uint64_t>(spec.offset) * sizeof(float),
+          return state.read_flat(StateKind::kParam, static_cast<uint64_t>(spec.offset) * sizeof(float),
                                   static_cast<uint64_t>(spec.numel) * sizeof(float), out);
         },
         eo));

@@ -3,10 +3,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 
 #include "core/status.h"
 #include "model/config.h"
+#include "train/engine.h"
+#include "train/optimizer.h"
 #include "train/train_config.h"
 
 namespace strata {
@@ -25,5 +29,18 @@ Result<model::ModelConfig> resolve_model_config(const TrainConfig& config);
 // An error leaves no half-written run directory behind: the directory and its files are
 // created only after the model, the data and the budgets have been checked.
 Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml);
+
+// The engine for run.device: cuda (the CUDA model with the whole state on GPU 0), cpu (the
+// CPU model over the paged state), or auto (cuda when this build has it, a GPU is visible and
+// the model runs and fits there, logging why not otherwise; then cpu).
+Result<std::unique_ptr<TrainEngine>> make_train_engine(const model::ModelConfig& mc, const TrainConfig& config,
+                                                       const OptimizerConfig& optimizer);
+
+// run_training with the engine made by `make_engine` instead of make_train_engine (tests run
+// the resident engine over a CPU model this way).
+using EngineFactory = std::function<Result<std::unique_ptr<TrainEngine>>(
+    const model::ModelConfig&, const TrainConfig&, const OptimizerConfig&)>;
+Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
+                                  const EngineFactory& make_engine);
 
 }  // namespace strata

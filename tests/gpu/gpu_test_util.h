@@ -65,6 +65,10 @@ class DeviceBuffer {
     static_assert(sizeof(H) == sizeof(T), "host and device element sizes differ");
     CHECK(host.size() == n_);
     CUDA_CHECK(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
+    // From pageable memory cudaMemcpy may return once the data is staged, before the DMA to
+    // the device has finished, and it runs on the legacy default stream, which the tests'
+    // non-blocking streams do not wait for: wait here so that kernels see the upload.
+    CUDA_CHECK(cudaDeviceSynchronize());
   }
   template <typename H>
   std::vector<H> download() const {

@@ -3,6 +3,7 @@
 // runs out of disk fails alone (training goes on, the previous checkpoint stays); a restore
 // under other budgets gives the same state back.
 #include "train/checkpointing.h"
+#include "train/paged_state.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -26,8 +26,10 @@ per step, the predicted step time and what bounds it, and the largest micro-batc
 An infeasible config is refused with the smallest change that would make it fit (exit 1).
 
 Budgets come from memory.device, memory.host and memory.nvme.*; rates from hardware.* (the
-defaults are an H200 box). run.device=cuda (or auto) plans the GPU layout (bf16 weights and
-gradients, fp32 master and Adam states); cpu plans the CPU backend (fp32 throughout).
+defaults are an H200 box). run.device=cuda plans the GPU layout (bf16 weights and gradients,
+fp32 master and Adam states), as does auto when memory.device is set; cpu plans the CPU
+backend (fp32 throughout). The layout is the planner's paged one: `strata train` on cuda
+keeps the whole state on the GPU for now.
 
 Example:
   strata plan model.preset=llama3-8b memory.device=24GiB memory.host=100GiB \
@@ -69,7 +71,8 @@ int plan_command(const std::vector<std::string>& args) {
     std::fprintf(stderr, "strata plan: error: %s\n", mc.status().message().c_str());
     return 1;
   }
-  const bool cuda = tc->device != "cpu";
+  // auto plans the GPU layout once there is a GPU budget to plan for.
+  const bool cuda = tc->device == "cuda" || (tc->device == "auto" && tc->memory_device > 0);
   if (tc->memory_device == 0) {
     if (cuda) {
       std::fprintf(stderr, "strata plan: error: memory.device is 0; set it to the GPU memory to plan for (e.g. memory.device=24GiB)\n");

@@ -17,6 +17,7 @@
 // Rows past T are loaded as zeros and masked, so no garbage reaches a product.
 #include <mma.h>
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
 
@@ -439,6 +440,11 @@ void backward(float* delta, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, cons
 }
 
 }  // namespace
+
+size_t attention_shared_bytes(int64_t D) {
+  if (D == 64) return std::max({forward_smem<64>(), dkdv_smem<64>(), dq_smem<64>()});
+  return std::max({forward_smem<128>(), dkdv_smem<128>(), dq_smem<128>()});
+}
 
 void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                        int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,

@@ -139,6 +139,10 @@ void attention_forward(bf16* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,
                        const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,T,Hkv,D)*/,
                        const bf16* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,
                        int64_t Hkv, int64_t D, cudaStream_t stream);
+// The most dynamic shared memory per block any attention kernel uses for head dim D (64 or
+// 128); a device whose opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin) is lower cannot
+// run them (the D=128 backward fits Hopper's 227 KiB, not an A100's 163 KiB).
+size_t attention_shared_bytes(int64_t D);
 // dq, dk, dv = (overwritten). Recomputes P from lse. Two kernels, no atomics: one owns key
 // tiles (dk, dv summed over the query heads of the group), one owns query tiles (dq).
 // Scratch: B*Hq*T floats (delta = rowsum(dout * out)).

@@ -49,7 +49,7 @@ T* device_alloc(int64_t n) {
 
 }  // namespace
 
-Result<std::unique_ptr<CudaLlama>> CudaLlama::create(const ModelConfig& config) {
+Status CudaLlama::supports(const ModelConfig& config) {
   RETURN_IF_ERROR(config.validate("CudaLlama config"));
   if (config.is_moe()) {
     return Status::Unimplemented(
@@ -62,6 +62,11 @@ Result<std::unique_ptr<CudaLlama>> CudaLlama::create(const ModelConfig& config) 
         "the CUDA attention kernel supports head_dim 64 and 128, the config has head_dim={}",
         config.head_dim));
   }
+  return Status::OK();
+}
+
+Result<std::unique_ptr<CudaLlama>> CudaLlama::create(const ModelConfig& config) {
+  RETURN_IF_ERROR(supports(config));
   return std::unique_ptr<CudaLlama>(new CudaLlama(config));
 }
 
@@ -101,9 +106,7 @@ CudaLlama::~CudaLlama() {
 
 void CudaLlama::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
-size_t CudaLlama::param_state_bytes() const {
-  return static_cast<size_t>(layout_.total_size()) * (4 * sizeof(float) + sizeof(bf16));
-}
+size_t CudaLlama::param_state_bytes() const { return param_state_bytes_for(config_); }
 
 // ---- host <-> device state ------------------------------------------------------------------
 
@@ -147,63 +150,72 @@ void CudaLlama::zero_grads() {
 
 // ---- activation table -----------------------------------------------------------------------
 
+size_t CudaLlama::carve_activations(const ModelConfig& config, int64_t N, char* base, Acts& a) {
+  const int64_t C = config.hidden_size;
+  const int64_t F = config.intermediate_size;
+  const int64_t Hq = config.num_attention_heads;
+  const int64_t Hkv = config.num_key_value_heads;
+  const int64_t QD = config.q_dim();
+  const int64_t KD = config.kv_dim();
+  const int64_t L = config.num_hidden_layers;
+  const int64_t qk = config.qk_norm ? 1 : 0;
+  BlockCarver c(base);
+  c.take(a.checkpoints, (L + 1) * N * C);
+  c.take(a.final_out, N * C);
+  c.take(a.final_rstd, N);
+  c.take(a.d_final, N * C);
+  c.take(a.dres, N * C);
+  c.take(a.ln1, N * C);
+  c.take(a.ln1_rstd, N);
+  c.take(a.q, N * QD);
+  c.take(a.k, N * KD);
+  c.take(a.q_raw, qk * N * QD);
+  c.take(a.k_raw, qk * N * KD);
+  c.take(a.q_norm_rstd, qk * N * Hq);
+  c.take(a.k_norm_rstd, qk * N * Hkv);
+  c.take(a.v, N * KD);
+  c.take(a.att, N * QD);
+  c.take(a.lse, N * Hq);
+  c.take(a.h, N * C);
+  c.take(a.ln2, N * C);
+  c.take(a.ln2_rstd, N);
+  c.take(a.gate, N * F);
+  c.take(a.up, N * F);
+  c.take(a.act, N * F);
+  c.take(a.d_ln, N * C);
+  c.take(a.d_tmp, N * C);
+  c.take(a.d_q, N * QD);
+  c.take(a.d_k, N * KD);
+  c.take(a.d_v, N * KD);
+  c.take(a.d_att, N * QD);
+  c.take(a.d_gate, N * F);
+  c.take(a.d_up, N * F);
+  c.take(a.d_act, N * F);
+  c.take(a.d_qk_raw, qk * N * QD);
+  c.take(a.losses, N);
+  c.take(a.inputs, N);
+  c.take(a.targets, N);
+  return c.bytes();
+}
+
+size_t CudaLlama::activation_bytes_for(const ModelConfig& config, int64_t tokens) {
+  Acts measured;
+  return carve_activations(config, tokens, nullptr, measured);
+}
+
+size_t CudaLlama::param_state_bytes_for(const ModelConfig& config) {
+  return static_cast<size_t>(ParamLayout(config).total_size()) * (4 * sizeof(float) + sizeof(bf16));
+}
+
 void CudaLlama::plan_activations(int64_t N) {
   if (N <= planned_tokens_) return;
-  const int64_t C = config_.hidden_size;
-  const int64_t F = config_.intermediate_size;
-  const int64_t Hq = config_.num_attention_heads;
-  const int64_t Hkv = config_.num_key_value_heads;
-  const int64_t QD = config_.q_dim();
-  const int64_t KD = config_.kv_dim();
-  const int64_t L = config_.num_hidden_layers;
-  const int64_t qk = config_.qk_norm ? 1 : 0;
-  auto carve = [&](char* base, Acts& a) {
-    BlockCarver c(base);
-    c.take(a.checkpoints, (L + 1) * N * C);
-    c.take(a.final_out, N * C);
-    c.take(a.final_rstd, N);
-    c.take(a.d_final, N * C);
-    c.take(a.dres, N * C);
-    c.take(a.ln1, N * C);
-    c.take(a.ln1_rstd, N);
-    c.take(a.q, N * QD);
-    c.take(a.k, N * KD);
-    c.take(a.q_raw, qk * N * QD);
-    c.take(a.k_raw, qk * N * KD);
-    c.take(a.q_norm_rstd, qk * N * Hq);
-    c.take(a.k_norm_rstd, qk * N * Hkv);
-    c.take(a.v, N * KD);
-    c.take(a.att, N * QD);
-    c.take(a.lse, N * Hq);
-    c.take(a.h, N * C);
-    c.take(a.ln2, N * C);
-    c.take(a.ln2_rstd, N);
-    c.take(a.gate, N * F);
-    c.take(a.up, N * F);
-    c.take(a.act, N * F);
-    c.take(a.d_ln, N * C);
-    c.take(a.d_tmp, N * C);
-    c.take(a.d_q, N * QD);
-    c.take(a.d_k, N * KD);
-    c.take(a.d_v, N * KD);
-    c.take(a.d_att, N * QD);
-    c.take(a.d_gate, N * F);
-    c.take(a.d_up, N * F);
-    c.take(a.d_act, N * F);
-    c.take(a.d_qk_raw, qk * N * QD);
-    c.take(a.losses, N);
-    c.take(a.inputs, N);
-    c.take(a.targets, N);
-    return c.bytes();
-  };
-  Acts measured;
-  const size_t bytes = carve(nullptr, measured);
+  const size_t bytes = activation_bytes_for(config_, N);
   if (acts_block_ != nullptr) {
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old block may still be in use
     CUDA_CHECK(cudaFree(acts_block_));
   }
   CUDA_CHECK(cudaMalloc(&acts_block_, bytes));
-  carve(static_cast<char*>(acts_block_), acts_);
+  carve_activations(config_, N, static_cast<char*>(acts_block_), acts_);
   acts_bytes_ = bytes;
   planned_tokens_ = N;
 }

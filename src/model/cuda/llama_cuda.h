@@ -51,6 +51,8 @@ class CudaLlama {
   // current device. Unimplemented for MoE configs and head dims other than 64 and 128;
   // the Status of config.validate() when it does not validate.
   static Result<std::unique_ptr<CudaLlama>> create(const ModelConfig& config);
+  // The checks of create() without allocating anything: OK when create() would accept config.
+  static Status supports(const ModelConfig& config);
   ~CudaLlama();
   CudaLlama(const CudaLlama&) = delete;
   CudaLlama& operator=(const CudaLlama&) = delete;
@@ -96,6 +98,11 @@ class CudaLlama {
   // Bytes of device memory held by the parameter state and by the activation table.
   size_t param_state_bytes() const;
   size_t activation_bytes() const { return acts_bytes_; }
+  // The same, before creating a model: its parameter state, and its activation table for
+  // micro-batches of `tokens` (B * T) tokens. The model's Context (kernels/cuda/ops.h) adds
+  // its scratch and GEMM workspace.
+  static size_t param_state_bytes_for(const ModelConfig& config);
+  static size_t activation_bytes_for(const ModelConfig& config, int64_t tokens);
 
  private:
   using bf16 = kernels::cuda::bf16;
@@ -140,6 +147,8 @@ class CudaLlama {
   };
 
   explicit CudaLlama(const ModelConfig& config);
+  // Lays the activation table for N tokens out from `base` (null: only measures); its bytes.
+  static size_t carve_activations(const ModelConfig& config, int64_t N, char* base, Acts& a);
   // Plans the activation table for N tokens (B*T; attention's lse uses B, T), reallocating
   // only when N grows.
   void plan_activations(int64_t N);

@@ -1,0 +1,60 @@
+// TrainEngine: the model and its training state on one backend, as the training loop drives
+// them. Two engines exist:
+//   PagedEngine (paged_engine.h)     the CPU model over PagedState: state in chunks paged
+//                                    across device, host and nvme budgets.
+//   ResidentEngine (resident_engine.h) a model whose whole state lives in one memory (the
+//                                    CUDA model on a GPU), with a host copy for checkpoints.
+// The loop (trainer.cpp) owns data, schedule, metrics, checkpoints and export; an engine owns
+// how a step is computed and where the state is. Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "memory/tier.h"
+#include "model/params.h"
+#include "train/savable_state.h"
+
+namespace strata {
+
+// Memory and traffic of an engine, read before and after each step for the metrics.
+struct EngineStats {
+  uint64_t tier_bytes[kNumTiers] = {};  // state bytes in use on device, host, nvme
+  uint64_t stall_ns = 0;                // compute waiting for state to arrive, cumulative
+  uint64_t moved_bytes = 0;             // bytes moved between tiers, cumulative
+};
+
+class TrainEngine {
+ public:
+  virtual ~TrainEngine() = default;
+
+  virtual const model::ParamLayout& layout() const = 0;
+  virtual SavableState& state() = 0;
+  // "cpu", "cuda:0 (NVIDIA H200)": where the steps compute.
+  virtual std::string device_name() const = 0;
+  // One line for the run's start: where the state lives and in what sizes.
+  virtual std::string memory_summary() const = 0;
+
+  // One optimizer step: zero_grads(), micro_batch() for each micro-batch (`last` for the step's
+  // final one, with the step's learning rate), then step(lr).
+  virtual Status zero_grads() = 0;
+  // Returns the SUM of token NLLs over targets >= 0 and accumulates grad_scale times its
+  // gradient. inputs and targets are host (B, T) arrays.
+  virtual Result<double> micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                                     float grad_scale, bool last, float lr) = 0;
+  // Clips the global gradient norm and applies AdamW at `lr`; returns the pre-clip norm (0 when
+  // the engine updated groups during backward and computed none).
+  virtual Result<double> step(float lr) = 0;
+
+  virtual EngineStats stats() const = 0;
+
+  // Training state besides the tensors that a resume needs (MoE routers' balancing bias).
+  virtual std::vector<ExtraState> extra_state() const { return {}; }
+  virtual void set_extra_state(const std::vector<ExtraState>& /*extra*/) {}
+  // A second log line for a step, empty when there is nothing to add (MoE load balance).
+  virtual std::string step_note() const { return {}; }
+};
+
+}  // namespace strata

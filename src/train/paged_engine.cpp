@@ -1,0 +1,145 @@
+#include "train/paged_engine.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "core/units.h"
+#include "train/planning.h"
+
+namespace strata {
+
+Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfig& mc, const TrainConfig& t,
+                                                         const OptimizerConfig& oc) {
+  std::unique_ptr<PagedEngine> e(new PagedEngine());
+  e->mc_ = mc;
+  // The state lives in the chunk space only: the model keeps no flat copy.
+  e->net_ = std::make_unique<model::LlamaModel>(mc, /*flat_buffers=*/false);
+
+  // Where the state lives: the planner places each kind on the tiers, and the chunk space
+  // holds it there. The model's activation workspace is budgeted apart from the chunks.
+  TrainConfig budgets = t;
+  if (budgets.memory_host == 0) budgets.memory_host = default_host_budget();
+  const uint64_t all_state = static_cast<uint64_t>(e->net_->layout().total_size()) * sizeof(float) * kNumStateKinds;
+  if (budgets.memory_device == 0) budgets.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
+  e->plan_ = make_plan(make_plan_input(mc, budgets, /*cuda=*/false));
+  const Plan& plan = e->plan_;
+  if (!plan.fits) {
+    std::string fix;
+    for (const auto& sgn : plan.suggestions) fix += (fix.empty() ? "" : "; ") + sgn;
+    return Status::OutOfMemory("the state does not fit: " + plan.problem + "; " + fix +
+                               " (strata plan shows the whole placement)");
+  }
+  if (!t.nvme_path.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(t.nvme_path, ec);
+    if (ec) return Status::IOError("cannot create memory.nvme.path '" + t.nvme_path + "': " + ec.message());
+    ASSIGN_OR_RETURN(e->io_, make_io_engine(IoEngineOptions{}));
+  }
+  e->nvme_path_ = t.nvme_path;
+  ASSIGN_OR_RETURN(e->device_, open_device("cpu", 0, 0));
+  PagedStateOptions& po = e->options_;
+  po.device_bytes = budgets.memory_device > plan.device.act ? budgets.memory_device - plan.device.act : 0;
+  po.host_bytes = budgets.memory_host;
+  po.nvme_bytes = t.nvme_path.empty() ? 0 : t.nvme_size;
+  po.nvme_dir = t.nvme_path;
+  po.chunk_bytes = t.chunk_size;
+  po.grad_accum = t.grad_accum;
+  po.plan = &e->plan_;
+  po.offload_activations = plan.offload_activations;
+  po.activation_tokens = t.micro_batch * t.seq_len;
+  po.optimizer = oc;
+  po.overlap_optimizer = t.overlap_backward;
+  ASSIGN_OR_RETURN(e->state_, PagedState::create(*e->device_, e->io_.get(), e->net_->layout(), po));
+  e->net_->set_access(e->state_.get());
+  return e;
+}
+
+PagedEngine::~PagedEngine() = default;
+
+std::string PagedEngine::memory_summary() const {
+  return fmt::format("chunks of {}; device {}, host {}, nvme {}; homes: {}", format_bytes(state_->store().chunk_bytes()),
+                     format_bytes(options_.device_bytes), format_bytes(options_.host_bytes),
+                     options_.nvme_bytes ? format_bytes(options_.nvme_bytes) + " in " + nvme_path_ : std::string("none"),
+                     state_->placement_summary());
+}
+
+Status PagedEngine::zero_grads() {
+  net_->zero_grads();  // router statistics; the gradients themselves live in the chunk space
+  return state_->zero_grads();
+}
+
+Result<double> PagedEngine::micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                                        float grad_scale, bool last, float lr) {
+  if (last) state_->begin_last_micro_batch(lr);
+  return net_->compute(inputs, targets, B, T, grad_scale, /*backward=*/true);
+}
+
+Result<double> PagedEngine::step(float lr) {
+  ASSIGN_OR_RETURN(double norm, state_->clip_and_step(lr));
+  net_->update_expert_bias();  // loss-free MoE balancing; a no-op unless configured
+  return norm;
+}
+
+EngineStats PagedEngine::stats() const {
+  const ChunkSpaceStats s = state_->stats();
+  EngineStats out;
+  for (int i = 0; i < kNumTiers; ++i) out.tier_bytes[i] = s.tiers[i].in_use_bytes;
+  out.stall_ns = s.stall_ns();
+  out.moved_bytes = s.moved_bytes();
+  return out;
+}
+
+// The MoE routers' loss-free balancing bias, one tensor per MoE layer, when that balancing is on.
+std::vector<ExtraState> PagedEngine::extra_state() const {
+  std::vector<ExtraState> out;
+  if (!mc_.is_moe() || !(mc_.router_bias_update_rate > 0)) return out;
+  const std::vector<float>& bias = net_->expert_selection_bias();
+  const int64_t E = mc_.num_experts;
+  for (int64_t l = 0; l < mc_.num_hidden_layers; ++l) {
+    if (!mc_.is_moe_layer(l)) continue;
+    out.push_back({fmt::format("model.layers.{}.mlp.gate.selection_bias", l),
+                   std::vector<float>(bias.begin() + l * E, bias.begin() + (l + 1) * E)});
+  }
+  return out;
+}
+
+void PagedEngine::set_extra_state(const std::vector<ExtraState>& extra) {
+  if (extra.empty()) return;
+  std::vector<float>& bias = net_->mutable_expert_selection_bias();
+  const int64_t E = mc_.num_experts;
+  size_t i = 0;
+  for (int64_t l = 0; l < mc_.num_hidden_layers; ++l) {
+    if (!mc_.is_moe_layer(l)) continue;
+    std::copy(extra[i].values.begin(), extra[i].values.end(), bias.begin() + l * E);
+    ++i;
+  }
+}
+
+// "moe: aux loss 2.0113 | expert load max/mean 1.42 (layer 3)": the auxiliary loss of the last
+// micro-batch and the most loaded expert of the step relative to an even split.
+std::string PagedEngine::step_note() const {
+  if (!mc_.is_moe()) return {};
+  const int64_t E = mc_.num_experts;
+  const std::vector<int64_t>& counts = net_->expert_token_counts();
+  double worst = 0;
+  int64_t worst_layer = -1;
+  for (int64_t l = 0; l < mc_.num_hidden_layers; ++l) {
+    if (!mc_.is_moe_layer(l)) continue;
+    int64_t total = 0, most = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      total += counts[static_cast<size_t>(l * E + e)];
+      most = std::max(most, counts[static_cast<size_t>(l * E + e)]);
+    }
+    const double ratio = total > 0 ? static_cast<double>(most) * static_cast<double>(E) / static_cast<double>(total) : 0.0;
+    if (ratio > worst) {
+      worst = ratio;
+      worst_layer = l;
+    }
+  }
+  return fmt::format("moe: aux loss {:.4f} | expert load max/mean {:.2f} (layer {})", net_->last_aux_loss(), worst,
+                     worst_layer);
+}
+
+}  // namespace strata

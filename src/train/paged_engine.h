@@ -1,0 +1,60 @@
+// PagedEngine: the CPU model (model::LlamaModel, dense or MoE) computing over PagedState, the
+// training state held in chunks across the device, host and nvme budgets of a TrainConfig as
+// the planner places them (DESIGN §3.2-3.3).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "memory/io_engine.h"
+#include "model/config.h"
+#include "model/llama.h"
+#include "offload/plan.h"
+#include "train/engine.h"
+#include "train/optimizer.h"
+#include "train/paged_state.h"
+#include "train/train_config.h"
+
+namespace strata {
+
+class PagedEngine final : public TrainEngine {
+ public:
+  // Plans the placement for the budgets of `t` (memory.*, train.*), then reserves the tiers.
+  // OutOfMemory with the planner's suggestions when the state does not fit; IOError naming
+  // memory.nvme.path when it cannot be created. The parameters start at zero: fill them
+  // through state().
+  static Result<std::unique_ptr<PagedEngine>> create(const model::ModelConfig& mc, const TrainConfig& t,
+                                                     const OptimizerConfig& oc);
+  ~PagedEngine() override;
+
+  const model::ParamLayout& layout() const override { return net_->layout(); }
+  SavableState& state() override { return *state_; }
+  std::string device_name() const override { return "cpu"; }
+  std::string memory_summary() const override;
+
+  Status zero_grads() override;
+  Result<double> micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
+                             bool last, float lr) override;
+  Result<double> step(float lr) override;
+  EngineStats stats() const override;
+
+  std::vector<ExtraState> extra_state() const override;
+  void set_extra_state(const std::vector<ExtraState>& extra) override;
+  std::string step_note() const override;
+
+ private:
+  PagedEngine() = default;
+
+  model::ModelConfig mc_;
+  Plan plan_;  // PagedState keeps a pointer to it
+  PagedStateOptions options_;
+  std::string nvme_path_;
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<IoEngine> io_;
+  std::unique_ptr<model::LlamaModel> net_;
+  std::unique_ptr<PagedState> state_;
+};
+
+}  // namespace strata
