@@ -1,5 +1,7 @@
 #include "train/resident_engine.h"
 
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -27,7 +29,12 @@ int host_index(StateKind kind) {
 
 ResidentEngine::ResidentEngine(std::unique_ptr<ResidentModel> model) : model_(std::move(model)) {}
 
-ResidentEngine::~ResidentEngine() = default;
+ResidentEngine::~ResidentEngine() {
+  for (HostBuffer& b : host_) {
+    if (b.from_model) model_->free_host(b.data);
+    else std::free(b.data);
+  }
+}
 
 std::string ResidentEngine::memory_summary() const {
   const uint64_t host_bytes = static_cast<uint64_t>(layout().total_size()) * sizeof(float) * 3;
@@ -54,20 +61,24 @@ Result<double> ResidentEngine::step(float lr) {
 EngineStats ResidentEngine::stats() const {
   EngineStats s;
   s.tier_bytes[static_cast<int>(Tier::kDevice)] = model_->resident_bytes();
-  for (const auto& buffer : host_)
-    if (buffer) s.tier_bytes[static_cast<int>(Tier::kHost)] += static_cast<uint64_t>(layout().total_size()) * sizeof(float);
+  for (const HostBuffer& buffer : host_)
+    if (buffer.data != nullptr) s.tier_bytes[static_cast<int>(Tier::kHost)] += static_cast<uint64_t>(layout().total_size()) * sizeof(float);
   return s;
 }
 
 float* ResidentEngine::host(StateKind kind) {
-  auto& buffer = host_[host_index(kind)];
-  if (!buffer) {
-    const size_t bytes = static_cast<size_t>(layout().total_size()) * sizeof(float);
-    void* p = std::aligned_alloc(kHostAlign, (bytes + kHostAlign - 1) / kHostAlign * kHostAlign);
+  HostBuffer& buffer = host_[host_index(kind)];
+  if (buffer.data == nullptr) {
+    const size_t bytes = (static_cast<size_t>(layout().total_size()) * sizeof(float) + kHostAlign - 1) / kHostAlign *
+                         kHostAlign;
+    void* p = model_->allocate_host(bytes);
+    buffer.from_model = p != nullptr;
+    if (p == nullptr) p = std::aligned_alloc(kHostAlign, bytes);
     CHECK_MSG(p != nullptr, "out of host memory for the host copy of the training state (" + format_bytes(bytes) + ")");
-    buffer.reset(static_cast<float*>(p));
+    CHECK_MSG(reinterpret_cast<uintptr_t>(p) % kHostAlign == 0, "allocate_host returned memory that is not 4 KiB aligned");
+    buffer.data = static_cast<float*>(p);
   }
-  return buffer.get();
+  return buffer.data;
 }
 
 void ResidentEngine::before_overwriting_host() {
@@ -90,7 +101,7 @@ Status ResidentEngine::capture() {
 }
 
 const void* ResidentEngine::flat_data(StateKind kind) const {
-  return host_current_ ? host_[host_index(kind)].get() : nullptr;
+  return host_current_ ? host_[host_index(kind)].data : nullptr;
 }
 
 Status ResidentEngine::read_flat(StateKind kind, uint64_t offset, uint64_t length, void* dst) {

@@ -10,7 +10,7 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
+#include <cstddef>
 #include <functional>
 #include <memory>
 #include <string>
@@ -29,6 +29,12 @@ class ResidentModel {
   virtual std::string device_name() const = 0;
   // Bytes of memory the state and the activation workspace hold.
   virtual uint64_t resident_bytes() const = 0;
+
+  // Host memory for the engine's copy of the state, at least 4 KiB aligned (pinned memory
+  // for a GPU, so that copies run at full speed); null when it cannot be had, and the engine
+  // falls back to ordinary memory. Freed with free_host.
+  virtual void* allocate_host(size_t /*bytes*/) { return nullptr; }
+  virtual void free_host(void* /*p*/) {}
 
   virtual void load_params(const float* flat) = 0;
   virtual void store_params(float* flat) = 0;
@@ -80,11 +86,12 @@ class ResidentEngine final : public TrainEngine, private SavableState {
   void refresh_host();
   void before_overwriting_host();
 
-  struct FreeDeleter {
-    void operator()(float* p) const { std::free(p); }
+  struct HostBuffer {
+    float* data = nullptr;
+    bool from_model = false;  // allocate_host's, else std::aligned_alloc's
   };
   std::unique_ptr<ResidentModel> model_;
-  std::unique_ptr<float, FreeDeleter> host_[3];  // params, m, v
+  HostBuffer host_[3];  // params, m, v
   bool host_current_ = false;  // the host buffers hold the model's state as it is now
   std::function<void(int group)> before_modify_;
 };

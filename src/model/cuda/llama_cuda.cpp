@@ -369,10 +369,14 @@ Result<double> CudaLlama::compute(const int32_t* inputs, const int32_t* targets,
   // embedding's offset, so both gradients add up there.
   cu::rmsnorm_forward(a.final_out, a.final_rstd, checkpoint(L, N), w(layout_.final_norm()), N, C,
                       static_cast<float>(config_.rms_norm_eps), s);
+  // Chunks of kLossChunkTokens tokens, fewer where a large vocabulary's logits would not fit
+  // the scratch buffer (256 tokens x 256k vocabulary x 6 bytes is 384 MiB).
+  int64_t loss_chunk = kLossChunkTokens;
+  while (loss_chunk > 1 && cu::lm_head_scratch_bytes(C, V, loss_chunk) > ctx.scratch_bytes()) loss_chunk /= 2;
   cu::lm_head_cross_entropy(ctx, a.losses, backward ? a.d_final : nullptr,
                             backward ? g(layout_.lm_head()) : nullptr, a.final_out,
                             w(layout_.lm_head()), a.targets, N, C, V, backward ? grad_scale : 1.0f,
-                            kLossChunkTokens, s);
+                            loss_chunk, s);
   cu::sum(ctx, sums_, a.losses, N, /*accumulate=*/false, s);
 
   if (backward) {

@@ -33,6 +33,15 @@ class CudaModel final : public ResidentModel {
     return net_->param_state_bytes() + net_->activation_bytes() + kernels::cuda::Context::kDefaultScratchBytes +
            kernels::cuda::Context::kDefaultGemmWorkspaceBytes;
   }
+  void* allocate_host(size_t bytes) override {
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocDefault) != cudaSuccess) {
+      (void)cudaGetLastError();  // a refused pinned allocation is not an error: the engine falls back
+      return nullptr;
+    }
+    return p;
+  }
+  void free_host(void* p) override { CUDA_CHECK(cudaFreeHost(p)); }
   void load_params(const float* flat) override { net_->load_params(flat); }
   void store_params(float* flat) override { net_->store_params(flat); }
   void load_moments(const float* m, const float* v) override { net_->load_moments(m, v); }
