@@ -92,6 +92,13 @@ if [[ "$sanitize" == 1 ]]; then
     for tool in $sanitize_tools; do
       run "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
         "$test_gpu" --gtest_filter='OpsParity.*:MoeParity.*:*ModelParity*'
+      # Two steps of `strata train` on the GPU with a checkpoint after each (the host copy).
+      run "sanitize-train-$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+        "$build/strata" train model.preset=tiny \
+        'model.set=[hidden_size=256,num_attention_heads=4,num_key_value_heads=2]' \
+        train.micro_batch=2 train.seq_len=64 train.steps=2 optim.warmup_steps=1 run.device=cuda \
+        memory.device=0 memory.host=0 memory.nvme.path= ckpt.every=1 \
+        run.dir="$log_dir/sanitize-train-$tool" ckpt.dir="$log_dir/sanitize-train-$tool/ckpt"
     done
   fi
 fi

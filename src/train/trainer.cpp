@@ -123,6 +123,12 @@ Result<std::unique_ptr<TrainEngine>> make_cuda_engine(const model::ModelConfig& 
 #endif
 }
 
+#if STRATA_HAVE_CUDA
+constexpr bool kBuiltWithCuda = true;
+#else
+constexpr bool kBuiltWithCuda = false;
+#endif
+
 bool cuda_visible() {
 #if STRATA_HAVE_CUDA
   return cuda_device_count() > 0;
@@ -137,14 +143,16 @@ Result<std::unique_ptr<TrainEngine>> make_train_engine(const model::ModelConfig&
                                                        const OptimizerConfig& oc) {
   if (t.device == "cuda" || (t.device == "auto" && cuda_visible())) {
     Result<std::unique_ptr<TrainEngine>> cuda = make_cuda_engine(mc, t, oc);
-    if (cuda.ok() || t.device == "cuda") {
-      if (cuda.ok() && (!t.nvme_path.empty() || t.overlap_backward))
+    if (cuda.ok()) {
+      if (!t.nvme_path.empty() || t.overlap_backward)
         LOG_WARN("run.device=cuda keeps the whole state in device memory: memory.nvme.* and train.overlap_backward "
                  "are not used");
-      return cuda.ok() ? std::move(cuda) : Result<std::unique_ptr<TrainEngine>>(
-                                               cuda.status().with_context("run.device=cuda"));
+      return cuda;
     }
+    if (t.device == "cuda") return cuda.status().with_context("run.device=cuda");
     LOG_INFO("run.device=auto: not on the GPU ({}); training on the CPU", cuda.status().message());
+  } else if (t.device == "auto" && kBuiltWithCuda) {
+    LOG_INFO("run.device=auto: no CUDA device is visible; training on the CPU");
   }
   ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> paged, PagedEngine::create(mc, t, oc));
   return std::unique_ptr<TrainEngine>(std::move(paged));
