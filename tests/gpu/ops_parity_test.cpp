@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -279,9 +280,34 @@ TEST(OpsParity, GemmTransposes) {
 
 // ---- attention ------------------------------------------------------------------------------
 
+// Fills a device buffer with NaN (all bits set, in bf16 and fp32), so that an element a
+// kernel fails to write fails the comparison instead of keeping an earlier run's value.
+template <typename T>
+void poison(DeviceBuffer<T>& buffer, cudaStream_t stream) {
+  CUDA_CHECK(cudaMemsetAsync(buffer.get(), 0xFF, buffer.size() * sizeof(T), stream));
+}
+
+// Every shape runs with both tile sizes (32 and 64 rows; the launchers pick 64 where the
+// device's opt-in shared memory allows, 32 on 99 KiB GPUs), each a variant the device can take.
 TEST(OpsParity, Attention) {
   StreamGuard stream;
   cu::Context ctx(64 << 20);
+  int device = 0, optin = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const auto fits = [&](size_t need) { return need <= static_cast<size_t>(optin); };
+  for (int64_t D : {64, 128}) {
+    for (int tile : {32, 64}) {
+      const size_t fwd = cu::attention_forward_shared_bytes(D, tile);
+      const size_t bwd = cu::attention_backward_shared_bytes(D, tile);
+      if (!fits(fwd) || !fits(bwd)) {
+        std::printf("note: attention D=%lld tile=%d skipped for%s%s: needs %zu / %zu bytes of "
+                    "shared memory per block, the device allows %d\n",
+                    static_cast<long long>(D), tile, fits(fwd) ? "" : " forward",
+                    fits(bwd) ? "" : " backward", fwd, bwd, optin);
+      }
+    }
+  }
   struct Heads {
     int64_t Hq, Hkv;
   };
@@ -304,10 +330,16 @@ TEST(OpsParity, Attention) {
         std::vector<float> out(nq), lse(B * Hq * T);
         ref::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), B, T, Hq,
                                Hkv, D);
-        cu::attention_forward(d_out.get(), d_lse.get(), d_q.get(), d_k.get(), d_v.get(), B, T, Hq,
-                              Hkv, D, stream.get());
-        expect_close(download_bf16(d_out), out, kBf16Tol, what + " out");
-        expect_close(download_f32(d_lse), lse, kF32Tol, what + " lse");
+        for (int tile : {32, 64}) {
+          if (!fits(cu::attention_forward_shared_bytes(D, tile))) continue;  // noted above
+          const std::string at = what + " tile=" + std::to_string(tile);
+          poison(d_out, stream.get());
+          poison(d_lse, stream.get());
+          cu::attention_forward(d_out.get(), d_lse.get(), d_q.get(), d_k.get(), d_v.get(), B, T,
+                                Hq, Hkv, D, stream.get(), tile);
+          expect_close(download_bf16(d_out), out, kBf16Tol, at + " out");
+          expect_close(download_f32(d_lse), lse, kF32Tol, at + " lse");
+        }
 
         // Backward from the reference's out and lse on both sides: upload_bf16 rounds `out` in
         // place, so the reference backward below reads the same bf16 values as the GPU.
@@ -316,21 +348,29 @@ TEST(OpsParity, Attention) {
         std::vector<float> dq(nq), dk(nkv), dv(nkv);
         ref::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
                                 v.data(), out.data(), lse.data(), B, T, Hq, Hkv, D);
-        cu::attention_backward(ctx, d_dq.get(), d_dk.get(), d_dv.get(), d_dout.get(), d_q.get(),
-                               d_k.get(), d_v.get(), d_out_ref.get(), d_lse_ref.get(), B, T, Hq,
-                               Hkv, D, stream.get());
-        if (T == 1) {
-          // A softmax over one key has no gradient with respect to its score: the reference dq
-          // and dk are exactly zero, while on the GPU dP - delta cancels only to fp32 rounding
-          // (the two dot products are summed in different orders), so a relative error would
-          // divide by zero. Bound them absolutely; a wrong term gives values of order 1.
-          expect_tiny(download_bf16(d_dq), kZeroGradAbsTol, what + " dq");
-          expect_tiny(download_bf16(d_dk), kZeroGradAbsTol, what + " dk");
-        } else {
-          expect_close(download_bf16(d_dq), dq, kBf16Tol, what + " dq");
-          expect_close(download_bf16(d_dk), dk, kBf16Tol, what + " dk");
+        for (int tile : {32, 64}) {
+          if (!fits(cu::attention_backward_shared_bytes(D, tile))) continue;  // noted above
+          const std::string at = what + " tile=" + std::to_string(tile);
+          poison(d_dq, stream.get());
+          poison(d_dk, stream.get());
+          poison(d_dv, stream.get());
+          cu::attention_backward(ctx, d_dq.get(), d_dk.get(), d_dv.get(), d_dout.get(),
+                                 d_q.get(), d_k.get(), d_v.get(), d_out_ref.get(),
+                                 d_lse_ref.get(), B, T, Hq, Hkv, D, stream.get(), tile);
+          if (T == 1) {
+            // A softmax over one key has no gradient with respect to its score: the reference
+            // dq and dk are exactly zero, while on the GPU dP - delta cancels only to fp32
+            // rounding (the two dot products are summed in different orders), so a relative
+            // error would divide by zero. Bound them absolutely; a wrong term gives values of
+            // order 1.
+            expect_tiny(download_bf16(d_dq), kZeroGradAbsTol, at + " dq");
+            expect_tiny(download_bf16(d_dk), kZeroGradAbsTol, at + " dk");
+          } else {
+            expect_close(download_bf16(d_dq), dq, kBf16Tol, at + " dq");
+            expect_close(download_bf16(d_dk), dk, kBf16Tol, at + " dk");
+          }
+          expect_close(download_bf16(d_dv), dv, kBf16Tol, at + " dv");
         }
-        expect_close(download_bf16(d_dv), dv, kBf16Tol, what + " dv");
       }
     }
   }

@@ -159,14 +159,33 @@ TEST(OpsPerf, Report) {
     // Causal: half of the 2 * 2 * B * Hq * T^2 * D of full attention.
     const double fwd = 2.0 * B * Hq * double(T) * T * D;
     const std::string shape = "B=4 T=2048 Hq=32 Hkv=8 D=128";
-    flops_row("attention_forward", shape, fwd, [&] {
-      cu::attention_forward(out->get(), lse.get(), q->get(), k->get(), v->get(), B, T, Hq, Hkv,
-                            D, stream);
-    });
-    flops_row("attention_backward", shape + " (2.5x fwd)", 2.5 * fwd, [&] {
-      cu::attention_backward(ctx, dq.get(), dk.get(), dv.get(), dout->get(), q->get(), k->get(),
-                             v->get(), out->get(), lse.get(), B, T, Hq, Hkv, D, stream);
-    });
+    // Both tile sizes, where the device's opt-in shared memory per block takes them: without
+    // forcing, the launchers use 64 rows where they fit, else 32.
+    int device = 0, optin = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    for (int tile : {32, 64}) {
+      const std::string suffix = " tile=" + std::to_string(tile);
+      if (cu::attention_forward_shared_bytes(D, tile) <= static_cast<size_t>(optin)) {
+        flops_row("attention_forward" + suffix, shape, fwd, [&] {
+          cu::attention_forward(out->get(), lse.get(), q->get(), k->get(), v->get(), B, T, Hq,
+                                Hkv, D, stream, tile);
+        });
+      } else {
+        std::printf("  %-26s skipped: the device allows %d bytes of shared memory per block\n",
+                    ("attention_forward" + suffix).c_str(), optin);
+      }
+      if (cu::attention_backward_shared_bytes(D, tile) <= static_cast<size_t>(optin)) {
+        flops_row("attention_backward" + suffix, shape + " (2.5x fwd)", 2.5 * fwd, [&] {
+          cu::attention_backward(ctx, dq.get(), dk.get(), dv.get(), dout->get(), q->get(),
+                                 k->get(), v->get(), out->get(), lse.get(), B, T, Hq, Hkv, D,
+                                 stream, tile);
+        });
+      } else {
+        std::printf("  %-26s skipped: the device allows %d bytes of shared memory per block\n",
+                    ("attention_backward" + suffix).c_str(), optin);
+      }
+    }
   }
 
   {

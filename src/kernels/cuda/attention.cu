@@ -1,12 +1,15 @@
 // Causal grouped-query attention on CUDA, flash-style (FlashAttention-2 structure): the T x T
 // scores live only in shared-memory tiles, never in global memory.
 //
-// Every kernel works on 64-row tiles with 4 warps; warp w owns rows [16w, 16w + 16) of every
-// per-row tile (scores, probabilities, accumulators), so after a tile of K/V (or Q/dO) is in
-// shared memory, everything a warp does to its rows needs only __syncwarp(). The matrix
-// products are bf16 tensor-core WMMA (16x16x16, fp32 accumulate); accumulators are kept in
-// shared memory (fp32) between tiles, because the register layout of a WMMA fragment is
-// unspecified and the online softmax must rescale rows of the output.
+// Every kernel works on kTile-row tiles (a template parameter: 64 rows with 4 warps, or 32 rows
+// with 2); warp w owns rows [16w, 16w + 16) of every per-row tile (scores, probabilities,
+// accumulators), so after a tile of K/V (or Q/dO) is in shared memory, everything a warp does to
+// its rows needs only __syncwarp(). The launchers take 64-row tiles where the device's opt-in
+// shared memory per block holds them (all of D=128 only on Hopper), else 32-row tiles, which
+// fit the 99 KiB of sm_86/sm_89 (table by forward_smem). The matrix products are bf16
+// tensor-core WMMA (16x16x16, fp32 accumulate); accumulators are kept in shared memory (fp32)
+// between tiles, because the register layout of a WMMA fragment is unspecified and the online
+// softmax must rescale rows of the output.
 //
 //   forward   grid (q tiles, Hq, B): online softmax over key tiles; writes out and lse.
 //   delta     delta (B,Hq,T) = rowsum(dout * out), in scratch.
@@ -20,6 +23,9 @@
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <mutex>
+#include <string>
+#include <vector>
 
 #include "kernels/cuda/common.cuh"
 
@@ -28,9 +34,16 @@ namespace {
 
 namespace wmma = nvcuda::wmma;
 
-constexpr int kTile = 64;  // rows of a query tile and of a key tile
-constexpr int kWarps = 4;  // kTile / 16
-constexpr int kThreads = kWarps * kWarpSize;
+// Threads of a block of the tiled kernels: one warp per 16 rows of a kTile-row tile.
+__host__ __device__ constexpr int block_threads(int tile_rows) {
+  return tile_rows / 16 * kWarpSize;
+}
+// Columns of a kTile-wide score row each lane of the owning warp handles (lane + e * 32).
+template <int kTile>
+__host__ __device__ constexpr int lane_cols() {
+  static_assert(kTile == 32 || kTile == 64, "attention tiles have 32 or 64 rows");
+  return kTile / kWarpSize;
+}
 
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
 using FragBRow = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
@@ -41,7 +54,7 @@ using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
 // dst (kTile, D) = rows t0.. of head h of src (B,T,H,D); rows at or past T are zeros.
 // REQUIRES src 16-byte aligned (checked by the launchers).
-template <int D>
+template <int D, int kTile>
 __device__ void load_tile(bf16* dst, const bf16* src, int64_t b, int64_t t0, int64_t T,
                           int64_t H, int64_t h) {
   constexpr int kVecs = D / 8;  // 16-byte vectors per row
@@ -56,7 +69,7 @@ __device__ void load_tile(bf16* dst, const bf16* src, int64_t b, int64_t t0, int
 
 // rows [row0, row0 + 16) x all kTile columns of C (kTile wide, fp32) = A (rows, D) @ B^T, B
 // being (kTile, D) row-major: both operands read along D. One warp.
-template <int D>
+template <int D, int kTile>
 __device__ void warp_abt(float* C, const bf16* A, const bf16* B, int row0) {
 #pragma unroll
   for (int j = 0; j < kTile / 16; ++j) {
@@ -76,7 +89,7 @@ __device__ void warp_abt(float* C, const bf16* A, const bf16* B, int row0) {
 
 // rows [row0, row0 + 16) of Acc (rows, D) fp32 += P (rows, kTile) bf16 @ V (kTile, D) bf16.
 // One warp.
-template <int D>
+template <int D, int kTile>
 __device__ void warp_acc_pv(float* Acc, const bf16* P, const bf16* V, int row0) {
 #pragma unroll
   for (int j = 0; j < D / 16; ++j) {
@@ -106,26 +119,37 @@ struct Carver {
 };
 constexpr size_t region(size_t bytes) { return (bytes + 127) / 128 * 128; }
 
-template <int D>
+template <int D, int kTile>
 constexpr size_t forward_smem() {
   return 3 * region(kTile * D * 2) + region(kTile * kTile * 4) + region(kTile * kTile * 2) +
          region(kTile * D * 4);
 }
-template <int D>
+template <int D, int kTile>
 constexpr size_t dkdv_smem() {
   return 4 * region(kTile * D * 2) + 2 * region(kTile * D * 4) + 2 * region(kTile * kTile * 4) +
          2 * region(kTile * kTile * 2) + 2 * region(kTile * 4);
 }
-template <int D>
+template <int D, int kTile>
 constexpr size_t dq_smem() {
   return 4 * region(kTile * D * 2) + region(kTile * D * 4) + 2 * region(kTile * kTile * 4) +
          region(kTile * kTile * 2) + 2 * region(kTile * 4);
 }
+// KiB per block:      forward  dk/dv   dq
+//   D=64,  64 rows      64     112.5   88.5
+//   D=64,  32 rows      26      44.25  34.25
+//   D=128, 64 rows     104     176.5  136.5
+//   D=128, 32 rows      46      76.25  58.25
+// Opt-in limits: Hopper 227 KiB (everything), A100 163 KiB (all but the D=128 64-row dk/dv),
+// sm_86/sm_89 99 KiB (32-row tiles for D=128). attention_shared_bytes reports the 32-row need.
+constexpr size_t kSmallestOptin = 99 * 1024;  // sm_86, sm_89
+static_assert(std::max({forward_smem<128, 32>(), dkdv_smem<128, 32>(), dq_smem<128, 32>()}) <=
+                  kSmallestOptin,
+              "the 32-row tiles must fit every supported GPU");
 
 // ---- kernels --------------------------------------------------------------------------------
 
-template <int D>
-__global__ void __launch_bounds__(kThreads)
+template <int D, int kTile>
+__global__ void __launch_bounds__(block_threads(kTile))
     attention_forward_kernel(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                              int64_t T, int64_t Hq, int64_t Hkv, float scale) {
   extern __shared__ __align__(128) char smem[];
@@ -142,8 +166,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t g = h / (Hq / Hkv);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int row0 = 16 * warp;
+  constexpr int kCols = lane_cols<kTile>();
 
-  load_tile<D>(Qs, q, b, q0, T, Hq, h);
+  load_tile<D, kTile>(Qs, q, b, q0, T, Hq, h);
   for (int i = threadIdx.x; i < kTile * D; i += blockDim.x) O[i] = 0.0f;
   // Running max and sum of this warp's 16 rows; every lane holds the same values.
   float row_max[16], row_sum[16];
@@ -156,36 +181,44 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t kv_end = min(q0 + kTile, T);  // causal: keys up to the last query row
   for (int64_t k0 = 0; k0 < kv_end; k0 += kTile) {
     __syncthreads();  // the previous tiles are no longer read
-    load_tile<D>(Ks, k, b, k0, T, Hkv, g);
-    load_tile<D>(Vs, v, b, k0, T, Hkv, g);
+    load_tile<D, kTile>(Ks, k, b, k0, T, Hkv, g);
+    load_tile<D, kTile>(Vs, v, b, k0, T, Hkv, g);
     __syncthreads();
 
-    warp_abt<D>(S, Qs, Ks, row0);  // S rows of this warp = Q K^T
+    warp_abt<D, kTile>(S, Qs, Ks, row0);  // S rows of this warp = Q K^T
     __syncwarp();
 #pragma unroll
     for (int rr = 0; rr < 16; ++rr) {
       const int r = row0 + rr;
       const int64_t qi = q0 + r;
-      float s[2];
+      float s[kCols];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
+      for (int e = 0; e < kCols; ++e) {
         const int c = lane + e * kWarpSize;
         const int64_t kv = k0 + c;
         s[e] = (kv <= qi && kv < T) ? S[r * kTile + c] * scale : -INFINITY;
       }
-      const float m_new = fmaxf(row_max[rr], warp_max(fmaxf(s[0], s[1])));
+      float s_max = s[0];
+#pragma unroll
+      for (int e = 1; e < kCols; ++e) s_max = fmaxf(s_max, s[e]);
+      const float m_new = fmaxf(row_max[rr], warp_max(s_max));
       // A row with every score masked so far keeps max -inf; exponentiate against 0 then.
       const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      const float p0 = expf(s[0] - m_use), p1 = expf(s[1] - m_use);
+      float p[kCols];
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) p[e] = expf(s[e] - m_use);
       const float alpha = expf(row_max[rr] - m_use);
-      row_sum[rr] = alpha * row_sum[rr] + warp_sum(p0 + p1);
+      float p_sum = p[0];
+#pragma unroll
+      for (int e = 1; e < kCols; ++e) p_sum += p[e];
+      row_sum[rr] = alpha * row_sum[rr] + warp_sum(p_sum);
       row_max[rr] = m_new;
-      P[r * kTile + lane] = to_bf16(p0);
-      P[r * kTile + lane + kWarpSize] = to_bf16(p1);
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) P[r * kTile + lane + e * kWarpSize] = to_bf16(p[e]);
       for (int d = lane; d < D; d += kWarpSize) O[r * D + d] *= alpha;
     }
     __syncwarp();
-    warp_acc_pv<D>(O, P, Vs, row0);  // O rows of this warp += P V
+    warp_acc_pv<D, kTile>(O, P, Vs, row0);  // O rows of this warp += P V
   }
   __syncwarp();
 #pragma unroll
@@ -219,6 +252,7 @@ __global__ void attention_delta_kernel(float* delta, const bf16* dout, const bf1
 }
 
 // lse and delta of query rows t0.. of head h into shared arrays; rows at or past T get 0.
+template <int kTile>
 __device__ void load_row_stats(float* lse_s, float* delta_s, const float* lse, const float* delta,
                                int64_t b, int64_t h, int64_t Hq, int64_t T, int64_t t0) {
   for (int i = threadIdx.x; i < kTile; i += blockDim.x) {
@@ -229,8 +263,8 @@ __device__ void load_row_stats(float* lse_s, float* delta_s, const float* lse, c
   }
 }
 
-template <int D>
-__global__ void __launch_bounds__(kThreads)
+template <int D, int kTile>
+__global__ void __launch_bounds__(block_threads(kTile))
     attention_dkdv_kernel(bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
                           const bf16* v, const float* lse, const float* delta, int64_t T,
                           int64_t Hq, int64_t Hkv, float scale) {
@@ -254,9 +288,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t group = Hq / Hkv;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int row0 = 16 * warp;  // this warp's key rows
+  constexpr int kCols = lane_cols<kTile>();
 
-  load_tile<D>(Ks, k, b, k0, T, Hkv, g);
-  load_tile<D>(Vs, v, b, k0, T, Hkv, g);
+  load_tile<D, kTile>(Ks, k, b, k0, T, Hkv, g);
+  load_tile<D, kTile>(Vs, v, b, k0, T, Hkv, g);
   for (int i = threadIdx.x; i < kTile * D; i += blockDim.x) {
     dK[i] = 0.0f;
     dV[i] = 0.0f;
@@ -265,19 +300,19 @@ __global__ void __launch_bounds__(kThreads)
     // Causal: query rows before k0 see none of these keys. k0 is a multiple of kTile.
     for (int64_t q0 = k0; q0 < T; q0 += kTile) {
       __syncthreads();  // the previous Q/dO tiles are no longer read
-      load_tile<D>(Qs, q, b, q0, T, Hq, h);
-      load_tile<D>(dOs, dout, b, q0, T, Hq, h);
-      load_row_stats(lse_s, delta_s, lse, delta, b, h, Hq, T, q0);
+      load_tile<D, kTile>(Qs, q, b, q0, T, Hq, h);
+      load_tile<D, kTile>(dOs, dout, b, q0, T, Hq, h);
+      load_row_stats<kTile>(lse_s, delta_s, lse, delta, b, h, Hq, T, q0);
       __syncthreads();
 
-      warp_abt<D>(St, Ks, Qs, row0);   // S^T = K Q^T
-      warp_abt<D>(dPt, Vs, dOs, row0);  // dP^T = V dO^T
+      warp_abt<D, kTile>(St, Ks, Qs, row0);   // S^T = K Q^T
+      warp_abt<D, kTile>(dPt, Vs, dOs, row0);  // dP^T = V dO^T
       __syncwarp();
       for (int rr = 0; rr < 16; ++rr) {
         const int r = row0 + rr;
         const int64_t kv = k0 + r;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
+        for (int e = 0; e < kCols; ++e) {
           const int c = lane + e * kWarpSize;
           const int64_t qi = q0 + c;
           float p = 0.0f, ds = 0.0f;
@@ -290,8 +325,8 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       __syncwarp();
-      warp_acc_pv<D>(dV, Pt, dOs, row0);  // dV += P^T dO
-      warp_acc_pv<D>(dK, dSt, Qs, row0);  // dK += dS^T Q (scale folded into dS)
+      warp_acc_pv<D, kTile>(dV, Pt, dOs, row0);  // dV += P^T dO
+      warp_acc_pv<D, kTile>(dK, dSt, Qs, row0);  // dK += dS^T Q (scale folded into dS)
     }
   }
   __syncwarp();
@@ -308,8 +343,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int D>
-__global__ void __launch_bounds__(kThreads)
+template <int D, int kTile>
+__global__ void __launch_bounds__(block_threads(kTile))
     attention_dq_kernel(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
                         const float* lse, const float* delta, int64_t T, int64_t Hq,
                         int64_t Hkv, float scale) {
@@ -331,27 +366,28 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t g = h / (Hq / Hkv);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int row0 = 16 * warp;  // this warp's query rows
+  constexpr int kCols = lane_cols<kTile>();
 
-  load_tile<D>(Qs, q, b, q0, T, Hq, h);
-  load_tile<D>(dOs, dout, b, q0, T, Hq, h);
-  load_row_stats(lse_s, delta_s, lse, delta, b, h, Hq, T, q0);
+  load_tile<D, kTile>(Qs, q, b, q0, T, Hq, h);
+  load_tile<D, kTile>(dOs, dout, b, q0, T, Hq, h);
+  load_row_stats<kTile>(lse_s, delta_s, lse, delta, b, h, Hq, T, q0);
   for (int i = threadIdx.x; i < kTile * D; i += blockDim.x) dQ[i] = 0.0f;
 
   const int64_t kv_end = min(q0 + kTile, T);
   for (int64_t k0 = 0; k0 < kv_end; k0 += kTile) {
     __syncthreads();
-    load_tile<D>(Ks, k, b, k0, T, Hkv, g);
-    load_tile<D>(Vs, v, b, k0, T, Hkv, g);
+    load_tile<D, kTile>(Ks, k, b, k0, T, Hkv, g);
+    load_tile<D, kTile>(Vs, v, b, k0, T, Hkv, g);
     __syncthreads();
 
-    warp_abt<D>(S, Qs, Ks, row0);    // S = Q K^T
-    warp_abt<D>(dP, dOs, Vs, row0);  // dP = dO V^T
+    warp_abt<D, kTile>(S, Qs, Ks, row0);    // S = Q K^T
+    warp_abt<D, kTile>(dP, dOs, Vs, row0);  // dP = dO V^T
     __syncwarp();
     for (int rr = 0; rr < 16; ++rr) {
       const int r = row0 + rr;
       const int64_t qi = q0 + r;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
+      for (int e = 0; e < kCols; ++e) {
         const int c = lane + e * kWarpSize;
         const int64_t kv = k0 + c;
         float ds = 0.0f;
@@ -363,7 +399,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     __syncwarp();
-    warp_acc_pv<D>(dQ, dS, Ks, row0);  // dQ += dS K
+    warp_acc_pv<D, kTile>(dQ, dS, Ks, row0);  // dQ += dS K
   }
   __syncwarp();
   for (int rr = 0; rr < 16; ++rr) {
@@ -398,24 +434,117 @@ void allow_smem(Kernel kernel, size_t bytes) {
                                   static_cast<int>(bytes)));
 }
 
+// Dynamic shared memory per block of each tiled kernel.
+struct SmemNeeds {
+  size_t forward, dkdv, dq;
+};
+template <int D, int kTile>
+constexpr SmemNeeds smem_needs() {
+  return {forward_smem<D, kTile>(), dkdv_smem<D, kTile>(), dq_smem<D, kTile>()};
+}
+SmemNeeds smem_needs(int64_t D, int tile_rows) {
+  CHECK_MSG(D == 64 || D == 128,
+            "the CUDA attention supports head dimensions 64 and 128, got " + std::to_string(D));
+  CHECK_MSG(tile_rows == 32 || tile_rows == 64,
+            "attention tiles have 32 or 64 rows, got " + std::to_string(tile_rows));
+  if (D == 64) return tile_rows == 64 ? smem_needs<64, 64>() : smem_needs<64, 32>();
+  return tile_rows == 64 ? smem_needs<128, 64>() : smem_needs<128, 32>();
+}
+
+// cudaDevAttrMaxSharedMemoryPerBlockOptin of the current device. Queried once per device: the
+// launchers run for every layer of every step, and the limit never changes.
+size_t shared_optin() {
+  static std::mutex mutex;
+  static std::vector<int> by_device;  // 0: not queried yet
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<size_t>(device) >= by_device.size()) by_device.resize(device + 1, 0);
+  int& optin = by_device[device];
+  if (optin == 0) {
+    CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  }
+  return static_cast<size_t>(optin);
+}
+
+// Rows of the tiles of one kernel: tile_rows when nonzero, else 64 when the kernel's 64-row
+// need fits the device (each loaded K/V or Q/dO tile then serves twice the rows), else 32.
+// CHECKs that the chosen tile fits.
+int pick_tile(int tile_rows, size_t need64, size_t need32, const char* kernel, int64_t D) {
+  CHECK_MSG(tile_rows == 0 || tile_rows == 32 || tile_rows == 64,
+            "attention tile_rows must be 0 (automatic), 32 or 64, got " +
+                std::to_string(tile_rows));
+  const size_t optin = shared_optin();
+  const int tile = tile_rows != 0 ? tile_rows : (need64 <= optin ? 64 : 32);
+  const size_t need = tile == 64 ? need64 : need32;
+  CHECK_MSG(need <= optin, std::string(kernel) + " for head dim " + std::to_string(D) +
+                               " with " + std::to_string(tile) + "-row tiles needs " +
+                               std::to_string(need) +
+                               " bytes of shared memory per block; this device allows " +
+                               std::to_string(optin) +
+                               " (cudaDevAttrMaxSharedMemoryPerBlockOptin)");
+  return tile;
+}
+
 template <int D>
-void forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int64_t B,
-             int64_t T, int64_t Hq, int64_t Hkv, cudaStream_t stream) {
-  const size_t smem = forward_smem<D>();
-  allow_smem(attention_forward_kernel<D>, smem);
+float softmax_scale() {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+}
+
+template <int D, int kTile>
+void launch_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
+                    int64_t B, int64_t T, int64_t Hq, int64_t Hkv, cudaStream_t stream) {
+  const size_t smem = forward_smem<D, kTile>();
+  allow_smem(attention_forward_kernel<D, kTile>, smem);
   const dim3 grid(static_cast<unsigned>(ceil_div(T, kTile)), static_cast<unsigned>(Hq),
                   static_cast<unsigned>(B));
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  attention_forward_kernel<D><<<grid, kThreads, smem, stream>>>(out, lse, q, k, v, T, Hq, Hkv,
-                                                                scale);
+  attention_forward_kernel<D, kTile><<<grid, block_threads(kTile), smem, stream>>>(
+      out, lse, q, k, v, T, Hq, Hkv, softmax_scale<D>());
+  CUDA_CHECK_LAUNCH();
+}
+
+template <int D, int kTile>
+void launch_dkdv(bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
+                 const bf16* v, const float* lse, const float* delta, int64_t B, int64_t T,
+                 int64_t Hq, int64_t Hkv, cudaStream_t stream) {
+  const size_t smem = dkdv_smem<D, kTile>();
+  allow_smem(attention_dkdv_kernel<D, kTile>, smem);
+  const dim3 grid(static_cast<unsigned>(ceil_div(T, kTile)), static_cast<unsigned>(Hkv),
+                  static_cast<unsigned>(B));
+  attention_dkdv_kernel<D, kTile><<<grid, block_threads(kTile), smem, stream>>>(
+      dk, dv, dout, q, k, v, lse, delta, T, Hq, Hkv, softmax_scale<D>());
+  CUDA_CHECK_LAUNCH();
+}
+
+template <int D, int kTile>
+void launch_dq(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+               const float* lse, const float* delta, int64_t B, int64_t T, int64_t Hq,
+               int64_t Hkv, cudaStream_t stream) {
+  const size_t smem = dq_smem<D, kTile>();
+  allow_smem(attention_dq_kernel<D, kTile>, smem);
+  const dim3 grid(static_cast<unsigned>(ceil_div(T, kTile)), static_cast<unsigned>(Hq),
+                  static_cast<unsigned>(B));
+  attention_dq_kernel<D, kTile><<<grid, block_threads(kTile), smem, stream>>>(
+      dq, dout, q, k, v, lse, delta, T, Hq, Hkv, softmax_scale<D>());
   CUDA_CHECK_LAUNCH();
 }
 
 template <int D>
+void forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int64_t B,
+             int64_t T, int64_t Hq, int64_t Hkv, int tile, cudaStream_t stream) {
+  if (tile == 64) {
+    launch_forward<D, 64>(out, lse, q, k, v, B, T, Hq, Hkv, stream);
+  } else {
+    launch_forward<D, 32>(out, lse, q, k, v, B, T, Hq, Hkv, stream);
+  }
+}
+
+// The dk/dv and dq kernels only share lse and delta, so each gets its own tile size.
+template <int D>
 void backward(float* delta, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
               const bf16* k, const bf16* v, const bf16* out, const float* lse, int64_t B,
-              int64_t T, int64_t Hq, int64_t Hkv, cudaStream_t stream) {
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+              int64_t T, int64_t Hq, int64_t Hkv, int tile_kv, int tile_q,
+              cudaStream_t stream) {
   const int64_t rows = B * T * Hq;
   constexpr int kDeltaThreads = 256;
   attention_delta_kernel<D>
@@ -423,53 +552,66 @@ void backward(float* delta, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, cons
          stream>>>(delta, dout, out, B, T, Hq);
   CUDA_CHECK_LAUNCH();
 
-  const unsigned tiles = static_cast<unsigned>(ceil_div(T, kTile));
-  const size_t smem_kv = dkdv_smem<D>();
-  allow_smem(attention_dkdv_kernel<D>, smem_kv);
-  attention_dkdv_kernel<D>
-      <<<dim3(tiles, static_cast<unsigned>(Hkv), static_cast<unsigned>(B)), kThreads, smem_kv,
-         stream>>>(dk, dv, dout, q, k, v, lse, delta, T, Hq, Hkv, scale);
-  CUDA_CHECK_LAUNCH();
-
-  const size_t smem_q = dq_smem<D>();
-  allow_smem(attention_dq_kernel<D>, smem_q);
-  attention_dq_kernel<D>
-      <<<dim3(tiles, static_cast<unsigned>(Hq), static_cast<unsigned>(B)), kThreads, smem_q,
-         stream>>>(dq, dout, q, k, v, lse, delta, T, Hq, Hkv, scale);
-  CUDA_CHECK_LAUNCH();
+  if (tile_kv == 64) {
+    launch_dkdv<D, 64>(dk, dv, dout, q, k, v, lse, delta, B, T, Hq, Hkv, stream);
+  } else {
+    launch_dkdv<D, 32>(dk, dv, dout, q, k, v, lse, delta, B, T, Hq, Hkv, stream);
+  }
+  if (tile_q == 64) {
+    launch_dq<D, 64>(dq, dout, q, k, v, lse, delta, B, T, Hq, Hkv, stream);
+  } else {
+    launch_dq<D, 32>(dq, dout, q, k, v, lse, delta, B, T, Hq, Hkv, stream);
+  }
 }
 
 }  // namespace
 
 size_t attention_shared_bytes(int64_t D) {
-  if (D == 64) return std::max({forward_smem<64>(), dkdv_smem<64>(), dq_smem<64>()});
-  return std::max({forward_smem<128>(), dkdv_smem<128>(), dq_smem<128>()});
+  const SmemNeeds need = smem_needs(D, 32);
+  return std::max({need.forward, need.dkdv, need.dq});
+}
+
+size_t attention_forward_shared_bytes(int64_t D, int tile_rows) {
+  return smem_needs(D, tile_rows).forward;
+}
+
+size_t attention_backward_shared_bytes(int64_t D, int tile_rows) {
+  const SmemNeeds need = smem_needs(D, tile_rows);
+  return std::max(need.dkdv, need.dq);
 }
 
 void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                        int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, int tile_rows) {
   check_args(B, T, Hq, Hkv, D, {out, q, k, v});
   if (B == 0 || T == 0) return;
+  const int tile = pick_tile(tile_rows, smem_needs(D, 64).forward, smem_needs(D, 32).forward,
+                             "attention_forward", D);
   if (D == 64) {
-    forward<64>(out, lse, q, k, v, B, T, Hq, Hkv, stream);
+    forward<64>(out, lse, q, k, v, B, T, Hq, Hkv, tile, stream);
   } else {
-    forward<128>(out, lse, q, k, v, B, T, Hq, Hkv, stream);
+    forward<128>(out, lse, q, k, v, B, T, Hq, Hkv, tile, stream);
   }
 }
 
 void attention_backward(Context& ctx, bf16* dq, bf16* dk, bf16* dv, const bf16* dout,
                         const bf16* q, const bf16* k, const bf16* v, const bf16* out,
                         const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                        int64_t D, cudaStream_t stream) {
+                        int64_t D, cudaStream_t stream, int tile_rows) {
   check_args(B, T, Hq, Hkv, D, {dq, dk, dv, dout, q, k, v, out});
   if (B == 0 || T == 0) return;
+  const SmemNeeds need64 = smem_needs(D, 64), need32 = smem_needs(D, 32);
+  const int tile_kv =
+      pick_tile(tile_rows, need64.dkdv, need32.dkdv, "attention_backward (dk/dv)", D);
+  const int tile_q = pick_tile(tile_rows, need64.dq, need32.dq, "attention_backward (dq)", D);
   auto* delta = static_cast<float*>(ctx.scratch(
       static_cast<size_t>(B * Hq * T) * sizeof(float), "attention_backward (delta)"));
   if (D == 64) {
-    backward<64>(delta, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, stream);
+    backward<64>(delta, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, tile_kv, tile_q,
+                 stream);
   } else {
-    backward<128>(delta, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, stream);
+    backward<128>(delta, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, tile_kv, tile_q,
+                  stream);
   }
 }
 

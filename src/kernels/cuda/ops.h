@@ -135,22 +135,32 @@ void gemm(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_
 
 // ---- causal GQA attention (flash-style: the T x T scores never reach global memory) ---------
 // D in {64, 128}. Pointers 16-byte aligned. lse (B,Hq,T) fp32 is saved for backward.
+// tile_rows: rows of the query/key tiles, 0 to pick per kernel the larger (64, else 32) that
+// the device's opt-in shared memory per block allows; 32 or 64 force one (tests), and fail
+// when it does not fit. The two agree up to rounding (other tile boundaries).
 void attention_forward(bf16* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,
                        const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,T,Hkv,D)*/,
                        const bf16* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,
-                       int64_t Hkv, int64_t D, cudaStream_t stream);
-// The most dynamic shared memory per block any attention kernel uses for head dim D (64 or
-// 128); a device whose opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin) is lower cannot
-// run them (the D=128 backward fits Hopper's 227 KiB, not an A100's 163 KiB).
+                       int64_t Hkv, int64_t D, cudaStream_t stream, int tile_rows = 0);
+// The least opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin) a device
+// needs to run attention for head dim D (64 or 128): that of the 32-row tiles, 76.25 KiB at
+// most, so every sm_80+ GPU (99 KiB or more) runs it. Devices with more get 64-row tiles.
 size_t attention_shared_bytes(int64_t D);
+// Dynamic shared memory per block of the forward kernel / of the larger backward kernel for
+// head dim D and tile_rows-row tiles (32 or 64): a device whose opt-in limit is lower cannot
+// take that tile_rows.
+size_t attention_forward_shared_bytes(int64_t D, int tile_rows);
+size_t attention_backward_shared_bytes(int64_t D, int tile_rows);
 // dq, dk, dv = (overwritten). Recomputes P from lse. Two kernels, no atomics: one owns key
 // tiles (dk, dv summed over the query heads of the group), one owns query tiles (dq).
+// tile_rows as for attention_forward, chosen for each of the two kernels.
 // Scratch: B*Hq*T floats (delta = rowsum(dout * out)).
 void attention_backward(Context& ctx, bf16* dq /*(B,T,Hq,D)*/, bf16* dk /*(B,T,Hkv,D)*/,
                         bf16* dv /*(B,T,Hkv,D)*/, const bf16* dout /*(B,T,Hq,D)*/,
                         const bf16* q, const bf16* k, const bf16* v,
                         const bf16* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/, int64_t B,
-                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D, cudaStream_t stream);
+                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D, cudaStream_t stream,
+                        int tile_rows = 0);
 
 // ---- LM head + cross-entropy, chunked over tokens --------------------------------------------
 // Per chunk of chunk_tokens tokens: logits (fp32, scratch) = x @ weight^T; one fused kernel

@@ -94,7 +94,8 @@ Result<std::unique_ptr<ResidentModel>> make_cuda_model(const model::ModelConfig&
   const size_t shared_need = kernels::cuda::attention_shared_bytes(config.head_dim);
   if (shared_need > static_cast<size_t>(shared_optin))
     return Status::Unimplemented(fmt::format("{} offers {} of shared memory per block; the attention kernels for "
-                                             "head_dim {} need {} (Hopper GPUs have 227 KiB)",
+                                             "head_dim {} need {} (GPUs of compute capability 8.0 and newer have "
+                                             "99 KiB or more)",
                                              prop.name, format_bytes(static_cast<uint64_t>(shared_optin)),
                                              config.head_dim, format_bytes(shared_need)));
   size_t free_bytes = 0, total_bytes = 0;
