@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -240,6 +241,49 @@ TEST_P(ModelParity, AdamWLossCurveTracksTheCpuModel) {
   // The curves must actually move, or the comparison above proves little.
   EXPECT_TRUE(cpu_curve.back() < cpu_curve.front()) << "CPU loss did not fall";
   EXPECT_TRUE(gpu_curve.back() < gpu_curve.front()) << "GPU loss did not fall";
+}
+
+// Keeping every layer's intermediates only skips recomputing what the forward computed: the
+// same kernels on the same inputs, so losses, gradients and an AdamW step are bitwise equal.
+TEST_P(ModelParity, KeptActivationsGiveTheRecomputedResultsBitwise) {
+  const ModelConfig config = tiny_config(GetParam());
+  LlamaModel cpu(config);
+  const std::vector<float> init = initial_params(cpu, 29);
+  Result<std::unique_ptr<CudaLlama>> kept = CudaLlama::create(config, /*keep_layer_activations=*/true);
+  ASSERT_TRUE(kept.ok()) << kept.status().to_string();
+  std::unique_ptr<CudaLlama> recomputed = make_gpu(config);
+  ASSERT_TRUE((*kept)->keeps_layer_activations());
+  ASSERT_FALSE(recomputed->keeps_layer_activations());
+  const int64_t B = 2, T = 96;
+  const Batch first = random_batch(B * T, config.vocab_size, 7);
+  const Batch second = random_batch(B * T, config.vocab_size, 8);
+  const model::CudaAdamWConfig adam;
+  std::vector<std::vector<float>> grads, params;
+  std::vector<double> losses;
+  for (CudaLlama* gpu : {kept->get(), recomputed.get()}) {
+    gpu->load_params(init.data());
+    for (int step = 0; step < 2; ++step) {
+      gpu->zero_grads();
+      for (const Batch* b : {&first, &second}) {
+        Result<double> loss = gpu->forward_backward(b->inputs.data(), b->targets.data(), B, T, 1.0f / (B * T));
+        ASSERT_TRUE(loss.ok()) << loss.status().to_string();
+        losses.push_back(*loss);
+      }
+      grads.emplace_back(init.size());
+      gpu->store_grads(grads.back().data());
+      losses.push_back(gpu->adamw_step(1e-3f, adam));
+    }
+    params.emplace_back(init.size());
+    gpu->store_params(params.back().data());
+  }
+  const size_t half = losses.size() / 2;
+  for (size_t i = 0; i < half; ++i)
+    EXPECT_EQ(std::memcmp(&losses[i], &losses[half + i], sizeof(double)), 0)
+        << "loss/norm " << i << ": kept " << losses[i] << " recomputed " << losses[half + i];
+  for (size_t step = 0; step < 2; ++step)
+    EXPECT_EQ(std::memcmp(grads[step].data(), grads[2 + step].data(), init.size() * sizeof(float)), 0)
+        << "gradients of step " << step + 1 << " differ";
+  EXPECT_EQ(std::memcmp(params[0].data(), params[1].data(), init.size() * sizeof(float)), 0) << "parameters differ";
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, ModelParity,

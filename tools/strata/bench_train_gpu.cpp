@@ -25,6 +25,7 @@
 #include "core/cuda/cuda_check.h"
 #include "core/units.h"
 #include "model/cuda/llama_cuda.h"
+#include "train/cuda/cuda_model.h"
 #include "model/params.h"
 #endif
 
@@ -35,12 +36,16 @@ using model::ModelConfig;
 
 constexpr const char* kUsage = R"(Usage: strata bench train-gpu [--preset 0.44b|tiny] [--steps 20] [--warmup 3]
                               [--micro-batch 8] [--seq 2048] [--grad-accum 1] [--lr 3e-4]
+                              [--activations auto|keep|recompute]
 
 Trains a Llama from random weights (normal(0, 0.02), seed 1) on random tokens entirely on one
 GPU: fp32 master weights, bf16 compute copy and activations, fp32 gradients and AdamW moments
 (beta 0.9/0.95, weight decay 0.1, gradient clipping at norm 1.0). A step is GRAD_ACCUM
 micro-batches of MICRO_BATCH sequences of SEQ tokens, then one AdamW update; the stream is
 synchronised at the end of every step. WARMUP untimed steps, then STEPS timed ones.
+--activations: keep every layer's intermediates for backward, or recompute each layer from its
+input in backward (about a third more compute, less memory); auto (the default, as `strata
+train` does) keeps them when they fit the device's free memory.
 
 Presets:
   0.44b  hidden 1024, 24 layers, 16 heads, 8 KV heads, FFN 4096, vocab 32000, untied embeddings
@@ -72,6 +77,7 @@ struct Options {
   int64_t seq = 2048;
   int64_t grad_accum = 1;
   float lr = 3e-4f;
+  std::string activations = "auto";
 };
 
 // Parses an integer in [lo, hi]; false when `text` is not one.
@@ -207,7 +213,19 @@ int run(const Options& opt) {
       static_cast<long long>(opt.warmup), static_cast<long long>(opt.steps));
   std::fflush(stdout);
 
-  Result<std::unique_ptr<model::CudaLlama>> created = model::CudaLlama::create(c);
+  CudaModelOptions mo;
+  mo.micro_batch = B;
+  mo.seq_len = T;
+  mo.activations = opt.activations == "keep"        ? ActivationMode::kKeep
+                   : opt.activations == "recompute" ? ActivationMode::kRecompute
+                                                    : ActivationMode::kAuto;
+  const CudaMemoryPlan mem = plan_cuda_memory(c, mo);
+  std::printf("activations: %s (needs %s of device memory; %s with kept activations, %s recomputing; %s free)\n",
+              mem.keep ? "every layer keeps its intermediates" : "backward recomputes each layer",
+              format_bytes(mem.keep ? mem.keep_bytes : mem.recompute_bytes).c_str(), format_bytes(mem.keep_bytes).c_str(),
+              format_bytes(mem.recompute_bytes).c_str(), format_bytes(mem.available).c_str());
+  if (!mem.fits) return fail("the model does not fit the device's free memory; lower --micro-batch");
+  Result<std::unique_ptr<model::CudaLlama>> created = model::CudaLlama::create(c, mem.keep);
   if (!created.ok()) return fail(created.status().message());
   model::CudaLlama& llama = **created;
   {
@@ -321,6 +339,9 @@ int bench_train_gpu_command(const std::vector<std::string>& args) {
         return usage_error("--lr must be a number in [0, 1)");
       }
       opt.lr = static_cast<float>(lr);
+    } else if (a == "--activations") {
+      if (v != "auto" && v != "keep" && v != "recompute") return usage_error("--activations must be auto, keep or recompute");
+      opt.activations = v;
     } else {
       return usage_error("unknown option '" + a + "'");
     }

@@ -65,12 +65,13 @@ Status CudaLlama::supports(const ModelConfig& config) {
   return Status::OK();
 }
 
-Result<std::unique_ptr<CudaLlama>> CudaLlama::create(const ModelConfig& config) {
+Result<std::unique_ptr<CudaLlama>> CudaLlama::create(const ModelConfig& config, bool keep_layer_activations) {
   RETURN_IF_ERROR(supports(config));
-  return std::unique_ptr<CudaLlama>(new CudaLlama(config));
+  return std::unique_ptr<CudaLlama>(new CudaLlama(config, keep_layer_activations));
 }
 
-CudaLlama::CudaLlama(const ModelConfig& config) : config_(config), layout_(config) {
+CudaLlama::CudaLlama(const ModelConfig& config, bool keep_layer_activations)
+    : config_(config), layout_(config), keep_layers_(keep_layer_activations) {
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   ctx_ = std::make_unique<cu::Context>();
   const int64_t n = layout_.total_size();
@@ -150,7 +151,8 @@ void CudaLlama::zero_grads() {
 
 // ---- activation table -----------------------------------------------------------------------
 
-size_t CudaLlama::carve_activations(const ModelConfig& config, int64_t N, char* base, Acts& a) {
+size_t CudaLlama::carve_activations(const ModelConfig& config, int64_t N, bool keep_layers, char* base, Acts& a,
+                                     std::vector<Acts>* layers) {
   const int64_t C = config.hidden_size;
   const int64_t F = config.intermediate_size;
   const int64_t Hq = config.num_attention_heads;
@@ -160,28 +162,33 @@ size_t CudaLlama::carve_activations(const ModelConfig& config, int64_t N, char* 
   const int64_t L = config.num_hidden_layers;
   const int64_t qk = config.qk_norm ? 1 : 0;
   BlockCarver c(base);
+  // What a layer's forward writes and its backward reads: one set shared by every layer when
+  // backward recomputes, one per layer when the forward keeps them.
+  auto saved = [&](Acts& s) {
+    c.take(s.ln1, N * C);
+    c.take(s.ln1_rstd, N);
+    c.take(s.q, N * QD);
+    c.take(s.k, N * KD);
+    c.take(s.q_raw, qk * N * QD);
+    c.take(s.k_raw, qk * N * KD);
+    c.take(s.q_norm_rstd, qk * N * Hq);
+    c.take(s.k_norm_rstd, qk * N * Hkv);
+    c.take(s.v, N * KD);
+    c.take(s.att, N * QD);
+    c.take(s.lse, N * Hq);
+    c.take(s.h, N * C);
+    c.take(s.ln2, N * C);
+    c.take(s.ln2_rstd, N);
+    c.take(s.gate, N * F);
+    c.take(s.up, N * F);
+    c.take(s.act, N * F);
+  };
   c.take(a.checkpoints, (L + 1) * N * C);
   c.take(a.final_out, N * C);
   c.take(a.final_rstd, N);
   c.take(a.d_final, N * C);
   c.take(a.dres, N * C);
-  c.take(a.ln1, N * C);
-  c.take(a.ln1_rstd, N);
-  c.take(a.q, N * QD);
-  c.take(a.k, N * KD);
-  c.take(a.q_raw, qk * N * QD);
-  c.take(a.k_raw, qk * N * KD);
-  c.take(a.q_norm_rstd, qk * N * Hq);
-  c.take(a.k_norm_rstd, qk * N * Hkv);
-  c.take(a.v, N * KD);
-  c.take(a.att, N * QD);
-  c.take(a.lse, N * Hq);
-  c.take(a.h, N * C);
-  c.take(a.ln2, N * C);
-  c.take(a.ln2_rstd, N);
-  c.take(a.gate, N * F);
-  c.take(a.up, N * F);
-  c.take(a.act, N * F);
+  saved(a);
   c.take(a.d_ln, N * C);
   c.take(a.d_tmp, N * C);
   c.take(a.d_q, N * QD);
@@ -195,12 +202,21 @@ size_t CudaLlama::carve_activations(const ModelConfig& config, int64_t N, char* 
   c.take(a.losses, N);
   c.take(a.inputs, N);
   c.take(a.targets, N);
+  if (keep_layers) {
+    // Layers 0..L-2 get sets of their own; the last layer uses the shared one.
+    std::vector<Acts> measured;
+    std::vector<Acts>& out = layers != nullptr ? *layers : measured;
+    out.assign(static_cast<size_t>(L), a);
+    for (int64_t l = 0; l + 1 < L; ++l) saved(out[static_cast<size_t>(l)]);
+  } else if (layers != nullptr) {
+    layers->clear();
+  }
   return c.bytes();
 }
 
-size_t CudaLlama::activation_bytes_for(const ModelConfig& config, int64_t tokens) {
+size_t CudaLlama::activation_bytes_for(const ModelConfig& config, int64_t tokens, bool keep_layers) {
   Acts measured;
-  return carve_activations(config, tokens, nullptr, measured);
+  return carve_activations(config, tokens, keep_layers, nullptr, measured, nullptr);
 }
 
 size_t CudaLlama::param_state_bytes_for(const ModelConfig& config) {
@@ -209,13 +225,13 @@ size_t CudaLlama::param_state_bytes_for(const ModelConfig& config) {
 
 void CudaLlama::plan_activations(int64_t N) {
   if (N <= planned_tokens_) return;
-  const size_t bytes = activation_bytes_for(config_, N);
+  const size_t bytes = activation_bytes_for(config_, N, keep_layers_);
   if (acts_block_ != nullptr) {
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old block may still be in use
     CUDA_CHECK(cudaFree(acts_block_));
   }
   CUDA_CHECK(cudaMalloc(&acts_block_, bytes));
-  carve_activations(config_, N, static_cast<char*>(acts_block_), acts_);
+  carve_activations(config_, N, keep_layers_, static_cast<char*>(acts_block_), acts_, &layer_acts_);
   acts_bytes_ = bytes;
   planned_tokens_ = N;
 }
@@ -229,7 +245,7 @@ CudaLlama::bf16* CudaLlama::checkpoint(int64_t l, int64_t N) const {
 void CudaLlama::layer_forward(int64_t layer, const bf16* x /*(N,C)*/, bf16* out /*(N,C)*/,
                               int64_t B, int64_t T) {
   const LayerOffsets& o = layout_.layer(layer);
-  const Acts& a = acts_;
+  const Acts& a = layer_acts(layer);
   cu::Context& ctx = *ctx_;
   cudaStream_t s = stream_;
   const int64_t N = B * T;
@@ -273,7 +289,7 @@ void CudaLlama::layer_forward(int64_t layer, const bf16* x /*(N,C)*/, bf16* out 
 void CudaLlama::layer_backward(int64_t layer, const bf16* x /*(N,C)*/, bf16* dres /*(N,C)*/,
                                int64_t B, int64_t T) {
   const LayerOffsets& o = layout_.layer(layer);
-  const Acts& a = acts_;
+  const Acts& a = layer_acts(layer);
   cu::Context& ctx = *ctx_;
   cudaStream_t s = stream_;
   const int64_t N = B * T;
@@ -384,8 +400,9 @@ Result<double> CudaLlama::compute(const int32_t* inputs, const int32_t* targets,
                          w(layout_.final_norm()), a.final_rstd, N, C, s);
     for (int64_t l = L - 1; l >= 0; --l) {
       const bf16* x = checkpoint(l, N);  // (N, C)
-      // The intermediates still hold the last layer's forward; recompute every other layer.
-      if (l != L - 1) layer_forward(l, x, /*out=*/nullptr, B, T);
+      // Kept intermediates are there for every layer; the shared set holds only the last
+      // layer's forward, so every other layer is recomputed into it.
+      if (!keep_layers_ && l != L - 1) layer_forward(l, x, /*out=*/nullptr, B, T);
       layer_backward(l, x, a.dres, B, T);
     }
     cu::embedding_backward(ctx, g(layout_.embed_tokens()), a.dres, a.inputs, N, C, V, s);

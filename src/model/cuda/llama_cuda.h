@@ -1,7 +1,9 @@
 // CudaLlama: the dense Llama decoder of LlamaModel (llama.h) on one CUDA device, composed from
 // the CUDA ops of kernels/cuda/ops.h. Same structure as the CPU model: explicit per-layer
 // forward and backward, layer-boundary checkpoints, and a backward that recomputes each layer
-// (the last one excepted) from its checkpoint into one shared set of intermediates.
+// (the last one excepted) from its checkpoint into one shared set of intermediates; or, where
+// memory allows, a forward that keeps every layer's intermediates so that backward recomputes
+// nothing.
 //
 // Precision (the recipe of kernels/cuda/ops.h): fp32 master parameters, a bf16 compute copy of
 // them that every op reads, bf16 activations and activation gradients (the residual stream and
@@ -50,7 +52,11 @@ class CudaLlama {
   // Allocates the parameter state (master, bf16 copy, gradients, moments: all zero) on the
   // current device. Unimplemented for MoE configs and head dims other than 64 and 128;
   // the Status of config.validate() when it does not validate.
-  static Result<std::unique_ptr<CudaLlama>> create(const ModelConfig& config);
+  // keep_layer_activations: the forward keeps every layer's intermediates for backward, which
+  // then recomputes nothing (about a third less compute per step, activation_bytes_for(...,
+  // true) of memory); otherwise one set is shared and backward recomputes each layer but the
+  // last from its checkpoint. Both give bitwise the same results.
+  static Result<std::unique_ptr<CudaLlama>> create(const ModelConfig& config, bool keep_layer_activations = false);
   // The checks of create() without allocating anything: OK when create() would accept config.
   static Status supports(const ModelConfig& config);
   ~CudaLlama();
@@ -102,7 +108,8 @@ class CudaLlama {
   // micro-batches of `tokens` (B * T) tokens. The model's Context (kernels/cuda/ops.h) adds
   // its scratch and GEMM workspace.
   static size_t param_state_bytes_for(const ModelConfig& config);
-  static size_t activation_bytes_for(const ModelConfig& config, int64_t tokens);
+  static size_t activation_bytes_for(const ModelConfig& config, int64_t tokens, bool keep_layer_activations);
+  bool keeps_layer_activations() const { return keep_layers_; }
 
  private:
   using bf16 = kernels::cuda::bf16;
@@ -146,9 +153,16 @@ class CudaLlama {
     int32_t* targets = nullptr;   // (N)
   };
 
-  explicit CudaLlama(const ModelConfig& config);
-  // Lays the activation table for N tokens out from `base` (null: only measures); its bytes.
-  static size_t carve_activations(const ModelConfig& config, int64_t N, char* base, Acts& a);
+  CudaLlama(const ModelConfig& config, bool keep_layer_activations);
+  // Lays the activation table for N tokens out from `base` (null: only measures) into `a`, and
+  // with keep_layers one Acts per layer into `layers` (when not null): the shared table with
+  // the fields a layer's backward reads from its forward in a set of the layer's own (the last
+  // layer uses the shared set). Returns the bytes.
+  static size_t carve_activations(const ModelConfig& config, int64_t N, bool keep_layers, char* base, Acts& a,
+                                  std::vector<Acts>* layers);
+  const Acts& layer_acts(int64_t layer) const {
+    return keep_layers_ ? layer_acts_[static_cast<size_t>(layer)] : acts_;
+  }
   // Plans the activation table for N tokens (B*T; attention's lse uses B, T), reallocating
   // only when N grows.
   void plan_activations(int64_t N);
@@ -179,7 +193,9 @@ class CudaLlama {
   void* acts_block_ = nullptr;
   size_t acts_bytes_ = 0;
   int64_t planned_tokens_ = 0;
+  bool keep_layers_ = false;
   Acts acts_;
+  std::vector<Acts> layer_acts_;  // per layer, with keep_layers_
 };
 
 }  // namespace strata::model

@@ -6,6 +6,7 @@
 
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/cuda_device.h"
+#include "core/log.h"
 #include "core/units.h"
 #include "kernels/cuda/ops.h"
 #include "model/cuda/llama_cuda.h"
@@ -68,11 +69,28 @@ class CudaModel final : public ResidentModel {
 
 }  // namespace
 
-uint64_t cuda_model_bytes(const model::ModelConfig& config, int64_t micro_batch, int64_t seq_len) {
+uint64_t cuda_model_bytes(const model::ModelConfig& config, int64_t micro_batch, int64_t seq_len,
+                          bool keep_layer_activations) {
   return model::CudaLlama::param_state_bytes_for(config) +
-         model::CudaLlama::activation_bytes_for(config, micro_batch * seq_len) +
+         model::CudaLlama::activation_bytes_for(config, micro_batch * seq_len, keep_layer_activations) +
          kernels::cuda::Context::kDefaultScratchBytes + kernels::cuda::Context::kDefaultGemmWorkspaceBytes +
          kRuntimeMargin;
+}
+
+CudaMemoryPlan plan_cuda_memory(const model::ModelConfig& config, const CudaModelOptions& options) {
+  CudaMemoryPlan p;
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  p.available = options.budget_bytes > 0 ? std::min<uint64_t>(options.budget_bytes, free_bytes) : free_bytes;
+  p.keep_bytes = cuda_model_bytes(config, options.micro_batch, options.seq_len, true);
+  p.recompute_bytes = cuda_model_bytes(config, options.micro_batch, options.seq_len, false);
+  switch (options.activations) {
+    case ActivationMode::kKeep: p.keep = true; break;
+    case ActivationMode::kRecompute: p.keep = false; break;
+    case ActivationMode::kAuto: p.keep = p.keep_bytes <= p.available; break;
+  }
+  p.fits = (p.keep ? p.keep_bytes : p.recompute_bytes) <= p.available;
+  return p;
 }
 
 Result<std::unique_ptr<ResidentModel>> make_cuda_model(const model::ModelConfig& config, const OptimizerConfig& oc,
@@ -98,21 +116,25 @@ Result<std::unique_ptr<ResidentModel>> make_cuda_model(const model::ModelConfig&
                                              "99 KiB or more)",
                                              prop.name, format_bytes(static_cast<uint64_t>(shared_optin)),
                                              config.head_dim, format_bytes(shared_need)));
-  size_t free_bytes = 0, total_bytes = 0;
-  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  const uint64_t need = cuda_model_bytes(config, options.micro_batch, options.seq_len);
-  const uint64_t have = options.budget_bytes > 0 ? std::min<uint64_t>(options.budget_bytes, free_bytes) : free_bytes;
-  if (need > have) {
+  const CudaMemoryPlan mem = plan_cuda_memory(config, options);
+  if (!mem.fits) {
+    const int64_t tokens = options.micro_batch * options.seq_len;
     return Status::OutOfMemory(fmt::format(
         "the model's state and activations need {} of device memory ({} for parameters, gradients and Adam "
-        "moments, {} for micro-batches of {} x {} tokens), and {} has {}{}; the CUDA engine keeps everything on the "
-        "GPU: lower train.micro_batch, or use run.device=cpu, which pages the state through host memory and nvme",
-        format_bytes(need), format_bytes(model::CudaLlama::param_state_bytes_for(config)),
-        format_bytes(model::CudaLlama::activation_bytes_for(config, options.micro_batch * options.seq_len)),
-        options.micro_batch, options.seq_len, prop.name, format_bytes(have),
-        options.budget_bytes > 0 && options.budget_bytes < free_bytes ? " within memory.device" : " free"));
+        "moments, {} for micro-batches of {} x {} tokens{}), and {} has {}{}; the CUDA engine keeps everything on "
+        "the GPU: lower train.micro_batch, or use run.device=cpu, which pages the state through host memory and nvme",
+        format_bytes(mem.keep ? mem.keep_bytes : mem.recompute_bytes),
+        format_bytes(model::CudaLlama::param_state_bytes_for(config)),
+        format_bytes(model::CudaLlama::activation_bytes_for(config, tokens, mem.keep)), options.micro_batch,
+        options.seq_len, mem.keep ? ", every layer's kept" : ", layers recomputed in backward", prop.name,
+        format_bytes(mem.available), options.budget_bytes > 0 ? " within memory.device" : " free"));
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<model::CudaLlama> net, model::CudaLlama::create(config));
+  LOG_INFO("cuda: {} activations ({}; {} in all, {} available)",
+           mem.keep ? "every layer keeps its" : "backward recomputes each layer's",
+           format_bytes(model::CudaLlama::activation_bytes_for(config, options.micro_batch * options.seq_len,
+                                                               mem.keep)),
+           format_bytes(mem.keep ? mem.keep_bytes : mem.recompute_bytes), format_bytes(mem.available));
+  ASSIGN_OR_RETURN(std::unique_ptr<model::CudaLlama> net, model::CudaLlama::create(config, mem.keep));
   return std::unique_ptr<ResidentModel>(
       new CudaModel(std::move(net), oc, fmt::format("cuda:{} ({})", options.device, prop.name)));
 }

@@ -12,12 +12,30 @@
 
 namespace strata {
 
+enum class ActivationMode : uint8_t {
+  kAuto,       // keep when it fits the budget, else recompute
+  kKeep,       // the forward keeps every layer's intermediates: nothing is recomputed
+  kRecompute,  // backward recomputes each layer from its input (less memory, ~1/3 more compute)
+};
+
 struct CudaModelOptions {
   int device = 0;
   int64_t micro_batch = 1;     // B and T of the largest micro-batch, for the activation table
   int64_t seq_len = 1;
   uint64_t budget_bytes = 0;   // device memory the run may use; 0 = what the device has free
+  ActivationMode activations = ActivationMode::kAuto;
 };
+
+// Device memory for the CUDA model of `config` and the choice of activation mode.
+struct CudaMemoryPlan {
+  uint64_t keep_bytes = 0;       // everything, with every layer's intermediates kept
+  uint64_t recompute_bytes = 0;  // everything, with one shared set of intermediates
+  uint64_t available = 0;        // the budget, or the device's free memory when smaller
+  bool fits = false;
+  bool keep = false;             // the mode chosen
+};
+// Reads the current device's free memory. REQUIRES: the device is current.
+CudaMemoryPlan plan_cuda_memory(const model::ModelConfig& config, const CudaModelOptions& options);
 
 // Creates the model on the device with zero parameters and moments. Errors, each naming what
 // to change: NotFound without a usable CUDA device; Unimplemented for what the CUDA model
@@ -29,6 +47,7 @@ Result<std::unique_ptr<ResidentModel>> make_cuda_model(const model::ModelConfig&
 
 // Device memory make_cuda_model() plans for: the parameter state, the activation table, the
 // kernels' scratch and GEMM workspace, and a margin for the CUDA and cuBLAS runtimes.
-uint64_t cuda_model_bytes(const model::ModelConfig& config, int64_t micro_batch, int64_t seq_len);
+uint64_t cuda_model_bytes(const model::ModelConfig& config, int64_t micro_batch, int64_t seq_len,
+                          bool keep_layer_activations);
 
 }  // namespace strata
