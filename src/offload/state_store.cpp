@@ -167,8 +167,9 @@ void StateStore::set_schedule(const std::vector<GroupAccess>& accesses) {
         for (ChunkId c : p.chunks[static_cast<int>(a.kind)]) order.push_back(c);
     }
     // Activation entries keep the device default, which prefetch skips for kAct chunks: they
-    // are written before they are read, so reading them ahead would be wasted I/O.
-    tiers.resize(order.size(), a.prefetch_to);
+    // are written before they are read, so reading them ahead would be wasted I/O. Entries
+    // not to prefetch name nvme, which prefetch never moves chunks to.
+    tiers.resize(order.size(), a.prefetch ? a.prefetch_to : Tier::kNvme);
   }
   schedule_pos_ = 0;
   space_->set_schedule(std::move(order), std::move(tiers));

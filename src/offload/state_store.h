@@ -66,6 +66,10 @@ struct GroupAccess {
   // Where the acquisition will happen, so that prefetch moves the chunks there (e.g. host for
   // AdamW on host memory). Not part of an access's identity: acquires match entries without it.
   Tier prefetch_to = Tier::kDevice;
+  // false: a use that may or may not happen (an expert, fetched after routing if it got
+  // tokens): never prefetched, but eviction counts it as the chunks' next use, so that what is
+  // probably needed soon is not evicted first. Not part of an access's identity either.
+  bool prefetch = true;
   static GroupAccess of_activation(int i) { return {0, StateKind::kParam, i}; }
   static GroupAccess of_part(int group, StateKind kind, int part) { return {group, kind, -1, part}; }
   bool operator==(const GroupAccess& o) const {

@@ -36,16 +36,24 @@ Tier planned_home(const Plan& plan, int num_layers, int group, StateKind kind) {
 }
 
 // One step's acquisitions, in the order LlamaModel and PagedState make them. The model's
-// begin() takes a group's dense part; the experts it fetches after routing are not in the
-// schedule. `offloaded` checkpoints are offloaded after the layer that writes them (the
-// embedding for 0) and fetched before their layer's backward.
+// begin() takes a group's dense part; the experts it fetches after routing (experts[g] of them
+// in group g) follow as entries that are not prefetched, since whether an expert gets tokens
+// is data dependent, but tell eviction that the experts of a layer whose forward just ran are
+// needed again in its backward. `offloaded` checkpoints are offloaded after the layer that
+// writes them (the embedding for 0) and fetched before their layer's backward.
 // `adam_tier(g)` is where AdamW updates group g, so that the optimizer phase prefetches there.
 std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded,
-                                       const std::function<Tier(int)>& adam_tier) {
+                                       const std::vector<int>& experts, const std::function<Tier(int)>& adam_tier) {
   const int head = num_layers + 1;
   std::vector<GroupAccess> s;
   auto all = [&](int g, StateKind k) { s.push_back({g, k}); };
   auto add = [&](int g, StateKind k) { s.push_back(GroupAccess::of_part(g, k, kDensePart)); };
+  auto add_experts = [&](int g, StateKind k) {
+    for (int e = 0; e < experts[static_cast<size_t>(g)]; ++e) {
+      s.push_back(GroupAccess::of_part(g, k, e));
+      s.back().prefetch = false;
+    }
+  };
   auto act = [&](int i) {
     if (i < offloaded) s.push_back(GroupAccess::of_activation(i));
   };
@@ -53,10 +61,13 @@ std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_a
   for (int64_t m = 0; m < grad_accum; ++m) {
     add(0, StateKind::kParam);
     act(0);
-    for (int l = 0; l < num_layers; ++l) add(1 + l, StateKind::kParam), act(l + 1);
+    for (int l = 0; l < num_layers; ++l) add(1 + l, StateKind::kParam), add_experts(1 + l, StateKind::kParam), act(l + 1);
     if (tied) add(0, StateKind::kParam), add(0, StateKind::kGrad);
     add(head, StateKind::kParam), add(head, StateKind::kGrad);
-    for (int l = num_layers - 1; l >= 0; --l) act(l), add(1 + l, StateKind::kParam), add(1 + l, StateKind::kGrad);
+    for (int l = num_layers - 1; l >= 0; --l) {
+      act(l), add(1 + l, StateKind::kParam), add(1 + l, StateKind::kGrad);
+      add_experts(1 + l, StateKind::kParam), add_experts(1 + l, StateKind::kGrad);
+    }
     add(0, StateKind::kGrad);
   }
   for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // gradient norm
@@ -116,8 +127,13 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     RETURN_IF_ERROR(ps->store_->add_activations(offloaded, floats));
   }
   const bool tied = ps->layout_.lm_head() == ps->layout_.embed_tokens();
-  ps->store_->set_schedule(
-      step_schedule(L, tied, options.grad_accum, offloaded, [p = ps.get()](int g) { return p->adam_tier(g); }));
+  std::vector<int> experts(static_cast<size_t>(L) + 2, 0);  // per group
+  for (const auto& t : ps->layout_.tensors()) {
+    int& count = experts[static_cast<size_t>(model::param_group_of(ps->layout_, t))];
+    count = std::max(count, model::param_expert_of(ps->layout_, t) + 1);
+  }
+  ps->store_->set_schedule(step_schedule(L, tied, options.grad_accum, offloaded, experts,
+                                         [p = ps.get()](int g) { return p->adam_tier(g); }));
   if (options.overlap_optimizer) ps->worker_ = std::thread([p = ps.get()] { p->worker_loop(); });
   return ps;
 }

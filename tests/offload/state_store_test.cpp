@@ -1,0 +1,108 @@
+// StateStore schedules with entries that are not prefetched: an expert fetched after routing
+// is never moved ahead of time, yet eviction counts its next (likely) use, so an expert used
+// in a layer's forward is not the first chunk pushed out before the layer's backward.
+#include "offload/state_store.h"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <utility>
+#include <memory>
+
+#include "core/cpu_device.h"
+
+namespace strata {
+namespace {
+
+constexpr uint64_t kChunk = 16 * kKiB;
+constexpr uint64_t kFloats = kChunk / sizeof(float);  // one tensor fills one chunk
+
+// Groups: 0 dense "a"; 1 dense "b" with one expert "e"; 2 dense "c". The device holds two
+// chunks, so acquiring c after b and e evicts one of them.
+std::unique_ptr<StateStore> make_store(Device& device, size_t lookahead) {
+  std::vector<StateTensor> tensors = {{"a", kFloats, 0, kDensePart},
+                                      {"b", kFloats, 1, kDensePart},
+                                      {"e", kFloats, 1, 0},
+                                      {"c", kFloats, 2, kDensePart}};
+  StateStoreOptions o;
+  o.space.chunk_bytes = kChunk;
+  o.space.device_bytes = 2 * kChunk;
+  o.space.host_bytes = 64 * kChunk;
+  o.lookahead = lookahead;
+  o.home = [](int, StateKind) { return Tier::kHost; };
+  Result<std::unique_ptr<StateStore>> store = StateStore::create(device, nullptr, std::move(tensors), o);
+  CHECK_MSG(store.ok(), store.status().to_string());
+  // Written once in host memory: a chunk never written is zero-filled where it is first
+  // acquired, and would move nothing.
+  for (auto [g, part] : {std::pair{0, kDensePart}, {1, kDensePart}, {1, 0}, {2, kDensePart}}) {
+    CHECK((*store)->acquire_part(g, part, StateKind::kParam, Tier::kHost, AccessMode::kWrite).ok());
+    (*store)->release_part(g, part, StateKind::kParam);
+  }
+  return std::move(store).value();
+}
+
+// b, its expert e (after routing), c, the expert again, a: as a layer's dense part and expert
+// in forward, another layer, the expert in the first layer's backward, then the rest.
+std::vector<GroupAccess> schedule(bool expert_entries) {
+  auto dense = [](int g) { return GroupAccess::of_part(g, StateKind::kParam, kDensePart); };
+  GroupAccess expert = GroupAccess::of_part(1, StateKind::kParam, 0);
+  expert.prefetch = false;
+  if (expert_entries) return {dense(1), expert, dense(2), expert, dense(0)};
+  return {dense(1), dense(2), dense(0)};
+}
+
+// Runs the schedule's acquisitions once; the host -> device bytes moved.
+uint64_t run(StateStore& store) {
+  const uint64_t before = store.stats().host_to_device_bytes;
+  const std::array<int, 1> expert = {0};
+  auto use_dense = [&](int g) {
+    EXPECT_TRUE(store.acquire_part(g, kDensePart, StateKind::kParam, Tier::kDevice, AccessMode::kRead).ok());
+    store.release_part(g, kDensePart, StateKind::kParam);
+  };
+  auto use_expert = [&] {
+    EXPECT_TRUE(store.acquire_parts(1, expert, StateKind::kParam, Tier::kDevice, AccessMode::kRead).ok());
+    store.release_parts(1, expert, StateKind::kParam);
+  };
+  use_dense(1);
+  use_expert();
+  use_dense(2);
+  use_expert();
+  use_dense(0);
+  EXPECT_TRUE(store.synchronize().ok());
+  return store.stats().host_to_device_bytes - before;
+}
+
+TEST(StateStoreTest, ExpertEntriesKeepAnExpertForItsNextUseWithoutPrefetchingIt) {
+  std::unique_ptr<CpuDevice> device = CpuDevice::create(0, 0).value();
+  // Without expert entries the expert has no next use: c evicts it, and it is fetched again.
+  std::unique_ptr<StateStore> unaware = make_store(*device, 0);
+  unaware->set_schedule(schedule(false));
+  const uint64_t without = run(*unaware);
+  // With them, b (next used in the next step) goes instead, and e stays.
+  std::unique_ptr<StateStore> aware = make_store(*device, 0);
+  aware->set_schedule(schedule(true));
+  const uint64_t with = run(*aware);
+  EXPECT_EQ(without, 5 * kChunk);  // b, e, c, e, a
+  EXPECT_EQ(with, 4 * kChunk);     // b, e, c, a
+}
+
+// With two entries of lookahead, acquiring b prefetches what follows it. The expert's entry
+// is skipped, so only c is prefetched; were the expert's entry prefetched like the others, it
+// would move too.
+TEST(StateStoreTest, EntriesNotToPrefetchAreNeverPrefetched) {
+  std::unique_ptr<CpuDevice> device = CpuDevice::create(0, 0).value();
+  uint64_t prefetched[2] = {0, 0};
+  for (bool prefetch_expert : {false, true}) {
+    std::unique_ptr<StateStore> store = make_store(*device, 2);
+    std::vector<GroupAccess> s = schedule(true);
+    for (GroupAccess& a : s) a.prefetch = a.part == kDensePart || prefetch_expert;
+    store->set_schedule(s);
+    run(*store);
+    prefetched[prefetch_expert] = store->stats().prefetched_bytes;
+  }
+  EXPECT_EQ(prefetched[0], kChunk);      // c
+  EXPECT_EQ(prefetched[1], 2 * kChunk);  // c and e
+}
+
+}  // namespace
+}  // namespace strata
