@@ -32,6 +32,10 @@ ChunkKind chunk_kind_of(StateKind kind) {
 
 uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 
+// A part smaller than 1/kOwnChunkFraction of a chunk shares chunks with its neighbours (so a
+// part padded to chunks of its own wastes less than its size).
+constexpr uint64_t kOwnChunkFraction = 2;
+
 // The chunk size that wastes the least padding when each group's tensors are packed into
 // chunks of their own; ties go to the smaller size (finer-grained paging).
 uint64_t choose_group_chunk_bytes(const std::vector<std::vector<uint64_t>>& groups) {
@@ -55,6 +59,12 @@ uint64_t choose_group_chunk_bytes(const std::vector<std::vector<uint64_t>>& grou
 }
 
 }  // namespace
+
+uint64_t StateStore::part_bytes_of(const StateStore& s, const Part& part) {
+  uint64_t bytes = 0;
+  for (size_t i : part.tensors) bytes += round_up(s.tensors_[i].elements * sizeof(float), kTensorAlignment);
+  return bytes;
+}
 
 Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine* io, std::vector<StateTensor> tensors,
                                                        const StateStoreOptions& options) {
@@ -103,18 +113,27 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
     for (int g = 0; g < s->num_groups_; ++g) {
       std::optional<Tier> home;
       if (options.home) home = options.home(g, kind);
-      for (Part& part : s->parts_[g]) {
-        // A home tier that is already full falls back to the tiers below it (for the rest of
-        // the group too).
-        Result<ChunkId> added = s->space_->add_chunk(chunk_kind_of(kind), home);
-        while (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && home && *home != Tier::kNvme) {
-          home = static_cast<Tier>(static_cast<int>(*home) + 1);
-          if (!s->space_->has_tier(*home)) continue;
-          added = s->space_->add_chunk(chunk_kind_of(kind), home);
-        }
-        ASSIGN_OR_RETURN(ChunkId first, std::move(added));
+      for (size_t pi = 0; pi < s->parts_[g].size(); ++pi) {
+        Part& part = s->parts_[g][pi];
         std::vector<ChunkId>& chunks = part.chunks[k];
-        chunks.push_back(first);
+        // The group's first part opens a chunk; a part of at least 1/kOwnChunkFraction of a chunk
+        // opens one too, so it pages alone. Smaller parts (experts far smaller than the largest
+        // tensor) share chunks with the part before them, rather than each padding a chunk of
+        // its own: fetching one then brings its neighbours along.
+        if (pi == 0 || part_bytes_of(*s, part) * kOwnChunkFraction >= so.chunk_bytes) {
+          // A home tier that is already full falls back to the tiers below it (for the rest of
+          // the group too).
+          Result<ChunkId> added = s->space_->add_chunk(chunk_kind_of(kind), home);
+          while (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && home && *home != Tier::kNvme) {
+            home = static_cast<Tier>(static_cast<int>(*home) + 1);
+            if (!s->space_->has_tier(*home)) continue;
+            added = s->space_->add_chunk(chunk_kind_of(kind), home);
+          }
+          ASSIGN_OR_RETURN(ChunkId first, std::move(added));
+          chunks.push_back(first);
+        } else {
+          chunks.push_back(s->parts_[g][pi - 1].chunks[k].back());  // the chunk being filled
+        }
         for (size_t i : part.tensors) {
           const StateTensor& t = s->tensors_[i];
           ASSIGN_OR_RETURN(TensorId id, s->space_->add_tensor(std::string(state_kind_name(kind)) + "/" + t.name,
@@ -127,6 +146,14 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
       s->homes_[g * kNumStateKinds + k] = s->space_->home(s->parts_[g].front().chunks[k].front());
     }
   }
+  // Chunks holding more than one part (counted per kind: a chunk holds one kind).
+  std::vector<int> parts_in(s->space_->num_chunks(), 0);
+  for (const auto& parts : s->parts_)
+    for (const Part& p : parts)
+      for (const auto& chunks : p.chunks)
+        for (ChunkId c : chunks) ++parts_in[c];
+  s->shared_.resize(parts_in.size());
+  for (size_t c = 0; c < parts_in.size(); ++c) s->shared_[c] = parts_in[c] > 1;
   return s;
 }
 
@@ -184,10 +211,13 @@ Status StateStore::pin(int group, const std::vector<size_t>& parts, StateKind ki
   std::vector<ChunkId> chunks;
   std::vector<void*> bases;
   Status st = Status::OK();
+  // Overwriting a whole chunk is only allowed to the caller of every part it holds.
+  const bool every_part = parts.size() == ps.size();
   for (size_t p : parts) {
     for (ChunkId c : ps[p].chunks[k]) {
       if (entry) space_->advance(schedule_chunk_start_[*entry] + chunks.size());
-      Result<void*> base = space_->acquire_chunk(c, where, mode, consumer);
+      const AccessMode chunk_mode = mode == AccessMode::kWrite && shared_[c] && !every_part ? AccessMode::kReadWrite : mode;
+      Result<void*> base = space_->acquire_chunk(c, where, chunk_mode, consumer);
       if (!base.ok()) {
         st = base.status();
         break;

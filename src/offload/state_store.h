@@ -10,8 +10,11 @@
 // the step schedule given to set_schedule().
 //
 // Parts: a tensor may also name a part of its group (StateTensor::part, e.g. the index of one
-// expert of an MoE layer; kDensePart for the rest). Each part of a group is packed into chunks
-// of its own, so it can be acquired without the others: acquire_group() takes every part,
+// expert of an MoE layer; kDensePart for the rest). A part of at least half a chunk is
+// packed into chunks of its own; smaller ones (experts of a model whose largest tensor, the
+// embedding, sets a far larger chunk size) share chunks with their neighbours instead of each
+// padding a whole chunk, and come along when one of them is fetched. Either way a part can be
+// acquired without the others: acquire_group() takes every part,
 // acquire_part() one part along the schedule (the dense part, before compute), acquire_parts()
 // several parts on demand, outside the schedule (the experts a router picked: which ones is only
 // known once the router has run).
@@ -155,9 +158,11 @@ class StateStore {
   struct Part {
     int id = kDensePart;
     std::vector<size_t> tensors;
-    std::array<std::vector<ChunkId>, kNumStateKinds> chunks;
+    std::array<std::vector<ChunkId>, kNumStateKinds> chunks;  // may be shared with neighbouring parts
     std::array<bool, kNumStateKinds> pinned{};
   };
+  // Bytes a part's tensors take in a chunk, alignment included.
+  static uint64_t part_bytes_of(const StateStore& s, const Part& part);
   // Index in parts_[group]. REQUIRES: the group has the part.
   size_t part_index(int group, int part) const;
   // Pins the chunks of parts_[group][parts...] (in that order) in `where`. With `entry`, each
@@ -178,6 +183,7 @@ class StateStore {
   std::vector<std::array<TensorId, kNumStateKinds>> ids_;  // per tensor
   std::vector<std::array<float*, kNumStateKinds>> ptrs_;   // per tensor, while acquired
   std::vector<std::vector<Part>> parts_;  // per group: kDensePart first, then the others ascending
+  std::vector<bool> shared_;  // per chunk: it holds more than one part
   std::vector<Tier> homes_;  // per group * kind
   // Schedule: the chunk order handed to the ChunkSpace, and for each group access where it starts.
   std::vector<GroupAccess> schedule_;

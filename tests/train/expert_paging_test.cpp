@@ -90,6 +90,7 @@ struct RunResult {
   int64_t idle_expert_steps = 0;    // (step, MoE layer, expert) without a token in the whole step
   int64_t expert_param_chunks = 0;  // chunks of one expert's parameters
   int64_t overlapped_updates = 0;
+  size_t chunks = 0;                // chunks of the whole state
 };
 
 RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batches, float grad_clip = 0.5f) {
@@ -103,7 +104,7 @@ RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batch
 
 RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batches, bool all_experts,
                     uint64_t device_bytes, uint64_t host_bytes, uint64_t nvme_bytes, const std::string& nvme_dir,
-                    size_t lookahead, bool overlap_optimizer = false) {
+                    size_t lookahead, bool overlap_optimizer = false, uint64_t chunk_bytes = kChunk) {
   auto device = CpuDevice::create(0, 0);
   CHECK(device.ok());
   auto io = make_io_engine({.kind = "threads"});
@@ -115,7 +116,7 @@ RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batc
   po.host_bytes = host_bytes;
   po.nvme_bytes = nvme_bytes;
   po.nvme_dir = nvme_dir;
-  po.chunk_bytes = kChunk;
+  po.chunk_bytes = chunk_bytes;
   po.lookahead = lookahead;
   po.grad_accum = kAccum;
   po.optimizer = optimizer_config(overlap_optimizer ? 0.0f : 0.5f);
@@ -127,6 +128,7 @@ RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batc
   PagedState& ps = **paged;
   EXPECT_TRUE(ps.load_params(net.params()).ok());
   r.expert_param_chunks = static_cast<int64_t>(ps.store().part_chunk_count(1, 0, StateKind::kParam));
+  r.chunks = ps.store().space().num_chunks();
   CountingAccess access(ps, mc.num_experts, all_experts);
   net.set_access(&access);
   for (int s = 0; s < kSteps; ++s) {
@@ -239,6 +241,25 @@ TEST_F(ExpertPagingTest, OptimizerOverlappingBackwardMatchesFlatBitwise) {
       run_paged(mc, batches, false, 24 * kChunk, 48 * kChunk, 256 * kChunk, nvme, 2, /*overlap_optimizer=*/true);
   expect_bitwise_equal(flat, overlapped, mc);
   EXPECT_EQ(overlapped.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
+}
+
+// Chunks four times an expert's size (as when a large embedding sets the chunk size): the
+// experts share chunks instead of each padding one, and the run still pages through host and
+// NVMe to bitwise the flat result.
+TEST_F(ExpertPagingTest, SmallExpertsShareChunksAndMatchFlatBitwise) {
+  const model::ModelConfig mc = moe_config();
+  const auto batches = moe_batches(mc);
+  const RunResult flat = run_flat(mc, batches);
+  const uint64_t chunk = 64 * kKiB;
+  const std::string nvme = (dir_ / "nvme").string();
+  fs::create_directories(nvme);
+  const RunResult shared = run_paged(mc, batches, false, 8 * chunk, 12 * chunk, 64 * chunk, nvme, 2, false, chunk);
+  expect_bitwise_equal(flat, shared, mc);
+  EXPECT_GT(shared.stats.host_to_nvme_bytes, 0u) << "the nvme tier was never written";
+  EXPECT_GT(shared.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
+  std::printf("experts of 12 KiB in 64 KiB chunks: %zu chunks in all\n", shared.chunks);
+  // One chunk per expert and kind would take 64 chunks for the experts alone.
+  EXPECT_LT(shared.chunks, static_cast<size_t>(kNumStateKinds * mc.num_moe_layers() * mc.num_experts));
 }
 
 }  // namespace
