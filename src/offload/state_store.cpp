@@ -131,8 +131,6 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
           }
           ASSIGN_OR_RETURN(ChunkId first, std::move(added));
           chunks.push_back(first);
-        } else {
-          chunks.push_back(s->parts_[g][pi - 1].chunks[k].back());  // the chunk being filled
         }
         for (size_t i : part.tensors) {
           const StateTensor& t = s->tensors_[i];

@@ -104,5 +104,37 @@ TEST(StateStoreTest, EntriesNotToPrefetchAreNeverPrefetched) {
   EXPECT_EQ(prefetched[1], 2 * kChunk);  // c and e
 }
 
+// Two experts of a quarter chunk share one chunk. Acquiring one of them to overwrite it whole
+// must not drop the other's bytes: the shared chunk is loaded first.
+TEST(StateStoreTest, SmallPartsShareAChunkAndAWholeWriteOfOneKeepsTheOther) {
+  std::unique_ptr<CpuDevice> device = CpuDevice::create(0, 0).value();
+  const uint64_t quarter = kFloats / 4;
+  std::vector<StateTensor> tensors = {{"dense", kFloats, 0, kDensePart}, {"e0", quarter, 0, 0}, {"e1", quarter, 0, 1}};
+  StateStoreOptions o;
+  o.space.chunk_bytes = kChunk;
+  o.space.device_bytes = 2 * kChunk;
+  o.space.host_bytes = 64 * kChunk;
+  o.home = [](int, StateKind) { return Tier::kHost; };
+  std::unique_ptr<StateStore> store = StateStore::create(*device, nullptr, std::move(tensors), o).value();
+  EXPECT_EQ(store->part_chunk_count(0, 0, StateKind::kParam), 1u);
+  EXPECT_EQ(store->part_chunk_count(0, 1, StateKind::kParam), 1u);
+  EXPECT_EQ(store->space().num_chunks(), static_cast<size_t>(2 * kNumStateKinds));  // dense + both experts, per kind
+  const std::array<int, 2> both = {0, 1};
+  ASSERT_TRUE(store->acquire_parts(0, both, StateKind::kParam, Tier::kHost, AccessMode::kReadWrite).ok());
+  for (uint64_t i = 0; i < quarter; ++i) store->pointer(1, StateKind::kParam)[i] = 1.0f + static_cast<float>(i);
+  for (uint64_t i = 0; i < quarter; ++i) store->pointer(2, StateKind::kParam)[i] = -2.0f;
+  store->release_parts(0, both, StateKind::kParam);
+  // e0 overwritten whole on the device, where the chunk has no copy yet.
+  ASSERT_TRUE(store->acquire_part(0, 0, StateKind::kParam, Tier::kDevice, AccessMode::kWrite).ok());
+  for (uint64_t i = 0; i < quarter; ++i) store->pointer(1, StateKind::kParam)[i] = 7.0f;
+  store->release_part(0, 0, StateKind::kParam);
+  ASSERT_TRUE(store->acquire_parts(0, both, StateKind::kParam, Tier::kHost, AccessMode::kRead).ok());
+  for (uint64_t i = 0; i < quarter; ++i) {
+    ASSERT_EQ(store->pointer(1, StateKind::kParam)[i], 7.0f) << i;
+    ASSERT_EQ(store->pointer(2, StateKind::kParam)[i], -2.0f) << "e1 lost at " << i;
+  }
+  store->release_parts(0, both, StateKind::kParam);
+}
+
 }  // namespace
 }  // namespace strata
