@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <span>
 #include <string>
 
@@ -60,6 +61,15 @@ uint64_t choose_group_chunk_bytes(const std::vector<std::vector<uint64_t>>& grou
 
 }  // namespace
 
+uint64_t StateStore::auto_chunk_bytes(const std::vector<StateTensor>& tensors) {
+  // Each part is packed on its own, so the chunk size is chosen over parts.
+  std::map<std::pair<int, int>, std::vector<uint64_t>> parts;  // (group, part) -> tensor bytes
+  for (const StateTensor& t : tensors) parts[{t.group, t.part}].push_back(t.elements * sizeof(float));
+  std::vector<std::vector<uint64_t>> part_bytes;
+  for (auto& [key, bytes] : parts) part_bytes.push_back(std::move(bytes));
+  return choose_group_chunk_bytes(part_bytes);
+}
+
 uint64_t StateStore::part_bytes_of(const StateStore& s, const Part& part) {
   uint64_t bytes = 0;
   for (size_t i : part.tensors) bytes += round_up(s.tensors_[i].elements * sizeof(float), kTensorAlignment);
@@ -92,16 +102,8 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
     }
     it->tensors.push_back(i);
   }
-  // Each part is packed on its own, so the chunk size is chosen over parts.
-  std::vector<std::vector<uint64_t>> part_bytes;
-  for (const auto& parts : s->parts_) {
-    for (const Part& p : parts) {
-      part_bytes.emplace_back();
-      for (size_t i : p.tensors) part_bytes.back().push_back(s->tensors_[i].elements * sizeof(float));
-    }
-  }
   ChunkSpaceOptions so = options.space;
-  if (so.chunk_bytes == 0) so.chunk_bytes = choose_group_chunk_bytes(part_bytes);
+  if (so.chunk_bytes == 0) so.chunk_bytes = auto_chunk_bytes(s->tensors_);
   s->demand_stream_ = device.create_stream();
   ASSIGN_OR_RETURN(s->space_, ChunkSpace::create(device, io, so));
 

@@ -93,6 +93,9 @@ class StateStore {
   static Result<std::unique_ptr<StateStore>> create(Device& device, IoEngine* io,
                                                     std::vector<StateTensor> tensors,
                                                     const StateStoreOptions& options);
+  // The chunk size create() chooses when options.space.chunk_bytes is 0: at least the largest
+  // tensor, wasting the least padding when each part is packed on its own.
+  static uint64_t auto_chunk_bytes(const std::vector<StateTensor>& tensors);
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
 

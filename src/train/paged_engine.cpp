@@ -23,6 +23,8 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   if (budgets.memory_host == 0) budgets.memory_host = default_host_budget();
   const uint64_t all_state = static_cast<uint64_t>(e->net_->layout().total_size()) * sizeof(float) * kNumStateKinds;
   if (budgets.memory_device == 0) budgets.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
+  // Planned in the chunks the store will use, so that their padding is counted.
+  if (budgets.chunk_size == 0) budgets.chunk_size = PagedState::auto_chunk_bytes(e->net_->layout());
   e->plan_ = make_plan(make_plan_input(mc, budgets, /*cuda=*/false));
   const Plan& plan = e->plan_;
   if (!plan.fits) {
@@ -44,7 +46,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   po.host_bytes = budgets.memory_host;
   po.nvme_bytes = t.nvme_path.empty() ? 0 : t.nvme_size;
   po.nvme_dir = t.nvme_path;
-  po.chunk_bytes = t.chunk_size;
+  po.chunk_bytes = budgets.chunk_size;
   po.grad_accum = t.grad_accum;
   po.plan = &e->plan_;
   po.offload_activations = plan.offload_activations;

@@ -80,7 +80,17 @@ std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_a
   return s;
 }
 
+StateTensor state_tensor(const model::ParamLayout& layout, const model::TensorSpec& t) {
+  return {t.name, static_cast<uint64_t>(t.numel), model::param_group_of(layout, t), model::param_expert_of(layout, t)};
+}
+
 }  // namespace
+
+uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout) {
+  std::vector<StateTensor> tensors;
+  for (const auto& t : layout.tensors()) tensors.push_back(state_tensor(layout, t));
+  return StateStore::auto_chunk_bytes(tensors);
+}
 
 Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine* io, const model::ParamLayout& layout,
                                                        const PagedStateOptions& options) {
@@ -92,8 +102,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     ps->by_offset_[t.offset] = tensors.size();
     ps->sorted_.emplace_back(t.offset, tensors.size());
     ps->specs_.push_back(&t);
-    tensors.push_back({t.name, static_cast<uint64_t>(t.numel), model::param_group_of(ps->layout_, t),
-                       model::param_expert_of(ps->layout_, t)});
+    tensors.push_back(state_tensor(ps->layout_, t));
   }
   std::sort(ps->sorted_.begin(), ps->sorted_.end());
   const int L = static_cast<int>(ps->layout_.num_layers());

@@ -76,6 +76,9 @@ class PagedState : public model::ParamAccess, public SavableState {
                                                     const model::ParamLayout& layout,
                                                     const PagedStateOptions& options);
 
+  // The chunk size create() chooses for `layout` when options.chunk_bytes is 0.
+  static uint64_t auto_chunk_bytes(const model::ParamLayout& layout);
+
   // Copies parameters in from / out to a flat buffer of layout.total_size() floats.
   Status load_params(const float* flat);
   Status store_params(float* flat);

@@ -177,7 +177,7 @@ TEST_F(CliTest, PagingThroughHostAndNvmeChangesNoBit) {
   CmdResult b = run_strata("train data.paths=[" + corpus() + "] run.dir=" + tight +
                            " train.micro_batch=2 train.seq_len=32 train.steps=6 optim.warmup_steps=2 "
                            "'model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96]' train.grad_accum=2"
-                           " memory.device=1MiB memory.host=1300KiB memory.nvme.path=" + (dir_ / "nvme").string() +
+                           " memory.device=1200KiB memory.host=1300KiB memory.nvme.path=" + (dir_ / "nvme").string() +
                            " memory.nvme.size=16MiB memory.offload_activations=true");
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_EQ(losses_of(fs::path(roomy) / "metrics.jsonl"), losses_of(fs::path(tight) / "metrics.jsonl"));
@@ -206,7 +206,7 @@ TEST_F(CliTest, ResumeIsBitExactEvenWithOtherBudgets) {
   ASSERT_TRUE(fs::exists(step3)) << a.output;
   // Same budgets, and budgets that page everything through host and nvme.
   for (const std::string& budgets :
-       {std::string(""), " memory.device=1MiB memory.host=1300KiB memory.nvme.path=" + (dir_ / "nvme").string() +
+       {std::string(""), " memory.device=1200KiB memory.host=1300KiB memory.nvme.path=" + (dir_ / "nvme").string() +
                              " memory.nvme.size=16MiB"}) {
     std::string resumed = (dir_ / ("resumed" + std::to_string(budgets.size()))).string();
     CmdResult b = run_strata("train " + small_run(resumed) + " train.grad_accum=2 --resume " + step3 + budgets);

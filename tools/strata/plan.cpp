@@ -10,6 +10,7 @@
 #include "core/units.h"
 #include "offload/plan.h"
 #include "tools/strata/commands.h"
+#include "train/paged_state.h"
 #include "train/planning.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
@@ -80,6 +81,8 @@ int plan_command(const std::vector<std::string>& args) {
     }
     tc->memory_device = tc->memory_host ? tc->memory_host : default_host_budget();
   }
+  // The CPU backend's chunks, as `strata train` would make them, so that padding is counted.
+  if (!cuda && tc->chunk_size == 0) tc->chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(*mc));
   const PlanInput in = make_plan_input(*mc, *tc, cuda);
   const Plan plan = make_plan(in);
   const double n_params = static_cast<double>(mc->num_parameters());
