@@ -1,10 +1,19 @@
 // Backend parity of the mixture-of-experts ops: every CUDA op of kernels/moe.h against the CPU
-// reference (kernels::ref) fed the same fp32 inputs, over Mixtral-like (E=8, K=2) and
-// Qwen-MoE-like (E=60, K=4) configurations, both scoring modes, with and without a selection
-// bias, odd sizes, and expert assignments that leave some experts without tokens.
+// reference (kernels::ref), over Mixtral-like (E=8, K=2) and Qwen-MoE-like (E=60, K=4)
+// configurations, both scoring modes, with and without a selection bias, odd sizes, and expert
+// assignments that leave some experts without tokens.
 //
-// Integer outputs (expert_idx, slots, offsets, counts) must match exactly; float outputs within
-// kF32Tol (relative L2 error, NaN or Inf fails), copies and single products bitwise.
+// The router is fp32 on both sides and fed the same fp32 inputs. Token activations and expert
+// weights are bf16 on the GPU: they are rounded to bf16 before either side sees them, so only
+// the computation (and the GPU's bf16 outputs and intermediates) differs.
+//
+// Integer outputs (expert_idx, slots, offsets, counts) must match exactly. Float outputs within
+// a relative L2 error (NaN or Inf fails):
+//   kBf16Tol  outputs stored in bf16, and fp32 outputs computed from a bf16-rounded
+//             intermediate (expert weight gradients of gate/up, router gradients of a block);
+//   kF32Tol   fp32 outputs accumulated in fp32 from bf16 or fp32 inputs (routing, combine
+//             dweights, the down projection's weight gradient);
+//   exact     copies and single products (gather, combine backward dys).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,6 +23,8 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../test_util.h"
@@ -29,6 +40,7 @@ namespace cu = kernels::cuda;
 using kernels::RouterConfig;
 using kernels::RouterScoring;
 
+constexpr double kBf16Tol = 1e-2;
 constexpr double kF32Tol = 1e-5;
 
 std::string dims(std::initializer_list<std::pair<const char*, int64_t>> values) {
@@ -266,11 +278,14 @@ TEST(MoeParity, GatherAndCombine) {
     const std::string what = dims({{"N", N}, {"K", K}, {"E", c.E}, {"C", C}});
     const std::vector<int32_t> idx = random_assignments(N, K, c.E, 500 + N + C);
     const Permutation perm = reference_permutation(idx, N, K, c.E);
-    const std::vector<float> x = random_vector(N * C, 501 + N);
-    const std::vector<float> dxs = random_vector(S * C, 502 + C);
-    const std::vector<float> ys = random_vector(S * C, 503 + N);
+    std::vector<float> x = random_vector(N * C, 501 + N);
+    std::vector<float> dxs = random_vector(S * C, 502 + C);
+    std::vector<float> ys = random_vector(S * C, 503 + N);
     const std::vector<float> weights = random_vector(S, 504, 0.f, 1.f);
-    const std::vector<float> dout = random_vector(N * C, 505 + C);
+    std::vector<float> dout = random_vector(N * C, 505 + C);
+    // Rounds the bf16 inputs in place, before the reference reads them.
+    DeviceBuffer<bf16> d_x = upload_bf16(x), d_dxs = upload_bf16(dxs), d_ys = upload_bf16(ys);
+    DeviceBuffer<bf16> d_dout = upload_bf16(dout);
 
     std::vector<float> xs(S * C), dx(N * C), out(N * C), dys(S * C), dweights(S);
     ref::moe_gather(xs.data(), x.data(), perm.token_of_slot.data(), S, C);
@@ -280,94 +295,105 @@ TEST(MoeParity, GatherAndCombine) {
                               N, K, C);
 
     DeviceBuffer<int32_t> d_slot_of(perm.slot_of), d_token_of_slot(perm.token_of_slot);
-    DeviceBuffer<float> d_x(x), d_dxs(dxs), d_ys(ys), d_weights(weights), d_dout(dout);
-    DeviceBuffer<float> d_xs(S * C), d_dx(N * C), d_out(N * C), d_dys(S * C), d_dweights(S);
+    DeviceBuffer<float> d_weights(weights), d_dweights(S);
+    DeviceBuffer<bf16> d_xs(S * C), d_dx(N * C), d_out(N * C), d_dys(S * C);
     cu::moe_gather(d_xs.get(), d_x.get(), d_token_of_slot.get(), S, C, stream.get());
     cu::moe_gather_backward(d_dx.get(), d_dxs.get(), d_slot_of.get(), N, K, C, stream.get());
     cu::moe_combine_forward(d_out.get(), d_ys.get(), d_weights.get(), d_slot_of.get(), N, K, C, stream.get());
     cu::moe_combine_backward(d_dys.get(), d_dweights.get(), d_dout.get(), d_ys.get(), d_weights.get(), d_slot_of.get(),
                              N, K, C, stream.get());
-    expect_same(download_f32(d_xs), xs, "gather " + what);
-    expect_close(download_f32(d_dx), dx, kF32Tol, "gather_backward " + what);
-    expect_close(download_f32(d_out), out, kF32Tol, "combine_forward " + what);
-    // dys = w * dout, one correctly rounded product per element on both sides.
-    expect_same(download_f32(d_dys), dys, "combine_backward dys " + what);
+    expect_same(download_bf16(d_xs), xs, "gather " + what);
+    expect_close(download_bf16(d_dx), dx, kBf16Tol, "gather_backward " + what);
+    expect_close(download_bf16(d_out), out, kBf16Tol, "combine_forward " + what);
+    // dys = w * dout: the correctly rounded fp32 product on both sides (the reference's double
+    // product of an fp32 and a bf16 value is exact), then the GPU's one rounding to bf16.
+    round_to_bf16(dys);
+    expect_same(download_bf16(d_dys), dys, "combine_backward dys " + what);
     expect_close(download_f32(d_dweights), dweights, kF32Tol, "combine_backward dweights " + what);
   }
 }
 
 // ---- experts --------------------------------------------------------------------------------
 
-// E experts' weights (or gradients), one device buffer per tensor as the Hugging Face tensors
-// are separate, with host copies and the per-expert pointer arrays both backends take.
+// E experts' weights (T = bf16: rounded to bf16, the compute copies) or gradients (T = float),
+// one device buffer per tensor as the Hugging Face tensors are separate, with host copies (the
+// values the device holds, in fp32) and the per-expert pointer arrays both backends take.
+enum ExpertPart { kGate = 0, kUp = 1, kDown = 2 };
+
+template <typename T>
 struct ExpertSet {
-  std::vector<std::vector<float>> host_gate, host_up, host_down;
-  std::vector<std::unique_ptr<DeviceBuffer<float>>> dev_gate, dev_up, dev_down;
+  std::vector<std::vector<float>> host[3];  // gate, up, down
+  std::vector<std::unique_ptr<DeviceBuffer<T>>> dev[3];
 
   ExpertSet(int64_t E, int64_t C, int64_t F, uint64_t seed, float scale) {
     for (int64_t e = 0; e < E; ++e) {
-      host_gate.push_back(random_vector(F * C, seed + 3 * e, -scale, scale));
-      host_up.push_back(random_vector(F * C, seed + 3 * e + 1, -scale, scale));
-      host_down.push_back(random_vector(C * F, seed + 3 * e + 2, -scale, scale));
-      dev_gate.push_back(std::make_unique<DeviceBuffer<float>>(host_gate.back()));
-      dev_up.push_back(std::make_unique<DeviceBuffer<float>>(host_up.back()));
-      dev_down.push_back(std::make_unique<DeviceBuffer<float>>(host_down.back()));
+      for (int part = 0; part < 3; ++part) {
+        std::vector<float> v = random_vector(F * C, seed + 3 * e + part, -scale, scale);
+        if constexpr (std::is_same_v<T, bf16>) {
+          dev[part].push_back(std::make_unique<DeviceBuffer<bf16>>(round_to_bf16(v)));
+        } else {
+          dev[part].push_back(std::make_unique<DeviceBuffer<float>>(v));
+        }
+        host[part].push_back(std::move(v));
+      }
     }
   }
-  template <typename T>
+  template <typename U>
   struct Pointers {
-    std::vector<T*> gate, up, down;
-    kernels::ExpertTensors<T> tensors() const { return {gate.data(), up.data(), down.data()}; }
+    std::vector<U*> part[3];
+    kernels::ExpertTensors<U> tensors() const { return {part[kGate].data(), part[kUp].data(), part[kDown].data()}; }
   };
   Pointers<const float> host_const() const {
     Pointers<const float> p;
-    for (size_t e = 0; e < host_gate.size(); ++e) {
-      p.gate.push_back(host_gate[e].data());
-      p.up.push_back(host_up[e].data());
-      p.down.push_back(host_down[e].data());
+    for (int part = 0; part < 3; ++part) {
+      for (const auto& v : host[part]) p.part[part].push_back(v.data());
     }
     return p;
   }
   Pointers<float> host_mutable() {
     Pointers<float> p;
-    for (size_t e = 0; e < host_gate.size(); ++e) {
-      p.gate.push_back(host_gate[e].data());
-      p.up.push_back(host_up[e].data());
-      p.down.push_back(host_down[e].data());
+    for (int part = 0; part < 3; ++part) {
+      for (auto& v : host[part]) p.part[part].push_back(v.data());
     }
     return p;
   }
-  template <typename T>
-  Pointers<T> device() const {
-    Pointers<T> p;
-    for (size_t e = 0; e < dev_gate.size(); ++e) {
-      p.gate.push_back(dev_gate[e]->get());
-      p.up.push_back(dev_up[e]->get());
-      p.down.push_back(dev_down[e]->get());
+  template <typename U>
+  Pointers<U> device() const {
+    Pointers<U> p;
+    for (int part = 0; part < 3; ++part) {
+      for (const auto& buffer : dev[part]) p.part[part].push_back(buffer->get());
     }
     return p;
   }
-  // Every tensor downloaded and concatenated: gate, up, down of expert 0, then expert 1, ...
-  std::vector<float> download_all() const {
+  // One part of every expert, downloaded and concatenated in expert order.
+  std::vector<float> download(ExpertPart part) const {
     std::vector<float> all;
-    for (size_t e = 0; e < dev_gate.size(); ++e) {
-      for (const auto* buffer : {dev_gate[e].get(), dev_up[e].get(), dev_down[e].get()}) {
-        const std::vector<float> part = download_f32(*buffer);
-        all.insert(all.end(), part.begin(), part.end());
+    for (const auto& buffer : dev[part]) {
+      std::vector<float> v;
+      if constexpr (std::is_same_v<T, bf16>) {
+        v = download_bf16(*buffer);
+      } else {
+        v = download_f32(*buffer);
       }
+      all.insert(all.end(), v.begin(), v.end());
     }
     return all;
   }
-  std::vector<float> host_all() const {
+  std::vector<float> host_all(ExpertPart part) const {
     std::vector<float> all;
-    for (size_t e = 0; e < host_gate.size(); ++e) {
-      for (const auto* part : {&host_gate[e], &host_up[e], &host_down[e]}) {
-        all.insert(all.end(), part->begin(), part->end());
-      }
-    }
+    for (const auto& v : host[part]) all.insert(all.end(), v.begin(), v.end());
     return all;
   }
 };
+
+// The expert weight gradients against the reference: the down projection's (dys^T @ act, both
+// bf16 inputs the reference also sees) within kF32Tol; gate's and up's within kBf16Tol, as they
+// come from the GPU's bf16 dgate and dup.
+void expect_weight_gradients(const ExpertSet<float>& gpu, const ExpertSet<float>& want, const std::string& what) {
+  expect_close(gpu.download(kGate), want.host_all(kGate), kBf16Tol, what + " dW_gate");
+  expect_close(gpu.download(kUp), want.host_all(kUp), kBf16Tol, what + " dW_up");
+  expect_close(gpu.download(kDown), want.host_all(kDown), kF32Tol, what + " dW_down");
+}
 
 struct ExpertCase {
   int64_t N, K, E, C, F;
@@ -386,54 +412,54 @@ TEST(MoeParity, ExpertsForwardAndBackward) {
         dims({{"N", N}, {"K", K}, {"E", E}, {"C", C}, {"F", F}, {"allowed", static_cast<int64_t>(c.allowed.size())}});
     const std::vector<int32_t> idx = random_assignments(N, K, E, 600 + N + E, c.allowed);
     const Permutation perm = reference_permutation(idx, N, K, E);
-    const ExpertSet w(E, C, F, 601 + C, 0.2f);
-    ExpertSet dw(E, C, F, 602 + F, 0.01f);  // gradients accumulate onto these
-    const std::vector<float> xs = random_vector(S * C, 603 + S);
-    const std::vector<float> dys = random_vector(S * C, 604 + S);
+    const ExpertSet<bf16> w(E, C, F, 601 + C, 0.2f);
+    ExpertSet<float> dw(E, C, F, 602 + F, 0.01f);  // gradients accumulate onto these
+    std::vector<float> xs = random_vector(S * C, 603 + S);
+    std::vector<float> dys = random_vector(S * C, 604 + S);
+    DeviceBuffer<bf16> d_xs = upload_bf16(xs), d_dys = upload_bf16(dys);
 
-    // Reference forward, and backward from the reference's activations on both sides.
+    // Reference forward from the rounded inputs.
     std::vector<float> ys(S * C), gate(S * F), up(S * F), act(S * F);
     const auto w_host = w.host_const();
     ref::moe_experts_forward(ys.data(), gate.data(), up.data(), act.data(), xs.data(), perm.offsets.data(),
                              w_host.tensors(), E, C, F);
-    const std::vector<float> dw_before = dw.host_all();
+    DeviceBuffer<int64_t> d_offsets(perm.offsets);
+    DeviceBuffer<bf16> d_ys(S * C), d_gate(S * F), d_up(S * F), d_act(S * F);
+    const auto w_dev = w.device<const bf16>();
+    cu::moe_experts_forward(ctx, d_ys.get(), d_gate.get(), d_up.get(), d_act.get(), d_xs.get(), d_offsets.get(),
+                            w_dev.tensors(), E, C, F, stream.get());
+    expect_close(download_bf16(d_ys), ys, kBf16Tol, what + " ys");
+    expect_close(download_bf16(d_gate), gate, kBf16Tol, what + " gate");
+    expect_close(download_bf16(d_up), up, kBf16Tol, what + " up");
+    expect_close(download_bf16(d_act), act, kBf16Tol, what + " act");
+
+    // Backward from the reference's activations on both sides, rounded to bf16 first.
+    DeviceBuffer<bf16> d_gate_ref = upload_bf16(gate), d_up_ref = upload_bf16(up), d_act_ref = upload_bf16(act);
+    ExpertSet<float> dw_ref(E, C, F, 602 + F, 0.01f);  // the same starting values as dw
     std::vector<float> dxs(S * C), dgate(S * F), dup(S * F), dact(S * F);
-    auto dw_host = dw.host_mutable();
+    auto dw_host = dw_ref.host_mutable();
     ref::moe_experts_backward(dxs.data(), dw_host.tensors(), dgate.data(), dup.data(), dact.data(), dys.data(),
                               xs.data(), gate.data(), up.data(), act.data(), perm.offsets.data(), w_host.tensors(), E,
                               C, F);
-
-    DeviceBuffer<int64_t> d_offsets(perm.offsets);
-    DeviceBuffer<float> d_xs(xs), d_dys(dys), d_gate_ref(gate), d_up_ref(up), d_act_ref(act);
-    DeviceBuffer<float> d_ys(S * C), d_gate(S * F), d_up(S * F), d_act(S * F);
-    DeviceBuffer<float> d_dxs(S * C), d_dgate(S * F), d_dup(S * F), d_dact(S * F);
-    const auto w_dev = w.device<const float>();
+    DeviceBuffer<bf16> d_dxs(S * C), d_dgate(S * F), d_dup(S * F), d_dact(S * F);
     const auto dw_dev = dw.device<float>();
-    cu::moe_experts_forward(ctx, d_ys.get(), d_gate.get(), d_up.get(), d_act.get(), d_xs.get(), d_offsets.get(),
-                            w_dev.tensors(), E, C, F, stream.get());
     cu::moe_experts_backward(ctx, d_dxs.get(), dw_dev.tensors(), d_dgate.get(), d_dup.get(), d_dact.get(), d_dys.get(),
                              d_xs.get(), d_gate_ref.get(), d_up_ref.get(), d_act_ref.get(), d_offsets.get(),
                              w_dev.tensors(), E, C, F, stream.get());
-    expect_close(download_f32(d_ys), ys, kF32Tol, what + " ys");
-    expect_close(download_f32(d_gate), gate, kF32Tol, what + " gate");
-    expect_close(download_f32(d_up), up, kF32Tol, what + " up");
-    expect_close(download_f32(d_act), act, kF32Tol, what + " act");
-    expect_close(download_f32(d_dxs), dxs, kF32Tol, what + " dxs");
-    expect_close(download_f32(d_dgate), dgate, kF32Tol, what + " dgate");
-    expect_close(download_f32(d_dup), dup, kF32Tol, what + " dup");
-    expect_close(download_f32(d_dact), dact, kF32Tol, what + " dact");
-    const std::vector<float> dw_gpu = dw.download_all();
-    expect_close(dw_gpu, dw.host_all(), kF32Tol, what + " expert weight gradients");
-    // Experts without tokens: their gradients are left exactly as they were.
-    size_t offset = 0;
+    expect_close(download_bf16(d_dxs), dxs, kBf16Tol, what + " dxs");
+    expect_close(download_bf16(d_dgate), dgate, kBf16Tol, what + " dgate");
+    expect_close(download_bf16(d_dup), dup, kBf16Tol, what + " dup");
+    expect_close(download_bf16(d_dact), dact, kBf16Tol, what + " dact");
+    expect_weight_gradients(dw, dw_ref, what);
+    // Experts without tokens: their gradients are left exactly as they were (dw.host still
+    // holds the starting values; the reference updated its own copy).
     for (int64_t e = 0; e < E; ++e) {
-      const size_t size = static_cast<size_t>(2 * F * C + C * F);
-      if (perm.offsets[e + 1] == perm.offsets[e]) {
-        const std::vector<float> got(dw_gpu.begin() + offset, dw_gpu.begin() + offset + size);
-        const std::vector<float> before(dw_before.begin() + offset, dw_before.begin() + offset + size);
-        expect_same(got, before, what + " untouched gradients of empty expert " + std::to_string(e));
+      if (perm.offsets[e + 1] != perm.offsets[e]) continue;
+      for (ExpertPart part : {kGate, kUp, kDown}) {
+        expect_same(download_f32(*dw.dev[part][e]), dw.host[part][e],
+                    what + " untouched gradients of empty expert " + std::to_string(e) + " part " +
+                        std::to_string(part));
       }
-      offset += size;
     }
   }
 }
@@ -472,7 +498,9 @@ TEST(MoeParity, RouterStats) {
 // ---- a whole MoE block ----------------------------------------------------------------------
 
 // Routing, permutation, gather, experts, combine and every backward on the GPU from the same
-// logits as the reference: the results match it, and a second run is bitwise identical.
+// logits (and the same bf16 x, dout and expert weights) as the reference: the routing decisions
+// are the reference's exactly, the results match it within the bf16 tolerance (every float
+// result passes through bf16 activations), and a second run is bitwise identical.
 TEST(MoeParity, BlockMatchesTheReferenceAndIsBitwiseReproducible) {
   StreamGuard stream;
   cu::Context ctx(16 << 20);
@@ -484,9 +512,10 @@ TEST(MoeParity, BlockMatchesTheReferenceAndIsBitwiseReproducible) {
   config.normalize_top_k = true;
   const std::vector<float> logits = random_vector(N * E, 800, -3.f, 3.f);
   const std::vector<float> bias = random_vector(E, 801, -0.1f, 0.1f);
-  const std::vector<float> x = random_vector(N * C, 802);
-  const std::vector<float> dout = random_vector(N * C, 803);
-  const ExpertSet w(E, C, F, 804, 0.2f);
+  std::vector<float> x = random_vector(N * C, 802);
+  std::vector<float> dout = random_vector(N * C, 803);
+  DeviceBuffer<bf16> d_x = upload_bf16(x), d_dout = upload_bf16(dout);
+  const ExpertSet<bf16> w(E, C, F, 804, 0.2f);
 
   // Reference.
   std::vector<int32_t> idx(N * K);
@@ -499,7 +528,7 @@ TEST(MoeParity, BlockMatchesTheReferenceAndIsBitwiseReproducible) {
   ref::moe_experts_forward(ys.data(), gate.data(), up.data(), act.data(), xs.data(), perm.offsets.data(),
                            w_host.tensors(), E, C, F);
   ref::moe_combine_forward(out.data(), ys.data(), weights.data(), perm.slot_of.data(), N, K, C);
-  ExpertSet dw_ref(E, C, F, 805, 0.0f);
+  ExpertSet<float> dw_ref(E, C, F, 805, 0.0f);
   auto dw_host = dw_ref.host_mutable();
   std::vector<float> dys(S * C), dweights(N * K), dxs(S * C), dgate(S * F), dup(S * F), dact(S * F), dx(N * C),
       dlogits(N * E);
@@ -511,20 +540,19 @@ TEST(MoeParity, BlockMatchesTheReferenceAndIsBitwiseReproducible) {
   ref::moe_route_backward(dlogits.data(), dweights.data(), nullptr, probs.data(), idx.data(), weights.data(), N,
                           config);
 
-  DeviceBuffer<float> d_logits(logits), d_bias(bias), d_x(x), d_dout(dout);
-  const auto w_dev = w.device<const float>();
+  DeviceBuffer<float> d_logits(logits), d_bias(bias);
+  const auto w_dev = w.device<const bf16>();
   struct Result {
     std::vector<int32_t> idx;
-    std::vector<float> out, dx, dlogits, dw;
+    std::vector<float> out, dx, dlogits, dw[3];
   };
   auto run = [&] {
     DeviceBuffer<int32_t> d_idx(N * K), d_slot_of(N * K), d_token_of_slot(S);
     DeviceBuffer<int64_t> d_offsets(E + 1);
-    DeviceBuffer<float> d_weights(N * K), d_probs(N * E), d_xs(S * C), d_ys(S * C);
-    DeviceBuffer<float> d_gate(S * F), d_up(S * F), d_act(S * F), d_out(N * C);
-    DeviceBuffer<float> d_dys(S * C), d_dweights(N * K), d_dxs(S * C), d_dgate(S * F);
-    DeviceBuffer<float> d_dup(S * F), d_dact(S * F), d_dx(N * C), d_dlogits(N * E);
-    ExpertSet dw(E, C, F, 805, 0.0f);
+    DeviceBuffer<float> d_weights(N * K), d_probs(N * E), d_dweights(N * K), d_dlogits(N * E);
+    DeviceBuffer<bf16> d_xs(S * C), d_ys(S * C), d_gate(S * F), d_up(S * F), d_act(S * F), d_out(N * C);
+    DeviceBuffer<bf16> d_dys(S * C), d_dxs(S * C), d_dgate(S * F), d_dup(S * F), d_dact(S * F), d_dx(N * C);
+    ExpertSet<float> dw(E, C, F, 805, 0.0f);
     const auto dw_dev = dw.device<float>();
     cu::moe_route_forward(d_idx.get(), d_weights.get(), d_probs.get(), d_logits.get(), d_bias.get(), N, config,
                           stream.get());
@@ -541,21 +569,31 @@ TEST(MoeParity, BlockMatchesTheReferenceAndIsBitwiseReproducible) {
     cu::moe_gather_backward(d_dx.get(), d_dxs.get(), d_slot_of.get(), N, K, C, stream.get());
     cu::moe_route_backward(d_dlogits.get(), d_dweights.get(), nullptr, d_probs.get(), d_idx.get(), d_weights.get(), N,
                            config, stream.get());
-    return Result{d_idx.download<int32_t>(), download_f32(d_out), download_f32(d_dx), download_f32(d_dlogits),
-                  dw.download_all()};
+    return Result{d_idx.download<int32_t>(),
+                  download_bf16(d_out),
+                  download_bf16(d_dx),
+                  download_f32(d_dlogits),
+                  {dw.download(kGate), dw.download(kUp), dw.download(kDown)}};
   };
   const Result first = run();
   expect_same(first.idx, idx, "block expert_idx");
-  expect_close(first.out, out, kF32Tol, "block out");
-  expect_close(first.dx, dx, kF32Tol, "block dx");
-  expect_close(first.dlogits, dlogits, kF32Tol, "block dlogits");
-  expect_close(first.dw, dw_ref.host_all(), kF32Tol, "block expert weight gradients");
+  expect_close(first.out, out, kBf16Tol, "block out");
+  expect_close(first.dx, dx, kBf16Tol, "block dx");
+  // Through dweights = <dout, ys> with the GPU's bf16 ys.
+  expect_close(first.dlogits, dlogits, kBf16Tol, "block dlogits");
+  // Every expert weight gradient comes from bf16 intermediates (act, dys, dgate, dup) here.
+  for (ExpertPart part : {kGate, kUp, kDown}) {
+    expect_close(first.dw[part], dw_ref.host_all(part), kBf16Tol,
+                 "block expert weight gradients part " + std::to_string(part));
+  }
   const Result second = run();
   expect_same(second.idx, first.idx, "second run expert_idx");
   expect_same(second.out, first.out, "second run out");
   expect_same(second.dx, first.dx, "second run dx");
   expect_same(second.dlogits, first.dlogits, "second run dlogits");
-  expect_same(second.dw, first.dw, "second run expert weight gradients");
+  for (ExpertPart part : {kGate, kUp, kDown}) {
+    expect_same(second.dw[part], first.dw[part], "second run expert weight gradients part " + std::to_string(part));
+  }
 }
 
 }  // namespace

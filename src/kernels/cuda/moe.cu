@@ -1,7 +1,10 @@
-// Mixture-of-experts ops on CUDA (fp32 storage, like the CPU reference): routing, the stable
-// permutation to experts, gather/combine, the experts' SwiGLU MLPs as grouped GEMMs on cuBLAS,
-// and the router statistics. Deterministic: the only atomics are integer counts; every float
-// sum runs in an order fixed by the shapes.
+// Mixture-of-experts ops on CUDA: routing, the stable permutation to experts, gather/combine,
+// the experts' SwiGLU MLPs as grouped GEMMs on cuBLAS, and the router statistics. The router
+// stays in fp32 (logits, probabilities, routing weights and their gradients: small, and the top-k
+// choices must be the reference's); token activations and the experts' intermediates are bf16,
+// with fp32 accumulation inside every op and fp32 expert weight gradients (the recipe of ops.h).
+// Deterministic: the only atomics are integer counts; every float sum runs in an order fixed by
+// the shapes.
 #include <cublas_v2.h>
 
 #include <climits>
@@ -261,7 +264,7 @@ PermuteScratch permute_scratch(void* base, int64_t A, int64_t E) {
 // ---- gather and combine ---------------------------------------------------------------------
 
 // xs (S,C) = x[token_of_slot]
-__global__ void gather_kernel(float* xs, const float* x, const int32_t* token_of_slot, int64_t S, int64_t C) {
+__global__ void gather_kernel(bf16* xs, const bf16* x, const int32_t* token_of_slot, int64_t S, int64_t C) {
   const int64_t total = S * C;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t s = i / C, c = i - s * C;
@@ -269,77 +272,55 @@ __global__ void gather_kernel(float* xs, const float* x, const int32_t* token_of
   }
 }
 
-// dx (N,C) = sum over k, in k order, of dxs[slot_of[n,k]]
-__global__ void gather_backward_kernel(float* dx, const float* dxs, const int32_t* slot_of, int64_t N, int64_t K,
+// dx (N,C) = sum over k, in k order, of dxs[slot_of[n,k]]: fp32 sum, one rounding to bf16.
+__global__ void gather_backward_kernel(bf16* dx, const bf16* dxs, const int32_t* slot_of, int64_t N, int64_t K,
                                        int64_t C) {
   const int64_t total = N * C;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t n = i / C, c = i - n * C;
     const int32_t* slots = slot_of + n * K;
-    float acc = dxs[int64_t{slots[0]} * C + c];
-    for (int64_t k = 1; k < K; ++k) acc += dxs[int64_t{slots[k]} * C + c];
-    dx[i] = acc;
+    float acc = to_float(dxs[int64_t{slots[0]} * C + c]);
+    for (int64_t k = 1; k < K; ++k) acc += to_float(dxs[int64_t{slots[k]} * C + c]);
+    dx[i] = to_bf16(acc);
   }
 }
 
-// out (N,C) = sum over k, in k order, of weights[n,k] * ys[slot_of[n,k]]
-__global__ void combine_forward_kernel(float* out, const float* ys, const float* weights, const int32_t* slot_of,
+// out (N,C) = sum over k, in k order, of weights[n,k] * ys[slot_of[n,k]]: fp32 weights and sum,
+// one rounding to bf16.
+__global__ void combine_forward_kernel(bf16* out, const bf16* ys, const float* weights, const int32_t* slot_of,
                                        int64_t N, int64_t K, int64_t C) {
   const int64_t total = N * C;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t n = i / C, c = i - n * C;
     float acc = 0.0f;
     for (int64_t k = 0; k < K; ++k) {
-      acc += weights[n * K + k] * ys[int64_t{slot_of[n * K + k]} * C + c];
+      acc += weights[n * K + k] * to_float(ys[int64_t{slot_of[n * K + k]} * C + c]);
     }
-    out[i] = acc;
+    out[i] = to_bf16(acc);
   }
 }
 
-// One warp per assignment a = (n, k): dys[slot] = w * dout[n]; dweights[a] = <dout[n], ys[slot]>
-// (lane partials in column order, then the fixed warp tree).
-__global__ void combine_backward_kernel(float* dys, float* dweights, const float* dout, const float* ys,
+// One warp per assignment a = (n, k): dys[slot] = w * dout[n] (the fp32 product, rounded once);
+// dweights[a] = <dout[n], ys[slot]> in fp32 (lane partials in column order, then the fixed warp
+// tree).
+__global__ void combine_backward_kernel(bf16* dys, float* dweights, const bf16* dout, const bf16* ys,
                                         const float* weights, const int32_t* slot_of, int64_t A, int64_t K, int64_t C) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t a = int64_t{blockIdx.x} * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   if (a >= A) return;  // the whole warp leaves together
   const int64_t slot = slot_of[a];
   const float w = weights[a];
-  const float* d = dout + (a / K) * C;
-  const float* y = ys + slot * C;
-  float* dy = dys + slot * C;
+  const bf16* d = dout + (a / K) * C;
+  const bf16* y = ys + slot * C;
+  bf16* dy = dys + slot * C;
   float dot = 0.0f;
   for (int64_t c = lane; c < C; c += kWarpSize) {
-    dy[c] = w * d[c];
-    dot += d[c] * y[c];
+    const float dc = to_float(d[c]);
+    dy[c] = to_bf16(w * dc);
+    dot += dc * to_float(y[c]);
   }
   dot = warp_sum(dot);
   if (lane == 0) dweights[a] = dot;
-}
-
-// ---- SwiGLU in fp32 -------------------------------------------------------------------------
-
-// sigmoid(g) = 1 / (1 + exp(-g)); exp(-g) overflows to +inf for g below about -88, which gives
-// sigmoid 0 and silu 0, the right limits.
-__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
-
-__global__ void swiglu_forward_f32_kernel(float* out, const float* gate, const float* up, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    const float g = gate[i];
-    out[i] = g * sigmoid(g) * up[i];
-  }
-}
-
-// d silu(g) / dg = sig + g sig (1 - sig).
-__global__ void swiglu_backward_f32_kernel(float* dgate, float* dup, const float* dout, const float* gate,
-                                           const float* up, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    const float g = gate[i], d = dout[i];
-    const float sig = sigmoid(g);
-    const float silu = g * sig;
-    dgate[i] = d * up[i] * (sig + silu * (1.0f - sig));
-    dup[i] = d * silu;
-  }
 }
 
 // ---- router statistics ----------------------------------------------------------------------
@@ -376,17 +357,18 @@ __global__ void prob_sums_kernel(double* prob_sums, const float* probs, int64_t 
 
 // ---- grouped GEMMs --------------------------------------------------------------------------
 
-// One row-major GEMM: C (M,N) = op(A) @ op(B) + beta * C with op(X) = X or X^T and row strides
-// lda/ldb/ldc (the conventions of gemm() in context.cpp), alpha = 1.
+// One row-major GEMM on bf16 matrices: C (M,N) = op(A) @ op(B) + beta * C with op(X) = X or X^T,
+// row strides lda/ldb/ldc (the conventions of gemm() in context.cpp), alpha = 1, fp32
+// accumulation, C rounded to bf16 once (beta * C is added in fp32 before that rounding).
 struct GemmProblem {
   bool trans_a, trans_b;
   int64_t M, N, K;
-  const float* A;
+  const bf16* A;
   int64_t lda;
-  const float* B;
+  const bf16* B;
   int64_t ldb;
   float beta;
-  float* C;
+  bf16* C;
   int64_t ldc;
 };
 
@@ -399,7 +381,13 @@ int to_int(int64_t v) {
 // The grouped GEMM calls of one op, each a list of independent problems (no problem writes
 // what another of the same call reads or writes). The device arrays of pointers of every call
 // go to scratch in one host-to-device copy; then the calls run in the order of the stream, each
-// as one cublasSgemmGroupedBatched with one group per problem (their shapes differ).
+// as one cublasGemmGroupedBatchedEx (bf16 A, B and C, CUBLAS_COMPUTE_32F) with one group per
+// problem (their shapes differ).
+//
+// Only the bf16 outputs go through here: cublasGemmGroupedBatchedEx takes bf16 A/B with
+// CUBLAS_COMPUTE_32F only together with a bf16 C (its type table pairs bf16/bf16, fp16/fp16 and
+// fp32/fp32 for A-B/C), so it cannot add into the fp32 weight gradients. Those go through gemm()
+// (cuBLASLt: bf16 A/B, fp32 C, beta = 1), see add_weight_gradient.
 //
 // cuBLAS is column-major: a row-major (R, S) matrix with row stride ld is the column-major
 // (S, R) matrix with leading dimension ld. So row-major C = op(A) @ op(B) is column-major
@@ -416,8 +404,8 @@ class GroupedGemms {
     for (const std::vector<GemmProblem>& call : calls_) {
       first_.push_back(table.size());
       // Column-major first operand, second operand, output (the operands are only read).
-      for (const GemmProblem& p : call) table.push_back(const_cast<float*>(p.B));
-      for (const GemmProblem& p : call) table.push_back(const_cast<float*>(p.A));
+      for (const GemmProblem& p : call) table.push_back(const_cast<bf16*>(p.B));
+      for (const GemmProblem& p : call) table.push_back(const_cast<bf16*>(p.A));
       for (const GemmProblem& p : call) table.push_back(p.C);
     }
     const size_t bytes = table.size() * sizeof(void*);
@@ -432,6 +420,7 @@ class GroupedGemms {
     if (count == 0) return;
     std::vector<cublasOperation_t> trans_first(count), trans_second(count);
     std::vector<int> m(count), n(count), k(count), ld_first(count), ld_second(count), ldc(count);
+    // The scale type of CUBLAS_COMPUTE_32F is fp32: host arrays of floats (host pointer mode).
     std::vector<float> alpha(count, 1.0f), beta(count);
     const std::vector<int> group_size(count, 1);
     for (size_t i = 0; i < count; ++i) {
@@ -451,11 +440,11 @@ class GroupedGemms {
       beta[i] = p.beta;
     }
     void** table = device_table_ + first_[call_index];
-    CUBLAS_CHECK(cublasSgemmGroupedBatched(
+    CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
         ctx.blas(stream), trans_first.data(), trans_second.data(), m.data(), n.data(), k.data(), alpha.data(),
-        reinterpret_cast<const float* const*>(table), ld_first.data(),
-        reinterpret_cast<const float* const*>(table + count), ld_second.data(), beta.data(),
-        reinterpret_cast<float* const*>(table + 2 * count), ldc.data(), static_cast<int>(count), group_size.data()));
+        const_cast<const void* const*>(table), CUDA_R_16BF, ld_first.data(),
+        const_cast<const void* const*>(table + count), CUDA_R_16BF, ld_second.data(), beta.data(), table + 2 * count,
+        CUDA_R_16BF, ldc.data(), static_cast<int>(count), group_size.data(), CUBLAS_COMPUTE_32F));
   }
 
  private:
@@ -463,6 +452,17 @@ class GroupedGemms {
   std::vector<size_t> first_;  // where each call's pointers start in the device table
   void** device_table_ = nullptr;
 };
+
+// dW (out_features, in_features) += dY^T @ X over one expert's rows: dY (rows, out_features) and
+// X (rows, in_features) bf16, dW fp32. Weight gradients accumulate over micro-batches, so the
+// product must reach them unrounded: one cuBLASLt GEMM per expert with fp32 C and beta = 1, as
+// linear_backward does for the dense weights. (A grouped GEMM into bf16 scratch followed by an
+// add would round every contribution to bf16 before it is accumulated.)
+void add_weight_gradient(Context& ctx, float* dw, const bf16* dy, const bf16* x, int64_t rows, int64_t out_features,
+                         int64_t in_features, cudaStream_t stream) {
+  gemm(ctx, /*trans_a=*/true, /*trans_b=*/false, out_features, in_features, rows, 1.0f, dy, out_features, x,
+       in_features, 1.0f, dw, in_features, /*c_is_fp32=*/true, nullptr, stream);
+}
 
 // The expert offsets on the host (the grouped GEMMs' shapes are host arguments): a copy of E+1
 // int64s and a stream synchronisation. Checks that they are non-decreasing from >= 0.
@@ -536,14 +536,14 @@ void moe_permute(Context& ctx, int32_t* slot_of, int32_t* token_of_slot, int64_t
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_gather(float* xs, const float* x, const int32_t* token_of_slot, int64_t S, int64_t C, cudaStream_t stream) {
+void moe_gather(bf16* xs, const bf16* x, const int32_t* token_of_slot, int64_t S, int64_t C, cudaStream_t stream) {
   CHECK(S >= 0 && C > 0);
   if (S == 0) return;
   gather_kernel<<<elementwise_blocks(S * C, kThreads), kThreads, 0, stream>>>(xs, x, token_of_slot, S, C);
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_gather_backward(float* dx, const float* dxs, const int32_t* slot_of, int64_t N, int64_t K, int64_t C,
+void moe_gather_backward(bf16* dx, const bf16* dxs, const int32_t* slot_of, int64_t N, int64_t K, int64_t C,
                          cudaStream_t stream) {
   CHECK(N >= 0 && K > 0 && C > 0);
   if (N == 0) return;
@@ -551,7 +551,7 @@ void moe_gather_backward(float* dx, const float* dxs, const int32_t* slot_of, in
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_combine_forward(float* out, const float* ys, const float* weights, const int32_t* slot_of, int64_t N,
+void moe_combine_forward(bf16* out, const bf16* ys, const float* weights, const int32_t* slot_of, int64_t N,
                          int64_t K, int64_t C, cudaStream_t stream) {
   CHECK(N >= 0 && K > 0 && C > 0);
   if (N == 0) return;
@@ -560,7 +560,7 @@ void moe_combine_forward(float* out, const float* ys, const float* weights, cons
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_combine_backward(float* dys, float* dweights, const float* dout, const float* ys, const float* weights,
+void moe_combine_backward(bf16* dys, float* dweights, const bf16* dout, const bf16* ys, const float* weights,
                           const int32_t* slot_of, int64_t N, int64_t K, int64_t C, cudaStream_t stream) {
   CHECK(N >= 0 && K > 0 && C > 0);
   const int64_t A = N * K;
@@ -573,8 +573,8 @@ void moe_combine_backward(float* dys, float* dweights, const float* dout, const 
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_experts_forward(Context& ctx, float* ys, float* gate, float* up, float* act, const float* xs,
-                         const int64_t* expert_offsets, const ExpertTensors<const float>& w, int64_t E, int64_t C,
+void moe_experts_forward(Context& ctx, bf16* ys, bf16* gate, bf16* up, bf16* act, const bf16* xs,
+                         const int64_t* expert_offsets, const ExpertTensors<const bf16>& w, int64_t E, int64_t C,
                          int64_t F, cudaStream_t stream) {
   CHECK(E > 0 && C > 0 && F > 0);
   const std::vector<int64_t> offsets = host_offsets(expert_offsets, E, stream);
@@ -596,33 +596,30 @@ void moe_experts_forward(Context& ctx, float* ys, float* gate, float* up, float*
   gemms.run(ctx, gate_up_call, stream);
   // The experts' rows are contiguous: [offsets[0], offsets[E]).
   const int64_t first = offsets[0] * F, n = (offsets[E] - offsets[0]) * F;
-  swiglu_forward_f32_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(act + first, gate + first,
-                                                                                      up + first, n);
-  CUDA_CHECK_LAUNCH();
+  swiglu_forward(act + first, gate + first, up + first, n, stream);
   gemms.run(ctx, down_call, stream);
 }
 
-void moe_experts_backward(Context& ctx, float* dxs, const ExpertTensors<float>& dw, float* dgate, float* dup,
-                          float* dact, const float* dys, const float* xs, const float* gate, const float* up,
-                          const float* act, const int64_t* expert_offsets, const ExpertTensors<const float>& w,
+void moe_experts_backward(Context& ctx, bf16* dxs, const ExpertTensors<float>& dw, bf16* dgate, bf16* dup,
+                          bf16* dact, const bf16* dys, const bf16* xs, const bf16* gate, const bf16* up,
+                          const bf16* act, const int64_t* expert_offsets, const ExpertTensors<const bf16>& w,
                           int64_t E, int64_t C, int64_t F, cudaStream_t stream) {
   CHECK(E > 0 && C > 0 && F > 0);
   const std::vector<int64_t> offsets = host_offsets(expert_offsets, E, stream);
-  // Three calls; the problems inside one call are independent.
-  //   1: dact = dys @ W_down; dW_down += dys^T @ act
-  //   2: dxs = dgate @ W_gate; dW_gate += dgate^T @ xs; dW_up += dup^T @ xs
-  //   3: dxs += dup @ W_up
+  // The activation gradients, three grouped calls (dxs is written by the second and added to
+  // by the third, so they cannot share one call):
+  //   1: dact = dys @ W_down
+  //   2: dxs = dgate @ W_gate
+  //   3: dxs += dup @ W_up   (the bf16 dxs of call 2 plus the product, summed in fp32 and
+  //                           rounded again: two roundings, as the dense MLP's dx gets)
+  // The weight gradients, per expert: dW_down += dys^T @ act; dW_gate += dgate^T @ xs;
+  // dW_up += dup^T @ xs.
   std::vector<GemmProblem> first_call, second_call, third_call;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
     if (rows == 0) continue;
-    const float* dy = dys + r0 * C;  // (rows,C)
-    const float* x = xs + r0 * C;    // (rows,C)
-    first_call.push_back({false, false, rows, F, C, dy, C, w.down[e], F, 0.0f, dact + r0 * F, F});
-    first_call.push_back({true, false, C, F, rows, dy, C, act + r0 * F, F, 1.0f, dw.down[e], F});
+    first_call.push_back({false, false, rows, F, C, dys + r0 * C, C, w.down[e], F, 0.0f, dact + r0 * F, F});
     second_call.push_back({false, false, rows, C, F, dgate + r0 * F, F, w.gate[e], C, 0.0f, dxs + r0 * C, C});
-    second_call.push_back({true, false, F, C, rows, dgate + r0 * F, F, x, C, 1.0f, dw.gate[e], C});
-    second_call.push_back({true, false, F, C, rows, dup + r0 * F, F, x, C, 1.0f, dw.up[e], C});
     third_call.push_back({false, false, rows, C, F, dup + r0 * F, F, w.up[e], C, 1.0f, dxs + r0 * C, C});
   }
   if (third_call.empty()) return;
@@ -632,12 +629,21 @@ void moe_experts_backward(Context& ctx, float* dxs, const ExpertTensors<float>& 
   const size_t call3 = gemms.add(std::move(third_call));
   gemms.upload(ctx, stream, "moe_experts_backward (grouped GEMM pointers)");
   gemms.run(ctx, call1, stream);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+    if (rows == 0) continue;
+    add_weight_gradient(ctx, dw.down[e], dys + r0 * C, act + r0 * F, rows, C, F, stream);
+  }
   const int64_t first = offsets[0] * F, n = (offsets[E] - offsets[0]) * F;
-  swiglu_backward_f32_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(
-      dgate + first, dup + first, dact + first, gate + first, up + first, n);
-  CUDA_CHECK_LAUNCH();
+  swiglu_backward(dgate + first, dup + first, dact + first, gate + first, up + first, n, stream);
   gemms.run(ctx, call2, stream);
   gemms.run(ctx, call3, stream);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+    if (rows == 0) continue;
+    add_weight_gradient(ctx, dw.gate[e], dgate + r0 * F, xs + r0 * C, rows, F, C, stream);
+    add_weight_gradient(ctx, dw.up[e], dup + r0 * F, xs + r0 * C, rows, F, C, stream);
+  }
 }
 
 void moe_router_stats(int64_t* counts, double* prob_sums, const int32_t* expert_idx, const float* probs, int64_t N,

@@ -203,9 +203,12 @@ void sum(Context& ctx, double* out /*(1)*/, const float* x /*(n)*/, int64_t n, b
 void scale_inplace(float* x /*(n)*/, int64_t n, float s, cudaStream_t stream);
 
 // ---- mixture of experts (kernels/moe.h) -----------------------------------------------------
-// fp32 storage throughout, like the CPU reference these ops are checked against; the bf16
-// variants (bf16 activations and expert weights, fp32 parameter gradients) come later.
 // Shapes and semantics as in kernels/moe.h; S = N*K slots. REQUIRES N*K < 2^31.
+// Storage: the router is fp32 end to end (logits, probs, routing weights and their gradients:
+// small, and the top-k choices must be the reference's); token activations moved by
+// gather/combine (x, xs, ys, out and their gradients) and the experts' SwiGLU intermediates
+// are bf16, with fp32 accumulation inside every op; the experts' weights are their bf16 compute
+// copies and their gradients fp32 (`+=`), as everywhere in this backend.
 
 // One warp per token; probabilities, selection scores and weights are computed in double like
 // the reference, so the selected experts agree with it (ties to the lower expert index) except
@@ -227,40 +230,46 @@ void moe_permute(Context& ctx, int32_t* slot_of /*(N,K)*/, int32_t* token_of_slo
                  int64_t* expert_offsets /*(E+1)*/, const int32_t* expert_idx /*(N,K)*/,
                  int64_t N, int64_t K, int64_t E, cudaStream_t stream);
 size_t moe_permute_scratch_bytes(int64_t assignments, int64_t E);
-void moe_gather(float* xs /*(S,C)*/, const float* x /*(N,C)*/,
+// xs = x[token_of_slot] (a copy: exact).
+void moe_gather(bf16* xs /*(S,C)*/, const bf16* x /*(N,C)*/,
                 const int32_t* token_of_slot /*(S)*/, int64_t S, int64_t C, cudaStream_t stream);
-// dx (N,C) = (overwritten); each element sums its token's K slots in k order.
-void moe_gather_backward(float* dx /*(N,C)*/, const float* dxs /*(N*K,C)*/,
+// dx (N,C) = (overwritten); each element sums its token's K slots in k order in fp32 and
+// rounds once.
+void moe_gather_backward(bf16* dx /*(N,C)*/, const bf16* dxs /*(N*K,C)*/,
                          const int32_t* slot_of /*(N,K)*/, int64_t N, int64_t K, int64_t C,
                          cudaStream_t stream);
-// out (N,C) = (overwritten), k order.
-void moe_combine_forward(float* out /*(N,C)*/, const float* ys /*(N*K,C)*/,
+// out (N,C) = (overwritten), k order; fp32 weights and sum, one rounding.
+void moe_combine_forward(bf16* out /*(N,C)*/, const bf16* ys /*(N*K,C)*/,
                          const float* weights /*(N,K)*/, const int32_t* slot_of /*(N,K)*/,
                          int64_t N, int64_t K, int64_t C, cudaStream_t stream);
-// dys (N*K,C) =, dweights (N,K) = ; one warp per (token, k), dot products by a fixed-order
-// warp reduction.
-void moe_combine_backward(float* dys /*(N*K,C)*/, float* dweights /*(N,K)*/,
-                          const float* dout /*(N,C)*/, const float* ys /*(N*K,C)*/,
+// dys (N*K,C) = (the fp32 product w * dout, rounded once), dweights (N,K) = (fp32); one warp
+// per (token, k), dot products by a fixed-order warp reduction.
+void moe_combine_backward(bf16* dys /*(N*K,C)*/, float* dweights /*(N,K)*/,
+                          const bf16* dout /*(N,C)*/, const bf16* ys /*(N*K,C)*/,
                           const float* weights /*(N,K)*/, const int32_t* slot_of /*(N,K)*/,
                           int64_t N, int64_t K, int64_t C, cudaStream_t stream);
-// The experts' SwiGLU MLPs as grouped GEMMs (cublasSgemmGroupedBatched, one group per expert
-// with rows; fp32 math, no TF32). The pointer arrays of `w` (and `dw`) are HOST arrays of E
-// device pointers; the gradient tensors of different experts must not overlap. The launch
-// shapes come from the host: each call copies expert_offsets (E+1 int64s) to the host and
-// synchronises the stream. The grouped GEMMs' device pointer tables go to scratch (at most
-// 18 * E pointers). REQUIRES C, F and the rows of every expert < 2^31.
-void moe_experts_forward(Context& ctx, float* ys /*(S,C)*/, float* gate /*(S,F)*/,
-                         float* up /*(S,F)*/, float* act /*(S,F)*/, const float* xs /*(S,C)*/,
+// The experts' SwiGLU MLPs. The activation GEMMs (gate, up, ys; dact, dxs) are grouped GEMMs
+// (cublasGemmGroupedBatchedEx: bf16 A, B and C, fp32 accumulation, one group per expert with
+// rows); the weight gradients, which cuBLAS's grouped GEMM cannot write in fp32, are one
+// cuBLASLt gemm() per expert with rows (bf16 inputs, fp32 C, beta = 1). The pointer arrays of
+// `w` (bf16 compute copies) and `dw` (fp32) are HOST arrays of E device pointers; the gradient
+// tensors of different experts must not overlap. The launch shapes come from the host: each
+// call copies expert_offsets (E+1 int64s) to the host and synchronises the stream. The grouped
+// GEMMs' device pointer tables go to scratch (at most 9 * E pointers). REQUIRES C, F and the
+// rows of every expert < 2^31.
+void moe_experts_forward(Context& ctx, bf16* ys /*(S,C)*/, bf16* gate /*(S,F)*/,
+                         bf16* up /*(S,F)*/, bf16* act /*(S,F)*/, const bf16* xs /*(S,C)*/,
                          const int64_t* expert_offsets /*(E+1)*/,
-                         const ExpertTensors<const float>& w, int64_t E, int64_t C, int64_t F,
+                         const ExpertTensors<const bf16>& w, int64_t E, int64_t C, int64_t F,
                          cudaStream_t stream);
-// dxs (S,C) =; dw.gate/up/down += ; dgate, dup, dact (S,F) are scratch (overwritten).
-void moe_experts_backward(Context& ctx, float* dxs /*(S,C)*/, const ExpertTensors<float>& dw,
-                          float* dgate /*(S,F)*/, float* dup /*(S,F)*/, float* dact /*(S,F)*/,
-                          const float* dys /*(S,C)*/, const float* xs /*(S,C)*/,
-                          const float* gate /*(S,F)*/, const float* up /*(S,F)*/,
-                          const float* act /*(S,F)*/, const int64_t* expert_offsets /*(E+1)*/,
-                          const ExpertTensors<const float>& w, int64_t E, int64_t C, int64_t F,
+// dxs (S,C) =; dw.gate/up/down (fp32) += ; dgate, dup, dact (S,F) are scratch (overwritten).
+// dxs = dgate @ W_gate, then += dup @ W_up: two bf16 roundings, like the dense MLP's dx.
+void moe_experts_backward(Context& ctx, bf16* dxs /*(S,C)*/, const ExpertTensors<float>& dw,
+                          bf16* dgate /*(S,F)*/, bf16* dup /*(S,F)*/, bf16* dact /*(S,F)*/,
+                          const bf16* dys /*(S,C)*/, const bf16* xs /*(S,C)*/,
+                          const bf16* gate /*(S,F)*/, const bf16* up /*(S,F)*/,
+                          const bf16* act /*(S,F)*/, const int64_t* expert_offsets /*(E+1)*/,
+                          const ExpertTensors<const bf16>& w, int64_t E, int64_t C, int64_t F,
                           cudaStream_t stream);
 // counts (E) += (integer atomics: exact); prob_sums (E) += column sums of probs in double, in a
 // fixed order. Traps on an expert index outside [0, E).
