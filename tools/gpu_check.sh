@@ -78,7 +78,7 @@ run ctest ctest_gpu
 # Again on its own so the log shows every tensor's error margins (ctest hides passing output).
 run model "$test_gpu" --gtest_filter='*ModelParity*'
 # strata train on the GPU against the CPU backend: loss curves, checkpoints resumed across devices.
-run train-cuda bash "$repo/tools/gpu_train_check.sh" "$build/strata"
+run train-cuda bash "$repo/tools/gpu_train_check.sh" "$build/strata" "$log_dir/train-cuda-runs"
 run perf "$test_gpu" --perf --gtest_filter='OpsPerf.*'
 if [[ "$train_bench" == 1 ]]; then
   run train-strata timeout "$train_timeout" "$build/strata" bench train-gpu "${train_args[@]}"

@@ -13,7 +13,7 @@
 # Exits 0 when every check passed, 1 otherwise.
 set -euo pipefail
 
-strata="$1"
+strata="${1:?usage: tools/gpu_train_check.sh STRATA_BINARY [WORK_DIR]}"
 work="${2:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_train_check.XXXXXX")}"
 mkdir -p "$work"
 gpu="${GPU_DEVICE:-cuda}"
@@ -25,6 +25,7 @@ common=(model.preset=tiny
 train() {  # train NAME DEVICE [more keys...]
   local name="$1" device="$2"
   shift 2
+  rm -rf "${work:?}/$name"  # a reused WORK_DIR must not hold an earlier run's checkpoints
   echo "---- $name: strata train run.device=$device $*"
   "$strata" train "${common[@]}" run.device="$device" run.dir="$work/$name" ckpt.dir="$work/$name/ckpt" "$@"
 }
@@ -46,12 +47,13 @@ failed = False
 def compare(a_name, a, b_name, b, steps, tolerance=0.05):
     global failed
     worst = 0.0
+    missing = False
     for s in steps:
         if s not in a or s not in b:
-            print(f"step {s} missing in {a_name} or {b_name}"); failed = True; continue
+            print(f"step {s} missing in {a_name} or {b_name}"); missing = True; continue
         err = abs(a[s] - b[s]) / max(abs(b[s]), 1e-6)
         worst = max(worst, err) if err == err else float("inf")
-    ok = worst <= tolerance
+    ok = worst <= tolerance and not missing
     failed |= not ok
     print(f"{a_name:>14} vs {b_name:<14} steps {steps[0]}-{steps[-1]}: worst relative loss difference "
           f"{worst:.3g} ({'ok' if ok else 'FAIL'}, tolerance {tolerance})")

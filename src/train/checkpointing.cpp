@@ -60,13 +60,13 @@ void TrainCheckpointer::before_modify(int group) {
     for (const auto& [b, e] : group_ranges_[static_cast<size_t>(group)]) writer_->before_modify(region, b, e);
 }
 
-Status TrainCheckpointer::save(SavableState& state, const RunPosition& pos, const nlohmann::json& model_config,
+Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos, const nlohmann::json& model_config,
                                uint64_t seed, const std::vector<ExtraState>& extra) {
   CHECK_MSG(&state == &state_, "a TrainCheckpointer saves the state it was made for");
   if (writer_->in_flight()) {
     if (options_.skip_if_busy) {
       LOG_INFO("checkpoint: step {} skipped, the save of an earlier step is still being written", pos.step);
-      return Status::OK();
+      return false;
     }
     Status previous = writer_->wait();
     if (!previous.ok()) LOG_WARN("checkpoint: the previous save failed: {}", previous.message());
@@ -101,8 +101,7 @@ Status TrainCheckpointer::save(SavableState& state, const RunPosition& pos, cons
   req.manifest.model_config = model_config;
   req.manifest.layout = {{"kind", "flat fp32 per tensor"}, {"tensors", layout_.tensors().size()}};
   ASSIGN_OR_RETURN(ckpt::SaveStart started, writer_->begin_save(req));
-  (void)started;
-  return Status::OK();
+  return started == ckpt::SaveStart::kStarted;
 }
 
 Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, SavableState& state,

@@ -52,9 +52,9 @@ class TrainCheckpointer {
 
   // Starts writing DIR/step-N from `state` (the state after step N). The previous save is waited
   // for first (or, with skip_if_busy, this one skipped); its failure is logged (the run goes on)
-  // and returned by the next wait().
+  // and returned by the next wait(). Returns whether the save started (false: skipped).
   // `extra` is copied.
-  Status save(SavableState& state, const RunPosition& position, const nlohmann::json& model_config, uint64_t seed,
+  Result<bool> save(SavableState& state, const RunPosition& position, const nlohmann::json& model_config, uint64_t seed,
               const std::vector<ExtraState>& extra = {});
   // Waits for the save in flight; its outcome.
   Status wait() { return writer_->wait(); }

@@ -54,7 +54,7 @@ Result<double> ResidentEngine::micro_batch(const int32_t* inputs, const int32_t*
 }
 
 Result<double> ResidentEngine::step(float lr) {
-  host_current_ = false;
+  current_.fill(false);
   return model_->adamw_step(lr);
 }
 
@@ -87,41 +87,47 @@ void ResidentEngine::before_overwriting_host() {
   for (int g = 0; g < groups; ++g) before_modify_(g);
 }
 
-void ResidentEngine::refresh_host() {
-  if (host_current_) return;
+void ResidentEngine::refresh_host(bool params, bool moments) {
+  const bool stale_params = params && !current_[0];
+  const bool stale_moments = moments && !(current_[1] && current_[2]);
+  if (!stale_params && !stale_moments) return;
   before_overwriting_host();
-  model_->store_params(host(StateKind::kParam));
-  model_->store_moments(host(StateKind::kAdamM), host(StateKind::kAdamV));
-  host_current_ = true;
+  if (stale_params) model_->store_params(host(StateKind::kParam));
+  if (stale_moments) model_->store_moments(host(StateKind::kAdamM), host(StateKind::kAdamV));
+  current_[0] = current_[0] || stale_params;
+  current_[1] = current_[2] = current_[1] || stale_moments;
 }
 
 Status ResidentEngine::capture() {
-  refresh_host();
+  refresh_host(/*params=*/true, /*moments=*/true);
   return Status::OK();
 }
 
 const void* ResidentEngine::flat_data(StateKind kind) const {
-  return host_current_ ? host_[host_index(kind)].data : nullptr;
+  const int i = host_index(kind);
+  return current_[static_cast<size_t>(i)] ? host_[i].data : nullptr;
 }
 
 Status ResidentEngine::read_flat(StateKind kind, uint64_t offset, uint64_t length, void* dst) {
   const uint64_t total = static_cast<uint64_t>(layout().total_size()) * sizeof(float);
   CHECK_MSG(offset <= total && length <= total - offset, "read_flat past the end of the state");
-  refresh_host();
+  refresh_host(kind == StateKind::kParam, kind != StateKind::kParam);
   std::memcpy(dst, reinterpret_cast<const char*>(host(kind)) + offset, length);
   return Status::OK();
 }
 
 Status ResidentEngine::fill_kind(StateKind kind, const TensorFill& fill) {
-  before_overwriting_host();
-  host_current_ = false;
   const bool moments = kind != StateKind::kParam;
   // The moments go to the model as a pair: the one not being filled keeps its current values.
-  if (moments) model_->store_moments(host(StateKind::kAdamM), host(StateKind::kAdamV));
+  if (moments) refresh_host(/*params=*/false, /*moments=*/true);
+  else before_overwriting_host();
+  const int i = host_index(kind);
+  current_[static_cast<size_t>(i)] = false;
   float* buffer = host(kind);
   for (const model::TensorSpec& t : layout().tensors()) RETURN_IF_ERROR(fill(t, buffer + t.offset));
   if (moments) model_->load_moments(host(StateKind::kAdamM), host(StateKind::kAdamV));
   else model_->load_params(buffer);
+  current_[static_cast<size_t>(i)] = true;  // the model now holds what the buffer does
   return Status::OK();
 }
 

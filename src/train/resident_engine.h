@@ -5,11 +5,13 @@
 // Checkpoints: a save first copies parameters and moments into host buffers (capture(), 12
 // bytes per parameter, allocated at the first save and kept), which the checkpoint writer
 // then writes in place while training goes on; the next capture waits until that save no
-// longer reads them (the checkpointer's before_modify). Restores and the starting weights go
-// through the same host buffers. Not thread-safe.
+// longer reads them (the checkpointer's before_modify). Restores, the starting weights and
+// exports go through the same host buffers (an export only through the parameters' 4 bytes per
+// parameter). Not thread-safe.
 #pragma once
 
 #include <cstdint>
+#include <array>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -81,9 +83,9 @@ class ResidentEngine final : public TrainEngine, private SavableState {
 
   // The host buffer of kParam, kAdamM or kAdamV, allocated (4 KiB aligned) on first use.
   float* host(StateKind kind);
-  // Copies the model's current state into the host buffers (all three), after letting a save
-  // that still reads them finish with them.
-  void refresh_host();
+  // Copies the model's current parameters and/or moments into their host buffers where those
+  // are stale, after letting a save that still reads them finish with them.
+  void refresh_host(bool params, bool moments);
   void before_overwriting_host();
 
   struct HostBuffer {
@@ -92,7 +94,7 @@ class ResidentEngine final : public TrainEngine, private SavableState {
   };
   std::unique_ptr<ResidentModel> model_;
   HostBuffer host_[3];  // params, m, v
-  bool host_current_ = false;  // the host buffers hold the model's state as it is now
+  std::array<bool, 3> current_{};  // each host buffer holds the model's state as it is now
   std::function<void(int group)> before_modify_;
 };
 

@@ -31,7 +31,8 @@ class SavableState {
   // Writes every tensor of `kind`: fill(spec, dst) must write spec.numel floats to dst.
   virtual Status fill_kind(StateKind kind, const TensorFill& fill) = 0;
   // Copies bytes [offset, offset + length) of the flat layout of `kind` (whole floats) into
-  // dst: the state as it is now, or as capture() took it where flat_data() is not null.
+  // dst: the state as it is now. May wait for a save in flight (through the before_modify
+  // hook), so a save's own reading must not call it where flat_data() is not null.
   virtual Status read_flat(StateKind kind, uint64_t offset, uint64_t length, void* dst) = 0;
   // A save is starting (the previous one has ended): a state that is not in host memory copies
   // itself there now, so the save reads a consistent picture while training goes on.

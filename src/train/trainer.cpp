@@ -253,8 +253,9 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     pos.data_epoch = static_cast<int64_t>(loader.cursor().epoch);
     pos.data_index = static_cast<int64_t>(loader.cursor().index);
     pos.optimizer_step = state.step_count();
-    last_saved_step = step;
-    return checkpointer.save(state, pos, mc.to_json(), t.seed, engine->extra_state());
+    ASSIGN_OR_RETURN(bool started, checkpointer.save(state, pos, mc.to_json(), t.seed, engine->extra_state()));
+    if (started) last_saved_step = step;
+    return Status::OK();
   };
 
   // 2. The run directory: the effective config, then metrics as steps complete.
@@ -356,7 +357,11 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   RETURN_IF_ERROR(failure);
   // A final checkpoint when stopped by a signal, or at the end of a run that saves periodically.
   const int64_t done_step = summary.steps_done > 0 ? summary.steps_done : start_step - 1;
-  if ((summary.interrupted || t.ckpt_every > 0) && done_step > last_saved_step) RETURN_IF_ERROR(save_checkpoint(done_step));
+  if ((summary.interrupted || t.ckpt_every > 0) && done_step > last_saved_step) {
+    // The final save waits for one in flight instead of being skipped (ckpt.if_busy=skip).
+    if (Status previous = checkpointer.wait(); !previous.ok()) LOG_WARN("checkpoint: {}", previous.message());
+    RETURN_IF_ERROR(save_checkpoint(done_step));
+  }
   if (Status saved = checkpointer.wait(); !saved.ok()) LOG_WARN("checkpoint: {}", saved.message());
   else if (last_saved_step >= start_step) LOG_INFO("checkpoint: step {} committed in {}", last_saved_step, t.ckpt_dir);
   if (summary.interrupted) LOG_WARN("interrupted: stopped after step {}", summary.steps_done);

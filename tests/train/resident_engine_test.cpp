@@ -254,6 +254,34 @@ TEST_F(ResidentEngineTest, HostCopyIsNotOverwrittenUnderASaveInFlight) {
   }
 }
 
+// With skip_if_busy, a save due while another is being written is skipped and says so (the
+// trainer then keeps its last saved step, and its final save waits instead of skipping).
+TEST_F(ResidentEngineTest, SaveSaysWhenItWasSkippedBecauseTheWriterWasBusy) {
+  const model::ModelConfig mc = tiny_config(false);
+  ResidentEngine engine(std::make_unique<FlatCpuModel>(mc, optimizer_config(0.5f)));
+  CheckpointOptions co;
+  co.dir = (dir_ / "ckpt").string();
+  co.skip_if_busy = true;
+  TrainCheckpointer checkpointer(co, engine.layout(), engine.state(), [] {
+    FaultOptions f;
+    f.write_latency = std::chrono::milliseconds(20);
+    return make_faulty_io_engine({.kind = "threads"}, f);
+  });
+  RunPosition pos;
+  pos.step = 1;
+  Result<bool> first = checkpointer.save(engine.state(), pos, mc.to_json(), 0);
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  EXPECT_TRUE(*first);
+  ASSERT_TRUE(checkpointer.in_flight());
+  pos.step = 2;
+  Result<bool> second = checkpointer.save(engine.state(), pos, mc.to_json(), 0);
+  ASSERT_TRUE(second.ok()) << second.status().to_string();
+  EXPECT_FALSE(*second);
+  ASSERT_TRUE(checkpointer.wait().ok());
+  EXPECT_TRUE(fs::exists(dir_ / "ckpt" / "step-1"));
+  EXPECT_FALSE(fs::exists(dir_ / "ckpt" / "step-2"));
+}
+
 TEST_F(ResidentEngineTest, DeviceChoiceSaysWhyWithoutAGpu) {
 #if STRATA_HAVE_CUDA
   if (cuda_device_count() > 0) GTEST_SKIP() << "a GPU is visible: run.device=cuda would use it";

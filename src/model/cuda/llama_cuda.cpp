@@ -223,17 +223,39 @@ size_t CudaLlama::param_state_bytes_for(const ModelConfig& config) {
   return static_cast<size_t>(ParamLayout(config).total_size()) * (4 * sizeof(float) + sizeof(bf16));
 }
 
-void CudaLlama::plan_activations(int64_t N) {
-  if (N <= planned_tokens_) return;
-  const size_t bytes = activation_bytes_for(config_, N, keep_layers_);
+Status CudaLlama::reserve_activations(int64_t tokens) {
+  if (tokens <= planned_tokens_) return Status::OK();
+  const size_t bytes = activation_bytes_for(config_, tokens, keep_layers_);
+  void* block = nullptr;
+  if (cudaMalloc(&block, bytes) != cudaSuccess) {
+    (void)cudaGetLastError();  // an allocation that failed leaves no sticky error
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return Status::OutOfMemory(fmt::format("the activation table for {} tokens ({} bytes) does not fit the {} bytes "
+                                           "of device memory free",
+                                           tokens, bytes, free_bytes));
+  }
+  adopt_activations(block, bytes, tokens);
+  return Status::OK();
+}
+
+void CudaLlama::adopt_activations(void* block, size_t bytes, int64_t N) {
   if (acts_block_ != nullptr) {
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old block may still be in use
     CUDA_CHECK(cudaFree(acts_block_));
   }
-  CUDA_CHECK(cudaMalloc(&acts_block_, bytes));
+  acts_block_ = block;
   carve_activations(config_, N, keep_layers_, static_cast<char*>(acts_block_), acts_, &layer_acts_);
   acts_bytes_ = bytes;
   planned_tokens_ = N;
+}
+
+void CudaLlama::plan_activations(int64_t N) {
+  if (N <= planned_tokens_) return;
+  const size_t bytes = activation_bytes_for(config_, N, keep_layers_);
+  void* block = nullptr;
+  CUDA_CHECK(cudaMalloc(&block, bytes));
+  adopt_activations(block, bytes, N);
 }
 
 CudaLlama::bf16* CudaLlama::checkpoint(int64_t l, int64_t N) const {

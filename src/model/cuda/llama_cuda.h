@@ -110,6 +110,10 @@ class CudaLlama {
   static size_t param_state_bytes_for(const ModelConfig& config);
   static size_t activation_bytes_for(const ModelConfig& config, int64_t tokens, bool keep_layer_activations);
   bool keeps_layer_activations() const { return keep_layers_; }
+  // Allocates the activation table for micro-batches of up to `tokens` (B * T) tokens now
+  // (otherwise the first forward does). OutOfMemory, naming the bytes, when the device cannot
+  // provide it.
+  Status reserve_activations(int64_t tokens);
 
  private:
   using bf16 = kernels::cuda::bf16;
@@ -163,6 +167,9 @@ class CudaLlama {
   const Acts& layer_acts(int64_t layer) const {
     return keep_layers_ ? layer_acts_[static_cast<size_t>(layer)] : acts_;
   }
+  // Frees the current activation table (after the stream drains) and lays out `block` of
+  // `bytes` for N tokens in its place.
+  void adopt_activations(void* block, size_t bytes, int64_t N);
   // Plans the activation table for N tokens (B*T; attention's lse uses B, T), reallocating
   // only when N grows.
   void plan_activations(int64_t N);

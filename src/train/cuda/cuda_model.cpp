@@ -81,7 +81,8 @@ CudaMemoryPlan plan_cuda_memory(const model::ModelConfig& config, const CudaMode
   CudaMemoryPlan p;
   size_t free_bytes = 0, total_bytes = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  p.available = options.budget_bytes > 0 ? std::min<uint64_t>(options.budget_bytes, free_bytes) : free_bytes;
+  p.budget_limits = options.budget_bytes > 0 && options.budget_bytes < free_bytes;
+  p.available = p.budget_limits ? options.budget_bytes : free_bytes;
   p.keep_bytes = cuda_model_bytes(config, options.micro_batch, options.seq_len, true);
   p.recompute_bytes = cuda_model_bytes(config, options.micro_batch, options.seq_len, false);
   switch (options.activations) {
@@ -95,9 +96,9 @@ CudaMemoryPlan plan_cuda_memory(const model::ModelConfig& config, const CudaMode
 
 Result<std::unique_ptr<ResidentModel>> make_cuda_model(const model::ModelConfig& config, const OptimizerConfig& oc,
                                                        const CudaModelOptions& options) {
-  RETURN_IF_ERROR(model::CudaLlama::supports(config));
   const int count = cuda_device_count();
   if (count == 0) return Status::NotFound("no usable CUDA device (no GPU visible, or no driver)");
+  RETURN_IF_ERROR(model::CudaLlama::supports(config));
   if (options.device < 0 || options.device >= count)
     return Status::InvalidArgument(fmt::format("CUDA device {} does not exist; this machine has {}", options.device, count));
   CUDA_CHECK(cudaSetDevice(options.device));
@@ -127,14 +128,18 @@ Result<std::unique_ptr<ResidentModel>> make_cuda_model(const model::ModelConfig&
         format_bytes(model::CudaLlama::param_state_bytes_for(config)),
         format_bytes(model::CudaLlama::activation_bytes_for(config, tokens, mem.keep)), options.micro_batch,
         options.seq_len, mem.keep ? ", every layer's kept" : ", layers recomputed in backward", prop.name,
-        format_bytes(mem.available), options.budget_bytes > 0 ? " within memory.device" : " free"));
+        format_bytes(mem.available), mem.budget_limits ? " within memory.device" : " free"));
   }
-  LOG_INFO("cuda: {} activations ({}; {} in all, {} available)",
+  LOG_INFO("cuda: {} activations ({}; {} in all, {} {})",
            mem.keep ? "every layer keeps its" : "backward recomputes each layer's",
            format_bytes(model::CudaLlama::activation_bytes_for(config, options.micro_batch * options.seq_len,
                                                                mem.keep)),
-           format_bytes(mem.keep ? mem.keep_bytes : mem.recompute_bytes), format_bytes(mem.available));
+           format_bytes(mem.keep ? mem.keep_bytes : mem.recompute_bytes), format_bytes(mem.available),
+           mem.budget_limits ? "within memory.device" : "free");
   ASSIGN_OR_RETURN(std::unique_ptr<model::CudaLlama> net, model::CudaLlama::create(config, mem.keep));
+  // The activation table now rather than at the first step, so that memory taken meanwhile by
+  // others ends the run here with a message, and the start-up memory line counts it.
+  RETURN_IF_ERROR(net->reserve_activations(options.micro_batch * options.seq_len));
   return std::unique_ptr<ResidentModel>(
       new CudaModel(std::move(net), oc, fmt::format("cuda:{} ({})", options.device, prop.name)));
 }

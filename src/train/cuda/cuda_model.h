@@ -31,6 +31,7 @@ struct CudaMemoryPlan {
   uint64_t keep_bytes = 0;       // everything, with every layer's intermediates kept
   uint64_t recompute_bytes = 0;  // everything, with one shared set of intermediates
   uint64_t available = 0;        // the budget, or the device's free memory when smaller
+  bool budget_limits = false;    // memory.device, not free memory, sets `available`
   bool fits = false;
   bool keep = false;             // the mode chosen
 };
