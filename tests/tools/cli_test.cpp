@@ -190,6 +190,20 @@ TEST_F(CliTest, PagingThroughHostAndNvmeChangesNoBit) {
   EXPECT_GT(j["moved_bytes"].get<uint64_t>(), 0u) << line;
 }
 
+// strata plan in the CPU layout plans the chunks strata train will make, and refuses a chunk
+// size that cannot hold the largest tensor as train does, naming the tensor and the size.
+TEST_F(CliTest, PlanUsesTrainsChunksAndRefusesAChunkSmallerThanATensor) {
+  CmdResult ok = run_strata("plan run.device=cpu memory.device=24MiB memory.host=10MiB");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find("CPU (fp32) layout"), std::string::npos) << ok.output;
+  CmdResult small = run_strata("plan run.device=cpu memory.device=24MiB memory.chunk_size=64KiB");
+  EXPECT_EQ(small.exit_code, 1) << small.output;
+  EXPECT_NE(small.output.find("'model.embed_tokens.weight' (128.00 KiB) is larger than a chunk (64.00 KiB)"),
+            std::string::npos)
+      << small.output;
+  EXPECT_NE(small.output.find("memory.chunk_size to at least 128.00 KiB"), std::string::npos) << small.output;
+}
+
 TEST_F(CliTest, BudgetsTooSmallAreRefusedWithTheMinimum) {
   std::string run_dir = (dir_ / "run").string();
   CmdResult r = run_strata("train data.paths=[" + corpus() + "] run.dir=" + run_dir + " memory.device=1MiB");

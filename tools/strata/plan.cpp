@@ -82,7 +82,18 @@ int plan_command(const std::vector<std::string>& args) {
     tc->memory_device = tc->memory_host ? tc->memory_host : default_host_budget();
   }
   // The CPU backend's chunks, as `strata train` would make them, so that padding is counted.
-  if (!cuda && tc->chunk_size == 0) tc->chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(*mc));
+  if (!cuda) {
+    const model::ParamLayout layout(*mc);
+    if (tc->chunk_size == 0) tc->chunk_size = PagedState::auto_chunk_bytes(layout);
+    for (const model::TensorSpec& t : layout.tensors()) {
+      const uint64_t bytes = static_cast<uint64_t>(t.numel) * sizeof(float);
+      if (bytes <= tc->chunk_size) continue;
+      std::fprintf(stderr, "strata plan: error: tensor '%s' (%s) is larger than a chunk (%s); raise memory.chunk_size "
+                   "to at least %s, or leave it auto\n", t.name.c_str(), format_bytes(bytes).c_str(),
+                   format_bytes(tc->chunk_size).c_str(), format_bytes(bytes).c_str());
+      return 1;
+    }
+  }
   const PlanInput in = make_plan_input(*mc, *tc, cuda);
   const Plan plan = make_plan(in);
   const double n_params = static_cast<double>(mc->num_parameters());
