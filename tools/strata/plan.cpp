@@ -13,6 +13,9 @@
 #include "train/paged_state.h"
 #include "train/planning.h"
 #include "train/train_config.h"
+#if STRATA_HAVE_CUDA
+#include "train/cuda/cuda_model.h"
+#endif
 #include "train/trainer.h"
 
 namespace strata::tools {
@@ -119,6 +122,21 @@ int plan_command(const std::vector<std::string>& args) {
     const double model_flops = model_flops_per_token(*mc, tc->seq_len) * static_cast<double>(in.tokens_per_step);
     std::printf("  predicted MFU %.1f%% of the H100/H200 dense bf16 peak (989 TFLOP/s; model FLOPs 6N + 12LHT, "
                 "recomputation not counted)\n", 100 * model_flops / plan.step_s / 989e12);
+  }
+  if (cuda) {
+    // What `strata train run.device=cuda` does today, which is not the paged layout above.
+    const uint64_t state = static_cast<uint64_t>(mc->num_parameters()) * 18;
+#if STRATA_HAVE_CUDA
+    const uint64_t keep = cuda_model_bytes(*mc, tc->micro_batch, tc->seq_len, true);
+    const uint64_t recompute = cuda_model_bytes(*mc, tc->micro_batch, tc->seq_len, false);
+    std::printf("  strata train run.device=cuda keeps the whole state on the GPU (no paging there yet): %s with every "
+                "layer's activations kept, %s recomputing them (state %s at 18 B/param); %s memory.device\n",
+                format_bytes(keep).c_str(), format_bytes(recompute).c_str(), format_bytes(state).c_str(),
+                recompute <= tc->memory_device ? "fits" : "does not fit");
+#else
+    std::printf("  strata train run.device=cuda keeps the whole state on the GPU (no paging there yet): %s at 18 "
+                "B/param plus activations\n", format_bytes(state).c_str());
+#endif
   }
   return plan.fits ? 0 : 1;
 }
