@@ -92,16 +92,6 @@ class Trainer {
   int64_t steps_ = 0;
 };
 
-// A thread-pool engine behind a fault injector: a slow disk, and ENOSPC after `enospc_after`.
-ckpt::IoEngineFactory faulty_engine(std::chrono::microseconds latency, uint64_t enospc_after = UINT64_MAX) {
-  return [=] {
-    FaultOptions f;
-    f.write_latency = latency;
-    f.enospc_after_bytes = enospc_after;
-    return make_faulty_io_engine({.kind = "threads"}, f);
-  };
-}
-
 // Every saved tensor equals `want` (params, m, v) bitwise.
 void expect_checkpoint_holds(const std::string& dir, const model::ParamLayout& layout,
                              const std::vector<std::vector<float>>& want) {

@@ -225,11 +225,7 @@ TEST_F(ResidentEngineTest, HostCopyIsNotOverwrittenUnderASaveInFlight) {
   CheckpointOptions co;
   co.dir = (dir_ / "ckpt").string();
   co.staging_bytes = 64 << 10;
-  TrainCheckpointer checkpointer(co, engine.layout(), engine.state(), [] {
-    FaultOptions f;
-    f.write_latency = std::chrono::milliseconds(20);
-    return make_faulty_io_engine({.kind = "threads"}, f);
-  });
+  TrainCheckpointer checkpointer(co, engine.layout(), engine.state(), faulty_engine(std::chrono::milliseconds(20)));
   RunPosition pos;
   pos.step = 1;
   pos.optimizer_step = 1;
@@ -262,11 +258,7 @@ TEST_F(ResidentEngineTest, SaveSaysWhenItWasSkippedBecauseTheWriterWasBusy) {
   CheckpointOptions co;
   co.dir = (dir_ / "ckpt").string();
   co.skip_if_busy = true;
-  TrainCheckpointer checkpointer(co, engine.layout(), engine.state(), [] {
-    FaultOptions f;
-    f.write_latency = std::chrono::milliseconds(20);
-    return make_faulty_io_engine({.kind = "threads"}, f);
-  });
+  TrainCheckpointer checkpointer(co, engine.layout(), engine.state(), faulty_engine(std::chrono::milliseconds(20)));
   RunPosition pos;
   pos.step = 1;
   Result<bool> first = checkpointer.save(engine.state(), pos, mc.to_json(), 0);

@@ -2,6 +2,7 @@
 // optimizer configuration.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -14,6 +15,8 @@
 #include "model/config.h"
 #include "model/llama.h"
 #include "model/params.h"
+#include "ckpt/writer.h"
+#include "memory/io_faulty.h"
 #include "train/optimizer.h"
 
 namespace strata {
@@ -91,6 +94,16 @@ inline void expect_runs_bitwise_equal(const std::vector<double>& losses_a, const
   for (const auto& t : layout.tensors())
     EXPECT_EQ(std::memcmp(params_a.data() + t.offset, params_b.data() + t.offset, t.numel * sizeof(float)), 0)
         << t.name << " differs";
+}
+
+// A thread-pool engine behind a fault injector: a slow disk, and ENOSPC after `enospc_after`.
+inline ckpt::IoEngineFactory faulty_engine(std::chrono::microseconds latency, uint64_t enospc_after = UINT64_MAX) {
+  return [=] {
+    FaultOptions f;
+    f.write_latency = latency;
+    f.enospc_after_bytes = enospc_after;
+    return make_faulty_io_engine({.kind = "threads"}, f);
+  };
 }
 
 }  // namespace strata
