@@ -64,7 +64,7 @@ TierSlots::TierSlots(Tier tier, uint64_t budget, uint64_t slot_bytes, uint32_t s
 TierSlots::~TierSlots() {
   for (const NvmeFile& f : files_) {
     if (f.fd >= 0) ::close(f.fd);
-    if (!f.path.empty()) ::unlink(f.path.c_str());
+    if (f.linked) ::unlink(f.path.c_str());
   }
 }
 
@@ -186,6 +186,9 @@ Result<std::unique_ptr<TierSlots>> TierSlots::create_nvme(IoEngine& io, const st
     }
     if (fd < 0) return Status::IOError("cannot open " + path + ": " + errno_text(errno));
     t->files_.back().fd = fd;
+    // Only the descriptor is needed from here on: without a name the file goes away with the
+    // process, even one killed by SIGKILL, instead of leaving its size on the disk.
+    if (::unlink(path.c_str()) == 0) t->files_.back().linked = false;
     ASSIGN_OR_RETURN(int index, io.register_file(fd, path));
     t->file_index_.push_back(index);
   }

@@ -89,7 +89,8 @@ class TierSlots {
  private:
   struct NvmeFile {
     int fd = -1;
-    std::string path;
+    std::string path;    // for messages; the name is removed once the file is open
+    bool linked = true;  // the name still exists (removed by the destructor)
   };
 
   TierSlots(Tier tier, uint64_t budget, uint64_t slot_bytes, uint32_t slot_count);

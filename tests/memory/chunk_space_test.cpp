@@ -293,7 +293,8 @@ TEST(ChunkSpaceTest, RandomStressKeepsContentsAcrossAllTiers) {
       EXPECT_LE(s.tiers[t].peak_bytes, s.tiers[t].capacity_bytes) << t;
       EXPECT_LE(s.tiers[t].in_use_bytes, s.tiers[t].peak_bytes) << t;
     }
-    EXPECT_FALSE(dir.files().empty());
+    // The nvme files lost their names once open: a process killed now would leave nothing.
+    EXPECT_TRUE(dir.files().empty());
   }
   // Everything handed back: device memory, pinned memory and the nvme files.
   EXPECT_EQ(device->memory_in_use(), 0u);

@@ -105,6 +105,7 @@ TEST(CrashConsistency, SigkillDuringTrainingAlwaysLeavesAVerifiableResumableChec
       "run.dir=" + run.string(),
       "ckpt.every=1",
       "ckpt.keep_last=2",
+      "memory.nvme.path=" + (dir / "nvme").string(),
   };
 
   uint32_t seed = 20240611;
@@ -167,6 +168,8 @@ TEST(CrashConsistency, SigkillDuringTrainingAlwaysLeavesAVerifiableResumableChec
     ASSERT_EQ(kill(pid, SIGKILL), 0);
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "training ended by itself:\n" << read_text(log);
+    // The nvme tier's files have no names while in use, so a killed run leaves none behind.
+    EXPECT_TRUE(fs::is_empty(dir / "nvme")) << "a killed run left files in " << (dir / "nvme");
 
     // Each save removes stale step-N.tmp directories before it starts, and this process
     // committed at least one save, so any left now were being written when it died.
