@@ -102,6 +102,31 @@ Result<std::unique_ptr<TokenDataset>> open_training_data(const TrainConfig& t) {
   return open_dataset(dc);
 }
 
+// A new run (no --resume) never lands on another run's directories: its checkpoints would mix
+// with the new run's (and retention could delete them), and its metrics would be overwritten.
+Status check_fresh_run(const TrainConfig& t) {
+  std::error_code ec;
+  const fs::path ckpt(t.ckpt_dir);
+  std::string latest;
+  if (fs::exists(ckpt / "latest", ec)) {
+    std::ifstream in(ckpt / "latest");
+    std::getline(in, latest);
+  }
+  bool has_steps = false;
+  if (fs::is_directory(ckpt, ec))
+    for (const auto& e : fs::directory_iterator(ckpt, ec))
+      has_steps = has_steps || e.path().filename().string().rfind("step-", 0) == 0;
+  const std::string what = "; pass --resume auto to continue that run, or choose another run.dir (or ckpt.dir), "
+                           "or remove it first";
+  if (!latest.empty() || has_steps)
+    return Status::InvalidArgument("ckpt.dir '" + t.ckpt_dir + "' already holds checkpoints of a run" +
+                                   (latest.empty() ? "" : " (latest: " + latest + ")") + what);
+  const fs::path metrics = fs::path(t.run_dir) / "metrics.jsonl";
+  if (fs::exists(metrics, ec))
+    return Status::InvalidArgument("run.dir '" + t.run_dir + "' already holds a run (" + metrics.string() + ")" + what);
+  return Status::OK();
+}
+
 bool needs_run_dir_for_data(const TrainConfig& t) {
   for (const auto& p : t.data_paths)
     if (p == kBuiltinLicenses) return true;
@@ -173,6 +198,7 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   if (t.seq_len > mc.max_position_embeddings)
     LOG_WARN("train.seq_len {} exceeds the model's max_position_embeddings {}", t.seq_len,
              mc.max_position_embeddings);
+  if (t.resume.empty()) RETURN_IF_ERROR(check_fresh_run(t));
   std::error_code ec;
   if (needs_run_dir_for_data(t)) {
     fs::create_directories(t.run_dir, ec);

@@ -204,6 +204,32 @@ TEST_F(CliTest, PlanUsesTrainsChunksAndRefusesAChunkSmallerThanATensor) {
   EXPECT_NE(small.output.find("memory.chunk_size to at least 128.00 KiB"), std::string::npos) << small.output;
 }
 
+// A second run without --resume in the same run.dir is refused before it writes anything: the
+// first run's metrics and checkpoints stay as they were; --resume auto continues it instead.
+TEST_F(CliTest, ANewRunNeverOverwritesAnotherRunsDirectory) {
+  const std::string run_dir = (dir_ / "run").string();
+  CmdResult first = run_strata("train " + small_run(run_dir) + " ckpt.every=3");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto metrics = losses_of(fs::path(run_dir) / "metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 6u);
+  CmdResult again = run_strata("train " + small_run(run_dir) + " ckpt.every=1");
+  EXPECT_EQ(again.exit_code, 1) << again.output;
+  EXPECT_NE(again.output.find("already holds checkpoints of a run (latest: step-6)"), std::string::npos)
+      << again.output;
+  EXPECT_NE(again.output.find("--resume auto"), std::string::npos) << again.output;
+  EXPECT_EQ(losses_of(fs::path(run_dir) / "metrics.jsonl"), metrics);
+  EXPECT_FALSE(fs::exists(fs::path(run_dir) / "checkpoints" / "step-1")) << again.output;
+  // Metrics alone (a run without checkpoints) are kept the same way.
+  const std::string bare = (dir_ / "bare").string();
+  ASSERT_EQ(run_strata("train " + small_run(bare)).exit_code, 0);
+  CmdResult bare_again = run_strata("train " + small_run(bare));
+  EXPECT_EQ(bare_again.exit_code, 1) << bare_again.output;
+  EXPECT_NE(bare_again.output.find("already holds a run"), std::string::npos) << bare_again.output;
+  // Continuing the first run is what --resume auto is for: it has nothing left to do at step 6.
+  CmdResult resumed = run_strata("train " + small_run(run_dir) + " ckpt.every=3 --resume auto");
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+}
+
 TEST_F(CliTest, BudgetsTooSmallAreRefusedWithTheMinimum) {
   std::string run_dir = (dir_ / "run").string();
   CmdResult r = run_strata("train data.paths=[" + corpus() + "] run.dir=" + run_dir + " memory.device=1MiB");
