@@ -1,6 +1,8 @@
 #include "train/metrics.h"
 
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 
@@ -11,15 +13,23 @@
 
 namespace strata {
 
+std::string format_duration(double seconds) {
+  const int64_t s = static_cast<int64_t>(std::llround(std::max(seconds, 0.0)));
+  if (s < 60) return fmt::format("{}s", s);
+  if (s < 3600) return fmt::format("{}m{:02}s", s / 60, s % 60);
+  return fmt::format("{}h{:02}m", s / 3600, s % 3600 / 60);
+}
+
 std::string format_step_line(const StepMetrics& m) {
   int width = static_cast<int>(std::to_string(m.total_steps).size());
   std::string tps = m.tokens_per_s >= 1e6   ? fmt::format("{:.2f}M", m.tokens_per_s / 1e6)
                     : m.tokens_per_s >= 1e3 ? fmt::format("{:.1f}k", m.tokens_per_s / 1e3)
                                             : fmt::format("{:.0f}", m.tokens_per_s);
+  const std::string eta = m.eta_s >= 0 ? " | eta " + format_duration(m.eta_s) : "";
   return fmt::format(
-      "step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {:.0f} ms | dev {} host {} nvme {} | "
+      "step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {:.0f} ms{} | dev {} host {} nvme {} | "
       "moved {} stall {:.0f} ms | rss {}",
-      m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, tps, m.ms, format_bytes(m.tier_bytes[0]),
+      m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, tps, m.ms, eta, format_bytes(m.tier_bytes[0]),
       format_bytes(m.tier_bytes[1]), format_bytes(m.tier_bytes[2]), format_bytes(m.moved_bytes), m.stall_ms,
       format_bytes(m.rss_bytes));
 }
@@ -50,6 +60,7 @@ Status MetricsWriter::write(const StepMetrics& m) {
                       {"moved_bytes", m.moved_bytes},
                       {"stall_ms", m.stall_ms},
                       {"elapsed_s", m.elapsed_s},
+                      {"eta_s", m.eta_s},
                       {"ckpt_in_flight", m.ckpt_in_flight},
                       {"rss_bytes", m.rss_bytes}};
   // Losses are printed with 17 significant digits so that runs can be compared bitwise.

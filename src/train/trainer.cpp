@@ -364,6 +364,7 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     sm.rss_bytes = resident_bytes();
     sm.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     sm.ckpt_in_flight = ckpt_in_flight;
+    sm.eta_s = sm.elapsed_s / static_cast<double>(step - start_step + 1) * static_cast<double>(t.steps - step);
     failure = metrics.write(sm);
     if (!failure.ok()) break;
     if (step == start_step) summary.first_loss = sm.loss;
