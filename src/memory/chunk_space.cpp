@@ -432,12 +432,16 @@ uint64_t ChunkSpace::next_use(ChunkId id) const {
 Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
   std::lock_guard<std::mutex> lock(mu_);
   if (schedule_.empty()) return Status::OK();
-  const size_t n = std::min(lookahead, schedule_.size());
   std::array<bool, kNumTiers> full{};  // no slot left for prefetches into the tier
-  for (size_t k = 0; k < n; ++k) {
+  // `lookahead` counts entries that may be prefetched: those naming nvme only tell eviction
+  // when their chunks are next used, so they neither move nor use up the window.
+  size_t counted = 0;
+  for (size_t k = 0; k < schedule_.size() && counted < lookahead; ++k) {
     const size_t entry = (position_ + k) % schedule_.size();
     const Tier to = schedule_tiers_.empty() ? default_to : schedule_tiers_[entry];
-    if (to == Tier::kNvme || !has_tier(to) || full[idx(to)]) continue;
+    if (to == Tier::kNvme) continue;
+    ++counted;
+    if (!has_tier(to) || full[idx(to)]) continue;
     const int w = idx(to);
     const ChunkId id = schedule_[entry];
     ChunkState& c = chunks_[id];

@@ -164,12 +164,13 @@ class ChunkSpace {
   // The order in which chunks will be acquired, one entry per acquire; it repeats (the next
   // step follows the last entry). Replaces LRU by Belady eviction. An empty order clears it.
   // `tiers`, when given (one per entry), is where each entry will be acquired: prefetch()
-  // moves an entry's chunk there instead of into its `to` tier.
+  // moves an entry's chunk there instead of into its `to` tier. An entry naming the nvme tier
+  // is never prefetched: it only tells eviction when its chunk is next (probably) used.
   void set_schedule(std::vector<ChunkId> order, std::vector<Tier> tiers = {});
   // Marks entry `position` of the schedule as the current one (call before its acquire).
   void advance(size_t position);
-  // Starts moving the chunks of the next `lookahead` schedule entries (from the current one)
-  // into `to` (or each entry's tier from set_schedule): into free slots, or into slots of
+  // Starts moving the chunks of the next `lookahead` schedule entries that can be prefetched
+  // (from the current one) into `to` (or each entry's tier from set_schedule): into free slots, or into slots of
   // copies not needed before them. Never blocks
   // on moves in flight, so an nvme-homed chunk may only reach host by this call and device by
   // a later one. Errors: write-backs forced by its evictions.

@@ -115,6 +115,16 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
     for (int g = 0; g < s->num_groups_; ++g) {
       std::optional<Tier> home;
       if (options.home) home = options.home(g, kind);
+      // A home tier that is already full falls back to the tiers below it (for the rest of the
+      // group too). A failed attempt leaves the layout as it was, so it can be retried.
+      auto with_fallback = [&](auto add) {
+        auto added = add();
+        while (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && home && *home != Tier::kNvme) {
+          home = static_cast<Tier>(static_cast<int>(*home) + 1);
+          if (s->space_->has_tier(*home)) added = add();
+        }
+        return added;
+      };
       for (size_t pi = 0; pi < s->parts_[g].size(); ++pi) {
         Part& part = s->parts_[g][pi];
         std::vector<ChunkId>& chunks = part.chunks[k];
@@ -123,21 +133,16 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
         // tensor) share chunks with the part before them, rather than each padding a chunk of
         // its own: fetching one then brings its neighbours along.
         if (pi == 0 || part_bytes_of(*s, part) * kOwnChunkFraction >= so.chunk_bytes) {
-          // A home tier that is already full falls back to the tiers below it (for the rest of
-          // the group too).
-          Result<ChunkId> added = s->space_->add_chunk(chunk_kind_of(kind), home);
-          while (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && home && *home != Tier::kNvme) {
-            home = static_cast<Tier>(static_cast<int>(*home) + 1);
-            if (!s->space_->has_tier(*home)) continue;
-            added = s->space_->add_chunk(chunk_kind_of(kind), home);
-          }
-          ASSIGN_OR_RETURN(ChunkId first, std::move(added));
+          ASSIGN_OR_RETURN(ChunkId first, with_fallback([&] { return s->space_->add_chunk(chunk_kind_of(kind), home); }));
           chunks.push_back(first);
         }
         for (size_t i : part.tensors) {
           const StateTensor& t = s->tensors_[i];
-          ASSIGN_OR_RETURN(TensorId id, s->space_->add_tensor(std::string(state_kind_name(kind)) + "/" + t.name,
-                                                              chunk_kind_of(kind), t.elements * sizeof(float), home));
+          // A tensor that opens a chunk of its own (past the end of the current one) falls back too.
+          ASSIGN_OR_RETURN(TensorId id, with_fallback([&] {
+                             return s->space_->add_tensor(std::string(state_kind_name(kind)) + "/" + t.name,
+                                                          chunk_kind_of(kind), t.elements * sizeof(float), home);
+                           }));
           s->ids_[i][k] = id;
           const ChunkId c = s->space_->tensor(id).chunk;
           if (std::find(chunks.begin(), chunks.end(), c) == chunks.end()) chunks.push_back(c);

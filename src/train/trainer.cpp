@@ -102,9 +102,12 @@ Result<std::unique_ptr<TokenDataset>> open_training_data(const TrainConfig& t) {
   return open_dataset(dc);
 }
 
-// A new run (no --resume) never lands on another run's directories: its checkpoints would mix
-// with the new run's (and retention could delete them), and its metrics would be overwritten.
-Status check_fresh_run(const TrainConfig& t) {
+// A run never lands on another run's directories: the old checkpoints would mix with the new
+// run's (and retention could delete them), and the old metrics would be overwritten. A run dir
+// is continued only through a checkpoint: --resume auto when ckpt.dir has `latest`, or
+// --resume PATH (whose metrics are appended to).
+Status check_run_dirs(const TrainConfig& t) {
+  if (!t.resume.empty() && t.resume != "auto") return Status::OK();
   std::error_code ec;
   const fs::path ckpt(t.ckpt_dir);
   std::string latest;
@@ -112,18 +115,29 @@ Status check_fresh_run(const TrainConfig& t) {
     std::ifstream in(ckpt / "latest");
     std::getline(in, latest);
   }
-  bool has_steps = false;
-  if (fs::is_directory(ckpt, ec))
-    for (const auto& e : fs::directory_iterator(ckpt, ec))
-      has_steps = has_steps || e.path().filename().string().rfind("step-", 0) == 0;
-  const std::string what = "; pass --resume auto to continue that run, or choose another run.dir (or ckpt.dir), "
-                           "or remove it first";
-  if (!latest.empty() || has_steps)
-    return Status::InvalidArgument("ckpt.dir '" + t.ckpt_dir + "' already holds checkpoints of a run" +
-                                   (latest.empty() ? "" : " (latest: " + latest + ")") + what);
+  const std::string elsewhere = "choose another run.dir (or ckpt.dir), or remove it first";
+  if (!latest.empty()) {
+    if (t.resume == "auto") return Status::OK();
+    return Status::InvalidArgument("ckpt.dir '" + t.ckpt_dir + "' already holds checkpoints of a run (latest: " + latest +
+                                   "); pass --resume auto to continue that run, or " + elsewhere);
+  }
+  // Committed step-N directories without `latest`; step-N.tmp ones are unfinished saves that the
+  // next save removes anyway.
+  std::string step;
+  if (fs::is_directory(ckpt, ec)) {
+    for (const auto& e : fs::directory_iterator(ckpt, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("step-", 0) == 0 && !name.ends_with(".tmp")) step = name;
+    }
+  }
+  if (!step.empty())
+    return Status::InvalidArgument("ckpt.dir '" + t.ckpt_dir + "' holds checkpoints (e.g. " + step +
+                                   ") but no 'latest'; continue from one with --resume " +
+                                   (ckpt / step).string() + ", or " + elsewhere);
   const fs::path metrics = fs::path(t.run_dir) / "metrics.jsonl";
   if (fs::exists(metrics, ec))
-    return Status::InvalidArgument("run.dir '" + t.run_dir + "' already holds a run (" + metrics.string() + ")" + what);
+    return Status::InvalidArgument("run.dir '" + t.run_dir + "' already holds a run's metrics (" + metrics.string() +
+                                   ") and no checkpoint to continue it from; " + elsewhere);
   return Status::OK();
 }
 
@@ -198,7 +212,7 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   if (t.seq_len > mc.max_position_embeddings)
     LOG_WARN("train.seq_len {} exceeds the model's max_position_embeddings {}", t.seq_len,
              mc.max_position_embeddings);
-  if (t.resume.empty()) RETURN_IF_ERROR(check_fresh_run(t));
+  RETURN_IF_ERROR(check_run_dirs(t));
   std::error_code ec;
   if (needs_run_dir_for_data(t)) {
     fs::create_directories(t.run_dir, ec);

@@ -205,7 +205,8 @@ TEST_F(CliTest, PlanUsesTrainsChunksAndRefusesAChunkSmallerThanATensor) {
 }
 
 // A second run without --resume in the same run.dir is refused before it writes anything: the
-// first run's metrics and checkpoints stay as they were; --resume auto continues it instead.
+// first run's metrics and checkpoints stay as they were; --resume auto continues it instead
+// (and, with no checkpoint to continue from, is refused the same way).
 TEST_F(CliTest, ANewRunNeverOverwritesAnotherRunsDirectory) {
   const std::string run_dir = (dir_ / "run").string();
   CmdResult first = run_strata("train " + small_run(run_dir) + " ckpt.every=3");
@@ -222,12 +223,26 @@ TEST_F(CliTest, ANewRunNeverOverwritesAnotherRunsDirectory) {
   // Metrics alone (a run without checkpoints) are kept the same way.
   const std::string bare = (dir_ / "bare").string();
   ASSERT_EQ(run_strata("train " + small_run(bare)).exit_code, 0);
-  CmdResult bare_again = run_strata("train " + small_run(bare));
-  EXPECT_EQ(bare_again.exit_code, 1) << bare_again.output;
-  EXPECT_NE(bare_again.output.find("already holds a run"), std::string::npos) << bare_again.output;
+  const auto bare_metrics = losses_of(fs::path(bare) / "metrics.jsonl");
+  for (const std::string resume : {"", " --resume auto"}) {
+    CmdResult bare_again = run_strata("train " + small_run(bare) + resume);
+    EXPECT_EQ(bare_again.exit_code, 1) << bare_again.output;
+    EXPECT_NE(bare_again.output.find("already holds a run's metrics"), std::string::npos) << bare_again.output;
+    EXPECT_EQ(losses_of(fs::path(bare) / "metrics.jsonl"), bare_metrics) << resume;
+  }
   // Continuing the first run is what --resume auto is for: it has nothing left to do at step 6.
   CmdResult resumed = run_strata("train " + small_run(run_dir) + " ckpt.every=3 --resume auto");
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  // Checkpoints without `latest` are not silently skipped by --resume auto either.
+  fs::remove(fs::path(run_dir) / "checkpoints" / "latest");
+  CmdResult no_latest = run_strata("train " + small_run(run_dir) + " --resume auto");
+  EXPECT_EQ(no_latest.exit_code, 1) << no_latest.output;
+  EXPECT_NE(no_latest.output.find("but no 'latest'"), std::string::npos) << no_latest.output;
+  // A crash before the first commit leaves only step-N.tmp: nothing to protect, a new run starts.
+  const std::string crashed = (dir_ / "crashed").string();
+  fs::create_directories(fs::path(crashed) / "checkpoints" / "step-3.tmp");
+  CmdResult fresh = run_strata("train " + small_run(crashed));
+  EXPECT_EQ(fresh.exit_code, 0) << fresh.output;
 }
 
 TEST_F(CliTest, BudgetsTooSmallAreRefusedWithTheMinimum) {

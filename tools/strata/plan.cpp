@@ -8,6 +8,7 @@
 
 #include "core/config.h"
 #include "core/units.h"
+#include "memory/chunk.h"
 #include "offload/plan.h"
 #include "tools/strata/commands.h"
 #include "train/paged_state.h"
@@ -91,9 +92,10 @@ int plan_command(const std::vector<std::string>& args) {
     for (const model::TensorSpec& t : layout.tensors()) {
       const uint64_t bytes = static_cast<uint64_t>(t.numel) * sizeof(float);
       if (bytes <= tc->chunk_size) continue;
+      const uint64_t least = (bytes + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;  // chunk sizes are 4 KiB multiples
       std::fprintf(stderr, "strata plan: error: tensor '%s' (%s) is larger than a chunk (%s); raise memory.chunk_size "
                    "to at least %s, or leave it auto\n", t.name.c_str(), format_bytes(bytes).c_str(),
-                   format_bytes(tc->chunk_size).c_str(), format_bytes(bytes).c_str());
+                   format_bytes(tc->chunk_size).c_str(), format_bytes(least).c_str());
       return 1;
     }
   }
