@@ -17,4 +17,13 @@ namespace strata::kernels {
 namespace ref { STRATA_CROSS_ENTROPY_OPS }
 namespace cpu { STRATA_CROSS_ENTROPY_OPS }
 #undef STRATA_CROSS_ENTROPY_OPS
+namespace cpu {
+// The same with weight (and dweight) in row blocks of block_rows rows (the last may be shorter),
+// each contiguous but not next to the others (ParamLayout's vocabulary blocks, paged apart):
+// weight_blocks[b] holds rows [b * block_rows, ...). dx sums over the blocks in block order.
+double lm_head_cross_entropy_blocked(float* dx /*(N,C)*/, float* const* dweight_blocks,
+                                     const float* x /*(N,C)*/, const float* const* weight_blocks,
+                                     int64_t block_rows, const int32_t* targets /*(N)*/, int64_t N,
+                                     int64_t C, int64_t V, float grad_scale, int64_t chunk_tokens);
+}  // namespace cpu
 }  // namespace strata::kernels

@@ -201,6 +201,25 @@ void LlamaModel::end_group(int group, bool params, bool grads) {
   if (access_ != nullptr) access_->end(group, params, grads);
 }
 
+std::vector<const float*> LlamaModel::param_blocks(int64_t offset) {
+  const TensorSpec& t = layout_.at(offset);
+  std::vector<const float*> out;
+  for (int64_t b = 0; b < t.num_blocks(); ++b) out.push_back(param(t.block_offset(b)));
+  return out;
+}
+
+std::vector<float*> LlamaModel::grad_blocks(int64_t offset) {
+  const TensorSpec& t = layout_.at(offset);
+  std::vector<float*> out;
+  for (int64_t b = 0; b < t.num_blocks(); ++b) out.push_back(grad(t.block_offset(b)));
+  return out;
+}
+
+int64_t LlamaModel::block_rows(int64_t offset) const {
+  const TensorSpec& t = layout_.at(offset);
+  return t.block_rows > 0 ? t.block_rows : t.shape[0];
+}
+
 Status LlamaModel::begin_experts(int64_t layer, bool params, bool grads) {
   active_experts_.clear();
   if (!config_.is_moe_layer(layer)) return Status::OK();
@@ -251,7 +270,8 @@ Status LlamaModel::forward_layers(const int32_t* inputs, int64_t B, int64_t T, b
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
   std::vector<int64_t> layer_counts(static_cast<size_t>(E));
   RETURN_IF_ERROR(begin_group(0, true, false));
-  kernels::cpu::embedding_forward(checkpoint(0, N), inputs, param(layout_.embed_tokens()), N, C);
+  kernels::cpu::embedding_forward_blocked(checkpoint(0, N), inputs, param_blocks(layout_.embed_tokens()).data(),
+                                          block_rows(layout_.embed_tokens()), N, C);
   end_group(0, true, false);
   if (offloaded > 0) RETURN_IF_ERROR(access_->offload_checkpoint(0, checkpoint(0, N), N * C));
   for (int64_t l = 0; l < L; ++l) {
@@ -315,9 +335,9 @@ Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets
   kernels::cpu::rmsnorm_forward(acts_.final_out, acts_.final_rstd, checkpoint(L, N),
                                 param(layout_.final_norm()), N, C, static_cast<float>(config_.rms_norm_eps));
   if (!backward) {
-    const double loss = kernels::cpu::lm_head_cross_entropy(nullptr, nullptr, acts_.final_out,
-                                                            param(layout_.lm_head()), targets, N, C,
-                                                            config_.vocab_size, 1.0f, kLossChunkTokens);
+    const double loss = kernels::cpu::lm_head_cross_entropy_blocked(
+        nullptr, nullptr, acts_.final_out, param_blocks(layout_.lm_head()).data(), block_rows(layout_.lm_head()),
+        targets, N, C, config_.vocab_size, 1.0f, kLossChunkTokens);
     end_group(head, true, false);
     if (tied) end_group(0, true, false);
     return loss;
@@ -334,9 +354,9 @@ Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets
   }
 
   // With tied embeddings lm_head() is the embedding's offset, so both gradients add up there.
-  const double loss = kernels::cpu::lm_head_cross_entropy(
-      acts_.d_final, grad(layout_.lm_head()), acts_.final_out, param(layout_.lm_head()), targets, N, C,
-      config_.vocab_size, grad_scale, kLossChunkTokens);
+  const double loss = kernels::cpu::lm_head_cross_entropy_blocked(
+      acts_.d_final, grad_blocks(layout_.lm_head()).data(), acts_.final_out, param_blocks(layout_.lm_head()).data(),
+      block_rows(layout_.lm_head()), targets, N, C, config_.vocab_size, grad_scale, kLossChunkTokens);
   kernels::cpu::rmsnorm_backward(acts_.dres, grad(layout_.final_norm()), acts_.d_final,
                                  checkpoint(L, N), param(layout_.final_norm()), acts_.final_rstd, N,
                                  C);
@@ -360,7 +380,8 @@ Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets
     RETURN_IF_ERROR(st);
   }
   RETURN_IF_ERROR(begin_group(0, false, true));
-  kernels::cpu::embedding_backward(grad(layout_.embed_tokens()), acts_.dres, inputs, N, C);
+  kernels::cpu::embedding_backward_blocked(grad_blocks(layout_.embed_tokens()).data(),
+                                           block_rows(layout_.embed_tokens()), acts_.dres, inputs, N, C);
   end_group(0, false, true);
   return loss;
 }

@@ -129,6 +129,11 @@ class LlamaModel {
   // The tensor starting at flat-layout `offset`, from the flat buffers or the ParamAccess.
   const float* param(int64_t offset) { return access_ ? access_->param(offset) : params_.data() + offset; }
   float* grad(int64_t offset) { return access_ ? access_->grad(offset) : grads_.data() + offset; }
+  // The row blocks of the tensor at `offset` (one pointer when it is not in blocks), and the
+  // rows per block (its first dimension when it is not).
+  std::vector<const float*> param_blocks(int64_t offset);
+  std::vector<float*> grad_blocks(int64_t offset);
+  int64_t block_rows(int64_t offset) const;
   auto param_at() {
     return [this](int64_t offset) { return param(offset); };
   }

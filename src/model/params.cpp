@@ -109,6 +109,24 @@ ParamLayout::ParamLayout(const ModelConfig& config) {
   final_norm_ = add("model.norm.weight", {C}, TensorKind::kNormWeight);
   lm_head_ = config.tie_word_embeddings ? embed_tokens_
                                         : add("lm_head.weight", {V, C}, TensorKind::kMatrix);
+  // Vocabulary tensors larger than every other tensor go in row blocks about the size of the
+  // largest other one (whole multiples of kParamAlignment rows).
+  int64_t largest_other = 0;
+  for (const TensorSpec& t : tensors_)
+    if (t.offset != embed_tokens_ && t.offset != lm_head_) largest_other = std::max(largest_other, t.numel);
+  const int64_t rows = largest_other / C / kParamAlignment * kParamAlignment;
+  if (rows > 0 && rows < V) {
+    for (TensorSpec& t : tensors_)
+      if (t.offset == embed_tokens_ || t.offset == lm_head_) t.block_rows = rows;
+  }
+}
+
+const TensorSpec& ParamLayout::at(int64_t offset) const {
+  // Tensors are added at increasing offsets.
+  auto it = std::lower_bound(tensors_.begin(), tensors_.end(), offset,
+                             [](const TensorSpec& t, int64_t o) { return t.offset < o; });
+  CHECK_MSG(it != tensors_.end() && it->offset == offset, "no tensor starts at offset " + std::to_string(offset));
+  return *it;
 }
 
 int64_t ParamLayout::add(std::string name, std::vector<int64_t> shape, TensorKind kind) {

@@ -5,6 +5,7 @@
 // router, then expert 0 (gate, up, down), expert 1, ..., then the shared expert and its gate.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -33,6 +34,19 @@ struct TensorSpec {
   int64_t numel = 0;
   bool weight_decay = false;   // true for 2-D matrices (embeddings included)
   TensorKind kind = TensorKind::kMatrix;
+  // > 0: the tensor is paged and computed in blocks of this many rows (the last may be
+  // shorter): the vocabulary tensors of a model whose embedding dwarfs every other tensor,
+  // which would otherwise set a chunk size that pads every other group. 0: one block.
+  int64_t block_rows = 0;
+  int64_t row_elements() const { return shape.size() == 2 ? shape[1] : numel; }
+  int64_t num_blocks() const {
+    return block_rows > 0 ? (numel / row_elements() + block_rows - 1) / block_rows : 1;
+  }
+  // Element range of block b: [block_offset(b), block_offset(b) + block_numel(b)).
+  int64_t block_offset(int64_t b) const { return offset + b * block_rows * row_elements(); }
+  int64_t block_numel(int64_t b) const {
+    return block_rows > 0 ? std::min(block_rows * row_elements(), numel - b * block_rows * row_elements()) : numel;
+  }
 };
 
 // Element offsets of one MoE block's tensors; empty / -1 in dense layers.
@@ -147,6 +161,8 @@ class ParamLayout {
   const std::vector<TensorSpec>& tensors() const { return tensors_; }
   // Null when no tensor has that name.
   const TensorSpec* find(std::string_view name) const;
+  // The tensor starting at element `offset`. REQUIRES: one does.
+  const TensorSpec& at(int64_t offset) const;
   // Elements a flat buffer needs (including alignment padding).
   int64_t total_size() const { return total_size_; }
   // Sum of numel over tensors (no padding).

@@ -11,8 +11,8 @@
 //
 // Parts: a tensor may also name a part of its group (StateTensor::part, e.g. the index of one
 // expert of an MoE layer; kDensePart for the rest). A part of at least half a chunk is
-// packed into chunks of its own; smaller ones (experts of a model whose largest tensor, the
-// embedding, sets a far larger chunk size) share chunks with their neighbours instead of each
+// packed into chunks of its own; smaller ones (experts of a model whose largest tensor sets a
+// far larger chunk size) share chunks with their neighbours instead of each
 // padding a whole chunk, and come along when one of them is fetched. Either way a part can be
 // acquired without the others: acquire_group() takes every part,
 // acquire_part() one part along the schedule (the dense part, before compute), acquire_parts()

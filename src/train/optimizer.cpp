@@ -15,7 +15,10 @@ AdamW::AdamW(const model::ParamLayout& layout, const OptimizerConfig& config)
 
 double AdamW::grad_norm(const float* grads) const {
   double sum = 0;
-  for (const auto& t : layout_.tensors()) sum += kernels::cpu::sum_squares(grads + t.offset, t.numel);
+  // Block by block for tensors in row blocks, as the paged state, which holds each block
+  // apart, sums them: the same order of additions gives bitwise the same norm.
+  for (const auto& t : layout_.tensors())
+    for (int64_t b = 0; b < t.num_blocks(); ++b) sum += kernels::cpu::sum_squares(grads + t.block_offset(b), t.block_numel(b));
   return std::sqrt(sum);
 }
 

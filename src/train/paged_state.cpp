@@ -80,15 +80,18 @@ std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_a
   return s;
 }
 
-StateTensor state_tensor(const model::ParamLayout& layout, const model::TensorSpec& t) {
-  return {t.name, static_cast<uint64_t>(t.numel), model::param_group_of(layout, t), model::param_expert_of(layout, t)};
+// The store tensor of row block b of t (the whole tensor when it is not in blocks).
+StateTensor state_tensor(const model::ParamLayout& layout, const model::TensorSpec& t, int64_t b) {
+  return {t.num_blocks() > 1 ? t.name + "#" + std::to_string(b) : t.name, static_cast<uint64_t>(t.block_numel(b)),
+          model::param_group_of(layout, t), model::param_expert_of(layout, t)};
 }
 
 }  // namespace
 
 uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout) {
   std::vector<StateTensor> tensors;
-  for (const auto& t : layout.tensors()) tensors.push_back(state_tensor(layout, t));
+  for (const auto& t : layout.tensors())
+    for (int64_t b = 0; b < t.num_blocks(); ++b) tensors.push_back(state_tensor(layout, t, b));
   return StateStore::auto_chunk_bytes(tensors);
 }
 
@@ -99,10 +102,12 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   ps->options_ = options;
   std::vector<StateTensor> tensors;
   for (const auto& t : ps->layout_.tensors()) {
-    ps->by_offset_[t.offset] = tensors.size();
-    ps->sorted_.emplace_back(t.offset, tensors.size());
-    ps->specs_.push_back(&t);
-    tensors.push_back(state_tensor(ps->layout_, t));
+    for (int64_t b = 0; b < t.num_blocks(); ++b) {
+      ps->by_offset_[t.block_offset(b)] = tensors.size();
+      ps->sorted_.emplace_back(t.block_offset(b), tensors.size());
+      ps->pieces_.push_back({&t, b, t.block_offset(b), t.block_numel(b)});
+      tensors.push_back(state_tensor(ps->layout_, t, b));
+    }
   }
   std::sort(ps->sorted_.begin(), ps->sorted_.end());
   const int L = static_cast<int>(ps->layout_.num_layers());
@@ -131,7 +136,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
       return Status::InvalidArgument("activation offload needs activation_tokens (B * T of a micro-batch)");
     offloaded = model::offloaded_checkpoint_count(L);
     // Hidden size C: the final norm's weight has C elements.
-    const int64_t C = ps->specs_[ps->tensor_at(ps->layout_.final_norm())]->numel;
+    const int64_t C = ps->pieces_[ps->tensor_at(ps->layout_.final_norm())].numel;
     const uint64_t floats = static_cast<uint64_t>(options.activation_tokens) * static_cast<uint64_t>(C);
     RETURN_IF_ERROR(ps->store_->add_activations(offloaded, floats));
   }
@@ -162,8 +167,19 @@ Status PagedState::fill_kind(StateKind kind, const TensorFill& fill) {
     if (before_modify_ && kind != StateKind::kGrad) before_modify_(g);
     RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kReadWrite));
     Status st = Status::OK();
+    std::vector<float> whole;  // a tensor in row blocks is filled whole, then copied block by block
     for (size_t i : store_->group_tensors(g)) {
-      st = fill(*specs_[i], store_->pointer(i, kind));
+      const Piece& p = pieces_[i];
+      if (p.spec->num_blocks() == 1) {
+        st = fill(*p.spec, store_->pointer(i, kind));
+      } else if (p.block == 0) {
+        whole.resize(static_cast<size_t>(p.spec->numel));
+        st = fill(*p.spec, whole.data());
+        // The blocks are the next store tensors of this group, all acquired.
+        for (int64_t b = 0; st.ok() && b < p.spec->num_blocks(); ++b)
+          std::memcpy(store_->pointer(i + static_cast<size_t>(b), kind), whole.data() + (p.spec->block_offset(b) - p.spec->offset),
+                      static_cast<size_t>(p.spec->block_numel(b)) * sizeof(float));
+      }
       if (!st.ok()) break;
     }
     store_->release_group(g, kind);
@@ -182,7 +198,7 @@ Status PagedState::copy_kind(StateKind kind, float* flat, bool to_store) {
   for (int g = 0; g < store_->num_groups(); ++g) {
     RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kRead));
     for (size_t i : store_->group_tensors(g))
-      std::memcpy(flat + specs_[i]->offset, store_->pointer(i, kind), static_cast<size_t>(specs_[i]->numel) * sizeof(float));
+      std::memcpy(flat + pieces_[i].offset, store_->pointer(i, kind), static_cast<size_t>(pieces_[i].numel) * sizeof(float));
     store_->release_group(g, kind);
   }
   return store_->synchronize();
@@ -199,7 +215,7 @@ Status PagedState::read_flat(StateKind kind, uint64_t offset, uint64_t length, v
   --it;
   while (first < end) {
     CHECK_MSG(it != sorted_.end(), "read_flat past the last tensor");
-    const model::TensorSpec& t = *specs_[it->second];
+    const Piece& t = pieces_[it->second];
     CHECK_MSG(first >= t.offset && first < t.offset + t.numel,
               "read_flat of flat offset " + std::to_string(first) + ", which is in no tensor");
     const int64_t count = std::min(end, t.offset + t.numel) - first;
@@ -228,7 +244,7 @@ Status PagedState::zero_grads() {
   for (int g = 0; g < store_->num_groups(); ++g) {
     RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kWrite));
     for (size_t i : store_->group_tensors(g))
-      std::memset(store_->pointer(i, StateKind::kGrad), 0, static_cast<size_t>(specs_[i]->numel) * sizeof(float));
+      std::memset(store_->pointer(i, StateKind::kGrad), 0, static_cast<size_t>(pieces_[i].numel) * sizeof(float));
     store_->release_group(g, StateKind::kGrad);
   }
   return Status::OK();
@@ -259,10 +275,10 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     }
   }
   for (size_t i : store_->group_tensors(g)) {
-    const model::TensorSpec& t = *specs_[i];
+    const Piece& t = pieces_[i];
     float* grad = store_->pointer(i, StateKind::kGrad);
     if (coefficient != 1.0f) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
-    p.weight_decay = t.weight_decay ? options_.optimizer.weight_decay : 0.0f;
+    p.weight_decay = t.spec->weight_decay ? options_.optimizer.weight_decay : 0.0f;
     float* param = store_->pointer(i, StateKind::kParam);
     float* m = store_->pointer(i, StateKind::kAdamM);
     float* v = store_->pointer(i, StateKind::kAdamV);
@@ -295,7 +311,7 @@ Result<double> PagedState::clip_and_step(float lr) {
   double sum = 0;
   for (int g = 0; g < store_->num_groups(); ++g) {
     RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kRead));
-    for (size_t i : store_->group_tensors(g)) sum += kernels::cpu::sum_squares(store_->pointer(i, StateKind::kGrad), specs_[i]->numel);
+    for (size_t i : store_->group_tensors(g)) sum += kernels::cpu::sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
     store_->release_group(g, StateKind::kGrad);
   }
   const double norm = std::sqrt(sum);

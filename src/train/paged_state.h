@@ -147,7 +147,15 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::unordered_map<int64_t, size_t> by_offset_;  // flat offset -> store tensor index
   std::vector<std::pair<int64_t, size_t>> sorted_;  // (flat offset, store tensor index), ascending
   std::function<void(int group)> before_modify_;
-  std::vector<const model::TensorSpec*> specs_;     // store tensor index -> layout spec
+  // Store tensor index -> its part of a layout tensor: the whole tensor, or one row block of
+  // a tensor in blocks (TensorSpec::block_rows), which the store holds as tensors of their own.
+  struct Piece {
+    const model::TensorSpec* spec = nullptr;
+    int64_t block = 0;
+    int64_t offset = 0;  // in the flat layout
+    int64_t numel = 0;
+  };
+  std::vector<Piece> pieces_;
   int64_t step_count_ = 0;
 
   // Overlap of AdamW with backward (options.overlap_optimizer): end() queues groups whose

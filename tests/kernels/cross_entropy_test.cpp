@@ -5,6 +5,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <ostream>
 #include <random>
@@ -97,6 +98,39 @@ TEST_P(CrossEntropyShapeTest, FastMatchesReference) {
                 1e-5);
   EXPECT_WITHIN(relative_error(got.dx, want.dx), 1e-5);
   EXPECT_WITHIN(relative_error(increment(got, d), increment(want, d)), 1e-5);
+}
+
+// The weight in row blocks, each in an allocation of its own (as pages of the chunk space are):
+// the same loss and gradients as the reference, every block's gradient landing in its block.
+TEST_P(CrossEntropyShapeTest, RowBlocksMatchReference) {
+  CeData d(GetParam(), 300);
+  const float grad_scale = 0.37f;
+  const int64_t C = d.shape.C, V = d.shape.V;
+  const int64_t rows = std::max<int64_t>(1, V / 3);  // three or four blocks, the last shorter
+  std::vector<std::vector<float>> w, dw;
+  std::vector<const float *> w_blocks;
+  std::vector<float *> dw_blocks;
+  for (int64_t v0 = 0; v0 < V; v0 += rows) {
+    const int64_t n = std::min(rows, V - v0);
+    w.emplace_back(d.weight.begin() + v0 * C, d.weight.begin() + (v0 + n) * C);
+    dw.emplace_back(d.dweight_init.begin() + v0 * C, d.dweight_init.begin() + (v0 + n) * C);
+  }
+  for (size_t b = 0; b < w.size(); ++b) {
+    w_blocks.push_back(w[b].data());
+    dw_blocks.push_back(dw[b].data());
+  }
+  std::vector<float> dx(d.x.size(), NAN);
+  const double loss = cpu::lm_head_cross_entropy_blocked(
+      dx.data(), dw_blocks.data(), d.x.data(), w_blocks.data(), rows, d.targets.data(), d.shape.N, C, V,
+      grad_scale, d.shape.chunk);
+  std::vector<float> got_inc;
+  for (size_t b = 0; b < dw.size(); ++b)
+    for (size_t i = 0; i < dw[b].size(); ++i)
+      got_inc.push_back(dw[b][i] - d.dweight_init[b * static_cast<size_t>(rows * C) + i]);
+  CeResult want = run(ref::lm_head_cross_entropy, d, grad_scale, d.shape.chunk);
+  EXPECT_WITHIN(std::fabs(loss - want.loss) / std::max(1.0, std::fabs(want.loss)), 1e-5);
+  EXPECT_WITHIN(relative_error(dx, want.dx), 1e-5);
+  EXPECT_WITHIN(relative_error(got_inc, increment(want, d)), 1e-5);
 }
 
 TEST_P(CrossEntropyShapeTest, ResultDoesNotDependOnChunkTokens) {

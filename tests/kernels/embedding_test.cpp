@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -99,6 +100,39 @@ TEST(Embedding, FastBackwardDoesNotDependOnThreadCount) {
   omp_set_num_threads(saved);
   for (int k = 1; k < 3; ++k) {
     EXPECT_EQ(std::memcmp(runs[0].data(), runs[k].data(), runs[0].size() * sizeof(float)), 0);
+  }
+}
+
+// The table in row blocks of 3 rows, each in an allocation of its own: the same rows out, and
+// the same additions into each row, bitwise, as with one contiguous table.
+TEST(Embedding, RowBlocksGiveTheContiguousResultsBitwise) {
+  for (const auto& s : kShapes) {
+    const int64_t rows = 3;
+    auto table = random_vector(s.V * s.C, 5);
+    auto dtable = random_vector(s.V * s.C, 6);
+    auto dout = random_vector(s.N * s.C, 7);
+    auto tokens = random_tokens(s.N, static_cast<int32_t>(s.V), 8);
+    std::vector<std::vector<float>> t_blocks, d_blocks;
+    std::vector<const float*> t_ptrs;
+    std::vector<float*> d_ptrs;
+    for (int64_t v0 = 0; v0 < s.V; v0 += rows) {
+      const int64_t n = std::min(rows, s.V - v0);
+      t_blocks.emplace_back(table.begin() + v0 * s.C, table.begin() + (v0 + n) * s.C);
+      d_blocks.emplace_back(dtable.begin() + v0 * s.C, dtable.begin() + (v0 + n) * s.C);
+    }
+    for (size_t b = 0; b < t_blocks.size(); ++b) {
+      t_ptrs.push_back(t_blocks[b].data());
+      d_ptrs.push_back(d_blocks[b].data());
+    }
+    std::vector<float> out(s.N * s.C, NAN), out_blocked(s.N * s.C, NAN);
+    cpu::embedding_forward(out.data(), tokens.data(), table.data(), s.N, s.C);
+    cpu::embedding_forward_blocked(out_blocked.data(), tokens.data(), t_ptrs.data(), rows, s.N, s.C);
+    EXPECT_EQ(std::memcmp(out.data(), out_blocked.data(), out.size() * sizeof(float)), 0);
+    cpu::embedding_backward(dtable.data(), dout.data(), tokens.data(), s.N, s.C);
+    cpu::embedding_backward_blocked(d_ptrs.data(), rows, dout.data(), tokens.data(), s.N, s.C);
+    for (size_t b = 0; b < d_blocks.size(); ++b)
+      EXPECT_EQ(std::memcmp(d_blocks[b].data(), dtable.data() + b * rows * s.C, d_blocks[b].size() * sizeof(float)), 0)
+          << "block " << b;
   }
 }
 

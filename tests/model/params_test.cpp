@@ -123,5 +123,26 @@ TEST(InitWeightsTest, ATensorsValuesDependOnItsNameNotItsPosition) {
   }
 }
 
+// A vocabulary far larger than every other tensor is cut in row blocks about the size of the
+// largest other tensor (Llama 3: 128256 x 4096 in blocks of 14336 rows, the MLP's size); a
+// vocabulary that is not (the tiny preset's) stays one block.
+TEST(ParamLayoutTest, LargeVocabulariesGoInRowBlocks) {
+  const ParamLayout small(tiny(false, false));
+  EXPECT_EQ(small.at(small.embed_tokens()).block_rows, 0);
+  EXPECT_EQ(small.at(small.embed_tokens()).num_blocks(), 1);
+  const ParamLayout llama(ModelConfig::preset("llama3-8b").value());
+  for (int64_t offset : {llama.embed_tokens(), llama.lm_head()}) {
+    const TensorSpec& t = llama.at(offset);
+    EXPECT_EQ(t.block_rows, 14336) << t.name;
+    EXPECT_EQ(t.num_blocks(), 9) << t.name;  // 8 full blocks and 128256 - 8 * 14336 = 13568 rows
+    EXPECT_EQ(t.block_numel(8), int64_t{13568} * 4096) << t.name;
+    EXPECT_EQ(t.block_offset(1), t.offset + int64_t{14336} * 4096) << t.name;
+    int64_t sum = 0;
+    for (int64_t b = 0; b < t.num_blocks(); ++b) sum += t.block_numel(b);
+    EXPECT_EQ(sum, t.numel) << t.name;
+  }
+  EXPECT_EQ(llama.at(llama.layer(0).q_proj).block_rows, 0);
+}
+
 }  // namespace
 }  // namespace strata::model

@@ -37,7 +37,7 @@ constexpr float kClip = 0.5f;
 // About one layer's worth of bytes: budgets of a few such chunks force paging.
 uint64_t tight_chunk_bytes(const model::ParamLayout& layout, const model::ModelConfig& mc) {
   uint64_t largest = 0;
-  for (const auto& t : layout.tensors()) largest = std::max<uint64_t>(largest, t.numel * 4);
+  for (const auto& t : layout.tensors()) largest = std::max<uint64_t>(largest, t.block_numel(0) * 4);
   const uint64_t layer_bytes = static_cast<uint64_t>(layout.total_size()) * 4 / (mc.num_hidden_layers + 1);
   return std::max(largest, layer_bytes);
 }
@@ -142,6 +142,32 @@ TEST_P(PagedStateTest, TightBudgetsThroughHostAndNvmeMatchBitwise) {
   EXPECT_GT(paged.stats.device_to_host_bytes, 0u);
   EXPECT_GT(paged.stats.host_to_nvme_bytes, 0u) << "the nvme tier was never written";
   EXPECT_GT(paged.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
+}
+
+// A vocabulary far larger than any other tensor goes in row blocks, each a store tensor of its
+// own, so chunks are sized by the layers instead of by the embedding; the model computes the
+// embedding and the LM head block by block in flat and paged runs alike, which stay bitwise equal.
+TEST_P(PagedStateTest, VocabularyInRowBlocksPagesBitwiseLikeFlat) {
+  model::ModelConfig mc = tiny_config(GetParam());
+  mc.vocab_size = 2000;  // 2000 x 32 against 48 x 32 for the largest layer tensor
+  model::ParamLayout layout(mc);
+  const model::TensorSpec& embed = layout.at(layout.embed_tokens());
+  ASSERT_GT(embed.block_rows, 0);
+  EXPECT_EQ(embed.num_blocks(), (2000 + embed.block_rows - 1) / embed.block_rows);
+  EXPECT_LT(PagedState::auto_chunk_bytes(layout), static_cast<uint64_t>(embed.numel) * sizeof(float));
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 17);
+  RunResult flat = run_flat(mc, batches);
+  // The LM head pins every block of the vocabulary, parameters and gradients (with tied
+  // embeddings, in the same group as the embedding), so the device holds that much plus a layer.
+  const uint64_t chunk = tight_chunk_bytes(layout, mc);
+  const uint64_t vocab_bytes = static_cast<uint64_t>(embed.numel) * sizeof(float);
+  fs::create_directories(dir_ / "nvme");
+  RunResult tight = run_paged(mc, batches, 2 * vocab_bytes + 4 * chunk, 2 * vocab_bytes + 8 * chunk, 256 * chunk,
+                              (dir_ / "nvme").string());
+  expect_bitwise_equal(flat, tight, mc);
+  EXPECT_GT(tight.stats.host_to_nvme_bytes, 0u) << "the nvme tier was never written";
+  RunResult roomy = run_paged(mc, batches, 64ull << 20, 64ull << 20, 0, "");
+  expect_bitwise_equal(flat, roomy, mc);
 }
 
 // Activation offload (DESIGN §3.3): the layer-boundary checkpoints travel through kAct chunks

@@ -90,7 +90,7 @@ int plan_command(const std::vector<std::string>& args) {
     const model::ParamLayout layout(*mc);
     if (tc->chunk_size == 0) tc->chunk_size = PagedState::auto_chunk_bytes(layout);
     for (const model::TensorSpec& t : layout.tensors()) {
-      const uint64_t bytes = static_cast<uint64_t>(t.numel) * sizeof(float);
+      const uint64_t bytes = static_cast<uint64_t>(t.block_numel(0)) * sizeof(float);  // its largest block
       if (bytes <= tc->chunk_size) continue;
       const uint64_t least = (bytes + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;  // chunk sizes are 4 KiB multiples
       std::fprintf(stderr, "strata plan: error: tensor '%s' (%s) is larger than a chunk (%s); raise memory.chunk_size "

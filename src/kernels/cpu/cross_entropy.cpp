@@ -92,17 +92,22 @@ namespace cpu {
 
 // dx is overwritten, dweight accumulates. Per-row losses are kept and summed
 // serially in token order, so the returned loss does not depend on the thread
-// count.
-double lm_head_cross_entropy(float *dx, float *dweight, const float *x,
-                             const float *weight, const int32_t *targets,
-                             int64_t N, int64_t C, int64_t V, float grad_scale,
-                             int64_t chunk_tokens) {
+// count. With one block this is the unblocked computation, call for call.
+double lm_head_cross_entropy_blocked(float *dx, float *const *dweight_blocks,
+                                     const float *x,
+                                     const float *const *weight_blocks,
+                                     int64_t block_rows, const int32_t *targets,
+                                     int64_t N, int64_t C, int64_t V,
+                                     float grad_scale, int64_t chunk_tokens) {
   check_args(targets, N, C, V, chunk_tokens);
+  CHECK(block_rows > 0);
+  const int64_t blocks = (V + block_rows - 1) / block_rows;
+  auto rows_of = [&](int64_t b) { return std::min(block_rows, V - b * block_rows); };
   const int64_t chunk = std::min(chunk_tokens, std::max<int64_t>(N, 1));
   // Logits of one chunk, overwritten in place by their gradient.
   std::vector<float> buf(static_cast<size_t>(chunk * V));
   std::vector<double> row_loss(static_cast<size_t>(chunk));
-  const bool want_grad = dx != nullptr || dweight != nullptr;
+  const bool want_grad = dx != nullptr || dweight_blocks != nullptr;
   double loss = 0;
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
     const int64_t n = std::min(chunk, N - n0);
@@ -117,7 +122,10 @@ double lm_head_cross_entropy(float *dx, float *dweight, const float *x,
       continue;
     }
 
-    sgemm(false, true, n, V, C, 1.0f, xc, C, weight, C, 0.0f, buf.data(), V);
+    // Each block's logits are columns [b * block_rows, ...) of the chunk's rows.
+    for (int64_t b = 0; b < blocks; ++b)
+      sgemm(false, true, n, rows_of(b), C, 1.0f, xc, C, weight_blocks[b], C,
+            0.0f, buf.data() + b * block_rows, V);
 
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; ++r) {
@@ -151,13 +159,26 @@ double lm_head_cross_entropy(float *dx, float *dweight, const float *x,
     if (!want_grad)
       continue;
 
-    if (dx)
-      sgemm(false, false, n, C, V, 1.0f, buf.data(), V, weight, C, 0.0f,
-            dx + n0 * C, C);
-    if (dweight)
-      sgemm(true, false, V, C, n, 1.0f, buf.data(), V, xc, C, 1.0f, dweight, C);
+    // dx sums over the vocabulary block by block, in block order.
+    for (int64_t b = 0; dx && b < blocks; ++b)
+      sgemm(false, false, n, C, rows_of(b), 1.0f, buf.data() + b * block_rows,
+            V, weight_blocks[b], C, b == 0 ? 0.0f : 1.0f, dx + n0 * C, C);
+    for (int64_t b = 0; dweight_blocks && b < blocks; ++b)
+      sgemm(true, false, rows_of(b), C, n, 1.0f, buf.data() + b * block_rows,
+            V, xc, C, 1.0f, dweight_blocks[b], C);
   }
   return loss;
+}
+
+double lm_head_cross_entropy(float *dx, float *dweight, const float *x,
+                             const float *weight, const int32_t *targets,
+                             int64_t N, int64_t C, int64_t V, float grad_scale,
+                             int64_t chunk_tokens) {
+  float *const dweight_blocks[1] = {dweight};
+  const float *const weight_blocks[1] = {weight};
+  return lm_head_cross_entropy_blocked(dx, dweight ? dweight_blocks : nullptr,
+                                       x, weight_blocks, V, targets, N, C, V,
+                                       grad_scale, chunk_tokens);
 }
 
 } // namespace cpu

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -62,17 +63,19 @@ void embedding_backward(float* dtable, const float* dout, const int32_t* tokens,
 
 namespace cpu {
 
-void embedding_forward(float* out, const int32_t* tokens, const float* table, int64_t N,
-                       int64_t C) {
+void embedding_forward_blocked(float* out, const int32_t* tokens, const float* const* table_blocks,
+                               int64_t block_rows, int64_t N, int64_t C) {
 #pragma omp parallel for schedule(static) if (N * C >= (int64_t{1} << 16))
   for (int64_t n = 0; n < N; ++n) {
     check_token(tokens[n], n);
-    std::memcpy(out + n * C, table + int64_t{tokens[n]} * C, static_cast<size_t>(C) * sizeof(float));
+    const int64_t v = tokens[n];
+    std::memcpy(out + n * C, table_blocks[v / block_rows] + (v % block_rows) * C,
+                static_cast<size_t>(C) * sizeof(float));
   }
 }
 
-void embedding_backward(float* dtable, const float* dout, const int32_t* tokens, int64_t N,
-                        int64_t C) {
+void embedding_backward_blocked(float* const* dtable_blocks, int64_t block_rows, const float* dout,
+                                const int32_t* tokens, int64_t N, int64_t C) {
   // Group positions by token; one thread owns each distinct token's row and adds its
   // occurrences in position order. No two threads touch the same row, and the order of the
   // additions never depends on the thread count, so the result is bitwise reproducible.
@@ -89,12 +92,24 @@ void embedding_backward(float* dtable, const float* dout, const int32_t* tokens,
     const int64_t begin = group_starts[g], end = group_starts[g + 1];
     const int32_t token = tokens[order[begin]];
     check_token(token, order[begin]);
-    float* __restrict row = dtable + int64_t{token} * C;
+    float* __restrict row = dtable_blocks[token / block_rows] + (token % block_rows) * C;
     for (int64_t i = begin; i < end; ++i) {
       const float* __restrict src = dout + order[i] * C;
       for (int64_t c = 0; c < C; ++c) row[c] += src[c];
     }
   }
+}
+
+void embedding_forward(float* out, const int32_t* tokens, const float* table, int64_t N,
+                       int64_t C) {
+  const float* const blocks[1] = {table};
+  embedding_forward_blocked(out, tokens, blocks, std::numeric_limits<int32_t>::max(), N, C);
+}
+
+void embedding_backward(float* dtable, const float* dout, const int32_t* tokens, int64_t N,
+                        int64_t C) {
+  float* const blocks[1] = {dtable};
+  embedding_backward_blocked(blocks, std::numeric_limits<int32_t>::max(), dout, tokens, N, C);
 }
 
 }  // namespace cpu
