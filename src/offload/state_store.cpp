@@ -70,10 +70,53 @@ uint64_t StateStore::auto_chunk_bytes(const std::vector<StateTensor>& tensors) {
   return choose_group_chunk_bytes(part_bytes);
 }
 
-uint64_t StateStore::part_bytes_of(const StateStore& s, const Part& part) {
+uint64_t StateStore::part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part) {
   uint64_t bytes = 0;
-  for (size_t i : part.tensors) bytes += round_up(s.tensors_[i].elements * sizeof(float), kTensorAlignment);
+  for (size_t i : part.tensors) bytes += round_up(tensors[i].elements * sizeof(float), kTensorAlignment);
   return bytes;
+}
+
+bool StateStore::opens_own_chunk(const std::vector<StateTensor>& tensors, const std::vector<Part>& parts, size_t pi,
+                                 uint64_t chunk_bytes) {
+  return pi == 0 || part_bytes_of(tensors, parts[pi]) * kOwnChunkFraction >= chunk_bytes;
+}
+
+std::vector<std::vector<StateStore::Part>> StateStore::make_parts(const std::vector<StateTensor>& tensors,
+                                                                 int num_groups) {
+  std::vector<std::vector<Part>> out(static_cast<size_t>(num_groups), std::vector<Part>(1));  // each has its dense part
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const StateTensor& t = tensors[i];
+    std::vector<Part>& parts = out[static_cast<size_t>(t.group)];
+    auto it = std::lower_bound(parts.begin(), parts.end(), t.part, [](const Part& p, int id) { return p.id < id; });
+    if (it == parts.end() || it->id != t.part) {
+      it = parts.insert(it, Part{});
+      it->id = t.part;
+    }
+    it->tensors.push_back(i);
+  }
+  return out;
+}
+
+std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes) {
+  int num_groups = 0;
+  for (const StateTensor& t : tensors) num_groups = std::max(num_groups, t.group + 1);
+  const std::vector<std::vector<Part>> parts = make_parts(tensors, num_groups);
+  // The packing create() does for one kind, on a layout of its own.
+  Result<ChunkLayout> layout = ChunkLayout::create(chunk_bytes);
+  CHECK_MSG(layout.ok(), layout.status().to_string());
+  std::vector<uint64_t> out(static_cast<size_t>(num_groups), 0);
+  for (int g = 0; g < num_groups; ++g) {
+    const size_t before = layout->num_chunks();
+    for (size_t pi = 0; pi < parts[static_cast<size_t>(g)].size(); ++pi) {
+      if (opens_own_chunk(tensors, parts[static_cast<size_t>(g)], pi, chunk_bytes)) layout->open_chunk(ChunkKind::kParam);
+      for (size_t i : parts[static_cast<size_t>(g)][pi].tensors) {
+        Result<TensorId> added = layout->add(tensors[i].name, ChunkKind::kParam, tensors[i].elements * sizeof(float));
+        CHECK_MSG(added.ok(), added.status().to_string());
+      }
+    }
+    out[static_cast<size_t>(g)] = layout->num_chunks() - before;
+  }
+  return out;
 }
 
 Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine* io, std::vector<StateTensor> tensors,
@@ -90,18 +133,8 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
   s->tensors_ = std::move(tensors);
   s->lookahead_ = options.lookahead;
   s->group_tensors_.resize(s->num_groups_);
-  s->parts_.assign(s->num_groups_, std::vector<Part>(1));  // every group has its dense part
-  for (size_t i = 0; i < s->tensors_.size(); ++i) {
-    const StateTensor& t = s->tensors_[i];
-    s->group_tensors_[t.group].push_back(i);
-    std::vector<Part>& parts = s->parts_[t.group];
-    auto it = std::lower_bound(parts.begin(), parts.end(), t.part, [](const Part& p, int id) { return p.id < id; });
-    if (it == parts.end() || it->id != t.part) {
-      it = parts.insert(it, Part{});
-      it->id = t.part;
-    }
-    it->tensors.push_back(i);
-  }
+  for (size_t i = 0; i < s->tensors_.size(); ++i) s->group_tensors_[s->tensors_[i].group].push_back(i);
+  s->parts_ = make_parts(s->tensors_, s->num_groups_);
   ChunkSpaceOptions so = options.space;
   if (so.chunk_bytes == 0) so.chunk_bytes = auto_chunk_bytes(s->tensors_);
   s->demand_stream_ = device.create_stream();
@@ -132,7 +165,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
         // opens one too, so it pages alone. Smaller parts (experts far smaller than the largest
         // tensor) share chunks with the part before them, rather than each padding a chunk of
         // its own: fetching one then brings its neighbours along.
-        if (pi == 0 || part_bytes_of(*s, part) * kOwnChunkFraction >= so.chunk_bytes) {
+        if (opens_own_chunk(s->tensors_, s->parts_[g], pi, so.chunk_bytes)) {
           ASSIGN_OR_RETURN(ChunkId first, with_fallback([&] { return s->space_->add_chunk(chunk_kind_of(kind), home); }));
           chunks.push_back(first);
         }

@@ -96,6 +96,9 @@ class StateStore {
   // The chunk size create() chooses when options.space.chunk_bytes is 0: at least the largest
   // tensor, wasting the least padding when each part is packed on its own.
   static uint64_t auto_chunk_bytes(const std::vector<StateTensor>& tensors);
+  // Chunks of one kind each group takes in chunks of `chunk_bytes`, packed as create() packs
+  // them: what the planner needs to count padding exactly. REQUIRES: every tensor fits a chunk.
+  static std::vector<uint64_t> group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes);
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
 
@@ -165,7 +168,13 @@ class StateStore {
     std::array<bool, kNumStateKinds> pinned{};
   };
   // Bytes a part's tensors take in a chunk, alignment included.
-  static uint64_t part_bytes_of(const StateStore& s, const Part& part);
+  static uint64_t part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part);
+  // Whether part pi of a group starts a chunk of its own (else it fills the chunk before it).
+  static bool opens_own_chunk(const std::vector<StateTensor>& tensors, const std::vector<Part>& parts, size_t pi,
+                              uint64_t chunk_bytes);
+  // The parts of each group: the dense part first, then the others by id; each lists its
+  // tensors (indices into `tensors`) in order.
+  static std::vector<std::vector<Part>> make_parts(const std::vector<StateTensor>& tensors, int num_groups);
   // Index in parts_[group]. REQUIRES: the group has the part.
   size_t part_index(int group, int part) const;
   // Pins the chunks of parts_[group][parts...] (in that order) in `where`. With `entry`, each

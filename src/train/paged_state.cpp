@@ -86,13 +86,22 @@ StateTensor state_tensor(const model::ParamLayout& layout, const model::TensorSp
           model::param_group_of(layout, t), model::param_expert_of(layout, t)};
 }
 
-}  // namespace
 
-uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout) {
+std::vector<StateTensor> state_tensors(const model::ParamLayout& layout) {
   std::vector<StateTensor> tensors;
   for (const auto& t : layout.tensors())
     for (int64_t b = 0; b < t.num_blocks(); ++b) tensors.push_back(state_tensor(layout, t, b));
-  return StateStore::auto_chunk_bytes(tensors);
+  return tensors;
+}
+
+}  // namespace
+
+uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout) {
+  return StateStore::auto_chunk_bytes(state_tensors(layout));
+}
+
+std::vector<uint64_t> PagedState::group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes) {
+  return StateStore::group_chunks(state_tensors(layout), chunk_bytes);
 }
 
 Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine* io, const model::ParamLayout& layout,

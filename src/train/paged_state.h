@@ -78,6 +78,9 @@ class PagedState : public model::ParamAccess, public SavableState {
 
   // The chunk size create() chooses for `layout` when options.chunk_bytes is 0.
   static uint64_t auto_chunk_bytes(const model::ParamLayout& layout);
+  // Chunks of one kind each parameter group of `layout` takes in chunks of `chunk_bytes`
+  // (model::param_group_of numbering), as create() packs them.
+  static std::vector<uint64_t> group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes);
 
   // Copies parameters in from / out to a flat buffer of layout.total_size() floats.
   Status load_params(const float* flat);

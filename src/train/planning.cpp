@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "train/paged_state.h"
+
 namespace strata {
 
 double model_flops_per_token(const model::ModelConfig& m, int64_t seq_len) {
@@ -62,6 +64,14 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   in.host_budget = t.memory_host ? t.memory_host : default_host_budget();
   in.nvme_budget = t.nvme_path.empty() ? 0 : t.nvme_size;
   in.chunk_size = t.chunk_size;  // 0 (auto): sizes are planned without chunk padding
+  if (!cuda && t.chunk_size > 0) {
+    // The CPU layout's chunks as the paged state packs them: the largest layer group, and the
+    // embedding plus the head.
+    const model::ParamLayout layout(m);
+    const std::vector<uint64_t> chunks = PagedState::group_chunks(layout, t.chunk_size);
+    for (size_t g = 1; g + 1 < chunks.size(); ++g) in.layer_chunks = std::max(in.layer_chunks, chunks[g]);
+    in.edge_chunks = chunks.front() + chunks.back();
+  }
   in.offload_activations = t.offload_activations;
   in.rates.compute_flops = t.gpu_flops;
   in.rates.h2d_bytes_per_s = t.h2d_bytes_per_s;

@@ -245,6 +245,36 @@ TEST_F(CliTest, ANewRunNeverOverwritesAnotherRunsDirectory) {
   EXPECT_EQ(fresh.exit_code, 0) << fresh.output;
 }
 
+// A vocabulary in row blocks (2000 x 64 against a largest layer tensor of 96 x 64) goes through
+// checkpoints whole: a run resumed from step 3 under budgets that page everything ends bitwise
+// where the uninterrupted run ends, and the export holds the whole embedding.
+TEST_F(CliTest, VocabularyInRowBlocksResumesBitExactlyAndExportsWhole) {
+  auto run = [&](const std::string& dir) {
+    return "data.paths=[" + corpus() + "] run.dir=" + dir +
+           " train.micro_batch=2 train.seq_len=32 train.steps=6 optim.warmup_steps=2 "
+           "'model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96,vocab_size=2000]'";
+  };
+  const std::string full = (dir_ / "full").string();
+  CmdResult a = run_strata("train " + run(full) + " ckpt.every=3 run.export=" + (dir_ / "export").string());
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const auto expected = losses_of(fs::path(full) / "metrics.jsonl");
+  ASSERT_EQ(expected.size(), 6u);
+  const std::string resumed = (dir_ / "resumed").string();
+  CmdResult b = run_strata("train " + run(resumed) + " --resume " + (fs::path(full) / "checkpoints" / "step-3").string() +
+                           " memory.device=4MiB memory.host=2800KiB memory.nvme.path=" + (dir_ / "nvme").string() +
+                           " memory.nvme.size=64MiB");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_EQ(losses_of(fs::path(resumed) / "metrics.jsonl"), std::vector<std::string>(expected.begin() + 3, expected.end()))
+      << b.output;
+  std::ifstream in(fs::path(resumed) / "metrics.jsonl");
+  std::string line;
+  std::getline(in, line);
+  EXPECT_GT(nlohmann::json::parse(line)["nvme_bytes"].get<uint64_t>(), 0u) << "the resumed run did not page: " << line;
+  CmdResult inspect = run_strata("ckpt inspect " + (fs::path(full) / "checkpoints").string());
+  EXPECT_EQ(inspect.exit_code, 0) << inspect.output;
+  EXPECT_TRUE(fs::file_size(dir_ / "export" / "model.safetensors") > uint64_t{2000} * 64 * 4);
+}
+
 TEST_F(CliTest, BudgetsTooSmallAreRefusedWithTheMinimum) {
   std::string run_dir = (dir_ / "run").string();
   CmdResult r = run_strata("train data.paths=[" + corpus() + "] run.dir=" + run_dir + " memory.device=1MiB");

@@ -170,6 +170,29 @@ TEST_P(PagedStateTest, VocabularyInRowBlocksPagesBitwiseLikeFlat) {
   expect_bitwise_equal(flat, roomy, mc);
 }
 
+// The planner counts chunks with PagedState::group_chunks; the store must make exactly those.
+TEST_P(PagedStateTest, GroupChunksAreTheChunksTheStoreMakes) {
+  for (int64_t vocab : {256, 2000}) {
+    model::ModelConfig mc = tiny_config(GetParam());
+    mc.vocab_size = vocab;
+    const model::ParamLayout layout(mc);
+    const uint64_t layer_sized = (tight_chunk_bytes(layout, mc) + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
+    for (uint64_t chunk : {PagedState::auto_chunk_bytes(layout), layer_sized}) {
+      auto device = CpuDevice::create(0, 0);
+      PagedStateOptions po;
+      po.chunk_bytes = chunk;
+      po.device_bytes = 64ull << 20;
+      po.host_bytes = 64ull << 20;
+      po.optimizer = optimizer_config(kClip);
+      auto ps = PagedState::create(**device, nullptr, layout, po);
+      ASSERT_TRUE(ps.ok()) << ps.status().to_string();
+      uint64_t planned = 0;
+      for (uint64_t c : PagedState::group_chunks(layout, chunk)) planned += c;
+      EXPECT_EQ((*ps)->store().space().num_chunks(), kNumStateKinds * planned) << "vocab " << vocab << ", chunk " << chunk;
+    }
+  }
+}
+
 // Activation offload (DESIGN §3.3): the layer-boundary checkpoints travel through kAct chunks
 // in host memory and the model keeps 3 checkpoint slots instead of L + 1; nothing changes.
 model::ModelConfig offload_config(bool tied) {
