@@ -141,10 +141,14 @@ Plan make_plan(const PlanInput& in) {
   // Spill optimizer state to NVMe, whole groups at a time, until the host fits; each NVMe group
   // then needs staging buffers on the host for the read -> update -> write pipeline.
   // The pipeline holds two chunks of each optimizer kind in flight (read-ahead and write-behind).
-  // Without a fixed chunk size, chunks come out about one layer's optimizer tensors large.
+  // Without a fixed chunk size, chunks come out about one layer's optimizer tensors large. With
+  // the store's chunk counts known, the staging is a whole group's: AdamW acquires all of it.
   const uint64_t pipeline_chunk =
       in.chunk_size ? in.chunk_size : std::min<uint64_t>(64ull << 20, round_up(in.layer_elements * 4, 4096));
-  const uint64_t staging = 2 * (in.separate_master ? 3 : 2) * pipeline_chunk;
+  const uint64_t optimizer_kinds = in.separate_master ? 3 : 2;
+  const uint64_t staging = in.largest_group_chunks > 0 && in.chunk_size > 0
+                               ? optimizer_kinds * std::max<uint64_t>(in.largest_group_chunks, 2) * in.chunk_size
+                               : 2 * optimizer_kinds * pipeline_chunk;
   auto host_total = [&] { return p.host.total() + (p.nvme_optimizer_groups > 0 ? staging : 0); };
   for (auto it = host_groups.rbegin(); it != host_groups.rend() && host_total() > in.host_budget; ++it) {
     if (in.nvme_budget == 0) break;

@@ -77,6 +77,10 @@ struct PlanInput {
   // counts the padding exactly; 0: the bytes rounded up to whole chunks.
   uint64_t layer_chunks = 0;
   uint64_t edge_chunks = 0;
+  // Chunks of one kind of the largest single group (when set): AdamW on host memory acquires a
+  // whole group's optimizer state there at once, so a group streamed from nvme needs that many
+  // free host slots per optimizer kind.
+  uint64_t largest_group_chunks = 0;
   std::string offload_activations = "auto";  // auto | true | false
   MachineRates rates;
 };

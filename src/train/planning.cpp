@@ -71,6 +71,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
     const std::vector<uint64_t> chunks = PagedState::group_chunks(layout, t.chunk_size);
     for (size_t g = 1; g + 1 < chunks.size(); ++g) in.layer_chunks = std::max(in.layer_chunks, chunks[g]);
     in.edge_chunks = chunks.front() + chunks.back();
+    for (uint64_t c : chunks) in.largest_group_chunks = std::max(in.largest_group_chunks, c);
   }
   in.offload_activations = t.offload_activations;
   in.rates.compute_flops = t.gpu_flops;

@@ -8,6 +8,7 @@
 #include "model/activations.h"
 #include "model/params.h"
 #include "offload/plan.h"
+#include "train/paged_state.h"
 
 namespace strata {
 namespace {
@@ -87,6 +88,39 @@ TEST(Planning, ExpertFetchFractionFollowsTheTokensPerMicroBatch) {
   t.seq_len = 2048;
   EXPECT_DOUBLE_EQ(make_plan_input(*mc, t, false).expert_fetch_fraction, 1.0);
   EXPECT_EQ(make_plan_input(model::ModelConfig::preset("tiny").value(), t, false).expert_elements, 0u);
+}
+
+// AdamW on host memory acquires a whole group's optimizer state at once, so optimizer state
+// streamed from nvme needs host room for the largest group's moments, not two chunks of them:
+// budgets that left four free host slots for 21-chunk vocabulary groups are refused (a run
+// under them ran out of host slots in its first optimizer step).
+TEST(Planning, NvmeOptimizerStagingHoldsTheLargestGroup) {
+  model::ModelConfig mc = model::ModelConfig::preset("tiny").value();
+  mc.num_hidden_layers = 2;
+  mc.hidden_size = 64;
+  mc.intermediate_size = 96;
+  mc.num_attention_heads = 4;
+  mc.num_key_value_heads = 2;
+  mc.head_dim = 16;
+  mc.vocab_size = 2000;
+  TrainConfig t;
+  t.micro_batch = 2;
+  t.seq_len = 32;
+  t.grad_accum = 1;
+  t.memory_device = 3400 << 10;
+  t.memory_host = 2800 << 10;
+  t.nvme_path = "/nvme";
+  t.nvme_size = 64ull << 20;
+  t.offload_activations = "auto";
+  t.gpu_flops = t.h2d_bytes_per_s = t.d2h_bytes_per_s = 1e9;
+  t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = t.cpu_adam_params_per_s = 1e9;
+  t.chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(mc));
+  const PlanInput in = make_plan_input(mc, t, /*cuda=*/false);
+  // The head: the final norm, then 21 row blocks of lm_head (2000 x 64 fp32), one chunk each.
+  EXPECT_EQ(in.largest_group_chunks, 22u);
+  const Plan plan = make_plan(in);
+  EXPECT_FALSE(plan.fits);
+  EXPECT_NE(plan.problem.find("host budget"), std::string::npos) << plan.problem;
 }
 
 }  // namespace
