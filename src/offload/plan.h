@@ -72,9 +72,10 @@ struct PlanInput {
   uint64_t host_budget = 0;
   uint64_t nvme_budget = 0;
   uint64_t chunk_size = 64ull << 20;
-  // Chunks of one kind a layer group and the edge groups take, as the store packs them (CPU
-  // layout, where every kind is fp32): when set, group sizes are these times chunk_size, which
-  // counts the padding exactly; 0: the bytes rounded up to whole chunks.
+  // Chunks of one kind a layer group (the average over the layers, rounded up) and the edge
+  // groups take, as the store packs them (CPU layout, where every kind is fp32): when set,
+  // group sizes are these times chunk_size, which counts the padding; 0: the bytes rounded up
+  // to whole chunks.
   uint64_t layer_chunks = 0;
   uint64_t edge_chunks = 0;
   // Chunks of one kind of the largest single group (when set): AdamW on host memory acquires a

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "core/units.h"
+#include "memory/chunk.h"
 #include "train/planning.h"
 
 namespace strata {
@@ -25,6 +26,15 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   if (budgets.memory_device == 0) budgets.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
   // Planned in the chunks the store will use, so that their padding is counted.
   if (budgets.chunk_size == 0) budgets.chunk_size = PagedState::auto_chunk_bytes(e->net_->layout());
+  for (const model::TensorSpec& spec : e->net_->layout().tensors()) {
+    const uint64_t bytes = static_cast<uint64_t>(spec.block_numel(0)) * sizeof(float);  // its largest block
+    if (bytes > budgets.chunk_size)
+      return Status::InvalidArgument(fmt::format(
+          "memory.chunk_size {} cannot hold tensor '{}'{} ({}); raise memory.chunk_size to at least {}, or leave it auto",
+          format_bytes(budgets.chunk_size), spec.name,
+          spec.num_blocks() > 1 ? fmt::format(" in blocks of {} rows", spec.block_rows) : "", format_bytes(bytes),
+          format_bytes((bytes + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment)));
+  }
   e->plan_ = make_plan(make_plan_input(mc, budgets, /*cuda=*/false));
   const Plan& plan = e->plan_;
   if (!plan.fits) {

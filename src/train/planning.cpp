@@ -64,12 +64,18 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   in.host_budget = t.memory_host ? t.memory_host : default_host_budget();
   in.nvme_budget = t.nvme_path.empty() ? 0 : t.nvme_size;
   in.chunk_size = t.chunk_size;  // 0 (auto): sizes are planned without chunk padding
-  if (!cuda && t.chunk_size > 0) {
-    // The CPU layout's chunks as the paged state packs them: the largest layer group, and the
-    // embedding plus the head.
-    const model::ParamLayout layout(m);
+  const model::ParamLayout layout(m);
+  bool every_tensor_fits = true;
+  for (const model::TensorSpec& s : layout.tensors())
+    every_tensor_fits = every_tensor_fits && static_cast<uint64_t>(s.block_numel(0)) * 4 <= t.chunk_size;
+  if (!cuda && t.chunk_size > 0 && every_tensor_fits) {
+    // The CPU layout's chunks as the paged state packs them: the layers (on average, as the
+    // planner's layer groups are all alike), and the embedding plus the head. (A chunk size
+    // that cannot hold a tensor is refused by the state itself, naming the tensor.)
     const std::vector<uint64_t> chunks = PagedState::group_chunks(layout, t.chunk_size);
-    for (size_t g = 1; g + 1 < chunks.size(); ++g) in.layer_chunks = std::max(in.layer_chunks, chunks[g]);
+    uint64_t layer_total = 0;
+    for (size_t g = 1; g + 1 < chunks.size(); ++g) layer_total += chunks[g];
+    in.layer_chunks = (layer_total + L - 1) / std::max<uint64_t>(L, 1);
     in.edge_chunks = chunks.front() + chunks.back();
     for (uint64_t c : chunks) in.largest_group_chunks = std::max(in.largest_group_chunks, c);
   }

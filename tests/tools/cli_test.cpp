@@ -275,6 +275,13 @@ TEST_F(CliTest, VocabularyInRowBlocksResumesBitExactlyAndExportsWhole) {
   EXPECT_TRUE(fs::file_size(dir_ / "export" / "model.safetensors") > uint64_t{2000} * 64 * 4);
 }
 
+TEST_F(CliTest, ChunkSmallerThanATensorIsRefusedNamingIt) {
+  const std::string run_dir = (dir_ / "run").string();
+  CmdResult r = run_strata("train " + small_run(run_dir) + " memory.chunk_size=4KiB");
+  expect_clean_failure(r, run_dir, {"memory.chunk_size 4.00 KiB cannot hold tensor 'model.embed_tokens.weight' in blocks of",
+                                    "raise memory.chunk_size to at least"});
+}
+
 TEST_F(CliTest, BudgetsTooSmallAreRefusedWithTheMinimum) {
   std::string run_dir = (dir_ / "run").string();
   CmdResult r = run_strata("train data.paths=[" + corpus() + "] run.dir=" + run_dir + " memory.device=1MiB");
