@@ -59,14 +59,6 @@ TensorKind kind_of_qualified(const std::string& qualified, std::string* name) {
 
 const char* file_of_kind(TensorKind kind) { return kind == TensorKind::kParam ? kModelFile : kOptimizerFile; }
 
-const char* dtype_name(DType dtype) { return dtype == DType::kF32 ? "F32" : "BF16"; }
-uint64_t dtype_size(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
-std::optional<DType> parse_dtype(std::string_view name) {
-  if (name == "F32") return DType::kF32;
-  if (name == "BF16") return DType::kBF16;
-  return std::nullopt;
-}
-
 std::string step_dir_name(int64_t step) { return "step-" + std::to_string(step); }
 
 std::optional<int64_t> parse_step_dir_name(std::string_view name) {

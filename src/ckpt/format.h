@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/dtype.h"
 #include "core/status.h"
 
 namespace strata::ckpt {
@@ -48,10 +49,8 @@ TensorKind kind_of_qualified(const std::string& qualified, std::string* name);
 // kModelFile for kParam, kOptimizerFile otherwise.
 const char* file_of_kind(TensorKind kind);
 
-enum class DType : uint8_t { kF32, kBF16 };
-const char* dtype_name(DType dtype);  // "F32", "BF16" (safetensors spelling)
-uint64_t dtype_size(DType dtype);
-std::optional<DType> parse_dtype(std::string_view name);
+// Tensor dtypes: core/dtype.h (strata::DType, dtype_name, dtype_size, parse_dtype).
+using ::strata::DType;
 
 inline uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 

@@ -22,3 +22,17 @@ inline uint16_t f32_to_bf16(float value) {
 }
 
 }  // namespace strata::kernels
+
+namespace strata::kernels {
+
+// A bf16 value in host memory (the CPU backend's emulation of the GPU recipe): the top half of
+// an fp32. A type of its own so that templates over the storage type tell it from an integer.
+struct Bf16 {
+  uint16_t bits = 0;
+};
+static_assert(sizeof(Bf16) == 2);
+
+inline float to_f32(Bf16 v) { return bf16_to_f32(v.bits); }
+inline Bf16 to_bf16(float v) { return Bf16{f32_to_bf16(v)}; }
+
+}  // namespace strata::kernels

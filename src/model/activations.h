@@ -1,25 +1,32 @@
-// The activation table of LlamaModel: every buffer forward and backward use, planned in one
-// list of (field, size), allocated as ONE block and handed out as pointers (as llm.c does).
-// N = B * T tokens; C hidden; F the widest dense MLP (ModelConfig::dense_mlp_width: dense
-// layers and the shared expert); Hq, Hkv heads; D head dim; L layers. MoE: E experts, K per
-// token, S = N * K expert rows, Fe one expert's width. Buffers a config does not use are empty.
+// The activation table of the decoder (model/decoder.h): every buffer forward and backward use,
+// planned in one list of (field, size), allocated as ONE block and handed out as pointers (as
+// llm.c does). N = B * T tokens; C hidden; F the widest dense MLP (ModelConfig::dense_mlp_width:
+// dense layers and the shared expert); Hq, Hkv heads; D head dim; L layers. MoE: E experts, K
+// per token, S = N * K expert rows, Fe one expert's width. Buffers a config does not use are
+// empty.
+//
+// Act is the backend's activation storage type (float, or bf16 in the GPU recipe); saved
+// statistics (rstd, lse) and the router's buffers are fp32 on every backend.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "model/config.h"
 
 namespace strata::model {
 
+template <typename Act>
 class ActivationTable {
  public:
   // Plans for B x T tokens. Every size depends on N = B * T only; the block is reallocated
   // only when N grows or `offload_checkpoints` changes, and the pointers below are valid until
   // then. With offload_checkpoints the checkpoints get min(3, L + 1) slots (see below).
   void reserve(const ModelConfig& config, int64_t B, int64_t T, bool offload_checkpoints = false);
-  // Floats held (for logging and tests).
-  int64_t size() const { return static_cast<int64_t>(storage_.size()); }
+  // Bytes held (for logging and tests).
+  int64_t bytes() const { return static_cast<int64_t>(storage_.size() * sizeof(float)); }
   // Slots of N * C floats in `checkpoints`: L + 1, or min(3, L + 1) when planned for offload.
   int64_t checkpoint_slots() const { return checkpoint_slots_; }
 
@@ -27,30 +34,30 @@ class ActivationTable {
   // (slots, N, C). Without offload, slot l holds the input of layer l and slot L feeds the final
   // norm. With offload, checkpoint l < L rotates through slots l % 2 and checkpoint L is slot
   // min(L, 2).
-  float* checkpoints = nullptr;
-  float* final_out = nullptr;    // (N, C) final RMSNorm output, the LM head's input
+  Act* checkpoints = nullptr;
+  Act* final_out = nullptr;    // (N, C) final RMSNorm output, the LM head's input
   float* final_rstd = nullptr;   // (N)
-  float* d_final = nullptr;      // (N, C) gradient of final_out
-  float* dres = nullptr;         // (N, C) gradient of the residual stream
+  Act* d_final = nullptr;      // (N, C) gradient of final_out
+  Act* dres = nullptr;         // (N, C) gradient of the residual stream
 
   // One layer's intermediates, written by forward and again by backward's recomputation.
-  float* ln1 = nullptr;       // (N, C) input_layernorm output
+  Act* ln1 = nullptr;       // (N, C) input_layernorm output
   float* ln1_rstd = nullptr;  // (N)
-  float* q = nullptr;         // (N, Hq*D) after RoPE
-  float* k = nullptr;         // (N, Hkv*D) after RoPE
-  float* q_raw = nullptr;     // (N, Hq*D) q_proj output before q_norm (qk_norm only)
-  float* k_raw = nullptr;     // (N, Hkv*D) k_proj output before k_norm (qk_norm only)
+  Act* q = nullptr;         // (N, Hq*D) after RoPE
+  Act* k = nullptr;         // (N, Hkv*D) after RoPE
+  Act* q_raw = nullptr;     // (N, Hq*D) q_proj output before q_norm (qk_norm only)
+  Act* k_raw = nullptr;     // (N, Hkv*D) k_proj output before k_norm (qk_norm only)
   float* q_norm_rstd = nullptr;  // (N*Hq) (qk_norm only)
   float* k_norm_rstd = nullptr;  // (N*Hkv) (qk_norm only)
-  float* v = nullptr;         // (N, Hkv*D)
-  float* att = nullptr;       // (N, Hq*D) attention output before o_proj
+  Act* v = nullptr;         // (N, Hkv*D)
+  Act* att = nullptr;       // (N, Hq*D) attention output before o_proj
   float* lse = nullptr;       // (B, Hq, T) softmax log-sum-exp
-  float* h = nullptr;         // (N, C) residual after attention
-  float* ln2 = nullptr;       // (N, C) post_attention_layernorm output
+  Act* h = nullptr;         // (N, C) residual after attention
+  Act* ln2 = nullptr;       // (N, C) post_attention_layernorm output
   float* ln2_rstd = nullptr;  // (N)
-  float* gate = nullptr;      // (N, F)
-  float* up = nullptr;        // (N, F)
-  float* act = nullptr;       // (N, F) silu(gate) * up
+  Act* gate = nullptr;      // (N, F)
+  Act* up = nullptr;        // (N, F)
+  Act* act = nullptr;       // (N, F) silu(gate) * up
 
   // One MoE layer's intermediates (MoE models only). The shared expert runs in gate/up/act.
   float* router_logits = nullptr;  // (N, E)
@@ -60,41 +67,138 @@ class ActivationTable {
   int32_t* slot_of = nullptr;      // (N, K) row of assignment (n, k) in the expert order
   int32_t* token_of_slot = nullptr;  // (S)
   int64_t* expert_offsets = nullptr;  // (E+1)
-  float* expert_xs = nullptr;      // (S, C) tokens gathered in expert order
-  float* expert_gate = nullptr;    // (S, Fe)
-  float* expert_up = nullptr;      // (S, Fe)
-  float* expert_act = nullptr;     // (S, Fe)
-  float* expert_ys = nullptr;      // (S, C)
-  float* shared_out = nullptr;     // (N, C) shared expert output before its sigmoid gate
+  Act* expert_xs = nullptr;      // (S, C) tokens gathered in expert order
+  Act* expert_gate = nullptr;    // (S, Fe)
+  Act* expert_up = nullptr;      // (S, Fe)
+  Act* expert_act = nullptr;     // (S, Fe)
+  Act* expert_ys = nullptr;      // (S, C)
+  Act* shared_out = nullptr;     // (N, C) shared expert output before its sigmoid gate
   float* shared_logit = nullptr;   // (N) shared_expert_gate(x)
 
   // One layer's gradient scratch.
-  float* d_ln = nullptr;    // (N, C) gradient of a norm's output
-  float* d_tmp = nullptr;   // (N, C) partial input gradients before they are summed
-  float* d_q = nullptr;     // (N, Hq*D)
-  float* d_k = nullptr;     // (N, Hkv*D)
-  float* d_v = nullptr;     // (N, Hkv*D)
-  float* d_att = nullptr;   // (N, Hq*D)
-  float* d_gate = nullptr;  // (N, F)
-  float* d_up = nullptr;    // (N, F)
-  float* d_act = nullptr;   // (N, F)
-  float* d_qk_raw = nullptr;  // (N, Hq*D) gradient of q_raw or k_raw (qk_norm only)
+  Act* d_ln = nullptr;    // (N, C) gradient of a norm's output
+  Act* d_tmp = nullptr;   // (N, C) partial input gradients before they are summed
+  Act* d_q = nullptr;     // (N, Hq*D)
+  Act* d_k = nullptr;     // (N, Hkv*D)
+  Act* d_v = nullptr;     // (N, Hkv*D)
+  Act* d_att = nullptr;   // (N, Hq*D)
+  Act* d_gate = nullptr;  // (N, F)
+  Act* d_up = nullptr;    // (N, F)
+  Act* d_act = nullptr;   // (N, F)
+  Act* d_qk_raw = nullptr;  // (N, Hq*D) gradient of q_raw or k_raw (qk_norm only)
   float* d_route_weights = nullptr;  // (N, K)
   float* d_router_logits = nullptr;  // (N, E)
-  float* d_expert_ys = nullptr;      // (S, C)
-  float* d_expert_xs = nullptr;      // (S, C)
-  float* d_expert_gate = nullptr;    // (S, Fe)
-  float* d_expert_up = nullptr;      // (S, Fe)
-  float* d_expert_act = nullptr;     // (S, Fe)
+  Act* d_expert_ys = nullptr;      // (S, C)
+  Act* d_expert_xs = nullptr;      // (S, C)
+  Act* d_expert_gate = nullptr;    // (S, Fe)
+  Act* d_expert_up = nullptr;      // (S, Fe)
+  Act* d_expert_act = nullptr;     // (S, Fe)
   float* d_shared_logit = nullptr;   // (N)
 
  private:
   int64_t planned_tokens_ = 0;
   bool planned_offload_ = false;
   int64_t checkpoint_slots_ = 0;
-  std::vector<float> storage_;
+  std::vector<float> storage_;  // the block, carved by reserve()
   std::vector<int32_t> index_storage_;
   std::vector<int64_t> offset_storage_;
 };
+
+template <typename Act>
+void ActivationTable<Act>::reserve(const ModelConfig& config, int64_t B, int64_t T, bool offload_checkpoints) {
+  int64_t N = B * T;
+  if (N <= planned_tokens_ && offload_checkpoints == planned_offload_) return;
+  N = std::max(N, planned_tokens_);
+  const int64_t C = config.hidden_size;
+  const int64_t F = config.dense_mlp_width();
+  const int64_t L = config.num_hidden_layers;
+  const int64_t q_dim = config.q_dim();
+  const int64_t kv_dim = config.kv_dim();
+  const int64_t Hq = config.num_attention_heads;
+  const int64_t Hkv = config.num_key_value_heads;
+  const bool qk = config.qk_norm;
+  const bool moe = config.is_moe();
+  const int64_t E = moe ? config.num_experts : 0;
+  const int64_t K = moe ? config.num_experts_per_tok : 0;
+  const int64_t S = N * K;
+  const int64_t Fe = moe ? config.moe_intermediate_size : 0;
+  const int64_t checkpoint_slots = offload_checkpoints ? std::min<int64_t>(3, L + 1) : L + 1;
+  const int64_t shared = moe && config.shared_expert_intermediate_size > 0 ? 1 : 0;
+
+  // Each buffer starts on a 64-byte boundary of the block. Two passes: measure, then hand out.
+  int64_t offset = 0;  // bytes
+  char* base = nullptr;
+  auto take = [&](auto*& field, int64_t n) {
+    field = base == nullptr ? nullptr : reinterpret_cast<std::remove_reference_t<decltype(field)>>(base + offset);
+    offset += (n * static_cast<int64_t>(sizeof(*field)) + 63) / 64 * 64;
+  };
+  auto carve = [&] {
+    take(checkpoints, checkpoint_slots * N * C);
+    take(final_out, N * C);
+    take(final_rstd, N);
+    take(d_final, N * C);
+    take(dres, N * C);
+    take(ln1, N * C);
+    take(ln1_rstd, N);
+    take(q, N * q_dim);
+    take(k, N * kv_dim);
+    take(q_raw, qk ? N * q_dim : 0);
+    take(k_raw, qk ? N * kv_dim : 0);
+    take(q_norm_rstd, qk ? N * Hq : 0);
+    take(k_norm_rstd, qk ? N * Hkv : 0);
+    take(v, N * kv_dim);
+    take(att, N * q_dim);
+    take(lse, N * Hq);  // (B, Hq, T)
+    take(h, N * C);
+    take(ln2, N * C);
+    take(ln2_rstd, N);
+    take(gate, N * F);
+    take(up, N * F);
+    take(act, N * F);
+    take(router_logits, N * E);
+    take(router_probs, N * E);
+    take(route_weights, N * K);
+    take(expert_xs, S * C);
+    take(expert_gate, S * Fe);
+    take(expert_up, S * Fe);
+    take(expert_act, S * Fe);
+    take(expert_ys, S * C);
+    take(shared_out, shared * N * C);
+    take(shared_logit, shared * N);
+    take(d_ln, N * C);
+    take(d_tmp, N * C);
+    take(d_q, N * q_dim);
+    take(d_k, N * kv_dim);
+    take(d_v, N * kv_dim);
+    take(d_att, N * q_dim);
+    take(d_gate, N * F);
+    take(d_up, N * F);
+    take(d_act, N * F);
+    take(d_qk_raw, qk ? N * q_dim : 0);
+    take(d_route_weights, N * K);
+    take(d_router_logits, N * E);
+    take(d_expert_ys, S * C);
+    take(d_expert_xs, S * C);
+    take(d_expert_gate, S * Fe);
+    take(d_expert_up, S * Fe);
+    take(d_expert_act, S * Fe);
+    take(d_shared_logit, shared * N);
+  };
+  carve();
+  storage_.assign(static_cast<size_t>(offset) / sizeof(float), 0.0f);
+  base = reinterpret_cast<char*>(storage_.data());
+  offset = 0;
+  carve();
+  // Routing indices: expert_idx and slot_of (N, K) each, token_of_slot (S).
+  index_storage_.assign(static_cast<size_t>(3 * S), 0);
+  expert_idx = index_storage_.data();
+  slot_of = expert_idx + S;
+  token_of_slot = slot_of + S;
+  offset_storage_.assign(static_cast<size_t>(E + 1), 0);
+  expert_offsets = offset_storage_.data();
+  planned_tokens_ = N;
+  planned_offload_ = offload_checkpoints;
+  checkpoint_slots_ = checkpoint_slots;
+}
 
 }  // namespace strata::model

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <span>
 
+#include "core/dtype.h"
 #include "core/status.h"
 #include "model/params.h"
 
@@ -43,8 +44,11 @@ class ParamAccess {
   virtual Status begin(int group, bool params, bool grads) = 0;
   virtual void end(int group, bool params, bool grads) = 0;
   // The tensor starting at flat-layout `offset`. REQUIRES: its group has begun for that kind.
-  virtual const float* param(int64_t offset) = 0;
+  // Parameters are the compute copy, of param_dtype() elements (what the model's backend
+  // reads: fp32 on the CPU reference, bf16 in the GPU recipe); gradients are fp32.
+  virtual const void* param(int64_t offset) = 0;
   virtual float* grad(int64_t offset) = 0;
+  virtual DType param_dtype() const { return DType::kF32; }
 
   // Makes the tensors of `experts` (ascending expert indices of the MoE layer of `group`, each
   // with at least one token in this micro-batch) addressable like begin() does, until
@@ -62,15 +66,16 @@ class ParamAccess {
   // instead of L + 1; in a step with backward it calls offload_checkpoint(l, ...) as soon as
   // forward has written checkpoint l (the input of layer l) and fetch_checkpoint(l, ...) before
   // it recomputes layer l in backward, in reverse order, for l < offloaded_checkpoint_count(L).
-  // `floats` = tokens of the micro-batch * hidden size. The data pointers are borrowed for the
-  // call only. The defaults mean "not offloading" and are never called then.
+  // `bytes` = tokens of the micro-batch * hidden size * the activation type's size. The data
+  // pointers are borrowed for the call only. The defaults mean "not offloading" and are never
+  // called then.
   virtual bool offloads_activations() const { return false; }
-  virtual Status offload_checkpoint(int index, const float* data, int64_t floats) {
-    (void)index, (void)data, (void)floats;
+  virtual Status offload_checkpoint(int index, const void* data, uint64_t bytes) {
+    (void)index, (void)data, (void)bytes;
     return Status::Internal("offload_checkpoint without activation offload");
   }
-  virtual Status fetch_checkpoint(int index, float* data, int64_t floats) {
-    (void)index, (void)data, (void)floats;
+  virtual Status fetch_checkpoint(int index, void* data, uint64_t bytes) {
+    (void)index, (void)data, (void)bytes;
     return Status::Internal("fetch_checkpoint without activation offload");
   }
 };

@@ -348,60 +348,60 @@ std::optional<size_t> StateStore::next_entry(const GroupAccess& access) {
   return entry;
 }
 
-Status StateStore::add_activations(int count, uint64_t floats) {
+Status StateStore::add_activations(int count, uint64_t bytes) {
   if (!act_chunks_.empty()) return Status::InvalidArgument("activation buffers are already registered");
   if (count <= 0) return Status::OK();
-  if (floats == 0) return Status::InvalidArgument("activation buffers need at least one float");
+  if (bytes == 0) return Status::InvalidArgument("activation buffers need at least one byte");
   if (!space_->has_tier(Tier::kHost)) return Status::InvalidArgument("activation offload needs a host memory tier");
-  const uint64_t piece_floats = space_->chunk_bytes() / sizeof(float);
+  const uint64_t piece_bytes = space_->chunk_bytes();
   std::vector<std::vector<ChunkId>> chunks(static_cast<size_t>(count));
   for (int i = 0; i < count; ++i) {
-    for (uint64_t done = 0, p = 0; done < floats; done += piece_floats, ++p) {
-      const uint64_t n = std::min(piece_floats, floats - done);
+    for (uint64_t done = 0, p = 0; done < bytes; done += piece_bytes, ++p) {
+      const uint64_t n = std::min(piece_bytes, bytes - done);
       // One chunk per piece, homed in host memory or, when that is full, on NVMe.
       Result<ChunkId> added = space_->add_chunk(ChunkKind::kAct, Tier::kHost);
       if (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && space_->has_tier(Tier::kNvme))
         added = space_->add_chunk(ChunkKind::kAct, Tier::kNvme);
       ASSIGN_OR_RETURN(ChunkId c, std::move(added));
       ASSIGN_OR_RETURN(TensorId id, space_->add_tensor("act/" + std::to_string(i) + "/" + std::to_string(p),
-                                                       ChunkKind::kAct, n * sizeof(float)));
+                                                       ChunkKind::kAct, n));
       CHECK(space_->tensor(id).chunk == c && space_->tensor(id).offset == 0);
       chunks[static_cast<size_t>(i)].push_back(c);
     }
   }
   act_chunks_ = std::move(chunks);
-  act_floats_ = floats;
+  act_bytes_ = bytes;
   return Status::OK();
 }
 
-Status StateStore::copy_activation(int i, float* data, uint64_t floats, bool to_store) {
+Status StateStore::copy_activation(int i, char* data, uint64_t bytes, bool to_store) {
   if (i < 0 || i >= num_activations())
     return Status::InvalidArgument("no activation buffer " + std::to_string(i));
-  if (floats > act_floats_)
-    return Status::InvalidArgument("activation buffer " + std::to_string(i) + " holds " + std::to_string(act_floats_) +
-                                   " floats, not " + std::to_string(floats));
+  if (bytes > act_bytes_)
+    return Status::InvalidArgument("activation buffer " + std::to_string(i) + " holds " + std::to_string(act_bytes_) +
+                                   " bytes, not " + std::to_string(bytes));
   const std::optional<size_t> entry = next_entry(GroupAccess::of_activation(i));
-  const uint64_t piece_floats = space_->chunk_bytes() / sizeof(float);
+  const uint64_t piece_bytes = space_->chunk_bytes();
   const std::vector<ChunkId>& chunks = act_chunks_[static_cast<size_t>(i)];
-  for (size_t j = 0; j < chunks.size() && j * piece_floats < floats; ++j) {
-    const uint64_t n = std::min(piece_floats, floats - j * piece_floats);
+  for (size_t j = 0; j < chunks.size() && j * piece_bytes < bytes; ++j) {
+    const uint64_t n = std::min(piece_bytes, bytes - j * piece_bytes);
     if (entry) space_->advance(schedule_chunk_start_[*entry] + j);
-    // A piece written is written whole (the tail past `floats` is never read back).
+    // A piece written is written whole (the tail past `bytes` is never read back).
     ASSIGN_OR_RETURN(void* p, space_->acquire_chunk(chunks[j], Tier::kHost, to_store ? AccessMode::kWrite : AccessMode::kRead));
-    float* chunk = static_cast<float*>(p);
-    if (to_store) std::memcpy(chunk, data + j * piece_floats, n * sizeof(float));
-    else std::memcpy(data + j * piece_floats, chunk, n * sizeof(float));
+    char* chunk = static_cast<char*>(p);
+    if (to_store) std::memcpy(chunk, data + j * piece_bytes, n);
+    else std::memcpy(data + j * piece_bytes, chunk, n);
     space_->release_chunk(chunks[j]);
   }
   return Status::OK();
 }
 
-Status StateStore::write_activation(int i, const float* data, uint64_t floats) {
-  return copy_activation(i, const_cast<float*>(data), floats, /*to_store=*/true);
+Status StateStore::write_activation(int i, const void* data, uint64_t bytes) {
+  return copy_activation(i, static_cast<char*>(const_cast<void*>(data)), bytes, /*to_store=*/true);
 }
 
-Status StateStore::read_activation(int i, float* data, uint64_t floats) {
-  return copy_activation(i, data, floats, /*to_store=*/false);
+Status StateStore::read_activation(int i, void* data, uint64_t bytes) {
+  return copy_activation(i, static_cast<char*>(data), bytes, /*to_store=*/false);
 }
 
 ChunkSpaceStats StateStore::stats() const {

@@ -139,16 +139,16 @@ class StateStore {
   }
 
   // Activation buffers (saved layer-boundary checkpoints, DESIGN §3.3): `count` buffers of
-  // `floats` floats each, in chunks of kind kAct homed in host memory (NVMe when the host tier
+  // `bytes` bytes each (of whatever type the model's activations are), in chunks of kind kAct homed in host memory (NVMe when the host tier
   // is full) and always accessed there; each chunk belongs to one buffer, so writing one buffer
   // never touches another. Call before set_schedule(); at most once.
-  Status add_activations(int count, uint64_t floats);
+  Status add_activations(int count, uint64_t bytes);
   int num_activations() const { return static_cast<int>(act_chunks_.size()); }
-  // Copies the first `floats` floats of `data` into buffer i / of buffer i into `data`,
-  // through host memory. InvalidArgument when i or floats is out of range; IOError and the
+  // Copies the first `bytes` bytes of `data` into buffer i / of buffer i into `data`,
+  // through host memory. InvalidArgument when i or bytes is out of range; IOError and the
   // like from moving the chunks.
-  Status write_activation(int i, const float* data, uint64_t floats);
-  Status read_activation(int i, float* data, uint64_t floats);
+  Status write_activation(int i, const void* data, uint64_t bytes);
+  Status read_activation(int i, void* data, uint64_t bytes);
 
   // Home tier of a group's chunks of `kind`.
   Tier home(int group, StateKind kind) const;
@@ -202,13 +202,13 @@ class StateStore {
   std::vector<size_t> schedule_chunk_start_;
   std::mutex schedule_mu_;  // guards schedule_pos_
   size_t schedule_pos_ = 0;
-  // Activation buffers: the chunks of each (one piece of up to chunk_bytes each), their floats.
+  // Activation buffers: the chunks of each (one piece of up to chunk_bytes each), their bytes.
   std::vector<std::vector<ChunkId>> act_chunks_;
-  uint64_t act_floats_ = 0;
+  uint64_t act_bytes_ = 0;
 
   // The next schedule entry matching `access` from the current position (advancing past it).
   std::optional<size_t> next_entry(const GroupAccess& access);
-  Status copy_activation(int i, float* data, uint64_t floats, bool to_store);
+  Status copy_activation(int i, char* data, uint64_t bytes, bool to_store);
   size_t lookahead_ = 2;
 };
 

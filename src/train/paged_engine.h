@@ -10,7 +10,7 @@
 #include "core/device.h"
 #include "memory/io_engine.h"
 #include "model/config.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 #include "offload/plan.h"
 #include "train/engine.h"
 #include "train/optimizer.h"

@@ -146,8 +146,8 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     offloaded = model::offloaded_checkpoint_count(L);
     // Hidden size C: the final norm's weight has C elements.
     const int64_t C = ps->pieces_[ps->tensor_at(ps->layout_.final_norm())].numel;
-    const uint64_t floats = static_cast<uint64_t>(options.activation_tokens) * static_cast<uint64_t>(C);
-    RETURN_IF_ERROR(ps->store_->add_activations(offloaded, floats));
+    const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * static_cast<uint64_t>(C) * sizeof(float);
+    RETURN_IF_ERROR(ps->store_->add_activations(offloaded, bytes));
   }
   const bool tied = ps->layout_.lm_head() == ps->layout_.embed_tokens();
   std::vector<int> experts(static_cast<size_t>(L) + 2, 0);  // per group
@@ -416,17 +416,15 @@ void PagedState::end(int group, bool params, bool grads) {
   }
 }
 
-const float* PagedState::param(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kParam); }
+const void* PagedState::param(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kParam); }
 float* PagedState::grad(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kGrad); }
 
-Status PagedState::offload_checkpoint(int index, const float* data, int64_t floats) {
-  if (floats < 0) return Status::InvalidArgument("negative checkpoint size");
-  return store_->write_activation(index, data, static_cast<uint64_t>(floats));
+Status PagedState::offload_checkpoint(int index, const void* data, uint64_t bytes) {
+  return store_->write_activation(index, data, bytes);
 }
 
-Status PagedState::fetch_checkpoint(int index, float* data, int64_t floats) {
-  if (floats < 0) return Status::InvalidArgument("negative checkpoint size");
-  return store_->read_activation(index, data, static_cast<uint64_t>(floats));
+Status PagedState::fetch_checkpoint(int index, void* data, uint64_t bytes) {
+  return store_->read_activation(index, data, bytes);
 }
 
 std::string PagedState::placement_summary() const {

@@ -121,11 +121,11 @@ class PagedState : public model::ParamAccess, public SavableState {
   void end(int group, bool params, bool grads) override;
   Status begin_experts(int group, std::span<const int> experts, bool params, bool grads) override;
   void end_experts(int group, std::span<const int> experts, bool params, bool grads) override;
-  const float* param(int64_t offset) override;
+  const void* param(int64_t offset) override;
   float* grad(int64_t offset) override;
   bool offloads_activations() const override { return options_.offload_activations; }
-  Status offload_checkpoint(int index, const float* data, int64_t floats) override;
-  Status fetch_checkpoint(int index, float* data, int64_t floats) override;
+  Status offload_checkpoint(int index, const void* data, uint64_t bytes) override;
+  Status fetch_checkpoint(int index, void* data, uint64_t bytes) override;
 
   ChunkSpaceStats stats() const { return store_->stats(); }
   StateStore& store() { return *store_; }

@@ -13,7 +13,7 @@
 
 #include "core/log.h"
 #include "model/hf_io.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 #include "train/data.h"
 #include "train/lr_schedule.h"
 #include "train/metrics.h"

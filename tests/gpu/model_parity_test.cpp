@@ -36,7 +36,7 @@
 #include "gpu_test_util.h"
 #include "model/config.h"
 #include "model/cuda/llama_cuda.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 #include "train/optimizer.h"
 
 namespace strata::testing {

@@ -18,7 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/llama.h"
+#include "model/decoder.h"
 #include "../test_util.h"
 
 namespace strata::model {

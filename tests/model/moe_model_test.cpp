@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../test_util.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 
 namespace strata::model {
 namespace {

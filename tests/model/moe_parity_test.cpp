@@ -20,7 +20,7 @@
 
 #include "../test_util.h"
 #include "model/reference_util.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 
 namespace strata::model {
 namespace {

@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "model/llama.h"
+#include "model/decoder.h"
 #include "model/safetensors.h"
 #include "../test_util.h"
 #include "model/reference_util.h"

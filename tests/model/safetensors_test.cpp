@@ -22,7 +22,7 @@
 
 #include "memory/io_engine.h"
 #include "memory/io_faulty.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 #include "../test_util.h"
 
 namespace strata::model {

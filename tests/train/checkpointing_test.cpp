@@ -16,7 +16,7 @@
 
 #include "core/cpu_device.h"
 #include "memory/io_faulty.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 #include "train_test_util.h"
 
 namespace strata {

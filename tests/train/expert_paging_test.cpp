@@ -15,7 +15,7 @@
 
 #include "core/cpu_device.h"
 #include "memory/io_engine.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 #include "train/optimizer.h"
 #include "train/paged_state.h"
 #include "train_test_util.h"
@@ -63,7 +63,7 @@ class CountingAccess : public model::ParamAccess {
   }
   Status begin(int group, bool params, bool grads) override { return ps_.begin(group, params, grads); }
   void end(int group, bool params, bool grads) override { ps_.end(group, params, grads); }
-  const float* param(int64_t offset) override { return ps_.param(offset); }
+  const void* param(int64_t offset) override { return ps_.param(offset); }
   float* grad(int64_t offset) override { return ps_.grad(offset); }
   Status begin_experts(int group, std::span<const int> experts, bool params, bool grads) override {
     requested += static_cast<int64_t>(experts.size());

@@ -12,7 +12,7 @@
 
 #include "core/cpu_device.h"
 #include "memory/io_engine.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 #include "offload/plan.h"
 #include "train/optimizer.h"
 #include "train_test_util.h"
@@ -48,7 +48,7 @@ RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batch
   RunResult r;
   r.losses = train_flat(net, batches, kSteps, kAccum, kB, kT, grad_clip, 1e-2f);
   r.params.assign(net.params(), net.params() + net.layout().total_size());
-  r.activation_floats = net.activation_floats();
+  r.activation_floats = net.activation_bytes() / static_cast<int64_t>(sizeof(float));
   return r;
 }
 
@@ -97,7 +97,7 @@ RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batc
   EXPECT_TRUE(ps.store_params(r.params.data()).ok());
   r.stats = ps.stats();
   r.overlapped_updates = ps.overlapped_updates();
-  r.activation_floats = net.activation_floats();
+  r.activation_floats = net.activation_bytes() / static_cast<int64_t>(sizeof(float));
   return r;
 }
 

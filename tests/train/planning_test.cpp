@@ -36,10 +36,10 @@ TEST(Planning, PredictedBytesMatchTheRealAllocationWithin5Percent) {
     // What a CPU run holds: params, grads, Adam m and v (flat buffers of the layout), the
     // activation table, and the LM head's logits chunk.
     model::ParamLayout layout(*mc);
-    model::ActivationTable acts;
+    model::ActivationTable<float> acts;
     acts.reserve(*mc, c.B, c.T);
     const double real_state = 4.0 * 4.0 * static_cast<double>(layout.total_size());
-    const double real_act = 4.0 * static_cast<double>(acts.size()) +
+    const double real_act = static_cast<double>(acts.bytes()) +
                             4.0 * static_cast<double>(std::min<int64_t>(c.B * c.T, 256) * mc->vocab_size);
     const double planned_state = static_cast<double>(plan.device.total() - plan.device.act);
     const double planned_act = static_cast<double>(plan.device.act);

@@ -15,7 +15,7 @@
 
 #include "ckpt/reader.h"
 #include "memory/io_faulty.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 #include "train/checkpointing.h"
 #include "train/trainer.h"
 #include "train_test_util.h"

@@ -13,7 +13,7 @@
 
 #include "core/check.h"
 #include "model/config.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 #include "model/params.h"
 #include "ckpt/writer.h"
 #include "memory/io_faulty.h"

@@ -12,7 +12,7 @@
 #include "kernels/grad_norm.h"
 #include "kernels/rope.h"
 #include "model/cuda/elementwise.h"
-#include "model/llama.h"
+#include "model/decoder.h"
 
 namespace strata::model {
 namespace {

@@ -1,5 +1,8 @@
-// LlamaModel: a Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) on the
-// CPU backend in fp32, with explicit per-layer forward and backward. It runs every architecture
+// Decoder<Ops>: THE decoder model of strata, written once over a backend's op set (Ops: storage
+// types Act and W plus one member per op; kernels/cpu/backend.h has the CPU ones, fp32 and the
+// GPU's bf16 recipe emulated). A Llama-family decoder (RMSNorm, RoPE, grouped-query attention,
+// SwiGLU) with explicit per-layer forward and backward. LlamaModel is the fp32 CPU reference
+// (Decoder<CpuF32Ops>); LlamaModelBf16 runs the GPU recipe on the CPU. It runs every architecture
 // ModelConfig reads: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), and mixture-of-experts
 // MLPs with an optional shared expert (Mixtral, Qwen2-MoE, Qwen3-MoE; see moe_layer.h).
 //
@@ -24,14 +27,22 @@
 // tokens (ParamAccess::begin_experts), so a paged state fetches just those; the other experts'
 // tensors are never touched (the kernels skip experts without rows).
 //
+// Precision: parameters are held as an fp32 master (params(), the optimizer's) and read by the
+// ops as the backend's compute copy W: the master itself for fp32, a bf16 copy otherwise, which
+// sync_compute_copy() refreshes from the master (init_weights and load_safetensors do it). A
+// ParamAccess hands out compute copies of its param_dtype(), which must be the backend's.
+// Parameter gradients are fp32 on every backend.
+//
 // Not thread-safe; not copyable.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/status.h"
+#include "kernels/cpu/backend.h"
 #include "model/activations.h"
 #include "model/config.h"
 #include "model/moe_layer.h"
@@ -47,25 +58,32 @@ inline constexpr int64_t kLossChunkTokens = 256;
 // Number of targets >= 0 (the tokens that count towards the loss).
 int64_t count_valid_targets(const int32_t* targets, int64_t n);
 
-class LlamaModel {
+template <class Ops>
+class Decoder {
  public:
+  using Act = typename Ops::Act;
+  using W = typename Ops::W;
+
   // REQUIRES: config.validate(...) is OK. Parameters start at zero; call init_weights or
   // load_safetensors.
   // flat_buffers = false: no flat parameter and gradient buffers are allocated; a ParamAccess
   // must be set before compute (a paged run, whose state never fits in memory twice).
-  explicit LlamaModel(const ModelConfig& config, bool flat_buffers = true);
-  LlamaModel(const LlamaModel&) = delete;
-  LlamaModel& operator=(const LlamaModel&) = delete;
+  explicit Decoder(const ModelConfig& config, bool flat_buffers = true);
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
 
   const ModelConfig& config() const { return config_; }
   const ParamLayout& layout() const { return layout_; }
-  // Flat buffers of layout().total_size() elements.
+  // Flat buffers of layout().total_size() elements: the fp32 master parameters (call
+  // sync_compute_copy() after changing them) and the fp32 gradients.
   float* params() { return params_.data(); }
   const float* params() const { return params_.data(); }
   float* grads() { return grads_.data(); }
   const float* grads() const { return grads_.data(); }
 
   void init_weights(uint64_t seed);
+  // Rounds the master parameters into the compute copy the ops read (a no-op when W is fp32).
+  void sync_compute_copy();
   // Fills every parameter by Hugging Face name from a safetensors file, index or directory
   // (load_hf_weights, hf_io.h). On error the parameters are unchanged and the Status names file
   // and tensor.
@@ -88,14 +106,16 @@ class LlamaModel {
                          bool backward);
   // Routes parameter and gradient access through `access` (null: the flat buffers params()
   // and grads()). The model begins and ends groups as model/param_access.h describes; it does
-  // not own `access`, which must outlive its use.
-  void set_access(ParamAccess* access) { access_ = access; }
-  // Floats held by the activation table (0 before the first compute).
-  int64_t activation_floats() const { return acts_.size(); }
+  // not own `access`, which must outlive its use. REQUIRES: access->param_dtype() is the
+  // backend's weight type.
+  void set_access(ParamAccess* access);
+  // Bytes held by the activation table (0 before the first compute).
+  int64_t activation_bytes() const { return acts_.bytes(); }
   // Frees the flat parameter and gradient buffers once a ParamAccess holds the state; params()
   // and grads() are empty afterwards. (Or construct with flat_buffers = false.)
   void release_flat_buffers() {
     std::vector<float>().swap(params_);
+    std::vector<W>().swap(compute_);
     std::vector<float>().swap(grads_);
   }
 
@@ -123,15 +143,19 @@ class LlamaModel {
   // With `offload`, forward hands offloaded checkpoints to the access (see param_access.h).
   Status forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens, bool offload);
   // The activation table's slot for checkpoint l (0..L) of a micro-batch of N tokens.
-  float* checkpoint(int64_t l, int64_t N);
+  Act* checkpoint(int64_t l, int64_t N);
   Status begin_group(int group, bool params, bool grads);
   void end_group(int group, bool params, bool grads);
   // The tensor starting at flat-layout `offset`, from the flat buffers or the ParamAccess.
-  const float* param(int64_t offset) { return access_ ? access_->param(offset) : params_.data() + offset; }
+  const W* param(int64_t offset) {
+    if (access_ != nullptr) return static_cast<const W*>(access_->param(offset));
+    if constexpr (std::is_same_v<W, float>) return params_.data() + offset;
+    else return compute_.data() + offset;
+  }
   float* grad(int64_t offset) { return access_ ? access_->grad(offset) : grads_.data() + offset; }
   // The row blocks of the tensor at `offset` (one pointer when it is not in blocks), and the
   // rows per block (its first dimension when it is not).
-  std::vector<const float*> param_blocks(int64_t offset);
+  std::vector<const W*> param_blocks(int64_t offset);
   std::vector<float*> grad_blocks(int64_t offset);
   int64_t block_rows(int64_t offset) const;
   auto param_at() {
@@ -145,8 +169,8 @@ class LlamaModel {
   // stats (null in the recomputation) receives the MoE router statistics. An MoE layer begins
   // the experts its router picked (begin_experts, with their gradients when `grads`) and leaves
   // them begun: the caller ends them with end_experts() once done with the layer.
-  Status layer_forward(int64_t layer, const float* x, float* out, int64_t B, int64_t T,
-                       const RouterStats* stats, bool grads);
+  Status layer_forward(int64_t layer, const Act* x, Act* out, int64_t B, int64_t T, const RouterStats* stats,
+                       bool grads);
   // MoE layers: begins, through the ParamAccess, the experts that the last routing
   // (acts_.expert_offsets) gave at least one token, and records them in active_experts_; only
   // their tensors are bound (moe_offsets()). No-ops for dense layers.
@@ -156,17 +180,18 @@ class LlamaModel {
   MoeOffsets moe_offsets(int64_t layer) const;
   // dres (N, C): on entry dL/d(layer output), on return dL/d(layer input x). prob_grad (E) or
   // null: the auxiliary loss's gradient with respect to the router softmax.
-  void layer_backward(int64_t layer, const float* x, float* dres, int64_t B, int64_t T,
-                      const float* prob_grad);
+  void layer_backward(int64_t layer, const Act* x, Act* dres, int64_t B, int64_t T, const float* prob_grad);
   const float* layer_selection_bias(int64_t layer) const;
   void check_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) const;
 
   ModelConfig config_;
   ParamLayout layout_;
-  std::vector<float> params_;  // (total_size)
+  Ops ops_;
+  std::vector<float> params_;  // (total_size) fp32 master
+  std::vector<W> compute_;     // (total_size) the compute copy; empty when W is fp32
   std::vector<float> grads_;   // (total_size)
   std::vector<float> inv_freq_;  // (D/2) RoPE frequencies
-  ActivationTable acts_;
+  ActivationTable<Act> acts_;
   ParamAccess* access_ = nullptr;
   // MoE state (empty for dense models).
   std::vector<int64_t> expert_counts_;     // (L, E) since zero_grads()
@@ -176,5 +201,12 @@ class LlamaModel {
   std::vector<int> active_experts_;        // the experts begun by begin_experts(), ascending
   double last_aux_loss_ = 0.0;
 };
+
+// The fp32 CPU reference and the GPU's bf16 recipe on the CPU (both instantiated in
+// decoder_cpu.cpp).
+using LlamaModel = Decoder<kernels::CpuF32Ops>;
+using LlamaModelBf16 = Decoder<kernels::CpuBf16Ops>;
+extern template class Decoder<kernels::CpuF32Ops>;
+extern template class Decoder<kernels::CpuBf16Ops>;
 
 }  // namespace strata::model

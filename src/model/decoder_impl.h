@@ -1,41 +1,27 @@
-#include "model/llama.h"
+// The definitions of Decoder<Ops> (decoder.h): the layer graph, written once. Included by the
+// translation units that instantiate it for a backend (decoder_cpu.cpp, and the CUDA backend's).
+#pragma once
 
 #include <algorithm>
 #include <cstring>
 
 #include <fmt/format.h>
 
-#include "kernels/attention.h"
-#include "kernels/cross_entropy.h"
-#include "kernels/embedding.h"
-#include "kernels/linear.h"
 #include "kernels/moe.h"
-#include "kernels/rmsnorm.h"
 #include "kernels/rope.h"
-#include "kernels/swiglu.h"
+#include "model/decoder.h"
 #include "model/hf_io.h"
+#include "model/moe_layer.h"
 
 namespace strata::model {
-namespace {
 
-// a (n) += b (n)
-void add_inplace(float* a, const float* b, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-}
-
-}  // namespace
-
-int64_t count_valid_targets(const int32_t* targets, int64_t n) {
-  int64_t valid = 0;
-  for (int64_t i = 0; i < n; ++i) valid += targets[i] >= 0 ? 1 : 0;
-  return valid;
-}
-
-LlamaModel::LlamaModel(const ModelConfig& config, bool flat_buffers) : config_(config), layout_(config) {
+template <class Ops>
+Decoder<Ops>::Decoder(const ModelConfig& config, bool flat_buffers) : config_(config), layout_(config) {
   Status st = config_.validate("LlamaModel config");
   CHECK_MSG(st.ok(), st.to_string());
   if (flat_buffers) {
     params_.assign(static_cast<size_t>(layout_.total_size()), 0.0f);
+    if constexpr (!std::is_same_v<W, float>) compute_.assign(params_.size(), W{});
     grads_.assign(static_cast<size_t>(layout_.total_size()), 0.0f);
   }
   inv_freq_.resize(static_cast<size_t>(config_.head_dim / 2));
@@ -49,26 +35,51 @@ LlamaModel::LlamaModel(const ModelConfig& config, bool flat_buffers) : config_(c
   }
 }
 
-void LlamaModel::init_weights(uint64_t seed) { model::init_weights(layout_, params_.data(), seed); }
+template <class Ops>
+void Decoder<Ops>::init_weights(uint64_t seed) {
+  model::init_weights(layout_, params_.data(), seed);
+  sync_compute_copy();
+}
 
-Status LlamaModel::load_safetensors(const std::string& path) {
+template <class Ops>
+void Decoder<Ops>::sync_compute_copy() {
+  if constexpr (!std::is_same_v<W, float>) {
+    CHECK_MSG(compute_.size() == params_.size(), "sync_compute_copy without flat buffers");
+    for (size_t i = 0; i < params_.size(); ++i) compute_[i] = kernels::to_bf16(params_[i]);
+  }
+}
+
+template <class Ops>
+void Decoder<Ops>::set_access(ParamAccess* access) {
+  CHECK_MSG(access == nullptr || access->param_dtype() == Ops::kWeightDType,
+            fmt::format("the model's backend ({}) reads {} weights; its ParamAccess holds {}", Ops::kName,
+                        dtype_name(Ops::kWeightDType), dtype_name(access->param_dtype())));
+  access_ = access;
+}
+
+template <class Ops>
+Status Decoder<Ops>::load_safetensors(const std::string& path) {
   std::vector<float> loaded(params_.size(), 0.0f);
   RETURN_IF_ERROR(load_hf_weights(path, layout_, loaded.data()));
   params_.swap(loaded);
+  sync_compute_copy();
   return Status::OK();
 }
 
-void LlamaModel::zero_grads() {
+template <class Ops>
+void Decoder<Ops>::zero_grads() {
   std::fill(grads_.begin(), grads_.end(), 0.0f);
   std::fill(expert_counts_.begin(), expert_counts_.end(), int64_t{0});
 }
 
-const float* LlamaModel::layer_selection_bias(int64_t layer) const {
+template <class Ops>
+const float* Decoder<Ops>::layer_selection_bias(int64_t layer) const {
   if (config_.router_bias_update_rate <= 0) return nullptr;
   return expert_bias_.data() + layer * config_.num_experts;
 }
 
-void LlamaModel::update_expert_bias() {
+template <class Ops>
+void Decoder<Ops>::update_expert_bias() {
   if (config_.router_bias_update_rate <= 0) return;
   const int64_t E = config_.num_experts;
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
@@ -78,7 +89,8 @@ void LlamaModel::update_expert_bias() {
   }
 }
 
-void LlamaModel::check_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) const {
+template <class Ops>
+void Decoder<Ops>::check_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) const {
   const int64_t V = config_.vocab_size;
   for (int64_t i = 0; i < n; ++i) {
     CHECK_MSG(inputs[i] >= 0 && inputs[i] < V,
@@ -88,11 +100,11 @@ void LlamaModel::check_tokens(const int32_t* inputs, const int32_t* targets, int
   }
 }
 
-Status LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float* out /*(N,C)*/,
-                                 int64_t B, int64_t T, const RouterStats* stats, bool grads) {
-  namespace k = kernels::cpu;
-  const LayerParams p = LayerParams::bind_with(param_at(), layout_.layer(layer));
-  const ActivationTable& a = acts_;
+template <class Ops>
+Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* out /*(N,C)*/, int64_t B,
+                                   int64_t T, const RouterStats* stats, bool grads) {
+  const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(layer));
+  const ActivationTable<Act>& a = acts_;
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t F = config_.intermediate_size;
@@ -103,50 +115,51 @@ Status LlamaModel::layer_forward(int64_t layer, const float* x /*(N,C)*/, float*
 
   // Attention block: h = x + o_proj(attention(rope(q), rope(k), v)); with qk_norm, q and k
   // are RMS-normalised per head (rows of D) before RoPE.
-  k::rmsnorm_forward(a.ln1, a.ln1_rstd, x, p.input_layernorm, N, C, eps);
+  ops_.rmsnorm_forward(a.ln1, a.ln1_rstd, x, p.input_layernorm, N, C, eps);
   if (p.q_norm != nullptr) {
-    k::linear_forward(a.q_raw, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
-    k::linear_forward(a.k_raw, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
-    k::rmsnorm_forward(a.q, a.q_norm_rstd, a.q_raw, p.q_norm, N * Hq, D, eps);
-    k::rmsnorm_forward(a.k, a.k_norm_rstd, a.k_raw, p.k_norm, N * Hkv, D, eps);
+    ops_.linear_forward(a.q_raw, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
+    ops_.linear_forward(a.k_raw, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
+    ops_.rmsnorm_forward(a.q, a.q_norm_rstd, a.q_raw, p.q_norm, N * Hq, D, eps);
+    ops_.rmsnorm_forward(a.k, a.k_norm_rstd, a.k_raw, p.k_norm, N * Hkv, D, eps);
   } else {
-    k::linear_forward(a.q, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
-    k::linear_forward(a.k, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
+    ops_.linear_forward(a.q, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
+    ops_.linear_forward(a.k, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
   }
-  k::linear_forward(a.v, a.ln1, p.v_proj, p.v_bias, N, C, Hkv * D);
-  k::rope_forward(a.q, a.q, inv_freq_.data(), B, T, Hq, D);
-  k::rope_forward(a.k, a.k, inv_freq_.data(), B, T, Hkv, D);
-  k::attention_forward(a.att, a.lse, a.q, a.k, a.v, B, T, Hq, Hkv, D);
-  k::linear_forward(a.h, a.att, p.o_proj, nullptr, N, Hq * D, C);
-  add_inplace(a.h, x, N * C);
+  ops_.linear_forward(a.v, a.ln1, p.v_proj, p.v_bias, N, C, Hkv * D);
+  ops_.rope_forward(a.q, a.q, inv_freq_.data(), B, T, Hq, D);
+  ops_.rope_forward(a.k, a.k, inv_freq_.data(), B, T, Hkv, D);
+  ops_.attention_forward(a.att, a.lse, a.q, a.k, a.v, B, T, Hq, Hkv, D);
+  ops_.linear_forward(a.h, a.att, p.o_proj, nullptr, N, Hq * D, C);
+  ops_.add_inplace(a.h, x, N * C);
 
   // MLP block: out = h + mlp(ln2), mlp = down(silu(gate(ln2)) * up(ln2)) or the experts.
-  k::rmsnorm_forward(a.ln2, a.ln2_rstd, a.h, p.post_attention_layernorm, N, C, eps);
+  ops_.rmsnorm_forward(a.ln2, a.ln2_rstd, a.h, p.post_attention_layernorm, N, C, eps);
   if (config_.is_moe_layer(layer)) {
     // Only the experts the router picks are needed: route first, then fetch them.
-    moe_route(config_, param(layout_.layer(layer).moe.router), layer_selection_bias(layer), a, a.ln2, stats, N);
+    moe_route(ops_, config_, param(layout_.layer(layer).moe.router), layer_selection_bias(layer), a, a.ln2, stats,
+              N);
     RETURN_IF_ERROR(begin_experts(layer, /*params=*/true, grads));
-    const MoeParams m = MoeParams::bind_with(param_at(), moe_offsets(layer));
-    moe_mlp_forward(config_, m, a, a.ln2, out, N);
-    if (out != nullptr) add_inplace(out, a.h, N * C);
+    const auto m = MoeTensors<const W>::bind_with(param_at(), moe_offsets(layer));
+    moe_mlp_forward(ops_, config_, m, a, a.ln2, out, N);
+    if (out != nullptr) ops_.add_inplace(out, a.h, N * C);
     return Status::OK();
   }
-  k::linear_forward(a.gate, a.ln2, p.gate_proj, nullptr, N, C, F);
-  k::linear_forward(a.up, a.ln2, p.up_proj, nullptr, N, C, F);
-  k::swiglu_forward(a.act, a.gate, a.up, N * F);
+  ops_.linear_forward(a.gate, a.ln2, p.gate_proj, nullptr, N, C, F);
+  ops_.linear_forward(a.up, a.ln2, p.up_proj, nullptr, N, C, F);
+  ops_.swiglu_forward(a.act, a.gate, a.up, N * F);
   if (out == nullptr) return Status::OK();
-  k::linear_forward(out, a.act, p.down_proj, nullptr, N, F, C);
-  add_inplace(out, a.h, N * C);
+  ops_.linear_forward(out, a.act, p.down_proj, nullptr, N, F, C);
+  ops_.add_inplace(out, a.h, N * C);
   return Status::OK();
 }
 
 // Parameter gradients accumulate (+=); activation gradients overwrite (=).
-void LlamaModel::layer_backward(int64_t layer, const float* x /*(N,C)*/, float* dres /*(N,C)*/,
-                                int64_t B, int64_t T, const float* prob_grad) {
-  namespace k = kernels::cpu;
-  const LayerParams p = LayerParams::bind_with(param_at(), layout_.layer(layer));
+template <class Ops>
+void Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* dres /*(N,C)*/, int64_t B,
+                                  int64_t T, const float* prob_grad) {
+  const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(layer));
   const LayerGrads g = LayerGrads::bind_with(grad_at(), layout_.layer(layer));
-  const ActivationTable& a = acts_;
+  const ActivationTable<Act>& a = acts_;
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t F = config_.intermediate_size;
@@ -157,70 +170,76 @@ void LlamaModel::layer_backward(int64_t layer, const float* x /*(N,C)*/, float* 
   // MLP block. out = h + mlp(ln2): dres is dL/dout, and dL/dh starts as dres.
   if (config_.is_moe_layer(layer)) {
     const MoeOffsets mo = moe_offsets(layer);
-    const MoeParams mp = MoeParams::bind_with(param_at(), mo);
+    const auto mp = MoeTensors<const W>::bind_with(param_at(), mo);
     const MoeGrads mg = MoeGrads::bind_with(grad_at(), mo);
-    moe_mlp_backward(config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N);
+    moe_mlp_backward(ops_, config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N);
   } else {
-    k::linear_backward(a.d_act, g.down_proj, nullptr, dres, a.act, p.down_proj, N, F, C);
-    k::swiglu_backward(a.d_gate, a.d_up, a.d_act, a.gate, a.up, N * F);
-    k::linear_backward(a.d_ln, g.gate_proj, nullptr, a.d_gate, a.ln2, p.gate_proj, N, C, F);
-    k::linear_backward(a.d_tmp, g.up_proj, nullptr, a.d_up, a.ln2, p.up_proj, N, C, F);
-    add_inplace(a.d_ln, a.d_tmp, N * C);
+    ops_.linear_backward(a.d_act, g.down_proj, nullptr, dres, a.act, p.down_proj, N, F, C);
+    ops_.swiglu_backward(a.d_gate, a.d_up, a.d_act, a.gate, a.up, N * F);
+    ops_.linear_backward(a.d_ln, g.gate_proj, nullptr, a.d_gate, a.ln2, p.gate_proj, N, C, F);
+    ops_.linear_backward(a.d_tmp, g.up_proj, nullptr, a.d_up, a.ln2, p.up_proj, N, C, F);
+    ops_.add_inplace(a.d_ln, a.d_tmp, N * C);
   }
-  k::rmsnorm_backward(a.d_tmp, g.post_attention_layernorm, a.d_ln, a.h, p.post_attention_layernorm,
+  ops_.rmsnorm_backward(a.d_tmp, g.post_attention_layernorm, a.d_ln, a.h, p.post_attention_layernorm,
                       a.ln2_rstd, N, C);
-  add_inplace(dres, a.d_tmp, N * C);  // dres is now dL/dh
+  ops_.add_inplace(dres, a.d_tmp, N * C);  // dres is now dL/dh
 
   // Attention block. h = x + o_proj(att): dL/dx starts as dL/dh.
-  k::linear_backward(a.d_att, g.o_proj, nullptr, dres, a.att, p.o_proj, N, Hq * D, C);
-  k::attention_backward(a.d_q, a.d_k, a.d_v, a.d_att, a.q, a.k, a.v, a.att, a.lse, B, T, Hq, Hkv, D);
-  k::rope_backward(a.d_q, a.d_q, inv_freq_.data(), B, T, Hq, D);
-  k::rope_backward(a.d_k, a.d_k, inv_freq_.data(), B, T, Hkv, D);
+  ops_.linear_backward(a.d_att, g.o_proj, nullptr, dres, a.att, p.o_proj, N, Hq * D, C);
+  ops_.attention_backward(a.d_q, a.d_k, a.d_v, a.d_att, a.q, a.k, a.v, a.att, a.lse, B, T, Hq, Hkv, D);
+  ops_.rope_backward(a.d_q, a.d_q, inv_freq_.data(), B, T, Hq, D);
+  ops_.rope_backward(a.d_k, a.d_k, inv_freq_.data(), B, T, Hkv, D);
   if (p.q_norm != nullptr) {
     // Through the per-head norms; d_qk_raw serves q, then k.
-    k::rmsnorm_backward(a.d_qk_raw, g.q_norm, a.d_q, a.q_raw, p.q_norm, a.q_norm_rstd, N * Hq, D);
-    k::linear_backward(a.d_ln, g.q_proj, g.q_bias, a.d_qk_raw, a.ln1, p.q_proj, N, C, Hq * D);
-    k::rmsnorm_backward(a.d_qk_raw, g.k_norm, a.d_k, a.k_raw, p.k_norm, a.k_norm_rstd, N * Hkv, D);
-    k::linear_backward(a.d_tmp, g.k_proj, g.k_bias, a.d_qk_raw, a.ln1, p.k_proj, N, C, Hkv * D);
+    ops_.rmsnorm_backward(a.d_qk_raw, g.q_norm, a.d_q, a.q_raw, p.q_norm, a.q_norm_rstd, N * Hq, D);
+    ops_.linear_backward(a.d_ln, g.q_proj, g.q_bias, a.d_qk_raw, a.ln1, p.q_proj, N, C, Hq * D);
+    ops_.rmsnorm_backward(a.d_qk_raw, g.k_norm, a.d_k, a.k_raw, p.k_norm, a.k_norm_rstd, N * Hkv, D);
+    ops_.linear_backward(a.d_tmp, g.k_proj, g.k_bias, a.d_qk_raw, a.ln1, p.k_proj, N, C, Hkv * D);
   } else {
-    k::linear_backward(a.d_ln, g.q_proj, g.q_bias, a.d_q, a.ln1, p.q_proj, N, C, Hq * D);
-    k::linear_backward(a.d_tmp, g.k_proj, g.k_bias, a.d_k, a.ln1, p.k_proj, N, C, Hkv * D);
+    ops_.linear_backward(a.d_ln, g.q_proj, g.q_bias, a.d_q, a.ln1, p.q_proj, N, C, Hq * D);
+    ops_.linear_backward(a.d_tmp, g.k_proj, g.k_bias, a.d_k, a.ln1, p.k_proj, N, C, Hkv * D);
   }
-  add_inplace(a.d_ln, a.d_tmp, N * C);
-  k::linear_backward(a.d_tmp, g.v_proj, g.v_bias, a.d_v, a.ln1, p.v_proj, N, C, Hkv * D);
-  add_inplace(a.d_ln, a.d_tmp, N * C);
-  k::rmsnorm_backward(a.d_tmp, g.input_layernorm, a.d_ln, x, p.input_layernorm, a.ln1_rstd, N, C);
-  add_inplace(dres, a.d_tmp, N * C);  // dres is now dL/dx
+  ops_.add_inplace(a.d_ln, a.d_tmp, N * C);
+  ops_.linear_backward(a.d_tmp, g.v_proj, g.v_bias, a.d_v, a.ln1, p.v_proj, N, C, Hkv * D);
+  ops_.add_inplace(a.d_ln, a.d_tmp, N * C);
+  ops_.rmsnorm_backward(a.d_tmp, g.input_layernorm, a.d_ln, x, p.input_layernorm, a.ln1_rstd, N, C);
+  ops_.add_inplace(dres, a.d_tmp, N * C);  // dres is now dL/dx
 }
 
-Status LlamaModel::begin_group(int group, bool params, bool grads) {
+template <class Ops>
+Status Decoder<Ops>::begin_group(int group, bool params, bool grads) {
   return access_ == nullptr ? Status::OK() : access_->begin(group, params, grads);
 }
 
-void LlamaModel::end_group(int group, bool params, bool grads) {
+template <class Ops>
+void Decoder<Ops>::end_group(int group, bool params, bool grads) {
   if (access_ != nullptr) access_->end(group, params, grads);
 }
 
-std::vector<const float*> LlamaModel::param_blocks(int64_t offset) {
+template <class Ops>
+std::vector<const typename Decoder<Ops>::W*> Decoder<Ops>::param_blocks(int64_t offset) {
   const TensorSpec& t = layout_.at(offset);
-  std::vector<const float*> out;
+  std::vector<const W*> out;
   for (int64_t b = 0; b < t.num_blocks(); ++b) out.push_back(param(t.block_offset(b)));
   return out;
 }
 
-std::vector<float*> LlamaModel::grad_blocks(int64_t offset) {
+template <class Ops>
+std::vector<float*> Decoder<Ops>::grad_blocks(int64_t offset) {
   const TensorSpec& t = layout_.at(offset);
   std::vector<float*> out;
   for (int64_t b = 0; b < t.num_blocks(); ++b) out.push_back(grad(t.block_offset(b)));
   return out;
 }
 
-int64_t LlamaModel::block_rows(int64_t offset) const {
+template <class Ops>
+int64_t Decoder<Ops>::block_rows(int64_t offset) const {
   const TensorSpec& t = layout_.at(offset);
   return t.block_rows > 0 ? t.block_rows : t.shape[0];
 }
 
-Status LlamaModel::begin_experts(int64_t layer, bool params, bool grads) {
+template <class Ops>
+Status Decoder<Ops>::begin_experts(int64_t layer, bool params, bool grads) {
   active_experts_.clear();
   if (!config_.is_moe_layer(layer)) return Status::OK();
   for (int64_t e = 0; e < config_.num_experts; ++e)
@@ -231,13 +250,15 @@ Status LlamaModel::begin_experts(int64_t layer, bool params, bool grads) {
   return st;
 }
 
-void LlamaModel::end_experts(int64_t layer, bool params, bool grads) {
+template <class Ops>
+void Decoder<Ops>::end_experts(int64_t layer, bool params, bool grads) {
   if (!config_.is_moe_layer(layer)) return;
   if (access_ != nullptr) access_->end_experts(static_cast<int>(1 + layer), active_experts_, params, grads);
   active_experts_.clear();
 }
 
-MoeOffsets LlamaModel::moe_offsets(int64_t layer) const {
+template <class Ops>
+MoeOffsets Decoder<Ops>::moe_offsets(int64_t layer) const {
   MoeOffsets o = layout_.layer(layer).moe;
   std::vector<bool> active(o.expert_gate.size(), false);
   for (int e : active_experts_) active[static_cast<size_t>(e)] = true;
@@ -248,14 +269,16 @@ MoeOffsets LlamaModel::moe_offsets(int64_t layer) const {
   return o;
 }
 
-float* LlamaModel::checkpoint(int64_t l, int64_t N) {
+template <class Ops>
+typename Decoder<Ops>::Act* Decoder<Ops>::checkpoint(int64_t l, int64_t N) {
   const int64_t L = config_.num_hidden_layers;
   int64_t slot = l;
   if (acts_.checkpoint_slots() < L + 1) slot = l == L ? std::min<int64_t>(L, 2) : l % 2;
   return acts_.checkpoints + slot * N * config_.hidden_size;
 }
 
-Status LlamaModel::forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens, bool offload) {
+template <class Ops>
+Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens, bool offload) {
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
@@ -270,12 +293,13 @@ Status LlamaModel::forward_layers(const int32_t* inputs, int64_t B, int64_t T, b
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
   std::vector<int64_t> layer_counts(static_cast<size_t>(E));
   RETURN_IF_ERROR(begin_group(0, true, false));
-  kernels::cpu::embedding_forward_blocked(checkpoint(0, N), inputs, param_blocks(layout_.embed_tokens()).data(),
+  ops_.embedding_forward(checkpoint(0, N), inputs, param_blocks(layout_.embed_tokens()).data(),
                                           block_rows(layout_.embed_tokens()), N, C);
   end_group(0, true, false);
-  if (offloaded > 0) RETURN_IF_ERROR(access_->offload_checkpoint(0, checkpoint(0, N), N * C));
+  const uint64_t checkpoint_bytes = static_cast<uint64_t>(N * C) * sizeof(Act);
+  if (offloaded > 0) RETURN_IF_ERROR(access_->offload_checkpoint(0, checkpoint(0, N), checkpoint_bytes));
   for (int64_t l = 0; l < L; ++l) {
-    const float* x = checkpoint(l, N);  // (N, C)
+    const Act* x = checkpoint(l, N);  // (N, C)
     std::fill(layer_counts.begin(), layer_counts.end(), int64_t{0});
     const RouterStats stats{layer_counts.data(), forward_prob_sums_.data()};
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, false));
@@ -284,7 +308,7 @@ Status LlamaModel::forward_layers(const int32_t* inputs, int64_t B, int64_t T, b
     end_group(static_cast<int>(1 + l), true, false);
     RETURN_IF_ERROR(st);
     if (l + 1 < offloaded)
-      RETURN_IF_ERROR(access_->offload_checkpoint(static_cast<int>(l + 1), checkpoint(l + 1, N), N * C));
+      RETURN_IF_ERROR(access_->offload_checkpoint(static_cast<int>(l + 1), checkpoint(l + 1, N), checkpoint_bytes));
     if (!config_.is_moe_layer(l)) continue;
     for (int64_t e = 0; e < E; ++e) {
       forward_counts_[e] += layer_counts[e];
@@ -297,13 +321,15 @@ Status LlamaModel::forward_layers(const int32_t* inputs, int64_t B, int64_t T, b
   return Status::OK();
 }
 
-double LlamaModel::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T) {
+template <class Ops>
+double Decoder<Ops>::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T) {
   Result<double> loss = compute(inputs, targets, B, T, 1.0f, /*backward=*/false);
   CHECK_MSG(loss.ok(), loss.status().to_string());
   return *loss;
 }
 
-double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+template <class Ops>
+double Decoder<Ops>::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                     float grad_scale) {
   Result<double> loss = compute(inputs, targets, B, T, grad_scale, /*backward=*/true);
   CHECK_MSG(loss.ok(), loss.status().to_string());
@@ -311,7 +337,8 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
 }
 
 // Parameter gradients accumulate (+=); activation gradients overwrite (=).
-Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+template <class Ops>
+Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                    float grad_scale, bool backward) {
   CHECK(B > 0 && T > 0);
   CHECK_MSG(access_ != nullptr || !params_.empty(), "LlamaModel without flat buffers computes through a ParamAccess");
@@ -332,10 +359,10 @@ Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets
     if (tied) end_group(0, true, backward);
     return st;
   }
-  kernels::cpu::rmsnorm_forward(acts_.final_out, acts_.final_rstd, checkpoint(L, N),
+  ops_.rmsnorm_forward(acts_.final_out, acts_.final_rstd, checkpoint(L, N),
                                 param(layout_.final_norm()), N, C, static_cast<float>(config_.rms_norm_eps));
   if (!backward) {
-    const double loss = kernels::cpu::lm_head_cross_entropy_blocked(
+    const double loss = ops_.lm_head_cross_entropy(
         nullptr, nullptr, acts_.final_out, param_blocks(layout_.lm_head()).data(), block_rows(layout_.lm_head()),
         targets, N, C, config_.vocab_size, 1.0f, kLossChunkTokens);
     end_group(head, true, false);
@@ -343,7 +370,7 @@ Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets
     return loss;
   }
 
-  // The auxiliary loss's gradient with respect to the router softmax (see llama.h).
+  // The auxiliary loss's gradient with respect to the router softmax (see decoder.h).
   std::vector<float> prob_grad;
   if (config_.is_moe() && config_.output_router_logits && config_.router_aux_loss_coef > 0) {
     const double weight = static_cast<double>(grad_scale) * static_cast<double>(count_valid_targets(targets, N)) *
@@ -354,18 +381,19 @@ Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets
   }
 
   // With tied embeddings lm_head() is the embedding's offset, so both gradients add up there.
-  const double loss = kernels::cpu::lm_head_cross_entropy_blocked(
+  const double loss = ops_.lm_head_cross_entropy(
       acts_.d_final, grad_blocks(layout_.lm_head()).data(), acts_.final_out, param_blocks(layout_.lm_head()).data(),
       block_rows(layout_.lm_head()), targets, N, C, config_.vocab_size, grad_scale, kLossChunkTokens);
-  kernels::cpu::rmsnorm_backward(acts_.dres, grad(layout_.final_norm()), acts_.d_final,
+  ops_.rmsnorm_backward(acts_.dres, grad(layout_.final_norm()), acts_.d_final,
                                  checkpoint(L, N), param(layout_.final_norm()), acts_.final_rstd, N,
                                  C);
   end_group(head, true, true);
   if (tied) end_group(0, true, true);
   for (int64_t l = L - 1; l >= 0; --l) {
-    float* x = checkpoint(l, N);  // (N, C)
+    Act* x = checkpoint(l, N);  // (N, C)
     // An offloaded checkpoint's slot has been reused since forward: fetch it back first.
-    if (l < offloaded) RETURN_IF_ERROR(access_->fetch_checkpoint(static_cast<int>(l), x, N * C));
+    if (l < offloaded)
+      RETURN_IF_ERROR(access_->fetch_checkpoint(static_cast<int>(l), x, static_cast<uint64_t>(N * C) * sizeof(Act)));
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, true));
     // The scratch still holds the last layer's intermediates (and routing) from forward; every
     // other layer is recomputed from its checkpoint. Either way the experts that received
@@ -380,7 +408,7 @@ Result<double> LlamaModel::compute(const int32_t* inputs, const int32_t* targets
     RETURN_IF_ERROR(st);
   }
   RETURN_IF_ERROR(begin_group(0, false, true));
-  kernels::cpu::embedding_backward_blocked(grad_blocks(layout_.embed_tokens()).data(),
+  ops_.embedding_backward(grad_blocks(layout_.embed_tokens()).data(),
                                            block_rows(layout_.embed_tokens()), acts_.dres, inputs, N, C);
   end_group(0, false, true);
   return loss;

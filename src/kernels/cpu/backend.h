@@ -1,0 +1,134 @@
+// The CPU backends of the decoder's op set (model/decoder.h): one struct per precision recipe,
+// each naming its storage types and implementing every op the layer graph calls. The graph is
+// written once as a template over the backend, so the fp32 reference, the bf16 recipe emulated
+// on the CPU and the CUDA backend (kernels/cuda/backend.h) run the same control flow.
+//
+// Storage types:
+//   Act  activations and activation gradients (the residual stream, checkpoints included)
+//   W    the compute copy of the parameters that the ops read
+// Always fp32: parameter gradients (accumulated with `+=` over micro-batches), saved
+// statistics (rstd, lse), the router (logits, probabilities, weights, their gradients) and
+// the shared expert's gate logit.
+//
+// CpuF32Ops: fp32 everywhere; every op is the kernels::cpu op (bitwise the reference path).
+// CpuBf16Ops: the GPU's bf16 recipe emulated. Each op widens its bf16 inputs to fp32, computes
+// in fp32 with the kernels::cpu op, and rounds each bf16 output once to nearest even — the
+// points where the CUDA ops (kernels/cuda/ops.h) round. Where a CUDA op rounds inside, this
+// does too: the LM head's dlogits, the experts' SwiGLU intermediates, and the experts' dx
+// (dgate @ W_gate rounded, then + dup @ W_up rounded again). What it does not emulate is the
+// order of fp32 accumulation inside a GEMM or the attention kernel's tiling (the CUDA kernel
+// rounds P to bf16 before P @ V); tests/gpu states the tolerance this leaves.
+//
+// Backward conventions: parameter gradients accumulate (`+=`), activation gradients overwrite
+// (`=`). Every pointer is host memory. Stateless; safe for concurrent use.
+#pragma once
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "kernels/bf16.h"
+#include "kernels/moe.h"
+
+namespace strata::kernels {
+
+// Routing is fp32 on every backend: the same ops serve both CPU recipes.
+struct CpuRoutingOps {
+  void moe_route_forward(int32_t* expert_idx /*(N,K)*/, float* weights /*(N,K)*/, float* probs /*(N,E)*/,
+                         const float* logits /*(N,E)*/, const float* selection_bias /*(E) or null*/, int64_t N,
+                         const RouterConfig& config);
+  void moe_route_backward(float* dlogits /*(N,E)*/, const float* dweights /*(N,K)*/,
+                          const float* prob_grad /*(E) or null*/, const float* probs /*(N,E)*/,
+                          const int32_t* expert_idx /*(N,K)*/, const float* weights /*(N,K)*/, int64_t N,
+                          const RouterConfig& config);
+  void moe_permute(int32_t* slot_of /*(N,K)*/, int32_t* token_of_slot /*(N*K)*/, int64_t* expert_offsets /*(E+1)*/,
+                   const int32_t* expert_idx /*(N,K)*/, int64_t N, int64_t K, int64_t E);
+  void moe_router_stats(int64_t* counts /*(E)*/, double* prob_sums /*(E)*/, const int32_t* expert_idx /*(N,K)*/,
+                        const float* probs /*(N,E)*/, int64_t N, int64_t K, int64_t E);
+  // The expert offsets where the host can read them (begin_experts picks experts by them).
+  const int64_t* expert_offsets_on_host(const int64_t* offsets /*(E+1)*/, int64_t /*E*/) { return offsets; }
+  // Token ids where the ops can read them: the host arrays themselves.
+  const int32_t* stage_tokens(const int32_t* host /*(N)*/, int64_t /*N*/, int32_t* /*slot*/) { return host; }
+};
+
+// One op set per recipe. Both declare the same members with their own Act and W.
+#define STRATA_CPU_BACKEND_OPS(Act, W)                                                                              \
+  void embedding_forward(Act* out /*(N,C)*/, const int32_t* tokens /*(N)*/, const W* const* table_blocks,          \
+                         int64_t block_rows, int64_t N, int64_t C);                                                 \
+  void embedding_backward(float* const* dtable_blocks, int64_t block_rows, const Act* dout /*(N,C)*/,              \
+                          const int32_t* tokens /*(N)*/, int64_t N, int64_t C);                                     \
+  void rmsnorm_forward(Act* out /*(N,C)*/, float* rstd /*(N)*/, const Act* x /*(N,C)*/, const W* weight /*(C)*/,   \
+                       int64_t N, int64_t C, float eps);                                                            \
+  void rmsnorm_backward(Act* dx /*(N,C)*/, float* dweight /*(C)*/, const Act* dout /*(N,C)*/,                      \
+                        const Act* x /*(N,C)*/, const W* weight /*(C)*/, const float* rstd /*(N)*/, int64_t N,     \
+                        int64_t C);                                                                                 \
+  void linear_forward(Act* out /*(N,OC)*/, const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/,                   \
+                      const W* bias /*(OC) or null*/, int64_t N, int64_t IC, int64_t OC);                           \
+  void linear_backward(Act* dx /*(N,IC) or null*/, float* dweight /*(OC,IC)*/, float* dbias /*(OC) or null*/,      \
+                       const Act* dout /*(N,OC)*/, const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/,          \
+                       int64_t N, int64_t IC, int64_t OC);                                                          \
+  /* The same with fp32 outputs / output gradients: the router and the shared expert's gate. */                   \
+  void linear_forward_f32(float* out /*(N,OC)*/, const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/, int64_t N,  \
+                          int64_t IC, int64_t OC);                                                                  \
+  void linear_backward_f32(Act* dx /*(N,IC)*/, float* dweight /*(OC,IC)*/, const float* dout /*(N,OC)*/,           \
+                           const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/, int64_t N, int64_t IC,             \
+                           int64_t OC);                                                                             \
+  void rope_forward(Act* out, const Act* x /*(B,T,H,D)*/, const float* inv_freq /*(D/2)*/, int64_t B, int64_t T,   \
+                    int64_t H, int64_t D);                                                                          \
+  void rope_backward(Act* dx, const Act* dout /*(B,T,H,D)*/, const float* inv_freq /*(D/2)*/, int64_t B,           \
+                     int64_t T, int64_t H, int64_t D);                                                              \
+  void attention_forward(Act* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/, const Act* q /*(B,T,Hq,D)*/,            \
+                         const Act* k /*(B,T,Hkv,D)*/, const Act* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T,         \
+                         int64_t Hq, int64_t Hkv, int64_t D);                                                       \
+  void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,     \
+                          const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,          \
+                          int64_t D);                                                                               \
+  void swiglu_forward(Act* out /*(n)*/, const Act* gate /*(n)*/, const Act* up /*(n)*/, int64_t n);                 \
+  void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);           \
+  /* a (n) += b (n) */                                                                                               \
+  void add_inplace(Act* a, const Act* b, int64_t n);                                                                \
+  /* The LM head and cross-entropy over vocabulary row blocks (kernels/cross_entropy.h): returns the sum of       \
+     token NLLs; dx (N,C) = (null: skipped), dweight blocks += (null: skipped). */                                  \
+  double lm_head_cross_entropy(Act* dx, float* const* dweight_blocks, const Act* x /*(N,C)*/,                       \
+                               const W* const* weight_blocks, int64_t block_rows, const int32_t* targets /*(N)*/,   \
+                               int64_t N, int64_t C, int64_t V, float grad_scale, int64_t chunk_tokens);            \
+  void moe_gather(Act* xs /*(S,C)*/, const Act* x /*(N,C)*/, const int32_t* token_of_slot /*(S)*/, int64_t S,       \
+                  int64_t C);                                                                                       \
+  void moe_gather_backward(Act* dx /*(N,C)*/, const Act* dxs /*(N*K,C)*/, const int32_t* slot_of /*(N,K)*/,         \
+                           int64_t N, int64_t K, int64_t C);                                                        \
+  void moe_combine_forward(Act* out /*(N,C)*/, const Act* ys /*(N*K,C)*/, const float* weights /*(N,K)*/,           \
+                           const int32_t* slot_of /*(N,K)*/, int64_t N, int64_t K, int64_t C);                      \
+  void moe_combine_backward(Act* dys /*(N*K,C)*/, float* dweights /*(N,K)*/, const Act* dout /*(N,C)*/,             \
+                            const Act* ys /*(N*K,C)*/, const float* weights /*(N,K)*/,                              \
+                            const int32_t* slot_of /*(N,K)*/, int64_t N, int64_t K, int64_t C);                     \
+  void moe_experts_forward(Act* ys /*(S,C)*/, Act* gate /*(S,F)*/, Act* up /*(S,F)*/, Act* act /*(S,F)*/,           \
+                           const Act* xs /*(S,C)*/, const int64_t* expert_offsets /*(E+1)*/,                        \
+                           const ExpertTensors<const W>& w, int64_t E, int64_t C, int64_t F);                       \
+  void moe_experts_backward(Act* dxs /*(S,C)*/, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact,    \
+                            const Act* dys, const Act* xs, const Act* gate, const Act* up, const Act* act,          \
+                            const int64_t* expert_offsets /*(E+1)*/, const ExpertTensors<const W>& w, int64_t E,   \
+                            int64_t C, int64_t F);                                                                  \
+  /* The shared expert's sigmoid gate: out (N,C) += sigmoid(logit) * shared_out; backward:                        \
+     dshared (N,C) = sigmoid(logit) * dout, dlogit (N) = dot(dout, shared_out) * s * (1 - s). */                    \
+  void shared_expert_combine(Act* out, const Act* shared_out, const float* logit /*(N)*/, int64_t N, int64_t C);    \
+  void shared_expert_backward(Act* dshared, float* dlogit, const Act* dout, const Act* shared_out,                  \
+                              const float* logit, int64_t N, int64_t C);
+
+struct CpuF32Ops : CpuRoutingOps {
+  using Act = float;
+  using W = float;
+  static constexpr DType kWeightDType = DType::kF32;
+  static constexpr const char* kName = "cpu fp32";
+  STRATA_CPU_BACKEND_OPS(float, float)
+};
+
+struct CpuBf16Ops : CpuRoutingOps {
+  using Act = Bf16;
+  using W = Bf16;
+  static constexpr DType kWeightDType = DType::kBF16;
+  static constexpr const char* kName = "cpu bf16 (the GPU recipe emulated)";
+  STRATA_CPU_BACKEND_OPS(Bf16, Bf16)
+};
+
+#undef STRATA_CPU_BACKEND_OPS
+
+}  // namespace strata::kernels

@@ -1,0 +1,151 @@
+// CpuF32Ops and CpuRoutingOps: the kernels::cpu ops under the decoder's op-set names.
+#include <cmath>
+
+#include "kernels/attention.h"
+#include "kernels/cpu/backend.h"
+#include "kernels/cross_entropy.h"
+#include "kernels/embedding.h"
+#include "kernels/linear.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
+
+namespace strata::kernels {
+
+void CpuRoutingOps::moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const float* logits,
+                                      const float* selection_bias, int64_t N, const RouterConfig& config) {
+  cpu::moe_route_forward(expert_idx, weights, probs, logits, selection_bias, N, config);
+}
+void CpuRoutingOps::moe_route_backward(float* dlogits, const float* dweights, const float* prob_grad,
+                                       const float* probs, const int32_t* expert_idx, const float* weights,
+                                       int64_t N, const RouterConfig& config) {
+  cpu::moe_route_backward(dlogits, dweights, prob_grad, probs, expert_idx, weights, N, config);
+}
+void CpuRoutingOps::moe_permute(int32_t* slot_of, int32_t* token_of_slot, int64_t* expert_offsets,
+                                const int32_t* expert_idx, int64_t N, int64_t K, int64_t E) {
+  cpu::moe_permute(slot_of, token_of_slot, expert_offsets, expert_idx, N, K, E);
+}
+void CpuRoutingOps::moe_router_stats(int64_t* counts, double* prob_sums, const int32_t* expert_idx,
+                                     const float* probs, int64_t N, int64_t K, int64_t E) {
+  cpu::moe_router_stats(counts, prob_sums, expert_idx, probs, N, K, E);
+}
+
+void CpuF32Ops::embedding_forward(float* out, const int32_t* tokens, const float* const* table_blocks,
+                                  int64_t block_rows, int64_t N, int64_t C) {
+  cpu::embedding_forward_blocked(out, tokens, table_blocks, block_rows, N, C);
+}
+void CpuF32Ops::embedding_backward(float* const* dtable_blocks, int64_t block_rows, const float* dout,
+                                   const int32_t* tokens, int64_t N, int64_t C) {
+  cpu::embedding_backward_blocked(dtable_blocks, block_rows, dout, tokens, N, C);
+}
+void CpuF32Ops::rmsnorm_forward(float* out, float* rstd, const float* x, const float* weight, int64_t N, int64_t C,
+                                float eps) {
+  cpu::rmsnorm_forward(out, rstd, x, weight, N, C, eps);
+}
+void CpuF32Ops::rmsnorm_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight,
+                                 const float* rstd, int64_t N, int64_t C) {
+  cpu::rmsnorm_backward(dx, dweight, dout, x, weight, rstd, N, C);
+}
+void CpuF32Ops::linear_forward(float* out, const float* x, const float* weight, const float* bias, int64_t N,
+                               int64_t IC, int64_t OC) {
+  cpu::linear_forward(out, x, weight, bias, N, IC, OC);
+}
+void CpuF32Ops::linear_backward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
+                                const float* weight, int64_t N, int64_t IC, int64_t OC) {
+  cpu::linear_backward(dx, dweight, dbias, dout, x, weight, N, IC, OC);
+}
+void CpuF32Ops::linear_forward_f32(float* out, const float* x, const float* weight, int64_t N, int64_t IC,
+                                   int64_t OC) {
+  cpu::linear_forward(out, x, weight, nullptr, N, IC, OC);
+}
+void CpuF32Ops::linear_backward_f32(float* dx, float* dweight, const float* dout, const float* x,
+                                    const float* weight, int64_t N, int64_t IC, int64_t OC) {
+  cpu::linear_backward(dx, dweight, nullptr, dout, x, weight, N, IC, OC);
+}
+void CpuF32Ops::rope_forward(float* out, const float* x, const float* inv_freq, int64_t B, int64_t T, int64_t H,
+                             int64_t D) {
+  cpu::rope_forward(out, x, inv_freq, B, T, H, D);
+}
+void CpuF32Ops::rope_backward(float* dx, const float* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H,
+                              int64_t D) {
+  cpu::rope_backward(dx, dout, inv_freq, B, T, H, D);
+}
+void CpuF32Ops::attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
+                                  int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+  cpu::attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D);
+}
+void CpuF32Ops::attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                                   const float* k, const float* v, const float* out, const float* lse, int64_t B,
+                                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+  cpu::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D);
+}
+void CpuF32Ops::swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
+  cpu::swiglu_forward(out, gate, up, n);
+}
+void CpuF32Ops::swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
+                                int64_t n) {
+  cpu::swiglu_backward(dgate, dup, dout, gate, up, n);
+}
+void CpuF32Ops::add_inplace(float* a, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+}
+double CpuF32Ops::lm_head_cross_entropy(float* dx, float* const* dweight_blocks, const float* x,
+                                        const float* const* weight_blocks, int64_t block_rows,
+                                        const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
+                                        int64_t chunk_tokens) {
+  return cpu::lm_head_cross_entropy_blocked(dx, dweight_blocks, x, weight_blocks, block_rows, targets, N, C, V,
+                                            grad_scale, chunk_tokens);
+}
+void CpuF32Ops::moe_gather(float* xs, const float* x, const int32_t* token_of_slot, int64_t S, int64_t C) {
+  cpu::moe_gather(xs, x, token_of_slot, S, C);
+}
+void CpuF32Ops::moe_gather_backward(float* dx, const float* dxs, const int32_t* slot_of, int64_t N, int64_t K,
+                                    int64_t C) {
+  cpu::moe_gather_backward(dx, dxs, slot_of, N, K, C);
+}
+void CpuF32Ops::moe_combine_forward(float* out, const float* ys, const float* weights, const int32_t* slot_of,
+                                    int64_t N, int64_t K, int64_t C) {
+  cpu::moe_combine_forward(out, ys, weights, slot_of, N, K, C);
+}
+void CpuF32Ops::moe_combine_backward(float* dys, float* dweights, const float* dout, const float* ys,
+                                     const float* weights, const int32_t* slot_of, int64_t N, int64_t K,
+                                     int64_t C) {
+  cpu::moe_combine_backward(dys, dweights, dout, ys, weights, slot_of, N, K, C);
+}
+void CpuF32Ops::moe_experts_forward(float* ys, float* gate, float* up, float* act, const float* xs,
+                                    const int64_t* expert_offsets, const ExpertTensors<const float>& w, int64_t E,
+                                    int64_t C, int64_t F) {
+  cpu::moe_experts_forward(ys, gate, up, act, xs, expert_offsets, w, E, C, F);
+}
+void CpuF32Ops::moe_experts_backward(float* dxs, const ExpertTensors<float>& dw, float* dgate, float* dup,
+                                     float* dact, const float* dys, const float* xs, const float* gate,
+                                     const float* up, const float* act, const int64_t* expert_offsets,
+                                     const ExpertTensors<const float>& w, int64_t E, int64_t C, int64_t F) {
+  cpu::moe_experts_backward(dxs, dw, dgate, dup, dact, dys, xs, gate, up, act, expert_offsets, w, E, C, F);
+}
+
+namespace {
+float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+}  // namespace
+
+void CpuF32Ops::shared_expert_combine(float* out, const float* shared_out, const float* logit, int64_t N,
+                                      int64_t C) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float s = sigmoid(logit[n]);
+    for (int64_t c = 0; c < C; ++c) out[n * C + c] += s * shared_out[n * C + c];
+  }
+}
+void CpuF32Ops::shared_expert_backward(float* dshared, float* dlogit, const float* dout, const float* shared_out,
+                                       const float* logit, int64_t N, int64_t C) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float s = sigmoid(logit[n]);
+    float dot = 0;
+    for (int64_t c = 0; c < C; ++c) {
+      dot += dout[n * C + c] * shared_out[n * C + c];
+      dshared[n * C + c] = s * dout[n * C + c];
+    }
+    dlogit[n] = dot * s * (1.0f - s);
+  }
+}
+
+}  // namespace strata::kernels

@@ -1,0 +1,15 @@
+// The decoder on the CPU backends: the fp32 reference and the GPU's bf16 recipe emulated.
+#include "model/decoder_impl.h"
+
+namespace strata::model {
+
+int64_t count_valid_targets(const int32_t* targets, int64_t n) {
+  int64_t valid = 0;
+  for (int64_t i = 0; i < n; ++i) valid += targets[i] >= 0 ? 1 : 0;
+  return valid;
+}
+
+template class Decoder<kernels::CpuF32Ops>;
+template class Decoder<kernels::CpuBf16Ops>;
+
+}  // namespace strata::model
