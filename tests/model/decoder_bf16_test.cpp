@@ -1,0 +1,196 @@
+// The GPU's bf16 recipe on the CPU (kernels::CpuBf16Ops, model::LlamaModelBf16): its ops round
+// each output exactly once from the fp32 computation, and the decoder written once over it
+// tracks the fp32 reference within bf16 tolerances, dense and MoE alike.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "kernels/attention.h"
+#include "kernels/cpu/backend.h"
+#include "kernels/linear.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/swiglu.h"
+#include "model/decoder.h"
+
+namespace strata::model {
+namespace {
+
+using kernels::Bf16;
+
+std::vector<Bf16> random_bf16(int64_t n, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  std::vector<Bf16> out(static_cast<size_t>(n));
+  for (Bf16& v : out) v = kernels::to_bf16(u(rng));
+  return out;
+}
+
+std::vector<float> widen(const std::vector<Bf16>& v) {
+  std::vector<float> out;
+  for (Bf16 b : v) out.push_back(kernels::to_f32(b));
+  return out;
+}
+
+// Bitwise: the bf16 op's output is the fp32 op's output on the same (widened) inputs, rounded.
+void expect_rounded(const std::vector<Bf16>& got, const std::vector<float>& fp32, const char* what) {
+  ASSERT_EQ(got.size(), fp32.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_EQ(got[i].bits, kernels::to_bf16(fp32[i]).bits) << what << " element " << i;
+  }
+}
+
+TEST(CpuBf16Ops, EachOpRoundsTheFp32ResultOnce) {
+  kernels::CpuBf16Ops ops;
+  const int64_t N = 6, IC = 20, OC = 12;
+  const auto x = random_bf16(N * IC, 1), w = random_bf16(OC * IC, 2, 0.3f), b = random_bf16(OC, 3, 0.1f);
+  std::vector<Bf16> out(static_cast<size_t>(N * OC));
+  ops.linear_forward(out.data(), x.data(), w.data(), b.data(), N, IC, OC);
+  std::vector<float> ref(out.size());
+  kernels::cpu::linear_forward(ref.data(), widen(x).data(), widen(w).data(), widen(b).data(), N, IC, OC);
+  expect_rounded(out, ref, "linear_forward");
+
+  const auto g = random_bf16(N * IC, 4);
+  std::vector<float> rstd(N), rstd_ref(N);
+  std::vector<Bf16> normed(static_cast<size_t>(N * IC));
+  ops.rmsnorm_forward(normed.data(), rstd.data(), x.data(), g.data(), N, IC, 1e-5f);
+  std::vector<float> normed_ref(normed.size());
+  kernels::cpu::rmsnorm_forward(normed_ref.data(), rstd_ref.data(), widen(x).data(), widen(g).data(), N, IC, 1e-5f);
+  expect_rounded(normed, normed_ref, "rmsnorm_forward");
+  EXPECT_EQ(rstd, rstd_ref);
+
+  std::vector<Bf16> act(static_cast<size_t>(N * IC));
+  ops.swiglu_forward(act.data(), x.data(), g.data(), N * IC);
+  std::vector<float> act_ref(act.size());
+  kernels::cpu::swiglu_forward(act_ref.data(), widen(x).data(), widen(g).data(), N * IC);
+  expect_rounded(act, act_ref, "swiglu_forward");
+
+  const int64_t B = 2, T = 5, Hq = 4, Hkv = 2, D = 8;
+  const auto q = random_bf16(B * T * Hq * D, 5), k = random_bf16(B * T * Hkv * D, 6), v = random_bf16(B * T * Hkv * D, 7);
+  std::vector<Bf16> att(q.size());
+  std::vector<float> lse(B * Hq * T), lse_ref(lse.size()), att_ref(q.size());
+  ops.attention_forward(att.data(), lse.data(), q.data(), k.data(), v.data(), B, T, Hq, Hkv, D);
+  kernels::cpu::attention_forward(att_ref.data(), lse_ref.data(), widen(q).data(), widen(k).data(), widen(v).data(),
+                                  B, T, Hq, Hkv, D);
+  expect_rounded(att, att_ref, "attention_forward");
+  EXPECT_EQ(lse, lse_ref);
+}
+
+TEST(CpuBf16Ops, AddInplaceRoundsTheSum) {
+  kernels::CpuBf16Ops ops;
+  // 1 + 2^-9 is not a bf16 (8 explicit mantissa bits): the sum rounds to even, back to 1.
+  std::vector<Bf16> a = {kernels::to_bf16(1.0f), kernels::to_bf16(1.0f)};
+  const std::vector<Bf16> b = {kernels::to_bf16(1.0f / 512), kernels::to_bf16(3.0f / 512)};
+  ops.add_inplace(a.data(), b.data(), 2);
+  EXPECT_EQ(kernels::to_f32(a[0]), 1.0f);
+  EXPECT_EQ(kernels::to_f32(a[1]), 1.0f + 1.0f / 128);
+}
+
+ModelConfig dense_config() {
+  ModelConfig c;
+  c.vocab_size = 53;
+  c.hidden_size = 32;
+  c.intermediate_size = 64;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 64;
+  c.attention_bias = true;
+  c.fill_defaults();
+  return c;
+}
+
+ModelConfig moe_config() {
+  ModelConfig c = dense_config();
+  c.attention_bias = false;
+  c.qk_norm = true;
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 24;
+  c.shared_expert_intermediate_size = 32;
+  c.router_scoring = kernels::RouterScoring::kSoftmaxThenTopK;
+  c.output_router_logits = true;
+  c.router_aux_loss_coef = 0.01;
+  c.fill_defaults();
+  return c;
+}
+
+struct Tokens {
+  std::vector<int32_t> inputs, targets;
+};
+
+Tokens random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab - 1));
+  Tokens t;
+  for (int64_t i = 0; i < n; ++i) {
+    t.inputs.push_back(token(rng));
+    t.targets.push_back(i % 7 == 2 ? -1 : token(rng));
+  }
+  return t;
+}
+
+double relative_l2(const float* got, const float* want, int64_t n) {
+  double diff = 0, norm = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    norm += double(want[i]) * want[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+class Bf16DecoderTest : public ::testing::TestWithParam<bool> {};
+
+// Same master weights, same tokens: the bf16 recipe's loss and gradients stay within bf16
+// tolerances of the fp32 reference, and are not bitwise equal to it (the recipe does round).
+TEST_P(Bf16DecoderTest, TracksTheFp32ReferenceWithinBf16Tolerance) {
+  const ModelConfig c = GetParam() ? moe_config() : dense_config();
+  LlamaModel ref(c);
+  LlamaModelBf16 bf(c);
+  ref.init_weights(3);
+  std::copy_n(ref.params(), ref.layout().total_size(), bf.params());
+  bf.sync_compute_copy();
+  const int64_t B = 2, T = 16;
+  const Tokens t = random_tokens(B * T, c.vocab_size, 9);
+  ref.zero_grads();
+  bf.zero_grads();
+  const double want = ref.forward_backward(t.inputs.data(), t.targets.data(), B, T, 1.0f / 20);
+  const double got = bf.forward_backward(t.inputs.data(), t.targets.data(), B, T, 1.0f / 20);
+  const double loss_err = std::abs(got - want) / std::abs(want);
+  EXPECT_TRUE(loss_err <= 1e-3) << "loss " << got << " vs fp32 " << want;
+  EXPECT_NE(got, want);
+  const double grad_err = relative_l2(bf.grads(), ref.grads(), ref.layout().total_size());
+  std::printf("bf16 recipe vs fp32: loss relative error %.3g, gradient relative L2 error %.3g\n", loss_err, grad_err);
+  EXPECT_TRUE(grad_err <= 2e-2) << "gradients differ by " << grad_err << " (relative L2)";
+  EXPECT_GT(grad_err, 0.0);
+  if (c.is_moe()) EXPECT_EQ(bf.expert_token_counts(), ref.expert_token_counts());
+  // A forward alone gives the same loss as the forward of forward_backward.
+  EXPECT_EQ(bf.forward_loss(t.inputs.data(), t.targets.data(), B, T), got);
+}
+
+TEST_P(Bf16DecoderTest, TrainsTheLossDown) {
+  const ModelConfig c = GetParam() ? moe_config() : dense_config();
+  LlamaModelBf16 model(c);
+  model.init_weights(5);
+  const int64_t B = 2, T = 16;
+  const Tokens t = random_tokens(B * T, c.vocab_size, 4);
+  double first = 0, last = 0;
+  for (int step = 0; step < 30; ++step) {
+    model.zero_grads();
+    last = model.forward_backward(t.inputs.data(), t.targets.data(), B, T, 1.0f / (B * T));
+    if (step == 0) first = last;
+    // Plain SGD on the fp32 master, then a fresh bf16 compute copy.
+    for (int64_t i = 0; i < model.layout().total_size(); ++i) model.params()[i] -= 0.5f * model.grads()[i];
+    model.sync_compute_copy();
+  }
+  EXPECT_TRUE(std::isfinite(last));
+  EXPECT_LT(last, 0.8 * first);
+}
+
+INSTANTIATE_TEST_SUITE_P(DenseAndMoe, Bf16DecoderTest, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? std::string("Moe") : std::string("Dense"); });
+
+}  // namespace
+}  // namespace strata::model
