@@ -37,6 +37,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -58,8 +59,26 @@ inline constexpr int64_t kLossChunkTokens = 256;
 // Number of targets >= 0 (the tokens that count towards the loss).
 int64_t count_valid_targets(const int32_t* targets, int64_t n);
 
+// What the training engines drive, whatever the backend: one virtual call per micro-batch or
+// step (never per element). Decoder<Ops> implements it; make_cpu_decoder() picks the backend.
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual const ParamLayout& layout() const = 0;
+  virtual void zero_grads() = 0;
+  virtual Result<double> compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                                 float grad_scale, bool backward) = 0;
+  virtual void set_access(ParamAccess* access) = 0;
+  virtual double last_aux_loss() const = 0;
+  virtual const std::vector<int64_t>& expert_token_counts() const = 0;
+  virtual const std::vector<float>& expert_selection_bias() const = 0;
+  virtual std::vector<float>& mutable_expert_selection_bias() = 0;
+  virtual void update_expert_bias() = 0;
+};
+
 template <class Ops>
-class Decoder {
+class Decoder final : public Model {
  public:
   using Act = typename Ops::Act;
   using W = typename Ops::W;
@@ -72,8 +91,8 @@ class Decoder {
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
 
-  const ModelConfig& config() const { return config_; }
-  const ParamLayout& layout() const { return layout_; }
+  const ModelConfig& config() const override { return config_; }
+  const ParamLayout& layout() const override { return layout_; }
   // Flat buffers of layout().total_size() elements: the fp32 master parameters (call
   // sync_compute_copy() after changing them) and the fp32 gradients.
   float* params() { return params_.data(); }
@@ -89,7 +108,7 @@ class Decoder {
   // and tensor.
   Status load_safetensors(const std::string& path);
 
-  void zero_grads();
+  void zero_grads() override;
   // Returns the SUM of token NLLs over targets >= 0 of this micro-batch and accumulates
   // grads += grad_scale * d(sum)/d(params); callers accumulating micro-batches pass
   // grad_scale = 1 / (valid tokens in the whole step) to get the mean loss's gradient.
@@ -103,12 +122,12 @@ class Decoder {
   // (an I/O error paging a group in) are returned; with the model's own flat buffers it cannot
   // fail.
   Result<double> compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
-                         bool backward);
+                         bool backward) override;
   // Routes parameter and gradient access through `access` (null: the flat buffers params()
   // and grads()). The model begins and ends groups as model/param_access.h describes; it does
   // not own `access`, which must outlive its use. REQUIRES: access->param_dtype() is the
   // backend's weight type.
-  void set_access(ParamAccess* access);
+  void set_access(ParamAccess* access) override;
   // Bytes held by the activation table (0 before the first compute).
   int64_t activation_bytes() const { return acts_.bytes(); }
   // Frees the flat parameter and gradient buffers once a ParamAccess holds the state; params()
@@ -121,19 +140,19 @@ class Decoder {
 
   // MoE models: the auxiliary load-balancing loss of the last forward (0 for dense models),
   // reported whether or not it joins the training loss.
-  double last_aux_loss() const { return last_aux_loss_; }
+  double last_aux_loss() const override { return last_aux_loss_; }
   // (L, E) row-major: assignments (a token's K choices count K times) to each expert of each
   // layer, summed over the forward_backward calls since the last zero_grads() (one optimizer
   // step). Rows of dense layers are 0; empty for dense models.
-  const std::vector<int64_t>& expert_token_counts() const { return expert_counts_; }
+  const std::vector<int64_t>& expert_token_counts() const override { return expert_counts_; }
   // (L, E): the loss-free balancing selection bias (all 0 unless
   // config.router_bias_update_rate > 0). Not a trained parameter; checkpoints save it apart.
-  const std::vector<float>& expert_selection_bias() const { return expert_bias_; }
-  std::vector<float>& mutable_expert_selection_bias() { return expert_bias_; }
+  const std::vector<float>& expert_selection_bias() const override { return expert_bias_; }
+  std::vector<float>& mutable_expert_selection_bias() override { return expert_bias_; }
   // Loss-free balancing: moves each MoE layer's bias by rate * sign(mean load - load) using
   // expert_token_counts(). Call once per optimizer step, after the micro-batches; a no-op
   // unless config.router_bias_update_rate > 0.
-  void update_expert_bias();
+  void update_expert_bias() override;
 
  private:
   // Embedding, all layers, final norm; leaves the final norm's output in acts_.final_out.
@@ -208,5 +227,9 @@ using LlamaModel = Decoder<kernels::CpuF32Ops>;
 using LlamaModelBf16 = Decoder<kernels::CpuBf16Ops>;
 extern template class Decoder<kernels::CpuF32Ops>;
 extern template class Decoder<kernels::CpuBf16Ops>;
+
+// The decoder on the CPU backend whose compute copy is `compute` (F32: the reference; BF16: the
+// GPU's recipe emulated). flat_buffers as for Decoder's constructor.
+std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, bool flat_buffers);
 
 }  // namespace strata::model

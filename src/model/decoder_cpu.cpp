@@ -12,4 +12,9 @@ int64_t count_valid_targets(const int32_t* targets, int64_t n) {
 template class Decoder<kernels::CpuF32Ops>;
 template class Decoder<kernels::CpuBf16Ops>;
 
+std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, bool flat_buffers) {
+  if (compute == DType::kBF16) return std::make_unique<LlamaModelBf16>(config, flat_buffers);
+  return std::make_unique<LlamaModel>(config, flat_buffers);
+}
+
 }  // namespace strata::model

@@ -9,27 +9,7 @@
 
 namespace strata {
 
-const char* state_kind_name(StateKind kind) {
-  switch (kind) {
-    case StateKind::kParam: return "param";
-    case StateKind::kGrad: return "grad";
-    case StateKind::kAdamM: return "adam_m";
-    case StateKind::kAdamV: return "adam_v";
-  }
-  return "?";
-}
-
 namespace {
-
-ChunkKind chunk_kind_of(StateKind kind) {
-  switch (kind) {
-    case StateKind::kParam: return ChunkKind::kParam;
-    case StateKind::kGrad: return ChunkKind::kGrad;
-    case StateKind::kAdamM: return ChunkKind::kAdamM;
-    case StateKind::kAdamV: return ChunkKind::kAdamV;
-  }
-  return ChunkKind::kParam;
-}
 
 uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 
@@ -97,7 +77,8 @@ std::vector<std::vector<StateStore::Part>> StateStore::make_parts(const std::vec
   return out;
 }
 
-std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes) {
+std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes,
+                                               uint64_t element_bytes) {
   int num_groups = 0;
   for (const StateTensor& t : tensors) num_groups = std::max(num_groups, t.group + 1);
   const std::vector<std::vector<Part>> parts = make_parts(tensors, num_groups);
@@ -110,7 +91,7 @@ std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& t
     for (size_t pi = 0; pi < parts[static_cast<size_t>(g)].size(); ++pi) {
       if (opens_own_chunk(tensors, parts[static_cast<size_t>(g)], pi, chunk_bytes)) layout->open_chunk(ChunkKind::kParam);
       for (size_t i : parts[static_cast<size_t>(g)][pi].tensors) {
-        Result<TensorId> added = layout->add(tensors[i].name, ChunkKind::kParam, tensors[i].elements * sizeof(float));
+        Result<TensorId> added = layout->add(tensors[i].name, ChunkKind::kParam, tensors[i].elements * element_bytes);
         CHECK_MSG(added.ok(), added.status().to_string());
       }
     }
@@ -141,10 +122,12 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
   ASSIGN_OR_RETURN(s->space_, ChunkSpace::create(device, io, so));
 
   s->ids_.resize(s->tensors_.size());
-  s->ptrs_.assign(s->tensors_.size(), {nullptr, nullptr, nullptr, nullptr});
+  s->layout_ = options.layout;
+  s->ptrs_.assign(s->tensors_.size(), std::array<void*, kNumStateKinds>{});
   s->homes_.resize(static_cast<size_t>(s->num_groups_) * kNumStateKinds, Tier::kHost);
-  for (int k = 0; k < kNumStateKinds; ++k) {
-    const StateKind kind = static_cast<StateKind>(k);
+  for (const StateKind kind : s->layout_.kinds()) {
+    const int k = static_cast<int>(kind);
+    const uint64_t element_bytes = s->layout_.element_bytes(kind);
     for (int g = 0; g < s->num_groups_; ++g) {
       std::optional<Tier> home;
       if (options.home) home = options.home(g, kind);
@@ -166,7 +149,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
         // tensor) share chunks with the part before them, rather than each padding a chunk of
         // its own: fetching one then brings its neighbours along.
         if (opens_own_chunk(s->tensors_, s->parts_[g], pi, so.chunk_bytes)) {
-          ASSIGN_OR_RETURN(ChunkId first, with_fallback([&] { return s->space_->add_chunk(chunk_kind_of(kind), home); }));
+          ASSIGN_OR_RETURN(ChunkId first, with_fallback([&] { return s->space_->add_chunk(kind, home); }));
           chunks.push_back(first);
         }
         for (size_t i : part.tensors) {
@@ -174,7 +157,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
           // A tensor that opens a chunk of its own (past the end of the current one) falls back too.
           ASSIGN_OR_RETURN(TensorId id, with_fallback([&] {
                              return s->space_->add_tensor(std::string(state_kind_name(kind)) + "/" + t.name,
-                                                          chunk_kind_of(kind), t.elements * sizeof(float), home);
+                                                          kind, t.elements * element_bytes, home);
                            }));
           s->ids_[i][k] = id;
           const ChunkId c = s->space_->tensor(id).chunk;
@@ -281,7 +264,7 @@ Status StateStore::pin(int group, const std::vector<size_t>& parts, StateKind ki
     for (size_t i : ps[p].tensors) {
       const TensorPlacement tp = space_->tensor(ids_[i][k]);
       const size_t j = std::find(chunks.begin(), chunks.end(), tp.chunk) - chunks.begin();
-      ptrs_[i][k] = reinterpret_cast<float*>(static_cast<char*>(bases[j]) + tp.offset);
+      ptrs_[i][k] = static_cast<char*>(bases[j]) + tp.offset;
     }
     ps[p].pinned[k] = true;
   }
@@ -410,14 +393,22 @@ ChunkSpaceStats StateStore::stats() const {
   return s;
 }
 
-float* StateStore::pointer(size_t i, StateKind kind) const {
-  float* p = ptrs_[i][static_cast<int>(kind)];
+void* StateStore::raw_pointer(size_t i, StateKind kind) const {
+  void* p = ptrs_[i][static_cast<int>(kind)];
   CHECK_MSG(p != nullptr, "tensor " + tensors_[i].name + " is not acquired for " + state_kind_name(kind));
   return p;
 }
 
+float* StateStore::pointer(size_t i, StateKind kind) const {
+  CHECK_MSG(layout_.element_bytes(kind) == sizeof(float),
+            std::string("the ") + state_kind_name(kind) + " state is not fp32 in this layout");
+  return static_cast<float*>(raw_pointer(i, kind));
+}
+
 Status StateStore::read_tensor(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst) {
   CHECK(i < ids_.size());
+  CHECK_MSG(layout_.element_bytes(kind) == sizeof(float),
+            std::string("read_tensor of ") + state_kind_name(kind) + ", which is not fp32 in this layout");
   return space_->read_tensor(ids_[i][static_cast<int>(kind)], first * sizeof(float), count * sizeof(float), dst);
 }
 

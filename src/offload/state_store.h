@@ -40,12 +40,10 @@
 #include "core/status.h"
 #include "memory/chunk_space.h"
 #include "memory/io_engine.h"
+#include "offload/state_layout.h"
 
 namespace strata {
 
-enum class StateKind : uint8_t { kParam = 0, kGrad, kAdamM, kAdamV };
-inline constexpr int kNumStateKinds = 4;
-const char* state_kind_name(StateKind kind);
 
 // StateTensor::part of the tensors that belong to no part of their own.
 inline constexpr int kDensePart = -1;
@@ -83,6 +81,8 @@ struct GroupAccess {
 struct StateStoreOptions {
   ChunkSpaceOptions space;  // budgets and nvme directory; chunk_bytes 0 = choose the size
   size_t lookahead = 2;     // schedule entries prefetched ahead of the one being acquired
+  // Which kinds of state exist and their element types (offload/state_layout.h).
+  StateLayout layout;
   // The home tier of each group's chunks of a kind. Empty: the ChunkSpace's default (the
   // lowest tier with room).
   std::function<Tier(int group, StateKind kind)> home;
@@ -97,8 +97,10 @@ class StateStore {
   // tensor, wasting the least padding when each part is packed on its own.
   static uint64_t auto_chunk_bytes(const std::vector<StateTensor>& tensors);
   // Chunks of one kind each group takes in chunks of `chunk_bytes`, packed as create() packs
-  // them: what the planner needs to count padding exactly. REQUIRES: every tensor fits a chunk.
-  static std::vector<uint64_t> group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes);
+  // them for a kind of `element_bytes` per element: what the planner needs to count padding
+  // exactly. REQUIRES: every tensor fits a chunk.
+  static std::vector<uint64_t> group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes,
+                                            uint64_t element_bytes = sizeof(float));
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
 
@@ -125,11 +127,14 @@ class StateStore {
   // On error nothing stays acquired. REQUIRES: as acquire_part for each part.
   Status acquire_parts(int group, std::span<const int> parts, StateKind kind, Tier where, AccessMode mode);
   void release_parts(int group, std::span<const int> parts, StateKind kind);
-  // REQUIRES: tensor i's group or part is acquired for `kind`.
+  // REQUIRES: tensor i's group or part is acquired for `kind`. raw_pointer() for any kind;
+  // pointer() for the fp32 kinds.
+  void* raw_pointer(size_t i, StateKind kind) const;
   float* pointer(size_t i, StateKind kind) const;
-  // Copies floats [first, first + count) of tensor i's `kind` state into `dst` from wherever
-  // its latest copy is, without moving or pinning anything (ChunkSpace::read_tensor). The
-  // caller guarantees nobody writes them meanwhile.
+  const StateLayout& layout() const { return layout_; }
+  // Copies floats [first, first + count) of tensor i's `kind` state (an fp32 kind) into `dst`
+  // from wherever its latest copy is, without moving or pinning anything
+  // (ChunkSpace::read_tensor). The caller guarantees nobody writes them meanwhile.
   Status read_tensor(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst);
   // Tensors of a group, in order.
   const std::vector<size_t>& group_tensors(int group) const { return group_tensors_[group]; }
@@ -193,7 +198,8 @@ class StateStore {
   int num_groups_ = 0;
   std::vector<std::vector<size_t>> group_tensors_;
   std::vector<std::array<TensorId, kNumStateKinds>> ids_;  // per tensor
-  std::vector<std::array<float*, kNumStateKinds>> ptrs_;   // per tensor, while acquired
+  std::vector<std::array<void*, kNumStateKinds>> ptrs_;    // per tensor, while acquired
+  StateLayout layout_;
   std::vector<std::vector<Part>> parts_;  // per group: kDensePart first, then the others ascending
   std::vector<bool> shared_;  // per chunk: it holds more than one part
   std::vector<Tier> homes_;  // per group * kind

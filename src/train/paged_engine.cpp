@@ -16,13 +16,14 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   std::unique_ptr<PagedEngine> e(new PagedEngine());
   e->mc_ = mc;
   // The state lives in the chunk space only: the model keeps no flat copy.
-  e->net_ = std::make_unique<model::LlamaModel>(mc, /*flat_buffers=*/false);
+  const StateLayout layout = StateLayout::of(t.precision);
+  e->net_ = model::make_cpu_decoder(layout.compute_dtype(), mc, /*flat_buffers=*/false);
 
   // Where the state lives: the planner places each kind on the tiers, and the chunk space
   // holds it there. The model's activation workspace is budgeted apart from the chunks.
   TrainConfig budgets = t;
   if (budgets.memory_host == 0) budgets.memory_host = default_host_budget();
-  const uint64_t all_state = static_cast<uint64_t>(e->net_->layout().total_size()) * sizeof(float) * kNumStateKinds;
+  const uint64_t all_state = static_cast<uint64_t>(e->net_->layout().total_size()) * layout.bytes_per_parameter();
   if (budgets.memory_device == 0) budgets.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
   // Planned in the chunks the store will use, so that their padding is counted.
   if (budgets.chunk_size == 0) budgets.chunk_size = PagedState::auto_chunk_bytes(e->net_->layout());
@@ -63,6 +64,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   po.activation_tokens = t.micro_batch * t.seq_len;
   po.optimizer = oc;
   po.overlap_optimizer = t.overlap_backward;
+  po.precision = t.precision;
   ASSIGN_OR_RETURN(e->state_, PagedState::create(*e->device_, e->io_.get(), e->net_->layout(), po));
   e->net_->set_access(e->state_.get());
   return e;
@@ -71,7 +73,8 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
 PagedEngine::~PagedEngine() = default;
 
 std::string PagedEngine::memory_summary() const {
-  return fmt::format("chunks of {}; device {}, host {}, nvme {}; homes: {}", format_bytes(state_->store().chunk_bytes()),
+  return fmt::format("precision {}; chunks of {}; device {}, host {}, nvme {}; homes: {}",
+                     precision_name(options_.precision), format_bytes(state_->store().chunk_bytes()),
                      format_bytes(options_.device_bytes), format_bytes(options_.host_bytes),
                      options_.nvme_bytes ? format_bytes(options_.nvme_bytes) + " in " + nvme_path_ : std::string("none"),
                      state_->placement_summary());

@@ -1,6 +1,7 @@
-// PagedEngine: the CPU model (model::LlamaModel, dense or MoE) computing over PagedState, the
-// training state held in chunks across the device, host and nvme budgets of a TrainConfig as
-// the planner places them (DESIGN §3.2-3.3).
+// PagedEngine: the CPU decoder (model/decoder.h, dense or MoE; fp32, or the GPU's bf16 recipe
+// emulated with train.precision=bf16) computing over PagedState, the training state held in
+// chunks across the device, host and nvme budgets of a TrainConfig as the planner places them
+// (DESIGN §3.2-3.3).
 #pragma once
 
 #include <memory>
@@ -53,7 +54,7 @@ class PagedEngine final : public TrainEngine {
   std::string nvme_path_;
   std::unique_ptr<Device> device_;
   std::unique_ptr<IoEngine> io_;
-  std::unique_ptr<model::LlamaModel> net_;
+  std::unique_ptr<model::Model> net_;
   std::unique_ptr<PagedState> state_;
 };
 

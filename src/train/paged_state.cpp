@@ -9,6 +9,7 @@
 
 #include "kernels/adamw.h"
 #include "kernels/adamw_simd.h"
+#include "kernels/bf16.h"
 #include "kernels/grad_norm.h"
 
 namespace strata {
@@ -24,6 +25,7 @@ Tier planned_home(const Plan& plan, int num_layers, int group, StateKind kind) {
   switch (kind) {
     case StateKind::kParam: return resident(plan.resident_param_groups) ? Tier::kDevice : Tier::kHost;
     case StateKind::kGrad: return resident(plan.resident_grad_groups) ? Tier::kDevice : Tier::kHost;
+    case StateKind::kMaster:
     case StateKind::kAdamM:
     case StateKind::kAdamV: {
       if (resident(plan.device_optimizer_groups)) return Tier::kDevice;
@@ -31,6 +33,7 @@ Tier planned_home(const Plan& plan, int num_layers, int group, StateKind kind) {
       const int spill_rank = edge ? 0 : num_layers - (group - 1);
       return spill_rank < plan.nvme_optimizer_groups ? Tier::kNvme : Tier::kHost;
     }
+    case StateKind::kAct: break;
   }
   return Tier::kHost;
 }
@@ -43,7 +46,8 @@ Tier planned_home(const Plan& plan, int num_layers, int group, StateKind kind) {
 // writes them (the embedding for 0) and fetched before their layer's backward.
 // `adam_tier(g)` is where AdamW updates group g, so that the optimizer phase prefetches there.
 std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded,
-                                       const std::vector<int>& experts, const std::function<Tier(int)>& adam_tier) {
+                                       const std::vector<int>& experts, const std::function<Tier(int)>& adam_tier,
+                                       const std::vector<StateKind>& optimizer_kinds) {
   const int head = num_layers + 1;
   std::vector<GroupAccess> s;
   auto all = [&](int g, StateKind k) { s.push_back({g, k}); };
@@ -72,7 +76,7 @@ std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_a
   }
   for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // gradient norm
   for (int g = 0; g <= head; ++g) {
-    for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV}) {
+    for (StateKind k : optimizer_kinds) {
       all(g, k);
       s.back().prefetch_to = adam_tier(g);
     }
@@ -100,8 +104,9 @@ uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout) {
   return StateStore::auto_chunk_bytes(state_tensors(layout));
 }
 
-std::vector<uint64_t> PagedState::group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes) {
-  return StateStore::group_chunks(state_tensors(layout), chunk_bytes);
+std::vector<uint64_t> PagedState::group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes,
+                                               uint64_t element_bytes) {
+  return StateStore::group_chunks(state_tensors(layout), chunk_bytes, element_bytes);
 }
 
 Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine* io, const model::ParamLayout& layout,
@@ -127,6 +132,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   so.space.nvme_bytes = options.nvme_bytes;
   so.space.nvme_dir = options.nvme_dir;
   so.lookahead = options.lookahead;
+  so.layout = StateLayout::of(options.precision);
   if (options.plan != nullptr) {
     const Plan plan = *options.plan;
     const bool has_nvme = options.nvme_bytes > 0;
@@ -146,7 +152,8 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     offloaded = model::offloaded_checkpoint_count(L);
     // Hidden size C: the final norm's weight has C elements.
     const int64_t C = ps->pieces_[ps->tensor_at(ps->layout_.final_norm())].numel;
-    const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * static_cast<uint64_t>(C) * sizeof(float);
+    const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * static_cast<uint64_t>(C) *
+                           dtype_size(so.layout.compute_dtype());
     RETURN_IF_ERROR(ps->store_->add_activations(offloaded, bytes));
   }
   const bool tied = ps->layout_.lm_head() == ps->layout_.embed_tokens();
@@ -156,7 +163,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     count = std::max(count, model::param_expert_of(ps->layout_, t) + 1);
   }
   ps->store_->set_schedule(step_schedule(L, tied, options.grad_accum, offloaded, experts,
-                                         [p = ps.get()](int g) { return p->adam_tier(g); }));
+                                         [p = ps.get()](int g) { return p->adam_tier(g); }, so.layout.kinds()));
   if (options.overlap_optimizer) ps->worker_ = std::thread([p = ps.get()] { p->worker_loop(); });
   return ps;
 }
@@ -171,7 +178,8 @@ size_t PagedState::tensor_at(int64_t offset) const {
   return it->second;
 }
 
-Status PagedState::fill_kind(StateKind kind, const TensorFill& fill) {
+Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
+  const StateKind kind = stored_kind(saved);
   for (int g = 0; g < store_->num_groups(); ++g) {
     if (before_modify_ && kind != StateKind::kGrad) before_modify_(g);
     RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kReadWrite));
@@ -193,13 +201,30 @@ Status PagedState::fill_kind(StateKind kind, const TensorFill& fill) {
     }
     store_->release_group(g, kind);
     RETURN_IF_ERROR(st);
+    if (kind == StateKind::kMaster) RETURN_IF_ERROR(refresh_compute_copy(g));
   }
   return store_->synchronize();
 }
 
-Status PagedState::copy_kind(StateKind kind, float* flat, bool to_store) {
+Status PagedState::refresh_compute_copy(int g) {
+  RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kMaster, Tier::kHost, AccessMode::kRead));
+  Status st = store_->acquire_group(g, StateKind::kParam, Tier::kHost, AccessMode::kWrite);
+  if (st.ok()) {
+    for (size_t i : store_->group_tensors(g)) {
+      const float* master = store_->pointer(i, StateKind::kMaster);
+      uint16_t* copy = static_cast<uint16_t*>(store_->raw_pointer(i, StateKind::kParam));
+      for (int64_t j = 0; j < pieces_[i].numel; ++j) copy[j] = kernels::f32_to_bf16(master[j]);
+    }
+    store_->release_group(g, StateKind::kParam);
+  }
+  store_->release_group(g, StateKind::kMaster);
+  return st;
+}
+
+Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
+  const StateKind kind = stored_kind(saved);
   if (to_store) {
-    return fill_kind(kind, [flat](const model::TensorSpec& t, float* chunk) {
+    return fill_kind(saved, [flat](const model::TensorSpec& t, float* chunk) {
       std::memcpy(chunk, flat + t.offset, static_cast<size_t>(t.numel) * sizeof(float));
       return Status::OK();
     });
@@ -213,7 +238,8 @@ Status PagedState::copy_kind(StateKind kind, float* flat, bool to_store) {
   return store_->synchronize();
 }
 
-Status PagedState::read_flat(StateKind kind, uint64_t offset, uint64_t length, void* dst) {
+Status PagedState::read_flat(StateKind saved, uint64_t offset, uint64_t length, void* dst) {
+  const StateKind kind = stored_kind(saved);
   CHECK_MSG(offset % sizeof(float) == 0 && length % sizeof(float) == 0, "read_flat of a range that splits a float");
   int64_t first = static_cast<int64_t>(offset / sizeof(float));
   const int64_t end = first + static_cast<int64_t>(length / sizeof(float));
@@ -274,12 +300,13 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   // AdamW runs where the group's moments live: the device tier, or host memory (NVMe-homed
   // moments are read into host slots and written back when evicted).
   const Tier where = adam_tier(g);
-  const StateKind kinds[] = {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV};
+  const StateLayout& layout = store_->layout();
+  const std::vector<StateKind> kinds = layout.kinds();
   if (before_modify_) before_modify_(g);
-  for (int k = 0; k < 4; ++k) {
+  for (size_t k = 0; k < kinds.size(); ++k) {
     Status st = store_->acquire_group(g, kinds[k], where, AccessMode::kReadWrite);
     if (!st.ok()) {
-      for (int r = 0; r < k; ++r) store_->release_group(g, kinds[r]);
+      for (size_t r = 0; r < k; ++r) store_->release_group(g, kinds[r]);
       return st;
     }
   }
@@ -288,11 +315,16 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     float* grad = store_->pointer(i, StateKind::kGrad);
     if (coefficient != 1.0f) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
     p.weight_decay = t.spec->weight_decay ? options_.optimizer.weight_decay : 0.0f;
-    float* param = store_->pointer(i, StateKind::kParam);
+    float* master = store_->pointer(i, layout.master_kind());
     float* m = store_->pointer(i, StateKind::kAdamM);
     float* v = store_->pointer(i, StateKind::kAdamV);
-    if (where == Tier::kHost) kernels::adamw_step_f32(param, grad, m, v, t.numel, p, simd);
-    else kernels::cpu::adamw_step(param, grad, m, v, t.numel, p);
+    if (where == Tier::kHost) kernels::adamw_step_f32(master, grad, m, v, t.numel, p, simd);
+    else kernels::cpu::adamw_step(master, grad, m, v, t.numel, p);
+    if (layout.separate_master()) {
+      // The new compute copy, rounded to nearest even from the updated master.
+      uint16_t* copy = static_cast<uint16_t*>(store_->raw_pointer(i, StateKind::kParam));
+      for (int64_t j = 0; j < t.numel; ++j) copy[j] = kernels::f32_to_bf16(master[j]);
+    }
   }
   for (StateKind k : kinds) store_->release_group(g, k);
   return Status::OK();
@@ -416,7 +448,7 @@ void PagedState::end(int group, bool params, bool grads) {
   }
 }
 
-const void* PagedState::param(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kParam); }
+const void* PagedState::param(int64_t offset) { return store_->raw_pointer(tensor_at(offset), StateKind::kParam); }
 float* PagedState::grad(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kGrad); }
 
 Status PagedState::offload_checkpoint(int index, const void* data, uint64_t bytes) {
@@ -429,7 +461,7 @@ Status PagedState::fetch_checkpoint(int index, void* data, uint64_t bytes) {
 
 std::string PagedState::placement_summary() const {
   std::string out;
-  for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV}) {
+  for (StateKind k : store_->layout().kinds()) {
     int counts[kNumTiers] = {0, 0, 0};
     for (int g = 0; g < store_->num_groups(); ++g) counts[static_cast<int>(store_->home(g, k))]++;
     out += fmt::format("{}{}: {} device, {} host, {} nvme", out.empty() ? "" : "; ", state_kind_name(k), counts[0],

@@ -13,6 +13,11 @@
 // without tokens has a zero gradient, and AdamW decays its moments and weights as the flat
 // AdamW does).
 //
+// Precision (PagedStateOptions::precision): with fp32 the parameters are the master; with bf16
+// the chunks hold a bf16 compute copy (what param() hands the model) and an fp32 master in
+// chunks of its own kind, and AdamW updates the master and writes the copy. Checkpoints and
+// load/store_params see the fp32 master either way.
+//
 // One step: zero_grads(), then the model's forward/backward over each micro-batch (which calls
 // begin/end), then clip_and_step(): the global gradient norm (summed tensor by tensor in layout
 // order, like AdamW::clip_gradients) and AdamW per group, on the device tier for groups whose
@@ -64,6 +69,9 @@ struct PagedStateOptions {
   bool offload_activations = false;
   int64_t activation_tokens = 0;
   OptimizerConfig optimizer;
+  // The precision recipe: which kinds of state exist and in what dtype (offload/state_layout.h).
+  // bf16: the chunks hold a bf16 compute copy beside the fp32 master, and AdamW writes both.
+  Precision precision = Precision::kFp32;
   // Start AdamW on each group as soon as its gradients are final in the step's last micro-batch,
   // on a worker thread, while backward continues on earlier layers. Requires grad_clip = 0.
   bool overlap_optimizer = false;
@@ -80,7 +88,9 @@ class PagedState : public model::ParamAccess, public SavableState {
   static uint64_t auto_chunk_bytes(const model::ParamLayout& layout);
   // Chunks of one kind each parameter group of `layout` takes in chunks of `chunk_bytes`
   // (model::param_group_of numbering), as create() packs them.
-  static std::vector<uint64_t> group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes);
+  // element_bytes: the kind's element size in the recipe's layout (StateLayout::element_bytes).
+  static std::vector<uint64_t> group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes,
+                                            uint64_t element_bytes = sizeof(float));
 
   // Copies parameters in from / out to a flat buffer of layout.total_size() floats.
   Status load_params(const float* flat);
@@ -122,6 +132,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   Status begin_experts(int group, std::span<const int> experts, bool params, bool grads) override;
   void end_experts(int group, std::span<const int> experts, bool params, bool grads) override;
   const void* param(int64_t offset) override;
+  DType param_dtype() const override { return store_->layout().compute_dtype(); }
   float* grad(int64_t offset) override;
   bool offloads_activations() const override { return options_.offload_activations; }
   Status offload_checkpoint(int index, const void* data, uint64_t bytes) override;
@@ -135,6 +146,12 @@ class PagedState : public model::ParamAccess, public SavableState {
  private:
   PagedState() = default;
   Status copy_kind(StateKind kind, float* flat, bool to_store);
+  // The kind that holds what SavableState calls `kind`: the fp32 master for kParam.
+  StateKind stored_kind(StateKind kind) const {
+    return kind == StateKind::kParam ? store_->layout().master_kind() : kind;
+  }
+  // Rounds group g's fp32 master into its compute copy (a layout with a separate master).
+  Status refresh_compute_copy(int g);
   size_t tensor_at(int64_t offset) const;
   // Where AdamW updates a group: the device tier when its moments live there, else host memory
   // (NVMe-homed moments are read into host slots).

@@ -33,6 +33,11 @@ ConfigSchema build_schema() {
          .help = "optimizer steps to run"});
   s.add({.name = "train.seed", .type = T::kInt, .default_value = "1234", .min = 0,
          .help = "seed for weights and data order; the same seed gives bitwise the same run"});
+  s.add({.name = "train.precision", .type = T::kString, .default_value = "auto", .choices = {"auto", "fp32", "bf16"},
+         .help = "precision recipe. fp32: everything fp32 (the CPU reference). bf16: a bf16 compute copy of the "
+                 "weights and bf16 activations, with fp32 master weights, gradients and Adam moments (the GPU's "
+                 "recipe; on the cpu backend emulated, rounding where the GPU rounds). auto: bf16 on cuda, fp32 on "
+                 "the cpu"});
   s.add({.name = "optim.lr", .type = T::kFloat, .default_value = "0.003", .min = 0, .max = 10,
          .help = "peak learning rate"});
   s.add({.name = "optim.schedule", .type = T::kString, .default_value = "cosine",
@@ -156,6 +161,8 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.weight_decay = c.get_float("optim.weight_decay");
   t.grad_clip = c.get_float("optim.grad_clip");
   t.overlap_backward = c.get_bool("optim.overlap_backward");
+  t.precision_auto = c.get_string("train.precision") == "auto";
+  t.precision = c.get_string("train.precision") == "bf16" ? Precision::kBf16 : Precision::kFp32;
   if (t.overlap_backward && t.grad_clip > 0)
     return Status::InvalidArgument(c.origin("optim.overlap_backward") +
                                    ": optim.overlap_backward needs optim.grad_clip=0 (clipping needs the whole "

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "offload/state_layout.h"
 
 namespace strata {
 
@@ -32,6 +33,9 @@ struct TrainConfig {
   std::string lr_schedule;
   double beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, grad_clip = 0;
   bool overlap_backward = false;
+  // precision recipe (offload/state_layout.h): fp32, or bf16 (the GPU's; emulated on the cpu)
+  Precision precision = Precision::kFp32;
+  bool precision_auto = true;  // train.precision=auto: the backend's own (bf16 on cuda, fp32 on the cpu)
   // memory tiers (0 = default, see the schema)
   uint64_t memory_device = 0;
   uint64_t memory_host = 0;

@@ -149,6 +149,10 @@ bool needs_run_dir_for_data(const TrainConfig& t) {
 
 Result<std::unique_ptr<TrainEngine>> make_cuda_engine(const model::ModelConfig& mc, const TrainConfig& t,
                                                       const OptimizerConfig& oc) {
+  if (!t.precision_auto && t.precision != Precision::kBf16)
+    return Status::Unimplemented(fmt::format("the CUDA backend trains in the bf16 recipe; train.precision={} runs on "
+                                             "the cpu (run.device=cpu)",
+                                             precision_name(t.precision)));
 #if STRATA_HAVE_CUDA
   CudaModelOptions co;
   co.micro_batch = t.micro_batch;

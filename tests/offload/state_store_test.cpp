@@ -129,7 +129,7 @@ TEST(StateStoreTest, SmallPartsShareAChunkAndAWholeWriteOfOneKeepsTheOther) {
   std::unique_ptr<StateStore> store = StateStore::create(*device, nullptr, std::move(tensors), o).value();
   EXPECT_EQ(store->part_chunk_count(0, 0, StateKind::kParam), 1u);
   EXPECT_EQ(store->part_chunk_count(0, 1, StateKind::kParam), 1u);
-  EXPECT_EQ(store->space().num_chunks(), static_cast<size_t>(2 * kNumStateKinds));  // dense + both experts, per kind
+  EXPECT_EQ(store->space().num_chunks(), 2 * o.layout.kinds().size());  // dense + both experts, per kind
   const std::array<int, 2> both = {0, 1};
   ASSERT_TRUE(store->acquire_parts(0, both, StateKind::kParam, Tier::kHost, AccessMode::kReadWrite).ok());
   for (uint64_t i = 0; i < quarter; ++i) store->pointer(1, StateKind::kParam)[i] = 1.0f + static_cast<float>(i);

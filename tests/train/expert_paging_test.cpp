@@ -259,7 +259,7 @@ TEST_F(ExpertPagingTest, SmallExpertsShareChunksAndMatchFlatBitwise) {
   EXPECT_GT(shared.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
   std::printf("experts of 12 KiB in 64 KiB chunks: %zu chunks in all\n", shared.chunks);
   // One chunk per expert and kind would take 64 chunks for the experts alone.
-  EXPECT_LT(shared.chunks, static_cast<size_t>(kNumStateKinds * mc.num_moe_layers() * mc.num_experts));
+  EXPECT_LT(shared.chunks, StateLayout().kinds().size() * static_cast<size_t>(mc.num_moe_layers() * mc.num_experts));
 }
 
 }  // namespace

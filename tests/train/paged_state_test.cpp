@@ -27,7 +27,7 @@ struct RunResult {
   std::vector<float> params;
   ChunkSpaceStats stats;
   int64_t overlapped_updates = 0;
-  int64_t activation_floats = 0;  // the model's activation table
+  int64_t activation_bytes = 0;  // the model's activation table
 };
 
 constexpr int64_t kB = 2, kT = 16, kSteps = 4, kAccum = 2;
@@ -42,26 +42,30 @@ uint64_t tight_chunk_bytes(const model::ParamLayout& layout, const model::ModelC
   return std::max(largest, layer_bytes);
 }
 
-RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batches, float grad_clip = kClip) {
-  model::LlamaModel net(mc);
+// Net: model::LlamaModel (the fp32 recipe) or model::LlamaModelBf16 (the bf16 recipe).
+template <class Net>
+RunResult run_flat_with(const model::ModelConfig& mc, const std::vector<Batch>& batches, float grad_clip = kClip) {
+  Net net(mc);
   net.init_weights(7);
   RunResult r;
   r.losses = train_flat(net, batches, kSteps, kAccum, kB, kT, grad_clip, 1e-2f);
   r.params.assign(net.params(), net.params() + net.layout().total_size());
-  r.activation_floats = net.activation_bytes() / static_cast<int64_t>(sizeof(float));
+  r.activation_bytes = net.activation_bytes();
   return r;
 }
 
-RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batches, uint64_t device_bytes,
-                    uint64_t host_bytes, uint64_t nvme_bytes, const std::string& nvme_dir,
-                    bool offload_activations = false, bool overlap_optimizer = false, float grad_clip = kClip) {
+template <class Net>
+RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, const std::vector<Batch>& batches,
+                         uint64_t device_bytes, uint64_t host_bytes, uint64_t nvme_bytes, const std::string& nvme_dir,
+                         bool offload_activations = false, bool overlap_optimizer = false, float grad_clip = kClip) {
   auto device = CpuDevice::create(0, 0);
   CHECK(device.ok());
   auto io = make_io_engine({.kind = "threads"});
   CHECK(io.ok());
-  model::LlamaModel net(mc);
+  Net net(mc);
   net.init_weights(7);
   PagedStateOptions po;
+  po.precision = precision;
   po.device_bytes = device_bytes;
   po.host_bytes = host_bytes;
   po.nvme_bytes = nvme_bytes;
@@ -97,22 +101,55 @@ RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batc
   EXPECT_TRUE(ps.store_params(r.params.data()).ok());
   r.stats = ps.stats();
   r.overlapped_updates = ps.overlapped_updates();
-  r.activation_floats = net.activation_bytes() / static_cast<int64_t>(sizeof(float));
+  r.activation_bytes = net.activation_bytes();
   return r;
+}
+
+// The flat and paged runs of a recipe.
+template <class... Args>
+RunResult run_flat(Precision precision, Args&&... args) {
+  return precision == Precision::kBf16 ? run_flat_with<model::LlamaModelBf16>(std::forward<Args>(args)...)
+                                       : run_flat_with<model::LlamaModel>(std::forward<Args>(args)...);
+}
+template <class... Args>
+RunResult run_paged(Precision precision, Args&&... args) {
+  return precision == Precision::kBf16 ? run_paged_with<model::LlamaModelBf16>(precision, std::forward<Args>(args)...)
+                                       : run_paged_with<model::LlamaModel>(precision, std::forward<Args>(args)...);
 }
 
 void expect_bitwise_equal(const RunResult& a, const RunResult& b, const model::ModelConfig& mc) {
   expect_runs_bitwise_equal(a.losses, a.params, b.losses, b.params, mc);
 }
 
-class PagedStateTest : public ::testing::TestWithParam<bool> {
+// Every invariance test runs on both recipes: tied or untied embeddings, fp32 or bf16.
+struct Variant {
+  bool tied = false;
+  Precision precision = Precision::kFp32;
+};
+
+void PrintTo(const Variant& v, std::ostream* os) {
+  *os << (v.tied ? "tied " : "untied ") << precision_name(v.precision);
+}
+
+class PagedStateTest : public ::testing::TestWithParam<Variant> {
  protected:
+  // The recipe's flat and paged runs (the free functions above with this test's precision).
+  template <class... Args>
+  RunResult run_flat(Args&&... args) {
+    return strata::run_flat(GetParam().precision, std::forward<Args>(args)...);
+  }
+  template <class... Args>
+  RunResult run_paged(Args&&... args) {
+    return strata::run_paged(GetParam().precision, std::forward<Args>(args)...);
+  }
+  StateLayout state_layout() const { return StateLayout::of(GetParam().precision); }
+
   void SetUp() override {
     // One directory per test and process: ctest runs tests of this suite in parallel.
     const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
     dir_ = fs::path(::testing::TempDir()) /
            ("strata_paged_" + std::to_string(::getpid()) + "_" + test.substr(0, test.find('/')) + "_" +
-            std::to_string(GetParam()));
+            std::to_string(GetParam().tied) + precision_name(GetParam().precision));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -121,7 +158,7 @@ class PagedStateTest : public ::testing::TestWithParam<bool> {
 };
 
 TEST_P(PagedStateTest, RoomyBudgetsMatchFlatBuffersBitwise) {
-  const model::ModelConfig mc = tiny_config(GetParam());
+  const model::ModelConfig mc = tiny_config(GetParam().tied);
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 11);
   RunResult flat = run_flat(mc, batches);
   RunResult paged = run_paged(mc, batches, 64ull << 20, 64ull << 20, 0, "");
@@ -130,7 +167,7 @@ TEST_P(PagedStateTest, RoomyBudgetsMatchFlatBuffersBitwise) {
 }
 
 TEST_P(PagedStateTest, TightBudgetsThroughHostAndNvmeMatchBitwise) {
-  const model::ModelConfig mc = tiny_config(GetParam());
+  const model::ModelConfig mc = tiny_config(GetParam().tied);
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 11);
   RunResult flat = run_flat(mc, batches);
   // A few chunks per tier: every kind of state has to move between all three.
@@ -148,7 +185,7 @@ TEST_P(PagedStateTest, TightBudgetsThroughHostAndNvmeMatchBitwise) {
 // own, so chunks are sized by the layers instead of by the embedding; the model computes the
 // embedding and the LM head block by block in flat and paged runs alike, which stay bitwise equal.
 TEST_P(PagedStateTest, VocabularyInRowBlocksPagesBitwiseLikeFlat) {
-  model::ModelConfig mc = tiny_config(GetParam());
+  model::ModelConfig mc = tiny_config(GetParam().tied);
   mc.vocab_size = 2000;  // 2000 x 32 against 48 x 32 for the largest layer tensor
   model::ParamLayout layout(mc);
   const model::TensorSpec& embed = layout.at(layout.embed_tokens());
@@ -173,7 +210,7 @@ TEST_P(PagedStateTest, VocabularyInRowBlocksPagesBitwiseLikeFlat) {
 // The planner counts chunks with PagedState::group_chunks; the store must make exactly those.
 TEST_P(PagedStateTest, GroupChunksAreTheChunksTheStoreMakes) {
   for (int64_t vocab : {256, 2000}) {
-    model::ModelConfig mc = tiny_config(GetParam());
+    model::ModelConfig mc = tiny_config(GetParam().tied);
     mc.vocab_size = vocab;
     const model::ParamLayout layout(mc);
     const uint64_t layer_sized = (tight_chunk_bytes(layout, mc) + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
@@ -184,11 +221,14 @@ TEST_P(PagedStateTest, GroupChunksAreTheChunksTheStoreMakes) {
       po.device_bytes = 64ull << 20;
       po.host_bytes = 64ull << 20;
       po.optimizer = optimizer_config(kClip);
+      po.precision = GetParam().precision;
       auto ps = PagedState::create(**device, nullptr, layout, po);
       ASSERT_TRUE(ps.ok()) << ps.status().to_string();
+      // Every kind of the recipe's layout, each packed in its own element size.
       uint64_t planned = 0;
-      for (uint64_t c : PagedState::group_chunks(layout, chunk)) planned += c;
-      EXPECT_EQ((*ps)->store().space().num_chunks(), kNumStateKinds * planned) << "vocab " << vocab << ", chunk " << chunk;
+      for (StateKind kind : state_layout().kinds())
+        for (uint64_t c : PagedState::group_chunks(layout, chunk, state_layout().element_bytes(kind))) planned += c;
+      EXPECT_EQ((*ps)->store().space().num_chunks(), planned) << "vocab " << vocab << ", chunk " << chunk;
     }
   }
 }
@@ -201,11 +241,12 @@ model::ModelConfig offload_config(bool tied) {
   return mc;
 }
 
+// act_size: bytes per activation element in the recipe (4 for fp32, 2 for bf16).
 void expect_offloaded(const RunResult& flat, const RunResult& paged, const RunResult& resident,
-                      const model::ModelConfig& mc) {
+                      const model::ModelConfig& mc, uint64_t act_size) {
   const int offloaded = model::offloaded_checkpoint_count(mc.num_hidden_layers);
   ASSERT_EQ(offloaded, 3);
-  const uint64_t checkpoint_bytes = kB * kT * mc.hidden_size * sizeof(float);
+  const uint64_t checkpoint_bytes = kB * kT * mc.hidden_size * act_size;
   EXPECT_GE(paged.stats.act_bytes, offloaded * checkpoint_bytes);
   EXPECT_EQ(resident.stats.act_bytes, 0u);
   // Every offload and every fetch acquires host memory.
@@ -213,33 +254,34 @@ void expect_offloaded(const RunResult& flat, const RunResult& paged, const RunRe
   EXPECT_GE(paged.stats.tiers[host].acquires,
             resident.stats.tiers[host].acquires + uint64_t{2} * offloaded * kSteps * kAccum);
   // L + 1 - 3 = L - 2 checkpoint slots fewer.
-  EXPECT_EQ(flat.activation_floats - paged.activation_floats,
-            static_cast<int64_t>(offloaded) * kB * kT * mc.hidden_size);
-  EXPECT_EQ(resident.activation_floats, flat.activation_floats);
+  EXPECT_EQ(flat.activation_bytes - paged.activation_bytes, static_cast<int64_t>(offloaded * checkpoint_bytes));
+  EXPECT_EQ(resident.activation_bytes, flat.activation_bytes);
 }
 
 TEST_P(PagedStateTest, OffloadedActivationsRoomyMatchFlatBitwise) {
-  const model::ModelConfig mc = offload_config(GetParam());
+  const model::ModelConfig mc = offload_config(GetParam().tied);
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 13);
   RunResult flat = run_flat(mc, batches);
   RunResult resident = run_paged(mc, batches, 64ull << 20, 64ull << 20, 0, "");
   RunResult paged = run_paged(mc, batches, 64ull << 20, 64ull << 20, 0, "", /*offload_activations=*/true);
   expect_bitwise_equal(flat, paged, mc);
-  expect_offloaded(flat, paged, resident, mc);
+  expect_offloaded(flat, paged, resident, mc, dtype_size(state_layout().compute_dtype()));
 }
 
 TEST_P(PagedStateTest, OffloadedActivationsTightMatchFlatBitwise) {
-  const model::ModelConfig mc = offload_config(GetParam());
+  const model::ModelConfig mc = offload_config(GetParam().tied);
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 13);
   RunResult flat = run_flat(mc, batches);
   model::ParamLayout layout(mc);
   const uint64_t chunk = tight_chunk_bytes(layout, mc);
   fs::create_directories(dir_ / "nvme");
   const std::string nvme = (dir_ / "nvme").string();
-  RunResult resident = run_paged(mc, batches, 6 * chunk, 8 * chunk, 96 * chunk, nvme);
-  RunResult paged = run_paged(mc, batches, 6 * chunk, 8 * chunk, 96 * chunk, nvme, /*offload_activations=*/true);
+  // The bf16 recipe's AdamW holds a fifth kind of a group (the master) in host memory at once.
+  const uint64_t host = (8 + 2 * (state_layout().kinds().size() - 4)) * chunk;
+  RunResult resident = run_paged(mc, batches, 6 * chunk, host, 96 * chunk, nvme);
+  RunResult paged = run_paged(mc, batches, 6 * chunk, host, 96 * chunk, nvme, /*offload_activations=*/true);
   expect_bitwise_equal(flat, paged, mc);
-  expect_offloaded(flat, paged, resident, mc);
+  expect_offloaded(flat, paged, resident, mc, dtype_size(state_layout().compute_dtype()));
   EXPECT_GT(paged.stats.host_to_nvme_bytes, 0u);
   EXPECT_GT(paged.stats.nvme_to_host_bytes, 0u);
 }
@@ -247,7 +289,7 @@ TEST_P(PagedStateTest, OffloadedActivationsTightMatchFlatBitwise) {
 // AdamW starting on each group as soon as backward is done with it (on a worker thread, while
 // backward continues) gives bitwise the result of updating every group after backward.
 TEST_P(PagedStateTest, OptimizerOverlappingBackwardMatchesBitwise) {
-  const model::ModelConfig mc = tiny_config(GetParam());
+  const model::ModelConfig mc = tiny_config(GetParam().tied);
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 11);
   RunResult flat = run_flat(mc, batches, /*grad_clip=*/0.0f);
   RunResult overlapped =
@@ -308,7 +350,12 @@ TEST(PagedStatePrefetchTest, HostOptimizerPhaseIsNotPrefetchedIntoTheDevice) {
   EXPECT_GT(ps.stats().host_to_device_bytes, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(TiedAndUntied, PagedStateTest, ::testing::Bool());
+INSTANTIATE_TEST_SUITE_P(TiedAndRecipe, PagedStateTest,
+                         ::testing::Values(Variant{false, Precision::kFp32}, Variant{true, Precision::kFp32},
+                                           Variant{false, Precision::kBf16}, Variant{true, Precision::kBf16}),
+                         [](const ::testing::TestParamInfo<Variant>& info) {
+                           return std::string(info.param.tied ? "Tied" : "Untied") + precision_name(info.param.precision);
+                         });
 
 }  // namespace
 }  // namespace strata

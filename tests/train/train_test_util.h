@@ -64,8 +64,11 @@ inline OptimizerConfig optimizer_config(float grad_clip) {
 // The reference run: `steps` AdamW steps on the model's flat buffers, `accum` micro-batches of
 // B x T tokens each (batches[s * accum + m]), the global norm clipped to `grad_clip` first.
 // Returns each step's loss sum; the parameters stay in `net`.
-inline std::vector<double> train_flat(model::LlamaModel& net, const std::vector<Batch>& batches, int steps, int accum,
-                                      int64_t B, int64_t T, float grad_clip, float lr) {
+// Net: model::LlamaModel or model::LlamaModelBf16 (AdamW on the fp32 master, then a fresh
+// compute copy).
+template <class Net>
+std::vector<double> train_flat(Net& net, const std::vector<Batch>& batches, int steps, int accum, int64_t B, int64_t T,
+                               float grad_clip, float lr) {
   AdamW opt(net.layout(), optimizer_config(grad_clip));
   std::vector<double> losses;
   for (int s = 0; s < steps; ++s) {
@@ -77,6 +80,7 @@ inline std::vector<double> train_flat(model::LlamaModel& net, const std::vector<
     }
     opt.clip_gradients(net.grads(), grad_clip);
     opt.step(net.params(), net.grads(), lr);
+    net.sync_compute_copy();
     losses.push_back(loss);
   }
   return losses;
