@@ -32,12 +32,13 @@ struct GroupBytes {
   uint64_t optimizer() const { return master + adam_m + adam_v; }
 };
 
-GroupBytes group_bytes(const PlanInput& in, uint64_t elements, uint64_t packed_chunks) {
+GroupBytes group_bytes(const PlanInput& in, uint64_t elements, uint64_t packed_chunks, uint64_t packed_param_chunks) {
   const uint64_t c = in.chunk_size;
   GroupBytes g;
-  if (packed_chunks > 0 && c > 0 && !in.separate_master && in.param_bytes == 4 && in.grad_bytes == 4) {
-    g.param = g.grad = g.adam_m = g.adam_v = packed_chunks * c;
-    g.master = 0;
+  if (packed_chunks > 0 && packed_param_chunks > 0 && c > 0 && in.grad_bytes == 4) {
+    g.grad = g.adam_m = g.adam_v = packed_chunks * c;
+    g.master = in.separate_master ? packed_chunks * c : 0;
+    g.param = packed_param_chunks * c;
     return g;
   }
   g.param = round_up(elements * in.param_bytes, c);
@@ -53,8 +54,8 @@ GroupBytes group_bytes(const PlanInput& in, uint64_t elements, uint64_t packed_c
 Plan make_plan(const PlanInput& in) {
   Plan p;
   const int64_t L = in.num_layers;
-  const GroupBytes layer = group_bytes(in, in.layer_elements, in.layer_chunks);
-  const GroupBytes edge = group_bytes(in, in.edge_elements, in.edge_chunks);
+  const GroupBytes layer = group_bytes(in, in.layer_elements, in.layer_chunks, in.layer_param_chunks);
+  const GroupBytes edge = group_bytes(in, in.edge_elements, in.edge_chunks, in.edge_param_chunks);
   const int64_t groups = L + 1;  // index L is the edge group
   auto gb = [&](int64_t g) -> const GroupBytes& { return g == L ? edge : layer; };
   const uint64_t ckpt_all = static_cast<uint64_t>(L + 1) * in.checkpoint_bytes_per_layer;

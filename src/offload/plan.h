@@ -72,12 +72,14 @@ struct PlanInput {
   uint64_t host_budget = 0;
   uint64_t nvme_budget = 0;
   uint64_t chunk_size = 64ull << 20;
-  // Chunks of one kind a layer group (the average over the layers, rounded up) and the edge
-  // groups take, as the store packs them (CPU layout, where every kind is fp32): when set,
-  // group sizes are these times chunk_size, which counts the padding; 0: the bytes rounded up
-  // to whole chunks.
+  // Chunks of one fp32 kind a layer group (the average over the layers, rounded up) and the
+  // edge groups take, as the store packs them, and the same for the compute copy (param_bytes
+  // per element; equal to the former when that is 4): when set, group sizes are these times
+  // chunk_size, which counts the padding; 0: the bytes rounded up to whole chunks.
   uint64_t layer_chunks = 0;
   uint64_t edge_chunks = 0;
+  uint64_t layer_param_chunks = 0;
+  uint64_t edge_param_chunks = 0;
   // Chunks of one kind of the largest single group (when set): AdamW on host memory acquires a
   // whole group's optimizer state there at once, so a group streamed from nvme needs that many
   // free host slots per optimizer kind.

@@ -37,12 +37,15 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
     in.expert_elements = static_cast<uint64_t>(m.num_moe_layers()) * E * 3 * Fe * C / std::max<uint64_t>(L, 1);
     in.expert_fetch_fraction = 1.0 - std::pow(1.0 - static_cast<double>(m.num_experts_per_tok) / E, tokens);
   }
-  in.param_bytes = cuda ? 2 : 4;
-  in.grad_bytes = cuda ? 2 : 4;
-  in.separate_master = cuda;
+  // The state layout of the recipe (the CUDA backend trains in bf16). Gradients are fp32 in
+  // every recipe: they accumulate over micro-batches.
+  const StateLayout state = StateLayout::of(cuda ? Precision::kBf16 : t.precision);
+  in.param_bytes = static_cast<uint32_t>(state.element_bytes(StateKind::kParam));
+  in.grad_bytes = static_cast<uint32_t>(state.element_bytes(StateKind::kGrad));
+  in.separate_master = state.separate_master();
 
   // Activations, in the shapes of model/activations.h, for N tokens per micro-batch.
-  const uint64_t act = cuda ? 2 : 4;
+  const uint64_t act = dtype_size(state.compute_dtype());
   const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
   const uint64_t H = static_cast<uint64_t>(m.num_attention_heads);
   in.checkpoint_bytes_per_layer = N * C * act;
@@ -73,10 +76,13 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
     // planner's layer groups are all alike), and the embedding plus the head. (A chunk size
     // that cannot hold a tensor is refused by the state itself, naming the tensor.)
     const std::vector<uint64_t> chunks = PagedState::group_chunks(layout, t.chunk_size);
-    uint64_t layer_total = 0;
-    for (size_t g = 1; g + 1 < chunks.size(); ++g) layer_total += chunks[g];
+    const std::vector<uint64_t> param_chunks = PagedState::group_chunks(layout, t.chunk_size, in.param_bytes);
+    uint64_t layer_total = 0, layer_param_total = 0;
+    for (size_t g = 1; g + 1 < chunks.size(); ++g) layer_total += chunks[g], layer_param_total += param_chunks[g];
     in.layer_chunks = (layer_total + L - 1) / std::max<uint64_t>(L, 1);
     in.edge_chunks = chunks.front() + chunks.back();
+    in.layer_param_chunks = (layer_param_total + L - 1) / std::max<uint64_t>(L, 1);
+    in.edge_param_chunks = param_chunks.front() + param_chunks.back();
     for (uint64_t c : chunks) in.largest_group_chunks = std::max(in.largest_group_chunks, c);
   }
   in.offload_activations = t.offload_activations;

@@ -8,6 +8,7 @@
 #include "model/activations.h"
 #include "model/params.h"
 #include "offload/plan.h"
+#include "core/cpu_device.h"
 #include "train/paged_state.h"
 
 namespace strata {
@@ -121,6 +122,59 @@ TEST(Planning, NvmeOptimizerStagingHoldsTheLargestGroup) {
   const Plan plan = make_plan(in);
   EXPECT_FALSE(plan.fits);
   EXPECT_NE(plan.problem.find("host budget"), std::string::npos) << plan.problem;
+}
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+// For every recipe, the planner's bytes of each kind (over all tiers) are the bytes of the
+// chunks the paged state makes for that kind: the same layout, the same packing.
+TEST(Planning, PlannedBytesPerKindAreTheStoresForEveryRecipe) {
+  auto mc = model::ModelConfig::preset("tiny");
+  ASSERT_TRUE(mc.ok()) << mc.status().to_string();
+  for (Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    const model::ParamLayout layout(*mc);
+    TrainConfig t;
+    t.precision = precision;
+    t.micro_batch = 2;
+    t.seq_len = 64;
+    t.grad_accum = 1;
+    t.memory_device = 1ull << 30;
+    t.memory_host = 1ull << 30;
+    t.offload_activations = "false";
+    t.gpu_flops = t.h2d_bytes_per_s = t.d2h_bytes_per_s = 1e9;
+    t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = t.cpu_adam_params_per_s = 1e9;
+    t.chunk_size = PagedState::auto_chunk_bytes(layout);
+    const Plan plan = make_plan(make_plan_input(*mc, t, /*cuda=*/false));
+    ASSERT_TRUE(plan.fits) << plan.problem;
+
+    auto device = CpuDevice::create(0, 0);
+    ASSERT_TRUE(device.ok());
+    PagedStateOptions po;
+    po.chunk_bytes = t.chunk_size;
+    po.device_bytes = t.memory_device;
+    po.host_bytes = t.memory_host;
+    po.precision = precision;
+    auto ps = PagedState::create(**device, nullptr, layout, po);
+    ASSERT_TRUE(ps.ok()) << ps.status().to_string();
+    uint64_t store[kNumStateKinds] = {};
+    ChunkSpace& space = (*ps)->store().space();
+    for (ChunkId c = 0; c < space.num_chunks(); ++c) store[static_cast<int>(space.chunk_kind(c))] += t.chunk_size;
+    auto planned = [&](uint64_t KindBytes::*kind) { return plan.device.*kind + plan.host.*kind + plan.nvme.*kind; };
+    const char* name = precision_name(precision);
+    EXPECT_EQ(planned(&KindBytes::param), store[static_cast<int>(StateKind::kParam)]) << name;
+    EXPECT_EQ(planned(&KindBytes::grad), store[static_cast<int>(StateKind::kGrad)]) << name;
+    EXPECT_EQ(planned(&KindBytes::master), store[static_cast<int>(StateKind::kMaster)]) << name;
+    EXPECT_EQ(planned(&KindBytes::adam_m), store[static_cast<int>(StateKind::kAdamM)]) << name;
+    EXPECT_EQ(planned(&KindBytes::adam_v), store[static_cast<int>(StateKind::kAdamV)]) << name;
+    if (precision == Precision::kBf16) {
+      EXPECT_GT(store[static_cast<int>(StateKind::kMaster)], 0u);
+      EXPECT_LT(store[static_cast<int>(StateKind::kParam)], store[static_cast<int>(StateKind::kGrad)]);
+    }
+  }
 }
 
 }  // namespace
