@@ -5,8 +5,10 @@
 // per token, S = N * K expert rows, Fe one expert's width. Buffers a config does not use are
 // empty.
 //
-// Act is the backend's activation storage type (float, or bf16 in the GPU recipe); saved
-// statistics (rstd, lse) and the router's buffers are fp32 on every backend.
+// Ops is the backend's op set (model/decoder.h): its Act is the activation storage type (float,
+// or bf16 in the GPU recipe) and its activation_block() the memory (host memory on the CPU,
+// the device's budgeted arena on CUDA). Saved statistics (rstd, lse) and the router's buffers
+// are fp32 on every backend.
 #pragma once
 
 #include <algorithm>
@@ -14,19 +16,24 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/status.h"
 #include "model/config.h"
 
 namespace strata::model {
 
-template <typename Act>
+template <class Ops>
 class ActivationTable {
  public:
+  using Act = typename Ops::Act;
   // Plans for B x T tokens. Every size depends on N = B * T only; the block is reallocated
   // only when N grows or `offload_checkpoints` changes, and the pointers below are valid until
   // then. With offload_checkpoints the checkpoints get min(3, L + 1) slots (see below).
-  void reserve(const ModelConfig& config, int64_t B, int64_t T, bool offload_checkpoints = false);
+  // The block comes from ops.activation_block(), which may fail (OutOfMemory on a device).
+  Status reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T, bool offload_checkpoints = false);
   // Bytes held (for logging and tests).
-  int64_t bytes() const { return static_cast<int64_t>(storage_.size() * sizeof(float)); }
+  int64_t bytes() const { return bytes_; }
+  // The bytes reserve() would take, without allocating.
+  static int64_t bytes_for(const ModelConfig& config, int64_t N, bool offload_checkpoints);
   // Slots of N * C floats in `checkpoints`: L + 1, or min(3, L + 1) when planned for offload.
   int64_t checkpoint_slots() const { return checkpoint_slots_; }
 
@@ -75,6 +82,11 @@ class ActivationTable {
   Act* shared_out = nullptr;     // (N, C) shared expert output before its sigmoid gate
   float* shared_logit = nullptr;   // (N) shared_expert_gate(x)
 
+  // The micro-batch's token ids where the ops read them (backends whose ops cannot read host
+  // memory copy them here; the CPU reads the caller's arrays).
+  int32_t* tokens_in = nullptr;      // (N)
+  int32_t* tokens_target = nullptr;  // (N)
+
   // One layer's gradient scratch.
   Act* d_ln = nullptr;    // (N, C) gradient of a norm's output
   Act* d_tmp = nullptr;   // (N, C) partial input gradients before they are summed
@@ -99,16 +111,37 @@ class ActivationTable {
   int64_t planned_tokens_ = 0;
   bool planned_offload_ = false;
   int64_t checkpoint_slots_ = 0;
-  std::vector<float> storage_;  // the block, carved by reserve()
-  std::vector<int32_t> index_storage_;
-  std::vector<int64_t> offset_storage_;
+  int64_t bytes_ = 0;
+
+  // Hands out every field for N tokens from `base` (null: only measures); returns the bytes.
+  int64_t carve(char* base, const ModelConfig& config, int64_t N, bool offload_checkpoints);
 };
 
-template <typename Act>
-void ActivationTable<Act>::reserve(const ModelConfig& config, int64_t B, int64_t T, bool offload_checkpoints) {
+template <class Ops>
+Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T,
+                                     bool offload_checkpoints) {
   int64_t N = B * T;
-  if (N <= planned_tokens_ && offload_checkpoints == planned_offload_) return;
+  if (N <= planned_tokens_ && offload_checkpoints == planned_offload_) return Status::OK();
   N = std::max(N, planned_tokens_);
+  const int64_t bytes = carve(nullptr, config, N, offload_checkpoints);
+  ASSIGN_OR_RETURN(void* base, ops.activation_block(static_cast<uint64_t>(bytes)));
+  carve(static_cast<char*>(base), config, N, offload_checkpoints);
+  bytes_ = bytes;
+  planned_tokens_ = N;
+  planned_offload_ = offload_checkpoints;
+  checkpoint_slots_ = offload_checkpoints ? std::min<int64_t>(3, config.num_hidden_layers + 1)
+                                          : config.num_hidden_layers + 1;
+  return Status::OK();
+}
+
+template <class Ops>
+int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bool offload_checkpoints) {
+  ActivationTable<Ops> measured;
+  return measured.carve(nullptr, config, N, offload_checkpoints);
+}
+
+template <class Ops>
+int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64_t N, bool offload_checkpoints) {
   const int64_t C = config.hidden_size;
   const int64_t F = config.dense_mlp_width();
   const int64_t L = config.num_hidden_layers;
@@ -125,14 +158,12 @@ void ActivationTable<Act>::reserve(const ModelConfig& config, int64_t B, int64_t
   const int64_t checkpoint_slots = offload_checkpoints ? std::min<int64_t>(3, L + 1) : L + 1;
   const int64_t shared = moe && config.shared_expert_intermediate_size > 0 ? 1 : 0;
 
-  // Each buffer starts on a 64-byte boundary of the block. Two passes: measure, then hand out.
+  // Each buffer starts on a 64-byte boundary of the block.
   int64_t offset = 0;  // bytes
-  char* base = nullptr;
   auto take = [&](auto*& field, int64_t n) {
     field = base == nullptr ? nullptr : reinterpret_cast<std::remove_reference_t<decltype(field)>>(base + offset);
     offset += (n * static_cast<int64_t>(sizeof(*field)) + 63) / 64 * 64;
   };
-  auto carve = [&] {
     take(checkpoints, checkpoint_slots * N * C);
     take(final_out, N * C);
     take(final_rstd, N);
@@ -183,22 +214,14 @@ void ActivationTable<Act>::reserve(const ModelConfig& config, int64_t B, int64_t
     take(d_expert_up, S * Fe);
     take(d_expert_act, S * Fe);
     take(d_shared_logit, shared * N);
-  };
-  carve();
-  storage_.assign(static_cast<size_t>(offset) / sizeof(float), 0.0f);
-  base = reinterpret_cast<char*>(storage_.data());
-  offset = 0;
-  carve();
-  // Routing indices: expert_idx and slot_of (N, K) each, token_of_slot (S).
-  index_storage_.assign(static_cast<size_t>(3 * S), 0);
-  expert_idx = index_storage_.data();
-  slot_of = expert_idx + S;
-  token_of_slot = slot_of + S;
-  offset_storage_.assign(static_cast<size_t>(E + 1), 0);
-  expert_offsets = offset_storage_.data();
-  planned_tokens_ = N;
-  planned_offload_ = offload_checkpoints;
-  checkpoint_slots_ = checkpoint_slots;
+  // Routing indices and the token ids.
+  take(expert_idx, S);
+  take(slot_of, S);
+  take(token_of_slot, S);
+  take(expert_offsets, E + 1);
+  take(tokens_in, N);
+  take(tokens_target, N);
+  return offset;
 }
 
 }  // namespace strata::model

@@ -87,7 +87,9 @@ class Decoder final : public Model {
   // load_safetensors.
   // flat_buffers = false: no flat parameter and gradient buffers are allocated; a ParamAccess
   // must be set before compute (a paged run, whose state never fits in memory twice).
-  explicit Decoder(const ModelConfig& config, bool flat_buffers = true);
+  // ops_args construct the backend's op set (the CUDA one takes its Device).
+  template <class... OpsArgs>
+  explicit Decoder(const ModelConfig& config, bool flat_buffers = true, OpsArgs&&... ops_args);
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
 
@@ -201,6 +203,7 @@ class Decoder final : public Model {
   // null: the auxiliary loss's gradient with respect to the router softmax.
   void layer_backward(int64_t layer, const Act* x, Act* dres, int64_t B, int64_t T, const float* prob_grad);
   const float* layer_selection_bias(int64_t layer) const;
+
   void check_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) const;
 
   ModelConfig config_;
@@ -210,7 +213,9 @@ class Decoder final : public Model {
   std::vector<W> compute_;     // (total_size) the compute copy; empty when W is fp32
   std::vector<float> grads_;   // (total_size)
   std::vector<float> inv_freq_;  // (D/2) RoPE frequencies
-  ActivationTable<Act> acts_;
+  const float* inv_freq_ops_ = nullptr;  // the same where the ops read them
+  const int32_t* staged_inputs_ = nullptr;  // the last forward's input tokens where the ops read them
+  ActivationTable<Ops> acts_;
   ParamAccess* access_ = nullptr;
   // MoE state (empty for dense models).
   std::vector<int64_t> expert_counts_;     // (L, E) since zero_grads()

@@ -16,7 +16,9 @@
 namespace strata::model {
 
 template <class Ops>
-Decoder<Ops>::Decoder(const ModelConfig& config, bool flat_buffers) : config_(config), layout_(config) {
+template <class... OpsArgs>
+Decoder<Ops>::Decoder(const ModelConfig& config, bool flat_buffers, OpsArgs&&... ops_args)
+    : config_(config), layout_(config), ops_(std::forward<OpsArgs>(ops_args)...) {
   Status st = config_.validate("LlamaModel config");
   CHECK_MSG(st.ok(), st.to_string());
   if (flat_buffers) {
@@ -26,6 +28,7 @@ Decoder<Ops>::Decoder(const ModelConfig& config, bool flat_buffers) : config_(co
   }
   inv_freq_.resize(static_cast<size_t>(config_.head_dim / 2));
   kernels::rope_inv_freq(inv_freq_.data(), config_.head_dim, config_.rope);
+  inv_freq_ops_ = ops_.stage_constants(inv_freq_.data(), static_cast<int64_t>(inv_freq_.size()));
   if (config_.is_moe()) {
     const size_t E = static_cast<size_t>(config_.num_experts);
     expert_counts_.assign(static_cast<size_t>(config_.num_hidden_layers) * E, 0);
@@ -104,7 +107,7 @@ template <class Ops>
 Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* out /*(N,C)*/, int64_t B,
                                    int64_t T, const RouterStats* stats, bool grads) {
   const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(layer));
-  const ActivationTable<Act>& a = acts_;
+  const ActivationTable<Ops>& a = acts_;
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t F = config_.intermediate_size;
@@ -126,8 +129,8 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
     ops_.linear_forward(a.k, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
   }
   ops_.linear_forward(a.v, a.ln1, p.v_proj, p.v_bias, N, C, Hkv * D);
-  ops_.rope_forward(a.q, a.q, inv_freq_.data(), B, T, Hq, D);
-  ops_.rope_forward(a.k, a.k, inv_freq_.data(), B, T, Hkv, D);
+  ops_.rope_forward(a.q, a.q, inv_freq_ops_, B, T, Hq, D);
+  ops_.rope_forward(a.k, a.k, inv_freq_ops_, B, T, Hkv, D);
   ops_.attention_forward(a.att, a.lse, a.q, a.k, a.v, B, T, Hq, Hkv, D);
   ops_.linear_forward(a.h, a.att, p.o_proj, nullptr, N, Hq * D, C);
   ops_.add_inplace(a.h, x, N * C);
@@ -159,7 +162,7 @@ void Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* dr
                                   int64_t T, const float* prob_grad) {
   const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(layer));
   const LayerGrads g = LayerGrads::bind_with(grad_at(), layout_.layer(layer));
-  const ActivationTable<Act>& a = acts_;
+  const ActivationTable<Ops>& a = acts_;
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t F = config_.intermediate_size;
@@ -187,8 +190,8 @@ void Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* dr
   // Attention block. h = x + o_proj(att): dL/dx starts as dL/dh.
   ops_.linear_backward(a.d_att, g.o_proj, nullptr, dres, a.att, p.o_proj, N, Hq * D, C);
   ops_.attention_backward(a.d_q, a.d_k, a.d_v, a.d_att, a.q, a.k, a.v, a.att, a.lse, B, T, Hq, Hkv, D);
-  ops_.rope_backward(a.d_q, a.d_q, inv_freq_.data(), B, T, Hq, D);
-  ops_.rope_backward(a.d_k, a.d_k, inv_freq_.data(), B, T, Hkv, D);
+  ops_.rope_backward(a.d_q, a.d_q, inv_freq_ops_, B, T, Hq, D);
+  ops_.rope_backward(a.d_k, a.d_k, inv_freq_ops_, B, T, Hkv, D);
   if (p.q_norm != nullptr) {
     // Through the per-head norms; d_qk_raw serves q, then k.
     ops_.rmsnorm_backward(a.d_qk_raw, g.q_norm, a.d_q, a.q_raw, p.q_norm, a.q_norm_rstd, N * Hq, D);
@@ -213,7 +216,9 @@ Status Decoder<Ops>::begin_group(int group, bool params, bool grads) {
 
 template <class Ops>
 void Decoder<Ops>::end_group(int group, bool params, bool grads) {
-  if (access_ != nullptr) access_->end(group, params, grads);
+  if (access_ == nullptr) return;
+  ops_.synchronize();  // the queued ops are done with the group before it may be evicted
+  access_->end(group, params, grads);
 }
 
 template <class Ops>
@@ -242,8 +247,9 @@ template <class Ops>
 Status Decoder<Ops>::begin_experts(int64_t layer, bool params, bool grads) {
   active_experts_.clear();
   if (!config_.is_moe_layer(layer)) return Status::OK();
+  const int64_t* offsets = ops_.expert_offsets_on_host(acts_.expert_offsets, config_.num_experts);
   for (int64_t e = 0; e < config_.num_experts; ++e)
-    if (acts_.expert_offsets[e + 1] > acts_.expert_offsets[e]) active_experts_.push_back(static_cast<int>(e));
+    if (offsets[e + 1] > offsets[e]) active_experts_.push_back(static_cast<int>(e));
   if (access_ == nullptr) return Status::OK();
   Status st = access_->begin_experts(static_cast<int>(1 + layer), active_experts_, params, grads);
   if (!st.ok()) active_experts_.clear();
@@ -253,7 +259,10 @@ Status Decoder<Ops>::begin_experts(int64_t layer, bool params, bool grads) {
 template <class Ops>
 void Decoder<Ops>::end_experts(int64_t layer, bool params, bool grads) {
   if (!config_.is_moe_layer(layer)) return;
-  if (access_ != nullptr) access_->end_experts(static_cast<int>(1 + layer), active_experts_, params, grads);
+  if (access_ != nullptr) {
+    ops_.synchronize();
+    access_->end_experts(static_cast<int>(1 + layer), active_experts_, params, grads);
+  }
   active_experts_.clear();
 }
 
@@ -287,17 +296,21 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
     Status window = config_.check_sequence_length(T, "LlamaModel config");
     CHECK_MSG(window.ok(), window.to_string());
   }
-  acts_.reserve(config_, B, T, access_ != nullptr && access_->offloads_activations());
+  RETURN_IF_ERROR(acts_.reserve(ops_, config_, B, T, access_ != nullptr && access_->offloads_activations()));
   const int64_t offloaded = offload ? offloaded_checkpoint_count(static_cast<int>(L)) : 0;
   std::fill(forward_counts_.begin(), forward_counts_.end(), int64_t{0});
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
   std::vector<int64_t> layer_counts(static_cast<size_t>(E));
+  const int32_t* tokens = staged_inputs_ = ops_.stage_tokens(inputs, N, acts_.tokens_in);
   RETURN_IF_ERROR(begin_group(0, true, false));
-  ops_.embedding_forward(checkpoint(0, N), inputs, param_blocks(layout_.embed_tokens()).data(),
-                                          block_rows(layout_.embed_tokens()), N, C);
+  ops_.embedding_forward(checkpoint(0, N), tokens, param_blocks(layout_.embed_tokens()).data(),
+                         block_rows(layout_.embed_tokens()), N, C, config_.vocab_size);
   end_group(0, true, false);
   const uint64_t checkpoint_bytes = static_cast<uint64_t>(N * C) * sizeof(Act);
-  if (offloaded > 0) RETURN_IF_ERROR(access_->offload_checkpoint(0, checkpoint(0, N), checkpoint_bytes));
+  if (offloaded > 0) {
+    ops_.synchronize();
+    RETURN_IF_ERROR(access_->offload_checkpoint(0, checkpoint(0, N), checkpoint_bytes));
+  }
   for (int64_t l = 0; l < L; ++l) {
     const Act* x = checkpoint(l, N);  // (N, C)
     std::fill(layer_counts.begin(), layer_counts.end(), int64_t{0});
@@ -307,8 +320,10 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
     if (st.ok()) end_experts(l, true, false);
     end_group(static_cast<int>(1 + l), true, false);
     RETURN_IF_ERROR(st);
-    if (l + 1 < offloaded)
+    if (l + 1 < offloaded) {
+      ops_.synchronize();
       RETURN_IF_ERROR(access_->offload_checkpoint(static_cast<int>(l + 1), checkpoint(l + 1, N), checkpoint_bytes));
+    }
     if (!config_.is_moe_layer(l)) continue;
     for (int64_t e = 0; e < E; ++e) {
       forward_counts_[e] += layer_counts[e];
@@ -349,6 +364,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   const bool offload = backward && access_ != nullptr && access_->offloads_activations();
   const int64_t offloaded = offload ? offloaded_checkpoint_count(static_cast<int>(L)) : 0;
   RETURN_IF_ERROR(forward_layers(inputs, B, T, /*count_tokens=*/backward, offload));
+  const int32_t* staged_targets = ops_.stage_tokens(targets, N, acts_.tokens_target);
 
   // The head: final norm, LM head and cross-entropy (and their backward). With tied
   // embeddings the head reads (and accumulates into) the embedding's group as well.
@@ -364,7 +380,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   if (!backward) {
     const double loss = ops_.lm_head_cross_entropy(
         nullptr, nullptr, acts_.final_out, param_blocks(layout_.lm_head()).data(), block_rows(layout_.lm_head()),
-        targets, N, C, config_.vocab_size, 1.0f, kLossChunkTokens);
+        staged_targets, N, C, config_.vocab_size, 1.0f, kLossChunkTokens);
     end_group(head, true, false);
     if (tied) end_group(0, true, false);
     return loss;
@@ -383,7 +399,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   // With tied embeddings lm_head() is the embedding's offset, so both gradients add up there.
   const double loss = ops_.lm_head_cross_entropy(
       acts_.d_final, grad_blocks(layout_.lm_head()).data(), acts_.final_out, param_blocks(layout_.lm_head()).data(),
-      block_rows(layout_.lm_head()), targets, N, C, config_.vocab_size, grad_scale, kLossChunkTokens);
+      block_rows(layout_.lm_head()), staged_targets, N, C, config_.vocab_size, grad_scale, kLossChunkTokens);
   ops_.rmsnorm_backward(acts_.dres, grad(layout_.final_norm()), acts_.d_final,
                                  checkpoint(L, N), param(layout_.final_norm()), acts_.final_rstd, N,
                                  C);
@@ -408,8 +424,8 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
     RETURN_IF_ERROR(st);
   }
   RETURN_IF_ERROR(begin_group(0, false, true));
-  ops_.embedding_backward(grad_blocks(layout_.embed_tokens()).data(),
-                                           block_rows(layout_.embed_tokens()), acts_.dres, inputs, N, C);
+  ops_.embedding_backward(grad_blocks(layout_.embed_tokens()).data(), block_rows(layout_.embed_tokens()), acts_.dres,
+                          staged_inputs_, N, C, config_.vocab_size);
   end_group(0, false, true);
   return loss;
 }

@@ -26,7 +26,7 @@ struct RouterStats {
 // loss-free balancing bias. stats: null to skip.
 template <class Ops>
 void moe_route(Ops& ops, const ModelConfig& config, const typename Ops::W* router /*(E,C)*/,
-               const float* selection_bias, const ActivationTable<typename Ops::Act>& a,
+               const float* selection_bias, const ActivationTable<Ops>& a,
                const typename Ops::Act* x /*(N,C)*/, const RouterStats* stats, int64_t N) {
   const int64_t C = config.hidden_size;
   const int64_t E = config.num_experts;
@@ -44,7 +44,7 @@ void moe_route(Ops& ops, const ModelConfig& config, const typename Ops::W* route
 // intermediates). The tensors of experts without rows are not read and may be null in p.
 template <class Ops>
 void moe_mlp_forward(Ops& ops, const ModelConfig& config, const MoeTensors<const typename Ops::W>& p,
-                     const ActivationTable<typename Ops::Act>& a, const typename Ops::Act* x /*(N,C)*/,
+                     const ActivationTable<Ops>& a, const typename Ops::Act* x /*(N,C)*/,
                      typename Ops::Act* out /*(N,C)*/, int64_t N) {
   const int64_t C = config.hidden_size;
   const int64_t E = config.num_experts;
@@ -74,7 +74,7 @@ void moe_mlp_forward(Ops& ops, const ModelConfig& config, const MoeTensors<const
 // As in moe_mlp_forward, experts without rows may be null in p and g.
 template <class Ops>
 void moe_mlp_backward(Ops& ops, const ModelConfig& config, const MoeTensors<const typename Ops::W>& p,
-                      const MoeTensors<float>& g, const ActivationTable<typename Ops::Act>& a,
+                      const MoeTensors<float>& g, const ActivationTable<Ops>& a,
                       const typename Ops::Act* x /*(N,C)*/, const typename Ops::Act* dout /*(N,C)*/,
                       const float* prob_grad /*(E)*/, typename Ops::Act* dx /*(N,C)*/, int64_t N) {
   const int64_t C = config.hidden_size;

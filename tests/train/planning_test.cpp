@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/cpu/backend.h"
 #include "model/activations.h"
 #include "model/params.h"
 #include "offload/plan.h"
@@ -37,8 +38,9 @@ TEST(Planning, PredictedBytesMatchTheRealAllocationWithin5Percent) {
     // What a CPU run holds: params, grads, Adam m and v (flat buffers of the layout), the
     // activation table, and the LM head's logits chunk.
     model::ParamLayout layout(*mc);
-    model::ActivationTable<float> acts;
-    acts.reserve(*mc, c.B, c.T);
+    kernels::CpuF32Ops ops;
+    model::ActivationTable<kernels::CpuF32Ops> acts;
+    ASSERT_TRUE(acts.reserve(ops, *mc, c.B, c.T).ok());
     const double real_state = 4.0 * 4.0 * static_cast<double>(layout.total_size());
     const double real_act = static_cast<double>(acts.bytes()) +
                             4.0 * static_cast<double>(std::min<int64_t>(c.B * c.T, 256) * mc->vocab_size);

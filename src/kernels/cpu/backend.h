@@ -20,19 +20,31 @@
 // rounds P to bf16 before P @ V); tests/gpu states the tolerance this leaves.
 //
 // Backward conventions: parameter gradients accumulate (`+=`), activation gradients overwrite
-// (`=`). Every pointer is host memory. Stateless; safe for concurrent use.
+// (`=`). Every pointer is host memory. An op set belongs to one model (it owns the model's
+// activation block); not thread-safe.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/dtype.h"
+#include "core/status.h"
 #include "kernels/bf16.h"
 #include "kernels/moe.h"
 
 namespace strata::kernels {
 
-// Routing is fp32 on every backend: the same ops serve both CPU recipes.
-struct CpuRoutingOps {
+// What both CPU recipes share: the memory of the activation table, the fp32 routing ops, and the
+// staging hooks the CUDA backend needs (no-ops here: the CPU ops read host memory).
+struct CpuCommonOps {
+  // The activation table's one block (model/activations.h), zero-filled; replaces the previous
+  // block, which nothing may use any more.
+  Result<void*> activation_block(uint64_t bytes);
+  // Waits for the queued ops: a no-op, the CPU ops run in the caller.
+  void synchronize() {}
+  // Constants the ops read (RoPE frequencies), where they can read them.
+  const float* stage_constants(const float* host, int64_t /*n*/) { return host; }
+
   void moe_route_forward(int32_t* expert_idx /*(N,K)*/, float* weights /*(N,K)*/, float* probs /*(N,E)*/,
                          const float* logits /*(N,E)*/, const float* selection_bias /*(E) or null*/, int64_t N,
                          const RouterConfig& config);
@@ -48,14 +60,17 @@ struct CpuRoutingOps {
   const int64_t* expert_offsets_on_host(const int64_t* offsets /*(E+1)*/, int64_t /*E*/) { return offsets; }
   // Token ids where the ops can read them: the host arrays themselves.
   const int32_t* stage_tokens(const int32_t* host /*(N)*/, int64_t /*N*/, int32_t* /*slot*/) { return host; }
+
+ private:
+  std::vector<float> block_;
 };
 
 // One op set per recipe. Both declare the same members with their own Act and W.
 #define STRATA_CPU_BACKEND_OPS(Act, W)                                                                              \
   void embedding_forward(Act* out /*(N,C)*/, const int32_t* tokens /*(N)*/, const W* const* table_blocks,          \
-                         int64_t block_rows, int64_t N, int64_t C);                                                 \
+                         int64_t block_rows, int64_t N, int64_t C, int64_t V);                                      \
   void embedding_backward(float* const* dtable_blocks, int64_t block_rows, const Act* dout /*(N,C)*/,              \
-                          const int32_t* tokens /*(N)*/, int64_t N, int64_t C);                                     \
+                          const int32_t* tokens /*(N)*/, int64_t N, int64_t C, int64_t V);                          \
   void rmsnorm_forward(Act* out /*(N,C)*/, float* rstd /*(N)*/, const Act* x /*(N,C)*/, const W* weight /*(C)*/,   \
                        int64_t N, int64_t C, float eps);                                                            \
   void rmsnorm_backward(Act* dx /*(N,C)*/, float* dweight /*(C)*/, const Act* dout /*(N,C)*/,                      \
@@ -66,7 +81,8 @@ struct CpuRoutingOps {
   void linear_backward(Act* dx /*(N,IC) or null*/, float* dweight /*(OC,IC)*/, float* dbias /*(OC) or null*/,      \
                        const Act* dout /*(N,OC)*/, const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/,          \
                        int64_t N, int64_t IC, int64_t OC);                                                          \
-  /* The same with fp32 outputs / output gradients: the router and the shared expert's gate. */                   \
+  /* The same with fp32 outputs / output gradients: the router and the shared expert's gate. The backward        \
+     rounds dout to the activation type before its GEMMs, as the GPU must (its GEMMs read bf16). */                \
   void linear_forward_f32(float* out /*(N,OC)*/, const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/, int64_t N,  \
                           int64_t IC, int64_t OC);                                                                  \
   void linear_backward_f32(Act* dx /*(N,IC)*/, float* dweight /*(OC,IC)*/, const float* dout /*(N,OC)*/,           \
@@ -113,7 +129,7 @@ struct CpuRoutingOps {
   void shared_expert_backward(Act* dshared, float* dlogit, const Act* dout, const Act* shared_out,                  \
                               const float* logit, int64_t N, int64_t C);
 
-struct CpuF32Ops : CpuRoutingOps {
+struct CpuF32Ops : CpuCommonOps {
   using Act = float;
   using W = float;
   static constexpr DType kWeightDType = DType::kF32;
@@ -121,7 +137,7 @@ struct CpuF32Ops : CpuRoutingOps {
   STRATA_CPU_BACKEND_OPS(float, float)
 };
 
-struct CpuBf16Ops : CpuRoutingOps {
+struct CpuBf16Ops : CpuCommonOps {
   using Act = Bf16;
   using W = Bf16;
   static constexpr DType kWeightDType = DType::kBF16;

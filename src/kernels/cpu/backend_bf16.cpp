@@ -41,7 +41,7 @@ float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 }  // namespace
 
 void CpuBf16Ops::embedding_forward(Bf16* out, const int32_t* tokens, const Bf16* const* table_blocks,
-                                   int64_t block_rows, int64_t N, int64_t C) {
+                                   int64_t block_rows, int64_t N, int64_t C, int64_t /*V*/) {
   // A copy of rows: exact.
   for (int64_t n = 0; n < N; ++n) {
     const int64_t t = tokens[n];
@@ -49,7 +49,7 @@ void CpuBf16Ops::embedding_forward(Bf16* out, const int32_t* tokens, const Bf16*
   }
 }
 void CpuBf16Ops::embedding_backward(float* const* dtable_blocks, int64_t block_rows, const Bf16* dout,
-                                    const int32_t* tokens, int64_t N, int64_t C) {
+                                    const int32_t* tokens, int64_t N, int64_t C, int64_t /*V*/) {
   const std::vector<float> d = widen(dout, N * C);
   cpu::embedding_backward_blocked(dtable_blocks, block_rows, d.data(), tokens, N, C);
 }
@@ -90,9 +90,12 @@ void CpuBf16Ops::linear_forward_f32(float* out, const Bf16* x, const Bf16* weigh
 }
 void CpuBf16Ops::linear_backward_f32(Bf16* dx, float* dweight, const float* dout, const Bf16* x,
                                      const Bf16* weight, int64_t N, int64_t IC, int64_t OC) {
+  // dout rounded to bf16 first: the GPU's GEMMs read bf16.
+  std::vector<float> df(static_cast<size_t>(N * OC));
+  for (int64_t i = 0; i < N * OC; ++i) df[static_cast<size_t>(i)] = to_f32(to_bf16(dout[i]));
   const std::vector<float> xf = widen(x, N * IC), wf = widen(weight, OC * IC);
   std::vector<float> o(static_cast<size_t>(N * IC));
-  cpu::linear_backward(o.data(), dweight, nullptr, dout, xf.data(), wf.data(), N, IC, OC);
+  cpu::linear_backward(o.data(), dweight, nullptr, df.data(), xf.data(), wf.data(), N, IC, OC);
   narrow(dx, o.data(), N * IC);
 }
 void CpuBf16Ops::rope_forward(Bf16* out, const Bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H,

@@ -1,4 +1,4 @@
-// CpuF32Ops and CpuRoutingOps: the kernels::cpu ops under the decoder's op-set names.
+// CpuF32Ops and CpuCommonOps: the kernels::cpu ops under the decoder's op-set names.
 #include <cmath>
 
 #include "kernels/attention.h"
@@ -12,30 +12,35 @@
 
 namespace strata::kernels {
 
-void CpuRoutingOps::moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const float* logits,
+Result<void*> CpuCommonOps::activation_block(uint64_t bytes) {
+  block_.assign((bytes + sizeof(float) - 1) / sizeof(float), 0.0f);
+  return static_cast<void*>(block_.data());
+}
+
+void CpuCommonOps::moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const float* logits,
                                       const float* selection_bias, int64_t N, const RouterConfig& config) {
   cpu::moe_route_forward(expert_idx, weights, probs, logits, selection_bias, N, config);
 }
-void CpuRoutingOps::moe_route_backward(float* dlogits, const float* dweights, const float* prob_grad,
+void CpuCommonOps::moe_route_backward(float* dlogits, const float* dweights, const float* prob_grad,
                                        const float* probs, const int32_t* expert_idx, const float* weights,
                                        int64_t N, const RouterConfig& config) {
   cpu::moe_route_backward(dlogits, dweights, prob_grad, probs, expert_idx, weights, N, config);
 }
-void CpuRoutingOps::moe_permute(int32_t* slot_of, int32_t* token_of_slot, int64_t* expert_offsets,
+void CpuCommonOps::moe_permute(int32_t* slot_of, int32_t* token_of_slot, int64_t* expert_offsets,
                                 const int32_t* expert_idx, int64_t N, int64_t K, int64_t E) {
   cpu::moe_permute(slot_of, token_of_slot, expert_offsets, expert_idx, N, K, E);
 }
-void CpuRoutingOps::moe_router_stats(int64_t* counts, double* prob_sums, const int32_t* expert_idx,
+void CpuCommonOps::moe_router_stats(int64_t* counts, double* prob_sums, const int32_t* expert_idx,
                                      const float* probs, int64_t N, int64_t K, int64_t E) {
   cpu::moe_router_stats(counts, prob_sums, expert_idx, probs, N, K, E);
 }
 
 void CpuF32Ops::embedding_forward(float* out, const int32_t* tokens, const float* const* table_blocks,
-                                  int64_t block_rows, int64_t N, int64_t C) {
+                                  int64_t block_rows, int64_t N, int64_t C, int64_t /*V*/) {
   cpu::embedding_forward_blocked(out, tokens, table_blocks, block_rows, N, C);
 }
 void CpuF32Ops::embedding_backward(float* const* dtable_blocks, int64_t block_rows, const float* dout,
-                                   const int32_t* tokens, int64_t N, int64_t C) {
+                                   const int32_t* tokens, int64_t N, int64_t C, int64_t /*V*/) {
   cpu::embedding_backward_blocked(dtable_blocks, block_rows, dout, tokens, N, C);
 }
 void CpuF32Ops::rmsnorm_forward(float* out, float* rstd, const float* x, const float* weight, int64_t N, int64_t C,
