@@ -87,9 +87,9 @@ class Decoder final : public Model {
   // load_safetensors.
   // flat_buffers = false: no flat parameter and gradient buffers are allocated; a ParamAccess
   // must be set before compute (a paged run, whose state never fits in memory twice).
-  // ops_args construct the backend's op set (the CUDA one takes its Device).
-  template <class... OpsArgs>
-  explicit Decoder(const ModelConfig& config, bool flat_buffers = true, OpsArgs&&... ops_args);
+  // ops: the backend's op set (the CPU ones are default-constructed; the CUDA one is made on
+  // its Device).
+  explicit Decoder(const ModelConfig& config, bool flat_buffers = true, Ops ops = Ops());
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
 

@@ -16,11 +16,12 @@
 namespace strata::model {
 
 template <class Ops>
-template <class... OpsArgs>
-Decoder<Ops>::Decoder(const ModelConfig& config, bool flat_buffers, OpsArgs&&... ops_args)
-    : config_(config), layout_(config), ops_(std::forward<OpsArgs>(ops_args)...) {
+Decoder<Ops>::Decoder(const ModelConfig& config, bool flat_buffers, Ops ops)
+    : config_(config), layout_(config), ops_(std::move(ops)) {
   Status st = config_.validate("LlamaModel config");
   CHECK_MSG(st.ok(), st.to_string());
+  CHECK_MSG(!flat_buffers || Ops::kHostMemory,
+            std::string("the ") + Ops::kName + " backend computes through a ParamAccess only (no flat buffers)");
   if (flat_buffers) {
     params_.assign(static_cast<size_t>(layout_.total_size()), 0.0f);
     if constexpr (!std::is_same_v<W, float>) compute_.assign(params_.size(), W{});
@@ -47,8 +48,12 @@ void Decoder<Ops>::init_weights(uint64_t seed) {
 template <class Ops>
 void Decoder<Ops>::sync_compute_copy() {
   if constexpr (!std::is_same_v<W, float>) {
+    static_assert(sizeof(W) == sizeof(uint16_t), "a bf16 compute copy");
     CHECK_MSG(compute_.size() == params_.size(), "sync_compute_copy without flat buffers");
-    for (size_t i = 0; i < params_.size(); ++i) compute_[i] = kernels::to_bf16(params_[i]);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const uint16_t bits = kernels::f32_to_bf16(params_[i]);
+      std::memcpy(&compute_[i], &bits, sizeof(bits));
+    }
   }
 }
 

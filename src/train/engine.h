@@ -1,11 +1,10 @@
 // TrainEngine: the model and its training state on one backend, as the training loop drives
-// them. Two engines exist:
-//   PagedEngine (paged_engine.h)     the CPU model over PagedState: state in chunks paged
-//                                    across device, host and nvme budgets.
-//   ResidentEngine (resident_engine.h) a model whose whole state lives in one memory (the
-//                                    CUDA model on a GPU), with a host copy for checkpoints.
-// The loop (trainer.cpp) owns data, schedule, metrics, checkpoints and export; an engine owns
-// how a step is computed and where the state is. Not thread-safe.
+// them. PagedEngine (paged_engine.h) is the one implementation: the decoder on the CPU or CUDA
+// backend over PagedState, the state in chunks across device, host and nvme budgets (all on the
+// device when the plan homes it there). The interface keeps the loop (trainer.cpp) testable
+// with engines of its own.
+// The loop owns data, schedule, metrics, checkpoints and export; an engine owns how a step is
+// computed and where the state is. Not thread-safe.
 #pragma once
 
 #include <cstdint>

@@ -9,19 +9,44 @@
 #include "memory/chunk.h"
 #include "train/planning.h"
 
+#if STRATA_HAVE_CUDA
+#include "model/cuda/decoder_cuda.h"
+#endif
+
 namespace strata {
 
 Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfig& mc, const TrainConfig& t,
-                                                         const OptimizerConfig& oc) {
+                                                         const OptimizerConfig& oc, bool cuda) {
   std::unique_ptr<PagedEngine> e(new PagedEngine());
   e->mc_ = mc;
-  // The state lives in the chunk space only: the model keeps no flat copy.
-  const StateLayout layout = StateLayout::of(t.precision);
-  e->net_ = model::make_cpu_decoder(layout.compute_dtype(), mc, /*flat_buffers=*/false);
+  TrainConfig budgets = t;
+  // The state lives in the chunk space only: the model keeps no flat copy. On CUDA the model,
+  // its kernels' scratch, its activations and the chunks share the device's arena.
+  if (cuda) {
+    budgets.precision = Precision::kBf16;
+#if STRATA_HAVE_CUDA
+    RETURN_IF_ERROR(model::cuda_supports(mc));
+    ASSIGN_OR_RETURN(e->device_, open_device("cuda", 0, t.memory_device));
+    ASSIGN_OR_RETURN(e->state_kernels_, make_cuda_state_kernels(*e->device_));
+    ASSIGN_OR_RETURN(e->net_, model::make_cuda_decoder(*e->device_, mc));
+    const uint64_t budget = e->device_->memory_budget();
+    const uint64_t taken = e->device_->memory_in_use();  // the kernels' scratch and workspaces
+    if (budget <= taken + (64ull << 20))
+      return Status::OutOfMemory(fmt::format("memory.device {} leaves no room for the model's state after the "
+                                             "kernels' {} of scratch; raise memory.device",
+                                             format_bytes(budget), format_bytes(taken)));
+    budgets.memory_device = budget - taken;
+#else
+    return Status::Unimplemented("this strata was built without the CUDA backend (configure with -DSTRATA_CUDA=ON)");
+#endif
+  } else {
+    ASSIGN_OR_RETURN(e->device_, open_device("cpu", 0, 0));
+  }
+  const StateLayout layout = StateLayout::of(budgets.precision);
+  if (!cuda) e->net_ = model::make_cpu_decoder(layout.compute_dtype(), mc, /*flat_buffers=*/false);
 
   // Where the state lives: the planner places each kind on the tiers, and the chunk space
   // holds it there. The model's activation workspace is budgeted apart from the chunks.
-  TrainConfig budgets = t;
   if (budgets.memory_host == 0) budgets.memory_host = default_host_budget();
   const uint64_t all_state = static_cast<uint64_t>(e->net_->layout().total_size()) * layout.bytes_per_parameter();
   if (budgets.memory_device == 0) budgets.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
@@ -36,7 +61,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
           spec.num_blocks() > 1 ? fmt::format(" in blocks of {} rows", spec.block_rows) : "", format_bytes(bytes),
           format_bytes((bytes + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment)));
   }
-  e->plan_ = make_plan(make_plan_input(mc, budgets, /*cuda=*/false));
+  e->plan_ = make_plan(make_plan_input(mc, budgets, cuda));
   const Plan& plan = e->plan_;
   if (!plan.fits) {
     std::string fix;
@@ -51,7 +76,6 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
     ASSIGN_OR_RETURN(e->io_, make_io_engine(IoEngineOptions{}));
   }
   e->nvme_path_ = t.nvme_path;
-  ASSIGN_OR_RETURN(e->device_, open_device("cpu", 0, 0));
   PagedStateOptions& po = e->options_;
   po.device_bytes = budgets.memory_device > plan.device.act ? budgets.memory_device - plan.device.act : 0;
   po.host_bytes = budgets.memory_host;
@@ -64,7 +88,8 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   po.activation_tokens = t.micro_batch * t.seq_len;
   po.optimizer = oc;
   po.overlap_optimizer = t.overlap_backward;
-  po.precision = t.precision;
+  po.precision = budgets.precision;
+  po.device_kernels = e->state_kernels_.get();
   ASSIGN_OR_RETURN(e->state_, PagedState::create(*e->device_, e->io_.get(), e->net_->layout(), po));
   e->net_->set_access(e->state_.get());
   return e;

@@ -1,7 +1,8 @@
-// PagedEngine: the CPU decoder (model/decoder.h, dense or MoE; fp32, or the GPU's bf16 recipe
-// emulated with train.precision=bf16) computing over PagedState, the training state held in
-// chunks across the device, host and nvme budgets of a TrainConfig as the planner places them
-// (DESIGN §3.2-3.3).
+// PagedEngine: THE training engine. The decoder (model/decoder.h, dense or MoE) on a backend —
+// the CPU (fp32, or the GPU's bf16 recipe emulated with train.precision=bf16) or CUDA (bf16) —
+// computing over PagedState, the training state held in chunks across the device, host and
+// nvme budgets of a TrainConfig as the planner places them (DESIGN §3.2-3.3). A state that
+// fits the device is simply the plan that homes every chunk there.
 #pragma once
 
 #include <memory>
@@ -26,13 +27,15 @@ class PagedEngine final : public TrainEngine {
   // OutOfMemory with the planner's suggestions when the state does not fit; IOError naming
   // memory.nvme.path when it cannot be created. The parameters start at zero: fill them
   // through state().
+  // cuda: compute on GPU 0 (the bf16 recipe; chunks, activations and the kernels' scratch all
+  // in its arena of memory.device); otherwise on the CPU in train.precision.
   static Result<std::unique_ptr<PagedEngine>> create(const model::ModelConfig& mc, const TrainConfig& t,
-                                                     const OptimizerConfig& oc);
+                                                     const OptimizerConfig& oc, bool cuda = false);
   ~PagedEngine() override;
 
   const model::ParamLayout& layout() const override { return net_->layout(); }
   SavableState& state() override { return *state_; }
-  std::string device_name() const override { return "cpu"; }
+  std::string device_name() const override { return device_->kind() == DeviceKind::kCpu ? "cpu" : device_->name(); }
   std::string memory_summary() const override;
 
   Status zero_grads() override;
@@ -54,6 +57,7 @@ class PagedEngine final : public TrainEngine {
   std::string nvme_path_;
   std::unique_ptr<Device> device_;
   std::unique_ptr<IoEngine> io_;
+  std::unique_ptr<StateKernels> state_kernels_;  // the device's; null on the CPU
   std::unique_ptr<model::Model> net_;
   std::unique_ptr<PagedState> state_;
 };

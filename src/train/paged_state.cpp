@@ -114,6 +114,16 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   std::unique_ptr<PagedState> ps(new PagedState());
   ps->layout_ = layout;
   ps->options_ = options;
+  ps->device_ = &device;
+  if (options.device_kernels == nullptr) {
+    if (device.kind() != DeviceKind::kCpu)
+      return Status::InvalidArgument("a PagedState on " + device.name() + " needs that device's state kernels");
+    ps->cpu_kernels_ = make_cpu_state_kernels();
+    ps->kernels_ = ps->cpu_kernels_.get();
+  } else {
+    ps->kernels_ = options.device_kernels;
+  }
+  if (device.kind() != DeviceKind::kCpu) ps->staging_stream_ = device.create_stream();
   std::vector<StateTensor> tensors;
   for (const auto& t : ps->layout_.tensors()) {
     for (int64_t b = 0; b < t.num_blocks(); ++b) {
@@ -265,6 +275,7 @@ Status PagedState::read_flat(StateKind saved, uint64_t offset, uint64_t length, 
 
 Status PagedState::load_params(const float* flat) { return copy_kind(StateKind::kParam, const_cast<float*>(flat), true); }
 Status PagedState::store_params(float* flat) { return copy_kind(StateKind::kParam, flat, false); }
+Status PagedState::store_grads(float* flat) { return copy_kind(StateKind::kGrad, flat, false); }
 Status PagedState::store_moments(float* m_flat, float* v_flat) {
   RETURN_IF_ERROR(copy_kind(StateKind::kAdamM, m_flat, false));
   return copy_kind(StateKind::kAdamV, v_flat, false);
@@ -278,8 +289,8 @@ Status PagedState::load_moments(const float* m_flat, const float* v_flat) {
 Status PagedState::zero_grads() {
   for (int g = 0; g < store_->num_groups(); ++g) {
     RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kWrite));
-    for (size_t i : store_->group_tensors(g))
-      std::memset(store_->pointer(i, StateKind::kGrad), 0, static_cast<size_t>(pieces_[i].numel) * sizeof(float));
+    for (size_t i : store_->group_tensors(g)) kernels_->zero(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
+    kernels_->synchronize();
     store_->release_group(g, StateKind::kGrad);
   }
   return Status::OK();
@@ -313,19 +324,25 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   for (size_t i : store_->group_tensors(g)) {
     const Piece& t = pieces_[i];
     float* grad = store_->pointer(i, StateKind::kGrad);
-    if (coefficient != 1.0f) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
     p.weight_decay = t.spec->weight_decay ? options_.optimizer.weight_decay : 0.0f;
     float* master = store_->pointer(i, layout.master_kind());
     float* m = store_->pointer(i, StateKind::kAdamM);
     float* v = store_->pointer(i, StateKind::kAdamV);
-    if (where == Tier::kHost) kernels::adamw_step_f32(master, grad, m, v, t.numel, p, simd);
-    else kernels::cpu::adamw_step(master, grad, m, v, t.numel, p);
-    if (layout.separate_master()) {
-      // The new compute copy, rounded to nearest even from the updated master.
-      uint16_t* copy = static_cast<uint16_t*>(store_->raw_pointer(i, StateKind::kParam));
-      for (int64_t j = 0; j < t.numel; ++j) copy[j] = kernels::f32_to_bf16(master[j]);
+    // The new compute copy is the updated master rounded to nearest even.
+    void* copy = layout.separate_master() ? store_->raw_pointer(i, StateKind::kParam) : nullptr;
+    if (where == Tier::kDevice) {
+      if (coefficient != 1.0f) kernels_->scale(grad, t.numel, coefficient);
+      kernels_->adamw(master, grad, m, v, copy, t.numel, p);
+      continue;
+    }
+    if (coefficient != 1.0f) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
+    kernels::adamw_step_f32(master, grad, m, v, t.numel, p, simd);
+    if (copy != nullptr) {
+      uint16_t* bits = static_cast<uint16_t*>(copy);
+      for (int64_t j = 0; j < t.numel; ++j) bits[j] = kernels::f32_to_bf16(master[j]);
     }
   }
+  if (where == Tier::kDevice) kernels_->synchronize();
   for (StateKind k : kinds) store_->release_group(g, k);
   return Status::OK();
 }
@@ -349,13 +366,15 @@ Result<double> PagedState::clip_and_step(float lr) {
     return 0.0;
   }
   // The global norm, summed tensor by tensor in layout order (as AdamW::grad_norm does).
-  double sum = 0;
+  kernels_->begin_norm();
   for (int g = 0; g < store_->num_groups(); ++g) {
     RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kRead));
-    for (size_t i : store_->group_tensors(g)) sum += kernels::cpu::sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
+    for (size_t i : store_->group_tensors(g))
+      kernels_->add_sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
+    kernels_->synchronize();
     store_->release_group(g, StateKind::kGrad);
   }
-  const double norm = std::sqrt(sum);
+  const double norm = std::sqrt(kernels_->end_norm());
   const float coefficient = kernels::clip_coefficient(norm, options_.optimizer.grad_clip);
   ++step_count_;
   const kernels::AdamWParams p = adamw_params(lr);
@@ -451,12 +470,22 @@ void PagedState::end(int group, bool params, bool grads) {
 const void* PagedState::param(int64_t offset) { return store_->raw_pointer(tensor_at(offset), StateKind::kParam); }
 float* PagedState::grad(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kGrad); }
 
+// On a device whose memory the host cannot read, checkpoints travel through a host buffer.
 Status PagedState::offload_checkpoint(int index, const void* data, uint64_t bytes) {
-  return store_->write_activation(index, data, bytes);
+  if (staging_stream_ == nullptr) return store_->write_activation(index, data, bytes);
+  staging_.resize(bytes);
+  device_->copy(staging_.data(), data, bytes, *staging_stream_);
+  staging_stream_->synchronize();
+  return store_->write_activation(index, staging_.data(), bytes);
 }
 
 Status PagedState::fetch_checkpoint(int index, void* data, uint64_t bytes) {
-  return store_->read_activation(index, data, bytes);
+  if (staging_stream_ == nullptr) return store_->read_activation(index, data, bytes);
+  staging_.resize(bytes);
+  RETURN_IF_ERROR(store_->read_activation(index, staging_.data(), bytes));
+  device_->copy(data, staging_.data(), bytes, *staging_stream_);
+  staging_stream_->synchronize();
+  return Status::OK();
 }
 
 std::string PagedState::placement_summary() const {

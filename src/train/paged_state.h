@@ -51,6 +51,7 @@
 #include "offload/state_store.h"
 #include "train/optimizer.h"
 #include "train/savable_state.h"
+#include "train/state_kernels.h"
 
 namespace strata {
 
@@ -72,6 +73,9 @@ struct PagedStateOptions {
   // The precision recipe: which kinds of state exist and in what dtype (offload/state_layout.h).
   // bf16: the chunks hold a bf16 compute copy beside the fp32 master, and AdamW writes both.
   Precision precision = Precision::kFp32;
+  // The arithmetic on state in the device tier (train/state_kernels.h): the device's backend's.
+  // Null: the CPU's (the CPU backend, whose device memory is host memory). Borrowed.
+  StateKernels* device_kernels = nullptr;
   // Start AdamW on each group as soon as its gradients are final in the step's last micro-batch,
   // on a worker thread, while backward continues on earlier layers. Requires grad_clip = 0.
   bool overlap_optimizer = false;
@@ -95,6 +99,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   // Copies parameters in from / out to a flat buffer of layout.total_size() floats.
   Status load_params(const float* flat);
   Status store_params(float* flat);
+  // Copies the gradients out (tests compare them across backends).
+  Status store_grads(float* flat);
   // Copies the Adam moments out / in.
   Status store_moments(float* m_flat, float* v_flat);
   Status load_moments(const float* m_flat, const float* v_flat);
@@ -163,6 +169,11 @@ class PagedState : public model::ParamAccess, public SavableState {
   void worker_loop();
 
   PagedStateOptions options_;
+  Device* device_ = nullptr;
+  std::unique_ptr<StateKernels> cpu_kernels_;  // when options_.device_kernels is null
+  StateKernels* kernels_ = nullptr;           // device-tier arithmetic
+  std::unique_ptr<Stream> staging_stream_;     // checkpoint offload between device and host memory
+  std::vector<char> staging_;
   std::unique_ptr<StateStore> store_;
   std::unordered_map<int64_t, size_t> by_offset_;  // flat offset -> store tensor index
   std::vector<std::pair<int64_t, size_t>> sorted_;  // (flat offset, store tensor index), ascending

@@ -71,8 +71,8 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   bool every_tensor_fits = true;
   for (const model::TensorSpec& s : layout.tensors())
     every_tensor_fits = every_tensor_fits && static_cast<uint64_t>(s.block_numel(0)) * 4 <= t.chunk_size;
-  if (!cuda && t.chunk_size > 0 && every_tensor_fits) {
-    // The CPU layout's chunks as the paged state packs them: the layers (on average, as the
+  if (t.chunk_size > 0 && every_tensor_fits) {
+    // The chunks as the paged state packs them: the layers (on average, as the
     // planner's layer groups are all alike), and the embedding plus the head. (A chunk size
     // that cannot hold a tensor is refused by the state itself, naming the tensor.)
     const std::vector<uint64_t> chunks = PagedState::group_chunks(layout, t.chunk_size);

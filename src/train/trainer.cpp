@@ -20,10 +20,8 @@
 #include "train/optimizer.h"
 #include "train/checkpointing.h"
 #include "train/paged_engine.h"
-#include "train/resident_engine.h"
 #if STRATA_HAVE_CUDA
 #include "core/cuda/cuda_device.h"
-#include "train/cuda/cuda_model.h"
 #endif
 
 namespace strata {
@@ -153,17 +151,8 @@ Result<std::unique_ptr<TrainEngine>> make_cuda_engine(const model::ModelConfig& 
     return Status::Unimplemented(fmt::format("the CUDA backend trains in the bf16 recipe; train.precision={} runs on "
                                              "the cpu (run.device=cpu)",
                                              precision_name(t.precision)));
-#if STRATA_HAVE_CUDA
-  CudaModelOptions co;
-  co.micro_batch = t.micro_batch;
-  co.seq_len = t.seq_len;
-  co.budget_bytes = t.memory_device;
-  ASSIGN_OR_RETURN(std::unique_ptr<ResidentModel> model, make_cuda_model(mc, oc, co));
-  return std::unique_ptr<TrainEngine>(new ResidentEngine(std::move(model)));
-#else
-  (void)mc, (void)t, (void)oc;
-  return Status::Unimplemented("this strata was built without the CUDA backend (configure with -DSTRATA_CUDA=ON)");
-#endif
+  ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> paged, PagedEngine::create(mc, t, oc, /*cuda=*/true));
+  return std::unique_ptr<TrainEngine>(std::move(paged));
 }
 
 #if STRATA_HAVE_CUDA
@@ -186,12 +175,7 @@ Result<std::unique_ptr<TrainEngine>> make_train_engine(const model::ModelConfig&
                                                        const OptimizerConfig& oc) {
   if (t.device == "cuda" || (t.device == "auto" && cuda_visible())) {
     Result<std::unique_ptr<TrainEngine>> cuda = make_cuda_engine(mc, t, oc);
-    if (cuda.ok()) {
-      if (!t.nvme_path.empty() || t.overlap_backward)
-        LOG_WARN("run.device=cuda keeps the whole state in device memory: memory.nvme.* and train.overlap_backward "
-                 "are not used");
-      return cuda;
-    }
+    if (cuda.ok()) return cuda;
     if (t.device == "cuda") return cuda.status().with_context("run.device=cuda");
     LOG_INFO("run.device=auto: not on the GPU ({}); training on the CPU", cuda.status().message());
   } else if (t.device == "auto" && kBuiltWithCuda) {

@@ -1,6 +1,9 @@
-// Model parity: CudaLlama (bf16 activations, fp32 master weights and gradients) against the CPU
-// LlamaModel (fp32 throughout) on the same weights and batches: the loss, every parameter
-// gradient accumulated over two micro-batches, and the loss curve of a few AdamW steps.
+// Model parity: the decoder on the CUDA backend (Decoder<CudaOps> over a PagedState on the GPU:
+// bf16 activations and compute copy, fp32 master weights and gradients) against the CPU decoder
+// (LlamaModel, fp32 throughout, and LlamaModelBf16, the same bf16 recipe) on the same weights and
+// batches: the loss, every parameter gradient accumulated over two micro-batches, and the loss
+// curve of a few AdamW steps. Then the paging invariance on the GPU: a device budget a third of
+// the state's gives bitwise the run that keeps everything on the device; and a MoE model trains.
 //
 // The initial weights are rounded to bf16 before either model sees them, so the GPU's bf16
 // compute copy equals the CPU's fp32 weights and only the computation differs: bf16 storage of
@@ -42,14 +45,15 @@
 
 #include "gpu_test_util.h"
 #include "model/config.h"
-#include "model/cuda/llama_cuda.h"
+#include "model/cuda/decoder_cuda.h"
 #include "model/decoder.h"
 #include "train/optimizer.h"
+#include "train/paged_state.h"
+#include "train/state_kernels.h"
 
 namespace strata::testing {
 namespace {
 
-using model::CudaLlama;
 using model::LlamaModel;
 using model::ModelConfig;
 using model::TensorKind;
@@ -108,12 +112,12 @@ Batch random_batch(int64_t n, int64_t vocab, uint64_t seed) {
 
 // The standard init, with norm gains and biases moved off 1 and 0 so that a misplaced gain or
 // bias shows; then every value rounded to bf16.
-std::vector<float> initial_params(const LlamaModel& cpu, uint64_t seed) {
-  std::vector<float> p(static_cast<size_t>(cpu.layout().total_size()), 0.0f);
-  model::init_weights(cpu.layout(), p.data(), seed);
+std::vector<float> initial_params(const model::ParamLayout& layout, uint64_t seed) {
+  std::vector<float> p(static_cast<size_t>(layout.total_size()), 0.0f);
+  model::init_weights(layout, p.data(), seed);
   std::mt19937_64 rng(seed + 1);
   std::uniform_real_distribution<float> gain(0.8f, 1.2f), bias(-0.05f, 0.05f);
-  for (const TensorSpec& t : cpu.layout().tensors()) {
+  for (const TensorSpec& t : layout.tensors()) {
     for (int64_t i = 0; i < t.numel; ++i) {
       float& x = p[static_cast<size_t>(t.offset + i)];
       if (t.kind == TensorKind::kNormWeight) x = gain(rng);
@@ -124,11 +128,65 @@ std::vector<float> initial_params(const LlamaModel& cpu, uint64_t seed) {
   return p;
 }
 
-std::unique_ptr<CudaLlama> make_gpu(const ModelConfig& config) {
-  Result<std::unique_ptr<CudaLlama>> gpu = CudaLlama::create(config);
-  CHECK_MSG(gpu.ok(), gpu.status().to_string());
-  return std::move(gpu).value();
+OptimizerConfig adam_config(float clip) {
+  OptimizerConfig opt;
+  opt.beta1 = 0.9f;
+  opt.beta2 = 0.95f;
+  opt.eps = 1e-8f;
+  opt.weight_decay = 0.1f;
+  opt.grad_clip = clip;
+  return opt;
 }
+
+// The decoder on GPU 0 over a PagedState, as strata train builds it: `device_bytes` of chunks
+// on the device (0: room for everything), the rest in host memory.
+struct GpuModel {
+  std::unique_ptr<Device> device;
+  std::unique_ptr<StateKernels> kernels;
+  std::unique_ptr<model::Model> net;
+  std::unique_ptr<PagedState> state;
+
+  GpuModel(const ModelConfig& config, const OptimizerConfig& opt, uint64_t device_bytes = 0) {
+    Result<std::unique_ptr<Device>> d = open_device("cuda", 0, 0);
+    CHECK_MSG(d.ok(), d.status().to_string());
+    device = std::move(d).value();
+    Result<std::unique_ptr<StateKernels>> k = make_cuda_state_kernels(*device);
+    CHECK_MSG(k.ok(), k.status().to_string());
+    kernels = std::move(k).value();
+    Result<std::unique_ptr<model::Model>> m = model::make_cuda_decoder(*device, config);
+    CHECK_MSG(m.ok(), m.status().to_string());
+    net = std::move(m).value();
+    PagedStateOptions po;
+    po.device_bytes = device_bytes ? device_bytes : 1ull << 30;
+    po.host_bytes = 1ull << 30;
+    po.optimizer = opt;
+    po.precision = Precision::kBf16;
+    po.device_kernels = kernels.get();
+    Result<std::unique_ptr<PagedState>> s = PagedState::create(*device, nullptr, net->layout(), po);
+    CHECK_MSG(s.ok(), s.status().to_string());
+    state = std::move(s).value();
+    net->set_access(state.get());
+  }
+  ~GpuModel() {
+    net->set_access(nullptr);
+    state.reset();
+    net.reset();
+    kernels.reset();
+  }
+  Result<double> forward_backward(const Batch& b, int64_t B, int64_t T, float grad_scale) {
+    return net->compute(b.inputs.data(), b.targets.data(), B, T, grad_scale, /*backward=*/true);
+  }
+  std::vector<float> grads() {
+    std::vector<float> g(static_cast<size_t>(net->layout().total_size()));
+    CHECK(state->store_grads(g.data()).ok());
+    return g;
+  }
+  std::vector<float> params() {
+    std::vector<float> p(static_cast<size_t>(net->layout().total_size()));
+    CHECK(state->store_params(p.data()).ok());
+    return p;
+  }
+};
 
 struct TensorError {
   double relative = 0;  // ||a - b|| / ||b||
@@ -152,18 +210,18 @@ TensorError compare(const float* a, const float* b, int64_t n) {
 
 class ModelParity : public ::testing::TestWithParam<Variant> {};
 
-TEST_P(ModelParity, LossAndEveryGradientMatchTheCpuModel) {
+// Against the fp32 reference and against the CPU's bf16 recipe; both errors are printed.
+TEST_P(ModelParity, LossAndEveryGradientMatchTheCpuModels) {
   const ModelConfig config = tiny_config(GetParam());
-  LlamaModel cpu(config);
-  std::unique_ptr<CudaLlama> gpu = make_gpu(config);
-  const std::vector<float> init = initial_params(cpu, 17);
-  std::copy(init.begin(), init.end(), cpu.params());
-  gpu->load_params(init.data());
-
-  // load/store is an exact round trip.
-  std::vector<float> stored(init.size());
-  gpu->store_params(stored.data());
-  ASSERT_TRUE(std::equal(stored.begin(), stored.end(), init.begin())) << "store_params(load_params(x)) != x";
+  LlamaModel fp32(config);
+  model::LlamaModelBf16 bf16(config);
+  GpuModel gpu(config, adam_config(1.0f));
+  const std::vector<float> init = initial_params(fp32.layout(), 17);
+  std::copy(init.begin(), init.end(), fp32.params());
+  std::copy(init.begin(), init.end(), bf16.params());
+  bf16.sync_compute_copy();
+  ASSERT_TRUE(gpu.state->load_params(init.data()).ok());
+  ASSERT_TRUE(gpu.params() == init) << "store_params(load_params(x)) != x";
 
   // Two micro-batches of different shapes accumulate into one step's gradient.
   const int64_t B = 2, T = 96, B2 = 1, T2 = 160;
@@ -173,91 +231,43 @@ TEST_P(ModelParity, LossAndEveryGradientMatchTheCpuModel) {
                         model::count_valid_targets(second.targets.data(), B2 * T2);
   const float grad_scale = 1.0f / static_cast<float>(valid);
 
-  cpu.zero_grads();
-  gpu->zero_grads();
-  const double cpu_loss1 = cpu.forward_backward(first.inputs.data(), first.targets.data(), B, T, grad_scale);
-  const double cpu_loss2 = cpu.forward_backward(second.inputs.data(), second.targets.data(), B2, T2, grad_scale);
-  Result<double> gpu_loss1 = gpu->forward_backward(first.inputs.data(), first.targets.data(), B, T, grad_scale);
-  ASSERT_TRUE(gpu_loss1.ok()) << gpu_loss1.status().to_string();
-  Result<double> gpu_loss2 = gpu->forward_backward(second.inputs.data(), second.targets.data(), B2, T2, grad_scale);
-  ASSERT_TRUE(gpu_loss2.ok()) << gpu_loss2.status().to_string();
-
-  for (const auto& [name, g, c] : {std::tuple{"micro-batch 1", *gpu_loss1, cpu_loss1},
-                                   std::tuple{"micro-batch 2", *gpu_loss2, cpu_loss2}}) {
-    const double err = std::abs(g - c) / std::abs(c);
-    std::printf("%s loss: gpu %.6f cpu %.6f relative error %.2e\n", name, g, c, err);
-    EXPECT_TRUE(err <= kLossTol) << name << ": loss " << g << " vs CPU " << c;
-  }
-  // forward_loss gives the same sum without touching the gradients.
-  Result<double> eval = gpu->forward_loss(first.inputs.data(), first.targets.data(), B, T);
-  ASSERT_TRUE(eval.ok()) << eval.status().to_string();
-  EXPECT_TRUE(std::abs(*eval - *gpu_loss1) <= 1e-9 * std::abs(*gpu_loss1)) << *eval << " vs " << *gpu_loss1;
-
-  std::vector<float> gpu_grads(init.size());
-  gpu->store_grads(gpu_grads.data());
-  for (const TensorSpec& t : cpu.layout().tensors()) {
-    const TensorError e = compare(gpu_grads.data() + t.offset, cpu.grads() + t.offset, t.numel);
-    std::printf("  %-48s rel %.2e  cos %.6f\n", t.name.c_str(), e.relative, e.cosine);
-    EXPECT_TRUE(e.relative <= kGradRelTol) << t.name << ": relative L2 error " << e.relative;
-    EXPECT_TRUE(e.cosine >= kGradCosineMin) << t.name << ": cosine similarity " << e.cosine;
-  }
-}
-
-// The CUDA model against the CPU's bf16 recipe: the same rounding points, so tighter tolerances
-// than against fp32 (see the top of this file). Both errors are printed side by side.
-TEST_P(ModelParity, LossAndEveryGradientMatchTheBf16CpuRecipe) {
-  const ModelConfig config = tiny_config(GetParam());
-  LlamaModel fp32(config);
-  model::LlamaModelBf16 bf16(config);
-  std::unique_ptr<CudaLlama> gpu = make_gpu(config);
-  const std::vector<float> init = initial_params(fp32, 19);
-  std::copy(init.begin(), init.end(), fp32.params());
-  std::copy(init.begin(), init.end(), bf16.params());
-  bf16.sync_compute_copy();
-  gpu->load_params(init.data());
-
-  const int64_t B = 2, T = 96;
-  const Batch batch = random_batch(B * T, config.vocab_size, 13);
-  const float grad_scale = 1.0f / static_cast<float>(model::count_valid_targets(batch.targets.data(), B * T));
   fp32.zero_grads();
   bf16.zero_grads();
-  gpu->zero_grads();
-  const double fp32_loss = fp32.forward_backward(batch.inputs.data(), batch.targets.data(), B, T, grad_scale);
-  const double bf16_loss = bf16.forward_backward(batch.inputs.data(), batch.targets.data(), B, T, grad_scale);
-  Result<double> gpu_loss = gpu->forward_backward(batch.inputs.data(), batch.targets.data(), B, T, grad_scale);
-  ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status().to_string();
-  const double loss_err = std::abs(*gpu_loss - bf16_loss) / std::abs(bf16_loss);
-  std::printf("loss: gpu %.6f cpu-bf16 %.6f (rel %.2e) cpu-fp32 %.6f (rel %.2e)\n", *gpu_loss, bf16_loss, loss_err,
-              fp32_loss, std::abs(*gpu_loss - fp32_loss) / std::abs(fp32_loss));
-  EXPECT_TRUE(loss_err <= kBf16LossTol) << "loss " << *gpu_loss << " vs the CPU bf16 recipe's " << bf16_loss;
+  ASSERT_TRUE(gpu.state->zero_grads().ok());
+  double want32 = 0, want16 = 0, got = 0;
+  for (const auto& [b, BB, TT] : {std::tuple{&first, B, T}, std::tuple{&second, B2, T2}}) {
+    want32 += fp32.forward_backward(b->inputs.data(), b->targets.data(), BB, TT, grad_scale);
+    want16 += bf16.forward_backward(b->inputs.data(), b->targets.data(), BB, TT, grad_scale);
+    Result<double> loss = gpu.forward_backward(*b, BB, TT, grad_scale);
+    ASSERT_TRUE(loss.ok()) << loss.status().to_string();
+    got += *loss;
+  }
+  const double err32 = std::abs(got - want32) / std::abs(want32), err16 = std::abs(got - want16) / std::abs(want16);
+  std::printf("loss: gpu %.6f cpu-fp32 %.6f (rel %.2e) cpu-bf16 %.6f (rel %.2e)\n", got, want32, err32, want16, err16);
+  EXPECT_TRUE(err32 <= kLossTol) << "loss " << got << " vs the fp32 CPU model's " << want32;
+  EXPECT_TRUE(err16 <= kBf16LossTol) << "loss " << got << " vs the CPU bf16 recipe's " << want16;
 
-  std::vector<float> gpu_grads(init.size());
-  gpu->store_grads(gpu_grads.data());
+  const std::vector<float> grads = gpu.grads();
   for (const TensorSpec& t : fp32.layout().tensors()) {
-    const TensorError e = compare(gpu_grads.data() + t.offset, bf16.grads() + t.offset, t.numel);
-    const TensorError e32 = compare(gpu_grads.data() + t.offset, fp32.grads() + t.offset, t.numel);
-    std::printf("  %-48s vs bf16 rel %.2e cos %.6f | vs fp32 rel %.2e\n", t.name.c_str(), e.relative, e.cosine,
-                e32.relative);
-    EXPECT_TRUE(e.relative <= kBf16GradRelTol) << t.name << ": relative L2 error " << e.relative;
-    EXPECT_TRUE(e.cosine >= kBf16GradCosineMin) << t.name << ": cosine similarity " << e.cosine;
+    const TensorError e32 = compare(grads.data() + t.offset, fp32.grads() + t.offset, t.numel);
+    const TensorError e16 = compare(grads.data() + t.offset, bf16.grads() + t.offset, t.numel);
+    std::printf("  %-48s vs fp32 rel %.2e cos %.6f | vs bf16 rel %.2e cos %.6f\n", t.name.c_str(), e32.relative,
+                e32.cosine, e16.relative, e16.cosine);
+    EXPECT_TRUE(e32.relative <= kGradRelTol) << t.name << ": relative L2 error vs fp32 " << e32.relative;
+    EXPECT_TRUE(e32.cosine >= kGradCosineMin) << t.name << ": cosine vs fp32 " << e32.cosine;
+    EXPECT_TRUE(e16.relative <= kBf16GradRelTol) << t.name << ": relative L2 error vs bf16 " << e16.relative;
+    EXPECT_TRUE(e16.cosine >= kBf16GradCosineMin) << t.name << ": cosine vs bf16 " << e16.cosine;
   }
 }
 
 TEST_P(ModelParity, AdamWLossCurveTracksTheCpuModel) {
   const ModelConfig config = tiny_config(GetParam());
+  const OptimizerConfig opt = adam_config(0.5f);  // low enough that some steps clip
   LlamaModel cpu(config);
-  std::unique_ptr<CudaLlama> gpu = make_gpu(config);
-  const std::vector<float> init = initial_params(cpu, 23);
+  GpuModel gpu(config, opt);
+  const std::vector<float> init = initial_params(cpu.layout(), 23);
   std::copy(init.begin(), init.end(), cpu.params());
-  gpu->load_params(init.data());
-
-  OptimizerConfig opt;
-  opt.beta1 = 0.9f;
-  opt.beta2 = 0.95f;
-  opt.eps = 1e-8f;
-  opt.weight_decay = 0.1f;
-  opt.grad_clip = 0.5f;  // low enough that some steps clip
-  const model::CudaAdamWConfig gpu_opt{opt.beta1, opt.beta2, opt.eps, opt.weight_decay, opt.grad_clip};
+  ASSERT_TRUE(gpu.state->load_params(init.data()).ok());
   AdamW cpu_adam(cpu.layout(), opt);
   const float lr = 3e-3f;
 
@@ -269,71 +279,66 @@ TEST_P(ModelParity, AdamWLossCurveTracksTheCpuModel) {
   std::vector<double> cpu_curve, gpu_curve;
   for (int step = 0; step < 5; ++step) {
     cpu.zero_grads();
-    gpu->zero_grads();
+    ASSERT_TRUE(gpu.state->zero_grads().ok());
     const double cpu_loss = cpu.forward_backward(batch.inputs.data(), batch.targets.data(), B, T, grad_scale) / valid;
-    Result<double> gpu_sum = gpu->forward_backward(batch.inputs.data(), batch.targets.data(), B, T, grad_scale);
+    Result<double> gpu_sum = gpu.forward_backward(batch, B, T, grad_scale);
     ASSERT_TRUE(gpu_sum.ok()) << gpu_sum.status().to_string();
     const double gpu_loss = *gpu_sum / valid;
     const double cpu_norm = cpu_adam.clip_gradients(cpu.grads(), opt.grad_clip);
     cpu_adam.step(cpu.params(), cpu.grads(), lr);
-    const double gpu_norm = gpu->adamw_step(lr, gpu_opt);
+    Result<double> gpu_norm = gpu.state->clip_and_step(lr);
+    ASSERT_TRUE(gpu_norm.ok()) << gpu_norm.status().to_string();
     cpu_curve.push_back(cpu_loss);
     gpu_curve.push_back(gpu_loss);
-
     const double loss_err = std::abs(gpu_loss - cpu_loss) / cpu_loss;
-    const double norm_err = std::abs(gpu_norm - cpu_norm) / cpu_norm;
-    std::printf("step %d: loss gpu %.6f cpu %.6f (rel %.2e)  grad norm gpu %.6f cpu %.6f (rel %.2e)\n",
-                step + 1, gpu_loss, cpu_loss, loss_err, gpu_norm, cpu_norm, norm_err);
+    const double norm_err = std::abs(*gpu_norm - cpu_norm) / cpu_norm;
+    std::printf("step %d: loss gpu %.6f cpu %.6f (rel %.2e)  grad norm gpu %.6f cpu %.6f (rel %.2e)\n", step + 1,
+                gpu_loss, cpu_loss, loss_err, *gpu_norm, cpu_norm, norm_err);
     EXPECT_TRUE(loss_err <= kCurveLossTol) << "step " << step + 1;
     EXPECT_TRUE(norm_err <= kCurveNormTol) << "step " << step + 1;
   }
-  EXPECT_EQ(gpu->step_count(), cpu_adam.step_count());
+  EXPECT_EQ(gpu.state->step_count(), cpu_adam.step_count());
   // The curves must actually move, or the comparison above proves little.
   EXPECT_TRUE(cpu_curve.back() < cpu_curve.front()) << "CPU loss did not fall";
   EXPECT_TRUE(gpu_curve.back() < gpu_curve.front()) << "GPU loss did not fall";
 }
 
-// Keeping every layer's intermediates only skips recomputing what the forward computed: the
-// same kernels on the same inputs, so losses, gradients and an AdamW step are bitwise equal.
-TEST_P(ModelParity, KeptActivationsGiveTheRecomputedResultsBitwise) {
+// Paging invariance on the GPU: chunks through a device budget a third of the state's give
+// bitwise the losses, norms and parameters of the run that keeps everything on the device.
+TEST_P(ModelParity, PagingThroughHostMemoryIsBitwiseTheResidentRun) {
   const ModelConfig config = tiny_config(GetParam());
-  LlamaModel cpu(config);
-  const std::vector<float> init = initial_params(cpu, 29);
-  Result<std::unique_ptr<CudaLlama>> kept = CudaLlama::create(config, /*keep_layer_activations=*/true);
-  ASSERT_TRUE(kept.ok()) << kept.status().to_string();
-  std::unique_ptr<CudaLlama> recomputed = make_gpu(config);
-  ASSERT_TRUE((*kept)->keeps_layer_activations());
-  ASSERT_FALSE(recomputed->keeps_layer_activations());
-  const int64_t B = 2, T = 96;
-  const Batch first = random_batch(B * T, config.vocab_size, 7);
-  const Batch second = random_batch(B * T, config.vocab_size, 8);
-  const model::CudaAdamWConfig adam;
-  std::vector<std::vector<float>> grads, params;
-  std::vector<double> losses;
-  for (CudaLlama* gpu : {kept->get(), recomputed.get()}) {
-    gpu->load_params(init.data());
-    for (int step = 0; step < 2; ++step) {
-      gpu->zero_grads();
-      for (const Batch* b : {&first, &second}) {
-        Result<double> loss = gpu->forward_backward(b->inputs.data(), b->targets.data(), B, T, 1.0f / (B * T));
+  const OptimizerConfig opt = adam_config(1.0f);
+  const model::ParamLayout layout(config);
+  const std::vector<float> init = initial_params(layout, 29);
+  const uint64_t state_bytes = static_cast<uint64_t>(layout.total_size()) * 18;  // bf16 recipe
+  const int64_t B = 2, T = 64;
+  std::vector<std::vector<double>> results;
+  std::vector<std::vector<float>> params;
+  for (uint64_t device_bytes : {uint64_t{0}, state_bytes / 3}) {
+    GpuModel gpu(config, opt, device_bytes);
+    ASSERT_TRUE(gpu.state->load_params(init.data()).ok());
+    std::vector<double> out;
+    for (int step = 0; step < 3; ++step) {
+      ASSERT_TRUE(gpu.state->zero_grads().ok());
+      for (int m = 0; m < 2; ++m) {
+        const Batch b = random_batch(B * T, config.vocab_size, 100 + 2 * step + m);
+        Result<double> loss = gpu.forward_backward(b, B, T, 1.0f / (2 * B * T));
         ASSERT_TRUE(loss.ok()) << loss.status().to_string();
-        losses.push_back(*loss);
+        out.push_back(*loss);
       }
-      grads.emplace_back(init.size());
-      gpu->store_grads(grads.back().data());
-      losses.push_back(gpu->adamw_step(1e-3f, adam));
+      Result<double> norm = gpu.state->clip_and_step(1e-3f);
+      ASSERT_TRUE(norm.ok()) << norm.status().to_string();
+      out.push_back(*norm);
     }
-    params.emplace_back(init.size());
-    gpu->store_params(params.back().data());
+    if (device_bytes > 0) EXPECT_GT(gpu.state->stats().moved_bytes(), 0u) << "the tight run moved nothing";
+    results.push_back(out);
+    params.push_back(gpu.params());
   }
-  const size_t half = losses.size() / 2;
-  for (size_t i = 0; i < half; ++i)
-    EXPECT_EQ(std::memcmp(&losses[i], &losses[half + i], sizeof(double)), 0)
-        << "loss/norm " << i << ": kept " << losses[i] << " recomputed " << losses[half + i];
-  for (size_t step = 0; step < 2; ++step)
-    EXPECT_EQ(std::memcmp(grads[step].data(), grads[2 + step].data(), init.size() * sizeof(float)), 0)
-        << "gradients of step " << step + 1 << " differ";
-  EXPECT_EQ(std::memcmp(params[0].data(), params[1].data(), init.size() * sizeof(float)), 0) << "parameters differ";
+  ASSERT_EQ(results[0].size(), results[1].size());
+  for (size_t i = 0; i < results[0].size(); ++i)
+    EXPECT_EQ(std::memcmp(&results[0][i], &results[1][i], sizeof(double)), 0)
+        << "loss/norm " << i << ": resident " << results[0][i] << " paged " << results[1][i];
+  EXPECT_TRUE(params[0] == params[1]) << "parameters differ";
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, ModelParity,
@@ -341,29 +346,59 @@ INSTANTIATE_TEST_SUITE_P(Variants, ModelParity,
                                            Variant{"BiasAndQkNorm", false, true}),
                          [](const ::testing::TestParamInfo<Variant>& info) { return std::string(info.param.name); });
 
-TEST(ModelParityErrors, RefusesWhatTheCudaModelDoesNotRun) {
-  ModelConfig moe = tiny_config(Variant{"", false, false});
-  moe.architecture = "MixtralForCausalLM";
-  moe.num_experts = 4;
-  moe.num_experts_per_tok = 2;
-  moe.moe_intermediate_size = 64;
-  ASSERT_TRUE(moe.validate("test").ok());
-  Result<std::unique_ptr<CudaLlama>> refused = CudaLlama::create(moe);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), StatusCode::kUnimplemented) << refused.status().to_string();
+// A MoE model (routed experts, a shared expert, the aux loss) on the GPU tracks the CPU's bf16
+// recipe and trains.
+TEST(ModelParityMoe, TracksTheBf16RecipeAndTrains) {
+  ModelConfig config = tiny_config(Variant{"", false, false});
+  config.architecture = "Qwen2MoeForCausalLM";
+  config.num_experts = 4;
+  config.num_experts_per_tok = 2;
+  config.moe_intermediate_size = 64;
+  config.shared_expert_intermediate_size = 128;
+  config.router_scoring = kernels::RouterScoring::kSoftmaxThenTopK;
+  config.output_router_logits = true;
+  config.router_aux_loss_coef = 0.01;
+  config.fill_defaults();
+  ASSERT_TRUE(config.validate("test").ok());
+  model::LlamaModelBf16 cpu(config);
+  GpuModel gpu(config, adam_config(1.0f));
+  const std::vector<float> init = initial_params(cpu.layout(), 31);
+  std::copy(init.begin(), init.end(), cpu.params());
+  cpu.sync_compute_copy();
+  ASSERT_TRUE(gpu.state->load_params(init.data()).ok());
+  const int64_t B = 2, T = 64;
+  const Batch batch = random_batch(B * T, config.vocab_size, 9);
+  cpu.zero_grads();
+  ASSERT_TRUE(gpu.state->zero_grads().ok());
+  const double want = cpu.forward_backward(batch.inputs.data(), batch.targets.data(), B, T, 1.0f / (B * T));
+  Result<double> got = gpu.forward_backward(batch, B, T, 1.0f / (B * T));
+  ASSERT_TRUE(got.ok()) << got.status().to_string();
+  const double err = std::abs(*got - want) / std::abs(want);
+  std::printf("moe loss: gpu %.6f cpu-bf16 %.6f (rel %.2e)\n", *got, want, err);
+  EXPECT_TRUE(err <= kLossTol);
+  const std::vector<float> grads = gpu.grads();
+  const TensorError e = compare(grads.data(), cpu.grads(), cpu.layout().total_size());
+  std::printf("moe gradients: rel %.2e cos %.6f\n", e.relative, e.cosine);
+  EXPECT_TRUE(e.relative <= kGradRelTol);
+  double first = *got, last = first;
+  for (int step = 0; step < 10; ++step) {
+    Result<double> norm = gpu.state->clip_and_step(3e-3f);
+    ASSERT_TRUE(norm.ok()) << norm.status().to_string();
+    ASSERT_TRUE(gpu.state->zero_grads().ok());
+    Result<double> loss = gpu.forward_backward(batch, B, T, 1.0f / (B * T));
+    ASSERT_TRUE(loss.ok()) << loss.status().to_string();
+    last = *loss;
+  }
+  EXPECT_TRUE(std::isfinite(last));
+  EXPECT_LT(last, first) << "the MoE loss did not fall on the GPU";
+}
 
+TEST(ModelParityErrors, RefusesHeadDimsTheAttentionKernelLacks) {
   ModelConfig narrow = tiny_config(Variant{"", false, false});
   narrow.head_dim = 32;
-  Result<std::unique_ptr<CudaLlama>> narrow_refused = CudaLlama::create(narrow);
-  ASSERT_FALSE(narrow_refused.ok());
-  EXPECT_EQ(narrow_refused.status().code(), StatusCode::kUnimplemented);
-
-  // A token outside the vocabulary is an InvalidArgument, not a kernel trap.
-  std::unique_ptr<CudaLlama> gpu = make_gpu(tiny_config(Variant{"", false, false}));
-  std::vector<int32_t> inputs = {1, 2, 300, 4}, targets = {2, 3, 4, 5};
-  Result<double> loss = gpu->forward_backward(inputs.data(), targets.data(), 1, 4, 1.0f);
-  ASSERT_FALSE(loss.ok());
-  EXPECT_EQ(loss.status().code(), StatusCode::kInvalidArgument) << loss.status().to_string();
+  const Status st = model::cuda_supports(narrow);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kUnimplemented) << st.to_string();
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// strata bench train-gpu: how fast CudaLlama trains a Llama entirely on one GPU, in tokens/s and
-// model TFLOP/s, beside a cuBLAS bf16 GEMM ceiling measured in the same run. The PyTorch
+// strata bench train-gpu: how fast `strata train` trains a Llama on one GPU — the decoder on the
+// CUDA backend over the paged state, under a device budget of the user's choosing — in tokens/s
+// and model TFLOP/s, beside a cuBLAS bf16 GEMM ceiling measured in the same run. The PyTorch
 // baseline of the same shape is tools/bench_gpu_train_torch.py; tools/gpu_check.sh runs both.
 // In a build without the CUDA backend the command explains that and exits 1.
 #include "tools/strata/bench_train_gpu.h"
@@ -24,9 +25,10 @@
 #include "core/check.h"
 #include "core/cuda/cuda_check.h"
 #include "core/units.h"
-#include "model/cuda/llama_cuda.h"
-#include "train/cuda/cuda_model.h"
+#include "core/cuda/cuda_device.h"
 #include "model/params.h"
+#include "train/paged_engine.h"
+#include "train/train_config.h"
 #endif
 
 namespace strata::tools {
@@ -34,29 +36,32 @@ namespace {
 
 using model::ModelConfig;
 
-constexpr const char* kUsage = R"(Usage: strata bench train-gpu [--preset 0.44b|tiny] [--steps 20] [--warmup 3]
+constexpr const char* kUsage = R"(Usage: strata bench train-gpu [--preset 0.44b|3.6b|8b|tiny] [--steps 20] [--warmup 3]
                               [--micro-batch 8] [--seq 2048] [--grad-accum 1] [--lr 3e-4]
-                              [--activations auto|keep|recompute]
+                              [--memory-device 0] [--memory-host 0] [--nvme DIR --nvme-size SIZE]
 
-Trains a Llama from random weights (normal(0, 0.02), seed 1) on random tokens entirely on one
-GPU: fp32 master weights, bf16 compute copy and activations, fp32 gradients and AdamW moments
-(beta 0.9/0.95, weight decay 0.1, gradient clipping at norm 1.0). A step is GRAD_ACCUM
-micro-batches of MICRO_BATCH sequences of SEQ tokens, then one AdamW update; the stream is
-synchronised at the end of every step. WARMUP untimed steps, then STEPS timed ones.
---activations: keep every layer's intermediates for backward, or recompute each layer from its
-input in backward (about a third more compute, less memory); auto (the default, as `strata
-train` does) keeps them when they fit the device's free memory.
+Trains a Llama from random weights (normal(0, 0.02), seed 1) on random tokens on GPU 0 exactly
+as `strata train run.device=cuda` does: the decoder's CUDA backend (bf16 compute copy and
+activations; fp32 master weights, gradients and AdamW moments; beta 0.9/0.95, weight decay 0.1,
+gradient clipping at norm 1.0) over the paged state, which the planner places across
+--memory-device (0 = the whole free device), --memory-host (0 = 80% of RAM) and an optional
+nvme directory. A step is GRAD_ACCUM micro-batches of MICRO_BATCH sequences of SEQ tokens, then
+one AdamW update. WARMUP untimed steps, then STEPS timed ones. Sizes take units (24GiB).
 
-Presets:
-  0.44b  hidden 1024, 24 layers, 16 heads, 8 KV heads, FFN 4096, vocab 32000, untied embeddings
-         (0.44B parameters; the shape of the PyTorch baseline tools/bench_gpu_train_torch.py)
+Presets (untied embeddings):
+  0.44b  hidden 1024, 24 layers, 16 heads, 8 KV heads, FFN 4096, vocab 32000 (0.44B; the shape of
+         the PyTorch baseline tools/bench_gpu_train_torch.py)
+  3.6b   the Llama-3.2-3B shape: hidden 3072, 28 layers, 24 heads, 8 KV heads, FFN 8192,
+         vocab 128256
+  8b     the Llama-3-8B shape: hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336,
+         vocab 128256
   tiny   hidden 256, 2 layers, 4 heads, 2 KV heads, FFN 768, vocab 1024 (a quick smoke run)
 
-Prints tokens/s and model TFLOP/s with FLOPs per token = 6*N + 12*L*H*T, where N counts EVERY
-parameter (embeddings and LM head included), L is the number of layers, H the hidden size and
-T the sequence length (the formula of the PyTorch baseline), and the fraction of a cuBLAS bf16
-GEMM (8192^3) ceiling timed in the same run. The last line, "RESULT {json}", is for
-tools/gpu_check.sh. Needs a build configured with -DSTRATA_CUDA=ON.
+Prints the plan, then tokens/s and model TFLOP/s with FLOPs per token = 6*N + 12*L*H*T, where N
+counts EVERY parameter (embeddings and LM head included), L is the number of layers, H the
+hidden size and T the sequence length (the formula of the PyTorch baseline), and the fraction of
+a cuBLAS bf16 GEMM (8192^3) ceiling timed in the same run. The last line, "RESULT {json}", is
+for tools/gpu_check.sh. Needs a build configured with -DSTRATA_CUDA=ON.
 )";
 
 int usage_error(const std::string& msg) {
@@ -77,7 +82,10 @@ struct Options {
   int64_t seq = 2048;
   int64_t grad_accum = 1;
   float lr = 3e-4f;
-  std::string activations = "auto";
+  std::string memory_device = "0";
+  std::string memory_host = "0";
+  std::string nvme;
+  std::string nvme_size = "0";
 };
 
 // Parses an integer in [lo, hi]; false when `text` is not one.
@@ -102,6 +110,15 @@ Result<ModelConfig> preset_config(const std::string& name, int64_t seq) {
     c.num_hidden_layers = 24;
     c.num_attention_heads = 16;
     c.num_key_value_heads = 8;
+  } else if (name == "3.6b" || name == "8b") {
+    const bool big = name == "8b";
+    c.vocab_size = 128256;
+    c.hidden_size = big ? 4096 : 3072;
+    c.intermediate_size = big ? 14336 : 8192;
+    c.num_hidden_layers = big ? 32 : 28;
+    c.num_attention_heads = big ? 32 : 24;
+    c.num_key_value_heads = 8;
+    c.rope.theta = 500000.0;
   } else if (name == "tiny") {
     c.vocab_size = 1024;
     c.hidden_size = 256;
@@ -110,7 +127,7 @@ Result<ModelConfig> preset_config(const std::string& name, int64_t seq) {
     c.num_attention_heads = 4;
     c.num_key_value_heads = 2;
   } else {
-    return Status::InvalidArgument("unknown preset '" + name + "'; presets are 0.44b and tiny");
+    return Status::InvalidArgument("unknown preset '" + name + "'; presets are 0.44b, 3.6b, 8b and tiny");
   }
   c.max_position_embeddings = std::max<int64_t>(2048, seq);
   c.fill_defaults();
@@ -189,10 +206,7 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 int run(const Options& opt) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    return fail("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)");
-  }
+  if (cuda_device_count() == 0) return fail("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)");
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   Result<ModelConfig> config = preset_config(opt.preset, opt.seq);
@@ -213,31 +227,38 @@ int run(const Options& opt) {
       static_cast<long long>(opt.warmup), static_cast<long long>(opt.steps));
   std::fflush(stdout);
 
-  CudaModelOptions mo;
-  mo.micro_batch = B;
-  mo.seq_len = T;
-  mo.activations = opt.activations == "keep"        ? ActivationMode::kKeep
-                   : opt.activations == "recompute" ? ActivationMode::kRecompute
-                                                    : ActivationMode::kAuto;
-  const CudaMemoryPlan mem = plan_cuda_memory(c, mo);
-  std::printf("activations: %s (needs %s of device memory; %s with kept activations, %s recomputing; %s free)\n",
-              mem.keep ? "every layer keeps its intermediates" : "backward recomputes each layer",
-              format_bytes(mem.keep ? mem.keep_bytes : mem.recompute_bytes).c_str(), format_bytes(mem.keep_bytes).c_str(),
-              format_bytes(mem.recompute_bytes).c_str(), format_bytes(mem.available).c_str());
-  if (!mem.fits) return fail("the model does not fit the device's free memory; lower --micro-batch");
-  Result<std::unique_ptr<model::CudaLlama>> created = model::CudaLlama::create(c, mem.keep);
+  // The settings `strata train` would use, from its schema's defaults and these overrides.
+  std::vector<std::string> overrides = {
+      "train.micro_batch=" + std::to_string(B), "train.seq_len=" + std::to_string(T),
+      "train.grad_accum=" + std::to_string(A),  "train.steps=" + std::to_string(opt.warmup + opt.steps),
+      "memory.device=" + opt.memory_device,     "memory.host=" + opt.memory_host,
+      "memory.nvme.path=" + opt.nvme,           "memory.nvme.size=" + opt.nvme_size,
+      "optim.warmup_steps=0",                   "run.device=cuda"};
+  Result<Config> parsed = Config::parse(train_schema(), "model: {preset: tiny}\n", "<bench train-gpu>", overrides);
+  if (!parsed.ok()) return fail(parsed.status().message());
+  Result<TrainConfig> tc = make_train_config(*parsed);
+  if (!tc.ok()) return fail(tc.status().message());
+  OptimizerConfig oc;
+  oc.lr = opt.lr;
+  oc.beta1 = 0.9f;
+  oc.beta2 = 0.95f;
+  oc.eps = 1e-8f;
+  oc.weight_decay = 0.1f;
+  oc.grad_clip = 1.0f;
+  Result<std::unique_ptr<PagedEngine>> created = PagedEngine::create(c, *tc, oc, /*cuda=*/true);
   if (!created.ok()) return fail(created.status().message());
-  model::CudaLlama& llama = **created;
+  PagedEngine& engine = **created;
+  std::printf("plan: %s\n", engine.memory_summary().c_str());
   {
     const auto start = std::chrono::steady_clock::now();
-    std::vector<float> host(static_cast<size_t>(llama.layout().total_size()));
-    model::init_weights(llama.layout(), host.data(), /*seed=*/1);
-    llama.load_params(host.data());
-    std::printf("random init of %s of parameters on the host: %.1f s\n",
-                format_bytes(host.size() * sizeof(float)).c_str(), seconds_since(start));
+    Status st = engine.state().fill_kind(StateKind::kParam, [](const model::TensorSpec& spec, float* dst) {
+      model::init_tensor(spec, dst, /*seed=*/1);
+      return Status::OK();
+    });
+    if (!st.ok()) return fail(st.message());
+    std::printf("random init of %.3fB parameters: %.1f s\n", static_cast<double>(n_params) / 1e9, seconds_since(start));
   }
 
-  const model::CudaAdamWConfig adamw;  // beta 0.9/0.95, eps 1e-8, weight decay 0.1, clip 1.0
   const float grad_scale = 1.0f / static_cast<float>(tokens_per_step);  // mean loss of the step
   std::vector<int32_t> inputs(static_cast<size_t>(B * T)), targets(static_cast<size_t>(B * T));
   uint64_t token_state = 12345;
@@ -245,31 +266,29 @@ int run(const Options& opt) {
   double first_loss = 0, last_loss = 0;
   for (int64_t step = 0; step < opt.warmup + opt.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
-    llama.zero_grads();
+    if (Status st = engine.zero_grads(); !st.ok()) return fail(st.message());
     double loss_sum = 0;
     for (int64_t micro = 0; micro < A; ++micro) {
       random_batch(&token_state, B, T, c.vocab_size, &inputs, &targets);
-      Result<double> loss = llama.forward_backward(inputs.data(), targets.data(), B, T, grad_scale);
+      Result<double> loss = engine.micro_batch(inputs.data(), targets.data(), B, T, grad_scale, micro == A - 1, opt.lr);
       if (!loss.ok()) return fail(loss.status().message());
       loss_sum += *loss;
     }
-    const double norm = llama.adamw_step(opt.lr, adamw);
-    llama.synchronize();
+    Result<double> norm = engine.step(opt.lr);
+    if (!norm.ok()) return fail(norm.status().message());
     const double seconds = seconds_since(start);
     const double loss = loss_sum / static_cast<double>(tokens_per_step);
     const bool timed = step >= opt.warmup;
     if (timed) step_seconds.push_back(seconds);
     if (step == 0) {
       first_loss = loss;
-      size_t free_bytes = 0, total_bytes = 0;
-      CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-      std::printf("device memory: %s in use of %s (parameter state %s, activations %s)\n",
-                  format_bytes(total_bytes - free_bytes).c_str(), format_bytes(total_bytes).c_str(),
-                  format_bytes(llama.param_state_bytes()).c_str(), format_bytes(llama.activation_bytes()).c_str());
+      const EngineStats stats = engine.stats();
+      std::printf("state in use: device %s, host %s, nvme %s\n", format_bytes(stats.tier_bytes[0]).c_str(),
+                  format_bytes(stats.tier_bytes[1]).c_str(), format_bytes(stats.tier_bytes[2]).c_str());
     }
     last_loss = loss;
     std::printf("step %3lld  loss %8.4f  grad norm %8.4f  %9.2f ms  %10.0f tokens/s%s\n", static_cast<long long>(step),
-                loss, norm, seconds * 1e3, static_cast<double>(tokens_per_step) / seconds, timed ? "" : "  (warm-up)");
+                loss, *norm, seconds * 1e3, static_cast<double>(tokens_per_step) / seconds, timed ? "" : "  (warm-up)");
     std::fflush(stdout);
     if (!std::isfinite(loss)) {
       return fail("the loss is not finite at step " + std::to_string(step) +
@@ -284,8 +303,8 @@ int run(const Options& opt) {
   const double median_ms = sorted[sorted.size() / 2] * 1e3;
   const double tokens_per_s = static_cast<double>(tokens_per_step) * static_cast<double>(opt.steps) / total;
   const double tflops = tokens_per_s * flops_per_token / 1e12;
-  // The ceiling's operands (384 MiB) and cuBLAS handle need room the model may have planned for
-  // itself: measure it with the model freed, on the GPU still warm from training.
+  // The ceiling's operands (384 MiB) and cuBLAS handle need room the run may have taken: measure
+  // it with the engine freed, on the GPU still warm from training.
   created.value().reset();
   const double ceiling = gemm_ceiling_tflops(/*stream=*/nullptr);
 
@@ -301,11 +320,11 @@ int run(const Options& opt) {
   std::printf(
       "RESULT {\"impl\": \"strata\", \"preset\": \"%s\", \"params\": %lld, \"micro_batch\": %lld, "
       "\"seq\": %lld, \"grad_accum\": %lld, \"tokens_per_step\": %lld, \"steps\": %lld, "
-      "\"step_ms_median\": %.3f, \"tokens_per_s\": %.1f, \"tflops\": %.2f, "
+      "\"memory_device\": \"%s\", \"step_ms_median\": %.3f, \"tokens_per_s\": %.1f, \"tflops\": %.2f, "
       "\"gemm_ceiling_tflops\": %.2f, \"final_loss\": %.4f}\n",
       opt.preset.c_str(), static_cast<long long>(n_params), static_cast<long long>(B), static_cast<long long>(T),
-      static_cast<long long>(A), static_cast<long long>(tokens_per_step), static_cast<long long>(opt.steps), median_ms,
-      tokens_per_s, tflops, ceiling, last_loss);
+      static_cast<long long>(A), static_cast<long long>(tokens_per_step), static_cast<long long>(opt.steps),
+      opt.memory_device.c_str(), median_ms, tokens_per_s, tflops, ceiling, last_loss);
   return 0;
 }
 
@@ -342,9 +361,14 @@ int bench_train_gpu_command(const std::vector<std::string>& args) {
         return usage_error("--lr must be a number in [0, 1)");
       }
       opt.lr = static_cast<float>(lr);
-    } else if (a == "--activations") {
-      if (v != "auto" && v != "keep" && v != "recompute") return usage_error("--activations must be auto, keep or recompute");
-      opt.activations = v;
+    } else if (a == "--memory-device") {
+      opt.memory_device = v;
+    } else if (a == "--memory-host") {
+      opt.memory_host = v;
+    } else if (a == "--nvme") {
+      opt.nvme = v;
+    } else if (a == "--nvme-size") {
+      opt.nvme_size = v;
     } else {
       return usage_error("unknown option '" + a + "'");
     }

@@ -14,9 +14,6 @@
 #include "train/paged_state.h"
 #include "train/planning.h"
 #include "train/train_config.h"
-#if STRATA_HAVE_CUDA
-#include "train/cuda/cuda_model.h"
-#endif
 #include "train/trainer.h"
 
 namespace strata::tools {
@@ -31,10 +28,10 @@ per step, the predicted step time and what bounds it, and the largest micro-batc
 An infeasible config is refused with the smallest change that would make it fit (exit 1).
 
 Budgets come from memory.device, memory.host and memory.nvme.*; rates from hardware.* (the
-defaults are an H200 box). run.device=cuda plans the GPU layout (bf16 weights and gradients,
-fp32 master and Adam states), as does auto when memory.device is set; cpu plans the CPU
-backend (fp32 throughout). The layout is the planner's paged one: `strata train` on cuda
-keeps the whole state on the GPU for now.
+defaults are an H200 box). run.device=cuda plans the GPU's bf16 recipe (a bf16 compute copy of
+the weights and bf16 activations; fp32 master weights, gradients and Adam states), as does auto
+when memory.device is set; cpu plans the CPU backend in train.precision (fp32 by default, or the
+bf16 recipe emulated). `strata train` pages the state as planned on either backend.
 
 Example:
   strata plan model.preset=llama3-8b memory.device=24GiB memory.host=100GiB \
@@ -85,8 +82,8 @@ int plan_command(const std::vector<std::string>& args) {
     }
     tc->memory_device = tc->memory_host ? tc->memory_host : default_host_budget();
   }
-  // The CPU backend's chunks, as `strata train` would make them, so that padding is counted.
-  if (!cuda) {
+  // The chunks `strata train` would make, on either backend, so that padding is counted.
+  {
     const model::ParamLayout layout(*mc);
     if (tc->chunk_size == 0) tc->chunk_size = PagedState::auto_chunk_bytes(layout);
     for (const model::TensorSpec& t : layout.tensors()) {
@@ -107,7 +104,8 @@ int plan_command(const std::vector<std::string>& args) {
   else std::snprintf(params_text, sizeof params_text, "%.3fM", n_params / 1e6);
   std::printf("model: %s layers, hidden %lld, vocab %lld, %s parameters; %s layout\n",
               std::to_string(mc->num_hidden_layers).c_str(), static_cast<long long>(mc->hidden_size),
-              static_cast<long long>(mc->vocab_size), params_text, cuda ? "GPU (bf16)" : "CPU (fp32)");
+              static_cast<long long>(mc->vocab_size), params_text,
+              cuda ? "GPU (bf16 recipe)" : (tc->precision == Precision::kBf16 ? "CPU (bf16 recipe)" : "CPU (fp32)"));
   std::printf("step: %lld x %lld tokens x %lld accumulation = %lld tokens; budgets device %s, host %s, nvme %s\n",
               static_cast<long long>(tc->micro_batch), static_cast<long long>(tc->seq_len),
               static_cast<long long>(tc->grad_accum), static_cast<long long>(in.tokens_per_step),
@@ -124,21 +122,6 @@ int plan_command(const std::vector<std::string>& args) {
     const double model_flops = model_flops_per_token(*mc, tc->seq_len) * static_cast<double>(in.tokens_per_step);
     std::printf("  predicted MFU %.1f%% of the H100/H200 dense bf16 peak (989 TFLOP/s; model FLOPs 6N + 12LHT, "
                 "recomputation not counted)\n", 100 * model_flops / plan.step_s / 989e12);
-  }
-  if (cuda) {
-    // What `strata train run.device=cuda` does today, which is not the paged layout above.
-    const uint64_t state = static_cast<uint64_t>(mc->num_parameters()) * 18;
-#if STRATA_HAVE_CUDA
-    const uint64_t keep = cuda_model_bytes(*mc, tc->micro_batch, tc->seq_len, true);
-    const uint64_t recompute = cuda_model_bytes(*mc, tc->micro_batch, tc->seq_len, false);
-    std::printf("  strata train run.device=cuda keeps the whole state on the GPU (no paging there yet): %s with every "
-                "layer's activations kept, %s recomputing them (state %s at 18 B/param); %s memory.device\n",
-                format_bytes(keep).c_str(), format_bytes(recompute).c_str(), format_bytes(state).c_str(),
-                recompute <= tc->memory_device ? "fits" : "does not fit");
-#else
-    std::printf("  strata train run.device=cuda keeps the whole state on the GPU (no paging there yet): %s at 18 "
-                "B/param plus activations\n", format_bytes(state).c_str());
-#endif
   }
   return plan.fits ? 0 : 1;
 }

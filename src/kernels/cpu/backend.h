@@ -37,6 +37,8 @@ namespace strata::kernels {
 // What both CPU recipes share: the memory of the activation table, the fp32 routing ops, and the
 // staging hooks the CUDA backend needs (no-ops here: the CPU ops read host memory).
 struct CpuCommonOps {
+  // The ops read and write host memory (a model may own flat host buffers).
+  static constexpr bool kHostMemory = true;
   // The activation table's one block (model/activations.h), zero-filled; replaces the previous
   // block, which nothing may use any more.
   Result<void*> activation_block(uint64_t bytes);

@@ -21,13 +21,23 @@ Context::Context(size_t scratch_bytes, size_t gemm_workspace_bytes)
   if (scratch_bytes_ > 0) CUDA_CHECK(cudaMalloc(&scratch_, scratch_bytes_));
 }
 
+Context::Context(void* scratch, size_t scratch_bytes, void* gemm_workspace, size_t gemm_workspace_bytes)
+    : gemm_workspace_(gemm_workspace),
+      gemm_workspace_bytes_(gemm_workspace_bytes),
+      scratch_(scratch),
+      scratch_bytes_(scratch_bytes),
+      owns_memory_(false) {
+  CUDA_CHECK(cudaGetDevice(&device_));
+  CUBLAS_CHECK(cublasLtCreate(&lt_));
+}
+
 Context::~Context() {
   CUDA_CHECK(cudaSetDevice(device_));
   // Work queued by ops may still use the buffers: wait for the device before freeing.
   CUDA_CHECK(cudaDeviceSynchronize());
   if (blas_ != nullptr) CUBLAS_CHECK(cublasDestroy(blas_));
-  if (scratch_ != nullptr) CUDA_CHECK(cudaFree(scratch_));
-  if (gemm_workspace_ != nullptr) CUDA_CHECK(cudaFree(gemm_workspace_));
+  if (owns_memory_ && scratch_ != nullptr) CUDA_CHECK(cudaFree(scratch_));
+  if (owns_memory_ && gemm_workspace_ != nullptr) CUDA_CHECK(cudaFree(gemm_workspace_));
   CUBLAS_CHECK(cublasLtDestroy(lt_));
 }
 

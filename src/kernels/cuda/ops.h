@@ -48,6 +48,9 @@ class Context {
 
   explicit Context(size_t scratch_bytes = kDefaultScratchBytes,
                    size_t gemm_workspace_bytes = kDefaultGemmWorkspaceBytes);
+  // Over memory the caller owns (from the Device's budgeted arena), which must outlive the
+  // Context; nothing is allocated. Both 256-byte aligned.
+  Context(void* scratch, size_t scratch_bytes, void* gemm_workspace, size_t gemm_workspace_bytes);
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -70,6 +73,7 @@ class Context {
   size_t gemm_workspace_bytes_ = 0;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  bool owns_memory_ = true;
 };
 
 // ---- embedding -----------------------------------------------------------------------------

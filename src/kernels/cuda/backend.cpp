@@ -1,0 +1,279 @@
+// CudaOps: the decoder's op set on kernels::cuda (see backend.h).
+#include "kernels/cuda/backend.h"
+
+#include <string>
+#include <utility>
+
+#include "core/check.h"
+#include "core/cuda/cuda_check.h"
+#include "core/cuda/cuda_device.h"
+#include "kernels/cuda/elementwise.h"
+
+namespace strata::kernels {
+namespace {
+
+// The table of a tensor in row blocks as one contiguous (V, C) array. REQUIRES: the blocks lie
+// back to back (the flat layout); a paged store keeps them apart, which this backend does not
+// compute from yet.
+template <typename T>
+T* contiguous(T* const* blocks, int64_t block_rows, int64_t V, int64_t C, const char* what) {
+  for (int64_t r0 = block_rows, b = 1; r0 < V; r0 += block_rows, ++b)
+    CHECK_MSG(blocks[b] == blocks[0] + r0 * C, std::string(what) +
+                                                   ": the vocabulary's row blocks are not contiguous; the CUDA "
+                                                   "backend computes the embedding and LM head from one array");
+  return blocks[0];
+}
+
+}  // namespace
+
+Result<CudaOps> CudaOps::create(Device& device) {
+  if (device.kind() != DeviceKind::kCuda) return Status::InvalidArgument("CudaOps needs a CUDA device, not " + device.name());
+  CudaOps ops(device);
+  ops.compute_ = device.create_stream();
+  ops.stream_ = as_cuda_stream(*ops.compute_).handle();
+  ASSIGN_OR_RETURN(ops.scratch_, device.allocate(kScratchBytes));
+  ASSIGN_OR_RETURN(ops.workspace_, device.allocate(kGemmWorkspaceBytes));
+  ASSIGN_OR_RETURN(ops.sums_, device.allocate(sizeof(double)));
+  ops.ctx_ = std::make_unique<cuda::Context>(ops.scratch_.data(), kScratchBytes, ops.workspace_.data(),
+                                             kGemmWorkspaceBytes);
+  return ops;
+}
+
+CudaOps::CudaOps(CudaOps&&) noexcept = default;
+
+CudaOps::~CudaOps() {
+  if (compute_ != nullptr) synchronize();
+}
+
+void CudaOps::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void* CudaOps::grow(DeviceAllocation& buffer, uint64_t bytes, const char* what) {
+  if (buffer && buffer.size() >= bytes) return buffer.data();
+  synchronize();  // the old buffer may still be in use
+  buffer.reset();
+  Result<DeviceAllocation> a = device_->allocate(bytes);
+  CHECK_MSG(a.ok(), std::string(what) + ": " + a.status().to_string());
+  buffer = std::move(a).value();
+  return buffer.data();
+}
+
+Result<void*> CudaOps::activation_block(uint64_t bytes) {
+  synchronize();
+  block_.reset();
+  Result<DeviceAllocation> a = device_->allocate(bytes);
+  if (!a.ok()) return a.status().with_context("the activation table");
+  block_ = std::move(a).value();
+  CUDA_CHECK(cudaMemsetAsync(block_.data(), 0, bytes, stream_));
+  return block_.data();
+}
+
+const float* CudaOps::stage_constants(const float* host, int64_t n) {
+  float* dev = static_cast<float*>(grow(constants_, static_cast<uint64_t>(n) * sizeof(float), "RoPE constants"));
+  CUDA_CHECK(cudaMemcpyAsync(dev, host, static_cast<size_t>(n) * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  synchronize();
+  return dev;
+}
+
+const int32_t* CudaOps::stage_tokens(const int32_t* host, int64_t N, int32_t* slot) {
+  // From pageable memory the copy is staged before this returns, so the caller may reuse `host`.
+  CUDA_CHECK(cudaMemcpyAsync(slot, host, static_cast<size_t>(N) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  return slot;
+}
+
+const int64_t* CudaOps::expert_offsets_on_host(const int64_t* offsets, int64_t E) {
+  host_offsets_.resize(static_cast<size_t>(E + 1));
+  CUDA_CHECK(cudaMemcpyAsync(host_offsets_.data(), offsets, host_offsets_.size() * sizeof(int64_t),
+                             cudaMemcpyDeviceToHost, stream_));
+  synchronize();
+  return host_offsets_.data();
+}
+
+void CudaOps::embedding_forward(Act* out, const int32_t* tokens, const W* const* table_blocks, int64_t block_rows,
+                                int64_t N, int64_t C, int64_t V) {
+  cuda::embedding_forward(out, tokens, contiguous(table_blocks, block_rows, V, C, "embedding"), N, C, V, stream_);
+}
+
+void CudaOps::embedding_backward(float* const* dtable_blocks, int64_t block_rows, const Act* dout,
+                                 const int32_t* tokens, int64_t N, int64_t C, int64_t V) {
+  cuda::embedding_backward(*ctx_, contiguous(dtable_blocks, block_rows, V, C, "embedding gradient"), dout, tokens, N, C,
+                           V, stream_);
+}
+
+void CudaOps::rmsnorm_forward(Act* out, float* rstd, const Act* x, const W* weight, int64_t N, int64_t C, float eps) {
+  cuda::rmsnorm_forward(out, rstd, x, weight, N, C, eps, stream_);
+}
+
+void CudaOps::rmsnorm_backward(Act* dx, float* dweight, const Act* dout, const Act* x, const W* weight,
+                               const float* rstd, int64_t N, int64_t C) {
+  cuda::rmsnorm_backward(*ctx_, dx, dweight, dout, x, weight, rstd, N, C, stream_);
+}
+
+void CudaOps::linear_forward(Act* out, const Act* x, const W* weight, const W* bias, int64_t N, int64_t IC,
+                             int64_t OC) {
+  cuda::linear_forward(*ctx_, out, x, weight, bias, N, IC, OC, stream_);
+}
+
+void CudaOps::linear_backward(Act* dx, float* dweight, float* dbias, const Act* dout, const Act* x, const W* weight,
+                              int64_t N, int64_t IC, int64_t OC) {
+  cuda::linear_backward(*ctx_, dx, dweight, dbias, dout, x, weight, N, IC, OC, stream_);
+}
+
+void CudaOps::linear_forward_f32(float* out, const Act* x, const W* weight, int64_t N, int64_t IC, int64_t OC) {
+  // out (N, OC) = x (N, IC) @ weight (OC, IC)^T, written in fp32.
+  cuda::gemm(*ctx_, false, true, N, OC, IC, 1.0f, x, IC, weight, IC, 0.0f, out, OC, /*c_is_fp32=*/true, nullptr,
+             stream_);
+}
+
+void CudaOps::linear_backward_f32(Act* dx, float* dweight, const float* dout, const Act* x, const W* weight, int64_t N,
+                                  int64_t IC, int64_t OC) {
+  // The GEMMs read bf16: dout is rounded once first (CpuBf16Ops does the same).
+  Act* rounded = static_cast<Act*>(grow(rounded_, static_cast<uint64_t>(N * OC) * sizeof(Act), "router gradient"));
+  cuda::f32_to_bf16(rounded, dout, N * OC, stream_);
+  cuda::linear_backward(*ctx_, dx, dweight, nullptr, rounded, x, weight, N, IC, OC, stream_);
+}
+
+void CudaOps::rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D) {
+  cuda::rope_forward(out, x, inv_freq, B, T, H, D, stream_);
+}
+
+void CudaOps::rope_backward(Act* dx, const Act* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H,
+                            int64_t D) {
+  cuda::rope_backward(dx, dout, inv_freq, B, T, H, D, stream_);
+}
+
+void CudaOps::attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
+                                int64_t Hq, int64_t Hkv, int64_t D) {
+  cuda::attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, stream_);
+}
+
+void CudaOps::attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
+                                 const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
+                                 int64_t D) {
+  cuda::attention_backward(*ctx_, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, stream_);
+}
+
+void CudaOps::swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n) {
+  cuda::swiglu_forward(out, gate, up, n, stream_);
+}
+
+void CudaOps::swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n) {
+  cuda::swiglu_backward(dgate, dup, dout, gate, up, n, stream_);
+}
+
+void CudaOps::add_inplace(Act* a, const Act* b, int64_t n) { cuda::add_inplace(a, b, n, stream_); }
+
+double CudaOps::lm_head_cross_entropy(Act* dx, float* const* dweight_blocks, const Act* x,
+                                      const W* const* weight_blocks, int64_t block_rows, const int32_t* targets,
+                                      int64_t N, int64_t C, int64_t V, float grad_scale, int64_t chunk_tokens) {
+  const W* weight = contiguous(weight_blocks, block_rows, V, C, "LM head");
+  float* dweight = dweight_blocks != nullptr ? contiguous(dweight_blocks, block_rows, V, C, "LM head gradient") : nullptr;
+  // Chunks whose logits fit the scratch.
+  while (chunk_tokens > 1 && cuda::lm_head_scratch_bytes(C, V, chunk_tokens) > ctx_->scratch_bytes()) chunk_tokens /= 2;
+  float* losses = static_cast<float*>(grow(losses_, static_cast<uint64_t>(N) * sizeof(float), "per-token losses"));
+  cuda::lm_head_cross_entropy(*ctx_, losses, dx, dweight, x, weight, targets, N, C, V, grad_scale, chunk_tokens,
+                              stream_);
+  double* sum = sums_.as<double>();
+  cuda::sum(*ctx_, sum, losses, N, /*accumulate=*/false, stream_);
+  double loss = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&loss, sum, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+  synchronize();
+  return loss;
+}
+
+// router_ holds (E) int64 counts, (E) double probability sums and (E) floats staged from the
+// host (the selection bias or the aux loss's prob_grad), in that order.
+void CudaOps::moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const float* logits,
+                                const float* selection_bias, int64_t N, const RouterConfig& config) {
+  const int64_t E = config.num_experts;
+  const float* bias = nullptr;
+  if (selection_bias != nullptr) {
+    char* base = static_cast<char*>(grow(router_, static_cast<uint64_t>(E) * 20, "router statistics"));
+    float* staged = reinterpret_cast<float*>(base + 16 * E);
+    CUDA_CHECK(cudaMemcpyAsync(staged, selection_bias, static_cast<size_t>(E) * sizeof(float), cudaMemcpyHostToDevice,
+                               stream_));
+    bias = staged;
+  }
+  cuda::moe_route_forward(expert_idx, weights, probs, logits, bias, N, config, stream_);
+}
+
+void CudaOps::moe_route_backward(float* dlogits, const float* dweights, const float* prob_grad, const float* probs,
+                                 const int32_t* expert_idx, const float* weights, int64_t N,
+                                 const RouterConfig& config) {
+  const int64_t E = config.num_experts;
+  const float* staged = nullptr;
+  if (prob_grad != nullptr) {
+    char* base = static_cast<char*>(grow(router_, static_cast<uint64_t>(E) * 20, "router statistics"));
+    float* dev = reinterpret_cast<float*>(base + 16 * E);
+    CUDA_CHECK(
+        cudaMemcpyAsync(dev, prob_grad, static_cast<size_t>(E) * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    staged = dev;
+  }
+  cuda::moe_route_backward(dlogits, dweights, staged, probs, expert_idx, weights, N, config, stream_);
+}
+
+void CudaOps::moe_permute(int32_t* slot_of, int32_t* token_of_slot, int64_t* expert_offsets, const int32_t* expert_idx,
+                          int64_t N, int64_t K, int64_t E) {
+  cuda::moe_permute(*ctx_, slot_of, token_of_slot, expert_offsets, expert_idx, N, K, E, stream_);
+}
+
+void CudaOps::moe_router_stats(int64_t* counts, double* prob_sums, const int32_t* expert_idx, const float* probs,
+                               int64_t N, int64_t K, int64_t E) {
+  char* base = static_cast<char*>(grow(router_, static_cast<uint64_t>(E) * 20, "router statistics"));
+  int64_t* dev_counts = reinterpret_cast<int64_t*>(base);
+  double* dev_sums = reinterpret_cast<double*>(base + 8 * E);
+  CUDA_CHECK(cudaMemsetAsync(base, 0, static_cast<size_t>(E) * 16, stream_));
+  cuda::moe_router_stats(dev_counts, dev_sums, expert_idx, probs, N, K, E, stream_);
+  std::vector<int64_t> layer_counts(static_cast<size_t>(E));
+  std::vector<double> layer_sums(static_cast<size_t>(E));
+  CUDA_CHECK(cudaMemcpyAsync(layer_counts.data(), dev_counts, layer_counts.size() * sizeof(int64_t),
+                             cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaMemcpyAsync(layer_sums.data(), dev_sums, layer_sums.size() * sizeof(double), cudaMemcpyDeviceToHost,
+                             stream_));
+  synchronize();
+  for (int64_t e = 0; e < E; ++e) {
+    counts[e] += layer_counts[static_cast<size_t>(e)];
+    prob_sums[e] += layer_sums[static_cast<size_t>(e)];
+  }
+}
+
+void CudaOps::moe_gather(Act* xs, const Act* x, const int32_t* token_of_slot, int64_t S, int64_t C) {
+  cuda::moe_gather(xs, x, token_of_slot, S, C, stream_);
+}
+
+void CudaOps::moe_gather_backward(Act* dx, const Act* dxs, const int32_t* slot_of, int64_t N, int64_t K, int64_t C) {
+  cuda::moe_gather_backward(dx, dxs, slot_of, N, K, C, stream_);
+}
+
+void CudaOps::moe_combine_forward(Act* out, const Act* ys, const float* weights, const int32_t* slot_of, int64_t N,
+                                  int64_t K, int64_t C) {
+  cuda::moe_combine_forward(out, ys, weights, slot_of, N, K, C, stream_);
+}
+
+void CudaOps::moe_combine_backward(Act* dys, float* dweights, const Act* dout, const Act* ys, const float* weights,
+                                   const int32_t* slot_of, int64_t N, int64_t K, int64_t C) {
+  cuda::moe_combine_backward(dys, dweights, dout, ys, weights, slot_of, N, K, C, stream_);
+}
+
+void CudaOps::moe_experts_forward(Act* ys, Act* gate, Act* up, Act* act, const Act* xs, const int64_t* expert_offsets,
+                                  const ExpertTensors<const W>& w, int64_t E, int64_t C, int64_t F) {
+  cuda::moe_experts_forward(*ctx_, ys, gate, up, act, xs, expert_offsets, w, E, C, F, stream_);
+}
+
+void CudaOps::moe_experts_backward(Act* dxs, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact,
+                                   const Act* dys, const Act* xs, const Act* gate, const Act* up, const Act* act,
+                                   const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E,
+                                   int64_t C, int64_t F) {
+  cuda::moe_experts_backward(*ctx_, dxs, dw, dgate, dup, dact, dys, xs, gate, up, act, expert_offsets, w, E, C, F,
+                             stream_);
+}
+
+void CudaOps::shared_expert_combine(Act* out, const Act* shared_out, const float* logit, int64_t N, int64_t C) {
+  cuda::shared_expert_combine(out, shared_out, logit, N, C, stream_);
+}
+
+void CudaOps::shared_expert_backward(Act* dshared, float* dlogit, const Act* dout, const Act* shared_out,
+                                     const float* logit, int64_t N, int64_t C) {
+  cuda::shared_expert_backward(dshared, dlogit, dout, shared_out, logit, N, C, stream_);
+}
+
+}  // namespace strata::kernels

@@ -1,0 +1,131 @@
+// CudaOps: the CUDA backend of the decoder's op set (model/decoder.h; the CPU ones are in
+// kernels/cpu/backend.h, with the same members). The bf16 recipe: bf16 activations and compute
+// weights, fp32 accumulation inside every op, fp32 parameter gradients, statistics and router.
+// Its CPU reference is CpuBf16Ops, which rounds at the same points.
+//
+// One CudaOps belongs to one model on one Device: it owns the model's compute stream, the
+// kernels' Context (cuBLASLt handle, scratch and GEMM workspace) and the activation block, all
+// of whose memory comes from the Device's budgeted arena, so memory.device bounds them. Every op
+// is queued on the compute stream; the ops that return host values (the loss, the expert
+// offsets, the router statistics) synchronise it, and so does synchronize(), which the model
+// calls before it hands a group back to the paging layer.
+//
+// Vocabulary tensors in row blocks (ParamLayout::block_rows) must lie contiguously (the flat
+// layout does); the embedding and the LM head abort otherwise, naming the tensor's blocks.
+// Not thread-safe; movable, not copyable. CUDA errors abort (CUDA_CHECK).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/device.h"
+#include "core/dtype.h"
+#include "core/status.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/moe.h"
+
+namespace strata::kernels {
+
+class CudaOps {
+ public:
+  using Act = cuda::bf16;
+  using W = cuda::bf16;
+  static constexpr DType kWeightDType = DType::kBF16;
+  static constexpr const char* kName = "cuda bf16";
+  static constexpr bool kHostMemory = false;  // device memory only
+  static constexpr size_t kScratchBytes = cuda::Context::kDefaultScratchBytes;
+  static constexpr size_t kGemmWorkspaceBytes = cuda::Context::kDefaultGemmWorkspaceBytes;
+
+  // REQUIRES: `device` is a CUDA device, outlives the ops, and is current on the calling thread.
+  // Takes kScratchBytes + kGemmWorkspaceBytes of its arena: OutOfMemory (the arena's message,
+  // naming the budget) when they do not fit.
+  static Result<CudaOps> create(Device& device);
+  ~CudaOps();
+  CudaOps(CudaOps&&) noexcept;
+  CudaOps& operator=(CudaOps&&) = delete;
+  CudaOps(const CudaOps&) = delete;
+
+  cudaStream_t stream() const { return stream_; }
+  cuda::Context& context() { return *ctx_; }
+
+  Result<void*> activation_block(uint64_t bytes);
+  void synchronize();
+  const float* stage_constants(const float* host, int64_t n);
+  const int32_t* stage_tokens(const int32_t* host, int64_t N, int32_t* slot);
+  const int64_t* expert_offsets_on_host(const int64_t* offsets, int64_t E);
+
+  void embedding_forward(Act* out, const int32_t* tokens, const W* const* table_blocks, int64_t block_rows, int64_t N,
+                         int64_t C, int64_t V);
+  void embedding_backward(float* const* dtable_blocks, int64_t block_rows, const Act* dout, const int32_t* tokens,
+                          int64_t N, int64_t C, int64_t V);
+  void rmsnorm_forward(Act* out, float* rstd, const Act* x, const W* weight, int64_t N, int64_t C, float eps);
+  void rmsnorm_backward(Act* dx, float* dweight, const Act* dout, const Act* x, const W* weight, const float* rstd,
+                        int64_t N, int64_t C);
+  void linear_forward(Act* out, const Act* x, const W* weight, const W* bias, int64_t N, int64_t IC, int64_t OC);
+  void linear_backward(Act* dx, float* dweight, float* dbias, const Act* dout, const Act* x, const W* weight,
+                       int64_t N, int64_t IC, int64_t OC);
+  void linear_forward_f32(float* out, const Act* x, const W* weight, int64_t N, int64_t IC, int64_t OC);
+  void linear_backward_f32(Act* dx, float* dweight, const float* dout, const Act* x, const W* weight, int64_t N,
+                           int64_t IC, int64_t OC);
+  void rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D);
+  void rope_backward(Act* dx, const Act* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D);
+  void attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
+                         int64_t Hq, int64_t Hkv, int64_t D);
+  void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
+                          const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D);
+  void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n);
+  void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);
+  void add_inplace(Act* a, const Act* b, int64_t n);
+  double lm_head_cross_entropy(Act* dx, float* const* dweight_blocks, const Act* x, const W* const* weight_blocks,
+                               int64_t block_rows, const int32_t* targets, int64_t N, int64_t C, int64_t V,
+                               float grad_scale, int64_t chunk_tokens);
+
+  void moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const float* logits,
+                         const float* selection_bias /*HOST (E) or null*/, int64_t N, const RouterConfig& config);
+  void moe_route_backward(float* dlogits, const float* dweights, const float* prob_grad /*HOST (E) or null*/,
+                          const float* probs, const int32_t* expert_idx, const float* weights, int64_t N,
+                          const RouterConfig& config);
+  void moe_permute(int32_t* slot_of, int32_t* token_of_slot, int64_t* expert_offsets, const int32_t* expert_idx,
+                   int64_t N, int64_t K, int64_t E);
+  // counts, prob_sums: HOST arrays, added to (the device's statistics are copied back).
+  void moe_router_stats(int64_t* counts, double* prob_sums, const int32_t* expert_idx, const float* probs, int64_t N,
+                        int64_t K, int64_t E);
+  void moe_gather(Act* xs, const Act* x, const int32_t* token_of_slot, int64_t S, int64_t C);
+  void moe_gather_backward(Act* dx, const Act* dxs, const int32_t* slot_of, int64_t N, int64_t K, int64_t C);
+  void moe_combine_forward(Act* out, const Act* ys, const float* weights, const int32_t* slot_of, int64_t N, int64_t K,
+                           int64_t C);
+  void moe_combine_backward(Act* dys, float* dweights, const Act* dout, const Act* ys, const float* weights,
+                            const int32_t* slot_of, int64_t N, int64_t K, int64_t C);
+  void moe_experts_forward(Act* ys, Act* gate, Act* up, Act* act, const Act* xs, const int64_t* expert_offsets,
+                           const ExpertTensors<const W>& w, int64_t E, int64_t C, int64_t F);
+  void moe_experts_backward(Act* dxs, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact, const Act* dys,
+                            const Act* xs, const Act* gate, const Act* up, const Act* act,
+                            const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E, int64_t C,
+                            int64_t F);
+  void shared_expert_combine(Act* out, const Act* shared_out, const float* logit, int64_t N, int64_t C);
+  void shared_expert_backward(Act* dshared, float* dlogit, const Act* dout, const Act* shared_out, const float* logit,
+                              int64_t N, int64_t C);
+
+ private:
+  explicit CudaOps(Device& device) : device_(&device) {}
+  // A device buffer of at least `bytes` from the arena (grown after the stream drains).
+  void* grow(DeviceAllocation& buffer, uint64_t bytes, const char* what);
+
+  Device* device_ = nullptr;
+  std::unique_ptr<Stream> compute_;
+  cudaStream_t stream_ = nullptr;
+  DeviceAllocation scratch_, workspace_;
+  std::unique_ptr<cuda::Context> ctx_;
+  DeviceAllocation block_;      // the activation table
+  DeviceAllocation constants_;  // RoPE frequencies
+  DeviceAllocation losses_;     // (N) per-token NLL
+  DeviceAllocation sums_;       // (1) double: the loss sum
+  DeviceAllocation rounded_;    // an fp32 output gradient rounded to bf16
+  DeviceAllocation router_;     // selection bias or prob_grad (E floats), counts (E) and prob sums (E)
+  std::vector<int64_t> host_offsets_;
+};
+
+}  // namespace strata::kernels

@@ -1,0 +1,27 @@
+// The decoder (model/decoder.h) on the CUDA backend: Decoder<kernels::CudaOps>, the same layer
+// graph as the CPU's, computing from a ParamAccess whose compute copy is bf16 in device memory
+// (PagedState on a CUDA Device). Declared in every build; defined only with the CUDA backend.
+#pragma once
+
+#include <memory>
+
+#include "core/device.h"
+#include "core/status.h"
+#include "model/config.h"
+#include "model/decoder.h"
+
+namespace strata::model {
+
+// OK when the CUDA ops run `config`; Unimplemented naming what they lack (attention head dims
+// other than 64 and 128).
+Status cuda_supports(const ModelConfig& config);
+
+// The decoder on `device` (a CUDA device, current on this thread), without flat buffers: set a
+// ParamAccess before computing. Its ops take their scratch, workspace and activations from the
+// device's arena. The errors of cuda_supports().
+Result<std::unique_ptr<Model>> make_cuda_decoder(Device& device, const ModelConfig& config);
+
+// Device memory the CUDA decoder takes besides the state: its kernels' scratch and workspace.
+uint64_t cuda_decoder_overhead_bytes();
+
+}  // namespace strata::model

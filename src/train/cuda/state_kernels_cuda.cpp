@@ -1,0 +1,71 @@
+// StateKernels on CUDA (train/state_kernels.h): kernels::cuda launches on a stream of their own,
+// with their scratch from the device's arena.
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "core/check.h"
+#include "core/cuda/cuda_check.h"
+#include "core/cuda/cuda_device.h"
+#include "kernels/cuda/ops.h"
+#include "train/state_kernels.h"
+
+namespace strata {
+namespace {
+
+namespace cu = kernels::cuda;
+
+// Partials of the two-pass reductions: far more than sum_squares needs for any tensor.
+constexpr uint64_t kScratchBytes = 4ull << 20;
+
+class CudaStateKernels final : public StateKernels {
+ public:
+  CudaStateKernels(std::unique_ptr<Stream> stream, DeviceAllocation scratch, DeviceAllocation norm)
+      : stream_(std::move(stream)),
+        handle_(as_cuda_stream(*stream_).handle()),
+        scratch_(std::move(scratch)),
+        norm_(std::move(norm)),
+        ctx_(scratch_.data(), scratch_.size(), nullptr, 0) {}
+  ~CudaStateKernels() override { synchronize(); }
+
+  void zero(float* p, int64_t n) override {
+    CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(n) * sizeof(float), handle_));
+  }
+  void begin_norm() override { CUDA_CHECK(cudaMemsetAsync(norm_.data(), 0, sizeof(double), handle_)); }
+  void add_sum_squares(const float* p, int64_t n) override {
+    cu::sum_squares(ctx_, norm_.as<double>(), p, n, /*accumulate=*/true, handle_);
+  }
+  double end_norm() override {
+    double sum = 0;
+    CUDA_CHECK(cudaMemcpyAsync(&sum, norm_.data(), sizeof(double), cudaMemcpyDeviceToHost, handle_));
+    synchronize();
+    return sum;
+  }
+  void scale(float* p, int64_t n, float s) override { cu::scale_inplace(p, n, s, handle_); }
+  void adamw(float* master, const float* grad, float* m, float* v, void* bf16_copy, int64_t n,
+             const kernels::AdamWParams& p) override {
+    const cu::AdamWTensor t{master, grad, m, v, static_cast<cu::bf16*>(bf16_copy), n};
+    cu::adamw_step(&t, 1, p, handle_);
+  }
+  void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(handle_)); }
+
+ private:
+  std::unique_ptr<Stream> stream_;
+  cudaStream_t handle_;
+  DeviceAllocation scratch_, norm_;
+  cu::Context ctx_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<StateKernels>> make_cuda_state_kernels(Device& device) {
+  if (device.kind() != DeviceKind::kCuda)
+    return Status::InvalidArgument("CUDA state kernels need a CUDA device, not " + device.name());
+  std::unique_ptr<Stream> stream = device.create_stream();
+  ASSIGN_OR_RETURN(DeviceAllocation scratch, device.allocate(kScratchBytes));
+  ASSIGN_OR_RETURN(DeviceAllocation norm, device.allocate(sizeof(double)));
+  return std::unique_ptr<StateKernels>(
+      std::make_unique<CudaStateKernels>(std::move(stream), std::move(scratch), std::move(norm)));
+}
+
+}  // namespace strata

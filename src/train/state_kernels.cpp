@@ -1,0 +1,35 @@
+#include "train/state_kernels.h"
+
+#include <cstring>
+
+#include "kernels/bf16.h"
+#include "kernels/grad_norm.h"
+
+namespace strata {
+namespace {
+
+class CpuStateKernels final : public StateKernels {
+ public:
+  void zero(float* p, int64_t n) override { std::memset(p, 0, static_cast<size_t>(n) * sizeof(float)); }
+  void begin_norm() override { sum_ = 0; }
+  void add_sum_squares(const float* p, int64_t n) override { sum_ += kernels::cpu::sum_squares(p, n); }
+  double end_norm() override { return sum_; }
+  void scale(float* p, int64_t n, float s) override { kernels::cpu::scale_inplace(p, n, s); }
+  void adamw(float* master, const float* grad, float* m, float* v, void* bf16_copy, int64_t n,
+             const kernels::AdamWParams& p) override {
+    kernels::cpu::adamw_step(master, grad, m, v, n, p);
+    if (bf16_copy == nullptr) return;
+    uint16_t* copy = static_cast<uint16_t*>(bf16_copy);
+    for (int64_t i = 0; i < n; ++i) copy[i] = kernels::f32_to_bf16(master[i]);
+  }
+  void synchronize() override {}
+
+ private:
+  double sum_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<StateKernels> make_cpu_state_kernels() { return std::make_unique<CpuStateKernels>(); }
+
+}  // namespace strata

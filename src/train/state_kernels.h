@@ -1,0 +1,45 @@
+// StateKernels: the arithmetic the one optimizer (PagedState) does on training state that sits
+// in the device tier — zeroing gradients, the global gradient norm, clipping, AdamW writing the
+// master and the bf16 compute copy — done by the backend that owns that memory. On the CPU
+// backend "device memory" is host memory and these are the kernels::cpu ops; on CUDA they are
+// kernels::cuda launches on a stream of their own. State acquired in host memory always uses
+// the CPU's SIMD AdamW. Every implementation applies the same per-element operations (AdamW is
+// bitwise the reference on each backend), so where a group is updated never changes the result.
+//
+// Calls may queue work; synchronize() waits for it, and PagedState calls it before it releases
+// what the work touched. Not thread-safe: one caller at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "core/device.h"
+#include "core/status.h"
+#include "kernels/adamw.h"
+
+namespace strata {
+
+class StateKernels {
+ public:
+  virtual ~StateKernels() = default;
+  virtual void zero(float* p, int64_t n) = 0;
+  // The sum of squares over the tensors passed to add_sum_squares() since begin_norm(), in the
+  // order they were passed (each backend's order is fixed, so the norm is reproducible).
+  virtual void begin_norm() = 0;
+  virtual void add_sum_squares(const float* p, int64_t n) = 0;
+  virtual double end_norm() = 0;
+  virtual void scale(float* p, int64_t n, float s) = 0;
+  // AdamW on the fp32 master; when bf16_copy is not null, writes the updated master there
+  // rounded to bf16 (nearest even).
+  virtual void adamw(float* master, const float* grad, float* m, float* v, void* bf16_copy, int64_t n,
+                     const kernels::AdamWParams& p) = 0;
+  virtual void synchronize() = 0;
+};
+
+// The CPU's: plain loops and the kernels::cpu ops, in the calling thread.
+std::unique_ptr<StateKernels> make_cpu_state_kernels();
+// The CUDA backend's, on `device` (a CUDA device; defined only in builds with CUDA): its own
+// stream and a small scratch from the device's arena.
+Result<std::unique_ptr<StateKernels>> make_cuda_state_kernels(Device& device);
+
+}  // namespace strata
