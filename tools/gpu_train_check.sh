@@ -6,7 +6,12 @@
 #   2. its step-10 checkpoint resumed on the CPU, and the CPU run's resumed on the GPU: the
 #      resumed steps must agree with the uninterrupted runs the same way; resumed on the GPU,
 #      the GPU run's own checkpoint must continue bit-exactly (every loss equal);
-#   3. the GPU run's Hugging Face export must exist.
+#   3. the GPU run's Hugging Face export must exist;
+#   4. the CPU's emulation of the GPU's bf16 recipe (train.precision=bf16) must track the GPU
+#      run closer than the fp32 CPU run does (within 2% per step);
+#   5. the GPU run with memory.device so small that a third of the state's chunks fit beside
+#      the kernels' scratch pages through host memory and must give bitwise the same losses;
+#   6. a mixture-of-experts model (4 experts, 2 per token, a shared expert) must learn on the GPU.
 #
 #   tools/gpu_train_check.sh STRATA_BINARY [WORK_DIR]
 #   GPU_DEVICE=cpu tools/gpu_train_check.sh build/strata   checks the script itself without a GPU
@@ -35,6 +40,12 @@ train cpu cpu
 train cuda-from-cpu "$gpu" --resume "$work/cpu/ckpt/step-10"
 train cpu-from-cuda cpu --resume "$work/cuda/ckpt/step-10"
 train cuda-from-cuda "$gpu" --resume "$work/cuda/ckpt/step-10"
+train cpu-bf16 cpu train.precision=bf16
+# 292 MiB of kernel scratch and workspaces + activations, and ~15 MiB of chunks for ~45 MiB of state.
+if [[ "$gpu" == cuda ]]; then paged_budget=320MiB; else paged_budget=30MiB; fi
+train cuda-paged "$gpu" memory.device="$paged_budget"
+train cuda-moe "$gpu" \
+  'model.set=[hidden_size=256,num_attention_heads=4,num_key_value_heads=2,num_experts=4,num_experts_per_tok=2,moe_intermediate_size=128,shared_expert_intermediate_size=256,output_router_logits=true,router_aux_loss_coef=0.01]' 
 [[ -f "$work/cuda/export/model.safetensors" ]] || { echo "no export in $work/cuda/export"; exit 1; }
 
 python3 - "$work" <<'PY'
@@ -61,6 +72,13 @@ compare("cuda", cuda, "cpu", cpu, list(range(1, 21)))
 compare("cpu-from-cuda", losses("cpu-from-cuda"), "cuda", cuda, list(range(11, 21)))
 compare("cuda-from-cpu", losses("cuda-from-cpu"), "cpu", cpu, list(range(11, 21)))
 compare("cuda-from-cuda", losses("cuda-from-cuda"), "cuda", cuda, list(range(11, 21)), tolerance=0.0)
+compare("cuda", cuda, "cpu-bf16", losses("cpu-bf16"), list(range(1, 21)), tolerance=0.02)
+compare("cuda-paged", losses("cuda-paged"), "cuda", cuda, list(range(1, 21)), tolerance=0.0)
+moe = losses("cuda-moe")
+moe_learned = moe.get(20, 99) < moe.get(1, 0) - 0.5
+failed |= not moe_learned
+print(f"cuda-moe loss {moe.get(1, float('nan')):.4f} -> {moe.get(20, float('nan')):.4f} "
+      f"({'learns' if moe_learned else 'FAIL: does not learn'})")
 learned = cuda[20] < cuda[1] - 0.5
 failed |= not learned
 print(f"cuda loss {cuda[1]:.4f} -> {cuda[20]:.4f} ({'learns' if learned else 'FAIL: does not learn'})")

@@ -29,11 +29,19 @@ class ActivationTable {
   // only when N grows or `offload_checkpoints` changes, and the pointers below are valid until
   // then. With offload_checkpoints the checkpoints get min(3, L + 1) slots (see below).
   // The block comes from ops.activation_block(), which may fail (OutOfMemory on a device).
-  Status reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T, bool offload_checkpoints = false);
+  // keep_layers: every layer but the last also keeps its own copy of what its backward reads
+  // (layer(l)), so that backward recomputes nothing.
+  Status reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T, bool offload_checkpoints = false,
+                 bool keep_layers = false);
   // Bytes held (for logging and tests).
   int64_t bytes() const { return bytes_; }
   // The bytes reserve() would take, without allocating.
-  static int64_t bytes_for(const ModelConfig& config, int64_t N, bool offload_checkpoints);
+  static int64_t bytes_for(const ModelConfig& config, int64_t N, bool offload_checkpoints, bool keep_layers = false);
+  // The buffers layer l's forward writes and its backward reads: its own when the table keeps
+  // layers (l < L - 1), the shared ones otherwise.
+  const ActivationTable& layer(int64_t l) const {
+    return static_cast<size_t>(l) < layer_views_.size() ? layer_views_[static_cast<size_t>(l)] : *this;
+  }
   // Slots of N * C floats in `checkpoints`: L + 1, or min(3, L + 1) when planned for offload.
   int64_t checkpoint_slots() const { return checkpoint_slots_; }
 
@@ -114,18 +122,22 @@ class ActivationTable {
   int64_t bytes_ = 0;
 
   // Hands out every field for N tokens from `base` (null: only measures); returns the bytes.
-  int64_t carve(char* base, const ModelConfig& config, int64_t N, bool offload_checkpoints);
+  int64_t carve(char* base, const ModelConfig& config, int64_t N, bool offload_checkpoints, bool keep_layers);
+  bool planned_keep_ = false;
+  std::vector<ActivationTable> layer_views_;  // per layer 0 .. L-2 when keeping layers
 };
 
 template <class Ops>
 Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T,
-                                     bool offload_checkpoints) {
+                                     bool offload_checkpoints, bool keep_layers) {
   int64_t N = B * T;
-  if (N <= planned_tokens_ && offload_checkpoints == planned_offload_) return Status::OK();
+  if (N <= planned_tokens_ && offload_checkpoints == planned_offload_ && keep_layers == planned_keep_)
+    return Status::OK();
   N = std::max(N, planned_tokens_);
-  const int64_t bytes = carve(nullptr, config, N, offload_checkpoints);
+  const int64_t bytes = carve(nullptr, config, N, offload_checkpoints, keep_layers);
   ASSIGN_OR_RETURN(void* base, ops.activation_block(static_cast<uint64_t>(bytes)));
-  carve(static_cast<char*>(base), config, N, offload_checkpoints);
+  carve(static_cast<char*>(base), config, N, offload_checkpoints, keep_layers);
+  planned_keep_ = keep_layers;
   bytes_ = bytes;
   planned_tokens_ = N;
   planned_offload_ = offload_checkpoints;
@@ -135,13 +147,15 @@ Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_
 }
 
 template <class Ops>
-int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bool offload_checkpoints) {
+int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bool offload_checkpoints,
+                                        bool keep_layers) {
   ActivationTable<Ops> measured;
-  return measured.carve(nullptr, config, N, offload_checkpoints);
+  return measured.carve(nullptr, config, N, offload_checkpoints, keep_layers);
 }
 
 template <class Ops>
-int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64_t N, bool offload_checkpoints) {
+int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64_t N, bool offload_checkpoints,
+                                    bool keep_layers) {
   const int64_t C = config.hidden_size;
   const int64_t F = config.dense_mlp_width();
   const int64_t L = config.num_hidden_layers;
@@ -164,63 +178,74 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
     field = base == nullptr ? nullptr : reinterpret_cast<std::remove_reference_t<decltype(field)>>(base + offset);
     offset += (n * static_cast<int64_t>(sizeof(*field)) + 63) / 64 * 64;
   };
-    take(checkpoints, checkpoint_slots * N * C);
-    take(final_out, N * C);
-    take(final_rstd, N);
-    take(d_final, N * C);
-    take(dres, N * C);
-    take(ln1, N * C);
-    take(ln1_rstd, N);
-    take(q, N * q_dim);
-    take(k, N * kv_dim);
-    take(q_raw, qk ? N * q_dim : 0);
-    take(k_raw, qk ? N * kv_dim : 0);
-    take(q_norm_rstd, qk ? N * Hq : 0);
-    take(k_norm_rstd, qk ? N * Hkv : 0);
-    take(v, N * kv_dim);
-    take(att, N * q_dim);
-    take(lse, N * Hq);  // (B, Hq, T)
-    take(h, N * C);
-    take(ln2, N * C);
-    take(ln2_rstd, N);
-    take(gate, N * F);
-    take(up, N * F);
-    take(act, N * F);
-    take(router_logits, N * E);
-    take(router_probs, N * E);
-    take(route_weights, N * K);
-    take(expert_xs, S * C);
-    take(expert_gate, S * Fe);
-    take(expert_up, S * Fe);
-    take(expert_act, S * Fe);
-    take(expert_ys, S * C);
-    take(shared_out, shared * N * C);
-    take(shared_logit, shared * N);
-    take(d_ln, N * C);
-    take(d_tmp, N * C);
-    take(d_q, N * q_dim);
-    take(d_k, N * kv_dim);
-    take(d_v, N * kv_dim);
-    take(d_att, N * q_dim);
-    take(d_gate, N * F);
-    take(d_up, N * F);
-    take(d_act, N * F);
-    take(d_qk_raw, qk ? N * q_dim : 0);
-    take(d_route_weights, N * K);
-    take(d_router_logits, N * E);
-    take(d_expert_ys, S * C);
-    take(d_expert_xs, S * C);
-    take(d_expert_gate, S * Fe);
-    take(d_expert_up, S * Fe);
-    take(d_expert_act, S * Fe);
-    take(d_shared_logit, shared * N);
-  // Routing indices and the token ids.
-  take(expert_idx, S);
-  take(slot_of, S);
-  take(token_of_slot, S);
-  take(expert_offsets, E + 1);
+  // What a layer's forward writes and its backward reads (its router's choices included).
+  auto saved = [&](ActivationTable& t) {
+    take(t.ln1, N * C);
+    take(t.ln1_rstd, N);
+    take(t.q, N * q_dim);
+    take(t.k, N * kv_dim);
+    take(t.q_raw, qk ? N * q_dim : 0);
+    take(t.k_raw, qk ? N * kv_dim : 0);
+    take(t.q_norm_rstd, qk ? N * Hq : 0);
+    take(t.k_norm_rstd, qk ? N * Hkv : 0);
+    take(t.v, N * kv_dim);
+    take(t.att, N * q_dim);
+    take(t.lse, N * Hq);  // (B, Hq, T)
+    take(t.h, N * C);
+    take(t.ln2, N * C);
+    take(t.ln2_rstd, N);
+    take(t.gate, N * F);
+    take(t.up, N * F);
+    take(t.act, N * F);
+    take(t.router_logits, N * E);
+    take(t.router_probs, N * E);
+    take(t.route_weights, N * K);
+    take(t.expert_idx, S);
+    take(t.slot_of, S);
+    take(t.token_of_slot, S);
+    take(t.expert_offsets, E + 1);
+    take(t.expert_xs, S * C);
+    take(t.expert_gate, S * Fe);
+    take(t.expert_up, S * Fe);
+    take(t.expert_act, S * Fe);
+    take(t.expert_ys, S * C);
+    take(t.shared_out, shared * N * C);
+    take(t.shared_logit, shared * N);
+  };
+  take(checkpoints, checkpoint_slots * N * C);
+  take(final_out, N * C);
+  take(final_rstd, N);
+  take(d_final, N * C);
+  take(dres, N * C);
+  saved(*this);
+  take(d_ln, N * C);
+  take(d_tmp, N * C);
+  take(d_q, N * q_dim);
+  take(d_k, N * kv_dim);
+  take(d_v, N * kv_dim);
+  take(d_att, N * q_dim);
+  take(d_gate, N * F);
+  take(d_up, N * F);
+  take(d_act, N * F);
+  take(d_qk_raw, qk ? N * q_dim : 0);
+  take(d_route_weights, N * K);
+  take(d_router_logits, N * E);
+  take(d_expert_ys, S * C);
+  take(d_expert_xs, S * C);
+  take(d_expert_gate, S * Fe);
+  take(d_expert_up, S * Fe);
+  take(d_expert_act, S * Fe);
+  take(d_shared_logit, shared * N);
   take(tokens_in, N);
   take(tokens_target, N);
+  // Kept layers: layers 0 .. L-2 get saved fields of their own (the last layer's are the shared
+  // ones, still intact when its backward, the first, runs).
+  layer_views_.clear();
+  if (keep_layers) {
+    std::vector<ActivationTable> views(static_cast<size_t>(std::max<int64_t>(L - 1, 0)), *this);
+    for (ActivationTable& view : views) saved(view);
+    if (base != nullptr) layer_views_ = std::move(views);
+  }
   return offset;
 }
 

@@ -16,7 +16,9 @@
 //
 // Activation memory: forward keeps only each layer's input (the layer-boundary checkpoint) plus
 // what the final norm and the LM head need; backward recomputes one layer at a time from its
-// checkpoint into a shared scratch workspace and then runs that layer's backward. All buffers
+// checkpoint into a shared scratch workspace and then runs that layer's backward. Or, with
+// set_keep_layer_activations(true), every layer keeps its own intermediates and backward
+// recomputes nothing (bitwise the same results). All buffers
 // come from one activation table planned for the largest (B, T) seen and reused afterwards.
 // When the ParamAccess offloads activations (param_access.h), the table keeps min(3, L + 1)
 // checkpoint slots instead of L + 1: forward hands each offloaded checkpoint to the access as
@@ -75,6 +77,12 @@ class Model {
   virtual const std::vector<float>& expert_selection_bias() const = 0;
   virtual std::vector<float>& mutable_expert_selection_bias() = 0;
   virtual void update_expert_bias() = 0;
+  // Keep every layer's intermediates for backward (no recomputation: about a third less
+  // compute, more activation memory) or recompute each layer from its checkpoint. Bitwise the
+  // same results either way. Takes effect at the next compute.
+  virtual void set_keep_layer_activations(bool keep) = 0;
+  // Bytes of the activation table for micro-batches of `tokens` (B * T) tokens.
+  virtual int64_t activation_bytes_for(int64_t tokens, bool offload_checkpoints, bool keep_layers) const = 0;
 };
 
 template <class Ops>
@@ -155,6 +163,11 @@ class Decoder final : public Model {
   // expert_token_counts(). Call once per optimizer step, after the micro-batches; a no-op
   // unless config.router_bias_update_rate > 0.
   void update_expert_bias() override;
+  void set_keep_layer_activations(bool keep) override { keep_layers_ = keep; }
+  bool keeps_layer_activations() const { return keep_layers_; }
+  int64_t activation_bytes_for(int64_t tokens, bool offload_checkpoints, bool keep_layers) const override {
+    return ActivationTable<Ops>::bytes_for(config_, tokens, offload_checkpoints, keep_layers);
+  }
 
  private:
   // Embedding, all layers, final norm; leaves the final norm's output in acts_.final_out.
@@ -215,6 +228,7 @@ class Decoder final : public Model {
   std::vector<float> inv_freq_;  // (D/2) RoPE frequencies
   const float* inv_freq_ops_ = nullptr;  // the same where the ops read them
   const int32_t* staged_inputs_ = nullptr;  // the last forward's input tokens where the ops read them
+  bool keep_layers_ = false;
   ActivationTable<Ops> acts_;
   ParamAccess* access_ = nullptr;
   // MoE state (empty for dense models).

@@ -112,7 +112,7 @@ template <class Ops>
 Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* out /*(N,C)*/, int64_t B,
                                    int64_t T, const RouterStats* stats, bool grads) {
   const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(layer));
-  const ActivationTable<Ops>& a = acts_;
+  const ActivationTable<Ops>& a = acts_.layer(layer);
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t F = config_.intermediate_size;
@@ -167,7 +167,7 @@ void Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* dr
                                   int64_t T, const float* prob_grad) {
   const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(layer));
   const LayerGrads g = LayerGrads::bind_with(grad_at(), layout_.layer(layer));
-  const ActivationTable<Ops>& a = acts_;
+  const ActivationTable<Ops>& a = acts_.layer(layer);
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t F = config_.intermediate_size;
@@ -252,7 +252,7 @@ template <class Ops>
 Status Decoder<Ops>::begin_experts(int64_t layer, bool params, bool grads) {
   active_experts_.clear();
   if (!config_.is_moe_layer(layer)) return Status::OK();
-  const int64_t* offsets = ops_.expert_offsets_on_host(acts_.expert_offsets, config_.num_experts);
+  const int64_t* offsets = ops_.expert_offsets_on_host(acts_.layer(layer).expert_offsets, config_.num_experts);
   for (int64_t e = 0; e < config_.num_experts; ++e)
     if (offsets[e + 1] > offsets[e]) active_experts_.push_back(static_cast<int>(e));
   if (access_ == nullptr) return Status::OK();
@@ -301,7 +301,8 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
     Status window = config_.check_sequence_length(T, "LlamaModel config");
     CHECK_MSG(window.ok(), window.to_string());
   }
-  RETURN_IF_ERROR(acts_.reserve(ops_, config_, B, T, access_ != nullptr && access_->offloads_activations()));
+  RETURN_IF_ERROR(
+      acts_.reserve(ops_, config_, B, T, access_ != nullptr && access_->offloads_activations(), keep_layers_));
   const int64_t offloaded = offload ? offloaded_checkpoint_count(static_cast<int>(L)) : 0;
   std::fill(forward_counts_.begin(), forward_counts_.end(), int64_t{0});
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
@@ -416,11 +417,13 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
     if (l < offloaded)
       RETURN_IF_ERROR(access_->fetch_checkpoint(static_cast<int>(l), x, static_cast<uint64_t>(N * C) * sizeof(Act)));
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, true));
-    // The scratch still holds the last layer's intermediates (and routing) from forward; every
-    // other layer is recomputed from its checkpoint. Either way the experts that received
-    // tokens are begun, parameters and gradients, for the backward.
-    const Status st = l != L - 1 ? layer_forward(l, x, /*out=*/nullptr, B, T, /*stats=*/nullptr, /*grads=*/true)
-                                 : begin_experts(l, true, true);
+    // The scratch still holds the last layer's intermediates (and routing) from forward, and
+    // with kept layers every layer's are in its own set; otherwise the layer is recomputed from
+    // its checkpoint. Either way the experts that received tokens are begun, parameters and
+    // gradients, for the backward.
+    const bool recompute = l != L - 1 && !keep_layers_;
+    const Status st = recompute ? layer_forward(l, x, /*out=*/nullptr, B, T, /*stats=*/nullptr, /*grads=*/true)
+                                : begin_experts(l, true, true);
     if (st.ok()) {
       layer_backward(l, x, acts_.dres, B, T, prob_grad.empty() ? nullptr : prob_grad.data());
       end_experts(l, true, true);

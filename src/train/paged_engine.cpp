@@ -76,8 +76,22 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
     ASSIGN_OR_RETURN(e->io_, make_io_engine(IoEngineOptions{}));
   }
   e->nvme_path_ = t.nvme_path;
+  // Kept layer activations cost their bytes beside the planned activations; auto keeps them on
+  // cuda when the device has that room left after the plan.
+  const int64_t tokens = t.micro_batch * t.seq_len;
+  const uint64_t keep_extra =
+      static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, plan.offload_activations, true) -
+                            e->net_->activation_bytes_for(tokens, plan.offload_activations, false));
+  const uint64_t device_room = budgets.memory_device > plan.device.total() ? budgets.memory_device - plan.device.total() : 0;
+  e->keep_activations_ = t.keep_activations == "true" || (t.keep_activations == "auto" && cuda && keep_extra <= device_room);
+  if (t.keep_activations == "true" && keep_extra > device_room)
+    return Status::OutOfMemory(fmt::format("memory.keep_activations=true needs {} more device memory than the plan "
+                                           "leaves ({}); set it to auto or false, or raise memory.device",
+                                           format_bytes(keep_extra), format_bytes(device_room)));
+  e->net_->set_keep_layer_activations(e->keep_activations_);
   PagedStateOptions& po = e->options_;
-  po.device_bytes = budgets.memory_device > plan.device.act ? budgets.memory_device - plan.device.act : 0;
+  const uint64_t activations = plan.device.act + (e->keep_activations_ ? keep_extra : 0);
+  po.device_bytes = budgets.memory_device > activations ? budgets.memory_device - activations : 0;
   po.host_bytes = budgets.memory_host;
   po.nvme_bytes = t.nvme_path.empty() ? 0 : t.nvme_size;
   po.nvme_dir = t.nvme_path;
@@ -98,8 +112,9 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
 PagedEngine::~PagedEngine() = default;
 
 std::string PagedEngine::memory_summary() const {
-  return fmt::format("precision {}; chunks of {}; device {}, host {}, nvme {}; homes: {}",
-                     precision_name(options_.precision), format_bytes(state_->store().chunk_bytes()),
+  return fmt::format("precision {}; activations {}; chunks of {}; device {}, host {}, nvme {}; homes: {}",
+                     precision_name(options_.precision), keep_activations_ ? "kept per layer" : "recomputed",
+                     format_bytes(state_->store().chunk_bytes()),
                      format_bytes(options_.device_bytes), format_bytes(options_.host_bytes),
                      options_.nvme_bytes ? format_bytes(options_.nvme_bytes) + " in " + nvme_path_ : std::string("none"),
                      state_->placement_summary());

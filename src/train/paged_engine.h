@@ -54,6 +54,7 @@ class PagedEngine final : public TrainEngine {
   model::ModelConfig mc_;
   Plan plan_;  // PagedState keeps a pointer to it
   PagedStateOptions options_;
+  bool keep_activations_ = false;
   std::string nvme_path_;
   std::unique_ptr<Device> device_;
   std::unique_ptr<IoEngine> io_;

@@ -43,6 +43,7 @@ struct TrainConfig {
   uint64_t nvme_size = 0;
   uint64_t chunk_size = 0;  // 0 = auto
   std::string offload_activations;
+  std::string keep_activations = "auto";  // keep every layer's intermediates: auto | true | false
   // rates the planner predicts with
   double gpu_flops = 0, h2d_bytes_per_s = 0, d2h_bytes_per_s = 0, disk_read_bytes_per_s = 0,
          disk_write_bytes_per_s = 0, cpu_adam_params_per_s = 0;

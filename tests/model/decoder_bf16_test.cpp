@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -187,6 +188,39 @@ TEST_P(Bf16DecoderTest, TrainsTheLossDown) {
   }
   EXPECT_TRUE(std::isfinite(last));
   EXPECT_LT(last, 0.8 * first);
+}
+
+// Keeping every layer's intermediates only skips recomputing what forward computed: the same
+// ops on the same inputs, so losses and gradients are bitwise those of recomputation.
+template <class Net>
+void expect_kept_equals_recomputed(const ModelConfig& c) {
+  Net kept(c), recomputed(c);
+  kept.init_weights(8);
+  recomputed.init_weights(8);
+  kept.set_keep_layer_activations(true);
+  const int64_t B = 2, T = 16;
+  for (int step = 0; step < 3; ++step) {
+    const Tokens t = random_tokens(B * T, c.vocab_size, 20 + step);
+    kept.zero_grads();
+    recomputed.zero_grads();
+    const double a = kept.forward_backward(t.inputs.data(), t.targets.data(), B, T, 1.0f / (B * T));
+    const double b = recomputed.forward_backward(t.inputs.data(), t.targets.data(), B, T, 1.0f / (B * T));
+    ASSERT_EQ(std::memcmp(&a, &b, sizeof(double)), 0) << "step " << step << ": " << a << " vs " << b;
+    const int64_t n = kept.layout().total_size();
+    ASSERT_EQ(std::memcmp(kept.grads(), recomputed.grads(), static_cast<size_t>(n) * sizeof(float)), 0)
+        << "gradients of step " << step;
+    for (Net* net : {&kept, &recomputed}) {
+      for (int64_t i = 0; i < n; ++i) net->params()[i] -= 0.1f * net->grads()[i];
+      net->sync_compute_copy();
+    }
+  }
+  EXPECT_GT(kept.activation_bytes(), recomputed.activation_bytes());
+}
+
+TEST_P(Bf16DecoderTest, KeptLayerActivationsGiveTheRecomputedResultsBitwise) {
+  const ModelConfig c = GetParam() ? moe_config() : dense_config();
+  expect_kept_equals_recomputed<LlamaModel>(c);
+  expect_kept_equals_recomputed<LlamaModelBf16>(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, Bf16DecoderTest, ::testing::Values(false, true),
