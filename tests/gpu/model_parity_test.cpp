@@ -1,7 +1,8 @@
 // Model parity: the decoder on the CUDA backend (Decoder<CudaOps> over a PagedState on the GPU:
 // bf16 activations and compute copy, fp32 master weights and gradients) against the CPU decoder
 // (LlamaModel, fp32 throughout, and LlamaModelBf16, the same bf16 recipe) on the same weights and
-// batches: the loss, every parameter gradient accumulated over two micro-batches, and the loss
+// batches (also with a vocabulary in row blocks, which the CUDA ops compute block by block): the
+// loss, every parameter gradient accumulated over two micro-batches, and the loss
 // curve of a few AdamW steps. Then the paging invariance on the GPU: a device budget a third of
 // the state's gives bitwise the run that keeps everything on the device; and a MoE model trains.
 //
@@ -71,14 +72,15 @@ constexpr double kCurveNormTol = 5e-2;
 struct Variant {
   const char* name;
   bool tied;
-  bool qwen_extras;  // q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3)
+  bool qwen_extras;     // q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3)
+  int64_t vocab = 256;  // 2000: far larger than every other tensor, so in row blocks
 };
 
 // hidden 128, 2 layers, 4 query heads over 2 KV heads of 64 (the smallest head dim the CUDA
 // attention kernel has; q_dim 256 != hidden exercises the o_proj shapes), FFN 256, vocab 256.
 ModelConfig tiny_config(const Variant& v) {
   ModelConfig c;
-  c.vocab_size = 256;
+  c.vocab_size = v.vocab;
   c.hidden_size = 128;
   c.intermediate_size = 256;
   c.num_hidden_layers = 2;
@@ -343,7 +345,8 @@ TEST_P(ModelParity, PagingThroughHostMemoryIsBitwiseTheResidentRun) {
 
 INSTANTIATE_TEST_SUITE_P(Variants, ModelParity,
                          ::testing::Values(Variant{"Untied", false, false}, Variant{"Tied", true, false},
-                                           Variant{"BiasAndQkNorm", false, true}),
+                                           Variant{"BiasAndQkNorm", false, true},
+                                           Variant{"VocabInRowBlocks", false, false, 2000}),
                          [](const ::testing::TestParamInfo<Variant>& info) { return std::string(info.param.name); });
 
 // A MoE model (routed experts, a shared expert, the aux loss) on the GPU tracks the CPU's bf16

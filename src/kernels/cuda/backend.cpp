@@ -10,21 +10,6 @@
 #include "kernels/cuda/elementwise.h"
 
 namespace strata::kernels {
-namespace {
-
-// The table of a tensor in row blocks as one contiguous (V, C) array. REQUIRES: the blocks lie
-// back to back (the flat layout); a paged store keeps them apart, which this backend does not
-// compute from yet.
-template <typename T>
-T* contiguous(T* const* blocks, int64_t block_rows, int64_t V, int64_t C, const char* what) {
-  for (int64_t r0 = block_rows, b = 1; r0 < V; r0 += block_rows, ++b)
-    CHECK_MSG(blocks[b] == blocks[0] + r0 * C, std::string(what) +
-                                                   ": the vocabulary's row blocks are not contiguous; the CUDA "
-                                                   "backend computes the embedding and LM head from one array");
-  return blocks[0];
-}
-
-}  // namespace
 
 Result<CudaOps> CudaOps::create(Device& device) {
   if (device.kind() != DeviceKind::kCuda) return Status::InvalidArgument("CudaOps needs a CUDA device, not " + device.name());
@@ -90,13 +75,12 @@ const int64_t* CudaOps::expert_offsets_on_host(const int64_t* offsets, int64_t E
 
 void CudaOps::embedding_forward(Act* out, const int32_t* tokens, const W* const* table_blocks, int64_t block_rows,
                                 int64_t N, int64_t C, int64_t V) {
-  cuda::embedding_forward(out, tokens, contiguous(table_blocks, block_rows, V, C, "embedding"), N, C, V, stream_);
+  cuda::embedding_forward_blocked(out, tokens, table_blocks, block_rows, N, C, V, stream_);
 }
 
 void CudaOps::embedding_backward(float* const* dtable_blocks, int64_t block_rows, const Act* dout,
                                  const int32_t* tokens, int64_t N, int64_t C, int64_t V) {
-  cuda::embedding_backward(*ctx_, contiguous(dtable_blocks, block_rows, V, C, "embedding gradient"), dout, tokens, N, C,
-                           V, stream_);
+  cuda::embedding_backward_blocked(*ctx_, dtable_blocks, block_rows, dout, tokens, N, C, V, stream_);
 }
 
 void CudaOps::rmsnorm_forward(Act* out, float* rstd, const Act* x, const W* weight, int64_t N, int64_t C, float eps) {
@@ -165,13 +149,12 @@ void CudaOps::add_inplace(Act* a, const Act* b, int64_t n) { cuda::add_inplace(a
 double CudaOps::lm_head_cross_entropy(Act* dx, float* const* dweight_blocks, const Act* x,
                                       const W* const* weight_blocks, int64_t block_rows, const int32_t* targets,
                                       int64_t N, int64_t C, int64_t V, float grad_scale, int64_t chunk_tokens) {
-  const W* weight = contiguous(weight_blocks, block_rows, V, C, "LM head");
-  float* dweight = dweight_blocks != nullptr ? contiguous(dweight_blocks, block_rows, V, C, "LM head gradient") : nullptr;
   // Chunks whose logits fit the scratch.
-  while (chunk_tokens > 1 && cuda::lm_head_scratch_bytes(C, V, chunk_tokens) > ctx_->scratch_bytes()) chunk_tokens /= 2;
+  while (chunk_tokens > 1 && cuda::lm_head_blocked_scratch_bytes(C, V, chunk_tokens) > ctx_->scratch_bytes())
+    chunk_tokens /= 2;
   float* losses = static_cast<float*>(grow(losses_, static_cast<uint64_t>(N) * sizeof(float), "per-token losses"));
-  cuda::lm_head_cross_entropy(*ctx_, losses, dx, dweight, x, weight, targets, N, C, V, grad_scale, chunk_tokens,
-                              stream_);
+  cuda::lm_head_cross_entropy_blocked(*ctx_, losses, dx, dweight_blocks, x, weight_blocks, block_rows, targets, N, C,
+                                      V, grad_scale, chunk_tokens, stream_);
   double* sum = sums_.as<double>();
   cuda::sum(*ctx_, sum, losses, N, /*accumulate=*/false, stream_);
   double loss = 0;

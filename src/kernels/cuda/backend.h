@@ -10,8 +10,8 @@
 // offsets, the router statistics) synchronise it, and so does synchronize(), which the model
 // calls before it hands a group back to the paging layer.
 //
-// Vocabulary tensors in row blocks (ParamLayout::block_rows) must lie contiguously (the flat
-// layout does); the embedding and the LM head abort otherwise, naming the tensor's blocks.
+// Vocabulary tensors in row blocks (ParamLayout::block_rows, each block a chunk-space tensor of
+// its own) are computed block by block (the *_blocked ops of kernels/cuda/ops.h).
 // Not thread-safe; movable, not copyable. CUDA errors abort (CUDA_CHECK).
 #pragma once
 

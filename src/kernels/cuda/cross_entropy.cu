@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/elementwise.h"
 
 namespace strata::kernels::cuda {
 namespace {
@@ -111,6 +112,60 @@ void lm_head_cross_entropy(Context& ctx, float* losses, bf16* dx, float* dweight
       gemm(ctx, true, false, V, C, rows, 1.0f, dlogits, V, xc, C, 1.0f, dweight, C, true,
            nullptr, stream);
     }
+  }
+}
+
+size_t lm_head_blocked_scratch_bytes(int64_t C, int64_t V, int64_t chunk_tokens) {
+  return align256(lm_head_scratch_bytes(C, V, chunk_tokens)) +
+         static_cast<size_t>(chunk_tokens) * static_cast<size_t>(C) * sizeof(float);
+}
+
+void lm_head_cross_entropy_blocked(Context& ctx, float* losses, bf16* dx, float* const* dweight_blocks,
+                                   const bf16* x, const bf16* const* weight_blocks, int64_t block_rows,
+                                   const int32_t* targets, int64_t N, int64_t C, int64_t V,
+                                   float grad_scale, int64_t chunk_tokens, cudaStream_t stream) {
+  CHECK(N >= 0 && C > 0 && V > 0 && block_rows > 0);
+  if (block_rows >= V) {  // one block: the contiguous op
+    lm_head_cross_entropy(ctx, losses, dx, dweight_blocks != nullptr ? dweight_blocks[0] : nullptr, x,
+                          weight_blocks[0], targets, N, C, V, grad_scale, chunk_tokens, stream);
+    return;
+  }
+  CHECK_MSG(chunk_tokens > 0, "chunk_tokens must be positive, got " + std::to_string(chunk_tokens));
+  if (N == 0) return;
+  const int64_t chunk = chunk_tokens < N ? chunk_tokens : N;
+  char* base = static_cast<char*>(
+      ctx.scratch(lm_head_blocked_scratch_bytes(C, V, chunk), "lm_head_cross_entropy (logits chunk)"));
+  auto* logits = reinterpret_cast<float*>(base);  // (chunk, V)
+  auto* dlogits = reinterpret_cast<bf16*>(base + align256(static_cast<size_t>(chunk) * V * sizeof(float)));
+  // dx of a chunk sums over the blocks in fp32 and is rounded once, as with one block.
+  auto* dx_acc = reinterpret_cast<float*>(base + align256(lm_head_scratch_bytes(C, V, chunk)));  // (chunk, C)
+  const bool need_grad = dx != nullptr || dweight_blocks != nullptr;
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t rows = chunk < N - n0 ? chunk : N - n0;
+    const bf16* xc = x + n0 * C;
+    // logits[:, block] (rows, block) = x (rows,C) @ block (block,C)^T, fp32, ldc V
+    for (int64_t r0 = 0, b = 0; r0 < V; r0 += block_rows, ++b) {
+      const int64_t vb = block_rows < V - r0 ? block_rows : V - r0;
+      gemm(ctx, false, true, rows, vb, C, 1.0f, xc, C, weight_blocks[b], C, 0.0f, logits + r0, V,
+           /*c_is_fp32=*/true, nullptr, stream);
+    }
+    softmax_loss_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        losses + n0, need_grad ? dlogits : nullptr, logits, targets + n0, V, grad_scale);
+    CUDA_CHECK_LAUNCH();
+    for (int64_t r0 = 0, b = 0; r0 < V; r0 += block_rows, ++b) {
+      const int64_t vb = block_rows < V - r0 ? block_rows : V - r0;
+      if (dx != nullptr) {
+        // dx (rows,C) (+)= dlogits[:, block] (rows,vb) @ block (vb,C), fp32
+        gemm(ctx, false, false, rows, C, vb, 1.0f, dlogits + r0, V, weight_blocks[b], C, b == 0 ? 0.0f : 1.0f,
+             dx_acc, C, true, nullptr, stream);
+      }
+      if (dweight_blocks != nullptr) {
+        // block's dweight (vb,C) += dlogits[:, block]^T (vb,rows) @ x (rows,C), fp32
+        gemm(ctx, true, false, vb, C, rows, 1.0f, dlogits + r0, V, xc, C, 1.0f, dweight_blocks[b], C, true,
+             nullptr, stream);
+      }
+    }
+    if (dx != nullptr) f32_to_bf16(dx + n0 * C, dx_acc, rows * C, stream);
   }
 }
 

@@ -24,16 +24,18 @@ __device__ __forceinline__ void check_token(int32_t token, int64_t V) {
   if (token < 0 || token >= V) __trap();  // REQUIRES 0 <= token < V
 }
 
-// out (N,C) = table[tokens]
+// out (N,C) = table[tokens] for the tokens in rows [r0, r0 + rows) of the vocabulary, which
+// `table` holds (the whole table: r0 = 0, rows = V; or one row block of it).
 __global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const bf16* table,
-                                         int64_t N, int64_t C, int64_t V) {
+                                         int64_t N, int64_t C, int64_t V, int64_t r0, int64_t rows) {
   const int64_t total = N * C;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t n = i / C, c = i % C;
     const int32_t token = tokens[n];
     check_token(token, V);
-    out[i] = table[int64_t{token} * C + c];
+    if (token < r0 || token >= r0 + rows) continue;
+    out[i] = table[(int64_t{token} - r0) * C + c];
   }
 }
 
@@ -51,18 +53,21 @@ __global__ void sort_input_kernel(uint32_t* keys, int32_t* positions, const int3
 // grid (N, ceil(C / kColumnsPerBlock)). Block x = one sorted index i; only the first index of
 // each run of equal tokens does work: it adds the run's dout rows, in position order (the sort
 // is stable), and adds the sum to the token's row once. No two threads write one element.
+// dtable holds rows [r0, r0 + rows) of the vocabulary; other tokens are left to other launches.
 __global__ void embedding_backward_kernel(float* dtable, const bf16* dout, const uint32_t* keys,
-                                          const int32_t* positions, int64_t N, int64_t C) {
+                                          const int32_t* positions, int64_t N, int64_t C, int64_t r0,
+                                          int64_t rows) {
   const int64_t i = blockIdx.x;
   const int64_t c = int64_t{blockIdx.y} * kColumnsPerBlock + threadIdx.x;
   if (c >= C) return;
   const uint32_t token = keys[i];
+  if (int64_t{token} < r0 || int64_t{token} >= r0 + rows) return;
   if (i > 0 && keys[i - 1] == token) return;
   float acc = 0.0f;
   for (int64_t j = i; j < N && keys[j] == token; ++j) {
     acc += to_float(dout[int64_t{positions[j]} * C + c]);
   }
-  dtable[int64_t{token} * C + c] += acc;
+  dtable[(int64_t{token} - r0) * C + c] += acc;
 }
 
 struct SortScratch {
@@ -107,8 +112,20 @@ void embedding_forward(bf16* out, const int32_t* tokens, const bf16* table, int6
   CHECK(N >= 0 && C > 0 && V > 0);
   if (N == 0) return;
   embedding_forward_kernel<<<elementwise_blocks(N * C, kThreads), kThreads, 0, stream>>>(
-      out, tokens, table, N, C, V);
+      out, tokens, table, N, C, V, 0, V);
   CUDA_CHECK_LAUNCH();
+}
+
+void embedding_forward_blocked(bf16* out, const int32_t* tokens, const bf16* const* table_blocks,
+                               int64_t block_rows, int64_t N, int64_t C, int64_t V, cudaStream_t stream) {
+  CHECK(N >= 0 && C > 0 && V > 0 && block_rows > 0);
+  if (N == 0) return;
+  for (int64_t r0 = 0, b = 0; r0 < V; r0 += block_rows, ++b) {
+    const int64_t rows = block_rows < V - r0 ? block_rows : V - r0;
+    embedding_forward_kernel<<<elementwise_blocks(N * C, kThreads), kThreads, 0, stream>>>(
+        out, tokens, table_blocks[b], N, C, V, r0, rows);
+    CUDA_CHECK_LAUNCH();
+  }
 }
 
 size_t embedding_backward_scratch_bytes(int64_t N, int64_t V) {
@@ -117,7 +134,14 @@ size_t embedding_backward_scratch_bytes(int64_t N, int64_t V) {
 
 void embedding_backward(Context& ctx, float* dtable, const bf16* dout, const int32_t* tokens,
                         int64_t N, int64_t C, int64_t V, cudaStream_t stream) {
-  CHECK(N >= 0 && C > 0 && V > 0);
+  float* const blocks[] = {dtable};
+  embedding_backward_blocked(ctx, blocks, V, dout, tokens, N, C, V, stream);
+}
+
+void embedding_backward_blocked(Context& ctx, float* const* dtable_blocks, int64_t block_rows,
+                                const bf16* dout, const int32_t* tokens, int64_t N, int64_t C,
+                                int64_t V, cudaStream_t stream) {
+  CHECK(N >= 0 && C > 0 && V > 0 && block_rows > 0);
   CHECK_MSG(N < (int64_t{1} << 31) && V <= (int64_t{1} << 31),
             "embedding_backward: N and V must fit in int32");
   if (N == 0) return;
@@ -131,9 +155,13 @@ void embedding_backward(Context& ctx, float* dtable, const bf16* dout, const int
                                              s.positions_in, s.positions_out, static_cast<int>(N),
                                              0, key_bits(V), stream));
   const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(ceil_div(C, kColumnsPerBlock)));
-  embedding_backward_kernel<<<grid, kColumnsPerBlock, 0, stream>>>(dtable, dout, s.keys_out,
-                                                                    s.positions_out, N, C);
-  CUDA_CHECK_LAUNCH();
+  // One launch per row block; each adds the tokens of its rows.
+  for (int64_t r0 = 0, b = 0; r0 < V; r0 += block_rows, ++b) {
+    const int64_t rows = block_rows < V - r0 ? block_rows : V - r0;
+    embedding_backward_kernel<<<grid, kColumnsPerBlock, 0, stream>>>(
+        dtable_blocks[b], dout, s.keys_out, s.positions_out, N, C, r0, rows);
+    CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace strata::kernels::cuda

@@ -88,6 +88,14 @@ void embedding_backward(Context& ctx, float* dtable /*(V,C)*/, const bf16* dout 
                         const int32_t* tokens /*(N)*/, int64_t N, int64_t C, int64_t V,
                         cudaStream_t stream);
 size_t embedding_backward_scratch_bytes(int64_t N, int64_t V);
+// The same over a table in row blocks of block_rows rows (the last may be shorter), each
+// contiguous but apart from the others (a paged store's vocabulary blocks): HOST arrays of
+// device pointers, block b holding rows [b * block_rows, ...). Same results as one table.
+void embedding_forward_blocked(bf16* out /*(N,C)*/, const int32_t* tokens /*(N)*/, const bf16* const* table_blocks,
+                               int64_t block_rows, int64_t N, int64_t C, int64_t V, cudaStream_t stream);
+void embedding_backward_blocked(Context& ctx, float* const* dtable_blocks, int64_t block_rows,
+                                const bf16* dout /*(N,C)*/, const int32_t* tokens /*(N)*/, int64_t N, int64_t C,
+                                int64_t V, cudaStream_t stream);
 
 // ---- RMSNorm --------------------------------------------------------------------------------
 void rmsnorm_forward(bf16* out /*(N,C)*/, float* rstd /*(N)*/, const bf16* x /*(N,C)*/,
@@ -179,6 +187,16 @@ void lm_head_cross_entropy(Context& ctx, float* losses /*(N)*/, bf16* dx /*(N,C)
                            int64_t N, int64_t C, int64_t V, float grad_scale,
                            int64_t chunk_tokens, cudaStream_t stream);
 size_t lm_head_scratch_bytes(int64_t C, int64_t V, int64_t chunk_tokens);
+// The same over weight (and dweight) in row blocks, HOST arrays of device pointers as for
+// embedding_forward_blocked; dweight_blocks may be null. The logits GEMM and the weight-gradient
+// GEMMs run per block; dx sums the blocks in fp32 (scratch) and is rounded once. One block
+// (block_rows >= V) is lm_head_cross_entropy itself. Scratch: lm_head_blocked_scratch_bytes.
+void lm_head_cross_entropy_blocked(Context& ctx, float* losses /*(N)*/, bf16* dx /*(N,C)*/,
+                                   float* const* dweight_blocks, const bf16* x /*(N,C)*/,
+                                   const bf16* const* weight_blocks, int64_t block_rows,
+                                   const int32_t* targets /*(N)*/, int64_t N, int64_t C, int64_t V,
+                                   float grad_scale, int64_t chunk_tokens, cudaStream_t stream);
+size_t lm_head_blocked_scratch_bytes(int64_t C, int64_t V, int64_t chunk_tokens);
 
 // ---- AdamW over many tensors per launch -----------------------------------------------------
 // One tensor's buffers: fp32 master weight, fp32 gradient, fp32 moments, and optionally the
