@@ -14,7 +14,7 @@
 #include <system_error>
 
 #include "ckpt/format.h"
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 
 namespace strata::ckpt {
 

@@ -45,7 +45,7 @@
 #include "ckpt/format.h"
 #include "core/status.h"
 #include "core/units.h"
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 
 namespace strata::ckpt {
 

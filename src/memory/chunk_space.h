@@ -42,7 +42,7 @@
 #include "core/device.h"
 #include "core/status.h"
 #include "memory/chunk.h"
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 #include "memory/tier.h"
 
 namespace strata {

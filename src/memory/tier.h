@@ -27,7 +27,7 @@
 
 #include "core/device.h"
 #include "core/status.h"
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 
 namespace strata {
 

@@ -18,7 +18,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 
 namespace strata::model {
 

@@ -39,7 +39,7 @@
 #include "core/device.h"
 #include "core/status.h"
 #include "memory/chunk_space.h"
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 #include "offload/state_layout.h"
 
 namespace strata {

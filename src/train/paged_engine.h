@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "core/device.h"
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 #include "model/config.h"
 #include "model/decoder.h"
 #include "offload/plan.h"

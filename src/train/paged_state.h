@@ -43,7 +43,7 @@
 #include <vector>
 
 #include "core/device.h"
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 #include "model/param_access.h"
 #include "model/params.h"
 #include "offload/plan.h"

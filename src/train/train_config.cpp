@@ -100,10 +100,10 @@ ConfigSchema build_schema() {
          .help = "directory for a Hugging Face export (config.json + safetensors) after the last step; empty = none"});
   s.add({.name = "run.log_every", .type = T::kInt, .default_value = "1", .min = 1, .help = "print a step line every N steps"});
   s.add({.name = "run.device", .type = T::kString, .default_value = "auto", .choices = {"auto", "cpu", "cuda"},
-         .help = "where training computes. cuda: on GPU 0 with the whole state in its memory (dense Llama-family "
-                 "models, head_dim 64 or 128; no paging yet). cpu: the CPU model with the state paged across "
-                 "memory.device/host/nvme. auto: cuda when this build has it, a GPU is visible and the model runs "
-                 "and fits there; cpu otherwise (the log says why)"});
+         .help = "where training computes; the state is paged across memory.device/host/nvme either way. cuda: on "
+                 "GPU 0 in the bf16 recipe (attention head_dim 64 or 128). cpu: on the CPU in train.precision. "
+                 "auto: cuda when this build has it, a GPU is visible and the model runs and fits there; cpu "
+                 "otherwise (the log says why)"});
   s.add({.name = "run.log_level", .type = T::kString, .default_value = "info",
          .choices = {"debug", "info", "warn", "error"}, .help = "log verbosity"});
   return s;

@@ -14,7 +14,7 @@
 #include "core/log.h"
 #include "model/hf_io.h"
 #include "model/decoder.h"
-#include "train/data.h"
+#include "data/data.h"
 #include "train/lr_schedule.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"

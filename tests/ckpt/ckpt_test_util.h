@@ -16,7 +16,7 @@
 
 #include "ckpt/reader.h"
 #include "ckpt/writer.h"
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 
 namespace strata::ckpt::testing {
 

@@ -5,7 +5,7 @@
 #include <cstdio>
 
 #include "ckpt_test_util.h"
-#include "memory/io_faulty.h"
+#include "core/io_faulty.h"
 
 namespace strata::ckpt::testing {
 namespace {

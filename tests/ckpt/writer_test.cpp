@@ -10,8 +10,8 @@
 
 #include "ckpt/save_plan.h"
 #include "ckpt_test_util.h"
-#include "memory/io_faulty.h"
-#include "memory/io_uring_engine.h"
+#include "core/io_faulty.h"
+#include "core/io_uring_engine.h"
 
 namespace strata::ckpt::testing {
 namespace {

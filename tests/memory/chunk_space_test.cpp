@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "core/cpu_device.h"
-#include "memory/io_faulty.h"
+#include "core/io_faulty.h"
 #include "test_util.h"
 
 namespace strata {

@@ -20,8 +20,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "memory/io_engine.h"
-#include "memory/io_faulty.h"
+#include "core/io_engine.h"
+#include "core/io_faulty.h"
 #include "model/decoder.h"
 #include "../test_util.h"
 

@@ -15,7 +15,7 @@
 #include <fstream>
 
 #include "core/cpu_device.h"
-#include "memory/io_faulty.h"
+#include "core/io_faulty.h"
 #include "model/decoder.h"
 #include "train_test_util.h"
 

@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/cpu_device.h"
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 #include "model/decoder.h"
 #include "train/optimizer.h"
 #include "train/paged_state.h"

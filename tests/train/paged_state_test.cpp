@@ -11,7 +11,7 @@
 #include <random>
 
 #include "core/cpu_device.h"
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 #include "model/decoder.h"
 #include "offload/plan.h"
 #include "train/optimizer.h"

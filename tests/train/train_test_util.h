@@ -16,7 +16,7 @@
 #include "model/decoder.h"
 #include "model/params.h"
 #include "ckpt/writer.h"
-#include "memory/io_faulty.h"
+#include "core/io_faulty.h"
 #include "train/optimizer.h"
 
 namespace strata {

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "core/units.h"
-#include "memory/io_engine.h"
-#include "memory/io_uring_engine.h"
+#include "core/io_engine.h"
+#include "core/io_uring_engine.h"
 #include "tools/strata/bench_adam.h"
 #include "tools/strata/bench_train_gpu.h"
 #include "tools/strata/commands.h"

@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "tools/strata/commands.h"
-#include "train/tokenize.h"
+#include "data/tokenize.h"
 
 namespace strata::tools {
 namespace {

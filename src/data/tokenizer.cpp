@@ -1,4 +1,4 @@
-#include "model/tokenizer.h"
+#include "data/tokenizer.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -10,8 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/tokenizer_unicode.h"
-#include "model/unicode_nfc.h"
+#include "data/tokenizer_unicode.h"
+#include "data/unicode_nfc.h"
 
 namespace strata::model {
 

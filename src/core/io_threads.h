@@ -17,7 +17,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 
 namespace strata {
 

@@ -1,4 +1,4 @@
-#include "train/data.h"
+#include "data/data.h"
 
 #include <fcntl.h>
 #include <glob.h>
@@ -12,7 +12,7 @@
 #include <set>
 
 #include "core/log.h"
-#include "train/tokenize.h"
+#include "data/tokenize.h"
 
 namespace strata {
 

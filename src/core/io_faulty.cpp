@@ -1,4 +1,4 @@
-#include "memory/io_faulty.h"
+#include "core/io_faulty.h"
 
 #include <algorithm>
 #include <cerrno>

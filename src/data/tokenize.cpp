@@ -1,4 +1,4 @@
-#include "train/tokenize.h"
+#include "data/tokenize.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -16,8 +16,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "model/tokenizer.h"
-#include "train/token_files.h"
+#include "data/tokenizer.h"
+#include "data/token_files.h"
 
 namespace strata {
 namespace {

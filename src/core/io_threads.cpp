@@ -1,4 +1,4 @@
-#include "memory/io_threads.h"
+#include "core/io_threads.h"
 
 #include <unistd.h>
 

@@ -18,9 +18,9 @@
 #include <thread>
 #include <vector>
 
-#include "memory/io_engine.h"
-#include "memory/io_faulty.h"
-#include "memory/io_uring_engine.h"
+#include "core/io_engine.h"
+#include "core/io_faulty.h"
+#include "core/io_uring_engine.h"
 #include "test_util.h"
 
 namespace strata {

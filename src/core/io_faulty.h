@@ -26,7 +26,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 
 namespace strata {
 

@@ -1,7 +1,7 @@
-#include "model/tokenizer_split.h"
+#include "data/tokenizer_split.h"
 
 #include "core/check.h"
-#include "model/tokenizer_unicode.h"
+#include "data/tokenizer_unicode.h"
 
 namespace strata::model {
 namespace {

@@ -1,7 +1,7 @@
 // NFC against Python's unicodedata.normalize("NFC"): every code point on its own and a few
 // thousand random mixtures of letters, combining marks, Hangul and decomposable characters
 // (tests/fixtures/unicode/make_nfc_fixtures.py writes them); invalid UTF-8 and offset mapping.
-#include "model/unicode_nfc.h"
+#include "data/unicode_nfc.h"
 
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "model/tokenizer_unicode.h"
+#include "data/tokenizer_unicode.h"
 
 namespace strata::model {
 namespace {

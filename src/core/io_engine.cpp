@@ -1,13 +1,13 @@
 // IoEngine helpers shared by every engine, and make_io_engine.
-#include "memory/io_engine.h"
+#include "core/io_engine.h"
 
 #include <cerrno>
 #include <cstring>
 
 #include "core/log.h"
 #include "core/units.h"
-#include "memory/io_threads.h"
-#include "memory/io_uring_engine.h"
+#include "core/io_threads.h"
+#include "core/io_uring_engine.h"
 
 namespace strata {
 namespace {

@@ -1,10 +1,10 @@
-#include "model/unicode_nfc.h"
+#include "data/unicode_nfc.h"
 
 #include <algorithm>
 #include <iterator>
 
-#include "model/tokenizer_unicode.h"
-#include "model/unicode_nfc_tables.h"
+#include "data/tokenizer_unicode.h"
+#include "data/unicode_nfc_tables.h"
 
 namespace strata::model {
 namespace {

@@ -3,7 +3,7 @@
 #include <cstring>
 #include <utility>
 
-#include "train/data.h"
+#include "data/data.h"
 
 namespace strata {
 

@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "core/status.h"
-#include "model/tokenizer_split.h"
+#include "data/tokenizer_split.h"
 
 namespace strata::model {
 

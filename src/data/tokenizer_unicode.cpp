@@ -1,4 +1,4 @@
-#include "model/tokenizer_unicode.h"
+#include "data/tokenizer_unicode.h"
 
 #include <algorithm>
 

@@ -1,6 +1,6 @@
 // The data tool's tokenization: shards read back through open_dataset, EOS between documents,
 // shard cuts, chat loss masks and the errors bad input gets.
-#include "train/tokenize.h"
+#include "data/tokenize.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -13,8 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/tokenizer.h"
-#include "train/data.h"
+#include "data/tokenizer.h"
+#include "data/data.h"
 
 namespace strata {
 namespace {

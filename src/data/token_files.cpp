@@ -1,4 +1,4 @@
-#include "train/token_files.h"
+#include "data/token_files.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

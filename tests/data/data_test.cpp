@@ -1,5 +1,5 @@
 // Token file readers, dataset assembly, the shuffled window loader and the default corpus.
-#include "train/data.h"
+#include "data/data.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "train/tokenize.h"
+#include "data/tokenize.h"
 
 namespace strata {
 namespace {

@@ -1,4 +1,4 @@
-#include "memory/io_uring_engine.h"
+#include "core/io_uring_engine.h"
 
 #include <algorithm>
 #include <cerrno>

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "core/status.h"
-#include "train/token_files.h"
+#include "data/token_files.h"
 
 namespace strata {
 

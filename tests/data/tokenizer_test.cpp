@@ -2,7 +2,7 @@
 // small tokenizers (tests/fixtures/tokenizer/make_fixtures.py builds them) and a Qwen2 one with
 // the NFC normalizer (make_nfc_fixture.py), its splitters against the library's regex pieces,
 // and its errors.
-#include "model/tokenizer.h"
+#include "data/tokenizer.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -16,8 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/tokenizer_split.h"
-#include "model/unicode_nfc.h"
+#include "data/tokenizer_split.h"
+#include "data/unicode_nfc.h"
 #include "test_util.h"
 
 namespace strata::model {
