@@ -189,10 +189,44 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   return run_training(t, effective_yaml, make_train_engine);
 }
 
-Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effective_yaml,
-                                  const EngineFactory& make_engine) {
-  // 1. Everything that can be wrong with the inputs is checked before anything is written.
-  ASSIGN_OR_RETURN(model::ModelConfig mc, resolve_model_config(t));
+namespace {
+
+// A run between its three phases: everything prepare() checked and opened, and where the loop is.
+struct Run {
+  model::ModelConfig mc;
+  model::ParamLayout layout;
+  std::unique_ptr<TokenDataset> dataset;
+  std::optional<DataLoader> loader;
+  std::unique_ptr<TrainEngine> engine;
+  std::optional<LrSchedule> schedule;
+  std::unique_ptr<TrainCheckpointer> checkpointer;
+  std::optional<MetricsWriter> metrics;
+  int64_t start_step = 1;
+  int64_t tokens_seen = 0;
+  int64_t last_saved_step = 0;
+  TrainSummary summary;
+
+  Status save_checkpoint(int64_t step, const TrainConfig& t) {
+    RunPosition pos;
+    pos.step = step;
+    pos.tokens_seen = static_cast<uint64_t>(tokens_seen);
+    pos.data_epoch = static_cast<int64_t>(loader->cursor().epoch);
+    pos.data_index = static_cast<int64_t>(loader->cursor().index);
+    pos.optimizer_step = engine->state().step_count();
+    ASSIGN_OR_RETURN(bool started,
+                     checkpointer->save(engine->state(), pos, mc.to_json(), t.seed, engine->extra_state()));
+    if (started) last_saved_step = step;
+    return Status::OK();
+  }
+};
+
+// 1. Everything that can be wrong with the inputs is checked before anything is written; then
+// the engine, the starting state (a checkpoint, weights or an init) and the run directory.
+Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& effective_yaml,
+                                     const EngineFactory& make_engine) {
+  auto run = std::make_unique<Run>();
+  ASSIGN_OR_RETURN(run->mc, resolve_model_config(t));
+  const model::ModelConfig& mc = run->mc;
   const std::string model_source = !t.model_from.empty()     ? (fs::path(t.model_from) / "config.json").string()
                                    : !t.model_config.empty() ? t.model_config
                                                              : "preset '" + t.model_preset + "'";
@@ -206,8 +240,8 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     fs::create_directories(t.run_dir, ec);
     if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> dataset, open_training_data(t));
-  if (dataset->vocab_hint() > mc.vocab_size)
+  ASSIGN_OR_RETURN(run->dataset, open_training_data(t));
+  if (run->dataset->vocab_hint() > mc.vocab_size)
     return Status::InvalidArgument("data.paths are read as bytes (256 token ids) but the model's vocab_size is " +
                                    std::to_string(mc.vocab_size) + "; use a model with vocab_size >= 256");
   DataLoaderOptions lo;
@@ -215,16 +249,17 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   lo.seq_len = t.seq_len;
   lo.seed = t.seed;
   lo.vocab_size = mc.vocab_size;
-  ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(dataset.get(), lo));
+  ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(run->dataset.get(), lo));
+  run->loader.emplace(std::move(loader));
 
   // The starting weights are read (or initialised) tensor by tensor straight into the engine's
   // state below, so a model is never held twice in memory. The checkpoint is checked
   // completely here, first.
-  const model::ParamLayout layout(mc);
+  run->layout = model::ParamLayout(mc);
   const std::string weights_from = !t.model_from.empty() ? t.model_from : t.model_init;
   std::optional<model::SafetensorsReader> weights;
   if (!weights_from.empty()) {
-    ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_hf_weights(weights_from, layout));
+    ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_hf_weights(weights_from, run->layout));
     weights.emplace(std::move(reader));
   }
   if (!t.run_export.empty()) RETURN_IF_ERROR(model::check_export_target(t.run_export));
@@ -235,16 +270,14 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   oc.eps = static_cast<float>(t.eps);
   oc.weight_decay = static_cast<float>(t.weight_decay);
   oc.grad_clip = static_cast<float>(t.grad_clip);
-  LrSchedule schedule{t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.lr_schedule};
+  run->schedule.emplace(LrSchedule{t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.lr_schedule});
 
   // Where the state lives and where the steps compute (run.device, memory.*).
-  ASSIGN_OR_RETURN(std::unique_ptr<TrainEngine> engine, make_engine(mc, t, oc));
-  SavableState& state = engine->state();
+  ASSIGN_OR_RETURN(run->engine, make_engine(mc, t, oc));
+  SavableState& state = run->engine->state();
 
   // Resume: parameters, moments, data position and step from a checkpoint (any budgets).
   // Otherwise the starting weights, from model.from / model.init or initialised.
-  int64_t start_step = 1;
-  int64_t tokens_seen = 0;
   std::string resume_from = t.resume;
   if (resume_from == "auto") {
     resume_from = fs::exists(fs::path(t.ckpt_dir) / "latest") ? t.ckpt_dir : "";
@@ -259,34 +292,25 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   }
   weights.reset();
   if (!resume_from.empty()) {
-    std::vector<ExtraState> extra = engine->extra_state();
-    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, layout, state, &extra));
-    engine->set_extra_state(extra);
-    RETURN_IF_ERROR(loader.set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
-    start_step = pos.step + 1;
-    tokens_seen = static_cast<int64_t>(pos.tokens_seen);
-    if (start_step > t.steps) LOG_WARN("the checkpoint is at step {}; train.steps is {}: nothing to do", pos.step, t.steps);
+    std::vector<ExtraState> extra = run->engine->extra_state();
+    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, run->layout, state, &extra));
+    run->engine->set_extra_state(extra);
+    RETURN_IF_ERROR(
+        run->loader->set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
+    run->start_step = pos.step + 1;
+    run->tokens_seen = static_cast<int64_t>(pos.tokens_seen);
+    if (run->start_step > t.steps)
+      LOG_WARN("the checkpoint is at step {}; train.steps is {}: nothing to do", pos.step, t.steps);
   }
   CheckpointOptions co;
   co.dir = t.ckpt_dir;
   co.keep_last = static_cast<int>(t.ckpt_keep_last);
   co.skip_if_busy = t.ckpt_skip_if_busy;
   co.staging_bytes = t.ckpt_staging;
-  TrainCheckpointer checkpointer(co, layout, state);
-  int64_t last_saved_step = start_step - 1;
-  auto save_checkpoint = [&](int64_t step) -> Status {
-    RunPosition pos;
-    pos.step = step;
-    pos.tokens_seen = static_cast<uint64_t>(tokens_seen);
-    pos.data_epoch = static_cast<int64_t>(loader.cursor().epoch);
-    pos.data_index = static_cast<int64_t>(loader.cursor().index);
-    pos.optimizer_step = state.step_count();
-    ASSIGN_OR_RETURN(bool started, checkpointer.save(state, pos, mc.to_json(), t.seed, engine->extra_state()));
-    if (started) last_saved_step = step;
-    return Status::OK();
-  };
+  run->checkpointer = std::make_unique<TrainCheckpointer>(co, run->layout, state);
+  run->last_saved_step = run->start_step - 1;
 
-  // 2. The run directory: the effective config, then metrics as steps complete.
+  // The run directory: the effective config, then metrics as steps complete.
   fs::create_directories(t.run_dir, ec);
   if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
   {
@@ -296,59 +320,52 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
   }
   ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open((fs::path(t.run_dir) / "metrics.jsonl").string(),
                                                                /*append=*/!resume_from.empty()));
+  run->metrics.emplace(std::move(metrics));
 
-  const int64_t n_params = mc.num_parameters();
   const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;
   LOG_INFO("model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {:.2f}M parameters", mc.num_hidden_layers,
-           mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size, n_params / 1e6);
+           mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size,
+           static_cast<double>(mc.num_parameters()) / 1e6);
   LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation)",
-           dataset->num_tokens(), loader.num_windows(), t.seq_len, tokens_per_step, t.micro_batch, t.seq_len,
-           t.grad_accum);
-  LOG_INFO("memory: {}", engine->memory_summary());
-  LOG_INFO("run: {} steps on {}, writing {}/metrics.jsonl", t.steps, engine->device_name(), t.run_dir);
+           run->dataset->num_tokens(), run->loader->num_windows(), t.seq_len, tokens_per_step, t.micro_batch,
+           t.seq_len, t.grad_accum);
+  LOG_INFO("memory: {}", run->engine->memory_summary());
+  LOG_INFO("run: {} steps on {}, writing {}/metrics.jsonl", t.steps, run->engine->device_name(), t.run_dir);
+  return run;
+}
 
-  g_stop_requested = 0;
-  auto old_int = std::signal(SIGINT, on_stop_signal);
-  auto old_term = std::signal(SIGTERM, on_stop_signal);
-
+// 2. The steps, until train.steps, a signal or the first error (returned).
+Status loop(Run& run, const TrainConfig& t) {
+  TrainEngine& engine = *run.engine;
   const int64_t micro_tokens = t.micro_batch * t.seq_len;
+  const int64_t tokens_per_step = micro_tokens * t.grad_accum;
   std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens * t.grad_accum));
   std::vector<int32_t> targets(inputs.size());
-  TrainSummary summary;
-  Status failure;
   const auto run_start = std::chrono::steady_clock::now();
-  for (int64_t step = start_step; step <= t.steps; ++step) {
+  for (int64_t step = run.start_step; step <= t.steps; ++step) {
     if (g_stop_requested) {
-      summary.interrupted = true;
+      run.summary.interrupted = true;
       break;
     }
     auto t0 = std::chrono::steady_clock::now();
-    const bool ckpt_in_flight = checkpointer.in_flight();
-    for (int64_t m = 0; m < t.grad_accum && failure.ok(); ++m)
-      failure = loader.next(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens);
-    if (!failure.ok()) break;
+    const bool ckpt_in_flight = run.checkpointer->in_flight();
+    for (int64_t m = 0; m < t.grad_accum; ++m)
+      RETURN_IF_ERROR(run.loader->next(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens));
     const int64_t valid = model::count_valid_targets(targets.data(), static_cast<int64_t>(targets.size()));
     const float grad_scale = valid > 0 ? 1.0f / static_cast<float>(valid) : 0.0f;
-    const EngineStats before = engine->stats();
-    failure = engine->zero_grads();
+    const EngineStats before = engine.stats();
+    RETURN_IF_ERROR(engine.zero_grads());
     double loss_sum = 0;
-    const double lr = schedule.lr(step);
-    for (int64_t m = 0; m < t.grad_accum && failure.ok(); ++m) {
-      Result<double> loss = engine->micro_batch(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens,
-                                                t.micro_batch, t.seq_len, grad_scale, m == t.grad_accum - 1,
-                                                static_cast<float>(lr));
-      if (loss.ok()) loss_sum += *loss;
-      else failure = loss.status();
+    const double lr = run.schedule->lr(step);
+    for (int64_t m = 0; m < t.grad_accum; ++m) {
+      ASSIGN_OR_RETURN(double loss, engine.micro_batch(inputs.data() + m * micro_tokens,
+                                                        targets.data() + m * micro_tokens, t.micro_batch, t.seq_len,
+                                                        grad_scale, m == t.grad_accum - 1, static_cast<float>(lr)));
+      loss_sum += loss;
     }
-    if (!failure.ok()) break;
-    Result<double> norm = engine->step(static_cast<float>(lr));
-    if (!norm.ok()) {
-      failure = norm.status();
-      break;
-    }
-    const double grad_norm = *norm;
+    ASSIGN_OR_RETURN(double grad_norm, engine.step(static_cast<float>(lr)));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    tokens_seen += tokens_per_step;
+    run.tokens_seen += tokens_per_step;
 
     StepMetrics sm;
     sm.step = step;
@@ -358,57 +375,73 @@ Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effec
     sm.grad_norm = grad_norm;
     sm.ms = seconds * 1e3;
     sm.tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
-    sm.tokens = tokens_seen;
-    const EngineStats after = engine->stats();
+    sm.tokens = run.tokens_seen;
+    const EngineStats after = engine.stats();
     for (int i = 0; i < kNumTiers; ++i) sm.tier_bytes[i] = after.tier_bytes[i];
     sm.stall_ms = static_cast<double>(after.stall_ns - before.stall_ns) / 1e6;
     sm.moved_bytes = after.moved_bytes - before.moved_bytes;
     sm.rss_bytes = resident_bytes();
     sm.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     sm.ckpt_in_flight = ckpt_in_flight;
-    sm.eta_s = sm.elapsed_s / static_cast<double>(step - start_step + 1) * static_cast<double>(t.steps - step);
-    failure = metrics.write(sm);
-    if (!failure.ok()) break;
-    if (step == start_step) summary.first_loss = sm.loss;
-    summary.last_loss = sm.loss;
-    summary.steps_done = step;
-    if (t.ckpt_every > 0 && step % t.ckpt_every == 0) {
-      failure = save_checkpoint(step);
-      if (!failure.ok()) break;
-    }
+    sm.eta_s = sm.elapsed_s / static_cast<double>(step - run.start_step + 1) * static_cast<double>(t.steps - step);
+    RETURN_IF_ERROR(run.metrics->write(sm));
+    if (step == run.start_step) run.summary.first_loss = sm.loss;
+    run.summary.last_loss = sm.loss;
+    run.summary.steps_done = step;
+    if (t.ckpt_every > 0 && step % t.ckpt_every == 0) RETURN_IF_ERROR(run.save_checkpoint(step, t));
     if (step % t.log_every == 0 || step == 1 || step == t.steps) {
       LOG_INFO("{}", format_step_line(sm));
-      if (std::string note = engine->step_note(); !note.empty()) LOG_INFO("{}", note);
+      if (std::string note = engine.step_note(); !note.empty()) LOG_INFO("{}", note);
     }
   }
-  std::signal(SIGINT, old_int);
-  std::signal(SIGTERM, old_term);
-  RETURN_IF_ERROR(failure);
-  // A final checkpoint when stopped by a signal, or at the end of a run that saves periodically.
-  const int64_t done_step = summary.steps_done > 0 ? summary.steps_done : start_step - 1;
-  if ((summary.interrupted || t.ckpt_every > 0) && done_step > last_saved_step) {
+  return Status::OK();
+}
+
+// 3. The final checkpoint (when stopped by a signal, or at the end of a run that saves
+// periodically), waiting for the saves in flight, and the export.
+Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
+  TrainSummary& summary = run.summary;
+  const int64_t done_step = summary.steps_done > 0 ? summary.steps_done : run.start_step - 1;
+  if ((summary.interrupted || t.ckpt_every > 0) && done_step > run.last_saved_step) {
     // The final save waits for one in flight instead of being skipped (ckpt.if_busy=skip).
-    if (Status previous = checkpointer.wait(); !previous.ok()) LOG_WARN("checkpoint: {}", previous.message());
-    RETURN_IF_ERROR(save_checkpoint(done_step));
+    if (Status previous = run.checkpointer->wait(); !previous.ok()) LOG_WARN("checkpoint: {}", previous.message());
+    RETURN_IF_ERROR(run.save_checkpoint(done_step, t));
   }
-  if (Status saved = checkpointer.wait(); !saved.ok()) LOG_WARN("checkpoint: {}", saved.message());
-  else if (last_saved_step >= start_step) LOG_INFO("checkpoint: step {} committed in {}", last_saved_step, t.ckpt_dir);
+  if (Status saved = run.checkpointer->wait(); !saved.ok()) LOG_WARN("checkpoint: {}", saved.message());
+  else if (run.last_saved_step >= run.start_step)
+    LOG_INFO("checkpoint: step {} committed in {}", run.last_saved_step, t.ckpt_dir);
   if (summary.interrupted) LOG_WARN("interrupted: stopped after step {}", summary.steps_done);
   if (!t.run_export.empty()) {
     model::ExportOptions eo;
     eo.copy_tokenizer_from = t.model_from;
+    SavableState& state = run.engine->state();
     // Tensor by tensor out of the engine's state: no second copy of the model.
     RETURN_IF_ERROR(model::export_hf(
-        t.run_export, mc, layout,
+        t.run_export, run.mc, run.layout,
         [&](const model::TensorSpec& spec, float* out) {
           return state.read_flat(StateKind::kParam, static_cast<uint64_t>(spec.offset) * sizeof(float),
-                                  static_cast<uint64_t>(spec.numel) * sizeof(float), out);
+                                 static_cast<uint64_t>(spec.numel) * sizeof(float), out);
         },
         eo));
     LOG_INFO("exported the weights after step {} to {} (Hugging Face format)", summary.steps_done, t.run_export);
   }
   LOG_INFO("done: {} steps, loss {:.4f} -> {:.4f}", summary.steps_done, summary.first_loss, summary.last_loss);
   return summary;
+}
+
+}  // namespace
+
+Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effective_yaml,
+                                  const EngineFactory& make_engine) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Run> run, prepare(t, effective_yaml, make_engine));
+  g_stop_requested = 0;
+  auto old_int = std::signal(SIGINT, on_stop_signal);
+  auto old_term = std::signal(SIGTERM, on_stop_signal);
+  const Status stepped = loop(*run, t);
+  std::signal(SIGINT, old_int);
+  std::signal(SIGTERM, old_term);
+  RETURN_IF_ERROR(stepped);
+  return finish(*run, t);
 }
 
 }  // namespace strata
