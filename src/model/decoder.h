@@ -249,6 +249,9 @@ extern template class Decoder<kernels::CpuBf16Ops>;
 
 // The decoder on the CPU backend whose compute copy is `compute` (F32: the reference; BF16: the
 // GPU's recipe emulated). flat_buffers as for Decoder's constructor.
-std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, bool flat_buffers);
+// device: where its activation table lives (the arena of a cpu Device, under its budget), or
+// null for ordinary host memory.
+std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, bool flat_buffers,
+                                        Device* device = nullptr);
 
 }  // namespace strata::model

@@ -12,9 +12,10 @@ int64_t count_valid_targets(const int32_t* targets, int64_t n) {
 template class Decoder<kernels::CpuF32Ops>;
 template class Decoder<kernels::CpuBf16Ops>;
 
-std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, bool flat_buffers) {
-  if (compute == DType::kBF16) return std::make_unique<LlamaModelBf16>(config, flat_buffers);
-  return std::make_unique<LlamaModel>(config, flat_buffers);
+std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, bool flat_buffers,
+                                        Device* device) {
+  if (compute == DType::kBF16) return std::make_unique<LlamaModelBf16>(config, flat_buffers, kernels::CpuBf16Ops(device));
+  return std::make_unique<LlamaModel>(config, flat_buffers, kernels::CpuF32Ops(device));
 }
 
 }  // namespace strata::model

@@ -40,10 +40,12 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
     return Status::Unimplemented("this strata was built without the CUDA backend (configure with -DSTRATA_CUDA=ON)");
 #endif
   } else {
-    ASSIGN_OR_RETURN(e->device_, open_device("cpu", 0, 0));
+    // memory.device caps the cpu device's arena (0: unlimited), which serves the chunks and
+    // the model's activations alike.
+    ASSIGN_OR_RETURN(e->device_, open_device("cpu", 0, t.memory_device));
   }
   const StateLayout layout = StateLayout::of(budgets.precision);
-  if (!cuda) e->net_ = model::make_cpu_decoder(layout.compute_dtype(), mc, /*flat_buffers=*/false);
+  if (!cuda) e->net_ = model::make_cpu_decoder(layout.compute_dtype(), mc, /*flat_buffers=*/false, e->device_.get());
 
   // Where the state lives: the planner places each kind on the tiers, and the chunk space
   // holds it there. The model's activation workspace is budgeted apart from the chunks.
@@ -90,7 +92,11 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
                                            format_bytes(keep_extra), format_bytes(device_room)));
   e->net_->set_keep_layer_activations(e->keep_activations_);
   PagedStateOptions& po = e->options_;
-  const uint64_t activations = plan.device.act + (e->keep_activations_ ? keep_extra : 0);
+  // The chunks get what the activation table (its exact size, and a little for the arena's
+  // alignment) leaves of the device's arena.
+  const uint64_t activations =
+      static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, plan.offload_activations, e->keep_activations_)) +
+      (64ull << 10);
   po.device_bytes = budgets.memory_device > activations ? budgets.memory_device - activations : 0;
   po.host_bytes = budgets.memory_host;
   po.nvme_bytes = t.nvme_path.empty() ? 0 : t.nvme_size;

@@ -228,3 +228,34 @@ INSTANTIATE_TEST_SUITE_P(DenseAndMoe, Bf16DecoderTest, ::testing::Values(false, 
 
 }  // namespace
 }  // namespace strata::model
+
+namespace strata::model {
+namespace {
+
+// memory.device is enforced by the allocator: the activation table comes from the device's
+// budgeted arena, and a table larger than what is left is refused there, naming the request.
+TEST(DecoderMemory, AnActivationTableOverTheDeviceBudgetIsRefusedByTheAllocator) {
+  const ModelConfig c = dense_config();
+  const int64_t B = 2, T = 16;
+  const int64_t table = ActivationTable<kernels::CpuF32Ops>::bytes_for(c, B * T, false);
+  for (const bool fits : {true, false}) {
+    auto device = open_device("cpu", 0, static_cast<uint64_t>(fits ? table + (1 << 20) : table / 2));
+    ASSERT_TRUE(device.ok()) << device.status().to_string();
+    LlamaModel model(c, /*flat_buffers=*/true, kernels::CpuF32Ops(device->get()));
+    model.init_weights(1);
+    const Tokens t = random_tokens(B * T, c.vocab_size, 2);
+    Result<double> loss = model.compute(t.inputs.data(), t.targets.data(), B, T, 1.0f, /*backward=*/true);
+    if (fits) {
+      ASSERT_TRUE(loss.ok()) << loss.status().to_string();
+      EXPECT_GE((*device)->memory_in_use(), static_cast<uint64_t>(table));
+      continue;
+    }
+    ASSERT_FALSE(loss.ok());
+    EXPECT_EQ(loss.status().code(), StatusCode::kOutOfMemory);
+    EXPECT_NE(loss.status().message().find("activation table"), std::string::npos) << loss.status().to_string();
+    EXPECT_NE(loss.status().message().find("cannot allocate"), std::string::npos) << loss.status().to_string();
+  }
+}
+
+}  // namespace
+}  // namespace strata::model

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/device.h"
 #include "core/dtype.h"
 #include "core/status.h"
 #include "kernels/bf16.h"
@@ -39,8 +40,13 @@ namespace strata::kernels {
 struct CpuCommonOps {
   // The ops read and write host memory (a model may own flat host buffers).
   static constexpr bool kHostMemory = true;
+
+  // device: the cpu Device whose arena (under its budget) holds the activation table; null:
+  // ordinary host memory. REQUIRES: the device outlives the ops.
+  explicit CpuCommonOps(Device* device = nullptr) : device_(device) {}
   // The activation table's one block (model/activations.h), zero-filled; replaces the previous
-  // block, which nothing may use any more.
+  // block, which nothing may use any more. From the device's arena when there is one: its
+  // OutOfMemory names the tier, the request and the budget.
   Result<void*> activation_block(uint64_t bytes);
   // Waits for the queued ops: a no-op, the CPU ops run in the caller.
   void synchronize() {}
@@ -64,6 +70,8 @@ struct CpuCommonOps {
   const int32_t* stage_tokens(const int32_t* host /*(N)*/, int64_t /*N*/, int32_t* /*slot*/) { return host; }
 
  private:
+  Device* device_ = nullptr;
+  DeviceAllocation device_block_;
   std::vector<float> block_;
 };
 
@@ -136,6 +144,7 @@ struct CpuF32Ops : CpuCommonOps {
   using W = float;
   static constexpr DType kWeightDType = DType::kF32;
   static constexpr const char* kName = "cpu fp32";
+  using CpuCommonOps::CpuCommonOps;
   STRATA_CPU_BACKEND_OPS(float, float)
 };
 
@@ -144,6 +153,7 @@ struct CpuBf16Ops : CpuCommonOps {
   using W = Bf16;
   static constexpr DType kWeightDType = DType::kBF16;
   static constexpr const char* kName = "cpu bf16 (the GPU recipe emulated)";
+  using CpuCommonOps::CpuCommonOps;
   STRATA_CPU_BACKEND_OPS(Bf16, Bf16)
 };
 

@@ -1,5 +1,6 @@
 // CpuF32Ops and CpuCommonOps: the kernels::cpu ops under the decoder's op-set names.
 #include <cmath>
+#include <cstring>
 
 #include "kernels/attention.h"
 #include "kernels/cpu/backend.h"
@@ -13,8 +14,16 @@
 namespace strata::kernels {
 
 Result<void*> CpuCommonOps::activation_block(uint64_t bytes) {
-  block_.assign((bytes + sizeof(float) - 1) / sizeof(float), 0.0f);
-  return static_cast<void*>(block_.data());
+  if (device_ == nullptr) {
+    block_.assign((bytes + sizeof(float) - 1) / sizeof(float), 0.0f);
+    return static_cast<void*>(block_.data());
+  }
+  device_block_.reset();
+  Result<DeviceAllocation> a = device_->allocate(bytes);
+  if (!a.ok()) return a.status().with_context("the activation table");
+  device_block_ = std::move(a).value();
+  std::memset(device_block_.data(), 0, bytes);
+  return device_block_.data();
 }
 
 void CpuCommonOps::moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const float* logits,
