@@ -48,7 +48,7 @@
 #include "model/config.h"
 #include "model/cuda/decoder_cuda.h"
 #include "model/decoder.h"
-#include "train/optimizer.h"
+#include "reference_adamw.h"
 #include "train/paged_state.h"
 #include "train/state_kernels.h"
 

@@ -17,7 +17,7 @@
 #include "model/safetensors.h"
 #include "../test_util.h"
 #include "model/reference_util.h"
-#include "train/optimizer.h"
+#include "reference_adamw.h"
 
 namespace strata::model {
 namespace {

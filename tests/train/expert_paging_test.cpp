@@ -16,7 +16,7 @@
 #include "core/cpu_device.h"
 #include "core/io_engine.h"
 #include "model/decoder.h"
-#include "train/optimizer.h"
+#include "reference_adamw.h"
 #include "train/paged_state.h"
 #include "train_test_util.h"
 

@@ -1,4 +1,4 @@
-#include "train/optimizer.h"
+#include "reference_adamw.h"
 
 #include <gtest/gtest.h>
 

@@ -14,7 +14,7 @@
 #include "core/io_engine.h"
 #include "model/decoder.h"
 #include "offload/plan.h"
-#include "train/optimizer.h"
+#include "reference_adamw.h"
 #include "train_test_util.h"
 
 namespace strata {

@@ -17,7 +17,7 @@
 #include "model/params.h"
 #include "ckpt/writer.h"
 #include "core/io_faulty.h"
-#include "train/optimizer.h"
+#include "reference_adamw.h"
 
 namespace strata {
 
