@@ -308,6 +308,34 @@ TEST_F(CliTest, ResumeIsBitExactEvenWithOtherBudgets) {
   }
 }
 
+// The bf16 recipe (the GPU's, emulated on the CPU) resumes bit-exactly too, under budgets that
+// page every kind through host and nvme: the checkpoint holds the fp32 master, and the bf16
+// compute copy is rounded from it again. A checkpoint of either recipe resumes under the other.
+TEST_F(CliTest, Bf16RecipeResumesBitExactlyAndAcrossRecipes) {
+  std::string full = (dir_ / "full").string();
+  CmdResult a = run_strata("train " + small_run(full) + " ckpt.every=3 train.precision=bf16");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_NE(a.output.find("precision bf16"), std::string::npos) << a.output;
+  const auto expected = losses_of(fs::path(full) / "metrics.jsonl");
+  ASSERT_EQ(expected.size(), 6u);
+  const std::string step3 = (fs::path(full) / "checkpoints" / "step-3").string();
+  std::string resumed = (dir_ / "resumed").string();
+  CmdResult b = run_strata("train " + small_run(resumed) + " train.precision=bf16 --resume " + step3 +
+                           " memory.device=1200KiB memory.host=1300KiB memory.nvme.path=" + (dir_ / "nvme").string() +
+                           " memory.nvme.size=16MiB");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_EQ(losses_of(fs::path(resumed) / "metrics.jsonl"), std::vector<std::string>(expected.begin() + 3, expected.end()))
+      << b.output;
+  // Across recipes: the bf16 run's checkpoint continues in fp32 (and learns on), and differs
+  // from the bf16 continuation, since the arithmetic does.
+  std::string fp32 = (dir_ / "fp32").string();
+  CmdResult c = run_strata("train " + small_run(fp32) + " train.precision=fp32 --resume " + step3);
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  const auto across = losses_of(fs::path(fp32) / "metrics.jsonl");
+  ASSERT_EQ(across.size(), 3u);
+  EXPECT_NE(across, std::vector<std::string>(expected.begin() + 3, expected.end()));
+}
+
 // A MoE run with auxiliary-loss-free balancing keeps a per-expert bias outside the tensors;
 // the checkpoint carries it (state/...selection_bias), so the resumed run is bit-exact too.
 TEST_F(CliTest, ResumeOfLossFreeBalancedMoeIsBitExact) {
