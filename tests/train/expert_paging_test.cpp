@@ -64,6 +64,7 @@ class CountingAccess : public model::ParamAccess {
   Status begin(int group, bool params, bool grads) override { return ps_.begin(group, params, grads); }
   void end(int group, bool params, bool grads) override { ps_.end(group, params, grads); }
   const void* param(int64_t offset) override { return ps_.param(offset); }
+  DType param_dtype() const override { return ps_.param_dtype(); }
   float* grad(int64_t offset) override { return ps_.grad(offset); }
   Status begin_experts(int group, std::span<const int> experts, bool params, bool grads) override {
     requested += static_cast<int64_t>(experts.size());
@@ -93,8 +94,10 @@ struct RunResult {
   size_t chunks = 0;                // chunks of the whole state
 };
 
-RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batches, float grad_clip = 0.5f) {
-  model::LlamaModel net(mc);
+// Net: model::LlamaModel (the fp32 recipe) or model::LlamaModelBf16 (the bf16 recipe).
+template <class Net>
+RunResult run_flat_with(const model::ModelConfig& mc, const std::vector<Batch>& batches, float grad_clip = 0.5f) {
+  Net net(mc);
   net.init_weights(7);
   RunResult r;
   r.losses = train_flat(net, batches, kSteps, kAccum, kB, kT, grad_clip, kLr);
@@ -102,16 +105,19 @@ RunResult run_flat(const model::ModelConfig& mc, const std::vector<Batch>& batch
   return r;
 }
 
-RunResult run_paged(const model::ModelConfig& mc, const std::vector<Batch>& batches, bool all_experts,
-                    uint64_t device_bytes, uint64_t host_bytes, uint64_t nvme_bytes, const std::string& nvme_dir,
-                    size_t lookahead, bool overlap_optimizer = false, uint64_t chunk_bytes = kChunk) {
+template <class Net>
+RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, const std::vector<Batch>& batches,
+                         bool all_experts, uint64_t device_bytes, uint64_t host_bytes, uint64_t nvme_bytes,
+                         const std::string& nvme_dir, size_t lookahead, bool overlap_optimizer = false,
+                         uint64_t chunk_bytes = kChunk) {
   auto device = CpuDevice::create(0, 0);
   CHECK(device.ok());
   auto io = make_io_engine({.kind = "threads"});
   CHECK(io.ok());
-  model::LlamaModel net(mc);
+  Net net(mc);
   net.init_weights(7);
   PagedStateOptions po;
+  po.precision = precision;
   po.device_bytes = device_bytes;
   po.host_bytes = host_bytes;
   po.nvme_bytes = nvme_bytes;
@@ -165,11 +171,29 @@ void expect_bitwise_equal(const RunResult& a, const RunResult& b, const model::M
   expect_runs_bitwise_equal(a.losses, a.params, b.losses, b.params, mc);
 }
 
-class ExpertPagingTest : public ::testing::Test {
+// Every test runs on both recipes, fp32 and bf16.
+class ExpertPagingTest : public ::testing::TestWithParam<Precision> {
  protected:
+  // Host chunks for a budget of n in the fp32 recipe: AdamW holds a fifth kind (the master) of
+  // a group in host memory at once in the bf16 recipe.
+  uint64_t host_chunks(uint64_t n) const { return GetParam() == Precision::kBf16 ? n * 5 / 4 : n; }
+  template <class... Args>
+  RunResult run_flat(Args&&... args) {
+    return GetParam() == Precision::kBf16 ? run_flat_with<model::LlamaModelBf16>(std::forward<Args>(args)...)
+                                          : run_flat_with<model::LlamaModel>(std::forward<Args>(args)...);
+  }
+  template <class... Args>
+  RunResult run_paged(Args&&... args) {
+    return GetParam() == Precision::kBf16
+               ? run_paged_with<model::LlamaModelBf16>(GetParam(), std::forward<Args>(args)...)
+               : run_paged_with<model::LlamaModel>(GetParam(), std::forward<Args>(args)...);
+  }
+
   void SetUp() override {
     const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    dir_ = fs::path(::testing::TempDir()) / ("strata_experts_" + std::to_string(::getpid()) + "_" + test);
+    dir_ = fs::path(::testing::TempDir()) /
+           ("strata_experts_" + std::to_string(::getpid()) + "_" + test.substr(0, test.find('/')) +
+            precision_name(GetParam()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -180,7 +204,7 @@ class ExpertPagingTest : public ::testing::Test {
 // Budgets of a few chunks: the dense parts and the experts travel through host memory and
 // NVMe, and every expert without tokens keeps its zero gradient and still gets its AdamW
 // update (weight decay, moment decay) as in the flat run.
-TEST_F(ExpertPagingTest, TightBudgetsThroughHostAndNvmeMatchFlatBitwise) {
+TEST_P(ExpertPagingTest, TightBudgetsThroughHostAndNvmeMatchFlatBitwise) {
   const model::ModelConfig mc = moe_config();
   const auto batches = moe_batches(mc);
   const RunResult flat = run_flat(mc, batches);
@@ -188,8 +212,8 @@ TEST_F(ExpertPagingTest, TightBudgetsThroughHostAndNvmeMatchFlatBitwise) {
   // of them when fetching every expert). Host: AdamW pins a whole MoE layer, 4 kinds x 10 chunks.
   const std::string nvme = (dir_ / "nvme").string();
   fs::create_directories(nvme);
-  const RunResult aware = run_paged(mc, batches, false, 24 * kChunk, 48 * kChunk, 256 * kChunk, nvme, 2);
-  const RunResult all = run_paged(mc, batches, true, 24 * kChunk, 48 * kChunk, 256 * kChunk, nvme, 2);
+  const RunResult aware = run_paged(mc, batches, false, 24 * kChunk, host_chunks(48) * kChunk, 256 * kChunk, nvme, 2);
+  const RunResult all = run_paged(mc, batches, true, 24 * kChunk, host_chunks(48) * kChunk, 256 * kChunk, nvme, 2);
   expect_bitwise_equal(flat, aware, mc);
   expect_bitwise_equal(flat, all, mc);
   // Some micro-batches left experts without tokens, and those were not fetched.
@@ -209,7 +233,7 @@ TEST_F(ExpertPagingTest, TightBudgetsThroughHostAndNvmeMatchFlatBitwise) {
 // With room for everything on the device (and no prefetch), the only host -> device traffic is
 // each step's parameter fetch (AdamW updates them in host memory): fetching every expert moves
 // exactly one expert's chunks more per (step, MoE layer, expert without a token in the step).
-TEST_F(ExpertPagingTest, IdleExpertsAreNeverFetched) {
+TEST_P(ExpertPagingTest, IdleExpertsAreNeverFetched) {
   const model::ModelConfig mc = moe_config();
   const auto batches = moe_batches(mc);
   const RunResult flat = run_flat(mc, batches);
@@ -231,14 +255,14 @@ TEST_F(ExpertPagingTest, IdleExpertsAreNeverFetched) {
 
 // AdamW overlapping backward starts on a layer once backward releases it, experts included:
 // the model ends the experts before the layer, so the update sees their final gradients.
-TEST_F(ExpertPagingTest, OptimizerOverlappingBackwardMatchesFlatBitwise) {
+TEST_P(ExpertPagingTest, OptimizerOverlappingBackwardMatchesFlatBitwise) {
   const model::ModelConfig mc = moe_config();
   const auto batches = moe_batches(mc);
   const RunResult flat = run_flat(mc, batches, /*grad_clip=*/0.0f);
   const std::string nvme = (dir_ / "nvme").string();
   fs::create_directories(nvme);
   const RunResult overlapped =
-      run_paged(mc, batches, false, 24 * kChunk, 48 * kChunk, 256 * kChunk, nvme, 2, /*overlap_optimizer=*/true);
+      run_paged(mc, batches, false, 24 * kChunk, host_chunks(48) * kChunk, 256 * kChunk, nvme, 2, /*overlap_optimizer=*/true);
   expect_bitwise_equal(flat, overlapped, mc);
   EXPECT_EQ(overlapped.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
 }
@@ -246,7 +270,7 @@ TEST_F(ExpertPagingTest, OptimizerOverlappingBackwardMatchesFlatBitwise) {
 // Chunks four times an expert's size (as when a large embedding sets the chunk size): the
 // experts share chunks instead of each padding one, and the run still pages through host and
 // NVMe to bitwise the flat result.
-TEST_F(ExpertPagingTest, SmallExpertsShareChunksAndMatchFlatBitwise) {
+TEST_P(ExpertPagingTest, SmallExpertsShareChunksAndMatchFlatBitwise) {
   const model::ModelConfig mc = moe_config();
   const auto batches = moe_batches(mc);
   const RunResult flat = run_flat(mc, batches);
@@ -261,6 +285,9 @@ TEST_F(ExpertPagingTest, SmallExpertsShareChunksAndMatchFlatBitwise) {
   // One chunk per expert and kind would take 64 chunks for the experts alone.
   EXPECT_LT(shared.chunks, StateLayout().kinds().size() * static_cast<size_t>(mc.num_moe_layers() * mc.num_experts));
 }
+
+INSTANTIATE_TEST_SUITE_P(Recipes, ExpertPagingTest, ::testing::Values(Precision::kFp32, Precision::kBf16),
+                         [](const ::testing::TestParamInfo<Precision>& info) { return precision_name(info.param); });
 
 }  // namespace
 }  // namespace strata
