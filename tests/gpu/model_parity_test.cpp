@@ -149,7 +149,7 @@ struct GpuModel {
   std::unique_ptr<PagedState> state;
 
   GpuModel(const ModelConfig& config, const OptimizerConfig& opt, uint64_t device_bytes = 0) {
-    Result<std::unique_ptr<Device>> d = open_device("cuda", 0, 0);
+    Result<std::unique_ptr<Device>> d = open_device("cuda", 0, uint64_t{8} << 30);  // an 8 GiB arena
     CHECK_MSG(d.ok(), d.status().to_string());
     device = std::move(d).value();
     Result<std::unique_ptr<StateKernels>> k = make_cuda_state_kernels(*device);
