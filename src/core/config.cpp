@@ -231,7 +231,8 @@ Result<Config> Config::parse(const ConfigSchema& schema, const std::string& yaml
     stack.pop_back();
     for (auto it = node.begin(); it != node.end(); ++it) {
       std::string name = prefix.empty() ? it->first.as<std::string>() : prefix + "." + it->first.as<std::string>();
-      const YAML::Node& value = it->second;
+      // A copy: it->second is a member of the iterator's temporary proxy, gone after this line.
+      const YAML::Node value = it->second;
       std::string where = where_of(source, it->first);
       const ConfigKey* key = schema.find(name);
       if (key == nullptr) {
