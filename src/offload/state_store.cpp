@@ -18,12 +18,17 @@ uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 constexpr uint64_t kOwnChunkFraction = 2;
 
 // The chunk size that wastes the least padding when each group's tensors are packed into
-// chunks of their own; ties go to the smaller size (finer-grained paging).
-uint64_t choose_group_chunk_bytes(const std::vector<std::vector<uint64_t>>& groups) {
+// chunks of their own, summed over the element sizes of the layout's kinds (a bf16 compute copy
+// packs half as many bytes per group as the fp32 kinds); ties go to the smaller size
+// (finer-grained paging). groups: tensor elements per group; every chunk holds the largest
+// tensor at the widest element size.
+uint64_t choose_group_chunk_bytes(const std::vector<std::vector<uint64_t>>& groups,
+                                  const std::vector<uint64_t>& element_bytes) {
+  const uint64_t widest = *std::max_element(element_bytes.begin(), element_bytes.end());
   uint64_t largest_tensor = 0, largest_group = 0;
   for (const auto& g : groups) {
     uint64_t sum = 0;
-    for (uint64_t b : g) largest_tensor = std::max(largest_tensor, b), sum += round_up(b, kTensorAlignment);
+    for (uint64_t n : g) largest_tensor = std::max(largest_tensor, n * widest), sum += round_up(n * widest, kTensorAlignment);
     largest_group = std::max(largest_group, sum);
   }
   const uint64_t lo = round_up(std::max<uint64_t>(largest_tensor, 1), kChunkAlignment);
@@ -31,9 +36,16 @@ uint64_t choose_group_chunk_bytes(const std::vector<std::vector<uint64_t>>& grou
   // At most ~256 candidates between the largest tensor and the largest group.
   const uint64_t step = std::max(kChunkAlignment, round_up((hi - lo) / 256 + 1, kChunkAlignment));
   uint64_t best = lo, best_padding = UINT64_MAX;
+  std::vector<uint64_t> bytes;
   for (uint64_t c = lo; c <= hi; c += step) {
     uint64_t padding = 0;
-    for (const auto& g : groups) padding += pack_tensors(std::span<const uint64_t>(g), c).padding_bytes;
+    for (uint64_t e : element_bytes) {
+      for (const auto& g : groups) {
+        bytes.clear();
+        for (uint64_t n : g) bytes.push_back(n * e);
+        padding += pack_tensors(std::span<const uint64_t>(bytes), c).padding_bytes;
+      }
+    }
     if (padding < best_padding) best = c, best_padding = padding;
   }
   return best;
@@ -41,13 +53,15 @@ uint64_t choose_group_chunk_bytes(const std::vector<std::vector<uint64_t>>& grou
 
 }  // namespace
 
-uint64_t StateStore::auto_chunk_bytes(const std::vector<StateTensor>& tensors) {
+uint64_t StateStore::auto_chunk_bytes(const std::vector<StateTensor>& tensors, const StateLayout& layout) {
   // Each part is packed on its own, so the chunk size is chosen over parts.
-  std::map<std::pair<int, int>, std::vector<uint64_t>> parts;  // (group, part) -> tensor bytes
-  for (const StateTensor& t : tensors) parts[{t.group, t.part}].push_back(t.elements * sizeof(float));
-  std::vector<std::vector<uint64_t>> part_bytes;
-  for (auto& [key, bytes] : parts) part_bytes.push_back(std::move(bytes));
-  return choose_group_chunk_bytes(part_bytes);
+  std::map<std::pair<int, int>, std::vector<uint64_t>> parts;  // (group, part) -> tensor elements
+  for (const StateTensor& t : tensors) parts[{t.group, t.part}].push_back(t.elements);
+  std::vector<std::vector<uint64_t>> part_elements;
+  for (auto& [key, elements] : parts) part_elements.push_back(std::move(elements));
+  std::vector<uint64_t> element_bytes;
+  for (StateKind kind : layout.kinds()) element_bytes.push_back(layout.element_bytes(kind));
+  return choose_group_chunk_bytes(part_elements, element_bytes);
 }
 
 uint64_t StateStore::part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part) {
@@ -117,7 +131,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
   for (size_t i = 0; i < s->tensors_.size(); ++i) s->group_tensors_[s->tensors_[i].group].push_back(i);
   s->parts_ = make_parts(s->tensors_, s->num_groups_);
   ChunkSpaceOptions so = options.space;
-  if (so.chunk_bytes == 0) so.chunk_bytes = auto_chunk_bytes(s->tensors_);
+  if (so.chunk_bytes == 0) so.chunk_bytes = auto_chunk_bytes(s->tensors_, options.layout);
   s->demand_stream_ = device.create_stream();
   ASSIGN_OR_RETURN(s->space_, ChunkSpace::create(device, io, so));
 

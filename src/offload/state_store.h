@@ -95,7 +95,8 @@ class StateStore {
                                                     const StateStoreOptions& options);
   // The chunk size create() chooses when options.space.chunk_bytes is 0: at least the largest
   // tensor, wasting the least padding when each part is packed on its own.
-  static uint64_t auto_chunk_bytes(const std::vector<StateTensor>& tensors);
+  // Over every kind of `layout`, each in its element size (the widest must hold every tensor).
+  static uint64_t auto_chunk_bytes(const std::vector<StateTensor>& tensors, const StateLayout& layout = {});
   // Chunks of one kind each group takes in chunks of `chunk_bytes`, packed as create() packs
   // them for a kind of `element_bytes` per element: what the planner needs to count padding
   // exactly. REQUIRES: every tensor fits a chunk.

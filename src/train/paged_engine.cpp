@@ -53,7 +53,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   const uint64_t all_state = static_cast<uint64_t>(e->net_->layout().total_size()) * layout.bytes_per_parameter();
   if (budgets.memory_device == 0) budgets.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
   // Planned in the chunks the store will use, so that their padding is counted.
-  if (budgets.chunk_size == 0) budgets.chunk_size = PagedState::auto_chunk_bytes(e->net_->layout());
+  if (budgets.chunk_size == 0) budgets.chunk_size = PagedState::auto_chunk_bytes(e->net_->layout(), budgets.precision);
   for (const model::TensorSpec& spec : e->net_->layout().tensors()) {
     const uint64_t bytes = static_cast<uint64_t>(spec.block_numel(0)) * sizeof(float);  // its largest block
     if (bytes > budgets.chunk_size)

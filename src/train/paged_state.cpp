@@ -55,8 +55,8 @@ std::vector<StateTensor> state_tensors(const model::ParamLayout& layout) {
 
 }  // namespace
 
-uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout) {
-  return StateStore::auto_chunk_bytes(state_tensors(layout));
+uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout, Precision precision) {
+  return StateStore::auto_chunk_bytes(state_tensors(layout), StateLayout::of(precision));
 }
 
 std::vector<uint64_t> PagedState::group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes,

@@ -89,7 +89,7 @@ class PagedState : public model::ParamAccess, public SavableState {
                                                     const PagedStateOptions& options);
 
   // The chunk size create() chooses for `layout` when options.chunk_bytes is 0.
-  static uint64_t auto_chunk_bytes(const model::ParamLayout& layout);
+  static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, Precision precision = Precision::kFp32);
   // Chunks of one kind each parameter group of `layout` takes in chunks of `chunk_bytes`
   // (model::param_group_of numbering), as create() packs them.
   // element_bytes: the kind's element size in the recipe's layout (StateLayout::element_bytes).

@@ -214,7 +214,7 @@ TEST_P(PagedStateTest, GroupChunksAreTheChunksTheStoreMakes) {
     mc.vocab_size = vocab;
     const model::ParamLayout layout(mc);
     const uint64_t layer_sized = (tight_chunk_bytes(layout, mc) + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
-    for (uint64_t chunk : {PagedState::auto_chunk_bytes(layout), layer_sized}) {
+    for (uint64_t chunk : {PagedState::auto_chunk_bytes(layout, GetParam().precision), layer_sized}) {
       auto device = CpuDevice::create(0, 0);
       PagedStateOptions po;
       po.chunk_bytes = chunk;

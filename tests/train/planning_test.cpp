@@ -149,7 +149,7 @@ TEST(Planning, PlannedBytesPerKindAreTheStoresForEveryRecipe) {
     t.offload_activations = "false";
     t.gpu_flops = t.h2d_bytes_per_s = t.d2h_bytes_per_s = 1e9;
     t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = t.cpu_adam_params_per_s = 1e9;
-    t.chunk_size = PagedState::auto_chunk_bytes(layout);
+    t.chunk_size = PagedState::auto_chunk_bytes(layout, precision);
     const Plan plan = make_plan(make_plan_input(*mc, t, /*cuda=*/false));
     ASSERT_TRUE(plan.fits) << plan.problem;
 

@@ -85,7 +85,8 @@ int plan_command(const std::vector<std::string>& args) {
   // The chunks `strata train` would make, on either backend, so that padding is counted.
   {
     const model::ParamLayout layout(*mc);
-    if (tc->chunk_size == 0) tc->chunk_size = PagedState::auto_chunk_bytes(layout);
+    if (tc->chunk_size == 0)
+      tc->chunk_size = PagedState::auto_chunk_bytes(layout, cuda ? Precision::kBf16 : tc->precision);
     for (const model::TensorSpec& t : layout.tensors()) {
       const uint64_t bytes = static_cast<uint64_t>(t.block_numel(0)) * sizeof(float);  // its largest block
       if (bytes <= tc->chunk_size) continue;
