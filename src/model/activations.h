@@ -35,7 +35,8 @@ class ActivationTable {
                  bool keep_layers = false);
   // Bytes held (for logging and tests).
   int64_t bytes() const { return bytes_; }
-  // The bytes reserve() would take, without allocating.
+  // The bytes reserve() would take, the backend's own per-micro-batch buffers included, without
+  // allocating.
   static int64_t bytes_for(const ModelConfig& config, int64_t N, bool offload_checkpoints, bool keep_layers = false);
   // The buffers layer l's forward writes and its backward reads: its own when the table keeps
   // layers (l < L - 1), the shared ones otherwise.
@@ -134,8 +135,12 @@ Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_
   if (N <= planned_tokens_ && offload_checkpoints == planned_offload_ && keep_layers == planned_keep_)
     return Status::OK();
   N = std::max(N, planned_tokens_);
-  const int64_t bytes = carve(nullptr, config, N, offload_checkpoints, keep_layers);
-  ASSIGN_OR_RETURN(void* base, ops.activation_block(static_cast<uint64_t>(bytes)));
+  const int64_t bytes = ActivationTable().carve(nullptr, config, N, offload_checkpoints, keep_layers);
+  // The backend frees the old block first: after a failure nothing is planned any more.
+  planned_tokens_ = 0;
+  bytes_ = 0;
+  ASSIGN_OR_RETURN(void* base, ops.activation_block(static_cast<uint64_t>(bytes), N,
+                                                    config.is_moe() ? config.num_experts : 0));
   carve(static_cast<char*>(base), config, N, offload_checkpoints, keep_layers);
   planned_keep_ = keep_layers;
   bytes_ = bytes;
@@ -150,7 +155,8 @@ template <class Ops>
 int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bool offload_checkpoints,
                                         bool keep_layers) {
   ActivationTable<Ops> measured;
-  return measured.carve(nullptr, config, N, offload_checkpoints, keep_layers);
+  return measured.carve(nullptr, config, N, offload_checkpoints, keep_layers) +
+         static_cast<int64_t>(Ops::extra_activation_bytes(N, config.is_moe() ? config.num_experts : 0));
 }
 
 template <class Ops>

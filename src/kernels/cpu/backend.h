@@ -47,7 +47,10 @@ struct CpuCommonOps {
   // The activation table's one block (model/activations.h), zero-filled; replaces the previous
   // block, which nothing may use any more. From the device's arena when there is one: its
   // OutOfMemory names the tier, the request and the budget.
+  Result<void*> activation_block(uint64_t bytes, int64_t /*N*/, int64_t /*E*/) { return activation_block(bytes); }
   Result<void*> activation_block(uint64_t bytes);
+  // Memory the ops keep for themselves per micro-batch of N tokens and E experts (none here).
+  static uint64_t extra_activation_bytes(int64_t /*N*/, int64_t /*E*/) { return 0; }
   // Waits for the queued ops: a no-op, the CPU ops run in the caller.
   void synchronize() {}
   // Constants the ops read (RoPE frequencies), where they can read them.

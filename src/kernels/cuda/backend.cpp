@@ -1,6 +1,7 @@
 // CudaOps: the decoder's op set on kernels::cuda (see backend.h).
 #include "kernels/cuda/backend.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -42,12 +43,25 @@ void* CudaOps::grow(DeviceAllocation& buffer, uint64_t bytes, const char* what) 
   return buffer.data();
 }
 
-Result<void*> CudaOps::activation_block(uint64_t bytes) {
+uint64_t CudaOps::extra_activation_bytes(int64_t N, int64_t E) {
+  const uint64_t n = static_cast<uint64_t>(N), e = static_cast<uint64_t>(std::max<int64_t>(E, 1));
+  return n * sizeof(float) + n * e * sizeof(Act) + 20 * e + 3 * 256;  // losses, rounded, router; alignment
+}
+
+Result<void*> CudaOps::activation_block(uint64_t bytes, int64_t N, int64_t E) {
   synchronize();
   block_.reset();
-  Result<DeviceAllocation> a = device_->allocate(bytes);
-  if (!a.ok()) return a.status().with_context("the activation table");
-  block_ = std::move(a).value();
+  losses_.reset();
+  rounded_.reset();
+  router_.reset();
+  const int64_t e = std::max<int64_t>(E, 1);
+  for (auto [buffer, size] : {std::pair{&block_, bytes}, std::pair{&losses_, static_cast<uint64_t>(N) * sizeof(float)},
+                              std::pair{&rounded_, static_cast<uint64_t>(N * e) * sizeof(Act)},
+                              std::pair{&router_, static_cast<uint64_t>(e) * 20}}) {
+    Result<DeviceAllocation> a = device_->allocate(size);
+    if (!a.ok()) return a.status().with_context("the activation table");
+    *buffer = std::move(a).value();
+  }
   CUDA_CHECK(cudaMemsetAsync(block_.data(), 0, bytes, stream_));
   return block_.data();
 }

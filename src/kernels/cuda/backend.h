@@ -51,7 +51,12 @@ class CudaOps {
   cudaStream_t stream() const { return stream_; }
   cuda::Context& context() { return *ctx_; }
 
-  Result<void*> activation_block(uint64_t bytes);
+  // The activation table's block, and with it the ops' own per-micro-batch buffers for N tokens
+  // and E experts (per-token losses, a rounded router gradient, router statistics), so that
+  // no op allocates later. All from the arena; OutOfMemory names the request and the budget.
+  Result<void*> activation_block(uint64_t bytes, int64_t N, int64_t E);
+  // The bytes of those buffers (what activation_block takes besides `bytes`).
+  static uint64_t extra_activation_bytes(int64_t N, int64_t E);
   void synchronize();
   const float* stage_constants(const float* host, int64_t n);
   const int32_t* stage_tokens(const int32_t* host, int64_t N, int32_t* slot);
