@@ -63,7 +63,20 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
           spec.num_blocks() > 1 ? fmt::format(" in blocks of {} rows", spec.block_rows) : "", format_bytes(bytes),
           format_bytes((bytes + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment)));
   }
-  e->plan_ = make_plan(make_plan_input(mc, budgets, cuda));
+  PlanInput in = make_plan_input(mc, budgets, cuda);
+  e->plan_ = make_plan(in);
+  // The planner estimates activations from shapes; the table's exact size is known here. When
+  // it is larger (MoE expert buffers, the backend's own), plan again with the difference taken
+  // off the device, so that the groups the plan keeps there fit beside the real table.
+  const int64_t tokens = t.micro_batch * t.seq_len;
+  if (e->plan_.fits) {
+    const uint64_t exact =
+        static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, e->plan_.offload_activations, false));
+    if (exact > e->plan_.device.act && in.device_budget > exact - e->plan_.device.act) {
+      in.device_budget -= exact - e->plan_.device.act;
+      e->plan_ = make_plan(in);
+    }
+  }
   const Plan& plan = e->plan_;
   if (!plan.fits) {
     std::string fix;
@@ -80,11 +93,11 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   e->nvme_path_ = t.nvme_path;
   // Kept layer activations cost their bytes beside the planned activations; auto keeps them on
   // cuda when the device has that room left after the plan.
-  const int64_t tokens = t.micro_batch * t.seq_len;
   const uint64_t keep_extra =
       static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, plan.offload_activations, true) -
                             e->net_->activation_bytes_for(tokens, plan.offload_activations, false));
-  const uint64_t device_room = budgets.memory_device > plan.device.total() ? budgets.memory_device - plan.device.total() : 0;
+  const uint64_t planned_device = plan.device.total() + (budgets.memory_device - in.device_budget);
+  const uint64_t device_room = budgets.memory_device > planned_device ? budgets.memory_device - planned_device : 0;
   e->keep_activations_ = t.keep_activations == "true" || (t.keep_activations == "auto" && cuda && keep_extra <= device_room);
   if (t.keep_activations == "true" && keep_extra > device_room)
     return Status::OutOfMemory(fmt::format("memory.keep_activations=true needs {} more device memory than the plan "
