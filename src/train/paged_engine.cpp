@@ -111,6 +111,12 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
       static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, plan.offload_activations, e->keep_activations_)) +
       (64ull << 10);
   po.device_bytes = budgets.memory_device > activations ? budgets.memory_device - activations : 0;
+  e->device_split_ = fmt::format("{} of device memory: {} chunks, {} activations{}",
+                                 e->device_->memory_budget() == Device::kUnlimited
+                                     ? std::string("unlimited")
+                                     : format_bytes(e->device_->memory_budget()),
+                                 format_bytes(po.device_bytes), format_bytes(activations),
+                                 cuda ? ", " + format_bytes(e->device_->memory_in_use()) + " kernel scratch" : "");
   po.host_bytes = budgets.memory_host;
   po.nvme_bytes = t.nvme_path.empty() ? 0 : t.nvme_size;
   po.nvme_dir = t.nvme_path;
@@ -131,10 +137,9 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
 PagedEngine::~PagedEngine() = default;
 
 std::string PagedEngine::memory_summary() const {
-  return fmt::format("precision {}; activations {}; chunks of {}; device {}, host {}, nvme {}; homes: {}",
+  return fmt::format("precision {}; activations {}; {}; chunks of {}; host {}, nvme {}; homes: {}",
                      precision_name(options_.precision), keep_activations_ ? "kept per layer" : "recomputed",
-                     format_bytes(state_->store().chunk_bytes()),
-                     format_bytes(options_.device_bytes), format_bytes(options_.host_bytes),
+                     device_split_, format_bytes(state_->store().chunk_bytes()), format_bytes(options_.host_bytes),
                      options_.nvme_bytes ? format_bytes(options_.nvme_bytes) + " in " + nvme_path_ : std::string("none"),
                      state_->placement_summary());
 }

@@ -55,6 +55,7 @@ class PagedEngine final : public TrainEngine {
   Plan plan_;  // PagedState keeps a pointer to it
   PagedStateOptions options_;
   bool keep_activations_ = false;
+  std::string device_split_;  // how memory.device is divided, for the start-up line
   std::string nvme_path_;
   std::unique_ptr<Device> device_;
   std::unique_ptr<IoEngine> io_;
