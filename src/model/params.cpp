@@ -57,58 +57,58 @@ ParamLayout::ParamLayout(const ModelConfig& config) {
   const int64_t Fe = config.moe_intermediate_size;
   const int64_t Fs = config.shared_expert_intermediate_size;
 
-  embed_tokens_ = add("model.embed_tokens.weight", {V, C}, TensorKind::kMatrix);
+  embed_tokens_ = add("model.embed_tokens.weight", {V, C}, TensorRole::kMatrix);
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     const std::string p = fmt::format("model.layers.{}.", i);
     LayerOffsets o;
-    o.input_layernorm = add(p + "input_layernorm.weight", {C}, TensorKind::kNormWeight);
-    o.q_proj = add(p + "self_attn.q_proj.weight", {q_dim, C}, TensorKind::kMatrix);
-    if (config.attention_bias) o.q_bias = add(p + "self_attn.q_proj.bias", {q_dim}, TensorKind::kBias);
-    o.k_proj = add(p + "self_attn.k_proj.weight", {kv_dim, C}, TensorKind::kMatrix);
-    if (config.attention_bias) o.k_bias = add(p + "self_attn.k_proj.bias", {kv_dim}, TensorKind::kBias);
-    o.v_proj = add(p + "self_attn.v_proj.weight", {kv_dim, C}, TensorKind::kMatrix);
-    if (config.attention_bias) o.v_bias = add(p + "self_attn.v_proj.bias", {kv_dim}, TensorKind::kBias);
-    o.o_proj = add(p + "self_attn.o_proj.weight", {C, q_dim}, TensorKind::kMatrix);
+    o.input_layernorm = add(p + "input_layernorm.weight", {C}, TensorRole::kNormWeight);
+    o.q_proj = add(p + "self_attn.q_proj.weight", {q_dim, C}, TensorRole::kMatrix);
+    if (config.attention_bias) o.q_bias = add(p + "self_attn.q_proj.bias", {q_dim}, TensorRole::kBias);
+    o.k_proj = add(p + "self_attn.k_proj.weight", {kv_dim, C}, TensorRole::kMatrix);
+    if (config.attention_bias) o.k_bias = add(p + "self_attn.k_proj.bias", {kv_dim}, TensorRole::kBias);
+    o.v_proj = add(p + "self_attn.v_proj.weight", {kv_dim, C}, TensorRole::kMatrix);
+    if (config.attention_bias) o.v_bias = add(p + "self_attn.v_proj.bias", {kv_dim}, TensorRole::kBias);
+    o.o_proj = add(p + "self_attn.o_proj.weight", {C, q_dim}, TensorRole::kMatrix);
     if (config.qk_norm) {
-      o.q_norm = add(p + "self_attn.q_norm.weight", {D}, TensorKind::kNormWeight);
-      o.k_norm = add(p + "self_attn.k_norm.weight", {D}, TensorKind::kNormWeight);
+      o.q_norm = add(p + "self_attn.q_norm.weight", {D}, TensorRole::kNormWeight);
+      o.k_norm = add(p + "self_attn.k_norm.weight", {D}, TensorRole::kNormWeight);
     }
-    o.post_attention_layernorm = add(p + "post_attention_layernorm.weight", {C}, TensorKind::kNormWeight);
+    o.post_attention_layernorm = add(p + "post_attention_layernorm.weight", {C}, TensorRole::kNormWeight);
     if (!config.is_moe_layer(i)) {
-      o.gate_proj = add(p + "mlp.gate_proj.weight", {F, C}, TensorKind::kMatrix);
-      o.up_proj = add(p + "mlp.up_proj.weight", {F, C}, TensorKind::kMatrix);
-      o.down_proj = add(p + "mlp.down_proj.weight", {C, F}, TensorKind::kMatrix);
+      o.gate_proj = add(p + "mlp.gate_proj.weight", {F, C}, TensorRole::kMatrix);
+      o.up_proj = add(p + "mlp.up_proj.weight", {F, C}, TensorRole::kMatrix);
+      o.down_proj = add(p + "mlp.down_proj.weight", {C, F}, TensorRole::kMatrix);
     } else if (config.uses_mixtral_tensor_names()) {
       // Mixtral: w1 = gate, w3 = up, w2 = down.
       const std::string m = p + "block_sparse_moe.";
-      o.moe.router = add(m + "gate.weight", {E, C}, TensorKind::kMatrix);
+      o.moe.router = add(m + "gate.weight", {E, C}, TensorRole::kMatrix);
       for (int64_t e = 0; e < E; ++e) {
         const std::string x = fmt::format("{}experts.{}.", m, e);
-        o.moe.expert_gate.push_back(add(x + "w1.weight", {Fe, C}, TensorKind::kMatrix));
-        o.moe.expert_down.push_back(add(x + "w2.weight", {C, Fe}, TensorKind::kMatrix));
-        o.moe.expert_up.push_back(add(x + "w3.weight", {Fe, C}, TensorKind::kMatrix));
+        o.moe.expert_gate.push_back(add(x + "w1.weight", {Fe, C}, TensorRole::kMatrix));
+        o.moe.expert_down.push_back(add(x + "w2.weight", {C, Fe}, TensorRole::kMatrix));
+        o.moe.expert_up.push_back(add(x + "w3.weight", {Fe, C}, TensorRole::kMatrix));
       }
     } else {
       const std::string m = p + "mlp.";
-      o.moe.router = add(m + "gate.weight", {E, C}, TensorKind::kMatrix);
+      o.moe.router = add(m + "gate.weight", {E, C}, TensorRole::kMatrix);
       for (int64_t e = 0; e < E; ++e) {
         const std::string x = fmt::format("{}experts.{}.", m, e);
-        o.moe.expert_gate.push_back(add(x + "gate_proj.weight", {Fe, C}, TensorKind::kMatrix));
-        o.moe.expert_up.push_back(add(x + "up_proj.weight", {Fe, C}, TensorKind::kMatrix));
-        o.moe.expert_down.push_back(add(x + "down_proj.weight", {C, Fe}, TensorKind::kMatrix));
+        o.moe.expert_gate.push_back(add(x + "gate_proj.weight", {Fe, C}, TensorRole::kMatrix));
+        o.moe.expert_up.push_back(add(x + "up_proj.weight", {Fe, C}, TensorRole::kMatrix));
+        o.moe.expert_down.push_back(add(x + "down_proj.weight", {C, Fe}, TensorRole::kMatrix));
       }
       if (Fs > 0) {
-        o.moe.shared_gate_proj = add(m + "shared_expert.gate_proj.weight", {Fs, C}, TensorKind::kMatrix);
-        o.moe.shared_up_proj = add(m + "shared_expert.up_proj.weight", {Fs, C}, TensorKind::kMatrix);
-        o.moe.shared_down_proj = add(m + "shared_expert.down_proj.weight", {C, Fs}, TensorKind::kMatrix);
-        o.moe.shared_expert_gate = add(m + "shared_expert_gate.weight", {1, C}, TensorKind::kMatrix);
+        o.moe.shared_gate_proj = add(m + "shared_expert.gate_proj.weight", {Fs, C}, TensorRole::kMatrix);
+        o.moe.shared_up_proj = add(m + "shared_expert.up_proj.weight", {Fs, C}, TensorRole::kMatrix);
+        o.moe.shared_down_proj = add(m + "shared_expert.down_proj.weight", {C, Fs}, TensorRole::kMatrix);
+        o.moe.shared_expert_gate = add(m + "shared_expert_gate.weight", {1, C}, TensorRole::kMatrix);
       }
     }
     layers_.push_back(o);
   }
-  final_norm_ = add("model.norm.weight", {C}, TensorKind::kNormWeight);
+  final_norm_ = add("model.norm.weight", {C}, TensorRole::kNormWeight);
   lm_head_ = config.tie_word_embeddings ? embed_tokens_
-                                        : add("lm_head.weight", {V, C}, TensorKind::kMatrix);
+                                        : add("lm_head.weight", {V, C}, TensorRole::kMatrix);
   // Vocabulary tensors larger than every other tensor go in row blocks about the size of the
   // largest other one (whole multiples of kParamAlignment rows).
   int64_t largest_other = 0;
@@ -129,13 +129,13 @@ const TensorSpec& ParamLayout::at(int64_t offset) const {
   return *it;
 }
 
-int64_t ParamLayout::add(std::string name, std::vector<int64_t> shape, TensorKind kind) {
+int64_t ParamLayout::add(std::string name, std::vector<int64_t> shape, TensorRole kind) {
   TensorSpec spec;
   spec.numel = 1;
   for (int64_t d : shape) spec.numel *= d;
   spec.offset = total_size_;
   spec.kind = kind;
-  spec.weight_decay = kind == TensorKind::kMatrix;
+  spec.weight_decay = kind == TensorRole::kMatrix;
   spec.name = std::move(name);
   spec.shape = std::move(shape);
   total_size_ += (spec.numel + kParamAlignment - 1) / kParamAlignment * kParamAlignment;
@@ -157,15 +157,15 @@ int64_t ParamLayout::num_parameters() const {
 
 void init_tensor(const TensorSpec& t, float* p, uint64_t seed) {
   switch (t.kind) {
-    case TensorKind::kMatrix: {
+    case TensorRole::kMatrix: {
       uint64_t stream = seed ^ hash_name(t.name);
       fill_normal(p, t.numel, kInitStd, splitmix64(&stream));
       break;
     }
-    case TensorKind::kNormWeight:
+    case TensorRole::kNormWeight:
       std::fill(p, p + t.numel, 1.0f);
       break;
-    case TensorKind::kBias:
+    case TensorRole::kBias:
       std::fill(p, p + t.numel, 0.0f);
       break;
   }

@@ -21,7 +21,9 @@ namespace strata::model {
 // cache line and vector loads stay aligned.
 inline constexpr int64_t kParamAlignment = 16;
 
-enum class TensorKind : uint8_t {
+// What a parameter tensor is for: how it is initialised and whether weight decay applies. (Not a
+// kind of training state: those are StateKind, offload/state_layout.h.)
+enum class TensorRole : uint8_t {
   kMatrix,      // projections and embeddings: normal(0, 0.02) init, weight decay
   kNormWeight,  // RMSNorm gains: init 1, no weight decay
   kBias,        // projection biases: init 0, no weight decay
@@ -33,7 +35,7 @@ struct TensorSpec {
   int64_t offset = 0;          // in elements from the start of the flat buffer
   int64_t numel = 0;
   bool weight_decay = false;   // true for 2-D matrices (embeddings included)
-  TensorKind kind = TensorKind::kMatrix;
+  TensorRole kind = TensorRole::kMatrix;
   // > 0: the tensor is paged and computed in blocks of this many rows (the last may be
   // shorter): the vocabulary tensors of a model whose embedding dwarfs every other tensor,
   // which would otherwise set a chunk size that pads every other group. 0: one block.
@@ -176,7 +178,7 @@ class ParamLayout {
   int64_t lm_head() const { return lm_head_; }
 
  private:
-  int64_t add(std::string name, std::vector<int64_t> shape, TensorKind kind);
+  int64_t add(std::string name, std::vector<int64_t> shape, TensorRole kind);
 
   std::vector<TensorSpec> tensors_;
   std::unordered_map<std::string, size_t> index_;

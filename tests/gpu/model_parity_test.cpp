@@ -57,7 +57,7 @@ namespace {
 
 using model::LlamaModel;
 using model::ModelConfig;
-using model::TensorKind;
+using model::TensorRole;
 using model::TensorSpec;
 
 constexpr double kLossTol = 1e-2;
@@ -122,8 +122,8 @@ std::vector<float> initial_params(const model::ParamLayout& layout, uint64_t see
   for (const TensorSpec& t : layout.tensors()) {
     for (int64_t i = 0; i < t.numel; ++i) {
       float& x = p[static_cast<size_t>(t.offset + i)];
-      if (t.kind == TensorKind::kNormWeight) x = gain(rng);
-      if (t.kind == TensorKind::kBias) x = bias(rng);
+      if (t.kind == TensorRole::kNormWeight) x = gain(rng);
+      if (t.kind == TensorRole::kBias) x = bias(rng);
     }
   }
   round_to_bf16(p);

@@ -58,9 +58,9 @@ void randomize_params(LlamaModel& model, uint64_t seed) {
     float* p = model.params() + t.offset;
     for (int64_t i = 0; i < t.numel; ++i) {
       switch (t.kind) {
-        case TensorKind::kMatrix: p[i] = matrix(rng); break;
-        case TensorKind::kNormWeight: p[i] = gain(rng); break;
-        case TensorKind::kBias: p[i] = bias(rng); break;
+        case TensorRole::kMatrix: p[i] = matrix(rng); break;
+        case TensorRole::kNormWeight: p[i] = gain(rng); break;
+        case TensorRole::kBias: p[i] = bias(rng); break;
       }
     }
   }

@@ -93,7 +93,7 @@ TEST(InitWeightsTest, DeterministicNormalMatricesUnitNormsZeroBiases) {
   EXPECT_NE(std::memcmp(a.data(), other.data(), a.size() * sizeof(float)), 0);
   for (const TensorSpec& t : layout.tensors()) {
     const float* p = a.data() + t.offset;
-    if (t.kind == TensorKind::kMatrix) {
+    if (t.kind == TensorRole::kMatrix) {
       double sum = 0, sq = 0;
       for (int64_t i = 0; i < t.numel; ++i) {
         ASSERT_TRUE(std::isfinite(p[i])) << t.name;
@@ -104,7 +104,7 @@ TEST(InitWeightsTest, DeterministicNormalMatricesUnitNormsZeroBiases) {
       EXPECT_NEAR(mean, 0.0, 0.002) << t.name;
       EXPECT_NEAR(std, 0.02, 0.001) << t.name;
     } else {
-      const float expected = t.kind == TensorKind::kNormWeight ? 1.0f : 0.0f;
+      const float expected = t.kind == TensorRole::kNormWeight ? 1.0f : 0.0f;
       for (int64_t i = 0; i < t.numel; ++i) ASSERT_EQ(p[i], expected) << t.name;
     }
   }
