@@ -83,6 +83,9 @@ class Model {
   virtual void set_keep_layer_activations(bool keep) = 0;
   // Bytes of the activation table for micro-batches of `tokens` (B * T) tokens.
   virtual int64_t activation_bytes_for(int64_t tokens, bool offload_checkpoints, bool keep_layers) const = 0;
+  // The stream the model's ops are queued on, for an access that orders its moves after them;
+  // null when the ops run in the calling thread (the CPU backends).
+  virtual Stream* compute_stream() = 0;
 };
 
 template <class Ops>
@@ -165,6 +168,7 @@ class Decoder final : public Model {
   void update_expert_bias() override;
   void set_keep_layer_activations(bool keep) override { keep_layers_ = keep; }
   bool keeps_layer_activations() const { return keep_layers_; }
+  Stream* compute_stream() override { return ops_.compute_stream(); }
   int64_t activation_bytes_for(int64_t tokens, bool offload_checkpoints, bool keep_layers) const override {
     return ActivationTable<Ops>::bytes_for(config_, tokens, offload_checkpoints, keep_layers);
   }

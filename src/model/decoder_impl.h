@@ -222,7 +222,9 @@ Status Decoder<Ops>::begin_group(int group, bool params, bool grads) {
 template <class Ops>
 void Decoder<Ops>::end_group(int group, bool params, bool grads) {
   if (access_ == nullptr) return;
-  ops_.synchronize();  // the queued ops are done with the group before it may be evicted
+  // The queued ops must be done with the group before it may be evicted: the access orders its
+  // moves after them on the compute stream, or the host waits here.
+  if (!access_->stream_ordered()) ops_.synchronize();
   access_->end(group, params, grads);
 }
 
@@ -265,7 +267,7 @@ template <class Ops>
 void Decoder<Ops>::end_experts(int64_t layer, bool params, bool grads) {
   if (!config_.is_moe_layer(layer)) return;
   if (access_ != nullptr) {
-    ops_.synchronize();
+    if (!access_->stream_ordered()) ops_.synchronize();
     access_->end_experts(static_cast<int>(1 + layer), active_experts_, params, grads);
   }
   active_experts_.clear();

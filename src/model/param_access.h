@@ -49,6 +49,9 @@ class ParamAccess {
   virtual const void* param(int64_t offset) = 0;
   virtual float* grad(int64_t offset) = 0;
   virtual DType param_dtype() const { return DType::kF32; }
+  // True when the access orders its moves after the model's queued ops itself (a compute stream
+  // it was given): the model then hands groups back without waiting for its ops to finish.
+  virtual bool stream_ordered() const { return false; }
 
   // Makes the tensors of `experts` (ascending expert indices of the MoE layer of `group`, each
   // with at least one token in this micro-batch) addressable like begin() does, until

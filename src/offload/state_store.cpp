@@ -238,7 +238,7 @@ void StateStore::set_schedule(const std::vector<GroupAccess>& accesses) {
 }
 
 Status StateStore::pin(int group, const std::vector<size_t>& parts, StateKind kind, Tier where, AccessMode mode,
-                       std::optional<size_t> entry, Stream* consumer) {
+                       std::optional<size_t> entry, Stream* consumer, bool wait_on_host) {
   const int k = static_cast<int>(kind);
   std::vector<Part>& ps = parts_[group];
   for (size_t p : parts) CHECK_MSG(!ps[p].pinned[k], "part " + std::to_string(ps[p].id) + " of group " +
@@ -262,7 +262,7 @@ Status StateStore::pin(int group, const std::vector<size_t>& parts, StateKind ki
     }
     if (!st.ok()) break;
   }
-  if (consumer != nullptr) {
+  if (consumer != nullptr && wait_on_host) {
     // Every move started above has landed afterwards; the wait is compute stalled on data.
     const auto start = std::chrono::steady_clock::now();
     consumer->synchronize();
@@ -303,7 +303,7 @@ Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMo
   for (size_t p = 0; p < all.size(); ++p) all[p] = p;
   // Where this access sits in the step's schedule (the next matching entry).
   const std::optional<size_t> entry = next_entry(GroupAccess{group, kind});
-  return pin(group, all, kind, where, mode, entry, nullptr);
+  return pin(group, all, kind, where, mode, entry, nullptr, false);
 }
 
 void StateStore::release_group(int group, StateKind kind) {
@@ -312,23 +312,26 @@ void StateStore::release_group(int group, StateKind kind) {
   unpin(group, all, kind, nullptr);
 }
 
-Status StateStore::acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode) {
+Status StateStore::acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode, Stream* consumer) {
   const std::vector<size_t> parts{part_index(group, part)};
   const std::optional<size_t> entry = next_entry(GroupAccess::of_part(group, kind, part));
-  return pin(group, parts, kind, where, mode, entry, nullptr);
+  return pin(group, parts, kind, where, mode, entry, consumer, /*wait_on_host=*/false);
 }
 
-void StateStore::release_part(int group, int part, StateKind kind) {
-  unpin(group, {part_index(group, part)}, kind, nullptr);
+void StateStore::release_part(int group, int part, StateKind kind, Stream* consumer) {
+  unpin(group, {part_index(group, part)}, kind, consumer);
 }
 
-Status StateStore::acquire_parts(int group, std::span<const int> parts, StateKind kind, Tier where,
-                                 AccessMode mode) {
-  return pin(group, part_indices(group, parts), kind, where, mode, std::nullopt, demand_stream_.get());
+Status StateStore::acquire_parts(int group, std::span<const int> parts, StateKind kind, Tier where, AccessMode mode,
+                                 Stream* consumer) {
+  // Without a consumer the moves are ordered on the demand stream, which the host then waits for.
+  Stream* stream = consumer != nullptr ? consumer : demand_stream_.get();
+  return pin(group, part_indices(group, parts), kind, where, mode, std::nullopt, stream,
+             /*wait_on_host=*/consumer == nullptr);
 }
 
-void StateStore::release_parts(int group, std::span<const int> parts, StateKind kind) {
-  unpin(group, part_indices(group, parts), kind, demand_stream_.get());
+void StateStore::release_parts(int group, std::span<const int> parts, StateKind kind, Stream* consumer) {
+  unpin(group, part_indices(group, parts), kind, consumer != nullptr ? consumer : demand_stream_.get());
 }
 
 std::optional<size_t> StateStore::next_entry(const GroupAccess& access) {

@@ -121,13 +121,16 @@ class StateStore {
   void release_group(int group, StateKind kind);
   // The same for one part of the group (following its schedule entry GroupAccess::of_part, when
   // the schedule has one). REQUIRES: the group has the part (kDensePart always exists).
-  Status acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode);
-  void release_part(int group, int part, StateKind kind);
+  // With `consumer` (stream-ordered): the consumer stream waits for the chunks' moves instead of
+  // the host, and later moves of them wait for the work queued on it before release.
+  Status acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode, Stream* consumer = nullptr);
+  void release_part(int group, int part, StateKind kind, Stream* consumer = nullptr);
   // Several parts at once, on demand: not in the schedule (nothing is prefetched for them or
   // ahead of them) and the moves of all their chunks are started before any is waited for.
   // On error nothing stays acquired. REQUIRES: as acquire_part for each part.
-  Status acquire_parts(int group, std::span<const int> parts, StateKind kind, Tier where, AccessMode mode);
-  void release_parts(int group, std::span<const int> parts, StateKind kind);
+  Status acquire_parts(int group, std::span<const int> parts, StateKind kind, Tier where, AccessMode mode,
+                       Stream* consumer = nullptr);
+  void release_parts(int group, std::span<const int> parts, StateKind kind, Stream* consumer = nullptr);
   // REQUIRES: tensor i's group or part is acquired for `kind`. raw_pointer() for any kind;
   // pointer() for the fp32 kinds.
   void* raw_pointer(size_t i, StateKind kind) const;
@@ -186,8 +189,9 @@ class StateStore {
   // Pins the chunks of parts_[group][parts...] (in that order) in `where`. With `entry`, each
   // acquisition advances the schedule and the next entries are prefetched; with `consumer`, the
   // moves all start before the caller waits for them (on that stream) at the end.
+  // wait_on_host: the host waits for the consumer stream afterwards (the demand stream's use).
   Status pin(int group, const std::vector<size_t>& parts, StateKind kind, Tier where, AccessMode mode,
-             std::optional<size_t> entry, Stream* consumer);
+             std::optional<size_t> entry, Stream* consumer, bool wait_on_host);
   void unpin(int group, const std::vector<size_t>& parts, StateKind kind, Stream* consumer);
   std::vector<size_t> part_indices(int group, std::span<const int> parts) const;
 

@@ -131,6 +131,8 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   po.device_kernels = e->state_kernels_.get();
   ASSIGN_OR_RETURN(e->state_, PagedState::create(*e->device_, e->io_.get(), e->net_->layout(), po));
   e->net_->set_access(e->state_.get());
+  // On a device with a compute stream, paging is stream-ordered (no host wait per group).
+  e->state_->set_compute_stream(e->net_->compute_stream());
   return e;
 }
 

@@ -144,6 +144,7 @@ size_t PagedState::tensor_at(int64_t offset) const {
 }
 
 Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
+  drain_compute();
   const StateKind kind = stored_kind(saved);
   for (int g = 0; g < store_->num_groups(); ++g) {
     if (before_modify_ && kind != StateKind::kGrad) before_modify_(g);
@@ -187,6 +188,7 @@ Status PagedState::refresh_compute_copy(int g) {
 }
 
 Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
+  drain_compute();
   const StateKind kind = stored_kind(saved);
   if (to_store) {
     return fill_kind(saved, [flat](const model::TensorSpec& t, float* chunk) {
@@ -204,6 +206,7 @@ Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
 }
 
 Status PagedState::read_flat(StateKind saved, uint64_t offset, uint64_t length, void* dst) {
+  drain_compute();
   const StateKind kind = stored_kind(saved);
   CHECK_MSG(offset % sizeof(float) == 0 && length % sizeof(float) == 0, "read_flat of a range that splits a float");
   int64_t first = static_cast<int64_t>(offset / sizeof(float));
@@ -242,6 +245,7 @@ Status PagedState::load_moments(const float* m_flat, const float* v_flat) {
 }
 
 Status PagedState::zero_grads() {
+  drain_compute();
   for (int g = 0; g < store_->num_groups(); ++g) {
     RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kWrite));
     for (size_t i : store_->group_tensors(g)) kernels_->zero(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
@@ -303,6 +307,7 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
 }
 
 Result<double> PagedState::clip_and_step(float lr) {
+  drain_compute();
   if (options_.overlap_optimizer) {
     // The groups whose gradients became final during backward are being (or have been)
     // updated by the worker; wait for it, then update any group it has not seen.
@@ -377,12 +382,13 @@ PagedState::~PagedState() {
 }
 
 Status PagedState::begin(int group, bool params, bool grads) {
+  Stream* s = compute_stream_;
   if (params)
-    RETURN_IF_ERROR(store_->acquire_part(group, kDensePart, StateKind::kParam, Tier::kDevice, AccessMode::kRead));
+    RETURN_IF_ERROR(store_->acquire_part(group, kDensePart, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
   if (grads) {
-    Status st = store_->acquire_part(group, kDensePart, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite);
+    Status st = store_->acquire_part(group, kDensePart, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite, s);
     if (!st.ok()) {
-      if (params) store_->release_part(group, kDensePart, StateKind::kParam);
+      if (params) store_->release_part(group, kDensePart, StateKind::kParam, s);
       return st;
     }
   }
@@ -390,12 +396,13 @@ Status PagedState::begin(int group, bool params, bool grads) {
 }
 
 Status PagedState::begin_experts(int group, std::span<const int> experts, bool params, bool grads) {
+  Stream* s = compute_stream_;
   if (params)
-    RETURN_IF_ERROR(store_->acquire_parts(group, experts, StateKind::kParam, Tier::kDevice, AccessMode::kRead));
+    RETURN_IF_ERROR(store_->acquire_parts(group, experts, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
   if (grads) {
-    Status st = store_->acquire_parts(group, experts, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite);
+    Status st = store_->acquire_parts(group, experts, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite, s);
     if (!st.ok()) {
-      if (params) store_->release_parts(group, experts, StateKind::kParam);
+      if (params) store_->release_parts(group, experts, StateKind::kParam, s);
       return st;
     }
   }
@@ -403,17 +410,18 @@ Status PagedState::begin_experts(int group, std::span<const int> experts, bool p
 }
 
 void PagedState::end_experts(int group, std::span<const int> experts, bool params, bool grads) {
-  if (params) store_->release_parts(group, experts, StateKind::kParam);
-  if (grads) store_->release_parts(group, experts, StateKind::kGrad);
+  if (params) store_->release_parts(group, experts, StateKind::kParam, compute_stream_);
+  if (grads) store_->release_parts(group, experts, StateKind::kGrad, compute_stream_);
 }
 
 void PagedState::end(int group, bool params, bool grads) {
-  if (params) store_->release_part(group, kDensePart, StateKind::kParam);
-  if (grads) store_->release_part(group, kDensePart, StateKind::kGrad);
+  if (params) store_->release_part(group, kDensePart, StateKind::kParam, compute_stream_);
+  if (grads) store_->release_part(group, kDensePart, StateKind::kGrad, compute_stream_);
   // In the last micro-batch a group's gradients are final when backward releases them for the
   // last time: every group but the embedding at its only backward end; the embedding (whose
   // gradients the tied head also adds to) at the embedding backward, which holds no params.
   if (options_.overlap_optimizer && overlap_active_ && grads && (group != 0 || !params)) {
+    drain_compute();  // the worker updates the group: its gradients must be written
     {
       std::lock_guard<std::mutex> lock(worker_mu_);
       queue_.push_back(group);
@@ -436,6 +444,7 @@ Status PagedState::offload_checkpoint(int index, const void* data, uint64_t byte
 
 Status PagedState::fetch_checkpoint(int index, void* data, uint64_t bytes) {
   if (staging_stream_ == nullptr) return store_->read_activation(index, data, bytes);
+  drain_compute();  // the slot may still be read by queued ops
   staging_.resize(bytes);
   RETURN_IF_ERROR(store_->read_activation(index, staging_.data(), bytes));
   device_->copy(data, staging_.data(), bytes, *staging_stream_);

@@ -139,6 +139,13 @@ class PagedState : public model::ParamAccess, public SavableState {
   void end_experts(int group, std::span<const int> experts, bool params, bool grads) override;
   const void* param(int64_t offset) override;
   DType param_dtype() const override { return store_->layout().compute_dtype(); }
+  bool stream_ordered() const override { return compute_stream_ != nullptr; }
+  // Stream-ordered paging: the model's ops are queued on `stream` (a device's compute stream):
+  // begin() makes it wait for the chunks' moves instead of blocking the host, and end() leaves
+  // later moves of them waiting for what is queued on it. Null (the default): the host waits.
+  // Everything else PagedState does (the optimizer, loads, saves) waits for the stream first.
+  // REQUIRES: set before the first step; the stream outlives the state.
+  void set_compute_stream(Stream* stream) { compute_stream_ = stream; }
   float* grad(int64_t offset) override;
   bool offloads_activations() const override { return options_.offload_activations; }
   Status offload_checkpoint(int index, const void* data, uint64_t bytes) override;
@@ -172,6 +179,11 @@ class PagedState : public model::ParamAccess, public SavableState {
   Device* device_ = nullptr;
   std::unique_ptr<StateKernels> cpu_kernels_;  // when options_.device_kernels is null
   StateKernels* kernels_ = nullptr;           // device-tier arithmetic
+  Stream* compute_stream_ = nullptr;          // the model's, when paging is stream-ordered
+  // Waits for the model's queued ops (stream-ordered paging) before state is touched otherwise.
+  void drain_compute() {
+    if (compute_stream_ != nullptr) compute_stream_->synchronize();
+  }
   std::unique_ptr<Stream> staging_stream_;     // checkpoint offload between device and host memory
   std::vector<char> staging_;
   std::unique_ptr<StateStore> store_;

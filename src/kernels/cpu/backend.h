@@ -53,6 +53,7 @@ struct CpuCommonOps {
   static uint64_t extra_activation_bytes(int64_t /*N*/, int64_t /*E*/) { return 0; }
   // Waits for the queued ops: a no-op, the CPU ops run in the caller.
   void synchronize() {}
+  Stream* compute_stream() { return nullptr; }
   // Constants the ops read (RoPE frequencies), where they can read them.
   const float* stage_constants(const float* host, int64_t /*n*/) { return host; }
 

@@ -49,6 +49,7 @@ class CudaOps {
   CudaOps(const CudaOps&) = delete;
 
   cudaStream_t stream() const { return stream_; }
+  Stream* compute_stream() { return compute_.get(); }
   cuda::Context& context() { return *ctx_; }
 
   // The activation table's block, and with it the ops' own per-micro-batch buffers for N tokens
