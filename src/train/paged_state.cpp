@@ -205,8 +205,9 @@ Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
   return store_->synchronize();
 }
 
+// A save reads beside training; the chunk space orders the reads after the compute stream's
+// releases (slot fences), and the compute stream writes only gradients, which saves never read.
 Status PagedState::read_flat(StateKind saved, uint64_t offset, uint64_t length, void* dst) {
-  drain_compute();
   const StateKind kind = stored_kind(saved);
   CHECK_MSG(offset % sizeof(float) == 0 && length % sizeof(float) == 0, "read_flat of a range that splits a float");
   int64_t first = static_cast<int64_t>(offset / sizeof(float));
@@ -371,6 +372,7 @@ void PagedState::worker_loop() {
 }
 
 PagedState::~PagedState() {
+  drain_compute();  // queued ops may still use chunks whose slots go back to the arena
   if (worker_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(worker_mu_);
@@ -421,7 +423,6 @@ void PagedState::end(int group, bool params, bool grads) {
   // last time: every group but the embedding at its only backward end; the embedding (whose
   // gradients the tied head also adds to) at the embedding backward, which holds no params.
   if (options_.overlap_optimizer && overlap_active_ && grads && (group != 0 || !params)) {
-    drain_compute();  // the worker updates the group: its gradients must be written
     {
       std::lock_guard<std::mutex> lock(worker_mu_);
       queue_.push_back(group);

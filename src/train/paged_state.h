@@ -143,7 +143,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   // Stream-ordered paging: the model's ops are queued on `stream` (a device's compute stream):
   // begin() makes it wait for the chunks' moves instead of blocking the host, and end() leaves
   // later moves of them waiting for what is queued on it. Null (the default): the host waits.
-  // Everything else PagedState does (the optimizer, loads, saves) waits for the stream first.
+  // The optimizer and loads wait for the stream first; the overlap worker and saves wait on the
+  // chunks' fences. Stall time counts host waits only: compute-stream waits are not timed.
   // REQUIRES: set before the first step; the stream outlives the state.
   void set_compute_stream(Stream* stream) { compute_stream_ = stream; }
   float* grad(int64_t offset) override;
