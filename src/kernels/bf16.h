@@ -25,6 +25,10 @@ inline uint16_t f32_to_bf16(float value) {
 
 namespace strata::kernels {
 
+// out (n) = f32_to_bf16(in (n)): the compute copy rounded from fp32 master weights, across all
+// cores (elements are independent: the result does not depend on the thread count).
+void round_to_bf16(uint16_t* out, const float* in, int64_t n);
+
 // A bf16 value in host memory (the CPU backend's emulation of the GPU recipe): the top half of
 // an fp32. A type of its own so that templates over the storage type tell it from an integer.
 struct Bf16 {

@@ -50,10 +50,8 @@ void Decoder<Ops>::sync_compute_copy() {
   if constexpr (!std::is_same_v<W, float>) {
     static_assert(sizeof(W) == sizeof(uint16_t), "a bf16 compute copy");
     CHECK_MSG(compute_.size() == params_.size(), "sync_compute_copy without flat buffers");
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const uint16_t bits = kernels::f32_to_bf16(params_[i]);
-      std::memcpy(&compute_[i], &bits, sizeof(bits));
-    }
+    kernels::round_to_bf16(reinterpret_cast<uint16_t*>(compute_.data()), params_.data(),
+                           static_cast<int64_t>(params_.size()));
   }
 }
 

@@ -177,9 +177,8 @@ Status PagedState::refresh_compute_copy(int g) {
   Status st = store_->acquire_group(g, StateKind::kParam, Tier::kHost, AccessMode::kWrite);
   if (st.ok()) {
     for (size_t i : store_->group_tensors(g)) {
-      const float* master = store_->pointer(i, StateKind::kMaster);
-      uint16_t* copy = static_cast<uint16_t*>(store_->raw_pointer(i, StateKind::kParam));
-      for (int64_t j = 0; j < pieces_[i].numel; ++j) copy[j] = kernels::f32_to_bf16(master[j]);
+      kernels::round_to_bf16(static_cast<uint16_t*>(store_->raw_pointer(i, StateKind::kParam)),
+                             store_->pointer(i, StateKind::kMaster), pieces_[i].numel);
     }
     store_->release_group(g, StateKind::kParam);
   }
@@ -297,10 +296,7 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     }
     if (coefficient != 1.0f) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
     kernels::adamw_step_f32(master, grad, m, v, t.numel, p, simd);
-    if (copy != nullptr) {
-      uint16_t* bits = static_cast<uint16_t*>(copy);
-      for (int64_t j = 0; j < t.numel; ++j) bits[j] = kernels::f32_to_bf16(master[j]);
-    }
+    if (copy != nullptr) kernels::round_to_bf16(static_cast<uint16_t*>(copy), master, t.numel);
   }
   if (where == Tier::kDevice) kernels_->synchronize();
   for (StateKind k : kinds) store_->release_group(g, k);

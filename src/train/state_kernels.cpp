@@ -18,9 +18,7 @@ class CpuStateKernels final : public StateKernels {
   void adamw(float* master, const float* grad, float* m, float* v, void* bf16_copy, int64_t n,
              const kernels::AdamWParams& p) override {
     kernels::cpu::adamw_step(master, grad, m, v, n, p);
-    if (bf16_copy == nullptr) return;
-    uint16_t* copy = static_cast<uint16_t*>(bf16_copy);
-    for (int64_t i = 0; i < n; ++i) copy[i] = kernels::f32_to_bf16(master[i]);
+    if (bf16_copy != nullptr) kernels::round_to_bf16(static_cast<uint16_t*>(bf16_copy), master, n);
   }
   void synchronize() override {}
 

@@ -333,7 +333,9 @@ TEST_P(ModelParity, PagingThroughHostMemoryIsBitwiseTheResidentRun) {
       ASSERT_TRUE(norm.ok()) << norm.status().to_string();
       out.push_back(*norm);
     }
-    if (device_bytes > 0) EXPECT_GT(gpu.state->stats().moved_bytes(), 0u) << "the tight run moved nothing";
+    if (device_bytes > 0) {
+      EXPECT_GT(gpu.state->stats().moved_bytes(), 0u) << "the tight run moved nothing";
+    }
     results.push_back(out);
     params.push_back(gpu.params());
   }

@@ -166,7 +166,9 @@ TEST_P(Bf16DecoderTest, TracksTheFp32ReferenceWithinBf16Tolerance) {
   std::printf("bf16 recipe vs fp32: loss relative error %.3g, gradient relative L2 error %.3g\n", loss_err, grad_err);
   EXPECT_TRUE(grad_err <= 2e-2) << "gradients differ by " << grad_err << " (relative L2)";
   EXPECT_GT(grad_err, 0.0);
-  if (c.is_moe()) EXPECT_EQ(bf.expert_token_counts(), ref.expert_token_counts());
+  if (c.is_moe()) {
+    EXPECT_EQ(bf.expert_token_counts(), ref.expert_token_counts());
+  }
   // A forward alone gives the same loss as the forward of forward_backward.
   EXPECT_EQ(bf.forward_loss(t.inputs.data(), t.targets.data(), B, T), got);
 }
