@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -195,45 +196,29 @@ Status Config::assign(const ConfigKey& key, const std::string& text, bool is_seq
   return Status::OK();
 }
 
-Result<Config> Config::parse(const ConfigSchema& schema, const std::string& yaml_text,
-                             const std::string& source, const std::vector<std::string>& overrides) {
-  Config config;
-  // Defaults first, so every key holds a valid value.
-  for (const auto& key : schema.keys()) {
-    config.order_.push_back(key.name);
-    std::vector<std::string> items;
-    bool seq = false;
-    if (key.type == ConfigType::kStringList) {
-      YAML::Node n = YAML::Load(key.default_value.empty() ? "[]" : key.default_value);
-      for (const auto& it : n) items.push_back(it.as<std::string>());
-      seq = true;
-    }
-    Status st = config.assign(key, key.default_value, seq, items, "default");
-    CHECK_MSG(st.ok(), "bad default in schema: " + st.message());
-    config.entries_[key.name].set = false;
-  }
-
-  YAML::Node root;
-  try {
-    root = YAML::Load(yaml_text);
-  } catch (const YAML::Exception& e) {
-    return Status::InvalidArgument(source + ":" + std::to_string(e.mark.line + 1) +
-                                   ": not valid YAML: " + e.msg);
-  }
-  if (root && !root.IsNull() && !root.IsMap())
-    return Status::InvalidArgument(source + ": expected a map of settings at the top level");
-
+Status Config::apply_yaml(const ConfigSchema& schema, const YAML::Node& root, const std::string& source) {
   // Walks nested maps; a dotted path that is a schema key takes the node as its value.
   std::vector<std::pair<std::string, YAML::Node>> stack;
   if (root && root.IsMap()) stack.emplace_back("", root);
+  // Dotted names (sections and keys) already seen, with their line: yaml-cpp keeps a repeated
+  // key in the map, and the later value would silently win.
+  std::map<std::string, std::string> seen;
   while (!stack.empty()) {
     auto [prefix, node] = stack.back();
     stack.pop_back();
     for (auto it = node.begin(); it != node.end(); ++it) {
-      std::string name = prefix.empty() ? it->first.as<std::string>() : prefix + "." + it->first.as<std::string>();
-      // A copy: it->second is a member of the iterator's temporary proxy, gone after this line.
+      // Copies: it->first and it->second are members of the iterator's temporary proxy, which
+      // is gone after this statement; a reference bound to them would dangle.
+      const YAML::Node key_node = it->first;
       const YAML::Node value = it->second;
-      std::string where = where_of(source, it->first);
+      std::string where = where_of(source, key_node);
+      if (!key_node.IsScalar())
+        return Status::InvalidArgument(where + ": a setting's name must be a plain word, not a list or map" +
+                                       (prefix.empty() ? "" : " (in section '" + prefix + "')"));
+      const std::string name = prefix.empty() ? key_node.Scalar() : prefix + "." + key_node.Scalar();
+      if (auto [first, inserted] = seen.emplace(name, where); !inserted)
+        return Status::InvalidArgument(where + ": '" + name + "' is set twice (first at " + first->second +
+                                       "); keep one");
       const ConfigKey* key = schema.find(name);
       if (key == nullptr) {
         bool is_section = false;
@@ -262,8 +247,47 @@ Result<Config> Config::parse(const ConfigSchema& schema, const std::string& yaml
         }
       }
       std::string text = value.IsScalar() ? value.as<std::string>() : "";
-      RETURN_IF_ERROR(config.assign(*key, text, value.IsSequence(), items, where));
+      RETURN_IF_ERROR(assign(*key, text, value.IsSequence(), items, where));
     }
+  }
+  return Status::OK();
+}
+
+Result<Config> Config::parse(const ConfigSchema& schema, const std::string& yaml_text,
+                             const std::string& source, const std::vector<std::string>& overrides) {
+  Config config;
+  // Defaults first, so every key holds a valid value.
+  for (const auto& key : schema.keys()) {
+    config.order_.push_back(key.name);
+    std::vector<std::string> items;
+    bool seq = false;
+    if (key.type == ConfigType::kStringList) {
+      YAML::Node n = YAML::Load(key.default_value.empty() ? "[]" : key.default_value);
+      for (const auto& it : n) items.push_back(it.as<std::string>());
+      seq = true;
+    }
+    Status st = config.assign(key, key.default_value, seq, items, "default");
+    CHECK_MSG(st.ok(), "bad default in schema: " + st.message());
+    config.entries_[key.name].set = false;
+  }
+
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    return Status::InvalidArgument(source + (e.mark.is_null() ? "" : ":" + std::to_string(e.mark.line + 1)) +
+                                   ": not valid YAML: " + e.msg);
+  }
+  if (root && !root.IsNull() && !root.IsMap())
+    return Status::InvalidArgument(source + ": expected a map of settings at the top level");
+
+  // The walk reads nodes with yaml-cpp conversions, which throw; none should escape, but any
+  // that does becomes a message naming the file and line instead of an abort.
+  try {
+    RETURN_IF_ERROR(config.apply_yaml(schema, root, source));
+  } catch (const YAML::Exception& e) {
+    return Status::InvalidArgument(source + (e.mark.is_null() ? "" : ":" + std::to_string(e.mark.line + 1)) +
+                                   ": cannot read this setting: " + e.msg);
   }
 
   for (const auto& ov : overrides) {
@@ -297,10 +321,15 @@ Result<Config> Config::parse(const ConfigSchema& schema, const std::string& yaml
 
 Result<Config> Config::load_file(const ConfigSchema& schema, const std::string& path,
                                  const std::vector<std::string>& overrides) {
+  // A directory opens as a stream that reads nothing, which would silently mean "all defaults".
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    return Status::InvalidArgument("config file '" + path + "' is a directory; pass the YAML file inside it");
   std::ifstream in(path);
   if (!in) return Status::NotFound("config file '" + path + "' cannot be opened: " + std::strerror(errno));
   std::stringstream ss;
   ss << in.rdbuf();
+  if (in.bad()) return Status::IOError("config file '" + path + "' could not be read: " + std::strerror(errno));
   return parse(schema, ss.str(), path, overrides);
 }
 

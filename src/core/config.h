@@ -1,7 +1,7 @@
 // YAML configuration checked against a schema. Every key a program accepts is declared once
 // (type, default, allowed range or choices, one line of help); loading a file rejects unknown
-// keys, wrong types and out-of-range values with a message naming the key, the file and the
-// line. `key=value` overrides from the command line go through the same checks.
+// keys, keys given twice, wrong types and out-of-range values with a message naming the key, the
+// file and the line. `key=value` overrides from the command line go through the same checks.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +12,10 @@
 #include <vector>
 
 #include "core/status.h"
+
+namespace YAML {
+class Node;
+}
 
 namespace strata {
 
@@ -51,7 +55,7 @@ class Config {
   static Result<Config> parse(const ConfigSchema& schema, const std::string& yaml_text,
                               const std::string& source,
                               const std::vector<std::string>& overrides = {});
-  // Reads `path` and parses it; a missing or unreadable file is an error naming it.
+  // Reads `path` and parses it; a missing or unreadable file, or a directory, is an error naming it.
   static Result<Config> load_file(const ConfigSchema& schema, const std::string& path,
                                   const std::vector<std::string>& overrides = {});
 
@@ -78,6 +82,8 @@ class Config {
   };
   Status assign(const ConfigKey& key, const std::string& text, bool is_sequence,
                 const std::vector<std::string>& items, const std::string& where);
+  // Assigns every key of a parsed YAML document; refuses unknown, repeated and non-scalar keys.
+  Status apply_yaml(const ConfigSchema& schema, const YAML::Node& root, const std::string& source);
   const Entry& entry(const std::string& name, ConfigType type) const;
   std::map<std::string, Entry> entries_;
   std::vector<std::string> order_;

@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include <fmt/format.h>
+
+#include "core/checked_math.h"
 
 namespace strata::model {
 namespace {
@@ -23,8 +26,79 @@ const json* find_key(const json& object, const std::string& key) {
   return &*it;
 }
 
-// Reads an integer key (integral floats such as 4096.0 are accepted). Absent keys leave *out
-// unchanged unless `required`. `path` is the key as the user sees it, e.g. "rope_scaling.factor".
+// The upper bound of each integer key (ModelLimits), by the key's last component.
+struct KeyLimit {
+  const char* key;
+  int64_t max;
+};
+constexpr KeyLimit kKeyLimits[] = {
+    {"vocab_size", ModelLimits::kVocabSize},
+    {"hidden_size", ModelLimits::kHiddenSize},
+    {"intermediate_size", ModelLimits::kIntermediateSize},
+    {"moe_intermediate_size", ModelLimits::kIntermediateSize},
+    {"shared_expert_intermediate_size", ModelLimits::kIntermediateSize},
+    {"num_hidden_layers", ModelLimits::kLayers},
+    {"decoder_sparse_step", ModelLimits::kLayers},
+    {"mlp_only_layers", ModelLimits::kLayers},
+    {"num_attention_heads", ModelLimits::kHeads},
+    {"num_key_value_heads", ModelLimits::kHeads},
+    {"head_dim", ModelLimits::kHeadDim},
+    {"num_experts", ModelLimits::kExperts},
+    {"num_local_experts", ModelLimits::kExperts},
+    {"num_experts_per_tok", ModelLimits::kExperts},
+    {"max_position_embeddings", ModelLimits::kPositions},
+    {"sliding_window", ModelLimits::kPositions},
+    {"original_max_position_embeddings", ModelLimits::kPositions},
+};
+
+int64_t limit_of(const std::string& path) {
+  const std::string leaf = path.substr(path.rfind('.') + 1);
+  for (const KeyLimit& l : kKeyLimits) {
+    if (leaf == l.key) return l.max;
+  }
+  return std::numeric_limits<int64_t>::max();
+}
+
+Status too_large(const std::string& source, const std::string& path, const std::string& value_text) {
+  return bad_key(source, path, fmt::format("is {}; strata accepts at most {} (ModelLimits, src/model/config.h)",
+                                           value_text, limit_of(path)));
+}
+
+Status at_most(const std::string& source, const std::string& path, int64_t value) {
+  if (value <= limit_of(path)) return Status::OK();
+  return too_large(source, path, std::to_string(value));
+}
+
+// An integer JSON value as int64: integral floats such as 4096.0 are accepted; a value int64
+// cannot hold is refused as written (not wrapped).
+Status json_int(const json& value, const std::string& path, const std::string& source, const char* expected,
+                int64_t* out) {
+  if (value.is_number_unsigned()) {
+    const uint64_t u = value.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return too_large(source, path, value.dump());
+    *out = static_cast<int64_t>(u);
+    return Status::OK();
+  }
+  if (value.is_number_integer()) {
+    *out = value.get<int64_t>();
+    return Status::OK();
+  }
+  if (value.is_number_float()) {
+    const double d = value.get<double>();
+    if (std::isfinite(d) && d == std::floor(d)) {
+      // Beyond 2^53 a double no longer holds every integer; none of these keys gets near it.
+      if (d >= 9e15) return too_large(source, path, value.dump());
+      if (d > -9e15) {
+        *out = static_cast<int64_t>(d);
+        return Status::OK();
+      }
+    }
+  }
+  return bad_key(source, path, fmt::format("must be {}, got {}", expected, value.dump()));
+}
+
+// Reads an integer key. Absent keys leave *out unchanged unless `required`. `path` is the key as
+// the user sees it, e.g. "rope_scaling.original_max_position_embeddings".
 Status read_int(const json& object, const std::string& key, const std::string& path,
                 const std::string& source, bool required, int64_t* out) {
   const json* value = find_key(object, key);
@@ -32,18 +106,7 @@ Status read_int(const json& object, const std::string& key, const std::string& p
     return required ? Status::NotFound(fmt::format("{}: required key '{}' is missing", source, path))
                     : Status::OK();
   }
-  if (value->is_number_integer()) {
-    *out = value->get<int64_t>();
-    return Status::OK();
-  }
-  if (value->is_number_float()) {
-    double d = value->get<double>();
-    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9e15) {
-      *out = static_cast<int64_t>(d);
-      return Status::OK();
-    }
-  }
-  return bad_key(source, path, fmt::format("must be an integer, got {}", value->dump()));
+  return json_int(*value, path, source, "an integer", out);
 }
 
 Status read_double(const json& object, const std::string& key, const std::string& path,
@@ -152,12 +215,20 @@ Status read_int_list(const json& object, const std::string& key, const std::stri
   if (!value->is_array()) {
     return bad_key(source, key, fmt::format("must be a list of integers, got {}", value->dump()));
   }
+  // Each entry names a distinct layer, so a longer list than there can be layers is a mistake
+  // (and would make every is_moe_layer() call slow).
+  if (value->size() > static_cast<size_t>(ModelLimits::kLayers)) {
+    return bad_key(source, key, fmt::format("lists {} layers; strata accepts at most {} (ModelLimits, "
+                                            "src/model/config.h)", value->size(), ModelLimits::kLayers));
+  }
   out->clear();
   for (const json& item : *value) {
     if (!item.is_number_integer()) {
       return bad_key(source, key, fmt::format("must be a list of integers, got {}", value->dump()));
     }
-    out->push_back(item.get<int64_t>());
+    int64_t layer = 0;
+    RETURN_IF_ERROR(json_int(item, key, source, "a list of integers", &layer));
+    out->push_back(layer);
   }
   return Status::OK();
 }
@@ -318,6 +389,25 @@ Result<ModelConfig> ModelConfig::from_json(const json& json, const std::string& 
   return c;
 }
 
+const std::vector<std::string>& ModelConfig::known_keys() {
+  // Every key from_json (and read_architecture_keys) reads, for any architecture.
+  static const std::vector<std::string> keys = {
+      "architectures", "model_type", "hidden_act", "mlp_bias", "vocab_size", "hidden_size",
+      "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+      "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "rope_theta",
+      "rope_scaling", "rope_parameters", "sliding_window", "use_sliding_window", "router_jitter_noise",
+      "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+      "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+      "router_aux_loss_coef", "output_router_logits", "router_bias_update_rate",
+  };
+  return keys;
+}
+
+bool ModelConfig::is_known_key(const std::string& key) {
+  const std::vector<std::string>& keys = known_keys();
+  return std::find(keys.begin(), keys.end(), key) != keys.end();
+}
+
 Result<ModelConfig> ModelConfig::from_file(const std::string& path) {
   std::ifstream in(path);
   if (!in) return Status::NotFound(fmt::format("{}: cannot open the model config", path));
@@ -387,6 +477,50 @@ Status ModelConfig::validate(const std::string& source) const {
   RETURN_IF_ERROR(positive(source, "num_attention_heads", num_attention_heads));
   RETURN_IF_ERROR(positive(source, "num_key_value_heads", num_key_value_heads));
   RETURN_IF_ERROR(positive(source, "max_position_embeddings", max_position_embeddings));
+  // Bounds before any product is formed from these values.
+  RETURN_IF_ERROR(at_most(source, "vocab_size", vocab_size));
+  RETURN_IF_ERROR(at_most(source, "hidden_size", hidden_size));
+  RETURN_IF_ERROR(at_most(source, "intermediate_size", intermediate_size));
+  RETURN_IF_ERROR(at_most(source, "num_hidden_layers", num_hidden_layers));
+  RETURN_IF_ERROR(at_most(source, "num_attention_heads", num_attention_heads));
+  RETURN_IF_ERROR(at_most(source, "num_key_value_heads", num_key_value_heads));
+  RETURN_IF_ERROR(at_most(source, "head_dim", head_dim));
+  RETURN_IF_ERROR(at_most(source, "max_position_embeddings", max_position_embeddings));
+  RETURN_IF_ERROR(at_most(source, "sliding_window", sliding_window));
+  RETURN_IF_ERROR(at_most(source, experts_key(architecture), num_experts));
+  RETURN_IF_ERROR(at_most(source, "num_experts_per_tok", num_experts_per_tok));
+  RETURN_IF_ERROR(at_most(source, uses_mixtral_tensor_names() ? "intermediate_size" : "moe_intermediate_size",
+                          moe_intermediate_size));
+  RETURN_IF_ERROR(at_most(source, "shared_expert_intermediate_size", shared_expert_intermediate_size));
+  RETURN_IF_ERROR(at_most(source, "decoder_sparse_step", decoder_sparse_step));
+  if (rope.llama3_scaling) {
+    RETURN_IF_ERROR(at_most(source, "rope_scaling.original_max_position_embeddings",
+                            rope.original_max_position_embeddings));
+  }
+  if (mlp_only_layers.size() > static_cast<size_t>(ModelLimits::kLayers)) {
+    return bad_key(source, "mlp_only_layers", fmt::format("lists {} layers; strata accepts at most {}",
+                                                          mlp_only_layers.size(), ModelLimits::kLayers));
+  }
+  RETURN_IF_ERROR(validate_shape(source));
+  // The whole model, once each key is within bounds (so these counts cannot overflow).
+  if (num_tensors() > ModelLimits::kTensors) {
+    return Status::InvalidArgument(fmt::format(
+        "{}: the model has {} parameter tensors (num_hidden_layers {}, {} {}); strata accepts at most {} "
+        "(ModelLimits, src/model/config.h)",
+        source, num_tensors(), num_hidden_layers, experts_key(architecture), num_experts, ModelLimits::kTensors));
+  }
+  const std::optional<int64_t> params = count_parameters();
+  if (!params || *params > ModelLimits::kParameters) {
+    return Status::InvalidArgument(fmt::format(
+        "{}: the model has {} parameters (vocab_size {}, hidden_size {}, intermediate_size {}, num_hidden_layers "
+        "{}, {} {}); strata accepts at most {} (ModelLimits, src/model/config.h)",
+        source, params ? std::to_string(*params) : "more than 2^63", vocab_size, hidden_size, intermediate_size,
+        num_hidden_layers, experts_key(architecture), num_experts, ModelLimits::kParameters));
+  }
+  return Status::OK();
+}
+
+Status ModelConfig::validate_shape(const std::string& source) const {
   if (head_dim == 0 && hidden_size % num_attention_heads != 0) {
     return bad_key(source, "num_attention_heads",
                    fmt::format("({}) does not divide hidden_size ({}) and head_dim is not set",
@@ -546,30 +680,53 @@ nlohmann::json ModelConfig::to_json() const {
   return j;
 }
 
-int64_t ModelConfig::num_parameters() const {
+std::optional<int64_t> ModelConfig::count_parameters() const {
   const int64_t C = hidden_size;
-  const int64_t attention = C                       // input_layernorm
-                            + C * q_dim()           // q_proj
-                            + 2 * C * kv_dim()      // k_proj, v_proj
-                            + q_dim() * C           // o_proj
-                            + C                     // post_attention_layernorm
-                            + (attention_bias ? q_dim() + 2 * kv_dim() : 0)
-                            + (qk_norm ? 2 * head_dim : 0);
-  int64_t total = vocab_size * C + C;  // embeddings, final norm
-  if (!tie_word_embeddings) total += vocab_size * C;
-  for (int64_t l = 0; l < num_hidden_layers; ++l) {
-    total += attention;
-    if (!is_moe_layer(l)) {
-      total += 3 * C * intermediate_size;  // gate, up, down
-      continue;
-    }
-    total += num_experts * C                                  // router
-             + num_experts * 3 * C * moe_intermediate_size;   // experts
-    if (shared_expert_intermediate_size > 0) {
-      total += 3 * C * shared_expert_intermediate_size + C;  // shared expert and its gate
-    }
-  }
-  return total;
+  // Every term is a product of bounded keys and is summed with overflow checks, so that an
+  // unvalidated config yields nullopt instead of a wrapped count.
+  auto sum = [](std::initializer_list<std::optional<int64_t>> terms) -> std::optional<int64_t> {
+    std::optional<int64_t> total = 0;
+    for (const std::optional<int64_t>& t : terms) total = total && t ? checked_add(*total, *t) : std::nullopt;
+    return total;
+  };
+  const std::optional<int64_t> q = checked_mul(num_attention_heads, head_dim);
+  const std::optional<int64_t> kv = checked_mul(num_key_value_heads, head_dim);
+  if (!q || !kv) return std::nullopt;
+  const std::optional<int64_t> attention =
+      sum({C,                                          // input_layernorm
+           checked_mul(C, *q),                         // q_proj
+           checked_product(int64_t{2}, C, *kv),        // k_proj, v_proj
+           checked_mul(*q, C),                         // o_proj
+           C,                                          // post_attention_layernorm
+           attention_bias ? sum({*q, *kv, *kv}) : 0,
+           qk_norm ? checked_mul(int64_t{2}, head_dim) : 0});
+  const std::optional<int64_t> dense = checked_product(int64_t{3}, C, intermediate_size);  // gate, up, down
+  const std::optional<int64_t> moe =
+      sum({checked_mul(num_experts, C),                                              // router
+           checked_product(num_experts, int64_t{3}, C, moe_intermediate_size),       // experts
+           shared_expert_intermediate_size > 0                                       // shared expert, its gate
+               ? sum({checked_product(int64_t{3}, C, shared_expert_intermediate_size), C})
+               : 0});
+  const std::optional<int64_t> vocab = checked_mul(vocab_size, C);
+  std::optional<int64_t> total = sum({vocab, C, tie_word_embeddings ? 0 : vocab});  // embeddings, final norm
+  if (!attention || !dense || !moe) return std::nullopt;
+  const int64_t moe_layers = num_moe_layers();
+  return sum({total, checked_mul(num_hidden_layers, *attention), checked_mul(num_hidden_layers - moe_layers, *dense),
+              checked_mul(moe_layers, *moe)});
+}
+
+int64_t ModelConfig::num_parameters() const {
+  const std::optional<int64_t> n = count_parameters();
+  CHECK_MSG(n.has_value(), "num_parameters of an unvalidated model config overflows int64");
+  return *n;
+}
+
+int64_t ModelConfig::num_tensors() const {
+  const int64_t attention = 6 + (attention_bias ? 3 : 0) + (qk_norm ? 2 : 0);  // norms, q/k/v/o, biases, q/k norms
+  const int64_t moe = 1 + 3 * num_experts + (shared_expert_intermediate_size > 0 ? 4 : 0);
+  const int64_t moe_layers = num_moe_layers();
+  return 2 + (tie_word_embeddings ? 0 : 1) + num_hidden_layers * attention + (num_hidden_layers - moe_layers) * 3 +
+         moe_layers * moe;
 }
 
 }  // namespace strata::model

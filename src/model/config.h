@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,28 @@
 #include "kernels/rope.h"
 
 namespace strata::model {
+
+// The largest model strata accepts, in one place. Every path that builds a ModelConfig from
+// outside data (config.json, `model.set`, a checkpoint's model_config) goes through
+// ModelConfig::validate, which refuses a larger value naming the key, the value and the limit
+// before anything is sized from it. The limits admit every published model with room to spare
+// (the largest have hidden 16384-18432, vocabularies of ~262k, 61-126 layers, 256-384 experts),
+// and keep every product strata forms from them (elements of a tensor, of the model, bytes of
+// each state kind and of a step's traffic) far inside int64.
+struct ModelLimits {
+  static constexpr int64_t kVocabSize = int64_t{1} << 24;         // vocab_size
+  static constexpr int64_t kHiddenSize = int64_t{1} << 16;        // hidden_size
+  static constexpr int64_t kIntermediateSize = int64_t{1} << 20;  // intermediate_size and the expert widths
+  static constexpr int64_t kLayers = 1024;                        // num_hidden_layers, decoder_sparse_step
+  static constexpr int64_t kHeads = 4096;                         // num_attention_heads, num_key_value_heads
+  static constexpr int64_t kHeadDim = 4096;                       // head_dim
+  static constexpr int64_t kExperts = 4096;                       // num_experts / num_local_experts
+  static constexpr int64_t kPositions = int64_t{1} << 30;         // max_position_embeddings, sliding_window
+  // Over the whole model: parameter tensors (a ParamLayout entry each) and parameters (2^44 is
+  // about 17.6 trillion).
+  static constexpr int64_t kTensors = int64_t{1} << 20;
+  static constexpr int64_t kParameters = int64_t{1} << 44;
+};
 
 struct ModelConfig {
   std::string architecture = "LlamaForCausalLM";
@@ -72,8 +95,14 @@ struct ModelConfig {
 
   // Resolves the defaulted fields (num_key_value_heads, head_dim) where they can be derived.
   void fill_defaults();
-  // Checks sizes and divisibility; messages name `source` and the offending key.
+  // Checks sizes against ModelLimits (each key, then the model's tensor and parameter counts,
+  // with overflow-checked arithmetic) and divisibility; messages name `source`, the offending
+  // key, its value and the limit. OK means every size derived from this config fits in int64.
   Status validate(const std::string& source) const;
+  // The keys from_json reads (what `model.set` may override); other config.json keys are
+  // ignored when reading a file.
+  static bool is_known_key(const std::string& key);
+  static const std::vector<std::string>& known_keys();
   // Hugging Face-compatible config.json content; from_json(to_json()) gives back this config.
   nlohmann::json to_json() const;
 
@@ -96,8 +125,16 @@ struct ModelConfig {
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }    // width of q_proj output
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }   // width of k/v_proj output
-  // Parameter count (tied embeddings counted once).
+  // Parameter count (tied embeddings counted once). REQUIRES: validate(...) is OK.
   int64_t num_parameters() const;
+  // Parameter tensors (ParamLayout entries) of this model. REQUIRES: validate(...) is OK.
+  int64_t num_tensors() const;
+
+ private:
+  // validate() after the per-key bounds: divisibility, RoPE, sliding window and expert keys.
+  Status validate_shape(const std::string& source) const;
+  // The parameter count, or nullopt when it overflows int64.
+  std::optional<int64_t> count_parameters() const;
 };
 
 }  // namespace strata::model

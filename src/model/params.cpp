@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
+
+#include "core/checked_math.h"
 
 namespace strata::model {
 namespace {
@@ -130,15 +133,26 @@ const TensorSpec& ParamLayout::at(int64_t offset) const {
 }
 
 int64_t ParamLayout::add(std::string name, std::vector<int64_t> shape, TensorRole kind) {
+  // Overflow is impossible for a validated config (ModelLimits); an unvalidated one stops here
+  // instead of wrapping into a small, wrong layout.
   TensorSpec spec;
   spec.numel = 1;
-  for (int64_t d : shape) spec.numel *= d;
+  for (int64_t d : shape) {
+    CHECK_MSG(d >= 0, "negative dimension in tensor " + name + "; validate the model config first");
+    const std::optional<int64_t> n = checked_mul(spec.numel, d);
+    CHECK_MSG(n.has_value(), "size of tensor " + name + " overflows int64; validate the model config first");
+    spec.numel = *n;
+  }
+  const std::optional<int64_t> padded = checked_add(spec.numel, kParamAlignment - 1);
+  const std::optional<int64_t> end =
+      padded ? checked_add(total_size_, *padded / kParamAlignment * kParamAlignment) : std::nullopt;
+  CHECK_MSG(end.has_value(), "parameter layout overflows int64 at tensor " + name + "; validate the model config first");
   spec.offset = total_size_;
   spec.kind = kind;
   spec.weight_decay = kind == TensorRole::kMatrix;
   spec.name = std::move(name);
   spec.shape = std::move(shape);
-  total_size_ += (spec.numel + kParamAlignment - 1) / kParamAlignment * kParamAlignment;
+  total_size_ = *end;
   CHECK_MSG(index_.emplace(spec.name, tensors_.size()).second, "duplicate tensor " + spec.name);
   tensors_.push_back(spec);
   return tensors_.back().offset;
@@ -151,7 +165,7 @@ const TensorSpec* ParamLayout::find(std::string_view name) const {
 
 int64_t ParamLayout::num_parameters() const {
   int64_t n = 0;
-  for (const auto& t : tensors_) n += t.numel;
+  for (const auto& t : tensors_) n += t.numel;  // <= total_size_, which add() checked
   return n;
 }
 

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/checked_math.h"
 #include "core/log.h"
 #include "model/hf_io.h"
 #include "model/decoder.h"
@@ -70,6 +71,11 @@ Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
     if (eq == std::string::npos || eq == 0)
       return Status::InvalidArgument("model.set: '" + kv + "' is not key=value (e.g. num_hidden_layers=2)");
     std::string key = kv.substr(0, eq), text = kv.substr(eq + 1);
+    if (!model::ModelConfig::is_known_key(key)) {
+      std::string keys;
+      for (const std::string& k : model::ModelConfig::known_keys()) keys += (keys.empty() ? "" : ", ") + k;
+      return Status::InvalidArgument("model.set: unknown model config key '" + key + "'; strata reads: " + keys);
+    }
     nlohmann::json value = nlohmann::json::parse(text, nullptr, false);
     if (value.is_discarded()) value = text;
     // architectures=MixtralForCausalLM: one name is enough on a command line.
@@ -297,7 +303,11 @@ Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& ef
     run->engine->set_extra_state(extra);
     RETURN_IF_ERROR(
         run->loader->set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
-    run->start_step = pos.step + 1;
+    const std::optional<int64_t> next_step = checked_add(pos.step, int64_t{1});
+    if (!next_step)
+      return Status::InvalidArgument("checkpoint " + resume_from + " is at step " + std::to_string(pos.step) +
+                                     ", too large to continue from");
+    run->start_step = *next_step;
     run->tokens_seen = static_cast<int64_t>(pos.tokens_seen);
     if (run->start_step > t.steps)
       LOG_WARN("the checkpoint is at step {}; train.steps is {}: nothing to do", pos.step, t.steps);

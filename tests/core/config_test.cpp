@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+
 namespace strata {
 namespace {
 
@@ -84,6 +87,53 @@ TEST(Config, MalformedInputIsAnErrorNotACrash) {
   EXPECT_FALSE(Config::parse(make_schema(), "", "run.yaml", {"no_equals_sign"}).ok());
   EXPECT_FALSE(Config::parse(make_schema(), "", "run.yaml", {"train.stepz=3"}).ok());
   EXPECT_FALSE(Config::load_file(make_schema(), "/nonexistent/run.yaml").ok());
+}
+
+// Where the message points: `file:line` and the words that say what is wrong.
+void expect_refused(const Result<Config>& c, const std::vector<std::string>& words) {
+  ASSERT_FALSE(c.ok());
+  for (const std::string& w : words)
+    EXPECT_NE(c.status().message().find(w), std::string::npos) << "missing '" << w << "' in: " << c.status().message();
+}
+
+TEST(Config, NonScalarKeyIsRefusedWithFileAndLine) {
+  // yaml-cpp reads `? [a, b]` as a map key that is a list; converting it to a name used to throw.
+  expect_refused(Config::parse(make_schema(), "train:\n  steps: 5\n? [a, b]\n: 1\n", "run.yaml"),
+                 {"run.yaml:3", "plain word"});
+  expect_refused(Config::parse(make_schema(), "optim:\n  ? {x: 1}\n  : 2\n", "run.yaml"),
+                 {"run.yaml:2", "plain word", "'optim'"});
+}
+
+TEST(Config, KeyGivenTwiceIsRefusedNamingBothLines) {
+  expect_refused(Config::parse(make_schema(), "train:\n  steps: 5\n  steps: 6\n", "run.yaml"),
+                 {"run.yaml:3", "'train.steps' is set twice", "first at run.yaml:2"});
+  // A repeated section, and the same key spelled nested and dotted.
+  expect_refused(Config::parse(make_schema(), "optim: {lr: 0.1}\ntrain: {steps: 2}\noptim: {schedule: constant}\n",
+                               "run.yaml"),
+                 {"run.yaml:3", "'optim' is set twice", "first at run.yaml:1"});
+  expect_refused(Config::parse(make_schema(), "train:\n  steps: 5\ntrain.steps: 6\n", "run.yaml"),
+                 {"run.yaml:3", "'train.steps' is set twice"});
+  // Overrides on the command line still replace the file's value: they are not duplicates.
+  auto c = Config::parse(make_schema(), "train:\n  steps: 5\n", "run.yaml", {"train.steps=6", "train.steps=7"});
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->get_int("train.steps"), 7);
+}
+
+TEST(Config, DirectoryIsRefusedInsteadOfReadAsEmpty) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "strata_config_dir_test";
+  std::filesystem::create_directories(dir);
+  auto c = Config::load_file(make_schema(), dir.string());
+  expect_refused(c, {dir.string(), "is a directory"});
+  std::ofstream(dir / "run.yaml") << "train:\n  steps: 3\n";
+  auto d = Config::load_file(make_schema(), (dir / "run.yaml").string());
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->get_int("train.steps"), 3);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Config, ListOverrideWithNestedItemsIsAnError) {
+  expect_refused(Config::parse(make_schema(), "", "run.yaml", {"data.paths=[a, [b, c]]"}),
+                 {"command line", "data.paths"});
 }
 
 TEST(Config, EffectiveConfigRoundTripsThroughYaml) {

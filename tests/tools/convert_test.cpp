@@ -254,6 +254,42 @@ TEST_F(ConvertTest, ExportsAStrataCheckpoint) {
   EXPECT_NE(r.output.find((bare / "manifest.json").string()), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("model_config"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(dir_ / "bare_out"));
+
+  // A model_config far larger than the saved tensors (8 TiB of fp32 parameters) is refused by
+  // comparing it with the checkpoint's tensors before the model's memory is allocated.
+  const fs::path huge = dir_ / "huge" / "step-2";
+  fs::create_directories(huge.parent_path());
+  fs::copy(ckpts / "step-2", huge, fs::copy_options::recursive);
+  {
+    std::ifstream in(huge / "manifest.json");
+    manifest = nlohmann::json::parse(in, nullptr, false);
+  }
+  ASSERT_TRUE(manifest.is_object());
+  manifest["model_config"]["vocab_size"] = 1 << 24;
+  manifest["model_config"]["hidden_size"] = 1 << 16;
+  manifest["model_config"]["num_attention_heads"] = 64;
+  manifest["model_config"]["num_key_value_heads"] = 8;
+  std::ofstream(huge / "manifest.json", std::ios::trunc) << manifest.dump(2);
+  r = run_strata("convert --from " + huge.string() + " --to " + (dir_ / "huge_out").string());
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("model.embed_tokens.weight"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find((huge / "manifest.json").string()), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir_ / "huge_out"));
+}
+
+// The source's tensors are checked before the model's memory is allocated: a config.json of an
+// 8 TiB model beside no weights names the missing weights instead of failing to allocate.
+TEST_F(ConvertTest, MissingWeightsAreNamedBeforeTheModelIsAllocated) {
+  const fs::path src = dir_ / "src";
+  fs::create_directories(src);
+  std::ofstream(src / "config.json") << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "vocab_size": 16777216, "hidden_size": 65536, "intermediate_size": 128, "num_hidden_layers": 1,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 10000.0})";
+  CmdResult r = run_strata("convert --from " + src.string() + " --to " + (dir_ / "out").string());
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(src.string()), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("safetensors"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir_ / "out"));
 }
 
 }  // namespace

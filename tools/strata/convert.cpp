@@ -82,9 +82,8 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
   LoadedModel out;
   out.config = *config;
   const model::ParamLayout layout(out.config);
-  out.params.assign(static_cast<size_t>(layout.total_size()), 0.0f);
-  LOG_INFO("reading checkpoint {} (step {}, {} parameters)", reader->step_dir(), reader->step(),
-           layout.num_parameters());
+  // Every tensor the config implies is checked against the checkpoint before the model's memory
+  // is allocated: a model_config that does not match the saved tensors fails at once.
   for (const model::TensorSpec& t : layout.tensors()) {
     const std::string name = ckpt::qualified_name(ckpt::TensorKind::kParam, t.name);
     if (reader->find(name) == nullptr) {
@@ -92,6 +91,14 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
                               ", which the model_config in " + manifest + " requires; the checkpoint does not "
                               "match its recorded config");
     }
+    Status st = reader->check_f32(name, static_cast<uint64_t>(t.numel));
+    if (!st.ok()) return st.with_context("checkpoint " + reader->step_dir() + " against the model_config in " + manifest);
+  }
+  out.params.assign(static_cast<size_t>(layout.total_size()), 0.0f);
+  LOG_INFO("reading checkpoint {} (step {}, {} parameters)", reader->step_dir(), reader->step(),
+           layout.num_parameters());
+  for (const model::TensorSpec& t : layout.tensors()) {
+    const std::string name = ckpt::qualified_name(ckpt::TensorKind::kParam, t.name);
     Status st = reader->read_f32(name, out.params.data() + t.offset, static_cast<uint64_t>(t.numel));
     if (!st.ok()) return st.with_context("reading checkpoint " + reader->step_dir());
   }
@@ -158,11 +165,17 @@ int convert_command(const std::vector<std::string>& args) {
     }
     eo.copy_tokenizer_from = from;
     const model::ParamLayout layout(config);
+    // The weights' names, shapes and dtypes (from the safetensors headers) are checked against
+    // the config before the model's memory is allocated.
+    Result<model::SafetensorsReader> weights = model::open_hf_weights(from, layout);
+    if (!weights.ok()) return fail(weights.status());
     params.assign(static_cast<size_t>(layout.total_size()), 0.0f);
     LOG_INFO("reading {} ({} parameters, {} in fp32)", from, layout.num_parameters(),
              format_bytes(static_cast<uint64_t>(layout.total_size()) * sizeof(float)));
-    Status st = model::load_hf_weights(from, layout, params.data());
-    if (!st.ok()) return fail(st);
+    for (const model::TensorSpec& t : layout.tensors()) {
+      Status st = weights->read_f32(t.name, params.data() + t.offset);
+      if (!st.ok()) return fail(st);
+    }
   }
   eo.dtype = dtype == "bf16" ? model::SafetensorsWriteDtype::kBF16 : model::SafetensorsWriteDtype::kF32;
 

@@ -101,7 +101,8 @@ int plan_command(const std::vector<std::string>& args) {
   const Plan plan = make_plan(in);
   const double n_params = static_cast<double>(mc->num_parameters());
   char params_text[32];
-  if (n_params >= 1e9) std::snprintf(params_text, sizeof params_text, "%.3fB", n_params / 1e9);
+  if (n_params >= 1e12) std::snprintf(params_text, sizeof params_text, "%.3fT", n_params / 1e12);
+  else if (n_params >= 1e9) std::snprintf(params_text, sizeof params_text, "%.3fB", n_params / 1e9);
   else std::snprintf(params_text, sizeof params_text, "%.3fM", n_params / 1e6);
   std::printf("model: %s layers, hidden %lld, vocab %lld, %s parameters; %s layout\n",
               std::to_string(mc->num_hidden_layers).c_str(), static_cast<long long>(mc->hidden_size),

@@ -1,0 +1,132 @@
+// Hostile inputs to `strata plan` and `strata train`: absurd model dimensions, unknown model.set
+// keys, malformed YAML and a directory given as the config each fail at once, exit 1, with one
+// error line naming the key or file and line.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CmdResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+CmdResult run_strata(const std::string& args) {
+  const std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
+  CmdResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// Exit 1 with exactly one error line that holds every one of `words`.
+void expect_refused(const CmdResult& r, const std::vector<std::string>& words) {
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  int error_lines = 0;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) error_lines += line.find("error:") != std::string::npos;
+  EXPECT_EQ(error_lines, 1) << r.output;
+  for (const std::string& w : words) EXPECT_NE(r.output.find(w), std::string::npos) << "missing '" << w << "' in:\n" << r.output;
+}
+
+class CliInputsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           ("strata_cli_inputs_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string write_file(const std::string& name, const std::string& content) {
+    const fs::path p = dir_ / name;
+    std::ofstream(p, std::ios::binary) << content;
+    return p.string();
+  }
+  fs::path dir_;
+};
+
+// These used to end in bad_alloc, exhaust memory or hang, or print a wrapped parameter count.
+TEST_F(CliInputsTest, PlanRefusesAbsurdModelDimensionsNamingKeyValueAndLimit) {
+  struct Case {
+    std::string set;
+    std::vector<std::string> words;
+  };
+  const std::vector<Case> cases = {
+      {"hidden_size=1e15", {"'hidden_size'", "1000000000000000", "65536"}},
+      {"vocab_size=10000000000", {"'vocab_size'", "10000000000", "16777216"}},
+      {"num_hidden_layers=1000000000", {"'num_hidden_layers'", "1000000000", "1024"}},
+      {"num_hidden_layers=4294967296", {"'num_hidden_layers'", "4294967296", "1024"}},
+      {"intermediate_size=4e12", {"'intermediate_size'", "4000000000000", "1048576"}},
+      {"hidden_size=18446744073709551615", {"'hidden_size'", "18446744073709551615", "65536"}},
+      {"architectures=MixtralForCausalLM,num_local_experts=100000000", {"'num_local_experts'", "100000000", "4096"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.set);
+    expect_refused(run_strata("plan run.device=cpu 'model.set=[" + c.set + "]'"), c.words);
+  }
+}
+
+TEST_F(CliInputsTest, PlanCountsAVeryLargeModelWithoutWrapping) {
+  // 1000 layers of hidden 16384 and MLP 65536: about 4.3 trillion parameters.
+  CmdResult r = run_strata(
+      "plan run.device=cuda memory.device=24GiB memory.host=100GiB "
+      "'model.set=[hidden_size=16384,intermediate_size=65536,num_hidden_layers=1000,num_attention_heads=128,"
+      "num_key_value_heads=8,vocab_size=128256]'");
+  EXPECT_NE(r.output.find("1000 layers, hidden 16384, vocab 128256, 4.3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("T parameters"), std::string::npos) << r.output;
+}
+
+TEST_F(CliInputsTest, UnknownModelSetKeyIsRefused) {
+  expect_refused(run_strata("plan run.device=cpu 'model.set=[hiden_size=64]'"),
+                 {"model.set", "'hiden_size'", "hidden_size"});
+  const std::string model = write_file("config.json", R"({"architectures": ["LlamaForCausalLM"],
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32"})");
+  // A config.json may carry keys strata does not read (torch_dtype); model.set may not.
+  CmdResult ok = run_strata("plan run.device=cpu memory.device=1GiB model.config=" + model);
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  expect_refused(run_strata("plan run.device=cpu model.config=" + model + " 'model.set=[torch_dtype=bfloat16]'"),
+                 {"model.set", "'torch_dtype'"});
+}
+
+TEST_F(CliInputsTest, ModelConfigFileWithHugeIntegerNamesItAsWritten) {
+  const std::string model = write_file("config.json", R"({"architectures": ["LlamaForCausalLM"],
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 18446744073709551615,
+    "num_attention_heads": 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0})");
+  const std::string run_dir = (dir_ / "run").string();
+  expect_refused(run_strata("train model.config=" + model + " run.dir=" + run_dir),
+                 {model, "'num_hidden_layers'", "18446744073709551615", "1024"});
+  EXPECT_FALSE(fs::exists(run_dir));
+}
+
+TEST_F(CliInputsTest, ConfigPathThatIsADirectoryIsRefused) {
+  const fs::path run_dir = dir_ / "run";
+  expect_refused(run_strata("train " + dir_.string() + " run.dir=" + run_dir.string()),
+                 {dir_.string(), "is a directory"});
+  EXPECT_FALSE(fs::exists(run_dir));
+  expect_refused(run_strata("plan " + dir_.string()), {dir_.string(), "is a directory"});
+}
+
+TEST_F(CliInputsTest, MalformedYamlKeysNameFileAndLine) {
+  const std::string list_key = write_file("list_key.yaml", "train:\n  steps: 3\n? [a, b]\n: 1\n");
+  expect_refused(run_strata("plan " + list_key), {list_key + ":3", "plain word"});
+  const std::string twice = write_file("twice.yaml", "train:\n  steps: 3\n  steps: 4\n");
+  expect_refused(run_strata("plan " + twice), {twice + ":3", "'train.steps' is set twice", twice + ":2"});
+}
+
+}  // namespace
