@@ -212,6 +212,17 @@ Result<TrainConfig> make_train_config(const Config& c) {
                                    std::to_string(t.warmup_steps) + ") exceeds train.steps (" +
                                    std::to_string(t.steps) + ")");
   if (t.run_dir.empty()) return Status::InvalidArgument("key 'run.dir' is empty; name a directory for metrics");
+  // Each key has its own bound, but their product sizes activations and counts tokens: keep it
+  // small enough that token counts times any model dimension stay inside int64.
+  constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 28, kMaxStepTokens = int64_t{1} << 40;
+  if (t.micro_batch * t.seq_len > kMaxMicroBatchTokens)  // each at most 2^24: no overflow
+    return Status::InvalidArgument(c.origin("train.micro_batch") + ": train.micro_batch x train.seq_len is " +
+                                   std::to_string(t.micro_batch * t.seq_len) + " tokens; strata accepts at most " +
+                                   std::to_string(kMaxMicroBatchTokens) + " per micro-batch");
+  if (t.micro_batch * t.seq_len * t.grad_accum > kMaxStepTokens)  // at most 2^28 * 2^20
+    return Status::InvalidArgument(c.origin("train.grad_accum") + ": train.micro_batch x train.seq_len x "
+                                   "train.grad_accum is " + std::to_string(t.micro_batch * t.seq_len * t.grad_accum) +
+                                   " tokens; strata accepts at most " + std::to_string(kMaxStepTokens) + " per step");
   return t;
 }
 

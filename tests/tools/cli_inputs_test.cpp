@@ -90,6 +90,15 @@ TEST_F(CliInputsTest, PlanCountsAVeryLargeModelWithoutWrapping) {
   EXPECT_NE(r.output.find("1000 layers, hidden 16384, vocab 128256, 3.796T parameters"), std::string::npos) << r.output;
 }
 
+TEST_F(CliInputsTest, TokensPerStepAreBounded) {
+  // Each key within its range; their product (2^64) used to wrap to 0 tokens per step.
+  expect_refused(run_strata("plan run.device=cpu train.micro_batch=1048576 train.seq_len=16777216"),
+                 {"train.micro_batch x train.seq_len", "17592186044416", "268435456"});
+  expect_refused(run_strata("plan run.device=cpu train.micro_batch=16384 train.seq_len=16384 "
+                            "train.grad_accum=1048576"),
+                 {"train.grad_accum", "281474976710656", "1099511627776"});
+}
+
 TEST_F(CliInputsTest, UnknownModelSetKeyIsRefused) {
   expect_refused(run_strata("plan run.device=cpu 'model.set=[hiden_size=64]'"),
                  {"model.set", "'hiden_size'", "hidden_size"});
