@@ -4,12 +4,15 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 namespace {
 
@@ -97,6 +100,30 @@ TEST_F(CliInputsTest, TokensPerStepAreBounded) {
   expect_refused(run_strata("plan run.device=cpu train.micro_batch=16384 train.seq_len=16384 "
                             "train.grad_accum=1048576"),
                  {"train.grad_accum", "281474976710656", "1099511627776"});
+}
+
+// A checkpoint at step 2^63-1 cannot be continued: the next step does not exist (computing it
+// used to overflow).
+TEST_F(CliInputsTest, ResumeFromTheLastPossibleStepIsRefused) {
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += "the quick brown fox " + std::to_string(i) + "\n";
+  const std::string corpus = write_file("corpus.txt", text);
+  const std::string run_dir = (dir_ / "run").string();
+  const std::string args = "data.paths=[" + corpus + "] run.dir=" + run_dir +
+                           " train.micro_batch=2 train.seq_len=16 train.steps=2 optim.warmup_steps=1 ckpt.every=2"
+                           " 'model.set=[num_hidden_layers=1,hidden_size=32,intermediate_size=48]'";
+  CmdResult first = run_strata("train " + args);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const fs::path manifest_path = fs::path(run_dir) / "checkpoints" / "step-2" / "manifest.json";
+  nlohmann::json manifest;
+  {
+    std::ifstream in(manifest_path);
+    manifest = nlohmann::json::parse(in, nullptr, false);
+  }
+  ASSERT_TRUE(manifest.is_object());
+  manifest["step"] = INT64_MAX;
+  std::ofstream(manifest_path, std::ios::trunc) << manifest.dump(2);
+  expect_refused(run_strata("train " + args + " --resume auto"), {"9223372036854775807"});
 }
 
 TEST_F(CliInputsTest, UnknownModelSetKeyIsRefused) {
