@@ -31,4 +31,9 @@ Status Status::with_context(const std::string& context) const {
   return Status(code(), context + ": " + message());
 }
 
+Status Status::with_note(const std::string& note) const {
+  if (ok()) return *this;
+  return Status(code(), message() + "; " + note);
+}
+
 }  // namespace strata

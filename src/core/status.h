@@ -47,6 +47,8 @@ class [[nodiscard]] Status {
   std::string to_string() const;
   // Returns a copy whose message is "<context>: <message>".
   Status with_context(const std::string& context) const;
+  // Returns a copy whose message is "<message>; <note>" (what happened because of it).
+  Status with_note(const std::string& note) const;
 
  private:
   struct State {

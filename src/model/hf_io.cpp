@@ -168,6 +168,15 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
   const fs::path tmp = dir.string() + ".tmp";
   const fs::path old = dir.string() + ".old";
   fs::remove_all(tmp, ec);  // left by an export that crashed
+  // Whatever fails below (a full disk, a read error), no partial DST.tmp stays behind; after the
+  // final rename there is no DST.tmp to remove.
+  struct RemoveTmp {
+    fs::path path;
+    ~RemoveTmp() {
+      std::error_code ignored;
+      fs::remove_all(path, ignored);
+    }
+  } remove_tmp{tmp};
   fs::create_directories(tmp, ec);
   if (ec) return Status::IOError(fmt::format("cannot create {}: {}", tmp.string(), ec.message()));
 

@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include "core/host_memory.h"
+#include "core/units.h"
 #include "kernels/adamw.h"
 #include "kernels/adamw_simd.h"
 #include "kernels/bf16.h"
@@ -64,6 +66,41 @@ std::vector<uint64_t> PagedState::group_chunks(const model::ParamLayout& layout,
   return StateStore::group_chunks(state_tensors(layout), chunk_bytes, element_bytes);
 }
 
+namespace {
+
+// The host tier reserves what the state can occupy there and no more: every chunk of every kind
+// and the offloaded activations. A larger budget would only pin idle memory (the whole of it,
+// once the nvme tier registers it with io_uring). What is reserved must be available on this
+// machine, or the run is refused here rather than by the OOM killer later.
+Status fit_host_tier(const model::ParamLayout& layout, const PagedStateOptions& options, ChunkSpaceOptions* space) {
+  if (space->host_bytes == 0) return Status::OK();
+  const StateLayout state = StateLayout::of(options.precision);
+  const uint64_t chunk = options.chunk_bytes ? options.chunk_bytes : PagedState::auto_chunk_bytes(layout, options.precision);
+  for (const model::TensorSpec& t : layout.tensors())
+    if (static_cast<uint64_t>(t.block_numel(0)) * sizeof(float) > chunk) return Status::OK();  // refused later
+  uint64_t chunks = 0;
+  for (const StateKind kind : state.kinds())
+    for (uint64_t n : PagedState::group_chunks(layout, chunk, state.element_bytes(kind))) chunks += n;
+  if (options.offload_activations && options.activation_tokens > 0) {
+    uint64_t C = 0;  // hidden size: the final norm's weight has C elements
+    for (const model::TensorSpec& t : layout.tensors())
+      if (t.offset == layout.final_norm()) C = static_cast<uint64_t>(t.numel);
+    const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * C * dtype_size(state.compute_dtype());
+    chunks += static_cast<uint64_t>(model::offloaded_checkpoint_count(static_cast<int>(layout.num_layers()))) *
+              ((bytes + chunk - 1) / chunk);
+  }
+  space->host_bytes = std::min(space->host_bytes, chunks * chunk);
+  const HostMemory machine = available_host_memory();
+  if (machine.known && space->host_bytes > machine.available)
+    return Status::OutOfMemory(fmt::format(
+        "memory.host: the plan keeps {} in host memory, but this machine has {} available ({}); lower memory.host "
+        "(with memory.nvme.* the rest pages to disk) or free memory",
+        format_bytes(space->host_bytes), format_bytes(machine.available), machine.source));
+  return Status::OK();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine* io, const model::ParamLayout& layout,
                                                        const PagedStateOptions& options) {
   std::unique_ptr<PagedState> ps(new PagedState());
@@ -94,6 +131,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   so.space.chunk_bytes = options.chunk_bytes;
   so.space.device_bytes = options.device_bytes;
   so.space.host_bytes = options.host_bytes;
+  RETURN_IF_ERROR(fit_host_tier(ps->layout_, options, &so.space));
   so.space.nvme_bytes = options.nvme_bytes;
   so.space.nvme_dir = options.nvme_dir;
   so.lookahead = options.lookahead;

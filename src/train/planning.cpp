@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/host_memory.h"
 #include "train/paged_state.h"
 
 namespace strata {
@@ -15,6 +16,10 @@ double model_flops_per_token(const model::ModelConfig& m, int64_t seq_len) {
 }
 
 uint64_t default_host_budget() {
+  // 80% of what can be allocated now (MemAvailable, or the cgroup's limit), leaving the rest to
+  // the page cache, the data loader and whatever else runs beside; physical RAM when unknown.
+  const HostMemory machine = available_host_memory();
+  if (machine.known) return machine.available / 10 * 8;
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
   if (pages <= 0 || page <= 0) return 0;
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 10 * 8;

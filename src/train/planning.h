@@ -22,7 +22,7 @@ double model_flops_per_token(const model::ModelConfig& model, int64_t seq_len);
 // The largest micro-batch (sequences) for which the plan fits, 0 when not even one does.
 int64_t largest_micro_batch(const model::ModelConfig& model, TrainConfig train, bool cuda);
 
-// Host memory the planner assumes when memory.host is 0: 80% of physical RAM.
+// Host memory the planner assumes when memory.host is 0: 80% of what is available now.
 uint64_t default_host_budget();
 
 }  // namespace strata

@@ -56,11 +56,15 @@ ConfigSchema build_schema() {
   s.add({.name = "optim.overlap_backward", .type = T::kBool, .default_value = "false",
          .help = "start AdamW on each layer as soon as backward is done with it (needs optim.grad_clip=0)"});
   s.add({.name = "memory.device", .type = T::kBytes, .default_value = "0",
-         .help = "device memory budget, e.g. 24GiB; 0 = the whole device (unlimited on the cpu backend)"});
+         .help = "device memory budget, e.g. 24GiB; 0 = the whole free memory of the GPU (on the cpu backend: no "
+                 "limit)"});
   s.add({.name = "memory.host", .type = T::kBytes, .default_value = "0",
-         .help = "pinned host memory budget; 0 = 80% of the machine's RAM"});
+         .help = "pinned host memory budget; 0 = 80% of the memory this machine has available (MemAvailable, or "
+                 "what the memory cgroup's limit leaves). Only what the plan places there is reserved, and a budget "
+                 "beyond what is available is refused"});
   s.add({.name = "memory.nvme.path", .type = T::kString, .default_value = "",
-         .help = "directory for the nvme tier (optimizer states that do not fit in host memory); empty = none"});
+         .help = "directory for the nvme tier (state that does not fit in host memory); empty = none. A relative "
+                 "path is taken inside run.dir"});
   s.add({.name = "memory.nvme.size", .type = T::kBytes, .default_value = "0", .help = "nvme tier budget"});
   s.add({.name = "memory.chunk_size", .type = T::kString, .default_value = "auto",
          .help = "chunk size (e.g. 64MiB), or auto to pick the size that wastes the least padding"});
@@ -95,7 +99,9 @@ ConfigSchema build_schema() {
          .help = "host memory a save may use besides the state: pieces being written, and parts the optimizer "
                  "is about to change before they are written"});
   s.add({.name = "run.dir", .type = T::kString, .default_value = "runs/default",
-         .help = "where metrics.jsonl and config.yaml are written"});
+         .help = "where metrics.jsonl, config.yaml and (by default) checkpoints are written. Unset: a new "
+                 "runs/default/version_N per run (--resume auto continues the newest). Set: exactly that "
+                 "folder, refused if it holds another run unless resumed"});
   s.add({.name = "run.export", .type = T::kString, .default_value = "",
          .help = "directory for a Hugging Face export (config.json + safetensors) after the last step; empty = none"});
   s.add({.name = "run.log_every", .type = T::kInt, .default_value = "1", .min = 1, .help = "print a step line every N steps"});
@@ -132,9 +138,8 @@ optim:
 memory:              # small on purpose: every kind of state pages through host and nvme
   device: 24MiB
   host: 10MiB
-  nvme: {path: runs/default/nvme, size: 64MiB}
+  nvme: {path: nvme, size: 64MiB}   # inside the run's folder
 run:
-  dir: runs/default
   log_every: 10
 )";
 }
@@ -195,8 +200,10 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.disk_write_bytes_per_s = c.get_float("hardware.disk_write_gbps") * 1e9;
   t.cpu_adam_params_per_s = c.get_float("hardware.cpu_adam_gparams") * 1e9;
   t.run_dir = c.get_string("run.dir");
+  t.run_dir_named = c.is_set("run.dir");
   t.ckpt_every = c.get_int("ckpt.every");
   t.ckpt_dir = c.get_string("ckpt.dir");
+  t.ckpt_dir_named = !t.ckpt_dir.empty();
   if (t.ckpt_dir.empty()) t.ckpt_dir = t.run_dir + "/checkpoints";
   t.ckpt_keep_last = c.get_int("ckpt.keep_last");
   t.ckpt_skip_if_busy = c.get_string("ckpt.if_busy") == "skip";
@@ -224,6 +231,16 @@ Result<TrainConfig> make_train_config(const Config& c) {
                                    "train.grad_accum is " + std::to_string(t.micro_batch * t.seq_len * t.grad_accum) +
                                    " tokens; strata accepts at most " + std::to_string(kMaxStepTokens) + " per step");
   return t;
+}
+
+Result<Config> load_train_config(const std::string& config_path, const std::vector<std::string>& overrides) {
+  if (!config_path.empty()) return Config::load_file(train_schema(), config_path, overrides);
+  bool names_model = false;
+  for (const std::string& kv : overrides)
+    for (const char* key : {"model.from=", "model.config=", "model.init=", "model.preset="})
+      names_model = names_model || kv.rfind(key, 0) == 0;
+  if (names_model) return Config::parse(train_schema(), "", "<defaults>", overrides);
+  return Config::parse(train_schema(), embedded_default_config(), "<embedded default>", overrides);
 }
 
 }  // namespace strata

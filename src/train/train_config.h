@@ -49,13 +49,17 @@ struct TrainConfig {
          disk_write_bytes_per_s = 0, cpu_adam_params_per_s = 0;
   // checkpoints
   int64_t ckpt_every = 0;
-  std::string ckpt_dir;
+  std::string ckpt_dir;     // "" in the config: RUN_DIR/checkpoints (filled in here)
+  bool ckpt_dir_named = false;  // ckpt.dir was given (else it follows run.dir)
   int64_t ckpt_keep_last = 3;
   bool ckpt_skip_if_busy = false;
   uint64_t ckpt_staging = 64ull << 20;
   std::string resume;  // --resume: a checkpoint path, "auto" (ckpt_dir if it has one), or ""
   // run
   std::string run_dir;
+  // run.dir was given. An unnamed run gets a fresh RUN_DIR/version_N of the default folder, so
+  // that the same command can run twice (train/run_dirs.h).
+  bool run_dir_named = false;
   std::string run_export;         // Hugging Face export written after the last step; "" = none
   int64_t log_every = 1;
   std::string device;
@@ -64,8 +68,12 @@ struct TrainConfig {
 
 // Every key `strata train` accepts.
 const ConfigSchema& train_schema();
-// The YAML run when `strata train` is given no config file.
+// The YAML run when `strata train` is given no config file and no model: the demo.
 const char* embedded_default_config();
+// The config `strata train` and `strata plan` run: CONFIG.yaml when given; without one, the
+// embedded demo when the overrides name no model (model.from, .config, .init or .preset), and
+// the schema's defaults otherwise, so the demo's tiny budgets never reach a real model.
+Result<Config> load_train_config(const std::string& config_path, const std::vector<std::string>& overrides);
 // Typed view of a validated Config, plus cross-key checks (e.g. warmup longer than the run).
 Result<TrainConfig> make_train_config(const Config& config);
 

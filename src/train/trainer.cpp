@@ -21,6 +21,7 @@
 #include "train/optimizer.h"
 #include "train/checkpointing.h"
 #include "train/paged_engine.h"
+#include "train/run_dirs.h"
 #if STRATA_HAVE_CUDA
 #include "core/cuda/cuda_device.h"
 #endif
@@ -106,45 +107,6 @@ Result<std::unique_ptr<TokenDataset>> open_training_data(const TrainConfig& t) {
   return open_dataset(dc);
 }
 
-// A run never lands on another run's directories: the old checkpoints would mix with the new
-// run's (and retention could delete them), and the old metrics would be overwritten. A run dir
-// is continued only through a checkpoint: --resume auto when ckpt.dir has `latest`, or
-// --resume PATH (whose metrics are appended to).
-Status check_run_dirs(const TrainConfig& t) {
-  if (!t.resume.empty() && t.resume != "auto") return Status::OK();
-  std::error_code ec;
-  const fs::path ckpt(t.ckpt_dir);
-  std::string latest;
-  if (fs::exists(ckpt / "latest", ec)) {
-    std::ifstream in(ckpt / "latest");
-    std::getline(in, latest);
-  }
-  const std::string elsewhere = "choose another run.dir (or ckpt.dir), or remove it first";
-  if (!latest.empty()) {
-    if (t.resume == "auto") return Status::OK();
-    return Status::InvalidArgument("ckpt.dir '" + t.ckpt_dir + "' already holds checkpoints of a run (latest: " + latest +
-                                   "); pass --resume auto to continue that run, or " + elsewhere);
-  }
-  // Committed step-N directories without `latest`; step-N.tmp ones are unfinished saves that the
-  // next save removes anyway.
-  std::string step;
-  if (fs::is_directory(ckpt, ec)) {
-    for (const auto& e : fs::directory_iterator(ckpt, ec)) {
-      const std::string name = e.path().filename().string();
-      if (name.rfind("step-", 0) == 0 && !name.ends_with(".tmp")) step = name;
-    }
-  }
-  if (!step.empty())
-    return Status::InvalidArgument("ckpt.dir '" + t.ckpt_dir + "' holds checkpoints (e.g. " + step +
-                                   ") but no 'latest'; continue from one with --resume " +
-                                   (ckpt / step).string() + ", or " + elsewhere);
-  const fs::path metrics = fs::path(t.run_dir) / "metrics.jsonl";
-  if (fs::exists(metrics, ec))
-    return Status::InvalidArgument("run.dir '" + t.run_dir + "' already holds a run's metrics (" + metrics.string() +
-                                   ") and no checkpoint to continue it from; " + elsewhere);
-  return Status::OK();
-}
-
 bool needs_run_dir_for_data(const TrainConfig& t) {
   for (const auto& p : t.data_paths)
     if (p == kBuiltinLicenses) return true;
@@ -210,24 +172,57 @@ struct Run {
   int64_t start_step = 1;
   int64_t tokens_seen = 0;
   int64_t last_saved_step = 0;
+  // The last step whose state is whole: parameters, moments, data cursor and token count all
+  // after it. False while a step is changing the state (an error then leaves it unsound).
+  bool sound = true;
+  int64_t sound_step = 0;
+  DataCursor sound_cursor;
   TrainSummary summary;
 
-  Status save_checkpoint(int64_t step, const TrainConfig& t) {
+  void mark_sound(int64_t step) {
+    sound = true;
+    sound_step = step;
+    sound_cursor = loader->cursor();
+  }
+
+  // Starts a save of the state after the last sound step.
+  Status save_checkpoint(const TrainConfig& t) {
+    CHECK(sound);
     RunPosition pos;
-    pos.step = step;
+    pos.step = sound_step;
     pos.tokens_seen = static_cast<uint64_t>(tokens_seen);
-    pos.data_epoch = static_cast<int64_t>(loader->cursor().epoch);
-    pos.data_index = static_cast<int64_t>(loader->cursor().index);
+    pos.data_epoch = static_cast<int64_t>(sound_cursor.epoch);
+    pos.data_index = static_cast<int64_t>(sound_cursor.index);
     pos.optimizer_step = engine->state().step_count();
     ASSIGN_OR_RETURN(bool started,
                      checkpointer->save(engine->state(), pos, mc.to_json(), t.seed, engine->extra_state()));
-    if (started) last_saved_step = step;
+    if (started) last_saved_step = sound_step;
+    return Status::OK();
+  }
+
+  // The final save: the state after the last sound step, committed before this returns. The
+  // outcome of an earlier save in flight is only a warning when this one lands.
+  Status save_final(const TrainConfig& t) {
+    if (Status previous = checkpointer->wait(); !previous.ok()) {
+      LOG_WARN("checkpoint: {}", previous.message());
+      last_saved_step = std::min(last_saved_step, sound_step - 1);  // it did not land: save again
+    }
+    if (sound_step > last_saved_step) {
+      Status started = save_checkpoint(t);
+      Status committed = checkpointer->wait();
+      if (started.ok()) started = committed;
+      if (!started.ok())
+        return started.with_context(fmt::format("the final checkpoint (step {}) was not written to ckpt.dir '{}'",
+                                                sound_step, t.ckpt_dir));
+    }
+    if (last_saved_step >= start_step) LOG_INFO("checkpoint: step {} committed in {}", last_saved_step, t.ckpt_dir);
     return Status::OK();
   }
 };
 
-// 1. Everything that can be wrong with the inputs is checked before anything is written; then
-// the engine, the starting state (a checkpoint, weights or an init) and the run directory.
+// 1. Everything that can be wrong with the inputs is checked before anything but the locks of
+// the run's folders is written; then the engine, the starting state (a checkpoint, weights or an
+// init) and the run directory.
 Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& effective_yaml,
                                      const EngineFactory& make_engine) {
   auto run = std::make_unique<Run>();
@@ -240,7 +235,6 @@ Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& ef
   if (t.seq_len > mc.max_position_embeddings)
     LOG_WARN("train.seq_len {} exceeds the model's max_position_embeddings {}", t.seq_len,
              mc.max_position_embeddings);
-  RETURN_IF_ERROR(check_run_dirs(t));
   std::error_code ec;
   if (needs_run_dir_for_data(t)) {
     fs::create_directories(t.run_dir, ec);
@@ -319,6 +313,7 @@ Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& ef
   co.staging_bytes = t.ckpt_staging;
   run->checkpointer = std::make_unique<TrainCheckpointer>(co, run->layout, state);
   run->last_saved_step = run->start_step - 1;
+  run->mark_sound(run->start_step - 1);
 
   // The run directory: the effective config, then metrics as steps complete.
   fs::create_directories(t.run_dir, ec);
@@ -340,7 +335,8 @@ Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& ef
            run->dataset->num_tokens(), run->loader->num_windows(), t.seq_len, tokens_per_step, t.micro_batch,
            t.seq_len, t.grad_accum);
   LOG_INFO("memory: {}", run->engine->memory_summary());
-  LOG_INFO("run: {} steps on {}, writing {}/metrics.jsonl", t.steps, run->engine->device_name(), t.run_dir);
+  LOG_INFO("run: {} steps on {}, writing {} (metrics.jsonl, config.yaml) and checkpoints to {}", t.steps,
+           run->engine->device_name(), t.run_dir, t.ckpt_dir);
   return run;
 }
 
@@ -364,6 +360,7 @@ Status loop(Run& run, const TrainConfig& t) {
     const int64_t valid = model::count_valid_targets(targets.data(), static_cast<int64_t>(targets.size()));
     const float grad_scale = valid > 0 ? 1.0f / static_cast<float>(valid) : 0.0f;
     const EngineStats before = engine.stats();
+    run.sound = false;  // until the optimizer step is through
     RETURN_IF_ERROR(engine.zero_grads());
     double loss_sum = 0;
     const double lr = run.schedule->lr(step);
@@ -376,6 +373,8 @@ Status loop(Run& run, const TrainConfig& t) {
     ASSIGN_OR_RETURN(double grad_norm, engine.step(static_cast<float>(lr)));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     run.tokens_seen += tokens_per_step;
+    run.mark_sound(step);
+    run.summary.steps_done = step;
 
     StepMetrics sm;
     sm.step = step;
@@ -397,8 +396,7 @@ Status loop(Run& run, const TrainConfig& t) {
     RETURN_IF_ERROR(run.metrics->write(sm));
     if (step == run.start_step) run.summary.first_loss = sm.loss;
     run.summary.last_loss = sm.loss;
-    run.summary.steps_done = step;
-    if (t.ckpt_every > 0 && step % t.ckpt_every == 0) RETURN_IF_ERROR(run.save_checkpoint(step, t));
+    if (t.ckpt_every > 0 && step % t.ckpt_every == 0) RETURN_IF_ERROR(run.save_checkpoint(t));
     if (step % t.log_every == 0 || step == 1 || step == t.steps) {
       LOG_INFO("{}", format_step_line(sm));
       if (std::string note = engine.step_note(); !note.empty()) LOG_INFO("{}", note);
@@ -408,31 +406,37 @@ Status loop(Run& run, const TrainConfig& t) {
 }
 
 // 3. The final checkpoint (when stopped by a signal, or at the end of a run that saves
-// periodically), waiting for the saves in flight, and the export.
+// periodically), waiting for the saves in flight, and the export. A final save that fails is
+// the run's error: the state it held is not on disk.
 Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
   TrainSummary& summary = run.summary;
-  const int64_t done_step = summary.steps_done > 0 ? summary.steps_done : run.start_step - 1;
-  if ((summary.interrupted || t.ckpt_every > 0) && done_step > run.last_saved_step) {
-    // The final save waits for one in flight instead of being skipped (ckpt.if_busy=skip).
-    if (Status previous = run.checkpointer->wait(); !previous.ok()) LOG_WARN("checkpoint: {}", previous.message());
-    RETURN_IF_ERROR(run.save_checkpoint(done_step, t));
+  if (summary.interrupted || t.ckpt_every > 0) {
+    RETURN_IF_ERROR(run.save_final(t));
+  } else if (Status saved = run.checkpointer->wait(); !saved.ok()) {
+    LOG_WARN("checkpoint: {}", saved.message());
   }
-  if (Status saved = run.checkpointer->wait(); !saved.ok()) LOG_WARN("checkpoint: {}", saved.message());
-  else if (run.last_saved_step >= run.start_step)
-    LOG_INFO("checkpoint: step {} committed in {}", run.last_saved_step, t.ckpt_dir);
   if (summary.interrupted) LOG_WARN("interrupted: stopped after step {}", summary.steps_done);
   if (!t.run_export.empty()) {
     model::ExportOptions eo;
     eo.copy_tokenizer_from = t.model_from;
     SavableState& state = run.engine->state();
     // Tensor by tensor out of the engine's state: no second copy of the model.
-    RETURN_IF_ERROR(model::export_hf(
+    Status exported = model::export_hf(
         t.run_export, run.mc, run.layout,
         [&](const model::TensorSpec& spec, float* out) {
           return state.read_flat(StateKind::kParam, static_cast<uint64_t>(spec.offset) * sizeof(float),
                                  static_cast<uint64_t>(spec.numel) * sizeof(float), out);
         },
-        eo));
+        eo);
+    if (!exported.ok()) {
+      // The trained state must outlive a failed export (a full disk): it goes to a checkpoint.
+      Status saved = run.save_final(t);
+      return exported.with_context("run.export")
+          .with_note(saved.ok() ? fmt::format("the trained state is in checkpoint step {} in '{}'; export it with "
+                                              "`strata convert --from {} --to DIR`",
+                                              run.last_saved_step, t.ckpt_dir, t.ckpt_dir)
+                                : "the state could not be checkpointed either: " + saved.message());
+    }
     LOG_INFO("exported the weights after step {} to {} (Hugging Face format)", summary.steps_done, t.run_export);
   }
   LOG_INFO("done: {} steps, loss {:.4f} -> {:.4f}", summary.steps_done, summary.first_loss, summary.last_loss);
@@ -441,17 +445,33 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
 
 }  // namespace
 
-Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effective_yaml,
+Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
                                   const EngineFactory& make_engine) {
-  ASSIGN_OR_RETURN(std::unique_ptr<Run> run, prepare(t, effective_yaml, make_engine));
+  TrainConfig t = config;
+  ASSIGN_OR_RETURN(RunDirs dirs, RunDirs::open(t));  // t names the run's folders from here on
+  Result<std::unique_ptr<Run>> prepared = prepare(t, effective_yaml, make_engine);
+  if (!prepared.ok()) {
+    dirs.discard_if_unused();
+    return prepared.status();
+  }
+  Run& run = **prepared;
   g_stop_requested = 0;
   auto old_int = std::signal(SIGINT, on_stop_signal);
   auto old_term = std::signal(SIGTERM, on_stop_signal);
-  const Status stepped = loop(*run, t);
+  const Status stepped = loop(run, t);
   std::signal(SIGINT, old_int);
   std::signal(SIGTERM, old_term);
-  RETURN_IF_ERROR(stepped);
-  return finish(*run, t);
+  if (!stepped.ok()) {
+    // An error between steps (metrics on a full disk, a save that could not start) leaves the
+    // state whole: it is checkpointed before the run exits with the error.
+    if (!run.sound) return stepped;
+    Status saved = run.save_final(t);
+    return stepped.with_note(saved.ok() ? fmt::format("stopped after step {}, whose checkpoint is in '{}' (--resume "
+                                                      "auto continues from it)",
+                                                      run.sound_step, t.ckpt_dir)
+                                        : "the final checkpoint failed too: " + saved.message());
+  }
+  return finish(run, t);
 }
 
 }  // namespace strata

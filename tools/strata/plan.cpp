@@ -56,9 +56,7 @@ int plan_command(const std::vector<std::string>& args) {
       return 2;
     }
   }
-  Result<Config> config = config_path.empty()
-                              ? Config::parse(train_schema(), embedded_default_config(), "<embedded default>", overrides)
-                              : Config::load_file(train_schema(), config_path, overrides);
+  Result<Config> config = load_train_config(config_path, overrides);
   if (!config.ok()) {
     std::fprintf(stderr, "strata plan: error: %s\n", config.status().message().c_str());
     return 1;

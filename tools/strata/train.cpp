@@ -16,15 +16,24 @@ namespace {
 constexpr const char* kTrainUsage = R"(Usage: strata train [CONFIG.yaml] [key=value ...] [--resume DIR|auto] [--print-config]
 
 Trains a model. CONFIG.yaml holds nested settings (e.g. `optim: {lr: 3e-4}`); key=value
-arguments override them (e.g. optim.lr=3e-4 train.steps=50). Without CONFIG.yaml the embedded
-default runs: a 0.8M-parameter Llama learning Debian's license texts byte by byte.
+arguments override them (e.g. optim.lr=3e-4 train.steps=50). Without CONFIG.yaml and without a
+model (model.from, model.config, model.init or model.preset) the embedded demo runs: a
+0.85M-parameter Llama learning Debian's license texts byte by byte, its state paged through
+tiny budgets (24 MiB device, 10 MiB host, 64 MiB nvme). Naming a model leaves the settings
+below at their defaults: the whole free GPU, 80% of the available host memory, no nvme tier.
 --print-config prints the effective configuration and exits without training.
 
 Each step prints one line (step, loss, lr, gradient norm, tokens/s, ms/step, memory) and
-appends the same to RUN_DIR/metrics.jsonl. SIGINT/SIGTERM stop after the current step, write a
-final checkpoint and exit 0 (a second signal exits at once). --resume DIR continues from a
-checkpoint (DIR, DIR/latest or DIR/step-N; auto = ckpt.dir when it holds one) with the data
-position, optimizer state and schedule restored; memory budgets may differ from the saved run.
+appends the same to RUN_DIR/metrics.jsonl. Without run.dir each run gets a new
+runs/default/version_N. SIGINT/SIGTERM stop after the current step, write a final checkpoint
+and exit 0 (a second signal exits at once). --resume DIR continues from a checkpoint (DIR,
+DIR/latest or DIR/step-N) with the data position, optimizer state and schedule restored;
+memory budgets may differ from the saved run. --resume auto continues the run in ckpt.dir (the
+newest version_N when run.dir is unset), or starts it from step 1 when it left no checkpoint
+(a requeued job), keeping the old metrics beside the new.
+
+Exit codes: 0 trained (or stopped by a signal, state saved); 1 an error (the message says
+what; a final checkpoint is written first when the state is sound); 2 a bad command line.
 
 Settings:)";
 
@@ -70,9 +79,7 @@ int train_command(const std::vector<std::string>& args) {
       return 2;
     }
   }
-  Result<Config> config = config_path.empty()
-                              ? Config::parse(train_schema(), embedded_default_config(), "<embedded default>", overrides)
-                              : Config::load_file(train_schema(), config_path, overrides);
+  Result<Config> config = load_train_config(config_path, overrides);
   if (!config.ok()) return fail(config.status());
   if (print_config) {
     std::printf("%s\n", config->to_yaml().c_str());
