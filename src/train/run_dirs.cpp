@@ -188,6 +188,9 @@ Result<RunDirs> RunDirs::open(TrainConfig& t) {
   if (!t.ckpt_dir_named) t.ckpt_dir = (fs::path(t.run_dir) / "checkpoints").string();
   if (!t.nvme_path.empty() && fs::path(t.nvme_path).is_relative())
     t.nvme_path = (fs::path(t.run_dir) / t.nvme_path).string();
+  std::error_code ec;
+  if (dirs.created_.empty() && !fs::exists(t.run_dir, ec)) dirs.created_ = t.run_dir;
+  if (!fs::exists(t.ckpt_dir, ec)) dirs.created_ckpt_ = t.ckpt_dir;
 
   ASSIGN_OR_RETURN(DirLock run_lock, DirLock::acquire(t.run_dir, "run.dir"));
   dirs.run_lock_ = std::make_unique<DirLock>(std::move(run_lock));
@@ -202,13 +205,14 @@ Result<RunDirs> RunDirs::open(TrainConfig& t) {
 RunDirs::~RunDirs() = default;
 
 void RunDirs::discard_if_unused() {
-  if (created_.empty()) return;
   std::error_code ec;
-  if (fs::exists(fs::path(created_) / "metrics.jsonl", ec)) return;  // the run started after all
+  if (!created_.empty() && fs::exists(fs::path(created_) / "metrics.jsonl", ec)) return;  // the run started
   run_lock_.reset();
   ckpt_lock_.reset();
-  fs::remove_all(created_, ec);
-  created_.clear();
+  for (std::string* dir : {&created_ckpt_, &created_}) {
+    if (!dir->empty()) fs::remove_all(*dir, ec);
+    dir->clear();
+  }
 }
 
 }  // namespace strata

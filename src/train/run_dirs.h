@@ -43,14 +43,16 @@ class RunDirs {
   RunDirs& operator=(RunDirs&&) noexcept = default;
   ~RunDirs();
 
-  // When the run fails before its first step: removes the version folder this run created
-  // unless metrics were written to it, so a refused config leaves no empty version behind.
+  // When the run fails before its first step: removes the folders this run created (a version
+  // folder, a run.dir or ckpt.dir that did not exist) unless metrics were written, so a refused
+  // run leaves nothing behind.
   void discard_if_unused();
 
  private:
   RunDirs() = default;
   std::unique_ptr<DirLock> run_lock_, ckpt_lock_;
-  std::string created_;  // a version folder this run made, or ""
+  std::string created_;       // the run.dir this run made (a version folder, or a new named one), or ""
+  std::string created_ckpt_;  // the ckpt.dir this run made, or ""
 };
 
 // The name of the lock file in a locked folder (checkpoint listings skip it).

@@ -223,8 +223,8 @@ struct Run {
 // 1. Everything that can be wrong with the inputs is checked before anything but the locks of
 // the run's folders is written; then the engine, the starting state (a checkpoint, weights or an
 // init) and the run directory.
-Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& effective_yaml,
-                                     const EngineFactory& make_engine) {
+Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effective_yaml, const EngineFactory& make_engine,
+                                     std::optional<RunDirs>* dirs) {
   auto run = std::make_unique<Run>();
   ASSIGN_OR_RETURN(run->mc, resolve_model_config(t));
   const model::ModelConfig& mc = run->mc;
@@ -235,6 +235,9 @@ Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& ef
   if (t.seq_len > mc.max_position_embeddings)
     LOG_WARN("train.seq_len {} exceeds the model's max_position_embeddings {}", t.seq_len,
              mc.max_position_embeddings);
+  // The run's folders, locked: t names them from here on (a version folder, a relative nvme).
+  ASSIGN_OR_RETURN(RunDirs opened, RunDirs::open(t));
+  dirs->emplace(std::move(opened));
   std::error_code ec;
   if (needs_run_dir_for_data(t)) {
     fs::create_directories(t.run_dir, ec);
@@ -448,10 +451,10 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
 Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
                                   const EngineFactory& make_engine) {
   TrainConfig t = config;
-  ASSIGN_OR_RETURN(RunDirs dirs, RunDirs::open(t));  // t names the run's folders from here on
-  Result<std::unique_ptr<Run>> prepared = prepare(t, effective_yaml, make_engine);
+  std::optional<RunDirs> dirs;
+  Result<std::unique_ptr<Run>> prepared = prepare(t, effective_yaml, make_engine, &dirs);
   if (!prepared.ok()) {
-    dirs.discard_if_unused();
+    if (dirs) dirs->discard_if_unused();
     return prepared.status();
   }
   Run& run = **prepared;
