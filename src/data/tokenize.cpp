@@ -58,10 +58,10 @@ class OutFile {
     return buffer_.size() >= kWriteBuffer ? flush() : Status::OK();
   }
 
-  // Writes the header (magic, version 1, count), syncs, and renames PATH.tmp to PATH.
-  Status finish(int32_t magic, int64_t count) {
+  // Writes the header (magic, version, count), syncs, and renames PATH.tmp to PATH.
+  Status finish(int32_t magic, int32_t version, int64_t count) {
     RETURN_IF_ERROR(flush());
-    int32_t header[3] = {magic, 1, static_cast<int32_t>(count)};
+    int32_t header[3] = {magic, version, static_cast<int32_t>(count)};
     if (::pwrite(fd_, header, sizeof(header), 0) != static_cast<ssize_t>(sizeof(header))) {
       return Status::IOError(tmp_ + ": header write failed: " + std::strerror(errno));
     }
@@ -150,10 +150,11 @@ class ShardWriter {
   }
 
   Status close_current() {
-    RETURN_IF_ERROR(shard_->finish(uint16_ ? kLlmcMagicU16 : kLlmcMagicU32, count_));
+    RETURN_IF_ERROR(uint16_ ? shard_->finish(kLlmcMagicU16, kLlmcVersionU16, count_)
+                            : shard_->finish(kLlmcMagicU32, kLlmcVersionU32, count_));
     shard_.reset();
     if (mask_) {
-      RETURN_IF_ERROR(mask_->finish(kLossMaskMagic, count_));
+      RETURN_IF_ERROR(mask_->finish(kLossMaskMagic, 1, count_));
       mask_.reset();
     }
     return Status::OK();

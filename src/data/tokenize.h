@@ -3,8 +3,9 @@
 //
 // Output, in options.out_dir:
 //   train_000000.bin, train_000001.bin, ...  llm.c shards: 256 little-endian int32 header
-//       (kLlmcMagicU16 when the vocabulary has at most 65536 ids, else kLlmcMagicU32; version 1;
-//       token count), then the tokens as uint16 or uint32. Every shard but the last holds
+//       (kLlmcMagicU16 and version 1 when the vocabulary has at most 65536 ids, else
+//       kLlmcMagicU32 and version 7, as llm.c writes them; token count), then the tokens as
+//       uint16 or uint32. Every shard but the last holds
 //       exactly shard_tokens tokens; documents run on across shard boundaries.
 //   masks/train_000000.mask, ...  (chat format only) one loss mask per shard, in a subdirectory
 //       so that opening out_dir as a dataset sees the token shards alone: 256 little-endian

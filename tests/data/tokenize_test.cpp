@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -91,6 +92,32 @@ TEST_F(TokenizeTest, TextFilesBecomeDocumentsFollowedByEos) {
   EXPECT_EQ(header[2], static_cast<int32_t>(expected.size()));
   EXPECT_EQ(fs::file_size(s->shards[0]), static_cast<uintmax_t>(kLlmcHeaderBytes + 2 * expected.size()));
   EXPECT_FALSE(fs::exists(s->shards[0] + ".tmp"));
+}
+
+TEST_F(TokenizeTest, LargeVocabularyWritesLlmcLlama3Shards) {
+  // The GPT-2 fixture with an added token at id 70000: too many ids for uint16.
+  nlohmann::json spec = nlohmann::json::parse(std::ifstream(kFixtures + "/gpt2/tokenizer.json"), nullptr, false);
+  ASSERT_FALSE(spec.is_discarded());
+  spec["added_tokens"].push_back({{"id", 70000}, {"content", "<|big|>"}, {"single_word", false}, {"lstrip", false},
+                                  {"rstrip", false}, {"normalized", false}, {"special", true}});
+  fs::create_directories(path("big"));
+  write("big/tokenizer.json", spec.dump());
+  TokenizeOptions o;
+  o.tokenizer = path("big");
+  o.inputs = {write("a.txt", "Hello<|big|> world")};
+  o.out_dir = path("out");
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  std::ifstream f(s->shards[0], std::ios::binary);
+  int32_t header[3];
+  f.read(reinterpret_cast<char*>(header), sizeof(header));
+  EXPECT_EQ(header[0], 20240801);  // what llm.c's data_common.py writes for llama-3
+  EXPECT_EQ(header[1], 7);
+  EXPECT_EQ(header[2], static_cast<int32_t>(s->tokens));
+  EXPECT_EQ(fs::file_size(s->shards[0]), static_cast<uintmax_t>(kLlmcHeaderBytes + 4 * s->tokens));
+  const std::vector<int32_t> ids = read_all(o.out_dir);
+  ASSERT_GE(ids.size(), 2u);
+  EXPECT_NE(std::find(ids.begin(), ids.end(), 70000), ids.end());
 }
 
 TEST_F(TokenizeTest, JsonlShardsCutAtShardTokensWithTemplate) {
