@@ -235,7 +235,7 @@ class Tokenize {
       begin = end;
     }
     if (options_.add_special_tokens) RETURN_IF_ERROR(emit(tok_.template_suffix(), {}));
-    return end_document(/*mask=*/false);
+    return end_document();
   }
 
   Status jsonl_file(const std::string& path) {
@@ -255,7 +255,7 @@ class Tokenize {
         if (text == doc.end() || !text->is_string()) return Status::InvalidArgument(where + ": no \"text\" string");
         ids_ = tok_.encode(text->get_ref<const std::string&>(), {.add_special_tokens = options_.add_special_tokens});
         RETURN_IF_ERROR(emit(ids_, {}));
-        RETURN_IF_ERROR(end_document(/*mask=*/false));
+        RETURN_IF_ERROR(end_document());
       } else {
         RETURN_IF_ERROR(chat_line(doc, where));
       }
@@ -282,12 +282,11 @@ class Tokenize {
     }
     Result<model::EncodedChat> encoded = tok_.encode_chat(chat);
     if (!encoded.ok()) return encoded.status().with_context(where);
+    // The conversation exactly as the template renders it: no EOS after it (ChatML ends with
+    // "<|im_end|>\n", the next conversation starts with its own header).
     RETURN_IF_ERROR(emit(encoded->ids, encoded->loss_mask));
-    if (!encoded->ids.empty() && encoded->ids.back() == tok_.eos_id()) {
-      ++summary_->documents;
-      return Status::OK();
-    }
-    return end_document(/*mask=*/true);
+    ++summary_->documents;
+    return Status::OK();
   }
 
   Status emit(std::span<const int32_t> ids, std::span<const uint8_t> mask) {
@@ -301,12 +300,11 @@ class Tokenize {
     return Status::OK();
   }
 
-  // The EOS after a document; with a mask, it does not count towards the loss.
-  Status end_document(bool mask) {
+  // The EOS after a text document.
+  Status end_document() {
     const int32_t eos = tok_.eos_id();
-    const uint8_t zero = 0;
     ++summary_->documents;
-    return emit(std::span<const int32_t>(&eos, 1), mask ? std::span<const uint8_t>(&zero, 1) : std::span<const uint8_t>());
+    return emit(std::span<const int32_t>(&eos, 1), {});
   }
 
   const TokenizeOptions& options_;

@@ -1,6 +1,7 @@
 #include "data/tokenizer.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -66,18 +67,6 @@ std::string json_type(const json& j) {
 bool json_bool(const json& j, const char* key, bool fallback) {
   auto it = j.find(key);
   return it != j.end() && it->is_boolean() ? it->get<bool>() : fallback;
-}
-
-std::string_view trim_spaces(std::string_view s) {
-  std::vector<DecodedChar> chars;
-  decode_utf8(s, &chars);
-  size_t b = 0, e = chars.size();
-  while (b < e && is_space(chars[b].cp)) ++b;
-  while (e > b && is_space(chars[e - 1].cp)) --e;
-  if (b == e) return {};
-  const size_t begin = chars[b].byte_offset;
-  const size_t end = e < chars.size() ? chars[e].byte_offset : s.size();
-  return s.substr(begin, end - begin);
 }
 
 }  // namespace
@@ -348,6 +337,7 @@ Status Tokenizer::load_config(const std::string& file) {
   if (!eos.empty()) {
     eos_id_ = token_to_id(eos);
     if (eos_id_ < 0) return Status::Corruption(file + ": eos_token \"" + eos + "\" is not in the vocabulary");
+    eos_text_ = eos;
   }
   std::string chat_template;
   auto tmpl = doc.find("chat_template");
@@ -360,15 +350,9 @@ Status Tokenizer::load_config(const std::string& file) {
         chat_template = t["template"].get<std::string>();
       }
     }
-    if (chat_template.empty()) chat_format_ = ChatFormat::kUnknown;
+    if (chat_template.empty()) chat_.format = ChatFormat::kUnknown;
   }
-  if (chat_template.find("<|im_start|>") != std::string::npos) {
-    chat_format_ = ChatFormat::kChatML;
-  } else if (chat_template.find("<|start_header_id|>") != std::string::npos) {
-    chat_format_ = ChatFormat::kLlama3;
-  } else if (!chat_template.empty()) {
-    chat_format_ = ChatFormat::kUnknown;
-  }
+  if (!chat_template.empty()) chat_ = recognise_chat_template(chat_template);
   return Status::OK();
 }
 
@@ -629,47 +613,47 @@ std::string Tokenizer::decode(std::span<const int32_t> ids) const {
 }
 
 Result<EncodedChat> Tokenizer::encode_chat(std::span<const ChatMessage> messages) const {
-  if (chat_format_ == ChatFormat::kNone) {
-    return Status::Unimplemented(config_path_ + ": no chat_template; chat data needs a ChatML or Llama-3 template");
+  if (chat_.format == ChatFormat::kNone) {
+    return Status::Unimplemented(config_path_ + ": no chat_template; chat data needs the template of a chat model");
   }
-  if (chat_format_ == ChatFormat::kUnknown) {
-    return Status::Unimplemented(config_path_ + ": chat_template is neither ChatML (<|im_start|>) nor Llama-3 "
-                                 "(<|start_header_id|>); strata renders only those two");
+  if (chat_.format == ChatFormat::kUnknown) {
+    char hash[17];
+    std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(chat_.hash));
+    return Status::Unimplemented(
+        config_path_ + ": chat_template (normalized hash " + hash +
+        ") is not one strata renders; it knows the templates of plain ChatML, Qwen2/Qwen2.5-Instruct, "
+        "Llama-3/3.1-Instruct and Mistral-Instruct v0.1/v0.2. Use one of those, or render the conversations "
+        "to text yourself and tokenize them as jsonl");
   }
-  const bool chatml = chat_format_ == ChatFormat::kChatML;
-  static constexpr std::string_view kChatMLTokens[] = {"<|im_start|>", "<|im_end|>"};
-  static constexpr std::string_view kLlama3Tokens[] = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
-  for (std::string_view special : chatml ? std::span<const std::string_view>(kChatMLTokens)
-                                         : std::span<const std::string_view>(kLlama3Tokens)) {
+  // The markers the template writes must be added tokens, or they would be encoded as text.
+  std::vector<std::string_view> specials;
+  if (chat_.format == ChatFormat::kChatML) specials = {"<|im_start|>", "<|im_end|>"};
+  if (chat_.format == ChatFormat::kLlama3 || chat_.format == ChatFormat::kLlama31) {
+    specials = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
+  }
+  if (chat_.format == ChatFormat::kMistral) {
+    if (eos_text_.empty()) {
+      return Status::InvalidArgument(config_path_ + ": the " + chat_.name + " template ends replies with eos_token, "
+                                     "which is not set");
+    }
+    specials = {eos_text_};
+  }
+  for (std::string_view special : specials) {
     const int32_t id = token_to_id(special);
     if (id < 0 || !is_added_[static_cast<size_t>(id)]) {
       return Status::InvalidArgument(config_path_ + ": the chat template uses " + std::string(special) +
                                      ", which is not an added token of tokenizer.json");
     }
   }
+  ASSIGN_OR_RETURN(RenderedChat rendered, render_chat(chat_, messages, bos_text_, eos_text_));
   EncodedChat chat;
-  std::vector<ByteSpan> assistant;  // bytes of the rendered text that count towards the loss
-  if (!chatml && bos_id_ >= 0) chat.text = bos_text_;
-  for (const ChatMessage& m : messages) {
-    std::string_view content = m.content;
-    if (chatml) {
-      chat.text += "<|im_start|>" + m.role + "\n";
-    } else {
-      chat.text += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n";
-      content = trim_spaces(content);
-    }
-    const uint32_t begin = static_cast<uint32_t>(chat.text.size());
-    chat.text.append(content);
-    chat.text += chatml ? "<|im_end|>" : "<|eot_id|>";
-    if (m.role == "assistant") assistant.push_back({begin, static_cast<uint32_t>(chat.text.size())});
-    if (chatml) chat.text += "\n";
-  }
+  chat.text = std::move(rendered.text);
   std::vector<ByteSpan> spans;
   encode_with_spans(chat.text, EncodeOptions{.add_special_tokens = false, .parse_special = true}, &chat.ids, &spans);
   chat.loss_mask.resize(chat.ids.size());
   for (size_t i = 0; i < spans.size(); ++i) {
     uint8_t counts = 0;
-    for (const ByteSpan& a : assistant) counts |= (spans[i].begin < a.end && a.begin < spans[i].end) ? 1 : 0;
+    for (const ByteSpan& a : rendered.assistant) counts |= (spans[i].begin < a.end && a.begin < spans[i].end) ? 1 : 0;
     chat.loss_mask[i] = counts;
   }
   return chat;

@@ -19,9 +19,8 @@
 // the Unicode version of unicode_nfc_tables.h; tokenizers' own tables are older and give class
 // 0 to the few combining marks added since, so text with those marks can order differently.
 //
-// Chat: tokenizer_config.json's chat_template is not interpreted as Jinja. A template that
-// contains "<|im_start|>" renders ChatML, one that contains "<|start_header_id|>" renders
-// Llama-3; encode_chat fails with Unimplemented for any other.
+// Chat: tokenizer_config.json's chat_template is recognised, not interpreted as Jinja; the
+// families strata renders are listed in chat_template.h.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +32,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "data/chat_template.h"
 #include "data/tokenizer_split.h"
 
 namespace strata::model {
@@ -45,20 +45,9 @@ struct EncodeOptions {
   bool parse_special = true;
 };
 
-enum class ChatFormat : uint8_t {
-  kNone,     // no chat_template
-  kChatML,   // <|im_start|>role\ncontent<|im_end|>\n
-  kLlama3,   // <|begin_of_text|><|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>
-  kUnknown,  // a template this renderer does not know
-};
-
-struct ChatMessage {
-  std::string role;  // "system", "user", "assistant", ...
-  std::string content;
-};
-
-// A rendered and encoded conversation. loss_mask[i] is 1 when token i is part of an assistant
-// reply (its content or the end-of-turn token after it), 0 for everything the model is given.
+// A rendered and encoded conversation. loss_mask[i] is 1 when token i overlaps an assistant
+// reply or the end marker after it (<|im_end|>, <|eot_id|>, </s>), 0 for everything the model
+// is given (system and user turns, role headers, default system messages, separators).
 struct EncodedChat {
   std::string text;
   std::vector<int32_t> ids;
@@ -109,10 +98,12 @@ class Tokenizer {
   // prefix space is added per part and no added token contains a newline).
   bool can_cut_after_newlines() const;
 
-  ChatFormat chat_format() const { return chat_format_; }
-  // Renders messages with the chat format and encodes the text (added tokens parsed, no
-  // post-processor template). Unimplemented naming tokenizer_config.json when the format is
-  // kNone or kUnknown.
+  ChatFormat chat_format() const { return chat_.format; }
+  const ChatTemplate& chat_template() const { return chat_; }
+  // Renders messages as the chat template does (render_chat) and encodes the text (added
+  // tokens parsed, no post-processor template), as apply_chat_template(tokenize=True) does.
+  // Unimplemented naming tokenizer_config.json when the format is kNone or kUnknown;
+  // InvalidArgument for a conversation the template refuses.
   Result<EncodedChat> encode_chat(std::span<const ChatMessage> messages) const;
 
  private:
@@ -170,7 +161,8 @@ class Tokenizer {
   int32_t bos_id_ = -1;
   int32_t eos_id_ = -1;
   std::string bos_text_;
-  ChatFormat chat_format_ = ChatFormat::kNone;
+  std::string eos_text_;
+  ChatTemplate chat_;
   std::unique_ptr<Cache> cache_;
 };
 

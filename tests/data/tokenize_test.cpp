@@ -181,7 +181,7 @@ TEST_F(TokenizeTest, LongTextEncodedInPartsMatchesWholeEncoding) {
   EXPECT_EQ(s->bytes, static_cast<int64_t>(text.size()));
 }
 
-TEST_F(TokenizeTest, ChatWritesLossMasks) {
+TEST_F(TokenizeTest, ChatWritesConversationsAsRenderedWithLossMasks) {
   const nlohmann::json expected = nlohmann::json::parse(
       std::ifstream(kFixtures + "/qwen2/expected.json"), nullptr, false);
   ASSERT_FALSE(expected.is_discarded());
@@ -203,13 +203,14 @@ TEST_F(TokenizeTest, ChatWritesLossMasks) {
   Tokenizer tok = load("qwen2");
   const std::vector<int32_t> ids = chat["ids"];
   const std::vector<uint8_t> mask = chat["mask"];
-  ASSERT_NE(ids.back(), tok.eos_id());  // so an EOS (not counted) follows each conversation
+  // Each conversation exactly as the template renders it, back to back: ChatML ends with
+  // "<|im_end|>\n" and no EOS is added after it.
+  ASSERT_NE(ids.back(), tok.eos_id());
   std::vector<int32_t> want_ids;
   std::vector<uint8_t> want_mask;
   for (int i = 0; i < 3; ++i) {
-    want_ids = concat({want_ids, ids, {tok.eos_id()}});
+    want_ids = concat({want_ids, ids});
     want_mask.insert(want_mask.end(), mask.begin(), mask.end());
-    want_mask.push_back(0);
   }
   EXPECT_EQ(read_all(o.out_dir), want_ids);  // the masks directory is not read as data
   std::vector<uint8_t> got_mask;
