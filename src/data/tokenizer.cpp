@@ -69,7 +69,55 @@ bool json_bool(const json& j, const char* key, bool fallback) {
   return it != j.end() && it->is_boolean() ? it->get<bool>() : fallback;
 }
 
+// "▁" (U+2581), which sentencepiece-style vocabularies use for a space.
+const std::string kMetaspace = "\xe2\x96\x81";
+
+// Text with each " " replaced by "▁" and, when `prepend`, a "▁" put first, and where each of
+// its bytes comes from: its bytes [b, e) stand for text bytes [begin_of[b], end_of[e]).
+struct MetaspaceText {
+  std::string text;
+  std::vector<uint32_t> begin_of;  // size text.size() + 1
+  std::vector<uint32_t> end_of;    // size text.size() + 1
+};
+
+MetaspaceText to_metaspace(std::string_view in, bool prepend) {
+  MetaspaceText m;
+  m.text.reserve(in.size() + 8);
+  auto add = [&](std::string_view bytes, uint32_t src_begin, uint32_t src_end) {
+    for (size_t k = 0; k < bytes.size(); ++k) {
+      m.begin_of.push_back(src_begin);
+      m.end_of.push_back(k + 1 == bytes.size() ? src_end : src_begin);
+    }
+    m.text.append(bytes);
+  };
+  m.end_of.push_back(0);  // then end_of[k + 1] is where byte k's source ends
+  if (prepend) add(kMetaspace, 0, 0);
+  for (size_t i = 0; i < in.size(); ++i) {
+    const auto at = static_cast<uint32_t>(i);
+    add(in[i] == ' ' ? std::string_view(kMetaspace) : in.substr(i, 1), at, at + 1);
+  }
+  m.begin_of.push_back(static_cast<uint32_t>(in.size()));
+  return m;
+}
+
 }  // namespace
+
+std::string Tokenizer::read_metaspace(const json& p, MetaspacePrepend* prepend) {
+  if (p.value("replacement", json()) != kMetaspace) return "Metaspace with a replacement other than \"▁\"";
+  const json scheme = p.value("prepend_scheme", json());
+  if (scheme == "always") {
+    *prepend = MetaspacePrepend::kAlways;
+  } else if (scheme == "first") {
+    *prepend = MetaspacePrepend::kFirst;
+  } else if (scheme == "never") {
+    *prepend = MetaspacePrepend::kNever;
+  } else if (scheme.is_null()) {  // before prepend_scheme: add_prefix_space
+    *prepend = json_bool(p, "add_prefix_space", true) ? MetaspacePrepend::kAlways : MetaspacePrepend::kNever;
+  } else {
+    return "Metaspace prepend_scheme " + scheme.dump();
+  }
+  return {};
+}
 
 struct Tokenizer::Cache {
   std::mutex mu;
@@ -112,14 +160,16 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
   if (doc.is_discarded() || !doc.is_object()) return Status::Corruption(file + ": not valid JSON");
   auto unimplemented = [&](const std::string& what) {
     return Status::Unimplemented(file + ": " + what + " is not supported (strata reads byte-level BPE tokenizers "
-                                 "like GPT-2, Llama-3 and Qwen2)");
+                                 "like GPT-2, Llama-3 and Qwen2, and sentencepiece-style BPE like Llama-2 and "
+                                 "Mistral)");
   };
 
   // model
   auto model = doc.find("model");
   if (model == doc.end() || !model->is_object()) return Status::Corruption(file + ": no \"model\" object");
   if (json_type(*model) != "BPE") return unimplemented("model type " + json_type(*model));
-  if (json_bool(*model, "byte_fallback", false)) return unimplemented("model.byte_fallback");
+  byte_fallback_ = json_bool(*model, "byte_fallback", false);
+  fuse_unk_ = json_bool(*model, "fuse_unk", false);
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     auto it = model->find(key);
     if (it != model->end() && it->is_string() && !it->get<std::string>().empty()) {
@@ -164,10 +214,6 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
     is_added_[static_cast<size_t>(a.id)] = 1;
     vocab_.emplace(a.content, a.id);
   }
-  for (int b = 0; b < 256; ++b) {
-    auto it = vocab_.find(byte_chars_[b]);
-    if (it != vocab_.end()) byte_ids_[b] = it->second;
-  }
   auto unk = model->find("unk_token");
   if (unk != model->end() && unk->is_string()) unk_id_ = token_to_id(unk->get<std::string>());
 
@@ -201,11 +247,26 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
     ++rank;
   }
 
-  // normalizer: none, NFC, or a Sequence of NFC only
+  // normalizer: none, NFC, a Sequence of NFC only, or sentencepiece's Sequence[Prepend("▁"),
+  // Replace(" ", "▁")] (Llama-2, Mistral, Mixtral)
+  std::vector<std::string> normalizers;
   std::function<Status(const json&)> norm = [&](const json& n) -> Status {
     const std::string type = json_type(n);
     if (type == "NFC") {
-      nfc_ = true;
+      normalizers.push_back(type);
+      return Status::OK();
+    }
+    if (type == "Prepend") {
+      if (n.value("prepend", json()) != kMetaspace) return unimplemented("normalizer Prepend other than \"▁\"");
+      normalizers.push_back(type);
+      return Status::OK();
+    }
+    if (type == "Replace") {
+      const json pattern = n.value("pattern", json());
+      if (!pattern.is_object() || pattern.value("String", json()) != " " || n.value("content", json()) != kMetaspace) {
+        return unimplemented("normalizer Replace other than of the string \" \" by \"▁\"");
+      }
+      normalizers.push_back(type);
       return Status::OK();
     }
     if (type == "Sequence") {
@@ -216,14 +277,25 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
       for (const json& m : *list) RETURN_IF_ERROR(norm(m));
       return Status::OK();
     }
-    return unimplemented("normalizer " + type + " (known: NFC)");
+    return unimplemented("normalizer " + type + " (known: NFC; Prepend and Replace of \"▁\")");
   };
   auto normalizer = doc.find("normalizer");
   if (normalizer != doc.end() && !normalizer->is_null()) RETURN_IF_ERROR(norm(*normalizer));
+  if (normalizers == std::vector<std::string>{"Prepend", "Replace"}) {
+    spm_normalizer_ = true;
+  } else {
+    for (const std::string& n : normalizers) {
+      if (n != "NFC") return unimplemented("this normalizer sequence (known: NFC alone; Prepend then Replace)");
+    }
+    nfc_ = !normalizers.empty();
+  }
   // tokenizers looks for a `normalized` added token in normalized text, as its content normalizes.
   for (AddedToken& a : added_) {
     a.match = a.normalized && nfc_ ? nfc(a.content) : a.content;
     has_normalized_added_ = has_normalized_added_ || a.normalized;
+  }
+  if (spm_normalizer_ && has_normalized_added_) {
+    return unimplemented("an added token with \"normalized\": true beside the Prepend/Replace normalizer");
   }
   std::stable_sort(added_.begin(), added_.end(),
                    [](const AddedToken& x, const AddedToken& y) { return x.match.size() > y.match.size(); });
@@ -249,6 +321,13 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
       }
       return Status::OK();
     }
+    if (type == "Metaspace") {
+      if (metaspace_) return unimplemented("a second Metaspace pre_tokenizer");
+      if (std::string error = read_metaspace(p, &metaspace_prepend_); !error.empty()) return unimplemented(error);
+      metaspace_ = true;
+      metaspace_split_ = json_bool(p, "split", true);
+      return Status::OK();
+    }
     if (type == "Split") {
       auto pattern = p.find("pattern");
       if (pattern == p.end() || !pattern->is_object() || !pattern->contains("Regex") || !(*pattern)["Regex"].is_string()) {
@@ -272,7 +351,42 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
   };
   auto pre_tokenizer = doc.find("pre_tokenizer");
   if (pre_tokenizer != doc.end() && !pre_tokenizer->is_null()) RETURN_IF_ERROR(pre(*pre_tokenizer));
-  if (!byte_level) return unimplemented("a tokenizer without a ByteLevel pre_tokenizer");
+  // The model's alphabet: byte-level characters, or (sentencepiece style) the characters
+  // themselves with <0xXX> tokens for bytes of characters outside the vocabulary.
+  byte_level_ = byte_level;
+  if (byte_level && (metaspace_ || spm_normalizer_)) {
+    return unimplemented("ByteLevel together with Metaspace or a Prepend/Replace normalizer");
+  }
+  if (!byte_level && !metaspace_ && !spm_normalizer_) {
+    return unimplemented("a tokenizer with neither a ByteLevel nor a Metaspace pre_tokenizer nor the Prepend/Replace "
+                         "normalizer");
+  }
+  if (metaspace_ && (spm_normalizer_ || has_split_ || nfc_)) {
+    return unimplemented("Metaspace together with another pre_tokenizer or a normalizer");
+  }
+  if (byte_level && byte_fallback_) return unimplemented("model.byte_fallback with a ByteLevel pre_tokenizer");
+  for (int b = 0; b < 256; ++b) {
+    char hex[8];
+    std::snprintf(hex, sizeof(hex), "<0x%02X>", b);
+    auto it = vocab_.find(byte_level ? byte_chars_[b] : std::string(hex));
+    if (it != vocab_.end() && (byte_level || byte_fallback_)) byte_ids_[b] = it->second;
+  }
+  if (!byte_level) {  // the decoder strips the space a prepended "▁" decodes to
+    auto decoder = doc.find("decoder");
+    std::function<void(const json&)> dec = [&](const json& d) {
+      const std::string type = json_type(d);
+      if (type == "Sequence" && d.contains("decoders") && d["decoders"].is_array()) {
+        for (const json& e : d["decoders"]) dec(e);
+      } else if (type == "Strip") {
+        strip_leading_space_ = d.value("content", json()) == " " && d.value("start", json(0)).is_number_integer() &&
+                               d.value("start", json(0)).get<int64_t>() >= 1;
+      } else if (type == "Metaspace") {
+        MetaspacePrepend prepend = MetaspacePrepend::kAlways;
+        strip_leading_space_ = read_metaspace(d, &prepend).empty() && prepend != MetaspacePrepend::kNever;
+      }
+    };
+    if (decoder != doc.end() && decoder->is_object()) dec(*decoder);
+  }
 
   // post_processor
   std::function<Status(const json&)> post = [&](const json& p) -> Status {
@@ -435,29 +549,42 @@ void Tokenizer::encode_stretch(std::string_view raw, uint32_t base, bool parse_s
                                std::vector<ByteSpan>* spans) const {
   std::string normalized;
   std::vector<NfcEdit> edits;
-  const std::string_view text = nfc_ && to_nfc(raw, &normalized, &edits) ? std::string_view(normalized) : raw;
+  MetaspaceText spm;
+  std::string_view text = nfc_ && to_nfc(raw, &normalized, &edits) ? std::string_view(normalized) : raw;
+  if (spm_normalizer_) {  // Prepend("▁") on non-empty text, then Replace(" ", "▁")
+    spm = to_metaspace(raw, !raw.empty());
+    text = spm.text;
+  }
   const size_t first = ids->size();
   size_t pos = 0;
   if (parse_special && has_normalized_added_) {
     for (const auto& [at, a] : find_added(text, /*normalized=*/true)) {
-      if (at > pos) encode_segment(text.substr(pos, at - pos), static_cast<uint32_t>(pos), ids, spans);
+      if (at > pos) encode_segment(text.substr(pos, at - pos), static_cast<uint32_t>(pos), base == 0 && pos == 0, ids, spans);
       ids->push_back(a->id);
       spans->push_back({static_cast<uint32_t>(at), static_cast<uint32_t>(at + a->match.size())});
       pos = at + a->match.size();
     }
   }
-  if (pos < text.size()) encode_segment(text.substr(pos), static_cast<uint32_t>(pos), ids, spans);
+  if (pos < text.size()) encode_segment(text.substr(pos), static_cast<uint32_t>(pos), base == 0 && pos == 0, ids, spans);
   // Spans of the normalized text back to the raw one: a token that covers part of a changed
   // stretch stands for all of it.
   for (size_t i = first; i < spans->size(); ++i) {
     ByteSpan& s = (*spans)[i];
-    s = {base + nfc_source_begin(edits, s.begin), base + nfc_source_end(edits, s.end)};
+    if (spm_normalizer_) {
+      s = {base + spm.begin_of[s.begin], base + spm.end_of[s.end]};
+    } else {
+      s = {base + nfc_source_begin(edits, s.begin), base + nfc_source_end(edits, s.end)};
+    }
   }
 }
 
-void Tokenizer::encode_segment(std::string_view text, uint32_t base, std::vector<int32_t>* ids,
+void Tokenizer::encode_segment(std::string_view text, uint32_t base, bool at_input_start, std::vector<int32_t>* ids,
                                std::vector<ByteSpan>* spans) const {
   std::vector<std::pair<int32_t, uint32_t>> tokens;
+  if (metaspace_) {
+    encode_metaspace(text, base, at_input_start, ids, spans);
+    return;
+  }
   std::string scratch;
   // Emits the BPE of s, whose first `inserted` bytes are a prefix space not in the text and
   // whose other bytes start at text byte `begin`.
@@ -504,6 +631,38 @@ void Tokenizer::encode_segment(std::string_view text, uint32_t base, std::vector
   }
 }
 
+void Tokenizer::encode_metaspace(std::string_view text, uint32_t base, bool at_input_start, std::vector<int32_t>* ids,
+                                 std::vector<ByteSpan>* spans) const {
+  // As tokenizers' Metaspace: spaces become "▁"; a "▁" goes first unless the text already
+  // starts with one (prepend_scheme "always"), or only in the text's first segment ("first").
+  const bool starts_with_space = text[0] == ' ' || text.substr(0, kMetaspace.size()) == kMetaspace;
+  const bool prepend = !starts_with_space && (metaspace_prepend_ == MetaspacePrepend::kAlways ||
+                                              (metaspace_prepend_ == MetaspacePrepend::kFirst && at_input_start));
+  const MetaspaceText m = to_metaspace(text, prepend);
+  std::vector<std::pair<int32_t, uint32_t>> tokens;
+  auto emit = [&](size_t begin, size_t end) {
+    tokens.clear();
+    encode_piece(std::string_view(m.text).substr(begin, end - begin), &tokens);
+    size_t offset = begin;
+    for (const auto& [id, len] : tokens) {
+      ids->push_back(id);
+      spans->push_back({base + m.begin_of[offset], base + m.end_of[offset + len]});
+      offset += len;
+    }
+  };
+  if (!metaspace_split_) {
+    emit(0, m.text.size());
+    return;
+  }
+  // split: each "▁" starts a piece (MergedWithNext)
+  size_t piece = 0;
+  for (size_t at = m.text.find(kMetaspace, 1); at != std::string::npos; at = m.text.find(kMetaspace, at + 1)) {
+    emit(piece, at);
+    piece = at;
+  }
+  emit(piece, m.text.size());
+}
+
 void Tokenizer::encode_piece(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const {
   if (piece.size() > kCacheMaxPiece) {
     bpe(piece, out);
@@ -525,10 +684,58 @@ void Tokenizer::encode_piece(std::string_view piece, std::vector<std::pair<int32
   cache_->pieces.emplace(key, std::vector<std::pair<int32_t, uint32_t>>(out->begin() + start, out->end()));
 }
 
+void Tokenizer::initial_symbols(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const {
+  if (byte_level_) {
+    for (char c : piece) {
+      const int32_t id = byte_ids_[static_cast<uint8_t>(c)];
+      out->push_back({id >= 0 ? id : unk_id_, 1});
+    }
+    return;
+  }
+  // As tokenizers' BPE::merge_word: each character is its token; outside the vocabulary, its
+  // bytes' <0xXX> tokens (byte_fallback, when all exist), else <unk>, runs of which fuse_unk
+  // joins. (Like the library, a pending <unk> is only written when the next character in the
+  // vocabulary or the end comes.) A byte that is not UTF-8 counts as a character.
+  std::vector<DecodedChar> chars;
+  decode_utf8(piece, &chars);
+  int32_t unk = -1;
+  uint32_t unk_len = 0;
+  for (size_t i = 0; i < chars.size(); ++i) {
+    const size_t b = chars[i].byte_offset;
+    const size_t e = i + 1 < chars.size() ? chars[i + 1].byte_offset : piece.size();
+    const std::string_view c = piece.substr(b, e - b);
+    const auto len = static_cast<uint32_t>(c.size());
+    auto it = vocab_.find(std::string(c));
+    if (it != vocab_.end()) {
+      if (unk >= 0) out->push_back({unk, unk_len});
+      unk = -1;
+      out->push_back({it->second, len});
+      continue;
+    }
+    if (byte_fallback_ && std::all_of(c.begin(), c.end(), [&](char x) { return byte_ids_[static_cast<uint8_t>(x)] >= 0; })) {
+      for (char x : c) out->push_back({byte_ids_[static_cast<uint8_t>(x)], 1});
+      continue;
+    }
+    if (unk_id_ < 0) continue;  // no <unk>: the character is dropped
+    if (unk >= 0 && fuse_unk_) {
+      unk_len += len;
+      continue;
+    }
+    if (unk >= 0) out->push_back({unk, unk_len});
+    unk = unk_id_;
+    unk_len = len;
+  }
+  if (unk >= 0) out->push_back({unk, unk_len});
+}
+
 void Tokenizer::bpe(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const {
   if (ignore_merges_) {
     std::string word;
-    for (char c : piece) word += byte_chars_[static_cast<uint8_t>(c)];
+    if (byte_level_) {
+      for (char c : piece) word += byte_chars_[static_cast<uint8_t>(c)];
+    } else {
+      word = piece;
+    }
     auto it = vocab_.find(word);
     if (it != vocab_.end()) {
       out->push_back({it->second, static_cast<uint32_t>(piece.size())});
@@ -547,11 +754,13 @@ void Tokenizer::bpe(std::string_view piece, std::vector<std::pair<int32_t, uint3
     int32_t id;
     bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
   };
-  const int32_t n = static_cast<int32_t>(piece.size());
+  std::vector<std::pair<int32_t, uint32_t>> initial;
+  initial_symbols(piece, &initial);
+  const auto n = static_cast<int32_t>(initial.size());
   std::vector<Symbol> symbols(static_cast<size_t>(n));
   for (int32_t i = 0; i < n; ++i) {
-    const int32_t id = byte_ids_[static_cast<uint8_t>(piece[static_cast<size_t>(i)])];
-    symbols[static_cast<size_t>(i)] = {id >= 0 ? id : unk_id_, i - 1, i + 1 < n ? i + 1 : -1, 1};
+    const auto& [id, len] = initial[static_cast<size_t>(i)];
+    symbols[static_cast<size_t>(i)] = {id, i - 1, i + 1 < n ? i + 1 : -1, len};
   }
   auto find_merge = [&](int32_t left, int32_t right) -> const Merge* {
     const int32_t a = symbols[static_cast<size_t>(left)].id, b = symbols[static_cast<size_t>(right)].id;
@@ -590,6 +799,7 @@ void Tokenizer::bpe(std::string_view piece, std::vector<std::pair<int32_t, uint3
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids) const {
+  if (!byte_level_) return decode_metaspace(ids);
   std::string out;
   std::vector<DecodedChar> chars;
   for (int32_t id : ids) {
@@ -609,6 +819,33 @@ std::string Tokenizer::decode(std::span<const int32_t> ids) const {
       }
     }
   }
+  return out;
+}
+
+std::string Tokenizer::decode_metaspace(std::span<const int32_t> ids) const {
+  std::string out;
+  for (int32_t id : ids) {
+    if (id < 0 || id >= vocab_size()) continue;
+    const std::string& token = id_to_token_[static_cast<size_t>(id)];
+    if (is_added_[static_cast<size_t>(id)]) {
+      out += token;
+      continue;
+    }
+    const auto byte = std::find(std::begin(byte_ids_), std::end(byte_ids_), id);
+    if (byte != std::end(byte_ids_)) {
+      out.push_back(static_cast<char>(byte - std::begin(byte_ids_)));
+      continue;
+    }
+    for (size_t at = 0; at < token.size();) {
+      if (token.compare(at, kMetaspace.size(), kMetaspace) == 0) {
+        out += ' ';
+        at += kMetaspace.size();
+      } else {
+        out += token[at++];
+      }
+    }
+  }
+  if (strip_leading_space_ && !out.empty() && out[0] == ' ') out.erase(0, 1);
   return out;
 }
 

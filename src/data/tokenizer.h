@@ -1,14 +1,25 @@
-// A byte-level BPE tokenizer read from a Hugging Face tokenizer.json (GPT-2, Llama-3, Qwen2
-// and models built like them), with tokenizer_config.json beside it for the BOS/EOS tokens and
-// the chat template.
+// A BPE tokenizer read from a Hugging Face tokenizer.json, byte-level (GPT-2, Llama-3, Qwen2
+// and models built like them) or sentencepiece style (Llama-2, Mistral, Mixtral), with
+// tokenizer_config.json beside it for the BOS/EOS tokens and the chat template.
 //
 // Supported tokenizer.json: model.type "BPE" (vocab; merges as "a b" strings or [a, b] pairs;
-// ignore_merges), added_tokens (leftmost and longest first; lstrip, rstrip and single_word are
-// not interpreted), normalizer null, NFC or a Sequence of NFC alone (Qwen2, Qwen2-MoE, Qwen3;
-// unicode_nfc.h), pre_tokenizer ByteLevel (add_prefix_space, use_regex) or
-// Sequence[Split(Regex, Isolated), ByteLevel(use_regex false)] with one of the split patterns
-// of tokenizer_split.h, post_processor ByteLevel / TemplateProcessing / a Sequence of them.
-// Anything else is Unimplemented naming the file and the field.
+// ignore_merges; byte_fallback and fuse_unk in sentencepiece style), added_tokens (leftmost and
+// longest first; lstrip, rstrip and single_word are not interpreted), and either
+//   byte-level: normalizer null, NFC or a Sequence of NFC alone (Qwen2, Qwen2-MoE, Qwen3;
+//     unicode_nfc.h), pre_tokenizer ByteLevel (add_prefix_space, use_regex) or
+//     Sequence[Split(Regex, Isolated), ByteLevel(use_regex false)] with one of the split
+//     patterns of tokenizer_split.h; or
+//   sentencepiece style: normalizer Sequence[Prepend("▁"), Replace(" ", "▁")] with no
+//     pre_tokenizer (Llama-2's files), or no normalizer and pre_tokenizer Metaspace("▁",
+//     prepend_scheme always / first / never or the older add_prefix_space, split). Characters
+//     are the initial symbols; one outside the vocabulary becomes its <0xXX> byte tokens (a
+//     byte that is not UTF-8 too). Prepend and "first" put "▁" only before non-empty text
+//     that starts the input or follows an added token (Prepend) / starts the input (first).
+//     Decoding maps "▁" to a space and <0xXX> to its byte and drops the first space when the
+//     decoder has Strip(" ", 1, 0) or is Metaspace with a prepend scheme; other decoders are
+//     not interpreted, and the library's spaces around added tokens are not reproduced.
+// and post_processor ByteLevel / TemplateProcessing / a Sequence of them. Anything else is
+// Unimplemented naming the file and the field.
 //
 // Encoding follows tokenizers: added tokens with "normalized": false (the special tokens of
 // the models above) are found in the raw text first; the text between them is normalized piece
@@ -30,6 +41,8 @@
 #include <string_view>
 #include <unordered_map>
 #include <vector>
+
+#include <nlohmann/json_fwd.hpp>
 
 #include "core/status.h"
 #include "data/chat_template.h"
@@ -75,7 +88,7 @@ class Tokenizer {
   void encode_with_spans(std::string_view text, const EncodeOptions& options, std::vector<int32_t>* ids,
                          std::vector<ByteSpan>* spans) const;
   // The bytes the ids stand for: added tokens as their content, others through the byte-level
-  // map. Ids outside the vocabulary are skipped. The result is not necessarily valid UTF-8 when
+  // map (sentencepiece style: "▁" as a space, <0xXX> as its byte, see above). Ids outside the vocabulary are skipped. The result is not necessarily valid UTF-8 when
   // the ids end inside a character.
   std::string decode(std::span<const int32_t> ids) const;
 
@@ -131,11 +144,18 @@ class Tokenizer {
   void encode_stretch(std::string_view raw, uint32_t base, bool parse_special, std::vector<int32_t>* ids,
                       std::vector<ByteSpan>* spans) const;
   // Encodes text without added tokens: prefix space, split, BPE. Spans are offset by `base`.
-  void encode_segment(std::string_view text, uint32_t base, std::vector<int32_t>* ids,
+  // at_input_start: text begins the input (Metaspace's prepend_scheme "first").
+  void encode_segment(std::string_view text, uint32_t base, bool at_input_start, std::vector<int32_t>* ids,
                       std::vector<ByteSpan>* spans) const;
+  // encode_segment for the Metaspace pre-tokenizer. REQUIRES: text is not empty.
+  void encode_metaspace(std::string_view text, uint32_t base, bool at_input_start, std::vector<int32_t>* ids,
+                        std::vector<ByteSpan>* spans) const;
   // BPE of one piece: (id, byte length) pairs, from the cache when there.
   void encode_piece(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
   void bpe(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
+  // The symbols BPE starts from: (id, byte length), id -1 for a byte with no token.
+  std::string decode_metaspace(std::span<const int32_t> ids) const;
+  void initial_symbols(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
 
   std::string config_path_;  // tokenizer_config.json, named in chat errors
   std::unordered_map<std::string, int32_t> vocab_;
@@ -154,6 +174,21 @@ class Tokenizer {
   enum class PrefixSpace : uint8_t { kNone, kSegment, kPiece };
   PrefixSpace prefix_space_ = PrefixSpace::kNone;
   bool has_split_ = false;
+  // Sentencepiece style (byte_level_ false): the model's symbols are characters, a character
+  // outside the vocabulary becomes its <0xXX> byte tokens (byte_fallback_) or <unk>, and "▁"
+  // stands for a space, put there by the Prepend/Replace normalizer or the Metaspace
+  // pre-tokenizer.
+  enum class MetaspacePrepend : uint8_t { kAlways, kFirst, kNever };
+  // Reads a Metaspace pre-tokenizer or decoder; what is not supported, or empty.
+  static std::string read_metaspace(const nlohmann::json& p, MetaspacePrepend* prepend);
+  bool byte_level_ = true;
+  bool byte_fallback_ = false;
+  bool fuse_unk_ = false;
+  bool spm_normalizer_ = false;  // Sequence[Prepend("▁"), Replace(" ", "▁")]
+  bool metaspace_ = false;       // the Metaspace pre-tokenizer
+  MetaspacePrepend metaspace_prepend_ = MetaspacePrepend::kAlways;
+  bool metaspace_split_ = true;      // pieces start at each "▁"
+  bool strip_leading_space_ = false;  // the decoder drops the first " " of the text
   SplitPattern split_ = SplitPattern::kGpt2;
   int32_t unk_id_ = -1;
   std::vector<int32_t> template_prefix_;  // post-processor ids before the sequence

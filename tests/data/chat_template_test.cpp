@@ -150,7 +150,7 @@ TEST(ChatTemplateTest, IdsAndLossMasksMatchApplyChatTemplate) {
       ++compared;
     }
   }
-  EXPECT_EQ(compared, 30);
+  EXPECT_EQ(compared, 36);
 }
 
 TEST(ChatTemplateTest, DefaultSystemMessageIsNotCountedTowardsTheLoss) {

@@ -120,6 +120,22 @@ TEST_F(TokenizeTest, LargeVocabularyWritesLlmcLlama3Shards) {
   EXPECT_NE(std::find(ids.begin(), ids.end(), 70000), ids.end());
 }
 
+TEST_F(TokenizeTest, SentencepieceStyleTokenizerWritesShards) {
+  // Llama-2 style: Prepend/Replace normalizer, byte fallback, "<s> $A" template, "</s>" EOS.
+  const std::string a = "Grüße, 日本 😀 and plain words.\n  Indented line.";
+  TokenizeOptions o;
+  o.tokenizer = kFixtures + "/llama2";
+  o.inputs = {write("a.txt", a)};
+  o.out_dir = path("out");
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  Tokenizer tok = load("llama2");
+  std::vector<int32_t> expected = tok.encode(a, {.add_special_tokens = true});
+  ASSERT_EQ(expected[0], tok.token_to_id("<s>"));
+  expected.push_back(tok.token_to_id("</s>"));
+  EXPECT_EQ(read_all(o.out_dir), expected);
+}
+
 TEST_F(TokenizeTest, JsonlShardsCutAtShardTokensWithTemplate) {
   std::string jsonl;
   std::vector<std::string> texts;

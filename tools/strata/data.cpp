@@ -13,7 +13,8 @@ constexpr const char* kDataUsage = R"(Usage: strata data tokenize --tokenizer DI
 
 Tokenizes text into llm.c shards (OUT/train_000000.bin, ...) that `strata train` reads with
 data.format=auto or llmc. DIR holds a Hugging Face tokenizer.json (byte-level BPE: GPT-2,
-Llama-3, Qwen2 and the like) and optionally tokenizer_config.json (bos/eos tokens, chat template).
+Llama-3, Qwen2 and the like; sentencepiece-style BPE with byte fallback: Llama-2, Mistral,
+Mixtral) and optionally tokenizer_config.json (bos/eos tokens, chat template).
 
 Options:
   --tokenizer DIR        tokenizer directory (or its tokenizer.json)
