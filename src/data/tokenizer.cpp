@@ -595,8 +595,10 @@ void Tokenizer::encode_segment(std::string_view text, uint32_t base, bool at_inp
     for (const auto& [id, len] : tokens) {
       const uint32_t b = begin + (offset > inserted ? offset - inserted : 0);
       const uint32_t e = begin + (offset + len > inserted ? offset + len - inserted : 0);
-      ids->push_back(id);
-      spans->push_back({b, e});
+      if (id >= 0) {
+        ids->push_back(id);
+        spans->push_back({b, e});
+      }
       offset += len;
     }
   };
@@ -645,8 +647,10 @@ void Tokenizer::encode_metaspace(std::string_view text, uint32_t base, bool at_i
     encode_piece(std::string_view(m.text).substr(begin, end - begin), &tokens);
     size_t offset = begin;
     for (const auto& [id, len] : tokens) {
-      ids->push_back(id);
-      spans->push_back({base + m.begin_of[offset], base + m.end_of[offset + len]});
+      if (id >= 0) {
+        ids->push_back(id);
+        spans->push_back({base + m.begin_of[offset], base + m.end_of[offset + len]});
+      }
       offset += len;
     }
   };
@@ -716,7 +720,10 @@ void Tokenizer::initial_symbols(std::string_view piece, std::vector<std::pair<in
       for (char x : c) out->push_back({byte_ids_[static_cast<uint8_t>(x)], 1});
       continue;
     }
-    if (unk_id_ < 0) continue;  // no <unk>: the character is dropped
+    if (unk_id_ < 0) {  // no <unk>: the character is dropped
+      out->push_back({-1, len});
+      continue;
+    }
     if (unk >= 0 && fuse_unk_) {
       unk_len += len;
       continue;
@@ -794,7 +801,7 @@ void Tokenizer::bpe(std::string_view piece, std::vector<std::pair<int32_t, uint3
   }
   for (int32_t i = 0; i >= 0 && i < n; i = symbols[static_cast<size_t>(i)].next) {
     const Symbol& s = symbols[static_cast<size_t>(i)];
-    if (s.id >= 0) out->push_back({s.id, s.len});
+    out->push_back({s.id, s.len});  // id -1: bytes without a token, dropped by the caller
   }
 }
 

@@ -150,7 +150,8 @@ class Tokenizer {
   // encode_segment for the Metaspace pre-tokenizer. REQUIRES: text is not empty.
   void encode_metaspace(std::string_view text, uint32_t base, bool at_input_start, std::vector<int32_t>* ids,
                         std::vector<ByteSpan>* spans) const;
-  // BPE of one piece: (id, byte length) pairs, from the cache when there.
+  // BPE of one piece: (id, byte length) pairs, from the cache when there; id -1 for bytes that
+  // have no token (no <unk>), which the caller skips.
   void encode_piece(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
   void bpe(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
   // The symbols BPE starts from: (id, byte length), id -1 for a byte with no token.

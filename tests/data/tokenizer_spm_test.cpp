@@ -129,6 +129,25 @@ TEST(SpmTokenizerTest, CharactersOutsideTheVocabularyUseByteTokens) {
   EXPECT_EQ(plain->encode("\u2603\u2603"), (std::vector<int32_t>{tok->token_to_id("\xe2\x96\x81"), 0}));
 }
 
+TEST(SpmTokenizerTest, CharactersWithNoTokenAreDroppedAndLaterSpansStayRight) {
+  // Neither byte fallback nor <unk>: tokenizers drops such a character.
+  EditedTokenizer dir("mistral", [](json* t) {
+    (*t)["model"]["byte_fallback"] = false;
+    (*t)["model"]["unk_token"] = nullptr;
+  });
+  Result<Tokenizer> tok = Tokenizer::load(dir.path());
+  ASSERT_TRUE(tok.ok()) << tok.status().to_string();
+  const std::string text = "a\u2603\u2603b";  // a, two 3-byte snowmen, b
+  std::vector<int32_t> ids;
+  std::vector<ByteSpan> spans;
+  tok->encode_with_spans(text, {}, &ids, &spans);
+  ASSERT_FALSE(ids.empty());
+  EXPECT_EQ(ids.back(), tok->token_to_id("b"));
+  EXPECT_EQ(spans.back().begin, 7u);
+  EXPECT_EQ(spans.back().end, 8u);
+  EXPECT_EQ(tok->decode(ids), "ab");
+}
+
 TEST(SpmTokenizerTest, UnsupportedPiecesAreUnimplementedNamingTheFile) {
   const std::vector<std::pair<std::function<void(json*)>, std::string>> cases = {
       {[](json* t) { (*t)["pre_tokenizer"]["replacement"] = "_"; }, "Metaspace with a replacement"},
