@@ -221,6 +221,7 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
   auto merges = model->find("merges");
   if (merges == model->end() || !merges->is_array()) return Status::Corruption(file + ": no model.merges array");
   int32_t rank = 0;
+  in_merges_.assign(static_cast<size_t>(size), 0);
   for (const json& m : *merges) {
     std::string left, right;
     if (m.is_string()) {
@@ -244,6 +245,8 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
     }
     const uint64_t key = (uint64_t{static_cast<uint32_t>(l->second)} << 32) | static_cast<uint32_t>(r->second);
     merges_.emplace(key, Merge{rank, lr->second});  // the first (lowest rank) wins
+    in_merges_[static_cast<size_t>(l->second)] = 1;
+    in_merges_[static_cast<size_t>(r->second)] = 1;
     ++rank;
   }
 
@@ -370,6 +373,13 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
     std::snprintf(hex, sizeof(hex), "<0x%02X>", b);
     auto it = vocab_.find(byte_level ? byte_chars_[b] : std::string(hex));
     if (it != vocab_.end() && (byte_level || byte_fallback_)) byte_ids_[b] = it->second;
+  }
+  if (!byte_level) {  // the tokens of single characters, BPE's initial symbols
+    std::vector<DecodedChar> chars;
+    for (const auto& [token, id] : vocab_) {
+      decode_utf8(token, &chars);
+      if (chars.size() == 1 && chars[0].cp != kInvalidCodepoint) char_ids_.emplace(chars[0].cp, id);
+    }
   }
   if (!byte_level) {  // the decoder strips the space a prepended "▁" decodes to
     auto decoder = doc.find("decoder");
@@ -709,8 +719,8 @@ void Tokenizer::initial_symbols(std::string_view piece, std::vector<std::pair<in
     const size_t e = i + 1 < chars.size() ? chars[i + 1].byte_offset : piece.size();
     const std::string_view c = piece.substr(b, e - b);
     const auto len = static_cast<uint32_t>(c.size());
-    auto it = vocab_.find(std::string(c));
-    if (it != vocab_.end()) {
+    auto it = char_ids_.find(chars[i].cp);
+    if (chars[i].cp != kInvalidCodepoint && it != char_ids_.end()) {
       if (unk >= 0) out->push_back({unk, unk_len});
       unk = -1;
       out->push_back({it->second, len});
@@ -749,6 +759,27 @@ void Tokenizer::bpe(std::string_view piece, std::vector<std::pair<int32_t, uint3
       return;
     }
   }
+  std::vector<std::pair<int32_t, uint32_t>> initial;
+  initial_symbols(piece, &initial);
+  if (byte_level_) {
+    merge_symbols(initial, out);
+    return;
+  }
+  // A symbol no merge takes part in (in practice a <0xXX> byte token, e.g. of a newline) splits
+  // the word into runs that merge independently: the same result, from smaller queues.
+  size_t run = 0;
+  for (size_t i = 0; i < initial.size(); ++i) {
+    const int32_t id = initial[i].first;
+    if (id >= 0 && in_merges_[static_cast<size_t>(id)]) continue;
+    merge_symbols(std::span(initial).subspan(run, i - run), out);
+    out->push_back(initial[i]);
+    run = i + 1;
+  }
+  merge_symbols(std::span(initial).subspan(run), out);
+}
+
+void Tokenizer::merge_symbols(std::span<const std::pair<int32_t, uint32_t>> initial,
+                              std::vector<std::pair<int32_t, uint32_t>>* out) const {
   struct Symbol {
     int32_t id;
     int32_t prev;
@@ -761,8 +792,6 @@ void Tokenizer::bpe(std::string_view piece, std::vector<std::pair<int32_t, uint3
     int32_t id;
     bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
   };
-  std::vector<std::pair<int32_t, uint32_t>> initial;
-  initial_symbols(piece, &initial);
   const auto n = static_cast<int32_t>(initial.size());
   std::vector<Symbol> symbols(static_cast<size_t>(n));
   for (int32_t i = 0; i < n; ++i) {

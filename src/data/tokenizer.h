@@ -154,6 +154,9 @@ class Tokenizer {
   // have no token (no <unk>), which the caller skips.
   void encode_piece(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
   void bpe(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
+  // Applies the merges to symbols (id, byte length), lowest rank first, leftmost first.
+  void merge_symbols(std::span<const std::pair<int32_t, uint32_t>> initial,
+                     std::vector<std::pair<int32_t, uint32_t>>* out) const;
   // The symbols BPE starts from: (id, byte length), id -1 for a byte with no token.
   std::string decode_metaspace(std::span<const int32_t> ids) const;
   void initial_symbols(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
@@ -163,6 +166,7 @@ class Tokenizer {
   std::vector<std::string> id_to_token_;
   std::vector<uint8_t> is_added_;                 // by id
   std::unordered_map<uint64_t, Merge> merges_;    // (left id << 32 | right id) -> merge
+  std::vector<uint8_t> in_merges_;                // by id: 1 when a merge has it on either side
   int32_t byte_ids_[256];                         // id of each single-byte token, -1 if absent
   std::string byte_chars_[256];                   // UTF-8 of each byte's byte-level character
   std::unordered_map<uint32_t, uint8_t> char_to_byte_;  // byte-level character -> byte
@@ -183,6 +187,7 @@ class Tokenizer {
   // Reads a Metaspace pre-tokenizer or decoder; what is not supported, or empty.
   static std::string read_metaspace(const nlohmann::json& p, MetaspacePrepend* prepend);
   bool byte_level_ = true;
+  std::unordered_map<uint32_t, int32_t> char_ids_;  // code point -> id of its one-character token
   bool byte_fallback_ = false;
   bool fuse_unk_ = false;
   bool spm_normalizer_ = false;  // Sequence[Prepend("▁"), Replace(" ", "▁")]
