@@ -24,8 +24,8 @@ constexpr KnownTemplate kKnown[] = {
      "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.", true, false},
     {0xae8ac1f53b8942b4, ChatFormat::kLlama3, "Llama-3-Instruct", "", false, false},
     {0xaa5a919425524ea9, ChatFormat::kLlama31, "Llama-3.1-Instruct", "", true, false},
-    {0xdd39f833422aa4a9, ChatFormat::kMistral, "Mistral-Instruct-v0.2", "", false, false},
-    {0xbb4524ed7672ee76, ChatFormat::kMistral, "Mistral-Instruct-v0.1", "", false, true},
+    {0xdd39f833422aa4a9, ChatFormat::kMistral, "Mistral-Instruct", "", false, false},
+    {0xbb4524ed7672ee76, ChatFormat::kMistral, "Mistral-Instruct (a space after </s>)", "", false, true},
 };
 
 // Llama-3.1's system header when no date_string is passed (the template's default).

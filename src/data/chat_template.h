@@ -2,7 +2,7 @@
 // strata does not interpret; instead it recognises the templates of the supported families by
 // a hash of their normalized text and renders what transformers' apply_chat_template renders
 // for them (no tools, no generation prompt):
-//   kChatML   plain ChatML; Qwen2-Instruct (and Qwen1.5-Chat) and Qwen2.5-Instruct, which put
+//   kChatML   plain ChatML; Qwen2-Instruct and Qwen2.5-Instruct, which put
 //             their default system message first when the conversation has none
 //   kLlama3   Meta-Llama-3-Instruct
 //   kLlama31  Meta-Llama-3.1-Instruct: a system header with its knowledge and date lines first
