@@ -237,9 +237,14 @@ Result<std::unique_ptr<TokenSource>> open_llmc_shard(const std::string& path) {
                               std::to_string(kLlmcMagicU32) +
                               " (uint32 tokens); not an llm.c shard (set the data format if it is another kind)");
   }
-  if (version != 1) {
-    return Status::Corruption(path + ": unsupported llm.c shard version " + std::to_string(version) +
-                              ", expected 1");
+  // uint32 shards written by older strata carry version 1; llm.c itself writes 7.
+  const bool version_ok = type == TokenType::kU16 ? version == kLlmcVersionU16
+                                                  : (version == kLlmcVersionU32 || version == 1);
+  if (!version_ok) {
+    return Status::Corruption(path + ": unsupported llm.c shard version " + std::to_string(version) + ", expected " +
+                              (type == TokenType::kU16 ? std::to_string(kLlmcVersionU16) + " for uint16 tokens"
+                                                       : std::to_string(kLlmcVersionU32) + " for uint32 tokens") +
+                              "; re-create the shard");
   }
   if (count < 0) {
     return Status::Corruption(path + ": header says " + std::to_string(count) + " tokens; re-create the shard");

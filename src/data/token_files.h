@@ -52,9 +52,13 @@ class TokenSource {
   virtual Status read(int64_t pos, int64_t n, int32_t* out) const = 0;
 };
 
-// llm.c magic numbers (header[0]) for uint16 and uint32 tokens.
+// llm.c magic numbers (header[0]) for uint16 (GPT-2) and uint32 (Llama-3) tokens, and the
+// header version (header[1]) llm.c writes and requires with each: dev/data/data_common.py
+// writes version 1 with the uint16 magic and version 7 with the uint32 one.
 inline constexpr int32_t kLlmcMagicU16 = 20240520;
 inline constexpr int32_t kLlmcMagicU32 = 20240801;
+inline constexpr int32_t kLlmcVersionU16 = 1;
+inline constexpr int32_t kLlmcVersionU32 = 7;
 inline constexpr int64_t kLlmcHeaderInts = 256;
 inline constexpr int64_t kLlmcHeaderBytes = kLlmcHeaderInts * 4;
 
@@ -66,7 +70,9 @@ bool has_llmc_magic(const std::string& path);
 // True when the file starts with the Megatron .idx magic.
 bool has_megatron_magic(const std::string& path);
 
-// An llm.c shard: 256 little-endian int32 header (magic, version 1, token count) then tokens.
+// An llm.c shard: 256 little-endian int32 header (magic, version, token count, zeros) then the
+// tokens. Accepts version 1 with uint16 tokens and version 7 with uint32 tokens, as llm.c does,
+// and also version 1 with uint32 tokens, which strata wrote before it followed llm.c.
 Result<std::unique_ptr<TokenSource>> open_llmc_shard(const std::string& path);
 // A Megatron indexed dataset: `prefix` + ".idx" and `prefix` + ".bin". Its sequences are
 // read back to back as one stream.

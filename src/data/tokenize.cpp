@@ -58,10 +58,10 @@ class OutFile {
     return buffer_.size() >= kWriteBuffer ? flush() : Status::OK();
   }
 
-  // Writes the header (magic, version 1, count), syncs, and renames PATH.tmp to PATH.
-  Status finish(int32_t magic, int64_t count) {
+  // Writes the header (magic, version, count), syncs, and renames PATH.tmp to PATH.
+  Status finish(int32_t magic, int32_t version, int64_t count) {
     RETURN_IF_ERROR(flush());
-    int32_t header[3] = {magic, 1, static_cast<int32_t>(count)};
+    int32_t header[3] = {magic, version, static_cast<int32_t>(count)};
     if (::pwrite(fd_, header, sizeof(header), 0) != static_cast<ssize_t>(sizeof(header))) {
       return Status::IOError(tmp_ + ": header write failed: " + std::strerror(errno));
     }
@@ -150,10 +150,11 @@ class ShardWriter {
   }
 
   Status close_current() {
-    RETURN_IF_ERROR(shard_->finish(uint16_ ? kLlmcMagicU16 : kLlmcMagicU32, count_));
+    RETURN_IF_ERROR(uint16_ ? shard_->finish(kLlmcMagicU16, kLlmcVersionU16, count_)
+                            : shard_->finish(kLlmcMagicU32, kLlmcVersionU32, count_));
     shard_.reset();
     if (mask_) {
-      RETURN_IF_ERROR(mask_->finish(kLossMaskMagic, count_));
+      RETURN_IF_ERROR(mask_->finish(kLossMaskMagic, 1, count_));
       mask_.reset();
     }
     return Status::OK();
@@ -234,7 +235,7 @@ class Tokenize {
       begin = end;
     }
     if (options_.add_special_tokens) RETURN_IF_ERROR(emit(tok_.template_suffix(), {}));
-    return end_document(/*mask=*/false);
+    return end_document();
   }
 
   Status jsonl_file(const std::string& path) {
@@ -254,7 +255,7 @@ class Tokenize {
         if (text == doc.end() || !text->is_string()) return Status::InvalidArgument(where + ": no \"text\" string");
         ids_ = tok_.encode(text->get_ref<const std::string&>(), {.add_special_tokens = options_.add_special_tokens});
         RETURN_IF_ERROR(emit(ids_, {}));
-        RETURN_IF_ERROR(end_document(/*mask=*/false));
+        RETURN_IF_ERROR(end_document());
       } else {
         RETURN_IF_ERROR(chat_line(doc, where));
       }
@@ -281,12 +282,11 @@ class Tokenize {
     }
     Result<model::EncodedChat> encoded = tok_.encode_chat(chat);
     if (!encoded.ok()) return encoded.status().with_context(where);
+    // The conversation exactly as the template renders it: no EOS after it (ChatML ends with
+    // "<|im_end|>\n", the next conversation starts with its own header).
     RETURN_IF_ERROR(emit(encoded->ids, encoded->loss_mask));
-    if (!encoded->ids.empty() && encoded->ids.back() == tok_.eos_id()) {
-      ++summary_->documents;
-      return Status::OK();
-    }
-    return end_document(/*mask=*/true);
+    ++summary_->documents;
+    return Status::OK();
   }
 
   Status emit(std::span<const int32_t> ids, std::span<const uint8_t> mask) {
@@ -300,12 +300,11 @@ class Tokenize {
     return Status::OK();
   }
 
-  // The EOS after a document; with a mask, it does not count towards the loss.
-  Status end_document(bool mask) {
+  // The EOS after a text document.
+  Status end_document() {
     const int32_t eos = tok_.eos_id();
-    const uint8_t zero = 0;
     ++summary_->documents;
-    return emit(std::span<const int32_t>(&eos, 1), mask ? std::span<const uint8_t>(&zero, 1) : std::span<const uint8_t>());
+    return emit(std::span<const int32_t>(&eos, 1), {});
   }
 
   const TokenizeOptions& options_;

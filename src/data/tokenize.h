@@ -3,23 +3,26 @@
 //
 // Output, in options.out_dir:
 //   train_000000.bin, train_000001.bin, ...  llm.c shards: 256 little-endian int32 header
-//       (kLlmcMagicU16 when the vocabulary has at most 65536 ids, else kLlmcMagicU32; version 1;
-//       token count), then the tokens as uint16 or uint32. Every shard but the last holds
+//       (kLlmcMagicU16 and version 1 when the vocabulary has at most 65536 ids, else
+//       kLlmcMagicU32 and version 7, as llm.c writes them; token count), then the tokens as
+//       uint16 or uint32. Every shard but the last holds
 //       exactly shard_tokens tokens; documents run on across shard boundaries.
 //   masks/train_000000.mask, ...  (chat format only) one loss mask per shard, in a subdirectory
 //       so that opening out_dir as a dataset sees the token shards alone: 256 little-endian
 //       int32 header (kLossMaskMagic, version 1, token count) then one byte per token of the
 //       shard with the same name: 1 when the token counts towards the loss as a prediction
-//       target (assistant replies and their end-of-turn token), 0 when it is prompt (system and
-//       user turns, role headers, the separators between conversations).
+//       target (assistant replies and the end marker after each), 0 when it is prompt (system
+//       and user turns, role headers, default system messages, the newline after <|im_end|>).
 // Each file is written as NAME.tmp and renamed when complete; a failed run removes the files
 // it wrote.
 //
 // Documents: text format, each input file whole; jsonl, the "text" string of each line;
-// chat, the "messages" list ([{"role", "content"}]) of each line rendered with the tokenizer's
-// chat template. Each document is encoded with the tokenizer's post-processor template (e.g.
-// Llama-3's BOS) unless add_special_tokens is off, and followed by the EOS token (for chat,
-// unless the rendered conversation already ends with it). Blank JSONL lines are skipped.
+// chat, the "messages" list ([{"role", "content"}]) of each line rendered as the tokenizer's
+// chat template renders it (chat_template.h). A text or jsonl document is encoded with the
+// tokenizer's post-processor template (e.g. Llama-3's BOS) unless add_special_tokens is off,
+// and followed by the EOS token. A conversation is encoded as apply_chat_template(tokenize=True)
+// encodes it, with nothing added (BOS only where the template writes bos_token, no EOS after
+// ChatML's closing "<|im_end|>\n"). Blank JSONL lines are skipped.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,7 @@
 #include "data/tokenizer.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -68,19 +69,55 @@ bool json_bool(const json& j, const char* key, bool fallback) {
   return it != j.end() && it->is_boolean() ? it->get<bool>() : fallback;
 }
 
-std::string_view trim_spaces(std::string_view s) {
-  std::vector<DecodedChar> chars;
-  decode_utf8(s, &chars);
-  size_t b = 0, e = chars.size();
-  while (b < e && is_space(chars[b].cp)) ++b;
-  while (e > b && is_space(chars[e - 1].cp)) --e;
-  if (b == e) return {};
-  const size_t begin = chars[b].byte_offset;
-  const size_t end = e < chars.size() ? chars[e].byte_offset : s.size();
-  return s.substr(begin, end - begin);
+// "▁" (U+2581), which sentencepiece-style vocabularies use for a space.
+const std::string kMetaspace = "\xe2\x96\x81";
+
+// Text with each " " replaced by "▁" and, when `prepend`, a "▁" put first, and where each of
+// its bytes comes from: its bytes [b, e) stand for text bytes [begin_of[b], end_of[e]).
+struct MetaspaceText {
+  std::string text;
+  std::vector<uint32_t> begin_of;  // size text.size() + 1
+  std::vector<uint32_t> end_of;    // size text.size() + 1
+};
+
+MetaspaceText to_metaspace(std::string_view in, bool prepend) {
+  MetaspaceText m;
+  m.text.reserve(in.size() + 8);
+  auto add = [&](std::string_view bytes, uint32_t src_begin, uint32_t src_end) {
+    for (size_t k = 0; k < bytes.size(); ++k) {
+      m.begin_of.push_back(src_begin);
+      m.end_of.push_back(k + 1 == bytes.size() ? src_end : src_begin);
+    }
+    m.text.append(bytes);
+  };
+  m.end_of.push_back(0);  // then end_of[k + 1] is where byte k's source ends
+  if (prepend) add(kMetaspace, 0, 0);
+  for (size_t i = 0; i < in.size(); ++i) {
+    const auto at = static_cast<uint32_t>(i);
+    add(in[i] == ' ' ? std::string_view(kMetaspace) : in.substr(i, 1), at, at + 1);
+  }
+  m.begin_of.push_back(static_cast<uint32_t>(in.size()));
+  return m;
 }
 
 }  // namespace
+
+std::string Tokenizer::read_metaspace(const json& p, MetaspacePrepend* prepend) {
+  if (p.value("replacement", json()) != kMetaspace) return "Metaspace with a replacement other than \"▁\"";
+  const json scheme = p.value("prepend_scheme", json());
+  if (scheme == "always") {
+    *prepend = MetaspacePrepend::kAlways;
+  } else if (scheme == "first") {
+    *prepend = MetaspacePrepend::kFirst;
+  } else if (scheme == "never") {
+    *prepend = MetaspacePrepend::kNever;
+  } else if (scheme.is_null()) {  // before prepend_scheme: add_prefix_space
+    *prepend = json_bool(p, "add_prefix_space", true) ? MetaspacePrepend::kAlways : MetaspacePrepend::kNever;
+  } else {
+    return "Metaspace prepend_scheme " + scheme.dump();
+  }
+  return {};
+}
 
 struct Tokenizer::Cache {
   std::mutex mu;
@@ -123,14 +160,16 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
   if (doc.is_discarded() || !doc.is_object()) return Status::Corruption(file + ": not valid JSON");
   auto unimplemented = [&](const std::string& what) {
     return Status::Unimplemented(file + ": " + what + " is not supported (strata reads byte-level BPE tokenizers "
-                                 "like GPT-2, Llama-3 and Qwen2)");
+                                 "like GPT-2, Llama-3 and Qwen2, and sentencepiece-style BPE like Llama-2 and "
+                                 "Mistral)");
   };
 
   // model
   auto model = doc.find("model");
   if (model == doc.end() || !model->is_object()) return Status::Corruption(file + ": no \"model\" object");
   if (json_type(*model) != "BPE") return unimplemented("model type " + json_type(*model));
-  if (json_bool(*model, "byte_fallback", false)) return unimplemented("model.byte_fallback");
+  byte_fallback_ = json_bool(*model, "byte_fallback", false);
+  fuse_unk_ = json_bool(*model, "fuse_unk", false);
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     auto it = model->find(key);
     if (it != model->end() && it->is_string() && !it->get<std::string>().empty()) {
@@ -175,10 +214,6 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
     is_added_[static_cast<size_t>(a.id)] = 1;
     vocab_.emplace(a.content, a.id);
   }
-  for (int b = 0; b < 256; ++b) {
-    auto it = vocab_.find(byte_chars_[b]);
-    if (it != vocab_.end()) byte_ids_[b] = it->second;
-  }
   auto unk = model->find("unk_token");
   if (unk != model->end() && unk->is_string()) unk_id_ = token_to_id(unk->get<std::string>());
 
@@ -186,6 +221,7 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
   auto merges = model->find("merges");
   if (merges == model->end() || !merges->is_array()) return Status::Corruption(file + ": no model.merges array");
   int32_t rank = 0;
+  in_merges_.assign(static_cast<size_t>(size), 0);
   for (const json& m : *merges) {
     std::string left, right;
     if (m.is_string()) {
@@ -209,14 +245,31 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
     }
     const uint64_t key = (uint64_t{static_cast<uint32_t>(l->second)} << 32) | static_cast<uint32_t>(r->second);
     merges_.emplace(key, Merge{rank, lr->second});  // the first (lowest rank) wins
+    in_merges_[static_cast<size_t>(l->second)] = 1;
+    in_merges_[static_cast<size_t>(r->second)] = 1;
     ++rank;
   }
 
-  // normalizer: none, NFC, or a Sequence of NFC only
+  // normalizer: none, NFC, a Sequence of NFC only, or sentencepiece's Sequence[Prepend("▁"),
+  // Replace(" ", "▁")] (Llama-2, Mistral, Mixtral)
+  std::vector<std::string> normalizers;
   std::function<Status(const json&)> norm = [&](const json& n) -> Status {
     const std::string type = json_type(n);
     if (type == "NFC") {
-      nfc_ = true;
+      normalizers.push_back(type);
+      return Status::OK();
+    }
+    if (type == "Prepend") {
+      if (n.value("prepend", json()) != kMetaspace) return unimplemented("normalizer Prepend other than \"▁\"");
+      normalizers.push_back(type);
+      return Status::OK();
+    }
+    if (type == "Replace") {
+      const json pattern = n.value("pattern", json());
+      if (!pattern.is_object() || pattern.value("String", json()) != " " || n.value("content", json()) != kMetaspace) {
+        return unimplemented("normalizer Replace other than of the string \" \" by \"▁\"");
+      }
+      normalizers.push_back(type);
       return Status::OK();
     }
     if (type == "Sequence") {
@@ -227,14 +280,25 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
       for (const json& m : *list) RETURN_IF_ERROR(norm(m));
       return Status::OK();
     }
-    return unimplemented("normalizer " + type + " (known: NFC)");
+    return unimplemented("normalizer " + type + " (known: NFC; Prepend and Replace of \"▁\")");
   };
   auto normalizer = doc.find("normalizer");
   if (normalizer != doc.end() && !normalizer->is_null()) RETURN_IF_ERROR(norm(*normalizer));
+  if (normalizers == std::vector<std::string>{"Prepend", "Replace"}) {
+    spm_normalizer_ = true;
+  } else {
+    for (const std::string& n : normalizers) {
+      if (n != "NFC") return unimplemented("this normalizer sequence (known: NFC alone; Prepend then Replace)");
+    }
+    nfc_ = !normalizers.empty();
+  }
   // tokenizers looks for a `normalized` added token in normalized text, as its content normalizes.
   for (AddedToken& a : added_) {
     a.match = a.normalized && nfc_ ? nfc(a.content) : a.content;
     has_normalized_added_ = has_normalized_added_ || a.normalized;
+  }
+  if (spm_normalizer_ && has_normalized_added_) {
+    return unimplemented("an added token with \"normalized\": true beside the Prepend/Replace normalizer");
   }
   std::stable_sort(added_.begin(), added_.end(),
                    [](const AddedToken& x, const AddedToken& y) { return x.match.size() > y.match.size(); });
@@ -260,6 +324,13 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
       }
       return Status::OK();
     }
+    if (type == "Metaspace") {
+      if (metaspace_) return unimplemented("a second Metaspace pre_tokenizer");
+      if (std::string error = read_metaspace(p, &metaspace_prepend_); !error.empty()) return unimplemented(error);
+      metaspace_ = true;
+      metaspace_split_ = json_bool(p, "split", true);
+      return Status::OK();
+    }
     if (type == "Split") {
       auto pattern = p.find("pattern");
       if (pattern == p.end() || !pattern->is_object() || !pattern->contains("Regex") || !(*pattern)["Regex"].is_string()) {
@@ -283,7 +354,49 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
   };
   auto pre_tokenizer = doc.find("pre_tokenizer");
   if (pre_tokenizer != doc.end() && !pre_tokenizer->is_null()) RETURN_IF_ERROR(pre(*pre_tokenizer));
-  if (!byte_level) return unimplemented("a tokenizer without a ByteLevel pre_tokenizer");
+  // The model's alphabet: byte-level characters, or (sentencepiece style) the characters
+  // themselves with <0xXX> tokens for bytes of characters outside the vocabulary.
+  byte_level_ = byte_level;
+  if (byte_level && (metaspace_ || spm_normalizer_)) {
+    return unimplemented("ByteLevel together with Metaspace or a Prepend/Replace normalizer");
+  }
+  if (!byte_level && !metaspace_ && !spm_normalizer_) {
+    return unimplemented("a tokenizer with neither a ByteLevel nor a Metaspace pre_tokenizer nor the Prepend/Replace "
+                         "normalizer");
+  }
+  if (metaspace_ && (spm_normalizer_ || has_split_ || nfc_)) {
+    return unimplemented("Metaspace together with another pre_tokenizer or a normalizer");
+  }
+  if (byte_level && byte_fallback_) return unimplemented("model.byte_fallback with a ByteLevel pre_tokenizer");
+  for (int b = 0; b < 256; ++b) {
+    char hex[8];
+    std::snprintf(hex, sizeof(hex), "<0x%02X>", b);
+    auto it = vocab_.find(byte_level ? byte_chars_[b] : std::string(hex));
+    if (it != vocab_.end() && (byte_level || byte_fallback_)) byte_ids_[b] = it->second;
+  }
+  if (!byte_level) {  // the tokens of single characters, BPE's initial symbols
+    std::vector<DecodedChar> chars;
+    for (const auto& [token, id] : vocab_) {
+      decode_utf8(token, &chars);
+      if (chars.size() == 1 && chars[0].cp != kInvalidCodepoint) char_ids_.emplace(chars[0].cp, id);
+    }
+  }
+  if (!byte_level) {  // the decoder strips the space a prepended "▁" decodes to
+    auto decoder = doc.find("decoder");
+    std::function<void(const json&)> dec = [&](const json& d) {
+      const std::string type = json_type(d);
+      if (type == "Sequence" && d.contains("decoders") && d["decoders"].is_array()) {
+        for (const json& e : d["decoders"]) dec(e);
+      } else if (type == "Strip") {
+        strip_leading_space_ = d.value("content", json()) == " " && d.value("start", json(0)).is_number_integer() &&
+                               d.value("start", json(0)).get<int64_t>() >= 1;
+      } else if (type == "Metaspace") {
+        MetaspacePrepend prepend = MetaspacePrepend::kAlways;
+        strip_leading_space_ = read_metaspace(d, &prepend).empty() && prepend != MetaspacePrepend::kNever;
+      }
+    };
+    if (decoder != doc.end() && decoder->is_object()) dec(*decoder);
+  }
 
   // post_processor
   std::function<Status(const json&)> post = [&](const json& p) -> Status {
@@ -348,6 +461,7 @@ Status Tokenizer::load_config(const std::string& file) {
   if (!eos.empty()) {
     eos_id_ = token_to_id(eos);
     if (eos_id_ < 0) return Status::Corruption(file + ": eos_token \"" + eos + "\" is not in the vocabulary");
+    eos_text_ = eos;
   }
   std::string chat_template;
   auto tmpl = doc.find("chat_template");
@@ -360,15 +474,9 @@ Status Tokenizer::load_config(const std::string& file) {
         chat_template = t["template"].get<std::string>();
       }
     }
-    if (chat_template.empty()) chat_format_ = ChatFormat::kUnknown;
+    if (chat_template.empty()) chat_.format = ChatFormat::kUnknown;
   }
-  if (chat_template.find("<|im_start|>") != std::string::npos) {
-    chat_format_ = ChatFormat::kChatML;
-  } else if (chat_template.find("<|start_header_id|>") != std::string::npos) {
-    chat_format_ = ChatFormat::kLlama3;
-  } else if (!chat_template.empty()) {
-    chat_format_ = ChatFormat::kUnknown;
-  }
+  if (!chat_template.empty()) chat_ = recognise_chat_template(chat_template);
   return Status::OK();
 }
 
@@ -451,29 +559,42 @@ void Tokenizer::encode_stretch(std::string_view raw, uint32_t base, bool parse_s
                                std::vector<ByteSpan>* spans) const {
   std::string normalized;
   std::vector<NfcEdit> edits;
-  const std::string_view text = nfc_ && to_nfc(raw, &normalized, &edits) ? std::string_view(normalized) : raw;
+  MetaspaceText spm;
+  std::string_view text = nfc_ && to_nfc(raw, &normalized, &edits) ? std::string_view(normalized) : raw;
+  if (spm_normalizer_) {  // Prepend("▁") on non-empty text, then Replace(" ", "▁")
+    spm = to_metaspace(raw, !raw.empty());
+    text = spm.text;
+  }
   const size_t first = ids->size();
   size_t pos = 0;
   if (parse_special && has_normalized_added_) {
     for (const auto& [at, a] : find_added(text, /*normalized=*/true)) {
-      if (at > pos) encode_segment(text.substr(pos, at - pos), static_cast<uint32_t>(pos), ids, spans);
+      if (at > pos) encode_segment(text.substr(pos, at - pos), static_cast<uint32_t>(pos), base == 0 && pos == 0, ids, spans);
       ids->push_back(a->id);
       spans->push_back({static_cast<uint32_t>(at), static_cast<uint32_t>(at + a->match.size())});
       pos = at + a->match.size();
     }
   }
-  if (pos < text.size()) encode_segment(text.substr(pos), static_cast<uint32_t>(pos), ids, spans);
+  if (pos < text.size()) encode_segment(text.substr(pos), static_cast<uint32_t>(pos), base == 0 && pos == 0, ids, spans);
   // Spans of the normalized text back to the raw one: a token that covers part of a changed
   // stretch stands for all of it.
   for (size_t i = first; i < spans->size(); ++i) {
     ByteSpan& s = (*spans)[i];
-    s = {base + nfc_source_begin(edits, s.begin), base + nfc_source_end(edits, s.end)};
+    if (spm_normalizer_) {
+      s = {base + spm.begin_of[s.begin], base + spm.end_of[s.end]};
+    } else {
+      s = {base + nfc_source_begin(edits, s.begin), base + nfc_source_end(edits, s.end)};
+    }
   }
 }
 
-void Tokenizer::encode_segment(std::string_view text, uint32_t base, std::vector<int32_t>* ids,
+void Tokenizer::encode_segment(std::string_view text, uint32_t base, bool at_input_start, std::vector<int32_t>* ids,
                                std::vector<ByteSpan>* spans) const {
   std::vector<std::pair<int32_t, uint32_t>> tokens;
+  if (metaspace_) {
+    encode_metaspace(text, base, at_input_start, ids, spans);
+    return;
+  }
   std::string scratch;
   // Emits the BPE of s, whose first `inserted` bytes are a prefix space not in the text and
   // whose other bytes start at text byte `begin`.
@@ -484,8 +605,10 @@ void Tokenizer::encode_segment(std::string_view text, uint32_t base, std::vector
     for (const auto& [id, len] : tokens) {
       const uint32_t b = begin + (offset > inserted ? offset - inserted : 0);
       const uint32_t e = begin + (offset + len > inserted ? offset + len - inserted : 0);
-      ids->push_back(id);
-      spans->push_back({b, e});
+      if (id >= 0) {
+        ids->push_back(id);
+        spans->push_back({b, e});
+      }
       offset += len;
     }
   };
@@ -520,6 +643,40 @@ void Tokenizer::encode_segment(std::string_view text, uint32_t base, std::vector
   }
 }
 
+void Tokenizer::encode_metaspace(std::string_view text, uint32_t base, bool at_input_start, std::vector<int32_t>* ids,
+                                 std::vector<ByteSpan>* spans) const {
+  // As tokenizers' Metaspace: spaces become "▁"; a "▁" goes first unless the text already
+  // starts with one (prepend_scheme "always"), or only in the text's first segment ("first").
+  const bool starts_with_space = text[0] == ' ' || text.substr(0, kMetaspace.size()) == kMetaspace;
+  const bool prepend = !starts_with_space && (metaspace_prepend_ == MetaspacePrepend::kAlways ||
+                                              (metaspace_prepend_ == MetaspacePrepend::kFirst && at_input_start));
+  const MetaspaceText m = to_metaspace(text, prepend);
+  std::vector<std::pair<int32_t, uint32_t>> tokens;
+  auto emit = [&](size_t begin, size_t end) {
+    tokens.clear();
+    encode_piece(std::string_view(m.text).substr(begin, end - begin), &tokens);
+    size_t offset = begin;
+    for (const auto& [id, len] : tokens) {
+      if (id >= 0) {
+        ids->push_back(id);
+        spans->push_back({base + m.begin_of[offset], base + m.end_of[offset + len]});
+      }
+      offset += len;
+    }
+  };
+  if (!metaspace_split_) {
+    emit(0, m.text.size());
+    return;
+  }
+  // split: each "▁" starts a piece (MergedWithNext)
+  size_t piece = 0;
+  for (size_t at = m.text.find(kMetaspace, 1); at != std::string::npos; at = m.text.find(kMetaspace, at + 1)) {
+    emit(piece, at);
+    piece = at;
+  }
+  emit(piece, m.text.size());
+}
+
 void Tokenizer::encode_piece(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const {
   if (piece.size() > kCacheMaxPiece) {
     bpe(piece, out);
@@ -541,16 +698,88 @@ void Tokenizer::encode_piece(std::string_view piece, std::vector<std::pair<int32
   cache_->pieces.emplace(key, std::vector<std::pair<int32_t, uint32_t>>(out->begin() + start, out->end()));
 }
 
+void Tokenizer::initial_symbols(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const {
+  if (byte_level_) {
+    for (char c : piece) {
+      const int32_t id = byte_ids_[static_cast<uint8_t>(c)];
+      out->push_back({id >= 0 ? id : unk_id_, 1});
+    }
+    return;
+  }
+  // As tokenizers' BPE::merge_word: each character is its token; outside the vocabulary, its
+  // bytes' <0xXX> tokens (byte_fallback, when all exist), else <unk>, runs of which fuse_unk
+  // joins. (Like the library, a pending <unk> is only written when the next character in the
+  // vocabulary or the end comes.) A byte that is not UTF-8 counts as a character.
+  std::vector<DecodedChar> chars;
+  decode_utf8(piece, &chars);
+  int32_t unk = -1;
+  uint32_t unk_len = 0;
+  for (size_t i = 0; i < chars.size(); ++i) {
+    const size_t b = chars[i].byte_offset;
+    const size_t e = i + 1 < chars.size() ? chars[i + 1].byte_offset : piece.size();
+    const std::string_view c = piece.substr(b, e - b);
+    const auto len = static_cast<uint32_t>(c.size());
+    auto it = char_ids_.find(chars[i].cp);
+    if (chars[i].cp != kInvalidCodepoint && it != char_ids_.end()) {
+      if (unk >= 0) out->push_back({unk, unk_len});
+      unk = -1;
+      out->push_back({it->second, len});
+      continue;
+    }
+    if (byte_fallback_ && std::all_of(c.begin(), c.end(), [&](char x) { return byte_ids_[static_cast<uint8_t>(x)] >= 0; })) {
+      for (char x : c) out->push_back({byte_ids_[static_cast<uint8_t>(x)], 1});
+      continue;
+    }
+    if (unk_id_ < 0) {  // no <unk>: the character is dropped
+      out->push_back({-1, len});
+      continue;
+    }
+    if (unk >= 0 && fuse_unk_) {
+      unk_len += len;
+      continue;
+    }
+    if (unk >= 0) out->push_back({unk, unk_len});
+    unk = unk_id_;
+    unk_len = len;
+  }
+  if (unk >= 0) out->push_back({unk, unk_len});
+}
+
 void Tokenizer::bpe(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const {
   if (ignore_merges_) {
     std::string word;
-    for (char c : piece) word += byte_chars_[static_cast<uint8_t>(c)];
+    if (byte_level_) {
+      for (char c : piece) word += byte_chars_[static_cast<uint8_t>(c)];
+    } else {
+      word = piece;
+    }
     auto it = vocab_.find(word);
     if (it != vocab_.end()) {
       out->push_back({it->second, static_cast<uint32_t>(piece.size())});
       return;
     }
   }
+  std::vector<std::pair<int32_t, uint32_t>> initial;
+  initial_symbols(piece, &initial);
+  if (byte_level_) {
+    merge_symbols(initial, out);
+    return;
+  }
+  // A symbol no merge takes part in (in practice a <0xXX> byte token, e.g. of a newline) splits
+  // the word into runs that merge independently: the same result, from smaller queues.
+  size_t run = 0;
+  for (size_t i = 0; i < initial.size(); ++i) {
+    const int32_t id = initial[i].first;
+    if (id >= 0 && in_merges_[static_cast<size_t>(id)]) continue;
+    merge_symbols(std::span(initial).subspan(run, i - run), out);
+    out->push_back(initial[i]);
+    run = i + 1;
+  }
+  merge_symbols(std::span(initial).subspan(run), out);
+}
+
+void Tokenizer::merge_symbols(std::span<const std::pair<int32_t, uint32_t>> initial,
+                              std::vector<std::pair<int32_t, uint32_t>>* out) const {
   struct Symbol {
     int32_t id;
     int32_t prev;
@@ -563,11 +792,11 @@ void Tokenizer::bpe(std::string_view piece, std::vector<std::pair<int32_t, uint3
     int32_t id;
     bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
   };
-  const int32_t n = static_cast<int32_t>(piece.size());
+  const auto n = static_cast<int32_t>(initial.size());
   std::vector<Symbol> symbols(static_cast<size_t>(n));
   for (int32_t i = 0; i < n; ++i) {
-    const int32_t id = byte_ids_[static_cast<uint8_t>(piece[static_cast<size_t>(i)])];
-    symbols[static_cast<size_t>(i)] = {id >= 0 ? id : unk_id_, i - 1, i + 1 < n ? i + 1 : -1, 1};
+    const auto& [id, len] = initial[static_cast<size_t>(i)];
+    symbols[static_cast<size_t>(i)] = {id, i - 1, i + 1 < n ? i + 1 : -1, len};
   }
   auto find_merge = [&](int32_t left, int32_t right) -> const Merge* {
     const int32_t a = symbols[static_cast<size_t>(left)].id, b = symbols[static_cast<size_t>(right)].id;
@@ -601,11 +830,12 @@ void Tokenizer::bpe(std::string_view piece, std::vector<std::pair<int32_t, uint3
   }
   for (int32_t i = 0; i >= 0 && i < n; i = symbols[static_cast<size_t>(i)].next) {
     const Symbol& s = symbols[static_cast<size_t>(i)];
-    if (s.id >= 0) out->push_back({s.id, s.len});
+    out->push_back({s.id, s.len});  // id -1: bytes without a token, dropped by the caller
   }
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids) const {
+  if (!byte_level_) return decode_metaspace(ids);
   std::string out;
   std::vector<DecodedChar> chars;
   for (int32_t id : ids) {
@@ -628,48 +858,75 @@ std::string Tokenizer::decode(std::span<const int32_t> ids) const {
   return out;
 }
 
+std::string Tokenizer::decode_metaspace(std::span<const int32_t> ids) const {
+  std::string out;
+  for (int32_t id : ids) {
+    if (id < 0 || id >= vocab_size()) continue;
+    const std::string& token = id_to_token_[static_cast<size_t>(id)];
+    if (is_added_[static_cast<size_t>(id)]) {
+      out += token;
+      continue;
+    }
+    const auto byte = std::find(std::begin(byte_ids_), std::end(byte_ids_), id);
+    if (byte != std::end(byte_ids_)) {
+      out.push_back(static_cast<char>(byte - std::begin(byte_ids_)));
+      continue;
+    }
+    for (size_t at = 0; at < token.size();) {
+      if (token.compare(at, kMetaspace.size(), kMetaspace) == 0) {
+        out += ' ';
+        at += kMetaspace.size();
+      } else {
+        out += token[at++];
+      }
+    }
+  }
+  if (strip_leading_space_ && !out.empty() && out[0] == ' ') out.erase(0, 1);
+  return out;
+}
+
 Result<EncodedChat> Tokenizer::encode_chat(std::span<const ChatMessage> messages) const {
-  if (chat_format_ == ChatFormat::kNone) {
-    return Status::Unimplemented(config_path_ + ": no chat_template; chat data needs a ChatML or Llama-3 template");
+  if (chat_.format == ChatFormat::kNone) {
+    return Status::Unimplemented(config_path_ + ": no chat_template; chat data needs the template of a chat model");
   }
-  if (chat_format_ == ChatFormat::kUnknown) {
-    return Status::Unimplemented(config_path_ + ": chat_template is neither ChatML (<|im_start|>) nor Llama-3 "
-                                 "(<|start_header_id|>); strata renders only those two");
+  if (chat_.format == ChatFormat::kUnknown) {
+    char hash[17];
+    std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(chat_.hash));
+    return Status::Unimplemented(
+        config_path_ + ": chat_template (normalized hash " + hash +
+        ") is not one strata renders; it knows the templates of plain ChatML, Qwen2/Qwen2.5-Instruct, "
+        "Llama-3/3.1-Instruct and Mistral-Instruct v0.1/v0.2. Use one of those, or render the conversations "
+        "to text yourself and tokenize them as jsonl");
   }
-  const bool chatml = chat_format_ == ChatFormat::kChatML;
-  static constexpr std::string_view kChatMLTokens[] = {"<|im_start|>", "<|im_end|>"};
-  static constexpr std::string_view kLlama3Tokens[] = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
-  for (std::string_view special : chatml ? std::span<const std::string_view>(kChatMLTokens)
-                                         : std::span<const std::string_view>(kLlama3Tokens)) {
+  // The markers the template writes must be added tokens, or they would be encoded as text.
+  std::vector<std::string_view> specials;
+  if (chat_.format == ChatFormat::kChatML) specials = {"<|im_start|>", "<|im_end|>"};
+  if (chat_.format == ChatFormat::kLlama3 || chat_.format == ChatFormat::kLlama31) {
+    specials = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
+  }
+  if (chat_.format == ChatFormat::kMistral) {
+    if (eos_text_.empty()) {
+      return Status::InvalidArgument(config_path_ + ": the " + chat_.name + " template ends replies with eos_token, "
+                                     "which is not set");
+    }
+    specials = {eos_text_};
+  }
+  for (std::string_view special : specials) {
     const int32_t id = token_to_id(special);
     if (id < 0 || !is_added_[static_cast<size_t>(id)]) {
       return Status::InvalidArgument(config_path_ + ": the chat template uses " + std::string(special) +
                                      ", which is not an added token of tokenizer.json");
     }
   }
+  ASSIGN_OR_RETURN(RenderedChat rendered, render_chat(chat_, messages, bos_text_, eos_text_));
   EncodedChat chat;
-  std::vector<ByteSpan> assistant;  // bytes of the rendered text that count towards the loss
-  if (!chatml && bos_id_ >= 0) chat.text = bos_text_;
-  for (const ChatMessage& m : messages) {
-    std::string_view content = m.content;
-    if (chatml) {
-      chat.text += "<|im_start|>" + m.role + "\n";
-    } else {
-      chat.text += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n";
-      content = trim_spaces(content);
-    }
-    const uint32_t begin = static_cast<uint32_t>(chat.text.size());
-    chat.text.append(content);
-    chat.text += chatml ? "<|im_end|>" : "<|eot_id|>";
-    if (m.role == "assistant") assistant.push_back({begin, static_cast<uint32_t>(chat.text.size())});
-    if (chatml) chat.text += "\n";
-  }
+  chat.text = std::move(rendered.text);
   std::vector<ByteSpan> spans;
   encode_with_spans(chat.text, EncodeOptions{.add_special_tokens = false, .parse_special = true}, &chat.ids, &spans);
   chat.loss_mask.resize(chat.ids.size());
   for (size_t i = 0; i < spans.size(); ++i) {
     uint8_t counts = 0;
-    for (const ByteSpan& a : assistant) counts |= (spans[i].begin < a.end && a.begin < spans[i].end) ? 1 : 0;
+    for (const ByteSpan& a : rendered.assistant) counts |= (spans[i].begin < a.end && a.begin < spans[i].end) ? 1 : 0;
     chat.loss_mask[i] = counts;
   }
   return chat;

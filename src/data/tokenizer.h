@@ -1,14 +1,25 @@
-// A byte-level BPE tokenizer read from a Hugging Face tokenizer.json (GPT-2, Llama-3, Qwen2
-// and models built like them), with tokenizer_config.json beside it for the BOS/EOS tokens and
-// the chat template.
+// A BPE tokenizer read from a Hugging Face tokenizer.json, byte-level (GPT-2, Llama-3, Qwen2
+// and models built like them) or sentencepiece style (Llama-2, Mistral, Mixtral), with
+// tokenizer_config.json beside it for the BOS/EOS tokens and the chat template.
 //
 // Supported tokenizer.json: model.type "BPE" (vocab; merges as "a b" strings or [a, b] pairs;
-// ignore_merges), added_tokens (leftmost and longest first; lstrip, rstrip and single_word are
-// not interpreted), normalizer null, NFC or a Sequence of NFC alone (Qwen2, Qwen2-MoE, Qwen3;
-// unicode_nfc.h), pre_tokenizer ByteLevel (add_prefix_space, use_regex) or
-// Sequence[Split(Regex, Isolated), ByteLevel(use_regex false)] with one of the split patterns
-// of tokenizer_split.h, post_processor ByteLevel / TemplateProcessing / a Sequence of them.
-// Anything else is Unimplemented naming the file and the field.
+// ignore_merges; byte_fallback and fuse_unk in sentencepiece style), added_tokens (leftmost and
+// longest first; lstrip, rstrip and single_word are not interpreted), and either
+//   byte-level: normalizer null, NFC or a Sequence of NFC alone (Qwen2, Qwen2-MoE, Qwen3;
+//     unicode_nfc.h), pre_tokenizer ByteLevel (add_prefix_space, use_regex) or
+//     Sequence[Split(Regex, Isolated), ByteLevel(use_regex false)] with one of the split
+//     patterns of tokenizer_split.h; or
+//   sentencepiece style: normalizer Sequence[Prepend("▁"), Replace(" ", "▁")] with no
+//     pre_tokenizer (Llama-2's files), or no normalizer and pre_tokenizer Metaspace("▁",
+//     prepend_scheme always / first / never or the older add_prefix_space, split). Characters
+//     are the initial symbols; one outside the vocabulary becomes its <0xXX> byte tokens (a
+//     byte that is not UTF-8 too). Prepend and "first" put "▁" only before non-empty text
+//     that starts the input or follows an added token (Prepend) / starts the input (first).
+//     Decoding maps "▁" to a space and <0xXX> to its byte and drops the first space when the
+//     decoder has Strip(" ", 1, 0) or is Metaspace with a prepend scheme; other decoders are
+//     not interpreted, and the library's spaces around added tokens are not reproduced.
+// and post_processor ByteLevel / TemplateProcessing / a Sequence of them. Anything else is
+// Unimplemented naming the file and the field.
 //
 // Encoding follows tokenizers: added tokens with "normalized": false (the special tokens of
 // the models above) are found in the raw text first; the text between them is normalized piece
@@ -19,9 +30,8 @@
 // the Unicode version of unicode_nfc_tables.h; tokenizers' own tables are older and give class
 // 0 to the few combining marks added since, so text with those marks can order differently.
 //
-// Chat: tokenizer_config.json's chat_template is not interpreted as Jinja. A template that
-// contains "<|im_start|>" renders ChatML, one that contains "<|start_header_id|>" renders
-// Llama-3; encode_chat fails with Unimplemented for any other.
+// Chat: tokenizer_config.json's chat_template is recognised, not interpreted as Jinja; the
+// families strata renders are listed in chat_template.h.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +42,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "core/status.h"
+#include "data/chat_template.h"
 #include "data/tokenizer_split.h"
 
 namespace strata::model {
@@ -45,20 +58,9 @@ struct EncodeOptions {
   bool parse_special = true;
 };
 
-enum class ChatFormat : uint8_t {
-  kNone,     // no chat_template
-  kChatML,   // <|im_start|>role\ncontent<|im_end|>\n
-  kLlama3,   // <|begin_of_text|><|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>
-  kUnknown,  // a template this renderer does not know
-};
-
-struct ChatMessage {
-  std::string role;  // "system", "user", "assistant", ...
-  std::string content;
-};
-
-// A rendered and encoded conversation. loss_mask[i] is 1 when token i is part of an assistant
-// reply (its content or the end-of-turn token after it), 0 for everything the model is given.
+// A rendered and encoded conversation. loss_mask[i] is 1 when token i overlaps an assistant
+// reply or the end marker after it (<|im_end|>, <|eot_id|>, </s>), 0 for everything the model
+// is given (system and user turns, role headers, default system messages, separators).
 struct EncodedChat {
   std::string text;
   std::vector<int32_t> ids;
@@ -86,7 +88,7 @@ class Tokenizer {
   void encode_with_spans(std::string_view text, const EncodeOptions& options, std::vector<int32_t>* ids,
                          std::vector<ByteSpan>* spans) const;
   // The bytes the ids stand for: added tokens as their content, others through the byte-level
-  // map. Ids outside the vocabulary are skipped. The result is not necessarily valid UTF-8 when
+  // map (sentencepiece style: "▁" as a space, <0xXX> as its byte, see above). Ids outside the vocabulary are skipped. The result is not necessarily valid UTF-8 when
   // the ids end inside a character.
   std::string decode(std::span<const int32_t> ids) const;
 
@@ -109,10 +111,12 @@ class Tokenizer {
   // prefix space is added per part and no added token contains a newline).
   bool can_cut_after_newlines() const;
 
-  ChatFormat chat_format() const { return chat_format_; }
-  // Renders messages with the chat format and encodes the text (added tokens parsed, no
-  // post-processor template). Unimplemented naming tokenizer_config.json when the format is
-  // kNone or kUnknown.
+  ChatFormat chat_format() const { return chat_.format; }
+  const ChatTemplate& chat_template() const { return chat_; }
+  // Renders messages as the chat template does (render_chat) and encodes the text (added
+  // tokens parsed, no post-processor template), as apply_chat_template(tokenize=True) does.
+  // Unimplemented naming tokenizer_config.json when the format is kNone or kUnknown;
+  // InvalidArgument for a conversation the template refuses.
   Result<EncodedChat> encode_chat(std::span<const ChatMessage> messages) const;
 
  private:
@@ -140,17 +144,29 @@ class Tokenizer {
   void encode_stretch(std::string_view raw, uint32_t base, bool parse_special, std::vector<int32_t>* ids,
                       std::vector<ByteSpan>* spans) const;
   // Encodes text without added tokens: prefix space, split, BPE. Spans are offset by `base`.
-  void encode_segment(std::string_view text, uint32_t base, std::vector<int32_t>* ids,
+  // at_input_start: text begins the input (Metaspace's prepend_scheme "first").
+  void encode_segment(std::string_view text, uint32_t base, bool at_input_start, std::vector<int32_t>* ids,
                       std::vector<ByteSpan>* spans) const;
-  // BPE of one piece: (id, byte length) pairs, from the cache when there.
+  // encode_segment for the Metaspace pre-tokenizer. REQUIRES: text is not empty.
+  void encode_metaspace(std::string_view text, uint32_t base, bool at_input_start, std::vector<int32_t>* ids,
+                        std::vector<ByteSpan>* spans) const;
+  // BPE of one piece: (id, byte length) pairs, from the cache when there; id -1 for bytes that
+  // have no token (no <unk>), which the caller skips.
   void encode_piece(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
   void bpe(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
+  // Applies the merges to symbols (id, byte length), lowest rank first, leftmost first.
+  void merge_symbols(std::span<const std::pair<int32_t, uint32_t>> initial,
+                     std::vector<std::pair<int32_t, uint32_t>>* out) const;
+  // The symbols BPE starts from: (id, byte length), id -1 for a byte with no token.
+  std::string decode_metaspace(std::span<const int32_t> ids) const;
+  void initial_symbols(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
 
   std::string config_path_;  // tokenizer_config.json, named in chat errors
   std::unordered_map<std::string, int32_t> vocab_;
   std::vector<std::string> id_to_token_;
   std::vector<uint8_t> is_added_;                 // by id
   std::unordered_map<uint64_t, Merge> merges_;    // (left id << 32 | right id) -> merge
+  std::vector<uint8_t> in_merges_;                // by id: 1 when a merge has it on either side
   int32_t byte_ids_[256];                         // id of each single-byte token, -1 if absent
   std::string byte_chars_[256];                   // UTF-8 of each byte's byte-level character
   std::unordered_map<uint32_t, uint8_t> char_to_byte_;  // byte-level character -> byte
@@ -163,6 +179,22 @@ class Tokenizer {
   enum class PrefixSpace : uint8_t { kNone, kSegment, kPiece };
   PrefixSpace prefix_space_ = PrefixSpace::kNone;
   bool has_split_ = false;
+  // Sentencepiece style (byte_level_ false): the model's symbols are characters, a character
+  // outside the vocabulary becomes its <0xXX> byte tokens (byte_fallback_) or <unk>, and "▁"
+  // stands for a space, put there by the Prepend/Replace normalizer or the Metaspace
+  // pre-tokenizer.
+  enum class MetaspacePrepend : uint8_t { kAlways, kFirst, kNever };
+  // Reads a Metaspace pre-tokenizer or decoder; what is not supported, or empty.
+  static std::string read_metaspace(const nlohmann::json& p, MetaspacePrepend* prepend);
+  bool byte_level_ = true;
+  std::unordered_map<uint32_t, int32_t> char_ids_;  // code point -> id of its one-character token
+  bool byte_fallback_ = false;
+  bool fuse_unk_ = false;
+  bool spm_normalizer_ = false;  // Sequence[Prepend("▁"), Replace(" ", "▁")]
+  bool metaspace_ = false;       // the Metaspace pre-tokenizer
+  MetaspacePrepend metaspace_prepend_ = MetaspacePrepend::kAlways;
+  bool metaspace_split_ = true;      // pieces start at each "▁"
+  bool strip_leading_space_ = false;  // the decoder drops the first " " of the text
   SplitPattern split_ = SplitPattern::kGpt2;
   int32_t unk_id_ = -1;
   std::vector<int32_t> template_prefix_;  // post-processor ids before the sequence
@@ -170,7 +202,8 @@ class Tokenizer {
   int32_t bos_id_ = -1;
   int32_t eos_id_ = -1;
   std::string bos_text_;
-  ChatFormat chat_format_ = ChatFormat::kNone;
+  std::string eos_text_;
+  ChatTemplate chat_;
   std::unique_ptr<Cache> cache_;
 };
 

@@ -44,12 +44,15 @@ class DataTest : public ::testing::Test {
     buf->insert(buf->end(), b, b + n);
   }
 
-  // An llm.c shard; header_count overrides the token count in the header when >= 0.
+  // An llm.c shard laid out as llm.c's dev/data/data_common.py write_datafile writes it: 256
+  // int32 (magic, version, token count, zeros), then the tokens as uint16 (magic 20240520,
+  // version 1) or uint32 (magic 20240801, version 7). header_count overrides the token count
+  // when >= 0, magic and version the header's when not 0.
   std::string write_llmc(const std::string& name, const std::vector<uint32_t>& tokens, bool u32,
-                         int32_t header_count = -1, int32_t magic = 0) const {
+                         int32_t header_count = -1, int32_t magic = 0, int32_t version = 0) const {
     std::vector<int32_t> header(256, 0);
-    header[0] = magic != 0 ? magic : (u32 ? kLlmcMagicU32 : kLlmcMagicU16);
-    header[1] = 1;
+    header[0] = magic != 0 ? magic : (u32 ? 20240801 : 20240520);
+    header[1] = version != 0 ? version : (u32 ? 7 : 1);
     header[2] = header_count >= 0 ? header_count : static_cast<int32_t>(tokens.size());
     std::vector<uint8_t> buf;
     append(&buf, header.data(), header.size() * 4);
@@ -153,6 +156,31 @@ TEST_F(DataTest, LlmcShardWithUint32TokensReadsBack) {
   std::vector<int32_t> mid(1);
   ASSERT_TRUE((*d)->read(1, 1, mid.data()).ok());
   EXPECT_EQ(mid[0], 128255);
+}
+
+TEST_F(DataTest, LlmcLlama3ShardHasVersion7AndReads) {
+  const std::string f = write_llmc("llama3.bin", {128000, 9906, 128001}, /*u32=*/true);
+  std::ifstream in(f, std::ios::binary);
+  int32_t header[2];
+  in.read(reinterpret_cast<char*>(header), sizeof(header));
+  ASSERT_EQ(header[1], 7);  // the helper writes what llm.c writes
+  auto d = open({f}, "llmc");
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(read_all(**d), (std::vector<int32_t>{128000, 9906, 128001}));
+}
+
+TEST_F(DataTest, LlmcUint32ShardWithStrataVersion1StillReads) {
+  auto d = open({write_llmc("old.bin", {1, 70000}, /*u32=*/true, -1, 0, /*version=*/1)});
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(read_all(**d), (std::vector<int32_t>{1, 70000}));
+}
+
+TEST_F(DataTest, LlmcVersionNotMatchingTheMagicIsCorruption) {
+  // llm.c reads uint16 shards only as version 1 and uint32 shards as version 7.
+  std::string f = write_llmc("v7u16.bin", {1, 2}, /*u32=*/false, -1, 0, /*version=*/7);
+  expect_error(open({f}, "llmc").status(), StatusCode::kCorruption, {"v7u16.bin", "version 7", "expected 1"});
+  f = write_llmc("v3u32.bin", {1, 2}, /*u32=*/true, -1, 0, /*version=*/3);
+  expect_error(open({f}, "llmc").status(), StatusCode::kCorruption, {"v3u32.bin", "version 3", "expected 7"});
 }
 
 TEST_F(DataTest, LlmcTokenAboveInt32RangeIsCorruption) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -93,6 +94,48 @@ TEST_F(TokenizeTest, TextFilesBecomeDocumentsFollowedByEos) {
   EXPECT_FALSE(fs::exists(s->shards[0] + ".tmp"));
 }
 
+TEST_F(TokenizeTest, LargeVocabularyWritesLlmcLlama3Shards) {
+  // The GPT-2 fixture with an added token at id 70000: too many ids for uint16.
+  nlohmann::json spec = nlohmann::json::parse(std::ifstream(kFixtures + "/gpt2/tokenizer.json"), nullptr, false);
+  ASSERT_FALSE(spec.is_discarded());
+  spec["added_tokens"].push_back({{"id", 70000}, {"content", "<|big|>"}, {"single_word", false}, {"lstrip", false},
+                                  {"rstrip", false}, {"normalized", false}, {"special", true}});
+  fs::create_directories(path("big"));
+  write("big/tokenizer.json", spec.dump());
+  TokenizeOptions o;
+  o.tokenizer = path("big");
+  o.inputs = {write("a.txt", "Hello<|big|> world")};
+  o.out_dir = path("out");
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  std::ifstream f(s->shards[0], std::ios::binary);
+  int32_t header[3];
+  f.read(reinterpret_cast<char*>(header), sizeof(header));
+  EXPECT_EQ(header[0], 20240801);  // what llm.c's data_common.py writes for llama-3
+  EXPECT_EQ(header[1], 7);
+  EXPECT_EQ(header[2], static_cast<int32_t>(s->tokens));
+  EXPECT_EQ(fs::file_size(s->shards[0]), static_cast<uintmax_t>(kLlmcHeaderBytes + 4 * s->tokens));
+  const std::vector<int32_t> ids = read_all(o.out_dir);
+  ASSERT_GE(ids.size(), 2u);
+  EXPECT_NE(std::find(ids.begin(), ids.end(), 70000), ids.end());
+}
+
+TEST_F(TokenizeTest, SentencepieceStyleTokenizerWritesShards) {
+  // Llama-2 style: Prepend/Replace normalizer, byte fallback, "<s> $A" template, "</s>" EOS.
+  const std::string a = "Grüße, 日本 😀 and plain words.\n  Indented line.";
+  TokenizeOptions o;
+  o.tokenizer = kFixtures + "/llama2";
+  o.inputs = {write("a.txt", a)};
+  o.out_dir = path("out");
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  Tokenizer tok = load("llama2");
+  std::vector<int32_t> expected = tok.encode(a, {.add_special_tokens = true});
+  ASSERT_EQ(expected[0], tok.token_to_id("<s>"));
+  expected.push_back(tok.token_to_id("</s>"));
+  EXPECT_EQ(read_all(o.out_dir), expected);
+}
+
 TEST_F(TokenizeTest, JsonlShardsCutAtShardTokensWithTemplate) {
   std::string jsonl;
   std::vector<std::string> texts;
@@ -154,7 +197,7 @@ TEST_F(TokenizeTest, LongTextEncodedInPartsMatchesWholeEncoding) {
   EXPECT_EQ(s->bytes, static_cast<int64_t>(text.size()));
 }
 
-TEST_F(TokenizeTest, ChatWritesLossMasks) {
+TEST_F(TokenizeTest, ChatWritesConversationsAsRenderedWithLossMasks) {
   const nlohmann::json expected = nlohmann::json::parse(
       std::ifstream(kFixtures + "/qwen2/expected.json"), nullptr, false);
   ASSERT_FALSE(expected.is_discarded());
@@ -176,13 +219,14 @@ TEST_F(TokenizeTest, ChatWritesLossMasks) {
   Tokenizer tok = load("qwen2");
   const std::vector<int32_t> ids = chat["ids"];
   const std::vector<uint8_t> mask = chat["mask"];
-  ASSERT_NE(ids.back(), tok.eos_id());  // so an EOS (not counted) follows each conversation
+  // Each conversation exactly as the template renders it, back to back: ChatML ends with
+  // "<|im_end|>\n" and no EOS is added after it.
+  ASSERT_NE(ids.back(), tok.eos_id());
   std::vector<int32_t> want_ids;
   std::vector<uint8_t> want_mask;
   for (int i = 0; i < 3; ++i) {
-    want_ids = concat({want_ids, ids, {tok.eos_id()}});
+    want_ids = concat({want_ids, ids});
     want_mask.insert(want_mask.end(), mask.begin(), mask.end());
-    want_mask.push_back(0);
   }
   EXPECT_EQ(read_all(o.out_dir), want_ids);  // the masks directory is not read as data
   std::vector<uint8_t> got_mask;

@@ -13,7 +13,8 @@ constexpr const char* kDataUsage = R"(Usage: strata data tokenize --tokenizer DI
 
 Tokenizes text into llm.c shards (OUT/train_000000.bin, ...) that `strata train` reads with
 data.format=auto or llmc. DIR holds a Hugging Face tokenizer.json (byte-level BPE: GPT-2,
-Llama-3, Qwen2 and the like) and optionally tokenizer_config.json (bos/eos tokens, chat template).
+Llama-3, Qwen2 and the like; sentencepiece-style BPE with byte fallback: Llama-2, Mistral,
+Mixtral) and optionally tokenizer_config.json (bos/eos tokens, chat template).
 
 Options:
   --tokenizer DIR        tokenizer directory (or its tokenizer.json)
@@ -22,16 +23,19 @@ Options:
   --format F             text (default): each file is one document
                          jsonl: one JSON object per line, its "text" string a document
                          chat: one JSON object per line, {"messages": [{"role", "content"}]},
-                               rendered with the chat template (ChatML or Llama-3); also writes
+                               rendered as the model's chat_template renders it (ChatML,
+                               Qwen2/2.5, Llama-3/3.1, Mistral v0.1/v0.2); also writes
                                OUT/masks/train_NNNNNN.mask, 1 byte per token, 1 = the token is
-                               part of an assistant reply and counts towards the loss
+                               part of an assistant reply (or the end marker after it) and
+                               counts towards the loss
   --shard-tokens N       tokens per shard (default 100M; K/M/B suffixes are powers of 1000)
   --no-special-tokens    do not put the tokenizer's template tokens (e.g. Llama-3 BOS) around
                          each document
   --quiet                no progress lines on stderr
 
-Every document is followed by the EOS token. Shards hold uint16 tokens when the vocabulary has
-at most 65536 ids, else uint32.
+Every text or jsonl document is followed by the EOS token; a conversation is written as the
+template renders it, nothing added. Shards are what llm.c writes: uint16 tokens (version 1) when
+the vocabulary has at most 65536 ids, else uint32 tokens (version 7).
 )";
 
 int usage_error(const std::string& message) {
