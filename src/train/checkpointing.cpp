@@ -141,6 +141,8 @@ Result<RunPosition> restore_checkpoint(const std::string& path, const model::Par
   pos.data_epoch = f.data_cursor.epoch;
   pos.data_index = f.data_cursor.index;
   pos.optimizer_step = f.optimizer_step;
+  if (const auto it = f.model_config.find("torch_dtype"); it != f.model_config.end() && it->is_string())
+    pos.source_torch_dtype = it->get<std::string>();
   state.set_step_count(pos.optimizer_step);
   LOG_INFO("resumed from {} (step {}, {} tokens seen)", reader->step_dir(), pos.step, pos.tokens_seen);
   return pos;

@@ -57,6 +57,7 @@ struct TrainConfig {
   // run
   std::string run_dir;
   std::string run_export;         // Hugging Face export written after the last step; "" = none
+  std::string run_export_dtype = "auto";  // f32 | bf16 | f16 | auto (the starting weights' precision)
   int64_t log_every = 1;
   std::string device;
   std::string log_level;

@@ -7,11 +7,13 @@
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/log.h"
+#include "core/progress.h"
 #include "model/hf_io.h"
 #include "model/decoder.h"
 #include "data/data.h"
@@ -195,6 +197,9 @@ namespace {
 struct Run {
   model::ModelConfig mc;
   model::ParamLayout layout;
+  // The precision of the weights the run started from: run.export_dtype=auto exports in it, and
+  // checkpoints record it as their model_config's torch_dtype so a resumed run still knows it.
+  model::SafetensorsWriteDtype source_dtype = model::SafetensorsWriteDtype::kF32;
   std::unique_ptr<TokenDataset> dataset;
   std::optional<DataLoader> loader;
   std::unique_ptr<TrainEngine> engine;
@@ -213,8 +218,10 @@ struct Run {
     pos.data_epoch = static_cast<int64_t>(loader->cursor().epoch);
     pos.data_index = static_cast<int64_t>(loader->cursor().index);
     pos.optimizer_step = engine->state().step_count();
+    nlohmann::json model_config = mc.to_json();
+    model_config["torch_dtype"] = model::torch_dtype_name(source_dtype);
     ASSIGN_OR_RETURN(bool started,
-                     checkpointer->save(engine->state(), pos, mc.to_json(), t.seed, engine->extra_state()));
+                     checkpointer->save(engine->state(), pos, model_config, t.seed, engine->extra_state()));
     if (started) last_saved_step = step;
     return Status::OK();
   }
@@ -260,6 +267,11 @@ Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& ef
   std::optional<model::SafetensorsReader> weights;
   if (!weights_from.empty()) {
     ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_hf_weights(weights_from, run->layout));
+    nlohmann::json source_json = nlohmann::json::object();
+    if (model::is_hf_directory(weights_from)) {
+      ASSIGN_OR_RETURN(source_json, model::read_hf_config_json(weights_from));
+    }
+    run->source_dtype = model::hf_source_dtype(reader, run->layout, source_json);
     weights.emplace(std::move(reader));
   }
   if (!t.run_export.empty()) RETURN_IF_ERROR(model::check_export_target(t.run_export));
@@ -284,9 +296,15 @@ Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& ef
     if (resume_from.empty()) LOG_INFO("resume: no checkpoint in {}; starting from step 1", t.ckpt_dir);
   }
   if (resume_from.empty()) {
+    Progress progress(weights ? "loading weights from " + weights_from : "initialising weights",
+                      static_cast<uint64_t>(run->layout.total_size()) * sizeof(float));
     RETURN_IF_ERROR(state.fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
-      if (weights) return weights->read_f32(spec.name, dst);
-      model::init_tensor(spec, dst, t.seed);
+      if (weights) {
+        RETURN_IF_ERROR(weights->read_f32(spec.name, dst));
+      } else {
+        model::init_tensor(spec, dst, t.seed);
+      }
+      progress.add(static_cast<uint64_t>(spec.numel) * sizeof(float));
       return Status::OK();
     }));
   }
@@ -297,6 +315,9 @@ Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& ef
     run->engine->set_extra_state(extra);
     RETURN_IF_ERROR(
         run->loader->set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
+    if (weights_from.empty()) {
+      run->source_dtype = model::parse_torch_dtype(pos.source_torch_dtype).value_or(model::SafetensorsWriteDtype::kF32);
+    }
     run->start_step = pos.step + 1;
     run->tokens_seen = static_cast<int64_t>(pos.tokens_seen);
     if (run->start_step > t.steps)
@@ -407,13 +428,27 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
     if (Status previous = run.checkpointer->wait(); !previous.ok()) LOG_WARN("checkpoint: {}", previous.message());
     RETURN_IF_ERROR(run.save_checkpoint(done_step, t));
   }
-  if (Status saved = run.checkpointer->wait(); !saved.ok()) LOG_WARN("checkpoint: {}", saved.message());
+  // The last save can take a while after the last step: a progress line shows how far it is.
+  Status saved;
+  {
+    const uint64_t total = run.checkpointer->save_progress().second;
+    Progress progress(fmt::format("saving checkpoint step {}", run.last_saved_step), total,
+                      ProgressOptions{.enabled = run.checkpointer->in_flight()});
+    while (run.checkpointer->in_flight()) {
+      progress.set(run.checkpointer->save_progress().first);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    saved = run.checkpointer->wait();
+    if (saved.ok()) progress.set(total);
+  }
+  if (!saved.ok()) LOG_WARN("checkpoint: {}", saved.message());
   else if (run.last_saved_step >= run.start_step)
     LOG_INFO("checkpoint: step {} committed in {}", run.last_saved_step, t.ckpt_dir);
   if (summary.interrupted) LOG_WARN("interrupted: stopped after step {}", summary.steps_done);
   if (!t.run_export.empty()) {
     model::ExportOptions eo;
     eo.copy_tokenizer_from = t.model_from;
+    eo.dtype = t.run_export_dtype == "auto" ? run.source_dtype : *model::parse_export_dtype(t.run_export_dtype);
     SavableState& state = run.engine->state();
     // Tensor by tensor out of the engine's state: no second copy of the model.
     RETURN_IF_ERROR(model::export_hf(
@@ -423,7 +458,8 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
                                  static_cast<uint64_t>(spec.numel) * sizeof(float), out);
         },
         eo));
-    LOG_INFO("exported the weights after step {} to {} (Hugging Face format)", summary.steps_done, t.run_export);
+    LOG_INFO("exported the weights after step {} to {} (Hugging Face format, {})", summary.steps_done, t.run_export,
+             model::export_dtype_name(eo.dtype));
   }
   LOG_INFO("done: {} steps, loss {:.4f} -> {:.4f}", summary.steps_done, summary.first_loss, summary.last_loss);
   return summary;
