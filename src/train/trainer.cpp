@@ -429,11 +429,12 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
     RETURN_IF_ERROR(run.save_checkpoint(done_step, t));
   }
   // The last save can take a while after the last step: a progress line shows how far it is.
+  // Plain lines even on a terminal, as the writer logs its own line when it commits.
   Status saved;
   {
     const uint64_t total = run.checkpointer->save_progress().second;
     Progress progress(fmt::format("saving checkpoint step {}", run.last_saved_step), total,
-                      ProgressOptions{.enabled = run.checkpointer->in_flight()});
+                      ProgressOptions{.enabled = run.checkpointer->in_flight(), .tty = false});
     while (run.checkpointer->in_flight()) {
       progress.set(run.checkpointer->save_progress().first);
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
