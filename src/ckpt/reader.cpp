@@ -96,7 +96,7 @@ Result<std::string> resolve_checkpoint_path(const std::string& input) {
   return step_dir;
 }
 
-Result<uint64_t> hash_file(const std::string& path) {
+Result<uint64_t> hash_file(const std::string& path, Progress* progress) {
   ASSIGN_OR_RETURN(UniqueFd fd, open_file(path, O_RDONLY));
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
   CHECK(state != nullptr);
@@ -110,6 +110,7 @@ Result<uint64_t> hash_file(const std::string& path) {
     }
     if (n == 0) break;
     XXH3_64bits_update(state.get(), buf.data(), static_cast<size_t>(n));
+    if (progress != nullptr) progress->add(static_cast<uint64_t>(n));
   }
   return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));
 }
@@ -230,8 +231,11 @@ Status CheckpointReader::read_f32(const std::string& qualified, float* out, uint
 }
 
 Status CheckpointReader::verify() const {
+  uint64_t total = 0;
+  for (const SavedFile& f : files_) total += f.size;
+  Progress progress("verifying " + step_dir_, total);
   for (const SavedFile& f : files_) {
-    ASSIGN_OR_RETURN(uint64_t h, hash_file(f.path));
+    ASSIGN_OR_RETURN(uint64_t h, hash_file(f.path, &progress));
     if (h != f.xxh3) {
       return Status::Corruption("checksum mismatch in checkpoint file " + f.path + ": xxh3_64 is " + xxh3_hex(h) +
                                 " but the manifest records " + xxh3_hex(f.xxh3) +

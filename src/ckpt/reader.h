@@ -21,6 +21,7 @@
 
 #include "ckpt/format.h"
 #include "ckpt/fs_util.h"
+#include "core/progress.h"
 #include "core/status.h"
 
 namespace strata::ckpt {
@@ -71,7 +72,8 @@ class CheckpointReader {
   // Reads the tensor's stored bytes unchanged; `bytes` must equal its nbytes.
   Status read_raw(const std::string& qualified, void* out, uint64_t bytes) const;
 
-  // Recomputes every file's xxh3_64; Corruption naming the first file that differs.
+  // Recomputes every file's xxh3_64; Corruption naming the first file that differs. A long
+  // verification shows a progress line on stderr.
   Status verify() const;
 
  private:
@@ -90,7 +92,7 @@ class CheckpointReader {
 // Resolves DIR, DIR/latest or DIR/step-N to the step directory. NotFound naming what is missing.
 Result<std::string> resolve_checkpoint_path(const std::string& path);
 
-// xxh3_64 of a whole file, read in large pieces.
-Result<uint64_t> hash_file(const std::string& path);
+// xxh3_64 of a whole file, read in large pieces; each piece is added to `progress` when set.
+Result<uint64_t> hash_file(const std::string& path, Progress* progress = nullptr);
 
 }  // namespace strata::ckpt

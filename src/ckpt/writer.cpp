@@ -67,6 +67,7 @@ struct CheckpointWriter::Job {
   uint64_t piece_bytes = 0;
   Clock::time_point started;
   std::atomic<bool> cancel{false};
+  std::atomic<uint64_t> written_bytes{0};  // file bytes of the pieces written so far
   Status result;
 
   std::mutex mu;
@@ -140,6 +141,13 @@ void CheckpointWriter::cancel() {
   job_->cancel = true;
   std::lock_guard<std::mutex> lock(job_->mu);
   job_->cv.notify_all();
+}
+
+std::pair<uint64_t, uint64_t> CheckpointWriter::save_progress() const {
+  if (!running_.load() || job_ == nullptr) return {0, 0};
+  uint64_t total = 0;
+  for (const Piece& piece : job_->plan.pieces) total += piece.real;
+  return {job_->written_bytes.load(std::memory_order_relaxed), total};
 }
 
 SaveStats CheckpointWriter::last_stats() const {
@@ -353,6 +361,7 @@ Status CheckpointWriter::write_data(Job* job) {
     if (s.slot != nullptr) job->free_slots.push_back(s.slot);
     s.slot = nullptr;
     ++written;
+    job->written_bytes.fetch_add(job->plan.pieces[p].real, std::memory_order_relaxed);
     if (!st.ok() && error.ok()) error = st;
     job->cv.notify_all();
   };

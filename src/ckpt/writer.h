@@ -40,6 +40,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "ckpt/format.h"
@@ -137,6 +138,9 @@ class CheckpointWriter {
   // Stops the save in flight as soon as its writes in flight complete; it fails with
   // "cancelled" and removes its tmp dir. No-op when idle.
   void cancel();
+  // Bytes of the save in flight written so far, and in all; {0, 0} when none runs.
+  // Trainer thread only, like in_flight().
+  std::pair<uint64_t, uint64_t> save_progress() const;
   SaveStats last_stats() const;
 
  private:

@@ -67,11 +67,7 @@ bool parse_bool(const std::string& s, bool* out) {
   return true;
 }
 
-std::string format_number(double v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
-}
+std::string format_number(double v) { return format_shortest(v); }
 
 std::string where_of(const std::string& source, const YAML::Node& node) {
   if (node.Mark().is_null()) return source;
@@ -407,7 +403,7 @@ std::string Config::to_yaml() const {
         if (e.type == ConfigType::kBytes) o << format_bytes(static_cast<uint64_t>(v));
         else o << v;
       } else if constexpr (std::is_same_v<V, double>) {
-        o << YAML::Precision(17) << v;
+        o << format_shortest(v);  // 3e-3 prints as 0.003, and reads back as the same double
       } else {
         o << v;
       }

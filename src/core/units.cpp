@@ -1,6 +1,7 @@
 #include "core/units.h"
 
 #include <cctype>
+#include <charconv>
 #include <cstdio>
 
 namespace strata {
@@ -106,6 +107,12 @@ Result<uint64_t> parse_bytes(const std::string& text) {
     bytes += extra;
   }
   return bytes;
+}
+
+std::string format_shortest(double value) {
+  char text[32];  // the longest shortest double, "-2.2250738585072014e-308", is 24 characters
+  const std::to_chars_result r = std::to_chars(text, text + sizeof text, value);
+  return std::string(text, r.ptr);
 }
 
 }  // namespace strata

@@ -1,4 +1,5 @@
-// Byte quantities as people write them in configs and read them in messages.
+// Byte quantities as people write them in configs and read them in messages, and numbers
+// printed back to people.
 // Pure functions; safe for concurrent use.
 #pragma once
 
@@ -22,5 +23,9 @@ std::string format_bytes(uint64_t bytes);
 // Fractions need a unit other than B ("1.5G"); the result is rounded down to whole bytes.
 // Returns InvalidArgument naming the text for anything else, including overflow.
 Result<uint64_t> parse_bytes(const std::string& text);
+
+// The shortest text that reads back as exactly `value` (std::to_chars): 3e-3 -> "0.003",
+// 1e-8 -> "1e-08", 2.0 -> "2", 0.1 -> "0.1"; "inf", "-inf", "nan".
+std::string format_shortest(double value);
 
 }  // namespace strata

@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/progress.h"
 #include "data/tokenizer.h"
 #include "data/token_files.h"
 
@@ -173,27 +174,6 @@ class ShardWriter {
 };
 
 // Progress lines on stderr, at most one a second.
-class Progress {
- public:
-  Progress(bool enabled, int64_t total_bytes) : enabled_(enabled), total_(total_bytes) {}
-  void update(int64_t bytes, int64_t tokens, bool last = false) {
-    if (!enabled_) return;
-    const auto now = std::chrono::steady_clock::now();
-    if (!last && now - last_ < std::chrono::seconds(1)) return;
-    last_ = now;
-    const double secs = std::max(1e-9, std::chrono::duration<double>(now - start_).count());
-    std::fprintf(stderr, "tokenize: %.1f / %.1f MB (%.1f%%), %lld tokens, %.2fM tokens/s\n", bytes / 1e6, total_ / 1e6,
-                 total_ > 0 ? 100.0 * static_cast<double>(bytes) / static_cast<double>(total_) : 100.0,
-                 static_cast<long long>(tokens), static_cast<double>(tokens) / secs / 1e6);
-  }
-
- private:
-  bool enabled_;
-  int64_t total_;
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-  std::chrono::steady_clock::time_point last_ = start_;
-};
-
 Result<std::string> read_whole(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::NotFound(path + ": cannot open");
@@ -231,7 +211,7 @@ class Tokenize {
       ids_ = tok_.encode(std::string_view(text).substr(begin, end - begin));
       RETURN_IF_ERROR(emit(ids_, {}));
       summary_->bytes += static_cast<int64_t>(end - begin);
-      progress_->update(summary_->bytes, summary_->tokens);
+      progress_->set(static_cast<uint64_t>(summary_->bytes));
       begin = end;
     }
     if (options_.add_special_tokens) RETURN_IF_ERROR(emit(tok_.template_suffix(), {}));
@@ -259,7 +239,7 @@ class Tokenize {
       } else {
         RETURN_IF_ERROR(chat_line(doc, where));
       }
-      progress_->update(summary_->bytes, summary_->tokens);
+      progress_->set(static_cast<uint64_t>(summary_->bytes));
     }
     if (in.bad()) return Status::IOError(path + ": read failed");
     return Status::OK();
@@ -352,13 +332,17 @@ Result<TokenizeSummary> run(const TokenizeOptions& options, TokenizeSummary* sum
     if (ec) return Status::IOError(options.out_dir + "/masks: cannot create directory: " + ec.message());
   }
   ShardWriter writer(options.out_dir, options.shard_tokens, tok.vocab_size() <= 65536, masks, summary);
-  Progress progress(options.progress, total_bytes);
+  ProgressOptions po;
+  po.enabled = options.progress;
+  po.note = [summary] { return fmt::format("{} tokens", summary->tokens); };
+  Progress progress("tokenize", static_cast<uint64_t>(total_bytes), po);
   Tokenize work(options, tok, &writer, &progress, summary);
   for (const std::string& in : options.inputs) {
     RETURN_IF_ERROR(options.format == TokenizeFormat::kText ? work.text_file(in) : work.jsonl_file(in));
   }
   RETURN_IF_ERROR(writer.finish());
-  progress.update(summary->bytes, summary->tokens, /*last=*/true);
+  progress.set(static_cast<uint64_t>(summary->bytes));
+  progress.finish();
   if (summary->tokens == 0) return Status::InvalidArgument("the inputs hold no documents");
   // Makes the renames durable.
   int dir = ::open(options.out_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);

@@ -52,7 +52,7 @@ struct TokenizeOptions {
   TokenizeFormat format = TokenizeFormat::kText;
   int64_t shard_tokens = 100'000'000;
   bool add_special_tokens = true;  // the post-processor template around each document
-  bool progress = false;           // a line on stderr about once a second
+  bool progress = false;           // a progress line on stderr when it takes long (core/progress.h)
 };
 
 struct TokenizeSummary {

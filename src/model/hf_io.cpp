@@ -10,7 +10,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/check.h"
 #include "core/log.h"
+#include "core/progress.h"
 
 namespace strata::model {
 namespace {
@@ -63,6 +65,64 @@ const std::vector<std::string>& hf_tokenizer_files() {
   return files;
 }
 
+std::optional<SafetensorsWriteDtype> parse_export_dtype(std::string_view name) {
+  if (name == "f32") return SafetensorsWriteDtype::kF32;
+  if (name == "bf16") return SafetensorsWriteDtype::kBF16;
+  if (name == "f16") return SafetensorsWriteDtype::kF16;
+  return std::nullopt;
+}
+
+const char* export_dtype_name(SafetensorsWriteDtype dtype) {
+  switch (dtype) {
+    case SafetensorsWriteDtype::kF32: return "f32";
+    case SafetensorsWriteDtype::kBF16: return "bf16";
+    case SafetensorsWriteDtype::kF16: return "f16";
+  }
+  CHECK_MSG(false, "unknown SafetensorsWriteDtype");
+  return "";
+}
+
+std::optional<SafetensorsWriteDtype> parse_torch_dtype(std::string_view torch_dtype) {
+  if (torch_dtype == "float32") return SafetensorsWriteDtype::kF32;
+  if (torch_dtype == "bfloat16") return SafetensorsWriteDtype::kBF16;
+  if (torch_dtype == "float16") return SafetensorsWriteDtype::kF16;
+  return std::nullopt;
+}
+
+const char* torch_dtype_name(SafetensorsWriteDtype dtype) {
+  switch (dtype) {
+    case SafetensorsWriteDtype::kF32: return "float32";
+    case SafetensorsWriteDtype::kBF16: return "bfloat16";
+    case SafetensorsWriteDtype::kF16: return "float16";
+  }
+  CHECK_MSG(false, "unknown SafetensorsWriteDtype");
+  return "";
+}
+
+SafetensorsWriteDtype hf_source_dtype(const SafetensorsReader& reader, const ParamLayout& layout,
+                                      const json& config_json) {
+  // Which of bf16 and f16 hold every tensor exactly (f32 always does).
+  bool bf16 = true, f16 = true;
+  for (const TensorSpec& t : layout.tensors()) {
+    const SafetensorsTensorInfo* info = reader.find(t.name);
+    CHECK_MSG(info != nullptr, "hf_source_dtype: tensor " + t.name + " is not in the checkpoint");
+    const bool fp8 = info->dtype == "F8_E4M3" || info->dtype == "F8_E5M2";  // exact in both
+    bf16 &= info->dtype == "BF16" || fp8;
+    f16 &= info->dtype == "F16" || fp8;
+  }
+  if (bf16 && f16) {
+    std::optional<SafetensorsWriteDtype> named;
+    for (const char* key : {"torch_dtype", "dtype"}) {
+      const auto it = config_json.find(key);
+      if (!named && it != config_json.end() && it->is_string()) named = parse_torch_dtype(it->get<std::string>());
+    }
+    return named.value_or(SafetensorsWriteDtype::kBF16);
+  }
+  if (bf16) return SafetensorsWriteDtype::kBF16;
+  if (f16) return SafetensorsWriteDtype::kF16;
+  return SafetensorsWriteDtype::kF32;
+}
+
 bool is_hf_directory(const std::string& dir) {
   std::error_code ec;
   return fs::is_directory(dir, ec) && fs::is_regular_file(fs::path(dir) / "config.json", ec);
@@ -91,7 +151,17 @@ Result<ModelConfig> load_hf_config(const std::string& dir) {
 Status load_hf_weights(const std::string& dir_or_file, const ParamLayout& layout, float* params,
                        const ReaderOptions& options) {
   ASSIGN_OR_RETURN(SafetensorsReader reader, open_hf_weights(dir_or_file, layout, options));
-  for (const TensorSpec& t : layout.tensors()) RETURN_IF_ERROR(reader.read_f32(t.name, params + t.offset));
+  return read_hf_weights(reader, layout, params);
+}
+
+Status read_hf_weights(const SafetensorsReader& reader, const ParamLayout& layout, float* params) {
+  uint64_t total = 0;
+  for (const TensorSpec& t : layout.tensors()) total += static_cast<uint64_t>(reader.find(t.name)->nbytes);
+  Progress progress("loading weights from " + reader.path(), total);
+  for (const TensorSpec& t : layout.tensors()) {
+    RETURN_IF_ERROR(reader.read_f32(t.name, params + t.offset));
+    progress.add(static_cast<uint64_t>(reader.find(t.name)->nbytes));
+  }
   return Status::OK();
 }
 
@@ -183,7 +253,7 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
   // config.json
   json j = config.to_json();
   if (const char* type = model_type_of(config.architecture)) j["model_type"] = type;
-  j["torch_dtype"] = options.dtype == SafetensorsWriteDtype::kBF16 ? "bfloat16" : "float32";
+  j["torch_dtype"] = torch_dtype_name(options.dtype);
   if (!options.copy_tokenizer_from.empty() && is_hf_directory(options.copy_tokenizer_from)) {
     // Special token ids live in config.json too; keep the source's.
     Result<json> source = read_hf_config_json(options.copy_tokenizer_from);
@@ -200,10 +270,18 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
   for (const TensorSpec& t : layout.tensors()) {
     tensors.push_back({t.name, t.shape, nullptr, [&read, &t](float* out) { return read(t, out); }});
   }
+  uint64_t total_bytes = 0;
+  for (const TensorSpec& t : layout.tensors()) {
+    total_bytes += static_cast<uint64_t>(t.numel) * (options.dtype == SafetensorsWriteDtype::kF32 ? 4 : 2);
+  }
+  Progress progress(fmt::format("exporting {} weights to {}", export_dtype_name(options.dtype), dir.string()),
+                    total_bytes);
   WriterOptions wo;
   wo.dtype = options.dtype;
   wo.max_shard_bytes = options.max_shard_bytes;
+  wo.on_written = [&progress](uint64_t bytes) { progress.add(bytes); };
   RETURN_IF_ERROR(write_safetensors_dir(tmp.string(), tensors, wo));
+  progress.finish();
 
   // Tokenizer files.
   if (!options.copy_tokenizer_from.empty()) {

@@ -8,7 +8,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -41,11 +43,29 @@ Result<ModelConfig> load_hf_config(const std::string& dir);
 // dtype error params are unchanged; an I/O error part-way leaves them partly written.
 Status load_hf_weights(const std::string& dir_or_file, const ParamLayout& layout, float* params,
                        const ReaderOptions& options = {});
+// The reads of load_hf_weights from a reader open_hf_weights returned, with a progress line on
+// stderr when they take long.
+Status read_hf_weights(const SafetensorsReader& reader, const ParamLayout& layout, float* params);
 // The checks of load_hf_weights alone, returning the open reader: the caller then reads each
 // layout tensor with read_f32(name, ...) wherever it wants it (e.g. straight into its chunks,
 // so that the model is never held twice in memory).
 Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const ParamLayout& layout,
                                           const ReaderOptions& options = {});
+
+// Export dtypes by the names of `strata convert --dtype` and run.export_dtype ("f32", "bf16",
+// "f16"), and by transformers' torch_dtype ("float32", "bfloat16", "float16").
+std::optional<SafetensorsWriteDtype> parse_export_dtype(std::string_view name);
+const char* export_dtype_name(SafetensorsWriteDtype dtype);
+std::optional<SafetensorsWriteDtype> parse_torch_dtype(std::string_view torch_dtype);
+const char* torch_dtype_name(SafetensorsWriteDtype dtype);
+
+// The precision a Hugging Face source holds its weights in, which an export keeps by default:
+// the narrowest of f32, bf16 and f16 that holds every tensor of `layout` in `reader` exactly
+// (bf16 for a bf16 model; f32 when fp32 and bf16 tensors mix). Where more than one does (FP8
+// weights fit both bf16 and f16), `config_json`'s torch_dtype (or dtype, its newer name)
+// chooses, bf16 otherwise. REQUIRES: reader holds every layout tensor (open_hf_weights).
+SafetensorsWriteDtype hf_source_dtype(const SafetensorsReader& reader, const ParamLayout& layout,
+                                      const nlohmann::json& config_json = nlohmann::json::object());
 
 struct ExportOptions {
   SafetensorsWriteDtype dtype = SafetensorsWriteDtype::kF32;
@@ -58,10 +78,11 @@ struct ExportOptions {
 Status check_export_target(const std::string& out_dir);
 
 // Writes a directory transformers' from_pretrained loads unchanged: config.json
-// (ModelConfig::to_json with model_type matching the architecture and torch_dtype), the weights
+// (ModelConfig::to_json with model_type matching the architecture and the torch_dtype of
+// options.dtype), the weights
 // (model.safetensors, or shards plus index beyond max_shard_bytes) and the tokenizer files.
 // Everything is written into OUT_DIR.tmp, fsynced, then renamed to out_dir (a previous export
-// there is replaced only once the new one is complete).
+// there is replaced only once the new one is complete). A long export shows a progress line.
 Status export_hf(const std::string& out_dir, const ModelConfig& config, const ParamLayout& layout,
                  const float* params, const ExportOptions& options = {});
 // The same with each tensor read by `read` (into a buffer of t.numel floats) as it is written,

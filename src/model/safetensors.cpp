@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <ranges>
 #include <set>
 
 #include <fmt/format.h>
@@ -28,6 +29,15 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+
+// Every dtype the safetensors format defines (the reference library's Dtype enum, 0.8) and its
+// bits per element; the sub-byte ones pack elements with no padding between them.
+constexpr std::pair<std::string_view, int> kDtypes[] = {
+    {"BOOL", 8},    {"F4", 4},      {"F6_E2M3", 6},     {"F6_E3M2", 6},     {"U8", 8},   {"I8", 8},
+    {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8},     {"F8_E4M3FNUZ", 8}, {"F8_E5M2FNUZ", 8},
+    {"I16", 16},    {"U16", 16},    {"F16", 16},        {"BF16", 16},       {"I32", 32}, {"U32", 32},
+    {"F32", 32},    {"C64", 64},    {"F64", 64},        {"I64", 64},        {"U64", 64},
+};
 
 // The safetensors format caps the header at 100 MB.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
@@ -146,6 +156,15 @@ Status parse_header(int fd, const std::string& path, int64_t file_size, std::vec
   }
   std::string header(header_len, '\0');
   RETURN_IF_ERROR(pread_all(fd, path, header.data(), static_cast<int64_t>(header_len), 8));
+  // nlohmann stops at a NUL as at the end of the text; the reference library (serde_json)
+  // allows only JSON whitespace after the object, so NUL padding is refused as there.
+  if (const size_t nul = header.find('\0'); nul != std::string::npos) {
+    return Status::Corruption(fmt::format(
+        "{}: the safetensors header holds a NUL byte at header offset {}; the format pads the header with "
+        "spaces only: the file is corrupt or written by a non-conforming tool (rewrite it with the safetensors "
+        "library)",
+        path, nul));
+  }
   json parsed = json::parse(header, /*cb=*/nullptr, /*allow_exceptions=*/false);
   if (parsed.is_discarded() || !parsed.is_object()) {
     return Status::Corruption(fmt::format("{}: the safetensors header is not a JSON object", path));
@@ -200,12 +219,21 @@ Status parse_header(int fd, const std::string& path, int64_t file_size, std::vec
           "that lies about sizes",
           begin, end, data_size));
     }
-    const int64_t element = safetensors_dtype_size(t.dtype);
+    const int bits = safetensors_dtype_bits(t.dtype);
+    if (bits == 0) {
+      return bad(fmt::format("dtype '{}' is not a safetensors dtype (the format defines {}): the file is corrupt "
+                             "or not safetensors",
+                             t.dtype, fmt::join(kDtypes | std::views::keys, ", ")));
+    }
     t.nbytes = static_cast<int64_t>(end - begin);
-    if (element != 0 && t.nbytes != t.numel * element) {
+    if (t.numel * bits % 8 != 0) {  // numel < 2^56: no overflow
+      return bad(fmt::format("shape {} of {} is {} bits, not a whole number of bytes", shape_text(t.shape), t.dtype,
+                             t.numel * bits));
+    }
+    if (t.nbytes != t.numel * bits / 8) {
       return bad(fmt::format("data_offsets [{}, {}] hold {} bytes but shape {} of {} needs {}: the header lies "
                              "about sizes",
-                             begin, end, t.nbytes, shape_text(t.shape), t.dtype, t.numel * element));
+                             begin, end, t.nbytes, shape_text(t.shape), t.dtype, t.numel * bits / 8));
     }
     t.file = path;
     t.offset = data_start + static_cast<int64_t>(begin);
@@ -263,15 +291,26 @@ void convert_to_f32(std::string_view dtype, const uint8_t* in, int64_t n, float*
 
 // ---- dtypes ---------------------------------------------------------------------------------
 
-int64_t safetensors_dtype_size(std::string_view dtype) {
-  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
-  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
-  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
-  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2" ||
-      dtype == "F8_E8M0") {
-    return 1;
+int safetensors_dtype_bits(std::string_view dtype) {
+  for (const auto& [name, bits] : kDtypes) {
+    if (dtype == name) return bits;
   }
   return 0;
+}
+
+int64_t safetensors_dtype_size(std::string_view dtype) {
+  const int bits = safetensors_dtype_bits(dtype);
+  return bits % 8 == 0 ? bits / 8 : 0;
+}
+
+const char* safetensors_dtype_name(SafetensorsWriteDtype dtype) {
+  switch (dtype) {
+    case SafetensorsWriteDtype::kF32: return "F32";
+    case SafetensorsWriteDtype::kBF16: return "BF16";
+    case SafetensorsWriteDtype::kF16: return "F16";
+  }
+  CHECK_MSG(false, "unknown SafetensorsWriteDtype");
+  return "";
 }
 
 bool safetensors_dtype_readable(std::string_view dtype) {
@@ -316,6 +355,26 @@ uint16_t f32_to_bf16(float value) {
   if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
   const uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+uint16_t f32_to_f16(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t abs = bits & 0x7FFFFFFFu;
+  if (abs > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((abs >> 13) & 0x3FFu));  // NaN
+  if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 (a tie goes to even: inf)
+  if (abs >= 0x38800000u) {                                              // normal: >= 2^-14
+    const uint32_t rounded = abs + 0xFFFu + ((abs >> 13) & 1u);
+    return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));  // rebias 127 -> 15
+  }
+  if (abs <= 0x33000000u) return sign;  // at most 2^-25, half the smallest subnormal: even is 0
+  // Subnormal: the value in units of 2^-24, rounded to nearest even (1024 is the smallest normal).
+  const uint32_t mantissa = (abs & 0x7FFFFFu) | 0x800000u;
+  const uint32_t shift = 126u - (abs >> 23);  // 14..24
+  const uint32_t half = 1u << (shift - 1), rest = mantissa & ((1u << shift) - 1u);
+  uint32_t units = mantissa >> shift;
+  if (rest > half || (rest == half && (units & 1u))) ++units;
+  return static_cast<uint16_t>(sign | units);
 }
 
 // ---- reader ---------------------------------------------------------------------------------
@@ -546,7 +605,7 @@ Status write_safetensors_file(const std::string& path, const std::vector<Safeten
                               const WriterOptions& options) {
   CHECK(options.piece_bytes >= 8);
   const int64_t element = write_element_size(options.dtype);
-  const char* dtype_name = options.dtype == SafetensorsWriteDtype::kF32 ? "F32" : "BF16";
+  const char* dtype_name = safetensors_dtype_name(options.dtype);
   nlohmann::ordered_json header;
   if (!options.metadata.empty()) header["__metadata__"] = options.metadata;
   std::set<std::string> names;
@@ -589,9 +648,11 @@ Status write_safetensors_file(const std::string& path, const std::vector<Safeten
         RETURN_IF_ERROR(out.write(data + done, count * 4));
       } else {
         staging.resize(static_cast<size_t>(count));
-        for (int64_t i = 0; i < count; ++i) staging[static_cast<size_t>(i)] = f32_to_bf16(data[done + i]);
+        uint16_t (*const round)(float) = options.dtype == SafetensorsWriteDtype::kBF16 ? f32_to_bf16 : f32_to_f16;
+        for (int64_t i = 0; i < count; ++i) staging[static_cast<size_t>(i)] = round(data[done + i]);
         RETURN_IF_ERROR(out.write(staging.data(), count * 2));
       }
+      if (options.on_written) options.on_written(static_cast<uint64_t>(count * element));
       done += count;
     }
   }

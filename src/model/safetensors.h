@@ -33,7 +33,10 @@ inline constexpr uint64_t kDefaultMaxShardBytes = 5'000'000'000ull;
 inline constexpr const char* kSafetensorsIndexName = "model.safetensors.index.json";
 inline constexpr const char* kSafetensorsSingleName = "model.safetensors";
 
-// Bytes per element of a safetensors dtype name ("F32" -> 4); 0 for names strata does not know.
+// Bits per element of a dtype the safetensors format defines ("F32" -> 32, "F4" -> 4); 0 for a
+// name it does not define, which open() refuses like the reference library does.
+int safetensors_dtype_bits(std::string_view dtype);
+// Bytes per element of a dtype of whole bytes ("F32" -> 4); 0 for sub-byte and unknown names.
 int64_t safetensors_dtype_size(std::string_view dtype);
 // True for the dtypes read_f32 converts: F32, F16, BF16, F8_E4M3, F8_E5M2.
 bool safetensors_dtype_readable(std::string_view dtype);
@@ -46,6 +49,9 @@ float fp8_e4m3_to_f32(uint8_t bits);
 float fp8_e5m2_to_f32(uint8_t bits);
 // Round to nearest, ties to even; NaN stays a (quiet) NaN, overflow becomes infinity.
 uint16_t f32_to_bf16(float value);
+// IEEE binary16, round to nearest, ties to even (as torch's .half()): values from 65520 up
+// become infinity, below 2^-14 subnormals, at most 2^-25 zero; NaN stays a (quiet) NaN.
+uint16_t f32_to_f16(float value);
 
 struct SafetensorsTensorInfo {
   std::string name;
@@ -67,7 +73,9 @@ struct ReaderOptions {
 
 // An open checkpoint: one .safetensors file, or a sharded directory through its index. open()
 // validates every header completely (sizes, bounds, holes, overlaps, the file size), so later
-// reads only fail on I/O errors.
+// reads only fail on I/O errors. It is as strict as the reference library (Hugging Face's
+// safetensors): a dtype the format does not define, on any tensor, and bytes other than JSON
+// whitespace around the header's JSON (NUL padding) are Corruption.
 //
 // Owns the open file descriptors (closed by the destructor); movable, not copyable.
 // Thread safety: after open(), all const methods, read_f32 included, are safe for concurrent use.
@@ -120,7 +128,10 @@ class SafetensorsReader {
   std::map<std::string, std::string> metadata_;
 };
 
-enum class SafetensorsWriteDtype : uint8_t { kF32, kBF16 };
+// The dtypes strata writes; BF16 and F16 round to nearest even.
+enum class SafetensorsWriteDtype : uint8_t { kF32, kBF16, kF16 };
+// The header's name: "F32", "BF16", "F16".
+const char* safetensors_dtype_name(SafetensorsWriteDtype dtype);
 
 struct SafetensorsWriteTensor {
   std::string name;
@@ -137,6 +148,8 @@ struct WriterOptions {
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
   // Largest single write and the size of the conversion staging buffer.
   int64_t piece_bytes = int64_t{64} << 20;
+  // Called with the bytes of each piece of tensor data once written (e.g. Progress::add).
+  std::function<void(uint64_t bytes)> on_written;
 };
 
 // Writes one .safetensors file holding `tensors` in the given order: PATH.tmp, fsync, rename.

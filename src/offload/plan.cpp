@@ -49,6 +49,15 @@ GroupBytes group_bytes(const PlanInput& in, uint64_t elements, uint64_t packed_c
   return g;
 }
 
+// Seconds for people, at three significant digits in a unit that fits: "1.25 s", "52.1 ms",
+// "830 us" (fixed decimals printed a small model's whole step as 0.000 s).
+std::string format_seconds(double s) {
+  if (s >= 1) return fmt::format("{:.2f} s", s);
+  if (s >= 1e-3) return fmt::format("{:.3g} ms", s * 1e3);
+  if (s > 0) return fmt::format("{:.3g} us", s * 1e6);
+  return "0 s";
+}
+
 }  // namespace
 
 Plan make_plan(const PlanInput& in) {
@@ -254,9 +263,9 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
   os << fmt::format("  per step: host->device {}, device->host {}, disk read {}, write {}, CPU AdamW {:.3g}M params\n",
                     format_bytes(p.h2d_bytes), format_bytes(p.d2h_bytes), format_bytes(p.disk_read_bytes),
                     format_bytes(p.disk_write_bytes), p.cpu_adam_elements / 1e6);
-  os << fmt::format("  predicted step {:.3f} s (compute {:.3f}, h2d {:.3f}, d2h {:.3f}, CPU AdamW {:.3f}, disk {:.3f}); "
-                    "bound by {}\n",
-                    p.step_s, p.compute_s, p.h2d_s, p.d2h_s, p.cpu_adam_s, p.disk_s, p.bottleneck);
+  os << fmt::format("  predicted step {} (compute {}, h2d {}, d2h {}, CPU AdamW {}, disk {}); bound by {}\n",
+                    format_seconds(p.step_s), format_seconds(p.compute_s), format_seconds(p.h2d_s),
+                    format_seconds(p.d2h_s), format_seconds(p.cpu_adam_s), format_seconds(p.disk_s), p.bottleneck);
   if (in.tokens_per_step > 0 && p.step_s > 0)
     os << fmt::format("  predicted throughput {:.0f} tokens/s\n", in.tokens_per_step / p.step_s);
   return os.str();

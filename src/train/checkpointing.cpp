@@ -1,6 +1,7 @@
 #include "train/checkpointing.h"
 
 #include "core/log.h"
+#include "core/progress.h"
 #include "core/version.h"
 
 namespace strata {
@@ -117,12 +118,16 @@ Result<RunPosition> restore_checkpoint(const std::string& path, const model::Par
   const std::pair<StateKind, ckpt::TensorKind> kinds[] = {{StateKind::kParam, ckpt::TensorKind::kParam},
                                                           {StateKind::kAdamM, ckpt::TensorKind::kAdamM},
                                                           {StateKind::kAdamV, ckpt::TensorKind::kAdamV}};
+  Progress progress("loading " + reader->step_dir(), 3 * static_cast<uint64_t>(layout.total_size()) * sizeof(float));
   for (const auto& [state_kind, kind] : kinds) {
     RETURN_IF_ERROR(state.fill_kind(state_kind, [&, kind = kind](const model::TensorSpec& t, float* dst) {
-      return reader->read_f32(ckpt::qualified_name(kind, t.name), dst, static_cast<uint64_t>(t.numel))
-          .with_context("resuming from " + reader->step_dir());
+      RETURN_IF_ERROR(reader->read_f32(ckpt::qualified_name(kind, t.name), dst, static_cast<uint64_t>(t.numel))
+                          .with_context("resuming from " + reader->step_dir()));
+      progress.add(static_cast<uint64_t>(t.numel) * sizeof(float));
+      return Status::OK();
     }));
   }
+  progress.finish();
   if (extra != nullptr) {
     for (ExtraState& e : *extra) {
       const std::string q = ckpt::qualified_name(ckpt::TensorKind::kState, e.name);
@@ -141,6 +146,8 @@ Result<RunPosition> restore_checkpoint(const std::string& path, const model::Par
   pos.data_epoch = f.data_cursor.epoch;
   pos.data_index = f.data_cursor.index;
   pos.optimizer_step = f.optimizer_step;
+  if (const auto it = f.model_config.find("torch_dtype"); it != f.model_config.end() && it->is_string())
+    pos.source_torch_dtype = it->get<std::string>();
   state.set_step_count(pos.optimizer_step);
   LOG_INFO("resumed from {} (step {}, {} tokens seen)", reader->step_dir(), pos.step, pos.tokens_seen);
   return pos;

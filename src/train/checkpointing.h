@@ -41,6 +41,9 @@ struct RunPosition {
   int64_t data_epoch = 0;
   int64_t data_index = 0;
   int64_t optimizer_step = 0;
+  // The torch_dtype of the weights the run started from, which an export keeps: the saved
+  // model_config's (the trainer writes the source's there); "" when it has none.
+  std::string source_torch_dtype;
 };
 
 class TrainCheckpointer {
@@ -59,6 +62,7 @@ class TrainCheckpointer {
   // Waits for the save in flight; its outcome.
   Status wait() { return writer_->wait(); }
   bool in_flight() const { return writer_->in_flight(); }
+  std::pair<uint64_t, uint64_t> save_progress() const { return writer_->save_progress(); }
   void cancel() { writer_->cancel(); }
   ckpt::SaveStats last_stats() const { return writer_->last_stats(); }
 

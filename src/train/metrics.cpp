@@ -13,13 +13,6 @@
 
 namespace strata {
 
-std::string format_duration(double seconds) {
-  const int64_t s = static_cast<int64_t>(std::llround(std::max(seconds, 0.0)));
-  if (s < 60) return fmt::format("{}s", s);
-  if (s < 3600) return fmt::format("{}m{:02}s", s / 60, s % 60);
-  return fmt::format("{}h{:02}m", s / 3600, s % 3600 / 60);
-}
-
 std::string format_step_line(const StepMetrics& m) {
   int width = static_cast<int>(std::to_string(m.total_steps).size());
   std::string tps = m.tokens_per_s >= 1e6   ? fmt::format("{:.2f}M", m.tokens_per_s / 1e6)

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <string>
 
+#include "core/progress.h"  // format_duration
 #include "core/status.h"
 
 namespace strata {
@@ -31,9 +32,6 @@ struct StepMetrics {
   // Seconds until the last step at the run's average pace so far; negative when unknown.
   double eta_s = -1;
 };
-
-// "45s", "12m05s", "3h07m".
-std::string format_duration(double seconds);
 
 // "step  10/200 | loss 3.2113 | lr 1.50e-03 | gnorm 0.912 | 5.1k tok/s | 199 ms | eta 38s |
 //  dev 4.0 MiB host 6.0 MiB nvme 8.0 MiB | moved 12.0 MiB stall 3 ms | rss 61.0 MiB"

@@ -104,6 +104,11 @@ ConfigSchema build_schema() {
                  "folder, refused if it holds another run unless resumed"});
   s.add({.name = "run.export", .type = T::kString, .default_value = "",
          .help = "directory for a Hugging Face export (config.json + safetensors) after the last step; empty = none"});
+  s.add({.name = "run.export_dtype", .type = T::kString, .default_value = "auto",
+         .choices = {"auto", "f32", "bf16", "f16"},
+         .help = "dtype of run.export's weights (and its config.json torch_dtype); auto = the precision of the "
+                 "weights the run started from (model.from / model.init, or the checkpoint it resumes), f32 for a "
+                 "random init"});
   s.add({.name = "run.log_every", .type = T::kInt, .default_value = "1", .min = 1, .help = "print a step line every N steps"});
   s.add({.name = "run.device", .type = T::kString, .default_value = "auto", .choices = {"auto", "cpu", "cuda"},
          .help = "where training computes; the state is paged across memory.device/host/nvme either way. cuda: on "
@@ -209,6 +214,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.ckpt_skip_if_busy = c.get_string("ckpt.if_busy") == "skip";
   t.ckpt_staging = c.get_bytes("ckpt.staging");
   t.run_export = c.get_string("run.export");
+  t.run_export_dtype = c.get_string("run.export_dtype");
   t.log_every = c.get_int("run.log_every");
   t.device = c.get_string("run.device");
   t.log_level = c.get_string("run.log_level");

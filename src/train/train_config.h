@@ -61,6 +61,7 @@ struct TrainConfig {
   // that the same command can run twice (train/run_dirs.h).
   bool run_dir_named = false;
   std::string run_export;         // Hugging Face export written after the last step; "" = none
+  std::string run_export_dtype = "auto";  // f32 | bf16 | f16 | auto (the starting weights' precision)
   int64_t log_every = 1;
   std::string device;
   std::string log_level;

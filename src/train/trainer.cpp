@@ -7,12 +7,14 @@
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/checked_math.h"
 #include "core/log.h"
+#include "core/progress.h"
 #include "model/hf_io.h"
 #include "model/decoder.h"
 #include "data/data.h"
@@ -163,6 +165,9 @@ namespace {
 struct Run {
   model::ModelConfig mc;
   model::ParamLayout layout;
+  // The precision of the weights the run started from: run.export_dtype=auto exports in it, and
+  // checkpoints record it as their model_config's torch_dtype so a resumed run still knows it.
+  model::SafetensorsWriteDtype source_dtype = model::SafetensorsWriteDtype::kF32;
   std::unique_ptr<TokenDataset> dataset;
   std::optional<DataLoader> loader;
   std::unique_ptr<TrainEngine> engine;
@@ -194,22 +199,39 @@ struct Run {
     pos.data_epoch = static_cast<int64_t>(sound_cursor.epoch);
     pos.data_index = static_cast<int64_t>(sound_cursor.index);
     pos.optimizer_step = engine->state().step_count();
+    nlohmann::json model_config = mc.to_json();
+    model_config["torch_dtype"] = model::torch_dtype_name(source_dtype);
     ASSIGN_OR_RETURN(bool started,
-                     checkpointer->save(engine->state(), pos, mc.to_json(), t.seed, engine->extra_state()));
+                     checkpointer->save(engine->state(), pos, model_config, t.seed, engine->extra_state()));
     if (started) last_saved_step = sound_step;
     return Status::OK();
+  }
+
+  // Waits for the save in flight. It can take a while after the last step: a progress line shows
+  // how far it is (plain lines even on a terminal, as the writer logs its own line at commit).
+  Status wait_for_save() {
+    const uint64_t total = checkpointer->save_progress().second;
+    Progress progress(fmt::format("saving checkpoint step {}", last_saved_step), total,
+                      ProgressOptions{.enabled = checkpointer->in_flight(), .tty = false});
+    while (checkpointer->in_flight()) {
+      progress.set(checkpointer->save_progress().first);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    Status saved = checkpointer->wait();
+    if (saved.ok()) progress.set(total);
+    return saved;
   }
 
   // The final save: the state after the last sound step, committed before this returns. The
   // outcome of an earlier save in flight is only a warning when this one lands.
   Status save_final(const TrainConfig& t) {
-    if (Status previous = checkpointer->wait(); !previous.ok()) {
+    if (Status previous = wait_for_save(); !previous.ok()) {
       LOG_WARN("checkpoint: {}", previous.message());
       last_saved_step = std::min(last_saved_step, sound_step - 1);  // it did not land: save again
     }
     if (sound_step > last_saved_step) {
       Status started = save_checkpoint(t);
-      Status committed = checkpointer->wait();
+      Status committed = wait_for_save();
       if (started.ok()) started = committed;
       if (!started.ok())
         return started.with_context(fmt::format("the final checkpoint (step {}) was not written to ckpt.dir '{}'",
@@ -263,6 +285,11 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   std::optional<model::SafetensorsReader> weights;
   if (!weights_from.empty()) {
     ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_hf_weights(weights_from, run->layout));
+    nlohmann::json source_json = nlohmann::json::object();
+    if (model::is_hf_directory(weights_from)) {
+      ASSIGN_OR_RETURN(source_json, model::read_hf_config_json(weights_from));
+    }
+    run->source_dtype = model::hf_source_dtype(reader, run->layout, source_json);
     weights.emplace(std::move(reader));
   }
   if (!t.run_export.empty()) RETURN_IF_ERROR(model::check_export_target(t.run_export));
@@ -287,9 +314,15 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
     if (resume_from.empty()) LOG_INFO("resume: no checkpoint in {}; starting from step 1", t.ckpt_dir);
   }
   if (resume_from.empty()) {
+    Progress progress(weights ? "loading weights from " + weights_from : "initialising weights",
+                      static_cast<uint64_t>(run->layout.total_size()) * sizeof(float));
     RETURN_IF_ERROR(state.fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
-      if (weights) return weights->read_f32(spec.name, dst);
-      model::init_tensor(spec, dst, t.seed);
+      if (weights) {
+        RETURN_IF_ERROR(weights->read_f32(spec.name, dst));
+      } else {
+        model::init_tensor(spec, dst, t.seed);
+      }
+      progress.add(static_cast<uint64_t>(spec.numel) * sizeof(float));
       return Status::OK();
     }));
   }
@@ -300,6 +333,9 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
     run->engine->set_extra_state(extra);
     RETURN_IF_ERROR(
         run->loader->set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
+    if (weights_from.empty()) {
+      run->source_dtype = model::parse_torch_dtype(pos.source_torch_dtype).value_or(model::SafetensorsWriteDtype::kF32);
+    }
     const std::optional<int64_t> next_step = checked_add(pos.step, int64_t{1});
     if (!next_step)
       return Status::InvalidArgument("checkpoint " + resume_from + " is at step " + std::to_string(pos.step) +
@@ -415,13 +451,14 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
   TrainSummary& summary = run.summary;
   if (summary.interrupted || t.ckpt_every > 0) {
     RETURN_IF_ERROR(run.save_final(t));
-  } else if (Status saved = run.checkpointer->wait(); !saved.ok()) {
+  } else if (Status saved = run.wait_for_save(); !saved.ok()) {
     LOG_WARN("checkpoint: {}", saved.message());
   }
   if (summary.interrupted) LOG_WARN("interrupted: stopped after step {}", summary.steps_done);
   if (!t.run_export.empty()) {
     model::ExportOptions eo;
     eo.copy_tokenizer_from = t.model_from;
+    eo.dtype = t.run_export_dtype == "auto" ? run.source_dtype : *model::parse_export_dtype(t.run_export_dtype);
     SavableState& state = run.engine->state();
     // Tensor by tensor out of the engine's state: no second copy of the model.
     Status exported = model::export_hf(
@@ -440,7 +477,8 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
                                               run.last_saved_step, t.ckpt_dir, t.ckpt_dir)
                                 : "the state could not be checkpointed either: " + saved.message());
     }
-    LOG_INFO("exported the weights after step {} to {} (Hugging Face format)", summary.steps_done, t.run_export);
+    LOG_INFO("exported the weights after step {} to {} (Hugging Face format, {})", summary.steps_done, t.run_export,
+             model::export_dtype_name(eo.dtype));
   }
   LOG_INFO("done: {} steps, loss {:.4f} -> {:.4f}", summary.steps_done, summary.first_loss, summary.last_loss);
   return summary;

@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <string>
 
 namespace strata {
 namespace {
@@ -145,6 +147,24 @@ TEST(Config, EffectiveConfigRoundTripsThroughYaml) {
   EXPECT_DOUBLE_EQ(again->get_float("optim.lr"), 0.25);
   EXPECT_EQ(again->get_bytes("memory.device"), 1ull << 30);
   EXPECT_EQ(again->get_list("data.paths"), std::vector<std::string>{"x"});
+}
+
+TEST(Config, FloatsPrintAsTheShortestTextThatReadsBack) {
+  for (const char* lr : {"3e-3", "0.1", "1e-8", "0.3", "1"}) {
+    auto c = Config::parse(make_schema(), "", "run.yaml", {std::string("optim.lr=") + lr});
+    ASSERT_TRUE(c.ok()) << lr;
+    const std::string yaml = c->to_yaml();
+    const double value = std::strtod(lr, nullptr);
+    const std::string shortest = value == 3e-3 ? "0.003" : value == 1e-8 ? "1e-08" : lr;
+    EXPECT_NE(yaml.find("lr: " + shortest + "\n"), std::string::npos) << yaml;
+    auto again = Config::parse(make_schema(), yaml, "dump.yaml");
+    ASSERT_TRUE(again.ok()) << again.status().to_string();
+    EXPECT_EQ(again->get_float("optim.lr"), value) << yaml;
+  }
+  // Bounds in messages print the same way.
+  auto out = Config::parse(make_schema(), "", "run.yaml", {"optim.lr=2"});
+  ASSERT_FALSE(out.ok());
+  EXPECT_NE(out.status().message().find("between 0 and 1"), std::string::npos) << out.status().message();
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 namespace strata {
 namespace {
 
@@ -72,6 +74,18 @@ TEST(ParseBytes, RoundTripsFormattedWholeUnits) {
     Result<uint64_t> r = parse_bytes(text);
     ASSERT_TRUE(r.ok()) << text;
     EXPECT_EQ(r.value(), v) << text;
+  }
+}
+
+TEST(FormatShortest, PrintsTheShortestTextThatReadsBackExactly) {
+  EXPECT_EQ(format_shortest(3e-3), "0.003");  // not 0.0030000000000000001
+  EXPECT_EQ(format_shortest(0.1), "0.1");
+  EXPECT_EQ(format_shortest(1e-8), "1e-08");
+  EXPECT_EQ(format_shortest(2.0), "2");
+  EXPECT_EQ(format_shortest(-0.95), "-0.95");
+  EXPECT_EQ(format_shortest(1.0 / 3.0), "0.3333333333333333");
+  for (double v : {3e-3, 0.1, 1.0 / 3.0, 6.02214076e23, 5e-324, -2.2250738585072014e-308}) {
+    EXPECT_EQ(std::strtod(format_shortest(v).c_str(), nullptr), v) << format_shortest(v);
   }
 }
 

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -231,28 +232,35 @@ TEST_P(HfVariantTest, ExportLoadsInTransformersWithTheSameLogitsAndLoss) {
   Loaded l = load(ref_ / "hf");
   ASSERT_FALSE(HasFailure());
   const nlohmann::json ref = read_json(ref_ / "reference.json");
-  const fs::path f32_out = out_dir("f32"), bf16_out = out_dir("bf16");
+  const fs::path f32_out = out_dir("f32"), bf16_out = out_dir("bf16"), f16_out = out_dir("f16");
   ExportOptions f32_options;
   ASSERT_TRUE(export_hf(f32_out.string(), l.config, l.layout, l.params.data(), f32_options).ok());
   ExportOptions bf16_options;
   bf16_options.dtype = SafetensorsWriteDtype::kBF16;
   bf16_options.max_shard_bytes = 20000;
   ASSERT_TRUE(export_hf(bf16_out.string(), l.config, l.layout, l.params.data(), bf16_options).ok());
-  check_in_transformers({f32_out, bf16_out}, ref_);
-  for (const bool bf16 : {false, true}) {
-    SCOPED_TRACE(bf16 ? "bf16 export" : "f32 export");
-    const nlohmann::json c = read_json((bf16 ? bf16_out : f32_out).string() + ".check.json");
+  ExportOptions f16_options;
+  f16_options.dtype = SafetensorsWriteDtype::kF16;
+  ASSERT_TRUE(export_hf(f16_out.string(), l.config, l.layout, l.params.data(), f16_options).ok());
+  check_in_transformers({f32_out, bf16_out, f16_out}, ref_);
+  const std::vector<std::pair<SafetensorsWriteDtype, fs::path>> exports = {
+      {SafetensorsWriteDtype::kF32, f32_out}, {SafetensorsWriteDtype::kBF16, bf16_out},
+      {SafetensorsWriteDtype::kF16, f16_out}};
+  for (const auto& [dtype, out] : exports) {
+    SCOPED_TRACE(std::string(export_dtype_name(dtype)) + " export");
+    const bool rounded = dtype != SafetensorsWriteDtype::kF32;  // the loss is then only checked finite
+    const nlohmann::json c = read_json(out.string() + ".check.json");
     ASSERT_FALSE(c.is_discarded());
     ASSERT_TRUE(c.is_object());
     EXPECT_EQ(c["class"], ref["architecture"]);
-    EXPECT_EQ(c["torch_dtype"], bf16 ? "bfloat16" : "float32");
+    EXPECT_EQ(c["torch_dtype"], torch_dtype_name(dtype));
     EXPECT_TRUE(c["missing_keys"].empty()) << c["missing_keys"].dump();
     EXPECT_TRUE(c["unexpected_keys"].empty()) << c["unexpected_keys"].dump();
     EXPECT_TRUE(c["mismatched_keys"].empty()) << c["mismatched_keys"].dump();
     EXPECT_TRUE(c["same_keys"].get<bool>());
-    // Weights: identical, or identical to torch's own BF16 rounding of the originals.
+    // Weights: identical, or identical to torch's own BF16 / F16 rounding of the originals.
     EXPECT_EQ(c["max_weight_diff"].get<double>(), 0.0);
-    if (!bf16) {
+    if (!rounded) {
       const double logit_err = c["logits_max_diff"].get<double>() / c["logits_max_abs"].get<double>();
       EXPECT_WITHIN(logit_err, kLogitTolerance);
       EXPECT_WITHIN(relative(c["loss_export"].get<double>(), ref["loss"].get<double>()), kLossTolerance);

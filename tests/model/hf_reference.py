@@ -4,7 +4,8 @@
 Modes:
   hf_reference.py safetensors OUT_FILE
       Writes OUT_FILE with the `safetensors` package: F32, F16 and BF16 tensors, a scalar, an
-      empty tensor, "f16_as_f32" (the F16 values as F32) and "bf16_source" (F32) whose torch round-to-nearest-even BF16 is "bf16".
+      empty tensor, "f16_as_f32" (the F16 values as F32) and "bf16_source" (F32) whose torch round-to-nearest-even BF16 is "bf16"
+      and F16 "f16_of_source".
   hf_reference.py generate OUT_DIR VARIANT        VARIANT: llama, llama_tied, mistral, qwen2
       A tiny random model of that transformers class saved with save_pretrained in float32:
         OUT_DIR/hf            model.safetensors (+ config.json, generation_config.json, a
@@ -16,7 +17,8 @@ Modes:
   hf_reference.py check REF_DIR EXPORT_DIR...
       Loads each EXPORT_DIR with AutoModelForCausalLM.from_pretrained and compares it with
       REF_DIR/hf: class, loading info (missing/unexpected keys), weights (exactly, or against
-      torch's BF16 rounding when the export is bfloat16) and logits/loss on REF_DIR's batch.
+      torch's BF16 / F16 rounding when the export is bfloat16 / float16) and logits/loss on
+      REF_DIR's batch.
       Writes the findings to EXPORT_DIR.check.json.
 """
 
@@ -46,7 +48,9 @@ def write_safetensors_sample(out_file):
     source = torch.randn(64, generator=g) * 3
     special = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 1.0 + 2.0**-8 + 2.0**-20,
                             float("inf"), float("-inf"), float("nan"), 3.3895313892515355e38,
-                            1e-40, -0.0, 0.0, 65504.0, 2.0**-133, 1.0 - 2.0**-9, 448.0, 5e-8])
+                            1e-40, -0.0, 0.0, 65504.0, 2.0**-133, 1.0 - 2.0**-9, 448.0, 5e-8,
+                            65519.99, 65520.0, -70000.0, 2.0**-25, 3 * 2.0**-25, 2.0**-14 - 2.0**-25,
+                            1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 2.0**-24 * 1.5, 6.1e-5])
     source = torch.cat([source, special])
     f16 = (torch.randn(2, 3, 4, generator=g) * 100).half()
     tensors = {
@@ -55,6 +59,7 @@ def write_safetensors_sample(out_file):
         "f16_as_f32": f16.float(),
         "bf16": source.bfloat16(),
         "bf16_source": source,
+        "f16_of_source": source.half(),
         "scalar": torch.tensor(2.5),
         "empty": torch.zeros(0, 4),
     }
@@ -149,7 +154,7 @@ def check_one(original, export_dir, ref_dir, out_json):
     for name, t in a.items():
         if name not in b:
             continue
-        want = t.bfloat16().float() if torch_dtype == "bfloat16" else t
+        want = {"bfloat16": t.bfloat16().float(), "float16": t.half().float()}.get(torch_dtype, t)
         worst = max(worst, (b[name].float() - want).abs().max().item() if t.numel() else 0.0)
     result["max_weight_diff"] = worst
     with open(os.path.join(ref_dir, "reference.json")) as f:

@@ -95,6 +95,42 @@ TEST(SafetensorsTest, Bf16RoundsToNearestEven) {
   EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(std::bit_cast<float>(0x7F800001u)))));
 }
 
+TEST(SafetensorsTest, F16RoundsToNearestEven) {
+  EXPECT_EQ(f32_to_f16(1.0f), 0x3C00);
+  EXPECT_EQ(f32_to_f16(1.0f + 0x1p-11f), 0x3C00);             // tie, even below
+  EXPECT_EQ(f32_to_f16(1.0f + 3 * 0x1p-11f), 0x3C02);         // tie, even above
+  EXPECT_EQ(f32_to_f16(1.0f + 0x1p-11f + 0x1p-20f), 0x3C01);  // just above the tie
+  EXPECT_EQ(f32_to_f16(-2.0f), 0xC000);
+  EXPECT_EQ(f32_to_f16(-0.0f), 0x8000);
+  EXPECT_EQ(f32_to_f16(65504.0f), 0x7BFF);                    // the largest finite
+  EXPECT_EQ(f32_to_f16(65519.996f), 0x7BFF);                  // just below the tie with infinity
+  EXPECT_EQ(f32_to_f16(65520.0f), 0x7C00);                    // the tie goes to even: infinity
+  EXPECT_EQ(f32_to_f16(-1e10f), 0xFC00);
+  EXPECT_EQ(f32_to_f16(std::numeric_limits<float>::infinity()), 0x7C00);
+  EXPECT_EQ(f32_to_f16(0x1p-14f), 0x0400);                    // the smallest normal
+  EXPECT_EQ(f32_to_f16(0x1p-24f), 0x0001);                    // the smallest subnormal
+  EXPECT_EQ(f32_to_f16(0x1p-25f), 0x0000);                    // half of it: a tie, even is zero
+  EXPECT_EQ(f32_to_f16(0x1p-25f + 0x1p-40f), 0x0001);
+  EXPECT_EQ(f32_to_f16(3 * 0x1p-25f), 0x0002);                // tie between 1 and 2 units: 2
+  EXPECT_EQ(f32_to_f16(0x1p-14f - 0x1p-25f), 0x0400);         // tie between 1023 units and 2^-14
+  EXPECT_EQ(f32_to_f16(std::numeric_limits<float>::denorm_min()), 0x0000);
+  EXPECT_TRUE(std::isnan(f16_to_f32(f32_to_f16(std::numeric_limits<float>::quiet_NaN()))));
+  EXPECT_TRUE(std::isnan(f16_to_f32(f32_to_f16(std::bit_cast<float>(0x7F800001u)))));
+  // Every finite half round-trips, and the midpoint between neighbours goes to the even one.
+  for (uint32_t h = 0; h < 0x7C00; ++h) {
+    for (uint16_t sign : {uint16_t{0}, uint16_t{0x8000}}) {
+      const auto code = static_cast<uint16_t>(h | sign);
+      const float v = f16_to_f32(code);
+      ASSERT_EQ(f32_to_f16(v), code) << std::hex << code;
+      if (h + 1 == 0x7C00) continue;  // the tie above 65504 is checked above
+      const float next = f16_to_f32(static_cast<uint16_t>((h + 1) | sign));
+      const float mid = v + (next - v) / 2;  // exact in fp32
+      const auto even = static_cast<uint16_t>(((h & 1) ? h + 1 : h) | sign);
+      ASSERT_EQ(f32_to_f16(mid), even) << "midpoint after " << std::hex << code;
+    }
+  }
+}
+
 TEST(SafetensorsTest, Fp8DecodesEveryCodeAsTheOcpSpecSays) {
   for (int code = 0; code < 256; ++code) {
     const uint8_t b = static_cast<uint8_t>(code);
@@ -455,6 +491,16 @@ TEST(SafetensorsTest, ReadsFileWrittenByPythonSafetensorsAndMatchesTorchBf16Roun
       EXPECT_TRUE(std::isnan(bf16_to_f32(our_bits[i])) && std::isnan(bf16_to_f32(torch_bits[i]))) << i;
     } else {
       EXPECT_EQ(our_bits[i], torch_bits[i]) << "element " << i << " = " << source[i];
+    }
+  }
+  // And its F16 writer like torch's .half(), overflow and subnormals included.
+  ASSERT_TRUE(r->read_raw("f16_of_source", torch_bits.data()).ok());
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t ours = f32_to_f16(source[i]);
+    if (std::isnan(source[i])) {
+      EXPECT_TRUE(std::isnan(f16_to_f32(ours)) && std::isnan(f16_to_f32(torch_bits[i]))) << i;
+    } else {
+      EXPECT_EQ(ours, torch_bits[i]) << "element " << i << " = " << source[i];
     }
   }
 }

@@ -150,5 +150,22 @@ TEST(Plan, StreamedExpertsCountOnlyTheShareAMicroBatchReaches) {
   EXPECT_NE(format_plan(in, quarter).find("25% of each MoE layer's experts"), std::string::npos);
 }
 
+TEST(Plan, StepTimesPrintInAUnitThatShowsThem) {
+  const PlanInput in = base_input();
+  Plan p = make_plan(in);
+  ASSERT_TRUE(p.fits) << p.problem;
+  p.step_s = 5.21e-5;
+  p.compute_s = 3.2e-5;
+  p.h2d_s = 0.0521;
+  p.d2h_s = 1.2345;
+  p.cpu_adam_s = 0;
+  p.disk_s = 0;
+  const std::string text = format_plan(in, p);
+  EXPECT_NE(text.find("predicted step 52.1 us (compute 32 us, h2d 52.1 ms, d2h 1.23 s, CPU AdamW 0 s, disk 0 s)"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("0.000"), std::string::npos) << text;
+}
+
 }  // namespace
 }  // namespace strata

@@ -151,6 +151,92 @@ TEST_F(ConvertTest, TrainStartsFromHuggingFaceDirectoryAndExportsOne) {
   EXPECT_NE(both.output.find("model.from"), std::string::npos) << both.output;
 }
 
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in, nullptr, false);
+}
+
+// The dtype of every tensor of a Hugging Face directory; "" when they differ.
+std::string weights_dtype(const fs::path& dir) {
+  Result<SafetensorsReader> r = SafetensorsReader::open(dir.string());
+  if (!r.ok()) return r.status().to_string();
+  std::string dtype = r->tensors().at(0).dtype;
+  for (const SafetensorsTensorInfo& t : r->tensors()) {
+    if (t.dtype != dtype) return "";
+  }
+  return dtype;
+}
+
+TEST_F(ConvertTest, ExportsKeepTheSourcesDtypeUnlessToldOtherwise) {
+  ModelConfig config;
+  config.vocab_size = 256;
+  config.hidden_size = 16;
+  config.intermediate_size = 24;
+  config.num_hidden_layers = 1;
+  config.num_attention_heads = 2;
+  config.max_position_embeddings = 64;
+  config.fill_defaults();
+  const ParamLayout layout(config);
+  std::vector<float> params(static_cast<size_t>(layout.total_size()), 0.0f);
+  init_weights(layout, params.data(), 9);
+  const fs::path src = dir_ / "src";  // a bf16 model, as most on the Hub
+  ExportOptions bf16;
+  bf16.dtype = SafetensorsWriteDtype::kBF16;
+  ASSERT_TRUE(export_hf(src.string(), config, layout, params.data(), bf16).ok());
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += "hello hugging face " + std::to_string(i % 5) + "\n";
+  std::ofstream(dir_ / "corpus.txt") << text;
+  const std::string common = "data.paths=[" + (dir_ / "corpus.txt").string() +
+                             "] train.micro_batch=2 train.seq_len=16 optim.warmup_steps=1 ";
+
+  // train: a bf16 source exports bf16 by default; its checkpoints remember the source's dtype.
+  const fs::path out = dir_ / "export";
+  CmdResult r = run_strata("train " + common + "train.steps=2 ckpt.every=2 model.from=" + src.string() +
+                           " run.dir=" + (dir_ / "run").string() + " run.export=" + out.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_json(out / "config.json")["torch_dtype"], "bfloat16");
+  EXPECT_EQ(weights_dtype(out), "BF16");
+  EXPECT_EQ(fs::file_size(out / "model.safetensors"), fs::file_size(src / "model.safetensors"));
+  const fs::path ckpt = dir_ / "run" / "checkpoints";
+  EXPECT_EQ(read_json(ckpt / "step-2" / "manifest.json")["model_config"]["torch_dtype"], "bfloat16");
+  // A run this fast prints no progress lines (stderr is not a terminal here: no \r either).
+  EXPECT_EQ(r.output.find("loading weights"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find('\r'), std::string::npos) << r.output;
+
+  // run.export_dtype overrides.
+  const fs::path out_f32 = dir_ / "export_f32";
+  r = run_strata("train " + common + "train.steps=1 model.from=" + src.string() + " run.dir=" +
+                 (dir_ / "run_f32").string() + " run.export=" + out_f32.string() + " run.export_dtype=f32");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_json(out_f32 / "config.json")["torch_dtype"], "float32");
+  EXPECT_EQ(weights_dtype(out_f32), "F32");
+
+  // A run resumed without model.from still knows the source's dtype, from the checkpoint.
+  const fs::path resumed = dir_ / "export_resumed";
+  r = run_strata("train " + common + "train.steps=3 ckpt.every=2 model.config=" + (src / "config.json").string() +
+                 " run.dir=" + (dir_ / "run").string() + " run.export=" + resumed.string() + " --resume auto");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_json(resumed / "config.json")["torch_dtype"], "bfloat16");
+  EXPECT_EQ(weights_dtype(resumed), "BF16");
+
+  // convert: a checkpoint exports in its source's dtype; --dtype overrides, f16 included.
+  const fs::path converted = dir_ / "converted";
+  r = run_strata("convert --from " + ckpt.string() + " --to " + converted.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(weights_dtype(converted), "BF16");
+  const fs::path half = dir_ / "half";
+  r = run_strata("convert --from " + src.string() + " --to " + half.string() + " --dtype f16");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_json(half / "config.json")["torch_dtype"], "float16");
+  EXPECT_EQ(weights_dtype(half), "F16");
+  // ... and an f16 model stays f16.
+  const fs::path half_again = dir_ / "half_again";
+  r = run_strata("convert --from " + half.string() + " --to " + half_again.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(weights_dtype(half_again), "F16");
+  EXPECT_EQ(read_json(half_again / "config.json")["torch_dtype"], "float16");
+}
+
 
 // Compares every tensor of the Hugging Face directories `a` and `b` (same names, shapes, F32):
 // bitwise equal when expect_equal, otherwise at least one tensor must differ.

@@ -1,4 +1,4 @@
-// strata convert --from SRC --to DST [--dtype f32|bf16] [--shard-size 5GB]
+// strata convert --from SRC --to DST [--dtype auto|f32|bf16|f16] [--shard-size 5GB]
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -9,6 +9,7 @@
 #include "ckpt/format.h"
 #include "ckpt/reader.h"
 #include "core/log.h"
+#include "core/progress.h"
 #include "core/units.h"
 #include "model/hf_io.h"
 #include "model/params.h"
@@ -17,7 +18,7 @@
 namespace strata::tools {
 namespace {
 
-constexpr const char* kConvertUsage = R"(Usage: strata convert --from SRC --to DST [--dtype f32|bf16] [--shard-size 5GB]
+constexpr const char* kConvertUsage = R"(Usage: strata convert --from SRC --to DST [--dtype auto|f32|bf16|f16] [--shard-size 5GB]
 
 Reads a Hugging Face model directory (config.json plus model.safetensors or sharded
 model-*.safetensors with model.safetensors.index.json) and writes it again as a Hugging Face
@@ -25,14 +26,17 @@ directory: to change the weights' dtype or reshard. Tokenizer files are copied a
 
 SRC may also be a strata checkpoint: a checkpoint directory (RUN/checkpoints, holding `latest`),
 its `latest` file, or one step-N directory. Its checksums are verified, the model's config comes
-from the manifest's model_config and the fp32 parameters are exported (optimizer state is not).
+from the manifest's model_config and the parameters are exported (optimizer state is not).
 
 Options:
   --from SRC         Hugging Face model directory or strata checkpoint to read
   --to DST           directory to write; must not exist or be empty (written to DST.tmp, then renamed)
-  --dtype D          f32 or bf16 (bf16 rounds to nearest even); default: for a Hugging Face SRC,
-                     bf16 when its config.json says torch_dtype bfloat16, f32 otherwise; f32 for a
-                     checkpoint (its parameters are fp32)
+  --dtype D          f32, bf16 or f16 (bf16 and f16 round to nearest even), or auto (the default):
+                     the source's precision. For a Hugging Face SRC the narrowest of the three
+                     that holds its tensors exactly (a bf16 model stays bf16; config.json's
+                     torch_dtype decides for FP8 weights); for a checkpoint the precision of the
+                     weights its run started from (the manifest's model_config torch_dtype; f32
+                     when it names none). The export's config.json torch_dtype says which.
   --shard-size S     largest shard, e.g. 5GB (the default, as transformers), 500MB, 2GiB
   -h, --help         this text
 )";
@@ -63,6 +67,7 @@ bool looks_like_checkpoint(const std::string& path) {
 struct LoadedModel {
   model::ModelConfig config;
   std::vector<float> params;
+  model::SafetensorsWriteDtype source_dtype = model::SafetensorsWriteDtype::kF32;  // what --dtype auto writes
 };
 
 // Reads the parameters of a checkpoint (checksums verified first) and the config the trainer
@@ -81,6 +86,9 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
   if (!config.ok()) return config.status();
   LoadedModel out;
   out.config = *config;
+  if (const auto it = mc.find("torch_dtype"); it != mc.end() && it->is_string()) {
+    out.source_dtype = model::parse_torch_dtype(it->get<std::string>()).value_or(model::SafetensorsWriteDtype::kF32);
+  }
   const model::ParamLayout layout(out.config);
   // Every tensor the config implies is checked against the checkpoint before the model's memory
   // is allocated: a model_config that does not match the saved tensors fails at once.
@@ -97,10 +105,12 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
   out.params.assign(static_cast<size_t>(layout.total_size()), 0.0f);
   LOG_INFO("reading checkpoint {} (step {}, {} parameters)", reader->step_dir(), reader->step(),
            layout.num_parameters());
+  Progress progress("reading " + reader->step_dir(), static_cast<uint64_t>(layout.total_size()) * sizeof(float));
   for (const model::TensorSpec& t : layout.tensors()) {
     const std::string name = ckpt::qualified_name(ckpt::TensorKind::kParam, t.name);
     Status st = reader->read_f32(name, out.params.data() + t.offset, static_cast<uint64_t>(t.numel));
     if (!st.ok()) return st.with_context("reading checkpoint " + reader->step_dir());
+    progress.add(static_cast<uint64_t>(t.numel) * sizeof(float));
   }
   return out;
 }
@@ -122,8 +132,9 @@ int convert_command(const std::vector<std::string>& args) {
     *target = args[++i];
   }
   if (from.empty() || to.empty()) return usage_error("--from and --to are required");
-  if (!dtype.empty() && dtype != "f32" && dtype != "bf16") {
-    return usage_error("--dtype is '" + dtype + "'; choose f32 or bf16");
+  if (dtype.empty()) dtype = "auto";
+  if (dtype != "auto" && !model::parse_export_dtype(dtype)) {
+    return usage_error("--dtype is '" + dtype + "'; choose auto, f32, bf16 or f16");
   }
   model::ExportOptions eo;
   if (!shard_size.empty()) {
@@ -152,32 +163,27 @@ int convert_command(const std::vector<std::string>& args) {
     if (!loaded.ok()) return fail(loaded.status());
     config = std::move(loaded->config);
     params = std::move(loaded->params);
-    if (dtype.empty()) dtype = "f32";
+    if (dtype == "auto") dtype = model::export_dtype_name(loaded->source_dtype);
   } else {
     Result<nlohmann::json> source_json = model::read_hf_config_json(from);
     if (!source_json.ok()) return fail(source_json.status());
     Result<model::ModelConfig> hf_config = model::load_hf_config(from);
     if (!hf_config.ok()) return fail(hf_config.status());
     config = *hf_config;
-    if (dtype.empty()) {
-      const auto it = source_json->find("torch_dtype");
-      dtype = it != source_json->end() && *it == "bfloat16" ? "bf16" : "f32";
-    }
     eo.copy_tokenizer_from = from;
     const model::ParamLayout layout(config);
     // The weights' names, shapes and dtypes (from the safetensors headers) are checked against
     // the config before the model's memory is allocated.
-    Result<model::SafetensorsReader> weights = model::open_hf_weights(from, layout);
-    if (!weights.ok()) return fail(weights.status());
+    Result<model::SafetensorsReader> reader = model::open_hf_weights(from, layout);
+    if (!reader.ok()) return fail(reader.status());
+    if (dtype == "auto") dtype = model::export_dtype_name(model::hf_source_dtype(*reader, layout, *source_json));
     params.assign(static_cast<size_t>(layout.total_size()), 0.0f);
     LOG_INFO("reading {} ({} parameters, {} in fp32)", from, layout.num_parameters(),
              format_bytes(static_cast<uint64_t>(layout.total_size()) * sizeof(float)));
-    for (const model::TensorSpec& t : layout.tensors()) {
-      Status st = weights->read_f32(t.name, params.data() + t.offset);
-      if (!st.ok()) return fail(st);
-    }
+    Status st = model::read_hf_weights(*reader, layout, params.data());
+    if (!st.ok()) return fail(st);
   }
-  eo.dtype = dtype == "bf16" ? model::SafetensorsWriteDtype::kBF16 : model::SafetensorsWriteDtype::kF32;
+  eo.dtype = *model::parse_export_dtype(dtype);
 
   const model::ParamLayout layout(config);
   Status st = model::export_hf(to, config, layout, params.data(), eo);

@@ -1,0 +1,73 @@
+// Progress lines as a user sees them when stderr is not a terminal (a pipe here): a fast
+// operation prints none, and nothing ever writes the terminal's carriage return into a log.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CmdResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+CmdResult run_strata(const std::string& args) {
+  const std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
+  CmdResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+class ProgressCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           ("strata_progress_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(ProgressCliTest, FastOperationsPrintNoProgressLines) {
+  std::string jsonl;
+  for (int i = 0; i < 200; ++i) jsonl += "{\"text\": \"a short document number " + std::to_string(i) + "\"}\n";
+  std::ofstream(dir_ / "docs.jsonl") << jsonl;
+  CmdResult tok = run_strata("data tokenize --tokenizer " + std::string(STRATA_SOURCE_DIR) +
+                             "/tests/fixtures/tokenizer/llama3 --input " + (dir_ / "docs.jsonl").string() +
+                             " --format jsonl --out " + (dir_ / "tokens").string());
+  ASSERT_EQ(tok.exit_code, 0) << tok.output;
+  EXPECT_NE(tok.output.find("wrote 1 shard(s)"), std::string::npos) << tok.output;
+  EXPECT_EQ(tok.output.find("tokenize:"), std::string::npos) << "a progress line for a fast run:\n" << tok.output;
+  EXPECT_EQ(tok.output.find('\r'), std::string::npos) << tok.output;
+
+  const fs::path run = dir_ / "run";
+  CmdResult train = run_strata("train data.paths=[" + (dir_ / "tokens").string() + "] run.dir=" + run.string() +
+                               " memory.nvme.path=" + (dir_ / "nvme").string() +
+                               " model.set=[vocab_size=900] train.micro_batch=2 train.seq_len=16 train.steps=2"
+                               " optim.warmup_steps=1 ckpt.every=2");
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  CmdResult verify = run_strata("ckpt verify " + (run / "checkpoints").string());
+  ASSERT_EQ(verify.exit_code, 0) << verify.output;
+  for (const CmdResult* r : {&train, &verify}) {
+    EXPECT_EQ(r->output.find("initialising weights:"), std::string::npos) << r->output;
+    EXPECT_EQ(r->output.find("saving checkpoint step"), std::string::npos) << r->output;
+    EXPECT_EQ(r->output.find("verifying "), std::string::npos) << r->output;
+    EXPECT_EQ(r->output.find('\r'), std::string::npos) << r->output;
+  }
+}
+
+}  // namespace
