@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <sstream>
 
@@ -110,8 +112,9 @@ Status check_run_dirs(const TrainConfig& t) {
   const fs::path ckpt(t.ckpt_dir);
   std::string latest;
   if (fs::exists(ckpt / "latest", ec)) {
-    std::ifstream in(ckpt / "latest");
-    std::getline(in, latest);
+    // Never echo what `latest` holds unless it is a step name (it may point anywhere).
+    Result<std::string> named = ckpt::read_latest_file((ckpt / "latest").string());
+    latest = named.ok() ? *named : "not a step name";
   }
   const std::string elsewhere = "choose another run.dir (or ckpt.dir), or remove it first";
   if (!latest.empty()) {
@@ -204,6 +207,7 @@ struct Run {
   int64_t start_step = 1;
   int64_t tokens_seen = 0;
   int64_t last_saved_step = 0;
+  int64_t skipped_in_a_row = 0;  // consecutive steps with a NaN/Inf loss or gradient norm
   TrainSummary summary;
 
   Status save_checkpoint(int64_t step, const TrainConfig& t) {
@@ -293,7 +297,7 @@ Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& ef
   weights.reset();
   if (!resume_from.empty()) {
     std::vector<ExtraState> extra = run->engine->extra_state();
-    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, run->layout, state, &extra));
+    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, mc.to_json(), run->layout, state, &extra));
     run->engine->set_extra_state(extra);
     RETURN_IF_ERROR(
         run->loader->set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
@@ -363,7 +367,24 @@ Status loop(Run& run, const TrainConfig& t) {
                                                         grad_scale, m == t.grad_accum - 1, static_cast<float>(lr)));
       loss_sum += loss;
     }
-    ASSIGN_OR_RETURN(double grad_norm, engine.step(static_cast<float>(lr)));
+    // A NaN/Inf loss or gradient norm skips the step: nothing is updated (the engine checks
+    // the norm before any group changes), the batch is consumed and the schedule moves on.
+    double grad_norm = std::numeric_limits<double>::quiet_NaN();
+    bool skipped = !std::isfinite(loss_sum);
+    if (skipped && engine.updates_during_backward())
+      return Status::InvalidArgument(fmt::format(
+          "step {}: the loss is not finite (NaN or Inf) and optim.overlap_backward already updated parameters "
+          "during backward, so the step cannot be skipped; the run stops without saving this state (resume from "
+          "the last checkpoint with optim.overlap_backward=false to skip such steps, or lower optim.lr)",
+          step));
+    if (!skipped) {
+      Result<double> stepped = engine.step(static_cast<float>(lr));
+      if (!stepped.ok()) return stepped.status().with_context(fmt::format("step {}", step));
+      grad_norm = *stepped;
+      skipped = !std::isfinite(grad_norm);
+    }
+    run.skipped_in_a_row = skipped ? run.skipped_in_a_row + 1 : 0;
+    run.summary.skipped_steps += skipped ? 1 : 0;
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     run.tokens_seen += tokens_per_step;
 
@@ -383,13 +404,29 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.rss_bytes = resident_bytes();
     sm.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     sm.ckpt_in_flight = ckpt_in_flight;
+    sm.skipped = skipped;
+    sm.skipped_steps = run.summary.skipped_steps;
     sm.eta_s = sm.elapsed_s / static_cast<double>(step - run.start_step + 1) * static_cast<double>(t.steps - step);
     RETURN_IF_ERROR(run.metrics->write(sm));
     if (step == run.start_step) run.summary.first_loss = sm.loss;
     run.summary.last_loss = sm.loss;
     run.summary.steps_done = step;
+    if (skipped) {
+      LOG_WARN("{}", format_step_line(sm));
+      const std::string what = std::isfinite(sm.loss) ? "gradient norm" : "loss";
+      if (run.skipped_in_a_row > t.max_skipped_steps)
+        return Status::InvalidArgument(fmt::format(
+            "step {}: the {} has not been finite (NaN or Inf) for {} steps in a row, more than "
+            "train.max_skipped_steps={}; the run has diverged and stops. No checkpoint of a non-finite state is ever committed, so {}/latest names the "
+            "last finite one: resume from it with a lower optim.lr, a larger optim.eps or optim.grad_clip, or check "
+            "the data",
+            step, what, run.skipped_in_a_row, t.max_skipped_steps, t.ckpt_dir));
+      LOG_WARN("step {} skipped: the {} is not finite (NaN or Inf); nothing was updated ({} in a row, the run stops "
+               "after {})",
+               step, what, run.skipped_in_a_row, t.max_skipped_steps);
+    }
     if (t.ckpt_every > 0 && step % t.ckpt_every == 0) RETURN_IF_ERROR(run.save_checkpoint(step, t));
-    if (step % t.log_every == 0 || step == 1 || step == t.steps) {
+    if (!skipped && (step % t.log_every == 0 || step == 1 || step == t.steps)) {
       LOG_INFO("{}", format_step_line(sm));
       if (std::string note = engine.step_note(); !note.empty()) LOG_INFO("{}", note);
     }

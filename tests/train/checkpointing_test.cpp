@@ -151,7 +151,7 @@ TEST_P(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
 
   // Restored under other budgets (no nvme tier, more device memory): the same state.
   Trainer other(dir_ / "other", {12, 64, 0}, GetParam());
-  Result<RunPosition> pos = restore_checkpoint(co.dir, other.layout(), other.state());
+  Result<RunPosition> pos = restore_checkpoint(co.dir, other.config().to_json(), other.layout(), other.state());
   ASSERT_TRUE(pos.ok()) << pos.status().to_string();
   EXPECT_EQ(pos->step, 2);
   EXPECT_EQ(other.state().step_count(), 2);
