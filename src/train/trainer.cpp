@@ -414,13 +414,20 @@ Status loop(Run& run, const TrainConfig& t) {
     if (skipped) {
       LOG_WARN("{}", format_step_line(sm));
       const std::string what = std::isfinite(sm.loss) ? "gradient norm" : "loss";
-      if (run.skipped_in_a_row > t.max_skipped_steps)
+      if (run.skipped_in_a_row > t.max_skipped_steps) {
+        // Saves of a non-finite state are never committed: `latest` names the last finite one
+        // once the save in flight has ended (its failure was logged by the writer).
+        (void)run.checkpointer->wait();
+        Result<std::string> latest = ckpt::read_latest_file((fs::path(t.ckpt_dir) / ckpt::kLatestFile).string());
+        const std::string resume = latest.ok() ? fmt::format("the last finite checkpoint is {}/{}; resume from it",
+                                                             t.ckpt_dir, *latest)
+                                               : std::string("no checkpoint of a finite state was committed; start again");
         return Status::InvalidArgument(fmt::format(
             "step {}: the {} has not been finite (NaN or Inf) for {} steps in a row, more than "
-            "train.max_skipped_steps={}; the run has diverged and stops. No checkpoint of a non-finite state is ever committed, so {}/latest names the "
-            "last finite one: resume from it with a lower optim.lr, a larger optim.eps or optim.grad_clip, or check "
-            "the data",
-            step, what, run.skipped_in_a_row, t.max_skipped_steps, t.ckpt_dir));
+            "train.max_skipped_steps={}; the run has diverged and stops ({} with a lower optim.lr, a larger "
+            "optim.eps or optim.grad_clip, or check the data)",
+            step, what, run.skipped_in_a_row, t.max_skipped_steps, resume));
+      }
       LOG_WARN("step {} skipped: the {} is not finite (NaN or Inf); nothing was updated ({} in a row, the run stops "
                "after {})",
                step, what, run.skipped_in_a_row, t.max_skipped_steps);
