@@ -11,6 +11,11 @@ namespace {
 
 constexpr StateKind kSavedKinds[] = {StateKind::kParam, StateKind::kAdamM, StateKind::kAdamV};
 
+// How to get past a refused resume of another model.
+constexpr const char* kOtherModel =
+    "; a checkpoint resumes the model it was made of: set the model back as it was (model.* and model.set), or "
+    "export the weights (strata convert) and start a new run from them (model.from)";
+
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string out = "[";
   for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
@@ -117,27 +122,26 @@ namespace {
 
 Status check_same_model(const ckpt::CheckpointReader& reader, const nlohmann::json& model_config,
                         const model::ParamLayout& layout) {
-  const std::string where = "resuming from " + reader.step_dir() + ": ";
-  const std::string fix = "; a checkpoint resumes the model it was made of: set the model back as it was (model.* "
-                          "and model.set), or export the weights (strata convert) and start a new run from them";
-  RETURN_IF_ERROR(compare_model_configs(reader.manifest().fields.model_config, model_config)
-                      .with_context(where.substr(0, where.size() - 2)));
+  const std::string context = "resuming from " + reader.step_dir();
+  RETURN_IF_ERROR(compare_model_configs(reader.manifest().fields.model_config, model_config).with_context(context));
   std::set<std::string> expected;
   for (const auto& t : layout.tensors()) {
     for (ckpt::TensorKind kind : {ckpt::TensorKind::kParam, ckpt::TensorKind::kAdamM, ckpt::TensorKind::kAdamV}) {
       const std::string q = ckpt::qualified_name(kind, t.name);
       expected.insert(q);
-      RETURN_IF_ERROR(reader.check_f32(q, static_cast<uint64_t>(t.numel)).with_context(where.substr(0, where.size() - 2)));
+      RETURN_IF_ERROR(reader.check_f32(q, static_cast<uint64_t>(t.numel)).with_context(context));
+      // The same element count is not enough: a transposed tensor would load as garbage.
       const ckpt::SavedTensor* saved = reader.find(q);
       if (saved->shape != t.shape) {
-        return Status::InvalidArgument(where + "tensor '" + q + "' has shape " + shape_text(saved->shape) +
-                                       " in the checkpoint but " + shape_text(t.shape) + " in this model" + fix);
+        return Status::InvalidArgument(context + ": tensor '" + q + "' has shape " + shape_text(saved->shape) +
+                                       " in the checkpoint but " + shape_text(t.shape) + " in this model" + kOtherModel);
       }
     }
   }
   for (const ckpt::SavedTensor& saved : reader.tensors()) {
     if (saved.kind == ckpt::TensorKind::kState || expected.count(saved.name) > 0) continue;
-    return Status::InvalidArgument(where + "the checkpoint has tensor '" + saved.name + "', which this model lacks" + fix);
+    return Status::InvalidArgument(context + ": the checkpoint has tensor '" + saved.name + "', which this model lacks" +
+                                   kOtherModel);
   }
   return Status::OK();
 }
@@ -147,21 +151,20 @@ Status check_same_model(const ckpt::CheckpointReader& reader, const nlohmann::js
 Status compare_model_configs(const nlohmann::json& saved, const nlohmann::json& run) {
   if (!saved.is_object() || saved.empty())
     return Status::InvalidArgument("the checkpoint records no model config, so it cannot be checked against this run's");
-  const std::string fix = "; a checkpoint resumes the model it was made of: set the model back as it was (model.* and "
-                          "model.set), or export the weights (strata convert) and start a new run from them";
   for (auto it = run.begin(); it != run.end(); ++it) {
     auto s = saved.find(it.key());
     if (s == saved.end())
       return Status::InvalidArgument("the model config key '" + it.key() + "' (" + ckpt::quote_untrusted(it->dump(), 64) +
-                                     " in this run) is missing from the checkpoint's" + fix);
+                                     " in this run) is missing from the checkpoint's" + kOtherModel);
     if (*s != *it)
       return Status::InvalidArgument("the model config key '" + it.key() + "' is " + ckpt::quote_untrusted(it->dump(), 64) +
-                                     " in this run but " + ckpt::quote_untrusted(s->dump(), 64) + " in the checkpoint" + fix);
+                                     " in this run but " + ckpt::quote_untrusted(s->dump(), 64) + " in the checkpoint" +
+                                     kOtherModel);
   }
   for (auto it = saved.begin(); it != saved.end(); ++it) {
     if (!run.contains(it.key()))
       return Status::InvalidArgument("the checkpoint's model config has key " + ckpt::quote_untrusted(it.key(), 64) +
-                                     ", which this run's lacks" + fix);
+                                     ", which this run's lacks" + kOtherModel);
   }
   return Status::OK();
 }

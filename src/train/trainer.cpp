@@ -338,6 +338,31 @@ Result<std::unique_ptr<Run>> prepare(const TrainConfig& t, const std::string& ef
   return run;
 }
 
+// A step skipped for a NaN/Inf loss or gradient norm: logged whatever run.log_every says; more
+// than train.max_skipped_steps in a row stop the run.
+Status note_skipped_step(Run& run, const TrainConfig& t, const StepMetrics& sm) {
+  LOG_WARN("{}", format_step_line(sm));
+  const std::string what = std::isfinite(sm.loss) ? "gradient norm" : "loss";
+  if (run.skipped_in_a_row <= t.max_skipped_steps) {
+    LOG_WARN("step {} skipped: the {} is not finite (NaN or Inf); nothing was updated ({} in a row; more than {} "
+             "stop the run)",
+             sm.step, what, run.skipped_in_a_row, t.max_skipped_steps);
+    return Status::OK();
+  }
+  // Saves of a non-finite state are never committed: `latest` names the last finite one once
+  // the save in flight has ended (a failure of it was logged by the writer).
+  (void)run.checkpointer->wait();
+  Result<std::string> latest = ckpt::read_latest_file((fs::path(t.ckpt_dir) / ckpt::kLatestFile).string());
+  const std::string resume = latest.ok()
+                                 ? fmt::format("the last finite checkpoint is {}/{}; resume from it", t.ckpt_dir, *latest)
+                                 : std::string("no checkpoint of a finite state was committed; start again");
+  return Status::InvalidArgument(fmt::format(
+      "step {}: the {} has not been finite (NaN or Inf) for {} steps in a row, more than train.max_skipped_steps={}; "
+      "the run has diverged and stops ({} with a lower optim.lr, a larger optim.eps or optim.grad_clip, or check the "
+      "data)",
+      sm.step, what, run.skipped_in_a_row, t.max_skipped_steps, resume));
+}
+
 // 2. The steps, until train.steps, a signal or the first error (returned).
 Status loop(Run& run, const TrainConfig& t) {
   TrainEngine& engine = *run.engine;
@@ -411,27 +436,7 @@ Status loop(Run& run, const TrainConfig& t) {
     if (step == run.start_step) run.summary.first_loss = sm.loss;
     run.summary.last_loss = sm.loss;
     run.summary.steps_done = step;
-    if (skipped) {
-      LOG_WARN("{}", format_step_line(sm));
-      const std::string what = std::isfinite(sm.loss) ? "gradient norm" : "loss";
-      if (run.skipped_in_a_row > t.max_skipped_steps) {
-        // Saves of a non-finite state are never committed: `latest` names the last finite one
-        // once the save in flight has ended (its failure was logged by the writer).
-        (void)run.checkpointer->wait();
-        Result<std::string> latest = ckpt::read_latest_file((fs::path(t.ckpt_dir) / ckpt::kLatestFile).string());
-        const std::string resume = latest.ok() ? fmt::format("the last finite checkpoint is {}/{}; resume from it",
-                                                             t.ckpt_dir, *latest)
-                                               : std::string("no checkpoint of a finite state was committed; start again");
-        return Status::InvalidArgument(fmt::format(
-            "step {}: the {} has not been finite (NaN or Inf) for {} steps in a row, more than "
-            "train.max_skipped_steps={}; the run has diverged and stops ({} with a lower optim.lr, a larger "
-            "optim.eps or optim.grad_clip, or check the data)",
-            step, what, run.skipped_in_a_row, t.max_skipped_steps, resume));
-      }
-      LOG_WARN("step {} skipped: the {} is not finite (NaN or Inf); nothing was updated ({} in a row, the run stops "
-               "after {})",
-               step, what, run.skipped_in_a_row, t.max_skipped_steps);
-    }
+    if (skipped) RETURN_IF_ERROR(note_skipped_step(run, t, sm));
     if (t.ckpt_every > 0 && step % t.ckpt_every == 0) RETURN_IF_ERROR(run.save_checkpoint(step, t));
     if (!skipped && (step % t.log_every == 0 || step == 1 || step == t.steps)) {
       LOG_INFO("{}", format_step_line(sm));
