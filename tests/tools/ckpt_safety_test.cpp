@@ -115,6 +115,17 @@ TEST_F(CkptSafetyTest, ADivergedRunSkipsThenStopsNonZeroWithoutANaNCheckpoint) {
   EXPECT_NE(s.output.find("error: step 2:"), std::string::npos) << s.output;
 }
 
+// With AdamW overlapped with backward, layers are updated before the loss of the step is
+// judged: a NaN step cannot be skipped, so the run stops at the first one.
+TEST_F(CkptSafetyTest, ADivergedRunWithOverlapStopsAtTheFirstNaNStep) {
+  const std::string run_dir = (dir_ / "run").string();
+  CmdResult r = run_strata(run(run_dir, "num_hidden_layers=2,hidden_size=64,intermediate_size=96") +
+                           " train.steps=20 optim.eps=0 optim.grad_clip=0 optim.overlap_backward=true");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("error: step 2:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("cannot be skipped"), std::string::npos) << r.output;
+}
+
 // A checkpoint resumes only the model it was made of: fewer layers, another rms_norm_eps or a
 // tensor stored transposed are refused, naming the key or the tensor.
 TEST_F(CkptSafetyTest, ResumeRefusesAnotherModelNamingTheKeyOrTensor) {
