@@ -41,7 +41,7 @@ class FiniteScan {
  private:
   std::vector<ScannedTensor> tensors_;
   size_t next_ = 0;          // the first tensor not yet completely scanned
-  unsigned char carry_[8];   // the first bytes of an element split between calls
+  unsigned char carry_[8] = {};  // the first bytes of an element split between calls
   uint64_t carried_ = 0;
 };
 

@@ -74,8 +74,7 @@ class CheckpointReader {
 
   // Recomputes every file's xxh3_64; Corruption naming the first file that differs. With
   // `non_finite`, the same pass also appends every tensor holding NaN or Inf values (with
-  // their count) to it. REQUIRES for `non_finite`: opened (the headers are parsed after
-  // open()'s own verify).
+  // their count) to it.
   Status verify(std::vector<ScannedTensor>* non_finite = nullptr) const;
 
  private:
