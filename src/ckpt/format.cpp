@@ -5,6 +5,8 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <limits>
 
 namespace strata::ckpt {
 namespace {
@@ -15,17 +17,11 @@ constexpr const char* kKindPrefixes[kTensorKindCount] = {"", "master/", "adam_m/
 // safetensors refuses headers above 100 MB; so do we.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
-// Reads json[key] as an int64 when it is an integer; false otherwise.
-bool get_int(const json& j, const char* key, int64_t* out) {
-  auto it = j.find(key);
-  if (it == j.end() || !it->is_number_integer()) return false;
-  *out = it->get<int64_t>();
+bool is_hex16(const std::string& s) {
+  if (s.size() != 16) return false;
+  for (char c : s)
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
   return true;
-}
-
-json object_or_empty(const json& j, const char* key) {
-  auto it = j.find(key);
-  return it == j.end() ? json::object() : *it;
 }
 
 }  // namespace
@@ -182,51 +178,108 @@ json manifest_to_json(const Manifest& m) {
 Result<Manifest> manifest_from_json(const std::string& path, const std::string& step_dir, const json& j) {
   if (!j.is_object()) return Status::Corruption(path + " is not a JSON object; the checkpoint is damaged");
   Manifest m;
+  // Refusals name the manifest and the field; a hand-edited or damaged manifest must not steer
+  // a resume (negative or overflowing steps, a cursor silently read as 0, a CHECK in AdamW).
+  auto bad = [&](const std::string& field, const std::string& why) {
+    return Status::Corruption(path + ": field '" + field + "' " + why +
+                              "; the checkpoint is damaged or its manifest was edited (load another step)");
+  };
+  auto integer = [&](const json& obj, const char* key, const std::string& field, int64_t lo, int64_t hi,
+                     int64_t* out) -> Status {
+    auto it = obj.find(key);
+    if (it == obj.end()) return bad(field, "is missing");
+    const std::string range = "from " + std::to_string(lo) + " to " + std::to_string(hi);
+    if (it->is_number_unsigned()) {
+      const uint64_t v = it->get<uint64_t>();
+      if (v > static_cast<uint64_t>(hi)) return bad(field, "is " + std::to_string(v) + ", not an integer " + range);
+      *out = static_cast<int64_t>(v);
+    } else if (it->is_number_integer()) {
+      const int64_t v = it->get<int64_t>();
+      if (v < lo || v > hi) return bad(field, "is " + std::to_string(v) + ", not an integer " + range);
+      *out = v;
+    } else {
+      return bad(field, "is " + quote_untrusted(it->dump()) + ", not an integer " + range);
+    }
+    return Status::OK();
+  };
+  auto object = [&](const char* key, json* out) -> Status {
+    auto it = j.find(key);
+    if (it == j.end()) return bad(key, "is missing");
+    if (!it->is_object()) return bad(key, "is not a JSON object");
+    *out = *it;
+    return Status::OK();
+  };
   int64_t version = 0;
-  if (!get_int(j, "format_version", &version)) {
+  if (auto it = j.find("format_version"); it == j.end() || !it->is_number_integer()) {
     return Status::Corruption(path + " has no integer format_version; it is not a strata checkpoint manifest");
   }
+  RETURN_IF_ERROR(integer(j, "format_version", "format_version", 1, std::numeric_limits<int64_t>::max(), &version));
   if (version > kFormatVersion) {
     return Status::Unimplemented("checkpoint " + step_dir + " was written by a newer strata (format " +
                                  std::to_string(version) + "; this build reads " + std::to_string(kFormatVersion) +
                                  "); upgrade strata");
   }
-  if (version < 1) return Status::Corruption(path + " has format_version " + std::to_string(version));
   m.format_version = static_cast<int>(version);
-  if (!get_int(j, "step", &m.step)) return Status::Corruption(path + " has no integer step");
-  ManifestFields& f = m.fields;
-  if (auto it = j.find("strata_version"); it != j.end() && it->is_string()) f.strata_version = it->get<std::string>();
-  int64_t tokens = 0;
-  if (get_int(j, "tokens_seen", &tokens)) f.tokens_seen = static_cast<uint64_t>(tokens);
-  if (auto it = j.find("data_cursor"); it != j.end() && it->is_object()) {
-    get_int(*it, "epoch", &f.data_cursor.epoch);
-    get_int(*it, "index", &f.data_cursor.index);
+  constexpr int64_t kMaxCount = std::numeric_limits<int64_t>::max();
+  RETURN_IF_ERROR(integer(j, "step", "step", 0, kMaxStep, &m.step));
+  const std::string dir_name = std::filesystem::path(step_dir).filename().string();
+  if (std::optional<int64_t> named = parse_step_dir_name(dir_name); named && *named != m.step) {
+    return bad("step", "is " + std::to_string(m.step) + " but the directory is " + dir_name);
   }
-  get_int(j, "optimizer_step", &f.optimizer_step);
-  f.rng = object_or_empty(j, "rng");
-  f.lr_schedule = object_or_empty(j, "lr_schedule");
-  f.precision = object_or_empty(j, "precision");
-  f.model_config = object_or_empty(j, "model_config");
-  f.layout = object_or_empty(j, "layout");
-  f.extra = object_or_empty(j, "extra");
+  ManifestFields& f = m.fields;
+  auto version_it = j.find("strata_version");
+  if (version_it == j.end() || !version_it->is_string()) return bad("strata_version", "is not a string");
+  f.strata_version = version_it->get<std::string>();
+  int64_t tokens = 0;
+  RETURN_IF_ERROR(integer(j, "tokens_seen", "tokens_seen", 0, kMaxCount, &tokens));
+  f.tokens_seen = static_cast<uint64_t>(tokens);
+  auto cursor = j.find("data_cursor");
+  if (cursor == j.end() || !cursor->is_object()) return bad("data_cursor", "is not an object {epoch, index}");
+  RETURN_IF_ERROR(integer(*cursor, "epoch", "data_cursor.epoch", 0, kMaxCount, &f.data_cursor.epoch));
+  RETURN_IF_ERROR(integer(*cursor, "index", "data_cursor.index", 0, kMaxCount, &f.data_cursor.index));
+  // A step makes at most one AdamW update.
+  RETURN_IF_ERROR(integer(j, "optimizer_step", "optimizer_step", 0, m.step, &f.optimizer_step));
+  RETURN_IF_ERROR(object("rng", &f.rng));
+  RETURN_IF_ERROR(object("lr_schedule", &f.lr_schedule));
+  RETURN_IF_ERROR(object("precision", &f.precision));
+  RETURN_IF_ERROR(object("model_config", &f.model_config));
+  RETURN_IF_ERROR(object("layout", &f.layout));
+  RETURN_IF_ERROR(object("extra", &f.extra));
   auto files = j.find("files");
   if (files == j.end() || !files->is_object()) return Status::Corruption(path + " has no files table");
   for (auto it = files->begin(); it != files->end(); ++it) {
+    const std::string field = "files." + quote_untrusted(it.key());
+    if (!is_plain_file_name(it.key())) {
+      return bad(field, "is not a plain file name inside the step directory (no '/', '..' or NUL)");
+    }
+    if (!it->is_object()) return bad(field, "is not an object {size, xxh3_64}");
     int64_t size = 0;
-    auto hash = it->is_object() ? it->find("xxh3_64") : it->end();
-    if (!it->is_object() || !get_int(*it, "size", &size) || size < 0 || hash == it->end() || !hash->is_string() ||
-        hash->get<std::string>().size() != 16) {
-      return Status::Corruption(path + ": the entry for " + it.key() + " lacks size or xxh3_64");
+    RETURN_IF_ERROR(integer(*it, "size", field + ".size", 0, kMaxCount, &size));
+    auto hash = it->find("xxh3_64");
+    if (hash == it->end() || !hash->is_string() || !is_hex16(hash->get<std::string>())) {
+      return bad(field + ".xxh3_64", "is not 16 lowercase hex digits");
     }
     FileRecord rec;
     rec.size = static_cast<uint64_t>(size);
-    const std::string hex = hash->get<std::string>();
-    if (std::sscanf(hex.c_str(), "%16" SCNx64, &rec.xxh3) != 1) {
-      return Status::Corruption(path + ": the xxh3_64 of " + it.key() + " is not hex");
-    }
+    rec.xxh3 = std::stoull(hash->get<std::string>(), nullptr, 16);
     m.files[it.key()] = rec;
   }
   return m;
+}
+
+bool is_plain_file_name(std::string_view name) {
+  if (name.empty() || name == "." || name == ".." || name.size() > 255) return false;
+  return name.find('/') == std::string_view::npos && name.find('\0') == std::string_view::npos;
+}
+
+std::string quote_untrusted(std::string_view text, size_t max_chars) {
+  std::string out = "'";
+  for (size_t i = 0; i < text.size() && i < max_chars; ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    out += c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?';
+  }
+  out += text.size() > max_chars ? "'..." : "'";
+  return out;
 }
 
 }  // namespace strata::ckpt

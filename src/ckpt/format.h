@@ -54,6 +54,10 @@ using ::strata::DType;
 
 inline uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
+// The largest step a checkpoint may record: 18 digits, as step-N names hold, so that step + 1
+// never overflows.
+inline constexpr int64_t kMaxStep = 999'999'999'999'999'999;
+
 // "step-42"; parse_step_dir_name("step-42") == 42, nullopt for anything else ("step-42.tmp").
 std::string step_dir_name(int64_t step);
 std::optional<int64_t> parse_step_dir_name(std::string_view name);
@@ -119,9 +123,20 @@ struct Manifest {
 };
 
 nlohmann::json manifest_to_json(const Manifest& manifest);
-// Messages name `path`. A format_version above kFormatVersion is refused with
+// Messages name `path` and the field. A format_version above kFormatVersion is refused with
 // "checkpoint <step_dir> was written by a newer strata (format 2; this build reads 1); upgrade strata".
+// Every field is required and checked: step in [0, kMaxStep] and equal to N when step_dir is
+// named step-N; tokens_seen and the data cursor non-negative integers; optimizer_step in
+// [0, step]; the JSON members objects; file names plain (is_plain_file_name), sizes
+// non-negative, xxh3_64 16 lowercase hex digits.
 Result<Manifest> manifest_from_json(const std::string& path, const std::string& step_dir,
                                     const nlohmann::json& json);
+
+// A name that stays inside the step directory: not empty, not "." or "..", no '/', no NUL.
+bool is_plain_file_name(std::string_view name);
+
+// Text read from a file that may not be what it claims (a `latest` pointing at /etc/passwd),
+// quoted for an error message: at most max_chars, anything but printable ASCII as '?'.
+std::string quote_untrusted(std::string_view text, size_t max_chars = 32);
 
 }  // namespace strata::ckpt

@@ -81,11 +81,7 @@ Result<std::string> resolve_checkpoint_path(const std::string& input) {
   } else {
     return Status::NotFound("checkpoint " + path + " does not exist");
   }
-  ASSIGN_OR_RETURN(std::string text, read_small_file(latest, 4096));
-  const std::string name = trim(text);
-  if (!parse_step_dir_name(name)) {
-    return Status::Corruption(latest + " holds '" + name + "', not a step-N name; the file is damaged");
-  }
+  ASSIGN_OR_RETURN(const std::string name, read_latest_file(latest));
   const std::string dir = fs::path(latest).parent_path().string();
   const std::string step_dir = (dir.empty() ? std::string(".") : dir) + "/" + name;
   if (!is_dir(step_dir)) return Status::NotFound(latest + " names " + step_dir + ", which does not exist");
@@ -96,12 +92,35 @@ Result<std::string> resolve_checkpoint_path(const std::string& input) {
   return step_dir;
 }
 
+Result<std::string> read_latest_file(const std::string& latest) {
+  // `latest` may be anything (a link to /etc/passwd): read little, and never echo what is not a
+  // step name.
+  Result<std::string> text = read_small_file(latest, 256);
+  if (!text.ok()) {
+    if (text.status().code() == StatusCode::kNotFound) return text.status();
+    return Status::Corruption(latest + " is not a small file holding a step-N name; the file is damaged (" +
+                              text.status().message() + ")");
+  }
+  const std::string name = trim(*text);
+  if (parse_step_dir_name(name)) return name;
+  const std::string shown = name.rfind("step-", 0) == 0 ? "holds " + quote_untrusted(name, 24) + ", which is" : "does";
+  return Status::Corruption(latest + " " + shown + " not name a step directory (step-N) of " +
+                            (fs::path(latest).parent_path().empty() ? std::string(".")
+                                                                    : fs::path(latest).parent_path().string()) +
+                            "; the file is damaged (point it at a committed step, e.g. echo step-N > " + latest + ")");
+}
+
 Result<uint64_t> hash_file(const std::string& path, Progress* progress) {
+  return hash_and_scan_file(path, nullptr, progress);
+}
+
+Result<uint64_t> hash_and_scan_file(const std::string& path, FiniteScan* scan, Progress* progress) {
   ASSIGN_OR_RETURN(UniqueFd fd, open_file(path, O_RDONLY));
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
   CHECK(state != nullptr);
   XXH3_64bits_reset(state.get());
   std::vector<char> buf(8 << 20);
+  uint64_t offset = 0;
   for (;;) {
     const ssize_t n = ::read(fd.get(), buf.data(), buf.size());
     if (n < 0) {
@@ -111,6 +130,8 @@ Result<uint64_t> hash_file(const std::string& path, Progress* progress) {
     if (n == 0) break;
     XXH3_64bits_update(state.get(), buf.data(), static_cast<size_t>(n));
     if (progress != nullptr) progress->add(static_cast<uint64_t>(n));
+    if (scan != nullptr) scan->feed(offset, buf.data(), static_cast<uint64_t>(n));
+    offset += static_cast<uint64_t>(n);
   }
   return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));
 }
@@ -133,9 +154,14 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::stri
   }
   for (const auto& [name, rec] : r->manifest_.files) {
     SavedFile f{name, r->step_dir_ + "/" + name, rec.size, rec.xxh3};
+    // Names are plain (manifest_from_json); a link could still lead out of the checkpoint.
     struct stat st;
-    if (::stat(f.path.c_str(), &st) != 0) {
+    if (::lstat(f.path.c_str(), &st) != 0) {
       return Status::NotFound("checkpoint file " + f.path + " is missing (listed in " + manifest_path + ")");
+    }
+    if (!S_ISREG(st.st_mode)) {
+      return Status::Corruption("checkpoint file " + f.path + " is not a regular file (a link or a directory); " +
+                                "a checkpoint holds its files itself (copy the real files in)");
     }
     if (static_cast<uint64_t>(st.st_size) != rec.size) {
       return Status::Corruption("checkpoint file " + f.path + " is " + std::to_string(st.st_size) +
@@ -230,12 +256,23 @@ Status CheckpointReader::read_f32(const std::string& qualified, float* out, uint
   return Status::OK();
 }
 
-Status CheckpointReader::verify() const {
+Status CheckpointReader::verify(std::vector<ScannedTensor>* non_finite) const {
   uint64_t total = 0;
   for (const SavedFile& f : files_) total += f.size;
   Progress progress("verifying " + step_dir_, total);
-  for (const SavedFile& f : files_) {
-    ASSIGN_OR_RETURN(uint64_t h, hash_file(f.path, &progress));
+  for (size_t i = 0; i < files_.size(); ++i) {
+    const SavedFile& f = files_[i];
+    FiniteScan scan;
+    if (non_finite != nullptr) {
+      std::vector<ScannedTensor> in_file;
+      for (const SavedTensor& t : tensors_)
+        if (t.file == static_cast<int>(i)) in_file.push_back({t.name, t.dtype, t.offset, t.offset + t.nbytes, 0});
+      scan = FiniteScan(std::move(in_file));  // tensors_ is by file, then offset
+    }
+    ASSIGN_OR_RETURN(uint64_t h, hash_and_scan_file(f.path, non_finite != nullptr ? &scan : nullptr, &progress));
+    if (non_finite != nullptr)
+      for (const ScannedTensor& t : scan.tensors())
+        if (t.non_finite > 0) non_finite->push_back(t);
     if (h != f.xxh3) {
       return Status::Corruption("checksum mismatch in checkpoint file " + f.path + ": xxh3_64 is " + xxh3_hex(h) +
                                 " but the manifest records " + xxh3_hex(f.xxh3) +

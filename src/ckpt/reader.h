@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ckpt/finite.h"
 #include "ckpt/format.h"
 #include "ckpt/fs_util.h"
 #include "core/progress.h"
@@ -72,9 +73,10 @@ class CheckpointReader {
   // Reads the tensor's stored bytes unchanged; `bytes` must equal its nbytes.
   Status read_raw(const std::string& qualified, void* out, uint64_t bytes) const;
 
-  // Recomputes every file's xxh3_64; Corruption naming the first file that differs. A long
-  // verification shows a progress line on stderr.
-  Status verify() const;
+  // Recomputes every file's xxh3_64; Corruption naming the first file that differs. With
+  // `non_finite`, the same pass also appends every tensor holding NaN or Inf values (with
+  // their count) to it. A long verification shows a progress line on stderr.
+  Status verify(std::vector<ScannedTensor>* non_finite = nullptr) const;
 
  private:
   CheckpointReader() = default;
@@ -92,7 +94,13 @@ class CheckpointReader {
 // Resolves DIR, DIR/latest or DIR/step-N to the step directory. NotFound naming what is missing.
 Result<std::string> resolve_checkpoint_path(const std::string& path);
 
+// The step-N name a `latest` file holds. Corruption naming the file otherwise, quoting at most
+// a short sanitised prefix of what it holds (never the contents of some other file).
+Result<std::string> read_latest_file(const std::string& latest);
+
 // xxh3_64 of a whole file, read in large pieces; each piece is added to `progress` when set.
 Result<uint64_t> hash_file(const std::string& path, Progress* progress = nullptr);
+// The same, feeding every piece to `scan` (when not null) at its file offset.
+Result<uint64_t> hash_and_scan_file(const std::string& path, FiniteScan* scan, Progress* progress = nullptr);
 
 }  // namespace strata::ckpt

@@ -50,6 +50,7 @@ void plan_file(int index, const std::string& name, std::vector<Placed>& placed, 
   file.data_start = file.header.size();
   file.size = file.data_start + pos;
   file.tensor_count = placed.size();
+  file.tensors = entries;
 
   std::vector<Extent> extents;
   for (const Placed& p : placed) {

@@ -46,6 +46,7 @@ struct PlannedFile {
   int first_piece = 0;          // pieces [first_piece, end_piece) belong to this file
   int end_piece = 0;
   uint64_t tensor_count = 0;
+  std::vector<HeaderEntry> tensors;  // as in the header: offsets from data_start, in file order
 };
 
 // A byte range of a region and the piece that writes it.

@@ -23,7 +23,9 @@
 #include <filesystem>
 #include <set>
 
+#include "ckpt/finite.h"
 #include "ckpt/fs_util.h"
+#include "ckpt/reader.h"
 #include "ckpt/save_plan.h"
 #include "core/log.h"
 
@@ -339,7 +341,14 @@ Status CheckpointWriter::write_data(Job* job) {
   const int n = static_cast<int>(job->plan.pieces.size());
   std::vector<int> hash_cursor;
   std::vector<std::unique_ptr<XXH3_state_t, Xxh3Deleter>> states;
+  // What is hashed is what is written: the finite check rides on the hash pass.
+  std::vector<FiniteScan> scans;
   for (const PlannedFile& f : job->plan.files) {
+    std::vector<ScannedTensor> tensors;
+    if (options_.refuse_non_finite)
+      for (const HeaderEntry& e : f.tensors)
+        tensors.push_back({e.name, e.dtype, f.data_start + e.begin, f.data_start + e.end, 0});
+    scans.emplace_back(std::move(tensors));
     hash_cursor.push_back(f.first_piece);
     states.emplace_back(XXH3_createState());
     CHECK(states.back() != nullptr);
@@ -379,6 +388,7 @@ Status CheckpointWriter::write_data(Job* job) {
         const char* slot = s.slot;  // freed only by complete_oldest, on this thread
         lock.unlock();
         XXH3_64bits_update(state, slot, piece.real);
+        scans[f].feed(piece.offset, slot, piece.real);
         lock.lock();
       } else {
         s.hashing = true;
@@ -389,8 +399,10 @@ Status CheckpointWriter::write_data(Job* job) {
             read = job->copy_source(piece, src, job->scratch);
             if (!read.ok()) break;
             XXH3_64bits_update(state, job->scratch, src.length);
+            scans[f].feed(piece.offset + src.dst, job->scratch, src.length);
           } else {
             XXH3_64bits_update(state, source_data(job->plan, piece, src), src.length);
+            scans[f].feed(piece.offset + src.dst, source_data(job->plan, piece, src), src.length);
           }
         }
         lock.lock();
@@ -499,6 +511,14 @@ Status CheckpointWriter::write_data(Job* job) {
   cow_active_.store(false, std::memory_order_release);
   if (!error.ok()) return error;
   if (job->cancel.load()) return Status::Internal("the save was cancelled");
+  std::vector<ScannedTensor> non_finite;
+  for (const FiniteScan& scan : scans)
+    for (const ScannedTensor& t : scan.tensors())
+      if (t.non_finite > 0) non_finite.push_back(t);
+  if (!non_finite.empty()) {
+    return Status::Corruption("the training state is not finite (" + describe_non_finite(non_finite) +
+                              "); such a checkpoint is never committed, so the last finite one stays in `latest`");
+  }
   for (size_t f = 0; f < states.size(); ++f) job->hashes.push_back(XXH3_64bits_digest(states[f].get()));
   job->stats.write_seconds = seconds_since(job->started);
   return Status::OK();
@@ -568,9 +588,8 @@ void CheckpointWriter::run(Job* job) {
     struct stat sb;
     const bool committed = ::stat(job->tmp_dir.c_str(), &sb) != 0 && ::stat(job->final_dir.c_str(), &sb) == 0;
     if (!committed) (void)remove_tree(job->tmp_dir);
-    Result<std::string> latest = read_small_file(job->dir + "/" + kLatestFile, 4096);
-    std::string latest_says = latest.ok() ? latest.value() : "nothing";
-    while (!latest_says.empty() && (latest_says.back() == '\n' || latest_says.back() == ' ')) latest_says.pop_back();
+    Result<std::string> latest = read_latest_file(job->dir + "/" + kLatestFile);
+    const std::string latest_says = latest.ok() ? latest.value() : "nothing";
     LOG_ERROR("checkpoint of step {} in {} failed: {}; {} {}; {}/latest still names {}; training continues",
               job->request.step, job->dir, st.message(), committed ? "kept" : "removed",
               committed ? job->final_dir : job->tmp_dir, job->dir, latest_says);

@@ -18,6 +18,8 @@
 // gets to them (or as before_modify asks), so staging stays within its budget whatever the
 // size of the state; a reader's error fails the save like a write error.
 //
+// A save whose tensors hold NaN or Inf fails the same way, naming them (refuse_non_finite).
+//
 // A failed save (EIO, ENOSPC, ...) logs one line naming the file and the directory, removes its
 // step-N.tmp and leaves DIR/latest and every earlier checkpoint untouched; wait()/poll() return
 // the error and the writer can save again.
@@ -95,6 +97,10 @@ struct CheckpointWriterOptions {
   IfBusy if_busy = IfBusy::kWait;
   uint32_t max_in_flight = 8;           // write requests outstanding at once
   bool direct_io = true;                // O_DIRECT (falls back to buffered where refused)
+  // Count NaN/Inf in every F32/BF16 tensor as it is hashed and fail the save instead of
+  // committing it: a diverged state must not replace the last good checkpoint in `latest`, nor
+  // push it out through keep_last. Off only for data that is not numbers (benchmarks).
+  bool refuse_non_finite = true;
   IoEngineOptions io;                   // used when engine_factory is empty
   IoEngineFactory engine_factory;       // called once per save; empty: make_io_engine(io)
 };

@@ -1,5 +1,8 @@
 #include "train/checkpointing.h"
 
+#include <set>
+
+#include "ckpt/finite.h"
 #include "core/log.h"
 #include "core/progress.h"
 #include "core/version.h"
@@ -8,6 +11,17 @@ namespace strata {
 namespace {
 
 constexpr StateKind kSavedKinds[] = {StateKind::kParam, StateKind::kAdamM, StateKind::kAdamV};
+
+// How to get past a refused resume of another model.
+constexpr const char* kOtherModel =
+    "; a checkpoint resumes the model it was made of: set the model back as it was (model.* and model.set), or "
+    "export the weights (strata convert) and start a new run from them (model.from)";
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
 
 // The flat layout of one kind: the state's host copy, or read out of it on demand.
 ckpt::Region make_region(ckpt::TensorKind kind, StateKind state_kind, const model::ParamLayout& layout,
@@ -105,26 +119,90 @@ Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos
   return started == ckpt::SaveStart::kStarted;
 }
 
-Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, SavableState& state,
+namespace {
+
+Status check_same_model(const ckpt::CheckpointReader& reader, const nlohmann::json& model_config,
+                        const model::ParamLayout& layout) {
+  const std::string context = "resuming from " + reader.step_dir();
+  RETURN_IF_ERROR(compare_model_configs(reader.manifest().fields.model_config, model_config).with_context(context));
+  std::set<std::string> expected;
+  for (const auto& t : layout.tensors()) {
+    for (ckpt::TensorKind kind : {ckpt::TensorKind::kParam, ckpt::TensorKind::kAdamM, ckpt::TensorKind::kAdamV}) {
+      const std::string q = ckpt::qualified_name(kind, t.name);
+      expected.insert(q);
+      RETURN_IF_ERROR(reader.check_f32(q, static_cast<uint64_t>(t.numel)).with_context(context));
+      // The same element count is not enough: a transposed tensor would load as garbage.
+      const ckpt::SavedTensor* saved = reader.find(q);
+      if (saved->shape != t.shape) {
+        return Status::InvalidArgument(context + ": tensor '" + q + "' has shape " + shape_text(saved->shape) +
+                                       " in the checkpoint but " + shape_text(t.shape) + " in this model" + kOtherModel);
+      }
+    }
+  }
+  for (const ckpt::SavedTensor& saved : reader.tensors()) {
+    if (saved.kind == ckpt::TensorKind::kState || expected.count(saved.name) > 0) continue;
+    return Status::InvalidArgument(context + ": the checkpoint has tensor '" + saved.name + "', which this model lacks" +
+                                   kOtherModel);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status compare_model_configs(const nlohmann::json& saved, const nlohmann::json& run) {
+  if (!saved.is_object() || saved.empty())
+    return Status::InvalidArgument("the checkpoint records no model config, so it cannot be checked against this run's");
+  for (auto it = run.begin(); it != run.end(); ++it) {
+    auto s = saved.find(it.key());
+    if (s == saved.end())
+      return Status::InvalidArgument("the model config key '" + it.key() + "' (" + ckpt::quote_untrusted(it->dump(), 64) +
+                                     " in this run) is missing from the checkpoint's" + kOtherModel);
+    if (*s != *it)
+      return Status::InvalidArgument("the model config key '" + it.key() + "' is " + ckpt::quote_untrusted(it->dump(), 64) +
+                                     " in this run but " + ckpt::quote_untrusted(s->dump(), 64) + " in the checkpoint" +
+                                     kOtherModel);
+  }
+  for (auto it = saved.begin(); it != saved.end(); ++it) {
+    if (!run.contains(it.key()))
+      return Status::InvalidArgument("the checkpoint's model config has key " + ckpt::quote_untrusted(it.key(), 64) +
+                                     ", which this run's lacks" + kOtherModel);
+  }
+  return Status::OK();
+}
+
+namespace {
+
+// A NaN or Inf read back means the checkpoint holds a diverged state (one written before saves
+// refused those, or edited); training from it would only produce NaN.
+Status check_finite(const std::string& step_dir, const std::string& qualified, const float* data, int64_t numel) {
+  const uint64_t bad = ckpt::count_non_finite(ckpt::DType::kF32, data, static_cast<uint64_t>(numel));
+  if (bad == 0) return Status::OK();
+  return Status::Corruption("resuming from " + step_dir + ": tensor '" + qualified + "' holds " + std::to_string(bad) +
+                            " non-finite values (NaN or Inf); the checkpoint is of a diverged run, resume from an "
+                            "earlier step");
+}
+
+}  // namespace
+
+Result<RunPosition> restore_checkpoint(const std::string& path, const nlohmann::json& model_config,
+                                       const model::ParamLayout& layout, SavableState& state,
                                        std::vector<ExtraState>* extra) {
   ckpt::ReaderOpenOptions ro;
   ro.verify = true;
   ASSIGN_OR_RETURN(std::unique_ptr<ckpt::CheckpointReader> reader, ckpt::CheckpointReader::open(path, ro));
-  // Every tensor must be there with its size before anything is overwritten.
-  for (const auto& t : layout.tensors())
-    for (ckpt::TensorKind kind : {ckpt::TensorKind::kParam, ckpt::TensorKind::kAdamM, ckpt::TensorKind::kAdamV})
-      RETURN_IF_ERROR(reader->check_f32(ckpt::qualified_name(kind, t.name), static_cast<uint64_t>(t.numel))
-                          .with_context("resuming from " + reader->step_dir()));
+  // The model and every tensor's name, size and shape must match before anything is overwritten.
+  RETURN_IF_ERROR(check_same_model(*reader, model_config, layout));
   const std::pair<StateKind, ckpt::TensorKind> kinds[] = {{StateKind::kParam, ckpt::TensorKind::kParam},
                                                           {StateKind::kAdamM, ckpt::TensorKind::kAdamM},
                                                           {StateKind::kAdamV, ckpt::TensorKind::kAdamV}};
   Progress progress("loading " + reader->step_dir(), 3 * static_cast<uint64_t>(layout.total_size()) * sizeof(float));
   for (const auto& [state_kind, kind] : kinds) {
     RETURN_IF_ERROR(state.fill_kind(state_kind, [&, kind = kind](const model::TensorSpec& t, float* dst) {
-      RETURN_IF_ERROR(reader->read_f32(ckpt::qualified_name(kind, t.name), dst, static_cast<uint64_t>(t.numel))
+      const std::string q = ckpt::qualified_name(kind, t.name);
+      RETURN_IF_ERROR(reader->read_f32(q, dst, static_cast<uint64_t>(t.numel))
                           .with_context("resuming from " + reader->step_dir()));
       progress.add(static_cast<uint64_t>(t.numel) * sizeof(float));
-      return Status::OK();
+      return check_finite(reader->step_dir(), q, dst, t.numel);
     }));
   }
   progress.finish();
@@ -137,6 +215,7 @@ Result<RunPosition> restore_checkpoint(const std::string& path, const model::Par
       }
       RETURN_IF_ERROR(reader->read_f32(q, e.values.data(), e.values.size()).with_context("resuming from " +
                                                                                          reader->step_dir()));
+      RETURN_IF_ERROR(check_finite(reader->step_dir(), q, e.values.data(), static_cast<int64_t>(e.values.size())));
     }
   }
   const ckpt::ManifestFields& f = reader->manifest().fields;

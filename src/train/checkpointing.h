@@ -78,12 +78,20 @@ class TrainCheckpointer {
 };
 
 // Restores parameters, Adam moments and the run position from a checkpoint (DIR, DIR/latest
-// or DIR/step-N). The model layout must match: a tensor missing or of another size is an error
-// naming it. Checksums are verified first.
+// or DIR/step-N). The model must be the checkpoint's: `model_config` (ModelConfig::to_json of
+// the run) equal to the manifest's key by key (compare_model_configs), and every tensor present
+// with the same shape, none extra; each mismatch is an InvalidArgument naming the key or the
+// tensor. Checksums are verified first; a tensor holding NaN or Inf is refused, naming it.
 // Tensors are read straight into their chunks, group by group. Each entry of `extra` whose
 // name the checkpoint has gets its values (the size must match); one it lacks keeps its values
 // and is named in a warning.
-Result<RunPosition> restore_checkpoint(const std::string& path, const model::ParamLayout& layout, SavableState& state,
+Result<RunPosition> restore_checkpoint(const std::string& path, const nlohmann::json& model_config,
+                                       const model::ParamLayout& layout, SavableState& state,
                                        std::vector<ExtraState>* extra = nullptr);
+
+// OK when two model configs (JSON objects) have the same keys with equal values; otherwise an
+// InvalidArgument naming the first key that differs, with both values. An empty `saved` is
+// refused: there is nothing to check the run against.
+Status compare_model_configs(const nlohmann::json& saved, const nlohmann::json& run);
 
 }  // namespace strata

@@ -43,9 +43,13 @@ class TrainEngine {
   // gradient. inputs and targets are host (B, T) arrays.
   virtual Result<double> micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                      float grad_scale, bool last, float lr) = 0;
-  // Clips the global gradient norm and applies AdamW at `lr`; returns the pre-clip norm (0 when
-  // the engine updated groups during backward and computed none).
+  // Clips the global gradient norm and applies AdamW at `lr`; returns the pre-clip norm. A norm
+  // that is not finite is returned with nothing changed (the loop skips the step), unless the
+  // engine updates during backward, where it is an error: the step cannot be undone.
   virtual Result<double> step(float lr) = 0;
+  // True when micro_batch() may already change parameters (AdamW overlapped with the last
+  // backward): a step with a non-finite loss can then no longer be skipped cleanly.
+  virtual bool updates_during_backward() const { return false; }
 
   virtual EngineStats stats() const = 0;
 

@@ -19,12 +19,15 @@ std::string format_step_line(const StepMetrics& m) {
                     : m.tokens_per_s >= 1e3 ? fmt::format("{:.1f}k", m.tokens_per_s / 1e3)
                                             : fmt::format("{:.0f}", m.tokens_per_s);
   const std::string eta = m.eta_s >= 0 ? " | eta " + format_duration(m.eta_s) : "";
+  const std::string skipped = m.skipped             ? fmt::format(" | SKIPPED ({})", m.skipped_steps)
+                              : m.skipped_steps > 0 ? fmt::format(" | skipped {}", m.skipped_steps)
+                                                    : std::string();
   return fmt::format(
       "step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {:.0f} ms{} | dev {} host {} nvme {} | "
-      "moved {} stall {:.0f} ms | rss {}",
+      "moved {} stall {:.0f} ms | rss {}{}",
       m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, tps, m.ms, eta, format_bytes(m.tier_bytes[0]),
       format_bytes(m.tier_bytes[1]), format_bytes(m.tier_bytes[2]), format_bytes(m.moved_bytes), m.stall_ms,
-      format_bytes(m.rss_bytes));
+      format_bytes(m.rss_bytes), skipped);
 }
 
 Result<MetricsWriter> MetricsWriter::open(const std::string& path, bool append) {
@@ -55,6 +58,8 @@ Status MetricsWriter::write(const StepMetrics& m) {
                       {"elapsed_s", m.elapsed_s},
                       {"eta_s", m.eta_s},
                       {"ckpt_in_flight", m.ckpt_in_flight},
+                      {"skipped", m.skipped},
+                      {"skipped_steps", m.skipped_steps},
                       {"rss_bytes", m.rss_bytes}};
   // Losses are printed with 17 significant digits so that runs can be compared bitwise.
   std::string line = j.dump() + "\n";

@@ -29,12 +29,17 @@ struct StepMetrics {
   // time between two steps includes everything in between (checkpoint starts, logging).
   double elapsed_s = 0;
   bool ckpt_in_flight = false;  // a checkpoint save was being written when the step began
+  // The step's loss or gradient norm was NaN/Inf: nothing was updated. skipped_steps counts
+  // such steps in this run so far (this one included).
+  bool skipped = false;
+  int64_t skipped_steps = 0;
   // Seconds until the last step at the run's average pace so far; negative when unknown.
   double eta_s = -1;
 };
 
 // "step  10/200 | loss 3.2113 | lr 1.50e-03 | gnorm 0.912 | 5.1k tok/s | 199 ms | eta 38s |
-//  dev 4.0 MiB host 6.0 MiB nvme 8.0 MiB | moved 12.0 MiB stall 3 ms | rss 61.0 MiB"
+//  dev 4.0 MiB host 6.0 MiB nvme 8.0 MiB | moved 12.0 MiB stall 3 ms | rss 61.0 MiB"; once a step
+// was skipped, "| skipped 2" follows ("| SKIPPED (2)" on the skipped step itself).
 std::string format_step_line(const StepMetrics& m);
 
 // Appends JSON lines to a file. Not thread-safe. Closes on destruction.

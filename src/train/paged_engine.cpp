@@ -1,6 +1,7 @@
 #include "train/paged_engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -159,6 +160,7 @@ Result<double> PagedEngine::micro_batch(const int32_t* inputs, const int32_t* ta
 
 Result<double> PagedEngine::step(float lr) {
   ASSIGN_OR_RETURN(double norm, state_->clip_and_step(lr));
+  if (!std::isfinite(norm)) return norm;  // a skipped step changes nothing
   net_->update_expert_bias();  // loss-free MoE balancing; a no-op unless configured
   return norm;
 }

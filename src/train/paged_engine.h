@@ -42,6 +42,7 @@ class PagedEngine final : public TrainEngine {
   Result<double> micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
                              bool last, float lr) override;
   Result<double> step(float lr) override;
+  bool updates_during_backward() const override { return options_.overlap_optimizer; }
   EngineStats stats() const override;
 
   std::vector<ExtraState> extra_state() const override;

@@ -303,7 +303,7 @@ kernels::AdamWParams PagedState::adamw_params(float lr) const {
   return p;
 }
 
-Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p) {
+Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p, double* sum_squares) {
   static const kernels::SimdLevel simd = kernels::detect_simd_level();
   // AdamW runs where the group's moments live: the device tier, or host memory (NVMe-homed
   // moments are read into host slots and written back when evicted).
@@ -316,6 +316,22 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     if (!st.ok()) {
       for (size_t r = 0; r < k; ++r) store_->release_group(g, kinds[r]);
       return st;
+    }
+  }
+  if (sum_squares != nullptr) {
+    // The overlap's check: this group's gradients, before anything of it changes.
+    double ss = 0;
+    if (where == Tier::kDevice) {
+      kernels_->begin_norm();
+      for (size_t i : store_->group_tensors(g)) kernels_->add_sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
+      ss = kernels_->end_norm();
+    } else {
+      for (size_t i : store_->group_tensors(g)) ss += kernels::cpu::sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
+    }
+    *sum_squares = ss;
+    if (!std::isfinite(ss)) {
+      for (StateKind k : kinds) store_->release_group(g, k);
+      return Status::OK();
     }
   }
   for (size_t i : store_->group_tensors(g)) {
@@ -354,11 +370,26 @@ Result<double> PagedState::clip_and_step(float lr) {
     worker_status_ = Status::OK();
     const std::vector<bool> done = updated_;
     const kernels::AdamWParams p = overlap_params_;
+    double sum = overlap_sum_squares_;
+    int bad_group = overlap_bad_group_;
     lock.unlock();
     RETURN_IF_ERROR(failed);
-    for (int g = 0; g < store_->num_groups(); ++g)
-      if (!done[static_cast<size_t>(g)]) RETURN_IF_ERROR(update_group(g, 1.0f, p));
-    return 0.0;
+    for (int g = 0; g < store_->num_groups() && bad_group < 0; ++g) {
+      if (done[static_cast<size_t>(g)]) continue;
+      double ss = 0;
+      RETURN_IF_ERROR(update_group(g, 1.0f, p, &ss));
+      sum += ss;
+      if (!std::isfinite(ss)) bad_group = g;
+    }
+    if (bad_group >= 0) {
+      return Status::InvalidArgument(
+          "the gradients of parameter group " + std::to_string(bad_group) +
+          " are not finite (NaN or Inf), and with optim.overlap_backward other groups were already updated during "
+          "backward, so the step cannot be skipped; the run stops without saving this state (the last committed "
+          "checkpoint is intact: resume from it with optim.overlap_backward=false to skip such steps, or lower "
+          "optim.lr)");
+    }
+    return std::sqrt(sum);
   }
   // The global norm, summed tensor by tensor in layout order (as AdamW::grad_norm does).
   kernels_->begin_norm();
@@ -370,6 +401,9 @@ Result<double> PagedState::clip_and_step(float lr) {
     store_->release_group(g, StateKind::kGrad);
   }
   const double norm = std::sqrt(kernels_->end_norm());
+  // A NaN or Inf anywhere is known before any group changes: the step is skipped whole (the
+  // AdamW step count, used for bias correction, does not advance either).
+  if (!std::isfinite(norm)) return norm;
   const float coefficient = kernels::clip_coefficient(norm, options_.optimizer.grad_clip);
   ++step_count_;
   const kernels::AdamWParams p = adamw_params(lr);
@@ -383,6 +417,8 @@ void PagedState::begin_last_micro_batch(float lr) {
   ++step_count_;
   overlap_params_ = adamw_params(lr);
   updated_.assign(static_cast<size_t>(store_->num_groups()), false);
+  overlap_sum_squares_ = 0;
+  overlap_bad_group_ = -1;
   overlap_active_ = true;
 }
 
@@ -393,14 +429,27 @@ void PagedState::worker_loop() {
     if (queue_.empty()) return;  // stop_ with nothing left
     const int g = queue_.front();
     queue_.pop_front();
+    // After a group with non-finite gradients the step is lost; later groups are left alone.
+    if (overlap_bad_group_ >= 0) {
+      updated_[static_cast<size_t>(g)] = true;
+      worker_cv_.notify_all();
+      continue;
+    }
     worker_busy_ = true;
     const kernels::AdamWParams p = overlap_params_;
     lock.unlock();
-    Status st = update_group(g, 1.0f, p);
+    double ss = 0;
+    Status st = update_group(g, 1.0f, p, &ss);
     lock.lock();
     worker_busy_ = false;
-    if (st.ok()) updated_[static_cast<size_t>(g)] = true, ++overlapped_updates_;
-    else if (worker_status_.ok()) worker_status_ = st;
+    if (st.ok()) {
+      updated_[static_cast<size_t>(g)] = true;
+      overlap_sum_squares_ += ss;
+      if (std::isfinite(ss)) ++overlapped_updates_;
+      else overlap_bad_group_ = g;
+    } else if (worker_status_.ok()) {
+      worker_status_ = st;
+    }
     worker_cv_.notify_all();
   }
 }

@@ -119,11 +119,15 @@ class PagedState : public model::ParamAccess, public SavableState {
 
   Status zero_grads();
   // Clips the global gradient norm to options.optimizer.grad_clip and applies one AdamW update
-  // with learning rate `lr`. Returns the pre-clip norm.
+  // with learning rate `lr`. Returns the pre-clip norm. When the norm is not finite (a NaN or
+  // Inf gradient) nothing changes, not even step_count(): the caller skips the step.
   Result<double> clip_and_step(float lr);
   // With overlap_optimizer: call before the last micro-batch's forward/backward of a step, with
   // the step's learning rate; groups are then updated as backward finishes with them, and
-  // clip_and_step() only waits for the rest (and returns 0: no norm is computed).
+  // clip_and_step() only waits for the rest. Each group's gradients are checked just before its
+  // update, so the norm is known (summed in update order) but only after some groups changed:
+  // a non-finite group cannot be skipped cleanly, so clip_and_step() returns an error naming it
+  // (the groups after it are left alone) and the run must stop.
   void begin_last_micro_batch(float lr);
   // Group updates the overlap worker has made (they ran while backward went on).
   int64_t overlapped_updates() {
@@ -173,7 +177,9 @@ class PagedState : public model::ParamAccess, public SavableState {
 
   model::ParamLayout layout_;
   kernels::AdamWParams adamw_params(float lr) const;
-  Status update_group(int group, float coefficient, kernels::AdamWParams p);
+  // With sum_squares: first sums the squares of the group's gradients into it and, when that
+  // is not finite, changes nothing (the overlap's per-group check).
+  Status update_group(int group, float coefficient, kernels::AdamWParams p, double* sum_squares = nullptr);
   void worker_loop();
 
   PagedStateOptions options_;
@@ -215,6 +221,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   bool stop_ = false;
   Status worker_status_;
   int64_t overlapped_updates_ = 0;
+  double overlap_sum_squares_ = 0;  // the step's groups so far, in the order they were updated
+  int overlap_bad_group_ = -1;      // the first group whose gradients were not finite
 };
 
 }  // namespace strata

@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "ckpt/reader.h"
 #include "core/log.h"
 
 namespace strata {
@@ -79,10 +80,9 @@ Status check_run_dirs(const TrainConfig& t) {
   const std::string elsewhere = "choose another run.dir (or ckpt.dir), or remove it first";
   if (holds_latest(ckpt)) {
     if (t.resume == "auto") return Status::OK();
-    std::string latest;
-    std::ifstream in(ckpt / "latest");
-    std::getline(in, latest);
-    if (latest.size() > 64 || latest.find_first_not_of("step-0123456789") != std::string::npos) latest = "?";
+    // Never echo what `latest` holds unless it is a step name (it may point anywhere).
+    Result<std::string> named = ckpt::read_latest_file((ckpt / "latest").string());
+    const std::string latest = named.ok() ? *named : "not a step name";
     return Status::InvalidArgument("ckpt.dir '" + t.ckpt_dir + "' already holds checkpoints of a run (latest: " + latest +
                                    "); pass --resume auto to continue that run, or " + elsewhere);
   }

@@ -31,6 +31,10 @@ ConfigSchema build_schema() {
          .help = "micro-batches per optimizer step"});
   s.add({.name = "train.steps", .type = T::kInt, .default_value = "200", .min = 1,
          .help = "optimizer steps to run"});
+  s.add({.name = "train.max_skipped_steps", .type = T::kInt, .default_value = "5", .min = 0, .max = 1000000,
+         .help = "a step whose loss or gradient norm is NaN/Inf is skipped (no update; the data and the lr schedule "
+                 "move on, AdamW's step count does not); this many skipped in a row are tolerated, one more stops "
+                 "the run with an error (0: stop at the first)"});
   s.add({.name = "train.seed", .type = T::kInt, .default_value = "1234", .min = 0,
          .help = "seed for weights and data order; the same seed gives bitwise the same run"});
   s.add({.name = "train.precision", .type = T::kString, .default_value = "auto", .choices = {"auto", "fp32", "bf16"},
@@ -165,6 +169,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.seq_len = c.get_int("train.seq_len");
   t.grad_accum = c.get_int("train.grad_accum");
   t.steps = c.get_int("train.steps");
+  t.max_skipped_steps = c.get_int("train.max_skipped_steps");
   t.seed = static_cast<uint64_t>(c.get_int("train.seed"));
   t.lr = c.get_float("optim.lr");
   t.lr_schedule = c.get_string("optim.schedule");

@@ -26,6 +26,7 @@ struct TrainConfig {
   int64_t seq_len = 0;
   int64_t grad_accum = 0;
   int64_t steps = 0;
+  int64_t max_skipped_steps = 5;  // non-finite steps skipped in a row before the run stops
   uint64_t seed = 0;
   // optimizer
   double lr = 0, min_lr_ratio = 0;

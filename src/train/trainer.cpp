@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -182,6 +184,7 @@ struct Run {
   bool sound = true;
   int64_t sound_step = 0;
   DataCursor sound_cursor;
+  int64_t skipped_in_a_row = 0;  // consecutive steps with a NaN/Inf loss or gradient norm
   TrainSummary summary;
 
   void mark_sound(int64_t step) {
@@ -329,7 +332,7 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   weights.reset();
   if (!resume_from.empty()) {
     std::vector<ExtraState> extra = run->engine->extra_state();
-    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, run->layout, state, &extra));
+    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, mc.to_json(), run->layout, state, &extra));
     run->engine->set_extra_state(extra);
     RETURN_IF_ERROR(
         run->loader->set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
@@ -379,6 +382,31 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   return run;
 }
 
+// A step skipped for a NaN/Inf loss or gradient norm: logged whatever run.log_every says; more
+// than train.max_skipped_steps in a row stop the run.
+Status note_skipped_step(Run& run, const TrainConfig& t, const StepMetrics& sm) {
+  LOG_WARN("{}", format_step_line(sm));
+  const std::string what = std::isfinite(sm.loss) ? "gradient norm" : "loss";
+  if (run.skipped_in_a_row <= t.max_skipped_steps) {
+    LOG_WARN("step {} skipped: the {} is not finite (NaN or Inf); nothing was updated ({} in a row; more than {} "
+             "stop the run)",
+             sm.step, what, run.skipped_in_a_row, t.max_skipped_steps);
+    return Status::OK();
+  }
+  // Saves of a non-finite state are never committed: `latest` names the last finite one once
+  // the save in flight has ended (a failure of it was logged by the writer).
+  (void)run.checkpointer->wait();
+  Result<std::string> latest = ckpt::read_latest_file((fs::path(t.ckpt_dir) / ckpt::kLatestFile).string());
+  const std::string resume = latest.ok()
+                                 ? fmt::format("the last finite checkpoint is {}/{}; resume from it", t.ckpt_dir, *latest)
+                                 : std::string("no checkpoint of a finite state was committed; start again");
+  return Status::InvalidArgument(fmt::format(
+      "step {}: the {} has not been finite (NaN or Inf) for {} steps in a row, more than train.max_skipped_steps={}; "
+      "the run has diverged and stops ({} with a lower optim.lr, a larger optim.eps or optim.grad_clip, or check the "
+      "data)",
+      sm.step, what, run.skipped_in_a_row, t.max_skipped_steps, resume));
+}
+
 // 2. The steps, until train.steps, a signal or the first error (returned).
 Status loop(Run& run, const TrainConfig& t) {
   TrainEngine& engine = *run.engine;
@@ -409,7 +437,24 @@ Status loop(Run& run, const TrainConfig& t) {
                                                         grad_scale, m == t.grad_accum - 1, static_cast<float>(lr)));
       loss_sum += loss;
     }
-    ASSIGN_OR_RETURN(double grad_norm, engine.step(static_cast<float>(lr)));
+    // A NaN/Inf loss or gradient norm skips the step: nothing is updated (the engine checks
+    // the norm before any group changes), the batch is consumed and the schedule moves on.
+    double grad_norm = std::numeric_limits<double>::quiet_NaN();
+    bool skipped = !std::isfinite(loss_sum);
+    if (skipped && engine.updates_during_backward())
+      return Status::InvalidArgument(fmt::format(
+          "step {}: the loss is not finite (NaN or Inf) and optim.overlap_backward already updated parameters "
+          "during backward, so the step cannot be skipped; the run stops without saving this state (resume from "
+          "the last checkpoint with optim.overlap_backward=false to skip such steps, or lower optim.lr)",
+          step));
+    if (!skipped) {
+      Result<double> stepped = engine.step(static_cast<float>(lr));
+      if (!stepped.ok()) return stepped.status().with_context(fmt::format("step {}", step));
+      grad_norm = *stepped;
+      skipped = !std::isfinite(grad_norm);
+    }
+    run.skipped_in_a_row = skipped ? run.skipped_in_a_row + 1 : 0;
+    run.summary.skipped_steps += skipped ? 1 : 0;
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     run.tokens_seen += tokens_per_step;
     run.mark_sound(step);
@@ -431,12 +476,22 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.rss_bytes = resident_bytes();
     sm.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     sm.ckpt_in_flight = ckpt_in_flight;
+    sm.skipped = skipped;
+    sm.skipped_steps = run.summary.skipped_steps;
     sm.eta_s = sm.elapsed_s / static_cast<double>(step - run.start_step + 1) * static_cast<double>(t.steps - step);
     RETURN_IF_ERROR(run.metrics->write(sm));
     if (step == run.start_step) run.summary.first_loss = sm.loss;
     run.summary.last_loss = sm.loss;
+    if (skipped) {
+      // A run stopped for diverging is not checkpointed again: the last finite checkpoint
+      // stays the newest.
+      if (Status st = note_skipped_step(run, t, sm); !st.ok()) {
+        run.sound = false;
+        return st;
+      }
+    }
     if (t.ckpt_every > 0 && step % t.ckpt_every == 0) RETURN_IF_ERROR(run.save_checkpoint(t));
-    if (step % t.log_every == 0 || step == 1 || step == t.steps) {
+    if (!skipped && (step % t.log_every == 0 || step == 1 || step == t.steps)) {
       LOG_INFO("{}", format_step_line(sm));
       if (std::string note = engine.step_note(); !note.empty()) LOG_INFO("{}", note);
     }

@@ -20,6 +20,7 @@ struct TrainSummary {
   double first_loss = 0;
   double last_loss = 0;
   bool interrupted = false;  // stopped early by SIGINT/SIGTERM
+  int64_t skipped_steps = 0;  // steps skipped for a NaN/Inf loss or gradient norm
 };
 
 // The model's config.json (model.config, or the preset) with model.set overrides applied.

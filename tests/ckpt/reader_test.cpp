@@ -106,6 +106,59 @@ TEST_F(ReaderTest, DamagedManifestAndHeaderAreRefused) {
   expect_mentions(open_error(false), {f.string()});
 }
 
+// A manifest entry naming a file outside the step directory is refused before anything is
+// read or hashed; so is a listed file that is a link.
+TEST_F(ReaderTest, ManifestEntriesCannotLeaveTheStepDirectory) {
+  const fs::path m = step_ / "manifest.json";
+  const std::string good = read_text(m);
+  const fs::path outside = dir_ / "outside.txt";
+  std::ofstream(outside) << "not part of the checkpoint";
+  nlohmann::json j = nlohmann::json::parse(good);
+  j["files"]["../outside.txt"] = {{"size", 26}, {"xxh3_64", xxh3_hex(hash_file(outside.string()).value())}};
+  std::ofstream(m) << j.dump(2);
+  expect_mentions(open_error(), {m.string(), "plain file name"});
+
+  std::ofstream(m) << good;
+  const fs::path model = step_ / "model.safetensors";
+  fs::rename(model, dir_ / "real.safetensors");
+  fs::create_symlink(dir_ / "real.safetensors", model);
+  expect_mentions(open_error(), {model.string(), "not a regular file"});
+}
+
+// The step a manifest records is the one its directory is named after.
+TEST_F(ReaderTest, StepDisagreeingWithTheDirectoryNameIsRefused) {
+  const fs::path m = step_ / "manifest.json";
+  nlohmann::json j = nlohmann::json::parse(read_text(m));
+  j["step"] = 7;
+  j["optimizer_step"] = 7;
+  std::ofstream(m) << j.dump(2);
+  expect_mentions(open_error(false), {m.string(), "'step'", "step-12"});
+}
+
+// `latest` pointing at some other file (here a stand-in for /etc/passwd): refused without
+// echoing what that file holds.
+TEST_F(ReaderTest, LatestNamingAnythingButAStepIsRefusedWithoutEchoingIt) {
+  const fs::path secret = dir_ / "passwd";
+  std::ofstream(secret) << "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin\n";
+  fs::remove(dir_ / "latest");
+  fs::create_symlink(secret, dir_ / "latest");
+  for (const std::string& p : {dir(), (dir_ / "latest").string()}) {
+    Status st = CheckpointReader::open(p).status();
+    expect_mentions(st, {(dir_ / "latest").string(), "step-N"});
+    EXPECT_EQ(st.message().find("root"), std::string::npos) << st.message();
+    EXPECT_EQ(st.message().find("daemon"), std::string::npos) << st.message();
+  }
+  fs::remove(dir_ / "latest");
+  for (const std::string& text : {std::string("../../etc\n"), std::string("step-12/../../x\n"),
+                                  std::string("step-1\x1b]0;owned\x07\n")}) {
+    std::ofstream(dir_ / "latest") << text;
+    Status st = CheckpointReader::open(dir()).status();
+    expect_mentions(st, {(dir_ / "latest").string(), "step-N"});
+    EXPECT_EQ(st.message().find('\x1b'), std::string::npos) << "control characters are not echoed";
+    EXPECT_EQ(st.message().find("etc"), std::string::npos) << st.message();
+  }
+}
+
 TEST_F(ReaderTest, NoCheckpointAtAll) {
   const fs::path empty = dir_ / "empty";
   fs::create_directories(empty);

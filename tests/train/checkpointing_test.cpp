@@ -113,6 +113,31 @@ void expect_checkpoint_holds(const std::string& dir, const model::ParamLayout& l
   }
 }
 
+// Model configs match key by key: a changed value, a key only one side has, or no recorded
+// config at all is refused, naming the key.
+TEST(CompareModelConfigsTest, EveryKeyMustMatch) {
+  const nlohmann::json run = tiny_config(false).to_json();
+  EXPECT_TRUE(compare_model_configs(run, run).ok());
+  // As read back from a manifest: integers come back unsigned, floats as doubles.
+  EXPECT_TRUE(compare_model_configs(nlohmann::json::parse(run.dump()), run).ok());
+  nlohmann::json changed = run;
+  changed["rms_norm_eps"] = 1e-3;
+  Status st = compare_model_configs(changed, run);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("'rms_norm_eps'"), std::string::npos) << st.message();
+  nlohmann::json missing = run;
+  missing.erase("num_hidden_layers");
+  st = compare_model_configs(missing, run);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("'num_hidden_layers'"), std::string::npos) << st.message();
+  nlohmann::json extra = run;
+  extra["num_experts"] = 8;
+  st = compare_model_configs(extra, run);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("'num_experts'"), std::string::npos) << st.message();
+  EXPECT_FALSE(compare_model_configs(nlohmann::json::object(), run).ok());
+}
+
 // Both recipes: the bf16 one saves and restores its fp32 master (its bf16 copy is rounded from
 // it again), with a fifth kind of a group in host memory during AdamW (hence a little more host).
 class CheckpointingTest : public ::testing::TestWithParam<Precision> {
@@ -151,7 +176,7 @@ TEST_P(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
 
   // Restored under other budgets (no nvme tier, more device memory): the same state.
   Trainer other(dir_ / "other", {12, 64, 0}, GetParam());
-  Result<RunPosition> pos = restore_checkpoint(co.dir, other.layout(), other.state());
+  Result<RunPosition> pos = restore_checkpoint(co.dir, other.config().to_json(), other.layout(), other.state());
   ASSERT_TRUE(pos.ok()) << pos.status().to_string();
   EXPECT_EQ(pos->step, 2);
   EXPECT_EQ(other.state().step_count(), 2);

@@ -6,8 +6,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <random>
 
 #include "core/cpu_device.h"
@@ -309,6 +311,88 @@ TEST_P(PagedStateTest, OptimizerOverlappingBackwardMatchesBitwise) {
 // With the Adam moments homed in host memory, AdamW runs there, so the optimizer phase
 // prefetches into host memory: no moment chunk ever gets a device slot, even with free device
 // slots (which prefetching the phase into the device would fill).
+// A NaN gradient (here: every gradient, through a NaN scale; the loss stays finite) is seen in
+// the global norm before any group changes: the step leaves parameters, moments and AdamW's
+// step count exactly as they were, so [good, NaN, good'] ends bitwise where [good, good'] does.
+// With AdamW overlapped with backward that is impossible, and the step is an error instead.
+struct SkipRun {
+  std::vector<float> params, m, v;
+  int64_t step_count = 0;
+};
+
+SkipRun run_with_nan_step(bool nan_step, bool overlap, Status* nan_status = nullptr) {
+  const model::ModelConfig mc = tiny_config(false);
+  const std::vector<Batch> batches = make_batches(4, kB * kT, 5);
+  auto device = CpuDevice::create(0, 0).value();
+  model::LlamaModel net(mc);
+  net.init_weights(7);
+  PagedStateOptions po;
+  po.device_bytes = po.host_bytes = 64ull << 20;
+  po.optimizer = optimizer_config(overlap ? 0.0f : kClip);
+  po.overlap_optimizer = overlap;
+  auto ps = PagedState::create(*device, nullptr, net.layout(), po).value();
+  EXPECT_TRUE(ps->load_params(net.params()).ok());
+  net.set_access(ps.get());
+  auto step = [&](const Batch& b, float scale) -> Result<double> {
+    EXPECT_TRUE(ps->zero_grads().ok());
+    ps->begin_last_micro_batch(1e-2f);
+    Result<double> loss = net.compute(b.inputs.data(), b.targets.data(), kB, kT, scale, true);
+    EXPECT_TRUE(loss.ok() && std::isfinite(*loss));
+    return ps->clip_and_step(1e-2f);
+  };
+  const float scale = 1.0f / (kB * kT);
+  EXPECT_TRUE(step(batches[0], scale).ok());
+  SkipRun before;
+  const size_t n = static_cast<size_t>(net.layout().total_size());
+  before.params.resize(n), before.m.resize(n), before.v.resize(n);
+  EXPECT_TRUE(ps->store_params(before.params.data()).ok());
+  EXPECT_TRUE(ps->store_moments(before.m.data(), before.v.data()).ok());
+  before.step_count = ps->step_count();
+  if (nan_step) {
+    Result<double> norm = step(batches[1], std::numeric_limits<float>::quiet_NaN());
+    if (overlap) {
+      EXPECT_FALSE(norm.ok());
+      if (nan_status != nullptr) *nan_status = norm.status();
+      net.set_access(nullptr);
+      return before;
+    }
+    EXPECT_TRUE(norm.ok() && !std::isfinite(*norm)) << "the norm of NaN gradients";
+    SkipRun after;
+    after.params.resize(n), after.m.resize(n), after.v.resize(n);
+    EXPECT_TRUE(ps->store_params(after.params.data()).ok());
+    EXPECT_TRUE(ps->store_moments(after.m.data(), after.v.data()).ok());
+    EXPECT_EQ(0, std::memcmp(after.params.data(), before.params.data(), n * 4)) << "a skipped step changed parameters";
+    EXPECT_EQ(0, std::memcmp(after.m.data(), before.m.data(), n * 4)) << "a skipped step changed Adam m";
+    EXPECT_EQ(0, std::memcmp(after.v.data(), before.v.data(), n * 4)) << "a skipped step changed Adam v";
+    EXPECT_EQ(ps->step_count(), before.step_count);
+  }
+  EXPECT_TRUE(step(batches[2], scale).ok());
+  SkipRun out;
+  out.params.resize(n), out.m.resize(n), out.v.resize(n);
+  EXPECT_TRUE(ps->store_params(out.params.data()).ok());
+  EXPECT_TRUE(ps->store_moments(out.m.data(), out.v.data()).ok());
+  out.step_count = ps->step_count();
+  net.set_access(nullptr);
+  return out;
+}
+
+TEST(PagedStateSkipTest, NonFiniteGradientsSkipTheStepWithoutChangingAnything) {
+  const SkipRun skipped = run_with_nan_step(true, false);
+  const SkipRun clean = run_with_nan_step(false, false);
+  EXPECT_EQ(skipped.step_count, 2);
+  EXPECT_EQ(clean.step_count, 2);
+  EXPECT_EQ(0, std::memcmp(skipped.params.data(), clean.params.data(), clean.params.size() * 4));
+  EXPECT_EQ(0, std::memcmp(skipped.v.data(), clean.v.data(), clean.v.size() * 4));
+}
+
+TEST(PagedStateSkipTest, NonFiniteGradientsWithOverlapStopInsteadOfSkipping) {
+  Status st;
+  run_with_nan_step(true, true, &st);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("not finite"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("optim.overlap_backward"), std::string::npos) << st.message();
+}
+
 TEST(PagedStatePrefetchTest, HostOptimizerPhaseIsNotPrefetchedIntoTheDevice) {
   const model::ModelConfig mc = tiny_config(false);
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 11);

@@ -32,8 +32,9 @@ PATH is a checkpoint directory (its `latest` is followed), DIR/latest, or DIR/st
 
   inspect   step, tokens seen, data cursor, the files with sizes and checksums, tensor count
             and bytes per kind (param, master, adam_m, adam_v, state) and a model config summary.
-  verify    recomputes every file's xxh3_64 and compares it with the manifest; prints OK and
-            exits 0, or names the damaged file and exits 1.
+  verify    recomputes every file's xxh3_64 and compares it with the manifest, and checks that
+            no tensor holds NaN or Inf; prints OK and exits 0, or names the damaged file (or
+            each non-finite tensor with its count) and exits 1.
   bench     writes a SIZE-byte checkpoint into DIR through the asynchronous writer (O_DIRECT,
             checksums, fsync and commit inside the timing) twice: from one host buffer, and
             read piece by piece out of a chunk space (host tier, 64 MiB chunks) into staging,
@@ -101,9 +102,19 @@ int inspect(const std::string& path) {
 int verify(const std::string& path) {
   Result<std::unique_ptr<ckpt::CheckpointReader>> opened = ckpt::CheckpointReader::open(path);
   if (!opened.ok()) return fail(opened.status());
-  Status st = (*opened)->verify();
+  std::vector<ckpt::ScannedTensor> non_finite;
+  Status st = (*opened)->verify(&non_finite);
   if (!st.ok()) return fail(st);
-  std::printf("OK %s: %zu files, %zu tensors, checksums match\n", (*opened)->step_dir().c_str(),
+  if (!non_finite.empty()) {
+    // Checksums match, but the state is of a diverged run: not a checkpoint to resume from.
+    for (const ckpt::ScannedTensor& t : non_finite)
+      std::fprintf(stderr, "non-finite  %s: %llu NaN/Inf values\n", t.name.c_str(),
+                   static_cast<unsigned long long>(t.non_finite));
+    return fail(Status::Corruption((*opened)->step_dir() + ": " + std::to_string(non_finite.size()) +
+                                   " tensor(s) hold NaN or Inf values (listed above); the checkpoint is of a "
+                                   "diverged run, resume from an earlier step"));
+  }
+  std::printf("OK %s: %zu files, %zu tensors, checksums match, all values finite\n", (*opened)->step_dir().c_str(),
               (*opened)->files().size(), (*opened)->tensors().size());
   return 0;
 }
@@ -174,7 +185,9 @@ int bench(const std::vector<std::string>& args) {
   uint64_t* words = reinterpret_cast<uint64_t*>(region.get());
   for (uint64_t i = 0; i < bytes / 8; ++i) {
     x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    words[i] = x;
+    // Clearing each float's top exponent bit keeps the data finite, so the save's NaN/Inf
+    // check runs as in training instead of refusing random bits.
+    words[i] = x & ~0x4000000040000000ull;
   }
   // The same bytes in a chunk space, one tensor per 64 MiB chunk, as a training run holds them.
   constexpr uint64_t kChunk = 64 * kMiB;

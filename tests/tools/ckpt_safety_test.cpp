@@ -1,0 +1,209 @@
+// `strata train` and `strata ckpt` against checkpoints that do not match the run or hold a
+// diverged state, and runs that diverge: a clear error and a non-zero exit, never a silent
+// resume of the wrong model, a NaN checkpoint or an echo of a file that is not a checkpoint's.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ckpt/format.h"
+#include "ckpt/reader.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CmdResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+CmdResult run_strata(const std::string& args) {
+  std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
+  CmdResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::vector<nlohmann::json> metrics_of(const fs::path& file) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(file);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// Rewrites the manifest's record of `file` after the file was edited, as a forger would.
+void rehash(const fs::path& step_dir, const std::string& file) {
+  const fs::path m = step_dir / "manifest.json";
+  nlohmann::json j = nlohmann::json::parse(read_text(m));
+  j["files"][file]["xxh3_64"] = strata::ckpt::xxh3_hex(strata::ckpt::hash_file((step_dir / file).string()).value());
+  std::ofstream(m) << j.dump(2);
+}
+
+class CkptSafetyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           ("strata_ckpt_safety_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::string text;
+    for (int i = 0; i < 200; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
+    std::ofstream(dir_ / "corpus.txt") << text;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string run(const std::string& run_dir, const std::string& model_set) const {
+    return "train data.paths=[" + (dir_ / "corpus.txt").string() + "] run.dir=" + run_dir +
+           " train.micro_batch=2 train.seq_len=32 optim.warmup_steps=2 'model.set=[" + model_set + "]'";
+  }
+  // A committed checkpoint of a 4-layer model after 3 steps.
+  fs::path four_layer_checkpoint() {
+    const std::string full = (dir_ / "full").string();
+    CmdResult a = run_strata(run(full, kFourLayers) + " train.steps=3 ckpt.every=3");
+    EXPECT_EQ(a.exit_code, 0) << a.output;
+    return fs::path(full) / "checkpoints" / "step-3";
+  }
+  fs::path dir_;
+  static constexpr const char* kFourLayers = "num_hidden_layers=4,hidden_size=64,intermediate_size=96";
+};
+
+// optim.eps=0 turns the parameters to NaN in the first update (0/0 where a gradient is 0):
+// from step 2 every loss is NaN. Steps 2-6 are skipped (counted in the metrics), step 7 stops
+// the run with an error naming it, and no checkpoint of the NaN state was committed.
+TEST_F(CkptSafetyTest, ADivergedRunSkipsThenStopsNonZeroWithoutANaNCheckpoint) {
+  const std::string run_dir = (dir_ / "run").string();
+  CmdResult r = run_strata(run(run_dir, "num_hidden_layers=2,hidden_size=64,intermediate_size=96") +
+                           " train.steps=20 optim.eps=0 ckpt.every=1 ckpt.keep_last=2");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("error: step 7: the loss has not been finite"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("train.max_skipped_steps=5"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("SKIPPED (1)"), std::string::npos) << "the step line shows the skip";
+  const auto metrics = metrics_of(fs::path(run_dir) / "metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 7u) << r.output;
+  EXPECT_EQ(metrics[0]["skipped"], false);
+  for (int s = 2; s <= 7; ++s) {
+    EXPECT_EQ(metrics[s - 1]["skipped"], true) << "step " << s;
+    EXPECT_EQ(metrics[s - 1]["skipped_steps"], s - 1) << "step " << s;
+  }
+  for (const auto& e : fs::directory_iterator(fs::path(run_dir) / "checkpoints"))
+    ADD_FAILURE() << "a checkpoint of the NaN state was kept: " << e.path();
+
+  // train.max_skipped_steps=0: the first non-finite step stops the run.
+  const std::string strict = (dir_ / "strict").string();
+  CmdResult s = run_strata(run(strict, "num_hidden_layers=2,hidden_size=64,intermediate_size=96") +
+                           " train.steps=20 optim.eps=0 train.max_skipped_steps=0");
+  EXPECT_NE(s.exit_code, 0) << s.output;
+  EXPECT_NE(s.output.find("error: step 2:"), std::string::npos) << s.output;
+}
+
+// With AdamW overlapped with backward, layers are updated before the loss of the step is
+// judged: a NaN step cannot be skipped, so the run stops at the first one.
+TEST_F(CkptSafetyTest, ADivergedRunWithOverlapStopsAtTheFirstNaNStep) {
+  const std::string run_dir = (dir_ / "run").string();
+  CmdResult r = run_strata(run(run_dir, "num_hidden_layers=2,hidden_size=64,intermediate_size=96") +
+                           " train.steps=20 optim.eps=0 optim.grad_clip=0 optim.overlap_backward=true");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("error: step 2:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("cannot be skipped"), std::string::npos) << r.output;
+}
+
+// A checkpoint resumes only the model it was made of: fewer layers, another rms_norm_eps or a
+// tensor stored transposed are refused, naming the key or the tensor.
+TEST_F(CkptSafetyTest, ResumeRefusesAnotherModelNamingTheKeyOrTensor) {
+  const fs::path step3 = four_layer_checkpoint();
+  ASSERT_TRUE(fs::exists(step3));
+  struct Case {
+    std::string model_set, words;
+  };
+  for (const Case& c : {Case{"num_hidden_layers=2,hidden_size=64,intermediate_size=96", "'num_hidden_layers' is '2' in this run but '4'"},
+                        Case{std::string(kFourLayers) + ",rms_norm_eps=0.001", "'rms_norm_eps'"}}) {
+    const std::string resumed = (dir_ / "resumed").string();
+    CmdResult b = run_strata(run(resumed, c.model_set) + " train.steps=6 --resume " + step3.string());
+    EXPECT_EQ(b.exit_code, 1) << b.output;
+    EXPECT_NE(b.output.find(c.words), std::string::npos) << b.output;
+    EXPECT_FALSE(fs::exists(fs::path(resumed) / "metrics.jsonl")) << b.output;
+  }
+
+  // The same element count, the shape transposed (and the checksum forged to match).
+  const fs::path model = step3 / "model.safetensors";
+  std::string bytes = read_text(model);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, n));
+  std::string name, from, to;
+  for (auto it = header.begin(); it != header.end() && name.empty(); ++it) {
+    if (it.key() == "__metadata__" || (*it)["shape"].size() != 2 || (*it)["shape"][0] == (*it)["shape"][1]) continue;
+    name = it.key();
+    const auto& s = (*it)["shape"];
+    from = "\"shape\":[" + s[0].dump() + "," + s[1].dump() + "]";
+    to = "\"shape\":[" + s[1].dump() + "," + s[0].dump() + "]";
+  }
+  ASSERT_FALSE(name.empty());
+  const size_t at = bytes.find(from, bytes.find("\"" + name + "\""));
+  ASSERT_LT(at, n + 8);
+  bytes.replace(at, from.size(), to);
+  std::ofstream(model, std::ios::binary | std::ios::trunc) << bytes;
+  rehash(step3, "model.safetensors");
+  const std::string resumed = (dir_ / "transposed").string();
+  CmdResult t = run_strata(run(resumed, kFourLayers) + " train.steps=6 --resume " + step3.string());
+  EXPECT_EQ(t.exit_code, 1) << t.output;
+  EXPECT_NE(t.output.find("tensor '" + name + "' has shape"), std::string::npos) << t.output;
+}
+
+// `ckpt verify` fails on all-NaN weights whose checksums match, naming the tensors.
+TEST_F(CkptSafetyTest, VerifyFailsOnNaNWeightsNamingTheTensors) {
+  const fs::path step3 = four_layer_checkpoint();
+  CmdResult ok = run_strata("ckpt verify " + step3.string());
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  const fs::path model = step3 / "model.safetensors";
+  std::string bytes = read_text(model);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  const uint32_t nan_bits = 0x7fc00000u;
+  for (size_t off = 8 + n; off + 4 <= bytes.size(); off += 4) std::memcpy(&bytes[off], &nan_bits, 4);
+  std::ofstream(model, std::ios::binary | std::ios::trunc) << bytes;
+  rehash(step3, "model.safetensors");
+  CmdResult r = run_strata("ckpt verify " + step3.string());
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("model.norm.weight: 64 NaN/Inf values"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("hold NaN or Inf"), std::string::npos) << r.output;
+  // Resuming from it is refused too.
+  CmdResult b = run_strata(run((dir_ / "resumed").string(), kFourLayers) + " train.steps=6 --resume " + step3.string());
+  EXPECT_EQ(b.exit_code, 1) << b.output;
+  EXPECT_NE(b.output.find("non-finite"), std::string::npos) << b.output;
+}
+
+// A `latest` pointing at another file: verify fails without printing what that file holds.
+TEST_F(CkptSafetyTest, LatestPointingOutsideIsNotEchoed) {
+  const fs::path ckpt = dir_ / "ckpt";
+  fs::create_directories(ckpt);
+  std::string passwd;
+  for (int i = 0; i < 24; ++i) passwd += "user" + std::to_string(i) + ":x:1000:1000::/home/u:/bin/sh\n";
+  std::ofstream(dir_ / "passwd") << passwd;
+  fs::create_symlink(dir_ / "passwd", ckpt / "latest");
+  CmdResult r = run_strata("ckpt verify " + ckpt.string());
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_EQ(r.output.find("user"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step-N"), std::string::npos) << r.output;
+}
+
+}  // namespace
