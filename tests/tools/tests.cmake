@@ -2,3 +2,8 @@
 if(TARGET test_tools)
   add_dependencies(test_tools strata)
 endif()
+
+# The README's training command lines, run against a tiny model and tokenizer.
+add_test(NAME readme_examples
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/tools/readme_examples.sh ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+set_tests_properties(readme_examples PROPERTIES LABELS "tools" TIMEOUT 600)
