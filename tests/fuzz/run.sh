@@ -21,7 +21,7 @@ rm -rf "$findings"
 work="$(mktemp -d "${TMPDIR:-/tmp}/strata-fuzz-run.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 # Leaks count as failures; any undefined behaviour stops the target at once.
-export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}"
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
 fuzz_one() {
@@ -31,17 +31,17 @@ fuzz_one() {
   # running longer is a hang; -rss_limit_mb/-malloc_limit_mb: a header that sizes a huge
   # allocation is a bug (sizes read from files are bounded first).
   local rc=0
-  timeout $((seconds + 120)) "$build/fuzz_$t" -max_total_time="$seconds" -timeout=10 \
+  timeout $((seconds + 120)) "$build/tests/fuzz_$t" -max_total_time="$seconds" -timeout=10 \
     -rss_limit_mb=2048 -malloc_limit_mb=1024 -print_final_stats=1 \
     -artifact_prefix="$dir/artifacts/" "$dir/corpus" "$here/$t" >"$dir/log" 2>&1 || rc=$?
   local runs
   runs="$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$dir/log" | grep -o '[0-9]*$' || echo '?')"
   if ((rc != 0)) || compgen -G "$dir/artifacts/*" >/dev/null; then
-    echo "fuzz $t: FAILED (exit $rc) after $runs inputs; log tail:"
-    tail -n 40 "$dir/log" | sed "s/^/  [$t] /"
     mkdir -p "$findings/$t"
     cp "$dir"/artifacts/* "$findings/$t/" 2>/dev/null || true
-    echo "fuzz $t: failing inputs in $findings/$t/"
+    # One write, so that the reports of targets running side by side do not interleave.
+    echo "fuzz $t: FAILED (exit $rc) after $runs inputs; failing inputs in $findings/$t/; log tail:
+$(tail -n 40 "$dir/log" | sed "s/^/  [$t] /")"
     return 1
   fi
   echo "fuzz $t: ok, $runs inputs in ${seconds}s"
