@@ -379,7 +379,7 @@ TEST(TokenizerNfcTest, UnsupportedNormalizerIsUnimplementedNamingFileAndType) {
   };
   for (const auto& [normalizer, type] : cases) {
     TempDir dir;
-    copy_with_edit("qwen2_nfc", dir, [&](json* t) { (*t)["normalizer"] = normalizer; });
+    copy_with_edit("qwen2_nfc", dir, [&, &normalizer = normalizer](json* t) { (*t)["normalizer"] = normalizer; });
     Result<Tokenizer> tok = Tokenizer::load(dir.path());
     ASSERT_FALSE(tok.ok()) << type;
     EXPECT_EQ(tok.status().code(), StatusCode::kUnimplemented);
