@@ -5,6 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config  # toolchain
+  clang libclang-rt-14-dev libomp-dev           # sanitizer and fuzz builds (libFuzzer, OpenMP for clang)
   libspdlog-dev libfmt-dev                      # logging
   libyaml-cpp-dev                               # training configs
   nlohmann-json3-dev                            # config.json, manifests, JSONL metrics

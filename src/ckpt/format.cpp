@@ -126,15 +126,19 @@ Result<ParsedHeader> parse_safetensors_header(const std::string& path, const std
     HeaderEntry e;
     e.name = it.key();
     e.dtype = *dtype;
+    // Checked products: a shape whose element count wraps around must not match the bytes.
     uint64_t numel = 1;
     for (const json& d : *sh) {
-      if (!d.is_number_unsigned()) return Status::Corruption(where + " has a bad shape");
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > uint64_t(INT64_MAX) ||
+          __builtin_mul_overflow(numel, d.get<uint64_t>(), &numel)) {
+        return Status::Corruption(where + " has a bad shape");
+      }
       e.shape.push_back(d.get<int64_t>());
-      numel *= d.get<uint64_t>();
     }
     e.begin = (*off)[0].get<uint64_t>();
     e.end = (*off)[1].get<uint64_t>();
-    if (e.end < e.begin || e.end - e.begin != numel * dtype_size(e.dtype)) {
+    uint64_t nbytes = 0;
+    if (__builtin_mul_overflow(numel, dtype_size(e.dtype), &nbytes) || e.end < e.begin || e.end - e.begin != nbytes) {
       return Status::Corruption(where + " has data_offsets that do not match its shape and dtype");
     }
     out.entries.push_back(std::move(e));

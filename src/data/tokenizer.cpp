@@ -206,6 +206,15 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
       size = std::max(size, id->get<int64_t>() + 1);
     }
   }
+  // The id tables are sized by the largest id: a few bytes naming id 2^28 - 1 would allocate
+  // gigabytes. Real vocabularies are dense (ids 0..N-1, added tokens just after), so a file
+  // whose ids leave most of that range empty is refused before the tables are made.
+  const int64_t entries = static_cast<int64_t>(vocab->size() + added_.size());
+  if (size > 2 * entries + 1024) {
+    return Status::Corruption(file + ": token ids reach " + std::to_string(size - 1) + " but model.vocab and "
+                              "added_tokens hold only " + std::to_string(entries) +
+                              " tokens; ids must be (nearly) consecutive from 0: the file is damaged");
+  }
   id_to_token_.assign(static_cast<size_t>(size), std::string());
   is_added_.assign(static_cast<size_t>(size), 0);
   for (const auto& [token, id] : vocab_) id_to_token_[static_cast<size_t>(id)] = token;

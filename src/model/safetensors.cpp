@@ -174,7 +174,10 @@ Status parse_header(int fd, const std::string& path, int64_t file_size, std::vec
 
   std::vector<SafetensorsTensorInfo> tensors;
   std::vector<std::pair<int64_t, int64_t>> ranges;  // parallel to tensors, data-relative
-  for (const auto& [name, info] : parsed.items()) {
+  for (const auto& item : parsed.items()) {
+    // Not a structured binding: the lambda below captures the name (clang 14 cannot).
+    const std::string& name = item.key();
+    const json& info = item.value();
     if (name == "__metadata__") {
       if (!info.is_object()) return Status::Corruption(fmt::format("{}: __metadata__ is not an object", path));
       for (const auto& [key, value] : info.items()) {

@@ -245,6 +245,23 @@ TEST(TokenizerTest, UnsupportedModelsAndBrokenFilesFail) {
   EXPECT_EQ(Tokenizer::load(dir.path() + "/missing").status().code(), StatusCode::kNotFound);
 }
 
+TEST(TokenizerTest, SparseIdsAreRefusedBeforeSizingTheTables) {
+  // 60 bytes naming id 2^28 - 1 used to allocate 8 GiB of empty token strings.
+  TempDir dir;
+  dir.write("tokenizer.json", R"({"model":{"type":"BPE","vocab":{"a":268435455},"merges":[]}})");
+  Result<Tokenizer> tok = Tokenizer::load(dir.path());
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(tok.status().message().find("268435455"), std::string::npos) << tok.status().message();
+  // A vocabulary with added tokens a little past its end still loads.
+  TempDir ok_dir;
+  copy_with_edit("gpt2", ok_dir, [](json* t) {
+    (*t)["added_tokens"].push_back({{"id", (*t)["model"]["vocab"].size() + 100}, {"content", "<|pad|>"}});
+  });
+  Result<Tokenizer> ok = Tokenizer::load(ok_dir.path());
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+}
+
 TEST(TokenizerTest, UnknownChatTemplateIsUnimplementedNamingTheConfig) {
   TempDir dir;
   copy_with_edit("qwen2", dir, [](json*) {});
@@ -362,7 +379,7 @@ TEST(TokenizerNfcTest, UnsupportedNormalizerIsUnimplementedNamingFileAndType) {
   };
   for (const auto& [normalizer, type] : cases) {
     TempDir dir;
-    copy_with_edit("qwen2_nfc", dir, [&](json* t) { (*t)["normalizer"] = normalizer; });
+    copy_with_edit("qwen2_nfc", dir, [&, &normalizer = normalizer](json* t) { (*t)["normalizer"] = normalizer; });
     Result<Tokenizer> tok = Tokenizer::load(dir.path());
     ASSERT_FALSE(tok.ok()) << type;
     EXPECT_EQ(tok.status().code(), StatusCode::kUnimplemented);

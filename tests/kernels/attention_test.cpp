@@ -166,7 +166,8 @@ void check_finite_difference(const AttnShape &shape) {
   const auto [B, T, Hq, Hkv, D] = shape;
   AttnResult analytic = run_ref(d);
   std::vector<float> out(d.q_size), lse(B * Hq * T);
-  auto loss = [&]() {
+  // Bindings captured by copy: clang 14 cannot capture a structured binding implicitly.
+  auto loss = [&, B = B, T = T, Hq = Hq, Hkv = Hkv, D = D]() {
     ref::attention_forward(out.data(), lse.data(), d.q.data(), d.k.data(),
                            d.v.data(), B, T, Hq, Hkv, D);
     double s = 0;

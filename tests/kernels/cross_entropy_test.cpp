@@ -240,7 +240,8 @@ TEST(CrossEntropyTest, ReferenceGradientsMatchFiniteDifference) {
   const auto [N, C, V, chunk] = d.shape;
   const float grad_scale = 0.25f;
   CeResult analytic = run(ref::lm_head_cross_entropy, d, grad_scale, chunk);
-  auto loss = [&]() {
+  // Bindings captured by copy: clang 14 cannot capture a structured binding implicitly.
+  auto loss = [&, N = N, C = C, V = V, chunk = chunk]() {
     return grad_scale * ref::lm_head_cross_entropy(
                             nullptr, nullptr, d.x.data(), d.weight.data(),
                             d.targets.data(), N, C, V, grad_scale, chunk);
