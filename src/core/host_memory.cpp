@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 namespace strata {
@@ -30,22 +31,53 @@ std::string cgroup_path(const std::string& root, bool v2) {
   return "/";
 }
 
-// What the memory cgroup lets this process still allocate; UINT64_MAX when unlimited. Inside a
-// container the cgroup's own folder is often mounted as the root, so the root is tried too.
-std::pair<uint64_t, bool> cgroup_room(const std::string& root) {
+// A counter of a cgroup's memory.stat, 0 when absent.
+uint64_t stat_value(const std::string& dir, const std::string& key) {
+  std::ifstream in(dir + "/memory.stat");
+  std::string name;
+  uint64_t value = 0;
+  while (in >> name >> value)
+    if (name == key) return value;
+  return 0;
+}
+
+// Room under one cgroup folder's limit, or nullopt when it sets none. Usage counts page cache
+// the kernel would drop to make room, so the inactive file pages are not counted as used.
+std::optional<uint64_t> room_in(const std::string& dir, bool v2) {
   uint64_t limit = 0, usage = 0;
-  for (const std::string& dir : {root + "sys/fs/cgroup" + cgroup_path(root, true), root + "sys/fs/cgroup"}) {
-    if (read_u64(dir + "/memory.max", &limit) && read_u64(dir + "/memory.current", &usage))
-      return {limit > usage ? limit - usage : 0, true};
-  }
-  for (const std::string& dir :
-       {root + "sys/fs/cgroup/memory" + cgroup_path(root, false), root + "sys/fs/cgroup/memory"}) {
+  if (v2) {
+    if (!read_u64(dir + "/memory.max", &limit) || !read_u64(dir + "/memory.current", &usage)) return std::nullopt;
+    usage -= std::min(usage, stat_value(dir, "inactive_file"));
+  } else {
     // v1 reports "no limit" as a huge number (a page-rounded LONG_MAX).
-    if (read_u64(dir + "/memory.limit_in_bytes", &limit) && read_u64(dir + "/memory.usage_in_bytes", &usage))
-      return limit < (uint64_t{1} << 60) ? std::pair{limit > usage ? limit - usage : 0, true}
-                                         : std::pair{UINT64_MAX, false};
+    if (!read_u64(dir + "/memory.limit_in_bytes", &limit) || limit >= (uint64_t{1} << 60) ||
+        !read_u64(dir + "/memory.usage_in_bytes", &usage))
+      return std::nullopt;
+    usage -= std::min(usage, stat_value(dir, "total_inactive_file"));
   }
-  return {UINT64_MAX, false};
+  return limit > usage ? limit - usage : 0;
+}
+
+// What the memory cgroups let this process still allocate: the least room under the limits of
+// its cgroup and every cgroup above it; UINT64_MAX when none sets one. Inside a container the
+// cgroup's own folder is often mounted as the root, so the root is tried too.
+std::pair<uint64_t, bool> cgroup_room(const std::string& root) {
+  uint64_t least = UINT64_MAX;
+  bool limited = false;
+  for (const bool v2 : {true, false}) {
+    const std::string mount = root + (v2 ? "sys/fs/cgroup" : "sys/fs/cgroup/memory");
+    for (std::string path = cgroup_path(root, v2);;) {
+      if (const std::optional<uint64_t> room = room_in(mount + (path == "/" ? "" : path), v2)) {
+        least = std::min(least, *room);
+        limited = true;
+      }
+      if (path.empty() || path == "/") break;
+      const size_t slash = path.find_last_of('/');
+      path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+    }
+    if (limited) break;  // one hierarchy holds the memory controller
+  }
+  return {least, limited};
 }
 
 }  // namespace

@@ -302,7 +302,11 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
     if (ec) return Status::IOError(fmt::format("cannot move the previous export {} aside: {}", dir.string(), ec.message()));
   }
   fs::rename(tmp, dir, ec);
-  if (ec) return Status::IOError(fmt::format("cannot rename {} to {}: {}", tmp.string(), dir.string(), ec.message()));
+  if (ec) {
+    const std::string why = ec.message();
+    if (replace) fs::rename(old, dir, ec);  // the previous export goes back where it was
+    return Status::IOError(fmt::format("cannot rename {} to {}: {}", tmp.string(), dir.string(), why));
+  }
   if (replace) fs::remove_all(old, ec);
   fsync_path(dir.parent_path().empty() ? "." : dir.parent_path().string(), /*directory=*/true);
   return Status::OK();

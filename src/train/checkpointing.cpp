@@ -152,7 +152,11 @@ Status check_same_model(const ckpt::CheckpointReader& reader, const nlohmann::js
 Status compare_model_configs(const nlohmann::json& saved, const nlohmann::json& run) {
   if (!saved.is_object() || saved.empty())
     return Status::InvalidArgument("the checkpoint records no model config, so it cannot be checked against this run's");
+  // torch_dtype is the precision the weights came in (what an export keeps), not what the
+  // tensors mean: the checkpoint holds the fp32 master either way.
+  auto compared = [](const std::string& key) { return key != "torch_dtype"; };
   for (auto it = run.begin(); it != run.end(); ++it) {
+    if (!compared(it.key())) continue;
     auto s = saved.find(it.key());
     if (s == saved.end())
       return Status::InvalidArgument("the model config key '" + it.key() + "' (" + ckpt::quote_untrusted(it->dump(), 64) +
@@ -163,7 +167,7 @@ Status compare_model_configs(const nlohmann::json& saved, const nlohmann::json& 
                                      kOtherModel);
   }
   for (auto it = saved.begin(); it != saved.end(); ++it) {
-    if (!run.contains(it.key()))
+    if (compared(it.key()) && !run.contains(it.key()))
       return Status::InvalidArgument("the checkpoint's model config has key " + ckpt::quote_untrusted(it.key(), 64) +
                                      ", which this run's lacks" + kOtherModel);
   }

@@ -89,6 +89,8 @@ Status fit_host_tier(const model::ParamLayout& layout, const PagedStateOptions& 
     chunks += static_cast<uint64_t>(model::offloaded_checkpoint_count(static_cast<int>(layout.num_layers()))) *
               ((bytes + chunk - 1) / chunk);
   }
+  // With an nvme tier the chunk space keeps one host slot free for staging moves to and from disk.
+  if (space->nvme_bytes > 0) chunks += 1;
   space->host_bytes = std::min(space->host_bytes, chunks * chunk);
   const HostMemory machine = available_host_memory();
   if (machine.known && space->host_bytes > machine.available)

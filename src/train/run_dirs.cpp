@@ -120,10 +120,11 @@ bool same_folder(const std::string& a, const std::string& b) {
 
 }  // namespace
 
-Result<DirLock> DirLock::acquire(const std::string& dir, const std::string& what) {
+Result<DirLock> DirLock::acquire(const std::string& dir, const std::string& what, bool* created) {
   std::error_code ec;
-  fs::create_directories(dir, ec);
+  const bool made = fs::create_directories(dir, ec);
   if (ec) return Status::IOError("cannot create " + what + " '" + dir + "': " + ec.message());
+  if (created != nullptr) *created = made;
   const std::string path = (fs::path(dir) / kLockFileName).string();
   DirLock lock;
   lock.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
@@ -188,17 +189,26 @@ Result<RunDirs> RunDirs::open(TrainConfig& t) {
   if (!t.ckpt_dir_named) t.ckpt_dir = (fs::path(t.run_dir) / "checkpoints").string();
   if (!t.nvme_path.empty() && fs::path(t.nvme_path).is_relative())
     t.nvme_path = (fs::path(t.run_dir) / t.nvme_path).string();
-  std::error_code ec;
-  if (dirs.created_.empty() && !fs::exists(t.run_dir, ec)) dirs.created_ = t.run_dir;
-  if (!fs::exists(t.ckpt_dir, ec)) dirs.created_ckpt_ = t.ckpt_dir;
 
-  ASSIGN_OR_RETURN(DirLock run_lock, DirLock::acquire(t.run_dir, "run.dir"));
+  // A folder counts as this run's own (removed if the run is refused) only when this run made
+  // it and holds its lock: a folder someone else locked first is theirs.
+  bool made = false;
+  ASSIGN_OR_RETURN(DirLock run_lock, DirLock::acquire(t.run_dir, "run.dir", &made));
   dirs.run_lock_ = std::make_unique<DirLock>(std::move(run_lock));
+  if (made) dirs.created_ = t.run_dir;
   if (!same_folder(t.ckpt_dir, t.run_dir)) {
-    ASSIGN_OR_RETURN(DirLock ckpt_lock, DirLock::acquire(t.ckpt_dir, "ckpt.dir"));
-    dirs.ckpt_lock_ = std::make_unique<DirLock>(std::move(ckpt_lock));
+    Result<DirLock> ckpt_lock = DirLock::acquire(t.ckpt_dir, "ckpt.dir", &made);
+    if (!ckpt_lock.ok()) {
+      dirs.discard_if_unused();
+      return ckpt_lock.status();
+    }
+    dirs.ckpt_lock_ = std::make_unique<DirLock>(std::move(ckpt_lock).value());
+    if (made) dirs.created_ckpt_ = t.ckpt_dir;
   }
-  RETURN_IF_ERROR(check_run_dirs(t));
+  if (Status checked = check_run_dirs(t); !checked.ok()) {
+    dirs.discard_if_unused();
+    return checked;
+  }
   return dirs;
 }
 
@@ -207,12 +217,13 @@ RunDirs::~RunDirs() = default;
 void RunDirs::discard_if_unused() {
   std::error_code ec;
   if (!created_.empty() && fs::exists(fs::path(created_) / "metrics.jsonl", ec)) return;  // the run started
-  run_lock_.reset();
+  // Removed while the locks are held, so that no other run can have taken the folders meanwhile.
+  if (ckpt_lock_ && !created_ckpt_.empty()) fs::remove_all(created_ckpt_, ec);
+  if (run_lock_ && !created_.empty()) fs::remove_all(created_, ec);
+  created_ckpt_.clear();
+  created_.clear();
   ckpt_lock_.reset();
-  for (std::string* dir : {&created_ckpt_, &created_}) {
-    if (!dir->empty()) fs::remove_all(*dir, ec);
-    dir->clear();
-  }
+  run_lock_.reset();
 }
 
 }  // namespace strata

@@ -22,7 +22,9 @@ namespace strata {
 // An exclusive flock on DIR/.strata.lock (the folder is created). Not copyable; movable.
 class DirLock {
  public:
-  static Result<DirLock> acquire(const std::string& dir, const std::string& what);
+  // `what` names the folder in messages ("run.dir"); `created` (when set) tells whether this
+  // call made the folder.
+  static Result<DirLock> acquire(const std::string& dir, const std::string& what, bool* created = nullptr);
   DirLock(DirLock&& other) noexcept;
   DirLock& operator=(DirLock&& other) noexcept;
   DirLock(const DirLock&) = delete;

@@ -562,10 +562,11 @@ Result<TrainSummary> run_training(const TrainConfig& config, const std::string& 
     // state whole: it is checkpointed before the run exits with the error.
     if (!run.sound) return stepped;
     Status saved = run.save_final(t);
-    return stepped.with_note(saved.ok() ? fmt::format("stopped after step {}, whose checkpoint is in '{}' (--resume "
-                                                      "auto continues from it)",
-                                                      run.sound_step, t.ckpt_dir)
-                                        : "the final checkpoint failed too: " + saved.message());
+    if (!saved.ok()) return stepped.with_note("the final checkpoint failed too: " + saved.message());
+    if (run.last_saved_step < run.start_step) return stepped;  // no step done, nothing saved
+    return stepped.with_note(fmt::format("stopped after step {}, whose checkpoint is in '{}' (--resume auto "
+                                         "continues from it)",
+                                         run.last_saved_step, t.ckpt_dir));
   }
   return finish(run, t);
 }

@@ -46,6 +46,18 @@ TEST_F(HostMemoryTest, CgroupV2LimitLowersIt) {
   EXPECT_EQ(m.source, "the memory cgroup's limit");
 }
 
+TEST_F(HostMemoryTest, PageCacheIsNotUsedAndAParentsLimitCounts) {
+  write("proc/self/cgroup", "0::/job/42\n");
+  write("sys/fs/cgroup/job/42/memory.max", "8589934592\n");      // 8 GiB
+  write("sys/fs/cgroup/job/42/memory.current", "6442450944\n");  // 6 GiB, of which 4 GiB is idle file cache
+  write("sys/fs/cgroup/job/42/memory.stat", "anon 2147483648\nfile 4294967296\ninactive_file 4294967296\n");
+  EXPECT_EQ(available_host_memory(root_.string()).available, 6ull << 30);
+  // The job's parent allows less.
+  write("sys/fs/cgroup/job/memory.max", "4294967296\n");
+  write("sys/fs/cgroup/job/memory.current", "1073741824\n");
+  EXPECT_EQ(available_host_memory(root_.string()).available, 3ull << 30);
+}
+
 TEST_F(HostMemoryTest, CgroupV1LimitAtTheMountRootInsideAContainer) {
   // The path /proc/self/cgroup names is not mounted inside the container; its root is.
   write("proc/self/cgroup", "4:memory:/outer/job\n0::/\n");

@@ -61,7 +61,7 @@ while IFS= read -r line; do
     cmd="$cmd $short"
   fi
   echo "readme_examples: $line"
-  if ! out=$(eval "$cmd" 2>&1); then
+  if ! out=$(eval "$cmd" 2>&1 </dev/null); then
     echo "$out" | tail -20
     echo "readme_examples: FAILED: $line"
     exit 1

@@ -136,6 +136,12 @@ TEST(CompareModelConfigsTest, EveryKeyMustMatch) {
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("'num_experts'"), std::string::npos) << st.message();
   EXPECT_FALSE(compare_model_configs(nlohmann::json::object(), run).ok());
+  // The source's precision (saved for exports) may differ: a run from bf16 weights resumes.
+  nlohmann::json bf16 = run;
+  bf16["torch_dtype"] = "bfloat16";
+  EXPECT_TRUE(compare_model_configs(bf16, run).ok());
+  bf16.erase("torch_dtype");
+  EXPECT_TRUE(compare_model_configs(bf16, run).ok());
 }
 
 // Both recipes: the bf16 one saves and restores its fp32 master (its bf16 copy is rounded from

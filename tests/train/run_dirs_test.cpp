@@ -109,6 +109,37 @@ TEST_F(RunDirsTest, ASecondWriterIsRefusedWithTheHoldersPid) {
   EXPECT_TRUE(RunDirs::open(again).ok());
 }
 
+// A refused run removes only the folders it made itself: never a user's existing folder, and
+// nothing is left behind when the refusal comes from opening the folders.
+TEST_F(RunDirsTest, ARefusedRunRemovesOnlyTheFoldersItMade) {
+  TrainConfig existing;
+  existing.run_dir = (dir_ / "mine").string();
+  existing.run_dir_named = true;
+  fs::create_directories(existing.run_dir);
+  std::ofstream(fs::path(existing.run_dir) / "notes.txt") << "keep me\n";
+  {
+    Result<RunDirs> r = RunDirs::open(existing);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    r->discard_if_unused();
+  }
+  EXPECT_EQ(read(fs::path(existing.run_dir) / "notes.txt"), "keep me\n");
+  EXPECT_FALSE(fs::exists(fs::path(existing.run_dir) / "checkpoints")) << "the ckpt.dir it made goes";
+  // The ckpt.dir is held by another run: the new run.dir made for this one is gone again.
+  TrainConfig holder;
+  holder.run_dir = (dir_ / "holder").string();
+  holder.run_dir_named = true;
+  Result<RunDirs> held = RunDirs::open(holder);
+  ASSERT_TRUE(held.ok());
+  TrainConfig refused;
+  refused.run_dir = (dir_ / "new").string();
+  refused.run_dir_named = true;
+  refused.ckpt_dir = holder.ckpt_dir;
+  refused.ckpt_dir_named = true;
+  ASSERT_FALSE(RunDirs::open(refused).ok());
+  EXPECT_FALSE(fs::exists(refused.run_dir));
+  EXPECT_TRUE(fs::exists(holder.ckpt_dir));
+}
+
 TEST_F(RunDirsTest, ResumeAutoWithNothingToResumeKeepsTheOldMetricsAndStarts) {
   TrainConfig t;
   t.run_dir = (dir_ / "run").string();
