@@ -12,7 +12,6 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
-#include <ranges>
 #include <set>
 
 #include <fmt/format.h>
@@ -224,9 +223,11 @@ Status parse_header(int fd, const std::string& path, int64_t file_size, std::vec
     }
     const int bits = safetensors_dtype_bits(t.dtype);
     if (bits == 0) {
+      std::string known;  // (a plain loop: clang 14 cannot use libstdc++ 12's views)
+      for (const auto& d : kDtypes) known += (known.empty() ? "" : ", ") + std::string(d.first);
       return bad(fmt::format("dtype '{}' is not a safetensors dtype (the format defines {}): the file is corrupt "
                              "or not safetensors",
-                             t.dtype, fmt::join(kDtypes | std::views::keys, ", ")));
+                             t.dtype, known));
     }
     t.nbytes = static_cast<int64_t>(end - begin);
     if (t.numel * bits % 8 != 0) {  // numel < 2^56: no overflow
