@@ -193,9 +193,10 @@ Result<Manifest> manifest_from_json(const std::string& path, const std::string& 
     auto it = obj.find(key);
     if (it == obj.end()) return bad(field, "is missing");
     const std::string range = "from " + std::to_string(lo) + " to " + std::to_string(hi);
-    if (it->is_number_unsigned()) {
+    if (it->is_number_unsigned()) {  // JSON text's non-negative integers parse as unsigned
       const uint64_t v = it->get<uint64_t>();
-      if (v > static_cast<uint64_t>(hi)) return bad(field, "is " + std::to_string(v) + ", not an integer " + range);
+      if (v > static_cast<uint64_t>(hi) || static_cast<int64_t>(v) < lo)
+        return bad(field, "is " + std::to_string(v) + ", not an integer " + range);
       *out = static_cast<int64_t>(v);
     } else if (it->is_number_integer()) {
       const int64_t v = it->get<int64_t>();

@@ -69,6 +69,14 @@ TEST(ManifestTest, StepsOutOfRangeOrDisagreeingWithTheDirectoryAreRefused) {
   expect_refused(j, "optimizer_step", "an optimizer step as a string");
 }
 
+// Integers read from JSON text are unsigned when non-negative: their lower bound still holds
+// (format_version 0 read from a file used to pass, then fail once written back; found by fuzzing).
+TEST(ManifestTest, LowerBoundsHoldForIntegersReadFromText) {
+  json j = good_manifest();
+  j["format_version"] = 0;
+  expect_refused(json::parse(j.dump()), "format_version", "format version 0 from text");
+}
+
 TEST(ManifestTest, CountsCursorAndMembersAreTypeChecked) {
   {
     json j = good_manifest();
