@@ -28,6 +28,7 @@
 #include "ckpt/reader.h"
 #include "ckpt/save_plan.h"
 #include "core/log.h"
+#include "core/trace.h"
 
 namespace strata::ckpt {
 namespace {
@@ -557,6 +558,9 @@ Status CheckpointWriter::commit(Job* job) {
 }
 
 void CheckpointWriter::run(Job* job) {
+  trace::name_thread("checkpoint writer");
+  trace::Span span("checkpoint", "checkpoint save");
+  span.arg("step", static_cast<double>(job->request.step));
   Status st = setup(job);
   if (!st.ok()) {
     // Nothing was written; let before_modify callers go.
@@ -576,6 +580,7 @@ void CheckpointWriter::run(Job* job) {
   }
   for (const PlannedFile& f : job->plan.files) stats.file_bytes += f.size;
   stats.total_seconds = seconds_since(job->started);
+  span.arg("bytes", static_cast<double>(stats.file_bytes));
   if (st.ok()) {
     std::string cow;
     if (stats.cow_copied_bytes > 0 || stats.cow_waits > 0) {

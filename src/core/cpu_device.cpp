@@ -9,6 +9,7 @@
 #include <cstring>
 #include <utility>
 
+#include "core/trace.h"
 #include "core/units.h"
 
 namespace strata {
@@ -61,6 +62,10 @@ void CpuStream::run() {
     ++finished_;
     done_cv_.notify_all();
   }
+}
+
+void CpuStream::set_trace_name(const char* name) {
+  enqueue([name] { trace::name_thread(name); });
 }
 
 void CpuStream::enqueue(std::function<void()> task) {
@@ -319,7 +324,11 @@ void CpuDevice::copy(void* dst, const void* src, uint64_t bytes, Stream& stream)
   CpuStream& cpu_stream = as_cpu_stream(stream);
   if (bytes == 0) return;
   CHECK(dst != nullptr && src != nullptr);
-  cpu_stream.enqueue([dst, src, bytes] { std::memcpy(dst, src, bytes); });
+  cpu_stream.enqueue([dst, src, bytes] {
+    trace::Span span("copy", "copy");
+    span.arg("bytes", static_cast<double>(bytes));
+    std::memcpy(dst, src, bytes);
+  });
 }
 
 }  // namespace strata

@@ -31,6 +31,7 @@ class CpuStream final : public Stream {
   void enqueue(std::function<void()> task);
   void synchronize() override;
   void wait(Event& event) override;
+  void set_trace_name(const char* name) override;
   const std::string& name() const { return name_; }
 
  private:

@@ -105,6 +105,10 @@ class Stream {
   // Work queued after this call starts only once `event`'s latest record has completed.
   // Does not block the caller. REQUIRES: event comes from the same Device.
   virtual void wait(Event& event) = 0;
+  // Names the stream's track in a trace (core/trace.h), e.g. "copy host->device". Streams
+  // whose work runs on a thread of their own (the CPU backend's) name that thread; the CUDA
+  // backend's work runs on the GPU, which the trace does not see.
+  virtual void set_trace_name(const char* /*name*/) {}
 
  protected:
   Stream() = default;

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "core/log.h"
+#include "core/trace.h"
 #include "core/units.h"
 
 namespace strata {
@@ -70,6 +71,8 @@ Result<std::unique_ptr<ChunkSpace>> ChunkSpace::create(Device& device, IoEngine*
   if (s->tiers_[kDevice]) {
     s->up_ = device.create_stream();
     s->down_ = device.create_stream();
+    s->up_->set_trace_name("copy host->device");
+    s->down_->set_trace_name("copy device->host");
     ASSIGN_OR_RETURN(s->zeros_, device.allocate_pinned(std::min(chunk, kZeroSourceBytes)));
     std::memset(s->zeros_.data(), 0, s->zeros_.size());
   }
@@ -469,6 +472,7 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
     if (to == Tier::kDevice && !c.zero && !c.valid[kDevice] && c.slot[kHost] >= 0) {
       const std::shared_ptr<IoFence>& f = fence(Tier::kHost, c.slot[kHost]).io;
       if (f && !f->waited && !io_->done(f->ticket)) continue;  // its read is still running
+      if (f && !f->waited) trace_io_done(*f);
     }
     if (c.slot[w] < 0) {
       if (tier(to).free_count() == 0 && !pick_victim(to, due)) {
@@ -480,6 +484,13 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
     RETURN_IF_ERROR(fill(id, to, MoveOrigin::kPrefetch));
   }
   return Status::OK();
+}
+
+void ChunkSpace::trace_usage() const {
+  if (!trace::enabled()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int t = 0; t < kNumTiers; ++t)
+    if (tiers_[t]) trace_usage_locked(static_cast<Tier>(t));
 }
 
 Status ChunkSpace::synchronize() {

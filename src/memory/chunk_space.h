@@ -178,6 +178,9 @@ class ChunkSpace {
 
   // Blocks until every move issued so far has completed. Returns the first I/O error seen.
   Status synchronize();
+  // Records the bytes in use per tier and kind as trace counters (core/trace.h) now; the space
+  // also records them whenever they change. Call at a step's start so a trace begins with them.
+  void trace_usage() const;
 
   ChunkSpaceStats stats() const;
 
@@ -190,6 +193,7 @@ class ChunkSpace {
     bool read = false;
     ChunkId chunk = 0;       // reads: the chunk whose host copy the read fills
     uint32_t host_slot = 0;  // reads: the slot it fills
+    int64_t trace_start_ns = -1;  // when tracing: submitted at (the span ends when seen done)
   };
 
   // The last move that touched a slot.
@@ -241,6 +245,11 @@ class ChunkSpace {
   Status order_on(Tier tier, uint32_t slot, Stream& stream);
   void record_on(Tier tier, uint32_t slot, Stream& stream);
   uint64_t next_use(ChunkId id) const;  // schedule entries until the chunk's next use
+  // Tracing: the nvme request behind `f` was seen complete (records its span once).
+  void trace_io_done(IoFence& f) const;
+  // Tracing: a slot of `t` changed hands (bytes of `kind` rose or fell by a chunk).
+  void count_usage(Tier t, ChunkKind kind, bool taken);
+  void trace_usage_locked(Tier t) const;
   TierSlots& tier(Tier t) const { return *tiers_[static_cast<int>(t)]; }
 
   Device& device_;
@@ -264,6 +273,8 @@ class ChunkSpace {
   uint64_t tick_ = 0;                                // GUARDED_BY(mu_); LRU clock
   std::optional<ChunkId> busy_;                      // GUARDED_BY(mu_); never a victim
   uint64_t blocked_ns_ = 0;                          // GUARDED_BY(mu_); time in blocking waits
+  // Bytes of slots in use per tier and chunk kind (home and cached copies).
+  std::array<std::array<uint64_t, kNumChunkKinds>, kNumTiers> usage_{};  // GUARDED_BY(mu_)
   ChunkSpaceStats stats_;                            // GUARDED_BY(mu_)
 };
 

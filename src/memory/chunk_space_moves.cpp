@@ -5,6 +5,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "core/trace.h"
 #include "core/units.h"
 #include "memory/chunk_space.h"
 
@@ -48,6 +49,7 @@ Result<uint32_t> ChunkSpace::take_slot(Tier t, ChunkId id, std::optional<uint64_
   }
   owner_[idx(t)][*s] = id;
   c.slot[idx(t)] = *s;
+  count_usage(t, layout_.chunk(id).kind, /*taken=*/true);
   return *s;
 }
 
@@ -108,6 +110,7 @@ void ChunkSpace::drop_copy(ChunkId id, Tier t) {
   CHECK(slot >= 0);
   owner_[idx(t)][slot] = -1;
   tier(t).give_back(static_cast<uint32_t>(slot));
+  count_usage(t, layout_.chunk(id).kind, /*taken=*/false);
   c.slot[idx(t)] = -1;
   c.valid[idx(t)] = false;
   c.prefetched[idx(t)] = false;
@@ -206,12 +209,14 @@ Status ChunkSpace::read_up(ChunkId id, MoveOrigin origin) {
   request.buffer = tier(Tier::kHost).data(h);
   request.length = layout_.chunk_bytes();
   request.offset = span.offset;
+  const int64_t submitted_ns = trace::enabled() ? trace::now_ns() : -1;
   Result<IoTicket> ticket = io_->submit(request);
   if (!ticket.ok()) {
     return ticket.status().with_context("reading chunk " + std::to_string(id) +
                                         " from the nvme tier");
   }
   auto f = std::make_shared<IoFence>();
+  f->trace_start_ns = submitted_ns;
   f->ticket = *ticket;
   f->read = true;
   f->chunk = id;
@@ -239,9 +244,15 @@ Status ChunkSpace::write_down(ChunkId id) {
   request.length = layout_.chunk_bytes();
   request.offset = span.offset;
   const auto start = std::chrono::steady_clock::now();
+  trace::Span stall("stall", "nvme write-back");
+  const int64_t submitted_ns = trace::enabled() ? trace::now_ns() : -1;
   Result<IoTicket> ticket = io_->submit(request);
   Status st = ticket.ok() ? io_->wait(*ticket) : ticket.status();
   blocked_ns_ += elapsed_ns(start);
+  stall.end();
+  if (submitted_ns >= 0 && ticket.ok())
+    trace::async_span("nvme", "nvme write", *ticket, submitted_ns, trace::now_ns(),
+                      {{"bytes", static_cast<double>(layout_.chunk_bytes())}});
   if (!st.ok()) {
     // The host copy stays valid and dirty: nothing is lost, and the caller sees why.
     return st.with_context("writing chunk " + std::to_string(id) + " (" +
@@ -275,9 +286,13 @@ ChunkSpace::SlotFence& ChunkSpace::fence(Tier t, int64_t slot) {
 Status ChunkSpace::wait_io(IoFence& f) {
   if (f.waited) return f.status;
   const auto start = std::chrono::steady_clock::now();
-  f.status = io_->wait(f.ticket);
+  {
+    trace::Span stall("stall", "wait for nvme read");
+    f.status = io_->wait(f.ticket);
+  }
   blocked_ns_ += elapsed_ns(start);
   f.waited = true;
+  trace_io_done(f);
   if (!f.status.ok() && f.read && f.chunk < chunks_.size()) {
     // The host copy the read was filling holds garbage: mark it stale, once, here.
     ChunkState& c = chunks_[f.chunk];
@@ -293,6 +308,8 @@ Status ChunkSpace::wait_slot(Tier t, uint32_t slot) {
   SlotFence& f = fence(t, slot);
   if (f.event && !f.event->query()) {
     const auto start = std::chrono::steady_clock::now();
+    trace::Span stall("stall", "wait for copy");
+    stall.arg("tier", static_cast<double>(idx(t)));
     f.event->synchronize();
     blocked_ns_ += elapsed_ns(start);
   }
@@ -313,6 +330,30 @@ Status ChunkSpace::order_on(Tier t, uint32_t slot, Stream& stream) {
   }
   if (f.event) stream.wait(*f.event);
   return st;
+}
+
+void ChunkSpace::trace_io_done(IoFence& f) const {
+  if (f.trace_start_ns < 0) return;
+  trace::async_span("nvme", f.read ? "nvme read" : "nvme write", f.ticket, f.trace_start_ns, trace::now_ns(),
+                    {{"bytes", static_cast<double>(layout_.chunk_bytes())}});
+  f.trace_start_ns = -1;
+}
+
+void ChunkSpace::count_usage(Tier t, ChunkKind kind, bool taken) {
+  uint64_t& bytes = usage_[idx(t)][static_cast<int>(kind)];
+  bytes = taken ? bytes + layout_.chunk_bytes() : bytes - layout_.chunk_bytes();
+  if (trace::enabled()) trace_usage_locked(t);
+}
+
+void ChunkSpace::trace_usage_locked(Tier t) const {
+  static constexpr const char* kCounter[kNumTiers] = {"device bytes", "host bytes", "nvme bytes"};
+  const auto& u = usage_[idx(t)];
+  const auto kind = [&](ChunkKind k) {
+    return trace::Arg{chunk_kind_name(k), static_cast<double>(u[static_cast<int>(k)])};
+  };
+  static_assert(kNumChunkKinds <= trace::kMaxArgs, "one series per chunk kind");
+  trace::counter(kCounter[idx(t)], {kind(ChunkKind::kParam), kind(ChunkKind::kGrad), kind(ChunkKind::kMaster),
+                                    kind(ChunkKind::kAdamM), kind(ChunkKind::kAdamV), kind(ChunkKind::kAct)});
 }
 
 void ChunkSpace::record_on(Tier t, uint32_t slot, Stream& stream) {

@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include <fmt/format.h>
 
+#include "core/trace.h"
 #include "kernels/moe.h"
 #include "kernels/rope.h"
 #include "model/decoder.h"
@@ -308,10 +310,13 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
   std::vector<int64_t> layer_counts(static_cast<size_t>(E));
   const int32_t* tokens = staged_inputs_ = ops_.stage_tokens(inputs, N, acts_.tokens_in);
-  RETURN_IF_ERROR(begin_group(0, true, false));
-  ops_.embedding_forward(checkpoint(0, N), tokens, param_blocks(layout_.embed_tokens()).data(),
-                         block_rows(layout_.embed_tokens()), N, C, config_.vocab_size);
-  end_group(0, true, false);
+  {
+    trace::Span span("compute", "embedding forward");
+    RETURN_IF_ERROR(begin_group(0, true, false));
+    ops_.embedding_forward(checkpoint(0, N), tokens, param_blocks(layout_.embed_tokens()).data(),
+                           block_rows(layout_.embed_tokens()), N, C, config_.vocab_size);
+    end_group(0, true, false);
+  }
   const uint64_t checkpoint_bytes = static_cast<uint64_t>(N * C) * sizeof(Act);
   if (offloaded > 0) {
     ops_.synchronize();
@@ -321,10 +326,12 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
     const Act* x = checkpoint(l, N);  // (N, C)
     std::fill(layer_counts.begin(), layer_counts.end(), int64_t{0});
     const RouterStats stats{layer_counts.data(), forward_prob_sums_.data()};
+    trace::Span span("compute", "forward", l);
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, false));
     const Status st = layer_forward(l, x, checkpoint(l + 1, N), B, T, &stats, /*grads=*/false);
     if (st.ok()) end_experts(l, true, false);
     end_group(static_cast<int>(1 + l), true, false);
+    span.end();
     RETURN_IF_ERROR(st);
     if (l + 1 < offloaded) {
       ops_.synchronize();
@@ -376,6 +383,8 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   // embeddings the head reads (and accumulates into) the embedding's group as well.
   const int head = static_cast<int>(L + 1);
   const bool tied = layout_.lm_head() == layout_.embed_tokens();
+  // The final norm, LM head and loss, forward and backward together.
+  trace::Span head_span("compute", "head");
   if (tied) RETURN_IF_ERROR(begin_group(0, true, backward));
   if (Status st = begin_group(head, true, backward); !st.ok()) {
     if (tied) end_group(0, true, backward);
@@ -411,26 +420,34 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
                                  C);
   end_group(head, true, true);
   if (tied) end_group(0, true, true);
+  head_span.end();
   for (int64_t l = L - 1; l >= 0; --l) {
     Act* x = checkpoint(l, N);  // (N, C)
-    // An offloaded checkpoint's slot has been reused since forward: fetch it back first.
-    if (l < offloaded)
-      RETURN_IF_ERROR(access_->fetch_checkpoint(static_cast<int>(l), x, static_cast<uint64_t>(N * C) * sizeof(Act)));
-    RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, true));
     // The scratch still holds the last layer's intermediates (and routing) from forward, and
     // with kept layers every layer's are in its own set; otherwise the layer is recomputed from
     // its checkpoint. Either way the experts that received tokens are begun, parameters and
     // gradients, for the backward.
     const bool recompute = l != L - 1 && !keep_layers_;
+    // Fetching the layer's state (and its offloaded checkpoint) belongs to the recompute span
+    // when there is one, else to the backward's.
+    trace::Span recompute_span("compute", recompute ? "recompute" : "backward", l);
+    // An offloaded checkpoint's slot has been reused since forward: fetch it back first.
+    if (l < offloaded)
+      RETURN_IF_ERROR(access_->fetch_checkpoint(static_cast<int>(l), x, static_cast<uint64_t>(N * C) * sizeof(Act)));
+    RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, true));
     const Status st = recompute ? layer_forward(l, x, /*out=*/nullptr, B, T, /*stats=*/nullptr, /*grads=*/true)
                                 : begin_experts(l, true, true);
+    if (recompute) recompute_span.end();
     if (st.ok()) {
+      std::optional<trace::Span> backward_span;
+      if (recompute) backward_span.emplace("compute", "backward", l);
       layer_backward(l, x, acts_.dres, B, T, prob_grad.empty() ? nullptr : prob_grad.data());
       end_experts(l, true, true);
     }
     end_group(static_cast<int>(1 + l), true, true);
     RETURN_IF_ERROR(st);
   }
+  trace::Span span("compute", "embedding backward");
   RETURN_IF_ERROR(begin_group(0, false, true));
   ops_.embedding_backward(grad_blocks(layout_.embed_tokens()).data(), block_rows(layout_.embed_tokens()), acts_.dres,
                           staged_inputs_, N, C, config_.vocab_size);

@@ -7,6 +7,8 @@
 #include <span>
 #include <string>
 
+#include "core/trace.h"
+
 namespace strata {
 
 namespace {
@@ -265,7 +267,9 @@ Status StateStore::pin(int group, const std::vector<size_t>& parts, StateKind ki
   if (consumer != nullptr && wait_on_host) {
     // Every move started above has landed afterwards; the wait is compute stalled on data.
     const auto start = std::chrono::steady_clock::now();
+    trace::Span stall("stall", "wait for experts");
     consumer->synchronize();
+    stall.end();
     const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
     demand_stall_ns_[static_cast<int>(where)] += static_cast<uint64_t>(waited.count());
   }

@@ -14,6 +14,7 @@
 #include "core/status.h"
 #include "memory/tier.h"
 #include "model/params.h"
+#include "offload/plan.h"
 #include "train/savable_state.h"
 
 namespace strata {
@@ -58,6 +59,10 @@ class TrainEngine {
   virtual void set_extra_state(const std::vector<ExtraState>& /*extra*/) {}
   // A second log line for a step, empty when there is nothing to add (MoE load balance).
   virtual std::string step_note() const { return {}; }
+  // The planner's placement of the state and what it was planned from (reports compare the
+  // measured run with it); null when the engine was not planned.
+  virtual const Plan* plan() const { return nullptr; }
+  virtual const PlanInput* plan_input() const { return nullptr; }
 };
 
 }  // namespace strata

@@ -78,6 +78,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
       e->plan_ = make_plan(in);
     }
   }
+  e->plan_input_ = in;
   const Plan& plan = e->plan_;
   if (!plan.fits) {
     std::string fix;

@@ -48,12 +48,15 @@ class PagedEngine final : public TrainEngine {
   std::vector<ExtraState> extra_state() const override;
   void set_extra_state(const std::vector<ExtraState>& extra) override;
   std::string step_note() const override;
+  const Plan* plan() const override { return &plan_; }
+  const PlanInput* plan_input() const override { return &plan_input_; }
 
  private:
   PagedEngine() = default;
 
   model::ModelConfig mc_;
   Plan plan_;  // PagedState keeps a pointer to it
+  PlanInput plan_input_;  // what plan_ was made from
   PagedStateOptions options_;
   bool keep_activations_ = false;
   std::string device_split_;  // how memory.device is divided, for the start-up line

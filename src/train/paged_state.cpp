@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "core/host_memory.h"
+#include "core/trace.h"
 #include "core/units.h"
 #include "kernels/adamw.h"
 #include "kernels/adamw_simd.h"
@@ -286,6 +287,8 @@ Status PagedState::load_moments(const float* m_flat, const float* v_flat) {
 
 Status PagedState::zero_grads() {
   drain_compute();
+  store_->space().trace_usage();  // a trace's memory counters start from every tier's use
+  trace::Span span("optimizer", "zero gradients");
   for (int g = 0; g < store_->num_groups(); ++g) {
     RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kWrite));
     for (size_t i : store_->group_tensors(g)) kernels_->zero(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
@@ -312,6 +315,8 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   const Tier where = adam_tier(g);
   const StateLayout& layout = store_->layout();
   const std::vector<StateKind> kinds = layout.kinds();
+  trace::Span span("optimizer", "adamw group", g);
+  span.arg("tier", static_cast<double>(where));
   if (before_modify_) before_modify_(g);
   for (size_t k = 0; k < kinds.size(); ++k) {
     Status st = store_->acquire_group(g, kinds[k], where, AccessMode::kReadWrite);
@@ -394,6 +399,7 @@ Result<double> PagedState::clip_and_step(float lr) {
     return std::sqrt(sum);
   }
   // The global norm, summed tensor by tensor in layout order (as AdamW::grad_norm does).
+  trace::Span norm_span("optimizer", "gradient norm");
   kernels_->begin_norm();
   for (int g = 0; g < store_->num_groups(); ++g) {
     RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kRead));
@@ -403,6 +409,7 @@ Result<double> PagedState::clip_and_step(float lr) {
     store_->release_group(g, StateKind::kGrad);
   }
   const double norm = std::sqrt(kernels_->end_norm());
+  norm_span.end();
   // A NaN or Inf anywhere is known before any group changes: the step is skipped whole (the
   // AdamW step count, used for bias correction, does not advance either).
   if (!std::isfinite(norm)) return norm;
@@ -425,6 +432,7 @@ void PagedState::begin_last_micro_batch(float lr) {
 }
 
 void PagedState::worker_loop() {
+  trace::name_thread("optimizer (overlapped)");
   std::unique_lock<std::mutex> lock(worker_mu_);
   for (;;) {
     worker_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });

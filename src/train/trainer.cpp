@@ -17,6 +17,7 @@
 #include "core/checked_math.h"
 #include "core/log.h"
 #include "core/progress.h"
+#include "core/trace.h"
 #include "model/hf_io.h"
 #include "model/decoder.h"
 #include "data/data.h"
@@ -186,6 +187,7 @@ struct Run {
   DataCursor sound_cursor;
   int64_t skipped_in_a_row = 0;  // consecutive steps with a NaN/Inf loss or gradient norm
   TrainSummary summary;
+  RunObserver* observer = nullptr;
 
   void mark_sound(int64_t step) {
     sound = true;
@@ -415,15 +417,20 @@ Status loop(Run& run, const TrainConfig& t) {
   std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens * t.grad_accum));
   std::vector<int32_t> targets(inputs.size());
   const auto run_start = std::chrono::steady_clock::now();
+  trace::name_thread("training");
   for (int64_t step = run.start_step; step <= t.steps; ++step) {
     if (g_stop_requested) {
       run.summary.interrupted = true;
       break;
     }
+    if (run.observer != nullptr) run.observer->on_step_begin(step);
+    trace::Span step_span("step", "step", step);
     auto t0 = std::chrono::steady_clock::now();
     const bool ckpt_in_flight = run.checkpointer->in_flight();
+    trace::Span data_span("data", "data");
     for (int64_t m = 0; m < t.grad_accum; ++m)
       RETURN_IF_ERROR(run.loader->next(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens));
+    data_span.end();
     const int64_t valid = model::count_valid_targets(targets.data(), static_cast<int64_t>(targets.size()));
     const float grad_scale = valid > 0 ? 1.0f / static_cast<float>(valid) : 0.0f;
     const EngineStats before = engine.stats();
@@ -432,6 +439,7 @@ Status loop(Run& run, const TrainConfig& t) {
     double loss_sum = 0;
     const double lr = run.schedule->lr(step);
     for (int64_t m = 0; m < t.grad_accum; ++m) {
+      trace::Span micro_span("step", "micro-batch", m);
       ASSIGN_OR_RETURN(double loss, engine.micro_batch(inputs.data() + m * micro_tokens,
                                                         targets.data() + m * micro_tokens, t.micro_batch, t.seq_len,
                                                         grad_scale, m == t.grad_accum - 1, static_cast<float>(lr)));
@@ -448,6 +456,7 @@ Status loop(Run& run, const TrainConfig& t) {
           "the last checkpoint with optim.overlap_backward=false to skip such steps, or lower optim.lr)",
           step));
     if (!skipped) {
+      trace::Span optimizer_span("step", "optimizer step");
       Result<double> stepped = engine.step(static_cast<float>(lr));
       if (!stepped.ok()) return stepped.status().with_context(fmt::format("step {}", step));
       grad_norm = *stepped;
@@ -490,11 +499,15 @@ Status loop(Run& run, const TrainConfig& t) {
         return st;
       }
     }
-    if (t.ckpt_every > 0 && step % t.ckpt_every == 0) RETURN_IF_ERROR(run.save_checkpoint(t));
+    if (t.ckpt_every > 0 && step % t.ckpt_every == 0) {
+      trace::Span save_span("checkpoint", "checkpoint start");
+      RETURN_IF_ERROR(run.save_checkpoint(t));
+    }
     if (!skipped && (step % t.log_every == 0 || step == 1 || step == t.steps)) {
       LOG_INFO("{}", format_step_line(sm));
       if (std::string note = engine.step_note(); !note.empty()) LOG_INFO("{}", note);
     }
+    if (run.observer != nullptr) run.observer->on_step_end(sm);
   }
   return Status::OK();
 }
@@ -543,6 +556,11 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
 
 Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
                                   const EngineFactory& make_engine) {
+  return run_training(config, effective_yaml, make_engine, nullptr);
+}
+
+Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
+                                  const EngineFactory& make_engine, RunObserver* observer) {
   TrainConfig t = config;
   std::optional<RunDirs> dirs;
   Result<std::unique_ptr<Run>> prepared = prepare(t, effective_yaml, make_engine, &dirs);
@@ -551,6 +569,8 @@ Result<TrainSummary> run_training(const TrainConfig& config, const std::string& 
     return prepared.status();
   }
   Run& run = **prepared;
+  run.observer = observer;
+  if (observer != nullptr) observer->on_start(t, *run.engine);
   g_stop_requested = 0;
   auto old_int = std::signal(SIGINT, on_stop_signal);
   auto old_term = std::signal(SIGTERM, on_stop_signal);

@@ -10,6 +10,7 @@
 #include "core/status.h"
 #include "model/config.h"
 #include "train/engine.h"
+#include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/train_config.h"
 
@@ -43,5 +44,19 @@ using EngineFactory = std::function<Result<std::unique_ptr<TrainEngine>>(
     const model::ModelConfig&, const TrainConfig&, const OptimizerConfig&)>;
 Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
                                   const EngineFactory& make_engine);
+
+// Watches a run from inside the loop (`strata profile` starts and stops tracing with it).
+// Called on the training thread; must not throw.
+class RunObserver {
+ public:
+  virtual ~RunObserver() = default;
+  // Once the run is prepared: its settings as resolved (run.dir named) and its engine.
+  virtual void on_start(const TrainConfig& /*t*/, TrainEngine& /*engine*/) {}
+  // Before a step loads its data, and after its metrics line is written.
+  virtual void on_step_begin(int64_t /*step*/) {}
+  virtual void on_step_end(const StepMetrics& /*m*/) {}
+};
+Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
+                                  const EngineFactory& make_engine, RunObserver* observer);
 
 }  // namespace strata

@@ -20,6 +20,7 @@
 #include "core/io_engine.h"
 #include "core/io_uring_engine.h"
 #include "tools/strata/bench_adam.h"
+#include "tools/strata/bench_trace.h"
 #include "tools/strata/bench_train_gpu.h"
 #include "tools/strata/commands.h"
 
@@ -30,6 +31,7 @@ namespace {
 
 constexpr const char* kBenchUsage = R"(Usage: strata bench adam [--params N] [--threads T]   (see strata bench adam --help)
        strata bench train-gpu [--preset 0.44b|tiny] [--steps N] ...   (see strata bench train-gpu --help)
+       strata bench trace [CONFIG.yaml] [key=value ...] [--steps N]   (see strata bench trace --help)
        strata bench io --dir DIR --size SIZE [--chunk 64MiB] [--engine all|auto|io_uring|threads]
                        [--depth 8] [--max-transfer 4MiB] [--repeat 3]
 
@@ -315,10 +317,11 @@ int bench_command(const std::vector<std::string>& args) {
   }
   if (args[0] == "io") return bench_io(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "adam") return bench_adam_command(std::vector<std::string>(args.begin() + 1, args.end()));
+  if (args[0] == "trace") return bench_trace_command(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "train-gpu") {
     return bench_train_gpu_command(std::vector<std::string>(args.begin() + 1, args.end()));
   }
-  return usage_error("unknown benchmark '" + args[0] + "'; available: io, adam, train-gpu");
+  return usage_error("unknown benchmark '" + args[0] + "'; available: io, adam, train-gpu, trace");
 }
 
 }  // namespace strata::tools

@@ -15,6 +15,7 @@ int train_command(const std::vector<std::string>& args);
 int bench_command(const std::vector<std::string>& args);
 int convert_command(const std::vector<std::string>& args);
 int plan_command(const std::vector<std::string>& args);
+int profile_command(const std::vector<std::string>& args);
 int data_command(const std::vector<std::string>& args);
 
 }  // namespace strata::tools

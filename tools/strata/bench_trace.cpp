@@ -1,0 +1,142 @@
+// strata bench trace: what tracing costs. One training run whose steps alternate between
+// tracing on and off (so both halves see the same machine, caches and data), and the cost of a
+// span while tracing is off measured apart, times the spans a step records.
+#include "tools/strata/bench_trace.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/check.h"
+#include "core/config.h"
+#include "core/log.h"
+#include "core/trace.h"
+#include "train/train_config.h"
+#include "train/trainer.h"
+
+namespace strata::tools {
+namespace {
+
+constexpr const char* kUsage = R"(Usage: strata bench trace [CONFIG.yaml] [key=value ...] [--steps N]
+
+What tracing (`strata profile`) costs. Trains CONFIG (default: the embedded demo) for --steps
+steps (default 40) with tracing on in every other step, and compares the median step time of the
+traced steps with that of the untraced ones in the same run. Tracing off is measured apart: the
+time of a span while tracing is off, times the spans a traced step records, against the step.
+)";
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+// Tracing on in odd steps after the first two (start-up); counts the events a traced step makes.
+class Alternator final : public RunObserver {
+ public:
+  void on_step_begin(int64_t step) override {
+    if (step > 2 && step % 2 == 1) trace::start();
+  }
+  void on_step_end(const StepMetrics& m) override {
+    if (m.step <= 2) return;
+    if (trace::enabled()) {
+      trace::stop();
+      size_t n = 0;
+      for (const auto& t : trace::collect()) n += t.events.size();
+      events_.push_back(static_cast<double>(n));
+      on_ms_.push_back(m.ms);
+    } else {
+      off_ms_.push_back(m.ms);
+    }
+  }
+  std::vector<double> on_ms_, off_ms_, events_;
+};
+
+// Nanoseconds a span costs while tracing is off.
+double disabled_span_ns() {
+  trace::stop();
+  constexpr int kSpans = 20'000'000;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < kSpans; ++i) {
+    trace::Span span("compute", "forward", i);
+    span.arg("bytes", i);
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::nano>(t1 - t0).count() / kSpans;
+}
+
+}  // namespace
+
+int bench_trace_command(const std::vector<std::string>& args) {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  int64_t steps = 40;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    } else if (a == "--steps" && i + 1 < args.size()) {
+      try {
+        steps = std::stoll(args[++i]);
+      } catch (...) {
+        steps = 0;
+      }
+      if (steps < 6) {
+        std::fprintf(stderr, "strata bench trace: --steps needs a whole number >= 6\n");
+        return 2;
+      }
+    } else if (a.find('=') != std::string::npos && a[0] != '-') {
+      overrides.push_back(a);
+    } else if (!a.empty() && a[0] != '-' && config_path.empty()) {
+      config_path = a;
+    } else {
+      std::fprintf(stderr, "strata bench trace: unexpected argument '%s' (see strata bench trace --help)\n", a.c_str());
+      return 2;
+    }
+  }
+  Result<Config> config = load_train_config(config_path, overrides);
+  if (!config.ok()) {
+    std::fprintf(stderr, "strata bench trace: error: %s\n", config.status().message().c_str());
+    return 1;
+  }
+  Result<TrainConfig> tc = make_train_config(*config);
+  if (!tc.ok()) {
+    std::fprintf(stderr, "strata bench trace: error: %s\n", tc.status().message().c_str());
+    return 1;
+  }
+  tc->steps = steps;
+  tc->run_export.clear();
+  tc->resume.clear();
+  LogOptions lo;
+  lo.level = LogLevel::kWarn;  // the table is the output
+  init_logging(lo);
+  Alternator alternator;
+  Result<TrainSummary> run = run_training(*tc, config->to_yaml(), make_train_engine, &alternator);
+  if (!run.ok()) {
+    std::fprintf(stderr, "strata bench trace: error: %s\n", run.status().message().c_str());
+    return 1;
+  }
+  const double on = median(alternator.on_ms_), off = median(alternator.off_ms_);
+  const double events = median(alternator.events_);
+  const double span_ns = disabled_span_ns();
+  // A step records about `events` events; while tracing is off each costs a span's check.
+  const double off_cost_ms = events * span_ns / 1e6;
+  std::printf("tracing cost over %zu traced and %zu untraced steps of one run (medians)\n", alternator.on_ms_.size(),
+              alternator.off_ms_.size());
+  std::printf("  %-34s %12s\n", "", "per step");
+  std::printf("  %-34s %9.3f ms   (reference)\n", "step, tracing off", off);
+  std::printf("  %-34s %9.3f ms   %+.2f%%\n", "step, tracing on", on, off > 0 ? 100 * (on - off) / off : 0.0);
+  std::printf("  %-34s %9.0f\n", "events recorded", events);
+  std::printf("  %-34s %9.2f ns   per span\n", "a span while tracing is off", span_ns);
+  std::printf("  %-34s %9.6f ms   %.5f%% of the step\n", "all spans of a step, tracing off", off_cost_ms,
+              off > 0 ? 100 * off_cost_ms / off : 0.0);
+  return 0;
+}
+
+}  // namespace strata::tools
