@@ -16,5 +16,6 @@ int bench_command(const std::vector<std::string>& args);
 int convert_command(const std::vector<std::string>& args);
 int plan_command(const std::vector<std::string>& args);
 int data_command(const std::vector<std::string>& args);
+int plot_command(const std::vector<std::string>& args);
 
 }  // namespace strata::tools
