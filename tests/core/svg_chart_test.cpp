@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "core/units.h"
-#include "xml_check.h"
+#include "svg_check.h"
 
 namespace strata::svg {
 namespace {
@@ -20,34 +20,8 @@ namespace {
 using strata::testing::xml_problem;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-struct Path {
-  std::vector<std::pair<double, double>> points;  // every M and L point
-  int runs = 0;                                   // M commands: pieces of the line
-};
-
-// The path drawn for the series titled `name` ("<g><title>name</title><path ... d=...").
-Path series_path(const std::string& svg, const std::string& name) {
-  Path p;
-  const size_t title = svg.find("<title>" + name + "</title><path");
-  if (title == std::string::npos) return p;
-  const size_t d = svg.find(" d=\"", title) + 4;
-  const std::string text = svg.substr(d, svg.find('"', d) - d);
-  const char* s = text.c_str();
-  while (*s != '\0') {
-    const char command = *s;
-    if (command == 'M' || command == 'L') {
-      char* end = nullptr;
-      const double x = std::strtod(s + 1, &end);
-      const double y = std::strtod(end, &end);
-      p.points.emplace_back(x, y);
-      if (command == 'M') ++p.runs;
-      s = end;
-    } else {
-      ++s;
-    }
-  }
-  return p;
-}
+using Path = strata::testing::SvgPath;
+Path series_path(const std::string& svg, const std::string& name) { return strata::testing::svg_series_path(svg, name); }
 
 // The pixel coordinate of the tick labelled `label` (y for class "ytick", x for "xtick"),
 // NaN when there is none.

@@ -1,9 +1,11 @@
-// A small well-formedness check for the XML (SVG) strata writes, so that tests need no parser:
-// one root element, tags that balance, quoted and unrepeated attributes, and no raw '<' or bare
-// '&' in text or attribute values. It does not check names against a schema.
+// Reading back the SVG strata writes, so that tests need no parser: a small well-formedness
+// check (one root element, tags that balance, quoted and unrepeated attributes, no raw '<' or
+// bare '&' in text or attribute values; names are not checked against a schema), and the points
+// of a series' path.
 #pragma once
 
 #include <cctype>
+#include <cstdlib>
 #include <set>
 #include <string>
 #include <vector>
@@ -101,6 +103,36 @@ inline std::string xml_problem(const std::string& xml) {
   if (!root_seen) return "no root element";
   if (!open.empty()) return "<" + open.back() + "> is never closed";
   return "";
+}
+
+struct SvgPath {
+  std::vector<std::pair<double, double>> points;  // every M and L point, in pixels
+  int runs = 0;                                   // M commands: pieces of the line
+};
+
+// The path drawn for the series titled `name` ("<g><title>name</title><path ... d=..."); empty
+// when there is none.
+inline SvgPath svg_series_path(const std::string& svg, const std::string& name) {
+  SvgPath p;
+  const size_t title = svg.find("<title>" + name + "</title><path");
+  if (title == std::string::npos) return p;
+  const size_t d = svg.find(" d=\"", title) + 4;
+  const std::string text = svg.substr(d, svg.find('"', d) - d);
+  const char* s = text.c_str();
+  while (*s != '\0') {
+    const char command = *s;
+    if (command == 'M' || command == 'L') {
+      char* end = nullptr;
+      const double x = std::strtod(s + 1, &end);
+      const double y = std::strtod(end, &end);
+      p.points.emplace_back(x, y);
+      if (command == 'M') ++p.runs;
+      s = end;
+    } else {
+      ++s;
+    }
+  }
+  return p;
 }
 
 }  // namespace strata::testing
