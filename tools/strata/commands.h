@@ -17,5 +17,6 @@ int convert_command(const std::vector<std::string>& args);
 int plan_command(const std::vector<std::string>& args);
 int profile_command(const std::vector<std::string>& args);
 int data_command(const std::vector<std::string>& args);
+int plot_command(const std::vector<std::string>& args);
 
 }  // namespace strata::tools

@@ -18,6 +18,7 @@ Commands:
   train [CONFIG.yaml] [key=value ...]   train a model; without CONFIG, the embedded default run
   plan [CONFIG.yaml] [key=value ...]    memory per tier, traffic and predicted step time, no training
   profile [CONFIG.yaml] [key=value ...] a few traced steps: Perfetto trace, report against the plan, SVGs
+  plot RUN_DIR [--out DIR]              SVG charts of a run's metrics (loss, throughput, memory, stalls)
   convert --from SRC --to DST           Hugging Face model or strata checkpoint -> Hugging Face directory
   data tokenize --tokenizer DIR ...     text, JSONL or chat JSONL -> llm.c token shards
   ckpt inspect|verify DIR               summarise a checkpoint, or recompute its checksums
@@ -43,6 +44,7 @@ int main(int argc, char** argv) {
   if (command == "convert") return strata::tools::convert_command(args);
   if (command == "plan") return strata::tools::plan_command(args);
   if (command == "profile") return strata::tools::profile_command(args);
+  if (command == "plot") return strata::tools::plot_command(args);
   if (command == "data") return strata::tools::data_command(args);
   if (command == "ckpt") return strata::tools::ckpt_command(args);
   if (command == "version" || command == "--version") {

@@ -1,0 +1,339 @@
+// strata plot RUN_DIR [--out DIR]: SVG charts of a training run's metrics.jsonl.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+#include "core/svg_chart.h"
+#include "tools/strata/commands.h"
+
+namespace strata::tools {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+constexpr const char* kPlotUsage = R"(Usage: strata plot RUN_DIR [--out DIR]
+
+Draws a training run's metrics as SVG pictures that a browser or GitHub shows as they are.
+RUN_DIR is the run.dir of a `strata train` run: it reads RUN_DIR/metrics.jsonl and, before
+it, any metrics.restart-K.jsonl that a requeued run set aside (in K order, each restart a
+dashed line), and writes into DIR (default RUN_DIR/plots):
+
+  loss.svg        loss per step; a cross marks each skipped (non-finite) step
+  throughput.svg  tokens per second
+  memory.svg      bytes on device, host and nvme (stacked) and the process's RSS
+  stalls.svg      time compute waited for data, and bytes moved between tiers, per step
+  overview.svg    all of the above, one above the other
+
+A resumed run that repeated steps shows the repeat after a gap, with a dashed line at the
+resume. Lines that record an event rather than a step ({"event": ...}) are skipped. Files are
+written whole (under a temporary name, then renamed) and their paths printed.
+
+Options:
+  --out DIR   where to write the pictures (created if missing)
+)";
+
+// One line of metrics.jsonl; NaN where the line has no value (an older file, or a skipped
+// step's loss, which JSON writes as null).
+struct StepRow {
+  double x;  // the step, after the steps of earlier attempts
+  double loss, tokens_per_s, device, host, nvme, rss, stall_ms, moved;
+  bool skipped;
+};
+
+struct RunMetrics {
+  std::vector<StepRow> rows;
+  std::vector<std::pair<double, std::string>> markers;  // restarts and resumes
+  bool restarted = false;
+};
+
+// Longer than any line strata writes by far; a longer one is not a metrics line.
+constexpr size_t kMaxLine = 64 * 1024;
+
+Result<double> number(const nlohmann::json& j, const char* key, const std::string& where) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return kNaN;
+  if (!it->is_number())
+    return Status::Corruption(fmt::format("{}: \"{}\" is {}, not a number; the file is damaged: fix or remove that line",
+                                          where, key, it->type_name()));
+  return it->get<double>();
+}
+
+// Appends the steps of one metrics file, their x after `*offset`; on return *offset is the
+// last step's x, where the next attempt begins.
+Status read_metrics(const fs::path& path, RunMetrics* run, double* offset) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr)
+    return Status::IOError(fmt::format("cannot read {}: {}", path.string(), std::strerror(errno)));
+  std::vector<char> buffer(kMaxLine + 2);
+  const double base = *offset;
+  double previous = -1;
+  Status status;
+  for (long line_no = 1; std::fgets(buffer.data(), static_cast<int>(buffer.size()), f) != nullptr; ++line_no) {
+    std::string line(buffer.data());
+    const std::string where = fmt::format("{}:{}", path.string(), line_no);
+    const bool complete = !line.empty() && line.back() == '\n';
+    if (!complete && line.size() > kMaxLine) {
+      status = Status::Corruption(where + ": a line longer than 64 KiB; this is not a strata metrics file");
+      break;
+    }
+    if (line.find_first_not_of(" \t\r\n") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      if (!complete && std::feof(f)) {
+        // A run that died while writing its last line leaves it unfinished; the rest stands.
+        std::fprintf(stderr, "strata plot: %s: skipping the unfinished last line (the run stopped while writing it)\n",
+                     where.c_str());
+        break;
+      }
+      status = Status::Corruption(fmt::format(
+          "{}: not valid JSON (at column {}); the file is damaged: fix or remove that line", where, e.byte));
+      break;
+    }
+    if (!j.is_object()) {
+      status = Status::Corruption(where + ": not a JSON object; the file is damaged: fix or remove that line");
+      break;
+    }
+    if (!j.contains("step")) {
+      if (j.contains("event")) continue;  // e.g. the run's goodput record at its end
+      status = Status::Corruption(where + ": neither \"step\" nor \"event\"; not a strata metrics line");
+      break;
+    }
+    const nlohmann::json& s = j["step"];
+    if (!s.is_number_integer() || s.get<int64_t>() < 0) {
+      status = Status::Corruption(where + ": \"step\" is not a step number; the file is damaged: fix or remove that line");
+      break;
+    }
+    const double step = static_cast<double>(s.get<int64_t>());
+    StepRow row{};
+    row.x = base + step;
+    struct Field {
+      const char* key;
+      double* into;
+    };
+    for (const Field& field : {Field{"loss", &row.loss}, Field{"tokens_per_s", &row.tokens_per_s},
+                               Field{"device_bytes", &row.device}, Field{"host_bytes", &row.host},
+                               Field{"nvme_bytes", &row.nvme}, Field{"rss_bytes", &row.rss},
+                               Field{"stall_ms", &row.stall_ms}, Field{"moved_bytes", &row.moved}}) {
+      Result<double> v = number(j, field.key, where);
+      if (!v.ok()) {
+        status = v.status();
+        break;
+      }
+      *field.into = *v;
+    }
+    if (!status.ok()) break;
+    const auto skipped = j.find("skipped");
+    row.skipped = (skipped != j.end() && skipped->is_boolean() && skipped->get<bool>()) || !std::isfinite(row.loss);
+    if (previous >= 0 && step <= previous) {
+      // Resumed from a checkpoint: the steps since it run again. Break the lines there.
+      run->markers.emplace_back(row.x, fmt::format("resumed at step {}", static_cast<int64_t>(step)));
+      run->rows.push_back(StepRow{kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, false});
+    }
+    previous = step;
+    *offset = std::max(*offset, row.x);
+    run->rows.push_back(row);
+  }
+  std::fclose(f);
+  return status;
+}
+
+// metrics.restart-K.jsonl in K order, then metrics.jsonl.
+Result<std::vector<fs::path>> metrics_files(const fs::path& run_dir) {
+  std::error_code ec;
+  if (!fs::is_directory(run_dir, ec))
+    return Status::NotFound("run directory '" + run_dir.string() +
+                            "' does not exist; pass the run.dir of a `strata train` run (it writes metrics.jsonl there)");
+  std::map<long, fs::path> restarts;
+  bool versions = false;
+  for (const fs::directory_entry& e : fs::directory_iterator(run_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    versions |= name.rfind("version_", 0) == 0;
+    long k = 0;
+    int used = 0;
+    if (std::sscanf(name.c_str(), "metrics.restart-%ld.jsonl%n", &k, &used) == 1 &&
+        used == static_cast<int>(name.size()) && k > 0)
+      restarts[k] = e.path();
+  }
+  if (ec) return Status::IOError("cannot list " + run_dir.string() + ": " + ec.message());
+  std::vector<fs::path> files;
+  for (const auto& [k, p] : restarts) files.push_back(p);
+  const fs::path current = run_dir / "metrics.jsonl";
+  if (fs::exists(current, ec)) files.push_back(current);
+  if (files.empty())
+    return Status::NotFound(
+        "no metrics.jsonl in " + run_dir.string() + "; `strata train` writes it into run.dir as steps complete" +
+        (versions ? " (unnamed runs go to version_N folders: pass one of those)" : ""));
+  return files;
+}
+
+struct Charts {
+  std::vector<std::pair<std::string, std::string>> files;  // name, SVG text
+};
+
+Charts make_charts(const RunMetrics& run) {
+  auto column = [&](double StepRow::*field) {
+    std::vector<double> v;
+    for (const StepRow& r : run.rows) v.push_back(r.*field);
+    return v;
+  };
+  const std::vector<double> x = column(&StepRow::x);
+  const std::string x_label = run.restarted ? "step (attempts one after another)" : "step";
+  auto chart = [&](const std::string& title, const std::string& y_label, svg::Unit unit) {
+    svg::LineChart c;
+    c.title = title;
+    c.x_label = x_label;
+    c.y_label = y_label;
+    c.y_unit = unit;
+    c.markers = run.markers;
+    return c;
+  };
+
+  svg::LineChart loss = chart("Loss", "loss", svg::Unit::kPlain);
+  loss.y_from_zero = false;
+  loss.series.push_back({"loss", x, column(&StepRow::loss)});
+  // A skipped step has no loss to draw: its cross sits at the last loss before it.
+  svg::Series skipped{"skipped step", {}, {}, svg::Style::kPoints};
+  double last_loss = kNaN;
+  for (const StepRow& r : run.rows) {
+    if (r.skipped && !std::isnan(r.x)) {
+      skipped.x.push_back(r.x);
+      skipped.y.push_back(last_loss);
+    }
+    if (std::isfinite(r.loss)) last_loss = r.loss;
+  }
+  // Skipped steps before any finite loss sit at the first one.
+  for (double& y : skipped.y)
+    if (std::isnan(y))
+      for (const StepRow& r : run.rows)
+        if (std::isfinite(r.loss)) {
+          y = r.loss;
+          break;
+        }
+  if (!skipped.x.empty()) loss.series.push_back(skipped);
+
+  svg::LineChart throughput = chart("Throughput", "tokens/s", svg::Unit::kPlain);
+  throughput.series.push_back({"tokens/s", x, column(&StepRow::tokens_per_s)});
+
+  svg::LineChart memory = chart("Memory per tier (stacked) and process RSS", "bytes", svg::Unit::kBytes);
+  memory.stacked = true;
+  memory.series.push_back({"device", x, column(&StepRow::device)});
+  memory.series.push_back({"host", x, column(&StepRow::host)});
+  memory.series.push_back({"nvme", x, column(&StepRow::nvme)});
+  memory.series.push_back({"RSS", x, column(&StepRow::rss), svg::Style::kLine});
+
+  svg::LineChart stall = chart("Time compute waited for data", "stall per step", svg::Unit::kSeconds);
+  std::vector<double> stall_s = column(&StepRow::stall_ms);
+  for (double& v : stall_s) v /= 1000;
+  stall.series.push_back({"stall", x, stall_s});
+  svg::LineChart moved = chart("Bytes moved between tiers", "per step", svg::Unit::kBytes);
+  moved.series.push_back({"moved", x, column(&StepRow::moved)});
+
+  Charts out;
+  const std::string loss_svg = svg::render_line_chart(loss), throughput_svg = svg::render_line_chart(throughput),
+                    memory_svg = svg::render_line_chart(memory), stall_svg = svg::render_line_chart(stall, 900, 300),
+                    moved_svg = svg::render_line_chart(moved, 900, 300);
+  out.files = {{"loss.svg", loss_svg},
+               {"throughput.svg", throughput_svg},
+               {"memory.svg", memory_svg},
+               {"stalls.svg", svg::stack_vertically({stall_svg, moved_svg})},
+               {"overview.svg", svg::stack_vertically({loss_svg, throughput_svg, memory_svg, stall_svg, moved_svg})}};
+  return out;
+}
+
+// Writes `text` to PATH.tmp, then renames it over PATH, so a reader never sees half a file.
+Status write_whole(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (f == nullptr) return Status::IOError(fmt::format("cannot create {}: {}", tmp.string(), std::strerror(errno)));
+  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  const int saved_errno = errno;
+  if (std::fclose(f) != 0 || !written) {
+    std::remove(tmp.c_str());
+    return Status::IOError(fmt::format("cannot write {}: {}", tmp.string(), std::strerror(written ? errno : saved_errno)));
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) {
+    std::remove(tmp.c_str());
+    return Status::IOError("cannot rename " + tmp.string() + " to " + path.string() + ": " + ec.message());
+  }
+  return Status::OK();
+}
+
+int fail(const Status& s) {
+  std::fprintf(stderr, "strata plot: error: %s\n", s.message().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int plot_command(const std::vector<std::string>& args) {
+  std::string run_dir, out_dir;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kPlotUsage, stdout);
+      return 0;
+    } else if (a == "--out" || a.rfind("--out=", 0) == 0) {
+      if (a != "--out") out_dir = a.substr(6);
+      else if (i + 1 < args.size()) out_dir = args[++i];
+      if (out_dir.empty()) {
+        std::fprintf(stderr, "strata plot: --out needs a directory (see strata plot --help)\n");
+        return 2;
+      }
+    } else if (run_dir.empty() && !a.empty() && a[0] != '-') {
+      run_dir = a;
+    } else {
+      std::fprintf(stderr, "strata plot: unexpected argument '%s' (see strata plot --help)\n", a.c_str());
+      return 2;
+    }
+  }
+  if (run_dir.empty()) {
+    std::fprintf(stderr, "strata plot: which run? pass its run.dir (see strata plot --help)\n");
+    return 2;
+  }
+
+  // Everything is read and drawn before anything is written: bad input leaves no files behind.
+  Result<std::vector<fs::path>> files = metrics_files(run_dir);
+  if (!files.ok()) return fail(files.status());
+  RunMetrics run;
+  double offset = 0;
+  for (size_t k = 0; k < files->size(); ++k) {
+    if (k > 0) {
+      run.restarted = true;
+      run.markers.emplace_back(offset, fmt::format("restart {}", k));
+    }
+    if (Status s = read_metrics((*files)[k], &run, &offset); !s.ok()) return fail(s);
+  }
+  if (run.rows.empty())
+    std::fprintf(stderr, "strata plot: %s holds no steps yet; the charts say \"no data\"\n",
+                 files->back().string().c_str());
+  const Charts charts = make_charts(run);
+
+  const fs::path out = out_dir.empty() ? fs::path(run_dir) / "plots" : fs::path(out_dir);
+  std::error_code ec;
+  fs::create_directories(out, ec);
+  if (ec) return fail(Status::IOError("cannot create output directory " + out.string() + ": " + ec.message()));
+  for (const auto& [name, text] : charts.files) {
+    const fs::path path = out / name;
+    if (Status s = write_whole(path, text); !s.ok()) return fail(s);
+    std::printf("wrote %s\n", path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace strata::tools
