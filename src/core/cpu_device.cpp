@@ -320,12 +320,12 @@ std::unique_ptr<Stream> CpuDevice::create_stream() { return create_cpu_stream();
 
 std::unique_ptr<Event> CpuDevice::create_event() { return std::make_unique<CpuEvent>(); }
 
-void CpuDevice::copy(void* dst, const void* src, uint64_t bytes, Stream& stream) {
+void CpuDevice::copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name) {
   CpuStream& cpu_stream = as_cpu_stream(stream);
   if (bytes == 0) return;
   CHECK(dst != nullptr && src != nullptr);
-  cpu_stream.enqueue([dst, src, bytes] {
-    trace::Span span("copy", "copy");
+  cpu_stream.enqueue([dst, src, bytes, trace_name] {
+    trace::Span span("copy", trace_name);
     span.arg("bytes", static_cast<double>(bytes));
     std::memcpy(dst, src, bytes);
   });

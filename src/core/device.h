@@ -164,7 +164,9 @@ class Device {
   // be device memory or host memory (pinned host memory for a truly asynchronous copy on
   // CUDA). REQUIRES: both ranges stay valid and untouched by others until the copy completes
   // (synchronize the stream or an event recorded after it); stream from this Device.
-  virtual void copy(void* dst, const void* src, uint64_t bytes, Stream& stream) = 0;
+  // `trace_name`, a static string, names the copy in a trace where the backend traces copies
+  // ("copy" for a move of state between tiers; others, e.g. zero fills, say what they are).
+  virtual void copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name = "copy") = 0;
 
  protected:
   Device() = default;

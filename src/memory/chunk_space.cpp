@@ -115,9 +115,10 @@ Status ChunkSpace::check_feasible(uint32_t pinned_at_once, Tier where) const {
 // ---------------------------------------------------------------------------------------------
 // Registration
 
-Result<ChunkId> ChunkSpace::new_chunk_home(std::optional<Tier> home) {
+Result<ChunkId> ChunkSpace::new_chunk_home(ChunkKind kind, std::optional<Tier> home) {
   const ChunkId id = static_cast<ChunkId>(chunks_.size());
   chunks_.emplace_back();
+  chunks_.back().kind = kind;
   uses_.emplace_back();
   std::vector<Tier> order = {Tier::kNvme, Tier::kHost, Tier::kDevice};
   if (home) {
@@ -165,7 +166,7 @@ Result<TensorId> ChunkSpace::add_tensor(const std::string& name, ChunkKind kind,
   std::lock_guard<std::mutex> lock(mu_);
   RETURN_IF_ERROR(layout_.validate(name, bytes));
   if (layout_.opens_chunk(kind, bytes)) {
-    RETURN_IF_ERROR(new_chunk_home(home).status());
+    RETURN_IF_ERROR(new_chunk_home(kind, home).status());
   }
   ASSIGN_OR_RETURN(TensorId id, layout_.add(name, kind, bytes));
   CHECK(layout_.num_chunks() == chunks_.size());
@@ -174,7 +175,7 @@ Result<TensorId> ChunkSpace::add_tensor(const std::string& name, ChunkKind kind,
 
 Result<ChunkId> ChunkSpace::add_chunk(ChunkKind kind, std::optional<Tier> home) {
   std::lock_guard<std::mutex> lock(mu_);
-  RETURN_IF_ERROR(new_chunk_home(home).status());
+  RETURN_IF_ERROR(new_chunk_home(kind, home).status());
   const ChunkId id = layout_.open_chunk(kind);
   CHECK(layout_.num_chunks() == chunks_.size());
   return id;
@@ -368,7 +369,7 @@ Status ChunkSpace::read_tensor(TensorId id, uint64_t offset, uint64_t length, vo
   if (c.valid[kDevice]) {
     const uint32_t d = static_cast<uint32_t>(c.slot[kDevice]);
     (void)order_on(Tier::kDevice, d, *down_);
-    device_.copy(dst, static_cast<const char*>(tier(Tier::kDevice).data(d)) + at, length, *down_);
+    device_.copy(dst, static_cast<const char*>(tier(Tier::kDevice).data(d)) + at, length, *down_, "checkpoint read");
     record_on(Tier::kDevice, d, *down_);
     down_->synchronize();
     return Status::OK();

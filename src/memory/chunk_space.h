@@ -211,6 +211,7 @@ class ChunkSpace {
     Tier pinned_in = Tier::kDevice;
     bool zero = true;  // never written: reads as zeros, nothing to write back
     uint64_t last_use = 0;
+    ChunkKind kind = ChunkKind::kParam;
   };
 
   ChunkSpace(Device& device, IoEngine* io, ChunkLayout layout, const ChunkSpaceOptions& options);
@@ -219,7 +220,7 @@ class ChunkSpace {
   enum class MoveOrigin : uint8_t { kDemand, kPrefetch, kWriteBack };
 
   // All REQUIRE mu_ held.
-  Result<ChunkId> new_chunk_home(std::optional<Tier> home);
+  Result<ChunkId> new_chunk_home(ChunkKind kind, std::optional<Tier> home);
   Result<void*> acquire_locked(ChunkId id, Tier where, AccessMode mode, bool whole_chunk,
                                Stream* consumer);
   // A slot in `tier` for chunk `id`, evicting a copy when none is free. With `due` (prefetch),

@@ -49,7 +49,7 @@ Result<uint32_t> ChunkSpace::take_slot(Tier t, ChunkId id, std::optional<uint64_
   }
   owner_[idx(t)][*s] = id;
   c.slot[idx(t)] = *s;
-  count_usage(t, layout_.chunk(id).kind, /*taken=*/true);
+  count_usage(t, c.kind, /*taken=*/true);
   return *s;
 }
 
@@ -110,7 +110,7 @@ void ChunkSpace::drop_copy(ChunkId id, Tier t) {
   CHECK(slot >= 0);
   owner_[idx(t)][slot] = -1;
   tier(t).give_back(static_cast<uint32_t>(slot));
-  count_usage(t, layout_.chunk(id).kind, /*taken=*/false);
+  count_usage(t, c.kind, /*taken=*/false);
   c.slot[idx(t)] = -1;
   c.valid[idx(t)] = false;
   c.prefetched[idx(t)] = false;
@@ -149,7 +149,7 @@ void ChunkSpace::zero_fill(ChunkId id, Tier t, MoveOrigin origin) {
     // The Device has no fill operation; copy from a small zeroed pinned buffer.
     (void)order_on(t, slot, *up_);
     for (uint64_t off = 0; off < bytes; off += zeros_.size()) {
-      device_.copy(dst + off, zeros_.data(), std::min<uint64_t>(zeros_.size(), bytes - off), *up_);
+      device_.copy(dst + off, zeros_.data(), std::min<uint64_t>(zeros_.size(), bytes - off), *up_, "zero fill");
     }
     record_on(t, slot, *up_);
   } else {

@@ -181,8 +181,10 @@ ProfileReport analyze_profile(const ProfileInput& in) {
       if (e.phase == 'X' && is(e, "optimizer", "adamw group") && arg_of(e, "tier") != 0)
         host_adam_ns += static_cast<double>(e.dur_ns);
       if (e.phase == 'X' && copy_track && is(e, "copy")) {
+        // Bytes of moves between tiers ("copy"); the stream is busy with its zero fills and
+        // checkpoint reads too.
         Flow& f = flows[t.name.substr(5)];
-        f.bytes += static_cast<uint64_t>(arg_of(e, "bytes"));
+        if (is(e, "copy", "copy")) f.bytes += static_cast<uint64_t>(arg_of(e, "bytes"));
         f.busy.push_back(Interval{e.ts_ns, e.ts_ns + e.dur_ns});
       }
       if (e.phase == 'b' && i + 1 < t.events.size() && t.events[i + 1].phase == 'e' && t.events[i + 1].id == e.id) {

@@ -90,7 +90,7 @@ TEST(ProfileCli, AMoeRunWithTightBudgetsIsProfiledToo) {
   testing::CmdResult r = run_strata(
       "profile model.preset=tiny data.paths=[builtin:licenses] train.micro_batch=2 train.seq_len=64 "
       "'model.set=[num_hidden_layers=2,model_type=mixtral,num_local_experts=4,num_experts_per_tok=2]' "
-      "memory.device=6MiB memory.host=8MiB memory.nvme.size=64MiB memory.nvme.path=nvme run.dir=" + (dir / "run").string() +
+      "memory.device=16MiB memory.host=20MiB memory.nvme.size=64MiB memory.nvme.path=nvme run.dir=" + (dir / "run").string() +
       " --steps 2 --warmup 1 --out " + out.string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_valid_profile(out, 2, /*expect_nvme=*/false);

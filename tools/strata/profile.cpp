@@ -84,23 +84,19 @@ class Profiler final : public RunObserver {
   void on_step_begin(int64_t step) override {
     if (step == first_) trace::start();
   }
+  // The last step's own span ends after this: the events are collected once the run is over.
   void on_step_end(const StepMetrics& m) override {
-    if (m.step == last_) {
-      trace::stop();
-      threads_ = trace::collect();
-    }
+    if (m.step == last_) trace::stop();
   }
   const std::string& run_dir() const { return run_dir_; }
   const std::optional<Plan>& plan() const { return plan_; }
   const std::optional<PlanInput>& plan_input() const { return plan_input_; }
-  const std::vector<trace::ThreadEvents>& threads() const { return threads_; }
 
  private:
   int64_t first_, last_;
   std::string run_dir_;
   std::optional<Plan> plan_;
   std::optional<PlanInput> plan_input_;
-  std::vector<trace::ThreadEvents> threads_;
 };
 
 Status write_text(const fs::path& path, const std::string& text) {
@@ -175,7 +171,9 @@ int profile_command(const std::vector<std::string>& args) {
   Profiler profiler(warmup + 1, warmup + steps);
   Result<TrainSummary> summary = run_training(*tc, config->to_yaml(), make_train_engine, &profiler);
   if (!summary.ok()) return fail(summary.status());
-  if (summary->interrupted || profiler.threads().empty())
+  trace::stop();  // when the run stopped early
+  std::vector<trace::ThreadEvents> threads = trace::collect();
+  if (summary->interrupted || summary->steps_done < warmup + steps || threads.empty())
     return fail(Status::Internal("the run stopped before its traced steps ended; nothing was written"));
 
   const fs::path out = out_dir.empty() ? fs::path(profiler.run_dir()) / "profile" : fs::path(out_dir);
@@ -184,7 +182,7 @@ int profile_command(const std::vector<std::string>& args) {
   if (ec) return fail(Status::IOError("cannot create --out '" + out.string() + "': " + ec.message()));
 
   ProfileInput in;
-  in.threads = profiler.threads();
+  in.threads = std::move(threads);
   if (profiler.plan()) {
     in.plan = &*profiler.plan();
     in.plan_input = &*profiler.plan_input();

@@ -224,7 +224,7 @@ std::unique_ptr<Stream> CudaDevice::create_stream() { return std::make_unique<Cu
 
 std::unique_ptr<Event> CudaDevice::create_event() { return std::make_unique<CudaEvent>(index_); }
 
-void CudaDevice::copy(void* dst, const void* src, uint64_t bytes, Stream& stream) {
+void CudaDevice::copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* /*trace_name*/) {
   CudaStream& cuda_stream = as_cuda_stream(stream);
   CHECK_MSG(cuda_stream.device() == index_, "copy on " + name_ + " queued on a stream of cuda:" +
                                                 std::to_string(cuda_stream.device()));
