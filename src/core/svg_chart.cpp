@@ -17,6 +17,9 @@ constexpr const char* kPalette[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", 
                                     "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"};
 constexpr int kPaletteSize = static_cast<int>(std::size(kPalette));
 
+// Room right of the plot for half of the last x tick's label ("1.50 GiB", "200 ms").
+constexpr double kRightMargin = 32;
+
 const char* color(int index) { return kPalette[((index % kPaletteSize) + kPaletteSize) % kPaletteSize]; }
 
 // Coordinates with one decimal: a tenth of a pixel is below what a screen shows.
@@ -294,7 +297,7 @@ std::vector<std::string> format_ticks(const std::vector<double>& ticks, Unit uni
 
 std::string render_line_chart(const LineChart& c, int width, int height) {
   CHECK(width >= 200 && height >= 120);
-  const Frame f{72, 52, static_cast<double>(width) - 16, static_cast<double>(height) - 44};
+  const Frame f{72, 52, static_cast<double>(width) - kRightMargin, static_cast<double>(height) - 44};
   auto stacks = [&](const Series& s) { return c.stacked && s.style == Style::kAuto; };
   for (const Series& s : c.series) CHECK_MSG(s.x.size() == s.y.size(), "series '" + s.name + "': x and y differ in length");
 
@@ -447,7 +450,7 @@ std::string render_timeline(const Timeline& t, int width) {
   const double left = std::clamp(16 + 7.0 * static_cast<double>(longest), 60.0, 240.0);
   const double top = t.legend.empty() ? 34 : 52;
   const double lanes_h = std::max<double>(1, static_cast<double>(t.lanes.size())) * (lane_h + lane_gap);
-  const Frame f{left, top, static_cast<double>(width) - 16, top + lanes_h};
+  const Frame f{left, top, static_cast<double>(width) - kRightMargin, top + lanes_h};
   const int height = static_cast<int>(std::ceil(f.bottom + 44));
 
   std::vector<std::pair<std::string, std::string>> legend;

@@ -207,6 +207,7 @@ TEST(SvgChart, ThinningKeepsTheExtremesAndKeepsFilesSmall) {
   }
   s.y[31337] = 1000;  // one spike up, one down, each a single point among 50,000
   s.y[7777] = -1000;
+  s.y[20000] = kNaN;  // and a gap, which thinning keeps too
   c.series.push_back(s);
   const int width = 900;
   const std::string svg = render_line_chart(c, width);
@@ -214,6 +215,7 @@ TEST(SvgChart, ThinningKeepsTheExtremesAndKeepsFilesSmall) {
   EXPECT_LT(svg.size(), 200000u) << "50,000 points should not take " << svg.size() << " bytes";
   const Path p = series_path(svg, "noise");
   EXPECT_LE(p.points.size(), 4u * width);
+  EXPECT_EQ(p.runs, 2);
   double top = INFINITY, bottom = -INFINITY;
   for (const auto& [x, y] : p.points) top = std::min(top, y), bottom = std::max(bottom, y);
   const double y1000 = tick_at(svg, "ytick", "1000"), ym1000 = tick_at(svg, "ytick", "-1000");

@@ -133,7 +133,8 @@ TEST_F(PlotCliTest, RestartsComeFirstAndAreMarked) {
   const std::string loss = plot_ok();
   const strata::testing::SvgPath path = svg_series_path(loss, "loss");
   EXPECT_EQ(path.points.size(), 14u) << loss;
-  // One line across the attempts, left to right: 4 + 3 + 2 + 5 steps.
+  // The attempts one after another, left to right, each its own line: 4 + 3 + 2 + 5 steps.
+  EXPECT_EQ(path.runs, 4) << loss;
   for (size_t i = 1; i < path.points.size(); ++i)
     EXPECT_GT(path.points[i].first, path.points[i - 1].first) << "point " << i << " goes back";
   for (const char* marker : {">restart 1<", ">restart 2<", ">restart 3<"})

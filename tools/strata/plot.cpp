@@ -52,6 +52,9 @@ struct StepRow {
   bool skipped;
 };
 
+// A break in every line.
+StepRow gap_row() { return StepRow{kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, false}; }
+
 struct RunMetrics {
   std::vector<StepRow> rows;
   std::vector<std::pair<double, std::string>> markers;  // restarts and resumes
@@ -141,7 +144,7 @@ Status read_metrics(const fs::path& path, RunMetrics* run, double* offset) {
     if (previous >= 0 && step <= previous) {
       // Resumed from a checkpoint: the steps since it run again. Break the lines there.
       run->markers.emplace_back(row.x, fmt::format("resumed at step {}", static_cast<int64_t>(step)));
-      run->rows.push_back(StepRow{kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, false});
+      run->rows.push_back(gap_row());
     }
     previous = step;
     *offset = std::max(*offset, row.x);
@@ -316,6 +319,7 @@ int plot_command(const std::vector<std::string>& args) {
     if (k > 0) {
       run.restarted = true;
       run.markers.emplace_back(offset, fmt::format("restart {}", k));
+      run.rows.push_back(gap_row());  // the attempts are not one line
     }
     if (Status s = read_metrics((*files)[k], &run, &offset); !s.ok()) return fail(s);
   }
