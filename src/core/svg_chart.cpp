@@ -172,6 +172,36 @@ std::string line_path(const std::vector<size_t>& keep, const std::vector<double>
   return d;
 }
 
+struct Point {
+  double x, y;  // pixels
+};
+
+// Points rounded as they are printed, less those that change nothing: repeats, and the middle
+// of three on one horizontal line. Stacked bands are mostly flat (a tier's bytes change
+// rarely), so this keeps their files small.
+std::vector<Point> without_flat_middles(const std::vector<Point>& in) {
+  std::vector<Point> out;
+  for (Point p : in) {
+    p = {std::round(p.x * 10) / 10, std::round(p.y * 10) / 10};
+    if (!out.empty() && out.back().x == p.x && out.back().y == p.y) continue;
+    const size_t n = out.size();
+    if (n >= 2 && out[n - 1].y == p.y && out[n - 2].y == p.y &&
+        (out[n - 2].x <= out[n - 1].x) == (out[n - 1].x <= p.x)) {
+      out.back() = p;
+      continue;
+    }
+    out.push_back(p);
+  }
+  return out;
+}
+
+// "Mx y Lx y ...".
+std::string polyline(const std::vector<Point>& pts) {
+  std::string d;
+  for (const Point& p : pts) d += fmt::format("{}{} {}", d.empty() ? "M" : " L", px(p.x), px(p.y));
+  return d;
+}
+
 struct Frame {
   double left, top, right, bottom;
 };
@@ -386,17 +416,19 @@ std::string render_line_chart(const LineChart& c, int width, int height) {
       if (!stacks(s)) continue;
       const std::vector<double>& b = base[band++];
       std::string area, top;
-      // One closed shape per run of points where the band is defined.
+      // One closed shape per run of points where the band is defined: its top edge forward,
+      // its bottom edge (the top of the band below) back.
       std::vector<size_t> run;
       auto close_run = [&] {
-        if (run.size() >= 1) {
-          std::string d;
-          for (size_t i : run)
-            d += fmt::format("{}{} {}", d.empty() ? "M" : " L", px(ax.map(s.x[i])), px(ay.map(b[i] + s.y[i])));
-          top += d + (run.size() == 1 ? "h0 " : " ");
-          for (auto it = run.rbegin(); it != run.rend(); ++it)
-            d += fmt::format(" L{} {}", px(ax.map(s.x[*it])), px(ay.map(b[*it])));
-          area += d + " Z ";
+        if (!run.empty()) {
+          std::vector<Point> upper, lower;
+          for (size_t i : run) upper.push_back({ax.map(s.x[i]), ay.map(b[i] + s.y[i])});
+          for (auto it = run.rbegin(); it != run.rend(); ++it) lower.push_back({ax.map(s.x[*it]), ay.map(b[*it])});
+          upper = without_flat_middles(upper);
+          lower = without_flat_middles(lower);
+          const std::string edge = polyline(upper);
+          top += edge + (upper.size() == 1 ? "h0 " : " ");
+          area += edge + " L" + polyline(lower).substr(1) + " Z ";
         }
         run.clear();
       };

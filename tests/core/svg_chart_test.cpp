@@ -115,6 +115,25 @@ TEST(SvgChart, StackedBandsSitOnEachOther) {
   EXPECT_TRUE(std::abs(b.points.back().second - y10) <= 0.051) << b.points.back().second << " vs " << y10;
 }
 
+TEST(SvgChart, FlatBandsTakeFewPoints) {
+  // Tiers hold the same bytes for most of a run: 20,000 steps of it are a rectangle or two.
+  LineChart c;
+  c.stacked = true;
+  c.y_unit = Unit::kBytes;
+  Series device{"device", {}, {}}, host{"host", {}, {}};
+  for (int i = 0; i < 20000; ++i) {
+    device.x.push_back(i), host.x.push_back(i);
+    device.y.push_back(4.0 * double(kGiB));
+    host.y.push_back(i < 10000 ? 8.0 * double(kGiB) : 9.0 * double(kGiB));
+  }
+  c.series = {device, host};
+  const std::string svg = render_line_chart(c);
+  ASSERT_EQ(xml_problem(svg), "");
+  EXPECT_LE(series_path(svg, "device").points.size(), 4u) << svg;
+  EXPECT_LE(series_path(svg, "host").points.size(), 10u) << svg;
+  EXPECT_LT(svg.size(), 8000u);
+}
+
 TEST(SvgChart, TicksStepOneTwoOrFiveAndCoverTheData) {
   std::srand(7);
   for (int trial = 0; trial < 2000; ++trial) {
