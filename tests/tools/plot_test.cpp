@@ -1,5 +1,6 @@
 // strata plot end to end: the charts of a real training run, restarts and resumes marked,
 // event lines skipped, and bad input refused with the file and line, writing nothing.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -10,8 +11,6 @@
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "svg_check.h"
 
@@ -93,7 +92,8 @@ class PlotCliTest : public ::testing::Test {
   void expect_refused(const CmdResult& r, const std::vector<std::string>& words) {
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "not one line:\n" << r.output;
-    for (const std::string& w : words) EXPECT_NE(r.output.find(w), std::string::npos) << "no '" << w << "' in:\n" << r.output;
+    for (const std::string& w : words)
+      EXPECT_NE(r.output.find(w), std::string::npos) << "no '" << w << "' in:\n" << r.output;
   }
 
   fs::path dir_;
