@@ -1,10 +1,9 @@
 #include "core/svg_chart.h"
 
-#include <fmt/format.h>
-
 #include <algorithm>
 #include <cmath>
-#include <limits>
+
+#include <fmt/format.h>
 
 #include "core/check.h"
 

@@ -1,6 +1,5 @@
 // strata plot end to end: the charts of a real training run, restarts and resumes marked,
 // event lines skipped, and bad input refused with the file and line, writing nothing.
-#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -11,6 +10,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "svg_check.h"
 

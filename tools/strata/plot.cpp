@@ -1,17 +1,17 @@
 // strata plot RUN_DIR [--out DIR]: SVG charts of a training run's metrics.jsonl.
-#include <fmt/format.h>
-
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "core/status.h"
 #include "core/svg_chart.h"
@@ -150,6 +150,8 @@ Status read_metrics(const fs::path& path, RunMetrics* run, double* offset) {
     *offset = std::max(*offset, row.x);
     run->rows.push_back(row);
   }
+  if (status.ok() && std::ferror(f))
+    status = Status::IOError(fmt::format("cannot read {}: {}", path.string(), std::strerror(errno)));
   std::fclose(f);
   return status;
 }
