@@ -31,10 +31,13 @@ inline std::string xml_problem(const std::string& xml) {
     }
     return false;
   };
-  auto is_name = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == ':' || c == '.'; };
+  auto is_name = [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == ':' || c == '.';
+  };
   while (i < n) {
     if (xml[i] != '<') {
-      if (open.empty() && !std::isspace(static_cast<unsigned char>(xml[i]))) return "text outside the root element" + at(i);
+      if (open.empty() && !std::isspace(static_cast<unsigned char>(xml[i])))
+        return "text outside the root element" + at(i);
       if (xml[i] == '&' && !entity_ok(i)) return "a bare '&'" + at(i);
       ++i;
       continue;

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include <fmt/format.h>
 
@@ -11,13 +10,19 @@
 namespace strata::svg {
 namespace {
 
-
 // Colors that stay apart from each other on white and for the common kinds of color blindness.
 constexpr const char* kPalette[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
                                     "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"};
 constexpr int kPaletteSize = static_cast<int>(std::size(kPalette));
 
+// Room right of the plot for half of the last x tick's label ("1.50 GiB", "200 ms").
+constexpr double kRightMargin = 32;
+
 const char* color(int index) { return kPalette[((index % kPaletteSize) + kPaletteSize) % kPaletteSize]; }
+
+// Finite and far from overflowing when ranges and sums are taken: values beyond are not drawn
+// (they come from files, so anything can be there).
+bool drawable(double v) { return std::abs(v) <= 1e300; }
 
 // Coordinates with one decimal: a tenth of a pixel is below what a screen shows.
 std::string px(double v) { return fmt::format("{:.1f}", v); }
@@ -80,8 +85,8 @@ std::string format_in(double value, Scale s, int decimals) {
 
 // A linear or log10 axis from a screen interval onto a value interval.
 struct Axis {
-  double lo = 0, hi = 1;         // values at the ends (log10 of them on a log axis)
-  double from = 0, to = 1;       // pixels at lo and hi
+  double lo = 0, hi = 1;    // values at the ends (log10 of them on a log axis)
+  double from = 0, to = 1;  // pixels at lo and hi
   bool log = false;
   double map(double v) const {
     const double t = log ? std::log10(v) : v;
@@ -93,8 +98,9 @@ struct Axis {
 std::vector<double> log_ticks(double lo, double hi) {
   const int first = static_cast<int>(std::floor(std::log10(lo) + 1e-9));
   const int last = std::max(first + 1, static_cast<int>(std::ceil(std::log10(hi) - 1e-9)));
+  const int every = (last - first + 7) / 8;  // at most about 8 decades labelled
   std::vector<double> ticks;
-  for (int e = first; e <= last; ++e) {
+  for (int e = first; e < last + every; e += every) {
     const double d = std::pow(10.0, e);
     ticks.push_back(d);
     if (last - first <= 2 && e < last) {
@@ -112,7 +118,7 @@ constexpr size_t kGap = static_cast<size_t>(-1);
 // point, so that a spike survives however many points share its column.
 std::vector<size_t> decimate(const std::vector<double>& x, const std::vector<double>& y, const Axis& ax, bool log_y) {
   const size_t n = std::min(x.size(), y.size());
-  auto usable = [&](size_t i) { return std::isfinite(x[i]) && std::isfinite(y[i]) && (!log_y || y[i] > 0); };
+  auto usable = [&](size_t i) { return drawable(x[i]) && drawable(y[i]) && (!log_y || y[i] > 0); };
   std::vector<size_t> out;
   if (static_cast<double>(n) <= std::abs(ax.to - ax.from)) {
     for (size_t i = 0; i < n; ++i) out.push_back(usable(i) ? i : kGap);
@@ -169,12 +175,42 @@ std::string line_path(const std::vector<size_t>& keep, const std::vector<double>
   return d;
 }
 
+struct Point {
+  double x, y;  // pixels
+};
+
+// Points rounded as they are printed, less those that change nothing: repeats, and the middle
+// of three on one horizontal line. Stacked bands are mostly flat (a tier's bytes change
+// rarely), so this keeps their files small.
+std::vector<Point> without_flat_middles(const std::vector<Point>& in) {
+  std::vector<Point> out;
+  for (Point p : in) {
+    p = {std::round(p.x * 10) / 10, std::round(p.y * 10) / 10};
+    if (!out.empty() && out.back().x == p.x && out.back().y == p.y) continue;
+    const size_t n = out.size();
+    if (n >= 2 && out[n - 1].y == p.y && out[n - 2].y == p.y &&
+        (out[n - 2].x <= out[n - 1].x) == (out[n - 1].x <= p.x)) {
+      out.back() = p;
+      continue;
+    }
+    out.push_back(p);
+  }
+  return out;
+}
+
+// "Mx y Lx y ...".
+std::string polyline(const std::vector<Point>& pts) {
+  std::string d;
+  for (const Point& p : pts) d += fmt::format("{}{} {}", d.empty() ? "M" : " L", px(p.x), px(p.y));
+  return d;
+}
+
 struct Frame {
   double left, top, right, bottom;
 };
 
-std::string draw_title_and_legend(const std::string& title, const std::vector<std::pair<std::string, std::string>>& legend,
-                                  double left) {
+std::string draw_title_and_legend(const std::string& title,
+                                  const std::vector<std::pair<std::string, std::string>>& legend, double left) {
   std::string s = title.empty() ? "" : text(left, 20, title, "font-size=\"15\" font-weight=\"bold\"");
   double x = left;
   for (const auto& [name, swatch] : legend) {
@@ -242,15 +278,27 @@ std::string xml_escape(const std::string& s) {
   out.reserve(s.size());
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&apos;"; break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&apos;";
+        break;
       default:
         // Control characters other than tab and newline are not allowed in XML 1.0 at all.
-        if (static_cast<unsigned char>(c) < 0x20 && c != '\t' && c != '\n') out += ' ';
-        else out += c;
+        if (static_cast<unsigned char>(c) < 0x20 && c != '\t' && c != '\n')
+          out += ' ';
+        else
+          out += c;
     }
   }
   return out;
@@ -269,8 +317,11 @@ std::vector<double> nice_ticks(double lo, double hi, int target) {
     }
   const double first = std::floor(lo / step + 1e-9);
   const double last = std::ceil(hi / step - 1e-9);
+  // Where doubles cannot count in steps (a range tiny beside its values, 1e17 + 32), the ends
+  // are the ticks.
+  if (!(std::abs(first) < 0x1p52 && std::abs(last) < 0x1p52 && last - first <= 4.0 * target)) return {lo, hi};
   std::vector<double> ticks;
-  for (double k = first; k <= last + 0.5; k += 1) ticks.push_back(std::abs(k) < 0.5 ? 0.0 : k * step);
+  for (double k = first; k <= last; k += 1) ticks.push_back(k == 0 ? 0.0 : k * step);
   return ticks;
 }
 
@@ -284,19 +335,30 @@ std::vector<double> axis_ticks(double lo, double hi, Unit unit, int target) {
 std::vector<std::string> format_ticks(const std::vector<double>& ticks, Unit unit) {
   double magnitude = 0;
   for (double t : ticks) magnitude = std::max(magnitude, std::abs(t));
-  const Scale s = scale_for(magnitude, unit);
   // A lone tick (a log axis labels each on its own) needs the decimals of its own value.
-  const double step = (ticks.size() >= 2 ? std::abs(ticks[1] - ticks[0]) : magnitude) / s.factor;
+  const double spacing = ticks.size() >= 2 ? std::abs(ticks[1] - ticks[0]) : magnitude;
+  Scale s = scale_for(magnitude, unit);
+  // The largest unit in which every label is exact: ticks from 0 to 1200 MiB at 200 MiB read
+  // "1200 MiB", not "0.2 GiB" for 195.3 MiB.
+  for (;;) {
+    const double step = spacing / s.factor, scale = std::pow(10.0, decimals_for(step));
+    bool exact = true;
+    for (double t : ticks) exact &= std::abs(std::round(t / s.factor * scale) / scale - t / s.factor) <= 1e-6 * step;
+    const Scale lower = scale_for(s.factor * 0.999, unit);
+    if (exact || lower.factor >= s.factor) break;
+    s = lower;
+  }
   std::vector<std::string> labels;
-  for (double t : ticks) labels.push_back(format_in(t, s, decimals_for(step)));
+  for (double t : ticks) labels.push_back(format_in(t, s, decimals_for(spacing / s.factor)));
   return labels;
 }
 
 std::string render_line_chart(const LineChart& c, int width, int height) {
   CHECK(width >= 200 && height >= 120);
-  const Frame f{72, 52, static_cast<double>(width) - 16, static_cast<double>(height) - 44};
+  const Frame f{72, 52, static_cast<double>(width) - kRightMargin, static_cast<double>(height) - 44};
   auto stacks = [&](const Series& s) { return c.stacked && s.style == Style::kAuto; };
-  for (const Series& s : c.series) CHECK_MSG(s.x.size() == s.y.size(), "series '" + s.name + "': x and y differ in length");
+  for (const Series& s : c.series)
+    CHECK_MSG(s.x.size() == s.y.size(), "series '" + s.name + "': x and y differ in length");
 
   // The bands of a stacked chart: running totals over the kAuto series, which share one x.
   const Series* stack_x = nullptr;
@@ -311,13 +373,13 @@ std::string render_line_chart(const LineChart& c, int width, int height) {
     CHECK_MSG(same_x(s.x, stack_x->x), "stacked series '" + s.name + "' does not share the first band's x");
     base.push_back(total);
     for (size_t i = 0; i < s.y.size(); ++i)
-      if (std::isfinite(s.y[i])) total[i] += s.y[i];
+      if (drawable(s.y[i])) total[i] += s.y[i];
   }
 
   // The data's extent.
   double x_lo = INFINITY, x_hi = -INFINITY, y_lo = INFINITY, y_hi = -INFINITY;
   auto take = [&](double x, double y) {
-    if (!std::isfinite(x) || !std::isfinite(y) || (c.log_y && !(y > 0))) return;
+    if (!drawable(x) || !drawable(y) || (c.log_y && !(y > 0))) return;
     x_lo = std::min(x_lo, x), x_hi = std::max(x_hi, x);
     y_lo = std::min(y_lo, y), y_hi = std::max(y_hi, y);
   };
@@ -325,7 +387,7 @@ std::string render_line_chart(const LineChart& c, int width, int height) {
   for (const Series& s : c.series) {
     if (stacks(s)) {
       for (size_t i = 0; i < s.y.size(); ++i)
-        if (std::isfinite(s.y[i])) take(s.x[i], base[band][i] + s.y[i]), take(s.x[i], base[band][i]);
+        if (drawable(s.y[i])) take(s.x[i], base[band][i] + s.y[i]), take(s.x[i], base[band][i]);
       ++band;
     } else {
       for (size_t i = 0; i < s.y.size(); ++i) take(s.x[i], s.y[i]);
@@ -352,7 +414,7 @@ std::string render_line_chart(const LineChart& c, int width, int height) {
     return out + "</svg>\n";
   }
   for (const auto& [mx, label] : c.markers)
-    if (std::isfinite(mx)) x_lo = std::min(x_lo, mx), x_hi = std::max(x_hi, mx);
+    if (drawable(mx)) x_lo = std::min(x_lo, mx), x_hi = std::max(x_hi, mx);
   if (c.y_from_zero && !c.log_y) y_lo = std::min(y_lo, 0.0), y_hi = std::max(y_hi, 0.0);
 
   widen(&x_lo, &x_hi);
@@ -383,29 +445,34 @@ std::string render_line_chart(const LineChart& c, int width, int height) {
       if (!stacks(s)) continue;
       const std::vector<double>& b = base[band++];
       std::string area, top;
-      // One closed shape per run of points where the band is defined.
+      // One closed shape per run of points where the band is defined: its top edge forward,
+      // its bottom edge (the top of the band below) back.
       std::vector<size_t> run;
       auto close_run = [&] {
-        if (run.size() >= 1) {
-          std::string d;
-          for (size_t i : run)
-            d += fmt::format("{}{} {}", d.empty() ? "M" : " L", px(ax.map(s.x[i])), px(ay.map(b[i] + s.y[i])));
-          top += d + (run.size() == 1 ? "h0 " : " ");
-          for (auto it = run.rbegin(); it != run.rend(); ++it)
-            d += fmt::format(" L{} {}", px(ax.map(s.x[*it])), px(ay.map(b[*it])));
-          area += d + " Z ";
+        if (!run.empty()) {
+          std::vector<Point> upper, lower;
+          for (size_t i : run) upper.push_back({ax.map(s.x[i]), ay.map(b[i] + s.y[i])});
+          for (auto it = run.rbegin(); it != run.rend(); ++it) lower.push_back({ax.map(s.x[*it]), ay.map(b[*it])});
+          upper = without_flat_middles(upper);
+          lower = without_flat_middles(lower);
+          const std::string edge = polyline(upper);
+          top += edge + (upper.size() == 1 ? "h0 " : " ");
+          area += edge + " L" + polyline(lower).substr(1) + " Z ";
         }
         run.clear();
       };
       for (size_t i : keep) {
-        if (i != kGap && std::isfinite(s.y[i])) run.push_back(i);
-        else close_run();
+        if (i != kGap && drawable(s.y[i]))
+          run.push_back(i);
+        else
+          close_run();
       }
       close_run();
       out += fmt::format("<g><title>{}</title><path d=\"{}\" fill=\"{}\" fill-opacity=\"0.55\" stroke=\"none\"/>",
                          xml_escape(s.name), area, color(static_cast<int>(k)));
-      out += fmt::format("<path d=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" stroke-linecap=\"round\"/></g>\n",
-                         top, color(static_cast<int>(k)));
+      out += fmt::format(
+          "<path d=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" stroke-linecap=\"round\"/></g>\n", top,
+          color(static_cast<int>(k)));
     }
   }
   for (size_t k = 0; k < c.series.size(); ++k) {
@@ -415,7 +482,7 @@ std::string render_line_chart(const LineChart& c, int width, int height) {
     if (s.style == Style::kPoints) {
       std::string d;
       for (size_t i = 0; i < s.x.size(); ++i) {
-        if (!std::isfinite(s.x[i]) || !std::isfinite(s.y[i]) || (c.log_y && !(s.y[i] > 0))) continue;
+        if (!drawable(s.x[i]) || !drawable(s.y[i]) || (c.log_y && !(s.y[i] > 0))) continue;
         const double x = ax.map(s.x[i]), y = ay.map(s.y[i]);
         d += fmt::format("M{} {}l7 7M{} {}l7 -7", px(x - 3.5), px(y - 3.5), px(x - 3.5), px(y + 3.5));
       }
@@ -429,11 +496,10 @@ std::string render_line_chart(const LineChart& c, int width, int height) {
         xml_escape(s.name), line_path(decimate(s.x, s.y, ax, c.log_y), s.x, s.y, ax, ay), col);
   }
   for (const auto& [mx, label] : c.markers) {
-    if (!std::isfinite(mx)) continue;
+    if (!drawable(mx)) continue;
     const double x = ax.map(mx);
-    out += fmt::format(
-        "<line x1=\"{0}\" y1=\"{1}\" x2=\"{0}\" y2=\"{2}\" stroke=\"#555\" stroke-dasharray=\"4 3\"/>\n", px(x),
-        px(f.top), px(f.bottom));
+    out += fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{0}\" y2=\"{2}\" stroke=\"#555\" stroke-dasharray=\"4 3\"/>\n",
+                       px(x), px(f.top), px(f.bottom));
     out += text(x + 3, f.top + 11, label, "font-size=\"10\" fill=\"#555\"");
   }
   return out + "</svg>\n";
@@ -447,19 +513,20 @@ std::string render_timeline(const Timeline& t, int width) {
   const double left = std::clamp(16 + 7.0 * static_cast<double>(longest), 60.0, 240.0);
   const double top = t.legend.empty() ? 34 : 52;
   const double lanes_h = std::max<double>(1, static_cast<double>(t.lanes.size())) * (lane_h + lane_gap);
-  const Frame f{left, top, static_cast<double>(width) - 16, top + lanes_h};
+  const Frame f{left, top, static_cast<double>(width) - kRightMargin, top + lanes_h};
   const int height = static_cast<int>(std::ceil(f.bottom + 44));
 
   std::vector<std::pair<std::string, std::string>> legend;
   for (size_t i = 0; i < t.legend.size(); ++i)
-    legend.emplace_back(t.legend[i], fmt::format("<rect width=\"14\" height=\"8\" fill=\"{}\"/>", color(static_cast<int>(i))));
+    legend.emplace_back(t.legend[i],
+                        fmt::format("<rect width=\"14\" height=\"8\" fill=\"{}\"/>", color(static_cast<int>(i))));
   std::string out = open_svg(width, height);
   out += draw_title_and_legend(t.title, legend, f.left);
 
   double lo = INFINITY, hi = -INFINITY;
   const int lanes = static_cast<int>(t.lanes.size());
   for (const Span& s : t.spans)
-    if (s.lane >= 0 && s.lane < lanes && std::isfinite(s.start) && std::isfinite(s.end))
+    if (s.lane >= 0 && s.lane < lanes && drawable(s.start) && drawable(s.end))
       lo = std::min({lo, s.start, s.end}), hi = std::max({hi, s.start, s.end});
   if (!(lo <= hi)) {
     out += no_data(f);
@@ -480,13 +547,13 @@ std::string render_timeline(const Timeline& t, int width) {
               "text-anchor=\"end\" dominant-baseline=\"middle\"");
   }
   out += s;
-  out += draw_axes(f, ax, xt, format_ticks(xt, Unit::kSeconds), Axis{0, 1, f.bottom, f.top, false}, {}, {},
-                   t.x_label, "");
+  out +=
+      draw_axes(f, ax, xt, format_ticks(xt, Unit::kSeconds), Axis{0, 1, f.bottom, f.top, false}, {}, {}, t.x_label, "");
 
   // Per lane in time order; runs of sub-pixel spans of one color merge into one rectangle.
   std::vector<const Span*> order;
   for (const Span& sp : t.spans)
-    if (sp.lane >= 0 && sp.lane < lanes && std::isfinite(sp.start) && std::isfinite(sp.end)) order.push_back(&sp);
+    if (sp.lane >= 0 && sp.lane < lanes && drawable(sp.start) && drawable(sp.end)) order.push_back(&sp);
   std::stable_sort(order.begin(), order.end(), [](const Span* a, const Span* b) {
     return a->lane != b->lane ? a->lane < b->lane : a->start < b->start;
   });

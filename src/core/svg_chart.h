@@ -32,8 +32,10 @@ struct LineChart {
   // Stacked areas (memory per tier), else lines. The kAuto series of a stacked chart must share
   // one x (a programmer error otherwise); a NaN y counts as 0 below the bands above it.
   bool stacked = false;
-  bool y_from_zero = true;  // the y axis includes 0 (ignored with log_y)
-  bool log_y = false;       // values <= 0 are gaps on a log axis
+  // The y axis includes 0 (ignored with log_y).
+  bool y_from_zero = true;
+  // A log10 y axis; values <= 0 are gaps on it.
+  bool log_y = false;
   std::vector<std::pair<double, std::string>> markers;  // vertical lines at x, labelled
 };
 

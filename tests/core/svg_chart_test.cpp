@@ -21,7 +21,9 @@ using strata::testing::xml_problem;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 using Path = strata::testing::SvgPath;
-Path series_path(const std::string& svg, const std::string& name) { return strata::testing::svg_series_path(svg, name); }
+Path series_path(const std::string& svg, const std::string& name) {
+  return strata::testing::svg_series_path(svg, name);
+}
 
 // The pixel coordinate of the tick labelled `label` (y for class "ytick", x for "xtick"),
 // NaN when there is none.
@@ -65,9 +67,9 @@ TEST(SvgChart, EveryKindOfChartIsWellFormedXml) {
   timeline.lanes = {"compute", "h2d"};
   timeline.spans = {{0, 0, 0.01, "forward"}, {1, 0.002, 0.004, "chunk 3", 1}};
   timeline.legend = {"compute", "copy"};
-  const std::vector<std::string> docs = {render_line_chart(lines), render_line_chart(stacked), render_line_chart(log),
-                                         render_line_chart(LineChart{}), render_timeline(timeline),
-                                         render_timeline(Timeline{})};
+  const std::vector<std::string> docs = {render_line_chart(lines),  render_line_chart(stacked),
+                                         render_line_chart(log),    render_line_chart(LineChart{}),
+                                         render_timeline(timeline), render_timeline(Timeline{})};
   for (const std::string& doc : docs) EXPECT_EQ(xml_problem(doc), "") << doc;
   const std::string page = stack_vertically(docs);
   EXPECT_EQ(xml_problem(page), "") << page;
@@ -115,6 +117,25 @@ TEST(SvgChart, StackedBandsSitOnEachOther) {
   EXPECT_TRUE(std::abs(b.points.back().second - y10) <= 0.051) << b.points.back().second << " vs " << y10;
 }
 
+TEST(SvgChart, FlatBandsTakeFewPoints) {
+  // Tiers hold the same bytes for most of a run: 20,000 steps of it are a rectangle or two.
+  LineChart c;
+  c.stacked = true;
+  c.y_unit = Unit::kBytes;
+  Series device{"device", {}, {}}, host{"host", {}, {}};
+  for (int i = 0; i < 20000; ++i) {
+    device.x.push_back(i), host.x.push_back(i);
+    device.y.push_back(4.0 * double(kGiB));
+    host.y.push_back(i < 10000 ? 8.0 * double(kGiB) : 9.0 * double(kGiB));
+  }
+  c.series = {device, host};
+  const std::string svg = render_line_chart(c);
+  ASSERT_EQ(xml_problem(svg), "");
+  EXPECT_LE(series_path(svg, "device").points.size(), 4u) << svg;
+  EXPECT_LE(series_path(svg, "host").points.size(), 10u) << svg;
+  EXPECT_LT(svg.size(), 8000u);
+}
+
 TEST(SvgChart, TicksStepOneTwoOrFiveAndCoverTheData) {
   std::srand(7);
   for (int trial = 0; trial < 2000; ++trial) {
@@ -138,10 +159,12 @@ TEST(SvgChart, TicksStepOneTwoOrFiveAndCoverTheData) {
 
 TEST(SvgChart, TickLabelsReadInTheRangesUnit) {
   const std::vector<double> bytes = axis_ticks(0, 3.2 * double(kGiB), Unit::kBytes);
-  EXPECT_EQ(format_ticks(bytes, Unit::kBytes),
-            (std::vector<std::string>{"0", "1 GiB", "2 GiB", "3 GiB", "4 GiB"}));
+  EXPECT_EQ(format_ticks(bytes, Unit::kBytes), (std::vector<std::string>{"0", "1 GiB", "2 GiB", "3 GiB", "4 GiB"}));
   EXPECT_EQ(format_ticks(axis_ticks(0, 1.5 * double(kMiB), Unit::kBytes), Unit::kBytes),
             (std::vector<std::string>{"0", "0.5 MiB", "1.0 MiB", "1.5 MiB"}));
+  // Ticks past 1 GiB for data below it stay in MiB, where they are exact (not "0.5 GiB").
+  EXPECT_EQ(format_ticks(axis_ticks(0, 1020 * double(kMiB), Unit::kBytes), Unit::kBytes),
+            (std::vector<std::string>{"0", "500 MiB", "1000 MiB", "1500 MiB"}));
   EXPECT_EQ(format_ticks(axis_ticks(0, 0.02, Unit::kSeconds, 5), Unit::kSeconds),
             (std::vector<std::string>{"0", "5 ms", "10 ms", "15 ms", "20 ms"}));
   EXPECT_EQ(format_ticks({0, 200e-6, 400e-6}, Unit::kSeconds), (std::vector<std::string>{"0", "200 us", "400 us"}));
@@ -179,6 +202,27 @@ TEST(SvgChart, LogAxisTicksAtPowersOfTenAndSkipsNonPositiveValues) {
   EXPECT_TRUE(std::abs(d1 - d2) <= 0.11) << d1 << " vs " << d2;
 }
 
+TEST(SvgChart, ValuesFromBadFilesNeitherHangNorBreakTheDocument) {
+  LineChart c;
+  // Steps beyond what doubles count in, and values at the edge of overflow.
+  c.series.push_back({"s", {1e17, 1e17 + 32, 1e17 + 64, 5, 6}, {1, 2, 3, 1e308, -INFINITY}});
+  c.series.push_back({"t", {1, 2}, {1e-300, 1e300}});
+  c.markers = {{INFINITY, "x"}, {1e308, "y"}};
+  for (bool log : {false, true}) {
+    c.log_y = log;
+    const std::string svg = render_line_chart(c);
+    EXPECT_EQ(xml_problem(svg), "") << svg;
+    EXPECT_FALSE(std::regex_search(svg, std::regex("[^a-z](nan|inf)"))) << svg;
+    EXPECT_LT(svg.size(), 20000u);
+  }
+  Timeline t;
+  t.lanes = {"a"};
+  t.spans = {{0, 1e17, 1e17 + 1e-3, "far"}, {0, 0, INFINITY, "endless"}};
+  const std::string svg = render_timeline(t);
+  EXPECT_EQ(xml_problem(svg), "") << svg;
+  EXPECT_FALSE(std::regex_search(svg, std::regex("[^a-z](nan|inf)"))) << svg;
+}
+
 TEST(SvgChart, TextIsEscaped) {
   LineChart c = simple_chart();
   c.title = "a <b> & \"c\" 'd'";
@@ -207,6 +251,7 @@ TEST(SvgChart, ThinningKeepsTheExtremesAndKeepsFilesSmall) {
   }
   s.y[31337] = 1000;  // one spike up, one down, each a single point among 50,000
   s.y[7777] = -1000;
+  s.y[20000] = kNaN;  // and a gap, which thinning keeps too
   c.series.push_back(s);
   const int width = 900;
   const std::string svg = render_line_chart(c, width);
@@ -214,6 +259,7 @@ TEST(SvgChart, ThinningKeepsTheExtremesAndKeepsFilesSmall) {
   EXPECT_LT(svg.size(), 200000u) << "50,000 points should not take " << svg.size() << " bytes";
   const Path p = series_path(svg, "noise");
   EXPECT_LE(p.points.size(), 4u * width);
+  EXPECT_EQ(p.runs, 2);
   double top = INFINITY, bottom = -INFINITY;
   for (const auto& [x, y] : p.points) top = std::min(top, y), bottom = std::max(bottom, y);
   const double y1000 = tick_at(svg, "ytick", "1000"), ym1000 = tick_at(svg, "ytick", "-1000");
@@ -269,7 +315,8 @@ TEST(SvgChart, StackingAddsHeightsAndKeepsWidestWidth) {
   const std::string b = render_line_chart(simple_chart(), 600, 200);
   const std::string page = stack_vertically({a, b});
   ASSERT_EQ(xml_problem(page), "");
-  EXPECT_EQ(page.find("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"900\" height=\"500\""), 0u) << page.substr(0, 200);
+  EXPECT_EQ(page.find("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"900\" height=\"500\""), 0u)
+      << page.substr(0, 200);
   EXPECT_NE(page.find("<svg y=\"300\""), std::string::npos);
 }
 

@@ -93,7 +93,8 @@ class PlotCliTest : public ::testing::Test {
   void expect_refused(const CmdResult& r, const std::vector<std::string>& words) {
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "not one line:\n" << r.output;
-    for (const std::string& w : words) EXPECT_NE(r.output.find(w), std::string::npos) << "no '" << w << "' in:\n" << r.output;
+    for (const std::string& w : words)
+      EXPECT_NE(r.output.find(w), std::string::npos) << "no '" << w << "' in:\n" << r.output;
   }
 
   fs::path dir_;
@@ -133,7 +134,8 @@ TEST_F(PlotCliTest, RestartsComeFirstAndAreMarked) {
   const std::string loss = plot_ok();
   const strata::testing::SvgPath path = svg_series_path(loss, "loss");
   EXPECT_EQ(path.points.size(), 14u) << loss;
-  // One line across the attempts, left to right: 4 + 3 + 2 + 5 steps.
+  // The attempts one after another, left to right, each its own line: 4 + 3 + 2 + 5 steps.
+  EXPECT_EQ(path.runs, 4) << loss;
   for (size_t i = 1; i < path.points.size(); ++i)
     EXPECT_GT(path.points[i].first, path.points[i - 1].first) << "point " << i << " goes back";
   for (const char* marker : {">restart 1<", ">restart 2<", ">restart 3<"})

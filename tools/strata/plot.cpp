@@ -1,10 +1,10 @@
 // strata plot RUN_DIR [--out DIR]: SVG charts of a training run's metrics.jsonl.
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <string>
@@ -52,6 +52,9 @@ struct StepRow {
   bool skipped;
 };
 
+// A break in every line.
+StepRow gap_row() { return StepRow{kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, false}; }
+
 struct RunMetrics {
   std::vector<StepRow> rows;
   std::vector<std::pair<double, std::string>> markers;  // restarts and resumes
@@ -65,8 +68,8 @@ Result<double> number(const nlohmann::json& j, const char* key, const std::strin
   const auto it = j.find(key);
   if (it == j.end() || it->is_null()) return kNaN;
   if (!it->is_number())
-    return Status::Corruption(fmt::format("{}: \"{}\" is {}, not a number; the file is damaged: fix or remove that line",
-                                          where, key, it->type_name()));
+    return Status::Corruption(fmt::format(
+        "{}: \"{}\" is {}, not a number; the file is damaged: fix or remove that line", where, key, it->type_name()));
   return it->get<double>();
 }
 
@@ -74,8 +77,7 @@ Result<double> number(const nlohmann::json& j, const char* key, const std::strin
 // last step's x, where the next attempt begins.
 Status read_metrics(const fs::path& path, RunMetrics* run, double* offset) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr)
-    return Status::IOError(fmt::format("cannot read {}: {}", path.string(), std::strerror(errno)));
+  if (f == nullptr) return Status::IOError(fmt::format("cannot read {}: {}", path.string(), std::strerror(errno)));
   std::vector<char> buffer(kMaxLine + 2);
   const double base = *offset;
   double previous = -1;
@@ -114,7 +116,8 @@ Status read_metrics(const fs::path& path, RunMetrics* run, double* offset) {
     }
     const nlohmann::json& s = j["step"];
     if (!s.is_number_integer() || s.get<int64_t>() < 0) {
-      status = Status::Corruption(where + ": \"step\" is not a step number; the file is damaged: fix or remove that line");
+      status =
+          Status::Corruption(where + ": \"step\" is not a step number; the file is damaged: fix or remove that line");
       break;
     }
     const double step = static_cast<double>(s.get<int64_t>());
@@ -124,10 +127,10 @@ Status read_metrics(const fs::path& path, RunMetrics* run, double* offset) {
       const char* key;
       double* into;
     };
-    for (const Field& field : {Field{"loss", &row.loss}, Field{"tokens_per_s", &row.tokens_per_s},
-                               Field{"device_bytes", &row.device}, Field{"host_bytes", &row.host},
-                               Field{"nvme_bytes", &row.nvme}, Field{"rss_bytes", &row.rss},
-                               Field{"stall_ms", &row.stall_ms}, Field{"moved_bytes", &row.moved}}) {
+    for (const Field& field :
+         {Field{"loss", &row.loss}, Field{"tokens_per_s", &row.tokens_per_s}, Field{"device_bytes", &row.device},
+          Field{"host_bytes", &row.host}, Field{"nvme_bytes", &row.nvme}, Field{"rss_bytes", &row.rss},
+          Field{"stall_ms", &row.stall_ms}, Field{"moved_bytes", &row.moved}}) {
       Result<double> v = number(j, field.key, where);
       if (!v.ok()) {
         status = v.status();
@@ -141,12 +144,14 @@ Status read_metrics(const fs::path& path, RunMetrics* run, double* offset) {
     if (previous >= 0 && step <= previous) {
       // Resumed from a checkpoint: the steps since it run again. Break the lines there.
       run->markers.emplace_back(row.x, fmt::format("resumed at step {}", static_cast<int64_t>(step)));
-      run->rows.push_back(StepRow{kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, false});
+      run->rows.push_back(gap_row());
     }
     previous = step;
     *offset = std::max(*offset, row.x);
     run->rows.push_back(row);
   }
+  if (status.ok() && std::ferror(f))
+    status = Status::IOError(fmt::format("cannot read {}: {}", path.string(), std::strerror(errno)));
   std::fclose(f);
   return status;
 }
@@ -155,8 +160,9 @@ Status read_metrics(const fs::path& path, RunMetrics* run, double* offset) {
 Result<std::vector<fs::path>> metrics_files(const fs::path& run_dir) {
   std::error_code ec;
   if (!fs::is_directory(run_dir, ec))
-    return Status::NotFound("run directory '" + run_dir.string() +
-                            "' does not exist; pass the run.dir of a `strata train` run (it writes metrics.jsonl there)");
+    return Status::NotFound(
+        "run directory '" + run_dir.string() +
+        "' does not exist; pass the run.dir of a `strata train` run (it writes metrics.jsonl there)");
   std::map<long, fs::path> restarts;
   bool versions = false;
   for (const fs::directory_entry& e : fs::directory_iterator(run_dir, ec)) {
@@ -174,9 +180,9 @@ Result<std::vector<fs::path>> metrics_files(const fs::path& run_dir) {
   const fs::path current = run_dir / "metrics.jsonl";
   if (fs::exists(current, ec)) files.push_back(current);
   if (files.empty())
-    return Status::NotFound(
-        "no metrics.jsonl in " + run_dir.string() + "; `strata train` writes it into run.dir as steps complete" +
-        (versions ? " (unnamed runs go to version_N folders: pass one of those)" : ""));
+    return Status::NotFound("no metrics.jsonl in " + run_dir.string() +
+                            "; `strata train` writes it into run.dir as steps complete" +
+                            (versions ? " (unnamed runs go to version_N folders: pass one of those)" : ""));
   return files;
 }
 
@@ -263,7 +269,8 @@ Status write_whole(const fs::path& path, const std::string& text) {
   const int saved_errno = errno;
   if (std::fclose(f) != 0 || !written) {
     std::remove(tmp.c_str());
-    return Status::IOError(fmt::format("cannot write {}: {}", tmp.string(), std::strerror(written ? errno : saved_errno)));
+    return Status::IOError(
+        fmt::format("cannot write {}: {}", tmp.string(), std::strerror(written ? errno : saved_errno)));
   }
   std::error_code ec;
   fs::rename(tmp, path, ec);
@@ -289,8 +296,10 @@ int plot_command(const std::vector<std::string>& args) {
       std::fputs(kPlotUsage, stdout);
       return 0;
     } else if (a == "--out" || a.rfind("--out=", 0) == 0) {
-      if (a != "--out") out_dir = a.substr(6);
-      else if (i + 1 < args.size()) out_dir = args[++i];
+      if (a != "--out")
+        out_dir = a.substr(6);
+      else if (i + 1 < args.size())
+        out_dir = args[++i];
       if (out_dir.empty()) {
         std::fprintf(stderr, "strata plot: --out needs a directory (see strata plot --help)\n");
         return 2;
@@ -316,6 +325,7 @@ int plot_command(const std::vector<std::string>& args) {
     if (k > 0) {
       run.restarted = true;
       run.markers.emplace_back(offset, fmt::format("restart {}", k));
+      run.rows.push_back(gap_row());  // the attempts are not one line
     }
     if (Status s = read_metrics((*files)[k], &run, &offset); !s.ok()) return fail(s);
   }
