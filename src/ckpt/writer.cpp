@@ -495,6 +495,7 @@ Status CheckpointWriter::write_data(Job* job) {
     req.buffer = buffer;
     req.length = tp.length;
     req.offset = tp.offset;
+    req.trace_name = "checkpoint write";
     lock.unlock();
     Result<IoTicket> ticket = job->engine->submit(req);
     lock.lock();

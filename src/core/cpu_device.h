@@ -94,7 +94,8 @@ class CpuDevice final : public Device {
 
   std::unique_ptr<Stream> create_stream() override;
   std::unique_ptr<Event> create_event() override;
-  void copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name = "copy") override;
+  using Device::copy;
+  void copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name) override;
 
   // Typed stream for CPU kernels that queue their own work.
   std::unique_ptr<CpuStream> create_cpu_stream();

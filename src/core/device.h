@@ -166,7 +166,8 @@ class Device {
   // (synchronize the stream or an event recorded after it); stream from this Device.
   // `trace_name`, a static string, names the copy in a trace where the backend traces copies
   // ("copy" for a move of state between tiers; others, e.g. zero fills, say what they are).
-  virtual void copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name = "copy") = 0;
+  virtual void copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name) = 0;
+  void copy(void* dst, const void* src, uint64_t bytes, Stream& stream) { copy(dst, src, bytes, stream, "copy"); }
 
  protected:
   Device() = default;

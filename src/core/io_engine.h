@@ -39,6 +39,9 @@ struct IoRequest {
   uint64_t length = 0;     // bytes; a multiple of 4 KiB for O_DIRECT files
   uint64_t offset = 0;     // file offset; 4 KiB aligned for O_DIRECT files
   uint64_t tag = 0;        // opaque; handed to a TransferHook, otherwise ignored
+  // Names the request in a trace (core/trace.h: an asynchronous span from submission to
+  // completion, with its bytes) when tracing is on; a static string. Null: not traced.
+  const char* trace_name = nullptr;
 };
 
 // What a TransferHook lets one kernel-level transfer do.

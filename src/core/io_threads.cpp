@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "core/check.h"
+#include "core/trace.h"
 
 namespace strata {
 namespace {
@@ -62,7 +63,8 @@ Result<IoTicket> ThreadPoolIoEngine::submit(const IoRequest& request) {
   }
   space_cv_.wait(lock, [&] { return in_flight_ < max_in_flight_; });
   const IoTicket ticket = next_ticket_++;
-  pending_.emplace(ticket, Pending{request, false, Status::OK()});
+  pending_.emplace(ticket, Pending{request, false, Status::OK(),
+                                   request.trace_name != nullptr && trace::enabled() ? trace::now_ns() : -1});
   queue_.push_back(ticket);
   ++in_flight_;
   lock.unlock();
@@ -96,9 +98,13 @@ void ThreadPoolIoEngine::worker_loop() {
     queue_.pop_front();
     Pending& p = pending_.at(ticket);  // stable: only wait() erases, after completion
     const IoRequest request = p.request;
+    const int64_t trace_start_ns = p.trace_start_ns;
     const File& file = files_[request.file];
     lock.unlock();
     Status status = transfer(request, file);
+    if (trace_start_ns >= 0)
+      trace::async_span("io", request.trace_name, trace::next_id(), trace_start_ns, trace::now_ns(),
+                        {{"bytes", static_cast<double>(request.length)}});
     lock.lock();
     p.status = std::move(status);
     p.complete = true;

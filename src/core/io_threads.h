@@ -47,6 +47,7 @@ class ThreadPoolIoEngine final : public IoEngine {
     IoRequest request;
     bool complete = false;
     Status status;
+    int64_t trace_start_ns = -1;  // tracing: when it was submitted
   };
 
   void worker_loop();

@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "core/log.h"
+#include "core/trace.h"
 
 namespace strata {
 namespace {
@@ -153,6 +154,7 @@ IoTicket IoUringEngine::start_locked(const IoRequest& request) {
   auto ctx = std::make_unique<Context>();
   ctx->ticket = next_ticket_++;
   ctx->request = request;
+  if (request.trace_name != nullptr && trace::enabled()) ctx->trace_start_ns = trace::now_ns();
   ctx->file = &files_[request.file];
   Context* raw = ctx.get();
   contexts_.emplace(raw->ticket, std::move(ctx));
@@ -277,6 +279,9 @@ void IoUringEngine::complete_locked(Context* ctx, Status status) {
   ctx->status = std::move(status);
   ctx->complete = true;
   --in_flight_;
+  if (ctx->trace_start_ns >= 0)
+    trace::async_span("io", ctx->request.trace_name, trace::next_id(), ctx->trace_start_ns, trace::now_ns(),
+                      {{"bytes", static_cast<double>(ctx->done)}});
 }
 
 void IoUringEngine::handle_cqe_locked(Context* ctx, int res, bool* resubmitted) {

@@ -90,6 +90,7 @@ class IoUringEngine final : public IoEngine {
     int injected = 0;       // errno a TransferHook asked the current SQE to fail with
     bool complete = false;
     Status status;
+    int64_t trace_start_ns = -1;  // tracing: when it was submitted
   };
 
   explicit IoUringEngine(const IoEngineOptions& options);

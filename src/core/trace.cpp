@@ -24,6 +24,7 @@ struct Buffer {
   int tid = 0;
   std::string name;
   std::vector<Event> events;
+  uint64_t dropped = 0;
   bool alive = true;  // the thread still runs (a finished thread's events are kept until start())
 };
 
@@ -32,6 +33,7 @@ struct Registry {
   std::vector<std::shared_ptr<Buffer>> buffers;
   int next_tid = 1;
   std::atomic<int64_t> epoch_ns{0};  // Clock time of start()
+  std::atomic<uint64_t> next_id{1};
 };
 
 Registry& registry() {
@@ -43,9 +45,10 @@ int64_t clock_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
 }
 
-// The calling thread's buffer, registered on first use.
+// The calling thread's buffer, registered on first use, and the name it was given before.
 struct Handle {
   std::shared_ptr<Buffer> buffer;
+  const char* name = nullptr;
   ~Handle() {
     if (buffer) {
       std::lock_guard<std::mutex> lock(buffer->mu);
@@ -54,10 +57,16 @@ struct Handle {
   }
 };
 
-Buffer& my_buffer() {
+Handle& my_handle() {
   thread_local Handle handle;
+  return handle;
+}
+
+Buffer& my_buffer() {
+  Handle& handle = my_handle();
   if (!handle.buffer) {
     auto b = std::make_shared<Buffer>();
+    if (handle.name != nullptr) b->name = handle.name;
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mu);
     b->tid = r.next_tid++;
@@ -67,10 +76,19 @@ Buffer& my_buffer() {
   return *handle.buffer;
 }
 
+// Appends under the buffer's lock (only collect() and start() contend for it).
+void append_locked(Buffer& b, const Event& e) {
+  if (b.events.size() >= kMaxEventsPerThread) {
+    ++b.dropped;
+    return;
+  }
+  b.events.push_back(e);
+}
+
 void record(const Event& e) {
   Buffer& b = my_buffer();
   std::lock_guard<std::mutex> lock(b.mu);
-  b.events.push_back(e);
+  append_locked(b, e);
 }
 
 void set_args(Event& e, std::initializer_list<Arg> args) {
@@ -80,24 +98,30 @@ void set_args(Event& e, std::initializer_list<Arg> args) {
   }
 }
 
-// Microseconds with nanosecond precision, the unit trace-event JSON uses.
+// Microseconds with nanosecond precision, the unit trace-event JSON uses. Times before start()
+// (a clock read racing it) are written as 0.
 void append_us(fmt::memory_buffer& out, int64_t ns) {
+  ns = std::max<int64_t>(ns, 0);
   fmt::format_to(std::back_inserter(out), "{}.{:03d}", ns / 1000, static_cast<int>(ns % 1000));
 }
 
+// A JSON string; bytes that are not UTF-8 (a path from the command line) become U+FFFD.
 void append_string(fmt::memory_buffer& out, const std::string& s) {
-  const std::string quoted = nlohmann::json(s).dump();
+  const std::string quoted = nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   out.append(quoted.data(), quoted.data() + quoted.size());
 }
 
+// JSON has no NaN or Inf: an argument that is not finite (or has no key) is left out.
 void append_args(fmt::memory_buffer& out, const Event& e) {
   out.append(std::string_view(",\"args\":{"));
+  bool first = true;
   for (int i = 0; i < e.num_args; ++i) {
-    if (i > 0) out.push_back(',');
-    append_string(out, e.args[i].key);
     const double v = e.args[i].value;
-    // JSON has no NaN or Inf; a counter that is not finite is written as 0.
-    fmt::format_to(std::back_inserter(out), ":{}", std::isfinite(v) ? v : 0.0);
+    if (e.args[i].key == nullptr || !std::isfinite(v)) continue;
+    if (!first) out.push_back(',');
+    first = false;
+    append_string(out, e.args[i].key);
+    fmt::format_to(std::back_inserter(out), ":{}", v);
   }
   out.push_back('}');
 }
@@ -112,6 +136,7 @@ void start() {
   for (auto& b : r.buffers) {
     std::lock_guard<std::mutex> block(b->mu);
     b->events.clear();
+    b->dropped = 0;
     if (b->alive) kept.push_back(b);
   }
   r.buffers = std::move(kept);
@@ -124,10 +149,14 @@ void stop() { detail::g_enabled.store(false, std::memory_order_release); }
 int64_t now_ns() { return clock_ns() - registry().epoch_ns.load(std::memory_order_relaxed); }
 
 void name_thread(const char* name) {
-  Buffer& b = my_buffer();
-  std::lock_guard<std::mutex> lock(b.mu);
-  b.name = name;
+  Handle& h = my_handle();
+  h.name = name;
+  if (!h.buffer) return;  // the buffer takes the name when it is made
+  std::lock_guard<std::mutex> lock(h.buffer->mu);
+  h.buffer->name = name;
 }
+
+uint64_t next_id() { return registry().next_id.fetch_add(1, std::memory_order_relaxed); }
 
 void complete(const char* category, const char* name, int64_t index, int64_t start_ns, int64_t end_ns,
               std::initializer_list<Arg> args) {
@@ -170,6 +199,10 @@ void async_span(const char* category, const char* name, uint64_t id, int64_t sta
   e.num_args = 0;
   Buffer& buf = my_buffer();
   std::lock_guard<std::mutex> lock(buf.mu);
+  if (buf.events.size() + 2 > kMaxEventsPerThread) {
+    buf.dropped += 2;
+    return;
+  }
   buf.events.push_back(b);
   buf.events.push_back(e);
 }
@@ -201,8 +234,9 @@ std::vector<ThreadEvents> collect() {
   std::vector<ThreadEvents> out;
   for (auto& b : buffers) {
     std::lock_guard<std::mutex> lock(b->mu);
-    if (b->events.empty()) continue;
-    out.push_back(ThreadEvents{b->tid, b->name.empty() ? "thread " + std::to_string(b->tid) : b->name, b->events});
+    if (b->events.empty() && b->dropped == 0) continue;
+    out.push_back(ThreadEvents{b->tid, b->name.empty() ? "thread " + std::to_string(b->tid) : b->name, b->events,
+                               b->dropped});
   }
   return out;
 }
@@ -216,11 +250,14 @@ std::string to_json(const std::vector<ThreadEvents>& threads,
   constexpr int kPid = 1;
   fmt::memory_buffer out;
   out.append(std::string_view("{\"displayTimeUnit\":\"ms\",\"otherData\":{"));
-  for (size_t i = 0; i < metadata.size(); ++i) {
-    if (i > 0) out.push_back(',');
-    append_string(out, metadata[i].first);
+  uint64_t dropped = 0;
+  for (const ThreadEvents& t : threads) dropped += t.dropped;
+  fmt::format_to(std::back_inserter(out), "\"dropped_events\":\"{}\"", dropped);
+  for (const auto& [key, value] : metadata) {
+    out.push_back(',');
+    append_string(out, key);
     out.push_back(':');
-    append_string(out, metadata[i].second);
+    append_string(out, value);
   }
   out.append(std::string_view("},\"traceEvents\":[\n"));
   fmt::format_to(std::back_inserter(out),
@@ -255,23 +292,6 @@ std::string to_json(const std::vector<ThreadEvents>& threads,
   }
   out.append(std::string_view("\n]}\n"));
   return fmt::to_string(out);
-}
-
-Status write_json(const std::string& path, const std::vector<ThreadEvents>& threads,
-                  const std::vector<std::pair<std::string, std::string>>& metadata) {
-  const std::string text = to_json(threads, metadata);
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) return Status::IOError(fmt::format("cannot create trace file '{}': {}", tmp, std::strerror(errno)));
-  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  const int saved_errno = errno;
-  const bool closed = std::fclose(f) == 0;
-  if (!written || !closed || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string why = std::strerror(written ? errno : saved_errno);
-    std::remove(tmp.c_str());
-    return Status::IOError(fmt::format("cannot write trace file '{}': {}", path, why));
-  }
-  return Status::OK();
 }
 
 }  // namespace strata::trace

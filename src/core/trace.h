@@ -39,14 +39,21 @@ void stop();
 // Nanoseconds since start().
 int64_t now_ns();
 
-// Names the calling thread's track ("compute", "copy host->device", ...). Cheap and kept
-// across start(), so threads created before tracing starts may name themselves.
+// Names the calling thread's track ("training", "copy host->device", ...): a static string.
+// Kept across start(), so threads created before tracing starts may name themselves; costs no
+// buffer until the thread records something.
 void name_thread(const char* name);
 
+// At most this many events are kept per thread (about 100 MiB); later ones are counted as
+// dropped (collect() and the JSON's otherData say how many).
+inline constexpr size_t kMaxEventsPerThread = 1 << 20;
+
 // A numeric argument shown with the event ("bytes": 4194304).
+// No member initialisers: a Span holds kMaxArgs of them and must cost nothing while tracing is
+// off.
 struct Arg {
-  const char* key = nullptr;  // a static string
-  double value = 0;
+  const char* key;  // a static string
+  double value;
 };
 inline constexpr int kMaxArgs = 6;
 inline constexpr int64_t kNoIndex = INT64_MIN;
@@ -69,6 +76,8 @@ void complete(const char* category, const char* name, int64_t index, int64_t sta
               std::initializer_list<Arg> args = {});
 // A counter's value(s) now: one track per name, one series per argument.
 void counter(const char* name, std::initializer_list<Arg> series);
+// A new id for async_span, unique in this process.
+uint64_t next_id();
 // An asynchronous span (overlapping others of its category) with its own id.
 void async_span(const char* category, const char* name, uint64_t id, int64_t start_ns, int64_t end_ns,
                 std::initializer_list<Arg> args = {});
@@ -80,7 +89,9 @@ class Span {
  public:
   Span(const char* category, const char* name, int64_t index = kNoIndex)
       : category_(category), name_(name), index_(index), start_ns_(enabled() ? now_ns() : -1) {}
-  ~Span() { end(); }
+  ~Span() {
+    if (start_ns_ >= 0) end();
+  }
   Span(const Span&) = delete;
   Span& operator=(const Span&) = delete;
   // Attaches a numeric argument (at most kMaxArgs; extra ones are dropped).
@@ -96,7 +107,7 @@ class Span {
   int64_t index_;
   int64_t start_ns_;  // -1: tracing was off when the span began
   int num_args_ = 0;
-  Arg args_[kMaxArgs];
+  Arg args_[kMaxArgs];  // the first num_args_ are set
 };
 
 // Everything recorded, per thread, in recording order.
@@ -104,15 +115,13 @@ struct ThreadEvents {
   int tid = 0;
   std::string name;
   std::vector<Event> events;
+  uint64_t dropped = 0;  // events over kMaxEventsPerThread, not kept
 };
 std::vector<ThreadEvents> collect();
 
 // The trace as Chrome trace-event JSON: {"traceEvents": [...], "displayTimeUnit": "ms",
 // "otherData": metadata}. Timestamps are microseconds since start().
 std::string to_json(const std::vector<ThreadEvents>& threads, const std::vector<std::pair<std::string, std::string>>& metadata = {});
-// Writes it to `path` (through a temporary file and a rename). IOError names the path.
-Status write_json(const std::string& path, const std::vector<ThreadEvents>& threads,
-                  const std::vector<std::pair<std::string, std::string>>& metadata = {});
 
 // The name an event shows: its name, and its index when it has one ("forward 3").
 std::string display_name(const Event& e);

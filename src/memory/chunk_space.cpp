@@ -236,13 +236,13 @@ ChunkSpaceStats ChunkSpace::stats() const {
 
 Result<void*> ChunkSpace::acquire_chunk(ChunkId id, Tier where, AccessMode mode,
                                         Stream* consumer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = lock_space();
   return acquire_locked(id, where, mode, /*whole_chunk=*/true, consumer);
 }
 
 Result<void*> ChunkSpace::acquire_tensor(TensorId id, Tier where, AccessMode mode,
                                          Stream* consumer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = lock_space();
   const TensorPlacement& t = layout_.tensor(id);
   ASSIGN_OR_RETURN(void* base, acquire_locked(t.chunk, where, mode, /*whole_chunk=*/false,
                                               consumer));
@@ -303,7 +303,7 @@ Result<void*> ChunkSpace::acquire_locked(ChunkId id, Tier where, AccessMode mode
 }
 
 void ChunkSpace::release_chunk(ChunkId id, Stream* consumer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = lock_space();
   CHECK(id < chunks_.size());
   ChunkState& c = chunks_[id];
   CHECK_MSG(c.pins > 0, "release of chunk " + std::to_string(id) + " that is not acquired");
@@ -316,14 +316,14 @@ void ChunkSpace::release_chunk(ChunkId id, Stream* consumer) {
 void ChunkSpace::release_tensor(TensorId id, Stream* consumer) {
   ChunkId chunk;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = lock_space();
     chunk = layout_.tensor(id).chunk;
   }
   release_chunk(chunk, consumer);
 }
 
 Status ChunkSpace::evict(ChunkId id, Tier from) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = lock_space();
   CHECK(id < chunks_.size());
   const ChunkState& c = chunks_[id];
   if (!has_tier(from) || c.slot[idx(from)] < 0) return Status::OK();
@@ -391,6 +391,7 @@ Status ChunkSpace::read_tensor(TensorId id, uint64_t offset, uint64_t length, vo
   request.buffer = buffer.get();
   request.length = end - begin;
   request.offset = span.offset + begin;
+  request.trace_name = "checkpoint read";
   // The read runs without the lock, so that compute is not held up behind the disk. The slot
   // is the chunk's home (never given back), and nothing writes it while the caller's bytes are
   // unchanged: a write-back to nvme only follows a modification of the chunk.
@@ -419,7 +420,7 @@ void ChunkSpace::set_schedule(std::vector<ChunkId> order, std::vector<Tier> tier
 }
 
 void ChunkSpace::advance(size_t position) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = lock_space();
   CHECK(schedule_.empty() || position < schedule_.size());
   position_ = position;
 }
@@ -434,7 +435,7 @@ uint64_t ChunkSpace::next_use(ChunkId id) const {
 }
 
 Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = lock_space();
   if (schedule_.empty()) return Status::OK();
   std::array<bool, kNumTiers> full{};  // no slot left for prefetches into the tier
   // `lookahead` counts entries that may be prefetched: those naming nvme only tell eviction
@@ -473,7 +474,6 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
     if (to == Tier::kDevice && !c.zero && !c.valid[kDevice] && c.slot[kHost] >= 0) {
       const std::shared_ptr<IoFence>& f = fence(Tier::kHost, c.slot[kHost]).io;
       if (f && !f->waited && !io_->done(f->ticket)) continue;  // its read is still running
-      if (f && !f->waited) trace_io_done(*f);
     }
     if (c.slot[w] < 0) {
       if (tier(to).free_count() == 0 && !pick_victim(to, due)) {
@@ -485,6 +485,15 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
     RETURN_IF_ERROR(fill(id, to, MoveOrigin::kPrefetch));
   }
   return Status::OK();
+}
+
+std::unique_lock<std::mutex> ChunkSpace::lock_space() const {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    trace::Span wait("stall", "chunk space busy");
+    lock.lock();
+  }
+  return lock;
 }
 
 void ChunkSpace::trace_usage() const {

@@ -193,7 +193,6 @@ class ChunkSpace {
     bool read = false;
     ChunkId chunk = 0;       // reads: the chunk whose host copy the read fills
     uint32_t host_slot = 0;  // reads: the slot it fills
-    int64_t trace_start_ns = -1;  // when tracing: submitted at (the span ends when seen done)
   };
 
   // The last move that touched a slot.
@@ -246,8 +245,9 @@ class ChunkSpace {
   Status order_on(Tier tier, uint32_t slot, Stream& stream);
   void record_on(Tier tier, uint32_t slot, Stream& stream);
   uint64_t next_use(ChunkId id) const;  // schedule entries until the chunk's next use
-  // Tracing: the nvme request behind `f` was seen complete (records its span once).
-  void trace_io_done(IoFence& f) const;
+  // Locks mu_ for the calls compute makes; with tracing on, the time spent waiting for
+  // another caller (an optimizer thread writing back to nvme under the lock) is a stall span.
+  std::unique_lock<std::mutex> lock_space() const;
   // Tracing: a slot of `t` changed hands (bytes of `kind` rose or fell by a chunk).
   void count_usage(Tier t, ChunkKind kind, bool taken);
   void trace_usage_locked(Tier t) const;

@@ -209,14 +209,13 @@ Status ChunkSpace::read_up(ChunkId id, MoveOrigin origin) {
   request.buffer = tier(Tier::kHost).data(h);
   request.length = layout_.chunk_bytes();
   request.offset = span.offset;
-  const int64_t submitted_ns = trace::enabled() ? trace::now_ns() : -1;
+  request.trace_name = "nvme read";
   Result<IoTicket> ticket = io_->submit(request);
   if (!ticket.ok()) {
     return ticket.status().with_context("reading chunk " + std::to_string(id) +
                                         " from the nvme tier");
   }
   auto f = std::make_shared<IoFence>();
-  f->trace_start_ns = submitted_ns;
   f->ticket = *ticket;
   f->read = true;
   f->chunk = id;
@@ -243,16 +242,13 @@ Status ChunkSpace::write_down(ChunkId id) {
   request.buffer = tier(Tier::kHost).data(h);
   request.length = layout_.chunk_bytes();
   request.offset = span.offset;
+  request.trace_name = "nvme write";
   const auto start = std::chrono::steady_clock::now();
   trace::Span stall("stall", "nvme write-back");
-  const int64_t submitted_ns = trace::enabled() ? trace::now_ns() : -1;
   Result<IoTicket> ticket = io_->submit(request);
   Status st = ticket.ok() ? io_->wait(*ticket) : ticket.status();
   blocked_ns_ += elapsed_ns(start);
   stall.end();
-  if (submitted_ns >= 0 && ticket.ok())
-    trace::async_span("nvme", "nvme write", *ticket, submitted_ns, trace::now_ns(),
-                      {{"bytes", static_cast<double>(layout_.chunk_bytes())}});
   if (!st.ok()) {
     // The host copy stays valid and dirty: nothing is lost, and the caller sees why.
     return st.with_context("writing chunk " + std::to_string(id) + " (" +
@@ -292,7 +288,6 @@ Status ChunkSpace::wait_io(IoFence& f) {
   }
   blocked_ns_ += elapsed_ns(start);
   f.waited = true;
-  trace_io_done(f);
   if (!f.status.ok() && f.read && f.chunk < chunks_.size()) {
     // The host copy the read was filling holds garbage: mark it stale, once, here.
     ChunkState& c = chunks_[f.chunk];
@@ -330,13 +325,6 @@ Status ChunkSpace::order_on(Tier t, uint32_t slot, Stream& stream) {
   }
   if (f.event) stream.wait(*f.event);
   return st;
-}
-
-void ChunkSpace::trace_io_done(IoFence& f) const {
-  if (f.trace_start_ns < 0) return;
-  trace::async_span("nvme", f.read ? "nvme read" : "nvme write", f.ticket, f.trace_start_ns, trace::now_ns(),
-                    {{"bytes", static_cast<double>(layout_.chunk_bytes())}});
-  f.trace_start_ns = -1;
 }
 
 void ChunkSpace::count_usage(Tier t, ChunkKind kind, bool taken) {

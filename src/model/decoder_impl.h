@@ -438,13 +438,14 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
     const Status st = recompute ? layer_forward(l, x, /*out=*/nullptr, B, T, /*stats=*/nullptr, /*grads=*/true)
                                 : begin_experts(l, true, true);
     if (recompute) recompute_span.end();
+    std::optional<trace::Span> backward_span;  // releasing the group belongs to the backward
+    if (recompute) backward_span.emplace("compute", "backward", l);
     if (st.ok()) {
-      std::optional<trace::Span> backward_span;
-      if (recompute) backward_span.emplace("compute", "backward", l);
       layer_backward(l, x, acts_.dres, B, T, prob_grad.empty() ? nullptr : prob_grad.data());
       end_experts(l, true, true);
     }
     end_group(static_cast<int>(1 + l), true, true);
+    backward_span.reset();
     RETURN_IF_ERROR(st);
   }
   trace::Span span("compute", "embedding backward");

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/atomic_file.h"
 #include "core/check.h"
 #include "core/log.h"
 #include "core/progress.h"

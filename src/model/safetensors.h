@@ -165,7 +165,5 @@ Status write_safetensors_file(const std::string& path, const std::vector<Safeten
 Status write_safetensors_dir(const std::string& dir, const std::vector<SafetensorsWriteTensor>& tensors,
                              const WriterOptions& options = {});
 
-// Writes `contents` to PATH.tmp, fsyncs it and renames it to `path` (for JSON beside the weights).
-Status write_file_atomic(const std::string& path, std::string_view contents);
 
 }  // namespace strata::model

@@ -371,7 +371,10 @@ Result<double> PagedState::clip_and_step(float lr) {
     // updated by the worker; wait for it, then update any group it has not seen.
     std::unique_lock<std::mutex> lock(worker_mu_);
     CHECK_MSG(overlap_active_, "begin_last_micro_batch() was not called before the step's last micro-batch");
-    worker_cv_.wait(lock, [&] { return queue_.empty() && !worker_busy_; });
+    {
+      trace::Span wait("optimizer", "wait for overlapped updates");
+      worker_cv_.wait(lock, [&] { return queue_.empty() && !worker_busy_; });
+    }
     overlap_active_ = false;
     Status failed = worker_status_;
     worker_status_ = Status::OK();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <sstream>
 
@@ -57,6 +58,42 @@ bool is(const trace::Event& e, const char* category, const char* name = nullptr)
   return std::strcmp(e.category, category) == 0 && (name == nullptr || std::strcmp(e.name, name) == 0);
 }
 
+// Calls visit(span, own_ns, in_step) for every complete span of a thread, where own_ns is its
+// duration less its direct children's (a child is clipped to its parent) and in_step says
+// whether it lies inside a "step" span. Spans on one thread nest (trace_check.h checks it).
+void walk_exclusive(const trace::ThreadEvents& t,
+                    const std::function<void(const trace::Event&, int64_t, bool)>& visit) {
+  std::vector<const trace::Event*> spans;
+  for (const trace::Event& e : t.events)
+    if (e.phase == 'X') spans.push_back(&e);
+  std::stable_sort(spans.begin(), spans.end(), [](const trace::Event* a, const trace::Event* b) {
+    return a->ts_ns != b->ts_ns ? a->ts_ns < b->ts_ns : a->dur_ns > b->dur_ns;
+  });
+  struct Open {
+    const trace::Event* e;
+    int64_t children_ns;
+    bool in_step;
+  };
+  std::vector<Open> stack;
+  auto close = [&](const Open& o) { visit(*o.e, std::max<int64_t>(0, o.e->dur_ns - o.children_ns), o.in_step); };
+  for (const trace::Event* e : spans) {
+    while (!stack.empty() && e->ts_ns >= stack.back().e->ts_ns + stack.back().e->dur_ns) {
+      close(stack.back());
+      stack.pop_back();
+    }
+    const bool in_step = is(*e, "step", "step") || (!stack.empty() && stack.back().in_step);
+    if (!stack.empty()) {
+      const int64_t parent_end = stack.back().e->ts_ns + stack.back().e->dur_ns;
+      stack.back().children_ns += std::min(e->ts_ns + e->dur_ns, parent_end) - e->ts_ns;
+    }
+    stack.push_back(Open{e, 0, in_step});
+  }
+  while (!stack.empty()) {
+    close(stack.back());
+    stack.pop_back();
+  }
+}
+
 // The phase a training-thread span's own time belongs to.
 const char* phase_of(const trace::Event& e) {
   if (is(e, "compute")) {
@@ -66,7 +103,7 @@ const char* phase_of(const trace::Event& e) {
     return "backward";
   }
   if (is(e, "stall")) return "memory stalls";
-  if (is(e, "optimizer")) return "optimizer";
+  if (is(e, "optimizer") || is(e, "step", "optimizer step")) return "optimizer";
   if (is(e, "data")) return "data";
   if (is(e, "checkpoint")) return "checkpoint";
   return "other";
@@ -116,40 +153,15 @@ ProfileReport analyze_profile(const ProfileInput& in) {
   std::map<std::string, int64_t> phase_ns, stall_ns;
   std::vector<Interval> stalls;
   if (training != nullptr) {
-    std::vector<const trace::Event*> spans;
-    for (const trace::Event& e : training->events)
-      if (e.phase == 'X') spans.push_back(&e);
-    std::stable_sort(spans.begin(), spans.end(), [](const trace::Event* a, const trace::Event* b) {
-      return a->ts_ns != b->ts_ns ? a->ts_ns < b->ts_ns : a->dur_ns > b->dur_ns;
-    });
-    // Exclusive time: a span's duration less its direct children's, found with a stack of the
-    // spans enclosing the current one. Only spans inside a step count.
-    struct Open {
-      const trace::Event* e;
-      int64_t children_ns;
-    };
-    std::vector<Open> stack;
-    auto close = [&](const Open& o) {
-      const int64_t own = std::max<int64_t>(0, o.e->dur_ns - o.children_ns);
-      phase_ns[phase_of(*o.e)] += own;
-      if (is(*o.e, "stall")) stall_ns[o.e->name] += own;
-    };
-    for (const trace::Event* e : spans) {
-      while (!stack.empty() && e->ts_ns >= stack.back().e->ts_ns + stack.back().e->dur_ns) {
-        close(stack.back());
-        stack.pop_back();
+    walk_exclusive(*training, [&](const trace::Event& e, int64_t own, bool in_step) {
+      if (!in_step) return;  // outside the traced steps
+      if (is(e, "step", "step")) step_seconds.push_back(static_cast<double>(e.dur_ns) / 1e9);
+      phase_ns[phase_of(e)] += own;
+      if (is(e, "stall")) {
+        stall_ns[e.name] += own;
+        stalls.push_back(Interval{e.ts_ns, e.ts_ns + e.dur_ns});
       }
-      const bool step = is(*e, "step", "step");
-      if (stack.empty() && !step) continue;  // outside the traced steps
-      if (step) step_seconds.push_back(static_cast<double>(e->dur_ns) / 1e9);
-      if (!stack.empty()) stack.back().children_ns += e->dur_ns;
-      stack.push_back(Open{e, 0});
-      if (is(*e, "stall")) stalls.push_back(Interval{e->ts_ns, e->ts_ns + e->dur_ns});
-    }
-    while (!stack.empty()) {
-      close(stack.back());
-      stack.pop_back();
-    }
+    });
   }
   r.steps = static_cast<int64_t>(step_seconds.size());
   const double steps = std::max<double>(1, static_cast<double>(r.steps));
@@ -175,11 +187,13 @@ ProfileReport analyze_profile(const ProfileInput& in) {
   std::map<std::string, std::vector<Interval>> track_busy;
   double host_adam_ns = 0;
   for (const auto& t : in.threads) {
+    // AdamW on host memory: its own time, without the nvme stalls of fetching its state.
+    walk_exclusive(t, [&](const trace::Event& e, int64_t own, bool) {
+      if (is(e, "optimizer", "adamw group") && arg_of(e, "tier") != 0) host_adam_ns += static_cast<double>(own);
+    });
     const bool copy_track = t.name.rfind("copy ", 0) == 0;
     for (size_t i = 0; i < t.events.size(); ++i) {
       const trace::Event& e = t.events[i];
-      if (e.phase == 'X' && is(e, "optimizer", "adamw group") && arg_of(e, "tier") != 0)
-        host_adam_ns += static_cast<double>(e.dur_ns);
       if (e.phase == 'X' && copy_track && is(e, "copy")) {
         // Bytes of moves between tiers ("copy"); the stream is busy with its zero fills and
         // checkpoint reads too.
@@ -217,6 +231,9 @@ ProfileReport analyze_profile(const ProfileInput& in) {
   }
   for (auto& [name, busy] : track_busy)
     r.tracks.emplace_back(name, static_cast<double>(length(merged(busy))) / 1e9 / steps);
+  for (auto& [name, f] : flows)  // other I/O: checkpoint reads and writes
+    if (name.rfind("checkpoint", 0) == 0)
+      r.tracks.emplace_back(name + " I/O", static_cast<double>(length(merged(f.busy))) / 1e9 / steps);
 
   // 3. Memory: the counters' latest value per tier and kind, and the peaks.
   std::vector<const trace::Event*> counters;
@@ -258,16 +275,28 @@ ProfileReport analyze_profile(const ProfileInput& in) {
       if (p == name) return s;
     return 0.0;
   };
+  const bool host_time = in.backend == "cuda";
+  if (host_time) {
+    // The GPU's copies are not traced; the rows would read as nothing moved.
+    r.traffic[0].traced = r.traffic[1].traced = false;
+  }
   if (plan != nullptr) {
     r.predicted_bound = plan->bottleneck;
     const double compute = phase("forward") + phase("recompute") + phase("backward") + phase("head (LM head + loss)");
-    r.terms = {{"compute", plan->compute_s, compute},
-               {"host->device copies", plan->h2d_s, r.traffic[0].busy_s},
-               {"device->host copies", plan->d2h_s, r.traffic[1].busy_s},
-               {"CPU AdamW", plan->cpu_adam_s, host_adam_ns / 1e9 / steps},
-               {"disk", plan->disk_s, static_cast<double>(length(merged(disk))) / 1e9 / steps},
-               {"step", plan->step_s, r.step_s}};
+    if (!host_time) {
+      r.terms = {{"compute", plan->compute_s, compute},
+                 {"host->device copies", plan->h2d_s, r.traffic[0].busy_s},
+                 {"device->host copies", plan->d2h_s, r.traffic[1].busy_s}};
+    }
+    r.terms.push_back({"CPU AdamW", plan->cpu_adam_s, host_adam_ns / 1e9 / steps});
+    r.terms.push_back({"disk", plan->disk_s, static_cast<double>(length(merged(disk))) / 1e9 / steps});
+    r.terms.push_back({"step", plan->step_s, r.step_s});
   }
+  if (host_time)
+    r.notes.push_back(
+        "cuda backend: spans are host time; the GPU's kernels and copies are not traced, so the phases show "
+        "where the host waited for the GPU (the loss read-back, stalls, the optimizer), not the GPU's own time, and "
+        "the copy rows and compute are left out");
   r.notes.push_back(
       "memory counts chunks: device activations and kernel scratch come from the device arena outside them "
       "(the plan's device 'act' column), host 'act' is offloaded activation checkpoints");
@@ -298,9 +327,12 @@ std::string format_profile_report(const ProfileReport& r) {
   os << fmt::format("  {:<13} {:>11} {:>11} {:>10} {:>10} {:>8}\n", "direction", "planned", "measured", "ratio", "busy",
                     "hidden");
   for (const auto& t : r.traffic)
-    os << fmt::format("  {:<13} {:>11} {:>11} {:>10} {:>10} {:>7.0f}%\n", t.name, format_bytes(t.planned_bytes),
-                      format_bytes(t.bytes), ratio(static_cast<double>(t.bytes), static_cast<double>(t.planned_bytes)),
-                      seconds(t.busy_s), 100 * t.hidden_share);
+    if (!t.traced)
+      os << fmt::format("  {:<13} {:>11} {:>11}\n", t.name, format_bytes(t.planned_bytes), "not traced");
+    else
+      os << fmt::format("  {:<13} {:>11} {:>11} {:>10} {:>10} {:>7.0f}%\n", t.name, format_bytes(t.planned_bytes),
+                        format_bytes(t.bytes), ratio(static_cast<double>(t.bytes), static_cast<double>(t.planned_bytes)),
+                        seconds(t.busy_s), 100 * t.hidden_share);
   os << "\nthe step's critical path (the training thread), per step:\n";
   for (const auto& [name, s] : r.phases) {
     if (s <= 0) continue;
@@ -341,6 +373,7 @@ nlohmann::json profile_report_json(const ProfileReport& r) {
   j["traffic"] = nlohmann::json::array();
   for (const auto& t : r.traffic)
     j["traffic"].push_back({{"direction", t.name},
+                            {"traced", t.traced},
                             {"planned_bytes", t.planned_bytes},
                             {"bytes", t.bytes},
                             {"busy_s", t.busy_s},

@@ -46,6 +46,7 @@ struct ProfileReport {
     uint64_t bytes = 0;       // measured, per step
     double busy_s = 0;        // per step: time at least one such transfer ran
     double hidden_share = 1;  // of busy time, the part the training thread did not wait through
+    bool traced = true;       // false: the backend does not trace these (cuda copies)
   };
   std::vector<Traffic> traffic;
   // The training thread's time per step by phase, and each phase's parts (stall kinds,
@@ -72,6 +73,7 @@ struct ProfileInput {
   const PlanInput* plan_input = nullptr;  // with plan
   std::string rates_source;
   std::string training_thread = "training";
+  std::string backend = "cpu";  // "cuda": spans are host time, copies are not traced
 };
 
 ProfileReport analyze_profile(const ProfileInput& in);

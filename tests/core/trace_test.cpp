@@ -1,5 +1,7 @@
 #include "core/trace.h"
 
+#include <algorithm>
+#include <limits>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -88,10 +90,43 @@ TEST(TraceTest, TheCheckerCatchesOverlappingSpansAndUnpairedAsyncEvents) {
   EXPECT_NE(testing::check_trace_json(doc(R"({"ph":"X","name":"a","pid":1,"tid":2,"ts":0,"dur":1})")), "");
 }
 
-TEST(TraceTest, WriteJsonReportsTheFileItCannotCreate) {
-  const Status st = trace::write_json("/nonexistent-dir/trace.json", {});
-  EXPECT_FALSE(st.ok());
-  EXPECT_NE(st.message().find("/nonexistent-dir/trace.json"), std::string::npos) << st.message();
+TEST(TraceTest, TheJsonStaysValidForAnyNameArgumentOrTime) {
+  trace::ThreadEvents t{1, "thread \"quoted\" \xff", {}};
+  trace::Event e;
+  e.phase = 'X';
+  e.category = "compute";
+  e.name = "forward";
+  e.ts_ns = -1500;  // a clock read that raced start()
+  e.dur_ns = 10;
+  e.args[0] = {"bytes", std::numeric_limits<double>::quiet_NaN()};
+  e.args[1] = {"tier", 1};
+  e.args[2] = {nullptr, 2};
+  e.num_args = 3;
+  t.events.push_back(e);
+  const nlohmann::json doc = nlohmann::json::parse(trace::to_json({t}, {{"run_dir", "/tmp/bad\xff"}}));
+  EXPECT_EQ(testing::check_trace_json(doc), "");
+  for (const auto& ev : doc["traceEvents"]) {
+    if (ev["ph"] != "X") continue;
+    EXPECT_EQ(ev["ts"].get<double>(), 0.0);
+    EXPECT_EQ(ev["args"].size(), 1u);  // the NaN and the keyless argument are left out
+    EXPECT_EQ(ev["args"]["tier"], 1);
+  }
+}
+
+TEST(TraceTest, NamingAThreadCostsNoBufferUntilItRecords) {
+  trace::start();
+  std::thread quiet([] { trace::name_thread("quiet"); });
+  quiet.join();
+  std::thread busy([] {
+    trace::name_thread("busy");
+    trace::Span span("compute", "forward");
+  });
+  busy.join();
+  trace::stop();
+  std::vector<std::string> names;
+  for (const auto& t : trace::collect()) names.push_back(t.name);
+  EXPECT_EQ(std::count(names.begin(), names.end(), "quiet"), 0);
+  EXPECT_EQ(std::count(names.begin(), names.end(), "busy"), 1);
 }
 
 }  // namespace

@@ -44,7 +44,7 @@ void expect_valid_profile(const fs::path& out, int steps, bool expect_nvme) {
       if (e["cat"] == "step" && e["name"].get<std::string>().rfind("step ", 0) == 0) ++step_spans;
       if (e["cat"] == "copy" && thread_names[e["tid"]] == "copy host->device") copied += e["args"]["bytes"].get<double>();
     }
-    if (e["ph"] == "b" && e["cat"] == "nvme") ++nvme;
+    if (e["ph"] == "b" && e["cat"] == "io" && e["name"].get<std::string>().rfind("nvme ", 0) == 0) ++nvme;
     if (e["ph"] == "C" && e["name"] == "device bytes") ++counters;
   }
   EXPECT_EQ(step_spans, steps);

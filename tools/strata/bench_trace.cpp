@@ -81,14 +81,16 @@ int bench_trace_command(const std::vector<std::string>& args) {
     if (a == "--help" || a == "-h") {
       std::fputs(kUsage, stdout);
       return 0;
-    } else if (a == "--steps" && i + 1 < args.size()) {
+    } else if (a == "--steps" || a.rfind("--steps=", 0) == 0) {
+      const std::string text = a == "--steps" ? (i + 1 < args.size() ? args[++i] : "") : a.substr(8);
+      size_t used = 0;
       try {
-        steps = std::stoll(args[++i]);
+        steps = std::stoll(text, &used);
       } catch (...) {
-        steps = 0;
+        used = 0;
       }
-      if (steps < 6) {
-        std::fprintf(stderr, "strata bench trace: --steps needs a whole number >= 6\n");
+      if (used == 0 || used != text.size() || steps < 6) {
+        std::fprintf(stderr, "strata bench trace: --steps needs a whole number >= 6, not '%s'\n", text.c_str());
         return 2;
       }
     } else if (a.find('=') != std::string::npos && a[0] != '-') {

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "core/atomic_file.h"
 #include "core/check.h"
 #include "core/config.h"
 #include "core/log.h"
@@ -78,6 +79,7 @@ class Profiler final : public RunObserver {
   Profiler(int64_t first, int64_t last) : first_(first), last_(last) {}
   void on_start(const TrainConfig& t, TrainEngine& engine) override {
     run_dir_ = t.run_dir;
+    backend_ = engine.device_name() == "cpu" ? "cpu" : "cuda";
     if (engine.plan() != nullptr) plan_ = *engine.plan();
     if (engine.plan_input() != nullptr) plan_input_ = *engine.plan_input();
   }
@@ -89,28 +91,17 @@ class Profiler final : public RunObserver {
     if (m.step == last_) trace::stop();
   }
   const std::string& run_dir() const { return run_dir_; }
+  const std::string& backend() const { return backend_; }
   const std::optional<Plan>& plan() const { return plan_; }
   const std::optional<PlanInput>& plan_input() const { return plan_input_; }
 
  private:
   int64_t first_, last_;
   std::string run_dir_;
+  std::string backend_ = "cpu";
   std::optional<Plan> plan_;
   std::optional<PlanInput> plan_input_;
 };
-
-Status write_text(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    out << text;
-    if (!out.flush()) return Status::IOError("cannot write '" + tmp.string() + "'");
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return Status::IOError("cannot write '" + path.string() + "': " + ec.message());
-  return Status::OK();
-}
 
 }  // namespace
 
@@ -164,6 +155,12 @@ int profile_command(const std::vector<std::string>& args) {
   tc->steps = warmup + steps;
   tc->run_export.clear();
   tc->resume.clear();
+  // A profile is a new run: it never continues or lands on another run's folder.
+  if (!tc->run_dir.empty() && fs::exists(fs::path(tc->run_dir) / "metrics.jsonl"))
+    return fail(Status::InvalidArgument(
+        fmt::format("run.dir '{}' holds a run already; profile into a new folder (another run.dir, or leave it unset "
+                    "for runs/default/version_N)",
+                    tc->run_dir)));
   LogOptions lo;
   CHECK(parse_log_level(tc->log_level, &lo.level));
   init_logging(lo);
@@ -188,21 +185,26 @@ int profile_command(const std::vector<std::string>& args) {
     in.plan_input = &*profiler.plan_input();
   }
   in.rates_source = "hardware.* keys";
+  in.backend = profiler.backend();
   const ProfileReport report = analyze_profile(in);
+  if (report.steps != steps)
+    return fail(Status::Internal(fmt::format("the trace holds {} of the {} traced steps; nothing was written",
+                                             report.steps, steps)));
   const std::string text = format_profile_report(report);
   const std::vector<std::pair<std::string, std::string>> metadata = {
       {"command", "strata profile"}, {"run_dir", profiler.run_dir()}, {"steps", std::to_string(report.steps)}};
-  if (Status st = trace::write_json((out / "trace.json").string(), in.threads, metadata); !st.ok()) return fail(st);
-  if (Status st = write_text(out / "report.txt", text); !st.ok()) return fail(st);
-  if (Status st = write_text(out / "report.json", profile_report_json(report).dump(2) + "\n"); !st.ok())
+  if (Status st = write_file_atomic((out / "trace.json").string(), trace::to_json(in.threads, metadata)); !st.ok())
+    return fail(st);
+  if (Status st = write_file_atomic((out / "report.txt").string(), text); !st.ok()) return fail(st);
+  if (Status st = write_file_atomic((out / "report.json").string(), profile_report_json(report).dump(2) + "\n"); !st.ok())
     return fail(st);
   int64_t start = 0, end = 0, step = 0;
   std::vector<std::string> written = {"trace.json", "report.txt", "report.json"};
   if (pick_step(in.threads, in.training_thread, &start, &end, &step)) {
-    if (Status st = write_text(out / "timeline.svg", timeline_svg(in.threads, in.training_thread, start, end, step));
+    if (Status st = write_file_atomic((out / "timeline.svg").string(), timeline_svg(in.threads, in.training_thread, start, end, step));
         !st.ok())
       return fail(st);
-    if (Status st = write_text(out / "memory.svg", memory_svg(in.threads, start, end, step)); !st.ok())
+    if (Status st = write_file_atomic((out / "memory.svg").string(), memory_svg(in.threads, start, end, step)); !st.ok())
       return fail(st);
     written.push_back("timeline.svg");
     written.push_back("memory.svg");

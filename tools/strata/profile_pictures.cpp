@@ -15,7 +15,7 @@ namespace {
 // Colors of the timeline, in the legend's order.
 enum Color { kForward, kRecompute, kBackward, kHead, kOptimizer, kStall, kCopy, kNvme, kCheckpoint, kData };
 const std::vector<std::string> kLegend = {"forward", "recompute", "backward", "head + loss", "optimizer",
-                                          "stall",   "copy",      "nvme I/O", "checkpoint",  "data"};
+                                          "stall",   "copy",      "disk I/O", "checkpoint",  "data"};
 
 int color_of(const trace::Event& e) {
   const std::string cat = e.category;
@@ -89,7 +89,7 @@ std::string timeline_svg(const std::vector<trace::ThreadEvents>& threads, const 
       if (e.phase == 'b' && i + 1 < th.events.size() && th.events[i + 1].phase == 'e') {
         const int64_t b = e.ts_ns, en = th.events[i + 1].ts_ns;
         if (en < start_ns || b > end_ns) continue;
-        t.spans.push_back(svg::Span{lane("nvme I/O"), clip(b), clip(en),
+        t.spans.push_back(svg::Span{lane("disk I/O"), clip(b), clip(en),
                                     span_label(e, static_cast<double>(en - b) / 1e9), kNvme});
         continue;
       }

@@ -81,7 +81,8 @@ class CudaDevice final : public Device {
 
   std::unique_ptr<Stream> create_stream() override;
   std::unique_ptr<Event> create_event() override;
-  void copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name = "copy") override;
+  using Device::copy;
+  void copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name) override;
 
  private:
   // The single cudaMalloc region and the Arena that carves it.
