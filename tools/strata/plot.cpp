@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/atomic_file.h"
 #include "core/status.h"
 #include "core/svg_chart.h"
 #include "tools/strata/commands.h"
@@ -260,27 +261,6 @@ Charts make_charts(const RunMetrics& run) {
   return out;
 }
 
-// Writes `text` to PATH.tmp, then renames it over PATH, so a reader never sees half a file.
-Status write_whole(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) return Status::IOError(fmt::format("cannot create {}: {}", tmp.string(), std::strerror(errno)));
-  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  const int saved_errno = errno;
-  if (std::fclose(f) != 0 || !written) {
-    std::remove(tmp.c_str());
-    return Status::IOError(
-        fmt::format("cannot write {}: {}", tmp.string(), std::strerror(written ? errno : saved_errno)));
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    std::remove(tmp.c_str());
-    return Status::IOError("cannot rename " + tmp.string() + " to " + path.string() + ": " + ec.message());
-  }
-  return Status::OK();
-}
-
 int fail(const Status& s) {
   std::fprintf(stderr, "strata plot: error: %s\n", s.message().c_str());
   return 1;
@@ -340,7 +320,7 @@ int plot_command(const std::vector<std::string>& args) {
   if (ec) return fail(Status::IOError("cannot create output directory " + out.string() + ": " + ec.message()));
   for (const auto& [name, text] : charts.files) {
     const fs::path path = out / name;
-    if (Status s = write_whole(path, text); !s.ok()) return fail(s);
+    if (Status s = write_file_atomic(path.string(), text); !s.ok()) return fail(s);
     std::printf("wrote %s\n", path.c_str());
   }
   return 0;
