@@ -111,6 +111,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   const uint64_t activations =
       static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, plan.offload_activations, e->keep_activations_)) +
       (64ull << 10);
+  e->activation_bytes_ = activations;
   po.device_bytes = budgets.memory_device > activations ? budgets.memory_device - activations : 0;
   e->device_split_ = fmt::format("{} of device memory: {} chunks, {} activations{}",
                                  e->device_->memory_budget() == Device::kUnlimited

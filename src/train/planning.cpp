@@ -63,10 +63,22 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
 
   in.grad_accum = t.grad_accum;
   in.tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;
-  // Recomputation runs each layer's forward a second time: 2N + 4LHT more per token.
-  const double per_token = model_flops_per_token(m, t.seq_len) +
-                           2.0 * static_cast<double>(total) + 4.0 * static_cast<double>(L * C * t.seq_len);
-  in.flops_per_step = per_token * static_cast<double>(in.tokens_per_step);
+  // FLOPs as DESIGN §2 counts them (2 per weight and token forward, 4*C*T per token and layer
+  // for attention), for the weights a token really multiplies: the experts it is routed to, not
+  // all of them, and the LM head but not the embedding lookup.
+  double active_layer = static_cast<double>(in.layer_elements);
+  if (m.is_moe()) {
+    const double routed = static_cast<double>(m.num_experts_per_tok) / static_cast<double>(m.num_experts);
+    active_layer -= (1.0 - routed) * static_cast<double>(in.expert_elements);
+  }
+  const double tokens_mb = static_cast<double>(N);
+  in.layer_forward_flops = tokens_mb * (2.0 * active_layer + 4.0 * static_cast<double>(C * t.seq_len));
+  in.head_forward_flops = tokens_mb * 2.0 * static_cast<double>(V * C);
+  // Kept activations skip the recompute; auto keeps them only on cuda when they fit, which the
+  // engine decides after planning, so auto is planned as recompute (the slower case).
+  in.recompute = t.keep_activations != "true";
+  in.overlap_optimizer = t.overlap_backward;
+  in.flops_per_step = static_cast<double>(t.grad_accum) * micro_batch_flops(in);
 
   in.device_budget = t.memory_device;
   in.host_budget = t.memory_host ? t.memory_host : default_host_budget();
@@ -97,6 +109,10 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   in.rates.disk_read_bytes_per_s = t.disk_read_bytes_per_s;
   in.rates.disk_write_bytes_per_s = t.disk_write_bytes_per_s;
   in.rates.cpu_adam_params_per_s = t.cpu_adam_params_per_s;
+  in.rates.both_bytes_per_s = t.both_bytes_per_s;
+  in.rates.copy_overlap = t.copy_overlap;
+  in.rates.device_adam_params_per_s = t.device_adam_params_per_s;
+  in.rates.device_memory_bytes_per_s = t.device_memory_bytes_per_s;
   return in;
 }
 

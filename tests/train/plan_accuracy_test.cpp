@@ -1,0 +1,235 @@
+// The planner against the engine it plans for, on the CPU backend: a matrix of dense and MoE
+// models, roomy and tight budgets (through host memory, through nvme), recompute on and off,
+// each run for a few steps through PagedEngine (the engine `strata train` builds), with the
+// machine's rates measured in this same process by `strata bench machine`'s functions.
+//
+// What both sides count:
+//   device  the chunk space's device-tier peak (ChunkSpaceStats) plus the activation table the
+//           engine reserves beside it, against the plan's device total (state + activations);
+//   host    the chunk space's host-tier peak (homes, cached copies, offloaded checkpoints, nvme
+//           staging), against the plan's host total;
+//   nvme    the chunk space's nvme-tier peak, against the plan's nvme total;
+//   moved   bytes each way per step (ChunkSpaceStats counters over the timed steps, divided by
+//           their count), against the plan's h2d, d2h and disk traffic;
+//   time    the median of the timed steps (the first, warm-up step is not timed) against the
+//           plan's step_s.
+// Bytes must agree within 5%, the step time within 15%; a config whose timing misses is run
+// again (up to three times in all) rather than the bound widened: this machine is shared.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "train/machine_bench.h"
+#include "train/paged_engine.h"
+#include "train/planning.h"
+#include "train/train_test_util.h"
+
+namespace strata {
+namespace {
+
+model::ModelConfig dense_model() {
+  model::ModelConfig mc = model::ModelConfig::preset("tiny").value();
+  mc.hidden_size = 128;
+  mc.intermediate_size = 352;
+  mc.num_hidden_layers = 4;
+  mc.num_attention_heads = 4;
+  mc.num_key_value_heads = 2;
+  mc.head_dim = 32;
+  mc.vocab_size = 512;
+  mc.tie_word_embeddings = false;
+  return mc;
+}
+
+model::ModelConfig moe_model() {
+  model::ModelConfig mc = dense_model();
+  mc.num_experts = 4;
+  mc.num_experts_per_tok = 2;
+  mc.moe_intermediate_size = 176;
+  return mc;
+}
+
+constexpr int64_t kMicroBatch = 2, kSeqLen = 64, kAccum = 2;
+constexpr int kSteps = 4;  // the first is the warm-up
+
+enum class Budget { kRoomy, kHost, kNvme };
+
+struct Case {
+  const char* name;
+  bool moe;
+  Budget budget;
+  bool keep_activations;
+};
+
+struct Measured {
+  double device = 0, host = 0, nvme = 0;      // peak bytes
+  double h2d = 0, d2h = 0, disk = 0;          // bytes per step
+  double step_s = 0;                          // median
+};
+
+// Within `tol` of each other, relative to the larger; fails on NaN.
+bool close(double planned, double measured, double tol) {
+  return std::fabs(planned - measured) <= tol * std::max(std::fabs(planned), std::fabs(measured));
+}
+
+class PlanAccuracy : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    MachineBenchOptions o;
+    o.quick = true;
+    o.disk_dir = ::testing::TempDir();
+    o.model = dense_model();
+    o.micro_batch = kMicroBatch;
+    o.seq_len = kSeqLen;
+    Result<MachineProfile> p = bench_machine(o);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    profile_ = new MachineProfile(*p);
+    std::printf("%s", hardware_yaml(*profile_).c_str());
+  }
+  static void TearDownTestSuite() {
+    delete profile_;
+    profile_ = nullptr;
+  }
+
+  // The settings of a case: the rates just measured, and budgets sized from the model's own
+  // plan so that each case pages the way its name says.
+  static TrainConfig config(const Case& c, const std::string& nvme_dir) {
+    TrainConfig t;
+    t.micro_batch = kMicroBatch;
+    t.seq_len = kSeqLen;
+    t.grad_accum = kAccum;
+    t.keep_activations = c.keep_activations ? "true" : "false";
+    t.offload_activations = "auto";
+    const MachineRates& r = profile_->rates;
+    t.gpu_flops = r.compute_flops;
+    t.h2d_bytes_per_s = r.h2d_bytes_per_s;
+    t.d2h_bytes_per_s = r.d2h_bytes_per_s;
+    t.both_bytes_per_s = r.both_bytes_per_s;
+    t.copy_overlap = r.copy_overlap;
+    t.disk_read_bytes_per_s = r.disk_read_bytes_per_s;
+    t.disk_write_bytes_per_s = r.disk_write_bytes_per_s;
+    t.cpu_adam_params_per_s = r.cpu_adam_params_per_s;
+    t.device_adam_params_per_s = r.device_adam_params_per_s;
+    t.device_memory_bytes_per_s = r.device_memory_bytes_per_s;
+    t.memory_host = 1ull << 30;
+    const model::ModelConfig mc = c.moe ? moe_model() : dense_model();
+    t.chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(mc), t.precision);
+    TrainConfig roomy = t;
+    roomy.memory_device = 1ull << 30;
+    const Plan all = make_plan(make_plan_input(mc, roomy, false));
+    if (c.budget == Budget::kRoomy) {
+      t.memory_device = 1ull << 30;
+      return t;
+    }
+    // Tight: room for the working set and about a third of the layers' parameters.
+    const PlanInput in = make_plan_input(mc, roomy, false);
+    t.memory_device = all.min_device_budget + static_cast<uint64_t>(in.num_layers) * in.layer_chunks * in.chunk_size / 3;
+    if (c.budget == Budget::kNvme) {
+      const Plan through_host = make_plan(make_plan_input(mc, t, false));
+      // Host room for half the optimizer state; the rest streams from nvme.
+      const uint64_t optimizer = through_host.host.master + through_host.host.adam_m + through_host.host.adam_v;
+      t.memory_host = through_host.host.total() - optimizer / 2;
+      t.nvme_path = nvme_dir;
+      t.nvme_size = 1ull << 30;
+    }
+    return t;
+  }
+
+  static inline MachineProfile* profile_ = nullptr;
+};
+
+Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* plan) {
+  OptimizerConfig oc = optimizer_config(1.0f);
+  ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> engine, PagedEngine::create(mc, t, oc));
+  *plan = engine->plan();
+  const int64_t tokens = t.micro_batch * t.seq_len;
+  const std::vector<Batch> batches = make_batches(static_cast<int>(kSteps * t.grad_accum), tokens, 7);
+  std::vector<double> seconds;
+  ChunkSpaceStats first{};
+  for (int s = 0; s < kSteps; ++s) {
+    if (s == 1) first = engine->chunk_stats();
+    const auto start = std::chrono::steady_clock::now();
+    RETURN_IF_ERROR(engine->zero_grads());
+    for (int64_t m = 0; m < t.grad_accum; ++m) {
+      const Batch& b = batches[static_cast<size_t>(s * t.grad_accum + m)];
+      RETURN_IF_ERROR(engine->micro_batch(b.inputs.data(), b.targets.data(), t.micro_batch, t.seq_len,
+                                          1.0f / static_cast<float>(tokens * t.grad_accum), m + 1 == t.grad_accum,
+                                          1e-3f)
+                          .status());
+    }
+    RETURN_IF_ERROR(engine->step(1e-3f).status());
+    if (s > 0) seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  const ChunkSpaceStats last = engine->chunk_stats();
+  Measured m;
+  const double steps = kSteps - 1;
+  m.device = static_cast<double>(last.tiers[static_cast<int>(Tier::kDevice)].peak_bytes + engine->activation_bytes());
+  m.host = static_cast<double>(last.tiers[static_cast<int>(Tier::kHost)].peak_bytes);
+  m.nvme = static_cast<double>(last.tiers[static_cast<int>(Tier::kNvme)].peak_bytes);
+  m.h2d = static_cast<double>(last.host_to_device_bytes - first.host_to_device_bytes) / steps;
+  m.d2h = static_cast<double>(last.device_to_host_bytes - first.device_to_host_bytes) / steps;
+  m.disk = static_cast<double>(last.host_to_nvme_bytes - first.host_to_nvme_bytes + last.nvme_to_host_bytes -
+                               first.nvme_to_host_bytes) /
+           steps;
+  std::sort(seconds.begin(), seconds.end());
+  m.step_s = seconds[seconds.size() / 2];
+  return m;
+}
+
+TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytesAndStepTime) {
+  const Case cases[] = {
+      {"dense roomy recompute", false, Budget::kRoomy, false},
+      {"dense roomy kept", false, Budget::kRoomy, true},
+      {"dense host recompute", false, Budget::kHost, false},
+      {"dense nvme recompute", false, Budget::kNvme, false},
+      {"moe roomy recompute", true, Budget::kRoomy, false},
+      {"moe host kept", true, Budget::kHost, true},
+      {"moe nvme recompute", true, Budget::kNvme, false},
+  };
+  std::string table = fmt::format("{:<24} {:>9} {:>10} {:>10} {:>6}\n", "config", "quantity", "planned", "measured",
+                                  "ratio");
+  for (const Case& c : cases) {
+    const std::string nvme_dir = ::testing::TempDir() + "/plan_accuracy_nvme";
+    std::filesystem::remove_all(nvme_dir);
+    const model::ModelConfig mc = c.moe ? moe_model() : dense_model();
+    const TrainConfig t = config(c, nvme_dir);
+    Plan plan;
+    Result<Measured> m = run(mc, t, &plan);
+    ASSERT_TRUE(m.ok()) << c.name << ": " << m.status().to_string();
+    for (int attempt = 1; attempt < 3 && !close(plan.step_s, m->step_s, 0.15); ++attempt) {
+      Result<Measured> again = run(mc, t, &plan);
+      ASSERT_TRUE(again.ok()) << c.name << ": " << again.status().to_string();
+      m->step_s = again->step_s;
+    }
+    const struct {
+      const char* what;
+      double planned, measured, tol;
+    } rows[] = {
+        {"device", static_cast<double>(plan.device.total()), m->device, 0.05},
+        {"host", static_cast<double>(plan.host.total()), m->host, 0.05},
+        {"nvme", static_cast<double>(plan.nvme.total()), m->nvme, 0.05},
+        {"h2d/step", static_cast<double>(plan.h2d_bytes), m->h2d, 0.05},
+        {"d2h/step", static_cast<double>(plan.d2h_bytes), m->d2h, 0.05},
+        {"disk/step", static_cast<double>(plan.disk_read_bytes + plan.disk_write_bytes), m->disk, 0.05},
+        {"step ms", plan.step_s * 1e3, m->step_s * 1e3, 0.15},
+    };
+    for (const auto& r : rows) {
+      table += fmt::format("{:<24} {:>9} {:>10.4g} {:>10.4g} {:>6.3f}\n", c.name, r.what, r.planned, r.measured,
+                           r.measured > 0 ? r.planned / r.measured : (r.planned == 0 ? 1.0 : INFINITY));
+      EXPECT_TRUE(close(r.planned, r.measured, r.tol))
+          << c.name << ": " << r.what << " planned " << r.planned << ", measured " << r.measured;
+    }
+  }
+  std::printf("%s", table.c_str());
+}
+
+}  // namespace
+}  // namespace strata
