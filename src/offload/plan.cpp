@@ -72,7 +72,7 @@ Plan make_plan(const PlanInput& in) {
   // 1. The device working set while everything streams.
   const uint64_t ws_param = std::max(edge.param + layer.param, 2 * layer.param);
   const uint64_t ws_grad = std::max(edge.grad + layer.grad, 2 * layer.grad);
-  const uint64_t ws_act = in.layer_workspace_bytes + in.head_workspace_bytes;
+  const uint64_t ws_act = in.layer_workspace_bytes + in.head_workspace_bytes + in.kept_activation_bytes;
   const uint64_t ws_ckpt_offloaded = 2 * in.checkpoint_bytes_per_layer;
   bool offload = in.offload_activations == "true";
   uint64_t minimum = ws_param + ws_grad + ws_act + (offload ? ws_ckpt_offloaded : ckpt_all);
@@ -209,7 +209,10 @@ Plan make_plan(const PlanInput& in) {
     } else if (!opt_dev[g]) {
       opt_h2d += b.param;  // the updated copy after CPU AdamW
     }
-    if (!grad_res[g]) bwd_d2h += b.grad - idle_grad;  // streamed out per micro-batch
+    if (!grad_res[g]) {  // accumulated on the device: read in and written back per micro-batch
+      bwd_h2d += b.grad - idle_grad;
+      bwd_d2h += b.grad - idle_grad;
+    }
     else if (!opt_dev[g]) opt_d2h += b.grad;          // once, for CPU AdamW
     if (!opt_dev[g]) p.cpu_adam_elements += (g == L ? in.edge_elements : in.layer_elements);
   }
@@ -217,8 +220,16 @@ Plan make_plan(const PlanInput& in) {
     fwd_d2h += static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
     bwd_h2d += static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
   }
-  p.h2d_bytes = accum * (fwd_h2d + bwd_h2d) + opt_h2d;
-  p.d2h_bytes = accum * (fwd_d2h + bwd_d2h) + opt_d2h;
+  // Zeroing writes each streamed gradient on the device and sends it back; the norm (unless it
+  // is taken inside the overlapped optimizer) reads each one there once more.
+  uint64_t grad_total = 0, streamed_grad = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    grad_total += gb(g).grad;
+    if (!grad_res[g]) streamed_grad += gb(g).grad;
+  }
+  const uint64_t pass_d2h = streamed_grad, pass_h2d = in.overlap_optimizer ? 0 : streamed_grad;
+  p.h2d_bytes = accum * (fwd_h2d + bwd_h2d) + opt_h2d + pass_h2d;
+  p.d2h_bytes = accum * (fwd_d2h + bwd_d2h) + opt_d2h + pass_d2h;
   p.disk_read_bytes = p.nvme.total();
   p.disk_write_bytes = p.nvme.total();
 
@@ -254,16 +265,13 @@ Plan make_plan(const PlanInput& in) {
   }
   ph.forward = phase(forward_flops, fwd_h2d, fwd_d2h, first_layer_h2d);
   ph.backward = phase(backward_flops, bwd_h2d, bwd_d2h, first_layer_h2d + (offload ? in.checkpoint_bytes_per_layer : 0));
-  // Zeroing writes every gradient and the norm reads it (on the device tier, where the groups
-  // that stream their gradients are fetched for it); with the optimizer overlapped the norm is
-  // taken group by group inside it.
-  uint64_t grad_total = 0, streamed_grad = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    grad_total += gb(g).grad;
-    if (!grad_res[g]) streamed_grad += gb(g).grad;
-  }
+  // Zeroing writes every gradient and the norm reads it, with their copies; with the optimizer
+  // overlapped the norm is taken group by group inside it.
   const double passes = in.overlap_optimizer ? 1.0 : 2.0;
-  ph.grad_passes_s = passes * static_cast<double>(grad_total) / r.device_memory_bytes_per_s;
+  ph.grad_passes_s = passes * static_cast<double>(grad_total) / r.device_memory_bytes_per_s +
+                     (1 - ov) * (static_cast<double>(pass_h2d) / r.h2d_bytes_per_s +
+                                 static_cast<double>(pass_d2h) / r.d2h_bytes_per_s) +
+                     ov * copy_seconds(pass_h2d, pass_d2h);
   // AdamW on the device for the device groups; on the CPU for the others, whose nvme reads and
   // writes and copies to and from the device the CPU cannot overlap with its own AdamW on the
   // CPU backend (ov 0), and can with a GPU's copy engines (ov 1).

@@ -70,6 +70,7 @@ struct PlanInput {
   uint64_t checkpoint_bytes_per_layer = 0;  // the layer-boundary checkpoint
   uint64_t layer_workspace_bytes = 0;       // one layer's recomputation and backward scratch
   uint64_t head_workspace_bytes = 0;        // chunked LM head + cross-entropy
+  uint64_t kept_activation_bytes = 0;       // every layer's intermediates kept (no recompute)
   // Work per optimizer step.
   int64_t grad_accum = 1;
   int64_t tokens_per_step = 0;

@@ -67,16 +67,20 @@ struct CopyRates {
 };
 Result<CopyRates> measure_copies(Device& device, uint64_t bytes, int repeats);
 
-// A STREAM-like copy (memcpy split over all OpenMP threads), bytes read + written per second:
-// the bound every copy on this host's memory is measured against.
+// A STREAM-like copy (memcpy split over all OpenMP threads, or on one thread when that is
+// faster, as on a machine whose other cores are busy), bytes read + written per second: the
+// bound every copy on this host's memory is measured against.
 double measure_memcpy(uint64_t bytes, int repeats);
 
-// The SIMD AdamW (kernels/adamw_simd.h) and the CPU backend's device-tier AdamW (cpu::adamw_step)
-// over n fp32 parameters, parameters per second.
+// Over tensors of these sizes (fp32 elements), one call per tensor as the optimizer makes
+// them: the SIMD AdamW (kernels/adamw_simd.h, AdamW on host memory), the CPU backend's
+// device-tier AdamW (cpu::adamw_step), in parameters per second, and the passes over the
+// gradients (zeroing, then the sum of squares of the norm) in bytes read + written per second.
+// Per-call costs (threads woken per tensor) are part of each rate, as they are of a step.
 struct AdamRates {
-  double simd = 0, device = 0;
+  double simd = 0, device = 0, grad_passes = 0;
 };
-Result<AdamRates> measure_adamw(int64_t n, int repeats);
+Result<AdamRates> measure_adamw(const std::vector<int64_t>& sizes, int repeats);
 
 // Sequential O_DIRECT write then read of `size` bytes in `chunk` requests through `engine`,
 // `buffers.size()` in flight (fsync inside the write's timing), in a temporary file in `dir`

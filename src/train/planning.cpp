@@ -6,6 +6,8 @@
 #include <cmath>
 
 #include "core/host_memory.h"
+#include "kernels/cpu/backend.h"
+#include "model/activations.h"
 #include "train/paged_state.h"
 
 namespace strata {
@@ -77,6 +79,18 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   // Kept activations skip the recompute; auto keeps them only on cuda when they fit, which the
   // engine decides after planning, so auto is planned as recompute (the slower case).
   in.recompute = t.keep_activations != "true";
+  // Kept layers hold every layer's intermediates but the last's beside the table: what the
+  // decoder's activation table takes more with them (the CPU backend's table in its recipe; a
+  // GPU's activations are bf16 like the CPU bf16 recipe's).
+  if (!in.recompute) {
+    const bool offload = t.offload_activations == "true";
+    auto more = [&](auto ops) {
+      using Table = model::ActivationTable<decltype(ops)>;
+      return static_cast<uint64_t>(Table::bytes_for(m, static_cast<int64_t>(N), offload, true) -
+                                   Table::bytes_for(m, static_cast<int64_t>(N), offload, false));
+    };
+    in.kept_activation_bytes = state.compute_dtype() == DType::kF32 ? more(kernels::CpuF32Ops{}) : more(kernels::CpuBf16Ops{});
+  }
   in.overlap_optimizer = t.overlap_backward;
   in.flops_per_step = static_cast<double>(t.grad_accum) * micro_batch_flops(in);
 

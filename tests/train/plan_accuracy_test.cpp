@@ -38,13 +38,13 @@ namespace {
 
 model::ModelConfig dense_model() {
   model::ModelConfig mc = model::ModelConfig::preset("tiny").value();
-  mc.hidden_size = 128;
-  mc.intermediate_size = 352;
+  mc.hidden_size = 64;
+  mc.intermediate_size = 176;
   mc.num_hidden_layers = 4;
   mc.num_attention_heads = 4;
   mc.num_key_value_heads = 2;
-  mc.head_dim = 32;
-  mc.vocab_size = 512;
+  mc.head_dim = 16;
+  mc.vocab_size = 256;
   mc.tie_word_embeddings = false;
   return mc;
 }
@@ -53,11 +53,11 @@ model::ModelConfig moe_model() {
   model::ModelConfig mc = dense_model();
   mc.num_experts = 4;
   mc.num_experts_per_tok = 2;
-  mc.moe_intermediate_size = 176;
+  mc.moe_intermediate_size = 88;
   return mc;
 }
 
-constexpr int64_t kMicroBatch = 2, kSeqLen = 64, kAccum = 2;
+constexpr int64_t kMicroBatch = 2, kSeqLen = 32, kAccum = 2;
 constexpr int kSteps = 4;  // the first is the warm-up
 
 enum class Budget { kRoomy, kHost, kNvme };
@@ -146,7 +146,16 @@ class PlanAccuracy : public ::testing::Test {
   static inline MachineProfile* profile_ = nullptr;
 };
 
-Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* plan) {
+// Runs the case for kSteps steps. The compute rate is measured again just before (with the
+// same function `strata bench machine` uses): on a shared machine it drifts within a minute.
+Result<Measured> run(const model::ModelConfig& mc, TrainConfig t, Plan* plan) {
+  MachineBenchOptions o;
+  o.quick = true;
+  o.model = dense_model();
+  o.micro_batch = kMicroBatch;
+  o.seq_len = kSeqLen;
+  ASSIGN_OR_RETURN(ComputeRate compute, measure_compute(o));
+  t.gpu_flops = compute.flops_per_s;
   OptimizerConfig oc = optimizer_config(1.0f);
   ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> engine, PagedEngine::create(mc, t, oc));
   *plan = engine->plan();
