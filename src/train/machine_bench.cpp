@@ -96,32 +96,52 @@ double median_seconds(int repeats, const std::function<void()>& fn) {
   return s[s.size() / 2];
 }
 
-Result<ComputeRate> measure_compute(const MachineBenchOptions& o) {
+Result<std::unique_ptr<ComputeProbe>> ComputeProbe::create(const MachineBenchOptions& o) {
   if (o.device != "cpu")
     return Status::Unimplemented("measuring compute on '" + o.device + "' is not built yet; pass --device cpu, or set "
                                  "hardware.gpu_tflops from the GPU's GEMM figure (strata bench train-gpu)");
-  const int64_t B = o.micro_batch, T = o.seq_len;
+  std::unique_ptr<ComputeProbe> p(new ComputeProbe());
+  p->B_ = o.micro_batch;
+  p->T_ = o.seq_len;
   TrainConfig t;
-  t.micro_batch = B;
-  t.seq_len = T;
+  t.micro_batch = o.micro_batch;
+  t.seq_len = o.seq_len;
   t.grad_accum = 1;
   t.keep_activations = "false";
-  const PlanInput in = make_plan_input(o.model, t, /*cuda=*/false);
-  const double flops = micro_batch_flops(in);
-  std::unique_ptr<model::Model> net = model::make_cpu_decoder(DType::kF32, o.model, /*flat_buffers=*/true);
-  std::vector<int32_t> tokens(static_cast<size_t>(B * T));
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 7919) % o.model.vocab_size);
+  p->flops_ = micro_batch_flops(make_plan_input(o.model, t, /*cuda=*/false));
+  p->net_ = model::make_cpu_decoder(DType::kF32, o.model, /*flat_buffers=*/true);
+  p->tokens_.resize(static_cast<size_t>(p->B_ * p->T_));
+  for (size_t i = 0; i < p->tokens_.size(); ++i) p->tokens_[i] = static_cast<int32_t>((i * 7919) % o.model.vocab_size);
+  return p;
+}
+
+Result<double> ComputeProbe::run_once() {
+  const auto start = std::chrono::steady_clock::now();
+  net_->zero_grads();
+  ASSIGN_OR_RETURN(double loss, net_->compute(tokens_.data(), tokens_.data(), B_, T_,
+                                              1.0f / static_cast<float>(B_ * T_), /*backward=*/true));
+  (void)loss;
+  return seconds_since(start);
+}
+
+Result<ComputeRate> measure_compute(const MachineBenchOptions& o) {
+  ASSIGN_OR_RETURN(std::unique_ptr<ComputeProbe> probe, ComputeProbe::create(o));
   Status failed;
   auto step = [&] {
-    net->zero_grads();
-    Result<double> loss = net->compute(tokens.data(), tokens.data(), B, T, 1.0f / static_cast<float>(B * T), true);
-    if (!loss.ok() && failed.ok()) failed = loss.status();
+    Result<double> s = probe->run_once();
+    if (!s.ok() && failed.ok()) failed = s.status();
   };
-  const int repeats = o.quick ? 3 : 5;
+  // Enough repeats for about half a second (a quarter in quick mode): a small model's
+  // micro-batch is short, and a median of few short runs is noise on a busy machine.
+  const auto start = std::chrono::steady_clock::now();
+  step();
+  const double first = seconds_since(start);
+  RETURN_IF_ERROR(failed);
+  const int repeats = std::clamp(static_cast<int>((o.quick ? 0.25 : 0.5) / std::max(first, 1e-6)), 3, 25);
   ComputeRate r;
   r.seconds = median_seconds(repeats, step);
   RETURN_IF_ERROR(failed);
-  r.flops_per_s = flops / r.seconds;
+  r.flops_per_s = probe->flops() / r.seconds;
 
   // Copy overlap: memcpys on a CPU device's copy stream while the same micro-batch computes.
   ASSIGN_OR_RETURN(std::unique_ptr<Device> device, open_device("cpu", 0, 0));

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "core/io_engine.h"
 #include "core/status.h"
 #include "model/config.h"
+#include "model/decoder.h"
 #include "offload/plan.h"
 
 namespace strata {
@@ -48,6 +50,24 @@ struct MachineProfile {
 
 // Seconds of `fn` after one warm-up call: the median of `repeats` calls.
 double median_seconds(int repeats, const std::function<void()>& fn);
+
+// One micro-batch of the options' model (flat buffers, no paging, recompute) on the CPU
+// backend, to time again and again: what measure_compute() times, and what a test times
+// beside each step it measures, so that both see the machine in the same state.
+class ComputeProbe {
+ public:
+  static Result<std::unique_ptr<ComputeProbe>> create(const MachineBenchOptions& options);
+  // Seconds of one forward and backward.
+  Result<double> run_once();
+  double flops() const { return flops_; }  // of one micro-batch, as the planner counts them
+
+ private:
+  ComputeProbe() = default;
+  std::unique_ptr<model::Model> net_;
+  std::vector<int32_t> tokens_;
+  int64_t B_ = 0, T_ = 0;
+  double flops_ = 0;
+};
 
 // The compute rate the backend's ops reach: FLOPs of the planner's count (micro_batch_flops)
 // over the median seconds of one micro-batch's forward and backward with recompute. On the

@@ -31,7 +31,6 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   PlanInput in;
   const uint64_t C = static_cast<uint64_t>(m.hidden_size), F = static_cast<uint64_t>(m.intermediate_size);
   const uint64_t V = static_cast<uint64_t>(m.vocab_size), L = static_cast<uint64_t>(m.num_hidden_layers);
-  const uint64_t qd = static_cast<uint64_t>(m.q_dim()), kvd = static_cast<uint64_t>(m.kv_dim());
   const uint64_t total = static_cast<uint64_t>(m.num_parameters());
   in.num_layers = m.num_hidden_layers;
   in.edge_elements = V * C * (m.tie_word_embeddings ? 1 : 2) + C;
@@ -54,12 +53,21 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   // Activations, in the shapes of model/activations.h, for N tokens per micro-batch.
   const uint64_t act = dtype_size(state.compute_dtype());
   const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
-  const uint64_t H = static_cast<uint64_t>(m.num_attention_heads);
   in.checkpoint_bytes_per_layer = N * C * act;
-  const uint64_t layer_floats = N * (3 * C + 2 + 2 * qd + 2 * kvd + H + 3 * F)   // forward intermediates
-                                + N * (2 * C + 2 * qd + 2 * kvd + 3 * F);         // backward scratch
-  const uint64_t kept_floats = N * (3 * C + 1);  // final norm output, its gradient, the residual gradient
-  in.layer_workspace_bytes = (layer_floats + kept_floats) * act;
+  // One layer's recompute and backward scratch, the final norm's buffers and the backend's
+  // own (MoE expert buffers): the decoder's activation table less its checkpoints, as the
+  // table sizes itself (the CPU backend's in its recipe; a GPU's activations are bf16 like the
+  // CPU bf16 recipe's). Kept layers hold every layer's intermediates but the last's besides.
+  auto table_bytes = [&](bool keep) {
+    const int64_t tokens = static_cast<int64_t>(N);
+    return state.compute_dtype() == DType::kF32
+               ? model::ActivationTable<kernels::CpuF32Ops>::bytes_for(m, tokens, false, keep)
+               : model::ActivationTable<kernels::CpuBf16Ops>::bytes_for(m, tokens, false, keep);
+  };
+  const uint64_t table = static_cast<uint64_t>(table_bytes(false));
+  const uint64_t checkpoints = (L + 1) * in.checkpoint_bytes_per_layer;
+  in.layer_workspace_bytes = table > checkpoints ? table - checkpoints : 0;
+  if (t.keep_activations == "true") in.kept_activation_bytes = static_cast<uint64_t>(table_bytes(true)) - table;
   const uint64_t loss_chunk = std::min<uint64_t>(N, 256);
   in.head_workspace_bytes = loss_chunk * V * 4;
 
@@ -79,18 +87,6 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   // Kept activations skip the recompute; auto keeps them only on cuda when they fit, which the
   // engine decides after planning, so auto is planned as recompute (the slower case).
   in.recompute = t.keep_activations != "true";
-  // Kept layers hold every layer's intermediates but the last's beside the table: what the
-  // decoder's activation table takes more with them (the CPU backend's table in its recipe; a
-  // GPU's activations are bf16 like the CPU bf16 recipe's).
-  if (!in.recompute) {
-    const bool offload = t.offload_activations == "true";
-    auto more = [&](auto ops) {
-      using Table = model::ActivationTable<decltype(ops)>;
-      return static_cast<uint64_t>(Table::bytes_for(m, static_cast<int64_t>(N), offload, true) -
-                                   Table::bytes_for(m, static_cast<int64_t>(N), offload, false));
-    };
-    in.kept_activation_bytes = state.compute_dtype() == DType::kF32 ? more(kernels::CpuF32Ops{}) : more(kernels::CpuBf16Ops{});
-  }
   in.overlap_optimizer = t.overlap_backward;
   in.flops_per_step = static_cast<double>(t.grad_accum) * micro_batch_flops(in);
 

@@ -9,11 +9,11 @@
 namespace strata {
 TEST(Scratch, Bytes) {
   model::ModelConfig mc = model::ModelConfig::preset("tiny").value();
-  mc.hidden_size = 128; mc.intermediate_size = 352; mc.num_hidden_layers = 4; mc.num_attention_heads = 4;
-  mc.num_key_value_heads = 2; mc.head_dim = 32; mc.vocab_size = 512; mc.tie_word_embeddings = false;
-  const int64_t B = 2, T = 64;
+  mc.hidden_size = 64; mc.intermediate_size = 176; mc.num_hidden_layers = 4; mc.num_attention_heads = 4; mc.num_experts = 4; mc.num_experts_per_tok = 2; mc.moe_intermediate_size = 88;
+  mc.num_key_value_heads = 2; mc.head_dim = 16; mc.vocab_size = 256; mc.tie_word_embeddings = false;
+  const int64_t B = 2, T = 32;
   auto batches = make_batches(4, B * T, 3);
-  TrainConfig t; t.micro_batch = B; t.seq_len = T; t.grad_accum = 2; t.keep_activations = "false"; t.offload_activations = "auto";
+  TrainConfig t; t.micro_batch = B; t.seq_len = T; t.grad_accum = 2; t.keep_activations = "true"; t.offload_activations = "auto";
   t.memory_host = 1ull << 30;
   t.chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(mc), t.precision);
   TrainConfig roomy = t; roomy.memory_device = 1ull << 30;
