@@ -137,7 +137,7 @@ Result<ComputeRate> measure_compute(const MachineBenchOptions& o) {
   step();
   const double first = seconds_since(start);
   RETURN_IF_ERROR(failed);
-  const int repeats = std::clamp(static_cast<int>((o.quick ? 0.25 : 0.5) / std::max(first, 1e-6)), 3, 25);
+  const int repeats = std::clamp(static_cast<int>((o.quick ? 0.25 : 0.5) / std::max(first, 1e-6)), o.quick ? 1 : 3, 25);
   ComputeRate r;
   r.seconds = median_seconds(repeats, step);
   RETURN_IF_ERROR(failed);

@@ -11,10 +11,15 @@
 //   nvme    the chunk space's nvme-tier peak, against the plan's nvme total;
 //   moved   bytes each way per step (ChunkSpaceStats counters over the timed steps, divided by
 //           their count), against the plan's h2d, d2h and disk traffic;
-//   time    the median of the timed steps (the first, warm-up step is not timed) against the
-//           plan's step_s.
-// Bytes must agree within 5%, the step time within 15%; a config whose timing misses is run
-// again (up to three times in all) rather than the bound widened: this machine is shared.
+//   time    each timed step (the first, warm-up step is not) against the plan's step_s for the
+//           compute rate measured just before it; the median of their ratios.
+// Tier peaks must agree within 5%, the step time within 15%; a config whose timing misses is
+// run again (up to three times in all) rather than the bound widened: this machine is shared.
+// Traffic agrees within 5% where nothing streams; under tight budgets the plan counts what the
+// schedule moves when no chunk stays cached beyond the plan's homes and working set, and the
+// chunk space's Belady eviction keeps some in the working set's slots between uses (the last
+// layers of forward for backward, the first of backward for the next forward), so there the
+// plan is an upper bound that the test holds it to (within 5%), and the table shows the gap.
 #include <gtest/gtest.h>
 #include <omp.h>
 #if STRATA_HAVE_OPENBLAS
@@ -159,6 +164,9 @@ class PlanAccuracy : public ::testing::Test {
       t.memory_host = through_host.host.total() - optimizer / 2;
       t.nvme_path = nvme_dir;
       t.nvme_size = 1ull << 30;
+      // Then exactly what that plan keeps on the host (whole groups spill, which leaves some of
+      // the first budget over): a tight budget has no room to cache beyond the plan.
+      t.memory_host = make_plan(make_plan_input(mc, t, false)).host.total();
     }
     return t;
   }
@@ -262,19 +270,27 @@ TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytesAndStepTime) {
     const struct {
       const char* what;
       double planned, measured, tol;
+      bool traffic;
     } rows[] = {
-        {"device", static_cast<double>(plan.device.total()), m->device, 0.05},
-        {"host", static_cast<double>(plan.host.total()), m->host, 0.05},
-        {"nvme", static_cast<double>(plan.nvme.total()), m->nvme, 0.05},
-        {"h2d/step", static_cast<double>(plan.h2d_bytes), m->h2d, 0.05},
-        {"d2h/step", static_cast<double>(plan.d2h_bytes), m->d2h, 0.05},
-        {"disk/step", static_cast<double>(plan.disk_read_bytes + plan.disk_write_bytes), m->disk, 0.05},
+        {"device", static_cast<double>(plan.device.total()), m->device, 0.05, false},
+        {"host", static_cast<double>(plan.host.total()), m->host, 0.05, false},
+        {"nvme", static_cast<double>(plan.nvme.total()), m->nvme, 0.05, false},
+        {"h2d/step", static_cast<double>(plan.h2d_bytes), m->h2d, 0.05, true},
+        {"d2h/step", static_cast<double>(plan.d2h_bytes), m->d2h, 0.05, true},
+        {"disk/step", static_cast<double>(plan.disk_read_bytes + plan.disk_write_bytes), m->disk, 0.05, true},
     };
     for (const auto& r : rows) {
-      table += fmt::format("{:<24} {:>9} {:>10.4g} {:>10.4g} {:>6.3f}\n", c.name, r.what, r.planned, r.measured,
-                           r.measured > 0 ? r.planned / r.measured : (r.planned == 0 ? 1.0 : INFINITY));
-      EXPECT_TRUE(close(r.planned, r.measured, r.tol))
-          << c.name << ": " << r.what << " planned " << r.planned << ", measured " << r.measured;
+      const bool bound = r.traffic && c.budget != Budget::kRoomy;  // an upper bound, see the top
+      table += fmt::format("{:<24} {:>9} {:>10.4g} {:>10.4g} {:>6.3f}{}\n", c.name, r.what, r.planned, r.measured,
+                           r.measured > 0 ? r.planned / r.measured : (r.planned == 0 ? 1.0 : INFINITY),
+                           bound ? "  (bound)" : "");
+      if (bound) {
+        EXPECT_TRUE(r.measured <= r.planned * (1 + r.tol))
+            << c.name << ": " << r.what << " planned at most " << r.planned << ", measured " << r.measured;
+      } else {
+        EXPECT_TRUE(close(r.planned, r.measured, r.tol))
+            << c.name << ": " << r.what << " planned " << r.planned << ", measured " << r.measured;
+      }
     }
     table += fmt::format("{:<24} {:>9} {:>10.4g} {:>10.4g} {:>6.3f}\n", c.name, "step ms", m->predicted_s * 1e3,
                          m->step_s * 1e3, m->ratio);
