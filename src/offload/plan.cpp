@@ -1,6 +1,7 @@
 #include "offload/plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -240,15 +241,20 @@ Plan make_plan(const PlanInput& in) {
   const MachineRates& r = in.rates;
   const double ov = std::clamp(r.copy_overlap, 0.0, 1.0);
   const double Ld = static_cast<double>(L);
+  // Chunks move one by one, each with a cost of its own beside its bytes (a task on a copy
+  // stream, its events); without a fixed chunk size, a layer's worth is one move.
+  const double move_bytes = static_cast<double>(in.chunk_size ? in.chunk_size : std::max<uint64_t>(layer.param, 1));
+  auto moves = [&](uint64_t bytes) { return std::ceil(static_cast<double>(bytes) / move_bytes) * r.copy_latency_s; };
   auto copy_seconds = [&](uint64_t h2d, uint64_t d2h) {
-    const double h = static_cast<double>(h2d) / r.h2d_bytes_per_s, d = static_cast<double>(d2h) / r.d2h_bytes_per_s;
-    return std::max({h, d, static_cast<double>(h2d + d2h) / r.both_bytes_per_s});
+    const double h = static_cast<double>(h2d) / r.h2d_bytes_per_s + moves(h2d);
+    const double d = static_cast<double>(d2h) / r.d2h_bytes_per_s + moves(d2h);
+    return std::max({h, d, static_cast<double>(h2d + d2h) / r.both_bytes_per_s + moves(h2d + d2h) / 2});
   };
   auto phase = [&](double flops, uint64_t h2d, uint64_t d2h, uint64_t first_h2d) {
     PhaseTime t;
     t.compute_s = flops / r.compute_flops;
-    t.h2d_s = static_cast<double>(h2d) / r.h2d_bytes_per_s;
-    t.d2h_s = static_cast<double>(d2h) / r.d2h_bytes_per_s;
+    t.h2d_s = static_cast<double>(h2d) / r.h2d_bytes_per_s + moves(h2d);
+    t.d2h_s = static_cast<double>(d2h) / r.d2h_bytes_per_s + moves(d2h);
     t.copy_s = copy_seconds(h2d, d2h);
     const double fill = std::min(t.copy_s, static_cast<double>(first_h2d) / r.h2d_bytes_per_s);
     t.exposed_s = t.copy_s - ov * std::min(t.copy_s - fill, t.compute_s);
@@ -269,8 +275,8 @@ Plan make_plan(const PlanInput& in) {
   // overlapped the norm is taken group by group inside it.
   const double passes = in.overlap_optimizer ? 1.0 : 2.0;
   ph.grad_passes_s = passes * static_cast<double>(grad_total) / r.device_memory_bytes_per_s +
-                     (1 - ov) * (static_cast<double>(pass_h2d) / r.h2d_bytes_per_s +
-                                 static_cast<double>(pass_d2h) / r.d2h_bytes_per_s) +
+                     (1 - ov) * (static_cast<double>(pass_h2d) / r.h2d_bytes_per_s + moves(pass_h2d) +
+                                 static_cast<double>(pass_d2h) / r.d2h_bytes_per_s + moves(pass_d2h)) +
                      ov * copy_seconds(pass_h2d, pass_d2h);
   // AdamW on the device for the device groups; on the CPU for the others, whose nvme reads and
   // writes and copies to and from the device the CPU cannot overlap with its own AdamW on the

@@ -43,6 +43,7 @@ struct MachineRates {
   double h2d_bytes_per_s = 55e9;      // pinned host -> device
   double d2h_bytes_per_s = 55e9;      // device -> pinned host
   double both_bytes_per_s = 87e9;     // both directions at once, the two together
+  double copy_latency_s = 10e-6;      // each chunk move's own cost beyond its bytes
   // Share of copy time that can run beside compute: 1 with a GPU's copy engines; on the CPU
   // backend copies are memcpys on stream threads that take the cores compute uses (near 0).
   double copy_overlap = 1.0;

@@ -107,9 +107,10 @@ Result<std::unique_ptr<ComputeProbe>> ComputeProbe::create(const MachineBenchOpt
   t.micro_batch = o.micro_batch;
   t.seq_len = o.seq_len;
   t.grad_accum = 1;
-  t.keep_activations = "false";
+  t.keep_activations = o.keep_activations ? "true" : "false";
   p->flops_ = micro_batch_flops(make_plan_input(o.model, t, /*cuda=*/false));
   p->net_ = model::make_cpu_decoder(DType::kF32, o.model, /*flat_buffers=*/true);
+  p->net_->set_keep_layer_activations(o.keep_activations);
   p->tokens_.resize(static_cast<size_t>(p->B_ * p->T_));
   for (size_t i = 0; i < p->tokens_.size(); ++i) p->tokens_[i] = static_cast<int32_t>((i * 7919) % o.model.vocab_size);
   return p;
@@ -201,6 +202,20 @@ Result<CopyRates> measure_copies(Device& device, uint64_t bytes, int repeats) {
     h2d->synchronize();
     d2h->synchronize();
   });
+  // Many 4 KiB copies queued at once, each behind an event as a chunk move is: what one copy
+  // costs beyond its bytes.
+  constexpr int kSmall = 256;
+  constexpr uint64_t kSmallBytes = 4096;
+  std::unique_ptr<Event> event = device.create_event();
+  const double small = median_seconds(repeats, [&] {
+    for (int i = 0; i < kSmall; ++i) {
+      h2d->wait(*event);
+      device.copy(static_cast<char*>(up.data()) + (i % 64) * kSmallBytes, host_src.data(), kSmallBytes, *h2d);
+      event->record(*h2d);
+    }
+    h2d->synchronize();
+  });
+  r.latency_s = std::max(0.0, small / kSmall - static_cast<double>(kSmallBytes) / r.h2d);
   return r;
 }
 
@@ -328,10 +343,12 @@ Result<MachineProfile> bench_machine(const MachineBenchOptions& o) {
   r.h2d_bytes_per_s = copies.h2d;
   r.d2h_bytes_per_s = copies.d2h;
   r.both_bytes_per_s = copies.both;
+  r.copy_latency_s = copies.latency_s;
   const double half_memcpy = memcpy_rate / 2 / 1e9;  // a copy's bytes counted once, as memcpy moves them
   add("h2d", copies.h2d / 1e9, "GB/s", "memcpy", half_memcpy);
   add("d2h", copies.d2h / 1e9, "GB/s", "memcpy", half_memcpy);
   add("both", copies.both / 1e9, "GB/s", "memcpy", half_memcpy);
+  add("copy_latency", copies.latency_s * 1e6, "us", "a 4 KiB memcpy", 4096.0 / (memcpy_rate / 2) * 1e6);
 
   // AdamW over the model's own tensors (the first ones up to a cap), one call per tensor.
   const int64_t cap = o.quick ? (int64_t{4} << 20) : (int64_t{32} << 20);
@@ -398,6 +415,8 @@ std::string hardware_yaml(const MachineProfile& p) {
   y += fmt::format("  d2h_gbps: {:.6g}            # device to host, 10^9 bytes/s\n", r.d2h_bytes_per_s / 1e9);
   y += fmt::format("  both_gbps: {:.6g}           # both directions at once, together, 10^9 bytes/s\n",
                    r.both_bytes_per_s / 1e9);
+  y += fmt::format("  copy_latency_us: {:.4g}      # each chunk move's own cost beyond its bytes, microseconds\n",
+                   r.copy_latency_s * 1e6);
   y += fmt::format("  copy_overlap: {:.3g}        # share of copy time hidden behind compute, 0..1\n", r.copy_overlap);
   y += fmt::format("  disk_read_gbps: {:.6g}      # 10^9 bytes/s\n", r.disk_read_bytes_per_s / 1e9);
   y += fmt::format("  disk_write_gbps: {:.6g}     # 10^9 bytes/s\n", r.disk_write_bytes_per_s / 1e9);

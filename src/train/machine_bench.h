@@ -31,6 +31,7 @@ struct MachineBenchOptions {
   model::ModelConfig model;
   int64_t micro_batch = 1;
   int64_t seq_len = 128;
+  bool keep_activations = false;  // time the model as memory.keep_activations=true runs it
 };
 
 // One measured figure beside its reference, both in `unit`.
@@ -84,6 +85,7 @@ Result<ComputeRate> measure_compute(const MachineBenchOptions& options);
 // once (two streams), of `bytes` per copy.
 struct CopyRates {
   double h2d = 0, d2h = 0, both = 0;  // bytes/s
+  double latency_s = 0;  // each copy's own cost beyond its bytes, from many small copies queued
 };
 Result<CopyRates> measure_copies(Device& device, uint64_t bytes, int repeats);
 

@@ -29,7 +29,7 @@ uint64_t default_host_budget() {
 
 PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, bool cuda) {
   PlanInput in;
-  const uint64_t C = static_cast<uint64_t>(m.hidden_size), F = static_cast<uint64_t>(m.intermediate_size);
+  const uint64_t C = static_cast<uint64_t>(m.hidden_size);
   const uint64_t V = static_cast<uint64_t>(m.vocab_size), L = static_cast<uint64_t>(m.num_hidden_layers);
   const uint64_t total = static_cast<uint64_t>(m.num_parameters());
   in.num_layers = m.num_hidden_layers;
@@ -121,6 +121,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   in.rates.cpu_adam_params_per_s = t.cpu_adam_params_per_s;
   in.rates.both_bytes_per_s = t.both_bytes_per_s;
   in.rates.copy_overlap = t.copy_overlap;
+  in.rates.copy_latency_s = t.copy_latency_s;
   in.rates.device_adam_params_per_s = t.device_adam_params_per_s;
   in.rates.device_memory_bytes_per_s = t.device_memory_bytes_per_s;
   return in;

@@ -94,6 +94,8 @@ ConfigSchema build_schema() {
          .help = "device-to-host bandwidth in GB/s"});
   s.add({.name = "hardware.both_gbps", .type = T::kFloat, .default_value = "87", .min = 1e-6,
          .help = "host-to-device and device-to-host at once, both directions together, in GB/s"});
+  s.add({.name = "hardware.copy_latency_us", .type = T::kFloat, .default_value = "10", .min = 0,
+         .help = "each chunk move's own cost beyond its bytes (a copy-stream task and its events), in microseconds"});
   s.add({.name = "hardware.copy_overlap", .type = T::kFloat, .default_value = "1", .min = 0, .max = 1,
          .help = "share of copy time that can run beside compute: 1 with a GPU's copy engines, near 0 on the cpu "
                  "backend, whose copies take the cores compute uses"});
@@ -229,6 +231,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.cpu_adam_params_per_s = c.get_float("hardware.cpu_adam_gparams") * 1e9;
   t.both_bytes_per_s = c.get_float("hardware.both_gbps") * 1e9;
   t.copy_overlap = c.get_float("hardware.copy_overlap");
+  t.copy_latency_s = c.get_float("hardware.copy_latency_us") * 1e-6;
   t.device_adam_params_per_s = c.get_float("hardware.device_adam_gparams") * 1e9;
   t.device_memory_bytes_per_s = c.get_float("hardware.device_mem_gbps") * 1e9;
   t.hardware_profile = c.get_string("hardware.profile");

@@ -25,7 +25,8 @@ printed beside a reference measured in the same run:
                 the share of a copy stream's work that hides behind that compute (copy_overlap:
                 near 0 on the cpu backend, whose copies take the cores compute uses)
   h2d, d2h      host<->device copies through the device's copy streams, each way alone and
-  both          both at once (on the cpu backend: memcpys on stream threads)
+  both          both at once (on the cpu backend: memcpys on stream threads), and what each
+                small copy costs beyond its bytes (copy_latency)
   cpu_adam      the SIMD AdamW on all cores (and the cpu backend's device-tier AdamW)
   disk          O_DIRECT write and read through the IoEngine in DIR, as the nvme tier uses it
   memcpy        a STREAM-like copy on all threads: the bound the copies are compared with
@@ -87,6 +88,7 @@ int bench_machine_command(const std::vector<std::string>& args) {
   o.model = *mc;
   o.micro_batch = tc->micro_batch;
   o.seq_len = tc->seq_len;
+  o.keep_activations = tc->keep_activations == "true";
   std::printf("machine benchmark: %s backend, compute on %lld x %lld tokens of a %lld-layer model, hidden %lld%s\n",
               o.device.c_str(), static_cast<long long>(o.micro_batch), static_cast<long long>(o.seq_len),
               static_cast<long long>(mc->num_hidden_layers), static_cast<long long>(mc->hidden_size),
