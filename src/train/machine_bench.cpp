@@ -331,12 +331,16 @@ Result<MachineProfile> bench_machine(const MachineBenchOptions& o) {
   // Compute, on the model's shapes, against the compute of the same micro-batch a dense GEMM
   // rate would predict is not measured here: the reference is the memcpy bound's FLOP-free
   // figure, so the compute line stands alone.
-  ASSIGN_OR_RETURN(ComputeRate compute, measure_compute(o));
-  r.compute_flops = compute.flops_per_s;
-  r.copy_overlap = compute.copy_overlap;
-  add("compute", compute.flops_per_s / 1e12, "TFLOP/s", fmt::format("one micro-batch, {:.3g} s", compute.seconds),
-      compute.seconds);
-  add("copy_overlap", compute.copy_overlap, "share", "1 = copies fully hidden behind compute", 1.0);
+  if (o.device == "cpu") {
+    ASSIGN_OR_RETURN(ComputeRate compute, measure_compute(o));
+    r.compute_flops = compute.flops_per_s;
+    r.copy_overlap = compute.copy_overlap;
+    add("compute", compute.flops_per_s / 1e12, "TFLOP/s", fmt::format("one micro-batch, {:.3g} s", compute.seconds),
+        compute.seconds);
+    add("copy_overlap", compute.copy_overlap, "share", "1 = copies fully hidden behind compute", 1.0);
+  }
+  // On cuda the compute rate is not measured here yet: the profile keeps the default (an H200's
+  // bf16 GEMM rate) and copy engines that run beside compute (copy_overlap 1).
 
   ASSIGN_OR_RETURN(std::unique_ptr<Device> device, open_device(o.device, 0, 0));
   ASSIGN_OR_RETURN(CopyRates copies, measure_copies(*device, copy_bytes, repeats));

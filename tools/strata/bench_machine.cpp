@@ -20,7 +20,8 @@ constexpr const char* kUsage = R"(Usage: strata bench machine [CONFIG.yaml] [key
 
 Measures on this machine the rates `strata plan` and `strata train` predict a step with, each
 printed beside a reference measured in the same run:
-  compute       FLOP/s the backend's ops reach on one micro-batch of the config's model
+  compute       (cpu only; on cuda the profile keeps hardware.gpu_tflops's default)
+                FLOP/s the backend's ops reach on one micro-batch of the config's model
                 (forward and backward with recompute, FLOPs as the planner counts them), and
                 the share of a copy stream's work that hides behind that compute (copy_overlap:
                 near 0 on the cpu backend, whose copies take the cores compute uses)
