@@ -1,6 +1,7 @@
 #include "offload/plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -72,7 +73,7 @@ Plan make_plan(const PlanInput& in) {
   // 1. The device working set while everything streams.
   const uint64_t ws_param = std::max(edge.param + layer.param, 2 * layer.param);
   const uint64_t ws_grad = std::max(edge.grad + layer.grad, 2 * layer.grad);
-  const uint64_t ws_act = in.layer_workspace_bytes + in.head_workspace_bytes;
+  const uint64_t ws_act = in.layer_workspace_bytes + in.head_workspace_bytes + in.kept_activation_bytes;
   const uint64_t ws_ckpt_offloaded = 2 * in.checkpoint_bytes_per_layer;
   bool offload = in.offload_activations == "true";
   uint64_t minimum = ws_param + ws_grad + ws_act + (offload ? ws_ckpt_offloaded : ckpt_all);
@@ -190,45 +191,135 @@ Plan make_plan(const PlanInput& in) {
   }
   p.fits = true;
 
-  // 4. Traffic per optimizer step.
+  // 4. Traffic per optimizer step, by phase: what one micro-batch's forward and backward move,
+  // and what moves once per step for the gradient passes and the optimizer.
   const uint64_t accum = static_cast<uint64_t>(std::max<int64_t>(1, in.grad_accum));
   // The experts a micro-batch leaves without tokens, which a streamed layer does not move.
   const double idle = std::clamp(1.0 - in.expert_fetch_fraction, 0.0, 1.0);
   const uint64_t idle_experts = static_cast<uint64_t>(idle * static_cast<double>(in.expert_elements));
+  uint64_t fwd_h2d = 0, fwd_d2h = 0, bwd_h2d = 0, bwd_d2h = 0, opt_h2d = 0, opt_d2h = 0;
+  uint64_t first_layer_h2d = 0;  // what the first layer of a phase needs before it can start
   for (int64_t g = 0; g < groups; ++g) {
     const GroupBytes& b = gb(g);
     const uint64_t idle_param = g == L ? 0 : std::min(b.param, idle_experts * in.param_bytes);
     const uint64_t idle_grad = g == L ? 0 : std::min(b.grad, idle_experts * in.grad_bytes);
-    if (!param_res[g]) p.h2d_bytes += 2 * accum * (b.param - idle_param);  // forward, and backward's recompute
-    else if (!opt_dev[g]) p.h2d_bytes += b.param;                          // the updated copy after CPU AdamW
-    if (!grad_res[g]) p.d2h_bytes += accum * (b.grad - idle_grad);          // streamed out per micro-batch
-    else if (!opt_dev[g]) p.d2h_bytes += b.grad;                // once, for CPU AdamW
+    if (!param_res[g]) {  // forward, and backward's recompute
+      fwd_h2d += b.param - idle_param;
+      bwd_h2d += b.param - idle_param;
+      if (g != L) first_layer_h2d = b.param - idle_param;
+    } else if (!opt_dev[g]) {
+      opt_h2d += b.param;  // the updated copy after CPU AdamW
+    }
+    if (!grad_res[g]) {  // accumulated on the device: read in and written back per micro-batch
+      bwd_h2d += b.grad - idle_grad;
+      bwd_d2h += b.grad - idle_grad;
+    }
+    else if (!opt_dev[g]) opt_d2h += b.grad;          // once, for CPU AdamW
     if (!opt_dev[g]) p.cpu_adam_elements += (g == L ? in.edge_elements : in.layer_elements);
   }
   if (offload) {
-    p.d2h_bytes += accum * static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
-    p.h2d_bytes += accum * static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
+    fwd_d2h += static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
+    bwd_h2d += static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
   }
+  // Zeroing writes each streamed gradient on the device and sends it back; the norm (unless it
+  // is taken inside the overlapped optimizer) reads each one there once more.
+  uint64_t grad_total = 0, streamed_grad = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    grad_total += gb(g).grad;
+    if (!grad_res[g]) streamed_grad += gb(g).grad;
+  }
+  const uint64_t pass_d2h = streamed_grad, pass_h2d = in.overlap_optimizer ? 0 : streamed_grad;
+  p.h2d_bytes = accum * (fwd_h2d + bwd_h2d) + opt_h2d + pass_h2d;
+  p.d2h_bytes = accum * (fwd_d2h + bwd_d2h) + opt_d2h + pass_d2h;
   p.disk_read_bytes = p.nvme.total();
   p.disk_write_bytes = p.nvme.total();
 
-  // 5. Time, assuming the copy engines, the CPU and the disk all overlap with compute (the
-  // schedule is known in advance, so prefetch can hide everything but the largest term).
+  // 5. Time, phase by phase, as the engine schedules the step. Within a phase the copy streams
+  // prefetch along the schedule while compute runs, so a transfer hides behind the compute of
+  // the layers before it; the first layer's parameters cannot (nothing runs before them), and
+  // on the CPU backend copies take the cores compute uses (rates.copy_overlap near 0).
   const MachineRates& r = in.rates;
-  p.compute_s = in.flops_per_step / r.compute_flops;
-  p.h2d_s = static_cast<double>(p.h2d_bytes) / r.h2d_bytes_per_s;
-  p.d2h_s = static_cast<double>(p.d2h_bytes) / r.d2h_bytes_per_s;
+  const double ov = std::clamp(r.copy_overlap, 0.0, 1.0);
+  const double Ld = static_cast<double>(L);
+  // Chunks move one by one, each with a cost of its own beside its bytes (a task on a copy
+  // stream, its events); without a fixed chunk size, a layer's worth is one move.
+  const double move_bytes = static_cast<double>(in.chunk_size ? in.chunk_size : std::max<uint64_t>(layer.param, 1));
+  auto moves = [&](uint64_t bytes) { return std::ceil(static_cast<double>(bytes) / move_bytes) * r.copy_latency_s; };
+  auto copy_seconds = [&](uint64_t h2d, uint64_t d2h) {
+    const double h = static_cast<double>(h2d) / r.h2d_bytes_per_s + moves(h2d);
+    const double d = static_cast<double>(d2h) / r.d2h_bytes_per_s + moves(d2h);
+    return std::max({h, d, static_cast<double>(h2d + d2h) / r.both_bytes_per_s + moves(h2d + d2h) / 2});
+  };
+  auto phase = [&](double flops, uint64_t h2d, uint64_t d2h, uint64_t first_h2d) {
+    PhaseTime t;
+    t.compute_s = flops / r.compute_flops;
+    t.h2d_s = static_cast<double>(h2d) / r.h2d_bytes_per_s + moves(h2d);
+    t.d2h_s = static_cast<double>(d2h) / r.d2h_bytes_per_s + moves(d2h);
+    t.copy_s = copy_seconds(h2d, d2h);
+    const double fill = std::min(t.copy_s, static_cast<double>(first_h2d) / r.h2d_bytes_per_s);
+    t.exposed_s = t.copy_s - ov * std::min(t.copy_s - fill, t.compute_s);
+    return t;
+  };
+  StepPhases& ph = p.phases;
+  ph.micro_batches = static_cast<int64_t>(accum);
+  const double recompute_layers = in.recompute ? std::max(0.0, Ld - 1) : 0.0;
+  double forward_flops = Ld * in.layer_forward_flops + 3 * in.head_forward_flops;
+  double backward_flops = (2 * Ld + recompute_layers) * in.layer_forward_flops;
+  if (forward_flops + backward_flops == 0) {  // only the step's total given: a third forward
+    forward_flops = in.flops_per_step / static_cast<double>(accum) / 3;
+    backward_flops = 2 * forward_flops;
+  }
+  ph.forward = phase(forward_flops, fwd_h2d, fwd_d2h, first_layer_h2d);
+  ph.backward = phase(backward_flops, bwd_h2d, bwd_d2h, first_layer_h2d + (offload ? in.checkpoint_bytes_per_layer : 0));
+  // Zeroing writes every gradient and the norm reads it, with their copies; with the optimizer
+  // overlapped the norm is taken group by group inside it.
+  const double passes = in.overlap_optimizer ? 1.0 : 2.0;
+  ph.grad_passes_s = passes * static_cast<double>(grad_total) / r.device_memory_bytes_per_s +
+                     (1 - ov) * (static_cast<double>(pass_h2d) / r.h2d_bytes_per_s + moves(pass_h2d) +
+                                 static_cast<double>(pass_d2h) / r.d2h_bytes_per_s + moves(pass_d2h)) +
+                     ov * copy_seconds(pass_h2d, pass_d2h);
+  // AdamW on the device for the device groups; on the CPU for the others, whose nvme reads and
+  // writes and copies to and from the device the CPU cannot overlap with its own AdamW on the
+  // CPU backend (ov 0), and can with a GPU's copy engines (ov 1).
+  uint64_t device_adam_elements = 0;
+  for (int64_t g = 0; g < groups; ++g)
+    if (opt_dev[g]) device_adam_elements += (g == L ? in.edge_elements : in.layer_elements);
   p.cpu_adam_s = static_cast<double>(p.cpu_adam_elements) / r.cpu_adam_params_per_s;
   p.disk_s = static_cast<double>(p.disk_read_bytes) / r.disk_read_bytes_per_s +
              static_cast<double>(p.disk_write_bytes) / r.disk_write_bytes_per_s;
-  const std::pair<double, const char*> terms[] = {{p.compute_s, "compute"},
-                                                  {p.h2d_s, "PCIe host-to-device"},
-                                                  {p.d2h_s, "PCIe device-to-host"},
-                                                  {p.cpu_adam_s, "CPU AdamW"},
-                                                  {p.disk_s, "disk"}};
-  for (const auto& [s, name] : terms)
-    if (s >= p.step_s) p.step_s = s, p.bottleneck = name;
+  const double opt_copies = copy_seconds(opt_h2d, opt_d2h);
+  const double device_adam_s = static_cast<double>(device_adam_elements) / r.device_adam_params_per_s;
+  ph.optimizer_s = device_adam_s + p.disk_s + std::max(p.cpu_adam_s, opt_copies) + (1 - ov) * std::min(p.cpu_adam_s, opt_copies);
+  // Overlapped with backward, each group's update runs beside the backward of the layers below
+  // it, all but the last group's (the embedding) — on cores of their own only where copies and
+  // compute do not share them.
+  if (in.overlap_optimizer && groups > 0)
+    ph.optimizer_hidden_s = ov * std::min(ph.optimizer_s * Ld / static_cast<double>(groups), ph.backward.total_s());
+
+  const double mb = static_cast<double>(accum);
+  p.compute_s = mb * (ph.forward.compute_s + ph.backward.compute_s);
+  p.h2d_s = static_cast<double>(p.h2d_bytes) / r.h2d_bytes_per_s;
+  p.d2h_s = static_cast<double>(p.d2h_bytes) / r.d2h_bytes_per_s;
+  p.exposed_transfer_s = mb * (ph.forward.exposed_s + ph.backward.exposed_s);
+  p.optimizer_tail_s = ph.optimizer_s - ph.optimizer_hidden_s;
+  p.step_s = ph.step_s();
+  // What bounds the step: the largest of its parts.
+  const double opt_cpu = p.optimizer_tail_s - std::min(p.optimizer_tail_s, p.disk_s);
+  const std::pair<double, const char*> terms[] = {
+      {p.compute_s, "compute"},
+      {p.exposed_transfer_s, p.h2d_bytes >= p.d2h_bytes ? "PCIe host-to-device" : "PCIe device-to-host"},
+      {opt_cpu, "CPU AdamW"},
+      {std::min(p.optimizer_tail_s, p.disk_s), "disk"}};
+  double largest = -1;
+  for (const auto& term : terms)
+    if (term.first > largest) largest = term.first, p.bottleneck = term.second;
   return p;
+}
+
+double micro_batch_flops(const PlanInput& in) {
+  const double L = static_cast<double>(in.num_layers);
+  const double recompute_layers = in.recompute ? std::max(0.0, L - 1) : 0.0;
+  return (3 * L + recompute_layers) * in.layer_forward_flops + 3 * in.head_forward_flops;
 }
 
 std::string format_plan(const PlanInput& in, const Plan& p) {
@@ -263,9 +354,23 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
   os << fmt::format("  per step: host->device {}, device->host {}, disk read {}, write {}, CPU AdamW {:.3g}M params\n",
                     format_bytes(p.h2d_bytes), format_bytes(p.d2h_bytes), format_bytes(p.disk_read_bytes),
                     format_bytes(p.disk_write_bytes), p.cpu_adam_elements / 1e6);
-  os << fmt::format("  predicted step {} (compute {}, h2d {}, d2h {}, CPU AdamW {}, disk {}); bound by {}\n",
-                    format_seconds(p.step_s), format_seconds(p.compute_s), format_seconds(p.h2d_s),
-                    format_seconds(p.d2h_s), format_seconds(p.cpu_adam_s), format_seconds(p.disk_s), p.bottleneck);
+  os << fmt::format("  predicted step {}: compute {}, copies not hidden {}, optimizer after backward {}; bound by {}\n",
+                    format_seconds(p.step_s), format_seconds(p.compute_s), format_seconds(p.exposed_transfer_s),
+                    format_seconds(p.optimizer_tail_s), p.bottleneck);
+  const StepPhases& ph = p.phases;
+  auto phase_row = [&](const char* name, const PhaseTime& t) {
+    os << fmt::format("    {:<30} {:>10} = compute {} + stall {} (copies {}: h2d {}, d2h {})\n", name,
+                      format_seconds(t.total_s()), format_seconds(t.compute_s), format_seconds(t.exposed_s),
+                      format_seconds(t.copy_s), format_seconds(t.h2d_s), format_seconds(t.d2h_s));
+  };
+  os << fmt::format("  per phase ({} micro-batch{}):\n", ph.micro_batches, ph.micro_batches == 1 ? "" : "es");
+  phase_row("forward, per micro-batch", ph.forward);
+  phase_row(in.recompute ? "recompute+backward, per m-b" : "backward, per micro-batch", ph.backward);
+  os << fmt::format("    {:<30} {:>10}\n", "gradient zeroing and norm", format_seconds(ph.grad_passes_s));
+  os << fmt::format("    {:<30} {:>10} (CPU AdamW {}, disk {}){}\n", "optimizer", format_seconds(ph.optimizer_s),
+                    format_seconds(p.cpu_adam_s), format_seconds(p.disk_s),
+                    ph.optimizer_hidden_s > 0 ? fmt::format(", {} of it during backward", format_seconds(ph.optimizer_hidden_s))
+                                              : std::string());
   if (in.tokens_per_step > 0 && p.step_s > 0)
     os << fmt::format("  predicted throughput {:.0f} tokens/s\n", in.tokens_per_step / p.step_s);
   return os.str();

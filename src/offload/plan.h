@@ -36,14 +36,22 @@ struct KindBytes {
   KindBytes& operator+=(const KindBytes& o);
 };
 
-// The machine's rates: defaults are the H200 box of DESIGN §2; `strata bench` measures them.
+// The machine's rates: defaults are the H200 box of DESIGN §2; `strata bench machine` measures
+// them (train/machine_bench.h) and writes them as hardware.* keys.
 struct MachineRates {
-  double compute_flops = 781e12;      // dense GEMM rate the model runs at
+  double compute_flops = 781e12;      // what the backend's ops reach on the model's shapes
   double h2d_bytes_per_s = 55e9;      // pinned host -> device
   double d2h_bytes_per_s = 55e9;      // device -> pinned host
+  double both_bytes_per_s = 87e9;     // both directions at once, the two together
+  double copy_latency_s = 10e-6;      // each chunk move's own cost beyond its bytes
+  // Share of copy time that can run beside compute: 1 with a GPU's copy engines; on the CPU
+  // backend copies are memcpys on stream threads that take the cores compute uses (near 0).
+  double copy_overlap = 1.0;
   double disk_read_bytes_per_s = 1.7e9;
   double disk_write_bytes_per_s = 1.7e9;
-  double cpu_adam_params_per_s = 3.66e9;
+  double cpu_adam_params_per_s = 3.66e9;      // SIMD AdamW on host memory, all cores
+  double device_adam_params_per_s = 150e9;    // AdamW on the device tier (HBM / 28 B)
+  double device_memory_bytes_per_s = 4.2e12;  // read + write, for the passes over the gradients
 };
 
 struct PlanInput {
@@ -63,10 +71,19 @@ struct PlanInput {
   uint64_t checkpoint_bytes_per_layer = 0;  // the layer-boundary checkpoint
   uint64_t layer_workspace_bytes = 0;       // one layer's recomputation and backward scratch
   uint64_t head_workspace_bytes = 0;        // chunked LM head + cross-entropy
+  uint64_t kept_activation_bytes = 0;       // every layer's intermediates kept (no recompute)
   // Work per optimizer step.
   int64_t grad_accum = 1;
   int64_t tokens_per_step = 0;
   double flops_per_step = 0;  // including recomputation
+  // Work of one micro-batch, for the per-phase time model: the forward FLOPs of one decoder
+  // layer (the experts a token reaches, not all of them) and of the head (final norm, LM head,
+  // cross-entropy). Backward costs twice a forward; recompute adds one forward of every layer
+  // but the last (whose intermediates are still in the scratch).
+  double layer_forward_flops = 0;
+  double head_forward_flops = 0;
+  bool recompute = true;           // false with memory.keep_activations
+  bool overlap_optimizer = false;  // AdamW starts on each group as backward finishes with it
   // Budgets; 0 nvme bytes means no nvme tier.
   uint64_t device_budget = 0;
   uint64_t host_budget = 0;
@@ -88,6 +105,32 @@ struct PlanInput {
   MachineRates rates;
 };
 
+// Predicted seconds of one phase of a step: its compute, the copy time its transfers take,
+// and of that what compute cannot hide (the stall the engine reports).
+struct PhaseTime {
+  double compute_s = 0;
+  double h2d_s = 0, d2h_s = 0;  // each direction alone
+  double copy_s = 0;            // both directions, on two copy streams, as they share the link
+  double exposed_s = 0;         // copy time not hidden behind compute
+  double total_s() const { return compute_s + exposed_s; }
+};
+
+// The step as the engine schedules it: grad_accum x (forward, backward), then the passes over
+// every gradient (zeroing before the step, the norm after backward), then the optimizer.
+struct StepPhases {
+  int64_t micro_batches = 1;
+  PhaseTime forward;   // one micro-batch: embedding, the layers, the head's forward and backward
+  PhaseTime backward;  // one micro-batch: recompute and backward of the layers
+  double grad_passes_s = 0;   // zeroing and the norm over every gradient, with their copies
+  double optimizer_s = 0;     // AdamW on the device and on the CPU, the nvme reads and writes,
+                              // the updated parameters' and final gradients' copies
+  double optimizer_hidden_s = 0;  // of it, what ran during backward (optim.overlap_backward)
+  double step_s() const {
+    return static_cast<double>(micro_batches) * (forward.total_s() + backward.total_s()) + grad_passes_s +
+           optimizer_s - optimizer_hidden_s;
+  }
+};
+
 struct Plan {
   bool fits = false;
   std::string problem;                   // why it does not fit (empty when it does)
@@ -104,10 +147,18 @@ struct Plan {
   // Traffic per optimizer step.
   uint64_t h2d_bytes = 0, d2h_bytes = 0, disk_read_bytes = 0, disk_write_bytes = 0;
   uint64_t cpu_adam_elements = 0;
-  // Predicted seconds per step and what bounds it.
+  // Predicted seconds per step and what bounds it. compute_s .. disk_s are each resource's
+  // busy time over the step; step_s is the phase model's sum (phases), in which only what
+  // cannot hide behind compute adds to compute.
   double compute_s = 0, h2d_s = 0, d2h_s = 0, cpu_adam_s = 0, disk_s = 0, step_s = 0;
-  std::string bottleneck;
+  double exposed_transfer_s = 0;  // copy time of the step not hidden behind compute (stalls)
+  double optimizer_tail_s = 0;    // the optimizer's time after backward
+  StepPhases phases;
+  std::string bottleneck;  // compute, PCIe host-to-device / device-to-host, CPU AdamW or disk
 };
+
+// FLOPs of one micro-batch's forward and backward (with recompute when in.recompute).
+double micro_batch_flops(const PlanInput& in);
 
 Plan make_plan(const PlanInput& input);
 

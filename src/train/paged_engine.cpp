@@ -70,9 +70,11 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   // it is larger (MoE expert buffers, the backend's own), plan again with the difference taken
   // off the device, so that the groups the plan keeps there fit beside the real table.
   const int64_t tokens = t.micro_batch * t.seq_len;
+  // memory.keep_activations=true is planned: the kept layers' bytes are in the plan's device.
+  const bool planned_keep = in.kept_activation_bytes > 0;
   if (e->plan_.fits) {
     const uint64_t exact =
-        static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, e->plan_.offload_activations, false));
+        static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, e->plan_.offload_activations, planned_keep));
     if (exact > e->plan_.device.act && in.device_budget > exact - e->plan_.device.act) {
       in.device_budget -= exact - e->plan_.device.act;
       e->plan_ = make_plan(in);
@@ -96,8 +98,9 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   // Kept layer activations cost their bytes beside the planned activations; auto keeps them on
   // cuda when the device has that room left after the plan.
   const uint64_t keep_extra =
-      static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, plan.offload_activations, true) -
-                            e->net_->activation_bytes_for(tokens, plan.offload_activations, false));
+      planned_keep ? 0
+                   : static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, plan.offload_activations, true) -
+                                           e->net_->activation_bytes_for(tokens, plan.offload_activations, false));
   const uint64_t planned_device = plan.device.total() + (budgets.memory_device - in.device_budget);
   const uint64_t device_room = budgets.memory_device > planned_device ? budgets.memory_device - planned_device : 0;
   e->keep_activations_ = t.keep_activations == "true" || (t.keep_activations == "auto" && cuda && keep_extra <= device_room);
@@ -112,6 +115,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   const uint64_t activations =
       static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, plan.offload_activations, e->keep_activations_)) +
       (64ull << 10);
+  e->activation_bytes_ = activations;
   po.device_bytes = budgets.memory_device > activations ? budgets.memory_device - activations : 0;
   e->device_split_ = fmt::format("{} of device memory: {} chunks, {} activations{}",
                                  e->device_->memory_budget() == Device::kUnlimited

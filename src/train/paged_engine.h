@@ -45,6 +45,13 @@ class PagedEngine final : public TrainEngine {
   bool updates_during_backward() const override { return options_.overlap_optimizer; }
   EngineStats stats() const override;
 
+  // What the engine was planned with, for comparing prediction and measurement: the plan (its
+  // per-phase time included), the chunk space's counters and the device bytes reserved for
+  // the model's activation table beside the chunks.
+  const Plan& plan() const { return plan_; }
+  ChunkSpaceStats chunk_stats() const { return state_->stats(); }
+  uint64_t activation_bytes() const { return activation_bytes_; }
+
   std::vector<ExtraState> extra_state() const override;
   void set_extra_state(const std::vector<ExtraState>& extra) override;
   std::string step_note() const override;
@@ -59,6 +66,7 @@ class PagedEngine final : public TrainEngine {
   PlanInput plan_input_;  // what plan_ was made from
   PagedStateOptions options_;
   bool keep_activations_ = false;
+  uint64_t activation_bytes_ = 0;
   std::string device_split_;  // how memory.device is divided, for the start-up line
   std::string nvme_path_;
   std::unique_ptr<Device> device_;

@@ -6,6 +6,8 @@
 #include <cmath>
 
 #include "core/host_memory.h"
+#include "kernels/cpu/backend.h"
+#include "model/activations.h"
 #include "train/paged_state.h"
 
 namespace strata {
@@ -27,9 +29,8 @@ uint64_t default_host_budget() {
 
 PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, bool cuda) {
   PlanInput in;
-  const uint64_t C = static_cast<uint64_t>(m.hidden_size), F = static_cast<uint64_t>(m.intermediate_size);
+  const uint64_t C = static_cast<uint64_t>(m.hidden_size);
   const uint64_t V = static_cast<uint64_t>(m.vocab_size), L = static_cast<uint64_t>(m.num_hidden_layers);
-  const uint64_t qd = static_cast<uint64_t>(m.q_dim()), kvd = static_cast<uint64_t>(m.kv_dim());
   const uint64_t total = static_cast<uint64_t>(m.num_parameters());
   in.num_layers = m.num_hidden_layers;
   in.edge_elements = V * C * (m.tie_word_embeddings ? 1 : 2) + C;
@@ -52,21 +53,42 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   // Activations, in the shapes of model/activations.h, for N tokens per micro-batch.
   const uint64_t act = dtype_size(state.compute_dtype());
   const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
-  const uint64_t H = static_cast<uint64_t>(m.num_attention_heads);
   in.checkpoint_bytes_per_layer = N * C * act;
-  const uint64_t layer_floats = N * (3 * C + 2 + 2 * qd + 2 * kvd + H + 3 * F)   // forward intermediates
-                                + N * (2 * C + 2 * qd + 2 * kvd + 3 * F);         // backward scratch
-  const uint64_t kept_floats = N * (3 * C + 1);  // final norm output, its gradient, the residual gradient
-  in.layer_workspace_bytes = (layer_floats + kept_floats) * act;
+  // One layer's recompute and backward scratch, the final norm's buffers and the backend's
+  // own (MoE expert buffers): the decoder's activation table less its checkpoints, as the
+  // table sizes itself (the CPU backend's in its recipe; a GPU's activations are bf16 like the
+  // CPU bf16 recipe's). Kept layers hold every layer's intermediates but the last's besides.
+  auto table_bytes = [&](bool keep) {
+    const int64_t tokens = static_cast<int64_t>(N);
+    return state.compute_dtype() == DType::kF32
+               ? model::ActivationTable<kernels::CpuF32Ops>::bytes_for(m, tokens, false, keep)
+               : model::ActivationTable<kernels::CpuBf16Ops>::bytes_for(m, tokens, false, keep);
+  };
+  const uint64_t table = static_cast<uint64_t>(table_bytes(false));
+  const uint64_t checkpoints = (L + 1) * in.checkpoint_bytes_per_layer;
+  in.layer_workspace_bytes = table > checkpoints ? table - checkpoints : 0;
+  if (t.keep_activations == "true") in.kept_activation_bytes = static_cast<uint64_t>(table_bytes(true)) - table;
   const uint64_t loss_chunk = std::min<uint64_t>(N, 256);
   in.head_workspace_bytes = loss_chunk * V * 4;
 
   in.grad_accum = t.grad_accum;
   in.tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;
-  // Recomputation runs each layer's forward a second time: 2N + 4LHT more per token.
-  const double per_token = model_flops_per_token(m, t.seq_len) +
-                           2.0 * static_cast<double>(total) + 4.0 * static_cast<double>(L * C * t.seq_len);
-  in.flops_per_step = per_token * static_cast<double>(in.tokens_per_step);
+  // FLOPs as DESIGN §2 counts them (2 per weight and token forward, 4*C*T per token and layer
+  // for attention), for the weights a token really multiplies: the experts it is routed to, not
+  // all of them, and the LM head but not the embedding lookup.
+  double active_layer = static_cast<double>(in.layer_elements);
+  if (m.is_moe()) {
+    const double routed = static_cast<double>(m.num_experts_per_tok) / static_cast<double>(m.num_experts);
+    active_layer -= (1.0 - routed) * static_cast<double>(in.expert_elements);
+  }
+  const double tokens_mb = static_cast<double>(N);
+  in.layer_forward_flops = tokens_mb * (2.0 * active_layer + 4.0 * static_cast<double>(C * t.seq_len));
+  in.head_forward_flops = tokens_mb * 2.0 * static_cast<double>(V * C);
+  // Kept activations skip the recompute; auto keeps them only on cuda when they fit, which the
+  // engine decides after planning, so auto is planned as recompute (the slower case).
+  in.recompute = t.keep_activations != "true";
+  in.overlap_optimizer = t.overlap_backward;
+  in.flops_per_step = static_cast<double>(t.grad_accum) * micro_batch_flops(in);
 
   in.device_budget = t.memory_device;
   in.host_budget = t.memory_host ? t.memory_host : default_host_budget();
@@ -97,6 +119,11 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   in.rates.disk_read_bytes_per_s = t.disk_read_bytes_per_s;
   in.rates.disk_write_bytes_per_s = t.disk_write_bytes_per_s;
   in.rates.cpu_adam_params_per_s = t.cpu_adam_params_per_s;
+  in.rates.both_bytes_per_s = t.both_bytes_per_s;
+  in.rates.copy_overlap = t.copy_overlap;
+  in.rates.copy_latency_s = t.copy_latency_s;
+  in.rates.device_adam_params_per_s = t.device_adam_params_per_s;
+  in.rates.device_memory_bytes_per_s = t.device_memory_bytes_per_s;
   return in;
 }
 

@@ -79,18 +79,38 @@ ConfigSchema build_schema() {
          .help = "keep every layer's intermediates for backward instead of recomputing them (about a third less "
                  "compute, more device memory; bitwise the same results). auto: on cuda when they fit beside the "
                  "planned state, never on the cpu"});
+  // The machine's rates the planner predicts with (offload/plan.h MachineRates). The defaults
+  // are the H200 box of DESIGN §2; `strata bench machine` measures this machine and writes a
+  // profile that --hardware FILE reads.
+  s.add({.name = "hardware.profile", .type = T::kString, .default_value = "",
+         .help = "where the hardware.* rates come from (a `strata bench machine` profile names itself here); empty: "
+                 "the built-in H200 defaults"});
   s.add({.name = "hardware.gpu_tflops", .type = T::kFloat, .default_value = "781", .min = 1e-6,
-         .help = "dense bf16 GEMM rate used by predictions (strata bench measures it)"});
+         .help = "compute rate the backend's ops reach on the model's shapes, in 10^12 FLOP/s (GPU: dense bf16 "
+                 "GEMM; cpu backend: what its ops reach on a decoder layer)"});
   s.add({.name = "hardware.h2d_gbps", .type = T::kFloat, .default_value = "55", .min = 1e-6,
-         .help = "pinned host-to-device bandwidth in GB/s"});
+         .help = "pinned host-to-device bandwidth in GB/s (10^9 bytes/s)"});
   s.add({.name = "hardware.d2h_gbps", .type = T::kFloat, .default_value = "55", .min = 1e-6,
          .help = "device-to-host bandwidth in GB/s"});
+  s.add({.name = "hardware.both_gbps", .type = T::kFloat, .default_value = "87", .min = 1e-6,
+         .help = "host-to-device and device-to-host at once, both directions together, in GB/s"});
+  s.add({.name = "hardware.copy_latency_us", .type = T::kFloat, .default_value = "10", .min = 0,
+         .help = "each chunk move's own cost beyond its bytes (a copy-stream task and its events), in microseconds"});
+  s.add({.name = "hardware.copy_overlap", .type = T::kFloat, .default_value = "1", .min = 0, .max = 1,
+         .help = "share of copy time that can run beside compute: 1 with a GPU's copy engines, near 0 on the cpu "
+                 "backend, whose copies take the cores compute uses"});
   s.add({.name = "hardware.disk_read_gbps", .type = T::kFloat, .default_value = "1.7", .min = 1e-6,
          .help = "nvme tier read bandwidth in GB/s"});
   s.add({.name = "hardware.disk_write_gbps", .type = T::kFloat, .default_value = "1.7", .min = 1e-6,
          .help = "nvme tier write bandwidth in GB/s"});
   s.add({.name = "hardware.cpu_adam_gparams", .type = T::kFloat, .default_value = "3.66", .min = 1e-6,
-         .help = "CPU AdamW rate in billions of parameters per second"});
+         .help = "CPU AdamW rate (the SIMD kernel on all cores) in 10^9 parameters per second"});
+  s.add({.name = "hardware.device_adam_gparams", .type = T::kFloat, .default_value = "150", .min = 1e-6,
+         .help = "AdamW rate on the device tier in 10^9 parameters per second (GPU: HBM bandwidth / 28 B; cpu "
+                 "backend: its device kernel on the cores)"});
+  s.add({.name = "hardware.device_mem_gbps", .type = T::kFloat, .default_value = "4200", .min = 1e-6,
+         .help = "device memory bandwidth (read + write) in GB/s, for the passes over every gradient (zeroing, "
+                 "the norm)"});
   s.add({.name = "ckpt.every", .type = T::kInt, .default_value = "0", .min = 0,
          .help = "save a checkpoint every N steps (0 = only when stopped by SIGINT/SIGTERM)"});
   s.add({.name = "ckpt.dir", .type = T::kString, .default_value = "",
@@ -209,6 +229,20 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.disk_read_bytes_per_s = c.get_float("hardware.disk_read_gbps") * 1e9;
   t.disk_write_bytes_per_s = c.get_float("hardware.disk_write_gbps") * 1e9;
   t.cpu_adam_params_per_s = c.get_float("hardware.cpu_adam_gparams") * 1e9;
+  t.both_bytes_per_s = c.get_float("hardware.both_gbps") * 1e9;
+  t.copy_overlap = c.get_float("hardware.copy_overlap");
+  t.copy_latency_s = c.get_float("hardware.copy_latency_us") * 1e-6;
+  t.device_adam_params_per_s = c.get_float("hardware.device_adam_gparams") * 1e9;
+  t.device_memory_bytes_per_s = c.get_float("hardware.device_mem_gbps") * 1e9;
+  t.hardware_profile = c.get_string("hardware.profile");
+  if (t.hardware_profile.empty()) {
+    // Rates given key by key: say where the first one came from.
+    for (const ConfigKey& k : train_schema().keys()) {
+      if (k.name.rfind("hardware.", 0) != 0 || !c.is_set(k.name)) continue;
+      t.hardware_profile = "hardware.* keys (" + c.origin(k.name) + "), the built-in defaults for the rest";
+      break;
+    }
+  }
   t.run_dir = c.get_string("run.dir");
   t.run_dir_named = c.is_set("run.dir");
   t.ckpt_every = c.get_int("ckpt.every");

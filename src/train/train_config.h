@@ -48,6 +48,8 @@ struct TrainConfig {
   // rates the planner predicts with
   double gpu_flops = 0, h2d_bytes_per_s = 0, d2h_bytes_per_s = 0, disk_read_bytes_per_s = 0,
          disk_write_bytes_per_s = 0, cpu_adam_params_per_s = 0;
+  double both_bytes_per_s = 87e9, copy_overlap = 1, copy_latency_s = 10e-6, device_adam_params_per_s = 150e9, device_memory_bytes_per_s = 4.2e12;
+  std::string hardware_profile;  // hardware.profile: where the rates come from ("" = built-in defaults)
   // checkpoints
   int64_t ckpt_every = 0;
   std::string ckpt_dir;     // "" in the config: RUN_DIR/checkpoints (filled in here)

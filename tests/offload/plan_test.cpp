@@ -142,10 +142,11 @@ TEST(Plan, StreamedExpertsCountOnlyTheShareAMicroBatchReaches) {
   ASSERT_EQ(every.resident_param_groups, 0);
   ASSERT_EQ(quarter.resident_param_groups, 0);
   ASSERT_EQ(every.resident_grad_groups, quarter.resident_grad_groups);
-  // 30M idle expert elements of bf16, twice per micro-batch, for every layer (the edge group has
-  // no experts).
-  EXPECT_EQ(every.h2d_bytes - quarter.h2d_bytes,
-            static_cast<uint64_t>(in.num_layers) * 2 * in.grad_accum * 30'000'000 * in.param_bytes);
+  // 30M idle expert elements per layer and micro-batch (the edge group has no experts): their
+  // bf16 parameters twice (forward, recompute) and their gradients, which are read in to
+  // accumulate, once.
+  EXPECT_EQ(every.h2d_bytes - quarter.h2d_bytes, static_cast<uint64_t>(in.num_layers) * in.grad_accum * 30'000'000 *
+                                                     (2 * in.param_bytes + in.grad_bytes));
   EXPECT_LT(quarter.d2h_bytes, every.d2h_bytes);
   EXPECT_NE(format_plan(in, quarter).find("25% of each MoE layer's experts"), std::string::npos);
 }
@@ -156,15 +157,57 @@ TEST(Plan, StepTimesPrintInAUnitThatShowsThem) {
   ASSERT_TRUE(p.fits) << p.problem;
   p.step_s = 5.21e-5;
   p.compute_s = 3.2e-5;
-  p.h2d_s = 0.0521;
-  p.d2h_s = 1.2345;
-  p.cpu_adam_s = 0;
-  p.disk_s = 0;
+  p.exposed_transfer_s = 0.0521;
+  p.optimizer_tail_s = 1.2345;
   const std::string text = format_plan(in, p);
-  EXPECT_NE(text.find("predicted step 52.1 us (compute 32 us, h2d 52.1 ms, d2h 1.23 s, CPU AdamW 0 s, disk 0 s)"),
+  EXPECT_NE(text.find("predicted step 52.1 us: compute 32 us, copies not hidden 52.1 ms, optimizer after backward "
+                      "1.23 s"),
             std::string::npos)
       << text;
   EXPECT_EQ(text.find("0.000"), std::string::npos) << text;
+}
+
+// Every layer streams its parameters and gradients: with a GPU's copy engines (copy_overlap 1)
+// compute hides the copies but the first layer's; on the CPU backend (0) none of them, and the
+// step is compute plus every copy.
+TEST(Plan, CopiesHideBehindComputeOnlyWhereTheyRunBesideIt) {
+  PlanInput in = base_input();
+  in.device_budget = make_plan(in).min_device_budget;
+  in.layer_forward_flops = 4e12;  // 5 ms per layer forward at 781 TFLOP/s: more than its copies
+  in.head_forward_flops = 1e12;
+  Plan gpu = make_plan(in);
+  ASSERT_TRUE(gpu.fits) << gpu.problem;
+  const PhaseTime& f = gpu.phases.forward;
+  ASSERT_GT(f.copy_s, 0);
+  ASSERT_GT(f.compute_s, f.copy_s);
+  const double first_layer = 50'000'000.0 * in.param_bytes / in.rates.h2d_bytes_per_s;
+  EXPECT_NEAR(f.exposed_s, first_layer, 1e-9);
+  in.rates.copy_overlap = 0;
+  const Plan cpu = make_plan(in);
+  EXPECT_NEAR(cpu.phases.forward.exposed_s, cpu.phases.forward.copy_s, 1e-12);
+  EXPECT_NEAR(cpu.phases.backward.exposed_s, cpu.phases.backward.copy_s, 1e-12);
+  EXPECT_GT(cpu.step_s, gpu.step_s);
+  // The step is the sum of its phases, and the busy times add up to the same compute.
+  EXPECT_NEAR(cpu.step_s, cpu.phases.step_s(), 1e-12);
+  EXPECT_NEAR(cpu.compute_s, 4 * (cpu.phases.forward.compute_s + cpu.phases.backward.compute_s), 1e-12);
+}
+
+// AdamW on the CPU overlapped with backward hides behind it with a GPU computing, and not on the
+// CPU backend, whose AdamW takes the cores backward needs.
+TEST(Plan, OverlappedOptimizerHidesOnlyBesideAGpu) {
+  PlanInput in = base_input();
+  in.device_budget = 8 * kGiB;  // the optimizer runs on the CPU for most groups
+  in.layer_forward_flops = 1e12;
+  in.overlap_optimizer = true;
+  const Plan gpu = make_plan(in);
+  ASSERT_TRUE(gpu.fits) << gpu.problem;
+  ASSERT_GT(gpu.cpu_adam_elements, 0u);
+  EXPECT_GT(gpu.phases.optimizer_hidden_s, 0);
+  EXPECT_LT(gpu.optimizer_tail_s, gpu.phases.optimizer_s);
+  in.rates.copy_overlap = 0;
+  const Plan cpu = make_plan(in);
+  EXPECT_EQ(cpu.phases.optimizer_hidden_s, 0);
+  EXPECT_EQ(cpu.optimizer_tail_s, cpu.phases.optimizer_s);
 }
 
 }  // namespace

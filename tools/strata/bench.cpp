@@ -19,7 +19,9 @@
 #include "core/units.h"
 #include "core/io_engine.h"
 #include "core/io_uring_engine.h"
+#include "train/machine_bench.h"
 #include "tools/strata/bench_adam.h"
+#include "tools/strata/bench_machine.h"
 #include "tools/strata/bench_trace.h"
 #include "tools/strata/bench_train_gpu.h"
 #include "tools/strata/commands.h"
@@ -29,7 +31,8 @@ extern char** environ;
 namespace strata::tools {
 namespace {
 
-constexpr const char* kBenchUsage = R"(Usage: strata bench adam [--params N] [--threads T]   (see strata bench adam --help)
+constexpr const char* kBenchUsage = R"(Usage: strata bench machine [--out FILE] [--device cpu|cuda] [--quick] ...   (see strata bench machine --help)
+       strata bench adam [--params N] [--threads T]   (see strata bench adam --help)
        strata bench train-gpu [--preset 0.44b|tiny] [--steps N] ...   (see strata bench train-gpu --help)
        strata bench trace [CONFIG.yaml] [key=value ...] [--steps N]   (see strata bench trace --help)
        strata bench io --dir DIR --size SIZE [--chunk 64MiB] [--engine all|auto|io_uring|threads]
@@ -74,21 +77,6 @@ class RemoveOnExit {
 
  private:
   std::string path_;
-};
-
-// An open descriptor, closed when it goes out of scope.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
 };
 
 // 4 KiB-aligned host memory (what pinned memory is on a CUDA machine), freed on exit.
@@ -144,51 +132,10 @@ Result<Timing> run_dd(const std::string& dir, uint64_t size) {
   return t;
 }
 
-// Moves `size` bytes through `engine` in chunk requests, `depth` in flight, one buffer per
-// slot. Writes stamp each chunk's first word with its index; reads check it.
-Status stream(IoEngine& engine, int file, IoOp op, uint64_t size, uint64_t chunk,
-              const std::vector<char*>& buffers) {
-  const uint64_t depth = buffers.size();
-  const uint64_t chunks = size / chunk;
-  std::vector<IoTicket> tickets(depth, 0);
-  auto finish = [&](uint64_t i) -> Status {
-    const uint64_t slot = i % depth;
-    RETURN_IF_ERROR(engine.wait(tickets[slot]));
-    tickets[slot] = 0;
-    if (op == IoOp::kRead && std::memcmp(buffers[slot], &i, sizeof(i)) != 0) {
-      return Status::Corruption("chunk " + std::to_string(i) + " read back with the wrong contents");
-    }
-    return Status::OK();
-  };
-  for (uint64_t i = 0; i < chunks; ++i) {
-    const uint64_t slot = i % depth;
-    if (tickets[slot] != 0) RETURN_IF_ERROR(finish(i - depth));
-    if (op == IoOp::kWrite) std::memcpy(buffers[slot], &i, sizeof(i));
-    ASSIGN_OR_RETURN(tickets[slot], engine.submit({op, file, buffers[slot], chunk, i * chunk}));
-  }
-  for (uint64_t i = chunks > depth ? chunks - depth : 0; i < chunks; ++i) RETURN_IF_ERROR(finish(i));
-  return Status::OK();
-}
-
 Result<Timing> run_engine(IoEngine& engine, const std::string& dir, uint64_t size, uint64_t chunk,
                           const std::vector<char*>& buffers) {
-  const std::string path = dir + "/strata_bench." + engine.name() + ".tmp";
-  RemoveOnExit remove(path);
-  Fd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0600));
-  if (fd.get() < 0) {
-    return Status::IOError("cannot open " + path + " with O_DIRECT: " + std::strerror(errno) +
-                           "; --dir must be on a filesystem that supports O_DIRECT (not tmpfs)");
-  }
-  ASSIGN_OR_RETURN(int file, engine.register_file(fd.get(), path));
-  Timing t;
-  auto start = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(stream(engine, file, IoOp::kWrite, size, chunk, buffers));
-  if (::fsync(fd.get()) != 0) return Status::IOError("fsync of " + path + " failed: " + std::strerror(errno));
-  t.write_s = seconds_since(start);
-  start = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(stream(engine, file, IoOp::kRead, size, chunk, buffers));
-  t.read_s = seconds_since(start);
-  return t;
+  ASSIGN_OR_RETURN(DiskTiming d, time_disk(engine, dir, size, chunk, buffers));
+  return Timing{d.write_s, d.read_s};
 }
 
 int bench_io(const std::vector<std::string>& args) {
@@ -316,12 +263,13 @@ int bench_command(const std::vector<std::string>& args) {
     return args.empty() ? 2 : 0;
   }
   if (args[0] == "io") return bench_io(std::vector<std::string>(args.begin() + 1, args.end()));
+  if (args[0] == "machine") return bench_machine_command(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "adam") return bench_adam_command(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "trace") return bench_trace_command(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "train-gpu") {
     return bench_train_gpu_command(std::vector<std::string>(args.begin() + 1, args.end()));
   }
-  return usage_error("unknown benchmark '" + args[0] + "'; available: io, adam, train-gpu, trace");
+  return usage_error("unknown benchmark '" + args[0] + "'; available: machine, io, adam, train-gpu, trace");
 }
 
 }  // namespace strata::tools

@@ -13,13 +13,14 @@
 #include "tools/strata/commands.h"
 #include "train/paged_state.h"
 #include "train/planning.h"
+#include "train/machine_bench.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
 
 namespace strata::tools {
 namespace {
 
-constexpr const char* kPlanUsage = R"(Usage: strata plan [CONFIG.yaml] [key=value ...]
+constexpr const char* kPlanUsage = R"(Usage: strata plan [CONFIG.yaml] [key=value ...] [--hardware FILE]
 
 Answers "will this fit, and how fast?" for a training config (the same file and keys as
 `strata train`) without training: bytes of parameters, gradients, master weights, Adam states
@@ -27,11 +28,21 @@ and activations on each tier (device, pinned host, nvme), bytes moved over PCIe 
 per step, the predicted step time and what bounds it, and the largest micro-batch that fits.
 An infeasible config is refused with the smallest change that would make it fit (exit 1).
 
-Budgets come from memory.device, memory.host and memory.nvme.*; rates from hardware.* (the
-defaults are an H200 box). run.device=cuda plans the GPU's bf16 recipe (a bf16 compute copy of
-the weights and bf16 activations; fp32 master weights, gradients and Adam states), as does auto
-when memory.device is set; cpu plans the CPU backend in train.precision (fp32 by default, or the
-bf16 recipe emulated). `strata train` pages the state as planned on either backend.
+Budgets come from memory.device, memory.host and memory.nvme.*; rates from hardware.*: the
+defaults are an H200 box; `strata bench machine --out FILE` measures this machine and
+--hardware FILE reads that profile (key=value on the command line still wins). The report
+names where the rates came from. run.device=cuda plans the GPU's bf16 recipe (a bf16 compute
+copy of the weights and bf16 activations; fp32 master weights, gradients and Adam states), as
+does auto when memory.device is set; cpu plans the CPU backend in train.precision (fp32 by
+default, or the bf16 recipe emulated). `strata train` pages the state as planned on either
+backend.
+
+The step time is predicted phase by phase as the engine schedules it: per micro-batch the
+forward and the (recompute and) backward, each its compute plus the copies that cannot hide
+behind it (the first layer's, and whatever the copy streams need beyond the compute; on the
+cpu backend copies share the cores with compute, hardware.copy_overlap); then the passes
+over the gradients and the optimizer (AdamW on the device and on the CPU, nvme reads and
+writes), less what of it ran during backward with optim.overlap_backward.
 
 Example:
   strata plan model.preset=llama3-8b memory.device=24GiB memory.host=100GiB \
@@ -43,10 +54,18 @@ Example:
 int plan_command(const std::vector<std::string>& args) {
   std::string config_path;
   std::vector<std::string> overrides;
-  for (const auto& a : args) {
+  std::string hardware;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
       std::printf("%s", kPlanUsage);
       return 0;
+    } else if (a == "--hardware") {
+      if (i + 1 >= args.size()) {
+        std::fprintf(stderr, "strata plan: --hardware needs a profile file (strata bench machine --out FILE)\n");
+        return 2;
+      }
+      hardware = args[++i];
     } else if (a.find('=') != std::string::npos) {
       overrides.push_back(a);
     } else if (config_path.empty() && !a.empty() && a[0] != '-') {
@@ -55,6 +74,15 @@ int plan_command(const std::vector<std::string>& args) {
       std::fprintf(stderr, "strata plan: unexpected argument '%s' (see strata plan --help)\n", a.c_str());
       return 2;
     }
+  }
+  // A hardware profile's keys go first, so that key=value on the command line still wins.
+  if (!hardware.empty()) {
+    Result<std::vector<std::string>> keys = hardware_overrides(hardware);
+    if (!keys.ok()) {
+      std::fprintf(stderr, "strata %s: error: %s\n", "plan", keys.status().message().c_str());
+      return 1;
+    }
+    overrides.insert(overrides.begin(), keys->begin(), keys->end());
   }
   Result<Config> config = load_train_config(config_path, overrides);
   if (!config.ok()) {
@@ -111,6 +139,9 @@ int plan_command(const std::vector<std::string>& args) {
               static_cast<long long>(tc->grad_accum), static_cast<long long>(in.tokens_per_step),
               format_bytes(in.device_budget).c_str(), format_bytes(in.host_budget).c_str(),
               in.nvme_budget ? format_bytes(in.nvme_budget).c_str() : "none");
+  std::printf("rates: %s\n", tc->hardware_profile.empty()
+                                ? "built-in defaults (an H200 box; strata bench machine measures this one)"
+                                : tc->hardware_profile.c_str());
   std::printf("%s", format_plan(in, plan).c_str());
   const int64_t best = largest_micro_batch(*mc, *tc, cuda);
   if (best > 0)

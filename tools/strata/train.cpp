@@ -7,13 +7,15 @@
 #include "core/config.h"
 #include "core/log.h"
 #include "tools/strata/commands.h"
+#include "train/machine_bench.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
 
 namespace strata::tools {
 namespace {
 
-constexpr const char* kTrainUsage = R"(Usage: strata train [CONFIG.yaml] [key=value ...] [--resume DIR|auto] [--print-config]
+constexpr const char* kTrainUsage = R"(Usage: strata train [CONFIG.yaml] [key=value ...] [--resume DIR|auto] [--hardware FILE]
+                    [--print-config]
 
 Trains a model. CONFIG.yaml holds nested settings (e.g. `optim: {lr: 3e-4}`); key=value
 arguments override them (e.g. optim.lr=3e-4 train.steps=50). Without CONFIG.yaml and without a
@@ -21,7 +23,9 @@ model (model.from, model.config, model.init or model.preset) the embedded demo r
 0.85M-parameter Llama learning Debian's license texts byte by byte, its state paged through
 tiny budgets (24 MiB device, 10 MiB host, 64 MiB nvme). Naming a model leaves the settings
 below at their defaults: the whole free GPU, 80% of the available host memory, no nvme tier.
---print-config prints the effective configuration and exits without training.
+--print-config prints the effective configuration and exits without training. --hardware FILE
+reads the hardware.* rates the plan predicts with from a `strata bench machine --out FILE`
+profile (key=value on the command line still wins).
 
 Each step prints one line (step, loss, lr, gradient norm, tokens/s, ms/step, memory) and
 appends the same to RUN_DIR/metrics.jsonl. Without run.dir each run gets a new
@@ -48,12 +52,18 @@ int train_command(const std::vector<std::string>& args) {
   std::string config_path;
   std::vector<std::string> overrides;
   bool print_config = false;
-  std::string resume;
+  std::string resume, hardware;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
       std::printf("%s\n%s", kTrainUsage, train_schema().help_text().c_str());
       return 0;
+    } else if (a == "--hardware") {
+      if (i + 1 >= args.size()) {
+        std::fprintf(stderr, "strata train: --hardware needs a profile file (strata bench machine --out FILE)\n");
+        return 2;
+      }
+      hardware = args[++i];
     } else if (a == "--print-config") {
       print_config = true;
     } else if (a == "--resume" || a.rfind("--resume=", 0) == 0) {
@@ -78,6 +88,15 @@ int train_command(const std::vector<std::string>& args) {
                    config_path.c_str(), a.c_str());
       return 2;
     }
+  }
+  // A hardware profile's keys go first, so that key=value on the command line still wins.
+  if (!hardware.empty()) {
+    Result<std::vector<std::string>> keys = hardware_overrides(hardware);
+    if (!keys.ok()) {
+      std::fprintf(stderr, "strata %s: error: %s\n", "train", keys.status().message().c_str());
+      return 1;
+    }
+    overrides.insert(overrides.begin(), keys->begin(), keys->end());
   }
   Result<Config> config = load_train_config(config_path, overrides);
   if (!config.ok()) return fail(config.status());

@@ -1,0 +1,117 @@
+// strata bench machine: measures what the planner needs on this machine and writes a hardware
+// profile (the measuring lives in train/machine_bench.cpp, which the tests link too).
+#include "tools/strata/bench_machine.h"
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tools/strata/commands.h"
+#include "train/machine_bench.h"
+#include "train/train_config.h"
+#include "train/trainer.h"
+
+namespace strata::tools {
+namespace {
+
+constexpr const char* kUsage = R"(Usage: strata bench machine [CONFIG.yaml] [key=value ...] [--out FILE] [--device cpu|cuda]
+                            [--dir DIR] [--quick]
+
+Measures on this machine the rates `strata plan` and `strata train` predict a step with, each
+printed beside a reference measured in the same run:
+  compute       (cpu only; on cuda the profile keeps hardware.gpu_tflops's default)
+                FLOP/s the backend's ops reach on one micro-batch of the config's model
+                (forward and backward with recompute, FLOPs as the planner counts them), and
+                the share of a copy stream's work that hides behind that compute (copy_overlap:
+                near 0 on the cpu backend, whose copies take the cores compute uses)
+  h2d, d2h      host<->device copies through the device's copy streams, each way alone and
+  both          both at once (on the cpu backend: memcpys on stream threads), and what each
+                small copy costs beyond its bytes (copy_latency)
+  cpu_adam      the SIMD AdamW on all cores (and the cpu backend's device-tier AdamW)
+  disk          O_DIRECT write and read through the IoEngine in DIR, as the nvme tier uses it
+  memcpy        a STREAM-like copy on all threads: the bound the copies are compared with
+The model and micro-batch come from CONFIG.yaml and key=value as in `strata train` (default:
+the embedded demo run). --out FILE writes the profile (hardware.* keys with units) that
+`strata plan --hardware FILE` and `strata train --hardware FILE` read; key=value on their
+command line still wins. --dir DIR: where the nvme tier would live (default: the current
+directory; `--dir none` skips the disk). --quick: small sizes and fewer repeats (a few
+seconds, noisier); the full run takes about 20 s.
+)";
+
+int usage_error(const std::string& msg) {
+  std::fprintf(stderr, "strata bench machine: %s (see strata bench machine --help)\n", msg.c_str());
+  return 2;
+}
+
+int fail(const Status& st) {
+  std::fprintf(stderr, "strata bench machine: error: %s\n", st.message().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int bench_machine_command(const std::vector<std::string>& args) {
+  std::string out, config_path, dir = ".";
+  std::vector<std::string> overrides;
+  MachineBenchOptions o;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (a == "--quick") {
+      o.quick = true;
+      continue;
+    }
+    if (a == "--out" || a == "--device" || a == "--dir") {
+      if (i + 1 >= args.size()) return usage_error("option '" + a + "' needs a value");
+      (a == "--out" ? out : a == "--device" ? o.device : dir) = args[++i];
+      continue;
+    }
+    if (a.find('=') != std::string::npos && a[0] != '-') {
+      overrides.push_back(a);
+    } else if (config_path.empty() && !a.empty() && a[0] != '-') {
+      config_path = a;
+    } else {
+      return usage_error("unexpected argument '" + a + "'");
+    }
+  }
+  if (o.device != "cpu" && o.device != "cuda") return usage_error("--device must be cpu or cuda");
+  o.disk_dir = dir == "none" ? "" : dir;
+  Result<Config> config = load_train_config(config_path, overrides);
+  if (!config.ok()) return fail(config.status());
+  Result<TrainConfig> tc = make_train_config(*config);
+  if (!tc.ok()) return fail(tc.status());
+  Result<model::ModelConfig> mc = resolve_model_config(*tc);
+  if (!mc.ok()) return fail(mc.status());
+  o.model = *mc;
+  o.micro_batch = tc->micro_batch;
+  o.seq_len = tc->seq_len;
+  o.keep_activations = tc->keep_activations == "true";
+  std::printf("machine benchmark: %s backend, compute on %lld x %lld tokens of a %lld-layer model, hidden %lld%s\n",
+              o.device.c_str(), static_cast<long long>(o.micro_batch), static_cast<long long>(o.seq_len),
+              static_cast<long long>(mc->num_hidden_layers), static_cast<long long>(mc->hidden_size),
+              o.quick ? " (quick)" : "");
+  std::fflush(stdout);
+  Result<MachineProfile> p = bench_machine(o);
+  if (!p.ok()) return fail(p.status());
+  std::printf("\n%-13s %12s %-9s   %12s  %s\n", "rate", "measured", "unit", "reference", "(what the reference is)");
+  for (const MachineFigure& f : p->figures)
+    std::printf("%-13s %12.4g %-9s   %12.4g  (%s)\n", f.name.c_str(), f.value, f.unit.c_str(), f.reference_value,
+                f.reference.c_str());
+  const std::string yaml = hardware_yaml(*p);
+  if (out.empty()) {
+    std::printf("\n%s", yaml.c_str());
+    return 0;
+  }
+  std::ofstream f(out, std::ios::trunc);
+  f << yaml;
+  f.close();
+  if (!f) return fail(Status::IOError("cannot write the hardware profile " + out));
+  std::printf("\nwrote %s (strata plan --hardware %s)\n", out.c_str(), out.c_str());
+  return 0;
+}
+
+}  // namespace strata::tools
