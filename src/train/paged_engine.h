@@ -46,9 +46,8 @@ class PagedEngine final : public TrainEngine {
   EngineStats stats() const override;
 
   // What the engine was planned with, for comparing prediction and measurement: the plan (its
-  // per-phase time included), the chunk space's counters and the device bytes reserved for
-  // the model's activation table beside the chunks.
-  const Plan& plan() const { return plan_; }
+  // per-phase time included; plan() below), the chunk space's counters and the device bytes
+  // reserved for the model's activation table beside the chunks.
   ChunkSpaceStats chunk_stats() const { return state_->stats(); }
   uint64_t activation_bytes() const { return activation_bytes_; }
 

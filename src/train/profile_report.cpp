@@ -151,11 +151,18 @@ ProfileReport analyze_profile(const ProfileInput& in) {
   // 1. The training thread: steps, and its time split exclusively into phases.
   std::vector<double> step_seconds;
   std::map<std::string, int64_t> phase_ns, stall_ns;
+  // Whole spans (stalls inside included), as the plan's phases count them.
+  int64_t forward_ns = 0, backward_ns = 0, passes_ns = 0, optimizer_ns = 0;
   std::vector<Interval> stalls;
   if (training != nullptr) {
     walk_exclusive(*training, [&](const trace::Event& e, int64_t own, bool in_step) {
       if (!in_step) return;  // outside the traced steps
       if (is(e, "step", "step")) step_seconds.push_back(static_cast<double>(e.dur_ns) / 1e9);
+      const std::string phase = phase_of(e);
+      if (is(e, "compute")) (phase == "forward" || phase == "head (LM head + loss)" ? forward_ns : backward_ns) += e.dur_ns;
+      if (is(e, "optimizer", "zero gradients") || is(e, "optimizer", "gradient norm")) passes_ns += e.dur_ns;
+      if (is(e, "optimizer", "gradient norm")) optimizer_ns -= e.dur_ns;  // inside the optimizer step
+      if (is(e, "step", "optimizer step")) optimizer_ns += e.dur_ns;
       phase_ns[phase_of(e)] += own;
       if (is(e, "stall")) {
         stall_ns[e.name] += own;
@@ -291,6 +298,14 @@ ProfileReport analyze_profile(const ProfileInput& in) {
     r.terms.push_back({"CPU AdamW", plan->cpu_adam_s, host_adam_ns / 1e9 / steps});
     r.terms.push_back({"disk", plan->disk_s, static_cast<double>(length(merged(disk))) / 1e9 / steps});
     r.terms.push_back({"step", plan->step_s, r.step_s});
+    const StepPhases& ph = plan->phases;
+    const double m = static_cast<double>(ph.micro_batches);
+    const auto per_step = [&](int64_t ns) { return static_cast<double>(ns) / 1e9 / steps; };
+    r.phase_terms = {{"forward (with the head)", m * ph.forward.total_s(), per_step(forward_ns)},
+                     {"recompute + backward", m * ph.backward.total_s(), per_step(backward_ns)},
+                     {"gradient passes", ph.grad_passes_s, per_step(passes_ns)},
+                     {"optimizer", ph.optimizer_s - ph.optimizer_hidden_s, per_step(optimizer_ns)},
+                     {"step", ph.step_s(), r.step_s}};
   }
   if (host_time)
     r.notes.push_back(
@@ -352,6 +367,12 @@ std::string format_profile_report(const ProfileReport& r) {
                         ratio(t.measured_s, t.predicted_s));
     os << fmt::format("  the plan says the step is bound by {}\n", r.predicted_bound);
   }
+  if (!r.phase_terms.empty()) {
+    os << "\npredicted -> measured per step, by phase (stalls inside each phase included):\n";
+    for (const auto& t : r.phase_terms)
+      os << fmt::format("  {:<24} {:>10} -> {:>10} {:>10}\n", t.name, seconds(t.predicted_s), seconds(t.measured_s),
+                        ratio(t.measured_s, t.predicted_s));
+  }
   os << "\nnotes:\n";
   for (const auto& n : r.notes) os << "  - " << n << "\n";
   return os.str();
@@ -387,6 +408,9 @@ nlohmann::json profile_report_json(const ProfileReport& r) {
   j["predicted"] = nlohmann::json::array();
   for (const auto& t : r.terms)
     j["predicted"].push_back({{"term", t.name}, {"predicted_s", t.predicted_s}, {"measured_s", t.measured_s}});
+  j["predicted_phases"] = nlohmann::json::array();
+  for (const auto& t : r.phase_terms)
+    j["predicted_phases"].push_back({{"phase", t.name}, {"predicted_s", t.predicted_s}, {"measured_s", t.measured_s}});
   j["predicted_bound"] = r.predicted_bound;
   j["rates_source"] = r.rates_source;
   j["notes"] = r.notes;

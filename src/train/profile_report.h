@@ -62,6 +62,9 @@ struct ProfileReport {
     double measured_s = 0;
   };
   std::vector<Term> terms;
+  // The plan's step phases (StepPhases) against the training thread's spans, each counted
+  // whole with the stalls inside it.
+  std::vector<Term> phase_terms;
   std::string predicted_bound;  // the plan's bottleneck
   std::string rates_source;     // where the planner's machine rates came from
   std::vector<std::string> notes;

@@ -189,7 +189,7 @@ Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* p
   ASSIGN_OR_RETURN(std::unique_ptr<ComputeProbe> probe, ComputeProbe::create(o));
   OptimizerConfig oc = optimizer_config(1.0f);
   ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> engine, PagedEngine::create(mc, t, oc));
-  *plan = engine->plan();
+  *plan = *engine->plan();
   const int64_t tokens = t.micro_batch * t.seq_len;
   const std::vector<Batch> batches = make_batches(static_cast<int>(kSteps * t.grad_accum), tokens, 7);
   std::vector<double> seconds, predicted, ratios;

@@ -16,6 +16,7 @@
 #include "core/trace.h"
 #include "tools/strata/commands.h"
 #include "tools/strata/profile_pictures.h"
+#include "train/machine_bench.h"
 #include "train/profile_report.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
@@ -26,6 +27,7 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr const char* kProfileUsage = R"(Usage: strata profile [CONFIG.yaml] [key=value ...] [--steps N] [--warmup N] [--out DIR]
+                      [--hardware FILE]
 
 Answers "where does my step go?": runs the training of CONFIG (the same file and keys as
 `strata train`; without them the embedded demo) for --warmup steps (default 2: buffers,
@@ -44,7 +46,10 @@ writes into --out (default RUN_DIR/profile):
   timeline.svg  a typical traced step, one lane per thread, stream and the nvme queue
   memory.svg    memory per tier, and each tier by kind of state, over that step
 
-The report is also printed. The run itself is a normal run (its metrics.jsonl in run.dir);
+The plan's prediction uses the hardware.* rates: --hardware FILE reads this machine's, measured
+by `strata bench machine --out FILE` (the defaults describe an H200 box, so without it a CPU
+run's prediction is far off). The report is also printed. The run itself is a normal run (its
+metrics.jsonl in a new run.dir);
 run.export is ignored and nothing is resumed. On the cuda backend the trace shows host time:
 the GPU's own kernel and copy times are not traced yet.
 
@@ -106,7 +111,7 @@ class Profiler final : public RunObserver {
 }  // namespace
 
 int profile_command(const std::vector<std::string>& args) {
-  std::string config_path, out_dir;
+  std::string config_path, out_dir, hardware;
   std::vector<std::string> overrides;
   int64_t steps = 3, warmup = 2;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -135,6 +140,8 @@ int profile_command(const std::vector<std::string>& args) {
       if (!value("--warmup", &text) || !parse_count("--warmup", text, 0, &warmup)) return 2;
     } else if (is_flag("--out")) {
       if (!value("--out", &out_dir)) return 2;
+    } else if (is_flag("--hardware")) {
+      if (!value("--hardware", &hardware)) return 2;
     } else if (a.find('=') != std::string::npos && a[0] != '-') {
       overrides.push_back(a);
     } else if (!a.empty() && a[0] == '-') {
@@ -147,6 +154,12 @@ int profile_command(const std::vector<std::string>& args) {
                    a.c_str());
       return 2;
     }
+  }
+  // A hardware profile's keys go first, so that key=value on the command line still wins.
+  if (!hardware.empty()) {
+    Result<std::vector<std::string>> keys = hardware_overrides(hardware);
+    if (!keys.ok()) return fail(keys.status());
+    overrides.insert(overrides.begin(), keys->begin(), keys->end());
   }
   Result<Config> config = load_train_config(config_path, overrides);
   if (!config.ok()) return fail(config.status());
@@ -184,7 +197,9 @@ int profile_command(const std::vector<std::string>& args) {
     in.plan = &*profiler.plan();
     in.plan_input = &*profiler.plan_input();
   }
-  in.rates_source = "hardware.* keys";
+  in.rates_source = tc->hardware_profile.empty()
+                        ? "the hardware.* defaults, an H200 box; measure this machine's with strata bench machine"
+                        : tc->hardware_profile;
   in.backend = profiler.backend();
   const ProfileReport report = analyze_profile(in);
   if (report.steps != steps)
