@@ -14,6 +14,7 @@
 #include "core/status.h"
 #include "memory/tier.h"
 #include "model/params.h"
+#include "train/host_ram.h"
 #include "train/savable_state.h"
 
 namespace strata {
@@ -58,6 +59,10 @@ class TrainEngine {
   virtual void set_extra_state(const std::vector<ExtraState>& /*extra*/) {}
   // A second log line for a step, empty when there is nothing to add (MoE load balance).
   virtual std::string step_note() const { return {}; }
+
+  // The host memory a run on this engine holds (host_ram.h), given the data as opened; empty
+  // for an engine that does not plan its memory.
+  virtual HostRamPlan host_ram(const HostRamData& /*data*/) const { return {}; }
 };
 
 }  // namespace strata

@@ -48,12 +48,15 @@ class PagedEngine final : public TrainEngine {
   std::vector<ExtraState> extra_state() const override;
   void set_extra_state(const std::vector<ExtraState>& extra) override;
   std::string step_note() const override;
+  HostRamPlan host_ram(const HostRamData& data) const override;
 
  private:
   PagedEngine() = default;
 
   model::ModelConfig mc_;
   Plan plan_;  // PagedState keeps a pointer to it
+  TrainConfig budgets_;  // the settings with every budget and the chunk size resolved
+  bool cuda_ = false;
   PagedStateOptions options_;
   bool keep_activations_ = false;
   std::string device_split_;  // how memory.device is divided, for the start-up line

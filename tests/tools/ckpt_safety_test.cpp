@@ -46,7 +46,10 @@ std::string read_text(const fs::path& p) {
 std::vector<nlohmann::json> metrics_of(const fs::path& file) {
   std::vector<nlohmann::json> out;
   std::ifstream in(file);
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("event")) out.push_back(j);  // event lines (the run's goodput) are not steps
+  }
   return out;
 }
 

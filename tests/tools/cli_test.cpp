@@ -83,6 +83,7 @@ std::vector<std::string> losses_of(const fs::path& metrics) {
   std::ifstream in(metrics);
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::json::parse(line);
+    if (j.contains("event")) continue;  // not a step (the run's goodput)
     out.push_back(j["loss"].dump());  // the exact digits written
   }
   return out;

@@ -1,0 +1,125 @@
+// The host-memory plan: its items add up to the peak, each follows its setting, and a peak
+// the machine does not have is refused with both numbers.
+#include "train/host_ram.h"
+
+#include <gtest/gtest.h>
+
+#include "core/units.h"
+#include "train/paged_state.h"
+#include "train/planning.h"
+#include "train/trainer.h"
+
+namespace strata {
+namespace {
+
+// The embedded default's settings (with `overrides`), resolved as PagedEngine resolves them.
+struct Planned {
+  model::ModelConfig mc;
+  TrainConfig t;
+  Plan plan;
+};
+
+Planned planned(const std::vector<std::string>& overrides) {
+  Planned p;
+  Result<Config> config = load_train_config("", overrides);
+  EXPECT_TRUE(config.ok()) << config.status().message();
+  Result<TrainConfig> t = make_train_config(*config);
+  EXPECT_TRUE(t.ok()) << t.status().message();
+  p.t = *t;
+  p.t.nvme_path = "/tmp/nvme";  // resolved inside run.dir by a run; any path plans the same
+  Result<model::ModelConfig> mc = resolve_model_config(p.t);
+  EXPECT_TRUE(mc.ok()) << mc.status().message();
+  p.mc = *mc;
+  if (p.t.chunk_size == 0) p.t.chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(p.mc), p.t.precision);
+  p.plan = make_plan(make_plan_input(p.mc, p.t, /*cuda=*/false));
+  EXPECT_TRUE(p.plan.fits) << p.plan.problem;
+  return p;
+}
+
+const std::vector<std::string> kMoe = {
+    "model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96,model_type=mixtral,num_local_experts=4,"
+    "num_experts_per_tok=2,router_bias_update_rate=0.05]"};
+
+TEST(HostRamTest, ItemsAddUpToThePeakForTheDefaultAndAMoeRun) {
+  for (const auto& overrides : {std::vector<std::string>{}, kMoe}) {
+    const Planned p = planned(overrides);
+    HostRamData data;
+    data.mapped_bytes = 1 << 20;
+    data.windows = 1000;
+    const HostRamPlan ram = plan_host_ram(p.mc, p.t, p.plan, /*cuda=*/false, data);
+    uint64_t sum = 0, pinned = 0;
+    for (const HostRamItem& i : ram.items) {
+      sum += i.bytes;
+      pinned += i.pinned;
+      EXPECT_LE(i.pinned, i.bytes) << i.name;
+    }
+    EXPECT_EQ(ram.peak(), sum);
+    EXPECT_EQ(ram.pinned(), pinned);
+    EXPECT_EQ(ram.reclaimable(), data.mapped_bytes);
+    for (const char* name : {"chunks", "staging", "device", "checkpoint", "io", "data", "mapped data", "tokenizer",
+                             "weights", "process"}) {
+      bool found = false;
+      for (const HostRamItem& i : ram.items) found = found || i.name == name;
+      EXPECT_TRUE(found) << "no item " << name;
+    }
+    // The host tier is what the paged state reserves: the demo's nvme tier registers (pins) it.
+    PagedStateOptions po;
+    po.host_bytes = p.t.memory_host;
+    po.nvme_bytes = p.t.nvme_size;
+    po.chunk_bytes = p.t.chunk_size;
+    po.offload_activations = p.plan.offload_activations;
+    po.activation_tokens = p.t.micro_batch * p.t.seq_len;
+    const HostTierSize tier = PagedState::host_tier_size(model::ParamLayout(p.mc), po);
+    EXPECT_EQ(ram.bytes_of("chunks") + ram.bytes_of("staging"), tier.reserved_bytes);
+    EXPECT_EQ(ram.pinned(), tier.reserved_bytes);
+    EXPECT_EQ(ram.bytes_of("process"), process_baseline_bytes(false));
+    const std::string line = format_host_ram(ram);
+    EXPECT_EQ(line.rfind("host RAM: peak ", 0), 0u) << line;
+    EXPECT_NE(line.find("chunks "), std::string::npos) << line;
+  }
+}
+
+TEST(HostRamTest, EachItemFollowsItsSetting) {
+  const Planned plain = planned({});
+  const HostRamPlan base = plan_host_ram(plain.mc, plain.t, plain.plan, false);
+  EXPECT_EQ(base.bytes_of("checkpoint"), 0u) << "no periodic saves, no staging";
+  EXPECT_EQ(base.bytes_of("staging") % plain.t.chunk_size, 0u);
+
+  const Planned saving = planned({"ckpt.every=10", "ckpt.staging=8MiB"});
+  const HostRamPlan ckpt = plan_host_ram(saving.mc, saving.t, saving.plan, false);
+  EXPECT_EQ(ckpt.bytes_of("checkpoint"), 8u << 20);
+  EXPECT_GT(ckpt.bytes_of("io"), base.bytes_of("io")) << "a save writes through an engine of its own";
+
+  const Planned bigger = planned({"train.micro_batch=16"});
+  const HostRamPlan batch = plan_host_ram(bigger.mc, bigger.t, bigger.plan, false);
+  EXPECT_EQ(batch.bytes_of("data") - base.bytes_of("data"), 2u * 8 * 128 * sizeof(int32_t))
+      << "inputs and targets of 8 more sequences of 128";
+
+  const Planned resumed = planned({});
+  TrainConfig t = resumed.t;
+  t.resume = "auto";
+  EXPECT_GT(plan_host_ram(resumed.mc, t, resumed.plan, false).bytes_of("weights"), base.bytes_of("weights"));
+  EXPECT_GT(plan_host_ram(plain.mc, plain.t, plain.plan, /*cuda=*/true).bytes_of("process"),
+            base.bytes_of("process"))
+      << "the CUDA runtime's host memory";
+}
+
+TEST(HostRamTest, APeakBeyondWhatIsAvailableIsRefusedWithBothNumbers) {
+  const Planned p = planned({});
+  HostRamData data;
+  data.mapped_bytes = 1ull << 40;  // a terabyte of token files: file pages, not held against the machine
+  const HostRamPlan ram = plan_host_ram(p.mc, p.t, p.plan, false, data);
+  const uint64_t needed = ram.peak() - ram.reclaimable();
+  EXPECT_TRUE(check_host_ram(ram, HostMemory{.known = true, .available = needed, .source = "MemAvailable"}).ok());
+  EXPECT_TRUE(check_host_ram(ram, HostMemory{}).ok()) << "unknown: nothing to refuse against";
+  const Status refused =
+      check_host_ram(ram, HostMemory{.known = true, .available = needed / 2, .source = "MemAvailable"});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(refused.message().find(format_bytes(needed)), std::string::npos) << refused.message();
+  EXPECT_NE(refused.message().find(format_bytes(needed / 2)), std::string::npos) << refused.message();
+  EXPECT_NE(refused.message().find("MemAvailable"), std::string::npos) << refused.message();
+}
+
+}  // namespace
+}  // namespace strata
