@@ -14,11 +14,13 @@
 namespace strata {
 namespace {
 
-// The resident memory of `strata train` before it allocates anything for the run, plus what
-// OpenBLAS and the OpenMP runtime add on the first steps: measured (VmRSS, Debian 12, glibc
-// 2.36, OpenBLAS 0.3.21 pthread, release build) at 12.5 MiB for a run refused before its
-// engine and 17.8 MiB once its first GEMMs ran. Rounded up to 20 MiB for other builds.
-constexpr uint64_t kProcessBaseline = 20 * kMiB;
+// The resident memory of `strata train` before it allocates anything for the run (the
+// executable, libstdc++, OpenBLAS, gloo, spdlog, the allocator's first arenas), plus what the
+// OpenBLAS and OpenMP threads add on the first steps. Measured on Debian 12 (glibc 2.36,
+// OpenBLAS 0.3.21, release build, 2 cores): a peak of 10.0 MiB for a run refused before its
+// engine, and 11-13 MiB left over beside the other items once small runs had trained. More
+// threads (cores) add their stacks and buffers; 16 MiB leaves room for a few.
+constexpr uint64_t kProcessBaseline = 16 * kMiB;
 // The CUDA runtime's and cuBLAS's host memory (context, module images, driver buffers): an
 // estimate, not measured by strata's tests, which run without a GPU.
 constexpr uint64_t kCudaRuntime = 512 * kMiB;
@@ -122,17 +124,35 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
                                      bytes(std::min(t.memory_device, all_chunks)), bytes(plan.device.act))});
   }
 
-  // The checkpoint writer allocates its staging at the first save and keeps it.
+  // The bf16 recipe emulated on the cpu widens each op's bf16 operands into fp32 temporaries on
+  // the heap (kernels/cpu/backend_bf16.cpp): at worst a linear layer's backward, holding its
+  // input, output gradient and result over N tokens and its weight and weight gradient.
+  uint64_t scratch = 0;
+  if (!cuda && precision == Precision::kBf16) {
+    const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
+    const uint64_t wide = static_cast<uint64_t>(std::max({mc.hidden_size, mc.intermediate_size, mc.q_dim()}));
+    const uint64_t narrow = static_cast<uint64_t>(mc.hidden_size);
+    scratch = sizeof(float) * (3 * N * wide + 2 * wide * narrow);
+  }
+  ram.items.push_back({"compute", scratch, 0, false,
+                       scratch ? std::string("fp32 temporaries of the bf16 ops emulated on the cpu")
+                               : std::string("none outside the device's memory")});
+
+  // The checkpoint writer allocates ckpt.staging at the first save and keeps it; every byte it
+  // writes (fp32 weights and both Adam moments: 12 bytes per parameter) passes through a slot of
+  // it and is hashed through one more piece of scratch, so pages beyond those stay untouched.
   uint64_t ckpt = 0;
+  const uint64_t piece = ckpt::piece_bytes_for_staging(t.ckpt_staging);
   if (t.ckpt_every > 0) {
-    const uint64_t piece = ckpt::piece_bytes_for_staging(t.ckpt_staging);
+    const uint64_t saved = 12 * static_cast<uint64_t>(layout.total_size());
     uint64_t extra = 0;  // the MoE routers' balancing bias, copied for each save
     if (mc.is_moe() && mc.router_bias_update_rate > 0)
       extra = static_cast<uint64_t>(mc.num_moe_layers()) * static_cast<uint64_t>(mc.num_experts) * sizeof(float);
-    ckpt = t.ckpt_staging / piece * piece + extra;
+    ckpt = std::min(t.ckpt_staging / piece * piece, saved + std::min(saved, piece)) + extra;
   }
   ram.items.push_back({"checkpoint", ckpt, 0, false,
-                       ckpt ? fmt::format("ckpt.staging in pieces of {}", bytes(ckpt::piece_bytes_for_staging(t.ckpt_staging)))
+                       ckpt ? fmt::format("ckpt.staging {} in pieces of {}, as far as a save's pieces fill it",
+                                          bytes(t.ckpt_staging), bytes(piece))
                             : std::string("no periodic saves (a save after a signal stages ckpt.staging)")});
 
   const int engines = (has_nvme ? 1 : 0) + (t.ckpt_every > 0 ? 1 : 0);

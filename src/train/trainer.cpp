@@ -223,7 +223,8 @@ struct Run {
   // Waits for the save in flight. It can take a while after the last step: a progress line shows
   // how far it is (plain lines even on a terminal, as the writer logs its own line at commit).
   Status wait_for_save() {
-    GoodputAccountant::Timer blocked = goodput->time(GoodputPart::kCheckpoint);
+    std::optional<GoodputAccountant::Timer> blocked;
+    if (checkpointer->in_flight()) blocked.emplace(*goodput, GoodputPart::kCheckpoint);
     const uint64_t total = checkpointer->save_progress().second;
     Progress progress(fmt::format("saving checkpoint step {}", last_saved_step), total,
                       ProgressOptions{.enabled = checkpointer->in_flight(), .tty = false});
@@ -627,7 +628,8 @@ Result<TrainSummary> train(Run& run, const TrainConfig& t) {
 // run_training.
 void report_goodput(Run& run, GoodputAccountant& goodput) {
   {
-    GoodputAccountant::Timer blocked = goodput.time(GoodputPart::kCheckpoint);
+    std::optional<GoodputAccountant::Timer> blocked;
+    if (run.checkpointer->in_flight()) blocked.emplace(goodput, GoodputPart::kCheckpoint);
     run.checkpointer.reset();
   }
   run.engine.reset();

@@ -57,7 +57,7 @@ TEST(HostRamTest, ItemsAddUpToThePeakForTheDefaultAndAMoeRun) {
     EXPECT_EQ(ram.pinned(), pinned);
     EXPECT_EQ(ram.reclaimable(), data.mapped_bytes);
     for (const char* name : {"chunks", "staging", "device", "checkpoint", "io", "data", "mapped data", "tokenizer",
-                             "weights", "process"}) {
+                             "weights", "process", "compute"}) {
       bool found = false;
       for (const HostRamItem& i : ram.items) found = found || i.name == name;
       EXPECT_TRUE(found) << "no item " << name;
@@ -89,11 +89,20 @@ TEST(HostRamTest, EachItemFollowsItsSetting) {
   const HostRamPlan ckpt = plan_host_ram(saving.mc, saving.t, saving.plan, false);
   EXPECT_EQ(ckpt.bytes_of("checkpoint"), 8u << 20);
   EXPECT_GT(ckpt.bytes_of("io"), base.bytes_of("io")) << "a save writes through an engine of its own";
+  // 64 MiB of staging in 8 MiB pieces: a save of the demo's 853,120 parameters (10.2 MB of
+  // weights and moments) touches no more than those bytes and a piece of hashing scratch.
+  const Planned roomy = planned({"ckpt.every=10"});
+  EXPECT_EQ(plan_host_ram(roomy.mc, roomy.t, roomy.plan, false).bytes_of("checkpoint"), 853120u * 12 + (8u << 20));
 
-  const Planned bigger = planned({"train.micro_batch=16"});
-  const HostRamPlan batch = plan_host_ram(bigger.mc, bigger.t, bigger.plan, false);
-  EXPECT_EQ(batch.bytes_of("data") - base.bytes_of("data"), 2u * 8 * 128 * sizeof(int32_t))
-      << "inputs and targets of 8 more sequences of 128";
+  const Planned smaller = planned({"train.micro_batch=4"});
+  const HostRamPlan batch = plan_host_ram(smaller.mc, smaller.t, smaller.plan, false);
+  EXPECT_EQ(base.bytes_of("data") - batch.bytes_of("data"), 2u * 4 * 128 * sizeof(int32_t))
+      << "inputs and targets of 4 sequences of 128 fewer";
+
+  const Planned bf16 = planned({"train.precision=bf16"});
+  EXPECT_EQ(base.bytes_of("compute"), 0u);
+  EXPECT_GT(plan_host_ram(bf16.mc, bf16.t, bf16.plan, false).bytes_of("compute"), 0u)
+      << "the emulated bf16 ops widen their operands on the heap";
 
   const Planned resumed = planned({});
   TrainConfig t = resumed.t;
