@@ -107,6 +107,9 @@ TEST_F(CkptSafetyTest, ADivergedRunSkipsThenStopsNonZeroWithoutANaNCheckpoint) {
     EXPECT_EQ(metrics[s - 1]["skipped"], true) << "step " << s;
     EXPECT_EQ(metrics[s - 1]["skipped_steps"], s - 1) << "step " << s;
   }
+  // A run that fails after it started still ends its metrics with its goodput.
+  EXPECT_NE(read_text(fs::path(run_dir) / "metrics.jsonl").find("\"event\":\"goodput\""), std::string::npos);
+  EXPECT_NE(r.output.find("goodput "), std::string::npos) << r.output;
   for (const auto& e : fs::directory_iterator(fs::path(run_dir) / "checkpoints"))
     if (e.path().filename() != ".strata.lock")  // the run's lock on its ckpt.dir
       ADD_FAILURE() << "a checkpoint of the NaN state was kept: " << e.path();
