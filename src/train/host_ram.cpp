@@ -202,13 +202,30 @@ std::string format_host_ram(const HostRamPlan& ram) {
   return text;
 }
 
+namespace {
+
+// The setting that shrinks an item, for the refusal's advice.
+std::string setting_for(const std::string& item) {
+  if (item == "chunks" || item == "staging") return "lower memory.host (with memory.nvme.* the rest pages to disk)";
+  if (item == "device") return "lower memory.device (the cpu device's memory is host memory) or train.micro_batch";
+  if (item == "compute" || item == "data") return "lower train.micro_batch or train.seq_len";
+  if (item == "checkpoint") return "lower ckpt.staging";
+  return "";
+}
+
+}  // namespace
+
 Status check_host_ram(const HostRamPlan& ram, const HostMemory& machine) {
   const uint64_t needed = ram.peak() - ram.reclaimable();
   if (!machine.known || needed <= machine.available) return Status::OK();
+  const HostRamItem* largest = nullptr;
+  for (const HostRamItem& i : ram.items)
+    if (!i.reclaimable && (largest == nullptr || i.bytes > largest->bytes)) largest = &i;
   return Status::OutOfMemory(fmt::format(
-      "host memory: the run needs {} at its peak but this machine has {} available ({}); {}; lower memory.host "
-      "(with memory.nvme.* the rest pages to disk), ckpt.staging or train.micro_batch, or free memory",
-      bytes(needed), bytes(machine.available), machine.source, format_host_ram(ram)));
+      "host memory: the run needs {} at its peak but this machine has {} available ({}); {}; the largest part is "
+      "{} ({}): {}free memory",
+      bytes(needed), bytes(machine.available), machine.source, format_host_ram(ram), largest->name,
+      bytes(largest->bytes), setting_for(largest->name).empty() ? "" : setting_for(largest->name) + ", or "));
 }
 
 uint64_t peak_resident_bytes() {
