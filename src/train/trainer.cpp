@@ -626,7 +626,7 @@ Result<TrainSummary> train(Run& run, const TrainConfig& t) {
 // failed: one line in the log and the last line of metrics.jsonl. The engine and the saves are
 // ended first (a save in flight is waited for), so that the report covers nearly all of
 // run_training.
-void report_goodput(Run& run, GoodputAccountant& goodput) {
+GoodputReport report_goodput(Run& run, GoodputAccountant& goodput) {
   {
     std::optional<GoodputAccountant::Timer> blocked;
     if (run.checkpointer->in_flight()) blocked.emplace(goodput, GoodputPart::kCheckpoint);
@@ -639,6 +639,7 @@ void report_goodput(Run& run, GoodputAccountant& goodput) {
   LOG_INFO("{}", format_goodput_line(report));
   if (Status written = run.metrics->append(goodput_json(report).dump()); !written.ok())
     LOG_WARN("goodput: {}", written.message());
+  return report;
 }
 
 }  // namespace
@@ -657,7 +658,8 @@ Result<TrainSummary> run_training(const TrainConfig& config, const std::string& 
   }
   Run& run = **prepared;
   Result<TrainSummary> trained = train(run, t);
-  report_goodput(run, goodput);
+  const GoodputReport report = report_goodput(run, goodput);
+  if (trained.ok()) trained->goodput = report;
   return trained;
 }
 

@@ -10,6 +10,7 @@
 #include "core/status.h"
 #include "model/config.h"
 #include "train/engine.h"
+#include "train/goodput.h"
 #include "train/optimizer.h"
 #include "train/train_config.h"
 
@@ -21,6 +22,7 @@ struct TrainSummary {
   double last_loss = 0;
   bool interrupted = false;  // stopped early by SIGINT/SIGTERM
   int64_t skipped_steps = 0;  // steps skipped for a NaN/Inf loss or gradient norm
+  GoodputReport goodput;      // where the run's wall time went (also metrics.jsonl's last line)
 };
 
 // The model's config.json (model.config, or the preset) with model.set overrides applied.

@@ -143,9 +143,11 @@ class GoodputRunTest : public ::testing::Test {
 TEST_F(GoodputRunTest, APlainRunAccountsItsWholeWallTime) {
   const std::string run_dir = (dir_ / "plain").string();
   double wall = 0;
-  ASSERT_TRUE(train(run_dir, {}, "", &wall).ok());
+  const Result<TrainSummary> trained = train(run_dir, {}, "", &wall);
+  ASSERT_TRUE(trained.ok()) << trained.status().message();
   const nlohmann::json g = goodput_of(run_dir);
   expect_whole(g, wall);
+  EXPECT_EQ(trained->goodput.wall_s, g["wall_s"].get<double>()) << "the caller gets the numbers metrics.jsonl has";
   EXPECT_GT(g["compute_s"].get<double>(), 0.0);
   EXPECT_EQ(g["restart_s"].get<double>(), 0.0) << "a run that continues none redoes nothing";
   EXPECT_EQ(g["checkpoint_s"].get<double>(), 0.0) << "no save, nothing to wait for";
