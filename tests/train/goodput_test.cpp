@@ -96,7 +96,7 @@ class GoodputRunTest : public ::testing::Test {
   Result<TrainSummary> train(const std::string& run_dir, std::vector<std::string> overrides, const std::string& resume,
                              double* wall_s) {
     std::vector<std::string> all = {"data.paths=[" + (dir_ / "corpus.txt").string() + "]", "run.dir=" + run_dir,
-                                    "train.micro_batch=2", "train.seq_len=32", "train.steps=40",
+                                    "train.micro_batch=2", "train.seq_len=32", "train.steps=80",
                                     "optim.warmup_steps=2", "run.log_every=100",
                                     "model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96]"};
     all.insert(all.end(), overrides.begin(), overrides.end());
@@ -157,16 +157,17 @@ TEST_F(GoodputRunTest, APlainRunAccountsItsWholeWallTime) {
 TEST_F(GoodputRunTest, PeriodicSavesAreCheckpointTimeAndAResumeRedoingStepsIsRestart) {
   const std::string run_dir = (dir_ / "run").string();
   double wall = 0;
-  ASSERT_TRUE(train(run_dir, {"ckpt.every=20"}, "", &wall).ok());
+  ASSERT_TRUE(train(run_dir, {"ckpt.every=20", "ckpt.keep_last=5"}, "", &wall).ok());
   const nlohmann::json first = goodput_of(run_dir);
   expect_whole(first, wall);
   EXPECT_GT(first["compute_s"].get<double>(), 0.0);
   EXPECT_GT(first["checkpoint_s"].get<double>(), 0.0);
   EXPECT_EQ(first["restart_s"].get<double>(), 0.0);
 
-  // From step 20 in the same run.dir: steps 21-40 were recorded by the first run and are done again.
+  // From step 20 in the same run.dir: steps 21-80 were recorded by the first run and are done again.
   const std::string step20 = (fs::path(run_dir) / "checkpoints" / "step-20").string();
-  ASSERT_TRUE(train(run_dir, {"ckpt.dir=" + (dir_ / "again").string()}, step20, &wall).ok());
+  const Result<TrainSummary> again = train(run_dir, {"ckpt.dir=" + (dir_ / "again").string()}, step20, &wall);
+  ASSERT_TRUE(again.ok()) << again.status().message();
   const nlohmann::json resumed = goodput_of(run_dir);
   expect_whole(resumed, wall);
   EXPECT_GT(resumed["restart_s"].get<double>(), 0.0);
