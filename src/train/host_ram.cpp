@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 
 #include <fmt/format.h>
 
@@ -226,15 +225,6 @@ Status check_host_ram(const HostRamPlan& ram, const HostMemory& machine) {
       "{} ({}): {}free memory",
       bytes(needed), bytes(machine.available), machine.source, format_host_ram(ram), largest->name,
       bytes(largest->bytes), setting_for(largest->name).empty() ? "" : setting_for(largest->name) + ", or "));
-}
-
-uint64_t peak_resident_bytes() {
-  std::ifstream in("/proc/self/status");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("VmHWM:", 0) != 0) continue;
-    return std::stoull(line.substr(6)) * 1024;  // "VmHWM:	   12345 kB"
-  }
-  return 0;
 }
 
 }  // namespace strata

@@ -70,7 +70,4 @@ std::string format_host_ram(const HostRamPlan& ram);
 // is unknown); otherwise OutOfMemory with both numbers and the items.
 Status check_host_ram(const HostRamPlan& ram, const HostMemory& machine);
 
-// The peak resident memory of this process so far (VmHWM), 0 when /proc is unavailable.
-uint64_t peak_resident_bytes();
-
 }  // namespace strata
