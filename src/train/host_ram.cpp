@@ -201,6 +201,14 @@ std::string format_host_ram(const HostRamPlan& ram) {
   return text;
 }
 
+std::string format_host_ram_items(const HostRamPlan& ram, const std::string& indent) {
+  std::string text;
+  for (const HostRamItem& i : ram.items)
+    text += fmt::format("{}{} {}{}: {}\n", indent, i.name, bytes(i.bytes),
+                        i.pinned ? " (pinned " + bytes(i.pinned) + ")" : std::string(), i.detail);
+  return text;
+}
+
 namespace {
 
 // The setting that shrinks an item, for the refusal's advice.

@@ -63,8 +63,11 @@ uint64_t process_baseline_bytes(bool cuda);
 HostRamPlan plan_host_ram(const model::ModelConfig& model, const TrainConfig& t, const Plan& plan, bool cuda,
                           const HostRamData& data = {});
 
-// "host RAM: peak 80.0 MiB (pinned 10.0 MiB): chunks 10.0 MiB (...), staging ..., ..."
+// "host RAM: peak 80.0 MiB (pinned 10.0 MiB): chunks 10.0 MiB, staging ..., ..."
 std::string format_host_ram(const HostRamPlan& ram);
+// One line per item with what it is made of ("chunks 9.81 MiB: 51 slots of 196.00 KiB ..."),
+// each starting with `indent`.
+std::string format_host_ram_items(const HostRamPlan& ram, const std::string& indent);
 
 // OK when the peak (less its reclaimable part) fits in what the machine has available (or that
 // is unknown); otherwise OutOfMemory with both numbers and the items.

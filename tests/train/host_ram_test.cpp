@@ -76,6 +76,8 @@ TEST(HostRamTest, ItemsAddUpToThePeakForTheDefaultAndAMoeRun) {
     const std::string line = format_host_ram(ram);
     EXPECT_EQ(line.rfind("host RAM: peak ", 0), 0u) << line;
     EXPECT_NE(line.find("chunks "), std::string::npos) << line;
+    const std::string items = format_host_ram_items(ram, "  ");
+    EXPECT_NE(items.find("padding and slot rounding"), std::string::npos) << items;
   }
 }
 

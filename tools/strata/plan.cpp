@@ -139,7 +139,7 @@ int plan_command(const std::vector<std::string>& args) {
               in.nvme_budget ? format_bytes(in.nvme_budget).c_str() : "none");
   std::printf("%s", format_plan(in, plan).c_str());
   const HostRamPlan ram = plan_run_host_ram(*mc, *tc, plan, cuda);
-  std::printf("  %s\n", format_host_ram(ram).c_str());
+  std::printf("  %s\n%s", format_host_ram(ram).c_str(), format_host_ram_items(ram, "    ").c_str());
   const Status ram_fits = check_host_ram(ram, available_host_memory());
   const int64_t best = largest_micro_batch(*mc, *tc, cuda);
   if (best > 0)
