@@ -1,10 +1,10 @@
 #include "train/goodput.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
-
-#include <fmt/format.h>
 
 #include "core/check.h"
 

@@ -21,9 +21,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace strata {
 

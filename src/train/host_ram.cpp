@@ -1,9 +1,9 @@
 #include "train/host_ram.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <filesystem>
-
-#include <fmt/format.h>
 
 #include "ckpt/save_plan.h"
 #include "core/units.h"

@@ -24,13 +24,13 @@
 namespace strata {
 
 struct HostRamItem {
-  std::string name;         // "chunks", "staging", ...
+  std::string name;  // "chunks", "staging", ...
   uint64_t bytes = 0;
-  uint64_t pinned = 0;      // the part that is pinned (page-locked)
+  uint64_t pinned = 0;  // the part that is pinned (page-locked)
   // File pages mapped from disk (the data shards): they count in RSS but the kernel can drop
   // them, so they are not held against the memory available.
   bool reclaimable = false;
-  std::string detail;       // what it is made of, for the report
+  std::string detail;  // what it is made of, for the report
 };
 
 struct HostRamPlan {

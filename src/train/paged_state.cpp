@@ -84,7 +84,8 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
     for (const model::TensorSpec& t : layout.tensors())
       if (t.offset == layout.final_norm()) C = static_cast<uint64_t>(t.numel);
     const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * C * dtype_size(state.compute_dtype());
-    const uint64_t count = static_cast<uint64_t>(model::offloaded_checkpoint_count(static_cast<int>(layout.num_layers())));
+    const uint64_t count =
+        static_cast<uint64_t>(model::offloaded_checkpoint_count(static_cast<int>(layout.num_layers())));
     size.activation_chunks = count * ((bytes + chunk - 1) / chunk);
     size.state_bytes += count * bytes;
   }

@@ -2,13 +2,14 @@
 // train` process (its rusage maximum, which the kernel keeps) stays within the plan, and not
 // far below it.
 //
-// The bound held: between 70% and 100% of the planned peak. The plan counts whole reservations
+// On the cpu backend (the CUDA runtime's host memory is an estimate these tests do not check),
+// the bound held is between 70% and 100% of the planned peak. The plan counts whole reservations
 // that a run touches only as far as its state moves through them (the host tier's slots, the
 // cpu device's arena, the checkpoint staging at its fullest) and a process baseline with room
 // for more threads than this machine has, so it sits above the real peak; allocator arenas and
 // library buffers that it does not itemise are what keep the real peak from being lower still.
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,10 +17,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/host_memory.h"
 
@@ -111,15 +111,15 @@ class TrainMemoryTest : public ::testing::Test {
 
 TEST_F(TrainMemoryTest, TheDefaultRunStaysWithinItsPlannedHostMemory) {
   if (kSanitized) GTEST_SKIP() << "sanitizers' shadow memory is not the program's";
-  expect_within_plan("the embedded default", {"train", "run.dir=run", "train.steps=12", "optim.warmup_steps=2",
-                                              "ckpt.every=5", "run.log_every=4"});
+  expect_within_plan("the embedded default", {"train", "run.dir=run", "run.device=cpu", "train.steps=12",
+                                              "optim.warmup_steps=2", "ckpt.every=5", "run.log_every=4"});
 }
 
 TEST_F(TrainMemoryTest, AMoeRunStaysWithinItsPlannedHostMemory) {
   if (kSanitized) GTEST_SKIP() << "sanitizers' shadow memory is not the program's";
   expect_within_plan("a MoE run",
-                     {"train", "run.dir=run", "data.paths=[corpus.txt]", "train.micro_batch=2", "train.seq_len=32",
-                      "train.steps=12", "optim.warmup_steps=2", "ckpt.every=5",
+                     {"train", "run.dir=run", "run.device=cpu", "data.paths=[corpus.txt]", "train.micro_batch=2",
+                      "train.seq_len=32", "train.steps=12", "optim.warmup_steps=2", "ckpt.every=5",
                       "model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96,model_type=mixtral,"
                       "num_local_experts=4,num_experts_per_tok=2,router_bias_update_rate=0.05]"});
 }
@@ -132,9 +132,9 @@ TEST_F(TrainMemoryTest, ARunWhosePeakTheMachineLacksIsRefusedBeforeItsRunDir) {
   const strata::HostMemory machine = strata::available_host_memory();
   if (!machine.known || machine.available > (120ull << 30))
     GTEST_SKIP() << "this machine has room for the run; nothing to refuse";
-  const Ran r = run_strata(dir_, {"train", "model.preset=llama3-8b", "run.device=cpu", "memory.device=1TiB",
-                                  "memory.host=1GiB", "memory.nvme.path=", "data.paths=[corpus.txt]",
-                                  "train.micro_batch=1", "train.seq_len=32", "run.dir=run"});
+  const Ran r = run_strata(
+      dir_, {"train", "model.preset=llama3-8b", "run.device=cpu", "memory.device=1TiB", "memory.host=1GiB",
+             "memory.nvme.path=", "data.paths=[corpus.txt]", "train.micro_batch=1", "train.seq_len=32", "run.dir=run"});
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("host memory: the run needs 127."), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("available (" + machine.source), std::string::npos) << r.output;

@@ -95,9 +95,13 @@ class GoodputRunTest : public ::testing::Test {
   // *wall_s: the call's wall time, measured here.
   Result<TrainSummary> train(const std::string& run_dir, std::vector<std::string> overrides, const std::string& resume,
                              double* wall_s) {
-    std::vector<std::string> all = {"data.paths=[" + (dir_ / "corpus.txt").string() + "]", "run.dir=" + run_dir,
-                                    "train.micro_batch=2", "train.seq_len=32", "train.steps=80",
-                                    "optim.warmup_steps=2", "run.log_every=100",
+    std::vector<std::string> all = {"data.paths=[" + (dir_ / "corpus.txt").string() + "]",
+                                    "run.dir=" + run_dir,
+                                    "train.micro_batch=2",
+                                    "train.seq_len=32",
+                                    "train.steps=80",
+                                    "optim.warmup_steps=2",
+                                    "run.log_every=100",
                                     "model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96]"};
     all.insert(all.end(), overrides.begin(), overrides.end());
     Result<Config> config = load_train_config("", all);
@@ -123,8 +127,8 @@ class GoodputRunTest : public ::testing::Test {
   static void expect_whole(const nlohmann::json& g, double measured_wall_s) {
     ASSERT_TRUE(g.is_object() && g.value("event", "") == "goodput") << g.dump();
     double sum = 0;
-    for (const char* part : {"compute_s", "memory_stall_s", "checkpoint_s", "startup_s", "restart_s", "data_s",
-                             "export_s", "idle_s"}) {
+    for (const char* part :
+         {"compute_s", "memory_stall_s", "checkpoint_s", "startup_s", "restart_s", "data_s", "export_s", "idle_s"}) {
       ASSERT_TRUE(g.contains(part)) << part << " missing: " << g.dump();
       const double s = g[part].get<double>();
       EXPECT_TRUE(s >= 0) << part << " = " << s;

@@ -110,8 +110,7 @@ TEST(HostRamTest, EachItemFollowsItsSetting) {
   TrainConfig t = resumed.t;
   t.resume = "auto";
   EXPECT_GT(plan_host_ram(resumed.mc, t, resumed.plan, false).bytes_of("weights"), base.bytes_of("weights"));
-  EXPECT_GT(plan_host_ram(plain.mc, plain.t, plain.plan, /*cuda=*/true).bytes_of("process"),
-            base.bytes_of("process"))
+  EXPECT_GT(plan_host_ram(plain.mc, plain.t, plain.plan, /*cuda=*/true).bytes_of("process"), base.bytes_of("process"))
       << "the CUDA runtime's host memory";
 }
 
