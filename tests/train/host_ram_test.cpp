@@ -4,7 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
+#include "core/cpu_device.h"
+#include "core/io_engine.h"
 #include "core/units.h"
+#include "train_test_util.h"
 #include "train/paged_state.h"
 #include "train/planning.h"
 #include "train/trainer.h"
@@ -112,6 +117,33 @@ TEST(HostRamTest, EachItemFollowsItsSetting) {
   EXPECT_GT(plan_host_ram(resumed.mc, t, resumed.plan, false).bytes_of("weights"), base.bytes_of("weights"));
   EXPECT_GT(plan_host_ram(plain.mc, plain.t, plain.plan, /*cuda=*/true).bytes_of("process"), base.bytes_of("process"))
       << "the CUDA runtime's host memory";
+}
+
+// The host tier the paged state reserves is the one planned: with an nvme tier, one slot more
+// than the state's chunks, for staging moves to and from disk (it used to be left out, as the
+// nvme budget was read before it was set).
+TEST(HostRamTest, ThePagedStateReservesThePlannedHostTierWithItsNvmeStagingSlot) {
+  const model::ModelConfig mc = tiny_config(/*tied=*/false);
+  const std::filesystem::path nvme = std::filesystem::path(::testing::TempDir()) / "strata_host_ram_nvme";
+  std::filesystem::create_directories(nvme);
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  auto io = make_io_engine({.kind = "threads"});
+  ASSERT_TRUE(io.ok());
+  PagedStateOptions po;
+  po.device_bytes = 1 << 20;
+  po.host_bytes = 1ull << 30;  // far more than the state: the reservation is what it needs
+  po.nvme_bytes = 64 << 20;
+  po.nvme_dir = nvme.string();
+  const model::ParamLayout layout(mc);
+  const HostTierSize planned = PagedState::host_tier_size(layout, po);
+  EXPECT_EQ(planned.staging_chunks, 1u);
+  auto state = PagedState::create(**device, io->get(), layout, po);
+  ASSERT_TRUE(state.ok()) << state.status().to_string();
+  EXPECT_EQ((*state)->stats().tiers[static_cast<int>(Tier::kHost)].capacity_bytes, planned.reserved_bytes);
+  EXPECT_EQ(planned.reserved_bytes, (planned.state_chunks + 1) * planned.chunk_bytes);
+  state->reset();
+  std::filesystem::remove_all(nvme);
 }
 
 TEST(HostRamTest, APeakBeyondWhatIsAvailableIsRefusedWithBothNumbers) {
