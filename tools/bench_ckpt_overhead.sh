@@ -24,7 +24,7 @@ run_tps() {  # metrics.jsonl -> wall-clock tokens/s from the end of step 3 to th
   python3 - "$1" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-rows = [r for r in rows if "elapsed_s" in r]
+rows = [r for r in rows if "elapsed_s" in r and "event" not in r]
 first = next((r for r in rows if r["step"] == 3), None)
 last = rows[-1] if rows else None
 if first is None or last["step"] <= first["step"]:
@@ -37,6 +37,7 @@ paired_tps() {  # metrics.jsonl -> "with without" median tokens/s by ckpt_in_fli
   python3 - "$1" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in rows if "event" not in r]  # the run's goodput line is not a step
 w, wo = [], []
 for prev, r in zip(rows, rows[1:]):
     if r["step"] <= 3:

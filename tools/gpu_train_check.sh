@@ -52,7 +52,7 @@ python3 - "$work" <<'PY'
 import json, sys
 work = sys.argv[1]
 def losses(name):
-    return {j["step"]: j["loss"] for j in map(json.loads, open(f"{work}/{name}/metrics.jsonl"))}
+    return {j["step"]: j["loss"] for j in map(json.loads, open(f"{work}/{name}/metrics.jsonl")) if "event" not in j}
 cuda, cpu = losses("cuda"), losses("cpu")
 failed = False
 def compare(a_name, a, b_name, b, steps, tolerance=0.05):

@@ -1,5 +1,6 @@
 #include "train/checkpointing.h"
 
+#include <chrono>
 #include <set>
 
 #include "ckpt/finite.h"
@@ -71,8 +72,13 @@ TrainCheckpointer::~TrainCheckpointer() {
 
 void TrainCheckpointer::before_modify(int group) {
   if (!writer_->in_flight()) return;
+  const auto start = std::chrono::steady_clock::now();
   for (int region = 0; region < 3; ++region)
     for (const auto& [b, e] : group_ranges_[static_cast<size_t>(group)]) writer_->before_modify(region, b, e);
+  blocked_ns_.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                  std::chrono::steady_clock::now() - start)
+                                                  .count()),
+                        std::memory_order_relaxed);
 }
 
 Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos, const nlohmann::json& model_config,

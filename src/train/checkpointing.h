@@ -12,6 +12,7 @@
 // optimizer's worker.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -65,6 +66,9 @@ class TrainCheckpointer {
   std::pair<uint64_t, uint64_t> save_progress() const { return writer_->save_progress(); }
   void cancel() { writer_->cancel(); }
   ckpt::SaveStats last_stats() const { return writer_->last_stats(); }
+  // Time the optimizer spent in the copy-on-write hook of saves in flight (copying bytes not yet
+  // written, or waiting for them), cumulative; readable from any thread.
+  uint64_t blocked_ns() const { return blocked_ns_.load(std::memory_order_relaxed); }
 
  private:
   void before_modify(int group);
@@ -75,6 +79,7 @@ class TrainCheckpointer {
   std::unique_ptr<ckpt::CheckpointWriter> writer_;
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> group_ranges_;  // per group: flat byte ranges
   std::vector<float> extra_values_;  // the extra state of the save in flight, back to back
+  std::atomic<uint64_t> blocked_ns_{0};
 };
 
 // Restores parameters, Adam moments and the run position from a checkpoint (DIR, DIR/latest

@@ -15,6 +15,7 @@
 #include "memory/tier.h"
 #include "model/params.h"
 #include "offload/plan.h"
+#include "train/host_ram.h"
 #include "train/savable_state.h"
 
 namespace strata {
@@ -63,6 +64,10 @@ class TrainEngine {
   // measured run with it); null when the engine was not planned.
   virtual const Plan* plan() const { return nullptr; }
   virtual const PlanInput* plan_input() const { return nullptr; }
+
+  // The host memory a run on this engine holds (host_ram.h), given the data as opened; empty
+  // for an engine that does not plan its memory.
+  virtual HostRamPlan host_ram(const HostRamData& /*data*/) const { return {}; }
 };
 
 }  // namespace strata

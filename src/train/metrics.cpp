@@ -24,10 +24,11 @@ std::string format_step_line(const StepMetrics& m) {
                                                     : std::string();
   return fmt::format(
       "step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {:.0f} ms{} | dev {} host {} nvme {} | "
-      "moved {} stall {:.0f} ms | rss {}{}",
+      "moved {} stall {:.0f} ms | rss {}{}{}",
       m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, tps, m.ms, eta, format_bytes(m.tier_bytes[0]),
       format_bytes(m.tier_bytes[1]), format_bytes(m.tier_bytes[2]), format_bytes(m.moved_bytes), m.stall_ms,
-      format_bytes(m.rss_bytes), skipped);
+      format_bytes(m.rss_bytes),
+      m.rss_planned_bytes > 0 ? " / " + format_bytes(m.rss_planned_bytes) + " planned" : std::string(), skipped);
 }
 
 Result<MetricsWriter> MetricsWriter::open(const std::string& path, bool append) {
@@ -60,9 +61,14 @@ Status MetricsWriter::write(const StepMetrics& m) {
                       {"ckpt_in_flight", m.ckpt_in_flight},
                       {"skipped", m.skipped},
                       {"skipped_steps", m.skipped_steps},
-                      {"rss_bytes", m.rss_bytes}};
+                      {"rss_bytes", m.rss_bytes},
+                      {"rss_planned_bytes", m.rss_planned_bytes}};
   // Losses are printed with 17 significant digits so that runs can be compared bitwise.
-  std::string line = j.dump() + "\n";
+  return append(j.dump());
+}
+
+Status MetricsWriter::append(const std::string& json_object) {
+  const std::string line = json_object + "\n";
   if (std::fputs(line.c_str(), file_) < 0 || std::fflush(file_) != 0)
     return Status::IOError("cannot write metrics file '" + path_ + "': " + std::strerror(errno));
   return Status::OK();

@@ -25,6 +25,7 @@ struct StepMetrics {
   uint64_t moved_bytes = 0;    // bytes moved between tiers during the step
   double stall_ms = 0;         // time compute waited for data during the step
   uint64_t rss_bytes = 0;      // resident memory of the process
+  uint64_t rss_planned_bytes = 0;  // the planned peak of host memory (host_ram.h); 0 when unknown
   // Seconds since the first step of this run began, at the end of this step's compute: wall
   // time between two steps includes everything in between (checkpoint starts, logging).
   double elapsed_s = 0;
@@ -38,11 +39,12 @@ struct StepMetrics {
 };
 
 // "step  10/200 | loss 3.2113 | lr 1.50e-03 | gnorm 0.912 | 5.1k tok/s | 199 ms | eta 38s |
-//  dev 4.0 MiB host 6.0 MiB nvme 8.0 MiB | moved 12.0 MiB stall 3 ms | rss 61.0 MiB"; once a step
+//  dev 4.0 MiB host 6.0 MiB nvme 8.0 MiB | moved 12.0 MiB stall 3 ms | rss 61.0 MiB / 80.0 MiB planned"
+// (without the planned part when it is unknown); once a step
 // was skipped, "| skipped 2" follows ("| SKIPPED (2)" on the skipped step itself).
 std::string format_step_line(const StepMetrics& m);
 
-// Appends JSON lines to a file. Not thread-safe. Closes on destruction.
+// Appends JSON lines to a file: one per step, then event lines ({"event": ...}). Not thread-safe. Closes on destruction.
 class MetricsWriter {
  public:
   // append: continue the file of a resumed run instead of starting it anew.
@@ -52,6 +54,9 @@ class MetricsWriter {
   MetricsWriter& operator=(const MetricsWriter&) = delete;
   ~MetricsWriter();
   Status write(const StepMetrics& m);
+  // Appends one line that is not a step's: a JSON object with an "event" key and no "step"
+  // (readers of metrics.jsonl skip such lines), e.g. the run's goodput at its end.
+  Status append(const std::string& json_object);
 
  private:
   MetricsWriter(std::FILE* f, std::string path) : file_(f), path_(std::move(path)) {}

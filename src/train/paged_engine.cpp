@@ -135,6 +135,8 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   po.overlap_optimizer = t.overlap_backward;
   po.precision = budgets.precision;
   po.device_kernels = e->state_kernels_.get();
+  e->budgets_ = budgets;
+  e->cuda_ = cuda;
   ASSIGN_OR_RETURN(e->state_, PagedState::create(*e->device_, e->io_.get(), e->net_->layout(), po));
   e->net_->set_access(e->state_.get());
   // On a device with a compute stream, paging is stream-ordered (no host wait per group).
@@ -177,6 +179,10 @@ EngineStats PagedEngine::stats() const {
   out.stall_ns = s.stall_ns();
   out.moved_bytes = s.moved_bytes();
   return out;
+}
+
+HostRamPlan PagedEngine::host_ram(const HostRamData& data) const {
+  return plan_host_ram(mc_, budgets_, plan_, cuda_, data);
 }
 
 // The MoE routers' loss-free balancing bias, one tensor per MoE layer, when that balancing is on.

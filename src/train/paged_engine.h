@@ -56,6 +56,7 @@ class PagedEngine final : public TrainEngine {
   std::string step_note() const override;
   const Plan* plan() const override { return &plan_; }
   const PlanInput* plan_input() const override { return &plan_input_; }
+  HostRamPlan host_ram(const HostRamData& data) const override;
 
  private:
   PagedEngine() = default;
@@ -63,6 +64,8 @@ class PagedEngine final : public TrainEngine {
   model::ModelConfig mc_;
   Plan plan_;  // PagedState keeps a pointer to it
   PlanInput plan_input_;  // what plan_ was made from
+  TrainConfig budgets_;  // the settings with every budget and the chunk size resolved
+  bool cuda_ = false;
   PagedStateOptions options_;
   bool keep_activations_ = false;
   uint64_t activation_bytes_ = 0;

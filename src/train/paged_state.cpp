@@ -67,32 +67,49 @@ std::vector<uint64_t> PagedState::group_chunks(const model::ParamLayout& layout,
   return StateStore::group_chunks(state_tensors(layout), chunk_bytes, element_bytes);
 }
 
-namespace {
-
-// The host tier reserves what the state can occupy there and no more: every chunk of every kind
-// and the offloaded activations. A larger budget would only pin idle memory (the whole of it,
-// once the nvme tier registers it with io_uring). What is reserved must be available on this
-// machine, or the run is refused here rather than by the OOM killer later.
-Status fit_host_tier(const model::ParamLayout& layout, const PagedStateOptions& options, ChunkSpaceOptions* space) {
-  if (space->host_bytes == 0) return Status::OK();
+HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const PagedStateOptions& options) {
+  HostTierSize size;
+  size.reserved_bytes = options.host_bytes;
+  if (options.host_bytes == 0) return size;
   const StateLayout state = StateLayout::of(options.precision);
   const uint64_t chunk = options.chunk_bytes ? options.chunk_bytes : PagedState::auto_chunk_bytes(layout, options.precision);
+  size.chunk_bytes = chunk;
   for (const model::TensorSpec& t : layout.tensors())
-    if (static_cast<uint64_t>(t.block_numel(0)) * sizeof(float) > chunk) return Status::OK();  // refused later
-  uint64_t chunks = 0;
-  for (const StateKind kind : state.kinds())
-    for (uint64_t n : PagedState::group_chunks(layout, chunk, state.element_bytes(kind))) chunks += n;
+    if (static_cast<uint64_t>(t.block_numel(0)) * sizeof(float) > chunk) return size;  // refused later
+  for (const StateKind kind : state.kinds()) {
+    for (uint64_t n : PagedState::group_chunks(layout, chunk, state.element_bytes(kind))) size.state_chunks += n;
+    size.state_bytes += static_cast<uint64_t>(layout.total_size()) * state.element_bytes(kind);
+  }
   if (options.offload_activations && options.activation_tokens > 0) {
     uint64_t C = 0;  // hidden size: the final norm's weight has C elements
     for (const model::TensorSpec& t : layout.tensors())
       if (t.offset == layout.final_norm()) C = static_cast<uint64_t>(t.numel);
     const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * C * dtype_size(state.compute_dtype());
-    chunks += static_cast<uint64_t>(model::offloaded_checkpoint_count(static_cast<int>(layout.num_layers()))) *
-              ((bytes + chunk - 1) / chunk);
+    const uint64_t count =
+        static_cast<uint64_t>(model::offloaded_checkpoint_count(static_cast<int>(layout.num_layers())));
+    size.activation_chunks = count * ((bytes + chunk - 1) / chunk);
+    size.state_bytes += count * bytes;
   }
   // With an nvme tier the chunk space keeps one host slot free for staging moves to and from disk.
-  if (space->nvme_bytes > 0) chunks += 1;
-  space->host_bytes = std::min(space->host_bytes, chunks * chunk);
+  if (options.nvme_bytes > 0) size.staging_chunks = 1;
+  size.reserved_bytes =
+      std::min(options.host_bytes, (size.state_chunks + size.activation_chunks + size.staging_chunks) * chunk);
+  return size;
+}
+
+namespace {
+
+// The host tier reserves what the state can occupy there and no more (host_tier_size). A larger
+// budget would only pin idle memory (the whole of it, once the nvme tier registers it with
+// io_uring). What is reserved must be available on this machine, or the run is refused here,
+// before the reservation, rather than by the OOM killer later; the trainer then checks the
+// run's whole host memory (host_ram.h) before it loads any weights.
+Status fit_host_tier(const model::ParamLayout& layout, const PagedStateOptions& options, ChunkSpaceOptions* space) {
+  if (space->host_bytes == 0) return Status::OK();
+  // options.nvme_bytes, not space's: the chunk space's nvme budget is set after this.
+  PagedStateOptions budgeted = options;
+  budgeted.host_bytes = space->host_bytes;
+  space->host_bytes = PagedState::host_tier_size(layout, budgeted).reserved_bytes;
   const HostMemory machine = available_host_memory();
   if (machine.known && space->host_bytes > machine.available)
     return Status::OutOfMemory(fmt::format(

@@ -81,6 +81,18 @@ struct PagedStateOptions {
   bool overlap_optimizer = false;
 };
 
+// What create() reserves in host memory: a slot of chunk_bytes for every chunk the state can
+// occupy there (every kind's, and the offloaded activation checkpoints'), one more slot for
+// staging moves to and from disk when there is an nvme tier, and no more than the host budget.
+struct HostTierSize {
+  uint64_t chunk_bytes = 0;
+  uint64_t state_chunks = 0;       // every chunk of every kind of state
+  uint64_t activation_chunks = 0;  // offloaded layer-boundary checkpoints
+  uint64_t staging_chunks = 0;     // the free slot an nvme tier stages through
+  uint64_t state_bytes = 0;        // the state's bytes in those chunks (the rest is padding)
+  uint64_t reserved_bytes = 0;     // min(host budget, all those chunks): what is reserved
+};
+
 class PagedState : public model::ParamAccess, public SavableState {
  public:
   ~PagedState() override;
@@ -95,6 +107,9 @@ class PagedState : public model::ParamAccess, public SavableState {
   // element_bytes: the kind's element size in the recipe's layout (StateLayout::element_bytes).
   static std::vector<uint64_t> group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes,
                                             uint64_t element_bytes = sizeof(float));
+  // The host tier create() reserves for `options` (host_bytes is the budget; 0: no host tier).
+  // When a tensor does not fit a chunk (create() refuses it) the whole budget is reported.
+  static HostTierSize host_tier_size(const model::ParamLayout& layout, const PagedStateOptions& options);
 
   // Copies parameters in from / out to a flat buffer of layout.total_size() floats.
   Status load_params(const float* flat);

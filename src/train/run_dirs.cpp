@@ -74,7 +74,7 @@ bool holds_latest(const fs::path& ckpt) {
 // A run dir is continued only through a checkpoint: the old checkpoints would mix with a new
 // run's (and retention could delete them), and the old metrics would be overwritten. With
 // --resume auto and no checkpoint at all, the earlier metrics are set aside and the run starts.
-Status check_run_dirs(const TrainConfig& t) {
+Status check_run_dirs(const TrainConfig& t, std::string* set_aside) {
   if (!t.resume.empty() && t.resume != "auto") return Status::OK();
   const fs::path ckpt(t.ckpt_dir);
   const std::string elsewhere = "choose another run.dir (or ckpt.dir), or remove it first";
@@ -107,6 +107,7 @@ Status check_run_dirs(const TrainConfig& t) {
   }
   fs::rename(metrics, kept, ec);
   if (ec) return Status::IOError("cannot set aside " + metrics.string() + " as " + kept.string() + ": " + ec.message());
+  *set_aside = kept.string();
   LOG_WARN("resume: {} holds no checkpoint to continue from (the run stopped before its first save); starting "
            "from step 1, the earlier metrics kept as {}",
            t.ckpt_dir, kept.string());
@@ -205,7 +206,7 @@ Result<RunDirs> RunDirs::open(TrainConfig& t) {
     dirs.ckpt_lock_ = std::make_unique<DirLock>(std::move(ckpt_lock).value());
     if (made) dirs.created_ckpt_ = t.ckpt_dir;
   }
-  if (Status checked = check_run_dirs(t); !checked.ok()) {
+  if (Status checked = check_run_dirs(t, &dirs.set_aside_metrics_); !checked.ok()) {
     dirs.discard_if_unused();
     return checked;
   }

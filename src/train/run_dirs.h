@@ -50,11 +50,16 @@ class RunDirs {
   // run leaves nothing behind.
   void discard_if_unused();
 
+  // The earlier run's metrics.jsonl as set aside by this open (metrics.restart-K.jsonl), or ""
+  // when nothing was set aside.
+  const std::string& set_aside_metrics() const { return set_aside_metrics_; }
+
  private:
   RunDirs() = default;
   std::unique_ptr<DirLock> run_lock_, ckpt_lock_;
   std::string created_;       // the run.dir this run made (a version folder, or a new named one), or ""
   std::string created_ckpt_;  // the ckpt.dir this run made, or ""
+  std::string set_aside_metrics_;
 };
 
 // The name of the lock file in a locked folder (checkpoint listings skip it).

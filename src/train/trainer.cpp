@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/checked_math.h"
+#include "core/host_memory.h"
 #include "core/log.h"
 #include "core/progress.h"
 #include "core/trace.h"
@@ -25,6 +26,8 @@
 #include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/checkpointing.h"
+#include "train/goodput.h"
+#include "train/host_ram.h"
 #include "train/paged_engine.h"
 #include "train/run_dirs.h"
 #if STRATA_HAVE_CUDA
@@ -188,6 +191,12 @@ struct Run {
   int64_t skipped_in_a_row = 0;  // consecutive steps with a NaN/Inf loss or gradient norm
   TrainSummary summary;
   RunObserver* observer = nullptr;
+  // Where the run's wall time goes (goodput.h); owned by run_training, which outlives the Run.
+  GoodputAccountant* goodput = nullptr;
+  // The highest step a previous run recorded in this run.dir's metrics: steps up to it are done
+  // a second time (0 when this run continues no earlier one).
+  int64_t redo_until = 0;
+  uint64_t host_ram_peak = 0;  // the planned peak of host memory (host_ram.h), 0 when not planned
 
   void mark_sound(int64_t step) {
     sound = true;
@@ -198,6 +207,7 @@ struct Run {
   // Starts a save of the state after the last sound step.
   Status save_checkpoint(const TrainConfig& t) {
     CHECK(sound);
+    GoodputAccountant::Timer blocked = goodput->time(GoodputPart::kCheckpoint);  // waits for the previous save
     RunPosition pos;
     pos.step = sound_step;
     pos.tokens_seen = static_cast<uint64_t>(tokens_seen);
@@ -215,6 +225,8 @@ struct Run {
   // Waits for the save in flight. It can take a while after the last step: a progress line shows
   // how far it is (plain lines even on a terminal, as the writer logs its own line at commit).
   Status wait_for_save() {
+    std::optional<GoodputAccountant::Timer> blocked;
+    if (checkpointer->in_flight()) blocked.emplace(*goodput, GoodputPart::kCheckpoint);
     const uint64_t total = checkpointer->save_progress().second;
     Progress progress(fmt::format("saving checkpoint step {}", last_saved_step), total,
                       ProgressOptions{.enabled = checkpointer->in_flight(), .tty = false});
@@ -251,8 +263,9 @@ struct Run {
 // the run's folders is written; then the engine, the starting state (a checkpoint, weights or an
 // init) and the run directory.
 Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effective_yaml, const EngineFactory& make_engine,
-                                     std::optional<RunDirs>* dirs) {
+                                     GoodputAccountant* goodput, std::optional<RunDirs>* dirs) {
   auto run = std::make_unique<Run>();
+  run->goodput = goodput;
   ASSIGN_OR_RETURN(run->mc, resolve_model_config(t));
   const model::ModelConfig& mc = run->mc;
   const std::string model_source = !t.model_from.empty()     ? (fs::path(t.model_from) / "config.json").string()
@@ -310,6 +323,13 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   // Where the state lives and where the steps compute (run.device, memory.*).
   ASSIGN_OR_RETURN(run->engine, make_engine(mc, t, oc));
   SavableState& state = run->engine->state();
+  // Every byte of host memory the run will hold, refused now when the machine does not have it
+  // (the engine's host tier alone was checked before it was reserved), before any weights load.
+  const HostRamPlan host_ram = run->engine->host_ram(host_ram_data(*run->dataset, run->loader->num_windows()));
+  if (!host_ram.items.empty()) {
+    RETURN_IF_ERROR(check_host_ram(host_ram, available_host_memory()));
+    run->host_ram_peak = host_ram.peak();
+  }
 
   // Resume: parameters, moments, data position and step from a checkpoint (any budgets).
   // Otherwise the starting weights, from model.from / model.init or initialised.
@@ -359,6 +379,16 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   run->last_saved_step = run->start_step - 1;
   run->mark_sound(run->start_step - 1);
 
+  // Steps an earlier run in this run.dir recorded beyond where this one starts are done again:
+  // its metrics are metrics.jsonl when resuming from a checkpoint, or the file set aside when a
+  // requeued run found none (run_dirs.h).
+  const fs::path metrics_path = fs::path(t.run_dir) / "metrics.jsonl";
+  if (!resume_from.empty()) {
+    run->redo_until = highest_recorded_step(metrics_path.string());
+  } else if (!(*dirs)->set_aside_metrics().empty()) {
+    run->redo_until = highest_recorded_step((*dirs)->set_aside_metrics());
+  }
+
   // The run directory: the effective config, then metrics as steps complete.
   fs::create_directories(t.run_dir, ec);
   if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
@@ -367,8 +397,7 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
     out << effective_yaml;
     if (!out) return Status::IOError("cannot write " + (fs::path(t.run_dir) / "config.yaml").string());
   }
-  ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open((fs::path(t.run_dir) / "metrics.jsonl").string(),
-                                                               /*append=*/!resume_from.empty()));
+  ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open(metrics_path.string(), /*append=*/!resume_from.empty()));
   run->metrics.emplace(std::move(metrics));
 
   const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;
@@ -379,6 +408,7 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
            run->dataset->num_tokens(), run->loader->num_windows(), t.seq_len, tokens_per_step, t.micro_batch,
            t.seq_len, t.grad_accum);
   LOG_INFO("memory: {}", run->engine->memory_summary());
+  if (!host_ram.items.empty()) LOG_INFO("{}", format_host_ram(host_ram));
   LOG_INFO("run: {} steps on {}, writing {} (metrics.jsonl, config.yaml) and checkpoints to {}", t.steps,
            run->engine->device_name(), t.run_dir, t.ckpt_dir);
   return run;
@@ -397,7 +427,10 @@ Status note_skipped_step(Run& run, const TrainConfig& t, const StepMetrics& sm) 
   }
   // Saves of a non-finite state are never committed: `latest` names the last finite one once
   // the save in flight has ended (a failure of it was logged by the writer).
-  (void)run.checkpointer->wait();
+  {
+    GoodputAccountant::Timer blocked = run.goodput->time(GoodputPart::kCheckpoint);
+    (void)run.checkpointer->wait();
+  }
   Result<std::string> latest = ckpt::read_latest_file((fs::path(t.ckpt_dir) / ckpt::kLatestFile).string());
   const std::string resume = latest.ok()
                                  ? fmt::format("the last finite checkpoint is {}/{}; resume from it", t.ckpt_dir, *latest)
@@ -407,6 +440,24 @@ Status note_skipped_step(Run& run, const TrainConfig& t, const StepMetrics& sm) 
       "the run has diverged and stops ({} with a lower optim.lr, a larger optim.eps or optim.grad_clip, or check the "
       "data)",
       sm.step, what, run.skipped_in_a_row, t.max_skipped_steps, resume));
+}
+
+// A step's time in the goodput parts: loading its batch is data, the engine's waits for state
+// are memory stalls, the optimizer's copy-on-write for a save in flight is checkpoint time and
+// the rest is compute; all of it is restart when an earlier run already did this step.
+void account_step(Run& run, int64_t step, double data_s, double step_s, uint64_t stall_ns, uint64_t ckpt_ns) {
+  GoodputAccountant& g = *run.goodput;
+  if (step <= run.redo_until) {
+    g.add(GoodputPart::kRestart, data_s + step_s);
+    return;
+  }
+  // Both are measured apart from the step, possibly on another thread: never more than it.
+  const double stall_s = std::min(static_cast<double>(stall_ns) / 1e9, step_s);
+  const double ckpt_s = std::min(static_cast<double>(ckpt_ns) / 1e9, step_s - stall_s);
+  g.add(GoodputPart::kData, data_s);
+  g.add(GoodputPart::kMemoryStall, stall_s);
+  g.add(GoodputPart::kCheckpoint, ckpt_s);
+  g.add(GoodputPart::kCompute, step_s - stall_s - ckpt_s);
 }
 
 // 2. The steps, until train.steps, a signal or the first error (returned).
@@ -431,9 +482,11 @@ Status loop(Run& run, const TrainConfig& t) {
     for (int64_t m = 0; m < t.grad_accum; ++m)
       RETURN_IF_ERROR(run.loader->next(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens));
     data_span.end();
+    const auto t_data = std::chrono::steady_clock::now();
     const int64_t valid = model::count_valid_targets(targets.data(), static_cast<int64_t>(targets.size()));
     const float grad_scale = valid > 0 ? 1.0f / static_cast<float>(valid) : 0.0f;
     const EngineStats before = engine.stats();
+    const uint64_t ckpt_blocked_before = run.checkpointer->blocked_ns();
     run.sound = false;  // until the optimizer step is through
     RETURN_IF_ERROR(engine.zero_grads());
     double loss_sum = 0;
@@ -464,7 +517,12 @@ Status loop(Run& run, const TrainConfig& t) {
     }
     run.skipped_in_a_row = skipped ? run.skipped_in_a_row + 1 : 0;
     run.summary.skipped_steps += skipped ? 1 : 0;
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto t_end = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(t_end - t0).count();
+    const EngineStats after = engine.stats();
+    account_step(run, step, std::chrono::duration<double>(t_data - t0).count(),
+                 std::chrono::duration<double>(t_end - t_data).count(), after.stall_ns - before.stall_ns,
+                 run.checkpointer->blocked_ns() - ckpt_blocked_before);
     run.tokens_seen += tokens_per_step;
     run.mark_sound(step);
     run.summary.steps_done = step;
@@ -478,11 +536,11 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.ms = seconds * 1e3;
     sm.tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
     sm.tokens = run.tokens_seen;
-    const EngineStats after = engine.stats();
     for (int i = 0; i < kNumTiers; ++i) sm.tier_bytes[i] = after.tier_bytes[i];
     sm.stall_ms = static_cast<double>(after.stall_ns - before.stall_ns) / 1e6;
     sm.moved_bytes = after.moved_bytes - before.moved_bytes;
     sm.rss_bytes = resident_bytes();
+    sm.rss_planned_bytes = run.host_ram_peak;
     sm.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     sm.ckpt_in_flight = ckpt_in_flight;
     sm.skipped = skipped;
@@ -529,6 +587,7 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
     eo.dtype = t.run_export_dtype == "auto" ? run.source_dtype : *model::parse_export_dtype(t.run_export_dtype);
     SavableState& state = run.engine->state();
     // Tensor by tensor out of the engine's state: no second copy of the model.
+    GoodputAccountant::Timer exporting = run.goodput->time(GoodputPart::kExport);
     Status exported = model::export_hf(
         t.run_export, run.mc, run.layout,
         [&](const model::TensorSpec& spec, float* out) {
@@ -536,6 +595,7 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
                                  static_cast<uint64_t>(spec.numel) * sizeof(float), out);
         },
         eo);
+    exporting.stop();
     if (!exported.ok()) {
       // The trained state must outlive a failed export (a full disk): it goes to a checkpoint.
       Status saved = run.save_final(t);
@@ -552,25 +612,9 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
   return summary;
 }
 
-}  // namespace
-
-Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
-                                  const EngineFactory& make_engine) {
-  return run_training(config, effective_yaml, make_engine, nullptr);
-}
-
-Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
-                                  const EngineFactory& make_engine, RunObserver* observer) {
-  TrainConfig t = config;
-  std::optional<RunDirs> dirs;
-  Result<std::unique_ptr<Run>> prepared = prepare(t, effective_yaml, make_engine, &dirs);
-  if (!prepared.ok()) {
-    if (dirs) dirs->discard_if_unused();
-    return prepared.status();
-  }
-  Run& run = **prepared;
-  run.observer = observer;
-  if (observer != nullptr) observer->on_start(t, *run.engine);
+// The loop and the end of a prepared run: finish() after the last step, or the error, with the
+// state checkpointed first when it is whole.
+Result<TrainSummary> train(Run& run, const TrainConfig& t) {
   g_stop_requested = 0;
   auto old_int = std::signal(SIGINT, on_stop_signal);
   auto old_term = std::signal(SIGTERM, on_stop_signal);
@@ -589,6 +633,54 @@ Result<TrainSummary> run_training(const TrainConfig& config, const std::string& 
                                          run.last_saved_step, t.ckpt_dir));
   }
   return finish(run, t);
+}
+
+// The goodput of a run that got as far as its metrics file, whether it trained, was stopped or
+// failed: one line in the log and the last line of metrics.jsonl. The engine and the saves are
+// ended first (a save in flight is waited for), so that the report covers nearly all of
+// run_training.
+GoodputReport report_goodput(Run& run, GoodputAccountant& goodput) {
+  {
+    std::optional<GoodputAccountant::Timer> blocked;
+    if (run.checkpointer->in_flight()) blocked.emplace(goodput, GoodputPart::kCheckpoint);
+    run.checkpointer.reset();
+  }
+  run.engine.reset();
+  run.loader.reset();
+  run.dataset.reset();
+  const GoodputReport report = goodput.report();
+  LOG_INFO("{}", format_goodput_line(report));
+  if (Status written = run.metrics->append(goodput_json(report).dump()); !written.ok())
+    LOG_WARN("goodput: {}", written.message());
+  return report;
+}
+
+}  // namespace
+
+Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
+                                  const EngineFactory& make_engine) {
+  return run_training(config, effective_yaml, make_engine, nullptr);
+}
+
+Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
+                                  const EngineFactory& make_engine, RunObserver* observer) {
+  GoodputAccountant goodput;  // the run's wall time starts here
+  TrainConfig t = config;
+  std::optional<RunDirs> dirs;
+  GoodputAccountant::Timer starting = goodput.time(GoodputPart::kStartup);
+  Result<std::unique_ptr<Run>> prepared = prepare(t, effective_yaml, make_engine, &goodput, &dirs);
+  starting.stop();
+  if (!prepared.ok()) {
+    if (dirs) dirs->discard_if_unused();
+    return prepared.status();
+  }
+  Run& run = **prepared;
+  run.observer = observer;
+  if (observer != nullptr) observer->on_start(t, *run.engine);
+  Result<TrainSummary> trained = train(run, t);
+  const GoodputReport report = report_goodput(run, goodput);
+  if (trained.ok()) trained->goodput = report;
+  return trained;
 }
 
 }  // namespace strata

@@ -11,6 +11,7 @@
 #include "model/config.h"
 #include "train/engine.h"
 #include "train/metrics.h"
+#include "train/goodput.h"
 #include "train/optimizer.h"
 #include "train/train_config.h"
 
@@ -22,6 +23,7 @@ struct TrainSummary {
   double last_loss = 0;
   bool interrupted = false;  // stopped early by SIGINT/SIGTERM
   int64_t skipped_steps = 0;  // steps skipped for a NaN/Inf loss or gradient norm
+  GoodputReport goodput;      // where the run's wall time went (also metrics.jsonl's last line)
 };
 
 // The model's config.json (model.config, or the preset) with model.set overrides applied.

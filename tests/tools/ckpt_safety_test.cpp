@@ -46,7 +46,10 @@ std::string read_text(const fs::path& p) {
 std::vector<nlohmann::json> metrics_of(const fs::path& file) {
   std::vector<nlohmann::json> out;
   std::ifstream in(file);
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("event")) out.push_back(j);  // event lines (the run's goodput) are not steps
+  }
   return out;
 }
 
@@ -104,6 +107,9 @@ TEST_F(CkptSafetyTest, ADivergedRunSkipsThenStopsNonZeroWithoutANaNCheckpoint) {
     EXPECT_EQ(metrics[s - 1]["skipped"], true) << "step " << s;
     EXPECT_EQ(metrics[s - 1]["skipped_steps"], s - 1) << "step " << s;
   }
+  // A run that fails after it started still ends its metrics with its goodput.
+  EXPECT_NE(read_text(fs::path(run_dir) / "metrics.jsonl").find("\"event\":\"goodput\""), std::string::npos);
+  EXPECT_NE(r.output.find("goodput "), std::string::npos) << r.output;
   for (const auto& e : fs::directory_iterator(fs::path(run_dir) / "checkpoints"))
     if (e.path().filename() != ".strata.lock")  // the run's lock on its ckpt.dir
       ADD_FAILURE() << "a checkpoint of the NaN state was kept: " << e.path();

@@ -83,6 +83,7 @@ std::vector<std::string> losses_of(const fs::path& metrics) {
   std::ifstream in(metrics);
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::json::parse(line);
+    if (j.contains("event")) continue;  // not a step (the run's goodput)
     out.push_back(j["loss"].dump());  // the exact digits written
   }
   return out;
@@ -381,6 +382,14 @@ TEST_F(CliTest, SigtermWritesAFinalCheckpointAndExitsZero) {
   EXPECT_NE(text.find("interrupted"), std::string::npos) << text;
   const auto steps = losses_of(metrics).size();
   EXPECT_TRUE(fs::exists(fs::path(run_dir) / "checkpoints" / ("step-" + std::to_string(steps)))) << text;
+  // The interrupted run still ends its metrics with its goodput, the final save counted.
+  std::ifstream in(metrics);
+  std::string line, last;
+  while (std::getline(in, line)) last = line;
+  const nlohmann::json goodput = nlohmann::json::parse(last, nullptr, false);
+  ASSERT_TRUE(goodput.is_object() && goodput.value("event", "") == "goodput") << last;
+  EXPECT_GT(goodput["checkpoint_s"].get<double>(), 0.0) << last;
+  EXPECT_NE(text.find("goodput "), std::string::npos) << text;
   CmdResult verify = run_strata("ckpt verify " + run_dir + "/checkpoints");
   EXPECT_EQ(verify.exit_code, 0) << verify.output;
 }

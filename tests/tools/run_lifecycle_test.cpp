@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -39,10 +41,11 @@ CmdResult run_in(const fs::path& cwd, const std::string& args) {
   return r;
 }
 
+// The step lines of a metrics.jsonl (event lines, such as the run's goodput, are not steps).
 size_t lines_of(const fs::path& p) {
   std::ifstream in(p);
   size_t n = 0;
-  for (std::string line; std::getline(in, line);) ++n;
+  for (std::string line; std::getline(in, line);) n += line.find("\"event\"") == std::string::npos ? 1 : 0;
   return n;
 }
 
@@ -154,6 +157,14 @@ TEST_F(RunLifecycleTest, ARequeuedJobKilledBeforeItsFirstSaveStartsAgain) {
   EXPECT_NE(again.output.find("metrics.restart-1.jsonl"), std::string::npos) << again.output;
   EXPECT_EQ(lines_of(metrics), 6u);
   EXPECT_GE(lines_of(fs::path(run_dir) / "metrics.restart-1.jsonl"), before);
+  // The steps the killed job had recorded were done again: the requeued run's goodput says so.
+  std::ifstream in(metrics);
+  std::string line, last;
+  while (std::getline(in, line)) last = line;
+  const nlohmann::json goodput = nlohmann::json::parse(last, nullptr, false);
+  ASSERT_TRUE(goodput.is_object() && goodput.contains("restart_s")) << last;
+  EXPECT_GT(goodput["restart_s"].get<double>(), 0.0) << last;
+  EXPECT_NE(again.output.find("goodput "), std::string::npos) << again.output;
 }
 
 TEST_F(RunLifecycleTest, AFinalSaveOnAFullDiskExitsOne) {
@@ -218,6 +229,15 @@ TEST_F(RunLifecycleTest, HostMemoryIsReservedAsThePlanNeedsAndRefusedBeyondTheMa
   EXPECT_EQ(refused.exit_code, 1) << refused.output;
   EXPECT_NE(refused.output.find("memory.host: the plan keeps"), std::string::npos) << refused.output;
   EXPECT_NE(refused.output.find("available"), std::string::npos) << refused.output;
+  EXPECT_FALSE(fs::exists(dir_ / "big")) << "a refused run left its run.dir behind";
+  // strata plan says the same, naming the peak and what is available, and still plans: a plan
+  // may be for a machine with more memory than this one.
+  CmdResult plan = run("plan model.preset=llama3-8b train.micro_batch=1 train.seq_len=32 run.device=cpu "
+                       "memory.device=16GiB memory.host=1TiB");
+  EXPECT_EQ(plan.exit_code, 0) << plan.output;
+  EXPECT_NE(plan.output.find("not on this machine"), std::string::npos) << plan.output;
+  EXPECT_NE(plan.output.find("host RAM: peak "), std::string::npos) << plan.output;
+  EXPECT_NE(plan.output.find("at its peak but this machine has"), std::string::npos) << plan.output;
 }
 
 }  // namespace

@@ -50,5 +50,31 @@ TEST(MetricsTest, EtaIsInTheStepLineAndTheJsonWhenKnown) {
   std::filesystem::remove(path);
 }
 
+TEST(MetricsTest, RssIsShownAgainstThePlannedPeakAndEventsFollowTheSteps) {
+  StepMetrics m;
+  m.step = 1;
+  m.total_steps = 2;
+  m.rss_bytes = 61ull << 20;
+  EXPECT_EQ(format_step_line(m).find("planned"), std::string::npos) << "no plan, no comparison";
+  m.rss_planned_bytes = 80ull << 20;
+  EXPECT_NE(format_step_line(m).find("| rss 61.00 MiB / 80.00 MiB planned"), std::string::npos) << format_step_line(m);
+
+  const std::filesystem::path path =
+      std::filesystem::path(::testing::TempDir()) / ("strata_metrics_rss_" + std::to_string(::getpid()) + ".jsonl");
+  {
+    Result<MetricsWriter> w = MetricsWriter::open(path.string());
+    ASSERT_TRUE(w.ok()) << w.status().to_string();
+    ASSERT_TRUE(w->write(m).ok());
+    ASSERT_TRUE(w->append(R"({"event":"goodput","wall_s":1.5})").ok());
+  }
+  std::ifstream in(path);
+  std::string step, event;
+  ASSERT_TRUE(std::getline(in, step));
+  ASSERT_TRUE(std::getline(in, event));
+  EXPECT_EQ(nlohmann::json::parse(step)["rss_planned_bytes"].get<uint64_t>(), 80ull << 20) << step;
+  EXPECT_EQ(nlohmann::json::parse(event)["event"], "goodput") << event;
+  std::filesystem::remove(path);
+}
+
 }  // namespace
 }  // namespace strata

@@ -1,16 +1,21 @@
 // strata plan [CONFIG.yaml] [key=value ...]: memory per tier, traffic and predicted step time
 // for a training config, without training.
+#include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "core/config.h"
+#include "core/host_memory.h"
+#include "data/data.h"
 #include "core/units.h"
 #include "memory/chunk.h"
 #include "offload/plan.h"
 #include "tools/strata/commands.h"
+#include "train/host_ram.h"
 #include "train/paged_state.h"
 #include "train/planning.h"
 #include "train/machine_bench.h"
@@ -25,8 +30,11 @@ constexpr const char* kPlanUsage = R"(Usage: strata plan [CONFIG.yaml] [key=valu
 Answers "will this fit, and how fast?" for a training config (the same file and keys as
 `strata train`) without training: bytes of parameters, gradients, master weights, Adam states
 and activations on each tier (device, pinned host, nvme), bytes moved over PCIe and to disk
-per step, the predicted step time and what bounds it, and the largest micro-batch that fits.
-An infeasible config is refused with the smallest change that would make it fit (exit 1).
+per step, the predicted step time and what bounds it, the largest micro-batch that fits, and
+the run's peak host memory, itemised (chunks, staging, checkpoint staging, data, ...).
+An infeasible config is refused with the smallest change that would make it fit (exit 1). A
+peak host memory beyond what this machine has available is flagged (`strata train` would refuse
+the run here); the plan still stands for a machine with the memory, so the exit code is 0.
 
 Budgets come from memory.device, memory.host and memory.nvme.*; rates from hardware.*: the
 defaults are an H200 box; `strata bench machine --out FILE` measures this machine and
@@ -48,6 +56,25 @@ Example:
   strata plan model.preset=llama3-8b memory.device=24GiB memory.host=100GiB \
       run.device=cuda train.micro_batch=4 train.seq_len=2048 train.grad_accum=8
 )";
+
+// The host memory of the planned run, with the data files as they would be opened (a built-in
+// corpus, or files that cannot be opened, count as none).
+HostRamPlan plan_run_host_ram(const model::ModelConfig& mc, TrainConfig t, const Plan& plan, bool cuda) {
+  if (t.memory_host == 0) t.memory_host = default_host_budget();
+  HostRamData data;
+  DataConfig dc;
+  dc.format = t.data_format;
+  for (const std::string& p : t.data_paths)
+    if (p.rfind("builtin:", 0) != 0) dc.paths.push_back(p);
+  if (!dc.paths.empty()) {
+    Result<std::unique_ptr<TokenDataset>> dataset = open_dataset(dc);
+    if (dataset.ok()) {
+      const int64_t windows = (*dataset)->num_tokens() / std::max<int64_t>(t.seq_len, 1);
+      data = host_ram_data(**dataset, windows);
+    }
+  }
+  return plan_host_ram(mc, t, plan, cuda, data);
+}
 
 }  // namespace
 
@@ -143,6 +170,9 @@ int plan_command(const std::vector<std::string>& args) {
                                 ? "built-in defaults (an H200 box; strata bench machine measures this one)"
                                 : tc->hardware_profile.c_str());
   std::printf("%s", format_plan(in, plan).c_str());
+  const HostRamPlan ram = plan_run_host_ram(*mc, *tc, plan, cuda);
+  std::printf("  %s\n%s", format_host_ram(ram).c_str(), format_host_ram_items(ram, "    ").c_str());
+  const Status ram_fits = check_host_ram(ram, available_host_memory());
   const int64_t best = largest_micro_batch(*mc, *tc, cuda);
   if (best > 0)
     std::printf("  largest micro-batch that fits: %lld sequences of %lld tokens\n", static_cast<long long>(best),
@@ -154,6 +184,9 @@ int plan_command(const std::vector<std::string>& args) {
     std::printf("  predicted MFU %.1f%% of the H100/H200 dense bf16 peak (989 TFLOP/s; model FLOPs 6N + 12LHT, "
                 "recomputation not counted)\n", 100 * model_flops / plan.step_s / 989e12);
   }
+  // A plan for a machine not yet rented is still a plan: the check is said, not enforced here.
+  if (!ram_fits.ok())
+    std::printf("  not on this machine: %s (strata train refuses the run here)\n", ram_fits.message().c_str());
   return plan.fits ? 0 : 1;
 }
 

@@ -27,8 +27,11 @@ below at their defaults: the whole free GPU, 80% of the available host memory, n
 reads the hardware.* rates the plan predicts with from a `strata bench machine --out FILE`
 profile (key=value on the command line still wins).
 
-Each step prints one line (step, loss, lr, gradient norm, tokens/s, ms/step, memory) and
-appends the same to RUN_DIR/metrics.jsonl. Without run.dir each run gets a new
+Each step prints one line (step, loss, lr, gradient norm, tokens/s, ms/step, memory, RSS
+against the planned peak of host memory) and appends the same to RUN_DIR/metrics.jsonl; at
+the end the run's goodput (the share of its wall time spent on new steps, and where the rest
+went) is printed and appended as {"event": "goodput", ...}. A run whose peak host memory
+exceeds what the machine has available is refused before it loads weights. Without run.dir each run gets a new
 runs/default/version_N. SIGINT/SIGTERM stop after the current step, write a final checkpoint
 and exit 0 (a second signal exits at once). --resume DIR continues from a checkpoint (DIR,
 DIR/latest or DIR/step-N) with the data position, optimizer state and schedule restored;

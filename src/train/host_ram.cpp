@@ -1,0 +1,238 @@
+#include "train/host_ram.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "ckpt/save_plan.h"
+#include "core/units.h"
+#include "model/params.h"
+#include "train/paged_state.h"
+
+namespace strata {
+namespace {
+
+// The resident memory of `strata train` before it allocates anything for the run (the
+// executable, libstdc++, OpenBLAS, gloo, spdlog, the allocator's first arenas), plus what the
+// OpenBLAS and OpenMP threads add on the first steps. Measured on Debian 12 (glibc 2.36,
+// OpenBLAS 0.3.21, release build, 2 cores): a peak of 10.0 MiB for a run refused before its
+// engine, and 11-13 MiB left over beside the other items once small runs had trained. More
+// threads (cores) add their stacks and buffers; 16 MiB leaves room for a few.
+constexpr uint64_t kProcessBaseline = 16 * kMiB;
+// The CUDA runtime's and cuBLAS's host memory (context, module images, driver buffers): an
+// estimate, not measured by strata's tests, which run without a GPU.
+constexpr uint64_t kCudaRuntime = 512 * kMiB;
+// One I/O engine: io_uring's rings (32 entries of 64 B, twice as many completions of 16 B) or
+// the thread pool's stacks as far as they are touched, and the engine's bookkeeping.
+constexpr uint64_t kIoEngine = 64 * kKiB;
+// A safetensors reader's index: about this much per tensor (name, shape, offsets).
+constexpr uint64_t kReaderIndexPerTensor = 512;
+// Loading weights converts non-F32 tensors through a staging buffer of at most this much
+// (model/safetensors.h ReaderOptions::piece_bytes).
+constexpr uint64_t kWeightPiece = 64 * kMiB;
+// A resume hashes each checkpoint file through an 8 MiB buffer and converts bf16 tensors
+// through 2 MiB (ckpt/reader.cpp).
+constexpr uint64_t kResumeBuffers = 10 * kMiB;
+
+std::string bytes(uint64_t n) { return format_bytes(n); }
+
+}  // namespace
+
+uint64_t HostRamPlan::peak() const {
+  uint64_t sum = 0;
+  for (const HostRamItem& i : items) sum += i.bytes;
+  return sum;
+}
+
+uint64_t HostRamPlan::pinned() const {
+  uint64_t sum = 0;
+  for (const HostRamItem& i : items) sum += i.pinned;
+  return sum;
+}
+
+uint64_t HostRamPlan::reclaimable() const {
+  uint64_t sum = 0;
+  for (const HostRamItem& i : items) sum += i.reclaimable ? i.bytes : 0;
+  return sum;
+}
+
+uint64_t HostRamPlan::bytes_of(const std::string& name) const {
+  for (const HostRamItem& i : items)
+    if (i.name == name) return i.bytes;
+  return 0;
+}
+
+HostRamData host_ram_data(const TokenDataset& dataset, int64_t windows) {
+  namespace fs = std::filesystem;
+  HostRamData d;
+  d.windows = static_cast<uint64_t>(std::max<int64_t>(windows, 0));
+  if (dataset.has_masks()) d.mask_bytes = static_cast<uint64_t>(dataset.num_tokens());
+  std::error_code ec;
+  for (int64_t i = 0; i < dataset.num_sources(); ++i) {
+    const fs::path path = dataset.source(i).path();
+    const uintmax_t size = fs::file_size(path, ec);
+    if (!ec) d.mapped_bytes += size;
+    // A Megatron pair's .idx is read into memory (sequence starts and offsets).
+    const uintmax_t idx = fs::file_size(fs::path(path).replace_extension(".idx"), ec);
+    if (!ec && path.extension() == ".bin") d.index_bytes += idx;
+  }
+  return d;
+}
+
+uint64_t process_baseline_bytes(bool cuda) { return kProcessBaseline + (cuda ? kCudaRuntime : 0); }
+
+HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, const Plan& plan, bool cuda,
+                          const HostRamData& data) {
+  HostRamPlan ram;
+  const model::ParamLayout layout(mc);
+  const Precision precision = cuda ? Precision::kBf16 : t.precision;
+  const bool has_nvme = !t.nvme_path.empty() && t.nvme_size > 0;
+
+  // The host tier: slots of one chunk for the state, and beside them the staging slots.
+  PagedStateOptions po;
+  po.host_bytes = t.memory_host;
+  po.nvme_bytes = has_nvme ? t.nvme_size : 0;
+  po.chunk_bytes = t.chunk_size;
+  po.offload_activations = plan.offload_activations;
+  po.activation_tokens = t.micro_batch * t.seq_len;
+  po.precision = precision;
+  const HostTierSize tier = PagedState::host_tier_size(layout, po);
+  const uint64_t chunk = tier.chunk_bytes;
+  // Pinned: cudaHostAlloc on cuda; on the cpu, registering with io_uring (an nvme tier) locks it.
+  const bool tier_pinned = cuda || has_nvme;
+  const uint64_t staging = std::min(tier.reserved_bytes, (tier.activation_chunks + tier.staging_chunks) * chunk);
+  const uint64_t chunks = tier.reserved_bytes - staging;
+  const uint64_t state_slots = tier.state_chunks + tier.activation_chunks;
+  const uint64_t rounding = state_slots * chunk > tier.state_bytes ? state_slots * chunk - tier.state_bytes : 0;
+  ram.items.push_back({"chunks", chunks, tier_pinned ? chunks : 0, false,
+                       chunk ? fmt::format("{} slots of {} for the state, {} of it padding and slot rounding",
+                                           chunks / chunk, bytes(chunk), bytes(std::min(rounding, chunks)))
+                             : std::string("no host tier")});
+  ram.items.push_back({"staging", staging, tier_pinned ? staging : 0, false,
+                       fmt::format("{} activation checkpoint slots, {} nvme staging slot", tier.activation_chunks,
+                                   tier.staging_chunks)});
+
+  // On the cpu backend the device is host memory: its arena holds the device tier's slots and the
+  // activations, as far as the budget lets them grow (pages are committed as they are touched).
+  if (!cuda) {
+    const uint64_t all_chunks = (tier.state_chunks + tier.activation_chunks) * chunk;
+    const uint64_t device = std::min(t.memory_device, all_chunks + plan.device.act);
+    ram.items.push_back({"device", device, 0, false,
+                         fmt::format("the cpu device's memory: up to {} of chunks and {} of activations",
+                                     bytes(std::min(t.memory_device, all_chunks)), bytes(plan.device.act))});
+  }
+
+  // The bf16 recipe emulated on the cpu widens each op's bf16 operands into fp32 temporaries on
+  // the heap (kernels/cpu/backend_bf16.cpp): at worst a linear layer's backward, holding its
+  // input, output gradient and result over N tokens and its weight and weight gradient.
+  uint64_t scratch = 0;
+  if (!cuda && precision == Precision::kBf16) {
+    const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
+    const uint64_t wide = static_cast<uint64_t>(std::max({mc.hidden_size, mc.intermediate_size, mc.q_dim()}));
+    const uint64_t narrow = static_cast<uint64_t>(mc.hidden_size);
+    scratch = sizeof(float) * (3 * N * wide + 2 * wide * narrow);
+  }
+  ram.items.push_back({"compute", scratch, 0, false,
+                       scratch ? std::string("fp32 temporaries of the bf16 ops emulated on the cpu")
+                               : std::string("none outside the device's memory")});
+
+  // The checkpoint writer allocates ckpt.staging at the first save and keeps it; every byte it
+  // writes (fp32 weights and both Adam moments: 12 bytes per parameter) passes through a slot of
+  // it and is hashed through one more piece of scratch, so pages beyond those stay untouched.
+  uint64_t ckpt = 0;
+  const uint64_t piece = ckpt::piece_bytes_for_staging(t.ckpt_staging);
+  if (t.ckpt_every > 0) {
+    const uint64_t saved = 12 * static_cast<uint64_t>(layout.total_size());
+    uint64_t extra = 0;  // the MoE routers' balancing bias, copied for each save
+    if (mc.is_moe() && mc.router_bias_update_rate > 0)
+      extra = static_cast<uint64_t>(mc.num_moe_layers()) * static_cast<uint64_t>(mc.num_experts) * sizeof(float);
+    ckpt = std::min(t.ckpt_staging / piece * piece, saved + std::min(saved, piece)) + extra;
+  }
+  ram.items.push_back({"checkpoint", ckpt, 0, false,
+                       ckpt ? fmt::format("ckpt.staging {} in pieces of {}, as far as a save's pieces fill it",
+                                          bytes(t.ckpt_staging), bytes(piece))
+                            : std::string("no periodic saves (a save after a signal stages ckpt.staging)")});
+
+  const int engines = (has_nvme ? 1 : 0) + (t.ckpt_every > 0 ? 1 : 0);
+  ram.items.push_back({"io", engines * kIoEngine, 0, false, fmt::format("{} I/O engines", engines)});
+
+  // The loop's batch (inputs and targets of every micro-batch of a step), the loader's window
+  // and its order of windows, loss masks and indexes; the token files are mapped.
+  const uint64_t tokens = static_cast<uint64_t>(t.micro_batch * t.seq_len * t.grad_accum);
+  const uint64_t loader = 2 * tokens * sizeof(int32_t) + static_cast<uint64_t>(t.seq_len + 1) * 5 +
+                          data.windows * sizeof(int64_t) + data.mask_bytes + data.index_bytes;
+  ram.items.push_back({"data", loader, 0, false,
+                       fmt::format("batches {}, window order {}", bytes(2 * tokens * sizeof(int32_t)),
+                                   bytes(data.windows * sizeof(int64_t)))});
+  ram.items.push_back({"mapped data", data.mapped_bytes, 0, true, "token files, file pages the kernel can drop"});
+  ram.items.push_back({"tokenizer", 0, 0, false, "none: strata train reads token ids"});
+
+  // Loading: a tensor in row blocks is filled whole, then copied into its blocks; a non-F32
+  // source converts through a staging piece; a resume hashes and converts through its buffers.
+  uint64_t whole = 0, largest = 0;
+  for (const model::TensorSpec& s : layout.tensors()) {
+    if (s.num_blocks() > 1) whole = std::max(whole, static_cast<uint64_t>(s.numel) * sizeof(float));
+    largest = std::max(largest, static_cast<uint64_t>(s.numel));
+  }
+  uint64_t reading = 0;
+  std::string what = "initialised in place";
+  if (!t.resume.empty()) {
+    reading = kResumeBuffers;
+    what = "resume buffers " + bytes(kResumeBuffers);
+  } else if (!t.model_from.empty() || !t.model_init.empty()) {
+    reading = std::min(kWeightPiece, largest * 2) + layout.tensors().size() * kReaderIndexPerTensor;
+    what = "safetensors staging and index " + bytes(reading);
+  }
+  ram.items.push_back({"weights", reading + whole, 0, false,
+                       whole ? what + fmt::format(", a tensor in row blocks {}", bytes(whole)) : what});
+  ram.items.push_back({"process", process_baseline_bytes(cuda), 0, false,
+                       cuda ? "executable, libraries, CUDA runtime (estimate)" : "executable and libraries"});
+  return ram;
+}
+
+std::string format_host_ram(const HostRamPlan& ram) {
+  std::string text = fmt::format("host RAM: peak {} (pinned {}):", bytes(ram.peak()), bytes(ram.pinned()));
+  bool first = true;
+  for (const HostRamItem& i : ram.items) {
+    text += fmt::format("{} {} {}", first ? "" : ",", i.name, bytes(i.bytes));
+    first = false;
+  }
+  return text;
+}
+
+std::string format_host_ram_items(const HostRamPlan& ram, const std::string& indent) {
+  std::string text;
+  for (const HostRamItem& i : ram.items)
+    text += fmt::format("{}{} {}{}: {}\n", indent, i.name, bytes(i.bytes),
+                        i.pinned ? " (pinned " + bytes(i.pinned) + ")" : std::string(), i.detail);
+  return text;
+}
+
+namespace {
+
+// The setting that shrinks an item, for the refusal's advice.
+std::string setting_for(const std::string& item) {
+  if (item == "chunks" || item == "staging") return "lower memory.host (with memory.nvme.* the rest pages to disk)";
+  if (item == "device") return "lower memory.device (the cpu device's memory is host memory) or train.micro_batch";
+  if (item == "compute" || item == "data") return "lower train.micro_batch or train.seq_len";
+  if (item == "checkpoint") return "lower ckpt.staging";
+  return "";
+}
+
+}  // namespace
+
+Status check_host_ram(const HostRamPlan& ram, const HostMemory& machine) {
+  const uint64_t needed = ram.peak() - ram.reclaimable();
+  if (!machine.known || needed <= machine.available) return Status::OK();
+  const HostRamItem* largest = nullptr;
+  for (const HostRamItem& i : ram.items)
+    if (!i.reclaimable && (largest == nullptr || i.bytes > largest->bytes)) largest = &i;
+  return Status::OutOfMemory(fmt::format(
+      "host memory: the run needs {} at its peak but this machine has {} available ({}); {}; the largest part is "
+      "{} ({}): {}free memory",
+      bytes(needed), bytes(machine.available), machine.source, format_host_ram(ram), largest->name,
+      bytes(largest->bytes), setting_for(largest->name).empty() ? "" : setting_for(largest->name) + ", or "));
+}
+
+}  // namespace strata

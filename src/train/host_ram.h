@@ -1,0 +1,76 @@
+// Every byte of host memory a training run holds, from the model config, the settings and the
+// planner's Plan, itemised: the host tier's chunks (and their rounding to whole slots), the
+// pinned staging beside them (the nvme staging slot, offloaded activation checkpoints), the
+// device's memory when the device is the CPU, the checkpoint writer's staging, the I/O
+// engines, the data loader, the tokenizer, weight loading and the process's own baseline.
+//
+// The peak is the sum of the items: a bound, as some of them never coexist (weights are
+// loaded before the first checkpoint stages anything). `strata plan` prints it and refuses a
+// plan whose peak the machine does not have; `strata train` refuses such a run before it loads
+// any weights, and each step line shows the process's RSS against it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/host_memory.h"
+#include "core/status.h"
+#include "data/data.h"
+#include "model/config.h"
+#include "offload/plan.h"
+#include "train/train_config.h"
+
+namespace strata {
+
+struct HostRamItem {
+  std::string name;  // "chunks", "staging", ...
+  uint64_t bytes = 0;
+  uint64_t pinned = 0;  // the part that is pinned (page-locked)
+  // File pages mapped from disk (the data shards): they count in RSS but the kernel can drop
+  // them, so they are not held against the memory available.
+  bool reclaimable = false;
+  std::string detail;  // what it is made of, for the report
+};
+
+struct HostRamPlan {
+  std::vector<HostRamItem> items;
+  uint64_t peak() const;
+  uint64_t pinned() const;
+  uint64_t reclaimable() const;
+  // The bytes item `name` holds (0 when there is no such item).
+  uint64_t bytes_of(const std::string& name) const;
+};
+
+// What the run reads that is not in the config: the data as opened (0s when it is not).
+struct HostRamData {
+  uint64_t mapped_bytes = 0;  // token files mapped into memory
+  uint64_t windows = 0;       // training windows (the loader keeps an order of them)
+  uint64_t mask_bytes = 0;    // loss masks held in memory (one byte per token)
+  uint64_t index_bytes = 0;   // in-memory indexes (Megatron .idx: 16 bytes per sequence)
+};
+
+// The footprint of an opened dataset whose loader has `windows` windows.
+HostRamData host_ram_data(const TokenDataset& dataset, int64_t windows);
+
+// The process's resident memory before it allocates anything for the run (the executable, its
+// libraries, the logger, the allocator's arenas) and what the CPU math library adds on the
+// first steps (OpenBLAS's per-thread buffers). Measured, see host_ram.cpp.
+uint64_t process_baseline_bytes(bool cuda);
+
+// The host memory of a run of `model` with settings `t` placed by `plan` (as PagedEngine makes
+// it: t's budgets and chunk size already resolved) on the CPU backend or on cuda.
+HostRamPlan plan_host_ram(const model::ModelConfig& model, const TrainConfig& t, const Plan& plan, bool cuda,
+                          const HostRamData& data = {});
+
+// "host RAM: peak 80.0 MiB (pinned 10.0 MiB): chunks 10.0 MiB, staging ..., ..."
+std::string format_host_ram(const HostRamPlan& ram);
+// One line per item with what it is made of ("chunks 9.81 MiB: 51 slots of 196.00 KiB ..."),
+// each starting with `indent`.
+std::string format_host_ram_items(const HostRamPlan& ram, const std::string& indent);
+
+// OK when the peak (less its reclaimable part) fits in what the machine has available (or that
+// is unknown); otherwise OutOfMemory with both numbers and the items.
+Status check_host_ram(const HostRamPlan& ram, const HostMemory& machine);
+
+}  // namespace strata
