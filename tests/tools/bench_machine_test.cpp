@@ -9,6 +9,8 @@
 #include <sstream>
 #include <string>
 
+#include "tools/cli_util.h"
+
 namespace strata {
 namespace {
 
@@ -35,9 +37,7 @@ Ran strata(const std::string& args) {
 class BenchMachineCli : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) / "strata_bench_machine";
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = strata::testing::fresh_test_dir("strata_bench_machine");
   }
   void TearDown() override { fs::remove_all(dir_); }
   fs::path dir_;

@@ -16,27 +16,14 @@
 #include "ckpt/format.h"
 #include "ckpt/reader.h"
 
+#include "tools/cli_util.h"
+
 namespace {
 
 namespace fs = std::filesystem;
 
-struct CmdResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-CmdResult run_strata(const std::string& args) {
-  std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
-  CmdResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using strata::testing::CmdResult;
+using strata::testing::run_strata;
 
 std::string read_text(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -64,10 +51,7 @@ void rehash(const fs::path& step_dir, const std::string& file) {
 class CkptSafetyTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_ckpt_safety_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = strata::testing::fresh_test_dir("strata_ckpt_safety");
     std::string text;
     for (int i = 0; i < 200; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
     std::ofstream(dir_ / "corpus.txt") << text;

@@ -15,29 +15,16 @@
 
 #include "svg_check.h"
 
+#include "tools/cli_util.h"
+
 namespace {
 
 namespace fs = std::filesystem;
 using strata::testing::svg_series_path;
 using strata::testing::xml_problem;
 
-struct CmdResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-CmdResult run_strata(const std::string& args) {
-  const std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
-  CmdResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using strata::testing::CmdResult;
+using strata::testing::run_strata;
 
 std::string read_file(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -68,10 +55,7 @@ std::string metrics_lines(int first, int last) {
 class PlotCliTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_plot_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = strata::testing::fresh_test_dir("strata_plot");
   }
   void TearDown() override { fs::remove_all(dir_); }
 

@@ -8,35 +8,19 @@
 #include <fstream>
 #include <string>
 
+#include "tools/cli_util.h"
+
 namespace {
 
 namespace fs = std::filesystem;
 
-struct CmdResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-CmdResult run_strata(const std::string& args) {
-  const std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
-  CmdResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using strata::testing::CmdResult;
+using strata::testing::run_strata;
 
 class ProgressCliTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_progress_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = strata::testing::fresh_test_dir("strata_progress");
   }
   void TearDown() override { fs::remove_all(dir_); }
   fs::path dir_;

@@ -19,14 +19,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tools/cli_util.h"
+
 namespace {
 
 namespace fs = std::filesystem;
 
-struct CmdResult {
-  int exit_code = -1;
-  std::string output;
-};
+using strata::testing::CmdResult;
 
 CmdResult run_in(const fs::path& cwd, const std::string& args) {
   const std::string cmd = "cd '" + cwd.string() + "' && " + STRATA_BINARY_DIR + "/strata " + args + " 2>&1";
@@ -52,10 +51,7 @@ size_t lines_of(const fs::path& p) {
 class RunLifecycleTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_life_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = strata::testing::fresh_test_dir("strata_life");
     std::string text;
     for (int i = 0; i < 200; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
     std::ofstream(dir_ / "corpus.txt") << text;

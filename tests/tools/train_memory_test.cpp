@@ -23,6 +23,8 @@
 
 #include "core/host_memory.h"
 
+#include "tools/cli_util.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -84,10 +86,7 @@ uint64_t planned_peak(const fs::path& metrics) {
 class TrainMemoryTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_memory_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = strata::testing::fresh_test_dir("strata_memory");
     std::string text;
     for (int i = 0; i < 200; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
     std::ofstream(dir_ / "corpus.txt") << text;
