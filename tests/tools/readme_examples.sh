@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the command lines the README shows for training (its Training section, its Hugging Face
-# section, the chat workflow and plotting a run) against a tiny model and tokenizer, so that
-# they stay true.
+# section, the chat workflow, plotting a run, planning and profiling) against a tiny model and
+# tokenizer, so that they stay true.
 # Every /models/NAME is a 2-layer Llama carrying the qwen2 test tokenizer (with its chat
 # template); `strata train` lines get short-run overrides appended (a few steps of short
 # sequences), nothing else is changed. Usage: readme_examples.sh SOURCE_DIR BINARY_DIR
@@ -68,7 +68,8 @@ while IFS= read -r line; do
     exit 1
   fi
   count=$((count + 1))
-done < <(for section in "Hugging Face models, tokenizers and data" "Training" "Fine-tuning on chat data, end to end" "Plots"; do
+done < <(for section in "Hugging Face models, tokenizers and data" "Training" "Fine-tuning on chat data, end to end" "Plots" \
+                          "Will it fit, and how fast?" "Plan, profile, plot: one example"; do
            blocks sh "$section"  # the data section first: it tokenizes what Training's run.yaml reads
          done)
 ((count >= 8)) || { echo "readme_examples: only $count command lines found; the README's sections moved?"; exit 1; }
