@@ -53,9 +53,10 @@ struct HostRamData {
 // The footprint of an opened dataset whose loader has `windows` windows.
 HostRamData host_ram_data(const TokenDataset& dataset, int64_t windows);
 
-// The process's resident memory before it allocates anything for the run (the executable, its
-// libraries, the logger, the allocator's arenas) and what the CPU math library adds on the
-// first steps (OpenBLAS's per-thread buffers). Measured, see host_ram.cpp.
+// The process's resident memory besides the run's own items: the largest it has been so far
+// (the executable and its libraries as loaded, which with the CUDA backend built in is about
+// 220 MiB), at least the 16 MiB measured for a cpu-only build, plus room for the threads of the
+// first steps; with cuda, the CUDA runtime's estimate on top. See host_ram.cpp.
 uint64_t process_baseline_bytes(bool cuda);
 
 // The host memory of a run of `model` with settings `t` placed by `plan` (as PagedEngine makes

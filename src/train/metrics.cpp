@@ -74,6 +74,20 @@ Status MetricsWriter::append(const std::string& json_object) {
   return Status::OK();
 }
 
+uint64_t peak_resident_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) != 0) continue;
+    try {
+      return static_cast<uint64_t>(std::stoull(line.substr(6))) * 1024;  // kB
+    } catch (...) {
+      return 0;
+    }
+  }
+  return 0;
+}
+
 uint64_t resident_bytes() {
   std::ifstream in("/proc/self/statm");
   uint64_t pages = 0, resident = 0;

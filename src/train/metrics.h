@@ -66,5 +66,7 @@ class MetricsWriter {
 
 // Resident set size of this process, 0 when /proc is unavailable.
 uint64_t resident_bytes();
+// The largest resident set this process has had so far (VmHWM), 0 when /proc is unavailable.
+uint64_t peak_resident_bytes();
 
 }  // namespace strata
