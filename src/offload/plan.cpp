@@ -95,6 +95,8 @@ TrafficInput traffic_input(const PlanInput& in, int64_t L, const GroupBytes& lay
     TrafficGroup tg = group(l, layer);
     tg.idle_param_chunks = idle_experts * in.param_bytes / c;
     tg.idle_grad_chunks = idle_experts * in.grad_bytes / c;
+    tg.expert_param_chunks = (in.expert_elements * in.param_bytes + c - 1) / c;
+    tg.expert_grad_chunks = (in.expert_elements * in.grad_bytes + c - 1) / c;
     t.groups.push_back(tg);
   }
   t.groups.push_back(head);

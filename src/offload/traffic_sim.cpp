@@ -46,6 +46,8 @@ struct Access {
   Mode mode;
   Phase phase;
   bool last;
+  uint8_t prefetch_to = kNvme;  // kNvme: an entry prefetch skips (and does not count)
+  uint32_t window = 0;          // > 0 on an entry's last chunk: prefetch this many entries on
 };
 
 struct Chunk {
@@ -66,6 +68,7 @@ class Replay {
       : accesses_(std::move(accesses)), chunks_(num_chunks), keys_(num_chunks) {
     uses_.resize(num_chunks);
     for (size_t i = 0; i < accesses_.size(); ++i) uses_[accesses_[i].chunk].push_back(i);
+    for (uint32_t id = 0; id < num_chunks; ++id) chunks_[id].next = uses_[id].empty() ? kNever : uses_[id].front();
     capacity_[kDev] = in.device_slots;
     capacity_[kHost] = in.host_slots;
     used_[kHost] = in.host_other_homes;
@@ -87,6 +90,7 @@ class Replay {
         phase_ = a.phase;
         position_ = static_cast<uint64_t>(step) * S + i;
         if (!acquire(a)) return false;
+        if (a.window > 0 && !prefetch(a.window)) return false;
         batch.push_back(a.chunk);
         if (a.last) {
           for (uint32_t id : batch) release(id);
@@ -142,11 +146,20 @@ class Replay {
     if (counting_) moves_[phase_].*field += 1;
   }
 
-  bool take_slot(uint32_t id, int t) {
+  // The copy that goes for a slot in t: none when every copy is pinned or home, or, for a
+  // prefetch of a chunk due at `due`, when the farthest valid one is needed no later.
+  std::optional<uint32_t> victim(int t, std::optional<uint64_t> due) const {
+    if (victims_[t].empty()) return std::nullopt;
+    const Key& k = *victims_[t].rbegin();
+    if (due && !std::get<0>(k) && std::get<1>(k) <= *due) return std::nullopt;
+    return std::get<4>(k);
+  }
+
+  bool take_slot(uint32_t id, int t, std::optional<uint64_t> due = std::nullopt) {
     if (used_[t] >= capacity_[t]) {
-      if (victims_[t].empty()) return false;
-      const uint32_t victim = std::get<4>(*victims_[t].rbegin());
-      if (!evict(victim, t)) return false;
+      const std::optional<uint32_t> victim = this->victim(t, due);
+      if (!victim) return false;
+      if (!evict(*victim, t)) return false;
     }
     ++used_[t];
     detach(id);
@@ -222,6 +235,52 @@ class Replay {
     return true;
   }
 
+  // ChunkSpace::prefetch: the next `window` entries that name a tier, each moved there when a
+  // slot is free or a copy needed later than it can go; a chunk only on nvme goes to host
+  // first (its device copy follows at a later call).
+  bool prefetch(uint32_t window) {
+    const uint64_t S = accesses_.size();
+    bool full[2] = {false, false};
+    uint32_t counted = 0;
+    for (uint64_t k = 0; k < S && counted < window; ++k) {
+      const Access& e = accesses_[(position_ + k) % S];
+      const int to = e.prefetch_to;
+      if (to == kNvme) continue;
+      ++counted;
+      if (full[to]) continue;
+      const uint32_t id = e.chunk;
+      Chunk& c = chunks_[id];
+      if (c.valid[to] || (c.pinned_in >= 0 && c.pinned_in != to)) continue;
+      const uint64_t due = c.next;
+      busy_ = id;
+      attach(id);
+      if (to == kDev && !c.valid[kHost] && !c.valid[kDev]) {
+        if (!c.slot[kHost]) {
+          if (used_[kHost] >= capacity_[kHost] && !victim(kHost, due)) {
+            busy_.reset(), attach(id);
+            continue;
+          }
+          if (!take_slot(id, kHost, due)) return false;
+        }
+        c.valid[kHost] = true;
+        count(&TrafficMoves::disk_read);
+        busy_.reset(), attach(id);
+        continue;
+      }
+      if (!c.slot[to]) {
+        if (used_[to] >= capacity_[to] && !victim(to, due)) {
+          full[to] = true;
+          busy_.reset(), attach(id);
+          continue;
+        }
+        if (!take_slot(id, to, due)) return false;
+      }
+      if (!fill(id, to)) return false;
+      busy_.reset(), attach(id);
+    }
+    return true;
+  }
+
   void release(uint32_t id) {
     detach(id);
     chunks_[id].pinned_in = -1;
@@ -260,16 +319,32 @@ TrafficResult simulate_traffic(const TrafficInput& in) {
     }
   }
   std::vector<Access> s;
+  size_t batch_start = 0;  // the first access of the open batch
   Phase phase = kZero;
   // Chunks [0, n) of kind k of group g, acquired in `tier`; `last` closes the batch.
-  auto add = [&](int g, int k, Tier tier, Mode mode, bool last, bool skip_idle) {
+  // In forward and backward (`parts`) a layer's dense part is one entry, prefetched, and its
+  // experts another, not prefetched; the passes take whole groups.
+  const uint32_t window = static_cast<uint32_t>(std::max(0, in.lookahead));
+  auto entry = [&](uint32_t f, uint64_t n, Tier tier, Mode mode, bool prefetched) {
+    for (uint64_t i = 0; i < n; ++i) {
+      s.push_back({f + static_cast<uint32_t>(i), static_cast<uint8_t>(tier), mode, phase, false});
+      s.back().prefetch_to = static_cast<uint8_t>(prefetched ? tier : Tier::kNvme);
+    }
+    if (n > 0 && prefetched) s.back().window = window * static_cast<uint32_t>(n);
+  };
+  auto add = [&](int g, int k, Tier tier, Mode mode, bool last, bool parts) {
     const TrafficGroup& tg = in.groups[static_cast<size_t>(g)];
     uint64_t n = tg.chunks[static_cast<size_t>(k)];
-    if (skip_idle) n -= std::min(n, k == kParamKind ? tg.idle_param_chunks : tg.idle_grad_chunks);
     const uint32_t f = first[static_cast<size_t>(g)][static_cast<size_t>(k)];
-    for (uint64_t i = 0; i < n; ++i)
-      s.push_back({f + static_cast<uint32_t>(i), static_cast<uint8_t>(tier), mode, phase, false});
-    if (last && !s.empty()) s.back().last = true;
+    if (!parts) {
+      entry(f, n, tier, mode, true);
+    } else {
+      const uint64_t experts = std::min(n, k == kParamKind ? tg.expert_param_chunks : tg.expert_grad_chunks);
+      const uint64_t idle = std::min(experts, k == kParamKind ? tg.idle_param_chunks : tg.idle_grad_chunks);
+      entry(f, n - experts, tier, mode, true);
+      entry(f + static_cast<uint32_t>(n - experts), experts - idle, tier, mode, false);
+    }
+    if (last && s.size() > batch_start) s.back().last = true, batch_start = s.size();
   };
   const Tier dev = Tier::kDevice;
   for (int g = 0; g < groups; ++g) add(g, kGradKind, dev, Mode::kWrite, true, false);
@@ -295,8 +370,7 @@ TrafficResult simulate_traffic(const TrafficInput& in) {
     const TrafficGroup& tg = in.groups[static_cast<size_t>(g)];
     // AdamW runs where the group's moments live: the device, or host memory.
     const Tier where = tg.home[3] == Tier::kDevice ? Tier::kDevice : Tier::kHost;
-    for (int k = 0; k < kTrafficKinds; ++k) add(g, k, where, Mode::kReadWrite, false, false);
-    if (!s.empty()) s.back().last = true;
+    for (int k = 0; k < kTrafficKinds; ++k) add(g, k, where, Mode::kReadWrite, k + 1 == kTrafficKinds, false);
   }
   if (s.empty()) return result;
   const uint32_t num_chunks = static_cast<uint32_t>(homes.size());

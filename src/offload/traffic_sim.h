@@ -6,8 +6,10 @@
 // device-homed one back up to the device); an nvme-homed chunk reaches the device through a
 // host slot. These are ChunkSpace's rules (memory/chunk_space_moves.cpp); the schedule is the
 // one train/step_schedule.cpp builds: zeroing, grad_accum x (forward, backward), the norm, the
-// optimizer group by group. Prefetch moves chunks earlier but not other chunks (it only evicts
-// copies needed later than the one it brings), so it is not modelled.
+// optimizer group by group. Prefetch is modelled as the chunk space runs it after each
+// acquisition: it moves chunks the next entries name, even those an entry will overwrite whole
+// (the gradients the zeroing pass writes), and it only evicts copies needed later than the one
+// it brings. An nvme read is taken as finished by the next prefetch.
 //
 // The replay runs a few steps from the homes alone and counts the last, the steady state.
 // Pure computation; thread-compatible. Cost O(chunk accesses x log chunks).
@@ -30,6 +32,9 @@ struct TrafficGroup {
   // Chunks of param and grad a micro-batch leaves untouched (experts without tokens); the
   // forward and backward acquire the group's chunks less these.
   uint64_t idle_param_chunks = 0, idle_grad_chunks = 0;
+  // Of those, the experts' (the last chunks of the group), which are acquired after routing as
+  // entries of their own that are not prefetched.
+  uint64_t expert_param_chunks = 0, expert_grad_chunks = 0;
 };
 
 struct TrafficInput {
@@ -42,6 +47,7 @@ struct TrafficInput {
   uint64_t device_slots = 0;
   uint64_t host_slots = 0;
   uint64_t host_other_homes = 0;  // host slots homed by chunks not modelled (offloaded checkpoints)
+  int lookahead = 2;              // entries prefetched ahead, in units of the entry just acquired
   int steps = 3;                  // replayed; the last is counted
 };
 
