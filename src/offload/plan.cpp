@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "core/units.h"
+#include "offload/traffic_sim.h"
 
 namespace strata {
 
@@ -57,6 +58,57 @@ std::string format_seconds(double s) {
   if (s >= 1e-3) return fmt::format("{:.3g} ms", s * 1e3);
   if (s > 0) return fmt::format("{:.3g} us", s * 1e6);
   return "0 s";
+}
+
+// The replay's input: each of the engine's groups (the embedding, the layers, the head; the
+// plan's edge group is the first and the last) with its chunks and homes as placed above, and
+// the tiers' slots as the engine sizes them: the device's budget less the activations, the
+// host's less nothing but capped at what the state (every kind, wherever homed), the offloaded
+// checkpoints and one nvme staging slot can occupy (train/paged_state.cpp, host_tier_size).
+TrafficInput traffic_input(const PlanInput& in, int64_t L, const GroupBytes& layer, const GroupBytes& edge,
+                           const std::vector<bool>& param_res, const std::vector<bool>& grad_res,
+                           const std::vector<bool>& opt_dev, const std::vector<bool>& opt_nvme, const Plan& p,
+                           bool offload, uint64_t idle_experts) {
+  const uint64_t c = in.chunk_size;
+  TrafficInput t;
+  t.tied = in.tied_embeddings;
+  t.grad_accum = std::max<int64_t>(1, in.grad_accum);
+  t.overlap_optimizer = in.overlap_optimizer;
+  auto chunks = [&](uint64_t bytes) { return bytes / c; };  // group sizes are whole chunks
+  auto group = [&](int64_t g, const GroupBytes& b) {
+    TrafficGroup tg;
+    tg.chunks = {chunks(b.param), chunks(b.grad), chunks(b.master), chunks(b.adam_m), chunks(b.adam_v)};
+    const Tier opt = opt_dev[g] ? Tier::kDevice : opt_nvme[g] ? Tier::kNvme : Tier::kHost;
+    tg.home = {param_res[g] ? Tier::kDevice : Tier::kHost, grad_res[g] ? Tier::kDevice : Tier::kHost, opt, opt, opt};
+    return tg;
+  };
+  TrafficGroup edge_group = group(L, edge);
+  TrafficGroup embed = edge_group, head = edge_group;
+  for (int k = 0; k < kTrafficKinds; ++k) {
+    const uint64_t all = edge_group.chunks[k];
+    const uint64_t first = k == 0 ? in.embed_param_chunks : in.embed_chunks;
+    embed.chunks[k] = all == 0 ? 0 : first > 0 ? std::min(first, all) : (all + 1) / 2;
+    head.chunks[k] = all - embed.chunks[k];
+  }
+  t.groups.push_back(embed);
+  for (int64_t l = 0; l < L; ++l) {
+    TrafficGroup tg = group(l, layer);
+    tg.idle_param_chunks = idle_experts * in.param_bytes / c;
+    tg.idle_grad_chunks = idle_experts * in.grad_bytes / c;
+    tg.expert_param_chunks = (in.expert_elements * in.param_bytes + c - 1) / c;
+    tg.expert_grad_chunks = (in.expert_elements * in.grad_bytes + c - 1) / c;
+    t.groups.push_back(tg);
+  }
+  t.groups.push_back(head);
+  t.device_slots = in.device_budget > p.device.act ? (in.device_budget - p.device.act) / c : 0;
+  uint64_t state_chunks = 0;
+  for (const TrafficGroup& tg : t.groups)
+    for (uint64_t n : tg.chunks) state_chunks += n;
+  if (offload)
+    t.host_other_homes = static_cast<uint64_t>(std::max<int64_t>(L - 2, 0)) * ((in.checkpoint_bytes_per_layer + c - 1) / c);
+  const uint64_t staging = in.nvme_budget > 0 ? 1 : 0;
+  t.host_slots = std::min(in.host_budget / c, state_chunks + t.host_other_homes + staging);
+  return t;
 }
 
 }  // namespace
@@ -140,6 +192,7 @@ Plan make_plan(const PlanInput& in) {
   // landing buffer and its optimizer state there, unless the state spills to NVMe.
   if (offload) p.host.act = ckpt_all;
   std::vector<int64_t> host_groups;
+  std::vector<bool> opt_nvme(groups, false);
   for (int64_t g = 0; g < groups; ++g) {
     if (opt_dev[g]) continue;
     host_groups.push_back(g);
@@ -166,6 +219,7 @@ Plan make_plan(const PlanInput& in) {
     const GroupBytes& b = gb(*it);
     p.host.master -= b.master, p.host.adam_m -= b.adam_m, p.host.adam_v -= b.adam_v;
     p.nvme.master += b.master, p.nvme.adam_m += b.adam_m, p.nvme.adam_v += b.adam_v;
+    opt_nvme[*it] = true;
     p.nvme_optimizer_groups++;
   }
   if (p.nvme_optimizer_groups > 0) p.host.act += staging;
@@ -228,11 +282,32 @@ Plan make_plan(const PlanInput& in) {
     grad_total += gb(g).grad;
     if (!grad_res[g]) streamed_grad += gb(g).grad;
   }
-  const uint64_t pass_d2h = streamed_grad, pass_h2d = in.overlap_optimizer ? 0 : streamed_grad;
+  uint64_t pass_d2h = streamed_grad, pass_h2d = in.overlap_optimizer ? 0 : streamed_grad;
   p.h2d_bytes = accum * (fwd_h2d + bwd_h2d) + opt_h2d + pass_h2d;
   p.d2h_bytes = accum * (fwd_d2h + bwd_d2h) + opt_d2h + pass_d2h;
   p.disk_read_bytes = p.nvme.total();
   p.disk_write_bytes = p.nvme.total();
+  // With chunks, what the chunk space moves: it keeps copies in the slots its homes and working
+  // set leave free and gives up, when full, the copy needed farthest along the schedule, so the
+  // counts above (every streamed group moved at every use) are replaced by a replay of the
+  // schedule against the slots (offload/traffic_sim.h). The checkpoints' copies stay as above.
+  if (in.chunk_size > 0) {
+    const TrafficResult sim = simulate_traffic(traffic_input(in, L, layer, edge, param_res, grad_res, opt_dev, opt_nvme,
+                                                             p, offload, idle_experts));
+    if (sim.ok) {
+      const uint64_t c = in.chunk_size;
+      const uint64_t ckpt = offload ? static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer : 0;
+      const TrafficMoves total = sim.total();
+      fwd_h2d = sim.forward.h2d * c / accum, fwd_d2h = sim.forward.d2h * c / accum + ckpt;
+      bwd_h2d = sim.backward.h2d * c / accum + ckpt, bwd_d2h = sim.backward.d2h * c / accum;
+      pass_h2d = (sim.zero.h2d + sim.norm.h2d) * c, pass_d2h = (sim.zero.d2h + sim.norm.d2h) * c;
+      opt_h2d = sim.optimizer.h2d * c, opt_d2h = sim.optimizer.d2h * c;
+      p.h2d_bytes = total.h2d * c + accum * ckpt;
+      p.d2h_bytes = total.d2h * c + accum * ckpt;
+      p.disk_read_bytes = total.disk_read * c;
+      p.disk_write_bytes = total.disk_write * c;
+    }
+  }
 
   // 5. Time, phase by phase, as the engine schedules the step. Within a phase the copy streams
   // prefetch along the schedule while compute runs, so a transfer hides behind the compute of

@@ -97,6 +97,11 @@ struct PlanInput {
   uint64_t edge_chunks = 0;
   uint64_t layer_param_chunks = 0;
   uint64_t edge_param_chunks = 0;
+  // Of the edge's chunks, those of the embedding (the rest are the head's), in fp32 and in the
+  // compute copy; 0: half each. The traffic model replays the schedule on the two apart.
+  uint64_t embed_chunks = 0;
+  uint64_t embed_param_chunks = 0;
+  bool tied_embeddings = false;  // the head reads the embedding's parameters
   // Chunks of one kind of the largest single group (when set): AdamW on host memory acquires a
   // whole group's optimizer state there at once, so a group streamed from nvme needs that many
   // free host slots per optimizer kind.
@@ -144,7 +149,8 @@ struct Plan {
   int64_t device_optimizer_groups = 0;   // groups whose AdamW runs on the device
   int64_t nvme_optimizer_groups = 0;     // groups whose optimizer state streams from NVMe
   int prefetch_depth = 1;
-  // Traffic per optimizer step.
+  // Traffic per optimizer step: with a chunk size, what the chunk space moves in a steady step
+  // (offload/traffic_sim.h replays the schedule); without, every streamed group moved at every use.
   uint64_t h2d_bytes = 0, d2h_bytes = 0, disk_read_bytes = 0, disk_write_bytes = 0;
   uint64_t cpu_adam_elements = 0;
   // Predicted seconds per step and what bounds it. compute_s .. disk_s are each resource's

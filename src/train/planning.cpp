@@ -110,9 +110,12 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
     in.edge_chunks = chunks.front() + chunks.back();
     in.layer_param_chunks = (layer_param_total + L - 1) / std::max<uint64_t>(L, 1);
     in.edge_param_chunks = param_chunks.front() + param_chunks.back();
+    in.embed_chunks = chunks.front();
+    in.embed_param_chunks = param_chunks.front();
     for (uint64_t c : chunks) in.largest_group_chunks = std::max(in.largest_group_chunks, c);
   }
   in.offload_activations = t.offload_activations;
+  in.tied_embeddings = m.tie_word_embeddings;
   in.rates.compute_flops = t.gpu_flops;
   in.rates.h2d_bytes_per_s = t.h2d_bytes_per_s;
   in.rates.d2h_bytes_per_s = t.d2h_bytes_per_s;
