@@ -21,9 +21,6 @@ namespace {
 // engine, and 11-13 MiB left over beside the other items once small runs had trained. More
 // threads (cores) add their stacks and buffers; 16 MiB leaves room for a few.
 constexpr uint64_t kProcessBaseline = 16 * kMiB;
-// Beside the peak a process has reached before its run is planned: the threads (OpenMP,
-// OpenBLAS, the copy streams, I/O) its first steps start.
-constexpr uint64_t kThreadsRoom = 8 * kMiB;
 // The CUDA runtime's and cuBLAS's host memory (context, module images, driver buffers): an
 // estimate, not measured by strata's tests, which run without a GPU.
 constexpr uint64_t kCudaRuntime = 512 * kMiB;
@@ -87,9 +84,10 @@ HostRamData host_ram_data(const TokenDataset& dataset, int64_t windows) {
 uint64_t process_baseline_bytes(bool cuda) {
   // A build with the CUDA backend maps cuBLAS and the CUDA libraries at start, about 220 MiB
   // resident at their peak even for a cpu run: the process's own peak so far (in whole MiB, so
-  // that two plans in a row agree) covers that, with room for the threads the first steps start.
+  // that two plans in a row agree) covers that. The run's peak is at start-up then, so the
+  // threads of the first steps fit under it.
   const uint64_t so_far = (peak_resident_bytes() + kMiB - 1) / kMiB * kMiB;
-  return std::max(kProcessBaseline, so_far + kThreadsRoom) + (cuda ? kCudaRuntime : 0);
+  return std::max(kProcessBaseline, so_far) + (cuda ? kCudaRuntime : 0);
 }
 
 HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, const Plan& plan, bool cuda,

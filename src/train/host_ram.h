@@ -53,10 +53,10 @@ struct HostRamData {
 // The footprint of an opened dataset whose loader has `windows` windows.
 HostRamData host_ram_data(const TokenDataset& dataset, int64_t windows);
 
-// The process's resident memory besides the run's own items: the largest it has been so far
-// (the executable and its libraries as loaded, which with the CUDA backend built in is about
-// 220 MiB), at least the 16 MiB measured for a cpu-only build, plus room for the threads of the
-// first steps; with cuda, the CUDA runtime's estimate on top. See host_ram.cpp.
+// The process's resident memory besides the run's own items: the 16 MiB measured for a cpu-only
+// build with its first steps' threads, or the largest the process has been so far when that is
+// more (the libraries of a build with the CUDA backend, about 220 MiB at start); with cuda, the
+// CUDA runtime's estimate on top. See host_ram.cpp.
 uint64_t process_baseline_bytes(bool cuda);
 
 // The host memory of a run of `model` with settings `t` placed by `plan` (as PagedEngine makes
