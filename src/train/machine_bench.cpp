@@ -358,7 +358,8 @@ Result<MachineProfile> bench_machine(const MachineBenchOptions& o) {
   const int64_t cap = o.quick ? (int64_t{4} << 20) : (int64_t{32} << 20);
   std::vector<int64_t> sizes;
   int64_t total = 0;
-  for (const model::TensorSpec& spec : model::ParamLayout(o.model).tensors()) {
+  const model::ParamLayout layout(o.model);  // outlives the loop: tensors() is a reference into it
+  for (const model::TensorSpec& spec : layout.tensors()) {
     if (total >= cap) break;
     sizes.push_back(std::min(spec.numel, cap - total));
     total += sizes.back();
