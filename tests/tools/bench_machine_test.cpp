@@ -16,23 +16,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Ran {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-Ran strata(const std::string& args) {
-  const std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
-  Ran r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using strata::testing::CmdResult;
+using strata::testing::run_strata;
 
 class BenchMachineCli : public ::testing::Test {
  protected:
@@ -45,7 +30,7 @@ class BenchMachineCli : public ::testing::Test {
 
 TEST_F(BenchMachineCli, WritesAProfileThatPlanReadsAndNames) {
   const std::string profile = (dir_ / "machine.yaml").string();
-  const Ran bench = strata("bench machine --quick --dir " + dir_.string() + " --out " + profile +
+  const CmdResult bench = run_strata("bench machine --quick --dir " + dir_.string() + " --out " + profile +
                            " model.preset=tiny train.micro_batch=1 train.seq_len=32");
   ASSERT_EQ(bench.exit_code, 0) << bench.output;
   for (const char* rate : {"compute", "copy_overlap", "h2d", "d2h", "both", "cpu_adam", "memcpy", "disk_read"})
@@ -56,15 +41,15 @@ TEST_F(BenchMachineCli, WritesAProfileThatPlanReadsAndNames) {
   EXPECT_NE(text.str().find("gpu_tflops:"), std::string::npos) << text.str();
   EXPECT_NE(text.str().find("copy_overlap:"), std::string::npos) << text.str();
 
-  const Ran plan = strata("plan --hardware " + profile + " model.preset=tiny run.device=cpu");
+  const CmdResult plan = run_strata("plan --hardware " + profile + " model.preset=tiny run.device=cpu");
   ASSERT_EQ(plan.exit_code, 0) << plan.output;
   EXPECT_NE(plan.output.find("rates: " + profile + " (strata bench machine --quick, cpu backend"), std::string::npos)
       << plan.output;
   EXPECT_NE(plan.output.find("per phase"), std::string::npos) << plan.output;
-  const Ran defaults = strata("plan model.preset=tiny run.device=cpu");
+  const CmdResult defaults = run_strata("plan model.preset=tiny run.device=cpu");
   ASSERT_EQ(defaults.exit_code, 0) << defaults.output;
   EXPECT_NE(defaults.output.find("rates: built-in defaults"), std::string::npos) << defaults.output;
-  const Ran keys = strata("plan model.preset=tiny run.device=cpu hardware.h2d_gbps=7");
+  const CmdResult keys = run_strata("plan model.preset=tiny run.device=cpu hardware.h2d_gbps=7");
   ASSERT_EQ(keys.exit_code, 0) << keys.output;
   EXPECT_NE(keys.output.find("rates: hardware.* keys (command line)"), std::string::npos) << keys.output;
 }
@@ -72,7 +57,7 @@ TEST_F(BenchMachineCli, WritesAProfileThatPlanReadsAndNames) {
 TEST_F(BenchMachineCli, AProfileWithOtherKeysIsRefusedNamingFileAndKey) {
   const std::string profile = (dir_ / "bad.yaml").string();
   std::ofstream(profile) << "hardware:\n  gpu_tflops: 3\n  h2d_gpbs: 10\n";
-  const Ran plan = strata("plan --hardware " + profile + " model.preset=tiny run.device=cpu");
+  const CmdResult plan = run_strata("plan --hardware " + profile + " model.preset=tiny run.device=cpu");
   EXPECT_EQ(plan.exit_code, 1) << plan.output;
   EXPECT_NE(plan.output.find("hardware profile " + profile), std::string::npos) << plan.output;
   EXPECT_NE(plan.output.find("h2d_gpbs"), std::string::npos) << plan.output;

@@ -18,9 +18,10 @@ struct CmdResult {
   std::string output;  // stdout and stderr together
 };
 
-// Runs `strata ARGS` (shell words) from the build folder.
-inline CmdResult run_strata(const std::string& args) {
-  const std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
+// Runs `strata ARGS` (shell words), in folder `cwd` when given.
+inline CmdResult run_strata(const std::string& args, const std::filesystem::path& cwd = {}) {
+  const std::string in = cwd.empty() ? std::string() : "cd '" + cwd.string() + "' && ";
+  const std::string cmd = in + std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
   CmdResult r;
   FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) return r;

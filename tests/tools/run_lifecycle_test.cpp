@@ -27,19 +27,6 @@ namespace fs = std::filesystem;
 
 using strata::testing::CmdResult;
 
-CmdResult run_in(const fs::path& cwd, const std::string& args) {
-  const std::string cmd = "cd '" + cwd.string() + "' && " + STRATA_BINARY_DIR + "/strata " + args + " 2>&1";
-  CmdResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
-
 // The step lines of a metrics.jsonl (event lines, such as the run's goodput, are not steps).
 size_t lines_of(const fs::path& p) {
   std::ifstream in(p);
@@ -60,7 +47,7 @@ class RunLifecycleTest : public ::testing::Test {
     for (const auto& m : mounts_) ::umount2(m.c_str(), MNT_DETACH);
     fs::remove_all(dir_);
   }
-  CmdResult run(const std::string& args) { return run_in(dir_, args); }
+  CmdResult run(const std::string& args) { return strata::testing::run_strata(args, dir_); }
   std::string small_run() {
     return "data.paths=[" + (dir_ / "corpus.txt").string() +
            "] model.preset=tiny train.micro_batch=2 train.seq_len=32 train.steps=6 optim.warmup_steps=2 "
