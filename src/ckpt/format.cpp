@@ -119,7 +119,7 @@ Result<ParsedHeader> parse_safetensors_header(const std::string& path, const std
       return Status::Corruption(where + " lacks dtype, shape or data_offsets");
     }
     std::optional<DType> dtype = parse_dtype(dt->get<std::string>());
-    if (!dtype) {
+    if (!dtype || *dtype == DType::kF8E4M3) {
       return Status::Unimplemented(where + " has dtype " + dt->get<std::string>() +
                                    "; strata checkpoints hold F32 and BF16 only");
     }

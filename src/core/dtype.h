@@ -9,8 +9,10 @@
 
 namespace strata {
 
-enum class DType : uint8_t { kF32, kBF16 };
-const char* dtype_name(DType dtype);  // "F32", "BF16" (safetensors spelling)
+// kF8E4M3: OCP E4M3 codes (kernels/fp8.h). As a model's weight type it names the fp8 recipe's
+// compute copy: linear layers' weights in E4M3 with block scales, every other tensor in bf16.
+enum class DType : uint8_t { kF32, kBF16, kF8E4M3 };
+const char* dtype_name(DType dtype);  // "F32", "BF16", "F8_E4M3" (safetensors spelling)
 uint64_t dtype_size(DType dtype);     // bytes per element
 std::optional<DType> parse_dtype(std::string_view name);
 

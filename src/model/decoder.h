@@ -248,11 +248,14 @@ class Decoder final : public Model {
 // decoder_cpu.cpp).
 using LlamaModel = Decoder<kernels::CpuF32Ops>;
 using LlamaModelBf16 = Decoder<kernels::CpuBf16Ops>;
+// The fp8 recipe on the CPU: through a ParamAccess only (its compute copy is per-tensor bytes).
+using LlamaModelFp8 = Decoder<kernels::CpuFp8Ops>;
 extern template class Decoder<kernels::CpuF32Ops>;
 extern template class Decoder<kernels::CpuBf16Ops>;
+extern template class Decoder<kernels::CpuFp8Ops>;
 
-// The decoder on the CPU backend whose compute copy is `compute` (F32: the reference; BF16: the
-// GPU's recipe emulated). flat_buffers as for Decoder's constructor.
+// The decoder on the CPU backend whose compute copy is `compute` (F32: the reference; BF16 and
+// F8_E4M3: the GPU's bf16 and fp8 recipes emulated; F8_E4M3 needs flat_buffers = false). flat_buffers as for Decoder's constructor.
 // device: where its activation table lives (the arena of a cpu Device, under its budget), or
 // null for ordinary host memory.
 std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, bool flat_buffers,

@@ -1,4 +1,4 @@
-// The decoder on the CPU backends: the fp32 reference and the GPU's bf16 recipe emulated.
+// The decoder on the CPU backends: the fp32 reference and the GPU's bf16 and fp8 recipes emulated.
 #include "model/decoder_impl.h"
 
 namespace strata::model {
@@ -11,9 +11,14 @@ int64_t count_valid_targets(const int32_t* targets, int64_t n) {
 
 template class Decoder<kernels::CpuF32Ops>;
 template class Decoder<kernels::CpuBf16Ops>;
+template class Decoder<kernels::CpuFp8Ops>;
 
 std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, bool flat_buffers,
                                         Device* device) {
+  if (compute == DType::kF8E4M3) {
+    CHECK_MSG(!flat_buffers, "the fp8 recipe computes through a ParamAccess only (no flat buffers)");
+    return std::make_unique<LlamaModelFp8>(config, false, kernels::CpuFp8Ops(device));
+  }
   if (compute == DType::kBF16) return std::make_unique<LlamaModelBf16>(config, flat_buffers, kernels::CpuBf16Ops(device));
   return std::make_unique<LlamaModel>(config, flat_buffers, kernels::CpuF32Ops(device));
 }

@@ -30,4 +30,17 @@ int param_expert_of(const ParamLayout& layout, const TensorSpec& tensor) {
   return -1;
 }
 
+bool param_is_linear_weight(const ParamLayout& layout, const TensorSpec& tensor) {
+  const int group = param_group_of(layout, tensor);
+  if (group < 1 || group > layout.num_layers()) return false;
+  const LayerOffsets& l = layout.layer(group - 1);
+  const int64_t o = tensor.offset;
+  if (o == l.q_proj || o == l.k_proj || o == l.v_proj || o == l.o_proj || o == l.gate_proj || o == l.up_proj ||
+      o == l.down_proj)
+    return true;
+  const MoeOffsets& moe = l.moe;
+  if (o == moe.shared_gate_proj || o == moe.shared_up_proj || o == moe.shared_down_proj) return true;
+  return param_expert_of(layout, tensor) >= 0;
+}
+
 }  // namespace strata::model

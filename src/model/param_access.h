@@ -28,6 +28,11 @@ int param_group_of(const ParamLayout& layout, const TensorSpec& tensor);
 // The expert of its MoE layer (0 .. E-1) a tensor belongs to (its gate, up or down projection),
 // or -1 for every other tensor, the router and the shared expert included.
 int param_expert_of(const ParamLayout& layout, const TensorSpec& tensor);
+// Whether the tensor is the weight matrix of a linear layer the model computes with
+// linear_forward/linear_backward or the experts' ops (attention and MLP projections, the
+// experts, the shared expert's projections): the tensors the fp8 recipe keeps as E4M3 blocks.
+// Not the embedding, the LM head, norms, biases, the router or the shared expert's gate.
+bool param_is_linear_weight(const ParamLayout& layout, const TensorSpec& tensor);
 
 // Activation offload (DESIGN §3.3): the layer-boundary checkpoints the model hands to
 // offload_checkpoint() during forward and takes back with fetch_checkpoint() during backward
@@ -45,7 +50,9 @@ class ParamAccess {
   virtual void end(int group, bool params, bool grads) = 0;
   // The tensor starting at flat-layout `offset`. REQUIRES: its group has begun for that kind.
   // Parameters are the compute copy, of param_dtype() elements (what the model's backend
-  // reads: fp32 on the CPU reference, bf16 in the GPU recipe); gradients are fp32.
+  // reads: fp32 on the CPU reference, bf16 in the GPU recipe; kF8E4M3 names the fp8 recipe,
+  // whose linear weights (param_is_linear_weight) are E4M3 blocks in kernels/fp8.h's matrix
+  // layout and whose other tensors are bf16); gradients are fp32.
   virtual const void* param(int64_t offset) = 0;
   virtual float* grad(int64_t offset) = 0;
   virtual DType param_dtype() const { return DType::kF32; }

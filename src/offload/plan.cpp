@@ -34,20 +34,27 @@ struct GroupBytes {
   uint64_t optimizer() const { return master + adam_m + adam_v; }
 };
 
-GroupBytes group_bytes(const PlanInput& in, uint64_t elements, uint64_t packed_chunks, uint64_t packed_param_chunks) {
+// Bytes of `elements` at a (fractional) size per element, rounded up.
+uint64_t bytes_of(uint64_t elements, double per_element) {
+  return static_cast<uint64_t>(std::ceil(static_cast<double>(elements) * per_element));
+}
+
+GroupBytes group_bytes(const PlanInput& in, uint64_t elements, double param_bytes, uint64_t packed_chunks,
+                       uint64_t packed_param_chunks, uint64_t packed_moment_chunks) {
   const uint64_t c = in.chunk_size;
   GroupBytes g;
   if (packed_chunks > 0 && packed_param_chunks > 0 && c > 0 && in.grad_bytes == 4) {
-    g.grad = g.adam_m = g.adam_v = packed_chunks * c;
+    g.grad = packed_chunks * c;
+    g.adam_m = g.adam_v = (packed_moment_chunks > 0 ? packed_moment_chunks : packed_chunks) * c;
     g.master = in.separate_master ? packed_chunks * c : 0;
     g.param = packed_param_chunks * c;
     return g;
   }
-  g.param = round_up(elements * in.param_bytes, c);
+  g.param = round_up(bytes_of(elements, param_bytes), c);
   g.grad = round_up(elements * in.grad_bytes, c);
   g.master = in.separate_master ? round_up(elements * 4, c) : 0;
-  g.adam_m = round_up(elements * 4, c);
-  g.adam_v = round_up(elements * 4, c);
+  g.adam_m = round_up(bytes_of(elements, in.moment_bytes), c);
+  g.adam_v = g.adam_m;
   return g;
 }
 
@@ -86,16 +93,18 @@ TrafficInput traffic_input(const PlanInput& in, int64_t L, const GroupBytes& lay
   TrafficGroup embed = edge_group, head = edge_group;
   for (int k = 0; k < kTrafficKinds; ++k) {
     const uint64_t all = edge_group.chunks[k];
-    const uint64_t first = k == 0 ? in.embed_param_chunks : in.embed_chunks;
+    const uint64_t first = k == 0                                  ? in.embed_param_chunks
+                           : k >= 3 && in.embed_moment_chunks > 0 ? in.embed_moment_chunks
+                                                                  : in.embed_chunks;
     embed.chunks[k] = all == 0 ? 0 : first > 0 ? std::min(first, all) : (all + 1) / 2;
     head.chunks[k] = all - embed.chunks[k];
   }
   t.groups.push_back(embed);
   for (int64_t l = 0; l < L; ++l) {
     TrafficGroup tg = group(l, layer);
-    tg.idle_param_chunks = idle_experts * in.param_bytes / c;
+    tg.idle_param_chunks = bytes_of(idle_experts, in.param_bytes) / c;
     tg.idle_grad_chunks = idle_experts * in.grad_bytes / c;
-    tg.expert_param_chunks = (in.expert_elements * in.param_bytes + c - 1) / c;
+    tg.expert_param_chunks = (bytes_of(in.expert_elements, in.param_bytes) + c - 1) / c;
     tg.expert_grad_chunks = (in.expert_elements * in.grad_bytes + c - 1) / c;
     t.groups.push_back(tg);
   }
@@ -116,8 +125,10 @@ TrafficInput traffic_input(const PlanInput& in, int64_t L, const GroupBytes& lay
 Plan make_plan(const PlanInput& in) {
   Plan p;
   const int64_t L = in.num_layers;
-  const GroupBytes layer = group_bytes(in, in.layer_elements, in.layer_chunks, in.layer_param_chunks);
-  const GroupBytes edge = group_bytes(in, in.edge_elements, in.edge_chunks, in.edge_param_chunks);
+  const GroupBytes layer = group_bytes(in, in.layer_elements, in.param_bytes, in.layer_chunks, in.layer_param_chunks,
+                                       in.layer_moment_chunks);
+  const GroupBytes edge = group_bytes(in, in.edge_elements, in.edge_param_bytes, in.edge_chunks, in.edge_param_chunks,
+                                      in.edge_moment_chunks);
   const int64_t groups = L + 1;  // index L is the edge group
   auto gb = [&](int64_t g) -> const GroupBytes& { return g == L ? edge : layer; };
   const uint64_t ckpt_all = static_cast<uint64_t>(L + 1) * in.checkpoint_bytes_per_layer;
@@ -255,7 +266,7 @@ Plan make_plan(const PlanInput& in) {
   uint64_t first_layer_h2d = 0;  // what the first layer of a phase needs before it can start
   for (int64_t g = 0; g < groups; ++g) {
     const GroupBytes& b = gb(g);
-    const uint64_t idle_param = g == L ? 0 : std::min(b.param, idle_experts * in.param_bytes);
+    const uint64_t idle_param = g == L ? 0 : std::min(b.param, bytes_of(idle_experts, in.param_bytes));
     const uint64_t idle_grad = g == L ? 0 : std::min(b.grad, idle_experts * in.grad_bytes);
     if (!param_res[g]) {  // forward, and backward's recompute
       fwd_h2d += b.param - idle_param;

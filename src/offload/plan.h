@@ -64,7 +64,12 @@ struct PlanInput {
   // streamed layer fetches only those experts and produces only their gradients.
   uint64_t expert_elements = 0;
   double expert_fetch_fraction = 1.0;
-  uint32_t param_bytes = 2;     // per element of the compute copy
+  // Bytes per element of the compute copy in a layer group and in the edge group (they differ in
+  // the fp8 recipe: E4M3 matrices with their scales in the layers, bf16 embeddings), and of each
+  // Adam moment (4 fp32, 2 bf16, a little over 1 int8).
+  double param_bytes = 2;
+  double edge_param_bytes = 2;
+  double moment_bytes = 4;
   uint32_t grad_bytes = 4;
   bool separate_master = true;  // false on the CPU backend: the fp32 compute copy is the master
   // Activations of one micro-batch.
@@ -97,10 +102,14 @@ struct PlanInput {
   uint64_t edge_chunks = 0;
   uint64_t layer_param_chunks = 0;
   uint64_t edge_param_chunks = 0;
+  // The same for each Adam moment when it is not fp32 (0: as the fp32 kinds).
+  uint64_t layer_moment_chunks = 0;
+  uint64_t edge_moment_chunks = 0;
   // Of the edge's chunks, those of the embedding (the rest are the head's), in fp32 and in the
   // compute copy; 0: half each. The traffic model replays the schedule on the two apart.
   uint64_t embed_chunks = 0;
   uint64_t embed_param_chunks = 0;
+  uint64_t embed_moment_chunks = 0;
   bool tied_embeddings = false;  // the head reads the embedding's parameters
   // Chunks of one kind of the largest single group (when set): AdamW on host memory acquires a
   // whole group's optimizer state there at once, so a group streamed from nvme needs that many

@@ -1,25 +1,59 @@
 #include "offload/state_layout.h"
 
+#include "kernels/fp8.h"
+
 namespace strata {
 
-const char* precision_name(Precision precision) { return precision == Precision::kFp32 ? "fp32" : "bf16"; }
+const char* precision_name(Precision precision) {
+  switch (precision) {
+    case Precision::kFp32: return "fp32";
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp8: return "fp8";
+  }
+  return "?";
+}
 
 std::optional<Precision> parse_precision(std::string_view name) {
   if (name == "fp32") return Precision::kFp32;
   if (name == "bf16") return Precision::kBf16;
+  if (name == "fp8") return Precision::kFp8;
   return std::nullopt;
 }
 
 uint64_t StateLayout::element_bytes(StateKind kind) const {
   switch (kind) {
-    case StateKind::kParam: return dtype_size(compute_dtype());
+    case StateKind::kParam: return precision == Precision::kFp32 ? 4 : precision == Precision::kBf16 ? 2 : 1;
     case StateKind::kMaster: return separate_master() ? 4 : 0;
-    case StateKind::kGrad:
+    case StateKind::kGrad: return 4;
     case StateKind::kAdamM:
-    case StateKind::kAdamV: return 4;
+    case StateKind::kAdamV: return moments == kernels::MomentFormat::kF32 ? 4 : moments == kernels::MomentFormat::kBf16 ? 2 : 1;
     case StateKind::kAct: return 0;
   }
   return 0;
+}
+
+bool StateLayout::is_f32(StateKind kind) const {
+  switch (kind) {
+    case StateKind::kParam: return precision == Precision::kFp32;
+    case StateKind::kMaster: return separate_master();
+    case StateKind::kGrad: return true;
+    case StateKind::kAdamM:
+    case StateKind::kAdamV: return moments == kernels::MomentFormat::kF32;
+    case StateKind::kAct: return false;
+  }
+  return false;
+}
+
+uint64_t StateLayout::tensor_bytes(StateKind kind, const StateShape& t) const {
+  const int64_t n = static_cast<int64_t>(t.elements);
+  switch (kind) {
+    case StateKind::kParam:
+      if (quantized(t)) return kernels::fp8_matrix_bytes(t.matrix_rows, n / t.matrix_rows);
+      return t.elements * element_bytes(kind);
+    case StateKind::kAdamM:
+    case StateKind::kAdamV: return kernels::moment_bytes(moments, n);
+    default: return t.elements * element_bytes(kind);
+  }
 }
 
 std::vector<StateKind> StateLayout::kinds() const {

@@ -20,34 +20,27 @@ uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 constexpr uint64_t kOwnChunkFraction = 2;
 
 // The chunk size that wastes the least padding when each group's tensors are packed into
-// chunks of their own, summed over the element sizes of the layout's kinds (a bf16 compute copy
-// packs half as many bytes per group as the fp32 kinds); ties go to the smaller size
-// (finer-grained paging). groups: tensor elements per group; every chunk holds the largest
-// tensor at the widest element size.
-uint64_t choose_group_chunk_bytes(const std::vector<std::vector<uint64_t>>& groups,
-                                  const std::vector<uint64_t>& element_bytes) {
-  const uint64_t widest = *std::max_element(element_bytes.begin(), element_bytes.end());
+// chunks of their own, summed over the layout's kinds (a bf16 compute copy packs half as many
+// bytes per group as the fp32 kinds); ties go to the smaller size (finer-grained paging).
+// bytes[k][g]: the bytes of each tensor of part g in kind k; every chunk holds the largest.
+uint64_t choose_group_chunk_bytes(const std::vector<std::vector<std::vector<uint64_t>>>& bytes) {
   uint64_t largest_tensor = 0, largest_group = 0;
-  for (const auto& g : groups) {
-    uint64_t sum = 0;
-    for (uint64_t n : g) largest_tensor = std::max(largest_tensor, n * widest), sum += round_up(n * widest, kTensorAlignment);
-    largest_group = std::max(largest_group, sum);
+  for (const auto& kind : bytes) {
+    for (const auto& g : kind) {
+      uint64_t sum = 0;
+      for (uint64_t n : g) largest_tensor = std::max(largest_tensor, n), sum += round_up(n, kTensorAlignment);
+      largest_group = std::max(largest_group, sum);
+    }
   }
   const uint64_t lo = round_up(std::max<uint64_t>(largest_tensor, 1), kChunkAlignment);
   const uint64_t hi = std::max(lo, round_up(largest_group, kChunkAlignment));
   // At most ~256 candidates between the largest tensor and the largest group.
   const uint64_t step = std::max(kChunkAlignment, round_up((hi - lo) / 256 + 1, kChunkAlignment));
   uint64_t best = lo, best_padding = UINT64_MAX;
-  std::vector<uint64_t> bytes;
   for (uint64_t c = lo; c <= hi; c += step) {
     uint64_t padding = 0;
-    for (uint64_t e : element_bytes) {
-      for (const auto& g : groups) {
-        bytes.clear();
-        for (uint64_t n : g) bytes.push_back(n * e);
-        padding += pack_tensors(std::span<const uint64_t>(bytes), c).padding_bytes;
-      }
-    }
+    for (const auto& kind : bytes)
+      for (const auto& g : kind) padding += pack_tensors(std::span<const uint64_t>(g), c).padding_bytes;
     if (padding < best_padding) best = c, best_padding = padding;
   }
   return best;
@@ -57,13 +50,17 @@ uint64_t choose_group_chunk_bytes(const std::vector<std::vector<uint64_t>>& grou
 
 uint64_t StateStore::auto_chunk_bytes(const std::vector<StateTensor>& tensors, const StateLayout& layout) {
   // Each part is packed on its own, so the chunk size is chosen over parts.
-  std::map<std::pair<int, int>, std::vector<uint64_t>> parts;  // (group, part) -> tensor elements
-  for (const StateTensor& t : tensors) parts[{t.group, t.part}].push_back(t.elements);
-  std::vector<std::vector<uint64_t>> part_elements;
-  for (auto& [key, elements] : parts) part_elements.push_back(std::move(elements));
-  std::vector<uint64_t> element_bytes;
-  for (StateKind kind : layout.kinds()) element_bytes.push_back(layout.element_bytes(kind));
-  return choose_group_chunk_bytes(part_elements, element_bytes);
+  std::map<std::pair<int, int>, std::vector<size_t>> parts;  // (group, part) -> tensors
+  for (size_t i = 0; i < tensors.size(); ++i) parts[{tensors[i].group, tensors[i].part}].push_back(i);
+  std::vector<std::vector<std::vector<uint64_t>>> bytes;
+  for (StateKind kind : layout.kinds()) {
+    std::vector<std::vector<uint64_t>>& per_part = bytes.emplace_back();
+    for (const auto& [key, members] : parts) {
+      std::vector<uint64_t>& b = per_part.emplace_back();
+      for (size_t i : members) b.push_back(layout.tensor_bytes(kind, tensors[i].shape()));
+    }
+  }
+  return choose_group_chunk_bytes(bytes);
 }
 
 uint64_t StateStore::part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part) {
@@ -94,7 +91,7 @@ std::vector<std::vector<StateStore::Part>> StateStore::make_parts(const std::vec
 }
 
 std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes,
-                                               uint64_t element_bytes) {
+                                               const StateLayout& state, StateKind kind) {
   int num_groups = 0;
   for (const StateTensor& t : tensors) num_groups = std::max(num_groups, t.group + 1);
   const std::vector<std::vector<Part>> parts = make_parts(tensors, num_groups);
@@ -107,7 +104,7 @@ std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& t
     for (size_t pi = 0; pi < parts[static_cast<size_t>(g)].size(); ++pi) {
       if (opens_own_chunk(tensors, parts[static_cast<size_t>(g)], pi, chunk_bytes)) layout->open_chunk(ChunkKind::kParam);
       for (size_t i : parts[static_cast<size_t>(g)][pi].tensors) {
-        Result<TensorId> added = layout->add(tensors[i].name, ChunkKind::kParam, tensors[i].elements * element_bytes);
+        Result<TensorId> added = layout->add(tensors[i].name, ChunkKind::kParam, state.tensor_bytes(kind, tensors[i].shape()));
         CHECK_MSG(added.ok(), added.status().to_string());
       }
     }
@@ -143,7 +140,6 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
   s->homes_.resize(static_cast<size_t>(s->num_groups_) * kNumStateKinds, Tier::kHost);
   for (const StateKind kind : s->layout_.kinds()) {
     const int k = static_cast<int>(kind);
-    const uint64_t element_bytes = s->layout_.element_bytes(kind);
     for (int g = 0; g < s->num_groups_; ++g) {
       std::optional<Tier> home;
       if (options.home) home = options.home(g, kind);
@@ -173,7 +169,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
           // A tensor that opens a chunk of its own (past the end of the current one) falls back too.
           ASSIGN_OR_RETURN(TensorId id, with_fallback([&] {
                              return s->space_->add_tensor(std::string(state_kind_name(kind)) + "/" + t.name,
-                                                          kind, t.elements * element_bytes, home);
+                                                          kind, s->layout_.tensor_bytes(kind, t.shape()), home);
                            }));
           s->ids_[i][k] = id;
           const ChunkId c = s->space_->tensor(id).chunk;
@@ -421,16 +417,20 @@ void* StateStore::raw_pointer(size_t i, StateKind kind) const {
 }
 
 float* StateStore::pointer(size_t i, StateKind kind) const {
-  CHECK_MSG(layout_.element_bytes(kind) == sizeof(float),
-            std::string("the ") + state_kind_name(kind) + " state is not fp32 in this layout");
+  CHECK_MSG(layout_.is_f32(kind), std::string("the ") + state_kind_name(kind) + " state is not fp32 in this layout");
   return static_cast<float*>(raw_pointer(i, kind));
 }
 
 Status StateStore::read_tensor(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst) {
   CHECK(i < ids_.size());
-  CHECK_MSG(layout_.element_bytes(kind) == sizeof(float),
+  CHECK_MSG(layout_.is_f32(kind),
             std::string("read_tensor of ") + state_kind_name(kind) + ", which is not fp32 in this layout");
   return space_->read_tensor(ids_[i][static_cast<int>(kind)], first * sizeof(float), count * sizeof(float), dst);
+}
+
+Status StateStore::read_tensor_bytes(size_t i, StateKind kind, uint64_t first, uint64_t count, void* dst) {
+  CHECK(i < ids_.size());
+  return space_->read_tensor(ids_[i][static_cast<int>(kind)], first, count, dst);
 }
 
 }  // namespace strata

@@ -55,6 +55,8 @@ struct StateTensor {
   uint64_t elements = 0;
   int group = 0;
   int part = kDensePart;  // >= 0: a part of the group with chunks of its own (e.g. an expert)
+  int64_t matrix_rows = 0;  // > 0: a linear layer's weight of this many rows (StateShape)
+  StateShape shape() const { return {elements, matrix_rows}; }
 };
 
 // One acquisition in the step's schedule: a group's chunks of a kind (all its parts, or one),
@@ -95,13 +97,13 @@ class StateStore {
                                                     const StateStoreOptions& options);
   // The chunk size create() chooses when options.space.chunk_bytes is 0: at least the largest
   // tensor, wasting the least padding when each part is packed on its own.
-  // Over every kind of `layout`, each in its element size (the widest must hold every tensor).
+  // Over every kind of `layout`, each tensor in its bytes of that kind (the widest must fit).
   static uint64_t auto_chunk_bytes(const std::vector<StateTensor>& tensors, const StateLayout& layout = {});
-  // Chunks of one kind each group takes in chunks of `chunk_bytes`, packed as create() packs
-  // them for a kind of `element_bytes` per element: what the planner needs to count padding
-  // exactly. REQUIRES: every tensor fits a chunk.
+  // Chunks of `kind` each group takes in chunks of `chunk_bytes`, packed as create() packs them
+  // under `layout`: what the planner needs to count padding exactly. REQUIRES: every tensor
+  // fits a chunk.
   static std::vector<uint64_t> group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes,
-                                            uint64_t element_bytes = sizeof(float));
+                                            const StateLayout& layout = {}, StateKind kind = StateKind::kGrad);
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
 
@@ -131,8 +133,8 @@ class StateStore {
   Status acquire_parts(int group, std::span<const int> parts, StateKind kind, Tier where, AccessMode mode,
                        Stream* consumer = nullptr);
   void release_parts(int group, std::span<const int> parts, StateKind kind, Stream* consumer = nullptr);
-  // REQUIRES: tensor i's group or part is acquired for `kind`. raw_pointer() for any kind;
-  // pointer() for the fp32 kinds.
+  // REQUIRES: tensor i's group or part is acquired for `kind`. raw_pointer() for any kind (its
+  // bytes are layout().tensor_bytes(kind, tensor(i).shape())); pointer() for the fp32 kinds.
   void* raw_pointer(size_t i, StateKind kind) const;
   float* pointer(size_t i, StateKind kind) const;
   const StateLayout& layout() const { return layout_; }
@@ -140,6 +142,8 @@ class StateStore {
   // from wherever its latest copy is, without moving or pinning anything
   // (ChunkSpace::read_tensor). The caller guarantees nobody writes them meanwhile.
   Status read_tensor(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst);
+  // The same for bytes [first, first + count) of any kind's stored form.
+  Status read_tensor_bytes(size_t i, StateKind kind, uint64_t first, uint64_t count, void* dst);
   // Tensors of a group, in order.
   const std::vector<size_t>& group_tensors(int group) const { return group_tensors_[group]; }
   // Chunks holding the `kind` tensors of one part of a group.

@@ -60,6 +60,8 @@ class TrainEngine {
   virtual void set_extra_state(const std::vector<ExtraState>& /*extra*/) {}
   // A second log line for a step, empty when there is nothing to add (MoE load balance).
   virtual std::string step_note() const { return {}; }
+  // The precision recipe and moment format the step line names, e.g. "fp8" or "bf16, int8 moments".
+  virtual std::string recipe() const { return {}; }
   // The planner's placement of the state and what it was planned from (reports compare the
   // measured run with it); null when the engine was not planned.
   virtual const Plan* plan() const { return nullptr; }

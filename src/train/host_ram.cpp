@@ -115,6 +115,7 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   po.offload_activations = plan.offload_activations;
   po.activation_tokens = t.micro_batch * t.seq_len;
   po.precision = precision;
+  po.moments = t.moments;
   const HostTierSize tier = PagedState::host_tier_size(layout, po);
   const uint64_t chunk = tier.chunk_bytes;
   // Pinned: cudaHostAlloc on cuda; on the cpu, registering with io_uring (an nvme tier) locks it.
@@ -143,16 +144,18 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
 
   // The bf16 recipe emulated on the cpu widens each op's bf16 operands into fp32 temporaries on
   // the heap (kernels/cpu/backend_bf16.cpp): at worst a linear layer's backward, holding its
-  // input, output gradient and result over N tokens and its weight and weight gradient.
+  // input, output gradient and result over N tokens and its weight and weight gradient. The fp8
+  // recipe (backend_fp8.cpp) holds two more quantised copies of the token operands.
   uint64_t scratch = 0;
-  if (!cuda && precision == Precision::kBf16) {
+  if (!cuda && precision != Precision::kFp32) {
     const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
     const uint64_t wide = static_cast<uint64_t>(std::max({mc.hidden_size, mc.intermediate_size, mc.q_dim()}));
     const uint64_t narrow = static_cast<uint64_t>(mc.hidden_size);
-    scratch = sizeof(float) * (3 * N * wide + 2 * wide * narrow);
+    const uint64_t token_operands = precision == Precision::kFp8 ? 5 : 3;
+    scratch = sizeof(float) * (token_operands * N * wide + 2 * wide * narrow);
   }
   ram.items.push_back({"compute", scratch, 0, false,
-                       scratch ? std::string("fp32 temporaries of the bf16 ops emulated on the cpu")
+                       scratch ? fmt::format("fp32 temporaries of the {} ops emulated on the cpu", precision_name(precision))
                                : std::string("none outside the device's memory")});
 
   // The checkpoint writer allocates ckpt.staging at the first save and keeps it; every byte it

@@ -24,11 +24,12 @@ std::string format_step_line(const StepMetrics& m) {
                                                     : std::string();
   return fmt::format(
       "step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {:.0f} ms{} | dev {} host {} nvme {} | "
-      "moved {} stall {:.0f} ms | rss {}{}{}",
+      "moved {} stall {:.0f} ms | rss {}{}{}{}",
       m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, tps, m.ms, eta, format_bytes(m.tier_bytes[0]),
       format_bytes(m.tier_bytes[1]), format_bytes(m.tier_bytes[2]), format_bytes(m.moved_bytes), m.stall_ms,
       format_bytes(m.rss_bytes),
-      m.rss_planned_bytes > 0 ? " / " + format_bytes(m.rss_planned_bytes) + " planned" : std::string(), skipped);
+      m.rss_planned_bytes > 0 ? " / " + format_bytes(m.rss_planned_bytes) + " planned" : std::string(),
+      m.recipe.empty() ? std::string() : " | " + m.recipe, skipped);
 }
 
 Result<MetricsWriter> MetricsWriter::open(const std::string& path, bool append) {

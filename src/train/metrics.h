@@ -36,6 +36,8 @@ struct StepMetrics {
   int64_t skipped_steps = 0;
   // Seconds until the last step at the run's average pace so far; negative when unknown.
   double eta_s = -1;
+  // The precision recipe ("fp8", "bf16, int8 moments"); empty: not shown.
+  std::string recipe;
 };
 
 // "step  10/200 | loss 3.2113 | lr 1.50e-03 | gnorm 0.912 | 5.1k tok/s | 199 ms | eta 38s |

@@ -45,7 +45,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
     // the model's activations alike.
     ASSIGN_OR_RETURN(e->device_, open_device("cpu", 0, t.memory_device));
   }
-  const StateLayout layout = StateLayout::of(budgets.precision);
+  const StateLayout layout = StateLayout::of(budgets.precision, t.moments);
   if (!cuda) e->net_ = model::make_cpu_decoder(layout.compute_dtype(), mc, /*flat_buffers=*/false, e->device_.get());
 
   // Where the state lives: the planner places each kind on the tiers, and the chunk space
@@ -54,7 +54,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   const uint64_t all_state = static_cast<uint64_t>(e->net_->layout().total_size()) * layout.bytes_per_parameter();
   if (budgets.memory_device == 0) budgets.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
   // Planned in the chunks the store will use, so that their padding is counted.
-  if (budgets.chunk_size == 0) budgets.chunk_size = PagedState::auto_chunk_bytes(e->net_->layout(), budgets.precision);
+  if (budgets.chunk_size == 0) budgets.chunk_size = PagedState::auto_chunk_bytes(e->net_->layout(), layout);
   for (const model::TensorSpec& spec : e->net_->layout().tensors()) {
     const uint64_t bytes = static_cast<uint64_t>(spec.block_numel(0)) * sizeof(float);  // its largest block
     if (bytes > budgets.chunk_size)
@@ -134,6 +134,8 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   po.optimizer = oc;
   po.overlap_optimizer = t.overlap_backward;
   po.precision = budgets.precision;
+  po.moments = t.moments;
+  po.stochastic_rounding = t.stochastic_rounding;
   po.device_kernels = e->state_kernels_.get();
   e->budgets_ = budgets;
   e->cuda_ = cuda;
@@ -146,9 +148,17 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
 
 PagedEngine::~PagedEngine() = default;
 
+std::string PagedEngine::recipe() const {
+  std::string out = precision_name(options_.precision);
+  if (options_.moments != kernels::MomentFormat::kF32)
+    out += fmt::format(", {} moments{}", kernels::moment_format_name(options_.moments),
+                       options_.stochastic_rounding ? " (stochastic)" : "");
+  return out;
+}
+
 std::string PagedEngine::memory_summary() const {
   return fmt::format("precision {}; activations {}; {}; chunks of {}; host {}, nvme {}; homes: {}",
-                     precision_name(options_.precision), keep_activations_ ? "kept per layer" : "recomputed",
+                     recipe(), keep_activations_ ? "kept per layer" : "recomputed",
                      device_split_, format_bytes(state_->store().chunk_bytes()), format_bytes(options_.host_bytes),
                      options_.nvme_bytes ? format_bytes(options_.nvme_bytes) + " in " + nvme_path_ : std::string("none"),
                      state_->placement_summary());

@@ -54,6 +54,7 @@ class PagedEngine final : public TrainEngine {
   std::vector<ExtraState> extra_state() const override;
   void set_extra_state(const std::vector<ExtraState>& extra) override;
   std::string step_note() const override;
+  std::string recipe() const override;
   const Plan* plan() const override { return &plan_; }
   const PlanInput* plan_input() const override { return &plan_input_; }
   HostRamPlan host_ram(const HostRamData& data) const override;

@@ -13,7 +13,9 @@
 #include "kernels/adamw.h"
 #include "kernels/adamw_simd.h"
 #include "kernels/bf16.h"
+#include "kernels/fp8.h"
 #include "kernels/grad_norm.h"
+#include "kernels/moments.h"
 #include "train/step_schedule.h"
 
 namespace strata {
@@ -45,9 +47,13 @@ Tier planned_home(const Plan& plan, int num_layers, int group, StateKind kind) {
 // The store tensor of row block b of t (the whole tensor when it is not in blocks).
 StateTensor state_tensor(const model::ParamLayout& layout, const model::TensorSpec& t, int64_t b) {
   return {t.num_blocks() > 1 ? t.name + "#" + std::to_string(b) : t.name, static_cast<uint64_t>(t.block_numel(b)),
-          model::param_group_of(layout, t), model::param_expert_of(layout, t)};
+          model::param_group_of(layout, t), model::param_expert_of(layout, t),
+          model::param_is_linear_weight(layout, t) ? t.shape[0] : 0};
 }
 
+
+// The second moment (v) is non-negative: int8 moments encode it with an unsigned table.
+bool is_second_moment(StateKind kind) { return kind == StateKind::kAdamV; }
 
 std::vector<StateTensor> state_tensors(const model::ParamLayout& layout) {
   std::vector<StateTensor> tensors;
@@ -58,33 +64,39 @@ std::vector<StateTensor> state_tensors(const model::ParamLayout& layout) {
 
 }  // namespace
 
-uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout, Precision precision) {
-  return StateStore::auto_chunk_bytes(state_tensors(layout), StateLayout::of(precision));
+uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout, const StateLayout& state) {
+  return StateStore::auto_chunk_bytes(state_tensors(layout), state);
 }
 
 std::vector<uint64_t> PagedState::group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes,
-                                               uint64_t element_bytes) {
-  return StateStore::group_chunks(state_tensors(layout), chunk_bytes, element_bytes);
+                                               const StateLayout& state, StateKind kind) {
+  return StateStore::group_chunks(state_tensors(layout), chunk_bytes, state, kind);
+}
+
+uint64_t PagedState::state_bytes(const model::ParamLayout& layout, const StateLayout& state, StateKind kind) {
+  uint64_t sum = 0;
+  for (const StateTensor& t : state_tensors(layout)) sum += state.tensor_bytes(kind, t.shape());
+  return sum;
 }
 
 HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const PagedStateOptions& options) {
   HostTierSize size;
   size.reserved_bytes = options.host_bytes;
   if (options.host_bytes == 0) return size;
-  const StateLayout state = StateLayout::of(options.precision);
-  const uint64_t chunk = options.chunk_bytes ? options.chunk_bytes : PagedState::auto_chunk_bytes(layout, options.precision);
+  const StateLayout state = state_layout(options);
+  const uint64_t chunk = options.chunk_bytes ? options.chunk_bytes : PagedState::auto_chunk_bytes(layout, state);
   size.chunk_bytes = chunk;
   for (const model::TensorSpec& t : layout.tensors())
     if (static_cast<uint64_t>(t.block_numel(0)) * sizeof(float) > chunk) return size;  // refused later
   for (const StateKind kind : state.kinds()) {
-    for (uint64_t n : PagedState::group_chunks(layout, chunk, state.element_bytes(kind))) size.state_chunks += n;
-    size.state_bytes += static_cast<uint64_t>(layout.total_size()) * state.element_bytes(kind);
+    for (uint64_t n : PagedState::group_chunks(layout, chunk, state, kind)) size.state_chunks += n;
+    size.state_bytes += PagedState::state_bytes(layout, state, kind);
   }
   if (options.offload_activations && options.activation_tokens > 0) {
     uint64_t C = 0;  // hidden size: the final norm's weight has C elements
     for (const model::TensorSpec& t : layout.tensors())
       if (t.offset == layout.final_norm()) C = static_cast<uint64_t>(t.numel);
-    const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * C * dtype_size(state.compute_dtype());
+    const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * C * dtype_size(state.activation_dtype());
     const uint64_t count =
         static_cast<uint64_t>(model::offloaded_checkpoint_count(static_cast<int>(layout.num_layers())));
     size.activation_chunks = count * ((bytes + chunk - 1) / chunk);
@@ -127,10 +139,10 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   ps->layout_ = layout;
   ps->options_ = options;
   ps->device_ = &device;
+  ps->cpu_kernels_ = make_cpu_state_kernels();
   if (options.device_kernels == nullptr) {
     if (device.kind() != DeviceKind::kCpu)
       return Status::InvalidArgument("a PagedState on " + device.name() + " needs that device's state kernels");
-    ps->cpu_kernels_ = make_cpu_state_kernels();
     ps->kernels_ = ps->cpu_kernels_.get();
   } else {
     ps->kernels_ = options.device_kernels;
@@ -141,8 +153,8 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     for (int64_t b = 0; b < t.num_blocks(); ++b) {
       ps->by_offset_[t.block_offset(b)] = tensors.size();
       ps->sorted_.emplace_back(t.block_offset(b), tensors.size());
-      ps->pieces_.push_back({&t, b, t.block_offset(b), t.block_numel(b)});
       tensors.push_back(state_tensor(ps->layout_, t, b));
+      ps->pieces_.push_back({&t, b, t.block_offset(b), t.block_numel(b), tensors.back().matrix_rows});
     }
   }
   std::sort(ps->sorted_.begin(), ps->sorted_.end());
@@ -155,7 +167,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   so.space.nvme_bytes = options.nvme_bytes;
   so.space.nvme_dir = options.nvme_dir;
   so.lookahead = options.lookahead;
-  so.layout = StateLayout::of(options.precision);
+  so.layout = state_layout(options);
   if (options.plan != nullptr) {
     const Plan plan = *options.plan;
     const bool has_nvme = options.nvme_bytes > 0;
@@ -176,7 +188,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     // Hidden size C: the final norm's weight has C elements.
     const int64_t C = ps->pieces_[ps->tensor_at(ps->layout_.final_norm())].numel;
     const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * static_cast<uint64_t>(C) *
-                           dtype_size(so.layout.compute_dtype());
+                           dtype_size(so.layout.activation_dtype());
     RETURN_IF_ERROR(ps->store_->add_activations(offloaded, bytes));
   }
   const bool tied = ps->layout_.lm_head() == ps->layout_.embed_tokens();
@@ -208,18 +220,20 @@ Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
     if (before_modify_ && kind != StateKind::kGrad) before_modify_(g);
     RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kReadWrite));
     Status st = Status::OK();
-    std::vector<float> whole;  // a tensor in row blocks is filled whole, then copied block by block
+    const bool f32 = store_->layout().is_f32(kind);
+    // A tensor in row blocks, or of a compact kind, is filled into fp32 values first, then
+    // stored block by block.
+    std::vector<float> whole;
     for (size_t i : store_->group_tensors(g)) {
       const Piece& p = pieces_[i];
-      if (p.spec->num_blocks() == 1) {
+      if (p.spec->num_blocks() == 1 && f32) {
         st = fill(*p.spec, store_->pointer(i, kind));
       } else if (p.block == 0) {
         whole.resize(static_cast<size_t>(p.spec->numel));
         st = fill(*p.spec, whole.data());
         // The blocks are the next store tensors of this group, all acquired.
         for (int64_t b = 0; st.ok() && b < p.spec->num_blocks(); ++b)
-          std::memcpy(store_->pointer(i + static_cast<size_t>(b), kind), whole.data() + (p.spec->block_offset(b) - p.spec->offset),
-                      static_cast<size_t>(p.spec->block_numel(b)) * sizeof(float));
+          put_values(i + static_cast<size_t>(b), kind, whole.data() + (p.spec->block_offset(b) - p.spec->offset));
       }
       if (!st.ok()) break;
     }
@@ -234,10 +248,7 @@ Status PagedState::refresh_compute_copy(int g) {
   RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kMaster, Tier::kHost, AccessMode::kRead));
   Status st = store_->acquire_group(g, StateKind::kParam, Tier::kHost, AccessMode::kWrite);
   if (st.ok()) {
-    for (size_t i : store_->group_tensors(g)) {
-      kernels::round_to_bf16(static_cast<uint16_t*>(store_->raw_pointer(i, StateKind::kParam)),
-                             store_->pointer(i, StateKind::kMaster), pieces_[i].numel);
-    }
+    for (size_t i : store_->group_tensors(g)) write_copy(*cpu_state_kernels(), i, store_->pointer(i, StateKind::kMaster));
     store_->release_group(g, StateKind::kParam);
   }
   store_->release_group(g, StateKind::kMaster);
@@ -255,8 +266,7 @@ Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
   }
   for (int g = 0; g < store_->num_groups(); ++g) {
     RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kRead));
-    for (size_t i : store_->group_tensors(g))
-      std::memcpy(flat + pieces_[i].offset, store_->pointer(i, kind), static_cast<size_t>(pieces_[i].numel) * sizeof(float));
+    for (size_t i : store_->group_tensors(g)) get_values(i, kind, flat + pieces_[i].offset);
     store_->release_group(g, kind);
   }
   return store_->synchronize();
@@ -280,8 +290,13 @@ Status PagedState::read_flat(StateKind saved, uint64_t offset, uint64_t length, 
     CHECK_MSG(first >= t.offset && first < t.offset + t.numel,
               "read_flat of flat offset " + std::to_string(first) + ", which is in no tensor");
     const int64_t count = std::min(end, t.offset + t.numel) - first;
-    RETURN_IF_ERROR(store_->read_tensor(it->second, kind, static_cast<uint64_t>(first - t.offset),
-                                        static_cast<uint64_t>(count), out));
+    if (store_->layout().is_f32(kind)) {
+      RETURN_IF_ERROR(store_->read_tensor(it->second, kind, static_cast<uint64_t>(first - t.offset),
+                                          static_cast<uint64_t>(count), out));
+    } else {
+      RETURN_IF_ERROR(read_moments(it->second, kind, static_cast<uint64_t>(first - t.offset),
+                                   static_cast<uint64_t>(count), out));
+    }
     out += count;
     first += count;
     ++it;
@@ -358,23 +373,36 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
       return Status::OK();
     }
   }
+  const bool compact = layout.moments != kernels::MomentFormat::kF32;
+  StateKernels& here = where == Tier::kDevice ? *kernels_ : *cpu_state_kernels();
   for (size_t i : store_->group_tensors(g)) {
     const Piece& t = pieces_[i];
     float* grad = store_->pointer(i, StateKind::kGrad);
     p.weight_decay = t.spec->weight_decay ? options_.optimizer.weight_decay : 0.0f;
     float* master = store_->pointer(i, layout.master_kind());
-    float* m = store_->pointer(i, StateKind::kAdamM);
-    float* v = store_->pointer(i, StateKind::kAdamV);
-    // The new compute copy is the updated master rounded to nearest even.
-    void* copy = layout.separate_master() ? store_->raw_pointer(i, StateKind::kParam) : nullptr;
-    if (where == Tier::kDevice) {
-      if (coefficient != 1.0f) kernels_->scale(grad, t.numel, coefficient);
-      kernels_->adamw(master, grad, m, v, copy, t.numel, p);
-      continue;
+    void* m = store_->raw_pointer(i, StateKind::kAdamM);
+    void* v = store_->raw_pointer(i, StateKind::kAdamV);
+    if (coefficient != 1.0f) {
+      if (where == Tier::kDevice) kernels_->scale(grad, t.numel, coefficient);
+      else kernels::cpu::scale_inplace(grad, t.numel, coefficient);
     }
-    if (coefficient != 1.0f) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
-    kernels::adamw_step_f32(master, grad, m, v, t.numel, p, simd);
-    if (copy != nullptr) kernels::round_to_bf16(static_cast<uint16_t*>(copy), master, t.numel);
+    if (compact) {
+      // The random bits of stochastic rounding follow (step, tensor), never tiers or threads.
+      const kernels::MomentRounding rounding{options_.stochastic_rounding,
+                                             static_cast<uint64_t>(p.step) * 0x9E3779B97F4A7C15ull ^ i};
+      here.adamw_compact(master, grad, m, v, layout.moments, t.numel, p, rounding);
+      if (layout.separate_master()) write_copy(here, i, master);
+    } else if (where == Tier::kDevice && layout.precision != Precision::kFp8) {
+      // The bf16 copy is written by the same kernel.
+      void* copy = layout.separate_master() ? store_->raw_pointer(i, StateKind::kParam) : nullptr;
+      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), copy, t.numel, p);
+    } else if (where == Tier::kDevice) {
+      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), nullptr, t.numel, p);
+      write_copy(here, i, master);
+    } else {
+      kernels::adamw_step_f32(master, grad, static_cast<float*>(m), static_cast<float*>(v), t.numel, p, simd);
+      if (layout.separate_master()) write_copy(here, i, master);
+    }
   }
   if (where == Tier::kDevice) kernels_->synchronize();
   for (StateKind k : kinds) store_->release_group(g, k);
@@ -542,6 +570,69 @@ void PagedState::end(int group, bool params, bool grads) {
     }
     worker_cv_.notify_all();
   }
+}
+
+StateKernels* PagedState::cpu_state_kernels() { return cpu_kernels_.get(); }
+
+void PagedState::write_copy(StateKernels& kernels, size_t i, const float* master) {
+  const Piece& t = pieces_[i];
+  void* copy = store_->raw_pointer(i, StateKind::kParam);
+  if (store_->layout().quantized({static_cast<uint64_t>(t.numel), t.matrix_rows}))
+    kernels.quantize_copy(copy, master, t.matrix_rows, t.numel / t.matrix_rows);
+  else
+    kernels.round_copy(copy, master, t.numel);
+}
+
+void PagedState::put_values(size_t i, StateKind kind, const float* values) {
+  const int64_t n = pieces_[i].numel;
+  const StateLayout& layout = store_->layout();
+  if (layout.is_f32(kind)) {
+    std::memcpy(store_->pointer(i, kind), values, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  CHECK_MSG(kind == StateKind::kAdamM || kind == StateKind::kAdamV,
+            std::string("put_values of ") + state_kind_name(kind) + ", which is not fp32");
+  kernels::cpu::encode_moments(store_->raw_pointer(i, kind), values, layout.moments, is_second_moment(kind), n);
+}
+
+void PagedState::get_values(size_t i, StateKind kind, float* values) {
+  const int64_t n = pieces_[i].numel;
+  const StateLayout& layout = store_->layout();
+  if (layout.is_f32(kind)) {
+    std::memcpy(values, store_->pointer(i, kind), static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  CHECK_MSG(kind == StateKind::kAdamM || kind == StateKind::kAdamV,
+            std::string("get_values of ") + state_kind_name(kind) + ", which is not fp32");
+  kernels::cpu::decode_moments(values, store_->raw_pointer(i, kind), layout.moments, is_second_moment(kind), n, 0, n);
+}
+
+// Reads only the stored bytes that hold the range: for int8 moments the codes of the blocks it
+// touches and their scales, laid out as a tensor of those blocks alone, then decoded.
+Status PagedState::read_moments(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst) {
+  const kernels::MomentFormat format = store_->layout().moments;
+  const bool is_v = is_second_moment(kind);
+  if (format == kernels::MomentFormat::kBf16) {
+    std::vector<uint16_t> bits(count);
+    RETURN_IF_ERROR(store_->read_tensor_bytes(i, kind, first * 2, count * 2, bits.data()));
+    kernels::cpu::decode_moments(dst, bits.data(), format, is_v, static_cast<int64_t>(count), 0,
+                                 static_cast<int64_t>(count));
+    return Status::OK();
+  }
+  CHECK_MSG(format == kernels::MomentFormat::kInt8, "read_moments of fp32 moments");
+  const uint64_t n = static_cast<uint64_t>(pieces_[i].numel), B = kernels::kMomentBlock;
+  const uint64_t b0 = first / B, b1 = (first + count - 1) / B;
+  const uint64_t sub_first = b0 * B, sub_n = std::min(n, (b1 + 1) * B) - sub_first;
+  const uint64_t sub_bytes = kernels::moment_bytes(format, static_cast<int64_t>(sub_n));
+  const uint64_t sub_scales = sub_bytes - (b1 - b0 + 1) * sizeof(float);  // where the scales start
+  const uint64_t scales = kernels::moment_bytes(format, static_cast<int64_t>(n)) - ((n + B - 1) / B) * sizeof(float);
+  std::vector<uint8_t> sub(sub_bytes, 0);
+  RETURN_IF_ERROR(store_->read_tensor_bytes(i, kind, sub_first, sub_n, sub.data()));
+  RETURN_IF_ERROR(store_->read_tensor_bytes(i, kind, scales + b0 * sizeof(float), (b1 - b0 + 1) * sizeof(float),
+                                            sub.data() + sub_scales));
+  kernels::cpu::decode_moments(dst, sub.data(), format, is_v, static_cast<int64_t>(sub_n),
+                               static_cast<int64_t>(first - sub_first), static_cast<int64_t>(count));
+  return Status::OK();
 }
 
 const void* PagedState::param(int64_t offset) { return store_->raw_pointer(tensor_at(offset), StateKind::kParam); }

@@ -73,6 +73,11 @@ struct PagedStateOptions {
   // The precision recipe: which kinds of state exist and in what dtype (offload/state_layout.h).
   // bf16: the chunks hold a bf16 compute copy beside the fp32 master, and AdamW writes both.
   Precision precision = Precision::kFp32;
+  // How the Adam moments are stored (kernels/moments.h): fp32, bf16 or 8-bit blocks. Compact
+  // moments are decoded, updated in fp32 by AdamW's rule and encoded again; checkpoints and
+  // store_moments see them decoded. Stochastic rounding draws from (step, tensor, element).
+  kernels::MomentFormat moments = kernels::MomentFormat::kF32;
+  bool stochastic_rounding = false;
   // The arithmetic on state in the device tier (train/state_kernels.h): the device's backend's.
   // Null: the CPU's (the CPU backend, whose device memory is host memory). Borrowed.
   StateKernels* device_kernels = nullptr;
@@ -101,12 +106,20 @@ class PagedState : public model::ParamAccess, public SavableState {
                                                     const PagedStateOptions& options);
 
   // The chunk size create() chooses for `layout` when options.chunk_bytes is 0.
-  static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, Precision precision = Precision::kFp32);
-  // Chunks of one kind each parameter group of `layout` takes in chunks of `chunk_bytes`
-  // (model::param_group_of numbering), as create() packs them.
-  // element_bytes: the kind's element size in the recipe's layout (StateLayout::element_bytes).
+  static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, const StateLayout& state = {});
+  static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, Precision precision) {
+    return auto_chunk_bytes(layout, StateLayout::of(precision));
+  }
+  // Chunks of `kind` each parameter group of `layout` takes in chunks of `chunk_bytes`
+  // (model::param_group_of numbering) under the recipe's `state` layout, as create() packs them.
   static std::vector<uint64_t> group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes,
-                                            uint64_t element_bytes = sizeof(float));
+                                            const StateLayout& state = {}, StateKind kind = StateKind::kGrad);
+  // Bytes of `kind` over every tensor of `layout` under `state` (alignment left out).
+  static uint64_t state_bytes(const model::ParamLayout& layout, const StateLayout& state, StateKind kind);
+  // The state layout `options` ask for.
+  static StateLayout state_layout(const PagedStateOptions& options) {
+    return StateLayout::of(options.precision, options.moments);
+  }
   // The host tier create() reserves for `options` (host_bytes is the budget; 0: no host tier).
   // When a tensor does not fit a chunk (create() refuses it) the whole budget is reported.
   static HostTierSize host_tier_size(const model::ParamLayout& layout, const PagedStateOptions& options);
@@ -185,6 +198,14 @@ class PagedState : public model::ParamAccess, public SavableState {
   }
   // Rounds group g's fp32 master into its compute copy (a layout with a separate master).
   Status refresh_compute_copy(int g);
+  // Writes store tensor i's compute copy from its master (both acquired where `kernels` works).
+  void write_copy(StateKernels& kernels, size_t i, const float* master);
+  // Tensor i's `kind` state (acquired) from / into fp32 values: a copy for fp32 kinds, the
+  // moments' encoding or decoding for compact ones.
+  void put_values(size_t i, StateKind kind, const float* values);
+  void get_values(size_t i, StateKind kind, float* values);
+  // Decoded elements [first, first + count) of tensor i's compact moments, read beside training.
+  Status read_moments(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst);
   size_t tensor_at(int64_t offset) const;
   // Where AdamW updates a group: the device tier when its moments live there, else host memory
   // (NVMe-homed moments are read into host slots).
@@ -199,7 +220,9 @@ class PagedState : public model::ParamAccess, public SavableState {
 
   PagedStateOptions options_;
   Device* device_ = nullptr;
-  std::unique_ptr<StateKernels> cpu_kernels_;  // when options_.device_kernels is null
+  std::unique_ptr<StateKernels> cpu_kernels_;  // host-tier arithmetic (the device's too on the CPU backend)
+  // The CPU's state kernels (what host-tier state is updated with).
+  StateKernels* cpu_state_kernels();
   StateKernels* kernels_ = nullptr;           // device-tier arithmetic
   Stream* compute_stream_ = nullptr;          // the model's, when paging is stream-ordered
   // Waits for the model's queued ops (stream-ordered paging) before state is touched otherwise.
@@ -219,6 +242,7 @@ class PagedState : public model::ParamAccess, public SavableState {
     int64_t block = 0;
     int64_t offset = 0;  // in the flat layout
     int64_t numel = 0;
+    int64_t matrix_rows = 0;  // > 0: a linear layer's weight (the fp8 recipe quantises it)
   };
   std::vector<Piece> pieces_;
   int64_t step_count_ = 0;

@@ -45,13 +45,32 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   }
   // The state layout of the recipe (the CUDA backend trains in bf16). Gradients are fp32 in
   // every recipe: they accumulate over micro-batches.
-  const StateLayout state = StateLayout::of(cuda ? Precision::kBf16 : t.precision);
-  in.param_bytes = static_cast<uint32_t>(state.element_bytes(StateKind::kParam));
+  const StateLayout state = StateLayout::of(cuda ? Precision::kBf16 : t.precision, t.moments);
   in.grad_bytes = static_cast<uint32_t>(state.element_bytes(StateKind::kGrad));
   in.separate_master = state.separate_master();
+  const model::ParamLayout layout(m);
+  {
+    // The compute copy and the moments as the store sizes them, tensor by tensor (fp8 matrices
+    // and int8 moments carry their scales), per element of the layers and of the edge.
+    uint64_t layer_param = 0, edge_param = 0, moments = 0;
+    for (const model::TensorSpec& s : layout.tensors()) {
+      const int g = model::param_group_of(layout, s);
+      const bool edge = g == 0 || g == layout.num_layers() + 1;
+      for (int64_t b = 0; b < s.num_blocks(); ++b) {
+        const StateShape shape{static_cast<uint64_t>(s.block_numel(b)),
+                               model::param_is_linear_weight(layout, s) ? s.shape[0] : 0};
+        (edge ? edge_param : layer_param) += state.tensor_bytes(StateKind::kParam, shape);
+        moments += state.tensor_bytes(StateKind::kAdamM, shape);
+      }
+    }
+    const uint64_t layer_total = in.layer_elements * std::max<uint64_t>(L, 1);
+    in.param_bytes = layer_total > 0 ? static_cast<double>(layer_param) / static_cast<double>(layer_total) : 2.0;
+    in.edge_param_bytes = in.edge_elements > 0 ? static_cast<double>(edge_param) / static_cast<double>(in.edge_elements) : 2.0;
+    in.moment_bytes = total > 0 ? static_cast<double>(moments) / static_cast<double>(total) : 4.0;
+  }
 
   // Activations, in the shapes of model/activations.h, for N tokens per micro-batch.
-  const uint64_t act = dtype_size(state.compute_dtype());
+  const uint64_t act = dtype_size(state.activation_dtype());
   const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
   in.checkpoint_bytes_per_layer = N * C * act;
   // One layer's recompute and backward scratch, the final norm's buffers and the backend's
@@ -60,7 +79,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   // CPU bf16 recipe's). Kept layers hold every layer's intermediates but the last's besides.
   auto table_bytes = [&](bool keep) {
     const int64_t tokens = static_cast<int64_t>(N);
-    return state.compute_dtype() == DType::kF32
+    return state.activation_dtype() == DType::kF32
                ? model::ActivationTable<kernels::CpuF32Ops>::bytes_for(m, tokens, false, keep)
                : model::ActivationTable<kernels::CpuBf16Ops>::bytes_for(m, tokens, false, keep);
   };
@@ -94,7 +113,6 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   in.host_budget = t.memory_host ? t.memory_host : default_host_budget();
   in.nvme_budget = t.nvme_path.empty() ? 0 : t.nvme_size;
   in.chunk_size = t.chunk_size;  // 0 (auto): sizes are planned without chunk padding
-  const model::ParamLayout layout(m);
   bool every_tensor_fits = true;
   for (const model::TensorSpec& s : layout.tensors())
     every_tensor_fits = every_tensor_fits && static_cast<uint64_t>(s.block_numel(0)) * 4 <= t.chunk_size;
@@ -102,16 +120,21 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
     // The chunks as the paged state packs them: the layers (on average, as the
     // planner's layer groups are all alike), and the embedding plus the head. (A chunk size
     // that cannot hold a tensor is refused by the state itself, naming the tensor.)
-    const std::vector<uint64_t> chunks = PagedState::group_chunks(layout, t.chunk_size);
-    const std::vector<uint64_t> param_chunks = PagedState::group_chunks(layout, t.chunk_size, in.param_bytes);
-    uint64_t layer_total = 0, layer_param_total = 0;
-    for (size_t g = 1; g + 1 < chunks.size(); ++g) layer_total += chunks[g], layer_param_total += param_chunks[g];
+    const std::vector<uint64_t> chunks = PagedState::group_chunks(layout, t.chunk_size, state, StateKind::kGrad);
+    const std::vector<uint64_t> param_chunks = PagedState::group_chunks(layout, t.chunk_size, state, StateKind::kParam);
+    const std::vector<uint64_t> moment_chunks = PagedState::group_chunks(layout, t.chunk_size, state, StateKind::kAdamM);
+    uint64_t layer_total = 0, layer_param_total = 0, layer_moment_total = 0;
+    for (size_t g = 1; g + 1 < chunks.size(); ++g)
+      layer_total += chunks[g], layer_param_total += param_chunks[g], layer_moment_total += moment_chunks[g];
     in.layer_chunks = (layer_total + L - 1) / std::max<uint64_t>(L, 1);
     in.edge_chunks = chunks.front() + chunks.back();
     in.layer_param_chunks = (layer_param_total + L - 1) / std::max<uint64_t>(L, 1);
     in.edge_param_chunks = param_chunks.front() + param_chunks.back();
+    in.layer_moment_chunks = (layer_moment_total + L - 1) / std::max<uint64_t>(L, 1);
+    in.edge_moment_chunks = moment_chunks.front() + moment_chunks.back();
     in.embed_chunks = chunks.front();
     in.embed_param_chunks = param_chunks.front();
+    in.embed_moment_chunks = moment_chunks.front();
     for (uint64_t c : chunks) in.largest_group_chunks = std::max(in.largest_group_chunks, c);
   }
   in.offload_activations = t.offload_activations;

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "kernels/bf16.h"
+#include "kernels/fp8.h"
 #include "kernels/grad_norm.h"
 
 namespace strata {
@@ -19,6 +20,16 @@ class CpuStateKernels final : public StateKernels {
              const kernels::AdamWParams& p) override {
     kernels::cpu::adamw_step(master, grad, m, v, n, p);
     if (bf16_copy != nullptr) kernels::round_to_bf16(static_cast<uint16_t*>(bf16_copy), master, n);
+  }
+  void adamw_compact(float* master, const float* grad, void* m, void* v, kernels::MomentFormat format, int64_t n,
+                     const kernels::AdamWParams& p, const kernels::MomentRounding& rounding) override {
+    kernels::cpu::adamw_step_compact(master, grad, m, v, format, n, p, rounding);
+  }
+  void round_copy(void* bf16_copy, const float* master, int64_t n) override {
+    kernels::round_to_bf16(static_cast<uint16_t*>(bf16_copy), master, n);
+  }
+  void quantize_copy(void* copy, const float* master, int64_t rows, int64_t cols) override {
+    kernels::cpu::quantize_weight_e4m3(static_cast<uint8_t*>(copy), master, rows, cols);
   }
   void synchronize() override {}
 

@@ -16,6 +16,7 @@
 #include "core/device.h"
 #include "core/status.h"
 #include "kernels/adamw.h"
+#include "kernels/moments.h"
 
 namespace strata {
 
@@ -33,6 +34,14 @@ class StateKernels {
   // rounded to bf16 (nearest even).
   virtual void adamw(float* master, const float* grad, float* m, float* v, void* bf16_copy, int64_t n,
                      const kernels::AdamWParams& p) = 0;
+  // AdamW on the fp32 master with moments stored compactly (kernels/moments.h: bf16 or int8),
+  // updated in place; the compute copy is written apart (round_copy / quantize_copy).
+  virtual void adamw_compact(float* master, const float* grad, void* m, void* v, kernels::MomentFormat format,
+                             int64_t n, const kernels::AdamWParams& p, const kernels::MomentRounding& rounding) = 0;
+  // The bf16 compute copy of n master values (nearest even).
+  virtual void round_copy(void* bf16_copy, const float* master, int64_t n) = 0;
+  // The fp8 recipe's compute copy of a (rows, cols) master matrix: E4M3 blocks (kernels/fp8.h).
+  virtual void quantize_copy(void* copy, const float* master, int64_t rows, int64_t cols) = 0;
   virtual void synchronize() = 0;
 };
 

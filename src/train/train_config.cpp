@@ -37,11 +37,14 @@ ConfigSchema build_schema() {
                  "the run with an error (0: stop at the first)"});
   s.add({.name = "train.seed", .type = T::kInt, .default_value = "1234", .min = 0,
          .help = "seed for weights and data order; the same seed gives bitwise the same run"});
-  s.add({.name = "train.precision", .type = T::kString, .default_value = "auto", .choices = {"auto", "fp32", "bf16"},
+  s.add({.name = "train.precision", .type = T::kString, .default_value = "auto",
+         .choices = {"auto", "fp32", "bf16", "fp8"},
          .help = "precision recipe. fp32: everything fp32 (the CPU reference). bf16: a bf16 compute copy of the "
                  "weights and bf16 activations, with fp32 master weights, gradients and Adam moments (the GPU's "
-                 "recipe; on the cpu backend emulated, rounding where the GPU rounds). auto: bf16 on cuda, fp32 on "
-                 "the cpu"});
+                 "recipe; on the cpu backend emulated, rounding where the GPU rounds). fp8: the bf16 recipe with "
+                 "the linear layers' GEMMs in E4M3 with 1x128 / 128x128 block scales (DeepSeek-V3's), and their "
+                 "weights paged as E4M3 copies (half the bytes); cpu backend only for now (emulated). auto: bf16 "
+                 "on cuda, fp32 on the cpu"});
   s.add({.name = "optim.lr", .type = T::kFloat, .default_value = "0.003", .min = 0, .max = 10,
          .help = "peak learning rate"});
   s.add({.name = "optim.schedule", .type = T::kString, .default_value = "cosine",
@@ -57,6 +60,13 @@ ConfigSchema build_schema() {
          .help = "decoupled weight decay (matrices and embeddings only)"});
   s.add({.name = "optim.grad_clip", .type = T::kFloat, .default_value = "1.0", .min = 0,
          .help = "clip the global gradient norm to this; 0 = off"});
+  s.add({.name = "optim.moments", .type = T::kString, .default_value = "fp32", .choices = {"fp32", "bf16", "int8"},
+         .help = "how the Adam moments are stored: fp32 (8 bytes per parameter), bf16 (4) or int8, 8-bit blocks "
+                 "of 256 with a dynamic code table (2 and a little); the update itself is AdamW's in fp32"});
+  s.add({.name = "optim.moments_rounding", .type = T::kString, .default_value = "nearest",
+         .choices = {"nearest", "stochastic"},
+         .help = "how compact moments are rounded when stored: to nearest, or stochastically (unbiased; the "
+                 "random bits follow step, tensor and element, so runs stay reproducible)"});
   s.add({.name = "optim.overlap_backward", .type = T::kBool, .default_value = "false",
          .help = "start AdamW on each layer as soon as backward is done with it (needs optim.grad_clip=0)"});
   s.add({.name = "memory.device", .type = T::kBytes, .default_value = "0",
@@ -202,7 +212,9 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.grad_clip = c.get_float("optim.grad_clip");
   t.overlap_backward = c.get_bool("optim.overlap_backward");
   t.precision_auto = c.get_string("train.precision") == "auto";
-  t.precision = c.get_string("train.precision") == "bf16" ? Precision::kBf16 : Precision::kFp32;
+  t.precision = parse_precision(c.get_string("train.precision")).value_or(Precision::kFp32);
+  t.moments = kernels::parse_moment_format(c.get_string("optim.moments")).value_or(kernels::MomentFormat::kF32);
+  t.stochastic_rounding = c.get_string("optim.moments_rounding") == "stochastic";
   if (t.overlap_backward && t.grad_clip > 0)
     return Status::InvalidArgument(c.origin("optim.overlap_backward") +
                                    ": optim.overlap_backward needs optim.grad_clip=0 (clipping needs the whole "

@@ -36,7 +36,9 @@ struct TrainConfig {
   bool overlap_backward = false;
   // precision recipe (offload/state_layout.h): fp32, or bf16 (the GPU's; emulated on the cpu)
   Precision precision = Precision::kFp32;
-  bool precision_auto = true;  // train.precision=auto: the backend's own (bf16 on cuda, fp32 on the cpu)
+  bool precision_auto = true;
+  kernels::MomentFormat moments = kernels::MomentFormat::kF32;  // optim.moments
+  bool stochastic_rounding = false;                              // optim.moments_rounding=stochastic  // train.precision=auto: the backend's own (bf16 on cuda, fp32 on the cpu)
   // memory tiers (0 = default, see the schema)
   uint64_t memory_device = 0;
   uint64_t memory_host = 0;

@@ -124,9 +124,12 @@ bool needs_run_dir_for_data(const TrainConfig& t) {
 Result<std::unique_ptr<TrainEngine>> make_cuda_engine(const model::ModelConfig& mc, const TrainConfig& t,
                                                       const OptimizerConfig& oc) {
   if (!t.precision_auto && t.precision != Precision::kBf16)
-    return Status::Unimplemented(fmt::format("the CUDA backend trains in the bf16 recipe; train.precision={} runs on "
-                                             "the cpu (run.device=cpu)",
-                                             precision_name(t.precision)));
+    return Status::Unimplemented(fmt::format(
+        "the CUDA backend trains in the bf16 recipe; train.precision={} runs on the cpu (run.device=cpu){}",
+        precision_name(t.precision),
+        t.precision == Precision::kFp8 ? " — the fp8 recipe's CUDA GEMMs and quantisers exist (kernels/cuda/fp8.h), "
+                                         "but the CUDA model does not compute with them yet"
+                                       : ""));
   ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> paged, PagedEngine::create(mc, t, oc, /*cuda=*/true));
   return std::unique_ptr<TrainEngine>(std::move(paged));
 }
@@ -541,6 +544,7 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.moved_bytes = after.moved_bytes - before.moved_bytes;
     sm.rss_bytes = resident_bytes();
     sm.rss_planned_bytes = run.host_ram_peak;
+    sm.recipe = run.engine->recipe();
     sm.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     sm.ckpt_in_flight = ckpt_in_flight;
     sm.skipped = skipped;

@@ -19,6 +19,19 @@
 // order of fp32 accumulation inside a GEMM or the attention kernel's tiling (the CUDA kernel
 // rounds P to bf16 before P @ V); tests/gpu states the tolerance this leaves.
 //
+// CpuFp8Ops: the fp8 recipe (DeepSeek-V3's) emulated: the bf16 recipe, except that the GEMMs of
+// the linear layers (attention and MLP projections, the experts, the shared expert) read E4M3
+// operands with power-of-two block scales (kernels/fp8.h): the forward's input in 1 x 128 tiles
+// along K, the weight in 128 x 128 blocks, the data gradient's output gradient in 1 x 128 tiles,
+// and both operands of the weight gradient in 128 x 1 tiles along the tokens. Each operand is
+// quantised and dequantised exactly (fake quantisation; the scales are powers of two), then the
+// GEMM runs in fp32 — what the GPU's FP8 GEMMs compute up to the order of fp32 accumulation
+// (they promote partial sums to fp32 every 128 elements of K). Embedding, norms, attention,
+// router, the shared expert's gate and the LM head stay as in the bf16 recipe. In this recipe
+// the compute copy of a linear layer's weight is its E4M3 blocks (kernels/fp8.h's matrix
+// layout): the `weight` pointers of linear_forward, linear_backward and the experts' tensors
+// point at those bytes, typed as the W pointers every other tensor has.
+//
 // Backward conventions: parameter gradients accumulate (`+=`), activation gradients overwrite
 // (`=`). Every pointer is host memory. An op set belongs to one model (it owns the model's
 // activation block); not thread-safe.
@@ -159,6 +172,25 @@ struct CpuBf16Ops : CpuCommonOps {
   static constexpr const char* kName = "cpu bf16 (the GPU recipe emulated)";
   using CpuCommonOps::CpuCommonOps;
   STRATA_CPU_BACKEND_OPS(Bf16, Bf16)
+};
+
+// The bf16 recipe's ops with the linear layers' GEMMs in fp8 (above). The members declared here
+// hide CpuBf16Ops' of the same name; the others are the bf16 recipe's.
+struct CpuFp8Ops : CpuBf16Ops {
+  static constexpr DType kWeightDType = DType::kF8E4M3;
+  static constexpr const char* kName = "cpu fp8 (the GPU recipe emulated)";
+  using CpuBf16Ops::CpuBf16Ops;
+  // weight: E4M3 blocks of (OC, IC).
+  void linear_forward(Act* out, const Act* x, const W* weight, const W* bias, int64_t N, int64_t IC, int64_t OC);
+  void linear_backward(Act* dx, float* dweight, float* dbias, const Act* dout, const Act* x, const W* weight,
+                       int64_t N, int64_t IC, int64_t OC);
+  // w: each expert's gate, up (F, C) and down (C, F) as E4M3 blocks.
+  void moe_experts_forward(Act* ys, Act* gate, Act* up, Act* act, const Act* xs, const int64_t* expert_offsets,
+                           const ExpertTensors<const W>& w, int64_t E, int64_t C, int64_t F);
+  void moe_experts_backward(Act* dxs, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact,
+                            const Act* dys, const Act* xs, const Act* gate, const Act* up, const Act* act,
+                            const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E, int64_t C,
+                            int64_t F);
 };
 
 #undef STRATA_CPU_BACKEND_OPS

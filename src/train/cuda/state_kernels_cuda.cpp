@@ -7,6 +7,8 @@
 #include "core/check.h"
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/cuda_device.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/fp8.h"
 #include "kernels/cuda/ops.h"
 #include "train/state_kernels.h"
 
@@ -46,6 +48,16 @@ class CudaStateKernels final : public StateKernels {
              const kernels::AdamWParams& p) override {
     const cu::AdamWTensor t{master, grad, m, v, static_cast<cu::bf16*>(bf16_copy), n};
     cu::adamw_step(&t, 1, p, handle_);
+  }
+  void adamw_compact(float* master, const float* grad, void* m, void* v, kernels::MomentFormat format, int64_t n,
+                     const kernels::AdamWParams& p, const kernels::MomentRounding& rounding) override {
+    cu::adamw_step_compact(master, grad, m, v, format, n, p, rounding, handle_);
+  }
+  void round_copy(void* bf16_copy, const float* master, int64_t n) override {
+    cu::f32_to_bf16(static_cast<cu::bf16*>(bf16_copy), master, n, handle_);
+  }
+  void quantize_copy(void* copy, const float* master, int64_t rows, int64_t cols) override {
+    cu::quantize_weight_e4m3(static_cast<uint8_t*>(copy), master, rows, cols, handle_);
   }
   void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(handle_)); }
 
