@@ -11,16 +11,25 @@
 // Conversion from fp32 rounds to nearest, ties to even, and saturates ("satfinite", as the CUDA
 // intrinsics __nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...) and PTX cvt.rn.satfinite do): a
 // finite value beyond the largest finite, and an infinity, become the largest finite of the same
-// sign; NaN becomes the canonical NaN of its sign (0x7F/0xFF for E4M3, 0x7E/0xFE for E5M2... see
-// fp8.cpp for the exact codes). Values below half the smallest subnormal become a zero of the
-// same sign.
+// sign; NaN becomes the canonical NaN of its sign: 0x7F / 0xFF in both formats (for E5M2 that
+// is S.11111.11, the code PyTorch's float8_e5m2 conversion gives; CUDA's conversions give 0x7F
+// for every NaN, dropping the sign, so GPU tests compare NaNs as NaNs, not by code). Values
+// below half the smallest subnormal, and exactly half of it (the tie goes to the even zero),
+// become a zero of the same sign. Decoding is exact; an E4M3 or E5M2 NaN code decodes to a
+// quiet fp32 NaN of the code's sign.
 //
 // Block scales: a block's scale is the smallest power of two s with amax / s <= the format's
 // largest finite (amax: the largest |x| over the block's finite elements), clamped to
 // [2^-126, 2^127]; an all-zero (or all-non-finite) block has s = 1. q = fp8(x / s) and x ~ q * s.
 // Powers of two make the division and the dequantisation exact, so the fp8 rounding is the only
 // loss, and the CPU and GPU agree bit for bit (as DeepSeek-V3.1's UE8M0 scales and the MX
-// formats do).
+// formats do). Since amax / s <= max exactly and rounding never passes a representable max, no
+// finite element saturates; the block's largest element lands in [max / 2, max] (unless the
+// lower clamp applies: then below). For a finite amax the scale is at most 2^120 (E4M3) or
+// 2^113 (E5M2), so q * s never overflows. Within a block, elements below 2^-9 * s (E4M3) lose
+// all their bits (a signed zero) and those below 2^-6 * s keep fewer than 4 significant bits.
+// Non-finite elements do not count towards amax: an infinity saturates to +-max * s, a NaN
+// stays NaN (its code).
 //
 // Block shapes (DeepSeek-V3): activations in 1 x 128 tiles along the GEMM's K dimension (one
 // scale per row and 128 columns), weights in 128 x 128 blocks. Edges that are not multiples of
