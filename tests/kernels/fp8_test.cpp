@@ -179,5 +179,268 @@ TEST_P(Fp8Codes, ConversionMatchesANearestValueSearchAcrossAllExponents) {
   EXPECT_EQ(mismatches, 0);
 }
 
+// The smallest power of two p >= 2^-126 with amax <= max * p, by doubling (in double: exact).
+double doubling_scale(double amax, double max) {
+  double p = std::ldexp(1.0, -126);
+  while (amax > max * p) p *= 2;
+  return p;
+}
+
+TEST_P(Fp8Codes, BlockScaleIsTheSmallestPowerOfTwoThatFitsTheLargestFinite) {
+  const Spec f = GetParam();
+  int checked = 0;
+  for (int k = -140; k <= 130; ++k) {
+    const float amax = float(std::ldexp(double(f.max), k));
+    if (!std::isfinite(amax) || amax == 0) continue;
+    const float exact = float(std::ldexp(1.0, std::max(k, -126)));
+    EXPECT_EQ(fp8_block_scale(amax, f.format), exact) << "amax = max * 2^" << k;
+    EXPECT_EQ(double(fp8_block_scale(amax, f.format)), doubling_scale(amax, f.max)) << k;
+    const float above = std::nextafter(amax, INFINITY);
+    if (std::isfinite(above)) {
+      EXPECT_EQ(double(fp8_block_scale(above, f.format)), doubling_scale(above, f.max)) << k;
+      if (k >= -126) {
+        EXPECT_EQ(fp8_block_scale(above, f.format), 2 * exact) << "just above max * 2^" << k;
+      }
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 250);
+  // Random magnitudes over the whole fp32 range; the largest element lands in [max / 2, max].
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 20000; ++i) {
+    const float amax = std::bit_cast<float>(static_cast<uint32_t>(rng() % 0x7F800000u));
+    if (amax == 0) continue;
+    const float s = fp8_block_scale(amax, f.format);
+    ASSERT_EQ(double(s), doubling_scale(amax, f.max)) << amax;
+    if (s > std::ldexp(1.0f, -126)) {
+      const double y = double(amax) / s;
+      EXPECT_TRUE(y <= f.max && y > f.max / 2) << amax;
+    }
+  }
+  EXPECT_EQ(fp8_block_scale(0.0f, f.format), 1.0f);
+  EXPECT_EQ(fp8_block_scale(INFINITY, f.format), 1.0f);
+  EXPECT_EQ(fp8_block_scale(NAN, f.format), 1.0f);
+  EXPECT_EQ(fp8_block_scale(std::numeric_limits<float>::denorm_min(), f.format), std::ldexp(1.0f, -126));
+  EXPECT_EQ(fp8_block_scale(std::numeric_limits<float>::max(), f.format),
+            std::ldexp(1.0f, f.format == Fp8Format::kE4M3 ? 120 : 113));
+}
+
+// ---- Block quantisation ------------------------------------------------------------------
+
+// How a quantiser tiles a (rows, cols) matrix: blocks of block_rows x block_cols, scales
+// row-major over blocks.
+struct Tiling {
+  const char* name;
+  int64_t block_rows, block_cols;
+};
+constexpr Tiling kRows{"rows", 1, 128}, kCols{"cols", 128, 1}, kWeight{"weight", 128, 128};
+
+// The quantiser's outputs: codes (rows, cols), scales over blocks, and its fake-quantised form.
+struct Quantised {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  std::vector<float> fake;
+};
+
+Quantised quantise(const Tiling& t, const std::vector<float>& x, int64_t rows, int64_t cols) {
+  const int64_t n = rows * cols;
+  Quantised q;
+  q.codes.assign(n, 0xAB);
+  q.fake.assign(n, -7.0f);
+  if (t.block_rows == 128 && t.block_cols == 128) {
+    std::vector<uint8_t> stored(fp8_matrix_bytes(rows, cols), 0xAB);
+    cpu::quantize_weight_e4m3(stored.data(), x.data(), rows, cols);
+    std::memcpy(q.codes.data(), stored.data(), n);
+    for (uint64_t i = n; i < fp8_matrix_scale_offset(rows, cols); ++i) EXPECT_EQ(stored[i], 0) << "padding byte " << i;
+    q.scales.resize(fp8_blocks(rows) * fp8_blocks(cols));
+    std::memcpy(q.scales.data(), stored.data() + fp8_matrix_scale_offset(rows, cols), q.scales.size() * 4);
+    cpu::dequantize_weight_e4m3(q.fake.data(), stored.data(), rows, cols);
+    return q;
+  }
+  const bool by_rows = t.block_rows == 1;
+  q.scales.assign(by_rows ? rows * fp8_blocks(cols) : fp8_blocks(rows) * cols, -7.0f);
+  (by_rows ? cpu::quantize_rows_e4m3 : cpu::quantize_cols_e4m3)(q.codes.data(), q.scales.data(), x.data(), rows, cols);
+  (by_rows ? cpu::fake_quantize_rows_e4m3 : cpu::fake_quantize_cols_e4m3)(q.fake.data(), x.data(), rows, cols);
+  return q;
+}
+
+bool same_float(float a, float b) {
+  return (std::isnan(a) && std::isnan(b)) || std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b);
+}
+
+// Checks a quantisation against the definition: each block's scale from its finite amax, each
+// code fp8(x / s), the fake form (or the dequantised weight) equal to code * s bit for bit, and
+// within half an fp8 spacing (times s) of x.
+void check_quantised(const Tiling& t, const std::vector<float>& x, int64_t rows, int64_t cols, const Quantised& q) {
+  const int64_t brs = (rows + t.block_rows - 1) / t.block_rows, bcs = (cols + t.block_cols - 1) / t.block_cols;
+  ASSERT_EQ(int64_t(q.scales.size()), brs * bcs);
+  std::vector<double> amax(brs * bcs, 0.0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const double v = std::fabs(double(x[r * cols + c]));
+      double& a = amax[(r / t.block_rows) * bcs + c / t.block_cols];
+      if (std::isfinite(v)) a = std::max(a, v);
+    }
+  int64_t failures = 0;
+  for (int64_t b = 0; b < brs * bcs; ++b) {
+    const double want = amax[b] == 0 ? 1.0 : doubling_scale(amax[b], 448.0);
+    if (!(double(q.scales[b]) == want) && ++failures <= 5) ADD_FAILURE() << t.name << " scale " << b << ": " << q.scales[b] << " vs " << want;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t i = r * cols + c;
+      const float s = q.scales[(r / t.block_rows) * bcs + c / t.block_cols];
+      const uint8_t want = f32_to_e4m3(x[i] / s);
+      const float dq = e4m3_to_f32(q.codes[i]) * s;
+      bool ok = q.codes[i] == want && same_float(q.fake[i], dq);
+      if (std::isnan(x[i])) {
+        ok = ok && std::isnan(dq);
+      } else if (std::isinf(x[i])) {
+        ok = ok && dq == std::copysign(448.0f * s, x[i]);
+      } else {
+        const double y = std::fabs(double(x[i])) / s;
+        int e;
+        std::frexp(y, &e);  // y in [2^(e-1), 2^e): fp8 spacing 2^(e-4) there, 2^-9 below 2^-6
+        const double half_spacing = y < std::ldexp(1.0, -6) ? std::ldexp(1.0, -10) : std::ldexp(1.0, e - 5);
+        ok = ok && std::fabs(double(dq) - double(x[i])) <= half_spacing * s && std::signbit(dq) == std::signbit(x[i]);
+      }
+      if (!ok && ++failures <= 5) {
+        ADD_FAILURE() << t.name << " (" << r << ", " << c << ") of " << rows << "x" << cols << ": x " << x[i]
+                      << " code " << int(q.codes[i]) << " vs " << int(want) << ", fake " << q.fake[i] << " dq " << dq;
+      }
+    }
+  EXPECT_EQ(failures, 0);
+}
+
+// Values over many binades (and some zeros), so that blocks differ in scale and small elements
+// fall into the subnormal codes of their block.
+std::vector<float> spread_values(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-24, 24);
+  std::vector<float> v(n);
+  for (auto& x : v) x = rng() % 16 == 0 ? 0.0f : std::ldexp(mantissa(rng), exponent(rng));
+  return v;
+}
+
+TEST(Fp8Quantize, EveryTilingMatchesTheDefinitionOnShapesThatAreNotMultiplesOf128) {
+  const int64_t shapes[][2] = {{1, 1}, {127, 129}, {130, 257}, {128, 128}, {3, 384}, {256, 2}};
+  uint64_t seed = 1;
+  for (const auto& shape : shapes) {
+    const int64_t rows = shape[0], cols = shape[1];
+    const auto x = spread_values(rows * cols, seed++);
+    for (const Tiling& t : {kRows, kCols, kWeight}) {
+      SCOPED_TRACE(::testing::Message() << t.name << " " << rows << "x" << cols);
+      check_quantised(t, x, rows, cols, quantise(t, x, rows, cols));
+    }
+  }
+}
+
+TEST(Fp8Quantize, FakeQuantisationInPlaceEqualsOutOfPlace) {
+  const int64_t rows = 130, cols = 257;
+  const auto x = spread_values(rows * cols, 99);
+  for (auto fake : {&cpu::fake_quantize_rows_e4m3, &cpu::fake_quantize_cols_e4m3}) {
+    std::vector<float> out(x.size()), inplace = x;
+    fake(out.data(), x.data(), rows, cols);
+    fake(inplace.data(), inplace.data(), rows, cols);
+    EXPECT_EQ(std::memcmp(out.data(), inplace.data(), out.size() * 4), 0);
+    EXPECT_NE(std::memcmp(out.data(), x.data(), out.size() * 4), 0);  // it did quantise
+  }
+}
+
+// One block's worth of values v (n <= 128) quantised each way: as a 1 x n row, as an n x 1
+// column, and as the first row of a 128 x 128 weight whose other rows are zero. Returns the
+// single block's scale and v's codes and fake values for each, after checking the definition.
+std::vector<Quantised> quantise_block_each_way(const std::vector<float>& v) {
+  const int64_t n = static_cast<int64_t>(v.size());
+  std::vector<Quantised> out;
+  for (const Tiling& t : {kRows, kCols, kWeight}) {
+    std::vector<float> x = v;
+    int64_t rows = t.block_rows == 1 ? 1 : n, cols = t.block_rows == 1 ? n : 1;
+    if (t.block_cols == 128 && t.block_rows == 128) {
+      rows = 128, cols = 128;
+      x.assign(128 * 128, 0.0f);
+      std::copy(v.begin(), v.end(), x.begin());
+    }
+    Quantised q = quantise(t, x, rows, cols);
+    check_quantised(t, x, rows, cols, q);
+    q.codes.resize(n);
+    q.fake.resize(n);
+    out.push_back(q);
+  }
+  return out;
+}
+
+TEST(Fp8Quantize, AnAllZeroBlockHasScaleOneAndZeroCodes) {
+  std::vector<float> v(128, 0.0f);
+  v[5] = -0.0f;
+  for (const auto& q : quantise_block_each_way(v)) {
+    EXPECT_EQ(q.scales[0], 1.0f);
+    for (int i = 0; i < 128; ++i) EXPECT_EQ(q.codes[i], i == 5 ? 0x80 : 0x00) << i;
+    EXPECT_TRUE(std::signbit(q.fake[5]) && q.fake[5] == 0.0f);
+  }
+}
+
+TEST(Fp8Quantize, TinyElementsBesideAHugeOneFlushOrBecomeSubnormalCodes) {
+  std::vector<float> v(128, 0.0f);
+  v[0] = 448.0f * 1024;                      // scale 2^10
+  v[1] = 1.0f;                               // 2^-10: half the smallest subnormal, tie to 0
+  v[2] = std::nextafter(1.0f, 2.0f);         // just above: the smallest subnormal
+  v[3] = -1.5f;                              // -1.5 * 2^-10 rounds to -2^-9
+  v[4] = 6.0f;                               // 3 * 2^-9: subnormal code 3
+  v[5] = 0.25f;                              // far below: +0
+  v[6] = -0.25f;                             // -0
+  v[7] = 64.0f;                              // 2^-4: a normal code
+  const uint8_t want[] = {0x7E, 0x00, 0x01, 0x81, 0x03, 0x00, 0x80, 0x18};
+  for (const auto& q : quantise_block_each_way(v)) {
+    EXPECT_EQ(q.scales[0], 1024.0f);
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(q.codes[i], want[i]) << i;
+    EXPECT_EQ(q.fake[4], 6.0f);
+    EXPECT_EQ(q.fake[3], -2.0f);
+  }
+}
+
+TEST(Fp8Quantize, AmaxAtMaxTimesAPowerOfTwoKeepsThatScaleAndJustAboveDoublesIt) {
+  for (int k : {-20, -5, 0, 7, 30}) {
+    const float at = std::ldexp(448.0f, k);
+    std::vector<float> v = random_vector(100, k + 50, -1.0f, 1.0f);  // below 2^k: at stays amax
+    for (float& x : v) x = std::ldexp(x, k);
+    v[17] = -at;
+    for (const auto& q : quantise_block_each_way(v)) {
+      EXPECT_EQ(q.scales[0], std::ldexp(1.0f, k)) << k;
+      EXPECT_EQ(q.codes[17], 0xFE) << k;
+      EXPECT_EQ(q.fake[17], -at) << k;
+    }
+    v[17] = std::nextafter(at, INFINITY);
+    for (const auto& q : quantise_block_each_way(v)) {
+      EXPECT_EQ(q.scales[0], std::ldexp(1.0f, k + 1)) << k;
+      EXPECT_EQ(q.codes[17], 0x76) << k;  // 224 = 1.75 * 2^7
+    }
+  }
+}
+
+TEST(Fp8Quantize, ASubnormalAmaxClampsTheScaleTo2ToTheMinus126) {
+  const std::vector<float> v = {1e-40f, -3e-41f, 0.0f, 1e-45f};
+  for (const auto& q : quantise_block_each_way(v)) {
+    EXPECT_EQ(q.scales[0], std::ldexp(1.0f, -126));
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(q.codes[i], f32_to_e4m3(std::ldexp(v[i], 126))) << i;
+    EXPECT_NE(q.codes[0], 0);
+    EXPECT_NE(q.codes[1] & 0x7F, 0);
+  }
+}
+
+TEST(Fp8Quantize, InfinitiesSaturateNaNsStayAndTheScaleComesFromTheFiniteElements) {
+  const std::vector<float> v = {3.0f, -1.0f, INFINITY, -INFINITY, NAN, -NAN, 0.5f};
+  const uint8_t want[] = {0x7C, 0xF0, 0x7E, 0xFE, 0x7F, 0xFF, 0x68};  // 384, -128, sat, sat, NaN, -NaN, 64
+  for (const auto& q : quantise_block_each_way(v)) {
+    EXPECT_EQ(q.scales[0], 1.0f / 128);
+    for (int i = 0; i < 7; ++i) EXPECT_EQ(q.codes[i], want[i]) << i;
+    EXPECT_EQ(q.fake[2], 3.5f);
+    EXPECT_EQ(q.fake[3], -3.5f);
+    EXPECT_TRUE(std::isnan(q.fake[4]) && std::isnan(q.fake[5]));
+    EXPECT_EQ(q.fake[0], 3.0f);
+  }
+}
+
 }  // namespace
 }  // namespace strata::kernels
