@@ -442,5 +442,98 @@ TEST(Fp8Quantize, InfinitiesSaturateNaNsStayAndTheScaleComesFromTheFiniteElement
   }
 }
 
+// ---- The promoting GEMM reference --------------------------------------------------------
+
+// Bound on |C - exact| for C from the recipe's accumulation: a K block's partial sum adds at
+// most 128 exact products in fp32 (at most 127 roundings, each within u = 2^-24 of a running
+// sum bounded by the sum of |products|), the power-of-two scales are exact, and C adds
+// fp8_blocks(K) scaled partials (at most that many more roundings). So
+// |C - exact| <= (127 + blocks) * u * (1 + 1%) * sum_k |a_k * b_k| (the 1% covers the
+// second-order terms of gamma_n = n u / (1 - n u)).
+TEST(Fp8Gemm, MatchesTheDoubleProductOfTheDequantisedOperandsWithinTheFp32AccumulationBound) {
+  const int64_t M = 5, N = 130, K = 300, kbs = fp8_blocks(K);
+  auto a = spread_values(M * K, 3), b = spread_values(N * K, 4);
+  for (auto& x : a) x = std::ldexp(x, 8);  // different magnitudes for A and B
+  std::vector<uint8_t> qa(M * K);
+  std::vector<float> sa(M * kbs);
+  cpu::quantize_rows_e4m3(qa.data(), sa.data(), a.data(), M, K);
+  for (bool b_blocks : {false, true}) {
+    SCOPED_TRACE(b_blocks ? "B in 128 x 128 blocks" : "B in 1 x 128 tiles");
+    std::vector<uint8_t> qb(N * K);
+    std::vector<float> sb;
+    if (b_blocks) {
+      std::vector<uint8_t> stored(fp8_matrix_bytes(N, K));
+      cpu::quantize_weight_e4m3(stored.data(), b.data(), N, K);
+      std::memcpy(qb.data(), stored.data(), N * K);
+      sb.resize(fp8_blocks(N) * kbs);
+      std::memcpy(sb.data(), stored.data() + fp8_matrix_scale_offset(N, K), sb.size() * 4);
+    } else {
+      sb.resize(N * kbs);
+      cpu::quantize_rows_e4m3(qb.data(), sb.data(), b.data(), N, K);
+    }
+    std::vector<float> C(M * N, NAN);
+    ref::fp8_gemm_nt(C.data(), qa.data(), sa.data(), qb.data(), sb.data(), b_blocks, M, N, K);
+    double worst = 0;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double exact = 0, magnitude = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          const double av = double(e4m3_to_f32(qa[m * K + k])) * sa[m * kbs + k / 128];
+          const double bv = double(e4m3_to_f32(qb[n * K + k])) * sb[(b_blocks ? n / 128 : n) * kbs + k / 128];
+          exact += av * bv;
+          magnitude += std::fabs(av * bv);
+        }
+        ASSERT_GT(magnitude, 0);
+        const double bound = (127 + kbs) * std::ldexp(1.0, -24) * 1.01 * magnitude;
+        const double err = std::fabs(double(C[m * N + n]) - exact);
+        ASSERT_TRUE(err <= bound) << "C(" << m << ", " << n << ") = " << C[m * N + n] << " vs " << exact;
+        worst = std::max(worst, err / bound);
+      }
+    EXPECT_GT(worst, 0);  // some rounding happened: the bound is not vacuous
+  }
+}
+
+TEST(Fp8Gemm, EachKBlockIsScaledByItsOwnScales) {
+  const int64_t M = 1, N = 130, K = 256;
+  const std::vector<uint8_t> A(K, f32_to_e4m3(1.0f));
+  std::vector<uint8_t> B(N * K, f32_to_e4m3(1.0f));
+  for (int64_t i = 128 * K; i < N * K; ++i) B[i] = f32_to_e4m3(2.0f);  // rows 128, 129
+  const std::vector<float> sa = {1.0f, 0.125f};
+  // Weight blocks: rows 0-127 {4, 8} over the two K blocks, rows 128-129 {0.25, 0.5}.
+  const std::vector<float> sb_blocks = {4.0f, 8.0f, 0.25f, 0.5f};
+  std::vector<float> C(N, NAN);
+  ref::fp8_gemm_nt(C.data(), A.data(), sa.data(), B.data(), sb_blocks.data(), true, M, N, K);
+  for (int64_t n = 0; n < N; ++n) {
+    const float want = n < 128 ? 128 * 4.0f + 128 * 0.125f * 8 : 128 * 2 * 0.25f + 128 * 2 * 0.125f * 0.5f;  // 640, 80
+    EXPECT_EQ(C[n], want) << n;
+  }
+  // The same B in 1 x 128 tiles: one scale pair per row.
+  std::vector<float> sb_rows(N * 2);
+  for (int64_t n = 0; n < N; ++n) sb_rows[n * 2] = 1.0f, sb_rows[n * 2 + 1] = float(n % 3 + 1);
+  ref::fp8_gemm_nt(C.data(), A.data(), sa.data(), B.data(), sb_rows.data(), false, M, N, K);
+  for (int64_t n = 0; n < N; ++n) {
+    const float v = n < 128 ? 1.0f : 2.0f;
+    EXPECT_EQ(C[n], 128 * v + 128 * v * 0.125f * float(n % 3 + 1)) << n;
+  }
+}
+
+// Where the fp32 partial sums round: 256^2 = 2^16 first, then products of 2^-12, each below
+// half an ulp of 2^16 (2^-8). Summed into 2^16 in order of k they vanish; summed by
+// themselves in the next K block (the promotion) they add up to 127 * 2^-12, which survives
+// (rounded to 4 ulps) when added to C. A single fp32 accumulator over all of K would give 2^16,
+// a double one 2^16 + 254 * 2^-12 (rounded: 2^16 + 8 ulps).
+TEST(Fp8Gemm, PartialSumsRoundInFp32InOrderOfKAndArePromotedPerBlock) {
+  const int64_t K = 256;
+  std::vector<uint8_t> A(K, f32_to_e4m3(std::ldexp(1.0f, -6))), B = A;
+  A[0] = B[0] = f32_to_e4m3(256.0f);
+  A[255] = f32_to_e4m3(0.0f);
+  const std::vector<float> scales = {1.0f, 1.0f};
+  float C = NAN;
+  ref::fp8_gemm_nt(&C, A.data(), scales.data(), B.data(), scales.data(), false, 1, 1, K);
+  const float ulp = std::ldexp(1.0f, -7);
+  EXPECT_EQ(C, 65536.0f + 4 * ulp);
+  EXPECT_EQ(65536.0f + float(127 * std::ldexp(1.0, -12)), 65536.0f + 4 * ulp);  // the arithmetic above
+}
+
 }  // namespace
 }  // namespace strata::kernels
