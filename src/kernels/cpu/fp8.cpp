@@ -28,46 +28,37 @@ struct Format {
 constexpr Format kE4M3{7, 3, 0x7Eu, 0x7Fu, kE4M3Max, false};
 constexpr Format kE5M2{15, 2, 0x7Bu, 0x7Fu, kE5M2Max, true};
 
-// Round-to-nearest-even, saturating conversion of fp32 to a format. Inline so that the
-// quantisation loops below compile it into their bodies (kE4M3 folds to constants).
+// Round-to-nearest-even, saturating conversion of fp32 to a format, on the integer bits.
+// Written without branches (selects only) and inline, so that the quantisation loops compile
+// it into their bodies with the format's numbers as constants.
 inline uint8_t encode(float x, const Format& f) {
   const uint32_t bits = std::bit_cast<uint32_t>(x);
   const uint32_t sign = (bits >> 24) & 0x80u;
   const uint32_t abs = bits & 0x7FFFFFFFu;
-  if (abs > 0x7F800000u) return static_cast<uint8_t>(sign | f.nan_code);
-  // Comparing the bits of non-negative floats compares their values. Everything at or beyond
-  // the largest finite (infinity included) saturates to it; anything below rounds to at most
-  // the largest finite, since the largest finite is representable.
-  if (abs >= std::bit_cast<uint32_t>(f.max)) return static_cast<uint8_t>(sign | f.max_code);
-  // An fp32 subnormal (or zero) is below 2^-126, far below half the smallest fp8 subnormal.
-  if (abs < 0x00800000u) return static_cast<uint8_t>(sign);
-
-  const int exponent = static_cast<int>(abs >> 23) - 127;   // unbiased
-  const uint32_t significand = (abs & 0x7FFFFFu) | 0x800000u;  // 24 bits, value * 2^(23 - exponent)
-  const int min_exponent = 1 - f.bias;                      // of the normal fp8 numbers
-  // Bits of the significand that do not fit: the fp32 mantissa is 23 bits, fp8 keeps
-  // mantissa_bits, and below the normal range one bit more per binade of shortfall.
-  int shift = 23 - f.mantissa_bits;
-  if (exponent < min_exponent) shift += min_exponent - exponent;
-  // Beyond 25 dropped bits the value is below half the smallest subnormal: a signed zero
-  // (capping keeps the shifts below the width of the integer; the result is the same).
-  shift = std::min(shift, 25);
+  const uint32_t exponent = abs >> 23;  // biased by 127; 0 for fp32 zeros and subnormals
+  // The biased fp32 exponent of the smallest normal fp8 binade, 2^(1 - bias).
+  const uint32_t min_normal = static_cast<uint32_t>(127 + 1 - f.bias);
+  // Bits of the 24-bit significand that do not fit: fp8 keeps mantissa_bits of the 23, and
+  // one bit fewer per binade below the normal range. Beyond 25 dropped bits the value is
+  // below half the smallest subnormal and rounds to zero; the cap keeps shifts in range and
+  // changes no result (so do the garbage significands of fp32 subnormals, all below that).
+  const uint32_t shortfall = exponent < min_normal ? min_normal - exponent : 0u;
+  const uint32_t shift = std::min(static_cast<uint32_t>(23 - f.mantissa_bits) + shortfall, 25u);
+  const uint32_t significand = (abs & 0x7FFFFFu) | 0x800000u;
   uint32_t kept = significand >> shift;
   const uint32_t rest = significand & ((1u << shift) - 1u);
   const uint32_t half = 1u << (shift - 1);
-  if (rest > half || (rest == half && (kept & 1u))) ++kept;
-
-  uint32_t code;
-  if (exponent < min_exponent) {
-    // Subnormal: the code is the kept count of smallest subnormals. Rounding up to 2^M lands
-    // exactly on the smallest normal's code.
-    code = kept;
-  } else {
-    // Normal: kept holds the implicit bit (2^M <= kept <= 2^(M+1)); adding it to the exponent
-    // field one lower places the mantissa and lets a carry out of the mantissa (rounding up to
-    // the next binade) increment the exponent.
-    code = (static_cast<uint32_t>(exponent + f.bias - 1) << f.mantissa_bits) + kept;
-  }
+  kept += static_cast<uint32_t>(rest > half) | (static_cast<uint32_t>(rest == half) & kept);
+  // Normal: kept holds the implicit bit (2^M <= kept <= 2^(M+1)), so adding it to the exponent
+  // field one lower places the mantissa, and a carry out of the mantissa (rounding up into the
+  // next binade) increments the exponent. Subnormal: the exponent term is 0 and kept counts
+  // smallest subnormals; rounding up to 2^M lands exactly on the smallest normal's code.
+  uint32_t code = ((std::max(exponent, min_normal) - min_normal) << f.mantissa_bits) + kept;
+  // Comparing the bits of non-negative floats compares their values. Everything at or beyond
+  // the largest finite (infinity included) saturates to it; anything below rounds to at most
+  // the largest finite, since that is representable.
+  code = abs >= std::bit_cast<uint32_t>(f.max) ? f.max_code : code;
+  code = abs > 0x7F800000u ? f.nan_code : code;
   return static_cast<uint8_t>(sign | code);
 }
 
@@ -116,72 +107,53 @@ inline uint32_t finite_amax_bits(uint32_t acc, float x) {
   return abs < 0x7F800000u ? std::max(acc, abs) : acc;
 }
 
-// 1 / s for a power-of-two scale s in [2^-126, 2^127]: 2^-k, exact (2^-127 is an fp32
+// 1 / s for a power-of-two scale s = 2^k, k in [-126, 127]: 2^-k, exact (2^-127 is an fp32
 // subnormal, still exact). x * (1 / s) is then the correctly rounded x / s: the same real
 // number rounded once. It is inexact only where x / s falls below 2^-126, where every fp8
 // code is a signed zero either way.
 inline float reciprocal(float s) {
-  int e;
-  std::frexp(s, &e);  // s = 0.5 * 2^e
-  return std::ldexp(1.0f, 1 - e);
+  const int k = static_cast<int>(std::bit_cast<uint32_t>(s) >> 23) - 127;
+  return k == 127 ? std::bit_cast<float>(0x00400000u) : std::bit_cast<float>(static_cast<uint32_t>(127 - k) << 23);
 }
 
-// Quantises n elements at stride `stride` with scale s into codes (or, when out is set,
-// straight back to fp32 as q * s). The single loop body of every quantiser.
-inline void quantize_run(uint8_t* codes, float* out, const float* x, int64_t n, int64_t stride, float s) {
-  const float inv = reciprocal(s);
+// Quantises x[0, n) with the scale s[i / kGroup] (reciprocal inv[i / kGroup]) into codes or,
+// when out is set instead, straight back to fp32 as q * s. The one loop body of every
+// quantiser; kGroup is a constant so that i / kGroup is a shift.
+template <int64_t kGroup>
+inline void quantize_span(uint8_t* codes, float* out, const float* x, int64_t n, const float* s, const float* inv) {
   if (out != nullptr) {
     const float* table = e4m3_table().data();
-    for (int64_t i = 0; i < n; ++i) out[i * stride] = table[encode(x[i * stride] * inv, kE4M3)] * s;
+    for (int64_t i = 0; i < n; ++i) out[i] = table[encode(x[i] * inv[i / kGroup], kE4M3)] * s[i / kGroup];
   } else {
-    for (int64_t i = 0; i < n; ++i) codes[i * stride] = encode(x[i * stride] * inv, kE4M3);
+    for (int64_t i = 0; i < n; ++i) codes[i] = encode(x[i] * inv[i / kGroup], kE4M3);
   }
 }
 
-// 1 x 128 tiles: codes or out (one of them set), scales (rows, fp8_blocks(cols)) optional.
-void rows_e4m3(uint8_t* codes, float* out, float* scales, const float* x, int64_t rows, int64_t cols) {
-  const int64_t tiles = fp8_blocks(cols);
+// Blocks of kBlockRows x kBlockCols (1 x 128 tiles, 128 x 1 tiles or 128 x 128 blocks) of a
+// (rows, cols) matrix: codes or out set, scales (block rows, block columns) optional. A band
+// of kBlockRows rows is read twice, row by row (sequential reads): once for the blocks' amax,
+// once to quantise. Each element is read before it is written, so out may alias x.
+template <int64_t kBlockRows, int64_t kBlockCols>
+void quantize_blocks(uint8_t* codes, float* out, float* scales, const float* x, int64_t rows, int64_t cols) {
+  const int64_t bands = (rows + kBlockRows - 1) / kBlockRows;
+  const int64_t col_blocks = (cols + kBlockCols - 1) / kBlockCols;
 #pragma omp parallel for schedule(static) if (rows * cols > (int64_t{1} << 16))
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t c0 = t * kFp8Block, n = std::min(kFp8Block, cols - c0);
-      const float* xt = x + r * cols + c0;
-      uint32_t amax = 0;
-      for (int64_t i = 0; i < n; ++i) amax = finite_amax_bits(amax, xt[i]);
-      const float s = fp8_block_scale(std::bit_cast<float>(amax), Fp8Format::kE4M3);
-      if (scales != nullptr) scales[r * tiles + t] = s;
-      quantize_run(codes ? codes + r * cols + c0 : nullptr, out ? out + r * cols + c0 : nullptr, xt, n, 1, s);
-    }
-  }
-}
-
-// Blocks of 128 x kBlockCols (128 x 1 tiles or 128 x 128 blocks): codes or out set, scales
-// (fp8_blocks(rows), cols / kBlockCols rounded up) optional. Walks each block row by row so
-// that the reads stay sequential. kBlockCols is a constant so that c / kBlockCols is a shift.
-template <int64_t kBlockCols>
-void blocks_e4m3(uint8_t* codes, float* out, float* scales, const float* x, int64_t rows, int64_t cols) {
-  constexpr int64_t block_cols = kBlockCols;
-  const int64_t row_blocks = fp8_blocks(rows);
-  const int64_t col_blocks = (cols + block_cols - 1) / block_cols;
-#pragma omp parallel for schedule(static) if (rows * cols > (int64_t{1} << 16))
-  for (int64_t rb = 0; rb < row_blocks; ++rb) {
-    const int64_t r0 = rb * kFp8Block, nr = std::min(kFp8Block, rows - r0);
+  for (int64_t band = 0; band < bands; ++band) {
+    const int64_t r0 = band * kBlockRows, r1 = std::min(rows, r0 + kBlockRows);
     std::vector<uint32_t> amax(static_cast<size_t>(col_blocks), 0u);
-    for (int64_t r = r0; r < r0 + nr; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const float* xr = x + r * cols;
-      for (int64_t c = 0; c < cols; ++c) amax[c / block_cols] = finite_amax_bits(amax[c / block_cols], xr[c]);
+      for (int64_t c = 0; c < cols; ++c) amax[c / kBlockCols] = finite_amax_bits(amax[c / kBlockCols], xr[c]);
     }
-    std::vector<float> s(static_cast<size_t>(col_blocks));
+    std::vector<float> s(static_cast<size_t>(col_blocks)), inv(static_cast<size_t>(col_blocks));
     for (int64_t b = 0; b < col_blocks; ++b) {
       s[b] = fp8_block_scale(std::bit_cast<float>(amax[b]), Fp8Format::kE4M3);
-      if (scales != nullptr) scales[rb * col_blocks + b] = s[b];
+      inv[b] = reciprocal(s[b]);
     }
-    for (int64_t r = r0; r < r0 + nr; ++r) {
-      for (int64_t b = 0; b < col_blocks; ++b) {
-        const int64_t c0 = b * block_cols, n = std::min(block_cols, cols - c0);
-        const int64_t at = r * cols + c0;
-        quantize_run(codes ? codes + at : nullptr, out ? out + at : nullptr, x + at, n, 1, s[b]);
-      }
+    if (scales != nullptr) std::copy(s.begin(), s.end(), scales + band * col_blocks);
+    for (int64_t r = r0; r < r1; ++r) {
+      quantize_span<kBlockCols>(codes ? codes + r * cols : nullptr, out ? out + r * cols : nullptr, x + r * cols,
+                                cols, s.data(), inv.data());
     }
   }
 }
@@ -222,7 +194,7 @@ void quantize_weight_e4m3(uint8_t* out, const float* w, int64_t rows, int64_t co
   // The scales are written into an aligned buffer first: `out + offset` is 16-byte aligned
   // relative to out only, and out itself may be a byte pointer anywhere.
   std::vector<float> scales(static_cast<size_t>(nblocks));
-  blocks_e4m3<kFp8Block>(out, nullptr, scales.data(), w, rows, cols);
+  quantize_blocks<kFp8Block, kFp8Block>(out, nullptr, scales.data(), w, rows, cols);
   std::memset(out + rows * cols, 0, offset - static_cast<uint64_t>(rows * cols));
   std::memcpy(out + offset, scales.data(), scales.size() * sizeof(float));
 }
@@ -240,19 +212,19 @@ void dequantize_weight_e4m3(float* w, const uint8_t* in, int64_t rows, int64_t c
 }
 
 void quantize_rows_e4m3(uint8_t* codes, float* scales, const float* x, int64_t rows, int64_t cols) {
-  rows_e4m3(codes, nullptr, scales, x, rows, cols);
+  quantize_blocks<1, kFp8Block>(codes, nullptr, scales, x, rows, cols);
 }
 
 void quantize_cols_e4m3(uint8_t* codes, float* scales, const float* x, int64_t rows, int64_t cols) {
-  blocks_e4m3<1>(codes, nullptr, scales, x, rows, cols);
+  quantize_blocks<kFp8Block, 1>(codes, nullptr, scales, x, rows, cols);
 }
 
 void fake_quantize_rows_e4m3(float* out, const float* x, int64_t rows, int64_t cols) {
-  rows_e4m3(nullptr, out, nullptr, x, rows, cols);
+  quantize_blocks<1, kFp8Block>(nullptr, out, nullptr, x, rows, cols);
 }
 
 void fake_quantize_cols_e4m3(float* out, const float* x, int64_t rows, int64_t cols) {
-  blocks_e4m3<1>(nullptr, out, nullptr, x, rows, cols);
+  quantize_blocks<kFp8Block, 1>(nullptr, out, nullptr, x, rows, cols);
 }
 
 }  // namespace cpu
