@@ -155,8 +155,9 @@ STRATA_HOST_DEVICE int moment_int8_encode(const float* table, float x, bool is_v
   if (!(x == x)) return zero;
   // lo: the largest index with table[lo] <= x (0 when x is below the table).
   int lo = 0;
+  // Eight steps without a data-dependent branch (a select), which mispredicts on random data.
   for (int step = kMomentCodes / 2; step > 0; step >>= 1) {
-    if (table[lo + step] <= x) lo += step;
+    lo += (table[lo + step] <= x) ? step : 0;
   }
   int code;
   if (table[lo] >= x || lo == kMomentCodes - 1) {

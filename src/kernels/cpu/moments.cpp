@@ -94,7 +94,9 @@ void int8_encode_block(Int8View view, int64_t block, const float* in, int64_t fi
   float scale = 0.0f;
   for (int64_t j = 0; j < count; ++j) {
     x[j] = is_v ? sqrt_rn(in[j]) : in[j];
-    scale = std::fmax(scale, std::fabs(x[j]));  // NaN is skipped; max is order-free
+    // fmax's rule (a NaN is skipped) without its library call; max is order-free.
+    const float a = std::fabs(x[j]);
+    scale = a > scale ? a : scale;
   }
   view.set_scale(block, scale);
   uint8_t* codes = view.codes + first;
