@@ -11,16 +11,28 @@
 // Conversion from fp32 rounds to nearest, ties to even, and saturates ("satfinite", as the CUDA
 // intrinsics __nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...) and PTX cvt.rn.satfinite do): a
 // finite value beyond the largest finite, and an infinity, become the largest finite of the same
-// sign; NaN becomes the canonical NaN of its sign (0x7F/0xFF for E4M3, 0x7E/0xFE for E5M2... see
-// fp8.cpp for the exact codes). Values below half the smallest subnormal become a zero of the
-// same sign.
+// sign; NaN becomes the canonical NaN of its sign: 0x7F / 0xFF in both formats (for E5M2 that
+// is S.11111.11, what PyTorch's scalar float -> float8_e5m2 conversion gives). CUDA's software
+// conversion (cuda_fp8.hpp) gives 0x7F for every NaN, dropping the sign, so GPU tests compare
+// NaNs as NaNs, not by code. Values below half the smallest subnormal, and exactly half of it
+// (the tie goes to the even zero), become a zero of the same sign; fp32 subnormals all do.
+// Decoding is exact; a NaN code decodes to a quiet fp32 NaN of the code's sign, and E5M2's
+// infinity codes (0x7C / 0xFC) to infinities.
 //
 // Block scales: a block's scale is the smallest power of two s with amax / s <= the format's
 // largest finite (amax: the largest |x| over the block's finite elements), clamped to
 // [2^-126, 2^127]; an all-zero (or all-non-finite) block has s = 1. q = fp8(x / s) and x ~ q * s.
-// Powers of two make the division and the dequantisation exact, so the fp8 rounding is the only
-// loss, and the CPU and GPU agree bit for bit (as DeepSeek-V3.1's UE8M0 scales and the MX
-// formats do).
+// Powers of two make the division and the dequantisation exact (x / s rounds in fp32 only
+// where it falls below 2^-126, which is a zero code either way), so the fp8 rounding is the
+// only loss, and the CPU and GPU agree bit for bit (as DeepSeek-V3.1's UE8M0 scales and the MX
+// formats do); x / s may be computed as x * (1 / s), the same correctly rounded number.
+// Since amax / s <= max exactly and rounding never passes a representable max, no finite
+// element saturates; the block's largest element lands in (max / 2, max] (unless the lower
+// clamp applies: then below). For a finite amax the scale is at most 2^120 (E4M3) or 2^113
+// (E5M2), so q * s never overflows. Within an E4M3 block, elements of magnitude up to
+// 2^-10 * s become signed zeros and those below 2^-6 * s (the subnormal codes) keep fewer than
+// 4 significant bits. Non-finite elements do not count towards amax: an infinity saturates to
+// +-max * s, a NaN stays NaN (its code).
 //
 // Block shapes (DeepSeek-V3): activations in 1 x 128 tiles along the GEMM's K dimension (one
 // scale per row and 128 columns), weights in 128 x 128 blocks. Edges that are not multiples of
@@ -86,10 +98,13 @@ namespace ref {
 
 // C (M, N) = A (M, K) @ B (N, K)^T over E4M3 operands with their scales, as the recipe's GEMMs
 // compute it: for each K block kb of kFp8BlockK elements, the partial sum of code products
-// (exact in fp32) is accumulated in fp32 in order of k, then C += partial * a_scale * b_scale
-// in fp32. a_scales: (M, fp8_blocks(K)) — A in 1 x 128 tiles. b_scales: either
-// (fp8_blocks(N), fp8_blocks(K)) when b_blocks (a weight in 128 x 128 blocks) or
-// (N, fp8_blocks(K)) (1 x 128 tiles). C is overwritten.
+// (exact in fp32) is accumulated in fp32 in order of k from 0, then C += (partial * a_scale) *
+// b_scale in fp32, C starting from 0 and taking the K blocks in order. With power-of-two scales
+// the two multiplications are exact (short of fp32 overflow or underflow), so the roundings are
+// the additions' alone: |C - exact| <= (127 + fp8_blocks(K)) * 2^-24 * sum_k |a_k b_k| (to first
+// order), the bound tests/kernels/fp8_test.cpp checks. a_scales: (M, fp8_blocks(K)) — A in
+// 1 x 128 tiles. b_scales: either (fp8_blocks(N), fp8_blocks(K)) when b_blocks (a weight in
+// 128 x 128 blocks) or (N, fp8_blocks(K)) (1 x 128 tiles). C is overwritten.
 void fp8_gemm_nt(float* C, const uint8_t* A, const float* a_scales, const uint8_t* B, const float* b_scales,
                  bool b_blocks, int64_t M, int64_t N, int64_t K);
 

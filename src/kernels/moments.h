@@ -7,11 +7,12 @@
 //   kF32   n floats.
 //   kBf16  n bf16 values; encoding rounds to nearest even, or stochastically (below).
 //   kInt8  8-bit blockwise dynamic quantisation: n one-byte codes, zero padding to a multiple of
-//          16 bytes, then ceil(n / kMomentBlock) fp32 block scales (the block's largest |x|).
-//          A code indexes a table of 256 values in [-1, 1] (m, signed) or [0, 1] (v, unsigned)
-//          whose spacing is dense near 0 and coarse near 1 (a "dynamic" map: a decimal
-//          exponent and a linear fraction, see moments.cpp), so values spanning several orders
-//          of magnitude inside a block keep a relative precision; x ~ table[code] * scale.
+//          16 bytes, then ceil(n / kMomentBlock) fp32 block scales (the block's largest |m|, or
+//          for v the largest sqrt(v)). A code indexes a table of 256 values in [-1, 1] (m,
+//          signed) or [0, 1] (sqrt(v), unsigned) whose spacing is dense near 0 and coarse near
+//          1 (a "dynamic" map: a decimal exponent and a linear fraction over seven decades, see
+//          moment_codec.h), so values spanning several orders of magnitude inside a block keep
+//          a relative precision; m ~ table[code] * scale, v ~ (table[code] * scale)^2.
 //          Encoding picks the nearest table value (or one of the two around x, stochastically).
 //
 // Stochastic rounding is deterministic: the random bits of element i come from a counter-based
@@ -50,6 +51,9 @@ void decode_moments(float* out, const void* stored, MomentFormat format, bool is
 // Encodes a whole tensor of n elements (nearest rounding). Decoding what this encodes and
 // encoding it again gives the same bytes (checkpoints store decoded moments and rely on it).
 void encode_moments(void* stored, const float* in, MomentFormat format, bool is_v, int64_t n);
+// The same with a rounding mode: stochastic rounding draws element i's bits from (seed, is_v, i).
+void encode_moments(void* stored, const float* in, MomentFormat format, bool is_v, int64_t n,
+                    const MomentRounding& rounding);
 
 // AdamW (adamw_step's rule) on a tensor of n elements whose moments are stored in `format`:
 // param and grad fp32, m and v in the stored form above, updated in place. For kF32 this is

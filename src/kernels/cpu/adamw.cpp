@@ -15,12 +15,9 @@
 #include <cmath>
 
 #include "core/check.h"
+#include "kernels/adamw_element.h"
 
 namespace strata::kernels {
-namespace {
-
-
-}  // namespace
 
 AdamWScalars adamw_scalars(const AdamWParams& p) {
   CHECK_MSG(p.step >= 1, "adamw step counts from 1");
@@ -45,28 +42,7 @@ namespace ref {
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n,
                 const AdamWParams& p) {
   const AdamWScalars s = adamw_scalars(p);
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = grad[i];
-    // param.mul_(1 - lr * weight_decay)
-    float w = param[i] * s.decay;
-    // exp_avg.lerp_(grad, 1 - beta1): PyTorch's lerp picks the formula by the weight's size.
-    float mi = m[i];
-    if (s.lerp_small) {
-      mi = mi + s.lerp_weight * (g - mi);
-    } else {
-      mi = g - (g - mi) * s.one_minus_lerp;
-    }
-    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    float vi = v[i] * s.beta2;
-    vi = vi + s.one_minus_b2 * g * g;
-    // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    const float denom = std::sqrt(vi) / s.bc2_sqrt + s.eps;
-    // param.addcdiv_(exp_avg, denom, value=-step_size)
-    w = w + s.neg_step_size * mi / denom;
-    param[i] = w;
-    m[i] = mi;
-    v[i] = vi;
-  }
+  for (int64_t i = 0; i < n; ++i) adamw_update_element(grad[i], param[i], m[i], v[i], s);
 }
 
 }  // namespace ref
