@@ -121,6 +121,7 @@ Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos
   req.manifest.lr_schedule = {{"step", pos.step}};
   req.manifest.model_config = model_config;
   req.manifest.layout = {{"kind", "flat fp32 per tensor"}, {"tensors", layout_.tensors().size()}};
+  req.manifest.precision = options_.recipe;
   ASSIGN_OR_RETURN(ckpt::SaveStart started, writer_->begin_save(req));
   return started == ckpt::SaveStart::kStarted;
 }
@@ -235,6 +236,7 @@ Result<RunPosition> restore_checkpoint(const std::string& path, const nlohmann::
   pos.data_epoch = f.data_cursor.epoch;
   pos.data_index = f.data_cursor.index;
   pos.optimizer_step = f.optimizer_step;
+  pos.recipe = f.precision;
   if (const auto it = f.model_config.find("torch_dtype"); it != f.model_config.end() && it->is_string())
     pos.source_torch_dtype = it->get<std::string>();
   state.set_step_count(pos.optimizer_step);

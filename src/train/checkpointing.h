@@ -33,6 +33,9 @@ struct CheckpointOptions {
   int keep_last = 3;
   bool skip_if_busy = false;
   uint64_t staging_bytes = 64ull << 20;
+  // The run's precision recipe and moment format, recorded in each manifest's "precision"
+  // object (the tensors themselves are logical: fp32 master weights and decoded moments).
+  nlohmann::json recipe = nlohmann::json::object();
 };
 
 // What a run needs besides the tensors to continue where it stopped.
@@ -45,6 +48,9 @@ struct RunPosition {
   // The torch_dtype of the weights the run started from, which an export keeps: the saved
   // model_config's (the trainer writes the source's there); "" when it has none.
   std::string source_torch_dtype;
+  // The manifest's "precision" object: the recipe and moment format the checkpoint was written
+  // under (empty for checkpoints that predate it).
+  nlohmann::json recipe = nlohmann::json::object();
 };
 
 class TrainCheckpointer {

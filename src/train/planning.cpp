@@ -45,7 +45,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   }
   // The state layout of the recipe (the CUDA backend trains in bf16). Gradients are fp32 in
   // every recipe: they accumulate over micro-batches.
-  const StateLayout state = StateLayout::of(cuda ? Precision::kBf16 : t.precision, t.moments);
+  const StateLayout state = StateLayout::of(planned_precision(t, cuda), t.moments);
   in.grad_bytes = static_cast<uint32_t>(state.element_bytes(StateKind::kGrad));
   in.separate_master = state.separate_master();
   const model::ParamLayout layout(m);
@@ -151,6 +151,31 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   in.rates.device_adam_params_per_s = t.device_adam_params_per_s;
   in.rates.device_memory_bytes_per_s = t.device_memory_bytes_per_s;
   return in;
+}
+
+Precision planned_precision(const TrainConfig& t, bool cuda) {
+  if (!cuda) return t.precision;
+  return !t.precision_auto && t.precision == Precision::kFp8 ? Precision::kFp8 : Precision::kBf16;
+}
+
+int64_t largest_layer_count(const model::ModelConfig& m, TrainConfig t, bool cuda) {
+  t.chunk_size = 0;
+  auto fits = [&](int64_t layers) {
+    model::ModelConfig shaped = m;
+    shaped.num_hidden_layers = layers;
+    std::erase_if(shaped.mlp_only_layers, [&](int64_t l) { return l >= layers; });
+    return make_plan(make_plan_input(shaped, t, cuda)).fits;
+  };
+  constexpr int64_t kMostLayers = 1024;
+  if (!fits(1)) return 0;
+  int64_t lo = 1, hi = 2;
+  while (hi <= kMostLayers && fits(hi)) lo = hi, hi *= 2;
+  hi = std::min(hi, kMostLayers + 1);
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
 }
 
 int64_t largest_micro_batch(const model::ModelConfig& m, TrainConfig t, bool cuda) {

@@ -21,6 +21,13 @@ double model_flops_per_token(const model::ModelConfig& model, int64_t seq_len);
 
 // The largest micro-batch (sequences) for which the plan fits, 0 when not even one does.
 int64_t largest_micro_batch(const model::ModelConfig& model, TrainConfig train, bool cuda);
+// The most decoder layers a model of this shape (width, vocabulary, experts) can have and still
+// fit the budgets of `train` in its recipe and moment format, up to the model limits' 1024;
+// 0 when not even one layer fits. Planned without chunk padding (chunk sizes follow the model).
+int64_t largest_layer_count(const model::ModelConfig& model, TrainConfig train, bool cuda);
+// The recipe a plan is made for: the config's, except that cuda trains in bf16 unless fp8 was
+// asked for (which the planner plans, though the CUDA backend does not train it yet).
+Precision planned_precision(const TrainConfig& train, bool cuda);
 
 // Host memory the planner assumes when memory.host is 0: 80% of what is available now.
 uint64_t default_host_budget();

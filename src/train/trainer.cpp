@@ -370,6 +370,18 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
                                      ", too large to continue from");
     run->start_step = *next_step;
     run->tokens_seen = static_cast<int64_t>(pos.tokens_seen);
+    // The tensors are logical (decoded moments), so another moment format converts on load:
+    // exactly into a wider one, rounded once into a narrower one.
+    const std::string run_moments = kernels::moment_format_name(t.moments);
+    if (pos.recipe.contains("moments") && pos.recipe["moments"].is_string() && pos.recipe["moments"] != run_moments) {
+      const std::string saved = pos.recipe["moments"].get<std::string>();
+      const auto saved_format = kernels::parse_moment_format(saved);
+      const bool narrower = saved_format && kernels::moment_bytes(t.moments, kernels::kMomentBlock) <
+                                                kernels::moment_bytes(*saved_format, kernels::kMomentBlock);
+      LOG_WARN("the checkpoint's Adam moments were stored as {}; this run stores them as {} (optim.moments), "
+               "converted on load{}",
+               saved, run_moments, narrower ? ": rounded once, so the run is not bitwise the uninterrupted one" : "");
+    }
     if (run->start_step > t.steps)
       LOG_WARN("the checkpoint is at step {}; train.steps is {}: nothing to do", pos.step, t.steps);
   }
@@ -378,6 +390,9 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   co.keep_last = static_cast<int>(t.ckpt_keep_last);
   co.skip_if_busy = t.ckpt_skip_if_busy;
   co.staging_bytes = t.ckpt_staging;
+  co.recipe = {{"recipe", run->engine->recipe()},
+               {"moments", kernels::moment_format_name(t.moments)},
+               {"moments_rounding", t.stochastic_rounding ? "stochastic" : "nearest"}};
   run->checkpointer = std::make_unique<TrainCheckpointer>(co, run->layout, state);
   run->last_saved_step = run->start_step - 1;
   run->mark_sound(run->start_step - 1);

@@ -41,9 +41,14 @@ defaults are an H200 box; `strata bench machine --out FILE` measures this machin
 --hardware FILE reads that profile (key=value on the command line still wins). The report
 names where the rates came from. run.device=cuda plans the GPU's bf16 recipe (a bf16 compute
 copy of the weights and bf16 activations; fp32 master weights, gradients and Adam states), as
-does auto when memory.device is set; cpu plans the CPU backend in train.precision (fp32 by
-default, or the bf16 recipe emulated). `strata train` pages the state as planned on either
-backend.
+does auto when memory.device is set, or the fp8 recipe with train.precision=fp8 (planned; the
+CUDA backend does not train it yet); cpu plans the CPU backend in train.precision (fp32 by
+default, or the bf16 or fp8 recipe emulated). optim.moments=bf16|int8 plans compact Adam
+moments. `strata train` pages the state as planned on either backend.
+
+After the plan, two tables compare the choices under the same budgets: each precision recipe
+(bytes of the compute copy, all state, traffic over PCIe and to disk per step, step time), and
+each Adam moment format (bytes per parameter and the largest model of this width that fits).
 
 The step time is predicted phase by phase as the engine schedules it: per micro-batch the
 forward and the (recompute and) backward, each its compute plus the copies that cannot hide
@@ -74,6 +79,59 @@ HostRamPlan plan_run_host_ram(const model::ModelConfig& mc, TrainConfig t, const
     }
   }
   return plan_host_ram(mc, t, plan, cuda, data);
+}
+
+// "3.21 s", "52.1 ms"; "8.03B", "410.2M".
+std::string seconds_text(double s) { return s >= 1 ? fmt::format("{:.2f} s", s) : fmt::format("{:.3g} ms", s * 1e3); }
+std::string count_text(double n) {
+  if (n >= 1e12) return fmt::format("{:.2f}T", n / 1e12);
+  if (n >= 1e9) return fmt::format("{:.2f}B", n / 1e9);
+  return fmt::format("{:.1f}M", n / 1e6);
+}
+
+// Each recipe's and each moment format's plan under the same budgets, side by side.
+std::string format_recipe_comparison(const model::ModelConfig& mc, const TrainConfig& tc, bool cuda) {
+  const model::ParamLayout layout(mc);
+  std::string out = "  recipes side by side (these budgets and moments";
+  out += cuda ? "; the fp8 row is planned, the CUDA backend trains bf16 only so far):\n" : "):\n";
+  out += fmt::format("    {:<7} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}  {}\n", "recipe", "copy", "all state",
+                     "h2d/step", "d2h/step", "disk/step", "step", "fits");
+  std::vector<Precision> recipes = {Precision::kBf16, Precision::kFp8};
+  if (!cuda) recipes.insert(recipes.begin(), Precision::kFp32);
+  for (Precision p : recipes) {
+    TrainConfig t = tc;
+    t.precision = p;
+    t.precision_auto = false;
+    const StateLayout state = StateLayout::of(p, t.moments);
+    t.chunk_size = PagedState::auto_chunk_bytes(layout, state);
+    const PlanInput in = make_plan_input(mc, t, cuda);
+    const Plan plan = make_plan(in);
+    uint64_t all = 0;
+    for (StateKind k : state.kinds()) all += PagedState::state_bytes(layout, state, k);
+    out += fmt::format("    {:<7} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}  {}\n", precision_name(p),
+                       format_bytes(PagedState::state_bytes(layout, state, StateKind::kParam)), format_bytes(all),
+                       plan.fits ? format_bytes(plan.h2d_bytes) : "-", plan.fits ? format_bytes(plan.d2h_bytes) : "-",
+                       plan.fits ? format_bytes(plan.disk_read_bytes + plan.disk_write_bytes) : "-",
+                       plan.fits ? seconds_text(plan.step_s) : "-", plan.fits ? "yes" : "no");
+  }
+  out += fmt::format("  Adam moment formats ({} recipe; the largest model of this width that fits, chunk padding aside):\n",
+                     precision_name(planned_precision(tc, cuda)));
+  out += fmt::format("    {:<7} {:>14} {:>8} {:>12}\n", "moments", "state/param", "layers", "parameters");
+  for (kernels::MomentFormat f : {kernels::MomentFormat::kF32, kernels::MomentFormat::kBf16, kernels::MomentFormat::kInt8}) {
+    TrainConfig t = tc;
+    t.moments = f;
+    const StateLayout state = StateLayout::of(planned_precision(t, cuda), f);
+    uint64_t all = 0;
+    for (StateKind k : state.kinds()) all += PagedState::state_bytes(layout, state, k);
+    const int64_t layers = largest_layer_count(mc, t, cuda);
+    model::ModelConfig largest = mc;
+    largest.num_hidden_layers = std::max<int64_t>(layers, 1);
+    std::erase_if(largest.mlp_only_layers, [&](int64_t l) { return l >= largest.num_hidden_layers; });
+    out += fmt::format("    {:<7} {:>14} {:>8} {:>12}\n", kernels::moment_format_name(f),
+                       fmt::format("{:.2f} bytes", static_cast<double>(all) / static_cast<double>(mc.num_parameters())),
+                       layers, layers > 0 ? count_text(static_cast<double>(largest.num_parameters())) : "-");
+  }
+  return out;
 }
 
 }  // namespace
@@ -139,7 +197,8 @@ int plan_command(const std::vector<std::string>& args) {
   {
     const model::ParamLayout layout(*mc);
     if (tc->chunk_size == 0)
-      tc->chunk_size = PagedState::auto_chunk_bytes(layout, cuda ? Precision::kBf16 : tc->precision);
+      tc->chunk_size =
+          PagedState::auto_chunk_bytes(layout, StateLayout::of(planned_precision(*tc, cuda), tc->moments));
     for (const model::TensorSpec& t : layout.tensors()) {
       const uint64_t bytes = static_cast<uint64_t>(t.block_numel(0)) * sizeof(float);  // its largest block
       if (bytes <= tc->chunk_size) continue;
@@ -157,10 +216,11 @@ int plan_command(const std::vector<std::string>& args) {
   if (n_params >= 1e12) std::snprintf(params_text, sizeof params_text, "%.3fT", n_params / 1e12);
   else if (n_params >= 1e9) std::snprintf(params_text, sizeof params_text, "%.3fB", n_params / 1e9);
   else std::snprintf(params_text, sizeof params_text, "%.3fM", n_params / 1e6);
-  std::printf("model: %s layers, hidden %lld, vocab %lld, %s parameters; %s layout\n",
+  const Precision recipe = planned_precision(*tc, cuda);
+  std::printf("model: %s layers, hidden %lld, vocab %lld, %s parameters; %s layout (%s recipe, %s Adam moments)\n",
               std::to_string(mc->num_hidden_layers).c_str(), static_cast<long long>(mc->hidden_size),
-              static_cast<long long>(mc->vocab_size), params_text,
-              cuda ? "GPU (bf16 recipe)" : (tc->precision == Precision::kBf16 ? "CPU (bf16 recipe)" : "CPU (fp32)"));
+              static_cast<long long>(mc->vocab_size), params_text, cuda ? "GPU" : "CPU", precision_name(recipe),
+              kernels::moment_format_name(tc->moments));
   std::printf("step: %lld x %lld tokens x %lld accumulation = %lld tokens; budgets device %s, host %s, nvme %s\n",
               static_cast<long long>(tc->micro_batch), static_cast<long long>(tc->seq_len),
               static_cast<long long>(tc->grad_accum), static_cast<long long>(in.tokens_per_step),
@@ -184,6 +244,7 @@ int plan_command(const std::vector<std::string>& args) {
     std::printf("  predicted MFU %.1f%% of the H100/H200 dense bf16 peak (989 TFLOP/s; model FLOPs 6N + 12LHT, "
                 "recomputation not counted)\n", 100 * model_flops / plan.step_s / 989e12);
   }
+  std::printf("%s", format_recipe_comparison(*mc, *tc, cuda).c_str());
   // A plan for a machine not yet rented is still a plan: the check is said, not enforced here.
   if (!ram_fits.ok())
     std::printf("  not on this machine: %s (strata train refuses the run here)\n", ram_fits.message().c_str());

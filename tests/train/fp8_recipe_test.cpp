@@ -1,0 +1,272 @@
+// The fp8 recipe and compact Adam moments in the paged state: the compute copies of linear
+// weights are E4M3 blocks of the master, paging never changes the result (bitwise, for every
+// recipe and moment format), compact moments read back as their decoded values, and fp8 copies
+// halve the parameter bytes that move.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+
+#include "core/cpu_device.h"
+#include "core/io_engine.h"
+#include "kernels/fp8.h"
+#include "kernels/moments.h"
+#include "model/decoder.h"
+#include "train/paged_state.h"
+#include "train_test_util.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using kernels::MomentFormat;
+
+constexpr int64_t kB = 2, kT = 16, kSteps = 4, kAccum = 2;
+
+struct Recipe {
+  Precision precision;
+  MomentFormat moments;
+};
+
+void PrintTo(const Recipe& r, std::ostream* os) {
+  *os << precision_name(r.precision) << " with " << kernels::moment_format_name(r.moments) << " moments";
+}
+
+// A model whose linear layers span more than one 128 x 128 block in both directions, so that the
+// fp8 copies have several scales per tensor and ragged edge blocks.
+model::ModelConfig fp8_config() {
+  model::ModelConfig mc = tiny_config(false);
+  mc.hidden_size = 160;
+  mc.intermediate_size = 288;
+  mc.num_attention_heads = 4;
+  mc.num_key_value_heads = 2;
+  mc.head_dim = 40;
+  mc.num_hidden_layers = 3;
+  return mc;
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::vector<float> params, m, v;
+  ChunkSpaceStats stats;
+};
+
+class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
+ protected:
+  void SetUp() override {
+    const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    dir_ = fs::path(::testing::TempDir()) / ("strata_fp8_" + std::to_string(::getpid()) + "_" +
+                                             test.substr(0, test.find('/')) + precision_name(GetParam().precision) +
+                                             kernels::moment_format_name(GetParam().moments));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "nvme");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // kSteps steps of kAccum micro-batches through a PagedState with these budgets (0 device: roomy).
+  Run train(const model::ModelConfig& mc, const std::vector<Batch>& batches, uint64_t device, uint64_t host,
+            uint64_t nvme, uint64_t chunk = 0, PagedState** keep = nullptr) {
+    const Recipe r = GetParam();
+    model::LlamaModel init(mc);  // the fp32 weights every run starts from
+    init.init_weights(7);
+    auto dev = CpuDevice::create(0, 0);
+    CHECK(dev.ok());
+    auto io = make_io_engine({.kind = "threads"});
+    CHECK(io.ok());
+    std::unique_ptr<model::Model> net =
+        model::make_cpu_decoder(StateLayout::of(r.precision).compute_dtype(), mc, /*flat_buffers=*/false, dev->get());
+    PagedStateOptions po;
+    po.precision = r.precision;
+    po.moments = r.moments;
+    po.device_bytes = device ? device : 1ull << 30;
+    po.host_bytes = host ? host : 1ull << 30;
+    po.nvme_bytes = nvme;
+    po.nvme_dir = (dir_ / "nvme").string();
+    po.chunk_bytes = chunk;
+    po.grad_accum = kAccum;
+    po.optimizer = optimizer_config(0.5f);
+    auto paged = PagedState::create(**dev, io->get(), net->layout(), po);
+    EXPECT_TRUE(paged.ok()) << paged.status().to_string();
+    Run out;
+    if (!paged.ok()) return out;
+    PagedState& ps = **paged;
+    EXPECT_TRUE(ps.load_params(init.params()).ok());
+    net->set_access(&ps);
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_TRUE(ps.zero_grads().ok());
+      double loss = 0;
+      for (int m = 0; m < kAccum; ++m) {
+        const Batch& b = batches[static_cast<size_t>(s * kAccum + m)];
+        Result<double> l = net->compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kAccum * kB * kT), true);
+        EXPECT_TRUE(l.ok()) << l.status().to_string();
+        if (l.ok()) loss += *l;
+      }
+      Result<double> norm = ps.clip_and_step(1e-2f);
+      EXPECT_TRUE(norm.ok()) << norm.status().to_string();
+      out.losses.push_back(loss);
+    }
+    net->set_access(nullptr);
+    const size_t n = static_cast<size_t>(net->layout().total_size());
+    out.params.assign(n, 0.0f);
+    out.m.assign(n, 0.0f);
+    out.v.assign(n, 0.0f);
+    EXPECT_TRUE(ps.store_params(out.params.data()).ok());
+    EXPECT_TRUE(ps.store_moments(out.m.data(), out.v.data()).ok());
+    out.stats = ps.stats();
+    if (keep != nullptr) {
+      // Hand the state over (the caller inspects it); the device and engine stay alive with it.
+      devices_.push_back(std::move(*dev));
+      ios_.push_back(std::move(*io));
+      states_.push_back(std::move(*paged));
+      *keep = states_.back().get();
+    }
+    return out;
+  }
+
+  fs::path dir_;
+  std::vector<std::unique_ptr<Device>> devices_;
+  std::vector<std::unique_ptr<IoEngine>> ios_;
+  std::vector<std::unique_ptr<PagedState>> states_;
+};
+
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST_P(Fp8RecipeTest, TightBudgetsThroughHostAndNvmeMatchRoomyBitwise) {
+  const model::ModelConfig mc = fp8_config();
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 5);
+  const Run roomy = train(mc, batches, 0, 0, 0);
+  ASSERT_EQ(roomy.losses.size(), static_cast<size_t>(kSteps));
+  for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
+  model::ParamLayout layout(mc);
+  const uint64_t chunk = PagedState::auto_chunk_bytes(layout, StateLayout::of(GetParam().precision, GetParam().moments));
+  const uint64_t group = static_cast<uint64_t>(layout.total_size()) * 4 / (mc.num_hidden_layers + 1);
+  const uint64_t c = std::max(chunk, (group + 4095) / 4096 * 4096);
+  const Run tight = train(mc, batches, 8 * c, 10 * c, 64 * c, c);
+  EXPECT_EQ(roomy.losses, tight.losses);
+  EXPECT_TRUE(bitwise_equal(roomy.params, tight.params)) << "paging changed the parameters";
+  EXPECT_TRUE(bitwise_equal(roomy.m, tight.m)) << "paging changed the first moments";
+  EXPECT_TRUE(bitwise_equal(roomy.v, tight.v)) << "paging changed the second moments";
+  EXPECT_GT(tight.stats.host_to_nvme_bytes, 0u) << "the nvme tier was never written";
+  EXPECT_GT(tight.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
+}
+
+// The compute copy the model reads: E4M3 blocks of the master for linear weights (bytes equal
+// to the reference quantiser's), bf16 of the master for everything else.
+TEST_P(Fp8RecipeTest, ComputeCopiesAreTheMasterQuantised) {
+  if (GetParam().precision == Precision::kFp32) GTEST_SKIP() << "the fp32 recipe's copy is the master";
+  const model::ModelConfig mc = fp8_config();
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 6);
+  PagedState* ps = nullptr;
+  const Run run = train(mc, batches, 0, 0, 0, 0, &ps);
+  ASSERT_NE(ps, nullptr);
+  model::ParamLayout layout(mc);
+  int quantised = 0;
+  for (const model::TensorSpec& t : layout.tensors()) {
+    const int g = model::param_group_of(layout, t);
+    ASSERT_TRUE(ps->begin(g, true, false).ok());
+    const auto* copy = static_cast<const uint8_t*>(ps->param(t.offset));
+    const float* master = run.params.data() + t.offset;
+    const bool fp8 = GetParam().precision == Precision::kFp8 && model::param_is_linear_weight(layout, t);
+    if (fp8) {
+      const int64_t rows = t.shape[0], cols = t.numel / rows;
+      std::vector<uint8_t> want(kernels::fp8_matrix_bytes(rows, cols));
+      kernels::cpu::quantize_weight_e4m3(want.data(), master, rows, cols);
+      EXPECT_EQ(std::memcmp(copy, want.data(), want.size()), 0) << t.name << " is not its master in E4M3 blocks";
+      ++quantised;
+    } else {
+      for (int64_t i = 0; i < t.numel; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, copy + 2 * i, 2);
+        ASSERT_EQ(bits, kernels::f32_to_bf16(master[i])) << t.name << "[" << i << "]";
+      }
+    }
+    ps->end(g, true, false);
+  }
+  if (GetParam().precision == Precision::kFp8) EXPECT_EQ(quantised, 7 * mc.num_hidden_layers);
+}
+
+// What checkpoints read beside training (read_flat) is what store_moments decodes, for any range.
+TEST_P(Fp8RecipeTest, MomentsReadInRangesEqualTheWholeDecode) {
+  const model::ModelConfig mc = fp8_config();
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 8);
+  PagedState* ps = nullptr;
+  const Run run = train(mc, batches, 0, 0, 0, 0, &ps);
+  ASSERT_NE(ps, nullptr);
+  model::ParamLayout layout(mc);
+  for (const auto& [kind, want] : {std::pair{StateKind::kAdamM, &run.m}, std::pair{StateKind::kAdamV, &run.v}}) {
+    for (const model::TensorSpec& t : layout.tensors()) {
+      const uint64_t numel = static_cast<uint64_t>(t.numel);
+      // Ranges that start and end inside 256-element blocks, and the whole tensor.
+      for (uint64_t first : {uint64_t{0}, uint64_t{77}, uint64_t{300}, numel / 3}) {
+        for (uint64_t count : {uint64_t{1}, uint64_t{300}, numel}) {
+          if (first >= numel) continue;
+          count = std::min(count, numel - first);
+          std::vector<float> got(count, -1.0f);
+          const uint64_t at = static_cast<uint64_t>(t.offset) + first;
+          ASSERT_TRUE(ps->read_flat(kind, at * 4, count * 4, got.data()).ok());
+          for (uint64_t i = 0; i < count; ++i)
+            ASSERT_EQ(got[i], (*want)[at + i]) << state_kind_name(kind) << " of " << t.name << " at " << first + i;
+        }
+      }
+    }
+  }
+}
+
+// Compact moments store fewer bytes and, stored back, decode to themselves (what a resume from a
+// checkpoint of decoded moments relies on).
+TEST_P(Fp8RecipeTest, MomentsLoadedBackAreUnchanged) {
+  const model::ModelConfig mc = fp8_config();
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 9);
+  PagedState* ps = nullptr;
+  const Run run = train(mc, batches, 0, 0, 0, 0, &ps);
+  ASSERT_NE(ps, nullptr);
+  ASSERT_TRUE(ps->load_moments(run.m.data(), run.v.data()).ok());
+  std::vector<float> m(run.m.size()), v(run.v.size());
+  ASSERT_TRUE(ps->store_moments(m.data(), v.data()).ok());
+  EXPECT_TRUE(bitwise_equal(m, run.m));
+  EXPECT_TRUE(bitwise_equal(v, run.v));
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, Fp8RecipeTest,
+                         ::testing::Values(Recipe{Precision::kFp8, MomentFormat::kF32},
+                                           Recipe{Precision::kFp8, MomentFormat::kBf16},
+                                           Recipe{Precision::kFp8, MomentFormat::kInt8},
+                                           Recipe{Precision::kBf16, MomentFormat::kInt8},
+                                           Recipe{Precision::kFp32, MomentFormat::kBf16}),
+                         [](const auto& info) {
+                           return std::string(precision_name(info.param.precision)) + "_" +
+                                  kernels::moment_format_name(info.param.moments);
+                         });
+
+// The fp8 copies halve what the compute copy weighs: the parameter bytes of the layers (where
+// every matrix is E4M3) are about half the bf16 recipe's, and the planner counts the same bytes
+// the store allocates.
+TEST(Fp8Layout, ParameterBytesHalveAgainstBf16) {
+  const model::ModelConfig mc = fp8_config();
+  model::ParamLayout layout(mc);
+  const uint64_t bf16 = PagedState::state_bytes(layout, StateLayout::of(Precision::kBf16), StateKind::kParam);
+  const uint64_t fp8 = PagedState::state_bytes(layout, StateLayout::of(Precision::kFp8), StateKind::kParam);
+  uint64_t matrices = 0, other = 0;
+  for (const model::TensorSpec& t : layout.tensors())
+    (model::param_is_linear_weight(layout, t) ? matrices : other) += static_cast<uint64_t>(t.numel);
+  uint64_t scales = 0, pads = 0;
+  for (const model::TensorSpec& t : layout.tensors()) {
+    if (!model::param_is_linear_weight(layout, t)) continue;
+    const int64_t rows = t.shape[0], cols = t.numel / rows;
+    scales += static_cast<uint64_t>(kernels::fp8_blocks(rows) * kernels::fp8_blocks(cols)) * 4;
+    pads += kernels::fp8_matrix_scale_offset(rows, cols) - static_cast<uint64_t>(t.numel);
+  }
+  EXPECT_EQ(bf16, 2 * (matrices + other));
+  EXPECT_EQ(fp8, matrices + pads + scales + 2 * other);
+  const StateLayout int8 = StateLayout::of(Precision::kBf16, MomentFormat::kInt8);
+  EXPECT_LT(PagedState::state_bytes(layout, int8, StateKind::kAdamM), static_cast<uint64_t>(layout.num_parameters()) * 11 / 10)
+      << "int8 moments take a byte per element and a scale per 256";
+}
+
+}  // namespace
+}  // namespace strata
