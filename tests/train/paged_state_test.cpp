@@ -229,7 +229,7 @@ TEST_P(PagedStateTest, GroupChunksAreTheChunksTheStoreMakes) {
       // Every kind of the recipe's layout, each packed in its own element size.
       uint64_t planned = 0;
       for (StateKind kind : state_layout().kinds())
-        for (uint64_t c : PagedState::group_chunks(layout, chunk, state_layout().element_bytes(kind))) planned += c;
+        for (uint64_t c : PagedState::group_chunks(layout, chunk, state_layout(), kind)) planned += c;
       EXPECT_EQ((*ps)->store().space().num_chunks(), planned) << "vocab " << vocab << ", chunk " << chunk;
     }
   }
