@@ -29,6 +29,7 @@
 
 #include "kernels/adamw.h"
 #include "kernels/moe.h"
+#include "kernels/moments.h"
 
 namespace strata::kernels::cuda {
 
@@ -212,6 +213,13 @@ struct AdamWTensor {
 // Same per-element operations (and roundings) as kernels::ref::adamw_step: the results are
 // bitwise equal to the CPU reference. `tensors` is a HOST array of `count` entries.
 void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, cudaStream_t stream);
+
+// AdamW on one tensor whose moments are stored compactly (kernels/moments.h): bitwise the
+// bytes and parameters of kernels::cpu::adamw_step_compact. param, grad (n) fp32; m and v
+// each moment_bytes(format, n) bytes, 4-byte aligned, updated in place (the int8 padding is
+// not touched).
+void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
+                        const AdamWParams& p, const MomentRounding& rounding, cudaStream_t stream);
 
 // ---- reductions for gradient clipping and losses ---------------------------------------------
 // *out (device double) = sum of x[i]^2 (accumulate: += instead of =). Deterministic two-pass
