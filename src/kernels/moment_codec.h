@@ -148,17 +148,23 @@ STRATA_HOST_DEVICE uint16_t moment_bf16_encode(float x, bool stochastic, uint64_
 
 // ---- int8 ---------------------------------------------------------------------------------
 
-// Code of x (a value already divided by the block scale, so in [-1, 1]) in `table`.
-STRATA_HOST_DEVICE int moment_int8_encode(const float* table, float x, bool is_v, bool stochastic,
-                                          uint64_t random) {
-  const int zero = is_v ? kUnsignedZeroCode : kSignedZeroCode;
-  if (!(x == x)) return zero;
-  // lo: the largest index with table[lo] <= x (0 when x is below the table).
+// The largest index whose table value is <= x, or 0 when x is below the whole table.
+// Eight steps without a data-dependent branch (a select), which mispredicts on random data.
+// (cpu/moment_search.h finds the same index faster on the CPU.)
+STRATA_HOST_DEVICE int moment_table_floor(const float* table, float x) {
   int lo = 0;
-  // Eight steps without a data-dependent branch (a select), which mispredicts on random data.
   for (int step = kMomentCodes / 2; step > 0; step >>= 1) {
     lo += (table[lo + step] <= x) ? step : 0;
   }
+  return lo;
+}
+
+// Code of x (a value already divided by the block scale, so in [-1, 1]) in `table`, given
+// lo = moment_table_floor(table, x).
+STRATA_HOST_DEVICE int moment_int8_round(const float* table, float x, int lo, bool is_v, bool stochastic,
+                                         uint64_t random) {
+  const int zero = is_v ? kUnsignedZeroCode : kSignedZeroCode;
+  if (!(x == x)) return zero;
   int code;
   if (table[lo] >= x || lo == kMomentCodes - 1) {
     code = lo;  // exact, or below the table's first value
@@ -180,6 +186,11 @@ STRATA_HOST_DEVICE int moment_int8_encode(const float* table, float x, bool is_v
   }
   if (is_v && code == zero && x > 0.0f) code = zero + 1;
   return code;
+}
+
+STRATA_HOST_DEVICE int moment_int8_encode(const float* table, float x, bool is_v, bool stochastic,
+                                          uint64_t random) {
+  return moment_int8_round(table, x, moment_table_floor(table, x), is_v, stochastic, random);
 }
 
 }  // namespace strata::kernels

@@ -12,6 +12,7 @@
 
 #include "../test_util.h"
 #include "kernels/bf16.h"
+#include "kernels/cpu/moment_search.h"
 #include "kernels/moment_codec.h"
 
 namespace strata::kernels {
@@ -93,6 +94,38 @@ TEST(Moments, TablesAreSortedAndHoldZeroAndOne) {
   }
   EXPECT_EQ(kMomentTableM.value[0], -1.0f);
   EXPECT_EQ(kMomentTableM.value[kSignedZeroCode - 1], -kMomentTableM.value[kSignedZeroCode + 2]);
+}
+
+// The CPU's bucket search finds the binary search's index: on every table value, its fp32
+// neighbours, the midpoints between values, and random values over eight decades.
+TEST(Moments, BucketSearchEqualsBinarySearch) {
+  std::mt19937_64 rng(15);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (bool is_v : {false, true}) {
+    const MomentTable& table = is_v ? kMomentTableV : kMomentTableM;
+    const cpu::MomentTableSearch search(table);
+    // The scan stays short: no bucket (32 per power of two) holds more than two table values.
+    for (int i = 0; i + 2 < kMomentCodes; ++i) {
+      const uint32_t base = cpu::moment_search_key(-1.0f);
+      EXPECT_NE((cpu::moment_search_key(table.value[i]) - base) >> 18,
+                (cpu::moment_search_key(table.value[i + 2]) - base) >> 18)
+          << "is_v=" << is_v << " i=" << i;
+    }
+    std::vector<float> probes = {-1.0f, 1.0f, 0.0f, -0.0f, 1e-30f, -1e-30f, 1e-45f};
+    for (int i = 0; i < kMomentCodes; ++i) {
+      const float t = table.value[i];
+      probes.insert(probes.end(), {t, std::nextafter(t, -2.0f), std::nextafter(t, 2.0f)});
+      if (i + 1 < kMomentCodes) probes.push_back(0.5f * (t + table.value[i + 1]));
+    }
+    for (int i = 0; i < 1000000; ++i) {
+      const float mag = static_cast<float>(std::pow(10.0, -8.0 * u(rng)));
+      probes.push_back(u(rng) < 0.5 ? -mag : mag);
+    }
+    for (float x : probes) {
+      if (x < -1.0f || x > 1.0f) continue;
+      ASSERT_EQ(search.floor(x), moment_table_floor(table.value, x)) << "is_v=" << is_v << " x=" << x;
+    }
+  }
 }
 
 TEST(Moments, Fp32PathIsAdamWStepBitwise) {

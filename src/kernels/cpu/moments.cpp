@@ -15,6 +15,7 @@
 
 #include "core/check.h"
 #include "kernels/adamw_element.h"
+#include "kernels/cpu/moment_search.h"
 #include "kernels/moment_codec.h"
 
 namespace strata::kernels {
@@ -80,6 +81,11 @@ struct Int8View {
 
 const float* table_of(bool is_v) { return is_v ? kMomentTableV.value : kMomentTableM.value; }
 
+const MomentTableSearch& search_of(bool is_v) {
+  static const MomentTableSearch m(kMomentTableM), v(kMomentTableV);
+  return is_v ? v : m;
+}
+
 float int8_decode(const float* table, uint8_t code, float scale, bool is_v) {
   const float x = mul_rn(table[code], scale);
   return is_v ? mul_rn(x, x) : x;
@@ -105,9 +111,13 @@ void int8_encode_block(Int8View view, int64_t block, const float* in, int64_t fi
     for (int64_t j = 0; j < count; ++j) codes[j] = static_cast<uint8_t>(zero);
     return;
   }
+  const MomentTableSearch& search = search_of(is_v);
   for (int64_t j = 0; j < count; ++j) {
     const uint64_t random = stochastic ? moment_random_bits(key, static_cast<uint64_t>(first + j)) : 0;
-    codes[j] = static_cast<uint8_t>(moment_int8_encode(table, div_rn(x[j], scale), is_v, stochastic, random));
+    const float xs = div_rn(x[j], scale);
+    // |x| <= scale keeps xs in [-1, 1]; NaN (and anything else) takes the plain search.
+    const int lo = (xs >= -1.0f && xs <= 1.0f) ? search.floor(xs) : moment_table_floor(table, xs);
+    codes[j] = static_cast<uint8_t>(moment_int8_round(table, xs, lo, is_v, stochastic, random));
   }
 }
 
