@@ -27,8 +27,10 @@
 // sqrt(v) instead (the block scale of v is max sqrt(v)), so seven decades of the table cover
 // seven decades of gradient size, and the relative error the update sees through
 // sqrt(v) is the table's own, not half of a coarser one. Decoding squares: v = (t * s)^2.
-// sqrt(fl(y * y)) == y for every fp32 y whose square is a normal number, so decoding and
-// encoding again returns the same code while sqrt(v) >= 2^-63 (v >= 2^-126).
+// sqrt(fl(y * y)) == y for every fp32 y whose square is a normal number (a property of
+// round-to-nearest binary arithmetic; checked exhaustively over [1, 4), which every such y is a
+// power of 4 away from), so decoding and encoding again returns the same code while the
+// decoded v are normal numbers (v >= 2^-126).
 // A nonzero v never encodes to 0: it rounds up to the smallest magnitude instead. A v
 // rounded to 0 under an m that is not would make the step m / eps; a v rounded up only makes
 // the step smaller.
