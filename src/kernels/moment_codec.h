@@ -190,8 +190,7 @@ STRATA_HOST_DEVICE int moment_int8_round(const float* table, float x, int lo, bo
   return code;
 }
 
-STRATA_HOST_DEVICE int moment_int8_encode(const float* table, float x, bool is_v, bool stochastic,
-                                          uint64_t random) {
+STRATA_HOST_DEVICE int moment_int8_encode(const float* table, float x, bool is_v, bool stochastic, uint64_t random) {
   return moment_int8_round(table, x, moment_table_floor(table, x), is_v, stochastic, random);
 }
 

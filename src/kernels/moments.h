@@ -51,8 +51,8 @@ namespace cpu {
 // is_v: the tensor is a second moment (unsigned table for kInt8).
 void decode_moments(float* out, const void* stored, MomentFormat format, bool is_v, int64_t n, int64_t first,
                     int64_t count);
-// Encodes a whole tensor of n elements (nearest rounding). REQUIRES for v: every value >= 0. Decoding what this encodes and
-// encoding it again gives the same bytes (checkpoints store decoded moments and rely on it).
+// Encodes a whole tensor of n elements (nearest rounding). REQUIRES for v: every value >= 0. Decoding what this encodes
+// and encoding it again gives the same bytes (checkpoints store decoded moments and rely on it).
 void encode_moments(void* stored, const float* in, MomentFormat format, bool is_v, int64_t n);
 // The same with a rounding mode: stochastic rounding draws element i's bits from (seed, is_v, i).
 void encode_moments(void* stored, const float* in, MomentFormat format, bool is_v, int64_t n,

@@ -22,8 +22,7 @@ using strata::testing::random_vector;
 
 using Bytes = std::vector<uint8_t>;
 
-Bytes encoded(const std::vector<float>& x, MomentFormat format, bool is_v,
-              const MomentRounding& rounding = {}) {
+Bytes encoded(const std::vector<float>& x, MomentFormat format, bool is_v, const MomentRounding& rounding = {}) {
   const int64_t n = static_cast<int64_t>(x.size());
   Bytes out(moment_bytes(format, n), 0xAB);  // garbage the encoder must overwrite
   cpu::encode_moments(out.data(), x.data(), format, is_v, n, rounding);
@@ -135,8 +134,8 @@ TEST(Moments, Fp32PathIsAdamWStepBitwise) {
   for (int64_t step = 1; step <= 5; ++step) {
     const auto g = random_vector(n, 10 + step);
     ref::adamw_step(p_ref.data(), g.data(), m_ref.data(), v_ref.data(), n, typical_params(step));
-    cpu::adamw_step_compact(p.data(), g.data(), m.data(), v.data(), MomentFormat::kF32, n,
-                            typical_params(step), MomentRounding{true, 7});
+    cpu::adamw_step_compact(p.data(), g.data(), m.data(), v.data(), MomentFormat::kF32, n, typical_params(step),
+                            MomentRounding{true, 7});
   }
   EXPECT_TRUE(bitwise_equal(p, p_ref));
   EXPECT_TRUE(bitwise_equal(m, m_ref));
@@ -148,8 +147,7 @@ TEST(Moments, CompactStepIsDecodeReferenceEncode) {
   for (MomentFormat format : kCompact) {
     for (int64_t n : {1, 257, 1000}) {
       for (bool stochastic : {false, true}) {
-        SCOPED_TRACE(::testing::Message() << moment_format_name(format) << " n=" << n
-                                          << " stochastic=" << stochastic);
+        SCOPED_TRACE(::testing::Message() << moment_format_name(format) << " n=" << n << " stochastic=" << stochastic);
         auto p = random_vector(n, 2);
         Bytes m = encoded(moment_like(n, 3, false, 5), format, false);
         Bytes v = encoded(moment_like(n, 4, true, 5), format, true);
@@ -161,8 +159,7 @@ TEST(Moments, CompactStepIsDecodeReferenceEncode) {
           ref::adamw_step(p_ref.data(), g.data(), m_ref.data(), v_ref.data(), n, typical_params(step));
           const Bytes m_want = encoded(m_ref, format, false, rounding);
           const Bytes v_want = encoded(v_ref, format, true, rounding);
-          cpu::adamw_step_compact(p.data(), g.data(), m.data(), v.data(), format, n, typical_params(step),
-                                  rounding);
+          cpu::adamw_step_compact(p.data(), g.data(), m.data(), v.data(), format, n, typical_params(step), rounding);
           ASSERT_TRUE(bitwise_equal(p, p_ref)) << "step " << step;
           ASSERT_EQ(m, m_want) << "step " << step;
           ASSERT_EQ(v, v_want) << "step " << step;
@@ -189,8 +186,8 @@ TEST(Moments, EncodeOfDecodeGivesTheSameBytes) {
     for (bool is_v : {false, true}) {
       for (int64_t n : {1, 257, 1000, 4096}) {
         for (bool stochastic : {false, true}) {
-          SCOPED_TRACE(::testing::Message() << moment_format_name(format) << " is_v=" << is_v << " n=" << n
-                                            << " stochastic=" << stochastic);
+          SCOPED_TRACE(::testing::Message()
+                       << moment_format_name(format) << " is_v=" << is_v << " n=" << n << " stochastic=" << stochastic);
           // Stored bytes from an encoding (of either rounding), then decode and encode nearest.
           const Bytes stored = encoded(moment_like(n, 6 + n, is_v, 6.5), format, is_v, {stochastic, 9});
           EXPECT_EQ(encoded(decoded(stored, format, is_v, n), format, is_v), stored);
@@ -206,8 +203,8 @@ TEST(Moments, DecodingARangeEqualsTheSliceOfTheWhole) {
     for (bool is_v : {false, true}) {
       const Bytes stored = encoded(moment_like(n, 11, is_v, 4), format, is_v);
       const auto whole = decoded(stored, format, is_v, n);
-      for (auto [first, count] : {std::pair<int64_t, int64_t>{0, 1000}, {0, 0}, {255, 2}, {300, 700}, {999, 1},
-                                  {17, 500}}) {
+      for (auto [first, count] :
+           {std::pair<int64_t, int64_t>{0, 1000}, {0, 0}, {255, 2}, {300, 700}, {999, 1}, {17, 500}}) {
         std::vector<float> part(static_cast<size_t>(count));
         cpu::decode_moments(part.data(), stored.data(), format, is_v, n, first, count);
         EXPECT_TRUE(bitwise_equal(part, std::vector<float>(whole.begin() + first, whole.begin() + first + count)))
@@ -288,13 +285,14 @@ TEST(Moments, StochasticRoundingIsUnbiased) {
   struct Case {
     MomentFormat format;
     bool is_v;
-    float x;       // the value (for v: the value of sqrt(v))
-    double gap;    // distance between the two representable values around x
+    float x;     // the value (for v: the value of sqrt(v))
+    double gap;  // distance between the two representable values around x
   };
   const double m_gap = 0.9 / kSignedSteps[0], v_gap = 0.9 / kUnsignedSteps[0];
-  for (const Case c : {Case{MomentFormat::kBf16, false, 1.0f + 0x1p-10f + 0x1p-12f, 0x1p-7},
-                       Case{MomentFormat::kBf16, true, 3.0f + 0x1p-9f, 0x1p-6},
-                       Case{MomentFormat::kInt8, false, -0.37f, m_gap}, Case{MomentFormat::kInt8, true, 0.37f, v_gap}}) {
+  for (const Case c :
+       {Case{MomentFormat::kBf16, false, 1.0f + 0x1p-10f + 0x1p-12f, 0x1p-7},
+        Case{MomentFormat::kBf16, true, 3.0f + 0x1p-9f, 0x1p-6}, Case{MomentFormat::kInt8, false, -0.37f, m_gap},
+        Case{MomentFormat::kInt8, true, 0.37f, v_gap}}) {
     SCOPED_TRACE(::testing::Message() << moment_format_name(c.format) << " is_v=" << c.is_v);
     std::vector<float> x(n, c.is_v && c.format == MomentFormat::kInt8 ? c.x * c.x : c.x);
     // For int8 the first element of every block sets the scale to 1.

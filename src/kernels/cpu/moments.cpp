@@ -69,8 +69,7 @@ struct Int8View {
   uint8_t* codes;
   uint8_t* scales;  // float per block
 
-  Int8View(void* stored, int64_t n)
-      : codes(static_cast<uint8_t*>(stored)), scales(codes + int8_codes_bytes(n)) {}
+  Int8View(void* stored, int64_t n) : codes(static_cast<uint8_t*>(stored)), scales(codes + int8_codes_bytes(n)) {}
   float scale(int64_t block) const {
     float s;
     std::memcpy(&s, scales + 4 * block, 4);
@@ -93,8 +92,8 @@ float int8_decode(const float* table, uint8_t code, float scale, bool is_v) {
 
 // Encodes `count` (<= kMomentBlock) values of block `block`, whose first element is element
 // `first` of the tensor (the index the random bits are drawn for). For v, `in` holds v itself.
-void int8_encode_block(Int8View view, int64_t block, const float* in, int64_t first, int64_t count,
-                       bool is_v, bool stochastic, uint64_t key) {
+void int8_encode_block(Int8View view, int64_t block, const float* in, int64_t first, int64_t count, bool is_v,
+                       bool stochastic, uint64_t key) {
   const float* table = table_of(is_v);
   float x[kMomentBlock];
   float scale = 0.0f;
@@ -170,8 +169,8 @@ void encode_moments(void* stored, const float* in, MomentFormat format, bool is_
       std::memset(view.codes + n, 0, static_cast<size_t>(int8_codes_bytes(n) - n));
       for (int64_t b = 0; b < int8_blocks(n); ++b) {
         const int64_t first = b * kMomentBlock;
-        int8_encode_block(view, b, in + first, first, std::min(kMomentBlock, n - first), is_v,
-                          rounding.stochastic, key);
+        int8_encode_block(view, b, in + first, first, std::min(kMomentBlock, n - first), is_v, rounding.stochastic,
+                          key);
       }
       return;
     }

@@ -31,8 +31,8 @@ struct Keys {
   uint64_t v;
 };
 
-__global__ void bf16_kernel(float* param, const float* grad, uint16_t* m, uint16_t* v, int64_t n,
-                            AdamWScalars s, bool stochastic, Keys keys) {
+__global__ void bf16_kernel(float* param, const float* grad, uint16_t* m, uint16_t* v, int64_t n, AdamWScalars s,
+                            bool stochastic, Keys keys) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     float w = param[i];
     float mi = moment_bf16_decode(m[i]), vi = moment_bf16_decode(v[i]);
@@ -57,8 +57,8 @@ __device__ float block_max(float x, float* shared) {
 }
 
 // Encodes x (|m|, or sqrt(v), of this thread's element) with the block's scale.
-__device__ uint8_t int8_encode(const float* table, float x, float scale, bool is_v, bool stochastic,
-                               uint64_t key, uint64_t index) {
+__device__ uint8_t int8_encode(const float* table, float x, float scale, bool is_v, bool stochastic, uint64_t key,
+                               uint64_t index) {
   if (scale == 0.0f) return static_cast<uint8_t>(is_v ? kUnsignedZeroCode : kSignedZeroCode);
   const uint64_t random = stochastic ? moment_random_bits(key, index) : 0;
   return static_cast<uint8_t>(moment_int8_encode(table, div_rn(x, scale), is_v, stochastic, random));
