@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "kernels/adamw.h"
 #include "kernels/moe.h"
@@ -65,7 +66,16 @@ class Context {
   void* scratch(size_t bytes, const char* what) const;
   size_t scratch_bytes() const { return scratch_bytes_; }
 
+  // The cuBLASLt plans of fp8_gemm_nt (descriptors, layouts, the chosen algorithm), one per
+  // shape, built on first use; defined in fp8_gemm.cpp.
+  struct Fp8GemmPlans;
+  Fp8GemmPlans& fp8_gemm_plans();
+
  private:
+  // A deleter defined where Fp8GemmPlans is complete, so that this header need not know it.
+  struct Fp8GemmPlansDeleter {
+    void operator()(Fp8GemmPlans* plans) const;
+  };
   int device_ = 0;
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t blas_ = nullptr;
@@ -74,6 +84,7 @@ class Context {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   bool owns_memory_ = true;
+  std::unique_ptr<Fp8GemmPlans, Fp8GemmPlansDeleter> fp8_gemm_plans_;
 };
 
 // ---- embedding -----------------------------------------------------------------------------
