@@ -2,8 +2,9 @@
 //
 // kernels/fp8.h keeps scales row-major with the K block index innermost: (rows, L) for 1 x 128
 // tiles, (row blocks, L) for 128 x 128 blocks (L = fp8_blocks(K)). cuBLASLt reads, for an
-// operand whose rows run along K (cuBLAS docs, "Scaling factors layouts"; the same layouts are
-// spelled out in PyTorch's checks for its 1x128 / 128x128 scaled_mm):
+// operand stored as rows of K contiguous elements (the cuBLAS documentation's "Scaling factors
+// layouts", as PyTorch's scaled_mm states and checks them for its 1x128 / 128x128 modes; the
+// 4-block padding was added there after silent wrong results with fp8_blocks(K) % 4 != 0):
 //   VEC128_32F     the K block index OUTERMOST: scale (row r, block kb) at kb * rows + r, so the
 //                  scales of one K block for consecutive rows are contiguous (a kernel loads
 //                  one K block's scales for its whole tile of rows at once). A transpose.
