@@ -1,18 +1,20 @@
 // The FP8 block-scaled GEMM on cuBLASLt (kernels/cuda/fp8.h), with its plans cached per shape
 // in the Context.
 //
-// cuBLASLt facts this relies on (cuBLAS documentation of cublasLtMatmul and of
-// cublasLtMatmulMatrixScale_t, CUDA 12.9+; enum names checked against cublasLt.h of CUDA 13):
+// cuBLASLt facts this relies on (enum and attribute names checked against cublasLt.h of CUDA 13):
 //   - FP8 operands need the "TN" format on Hopper: the first operand transposed, the second
-//     not, both column-major with K contiguous; compute CUBLAS_COMPUTE_32F, scale type fp32.
+//     not, both column-major with K contiguous (cublasLtMatmul documentation); compute
+//     CUBLAS_COMPUTE_32F, scale type fp32 (NVIDIA's LtBlk128x128Fp8Matmul sample does the same).
 //   - CUBLASLT_MATMUL_DESC_{A,B}_SCALE_MODE = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F (one fp32
-//     scale per 128 elements along K) or ..._BLK128x128_32F (one per 128 x 128 block), with the
-//     scale arrays at CUBLASLT_MATMUL_DESC_{A,B}_SCALE_POINTER; the pointers must be set before
-//     the heuristic is asked (it rejects a block-scaling mode without one). Supported pairs:
-//     VEC128 x VEC128, VEC128 x BLK, BLK x VEC128. The scale layouts are in fp8_scales.cu.
-//   - Fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM) is not offered with block scaling;
-//     cuBLASLt promotes each K block's partial sum to fp32 with its scales applied, as
-//     ref::fp8_gemm_nt does, though its order of additions inside a block is its own.
+//     scale per 128 elements of the innermost dimension, K here) or ..._BLK128x128_32F (one per
+//     128 x 128 block), the scales at CUBLASLT_MATMUL_DESC_{A,B}_SCALE_POINTER (cuBLAS 12.9+,
+//     Hopper). The heuristic rejects a block-scaling mode whose scale pointer is unset, so the
+//     pointers are set before it is asked. The pairs VEC128 x VEC128, VEC128 x BLK and
+//     BLK x VEC128 are the ones PyTorch's scaled_mm uses. Scale layouts: fp8_scales.cu.
+//   - CUBLASLT_MATMUL_DESC_FAST_ACCUM stays at its default (off); PyTorch refuses fast
+//     accumulation with these modes. The per-128-K scales imply that each K block's partial sum
+//     is scaled in fp32 as ref::fp8_gemm_nt does; the order of additions inside a block is
+//     cuBLASLt's own (hence a bound, not bitwise equality, in the tests).
 //   - Data pointers and leading dimensions 16-byte aligned (so K, and N for C, multiples of 16).
 //
 // Row-major to column-major: row-major C (M, N) = A (M, K) @ B (N, K)^T is column-major
@@ -23,6 +25,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <tuple>
 
