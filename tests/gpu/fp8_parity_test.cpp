@@ -64,9 +64,9 @@ std::vector<float> with_specials(int64_t rows, int64_t cols, uint64_t seed) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t rb = r / 128, cb = c / 128;
-      if ((rb + cb) % 5 == 1) v[r * cols + c] = 0.0f;                        // all-zero block
-      if ((rb + cb) % 5 == 2) v[r * cols + c] *= 1e36f;                      // huge
-      if ((rb + cb) % 5 == 3) v[r * cols + c] *= 1e-40f;                     // subnormal or zero
+      if ((rb + cb) % 5 == 1) v[r * cols + c] = 0.0f;                       // all-zero block
+      if ((rb + cb) % 5 == 2) v[r * cols + c] *= 1e36f;                     // huge
+      if ((rb + cb) % 5 == 3) v[r * cols + c] *= 1e-40f;                    // subnormal or zero
       if ((rb + cb) % 5 == 4 && (r + c) % 97 == 0) v[r * cols + c] = 3e5f;  // outlier
     }
   }
@@ -91,9 +91,8 @@ void expect_bitwise(const std::vector<T>& gpu, const std::vector<T>& want, const
       ++mismatches;
     }
   }
-  EXPECT_EQ(mismatches, 0) << what << ": first mismatch at " << first << " ("
-                           << (first >= 0 ? double(gpu[first]) : 0.0) << " vs "
-                           << (first >= 0 ? double(want[first]) : 0.0) << ")";
+  EXPECT_EQ(mismatches, 0) << what << ": first mismatch at " << first << " (" << (first >= 0 ? double(gpu[first]) : 0.0)
+                           << " vs " << (first >= 0 ? double(want[first]) : 0.0) << ")";
 }
 
 struct Shape {
@@ -263,8 +262,8 @@ TEST(Fp8Parity, GemmMatchesTheReferenceWithinTheBound) {
       const std::vector<float> b_deq = dequantize(b_codes, b_scales.data(), N, K, b_blocks);
 
       std::vector<float> want(M * N);
-      ref::fp8_gemm_nt(want.data(), a_codes.data(), a_scales.data(), b_codes.data(), b_scales.data(), b_blocks, M,
-                       N, K);
+      ref::fp8_gemm_nt(want.data(), a_codes.data(), a_scales.data(), b_codes.data(), b_scales.data(), b_blocks, M, N,
+                       K);
       const std::vector<double> b_norm = row_norms(b_deq, N, K);
 
       for (bool c_bf16 : {false, true}) {

@@ -27,17 +27,17 @@ void quantize_weight_e4m3(uint8_t* out, const float* w /*(rows,cols)*/, int64_t 
 
 // x (rows, cols) -> codes (rows, cols) and scales (rows, fp8_blocks(cols)) row-major: 1 x 128
 // tiles along each row (the operand whose K runs along its rows).
-void quantize_rows_e4m3(uint8_t* codes, float* scales, const bf16* x /*(rows,cols)*/, int64_t rows,
-                        int64_t cols, cudaStream_t stream);
-void quantize_rows_e4m3(uint8_t* codes, float* scales, const float* x /*(rows,cols)*/, int64_t rows,
-                        int64_t cols, cudaStream_t stream);
+void quantize_rows_e4m3(uint8_t* codes, float* scales, const bf16* x /*(rows,cols)*/, int64_t rows, int64_t cols,
+                        cudaStream_t stream);
+void quantize_rows_e4m3(uint8_t* codes, float* scales, const float* x /*(rows,cols)*/, int64_t rows, int64_t cols,
+                        cudaStream_t stream);
 
 // The same with 128 x 1 tiles down each column: scales (fp8_blocks(rows), cols) row-major (the
 // operands of the weight-gradient GEMM, whose K is the token dimension).
-void quantize_cols_e4m3(uint8_t* codes, float* scales, const bf16* x /*(rows,cols)*/, int64_t rows,
-                        int64_t cols, cudaStream_t stream);
-void quantize_cols_e4m3(uint8_t* codes, float* scales, const float* x /*(rows,cols)*/, int64_t rows,
-                        int64_t cols, cudaStream_t stream);
+void quantize_cols_e4m3(uint8_t* codes, float* scales, const bf16* x /*(rows,cols)*/, int64_t rows, int64_t cols,
+                        cudaStream_t stream);
+void quantize_cols_e4m3(uint8_t* codes, float* scales, const float* x /*(rows,cols)*/, int64_t rows, int64_t cols,
+                        cudaStream_t stream);
 
 // ---- GEMM (fp8_gemm.cpp) ------------------------------------------------------------------------
 // C (M, N) row-major = A (M, K) @ B (N, K)^T + beta * C, A and B E4M3 codes row-major (K

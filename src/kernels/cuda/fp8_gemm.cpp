@@ -49,8 +49,8 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Scratch offsets (256-byte aligned) of the repacked scales.
 struct ScaleScratch {
-  size_t a_offset = 0;   // (L, M) K-major tile scales of A
-  size_t b_offset = 0;   // B's scales in cuBLASLt's layout, unless passed as they are
+  size_t a_offset = 0;  // (L, M) K-major tile scales of A
+  size_t b_offset = 0;  // B's scales in cuBLASLt's layout, unless passed as they are
   size_t bytes = 0;
   bool b_as_is = false;  // 128 x 128 blocks with L % 4 == 0: the stored layout is cuBLASLt's
 };
@@ -112,10 +112,10 @@ size_t fp8_gemm_scratch_bytes(int64_t M, int64_t N, int64_t K, bool b_blocks) {
 namespace {
 
 void set_scale_pointers(cublasLtMatmulDesc_t op, const float* first_scales, const float* second_scales) {
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &first_scales,
-                                              sizeof(first_scales)));
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &second_scales,
-                                              sizeof(second_scales)));
+  CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &first_scales, sizeof(first_scales)));
+  CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &second_scales, sizeof(second_scales)));
 }
 
 std::unique_ptr<Plan> make_plan(Context& ctx, const PlanKey& key, const float* first_scales,
@@ -127,17 +127,18 @@ std::unique_ptr<Plan> make_plan(Context& ctx, const PlanKey& key, const float* f
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
   // cuBLASLt's A is our B (weight or 1 x 128 tiles), its B is our A (1 x 128 tiles).
-  const int32_t mode_first = b_blocks ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  const int32_t mode_first =
+      b_blocks ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
   const int32_t mode_second = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_first,
-                                              sizeof(mode_first)));
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_second,
-                                              sizeof(mode_second)));
+  CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_first, sizeof(mode_first)));
+  CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_second, sizeof(mode_second)));
   set_scale_pointers(plan->op, first_scales, second_scales);
 
   const auto k = static_cast<uint64_t>(K), n = static_cast<uint64_t>(N), m = static_cast<uint64_t>(M);
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->first, CUDA_R_8F_E4M3, k, n, K));    // B: (K, N), ld K
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->second, CUDA_R_8F_E4M3, k, m, K));   // A: (K, M), ld K
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->first, CUDA_R_8F_E4M3, k, n, K));                 // B: (K, N), ld K
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->second, CUDA_R_8F_E4M3, k, m, K));                // A: (K, M), ld K
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, c_bf16 ? CUDA_R_16BF : CUDA_R_32F, n, m, N));  // C^T
 
   cublasLtMatmulPreference_t pref = nullptr;
@@ -156,8 +157,8 @@ std::unique_ptr<Plan> make_plan(Context& ctx, const PlanKey& key, const float* f
                                                     sizeof(align_c)));
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.lt(), plan->op, plan->first, plan->second,
-                                                               plan->c, plan->c, pref, 1, &heuristic, &found);
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.lt(), plan->op, plan->first, plan->second, plan->c,
+                                                               plan->c, pref, 1, &heuristic, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   CHECK_MSG(status == CUBLAS_STATUS_SUCCESS && found > 0 && heuristic.state == CUBLAS_STATUS_SUCCESS,
             "cuBLASLt has no FP8 block-scaled algorithm for " + shape_text(M, N, K, c_bf16, b_blocks) +

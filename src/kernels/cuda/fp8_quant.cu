@@ -97,8 +97,8 @@ __device__ float block_max(float v, float* shared) {
 // row length is a multiple of 4 and the pointers are aligned, so whole groups of four load and
 // store as one access. grid: ceil(rows * L / warps per block).
 template <typename T>
-__global__ void quantize_rows_kernel(uint8_t* codes, float* scales, const T* x, int64_t rows, int64_t cols,
-                                     int64_t L, bool vec) {
+__global__ void quantize_rows_kernel(uint8_t* codes, float* scales, const T* x, int64_t rows, int64_t cols, int64_t L,
+                                     bool vec) {
   const int64_t tile = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / kWarpSize;
   if (tile >= rows * L) return;  // whole warps leave together: tiles are per warp
   const int lane = threadIdx.x % kWarpSize;
@@ -187,8 +187,8 @@ __global__ void quantize_cols_kernel(uint8_t* codes, float* scales, const T* x, 
 // [4 * (t % 32), +4) and rows t / 32 + 8 i (i < 16) of the block, held in registers between the
 // amax and the conversion. `vec`: cols % 4 == 0 (aligned vector loads and 4-byte code stores).
 // scale_offset: fp8_matrix_scale_offset(rows, cols). grid: (fp8_blocks(cols), fp8_blocks(rows)).
-__global__ void quantize_weight_kernel(uint8_t* out, const float* w, int64_t rows, int64_t cols,
-                                       int64_t scale_offset, bool vec) {
+__global__ void quantize_weight_kernel(uint8_t* out, const float* w, int64_t rows, int64_t cols, int64_t scale_offset,
+                                       bool vec) {
   constexpr int kRowsPerThread = kBlock / (kThreads / kWarpSize);  // 16
   __shared__ float shared[kThreads / kWarpSize];
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -248,8 +248,7 @@ void launch_rows(uint8_t* codes, float* scales, const T* x, int64_t rows, int64_
   const int64_t warps = rows * L;
   const int64_t blocks = ceil_div(warps, kThreads / kWarpSize);
   CHECK_MSG(blocks < (int64_t{1} << 31), "quantize_rows_e4m3: too many tiles");
-  quantize_rows_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(codes, scales, x, rows, cols, L,
-                                                                                  vec);
+  quantize_rows_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(codes, scales, x, rows, cols, L, vec);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -284,16 +283,14 @@ void quantize_weight_e4m3(uint8_t* out, const float* w, int64_t rows, int64_t co
   CUDA_CHECK_LAUNCH();
 }
 
-void quantize_rows_e4m3(uint8_t* codes, float* scales, const bf16* x, int64_t rows, int64_t cols,
-                        cudaStream_t stream) {
+void quantize_rows_e4m3(uint8_t* codes, float* scales, const bf16* x, int64_t rows, int64_t cols, cudaStream_t stream) {
   launch_rows(codes, scales, x, rows, cols, stream);
 }
 void quantize_rows_e4m3(uint8_t* codes, float* scales, const float* x, int64_t rows, int64_t cols,
                         cudaStream_t stream) {
   launch_rows(codes, scales, x, rows, cols, stream);
 }
-void quantize_cols_e4m3(uint8_t* codes, float* scales, const bf16* x, int64_t rows, int64_t cols,
-                        cudaStream_t stream) {
+void quantize_cols_e4m3(uint8_t* codes, float* scales, const bf16* x, int64_t rows, int64_t cols, cudaStream_t stream) {
   launch_cols(codes, scales, x, rows, cols, stream);
 }
 void quantize_cols_e4m3(uint8_t* codes, float* scales, const float* x, int64_t rows, int64_t cols,

@@ -61,8 +61,8 @@ void fp8_block_scales_padded(float* out, const float* in, int64_t outer_blocks, 
   if (outer_blocks == 0 || L == 0) return;
   const int64_t L4 = (L + 3) / 4 * 4;
   constexpr int kThreads = 256;
-  pad_rows_kernel<<<elementwise_blocks(outer_blocks * L4, kThreads), kThreads, 0, stream>>>(out, in, outer_blocks,
-                                                                                            L, L4);
+  pad_rows_kernel<<<elementwise_blocks(outer_blocks * L4, kThreads), kThreads, 0, stream>>>(out, in, outer_blocks, L,
+                                                                                            L4);
   CUDA_CHECK_LAUNCH();
 }
 
