@@ -27,17 +27,17 @@ void quantize_weight_e4m3(uint8_t* out, const float* w /*(rows,cols)*/, int64_t 
 
 // x (rows, cols) -> codes (rows, cols) and scales (rows, fp8_blocks(cols)) row-major: 1 x 128
 // tiles along each row (the operand whose K runs along its rows).
-void quantize_rows_e4m3(uint8_t* codes, float* scales, const bf16* x /*(rows,cols)*/, int64_t rows, int64_t cols,
-                        cudaStream_t stream);
-void quantize_rows_e4m3(uint8_t* codes, float* scales, const float* x /*(rows,cols)*/, int64_t rows, int64_t cols,
-                        cudaStream_t stream);
+void quantize_rows_e4m3(uint8_t* codes /*(rows,cols)*/, float* scales /*(rows,L)*/, const bf16* x /*(rows,cols)*/,
+                        int64_t rows, int64_t cols, cudaStream_t stream);
+void quantize_rows_e4m3(uint8_t* codes /*(rows,cols)*/, float* scales /*(rows,L)*/, const float* x /*(rows,cols)*/,
+                        int64_t rows, int64_t cols, cudaStream_t stream);
 
 // The same with 128 x 1 tiles down each column: scales (fp8_blocks(rows), cols) row-major (the
 // operands of the weight-gradient GEMM, whose K is the token dimension).
-void quantize_cols_e4m3(uint8_t* codes, float* scales, const bf16* x /*(rows,cols)*/, int64_t rows, int64_t cols,
-                        cudaStream_t stream);
-void quantize_cols_e4m3(uint8_t* codes, float* scales, const float* x /*(rows,cols)*/, int64_t rows, int64_t cols,
-                        cudaStream_t stream);
+void quantize_cols_e4m3(uint8_t* codes /*(rows,cols)*/, float* scales /*(L,cols)*/, const bf16* x /*(rows,cols)*/,
+                        int64_t rows, int64_t cols, cudaStream_t stream);
+void quantize_cols_e4m3(uint8_t* codes /*(rows,cols)*/, float* scales /*(L,cols)*/, const float* x /*(rows,cols)*/,
+                        int64_t rows, int64_t cols, cudaStream_t stream);
 
 // ---- GEMM (fp8_gemm.cpp) ------------------------------------------------------------------------
 // C (M, N) row-major = A (M, K) @ B (N, K)^T + beta * C, A and B E4M3 codes row-major (K
@@ -53,9 +53,9 @@ void quantize_cols_e4m3(uint8_t* codes, float* scales, const float* x /*(rows,co
 // 128 x 128 blocks with fp8_blocks(K) % 4 == 0: those are read in place); CHECKs both, naming
 // the shape. Needs a GPU with FP8 block scaling in cuBLASLt (Hopper, sm_90; CUDA 12.9+): on
 // others the heuristic finds nothing and the CHECK says so.
-void fp8_gemm_nt(Context& ctx, void* C, bool c_bf16, const uint8_t* A, const float* a_scales, const uint8_t* B,
-                 const float* b_scales, bool b_blocks, int64_t M, int64_t N, int64_t K, float beta,
-                 cudaStream_t stream);
+void fp8_gemm_nt(Context& ctx, void* C /*(M,N)*/, bool c_bf16, const uint8_t* A /*(M,K)*/,
+                 const float* a_scales /*(M,L)*/, const uint8_t* B /*(N,K)*/, const float* b_scales /*(NB,L) or (N,L)*/,
+                 bool b_blocks, int64_t M, int64_t N, int64_t K, float beta, cudaStream_t stream);
 size_t fp8_gemm_scratch_bytes(int64_t M, int64_t N, int64_t K, bool b_blocks);
 
 // ---- scale layouts for cuBLASLt (fp8_scales.cu) --------------------------------------------------
