@@ -58,8 +58,7 @@ STRATA_HOST_DEVICE float sqrt_rn(float a) {
 }
 
 // Updates one element: param, m and v in place, from gradient g and the step's scalars.
-STRATA_HOST_DEVICE void adamw_update_element(float g, float& param, float& m, float& v,
-                                             const AdamWScalars& s) {
+STRATA_HOST_DEVICE void adamw_update_element(float g, float& param, float& m, float& v, const AdamWScalars& s) {
   // param.mul_(1 - lr * weight_decay)
   float w = mul_rn(param, s.decay);
   // exp_avg.lerp_(grad, 1 - beta1): PyTorch's lerp picks the formula by the weight's size.

@@ -27,8 +27,10 @@
 // sqrt(v) instead (the block scale of v is max sqrt(v)), so seven decades of the table cover
 // seven decades of gradient size, and the relative error the update sees through
 // sqrt(v) is the table's own, not half of a coarser one. Decoding squares: v = (t * s)^2.
-// sqrt(fl(y * y)) == y for every fp32 y whose square is a normal number, so decoding and
-// encoding again returns the same code while sqrt(v) >= 2^-63 (v >= 2^-126).
+// sqrt(fl(y * y)) == y for every fp32 y whose square is a normal number (a property of
+// round-to-nearest binary arithmetic; checked exhaustively over [1, 4), which every such y is a
+// power of 4 away from), so decoding and encoding again returns the same code while the
+// decoded v are normal numbers (v >= 2^-126).
 // A nonzero v never encodes to 0: it rounds up to the smallest magnitude instead. A v
 // rounded to 0 under an m that is not would make the step m / eps; a v rounded up only makes
 // the step smaller.
@@ -148,17 +150,23 @@ STRATA_HOST_DEVICE uint16_t moment_bf16_encode(float x, bool stochastic, uint64_
 
 // ---- int8 ---------------------------------------------------------------------------------
 
-// Code of x (a value already divided by the block scale, so in [-1, 1]) in `table`.
-STRATA_HOST_DEVICE int moment_int8_encode(const float* table, float x, bool is_v, bool stochastic,
-                                          uint64_t random) {
-  const int zero = is_v ? kUnsignedZeroCode : kSignedZeroCode;
-  if (!(x == x)) return zero;
-  // lo: the largest index with table[lo] <= x (0 when x is below the table).
+// The largest index whose table value is <= x, or 0 when x is below the whole table.
+// Eight steps without a data-dependent branch (a select), which mispredicts on random data.
+// (cpu/moment_search.h finds the same index faster on the CPU.)
+STRATA_HOST_DEVICE int moment_table_floor(const float* table, float x) {
   int lo = 0;
-  // Eight steps without a data-dependent branch (a select), which mispredicts on random data.
   for (int step = kMomentCodes / 2; step > 0; step >>= 1) {
     lo += (table[lo + step] <= x) ? step : 0;
   }
+  return lo;
+}
+
+// Code of x (a value already divided by the block scale, so in [-1, 1]) in `table`, given
+// lo = moment_table_floor(table, x).
+STRATA_HOST_DEVICE int moment_int8_round(const float* table, float x, int lo, bool is_v, bool stochastic,
+                                         uint64_t random) {
+  const int zero = is_v ? kUnsignedZeroCode : kSignedZeroCode;
+  if (!(x == x)) return zero;
   int code;
   if (table[lo] >= x || lo == kMomentCodes - 1) {
     code = lo;  // exact, or below the table's first value
@@ -180,6 +188,10 @@ STRATA_HOST_DEVICE int moment_int8_encode(const float* table, float x, bool is_v
   }
   if (is_v && code == zero && x > 0.0f) code = zero + 1;
   return code;
+}
+
+STRATA_HOST_DEVICE int moment_int8_encode(const float* table, float x, bool is_v, bool stochastic, uint64_t random) {
+  return moment_int8_round(table, x, moment_table_floor(table, x), is_v, stochastic, random);
 }
 
 }  // namespace strata::kernels

@@ -17,7 +17,10 @@
 //
 // Stochastic rounding is deterministic: the random bits of element i come from a counter-based
 // hash of (seed, i), so a result never depends on threads, tiers or timing; callers derive the
-// seed from the step and the tensor.
+// seed from the step and the tensor. m and v draw from two different streams of one seed.
+// The CUDA backend's adamw_step_compact (kernels/cuda/ops.h) is built from the same
+// per-element code to write the same bytes; tests/gpu/moments_parity_test.cpp checks it.
+// All functions are safe for concurrent use on disjoint buffers.
 #pragma once
 
 #include <cstdint>
@@ -48,8 +51,8 @@ namespace cpu {
 // is_v: the tensor is a second moment (unsigned table for kInt8).
 void decode_moments(float* out, const void* stored, MomentFormat format, bool is_v, int64_t n, int64_t first,
                     int64_t count);
-// Encodes a whole tensor of n elements (nearest rounding). Decoding what this encodes and
-// encoding it again gives the same bytes (checkpoints store decoded moments and rely on it).
+// Encodes a whole tensor of n elements (nearest rounding). REQUIRES for v: every value >= 0. Decoding what this encodes
+// and encoding it again gives the same bytes (checkpoints store decoded moments and rely on it).
 void encode_moments(void* stored, const float* in, MomentFormat format, bool is_v, int64_t n);
 // The same with a rounding mode: stochastic rounding draws element i's bits from (seed, is_v, i).
 void encode_moments(void* stored, const float* in, MomentFormat format, bool is_v, int64_t n,

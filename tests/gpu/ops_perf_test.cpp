@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "gpu_test_util.h"
+#include "kernels/cuda/fp8.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/fp8.h"
 #include "kernels/rope.h"
 
 namespace strata::testing {
@@ -271,6 +273,75 @@ TEST(OpsPerf, Report) {
     bytes_row("scale_inplace", "n=2^27", 8.0 * n, [&] {
       cu::scale_inplace(g->get(), n, 1.0f, stream);
     });
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+// FP8 block-scaled GEMM (cuBLASLt, 1x128 activation tiles, 128x128 weight blocks or 1x128
+// tiles) against the bf16 cuBLASLt GEMM of linear_forward, at the 0.44B model's shapes
+// (16384 tokens, C = 1024, F = 4096). Prints TFLOP/s of both and their ratio; the recipe's
+// target is >= 1.6x. Never fails on speed. "fp8 + quant" also times quantising the bf16
+// activation (quantize_rows_e4m3), as a forward pass must.
+TEST(OpsPerf, Fp8GemmAgainstBf16) {
+  if (!perf_enabled()) GTEST_SKIP() << "perf mode is off: set STRATA_PERF=1 or pass --perf";
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major < 9) GTEST_SKIP() << "cuBLASLt FP8 block scaling needs sm_90 or newer";
+  StreamGuard stream_guard;
+  const cudaStream_t stream = stream_guard.get();
+  cu::Context ctx(size_t{256} << 20);
+  const int64_t T = 16384, C = 1024, F = 4096;
+  struct Shape {
+    const char* name;
+    int64_t M, N, K;
+    bool b_blocks;
+  };
+  // Forward GEMMs (activation @ weight^T: weight in blocks) and the weight gradient of gate/up
+  // (dY^T @ X over the tokens: both operands in 1 x 128 tiles along the token dimension).
+  const Shape shapes[] = {{"q/k/v/o", T, C, C, true},
+                          {"gate/up", T, F, C, true},
+                          {"down", T, C, F, true},
+                          {"gate/up dweight", F, C, T, false}};
+  auto x = random_bf16(T * F, 21);
+  auto w = random_bf16(F * C > T * F ? F * C : T * F, 22);  // (N, K) bf16 operand of the bf16 GEMM
+  DeviceBuffer<bf16> y(T * F);
+  std::vector<float> w_host(static_cast<size_t>(F * T));
+  for (size_t i = 0; i < w_host.size(); ++i) w_host[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
+  DeviceBuffer<float> w_f32(w_host);
+  DeviceBuffer<uint8_t> a_codes(T * F), b_codes(kernels::fp8_matrix_bytes(F, T));
+  DeviceBuffer<float> a_scales(T * F / 128 + 1), b_scales(T * F / 128 + 1);
+  std::printf("fp8 block-scaled GEMM vs bf16 GEMM (cuBLASLt) on %s\n", prop.name);
+  for (const Shape& s : shapes) {
+    const double flops = 2.0 * s.M * s.N * s.K;
+    const std::string shape = "M=" + std::to_string(s.M) + " N=" + std::to_string(s.N) + " K=" + std::to_string(s.K);
+    const double bf16_ms = time_ms(stream, 20, [&] {
+      cu::gemm(ctx, false, true, s.M, s.N, s.K, 1.0f, x->get(), s.K, w->get(), s.K, 0.0f, y.get(), s.N, false,
+               nullptr, stream);
+    });
+    cu::quantize_rows_e4m3(a_codes.get(), a_scales.get(), x->get(), s.M, s.K, stream);
+    const float* b_scale_ptr = b_scales.get();
+    if (s.b_blocks) {
+      cu::quantize_weight_e4m3(b_codes.get(), w_f32.get(), s.N, s.K, stream);
+      b_scale_ptr = reinterpret_cast<const float*>(b_codes.get() + kernels::fp8_matrix_scale_offset(s.N, s.K));
+    } else {
+      cu::quantize_rows_e4m3(b_codes.get(), b_scales.get(), w_f32.get(), s.N, s.K, stream);
+    }
+    const double fp8_ms = time_ms(stream, 20, [&] {
+      cu::fp8_gemm_nt(ctx, y.get(), true, a_codes.get(), a_scales.get(), b_codes.get(), b_scale_ptr, s.b_blocks,
+                      s.M, s.N, s.K, 0.0f, stream);
+    });
+    const double fp8_quant_ms = time_ms(stream, 20, [&] {
+      cu::quantize_rows_e4m3(a_codes.get(), a_scales.get(), x->get(), s.M, s.K, stream);
+      cu::fp8_gemm_nt(ctx, y.get(), true, a_codes.get(), a_scales.get(), b_codes.get(), b_scale_ptr, s.b_blocks,
+                      s.M, s.N, s.K, 0.0f, stream);
+    });
+    const double bf16_tf = flops / (bf16_ms * 1e-3) / 1e12, fp8_tf = flops / (fp8_ms * 1e-3) / 1e12;
+    const double fp8_quant_tf = flops / (fp8_quant_ms * 1e-3) / 1e12;
+    std::printf("  %-16s %-26s bf16 %7.1f  fp8 %7.1f (%.2fx)  fp8 + quant %7.1f (%.2fx) TFLOP/s%s\n", s.name,
+                shape.c_str(), bf16_tf, fp8_tf, fp8_tf / bf16_tf, fp8_quant_tf, fp8_quant_tf / bf16_tf,
+                fp8_tf / bf16_tf >= 1.6 ? "" : "  [below the 1.6x target]");
+    std::printf("PERF|fp8_gemm_nt %s|%s|%.4f|%.2f|TFLOP/s|%.2f|%.1f\n", s.name, shape.c_str(), fp8_ms, fp8_tf,
+                bf16_tf, 100.0 * fp8_tf / bf16_tf);
   }
   CUDA_CHECK(cudaStreamSynchronize(stream));
 }

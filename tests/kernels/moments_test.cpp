@@ -12,6 +12,7 @@
 
 #include "../test_util.h"
 #include "kernels/bf16.h"
+#include "kernels/cpu/moment_search.h"
 #include "kernels/moment_codec.h"
 
 namespace strata::kernels {
@@ -21,8 +22,7 @@ using strata::testing::random_vector;
 
 using Bytes = std::vector<uint8_t>;
 
-Bytes encoded(const std::vector<float>& x, MomentFormat format, bool is_v,
-              const MomentRounding& rounding = {}) {
+Bytes encoded(const std::vector<float>& x, MomentFormat format, bool is_v, const MomentRounding& rounding = {}) {
   const int64_t n = static_cast<int64_t>(x.size());
   Bytes out(moment_bytes(format, n), 0xAB);  // garbage the encoder must overwrite
   cpu::encode_moments(out.data(), x.data(), format, is_v, n, rounding);
@@ -95,6 +95,38 @@ TEST(Moments, TablesAreSortedAndHoldZeroAndOne) {
   EXPECT_EQ(kMomentTableM.value[kSignedZeroCode - 1], -kMomentTableM.value[kSignedZeroCode + 2]);
 }
 
+// The CPU's bucket search finds the binary search's index: on every table value, its fp32
+// neighbours, the midpoints between values, and random values over eight decades.
+TEST(Moments, BucketSearchEqualsBinarySearch) {
+  std::mt19937_64 rng(15);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (bool is_v : {false, true}) {
+    const MomentTable& table = is_v ? kMomentTableV : kMomentTableM;
+    const cpu::MomentTableSearch search(table);
+    // The scan stays short: no bucket (32 per power of two) holds more than two table values.
+    for (int i = 0; i + 2 < kMomentCodes; ++i) {
+      const uint32_t base = cpu::moment_search_key(-1.0f);
+      EXPECT_NE((cpu::moment_search_key(table.value[i]) - base) >> 18,
+                (cpu::moment_search_key(table.value[i + 2]) - base) >> 18)
+          << "is_v=" << is_v << " i=" << i;
+    }
+    std::vector<float> probes = {-1.0f, 1.0f, 0.0f, -0.0f, 1e-30f, -1e-30f, 1e-45f};
+    for (int i = 0; i < kMomentCodes; ++i) {
+      const float t = table.value[i];
+      probes.insert(probes.end(), {t, std::nextafter(t, -2.0f), std::nextafter(t, 2.0f)});
+      if (i + 1 < kMomentCodes) probes.push_back(0.5f * (t + table.value[i + 1]));
+    }
+    for (int i = 0; i < 1000000; ++i) {
+      const float mag = static_cast<float>(std::pow(10.0, -8.0 * u(rng)));
+      probes.push_back(u(rng) < 0.5 ? -mag : mag);
+    }
+    for (float x : probes) {
+      if (x < -1.0f || x > 1.0f) continue;
+      ASSERT_EQ(search.floor(x), moment_table_floor(table.value, x)) << "is_v=" << is_v << " x=" << x;
+    }
+  }
+}
+
 TEST(Moments, Fp32PathIsAdamWStepBitwise) {
   const int64_t n = 1000;
   auto p_ref = random_vector(n, 1), m_ref = std::vector<float>(n, 0.0f), v_ref = m_ref;
@@ -102,8 +134,8 @@ TEST(Moments, Fp32PathIsAdamWStepBitwise) {
   for (int64_t step = 1; step <= 5; ++step) {
     const auto g = random_vector(n, 10 + step);
     ref::adamw_step(p_ref.data(), g.data(), m_ref.data(), v_ref.data(), n, typical_params(step));
-    cpu::adamw_step_compact(p.data(), g.data(), m.data(), v.data(), MomentFormat::kF32, n,
-                            typical_params(step), MomentRounding{true, 7});
+    cpu::adamw_step_compact(p.data(), g.data(), m.data(), v.data(), MomentFormat::kF32, n, typical_params(step),
+                            MomentRounding{true, 7});
   }
   EXPECT_TRUE(bitwise_equal(p, p_ref));
   EXPECT_TRUE(bitwise_equal(m, m_ref));
@@ -115,8 +147,7 @@ TEST(Moments, CompactStepIsDecodeReferenceEncode) {
   for (MomentFormat format : kCompact) {
     for (int64_t n : {1, 257, 1000}) {
       for (bool stochastic : {false, true}) {
-        SCOPED_TRACE(::testing::Message() << moment_format_name(format) << " n=" << n
-                                          << " stochastic=" << stochastic);
+        SCOPED_TRACE(::testing::Message() << moment_format_name(format) << " n=" << n << " stochastic=" << stochastic);
         auto p = random_vector(n, 2);
         Bytes m = encoded(moment_like(n, 3, false, 5), format, false);
         Bytes v = encoded(moment_like(n, 4, true, 5), format, true);
@@ -128,8 +159,7 @@ TEST(Moments, CompactStepIsDecodeReferenceEncode) {
           ref::adamw_step(p_ref.data(), g.data(), m_ref.data(), v_ref.data(), n, typical_params(step));
           const Bytes m_want = encoded(m_ref, format, false, rounding);
           const Bytes v_want = encoded(v_ref, format, true, rounding);
-          cpu::adamw_step_compact(p.data(), g.data(), m.data(), v.data(), format, n, typical_params(step),
-                                  rounding);
+          cpu::adamw_step_compact(p.data(), g.data(), m.data(), v.data(), format, n, typical_params(step), rounding);
           ASSERT_TRUE(bitwise_equal(p, p_ref)) << "step " << step;
           ASSERT_EQ(m, m_want) << "step " << step;
           ASSERT_EQ(v, v_want) << "step " << step;
@@ -156,8 +186,8 @@ TEST(Moments, EncodeOfDecodeGivesTheSameBytes) {
     for (bool is_v : {false, true}) {
       for (int64_t n : {1, 257, 1000, 4096}) {
         for (bool stochastic : {false, true}) {
-          SCOPED_TRACE(::testing::Message() << moment_format_name(format) << " is_v=" << is_v << " n=" << n
-                                            << " stochastic=" << stochastic);
+          SCOPED_TRACE(::testing::Message()
+                       << moment_format_name(format) << " is_v=" << is_v << " n=" << n << " stochastic=" << stochastic);
           // Stored bytes from an encoding (of either rounding), then decode and encode nearest.
           const Bytes stored = encoded(moment_like(n, 6 + n, is_v, 6.5), format, is_v, {stochastic, 9});
           EXPECT_EQ(encoded(decoded(stored, format, is_v, n), format, is_v), stored);
@@ -173,8 +203,8 @@ TEST(Moments, DecodingARangeEqualsTheSliceOfTheWhole) {
     for (bool is_v : {false, true}) {
       const Bytes stored = encoded(moment_like(n, 11, is_v, 4), format, is_v);
       const auto whole = decoded(stored, format, is_v, n);
-      for (auto [first, count] : {std::pair<int64_t, int64_t>{0, 1000}, {0, 0}, {255, 2}, {300, 700}, {999, 1},
-                                  {17, 500}}) {
+      for (auto [first, count] :
+           {std::pair<int64_t, int64_t>{0, 1000}, {0, 0}, {255, 2}, {300, 700}, {999, 1}, {17, 500}}) {
         std::vector<float> part(static_cast<size_t>(count));
         cpu::decode_moments(part.data(), stored.data(), format, is_v, n, first, count);
         EXPECT_TRUE(bitwise_equal(part, std::vector<float>(whole.begin() + first, whole.begin() + first + count)))
@@ -255,13 +285,14 @@ TEST(Moments, StochasticRoundingIsUnbiased) {
   struct Case {
     MomentFormat format;
     bool is_v;
-    float x;       // the value (for v: the value of sqrt(v))
-    double gap;    // distance between the two representable values around x
+    float x;     // the value (for v: the value of sqrt(v))
+    double gap;  // distance between the two representable values around x
   };
   const double m_gap = 0.9 / kSignedSteps[0], v_gap = 0.9 / kUnsignedSteps[0];
-  for (const Case c : {Case{MomentFormat::kBf16, false, 1.0f + 0x1p-10f + 0x1p-12f, 0x1p-7},
-                       Case{MomentFormat::kBf16, true, 3.0f + 0x1p-9f, 0x1p-6},
-                       Case{MomentFormat::kInt8, false, -0.37f, m_gap}, Case{MomentFormat::kInt8, true, 0.37f, v_gap}}) {
+  for (const Case c :
+       {Case{MomentFormat::kBf16, false, 1.0f + 0x1p-10f + 0x1p-12f, 0x1p-7},
+        Case{MomentFormat::kBf16, true, 3.0f + 0x1p-9f, 0x1p-6}, Case{MomentFormat::kInt8, false, -0.37f, m_gap},
+        Case{MomentFormat::kInt8, true, 0.37f, v_gap}}) {
     SCOPED_TRACE(::testing::Message() << moment_format_name(c.format) << " is_v=" << c.is_v);
     std::vector<float> x(n, c.is_v && c.format == MomentFormat::kInt8 ? c.x * c.x : c.x);
     // For int8 the first element of every block sets the scale to 1.

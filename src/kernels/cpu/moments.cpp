@@ -15,6 +15,7 @@
 
 #include "core/check.h"
 #include "kernels/adamw_element.h"
+#include "kernels/cpu/moment_search.h"
 #include "kernels/moment_codec.h"
 
 namespace strata::kernels {
@@ -68,8 +69,7 @@ struct Int8View {
   uint8_t* codes;
   uint8_t* scales;  // float per block
 
-  Int8View(void* stored, int64_t n)
-      : codes(static_cast<uint8_t*>(stored)), scales(codes + int8_codes_bytes(n)) {}
+  Int8View(void* stored, int64_t n) : codes(static_cast<uint8_t*>(stored)), scales(codes + int8_codes_bytes(n)) {}
   float scale(int64_t block) const {
     float s;
     std::memcpy(&s, scales + 4 * block, 4);
@@ -80,6 +80,11 @@ struct Int8View {
 
 const float* table_of(bool is_v) { return is_v ? kMomentTableV.value : kMomentTableM.value; }
 
+const MomentTableSearch& search_of(bool is_v) {
+  static const MomentTableSearch m(kMomentTableM), v(kMomentTableV);
+  return is_v ? v : m;
+}
+
 float int8_decode(const float* table, uint8_t code, float scale, bool is_v) {
   const float x = mul_rn(table[code], scale);
   return is_v ? mul_rn(x, x) : x;
@@ -87,8 +92,8 @@ float int8_decode(const float* table, uint8_t code, float scale, bool is_v) {
 
 // Encodes `count` (<= kMomentBlock) values of block `block`, whose first element is element
 // `first` of the tensor (the index the random bits are drawn for). For v, `in` holds v itself.
-void int8_encode_block(Int8View view, int64_t block, const float* in, int64_t first, int64_t count,
-                       bool is_v, bool stochastic, uint64_t key) {
+void int8_encode_block(Int8View view, int64_t block, const float* in, int64_t first, int64_t count, bool is_v,
+                       bool stochastic, uint64_t key) {
   const float* table = table_of(is_v);
   float x[kMomentBlock];
   float scale = 0.0f;
@@ -105,9 +110,13 @@ void int8_encode_block(Int8View view, int64_t block, const float* in, int64_t fi
     for (int64_t j = 0; j < count; ++j) codes[j] = static_cast<uint8_t>(zero);
     return;
   }
+  const MomentTableSearch& search = search_of(is_v);
   for (int64_t j = 0; j < count; ++j) {
     const uint64_t random = stochastic ? moment_random_bits(key, static_cast<uint64_t>(first + j)) : 0;
-    codes[j] = static_cast<uint8_t>(moment_int8_encode(table, div_rn(x[j], scale), is_v, stochastic, random));
+    const float xs = div_rn(x[j], scale);
+    // |x| <= scale keeps xs in [-1, 1]; NaN (and anything else) takes the plain search.
+    const int lo = (xs >= -1.0f && xs <= 1.0f) ? search.floor(xs) : moment_table_floor(table, xs);
+    codes[j] = static_cast<uint8_t>(moment_int8_round(table, xs, lo, is_v, stochastic, random));
   }
 }
 
@@ -160,8 +169,8 @@ void encode_moments(void* stored, const float* in, MomentFormat format, bool is_
       std::memset(view.codes + n, 0, static_cast<size_t>(int8_codes_bytes(n) - n));
       for (int64_t b = 0; b < int8_blocks(n); ++b) {
         const int64_t first = b * kMomentBlock;
-        int8_encode_block(view, b, in + first, first, std::min(kMomentBlock, n - first), is_v,
-                          rounding.stochastic, key);
+        int8_encode_block(view, b, in + first, first, std::min(kMomentBlock, n - first), is_v, rounding.stochastic,
+                          key);
       }
       return;
     }

@@ -1,9 +1,10 @@
 // AdamW on CUDA over many tensors per launch (fp32 master weights, gradients and moments;
-// optionally the bf16 compute copy). Every fp32 operation is an explicitly rounded intrinsic
-// in the order of kernels::ref::adamw_step, so the compiler cannot fuse a multiply and an add
-// and the results equal the CPU reference bit for bit.
+// optionally the bf16 compute copy). The per-element update is the reference's own
+// (kernels/adamw_element.h): every fp32 operation is an explicitly rounded intrinsic, so the
+// compiler cannot fuse a multiply and an add and the results equal the CPU reference bit for bit.
 #include <cmath>
 
+#include "kernels/adamw_element.h"
 #include "kernels/cuda/common.cuh"
 
 namespace strata::kernels::cuda {
@@ -41,23 +42,8 @@ __global__ void adamw_kernel(TensorList list, Scalars s) {
   float* v = list.v[t];
   bf16* param_bf16 = list.param_bf16[t];
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float g = grad[i];
-    // param.mul_(1 - lr * weight_decay)
-    float w = __fmul_rn(param[i], s.decay);
-    // exp_avg.lerp_(grad, 1 - beta1)
-    float mi = m[i];
-    if (s.lerp_small) {
-      mi = __fadd_rn(mi, __fmul_rn(s.lerp_weight, __fsub_rn(g, mi)));
-    } else {
-      mi = __fsub_rn(g, __fmul_rn(__fsub_rn(g, mi), s.one_minus_lerp));
-    }
-    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    float vi = __fmul_rn(v[i], s.beta2);
-    vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(s.one_minus_b2, g), g));
-    // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), s.bc2_sqrt), s.eps);
-    // param.addcdiv_(exp_avg, denom, value=-step_size)
-    w = __fadd_rn(w, __fdiv_rn(__fmul_rn(s.neg_step_size, mi), denom));
+    float w = param[i], mi = m[i], vi = v[i];
+    adamw_update_element(grad[i], w, mi, vi, s);
     param[i] = w;
     m[i] = mi;
     v[i] = vi;

@@ -26,9 +26,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "kernels/adamw.h"
 #include "kernels/moe.h"
+#include "kernels/moments.h"
 
 namespace strata::kernels::cuda {
 
@@ -65,7 +67,16 @@ class Context {
   void* scratch(size_t bytes, const char* what) const;
   size_t scratch_bytes() const { return scratch_bytes_; }
 
+  // The cuBLASLt plans of fp8_gemm_nt (descriptors, layouts, the chosen algorithm), one per
+  // shape, built on first use; defined in fp8_gemm.cpp.
+  struct Fp8GemmPlans;
+  Fp8GemmPlans& fp8_gemm_plans();
+
  private:
+  // A deleter defined where Fp8GemmPlans is complete, so that this header need not know it.
+  struct Fp8GemmPlansDeleter {
+    void operator()(Fp8GemmPlans* plans) const;
+  };
   int device_ = 0;
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t blas_ = nullptr;
@@ -74,6 +85,7 @@ class Context {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   bool owns_memory_ = true;
+  std::unique_ptr<Fp8GemmPlans, Fp8GemmPlansDeleter> fp8_gemm_plans_;
 };
 
 // ---- embedding -----------------------------------------------------------------------------
@@ -212,6 +224,13 @@ struct AdamWTensor {
 // Same per-element operations (and roundings) as kernels::ref::adamw_step: the results are
 // bitwise equal to the CPU reference. `tensors` is a HOST array of `count` entries.
 void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, cudaStream_t stream);
+
+// AdamW on one tensor whose moments are stored compactly (kernels/moments.h): bitwise the
+// bytes and parameters of kernels::cpu::adamw_step_compact. param, grad (n) fp32; m and v
+// each moment_bytes(format, n) bytes, 4-byte aligned, updated in place (the int8 padding is
+// not touched).
+void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
+                        const AdamWParams& p, const MomentRounding& rounding, cudaStream_t stream);
 
 // ---- reductions for gradient clipping and losses ---------------------------------------------
 // *out (device double) = sum of x[i]^2 (accumulate: += instead of =). Deterministic two-pass

@@ -1,0 +1,313 @@
+// FP8 parity: the CUDA quantisers give bitwise the codes and scales of kernels::cpu::quantize_*
+// (same inputs: bf16 activations are rounded on the host before either side sees them), and the
+// cuBLASLt block-scaled GEMM matches ref::fp8_gemm_nt on the same codes and scales.
+//
+// GEMM bound. Products of E4M3 codes are exact, but cuBLASLt adds them inside a 128-block in its
+// own order, with the tensor cores' accumulator (not IEEE fp32 adds in order of k), before the
+// block's partial sum is scaled and promoted to fp32 (Hopper's FP8 accumulator keeps about 14
+// bits, DeepSeek-V3 report). Per element we allow
+//   |gpu - ref| <= 2^-10 * ||a_m|| * ||b_n||  (+ 2^-8 |ref| when C is bf16: its rounding),
+// over the dequantised rows (Cauchy-Schwarz bounds sum_k |a_k b_k| by the norms; 2^-10 leaves
+// a margin of 16 over a 14-bit accumulator), and a relative L2 error of 1e-3 (fp32 C) / 4e-3
+// (bf16 C). A scale read from the wrong place is off by a power of two for a whole block, which is
+// far outside both: the inputs are built with magnitudes that change from row to row and from
+// K block to K block, so that every block has its own scale.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../test_util.h"
+#include "gpu_test_util.h"
+#include "kernels/cuda/fp8.h"
+#include "kernels/fp8.h"
+
+namespace strata::testing {
+namespace {
+
+namespace cu = kernels::cuda;
+namespace cpu = kernels::cpu;
+namespace ref = kernels::ref;
+using kernels::fp8_blocks;
+
+std::string dims(int64_t a, int64_t b, int64_t c = -1) {
+  std::string s = std::to_string(a) + "x" + std::to_string(b);
+  return c < 0 ? s : s + "x" + std::to_string(c);
+}
+
+// Normal values whose magnitude is 2^((r % 7) - 3) * 2^((c / 128 * 3) % 5 - 2) at (r, c), so
+// that neighbouring rows and neighbouring 128-blocks get different power-of-two scales.
+std::vector<float> graded(int64_t rows, int64_t cols, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> v(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const int e = static_cast<int>(r % 7) - 3 + static_cast<int>((c / 128 * 3) % 5) - 2;
+      v[r * cols + c] = std::ldexp(normal(rng), e);
+    }
+  }
+  return v;
+}
+
+// `graded` plus the edge cases of the spec: an all-zero block, blocks of huge and of tiny
+// (subnormal) values, a block with one huge outlier, infinities, NaNs and signed zeros.
+std::vector<float> with_specials(int64_t rows, int64_t cols, uint64_t seed) {
+  std::vector<float> v = graded(rows, cols, seed);
+  auto at = [&](int64_t r, int64_t c) -> float* { return r < rows && c < cols ? &v[r * cols + c] : nullptr; };
+  const float kMax = std::numeric_limits<float>::max();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t rb = r / 128, cb = c / 128;
+      if ((rb + cb) % 5 == 1) v[r * cols + c] = 0.0f;                       // all-zero block
+      if ((rb + cb) % 5 == 2) v[r * cols + c] *= 1e36f;                     // huge
+      if ((rb + cb) % 5 == 3) v[r * cols + c] *= 1e-40f;                    // subnormal or zero
+      if ((rb + cb) % 5 == 4 && (r + c) % 97 == 0) v[r * cols + c] = 3e5f;  // outlier
+    }
+  }
+  if (float* p = at(0, 1)) *p = std::numeric_limits<float>::infinity();
+  if (float* p = at(0, 2)) *p = -std::numeric_limits<float>::infinity();
+  if (float* p = at(1, 3)) *p = std::numeric_limits<float>::quiet_NaN();
+  if (float* p = at(1, 4)) *p = -std::numeric_limits<float>::quiet_NaN();
+  if (float* p = at(2, 5)) *p = -0.0f;
+  if (float* p = at(2, 6)) *p = kMax;
+  if (float* p = at(3, 7)) *p = -kMax;
+  if (float* p = at(rows - 1, cols - 1)) *p = 1e-45f;  // the smallest subnormal
+  return v;
+}
+
+template <typename T>
+void expect_bitwise(const std::vector<T>& gpu, const std::vector<T>& want, const std::string& what) {
+  ASSERT_EQ(gpu.size(), want.size()) << what;
+  int64_t mismatches = 0, first = -1;
+  for (size_t i = 0; i < gpu.size(); ++i) {
+    if (std::memcmp(&gpu[i], &want[i], sizeof(T)) != 0) {
+      if (first < 0) first = static_cast<int64_t>(i);
+      ++mismatches;
+    }
+  }
+  EXPECT_EQ(mismatches, 0) << what << ": first mismatch at " << first << " (" << (first >= 0 ? double(gpu[first]) : 0.0)
+                           << " vs " << (first >= 0 ? double(want[first]) : 0.0) << ")";
+}
+
+struct Shape {
+  int64_t rows, cols;
+};
+const Shape kQuantShapes[] = {{1, 1}, {3, 130}, {128, 128}, {129, 127}, {257, 385}, {300, 1024}, {1024, 260}};
+
+TEST(Fp8Parity, QuantizeRowsMatchesTheCpuBitwise) {
+  StreamGuard stream;
+  for (const Shape& s : kQuantShapes) {
+    const int64_t rows = s.rows, cols = s.cols, L = fp8_blocks(cols);
+    std::vector<float> x = with_specials(rows, cols, 10 + rows);
+    std::vector<uint8_t> codes(rows * cols);
+    std::vector<float> scales(rows * L);
+    // fp32 input.
+    cpu::quantize_rows_e4m3(codes.data(), scales.data(), x.data(), rows, cols);
+    DeviceBuffer<float> d_x(x);
+    DeviceBuffer<uint8_t> d_codes(rows * cols);
+    DeviceBuffer<float> d_scales(rows * L);
+    cu::quantize_rows_e4m3(d_codes.get(), d_scales.get(), d_x.get(), rows, cols, stream.get());
+    expect_bitwise(d_codes.download<uint8_t>(), codes, "rows fp32 codes " + dims(rows, cols));
+    expect_bitwise(d_scales.download<float>(), scales, "rows fp32 scales " + dims(rows, cols));
+    // bf16 input (x is rounded in place, so the CPU sees the GPU's values).
+    DeviceBuffer<bf16> d_xb = upload_bf16(x);
+    cpu::quantize_rows_e4m3(codes.data(), scales.data(), x.data(), rows, cols);
+    cu::quantize_rows_e4m3(d_codes.get(), d_scales.get(), d_xb.get(), rows, cols, stream.get());
+    expect_bitwise(d_codes.download<uint8_t>(), codes, "rows bf16 codes " + dims(rows, cols));
+    expect_bitwise(d_scales.download<float>(), scales, "rows bf16 scales " + dims(rows, cols));
+  }
+}
+
+TEST(Fp8Parity, QuantizeColsMatchesTheCpuBitwise) {
+  StreamGuard stream;
+  for (const Shape& s : kQuantShapes) {
+    const int64_t rows = s.rows, cols = s.cols, L = fp8_blocks(rows);
+    std::vector<float> x = with_specials(rows, cols, 20 + cols);
+    std::vector<uint8_t> codes(rows * cols);
+    std::vector<float> scales(L * cols);
+    cpu::quantize_cols_e4m3(codes.data(), scales.data(), x.data(), rows, cols);
+    DeviceBuffer<float> d_x(x);
+    DeviceBuffer<uint8_t> d_codes(rows * cols);
+    DeviceBuffer<float> d_scales(L * cols);
+    cu::quantize_cols_e4m3(d_codes.get(), d_scales.get(), d_x.get(), rows, cols, stream.get());
+    expect_bitwise(d_codes.download<uint8_t>(), codes, "cols fp32 codes " + dims(rows, cols));
+    expect_bitwise(d_scales.download<float>(), scales, "cols fp32 scales " + dims(rows, cols));
+    DeviceBuffer<bf16> d_xb = upload_bf16(x);
+    cpu::quantize_cols_e4m3(codes.data(), scales.data(), x.data(), rows, cols);
+    cu::quantize_cols_e4m3(d_codes.get(), d_scales.get(), d_xb.get(), rows, cols, stream.get());
+    expect_bitwise(d_codes.download<uint8_t>(), codes, "cols bf16 codes " + dims(rows, cols));
+    expect_bitwise(d_scales.download<float>(), scales, "cols bf16 scales " + dims(rows, cols));
+  }
+}
+
+TEST(Fp8Parity, QuantizeWeightMatchesTheCpuBitwise) {
+  StreamGuard stream;
+  for (const Shape& s : kQuantShapes) {
+    const int64_t rows = s.rows, cols = s.cols;
+    const std::vector<float> w = with_specials(rows, cols, 30 + rows * cols);
+    const size_t bytes = kernels::fp8_matrix_bytes(rows, cols);
+    std::vector<uint8_t> want(bytes, 0xAB);  // the padding must be written as zeros on both sides
+    cpu::quantize_weight_e4m3(want.data(), w.data(), rows, cols);
+    DeviceBuffer<float> d_w(w);
+    DeviceBuffer<uint8_t> d_out(bytes);
+    CUDA_CHECK(cudaMemset(d_out.get(), 0xAB, bytes));
+    cu::quantize_weight_e4m3(d_out.get(), d_w.get(), rows, cols, stream.get());
+    expect_bitwise(d_out.download<uint8_t>(), want, "weight " + dims(rows, cols));
+  }
+}
+
+// The scale repacking kernels against their definition (fp8_scales.cu).
+TEST(Fp8Parity, ScaleLayoutsForCublasLt) {
+  StreamGuard stream;
+  for (const Shape& s : {Shape{1, 1}, Shape{37, 5}, Shape{256, 32}, Shape{1000, 33}}) {
+    const int64_t outer = s.rows, L = s.cols, L4 = (L + 3) / 4 * 4;
+    std::vector<float> in(outer * L);
+    for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>(i) + 0.5f;
+    DeviceBuffer<float> d_in(in), d_t(outer * L), d_p(outer * L4);
+    cu::fp8_tile_scales_k_major(d_t.get(), d_in.get(), outer, L, stream.get());
+    cu::fp8_block_scales_padded(d_p.get(), d_in.get(), outer, L, stream.get());
+    std::vector<float> t(outer * L), p(outer * L4, 0.0f);
+    for (int64_t r = 0; r < outer; ++r) {
+      for (int64_t kb = 0; kb < L; ++kb) {
+        t[kb * outer + r] = in[r * L + kb];
+        p[r * L4 + kb] = in[r * L + kb];
+      }
+    }
+    expect_bitwise(d_t.download<float>(), t, "k-major " + dims(outer, L));
+    expect_bitwise(d_p.download<float>(), p, "padded " + dims(outer, L));
+  }
+}
+
+// ---- GEMM -----------------------------------------------------------------------------------------
+
+std::vector<float> dequantize(const std::vector<uint8_t>& codes, const float* scales, int64_t rows, int64_t cols,
+                              bool blocks) {
+  const int64_t L = fp8_blocks(cols);
+  std::vector<float> v(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float s = blocks ? scales[(r / 128) * L + c / 128] : scales[r * L + c / 128];
+      v[r * cols + c] = kernels::e4m3_to_f32(codes[r * cols + c]) * s;
+    }
+  }
+  return v;
+}
+
+std::vector<double> row_norms(const std::vector<float>& v, int64_t rows, int64_t cols) {
+  std::vector<double> norms(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    double s = 0;
+    for (int64_t c = 0; c < cols; ++c) s += double(v[r * cols + c]) * v[r * cols + c];
+    norms[r] = std::sqrt(s);
+  }
+  return norms;
+}
+
+bool has_block_scaled_fp8() {
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  return prop.major >= 9;
+}
+
+TEST(Fp8Parity, GemmMatchesTheReferenceWithinTheBound) {
+  if (!has_block_scaled_fp8()) GTEST_SKIP() << "cuBLASLt FP8 block scaling needs sm_90 or newer";
+  StreamGuard stream;
+  cu::Context ctx(64 << 20);
+  struct Case {
+    int64_t M, N, K;
+  };
+  // (128, 272, 640): fp8_blocks(K) = 5, so 128x128 block scales are padded to 8 per row, and N
+  // ends in a partial block.
+  for (const Case& g : {Case{256, 384, 512}, Case{128, 272, 640}, Case{2048, 1024, 4096}}) {
+    const int64_t M = g.M, N = g.N, K = g.K, L = fp8_blocks(K);
+    std::vector<float> a = graded(M, K, 40 + M);
+    std::vector<float> b = graded(N, K, 41 + N);
+    DeviceBuffer<bf16> d_a = upload_bf16(a);
+    DeviceBuffer<float> d_b(b);
+    DeviceBuffer<uint8_t> d_a_codes(M * K);
+    DeviceBuffer<float> d_a_scales(M * L);
+    cu::quantize_rows_e4m3(d_a_codes.get(), d_a_scales.get(), d_a.get(), M, K, stream.get());
+    const std::vector<uint8_t> a_codes = d_a_codes.download<uint8_t>();
+    const std::vector<float> a_scales = d_a_scales.download<float>();
+    const std::vector<double> a_norm = row_norms(dequantize(a_codes, a_scales.data(), M, K, false), M, K);
+
+    for (bool b_blocks : {true, false}) {
+      // B as a stored weight (128 x 128 blocks) or in 1 x 128 tiles.
+      const size_t stored = kernels::fp8_matrix_bytes(N, K);
+      DeviceBuffer<uint8_t> d_b_store(b_blocks ? stored : size_t(N * K));
+      DeviceBuffer<float> d_b_tiles(b_blocks ? 1 : N * L);
+      const uint8_t* b_codes_ptr = d_b_store.get();
+      const float* b_scales_ptr = d_b_tiles.get();
+      std::vector<uint8_t> b_codes(N * K);
+      std::vector<float> b_scales;
+      if (b_blocks) {
+        cu::quantize_weight_e4m3(d_b_store.get(), d_b.get(), N, K, stream.get());
+        const std::vector<uint8_t> all = d_b_store.download<uint8_t>();
+        const uint64_t offset = kernels::fp8_matrix_scale_offset(N, K);
+        std::memcpy(b_codes.data(), all.data(), N * K);
+        b_scales.resize(fp8_blocks(N) * L);
+        std::memcpy(b_scales.data(), all.data() + offset, b_scales.size() * sizeof(float));
+        b_scales_ptr = reinterpret_cast<const float*>(d_b_store.get() + offset);
+      } else {
+        cu::quantize_rows_e4m3(d_b_store.get(), d_b_tiles.get(), d_b.get(), N, K, stream.get());
+        b_codes = d_b_store.download<uint8_t>();
+        b_scales = d_b_tiles.download<float>();
+      }
+      const std::vector<float> b_deq = dequantize(b_codes, b_scales.data(), N, K, b_blocks);
+
+      std::vector<float> want(M * N);
+      ref::fp8_gemm_nt(want.data(), a_codes.data(), a_scales.data(), b_codes.data(), b_scales.data(), b_blocks, M, N,
+                       K);
+      const std::vector<double> b_norm = row_norms(b_deq, N, K);
+
+      for (bool c_bf16 : {false, true}) {
+        for (float beta : {0.0f, 1.0f}) {
+          if (beta != 0.0f && (c_bf16 || M > 256)) continue;  // accumulation: fp32 C, one small shape
+          const std::string what = "fp8_gemm_nt " + dims(M, N, K) + (b_blocks ? " blocks" : " tiles") +
+                                   (c_bf16 ? " bf16" : " fp32") + " beta=" + std::to_string(int(beta));
+          std::vector<float> c0 = beta != 0.0f ? graded(M, N, 50) : std::vector<float>(M * N, NAN);
+          std::vector<float> expect = want;
+          if (beta != 0.0f) {
+            for (size_t i = 0; i < expect.size(); ++i) expect[i] += c0[i];
+          }
+          std::vector<float> got;
+          if (c_bf16) {
+            DeviceBuffer<bf16> d_c = upload_bf16(c0);
+            cu::fp8_gemm_nt(ctx, d_c.get(), true, d_a_codes.get(), d_a_scales.get(), b_codes_ptr, b_scales_ptr,
+                            b_blocks, M, N, K, beta, stream.get());
+            got = download_bf16(d_c);
+          } else {
+            DeviceBuffer<float> d_c(c0);
+            cu::fp8_gemm_nt(ctx, d_c.get(), false, d_a_codes.get(), d_a_scales.get(), b_codes_ptr, b_scales_ptr,
+                            b_blocks, M, N, K, beta, stream.get());
+            got = download_f32(d_c);
+          }
+          double worst = 0;
+          int64_t worst_at = 0;
+          for (int64_t i = 0; i < M * N; ++i) {
+            const double bound = std::ldexp(a_norm[i / N] * b_norm[i % N], -10) +
+                                 (c_bf16 ? std::ldexp(std::fabs(double(expect[i])), -8) : 0.0) + 1e-30;
+            const double e = std::fabs(double(got[i]) - double(expect[i])) / bound;
+            if (!(e <= worst)) {
+              worst = std::isfinite(e) ? e : INFINITY;
+              worst_at = i;
+            }
+          }
+          EXPECT_TRUE(worst <= 1.0) << what << ": element " << worst_at << " is " << got[worst_at] << " vs "
+                                    << expect[worst_at] << ", " << worst << " times the bound";
+          const double rel = relative_error(got, expect);
+          EXPECT_TRUE(rel <= (c_bf16 ? 4e-3 : 1e-3)) << what << ": relative L2 error " << rel;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::testing
