@@ -49,7 +49,7 @@ uint64_t StateLayout::tensor_bytes(StateKind kind, const StateShape& t) const {
   switch (kind) {
     case StateKind::kParam:
       if (quantized(t)) return kernels::fp8_matrix_bytes(t.matrix_rows, n / t.matrix_rows);
-      return t.elements * element_bytes(kind);
+      return t.elements * dtype_size(activation_dtype());  // fp32 (the master itself), or bf16
     case StateKind::kAdamM:
     case StateKind::kAdamV: return kernels::moment_bytes(moments, n);
     default: return t.elements * element_bytes(kind);

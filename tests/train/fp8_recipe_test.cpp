@@ -48,7 +48,7 @@ model::ModelConfig fp8_config() {
   return mc;
 }
 
-struct Run {
+struct TrainResult {
   std::vector<double> losses;
   std::vector<float> params, m, v;
   ChunkSpaceStats stats;
@@ -67,7 +67,7 @@ class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
   void TearDown() override { fs::remove_all(dir_); }
 
   // kSteps steps of kAccum micro-batches through a PagedState with these budgets (0 device: roomy).
-  Run train(const model::ModelConfig& mc, const std::vector<Batch>& batches, uint64_t device, uint64_t host,
+  TrainResult train(const model::ModelConfig& mc, const std::vector<Batch>& batches, uint64_t device, uint64_t host,
             uint64_t nvme, uint64_t chunk = 0, PagedState** keep = nullptr) {
     const Recipe r = GetParam();
     model::LlamaModel init(mc);  // the fp32 weights every run starts from
@@ -90,7 +90,7 @@ class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
     po.optimizer = optimizer_config(0.5f);
     auto paged = PagedState::create(**dev, io->get(), net->layout(), po);
     EXPECT_TRUE(paged.ok()) << paged.status().to_string();
-    Run out;
+    TrainResult out;
     if (!paged.ok()) return out;
     PagedState& ps = **paged;
     EXPECT_TRUE(ps.load_params(init.params()).ok());
@@ -139,14 +139,14 @@ bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
 TEST_P(Fp8RecipeTest, TightBudgetsThroughHostAndNvmeMatchRoomyBitwise) {
   const model::ModelConfig mc = fp8_config();
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 5);
-  const Run roomy = train(mc, batches, 0, 0, 0);
+  const TrainResult roomy = train(mc, batches, 0, 0, 0);
   ASSERT_EQ(roomy.losses.size(), static_cast<size_t>(kSteps));
   for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
   model::ParamLayout layout(mc);
   const uint64_t chunk = PagedState::auto_chunk_bytes(layout, StateLayout::of(GetParam().precision, GetParam().moments));
   const uint64_t group = static_cast<uint64_t>(layout.total_size()) * 4 / (mc.num_hidden_layers + 1);
   const uint64_t c = std::max(chunk, (group + 4095) / 4096 * 4096);
-  const Run tight = train(mc, batches, 8 * c, 10 * c, 64 * c, c);
+  const TrainResult tight = train(mc, batches, 8 * c, 10 * c, 64 * c, c);
   EXPECT_EQ(roomy.losses, tight.losses);
   EXPECT_TRUE(bitwise_equal(roomy.params, tight.params)) << "paging changed the parameters";
   EXPECT_TRUE(bitwise_equal(roomy.m, tight.m)) << "paging changed the first moments";
@@ -162,7 +162,7 @@ TEST_P(Fp8RecipeTest, ComputeCopiesAreTheMasterQuantised) {
   const model::ModelConfig mc = fp8_config();
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 6);
   PagedState* ps = nullptr;
-  const Run run = train(mc, batches, 0, 0, 0, 0, &ps);
+  const TrainResult run = train(mc, batches, 0, 0, 0, 0, &ps);
   ASSERT_NE(ps, nullptr);
   model::ParamLayout layout(mc);
   int quantised = 0;
@@ -187,7 +187,9 @@ TEST_P(Fp8RecipeTest, ComputeCopiesAreTheMasterQuantised) {
     }
     ps->end(g, true, false);
   }
-  if (GetParam().precision == Precision::kFp8) EXPECT_EQ(quantised, 7 * mc.num_hidden_layers);
+  if (GetParam().precision == Precision::kFp8) {
+    EXPECT_EQ(quantised, 7 * mc.num_hidden_layers);
+  }
 }
 
 // What checkpoints read beside training (read_flat) is what store_moments decodes, for any range.
@@ -195,7 +197,7 @@ TEST_P(Fp8RecipeTest, MomentsReadInRangesEqualTheWholeDecode) {
   const model::ModelConfig mc = fp8_config();
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 8);
   PagedState* ps = nullptr;
-  const Run run = train(mc, batches, 0, 0, 0, 0, &ps);
+  const TrainResult run = train(mc, batches, 0, 0, 0, 0, &ps);
   ASSERT_NE(ps, nullptr);
   model::ParamLayout layout(mc);
   for (const auto& [kind, want] : {std::pair{StateKind::kAdamM, &run.m}, std::pair{StateKind::kAdamV, &run.v}}) {
@@ -223,7 +225,7 @@ TEST_P(Fp8RecipeTest, MomentsLoadedBackAreUnchanged) {
   const model::ModelConfig mc = fp8_config();
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 9);
   PagedState* ps = nullptr;
-  const Run run = train(mc, batches, 0, 0, 0, 0, &ps);
+  const TrainResult run = train(mc, batches, 0, 0, 0, 0, &ps);
   ASSERT_NE(ps, nullptr);
   ASSERT_TRUE(ps->load_moments(run.m.data(), run.v.data()).ok());
   std::vector<float> m(run.m.size()), v(run.v.size());

@@ -1,4 +1,5 @@
-// strata plot RUN_DIR [--out DIR]: SVG charts of a training run's metrics.jsonl.
+// strata plot RUN_DIR [RUN_DIR...] [--out DIR]: SVG charts of a training run's metrics.jsonl, or
+// the loss curves of several runs on one chart.
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -25,6 +26,7 @@ namespace fs = std::filesystem;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 constexpr const char* kPlotUsage = R"(Usage: strata plot RUN_DIR [--out DIR]
+       strata plot RUN_DIR RUN_DIR... [--out DIR]
 
 Draws a training run's metrics as SVG pictures that a browser or GitHub shows as they are.
 RUN_DIR is the run.dir of a `strata train` run: it reads RUN_DIR/metrics.jsonl and, before
@@ -40,6 +42,11 @@ dashed line), and writes into DIR (default RUN_DIR/plots):
 A resumed run that repeated steps shows the repeat after a gap, with a dashed line at the
 resume. Lines that record an event rather than a step ({"event": ...}) are skipped. Files are
 written whole (under a temporary name, then renamed) and their paths printed.
+
+With several run directories (runs of one config under different recipes, say) it draws their
+losses on one chart, compare-loss.svg (default DIR: the first run's plots folder), each line
+named by its run directory, and prints each run's mean loss over its last 10% of steps and how
+far that is from the first run's, relative.
 
 Options:
   --out DIR   where to write the pictures (created if missing)
@@ -261,15 +268,60 @@ Charts make_charts(const RunMetrics& run) {
   return out;
 }
 
+// The loss curves of several runs on one chart, and each run's mean loss over its last tenth.
+int compare_runs(const std::vector<std::string>& run_dirs, const std::string& out_dir);
+
 int fail(const Status& s) {
   std::fprintf(stderr, "strata plot: error: %s\n", s.message().c_str());
   return 1;
+}
+
+int compare_runs(const std::vector<std::string>& run_dirs, const std::string& out_dir) {
+  svg::LineChart loss;
+  loss.title = "Loss";
+  loss.x_label = "step";
+  loss.y_label = "loss";
+  loss.y_from_zero = false;
+  std::vector<double> tails;
+  for (const std::string& dir : run_dirs) {
+    // Only the run's current metrics: attempts set aside by a requeue would draw over it.
+    Result<std::vector<fs::path>> files = metrics_files(dir);
+    if (!files.ok()) return fail(files.status());
+    RunMetrics run;
+    double offset = 0;
+    if (Status s = read_metrics(files->back(), &run, &offset); !s.ok()) return fail(s);
+    svg::Series series{fs::path(dir).lexically_normal().filename().string(), {}, {}};
+    if (series.name.empty()) series.name = dir;
+    for (const StepRow& r : run.rows) series.x.push_back(r.x), series.y.push_back(r.loss);
+    // The mean of the finite losses of the last 10% of the steps (at least one).
+    const size_t n = run.rows.size(), from = n - std::max<size_t>(1, n / 10);
+    double sum = 0;
+    size_t count = 0;
+    for (size_t i = n > 0 ? from : 0; i < n; ++i)
+      if (std::isfinite(run.rows[i].loss)) sum += run.rows[i].loss, ++count;
+    tails.push_back(count > 0 ? sum / static_cast<double>(count) : kNaN);
+    loss.series.push_back(std::move(series));
+  }
+  const fs::path out = out_dir.empty() ? fs::path(run_dirs.front()) / "plots" : fs::path(out_dir);
+  std::error_code ec;
+  fs::create_directories(out, ec);
+  if (ec) return fail(Status::IOError("cannot create output directory " + out.string() + ": " + ec.message()));
+  const fs::path path = out / "compare-loss.svg";
+  if (Status s = write_file_atomic(path.string(), svg::render_line_chart(loss)); !s.ok()) return fail(s);
+  std::printf("%-32s %12s %10s\n", "run", "last 10%", "vs first");
+  for (size_t i = 0; i < run_dirs.size(); ++i) {
+    const double rel = (tails[i] - tails[0]) / tails[0];
+    std::printf("%-32s %12.5f %9.3f%%\n", loss.series[i].name.c_str(), tails[i], 100 * rel);
+  }
+  std::printf("wrote %s\n", path.c_str());
+  return 0;
 }
 
 }  // namespace
 
 int plot_command(const std::vector<std::string>& args) {
   std::string run_dir, out_dir;
+  std::vector<std::string> run_dirs;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
@@ -284,8 +336,9 @@ int plot_command(const std::vector<std::string>& args) {
         std::fprintf(stderr, "strata plot: --out needs a directory (see strata plot --help)\n");
         return 2;
       }
-    } else if (run_dir.empty() && !a.empty() && a[0] != '-') {
-      run_dir = a;
+    } else if (!a.empty() && a[0] != '-') {
+      if (run_dir.empty()) run_dir = a;
+      run_dirs.push_back(a);
     } else {
       std::fprintf(stderr, "strata plot: unexpected argument '%s' (see strata plot --help)\n", a.c_str());
       return 2;
@@ -295,6 +348,8 @@ int plot_command(const std::vector<std::string>& args) {
     std::fprintf(stderr, "strata plot: which run? pass its run.dir (see strata plot --help)\n");
     return 2;
   }
+
+  if (run_dirs.size() > 1) return compare_runs(run_dirs, out_dir);
 
   // Everything is read and drawn before anything is written: bad input leaves no files behind.
   Result<std::vector<fs::path>> files = metrics_files(run_dir);
