@@ -86,6 +86,8 @@ struct ChunkSpaceStats {
   uint64_t prefetch_hit_bytes = 0;  // acquired chunks whose move prefetch() had started
   uint64_t demand_bytes = 0;        // moves started by acquire() itself (not prefetched)
   uint64_t act_bytes = 0;           // bytes of the chunks of kind kAct (saved activations)
+  // Bytes moved between any two tiers, by the kind of the chunk moved (ChunkKind order).
+  std::array<uint64_t, kNumChunkKinds> moved_by_kind{};
   uint64_t moved_bytes() const {
     return device_to_host_bytes + host_to_device_bytes + host_to_nvme_bytes + nvme_to_host_bytes;
   }

@@ -265,6 +265,7 @@ void ChunkSpace::count_move(ChunkId id, Tier to, uint64_t ChunkSpaceStats::*fiel
                             MoveOrigin origin) {
   const uint64_t bytes = layout_.chunk_bytes();
   stats_.*field += bytes;
+  stats_.moved_by_kind[static_cast<size_t>(layout_.chunk(id).kind)] += bytes;
   ChunkState& c = chunks_[id];
   c.prefetched[idx(to)] = origin == MoveOrigin::kPrefetch;
   if (origin == MoveOrigin::kPrefetch) stats_.prefetched_bytes += bytes;

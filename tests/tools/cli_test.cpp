@@ -319,6 +319,35 @@ TEST_F(CliTest, Bf16RecipeResumesBitExactlyAndAcrossRecipes) {
   EXPECT_NE(across, std::vector<std::string>(expected.begin() + 3, expected.end()));
 }
 
+// The fp8 recipe with 8-bit Adam moments resumes bit-exactly under budgets that page every kind:
+// the checkpoint holds the fp32 master (the E4M3 copies are quantised from it again) and the
+// decoded moments (which encode back to the same bytes); the manifest records both, and the step
+// line names them. Resumed with fp32 moments instead, the run converts them and says so.
+TEST_F(CliTest, Fp8RecipeWithInt8MomentsResumesBitExactly) {
+  std::string full = (dir_ / "full").string();
+  const std::string recipe = " train.precision=fp8 optim.moments=int8";
+  CmdResult a = run_strata("train " + small_run(full) + " ckpt.every=3" + recipe);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_NE(a.output.find("| fp8, int8 moments"), std::string::npos) << a.output;
+  const auto expected = losses_of(fs::path(full) / "metrics.jsonl");
+  ASSERT_EQ(expected.size(), 6u);
+  const fs::path step3 = fs::path(full) / "checkpoints" / "step-3";
+  std::ifstream manifest(step3 / "manifest.json");
+  const nlohmann::json m = nlohmann::json::parse(manifest);
+  EXPECT_EQ(m["precision"]["moments"], "int8") << m.dump();
+  std::string resumed = (dir_ / "resumed").string();
+  CmdResult b = run_strata("train " + small_run(resumed) + recipe + " --resume " + step3.string() +
+                           " memory.device=1200KiB memory.host=1300KiB memory.nvme.path=" + (dir_ / "nvme").string() +
+                           " memory.nvme.size=16MiB");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_EQ(losses_of(fs::path(resumed) / "metrics.jsonl"), std::vector<std::string>(expected.begin() + 3, expected.end()))
+      << b.output;
+  std::string wide = (dir_ / "wide").string();
+  CmdResult c = run_strata("train " + small_run(wide) + " train.precision=fp8 --resume " + step3.string());
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_NE(c.output.find("moments were stored as int8; this run stores them as fp32"), std::string::npos) << c.output;
+}
+
 // A MoE run with auxiliary-loss-free balancing keeps a per-expert bias outside the tensors;
 // the checkpoint carries it (state/...selection_bias), so the resumed run is bit-exact too.
 TEST_F(CliTest, ResumeOfLossFreeBalancedMoeIsBitExact) {

@@ -34,7 +34,8 @@ struct Budgets {
 // time.
 class Trainer {
  public:
-  Trainer(const fs::path& dir, Budgets b, Precision precision)
+  Trainer(const fs::path& dir, Budgets b, Precision precision,
+          kernels::MomentFormat moments = kernels::MomentFormat::kF32)
       : mc_(tiny_config(false)),
         net_(model::make_cpu_decoder(StateLayout::of(precision).compute_dtype(), mc_, /*flat_buffers=*/false)) {
     device_ = CpuDevice::create(0, 0).value();
@@ -54,6 +55,7 @@ class Trainer {
     fs::create_directories(po.nvme_dir);
     po.optimizer = optimizer_config(0.5f);
     po.precision = precision;
+    po.moments = moments;
     state_ = PagedState::create(*device_, io_.get(), net_->layout(), po).value();
     CHECK(state_->load_params(init.data()).ok());
     net_->set_access(state_.get());
@@ -144,15 +146,24 @@ TEST(CompareModelConfigsTest, EveryKeyMustMatch) {
   EXPECT_TRUE(compare_model_configs(bf16, run).ok());
 }
 
-// Both recipes: the bf16 one saves and restores its fp32 master (its bf16 copy is rounded from
-// it again), with a fifth kind of a group in host memory during AdamW (hence a little more host).
-class CheckpointingTest : public ::testing::TestWithParam<Precision> {
+// Every recipe: the bf16 and fp8 ones save and restore their fp32 master (the compute copy is
+// made from it again), with a fifth kind of a group in host memory during AdamW (hence a little
+// more host); compact moments are saved decoded and encode back to the same bytes.
+struct CkptRecipe {
+  Precision precision;
+  kernels::MomentFormat moments;
+};
+
+class CheckpointingTest : public ::testing::TestWithParam<CkptRecipe> {
  protected:
-  Budgets tight() const { return {6, GetParam() == Precision::kBf16 ? 10u : 8u, 96}; }
+  Budgets tight() const { return {6, GetParam().precision != Precision::kFp32 ? 10u : 8u, 96}; }
+  Precision recipe() const { return GetParam().precision; }
+  kernels::MomentFormat moments() const { return GetParam().moments; }
   void SetUp() override {
     const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
     dir_ = fs::path(::testing::TempDir()) / ("strata_checkpointing_" + std::to_string(::getpid()) + "_" +
-                                             test.substr(0, test.find('/')) + precision_name(GetParam()));
+                                             test.substr(0, test.find('/')) + precision_name(recipe()) +
+                                             kernels::moment_format_name(moments()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -164,7 +175,7 @@ class CheckpointingTest : public ::testing::TestWithParam<Precision> {
 // save takes far longer than the steps after it) and 64 KiB of staging keep the save in flight
 // across the next steps, whose optimizer changes every byte of it.
 TEST_P(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
-  Trainer tr(dir_, tight(), GetParam());
+  Trainer tr(dir_, tight(), recipe(), moments());
   for (int i = 0; i < 2; ++i) tr.step();
   const auto at_save = tr.snapshot();
   CheckpointOptions co;
@@ -181,7 +192,7 @@ TEST_P(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
   EXPECT_NE(tr.snapshot()[0], at_save[0]) << "training went on";
 
   // Restored under other budgets (no nvme tier, more device memory): the same state.
-  Trainer other(dir_ / "other", {12, 64, 0}, GetParam());
+  Trainer other(dir_ / "other", {12, 64, 0}, recipe(), moments());
   Result<RunPosition> pos = restore_checkpoint(co.dir, other.config().to_json(), other.layout(), other.state());
   ASSERT_TRUE(pos.ok()) << pos.status().to_string();
   EXPECT_EQ(pos->step, 2);
@@ -193,7 +204,7 @@ TEST_P(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
 // ENOSPC in the middle of a save: that save fails with a line naming the file, training goes
 // on, DIR/latest still names the previous checkpoint, which verifies; the next save succeeds.
 TEST_P(CheckpointingTest, OutOfSpaceDuringASaveKeepsTrainingAndThePreviousCheckpoint) {
-  Trainer tr(dir_, tight(), GetParam());
+  Trainer tr(dir_, tight(), recipe(), moments());
   tr.step();
   CheckpointOptions co;
   co.dir = (dir_ / "ckpt").string();
@@ -230,8 +241,16 @@ TEST_P(CheckpointingTest, OutOfSpaceDuringASaveKeepsTrainingAndThePreviousCheckp
   expect_checkpoint_holds(co.dir, tr.layout(), at_six);
 }
 
-INSTANTIATE_TEST_SUITE_P(Recipes, CheckpointingTest, ::testing::Values(Precision::kFp32, Precision::kBf16),
-                         [](const ::testing::TestParamInfo<Precision>& info) { return precision_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Recipes, CheckpointingTest,
+                         ::testing::Values(CkptRecipe{Precision::kFp32, kernels::MomentFormat::kF32},
+                                           CkptRecipe{Precision::kBf16, kernels::MomentFormat::kF32},
+                                           CkptRecipe{Precision::kFp8, kernels::MomentFormat::kF32},
+                                           CkptRecipe{Precision::kFp8, kernels::MomentFormat::kInt8},
+                                           CkptRecipe{Precision::kBf16, kernels::MomentFormat::kBf16}),
+                         [](const ::testing::TestParamInfo<CkptRecipe>& info) {
+                           return std::string(precision_name(info.param.precision)) + "_" +
+                                  kernels::moment_format_name(info.param.moments);
+                         });
 
 }  // namespace
 }  // namespace strata
