@@ -180,7 +180,7 @@ TEST_F(CliTest, PagingThroughHostAndNvmeChangesNoBit) {
 TEST_F(CliTest, PlanUsesTrainsChunksAndRefusesAChunkSmallerThanATensor) {
   CmdResult ok = run_strata("plan run.device=cpu memory.device=24MiB memory.host=10MiB");
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
-  EXPECT_NE(ok.output.find("CPU (fp32) layout"), std::string::npos) << ok.output;
+  EXPECT_NE(ok.output.find("CPU layout (fp32 recipe, fp32 Adam moments)"), std::string::npos) << ok.output;
   CmdResult small = run_strata("plan run.device=cpu memory.device=24MiB memory.chunk_size=64KiB");
   EXPECT_EQ(small.exit_code, 1) << small.output;
   EXPECT_NE(small.output.find("'model.embed_tokens.weight' (128.00 KiB) is larger than a chunk (64.00 KiB)"),
