@@ -9,7 +9,7 @@
 #
 # BUILD_DIR defaults to build, OUT_DIR to a new temporary folder; the key=value settings go to
 # every run (e.g. a larger model through model.set, or train.steps). The defaults train the
-# embedded demo's data with a model of about 20M parameters for 200 steps.
+# embedded demo (its model, data and budgets) for 200 steps.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,9 +20,8 @@ shift $(( $# > 2 ? 2 : $# ))
 strata="$build/strata"
 [[ -x "$strata" ]] || { echo "fp8_loss_bench: $strata not found; build first" >&2; exit 1; }
 
-common=(model.preset=tiny 'model.set=[hidden_size=512,intermediate_size=1408,num_hidden_layers=6,num_attention_heads=8,num_key_value_heads=4]'
-        train.steps=200 train.micro_batch=4 train.seq_len=128 memory.device=0 memory.host=0 "$@")
-runs=(bf16:fp32 fp8:fp32 fp32:fp32 bf16:bf16 bf16:int8)
+common=(train.steps=200 run.log_every=50 "$@")
+runs=(bf16:fp32 fp8:fp32 fp32:fp32 bf16:bf16 bf16:int8 fp8:int8)
 dirs=()
 for r in "${runs[@]}"; do
   precision="${r%%:*}" moments="${r##*:}"
