@@ -4,7 +4,9 @@
 #pragma once
 
 #include <bit>
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace strata::kernels {
 
@@ -38,5 +40,16 @@ static_assert(sizeof(Bf16) == 2);
 
 inline float to_f32(Bf16 v) { return bf16_to_f32(v.bits); }
 inline Bf16 to_bf16(float v) { return Bf16{f32_to_bf16(v)}; }
+
+// The emulated recipes' operands: n bf16 values widened into fp32 (exact), and fp32 results
+// narrowed into bf16 (nearest even).
+inline std::vector<float> widen(const Bf16* p, int64_t n) {
+  std::vector<float> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = to_f32(p[i]);
+  return out;
+}
+inline void narrow(Bf16* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
 
 }  // namespace strata::kernels

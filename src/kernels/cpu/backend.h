@@ -172,6 +172,10 @@ struct CpuBf16Ops : CpuCommonOps {
   static constexpr const char* kName = "cpu bf16 (the GPU recipe emulated)";
   using CpuCommonOps::CpuCommonOps;
   STRATA_CPU_BACKEND_OPS(Bf16, Bf16)
+  // dx (N,IC) = round(dx + dout @ weight) and dweight += dout^T @ x: the experts' second
+  // data-gradient GEMM accumulating onto its bf16 output (kernels/cpu/emulated_experts.h).
+  void accumulate_data_grad(Bf16* dx, float* dweight, const Bf16* dout, const Bf16* x, const Bf16* weight, int64_t N,
+                            int64_t IC, int64_t OC);
 };
 
 // The bf16 recipe's ops with the linear layers' GEMMs in fp8 (above). The members declared here
@@ -191,6 +195,8 @@ struct CpuFp8Ops : CpuBf16Ops {
                             const Act* dys, const Act* xs, const Act* gate, const Act* up, const Act* act,
                             const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E, int64_t C,
                             int64_t F);
+  void accumulate_data_grad(Bf16* dx, float* dweight, const Bf16* dout, const Bf16* x, const Bf16* weight, int64_t N,
+                            int64_t IC, int64_t OC);
 };
 
 #undef STRATA_CPU_BACKEND_OPS

@@ -7,6 +7,7 @@
 
 #include "kernels/attention.h"
 #include "kernels/cpu/backend.h"
+#include "kernels/cpu/emulated_experts.h"
 #include "kernels/embedding.h"
 #include "kernels/linear.h"
 #include "kernels/rmsnorm.h"
@@ -15,16 +16,6 @@
 
 namespace strata::kernels {
 namespace {
-
-std::vector<float> widen(const Bf16* p, int64_t n) {
-  std::vector<float> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = to_f32(p[i]);
-  return out;
-}
-
-void narrow(Bf16* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
-}
 
 // Rows [b * block_rows, ...) of a (V, C) table in blocks, widened into one contiguous (V, C).
 std::vector<float> widen_blocks(const Bf16* const* blocks, int64_t block_rows, int64_t V, int64_t C) {
@@ -226,35 +217,23 @@ void CpuBf16Ops::moe_combine_backward(Bf16* dys, float* dweights, const Bf16* do
 void CpuBf16Ops::moe_experts_forward(Bf16* ys, Bf16* gate, Bf16* up, Bf16* act, const Bf16* xs,
                                      const int64_t* expert_offsets, const ExpertTensors<const Bf16>& w, int64_t E,
                                      int64_t C, int64_t F) {
-  // Each expert's GEMMs round their outputs, and so does the SwiGLU between them.
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = expert_offsets[e], rows = expert_offsets[e + 1] - r0;
-    if (rows == 0) continue;
-    linear_forward(gate + r0 * F, xs + r0 * C, w.gate[e], nullptr, rows, C, F);
-    linear_forward(up + r0 * F, xs + r0 * C, w.up[e], nullptr, rows, C, F);
-    swiglu_forward(act + r0 * F, gate + r0 * F, up + r0 * F, rows * F);
-    linear_forward(ys + r0 * C, act + r0 * F, w.down[e], nullptr, rows, F, C);
-  }
+  emulated::experts_forward(*this, ys, gate, up, act, xs, expert_offsets, w, E, C, F);
 }
 void CpuBf16Ops::moe_experts_backward(Bf16* dxs, const ExpertTensors<float>& dw, Bf16* dgate, Bf16* dup,
                                       Bf16* dact, const Bf16* dys, const Bf16* xs, const Bf16* gate, const Bf16* up,
                                       const Bf16* act, const int64_t* expert_offsets,
                                       const ExpertTensors<const Bf16>& w, int64_t E, int64_t C, int64_t F) {
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = expert_offsets[e], rows = expert_offsets[e + 1] - r0;
-    if (rows == 0) continue;
-    linear_backward(dact + r0 * F, dw.down[e], nullptr, dys + r0 * C, act + r0 * F, w.down[e], rows, F, C);
-    swiglu_backward(dgate + r0 * F, dup + r0 * F, dact + r0 * F, gate + r0 * F, up + r0 * F, rows * F);
-    // dxs = dgate @ W_gate rounded, then += dup @ W_up rounded again (the GEMM with beta = 1 on
-    // a bf16 output); dW_up += dup^T @ xs in fp32.
-    linear_backward(dxs + r0 * C, dw.gate[e], nullptr, dgate + r0 * F, xs + r0 * C, w.gate[e], rows, C, F);
-    const std::vector<float> du = widen(dup + r0 * F, rows * F), wu = widen(w.up[e], F * C),
-                             xf = widen(xs + r0 * C, rows * C);
-    std::vector<float> acc = widen(dxs + r0 * C, rows * C);
-    sgemm(false, false, rows, C, F, 1.0f, du.data(), F, wu.data(), C, 1.0f, acc.data(), C);
-    narrow(dxs + r0 * C, acc.data(), rows * C);
-    sgemm(true, false, F, C, rows, 1.0f, du.data(), F, xf.data(), C, 1.0f, dw.up[e], C);
-  }
+  emulated::experts_backward(*this, dxs, dw, dgate, dup, dact, dys, xs, gate, up, act, expert_offsets, w, E, C, F);
+}
+// dx (N, IC) = bf16(dx + dout @ W) (the GEMM with beta = 1 on a bf16 output: one rounding);
+// dW += dout^T @ x in fp32.
+void CpuBf16Ops::accumulate_data_grad(Bf16* dx, float* dweight, const Bf16* dout, const Bf16* x, const Bf16* weight,
+                                      int64_t N, int64_t IC, int64_t OC) {
+  const std::vector<float> df = widen(dout, N * OC), wf = widen(weight, OC * IC), xf = widen(x, N * IC);
+  std::vector<float> acc = widen(dx, N * IC);
+  sgemm(false, false, N, IC, OC, 1.0f, df.data(), OC, wf.data(), IC, 1.0f, acc.data(), IC);
+  narrow(dx, acc.data(), N * IC);
+  sgemm(true, false, OC, IC, N, 1.0f, df.data(), OC, xf.data(), IC, 1.0f, dweight, IC);
 }
 void CpuBf16Ops::shared_expert_combine(Bf16* out, const Bf16* shared_out, const float* logit, int64_t N,
                                        int64_t C) {

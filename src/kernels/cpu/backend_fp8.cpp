@@ -4,22 +4,13 @@
 #include <vector>
 
 #include "kernels/cpu/backend.h"
+#include "kernels/cpu/emulated_experts.h"
 #include "kernels/fp8.h"
 #include "kernels/linear.h"
 #include "kernels/swiglu.h"
 
 namespace strata::kernels {
 namespace {
-
-std::vector<float> widen(const Bf16* p, int64_t n) {
-  std::vector<float> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = to_f32(p[i]);
-  return out;
-}
-
-void narrow(Bf16* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
-}
 
 // The weight's E4M3 blocks (rows, cols), dequantised (exactly).
 std::vector<float> weight_values(const Bf16* weight, int64_t rows, int64_t cols) {
@@ -76,35 +67,24 @@ void CpuFp8Ops::linear_backward(Bf16* dx, float* dweight, float* dbias, const Bf
 void CpuFp8Ops::moe_experts_forward(Bf16* ys, Bf16* gate, Bf16* up, Bf16* act, const Bf16* xs,
                                     const int64_t* expert_offsets, const ExpertTensors<const Bf16>& w, int64_t E,
                                     int64_t C, int64_t F) {
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = expert_offsets[e], rows = expert_offsets[e + 1] - r0;
-    if (rows == 0) continue;
-    linear_forward(gate + r0 * F, xs + r0 * C, w.gate[e], nullptr, rows, C, F);
-    linear_forward(up + r0 * F, xs + r0 * C, w.up[e], nullptr, rows, C, F);
-    swiglu_forward(act + r0 * F, gate + r0 * F, up + r0 * F, rows * F);
-    linear_forward(ys + r0 * C, act + r0 * F, w.down[e], nullptr, rows, F, C);
-  }
+  emulated::experts_forward(*this, ys, gate, up, act, xs, expert_offsets, w, E, C, F);
 }
 
 void CpuFp8Ops::moe_experts_backward(Bf16* dxs, const ExpertTensors<float>& dw, Bf16* dgate, Bf16* dup,
                                      Bf16* dact, const Bf16* dys, const Bf16* xs, const Bf16* gate, const Bf16* up,
                                      const Bf16* act, const int64_t* expert_offsets,
                                      const ExpertTensors<const Bf16>& w, int64_t E, int64_t C, int64_t F) {
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = expert_offsets[e], rows = expert_offsets[e + 1] - r0;
-    if (rows == 0) continue;
-    linear_backward(dact + r0 * F, dw.down[e], nullptr, dys + r0 * C, act + r0 * F, w.down[e], rows, F, C);
-    swiglu_backward(dgate + r0 * F, dup + r0 * F, dact + r0 * F, gate + r0 * F, up + r0 * F, rows * F);
-    // As the bf16 recipe: dxs = dgate @ W_gate rounded, then += dup @ W_up rounded again (the
-    // second GEMM accumulates onto the bf16 output); dW_up += dup^T @ xs.
-    linear_backward(dxs + r0 * C, dw.gate[e], nullptr, dgate + r0 * F, xs + r0 * C, w.gate[e], rows, C, F);
-    const std::vector<float> du = widen(dup + r0 * F, rows * F), xf = widen(xs + r0 * C, rows * C);
-    std::vector<float> acc = widen(dxs + r0 * C, rows * C), part(static_cast<size_t>(rows * C));
-    data_grad(part.data(), du, weight_values(w.up[e], F, C), rows, C, F);
-    for (size_t i = 0; i < acc.size(); ++i) acc[i] += part[i];
-    narrow(dxs + r0 * C, acc.data(), rows * C);
-    weight_grad(dw.up[e], du, xf, rows, C, F);
-  }
+  emulated::experts_backward(*this, dxs, dw, dgate, dup, dact, dys, xs, gate, up, act, expert_offsets, w, E, C, F);
+}
+
+void CpuFp8Ops::accumulate_data_grad(Bf16* dx, float* dweight, const Bf16* dout, const Bf16* x, const Bf16* weight,
+                                     int64_t N, int64_t IC, int64_t OC) {
+  const std::vector<float> df = widen(dout, N * OC), xf = widen(x, N * IC);
+  std::vector<float> acc = widen(dx, N * IC), part(static_cast<size_t>(N * IC));
+  data_grad(part.data(), df, weight_values(weight, OC, IC), N, IC, OC);
+  for (size_t i = 0; i < acc.size(); ++i) acc[i] += part[i];
+  narrow(dx, acc.data(), N * IC);
+  weight_grad(dweight, df, xf, N, IC, OC);
 }
 
 }  // namespace strata::kernels
