@@ -335,6 +335,8 @@ TEST_F(CliTest, Fp8RecipeWithInt8MomentsResumesBitExactly) {
   std::ifstream manifest(step3 / "manifest.json");
   const nlohmann::json m = nlohmann::json::parse(manifest);
   EXPECT_EQ(m["precision"]["moments"], "int8") << m.dump();
+  CmdResult inspect = run_strata("ckpt inspect " + step3.string());
+  EXPECT_NE(inspect.output.find("Adam moments stored as int8"), std::string::npos) << inspect.output;
   std::string resumed = (dir_ / "resumed").string();
   CmdResult b = run_strata("train " + small_run(resumed) + recipe + " --resume " + step3.string() +
                            " memory.device=1200KiB memory.host=1300KiB memory.nvme.path=" + (dir_ / "nvme").string() +

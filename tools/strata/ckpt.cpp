@@ -72,6 +72,14 @@ int inspect(const std::string& path) {
               static_cast<long long>(m.fields.data_cursor.index));
   std::printf("written by       strata %s (format %d)\n",
               m.fields.strata_version.empty() ? "?" : m.fields.strata_version.c_str(), m.format_version);
+  // The recipe and moment format the run trained in (checkpoints before they were recorded: none).
+  const nlohmann::json& p = m.fields.precision;
+  auto text = [&](const char* key) {
+    return p.contains(key) && p[key].is_string() ? p[key].get<std::string>() : std::string("?");
+  };
+  if (p.contains("recipe") || p.contains("moments"))
+    std::printf("trained in       %s; Adam moments stored as %s (the checkpoint holds them decoded)\n",
+                text("recipe").c_str(), text("moments").c_str());
   std::printf("\n%-24s %14s  %s\n", "file", "size", "xxh3_64");
   for (const ckpt::SavedFile& f : r.files()) {
     std::printf("%-24s %14s  %s\n", f.name.c_str(), format_bytes(f.size).c_str(), ckpt::xxh3_hex(f.xxh3).c_str());
