@@ -10,6 +10,7 @@
 #include "model/params.h"
 #include "train/metrics.h"
 #include "train/paged_state.h"
+#include "train/planning.h"
 
 namespace strata {
 namespace {
@@ -104,7 +105,7 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
                           const HostRamData& data) {
   HostRamPlan ram;
   const model::ParamLayout layout(mc);
-  const Precision precision = cuda ? Precision::kBf16 : t.precision;
+  const Precision precision = planned_precision(t, cuda);
   const bool has_nvme = !t.nvme_path.empty() && t.nvme_size > 0;
 
   // The host tier: slots of one chunk for the state, and beside them the staging slots.
