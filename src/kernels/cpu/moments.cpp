@@ -128,6 +128,7 @@ constexpr int64_t kParallelElements = int64_t{1} << 16;
 void decode_moments(float* out, const void* stored, MomentFormat format, bool is_v, int64_t n, int64_t first,
                     int64_t count) {
   CHECK(n >= 0 && first >= 0 && count >= 0 && first + count <= n);
+  if (count == 0) return;  // out may be null then (an empty vector's data())
   switch (format) {
     case MomentFormat::kF32:
       std::memcpy(out, static_cast<const float*>(stored) + first, static_cast<size_t>(count) * 4);
@@ -151,6 +152,7 @@ void decode_moments(float* out, const void* stored, MomentFormat format, bool is
 void encode_moments(void* stored, const float* in, MomentFormat format, bool is_v, int64_t n,
                     const MomentRounding& rounding) {
   CHECK(n >= 0);
+  if (n == 0) return;  // the pointers may be null then
   const uint64_t key = moment_stream_key(rounding.seed, is_v);
   switch (format) {
     case MomentFormat::kF32:

@@ -33,7 +33,10 @@ void quantize_rows_e4m3(uint8_t* codes /*(rows,cols)*/, float* scales /*(rows,L)
                         int64_t rows, int64_t cols, cudaStream_t stream);
 
 // The same with 128 x 1 tiles down each column: scales (fp8_blocks(rows), cols) row-major (the
-// operands of the weight-gradient GEMM, whose K is the token dimension).
+// operands of the weight-gradient GEMM, whose K is the token dimension). Not yet an input of
+// fp8_gemm_nt: its codes keep the tokens (K) strided, and the FP8 GEMM wants K contiguous, so a
+// weight-gradient GEMM needs the transposed operands quantised in 1 x 128 row tiles instead (or a
+// GEMM entry taking codes transposed and scales K-major) when the CUDA recipe is wired up.
 void quantize_cols_e4m3(uint8_t* codes /*(rows,cols)*/, float* scales /*(L,cols)*/, const bf16* x /*(rows,cols)*/,
                         int64_t rows, int64_t cols, cudaStream_t stream);
 void quantize_cols_e4m3(uint8_t* codes /*(rows,cols)*/, float* scales /*(L,cols)*/, const float* x /*(rows,cols)*/,
@@ -52,7 +55,8 @@ void quantize_cols_e4m3(uint8_t* codes /*(rows,cols)*/, float* scales /*(L,cols)
 // want 16-byte aligned rows and columns) and A, B, C 16-byte aligned (b_scales too when they are
 // 128 x 128 blocks with fp8_blocks(K) % 4 == 0: those are read in place); CHECKs both, naming
 // the shape. Needs a GPU with FP8 block scaling in cuBLASLt (Hopper, sm_90; CUDA 12.9+): on
-// others the heuristic finds nothing and the CHECK says so.
+// others the heuristic finds nothing and the CHECK says so. The repacked scales go to the start
+// of the Context's scratch: no operand may live in that scratch (CHECKed).
 void fp8_gemm_nt(Context& ctx, void* C /*(M,N)*/, bool c_bf16, const uint8_t* A /*(M,K)*/,
                  const float* a_scales /*(M,L)*/, const uint8_t* B /*(N,K)*/, const float* b_scales /*(NB,L) or (N,L)*/,
                  bool b_blocks, int64_t M, int64_t N, int64_t K, float beta, cudaStream_t stream);

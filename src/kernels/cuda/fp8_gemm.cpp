@@ -187,8 +187,16 @@ void fp8_gemm_nt(Context& ctx, void* C, bool c_bf16, const uint8_t* A, const flo
                          shape_text(M, N, K, c_bf16, b_blocks));
   const int64_t L = fp8_blocks(K);
 
-  // Scales into cuBLASLt's layouts (fp8_scales.cu).
+  // Scales into cuBLASLt's layouts (fp8_scales.cu), at the start of the scratch, which no operand
+  // may occupy (other ops leave results there).
   auto* scratch = static_cast<char*>(ctx.scratch(layout.bytes, "fp8_gemm_nt (scales)"));
+  for (const void* p : {static_cast<const void*>(A), static_cast<const void*>(B), static_cast<const void*>(C),
+                        static_cast<const void*>(a_scales), static_cast<const void*>(b_scales)}) {
+    const char* q = static_cast<const char*>(p);
+    CHECK_MSG(!(q >= scratch && q < scratch + ctx.scratch_bytes()),
+              "fp8_gemm_nt: an operand lies in the Context's scratch, where the scales are repacked; " +
+                  shape_text(M, N, K, c_bf16, b_blocks));
+  }
   auto* a_packed = reinterpret_cast<float*>(scratch + layout.a_offset);
   fp8_tile_scales_k_major(a_packed, a_scales, M, L, stream);
   const float* b_packed = b_scales;
