@@ -37,7 +37,7 @@ std::vector<float> decoded(const Bytes& stored, MomentFormat format, bool is_v, 
 }
 
 bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 // Values like Adam's moments: random signs (m) or squares (v), magnitudes spread uniformly in
