@@ -7,7 +7,7 @@
 #   tools/build_gpu.sh [BUILD_DIR] [PACKER]     (default: build-gpu; PACKER e.g. pack-runtime.sh)
 #
 # Then, on the GPU machine, from the repository root with BUILD_DIR copied beside it:
-#   LD_LIBRARY_PATH=$PWD/build-gpu/devlibs bash tools/gpu_check.sh build-gpu
+#   bash tools/gpu_check.sh build-gpu        (it puts build-gpu/devlibs on the library path)
 # The carried folder must stay small: the script prints its size last.
 set -euo pipefail
 

@@ -7,3 +7,8 @@ endif()
 add_test(NAME readme_examples
          COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/tools/readme_examples.sh ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
 set_tests_properties(readme_examples PROPERTIES LABELS "tools" TIMEOUT 600)
+
+# tools/gpu_check.sh's dry run: its groups, timeouts, budget and summary, without a GPU.
+add_test(NAME gpu_check_dry_run
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/tools/gpu_check_test.sh ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+set_tests_properties(gpu_check_dry_run PROPERTIES LABELS "tools" TIMEOUT 120)
