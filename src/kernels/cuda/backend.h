@@ -91,6 +91,8 @@ class CudaOps {
   void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n);
   void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);
   void add_inplace(Act* a, const Act* b, int64_t n);
+  // Runs in the LM head's buffer (kernels' scratch before activation_block), chunk_tokens at a
+  // time (the decoder passes lm_head_chunk_tokens(); a larger one is halved until it fits).
   double lm_head_cross_entropy(Act* dx, float* const* dweight_blocks, const Act* x, const W* const* weight_blocks,
                                int64_t block_rows, const int32_t* targets, int64_t N, int64_t C, int64_t V,
                                float grad_scale, int64_t chunk_tokens);
