@@ -140,7 +140,8 @@ Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_
   planned_tokens_ = 0;
   bytes_ = 0;
   ASSIGN_OR_RETURN(void* base, ops.activation_block(static_cast<uint64_t>(bytes), N,
-                                                    config.is_moe() ? config.num_experts : 0));
+                                                    config.is_moe() ? config.num_experts : 0, config.hidden_size,
+                                                    config.vocab_size));
   carve(static_cast<char*>(base), config, N, offload_checkpoints, keep_layers);
   planned_keep_ = keep_layers;
   bytes_ = bytes;
@@ -156,7 +157,8 @@ int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bo
                                         bool keep_layers) {
   ActivationTable<Ops> measured;
   return measured.carve(nullptr, config, N, offload_checkpoints, keep_layers) +
-         static_cast<int64_t>(Ops::extra_activation_bytes(N, config.is_moe() ? config.num_experts : 0));
+         static_cast<int64_t>(Ops::extra_activation_bytes(N, config.is_moe() ? config.num_experts : 0,
+                                                          config.hidden_size, config.vocab_size));
 }
 
 template <class Ops>

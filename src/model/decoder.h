@@ -54,10 +54,6 @@
 
 namespace strata::model {
 
-// The LM head and cross-entropy run this many tokens at a time (logits never exceed
-// kLossChunkTokens x V floats).
-inline constexpr int64_t kLossChunkTokens = 256;
-
 // Number of targets >= 0 (the tokens that count towards the loss).
 int64_t count_valid_targets(const int32_t* targets, int64_t n);
 

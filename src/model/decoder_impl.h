@@ -138,8 +138,7 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
   ops_.rope_forward(a.q, a.q, inv_freq_ops_, B, T, Hq, D);
   ops_.rope_forward(a.k, a.k, inv_freq_ops_, B, T, Hkv, D);
   ops_.attention_forward(a.att, a.lse, a.q, a.k, a.v, B, T, Hq, Hkv, D);
-  ops_.linear_forward(a.h, a.att, p.o_proj, nullptr, N, Hq * D, C);
-  ops_.add_inplace(a.h, x, N * C);
+  ops_.linear_forward_residual(a.h, a.att, p.o_proj, x, N, Hq * D, C);
 
   // MLP block: out = h + mlp(ln2), mlp = down(silu(gate(ln2)) * up(ln2)) or the experts.
   ops_.rmsnorm_forward(a.ln2, a.ln2_rstd, a.h, p.post_attention_layernorm, N, C, eps);
@@ -157,8 +156,7 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
   ops_.linear_forward(a.up, a.ln2, p.up_proj, nullptr, N, C, F);
   ops_.swiglu_forward(a.act, a.gate, a.up, N * F);
   if (out == nullptr) return Status::OK();
-  ops_.linear_forward(out, a.act, p.down_proj, nullptr, N, F, C);
-  ops_.add_inplace(out, a.h, N * C);
+  ops_.linear_forward_residual(out, a.act, p.down_proj, a.h, N, F, C);
   return Status::OK();
 }
 
@@ -396,7 +394,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   if (!backward) {
     const double loss = ops_.lm_head_cross_entropy(
         nullptr, nullptr, acts_.final_out, param_blocks(layout_.lm_head()).data(), block_rows(layout_.lm_head()),
-        staged_targets, N, C, config_.vocab_size, 1.0f, kLossChunkTokens);
+        staged_targets, N, C, config_.vocab_size, 1.0f, ops_.lm_head_chunk_tokens(N, C, config_.vocab_size));
     end_group(head, true, false);
     if (tied) end_group(0, true, false);
     return loss;
@@ -415,7 +413,8 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   // With tied embeddings lm_head() is the embedding's offset, so both gradients add up there.
   const double loss = ops_.lm_head_cross_entropy(
       acts_.d_final, grad_blocks(layout_.lm_head()).data(), acts_.final_out, param_blocks(layout_.lm_head()).data(),
-      block_rows(layout_.lm_head()), staged_targets, N, C, config_.vocab_size, grad_scale, kLossChunkTokens);
+      block_rows(layout_.lm_head()), staged_targets, N, C, config_.vocab_size, grad_scale,
+      ops_.lm_head_chunk_tokens(N, C, config_.vocab_size));
   ops_.rmsnorm_backward(acts_.dres, grad(layout_.final_norm()), acts_.d_final,
                                  checkpoint(L, N), param(layout_.final_norm()), acts_.final_rstd, N,
                                  C);

@@ -7,6 +7,7 @@
 
 #include "core/host_memory.h"
 #include "kernels/cpu/backend.h"
+#include "kernels/lm_head_chunks.h"
 #include "model/activations.h"
 #include "train/paged_state.h"
 
@@ -87,8 +88,13 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   const uint64_t checkpoints = (L + 1) * in.checkpoint_bytes_per_layer;
   in.layer_workspace_bytes = table > checkpoints ? table - checkpoints : 0;
   if (t.keep_activations == "true") in.kept_activation_bytes = static_cast<uint64_t>(table_bytes(true)) - table;
-  const uint64_t loss_chunk = std::min<uint64_t>(N, 256);
-  in.head_workspace_bytes = loss_chunk * V * 4;
+  // The LM head's logits chunks: on a GPU the buffer the CUDA backend reserves beside the
+  // activation table (kernels/lm_head_chunks.h), on the CPU a host vector of 256 x V floats.
+  const uint64_t loss_chunk = std::min<uint64_t>(N, kernels::CpuCommonOps::kLossChunkTokens);
+  in.head_workspace_bytes =
+      cuda ? kernels::lm_head_device_scratch_bytes(std::max<int64_t>(static_cast<int64_t>(N), 1),
+                                                   static_cast<int64_t>(C), static_cast<int64_t>(V))
+           : loss_chunk * V * 4;
 
   in.grad_accum = t.grad_accum;
   in.tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;

@@ -89,6 +89,46 @@ TEST(CpuBf16Ops, AddInplaceRoundsTheSum) {
   EXPECT_EQ(kernels::to_f32(a[1]), 1.0f + 1.0f / 128);
 }
 
+// h = x + o_proj(att) and out = h + down_proj(act) are one op: the fp32 product plus the
+// residual, rounded once, as cuBLASLt rounds a GEMM with beta = 1 onto a separate bf16 C.
+TEST(CpuBf16Ops, LinearForwardResidualRoundsTheSumOnce) {
+  kernels::CpuBf16Ops ops;
+  const int64_t N = 5, IC = 24, OC = 16;
+  const auto x = random_bf16(N * IC, 11), w = random_bf16(OC * IC, 12, 0.3f), r = random_bf16(N * OC, 13);
+  std::vector<Bf16> out(static_cast<size_t>(N * OC));
+  ops.linear_forward_residual(out.data(), x.data(), w.data(), r.data(), N, IC, OC);
+  std::vector<float> ref(out.size());
+  kernels::cpu::linear_forward(ref.data(), widen(x).data(), widen(w).data(), nullptr, N, IC, OC);
+  for (size_t i = 0; i < ref.size(); ++i) ref[i] += kernels::to_f32(r[i]);
+  expect_rounded(out, ref, "linear_forward_residual");
+
+  // 1 + 2^-8 is halfway between two bf16s and rounds to even, 1; rounded before the residual
+  // 2^-8 is added it stays 1, rounded after it is 1 + 2^-7.
+  const std::vector<Bf16> x1 = {kernels::to_bf16(1.0f), kernels::to_bf16(1.0f)};
+  const std::vector<Bf16> w1 = {kernels::to_bf16(1.0f), kernels::to_bf16(1.0f / 256)};
+  const std::vector<Bf16> r1 = {kernels::to_bf16(1.0f / 256)};
+  std::vector<Bf16> o1(1);
+  ops.linear_forward_residual(o1.data(), x1.data(), w1.data(), r1.data(), 1, 2, 1);
+  EXPECT_EQ(kernels::to_f32(o1[0]), 1.0f + 1.0f / 128);
+}
+
+// The fp32 recipe is the reference: fusing the residual must not move a bit of it.
+TEST(CpuF32Ops, LinearForwardResidualIsLinearForwardThenAddBitwise) {
+  kernels::CpuF32Ops ops;
+  const int64_t N = 7, IC = 300, OC = 33;
+  std::mt19937_64 rng(21);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> x(N * IC), w(OC * IC), r(N * OC);
+  for (float& v : x) v = u(rng);
+  for (float& v : w) v = u(rng);
+  for (float& v : r) v = u(rng) * 100.0f;
+  std::vector<float> fused(N * OC), unfused(N * OC);
+  ops.linear_forward_residual(fused.data(), x.data(), w.data(), r.data(), N, IC, OC);
+  ops.linear_forward(unfused.data(), x.data(), w.data(), nullptr, N, IC, OC);
+  ops.add_inplace(unfused.data(), r.data(), N * OC);
+  EXPECT_EQ(std::memcmp(fused.data(), unfused.data(), fused.size() * sizeof(float)), 0);
+}
+
 ModelConfig dense_config() {
   ModelConfig c;
   c.vocab_size = 53;

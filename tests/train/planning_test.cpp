@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/cpu/backend.h"
+#include "kernels/lm_head_chunks.h"
 #include "model/activations.h"
 #include "model/params.h"
 #include "offload/plan.h"
@@ -71,6 +72,24 @@ TEST(Planning, LargestMicroBatchIsTheEdgeOfFitting) {
   EXPECT_TRUE(make_plan(make_plan_input(*mc, t, true)).fits);
   t.micro_batch = best + 1;
   EXPECT_FALSE(make_plan(make_plan_input(*mc, t, true)).fits);
+}
+
+// On a GPU the head's workspace is the LM-head buffer the CUDA backend reserves beside the
+// activation table (chunks of thousands of tokens), on the CPU the 256-token logits vector.
+TEST(Planning, TheHeadWorkspaceIsTheBackendsLmHeadBuffer) {
+  auto mc = model::ModelConfig::preset("llama3.2-1b");
+  ASSERT_TRUE(mc.ok()) << mc.status().to_string();
+  TrainConfig t;
+  t.micro_batch = 4;
+  t.seq_len = 2048;
+  t.grad_accum = 1;
+  const int64_t N = t.micro_batch * t.seq_len;
+  EXPECT_EQ(make_plan_input(*mc, t, /*cuda=*/true).head_workspace_bytes,
+            kernels::lm_head_device_scratch_bytes(N, mc->hidden_size, mc->vocab_size));
+  EXPECT_GE(make_plan_input(*mc, t, true).head_workspace_bytes,
+            kernels::lm_head_chunk_bytes(mc->hidden_size, mc->vocab_size, 2048, true));
+  EXPECT_EQ(make_plan_input(*mc, t, /*cuda=*/false).head_workspace_bytes,
+            static_cast<uint64_t>(256 * mc->vocab_size) * 4);
 }
 
 // The expected share of experts a micro-batch reaches (uniform routing): few tokens leave most

@@ -60,10 +60,17 @@ struct CpuCommonOps {
   // The activation table's one block (model/activations.h), zero-filled; replaces the previous
   // block, which nothing may use any more. From the device's arena when there is one: its
   // OutOfMemory names the tier, the request and the budget.
-  Result<void*> activation_block(uint64_t bytes, int64_t /*N*/, int64_t /*E*/) { return activation_block(bytes); }
+  Result<void*> activation_block(uint64_t bytes, int64_t /*N*/, int64_t /*E*/, int64_t /*C*/, int64_t /*V*/) {
+    return activation_block(bytes);
+  }
   Result<void*> activation_block(uint64_t bytes);
-  // Memory the ops keep for themselves per micro-batch of N tokens and E experts (none here).
-  static uint64_t extra_activation_bytes(int64_t /*N*/, int64_t /*E*/) { return 0; }
+  // Memory the ops keep for themselves per micro-batch of N tokens, E experts, hidden size C and
+  // vocabulary V (none here).
+  static uint64_t extra_activation_bytes(int64_t /*N*/, int64_t /*E*/, int64_t /*C*/, int64_t /*V*/) { return 0; }
+  // Tokens per LM-head chunk: a fixed 256 (the logits chunk is a host vector, chunk x V floats).
+  // The fp32 recipe's weight gradient sums chunk by chunk, so this number is part of its bits.
+  static constexpr int64_t kLossChunkTokens = 256;
+  int64_t lm_head_chunk_tokens(int64_t /*N*/, int64_t /*C*/, int64_t /*V*/) const { return kLossChunkTokens; }
   // Waits for the queued ops: a no-op, the CPU ops run in the caller.
   void synchronize() {}
   Stream* compute_stream() { return nullptr; }
@@ -108,6 +115,10 @@ struct CpuCommonOps {
   void linear_backward(Act* dx /*(N,IC) or null*/, float* dweight /*(OC,IC)*/, float* dbias /*(OC) or null*/,      \
                        const Act* dout /*(N,OC)*/, const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/,          \
                        int64_t N, int64_t IC, int64_t OC);                                                          \
+  /* out (N,OC) = x @ weight^T + residual (N,OC): a projection added to the residual stream (o_proj, down_proj), \
+     the sum rounded once (the CUDA op adds the residual inside the GEMM). REQUIRES out != residual. */            \
+  void linear_forward_residual(Act* out /*(N,OC)*/, const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/,          \
+                               const Act* residual /*(N,OC)*/, int64_t N, int64_t IC, int64_t OC);                  \
   /* The same with fp32 outputs / output gradients: the router and the shared expert's gate. The backward        \
      rounds dout to the activation type before its GEMMs, as the GPU must (its GEMMs read bf16). */                \
   void linear_forward_f32(float* out /*(N,OC)*/, const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/, int64_t N,  \
@@ -186,6 +197,8 @@ struct CpuFp8Ops : CpuBf16Ops {
   using CpuBf16Ops::CpuBf16Ops;
   // weight: E4M3 blocks of (OC, IC).
   void linear_forward(Act* out, const Act* x, const W* weight, const W* bias, int64_t N, int64_t IC, int64_t OC);
+  void linear_forward_residual(Act* out, const Act* x, const W* weight, const Act* residual, int64_t N, int64_t IC,
+                               int64_t OC);
   void linear_backward(Act* dx, float* dweight, float* dbias, const Act* dout, const Act* x, const W* weight,
                        int64_t N, int64_t IC, int64_t OC);
   // w: each expert's gate, up (F, C) and down (C, F) as E4M3 blocks.

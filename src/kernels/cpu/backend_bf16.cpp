@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/check.h"
 #include "kernels/attention.h"
 #include "kernels/cpu/backend.h"
 #include "kernels/cpu/emulated_experts.h"
@@ -73,6 +74,17 @@ void CpuBf16Ops::linear_backward(Bf16* dx, float* dweight, float* dbias, const B
   cpu::linear_backward(dx != nullptr ? o.data() : nullptr, dweight, dbias, df.data(), xf.data(), wf.data(), N, IC,
                        OC);
   if (dx != nullptr) narrow(dx, o.data(), N * IC);
+}
+void CpuBf16Ops::linear_forward_residual(Bf16* out, const Bf16* x, const Bf16* weight, const Bf16* residual,
+                                         int64_t N, int64_t IC, int64_t OC) {
+  CHECK_MSG(out != residual, "linear_forward_residual: out must not alias the residual");
+  // As cuBLASLt with beta = 1 and a separate bf16 C: the fp32 product plus the widened residual,
+  // rounded once (not the product rounded, then the sum rounded again).
+  const std::vector<float> xf = widen(x, N * IC), wf = widen(weight, OC * IC);
+  std::vector<float> o(static_cast<size_t>(N * OC));
+  cpu::linear_forward(o.data(), xf.data(), wf.data(), nullptr, N, IC, OC);
+  for (int64_t i = 0; i < N * OC; ++i) o[static_cast<size_t>(i)] += to_f32(residual[i]);
+  narrow(out, o.data(), N * OC);
 }
 void CpuBf16Ops::linear_forward_f32(float* out, const Bf16* x, const Bf16* weight, int64_t N, int64_t IC,
                                     int64_t OC) {

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/check.h"
 #include "kernels/attention.h"
 #include "kernels/cpu/backend.h"
 #include "kernels/cross_entropy.h"
@@ -99,6 +100,14 @@ void CpuF32Ops::swiglu_forward(float* out, const float* gate, const float* up, i
 void CpuF32Ops::swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
                                 int64_t n) {
   cpu::swiglu_backward(dgate, dup, dout, gate, up, n);
+}
+void CpuF32Ops::linear_forward_residual(float* out, const float* x, const float* weight, const float* residual,
+                                        int64_t N, int64_t IC, int64_t OC) {
+  CHECK_MSG(out != residual, "linear_forward_residual: out must not alias the residual");
+  // The GEMM, then the addition: bitwise linear_forward followed by add_inplace (an fp32 sum of
+  // two values is the same in either order), so the fp32 recipe's results do not change.
+  cpu::linear_forward(out, x, weight, nullptr, N, IC, OC);
+  add_inplace(out, residual, N * OC);
 }
 void CpuF32Ops::add_inplace(float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) a[i] += b[i];

@@ -3,6 +3,7 @@
 // bf16 outputs are rounded once, as in the bf16 recipe.
 #include <vector>
 
+#include "core/check.h"
 #include "kernels/cpu/backend.h"
 #include "kernels/cpu/emulated_experts.h"
 #include "kernels/fp8.h"
@@ -46,6 +47,19 @@ void CpuFp8Ops::linear_forward(Bf16* out, const Bf16* x, const Bf16* weight, con
   const std::vector<float> bf = bias != nullptr ? widen(bias, OC) : std::vector<float>();
   std::vector<float> o(static_cast<size_t>(N * OC));
   cpu::linear_forward(o.data(), xf.data(), wf.data(), bias != nullptr ? bf.data() : nullptr, N, IC, OC);
+  narrow(out, o.data(), N * OC);
+}
+
+void CpuFp8Ops::linear_forward_residual(Bf16* out, const Bf16* x, const Bf16* weight, const Bf16* residual,
+                                        int64_t N, int64_t IC, int64_t OC) {
+  CHECK_MSG(out != residual, "linear_forward_residual: out must not alias the residual");
+  // The fp8 GEMM in fp32 plus the widened residual, rounded once, as in the bf16 recipe.
+  std::vector<float> xf = widen(x, N * IC);
+  cpu::fake_quantize_rows_e4m3(xf.data(), xf.data(), N, IC);
+  const std::vector<float> wf = weight_values(weight, OC, IC);
+  std::vector<float> o(static_cast<size_t>(N * OC));
+  cpu::linear_forward(o.data(), xf.data(), wf.data(), nullptr, N, IC, OC);
+  for (int64_t i = 0; i < N * OC; ++i) o[static_cast<size_t>(i)] += to_f32(residual[i]);
   narrow(out, o.data(), N * OC);
 }
 

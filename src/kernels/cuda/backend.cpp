@@ -9,6 +9,7 @@
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/cuda_device.h"
 #include "kernels/cuda/elementwise.h"
+#include "kernels/lm_head_chunks.h"
 
 namespace strata::kernels {
 
@@ -43,21 +44,25 @@ void* CudaOps::grow(DeviceAllocation& buffer, uint64_t bytes, const char* what) 
   return buffer.data();
 }
 
-uint64_t CudaOps::extra_activation_bytes(int64_t N, int64_t E) {
+uint64_t CudaOps::extra_activation_bytes(int64_t N, int64_t E, int64_t C, int64_t V) {
   const uint64_t n = static_cast<uint64_t>(N), e = static_cast<uint64_t>(std::max<int64_t>(E, 1));
-  return n * sizeof(float) + n * e * sizeof(Act) + 20 * e + 3 * 256;  // losses, rounded, router; alignment
+  // losses, rounded, router, the LM head's chunks; alignment
+  return n * sizeof(float) + n * e * sizeof(Act) + 20 * e + lm_head_device_scratch_bytes(std::max<int64_t>(N, 1), C, V) +
+         4 * 256;
 }
 
-Result<void*> CudaOps::activation_block(uint64_t bytes, int64_t N, int64_t E) {
+Result<void*> CudaOps::activation_block(uint64_t bytes, int64_t N, int64_t E, int64_t C, int64_t V) {
   synchronize();
   block_.reset();
   losses_.reset();
   rounded_.reset();
   router_.reset();
+  lm_head_.reset();
   const int64_t e = std::max<int64_t>(E, 1);
   for (auto [buffer, size] : {std::pair{&block_, bytes}, std::pair{&losses_, static_cast<uint64_t>(N) * sizeof(float)},
                               std::pair{&rounded_, static_cast<uint64_t>(N * e) * sizeof(Act)},
-                              std::pair{&router_, static_cast<uint64_t>(e) * 20}}) {
+                              std::pair{&router_, static_cast<uint64_t>(e) * 20},
+                              std::pair{&lm_head_, lm_head_device_scratch_bytes(std::max<int64_t>(N, 1), C, V)}}) {
     Result<DeviceAllocation> a = device_->allocate(size);
     if (!a.ok()) return a.status().with_context("the activation table");
     *buffer = std::move(a).value();
@@ -116,6 +121,11 @@ void CudaOps::linear_backward(Act* dx, float* dweight, float* dbias, const Act* 
   cuda::linear_backward(*ctx_, dx, dweight, dbias, dout, x, weight, N, IC, OC, stream_);
 }
 
+void CudaOps::linear_forward_residual(Act* out, const Act* x, const W* weight, const Act* residual, int64_t N,
+                                      int64_t IC, int64_t OC) {
+  cuda::linear_forward_residual(*ctx_, out, x, weight, residual, N, IC, OC, stream_);
+}
+
 void CudaOps::linear_forward_f32(float* out, const Act* x, const W* weight, int64_t N, int64_t IC, int64_t OC) {
   // out (N, OC) = x (N, IC) @ weight (OC, IC)^T, written in fp32.
   cuda::gemm(*ctx_, false, true, N, OC, IC, 1.0f, x, IC, weight, IC, 0.0f, out, OC, /*c_is_fp32=*/true, nullptr,
@@ -160,15 +170,26 @@ void CudaOps::swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* 
 
 void CudaOps::add_inplace(Act* a, const Act* b, int64_t n) { cuda::add_inplace(a, b, n, stream_); }
 
+int64_t CudaOps::lm_head_chunk_tokens(int64_t N, int64_t C, int64_t V) const {
+  // Before the activation block exists (no LM head buffer yet) the kernels' scratch serves.
+  const uint64_t room = lm_head_ ? lm_head_.size() : kScratchBytes;
+  return kernels::lm_head_chunk_tokens(std::max<int64_t>(N, 1), C, V, room);
+}
+
 double CudaOps::lm_head_cross_entropy(Act* dx, float* const* dweight_blocks, const Act* x,
                                       const W* const* weight_blocks, int64_t block_rows, const int32_t* targets,
                                       int64_t N, int64_t C, int64_t V, float grad_scale, int64_t chunk_tokens) {
-  // Chunks whose logits fit the scratch.
+  // The logits chunks go to the LM head's own buffer (sized per micro-batch with the activation
+  // block) when there is one; the kernels' scratch serves the ops queued after.
+  void* const scratch = scratch_.data();
+  if (lm_head_) ctx_->use_scratch(lm_head_.data(), lm_head_.size());
+  // Chunks whose logits fit (the decoder asks lm_head_chunk_tokens, which already fits them).
   while (chunk_tokens > 1 && cuda::lm_head_blocked_scratch_bytes(C, V, chunk_tokens) > ctx_->scratch_bytes())
     chunk_tokens /= 2;
   float* losses = static_cast<float*>(grow(losses_, static_cast<uint64_t>(N) * sizeof(float), "per-token losses"));
   cuda::lm_head_cross_entropy_blocked(*ctx_, losses, dx, dweight_blocks, x, weight_blocks, block_rows, targets, N, C,
                                       V, grad_scale, chunk_tokens, stream_);
+  ctx_->use_scratch(scratch, kScratchBytes);
   double* sum = sums_.as<double>();
   cuda::sum(*ctx_, sum, losses, N, /*accumulate=*/false, stream_);
   double loss = 0;

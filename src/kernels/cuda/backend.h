@@ -52,12 +52,16 @@ class CudaOps {
   Stream* compute_stream() { return compute_.get(); }
   cuda::Context& context() { return *ctx_; }
 
-  // The activation table's block, and with it the ops' own per-micro-batch buffers for N tokens
-  // and E experts (per-token losses, a rounded router gradient, router statistics), so that
-  // no op allocates later. All from the arena; OutOfMemory names the request and the budget.
-  Result<void*> activation_block(uint64_t bytes, int64_t N, int64_t E);
+  // The activation table's block, and with it the ops' own per-micro-batch buffers for N tokens,
+  // E experts, hidden size C and vocabulary V (per-token losses, a rounded router gradient,
+  // router statistics, the LM head's logits chunks), so that no op allocates later. All from
+  // the arena; OutOfMemory names the request and the budget.
+  Result<void*> activation_block(uint64_t bytes, int64_t N, int64_t E, int64_t C, int64_t V);
   // The bytes of those buffers (what activation_block takes besides `bytes`).
-  static uint64_t extra_activation_bytes(int64_t N, int64_t E);
+  static uint64_t extra_activation_bytes(int64_t N, int64_t E, int64_t C, int64_t V);
+  // Tokens per LM-head chunk for N tokens: as many as the LM head's buffer holds, up to
+  // kernels::kLmHeadTargetChunkTokens (kernels/lm_head_chunks.h), evened over the micro-batch.
+  int64_t lm_head_chunk_tokens(int64_t N, int64_t C, int64_t V) const;
   void synchronize();
   const float* stage_constants(const float* host, int64_t n);
   const int32_t* stage_tokens(const int32_t* host, int64_t N, int32_t* slot);
@@ -73,6 +77,8 @@ class CudaOps {
   void linear_forward(Act* out, const Act* x, const W* weight, const W* bias, int64_t N, int64_t IC, int64_t OC);
   void linear_backward(Act* dx, float* dweight, float* dbias, const Act* dout, const Act* x, const W* weight,
                        int64_t N, int64_t IC, int64_t OC);
+  void linear_forward_residual(Act* out, const Act* x, const W* weight, const Act* residual, int64_t N, int64_t IC,
+                               int64_t OC);
   void linear_forward_f32(float* out, const Act* x, const W* weight, int64_t N, int64_t IC, int64_t OC);
   void linear_backward_f32(Act* dx, float* dweight, const float* dout, const Act* x, const W* weight, int64_t N,
                            int64_t IC, int64_t OC);
@@ -85,6 +91,8 @@ class CudaOps {
   void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n);
   void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);
   void add_inplace(Act* a, const Act* b, int64_t n);
+  // Runs in the LM head's buffer (kernels' scratch before activation_block), chunk_tokens at a
+  // time (the decoder passes lm_head_chunk_tokens(); a larger one is halved until it fits).
   double lm_head_cross_entropy(Act* dx, float* const* dweight_blocks, const Act* x, const W* const* weight_blocks,
                                int64_t block_rows, const int32_t* targets, int64_t N, int64_t C, int64_t V,
                                float grad_scale, int64_t chunk_tokens);
@@ -130,6 +138,7 @@ class CudaOps {
   DeviceAllocation losses_;     // (N) per-token NLL
   DeviceAllocation sums_;       // (1) double: the loss sum
   DeviceAllocation rounded_;    // an fp32 output gradient rounded to bf16
+  DeviceAllocation lm_head_;    // the LM head's scratch: logits chunks (lm_head_device_scratch_bytes)
   DeviceAllocation router_;     // selection bias or prob_grad (E floats), counts (E) and prob sums (E)
   std::vector<int64_t> host_offsets_;
 };

@@ -1,9 +1,11 @@
-// Context (cuBLASLt handle, GEMM workspace, scratch) and the row-major cuBLASLt GEMM.
+// Context (cuBLASLt handle, GEMM workspace, scratch, plan caches), the algorithm search both
+// cuBLASLt GEMMs share, and the row-major bf16 GEMM with its plans cached per shape.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "core/check.h"
@@ -35,7 +37,9 @@ Context::~Context() {
   CUDA_CHECK(cudaSetDevice(device_));
   // Work queued by ops may still use the buffers: wait for the device before freeing.
   CUDA_CHECK(cudaDeviceSynchronize());
-  fp8_gemm_plans_.reset();
+  // Descriptors need no handle, but go before it all the same.
+  gemm_plans_.clear();
+  fp8_gemm_plans_.clear();
   if (blas_ != nullptr) CUBLAS_CHECK(cublasDestroy(blas_));
   if (owns_memory_ && scratch_ != nullptr) CUDA_CHECK(cudaFree(scratch_));
   if (owns_memory_ && gemm_workspace_ != nullptr) CUDA_CHECK(cudaFree(gemm_workspace_));
@@ -49,6 +53,12 @@ void* Context::scratch(size_t bytes, const char* what) const {
                                          "; create the Context with more scratch (or use "
                                          "smaller chunks)");
   return scratch_;
+}
+
+void Context::use_scratch(void* scratch, size_t scratch_bytes) {
+  CHECK_MSG(!owns_memory_, "Context::use_scratch: this Context owns its scratch");
+  scratch_ = scratch;
+  scratch_bytes_ = scratch_bytes;
 }
 
 cublasHandle_t Context::blas(cudaStream_t stream) {
@@ -65,31 +75,58 @@ cublasHandle_t Context::blas(cudaStream_t stream) {
   return blas_;
 }
 
-namespace {
-
-// Largest power of two (up to 256) dividing the address: what cuBLASLt may assume.
-uint32_t alignment_of(const void* p) {
-  const auto address = reinterpret_cast<uintptr_t>(p);
-  uint32_t a = 256;
-  while (a > 1 && address % a != 0) a /= 2;
-  return a;
+LtPlan::~LtPlan() {
+  if (c) cublasLtMatrixLayoutDestroy(c);
+  if (second) cublasLtMatrixLayoutDestroy(second);
+  if (first) cublasLtMatrixLayoutDestroy(first);
+  if (op) cublasLtMatmulDescDestroy(op);
 }
 
-// RAII for the descriptors of one call.
-struct MatmulDescs {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+void choose_algorithm(Context& ctx, LtPlan& plan, const LtAlignments& align, const GemmDescription& what,
+                      const std::string& hint) {
   cublasLtMatmulPreference_t pref = nullptr;
-  ~MatmulDescs() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t workspace = ctx.gemm_workspace_bytes();
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                                    sizeof(workspace)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align.first,
+                                                    sizeof(align.first)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align.second,
+                                                    sizeof(align.second)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align.c,
+                                                    sizeof(align.c)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align.d,
+                                                    sizeof(align.d)));
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.lt(), plan.op, plan.first, plan.second, plan.c,
+                                                               plan.c, pref, 1, &heuristic, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  // An algorithm whose own state is not SUCCESS would fail in cublasLtMatmul: report it here,
+  // with its status, as if none were found.
+  const cublasStatus_t reported = status != CUBLAS_STATUS_SUCCESS ? status : heuristic.state;
+  CHECK_MSG(status == CUBLAS_STATUS_SUCCESS && found > 0 && heuristic.state == CUBLAS_STATUS_SUCCESS,
+            gemm_heuristic_failure_message(what, cublasLtGetStatusName(reported), cublasLtGetStatusString(reported),
+                                           found) +
+                hint);
+  plan.algo = heuristic.algo;
+}
 
-}  // namespace
+namespace {
+
+GemmDescription describe_bf16(const GemmKey& key) {
+  GemmDescription d;
+  d.M = key.M;
+  d.N = key.N;
+  d.K = key.K;
+  d.trans_a = key.trans_a;
+  d.trans_b = key.trans_b;
+  d.a_type = d.b_type = "bf16";
+  d.c_type = key.c_is_fp32 ? "fp32" : "bf16";
+  d.epilogue = key.bias ? "bias (bf16)" : "none";
+  d.accumulate = key.beta_zero ? "beta = 0" : key.separate_c ? "beta != 0, C read from a separate input" : "beta != 0";
+  return d;
+}
 
 // cuBLASLt is column-major. A row-major (R, S) matrix with row stride ld is the column-major
 // (S, R) matrix with leading dimension ld, i.e. its transpose. So row-major
@@ -99,75 +136,88 @@ struct MatmulDescs {
 // a column-major GEMM with m = N, n = M, k = K, first operand B (stored column-major as
 // B^T: transposed in the call iff trans_b) and second operand A (likewise iff trans_a).
 // The bias of a row-major C is per column of C = per row of C^T: cuBLASLt's BIAS epilogue.
-void gemm(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
-          const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float beta, void* C,
-          int64_t ldc, bool c_is_fp32, const bf16* bias, cudaStream_t stream) {
+std::unique_ptr<LtPlan> make_plan(Context& ctx, const GemmKey& key, const bf16* bias) {
+  auto plan = std::make_unique<LtPlan>();
+  const cublasOperation_t op_first = key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_second = key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+  CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+  if (key.bias) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    const cudaDataType_t bias_type = CUDA_R_16BF;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                                sizeof(bias_type)));
+    // The first call's pointer, for the heuristic; every call sets its own again.
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+  // Stored (column-major) shapes: rows x cols with leading dimension ld.
+  // B row-major is (K,N) when !trans_b, (N,K) when trans_b; column-major that is (N,K) or (K,N).
+  const auto M = static_cast<uint64_t>(key.M), N = static_cast<uint64_t>(key.N), K = static_cast<uint64_t>(key.K);
+  const uint64_t first_rows = key.trans_b ? K : N, first_cols = key.trans_b ? N : K;
+  const uint64_t second_rows = key.trans_a ? M : K, second_cols = key.trans_a ? K : M;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->first, CUDA_R_16BF, first_rows, first_cols, key.ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->second, CUDA_R_16BF, second_rows, second_cols, key.lda));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, key.c_is_fp32 ? CUDA_R_32F : CUDA_R_16BF, N, M, key.ldc));
+  // Our B is cuBLASLt's first operand ("A"), our A its second ("B").
+  choose_algorithm(ctx, *plan, LtAlignments{key.align_b, key.align_a, key.align_c, key.align_d},
+                   describe_bf16(key));
+  return plan;
+}
+
+}  // namespace
+
+void gemm_separate_c(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                     const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float beta, const void* c_in, void* C,
+                     int64_t ldc, bool c_is_fp32, const bf16* bias, cudaStream_t stream) {
   CHECK(M >= 0 && N >= 0 && K >= 0);
   if (M == 0 || N == 0) return;
   CHECK_MSG(bias == nullptr || beta == 0.0f, "gemm: a bias epilogue requires beta == 0");
   CHECK(ldc >= N);
   if (K == 0) {
-    // Nothing to multiply: C = beta * C (+ bias). Only beta == 1 without bias is a no-op; the
-    // ops of this backend never ask for anything else with K == 0.
-    CHECK_MSG(beta == 1.0f && bias == nullptr, "gemm with K == 0 is only supported as a no-op");
+    // Nothing to multiply: C = beta * c_in (+ bias). Only beta == 1 onto C itself without bias
+    // is a no-op; the ops of this backend never ask for anything else with K == 0.
+    CHECK_MSG(beta == 1.0f && bias == nullptr && c_in == C, "gemm with K == 0 is only supported as a no-op");
     return;
   }
-  const cudaDataType_t c_type = c_is_fp32 ? CUDA_R_32F : CUDA_R_16BF;
-  // Column-major view: first operand = B^T-or-B with shape (m=N, k=K).
-  const cublasOperation_t op_first = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t op_second = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  // Stored (column-major) shapes: rows x cols with leading dimension ld.
-  // B row-major is (K,N) when !trans_b, (N,K) when trans_b; column-major that is (N,K) or (K,N).
-  const uint64_t first_rows = trans_b ? K : N, first_cols = trans_b ? N : K;
-  const uint64_t second_rows = trans_a ? M : K, second_cols = trans_a ? K : M;
-  CHECK(ldb >= static_cast<int64_t>(first_rows));
-  CHECK(lda >= static_cast<int64_t>(second_rows));
-
-  MatmulDescs d;
-  CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first,
-                                              sizeof(op_first)));
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second,
-                                              sizeof(op_second)));
+  CHECK(ldb >= (trans_b ? K : N));
+  CHECK(lda >= (trans_a ? M : K));
+  // With beta == 0 cuBLASLt does not read C: point it at the output, as an in-place GEMM.
+  const void* c_read = beta == 0.0f ? C : c_in;
+  GemmKey key;
+  key.trans_a = trans_a;
+  key.trans_b = trans_b;
+  key.M = M;
+  key.N = N;
+  key.K = K;
+  key.lda = lda;
+  key.ldb = ldb;
+  key.ldc = ldc;
+  key.c_is_fp32 = c_is_fp32;
+  key.bias = bias != nullptr;
+  key.beta_zero = beta == 0.0f;
+  key.separate_c = c_read != C;
+  key.align_a = alignment_of(A);
+  key.align_b = alignment_of(B);
+  key.align_c = alignment_of(c_read);
+  key.align_d = alignment_of(C);
+  key.align_bias = bias != nullptr ? alignment_of(bias) : 0;
+  LtPlan& plan = ctx.gemm_plans().get(key, [&] { return make_plan(ctx, key, bias); });
   if (bias != nullptr) {
-    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
-                                                sizeof(epilogue)));
-    const cudaDataType_t bias_type = CUDA_R_16BF;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                                                &bias_type, sizeof(bias_type)));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                                                sizeof(bias)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   }
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, first_rows, first_cols, ldb));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, second_rows, second_cols, lda));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, c_type, N, M, ldc));
+  CUBLAS_CHECK(cublasLtMatmul(ctx.lt(), plan.op, &alpha, B, plan.first, A, plan.second, &beta, c_read, plan.c, C,
+                              plan.c, &plan.algo, ctx.gemm_workspace(), ctx.gemm_workspace_bytes(), stream));
+}
 
-  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
-  const uint64_t workspace = ctx.gemm_workspace_bytes();
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace)));
-  // Without these, cuBLASLt assumes 256-byte aligned pointers; slices of larger buffers are not.
-  const uint32_t align_first = alignment_of(B), align_second = alignment_of(A);
-  const uint32_t align_c = alignment_of(C);
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_first, sizeof(align_first)));
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_second, sizeof(align_second)));
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
-
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int found = 0;
-  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.lt(), d.op, d.a, d.b, d.c, d.c, d.pref, 1,
-                                              &heuristic, &found));
-  CHECK_MSG(found > 0 && heuristic.state == CUBLAS_STATUS_SUCCESS, "cuBLASLt has no algorithm for a " + std::to_string(M) + "x" +
-                           std::to_string(N) + "x" + std::to_string(K) + " bf16 GEMM");
-  CUBLAS_CHECK(cublasLtMatmul(ctx.lt(), d.op, &alpha, B, d.a, A, d.b, &beta, C, d.c, C, d.c,
-                              &heuristic.algo, ctx.gemm_workspace(), ctx.gemm_workspace_bytes(),
-                              stream));
+void gemm(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+          int64_t lda, const bf16* B, int64_t ldb, float beta, void* C, int64_t ldc, bool c_is_fp32,
+          const bf16* bias, cudaStream_t stream) {
+  gemm_separate_c(ctx, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, C, ldc, c_is_fp32, bias, stream);
 }
 
 }  // namespace strata::kernels::cuda

@@ -4,6 +4,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/elementwise.h"
+#include "kernels/lm_head_chunks.h"
 
 namespace strata::kernels::cuda {
 namespace {
@@ -75,8 +76,7 @@ __global__ void softmax_loss_kernel(float* losses, bf16* dlogits, const float* l
 }  // namespace
 
 size_t lm_head_scratch_bytes(int64_t C, int64_t V, int64_t chunk_tokens) {
-  const size_t cells = static_cast<size_t>(chunk_tokens) * static_cast<size_t>(V);
-  return align256(cells * sizeof(float)) + align256(cells * sizeof(bf16));
+  return static_cast<size_t>(lm_head_chunk_bytes(C, V, chunk_tokens, /*blocked=*/false));
 }
 
 void lm_head_cross_entropy(Context& ctx, float* losses, bf16* dx, float* dweight, const bf16* x,
@@ -116,8 +116,8 @@ void lm_head_cross_entropy(Context& ctx, float* losses, bf16* dx, float* dweight
 }
 
 size_t lm_head_blocked_scratch_bytes(int64_t C, int64_t V, int64_t chunk_tokens) {
-  return align256(lm_head_scratch_bytes(C, V, chunk_tokens)) +
-         static_cast<size_t>(chunk_tokens) * static_cast<size_t>(C) * sizeof(float);
+  // align256(lm_head_scratch_bytes) + the fp32 dx sum (chunk, C), as carved below.
+  return static_cast<size_t>(lm_head_chunk_bytes(C, V, chunk_tokens, /*blocked=*/true));
 }
 
 void lm_head_cross_entropy_blocked(Context& ctx, float* losses, bf16* dx, float* const* dweight_blocks,

@@ -24,10 +24,8 @@
 #include <cublasLt.h>
 
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <string>
-#include <tuple>
 
 #include "core/check.h"
 #include "core/cuda/cuda_check.h"
@@ -36,14 +34,6 @@
 
 namespace strata::kernels::cuda {
 namespace {
-
-// Largest power of two (up to 256) dividing the address: what cuBLASLt may assume.
-uint32_t alignment_of(const void* p) {
-  const auto address = reinterpret_cast<uintptr_t>(p);
-  uint32_t a = 256;
-  while (a > 1 && address % a != 0) a /= 2;
-  return a;
-}
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -72,38 +62,20 @@ std::string shape_text(int64_t M, int64_t N, int64_t K, bool c_bf16, bool b_bloc
          std::to_string(K) + ", " + (b_blocks ? "128x128 blocks" : "1x128 tiles") + ")^T";
 }
 
-// One shape's descriptors and algorithm. The scale pointers are attributes of `op` and are set
-// again by every call (a host-side update; cublasLtMatmul reads them when it enqueues).
-struct Plan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t first = nullptr, second = nullptr, c = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  Plan() = default;
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  ~Plan() {
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (second) cublasLtMatrixLayoutDestroy(second);
-    if (first) cublasLtMatrixLayoutDestroy(first);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-
-// M, N, K, c_bf16, b_blocks, and the alignments of A, B, C (the algorithm may assume them).
-using PlanKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, uint32_t, uint32_t, uint32_t>;
+GemmDescription describe_fp8(int64_t M, int64_t N, int64_t K, bool c_bf16, bool b_blocks) {
+  GemmDescription d;
+  d.M = M;
+  d.N = N;
+  d.K = K;
+  d.trans_b = true;
+  d.a_type = "e4m3 (1x128 tiles)";
+  d.b_type = b_blocks ? "e4m3 (128x128 blocks)" : "e4m3 (1x128 tiles)";
+  d.c_type = c_bf16 ? "bf16" : "fp32";
+  d.accumulate = "beta given per call";
+  return d;
+}
 
 }  // namespace
-
-struct Context::Fp8GemmPlans {
-  std::map<PlanKey, std::unique_ptr<Plan>> plans;
-};
-
-void Context::Fp8GemmPlansDeleter::operator()(Fp8GemmPlans* plans) const { delete plans; }
-
-Context::Fp8GemmPlans& Context::fp8_gemm_plans() {
-  if (!fp8_gemm_plans_) fp8_gemm_plans_.reset(new Fp8GemmPlans());
-  return *fp8_gemm_plans_;
-}
 
 size_t fp8_gemm_scratch_bytes(int64_t M, int64_t N, int64_t K, bool b_blocks) {
   return scale_scratch(M, N, K, b_blocks).bytes;
@@ -118,10 +90,10 @@ void set_scale_pointers(cublasLtMatmulDesc_t op, const float* first_scales, cons
       cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &second_scales, sizeof(second_scales)));
 }
 
-std::unique_ptr<Plan> make_plan(Context& ctx, const PlanKey& key, const float* first_scales,
-                                const float* second_scales) {
+std::unique_ptr<LtPlan> make_plan(Context& ctx, const Fp8GemmKey& key, const float* first_scales,
+                                  const float* second_scales) {
   const auto [M, N, K, c_bf16, b_blocks, align_a, align_b, align_c] = key;
-  auto plan = std::make_unique<Plan>();
+  auto plan = std::make_unique<LtPlan>();
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_first = CUBLAS_OP_T, op_second = CUBLAS_OP_N;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
@@ -141,30 +113,11 @@ std::unique_ptr<Plan> make_plan(Context& ctx, const PlanKey& key, const float* f
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->second, CUDA_R_8F_E4M3, k, m, K));                // A: (K, M), ld K
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, c_bf16 ? CUDA_R_16BF : CUDA_R_32F, n, m, N));  // C^T
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t workspace = ctx.gemm_workspace_bytes();
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
-                                                    sizeof(workspace)));
-  // Our B is cuBLASLt's A and the other way round.
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_b,
-                                                    sizeof(align_b)));
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_a,
-                                                    sizeof(align_a)));
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c,
-                                                    sizeof(align_c)));
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c,
-                                                    sizeof(align_c)));
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.lt(), plan->op, plan->first, plan->second, plan->c,
-                                                               plan->c, pref, 1, &heuristic, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  CHECK_MSG(status == CUBLAS_STATUS_SUCCESS && found > 0 && heuristic.state == CUBLAS_STATUS_SUCCESS,
-            "cuBLASLt has no FP8 block-scaled algorithm for " + shape_text(M, N, K, c_bf16, b_blocks) +
-                " (heuristic status " + cublasLtGetStatusName(status) + ", " + std::to_string(found) +
-                " found; block scaling needs cuBLAS 12.9+ on a Hopper GPU, sm_90)");
-  plan->algo = heuristic.algo;
+  // The scale modes are part of the descriptors; the heuristic sees them with the pointers set.
+  // Our B is cuBLASLt's first operand and our A its second.
+  choose_algorithm(ctx, *plan, LtAlignments{align_b, align_a, align_c, align_c},
+                   describe_fp8(M, N, K, c_bf16, b_blocks),
+                   "; block scaling needs cuBLAS 12.9+ on a Hopper GPU, sm_90");
   return plan;
 }
 
@@ -210,11 +163,8 @@ void fp8_gemm_nt(Context& ctx, void* C, bool c_bf16, const uint8_t* A, const flo
     b_packed = out;
   }
 
-  const PlanKey key{M, N, K, c_bf16, b_blocks, alignment_of(A), alignment_of(B), alignment_of(C)};
-  auto& plans = ctx.fp8_gemm_plans().plans;
-  auto it = plans.find(key);
-  if (it == plans.end()) it = plans.emplace(key, make_plan(ctx, key, b_packed, a_packed)).first;
-  const Plan& plan = *it->second;
+  const Fp8GemmKey key{M, N, K, c_bf16, b_blocks, alignment_of(A), alignment_of(B), alignment_of(C)};
+  const LtPlan& plan = ctx.fp8_gemm_plans().get(key, [&] { return make_plan(ctx, key, b_packed, a_packed); });
   set_scale_pointers(plan.op, b_packed, a_packed);
 
   const float alpha = 1.0f;

@@ -41,6 +41,15 @@ void linear_forward(Context& ctx, bf16* out, const bf16* x, const bf16* weight, 
        OC, /*c_is_fp32=*/false, bias, stream);
 }
 
+void linear_forward_residual(Context& ctx, bf16* out, const bf16* x, const bf16* weight, const bf16* residual,
+                             int64_t N, int64_t IC, int64_t OC, cudaStream_t stream) {
+  CHECK(N >= 0 && IC > 0 && OC > 0);
+  CHECK_MSG(out != residual, "linear_forward_residual: out must not alias the residual");
+  // out (N,OC) = x (N,IC) @ weight (OC,IC)^T + residual: cuBLASLt's D = A B + C with C != D.
+  gemm_separate_c(ctx, /*trans_a=*/false, /*trans_b=*/true, N, OC, IC, 1.0f, x, IC, weight, IC, 1.0f, residual, out,
+                  OC, /*c_is_fp32=*/false, nullptr, stream);
+}
+
 void linear_backward(Context& ctx, bf16* dx, float* dweight, float* dbias, const bf16* dout,
                      const bf16* x, const bf16* weight, int64_t N, int64_t IC, int64_t OC,
                      cudaStream_t stream) {

@@ -29,6 +29,8 @@
 #include <memory>
 
 #include "kernels/adamw.h"
+#include "kernels/cuda/lt_plan.h"
+#include "kernels/gemm_plan.h"
 #include "kernels/moe.h"
 #include "kernels/moments.h"
 
@@ -66,17 +68,19 @@ class Context {
   // The scratch buffer (256-byte aligned); CHECKs that `bytes` fit, naming `what`.
   void* scratch(size_t bytes, const char* what) const;
   size_t scratch_bytes() const { return scratch_bytes_; }
+  // Points the ops queued from now on at another caller-owned scratch buffer (256-byte
+  // aligned): the CUDA backend runs its LM head in a buffer of its own. Ops queued before keep
+  // the buffer they were given, which must outlive them. REQUIRES: a Context over caller memory.
+  void use_scratch(void* scratch, size_t scratch_bytes);
 
-  // The cuBLASLt plans of fp8_gemm_nt (descriptors, layouts, the chosen algorithm), one per
-  // shape, built on first use; defined in fp8_gemm.cpp.
-  struct Fp8GemmPlans;
-  Fp8GemmPlans& fp8_gemm_plans();
+  // The cuBLASLt plans of gemm() and of fp8_gemm_nt (descriptors, layouts, the chosen
+  // algorithm; kernels/cuda/lt_plan.h), one per shape, built on first use. A training step
+  // repeats a few dozen shapes hundreds of times, so only its first step searches for
+  // algorithms. built() counts the plans made (tests hold repeated shapes to it).
+  PlanCache<GemmKey, LtPlan>& gemm_plans() { return gemm_plans_; }
+  PlanCache<Fp8GemmKey, LtPlan>& fp8_gemm_plans() { return fp8_gemm_plans_; }
 
  private:
-  // A deleter defined where Fp8GemmPlans is complete, so that this header need not know it.
-  struct Fp8GemmPlansDeleter {
-    void operator()(Fp8GemmPlans* plans) const;
-  };
   int device_ = 0;
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t blas_ = nullptr;
@@ -85,7 +89,8 @@ class Context {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   bool owns_memory_ = true;
-  std::unique_ptr<Fp8GemmPlans, Fp8GemmPlansDeleter> fp8_gemm_plans_;
+  PlanCache<GemmKey, LtPlan> gemm_plans_;
+  PlanCache<Fp8GemmKey, LtPlan> fp8_gemm_plans_;
 };
 
 // ---- embedding -----------------------------------------------------------------------------
@@ -142,6 +147,12 @@ void swiglu_backward(bf16* dgate /*(n)*/, bf16* dup /*(n)*/, const bf16* dout /*
 void linear_forward(Context& ctx, bf16* out /*(N,OC)*/, const bf16* x /*(N,IC)*/,
                     const bf16* weight /*(OC,IC)*/, const bf16* bias /*(OC) or null*/, int64_t N,
                     int64_t IC, int64_t OC, cudaStream_t stream);
+// out (N,OC) = x @ weight^T + residual (N,OC): one GEMM reading the residual as cuBLASLt's C
+// (beta = 1) and writing out as its D, so the sum is rounded to bf16 once. out may not alias
+// residual (the decoder never asks).
+void linear_forward_residual(Context& ctx, bf16* out /*(N,OC)*/, const bf16* x /*(N,IC)*/,
+                             const bf16* weight /*(OC,IC)*/, const bf16* residual /*(N,OC)*/, int64_t N,
+                             int64_t IC, int64_t OC, cudaStream_t stream);
 // dx (N,IC) = (skipped when null); dweight (OC,IC) += (fp32, GEMM with beta = 1);
 // dbias (OC) += (fp32, skipped when null; fixed-order column sums through scratch).
 void linear_backward(Context& ctx, bf16* dx, float* dweight, float* dbias,
@@ -152,10 +163,18 @@ void linear_backward(Context& ctx, bf16* dx, float* dweight, float* dbias,
 // Row-major GEMM on cuBLASLt, the building block of the ops above (exposed for tests and
 // benchmarks): C (M,N) = alpha * op(A) @ op(B) + beta * C with op(X) = X or X^T; A and B bf16,
 // C bf16 or fp32 (c_is_fp32), fp32 accumulation; lda/ldb/ldc are row strides; bias (bf16, N)
-// is added to every row of C when non-null (requires beta == 0).
+// is added to every row of C when non-null (requires beta == 0). The descriptors and the
+// algorithm are cached per shape in the Context (Context::gemm_plans()); a shape for which
+// cuBLASLt has no algorithm aborts with a message naming it.
 void gemm(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
           const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float beta, void* C,
           int64_t ldc, bool c_is_fp32, const bf16* bias, cudaStream_t stream);
+// The same reading the added term from c_in instead of C: C = alpha * op(A) @ op(B) + beta *
+// c_in, c_in of C's type and row stride, left unchanged (cuBLASLt's separate C and D). c_in may
+// be C itself (then this is gemm()). The sum is rounded once into C.
+void gemm_separate_c(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                     const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float beta, const void* c_in, void* C,
+                     int64_t ldc, bool c_is_fp32, const bf16* bias, cudaStream_t stream);
 
 // ---- causal GQA attention (flash-style: the T x T scores never reach global memory) ---------
 // D in {64, 128}. Pointers 16-byte aligned. lse (B,Hq,T) fp32 is saved for backward.
