@@ -36,6 +36,7 @@ Context::~Context() {
   // Work queued by ops may still use the buffers: wait for the device before freeing.
   CUDA_CHECK(cudaDeviceSynchronize());
   fp8_gemm_plans_.reset();
+  cudnn_attention_.reset();
   if (blas_ != nullptr) CUBLAS_CHECK(cublasDestroy(blas_));
   if (owns_memory_ && scratch_ != nullptr) CUDA_CHECK(cudaFree(scratch_));
   if (owns_memory_ && gemm_workspace_ != nullptr) CUDA_CHECK(cudaFree(gemm_workspace_));

@@ -12,7 +12,8 @@
 // gradients are overwritten (`=`).
 //
 // Every reduction has a fixed order that depends on the shapes only (no float atomics), so
-// each op is bitwise reproducible from run to run on the same GPU and build.
+// each op is bitwise reproducible from run to run on the same GPU and build; the one exception
+// is the cuDNN attention below (STRATA_ATTENTION=fallback restores it).
 //
 // Launchers abort (CHECK / CUDA_CHECK) on bad arguments and on launch errors. Errors inside a
 // kernel (a token id outside the vocabulary) trap the kernel: the next CUDA call on the stream
@@ -27,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "kernels/adamw.h"
 #include "kernels/moe.h"
@@ -71,11 +73,18 @@ class Context {
   // shape, built on first use; defined in fp8_gemm.cpp.
   struct Fp8GemmPlans;
   Fp8GemmPlans& fp8_gemm_plans();
+  // cuDNN's handle and the fused-attention graphs (execution plans and their workspace sizes),
+  // one pair per shape, built on first use; defined in cudnn_attention.cpp.
+  struct CudnnAttention;
+  CudnnAttention& cudnn_attention();
 
  private:
   // A deleter defined where Fp8GemmPlans is complete, so that this header need not know it.
   struct Fp8GemmPlansDeleter {
     void operator()(Fp8GemmPlans* plans) const;
+  };
+  struct CudnnAttentionDeleter {
+    void operator()(CudnnAttention* attention) const;
   };
   int device_ = 0;
   cublasLtHandle_t lt_ = nullptr;
@@ -86,6 +95,7 @@ class Context {
   size_t scratch_bytes_ = 0;
   bool owns_memory_ = true;
   std::unique_ptr<Fp8GemmPlans, Fp8GemmPlansDeleter> fp8_gemm_plans_;
+  std::unique_ptr<CudnnAttention, CudnnAttentionDeleter> cudnn_attention_;
 };
 
 // ---- embedding -----------------------------------------------------------------------------
@@ -185,6 +195,39 @@ void attention_backward(Context& ctx, bf16* dq /*(B,T,Hq,D)*/, bf16* dk /*(B,T,H
                         const bf16* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/, int64_t B,
                         int64_t T, int64_t Hq, int64_t Hkv, int64_t D, cudaStream_t stream,
                         int tile_rows = 0);
+
+// ---- causal GQA attention on cuDNN's fused SDPA (cudnn_attention.cpp) -------------------------
+// Same shapes, layout and scale (1/sqrt(D)) as attention_forward/backward above; lse is the
+// natural-log logsumexp of each row of scaled scores, as there, in the same (B,Hq,T) layout.
+// The forward and backward graphs of a shape are built together on first use and cached in the
+// Context; so each shape is served by cuDNN in both directions or not at all, and a backward
+// only ever reads the lse of a forward of the same implementation. Not bitwise reproducible
+// from run to run: cuDNN's backward may accumulate dq with atomics.
+//
+// The cuDNN version loaded at run time (cudnnGetVersion(), e.g. 91900), or 0 when the build has
+// no cuDNN.
+int cudnn_version();
+// Builds and caches the two graphs of a shape (D = d_qk = d_v) unless cached already. Returns an
+// empty string when cuDNN serves the shape, else one line saying why not: the cuDNN call and
+// status that failed (the graphs are then never tried again for the shape), or the scratch the
+// backward would need beyond the Context's. Never aborts for a cuDNN status.
+std::string cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
+                                    int64_t D);
+// REQUIRE: cudnn_attention_prepare returned "" for the shape. Workspace from ctx's scratch
+// (the backward's also holds delta and an fp32 dq accumulator): cudnn_attention_scratch_bytes.
+void cudnn_attention_forward(Context& ctx, bf16* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,
+                             const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,T,Hkv,D)*/,
+                             const bf16* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,
+                             int64_t Hkv, int64_t D, cudaStream_t stream);
+void cudnn_attention_backward(Context& ctx, bf16* dq /*(B,T,Hq,D)*/, bf16* dk /*(B,T,Hkv,D)*/,
+                              bf16* dv /*(B,T,Hkv,D)*/, const bf16* dout /*(B,T,Hq,D)*/,
+                              const bf16* q, const bf16* k, const bf16* v,
+                              const bf16* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/,
+                              int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                              cudaStream_t stream);
+// Scratch bytes the cuDNN backward of a prepared shape takes (0 for an unprepared one).
+size_t cudnn_attention_scratch_bytes(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
+                                     int64_t D);
 
 // ---- LM head + cross-entropy, chunked over tokens --------------------------------------------
 // Per chunk of chunk_tokens tokens: logits (fp32, scratch) = x @ weight^T; one fused kernel
