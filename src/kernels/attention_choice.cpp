@@ -137,4 +137,12 @@ AttentionChoice choose_attention(const AttentionCapability& cap, const Attention
           "cuDNN cannot serve it: " + cudnn_no + "; nor can the fallback kernel: " + fallback_no};
 }
 
+AttentionChoice attention_after_cudnn_failure(const AttentionCapability& cap, const AttentionCase& c,
+                                              const std::string& failure) {
+  const std::string fallback_no = fallback_attention_refusal(cap, c);
+  if (fallback_no.empty()) return {AttentionImpl::kFallback, "cuDNN failed: " + failure};
+  return {AttentionImpl::kNone,
+          "cuDNN failed: " + failure + "; and the fallback kernel cannot serve it: " + fallback_no};
+}
+
 }  // namespace strata::kernels

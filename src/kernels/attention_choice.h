@@ -71,6 +71,12 @@ struct AttentionChoice {
 AttentionChoice choose_attention(const AttentionCapability& cap, const AttentionCase& c,
                                  AttentionForce force);
 
+// The choice once cuDNN, chosen, failed to build or finalize its graphs for the case (`failure`:
+// the cuDNN call and status): the fallback where it can serve, else kNone; the reason carries
+// the failure either way.
+AttentionChoice attention_after_cudnn_failure(const AttentionCapability& cap, const AttentionCase& c,
+                                              const std::string& failure);
+
 // Why cuDNN cannot serve the case, or empty when it can (the rules above).
 std::string cudnn_attention_refusal(const AttentionCapability& cap, const AttentionCase& c);
 // Why the fallback kernel cannot serve the case, or empty when it can.

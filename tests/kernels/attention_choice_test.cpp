@@ -164,6 +164,17 @@ TEST(AttentionChoice, ForcedCudnnFallsBackAndSaysItWasNotHonoured) {
   EXPECT_TRUE(mentions(c, "not honoured")) << c.reason;
 }
 
+TEST(AttentionChoice, AGraphCudnnCannotBuildFallsBackWithItsStatus) {
+  const AttentionChoice c = attention_after_cudnn_failure(
+      kHopperCudnn919, llama(128), "finalizing SDPA forward operation graph: CUDNN_STATUS_NOT_SUPPORTED");
+  EXPECT_EQ(c.impl, AttentionImpl::kFallback);
+  EXPECT_TRUE(mentions(c, "CUDNN_STATUS_NOT_SUPPORTED")) << c.reason;
+  const AttentionChoice split =
+      attention_after_cudnn_failure(kHopperCudnn919, split_192_128(), "CUDNN_STATUS_NOT_SUPPORTED");
+  EXPECT_EQ(split.impl, AttentionImpl::kNone);
+  EXPECT_TRUE(mentions(split, "CUDNN_STATUS_NOT_SUPPORTED")) << split.reason;
+}
+
 TEST(AttentionChoice, ParsesTheOverride) {
   EXPECT_EQ(parse_attention_force("").value(), AttentionForce::kAuto);
   EXPECT_EQ(parse_attention_force("auto").value(), AttentionForce::kAuto);
