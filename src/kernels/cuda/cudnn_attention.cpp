@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
@@ -557,6 +558,13 @@ size_t cudnn_attention_scratch_bytes(Context& ctx, int64_t B, int64_t T, int64_t
 
 namespace {
 
+// The graphs promise cuDNN 16-byte aligned tensors.
+void check_aligned(std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers) {
+    CHECK_MSG(reinterpret_cast<uintptr_t>(p) % 16 == 0, "cuDNN attention tensors must be 16-byte aligned");
+  }
+}
+
 Entry& prepared(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
   Context::CudnnAttention& cache = ctx.cudnn_attention();
   const auto it = cache.entries.find(ShapeKey{B, T, Hq, Hkv, D});
@@ -571,6 +579,7 @@ void cudnn_attention_forward(Context& ctx, bf16* out, float* lse, const bf16* q,
                              const bf16* v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                              cudaStream_t stream) {
   Entry& e = prepared(ctx, B, T, Hq, Hkv, D);
+  check_aligned({out, lse, q, k, v});
   void* workspace = ctx.scratch(static_cast<size_t>(e.forward->workspace_bytes()), "cuDNN SDPA forward");
   const std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale, kNegInf};
   const std::vector<void*> pointers{const_cast<bf16*>(q), const_cast<bf16*>(k), const_cast<bf16*>(v),
@@ -583,6 +592,7 @@ void cudnn_attention_backward(Context& ctx, bf16* dq, bf16* dk, bf16* dv, const 
                               const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
                               int64_t D, cudaStream_t stream) {
   Entry& e = prepared(ctx, B, T, Hq, Hkv, D);
+  check_aligned({dq, dk, dv, dout, q, k, v, out, lse});
   char* scratch = static_cast<char*>(ctx.scratch(e.backward_bytes, "cuDNN SDPA backward"));
   float* delta = reinterpret_cast<float*>(scratch + e.delta_offset);
   float* dq_accum = reinterpret_cast<float*>(scratch + e.dq_accum_offset);

@@ -168,6 +168,8 @@ void gemm(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_
           int64_t ldc, bool c_is_fp32, const bf16* bias, cudaStream_t stream);
 
 // ---- causal GQA attention (flash-style: the T x T scores never reach global memory) ---------
+// The WMMA kernel: CudaOps runs it where cuDNN cannot serve a shape (kernels/attention_choice.h)
+// or STRATA_ATTENTION=fallback asks for it.
 // D in {64, 128}. Pointers 16-byte aligned. lse (B,Hq,T) fp32 is saved for backward.
 // tile_rows: rows of the query/key tiles, 0 to pick per kernel the larger (64, else 32) that
 // the device's opt-in shared memory per block allows; 32 or 64 force one (tests), and fail
