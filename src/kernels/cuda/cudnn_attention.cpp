@@ -64,9 +64,6 @@ void cudnn_attention_backward(Context&, bf16*, bf16*, bf16*, const bf16*, const 
                               int64_t, int64_t, cudaStream_t) {
   CHECK_MSG(false, "cudnn_attention_backward: this build has no cuDNN");
 }
-size_t cudnn_attention_scratch_bytes(Context&, int64_t, int64_t, int64_t, int64_t, int64_t) {
-  return 0;
-}
 
 #else  // STRATA_HAVE_CUDNN
 
@@ -523,13 +520,15 @@ std::string cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t 
   entry.forward = std::make_unique<Graph>(cache.handle);
   build_forward(*entry.forward, B, T, Hq, Hkv, D);
   if (!entry.forward->ok()) {
-    entry.refusal = entry.forward->error();
+    const std::string failure = entry.forward->error();
+    entry = Entry{.refusal = failure};  // keep no half-built graphs
     return entry.refusal;
   }
   entry.backward = std::make_unique<Graph>(cache.handle);
   build_backward(*entry.backward, B, T, Hq, Hkv, D);
   if (!entry.backward->ok()) {
-    entry.refusal = entry.backward->error();
+    const std::string failure = entry.backward->error();
+    entry = Entry{.refusal = failure};  // keep no half-built graphs
     return entry.refusal;
   }
   entry.delta_offset = 0;
@@ -545,15 +544,8 @@ std::string cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t 
                     "dq accumulator and cuDNN's workspace) but the kernel context has " +
                     std::to_string(ctx.scratch_bytes());
   }
+  if (!entry.refusal.empty()) entry = Entry{.refusal = entry.refusal};  // keep no unused plans
   return entry.refusal;
-}
-
-size_t cudnn_attention_scratch_bytes(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                     int64_t D) {
-  const Context::CudnnAttention& cache = ctx.cudnn_attention();
-  const auto it = cache.entries.find(ShapeKey{B, T, Hq, Hkv, D});
-  if (it == cache.entries.end() || !it->second.refusal.empty()) return 0;
-  return it->second.backward_bytes;
 }
 
 namespace {

@@ -216,7 +216,7 @@ int cudnn_version();
 std::string cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
                                     int64_t D);
 // REQUIRE: cudnn_attention_prepare returned "" for the shape. Workspace from ctx's scratch
-// (the backward's also holds delta and an fp32 dq accumulator): cudnn_attention_scratch_bytes.
+// (the backward's also holds delta and an fp32 dq accumulator; prepare checks that it fits).
 void cudnn_attention_forward(Context& ctx, bf16* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,
                              const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,T,Hkv,D)*/,
                              const bf16* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,
@@ -227,9 +227,6 @@ void cudnn_attention_backward(Context& ctx, bf16* dq /*(B,T,Hq,D)*/, bf16* dk /*
                               const bf16* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/,
                               int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                               cudaStream_t stream);
-// Scratch bytes the cuDNN backward of a prepared shape takes (0 for an unprepared one).
-size_t cudnn_attention_scratch_bytes(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                     int64_t D);
 
 // ---- LM head + cross-entropy, chunked over tokens --------------------------------------------
 // Per chunk of chunk_tokens tokens: logits (fp32, scratch) = x @ weight^T; one fused kernel
