@@ -119,11 +119,12 @@ TEST(AttentionParity, CudnnMatchesTheReference) {
       std::printf("note: %s skipped: %s\n", what.c_str(), choice.reason.c_str());
       continue;
     }
-    const std::string failure = cu::cudnn_attention_prepare(ctx, s.B, s.T, s.Hq, s.Hkv, s.D);
-    if (!failure.empty()) {
-      ADD_FAILURE() << what << ": the selection says cuDNN serves it, but: " << failure;
+    const cu::CudnnAttentionPlan plan = cu::cudnn_attention_prepare(ctx, s.B, s.T, s.Hq, s.Hkv, s.D);
+    if (!plan.ready) {
+      ADD_FAILURE() << what << ": the selection says cuDNN serves it, but: " << plan.note;
       continue;
     }
+    if (!plan.deterministic) std::printf("note: %s: %s\n", what.c_str(), plan.note.c_str());
     Case c(s);
     DeviceBuffer<bf16> d_q = upload_bf16(c.q), d_k = upload_bf16(c.k), d_v = upload_bf16(c.v);
     DeviceBuffer<bf16> d_dout = upload_bf16(c.dout);
@@ -152,6 +153,40 @@ TEST(AttentionParity, CudnnMatchesTheReference) {
     expect_close(download_bf16(d_dq), c.dq, kBf16Tol, what + " dq");
     expect_close(download_bf16(d_dk), c.dk, kBf16Tol, what + " dk");
     expect_close(download_bf16(d_dv), c.dv, kBf16Tol, what + " dv");
+  }
+}
+
+// A backward the plan calls deterministic gives the same bits when run again.
+TEST(AttentionParity, CudnnDeterministicBackwardRepeatsBitwise) {
+  const kernels::AttentionCapability cap = kernels::CudaOps::attention_capability();
+  const Shape s{2, 1000, 8, 2, 128};
+  const AttentionChoice choice = kernels::choose_attention(cap, case_of(s), AttentionForce::kCudnn);
+  if (choice.impl != AttentionImpl::kCudnn) GTEST_SKIP() << choice.reason;
+  cu::Context ctx(size_t{256} << 20);
+  StreamGuard stream;
+  const cu::CudnnAttentionPlan plan = cu::cudnn_attention_prepare(ctx, s.B, s.T, s.Hq, s.Hkv, s.D);
+  ASSERT_TRUE(plan.ready) << plan.note;
+  if (!plan.deterministic) GTEST_SKIP() << plan.note;
+  Case c(s);
+  DeviceBuffer<bf16> d_q = upload_bf16(c.q), d_k = upload_bf16(c.k), d_v = upload_bf16(c.v);
+  DeviceBuffer<bf16> d_dout = upload_bf16(c.dout), d_out = upload_bf16(c.out);
+  DeviceBuffer<float> d_lse(c.lse);
+  std::vector<uint16_t> first[3];
+  for (int run = 0; run < 2; ++run) {
+    DeviceBuffer<bf16> d_dq(c.q.size()), d_dk(c.k.size()), d_dv(c.v.size());
+    cu::cudnn_attention_backward(ctx, d_dq.get(), d_dk.get(), d_dv.get(), d_dout.get(), d_q.get(),
+                                 d_k.get(), d_v.get(), d_out.get(), d_lse.get(), s.B, s.T, s.Hq,
+                                 s.Hkv, s.D, stream.get());
+    CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+    const std::vector<uint16_t> got[3] = {d_dq.download<uint16_t>(), d_dk.download<uint16_t>(),
+                                          d_dv.download<uint16_t>()};
+    for (int i = 0; i < 3; ++i) {
+      if (run == 0) {
+        first[i] = got[i];
+      } else {
+        EXPECT_TRUE(got[i] == first[i]) << "gradient " << i << " (dq, dk, dv) differs between runs";
+      }
+    }
   }
 }
 

@@ -189,8 +189,9 @@ TEST(OpsPerf, Report) {
       }
     }
     // cuDNN's fused SDPA on the same shape; its target is 60% of the cuBLAS GEMM rate above.
-    const std::string refusal = cu::cudnn_attention_prepare(ctx, B, T, Hq, Hkv, D);
-    if (refusal.empty()) {
+    const cu::CudnnAttentionPlan plan = cu::cudnn_attention_prepare(ctx, B, T, Hq, Hkv, D);
+    if (plan.ready) {
+      if (!plan.deterministic) std::printf("  note: cuDNN attention: %s\n", plan.note.c_str());
       flops_row("attention_forward cudnn", shape, fwd, [&] {
         cu::cudnn_attention_forward(ctx, out->get(), lse.get(), q->get(), k->get(), v->get(), B, T,
                                     Hq, Hkv, D, stream);
@@ -204,7 +205,7 @@ TEST(OpsPerf, Report) {
       std::printf("  (target for the cudnn rows: >= 60%% of the cuBLAS bf16 GEMM rate, %.1f TFLOP/s)\n",
                   0.6 * gemm_ceiling);
     } else {
-      std::printf("  %-26s skipped: %s\n", "attention cudnn", refusal.c_str());
+      std::printf("  %-26s skipped: %s\n", "attention cudnn", plan.note.c_str());
     }
   }
 

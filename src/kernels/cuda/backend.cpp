@@ -2,10 +2,9 @@
 #include "kernels/cuda/backend.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <utility>
-
-#include <cstdlib>
 
 #include "core/check.h"
 #include "core/cuda/cuda_check.h"
@@ -168,8 +167,12 @@ AttentionImpl CudaOps::attention_impl(int64_t B, int64_t T, int64_t Hq, int64_t 
   c.seq_len = T;
   AttentionChoice choice = choose_attention(attention_capability_, c, attention_force_);
   if (choice.impl == AttentionImpl::kCudnn) {
-    const std::string failure = cuda::cudnn_attention_prepare(*ctx_, B, T, Hq, Hkv, D);
-    if (!failure.empty()) choice = attention_after_cudnn_failure(attention_capability_, c, failure);
+    const cuda::CudnnAttentionPlan plan = cuda::cudnn_attention_prepare(*ctx_, B, T, Hq, Hkv, D);
+    if (!plan.ready) {
+      choice = attention_after_cudnn_failure(attention_capability_, c, plan.note);
+    } else if (!plan.deterministic) {
+      choice.reason += "; " + plan.note;
+    }
   }
   const std::string shape = "B=" + std::to_string(B) + " T=" + std::to_string(T) + " Hq=" + std::to_string(Hq) +
                             " Hkv=" + std::to_string(Hkv) + " D=" + std::to_string(D);

@@ -8,8 +8,9 @@
 //             O = P V.
 //   backward  delta = rowsum(dO * O) * 1 (fp32, a tensor of its own in the workspace);
 //             P = exp(mask(Q K^T * scale) - stats); dV = P^T dO; dP = dO V^T;
-//             dS = (dP - delta) * P * scale; dK = dS^T Q; dQ = dS K (through an fp32
-//             accumulator in the workspace, copied to bf16 by an identity op).
+//             dS = (dP - delta) * P * scale; dK = dS^T Q; dQ = dS K, straight into dq (the
+//             fixed-order form), or, where that form fails, through an fp32 accumulator in the
+//             workspace copied to bf16 by an identity op (cuDNN adds into it with atomics).
 //             With GQA, dK and dV are computed per query head and summed over each group by a
 //             reduction over the head dimension.
 // The stats are the natural-log logsumexp of each row of scaled scores: the (B,Hq,T) lse of
@@ -52,8 +53,8 @@ Context::CudnnAttention& Context::cudnn_attention() {
 }
 
 int cudnn_version() { return 0; }
-std::string cudnn_attention_prepare(Context&, int64_t, int64_t, int64_t, int64_t, int64_t) {
-  return "this build has no cuDNN";
+CudnnAttentionPlan cudnn_attention_prepare(Context&, int64_t, int64_t, int64_t, int64_t, int64_t) {
+  return {false, false, "this build has no cuDNN"};
 }
 void cudnn_attention_forward(Context&, bf16*, float*, const bf16*, const bf16*, const bf16*, int64_t,
                              int64_t, int64_t, int64_t, int64_t, cudaStream_t) {
@@ -361,7 +362,9 @@ void build_forward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int6
   g.build_plan("SDPA forward");
 }
 
-void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+// accumulate_dq: dQ = dS K into an fp32 accumulator in the workspace, then copied to bf16 (cuDNN
+// adds into it with atomics); else straight into dq.
+void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool accumulate_dq) {
   const Dims row_dims{B, Hq, T, 1}, row_strides{Hq * T, T, 1, 1};
   const Dims s_dims{B, Hq, T, T}, s_strides{Hq * T * T, T * T, T, 1};
   // The same scores transposed: (B,Hq,T_kv,T_q).
@@ -380,7 +383,6 @@ void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int
   Desc one = g.scalar(kOne, CUDNN_DATA_FLOAT);
   // Contiguous (B,Hq,T,*) fp32 buffers in the workspace.
   Desc delta = g.tensor(kDelta, CUDNN_DATA_FLOAT, row_dims, row_strides, false);
-  Desc dq_accum = g.tensor(kDQAccum, CUDNN_DATA_FLOAT, {B, Hq, T, D}, {Hq * T * D, T * D, D, 1}, false);
 
   // delta = rowsum(dO * O) * 1
   Desc d_o_o = g.temp(CUDNN_DATA_FLOAT, bhtd_dims(B, Hq, T, D), bhtd_strides(Hq, T, D));
@@ -432,11 +434,16 @@ void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, dk_heads, dk);
   }
 
-  // dQ = dS K: K is K^T read transposed back; fp32 accumulation, then bf16.
+  // dQ = dS K: K is K^T read transposed back.
   Desc k = g.temp(CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hkv, T, D), bhtd_strides(Hkv, T, D));
   g.reshape(kt, k);
-  g.matmul(ds, k, dq_accum);
-  g.pointwise(CUDNN_POINTWISE_IDENTITY, dq_accum, nullptr, dq);
+  if (accumulate_dq) {
+    Desc dq_accum = g.tensor(kDQAccum, CUDNN_DATA_FLOAT, {B, Hq, T, D}, {Hq * T * D, T * D, D, 1}, false);
+    g.matmul(ds, k, dq_accum);
+    g.pointwise(CUDNN_POINTWISE_IDENTITY, dq_accum, nullptr, dq);
+  } else {
+    g.matmul(ds, k, dq);
+  }
   g.build_plan("SDPA backward");
 }
 
@@ -446,8 +453,9 @@ using ShapeKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;  // B,
 
 // The two plans of one shape, or why there are none.
 struct Entry {
+  CudnnAttentionPlan plan;
   std::unique_ptr<Graph> forward, backward;
-  std::string refusal;  // empty when both plans exist
+  bool accumulates_dq = false;  // the backward's form
   Scalars scalars;
   // Scratch layout of the backward: delta, the fp32 dq accumulator, then cuDNN's workspace.
   size_t delta_offset = 0, dq_accum_offset = 0, backward_workspace_offset = 0, backward_bytes = 0;
@@ -497,12 +505,43 @@ Context::CudnnAttention& Context::cudnn_attention() {
 
 int cudnn_version() { return static_cast<int>(cudnnGetVersion()); }
 
-std::string cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                    int64_t D) {
+namespace {
+
+// The backward of `entry` in one of its two forms, with its scratch layout; empty when it is
+// built and fits the scratch, else why not.
+std::string build_backward_entry(Entry& entry, cudnnHandle_t handle, size_t scratch_bytes, int64_t B,
+                                 int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool accumulate_dq) {
+  entry.backward = std::make_unique<Graph>(handle);
+  build_backward(*entry.backward, B, T, Hq, Hkv, D, accumulate_dq);
+  if (!entry.backward->ok()) {
+    const std::string failure = entry.backward->error();
+    entry.backward.reset();
+    return failure;
+  }
+  entry.accumulates_dq = accumulate_dq;
+  entry.delta_offset = 0;
+  const size_t delta_bytes = round_up_256(static_cast<size_t>(B * Hq * T) * sizeof(float));
+  const size_t accum_bytes = accumulate_dq ? round_up_256(static_cast<size_t>(B * Hq * T * D) * sizeof(float)) : 0;
+  entry.dq_accum_offset = delta_bytes;
+  entry.backward_workspace_offset = delta_bytes + accum_bytes;
+  entry.backward_bytes = entry.backward_workspace_offset + static_cast<size_t>(entry.backward->workspace_bytes());
+  if (entry.backward_bytes > scratch_bytes) {
+    entry.backward.reset();
+    return "the backward needs " + std::to_string(entry.backward_bytes) + " bytes of scratch (delta" +
+           (accumulate_dq ? ", an fp32 dq accumulator" : "") + " and cuDNN's workspace), the kernel context has " +
+           std::to_string(scratch_bytes);
+  }
+  return "";
+}
+
+}  // namespace
+
+CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
+                                           int64_t D) {
   CHECK(B > 0 && T > 0 && Hq > 0 && Hkv > 0 && D > 0 && Hq % Hkv == 0);
   Context::CudnnAttention& cache = ctx.cudnn_attention();
   const ShapeKey key{B, T, Hq, Hkv, D};
-  if (auto it = cache.entries.find(key); it != cache.entries.end()) return it->second.refusal;
+  if (auto it = cache.entries.find(key); it != cache.entries.end()) return it->second.plan;
   Entry& entry = cache.entries[key];
   if (cache.handle == nullptr && cache.handle_error.empty()) {
     const cudnnStatus_t s = cudnnCreate(&cache.handle);
@@ -512,40 +551,41 @@ std::string cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t 
     }
   }
   if (cache.handle == nullptr) {
-    entry.refusal = cache.handle_error;
-    return entry.refusal;
+    entry.plan.note = cache.handle_error;
+    return entry.plan;
   }
   entry.scalars.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   entry.scalars.neg_inf = masked_score(cudnn_version());
   entry.forward = std::make_unique<Graph>(cache.handle);
   build_forward(*entry.forward, B, T, Hq, Hkv, D);
-  if (!entry.forward->ok()) {
-    const std::string failure = entry.forward->error();
-    entry = Entry{.refusal = failure};  // keep no half-built graphs
-    return entry.refusal;
+  if (entry.forward->ok() && static_cast<size_t>(entry.forward->workspace_bytes()) > ctx.scratch_bytes()) {
+    entry.plan.note = "the forward needs " + std::to_string(entry.forward->workspace_bytes()) +
+                      " bytes of workspace, the kernel context has " + std::to_string(ctx.scratch_bytes());
+  } else if (!entry.forward->ok()) {
+    entry.plan.note = entry.forward->error();
   }
-  entry.backward = std::make_unique<Graph>(cache.handle);
-  build_backward(*entry.backward, B, T, Hq, Hkv, D);
-  if (!entry.backward->ok()) {
-    const std::string failure = entry.backward->error();
-    entry = Entry{.refusal = failure};  // keep no half-built graphs
-    return entry.refusal;
+  if (!entry.plan.note.empty()) {
+    entry = Entry{.plan = entry.plan};  // keep no half-built graphs
+    return entry.plan;
   }
-  entry.delta_offset = 0;
-  entry.dq_accum_offset = round_up_256(static_cast<size_t>(B * Hq * T) * sizeof(float));
-  entry.backward_workspace_offset =
-      entry.dq_accum_offset + round_up_256(static_cast<size_t>(B * Hq * T * D) * sizeof(float));
-  entry.backward_bytes =
-      entry.backward_workspace_offset + static_cast<size_t>(entry.backward->workspace_bytes());
-  const size_t forward_bytes = static_cast<size_t>(entry.forward->workspace_bytes());
-  const size_t need = std::max(forward_bytes, entry.backward_bytes);
-  if (need > ctx.scratch_bytes()) {
-    entry.refusal = "cuDNN SDPA needs " + std::to_string(need) + " bytes of scratch (delta, an fp32 " +
-                    "dq accumulator and cuDNN's workspace) but the kernel context has " +
-                    std::to_string(ctx.scratch_bytes());
+  // dq written directly by the last matmul is the form cuDNN computes in a fixed order on
+  // sm_80 and sm_90 (what its frontend builds when asked for a deterministic backward); the
+  // form with an fp32 accumulator is usually faster but adds into it with atomics.
+  const std::string fixed_order = build_backward_entry(entry, cache.handle, ctx.scratch_bytes(), B, T, Hq, Hkv, D,
+                                                       /*accumulate_dq=*/false);
+  if (fixed_order.empty()) {
+    entry.plan = {true, true, ""};
+    return entry.plan;
   }
-  if (!entry.refusal.empty()) entry = Entry{.refusal = entry.refusal};  // keep no unused plans
-  return entry.refusal;
+  const std::string atomics = build_backward_entry(entry, cache.handle, ctx.scratch_bytes(), B, T, Hq, Hkv, D,
+                                                   /*accumulate_dq=*/true);
+  if (atomics.empty()) {
+    entry.plan = {true, false, "its backward accumulates dq with atomics, not bitwise reproducible (the fixed-order "
+                               "form failed: " + fixed_order + ")"};
+    return entry.plan;
+  }
+  entry = Entry{.plan = {false, false, fixed_order + "; with an fp32 dq accumulator: " + atomics}};
+  return entry.plan;
 }
 
 namespace {
@@ -560,7 +600,7 @@ void check_aligned(std::initializer_list<const void*> pointers) {
 Entry& prepared(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
   Context::CudnnAttention& cache = ctx.cudnn_attention();
   const auto it = cache.entries.find(ShapeKey{B, T, Hq, Hkv, D});
-  CHECK_MSG(it != cache.entries.end() && it->second.refusal.empty(),
+  CHECK_MSG(it != cache.entries.end() && it->second.plan.ready,
             "cuDNN attention called for a shape that cudnn_attention_prepare did not accept");
   return it->second;
 }
@@ -587,15 +627,18 @@ void cudnn_attention_backward(Context& ctx, bf16* dq, bf16* dk, bf16* dv, const 
   check_aligned({dq, dk, dv, dout, q, k, v, out, lse});
   char* scratch = static_cast<char*>(ctx.scratch(e.backward_bytes, "cuDNN SDPA backward"));
   float* delta = reinterpret_cast<float*>(scratch + e.delta_offset);
-  float* dq_accum = reinterpret_cast<float*>(scratch + e.dq_accum_offset);
-  // The accumulator starts at zero (cuDNN before 9.6 expects its caller to clear it).
-  CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, static_cast<size_t>(B * Hq * T * D) * sizeof(float), stream));
-  const std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV,
-                                  kScale, kNegInf, kOne, kDelta, kDQAccum};
-  const std::vector<void*> pointers{const_cast<bf16*>(q), const_cast<bf16*>(k), const_cast<bf16*>(v),
-                                    const_cast<bf16*>(out), const_cast<bf16*>(dout),
-                                    const_cast<float*>(lse), dq, dk, dv, &e.scalars.scale,
-                                    &e.scalars.neg_inf, &e.scalars.one, delta, dq_accum};
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kNegInf, kOne, kDelta};
+  std::vector<void*> pointers{const_cast<bf16*>(q), const_cast<bf16*>(k), const_cast<bf16*>(v),
+                              const_cast<bf16*>(out), const_cast<bf16*>(dout),
+                              const_cast<float*>(lse), dq, dk, dv, &e.scalars.scale,
+                              &e.scalars.neg_inf, &e.scalars.one, delta};
+  if (e.accumulates_dq) {
+    float* dq_accum = reinterpret_cast<float*>(scratch + e.dq_accum_offset);
+    // The accumulator starts at zero (cuDNN before 9.6 expects its caller to clear it).
+    CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, static_cast<size_t>(B * Hq * T * D) * sizeof(float), stream));
+    uids.push_back(kDQAccum);
+    pointers.push_back(dq_accum);
+  }
   execute(ctx.cudnn_attention().handle, *e.backward, uids, pointers,
           scratch + e.backward_workspace_offset, stream);
 }

@@ -13,7 +13,8 @@
 //
 // Every reduction has a fixed order that depends on the shapes only (no float atomics), so
 // each op is bitwise reproducible from run to run on the same GPU and build; the one exception
-// is the cuDNN attention below (STRATA_ATTENTION=fallback restores it).
+// is a cuDNN attention backward whose plan is not `deterministic` (logged; see below;
+// STRATA_ATTENTION=fallback avoids it).
 //
 // Launchers abort (CHECK / CUDA_CHECK) on bad arguments and on launch errors. Errors inside a
 // kernel (a token id outside the vocabulary) trap the kernel: the next CUDA call on the stream
@@ -203,19 +204,26 @@ void attention_backward(Context& ctx, bf16* dq /*(B,T,Hq,D)*/, bf16* dk /*(B,T,H
 // natural-log logsumexp of each row of scaled scores, as there, in the same (B,Hq,T) layout.
 // The forward and backward graphs of a shape are built together on first use and cached in the
 // Context; so each shape is served by cuDNN in both directions or not at all, and a backward
-// only ever reads the lse of a forward of the same implementation. Not bitwise reproducible
-// from run to run: cuDNN's backward may accumulate dq with atomics.
+// only ever reads the lse of a forward of the same implementation. Bitwise reproducible from run
+// to run when the plan says `deterministic`.
 //
 // The cuDNN version loaded at run time (cudnnGetVersion(), e.g. 91900), or 0 when the build has
 // no cuDNN.
 int cudnn_version();
-// Builds and caches the two graphs of a shape (D = d_qk = d_v) unless cached already. Returns an
-// empty string when cuDNN serves the shape, else one line saying why not: the cuDNN call and
-// status that failed (the graphs are then never tried again for the shape), or the scratch the
-// backward would need beyond the Context's. Never aborts for a cuDNN status.
-std::string cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                    int64_t D);
-// REQUIRE: cudnn_attention_prepare returned "" for the shape. Workspace from ctx's scratch
+// Whether cuDNN serves a shape, and how.
+struct CudnnAttentionPlan {
+  bool ready = false;          // both graphs built, and their scratch fits the Context's
+  bool deterministic = false;  // the backward runs in a fixed order (bitwise reproducible)
+  std::string note;            // why not ready, or why not deterministic; else empty
+};
+// Builds and caches the two graphs of a shape (D = d_qk = d_v) unless cached already: the
+// backward in its fixed-order form, or where that fails in the faster form that accumulates dq
+// with atomics. Not ready: `note` names the cuDNN call and status that failed (the graphs are
+// then never tried again for the shape) or the scratch they would need beyond the Context's.
+// Never aborts for a cuDNN status.
+CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
+                                           int64_t D);
+// REQUIRE: cudnn_attention_prepare found the shape ready. Workspace from ctx's scratch
 // (the backward's also holds delta and an fp32 dq accumulator; prepare checks that it fits).
 void cudnn_attention_forward(Context& ctx, bf16* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,
                              const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,T,Hkv,D)*/,
