@@ -95,6 +95,7 @@ std::string cudnn_attention_refusal(const AttentionCapability& cap, const Attent
            " has a broken SDPA backward (fixed in 9.10.2)";
   }
   if (std::string why = common_refusal(cap, c); !why.empty()) return why;
+  if (!c.causal) return "the cuDNN graphs built here are causal only";
   if (std::string why = cudnn_dims_refusal(cap, c); !why.empty()) return why;
   if (c.seq_len == 1) return "T=1: cuDNN's SDPA backward refuses s_q = s_kv = 1";
   return "";

@@ -12,7 +12,9 @@
 //   - Hq a multiple of Hkv (grouped-query attention);
 //   - the backward refuses a sequence of length 1 (s_q = s_kv = 1) and is broken in 9.10.0 and
 //     9.10.1, so those versions never serve training.
-// The fallback serves causal bf16 attention with d_qk = d_v in {64, 128} on sm_80 and newer.
+// The cuDNN graphs built here (kernels/cuda/cudnn_attention.cpp) are causal only, although
+// cuDNN itself also takes unmasked attention. The fallback serves causal bf16 attention with
+// d_qk = d_v in {64, 128} on sm_80 and newer.
 // Passing these rules does not guarantee that cuDNN builds the graph: the op set still falls
 // back, with cuDNN's status in the reason, when building or finalizing fails.
 #pragma once

@@ -127,10 +127,12 @@ TEST(AttentionChoice, NotBf16OrTooOldIsServedByNobody) {
   EXPECT_TRUE(mentions(turing, "sm_75")) << turing.reason;
 }
 
-TEST(AttentionChoice, NonCausalIsCudnnOnly) {
+TEST(AttentionChoice, NonCausalIsServedByNobody) {
   AttentionCase c = llama(64);
   c.causal = false;
-  EXPECT_EQ(choose_attention(kHopperCudnn919, c, AttentionForce::kAuto).impl, AttentionImpl::kCudnn);
+  const AttentionChoice choice = choose_attention(kHopperCudnn919, c, AttentionForce::kAuto);
+  EXPECT_EQ(choice.impl, AttentionImpl::kNone);
+  EXPECT_TRUE(mentions(choice, "causal only")) << choice.reason;
   EXPECT_EQ(choose_attention(kHopperNoCudnn, c, AttentionForce::kAuto).impl, AttentionImpl::kNone);
 }
 
