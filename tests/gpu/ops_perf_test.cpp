@@ -188,6 +188,25 @@ TEST(OpsPerf, Report) {
                     ("attention_backward" + suffix).c_str(), optin);
       }
     }
+    // cuDNN's fused SDPA on the same shape; its target is 60% of the cuBLAS GEMM rate above.
+    const cu::CudnnAttentionPlan plan = cu::cudnn_attention_prepare(ctx, B, T, Hq, Hkv, D);
+    if (plan.ready) {
+      if (!plan.deterministic) std::printf("  note: cuDNN attention: %s\n", plan.note.c_str());
+      flops_row("attention_forward cudnn", shape, fwd, [&] {
+        cu::cudnn_attention_forward(ctx, out->get(), lse.get(), q->get(), k->get(), v->get(), B, T,
+                                    Hq, Hkv, D, stream);
+      });
+      // The forward above left a real out and lse for the backward to read.
+      flops_row("attention_backward cudnn", shape + " (2.5x fwd)", 2.5 * fwd, [&] {
+        cu::cudnn_attention_backward(ctx, dq.get(), dk.get(), dv.get(), dout->get(), q->get(),
+                                     k->get(), v->get(), out->get(), lse.get(), B, T, Hq, Hkv, D,
+                                     stream);
+      });
+      std::printf("  (target for the cudnn rows: >= 60%% of the cuBLAS bf16 GEMM rate, %.1f TFLOP/s)\n",
+                  0.6 * gemm_ceiling);
+    } else {
+      std::printf("  %-26s skipped: %s\n", "attention cudnn", plan.note.c_str());
+    }
   }
 
   {

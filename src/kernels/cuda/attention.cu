@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/attention_schedule.h"
 #include "kernels/cuda/common.cuh"
 
 namespace strata::kernels::cuda {
@@ -161,7 +162,7 @@ __global__ void __launch_bounds__(block_threads(kTile))
   bf16* P = carve.take<bf16>(kTile * kTile);
   float* O = carve.take<float>(kTile * D);
 
-  const int64_t q0 = (int64_t{gridDim.x} - 1 - blockIdx.x) * kTile;  // longest tiles first
+  const int64_t q0 = attention_query_tile(blockIdx.x, gridDim.x) * kTile;  // longest first
   const int64_t h = blockIdx.y, b = blockIdx.z;
   const int64_t g = h / (Hq / Hkv);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -283,7 +284,8 @@ __global__ void __launch_bounds__(block_threads(kTile))
   float* lse_s = carve.take<float>(kTile);
   float* delta_s = carve.take<float>(kTile);
 
-  const int64_t k0 = (int64_t{gridDim.x} - 1 - blockIdx.x) * kTile;  // longest tiles first
+  // The first key tiles are visited by the most query tiles: they go first.
+  const int64_t k0 = attention_key_tile(blockIdx.x, gridDim.x) * kTile;
   const int64_t g = blockIdx.y, b = blockIdx.z;
   const int64_t group = Hq / Hkv;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -361,7 +363,7 @@ __global__ void __launch_bounds__(block_threads(kTile))
   float* lse_s = carve.take<float>(kTile);
   float* delta_s = carve.take<float>(kTile);
 
-  const int64_t q0 = (int64_t{gridDim.x} - 1 - blockIdx.x) * kTile;
+  const int64_t q0 = attention_query_tile(blockIdx.x, gridDim.x) * kTile;  // longest first
   const int64_t h = blockIdx.y, b = blockIdx.z;
   const int64_t g = h / (Hq / Hkv);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;

@@ -2,12 +2,14 @@
 #include "kernels/cuda/backend.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
 #include "core/check.h"
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/cuda_device.h"
+#include "core/log.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/lm_head_chunks.h"
 
@@ -15,7 +17,12 @@ namespace strata::kernels {
 
 Result<CudaOps> CudaOps::create(Device& device) {
   if (device.kind() != DeviceKind::kCuda) return Status::InvalidArgument("CudaOps needs a CUDA device, not " + device.name());
+  const char* attention = std::getenv("STRATA_ATTENTION");
+  Result<AttentionForce> force = parse_attention_force(attention == nullptr ? "" : attention);
+  if (!force.ok()) return force.status();
   CudaOps ops(device);
+  ops.attention_force_ = force.value();
+  ops.attention_capability_ = attention_capability();
   ops.compute_ = device.create_stream();
   ops.stream_ = as_cuda_stream(*ops.compute_).handle();
   ASSIGN_OR_RETURN(ops.scratch_, device.allocate(kScratchBytes));
@@ -149,15 +156,60 @@ void CudaOps::rope_backward(Act* dx, const Act* dout, const float* inv_freq, int
   cuda::rope_backward(dx, dout, inv_freq, B, T, H, D, stream_);
 }
 
+AttentionCapability CudaOps::attention_capability() {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  AttentionCapability cap;
+  CUDA_CHECK(cudaDeviceGetAttribute(&cap.sm_major, cudaDevAttrComputeCapabilityMajor, device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&cap.sm_minor, cudaDevAttrComputeCapabilityMinor, device));
+  cap.cudnn_version = cuda::cudnn_version();
+  return cap;
+}
+
+AttentionImpl CudaOps::attention_impl(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+  const auto key = std::make_tuple(B, T, Hq, Hkv, D);
+  if (auto it = attention_impls_.find(key); it != attention_impls_.end()) return it->second;
+  AttentionCase c;
+  c.d_qk = D;
+  c.d_v = D;
+  c.hq = Hq;
+  c.hkv = Hkv;
+  c.seq_len = T;
+  AttentionChoice choice = choose_attention(attention_capability_, c, attention_force_);
+  if (choice.impl == AttentionImpl::kCudnn) {
+    const cuda::CudnnAttentionPlan plan = cuda::cudnn_attention_prepare(*ctx_, B, T, Hq, Hkv, D);
+    if (!plan.ready) {
+      choice = attention_after_cudnn_failure(attention_capability_, c, plan.note);
+    } else if (!plan.deterministic) {
+      choice.reason += "; " + plan.note;
+    }
+  }
+  const std::string shape = "B=" + std::to_string(B) + " T=" + std::to_string(T) + " Hq=" + std::to_string(Hq) +
+                            " Hkv=" + std::to_string(Hkv) + " D=" + std::to_string(D);
+  CHECK_MSG(choice.impl != AttentionImpl::kNone, "no CUDA attention serves " + shape + ": " + choice.reason);
+  LOG_INFO("attention {}: {} ({})", shape, attention_impl_name(choice.impl), choice.reason);
+  attention_impls_.emplace(key, choice.impl);
+  return choice.impl;
+}
+
 void CudaOps::attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
                                 int64_t Hq, int64_t Hkv, int64_t D) {
-  cuda::attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, stream_);
+  if (B > 0 && T > 0 && attention_impl(B, T, Hq, Hkv, D) == AttentionImpl::kCudnn) {
+    cuda::cudnn_attention_forward(*ctx_, out, lse, q, k, v, B, T, Hq, Hkv, D, stream_);
+  } else {
+    cuda::attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, stream_);
+  }
 }
 
 void CudaOps::attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                                  const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
                                  int64_t D) {
-  cuda::attention_backward(*ctx_, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, stream_);
+  // The same implementation as the forward of this shape, so lse is always its own.
+  if (B > 0 && T > 0 && attention_impl(B, T, Hq, Hkv, D) == AttentionImpl::kCudnn) {
+    cuda::cudnn_attention_backward(*ctx_, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, stream_);
+  } else {
+    cuda::attention_backward(*ctx_, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, stream_);
+  }
 }
 
 void CudaOps::swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n) {

@@ -18,12 +18,15 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "core/device.h"
 #include "core/dtype.h"
 #include "core/status.h"
+#include "kernels/attention_choice.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/moe.h"
 
@@ -41,8 +44,15 @@ class CudaOps {
 
   // REQUIRES: `device` is a CUDA device, outlives the ops, and is current on the calling thread.
   // Takes kScratchBytes + kGemmWorkspaceBytes of its arena: OutOfMemory (the arena's message,
-  // naming the budget) when they do not fit.
+  // naming the budget) when they do not fit. Reads STRATA_ATTENTION (auto, cudnn or fallback;
+  // unset is auto): InvalidArgument for any other value.
   static Result<CudaOps> create(Device& device);
+  // What the current device and the loaded cuDNN offer attention (kernels/attention_choice.h).
+  static AttentionCapability attention_capability();
+  // The implementation that serves attention of this shape: chosen on first use (cuDNN's graphs
+  // built then, the fallback taken if that fails), logged once, then fixed, so that a backward
+  // always runs the implementation of its forward. CHECK-fails when none can serve the shape.
+  AttentionImpl attention_impl(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D);
   ~CudaOps();
   CudaOps(CudaOps&&) noexcept;
   CudaOps& operator=(CudaOps&&) = delete;
@@ -141,6 +151,9 @@ class CudaOps {
   DeviceAllocation lm_head_;    // the LM head's scratch: logits chunks (lm_head_device_scratch_bytes)
   DeviceAllocation router_;     // selection bias or prob_grad (E floats), counts (E) and prob sums (E)
   std::vector<int64_t> host_offsets_;
+  AttentionCapability attention_capability_;
+  AttentionForce attention_force_ = AttentionForce::kAuto;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>, AttentionImpl> attention_impls_;  // B,T,Hq,Hkv,D
 };
 
 }  // namespace strata::kernels

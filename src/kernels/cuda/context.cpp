@@ -40,6 +40,7 @@ Context::~Context() {
   // Descriptors need no handle, but go before it all the same.
   gemm_plans_.clear();
   fp8_gemm_plans_.clear();
+  cudnn_attention_.reset();
   if (blas_ != nullptr) CUBLAS_CHECK(cublasDestroy(blas_));
   if (owns_memory_ && scratch_ != nullptr) CUDA_CHECK(cudaFree(scratch_));
   if (owns_memory_ && gemm_workspace_ != nullptr) CUDA_CHECK(cudaFree(gemm_workspace_));

@@ -12,7 +12,9 @@
 // gradients are overwritten (`=`).
 //
 // Every reduction has a fixed order that depends on the shapes only (no float atomics), so
-// each op is bitwise reproducible from run to run on the same GPU and build.
+// each op is bitwise reproducible from run to run on the same GPU and build; the one exception
+// is a cuDNN attention backward whose plan is not `deterministic` (logged; see below;
+// STRATA_ATTENTION=fallback avoids it).
 //
 // Launchers abort (CHECK / CUDA_CHECK) on bad arguments and on launch errors. Errors inside a
 // kernel (a token id outside the vocabulary) trap the kernel: the next CUDA call on the stream
@@ -27,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "kernels/adamw.h"
 #include "kernels/cuda/lt_plan.h"
@@ -79,8 +82,16 @@ class Context {
   // algorithms. built() counts the plans made (tests hold repeated shapes to it).
   PlanCache<GemmKey, LtPlan>& gemm_plans() { return gemm_plans_; }
   PlanCache<Fp8GemmKey, LtPlan>& fp8_gemm_plans() { return fp8_gemm_plans_; }
+  // cuDNN's handle and the fused-attention graphs (execution plans and their workspace sizes),
+  // one pair per shape, built on first use; defined in cudnn_attention.cpp.
+  struct CudnnAttention;
+  CudnnAttention& cudnn_attention();
 
  private:
+  // A deleter defined where CudnnAttention is complete, so that this header need not know it.
+  struct CudnnAttentionDeleter {
+    void operator()(CudnnAttention* attention) const;
+  };
   int device_ = 0;
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t blas_ = nullptr;
@@ -91,6 +102,7 @@ class Context {
   bool owns_memory_ = true;
   PlanCache<GemmKey, LtPlan> gemm_plans_;
   PlanCache<Fp8GemmKey, LtPlan> fp8_gemm_plans_;
+  std::unique_ptr<CudnnAttention, CudnnAttentionDeleter> cudnn_attention_;
 };
 
 // ---- embedding -----------------------------------------------------------------------------
@@ -177,6 +189,8 @@ void gemm_separate_c(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_
                      int64_t ldc, bool c_is_fp32, const bf16* bias, cudaStream_t stream);
 
 // ---- causal GQA attention (flash-style: the T x T scores never reach global memory) ---------
+// The WMMA kernel: CudaOps runs it where cuDNN cannot serve a shape (kernels/attention_choice.h)
+// or STRATA_ATTENTION=fallback asks for it.
 // D in {64, 128}. Pointers 16-byte aligned. lse (B,Hq,T) fp32 is saved for backward.
 // tile_rows: rows of the query/key tiles, 0 to pick per kernel the larger (64, else 32) that
 // the device's opt-in shared memory per block allows; 32 or 64 force one (tests), and fail
@@ -204,6 +218,43 @@ void attention_backward(Context& ctx, bf16* dq /*(B,T,Hq,D)*/, bf16* dk /*(B,T,H
                         const bf16* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/, int64_t B,
                         int64_t T, int64_t Hq, int64_t Hkv, int64_t D, cudaStream_t stream,
                         int tile_rows = 0);
+
+// ---- causal GQA attention on cuDNN's fused SDPA (cudnn_attention.cpp) -------------------------
+// Same shapes, layout and scale (1/sqrt(D)) as attention_forward/backward above; lse is the
+// natural-log logsumexp of each row of scaled scores, as there, in the same (B,Hq,T) layout.
+// The forward and backward graphs of a shape are built together on first use and cached in the
+// Context; so each shape is served by cuDNN in both directions or not at all, and a backward
+// only ever reads the lse of a forward of the same implementation. Bitwise reproducible from run
+// to run when the plan says `deterministic`.
+//
+// The cuDNN version loaded at run time (cudnnGetVersion(), e.g. 91900), or 0 when the build has
+// no cuDNN.
+int cudnn_version();
+// Whether cuDNN serves a shape, and how.
+struct CudnnAttentionPlan {
+  bool ready = false;          // both graphs built, and their scratch fits the Context's
+  bool deterministic = false;  // the backward runs in a fixed order (bitwise reproducible)
+  std::string note;            // why not ready, or why not deterministic; else empty
+};
+// Builds and caches the two graphs of a shape (D = d_qk = d_v) unless cached already: the
+// backward in its fixed-order form, or where that fails in the faster form that accumulates dq
+// with atomics. Not ready: `note` names the cuDNN call and status that failed (the graphs are
+// then never tried again for the shape) or the scratch they would need beyond the Context's.
+// Never aborts for a cuDNN status.
+CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
+                                           int64_t D);
+// REQUIRE: cudnn_attention_prepare found the shape ready. Workspace from ctx's scratch
+// (the backward's also holds delta and an fp32 dq accumulator; prepare checks that it fits).
+void cudnn_attention_forward(Context& ctx, bf16* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,
+                             const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,T,Hkv,D)*/,
+                             const bf16* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,
+                             int64_t Hkv, int64_t D, cudaStream_t stream);
+void cudnn_attention_backward(Context& ctx, bf16* dq /*(B,T,Hq,D)*/, bf16* dk /*(B,T,Hkv,D)*/,
+                              bf16* dv /*(B,T,Hkv,D)*/, const bf16* dout /*(B,T,Hq,D)*/,
+                              const bf16* q, const bf16* k, const bf16* v,
+                              const bf16* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/,
+                              int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                              cudaStream_t stream);
 
 // ---- LM head + cross-entropy, chunked over tokens --------------------------------------------
 // Per chunk of chunk_tokens tokens: logits (fp32, scratch) = x @ weight^T; one fused kernel
