@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -64,13 +66,19 @@ class Trainer {
   ~Trainer() { net_->set_access(nullptr); }
 
   double step() {
+    const double loss = forward_backward();
+    update();
+    return loss;
+  }
+  // The two halves of step(): the gradients, then the optimizer.
+  double forward_backward() {
     const Batch& b = batches_[static_cast<size_t>(steps_++) % batches_.size()];
     EXPECT_TRUE(state_->zero_grads().ok());
     Result<double> loss = net_->compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kB * kT), true);
     EXPECT_TRUE(loss.ok()) << loss.status().to_string();
-    EXPECT_TRUE(state_->clip_and_step(1e-2f).ok());
     return loss.ok() ? *loss : NAN;
   }
+  void update() { EXPECT_TRUE(state_->clip_and_step(1e-2f).ok()); }
   // Parameters, m and v as flat vectors.
   std::vector<std::vector<float>> snapshot() {
     const size_t n = static_cast<size_t>(net_->layout().total_size());
@@ -171,9 +179,52 @@ class CheckpointingTest : public ::testing::TestWithParam<CkptRecipe> {
   fs::path dir_;
 };
 
-// Tight budgets put parameters and moments in every tier; a slow disk (30 ms per write, so the
-// save takes far longer than the steps after it) and 64 KiB of staging keep the save in flight
-// across the next steps, whose optimizer changes every byte of it.
+// A disk whose writes wait until the test opens it (or 60 s pass, after which it stays open, so
+// that a mistake cannot hang the suite), over a slow faulty engine: the save stays in flight for
+// as long as the test needs, however loaded the machine is (a fixed latency alone raced the
+// steps on a busy one: a slow forward and backward let the save finish before the optimizer).
+class GatedIoEngine final : public IoEngine {
+ public:
+  struct Gate {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool open = false;
+    void release() {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        open = true;
+      }
+      cv.notify_all();
+    }
+    void pass() {
+      std::unique_lock<std::mutex> lock(mu);
+      if (!cv.wait_for(lock, std::chrono::seconds(60), [&] { return open; })) open = true;
+    }
+  };
+  GatedIoEngine(std::unique_ptr<IoEngine> inner, std::shared_ptr<Gate> gate)
+      : inner_(std::move(inner)), gate_(std::move(gate)) {}
+  const char* name() const override { return inner_->name(); }
+  Result<int> register_file(int fd, const std::string& path) override { return inner_->register_file(fd, path); }
+  Status register_buffer(void* base, uint64_t length) override { return inner_->register_buffer(base, length); }
+  Result<IoTicket> submit(const IoRequest& request) override {
+    if (request.op == IoOp::kWrite) gate_->pass();
+    return inner_->submit(request);
+  }
+  Status wait(IoTicket ticket) override { return inner_->wait(ticket); }
+  bool done(IoTicket ticket) override { return inner_->done(ticket); }
+  bool set_transfer_hook(TransferHook* hook) override { return inner_->set_transfer_hook(hook); }
+  std::string file_path(int file) const override { return inner_->file_path(file); }
+
+ private:
+  std::unique_ptr<IoEngine> inner_;
+  std::shared_ptr<Gate> gate_;
+};
+
+// Tight budgets put parameters and moments in every tier; a closed disk (writes wait for the
+// gate) and 64 KiB of staging keep the save in flight through the next step's forward and
+// backward; the disk opens, slowly (30 ms per write), as its optimizer starts to change every
+// byte of the state, and stays open for two more steps. (The optimizer may wait for bytes the
+// save has not written yet, so the gate cannot stay shut through it.)
 TEST_P(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
   Trainer tr(dir_, tight(), recipe(), moments());
   for (int i = 0; i < 2; ++i) tr.step();
@@ -181,10 +232,20 @@ TEST_P(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
   CheckpointOptions co;
   co.dir = (dir_ / "ckpt").string();
   co.staging_bytes = 64 * 1024;
-  TrainCheckpointer ck(co, tr.layout(), tr.state(), faulty_engine(std::chrono::milliseconds(30)));
+  auto gate = std::make_shared<GatedIoEngine::Gate>();
+  const ckpt::IoEngineFactory slow = faulty_engine(std::chrono::milliseconds(30));
+  ckpt::IoEngineFactory gated = [gate, slow]() -> Result<std::unique_ptr<IoEngine>> {
+    ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> inner, slow());
+    return std::unique_ptr<IoEngine>(std::make_unique<GatedIoEngine>(std::move(inner), gate));
+  };
+  TrainCheckpointer ck(co, tr.layout(), tr.state(), gated);
   ASSERT_TRUE(ck.save(tr.state(), tr.position(), tr.config().to_json(), 1).ok());
   EXPECT_TRUE(ck.in_flight());
-  for (int i = 0; i < 3; ++i) EXPECT_TRUE(std::isfinite(tr.step()));
+  EXPECT_TRUE(std::isfinite(tr.forward_backward()));
+  EXPECT_TRUE(ck.in_flight());
+  gate->release();
+  tr.update();
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(std::isfinite(tr.step()));
   ASSERT_TRUE(ck.wait().ok());
   const ckpt::SaveStats s = ck.last_stats();
   EXPECT_GT(s.cow_copied_bytes + s.cow_waits, 0u) << "the optimizer should have met bytes not yet written";
