@@ -109,7 +109,8 @@ TEST(MemopsParity, SwiGluBothPaths) {
     std::vector<std::vector<float>> results[2];
     for (size_t offset : {0, 1}) {
       const std::string what = "swiglu n=" + std::to_string(n) + path_name(offset);
-      Placed<bf16> d_gate = placed_bf16(gate, offset), d_up = placed_bf16(up, offset), d_dout = placed_bf16(dout, offset);
+      Placed<bf16> d_gate = placed_bf16(gate, offset), d_up = placed_bf16(up, offset),
+                   d_dout = placed_bf16(dout, offset);
       Placed<bf16> d_out(n, offset), d_dgate(n, offset), d_dup(n, offset);
       cu::swiglu_forward(d_out.get(), d_gate.get(), d_up.get(), n, stream.get());
       cu::swiglu_backward(d_dgate.get(), d_dup.get(), d_dout.get(), d_gate.get(), d_up.get(), n, stream.get());
@@ -245,8 +246,8 @@ TEST(MemopsParity, EmbeddingBothPaths) {
         expect_close(results[offset], want_dtable, kF32Tol, what + " dtable");
       }
       // Both paths add each element's rows in the same order.
-      expect_same_bits(results[0], results[1], "embedding backward paths N=" + std::to_string(N) + " C=" +
-                                                   std::to_string(C));
+      expect_same_bits(results[0], results[1],
+                       "embedding backward paths N=" + std::to_string(N) + " C=" + std::to_string(C));
     }
   }
 }
@@ -272,8 +273,8 @@ TEST(MemopsParity, RmsNormBothPaths) {
         Placed<bf16> d_out(N * C, offset), d_dx(N * C, offset);
         Placed<float> d_rstd(N, offset), d_rstd_ref(rstd, offset), d_dweight(dweight, offset);
         cu::rmsnorm_forward(d_out.get(), d_rstd.get(), d_x.get(), d_w.get(), N, C, eps, stream.get());
-        cu::rmsnorm_backward(ctx, d_dx.get(), d_dweight.get(), d_dout.get(), d_x.get(), d_w.get(), d_rstd_ref.get(),
-                             N, C, stream.get());
+        cu::rmsnorm_backward(ctx, d_dx.get(), d_dweight.get(), d_dout.get(), d_x.get(), d_w.get(), d_rstd_ref.get(), N,
+                             C, stream.get());
         expect_close(values(d_out), out, kBf16Tol, what + " out");
         expect_close(values(d_rstd), rstd, kF32Tol, what + " rstd");
         expect_close(values(d_dx), dx, kBf16Tol, what + " dx");
@@ -361,7 +362,8 @@ TEST(MemopsParity, AdamWWithTheDeviceFactorMatchesScaledGradientsBitwise) {
       p.push_back(random_vector(n, 71 + t));
       m.push_back(random_vector(n, 72 + t, -0.01f, 0.01f));
       v.push_back(random_vector(n, 73 + t, 0.0f, 0.001f));
-      for (auto* host : {&p.back(), &g, &m.back(), &v.back()}) keep.push_back(std::make_unique<DeviceBuffer<float>>(*host));
+      for (auto* host : {&p.back(), &g, &m.back(), &v.back()})
+        keep.push_back(std::make_unique<DeviceBuffer<float>>(*host));
       const size_t k = keep.size();
       list.push_back({keep[k - 4]->get(), keep[k - 3]->get(), keep[k - 2]->get(), keep[k - 1]->get(), nullptr, n});
       if (!skip) {  // the engine's host path: scale the gradients, then AdamW

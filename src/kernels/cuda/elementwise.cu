@@ -1,9 +1,8 @@
 // Element-wise kernels of elementwise.h. Where every pointer is 16-byte aligned (and, for the
 // per-token ops, rows are whole packs of 8), threads move 8 values per access; the scalar path
 // takes the tail and misaligned pointers. Per-element arithmetic is the same on both paths.
-#include "kernels/cuda/elementwise.h"
-
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/vector_access.cuh"
 
 namespace strata::kernels::cuda {
@@ -156,27 +155,26 @@ void shared_expert_combine(bf16* out, const bf16* shared_out, const float* logit
   CHECK(N >= 0 && C > 0);
   if (N == 0) return;
   if (C % kBf16PerPack == 0 && aligned16(out) && aligned16(shared_out)) {
-    shared_expert_combine_kernel<true><<<blocks_for(N * C, true), kThreads, 0, stream>>>(out, shared_out, logit,
-                                                                                         N, C);
+    shared_expert_combine_kernel<true><<<blocks_for(N * C, true), kThreads, 0, stream>>>(out, shared_out, logit, N, C);
   } else {
-    shared_expert_combine_kernel<false><<<blocks_for(N * C, false), kThreads, 0, stream>>>(out, shared_out, logit,
-                                                                                           N, C);
+    shared_expert_combine_kernel<false>
+        <<<blocks_for(N * C, false), kThreads, 0, stream>>>(out, shared_out, logit, N, C);
   }
   CUDA_CHECK_LAUNCH();
 }
 
-void shared_expert_backward(bf16* dshared, float* dlogit, const bf16* dout, const bf16* shared_out,
-                            const float* logit, int64_t N, int64_t C, cudaStream_t stream) {
+void shared_expert_backward(bf16* dshared, float* dlogit, const bf16* dout, const bf16* shared_out, const float* logit,
+                            int64_t N, int64_t C, cudaStream_t stream) {
   CHECK(N >= 0 && C > 0);
   if (N == 0) return;
   const int warps = kThreads / kWarpSize;
   const unsigned blocks = static_cast<unsigned>(ceil_div(N, warps));
   if (C % kBf16PerPack == 0 && aligned16(dshared) && aligned16(dout) && aligned16(shared_out)) {
-    shared_expert_backward_kernel<true><<<blocks, kThreads, 0, stream>>>(dshared, dlogit, dout, shared_out, logit,
-                                                                         N, C);
+    shared_expert_backward_kernel<true>
+        <<<blocks, kThreads, 0, stream>>>(dshared, dlogit, dout, shared_out, logit, N, C);
   } else {
-    shared_expert_backward_kernel<false><<<blocks, kThreads, 0, stream>>>(dshared, dlogit, dout, shared_out, logit,
-                                                                          N, C);
+    shared_expert_backward_kernel<false>
+        <<<blocks, kThreads, 0, stream>>>(dshared, dlogit, dout, shared_out, logit, N, C);
   }
   CUDA_CHECK_LAUNCH();
 }

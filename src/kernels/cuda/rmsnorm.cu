@@ -53,8 +53,8 @@ __device__ __forceinline__ void store_columns(bf16* row, int64_t c, const float*
 // grid (N), block kThreads. out = x * rstd * weight. Thread t takes columns t * kWidth,
 // (t + blockDim) * kWidth, ...; kWidth 8 REQUIRES C % 8 == 0 and 16-byte aligned rows.
 template <int kWidth>
-__global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* x, const bf16* weight,
-                                       int64_t C, float eps) {
+__global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* x, const bf16* weight, int64_t C,
+                                       float eps) {
   __shared__ float shared[kWarpSize];
   const int64_t row = blockIdx.x;
   const bf16* xr = x + row * C;
@@ -164,8 +164,7 @@ __global__ void __launch_bounds__(kMaxBackwardThreads)
 }
 
 // dweight (C) += sum over chunks of partial (chunks, C), in chunk order.
-__global__ void sum_partials_kernel(float* dweight, const float* partial, int64_t chunks,
-                                    int64_t C) {
+__global__ void sum_partials_kernel(float* dweight, const float* partial, int64_t chunks, int64_t C) {
   const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (c >= C) return;
   float acc = 0.0f;
@@ -179,9 +178,8 @@ unsigned backward_threads(int64_t C, int columns) {
 }
 
 template <int kWidth>
-void launch_backward(bf16* dx, float* partial, const bf16* dout, const bf16* x, const bf16* weight,
-                     const float* rstd, int64_t N, int64_t C, int64_t chunks, int64_t rows_per_chunk,
-                     cudaStream_t stream) {
+void launch_backward(bf16* dx, float* partial, const bf16* dout, const bf16* x, const bf16* weight, const float* rstd,
+                     int64_t N, int64_t C, int64_t chunks, int64_t rows_per_chunk, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(chunks);
   if (C <= int64_t{kMaxBackwardThreads} * kNarrowColumns) {
     rmsnorm_backward_kernel<kWidth, kNarrowColumns / kWidth, true>
@@ -204,8 +202,8 @@ bool vector_rows(int64_t C, const void* a, const void* b, const void* c, const v
 
 // ---- launchers --------------------------------------------------------------------------------
 
-void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* weight, int64_t N,
-                     int64_t C, float eps, cudaStream_t stream) {
+void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* weight, int64_t N, int64_t C, float eps,
+                     cudaStream_t stream) {
   CHECK(N >= 0 && C > 0);
   CHECK_MSG(N < (int64_t{1} << 31), "rmsnorm_forward: too many rows");
   if (N == 0) return;
@@ -218,9 +216,8 @@ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* weight, 
   CUDA_CHECK_LAUNCH();
 }
 
-void rmsnorm_backward(Context& ctx, bf16* dx, float* dweight, const bf16* dout, const bf16* x,
-                      const bf16* weight, const float* rstd, int64_t N, int64_t C,
-                      cudaStream_t stream) {
+void rmsnorm_backward(Context& ctx, bf16* dx, float* dweight, const bf16* dout, const bf16* x, const bf16* weight,
+                      const float* rstd, int64_t N, int64_t C, cudaStream_t stream) {
   CHECK(N >= 0 && C > 0);
   CHECK_MSG(C <= int64_t{kMaxBackwardThreads} * kWideColumns,
             "rmsnorm_backward: rows of more than " + std::to_string(kMaxBackwardThreads * kWideColumns) +
@@ -229,15 +226,15 @@ void rmsnorm_backward(Context& ctx, bf16* dx, float* dweight, const bf16* dout, 
   const int64_t chunks = N < kMaxChunks ? N : kMaxChunks;
   const int64_t rows_per_chunk = ceil_div(N, chunks);
   const int64_t used_chunks = ceil_div(N, rows_per_chunk);
-  auto* partial = static_cast<float*>(
-      ctx.scratch(static_cast<size_t>(used_chunks * C) * sizeof(float), "rmsnorm_backward"));
+  auto* partial =
+      static_cast<float*>(ctx.scratch(static_cast<size_t>(used_chunks * C) * sizeof(float), "rmsnorm_backward"));
   if (vector_rows(C, dx, dout, x, weight)) {
     launch_backward<kBf16PerPack>(dx, partial, dout, x, weight, rstd, N, C, used_chunks, rows_per_chunk, stream);
   } else {
     launch_backward<1>(dx, partial, dout, x, weight, rstd, N, C, used_chunks, rows_per_chunk, stream);
   }
-  sum_partials_kernel<<<static_cast<unsigned>(ceil_div(C, kThreads)), kThreads, 0, stream>>>(
-      dweight, partial, used_chunks, C);
+  sum_partials_kernel<<<static_cast<unsigned>(ceil_div(C, kThreads)), kThreads, 0, stream>>>(dweight, partial,
+                                                                                             used_chunks, C);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -27,8 +27,8 @@ __device__ __forceinline__ void rotate(float& x1, float& x2, int64_t t, float in
 // inputs of a pair are read before either output is written, so out may alias x.
 // kWidth == 8 REQUIRES D/2 % 8 == 0 and out, x 16-byte aligned.
 template <int kWidth>
-__global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-                            int64_t D, float sign) {
+__global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
+                            float sign) {
   const int64_t half = D / 2;
   const int64_t groups = half / kWidth;  // per row
   const int64_t total = B * T * H * groups;
@@ -56,8 +56,8 @@ __global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int
   }
 }
 
-void rope(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-          int64_t D, float sign, cudaStream_t stream) {
+void rope(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D, float sign,
+          cudaStream_t stream) {
   CHECK(B >= 0 && T >= 0 && H >= 0 && D > 0);
   CHECK_MSG(D % 2 == 0, "rope needs an even head dimension, got " + std::to_string(D));
   const int64_t pairs = B * T * H * (D / 2);
@@ -66,22 +66,21 @@ void rope(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T,
     rope_kernel<kBf16PerPack><<<elementwise_blocks(pairs / kBf16PerPack, kThreads), kThreads, 0, stream>>>(
         out, x, inv_freq, B, T, H, D, sign);
   } else {
-    rope_kernel<1><<<elementwise_blocks(pairs, kThreads), kThreads, 0, stream>>>(out, x, inv_freq, B, T, H, D,
-                                                                                  sign);
+    rope_kernel<1><<<elementwise_blocks(pairs, kThreads), kThreads, 0, stream>>>(out, x, inv_freq, B, T, H, D, sign);
   }
   CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
-void rope_forward(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T,
-                  int64_t H, int64_t D, cudaStream_t stream) {
+void rope_forward(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
+                  cudaStream_t stream) {
   rope(out, x, inv_freq, B, T, H, D, 1.0f, stream);
 }
 
 // dx = (rotation by -angle) dout: the transpose of a rotation is its inverse.
-void rope_backward(bf16* dx, const bf16* dout, const float* inv_freq, int64_t B, int64_t T,
-                   int64_t H, int64_t D, cudaStream_t stream) {
+void rope_backward(bf16* dx, const bf16* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
+                   cudaStream_t stream) {
   rope(dx, dout, inv_freq, B, T, H, D, -1.0f, stream);
 }
 

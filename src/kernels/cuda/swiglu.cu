@@ -49,8 +49,8 @@ __global__ void swiglu_forward_kernel(bf16* out, const bf16* gate, const bf16* u
 }
 
 template <bool kVector>
-__global__ void swiglu_backward_kernel(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate,
-                                       const bf16* up, int64_t n) {
+__global__ void swiglu_backward_kernel(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up,
+                                       int64_t n) {
   const int64_t first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   int64_t scalar_begin = 0;
@@ -91,16 +91,16 @@ void swiglu_forward(bf16* out, const bf16* gate, const bf16* up, int64_t n, cuda
   CUDA_CHECK_LAUNCH();
 }
 
-void swiglu_backward(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up,
-                     int64_t n, cudaStream_t stream) {
+void swiglu_backward(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, int64_t n,
+                     cudaStream_t stream) {
   CHECK(n >= 0);
   if (n == 0) return;
   if (aligned16(dgate) && aligned16(dup) && aligned16(dout) && aligned16(gate) && aligned16(up)) {
     const unsigned blocks = elementwise_blocks(ceil_div(n, kBf16PerPack), kThreads);
     swiglu_backward_kernel<true><<<blocks, kThreads, 0, stream>>>(dgate, dup, dout, gate, up, n);
   } else {
-    swiglu_backward_kernel<false><<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(dgate, dup, dout, gate,
-                                                                                          up, n);
+    swiglu_backward_kernel<false>
+        <<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(dgate, dup, dout, gate, up, n);
   }
   CUDA_CHECK_LAUNCH();
 }
