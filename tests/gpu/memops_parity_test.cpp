@@ -255,9 +255,10 @@ TEST(MemopsParity, EmbeddingBothPaths) {
 TEST(MemopsParity, RmsNormBothPaths) {
   StreamGuard stream;
   cu::Context ctx(64 << 20);
-  // 8200 and 8201 take the wide backward kernel (rows above 512 * 16 columns).
+  // 8200 and 8201 take the wide backward kernel (rows above 512 * 16 columns), 40000 and
+  // 40001 the one for rows above 512 * 64.
   for (int64_t N : {1, 7, 600}) {
-    for (int64_t C : {8, 67, 4096, 8200, 8201}) {
+    for (int64_t C : {8, 67, 4096, 8200, 8201, 40000, 40001}) {
       const float eps = 1e-5f;
       std::vector<float> x = random_vector(N * C, 50 + N + C, -2.f, 2.f), w = random_vector(C, 51, 0.5f, 1.5f);
       std::vector<float> dout = random_vector(N * C, 52 + N), dweight = random_vector(C, 53);

@@ -114,7 +114,7 @@ void rmsnorm_forward(bf16* out /*(N,C)*/, float* rstd /*(N)*/, const bf16* x /*(
                      const bf16* weight /*(C)*/, int64_t N, int64_t C, float eps,
                      cudaStream_t stream);
 // dx (N,C) = ; dweight (C) += (per-row-chunk partials in scratch, then a fixed-order sum).
-// REQUIRES C <= 32768 (a block's threads hold a row's columns in registers).
+// REQUIRES C <= 65536 (ModelLimits::kHiddenSize; a block's threads hold a row's columns).
 void rmsnorm_backward(Context& ctx, bf16* dx /*(N,C)*/, float* dweight /*(C)*/,
                       const bf16* dout /*(N,C)*/, const bf16* x /*(N,C)*/,
                       const bf16* weight /*(C)*/, const float* rstd /*(N)*/, int64_t N,

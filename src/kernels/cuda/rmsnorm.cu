@@ -18,9 +18,13 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxChunks = 512;
 // Columns a backward thread owns: the narrow kernel (C <= 512 * 16) keeps its weights, the
 // row's dout and x and its dweight sums in registers, the wide one (C <= 512 * 64) only the
-// dweight sums. 512 threads leave each thread 128 registers, which both fit without spilling.
+// dweight sums. 512 threads leave each thread 128 registers: both fit without spilling on the
+// 16-byte path; the wide kernel of the one-value path (rows that are not whole packs) keeps its
+// sums in (cached) local memory. Rows up to the model limit (512 * 128 = 65536 columns) take a
+// third kernel that spills on both paths: correct, slower, wider than any model strata targets.
 constexpr int kNarrowColumns = 16;
 constexpr int kWideColumns = 64;
+constexpr int kHugeColumns = 128;
 constexpr int kMaxBackwardThreads = 512;
 
 // Loads kWidth values at column c of a bf16 row (kWidth 8: 16-byte aligned) into v.
@@ -185,9 +189,13 @@ void launch_backward(bf16* dx, float* partial, const bf16* dout, const bf16* x, 
     rmsnorm_backward_kernel<kWidth, kNarrowColumns / kWidth, true>
         <<<grid, backward_threads(C, kNarrowColumns), 0, stream>>>(dx, partial, dout, x, weight, rstd, N, C,
                                                                    rows_per_chunk);
-  } else {
+  } else if (C <= int64_t{kMaxBackwardThreads} * kWideColumns) {
     rmsnorm_backward_kernel<kWidth, kWideColumns / kWidth, false>
         <<<grid, backward_threads(C, kWideColumns), 0, stream>>>(dx, partial, dout, x, weight, rstd, N, C,
+                                                                 rows_per_chunk);
+  } else {
+    rmsnorm_backward_kernel<kWidth, kHugeColumns / kWidth, false>
+        <<<grid, backward_threads(C, kHugeColumns), 0, stream>>>(dx, partial, dout, x, weight, rstd, N, C,
                                                                  rows_per_chunk);
   }
   CUDA_CHECK_LAUNCH();
@@ -219,8 +227,8 @@ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* weight, 
 void rmsnorm_backward(Context& ctx, bf16* dx, float* dweight, const bf16* dout, const bf16* x, const bf16* weight,
                       const float* rstd, int64_t N, int64_t C, cudaStream_t stream) {
   CHECK(N >= 0 && C > 0);
-  CHECK_MSG(C <= int64_t{kMaxBackwardThreads} * kWideColumns,
-            "rmsnorm_backward: rows of more than " + std::to_string(kMaxBackwardThreads * kWideColumns) +
+  CHECK_MSG(C <= int64_t{kMaxBackwardThreads} * kHugeColumns,
+            "rmsnorm_backward: rows of more than " + std::to_string(kMaxBackwardThreads * kHugeColumns) +
                 " columns are not supported, got " + std::to_string(C));
   if (N == 0) return;
   const int64_t chunks = N < kMaxChunks ? N : kMaxChunks;
