@@ -450,13 +450,33 @@ Result<double> PagedState::clip_and_step(float lr) {
   }
   // The global norm, summed tensor by tensor in layout order (as AdamW::grad_norm does).
   trace::Span norm_span("optimizer", "gradient norm");
+  // Consecutive groups whose gradients live in device memory are summed together (one
+  // multi-tensor launch on CUDA, one wait for the run); any other group is brought in alone,
+  // with nothing else held. Either way the tensors are added in layout order.
   kernels_->begin_norm();
-  for (int g = 0; g < store_->num_groups(); ++g) {
-    RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kRead));
-    kernels_->add_sum_squares(grad_buffers(g));  // one launch per group on CUDA
+  std::vector<int> held;
+  std::vector<GradBuffer> pending;
+  auto sum_and_release = [&] {
+    if (!pending.empty()) kernels_->add_sum_squares(pending);
     kernels_->synchronize();  // before the release lets the chunks move
-    store_->release_group(g, StateKind::kGrad);
+    for (int h : held) store_->release_group(h, StateKind::kGrad);
+    held.clear();
+    pending.clear();
+  };
+  for (int g = 0; g < store_->num_groups(); ++g) {
+    const bool on_device = store_->home(g, StateKind::kGrad) == Tier::kDevice;
+    if (!on_device) sum_and_release();
+    Status st = store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kRead);
+    if (!st.ok()) {
+      sum_and_release();
+      return st;
+    }
+    held.push_back(g);
+    const std::vector<GradBuffer> buffers = grad_buffers(g);
+    pending.insert(pending.end(), buffers.begin(), buffers.end());
+    if (!on_device) sum_and_release();
   }
+  sum_and_release();
   const double norm = std::sqrt(kernels_->end_norm());
   norm_span.end();
   // A NaN or Inf anywhere is known before any group changes: the step is skipped whole (the
