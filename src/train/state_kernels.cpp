@@ -19,7 +19,6 @@ class CpuStateKernels final : public StateKernels {
   }
   double end_norm() override { return sum_; }
   void prepare_clip(double max_norm) override { clip_ = kernels::clip_coefficient(std::sqrt(sum_), max_norm); }
-  void scale(float* p, int64_t n, float s) override { kernels::cpu::scale_inplace(p, n, s); }
   void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n,
              const kernels::AdamWParams& p, bool clipped) override {
     if (clipped) kernels::cpu::scale_inplace(grad, n, clip_);

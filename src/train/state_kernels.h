@@ -41,12 +41,11 @@ class StateKernels {
   // max_norm), kept where this backend's AdamW reads it. CUDA computes it in device memory from
   // the device's own sum (bit for bit the host's coefficient), so nothing is sent to the device.
   virtual void prepare_clip(double max_norm) = 0;
-  virtual void scale(float* p, int64_t n, float s) = 0;
   // AdamW on the fp32 master; when bf16_copy is not null, writes the updated master there
   // rounded to bf16 (nearest even). With `clipped`, every gradient is first multiplied by the
-  // prepared clip factor (one rounding, as scale() rounds): the CPU scales grad in place, CUDA
-  // applies the factor as it reads grad and leaves the buffer alone. Either way the update is
-  // bitwise that of scale() then AdamW.
+  // prepared clip factor (one fp32 rounding, as kernels::cpu::scale_inplace rounds): the CPU
+  // scales grad in place, CUDA applies the factor as it reads grad and leaves the buffer alone.
+  // Either way the update is bitwise that of scaling the gradients, then AdamW.
   virtual void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n,
                      const kernels::AdamWParams& p, bool clipped) = 0;
   // AdamW on the fp32 master with moments stored compactly (kernels/moments.h: bf16 or int8),

@@ -54,7 +54,6 @@ class CudaStateKernels final : public StateKernels {
   void prepare_clip(double max_norm) override {
     cu::clip_factor(clip_.as<float>(), nullptr, norm_.as<double>(), max_norm, handle_);
   }
-  void scale(float* p, int64_t n, float s) override { cu::scale_inplace(p, n, s, handle_); }
   void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n,
              const kernels::AdamWParams& p, bool clipped) override {
     const cu::AdamWTensor t{master, grad, m, v, static_cast<cu::bf16*>(bf16_copy), n};
