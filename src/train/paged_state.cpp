@@ -362,7 +362,7 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     double ss = 0;
     if (where == Tier::kDevice) {
       kernels_->begin_norm();
-      for (size_t i : store_->group_tensors(g)) kernels_->add_sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
+      kernels_->add_sum_squares(grad_buffers(g));
       ss = kernels_->end_norm();
     } else {
       for (size_t i : store_->group_tensors(g)) ss += kernels::cpu::sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
@@ -375,6 +375,10 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   }
   const bool compact = layout.moments != kernels::MomentFormat::kF32;
   StateKernels& here = where == Tier::kDevice ? *kernels_ : *cpu_state_kernels();
+  // On the device tier AdamW applies the clip factor prepare_clip() left there; in host memory
+  // the gradients are scaled by `coefficient` first. Both are the same fp32 product.
+  const bool clipped = coefficient != 1.0f;
+  const bool device_clips = clipped && where == Tier::kDevice;
   for (size_t i : store_->group_tensors(g)) {
     const Piece& t = pieces_[i];
     float* grad = store_->pointer(i, StateKind::kGrad);
@@ -382,22 +386,20 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     float* master = store_->pointer(i, layout.master_kind());
     void* m = store_->raw_pointer(i, StateKind::kAdamM);
     void* v = store_->raw_pointer(i, StateKind::kAdamV);
-    if (coefficient != 1.0f) {
-      if (where == Tier::kDevice) kernels_->scale(grad, t.numel, coefficient);
-      else kernels::cpu::scale_inplace(grad, t.numel, coefficient);
-    }
+    if (clipped && where != Tier::kDevice) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
     if (compact) {
       // The random bits of stochastic rounding follow (step, tensor), never tiers or threads.
       const kernels::MomentRounding rounding{options_.stochastic_rounding,
                                              static_cast<uint64_t>(p.step) * 0x9E3779B97F4A7C15ull ^ i};
-      here.adamw_compact(master, grad, m, v, layout.moments, t.numel, p, rounding);
+      here.adamw_compact(master, grad, m, v, layout.moments, t.numel, p, rounding, device_clips);
       if (layout.separate_master()) write_copy(here, i, master);
     } else if (where == Tier::kDevice && layout.precision != Precision::kFp8) {
       // The bf16 copy is written by the same kernel.
       void* copy = layout.separate_master() ? store_->raw_pointer(i, StateKind::kParam) : nullptr;
-      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), copy, t.numel, p);
+      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), copy, t.numel, p, device_clips);
     } else if (where == Tier::kDevice) {
-      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), nullptr, t.numel, p);
+      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), nullptr, t.numel, p,
+                      device_clips);
       write_copy(here, i, master);
     } else {
       kernels::adamw_step_f32(master, grad, static_cast<float*>(m), static_cast<float*>(v), t.numel, p, simd);
@@ -448,20 +450,41 @@ Result<double> PagedState::clip_and_step(float lr) {
   }
   // The global norm, summed tensor by tensor in layout order (as AdamW::grad_norm does).
   trace::Span norm_span("optimizer", "gradient norm");
+  // Consecutive groups whose gradients live in device memory are summed together (one
+  // multi-tensor launch on CUDA, one wait for the run); any other group is brought in alone,
+  // with nothing else held. Either way the tensors are added in layout order.
   kernels_->begin_norm();
+  std::vector<int> held;
+  std::vector<GradBuffer> pending;
+  auto sum_and_release = [&] {
+    if (!pending.empty()) kernels_->add_sum_squares(pending);
+    kernels_->synchronize();  // before the release lets the chunks move
+    for (int h : held) store_->release_group(h, StateKind::kGrad);
+    held.clear();
+    pending.clear();
+  };
   for (int g = 0; g < store_->num_groups(); ++g) {
-    RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kRead));
-    for (size_t i : store_->group_tensors(g))
-      kernels_->add_sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
-    kernels_->synchronize();
-    store_->release_group(g, StateKind::kGrad);
+    const bool on_device = store_->home(g, StateKind::kGrad) == Tier::kDevice;
+    if (!on_device) sum_and_release();
+    Status st = store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kRead);
+    if (!st.ok()) {
+      sum_and_release();
+      return st;
+    }
+    held.push_back(g);
+    const std::vector<GradBuffer> buffers = grad_buffers(g);
+    pending.insert(pending.end(), buffers.begin(), buffers.end());
+    if (!on_device) sum_and_release();
   }
+  sum_and_release();
   const double norm = std::sqrt(kernels_->end_norm());
   norm_span.end();
   // A NaN or Inf anywhere is known before any group changes: the step is skipped whole (the
   // AdamW step count, used for bias correction, does not advance either).
   if (!std::isfinite(norm)) return norm;
   const float coefficient = kernels::clip_coefficient(norm, options_.optimizer.grad_clip);
+  // The device tier's copy of the coefficient, made from the device's own sum (bitwise equal).
+  if (coefficient != 1.0f) kernels_->prepare_clip(options_.optimizer.grad_clip);
   ++step_count_;
   const kernels::AdamWParams p = adamw_params(lr);
   for (int g = 0; g < store_->num_groups(); ++g) RETURN_IF_ERROR(update_group(g, coefficient, p));
@@ -573,6 +596,12 @@ void PagedState::end(int group, bool params, bool grads) {
 }
 
 StateKernels* PagedState::cpu_state_kernels() { return cpu_kernels_.get(); }
+
+std::vector<GradBuffer> PagedState::grad_buffers(int g) {
+  std::vector<GradBuffer> buffers;
+  for (size_t i : store_->group_tensors(g)) buffers.push_back({store_->pointer(i, StateKind::kGrad), pieces_[i].numel});
+  return buffers;
+}
 
 void PagedState::write_copy(StateKernels& kernels, size_t i, const float* master) {
   const Piece& t = pieces_[i];

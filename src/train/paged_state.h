@@ -200,6 +200,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   Status refresh_compute_copy(int g);
   // Writes store tensor i's compute copy from its master (both acquired where `kernels` works).
   void write_copy(StateKernels& kernels, size_t i, const float* master);
+  // The gradient buffers of group g's tensors, in layout order (REQUIRES its gradients acquired).
+  std::vector<GradBuffer> grad_buffers(int g);
   // Tensor i's `kind` state (acquired) from / into fp32 values: a copy for fp32 kinds, the
   // moments' encoding or decoding for compact ones.
   void put_values(size_t i, StateKind kind, const float* values);

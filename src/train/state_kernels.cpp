@@ -1,5 +1,6 @@
 #include "train/state_kernels.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "kernels/bf16.h"
@@ -13,16 +14,20 @@ class CpuStateKernels final : public StateKernels {
  public:
   void zero(float* p, int64_t n) override { std::memset(p, 0, static_cast<size_t>(n) * sizeof(float)); }
   void begin_norm() override { sum_ = 0; }
-  void add_sum_squares(const float* p, int64_t n) override { sum_ += kernels::cpu::sum_squares(p, n); }
+  void add_sum_squares(std::span<const GradBuffer> tensors) override {
+    for (const GradBuffer& t : tensors) sum_ += kernels::cpu::sum_squares(t.p, t.n);
+  }
   double end_norm() override { return sum_; }
-  void scale(float* p, int64_t n, float s) override { kernels::cpu::scale_inplace(p, n, s); }
-  void adamw(float* master, const float* grad, float* m, float* v, void* bf16_copy, int64_t n,
-             const kernels::AdamWParams& p) override {
+  void prepare_clip(double max_norm) override { clip_ = kernels::clip_coefficient(std::sqrt(sum_), max_norm); }
+  void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n,
+             const kernels::AdamWParams& p, bool clipped) override {
+    if (clipped) kernels::cpu::scale_inplace(grad, n, clip_);
     kernels::cpu::adamw_step(master, grad, m, v, n, p);
     if (bf16_copy != nullptr) kernels::round_to_bf16(static_cast<uint16_t*>(bf16_copy), master, n);
   }
-  void adamw_compact(float* master, const float* grad, void* m, void* v, kernels::MomentFormat format, int64_t n,
-                     const kernels::AdamWParams& p, const kernels::MomentRounding& rounding) override {
+  void adamw_compact(float* master, float* grad, void* m, void* v, kernels::MomentFormat format, int64_t n,
+                     const kernels::AdamWParams& p, const kernels::MomentRounding& rounding, bool clipped) override {
+    if (clipped) kernels::cpu::scale_inplace(grad, n, clip_);
     kernels::cpu::adamw_step_compact(master, grad, m, v, format, n, p, rounding);
   }
   void round_copy(void* bf16_copy, const float* master, int64_t n) override {
@@ -35,6 +40,7 @@ class CpuStateKernels final : public StateKernels {
 
  private:
   double sum_ = 0;
+  float clip_ = 1.0f;
 };
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "core/device.h"
 #include "core/status.h"
@@ -20,24 +21,39 @@
 
 namespace strata {
 
+// n fp32 gradient values at p, in the memory the kernels work on.
+struct GradBuffer {
+  const float* p;
+  int64_t n;
+};
+
 class StateKernels {
  public:
   virtual ~StateKernels() = default;
   virtual void zero(float* p, int64_t n) = 0;
   // The sum of squares over the tensors passed to add_sum_squares() since begin_norm(), in the
-  // order they were passed (each backend's order is fixed, so the norm is reproducible).
+  // order they were passed (each backend's order is fixed, so the norm is reproducible; CUDA
+  // sums each call's tensors in one launch). end_norm() reads the sum on the host.
   virtual void begin_norm() = 0;
-  virtual void add_sum_squares(const float* p, int64_t n) = 0;
+  virtual void add_sum_squares(std::span<const GradBuffer> tensors) = 0;
   virtual double end_norm() = 0;
-  virtual void scale(float* p, int64_t n, float s) = 0;
+  // After end_norm(): the clip factor of that sum, kernels::clip_coefficient(sqrt(sum),
+  // max_norm), kept where this backend's AdamW reads it. CUDA computes it in device memory from
+  // the device's own sum (bit for bit the host's coefficient), so nothing is sent to the device.
+  virtual void prepare_clip(double max_norm) = 0;
   // AdamW on the fp32 master; when bf16_copy is not null, writes the updated master there
-  // rounded to bf16 (nearest even).
-  virtual void adamw(float* master, const float* grad, float* m, float* v, void* bf16_copy, int64_t n,
-                     const kernels::AdamWParams& p) = 0;
+  // rounded to bf16 (nearest even). With `clipped`, every gradient is first multiplied by the
+  // prepared clip factor (one fp32 rounding, as kernels::cpu::scale_inplace rounds): the CPU
+  // scales grad in place, CUDA applies the factor as it reads grad and leaves the buffer alone.
+  // Either way the update is bitwise that of scaling the gradients, then AdamW.
+  virtual void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n,
+                     const kernels::AdamWParams& p, bool clipped) = 0;
   // AdamW on the fp32 master with moments stored compactly (kernels/moments.h: bf16 or int8),
   // updated in place; the compute copy is written apart (round_copy / quantize_copy).
-  virtual void adamw_compact(float* master, const float* grad, void* m, void* v, kernels::MomentFormat format,
-                             int64_t n, const kernels::AdamWParams& p, const kernels::MomentRounding& rounding) = 0;
+  // `clipped` as for adamw().
+  virtual void adamw_compact(float* master, float* grad, void* m, void* v, kernels::MomentFormat format, int64_t n,
+                             const kernels::AdamWParams& p, const kernels::MomentRounding& rounding,
+                             bool clipped) = 0;
   // The bf16 compute copy of n master values (nearest even).
   virtual void round_copy(void* bf16_copy, const float* master, int64_t n) = 0;
   // The fp8 recipe's compute copy of a (rows, cols) master matrix: E4M3 blocks (kernels/fp8.h).

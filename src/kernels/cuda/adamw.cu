@@ -29,8 +29,11 @@ struct TensorList {
   int count;
 };
 
-// grid (total blocks of the list). Block b updates kChunk elements of one tensor.
-__global__ void adamw_kernel(TensorList list, Scalars s) {
+// grid (total blocks of the list). Block b updates kChunk elements of one tensor. grad_scale:
+// see ops.h (null: 1; NaN: the step is skipped and nothing is written).
+__global__ void adamw_kernel(TensorList list, Scalars s, const float* grad_scale) {
+  const float factor = grad_scale != nullptr ? *grad_scale : 1.0f;
+  if (isnan(factor)) return;
   const int64_t block = blockIdx.x;
   int t = 0;
   while (t + 1 < list.count && list.first_block[t + 1] <= block) ++t;
@@ -43,7 +46,8 @@ __global__ void adamw_kernel(TensorList list, Scalars s) {
   bf16* param_bf16 = list.param_bf16[t];
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     float w = param[i], mi = m[i], vi = v[i];
-    adamw_update_element(grad[i], w, mi, vi, s);
+    // The product scale_inplace would have stored (one rounding); g * 1 is g.
+    adamw_update_element(mul_rn(grad[i], factor), w, mi, vi, s);
     param[i] = w;
     m[i] = mi;
     v[i] = vi;
@@ -54,6 +58,11 @@ __global__ void adamw_kernel(TensorList list, Scalars s) {
 }  // namespace
 
 void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p,
+                cudaStream_t stream) {
+  adamw_step(tensors, count, p, nullptr, stream);
+}
+
+void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, const float* grad_scale,
                 cudaStream_t stream) {
   CHECK(count >= 0);
   const Scalars s = make_scalars(p);
@@ -81,7 +90,7 @@ void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p,
     list.first_block[list.count] = blocks;
     if (list.count == 0) continue;
     CHECK_MSG(blocks < (int64_t{1} << 31), "adamw_step: too many elements in one launch");
-    adamw_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(list, s);
+    adamw_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(list, s, grad_scale);
     CUDA_CHECK_LAUNCH();
   }
 }

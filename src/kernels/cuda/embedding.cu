@@ -1,7 +1,11 @@
-// Token embedding on CUDA: a gather forward and a deterministic scatter-add backward.
+// Token embedding on CUDA: a gather forward and a deterministic scatter-add backward. When C is
+// a multiple of 8 and the pointers are 16-byte aligned, a thread moves 8 columns per access
+// (vector_access.cuh); otherwise one column. The backward adds each element's values in the
+// same order on both paths, so the path never changes a result.
 #include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/vector_access.cuh"
 
 namespace strata::kernels::cuda {
 namespace {
@@ -25,17 +29,26 @@ __device__ __forceinline__ void check_token(int32_t token, int64_t V) {
 }
 
 // out (N,C) = table[tokens] for the tokens in rows [r0, r0 + rows) of the vocabulary, which
-// `table` holds (the whole table: r0 = 0, rows = V; or one row block of it).
+// `table` holds (the whole table: r0 = 0, rows = V; or one row block of it). A thread copies
+// kWidth columns; kWidth == 8 REQUIRES C % 8 == 0 and out, table 16-byte aligned.
+template <int kWidth>
 __global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const bf16* table,
                                          int64_t N, int64_t C, int64_t V, int64_t r0, int64_t rows) {
-  const int64_t total = N * C;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * blockDim.x) {
+  const int64_t total = N * C / kWidth;
+  for (int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; p < total;
+       p += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = p * kWidth;
     const int64_t n = i / C, c = i % C;
     const int32_t token = tokens[n];
     check_token(token, V);
     if (token < r0 || token >= r0 + rows) continue;
-    out[i] = table[(int64_t{token} - r0) * C + c];
+    const bf16* src = table + (int64_t{token} - r0) * C + c;
+    if constexpr (kWidth == kBf16PerPack) {
+      *reinterpret_cast<uint4*>(out + i) = *reinterpret_cast<const uint4*>(src);  // a copy: exact
+    } else {
+      static_assert(kWidth == 1, "embedding_forward_kernel: one column or a pack of 8 per thread");
+      out[i] = *src;
+    }
   }
 }
 
@@ -50,24 +63,50 @@ __global__ void sort_input_kernel(uint32_t* keys, int32_t* positions, const int3
   }
 }
 
-// grid (N, ceil(C / kColumnsPerBlock)). Block x = one sorted index i; only the first index of
-// each run of equal tokens does work: it adds the run's dout rows, in position order (the sort
-// is stable), and adds the sum to the token's row once. No two threads write one element.
-// dtable holds rows [r0, r0 + rows) of the vocabulary; other tokens are left to other launches.
+// grid (N, ceil(C / (kWidth * kColumnsPerBlock))). Block x = one sorted index i; only the
+// first index of each run of equal tokens does work: it adds the run's dout rows, in position
+// order (the sort is stable), and adds the sum to the token's row once. No two threads write
+// one element. A thread owns kWidth columns; kWidth == 8 REQUIRES C % 8 == 0 and dout, dtable
+// 16-byte aligned. dtable holds rows [r0, r0 + rows) of the vocabulary; other tokens are left
+// to other launches.
+template <int kWidth>
 __global__ void embedding_backward_kernel(float* dtable, const bf16* dout, const uint32_t* keys,
                                           const int32_t* positions, int64_t N, int64_t C, int64_t r0,
                                           int64_t rows) {
   const int64_t i = blockIdx.x;
-  const int64_t c = int64_t{blockIdx.y} * kColumnsPerBlock + threadIdx.x;
+  const int64_t c = (int64_t{blockIdx.y} * kColumnsPerBlock + threadIdx.x) * kWidth;
   if (c >= C) return;
   const uint32_t token = keys[i];
   if (int64_t{token} < r0 || int64_t{token} >= r0 + rows) return;
   if (i > 0 && keys[i - 1] == token) return;
-  float acc = 0.0f;
+  float acc[kWidth] = {};
   for (int64_t j = i; j < N && keys[j] == token; ++j) {
-    acc += to_float(dout[int64_t{positions[j]} * C + c]);
+    const bf16* src = dout + int64_t{positions[j]} * C + c;
+    if constexpr (kWidth == kBf16PerPack) {
+      float v[kBf16PerPack];
+      load_bf16x8(src, v);
+#pragma unroll
+      for (int k = 0; k < kBf16PerPack; ++k) acc[k] += v[k];
+    } else {
+      acc[0] += to_float(*src);
+    }
   }
-  dtable[(int64_t{token} - r0) * C + c] += acc;
+  float* dst = dtable + (int64_t{token} - r0) * C + c;
+  if constexpr (kWidth == kBf16PerPack) {
+    float lo[kF32PerPack], hi[kF32PerPack];
+    load_f32x4(dst, lo);
+    load_f32x4(dst + kF32PerPack, hi);
+#pragma unroll
+    for (int k = 0; k < kF32PerPack; ++k) {
+      lo[k] += acc[k];
+      hi[k] += acc[k + kF32PerPack];
+    }
+    store_f32x4(dst, lo);
+    store_f32x4(dst + kF32PerPack, hi);
+  } else {
+    static_assert(kWidth == 1, "embedding_backward_kernel: one column or a pack of 8 per thread");
+    *dst += acc[0];
+  }
 }
 
 struct SortScratch {
@@ -109,21 +148,26 @@ SortScratch sort_scratch(void* base, int64_t N, int64_t V) {
 
 void embedding_forward(bf16* out, const int32_t* tokens, const bf16* table, int64_t N, int64_t C,
                        int64_t V, cudaStream_t stream) {
-  CHECK(N >= 0 && C > 0 && V > 0);
-  if (N == 0) return;
-  embedding_forward_kernel<<<elementwise_blocks(N * C, kThreads), kThreads, 0, stream>>>(
-      out, tokens, table, N, C, V, 0, V);
-  CUDA_CHECK_LAUNCH();
+  const bf16* const blocks[] = {table};
+  embedding_forward_blocked(out, tokens, blocks, V, N, C, V, stream);
 }
 
 void embedding_forward_blocked(bf16* out, const int32_t* tokens, const bf16* const* table_blocks,
                                int64_t block_rows, int64_t N, int64_t C, int64_t V, cudaStream_t stream) {
   CHECK(N >= 0 && C > 0 && V > 0 && block_rows > 0);
   if (N == 0) return;
+  const int64_t blocks = ceil_div(V, block_rows);
+  bool vector = C % kBf16PerPack == 0 && aligned16(out);
+  for (int64_t b = 0; b < blocks; ++b) vector = vector && aligned16(table_blocks[b]);
   for (int64_t r0 = 0, b = 0; r0 < V; r0 += block_rows, ++b) {
     const int64_t rows = block_rows < V - r0 ? block_rows : V - r0;
-    embedding_forward_kernel<<<elementwise_blocks(N * C, kThreads), kThreads, 0, stream>>>(
-        out, tokens, table_blocks[b], N, C, V, r0, rows);
+    if (vector) {
+      embedding_forward_kernel<kBf16PerPack><<<elementwise_blocks(N * C / kBf16PerPack, kThreads), kThreads, 0,
+                                               stream>>>(out, tokens, table_blocks[b], N, C, V, r0, rows);
+    } else {
+      embedding_forward_kernel<1><<<elementwise_blocks(N * C, kThreads), kThreads, 0, stream>>>(
+          out, tokens, table_blocks[b], N, C, V, r0, rows);
+    }
     CUDA_CHECK_LAUNCH();
   }
 }
@@ -154,12 +198,21 @@ void embedding_backward_blocked(Context& ctx, float* const* dtable_blocks, int64
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(s.cub_temp, cub_bytes, s.keys_in, s.keys_out,
                                              s.positions_in, s.positions_out, static_cast<int>(N),
                                              0, key_bits(V), stream));
-  const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(ceil_div(C, kColumnsPerBlock)));
+  const int64_t blocks = ceil_div(V, block_rows);
+  bool vector = C % kBf16PerPack == 0 && aligned16(dout);
+  for (int64_t b = 0; b < blocks; ++b) vector = vector && aligned16(dtable_blocks[b]);
+  const int64_t width = vector ? kBf16PerPack : 1;
+  const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(ceil_div(C, width * kColumnsPerBlock)));
   // One launch per row block; each adds the tokens of its rows.
   for (int64_t r0 = 0, b = 0; r0 < V; r0 += block_rows, ++b) {
     const int64_t rows = block_rows < V - r0 ? block_rows : V - r0;
-    embedding_backward_kernel<<<grid, kColumnsPerBlock, 0, stream>>>(
-        dtable_blocks[b], dout, s.keys_out, s.positions_out, N, C, r0, rows);
+    if (vector) {
+      embedding_backward_kernel<kBf16PerPack><<<grid, kColumnsPerBlock, 0, stream>>>(
+          dtable_blocks[b], dout, s.keys_out, s.positions_out, N, C, r0, rows);
+    } else {
+      embedding_backward_kernel<1><<<grid, kColumnsPerBlock, 0, stream>>>(
+          dtable_blocks[b], dout, s.keys_out, s.positions_out, N, C, r0, rows);
+    }
     CUDA_CHECK_LAUNCH();
   }
 }

@@ -31,12 +31,19 @@ struct Keys {
   uint64_t v;
 };
 
+// grad_scale: see ops.h (null: 1; NaN: the step is skipped and nothing is written).
+__device__ __forceinline__ float grad_factor(const float* grad_scale) {
+  return grad_scale != nullptr ? *grad_scale : 1.0f;
+}
+
 __global__ void bf16_kernel(float* param, const float* grad, uint16_t* m, uint16_t* v, int64_t n, AdamWScalars s,
-                            bool stochastic, Keys keys) {
+                            bool stochastic, Keys keys, const float* grad_scale) {
+  const float factor = grad_factor(grad_scale);
+  if (isnan(factor)) return;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     float w = param[i];
     float mi = moment_bf16_decode(m[i]), vi = moment_bf16_decode(v[i]);
-    adamw_update_element(grad[i], w, mi, vi, s);
+    adamw_update_element(mul_rn(grad[i], factor), w, mi, vi, s);
     const uint64_t index = static_cast<uint64_t>(i);
     param[i] = w;
     m[i] = moment_bf16_encode(mi, stochastic, stochastic ? moment_random_bits(keys.m, index) : 0);
@@ -66,7 +73,10 @@ __device__ uint8_t int8_encode(const float* table, float x, float scale, bool is
 
 // grid (blocks of the tensor), block kThreads. m_codes/v_codes (n), m_scales/v_scales (blocks).
 __global__ void int8_kernel(float* param, const float* grad, uint8_t* m_codes, float* m_scales, uint8_t* v_codes,
-                            float* v_scales, int64_t n, AdamWScalars s, bool stochastic, Keys keys, Tables tables) {
+                            float* v_scales, int64_t n, AdamWScalars s, bool stochastic, Keys keys, Tables tables,
+                            const float* grad_scale) {
+  const float factor = grad_factor(grad_scale);
+  if (isnan(factor)) return;  // the whole block returns: no thread is left at a barrier
   __shared__ float table_m[kMomentCodes];
   __shared__ float table_v[kMomentCodes];
   __shared__ float reduce[kThreads / kWarpSize];
@@ -83,7 +93,7 @@ __global__ void int8_kernel(float* param, const float* grad, uint8_t* m_codes, f
     const float root = mul_rn(table_v[v_codes[i]], v_scales[block]);
     vi = mul_rn(root, root);
     float w = param[i];
-    adamw_update_element(grad[i], w, mi, vi, s);
+    adamw_update_element(mul_rn(grad[i], factor), w, mi, vi, s);
     param[i] = w;
   }
   const float root = sqrt_rn(vi);
@@ -105,18 +115,25 @@ __global__ void int8_kernel(float* param, const float* grad, uint8_t* m_codes, f
 
 void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
                         const AdamWParams& p, const MomentRounding& rounding, cudaStream_t stream) {
+  adamw_step_compact(param, grad, m, v, format, n, p, rounding, nullptr, stream);
+}
+
+void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
+                        const AdamWParams& p, const MomentRounding& rounding, const float* grad_scale,
+                        cudaStream_t stream) {
   CHECK(n >= 0);
   if (n == 0) return;
   if (format == MomentFormat::kF32) {
     const AdamWTensor t{param, grad, static_cast<float*>(m), static_cast<float*>(v), nullptr, n};
-    adamw_step(&t, 1, p, stream);
+    adamw_step(&t, 1, p, grad_scale, stream);
     return;
   }
   const AdamWScalars s = adamw_scalars(p);
   const Keys keys{moment_stream_key(rounding.seed, false), moment_stream_key(rounding.seed, true)};
   if (format == MomentFormat::kBf16) {
     bf16_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(
-        param, grad, static_cast<uint16_t*>(m), static_cast<uint16_t*>(v), n, s, rounding.stochastic, keys);
+        param, grad, static_cast<uint16_t*>(m), static_cast<uint16_t*>(v), n, s, rounding.stochastic, keys,
+        grad_scale);
     CUDA_CHECK_LAUNCH();
     return;
   }
@@ -131,7 +148,7 @@ void adamw_step_compact(float* param, const float* grad, void* m, void* v, Momen
   const Tables tables{kMomentTableM, kMomentTableV};
   int8_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       param, grad, m_codes, reinterpret_cast<float*>(m_codes + scales_offset), v_codes,
-      reinterpret_cast<float*>(v_codes + scales_offset), n, s, rounding.stochastic, keys, tables);
+      reinterpret_cast<float*>(v_codes + scales_offset), n, s, rounding.stochastic, keys, tables, grad_scale);
   CUDA_CHECK_LAUNCH();
 }
 

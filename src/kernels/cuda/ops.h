@@ -131,6 +131,7 @@ void rmsnorm_forward(bf16* out /*(N,C)*/, float* rstd /*(N)*/, const bf16* x /*(
                      const bf16* weight /*(C)*/, int64_t N, int64_t C, float eps,
                      cudaStream_t stream);
 // dx (N,C) = ; dweight (C) += (per-row-chunk partials in scratch, then a fixed-order sum).
+// REQUIRES C <= 65536 (ModelLimits::kHiddenSize; a block's threads hold a row's columns).
 void rmsnorm_backward(Context& ctx, bf16* dx /*(N,C)*/, float* dweight /*(C)*/,
                       const bf16* dout /*(N,C)*/, const bf16* x /*(N,C)*/,
                       const bf16* weight /*(C)*/, const float* rstd /*(N)*/, int64_t N,
@@ -294,6 +295,13 @@ struct AdamWTensor {
 // Same per-element operations (and roundings) as kernels::ref::adamw_step: the results are
 // bitwise equal to the CPU reference. `tensors` is a HOST array of `count` entries.
 void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, cudaStream_t stream);
+// The same, with the gradient clipping factor read on the device: grad_scale (device float,
+// written by clip_factor) multiplies every gradient as it is read (one fp32 multiply, rounded
+// as scale_inplace rounds it; the gradients in memory are left alone). A NaN factor (the
+// gradient norm was not finite) leaves every tensor unchanged: the step is skipped on the
+// device, and the caller, reading the norm later, does not count it. Null grad_scale: 1.
+void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, const float* grad_scale,
+                cudaStream_t stream);
 
 // AdamW on one tensor whose moments are stored compactly (kernels/moments.h): bitwise the
 // bytes and parameters of kernels::cpu::adamw_step_compact. param, grad (n) fp32; m and v
@@ -301,6 +309,10 @@ void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, cud
 // not touched).
 void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
                         const AdamWParams& p, const MomentRounding& rounding, cudaStream_t stream);
+// The same with grad_scale as in adamw_step (device float or null; NaN: nothing changes).
+void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
+                        const AdamWParams& p, const MomentRounding& rounding, const float* grad_scale,
+                        cudaStream_t stream);
 
 // ---- reductions for gradient clipping and losses ---------------------------------------------
 // *out (device double) = sum of x[i]^2 (accumulate: += instead of =). Deterministic two-pass
@@ -312,6 +324,27 @@ void sum(Context& ctx, double* out /*(1)*/, const float* x /*(n)*/, int64_t n, b
          cudaStream_t stream);
 // x *= s
 void scale_inplace(float* x /*(n)*/, int64_t n, float s, cudaStream_t stream);
+
+// ---- the global gradient norm and the clip factor without a host round trip -----------------
+// One gradient buffer of a multi-tensor reduction: n fp32 values at x (device memory).
+struct NormTensor {
+  const float* x;
+  int64_t n;
+};
+// *out (device double) = sum over the `count` tensors of the HOST array `tensors` of x[i]^2
+// (accumulate: += instead of =), in double. Up to kMaxNormTensorsPerLaunch tensors per launch:
+// the tensors are cut into fixed chunks of elements, numbered in table order; block b of a
+// fixed-size grid sums chunks b, b + grid, ... in that order and writes one partial to scratch,
+// and one block adds the partials in block order. The result depends on the table's sizes
+// only (not on timing), so it is reproducible; it is not bitwise the per-tensor sum_squares.
+constexpr int kMaxNormTensorsPerLaunch = 64;
+void multi_tensor_sum_squares(Context& ctx, double* out /*(1)*/, const NormTensor* tensors, int count,
+                              bool accumulate, cudaStream_t stream);
+// From *sum_squares (device double): *norm = sqrt(sum_squares) (skipped when norm is null) and
+// *factor = kernels::clip_coefficient(norm, max_norm) bit for bit when the norm is finite, NaN
+// when it is not (so that AdamW reading the factor skips the step). Device pointers; one thread.
+void clip_factor(float* factor /*(1)*/, double* norm /*(1)*/, const double* sum_squares /*(1)*/, double max_norm,
+                 cudaStream_t stream);
 
 // ---- mixture of experts (kernels/moe.h) -----------------------------------------------------
 // Shapes and semantics as in kernels/moe.h; S = N*K slots. REQUIRES N*K < 2^31.

@@ -1,57 +1,86 @@
 // Rotary position embedding on CUDA ("rotate_half" pairs i and i + D/2), forward and backward.
+// When D/2 is a multiple of 8 and both pointers are 16-byte aligned, a thread rotates 8
+// consecutive pairs with 16-byte accesses; otherwise one pair per thread. The per-pair
+// arithmetic is the same on both paths.
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/vector_access.cuh"
 
 namespace strata::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
 
-// One thread per (b, t, h, i < D/2) pair. Rotates by sign * t * inv_freq[i]. Both inputs of a
-// pair are read before either output is written, so out may alias x.
-__global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int64_t B,
-                            int64_t T, int64_t H, int64_t D, float sign) {
+// The angle is rounded to fp32 as transformers' freqs are; sincosf is the accurate one (this
+// backend is not built with fast math). Rotates (x1, x2) by sign * t * inv_freq.
+__device__ __forceinline__ void rotate(float& x1, float& x2, int64_t t, float inv_freq, float sign) {
+  const float angle = static_cast<float>(t) * inv_freq;
+  float s, c;
+  sincosf(angle, &s, &c);
+  s *= sign;
+  const float r1 = x1 * c - x2 * s;
+  const float r2 = x2 * c + x1 * s;
+  x1 = r1;
+  x2 = r2;
+}
+
+// One thread per (b, t, h) row and group of kWidth pairs (i .. i + kWidth - 1 < D/2). Both
+// inputs of a pair are read before either output is written, so out may alias x.
+// kWidth == 8 REQUIRES D/2 % 8 == 0 and out, x 16-byte aligned.
+template <int kWidth>
+__global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
+                            float sign) {
   const int64_t half = D / 2;
-  const int64_t total = B * T * H * half;
+  const int64_t groups = half / kWidth;  // per row
+  const int64_t total = B * T * H * groups;
   for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
        idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = idx % half;
-    const int64_t row = idx / half;           // (b * T + t) * H + h
+    const int64_t i = (idx % groups) * kWidth;
+    const int64_t row = idx / groups;  // (b * T + t) * H + h
     const int64_t t = (row / H) % T;
-    // The angle is rounded to fp32 as transformers' freqs are; sincosf is the accurate one
-    // (this backend is not built with fast math).
-    const float angle = static_cast<float>(t) * inv_freq[i];
-    float s, c;
-    sincosf(angle, &s, &c);
-    s *= sign;
     const int64_t base = row * D;
-    const float x1 = to_float(x[base + i]);
-    const float x2 = to_float(x[base + i + half]);
-    out[base + i] = to_bf16(x1 * c - x2 * s);
-    out[base + i + half] = to_bf16(x2 * c + x1 * s);
+    if constexpr (kWidth == kBf16PerPack) {
+      float x1[kBf16PerPack], x2[kBf16PerPack];
+      load_bf16x8(x + base + i, x1);
+      load_bf16x8(x + base + i + half, x2);
+#pragma unroll
+      for (int k = 0; k < kBf16PerPack; ++k) rotate(x1[k], x2[k], t, inv_freq[i + k], sign);
+      store_bf16x8(out + base + i, x1);
+      store_bf16x8(out + base + i + half, x2);
+    } else {
+      static_assert(kWidth == 1, "rope_kernel: one pair or a pack of 8 per thread");
+      float x1 = to_float(x[base + i]), x2 = to_float(x[base + i + half]);
+      rotate(x1, x2, t, inv_freq[i], sign);
+      out[base + i] = to_bf16(x1);
+      out[base + i + half] = to_bf16(x2);
+    }
   }
 }
 
-void rope(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-          int64_t D, float sign, cudaStream_t stream) {
+void rope(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D, float sign,
+          cudaStream_t stream) {
   CHECK(B >= 0 && T >= 0 && H >= 0 && D > 0);
   CHECK_MSG(D % 2 == 0, "rope needs an even head dimension, got " + std::to_string(D));
-  const int64_t total = B * T * H * (D / 2);
-  if (total == 0) return;
-  rope_kernel<<<elementwise_blocks(total, kThreads), kThreads, 0, stream>>>(out, x, inv_freq, B,
-                                                                           T, H, D, sign);
+  const int64_t pairs = B * T * H * (D / 2);
+  if (pairs == 0) return;
+  if ((D / 2) % kBf16PerPack == 0 && aligned16(out) && aligned16(x)) {
+    rope_kernel<kBf16PerPack><<<elementwise_blocks(pairs / kBf16PerPack, kThreads), kThreads, 0, stream>>>(
+        out, x, inv_freq, B, T, H, D, sign);
+  } else {
+    rope_kernel<1><<<elementwise_blocks(pairs, kThreads), kThreads, 0, stream>>>(out, x, inv_freq, B, T, H, D, sign);
+  }
   CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
-void rope_forward(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T,
-                  int64_t H, int64_t D, cudaStream_t stream) {
+void rope_forward(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
+                  cudaStream_t stream) {
   rope(out, x, inv_freq, B, T, H, D, 1.0f, stream);
 }
 
 // dx = (rotation by -angle) dout: the transpose of a rotation is its inverse.
-void rope_backward(bf16* dx, const bf16* dout, const float* inv_freq, int64_t B, int64_t T,
-                   int64_t H, int64_t D, cudaStream_t stream) {
+void rope_backward(bf16* dx, const bf16* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
+                   cudaStream_t stream) {
   rope(dx, dout, inv_freq, B, T, H, D, -1.0f, stream);
 }
 

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <vector>
 
 #include "core/check.h"
 #include "core/cuda/cuda_check.h"
@@ -17,16 +18,18 @@ namespace {
 
 namespace cu = kernels::cuda;
 
-// Partials of the two-pass reductions: far more than sum_squares needs for any tensor.
+// Partials of the two-pass reductions: far more than multi_tensor_sum_squares needs.
 constexpr uint64_t kScratchBytes = 4ull << 20;
 
 class CudaStateKernels final : public StateKernels {
  public:
-  CudaStateKernels(std::unique_ptr<Stream> stream, DeviceAllocation scratch, DeviceAllocation norm)
+  CudaStateKernels(std::unique_ptr<Stream> stream, DeviceAllocation scratch, DeviceAllocation norm,
+                   DeviceAllocation clip)
       : stream_(std::move(stream)),
         handle_(as_cuda_stream(*stream_).handle()),
         scratch_(std::move(scratch)),
         norm_(std::move(norm)),
+        clip_(std::move(clip)),
         ctx_(scratch_.data(), scratch_.size(), nullptr, 0) {}
   ~CudaStateKernels() override { synchronize(); }
 
@@ -34,8 +37,12 @@ class CudaStateKernels final : public StateKernels {
     CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(n) * sizeof(float), handle_));
   }
   void begin_norm() override { CUDA_CHECK(cudaMemsetAsync(norm_.data(), 0, sizeof(double), handle_)); }
-  void add_sum_squares(const float* p, int64_t n) override {
-    cu::sum_squares(ctx_, norm_.as<double>(), p, n, /*accumulate=*/true, handle_);
+  void add_sum_squares(std::span<const GradBuffer> tensors) override {
+    std::vector<cu::NormTensor> table;
+    table.reserve(tensors.size());
+    for (const GradBuffer& t : tensors) table.push_back({t.p, t.n});
+    cu::multi_tensor_sum_squares(ctx_, norm_.as<double>(), table.data(), static_cast<int>(table.size()),
+                                 /*accumulate=*/true, handle_);
   }
   double end_norm() override {
     double sum = 0;
@@ -43,15 +50,19 @@ class CudaStateKernels final : public StateKernels {
     synchronize();
     return sum;
   }
-  void scale(float* p, int64_t n, float s) override { cu::scale_inplace(p, n, s, handle_); }
-  void adamw(float* master, const float* grad, float* m, float* v, void* bf16_copy, int64_t n,
-             const kernels::AdamWParams& p) override {
-    const cu::AdamWTensor t{master, grad, m, v, static_cast<cu::bf16*>(bf16_copy), n};
-    cu::adamw_step(&t, 1, p, handle_);
+  // The factor stays in device memory: computed from the device's sum, read by AdamW.
+  void prepare_clip(double max_norm) override {
+    cu::clip_factor(clip_.as<float>(), nullptr, norm_.as<double>(), max_norm, handle_);
   }
-  void adamw_compact(float* master, const float* grad, void* m, void* v, kernels::MomentFormat format, int64_t n,
-                     const kernels::AdamWParams& p, const kernels::MomentRounding& rounding) override {
-    cu::adamw_step_compact(master, grad, m, v, format, n, p, rounding, handle_);
+  void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n,
+             const kernels::AdamWParams& p, bool clipped) override {
+    const cu::AdamWTensor t{master, grad, m, v, static_cast<cu::bf16*>(bf16_copy), n};
+    cu::adamw_step(&t, 1, p, clipped ? clip_.as<float>() : nullptr, handle_);
+  }
+  void adamw_compact(float* master, float* grad, void* m, void* v, kernels::MomentFormat format, int64_t n,
+                     const kernels::AdamWParams& p, const kernels::MomentRounding& rounding, bool clipped) override {
+    cu::adamw_step_compact(master, grad, m, v, format, n, p, rounding, clipped ? clip_.as<float>() : nullptr,
+                           handle_);
   }
   void round_copy(void* bf16_copy, const float* master, int64_t n) override {
     cu::f32_to_bf16(static_cast<cu::bf16*>(bf16_copy), master, n, handle_);
@@ -64,7 +75,7 @@ class CudaStateKernels final : public StateKernels {
  private:
   std::unique_ptr<Stream> stream_;
   cudaStream_t handle_;
-  DeviceAllocation scratch_, norm_;
+  DeviceAllocation scratch_, norm_, clip_;
   cu::Context ctx_;
 };
 
@@ -76,8 +87,9 @@ Result<std::unique_ptr<StateKernels>> make_cuda_state_kernels(Device& device) {
   std::unique_ptr<Stream> stream = device.create_stream();
   ASSIGN_OR_RETURN(DeviceAllocation scratch, device.allocate(kScratchBytes));
   ASSIGN_OR_RETURN(DeviceAllocation norm, device.allocate(sizeof(double)));
-  return std::unique_ptr<StateKernels>(
-      std::make_unique<CudaStateKernels>(std::move(stream), std::move(scratch), std::move(norm)));
+  ASSIGN_OR_RETURN(DeviceAllocation clip, device.allocate(sizeof(float)));
+  return std::unique_ptr<StateKernels>(std::make_unique<CudaStateKernels>(std::move(stream), std::move(scratch),
+                                                                          std::move(norm), std::move(clip)));
 }
 
 }  // namespace strata
