@@ -98,6 +98,12 @@ std::string cudnn_attention_refusal(const AttentionCapability& cap, const Attent
   if (!c.causal) return "the cuDNN graphs built here are causal only";
   if (std::string why = cudnn_dims_refusal(cap, c); !why.empty()) return why;
   if (c.seq_len == 1) return "T=1: cuDNN's SDPA backward refuses s_q = s_kv = 1";
+  // Up to 9.15.0 the backward needs a padding mask when the key length is not a multiple of 128
+  // (NVIDIA's own frontend adds one to work around it); the graphs built here have none.
+  if (cap.cudnn_version <= 91500 && c.seq_len % 128 != 0) {
+    return "T=" + std::to_string(c.seq_len) + ": cuDNN " + version_text(cap.cudnn_version) +
+           "'s SDPA backward needs T a multiple of 128 without a padding mask (fixed after 9.15.0)";
+  }
   return "";
 }
 

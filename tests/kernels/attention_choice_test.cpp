@@ -144,6 +144,12 @@ TEST(AttentionChoice, SequenceOfOneAndBrokenVersionsFallBack) {
   // Lengths that are not multiples of any tile are cuDNN's.
   EXPECT_EQ(choose_attention(kHopperCudnn919, llama(64, 8, 8, 1000), AttentionForce::kAuto).impl,
             AttentionImpl::kCudnn);
+  // Up to 9.15.0, a length that is not a multiple of 128 is the fallback's; 2048 stays cuDNN's.
+  const AttentionChoice ragged = choose_attention(kHopperCudnn911, llama(64, 8, 8, 1000), AttentionForce::kAuto);
+  EXPECT_EQ(ragged.impl, AttentionImpl::kFallback);
+  EXPECT_TRUE(mentions(ragged, "multiple of 128")) << ragged.reason;
+  EXPECT_EQ(choose_attention(kHopperCudnn911, llama(64, 8, 8, 2048), AttentionForce::kAuto).impl,
+            AttentionImpl::kCudnn);
   const AttentionChoice broken = choose_attention(kHopperCudnn910, llama(128), AttentionForce::kAuto);
   EXPECT_EQ(broken.impl, AttentionImpl::kFallback);
   EXPECT_TRUE(mentions(broken, "9.10.0")) << broken.reason;
