@@ -70,6 +70,9 @@ class Model {
   virtual void set_access(ParamAccess* access) = 0;
   virtual double last_aux_loss() const = 0;
   virtual const std::vector<int64_t>& expert_token_counts() const = 0;
+  // The same counts to change: data-parallel ranks replace theirs by the sum over ranks before
+  // update_expert_bias(), so every rank moves the bias alike.
+  virtual std::vector<int64_t>& mutable_expert_token_counts() = 0;
   virtual const std::vector<float>& expert_selection_bias() const = 0;
   virtual std::vector<float>& mutable_expert_selection_bias() = 0;
   virtual void update_expert_bias() = 0;
@@ -154,6 +157,7 @@ class Decoder final : public Model {
   // layer, summed over the forward_backward calls since the last zero_grads() (one optimizer
   // step). Rows of dense layers are 0; empty for dense models.
   const std::vector<int64_t>& expert_token_counts() const override { return expert_counts_; }
+  std::vector<int64_t>& mutable_expert_token_counts() override { return expert_counts_; }
   // (L, E): the loss-free balancing selection bias (all 0 unless
   // config.router_bias_update_rate > 0). Not a trained parameter; checkpoints save it apart.
   const std::vector<float>& expert_selection_bias() const override { return expert_bias_; }

@@ -15,6 +15,7 @@
 #include "memory/tier.h"
 #include "model/params.h"
 #include "offload/plan.h"
+#include "parallel/comm.h"
 #include "train/host_ram.h"
 #include "train/savable_state.h"
 
@@ -54,6 +55,14 @@ class TrainEngine {
   virtual bool updates_during_backward() const { return false; }
 
   virtual EngineStats stats() const = 0;
+
+  // Data parallelism: from now on step() sums the gradients (and what else a step shares, such
+  // as MoE expert counts) over the ranks of `comm`, which outlives the engine. An engine that
+  // cannot returns Unimplemented for a world larger than 1.
+  virtual Status set_comm(parallel::Comm* comm) {
+    if (comm == nullptr || comm->world_size() == 1) return Status::OK();
+    return Status::Unimplemented("this engine trains in one process only");
+  }
 
   // Training state besides the tensors that a resume needs (MoE routers' balancing bias).
   virtual std::vector<ExtraState> extra_state() const { return {}; }

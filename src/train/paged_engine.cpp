@@ -27,7 +27,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
     budgets.precision = Precision::kBf16;
 #if STRATA_HAVE_CUDA
     RETURN_IF_ERROR(model::cuda_supports(mc));
-    ASSIGN_OR_RETURN(e->device_, open_device("cuda", 0, t.memory_device));
+    ASSIGN_OR_RETURN(e->device_, open_device("cuda", t.cuda_device, t.memory_device));
     ASSIGN_OR_RETURN(e->state_kernels_, make_cuda_state_kernels(*e->device_));
     ASSIGN_OR_RETURN(e->net_, model::make_cuda_decoder(*e->device_, mc));
     const uint64_t budget = e->device_->memory_budget();
@@ -175,9 +175,24 @@ Result<double> PagedEngine::micro_batch(const int32_t* inputs, const int32_t* ta
   return net_->compute(inputs, targets, B, T, grad_scale, /*backward=*/true);
 }
 
+Status PagedEngine::set_comm(parallel::Comm* comm) {
+  if (comm != nullptr && comm->world_size() > 1 && options_.overlap_optimizer)
+    return Status::InvalidArgument(fmt::format(
+        "optim.overlap_backward updates each layer before its gradients are summed over the {} ranks; set "
+        "optim.overlap_backward=false to train with several processes",
+        comm->world_size()));
+  state_->set_comm(comm);
+  comm_ = comm;
+  return Status::OK();
+}
+
 Result<double> PagedEngine::step(float lr) {
   ASSIGN_OR_RETURN(double norm, state_->clip_and_step(lr));
   if (!std::isfinite(norm)) return norm;  // a skipped step changes nothing
+  if (comm_ != nullptr && comm_->world_size() > 1 && mc_.is_moe()) {
+    // The loss-free balancing bias moves by the load of the whole global batch.
+    RETURN_IF_ERROR(parallel::sum_over_ranks(*comm_, std::span<int64_t>(net_->mutable_expert_token_counts())));
+  }
   net_->update_expert_bias();  // loss-free MoE balancing; a no-op unless configured
   return norm;
 }

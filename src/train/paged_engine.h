@@ -44,6 +44,7 @@ class PagedEngine final : public TrainEngine {
   Result<double> step(float lr) override;
   bool updates_during_backward() const override { return options_.overlap_optimizer; }
   EngineStats stats() const override;
+  Status set_comm(parallel::Comm* comm) override;
 
   // What the engine was planned with, for comparing prediction and measurement: the plan (its
   // per-phase time included; plan() below), the chunk space's counters and the device bytes
@@ -77,6 +78,7 @@ class PagedEngine final : public TrainEngine {
   std::unique_ptr<StateKernels> state_kernels_;  // the device's; null on the CPU
   std::unique_ptr<model::Model> net_;
   std::unique_ptr<PagedState> state_;
+  parallel::Comm* comm_ = nullptr;  // data-parallel ranks, or null
 };
 
 }  // namespace strata

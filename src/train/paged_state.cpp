@@ -463,16 +463,33 @@ Result<double> PagedState::clip_and_step(float lr) {
     held.clear();
     pending.clear();
   };
+  // Data parallel: each group's gradients are summed over the ranks where they are acquired,
+  // before their squares are, so every rank sees the same sums and takes the same step.
+  const bool reduce = comm_ != nullptr && comm_->world_size() > 1;
   for (int g = 0; g < store_->num_groups(); ++g) {
     const bool on_device = store_->home(g, StateKind::kGrad) == Tier::kDevice;
     if (!on_device) sum_and_release();
-    Status st = store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kRead);
+    Status st = store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, reduce ? AccessMode::kReadWrite : AccessMode::kRead);
     if (!st.ok()) {
       sum_and_release();
       return st;
     }
     held.push_back(g);
     const std::vector<GradBuffer> buffers = grad_buffers(g);
+    if (reduce) {
+      trace::Span reduce_span("optimizer", "gradient all-reduce", g);
+      // The CPU backend's device memory is host memory; a GPU's is reduced on its compute stream.
+      Stream* stream = device_->kind() == DeviceKind::kCpu ? nullptr : compute_stream_;
+      for (const GradBuffer& b : buffers) {
+        st = comm_->all_reduce_sum(const_cast<float*>(b.p), static_cast<size_t>(b.n), stream);
+        if (!st.ok()) break;
+      }
+      if (stream != nullptr) stream->synchronize();
+      if (!st.ok()) {
+        sum_and_release();
+        return st.with_context("the gradients of parameter group " + std::to_string(g));
+      }
+    }
     pending.insert(pending.end(), buffers.begin(), buffers.end());
     if (!on_device) sum_and_release();
   }

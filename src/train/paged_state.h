@@ -49,6 +49,7 @@
 #include "offload/plan.h"
 #include "kernels/adamw.h"
 #include "offload/state_store.h"
+#include "parallel/comm.h"
 #include "train/optimizer.h"
 #include "train/savable_state.h"
 #include "train/state_kernels.h"
@@ -179,6 +180,15 @@ class PagedState : public model::ParamAccess, public SavableState {
   // chunks' fences. Stall time counts host waits only: compute-stream waits are not timed.
   // REQUIRES: set before the first step; the stream outlives the state.
   void set_compute_stream(Stream* stream) { compute_stream_ = stream; }
+  // Data parallelism: clip_and_step() first sums every gradient over the ranks of `comm`
+  // (parallel/comm.h), in rank order, so all ranks take the same step. Null or world 1: no
+  // reduction. REQUIRES: not with overlap_optimizer (groups would update before the sums);
+  // the Comm outlives the state.
+  void set_comm(parallel::Comm* comm) {
+    CHECK_MSG(comm == nullptr || comm->world_size() == 1 || !options_.overlap_optimizer,
+              "overlap_optimizer updates groups before their gradients are summed over the ranks");
+    comm_ = comm;
+  }
   float* grad(int64_t offset) override;
   bool offloads_activations() const override { return options_.offload_activations; }
   Status offload_checkpoint(int index, const void* data, uint64_t bytes) override;
@@ -227,6 +237,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   StateKernels* cpu_state_kernels();
   StateKernels* kernels_ = nullptr;           // device-tier arithmetic
   Stream* compute_stream_ = nullptr;          // the model's, when paging is stream-ordered
+  parallel::Comm* comm_ = nullptr;             // data-parallel ranks whose gradients are summed
   // Waits for the model's queued ops (stream-ordered paging) before state is touched otherwise.
   void drain_compute() {
     if (compute_stream_ != nullptr) compute_stream_->synchronize();

@@ -151,6 +151,19 @@ ConfigSchema build_schema() {
                  "otherwise (the log says why)"});
   s.add({.name = "run.log_level", .type = T::kString, .default_value = "info",
          .choices = {"debug", "info", "warn", "error"}, .help = "log verbosity"});
+  // Data parallelism (src/parallel): the ranks come from the launcher's environment (torchrun,
+  // mpirun, srun); these keys say how they meet and talk.
+  s.add({.name = "parallel.backend", .type = T::kString, .default_value = "auto",
+         .choices = {"auto", "gloo", "nccl"},
+         .help = "collectives between ranks when launched as several processes: gloo (TCP; the cpu backend), nccl "
+                 "(GPUs); auto: nccl on cuda, gloo on the cpu"});
+  s.add({.name = "parallel.rendezvous", .type = T::kString, .default_value = "",
+         .help = "a directory every rank can reach (a shared filesystem across nodes) where the ranks find each "
+                 "other, one subfolder per launch (named by the launcher's job id); empty: /tmp/strata-rendezvous "
+                 "on one node, required with several"});
+  s.add({.name = "parallel.timeout_s", .type = T::kFloat, .default_value = "300", .min = 1, .max = 86400,
+         .help = "seconds a collective waits for the other ranks before the run stops with an error naming the "
+                 "operation (a rank died or hangs)"});
   return s;
 }
 
@@ -269,6 +282,9 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.log_every = c.get_int("run.log_every");
   t.device = c.get_string("run.device");
   t.log_level = c.get_string("run.log_level");
+  t.parallel_backend = c.get_string("parallel.backend");
+  t.parallel_rendezvous = c.get_string("parallel.rendezvous");
+  t.parallel_timeout_s = c.get_float("parallel.timeout_s");
   if (t.data_paths.empty())
     return Status::InvalidArgument(c.origin("data.paths") + ": key 'data.paths' is empty; name at least one token file");
   if (t.warmup_steps > t.steps)

@@ -70,6 +70,11 @@ struct TrainConfig {
   int64_t log_every = 1;
   std::string device;
   std::string log_level;
+  // data parallelism (parallel.*)
+  std::string parallel_backend = "auto";
+  std::string parallel_rendezvous;
+  double parallel_timeout_s = 300;
+  int cuda_device = 0;  // not a key: the GPU of this process (its local rank when launched as several)
 };
 
 // Every key `strata train` accepts.

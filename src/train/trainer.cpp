@@ -29,6 +29,7 @@
 #include "train/goodput.h"
 #include "train/host_ram.h"
 #include "train/paged_engine.h"
+#include "train/ranks.h"
 #include "train/run_dirs.h"
 #if STRATA_HAVE_CUDA
 #include "core/cuda/cuda_device.h"
@@ -101,12 +102,18 @@ Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
 
 namespace {
 
-Result<std::unique_ptr<TokenDataset>> open_training_data(const TrainConfig& t) {
+// build_corpus: false on the ranks after the first, which read the corpus rank 0 built.
+Result<std::unique_ptr<TokenDataset>> open_training_data(const TrainConfig& t, bool build_corpus = true) {
   DataConfig dc;
   dc.format = t.data_format;
   for (const auto& p : t.data_paths) {
     if (p == kBuiltinLicenses) {
-      ASSIGN_OR_RETURN(std::string corpus, build_default_corpus((fs::path(t.run_dir) / "licenses.txt").string()));
+      const std::string path = (fs::path(t.run_dir) / "licenses.txt").string();
+      if (!build_corpus) {
+        dc.paths.push_back(path);
+        continue;
+      }
+      ASSIGN_OR_RETURN(std::string corpus, build_default_corpus(path));
       dc.paths.push_back(corpus);
     } else {
       dc.paths.push_back(p);
@@ -194,6 +201,8 @@ struct Run {
   int64_t skipped_in_a_row = 0;  // consecutive steps with a NaN/Inf loss or gradient norm
   TrainSummary summary;
   RunObserver* observer = nullptr;
+  // The processes of a data-parallel run (one in a plain run); owned by run_training.
+  Ranks* ranks = nullptr;
   // Where the run's wall time goes (goodput.h); owned by run_training, which outlives the Run.
   GoodputAccountant* goodput = nullptr;
   // The highest step a previous run recorded in this run.dir's metrics: steps up to it are done
@@ -210,6 +219,7 @@ struct Run {
   // Starts a save of the state after the last sound step.
   Status save_checkpoint(const TrainConfig& t) {
     CHECK(sound);
+    if (!ranks->writes()) return Status::OK();  // every rank holds the same state: rank 0 saves it
     GoodputAccountant::Timer blocked = goodput->time(GoodputPart::kCheckpoint);  // waits for the previous save
     RunPosition pos;
     pos.step = sound_step;
@@ -245,6 +255,7 @@ struct Run {
   // The final save: the state after the last sound step, committed before this returns. The
   // outcome of an earlier save in flight is only a warning when this one lands.
   Status save_final(const TrainConfig& t) {
+    if (!ranks->writes()) return Status::OK();
     if (Status previous = wait_for_save(); !previous.ok()) {
       LOG_WARN("checkpoint: {}", previous.message());
       last_saved_step = std::min(last_saved_step, sound_step - 1);  // it did not land: save again
@@ -266,9 +277,10 @@ struct Run {
 // the run's folders is written; then the engine, the starting state (a checkpoint, weights or an
 // init) and the run directory.
 Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effective_yaml, const EngineFactory& make_engine,
-                                     GoodputAccountant* goodput, std::optional<RunDirs>* dirs) {
+                                     GoodputAccountant* goodput, std::optional<RunDirs>* dirs, Ranks& ranks) {
   auto run = std::make_unique<Run>();
   run->goodput = goodput;
+  run->ranks = &ranks;
   ASSIGN_OR_RETURN(run->mc, resolve_model_config(t));
   const model::ModelConfig& mc = run->mc;
   const std::string model_source = !t.model_from.empty()     ? (fs::path(t.model_from) / "config.json").string()
@@ -279,14 +291,31 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
     LOG_WARN("train.seq_len {} exceeds the model's max_position_embeddings {}", t.seq_len,
              mc.max_position_embeddings);
   // The run's folders, locked: t names them from here on (a version folder, a relative nvme).
-  ASSIGN_OR_RETURN(RunDirs opened, RunDirs::open(t));
-  dirs->emplace(std::move(opened));
+  // Rank 0 owns them and tells the other ranks where they are (after building the default
+  // corpus, which they read).
   std::error_code ec;
-  if (needs_run_dir_for_data(t)) {
-    fs::create_directories(t.run_dir, ec);
-    if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
+  Status opened_dirs = Status::OK();
+  if (ranks.writes()) {
+    opened_dirs = [&]() -> Status {
+      ASSIGN_OR_RETURN(RunDirs opened, RunDirs::open(t));
+      dirs->emplace(std::move(opened));
+      if (needs_run_dir_for_data(t)) {
+        fs::create_directories(t.run_dir, ec);
+        if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
+      }
+      ASSIGN_OR_RETURN(run->dataset, open_training_data(t));
+      return Status::OK();
+    }();
   }
-  ASSIGN_OR_RETURN(run->dataset, open_training_data(t));
+  if (ranks.several()) {
+    RETURN_IF_ERROR(share_run_dirs(*ranks.comm, opened_dirs, t));
+    // Each rank pages through a folder of its own.
+    if (!t.nvme_path.empty()) t.nvme_path = (fs::path(t.nvme_path) / fmt::format("rank-{}", ranks.rank())).string();
+  }
+  RETURN_IF_ERROR(opened_dirs);
+  if (!ranks.writes()) {
+    ASSIGN_OR_RETURN(run->dataset, open_training_data(t, /*build_corpus=*/false));
+  }
   if (run->dataset->vocab_hint() > mc.vocab_size)
     return Status::InvalidArgument("data.paths are read as bytes (256 token ids) but the model's vocab_size is " +
                                    std::to_string(mc.vocab_size) + "; use a model with vocab_size >= 256");
@@ -325,6 +354,7 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
 
   // Where the state lives and where the steps compute (run.device, memory.*).
   ASSIGN_OR_RETURN(run->engine, make_engine(mc, t, oc));
+  RETURN_IF_ERROR(run->engine->set_comm(ranks.comm.get()));
   SavableState& state = run->engine->state();
   // Every byte of host memory the run will hold, refused now when the machine does not have it
   // (the engine's host tier alone was checked before it was reserved), before any weights load.
@@ -407,7 +437,11 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
     run->redo_until = highest_recorded_step((*dirs)->set_aside_metrics());
   }
 
-  // The run directory: the effective config, then metrics as steps complete.
+  // The run directory: the effective config, then metrics as steps complete (rank 0's).
+  if (!ranks.writes()) {
+    LOG_INFO("rank {}: prepared", ranks.rank());
+    return run;
+  }
   fs::create_directories(t.run_dir, ec);
   if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
   {
@@ -418,13 +452,13 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open(metrics_path.string(), /*append=*/!resume_from.empty()));
   run->metrics.emplace(std::move(metrics));
 
-  const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;
+  const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * ranks.world();
   LOG_INFO("model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {:.2f}M parameters", mc.num_hidden_layers,
            mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size,
            static_cast<double>(mc.num_parameters()) / 1e6);
-  LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation)",
+  LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation{})",
            run->dataset->num_tokens(), run->loader->num_windows(), t.seq_len, tokens_per_step, t.micro_batch,
-           t.seq_len, t.grad_accum);
+           t.seq_len, t.grad_accum, ranks.several() ? fmt::format(" x {} ranks", ranks.world()) : "");
   LOG_INFO("memory: {}", run->engine->memory_summary());
   if (!host_ram.items.empty()) LOG_INFO("{}", format_host_ram(host_ram));
   LOG_INFO("run: {} steps on {}, writing {} (metrics.jsonl, config.yaml) and checkpoints to {}", t.steps,
@@ -479,16 +513,30 @@ void account_step(Run& run, int64_t step, double data_s, double step_s, uint64_t
 }
 
 // 2. The steps, until train.steps, a signal or the first error (returned).
+//
+// Data parallel: every rank reads the step's whole global batch (world x train.grad_accum
+// micro-batches, so the data cursor is the same everywhere) and computes micro-batches
+// [rank x grad_accum, (rank + 1) x grad_accum) of it; the gradients are summed over the ranks in
+// the engine's step, and the loss here. The tokens are scaled by the global batch's count, so a
+// step is the one a single process takes with world x grad_accum micro-batches.
 Status loop(Run& run, const TrainConfig& t) {
   TrainEngine& engine = *run.engine;
+  Ranks& ranks = *run.ranks;
   const int64_t micro_tokens = t.micro_batch * t.seq_len;
-  const int64_t tokens_per_step = micro_tokens * t.grad_accum;
-  std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens * t.grad_accum));
+  const int64_t micro_batches = t.grad_accum * ranks.world();  // in the global batch
+  const int64_t first_micro = t.grad_accum * ranks.rank();      // this rank's first
+  const int64_t tokens_per_step = micro_tokens * micro_batches;
+  std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens * micro_batches));
   std::vector<int32_t> targets(inputs.size());
   const auto run_start = std::chrono::steady_clock::now();
   trace::name_thread("training");
   for (int64_t step = run.start_step; step <= t.steps; ++step) {
-    if (g_stop_requested) {
+    bool stop = g_stop_requested != 0;
+    // A signal may reach the ranks at different times: they stop at the same step.
+    if (ranks.several()) {
+      ASSIGN_OR_RETURN(stop, any_rank(*ranks.comm, stop));
+    }
+    if (stop) {
       run.summary.interrupted = true;
       break;
     }
@@ -497,7 +545,7 @@ Status loop(Run& run, const TrainConfig& t) {
     auto t0 = std::chrono::steady_clock::now();
     const bool ckpt_in_flight = run.checkpointer->in_flight();
     trace::Span data_span("data", "data");
-    for (int64_t m = 0; m < t.grad_accum; ++m)
+    for (int64_t m = 0; m < micro_batches; ++m)
       RETURN_IF_ERROR(run.loader->next(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens));
     data_span.end();
     const auto t_data = std::chrono::steady_clock::now();
@@ -509,12 +557,16 @@ Status loop(Run& run, const TrainConfig& t) {
     RETURN_IF_ERROR(engine.zero_grads());
     double loss_sum = 0;
     const double lr = run.schedule->lr(step);
-    for (int64_t m = 0; m < t.grad_accum; ++m) {
+    for (int64_t m = first_micro; m < first_micro + t.grad_accum; ++m) {
       trace::Span micro_span("step", "micro-batch", m);
       ASSIGN_OR_RETURN(double loss, engine.micro_batch(inputs.data() + m * micro_tokens,
                                                         targets.data() + m * micro_tokens, t.micro_batch, t.seq_len,
-                                                        grad_scale, m == t.grad_accum - 1, static_cast<float>(lr)));
+                                                        grad_scale, m == first_micro + t.grad_accum - 1,
+                                                        static_cast<float>(lr)));
       loss_sum += loss;
+    }
+    if (ranks.several()) {
+      ASSIGN_OR_RETURN(loss_sum, parallel::sum_over_ranks(*ranks.comm, loss_sum));
     }
     // A NaN/Inf loss or gradient norm skips the step: nothing is updated (the engine checks
     // the norm before any group changes), the batch is consumed and the schedule moves on.
@@ -565,7 +617,7 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.skipped = skipped;
     sm.skipped_steps = run.summary.skipped_steps;
     sm.eta_s = sm.elapsed_s / static_cast<double>(step - run.start_step + 1) * static_cast<double>(t.steps - step);
-    RETURN_IF_ERROR(run.metrics->write(sm));
+    if (run.metrics) RETURN_IF_ERROR(run.metrics->write(sm));
     if (step == run.start_step) run.summary.first_loss = sm.loss;
     run.summary.last_loss = sm.loss;
     if (skipped) {
@@ -600,7 +652,7 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
     LOG_WARN("checkpoint: {}", saved.message());
   }
   if (summary.interrupted) LOG_WARN("interrupted: stopped after step {}", summary.steps_done);
-  if (!t.run_export.empty()) {
+  if (!t.run_export.empty() && run.ranks->writes()) {
     model::ExportOptions eo;
     eo.copy_tokenizer_from = t.model_from;
     eo.dtype = t.run_export_dtype == "auto" ? run.source_dtype : *model::parse_export_dtype(t.run_export_dtype);
@@ -669,6 +721,7 @@ GoodputReport report_goodput(Run& run, GoodputAccountant& goodput) {
   run.dataset.reset();
   const GoodputReport report = goodput.report();
   LOG_INFO("{}", format_goodput_line(report));
+  if (!run.metrics) return report;
   if (Status written = run.metrics->append(goodput_json(report).dump()); !written.ok())
     LOG_WARN("goodput: {}", written.message());
   return report;
@@ -687,7 +740,13 @@ Result<TrainSummary> run_training(const TrainConfig& config, const std::string& 
   TrainConfig t = config;
   std::optional<RunDirs> dirs;
   GoodputAccountant::Timer starting = goodput.time(GoodputPart::kStartup);
-  Result<std::unique_ptr<Run>> prepared = prepare(t, effective_yaml, make_engine, &goodput, &dirs);
+  ASSIGN_OR_RETURN(Ranks ranks, connect_ranks(t));
+  Result<std::unique_ptr<Run>> prepared = prepare(t, effective_yaml, make_engine, &goodput, &dirs, ranks);
+  // No rank starts training unless all of them can (the others would wait for it until the timeout).
+  if (ranks.several()) {
+    Status all = agree_all_ok(*ranks.comm, prepared.status(), "to start");
+    if (prepared.ok() && !all.ok()) prepared = all;
+  }
   starting.stop();
   if (!prepared.ok()) {
     if (dirs) dirs->discard_if_unused();

@@ -1,0 +1,119 @@
+#include "train/ranks.h"
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+#include "core/log.h"
+#include "train/planning.h"
+
+namespace strata {
+
+namespace fs = std::filesystem;
+
+std::string rendezvous_dir(const TrainConfig& t, const parallel::LaunchInfo& launch) {
+  const std::string base = t.parallel_rendezvous.empty() ? "/tmp/strata-rendezvous" : t.parallel_rendezvous;
+  // A job id names a folder: anything but letters, digits, '.', '-' and '_' becomes '_'.
+  std::string id = launch.job_id.empty() ? "default" : launch.job_id;
+  for (char& c : id)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_')) c = '_';
+  return (fs::path(base) / id).string();
+}
+
+Result<Ranks> connect_ranks(TrainConfig& t) {
+  Ranks ranks;
+  ASSIGN_OR_RETURN(ranks.launch, parallel::launch_from_env());
+  if (!ranks.several()) return ranks;
+  const parallel::LaunchInfo& l = ranks.launch;
+  ProcessIdentity id = process_identity();
+  id.rank = l.rank;
+  id.world_size = l.world_size;
+  set_process_identity(id);
+  // From here on lines carry the rank, and only rank 0 logs below warnings.
+  LogOptions lo;
+  if (!parse_log_level(t.log_level, &lo.level)) lo.level = LogLevel::kInfo;
+  init_logging(lo);
+  // One GPU per process, by local rank; a node's host memory shared by its ranks.
+  t.cuda_device = l.local_rank;
+  if (t.memory_host == 0 && l.local_world_size > 1) t.memory_host = default_host_budget() / l.local_world_size;
+  parallel::CommOptions co;
+  co.backend = t.parallel_backend == "auto" ? (t.device == "cuda" ? "nccl" : "gloo") : t.parallel_backend;
+  co.rendezvous_dir = rendezvous_dir(t, l);
+  co.name = "train";
+  co.timeout = std::chrono::milliseconds(static_cast<int64_t>(t.parallel_timeout_s * 1000));
+  std::error_code ec;
+  fs::create_directories(co.rendezvous_dir, ec);
+  if (ec)
+    return Status::IOError(fmt::format("cannot create the rendezvous folder '{}' (parallel.rendezvous): {}",
+                                       co.rendezvous_dir, ec.message()));
+  LOG_INFO("parallel: rank {} of {} ({}; local rank {} of {}), {} through {}", l.rank, l.world_size, l.launcher,
+           l.local_rank, l.local_world_size, co.backend, co.rendezvous_dir);
+  Result<std::unique_ptr<parallel::Comm>> comm = parallel::connect(l, co);
+  if (!comm.ok())
+    return comm.status().with_context(fmt::format("rank {} of {} could not reach the others through '{}' "
+                                                  "(parallel.rendezvous; every rank must see the same folder)",
+                                                  l.rank, l.world_size, co.rendezvous_dir));
+  ranks.comm = std::move(*comm);
+  return ranks;
+}
+
+namespace {
+
+// Rank 0's text on every rank.
+Status broadcast_text(parallel::Comm& comm, std::string* text) {
+  uint64_t size = text->size();
+  RETURN_IF_ERROR(comm.broadcast(&size, sizeof(size), 0));
+  text->resize(size);
+  if (size > 0) RETURN_IF_ERROR(comm.broadcast(text->data(), size, 0));
+  return Status::OK();
+}
+
+}  // namespace
+
+Status share_run_dirs(parallel::Comm& comm, const Status& status, TrainConfig& t) {
+  std::string text;
+  if (comm.rank() == 0) {
+    nlohmann::json j = {{"ok", status.ok()},
+                        {"message", status.ok() ? "" : status.message()},
+                        {"run_dir", t.run_dir},
+                        {"ckpt_dir", t.ckpt_dir},
+                        {"nvme_path", t.nvme_path},
+                        {"resume", t.resume}};
+    text = j.dump();
+  }
+  RETURN_IF_ERROR(broadcast_text(comm, &text).with_context("sharing rank 0's run folders"));
+  if (comm.rank() == 0) return status;
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  CHECK_MSG(!j.is_discarded() && j.is_object(), "rank 0 sent no run folders");
+  if (!j["ok"].get<bool>())
+    return Status::InvalidArgument("rank 0 could not start the run: " + j["message"].get<std::string>());
+  t.run_dir = j["run_dir"].get<std::string>();
+  t.ckpt_dir = j["ckpt_dir"].get<std::string>();
+  t.nvme_path = j["nvme_path"].get<std::string>();
+  t.resume = j["resume"].get<std::string>();
+  return Status::OK();
+}
+
+Status agree_all_ok(parallel::Comm& comm, const Status& own, const std::string& what) {
+  std::vector<double> failed(static_cast<size_t>(comm.world_size()), 0.0);
+  failed[static_cast<size_t>(comm.rank())] = own.ok() ? 0.0 : 1.0;
+  RETURN_IF_ERROR(parallel::sum_over_ranks(comm, std::span<double>(failed)));
+  if (!own.ok()) return own;
+  std::string which;
+  for (size_t r = 0; r < failed.size(); ++r)
+    if (failed[r] != 0) which += (which.empty() ? "" : ", ") + std::to_string(r);
+  if (which.empty()) return Status::OK();
+  return Status::IOError(fmt::format("rank {} failed {} (its log says why); this rank stops too", which, what));
+}
+
+Result<bool> any_rank(parallel::Comm& comm, bool value) {
+  ASSIGN_OR_RETURN(double sum, parallel::sum_over_ranks(comm, value ? 1.0 : 0.0));
+  return sum > 0;
+}
+
+}  // namespace strata

@@ -1,0 +1,49 @@
+// The trainer's side of data parallelism: the ranks of a run launched as several processes
+// (parallel/launch.h reads them from torchrun, mpirun or srun), connected through a Comm, and
+// the few things the training loop shares between them besides gradients: rank 0's resolved
+// folders, whether every rank started, and whether to stop.
+//
+// Rank 0 owns the run's files (run.dir, metrics, checkpoints, the export); every rank holds the
+// whole state, computes its share of each step's micro-batches and reads the same checkpoints.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/status.h"
+#include "parallel/comm.h"
+#include "parallel/launch.h"
+#include "train/train_config.h"
+
+namespace strata {
+
+struct Ranks {
+  parallel::LaunchInfo launch;
+  std::unique_ptr<parallel::Comm> comm;  // null in a single process
+  int rank() const { return launch.rank; }
+  int world() const { return launch.world_size; }
+  bool several() const { return launch.world_size > 1; }
+  bool writes() const { return launch.rank == 0; }  // owns run.dir, metrics and checkpoints
+};
+
+// The ranks of this process from its environment, connected when there are several: each
+// process sets its log and CHECK prefix to its rank, the device to its local rank, and the
+// host-memory default to its share of the node.
+Result<Ranks> connect_ranks(TrainConfig& t);
+
+// The rendezvous folder of this launch: parallel.rendezvous (or /tmp/strata-rendezvous) with
+// the launcher's job id as a subfolder, so two launches never meet in one.
+std::string rendezvous_dir(const TrainConfig& t, const parallel::LaunchInfo& launch);
+
+// Rank 0 sends `status` and, when it is OK, the folders it resolved (run.dir, ckpt.dir,
+// memory.nvme.path, --resume) to every rank; the others return rank 0's error as theirs.
+Status share_run_dirs(parallel::Comm& comm, const Status& status, TrainConfig& t);
+
+// Whether every rank got this far without an error: each rank gives its own status; a rank whose
+// own is fine returns an error when another rank's was not.
+Status agree_all_ok(parallel::Comm& comm, const Status& own, const std::string& what);
+
+// True on every rank when any rank asks to stop (a signal reached some of them).
+Result<bool> any_rank(parallel::Comm& comm, bool value);
+
+}  // namespace strata

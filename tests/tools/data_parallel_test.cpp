@@ -1,0 +1,278 @@
+// Data parallelism end to end: `strata train` launched as several processes with torchrun's
+// variables, on the CPU backend through Gloo, against one process training the same global
+// batch; checkpoints written by 4 ranks resumed by 1 and 4; a rank killed mid-run.
+//
+// Why a bound and not bitwise: one process accumulates a step's micro-batches into the same
+// gradient buffer (the weight-gradient GEMM adds into it), while ranks each start from zero and
+// their sums are added in rank order afterwards. The addends are the same, their association is
+// not, so gradients agree to a few ulps and parameters after a few AdamW steps to about 1e-6 of
+// their size. The same world size repeats bit for bit.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "model/safetensors.h"
+#include "tools/cli_util.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::CmdResult;
+
+std::vector<double> losses_of(const fs::path& metrics) {
+  std::vector<double> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.contains("loss") && j.contains("step")) out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Largest |a - b| over every tensor of two exported models, and the largest |a|.
+struct ParamDiff {
+  double max_abs = -1;
+  double max_value = 0;
+  size_t tensors = 0;
+};
+ParamDiff compare_exports(const fs::path& a, const fs::path& b) {
+  ParamDiff d;
+  auto ra = model::SafetensorsReader::open((a / "model.safetensors").string());
+  auto rb = model::SafetensorsReader::open((b / "model.safetensors").string());
+  if (!ra.ok() || !rb.ok()) return d;
+  d.max_abs = 0;
+  for (const auto& info : ra->tensors()) {
+    int64_t n = 1;
+    for (int64_t s : info.shape) n *= s;
+    std::vector<float> x(static_cast<size_t>(n)), y(static_cast<size_t>(n));
+    if (!ra->read_f32(info.name, x.data()).ok() || !rb->read_f32(info.name, y.data()).ok()) return ParamDiff{};
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double diff = std::fabs(static_cast<double>(x[i]) - y[i]);
+      if (!(diff <= d.max_abs)) d.max_abs = diff;  // a NaN sticks
+      d.max_value = std::max(d.max_value, std::fabs(static_cast<double>(x[i])));
+    }
+    ++d.tensors;
+  }
+  return d;
+}
+
+class DataParallelTest : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = testing::fresh_test_dir("dp"); }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+
+  std::string corpus() {
+    const fs::path p = dir_ / "corpus.txt";
+    if (!fs::exists(p)) {
+      std::ofstream out(p);
+      for (int i = 0; i < 300; ++i) out << "the quick brown fox jumps over the lazy dog " << (i * 7919) % 13 << "\n";
+    }
+    return p.string();
+  }
+  // A tiny dense model; `accum` micro-batches of 2 sequences per rank.
+  std::string run_args(const std::string& run_dir, int accum, const std::string& model_set = "") {
+    return "train data.paths=[" + corpus() + "] run.dir=" + run_dir +
+           " train.micro_batch=2 train.seq_len=32 train.steps=4 optim.warmup_steps=1 train.grad_accum=" +
+           std::to_string(accum) + " 'model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96" +
+           model_set + "]'";
+  }
+
+  // Runs `strata ARGS` as `world` ranks at once, with torchrun's variables, each rank's output
+  // in its own log; returns each rank's result.
+  std::vector<CmdResult> launch(int world, const std::string& args, const std::string& name,
+                                const std::string& extra_env = "") {
+    std::vector<CmdResult> results(static_cast<size_t>(world));
+    std::vector<std::thread> threads;
+    const std::string rdzv = (dir_ / "rendezvous").string();
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        const fs::path log = dir_ / (name + ".rank" + std::to_string(r) + ".log");
+        const std::string env = "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
+                                " LOCAL_RANK=" + std::to_string(r) + " LOCAL_WORLD_SIZE=" + std::to_string(world) +
+                                " TORCHELASTIC_RUN_ID=" + name + " " + extra_env + " ";
+        const std::string cmd = env + std::string(STRATA_BINARY_DIR) + "/strata " + args +
+                                " parallel.rendezvous=" + rdzv + " parallel.timeout_s=30 > " + log.string() + " 2>&1";
+        const int status = std::system(cmd.c_str());
+        results[static_cast<size_t>(r)].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        results[static_cast<size_t>(r)].output = read_text(log);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return results;
+  }
+  static std::string all_output(const std::vector<CmdResult>& rs) {
+    std::string out;
+    for (size_t r = 0; r < rs.size(); ++r) out += "--- rank " + std::to_string(r) + "\n" + rs[r].output;
+    return out;
+  }
+  static bool all_ok(const std::vector<CmdResult>& rs) {
+    for (const CmdResult& r : rs)
+      if (r.exit_code != 0) return false;
+    return true;
+  }
+
+  fs::path dir_;
+};
+
+// The bounds for "the same step in another world size" (see the file comment).
+constexpr double kLossTol = 1e-5;   // relative, per step
+constexpr double kParamTol = 1e-5;  // absolute, on weights of size ~0.1 after 4 steps of lr 3e-3
+
+void expect_close_losses(const std::vector<double>& a, const std::vector<double>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double rel = std::fabs(a[i] - b[i]) / std::max(std::fabs(a[i]), 1e-12);
+    EXPECT_TRUE(rel <= kLossTol) << what << ": step " << i + 1 << " loss " << a[i] << " vs " << b[i];
+  }
+}
+
+TEST_F(DataParallelTest, WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch) {
+  const fs::path one = dir_ / "one", two = dir_ / "two", four = dir_ / "four";
+  CmdResult single = testing::run_strata(run_args(one.string(), 4) + " run.export=" + (one / "export").string());
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  auto w2 = launch(2, run_args(two.string(), 2) + " run.export=" + (two / "export").string(), "w2");
+  ASSERT_TRUE(all_ok(w2)) << all_output(w2);
+  auto w4 = launch(4, run_args(four.string(), 1) + " run.export=" + (four / "export").string(), "w4");
+  ASSERT_TRUE(all_ok(w4)) << all_output(w4);
+  EXPECT_NE(w4[0].output.find("rank 0 of 4"), std::string::npos) << w4[0].output;
+  EXPECT_NE(w4[0].output.find("x 4 ranks"), std::string::npos) << w4[0].output;
+
+  const auto l1 = losses_of(one / "metrics.jsonl");
+  ASSERT_EQ(l1.size(), 4u);
+  expect_close_losses(l1, losses_of(two / "metrics.jsonl"), "world 2");
+  expect_close_losses(l1, losses_of(four / "metrics.jsonl"), "world 4");
+  for (const fs::path& other : {two, four}) {
+    const ParamDiff d = compare_exports(one / "export", other / "export");
+    ASSERT_GT(d.tensors, 0u) << other;
+    EXPECT_TRUE(d.max_abs <= kParamTol) << other << ": max |diff| " << d.max_abs << " (largest weight " << d.max_value
+                                        << ")";
+    EXPECT_GT(d.max_value, 0.01);
+  }
+  // Only rank 0 writes the run's files; the other ranks leave no metrics of their own.
+  EXPECT_FALSE(fs::exists(four / "metrics.rank1.jsonl"));
+}
+
+TEST_F(DataParallelTest, MoeWithGlobalBalancingAndTightBudgetsThroughNvmeOnEveryRank) {
+  const std::string moe = ",model_type=mixtral,num_local_experts=4,num_experts_per_tok=2,router_bias_update_rate=0.05";
+  const fs::path one = dir_ / "one", two = dir_ / "two";
+  CmdResult single = testing::run_strata(run_args(one.string(), 2, moe) + " run.export=" + (one / "export").string());
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  const std::string tight = " memory.device=2500KiB memory.host=2600KiB memory.nvme.path=" + (dir_ / "nvme").string() +
+                            " memory.nvme.size=16MiB memory.offload_activations=true";
+  auto w2 = launch(2, run_args(two.string(), 1, moe) + tight + " run.export=" + (two / "export").string(), "moe");
+  ASSERT_TRUE(all_ok(w2)) << all_output(w2);
+  // Each rank paged through its own folder of the nvme tier.
+  EXPECT_TRUE(fs::exists(dir_ / "nvme" / "rank-0"));
+  EXPECT_TRUE(fs::exists(dir_ / "nvme" / "rank-1"));
+  std::ifstream in(two / "metrics.jsonl");
+  std::string line;
+  std::getline(in, line);
+  EXPECT_GT(nlohmann::json::parse(line)["nvme_bytes"].get<uint64_t>(), 0u) << line;
+  expect_close_losses(losses_of(one / "metrics.jsonl"), losses_of(two / "metrics.jsonl"), "moe world 2");
+  const ParamDiff d = compare_exports(one / "export", two / "export");
+  ASSERT_GT(d.tensors, 0u);
+  // The selection bias moves by sign(mean load - load): only global counts keep the ranks (and
+  // the single process) on the same routing; a rank-local count sends the weights elsewhere.
+  EXPECT_TRUE(d.max_abs <= kParamTol) << "max |diff| " << d.max_abs;
+}
+
+TEST_F(DataParallelTest, CheckpointOfFourRanksResumesOnOneAndOnFour) {
+  const fs::path four = dir_ / "four";
+  auto w4 = launch(4, run_args(four.string(), 1) + " ckpt.every=2", "w4");
+  ASSERT_TRUE(all_ok(w4)) << all_output(w4);
+  const auto expected = losses_of(four / "metrics.jsonl");
+  ASSERT_EQ(expected.size(), 4u);
+  const std::string step2 = (four / "checkpoints" / "step-2").string();
+  CmdResult verify = testing::run_strata("ckpt verify " + step2);
+  ASSERT_EQ(verify.exit_code, 0) << verify.output;
+
+  // The same world size resumes bit for bit.
+  const fs::path again = dir_ / "again";
+  auto r4 = launch(4, run_args(again.string(), 1) + " --resume " + step2, "r4");
+  ASSERT_TRUE(all_ok(r4)) << all_output(r4);
+  const auto l4 = losses_of(again / "metrics.jsonl");
+  ASSERT_EQ(l4.size(), 2u);
+  EXPECT_EQ(l4[0], expected[2]);
+  EXPECT_EQ(l4[1], expected[3]);
+
+  // One process with the same global batch continues it (within the bound: see the file comment).
+  const fs::path one = dir_ / "one";
+  CmdResult r1 = testing::run_strata(run_args(one.string(), 4) + " --resume " + step2);
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  expect_close_losses({expected[2], expected[3]}, losses_of(one / "metrics.jsonl"), "world 1 from world 4");
+
+  // Two ranks of two micro-batches each: the same global batch again.
+  const fs::path two = dir_ / "two";
+  auto r2 = launch(2, run_args(two.string(), 2) + " --resume " + step2, "r2");
+  ASSERT_TRUE(all_ok(r2)) << all_output(r2);
+  expect_close_losses({expected[2], expected[3]}, losses_of(two / "metrics.jsonl"), "world 2 from world 4");
+}
+
+TEST_F(DataParallelTest, AKilledRankStopsTheOthersWithAMessageAndTheLastCheckpointResumes) {
+  const fs::path run = dir_ / "run";
+  // Rank 1 is killed once the run has a checkpoint; rank 0 must not wait past the timeout.
+  const std::string args = run_args(run.string(), 1) + " train.steps=100000 ckpt.every=2";
+  std::vector<CmdResult> results(2);
+  std::vector<int> pids(2, 0);
+  const std::string rdzv = (dir_ / "rendezvous").string();
+  for (int r = 0; r < 2; ++r) {
+    const fs::path log = dir_ / ("rank" + std::to_string(r) + ".log");
+    const std::string cmd = "RANK=" + std::to_string(r) +
+                            " WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 TORCHELASTIC_RUN_ID=kill " +
+                            std::string(STRATA_BINARY_DIR) + "/strata " + args + " parallel.rendezvous=" + rdzv +
+                            " parallel.timeout_s=10 > " + log.string() + " 2>&1 & echo $!";
+    FILE* p = popen(cmd.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    ASSERT_EQ(fscanf(p, "%d", &pids[static_cast<size_t>(r)]), 1);
+    pclose(p);
+  }
+  const fs::path latest = run / "checkpoints" / "latest";
+  for (int i = 0; i < 600 && !fs::exists(latest); ++i) usleep(100 * 1000);
+  ASSERT_TRUE(fs::exists(latest)) << read_text(dir_ / "rank0.log") << read_text(dir_ / "rank1.log");
+  ASSERT_EQ(kill(pids[1], SIGKILL), 0);
+  const auto killed_at = std::chrono::steady_clock::now();
+  int waited = 0;
+  while (kill(pids[0], 0) == 0 && waited++ < 400) usleep(100 * 1000);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  const std::string log0 = read_text(dir_ / "rank0.log");
+  ASSERT_NE(kill(pids[0], 0), 0) << "rank 0 still runs " << seconds << " s after rank 1 was killed\n" << log0;
+  EXPECT_LT(seconds, 30.0) << log0;
+  // One error naming this rank and the collective that failed.
+  EXPECT_NE(log0.find("rank 0 of 2"), std::string::npos) << log0;
+  EXPECT_NE(log0.find("a rank may have exited or hung"), std::string::npos) << log0;
+  waitpid(pids[0], nullptr, WNOHANG);
+
+  // The last committed checkpoint verifies, and one process resumes from it.
+  std::string name = read_text(latest);
+  while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
+  const int64_t saved = std::stoll(name.substr(name.find('-') + 1));
+  CmdResult verify = testing::run_strata("ckpt verify " + (run / "checkpoints" / name).string());
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
+  CmdResult resumed = testing::run_strata(run_args(run.string(), 2) + " train.steps=" + std::to_string(saved + 1) +
+                                          " ckpt.every=2 --resume auto");
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("done: " + std::to_string(saved + 1) + " steps"), std::string::npos) << resumed.output;
+}
+
+}  // namespace
+}  // namespace strata
