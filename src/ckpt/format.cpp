@@ -1,6 +1,8 @@
 // Names, dtypes, safetensors headers and the manifest of the checkpoint format.
 #include "ckpt/format.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -54,6 +56,26 @@ TensorKind kind_of_qualified(const std::string& qualified, std::string* name) {
 }
 
 const char* file_of_kind(TensorKind kind) { return kind == TensorKind::kParam ? kModelFile : kOptimizerFile; }
+
+std::string shard_file_name(const char* file, int rank, int world) {
+  const std::string base(file);
+  const size_t dot = base.rfind(".safetensors");
+  return fmt::format("{}.rank-{:05d}-of-{:05d}.safetensors", base.substr(0, dot), rank, world);
+}
+
+namespace {
+bool is_file_of(std::string_view name, std::string_view stem) {
+  const std::string_view ext = ".safetensors";
+  if (name.size() < stem.size() + ext.size() || name.substr(0, stem.size()) != stem ||
+      name.substr(name.size() - ext.size()) != ext)
+    return false;
+  const std::string_view middle = name.substr(stem.size(), name.size() - stem.size() - ext.size());
+  return middle.empty() || middle.substr(0, 6) == ".rank-";
+}
+}  // namespace
+
+bool is_model_file(std::string_view name) { return is_file_of(name, "model"); }
+bool is_optimizer_file(std::string_view name) { return is_file_of(name, "optimizer"); }
 
 std::string step_dir_name(int64_t step) { return "step-" + std::to_string(step); }
 

@@ -58,6 +58,15 @@ inline uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 // never overflows.
 inline constexpr int64_t kMaxStep = 999'999'999'999'999'999;
 
+// The files of one rank's share of a sharded checkpoint (data-parallel ranks each write the
+// tensors they own): "model.rank-00001-of-00004.safetensors". A checkpoint of one writer uses
+// kModelFile and kOptimizerFile.
+std::string shard_file_name(const char* file, int rank, int world);
+// Whether a file of a step directory holds parameters (kModelFile or a shard of it) or
+// optimizer state (kOptimizerFile or a shard of it).
+bool is_model_file(std::string_view name);
+bool is_optimizer_file(std::string_view name);
+
 // "step-42"; parse_step_dir_name("step-42") == 42, nullopt for anything else ("step-42.tmp").
 std::string step_dir_name(int64_t step);
 std::optional<int64_t> parse_step_dir_name(std::string_view name);

@@ -147,8 +147,12 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::stri
     return Status::Corruption(manifest_path + " is not valid JSON; the checkpoint is damaged");
   }
   ASSIGN_OR_RETURN(r->manifest_, manifest_from_json(manifest_path, r->step_dir_, r->manifest_json_));
+  // One model and one optimizer file, or each rank's shard of them (a sharded save).
   for (const char* name : {kModelFile, kOptimizerFile}) {
-    if (r->manifest_.files.count(name) == 0) {
+    bool listed = false;
+    for (const auto& [file, rec] : r->manifest_.files)
+      listed |= name == std::string(kModelFile) ? is_model_file(file) : is_optimizer_file(file);
+    if (!listed) {
       return Status::Corruption(manifest_path + " does not list " + name + "; the checkpoint is damaged");
     }
   }
@@ -174,7 +178,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::stri
   if (options.verify) RETURN_IF_ERROR(r->verify());
   for (size_t i = 0; i < r->files_.size(); ++i) {
     const SavedFile& f = r->files_[i];
-    if (f.name != kModelFile && f.name != kOptimizerFile) {
+    if (!is_model_file(f.name) && !is_optimizer_file(f.name)) {
       r->fds_.emplace_back();
       continue;
     }
@@ -195,7 +199,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::stri
       SavedTensor t;
       t.name = e.name;
       std::string base;
-      t.kind = f.name == kModelFile ? TensorKind::kParam : kind_of_qualified(e.name, &base);
+      t.kind = is_model_file(f.name) ? TensorKind::kParam : kind_of_qualified(e.name, &base);
       t.dtype = e.dtype;
       t.shape = e.shape;
       t.nbytes = e.end - e.begin;

@@ -182,8 +182,11 @@ Result<SavePlan> make_save_plan(const SaveRequest& request, uint64_t piece_bytes
 
   SavePlan plan;
   plan.region_spans.resize(request.regions.size());
-  plan_file(0, kModelFile, model, request, piece_bytes, &plan);
-  plan_file(1, kOptimizerFile, optimizer, request, piece_bytes, &plan);
+  const ShardedSave& shard = request.shard;
+  plan_file(0, shard.sharded() ? shard_file_name(kModelFile, shard.rank, shard.world) : kModelFile, model, request,
+            piece_bytes, &plan);
+  plan_file(1, shard.sharded() ? shard_file_name(kOptimizerFile, shard.rank, shard.world) : kOptimizerFile,
+            optimizer, request, piece_bytes, &plan);
   for (auto& spans : plan.region_spans) {
     std::sort(spans.begin(), spans.end(), [](const RegionSpan& a, const RegionSpan& b) { return a.begin < b.begin; });
   }

@@ -91,6 +91,7 @@ struct CheckpointWriter::Job {
     return s.state == PieceState::kWritten || (s.slot != nullptr && s.state != PieceState::kCapturing);
   }
   std::string path_of(int file) const { return tmp_dir + "/" + plan.files[file].name; }
+  bool exchanged = false;  // a sharded save told the other ranks its outcome
 
   // Copies a piece's bytes into `slot` and zeroes its padding. Runs without the lock; the
   // caller has marked the piece kCapturing.
@@ -226,13 +227,25 @@ Status CheckpointWriter::setup(Job* job) {
   std::error_code ec;
   std::filesystem::create_directories(job->dir, ec);
   if (ec) return Status::IOError("cannot create checkpoint directory " + job->dir + ": " + ec.message());
-  RETURN_IF_ERROR(remove_stale_tmp_dirs(job->dir));
-  if (::mkdir(job->tmp_dir.c_str(), 0755) != 0) return sys_error("mkdir of", job->tmp_dir, errno);
+  const bool sharded = job->request.shard.sharded();
+  if (sharded) {
+    // Every rank writes into the same step-N.tmp: none may remove what another made (stale
+    // folders are cleared before the run's first save, and a failed save by rank 0 once all
+    // ranks have reported).
+    if (::mkdir(job->tmp_dir.c_str(), 0755) != 0 && errno != EEXIST) return sys_error("mkdir of", job->tmp_dir, errno);
+  } else {
+    RETURN_IF_ERROR(remove_stale_tmp_dirs(job->dir));
+    if (::mkdir(job->tmp_dir.c_str(), 0755) != 0) return sys_error("mkdir of", job->tmp_dir, errno);
+  }
 
-  // From here on a failure must remove tmp_dir.
+  // From here on a failure must remove tmp_dir (this rank's files of it, when sharded).
   auto fail = [&](const Status& st) {
     job->fds.clear();
-    (void)remove_tree(job->tmp_dir);
+    if (sharded) {
+      for (const PlannedFile& f : job->plan.files) (void)::unlink((job->tmp_dir + "/" + f.name).c_str());
+    } else {
+      (void)remove_tree(job->tmp_dir);
+    }
     return st;
   };
   if (options_.engine_factory) {
@@ -539,6 +552,14 @@ Status CheckpointWriter::commit(Job* job) {
     RETURN_IF_ERROR(job->fds[f].close_checked(path));
     manifest.files[file.name] = FileRecord{file.size, job->hashes[f]};
   }
+  if (job->request.shard.sharded()) {
+    // Rank 0 commits every rank's files; the others are done once theirs are durable.
+    job->exchanged = true;
+    using Files = std::map<std::string, FileRecord>;
+    ASSIGN_OR_RETURN(Files all, job->request.shard.exchange(Status::OK(), manifest.files));
+    if (job->request.shard.rank != 0) return Status::OK();
+    manifest.files = std::move(all);
+  }
   RETURN_IF_ERROR(write_file_durable(job->tmp_dir + "/" + kManifestFile, manifest_to_json(manifest).dump(2) + "\n"));
   RETURN_IF_ERROR(fsync_path(job->tmp_dir));
   const std::string step_name = step_dir_name(job->request.step);
@@ -572,6 +593,13 @@ void CheckpointWriter::run(Job* job) {
   }
   if (st.ok()) st = write_data(job);
   if (st.ok()) st = commit(job);
+  const ShardedSave& shard = job->request.shard;
+  if (shard.sharded() && !job->exchanged) {
+    // The other ranks wait to hear from this one: it reports its failure.
+    job->exchanged = true;
+    Result<std::map<std::string, FileRecord>> heard = shard.exchange(st, {});
+    if (st.ok() && !heard.ok()) st = heard.status();
+  }
   job->fds.clear();
   job->engine.reset();  // releases the files registered with it
   SaveStats stats;
@@ -593,7 +621,10 @@ void CheckpointWriter::run(Job* job) {
   } else {
     struct stat sb;
     const bool committed = ::stat(job->tmp_dir.c_str(), &sb) != 0 && ::stat(job->final_dir.c_str(), &sb) == 0;
-    if (!committed) (void)remove_tree(job->tmp_dir);
+    // Sharded: every rank has reported by now, so rank 0 may remove the whole folder.
+    if (!committed && (!shard.sharded() || shard.rank == 0)) (void)remove_tree(job->tmp_dir);
+    if (!committed && shard.sharded() && shard.rank != 0)
+      for (const PlannedFile& f : job->plan.files) (void)::unlink((job->tmp_dir + "/" + f.name).c_str());
     Result<std::string> latest = read_latest_file(job->dir + "/" + kLatestFile);
     const std::string latest_says = latest.ok() ? latest.value() : "nothing";
     LOG_ERROR("checkpoint of step {} in {} failed: {}; {} {}; {}/latest still names {}; training continues",

@@ -38,6 +38,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -75,11 +76,28 @@ struct Region {
   RegionReader read;           // used when data is null: every piece is read into staging
 };
 
+// One rank's share of a sharded save: data-parallel ranks each write the tensors they own into
+// files of their own (shard_file_name) in the same DIR/step-N.tmp, and rank 0 commits them all
+// under one manifest. world 1: a save of one writer.
+struct ShardedSave {
+  int rank = 0;
+  int world = 1;
+  // Called on the writer's thread of every rank, in the same order of saves, once this rank's
+  // files are durable (`own` OK, `files` its files) or its save failed. Returns, on rank 0,
+  // every rank's files (then it commits), nothing on the others, and an error when any rank's
+  // save failed (then rank 0 removes step-N.tmp once every rank has reported).
+  std::function<Result<std::map<std::string, FileRecord>>(const Status& own,
+                                                         const std::map<std::string, FileRecord>& files)>
+      exchange;
+  bool sharded() const { return world > 1; }
+};
+
 struct SaveRequest {
   std::string dir;  // the checkpoint directory; created when missing
   int64_t step = 0;
   std::vector<Region> regions;  // before_modify's `region` indexes this vector
   ManifestFields manifest;
+  ShardedSave shard;
 };
 
 enum class IfBusy : uint8_t {

@@ -1,6 +1,7 @@
 #include "train/checkpointing.h"
 
 #include <chrono>
+#include <functional>
 #include <set>
 
 #include "ckpt/finite.h"
@@ -25,8 +26,9 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 }
 
 // The flat layout of one kind: the state's host copy, or read out of it on demand.
+// owned(t): whether this writer saves tensor t (a rank saves the groups it owns).
 ckpt::Region make_region(ckpt::TensorKind kind, StateKind state_kind, const model::ParamLayout& layout,
-                         SavableState& state) {
+                         SavableState& state, const std::function<bool(const model::TensorSpec&)>& owned) {
   ckpt::Region r;
   r.kind = kind;
   r.data = state.flat_data(state_kind);
@@ -37,7 +39,7 @@ ckpt::Region make_region(ckpt::TensorKind kind, StateKind state_kind, const mode
   }
   r.size = static_cast<uint64_t>(layout.total_size()) * sizeof(float);
   for (const auto& t : layout.tensors())
-    r.tensors.push_back({t.name, t.shape, ckpt::DType::kF32, static_cast<uint64_t>(t.offset) * sizeof(float)});
+    if (owned(t)) r.tensors.push_back({t.name, t.shape, ckpt::DType::kF32, static_cast<uint64_t>(t.offset) * sizeof(float)});
   return r;
 }
 
@@ -46,6 +48,8 @@ ckpt::Region make_region(ckpt::TensorKind kind, StateKind state_kind, const mode
 TrainCheckpointer::TrainCheckpointer(const CheckpointOptions& options, const model::ParamLayout& layout,
                                      SavableState& state, ckpt::IoEngineFactory engine_factory)
     : options_(options), layout_(layout), state_(state) {
+  CHECK(!options.shard.sharded() ||
+        (options.shard.exchange && options.group_owner.size() == static_cast<size_t>(layout.num_layers()) + 2));
   ckpt::CheckpointWriterOptions wo;
   wo.keep_last = options.keep_last;
   wo.if_busy = options.skip_if_busy ? ckpt::IfBusy::kSkip : ckpt::IfBusy::kWait;
@@ -96,10 +100,16 @@ Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos
   ckpt::SaveRequest req;
   req.dir = options_.dir;
   req.step = pos.step;
-  req.regions.push_back(make_region(ckpt::TensorKind::kParam, kSavedKinds[0], layout_, state_));
-  req.regions.push_back(make_region(ckpt::TensorKind::kAdamM, kSavedKinds[1], layout_, state_));
-  req.regions.push_back(make_region(ckpt::TensorKind::kAdamV, kSavedKinds[2], layout_, state_));
-  if (!extra.empty()) {
+  const ckpt::ShardedSave& shard = options_.shard;
+  auto owned = [&](const model::TensorSpec& t) {
+    return !shard.sharded() ||
+           options_.group_owner[static_cast<size_t>(model::param_group_of(layout_, t))] == shard.rank;
+  };
+  req.shard = shard;
+  req.regions.push_back(make_region(ckpt::TensorKind::kParam, kSavedKinds[0], layout_, state_, owned));
+  req.regions.push_back(make_region(ckpt::TensorKind::kAdamM, kSavedKinds[1], layout_, state_, owned));
+  req.regions.push_back(make_region(ckpt::TensorKind::kAdamV, kSavedKinds[2], layout_, state_, owned));
+  if (!extra.empty() && shard.rank == 0) {
     // The writer waited for above no longer reads extra_values_.
     extra_values_.clear();
     ckpt::Region r;
@@ -121,6 +131,10 @@ Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos
   req.manifest.lr_schedule = {{"step", pos.step}};
   req.manifest.model_config = model_config;
   req.manifest.layout = {{"kind", "flat fp32 per tensor"}, {"tensors", layout_.tensors().size()}};
+  if (shard.sharded())
+    req.manifest.layout["sharding"] = {{"world_size", shard.world},
+                                       {"by", "parameter groups"},
+                                       {"group_owner", options_.group_owner}};
   req.manifest.precision = options_.recipe;
   ASSIGN_OR_RETURN(ckpt::SaveStart started, writer_->begin_save(req));
   return started == ckpt::SaveStart::kStarted;

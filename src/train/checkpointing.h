@@ -36,6 +36,11 @@ struct CheckpointOptions {
   // The run's precision recipe and moment format, recorded in each manifest's "precision"
   // object (the tensors themselves are logical: fp32 master weights and decoded moments).
   nlohmann::json recipe = nlohmann::json::object();
+  // Data-parallel ranks: each writes the tensors of the parameter groups it owns
+  // (group_owner[g], model::param_group_of numbering) into files of its own, and rank 0
+  // commits them under one manifest (ckpt::ShardedSave). world 1: one writer saves everything.
+  ckpt::ShardedSave shard;
+  std::vector<int> group_owner;
 };
 
 // What a run needs besides the tensors to continue where it stopped.

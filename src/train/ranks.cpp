@@ -1,5 +1,6 @@
 #include "train/ranks.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -59,6 +60,10 @@ Result<Ranks> connect_ranks(TrainConfig& t) {
                                                   "(parallel.rendezvous; every rank must see the same folder)",
                                                   l.rank, l.world_size, co.rendezvous_dir));
   ranks.comm = std::move(*comm);
+  co.name = "ckpt";
+  Result<std::unique_ptr<parallel::Comm>> ckpt = parallel::connect(l, co);
+  if (!ckpt.ok()) return ckpt.status().with_context("connecting the checkpoint writers of the ranks");
+  ranks.ckpt_comm = std::move(*ckpt);
   return ranks;
 }
 
@@ -114,6 +119,60 @@ Status agree_all_ok(parallel::Comm& comm, const Status& own, const std::string& 
 Result<bool> any_rank(parallel::Comm& comm, bool value) {
   ASSIGN_OR_RETURN(double sum, parallel::sum_over_ranks(comm, value ? 1.0 : 0.0));
   return sum > 0;
+}
+
+}  // namespace strata
+
+namespace strata {
+
+std::vector<int> group_owners(const model::ParamLayout& layout, int world) {
+  const int groups = layout.num_layers() + 2;
+  std::vector<uint64_t> bytes(static_cast<size_t>(groups), 0);
+  for (const model::TensorSpec& t : layout.tensors())
+    bytes[static_cast<size_t>(model::param_group_of(layout, t))] += static_cast<uint64_t>(t.numel);
+  std::vector<int> order(static_cast<size_t>(groups));
+  for (int g = 0; g < groups; ++g) order[static_cast<size_t>(g)] = g;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return bytes[a] > bytes[b]; });
+  std::vector<uint64_t> load(static_cast<size_t>(world), 0);
+  std::vector<int> owner(static_cast<size_t>(groups), 0);
+  for (int g : order) {
+    const size_t r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[static_cast<size_t>(g)] = static_cast<int>(r);
+    load[r] += bytes[static_cast<size_t>(g)];
+  }
+  return owner;
+}
+
+Result<std::map<std::string, ckpt::FileRecord>> exchange_shard_files(parallel::Comm& comm, const Status& own,
+                                                                    const std::map<std::string, ckpt::FileRecord>& files) {
+  nlohmann::json mine = {{"ok", own.ok()}, {"message", own.ok() ? "" : own.message()}, {"files", nlohmann::json::object()}};
+  for (const auto& [name, rec] : files) mine["files"][name] = {{"size", rec.size}, {"xxh3", rec.xxh3}};
+  const std::string text = mine.dump();
+  // Every rank's text, padded to the longest.
+  const size_t world = static_cast<size_t>(comm.world_size());
+  uint64_t size = text.size();
+  std::vector<uint64_t> sizes(world);
+  RETURN_IF_ERROR(comm.all_gather(&size, sizes.data(), sizeof(size)));
+  const uint64_t longest = *std::max_element(sizes.begin(), sizes.end());
+  std::string padded = text;
+  padded.resize(longest, ' ');
+  std::string all(longest * world, ' ');
+  RETURN_IF_ERROR(comm.all_gather(padded.data(), all.data(), longest));
+  std::map<std::string, ckpt::FileRecord> merged;
+  std::string failed;
+  for (size_t r = 0; r < world; ++r) {
+    const nlohmann::json j = nlohmann::json::parse(all.substr(r * longest, sizes[r]), nullptr, false);
+    CHECK_MSG(!j.is_discarded(), "rank " + std::to_string(r) + " sent no checkpoint outcome");
+    if (!j["ok"].get<bool>()) {
+      failed += fmt::format("{}rank {}: {}", failed.empty() ? "" : "; ", r, j["message"].get<std::string>());
+      continue;
+    }
+    for (auto it = j["files"].begin(); it != j["files"].end(); ++it)
+      merged[it.key()] = ckpt::FileRecord{(*it)["size"].get<uint64_t>(), (*it)["xxh3"].get<uint64_t>()};
+  }
+  if (!failed.empty()) return Status::IOError("the checkpoint was not committed: " + failed);
+  if (comm.rank() != 0) merged.clear();
+  return merged;
 }
 
 }  // namespace strata

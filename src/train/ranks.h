@@ -7,10 +7,15 @@
 // whole state, computes its share of each step's micro-batches and reads the same checkpoints.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "ckpt/format.h"
 #include "core/status.h"
+#include "model/param_access.h"
+#include "model/params.h"
 #include "parallel/comm.h"
 #include "parallel/launch.h"
 #include "train/train_config.h"
@@ -20,6 +25,8 @@ namespace strata {
 struct Ranks {
   parallel::LaunchInfo launch;
   std::unique_ptr<parallel::Comm> comm;  // null in a single process
+  // The checkpoint writers' own (they run on a thread of their own beside training).
+  std::unique_ptr<parallel::Comm> ckpt_comm;
   int rank() const { return launch.rank; }
   int world() const { return launch.world_size; }
   bool several() const { return launch.world_size > 1; }
@@ -45,5 +52,16 @@ Status agree_all_ok(parallel::Comm& comm, const Status& own, const std::string& 
 
 // True on every rank when any rank asks to stop (a signal reached some of them).
 Result<bool> any_rank(parallel::Comm& comm, bool value);
+
+// Which rank owns each parameter group (model::param_group_of numbering) among `world`: the
+// groups, largest first, each to the rank that owns the fewest bytes so far (the lowest such
+// rank on a tie). The same on every rank; a checkpoint's shards follow it.
+std::vector<int> group_owners(const model::ParamLayout& layout, int world);
+
+// A sharded checkpoint's exchange (ckpt::ShardedSave::exchange) over `comm`: every rank's
+// outcome and files to every rank; rank 0 gets all files, the others none, and every rank an
+// error naming the ranks whose share failed.
+Result<std::map<std::string, ckpt::FileRecord>> exchange_shard_files(parallel::Comm& comm, const Status& own,
+                                                                    const std::map<std::string, ckpt::FileRecord>& files);
 
 }  // namespace strata

@@ -219,7 +219,6 @@ struct Run {
   // Starts a save of the state after the last sound step.
   Status save_checkpoint(const TrainConfig& t) {
     CHECK(sound);
-    if (!ranks->writes()) return Status::OK();  // every rank holds the same state: rank 0 saves it
     GoodputAccountant::Timer blocked = goodput->time(GoodputPart::kCheckpoint);  // waits for the previous save
     RunPosition pos;
     pos.step = sound_step;
@@ -255,7 +254,6 @@ struct Run {
   // The final save: the state after the last sound step, committed before this returns. The
   // outcome of an earlier save in flight is only a warning when this one lands.
   Status save_final(const TrainConfig& t) {
-    if (!ranks->writes()) return Status::OK();
     if (Status previous = wait_for_save(); !previous.ok()) {
       LOG_WARN("checkpoint: {}", previous.message());
       last_saved_step = std::min(last_saved_step, sound_step - 1);  // it did not land: save again
@@ -307,6 +305,10 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
       return Status::OK();
     }();
   }
+  // A sharded save's ranks all write into step-N.tmp and none removes it: what a crashed run
+  // left is cleared before any rank saves (rank 0 does it before telling the others to go on).
+  if (ranks.several() && ranks.writes() && opened_dirs.ok() && fs::is_directory(t.ckpt_dir))
+    opened_dirs = ckpt::remove_stale_tmp_dirs(t.ckpt_dir);
   if (ranks.several()) {
     RETURN_IF_ERROR(share_run_dirs(*ranks.comm, opened_dirs, t));
     // Each rank pages through a folder of its own.
@@ -420,6 +422,19 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   co.keep_last = static_cast<int>(t.ckpt_keep_last);
   co.skip_if_busy = t.ckpt_skip_if_busy;
   co.staging_bytes = t.ckpt_staging;
+  if (ranks.several()) {
+    // Each rank writes the parameter groups it owns; rank 0 commits them under one manifest.
+    co.group_owner = group_owners(run->layout, ranks.world());
+    co.shard.rank = ranks.rank();
+    co.shard.world = ranks.world();
+    parallel::Comm* ckpt_comm = ranks.ckpt_comm.get();
+    co.shard.exchange = [ckpt_comm](const Status& own, const std::map<std::string, ckpt::FileRecord>& files) {
+      return exchange_shard_files(*ckpt_comm, own, files);
+    };
+    // Ranks must save the same steps: none may skip a save another makes.
+    if (co.skip_if_busy) LOG_INFO("ckpt.skip_if_busy is off with several ranks: every rank saves every checkpoint");
+    co.skip_if_busy = false;
+  }
   co.recipe = {{"recipe", run->engine->recipe()},
                {"moments", kernels::moment_format_name(t.moments)},
                {"moments_rounding", t.stochastic_rounding ? "stochastic" : "nearest"}};

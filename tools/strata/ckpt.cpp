@@ -80,9 +80,19 @@ int inspect(const std::string& path) {
   if (p.contains("recipe") || p.contains("moments"))
     std::printf("trained in       %s; Adam moments stored as %s (the checkpoint holds them decoded)\n",
                 text("recipe").c_str(), text("moments").c_str());
-  std::printf("\n%-24s %14s  %s\n", "file", "size", "xxh3_64");
+  // How it was written: by one process, or each data-parallel rank its share.
+  const nlohmann::json& layout = m.fields.layout;
+  if (layout.contains("sharding") && layout["sharding"].is_object()) {
+    const nlohmann::json& sh = layout["sharding"];
+    std::printf("written as       %s ranks, each its %s (any number of ranks resumes it)\n",
+                sh.value("world_size", nlohmann::json("?")).dump().c_str(),
+                sh.value("by", std::string("share")).c_str());
+  } else {
+    std::printf("written as       one process\n");
+  }
+  std::printf("\n%-40s %14s  %s\n", "file", "size", "xxh3_64");
   for (const ckpt::SavedFile& f : r.files()) {
-    std::printf("%-24s %14s  %s\n", f.name.c_str(), format_bytes(f.size).c_str(), ckpt::xxh3_hex(f.xxh3).c_str());
+    std::printf("%-40s %14s  %s\n", f.name.c_str(), format_bytes(f.size).c_str(), ckpt::xxh3_hex(f.xxh3).c_str());
   }
   uint64_t counts[ckpt::kTensorKindCount] = {0}, bytes[ckpt::kTensorKindCount] = {0};
   for (const ckpt::SavedTensor& t : r.tensors()) {
