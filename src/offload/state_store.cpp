@@ -138,9 +138,14 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
   s->layout_ = options.layout;
   s->ptrs_.assign(s->tensors_.size(), std::array<void*, kNumStateKinds>{});
   s->homes_.resize(static_cast<size_t>(s->num_groups_) * kNumStateKinds, Tier::kHost);
+  s->holds_.assign(static_cast<size_t>(s->num_groups_) * kNumStateKinds, true);
   for (const StateKind kind : s->layout_.kinds()) {
     const int k = static_cast<int>(kind);
     for (int g = 0; g < s->num_groups_; ++g) {
+      if (options.holds && !options.holds(g, kind)) {
+        s->holds_[static_cast<size_t>(g) * kNumStateKinds + static_cast<size_t>(k)] = false;
+        continue;
+      }
       std::optional<Tier> home;
       if (options.home) home = options.home(g, kind);
       // A home tier that is already full falls back to the tiers below it (for the rest of the
@@ -299,6 +304,7 @@ void StateStore::unpin(int group, const std::vector<size_t>& parts, StateKind ki
 
 Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMode mode) {
   CHECK(group >= 0 && group < num_groups_);
+  CHECK_MSG(holds(group, kind), "group " + std::to_string(group) + " holds no " + state_kind_name(kind) + " state");
   std::vector<size_t> all(parts_[group].size());
   for (size_t p = 0; p < all.size(); ++p) all[p] = p;
   // Where this access sits in the step's schedule (the next matching entry).

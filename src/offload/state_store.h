@@ -88,6 +88,10 @@ struct StateStoreOptions {
   // The home tier of each group's chunks of a kind. Empty: the ChunkSpace's default (the
   // lowest tier with room).
   std::function<Tier(int group, StateKind kind)> home;
+  // Which groups hold state of a kind. Empty: every group holds every kind of the layout.
+  // Data-parallel ranks hold master weights and Adam moments only for the groups they own; a
+  // kind a group does not hold has no chunks, and acquiring it is a programmer error.
+  std::function<bool(int group, StateKind kind)> holds;
 };
 
 class StateStore {
@@ -138,6 +142,10 @@ class StateStore {
   void* raw_pointer(size_t i, StateKind kind) const;
   float* pointer(size_t i, StateKind kind) const;
   const StateLayout& layout() const { return layout_; }
+  // Whether group g holds state of `kind` (StateStoreOptions::holds).
+  bool holds(int group, StateKind kind) const {
+    return layout_.has(kind) && holds_[static_cast<size_t>(group) * kNumStateKinds + static_cast<size_t>(kind)];
+  }
   // Copies floats [first, first + count) of tensor i's `kind` state (an fp32 kind) into `dst`
   // from wherever its latest copy is, without moving or pinning anything
   // (ChunkSpace::read_tensor). The caller guarantees nobody writes them meanwhile.
@@ -225,6 +233,7 @@ class StateStore {
   std::optional<size_t> next_entry(const GroupAccess& access);
   Status copy_activation(int i, char* data, uint64_t bytes, bool to_store);
   size_t lookahead_ = 2;
+  std::vector<bool> holds_;  // [group * kNumStateKinds + kind]
 };
 
 }  // namespace strata

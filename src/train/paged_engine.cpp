@@ -9,6 +9,7 @@
 #include "core/units.h"
 #include "memory/chunk.h"
 #include "train/planning.h"
+#include "train/ranks.h"
 
 #if STRATA_HAVE_CUDA
 #include "model/cuda/decoder_cuda.h"
@@ -137,6 +138,11 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   po.moments = t.moments;
   po.stochastic_rounding = t.stochastic_rounding;
   po.device_kernels = e->state_kernels_.get();
+  if (t.dp_world > 1) {
+    // Master weights and Adam moments sharded over the ranks by parameter group (ZeRO-1).
+    po.group_owner = group_owners(e->net_->layout(), t.dp_world);
+    po.rank = t.dp_rank;
+  }
   e->budgets_ = budgets;
   e->cuda_ = cuda;
   ASSIGN_OR_RETURN(e->state_, PagedState::create(*e->device_, e->io_.get(), e->net_->layout(), po));

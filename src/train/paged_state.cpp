@@ -168,6 +168,14 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   so.space.nvme_dir = options.nvme_dir;
   so.lookahead = options.lookahead;
   so.layout = state_layout(options);
+  if (!options.group_owner.empty()) {
+    CHECK(options.group_owner.size() == static_cast<size_t>(L) + 2);
+    const bool separate_master = so.layout.separate_master();
+    so.holds = [owner = options.group_owner, rank = options.rank, separate_master](int g, StateKind k) {
+      const bool sharded = k == StateKind::kAdamM || k == StateKind::kAdamV || (k == StateKind::kMaster && separate_master);
+      return !sharded || owner[static_cast<size_t>(g)] == rank;
+    };
+  }
   if (options.plan != nullptr) {
     const Plan plan = *options.plan;
     const bool has_nvme = options.nvme_bytes > 0;
@@ -197,13 +205,15 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     int& count = experts[static_cast<size_t>(model::param_group_of(ps->layout_, t))];
     count = std::max(count, model::param_expert_of(ps->layout_, t) + 1);
   }
-  ps->store_->set_schedule(step_schedule(L, tied, options.grad_accum, offloaded, experts,
-                                         [p = ps.get()](int g) { return p->adam_tier(g); }, so.layout.kinds()));
+  ps->store_->set_schedule(step_schedule(
+      L, tied, options.grad_accum, offloaded, experts, [p = ps.get()](int g) { return p->adam_tier(g); },
+      so.layout.kinds(), [p = ps.get()](int g, StateKind k) { return p->owns(g) || k == StateKind::kParam; }));
   if (options.overlap_optimizer) ps->worker_ = std::thread([p = ps.get()] { p->worker_loop(); });
   return ps;
 }
 
 Tier PagedState::adam_tier(int group) const {
+  if (!owns(group)) return store_->home(group, StateKind::kParam) == Tier::kDevice ? Tier::kDevice : Tier::kHost;
   return store_->home(group, StateKind::kAdamM) == Tier::kDevice ? Tier::kDevice : Tier::kHost;
 }
 
@@ -218,6 +228,27 @@ Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
   const StateKind kind = stored_kind(saved);
   for (int g = 0; g < store_->num_groups(); ++g) {
     if (before_modify_ && kind != StateKind::kGrad) before_modify_(g);
+    if (!store_->holds(g, kind)) {
+      // A group another rank owns: its moments are that rank's; of its weights this rank keeps
+      // only the compute copy, written from the values as the owner writes it from its master.
+      if (kind != StateKind::kMaster) continue;
+      RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kParam, Tier::kHost, AccessMode::kReadWrite));
+      Status st = Status::OK();
+      std::vector<float> whole;
+      for (size_t i : store_->group_tensors(g)) {
+        const Piece& p = pieces_[i];
+        if (p.block != 0) continue;
+        whole.resize(static_cast<size_t>(p.spec->numel));
+        st = fill(*p.spec, whole.data());
+        for (int64_t b = 0; st.ok() && b < p.spec->num_blocks(); ++b)
+          write_copy(*cpu_state_kernels(), i + static_cast<size_t>(b),
+                     whole.data() + (p.spec->block_offset(b) - p.spec->offset));
+        if (!st.ok()) break;
+      }
+      store_->release_group(g, StateKind::kParam);
+      RETURN_IF_ERROR(st);
+      continue;
+    }
     RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kReadWrite));
     Status st = Status::OK();
     const bool f32 = store_->layout().is_f32(kind);
@@ -265,6 +296,7 @@ Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
     });
   }
   for (int g = 0; g < store_->num_groups(); ++g) {
+    CHECK_MSG(store_->holds(g, kind), "copy_kind of a kind this rank does not hold for every group");
     RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kRead));
     for (size_t i : store_->group_tensors(g)) get_values(i, kind, flat + pieces_[i].offset);
     store_->release_group(g, kind);
@@ -290,6 +322,8 @@ Status PagedState::read_flat(StateKind saved, uint64_t offset, uint64_t length, 
     CHECK_MSG(first >= t.offset && first < t.offset + t.numel,
               "read_flat of flat offset " + std::to_string(first) + ", which is in no tensor");
     const int64_t count = std::min(end, t.offset + t.numel) - first;
+    CHECK_MSG(store_->holds(store_->tensor(it->second).group, kind),
+              "read_flat of " + std::string(state_kind_name(kind)) + " state another rank owns");
     if (store_->layout().is_f32(kind)) {
       RETURN_IF_ERROR(store_->read_tensor(it->second, kind, static_cast<uint64_t>(first - t.offset),
                                           static_cast<uint64_t>(count), out));
@@ -347,6 +381,7 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   const Tier where = adam_tier(g);
   const StateLayout& layout = store_->layout();
   const std::vector<StateKind> kinds = layout.kinds();
+  if (!owns(g)) return receive_group(g);
   trace::Span span("optimizer", "adamw group", g);
   span.arg("tier", static_cast<double>(where));
   if (before_modify_) before_modify_(g);
@@ -407,7 +442,32 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     }
   }
   if (where == Tier::kDevice) kernels_->synchronize();
+  Status sent = options_.group_owner.empty() ? Status::OK() : broadcast_copy(g, where);
   for (StateKind k : kinds) store_->release_group(g, k);
+  return sent;
+}
+
+Status PagedState::receive_group(int g) {
+  const Tier where = adam_tier(g);
+  trace::Span span("optimizer", "receive group", g);
+  if (before_modify_) before_modify_(g);
+  RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kParam, where, AccessMode::kReadWrite));
+  Status st = broadcast_copy(g, where);
+  store_->release_group(g, StateKind::kParam);
+  return st;
+}
+
+Status PagedState::broadcast_copy(int g, Tier where) {
+  CHECK_MSG(comm_ != nullptr, "sharded optimizer state without the ranks' Comm (set_comm)");
+  const int owner = options_.group_owner[static_cast<size_t>(g)];
+  // The CPU backend's device memory is host memory; a GPU's copy goes on its compute stream.
+  Stream* stream = where == Tier::kDevice && device_->kind() != DeviceKind::kCpu ? compute_stream_ : nullptr;
+  for (size_t i : store_->group_tensors(g)) {
+    const uint64_t bytes = store_->layout().tensor_bytes(StateKind::kParam, store_->tensor(i).shape());
+    Status st = comm_->broadcast(store_->raw_pointer(i, StateKind::kParam), bytes, owner, stream);
+    if (!st.ok()) return st.with_context("the updated weights of parameter group " + std::to_string(g));
+  }
+  if (stream != nullptr) stream->synchronize();
   return Status::OK();
 }
 
@@ -707,7 +767,8 @@ std::string PagedState::placement_summary() const {
   std::string out;
   for (StateKind k : store_->layout().kinds()) {
     int counts[kNumTiers] = {0, 0, 0};
-    for (int g = 0; g < store_->num_groups(); ++g) counts[static_cast<int>(store_->home(g, k))]++;
+    for (int g = 0; g < store_->num_groups(); ++g)
+      if (store_->holds(g, k)) counts[static_cast<int>(store_->home(g, k))]++;
     out += fmt::format("{}{}: {} device, {} host, {} nvme", out.empty() ? "" : "; ", state_kind_name(k), counts[0],
                        counts[1], counts[2]);
   }

@@ -85,6 +85,12 @@ struct PagedStateOptions {
   // Start AdamW on each group as soon as its gradients are final in the step's last micro-batch,
   // on a worker thread, while backward continues on earlier layers. Requires grad_clip = 0.
   bool overlap_optimizer = false;
+  // Data parallelism with sharded optimizer state (ZeRO-1 over parameter groups): group g's
+  // master weights and Adam moments exist only on rank group_owner[g], which updates the group
+  // and sends its new compute copy to the other ranks (set_comm); every rank holds every
+  // group's compute copy and gradients. Empty: this process owns every group.
+  std::vector<int> group_owner;
+  int rank = 0;
 };
 
 // What create() reserves in host memory: a slot of chunk_bytes for every chunk the state can
@@ -220,8 +226,23 @@ class PagedState : public model::ParamAccess, public SavableState {
   Status read_moments(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst);
   size_t tensor_at(int64_t offset) const;
   // Where AdamW updates a group: the device tier when its moments live there, else host memory
-  // (NVMe-homed moments are read into host slots).
+  // (NVMe-homed moments are read into host slots). For a group another rank owns: where its
+  // compute copy receives the owner's update (the device tier when it is homed there).
   Tier adam_tier(int group) const;
+  // Whether this rank updates group g and holds its master weights and moments.
+  bool owns(int group) const {
+    return options_.group_owner.empty() || options_.group_owner[static_cast<size_t>(group)] == options_.rank;
+  }
+  // Kinds only the owner of a group holds.
+  bool sharded_kind(StateKind kind) const {
+    return kind == StateKind::kAdamM || kind == StateKind::kAdamV ||
+           (kind == StateKind::kMaster && store_->layout().separate_master());
+  }
+  // A group another rank owns: its compute copy, as the owner updated it (the broadcast of
+  // update_group on the owner).
+  Status receive_group(int group);
+  // Sends (owner) or receives each tensor of group g's compute copy, acquired at `where`.
+  Status broadcast_copy(int group, Tier where);
 
   model::ParamLayout layout_;
   kernels::AdamWParams adamw_params(float lr) const;

@@ -41,6 +41,8 @@ Result<Ranks> connect_ranks(TrainConfig& t) {
   init_logging(lo);
   // One GPU per process, by local rank; a node's host memory shared by its ranks.
   t.cuda_device = l.local_rank;
+  t.dp_rank = l.rank;
+  t.dp_world = l.world_size;
   if (t.memory_host == 0 && l.local_world_size > 1) t.memory_host = default_host_budget() / l.local_world_size;
   parallel::CommOptions co;
   co.backend = t.parallel_backend == "auto" ? (t.device == "cuda" ? "nccl" : "gloo") : t.parallel_backend;

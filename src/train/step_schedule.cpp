@@ -10,7 +10,8 @@ namespace strata {
 // `adam_tier(g)` is where AdamW updates group g, so that the optimizer phase prefetches there.
 std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded,
                                        const std::vector<int>& experts, const std::function<Tier(int)>& adam_tier,
-                                       const std::vector<StateKind>& optimizer_kinds) {
+                                       const std::vector<StateKind>& optimizer_kinds,
+                                       const std::function<bool(int, StateKind)>& updates) {
   const int head = num_layers + 1;
   std::vector<GroupAccess> s;
   auto all = [&](int g, StateKind k) { s.push_back({g, k}); };
@@ -40,6 +41,7 @@ std::vector<GroupAccess> step_schedule(int num_layers, bool tied, int64_t grad_a
   for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // gradient norm
   for (int g = 0; g <= head; ++g) {
     for (StateKind k : optimizer_kinds) {
+      if (updates && !updates(g, k)) continue;
       all(g, k);
       s.back().prefetch_to = adam_tier(g);
     }

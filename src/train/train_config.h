@@ -75,6 +75,8 @@ struct TrainConfig {
   std::string parallel_rendezvous;
   double parallel_timeout_s = 300;
   int cuda_device = 0;  // not a key: the GPU of this process (its local rank when launched as several)
+  int dp_rank = 0;      // not keys: this process's data-parallel rank and their number (train/ranks.h)
+  int dp_world = 1;
 };
 
 // Every key `strata train` accepts.

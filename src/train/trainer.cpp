@@ -661,7 +661,9 @@ Status loop(Run& run, const TrainConfig& t) {
 // the run's error: the state it held is not on disk.
 Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
   TrainSummary& summary = run.summary;
-  if (summary.interrupted || t.ckpt_every > 0) {
+  // Ranks hold master weights in shards: an export reads them from the final checkpoint.
+  const bool export_from_checkpoint = run.ranks->several() && !t.run_export.empty();
+  if (summary.interrupted || t.ckpt_every > 0 || export_from_checkpoint) {
     RETURN_IF_ERROR(run.save_final(t));
   } else if (Status saved = run.wait_for_save(); !saved.ok()) {
     LOG_WARN("checkpoint: {}", saved.message());
@@ -672,11 +674,17 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
     eo.copy_tokenizer_from = t.model_from;
     eo.dtype = t.run_export_dtype == "auto" ? run.source_dtype : *model::parse_export_dtype(t.run_export_dtype);
     SavableState& state = run.engine->state();
-    // Tensor by tensor out of the engine's state: no second copy of the model.
+    std::unique_ptr<ckpt::CheckpointReader> saved;
+    if (export_from_checkpoint) {
+      ASSIGN_OR_RETURN(saved, ckpt::CheckpointReader::open(
+                                  (fs::path(t.ckpt_dir) / ckpt::step_dir_name(run.last_saved_step)).string()));
+    }
+    // Tensor by tensor out of the engine's state (or the final checkpoint): no second copy of the model.
     GoodputAccountant::Timer exporting = run.goodput->time(GoodputPart::kExport);
     Status exported = model::export_hf(
         t.run_export, run.mc, run.layout,
         [&](const model::TensorSpec& spec, float* out) {
+          if (saved) return saved->read_f32(spec.name, out, static_cast<uint64_t>(spec.numel));
           return state.read_flat(StateKind::kParam, static_cast<uint64_t>(spec.offset) * sizeof(float),
                                  static_cast<uint64_t>(spec.numel) * sizeof(float), out);
         },

@@ -172,6 +172,38 @@ TEST_F(DataParallelTest, WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch) {
   EXPECT_FALSE(fs::exists(four / "metrics.rank1.jsonl"));
 }
 
+// "homes: param: 4 device, 0 host, 0 nvme; grad: ...": the groups holding `kind` on this rank.
+int groups_holding(const std::string& log, const std::string& kind) {
+  const size_t at = log.find(kind + ": ", log.find("homes: "));
+  if (at == std::string::npos) return -1;
+  int device = 0, host = 0, nvme = 0;
+  if (std::sscanf(log.c_str() + at + kind.size() + 2, "%d device, %d host, %d nvme", &device, &host, &nvme) != 3)
+    return -1;
+  return device + host + nvme;
+}
+
+// In the bf16 recipe each rank keeps master weights and Adam moments only for the parameter
+// groups it owns (4 groups: 2 each), updates those and sends their new bf16 copies to the other
+// rank; the export reads the masters back from the final (sharded) checkpoint.
+TEST_F(DataParallelTest, Bf16MastersAndMomentsLiveOnlyOnTheirOwner) {
+  const fs::path one = dir_ / "one", two = dir_ / "two";
+  const std::string bf16 = " train.precision=bf16";
+  CmdResult single = testing::run_strata(run_args(one.string(), 2) + bf16 + " run.export=" + (one / "export").string() +
+                                         " run.export_dtype=f32");
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  EXPECT_EQ(groups_holding(single.output, "master"), 4) << single.output;
+  auto w2 = launch(2, run_args(two.string(), 1) + bf16 + " run.export=" + (two / "export").string() +
+                          " run.export_dtype=f32", "bf16");
+  ASSERT_TRUE(all_ok(w2)) << all_output(w2);
+  EXPECT_EQ(groups_holding(w2[0].output, "master"), 2) << w2[0].output;
+  EXPECT_EQ(groups_holding(w2[0].output, "adam_m"), 2) << w2[0].output;
+  EXPECT_EQ(groups_holding(w2[0].output, "param"), 4) << w2[0].output;
+  expect_close_losses(losses_of(one / "metrics.jsonl"), losses_of(two / "metrics.jsonl"), "bf16 world 2");
+  const ParamDiff d = compare_exports(one / "export", two / "export");
+  ASSERT_GT(d.tensors, 0u);
+  EXPECT_TRUE(d.max_abs <= kParamTol) << "max |diff| " << d.max_abs;
+}
+
 TEST_F(DataParallelTest, MoeWithGlobalBalancingAndTightBudgetsThroughNvmeOnEveryRank) {
   const std::string moe = ",model_type=mixtral,num_local_experts=4,num_experts_per_tok=2,router_bias_update_rate=0.05";
   const fs::path one = dir_ / "one", two = dir_ / "two";
