@@ -24,12 +24,15 @@ std::string format_step_line(const StepMetrics& m) {
                                                     : std::string();
   return fmt::format(
       "step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {:.0f} ms{} | dev {} host {} nvme {} | "
-      "moved {} stall {:.0f} ms | rss {}{}{}{}",
+      "moved {} stall {:.0f} ms | rss {}{}{}{}{}",
       m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, tps, m.ms, eta, format_bytes(m.tier_bytes[0]),
       format_bytes(m.tier_bytes[1]), format_bytes(m.tier_bytes[2]), format_bytes(m.moved_bytes), m.stall_ms,
       format_bytes(m.rss_bytes),
       m.rss_planned_bytes > 0 ? " / " + format_bytes(m.rss_planned_bytes) + " planned" : std::string(),
-      m.recipe.empty() ? std::string() : " | " + m.recipe, skipped);
+      m.recipe.empty() ? std::string() : " | " + m.recipe,
+      m.world > 1 ? fmt::format(" | {} ranks, sent {}", m.world, format_bytes(static_cast<uint64_t>(m.comm_bytes)))
+                  : std::string(),
+      skipped);
 }
 
 Result<MetricsWriter> MetricsWriter::open(const std::string& path, bool append) {
@@ -64,6 +67,10 @@ Status MetricsWriter::write(const StepMetrics& m) {
                       {"skipped_steps", m.skipped_steps},
                       {"rss_bytes", m.rss_bytes},
                       {"rss_planned_bytes", m.rss_planned_bytes}};
+  if (m.world > 1) {
+    j["world"] = m.world;
+    j["comm_bytes"] = m.comm_bytes;
+  }
   // Losses are printed with 17 significant digits so that runs can be compared bitwise.
   return append(j.dump());
 }

@@ -23,6 +23,8 @@ struct StepMetrics {
   int64_t tokens = 0;          // tokens seen so far
   uint64_t tier_bytes[3] = {0, 0, 0};  // chunk bytes in use on device, host, nvme
   uint64_t moved_bytes = 0;    // bytes moved between tiers during the step
+  int world = 1;               // data-parallel ranks
+  double comm_bytes = 0;       // bytes each rank sent to the others during the step (mean over ranks)
   double stall_ms = 0;         // time compute waited for data during the step
   uint64_t rss_bytes = 0;      // resident memory of the process
   uint64_t rss_planned_bytes = 0;  // the planned peak of host memory (host_ram.h); 0 when unknown

@@ -1,6 +1,9 @@
 #include "train/ranks.h"
 
+#include <omp.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -12,6 +15,9 @@
 #include "core/check.h"
 #include "core/log.h"
 #include "train/planning.h"
+#if STRATA_HAVE_CUDA
+#include "core/cuda/cuda_device.h"
+#endif
 
 namespace strata {
 
@@ -44,11 +50,23 @@ Result<Ranks> connect_ranks(TrainConfig& t) {
   t.dp_rank = l.rank;
   t.dp_world = l.world_size;
   if (t.memory_host == 0 && l.local_world_size > 1) t.memory_host = default_host_budget() / l.local_world_size;
+  // The node's cores shared by its ranks: OpenMP threads that outnumber them spin while a
+  // collective waits and starve the other ranks (steps 50 times slower on two cores).
+  if (std::getenv("OMP_NUM_THREADS") == nullptr && l.local_world_size > 1) {
+    const int threads = std::max(1, omp_get_num_procs() / l.local_world_size);
+    omp_set_num_threads(threads);
+    LOG_INFO("parallel: {} CPU threads per rank ({} cores, {} ranks on this node; OMP_NUM_THREADS overrides)", threads,
+             omp_get_num_procs(), l.local_world_size);
+  }
   parallel::CommOptions co;
   co.backend = t.parallel_backend == "auto" ? (t.device == "cuda" ? "nccl" : "gloo") : t.parallel_backend;
   co.rendezvous_dir = rendezvous_dir(t, l);
   co.name = "train";
   co.timeout = std::chrono::milliseconds(static_cast<int64_t>(t.parallel_timeout_s * 1000));
+#if STRATA_HAVE_CUDA
+  // NCCL's communicator works on the calling thread's current GPU: this rank's.
+  if (co.backend == "nccl") RETURN_IF_ERROR(cuda_use_device(l.local_rank));
+#endif
   std::error_code ec;
   fs::create_directories(co.rendezvous_dir, ec);
   if (ec)

@@ -567,6 +567,7 @@ Status loop(Run& run, const TrainConfig& t) {
     const int64_t valid = model::count_valid_targets(targets.data(), static_cast<int64_t>(targets.size()));
     const float grad_scale = valid > 0 ? 1.0f / static_cast<float>(valid) : 0.0f;
     const EngineStats before = engine.stats();
+    const uint64_t sent_before = ranks.several() ? ranks.comm->bytes_sent() : 0;
     const uint64_t ckpt_blocked_before = run.checkpointer->blocked_ns();
     run.sound = false;  // until the optimizer step is through
     RETURN_IF_ERROR(engine.zero_grads());
@@ -608,6 +609,13 @@ Status loop(Run& run, const TrainConfig& t) {
     account_step(run, step, std::chrono::duration<double>(t_data - t0).count(),
                  std::chrono::duration<double>(t_end - t_data).count(), after.stall_ns - before.stall_ns,
                  run.checkpointer->blocked_ns() - ckpt_blocked_before);
+    // What each rank sent in the step (the gradient sums and the updated groups' weights).
+    double comm_bytes = 0;
+    if (ranks.several()) {
+      ASSIGN_OR_RETURN(comm_bytes, parallel::sum_over_ranks(
+                                       *ranks.comm, static_cast<double>(ranks.comm->bytes_sent() - sent_before)));
+      comm_bytes /= ranks.world();
+    }
     run.tokens_seen += tokens_per_step;
     run.mark_sound(step);
     run.summary.steps_done = step;
@@ -624,6 +632,8 @@ Status loop(Run& run, const TrainConfig& t) {
     for (int i = 0; i < kNumTiers; ++i) sm.tier_bytes[i] = after.tier_bytes[i];
     sm.stall_ms = static_cast<double>(after.stall_ns - before.stall_ns) / 1e6;
     sm.moved_bytes = after.moved_bytes - before.moved_bytes;
+    sm.world = ranks.world();
+    sm.comm_bytes = comm_bytes;
     sm.rss_bytes = resident_bytes();
     sm.rss_planned_bytes = run.host_ram_peak;
     sm.recipe = run.engine->recipe();

@@ -26,6 +26,16 @@ Status cuda_status(cudaError_t error, const std::string& what) {
 
 }  // namespace
 
+Status cuda_use_device(int index) {
+  const int count = cuda_device_count();
+  if (index < 0 || index >= count)
+    return Status::InvalidArgument("GPU " + std::to_string(index) + " does not exist: this node has " +
+                                   std::to_string(count) + " visible (one process per GPU: launch at most that many "
+                                   "ranks per node)");
+  CUDA_CHECK(cudaSetDevice(index));
+  return Status::OK();
+}
+
 int cuda_device_count() {
   int count = 0;
   const cudaError_t error = cudaGetDeviceCount(&count);

@@ -16,11 +16,15 @@
 
 #include "core/arena.h"
 #include "core/device.h"
+#include "core/status.h"
 
 namespace strata {
 
 // Number of usable CUDA devices; 0 when there is no device or no driver. Never aborts.
 int cuda_device_count();
+// Makes device `index` the calling thread's current one (what NCCL's communicator uses).
+// InvalidArgument when there is no such device.
+Status cuda_use_device(int index);
 
 class CudaStream final : public Stream {
  public:
