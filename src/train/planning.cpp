@@ -156,6 +156,11 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   in.rates.copy_latency_s = t.copy_latency_s;
   in.rates.device_adam_params_per_s = t.device_adam_params_per_s;
   in.rates.device_memory_bytes_per_s = t.device_memory_bytes_per_s;
+  in.rates.intra_node_bytes_per_s = t.intra_node_bytes_per_s;
+  in.rates.inter_node_bytes_per_s = t.inter_node_bytes_per_s;
+  in.world_size = t.plan_world_size;
+  in.ranks_per_node = t.plan_ranks_per_node;
+  in.zero = t.plan_zero;
   return in;
 }
 
