@@ -213,7 +213,6 @@ TEST(Plan, OverlappedOptimizerHidesOnlyBesideAGpu) {
   EXPECT_EQ(cpu.optimizer_tail_s, cpu.phases.optimizer_s);
 }
 
-}  // namespace
 // Data parallelism. base_input() holds 1e9 parameters: 2e9 bytes of compute copy (bf16), 2e9 of
 // gradients (grad_bytes 2) and 4e9 of each optimizer kind; 16 layers of 50M, an edge of 200M.
 PlanInput ranks(PlanInput in, int64_t world, int zero) {
@@ -380,4 +379,5 @@ TEST(PlanDataParallel, TheLevelTableHasARowPerLevelAndMarksTheChoice) {
   EXPECT_NE(table.find("host budget"), std::string::npos) << table;  // why the lower levels do not fit
 }
 
+}  // namespace
 }  // namespace strata

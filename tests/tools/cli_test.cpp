@@ -205,8 +205,10 @@ TEST_F(CliTest, PlanForManyRanksComparesTheZeroLevels) {
   EXPECT_EQ(given.exit_code, 0) << given.output;
   EXPECT_NE(given.output.find("ZeRO-3 (as given); collectives at 20 GB/s"), std::string::npos) << given.output;
   EXPECT_NE(given.output.find("per rank at ZeRO-3"), std::string::npos) << given.output;
+  // One rank holds the whole state, which 64 GiB of host cannot (64 ranks shard it: exit 0 above).
   CmdResult one = run_strata(base);
-  EXPECT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_EQ(one.exit_code, 1) << one.output;
+  EXPECT_NE(one.output.find("does not fit: the host budget 64.00 GiB"), std::string::npos) << one.output;
   EXPECT_EQ(one.output.find("data parallel"), std::string::npos) << one.output;
   EXPECT_EQ(one.output.find("collectives"), std::string::npos) << one.output;
   CmdResult bad = run_strata(base + " parallel.world_size=8 parallel.zero=4");
