@@ -245,8 +245,8 @@ Plan plan_at_level(const PlanInput& in, int zero) {
       in.chunk_size ? in.chunk_size : std::min<uint64_t>(64ull << 20, round_up(in.layer_elements * 4, 4096));
   const uint64_t optimizer_kinds = in.separate_master ? 3 : 2;
   // Sharded, a rank's part of the group.
-  const uint64_t group_chunks = sharded ? (in.largest_group_chunks + static_cast<uint64_t>(W) - 1) / static_cast<uint64_t>(W)
-                                        : in.largest_group_chunks;
+  const uint64_t w = static_cast<uint64_t>(W);
+  const uint64_t group_chunks = sharded ? (in.largest_group_chunks + w - 1) / w : in.largest_group_chunks;
   const uint64_t staging = in.largest_group_chunks > 0 && in.chunk_size > 0
                                ? optimizer_kinds * std::max<uint64_t>(group_chunks, 2) * in.chunk_size
                                : 2 * optimizer_kinds * pipeline_chunk;
@@ -436,7 +436,6 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   // ZeRO-3's gathers prefetch beside compute (the larger of the two counts); the gradient
   // reduction and the updated copy's gather run after backward and count in full.
   if (W > 1) {
-    const uint64_t w = static_cast<uint64_t>(W);
     const uint64_t G = (static_cast<uint64_t>(L) * in.layer_elements + in.edge_elements) * in.grad_bytes;
     const uint64_t P = bytes_of(static_cast<uint64_t>(L) * in.layer_elements, in.param_bytes) +
                        bytes_of(in.edge_elements, in.edge_param_bytes);

@@ -198,7 +198,8 @@ TEST_F(CliTest, PlanForManyRanksComparesTheZeroLevels) {
   EXPECT_EQ(many.exit_code, 0) << many.output;
   EXPECT_NE(many.output.find("data parallel: 64 ranks, 8 per node (8 nodes), ZeRO-"), std::string::npos) << many.output;
   EXPECT_NE(many.output.find("collectives at 25 GB/s bus bandwidth (between nodes"), std::string::npos) << many.output;
-  for (const char* row : {"\n  0", "\n  1", "\n  2", "\n  3"}) EXPECT_NE(many.output.find(row), std::string::npos) << row;
+  for (const char* row : {"\n  0", "\n  1", "\n  2", "\n  3"})
+    EXPECT_NE(many.output.find(row), std::string::npos) << row;
   EXPECT_NE(many.output.find("tokens/s for the 64 ranks"), std::string::npos) << many.output;
   // A given level is planned as given; one node talks at the node's bandwidth.
   CmdResult given = run_strata(base + " parallel.world_size=8 parallel.zero=3 hardware.intra_node_gbps=20");

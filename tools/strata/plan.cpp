@@ -242,8 +242,8 @@ int plan_command(const std::vector<std::string>& args) {
                                 : tc->hardware_profile.c_str());
   if (in.world_size > 1) {
     std::printf("%s", format_zero_levels(in, plan.zero).c_str());
-    std::printf("per rank at ZeRO-%d (each rank's budgets and micro-batches as above; the world's step is %lld tokens):\n",
-                plan.zero, static_cast<long long>(in.world_size * in.tokens_per_step));
+    std::printf("per rank at ZeRO-%d (each rank's budgets and micro-batches as above; the world's step is %lld "
+                "tokens):\n", plan.zero, static_cast<long long>(in.world_size * in.tokens_per_step));
   }
   std::printf("%s", format_plan(in, plan).c_str());
   const HostRamPlan ram = plan_run_host_ram(*mc, *tc, plan, cuda);
