@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "core/check.h"
 #include "core/units.h"
 #include "offload/traffic_sim.h"
 
@@ -120,22 +121,43 @@ TrafficInput traffic_input(const PlanInput& in, int64_t L, const GroupBytes& lay
   return t;
 }
 
-}  // namespace
+// One rank's part of a group under ZeRO `zero` over `world` ranks: 1/world of each sharded
+// kind, rounded up (a rank's shard of the flat state, not whole chunks).
+GroupBytes shard_of(GroupBytes b, int64_t world, int zero) {
+  const uint64_t w = static_cast<uint64_t>(world);
+  auto part = [&](uint64_t bytes) { return (bytes + w - 1) / w; };
+  if (zero >= 1) b.master = part(b.master), b.adam_m = part(b.adam_m), b.adam_v = part(b.adam_v);
+  if (zero >= 2) b.grad = part(b.grad);
+  if (zero >= 3) b.param = part(b.param);
+  return b;
+}
 
-Plan make_plan(const PlanInput& in) {
+Plan plan_at_level(const PlanInput& in, int zero) {
   Plan p;
+  p.zero = zero;
   const int64_t L = in.num_layers;
-  const GroupBytes layer = group_bytes(in, in.layer_elements, in.param_bytes, in.layer_chunks, in.layer_param_chunks,
-                                       in.layer_moment_chunks);
-  const GroupBytes edge = group_bytes(in, in.edge_elements, in.edge_param_bytes, in.edge_chunks, in.edge_param_chunks,
-                                      in.edge_moment_chunks);
+  const int64_t W = std::max<int64_t>(1, in.world_size);
+  const bool sharded = W > 1 && zero >= 1;  // some kind is split over the ranks
+  const GroupBytes full_layer = group_bytes(in, in.layer_elements, in.param_bytes, in.layer_chunks,
+                                            in.layer_param_chunks, in.layer_moment_chunks);
+  const GroupBytes full_edge = group_bytes(in, in.edge_elements, in.edge_param_bytes, in.edge_chunks,
+                                           in.edge_param_chunks, in.edge_moment_chunks);
+  // What this rank holds of each group; the working set below stays whole-layer sized: ZeRO-3
+  // gathers a layer's parameters before using them and ZeRO-2 produces a layer's gradients in
+  // full before reducing them onto their shards.
+  const GroupBytes layer = shard_of(full_layer, W, zero);
+  const GroupBytes edge = shard_of(full_edge, W, zero);
+  // The parameters each rank's AdamW updates in a group.
+  auto updated = [&](uint64_t elements) {
+    return zero >= 1 ? (elements + static_cast<uint64_t>(W) - 1) / static_cast<uint64_t>(W) : elements;
+  };
   const int64_t groups = L + 1;  // index L is the edge group
   auto gb = [&](int64_t g) -> const GroupBytes& { return g == L ? edge : layer; };
   const uint64_t ckpt_all = static_cast<uint64_t>(L + 1) * in.checkpoint_bytes_per_layer;
 
   // 1. The device working set while everything streams.
-  const uint64_t ws_param = std::max(edge.param + layer.param, 2 * layer.param);
-  const uint64_t ws_grad = std::max(edge.grad + layer.grad, 2 * layer.grad);
+  const uint64_t ws_param = std::max(full_edge.param + full_layer.param, 2 * full_layer.param);
+  const uint64_t ws_grad = std::max(full_edge.grad + full_layer.grad, 2 * full_layer.grad);
   const uint64_t ws_act = in.layer_workspace_bytes + in.head_workspace_bytes + in.kept_activation_bytes;
   const uint64_t ws_ckpt_offloaded = 2 * in.checkpoint_bytes_per_layer;
   bool offload = in.offload_activations == "true";
@@ -174,7 +196,8 @@ Plan make_plan(const PlanInput& in) {
     param_res[g] = true;
     p.resident_param_groups++;
   }
-  if (p.resident_param_groups == groups) free_bytes += ws_param_left, ws_param_left = 0;
+  // Every group's parameters resident frees the working set's, unless they are shards.
+  if (p.resident_param_groups == groups && !(W > 1 && zero >= 3)) free_bytes += ws_param_left, ws_param_left = 0;
   for (int64_t i = 0; i < groups; ++i) {
     const int64_t g = order(i);
     if (gb(g).grad > free_bytes) continue;
@@ -182,7 +205,7 @@ Plan make_plan(const PlanInput& in) {
     grad_res[g] = true;
     p.resident_grad_groups++;
   }
-  if (p.resident_grad_groups == groups) free_bytes += ws_grad_left, ws_grad_left = 0;
+  if (p.resident_grad_groups == groups && !(W > 1 && zero >= 2)) free_bytes += ws_grad_left, ws_grad_left = 0;
   for (int64_t i = 0; i < groups; ++i) {
     const int64_t g = order(i);
     if (!param_res[g] || !grad_res[g] || gb(g).optimizer() > free_bytes) continue;
@@ -221,8 +244,11 @@ Plan make_plan(const PlanInput& in) {
   const uint64_t pipeline_chunk =
       in.chunk_size ? in.chunk_size : std::min<uint64_t>(64ull << 20, round_up(in.layer_elements * 4, 4096));
   const uint64_t optimizer_kinds = in.separate_master ? 3 : 2;
+  // Sharded, a rank's part of the group.
+  const uint64_t w = static_cast<uint64_t>(W);
+  const uint64_t group_chunks = sharded ? (in.largest_group_chunks + w - 1) / w : in.largest_group_chunks;
   const uint64_t staging = in.largest_group_chunks > 0 && in.chunk_size > 0
-                               ? optimizer_kinds * std::max<uint64_t>(in.largest_group_chunks, 2) * in.chunk_size
+                               ? optimizer_kinds * std::max<uint64_t>(group_chunks, 2) * in.chunk_size
                                : 2 * optimizer_kinds * pipeline_chunk;
   auto host_total = [&] { return p.host.total() + (p.nvme_optimizer_groups > 0 ? staging : 0); };
   for (auto it = host_groups.rbegin(); it != host_groups.rend() && host_total() > in.host_budget; ++it) {
@@ -259,8 +285,10 @@ Plan make_plan(const PlanInput& in) {
   // 4. Traffic per optimizer step, by phase: what one micro-batch's forward and backward move,
   // and what moves once per step for the gradient passes and the optimizer.
   const uint64_t accum = static_cast<uint64_t>(std::max<int64_t>(1, in.grad_accum));
-  // The experts a micro-batch leaves without tokens, which a streamed layer does not move.
-  const double idle = std::clamp(1.0 - in.expert_fetch_fraction, 0.0, 1.0);
+  // The experts a micro-batch leaves without tokens, which a streamed layer does not move. A
+  // rank's gradient shard is a slice of the flat layer that cuts across experts: with sharded
+  // gradients every streamed byte is planned to move.
+  const double idle = W > 1 && zero >= 2 ? 0.0 : std::clamp(1.0 - in.expert_fetch_fraction, 0.0, 1.0);
   const uint64_t idle_experts = static_cast<uint64_t>(idle * static_cast<double>(in.expert_elements));
   uint64_t fwd_h2d = 0, fwd_d2h = 0, bwd_h2d = 0, bwd_d2h = 0, opt_h2d = 0, opt_d2h = 0;
   uint64_t first_layer_h2d = 0;  // what the first layer of a phase needs before it can start
@@ -280,7 +308,7 @@ Plan make_plan(const PlanInput& in) {
       bwd_d2h += b.grad - idle_grad;
     }
     else if (!opt_dev[g]) opt_d2h += b.grad;          // once, for CPU AdamW
-    if (!opt_dev[g]) p.cpu_adam_elements += (g == L ? in.edge_elements : in.layer_elements);
+    if (!opt_dev[g]) p.cpu_adam_elements += updated(g == L ? in.edge_elements : in.layer_elements);
   }
   if (offload) {
     fwd_d2h += static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
@@ -302,7 +330,8 @@ Plan make_plan(const PlanInput& in) {
   // set leave free and gives up, when full, the copy needed farthest along the schedule, so the
   // counts above (every streamed group moved at every use) are replaced by a replay of the
   // schedule against the slots (offload/traffic_sim.h). The checkpoints' copies stay as above.
-  if (in.chunk_size > 0) {
+  // Shards are not whole chunks: sharded plans keep the counts above (an upper bound).
+  if (in.chunk_size > 0 && !sharded) {
     const TrafficResult sim = simulate_traffic(traffic_input(in, L, layer, edge, param_res, grad_res, opt_dev, opt_nvme,
                                                              p, offload, idle_experts));
     if (sim.ok) {
@@ -369,7 +398,7 @@ Plan make_plan(const PlanInput& in) {
   // CPU backend (ov 0), and can with a GPU's copy engines (ov 1).
   uint64_t device_adam_elements = 0;
   for (int64_t g = 0; g < groups; ++g)
-    if (opt_dev[g]) device_adam_elements += (g == L ? in.edge_elements : in.layer_elements);
+    if (opt_dev[g]) device_adam_elements += updated(g == L ? in.edge_elements : in.layer_elements);
   p.cpu_adam_s = static_cast<double>(p.cpu_adam_elements) / r.cpu_adam_params_per_s;
   p.disk_s = static_cast<double>(p.disk_read_bytes) / r.disk_read_bytes_per_s +
              static_cast<double>(p.disk_write_bytes) / r.disk_write_bytes_per_s;
@@ -389,16 +418,65 @@ Plan make_plan(const PlanInput& in) {
   p.exposed_transfer_s = mb * (ph.forward.exposed_s + ph.backward.exposed_s);
   p.optimizer_tail_s = ph.optimizer_s - ph.optimizer_hidden_s;
   p.step_s = ph.step_s();
+
+  // 6. Collectives between the ranks, bytes each rank sends per step, as ring algorithms do:
+  // an all-reduce of B bytes sends 2(W-1)/W x B (a reduce-scatter, then an all-gather), a
+  // reduce-scatter or an all-gather (W-1)/W x B. G is every gradient's bytes, P the compute
+  // copy's, without chunk padding.
+  //   ZeRO-0 and 1: the accumulated gradients all-reduced once per step, 2(W-1)/W x G; ZeRO-1
+  //     then all-gathers the compute copy each rank updated its shard of, (W-1)/W x P.
+  //   ZeRO-2: each micro-batch's gradients reduce-scattered onto their shards (a rank keeps
+  //     only its shard, so the accumulation happens there), grad_accum x (W-1)/W x G, plus the
+  //     all-gather of the updated compute copy.
+  //   ZeRO-3: the parameters all-gathered for the forward and again for the backward of every
+  //     micro-batch, 2 x grad_accum x (W-1)/W x P, plus ZeRO-2's gradient reduce-scatter; the
+  //     updated shards need no gather.
+  // Time: those bytes over the bus bandwidth of the slowest link the ring crosses, the node's
+  // when the world fits in one node and the network's otherwise (no hierarchical estimate).
+  // ZeRO-3's gathers prefetch beside compute (the larger of the two counts); the gradient
+  // reduction and the updated copy's gather run after backward and count in full.
+  if (W > 1) {
+    const uint64_t G = (static_cast<uint64_t>(L) * in.layer_elements + in.edge_elements) * in.grad_bytes;
+    const uint64_t P = bytes_of(static_cast<uint64_t>(L) * in.layer_elements, in.param_bytes) +
+                       bytes_of(in.edge_elements, in.edge_param_bytes);
+    auto ring = [&](uint64_t bytes) { return bytes / w * (w - 1) + bytes % w * (w - 1) / w; };  // (W-1)/W x bytes
+    CommBytes& c = p.comm;
+    if (zero <= 1) c.grad_all_reduce = 2 * ring(G);
+    else c.grad_reduce_scatter = accum * ring(G);
+    if (zero == 1 || zero == 2) c.update_all_gather = ring(P);
+    if (zero == 3) c.param_all_gather = 2 * accum * ring(P);
+    const int64_t per_node = std::clamp<int64_t>(in.ranks_per_node, 1, W);
+    p.comm_bytes_per_s = W <= per_node ? r.intra_node_bytes_per_s : r.inter_node_bytes_per_s;
+    p.comm_s = static_cast<double>(c.total()) / p.comm_bytes_per_s;
+    const double gather_s = static_cast<double>(c.param_all_gather) / p.comm_bytes_per_s;
+    p.comm_exposed_s = (p.comm_s - gather_s) + std::max(0.0, gather_s - p.compute_s);
+    p.step_s += p.comm_exposed_s;
+  }
   // What bounds the step: the largest of its parts.
   const double opt_cpu = p.optimizer_tail_s - std::min(p.optimizer_tail_s, p.disk_s);
   const std::pair<double, const char*> terms[] = {
       {p.compute_s, "compute"},
       {p.exposed_transfer_s, p.h2d_bytes >= p.d2h_bytes ? "PCIe host-to-device" : "PCIe device-to-host"},
       {opt_cpu, "CPU AdamW"},
-      {std::min(p.optimizer_tail_s, p.disk_s), "disk"}};
+      {std::min(p.optimizer_tail_s, p.disk_s), "disk"},
+      {p.comm_exposed_s, "communication"}};
   double largest = -1;
   for (const auto& term : terms)
     if (term.first > largest) largest = term.first, p.bottleneck = term.second;
+  return p;
+}
+
+}  // namespace
+
+Plan make_plan(const PlanInput& in) {
+  CHECK(in.zero >= kZeroAuto && in.zero < kZeroLevels);
+  if (in.world_size <= 1) return plan_at_level(in, 0);  // one rank: nothing to shard
+  if (in.zero != kZeroAuto) return plan_at_level(in, in.zero);
+  Plan p;
+  for (int z = 0; z < kZeroLevels; ++z) {
+    p = plan_at_level(in, z);
+    if (p.fits) break;
+  }
   return p;
 }
 
@@ -457,8 +535,56 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
                     format_seconds(p.cpu_adam_s), format_seconds(p.disk_s),
                     ph.optimizer_hidden_s > 0 ? fmt::format(", {} of it during backward", format_seconds(ph.optimizer_hidden_s))
                                               : std::string());
-  if (in.tokens_per_step > 0 && p.step_s > 0)
-    os << fmt::format("  predicted throughput {:.0f} tokens/s\n", in.tokens_per_step / p.step_s);
+  if (in.world_size > 1) {
+    const CommBytes& c = p.comm;
+    os << fmt::format("  collectives per rank per step (ZeRO-{}, {} GB/s bus): gradient all-reduce {}, reduce-scatter "
+                      "{}, parameter all-gather {}, updated-copy all-gather {}; {} of which {} adds to the step\n",
+                      p.zero, p.comm_bytes_per_s / 1e9, format_bytes(c.grad_all_reduce),
+                      format_bytes(c.grad_reduce_scatter), format_bytes(c.param_all_gather),
+                      format_bytes(c.update_all_gather), format_seconds(p.comm_s), format_seconds(p.comm_exposed_s));
+  }
+  if (in.tokens_per_step > 0 && p.step_s > 0) {
+    if (in.world_size > 1)
+      os << fmt::format("  predicted throughput {:.0f} tokens/s per rank, {:.0f} tokens/s for the {} ranks\n",
+                        in.tokens_per_step / p.step_s,
+                        static_cast<double>(in.world_size) * static_cast<double>(in.tokens_per_step) / p.step_s,
+                        in.world_size);
+    else
+      os << fmt::format("  predicted throughput {:.0f} tokens/s\n", in.tokens_per_step / p.step_s);
+  }
+  return os.str();
+}
+
+std::string format_zero_levels(const PlanInput& in, int chosen) {
+  const int64_t W = std::max<int64_t>(1, in.world_size);
+  const int64_t per_node = std::clamp<int64_t>(in.ranks_per_node, 1, W);
+  const bool one_node = W <= per_node;
+  std::ostringstream os;
+  os << fmt::format("data parallel: {} ranks, {} per node ({} node{}), ZeRO-{}{}; collectives at {:.0f} GB/s bus "
+                    "bandwidth ({})\n",
+                    W, per_node, (W + per_node - 1) / per_node, (W + per_node - 1) / per_node == 1 ? "" : "s", chosen,
+                    in.zero == kZeroAuto ? " (auto: the lowest level that fits)" : " (as given)",
+                    (one_node ? in.rates.intra_node_bytes_per_s : in.rates.inter_node_bytes_per_s) / 1e9,
+                    one_node ? "within a node, hardware.intra_node_gbps" : "between nodes, hardware.inter_node_gbps");
+  os << fmt::format("  {:<6} {:>11} {:>11} {:>11} {:>5} {:>11} {:>10} {:>10} {:>12}\n", "ZeRO", "device/rank",
+                    "host/rank", "nvme/rank", "fits", "comm/rank", "comm", "step", "tokens/s");
+  for (int z = 0; z < kZeroLevels; ++z) {
+    PlanInput level = in;
+    level.zero = z;
+    const Plan p = make_plan(level);
+    auto tier = [&](const KindBytes& k) { return p.fits ? format_bytes(k.total()) : std::string("-"); };
+    os << fmt::format("  {:<6} {:>11} {:>11} {:>11} {:>5} {:>11} {:>10} {:>10} {:>12}\n",
+                      fmt::format("{}{}", z, z == chosen ? "*" : ""), tier(p.device), tier(p.host), tier(p.nvme),
+                      p.fits ? "yes" : "no",
+                      p.fits ? format_bytes(p.comm.total()) : "-", p.fits ? format_seconds(p.comm_s) : "-",
+                      p.fits ? format_seconds(p.step_s) : "-",
+                      p.fits && p.step_s > 0 && in.tokens_per_step > 0
+                          ? fmt::format("{:.0f}", static_cast<double>(W * in.tokens_per_step) / p.step_s)
+                          : "-");
+    if (!p.fits) os << "         " << p.problem << "\n";
+  }
+  os << "  (bytes and collectives per rank per optimizer step, ring algorithms; the engine implements ZeRO-0 "
+        "today, levels 1-3 are planned ahead of it)\n";
   return os.str();
 }
 

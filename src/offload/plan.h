@@ -15,6 +15,9 @@
 //   host:   everything not on the device that the CPU AdamW and the transfers need, filled in
 //           the order param copies, gradients, master weights, Adam m, Adam v.
 //   nvme:   what the host cannot hold, optimizer states only (v, then m, then master).
+// With several data-parallel ranks the plan is one rank's: ZeRO (parallel.zero) shards kinds of
+// state over the ranks, which then count 1/world of their bytes on each, the placement above
+// runs on those per-rank sizes, and the collectives' bytes and time join the step.
 // Pure computation; thread-compatible.
 #pragma once
 
@@ -52,7 +55,18 @@ struct MachineRates {
   double cpu_adam_params_per_s = 3.66e9;      // SIMD AdamW on host memory, all cores
   double device_adam_params_per_s = 150e9;    // AdamW on the device tier (HBM / 28 B)
   double device_memory_bytes_per_s = 4.2e12;  // read + write, for the passes over the gradients
+  // Collectives' bus bandwidth per GPU (NCCL's "busbw": a ring all-reduce of B bytes takes
+  // 2(W-1)/W x B / busbw): within a node (NVLink-class; PCIe-only boxes reach ~20e9) and
+  // between nodes (a 200 Gb/s NIC per GPU).
+  double intra_node_bytes_per_s = 150e9;
+  double inter_node_bytes_per_s = 25e9;
 };
+
+// What ZeRO shards over the data-parallel ranks, by level: 0 nothing (every rank holds
+// everything; what the engine implements today), 1 the master weights and Adam moments, 2 also
+// the gradients, 3 also the compute copy. kZeroAuto plans the lowest level that fits.
+constexpr int kZeroAuto = -1;
+constexpr int kZeroLevels = 4;
 
 struct PlanInput {
   // Model state, as L identical layer groups plus the edge group.
@@ -116,7 +130,21 @@ struct PlanInput {
   // free host slots per optimizer kind.
   uint64_t largest_group_chunks = 0;
   std::string offload_activations = "auto";  // auto | true | false
+  // Data parallelism: ranks in all, ranks sharing a node (capped at world_size), ZeRO level.
+  // The budgets above are each rank's; the work per step above is each rank's micro-batches.
+  int64_t world_size = 1;
+  int64_t ranks_per_node = 8;
+  int zero = kZeroAuto;
   MachineRates rates;
+};
+
+// Bytes one rank sends per optimizer step, by collective (ring algorithms; see make_plan).
+struct CommBytes {
+  uint64_t grad_all_reduce = 0;      // ZeRO-0/1: every gradient, once per step
+  uint64_t grad_reduce_scatter = 0;  // ZeRO-2/3: each micro-batch's gradients onto their shards
+  uint64_t param_all_gather = 0;     // ZeRO-3: the compute copy for forward and for backward
+  uint64_t update_all_gather = 0;    // ZeRO-1/2: the updated compute copy after the optimizer
+  uint64_t total() const { return grad_all_reduce + grad_reduce_scatter + param_all_gather + update_all_gather; }
 };
 
 // Predicted seconds of one phase of a step: its compute, the copy time its transfers take,
@@ -169,13 +197,28 @@ struct Plan {
   double exposed_transfer_s = 0;  // copy time of the step not hidden behind compute (stalls)
   double optimizer_tail_s = 0;    // the optimizer's time after backward
   StepPhases phases;
-  std::string bottleneck;  // compute, PCIe host-to-device / device-to-host, CPU AdamW or disk
+  std::string bottleneck;  // compute, PCIe host-to-device / device-to-host, CPU AdamW, disk or
+                           // communication
+  // Data parallelism (all zero for one process): the level planned (auto's choice), each
+  // rank's collective bytes per step, the bus bandwidth they run at, their time, and the part
+  // of it that adds to step_s (ZeRO-3's parameter gathers hide behind compute; the gradient
+  // reduction and the updated copy's gather do not).
+  int zero = 0;
+  CommBytes comm;
+  double comm_bytes_per_s = 0;
+  double comm_s = 0, comm_exposed_s = 0;
 };
 
 // FLOPs of one micro-batch's forward and backward (with recompute when in.recompute).
 double micro_batch_flops(const PlanInput& in);
 
+// The plan for input.zero, or with kZeroAuto for the lowest level that fits (ZeRO-3's plan,
+// with its problem and suggestions, when none does). With one rank every level is level 0.
 Plan make_plan(const PlanInput& input);
+
+// With several ranks: a table of every ZeRO level's per-rank bytes on each tier, whether it
+// fits, collective bytes and time per step, step time and the world's tokens per second.
+std::string format_zero_levels(const PlanInput& input, int chosen);
 
 // A human-readable report: bytes per tier per kind, traffic, predicted time, fit or not.
 std::string format_plan(const PlanInput& input, const Plan& plan);

@@ -138,7 +138,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   po.moments = t.moments;
   po.stochastic_rounding = t.stochastic_rounding;
   po.device_kernels = e->state_kernels_.get();
-  if (t.dp_world > 1) {
+  if (t.dp_world > 1 && t.plan_zero != 0) {
     // Master weights and Adam moments sharded over the ranks by parameter group (ZeRO-1).
     po.group_owner = group_owners(e->net_->layout(), t.dp_world);
     po.rank = t.dp_rank;

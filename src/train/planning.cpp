@@ -116,7 +116,10 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   in.flops_per_step = static_cast<double>(t.grad_accum) * micro_batch_flops(in);
 
   in.device_budget = t.memory_device;
-  in.host_budget = t.memory_host ? t.memory_host : default_host_budget();
+  // Unset, a rank gets its share of the node's default, as strata train's ranks do.
+  const int64_t world = std::max<int64_t>(t.plan_world_size, 1);
+  const uint64_t node_ranks = static_cast<uint64_t>(std::clamp<int64_t>(t.plan_ranks_per_node, 1, world));
+  in.host_budget = t.memory_host ? t.memory_host : default_host_budget() / node_ranks;
   in.nvme_budget = t.nvme_path.empty() ? 0 : t.nvme_size;
   in.chunk_size = t.chunk_size;  // 0 (auto): sizes are planned without chunk padding
   bool every_tensor_fits = true;
@@ -156,6 +159,11 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   in.rates.copy_latency_s = t.copy_latency_s;
   in.rates.device_adam_params_per_s = t.device_adam_params_per_s;
   in.rates.device_memory_bytes_per_s = t.device_memory_bytes_per_s;
+  in.rates.intra_node_bytes_per_s = t.intra_node_bytes_per_s;
+  in.rates.inter_node_bytes_per_s = t.inter_node_bytes_per_s;
+  in.world_size = t.plan_world_size;
+  in.ranks_per_node = t.plan_ranks_per_node;
+  in.zero = t.plan_zero;
   return in;
 }
 

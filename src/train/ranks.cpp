@@ -35,7 +35,18 @@ std::string rendezvous_dir(const TrainConfig& t, const parallel::LaunchInfo& lau
 Result<Ranks> connect_ranks(TrainConfig& t) {
   Ranks ranks;
   ASSIGN_OR_RETURN(ranks.launch, parallel::launch_from_env());
-  if (!ranks.several()) return ranks;
+  if (!ranks.several()) {
+    if (t.plan_world_size > 1)
+      LOG_WARN("parallel.world_size={} is what strata plan plans for; strata train runs as the processes a launcher "
+               "starts (torchrun, mpirun, srun): this one is alone",
+               t.plan_world_size);
+    return ranks;
+  }
+  if (t.plan_zero > 1)
+    return Status::Unimplemented(fmt::format(
+        "parallel.zero={}: strata train shards master weights and Adam moments (parallel.zero=1 or auto) or nothing "
+        "(0); sharding gradients and parameters too (2, 3) is planned by strata plan but not trained yet",
+        t.plan_zero));
   const parallel::LaunchInfo& l = ranks.launch;
   ProcessIdentity id = process_identity();
   id.rank = l.rank;

@@ -121,6 +121,12 @@ ConfigSchema build_schema() {
   s.add({.name = "hardware.device_mem_gbps", .type = T::kFloat, .default_value = "4200", .min = 1e-6,
          .help = "device memory bandwidth (read + write) in GB/s, for the passes over every gradient (zeroing, "
                  "the norm)"});
+  s.add({.name = "hardware.intra_node_gbps", .type = T::kFloat, .default_value = "150", .min = 1e-6,
+         .help = "collective bus bandwidth per GPU between the ranks of one node in GB/s (what NCCL's tests call "
+                 "busbw; NVLink-class; PCIe-only boxes reach ~20), for strata plan's data-parallel estimate"});
+  s.add({.name = "hardware.inter_node_gbps", .type = T::kFloat, .default_value = "25", .min = 1e-6,
+         .help = "collective bus bandwidth per GPU between nodes in GB/s (25 = a 200 Gb/s NIC per GPU), for strata "
+                 "plan's data-parallel estimate"});
   s.add({.name = "ckpt.every", .type = T::kInt, .default_value = "0", .min = 0,
          .help = "save a checkpoint every N steps (0 = only when stopped by SIGINT/SIGTERM)"});
   s.add({.name = "ckpt.dir", .type = T::kString, .default_value = "",
@@ -164,6 +170,19 @@ ConfigSchema build_schema() {
   s.add({.name = "parallel.timeout_s", .type = T::kFloat, .default_value = "300", .min = 1, .max = 86400,
          .help = "seconds a collective waits for the other ranks before the run stops with an error naming the "
                  "operation (a rank died or hangs)"});
+  // What-if keys for `strata plan` (strata train takes its world from the launcher's environment;
+  // of these it reads parallel.zero).
+  s.add({.name = "parallel.world_size", .type = T::kInt, .default_value = "1", .min = 1, .max = 1 << 20,
+         .help = "ranks (GPUs) strata plan plans for; strata train ignores it and reads its world from the "
+                 "launcher's environment"});
+  s.add({.name = "parallel.ranks_per_node", .type = T::kInt, .default_value = "8", .min = 1, .max = 1 << 20,
+         .help = "ranks per node strata plan assumes (capped at parallel.world_size): a world within one node "
+                 "talks at hardware.intra_node_gbps, a larger one at hardware.inter_node_gbps"});
+  s.add({.name = "parallel.zero", .type = T::kString, .default_value = "auto", .choices = {"auto", "0", "1", "2", "3"},
+         .help = "what is sharded over the data-parallel ranks: 0 nothing, 1 master weights and Adam moments, 2 "
+                 "also gradients, 3 also the parameters' compute copy. strata plan: auto is the lowest level that "
+                 "fits the budgets per rank. strata train runs 0 and 1 (auto: 1, each rank owning whole parameter "
+                 "groups) and refuses 2 and 3 for now"});
   return s;
 }
 
@@ -285,6 +304,11 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.parallel_backend = c.get_string("parallel.backend");
   t.parallel_rendezvous = c.get_string("parallel.rendezvous");
   t.parallel_timeout_s = c.get_float("parallel.timeout_s");
+  t.plan_world_size = c.get_int("parallel.world_size");
+  t.plan_ranks_per_node = c.get_int("parallel.ranks_per_node");
+  t.plan_zero = c.get_string("parallel.zero") == "auto" ? -1 : std::stoi(c.get_string("parallel.zero"));
+  t.intra_node_bytes_per_s = c.get_float("hardware.intra_node_gbps") * 1e9;
+  t.inter_node_bytes_per_s = c.get_float("hardware.inter_node_gbps") * 1e9;
   if (t.data_paths.empty())
     return Status::InvalidArgument(c.origin("data.paths") + ": key 'data.paths' is empty; name at least one token file");
   if (t.warmup_steps > t.steps)

@@ -74,6 +74,11 @@ struct TrainConfig {
   std::string parallel_backend = "auto";
   std::string parallel_rendezvous;
   double parallel_timeout_s = 300;
+  // What strata plan plans for (parallel.world_size, .ranks_per_node, .zero with -1 for auto;
+  // hardware.intra_node_gbps, .inter_node_gbps); strata train does not read them.
+  int64_t plan_world_size = 1, plan_ranks_per_node = 8;
+  int plan_zero = -1;
+  double intra_node_bytes_per_s = 150e9, inter_node_bytes_per_s = 25e9;
   int cuda_device = 0;  // not a key: the GPU of this process (its local rank when launched as several)
   int dp_rank = 0;      // not keys: this process's data-parallel rank and their number (train/ranks.h)
   int dp_world = 1;

@@ -1,5 +1,8 @@
 #include "offload/plan.h"
 
+#include <cmath>
+#include <string>
+
 #include <gtest/gtest.h>
 
 #include "core/units.h"
@@ -208,6 +211,172 @@ TEST(Plan, OverlappedOptimizerHidesOnlyBesideAGpu) {
   const Plan cpu = make_plan(in);
   EXPECT_EQ(cpu.phases.optimizer_hidden_s, 0);
   EXPECT_EQ(cpu.optimizer_tail_s, cpu.phases.optimizer_s);
+}
+
+// Data parallelism. base_input() holds 1e9 parameters: 2e9 bytes of compute copy (bf16), 2e9 of
+// gradients (grad_bytes 2) and 4e9 of each optimizer kind; 16 layers of 50M, an edge of 200M.
+PlanInput ranks(PlanInput in, int64_t world, int zero) {
+  in.world_size = world;
+  in.zero = zero;
+  return in;
+}
+
+TEST(PlanDataParallel, ShardedKindsCountOneWorldthOnEachRank) {
+  const uint64_t full_param = 2'000'000'000, full_grad = 2'000'000'000, full_opt = 4'000'000'000;
+  // The working set, whole-layer sized at every level: the edge group and one layer.
+  const uint64_t ws = (200'000'000 + 50'000'000) * 2;
+  for (int zero = 0; zero < kZeroLevels; ++zero) {
+    const Plan p = make_plan(ranks(base_input(), 8, zero));
+    ASSERT_TRUE(p.fits) << "ZeRO-" << zero << ": " << p.problem;
+    EXPECT_EQ(p.zero, zero);
+    EXPECT_EQ(p.device_optimizer_groups, 17) << zero;  // 80 GiB holds everything, sharded or not
+    EXPECT_EQ(p.device.master, zero >= 1 ? full_opt / 8 : full_opt) << zero;
+    EXPECT_EQ(p.device.adam_m, zero >= 1 ? full_opt / 8 : full_opt) << zero;
+    EXPECT_EQ(p.device.adam_v, zero >= 1 ? full_opt / 8 : full_opt) << zero;
+    // A sharded kind keeps its working set beside the shards (a layer is produced or gathered
+    // whole); an unsharded one resident everywhere needs none.
+    EXPECT_EQ(p.device.grad, zero >= 2 ? full_grad / 8 + ws : full_grad) << zero;
+    EXPECT_EQ(p.device.param, zero >= 3 ? full_param / 8 + ws : full_param) << zero;
+    EXPECT_EQ(p.cpu_adam_elements, 0u);
+  }
+  // Shards round up: 3 ranks of 50M-element layers.
+  PlanInput odd = ranks(base_input(), 3, 1);
+  odd.num_layers = 1;
+  odd.layer_elements = 1'000'001;
+  odd.edge_elements = 0;
+  const Plan p = make_plan(odd);
+  ASSERT_TRUE(p.fits) << p.problem;
+  EXPECT_EQ(p.device.master, (4'000'004 + 2) / 3);
+}
+
+TEST(PlanDataParallel, OneRankCommunicatesNothingAndPlansAsBefore) {
+  const Plan single = make_plan(base_input());
+  for (int zero : {kZeroAuto, 0, 1, 2, 3}) {
+    const Plan p = make_plan(ranks(base_input(), 1, zero));
+    EXPECT_EQ(p.zero, 0);
+    EXPECT_EQ(p.comm.total(), 0u);
+    EXPECT_EQ(p.comm_s, 0.0);
+    EXPECT_EQ(p.device.total(), single.device.total());
+    EXPECT_EQ(p.step_s, single.step_s);
+  }
+}
+
+TEST(PlanDataParallel, RingCollectiveBytesPerLevel) {
+  PlanInput in = base_input();  // grad_accum 4
+  in.rates.intra_node_bytes_per_s = 100e9;
+  const uint64_t G = 2'000'000'000, P = 2'000'000'000;
+  const uint64_t g = G / 4 * 3, pp = P / 4 * 3;  // (W-1)/W of each at W = 4
+  const Plan z0 = make_plan(ranks(in, 4, 0)), z1 = make_plan(ranks(in, 4, 1)), z2 = make_plan(ranks(in, 4, 2)),
+             z3 = make_plan(ranks(in, 4, 3));
+  for (const Plan* p : {&z0, &z1, &z2, &z3}) ASSERT_TRUE(p->fits) << p->problem;
+  EXPECT_EQ(z0.comm.grad_all_reduce, 2 * g);
+  EXPECT_EQ(z0.comm.total(), 2 * g);
+  EXPECT_EQ(z1.comm.grad_all_reduce, 2 * g);
+  EXPECT_EQ(z1.comm.update_all_gather, pp);
+  EXPECT_EQ(z1.comm.total(), 2 * g + pp);
+  EXPECT_EQ(z2.comm.grad_reduce_scatter, 4 * g);  // every micro-batch onto the shards
+  EXPECT_EQ(z2.comm.update_all_gather, pp);
+  EXPECT_EQ(z2.comm.total(), 4 * g + pp);
+  EXPECT_EQ(z3.comm.param_all_gather, 2 * 4 * pp);  // forward and backward of 4 micro-batches
+  EXPECT_EQ(z3.comm.grad_reduce_scatter, 4 * g);
+  EXPECT_EQ(z3.comm.total(), 8 * pp + 4 * g);
+  // Four ranks fit in a node of eight: the node's bus.
+  const double tol = 1e-9;
+  EXPECT_EQ(z0.comm_bytes_per_s, 100e9);
+  EXPECT_LE(std::abs(z0.comm_s - 2.0 * g / 100e9), tol);
+  // ZeRO-0 shards nothing: its step is one process's plus the all-reduce, in full.
+  const Plan one = make_plan(base_input());
+  EXPECT_LE(std::abs(z0.step_s - (one.step_s + z0.comm_s)), tol);
+  EXPECT_EQ(z0.comm_exposed_s, z0.comm_s);
+  // ZeRO-3's gathers hide behind compute when compute is longer; the reduce-scatter does not.
+  ASSERT_GT(z3.compute_s, static_cast<double>(z3.comm.param_all_gather) / 100e9);
+  EXPECT_LE(std::abs(z3.comm_exposed_s - 4.0 * g / 100e9), tol);
+  // ... and add what compute cannot cover when the bus is slow.
+  in.rates.intra_node_bytes_per_s = 1e9;
+  const Plan slow = make_plan(ranks(in, 4, 3));
+  const double gather_s = static_cast<double>(slow.comm.param_all_gather) / 1e9;
+  ASSERT_GT(gather_s, slow.compute_s);
+  EXPECT_LE(std::abs(slow.comm_exposed_s - (4.0 * g / 1e9 + gather_s - slow.compute_s)), 1e-6);
+  EXPECT_EQ(slow.bottleneck, "communication");
+}
+
+TEST(PlanDataParallel, AWorldBeyondOneNodeTalksAtTheNetworksRate) {
+  PlanInput in = base_input();
+  in.rates.intra_node_bytes_per_s = 150e9;
+  in.rates.inter_node_bytes_per_s = 25e9;
+  EXPECT_EQ(make_plan(ranks(in, 8, 0)).comm_bytes_per_s, 150e9);
+  EXPECT_EQ(make_plan(ranks(in, 16, 0)).comm_bytes_per_s, 25e9);
+  in.ranks_per_node = 4;
+  EXPECT_EQ(make_plan(ranks(in, 8, 0)).comm_bytes_per_s, 25e9);
+  in.ranks_per_node = 64;  // capped at the world: one node
+  EXPECT_EQ(make_plan(ranks(in, 16, 0)).comm_bytes_per_s, 150e9);
+  // More ranks send a little more each: 2(W-1)/W of the gradients.
+  EXPECT_LT(make_plan(ranks(in, 2, 0)).comm.total(), make_plan(ranks(in, 16, 0)).comm.total());
+}
+
+TEST(PlanDataParallel, AutoPicksTheLowestLevelThatFits) {
+  // 8 GiB of device and 1 GiB of host: the whole 16 GB state fits nowhere, its ZeRO-1 share
+  // (master and moments / 8) fits on the device.
+  PlanInput in = base_input();
+  in.device_budget = 8 * kGiB;
+  in.host_budget = 1 * kGiB;
+  EXPECT_FALSE(make_plan(ranks(in, 8, 0)).fits);
+  const Plan p = make_plan(ranks(in, 8, kZeroAuto));
+  ASSERT_TRUE(p.fits) << p.problem;
+  EXPECT_EQ(p.zero, 1);
+  // Roomy budgets: ZeRO-0, which communicates least.
+  EXPECT_EQ(make_plan(ranks(base_input(), 8, kZeroAuto)).zero, 0);
+}
+
+// A Llama-3-70B-shaped model: 80 layers of 856M parameters, an untied 128256 x 8192 edge, bf16
+// compute copy, fp32 gradients, master weights and moments; 4096 tokens per micro-batch.
+PlanInput seventy_b() {
+  PlanInput in;
+  in.num_layers = 80;
+  in.layer_elements = 856'000'000;
+  in.edge_elements = 2ull * 128256 * 8192 + 8192;
+  in.param_bytes = in.edge_param_bytes = 2;
+  in.grad_bytes = 4;
+  in.checkpoint_bytes_per_layer = 4096ull * 8192 * 2;
+  in.layer_workspace_bytes = 4 * kGiB;
+  in.head_workspace_bytes = 1 * kGiB;
+  in.grad_accum = 8;
+  in.tokens_per_step = 8 * 4096;
+  in.layer_forward_flops = 4096 * 2.0 * 856e6;
+  in.head_forward_flops = 4096 * 2.0 * 128256 * 8192;
+  in.device_budget = 40 * kGiB;
+  in.host_budget = 64 * kGiB;
+  in.nvme_budget = 2048 * kGiB;
+  return in;
+}
+
+TEST(PlanDataParallel, SeventyBOnEightRanksFitsOnlyAtZero3WithNvme) {
+  PlanInput in = ranks(seventy_b(), 8, kZeroAuto);
+  for (int zero = 0; zero < 3; ++zero) EXPECT_FALSE(make_plan(ranks(in, 8, zero)).fits) << zero;
+  const Plan p = make_plan(in);
+  ASSERT_TRUE(p.fits) << p.problem;
+  EXPECT_EQ(p.zero, 3);
+  EXPECT_GT(p.nvme.total(), 0u);  // the optimizer states' shards spill to nvme
+  EXPECT_LE(p.device.total(), in.device_budget);
+  EXPECT_LE(p.host.total(), in.host_budget);
+  EXPECT_GT(p.comm.param_all_gather, 0u);
+  // Without the nvme tier not even ZeRO-3 fits; auto reports ZeRO-3's problem.
+  in.nvme_budget = 0;
+  const Plan none = make_plan(in);
+  EXPECT_FALSE(none.fits);
+  EXPECT_EQ(none.zero, 3);
+  EXPECT_NE(none.problem.find("host budget"), std::string::npos) << none.problem;
+  // 64 ranks hold a 70B ZeRO-3 shard without nvme.
+  EXPECT_TRUE(make_plan(ranks(in, 64, 3)).fits);
+}
+
+TEST(PlanDataParallel, TheLevelTableHasARowPerLevelAndMarksTheChoice) {
+  const PlanInput in = ranks(seventy_b(), 8, kZeroAuto);
+  const std::string table = format_zero_levels(in, make_plan(in).zero);
+  EXPECT_NE(table.find("8 ranks, 8 per node (1 node), ZeRO-3 (auto"), std::string::npos) << table;
+  EXPECT_NE(table.find("\n  3*"), std::string::npos) << table;
+  for (const char* row : {"\n  0 ", "\n  1 ", "\n  2 "}) EXPECT_NE(table.find(row), std::string::npos) << row << table;
+  EXPECT_NE(table.find("host budget"), std::string::npos) << table;  // why the lower levels do not fit
 }
 
 }  // namespace

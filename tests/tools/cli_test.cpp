@@ -189,6 +189,34 @@ TEST_F(CliTest, PlanUsesTrainsChunksAndRefusesAChunkSmallerThanATensor) {
   EXPECT_NE(small.output.find("memory.chunk_size to at least 128.00 KiB"), std::string::npos) << small.output;
 }
 
+// strata plan for many ranks: a section naming the world, the nodes, the ZeRO level and a row
+// per level; one rank prints none of it.
+TEST_F(CliTest, PlanForManyRanksComparesTheZeroLevels) {
+  const std::string base = "plan model.preset=llama3-8b run.device=cuda memory.device=24GiB memory.host=64GiB "
+                           "train.micro_batch=1 train.seq_len=2048 train.grad_accum=8";
+  CmdResult many = run_strata(base + " parallel.world_size=64");
+  EXPECT_EQ(many.exit_code, 0) << many.output;
+  EXPECT_NE(many.output.find("data parallel: 64 ranks, 8 per node (8 nodes), ZeRO-"), std::string::npos) << many.output;
+  EXPECT_NE(many.output.find("collectives at 25 GB/s bus bandwidth (between nodes"), std::string::npos) << many.output;
+  for (const char* row : {"\n  0", "\n  1", "\n  2", "\n  3"})
+    EXPECT_NE(many.output.find(row), std::string::npos) << row;
+  EXPECT_NE(many.output.find("tokens/s for the 64 ranks"), std::string::npos) << many.output;
+  // A given level is planned as given; one node talks at the node's bandwidth.
+  CmdResult given = run_strata(base + " parallel.world_size=8 parallel.zero=3 hardware.intra_node_gbps=20");
+  EXPECT_EQ(given.exit_code, 0) << given.output;
+  EXPECT_NE(given.output.find("ZeRO-3 (as given); collectives at 20 GB/s"), std::string::npos) << given.output;
+  EXPECT_NE(given.output.find("per rank at ZeRO-3"), std::string::npos) << given.output;
+  // One rank holds the whole state, which 64 GiB of host cannot (64 ranks shard it: exit 0 above).
+  CmdResult one = run_strata(base);
+  EXPECT_EQ(one.exit_code, 1) << one.output;
+  EXPECT_NE(one.output.find("does not fit: the host budget 64.00 GiB"), std::string::npos) << one.output;
+  EXPECT_EQ(one.output.find("data parallel"), std::string::npos) << one.output;
+  EXPECT_EQ(one.output.find("collectives"), std::string::npos) << one.output;
+  CmdResult bad = run_strata(base + " parallel.world_size=8 parallel.zero=4");
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("parallel.zero"), std::string::npos) << bad.output;
+}
+
 // A second run without --resume in the same run.dir is refused before it writes anything: the
 // first run's metrics and checkpoints stay as they were; --resume auto continues it instead.
 TEST_F(CliTest, ANewRunNeverOverwritesAnotherRunsDirectory) {

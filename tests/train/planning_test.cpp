@@ -1,6 +1,8 @@
 // The planner's byte counts against what the CPU backend really allocates.
 #include "train/planning.h"
 
+#include <cmath>
+
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -90,6 +92,33 @@ TEST(Planning, TheHeadWorkspaceIsTheBackendsLmHeadBuffer) {
             kernels::lm_head_chunk_bytes(mc->hidden_size, mc->vocab_size, 2048, true));
   EXPECT_EQ(make_plan_input(*mc, t, /*cuda=*/false).head_workspace_bytes,
             static_cast<uint64_t>(256 * mc->vocab_size) * 4);
+}
+
+// parallel.* and the interconnect rates reach the planner; with memory.host unset a rank plans
+// with its share of the node's default, as strata train's ranks do.
+TEST(Planning, DataParallelKeysReachThePlannerAndShareTheNodesHost) {
+  auto mc = model::ModelConfig::preset("tiny");
+  ASSERT_TRUE(mc.ok()) << mc.status().to_string();
+  TrainConfig t;
+  t.plan_world_size = 16;
+  t.plan_ranks_per_node = 4;
+  t.plan_zero = 2;
+  t.intra_node_bytes_per_s = 1e9;
+  t.inter_node_bytes_per_s = 2e9;
+  const PlanInput in = make_plan_input(*mc, t, /*cuda=*/true);
+  EXPECT_EQ(in.world_size, 16);
+  EXPECT_EQ(in.ranks_per_node, 4);
+  EXPECT_EQ(in.zero, 2);
+  EXPECT_EQ(in.rates.intra_node_bytes_per_s, 1e9);
+  EXPECT_EQ(in.rates.inter_node_bytes_per_s, 2e9);
+  // The default is read from the machine twice: allow for what it did in between.
+  const double whole = static_cast<double>(default_host_budget());
+  const double share = static_cast<double>(in.host_budget);
+  EXPECT_LE(std::abs(4 * share - whole), 0.05 * whole) << share << " of " << whole;
+  t.plan_world_size = 2;  // ranks per node are capped at the world
+  EXPECT_LE(std::abs(2 * static_cast<double>(make_plan_input(*mc, t, true).host_budget) - whole), 0.05 * whole);
+  t.memory_host = 1ull << 30;  // a given budget is each rank's as given
+  EXPECT_EQ(make_plan_input(*mc, t, true).host_budget, 1ull << 30);
 }
 
 // The expected share of experts a micro-batch reaches (uniform routing): few tokens leave most

@@ -57,6 +57,17 @@ cpu backend copies share the cores with compute, hardware.copy_overlap); then th
 over the gradients and the optimizer (AdamW on the device and on the CPU, nvme reads and
 writes), less what of it ran during backward with optim.overlap_backward.
 
+Data parallelism: parallel.world_size=N plans one of N ranks (parallel.ranks_per_node, 8 by
+default, share a node): each rank's budgets are memory.* as given and its step train.* as
+given. parallel.zero=auto|0|1|2|3 says what is sharded over the ranks (1: master weights and
+Adam moments, 2: also gradients, 3: also the compute copy; auto: the lowest level that fits).
+A table then compares the four levels: bytes per rank on each tier, whether it fits, the bytes
+each rank sends per step (ring collectives), their time at hardware.intra_node_gbps (a world
+within one node) or hardware.inter_node_gbps, the step time and the world's tokens/s; the
+gradient reduction is counted after backward in full, ZeRO-3's parameter gathers beside compute.
+`strata train` implements ZeRO-0 only (every rank holds everything) and takes its world from
+the launcher, not from parallel.world_size.
+
 Example:
   strata plan model.preset=llama3-8b memory.device=24GiB memory.host=100GiB \
       run.device=cuda train.micro_batch=4 train.seq_len=2048 train.grad_accum=8
@@ -229,6 +240,11 @@ int plan_command(const std::vector<std::string>& args) {
   std::printf("rates: %s\n", tc->hardware_profile.empty()
                                 ? "built-in defaults (an H200 box; strata bench machine measures this one)"
                                 : tc->hardware_profile.c_str());
+  if (in.world_size > 1) {
+    std::printf("%s", format_zero_levels(in, plan.zero).c_str());
+    std::printf("per rank at ZeRO-%d (each rank's budgets and micro-batches as above; the world's step is %lld "
+                "tokens):\n", plan.zero, static_cast<long long>(in.world_size * in.tokens_per_step));
+  }
   std::printf("%s", format_plan(in, plan).c_str());
   const HostRamPlan ram = plan_run_host_ram(*mc, *tc, plan, cuda);
   std::printf("  %s\n%s", format_host_ram(ram).c_str(), format_host_ram_items(ram, "    ").c_str());
