@@ -583,8 +583,8 @@ std::string format_zero_levels(const PlanInput& in, int chosen) {
                           : "-");
     if (!p.fits) os << "         " << p.problem << "\n";
   }
-  os << "  (bytes and collectives per rank per optimizer step, ring algorithms; the engine implements ZeRO-0 "
-        "today, levels 1-3 are planned ahead of it)\n";
+  os << "  (bytes and collectives per rank per optimizer step, ring algorithms; strata train runs levels 0 "
+        "and 1 (1 with whole parameter groups per rank); 2 and 3 are planned ahead of it)\n";
   return os.str();
 }
 

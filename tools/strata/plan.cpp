@@ -65,8 +65,8 @@ A table then compares the four levels: bytes per rank on each tier, whether it f
 each rank sends per step (ring collectives), their time at hardware.intra_node_gbps (a world
 within one node) or hardware.inter_node_gbps, the step time and the world's tokens/s; the
 gradient reduction is counted after backward in full, ZeRO-3's parameter gathers beside compute.
-`strata train` implements ZeRO-0 only (every rank holds everything) and takes its world from
-the launcher, not from parallel.world_size.
+`strata train` runs ZeRO-0 and ZeRO-1 (each rank owning whole parameter groups) and takes its
+world from the launcher, not from parallel.world_size.
 
 Example:
   strata plan model.preset=llama3-8b memory.device=24GiB memory.host=100GiB \
