@@ -30,6 +30,7 @@
 
 #include "core/device.h"
 #include "core/status.h"
+#include "parallel/launch.h"
 
 namespace strata::parallel {
 
@@ -75,5 +76,38 @@ class Comm {
 Result<double> sum_over_ranks(Comm& comm, double value);
 Status sum_over_ranks(Comm& comm, std::span<double> values);
 Status sum_over_ranks(Comm& comm, std::span<int64_t> values);
+
+struct CommOptions {
+  // "auto": local for a world of one, else gloo. "gloo", "nccl" or "local" force one (local
+  // only serves a world of one). The trainer asks for nccl on CUDA devices.
+  std::string backend = "auto";
+  // Rendezvous: a folder every rank can read and write (a shared file system across nodes).
+  // Each rank leaves its address there under `name`; use a fresh folder for each run (or a
+  // launcher whose job id changes), since addresses left by an earlier run would be read as
+  // this one's. Needed for a world above one.
+  std::string rendezvous_dir;
+  // Tells apart Comms connected through the same folder (e.g. "train" and "ckpt"); every rank
+  // uses the same name for the same Comm.
+  std::string name = "default";
+  // How long an operation (and the rendezvous) waits for the other ranks before failing.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // The address this rank listens on, as other ranks reach it. Empty: the interface named by
+  // GLOO_SOCKET_IFNAME when set, else 127.0.0.1 when the whole world runs on this node, else
+  // this host's name (which must resolve to an address the other nodes can reach).
+  std::string hostname;
+  // For nccl: the device (already current on this thread) the NCCL communicator uses; its
+  // streams are the ones passed to the operations. Ignored by the other backends. The local
+  // backend uses it to copy device buffers.
+  Device* device = nullptr;
+};
+
+// Connects this rank to the others. A world of one gets the local backend unless one is forced.
+// Errors: InvalidArgument for a bad backend name or a missing rendezvous folder; Unimplemented
+// when this build lacks the backend; IOError when the rendezvous fails or times out.
+Result<std::unique_ptr<Comm>> connect(const LaunchInfo& launch, const CommOptions& options);
+
+// The backend of a single process: copies where the operation moves data, nothing else.
+// `device`, when given, copies buffers passed with a stream; without it they must be host memory.
+std::unique_ptr<Comm> make_local_comm(Device* device = nullptr);
 
 }  // namespace strata::parallel
