@@ -171,6 +171,23 @@ class CommProcesses : public ::testing::Test {
 
 bool exited_ok(const CommProcesses::Rank& r) { return r.done && WIFEXITED(r.status) && WEXITSTATUS(r.status) == 0; }
 
+TEST_F(CommProcesses, ARendezvousThatNobodyJoinsTimesOut) {
+  LaunchInfo first;
+  first.world_size = 2;
+  first.local_world_size = 2;
+  CommOptions options;
+  options.rendezvous_dir = (dir_ / "alone").string();
+  options.timeout = std::chrono::milliseconds(500);
+  const auto start = Clock::now();
+  Result<std::unique_ptr<Comm>> comm = connect(first, options);
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), StatusCode::kIOError);
+  EXPECT_NE(comm.status().message().find("rank 0 of 2"), std::string::npos) << comm.status().to_string();
+  EXPECT_NE(comm.status().message().find(options.rendezvous_dir), std::string::npos) << comm.status().to_string();
+  EXPECT_TRUE(seconds < 10) << "waited " << seconds << " s for a 0.5 s timeout";
+}
+
 TEST_F(CommProcesses, EveryOperationMatchesValuesComputedIndependently) {
   for (int world : {2, 3, 4}) {
     SCOPED_TRACE("world " + std::to_string(world));
