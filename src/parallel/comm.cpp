@@ -10,7 +10,7 @@
 #if STRATA_HAVE_GLOO
 #include "parallel/gloo_comm.h"
 #endif
-#if STRATA_HAVE_CUDA
+#if STRATA_HAVE_NCCL
 #include "parallel/cuda/nccl_comm.h"
 #endif
 
@@ -87,6 +87,28 @@ Status sum_over_ranks(Comm& comm, std::span<int64_t> values) { return sum_in_ran
 
 std::unique_ptr<Comm> make_local_comm(Device* device) { return std::make_unique<LocalComm>(device); }
 
+namespace {
+
+// A Comm over host memory across processes: Gloo when this build has it.
+Result<std::unique_ptr<Comm>> connect_host(const LaunchInfo& launch, const CommOptions& options) {
+  if (options.rendezvous_dir.empty()) {
+    return Status::InvalidArgument(
+        fmt::format("{} processes need a rendezvous folder that every rank can reach; set parallel.rendezvous to a "
+                    "fresh folder on a file system all nodes share (started by {})",
+                    launch.world_size, launch.launcher));
+  }
+#if STRATA_HAVE_GLOO
+  return connect_gloo(launch, options);
+#else
+  return Status::Unimplemented(fmt::format(
+      "{} processes need the Gloo library, which this build lacks; install libgloo-dev (scripts/setup.sh) and "
+      "configure again",
+      launch.world_size));
+#endif
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Comm>> connect(const LaunchInfo& launch, const CommOptions& options) {
   const std::string& backend = options.backend;
   if (backend != "auto" && backend != "gloo" && backend != "nccl" && backend != "local") {
@@ -102,28 +124,22 @@ Result<std::unique_ptr<Comm>> connect(const LaunchInfo& launch, const CommOption
     }
     return make_local_comm(options.device);
   }
-  if (options.rendezvous_dir.empty()) {
-    return Status::InvalidArgument(
-        fmt::format("{} processes need a rendezvous folder that every rank can reach; set parallel.rendezvous to a "
-                    "fresh folder on a file system all nodes share (started by {})",
-                    launch.world_size, launch.launcher));
-  }
-#if STRATA_HAVE_GLOO
   if (backend == "nccl") {
-#if STRATA_HAVE_CUDA
-    ASSIGN_OR_RETURN(std::unique_ptr<Comm> bootstrap, connect_gloo(launch, options));
-    return connect_nccl(*bootstrap, options);
+#if STRATA_HAVE_NCCL
+    // NCCL's bootstrap (its unique id, and the operations on host buffers): local for one
+    // process, Gloo for more.
+    std::unique_ptr<Comm> bootstrap;
+    if (launch.world_size == 1) {
+      bootstrap = make_local_comm();
+    } else {
+      ASSIGN_OR_RETURN(bootstrap, connect_host(launch, options));
+    }
+    return connect_nccl(std::move(bootstrap));
 #else
-    return Status::Unimplemented("parallel backend nccl needs a CUDA build of strata (STRATA_CUDA=ON)");
+    return Status::Unimplemented("parallel backend nccl needs a CUDA build of strata (STRATA_CUDA=ON) with NCCL (libnccl-dev)");
 #endif
   }
-  return connect_gloo(launch, options);
-#else
-  return Status::Unimplemented(fmt::format(
-      "{} processes need the Gloo library, which this build lacks; install libgloo-dev (scripts/setup.sh) and "
-      "configure again",
-      launch.world_size));
-#endif
+  return connect_host(launch, options);
 }
 
 }  // namespace strata::parallel

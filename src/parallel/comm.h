@@ -95,9 +95,9 @@ struct CommOptions {
   // GLOO_SOCKET_IFNAME when set, else 127.0.0.1 when the whole world runs on this node, else
   // this host's name (which must resolve to an address the other nodes can reach).
   std::string hostname;
-  // For nccl: the device (already current on this thread) the NCCL communicator uses; its
-  // streams are the ones passed to the operations. Ignored by the other backends. The local
-  // backend uses it to copy device buffers.
+  // The local backend copies buffers passed with a stream through this device (e.g. CUDA
+  // memory); without it they must be host memory. The nccl backend uses the CUDA device
+  // current on the calling thread, which the caller picks (usually from local_rank).
   Device* device = nullptr;
 };
 
