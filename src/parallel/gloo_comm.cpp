@@ -71,6 +71,7 @@ class GlooComm final : public Comm {
       for (size_t r = 0; r < count % w; ++r) counts[r] += 1;
       size_t offset = 0;
       for (size_t r = 0; r < static_cast<size_t>(rank()); ++r) offset += counts[r];
+      // data's own block is both input and output: reduce into a copy first.
       std::vector<float> mine(counts[rank()]);
       reduce_scatter(data, counts, mine.data());
       if (count == 0) return;
@@ -132,7 +133,9 @@ class GlooComm final : public Comm {
     const size_t mine = counts[rank()];
     std::vector<size_t> send_bytes(w), recv_bytes(w, mine * sizeof(float));
     for (size_t r = 0; r < w; ++r) send_bytes[r] = counts[r] * sizeof(float);
-    std::vector<float> blocks(mine * w);
+    // The received blocks, kept between calls: a fresh buffer each time costs page faults.
+    if (scratch_.size() < mine * w) scratch_.resize(mine * w);
+    std::vector<float>& blocks = scratch_;
     alltoallv(reinterpret_cast<const uint8_t*>(send), send_bytes, reinterpret_cast<uint8_t*>(blocks.data()),
               recv_bytes, sizeof(float));
     if (mine == 0) return;
@@ -206,6 +209,7 @@ class GlooComm final : public Comm {
   const std::chrono::milliseconds timeout_;
   uint64_t bytes_sent_ = 0;
   std::string failed_;
+  std::vector<float> scratch_;
 };
 
 // The address other ranks reach this one at; see CommOptions::hostname.

@@ -8,7 +8,8 @@
 //   exit   the last rank exits after a barrier; the others' all_reduce_sum must fail naming
 //          their rank and the operation (prints "expected failure: ...")
 //   hang   the last rank sleeps instead; the others must fail at the timeout
-//   bench [MiB...]  reduce-scatter and all-gather bandwidth, rank 0 prints a table
+//   bench [MiB...]  reduce-scatter and all-gather bandwidth over Gloo, rank 0 prints a table
+//   bench-nccl [MiB...]  the same over NCCL on GPU local_rank (CUDA builds)
 #include <unistd.h>
 
 #include <chrono>
@@ -25,6 +26,12 @@
 
 #include "parallel/comm.h"
 #include "parallel/launch.h"
+
+#if STRATA_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "core/cuda/cuda_device.h"
+#endif
 
 namespace strata::parallel {
 namespace {
@@ -271,44 +278,96 @@ int run_failure(const LaunchInfo& l, bool hang) {
 
 double gbps(double bytes, double seconds) { return bytes / seconds / 1e9; }
 
+// Buffers for the benchmark: host memory for Gloo, device memory and a stream for NCCL.
+struct BenchBuffers {
+  float* full = nullptr;  // world * count floats
+  float* part = nullptr;  // count floats
+  float* copy = nullptr;  // world * count floats, the memcpy's target
+  Stream* stream = nullptr;
+};
+
 // Reduce-scatter and all-gather of `MiB`-sized buffers (the whole buffer, as nccl-tests sizes
 // it); bus bandwidth = algorithm bandwidth * (n-1)/n, beside one memcpy of the same size.
-int run_bench(const LaunchInfo& l, const std::vector<size_t>& mibs) {
-  std::unique_ptr<Comm> comm = connect_or_fail(l, "bench", std::chrono::seconds(60));
+int run_bench(const LaunchInfo& l, const std::vector<size_t>& mibs, bool nccl) {
   const int w = l.world_size;
+#if STRATA_HAVE_CUDA
+  std::unique_ptr<CudaStream> cuda_stream;
+  if (nccl) {
+    if (cudaSetDevice(l.local_rank) != cudaSuccess) fail(l, fmt::format("no CUDA device {}", l.local_rank));
+    cuda_stream = std::make_unique<CudaStream>(l.local_rank);
+  }
+#else
+  if (nccl) fail(l, "bench-nccl needs a CUDA build");
+#endif
+  const char* dir = std::getenv("STRATA_RENDEZVOUS");
+  CommOptions options;
+  options.backend = nccl ? "nccl" : "gloo";
+  options.rendezvous_dir = dir ? dir : "";
+  options.name = "bench";
+  options.timeout = std::chrono::seconds(120);
+  Result<std::unique_ptr<Comm>> connected = connect(l, options);
+  if (!connected.ok()) fail(l, "connect: " + connected.status().to_string());
+  Comm& comm = **connected;
   const double bus = double(w - 1) / w;
   if (l.rank == 0) {
-    std::printf("world %d, loopback TCP (gloo)\n%8s %14s %14s %14s\n", w, "MiB", "rs busbw GB/s", "ag busbw GB/s",
-                "memcpy GB/s");
+    std::printf("world %d, %s\n%8s %14s %14s %14s\n", w, nccl ? "NCCL" : "loopback TCP (gloo)", "MiB",
+                "rs busbw GB/s", "ag busbw GB/s", nccl ? "d2d copy GB/s" : "memcpy GB/s");
   }
   for (size_t mib : mibs) {
     const size_t bytes = mib << 20, count = bytes / sizeof(float) / w;
-    std::vector<float> full(count * w, 1.f), part(count, 0.f), copy(count * w);
-    const int iters = mib <= 4 ? 5 : mib <= 16 ? 3 : 2;
+    std::vector<float> host_full, host_part, host_copy;
+    BenchBuffers b;
+    if (nccl) {
+#if STRATA_HAVE_CUDA
+      if (cudaMalloc(reinterpret_cast<void**>(&b.full), count * w * sizeof(float)) != cudaSuccess ||
+          cudaMalloc(reinterpret_cast<void**>(&b.part), count * sizeof(float)) != cudaSuccess ||
+          cudaMalloc(reinterpret_cast<void**>(&b.copy), count * w * sizeof(float)) != cudaSuccess) {
+        fail(l, "cudaMalloc failed");
+      }
+      cudaMemset(b.full, 0, count * w * sizeof(float));
+      b.stream = cuda_stream.get();
+#endif
+    } else {
+      host_full.assign(count * w, 1.f), host_part.assign(count, 0.f), host_copy.assign(count * w, 0.f);
+      b.full = host_full.data(), b.part = host_part.data(), b.copy = host_copy.data();
+    }
+    const int iters = nccl ? 20 : mib <= 4 ? 5 : mib <= 16 ? 3 : 2;
     auto time = [&](auto&& op) {
       expect_ok(l, op(), "warm-up");
-      expect_ok(l, comm->barrier(), "barrier");
+      if (b.stream) b.stream->synchronize();
+      expect_ok(l, comm.barrier(), "barrier");
       const auto t0 = Clock::now();
       for (int i = 0; i < iters; ++i) expect_ok(l, op(), "timed op");
+      if (b.stream) b.stream->synchronize();
       double s = std::chrono::duration<double>(Clock::now() - t0).count() / iters;
       // The slowest rank's time is the operation's.
-      Result<double> sum = sum_over_ranks(*comm, 0.0);  // a sync point
-      expect_ok(l, sum.status(), "sync");
       std::vector<double> all(w);
-      expect_ok(l, comm->all_gather(&s, all.data(), sizeof(double)), "gather times");
+      expect_ok(l, comm.all_gather(&s, all.data(), sizeof(double)), "gather times");
       double worst = 0;
       for (double t : all) worst = std::max(worst, t);
       return worst;
     };
-    double rs = time([&] { return comm->reduce_scatter_sum(full.data(), part.data(), count); });
-    double ag = time([&] { return comm->all_gather(part.data(), full.data(), count * sizeof(float)); });
-    std::memcpy(copy.data(), full.data(), bytes);  // touch the pages once
-    const auto t0 = Clock::now();
-    for (int i = 0; i < iters; ++i) std::memcpy(copy.data(), full.data(), bytes);
-    const double mc = std::chrono::duration<double>(Clock::now() - t0).count() / iters;
+    const double rs = time([&] { return comm.reduce_scatter_sum(b.full, b.part, count, b.stream); });
+    const double ag = time([&] { return comm.all_gather(b.part, b.full, count * sizeof(float), b.stream); });
+    double mc = 0;
+    if (nccl) {
+#if STRATA_HAVE_CUDA
+      cudaMemcpy(b.copy, b.full, bytes, cudaMemcpyDeviceToDevice);
+      cudaDeviceSynchronize();
+      const auto t0 = Clock::now();
+      for (int i = 0; i < iters; ++i) cudaMemcpy(b.copy, b.full, bytes, cudaMemcpyDeviceToDevice);
+      cudaDeviceSynchronize();
+      mc = std::chrono::duration<double>(Clock::now() - t0).count() / iters;
+      cudaFree(b.full), cudaFree(b.part), cudaFree(b.copy);
+#endif
+    } else {
+      std::memcpy(b.copy, b.full, bytes);  // touch the pages once
+      const auto t0 = Clock::now();
+      for (int i = 0; i < iters; ++i) std::memcpy(b.copy, b.full, bytes);
+      mc = std::chrono::duration<double>(Clock::now() - t0).count() / iters;
+    }
     if (l.rank == 0) {
-      std::printf("%8zu %14.2f %14.2f %14.2f\n", mib, gbps(bytes, rs) * bus, gbps(bytes, ag) * bus,
-                  gbps(bytes, mc));
+      std::printf("%8zu %14.2f %14.2f %14.2f\n", mib, gbps(bytes, rs) * bus, gbps(bytes, ag) * bus, gbps(bytes, mc));
       std::fflush(stdout);
     }
   }
@@ -329,12 +388,12 @@ int main(int argc, char** argv) {
   if (scenario == "ops") return run_ops(*launch);
   if (scenario == "exit") return run_failure(*launch, false);
   if (scenario == "hang") return run_failure(*launch, true);
-  if (scenario == "bench") {
+  if (scenario == "bench" || scenario == "bench-nccl") {
     std::vector<size_t> mibs;
     for (int i = 2; i < argc; ++i) mibs.push_back(std::strtoull(argv[i], nullptr, 10));
     if (mibs.empty()) mibs = {4, 16, 64};
-    return run_bench(*launch, mibs);
+    return run_bench(*launch, mibs, scenario == "bench-nccl");
   }
-  std::fprintf(stderr, "usage: %s ops|exit|hang|bench [MiB...]\n", argv[0]);
+  std::fprintf(stderr, "usage: %s ops|exit|hang|bench|bench-nccl [MiB...]\n", argv[0]);
   return 2;
 }
