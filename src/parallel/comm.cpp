@@ -1,9 +1,9 @@
 #include "parallel/comm.h"
 
+#include <fmt/format.h>
+
 #include <cstring>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "core/check.h"
 
@@ -136,7 +136,8 @@ Result<std::unique_ptr<Comm>> connect(const LaunchInfo& launch, const CommOption
     }
     return connect_nccl(std::move(bootstrap));
 #else
-    return Status::Unimplemented("parallel backend nccl needs a CUDA build of strata (STRATA_CUDA=ON) with NCCL (libnccl-dev)");
+    return Status::Unimplemented(
+        "parallel backend nccl needs a CUDA build of strata (STRATA_CUDA=ON) with NCCL (libnccl-dev)");
 #endif
   }
   return connect_host(launch, options);

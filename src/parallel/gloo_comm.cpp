@@ -2,14 +2,6 @@
 
 #if STRATA_HAVE_GLOO
 
-#include <signal.h>
-#include <unistd.h>
-
-#include <cstdlib>
-#include <cstring>
-#include <filesystem>
-#include <vector>
-
 #include <fmt/format.h>
 #include <gloo/allgather.h>
 #include <gloo/allgatherv.h>
@@ -21,6 +13,13 @@
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <vector>
 
 #include "core/check.h"
 
@@ -136,8 +135,8 @@ class GlooComm final : public Comm {
     // The received blocks, kept between calls: a fresh buffer each time costs page faults.
     if (scratch_.size() < mine * w) scratch_.resize(mine * w);
     std::vector<float>& blocks = scratch_;
-    alltoallv(reinterpret_cast<const uint8_t*>(send), send_bytes, reinterpret_cast<uint8_t*>(blocks.data()),
-              recv_bytes, sizeof(float));
+    alltoallv(reinterpret_cast<const uint8_t*>(send), send_bytes, reinterpret_cast<uint8_t*>(blocks.data()), recv_bytes,
+              sizeof(float));
     if (mine == 0) return;
     std::memcpy(recv, blocks.data(), mine * sizeof(float));
     for (size_t r = 1; r < w; ++r) {
@@ -250,9 +249,10 @@ Result<std::unique_ptr<Comm>> connect_gloo(const LaunchInfo& launch, const CommO
   std::error_code ec;
   fs::create_directories(options.rendezvous_dir, ec);
   if (ec) {
-    return Status::IOError(fmt::format("cannot create the rendezvous folder {}: {}; set parallel.rendezvous to a "
-                                       "folder every rank can write",
-                                       options.rendezvous_dir, ec.message()));
+    return Status::IOError(
+        fmt::format("cannot create the rendezvous folder {}: {}; set parallel.rendezvous to a "
+                    "folder every rank can write",
+                    options.rendezvous_dir, ec.message()));
   }
   ignore_sigpipe();
   const std::string who = fmt::format("rank {} of {}", launch.rank, launch.world_size);

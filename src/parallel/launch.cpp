@@ -1,8 +1,8 @@
 #include "parallel/launch.h"
 
-#include <cstdlib>
-
 #include <fmt/format.h>
+
+#include <cstdlib>
 
 namespace strata::parallel {
 namespace {
@@ -19,14 +19,14 @@ struct Names {
 Result<int> parse_int(const char* name, const std::string& value) {
   // Whole string an integer, no sign games, no overflow.
   if (value.empty() || value.size() > 9) {
-    return Status::InvalidArgument(fmt::format("{}=\"{}\" is not a rank or size (a non-negative integer)", name, value));
+    return Status::InvalidArgument(
+        fmt::format("{}=\"{}\" is not a rank or size (a non-negative integer)", name, value));
   }
   int v = 0;
   for (char c : value) {
     if (c < '0' || c > '9') {
-      return Status::InvalidArgument(
-          fmt::format("{}=\"{}\" is not a rank or size (a non-negative integer); check the launcher's command line", name,
-                      value));
+      return Status::InvalidArgument(fmt::format(
+          "{}=\"{}\" is not a rank or size (a non-negative integer); check the launcher's command line", name, value));
     }
     v = v * 10 + (c - '0');
   }
@@ -52,8 +52,8 @@ Result<std::optional<LaunchInfo>> read_launcher(const GetEnv& getenv, const Name
   ASSIGN_OR_RETURN(std::optional<int> size, read_int(getenv, n.size));
   if (!rank && !size) return std::optional<LaunchInfo>();
   if (!rank || !size) {
-    return Status::InvalidArgument(fmt::format("{} is set but {} is not; a launcher sets both", rank ? n.rank : n.size,
-                                               rank ? n.size : n.rank));
+    return Status::InvalidArgument(
+        fmt::format("{} is set but {} is not; a launcher sets both", rank ? n.rank : n.size, rank ? n.size : n.rank));
   }
   if (*size < 1) return Status::InvalidArgument(fmt::format("{}={} must be at least 1", n.size, *size));
   if (*rank >= *size) {
@@ -77,8 +77,8 @@ Result<std::optional<LaunchInfo>> read_launcher(const GetEnv& getenv, const Name
                                                info.local_rank, n.local_size, info.local_world_size));
   }
   if (info.local_world_size > info.world_size) {
-    return Status::InvalidArgument(fmt::format("{}={} exceeds {}={}", n.local_size, info.local_world_size, n.size,
-                                               info.world_size));
+    return Status::InvalidArgument(
+        fmt::format("{}={} exceeds {}={}", n.local_size, info.local_world_size, n.size, info.world_size));
   }
   return std::optional<LaunchInfo>(std::move(info));
 }
@@ -124,9 +124,10 @@ Result<LaunchInfo> launch_from_env(const GetEnv& getenv) {
       std::string head = per_node.substr(0, per_node.find_first_of("(,"));
       ASSIGN_OR_RETURN(int n, parse_int(per_node_name, head));
       if (n < 1 || slurm->local_rank >= n || n > slurm->world_size) {
-        return Status::InvalidArgument(fmt::format("{}=\"{}\" does not fit SLURM_LOCALID={} and "
-                                                   "SLURM_NTASKS={}",
-                                                   per_node_name, per_node, slurm->local_rank, slurm->world_size));
+        return Status::InvalidArgument(
+            fmt::format("{}=\"{}\" does not fit SLURM_LOCALID={} and "
+                        "SLURM_NTASKS={}",
+                        per_node_name, per_node, slurm->local_rank, slurm->world_size));
       }
       slurm->local_world_size = n;
     }

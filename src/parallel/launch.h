@@ -14,8 +14,8 @@ namespace strata::parallel {
 struct LaunchInfo {
   int rank = 0;
   int world_size = 1;
-  int local_rank = 0;        // rank among the processes on this node; picks the GPU
-  int local_world_size = 1;  // processes on this node
+  int local_rank = 0;               // rank among the processes on this node; picks the GPU
+  int local_world_size = 1;         // processes on this node
   std::string launcher = "single";  // "single", "torchrun", "mpirun", "pmi" or "srun"
   // Names this job for the rendezvous, the same on every rank (empty for "single").
   std::string job_id;

@@ -4,8 +4,8 @@
 // survivors report when one rank exits or hangs mid-sequence.
 #include "parallel/comm.h"
 
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -92,9 +92,8 @@ class CommProcesses : public ::testing::Test {
 
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_comm_" + std::to_string(getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::path(::testing::TempDir()) / ("strata_comm_" + std::to_string(getpid()) + "_" +
+                                             ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }

@@ -116,11 +116,8 @@ TEST(Launch, Slurm) {
 
 TEST(Launch, TorchrunWinsOverTheSchedulerThatStartedIt) {
   // torchrun inside a Slurm allocation: the Slurm variables describe torchrun's own task.
-  Result<LaunchInfo> info = launch({{"RANK", "1"},
-                                    {"WORLD_SIZE", "2"},
-                                    {"SLURM_PROCID", "0"},
-                                    {"SLURM_NTASKS", "1"},
-                                    {"SLURM_JOB_ID", "5"}});
+  Result<LaunchInfo> info =
+      launch({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_JOB_ID", "5"}});
   ASSERT_TRUE(info.ok()) << info.status().to_string();
   EXPECT_EQ(info->launcher, "torchrun");
   EXPECT_EQ(info->rank, 1);

@@ -3,11 +3,10 @@
 #if STRATA_HAVE_NCCL
 
 #include <cuda_runtime_api.h>
+#include <fmt/format.h>
 #include <nccl.h>
 
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "core/check.h"
 #include "core/cuda/cuda_device.h"
@@ -91,8 +90,8 @@ class NcclComm final : public Comm {
   // in ncclCommGetAsyncError. Either way the communicator is aborted: NCCL cannot recover it.
   Status check(const std::string& what, ncclResult_t result) {
     if (comm_ == nullptr) {
-      return Status::IOError(fmt::format("rank {} of {}: cannot run {}: the NCCL communicator failed earlier", rank_,
-                                         world_, what));
+      return Status::IOError(
+          fmt::format("rank {} of {}: cannot run {}: the NCCL communicator failed earlier", rank_, world_, what));
     }
     ncclResult_t async = ncclSuccess;
     if (result == ncclSuccess && ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async == ncclSuccess) {
@@ -100,7 +99,8 @@ class NcclComm final : public Comm {
     }
     const ncclResult_t error = result != ncclSuccess ? result : async;
     std::string detail = ncclGetErrorString(error);
-    if (const char* last = ncclGetLastError(comm_); last != nullptr && *last != '\0') detail += std::string(": ") + last;
+    if (const char* last = ncclGetLastError(comm_); last != nullptr && *last != '\0')
+      detail += std::string(": ") + last;
     ncclCommAbort(comm_);
     comm_ = nullptr;
     return Status::IOError(fmt::format("rank {} of {}: NCCL {} failed: {}; a rank may have exited or hung; see its log",
@@ -133,9 +133,10 @@ Result<std::unique_ptr<Comm>> connect_nccl(std::unique_ptr<Comm> bootstrap) {
   if (r != ncclSuccess) {
     std::string detail = ncclGetErrorString(r);
     if (comm != nullptr) ncclCommAbort(comm);
-    return Status::IOError(fmt::format("rank {} of {}: creating the NCCL communicator on CUDA device {} failed: {}; "
-                                       "check that every rank sees its own GPU (NCCL_DEBUG=INFO says more)",
-                                       rank, world, device, detail));
+    return Status::IOError(
+        fmt::format("rank {} of {}: creating the NCCL communicator on CUDA device {} failed: {}; "
+                    "check that every rank sees its own GPU (NCCL_DEBUG=INFO says more)",
+                    rank, world, device, detail));
   }
   return std::unique_ptr<Comm>(new NcclComm(std::move(bootstrap), comm));
 }

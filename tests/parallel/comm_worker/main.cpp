@@ -10,6 +10,7 @@
 //   hang   the last rank sleeps instead; the others must fail at the timeout
 //   bench [MiB...]  reduce-scatter and all-gather bandwidth over Gloo, rank 0 prints a table
 //   bench-nccl [MiB...]  the same over NCCL on GPU local_rank (CUDA builds)
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -21,8 +22,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "parallel/comm.h"
 #include "parallel/launch.h"
@@ -59,12 +58,18 @@ uint64_t mix(uint64_t x) {
 float addend(int r, size_t i) {
   uint64_t h = mix((static_cast<uint64_t>(r) << 40) ^ i);
   switch (h % 6) {
-    case 0: return 1e8f;
-    case 1: return -1e8f;
-    case 2: return 1.f;
-    case 3: return -0.75f;
-    case 4: return 3e-3f * static_cast<float>(h % 1000);
-    default: return static_cast<float>(static_cast<int64_t>(h % 2001) - 1000) * 1e5f;
+    case 0:
+      return 1e8f;
+    case 1:
+      return -1e8f;
+    case 2:
+      return 1.f;
+    case 3:
+      return -0.75f;
+    case 4:
+      return 3e-3f * static_cast<float>(h % 1000);
+    default:
+      return static_cast<float>(static_cast<int64_t>(h % 2001) - 1000) * 1e5f;
   }
 }
 
@@ -101,8 +106,8 @@ void check_all_gather(const LaunchInfo& l, Comm& comm, size_t bytes) {
     }
   }
   if (comm.bytes_sent() - before != bytes * (w - 1)) {
-    fail(l, fmt::format("all_gather of {} bytes counted {} bytes sent, expected {}", bytes,
-                        comm.bytes_sent() - before, bytes * (w - 1)));
+    fail(l, fmt::format("all_gather of {} bytes counted {} bytes sent, expected {}", bytes, comm.bytes_sent() - before,
+                        bytes * (w - 1)));
   }
 }
 
@@ -310,8 +315,8 @@ int run_bench(const LaunchInfo& l, const std::vector<size_t>& mibs, bool nccl) {
   Comm& comm = **connected;
   const double bus = double(w - 1) / w;
   if (l.rank == 0) {
-    std::printf("world %d, %s\n%8s %14s %14s %14s\n", w, nccl ? "NCCL" : "loopback TCP (gloo)", "MiB",
-                "rs busbw GB/s", "ag busbw GB/s", nccl ? "d2d copy GB/s" : "memcpy GB/s");
+    std::printf("world %d, %s\n%8s %14s %14s %14s\n", w, nccl ? "NCCL" : "loopback TCP (gloo)", "MiB", "rs busbw GB/s",
+                "ag busbw GB/s", nccl ? "d2d copy GB/s" : "memcpy GB/s");
   }
   for (size_t mib : mibs) {
     const size_t bytes = mib << 20, count = bytes / sizeof(float) / w;
