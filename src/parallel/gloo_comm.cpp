@@ -149,23 +149,15 @@ class GlooComm final : public Comm {
                  std::span<const size_t> recv_bytes, size_t element) {
     const size_t w = world();
     std::vector<int64_t> send_n(w), recv_n(w);
-    size_t total = 0;
     for (size_t r = 0; r < w; ++r) {
       CHECK(send_bytes[r] % element == 0 && recv_bytes[r] % element == 0);
       send_n[r] = static_cast<int64_t>(send_bytes[r] / element);
       recv_n[r] = static_cast<int64_t>(recv_bytes[r] / element);
-      total += send_bytes[r] + recv_bytes[r];
       if (r != static_cast<size_t>(rank())) bytes_sent_ += send_bytes[r];
     }
-    // Gloo's alltoallv needs an element type: move bytes as uint8_t, floats as float.
-    if (total == 0) {
-      // Every block empty: nothing moves, but keep the call collective for the timeout's sake.
-      gloo::BarrierOptions opts(context_);
-      opts.setTimeout(timeout_);
-      gloo::barrier(opts);
-      return;
-    }
-    // Gloo wants a buffer even for a rank that sends or receives nothing.
+    // Gloo's alltoallv needs an element type: move bytes as uint8_t, floats as float. It runs
+    // even when this rank moves nothing (others may be exchanging among themselves), and Gloo
+    // wants a buffer even then.
     uint8_t dummy[sizeof(float)] = {};
     gloo::AlltoallvOptions opts(context_);
     if (element == sizeof(float)) {

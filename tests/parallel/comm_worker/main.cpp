@@ -88,8 +88,12 @@ float sum_in_reverse_order(int world, size_t i) {
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
 
 uint8_t byte_of(int from, int to, size_t i) { return static_cast<uint8_t>(from * 37 + to * 11 + i * 7 + 1); }
-// Bytes rank `from` sends rank `to` in the all_to_all_v check; zero for some pairs.
-size_t a2a_bytes(int from, int to) { return static_cast<size_t>((from * 3 + to * 5) % 4) * 13; }
+// Bytes rank `from` sends rank `to` in the all_to_all_v check; zero for some pairs. With
+// `idle` set, the last rank neither sends nor receives anything while the others exchange.
+size_t a2a_bytes(int from, int to, int world, bool idle) {
+  if (idle && (from == world - 1 || to == world - 1)) return 0;
+  return static_cast<size_t>((from * 3 + to * 5) % 4) * 13;
+}
 
 void check_all_gather(const LaunchInfo& l, Comm& comm, size_t bytes) {
   const int w = l.world_size;
@@ -111,14 +115,14 @@ void check_all_gather(const LaunchInfo& l, Comm& comm, size_t bytes) {
   }
 }
 
-void check_all_to_all(const LaunchInfo& l, Comm& comm) {
+void check_all_to_all(const LaunchInfo& l, Comm& comm, bool idle = false) {
   const int w = l.world_size;
   std::vector<size_t> send_bytes(w), recv_bytes(w);
   std::vector<uint8_t> send;
   size_t to_others = 0;
   for (int r = 0; r < w; ++r) {
-    send_bytes[r] = a2a_bytes(l.rank, r);
-    recv_bytes[r] = a2a_bytes(r, l.rank);
+    send_bytes[r] = a2a_bytes(l.rank, r, w, idle);
+    recv_bytes[r] = a2a_bytes(r, l.rank, w, idle);
     for (size_t i = 0; i < send_bytes[r]; ++i) send.push_back(byte_of(l.rank, r, i));
     if (r != l.rank) to_others += send_bytes[r];
   }
@@ -234,6 +238,7 @@ int run_ops(const LaunchInfo& l) {
   const int w = l.world_size;
   for (size_t bytes : {size_t{0}, size_t{1}, size_t{37}, size_t{100003}}) check_all_gather(l, *comm, bytes);
   check_all_to_all(l, *comm);
+  check_all_to_all(l, *comm, /*idle=*/true);
   check_broadcast(l, *comm, w - 1, 1000);
   check_broadcast(l, *comm, 0, 5);
   size_t order_matters = 0;
