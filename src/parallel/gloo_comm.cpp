@@ -75,8 +75,8 @@ class GlooComm final : public Comm {
       reduce_scatter(data, counts, mine.data());
       if (count == 0) return;
       std::memcpy(data + offset, mine.data(), mine.size() * sizeof(float));
+      // No input: this rank's sums already sit at their place in data.
       gloo::AllgathervOptions opts(context_);
-      opts.setInput(data + offset, counts[rank()]);
       opts.setOutput(data, std::vector<size_t>(counts.begin(), counts.end()));
       opts.setTimeout(timeout_);
       gloo::allgatherv(opts);
@@ -101,12 +101,13 @@ class GlooComm final : public Comm {
     return run(what, stream, [&] {
       if (bytes == 0) return;
       gloo::BroadcastOptions opts(context_);
-      if (rank() == root) opts.setInput(static_cast<uint8_t*>(data), bytes);
+      // In place on every rank (an input at the root would be copied onto itself).
       opts.setOutput(static_cast<uint8_t*>(data), bytes);
       opts.setRoot(root);
       opts.setTimeout(timeout_);
       gloo::broadcast(opts);
-      // Gloo broadcasts down a binomial tree; count the children this rank feeds in one.
+      // Gloo broadcasts down a binomial tree: in round i, ranks below 2^i (counted from the
+      // root) send to the rank 2^i above them.
       const size_t w = world(), v = (static_cast<size_t>(rank()) + w - root) % w;
       for (size_t step = 1; step < w; step *= 2) {
         if (v < step && v + step < w) bytes_sent_ += bytes;

@@ -148,7 +148,15 @@ void check_all_to_all(const LaunchInfo& l, Comm& comm, bool idle = false) {
 void check_broadcast(const LaunchInfo& l, Comm& comm, int root, size_t bytes) {
   std::vector<uint8_t> data(bytes);
   for (size_t i = 0; i < bytes; ++i) data[i] = l.rank == root ? byte_of(root, 99, i) : 0xEE;
+  const uint64_t before = comm.bytes_sent();
   expect_ok(l, comm.broadcast(data.data(), bytes, root), "broadcast");
+  // Whatever the tree, every rank but the root receives the bytes once.
+  std::vector<int64_t> sent = {static_cast<int64_t>(comm.bytes_sent() - before)};
+  expect_ok(l, sum_over_ranks(comm, std::span<int64_t>(sent)), "sum_over_ranks(bytes sent)");
+  if (sent[0] != static_cast<int64_t>(bytes) * (l.world_size - 1)) {
+    fail(l, fmt::format("broadcast of {} bytes counted {} bytes sent over all ranks, expected {}", bytes, sent[0],
+                        bytes * (l.world_size - 1)));
+  }
   for (size_t i = 0; i < bytes; ++i) {
     if (data[i] != byte_of(root, 99, i)) {
       fail(l, fmt::format("broadcast of {} bytes from rank {}: byte {} is {}, expected {}", bytes, root, i, data[i],
@@ -241,6 +249,7 @@ int run_ops(const LaunchInfo& l) {
   check_all_to_all(l, *comm, /*idle=*/true);
   check_broadcast(l, *comm, w - 1, 1000);
   check_broadcast(l, *comm, 0, 5);
+  check_broadcast(l, *comm, 1, 77);
   size_t order_matters = 0;
   for (size_t count : {size_t{0}, size_t{1}, size_t{257}}) order_matters += check_reduce_scatter(l, *comm, count);
   // Uneven splits: fewer elements than ranks, and a tail.
