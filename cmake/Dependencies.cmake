@@ -18,6 +18,8 @@ target_link_libraries(strata_deps_core INTERFACE
   OpenMP::OpenMP_CXX PkgConfig::URING PkgConfig::HWLOC PkgConfig::XXHASH)
 if(TARGET gloo)
   target_compile_definitions(strata_deps_core INTERFACE STRATA_HAVE_GLOO=1)
+else()
+  message(STATUS "strata: no Gloo (libgloo-dev): multi-process runs on the CPU are unavailable")
 endif()
 
 add_library(strata_deps_blas INTERFACE)

@@ -1,0 +1,272 @@
+#include "parallel/gloo_comm.h"
+
+#if STRATA_HAVE_GLOO
+
+#include <fmt/format.h>
+#include <gloo/allgather.h>
+#include <gloo/allgatherv.h>
+#include <gloo/alltoallv.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/tcp/device.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include "core/check.h"
+
+namespace strata::parallel {
+namespace {
+
+constexpr const char* kHint = "a rank may have exited or hung; see its log";
+
+class GlooComm final : public Comm {
+ public:
+  GlooComm(std::shared_ptr<gloo::rendezvous::Context> context, std::chrono::milliseconds timeout)
+      : context_(std::move(context)), timeout_(timeout) {}
+
+  int rank() const override { return context_->rank; }
+  int world_size() const override { return context_->size; }
+  const char* backend() const override { return "gloo"; }
+  uint64_t bytes_sent() const override { return bytes_sent_; }
+
+  Status all_gather(const void* send, void* recv, size_t bytes, Stream* stream) override {
+    const std::string what = fmt::format("all_gather of {} bytes per rank", bytes);
+    return run(what, stream, [&] {
+      if (bytes == 0) return;
+      gloo::AllgatherOptions opts(context_);
+      opts.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(send)), bytes);
+      opts.setOutput(static_cast<uint8_t*>(recv), bytes * world());
+      opts.setTimeout(timeout_);
+      gloo::allgather(opts);
+      // A ring: each rank passes on every block but its right neighbour's.
+      bytes_sent_ += bytes * (world() - 1);
+    });
+  }
+
+  Status reduce_scatter_sum(const float* send, float* recv, size_t count, Stream* stream) override {
+    const std::string what = fmt::format("reduce_scatter_sum of {} floats per rank", count);
+    return run(what, stream, [&] {
+      std::vector<size_t> counts(world(), count);
+      reduce_scatter(send, counts, recv);
+    });
+  }
+
+  Status all_reduce_sum(float* data, size_t count, Stream* stream) override {
+    const std::string what = fmt::format("all_reduce_sum of {} floats", count);
+    return run(what, stream, [&] {
+      // Reduce-scatter into blocks as even as possible (the first count % W one float longer),
+      // then gather the sums back: every element is added in rank order by its block's owner.
+      const size_t w = world();
+      std::vector<size_t> counts(w, count / w);
+      for (size_t r = 0; r < count % w; ++r) counts[r] += 1;
+      size_t offset = 0;
+      for (size_t r = 0; r < static_cast<size_t>(rank()); ++r) offset += counts[r];
+      // data's own block is both input and output: reduce into a copy first.
+      std::vector<float> mine(counts[rank()]);
+      reduce_scatter(data, counts, mine.data());
+      if (count == 0) return;
+      std::memcpy(data + offset, mine.data(), mine.size() * sizeof(float));
+      // No input: this rank's sums already sit at their place in data.
+      gloo::AllgathervOptions opts(context_);
+      opts.setOutput(data, std::vector<size_t>(counts.begin(), counts.end()));
+      opts.setTimeout(timeout_);
+      gloo::allgatherv(opts);
+      bytes_sent_ += (count - counts[(rank() + 1) % w]) * sizeof(float);
+    });
+  }
+
+  Status all_to_all_v(const void* send, std::span<const size_t> send_bytes, void* recv,
+                      std::span<const size_t> recv_bytes, Stream* stream) override {
+    CHECK(send_bytes.size() == world() && recv_bytes.size() == world());
+    size_t total_send = 0, total_recv = 0;
+    for (size_t r = 0; r < world(); ++r) total_send += send_bytes[r], total_recv += recv_bytes[r];
+    const std::string what = fmt::format("all_to_all_v sending {} bytes, receiving {}", total_send, total_recv);
+    return run(what, stream, [&] {
+      alltoallv(static_cast<const uint8_t*>(send), send_bytes, static_cast<uint8_t*>(recv), recv_bytes, 1);
+    });
+  }
+
+  Status broadcast(void* data, size_t bytes, int root, Stream* stream) override {
+    CHECK(root >= 0 && root < world_size());
+    const std::string what = fmt::format("broadcast of {} bytes from rank {}", bytes, root);
+    return run(what, stream, [&] {
+      if (bytes == 0) return;
+      gloo::BroadcastOptions opts(context_);
+      // In place on every rank (an input at the root would be copied onto itself).
+      opts.setOutput(static_cast<uint8_t*>(data), bytes);
+      opts.setRoot(root);
+      opts.setTimeout(timeout_);
+      gloo::broadcast(opts);
+      // Gloo broadcasts down a binomial tree: in round i, ranks below 2^i (counted from the
+      // root) send to the rank 2^i above them.
+      const size_t w = world(), v = (static_cast<size_t>(rank()) + w - root) % w;
+      for (size_t step = 1; step < w; step *= 2) {
+        if (v < step && v + step < w) bytes_sent_ += bytes;
+      }
+    });
+  }
+
+  Status barrier() override {
+    return run("barrier", nullptr, [&] {
+      gloo::BarrierOptions opts(context_);
+      opts.setTimeout(timeout_);
+      gloo::barrier(opts);
+    });
+  }
+
+ private:
+  size_t world() const { return static_cast<size_t>(context_->size); }
+
+  // Every rank sends its block r of `counts[r]` floats to rank r, then adds the blocks it
+  // received in rank order: ((x_0 + x_1) + x_2) + ...
+  void reduce_scatter(const float* send, const std::vector<size_t>& counts, float* recv) {
+    const size_t w = world();
+    const size_t mine = counts[rank()];
+    std::vector<size_t> send_bytes(w), recv_bytes(w, mine * sizeof(float));
+    for (size_t r = 0; r < w; ++r) send_bytes[r] = counts[r] * sizeof(float);
+    // The received blocks, kept between calls: a fresh buffer each time costs page faults.
+    if (scratch_.size() < mine * w) scratch_.resize(mine * w);
+    std::vector<float>& blocks = scratch_;
+    alltoallv(reinterpret_cast<const uint8_t*>(send), send_bytes, reinterpret_cast<uint8_t*>(blocks.data()), recv_bytes,
+              sizeof(float));
+    if (mine == 0) return;
+    std::memcpy(recv, blocks.data(), mine * sizeof(float));
+    for (size_t r = 1; r < w; ++r) {
+      const float* b = blocks.data() + r * mine;
+      for (size_t i = 0; i < mine; ++i) recv[i] += b[i];
+    }
+  }
+
+  void alltoallv(const uint8_t* send, std::span<const size_t> send_bytes, uint8_t* recv,
+                 std::span<const size_t> recv_bytes, size_t element) {
+    const size_t w = world();
+    std::vector<int64_t> send_n(w), recv_n(w);
+    for (size_t r = 0; r < w; ++r) {
+      CHECK(send_bytes[r] % element == 0 && recv_bytes[r] % element == 0);
+      send_n[r] = static_cast<int64_t>(send_bytes[r] / element);
+      recv_n[r] = static_cast<int64_t>(recv_bytes[r] / element);
+      if (r != static_cast<size_t>(rank())) bytes_sent_ += send_bytes[r];
+    }
+    // Gloo's alltoallv needs an element type: move bytes as uint8_t, floats as float. It runs
+    // even when this rank moves nothing (others may be exchanging among themselves), and Gloo
+    // wants a buffer even then.
+    uint8_t dummy[sizeof(float)] = {};
+    gloo::AlltoallvOptions opts(context_);
+    if (element == sizeof(float)) {
+      opts.setInput(const_cast<float*>(reinterpret_cast<const float*>(send ? send : dummy)), send_n);
+      opts.setOutput(reinterpret_cast<float*>(recv ? recv : dummy), recv_n);
+    } else {
+      opts.setInput(const_cast<uint8_t*>(send ? send : dummy), send_n);
+      opts.setOutput(recv ? recv : dummy, recv_n);
+    }
+    opts.setTimeout(timeout_);
+    gloo::alltoallv(opts);
+  }
+
+  // Runs one operation, turning what Gloo throws into a Status that names this rank, the
+  // operation and its sizes. A failed Comm stays failed: its peers' state is unknown.
+  template <typename F>
+  Status run(const std::string& what, Stream* stream, F&& op) {
+    CHECK_MSG(stream == nullptr, "the gloo backend moves host memory only; pass no stream");
+    if (!failed_.empty()) {
+      return Status::IOError(fmt::format("rank {} of {}: cannot run {}: this connection failed earlier ({})", rank(),
+                                         world_size(), what, failed_));
+    }
+    std::string error;
+    try {
+      op();
+      return Status::OK();
+    } catch (const gloo::IoException& e) {
+      error = e.what();
+    } catch (const gloo::EnforceNotMet& e) {
+      error = e.what();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    failed_ = what;
+    return Status::IOError(fmt::format("rank {} of {}: {} failed within the {} ms timeout or earlier: {}; {}", rank(),
+                                       world_size(), what, timeout_.count(), error, kHint));
+  }
+
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+  const std::chrono::milliseconds timeout_;
+  uint64_t bytes_sent_ = 0;
+  std::string failed_;
+  std::vector<float> scratch_;
+};
+
+// The address other ranks reach this one at; see CommOptions::hostname.
+gloo::transport::tcp::attr device_attr(const LaunchInfo& launch, const CommOptions& options) {
+  gloo::transport::tcp::attr attr;
+  if (!options.hostname.empty()) {
+    attr.hostname = options.hostname;
+  } else if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME"); iface != nullptr && *iface != '\0') {
+    attr.iface = iface;
+  } else if (launch.local_world_size == launch.world_size) {
+    attr.hostname = "127.0.0.1";
+  } else {
+    char name[256] = {};
+    if (gethostname(name, sizeof(name) - 1) != 0) std::strcpy(name, "localhost");
+    attr.hostname = name;
+  }
+  return attr;
+}
+
+// Gloo writes to its sockets without MSG_NOSIGNAL: a write to a peer that has exited raises
+// SIGPIPE, whose default action kills this process before the error can be reported. Ignore it
+// (write then fails with EPIPE, which Gloo turns into an exception), unless someone installed
+// a handler of their own.
+void ignore_sigpipe() {
+  struct sigaction current = {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    struct sigaction ignore = {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    sigaction(SIGPIPE, &ignore, nullptr);
+  }
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Comm>> connect_gloo(const LaunchInfo& launch, const CommOptions& options) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(options.rendezvous_dir, ec);
+  if (ec) {
+    return Status::IOError(
+        fmt::format("cannot create the rendezvous folder {}: {}; set parallel.rendezvous to a "
+                    "folder every rank can write",
+                    options.rendezvous_dir, ec.message()));
+  }
+  ignore_sigpipe();
+  const std::string who = fmt::format("rank {} of {}", launch.rank, launch.world_size);
+  gloo::transport::tcp::attr attr = device_attr(launch, options);
+  const std::string where = attr.iface.empty() ? attr.hostname : "interface " + attr.iface;
+  try {
+    std::shared_ptr<gloo::transport::Device> device = gloo::transport::tcp::CreateDevice(attr);
+    gloo::rendezvous::FileStore files(options.rendezvous_dir);
+    gloo::rendezvous::PrefixStore store(options.name, files);
+    auto context = std::make_shared<gloo::rendezvous::Context>(launch.rank, launch.world_size);
+    context->setTimeout(options.timeout);
+    context->connectFullMesh(store, device);
+    return std::unique_ptr<Comm>(new GlooComm(std::move(context), options.timeout));
+  } catch (const std::exception& e) {
+    return Status::IOError(fmt::format(
+        "{}: connecting \"{}\" through {} (listening on {}) failed: {}; every rank must start within the {} ms "
+        "timeout and reach the others' addresses (set GLOO_SOCKET_IFNAME or the hostname to pick an interface); {}",
+        who, options.name, options.rendezvous_dir, where, e.what(), options.timeout.count(), kHint));
+  }
+}
+
+}  // namespace strata::parallel
+
+#endif  // STRATA_HAVE_GLOO
