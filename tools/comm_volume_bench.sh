@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The bytes each data-parallel rank sends per step, measured by `strata train` (metrics.jsonl's
+# comm_bytes: the Comm's own count, averaged over the ranks) beside what `strata plan` predicts
+# for the same model, world and ZeRO level (its "comm/rank" column), on the CPU backend through
+# Gloo over the loopback. The two should agree within 5%.
+#
+#   tools/comm_volume_bench.sh [BUILD=build] [OUT=bench/results/DATE-comm-volume.md]
+set -euo pipefail
+build=${1:-build}
+out=${2:-bench/results/$(date +%F)-comm-volume.md}
+strata="$build/strata"
+[[ -x $strata ]] || { echo "comm_volume_bench: $strata not found; build first" >&2; exit 1; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+for i in $(seq 400); do echo "the quick brown fox jumps over the lazy dog $((i * 7919 % 13))"; done > "$work/corpus.txt"
+model='model.set=[num_hidden_layers=4,hidden_size=128,intermediate_size=256]'
+common=(data.paths=["$work/corpus.txt"] "$model" train.micro_batch=2 train.seq_len=32 train.steps=3
+        optim.warmup_steps=1 run.device=cpu)
+
+# "3.76 MiB" -> bytes
+to_bytes() {
+  python3 -c 'import sys
+v, u = sys.argv[1], sys.argv[2]
+m = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+print(int(float(v) * m[u]))' "$1" "$2"
+}
+
+rows=()
+status=0
+for zero in 0 1; do
+  for world in 2 4; do
+    run="$work/run-$zero-$world"
+    pids=()
+    for ((r = 0; r < world; r++)); do
+      RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world TORCHELASTIC_RUN_ID="bench-$zero-$world" \
+        "$strata" train "${common[@]}" run.dir="$run" parallel.zero=$zero \
+        parallel.rendezvous="$work/rendezvous" > "$work/log-$zero-$world-$r" 2>&1 &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || { cat "$work/log-$zero-$world-"*; exit 1; }; done
+    measured=$(python3 -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if "comm_bytes" in l]
+print(int(rows[-1]["comm_bytes"]))' "$run/metrics.jsonl")
+    line=$("$strata" plan "${common[@]}" parallel.world_size=$world parallel.zero=$zero 2>&1 |
+           grep -E "^  $zero\*? " | head -1)
+    # columns: level device host nvme fits comm/rank(value unit) ...
+    read -r _ _ _ _ _ _ _ fits cv cu _ <<< "$line"
+    planned=$(to_bytes "$cv" "$cu")
+    ratio=$(python3 -c "print(f'{$measured / $planned:.3f}')")
+    ok=$(python3 -c "print('yes' if abs($measured / $planned - 1) <= 0.05 else 'NO')")
+    [[ $ok == yes ]] || status=1
+    rows+=("| $zero | $world | $measured | $planned | $ratio | $ok |")
+  done
+done
+
+{
+  echo "# Bytes sent per rank per step: strata train against strata plan ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+  echo
+  echo "CPU backend, Gloo over the loopback; the model is \`$model\` (fp32 recipe: 4-byte gradients and"
+  echo "compute copy), 2 x 32 tokens per rank per step. Measured: the third step's comm_bytes"
+  echo "(metrics.jsonl), what each rank's Comm counted as sent, averaged over the ranks. Planned: the"
+  echo "\"comm/rank\" column of \`strata plan parallel.world_size=W parallel.zero=Z\` (ring collectives:"
+  echo "ZeRO-0 all-reduces the gradients, 2(W-1)/W of their bytes; ZeRO-1 adds the updated copy's"
+  echo "gather, (W-1)/W of it, which strata sends as broadcasts from each group's owner). The plan"
+  echo "prints 3 significant digits; the step's scalars (loss, stop flag) are in the measurement only."
+  echo
+  echo "| ZeRO | world | measured bytes | planned bytes | measured/planned | within 5% |"
+  echo "|---|---|---|---|---|---|"
+  printf '%s\n' "${rows[@]}"
+  echo
+  echo "Command: \`tools/comm_volume_bench.sh $build\`"
+} | tee "$out"
+exit $status
