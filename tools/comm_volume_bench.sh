@@ -60,8 +60,9 @@ done
   echo "compute copy), 2 x 32 tokens per rank per step. Measured: the third step's comm_bytes"
   echo "(metrics.jsonl), what each rank's Comm counted as sent, averaged over the ranks. Planned: the"
   echo "\"comm/rank\" column of \`strata plan parallel.world_size=W parallel.zero=Z\` (ring collectives:"
-  echo "ZeRO-0 all-reduces the gradients, 2(W-1)/W of their bytes; ZeRO-1 adds the updated copy's"
-  echo "gather, (W-1)/W of it, which strata sends as broadcasts from each group's owner). The plan"
+  echo "ZeRO-0 all-reduces the gradients, 2(W-1)/W of their bytes; ZeRO-1 reduces them onto each"
+  echo "group's owner, (W-1)/W, and gathers the updated copy, (W-1)/W of it, which strata sends as"
+  echo "broadcasts from each group's owner). The plan"
   echo "prints 3 significant digits; the step's scalars (loss, stop flag) are in the measurement only."
   echo
   echo "| ZeRO | world | measured bytes | planned bytes | measured/planned | within 5% |"

@@ -423,8 +423,10 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   // an all-reduce of B bytes sends 2(W-1)/W x B (a reduce-scatter, then an all-gather), a
   // reduce-scatter or an all-gather (W-1)/W x B. G is every gradient's bytes, P the compute
   // copy's, without chunk padding.
-  //   ZeRO-0 and 1: the accumulated gradients all-reduced once per step, 2(W-1)/W x G; ZeRO-1
-  //     then all-gathers the compute copy each rank updated its shard of, (W-1)/W x P.
+  //   ZeRO-0: the accumulated gradients all-reduced once per step, 2(W-1)/W x G.
+  //   ZeRO-1: the accumulated gradients reduced once per step onto the rank that owns them,
+  //     (W-1)/W x G (strata train reduces each group onto its owner: every other rank sends it
+  //     the group once), then the compute copy each rank updated gathered, (W-1)/W x P.
   //   ZeRO-2: each micro-batch's gradients reduce-scattered onto their shards (a rank keeps
   //     only its shard, so the accumulation happens there), grad_accum x (W-1)/W x G, plus the
   //     all-gather of the updated compute copy.
@@ -441,7 +443,8 @@ Plan plan_at_level(const PlanInput& in, int zero) {
                        bytes_of(in.edge_elements, in.edge_param_bytes);
     auto ring = [&](uint64_t bytes) { return bytes / w * (w - 1) + bytes % w * (w - 1) / w; };  // (W-1)/W x bytes
     CommBytes& c = p.comm;
-    if (zero <= 1) c.grad_all_reduce = 2 * ring(G);
+    if (zero == 0) c.grad_all_reduce = 2 * ring(G);
+    else if (zero == 1) c.grad_reduce_scatter = ring(G);
     else c.grad_reduce_scatter = accum * ring(G);
     if (zero == 1 || zero == 2) c.update_all_gather = ring(P);
     if (zero == 3) c.param_all_gather = 2 * accum * ring(P);

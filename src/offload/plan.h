@@ -140,8 +140,8 @@ struct PlanInput {
 
 // Bytes one rank sends per optimizer step, by collective (ring algorithms; see make_plan).
 struct CommBytes {
-  uint64_t grad_all_reduce = 0;      // ZeRO-0/1: every gradient, once per step
-  uint64_t grad_reduce_scatter = 0;  // ZeRO-2/3: each micro-batch's gradients onto their shards
+  uint64_t grad_all_reduce = 0;      // ZeRO-0: every gradient, once per step
+  uint64_t grad_reduce_scatter = 0;  // ZeRO-1: once per step; ZeRO-2/3: each micro-batch's, onto their shards
   uint64_t param_all_gather = 0;     // ZeRO-3: the compute copy for forward and for backward
   uint64_t update_all_gather = 0;    // ZeRO-1/2: the updated compute copy after the optimizer
   uint64_t total() const { return grad_all_reduce + grad_reduce_scatter + param_all_gather + update_all_gather; }

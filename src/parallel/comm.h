@@ -7,7 +7,7 @@
 // stream's device's memory and the operation is queued on the stream (NCCL), returning before
 // it completes. The CPU backend runs an operation to completion before it returns.
 //
-// Reproducibility: reduce_scatter_sum and all_reduce_sum add in rank order, every element
+// Reproducibility: reduce_scatter_sum, all_reduce_sum and reduce_sum add in rank order, every element
 // computed as ((x_0 + x_1) + x_2) + ... on the Gloo and local backends, so a run repeats bit
 // for bit and equals one process that accumulates the same addends in that order. NCCL sums in
 // the order of its ring or tree, fixed for a given world size and topology.
@@ -52,6 +52,10 @@ class Comm {
   virtual Status reduce_scatter_sum(const float* send, float* recv, size_t count, Stream* stream = nullptr) = 0;
   // data (count floats) becomes the sum over ranks, on every rank.
   virtual Status all_reduce_sum(float* data, size_t count, Stream* stream = nullptr) = 0;
+  // root's data (count floats) becomes the sum over ranks; the others' data is left as it was.
+  // Each rank but root sends its count floats once (what a ZeRO-1 rank's gradient reduction
+  // onto the owner of a group costs).
+  virtual Status reduce_sum(float* data, size_t count, int root, Stream* stream = nullptr) = 0;
   // Sends send_bytes[r] bytes (consecutive in send, in rank order) to rank r and receives
   // recv_bytes[r] bytes from rank r into recv, consecutive in rank order. Both spans have
   // world_size entries; what rank a sends to b must be what b expects from a.

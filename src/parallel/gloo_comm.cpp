@@ -84,6 +84,18 @@ class GlooComm final : public Comm {
     });
   }
 
+  Status reduce_sum(float* data, size_t count, int root, Stream* stream) override {
+    CHECK(root >= 0 && root < world_size());
+    const std::string what = fmt::format("reduce_sum of {} floats to rank {}", count, root);
+    return run(what, stream, [&] {
+      // A reduce-scatter whose one block is root's: every rank sends it all of data, and root
+      // adds what it received in rank order (data itself was sent before it is overwritten).
+      std::vector<size_t> counts(world(), 0);
+      counts[static_cast<size_t>(root)] = count;
+      reduce_scatter(data, counts, data);
+    });
+  }
+
   Status all_to_all_v(const void* send, std::span<const size_t> send_bytes, void* recv,
                       std::span<const size_t> recv_bytes, Stream* stream) override {
     CHECK(send_bytes.size() == world() && recv_bytes.size() == world());

@@ -524,8 +524,11 @@ Result<double> PagedState::clip_and_step(float lr) {
     pending.clear();
   };
   // Data parallel: each group's gradients are summed over the ranks where they are acquired,
-  // before their squares are, so every rank sees the same sums and takes the same step.
+  // before their squares are. Every rank holds the sums when the optimizer state is whole
+  // (all-reduce); with sharded state only the group's owner does (reduce onto the owner, half
+  // the bytes), it alone adds their squares, and the ranks then add their partial sums.
   const bool reduce = comm_ != nullptr && comm_->world_size() > 1;
+  const bool to_owner = reduce && !options_.group_owner.empty();
   for (int g = 0; g < store_->num_groups(); ++g) {
     const bool on_device = store_->home(g, StateKind::kGrad) == Tier::kDevice;
     if (!on_device) sum_and_release();
@@ -541,7 +544,9 @@ Result<double> PagedState::clip_and_step(float lr) {
       // The CPU backend's device memory is host memory; a GPU's is reduced on its compute stream.
       Stream* stream = device_->kind() == DeviceKind::kCpu ? nullptr : compute_stream_;
       for (const GradBuffer& b : buffers) {
-        st = comm_->all_reduce_sum(const_cast<float*>(b.p), static_cast<size_t>(b.n), stream);
+        st = to_owner ? comm_->reduce_sum(const_cast<float*>(b.p), static_cast<size_t>(b.n),
+                                          options_.group_owner[static_cast<size_t>(g)], stream)
+                      : comm_->all_reduce_sum(const_cast<float*>(b.p), static_cast<size_t>(b.n), stream);
         if (!st.ok()) break;
       }
       if (stream != nullptr) stream->synchronize();
@@ -550,11 +555,17 @@ Result<double> PagedState::clip_and_step(float lr) {
         return st.with_context("the gradients of parameter group " + std::to_string(g));
       }
     }
-    pending.insert(pending.end(), buffers.begin(), buffers.end());
+    if (!to_owner || owns(g)) pending.insert(pending.end(), buffers.begin(), buffers.end());
     if (!on_device) sum_and_release();
   }
   sum_and_release();
-  const double norm = std::sqrt(kernels_->end_norm());
+  double sum_squares = kernels_->end_norm();
+  if (to_owner) {
+    // The partial sums added in rank order: every rank gets the same bits.
+    ASSIGN_OR_RETURN(sum_squares, parallel::sum_over_ranks(*comm_, sum_squares));
+    kernels_->set_norm(sum_squares);
+  }
+  const double norm = std::sqrt(sum_squares);
   norm_span.end();
   // A NaN or Inf anywhere is known before any group changes: the step is skipped whole (the
   // AdamW step count, used for bias correction, does not advance either).

@@ -187,7 +187,9 @@ class PagedState : public model::ParamAccess, public SavableState {
   // REQUIRES: set before the first step; the stream outlives the state.
   void set_compute_stream(Stream* stream) { compute_stream_ = stream; }
   // Data parallelism: clip_and_step() first sums every gradient over the ranks of `comm`
-  // (parallel/comm.h), in rank order, so all ranks take the same step. Null or world 1: no
+  // (parallel/comm.h), in rank order, so all ranks take the same step: onto every rank
+  // (all-reduce) when each holds the whole state, onto each group's owner (reduce) when the
+  // optimizer state is sharded (options.group_owner), whose partial norms are then summed. Null or world 1: no
   // reduction. REQUIRES: not with overlap_optimizer (groups would update before the sums);
   // the Comm outlives the state.
   void set_comm(parallel::Comm* comm) {

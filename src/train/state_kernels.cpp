@@ -18,6 +18,7 @@ class CpuStateKernels final : public StateKernels {
     for (const GradBuffer& t : tensors) sum_ += kernels::cpu::sum_squares(t.p, t.n);
   }
   double end_norm() override { return sum_; }
+  void set_norm(double sum) override { sum_ = sum; }
   void prepare_clip(double max_norm) override { clip_ = kernels::clip_coefficient(std::sqrt(sum_), max_norm); }
   void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n,
              const kernels::AdamWParams& p, bool clipped) override {

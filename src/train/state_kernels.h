@@ -37,6 +37,9 @@ class StateKernels {
   virtual void begin_norm() = 0;
   virtual void add_sum_squares(std::span<const GradBuffer> tensors) = 0;
   virtual double end_norm() = 0;
+  // Replaces the sum end_norm() read by `sum` (data-parallel ranks each sum the squares of the
+  // groups they own, then all take the total), so that prepare_clip() clips by the global norm.
+  virtual void set_norm(double sum) = 0;
   // After end_norm(): the clip factor of that sum, kernels::clip_coefficient(sqrt(sum),
   // max_norm), kept where this backend's AdamW reads it. CUDA computes it in device memory from
   // the device's own sum (bit for bit the host's coefficient), so nothing is sent to the device.

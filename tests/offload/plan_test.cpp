@@ -271,9 +271,10 @@ TEST(PlanDataParallel, RingCollectiveBytesPerLevel) {
   for (const Plan* p : {&z0, &z1, &z2, &z3}) ASSERT_TRUE(p->fits) << p->problem;
   EXPECT_EQ(z0.comm.grad_all_reduce, 2 * g);
   EXPECT_EQ(z0.comm.total(), 2 * g);
-  EXPECT_EQ(z1.comm.grad_all_reduce, 2 * g);
+  EXPECT_EQ(z1.comm.grad_all_reduce, 0u);
+  EXPECT_EQ(z1.comm.grad_reduce_scatter, g);  // once per step, onto the owners
   EXPECT_EQ(z1.comm.update_all_gather, pp);
-  EXPECT_EQ(z1.comm.total(), 2 * g + pp);
+  EXPECT_EQ(z1.comm.total(), g + pp);
   EXPECT_EQ(z2.comm.grad_reduce_scatter, 4 * g);  // every micro-batch onto the shards
   EXPECT_EQ(z2.comm.update_all_gather, pp);
   EXPECT_EQ(z2.comm.total(), 4 * g + pp);

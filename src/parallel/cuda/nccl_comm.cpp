@@ -50,6 +50,14 @@ class NcclComm final : public Comm {
                  ncclAllReduce(data, data, count, ncclFloat, ncclSum, comm_, handle(*stream)));
   }
 
+  Status reduce_sum(float* data, size_t count, int root, Stream* stream) override {
+    if (stream == nullptr) return bootstrap_->reduce_sum(data, count, root);
+    // A ring reduce: every rank but the root passes the whole buffer on once.
+    if (rank_ != root) bytes_sent_ += count * sizeof(float);
+    return check(fmt::format("reduce_sum of {} floats to rank {}", count, root),
+                 ncclReduce(data, data, count, ncclFloat, ncclSum, root, comm_, handle(*stream)));
+  }
+
   Status all_to_all_v(const void* send, std::span<const size_t> send_bytes, void* recv,
                       std::span<const size_t> recv_bytes, Stream* stream) override {
     if (stream == nullptr) return bootstrap_->all_to_all_v(send, send_bytes, recv, recv_bytes);

@@ -50,6 +50,10 @@ class CudaStateKernels final : public StateKernels {
     synchronize();
     return sum;
   }
+  void set_norm(double sum) override {
+    CUDA_CHECK(cudaMemcpyAsync(norm_.data(), &sum, sizeof(double), cudaMemcpyHostToDevice, handle_));
+    synchronize();  // `sum` lives on this frame
+  }
   // The factor stays in device memory: computed from the device's sum, read by AdamW.
   void prepare_clip(double max_norm) override {
     cu::clip_factor(clip_.as<float>(), nullptr, norm_.as<double>(), max_norm, handle_);

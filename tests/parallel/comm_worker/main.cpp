@@ -204,6 +204,28 @@ size_t check_all_reduce(const LaunchInfo& l, Comm& comm, size_t count) {
   return order_matters;
 }
 
+// reduce_sum onto `root`: root holds the sum in rank order, the others their data unchanged,
+// and each rank but root sent its count floats.
+size_t check_reduce(const LaunchInfo& l, Comm& comm, size_t count, int root) {
+  std::vector<float> data(count);
+  for (size_t i = 0; i < count; ++i) data[i] = addend(l.rank, i);
+  const uint64_t sent_before = comm.bytes_sent();
+  expect_ok(l, comm.reduce_sum(data.data(), count, root), "reduce_sum");
+  const uint64_t sent = comm.bytes_sent() - sent_before;
+  const uint64_t want_sent = l.rank == root ? 0 : count * sizeof(float);
+  if (sent != want_sent) fail(l, fmt::format("reduce_sum to rank {} counted {} bytes sent, expected {}", root, sent, want_sent));
+  size_t order_matters = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const float want = l.rank == root ? sum_in_rank_order(l.world_size, i) : addend(l.rank, i);
+    if (!same_bits(data[i], want)) {
+      fail(l, fmt::format("reduce_sum of {} floats to rank {}: element {} is {:.9g}, expected {:.9g}", count, root, i,
+                          data[i], want));
+    }
+    if (!same_bits(sum_in_rank_order(l.world_size, i), sum_in_reverse_order(l.world_size, i))) ++order_matters;
+  }
+  return order_matters;
+}
+
 void check_sum_over_ranks(const LaunchInfo& l, Comm& comm) {
   const int w = l.world_size;
   // Doubles where the order shows: 1e17 and 1 do not add exactly.
@@ -256,6 +278,7 @@ int run_ops(const LaunchInfo& l) {
   for (size_t count : {size_t{0}, size_t{1}, size_t{2}, size_t{1000} + w - 1}) {
     order_matters += check_all_reduce(l, *comm, count);
   }
+  for (int root : {0, w - 1}) order_matters += check_reduce(l, *comm, 333, root);
   // The data must be such that a sum in another order would have been caught (from three
   // ranks on: two addends commute exactly).
   if (w >= 3 && order_matters == 0) fail(l, "no element's sum depends on the order; the check proves nothing");
