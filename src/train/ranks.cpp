@@ -147,6 +147,18 @@ Status agree_all_ok(parallel::Comm& comm, const Status& own, const std::string& 
   return Status::IOError(fmt::format("rank {} failed {} (its log says why); this rank stops too", which, what));
 }
 
+void retire_rendezvous(Ranks& ranks, const TrainConfig& t) {
+  if (Status all_done = ranks.comm->barrier(); !all_done.ok()) {
+    LOG_WARN("parallel: {}", all_done.message());
+    return;
+  }
+  if (!ranks.writes()) return;
+  std::error_code ec;
+  const std::string dir = rendezvous_dir(t, ranks.launch);
+  fs::remove_all(dir, ec);
+  if (ec) LOG_WARN("parallel: cannot remove the rendezvous folder {}: {}", dir, ec.message());
+}
+
 Result<bool> any_rank(parallel::Comm& comm, bool value) {
   ASSIGN_OR_RETURN(double sum, parallel::sum_over_ranks(comm, value ? 1.0 : 0.0));
   return sum > 0;

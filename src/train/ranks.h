@@ -50,6 +50,11 @@ Status share_run_dirs(parallel::Comm& comm, const Status& status, TrainConfig& t
 // own is fine returns an error when another rank's was not.
 Status agree_all_ok(parallel::Comm& comm, const Status& own, const std::string& what);
 
+// Once every rank is done with its Comms: rank 0 removes this launch's rendezvous folder, so
+// that a later launch with the same job id does not read its addresses. Best effort (a
+// failure is logged).
+void retire_rendezvous(Ranks& ranks, const TrainConfig& t);
+
 // True on every rank when any rank asks to stop (a signal reached some of them).
 Result<bool> any_rank(parallel::Comm& comm, bool value);
 

@@ -791,6 +791,8 @@ Result<TrainSummary> run_training(const TrainConfig& config, const std::string& 
   Result<TrainSummary> trained = train(run, t);
   const GoodputReport report = report_goodput(run, goodput);
   if (trained.ok()) trained->goodput = report;
+  // A run that ended well leaves no addresses behind for a later launch with the same job id.
+  if (trained.ok() && ranks.several()) retire_rendezvous(ranks, t);
   return trained;
 }
 

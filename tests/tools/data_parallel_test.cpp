@@ -168,6 +168,8 @@ TEST_F(DataParallelTest, WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch) {
                                         << ")";
     EXPECT_GT(d.max_value, 0.01);
   }
+  // A launch that ended well leaves no addresses behind for the next one with its job id.
+  EXPECT_FALSE(fs::exists(dir_ / "rendezvous" / "w4"));
   // Only rank 0 writes the run's files; the other ranks leave no metrics of their own.
   EXPECT_FALSE(fs::exists(four / "metrics.rank1.jsonl"));
 }
