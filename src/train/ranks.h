@@ -27,6 +27,7 @@ struct Ranks {
   std::unique_ptr<parallel::Comm> comm;  // null in a single process
   // The checkpoint writers' own (they run on a thread of their own beside training).
   std::unique_ptr<parallel::Comm> ckpt_comm;
+  bool start_agreed = false;  // every rank has said whether it could start (agree_all_ok)
   int rank() const { return launch.rank; }
   int world() const { return launch.world_size; }
   bool several() const { return launch.world_size > 1; }

@@ -448,10 +448,16 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   const fs::path metrics_path = fs::path(t.run_dir) / "metrics.jsonl";
   if (!resume_from.empty()) {
     run->redo_until = highest_recorded_step(metrics_path.string());
-  } else if (!(*dirs)->set_aside_metrics().empty()) {
+  } else if (dirs->has_value() && !(*dirs)->set_aside_metrics().empty()) {
     run->redo_until = highest_recorded_step((*dirs)->set_aside_metrics());
   }
 
+  // No rank starts unless every rank can (the others would wait for it until the timeout), and
+  // rank 0 writes into run.dir only then, so that a refused start leaves nothing behind.
+  if (ranks.several()) {
+    ranks.start_agreed = true;
+    RETURN_IF_ERROR(agree_all_ok(*ranks.comm, Status::OK(), "to start"));
+  }
   // The run directory: the effective config, then metrics as steps complete (rank 0's).
   if (!ranks.writes()) {
     LOG_INFO("rank {}: prepared", ranks.rank());
@@ -775,8 +781,8 @@ Result<TrainSummary> run_training(const TrainConfig& config, const std::string& 
   GoodputAccountant::Timer starting = goodput.time(GoodputPart::kStartup);
   ASSIGN_OR_RETURN(Ranks ranks, connect_ranks(t));
   Result<std::unique_ptr<Run>> prepared = prepare(t, effective_yaml, make_engine, &goodput, &dirs, ranks);
-  // No rank starts training unless all of them can (the others would wait for it until the timeout).
-  if (ranks.several()) {
+  // A rank that failed before prepare's agreement to start still takes part in it.
+  if (ranks.several() && !ranks.start_agreed) {
     Status all = agree_all_ok(*ranks.comm, prepared.status(), "to start");
     if (prepared.ok() && !all.ok()) prepared = all;
   }

@@ -291,6 +291,38 @@ TEST_F(DataParallelTest, CheckpointOfFourRanksResumesOnOneTwoThreeAndFour) {
   expect_close_losses({expected[2], expected[3]}, losses_of(two / "metrics.jsonl"), "world 2 from world 4");
 }
 
+// A rank that cannot start (here: a budget its node refuses) stops every rank before the first
+// step with one error each; rank 0 names the rank, and no run folder is left behind.
+TEST_F(DataParallelTest, ARankThatCannotStartStopsTheOthersBeforeTheFirstStep) {
+  const fs::path run = dir_ / "run";
+  auto results = launch(2, run_args(run.string(), 1), "start", "");
+  ASSERT_TRUE(all_ok(results)) << all_output(results);  // the same launch works as given
+  fs::remove_all(run);
+  // Rank 1 alone gets a device budget too small for one layer.
+  std::vector<CmdResult> rs(2);
+  std::vector<std::thread> threads;
+  const std::string rdzv = (dir_ / "rendezvous").string();
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const fs::path log = dir_ / ("bad.rank" + std::to_string(r) + ".log");
+      const std::string cmd = "RANK=" + std::to_string(r) +
+                              " WORLD_SIZE=2 LOCAL_RANK=" + std::to_string(r) +
+                              " LOCAL_WORLD_SIZE=2 TORCHELASTIC_RUN_ID=bad " + std::string(STRATA_BINARY_DIR) +
+                              "/strata " + run_args(run.string(), 1) + (r == 1 ? " memory.device=64KiB" : "") +
+                              " parallel.rendezvous=" + rdzv + " parallel.timeout_s=30 > " + log.string() + " 2>&1";
+      const int status = std::system(cmd.c_str());
+      rs[static_cast<size_t>(r)].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      rs[static_cast<size_t>(r)].output = read_text(log);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(rs[0].exit_code, 1) << all_output(rs);
+  EXPECT_EQ(rs[1].exit_code, 1) << all_output(rs);
+  EXPECT_NE(rs[0].output.find("rank 1 failed to start"), std::string::npos) << rs[0].output;
+  EXPECT_NE(rs[1].output.find("memory.device"), std::string::npos) << rs[1].output;
+  EXPECT_FALSE(fs::exists(run / "metrics.jsonl"));
+}
+
 TEST_F(DataParallelTest, AKilledRankStopsTheOthersWithAMessageAndTheLastCheckpointResumes) {
   const fs::path run = dir_ / "run";
   // Rank 1 is killed once the run has a checkpoint; rank 0 must not wait past the timeout.
