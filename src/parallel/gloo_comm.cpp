@@ -74,7 +74,7 @@ class GlooComm final : public Comm {
       std::vector<float> mine(counts[rank()]);
       reduce_scatter(data, counts, mine.data());
       if (count == 0) return;
-      std::memcpy(data + offset, mine.data(), mine.size() * sizeof(float));
+      if (!mine.empty()) std::memcpy(data + offset, mine.data(), mine.size() * sizeof(float));
       // No input: this rank's sums already sit at their place in data.
       gloo::AllgathervOptions opts(context_);
       opts.setOutput(data, std::vector<size_t>(counts.begin(), counts.end()));
