@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <chrono>
 #include <cstdint>
@@ -69,8 +70,14 @@ Result<Ranks> connect_ranks(TrainConfig& t) {
     LOG_INFO("parallel: {} CPU threads per rank ({} cores, {} ranks on this node; OMP_NUM_THREADS overrides)", threads,
              omp_get_num_procs(), l.local_world_size);
   }
+  // auto: NCCL where the steps may run on a GPU (run.device=cuda, or auto with one visible; a
+  // CPU engine's host buffers then go through NCCL's Gloo bootstrap), Gloo otherwise.
+  bool gpu = false;
+#if STRATA_HAVE_CUDA
+  gpu = t.device != "cpu" && cuda_device_count() > 0;
+#endif
   parallel::CommOptions co;
-  co.backend = t.parallel_backend == "auto" ? (t.device == "cuda" ? "nccl" : "gloo") : t.parallel_backend;
+  co.backend = t.parallel_backend == "auto" ? (gpu ? "nccl" : "gloo") : t.parallel_backend;
   co.rendezvous_dir = rendezvous_dir(t, l);
   co.name = "train";
   co.timeout = std::chrono::milliseconds(static_cast<int64_t>(t.parallel_timeout_s * 1000));
