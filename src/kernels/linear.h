@@ -4,6 +4,8 @@
 #pragma once
 #include <cstdint>
 
+#include "core/status.h"
+
 namespace strata::kernels {
 #define STRATA_LINEAR_OPS                                                                         \
   /* bias may be null */                                                                          \
@@ -23,9 +25,24 @@ namespace cpu { STRATA_LINEAR_OPS }
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
            const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
            int64_t ldc);
-// The built-in blocked GEMM (what sgemm uses without OpenBLAS); exposed so tests cover it
+// The built-in blocked GEMM (what sgemm uses without OpenBLAS, or with fixed_order_gemm()):
+// every element of C is alpha times the sum of its K products added one by one in index order
+// (then plus beta * C), whatever the machine and the thread count. Exposed so tests cover it
 // even when OpenBLAS is present.
 void sgemm_builtin(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                    int64_t ldc);
+
+// Which GEMM sgemm runs. OpenBLAS (where strata is built with it) is the fast one, but it picks
+// its kernels by CPU, so its summation order, and with it the last bits of every result, differs
+// between CPU models. With fixed_order_gemm() on, sgemm runs sgemm_builtin, whose order is the
+// same everywhere: a run then repeats bitwise on other x86-64 machines too (about 2-4 times
+// slower GEMMs). The initial value comes from STRATA_DETERMINISTIC_GEMM (1 on, 0 or unset off);
+// the setter is for tests and tools. Safe for concurrent use.
+bool fixed_order_gemm();
+void set_fixed_order_gemm(bool on);
+// STRATA_DETERMINISTIC_GEMM's value as a setting: "" and "0" off, "1" on, anything else an
+// error naming the variable (the CLI checks it at start).
+Result<bool> parse_deterministic_gemm(const char* value);
+
 }  // namespace strata::kernels

@@ -36,7 +36,7 @@ ConfigSchema build_schema() {
                  "move on, AdamW's step count does not); this many skipped in a row are tolerated, one more stops "
                  "the run with an error (0: stop at the first)"});
   s.add({.name = "train.seed", .type = T::kInt, .default_value = "1234", .min = 0,
-         .help = "seed for weights and data order; the same seed gives bitwise the same run"});
+         .help = "seed for weights and data order; the same seed gives bitwise the same run on the same build, machine type and any thread count (README: Determinism)"});
   s.add({.name = "train.precision", .type = T::kString, .default_value = "auto",
          .choices = {"auto", "fp32", "bf16", "fp8"},
          .help = "precision recipe. fp32: everything fp32 (the CPU reference). bf16: a bf16 compute copy of the "

@@ -3,6 +3,7 @@
 #include "kernels/linear.h"
 
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstring>
@@ -111,6 +112,70 @@ TEST(Sgemm, BuiltinIsBitwiseReproducible) {
   sgemm_builtin(false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, c1.data(), N);
   sgemm_builtin(false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, c2.data(), N);
   EXPECT_EQ(0, std::memcmp(c1.data(), c2.data(), c1.size() * sizeof(float)));
+}
+
+// The fixed-order GEMM's contract, bit for bit: each element of C is alpha times the fp32 sum of
+// its K products added in index order, plus beta * C. That order is written here as a plain loop
+// (both built with -ffp-contract=off), so a result that held on one machine holds on any: no
+// kernel choice, vector width or thread count can enter it.
+TEST(Sgemm, BuiltinSumsEveryElementInIndexOrderAtEveryThreadCount) {
+  const GemmShape shapes[] = {{3, 17, 33}, {70, 300, 513}, {129, 257, 600}};
+  uint64_t seed = 40;
+  for (const GemmShape& s : shapes) {
+    for (int t = 0; t < 4; ++t) {
+      const bool ta = t & 1, tb = t & 2;
+      const auto A = random_vector(s.M * s.K, seed++), B = random_vector(s.K * s.N, seed++);
+      const auto C0 = random_vector(s.M * s.N, seed++);
+      const int64_t lda = ta ? s.M : s.K, ldb = tb ? s.K : s.N;
+      for (float beta : {0.0f, 1.0f}) {
+        std::vector<float> want = C0;
+        for (int64_t i = 0; i < s.M; ++i) {
+          for (int64_t j = 0; j < s.N; ++j) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < s.K; ++k) {
+              const float a = ta ? A[k * lda + i] : A[i * lda + k];
+              const float b = tb ? B[j * ldb + k] : B[k * ldb + j];
+              sum += a * b;
+            }
+            const float scaled = 0.75f * sum;
+            want[i * s.N + j] = beta == 0.0f ? scaled : scaled + beta * C0[i * s.N + j];
+          }
+        }
+        for (int threads : {1, 2, 3}) {
+          omp_set_num_threads(threads);
+          std::vector<float> got = C0;
+          sgemm_builtin(ta, tb, s.M, s.N, s.K, 0.75f, A.data(), lda, B.data(), ldb, beta, got.data(), s.N);
+          ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
+              << "M=" << s.M << " N=" << s.N << " K=" << s.K << " ta=" << ta << " tb=" << tb << " beta=" << beta
+              << " threads=" << threads;
+        }
+      }
+    }
+  }
+  omp_set_num_threads(omp_get_num_procs());
+}
+
+// STRATA_DETERMINISTIC_GEMM's switch: sgemm then is the fixed-order GEMM, bit for bit.
+TEST(Sgemm, FixedOrderSettingRunsTheBuiltinGemm) {
+  const int64_t M = 70, N = 300, K = 513;
+  const auto A = random_vector(M * K, 91), B = random_vector(N * K, 92);
+  std::vector<float> want(M * N), got(M * N);
+  sgemm_builtin(false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, want.data(), N);
+  const bool before = fixed_order_gemm();
+  set_fixed_order_gemm(true);
+  sgemm(false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, got.data(), N);
+  set_fixed_order_gemm(before);
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+}
+
+TEST(Sgemm, DeterministicGemmSettingAcceptsOnlyZeroAndOne) {
+  EXPECT_FALSE(parse_deterministic_gemm(nullptr).value());
+  EXPECT_FALSE(parse_deterministic_gemm("").value());
+  EXPECT_FALSE(parse_deterministic_gemm("0").value());
+  EXPECT_TRUE(parse_deterministic_gemm("1").value());
+  Result<bool> bad = parse_deterministic_gemm("yes");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("STRATA_DETERMINISTIC_GEMM='yes'"), std::string::npos);
 }
 
 struct LinearShape {

@@ -18,10 +18,13 @@ struct CmdResult {
   std::string output;  // stdout and stderr together
 };
 
-// Runs `strata ARGS` (shell words), in folder `cwd` when given.
-inline CmdResult run_strata(const std::string& args, const std::filesystem::path& cwd = {}) {
+// Runs `strata ARGS` (shell words), in folder `cwd` when given, with `env` (shell assignments,
+// "NAME=value ...") added to its environment.
+inline CmdResult run_strata(const std::string& args, const std::filesystem::path& cwd = {},
+                            const std::string& env = {}) {
   const std::string in = cwd.empty() ? std::string() : "cd '" + cwd.string() + "' && ";
-  const std::string cmd = in + std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
+  const std::string vars = env.empty() ? std::string() : "env " + env + " ";
+  const std::string cmd = in + vars + std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
   CmdResult r;
   FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) return r;

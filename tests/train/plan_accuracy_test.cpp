@@ -13,12 +13,12 @@
 //           their count), against the plan's h2d, d2h and disk traffic;
 //   time    each timed step (the first, warm-up step is not) against the plan's step_s for the
 //           compute rate measured just before it; the median of their ratios.
-// Tier peaks must agree within 5%. The step time's target is 15%: a config whose timing misses
-// it is run again (up to three times in all), and the table prints the ratio. The test itself
-// fails only outside a factor of two (a phase the plan leaves out or counts twice): a time is a
-// benchmark's figure, and on a shared machine a neighbour's disk or memory traffic moves the
-// copies' rates after they were measured. tools/plan_accuracy_bench.sh holds the 15% target
-// (STRATA_PLAN_TIME_TOL=0.15) on a quiet machine and records the table.
+// Tier peaks must agree within 5%. The step time is a benchmark's figure, not a test's: it
+// depends on the CPU and on what else the machine is doing (a neighbour's disk or memory traffic
+// moves the copies' rates after they were measured), so the suite asserts bytes only and prints
+// the times it did not check. tools/plan_accuracy_bench.sh sets STRATA_PLAN_TIME_TOL=0.15: then
+// each step is timed beside a compute probe, a config whose timing misses the target is run
+// again (up to three times in all), and the ratio is held to the tolerance.
 // Traffic must agree within 5% too, roomy or tight: the plan replays the step's schedule
 // against the chunk space's slots (offload/traffic_sim.h), so it counts the copies Belady
 // eviction keeps between uses (the last layers of forward for backward, nvme-homed state
@@ -93,17 +93,17 @@ struct Measured {
   double ratio = 0;        // median of predicted / measured, step by step
 };
 
-// The step time's target, and the bound the test holds it to unless STRATA_PLAN_TIME_TOL says
-// otherwise (the benchmark sets the target).
+// The step time's target; the tolerance the benchmark holds it to (STRATA_PLAN_TIME_TOL), or 0
+// when the step time is not checked (the test suite).
 constexpr double kTimeTarget = 0.15;
 double time_tolerance() {
   const char* env = std::getenv("STRATA_PLAN_TIME_TOL");
-  if (env == nullptr || *env == '\0') return 2.0;
+  if (env == nullptr || *env == '\0') return 0;
   char* end = nullptr;
   const double v = std::strtod(env, &end);
   if (end == env || *end != '\0' || !(v > 0)) {
     ADD_FAILURE() << "STRATA_PLAN_TIME_TOL=" << env << " is not a positive number";
-    return 2.0;
+    return 0;
   }
   return v;
 }
@@ -199,7 +199,8 @@ class PlanAccuracy : public ::testing::Test {
 // compute rate), and the step is predicted with the rate it shows: on a shared machine the
 // rate drifts within a second, and a prediction made with a rate from a minute ago would
 // measure the neighbours' load rather than the model.
-Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* plan) {
+// Without `timed`, the probes are left out and the step times are only recorded.
+Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* plan, bool timed) {
   MachineBenchOptions o;
   o.model = mc;  // the rate the ops reach on this model's shapes, as `strata bench machine` measures it
   o.micro_batch = kMicroBatch;
@@ -215,14 +216,16 @@ Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* p
   ChunkSpaceStats first{};
   for (int s = 0; s < kSteps; ++s) {
     if (s == 1) first = engine->chunk_stats();
-    std::vector<double> probe_s;
-    for (int i = 0; i < 5; ++i) {
-      ASSIGN_OR_RETURN(double p, probe->run_once());
-      probe_s.push_back(p);
-    }
-    std::sort(probe_s.begin(), probe_s.end());
     TrainConfig now = t;
-    now.gpu_flops = probe->flops() / probe_s[2];
+    if (timed) {
+      std::vector<double> probe_s;
+      for (int i = 0; i < 5; ++i) {
+        ASSIGN_OR_RETURN(double p, probe->run_once());
+        probe_s.push_back(p);
+      }
+      std::sort(probe_s.begin(), probe_s.end());
+      now.gpu_flops = probe->flops() / probe_s[2];
+    }
     const double predicted_s = make_plan(make_plan_input(mc, now, /*cuda=*/false)).step_s;
     const auto start = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(engine->zero_grads());
@@ -261,7 +264,7 @@ Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* p
   return m;
 }
 
-TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytesAndStepTime) {
+TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytes) {
   const Case cases[] = {
       {"dense roomy recompute", false, Budget::kRoomy, false},
       {"dense roomy kept", false, Budget::kRoomy, true},
@@ -271,8 +274,10 @@ TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytesAndStepTime) {
       {"moe host kept", true, Budget::kHost, true},
       {"moe nvme recompute", true, Budget::kNvme, false},
   };
-  // Below 1: the relative bound on |planned/measured - 1|; from 1 up: a factor either way.
+  // 0: step times are printed, not checked. Below 1: the relative bound on |planned/measured -
+  // 1|; from 1 up: a factor either way.
   const double time_tol = time_tolerance();
+  const bool timed = time_tol > 0;
   std::string table = fmt::format("{:<24} {:>9} {:>10} {:>10} {:>6}\n", "config", "quantity", "planned", "measured",
                                   "ratio");
   for (const Case& c : cases) {
@@ -281,10 +286,10 @@ TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytesAndStepTime) {
     const model::ModelConfig mc = c.moe ? moe_model() : dense_model();
     const TrainConfig t = config(c, nvme_dir);
     Plan plan;
-    Result<Measured> m = run(mc, t, &plan);
+    Result<Measured> m = run(mc, t, &plan, timed);
     ASSERT_TRUE(m.ok()) << c.name << ": " << m.status().to_string();
-    for (int attempt = 1; attempt < 3 && !(std::fabs(m->ratio - 1) <= kTimeTarget); ++attempt) {
-      Result<Measured> again = run(mc, t, &plan);
+    for (int attempt = 1; timed && attempt < 3 && !(std::fabs(m->ratio - 1) <= kTimeTarget); ++attempt) {
+      Result<Measured> again = run(mc, t, &plan, timed);
       ASSERT_TRUE(again.ok()) << c.name << ": " << again.status().to_string();
       m->step_s = again->step_s;
       m->predicted_s = again->predicted_s;
@@ -307,8 +312,9 @@ TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytesAndStepTime) {
       EXPECT_TRUE(close(r.planned, r.measured, r.tol))
           << c.name << ": " << r.what << " planned " << r.planned << ", measured " << r.measured;
     }
-    table += fmt::format("{:<24} {:>9} {:>10.4g} {:>10.4g} {:>6.3f}\n", c.name, "step ms", m->predicted_s * 1e3,
-                         m->step_s * 1e3, m->ratio);
+    table += fmt::format("{:<24} {:>9} {:>10.4g} {:>10.4g} {:>6.3f}{}\n", c.name, "step ms", m->predicted_s * 1e3,
+                         m->step_s * 1e3, m->ratio, timed ? "" : " (not checked)");
+    if (!timed) continue;
     const bool within = time_tol < 1 ? std::fabs(m->ratio - 1) <= time_tol
                                      : (m->ratio <= time_tol && m->ratio >= 1 / time_tol);
     EXPECT_TRUE(within) << c.name << ": step time planned " << m->predicted_s * 1e3 << " ms, measured "

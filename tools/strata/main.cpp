@@ -1,10 +1,12 @@
 // strata: the command-line entry point. Each command lives in its own file (train.cpp, ...).
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "core/log.h"
+#include "kernels/linear.h"
 #include "tools/strata/ckpt_command.h"
 #include "tools/strata/commands.h"
 
@@ -37,6 +39,10 @@ int main(int argc, char** argv) {
     return args.empty() ? 2 : 0;
   }
   strata::init_logging({});  // one log format for every command; train sets its own level
+  if (auto gemm = strata::kernels::parse_deterministic_gemm(std::getenv("STRATA_DETERMINISTIC_GEMM")); !gemm.ok()) {
+    std::fprintf(stderr, "strata: error: %s\n", gemm.status().message().c_str());
+    return 2;
+  }
   const std::string command = args[0];
   args.erase(args.begin());
   if (command == "train") return strata::tools::train_command(args);

@@ -2,8 +2,12 @@
 #include "kernels/linear.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/check.h"
@@ -157,10 +161,44 @@ void sgemm_builtin(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, 
   }
 }
 
+Result<bool> parse_deterministic_gemm(const char* value) {
+  const std::string_view v = value == nullptr ? "" : value;
+  if (v.empty() || v == "0") return false;
+  if (v == "1") return true;
+  return Status::InvalidArgument("STRATA_DETERMINISTIC_GEMM='" + std::string(v) +
+                                 "' is not 0 or 1 (1 runs strata's fixed-order GEMM instead of OpenBLAS, "
+                                 "so that a run repeats bitwise on other CPUs)");
+}
+
+namespace {
+
+// -1: not read yet; 0 or 1 afterwards. A malformed value counts as off here (the CLI refuses it
+// before any GEMM runs).
+std::atomic<int> fixed_order_state{-1};
+
+}  // namespace
+
+bool fixed_order_gemm() {
+  int s = fixed_order_state.load(std::memory_order_relaxed);
+  if (s < 0) {
+    Result<bool> env = parse_deterministic_gemm(std::getenv("STRATA_DETERMINISTIC_GEMM"));
+    int want = env.ok() && *env ? 1 : 0;
+    fixed_order_state.compare_exchange_strong(s, want, std::memory_order_relaxed);
+    s = fixed_order_state.load(std::memory_order_relaxed);
+  }
+  return s == 1;
+}
+
+void set_fixed_order_gemm(bool on) { fixed_order_state.store(on ? 1 : 0, std::memory_order_relaxed); }
+
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
            const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
            int64_t ldc) {
 #ifdef STRATA_HAVE_OPENBLAS
+  if (fixed_order_gemm()) {
+    sgemm_builtin(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
   CHECK(M >= 0 && N >= 0 && K >= 0);
   if (M == 0 || N == 0) return;
   // BLAS rejects lda < max(1, K) even though nothing is read when K == 0; scale C here instead.
