@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <random>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -33,7 +36,20 @@ void* aligned_host_alloc(uint64_t bytes, uint64_t alignment) {
 // ---------------------------------------------------------------------------------------------
 // CpuStream
 
-CpuStream::CpuStream(std::string name) : name_(std::move(name)) {
+Result<uint64_t> stream_chaos_from_env() {
+  const char* env = std::getenv("STRATA_STREAM_CHAOS");
+  if (env == nullptr || *env == '\0') return uint64_t{0};
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(env, &end, 10);
+  if (*end != '\0' || errno != 0 || env[0] == '-' || env[0] == '+') {
+    return Status::InvalidArgument(std::string("STRATA_STREAM_CHAOS='") + env +
+                                   "' is not a seed (a non-negative integer; 0 turns chaos mode off)");
+  }
+  return static_cast<uint64_t>(v);
+}
+
+CpuStream::CpuStream(std::string name, uint64_t chaos_seed) : name_(std::move(name)), chaos_seed_(chaos_seed) {
   worker_ = std::thread([this] { run(); });
   // Thread names show up in debuggers and perf; Linux allows 15 characters.
   pthread_setname_np(worker_.native_handle(), name_.substr(0, 15).c_str());
@@ -49,6 +65,9 @@ CpuStream::~CpuStream() {
 }
 
 void CpuStream::run() {
+  // Chaos delays: the same sequence for the same seed and stream name.
+  std::mt19937_64 chaos(chaos_seed_ ^ std::hash<std::string>{}(name_));
+  std::uniform_int_distribution<uint32_t> delay_us(0, kChaosMaxDelayUs);
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     work_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
@@ -56,6 +75,7 @@ void CpuStream::run() {
     std::function<void()> task = std::move(queue_.front());
     queue_.pop_front();
     lock.unlock();
+    if (chaos_seed_ != 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us(chaos)));
     task();
     task = nullptr;  // drop captured state (events, buffers) before reporting completion
     lock.lock();
@@ -272,6 +292,11 @@ uint64_t CpuDevice::PinnedMemory::in_use() const {
 // CpuDevice
 
 Result<std::unique_ptr<CpuDevice>> CpuDevice::create(int index, uint64_t budget_bytes) {
+  ASSIGN_OR_RETURN(uint64_t chaos, stream_chaos_from_env());
+  return create(index, budget_bytes, chaos);
+}
+
+Result<std::unique_ptr<CpuDevice>> CpuDevice::create(int index, uint64_t budget_bytes, uint64_t chaos_seed) {
   if (index < 0) {
     return Status::InvalidArgument("cpu device index must be >= 0, got " + std::to_string(index));
   }
@@ -281,11 +306,13 @@ Result<std::unique_ptr<CpuDevice>> CpuDevice::create(int index, uint64_t budget_
   }
   std::string name = "cpu:" + std::to_string(index);
   return std::unique_ptr<CpuDevice>(
-      new CpuDevice(index, std::move(name), std::move(region), budget_bytes));
+      new CpuDevice(index, std::move(name), std::move(region), budget_bytes, chaos_seed));
 }
 
-CpuDevice::CpuDevice(int index, std::string name, std::unique_ptr<Region> region, uint64_t budget)
+CpuDevice::CpuDevice(int index, std::string name, std::unique_ptr<Region> region, uint64_t budget,
+                     uint64_t chaos_seed)
     : index_(index),
+      chaos_seed_(chaos_seed),
       name_(std::move(name)),
       device_memory_("device (" + name_ + ")", std::move(region), budget) {}
 
@@ -313,7 +340,7 @@ std::unique_ptr<CpuStream> CpuDevice::create_cpu_stream() {
     std::lock_guard<std::mutex> lock(stream_mu_);
     n = streams_created_++;
   }
-  return std::make_unique<CpuStream>("strata-c" + std::to_string(index_) + "s" + std::to_string(n));
+  return std::make_unique<CpuStream>("strata-c" + std::to_string(index_) + "s" + std::to_string(n), chaos_seed_);
 }
 
 std::unique_ptr<Stream> CpuDevice::create_stream() { return create_cpu_stream(); }
@@ -329,6 +356,13 @@ void CpuDevice::copy(void* dst, const void* src, uint64_t bytes, Stream& stream,
     span.arg("bytes", static_cast<double>(bytes));
     std::memcpy(dst, src, bytes);
   });
+}
+
+void CpuDevice::fill(void* dst, uint8_t value, uint64_t bytes, Stream& stream) {
+  CpuStream& cpu_stream = as_cpu_stream(stream);
+  if (bytes == 0) return;
+  CHECK(dst != nullptr);
+  cpu_stream.enqueue([dst, value, bytes] { std::memset(dst, value, bytes); });
 }
 
 }  // namespace strata

@@ -20,10 +20,18 @@
 
 namespace strata {
 
+// Chaos mode (DESIGN §3.1): STRATA_STREAM_CHAOS=SEED, a positive integer; unset, empty or 0
+// is off. Anything else is an error naming the variable.
+Result<uint64_t> stream_chaos_from_env();
+// The longest random delay chaos mode puts before a stream task.
+constexpr uint32_t kChaosMaxDelayUs = 200;
+
 // An in-order queue served by one worker thread. Destruction finishes the queued work first.
+// With a chaos seed, each task starts after a random delay (0 to kChaosMaxDelayUs), drawn from
+// the seed and the stream's name, so that work racing it without a wait finishes first.
 class CpuStream final : public Stream {
  public:
-  explicit CpuStream(std::string name);
+  explicit CpuStream(std::string name, uint64_t chaos_seed = 0);
   ~CpuStream() override;
 
   // Queues `task` behind everything queued so far. Tasks run one at a time on the worker
@@ -38,6 +46,7 @@ class CpuStream final : public Stream {
   void run();
 
   const std::string name_;
+  const uint64_t chaos_seed_;
   std::mutex mu_;
   std::condition_variable work_cv_;          // the worker waits for tasks or stop
   std::condition_variable done_cv_;          // synchronize() waits for finished_ to catch up
@@ -75,8 +84,10 @@ class CpuEvent final : public Event {
 
 class CpuDevice final : public Device {
  public:
-  // budget_bytes 0: unlimited (memory is allocated per request and only counted).
+  // budget_bytes 0: unlimited (memory is allocated per request and only counted). chaos_seed:
+  // chaos mode for every stream it makes (0 off); by default, what STRATA_STREAM_CHAOS says.
   static Result<std::unique_ptr<CpuDevice>> create(int index, uint64_t budget_bytes);
+  static Result<std::unique_ptr<CpuDevice>> create(int index, uint64_t budget_bytes, uint64_t chaos_seed);
   // REQUIRES: every allocation, stream and event made by this device is gone.
   ~CpuDevice() override;
 
@@ -96,6 +107,8 @@ class CpuDevice final : public Device {
   std::unique_ptr<Event> create_event() override;
   using Device::copy;
   void copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name) override;
+  void fill(void* dst, uint8_t value, uint64_t bytes, Stream& stream) override;
+  uint64_t chaos_seed() const override { return chaos_seed_; }
 
   // Typed stream for CPU kernels that queue their own work.
   std::unique_ptr<CpuStream> create_cpu_stream();
@@ -135,9 +148,10 @@ class CpuDevice final : public Device {
     uint64_t in_use_ = 0;  // GUARDED_BY(mu_)
   };
 
-  CpuDevice(int index, std::string name, std::unique_ptr<Region> region, uint64_t budget);
+  CpuDevice(int index, std::string name, std::unique_ptr<Region> region, uint64_t budget, uint64_t chaos_seed);
 
   const int index_;
+  const uint64_t chaos_seed_;
   const std::string name_;
   DeviceMemory device_memory_;
   PinnedMemory pinned_memory_;

@@ -168,6 +168,14 @@ class Device {
   // ("copy" for a move of state between tiers; others, e.g. zero fills, say what they are).
   virtual void copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name) = 0;
   void copy(void* dst, const void* src, uint64_t bytes, Stream& stream) { copy(dst, src, bytes, stream, "copy"); }
+  // Queues setting `bytes` bytes at dst (device or host memory) to `value`; returns at once.
+  // REQUIRES as for copy.
+  virtual void fill(void* dst, uint8_t value, uint64_t bytes, Stream& stream) = 0;
+
+  // Nonzero when the device runs in chaos mode (the CPU backend's STRATA_STREAM_CHAOS=SEED):
+  // every stream task waits a random while first, and the chunk space poisons the device slots
+  // a chunk leaves, so that a missing wait shows as wrong bits rather than passing by luck.
+  virtual uint64_t chaos_seed() const { return 0; }
 
  protected:
   Device() = default;

@@ -32,6 +32,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -154,6 +155,9 @@ class ChunkSpace {
   // valid copy. No-op when it has no copy there. InvalidArgument for the home tier or when
   // the chunk is pinned there.
   Status evict(ChunkId id, Tier from);
+  // For the chaos suite's planted-bug test only: acquire no longer waits for (or orders the
+  // consumer after) the move that fills the copy it returns, the one bug the suite must catch.
+  void set_test_skip_acquire_wait(bool skip) { skip_acquire_wait_ = skip; }
 
   // Copies bytes [offset, offset + length) of tensor `id` into `dst` from the tensor's latest
   // copy wherever it is (host, device or nvme; zeros for a chunk never written), without
@@ -258,6 +262,10 @@ class ChunkSpace {
   Device& device_;
   IoEngine* const io_;
   const ChunkSpaceOptions options_;
+  // Chaos mode (Device::chaos_seed): a device slot a chunk leaves is filled with 0xFF bytes (NaN
+  // in fp32, bf16 and E4M3), ordered after its last use, so a read that missed its wait sees NaN.
+  const bool poison_released_;
+  std::atomic<bool> skip_acquire_wait_{false};
 
   mutable std::mutex mu_;
   ChunkLayout layout_;                                         // GUARDED_BY(mu_)

@@ -108,6 +108,12 @@ void ChunkSpace::drop_copy(ChunkId id, Tier t) {
   ChunkState& c = chunks_[id];
   const int64_t slot = c.slot[idx(t)];
   CHECK(slot >= 0);
+  if (poison_released_ && t == Tier::kDevice) {
+    const uint32_t d = static_cast<uint32_t>(slot);
+    (void)order_on(t, d, *up_);  // after every use of the copy leaving it
+    device_.fill(tier(t).data(d), 0xFF, layout_.chunk_bytes(), *up_);
+    record_on(t, d, *up_);
+  }
   owner_[idx(t)][slot] = -1;
   tier(t).give_back(static_cast<uint32_t>(slot));
   count_usage(t, c.kind, /*taken=*/false);

@@ -4,6 +4,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <string>
 #include <cstring>
 #include <numeric>
 #include <thread>
@@ -24,6 +26,36 @@ std::unique_ptr<CpuDevice> open_cpu(uint64_t budget) {
   Result<std::unique_ptr<CpuDevice>> device = CpuDevice::create(0, budget);
   CHECK_MSG(device.ok(), device.status().to_string());
   return std::move(device).value();
+}
+
+// Chaos mode: the seed comes from STRATA_STREAM_CHAOS; a malformed one is refused by name; a
+// chaotic stream still runs its tasks in order, and fill() writes its bytes.
+TEST(CpuDeviceChaos, SeedIsReadAndCheckedAndStreamsStayInOrder) {
+  const char* before = std::getenv("STRATA_STREAM_CHAOS");
+  const std::string saved = before ? before : "";
+  setenv("STRATA_STREAM_CHAOS", "7", 1);
+  EXPECT_EQ(stream_chaos_from_env().value(), 7u);
+  setenv("STRATA_STREAM_CHAOS", "seven", 1);
+  Result<uint64_t> bad = stream_chaos_from_env();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("STRATA_STREAM_CHAOS='seven'"), std::string::npos);
+  EXPECT_FALSE(CpuDevice::create(0, 0).ok());
+  setenv("STRATA_STREAM_CHAOS", "0", 1);
+  EXPECT_EQ(stream_chaos_from_env().value(), 0u);
+  if (before) setenv("STRATA_STREAM_CHAOS", saved.c_str(), 1); else unsetenv("STRATA_STREAM_CHAOS");
+
+  auto dev = CpuDevice::create(0, 0, /*chaos_seed=*/3).value();
+  EXPECT_EQ(dev->chaos_seed(), 3u);
+  auto stream = dev->create_cpu_stream();
+  std::vector<int> order;
+  for (int i = 0; i < 50; ++i) stream->enqueue([&order, i] { order.push_back(i); });
+  std::vector<unsigned char> bytes(4096, 0);
+  dev->fill(bytes.data(), 0xFF, bytes.size(), *stream);
+  stream->synchronize();
+  std::vector<int> want(50);
+  std::iota(want.begin(), want.end(), 0);
+  EXPECT_EQ(order, want);
+  EXPECT_EQ(bytes, std::vector<unsigned char>(4096, 0xFF));
 }
 
 TEST(CpuDevice, OpensWithKindNameAndBudget) {

@@ -587,11 +587,13 @@ struct PrefetchRun {
   bool contents_ok = true;
 };
 
-PrefetchRun run_layers(bool prefetch, bool consumer_stream) {
+// chaos_seed: chaos mode (random stream delays, poisoned device slots); skip_wait: the planted
+// bug, acquire without waiting for the copy it returns.
+PrefetchRun run_layers(bool prefetch, bool consumer_stream, uint64_t chaos_seed = 0, bool skip_wait = false) {
   constexpr int kLayers = 12;
   constexpr uint64_t kBig = 1 * kMiB;
   TempDir dir;
-  auto device = make_device();
+  auto device = chaos_seed != 0 ? CpuDevice::create(0, 0, chaos_seed).value() : make_device();
   ChunkSpaceOptions o;
   o.chunk_bytes = kBig;
   o.device_bytes = 3 * kBig;
@@ -609,6 +611,7 @@ PrefetchRun run_layers(bool prefetch, bool consumer_stream) {
     order.push_back(id);
   }
   space->set_schedule(order);
+  space->set_test_skip_acquire_wait(skip_wait);
   std::unique_ptr<CpuStream> compute = device->create_cpu_stream();
   PrefetchRun run;
   std::vector<uint64_t> seen(kLayers, 0);
@@ -654,6 +657,32 @@ TEST(ChunkSpaceTest, ConsumerStreamWaitsForTheMoveInsteadOfTheCaller) {
   const PrefetchRun without = run_layers(/*prefetch=*/false, /*consumer_stream=*/true);
   EXPECT_TRUE(with.contents_ok);
   EXPECT_TRUE(without.contents_ok);
+}
+
+// Chaos mode keeps every move correct when the waits are in place, for caller-ordered and
+// stream-ordered consumers alike and with or without prefetch, under three seeds.
+TEST(ChunkSpaceChaos, EveryMoveArrivesIntactUnderRandomStreamDelays) {
+  for (uint64_t seed : {1, 2, 3}) {
+    for (bool consumer : {false, true}) {
+      for (bool prefetch : {false, true}) {
+        EXPECT_TRUE(run_layers(prefetch, consumer, seed).contents_ok)
+            << "seed " << seed << (consumer ? ", stream-ordered" : ", caller-ordered")
+            << (prefetch ? ", prefetch" : "");
+      }
+    }
+  }
+}
+
+// The planted bug: acquire skips its wait for the copy it hands out. Under chaos mode the reads
+// then see a copy not yet made (poisoned or stale bytes), so the suite fails; this is what shows
+// that the chaos tests can fail. Each run has 12 such reads, each racing a copy delayed up to
+// kChaosMaxDelayUs, so a run that reads all 12 right by luck is rare (4 of the 6 must fail).
+TEST(ChunkSpaceChaos, AMissingWaitIsCaught) {
+  int caught = 0;
+  for (uint64_t seed : {1, 2, 3}) {
+    for (bool consumer : {false, true}) caught += !run_layers(/*prefetch=*/false, consumer, seed, /*skip_wait=*/true).contents_ok;
+  }
+  EXPECT_GE(caught, 4) << "runs with the wait removed still read the right bytes";
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cpu_device.h"
 #include "core/log.h"
 #include "kernels/linear.h"
 #include "tools/strata/ckpt_command.h"
@@ -42,6 +43,14 @@ int main(int argc, char** argv) {
   if (auto gemm = strata::kernels::parse_deterministic_gemm(std::getenv("STRATA_DETERMINISTIC_GEMM")); !gemm.ok()) {
     std::fprintf(stderr, "strata: error: %s\n", gemm.status().message().c_str());
     return 2;
+  }
+  if (auto chaos = strata::stream_chaos_from_env(); !chaos.ok()) {
+    std::fprintf(stderr, "strata: error: %s\n", chaos.status().message().c_str());
+    return 2;
+  } else if (*chaos != 0) {
+    LOG_WARN("chaos mode (STRATA_STREAM_CHAOS={}): the CPU backend delays every stream task at random and "
+             "poisons released device slots; a test setting, slow",
+             *chaos);
   }
   const std::string command = args[0];
   args.erase(args.begin());

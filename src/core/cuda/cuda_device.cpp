@@ -244,4 +244,13 @@ void CudaDevice::copy(void* dst, const void* src, uint64_t bytes, Stream& stream
   CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cuda_stream.handle()));
 }
 
+void CudaDevice::fill(void* dst, uint8_t value, uint64_t bytes, Stream& stream) {
+  CudaStream& cuda_stream = as_cuda_stream(stream);
+  CHECK_MSG(cuda_stream.device() == index_, "fill on " + name_ + " queued on a stream of cuda:" +
+                                                std::to_string(cuda_stream.device()));
+  if (bytes == 0) return;
+  make_current();
+  CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, cuda_stream.handle()));
+}
+
 }  // namespace strata

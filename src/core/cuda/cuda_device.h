@@ -87,6 +87,7 @@ class CudaDevice final : public Device {
   std::unique_ptr<Event> create_event() override;
   using Device::copy;
   void copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name) override;
+  void fill(void* dst, uint8_t value, uint64_t bytes, Stream& stream) override;
 
  private:
   // The single cudaMalloc region and the Arena that carves it.
