@@ -173,13 +173,51 @@ class ShardWriter {
   std::vector<uint8_t> scratch8_;
 };
 
-// Progress lines on stderr, at most one a second.
-Result<std::string> read_whole(const std::string& path) {
+// What is at `path`, for messages: "a directory", "a FIFO", ... ("" for a regular file), or the
+// error when nothing can be stat'ed there.
+std::string file_kind(const std::string& path, std::error_code* ec) {
+  const fs::file_status st = fs::status(path, *ec);
+  if (*ec) return {};
+  switch (st.type()) {
+    case fs::file_type::regular: return {};
+    case fs::file_type::directory: return "a directory";
+    case fs::file_type::fifo: return "a FIFO";
+    case fs::file_type::socket: return "a socket";
+    case fs::file_type::block: return "a block device";
+    case fs::file_type::character: return "a character device";
+    default: return "not a regular file";
+  }
+}
+
+// A file the data layer reads whole: a regular file of at most kMaxWholeFileBytes, or an error
+// naming the path and what is there instead.
+constexpr uint64_t kMaxWholeFileBytes = uint64_t{16} << 30;
+Status check_readable_file(const std::string& path, const char* what) {
+  std::error_code ec;
+  const std::string kind = file_kind(path, &ec);
+  if (ec) return Status::NotFound(path + ": no such " + what + " file (" + ec.message() + ")");
+  if (!kind.empty()) {
+    return Status::InvalidArgument(path + ": is " + kind + ", where the " + what + " file should be; give the path of "
+                                   "a regular file");
+  }
+  const uintmax_t size = fs::file_size(path, ec);
+  if (ec) return Status::IOError(path + ": cannot read its size: " + ec.message());
+  if (size > kMaxWholeFileBytes) {
+    return Status::InvalidArgument(path + ": " + std::to_string(size) + " bytes, more than the " +
+                                   std::to_string(kMaxWholeFileBytes >> 30) + " GiB limit for " + what + " files");
+  }
+  return Status::OK();
+}
+
+Result<std::string> read_whole(const std::string& path, const char* what) {
+  RETURN_IF_ERROR(check_readable_file(path, what));
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::NotFound(path + ": cannot open");
   std::string s;
   in.seekg(0, std::ios::end);
-  s.resize(static_cast<size_t>(in.tellg()));
+  const std::streamoff size = in.tellg();
+  if (size < 0) return Status::IOError(path + ": cannot read its size");
+  s.resize(static_cast<size_t>(size));
   in.seekg(0);
   in.read(s.data(), static_cast<std::streamsize>(s.size()));
   if (!in) return Status::IOError(path + ": read failed");
@@ -195,7 +233,7 @@ class Tokenize {
       : options_(options), tok_(tok), writer_(writer), progress_(progress), summary_(summary) {}
 
   Status text_file(const std::string& path) {
-    ASSIGN_OR_RETURN(std::string text, read_whole(path));
+    ASSIGN_OR_RETURN(std::string text, read_whole(path, "input"));
     const bool chunked = text.size() > kTextChunk && tok_.can_cut_after_newlines();
     if (options_.add_special_tokens) RETURN_IF_ERROR(emit(tok_.template_prefix(), {}));
     size_t begin = 0;
@@ -303,7 +341,7 @@ Result<TokenizeSummary> run(const TokenizeOptions& options, TokenizeSummary* sum
   int64_t total_bytes = 0;
   for (const std::string& in : options.inputs) {
     std::error_code ec;
-    if (!fs::is_regular_file(in, ec)) return Status::NotFound(in + ": no such input file");
+    RETURN_IF_ERROR(check_readable_file(in, "input"));
     total_bytes += static_cast<int64_t>(fs::file_size(in, ec));
   }
   ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::load(options.tokenizer));
@@ -404,7 +442,7 @@ std::string loss_mask_path(const std::string& shard_path) {
 }
 
 Result<std::vector<uint8_t>> read_loss_mask(const std::string& path) {
-  ASSIGN_OR_RETURN(std::string data, read_whole(path));
+  ASSIGN_OR_RETURN(std::string data, read_whole(path, "loss mask"));
   if (data.size() < static_cast<size_t>(kLlmcHeaderBytes)) return Status::Corruption(path + ": shorter than its header");
   int32_t header[3];
   std::memcpy(header, data.data(), sizeof(header));
@@ -416,7 +454,15 @@ Result<std::vector<uint8_t>> read_loss_mask(const std::string& path) {
     return Status::Corruption(path + ": header says " + std::to_string(header[2]) + " tokens but the file holds " +
                               std::to_string(data.size() - static_cast<size_t>(kLlmcHeaderBytes)));
   }
-  return std::vector<uint8_t>(data.begin() + kLlmcHeaderBytes, data.end());
+  std::vector<uint8_t> mask(data.begin() + kLlmcHeaderBytes, data.end());
+  for (size_t i = 0; i < mask.size(); ++i) {
+    if (mask[i] > 1) {
+      return Status::Corruption(path + ": token " + std::to_string(i) + " has mask value " + std::to_string(mask[i]) +
+                                "; a loss mask holds 0 (not counted) or 1 (counted); write it again with strata data "
+                                "tokenize");
+    }
+  }
+  return mask;
 }
 
 }  // namespace strata

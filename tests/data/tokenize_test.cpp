@@ -3,6 +3,7 @@
 #include "data/tokenize.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 
 #include <algorithm>
@@ -310,6 +311,56 @@ TEST_F(TokenizeTest, BadInputFailsClearlyAndLeavesNothing) {
   s = tokenize_to_shards(o);
   EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.status().message().find("already holds shards"), std::string::npos);
+}
+
+// Every file the data layer reads whole is checked first: a directory or FIFO where an input or
+// a loss mask should be is named as such (a directory's size used to be taken as -1 and
+// allocated), and a mask byte other than 0 or 1 is refused with its token.
+TEST_F(TokenizeTest, DirectoriesAndFifosAreNamedNotRead) {
+  fs::create_directories(path("masks/train_000000.mask"));
+  Result<std::vector<uint8_t>> m = read_loss_mask(path("masks/train_000000.mask"));
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("train_000000.mask: is a directory, where the loss mask file should be"), std::string::npos)
+      << m.status().message();
+
+  TokenizeOptions o;
+  o.tokenizer = kFixtures + "/gpt2";
+  o.out_dir = path("out");
+  o.format = TokenizeFormat::kText;
+  fs::create_directories(path("texts"));
+  o.inputs = {path("texts")};
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("texts: is a directory, where the input file should be"), std::string::npos)
+      << s.status().message();
+  ASSERT_EQ(::mkfifo(path("pipe").c_str(), 0600), 0);
+  o.inputs = {path("pipe")};
+  s = tokenize_to_shards(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("pipe: is a FIFO"), std::string::npos) << s.status().message();
+}
+
+TEST_F(TokenizeTest, MaskBytesOtherThanZeroAndOneAreRefused) {
+  TokenizeOptions o;
+  o.tokenizer = kFixtures + "/qwen2";
+  o.out_dir = path("out");
+  o.format = TokenizeFormat::kChat;
+  o.inputs = {write("c.jsonl", R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})"
+                               "\n")};
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  ASSERT_FALSE(s->masks.empty());
+  const std::string mask = s->masks[0];
+  ASSERT_TRUE(read_loss_mask(mask).ok());
+  {
+    std::fstream f(mask, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(256 * 4 + 2);
+    f.put(static_cast<char>(2));
+  }
+  Result<std::vector<uint8_t>> m = read_loss_mask(mask);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(m.status().message().find("token 2 has mask value 2"), std::string::npos) << m.status().message();
 }
 
 TEST(TokenizeParseTest, TokenCountsAndFormats) {
