@@ -323,6 +323,13 @@ Result<std::unique_ptr<TokenSource>> open_megatron(const std::string& prefix) {
                                 ", which has " + bytes_str(bin.size()) +
                                 "; the .idx and .bin do not belong together or one is truncated");
     }
+    // Megatron writes each sequence at a multiple of its dtype's size; a pointer that is not
+    // would be read shifted by a byte and train on garbage.
+    if (ptr % elem != 0) {
+      return Status::Corruption(idx_path + ": sequence " + std::to_string(i) + " starts at byte " + std::to_string(ptr) +
+                                " of " + bin_path + ", not a multiple of its " + std::to_string(elem) +
+                                "-byte tokens; the index is corrupt or was written for another dtype: re-create it");
+    }
     seq_start[i + 1] = seq_start[i] + size;
     pointers[i] = ptr;
   }

@@ -273,6 +273,13 @@ TEST_F(DataTest, MegatronPointerOutOfRangeIsCorruption) {
   expect_error(open({path("m.bin")}).status(), StatusCode::kCorruption, {"m.idx", "m.bin", "sequence 1"});
 }
 
+// A uint16 sequence at an odd byte offset would be read a byte off, as garbage tokens.
+TEST_F(DataTest, MegatronPointerMisalignedToItsDtypeIsCorruption) {
+  write_megatron("m", {{1, 2}, {3, 4}}, /*pointer_bump=*/1);
+  expect_error(open({path("m.bin")}).status(), StatusCode::kCorruption,
+               {"m.idx", "sequence 1", "not a multiple of its 2-byte tokens"});
+}
+
 TEST_F(DataTest, MegatronBadMagicAndFloatDtypeAreCorruption) {
   write_megatron("a", {{1}}, 0, "NOTANIDX\0");
   expect_error(open({path("a.idx")}).status(), StatusCode::kCorruption, {"a.idx", "magic"});
