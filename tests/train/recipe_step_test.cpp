@@ -27,8 +27,6 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "core/cpu_device.h"
 #include "core/io_engine.h"
 #include "model/decoder.h"
@@ -39,30 +37,6 @@ namespace strata {
 namespace {
 
 constexpr int64_t kB = 2, kT = 32;
-
-// Linear layers wider than one 128 x 128 block in both directions, with ragged edge blocks.
-model::ModelConfig dense_config() {
-  model::ModelConfig mc = tiny_config(false);
-  mc.hidden_size = 160;
-  mc.intermediate_size = 288;
-  mc.num_attention_heads = 4;
-  mc.num_key_value_heads = 2;
-  mc.head_dim = 40;
-  mc.num_hidden_layers = 3;
-  return mc;
-}
-
-model::ModelConfig moe_config() {
-  nlohmann::json j = {
-      {"architectures", {"Qwen2MoeForCausalLM"}}, {"vocab_size", 256}, {"hidden_size", 160},
-      {"intermediate_size", 288}, {"num_hidden_layers", 3}, {"num_attention_heads", 4},
-      {"num_key_value_heads", 2}, {"max_position_embeddings", 64}, {"num_experts", 8},
-      {"num_experts_per_tok", 2}, {"moe_intermediate_size", 136},
-      {"shared_expert_intermediate_size", 96}, {"mlp_only_layers", {1}}, {"tie_word_embeddings", false}};
-  Result<model::ModelConfig> c = model::ModelConfig::from_json(j, "recipe_step_test");
-  CHECK_MSG(c.ok(), c.status().to_string());
-  return *c;
-}
 
 struct StepResult {
   double loss = 0;
@@ -112,7 +86,7 @@ double relative_l2(const std::vector<float>& got, const std::vector<float>& want
 class RecipeStepTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(RecipeStepTest, Bf16AndFp8TrackTheFp32StepWithinTheirUnitRoundoff) {
-  const model::ModelConfig mc = GetParam() ? moe_config() : dense_config();
+  const model::ModelConfig mc = GetParam() ? fp8_moe_config() : fp8_config();
   const Batch batch = make_batches(1, kB * kT, 3).front();
   const StepResult ref = one_step(mc, Precision::kFp32, batch);
   ASSERT_TRUE(std::isfinite(ref.loss));

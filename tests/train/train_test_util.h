@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cstring>
 
@@ -33,6 +34,34 @@ inline model::ModelConfig tiny_config(bool tied) {
   mc.head_dim = 8;
   mc.tie_word_embeddings = tied;
   return mc;
+}
+
+// A model whose linear layers span more than one 128 x 128 block in both directions, so that the
+// fp8 copies have several scales per tensor and ragged edge blocks.
+inline model::ModelConfig fp8_config() {
+  model::ModelConfig mc = tiny_config(false);
+  mc.hidden_size = 160;
+  mc.intermediate_size = 288;
+  mc.num_attention_heads = 4;
+  mc.num_key_value_heads = 2;
+  mc.head_dim = 40;
+  mc.num_hidden_layers = 3;
+  return mc;
+}
+
+// A small Qwen2-MoE (8 experts, top-2, a shared expert; layer 1 dense) whose projections span
+// more than one 128-block: the experts' ops quantise too.
+inline model::ModelConfig fp8_moe_config() {
+  nlohmann::json j = {
+      {"architectures", {"Qwen2MoeForCausalLM"}}, {"vocab_size", 256}, {"hidden_size", 160},
+      {"intermediate_size", 288}, {"num_hidden_layers", 3}, {"num_attention_heads", 4},
+      {"num_key_value_heads", 2}, {"max_position_embeddings", 64}, {"num_experts", 8},
+      {"num_experts_per_tok", 2}, {"moe_intermediate_size", 136},
+      {"shared_expert_intermediate_size", 96}, {"mlp_only_layers", {1}},
+      {"router_aux_loss_coef", 0.01}, {"output_router_logits", true}, {"tie_word_embeddings", false}};
+  Result<model::ModelConfig> c = model::ModelConfig::from_json(j, "train_test_util");
+  CHECK_MSG(c.ok(), c.status().to_string());
+  return *c;
 }
 
 struct Batch {
