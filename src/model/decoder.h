@@ -46,6 +46,7 @@
 
 #include "core/status.h"
 #include "kernels/cpu/backend.h"
+#include "kernels/cpu/queued_ops.h"
 #include "model/activations.h"
 #include "model/config.h"
 #include "model/moe_layer.h"
@@ -83,7 +84,7 @@ class Model {
   // Bytes of the activation table for micro-batches of `tokens` (B * T) tokens.
   virtual int64_t activation_bytes_for(int64_t tokens, bool offload_checkpoints, bool keep_layers) const = 0;
   // The stream the model's ops are queued on, for an access that orders its moves after them;
-  // null when the ops run in the calling thread (the CPU backends).
+  // null when the ops run in the calling thread (a CPU op set made without a Device).
   virtual Stream* compute_stream() = 0;
 };
 
@@ -92,6 +93,7 @@ class Decoder final : public Model {
  public:
   using Act = typename Ops::Act;
   using W = typename Ops::W;
+  using OpSet = Ops;
 
   // REQUIRES: config.validate(...) is OK. Parameters start at zero; call init_weights or
   // load_safetensors.
@@ -244,15 +246,20 @@ class Decoder final : public Model {
   double last_aux_loss_ = 0.0;
 };
 
+// The CPU backend's op sets as the decoder runs them: queued on a compute stream when made
+// with a Device, run in the caller without one (kernels/cpu/queued_ops.h).
+using CpuF32Model = kernels::CpuQueuedOps<kernels::CpuF32Ops>;
+using CpuBf16Model = kernels::CpuQueuedOps<kernels::CpuBf16Ops>;
+using CpuFp8Model = kernels::CpuQueuedOps<kernels::CpuFp8Ops>;
 // The fp32 CPU reference and the GPU's bf16 recipe on the CPU (both instantiated in
 // decoder_cpu.cpp).
-using LlamaModel = Decoder<kernels::CpuF32Ops>;
-using LlamaModelBf16 = Decoder<kernels::CpuBf16Ops>;
+using LlamaModel = Decoder<CpuF32Model>;
+using LlamaModelBf16 = Decoder<CpuBf16Model>;
 // The fp8 recipe on the CPU: through a ParamAccess only (its compute copy is per-tensor bytes).
-using LlamaModelFp8 = Decoder<kernels::CpuFp8Ops>;
-extern template class Decoder<kernels::CpuF32Ops>;
-extern template class Decoder<kernels::CpuBf16Ops>;
-extern template class Decoder<kernels::CpuFp8Ops>;
+using LlamaModelFp8 = Decoder<CpuFp8Model>;
+extern template class Decoder<CpuF32Model>;
+extern template class Decoder<CpuBf16Model>;
+extern template class Decoder<CpuFp8Model>;
 
 // The decoder on the CPU backend whose compute copy is `compute` (F32: the reference; BF16 and
 // F8_E4M3: the GPU's bf16 and fp8 recipes emulated; F8_E4M3 needs flat_buffers = false). flat_buffers as for Decoder's constructor.

@@ -63,7 +63,12 @@ void Decoder<Ops>::set_access(ParamAccess* access) {
   CHECK_MSG(access == nullptr || access->param_dtype() == Ops::kWeightDType,
             fmt::format("the model's backend ({}) reads {} weights; its ParamAccess holds {}", Ops::kName,
                         dtype_name(Ops::kWeightDType), dtype_name(access->param_dtype())));
+  // The previous access is done with: the queued ops have finished with its groups, and it
+  // must not order later moves on this model's stream (it may outlive the model).
+  ops_.synchronize();
+  if (access_ != nullptr) access_->set_compute_stream(nullptr);
   access_ = access;
+  if (access_ != nullptr) access_->set_compute_stream(ops_.compute_stream());
 }
 
 template <class Ops>
@@ -311,6 +316,7 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
   const int32_t* tokens = staged_inputs_ = ops_.stage_tokens(inputs, N, acts_.tokens_in);
   {
     trace::Span span("compute", "embedding forward");
+    ops_.trace_phase("embedding forward");
     RETURN_IF_ERROR(begin_group(0, true, false));
     ops_.embedding_forward(checkpoint(0, N), tokens, param_blocks(layout_.embed_tokens()).data(),
                            block_rows(layout_.embed_tokens()), N, C, config_.vocab_size);
@@ -326,6 +332,7 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
     std::fill(layer_counts.begin(), layer_counts.end(), int64_t{0});
     const RouterStats stats{layer_counts.data(), forward_prob_sums_.data()};
     trace::Span span("compute", "forward", l);
+    ops_.trace_phase("forward", l);
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, false));
     const Status st = layer_forward(l, x, checkpoint(l + 1, N), B, T, &stats, /*grads=*/false);
     if (st.ok()) end_experts(l, true, false);
@@ -384,6 +391,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   const bool tied = layout_.lm_head() == layout_.embed_tokens();
   // The final norm, LM head and loss, forward and backward together.
   trace::Span head_span("compute", "head");
+  ops_.trace_phase("head");
   if (tied) RETURN_IF_ERROR(begin_group(0, true, backward));
   if (Status st = begin_group(head, true, backward); !st.ok()) {
     if (tied) end_group(0, true, backward);
@@ -397,6 +405,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
         staged_targets, N, C, config_.vocab_size, 1.0f, ops_.lm_head_chunk_tokens(N, C, config_.vocab_size));
     end_group(head, true, false);
     if (tied) end_group(0, true, false);
+    ops_.trace_phase(nullptr);
     return loss;
   }
 
@@ -431,6 +440,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
     // Fetching the layer's state (and its offloaded checkpoint) belongs to the recompute span
     // when there is one, else to the backward's.
     trace::Span recompute_span("compute", recompute ? "recompute" : "backward", l);
+    ops_.trace_phase(recompute ? "recompute" : "backward", l);
     // An offloaded checkpoint's slot has been reused since forward: fetch it back first.
     if (l < offloaded)
       RETURN_IF_ERROR(access_->fetch_checkpoint(static_cast<int>(l), x, static_cast<uint64_t>(N * C) * sizeof(Act)));
@@ -439,7 +449,10 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
                                 : begin_experts(l, true, true);
     if (recompute) recompute_span.end();
     std::optional<trace::Span> backward_span;  // releasing the group belongs to the backward
-    if (recompute) backward_span.emplace("compute", "backward", l);
+    if (recompute) {
+      backward_span.emplace("compute", "backward", l);
+      ops_.trace_phase("backward", l);
+    }
     if (st.ok()) {
       layer_backward(l, x, acts_.dres, B, T, prob_grad.empty() ? nullptr : prob_grad.data());
       end_experts(l, true, true);
@@ -449,10 +462,14 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
     RETURN_IF_ERROR(st);
   }
   trace::Span span("compute", "embedding backward");
+  ops_.trace_phase("embedding backward");
   RETURN_IF_ERROR(begin_group(0, false, true));
   ops_.embedding_backward(grad_blocks(layout_.embed_tokens()).data(), block_rows(layout_.embed_tokens()), acts_.dres,
                           staged_inputs_, N, C, config_.vocab_size);
   end_group(0, false, true);
+  ops_.trace_phase(nullptr);
+  // The model's own flat buffers are read by the host as soon as this returns.
+  if (access_ == nullptr) ops_.synchronize();
   return loss;
 }
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <span>
 
+#include "core/device.h"
 #include "core/dtype.h"
 #include "core/status.h"
 #include "model/params.h"
@@ -59,6 +60,10 @@ class ParamAccess {
   // True when the access orders its moves after the model's queued ops itself (a compute stream
   // it was given): the model then hands groups back without waiting for its ops to finish.
   virtual bool stream_ordered() const { return false; }
+  // The model tells the access, when it is set, the stream its ops are queued on (null: they
+  // run in the caller), so that moves are ordered after them, and null when it lets the access
+  // go (set_access with another), having waited for its ops. The default ignores it.
+  virtual void set_compute_stream(Stream* stream) { (void)stream; }
 
   // Makes the tensors of `experts` (ascending expert indices of the MoE layer of `group`, each
   // with at least one token in this micro-batch) addressable like begin() does, until

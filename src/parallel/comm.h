@@ -5,7 +5,8 @@
 // Every operation is collective: each rank calls the same operations in the same order with
 // the same sizes. Buffers are host memory when `stream` is null; with a stream they are that
 // stream's device's memory and the operation is queued on the stream (NCCL), returning before
-// it completes. The CPU backend runs an operation to completion before it returns.
+// it completes. The CPU backend (Gloo) first waits for the work queued on a stream it is
+// given (the CPU backend's own), then runs the operation to completion before it returns.
 //
 // Reproducibility: reduce_scatter_sum, all_reduce_sum and reduce_sum add in rank order, every element
 // computed as ((x_0 + x_1) + x_2) + ... on the Gloo and local backends, so a run repeats bit

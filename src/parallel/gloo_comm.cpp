@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/cpu_device.h"
 
 namespace strata::parallel {
 namespace {
@@ -188,7 +189,10 @@ class GlooComm final : public Comm {
   // operation and its sizes. A failed Comm stays failed: its peers' state is unknown.
   template <typename F>
   Status run(const std::string& what, Stream* stream, F&& op) {
-    CHECK_MSG(stream == nullptr, "the gloo backend moves host memory only; pass no stream");
+    // Gloo moves host memory: a stream can only be the CPU backend's (as_cpu_stream aborts on
+    // any other), whose queued work must have written the buffers before the operation runs to
+    // completion here.
+    if (stream != nullptr) as_cpu_stream(*stream).synchronize();
     if (!failed_.empty()) {
       return Status::IOError(fmt::format("rank {} of {}: cannot run {}: this connection failed earlier ({})", rank(),
                                          world_size(), what, failed_));

@@ -146,9 +146,8 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   e->budgets_ = budgets;
   e->cuda_ = cuda;
   ASSIGN_OR_RETURN(e->state_, PagedState::create(*e->device_, e->io_.get(), e->net_->layout(), po));
+  // Paging is stream-ordered: set_access hands the state the model's compute stream.
   e->net_->set_access(e->state_.get());
-  // On a device with a compute stream, paging is stream-ordered (no host wait per group).
-  e->state_->set_compute_stream(e->net_->compute_stream());
   return e;
 }
 

@@ -141,12 +141,15 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   ps->device_ = &device;
   ps->cpu_kernels_ = make_cpu_state_kernels();
   if (options.device_kernels == nullptr) {
+    // Memory kind: the CPU's state kernels can work on the CPU backend's device memory only.
     if (device.kind() != DeviceKind::kCpu)
       return Status::InvalidArgument("a PagedState on " + device.name() + " needs that device's state kernels");
     ps->kernels_ = ps->cpu_kernels_.get();
   } else {
     ps->kernels_ = options.device_kernels;
   }
+  // Memory kind, not ordering: a GPU's memory is not the host's, so its checkpoints travel
+  // through a staging stream; the CPU backend's device memory is host memory.
   if (device.kind() != DeviceKind::kCpu) ps->staging_stream_ = device.create_stream();
   std::vector<StateTensor> tensors;
   for (const auto& t : ps->layout_.tensors()) {
@@ -460,8 +463,9 @@ Status PagedState::receive_group(int g) {
 Status PagedState::broadcast_copy(int g, Tier where) {
   CHECK_MSG(comm_ != nullptr, "sharded optimizer state without the ranks' Comm (set_comm)");
   const int owner = options_.group_owner[static_cast<size_t>(g)];
-  // The CPU backend's device memory is host memory; a GPU's copy goes on its compute stream.
-  Stream* stream = where == Tier::kDevice && device_->kind() != DeviceKind::kCpu ? compute_stream_ : nullptr;
+  // Device memory goes on the compute stream (NCCL queues there; Gloo, which moves the CPU
+  // backend's host memory, waits for the stream and runs to completion); host memory without one.
+  Stream* stream = where == Tier::kDevice ? compute_stream_ : nullptr;
   for (size_t i : store_->group_tensors(g)) {
     const uint64_t bytes = store_->layout().tensor_bytes(StateKind::kParam, store_->tensor(i).shape());
     Status st = comm_->broadcast(store_->raw_pointer(i, StateKind::kParam), bytes, owner, stream);
@@ -541,8 +545,8 @@ Result<double> PagedState::clip_and_step(float lr) {
     const std::vector<GradBuffer> buffers = grad_buffers(g);
     if (reduce) {
       trace::Span reduce_span("optimizer", "gradient all-reduce", g);
-      // The CPU backend's device memory is host memory; a GPU's is reduced on its compute stream.
-      Stream* stream = device_->kind() == DeviceKind::kCpu ? nullptr : compute_stream_;
+      // Reduced on the compute stream, as broadcast_copy's weights are.
+      Stream* stream = compute_stream_;
       for (const GradBuffer& b : buffers) {
         st = to_owner ? comm_->reduce_sum(const_cast<float*>(b.p), static_cast<size_t>(b.n),
                                           options_.group_owner[static_cast<size_t>(g)], stream)
@@ -635,8 +639,15 @@ PagedState::~PagedState() {
   }
 }
 
+Stream* PagedState::model_stream() const {
+  CHECK_MSG(compute_stream_ != nullptr,
+            "PagedState pages for a model whose ops are queued on its device's compute stream; this model runs its "
+            "ops in the caller (made without a Device)");
+  return compute_stream_;
+}
+
 Status PagedState::begin(int group, bool params, bool grads) {
-  Stream* s = compute_stream_;
+  Stream* s = model_stream();
   if (params)
     RETURN_IF_ERROR(store_->acquire_part(group, kDensePart, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
   if (grads) {
@@ -650,7 +661,7 @@ Status PagedState::begin(int group, bool params, bool grads) {
 }
 
 Status PagedState::begin_experts(int group, std::span<const int> experts, bool params, bool grads) {
-  Stream* s = compute_stream_;
+  Stream* s = model_stream();
   if (params)
     RETURN_IF_ERROR(store_->acquire_parts(group, experts, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
   if (grads) {
@@ -755,7 +766,8 @@ Status PagedState::read_moments(size_t i, StateKind kind, uint64_t first, uint64
 const void* PagedState::param(int64_t offset) { return store_->raw_pointer(tensor_at(offset), StateKind::kParam); }
 float* PagedState::grad(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kGrad); }
 
-// On a device whose memory the host cannot read, checkpoints travel through a host buffer.
+// On a device whose memory the host cannot read, checkpoints travel through a host buffer (a
+// difference of memory kind: the CPU backend's device memory is host memory).
 Status PagedState::offload_checkpoint(int index, const void* data, uint64_t bytes) {
   if (staging_stream_ == nullptr) return store_->write_activation(index, data, bytes);
   staging_.resize(bytes);
@@ -765,8 +777,8 @@ Status PagedState::offload_checkpoint(int index, const void* data, uint64_t byte
 }
 
 Status PagedState::fetch_checkpoint(int index, void* data, uint64_t bytes) {
-  if (staging_stream_ == nullptr) return store_->read_activation(index, data, bytes);
   drain_compute();  // the slot may still be read by queued ops
+  if (staging_stream_ == nullptr) return store_->read_activation(index, data, bytes);
   staging_.resize(bytes);
   RETURN_IF_ERROR(store_->read_activation(index, staging_.data(), bytes));
   device_->copy(data, staging_.data(), bytes, *staging_stream_);

@@ -44,6 +44,7 @@
 
 #include "core/device.h"
 #include "core/io_engine.h"
+#include "core/trace.h"
 #include "model/param_access.h"
 #include "model/params.h"
 #include "offload/plan.h"
@@ -179,13 +180,15 @@ class PagedState : public model::ParamAccess, public SavableState {
   const void* param(int64_t offset) override;
   DType param_dtype() const override { return store_->layout().compute_dtype(); }
   bool stream_ordered() const override { return compute_stream_ != nullptr; }
-  // Stream-ordered paging: the model's ops are queued on `stream` (a device's compute stream):
-  // begin() makes it wait for the chunks' moves instead of blocking the host, and end() leaves
-  // later moves of them waiting for what is queued on it. Null (the default): the host waits.
-  // The optimizer and loads wait for the stream first; the overlap worker and saves wait on the
-  // chunks' fences. Stall time counts host waits only: compute-stream waits are not timed.
-  // REQUIRES: set before the first step; the stream outlives the state.
-  void set_compute_stream(Stream* stream) { compute_stream_ = stream; }
+  // Stream-ordered paging, the one paging path on every backend: the model's ops are queued on
+  // `stream` (its device's compute stream; the model's set_access hands it over): begin() makes
+  // the stream wait for the chunks' moves instead of blocking the host, and end() leaves later
+  // moves of them waiting for what is queued on it. The optimizer and loads wait for the stream
+  // first; the overlap worker and saves wait on the chunks' fences. Stall time counts host
+  // waits only: compute-stream waits are not timed. REQUIRES: set before begin() (which aborts
+  // without one: a model made without a Device runs its ops in the caller and cannot page);
+  // the stream outlives its use (the model sets null when it lets the state go).
+  void set_compute_stream(Stream* stream) override { compute_stream_ = stream; }
   // Data parallelism: clip_and_step() first sums every gradient over the ranks of `comm`
   // (parallel/comm.h), in rank order, so all ranks take the same step: onto every rank
   // (all-reduce) when each holds the whole state, onto each group's owner (reduce) when the
@@ -262,8 +265,12 @@ class PagedState : public model::ParamAccess, public SavableState {
   Stream* compute_stream_ = nullptr;          // the model's, when paging is stream-ordered
   parallel::Comm* comm_ = nullptr;             // data-parallel ranks whose gradients are summed
   // Waits for the model's queued ops (stream-ordered paging) before state is touched otherwise.
+  // The compute stream begin() orders moves on (aborts without one).
+  Stream* model_stream() const;
   void drain_compute() {
-    if (compute_stream_ != nullptr) compute_stream_->synchronize();
+    if (compute_stream_ == nullptr) return;
+    trace::Span wait("wait", "compute stream");  // profiles attribute it to what the stream ran
+    compute_stream_->synchronize();
   }
   std::unique_ptr<Stream> staging_stream_;     // checkpoint offload between device and host memory
   std::vector<char> staging_;

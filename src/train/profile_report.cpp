@@ -154,21 +154,67 @@ ProfileReport analyze_profile(const ProfileInput& in) {
   // Whole spans (stalls inside included), as the plan's phases count them.
   int64_t forward_ns = 0, backward_ns = 0, passes_ns = 0, optimizer_ns = 0;
   std::vector<Interval> stalls;
+  // A compute stream's track (ops queued, the host running ahead): its phase spans are the
+  // compute's own time. The training thread's waits for it are then split by what the stream
+  // ran meanwhile, and the whole-phase sums come from the stream's spans.
+  std::vector<const trace::Event*> lane;
+  for (const auto& t : in.threads)
+    if (t.name == in.compute_stream)
+      for (const trace::Event& e : t.events)
+        if (e.phase == 'X' && is(e, "compute")) lane.push_back(&e);
+  std::sort(lane.begin(), lane.end(), [](const trace::Event* a, const trace::Event* b) { return a->ts_ns < b->ts_ns; });
+  std::vector<Interval> steps_at;
+  std::vector<Interval> waits;  // the training thread's waits for the compute stream
+  auto waited_within = [&](const trace::Event& e) {
+    int64_t n = 0;
+    for (const Interval& w : waits)
+      if (w.begin >= e.ts_ns && w.end <= e.ts_ns + e.dur_ns) n += w.end - w.begin;
+    return n;
+  };
   if (training != nullptr) {
     walk_exclusive(*training, [&](const trace::Event& e, int64_t own, bool in_step) {
       if (!in_step) return;  // outside the traced steps
-      if (is(e, "step", "step")) step_seconds.push_back(static_cast<double>(e.dur_ns) / 1e9);
+      if (is(e, "step", "step")) {
+        step_seconds.push_back(static_cast<double>(e.dur_ns) / 1e9);
+        steps_at.push_back(Interval{e.ts_ns, e.ts_ns + e.dur_ns});
+      }
+      if (is(e, "wait", "compute stream")) {
+        // Spans on one thread nest, so the wait has no children: own is all of it.
+        const int64_t begin = e.ts_ns, end = e.ts_ns + e.dur_ns;
+        int64_t attributed = 0;
+        for (const trace::Event* c : lane) {
+          if (c->ts_ns >= end) break;
+          const int64_t o = std::min(end, c->ts_ns + c->dur_ns) - std::max(begin, c->ts_ns);
+          if (o <= 0) continue;
+          phase_ns[phase_of(*c)] += o;
+          attributed += o;
+        }
+        phase_ns["other"] += std::max<int64_t>(0, own - attributed);
+        waits.push_back(Interval{begin, end});
+        return;
+      }
       const std::string phase = phase_of(e);
-      if (is(e, "compute")) (phase == "forward" || phase == "head (LM head + loss)" ? forward_ns : backward_ns) += e.dur_ns;
-      if (is(e, "optimizer", "zero gradients") || is(e, "optimizer", "gradient norm")) passes_ns += e.dur_ns;
-      if (is(e, "optimizer", "gradient norm")) optimizer_ns -= e.dur_ns;  // inside the optimizer step
-      if (is(e, "step", "optimizer step")) optimizer_ns += e.dur_ns;
+      if (is(e, "compute") && lane.empty())
+        (phase == "forward" || phase == "head (LM head + loss)" ? forward_ns : backward_ns) += e.dur_ns;
+      // Whole spans less the waits for the compute stream inside them (already visited: children
+      // close first), which belong to the compute that ran meanwhile.
+      const int64_t span_ns = e.dur_ns - waited_within(e);
+      if (is(e, "optimizer", "zero gradients") || is(e, "optimizer", "gradient norm")) passes_ns += span_ns;
+      if (is(e, "optimizer", "gradient norm")) optimizer_ns -= span_ns;  // inside the optimizer step
+      if (is(e, "step", "optimizer step")) optimizer_ns += span_ns;
       phase_ns[phase_of(e)] += own;
       if (is(e, "stall")) {
         stall_ns[e.name] += own;
         stalls.push_back(Interval{e.ts_ns, e.ts_ns + e.dur_ns});
       }
     });
+  }
+  for (const trace::Event* c : lane) {
+    const bool in_step = std::any_of(steps_at.begin(), steps_at.end(),
+                                     [&](const Interval& i) { return c->ts_ns >= i.begin && c->ts_ns < i.end; });
+    if (!in_step) continue;
+    const std::string phase = phase_of(*c);
+    (phase == "forward" || phase == "head (LM head + loss)" ? forward_ns : backward_ns) += c->dur_ns;
   }
   r.steps = static_cast<int64_t>(step_seconds.size());
   const double steps = std::max<double>(1, static_cast<double>(r.steps));

@@ -11,6 +11,9 @@
 //   optimizer and the checkpoint writer run beside it and only cost time through its stalls);
 //   its time is split exclusively into phases that sum to the step: forward, recompute,
 //   backward, head (LM head and loss), optimizer, memory stalls, data, checkpoint, other.
+//   When the model's ops are queued on a compute stream, the host runs ahead and waits for the
+//   stream at read-backs (the loss, the optimizer): each wait is split by the phases the
+//   stream's own track shows it ran meanwhile, so the phases still say where the step went.
 // - Prediction: the plan's step time and terms against the measured ones.
 // Pure computation over recorded events; thread-compatible.
 #pragma once
@@ -76,6 +79,8 @@ struct ProfileInput {
   const PlanInput* plan_input = nullptr;  // with plan
   std::string rates_source;
   std::string training_thread = "training";
+  // The track of the model's compute stream (kernels/cpu/queued_ops.h), when its ops are queued.
+  std::string compute_stream = "compute stream";
   std::string backend = "cpu";  // "cuda": spans are host time, copies are not traced
 };
 

@@ -168,7 +168,6 @@ struct GpuModel {
     CHECK_MSG(s.ok(), s.status().to_string());
     state = std::move(s).value();
     net->set_access(state.get());
-    state->set_compute_stream(net->compute_stream());  // stream-ordered paging, as strata train does
   }
   ~GpuModel() {
     net->set_access(nullptr);

@@ -283,7 +283,7 @@ TEST(DecoderMemory, AnActivationTableOverTheDeviceBudgetIsRefusedByTheAllocator)
   for (const bool fits : {true, false}) {
     auto device = open_device("cpu", 0, static_cast<uint64_t>(fits ? table + (1 << 20) : table / 2));
     ASSERT_TRUE(device.ok()) << device.status().to_string();
-    LlamaModel model(c, /*flat_buffers=*/true, kernels::CpuF32Ops(device->get()));
+    LlamaModel model(c, /*flat_buffers=*/true, CpuF32Model(device->get()));
     model.init_weights(1);
     const Tokens t = random_tokens(B * T, c.vocab_size, 2);
     Result<double> loss = model.compute(t.inputs.data(), t.targets.data(), B, T, 1.0f, /*backward=*/true);

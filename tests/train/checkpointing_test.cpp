@@ -39,8 +39,9 @@ class Trainer {
   Trainer(const fs::path& dir, Budgets b, Precision precision,
           kernels::MomentFormat moments = kernels::MomentFormat::kF32)
       : mc_(tiny_config(false)),
-        net_(model::make_cpu_decoder(StateLayout::of(precision).compute_dtype(), mc_, /*flat_buffers=*/false)) {
-    device_ = CpuDevice::create(0, 0).value();
+        device_(CpuDevice::create(0, 0).value()),
+        net_(model::make_cpu_decoder(StateLayout::of(precision).compute_dtype(), mc_, /*flat_buffers=*/false,
+                                     device_.get())) {
     io_ = make_io_engine({.kind = "threads"}).value();
     std::vector<float> init(static_cast<size_t>(net_->layout().total_size()));
     model::init_weights(net_->layout(), init.data(), 7);

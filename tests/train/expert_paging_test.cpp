@@ -65,6 +65,8 @@ class CountingAccess : public model::ParamAccess {
   void end(int group, bool params, bool grads) override { ps_.end(group, params, grads); }
   const void* param(int64_t offset) override { return ps_.param(offset); }
   DType param_dtype() const override { return ps_.param_dtype(); }
+  bool stream_ordered() const override { return ps_.stream_ordered(); }
+  void set_compute_stream(Stream* stream) override { ps_.set_compute_stream(stream); }
   float* grad(int64_t offset) override { return ps_.grad(offset); }
   Status begin_experts(int group, std::span<const int> experts, bool params, bool grads) override {
     requested += static_cast<int64_t>(experts.size());
@@ -114,7 +116,8 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
   CHECK(device.ok());
   auto io = make_io_engine({.kind = "threads"});
   CHECK(io.ok());
-  Net net(mc);
+  // Made on the device: its ops are queued on a compute stream, and paging is stream-ordered.
+  Net net(mc, /*flat_buffers=*/true, typename Net::OpSet(device->get()));
   net.init_weights(7);
   PagedStateOptions po;
   po.precision = precision;

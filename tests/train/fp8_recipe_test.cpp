@@ -168,11 +168,16 @@ TEST_P(Fp8RecipeTest, ComputeCopiesAreTheMasterQuantised) {
   PagedState* ps = nullptr;
   const TrainResult run = train(mc, batches, 0, 0, 0, 0, &ps);
   ASSERT_NE(ps, nullptr);
+  // Read as a model would: on a compute stream, whose waits for the moves are done before the
+  // host looks.
+  std::unique_ptr<Stream> stream = devices_.back()->create_stream();
+  ps->set_compute_stream(stream.get());
   model::ParamLayout layout(mc);
   int quantised = 0;
   for (const model::TensorSpec& t : layout.tensors()) {
     const int g = model::param_group_of(layout, t);
     ASSERT_TRUE(ps->begin(g, true, false).ok());
+    stream->synchronize();
     const auto* copy = static_cast<const uint8_t*>(ps->param(t.offset));
     const float* master = run.params.data() + t.offset;
     const bool fp8 = GetParam().precision == Precision::kFp8 && model::param_is_linear_weight(layout, t);
@@ -191,6 +196,7 @@ TEST_P(Fp8RecipeTest, ComputeCopiesAreTheMasterQuantised) {
     }
     ps->end(g, true, false);
   }
+  ps->set_compute_stream(nullptr);
   if (GetParam().precision == Precision::kFp8) {
     EXPECT_EQ(quantised, 7 * mc.num_hidden_layers);
   }

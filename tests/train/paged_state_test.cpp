@@ -36,6 +36,14 @@ constexpr int64_t kB = 2, kT = 16, kSteps = 4, kAccum = 2;
 
 constexpr float kClip = 0.5f;
 
+// The chaos suite's planted bug (the test at the end): a device in chaos mode with this seed,
+// and a chunk space whose acquire orders nothing. Off (seed 0) for every other test.
+struct PlantedBug {
+  uint64_t chaos_seed = 0;
+  bool skip_acquire_wait = false;
+};
+PlantedBug g_planted;
+
 // About one layer's worth of bytes: budgets of a few such chunks force paging.
 uint64_t tight_chunk_bytes(const model::ParamLayout& layout, const model::ModelConfig& mc) {
   uint64_t largest = 0;
@@ -60,11 +68,12 @@ template <class Net>
 RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, const std::vector<Batch>& batches,
                          uint64_t device_bytes, uint64_t host_bytes, uint64_t nvme_bytes, const std::string& nvme_dir,
                          bool offload_activations = false, bool overlap_optimizer = false, float grad_clip = kClip) {
-  auto device = CpuDevice::create(0, 0);
+  auto device = g_planted.chaos_seed != 0 ? CpuDevice::create(0, 0, g_planted.chaos_seed) : CpuDevice::create(0, 0);
   CHECK(device.ok());
   auto io = make_io_engine({.kind = "threads"});
   CHECK(io.ok());
-  Net net(mc);
+  // Made on the device: its ops are queued on a compute stream, and paging is stream-ordered.
+  Net net(mc, /*flat_buffers=*/true, typename Net::OpSet(device->get()));
   net.init_weights(7);
   PagedStateOptions po;
   po.precision = precision;
@@ -83,6 +92,7 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
   if (!paged.ok()) return r;
   PagedState& ps = **paged;
   EXPECT_TRUE(ps.load_params(net.params()).ok());
+  ps.store().space().set_test_skip_acquire_wait(g_planted.skip_acquire_wait);
   net.set_access(&ps);
   for (int s = 0; s < kSteps; ++s) {
     EXPECT_TRUE(ps.zero_grads().ok());
@@ -324,7 +334,7 @@ SkipRun run_with_nan_step(bool nan_step, bool overlap, Status* nan_status = null
   const model::ModelConfig mc = tiny_config(false);
   const std::vector<Batch> batches = make_batches(4, kB * kT, 5);
   auto device = CpuDevice::create(0, 0).value();
-  model::LlamaModel net(mc);
+  model::LlamaModel net(mc, /*flat_buffers=*/true, model::CpuF32Model(device.get()));
   net.init_weights(7);
   PagedStateOptions po;
   po.device_bytes = po.host_bytes = 64ull << 20;
@@ -398,7 +408,7 @@ TEST(PagedStatePrefetchTest, HostOptimizerPhaseIsNotPrefetchedIntoTheDevice) {
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 11);
   auto device = CpuDevice::create(0, 0);
   ASSERT_TRUE(device.ok());
-  model::LlamaModel net(mc);
+  model::LlamaModel net(mc, /*flat_buffers=*/true, model::CpuF32Model(device->get()));
   net.init_weights(7);
   Plan plan;
   plan.resident_param_groups = plan.resident_grad_groups = mc.num_hidden_layers + 1;
@@ -432,6 +442,31 @@ TEST(PagedStatePrefetchTest, HostOptimizerPhaseIsNotPrefetchedIntoTheDevice) {
   net.set_access(nullptr);
   // The parameters still went up to the device for compute.
   EXPECT_GT(ps.stats().host_to_device_bytes, 0u);
+}
+
+// The chaos suite can fail: with the compute stream's wait for each chunk's move deleted (the
+// planted bug), the tight run that is bitwise the flat one above goes wrong under chaos, reading
+// slots whose copy has not landed or that were poisoned when their chunk left. The same run with
+// the wait in place stays bitwise (the control), so it is the missing wait that is caught.
+TEST(PagedStateChaosTest, AMissingWaitForAMoveBreaksTheTightRunUnderChaos) {
+  const model::ModelConfig mc = tiny_config(false);
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 11);
+  const RunResult flat = run_flat(Precision::kFp32, mc, batches);
+  model::ParamLayout layout(mc);
+  const uint64_t chunk = tight_chunk_bytes(layout, mc);
+  const auto same = [&](const RunResult& r) {
+    if (r.losses.size() != flat.losses.size() || r.params.size() != flat.params.size()) return false;
+    return std::memcmp(r.losses.data(), flat.losses.data(), flat.losses.size() * sizeof(double)) == 0 &&
+           std::memcmp(r.params.data(), flat.params.data(), flat.params.size() * sizeof(float)) == 0;
+  };
+  g_planted = {.chaos_seed = 7, .skip_acquire_wait = false};
+  const RunResult control = run_paged(Precision::kFp32, mc, batches, 6 * chunk, 64 * chunk, 0, "");
+  g_planted = {.chaos_seed = 7, .skip_acquire_wait = true};
+  const RunResult planted = run_paged(Precision::kFp32, mc, batches, 6 * chunk, 64 * chunk, 0, "");
+  g_planted = {};
+  EXPECT_GT(control.stats.host_to_device_bytes, 0u) << "the budget does not force paging";
+  EXPECT_TRUE(same(control)) << "the run with every wait in place is not bitwise the flat one";
+  EXPECT_FALSE(same(planted)) << "a run missing the compute stream's wait for its chunks passed the chaos check";
 }
 
 INSTANTIATE_TEST_SUITE_P(TiedAndRecipe, PagedStateTest,

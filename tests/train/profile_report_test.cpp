@@ -88,6 +88,44 @@ TEST(ProfileReportTest, PhasesPartitionTheStepAndStallsAreTakenOutOfCompute) {
   EXPECT_EQ(r.stalls[0].first, "wait for copy");
 }
 
+// Ops queued on a compute stream: the host launches in a few us and waits for the stream at the
+// loss and in the optimizer step. The waits are split by the phases the stream's track shows.
+TEST(ProfileReportTest, WaitsForTheComputeStreamAreTheComputeItRan) {
+  trace::ThreadEvents training{1, "training", {}};
+  training.events.push_back(span("step", "step", 1, 0, 1000));
+  training.events.push_back(span("compute", "forward", 0, 0, 10));
+  training.events.push_back(span("compute", "head", trace::kNoIndex, 10, 390));
+  training.events.push_back(span("wait", "compute stream", trace::kNoIndex, 20, 370));  // the loss read-back
+  training.events.push_back(span("compute", "backward", 0, 400, 10));
+  training.events.push_back(span("step", "optimizer step", trace::kNoIndex, 410, 590));
+  training.events.push_back(span("wait", "compute stream", trace::kNoIndex, 410, 400));  // drain before AdamW
+  trace::ThreadEvents stream{2, "compute stream", {}};
+  stream.events.push_back(span("compute", "forward", 0, 5, 300));
+  stream.events.push_back(span("compute", "head", trace::kNoIndex, 305, 85));
+  stream.events.push_back(span("compute", "backward", 0, 390, 420));
+  ProfileInput in;
+  in.threads = {training, stream};
+  Plan plan;
+  plan.fits = true;
+  plan.phases.micro_batches = 1;
+  in.plan = &plan;
+  const ProfileReport r = analyze_profile(in);
+  double sum = 0;
+  for (const auto& [p, s] : r.phases) sum += s;
+  EXPECT_NEAR(sum, r.step_s, 1e-12);
+  // forward: 10 launching + the first wait's [20, 305); head: its own 20 outside the wait +
+  // [305, 390); backward: 10 launching + the second wait's [410, 810).
+  EXPECT_NEAR(phase(r, "forward"), 295e-6, 1e-12);
+  EXPECT_NEAR(phase(r, "head (LM head + loss)"), 105e-6, 1e-12);
+  EXPECT_NEAR(phase(r, "backward"), 410e-6, 1e-12);
+  EXPECT_NEAR(phase(r, "optimizer"), 190e-6, 1e-12);
+  ASSERT_GE(r.phase_terms.size(), 4u);
+  EXPECT_EQ(r.phase_terms[0].name, "forward (with the head)");
+  EXPECT_NEAR(r.phase_terms[0].measured_s, 385e-6, 1e-12);  // the stream's forward and head
+  EXPECT_NEAR(r.phase_terms[1].measured_s, 420e-6, 1e-12);  // its backward
+  EXPECT_NEAR(r.phase_terms[3].measured_s, 190e-6, 1e-12);  // the optimizer step less its wait
+}
+
 TEST(ProfileReportTest, TransfersOverlappingStallsAreNotHidden) {
   Plan plan;
   const ProfileReport r = analyze_profile(two_steps(&plan));

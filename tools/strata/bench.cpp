@@ -22,6 +22,7 @@
 #include "train/machine_bench.h"
 #include "tools/strata/bench_adam.h"
 #include "tools/strata/bench_machine.h"
+#include "tools/strata/bench_queue.h"
 #include "tools/strata/bench_trace.h"
 #include "tools/strata/bench_train_gpu.h"
 #include "tools/strata/commands.h"
@@ -35,6 +36,7 @@ constexpr const char* kBenchUsage = R"(Usage: strata bench machine [--out FILE] 
        strata bench adam [--params N] [--threads T]   (see strata bench adam --help)
        strata bench train-gpu [--preset 0.44b|tiny] [--steps N] ...   (see strata bench train-gpu --help)
        strata bench trace [CONFIG.yaml] [key=value ...] [--steps N]   (see strata bench trace --help)
+       strata bench queue [CONFIG.yaml] [key=value ...] [--steps N]   (see strata bench queue --help)
        strata bench io --dir DIR --size SIZE [--chunk 64MiB] [--engine all|auto|io_uring|threads]
                        [--depth 8] [--max-transfer 4MiB] [--repeat 3]
 
@@ -266,10 +268,11 @@ int bench_command(const std::vector<std::string>& args) {
   if (args[0] == "machine") return bench_machine_command(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "adam") return bench_adam_command(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "trace") return bench_trace_command(std::vector<std::string>(args.begin() + 1, args.end()));
+  if (args[0] == "queue") return bench_queue_command(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "train-gpu") {
     return bench_train_gpu_command(std::vector<std::string>(args.begin() + 1, args.end()));
   }
-  return usage_error("unknown benchmark '" + args[0] + "'; available: machine, io, adam, train-gpu, trace");
+  return usage_error("unknown benchmark '" + args[0] + "'; available: machine, io, adam, train-gpu, trace, queue");
 }
 
 }  // namespace strata::tools

@@ -25,7 +25,7 @@ Commands:
   convert --from SRC --to DST           Hugging Face model or strata checkpoint -> Hugging Face directory
   data tokenize --tokenizer DIR ...     text, JSONL or chat JSONL -> llm.c token shards
   ckpt inspect|verify DIR               summarise a checkpoint, or recompute its checksums
-  bench machine|io|adam|train-gpu       the planner's rates, the disk, the CPU AdamW or GPU training, beside a reference
+  bench machine|io|adam|train-gpu|...   the planner's rates, the disk, the CPU AdamW, GPU training, tracing, queueing
   version                               print the version
 
 Run 'strata <command> --help' for a command's options.

@@ -73,6 +73,9 @@ class CudaOps {
   // kernels::kLmHeadTargetChunkTokens (kernels/lm_head_chunks.h), evened over the micro-batch.
   int64_t lm_head_chunk_tokens(int64_t N, int64_t C, int64_t V) const;
   void synchronize();
+  // Phase marks in the queue (kernels/cpu/queued_ops.h): not yet timed on the GPU (CUDA events
+  // per phase are to come); the host's spans stand for them.
+  void trace_phase(const char* /*name*/, int64_t /*index*/ = 0) {}
   const float* stage_constants(const float* host, int64_t n);
   const int32_t* stage_tokens(const int32_t* host, int64_t N, int32_t* slot);
   const int64_t* expert_offsets_on_host(const int64_t* offsets, int64_t E);
