@@ -3,12 +3,14 @@
 // tracks the fp32 reference within bf16 tolerances, dense and MoE alike.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
 
+#include "core/cpu_device.h"
 #include "kernels/attention.h"
 #include "kernels/cpu/backend.h"
 #include "kernels/linear.h"
@@ -273,6 +275,27 @@ INSTANTIATE_TEST_SUITE_P(DenseAndMoe, Bf16DecoderTest, ::testing::Values(false, 
 
 namespace strata::model {
 namespace {
+
+// Chaos mode: the activation block an op set lets go is filled with NaN bytes, so an op still
+// reading it computes NaN instead of passing on stale values; without chaos it is left as is.
+TEST(DecoderMemory, InChaosModeAReplacedActivationBlockReadsAsNaN) {
+  for (const uint64_t seed : {uint64_t{0}, uint64_t{5}}) {
+    auto device = CpuDevice::create(0, 1 << 20, seed);
+    ASSERT_TRUE(device.ok()) << device.status().to_string();
+    CpuF32Model ops(device->get());
+    Result<void*> first = ops.activation_block(4096, 0, 0, 0, 0);
+    ASSERT_TRUE(first.ok());
+    float* old = static_cast<float*>(*first);
+    std::fill(old, old + 1024, 1.0f);
+    // Held past the first block, so that the larger second block cannot take its place.
+    Result<DeviceAllocation> fence = (*device)->allocate(4096);
+    ASSERT_TRUE(fence.ok());
+    ASSERT_TRUE(ops.activation_block(8192, 0, 0, 0, 0).ok());
+    int poisoned = 0;
+    for (int i = 0; i < 1024; ++i) poisoned += std::isnan(old[i]) ? 1 : 0;
+    EXPECT_EQ(poisoned, seed != 0 ? 1024 : 0) << "chaos seed " << seed;
+  }
+}
 
 // memory.device is enforced by the allocator: the activation table comes from the device's
 // budgeted arena, and a table larger than what is left is refused there, naming the request.

@@ -12,3 +12,13 @@ set_tests_properties(readme_examples PROPERTIES LABELS "tools" TIMEOUT 600)
 add_test(NAME gpu_check_dry_run
          COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/tools/gpu_check_test.sh ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
 set_tests_properties(gpu_check_dry_run PROPERTIES LABELS "tools" TIMEOUT 120)
+
+# Chaos mode (tests/train/tests.cmake) for what runs whole processes: data parallelism at world 2
+# and 4 against one process, and resume bit for bit on other budgets and across recipes. One
+# seed: each run starts strata several times.
+if(TARGET test_tools)
+  add_test(NAME chaos_cli_seed_1 COMMAND test_tools
+           --gtest_filter=DataParallelTest.WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch:CliTest.ResumeIsBitExactEvenWithOtherBudgets:CliTest.Bf16RecipeResumesBitExactlyAndAcrossRecipes)
+  set_tests_properties(chaos_cli_seed_1 PROPERTIES
+    LABELS "slow;chaos" TIMEOUT 600 ENVIRONMENT "STRATA_STREAM_CHAOS=1")
+endif()

@@ -58,8 +58,9 @@ struct CpuCommonOps {
   // ordinary host memory. REQUIRES: the device outlives the ops.
   explicit CpuCommonOps(Device* device = nullptr) : device_(device) {}
   // The activation table's one block (model/activations.h), zero-filled; replaces the previous
-  // block, which nothing may use any more. From the device's arena when there is one: its
-  // OutOfMemory names the tier, the request and the budget.
+  // block, which nothing may use any more (in chaos mode it is filled with NaN bytes first, so a
+  // stale read shows). From the device's arena when there is one: its OutOfMemory names the
+  // tier, the request and the budget.
   Result<void*> activation_block(uint64_t bytes, int64_t /*N*/, int64_t /*E*/, int64_t /*C*/, int64_t /*V*/) {
     return activation_block(bytes);
   }

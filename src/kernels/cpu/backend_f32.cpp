@@ -19,6 +19,8 @@ Result<void*> CpuCommonOps::activation_block(uint64_t bytes) {
     block_.assign((bytes + sizeof(float) - 1) / sizeof(float), 0.0f);
     return static_cast<void*>(block_.data());
   }
+  // Chaos mode: the block being let go reads as NaN (0xFF bytes) to whatever still holds it.
+  if (device_block_ && device_->chaos_seed() != 0) std::memset(device_block_.data(), 0xFF, device_block_.size());
   device_block_.reset();
   Result<DeviceAllocation> a = device_->allocate(bytes);
   if (!a.ok()) return a.status().with_context("the activation table");
