@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "core/cpu_device.h"
 #include "core/host_memory.h"
 #include "core/trace.h"
 #include "core/units.h"
@@ -417,6 +418,7 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   // the gradients are scaled by `coefficient` first. Both are the same fp32 product.
   const bool clipped = coefficient != 1.0f;
   const bool device_clips = clipped && where == Tier::kDevice;
+  on_compute_thread([&] {
   for (size_t i : store_->group_tensors(g)) {
     const Piece& t = pieces_[i];
     float* grad = store_->pointer(i, StateKind::kGrad);
@@ -444,6 +446,7 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
       if (layout.separate_master()) write_copy(here, i, master);
     }
   }
+  });
   if (where == Tier::kDevice) kernels_->synchronize();
   Status sent = options_.group_owner.empty() ? Status::OK() : broadcast_copy(g, where);
   for (StateKind k : kinds) store_->release_group(g, k);
@@ -521,7 +524,7 @@ Result<double> PagedState::clip_and_step(float lr) {
   std::vector<int> held;
   std::vector<GradBuffer> pending;
   auto sum_and_release = [&] {
-    if (!pending.empty()) kernels_->add_sum_squares(pending);
+    if (!pending.empty()) on_compute_thread([&] { kernels_->add_sum_squares(pending); });
     kernels_->synchronize();  // before the release lets the chunks move
     for (int h : held) store_->release_group(h, StateKind::kGrad);
     held.clear();
@@ -637,6 +640,17 @@ PagedState::~PagedState() {
     worker_cv_.notify_all();
     worker_.join();
   }
+}
+
+void PagedState::on_compute_thread(const std::function<void()>& work) {
+  const bool cpu = compute_stream_ != nullptr && device_->kind() == DeviceKind::kCpu;
+  if (!cpu || (worker_.joinable() && std::this_thread::get_id() == worker_.get_id())) {
+    work();
+    return;
+  }
+  CpuStream& stream = as_cpu_stream(*compute_stream_);
+  stream.enqueue([&work] { work(); });
+  stream.synchronize();
 }
 
 Stream* PagedState::model_stream() const {
