@@ -99,6 +99,8 @@ class DataLoader {
 
   // Fills one micro-batch and advances. inputs, targets: (B, T). On error nothing advances.
   Status next(int32_t* inputs, int32_t* targets);
+  // The stream position of the first window the last next() read (for error messages).
+  int64_t last_window_start() const { return last_start_; }
 
   int64_t num_windows() const { return num_windows_; }
   // Global steps (micro-batches per rank) in one epoch.
@@ -122,6 +124,7 @@ class DataLoader {
   std::vector<int64_t> order_;   // window permutation for order_epoch_; empty until first use
   std::vector<int32_t> window_;  // (T + 1) scratch
   std::vector<uint8_t> mask_;    // (T + 1) scratch
+  int64_t last_start_ = 0;
 };
 
 // The permutation of [0, n) that the loader uses for (seed, epoch): splitmix64 feeding a

@@ -114,6 +114,7 @@ Status DataLoader::next(int32_t* inputs, int32_t* targets) {
   const uint64_t first = c.index + static_cast<uint64_t>(options_.rank * B);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t start = order_[first + static_cast<uint64_t>(b)] * T;
+    if (b == 0) last_start_ = start;
     RETURN_IF_ERROR(dataset_->read(start, T + 1, window_.data()));
     if (options_.vocab_size > 0) {
       for (int64_t i = 0; i <= T; ++i) {

@@ -23,6 +23,10 @@ ConfigSchema build_schema() {
          .help = "token files, directories or globs; builtin:licenses = Debian's license texts as bytes"});
   s.add({.name = "data.format", .type = T::kString, .default_value = "auto",
          .choices = {"auto", "llmc", "megatron", "text"}, .help = "how to read data.paths"});
+  s.add({.name = "data.allow_empty_loss", .type = T::kBool, .default_value = "false",
+         .help = "train steps in which the loss masks leave no token to predict (a no-op step: zero gradients); "
+                 "false: such a step stops the run naming the file, since an all-zero mask usually means broken "
+                 "data"});
   s.add({.name = "train.micro_batch", .type = T::kInt, .default_value = "8", .min = 1, .max = 1 << 20,
          .help = "sequences per micro-batch"});
   s.add({.name = "train.seq_len", .type = T::kInt, .default_value = "128", .min = 1, .max = 1 << 24,
@@ -227,6 +231,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.model_overrides = c.get_list("model.set");
   t.data_paths = c.get_list("data.paths");
   t.data_format = c.get_string("data.format");
+  t.data_allow_empty_loss = c.get_bool("data.allow_empty_loss");
   t.micro_batch = c.get_int("train.micro_batch");
   t.seq_len = c.get_int("train.seq_len");
   t.grad_accum = c.get_int("train.grad_accum");

@@ -21,6 +21,7 @@ struct TrainConfig {
   // data
   std::vector<std::string> data_paths;
   std::string data_format;
+  bool data_allow_empty_loss = false;  // steps whose masks leave no target are trained, not refused
   // schedule of work
   int64_t micro_batch = 0;
   int64_t seq_len = 0;

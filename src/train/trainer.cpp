@@ -566,11 +566,25 @@ Status loop(Run& run, const TrainConfig& t) {
     auto t0 = std::chrono::steady_clock::now();
     const bool ckpt_in_flight = run.checkpointer->in_flight();
     trace::Span data_span("data", "data");
-    for (int64_t m = 0; m < micro_batches; ++m)
+    int64_t step_start = 0;  // where the step's first window starts in the token stream
+    for (int64_t m = 0; m < micro_batches; ++m) {
       RETURN_IF_ERROR(run.loader->next(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens));
+      if (m == 0) step_start = run.loader->last_window_start();
+    }
     data_span.end();
     const auto t_data = std::chrono::steady_clock::now();
     const int64_t valid = model::count_valid_targets(targets.data(), static_cast<int64_t>(targets.size()));
+    // Every rank reads the whole global batch, so all of them stop here at the same step.
+    if (run.dataset->has_masks() && !t.data_allow_empty_loss) {
+      if (valid == 0) {
+        return Status::InvalidArgument(fmt::format(
+            "step {}: the loss masks leave no token to predict in any of the step's {} windows (the first starts at "
+            "{}): every mask byte is 0, so the step would train on nothing; check the masks written beside the token "
+            "files (strata data tokenize --format chat marks the assistant's tokens), or set "
+            "data.allow_empty_loss=true to train such steps as no-ops",
+            step, micro_batches * t.micro_batch, run.dataset->describe_position(step_start)));
+      }
+    }
     const float grad_scale = valid > 0 ? 1.0f / static_cast<float>(valid) : 0.0f;
     const EngineStats before = engine.stats();
     const uint64_t sent_before = ranks.several() ? ranks.comm->bytes_sent() : 0;

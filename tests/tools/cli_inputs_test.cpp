@@ -14,6 +14,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/token_files.h"
+#include "data/tokenize.h"
 #include "tools/cli_util.h"
 
 namespace {
@@ -146,6 +148,38 @@ TEST_F(CliInputsTest, MalformedYamlKeysNameFileAndLine) {
   expect_refused(run_strata("plan " + list_key), {list_key + ":3", "plain word"});
   const std::string twice = write_file("twice.yaml", "train:\n  steps: 3\n  steps: 4\n");
   expect_refused(run_strata("plan " + twice), {twice + ":3", "'train.steps' is set twice", twice + ":2"});
+}
+
+// A loss mask of zeros leaves nothing to predict: the run stops at its first step, naming the
+// file and the position, instead of training on nothing and exiting 0 (loss 0.0000, gnorm 0).
+// data.allow_empty_loss=true trains such steps.
+TEST_F(CliInputsTest, AnAllZeroLossMaskStopsTheRunNamingTheFile) {
+  constexpr int32_t kTokens = 4096;
+  std::vector<int32_t> header(256, 0);
+  header[0] = strata::kLlmcMagicU16;
+  header[1] = 1;
+  header[2] = kTokens;
+  fs::create_directories(dir_ / "masks");
+  const fs::path shard = dir_ / "train_000000.bin";
+  {
+    std::ofstream out(shard, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header.data()), 1024);
+    for (int32_t t = 0; t < kTokens; ++t) {
+      const uint16_t id = static_cast<uint16_t>(t % 200);
+      out.write(reinterpret_cast<const char*>(&id), 2);
+    }
+  }
+  header[0] = strata::kLossMaskMagic;
+  {
+    std::ofstream out(dir_ / "masks" / "train_000000.mask", std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header.data()), 1024);
+    for (int32_t t = 0; t < kTokens; ++t) out.put('\0');
+  }
+  const std::string args = "train data.paths=[" + shard.string() + "] train.steps=2 train.micro_batch=2 "
+                           "train.seq_len=64 optim.warmup_steps=0 run.dir=" + (dir_ / "run").string();
+  expect_refused(run_strata(args), {"step 1", shard.string(), "no token to predict", "data.allow_empty_loss"});
+  const CmdResult allowed = run_strata(args + "-allowed data.allow_empty_loss=true");
+  EXPECT_EQ(allowed.exit_code, 0) << allowed.output;
 }
 
 }  // namespace
