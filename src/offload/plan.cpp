@@ -280,6 +280,17 @@ Plan plan_at_level(const PlanInput& in, int zero) {
     p.suggestions.push_back(fmt::format("raise memory.nvme.size to at least {}", format_bytes(p.nvme.total())));
     return p;
   }
+  // Loading the weights passes each group through host memory, whatever its home.
+  const uint64_t load_bytes = in.largest_group_load_chunks * in.chunk_size;
+  if (in.host_budget > 0 && load_bytes > in.host_budget) {
+    p.problem = fmt::format(
+        "the host budget {} cannot hold the largest parameter group's {} while the weights load (they pass through "
+        "host memory one group at a time, whatever their home)",
+        format_bytes(in.host_budget), format_bytes(load_bytes));
+    p.suggestions.push_back(fmt::format("raise memory.host to at least {}", format_bytes(load_bytes)));
+    p.suggestions.push_back("or a smaller vocab_size or hidden_size (model.set) when that group is the embedding");
+    return p;
+  }
   p.fits = true;
 
   // 4. Traffic per optimizer step, by phase: what one micro-batch's forward and backward move,

@@ -129,6 +129,10 @@ struct PlanInput {
   // whole group's optimizer state there at once, so a group streamed from nvme needs that many
   // free host slots per optimizer kind.
   uint64_t largest_group_chunks = 0;
+  // Chunks the largest group holds in host memory while the weights load (initialisation, a
+  // model file, a checkpoint): its fp32 state of one kind, and with a separate master its
+  // compute copy beside it (written from the master). The host tier must have that many slots.
+  uint64_t largest_group_load_chunks = 0;
   std::string offload_activations = "auto";  // auto | true | false
   // Data parallelism: ranks in all, ranks sharing a node (capped at world_size), ZeRO level.
   // The budgets above are each rank's; the work per step above is each rank's micro-batches.

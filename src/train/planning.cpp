@@ -145,6 +145,9 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
     in.embed_param_chunks = param_chunks.front();
     in.embed_moment_chunks = moment_chunks.front();
     for (uint64_t c : chunks) in.largest_group_chunks = std::max(in.largest_group_chunks, c);
+    for (size_t g = 0; g < chunks.size(); ++g)
+      in.largest_group_load_chunks = std::max(in.largest_group_load_chunks,
+                                              chunks[g] + (state.separate_master() ? param_chunks[g] : 0));
   }
   in.offload_activations = t.offload_activations;
   in.tied_embeddings = m.tie_word_embeddings;
