@@ -193,4 +193,21 @@ TEST_F(CliInputsTest, AGroupLargerThanTheHostBudgetIsRefusedBeforeLoading) {
   EXPECT_EQ(raised.exit_code, 0) << raised.output;
 }
 
+// Usage errors read like every other error: "strata CMD: error: ..." naming the command, exit 2.
+TEST_F(CliInputsTest, UsageErrorsSayErrorAndNameTheCommand) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"data tokenize", "strata data: error: --tokenizer is required"},
+      {"data bogus", "strata data: error: unknown subcommand 'bogus'"},
+      {"train --bogus", "strata train: error: unknown option '--bogus'"},
+      {"plan --bogus", "strata plan: error: unexpected argument '--bogus'"},
+      {"profile --bogus", "strata profile: error: unknown option '--bogus'"},
+      {"bench queue --steps x", "strata bench queue: error: --steps needs a whole number"},
+  };
+  for (const auto& [args, want] : cases) {
+    const CmdResult r = run_strata(args);
+    EXPECT_EQ(r.exit_code, 2) << args << ":\n" << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << args << ":\n" << r.output;
+  }
+}
+
 }  // namespace

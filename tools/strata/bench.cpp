@@ -56,7 +56,7 @@ are removed.
 constexpr uint64_t kDdBlock = 4 * kMiB;
 
 int usage_error(const std::string& msg) {
-  std::fprintf(stderr, "strata bench: %s (see strata bench --help)\n", msg.c_str());
+  std::fprintf(stderr, "strata bench: error: %s (see strata bench --help)\n", msg.c_str());
   return 2;
 }
 

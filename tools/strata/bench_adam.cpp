@@ -38,7 +38,7 @@ AdamW writes only arrays it has just read, so a ratio above 1 is possible. Needs
 constexpr int kRuns = 5;
 
 int usage_error(const std::string& msg) {
-  std::fprintf(stderr, "strata bench adam: %s (see strata bench adam --help)\n", msg.c_str());
+  std::fprintf(stderr, "strata bench adam: error: %s (see strata bench adam --help)\n", msg.c_str());
   return 2;
 }
 

@@ -40,7 +40,7 @@ seconds, noisier); the full run takes about 20 s.
 )";
 
 int usage_error(const std::string& msg) {
-  std::fprintf(stderr, "strata bench machine: %s (see strata bench machine --help)\n", msg.c_str());
+  std::fprintf(stderr, "strata bench machine: error: %s (see strata bench machine --help)\n", msg.c_str());
   return 2;
 }
 

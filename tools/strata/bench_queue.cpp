@@ -78,7 +78,7 @@ int bench_queue_command(const std::vector<std::string>& args) {
         used = 0;
       }
       if (used == 0 || used != text.size() || steps < 2) {
-        std::fprintf(stderr, "strata bench queue: --steps needs a whole number >= 2, not '%s'\n", text.c_str());
+        std::fprintf(stderr, "strata bench queue: error: --steps needs a whole number >= 2, not '%s'\n", text.c_str());
         return 2;
       }
     } else if (a.find('=') != std::string::npos && a[0] != '-') {
@@ -86,7 +86,7 @@ int bench_queue_command(const std::vector<std::string>& args) {
     } else if (!a.empty() && a[0] != '-' && config_path.empty()) {
       config_path = a;
     } else {
-      std::fprintf(stderr, "strata bench queue: unexpected argument '%s' (see strata bench queue --help)\n", a.c_str());
+      std::fprintf(stderr, "strata bench queue: error: unexpected argument '%s' (see strata bench queue --help)\n", a.c_str());
       return 2;
     }
   }

@@ -94,7 +94,7 @@ int bench_trace_command(const std::vector<std::string>& args) {
         used = 0;
       }
       if (used == 0 || used != text.size() || steps < 6) {
-        std::fprintf(stderr, "strata bench trace: --steps needs a whole number >= 6, not '%s'\n", text.c_str());
+        std::fprintf(stderr, "strata bench trace: error: --steps needs a whole number >= 6, not '%s'\n", text.c_str());
         return 2;
       }
     } else if (a.find('=') != std::string::npos && a[0] != '-') {
@@ -102,7 +102,7 @@ int bench_trace_command(const std::vector<std::string>& args) {
     } else if (!a.empty() && a[0] != '-' && config_path.empty()) {
       config_path = a;
     } else {
-      std::fprintf(stderr, "strata bench trace: unexpected argument '%s' (see strata bench trace --help)\n", a.c_str());
+      std::fprintf(stderr, "strata bench trace: error: unexpected argument '%s' (see strata bench trace --help)\n", a.c_str());
       return 2;
     }
   }

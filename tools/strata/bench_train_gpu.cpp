@@ -65,7 +65,7 @@ for tools/gpu_check.sh. Needs a build configured with -DSTRATA_CUDA=ON.
 )";
 
 int usage_error(const std::string& msg) {
-  std::fprintf(stderr, "strata bench train-gpu: %s (see strata bench train-gpu --help)\n", msg.c_str());
+  std::fprintf(stderr, "strata bench train-gpu: error: %s (see strata bench train-gpu --help)\n", msg.c_str());
   return 2;
 }
 

@@ -45,7 +45,7 @@ PATH is a checkpoint directory (its `latest` is followed), DIR/latest, or DIR/st
 )";
 
 int usage_error(const std::string& msg) {
-  std::fprintf(stderr, "strata ckpt: %s (see strata ckpt --help)\n", msg.c_str());
+  std::fprintf(stderr, "strata ckpt: error: %s (see strata ckpt --help)\n", msg.c_str());
   return 2;
 }
 

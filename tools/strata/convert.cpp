@@ -42,7 +42,7 @@ Options:
 )";
 
 int usage_error(const std::string& message) {
-  std::fprintf(stderr, "strata convert: %s (see strata convert --help)\n", message.c_str());
+  std::fprintf(stderr, "strata convert: error: %s (see strata convert --help)\n", message.c_str());
   return 2;
 }
 

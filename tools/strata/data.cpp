@@ -39,7 +39,7 @@ the vocabulary has at most 65536 ids, else uint32 tokens (version 7).
 )";
 
 int usage_error(const std::string& message) {
-  std::fprintf(stderr, "strata data: %s (see strata data --help)\n", message.c_str());
+  std::fprintf(stderr, "strata data: error: %s (see strata data --help)\n", message.c_str());
   return 2;
 }
 

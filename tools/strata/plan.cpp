@@ -158,7 +158,7 @@ int plan_command(const std::vector<std::string>& args) {
       return 0;
     } else if (a == "--hardware") {
       if (i + 1 >= args.size()) {
-        std::fprintf(stderr, "strata plan: --hardware needs a profile file (strata bench machine --out FILE)\n");
+        std::fprintf(stderr, "strata plan: error: --hardware needs a profile file (strata bench machine --out FILE)\n");
         return 2;
       }
       hardware = args[++i];
@@ -167,7 +167,7 @@ int plan_command(const std::vector<std::string>& args) {
     } else if (config_path.empty() && !a.empty() && a[0] != '-') {
       config_path = a;
     } else {
-      std::fprintf(stderr, "strata plan: unexpected argument '%s' (see strata plan --help)\n", a.c_str());
+      std::fprintf(stderr, "strata plan: error: unexpected argument '%s' (see strata plan --help)\n", a.c_str());
       return 2;
     }
   }

@@ -105,7 +105,7 @@ Status read_metrics(const fs::path& path, RunMetrics* run, double* offset) {
     } catch (const nlohmann::json::parse_error& e) {
       if (!complete && std::feof(f)) {
         // A run that died while writing its last line leaves it unfinished; the rest stands.
-        std::fprintf(stderr, "strata plot: %s: skipping the unfinished last line (the run stopped while writing it)\n",
+        std::fprintf(stderr, "strata plot: warning: %s: skipping the unfinished last line (the run stopped while writing it)\n",
                      where.c_str());
         break;
       }
@@ -333,19 +333,19 @@ int plot_command(const std::vector<std::string>& args) {
       else if (i + 1 < args.size())
         out_dir = args[++i];
       if (out_dir.empty()) {
-        std::fprintf(stderr, "strata plot: --out needs a directory (see strata plot --help)\n");
+        std::fprintf(stderr, "strata plot: error: --out needs a directory (see strata plot --help)\n");
         return 2;
       }
     } else if (!a.empty() && a[0] != '-') {
       if (run_dir.empty()) run_dir = a;
       run_dirs.push_back(a);
     } else {
-      std::fprintf(stderr, "strata plot: unexpected argument '%s' (see strata plot --help)\n", a.c_str());
+      std::fprintf(stderr, "strata plot: error: unexpected argument '%s' (see strata plot --help)\n", a.c_str());
       return 2;
     }
   }
   if (run_dir.empty()) {
-    std::fprintf(stderr, "strata plot: which run? pass its run.dir (see strata plot --help)\n");
+    std::fprintf(stderr, "strata plot: error: which run? pass its run.dir (see strata plot --help)\n");
     return 2;
   }
 
@@ -365,7 +365,7 @@ int plot_command(const std::vector<std::string>& args) {
     if (Status s = read_metrics((*files)[k], &run, &offset); !s.ok()) return fail(s);
   }
   if (run.rows.empty())
-    std::fprintf(stderr, "strata plot: %s holds no steps yet; the charts say \"no data\"\n",
+    std::fprintf(stderr, "strata plot: warning: %s holds no steps yet; the charts say \"no data\"\n",
                  files->back().string().c_str());
   const Charts charts = make_charts(run);
 

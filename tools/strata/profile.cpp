@@ -72,7 +72,7 @@ bool parse_count(const std::string& flag, const std::string& text, int64_t min, 
     }
   } catch (...) {
   }
-  std::fprintf(stderr, "strata profile: %s needs a whole number >= %lld, not '%s'\n", flag.c_str(),
+  std::fprintf(stderr, "strata profile: error: %s needs a whole number >= %lld, not '%s'\n", flag.c_str(),
                static_cast<long long>(min), text.c_str());
   return false;
 }
@@ -120,7 +120,7 @@ int profile_command(const std::vector<std::string>& args) {
       const std::string prefix = std::string(flag) + "=";
       if (a == flag) {
         if (i + 1 >= args.size()) {
-          std::fprintf(stderr, "strata profile: %s needs a value (see strata profile --help)\n", flag);
+          std::fprintf(stderr, "strata profile: error: %s needs a value (see strata profile --help)\n", flag);
           return false;
         }
         *out = args[++i];
@@ -145,12 +145,12 @@ int profile_command(const std::vector<std::string>& args) {
     } else if (a.find('=') != std::string::npos && a[0] != '-') {
       overrides.push_back(a);
     } else if (!a.empty() && a[0] == '-') {
-      std::fprintf(stderr, "strata profile: unknown option '%s' (see strata profile --help)\n", a.c_str());
+      std::fprintf(stderr, "strata profile: error: unknown option '%s' (see strata profile --help)\n", a.c_str());
       return 2;
     } else if (config_path.empty()) {
       config_path = a;
     } else {
-      std::fprintf(stderr, "strata profile: more than one config file given ('%s' and '%s')\n", config_path.c_str(),
+      std::fprintf(stderr, "strata profile: error: more than one config file given ('%s' and '%s')\n", config_path.c_str(),
                    a.c_str());
       return 2;
     }

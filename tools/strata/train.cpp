@@ -63,7 +63,7 @@ int train_command(const std::vector<std::string>& args) {
       return 0;
     } else if (a == "--hardware") {
       if (i + 1 >= args.size()) {
-        std::fprintf(stderr, "strata train: --hardware needs a profile file (strata bench machine --out FILE)\n");
+        std::fprintf(stderr, "strata train: error: --hardware needs a profile file (strata bench machine --out FILE)\n");
         return 2;
       }
       hardware = args[++i];
@@ -72,7 +72,7 @@ int train_command(const std::vector<std::string>& args) {
     } else if (a == "--resume" || a.rfind("--resume=", 0) == 0) {
       if (a == "--resume") {
         if (i + 1 >= args.size()) {
-          std::fprintf(stderr, "strata train: --resume needs a checkpoint directory or 'auto'\n");
+          std::fprintf(stderr, "strata train: error: --resume needs a checkpoint directory or 'auto'\n");
           return 2;
         }
         resume = args[++i];
@@ -82,12 +82,12 @@ int train_command(const std::vector<std::string>& args) {
     } else if (a.find('=') != std::string::npos) {
       overrides.push_back(a);
     } else if (!a.empty() && a[0] == '-') {
-      std::fprintf(stderr, "strata train: unknown option '%s' (see strata train --help)\n", a.c_str());
+      std::fprintf(stderr, "strata train: error: unknown option '%s' (see strata train --help)\n", a.c_str());
       return 2;
     } else if (config_path.empty()) {
       config_path = a;
     } else {
-      std::fprintf(stderr, "strata train: more than one config file given ('%s' and '%s')\n",
+      std::fprintf(stderr, "strata train: error: more than one config file given ('%s' and '%s')\n",
                    config_path.c_str(), a.c_str());
       return 2;
     }
