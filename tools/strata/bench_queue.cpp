@@ -17,6 +17,7 @@
 #include "core/cpu_device.h"
 #include "core/log.h"
 #include "model/decoder.h"
+#include "tools/strata/run_args.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
 
@@ -61,36 +62,11 @@ int fail(const std::string& message) {
 }  // namespace
 
 int bench_queue_command(const std::vector<std::string>& args) {
-  std::string config_path;
-  std::vector<std::string> overrides;
-  int64_t steps = 30;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    } else if (a == "--steps" || a.rfind("--steps=", 0) == 0) {
-      const std::string text = a == "--steps" ? (i + 1 < args.size() ? args[++i] : "") : a.substr(8);
-      size_t used = 0;
-      try {
-        steps = std::stoll(text, &used);
-      } catch (...) {
-        used = 0;
-      }
-      if (used == 0 || used != text.size() || steps < 2) {
-        std::fprintf(stderr, "strata bench queue: error: --steps needs a whole number >= 2, not '%s'\n", text.c_str());
-        return 2;
-      }
-    } else if (a.find('=') != std::string::npos && a[0] != '-') {
-      overrides.push_back(a);
-    } else if (!a.empty() && a[0] != '-' && config_path.empty()) {
-      config_path = a;
-    } else {
-      std::fprintf(stderr, "strata bench queue: error: unexpected argument '%s' (see strata bench queue --help)\n", a.c_str());
-      return 2;
-    }
-  }
-  Result<Config> config = load_train_config(config_path, overrides);
+  RunArgs run_args;
+  run_args.steps = 30;
+  if (const int rc = parse_run_args(args, "strata bench queue", kUsage, 2, &run_args); rc >= 0) return rc;
+  const int64_t steps = run_args.steps;
+  Result<Config> config = load_train_config(run_args.config_path, run_args.overrides);
   if (!config.ok()) return fail(config.status().message());
   Result<TrainConfig> tc = make_train_config(*config);
   if (!tc.ok()) return fail(tc.status().message());

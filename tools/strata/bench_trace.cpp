@@ -15,6 +15,7 @@
 #include "core/config.h"
 #include "core/log.h"
 #include "core/trace.h"
+#include "tools/strata/run_args.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
 
@@ -77,36 +78,11 @@ double span_ns(bool on, int spans) {
 }  // namespace
 
 int bench_trace_command(const std::vector<std::string>& args) {
-  std::string config_path;
-  std::vector<std::string> overrides;
-  int64_t steps = 40;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    } else if (a == "--steps" || a.rfind("--steps=", 0) == 0) {
-      const std::string text = a == "--steps" ? (i + 1 < args.size() ? args[++i] : "") : a.substr(8);
-      size_t used = 0;
-      try {
-        steps = std::stoll(text, &used);
-      } catch (...) {
-        used = 0;
-      }
-      if (used == 0 || used != text.size() || steps < 6) {
-        std::fprintf(stderr, "strata bench trace: error: --steps needs a whole number >= 6, not '%s'\n", text.c_str());
-        return 2;
-      }
-    } else if (a.find('=') != std::string::npos && a[0] != '-') {
-      overrides.push_back(a);
-    } else if (!a.empty() && a[0] != '-' && config_path.empty()) {
-      config_path = a;
-    } else {
-      std::fprintf(stderr, "strata bench trace: error: unexpected argument '%s' (see strata bench trace --help)\n", a.c_str());
-      return 2;
-    }
-  }
-  Result<Config> config = load_train_config(config_path, overrides);
+  RunArgs run_args;
+  run_args.steps = 40;
+  if (const int rc = parse_run_args(args, "strata bench trace", kUsage, 6, &run_args); rc >= 0) return rc;
+  const int64_t steps = run_args.steps;
+  Result<Config> config = load_train_config(run_args.config_path, run_args.overrides);
   if (!config.ok()) {
     std::fprintf(stderr, "strata bench trace: error: %s\n", config.status().message().c_str());
     return 1;
