@@ -7,7 +7,8 @@
 #      resumed across devices (tools/gpu_train_check.sh);
 #   4. op speed: the perf lines of test_gpu --perf, each against a ceiling measured in the run;
 #   5. the 0.44B training benchmark, strata against PyTorch, in the same run;
-#   6. the paged benchmarks: the 3.6B shape under a 24 GiB cap (the 8B one with BIG_BENCH=1).
+#   6. the paged benchmarks: the 3.6B shape under a 24 GiB cap in bf16, then in fp8 (the 8B
+#      one with BIG_BENCH=1).
 # It prints one summary table last and writes it, with the perf and throughput tables, to
 # SUMMARY. Builds nothing (tools/build_gpu.sh builds and packs what it runs).
 #
@@ -20,7 +21,7 @@
 #   SUMMARY=FILE       where the summary goes (default bench/results/gpu-check-DATE-COMMIT.md)
 #   LOG_DIR=DIR        where each step's log goes (default a new temporary folder)
 #   TRAIN_BENCH=0      skips the 0.44B benchmark (strata and PyTorch)
-#   PAGED_BENCH=0      skips the 3.6B paged benchmark
+#   PAGED_BENCH=0      skips the 3.6B paged benchmarks (bf16 and fp8)
 #   BIG_BENCH=1        adds the Llama-3-8B shape under 24 GiB, host <= 100 GiB, nvme in NVME_DIR
 #   SANITIZE=1         adds the parity groups and two training steps under compute-sanitizer
 #                      (SANITIZE_TOOLS="memcheck racecheck synccheck initcheck"; default memcheck)
@@ -182,7 +183,10 @@ if [[ "$train_bench" == 1 ]]; then
   run train-strata "$t_bench" "$strata" bench train-gpu "${train_args[@]}"
   run train-torch "$t_bench" python3 "$repo/tools/bench_gpu_train_torch.py" "${train_args[@]}"
 fi
-[[ "$paged_bench" == 1 ]] && run paged-3.6b "$t_paged" "$strata" bench train-gpu "${paged_args[@]}"
+if [[ "$paged_bench" == 1 ]]; then
+  run paged-3.6b "$t_paged" "$strata" bench train-gpu "${paged_args[@]}"
+  run paged-3.6b-fp8 "$t_paged" "$strata" bench train-gpu "${paged_args[@]}" --precision fp8
+fi
 [[ "$big_bench" == 1 ]] && run paged-8b "$t_paged" "$strata" bench train-gpu "${big_args[@]}"
 if [[ "$sanitize" == 1 ]]; then
   if ! ((dry)) && ! command -v compute-sanitizer > /dev/null; then
@@ -261,7 +265,7 @@ tables() {
     echo '```'
   fi
   local bench
-  for bench in paged-3.6b paged-8b; do
+  for bench in paged-3.6b paged-3.6b-fp8 paged-8b; do
     [[ -f "$log_dir/$bench.log" ]] || continue
     echo
     echo "$bench (anchors: FSDP2 + CPU offload 619 tokens/s for 3.6B under 24 GiB, killed by host OOM"

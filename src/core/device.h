@@ -107,7 +107,8 @@ class Stream {
   virtual void wait(Event& event) = 0;
   // Names the stream's track in a trace (core/trace.h), e.g. "copy host->device". Streams
   // whose work runs on a thread of their own (the CPU backend's) name that thread; the CUDA
-  // backend's work runs on the GPU, which the trace does not see.
+  // backend's copies are timed on the GPU with events and shown on a track of that name
+  // (core/cuda/cuda_timeline.h).
   virtual void set_trace_name(const char* /*name*/) {}
 
  protected:

@@ -13,20 +13,22 @@
 #include <nlohmann/json.hpp>
 
 namespace strata::trace {
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// One thread's events. The recorder takes `mu` for each event; only collect() and start()
-// contend for it.
-struct Buffer {
+// One track's events (a thread's or a Track's). The recorder takes `mu` for each event; only
+// collect() and start() contend for it.
+struct detail::Buffer {
   std::mutex mu;
   int tid = 0;
   std::string name;
   std::vector<Event> events;
   uint64_t dropped = 0;
-  bool alive = true;  // the thread still runs (a finished thread's events are kept until start())
+  bool alive = true;  // the thread still runs or the Track exists (else its events are kept until start())
 };
+using detail::Buffer;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
 
 struct Registry {
   std::mutex mu;
@@ -205,6 +207,35 @@ void async_span(const char* category, const char* name, uint64_t id, int64_t sta
   }
   buf.events.push_back(b);
   buf.events.push_back(e);
+}
+
+Track::Track(const char* name) {
+  auto b = std::make_shared<Buffer>();
+  b->name = name;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  b->tid = r.next_tid++;
+  r.buffers.push_back(b);
+  buffer_ = std::move(b);
+}
+
+Track::~Track() {
+  if (!buffer_) return;  // moved from
+  std::lock_guard<std::mutex> lock(buffer_->mu);
+  buffer_->alive = false;
+}
+
+void Track::complete(const char* category, const char* name, int64_t index, int64_t start_ns, int64_t end_ns) {
+  if (!enabled() || !buffer_) return;
+  Event e;
+  e.phase = 'X';
+  e.category = category;
+  e.name = name;
+  e.index = index;
+  e.ts_ns = start_ns;
+  e.dur_ns = std::max<int64_t>(0, end_ns - start_ns);
+  std::lock_guard<std::mutex> lock(buffer_->mu);
+  append_locked(*buffer_, e);
 }
 
 void Span::end() {

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,7 @@ namespace strata::trace {
 
 namespace detail {
 inline std::atomic<bool> g_enabled{false};
+struct Buffer;  // one track's events (trace.cpp)
 }  // namespace detail
 
 inline bool enabled() { return detail::g_enabled.load(std::memory_order_relaxed); }
@@ -108,6 +110,25 @@ class Span {
   int64_t start_ns_;  // -1: tracing was off when the span began
   int num_args_ = 0;
   Arg args_[kMaxArgs];  // the first num_args_ are set
+};
+
+// A track that belongs to no thread: what a device did, timed on the device and placed on this
+// clock afterwards (a CUDA stream's kernels and copies, core/cuda/cuda_timeline.h), recorded
+// from whichever thread learns of it. Shown like a thread's track, under its name. Safe for
+// concurrent use; movable, not copyable.
+class Track {
+ public:
+  explicit Track(const char* name);  // a static string
+  ~Track();
+  Track(Track&&) noexcept = default;
+  Track& operator=(Track&&) noexcept = default;
+  Track(const Track&) = delete;
+  Track& operator=(const Track&) = delete;
+  // A span from start_ns to end_ns (now_ns() values), as complete() records one.
+  void complete(const char* category, const char* name, int64_t index, int64_t start_ns, int64_t end_ns);
+
+ private:
+  std::shared_ptr<detail::Buffer> buffer_;
 };
 
 // Everything recorded, per thread, in recording order.

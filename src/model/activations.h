@@ -17,9 +17,23 @@
 #include <vector>
 
 #include "core/status.h"
+#include "kernels/micro_batch_shape.h"
 #include "model/config.h"
 
 namespace strata::model {
+
+// The dimensions an op set sizes its per-micro-batch buffers by, for N tokens of `config`.
+inline kernels::MicroBatchShape micro_batch_shape(const ModelConfig& config, int64_t N) {
+  kernels::MicroBatchShape s;
+  s.N = N;
+  s.E = config.is_moe() ? config.num_experts : 0;
+  s.K = config.is_moe() ? config.num_experts_per_tok : 0;
+  s.C = config.hidden_size;
+  s.F = std::max({config.q_dim(), config.kv_dim(), config.dense_mlp_width(),
+                  config.is_moe() ? config.moe_intermediate_size : int64_t{0}});
+  s.V = config.vocab_size;
+  return s;
+}
 
 template <class Ops>
 class ActivationTable {
@@ -139,9 +153,7 @@ Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_
   // The backend frees the old block first: after a failure nothing is planned any more.
   planned_tokens_ = 0;
   bytes_ = 0;
-  ASSIGN_OR_RETURN(void* base, ops.activation_block(static_cast<uint64_t>(bytes), N,
-                                                    config.is_moe() ? config.num_experts : 0, config.hidden_size,
-                                                    config.vocab_size));
+  ASSIGN_OR_RETURN(void* base, ops.activation_block(static_cast<uint64_t>(bytes), micro_batch_shape(config, N)));
   carve(static_cast<char*>(base), config, N, offload_checkpoints, keep_layers);
   planned_keep_ = keep_layers;
   bytes_ = bytes;
@@ -157,8 +169,7 @@ int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bo
                                         bool keep_layers) {
   ActivationTable<Ops> measured;
   return measured.carve(nullptr, config, N, offload_checkpoints, keep_layers) +
-         static_cast<int64_t>(Ops::extra_activation_bytes(N, config.is_moe() ? config.num_experts : 0,
-                                                          config.hidden_size, config.vocab_size));
+         static_cast<int64_t>(Ops::extra_activation_bytes(micro_batch_shape(config, N)));
 }
 
 template <class Ops>

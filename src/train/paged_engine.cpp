@@ -25,12 +25,14 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   // The state lives in the chunk space only: the model keeps no flat copy. On CUDA the model,
   // its kernels' scratch, its activations and the chunks share the device's arena.
   if (cuda) {
-    budgets.precision = Precision::kBf16;
+    // The bf16 recipe unless fp8 is asked for by name (train.precision=auto is bf16 on CUDA).
+    budgets.precision = planned_precision(t, /*cuda=*/true);
 #if STRATA_HAVE_CUDA
-    RETURN_IF_ERROR(model::cuda_supports(mc));
+    const DType compute = StateLayout::of(budgets.precision, t.moments).compute_dtype();
+    RETURN_IF_ERROR(model::cuda_supports(mc, compute));
     ASSIGN_OR_RETURN(e->device_, open_device("cuda", t.cuda_device, t.memory_device));
     ASSIGN_OR_RETURN(e->state_kernels_, make_cuda_state_kernels(*e->device_));
-    ASSIGN_OR_RETURN(e->net_, model::make_cuda_decoder(*e->device_, mc));
+    ASSIGN_OR_RETURN(e->net_, model::make_cuda_decoder(*e->device_, mc, compute));
     const uint64_t budget = e->device_->memory_budget();
     const uint64_t taken = e->device_->memory_in_use();  // the kernels' scratch and workspaces
     if (budget <= taken + (64ull << 20))

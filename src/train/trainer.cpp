@@ -130,13 +130,9 @@ bool needs_run_dir_for_data(const TrainConfig& t) {
 
 Result<std::unique_ptr<TrainEngine>> make_cuda_engine(const model::ModelConfig& mc, const TrainConfig& t,
                                                       const OptimizerConfig& oc) {
-  if (!t.precision_auto && t.precision != Precision::kBf16)
-    return Status::Unimplemented(fmt::format(
-        "the CUDA backend trains in the bf16 recipe; train.precision={} runs on the cpu (run.device=cpu){}",
-        precision_name(t.precision),
-        t.precision == Precision::kFp8 ? " — the fp8 recipe's CUDA GEMMs and quantisers exist (kernels/cuda/fp8.h), "
-                                         "but the CUDA model does not compute with them yet"
-                                       : ""));
+  if (!t.precision_auto && t.precision == Precision::kFp32)
+    return Status::Unimplemented(
+        "the CUDA backend trains in the bf16 and fp8 recipes; train.precision=fp32 runs on the cpu (run.device=cpu)");
   ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> paged, PagedEngine::create(mc, t, oc, /*cuda=*/true));
   return std::unique_ptr<TrainEngine>(std::move(paged));
 }

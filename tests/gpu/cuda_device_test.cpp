@@ -8,7 +8,9 @@
 
 #include "core/cuda/cuda_check.h"
 #include "core/device.h"
+#include "core/trace.h"
 #include "core/units.h"
+#include "kernels/cuda/backend.h"
 
 namespace strata {
 namespace {
@@ -133,6 +135,83 @@ TEST(CudaDevice, WholeDeviceBudgetLeavesAMargin) {
   auto device = open_cuda(0);
   EXPECT_LE(device->memory_budget() + CudaDevice::kReserveMargin, free_bytes);
   EXPECT_GT(device->memory_budget(), 0u);
+}
+
+// The spans a trace holds on the track named `track`.
+std::vector<trace::Event> track_spans(const char* track) {
+  std::vector<trace::Event> out;
+  for (const trace::ThreadEvents& t : trace::collect())
+    if (t.name == track)
+      for (const trace::Event& e : t.events)
+        if (e.phase == 'X') out.push_back(e);
+  return out;
+}
+
+// A named stream's copies are timed on the GPU and shown on its own track, inside the host
+// interval that queued and waited for them, in order, each taking time.
+TEST(CudaDevice, ANamedStreamsCopiesAreTimedOnItsTrack) {
+  auto device = open_cuda(256 * kMiB);
+  constexpr uint64_t kBytes = 64 * kMiB;
+  HostAllocation host = device->allocate_pinned(kBytes).value();
+  DeviceAllocation dev = device->allocate(kBytes).value();
+  auto stream = device->create_stream();
+  stream->set_trace_name("copy test");
+  trace::start();
+  const int64_t t0 = trace::now_ns();
+  device->copy(dev.data(), host.data(), kBytes, *stream, "up");
+  device->copy(host.data(), dev.data(), kBytes, *stream, "down");
+  stream->synchronize();
+  const int64_t t1 = trace::now_ns();
+  const std::vector<trace::Event> spans = track_spans("copy test");
+  trace::stop();
+  ASSERT_EQ(spans.size(), 2u) << "one span per copy";
+  EXPECT_STREQ(spans[0].name, "up");
+  EXPECT_STREQ(spans[1].name, "down");
+  for (const trace::Event& e : spans) {
+    EXPECT_STREQ(e.category, "copy");
+    EXPECT_GT(e.dur_ns, 0) << e.name;
+    // The anchor's wait ends within microseconds of the GPU instant it stands for.
+    EXPECT_GE(e.ts_ns, t0 - 50'000) << e.name;
+    EXPECT_LE(e.ts_ns + e.dur_ns, t1 + 50'000) << e.name;
+  }
+  EXPECT_LE(spans[0].ts_ns + spans[0].dur_ns, spans[1].ts_ns + 1000) << "the stream runs its copies in order";
+}
+
+// The CUDA op set's phases are timed on the GPU and shown on the "compute stream" track, which
+// profile reports read (train/profile_report.h), as the CPU backend's stream thread shows them.
+TEST(CudaDevice, TheComputeStreamsPhasesAreTimedOnItsTrack) {
+  auto device = open_cuda(uint64_t{1} << 30);
+  Result<kernels::CudaOps> created = kernels::CudaOps::create(*device);
+  ASSERT_TRUE(created.ok()) << created.status().to_string();
+  kernels::CudaOps& ops = created.value();
+  constexpr int64_t kN = int64_t{16} << 20;
+  DeviceAllocation a = device->allocate(kN * 2).value(), b = device->allocate(kN * 2).value();
+  CUDA_CHECK(cudaMemset(a.data(), 0, kN * 2));
+  CUDA_CHECK(cudaMemset(b.data(), 0, kN * 2));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  auto* pa = static_cast<kernels::cuda::bf16*>(a.data());
+  const auto* pb = static_cast<const kernels::cuda::bf16*>(b.data());
+  trace::start();
+  const int64_t t0 = trace::now_ns();
+  ops.trace_phase("forward", 3);
+  for (int i = 0; i < 8; ++i) ops.add_inplace(pa, pb, kN);
+  ops.trace_phase("backward", 3);
+  for (int i = 0; i < 8; ++i) ops.add_inplace(pa, pb, kN);
+  ops.trace_phase(nullptr);
+  ops.synchronize();
+  const int64_t t1 = trace::now_ns();
+  const std::vector<trace::Event> spans = track_spans("compute stream");
+  trace::stop();
+  ASSERT_EQ(spans.size(), 2u) << "one span per phase";
+  EXPECT_STREQ(spans[0].name, "forward");
+  EXPECT_STREQ(spans[1].name, "backward");
+  for (const trace::Event& e : spans) {
+    EXPECT_STREQ(e.category, "compute");
+    EXPECT_EQ(e.index, 3);
+    EXPECT_GT(e.dur_ns, 0) << e.name;
+    EXPECT_GE(e.ts_ns, t0 - 50'000) << e.name;
+    EXPECT_LE(e.ts_ns + e.dur_ns, t1 + 50'000) << e.name;
+  }
 }
 
 }  // namespace

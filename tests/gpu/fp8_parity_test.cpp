@@ -24,6 +24,7 @@
 
 #include "../test_util.h"
 #include "gpu_test_util.h"
+#include "kernels/cpu/backend.h"
 #include "kernels/cuda/fp8.h"
 #include "kernels/fp8.h"
 
@@ -310,6 +311,137 @@ TEST(Fp8Parity, GemmMatchesTheReferenceWithinTheBound) {
         }
       }
     }
+  }
+}
+
+// ---- the fp8 recipe's linear layers ------------------------------------------------------------
+
+int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
+TEST(Fp8Parity, TransposedColumnQuantizerIsTheCpusTransposed) {
+  StreamGuard stream;
+  for (const Shape& s : {Shape{1, 16}, Shape{3, 33}, Shape{129, 48}, Shape{300, 1024}, Shape{1024, 260}}) {
+    const int64_t rows = s.rows, cols = s.cols, L = fp8_blocks(rows), ld = round16(rows);
+    std::vector<float> x = with_specials(rows, cols, 70 + rows);
+    DeviceBuffer<bf16> d_x = upload_bf16(x);  // rounds x, so the CPU sees the GPU's values
+    std::vector<uint8_t> codes(rows * cols);
+    std::vector<float> scales(L * cols);
+    cpu::quantize_cols_e4m3(codes.data(), scales.data(), x.data(), rows, cols);
+    std::vector<uint8_t> want_codes(cols * ld, 0);
+    std::vector<float> want_scales(cols * L);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) want_codes[c * ld + r] = codes[r * cols + c];
+    for (int64_t b = 0; b < L; ++b)
+      for (int64_t c = 0; c < cols; ++c) want_scales[c * L + b] = scales[b * cols + c];
+    DeviceBuffer<uint8_t> d_codes(std::vector<uint8_t>(cols * ld, 0xAB));  // the padding must be written
+    DeviceBuffer<float> d_scales(cols * L);
+    cu::quantize_cols_transposed_e4m3(d_codes.get(), d_scales.get(), d_x.get(), rows, cols, ld, stream.get());
+    expect_bitwise(d_codes.download<uint8_t>(), want_codes, "transposed codes " + dims(rows, cols));
+    expect_bitwise(d_scales.download<float>(), want_scales, "transposed scales " + dims(rows, cols));
+  }
+}
+
+TEST(Fp8Parity, WeightTransposeIsExact) {
+  StreamGuard stream;
+  for (const Shape& s : {Shape{16, 16}, Shape{130, 272}, Shape{257, 385}, Shape{400, 128}}) {
+    const int64_t rows = s.rows, cols = s.cols;
+    const std::vector<float> w = graded(rows, cols, 90 + rows);
+    std::vector<uint8_t> stored(kernels::fp8_matrix_bytes(rows, cols));
+    cpu::quantize_weight_e4m3(stored.data(), w.data(), rows, cols);
+    // W^T's stored form, built on the host: codes and block scales transposed.
+    std::vector<uint8_t> want(kernels::fp8_matrix_bytes(cols, rows), 0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) want[c * rows + r] = stored[r * cols + c];
+    const auto* in_scales = reinterpret_cast<const float*>(stored.data() + kernels::fp8_matrix_scale_offset(rows, cols));
+    auto* out_scales = reinterpret_cast<float*>(want.data() + kernels::fp8_matrix_scale_offset(cols, rows));
+    for (int64_t rb = 0; rb < fp8_blocks(rows); ++rb)
+      for (int64_t cb = 0; cb < fp8_blocks(cols); ++cb)
+        out_scales[cb * fp8_blocks(rows) + rb] = in_scales[rb * fp8_blocks(cols) + cb];
+    DeviceBuffer<uint8_t> d_in(stored);
+    DeviceBuffer<uint8_t> d_out(std::vector<uint8_t>(want.size(), 0xAB));
+    cu::transpose_weight_e4m3(d_out.get(), d_in.get(), rows, cols, stream.get());
+    expect_bitwise(d_out.download<uint8_t>(), want, "transposed weight " + dims(rows, cols));
+  }
+}
+
+std::vector<kernels::Bf16> host_bf16(const std::vector<float>& rounded) {
+  std::vector<kernels::Bf16> v(rounded.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i].bits = bf16_bits(rounded[i]);
+  return v;
+}
+std::vector<float> host_values(const std::vector<kernels::Bf16>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_value(v[i].bits);
+  return f;
+}
+
+// The CUDA linear ops against CpuFp8Ops on the same bf16 inputs and the same stored weight. The
+// two quantise identically (the tests above), so they differ by the GEMM's accumulation only:
+// relative L2 within the GEMM test's bounds, 4e-3 for bf16 outputs and 1e-3 for the fp32
+// weight gradient. Token counts that are not multiples of 16 take the padded path.
+TEST(Fp8Parity, LinearLayersMatchTheCpuFp8Recipe) {
+  if (!has_block_scaled_fp8()) GTEST_SKIP() << "cuBLASLt FP8 block scaling as built here needs sm_90";
+  StreamGuard stream;
+  cu::Context ctx(64 << 20);
+  kernels::CpuFp8Ops cpu_ops;
+  struct Case {
+    int64_t N, IC, OC;
+  };
+  for (const Case& g : {Case{50, 160, 288}, Case{256, 256, 400}, Case{7, 128, 144}, Case{300, 400, 128}}) {
+    const int64_t N = g.N, IC = g.IC, OC = g.OC;
+    const std::string what = "N=" + std::to_string(N) + " IC=" + std::to_string(IC) + " OC=" + std::to_string(OC);
+    std::vector<float> x = graded(N, IC, 200 + N), dout = graded(N, OC, 201 + N), residual = graded(N, OC, 202);
+    std::vector<float> bias = graded(1, OC, 203), dx0 = graded(N, IC, 204);
+    const std::vector<float> w = graded(OC, IC, 205 + OC), dw0 = graded(OC, IC, 206);
+    DeviceBuffer<bf16> d_x = upload_bf16(x), d_dout = upload_bf16(dout), d_res = upload_bf16(residual);
+    DeviceBuffer<bf16> d_bias = upload_bf16(bias), d_dx0 = upload_bf16(dx0);
+    std::vector<uint8_t> stored(kernels::fp8_matrix_bytes(OC, IC));
+    cpu::quantize_weight_e4m3(stored.data(), w.data(), OC, IC);
+    DeviceBuffer<uint8_t> d_w(stored);
+    DeviceBuffer<uint8_t> operands(kernels::fp8_linear_operand_bytes(N, IC, OC));
+    const auto* w_cpu = reinterpret_cast<const kernels::Bf16*>(stored.data());
+    const std::vector<kernels::Bf16> hx = host_bf16(x), hdout = host_bf16(dout), hres = host_bf16(residual),
+                                     hbias = host_bf16(bias);
+
+    auto expect_close = [&](const std::vector<float>& got, const std::vector<float>& want, double tol,
+                            const std::string& name) {
+      const double rel = relative_error(got, want);
+      std::printf("%s %s: relative L2 %.3g (bound %.3g)\n", what.c_str(), name.c_str(), rel, tol);
+      EXPECT_TRUE(rel <= tol) << what << " " << name << ": relative L2 error " << rel;
+    };
+
+    // Forward, with a bias, then with a residual.
+    std::vector<kernels::Bf16> want(N * OC);
+    DeviceBuffer<bf16> d_out(N * OC);
+    cpu_ops.linear_forward(want.data(), hx.data(), w_cpu, hbias.data(), N, IC, OC);
+    cu::fp8_linear_forward(ctx, operands.get(), d_out.get(), d_x.get(), d_w.get(), d_bias.get(), nullptr, N, IC, OC,
+                           stream.get());
+    expect_close(download_bf16(d_out), host_values(want), 4e-3, "forward with bias");
+    cpu_ops.linear_forward_residual(want.data(), hx.data(), w_cpu, hres.data(), N, IC, OC);
+    cu::fp8_linear_forward(ctx, operands.get(), d_out.get(), d_x.get(), d_w.get(), nullptr, d_res.get(), N, IC, OC,
+                           stream.get());
+    expect_close(download_bf16(d_out), host_values(want), 4e-3, "forward with residual");
+
+    // Backward: dx overwritten, then accumulated; dweight and dbias added to.
+    std::vector<kernels::Bf16> want_dx(N * IC);
+    std::vector<float> want_dw = dw0, want_db(OC, 0.5f);
+    cpu_ops.linear_backward(want_dx.data(), want_dw.data(), want_db.data(), hdout.data(), hx.data(), w_cpu, N, IC, OC);
+    DeviceBuffer<bf16> d_dx(N * IC);
+    DeviceBuffer<float> d_dw(dw0), d_db(std::vector<float>(OC, 0.5f));
+    cu::fp8_linear_backward(ctx, operands.get(), d_dx.get(), false, d_dw.get(), d_db.get(), d_dout.get(), d_x.get(),
+                            d_w.get(), N, IC, OC, stream.get());
+    expect_close(download_bf16(d_dx), host_values(want_dx), 4e-3, "dx");
+    expect_close(download_f32(d_dw), want_dw, 1e-3, "dweight");
+    expect_close(download_f32(d_db), want_db, 1e-5, "dbias");
+
+    std::vector<kernels::Bf16> acc = host_bf16(dx0);
+    std::vector<float> want_dw2 = dw0;
+    cpu_ops.accumulate_data_grad(acc.data(), want_dw2.data(), hdout.data(), hx.data(), w_cpu, N, IC, OC);
+    DeviceBuffer<float> d_dw2(dw0);
+    cu::fp8_linear_backward(ctx, operands.get(), d_dx0.get(), true, d_dw2.get(), nullptr, d_dout.get(), d_x.get(),
+                            d_w.get(), N, IC, OC, stream.get());
+    expect_close(download_bf16(d_dx0), host_values(acc), 4e-3, "dx accumulated");
+    expect_close(download_f32(d_dw2), want_dw2, 1e-3, "dweight (accumulating dx)");
   }
 }
 

@@ -283,14 +283,14 @@ TEST(DecoderMemory, InChaosModeAReplacedActivationBlockReadsAsNaN) {
     auto device = CpuDevice::create(0, 1 << 20, seed);
     ASSERT_TRUE(device.ok()) << device.status().to_string();
     CpuF32Model ops(device->get());
-    Result<void*> first = ops.activation_block(4096, 0, 0, 0, 0);
+    Result<void*> first = ops.activation_block(4096, kernels::MicroBatchShape{});
     ASSERT_TRUE(first.ok());
     float* old = static_cast<float*>(*first);
     std::fill(old, old + 1024, 1.0f);
     // Held past the first block, so that the larger second block cannot take its place.
     Result<DeviceAllocation> fence = (*device)->allocate(4096);
     ASSERT_TRUE(fence.ok());
-    ASSERT_TRUE(ops.activation_block(8192, 0, 0, 0, 0).ok());
+    ASSERT_TRUE(ops.activation_block(8192, kernels::MicroBatchShape{}).ok());
     int poisoned = 0;
     for (int i = 0; i < 1024; ++i) poisoned += std::isnan(old[i]) ? 1 : 0;
     EXPECT_EQ(poisoned, seed != 0 ? 1024 : 0) << "chaos seed " << seed;

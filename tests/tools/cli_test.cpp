@@ -250,6 +250,19 @@ TEST_F(CliTest, PlanForManyRanksComparesTheZeroLevels) {
   EXPECT_NE(bad.output.find("parallel.zero"), std::string::npos) << bad.output;
 }
 
+// run.device=cuda takes the bf16 and fp8 recipes; fp32 is refused by name, pointing at the cpu.
+// Where no GPU answers (CI), the fp8 run fails for the device, not for its recipe; where one
+// does, it trains.
+TEST_F(CliTest, TheCudaBackendTakesTheFp8RecipeAndRefusesFp32) {
+  const std::string run_dir = (dir_ / "cuda").string();
+  CmdResult fp32 = run_strata("train " + small_run(run_dir) + " run.device=cuda train.precision=fp32");
+  expect_clean_failure(fp32, run_dir, {"train.precision=fp32 runs on the cpu (run.device=cpu)"});
+  CmdResult fp8 = run_strata("train " + small_run(run_dir) + " run.device=cuda train.precision=fp8");
+  if (fp8.exit_code == 0) return;  // a GPU trained it
+  expect_clean_failure(fp8, run_dir, {"run.device=cuda"});
+  EXPECT_EQ(fp8.output.find("precision"), std::string::npos) << "the fp8 recipe was refused on CUDA:\n" << fp8.output;
+}
+
 // A second run without --resume in the same run.dir is refused before it writes anything: the
 // first run's metrics and checkpoints stay as they were; --resume auto continues it instead.
 TEST_F(CliTest, ANewRunNeverOverwritesAnotherRunsDirectory) {

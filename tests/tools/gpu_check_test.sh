@@ -58,12 +58,15 @@ expect_row plain train-cuda PASS
 expect_row plain perf PASS
 expect_row plain train-strata PASS
 expect_row plain paged-3.6b PASS
+expect_row plain paged-3.6b-fp8 PASS
+grep -q -- "bench train-gpu .*--preset 3.6b.* --precision fp8" "$work/plain.out" ||
+  fail "plain: the fp8 paged benchmark does not ask for the fp8 recipe"
 grep -q -- "--gtest_filter=Variants/ModelParity\.\*:ModelParityErrors\.\*" "$work/plain.out" ||
   fail "plain: the model step does not run both model groups in one filter"
 grep -q "^ops-OpsPerf" "$work/plain.md" && fail "plain: the perf runner ran as an op group"
 # The steps in order of value: op groups, model, training, perf, benchmarks.
 order="$(awk '/^total / { t = 0 } t { print $1 } /^step / { t = 1 }' "$work/plain.md" | tr '\n' ' ')"
-[[ "$order" == "ops-CudaDevice ops-OpsParity ops-Typed-Quant model train-cuda perf train-strata train-torch paged-3.6b " ]] ||
+[[ "$order" == "ops-CudaDevice ops-OpsParity ops-Typed-Quant model train-cuda perf train-strata train-torch paged-3.6b paged-3.6b-fp8 " ]] ||
   fail "plain: steps ran in the order '$order'"
 
 dry faults TIMEOUT_SCALE=0.02 GPU_CHECK_FAKE="ops-OpsParity=fail,model=hang"
@@ -94,6 +97,8 @@ if [[ -x "$bin/tests/test_gpu" && -x "$bin/strata" ]]; then
   [[ $rc -eq 0 ]] || { fail "real build: dry run exited $rc"; tail -20 "$work/real.out"; }
   grep -q "^ops-OpsParity \+PASS" "$work/real.md" || fail "real build: no OpsParity group"
   grep -q "^model \+PASS" "$work/real.md" || fail "real build: no model step"
+  grep -q "^ops-Fp8Parity \+PASS" "$work/real.md" || fail "real build: no Fp8Parity group"
+  grep -q -- "--gtest_filter=.*Fp8ModelParity" "$work/real.out" || fail "real build: the model step lacks the fp8 decoder"
 else
   echo "no test_gpu in $bin (a build without CUDA): the real listing is not checked"
 fi

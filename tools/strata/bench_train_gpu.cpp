@@ -39,6 +39,7 @@ using model::ModelConfig;
 constexpr const char* kUsage = R"(Usage: strata bench train-gpu [--preset 0.44b|3.6b|8b|tiny] [--steps 20] [--warmup 3]
                               [--micro-batch 8] [--seq 2048] [--grad-accum 1] [--lr 3e-4]
                               [--memory-device 0] [--memory-host 0] [--nvme DIR --nvme-size SIZE]
+                              [--precision bf16|fp8]
 
 Trains a Llama from random weights (normal(0, 0.02), seed 1) on random tokens on GPU 0 exactly
 as `strata train run.device=cuda` does: the decoder's CUDA backend (bf16 compute copy and
@@ -47,6 +48,8 @@ gradient clipping at norm 1.0) over the paged state, which the planner places ac
 --memory-device (0 = the whole free device), --memory-host (0 = 80% of RAM) and an optional
 nvme directory. A step is GRAD_ACCUM micro-batches of MICRO_BATCH sequences of SEQ tokens, then
 one AdamW update. WARMUP untimed steps, then STEPS timed ones. Sizes take units (24GiB).
+--precision fp8 runs the fp8 recipe instead (E4M3 compute copies of the linear weights, their
+GEMMs on cuBLASLt's block-scaled FP8 kernels; docs/precision.md).
 
 Presets (untied embeddings):
   0.44b  hidden 1024, 24 layers, 16 heads, 8 KV heads, FFN 4096, vocab 32000 (0.44B; the shape of
@@ -86,6 +89,7 @@ struct Options {
   std::string memory_host = "0";
   std::string nvme;
   std::string nvme_size = "0";
+  std::string precision = "bf16";
 };
 
 // Parses an integer in [lo, hi]; false when `text` is not one.
@@ -220,9 +224,9 @@ int run(const Options& opt) {
                                                                            static_cast<double>(c.hidden_size) *
                                                                            static_cast<double>(T);
   std::printf(
-      "train-gpu benchmark on %s: preset %s, %.3fB parameters, %lld x %lld tokens x %lld "
+      "train-gpu benchmark on %s: preset %s in %s, %.3fB parameters, %lld x %lld tokens x %lld "
       "micro-batches = %lld tokens/step, %lld warm-up + %lld timed steps\n",
-      prop.name, opt.preset.c_str(), static_cast<double>(n_params) / 1e9, static_cast<long long>(B),
+      prop.name, opt.preset.c_str(), opt.precision.c_str(), static_cast<double>(n_params) / 1e9, static_cast<long long>(B),
       static_cast<long long>(T), static_cast<long long>(A), static_cast<long long>(tokens_per_step),
       static_cast<long long>(opt.warmup), static_cast<long long>(opt.steps));
   std::fflush(stdout);
@@ -233,7 +237,8 @@ int run(const Options& opt) {
       "train.grad_accum=" + std::to_string(A),  "train.steps=" + std::to_string(opt.warmup + opt.steps),
       "memory.device=" + opt.memory_device,     "memory.host=" + opt.memory_host,
       "memory.nvme.path=" + opt.nvme,           "memory.nvme.size=" + opt.nvme_size,
-      "optim.warmup_steps=0",                   "run.device=cuda"};
+      "optim.warmup_steps=0",                   "run.device=cuda",
+      "train.precision=" + opt.precision};
   Result<Config> parsed = Config::parse(train_schema(), "model: {preset: tiny}\n", "<bench train-gpu>", overrides);
   if (!parsed.ok()) return fail(parsed.status().message());
   Result<TrainConfig> tc = make_train_config(*parsed);
@@ -318,11 +323,11 @@ int run(const Options& opt) {
   std::printf("loss            %.4f -> %.4f (random tokens: ln(vocab) = %.4f)\n", first_loss, last_loss,
               std::log(static_cast<double>(c.vocab_size)));
   std::printf(
-      "RESULT {\"impl\": \"strata\", \"preset\": \"%s\", \"params\": %lld, \"micro_batch\": %lld, "
+      "RESULT {\"impl\": \"strata\", \"preset\": \"%s\", \"precision\": \"%s\", \"params\": %lld, \"micro_batch\": %lld, "
       "\"seq\": %lld, \"grad_accum\": %lld, \"tokens_per_step\": %lld, \"steps\": %lld, "
       "\"memory_device\": \"%s\", \"step_ms_median\": %.3f, \"tokens_per_s\": %.1f, \"tflops\": %.2f, "
       "\"gemm_ceiling_tflops\": %.2f, \"final_loss\": %.4f}\n",
-      opt.preset.c_str(), static_cast<long long>(n_params), static_cast<long long>(B), static_cast<long long>(T),
+      opt.preset.c_str(), opt.precision.c_str(), static_cast<long long>(n_params), static_cast<long long>(B), static_cast<long long>(T),
       static_cast<long long>(A), static_cast<long long>(tokens_per_step), static_cast<long long>(opt.steps),
       opt.memory_device.c_str(), median_ms, tokens_per_s, tflops, ceiling, last_loss);
   return 0;
@@ -369,6 +374,9 @@ int bench_train_gpu_command(const std::vector<std::string>& args) {
       opt.nvme = v;
     } else if (a == "--nvme-size") {
       opt.nvme_size = v;
+    } else if (a == "--precision") {
+      if (v != "bf16" && v != "fp8") return usage_error("--precision must be bf16 or fp8");
+      opt.precision = v;
     } else {
       return usage_error("unknown option '" + a + "'");
     }

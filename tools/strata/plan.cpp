@@ -104,7 +104,7 @@ std::string count_text(double n) {
 std::string format_recipe_comparison(const model::ModelConfig& mc, const TrainConfig& tc, bool cuda) {
   const model::ParamLayout layout(mc);
   std::string out = "  recipes side by side (these budgets and moments";
-  out += cuda ? "; the fp8 row is planned, the CUDA backend trains bf16 only so far):\n" : "):\n";
+  out += "):\n";
   out += fmt::format("    {:<7} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}  {}\n", "recipe", "copy", "all state",
                      "h2d/step", "d2h/step", "disk/step", "step", "fits");
   std::vector<Precision> recipes = {Precision::kBf16, Precision::kFp8};

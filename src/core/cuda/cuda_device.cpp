@@ -58,10 +58,30 @@ CudaStream::CudaStream(int device) : device_(device) {
 CudaStream::~CudaStream() {
   CUDA_CHECK(cudaSetDevice(device_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
+  timeline_.reset();
   CUDA_CHECK(cudaStreamDestroy(stream_));
 }
 
-void CudaStream::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+void CudaStream::synchronize() {
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::lock_guard<std::mutex> lock(trace_mu_);
+  if (timeline_) timeline_->flush(/*wait=*/false);
+}
+
+void CudaStream::set_trace_name(const char* name) {
+  std::lock_guard<std::mutex> lock(trace_mu_);
+  CUDA_CHECK(cudaSetDevice(device_));
+  timeline_ = std::make_unique<CudaTimeline>(name);
+}
+
+void CudaStream::trace_point(const char* category, const char* name) {
+  if (!trace::enabled()) return;
+  std::lock_guard<std::mutex> lock(trace_mu_);
+  if (!timeline_) return;
+  CUDA_CHECK(cudaSetDevice(device_));
+  timeline_->point(stream_, category, name);
+  timeline_->flush(/*wait=*/false);  // what has completed meanwhile
+}
 
 void CudaStream::wait(Event& event) {
   auto* cuda_event = dynamic_cast<CudaEvent*>(&event);
@@ -234,14 +254,16 @@ std::unique_ptr<Stream> CudaDevice::create_stream() { return std::make_unique<Cu
 
 std::unique_ptr<Event> CudaDevice::create_event() { return std::make_unique<CudaEvent>(index_); }
 
-void CudaDevice::copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* /*trace_name*/) {
+void CudaDevice::copy(void* dst, const void* src, uint64_t bytes, Stream& stream, const char* trace_name) {
   CudaStream& cuda_stream = as_cuda_stream(stream);
   CHECK_MSG(cuda_stream.device() == index_, "copy on " + name_ + " queued on a stream of cuda:" +
                                                 std::to_string(cuda_stream.device()));
   if (bytes == 0) return;
   make_current();
+  cuda_stream.trace_point("copy", trace_name != nullptr ? trace_name : "copy");
   // cudaMemcpyDefault: unified addressing tells device and host pointers apart.
   CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cuda_stream.handle()));
+  cuda_stream.trace_point("copy", nullptr);
 }
 
 void CudaDevice::fill(void* dst, uint8_t value, uint64_t bytes, Stream& stream) {

@@ -1,5 +1,5 @@
 // The CUDA backend of Device (DESIGN §3.1): cudaStream_t streams, cudaEvent_t events (timing
-// disabled), cudaMemcpyAsync copies and cudaHostAlloc pinned memory. Device memory is one
+// disabled; a traced stream times its copies with events of its own), cudaMemcpyAsync copies and cudaHostAlloc pinned memory. Device memory is one
 // cudaMalloc made when the device opens (the budget, or free memory less a margin), carved by
 // an Arena: no cudaMalloc/cudaFree in the steady state, and a budget below the card's size
 // behaves like a smaller card. Plain C++ over the runtime API; compiled only with CUDA on.
@@ -15,6 +15,7 @@
 #include <string>
 
 #include "core/arena.h"
+#include "core/cuda/cuda_timeline.h"
 #include "core/device.h"
 #include "core/status.h"
 
@@ -33,13 +34,21 @@ class CudaStream final : public Stream {
 
   void synchronize() override;
   void wait(Event& event) override;
+  // Gives the stream a track in traces: the copies queued on it from then on are timed on the
+  // GPU (core/cuda/cuda_timeline.h) and shown under `name` while tracing is on.
+  void set_trace_name(const char* name) override;
   // For kernel launchers and libraries (cuBLAS, NCCL). Owned by this object.
   cudaStream_t handle() const { return stream_; }
   int device() const { return device_; }
+  // Marks the start (a name) or the end (null) of a span of the stream's work on its track;
+  // nothing without a track or with tracing off. Safe from any thread.
+  void trace_point(const char* category, const char* name);
 
  private:
   const int device_;
   cudaStream_t stream_ = nullptr;
+  std::mutex trace_mu_;  // guards timeline_: copies may be queued from several threads
+  std::unique_ptr<CudaTimeline> timeline_;
 };
 
 // REQUIRES: stream came from a CUDA device (aborts otherwise).

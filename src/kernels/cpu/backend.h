@@ -44,6 +44,7 @@
 #include "core/dtype.h"
 #include "core/status.h"
 #include "kernels/bf16.h"
+#include "kernels/micro_batch_shape.h"
 #include "kernels/moe.h"
 
 namespace strata::kernels {
@@ -61,13 +62,10 @@ struct CpuCommonOps {
   // block, which nothing may use any more (in chaos mode it is filled with NaN bytes first, so a
   // stale read shows). From the device's arena when there is one: its OutOfMemory names the
   // tier, the request and the budget.
-  Result<void*> activation_block(uint64_t bytes, int64_t /*N*/, int64_t /*E*/, int64_t /*C*/, int64_t /*V*/) {
-    return activation_block(bytes);
-  }
+  Result<void*> activation_block(uint64_t bytes, const MicroBatchShape& /*shape*/) { return activation_block(bytes); }
   Result<void*> activation_block(uint64_t bytes);
-  // Memory the ops keep for themselves per micro-batch of N tokens, E experts, hidden size C and
-  // vocabulary V (none here).
-  static uint64_t extra_activation_bytes(int64_t /*N*/, int64_t /*E*/, int64_t /*C*/, int64_t /*V*/) { return 0; }
+  // Memory the ops keep for themselves per micro-batch of that shape (none here).
+  static uint64_t extra_activation_bytes(const MicroBatchShape& /*shape*/) { return 0; }
   // Tokens per LM-head chunk: a fixed 256 (the logits chunk is a host vector, chunk x V floats).
   // The fp32 recipe's weight gradient sums chunk by chunk, so this number is part of its bits.
   static constexpr int64_t kLossChunkTokens = 256;
@@ -185,7 +183,7 @@ struct CpuBf16Ops : CpuCommonOps {
   using CpuCommonOps::CpuCommonOps;
   STRATA_CPU_BACKEND_OPS(Bf16, Bf16)
   // dx (N,IC) = round(dx + dout @ weight) and dweight += dout^T @ x: the experts' second
-  // data-gradient GEMM accumulating onto its bf16 output (kernels/cpu/emulated_experts.h).
+  // data-gradient GEMM accumulating onto its bf16 output (kernels/experts_loop.h).
   void accumulate_data_grad(Bf16* dx, float* dweight, const Bf16* dout, const Bf16* x, const Bf16* weight, int64_t N,
                             int64_t IC, int64_t OC);
 };

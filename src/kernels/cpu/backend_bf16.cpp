@@ -8,7 +8,7 @@
 #include "core/check.h"
 #include "kernels/attention.h"
 #include "kernels/cpu/backend.h"
-#include "kernels/cpu/emulated_experts.h"
+#include "kernels/experts_loop.h"
 #include "kernels/embedding.h"
 #include "kernels/linear.h"
 #include "kernels/rmsnorm.h"
@@ -229,13 +229,13 @@ void CpuBf16Ops::moe_combine_backward(Bf16* dys, float* dweights, const Bf16* do
 void CpuBf16Ops::moe_experts_forward(Bf16* ys, Bf16* gate, Bf16* up, Bf16* act, const Bf16* xs,
                                      const int64_t* expert_offsets, const ExpertTensors<const Bf16>& w, int64_t E,
                                      int64_t C, int64_t F) {
-  emulated::experts_forward(*this, ys, gate, up, act, xs, expert_offsets, w, E, C, F);
+  looped_experts::forward(*this, ys, gate, up, act, xs, expert_offsets, w, E, C, F);
 }
 void CpuBf16Ops::moe_experts_backward(Bf16* dxs, const ExpertTensors<float>& dw, Bf16* dgate, Bf16* dup,
                                       Bf16* dact, const Bf16* dys, const Bf16* xs, const Bf16* gate, const Bf16* up,
                                       const Bf16* act, const int64_t* expert_offsets,
                                       const ExpertTensors<const Bf16>& w, int64_t E, int64_t C, int64_t F) {
-  emulated::experts_backward(*this, dxs, dw, dgate, dup, dact, dys, xs, gate, up, act, expert_offsets, w, E, C, F);
+  looped_experts::backward(*this, dxs, dw, dgate, dup, dact, dys, xs, gate, up, act, expert_offsets, w, E, C, F);
 }
 // dx (N, IC) = bf16(dx + dout @ W) (the GEMM with beta = 1 on a bf16 output: one rounding);
 // dW += dout^T @ x in fp32.

@@ -57,13 +57,11 @@ class CpuQueuedOps {
   // The direct op set the tasks call (for tests of single ops).
   Direct& direct() { return direct_; }
 
-  Result<void*> activation_block(uint64_t bytes, int64_t N, int64_t E, int64_t C, int64_t V) {
+  Result<void*> activation_block(uint64_t bytes, const MicroBatchShape& shape) {
     synchronize();  // queued ops may still read the block this replaces
-    return direct_.activation_block(bytes, N, E, C, V);
+    return direct_.activation_block(bytes, shape);
   }
-  static uint64_t extra_activation_bytes(int64_t N, int64_t E, int64_t C, int64_t V) {
-    return Direct::extra_activation_bytes(N, E, C, V);
-  }
+  static uint64_t extra_activation_bytes(const MicroBatchShape& shape) { return Direct::extra_activation_bytes(shape); }
   int64_t lm_head_chunk_tokens(int64_t N, int64_t C, int64_t V) const { return direct_.lm_head_chunk_tokens(N, C, V); }
   // Waits for every queued op (traced as the host's wait for the compute stream, which the
   // profile report attributes to the phases the stream ran meanwhile).

@@ -25,6 +25,7 @@ Result<CudaOps> CudaOps::create(Device& device) {
   ops.attention_capability_ = attention_capability();
   ops.compute_ = device.create_stream();
   ops.stream_ = as_cuda_stream(*ops.compute_).handle();
+  ops.timeline_ = std::make_unique<CudaTimeline>("compute stream");
   ASSIGN_OR_RETURN(ops.scratch_, device.allocate(kScratchBytes));
   ASSIGN_OR_RETURN(ops.workspace_, device.allocate(kGemmWorkspaceBytes));
   ASSIGN_OR_RETURN(ops.sums_, device.allocate(sizeof(double)));
@@ -39,7 +40,13 @@ CudaOps::~CudaOps() {
   if (compute_ != nullptr) synchronize();
 }
 
-void CudaOps::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+void CudaOps::synchronize() {
+  trace::Span wait("wait", "compute stream");  // profiles split it by the phases the stream ran
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  timeline_->flush(/*wait=*/false);  // every point has completed
+}
+
+void CudaOps::trace_phase(const char* name, int64_t index) { timeline_->point(stream_, "compute", name, index); }
 
 void* CudaOps::grow(DeviceAllocation& buffer, uint64_t bytes, const char* what) {
   if (buffer && buffer.size() >= bytes) return buffer.data();
@@ -51,14 +58,16 @@ void* CudaOps::grow(DeviceAllocation& buffer, uint64_t bytes, const char* what) 
   return buffer.data();
 }
 
-uint64_t CudaOps::extra_activation_bytes(int64_t N, int64_t E, int64_t C, int64_t V) {
+uint64_t CudaOps::extra_activation_bytes(const MicroBatchShape& shape) {
+  [[maybe_unused]] const auto [N, E, K, C, F, V] = shape;
   const uint64_t n = static_cast<uint64_t>(N), e = static_cast<uint64_t>(std::max<int64_t>(E, 1));
   // losses, rounded, router, the LM head's chunks; alignment
   return n * sizeof(float) + n * e * sizeof(Act) + 20 * e + lm_head_device_scratch_bytes(std::max<int64_t>(N, 1), C, V) +
          4 * 256;
 }
 
-Result<void*> CudaOps::activation_block(uint64_t bytes, int64_t N, int64_t E, int64_t C, int64_t V) {
+Result<void*> CudaOps::activation_block(uint64_t bytes, const MicroBatchShape& shape) {
+  [[maybe_unused]] const auto [N, E, K, C, F, V] = shape;
   synchronize();
   block_.reset();
   losses_.reset();

@@ -23,11 +23,13 @@
 #include <tuple>
 #include <vector>
 
+#include "core/cuda/cuda_timeline.h"
 #include "core/device.h"
 #include "core/dtype.h"
 #include "core/status.h"
 #include "kernels/attention_choice.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/micro_batch_shape.h"
 #include "kernels/moe.h"
 
 namespace strata::kernels {
@@ -62,20 +64,22 @@ class CudaOps {
   Stream* compute_stream() { return compute_.get(); }
   cuda::Context& context() { return *ctx_; }
 
-  // The activation table's block, and with it the ops' own per-micro-batch buffers for N tokens,
-  // E experts, hidden size C and vocabulary V (per-token losses, a rounded router gradient,
-  // router statistics, the LM head's logits chunks), so that no op allocates later. All from
-  // the arena; OutOfMemory names the request and the budget.
-  Result<void*> activation_block(uint64_t bytes, int64_t N, int64_t E, int64_t C, int64_t V);
+  // The activation table's block, and with it the ops' own per-micro-batch buffers for a
+  // micro-batch of that shape (per-token losses, a rounded router gradient, router statistics,
+  // the LM head's logits chunks), so that no op allocates later. All from the arena;
+  // OutOfMemory names the request and the budget.
+  Result<void*> activation_block(uint64_t bytes, const MicroBatchShape& shape);
   // The bytes of those buffers (what activation_block takes besides `bytes`).
-  static uint64_t extra_activation_bytes(int64_t N, int64_t E, int64_t C, int64_t V);
+  static uint64_t extra_activation_bytes(const MicroBatchShape& shape);
   // Tokens per LM-head chunk for N tokens: as many as the LM head's buffer holds, up to
   // kernels::kLmHeadTargetChunkTokens (kernels/lm_head_chunks.h), evened over the micro-batch.
   int64_t lm_head_chunk_tokens(int64_t N, int64_t C, int64_t V) const;
   void synchronize();
-  // Phase marks in the queue (kernels/cpu/queued_ops.h): not yet timed on the GPU (CUDA events
-  // per phase are to come); the host's spans stand for them.
-  void trace_phase(const char* /*name*/, int64_t /*index*/ = 0) {}
+  // Marks, in the queue, where the ops of a phase of the step begin (kernels/cpu/queued_ops.h
+  // does the same on the CPU): while tracing, each phase is timed on the GPU with CUDA events
+  // and shown as a span of the "compute stream" track (core/cuda/cuda_timeline.h), so profiles
+  // show device time; null ends the last phase.
+  void trace_phase(const char* name, int64_t index = trace::kNoIndex);
   const float* stage_constants(const float* host, int64_t n);
   const int32_t* stage_tokens(const int32_t* host, int64_t N, int32_t* slot);
   const int64_t* expert_offsets_on_host(const int64_t* offsets, int64_t E);
@@ -136,7 +140,7 @@ class CudaOps {
   void shared_expert_backward(Act* dshared, float* dlogit, const Act* dout, const Act* shared_out, const float* logit,
                               int64_t N, int64_t C);
 
- private:
+ protected:
   explicit CudaOps(Device& device) : device_(&device) {}
   // A device buffer of at least `bytes` from the arena (grown after the stream drains).
   void* grow(DeviceAllocation& buffer, uint64_t bytes, const char* what);
@@ -144,6 +148,7 @@ class CudaOps {
   Device* device_ = nullptr;
   std::unique_ptr<Stream> compute_;
   cudaStream_t stream_ = nullptr;
+  std::unique_ptr<CudaTimeline> timeline_;  // the compute stream's phases, while tracing
   DeviceAllocation scratch_, workspace_;
   std::unique_ptr<cuda::Context> ctx_;
   DeviceAllocation block_;      // the activation table
@@ -157,6 +162,54 @@ class CudaOps {
   AttentionCapability attention_capability_;
   AttentionForce attention_force_ = AttentionForce::kAuto;
   std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>, AttentionImpl> attention_impls_;  // B,T,Hq,Hkv,D
+};
+
+// The fp8 recipe on CUDA (DeepSeek-V3's; its CPU reference is CpuFp8Ops, kernels/cpu/backend.h):
+// the bf16 recipe, except that the linear layers' GEMMs (attention and MLP projections, the
+// experts, the shared expert) read E4M3 operands with block scales (kernels/cuda/fp8.h's
+// fp8_linear_*), and the compute copy of a linear layer's weight is its stored E4M3 blocks, typed
+// as the W pointers every other tensor has. The experts run as a loop over experts of those
+// linear ops (kernels/experts_loop.h), as CpuFp8Ops runs them. Embedding, norms, attention,
+// router, the shared expert's gate and the LM head are the bf16 recipe's. The members declared
+// here hide CudaOps' of the same name.
+class CudaFp8Ops : public CudaOps {
+ public:
+  static constexpr DType kWeightDType = DType::kF8E4M3;
+  static constexpr const char* kName = "cuda fp8";
+
+  // As CudaOps::create.
+  static Result<CudaFp8Ops> create(Device& device);
+  // CudaOps' buffers and the quantised operands of the widest linear layer at N tokens (an
+  // expert's at N * K rows, its most).
+  Result<void*> activation_block(uint64_t bytes, const MicroBatchShape& shape);
+  static uint64_t extra_activation_bytes(const MicroBatchShape& shape);
+
+  // weight: E4M3 blocks of (OC, IC).
+  void linear_forward(Act* out, const Act* x, const W* weight, const W* bias, int64_t N, int64_t IC, int64_t OC);
+  void linear_forward_residual(Act* out, const Act* x, const W* weight, const Act* residual, int64_t N, int64_t IC,
+                               int64_t OC);
+  void linear_backward(Act* dx, float* dweight, float* dbias, const Act* dout, const Act* x, const W* weight,
+                       int64_t N, int64_t IC, int64_t OC);
+  // dx (N,IC) = round(dx + q(dout) @ W), dweight += q(dout)^T @ q(x): the experts' second data
+  // gradient accumulating onto the first (kernels/experts_loop.h).
+  void accumulate_data_grad(Act* dx, float* dweight, const Act* dout, const Act* x, const W* weight, int64_t N,
+                            int64_t IC, int64_t OC);
+  // w: each expert's gate, up (F, C) and down (C, F) as E4M3 blocks; expert_offsets in device
+  // memory (read back to the host, which synchronises the stream).
+  void moe_experts_forward(Act* ys, Act* gate, Act* up, Act* act, const Act* xs, const int64_t* expert_offsets,
+                           const ExpertTensors<const W>& w, int64_t E, int64_t C, int64_t F);
+  void moe_experts_backward(Act* dxs, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact, const Act* dys,
+                            const Act* xs, const Act* gate, const Act* up, const Act* act,
+                            const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E, int64_t C,
+                            int64_t F);
+
+ private:
+  explicit CudaFp8Ops(CudaOps&& base) : CudaOps(std::move(base)) {}
+  // The operand buffer for a linear layer of N tokens (grown, after the stream drains, when a
+  // call needs more than activation_block planned).
+  void* operands(int64_t N, int64_t IC, int64_t OC);
+
+  DeviceAllocation operands_;
 };
 
 }  // namespace strata::kernels

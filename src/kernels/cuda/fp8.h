@@ -15,6 +15,7 @@
 
 #include "kernels/cuda/ops.h"
 #include "kernels/fp8.h"
+#include "kernels/fp8_operands.h"
 
 namespace strata::kernels::cuda {
 
@@ -33,14 +34,27 @@ void quantize_rows_e4m3(uint8_t* codes /*(rows,cols)*/, float* scales /*(rows,L)
                         int64_t rows, int64_t cols, cudaStream_t stream);
 
 // The same with 128 x 1 tiles down each column: scales (fp8_blocks(rows), cols) row-major (the
-// operands of the weight-gradient GEMM, whose K is the token dimension). Not yet an input of
-// fp8_gemm_nt: its codes keep the tokens (K) strided, and the FP8 GEMM wants K contiguous, so a
-// weight-gradient GEMM needs the transposed operands quantised in 1 x 128 row tiles instead (or a
-// GEMM entry taking codes transposed and scales K-major) when the CUDA recipe is wired up.
+// operands of the weight-gradient GEMM, whose K is the token dimension). Its codes keep the
+// tokens strided; the GEMM reads the transposed form below.
 void quantize_cols_e4m3(uint8_t* codes /*(rows,cols)*/, float* scales /*(L,cols)*/, const bf16* x /*(rows,cols)*/,
                         int64_t rows, int64_t cols, cudaStream_t stream);
 void quantize_cols_e4m3(uint8_t* codes /*(rows,cols)*/, float* scales /*(L,cols)*/, const float* x /*(rows,cols)*/,
                         int64_t rows, int64_t cols, cudaStream_t stream);
+// The same tiles written transposed, as fp8_gemm_nt reads an operand whose K is the tokens:
+// codes (cols, ld) with column c of x as row c (rows [rows, ld) zero codes), scales
+// (cols, fp8_blocks(rows)) row-major — codes and scales are those of quantize_cols_e4m3,
+// transposed. REQUIRES ld = rows rounded up to a multiple of 16 (the GEMM's K; the padding adds
+// zero products) and codes 16-byte aligned.
+void quantize_cols_transposed_e4m3(uint8_t* codes /*(cols,ld)*/, float* scales /*(cols,L)*/,
+                                   const bf16* x /*(rows,cols)*/, int64_t rows, int64_t cols, int64_t ld,
+                                   cudaStream_t stream);
+
+// A stored weight (rows, cols) -> the stored form of W^T (cols, rows): the codes transposed and
+// the 128 x 128 block scales transposed with them (exact; W^T's blocks are W's). The data
+// gradient's GEMM reads the weight this way, with its K (W's rows) contiguous. REQUIRES both
+// 16-byte aligned.
+void transpose_weight_e4m3(uint8_t* out /*fp8_matrix_bytes(cols,rows)*/, const uint8_t* in /*(rows,cols)*/,
+                           int64_t rows, int64_t cols, cudaStream_t stream);
 
 // ---- GEMM (fp8_gemm.cpp) ------------------------------------------------------------------------
 // C (M, N) row-major = A (M, K) @ B (N, K)^T + beta * C, A and B E4M3 codes row-major (K
@@ -61,6 +75,31 @@ void fp8_gemm_nt(Context& ctx, void* C /*(M,N)*/, bool c_bf16, const uint8_t* A 
                  const float* a_scales /*(M,L)*/, const uint8_t* B /*(N,K)*/, const float* b_scales /*(NB,L) or (N,L)*/,
                  bool b_blocks, int64_t M, int64_t N, int64_t K, float beta, cudaStream_t stream);
 size_t fp8_gemm_scratch_bytes(int64_t M, int64_t N, int64_t K, bool b_blocks);
+
+// ---- the fp8 recipe's linear layers (fp8_linear.cu) ---------------------------------------------
+// The GEMMs of CpuFp8Ops' linear ops (kernels/cpu/backend.h) on cuBLASLt's block-scaled FP8
+// kernels: the input in 1 x 128 tiles along K, the weight as its stored 128 x 128 blocks, the
+// output gradient in 1 x 128 tiles for the data gradient, and both operands of the weight
+// gradient in 128 x 1 tiles along the tokens. Each product is accumulated in fp32 (an fp32 C
+// holding the added term: bias, residual, or the dx being accumulated), then rounded once to
+// bf16, where the emulated recipe rounds. Token counts need not be multiples of 16: the
+// quantised operands are padded with zero rows (an expert's rows are any number).
+//
+// `operands`: device memory for the quantised operands and the fp32 product, at least
+// kernels::fp8_linear_operand_bytes(N, IC, OC) (kernels/fp8_operands.h), 256-byte aligned and outside the Context's scratch; ops
+// on one stream may share it. REQUIRES IC, OC multiples of 16 (CHECKed, naming the shape).
+// weight: the stored form of kernels/fp8.h, (OC, IC). x, dout, out, dx: bf16 row-major.
+// out (N,OC) = q(x) @ W^T + bias (broadcast; null: none) + residual ((N,OC); null: none).
+void fp8_linear_forward(Context& ctx, void* operands, bf16* out /*(N,OC)*/, const bf16* x /*(N,IC)*/,
+                        const uint8_t* weight /*(OC,IC)*/, const bf16* bias /*(OC) or null*/,
+                        const bf16* residual /*(N,OC) or null*/, int64_t N, int64_t IC, int64_t OC,
+                        cudaStream_t stream);
+// dx (N,IC) = q(dout) @ W (accumulate_dx: dx = round(dx + q(dout) @ W)); skipped when null.
+// dweight (OC,IC) += q(dout)^T @ q(x) (fp32); dbias (OC) += column sums of dout (null: none).
+void fp8_linear_backward(Context& ctx, void* operands, bf16* dx /*(N,IC) or null*/, bool accumulate_dx,
+                         float* dweight /*(OC,IC)*/, float* dbias /*(OC) or null*/, const bf16* dout /*(N,OC)*/,
+                         const bf16* x /*(N,IC)*/, const uint8_t* weight /*(OC,IC)*/, int64_t N, int64_t IC,
+                         int64_t OC, cudaStream_t stream);
 
 // ---- scale layouts for cuBLASLt (fp8_scales.cu) --------------------------------------------------
 // Row-major (outer, L) tile scales -> (L, outer): the K block index outermost, `outer`

@@ -11,6 +11,8 @@
 // does not matter; it is fixed anyway (shuffles, then shared memory in warp order).
 #include <cuda_fp8.h>
 
+#include <string>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8.h"
 
@@ -134,9 +136,14 @@ __global__ void quantize_rows_kernel(uint8_t* codes, float* scales, const T* x, 
 // thread (tx, ty) owns columns [c0, c0 + V) with c0 = (blockIdx.x * 32 + tx) * V and rows
 // [ty * 16, ty * 16 + 16) of the strip; each column's amax is reduced over ty in shared memory.
 // V = 4 when cols is a multiple of 4 (vector loads and stores), else 1.
+// Transposed: codes (cols, ld) and scales (cols, fp8_blocks(rows)) row-major, column c's rows
+// [0, ld) written as one contiguous run (rows [rows, ld) as zero codes), so that the tokens
+// become the GEMM's contiguous K; ld is a multiple of 16, so each thread's 16 rows of a column
+// are one aligned 16-byte store. Otherwise codes (rows, cols), scales (fp8_blocks(rows), cols).
 // grid: (ceil(cols / (32 * V)), fp8_blocks(rows)).
-template <typename T, int V>
-__global__ void quantize_cols_kernel(uint8_t* codes, float* scales, const T* x, int64_t rows, int64_t cols) {
+template <typename T, int V, bool Transposed>
+__global__ void quantize_cols_kernel(uint8_t* codes, float* scales, const T* x, int64_t rows, int64_t cols,
+                                     int64_t ld) {
   constexpr int kRowsPerThread = kBlock / 8;
   __shared__ float partial[8][kWarpSize * V];
   const int tx = threadIdx.x, ty = threadIdx.y;
@@ -166,20 +173,66 @@ __global__ void quantize_cols_kernel(uint8_t* codes, float* scales, const T* x, 
     s[j] = e4m3_block_scale(m);
   }
   if (c0 >= cols) return;
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const int64_t r = r0 + i;
-    if (r >= rows) break;
-    uint8_t q[V];
-    for (int j = 0; j < V; ++j) q[j] = to_e4m3(v[i][j], s[j].inverse);
-    uint8_t* dst = codes + r * cols + c0;
-    if constexpr (V == 4) {
-      *reinterpret_cast<uint32_t*>(dst) = pack4(q);
-    } else {
-      dst[0] = q[0];
+  if constexpr (Transposed) {
+    // Rows past `rows` hold zeros in v, so they become the zero codes of the padding.
+    if (r0 >= ld) return;
+    const int64_t L = gridDim.y;
+    for (int j = 0; j < V; ++j) {
+      uint8_t q[kRowsPerThread];
+      for (int i = 0; i < kRowsPerThread; ++i) q[i] = to_e4m3(v[i][j], s[j].inverse);
+      uint4 packed;
+      packed.x = pack4(q), packed.y = pack4(q + 4), packed.z = pack4(q + 8), packed.w = pack4(q + 12);
+      *reinterpret_cast<uint4*>(codes + (c0 + j) * ld + r0) = packed;
+      if (ty == 0) scales[(c0 + j) * L + blockIdx.y] = s[j].scale;
+    }
+  } else {
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t r = r0 + i;
+      if (r >= rows) break;
+      uint8_t q[V];
+      for (int j = 0; j < V; ++j) q[j] = to_e4m3(v[i][j], s[j].inverse);
+      uint8_t* dst = codes + r * cols + c0;
+      if constexpr (V == 4) {
+        *reinterpret_cast<uint32_t*>(dst) = pack4(q);
+      } else {
+        dst[0] = q[0];
+      }
+    }
+    if (ty == 0) {
+      for (int j = 0; j < V; ++j) scales[blockIdx.y * cols + c0 + j] = s[j].scale;
     }
   }
-  if (ty == 0) {
-    for (int j = 0; j < V; ++j) scales[blockIdx.y * cols + c0 + j] = s[j].scale;
+}
+
+// A stored weight (rows, cols) -> the stored form of its transpose (cols, rows): codes through
+// a 32 x 32 tile in shared memory, then the block scales (one thread each). The codes do not
+// change: a 128 x 128 block of W is a 128 x 128 block of W^T with the same scale.
+// grid: (ceil(cols / 32), ceil(rows / 32)), block (32, 8).
+__global__ void transpose_weight_kernel(uint8_t* out, const uint8_t* in, int64_t rows, int64_t cols,
+                                        int64_t row_blocks, int64_t col_blocks, int64_t in_scale_offset,
+                                        int64_t out_scale_offset) {
+  __shared__ uint8_t tile[32][33];
+  const int64_t c = blockIdx.x * int64_t{32} + threadIdx.x;
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int64_t r = blockIdx.y * int64_t{32} + i;
+    if (r < rows && c < cols) tile[i][threadIdx.x] = in[r * cols + c];
+  }
+  __syncthreads();
+  const int64_t r = blockIdx.y * int64_t{32} + threadIdx.x;  // a column of out
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int64_t oc = blockIdx.x * int64_t{32} + i;  // a row of out
+    if (oc < cols && r < rows) out[oc * rows + r] = tile[threadIdx.x][i];
+  }
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    const auto* in_scales = reinterpret_cast<const float*>(in + in_scale_offset);
+    auto* out_scales = reinterpret_cast<float*>(out + out_scale_offset);
+    const int t = threadIdx.y * 32 + threadIdx.x;
+    for (int64_t b = t; b < row_blocks * col_blocks; b += 256) {
+      const int64_t rb = b / col_blocks, cb = b % col_blocks;
+      out_scales[cb * row_blocks + rb] = in_scales[b];
+    }
+    const int64_t end = rows * cols;
+    if (t < out_scale_offset - end) out[end + t] = 0;  // the zero padding before the scales
   }
 }
 
@@ -252,19 +305,21 @@ void launch_rows(uint8_t* codes, float* scales, const T* x, int64_t rows, int64_
   CUDA_CHECK_LAUNCH();
 }
 
-template <typename T>
-void launch_cols(uint8_t* codes, float* scales, const T* x, int64_t rows, int64_t cols, cudaStream_t stream) {
+// ld: the transposed output's row stride (0: not transposed).
+template <typename T, bool Transposed>
+void launch_cols(uint8_t* codes, float* scales, const T* x, int64_t rows, int64_t cols, int64_t ld,
+                 cudaStream_t stream) {
   CHECK(rows >= 0 && cols >= 0);
   if (rows == 0 || cols == 0) return;
   const dim3 block(kWarpSize, 8);
   const unsigned row_blocks = static_cast<unsigned>(fp8_blocks(rows));
   CHECK_MSG(fp8_blocks(rows) < 65536, "quantize_cols_e4m3: more than 65535 row blocks");
-  if (cols % 4 == 0 && aligned(x, 4 * sizeof(T)) && aligned(codes, 4)) {
+  if (cols % 4 == 0 && aligned(x, 4 * sizeof(T)) && (Transposed || aligned(codes, 4))) {
     const dim3 grid(static_cast<unsigned>(ceil_div(cols, kWarpSize * 4)), row_blocks);
-    quantize_cols_kernel<T, 4><<<grid, block, 0, stream>>>(codes, scales, x, rows, cols);
+    quantize_cols_kernel<T, 4, Transposed><<<grid, block, 0, stream>>>(codes, scales, x, rows, cols, ld);
   } else {
     const dim3 grid(static_cast<unsigned>(ceil_div(cols, kWarpSize)), row_blocks);
-    quantize_cols_kernel<T, 1><<<grid, block, 0, stream>>>(codes, scales, x, rows, cols);
+    quantize_cols_kernel<T, 1, Transposed><<<grid, block, 0, stream>>>(codes, scales, x, rows, cols, ld);
   }
   CUDA_CHECK_LAUNCH();
 }
@@ -291,11 +346,32 @@ void quantize_rows_e4m3(uint8_t* codes, float* scales, const float* x, int64_t r
   launch_rows(codes, scales, x, rows, cols, stream);
 }
 void quantize_cols_e4m3(uint8_t* codes, float* scales, const bf16* x, int64_t rows, int64_t cols, cudaStream_t stream) {
-  launch_cols(codes, scales, x, rows, cols, stream);
+  launch_cols<bf16, false>(codes, scales, x, rows, cols, 0, stream);
 }
 void quantize_cols_e4m3(uint8_t* codes, float* scales, const float* x, int64_t rows, int64_t cols,
                         cudaStream_t stream) {
-  launch_cols(codes, scales, x, rows, cols, stream);
+  launch_cols<float, false>(codes, scales, x, rows, cols, 0, stream);
+}
+
+void quantize_cols_transposed_e4m3(uint8_t* codes, float* scales, const bf16* x, int64_t rows, int64_t cols,
+                                   int64_t ld, cudaStream_t stream) {
+  CHECK_MSG(ld % 16 == 0 && ld >= rows && fp8_blocks(ld) == fp8_blocks(rows),
+            "quantize_cols_transposed_e4m3: ld must be rows rounded up to a multiple of 16; rows " +
+                std::to_string(rows) + ", ld " + std::to_string(ld));
+  CHECK_MSG(aligned(codes, 16), "quantize_cols_transposed_e4m3: codes must be 16-byte aligned");
+  launch_cols<bf16, true>(codes, scales, x, rows, cols, ld, stream);
+}
+
+void transpose_weight_e4m3(uint8_t* out, const uint8_t* in, int64_t rows, int64_t cols, cudaStream_t stream) {
+  CHECK(rows >= 0 && cols >= 0);
+  if (rows == 0 || cols == 0) return;
+  CHECK_MSG(aligned(out, 16) && aligned(in, 16), "transpose_weight_e4m3: both matrices must be 16-byte aligned");
+  CHECK_MSG(ceil_div(rows, 32) < 65536, "transpose_weight_e4m3: more than 65535 row tiles");
+  const dim3 grid(static_cast<unsigned>(ceil_div(cols, 32)), static_cast<unsigned>(ceil_div(rows, 32)));
+  transpose_weight_kernel<<<grid, dim3(32, 8), 0, stream>>>(
+      out, in, rows, cols, fp8_blocks(rows), fp8_blocks(cols), static_cast<int64_t>(fp8_matrix_scale_offset(rows, cols)),
+      static_cast<int64_t>(fp8_matrix_scale_offset(cols, rows)));
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace strata::kernels::cuda

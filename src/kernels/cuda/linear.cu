@@ -65,19 +65,23 @@ void linear_backward(Context& ctx, bf16* dx, float* dweight, float* dbias, const
     gemm(ctx, true, false, OC, IC, N, 1.0f, dout, OC, x, IC, 1.0f, dweight, IC, true, nullptr,
          stream);
   }
-  if (dbias != nullptr) {
-    const int64_t chunks = N < kMaxChunks ? N : kMaxChunks;
-    const int64_t rows_per_chunk = ceil_div(N, chunks);
-    const int64_t used = ceil_div(N, rows_per_chunk);
-    auto* partial = static_cast<float*>(
-        ctx.scratch(static_cast<size_t>(used * OC) * sizeof(float), "linear_backward (dbias)"));
-    const dim3 grid(static_cast<unsigned>(ceil_div(OC, kThreads)), static_cast<unsigned>(used));
-    column_partials_kernel<<<grid, kThreads, 0, stream>>>(partial, dout, N, OC, rows_per_chunk);
-    CUDA_CHECK_LAUNCH();
-    sum_partials_kernel<<<static_cast<unsigned>(ceil_div(OC, kThreads)), kThreads, 0, stream>>>(
-        dbias, partial, used, OC);
-    CUDA_CHECK_LAUNCH();
-  }
+  if (dbias != nullptr) bias_backward(ctx, dbias, dout, N, OC, stream);
+}
+
+void bias_backward(Context& ctx, float* dbias, const bf16* dout, int64_t N, int64_t OC, cudaStream_t stream) {
+  CHECK(N >= 0 && OC > 0);
+  if (N == 0) return;
+  const int64_t chunks = N < kMaxChunks ? N : kMaxChunks;
+  const int64_t rows_per_chunk = ceil_div(N, chunks);
+  const int64_t used = ceil_div(N, rows_per_chunk);
+  auto* partial =
+      static_cast<float*>(ctx.scratch(static_cast<size_t>(used * OC) * sizeof(float), "linear_backward (dbias)"));
+  const dim3 grid(static_cast<unsigned>(ceil_div(OC, kThreads)), static_cast<unsigned>(used));
+  column_partials_kernel<<<grid, kThreads, 0, stream>>>(partial, dout, N, OC, rows_per_chunk);
+  CUDA_CHECK_LAUNCH();
+  sum_partials_kernel<<<static_cast<unsigned>(ceil_div(OC, kThreads)), kThreads, 0, stream>>>(dbias, partial, used,
+                                                                                               OC);
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace strata::kernels::cuda

@@ -172,6 +172,10 @@ void linear_backward(Context& ctx, bf16* dx, float* dweight, float* dbias,
                      const bf16* dout /*(N,OC)*/, const bf16* x /*(N,IC)*/,
                      const bf16* weight /*(OC,IC)*/, int64_t N, int64_t IC, int64_t OC,
                      cudaStream_t stream);
+// dbias (OC) += column sums of dout (N,OC): fp32, per row chunk through scratch, the chunks
+// added in order (linear_backward's bias gradient; the fp8 recipe's too).
+void bias_backward(Context& ctx, float* dbias /*(OC)*/, const bf16* dout /*(N,OC)*/, int64_t N, int64_t OC,
+                   cudaStream_t stream);
 
 // Row-major GEMM on cuBLASLt, the building block of the ops above (exposed for tests and
 // benchmarks): C (M,N) = alpha * op(A) @ op(B) + beta * C with op(X) = X or X^T; A and B bf16,
