@@ -112,8 +112,13 @@ Status list_step_dirs(const std::string& dir, std::vector<StepEntry>* committed,
   while (dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
     std::string base = name;
-    const bool is_tmp = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
-    if (is_tmp) base = name.substr(0, name.size() - 4);
+    bool is_tmp = false;
+    for (const std::string_view suffix : {std::string_view(".tmp"), std::string_view(".deleting")}) {
+      if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+        base = name.substr(0, name.size() - suffix.size());
+        is_tmp = true;
+      }
+    }
     std::optional<int64_t> step = parse_step_dir_name(base);
     if (!step) continue;
     struct stat st;

@@ -62,9 +62,11 @@ Status remove_tree(const std::string& path);
 
 struct StepEntry {
   int64_t step = 0;
-  std::string name;  // "step-N" or "step-N.tmp"
+  std::string name;  // "step-N", "step-N.tmp" or "step-N.deleting"
 };
-// Directories DIR/step-N (committed) and DIR/step-N.tmp (unfinished), each sorted by step.
+// Directories DIR/step-N (committed) and the unfinished ones, each sorted by step: DIR/step-N.tmp
+// (a save under way or interrupted) and DIR/step-N.deleting (a retention removal under way or
+// interrupted), which are never read as checkpoints.
 Status list_step_dirs(const std::string& dir, std::vector<StepEntry>* committed, std::vector<StepEntry>* tmp);
 
 }  // namespace strata::ckpt

@@ -164,13 +164,15 @@ Status remove_stale_tmp_dirs(const std::string& dir) {
   RETURN_IF_ERROR(list_step_dirs(dir, nullptr, &tmp));
   for (const StepEntry& e : tmp) {
     const std::string path = dir + "/" + e.name;
-    LOG_WARN("removing {}, left unfinished by an interrupted checkpoint save", path);
+    LOG_WARN("removing {}, left unfinished by an interrupted checkpoint {}", path,
+             e.name.ends_with(".deleting") ? "removal" : "save");
     RETURN_IF_ERROR(remove_tree(path));
   }
   return Status::OK();
 }
 
-Status apply_retention(const std::string& dir, int keep_last, const std::string& protect) {
+Status apply_retention(const std::string& dir, int keep_last, const std::string& protect,
+                       const std::function<Status(const std::string&)>& remove) {
   if (keep_last <= 0) return Status::OK();
   std::vector<StepEntry> committed;
   RETURN_IF_ERROR(list_step_dirs(dir, &committed, nullptr));
@@ -178,8 +180,11 @@ Status apply_retention(const std::string& dir, int keep_last, const std::string&
   for (int i = 0; i < excess; ++i) {
     if (committed[i].name == protect) continue;
     const std::string path = dir + "/" + committed[i].name;
+    const std::string deleting = path + ".deleting";
     LOG_INFO("removing checkpoint {} (keeping the last {})", path, keep_last);
-    RETURN_IF_ERROR(remove_tree(path));
+    RETURN_IF_ERROR(remove(deleting));  // what an earlier removal of the same step left
+    RETURN_IF_ERROR(rename_durable(path, deleting));
+    RETURN_IF_ERROR(remove(deleting));
   }
   return Status::OK();
 }

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "ckpt/format.h"
+#include "ckpt/fs_util.h"
 #include "core/status.h"
 #include "core/units.h"
 #include "core/io_engine.h"
@@ -188,10 +189,15 @@ class CheckpointWriter {
   SaveStats stats_;                    // GUARDED_BY(stats_mu_)
 };
 
-// Removes DIR/step-*.tmp directories (logging each); used at the start of every save.
+// Removes the unfinished DIR/step-*.tmp and DIR/step-*.deleting directories (logging each); used
+// at the start of every save and of a run with several ranks.
 Status remove_stale_tmp_dirs(const std::string& dir);
 // Deletes committed DIR/step-N directories beyond the `keep_last` newest, never `protect`
-// (the one latest names). Logs each deletion.
-Status apply_retention(const std::string& dir, int keep_last, const std::string& protect);
+// (the one latest names). Logs each deletion. Each is first renamed to step-N.deleting (durably)
+// and only then removed, so a process killed mid-removal leaves no half-deleted directory under
+// a committed name; the next save removes the leftover. `remove` removes a tree (remove_tree; a
+// test may pass one that fails part-way).
+Status apply_retention(const std::string& dir, int keep_last, const std::string& protect,
+                       const std::function<Status(const std::string&)>& remove = remove_tree);
 
 }  // namespace strata::ckpt
