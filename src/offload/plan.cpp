@@ -68,48 +68,66 @@ std::string format_seconds(double s) {
   return "0 s";
 }
 
-// The replay's input: each of the engine's groups (the embedding, the layers, the head; the
-// plan's edge group is the first and the last) with its chunks and homes as placed above, and
-// the tiers' slots as the engine sizes them: the device's budget less the activations, the
-// host's less nothing but capped at what the state (every kind, wherever homed), the offloaded
-// checkpoints and one nvme staging slot can occupy (train/paged_state.cpp, host_tier_size).
-TrafficInput traffic_input(const PlanInput& in, int64_t L, const GroupBytes& layer, const GroupBytes& edge,
-                           const std::vector<bool>& param_res, const std::vector<bool>& grad_res,
-                           const std::vector<bool>& opt_dev, const std::vector<bool>& opt_nvme, const Plan& p,
-                           bool offload, uint64_t idle_experts) {
+// Of the edge group's `all` chunks (or bytes, without a chunk size) of kind k (StateKind order),
+// the embedding's: the store's count when the input gives it, else half; the head has the rest.
+uint64_t embedding_share(const PlanInput& in, int k, uint64_t all) {
+  const uint64_t first = k == 0                                  ? in.embed_param_chunks
+                         : k >= 3 && in.embed_moment_chunks > 0 ? in.embed_moment_chunks
+                                                                : in.embed_chunks;
+  return all == 0 ? 0 : first > 0 ? std::min(first, all) : (all + 1) / 2;
+}
+
+// The placement (placement.h) of the decisions made per planner group (layer l at l, the edge at
+// L), in the state store's groups: the embedding 0, layer l at l + 1, the head L + 1, the edge's
+// bytes split between the embedding and the head as the store packs them.
+Placement make_placement(const PlanInput& in, int64_t L, const GroupBytes& layer, const GroupBytes& edge,
+                         const std::vector<bool>& param_res, const std::vector<bool>& grad_res,
+                         const std::vector<bool>& opt_dev, const std::vector<bool>& opt_nvme) {
+  const uint64_t c = in.chunk_size;
+  Placement placement(static_cast<int>(L) + 2);
+  auto place = [&](int group, int64_t g, const GroupBytes& b, const auto& part) {
+    const Tier opt = opt_dev[g] ? Tier::kDevice : opt_nvme[g] ? Tier::kNvme : Tier::kHost;
+    placement.place(group, StateKind::kParam, param_res[g] ? Tier::kDevice : Tier::kHost, part(0, b.param));
+    placement.place(group, StateKind::kGrad, grad_res[g] ? Tier::kDevice : Tier::kHost, part(1, b.grad));
+    placement.place(group, StateKind::kMaster, opt, part(2, b.master));
+    placement.place(group, StateKind::kAdamM, opt, part(3, b.adam_m));
+    placement.place(group, StateKind::kAdamV, opt, part(4, b.adam_v));
+  };
+  auto embedding = [&](int k, uint64_t bytes) {
+    return c > 0 ? embedding_share(in, k, bytes / c) * c : embedding_share(in, k, bytes);
+  };
+  place(0, L, edge, embedding);
+  for (int64_t l = 0; l < L; ++l) place(static_cast<int>(l) + 1, l, layer, [](int, uint64_t bytes) { return bytes; });
+  place(static_cast<int>(L) + 1, L, edge, [&](int k, uint64_t bytes) { return bytes - embedding(k, bytes); });
+  return placement;
+}
+
+// The replay's input: each of the store's groups (the embedding, the layers, the head) with the
+// chunks and homes the plan's placement gives it, and the tiers' slots as the engine sizes them:
+// the device's budget less the activations, the host's less nothing but capped at what the state
+// (every kind, wherever homed), the offloaded checkpoints and one nvme staging slot can occupy
+// (train/paged_state.cpp, host_tier_size). REQUIRES: a chunk size; group sizes in whole chunks.
+TrafficInput traffic_input(const PlanInput& in, int64_t L, const Plan& p, bool offload, uint64_t idle_experts) {
   const uint64_t c = in.chunk_size;
   TrafficInput t;
   t.tied = in.tied_embeddings;
   t.grad_accum = std::max<int64_t>(1, in.grad_accum);
   t.overlap_optimizer = in.overlap_optimizer;
-  auto chunks = [&](uint64_t bytes) { return bytes / c; };  // group sizes are whole chunks
-  auto group = [&](int64_t g, const GroupBytes& b) {
+  for (int g = 0; g < p.placement.num_groups(); ++g) {
     TrafficGroup tg;
-    tg.chunks = {chunks(b.param), chunks(b.grad), chunks(b.master), chunks(b.adam_m), chunks(b.adam_v)};
-    const Tier opt = opt_dev[g] ? Tier::kDevice : opt_nvme[g] ? Tier::kNvme : Tier::kHost;
-    tg.home = {param_res[g] ? Tier::kDevice : Tier::kHost, grad_res[g] ? Tier::kDevice : Tier::kHost, opt, opt, opt};
-    return tg;
-  };
-  TrafficGroup edge_group = group(L, edge);
-  TrafficGroup embed = edge_group, head = edge_group;
-  for (int k = 0; k < kTrafficKinds; ++k) {
-    const uint64_t all = edge_group.chunks[k];
-    const uint64_t first = k == 0                                  ? in.embed_param_chunks
-                           : k >= 3 && in.embed_moment_chunks > 0 ? in.embed_moment_chunks
-                                                                  : in.embed_chunks;
-    embed.chunks[k] = all == 0 ? 0 : first > 0 ? std::min(first, all) : (all + 1) / 2;
-    head.chunks[k] = all - embed.chunks[k];
-  }
-  t.groups.push_back(embed);
-  for (int64_t l = 0; l < L; ++l) {
-    TrafficGroup tg = group(l, layer);
-    tg.idle_param_chunks = bytes_of(idle_experts, in.param_bytes) / c;
-    tg.idle_grad_chunks = idle_experts * in.grad_bytes / c;
-    tg.expert_param_chunks = (bytes_of(in.expert_elements, in.param_bytes) + c - 1) / c;
-    tg.expert_grad_chunks = (in.expert_elements * in.grad_bytes + c - 1) / c;
+    for (int k = 0; k < kTrafficKinds; ++k) {
+      const PlacementRow& row = p.placement.row(g, static_cast<StateKind>(k));
+      tg.chunks[static_cast<size_t>(k)] = row.bytes / c;
+      tg.home[static_cast<size_t>(k)] = row.home;
+    }
+    if (g > 0 && g <= L) {
+      tg.idle_param_chunks = bytes_of(idle_experts, in.param_bytes) / c;
+      tg.idle_grad_chunks = idle_experts * in.grad_bytes / c;
+      tg.expert_param_chunks = (bytes_of(in.expert_elements, in.param_bytes) + c - 1) / c;
+      tg.expert_grad_chunks = (in.expert_elements * in.grad_bytes + c - 1) / c;
+    }
     t.groups.push_back(tg);
   }
-  t.groups.push_back(head);
   t.device_slots = in.device_budget > p.device.act ? (in.device_budget - p.device.act) / c : 0;
   uint64_t state_chunks = 0;
   for (const TrafficGroup& tg : t.groups)
@@ -292,6 +310,7 @@ Plan plan_at_level(const PlanInput& in, int zero) {
     return p;
   }
   p.fits = true;
+  p.placement = make_placement(in, L, layer, edge, param_res, grad_res, opt_dev, opt_nvme);
 
   // 4. Traffic per optimizer step, by phase: what one micro-batch's forward and backward move,
   // and what moves once per step for the gradient passes and the optimizer.
@@ -343,8 +362,7 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   // schedule against the slots (offload/traffic_sim.h). The checkpoints' copies stay as above.
   // Shards are not whole chunks: sharded plans keep the counts above (an upper bound).
   if (in.chunk_size > 0 && !sharded) {
-    const TrafficResult sim = simulate_traffic(traffic_input(in, L, layer, edge, param_res, grad_res, opt_dev, opt_nvme,
-                                                             p, offload, idle_experts));
+    const TrafficResult sim = simulate_traffic(traffic_input(in, L, p, offload, idle_experts));
     if (sim.ok) {
       const uint64_t c = in.chunk_size;
       const uint64_t ckpt = offload ? static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer : 0;

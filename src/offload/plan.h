@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "offload/placement.h"
+
 namespace strata {
 
 // Bytes per kind of state.
@@ -185,7 +187,12 @@ struct Plan {
   uint64_t device_working_set = 0;       // the part of `device` that is transient
   uint64_t min_device_budget = 0;        // the smallest device budget this micro-batch can run in
   bool offload_activations = false;
-  int64_t resident_param_groups = 0;     // of num_layers + 1
+  // Where each group's state lives (placement.h), in the state store's groups: the embedding,
+  // the layers, the head (the edge group's decisions apply to the first and the last). Set when
+  // the plan fits; what the engine homes its chunks by. The counts below summarise it in the
+  // planner's groups (num_layers + 1).
+  Placement placement;
+  int64_t resident_param_groups = 0;
   int64_t resident_grad_groups = 0;
   int64_t device_optimizer_groups = 0;   // groups whose AdamW runs on the device
   int64_t nvme_optimizer_groups = 0;     // groups whose optimizer state streams from NVMe

@@ -49,7 +49,7 @@ TrainCheckpointer::TrainCheckpointer(const CheckpointOptions& options, const mod
                                      SavableState& state, ckpt::IoEngineFactory engine_factory)
     : options_(options), layout_(layout), state_(state) {
   CHECK(!options.shard.sharded() ||
-        (options.shard.exchange && options.group_owner.size() == static_cast<size_t>(layout.num_layers()) + 2));
+        (options.shard.exchange && options.placement.num_groups() == layout.num_layers() + 2));
   ckpt::CheckpointWriterOptions wo;
   wo.keep_last = options.keep_last;
   wo.if_busy = options.skip_if_busy ? ckpt::IfBusy::kSkip : ckpt::IfBusy::kWait;
@@ -103,7 +103,7 @@ Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos
   const ckpt::ShardedSave& shard = options_.shard;
   auto owned = [&](const model::TensorSpec& t) {
     return !shard.sharded() ||
-           options_.group_owner[static_cast<size_t>(model::param_group_of(layout_, t))] == shard.rank;
+           options_.placement.owner(model::param_group_of(layout_, t)) == shard.rank;
   };
   req.shard = shard;
   req.regions.push_back(make_region(ckpt::TensorKind::kParam, kSavedKinds[0], layout_, state_, owned));
@@ -134,7 +134,7 @@ Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos
   if (shard.sharded())
     req.manifest.layout["sharding"] = {{"world_size", shard.world},
                                        {"by", "parameter groups"},
-                                       {"group_owner", options_.group_owner}};
+                                       {"group_owner", options_.placement.owners()}};
   req.manifest.precision = options_.recipe;
   ASSIGN_OR_RETURN(ckpt::SaveStart started, writer_->begin_save(req));
   return started == ckpt::SaveStart::kStarted;

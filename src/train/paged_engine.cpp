@@ -9,7 +9,6 @@
 #include "core/units.h"
 #include "memory/chunk.h"
 #include "train/planning.h"
-#include "train/ranks.h"
 
 #if STRATA_HAVE_CUDA
 #include "model/cuda/decoder_cuda.h"
@@ -131,7 +130,6 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   po.nvme_dir = t.nvme_path;
   po.chunk_bytes = budgets.chunk_size;
   po.grad_accum = t.grad_accum;
-  po.plan = &e->plan_;
   po.offload_activations = plan.offload_activations;
   po.activation_tokens = t.micro_batch * t.seq_len;
   po.optimizer = oc;
@@ -140,11 +138,15 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   po.moments = t.moments;
   po.stochastic_rounding = t.stochastic_rounding;
   po.device_kernels = e->state_kernels_.get();
-  if (t.dp_world > 1 && t.plan_zero != 0) {
-    // Master weights and Adam moments sharded over the ranks by parameter group (ZeRO-1).
-    po.group_owner = group_owners(e->net_->layout(), t.dp_world);
+  if (t.dp_world > 1) {
+    // Each group gets an owner among the ranks, which writes it into checkpoints and, with the
+    // optimizer state sharded (ZeRO-1 over parameter groups), alone holds and updates its master
+    // weights and Adam moments.
+    e->plan_.placement.assign_owners(PagedState::group_elements(e->net_->layout()), t.dp_world,
+                                     /*shard_optimizer=*/t.plan_zero != 0);
     po.rank = t.dp_rank;
   }
+  po.placement = plan.placement;
   e->budgets_ = budgets;
   e->cuda_ = cuda;
   ASSIGN_OR_RETURN(e->state_, PagedState::create(*e->device_, e->io_.get(), e->net_->layout(), po));

@@ -64,7 +64,7 @@ class PagedEngine final : public TrainEngine {
   PagedEngine() = default;
 
   model::ModelConfig mc_;
-  Plan plan_;  // PagedState keeps a pointer to it
+  Plan plan_;  // its placement carries the groups' owners with several ranks
   PlanInput plan_input_;  // what plan_ was made from
   TrainConfig budgets_;  // the settings with every budget and the chunk size resolved
   bool cuda_ = false;

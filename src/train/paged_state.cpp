@@ -22,29 +22,6 @@
 namespace strata {
 namespace {
 
-// The home of each group's chunks, following the planner's placement. The planner treats the
-// embedding and the head as one "edge" group that it places first, then layers in order; it
-// spills optimizer state to NVMe from the edge and the last layers first.
-Tier planned_home(const Plan& plan, int num_layers, int group, StateKind kind) {
-  const bool edge = group == 0 || group == num_layers + 1;
-  const int layer_rank = edge ? 0 : group;  // position in the planner's order: edge 0, layer l at l + 1
-  auto resident = [&](int64_t count) { return count > 0 && layer_rank < count; };
-  switch (kind) {
-    case StateKind::kParam: return resident(plan.resident_param_groups) ? Tier::kDevice : Tier::kHost;
-    case StateKind::kGrad: return resident(plan.resident_grad_groups) ? Tier::kDevice : Tier::kHost;
-    case StateKind::kMaster:
-    case StateKind::kAdamM:
-    case StateKind::kAdamV: {
-      if (resident(plan.device_optimizer_groups)) return Tier::kDevice;
-      // Spill order: edge, then layer L-1, L-2, ...
-      const int spill_rank = edge ? 0 : num_layers - (group - 1);
-      return spill_rank < plan.nvme_optimizer_groups ? Tier::kNvme : Tier::kHost;
-    }
-    case StateKind::kAct: break;
-  }
-  return Tier::kHost;
-}
-
 // The store tensor of row block b of t (the whole tensor when it is not in blocks).
 StateTensor state_tensor(const model::ParamLayout& layout, const model::TensorSpec& t, int64_t b) {
   return {t.num_blocks() > 1 ? t.name + "#" + std::to_string(b) : t.name, static_cast<uint64_t>(t.block_numel(b)),
@@ -72,6 +49,13 @@ uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout, const St
 std::vector<uint64_t> PagedState::group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes,
                                                const StateLayout& state, StateKind kind) {
   return StateStore::group_chunks(state_tensors(layout), chunk_bytes, state, kind);
+}
+
+std::vector<uint64_t> PagedState::group_elements(const model::ParamLayout& layout) {
+  std::vector<uint64_t> elements(static_cast<size_t>(layout.num_layers()) + 2, 0);
+  for (const model::TensorSpec& t : layout.tensors())
+    elements[static_cast<size_t>(model::param_group_of(layout, t))] += static_cast<uint64_t>(t.numel);
+  return elements;
 }
 
 uint64_t PagedState::state_bytes(const model::ParamLayout& layout, const StateLayout& state, StateKind kind) {
@@ -132,6 +116,25 @@ Status fit_host_tier(const model::ParamLayout& layout, const PagedStateOptions& 
   return Status::OK();
 }
 
+// The store's homes and holdings as `placement` gives them: each (group, kind) homed where it
+// says, and a rank's kinds limited to the rows it holds (a sharded optimizer's rows on their
+// owner only).
+Status follow_placement(const Placement& placement, int num_layers, const PagedStateOptions& options,
+                        StateStoreOptions* so) {
+  if (placement.num_groups() != num_layers + 2)
+    return Status::InvalidArgument(fmt::format("the placement has {} parameter groups; the model has {}",
+                                               placement.num_groups(), num_layers + 2));
+  for (int g = 0; g < placement.num_groups(); ++g)
+    for (StateKind k : so->layout.kinds())
+      if (placement.home(g, k) == Tier::kNvme && options.nvme_bytes == 0)
+        return Status::InvalidArgument(fmt::format(
+            "the placement homes the {} of parameter group {} on nvme, but there is no nvme tier (memory.nvme.*)",
+            state_kind_name(k), g));
+  so->home = [&placement](int g, StateKind k) { return placement.home(g, k); };
+  so->holds = [&placement, rank = options.rank](int g, StateKind k) { return placement.holds(rank, g, k); };
+  return Status::OK();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine* io, const model::ParamLayout& layout,
@@ -172,22 +175,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   so.space.nvme_dir = options.nvme_dir;
   so.lookahead = options.lookahead;
   so.layout = state_layout(options);
-  if (!options.group_owner.empty()) {
-    CHECK(options.group_owner.size() == static_cast<size_t>(L) + 2);
-    const bool separate_master = so.layout.separate_master();
-    so.holds = [owner = options.group_owner, rank = options.rank, separate_master](int g, StateKind k) {
-      const bool sharded = k == StateKind::kAdamM || k == StateKind::kAdamV || (k == StateKind::kMaster && separate_master);
-      return !sharded || owner[static_cast<size_t>(g)] == rank;
-    };
-  }
-  if (options.plan != nullptr) {
-    const Plan plan = *options.plan;
-    const bool has_nvme = options.nvme_bytes > 0;
-    so.home = [plan, L, has_nvme](int g, StateKind k) {
-      Tier t = planned_home(plan, L, g, k);
-      return (t == Tier::kNvme && !has_nvme) ? Tier::kHost : t;
-    };
-  }
+  if (options.placement) RETURN_IF_ERROR(follow_placement(*options.placement, L, options, &so));
   if (options.overlap_optimizer && options.optimizer.grad_clip > 0)
     return Status::InvalidArgument("optim.overlap_backward needs optim.grad_clip=0: with clipping, no group can be "
                                    "updated before the whole backward has produced the global gradient norm");
@@ -448,7 +436,7 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   }
   });
   if (where == Tier::kDevice) kernels_->synchronize();
-  Status sent = options_.group_owner.empty() ? Status::OK() : broadcast_copy(g, where);
+  Status sent = sharded() ? broadcast_copy(g, where) : Status::OK();
   for (StateKind k : kinds) store_->release_group(g, k);
   return sent;
 }
@@ -465,7 +453,7 @@ Status PagedState::receive_group(int g) {
 
 Status PagedState::broadcast_copy(int g, Tier where) {
   CHECK_MSG(comm_ != nullptr, "sharded optimizer state without the ranks' Comm (set_comm)");
-  const int owner = options_.group_owner[static_cast<size_t>(g)];
+  const int owner = options_.placement->owner(g);
   // Device memory goes on the compute stream (NCCL queues there; Gloo, which moves the CPU
   // backend's host memory, waits for the stream and runs to completion); host memory without one.
   Stream* stream = where == Tier::kDevice ? compute_stream_ : nullptr;
@@ -535,7 +523,7 @@ Result<double> PagedState::clip_and_step(float lr) {
   // (all-reduce); with sharded state only the group's owner does (reduce onto the owner, half
   // the bytes), it alone adds their squares, and the ranks then add their partial sums.
   const bool reduce = comm_ != nullptr && comm_->world_size() > 1;
-  const bool to_owner = reduce && !options_.group_owner.empty();
+  const bool to_owner = reduce && sharded();
   for (int g = 0; g < store_->num_groups(); ++g) {
     const bool on_device = store_->home(g, StateKind::kGrad) == Tier::kDevice;
     if (!on_device) sum_and_release();
@@ -552,7 +540,7 @@ Result<double> PagedState::clip_and_step(float lr) {
       Stream* stream = compute_stream_;
       for (const GradBuffer& b : buffers) {
         st = to_owner ? comm_->reduce_sum(const_cast<float*>(b.p), static_cast<size_t>(b.n),
-                                          options_.group_owner[static_cast<size_t>(g)], stream)
+                                          options_.placement->owner(g), stream)
                       : comm_->all_reduce_sum(const_cast<float*>(b.p), static_cast<size_t>(b.n), stream);
         if (!st.ok()) break;
       }

@@ -36,6 +36,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <thread>
 #include <string>
@@ -47,7 +48,7 @@
 #include "core/trace.h"
 #include "model/param_access.h"
 #include "model/params.h"
-#include "offload/plan.h"
+#include "offload/placement.h"
 #include "kernels/adamw.h"
 #include "offload/state_store.h"
 #include "parallel/comm.h"
@@ -65,7 +66,9 @@ struct PagedStateOptions {
   uint64_t chunk_bytes = 0;   // 0 = choose the size that wastes the least padding
   size_t lookahead = 2;       // groups prefetched ahead
   int64_t grad_accum = 1;     // micro-batches per step (for the schedule)
-  const Plan* plan = nullptr; // homes per group and kind; null = lowest tier with room
+  // Home and owner of each group's state of each kind (the plan's placement). None: every chunk
+  // in the lowest tier with room, every group owned by this process.
+  std::optional<Placement> placement;
   // Activation offload (DESIGN §3.3): keep the model's offloaded layer-boundary checkpoints
   // (param_access.h) in kAct chunks homed in host memory. activation_tokens = B * T of one
   // micro-batch; micro-batches may be smaller, never larger.
@@ -86,11 +89,10 @@ struct PagedStateOptions {
   // Start AdamW on each group as soon as its gradients are final in the step's last micro-batch,
   // on a worker thread, while backward continues on earlier layers. Requires grad_clip = 0.
   bool overlap_optimizer = false;
-  // Data parallelism with sharded optimizer state (ZeRO-1 over parameter groups): group g's
-  // master weights and Adam moments exist only on rank group_owner[g], which updates the group
-  // and sends its new compute copy to the other ranks (set_comm); every rank holds every
-  // group's compute copy and gradients. Empty: this process owns every group.
-  std::vector<int> group_owner;
+  // Data parallelism: this process's rank. With sharded optimizer state (ZeRO-1 over parameter
+  // groups, Placement::sharded) group g's master weights and Adam moments exist only on its owner
+  // (placement->owner(g)), which updates the group and sends its new compute copy to the other
+  // ranks (set_comm); every rank holds every group's compute copy and gradients.
   int rank = 0;
 };
 
@@ -122,6 +124,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   // (model::param_group_of numbering) under the recipe's `state` layout, as create() packs them.
   static std::vector<uint64_t> group_chunks(const model::ParamLayout& layout, uint64_t chunk_bytes,
                                             const StateLayout& state = {}, StateKind kind = StateKind::kGrad);
+  // Parameters (elements) of each parameter group of `layout`, model::param_group_of numbering.
+  static std::vector<uint64_t> group_elements(const model::ParamLayout& layout);
   // Bytes of `kind` over every tensor of `layout` under `state` (alignment left out).
   static uint64_t state_bytes(const model::ParamLayout& layout, const StateLayout& state, StateKind kind);
   // The state layout `options` ask for.
@@ -192,7 +196,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   // Data parallelism: clip_and_step() first sums every gradient over the ranks of `comm`
   // (parallel/comm.h), in rank order, so all ranks take the same step: onto every rank
   // (all-reduce) when each holds the whole state, onto each group's owner (reduce) when the
-  // optimizer state is sharded (options.group_owner), whose partial norms are then summed. Null or world 1: no
+  // optimizer state is sharded (options.placement), whose partial norms are then summed. Null or world 1: no
   // reduction. REQUIRES: not with overlap_optimizer (groups would update before the sums);
   // the Comm outlives the state.
   void set_comm(parallel::Comm* comm) {
@@ -236,13 +240,10 @@ class PagedState : public model::ParamAccess, public SavableState {
   Tier adam_tier(int group) const;
   // Whether this rank updates group g and holds its master weights and moments.
   bool owns(int group) const {
-    return options_.group_owner.empty() || options_.group_owner[static_cast<size_t>(group)] == options_.rank;
+    return !options_.placement || options_.placement->holds(options_.rank, group, StateKind::kAdamM);
   }
-  // Kinds only the owner of a group holds.
-  bool sharded_kind(StateKind kind) const {
-    return kind == StateKind::kAdamM || kind == StateKind::kAdamV ||
-           (kind == StateKind::kMaster && store_->layout().separate_master());
-  }
+  // Whether the groups' optimizer state is sharded over the ranks (each group's on its owner).
+  bool sharded() const { return options_.placement && options_.placement->sharded(); }
   // A group another rank owns: its compute copy, as the owner updated it (the broadcast of
   // update_group on the owner).
   Status receive_group(int group);

@@ -171,28 +171,6 @@ Result<bool> any_rank(parallel::Comm& comm, bool value) {
   return sum > 0;
 }
 
-}  // namespace strata
-
-namespace strata {
-
-std::vector<int> group_owners(const model::ParamLayout& layout, int world) {
-  const int groups = layout.num_layers() + 2;
-  std::vector<uint64_t> bytes(static_cast<size_t>(groups), 0);
-  for (const model::TensorSpec& t : layout.tensors())
-    bytes[static_cast<size_t>(model::param_group_of(layout, t))] += static_cast<uint64_t>(t.numel);
-  std::vector<int> order(static_cast<size_t>(groups));
-  for (int g = 0; g < groups; ++g) order[static_cast<size_t>(g)] = g;
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return bytes[a] > bytes[b]; });
-  std::vector<uint64_t> load(static_cast<size_t>(world), 0);
-  std::vector<int> owner(static_cast<size_t>(groups), 0);
-  for (int g : order) {
-    const size_t r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    owner[static_cast<size_t>(g)] = static_cast<int>(r);
-    load[r] += bytes[static_cast<size_t>(g)];
-  }
-  return owner;
-}
-
 Result<std::map<std::string, ckpt::FileRecord>> exchange_shard_files(parallel::Comm& comm, const Status& own,
                                                                     const std::map<std::string, ckpt::FileRecord>& files) {
   nlohmann::json mine = {{"ok", own.ok()}, {"message", own.ok() ? "" : own.message()}, {"files", nlohmann::json::object()}};

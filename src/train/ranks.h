@@ -59,11 +59,6 @@ void retire_rendezvous(Ranks& ranks, const TrainConfig& t);
 // True on every rank when any rank asks to stop (a signal reached some of them).
 Result<bool> any_rank(parallel::Comm& comm, bool value);
 
-// Which rank owns each parameter group (model::param_group_of numbering) among `world`: the
-// groups, largest first, each to the rank that owns the fewest bytes so far (the lowest such
-// rank on a tie). The same on every rank; a checkpoint's shards follow it.
-std::vector<int> group_owners(const model::ParamLayout& layout, int world);
-
 // A sharded checkpoint's exchange (ckpt::ShardedSave::exchange) over `comm`: every rank's
 // outcome and files to every rank; rank 0 gets all files, the others none, and every rank an
 // error naming the ranks whose share failed.

@@ -420,7 +420,9 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   co.staging_bytes = t.ckpt_staging;
   if (ranks.several()) {
     // Each rank writes the parameter groups it owns; rank 0 commits them under one manifest.
-    co.group_owner = group_owners(run->layout, ranks.world());
+    const Plan* plan = run->engine->plan();
+    CHECK_MSG(plan != nullptr, "an engine for several ranks without a plan to give the groups' owners");
+    co.placement = plan->placement;
     co.shard.rank = ranks.rank();
     co.shard.world = ranks.world();
     parallel::Comm* ckpt_comm = ranks.ckpt_comm.get();

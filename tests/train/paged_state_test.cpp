@@ -15,7 +15,7 @@
 #include "core/cpu_device.h"
 #include "core/io_engine.h"
 #include "model/decoder.h"
-#include "offload/plan.h"
+#include "offload/placement.h"
 #include "reference_adamw.h"
 #include "train_test_util.h"
 
@@ -410,16 +410,17 @@ TEST(PagedStatePrefetchTest, HostOptimizerPhaseIsNotPrefetchedIntoTheDevice) {
   ASSERT_TRUE(device.ok());
   model::LlamaModel net(mc, /*flat_buffers=*/true, model::CpuF32Model(device->get()));
   net.init_weights(7);
-  Plan plan;
-  plan.resident_param_groups = plan.resident_grad_groups = mc.num_hidden_layers + 1;
-  plan.device_optimizer_groups = 0;  // every group's moments in host memory
+  // Parameters and gradients on the device; every group's moments in host memory.
+  Placement placement(static_cast<int>(mc.num_hidden_layers) + 2);
+  for (int g = 0; g < placement.num_groups(); ++g)
+    for (StateKind k : {StateKind::kParam, StateKind::kGrad}) placement.row(g, k).home = Tier::kDevice;
   PagedStateOptions po;
   po.device_bytes = 64ull << 20;  // roomy: prefetch could put anything there
   po.host_bytes = 64ull << 20;
   po.lookahead = 8;  // from the gradient norm far into the optimizer phase
   po.grad_accum = kAccum;
   po.optimizer = optimizer_config(kClip);
-  po.plan = &plan;
+  po.placement = placement;
   auto paged = PagedState::create(**device, nullptr, net.layout(), po);
   ASSERT_TRUE(paged.ok()) << paged.status().to_string();
   PagedState& ps = **paged;
