@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <gloo/allgather.h>
 #include <gloo/allgatherv.h>
+#include <gloo/alltoall.h>
 #include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
@@ -16,9 +17,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <string>
 #include <vector>
 
 #include "core/check.h"
@@ -29,10 +32,36 @@ namespace {
 
 constexpr const char* kHint = "a rank may have exited or hung; see its log";
 
+// Room for one transport address ("[ip]:port") in the exchange of peer addresses.
+constexpr size_t kAddressBytes = 128;
+
 class GlooComm final : public Comm {
  public:
   GlooComm(std::shared_ptr<gloo::rendezvous::Context> context, std::chrono::milliseconds timeout)
       : context_(std::move(context)), timeout_(timeout) {}
+
+  // Learns, from every other rank, the address its connection to this rank has on its side:
+  // Gloo names a closed connection by that address ("Connection closed by peer [ip]:port"),
+  // which then names the rank that went away. One small all-to-all right after connecting.
+  void learn_peer_addresses() {
+    const size_t world = this->world();
+    std::vector<char> send(world * kAddressBytes, '\0'), recv(world * kAddressBytes, '\0');
+    for (size_t r = 0; r < world; ++r) {
+      if (static_cast<int>(r) == rank()) continue;
+      const std::string address = context_->getPair(static_cast<int>(r))->address().str();
+      std::strncpy(&send[r * kAddressBytes], address.c_str(), kAddressBytes - 1);
+    }
+    gloo::AlltoallOptions opts(context_);
+    opts.setInput(send.data(), send.size());
+    opts.setOutput(recv.data(), recv.size());
+    opts.setTimeout(timeout_);
+    gloo::alltoall(opts);
+    peer_addresses_.assign(world, std::string());
+    for (size_t r = 0; r < world; ++r) {
+      if (static_cast<int>(r) == rank()) continue;
+      peer_addresses_[r] = std::string(&recv[r * kAddressBytes], strnlen(&recv[r * kAddressBytes], kAddressBytes));
+    }
+  }
 
   int rank() const override { return context_->rank; }
   int world_size() const override { return context_->size; }
@@ -209,14 +238,34 @@ class GlooComm final : public Comm {
       error = e.what();
     }
     failed_ = what;
+    if (const int peer = rank_named_in(error); peer >= 0) {
+      return Status::IOError(fmt::format("rank {} of {}: {} failed: rank {} of {} closed its connection ({}); it has "
+                                         "probably exited: see rank {}'s log",
+                                         rank(), world_size(), what, peer, world_size(), error, peer));
+    }
     return Status::IOError(fmt::format("rank {} of {}: {} failed within the {} ms timeout or earlier: {}; {}", rank(),
                                        world_size(), what, timeout_.count(), error, kHint));
+  }
+
+  // The rank whose address (peer_addresses_) a Gloo error message names, or -1.
+  int rank_named_in(const std::string& error) const {
+    for (size_t r = 0; r < peer_addresses_.size(); ++r) {
+      const std::string& address = peer_addresses_[r];
+      if (address.empty()) continue;
+      const size_t at = error.find(address);
+      // The whole address: "[ip]:1922" must not match inside "[ip]:19220".
+      if (at != std::string::npos && (at + address.size() == error.size() || !std::isdigit(static_cast<unsigned char>(
+                                                                                  error[at + address.size()]))))
+        return static_cast<int>(r);
+    }
+    return -1;
   }
 
   std::shared_ptr<gloo::rendezvous::Context> context_;
   const std::chrono::milliseconds timeout_;
   uint64_t bytes_sent_ = 0;
   std::string failed_;
+  std::vector<std::string> peer_addresses_;  // [r]: rank r's side of its connection to this rank
   std::vector<float> scratch_;
 };
 
@@ -274,7 +323,9 @@ Result<std::unique_ptr<Comm>> connect_gloo(const LaunchInfo& launch, const CommO
     auto context = std::make_shared<gloo::rendezvous::Context>(launch.rank, launch.world_size);
     context->setTimeout(options.timeout);
     context->connectFullMesh(store, device);
-    return std::unique_ptr<Comm>(new GlooComm(std::move(context), options.timeout));
+    auto comm = std::make_unique<GlooComm>(std::move(context), options.timeout);
+    comm->learn_peer_addresses();
+    return std::unique_ptr<Comm>(std::move(comm));
   } catch (const std::exception& e) {
     return Status::IOError(fmt::format(
         "{}: connecting \"{}\" through {} (listening on {}) failed: {}; every rank must start within the {} ms "
