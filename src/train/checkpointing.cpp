@@ -8,6 +8,7 @@
 #include "core/log.h"
 #include "core/progress.h"
 #include "core/version.h"
+#include "train/manifest_fields.h"
 
 namespace strata {
 namespace {
@@ -215,6 +216,7 @@ Result<RunPosition> restore_checkpoint(const std::string& path, const nlohmann::
   ckpt::ReaderOpenOptions ro;
   ro.verify = true;
   ASSIGN_OR_RETURN(std::unique_ptr<ckpt::CheckpointReader> reader, ckpt::CheckpointReader::open(path, ro));
+  RETURN_IF_ERROR(check_trainer_fields(reader->manifest(), reader->step_dir() + "/manifest.json"));
   // The model and every tensor's name, size and shape must match before anything is overwritten.
   RETURN_IF_ERROR(check_same_model(*reader, model_config, layout));
   const std::pair<StateKind, ckpt::TensorKind> kinds[] = {{StateKind::kParam, ckpt::TensorKind::kParam},
