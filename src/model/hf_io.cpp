@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "ckpt/finite.h"
 #include "core/atomic_file.h"
 #include "core/check.h"
 #include "core/log.h"
@@ -269,7 +270,18 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
   // Weights, in layout order (first use), like transformers' state dict.
   std::vector<SafetensorsWriteTensor> tensors;
   for (const TensorSpec& t : layout.tensors()) {
-    tensors.push_back({t.name, t.shape, nullptr, [&read, &t](float* out) { return read(t, out); }});
+    tensors.push_back({t.name, t.shape, nullptr, [&read, &t, &options](float* out) {
+                         RETURN_IF_ERROR(read(t, out));
+                         if (options.allow_nonfinite) return Status::OK();
+                         const uint64_t bad =
+                             ckpt::count_non_finite(DType::kF32, out, static_cast<uint64_t>(t.numel));
+                         if (bad == 0) return Status::OK();
+                         return Status::InvalidArgument(fmt::format(
+                             "tensor '{}' holds {} NaN or Inf values of {}: the weights are of a diverged run and "
+                             "would export as such; export an earlier checkpoint, or allow it explicitly "
+                             "(strata convert --allow-nonfinite)",
+                             t.name, bad, t.numel));
+                       }});
   }
   uint64_t total_bytes = 0;
   for (const TensorSpec& t : layout.tensors()) {

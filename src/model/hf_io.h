@@ -71,6 +71,9 @@ struct ExportOptions {
   SafetensorsWriteDtype dtype = SafetensorsWriteDtype::kF32;
   uint64_t max_shard_bytes = kDefaultMaxShardBytes;
   std::string copy_tokenizer_from;  // a model directory whose hf_tokenizer_files() to copy; "" = none
+  // Weights holding NaN or Inf are refused (InvalidArgument naming the first such tensor and its
+  // count; nothing is written) unless this is set.
+  bool allow_nonfinite = false;
 };
 
 // OK when export_hf may write `out_dir`: it does not exist, is empty, or holds a previous

@@ -147,29 +147,33 @@ Status check_same_model(const ckpt::CheckpointReader& reader, const nlohmann::js
                         const model::ParamLayout& layout) {
   const std::string context = "resuming from " + reader.step_dir();
   RETURN_IF_ERROR(compare_model_configs(reader.manifest().fields.model_config, model_config).with_context(context));
+  return check_checkpoint_tensors(reader, layout, context, kOtherModel);
+}
+
+}  // namespace
+
+Status check_checkpoint_tensors(const ckpt::CheckpointReader& reader, const model::ParamLayout& layout,
+                                const std::string& context, const std::string& hint) {
   std::set<std::string> expected;
   for (const auto& t : layout.tensors()) {
     for (ckpt::TensorKind kind : {ckpt::TensorKind::kParam, ckpt::TensorKind::kAdamM, ckpt::TensorKind::kAdamV}) {
       const std::string q = ckpt::qualified_name(kind, t.name);
       expected.insert(q);
       RETURN_IF_ERROR(reader.check_f32(q, static_cast<uint64_t>(t.numel)).with_context(context));
-      // The same element count is not enough: a transposed tensor would load as garbage.
       const ckpt::SavedTensor* saved = reader.find(q);
       if (saved->shape != t.shape) {
         return Status::InvalidArgument(context + ": tensor '" + q + "' has shape " + shape_text(saved->shape) +
-                                       " in the checkpoint but " + shape_text(t.shape) + " in this model" + kOtherModel);
+                                       " in the checkpoint but " + shape_text(t.shape) + " in this model" + hint);
       }
     }
   }
   for (const ckpt::SavedTensor& saved : reader.tensors()) {
     if (saved.kind == ckpt::TensorKind::kState || expected.count(saved.name) > 0) continue;
     return Status::InvalidArgument(context + ": the checkpoint has tensor '" + saved.name + "', which this model lacks" +
-                                   kOtherModel);
+                                   hint);
   }
   return Status::OK();
 }
-
-}  // namespace
 
 Status compare_model_configs(const nlohmann::json& saved, const nlohmann::json& run) {
   if (!saved.is_object() || saved.empty())

@@ -106,6 +106,14 @@ Result<RunPosition> restore_checkpoint(const std::string& path, const nlohmann::
                                        const model::ParamLayout& layout, SavableState& state,
                                        std::vector<ExtraState>* extra = nullptr);
 
+// The tensors of a checkpoint against the model `layout` describes, as a resume and `strata
+// convert` check them before reading any: every parameter, adam_m and adam_v tensor of the
+// layout present as fp32 with exactly its shape (the same element count is not enough: a
+// transposed tensor would read as garbage), and no tensor the model lacks (the trainer's state
+// aside). Each mismatch is an InvalidArgument starting with `context` and ending with `hint`.
+Status check_checkpoint_tensors(const ckpt::CheckpointReader& reader, const model::ParamLayout& layout,
+                                const std::string& context, const std::string& hint);
+
 // OK when two model configs (JSON objects) have the same keys with equal values; otherwise an
 // InvalidArgument naming the first key that differs, with both values. An empty `saved` is
 // refused: there is nothing to check the run against.

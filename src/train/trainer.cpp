@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "ckpt/finite.h"
 #include "core/checked_math.h"
 #include "core/host_memory.h"
 #include "core/log.h"
@@ -684,11 +685,37 @@ Status loop(Run& run, const TrainConfig& t) {
   return Status::OK();
 }
 
+// OK when every parameter the run ends with is finite; else an error naming the first tensor
+// that is not. A finite loss and gradient norm do not prove it: AdamW itself can write 0/0
+// (optim.eps=0 with a zero gradient), after the step was judged. One read of the parameters,
+// as an export makes.
+Status check_final_weights(Run& run) {
+  SavableState& state = run.engine->state();
+  std::vector<float> values;
+  for (const model::TensorSpec& spec : run.layout.tensors()) {
+    values.resize(static_cast<size_t>(spec.numel));
+    RETURN_IF_ERROR(state.read_flat(StateKind::kParam, static_cast<uint64_t>(spec.offset) * sizeof(float),
+                                    static_cast<uint64_t>(spec.numel) * sizeof(float), values.data()));
+    const uint64_t bad = ckpt::count_non_finite(DType::kF32, values.data(), values.size());
+    if (bad > 0)
+      return Status::Internal(fmt::format(
+          "the weights after step {} are not finite: tensor '{}' holds {} NaN or Inf values of {}; the last update "
+          "diverged (optim.eps 0, or a learning rate too large); resume from an earlier checkpoint with other settings",
+          run.summary.steps_done, spec.name, bad, spec.numel));
+  }
+  return Status::OK();
+}
+
 // 3. The final checkpoint (when stopped by a signal, or at the end of a run that saves
 // periodically), waiting for the saves in flight, and the export. A final save that fails is
-// the run's error: the state it held is not on disk.
+// the run's error: the state it held is not on disk. A run whose final weights are not finite
+// fails: nothing of them is saved or exported.
 Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
   TrainSummary& summary = run.summary;
+  if (Status finite = check_final_weights(run); !finite.ok()) {
+    (void)run.wait_for_save();  // a save in flight holds an earlier, finite state
+    return finite;
+  }
   // Ranks hold master weights in shards: an export reads them from the final checkpoint.
   const bool export_from_checkpoint = run.ranks->several() && !t.run_export.empty();
   if (summary.interrupted || t.ckpt_every > 0 || export_from_checkpoint) {

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -45,6 +46,39 @@ void rehash(const fs::path& step_dir, const std::string& file) {
   const fs::path m = step_dir / "manifest.json";
   nlohmann::json j = nlohmann::json::parse(read_text(m));
   j["files"][file]["xxh3_64"] = strata::ckpt::xxh3_hex(strata::ckpt::hash_file((step_dir / file).string()).value());
+  std::ofstream(m) << j.dump(2);
+}
+
+// Stores one non-square weight of step_dir/model.safetensors with its shape transposed (the same
+// element count) and forges the checksum to match; returns its name ("" when none was found).
+std::string transpose_a_weight(const fs::path& step_dir) {
+  const fs::path model = step_dir / "model.safetensors";
+  std::string bytes = read_text(model);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, n));
+  std::string name, from, to;
+  for (auto it = header.begin(); it != header.end() && name.empty(); ++it) {
+    if (it.key() == "__metadata__" || (*it)["shape"].size() != 2 || (*it)["shape"][0] == (*it)["shape"][1]) continue;
+    name = it.key();
+    const auto& s = (*it)["shape"];
+    from = "\"shape\":[" + s[0].dump() + "," + s[1].dump() + "]";
+    to = "\"shape\":[" + s[1].dump() + "," + s[0].dump() + "]";
+  }
+  if (name.empty()) return name;
+  const size_t at = bytes.find(from, bytes.find("\"" + name + "\""));
+  if (at >= n + 8) return "";
+  bytes.replace(at, from.size(), to);
+  std::ofstream(model, std::ios::binary | std::ios::trunc) << bytes;
+  rehash(step_dir, "model.safetensors");
+  return name;
+}
+
+// Edits one field of step_dir/manifest.json (a JSON pointer) to `value`.
+void edit_manifest(const fs::path& step_dir, const std::string& pointer, const nlohmann::json& value) {
+  const fs::path m = step_dir / "manifest.json";
+  nlohmann::json j = nlohmann::json::parse(read_text(m));
+  j[nlohmann::json::json_pointer(pointer)] = value;
   std::ofstream(m) << j.dump(2);
 }
 
@@ -135,25 +169,8 @@ TEST_F(CkptSafetyTest, ResumeRefusesAnotherModelNamingTheKeyOrTensor) {
   }
 
   // The same element count, the shape transposed (and the checksum forged to match).
-  const fs::path model = step3 / "model.safetensors";
-  std::string bytes = read_text(model);
-  uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
-  const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, n));
-  std::string name, from, to;
-  for (auto it = header.begin(); it != header.end() && name.empty(); ++it) {
-    if (it.key() == "__metadata__" || (*it)["shape"].size() != 2 || (*it)["shape"][0] == (*it)["shape"][1]) continue;
-    name = it.key();
-    const auto& s = (*it)["shape"];
-    from = "\"shape\":[" + s[0].dump() + "," + s[1].dump() + "]";
-    to = "\"shape\":[" + s[1].dump() + "," + s[0].dump() + "]";
-  }
+  const std::string name = transpose_a_weight(step3);
   ASSERT_FALSE(name.empty());
-  const size_t at = bytes.find(from, bytes.find("\"" + name + "\""));
-  ASSERT_LT(at, n + 8);
-  bytes.replace(at, from.size(), to);
-  std::ofstream(model, std::ios::binary | std::ios::trunc) << bytes;
-  rehash(step3, "model.safetensors");
   const std::string resumed = (dir_ / "transposed").string();
   CmdResult t = run_strata(run(resumed, kFourLayers) + " train.steps=6 --resume " + step3.string());
   EXPECT_EQ(t.exit_code, 1) << t.output;
@@ -181,6 +198,71 @@ TEST_F(CkptSafetyTest, VerifyFailsOnNaNWeightsNamingTheTensors) {
   CmdResult b = run_strata(run((dir_ / "resumed").string(), kFourLayers) + " train.steps=6 --resume " + step3.string());
   EXPECT_EQ(b.exit_code, 1) << b.output;
   EXPECT_NE(b.output.find("non-finite"), std::string::npos) << b.output;
+}
+
+// optim.eps=0: the first step's loss and norm are finite, but AdamW writes 0/0 into the rows of
+// tokens the batch lacks (zero gradient, zero moments). The run fails naming a tensor, and its
+// export is not written (it ended "loss -nan", exit 0, and exported NaNs).
+TEST_F(CkptSafetyTest, ARunWhoseLastUpdateLeavesNaNWeightsFailsAndExportsNothing) {
+  const std::string run_dir = (dir_ / "run").string();
+  const fs::path hf = dir_ / "hf";
+  CmdResult r = run_strata(run(run_dir, "num_hidden_layers=2,hidden_size=64,intermediate_size=96") +
+                           " train.steps=1 optim.warmup_steps=0 optim.eps=0 run.export=" + hf.string());
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("the weights after step 1 are not finite: tensor '"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(hf / "model.safetensors")) << r.output;
+}
+
+// `strata convert` checks a checkpoint as a resume does: a manifest that lists 2 layers while its
+// files hold 4, a weight stored transposed and a recipe strata never writes are refused, naming
+// the tensor or field, and nothing is written (each exported 0 bytes' worth of a wrong model
+// before, exit 0).
+TEST_F(CkptSafetyTest, ConvertChecksACheckpointAsAResumeDoes) {
+  const fs::path step3 = four_layer_checkpoint();
+  struct Case {
+    std::string name, words;
+    std::function<void(const fs::path&)> edit;
+  };
+  const Case cases[] = {
+      {"fewer-layers", "which this model lacks",
+       [](const fs::path& d) { edit_manifest(d, "/model_config/num_hidden_layers", 2); }},
+      {"transposed", "has shape", [](const fs::path& d) { EXPECT_FALSE(transpose_a_weight(d).empty()); }},
+      {"recipe", "field 'precision.recipe'",
+       [](const fs::path& d) { edit_manifest(d, "/precision/recipe", "fp16"); }},
+  };
+  for (const Case& c : cases) {
+    const fs::path copy = dir_ / c.name / "step-3";
+    fs::create_directories(copy.parent_path());
+    fs::copy(step3, copy, fs::copy_options::recursive);
+    c.edit(copy);
+    const fs::path out = dir_ / (c.name + "-hf");
+    CmdResult r = run_strata("convert --from " + copy.string() + " --to " + out.string());
+    EXPECT_EQ(r.exit_code, 1) << c.name << ": " << r.output;
+    EXPECT_NE(r.output.find(c.words), std::string::npos) << c.name << ": " << r.output;
+    EXPECT_FALSE(fs::exists(out / "model.safetensors")) << c.name;
+  }
+}
+
+// Weights holding NaN are not exported unless asked for by name.
+TEST_F(CkptSafetyTest, ConvertRefusesNonFiniteWeightsUnlessAllowed) {
+  const fs::path step3 = four_layer_checkpoint();
+  const std::string hf = (dir_ / "hf").string();
+  CmdResult ok = run_strata("convert --from " + step3.string() + " --to " + hf);
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  // A NaN in the exported directory (the checksums of a Hugging Face directory are nobody's).
+  const fs::path model = fs::path(hf) / "model.safetensors";
+  std::string bytes = read_text(model);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  const uint16_t nan_bits = 0x7fc0;  // bf16 or f32's high half: NaN either way
+  std::memcpy(&bytes[8 + n + 2], &nan_bits, 2);
+  std::ofstream(model, std::ios::binary | std::ios::trunc) << bytes;
+  CmdResult refused = run_strata("convert --from " + hf + " --to " + (dir_ / "again").string());
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("NaN or Inf values"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("--allow-nonfinite"), std::string::npos) << refused.output;
+  CmdResult allowed = run_strata("convert --from " + hf + " --to " + (dir_ / "allowed").string() + " --allow-nonfinite");
+  EXPECT_EQ(allowed.exit_code, 0) << allowed.output;
 }
 
 // A `latest` pointing at another file: verify fails without printing what that file holds.

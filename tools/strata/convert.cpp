@@ -14,11 +14,14 @@
 #include "model/hf_io.h"
 #include "model/params.h"
 #include "tools/strata/commands.h"
+#include "train/checkpointing.h"
+#include "train/manifest_fields.h"
 
 namespace strata::tools {
 namespace {
 
 constexpr const char* kConvertUsage = R"(Usage: strata convert --from SRC --to DST [--dtype auto|f32|bf16|f16] [--shard-size 5GB]
+                      [--allow-nonfinite]
 
 Reads a Hugging Face model directory (config.json plus model.safetensors or sharded
 model-*.safetensors with model.safetensors.index.json) and writes it again as a Hugging Face
@@ -26,7 +29,11 @@ directory: to change the weights' dtype or reshard. Tokenizer files are copied a
 
 SRC may also be a strata checkpoint: a checkpoint directory (RUN/checkpoints, holding `latest`),
 its `latest` file, or one step-N directory. Its checksums are verified, the model's config comes
-from the manifest's model_config and the parameters are exported (optimizer state is not).
+from the manifest's model_config and the parameters are exported (optimizer state is not). It is
+checked as a resume checks it first: the manifest's fields, every tensor the config implies with
+exactly its shape, and no tensor the config lacks.
+
+Weights holding NaN or Inf are refused, naming the first such tensor, unless --allow-nonfinite.
 
 Options:
   --from SRC         Hugging Face model directory or strata checkpoint to read
@@ -38,6 +45,7 @@ Options:
                      weights its run started from (the manifest's model_config torch_dtype; f32
                      when it names none). The export's config.json torch_dtype says which.
   --shard-size S     largest shard, e.g. 5GB (the default, as transformers), 500MB, 2GiB
+  --allow-nonfinite  write weights that hold NaN or Inf (to inspect a diverged run)
   -h, --help         this text
 )";
 
@@ -90,18 +98,13 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
     out.source_dtype = model::parse_torch_dtype(it->get<std::string>()).value_or(model::SafetensorsWriteDtype::kF32);
   }
   const model::ParamLayout layout(out.config);
-  // Every tensor the config implies is checked against the checkpoint before the model's memory
-  // is allocated: a model_config that does not match the saved tensors fails at once.
-  for (const model::TensorSpec& t : layout.tensors()) {
-    const std::string name = ckpt::qualified_name(ckpt::TensorKind::kParam, t.name);
-    if (reader->find(name) == nullptr) {
-      return Status::NotFound("checkpoint " + reader->step_dir() + " has no parameter tensor " + t.name +
-                              ", which the model_config in " + manifest + " requires; the checkpoint does not "
-                              "match its recorded config");
-    }
-    Status st = reader->check_f32(name, static_cast<uint64_t>(t.numel));
-    if (!st.ok()) return st.with_context("checkpoint " + reader->step_dir() + " against the model_config in " + manifest);
-  }
+  // Checked as a resume checks it, before the model's memory is allocated: a manifest that
+  // misdescribes its files (fewer layers than they hold, a tensor stored transposed) fails here.
+  RETURN_IF_ERROR(check_trainer_fields(reader->manifest(), manifest));
+  RETURN_IF_ERROR(check_checkpoint_tensors(
+      *reader, layout, "checkpoint " + reader->step_dir() + " against the model_config in " + manifest,
+      "; the checkpoint's files do not match the model its manifest records (edited or mixed up): convert "
+      "another step"));
   out.params.assign(static_cast<size_t>(layout.total_size()), 0.0f);
   LOG_INFO("reading checkpoint {} (step {}, {} parameters)", reader->step_dir(), reader->step(),
            layout.num_parameters());
@@ -119,11 +122,16 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
 
 int convert_command(const std::vector<std::string>& args) {
   std::string from, to, dtype, shard_size;
+  bool allow_nonfinite = false;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
       std::fputs(kConvertUsage, stdout);
       return 0;
+    }
+    if (a == "--allow-nonfinite") {
+      allow_nonfinite = true;
+      continue;
     }
     std::string* target = a == "--from" ? &from : a == "--to" ? &to : a == "--dtype" ? &dtype
                         : a == "--shard-size" ? &shard_size : nullptr;
@@ -185,6 +193,7 @@ int convert_command(const std::vector<std::string>& args) {
   }
   eo.dtype = *model::parse_export_dtype(dtype);
 
+  eo.allow_nonfinite = allow_nonfinite;
   const model::ParamLayout layout(config);
   Status st = model::export_hf(to, config, layout, params.data(), eo);
   if (!st.ok()) return fail(st);
