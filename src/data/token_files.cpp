@@ -59,8 +59,32 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
 
 MappedFile::~MappedFile() { release(); }
 
-void MappedFile::release() {
+void MappedFile::unmap() {
   if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), static_cast<size_t>(size_));
+  data_ = nullptr;
+}
+
+Status MappedFile::read_at(int64_t offset, int64_t bytes, void* dst) const {
+  CHECK_MSG(offset >= 0 && bytes >= 0 && offset + bytes <= size_, path_ + ": read past the size it was opened with");
+  auto* out = static_cast<uint8_t*>(dst);
+  int64_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pread(fd_, out + done, static_cast<size_t>(bytes - done), offset + done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Status::IOError(path_ + ": read of bytes [" + std::to_string(offset) + ", " +
+                                      std::to_string(offset + bytes) + ") failed: " + std::strerror(errno));
+    if (n == 0) {
+      return Status::Corruption(path_ + ": the file ends at byte " + std::to_string(offset + done) + ", but it had " +
+                                std::to_string(size_) + " bytes when the run opened it: it was truncated while the "
+                                "run read it; restore it and resume from the last checkpoint");
+    }
+    done += n;
+  }
+  return Status::OK();
+}
+
+void MappedFile::release() {
+  unmap();
   if (fd_ >= 0) ::close(fd_);
   data_ = nullptr;
   fd_ = -1;
@@ -128,6 +152,13 @@ Status decode_as(TokenType t, const uint8_t* src, int64_t n, int32_t* out, const
   return Status::Internal("unknown token type");
 }
 
+// n tokens of `type` at byte `offset` of `file`, decoded into out; pos names the first in errors.
+Status read_tokens(const MappedFile& file, int64_t offset, TokenType type, int64_t n, int32_t* out, int64_t pos) {
+  std::vector<uint8_t> bytes(static_cast<size_t>(n * type_bytes(type)));
+  RETURN_IF_ERROR(file.read_at(offset, static_cast<int64_t>(bytes.size()), bytes.data()));
+  return decode_as(type, bytes.data(), n, out, file.path(), pos);
+}
+
 void check_range(const TokenSource& s, int64_t pos, int64_t n) {
   CHECK_MSG(pos >= 0 && n >= 0 && pos + n <= s.num_tokens(),
             s.path() + ": read [" + std::to_string(pos) + ", " + std::to_string(pos + n) + ") of " +
@@ -146,7 +177,7 @@ class FlatSource final : public TokenSource {
   Status read(int64_t pos, int64_t n, int32_t* out) const override {
     check_range(*this, pos, n);
     if (n == 0) return Status::OK();
-    return decode_as(type_, file_.data() + offset_ + pos * type_bytes(type_), n, out, path(), pos);
+    return read_tokens(file_, offset_ + pos * type_bytes(type_), type_, n, out, pos);
   }
 
  private:
@@ -176,8 +207,7 @@ class MegatronSource final : public TokenSource {
       int64_t in_seq = pos - seq_start_[seq];
       int64_t take = std::min(n, seq_start_[seq + 1] - pos);
       if (take > 0) {
-        RETURN_IF_ERROR(decode_as(type_, bin_.data() + pointers_[seq] + in_seq * type_bytes(type_), take, out,
-                                  path(), pos));
+        RETURN_IF_ERROR(read_tokens(bin_, pointers_[seq] + in_seq * type_bytes(type_), type_, take, out, pos));
       }
       pos += take;
       out += take;
@@ -256,6 +286,7 @@ Result<std::unique_ptr<TokenSource>> open_llmc_shard(const std::string& path) {
                               bytes_str(expected) + ") but the file has " + bytes_str(file.size()) +
                               "; re-create the shard");
   }
+  file.unmap();
   return std::unique_ptr<TokenSource>(
       std::make_unique<FlatSource>(std::move(file), kLlmcHeaderBytes, int64_t{count}, type, -1));
 }
@@ -333,12 +364,14 @@ Result<std::unique_ptr<TokenSource>> open_megatron(const std::string& prefix) {
     seq_start[i + 1] = seq_start[i] + size;
     pointers[i] = ptr;
   }
+  bin.unmap();
   return std::unique_ptr<TokenSource>(
       std::make_unique<MegatronSource>(std::move(bin), type, std::move(seq_start), std::move(pointers)));
 }
 
 Result<std::unique_ptr<TokenSource>> open_text(const std::string& path) {
   ASSIGN_OR_RETURN(MappedFile file, MappedFile::open(path));
+  file.unmap();
   int64_t n = file.size();
   return std::unique_ptr<TokenSource>(std::make_unique<FlatSource>(std::move(file), 0, n, TokenType::kU8, 256));
 }

@@ -1,5 +1,8 @@
-// Token files on disk, read through read-only memory maps: llm.c shards, Megatron .bin/.idx
-// pairs and plain text (one token per byte). open_dataset (data.h) picks the reader; these
+// Token files on disk: llm.c shards, Megatron .bin/.idx pairs and plain text (one token per
+// byte). Headers and indexes are parsed from a read-only memory map at open; the tokens are then
+// read with pread at explicit offsets, so that a file truncated while a run reads it gives an
+// error naming it (a mapping would raise SIGBUS and kill the process). A file replaced by
+// rename keeps being read as it was opened (the descriptor holds the old file). open_dataset (data.h) picks the reader; these
 // entry points are public so that a tool or a test can open one file with a known format.
 #pragma once
 
@@ -12,8 +15,8 @@
 
 namespace strata {
 
-// A read-only view of a whole file. Owns the descriptor and the mapping; movable, not
-// copyable. Safe for concurrent reads.
+// A read-only view of a whole file: mapped at open, and readable with read_at() at any time.
+// Owns the descriptor and the mapping; movable, not copyable. Safe for concurrent reads.
 class MappedFile {
  public:
   static Result<MappedFile> open(const std::string& path);
@@ -26,8 +29,16 @@ class MappedFile {
   ~MappedFile();
 
   const std::string& path() const { return path_; }
+  // The mapping; null for an empty file and after unmap().
   const uint8_t* data() const { return data_; }
+  // The size at open.
   int64_t size() const { return size_; }
+  // Drops the mapping (read_at() still works): readers keep none past open.
+  void unmap();
+  // Copies bytes [offset, offset + bytes) of the file to dst with pread. Corruption naming the
+  // file when it now ends before them (truncated since it was opened); IOError on a read error.
+  // REQUIRES: 0 <= offset, 0 <= bytes, offset + bytes <= size().
+  Status read_at(int64_t offset, int64_t bytes, void* dst) const;
 
  private:
   void release();

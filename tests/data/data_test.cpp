@@ -190,6 +190,36 @@ TEST_F(DataTest, LlmcTokenAboveInt32RangeIsCorruption) {
   expect_error((*d)->read(0, 2, out.data()), StatusCode::kCorruption, {"big.bin", "position 1"});
 }
 
+// A token file truncated while a run reads it: the reads past its new end fail naming the file
+// (the mapping it was read through raised SIGBUS and killed the process); a file replaced by
+// rename is still read as it was opened.
+TEST_F(DataTest, AFileTruncatedUnderneathTheReaderIsAnErrorNotASignal) {
+  std::vector<uint32_t> tokens(5000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(i % 1000);
+  const std::string shard = write_llmc("shard.bin", tokens, /*u32=*/true);
+  const std::string prefix = write_megatron("shrinks", {std::vector<uint16_t>(3000, 7), std::vector<uint16_t>(3000, 9)});
+  const std::string text = path("shrinks.txt");
+  std::ofstream(text) << std::string(9000, 'x');
+  for (const std::string& f : {shard, prefix + ".bin", text}) {
+    auto d = open({f == prefix + ".bin" ? prefix : f});
+    ASSERT_TRUE(d.ok()) << d.status().to_string();
+    const int64_t n = (*d)->num_tokens();
+    ASSERT_EQ(::truncate(f.c_str(), 1024), 0);
+    std::vector<int32_t> out(64);
+    expect_error((*d)->read(n - 64, 64, out.data()), StatusCode::kCorruption,
+                 {fs::path(f).filename().string(), "truncated while the run read it"});
+  }
+  // Replaced by rename: the open reader keeps the file it opened.
+  const std::string kept = write_llmc("kept.bin", {11, 12, 13}, /*u32=*/true);
+  auto d = open({kept});
+  ASSERT_TRUE(d.ok());
+  const std::string other = write_llmc("other.bin", {1}, /*u32=*/true);
+  fs::rename(other, kept);
+  std::vector<int32_t> out(3);
+  ASSERT_TRUE((*d)->read(0, 3, out.data()).ok());
+  EXPECT_EQ(out, (std::vector<int32_t>{11, 12, 13}));
+}
+
 TEST_F(DataTest, MegatronPairReadsSequencesAsOneStream) {
   std::string prefix = write_megatron("mega", {{1, 2, 3}, {}, {4, 5}, {6}});
   for (const std::string& p : {prefix, prefix + ".bin", prefix + ".idx"}) {
