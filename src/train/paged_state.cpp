@@ -116,6 +116,28 @@ Status fit_host_tier(const model::ParamLayout& layout, const PagedStateOptions& 
   return Status::OK();
 }
 
+// The device tier likewise holds at most every chunk of the state (and of the offloaded
+// activations): a larger budget (memory.device=4TiB) only sized slot tables, an event per slot,
+// for memory no chunk can use, 5 GB of them before the first step. On the cpu backend the
+// device's memory is this machine's: what is left must be available, or the run is refused here.
+Status fit_device_tier(Device& device, const model::ParamLayout& layout, const PagedStateOptions& options,
+                       ChunkSpaceOptions* space) {
+  if (space->device_bytes == 0) return Status::OK();
+  PagedStateOptions budgeted = options;
+  budgeted.host_bytes = space->device_bytes;  // the same count of chunks, for the device tier
+  budgeted.nvme_bytes = 0;                    // no staging slot: that is the host tier's
+  space->device_bytes = PagedState::host_tier_size(layout, budgeted).reserved_bytes;
+  if (device.kind() != DeviceKind::kCpu) return Status::OK();
+  const HostMemory machine = available_host_memory();
+  if (machine.known && space->device_bytes > machine.available)
+    return Status::OutOfMemory(fmt::format(
+        "memory.device: the plan keeps {} of state in the cpu device's memory, which is this machine's, but it has "
+        "{} available ({}); lower memory.device (the rest pages through memory.host and memory.nvme.*) or free "
+        "memory",
+        format_bytes(space->device_bytes), format_bytes(machine.available), machine.source));
+  return Status::OK();
+}
+
 // The store's homes and holdings as `placement` gives them: each (group, kind) homed where it
 // says, and a rank's kinds limited to the rows it holds (a sharded optimizer's rows on their
 // owner only).
@@ -171,6 +193,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   so.space.device_bytes = options.device_bytes;
   so.space.host_bytes = options.host_bytes;
   RETURN_IF_ERROR(fit_host_tier(ps->layout_, options, &so.space));
+  RETURN_IF_ERROR(fit_device_tier(device, ps->layout_, options, &so.space));
   so.space.nvme_bytes = options.nvme_bytes;
   so.space.nvme_dir = options.nvme_dir;
   so.lookahead = options.lookahead;
