@@ -185,11 +185,13 @@ struct Architecture {
 constexpr Architecture kArchitectures[] = {
     {"LlamaForCausalLM", "llama"},      {"MistralForCausalLM", "mistral"},
     {"Qwen2ForCausalLM", "qwen2"},      {"MixtralForCausalLM", "mixtral"},
-    {"Qwen2MoeForCausalLM", "qwen2_moe"}, {"Qwen3MoeForCausalLM", "qwen3_moe"},
+    {"Qwen2MoeForCausalLM", "qwen2_moe"}, {"Qwen3ForCausalLM", "qwen3"},
+    {"Qwen3MoeForCausalLM", "qwen3_moe"},
 };
 constexpr const char* kMixtral = "MixtralForCausalLM";
 constexpr const char* kQwen2 = "Qwen2ForCausalLM";
 constexpr const char* kQwen2Moe = "Qwen2MoeForCausalLM";
+constexpr const char* kQwen3 = "Qwen3ForCausalLM";
 constexpr const char* kQwen3Moe = "Qwen3MoeForCausalLM";
 constexpr const char* kMistral = "MistralForCausalLM";
 
@@ -242,7 +244,7 @@ const char* experts_key(const std::string& architecture) {
 // keys take transformers' defaults for that architecture.
 Status read_architecture_keys(const json& json, const std::string& source, ModelConfig* c) {
   const std::string& arch = c->architecture;
-  const bool qwen = arch == kQwen2 || arch == kQwen2Moe || arch == kQwen3Moe;
+  const bool qwen = arch == kQwen2 || arch == kQwen2Moe || arch == kQwen3 || arch == kQwen3Moe;
   if (arch == kQwen2 || arch == kQwen2Moe) {
     c->attention_bias = true;  // Qwen2 attention always has q/k/v biases
   } else if (arch == kMistral || arch == kMixtral) {
@@ -250,7 +252,7 @@ Status read_architecture_keys(const json& json, const std::string& source, Model
   } else {
     RETURN_IF_ERROR(read_bool(json, "attention_bias", source, &c->attention_bias));
   }
-  c->qk_norm = arch == kQwen3Moe;
+  c->qk_norm = arch == kQwen3 || arch == kQwen3Moe;
 
   if (arch == kMistral || arch == kMixtral) {
     if (arch == kMistral && json.find("sliding_window") == json.end()) c->sliding_window = 4096;
@@ -653,7 +655,8 @@ nlohmann::json ModelConfig::to_json() const {
   j["mlp_bias"] = false;
   j["initializer_range"] = 0.02;
   j["torch_dtype"] = "float32";
-  const bool qwen = architecture == kQwen2 || architecture == kQwen2Moe || architecture == kQwen3Moe;
+  const bool qwen =
+      architecture == kQwen2 || architecture == kQwen2Moe || architecture == kQwen3 || architecture == kQwen3Moe;
   if (architecture == kMistral || architecture == kMixtral) {
     j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
   } else if (qwen) {

@@ -10,6 +10,8 @@
 //   Qwen2MoeForCausalLM                   q/k/v biases; experts (softmax, then top-k) plus a
 //                                         sigmoid-gated shared expert; dense layers where
 //                                         decoder_sparse_step / mlp_only_layers say so
+//   Qwen3ForCausalLM                      the Llama decoder plus per-head RMSNorm of q and k
+//                                         before RoPE (q/k/v biases when attention_bias says so)
 //   Qwen3MoeForCausalLM                   like Qwen2-MoE without the shared expert and biases,
 //                                         plus per-head RMSNorm of q and k before RoPE
 #pragma once

@@ -296,6 +296,38 @@ json qwen_moe_json(bool qwen3) {
   return j;
 }
 
+// Qwen3-0.6B's config.json as published (Qwen/Qwen3-0.6B): a dense decoder with per-head q/k
+// norms and tied embeddings, 596,049,920 parameters (0.44B without the embedding); it exports
+// with model_type qwen3 again.
+TEST(ModelConfigTest, ReadsQwen3DenseAsPublished) {
+  const json j = json::parse(R"({
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null,
+    "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": true, "use_sliding_window": false, "vocab_size": 151936
+  })");
+  Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->architecture, "Qwen3ForCausalLM");
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->attention_bias);
+  EXPECT_FALSE(c->is_moe());
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->sliding_window, 0);
+  EXPECT_EQ(c->num_parameters(), 596049920);
+  EXPECT_EQ(c->to_json()["model_type"], "qwen3");
+  json with_bias = j;
+  with_bias["attention_bias"] = true;
+  Result<ModelConfig> b = ModelConfig::from_json(with_bias, kSource);
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_TRUE(b->attention_bias) << "Qwen3 reads attention_bias (Qwen2 forces it on)";
+}
+
 TEST(ModelConfigTest, UnknownArchitectureIsUnimplementedNamingFileAndValue) {
   json j = llama_json();
   j["architectures"] = {"GPTNeoXForCausalLM"};

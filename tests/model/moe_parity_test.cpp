@@ -133,6 +133,10 @@ TEST(ArchitectureParityTest, Qwen3MoeWithQkNormAndDenseLayerMatchesPyTorchRefere
   check_parity("qwen3_moe", "Qwen3MoeForCausalLM");
 }
 
+TEST(ArchitectureParityTest, Qwen3WithQkNormAndTiedEmbeddingsMatchesPyTorchReference) {
+  check_parity("qwen3", "Qwen3ForCausalLM");
+}
+
 TEST(ArchitectureParityTest, MistralMatchesTransformers) { check_parity("mistral", "MistralForCausalLM"); }
 
 TEST(ArchitectureParityTest, Qwen2WithBiasesAndTiedEmbeddingsMatchesTransformers) {

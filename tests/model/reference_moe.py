@@ -3,9 +3,9 @@
 
 Usage: reference_moe.py OUTDIR VARIANT
   VARIANT  mixtral, qwen2_moe, mistral, qwen2   tiny random models built by transformers (4.40)
-           qwen3_moe                            a plain PyTorch Qwen3-MoE (transformers 4.40 has
-                                                none), written below after the published
-                                                modeling code's conventions
+           qwen3_moe, qwen3                     a plain PyTorch Qwen3-MoE or dense Qwen3
+                                                (transformers 4.40 has neither), written below
+                                                after the published modeling code's conventions
 
 Writes OUTDIR/VARIANT/:
   config.json, model.safetensors   save_pretrained(safe_serialization=True) in float32 (for
@@ -46,6 +46,9 @@ VARIANTS = {
                        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
                        mlp_only_layers=[1], head_dim=24, attention_bias=False, rope_theta=1e6,
                        use_sliding_window=False, tie_word_embeddings=False), 33),
+    "qwen3": (None, "Qwen3ForCausalLM",
+              dict(COMMON, num_hidden_layers=2, intermediate_size=80, head_dim=24, attention_bias=False,
+                   rope_theta=1e6, use_sliding_window=False, tie_word_embeddings=True), 36),
     "mistral": ("MistralConfig", "MistralForCausalLM",
                 dict(COMMON, num_hidden_layers=2, intermediate_size=80, rope_theta=10000.0,
                      sliding_window=64, tie_word_embeddings=False), 34),
@@ -56,7 +59,7 @@ VARIANTS = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Qwen3-MoE in plain PyTorch, following transformers' modeling conventions (RMSNorm in fp32 with
+# Qwen3 (dense, or MoE when the config has experts) in plain PyTorch, following transformers' modeling conventions (RMSNorm in fp32 with
 # the weight applied last, rotate_half RoPE, repeat_kv GQA, per-head q_norm/k_norm before RoPE,
 # softmax-then-top-k router with optional renormalisation, experts combined with index_add_).
 
@@ -146,7 +149,7 @@ class DecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        sparse = (layer not in c["mlp_only_layers"] and c["num_experts"] > 0
+        sparse = (layer not in c.get("mlp_only_layers", []) and c.get("num_experts", 0) > 0
                   and (layer + 1) % c["decoder_sparse_step"] == 0)
         self.mlp = SparseMoe(c) if sparse else MLP(c["hidden_size"], c["intermediate_size"])
 
@@ -167,11 +170,13 @@ class Backbone(torch.nn.Module):
         self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
 
 
-class Qwen3MoeForCausalLM(torch.nn.Module):
+class PlainQwen3ForCausalLM(torch.nn.Module):
     def __init__(self, c):
         super().__init__()
         self.model = Backbone(c)
-        self.lm_head = torch.nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+        self.tied = c["tie_word_embeddings"]
+        if not self.tied:
+            self.lm_head = torch.nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
         d = c["head_dim"]
         self.inv_freq = 1.0 / (c["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
 
@@ -186,7 +191,9 @@ class Qwen3MoeForCausalLM(torch.nn.Module):
             x, r = layer(x, cos, sin)
             if r is not None:
                 router_logits.append(r)
-        return self.lm_head(self.model.norm(x)), tuple(router_logits)
+        h = self.model.norm(x)
+        logits = h @ self.model.embed_tokens.weight.T if self.tied else self.lm_head(h)
+        return logits, tuple(router_logits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +220,7 @@ def build(variant):
     config_class, arch, c, seed = VARIANTS[variant]
     torch.manual_seed(seed)
     if config_class is None:
-        model = Qwen3MoeForCausalLM(c)
+        model = PlainQwen3ForCausalLM(c)
     else:
         import transformers
         config = getattr(transformers, config_class)(**c, torch_dtype="float32", attn_implementation="eager")
@@ -229,8 +236,8 @@ def run(outdir, variant):
     out = os.path.join(outdir, variant)
     os.makedirs(out, exist_ok=True)
     _, arch, _, _ = VARIANTS[variant]
-    if isinstance(model, Qwen3MoeForCausalLM):
-        config = dict(c, architectures=[arch], model_type="qwen3_moe", torch_dtype="float32")
+    if isinstance(model, PlainQwen3ForCausalLM):
+        config = dict(c, architectures=[arch], model_type=variant, torch_dtype="float32")
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
@@ -246,10 +253,11 @@ def run(outdir, variant):
     moe = "num_experts_per_tok" in c
     model.zero_grad()
     aux = None
-    if isinstance(model, Qwen3MoeForCausalLM):
+    if isinstance(model, PlainQwen3ForCausalLM):
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
         logits, router_logits = model(inputs)
-        aux = load_balancing_loss_func(router_logits, c["num_experts"], c["num_experts_per_tok"], None)
+        if moe:
+            aux = load_balancing_loss_func(router_logits, c["num_experts"], c["num_experts_per_tok"], None)
     else:
         result = model(input_ids=inputs, output_router_logits=True) if moe else model(input_ids=inputs)
         logits = result.logits
