@@ -1,192 +1,145 @@
 #include "data/chat_template.h"
 
-#include "core/check.h"
-#include "data/tokenizer_unicode.h"
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 namespace strata::model {
-
 namespace {
 
-struct KnownTemplate {
-  uint64_t hash;  // chat_template_hash of the template as its model repository ships it
-  ChatFormat format;
-  const char* name;
-  const char* default_system;
-  bool basic_roles_only;
-  bool space_after_eos;
-};
+using jinja::Value;
 
-// The texts are in tests/fixtures/tokenizer/make_chat_fixture.py, which prints these hashes.
-constexpr KnownTemplate kKnown[] = {
-    {0xabcc246a94341a38, ChatFormat::kChatML, "ChatML", "", false, false},
-    {0xb467173160c28633, ChatFormat::kChatML, "Qwen2-Instruct", "You are a helpful assistant.", false, false},
-    {0x03b81a33de11082f, ChatFormat::kChatML, "Qwen2.5-Instruct",
-     "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.", true, false},
-    {0xae8ac1f53b8942b4, ChatFormat::kLlama3, "Llama-3-Instruct", "", false, false},
-    {0xaa5a919425524ea9, ChatFormat::kLlama31, "Llama-3.1-Instruct", "", true, false},
-    {0xdd39f833422aa4a9, ChatFormat::kMistral, "Mistral-Instruct", "", false, false},
-    {0xbb4524ed7672ee76, ChatFormat::kMistral, "Mistral-Instruct (a space after </s>)", "", false, true},
-};
+bool is_layout_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
-// Llama-3.1's system header when no date_string is passed (the template's default).
-constexpr std::string_view kLlama31Dates = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n";
-
-bool is_ascii_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
-
-// Jinja's trim filter: Python's str.strip(), Unicode whitespace at both ends.
-std::string_view trim(std::string_view s) {
-  std::vector<DecodedChar> chars;
-  decode_utf8(s, &chars);
-  size_t b = 0, e = chars.size();
-  while (b < e && is_space(chars[b].cp)) ++b;
-  while (e > b && is_space(chars[e - 1].cp)) --e;
-  if (b == e) return {};
-  const size_t begin = chars[b].byte_offset;
-  const size_t end = e < chars.size() ? chars[e].byte_offset : s.size();
-  return s.substr(begin, end - begin);
+size_t common_prefix(std::string_view a, std::string_view b) {
+  size_t n = 0;
+  while (n < a.size() && n < b.size() && a[n] == b[n]) ++n;
+  return n;
 }
 
-bool basic_role(const std::string& role) { return role == "system" || role == "user" || role == "assistant"; }
+// A prefix of `messages` holding the same message dicts.
+Value first_messages(const Value& messages, size_t count) {
+  return Value::make_list(jinja::List(messages.list->begin(), messages.list->begin() + static_cast<std::ptrdiff_t>(count)));
+}
+
+std::string role_of(const nlohmann::ordered_json& m) {
+  auto it = m.find("role");
+  return it != m.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
 
 }  // namespace
 
-std::string normalize_chat_template(std::string_view t) {
-  std::string out;
-  out.reserve(t.size());
-  const size_t n = t.size();
-  size_t i = 0;
-  while (i < n) {
-    if (t.substr(i, 2) == "{#") {  // comment
-      const size_t j = t.find("#}", i + 2);
-      i = j == std::string_view::npos ? n : j + 2;
-      continue;
+Result<ChatTemplate> ChatTemplate::parse(std::string_view text, std::string source, std::string bos_token,
+                                         std::string eos_token) {
+  Result<JinjaTemplate> t = JinjaTemplate::parse(text);
+  if (!t.ok()) return Status::InvalidArgument(source + " " + t.status().message());
+  ChatTemplate c;
+  c.template_ = std::move(t).value();
+  c.source_ = std::move(source);
+  c.bos_token_ = std::move(bos_token);
+  c.eos_token_ = std::move(eos_token);
+  return c;
+}
+
+Result<JinjaOutput> ChatTemplate::run(const Value& messages, const ChatRenderOptions& options, bool generation_prompt,
+                                      bool track) const {
+  std::vector<std::pair<std::string, Value>> vars;
+  if (options.variables.is_object()) {
+    for (auto it = options.variables.begin(); it != options.variables.end(); ++it) {
+      vars.emplace_back(it.key(), jinja::from_json(it.value()));
     }
-    if (t.substr(i, 2) == "{{" || t.substr(i, 2) == "{%") {
-      const std::string_view close = t[i + 1] == '{' ? "}}" : "%}";
-      out.append(t.substr(i, 2));
-      i += 2;
-      if (i < n && (t[i] == '-' || t[i] == '+')) ++i;
-      while (i < n) {
-        const char c = t[i];
-        if (c == '\'' || c == '"') {  // a string: kept verbatim, quoted with '
-          size_t j = i + 1;
-          while (j < n && t[j] != c) j += t[j] == '\\' ? 2 : 1;
-          out += '\'';
-          out.append(t.substr(i + 1, std::min(j, n) - (i + 1)));
-          out += '\'';
-          i = j + 1;
-        } else if ((c == '-' || c == '+') && t.substr(i + 1, 2) == close) {
-          ++i;
-        } else if (t.substr(i, 2) == close) {
-          out.append(close);
-          i += 2;
-          break;
-        } else {
-          if (!is_ascii_space(c)) out += c;
-          ++i;
-        }
-      }
-      continue;
-    }
-    if (!is_ascii_space(t[i])) out += t[i];
-    ++i;
   }
+  if (!bos_token_.empty()) vars.emplace_back("bos_token", Value::string(bos_token_));
+  if (!eos_token_.empty()) vars.emplace_back("eos_token", Value::string(eos_token_));
+  // apply_chat_template passes tools=None and documents=None when there are none; templates
+  // test `tools is not none`.
+  vars.emplace_back("tools", options.tools.is_null() ? Value::none() : jinja::from_json(options.tools));
+  vars.emplace_back("documents", Value::none());
+  vars.emplace_back("add_generation_prompt", Value::boolean(generation_prompt));
+  vars.emplace_back("messages", messages);
+  JinjaOptions jo;
+  jo.now = options.now;
+  Result<JinjaOutput> out = template_.render_values(vars, track ? messages : Value(), jo);
+  if (!out.ok()) return Status::InvalidArgument(source_ + " " + out.status().message());
   return out;
 }
 
-uint64_t chat_template_hash(std::string_view text) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : normalize_chat_template(text)) h = (h ^ c) * 0x100000001b3ull;
-  return h;
+Result<std::string> ChatTemplate::render(const nlohmann::ordered_json& messages, const ChatRenderOptions& options) const {
+  if (!messages.is_array()) return Status::InvalidArgument("messages must be a JSON list");
+  ASSIGN_OR_RETURN(JinjaOutput out, run(jinja::from_json(messages), options, options.add_generation_prompt, false));
+  return std::move(out.text);
 }
 
-ChatTemplate recognise_chat_template(std::string_view text) {
-  ChatTemplate t;
-  t.hash = chat_template_hash(text);
-  t.format = ChatFormat::kUnknown;
-  for (const KnownTemplate& k : kKnown) {
-    if (k.hash != t.hash) continue;
-    t.format = k.format;
-    t.name = k.name;
-    t.default_system = k.default_system;
-    t.basic_roles_only = k.basic_roles_only;
-    t.space_after_eos = k.space_after_eos;
+Result<ByteSpan> ChatTemplate::turn_of(const Value& all, size_t i, const JinjaOutput& whole,
+                                       const ChatRenderOptions& options) const {
+  if (whole.item_spans[i].end > 0) return whole.item_spans[i];
+  // A template that loops over indices (range(messages|length)) binds no message as its item:
+  // then the conversation up to message i, when the whole text starts with it, ends the turn.
+  ASSIGN_OR_RETURN(JinjaOutput upto, run(first_messages(all, i + 1), options, false, false));
+  if (upto.text.empty() || whole.text.compare(0, upto.text.size(), upto.text) != 0) {
+    return Status::InvalidArgument(source_ + ": cannot find the text of assistant message " + std::to_string(i) +
+                                   " (no loop over the messages wrote it, and the conversation up to it renders "
+                                   "differently from the start of the whole)");
   }
-  return t;
+  return ByteSpan{0, static_cast<uint32_t>(upto.text.size())};
 }
 
-Result<RenderedChat> render_chat(const ChatTemplate& tmpl, std::span<const ChatMessage> messages,
-                                 std::string_view bos_token, std::string_view eos_token) {
-  CHECK(tmpl.format != ChatFormat::kNone && tmpl.format != ChatFormat::kUnknown);
-  if (messages.empty()) return Status::InvalidArgument("a conversation without messages");
-  for (const ChatMessage& m : messages) {
-    if (tmpl.basic_roles_only && !basic_role(m.role)) {
-      return Status::InvalidArgument("role \"" + m.role + "\": the " + tmpl.name +
-                                     " template renders tool turns in a form strata does not; use system, user and "
-                                     "assistant");
-    }
-  }
+Result<RenderedChat> ChatTemplate::render_with_spans(const nlohmann::ordered_json& messages,
+                                                     const ChatRenderOptions& options) const {
+  if (!messages.is_array() || messages.empty()) return Status::InvalidArgument("a conversation without messages");
+  const Value all = jinja::from_json(messages);
+  ASSIGN_OR_RETURN(JinjaOutput whole, run(all, options, false, true));
   RenderedChat out;
-  std::string& text = out.text;
-  // Appends a turn's content and end marker; an assistant's count towards the loss.
-  auto reply = [&](const ChatMessage& m, std::string_view content, std::string_view end) {
-    const auto begin = static_cast<uint32_t>(text.size());
-    text.append(content);
-    text.append(end);
-    if (m.role == "assistant") out.assistant.push_back({begin, static_cast<uint32_t>(text.size())});
-  };
-  switch (tmpl.format) {
-    case ChatFormat::kChatML:
-      if (!tmpl.default_system.empty() && messages[0].role != "system") {
-        text += "<|im_start|>system\n" + tmpl.default_system + "<|im_end|>\n";
-      }
-      for (const ChatMessage& m : messages) {
-        text += "<|im_start|>" + m.role + "\n";
-        reply(m, m.content, "<|im_end|>");
-        text += "\n";
-      }
-      break;
-    case ChatFormat::kLlama3:
-    case ChatFormat::kLlama31: {
-      text.append(bos_token);
-      size_t first = 0;
-      if (tmpl.format == ChatFormat::kLlama31) {  // the system message always comes first, in its header
-        text += "<|start_header_id|>system<|end_header_id|>\n\n";
-        text.append(kLlama31Dates);
-        if (messages[0].role == "system") {
-          text.append(trim(messages[0].content));
-          first = 1;
-        }
-        text += "<|eot_id|>";
-      }
-      for (const ChatMessage& m : messages.subspan(first)) {
-        text += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n";
-        reply(m, trim(m.content), "<|eot_id|>");
-      }
-      break;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (role_of(messages[i]) != "assistant") continue;
+    const std::string which = "assistant message " + std::to_string(i);
+    ASSIGN_OR_RETURN(const ByteSpan turn, turn_of(all, i, whole, options));
+    Result<JinjaOutput> prompt = run(first_messages(all, i), options, true, false);
+    if (!prompt.ok()) {
+      return prompt.status().with_context("rendering the conversation before " + which + " as a prompt");
     }
-    case ChatFormat::kMistral:
-      text.append(bos_token);
-      for (size_t i = 0; i < messages.size(); ++i) {
-        const ChatMessage& m = messages[i];
-        if ((m.role == "user") != (i % 2 == 0) || (m.role != "user" && m.role != "assistant")) {
-          return Status::InvalidArgument("message " + std::to_string(i) + " has role \"" + m.role + "\": the " +
-                                         tmpl.name + " template takes user and assistant turns alternating, "
-                                         "user first (no system message)");
-        }
-        if (m.role == "user") {
-          text += "[INST] " + m.content + " [/INST]";
-        } else {
-          reply(m, m.content, eos_token);
-          if (tmpl.space_after_eos) text += " ";
-        }
-      }
-      break;
-    case ChatFormat::kNone:
-    case ChatFormat::kUnknown:
-      break;
+    // Never before the message's own text: a template may render earlier turns differently
+    // when a reply follows (Mistral-Nemo moves the system message into the last user turn).
+    const size_t start = std::max<size_t>(common_prefix(prompt->text, whole.text), turn.begin);
+    size_t end = i + 1 == messages.size() ? whole.text.size() : turn.end;
+    while (end > turn.begin && is_layout_space(whole.text[end - 1])) --end;
+    // An empty reply after a generation prompt that ends in whitespace: an empty span there.
+    end = std::max(end, start);
+    out.assistant.push_back({static_cast<uint32_t>(start), static_cast<uint32_t>(end)});
   }
+  out.text = std::move(whole.text);
   return out;
+}
+
+Result<std::optional<std::string>> read_chat_template(const nlohmann::json& config, const std::string& config_path,
+                                                      const std::string& name) {
+  const std::filesystem::path jinja_file = std::filesystem::path(config_path).parent_path() / "chat_template.jinja";
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(jinja_file, ec)) {
+    std::ifstream in(jinja_file, std::ios::binary);
+    std::ostringstream text;
+    text << in.rdbuf();
+    if (!in) return Status::IOError(jinja_file.string() + ": read failed");
+    return std::optional<std::string>(text.str());
+  }
+  auto tmpl = config.find("chat_template");
+  if (tmpl == config.end() || tmpl->is_null()) return std::optional<std::string>();
+  if (tmpl->is_string()) return std::optional<std::string>(tmpl->get<std::string>());
+  const std::string wanted = name.empty() ? "default" : name;
+  if (tmpl->is_array()) {
+    std::string names;
+    for (const nlohmann::json& t : *tmpl) {
+      if (!t.is_object() || !t.contains("name") || !t["name"].is_string() || !t.contains("template") ||
+          !t["template"].is_string()) {
+        return Status::InvalidArgument(config_path + ": chat_template list entries must be {\"name\", \"template\"} strings");
+      }
+      if (t["name"] == wanted) return std::optional<std::string>(t["template"].get<std::string>());
+      names += (names.empty() ? "" : ", ") + t["name"].get<std::string>();
+    }
+    return Status::InvalidArgument(config_path + ": chat_template has no template named \"" + wanted + "\" (it has " +
+                                   names + ")");
+  }
+  return Status::InvalidArgument(config_path + ": chat_template must be a string or a list of {\"name\", \"template\"}");
 }
 
 }  // namespace strata::model

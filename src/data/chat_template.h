@@ -1,72 +1,86 @@
-// The chat templates strata renders. tokenizer_config.json's chat_template is Jinja, which
-// strata does not interpret; instead it recognises the templates of the supported families by
-// a hash of their normalized text and renders what transformers' apply_chat_template renders
-// for them (no tools, no generation prompt):
-//   kChatML   plain ChatML; Qwen2-Instruct and Qwen2.5-Instruct, which put
-//             their default system message first when the conversation has none
-//   kLlama3   Meta-Llama-3-Instruct
-//   kLlama31  Meta-Llama-3.1-Instruct: a system header with its knowledge and date lines first
-//   kMistral  Mistral-7B-Instruct-v0.1/v0.2 and Mixtral-8x7B-Instruct-v0.1 as first published
-//             ([INST] ... [/INST], user and assistant alternating; with or without a space
-//             after each </s>). Not the later v0.3-style templates with [AVAILABLE_TOOLS].
-// Normalizing drops comments, whitespace outside quoted strings and the whitespace-control
-// marks at tag edges, and quotes every string with ', so copies that differ only in layout or
-// quote style are recognised. Any other template is kUnknown.
+// Chat templates: tokenizer_config.json's chat_template (Jinja) rendered by strata's Jinja
+// interpreter (jinja.h) as transformers' apply_chat_template renders it, with the bytes of each
+// assistant turn found in the rendered text.
+//
+// Assistant spans come from renders, not from token patterns. For assistant message i:
+//   start  where the whole conversation's text first differs from the conversation up to
+//          message i rendered with add_generation_prompt (the prompt a model is given to write
+//          the reply; its generation prompt, e.g. "<|im_start|>assistant\n", is not counted);
+//   end    the end of the text the template's loop over the messages wrote for message i (the
+//          reply and its end marker, e.g. "<|im_end|>"), or for the last message the end of the
+//          whole text (what a template writes after its loop, e.g. Zephyr-Gemma's eos_token,
+//          closes the last reply), without trailing whitespace (the "\n" between turns is
+//          layout, not reply).
+// Messages, tools and variables are ordered JSON: Python keeps a dict's key order, and tojson
+// and printing write the keys in it.
+// Where a template renders the text before a reply differently depending on whether the reply
+// follows (Mistral-Nemo moves the system message into the last user turn), the span starts no
+// earlier than the text its loop wrote for the message.
 #pragma once
 
-#include <cstdint>
-#include <span>
+#include <ctime>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/status.h"
+#include "data/jinja.h"
 #include "data/tokenizer_split.h"
 
 namespace strata::model {
 
-enum class ChatFormat : uint8_t {
-  kNone,     // no chat_template
-  kChatML,   // <|im_start|>role\ncontent<|im_end|>\n
-  kLlama3,   // <|begin_of_text|><|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>
-  kLlama31,  // kLlama3 after a system header with "Cutting Knowledge Date: ..." lines
-  kMistral,  // <s>[INST] user [/INST]assistant</s>
-  kUnknown,  // a template this renderer does not know
+struct ChatRenderOptions {
+  bool add_generation_prompt = false;
+  nlohmann::ordered_json tools;      // null, or a list of tool schemas the template is given as `tools`
+  nlohmann::ordered_json variables;  // null, or an object of further variables (enable_thinking, ...)
+  std::optional<std::time_t> now;  // what strftime_now formats; the current time when unset
 };
 
-struct ChatMessage {
-  std::string role;  // "system", "user", "assistant", ...
-  std::string content;
-};
-
-struct ChatTemplate {
-  ChatFormat format = ChatFormat::kNone;
-  std::string name;               // the family, for messages: "Qwen2.5-Instruct"
-  std::string default_system;     // kChatML: the system message put first when there is none
-  bool basic_roles_only = false;  // other roles than system/user/assistant render differently
-  bool space_after_eos = false;   // kMistral: " " after each </s>
-  uint64_t hash = 0;              // of the normalized text
-};
-
-// The template text as recognition sees it (see above).
-std::string normalize_chat_template(std::string_view text);
-// FNV-1a 64 of normalize_chat_template(text).
-uint64_t chat_template_hash(std::string_view text);
-// The template's family; format kUnknown (with the hash) when it is not one strata knows.
-ChatTemplate recognise_chat_template(std::string_view text);
-
-// A rendered conversation and the bytes of it that count towards the loss: each assistant
-// reply as rendered and the end marker after it (<|im_end|>, <|eot_id|>, </s>).
+// A rendered conversation and the bytes of it that count towards the loss.
 struct RenderedChat {
   std::string text;
   std::vector<ByteSpan> assistant;
 };
 
-// Renders messages as the template does with bos_token and eos_token (empty when the tokenizer
-// has none). InvalidArgument, saying why, for what the template refuses or strata does not
-// render: no messages, Mistral roles that do not alternate user/assistant, a tool role where
-// the template renders tools differently. REQUIRES: format is neither kNone nor kUnknown.
-Result<RenderedChat> render_chat(const ChatTemplate& tmpl, std::span<const ChatMessage> messages,
-                                 std::string_view bos_token, std::string_view eos_token);
+// Immutable after parse; copyable, safe for concurrent use.
+class ChatTemplate {
+ public:
+  // `source` names the template in messages ("DIR/tokenizer_config.json chat_template").
+  // bos_token/eos_token: empty when the tokenizer has none (the variable is then undefined).
+  static Result<ChatTemplate> parse(std::string_view text, std::string source, std::string bos_token,
+                                    std::string eos_token);
+
+  // messages: a JSON list of objects with "role" and usually "content" (tool_calls, ... as the
+  // template reads them). InvalidArgument naming the source and template line for what the
+  // template refuses (raise_exception) or cannot render.
+  Result<std::string> render(const nlohmann::ordered_json& messages, const ChatRenderOptions& options) const;
+  // The whole conversation (no generation prompt) with its assistant spans (see above).
+  Result<RenderedChat> render_with_spans(const nlohmann::ordered_json& messages, const ChatRenderOptions& options) const;
+
+  const std::string& source() const { return source_; }
+
+ private:
+  // The output bytes of message i: its loop iteration, or the render up to it.
+  Result<ByteSpan> turn_of(const jinja::Value& all, size_t i, const JinjaOutput& whole,
+                           const ChatRenderOptions& options) const;
+  Result<JinjaOutput> run(const jinja::Value& messages, const ChatRenderOptions& options, bool generation_prompt,
+                          bool track) const;
+
+  JinjaTemplate template_;
+  std::string source_;
+  std::string bos_token_;
+  std::string eos_token_;
+};
+
+// The template text of a tokenizer directory: chat_template.jinja beside tokenizer_config.json
+// when present (transformers prefers it), else the config's chat_template, a string or a list
+// of {"name", "template"} from which `name` is taken ("default" when empty). nullopt when
+// there is none; InvalidArgument naming the file when the list has no such name (listing
+// those it has) or the value is neither a string nor such a list.
+Result<std::optional<std::string>> read_chat_template(const nlohmann::json& config, const std::string& config_path,
+                                                      const std::string& name);
 
 }  // namespace strata::model

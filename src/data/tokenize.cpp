@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/progress.h"
+#include "data/conversation.h"
 #include "data/tokenizer.h"
 #include "data/token_files.h"
 
@@ -266,8 +267,10 @@ class Tokenize {
       summary_->bytes += static_cast<int64_t>(line.size()) + 1;
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
       const std::string where = path + ":" + std::to_string(number);
-      const json doc = json::parse(line, nullptr, false);
-      if (doc.is_discarded() || !doc.is_object()) return Status::InvalidArgument(where + ": not a JSON object");
+      // Ordered: a conversation's keys reach the chat template in the order the line has them.
+      const nlohmann::ordered_json doc = nlohmann::ordered_json::parse(line, nullptr, false);
+      if (doc.is_discarded()) return Status::InvalidArgument(where + ": not valid JSON");
+      if (!doc.is_object()) return Status::InvalidArgument(where + ": not a JSON object");
       if (options_.format == TokenizeFormat::kJsonl) {
         auto text = doc.find("text");
         if (text == doc.end() || !text->is_string()) return Status::InvalidArgument(where + ": no \"text\" string");
@@ -284,21 +287,10 @@ class Tokenize {
   }
 
  private:
-  Status chat_line(const json& doc, const std::string& where) {
-    auto messages = doc.find("messages");
-    if (messages == doc.end() || !messages->is_array() || messages->empty()) {
-      return Status::InvalidArgument(where + ": no \"messages\" list");
-    }
-    std::vector<model::ChatMessage> chat;
-    for (const json& m : *messages) {
-      auto role = m.is_object() ? m.find("role") : m.end();
-      auto content = m.is_object() ? m.find("content") : m.end();
-      if (!m.is_object() || role == m.end() || !role->is_string() || content == m.end() || !content->is_string()) {
-        return Status::InvalidArgument(where + ": each message needs \"role\" and \"content\" strings");
-      }
-      chat.push_back({role->get<std::string>(), content->get<std::string>()});
-    }
-    Result<model::EncodedChat> encoded = tok_.encode_chat(chat);
+  Status chat_line(const nlohmann::ordered_json& doc, const std::string& where) {
+    Result<nlohmann::ordered_json> messages = conversation_messages(doc);
+    if (!messages.ok()) return messages.status().with_context(where);
+    Result<model::EncodedChat> encoded = tok_.encode_chat(*messages);
     if (!encoded.ok()) return encoded.status().with_context(where);
     // The conversation exactly as the template renders it: no EOS after it (ChatML ends with
     // "<|im_end|>\n", the next conversation starts with its own header).
@@ -350,10 +342,8 @@ Result<TokenizeSummary> run(const TokenizeOptions& options, TokenizeSummary* sum
                                    "eos_token in tokenizer_config.json");
   }
   if (options.format == TokenizeFormat::kChat) {
-    // Fails early, naming tokenizer_config.json, when the template is not one strata renders.
-    if (tok.chat_format() == model::ChatFormat::kNone || tok.chat_format() == model::ChatFormat::kUnknown) {
-      return tok.encode_chat({}).status();
-    }
+    // Fails early, naming tokenizer_config.json, when there is no template.
+    if (!tok.chat_template()) return tok.encode_chat(nlohmann::ordered_json::array()).status();
   }
   summary->vocab_size = tok.vocab_size();
   std::error_code ec;

@@ -17,7 +17,8 @@
 // it wrote.
 //
 // Documents: text format, each input file whole; jsonl, the "text" string of each line;
-// chat, the "messages" list ([{"role", "content"}]) of each line rendered as the tokenizer's
+// chat, the conversation of each line (OpenAI messages, ShareGPT or Alpaca: conversation.h)
+// rendered as the tokenizer's
 // chat template renders it (chat_template.h). A text or jsonl document is encoded with the
 // tokenizer's post-processor template (e.g. Llama-3's BOS) unless add_special_tokens is off,
 // and followed by the EOS token. A conversation is encoded as apply_chat_template(tokenize=True)

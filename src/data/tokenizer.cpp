@@ -473,20 +473,11 @@ Status Tokenizer::load_config(const std::string& file) {
     if (eos_id_ < 0) return Status::Corruption(file + ": eos_token \"" + eos + "\" is not in the vocabulary");
     eos_text_ = eos;
   }
-  std::string chat_template;
-  auto tmpl = doc.find("chat_template");
-  if (tmpl != doc.end() && tmpl->is_string()) {
-    chat_template = tmpl->get<std::string>();
-  } else if (tmpl != doc.end() && tmpl->is_array()) {  // [{name, template}]: the "default" one
-    for (const json& t : *tmpl) {
-      if (t.is_object() && t.value("name", json()).is_string() && t["name"] == "default" && t.contains("template") &&
-          t["template"].is_string()) {
-        chat_template = t["template"].get<std::string>();
-      }
-    }
-    if (chat_template.empty()) chat_.format = ChatFormat::kUnknown;
+  ASSIGN_OR_RETURN(std::optional<std::string> chat_template, read_chat_template(doc, file, {}));
+  if (chat_template) {
+    ASSIGN_OR_RETURN(ChatTemplate parsed, ChatTemplate::parse(*chat_template, file + " chat_template", bos_text_, eos_text_));
+    chat_ = std::move(parsed);
   }
-  if (!chat_template.empty()) chat_ = recognise_chat_template(chat_template);
   return Status::OK();
 }
 
@@ -895,40 +886,12 @@ std::string Tokenizer::decode_metaspace(std::span<const int32_t> ids) const {
   return out;
 }
 
-Result<EncodedChat> Tokenizer::encode_chat(std::span<const ChatMessage> messages) const {
-  if (chat_.format == ChatFormat::kNone) {
-    return Status::Unimplemented(config_path_ + ": no chat_template; chat data needs the template of a chat model");
+Result<EncodedChat> Tokenizer::encode_chat(const nlohmann::ordered_json& messages, const ChatRenderOptions& options) const {
+  if (!chat_) {
+    return Status::Unimplemented(config_path_ + ": no chat_template; chat data needs the template of a chat model "
+                                 "(tokenizer_config.json's chat_template or chat_template.jinja beside it)");
   }
-  if (chat_.format == ChatFormat::kUnknown) {
-    char hash[17];
-    std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(chat_.hash));
-    return Status::Unimplemented(
-        config_path_ + ": chat_template (normalized hash " + hash +
-        ") is not one strata renders; it knows the templates of plain ChatML, Qwen2/Qwen2.5-Instruct, "
-        "Llama-3/3.1-Instruct and Mistral-Instruct v0.1/v0.2. Use one of those, or render the conversations "
-        "to text yourself and tokenize them as jsonl");
-  }
-  // The markers the template writes must be added tokens, or they would be encoded as text.
-  std::vector<std::string_view> specials;
-  if (chat_.format == ChatFormat::kChatML) specials = {"<|im_start|>", "<|im_end|>"};
-  if (chat_.format == ChatFormat::kLlama3 || chat_.format == ChatFormat::kLlama31) {
-    specials = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
-  }
-  if (chat_.format == ChatFormat::kMistral) {
-    if (eos_text_.empty()) {
-      return Status::InvalidArgument(config_path_ + ": the " + chat_.name + " template ends replies with eos_token, "
-                                     "which is not set");
-    }
-    specials = {eos_text_};
-  }
-  for (std::string_view special : specials) {
-    const int32_t id = token_to_id(special);
-    if (id < 0 || !is_added_[static_cast<size_t>(id)]) {
-      return Status::InvalidArgument(config_path_ + ": the chat template uses " + std::string(special) +
-                                     ", which is not an added token of tokenizer.json");
-    }
-  }
-  ASSIGN_OR_RETURN(RenderedChat rendered, render_chat(chat_, messages, bos_text_, eos_text_));
+  ASSIGN_OR_RETURN(RenderedChat rendered, chat_->render_with_spans(messages, options));
   EncodedChat chat;
   chat.text = std::move(rendered.text);
   std::vector<ByteSpan> spans;

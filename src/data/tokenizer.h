@@ -30,19 +30,20 @@
 // the Unicode version of unicode_nfc_tables.h; tokenizers' own tables are older and give class
 // 0 to the few combining marks added since, so text with those marks can order differently.
 //
-// Chat: tokenizer_config.json's chat_template is recognised, not interpreted as Jinja; the
-// families strata renders are listed in chat_template.h.
+// Chat: tokenizer_config.json's chat_template (or chat_template.jinja beside it) is rendered by
+// strata's Jinja interpreter (chat_template.h).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
 
-#include <nlohmann/json_fwd.hpp>
+#include <nlohmann/json.hpp>
 
 #include "core/status.h"
 #include "data/chat_template.h"
@@ -59,8 +60,8 @@ struct EncodeOptions {
 };
 
 // A rendered and encoded conversation. loss_mask[i] is 1 when token i overlaps an assistant
-// reply or the end marker after it (<|im_end|>, <|eot_id|>, </s>), 0 for everything the model
-// is given (system and user turns, role headers, default system messages, separators).
+// span (the reply and its end marker, chat_template.h), 0 for everything the model is given
+// (system and user turns, role headers, generation prompts, default system messages).
 struct EncodedChat {
   std::string text;
   std::vector<int32_t> ids;
@@ -111,13 +112,14 @@ class Tokenizer {
   // prefix space is added per part and no added token contains a newline).
   bool can_cut_after_newlines() const;
 
-  ChatFormat chat_format() const { return chat_.format; }
-  const ChatTemplate& chat_template() const { return chat_; }
-  // Renders messages as the chat template does (render_chat) and encodes the text (added
-  // tokens parsed, no post-processor template), as apply_chat_template(tokenize=True) does.
-  // Unimplemented naming tokenizer_config.json when the format is kNone or kUnknown;
-  // InvalidArgument for a conversation the template refuses.
-  Result<EncodedChat> encode_chat(std::span<const ChatMessage> messages) const;
+  // The chat template, when the tokenizer has one.
+  const std::optional<ChatTemplate>& chat_template() const { return chat_; }
+  // Renders messages (a JSON list of {"role", "content", ...}) with the chat template and
+  // encodes the text (added tokens parsed, no post-processor template), as
+  // apply_chat_template(tokenize=True) does; the loss mask marks the tokens that overlap an
+  // assistant span (chat_template.h). Unimplemented naming tokenizer_config.json when there is
+  // no template; InvalidArgument for a conversation the template refuses.
+  Result<EncodedChat> encode_chat(const nlohmann::ordered_json& messages, const ChatRenderOptions& options = {}) const;
 
  private:
   struct AddedToken {
@@ -203,7 +205,7 @@ class Tokenizer {
   int32_t eos_id_ = -1;
   std::string bos_text_;
   std::string eos_text_;
-  ChatTemplate chat_;
+  std::optional<ChatTemplate> chat_;
   std::unique_ptr<Cache> cache_;
 };
 

@@ -248,6 +248,60 @@ TEST_F(TokenizeTest, ChatWritesConversationsAsRenderedWithLossMasks) {
   EXPECT_EQ(read_loss_mask(s->shards[0]).status().code(), StatusCode::kCorruption);
 }
 
+TEST_F(TokenizeTest, ShareGptAndAlpacaLinesTokenizeAsTheSameOpenAiConversation) {
+  const std::string openai =
+      R"({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour.\n\nOne word."}, {"role": "assistant", "content": "Blue."}]})";
+  const std::string sharegpt =
+      R"({"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Name a colour.\n\nOne word."}, {"from": "gpt", "value": "Blue."}]})";
+  const std::string alpaca = R"({"system": "Be brief.", "instruction": "Name a colour.", "input": "One word.", "output": "Blue."})";
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<std::vector<uint8_t>> masks;
+  for (const std::string& line : {openai, sharegpt, alpaca}) {
+    TokenizeOptions o;
+    o.tokenizer = kFixtures + "/qwen2";
+    o.inputs = {write("c" + std::to_string(ids.size()) + ".jsonl", line + "\n")};
+    o.out_dir = path("out" + std::to_string(ids.size()));
+    o.format = TokenizeFormat::kChat;
+    Result<TokenizeSummary> s = tokenize_to_shards(o);
+    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    ids.push_back(read_all(o.out_dir));
+    Result<std::vector<uint8_t>> m = read_loss_mask(s->masks[0]);
+    ASSERT_TRUE(m.ok());
+    masks.push_back(*m);
+  }
+  EXPECT_EQ(ids[1], ids[0]);
+  EXPECT_EQ(ids[2], ids[0]);
+  EXPECT_EQ(masks[1], masks[0]);
+  EXPECT_EQ(masks[2], masks[0]);
+  std::vector<int32_t> counted;
+  for (size_t i = 0; i < ids[0].size(); ++i) {
+    if (masks[0][i]) counted.push_back(ids[0][i]);
+  }
+  EXPECT_EQ(load("qwen2").decode(counted), "Blue.<|im_end|>");
+}
+
+TEST_F(TokenizeTest, ChatLinesOfUnknownShapeAreRefusedWithFileAndLine) {
+  TokenizeOptions o;
+  o.tokenizer = kFixtures + "/qwen2";
+  o.out_dir = path("out");
+  o.format = TokenizeFormat::kChat;
+  const std::string good = R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})";
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"({"prompt": "hi", "completion": "yo"})", "no conversation in an object with keys [prompt, completion]"},
+      {R"({"conversations": [{"from": "alien", "value": "hi"}]})", "ShareGPT turn from \"alien\""},
+      {R"({"instruction": 3, "output": "x"})", "Alpaca \"instruction\" must be a string"},
+      {R"([1, 2])", "not a JSON object"},
+  };
+  for (const auto& [line, why] : bad) {
+    o.inputs = {write("bad.jsonl", good + "\n\n" + line + "\n")};
+    Result<TokenizeSummary> s = tokenize_to_shards(o);
+    ASSERT_FALSE(s.ok()) << line;
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find("bad.jsonl:3"), std::string::npos) << s.status().message();
+    EXPECT_NE(s.status().message().find(why), std::string::npos) << s.status().message();
+  }
+}
+
 TEST_F(TokenizeTest, Llama3ChatEndsWithEosNeedsNoSeparator) {
   const nlohmann::json expected = nlohmann::json::parse(
       std::ifstream(kFixtures + "/llama3/expected.json"), nullptr, false);

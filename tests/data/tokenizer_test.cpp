@@ -104,17 +104,15 @@ TEST_P(FixtureTest, ChatMatchesRenderedTemplate) {
   ASSERT_TRUE(tok.ok()) << tok.status().to_string();
   const json expected = read_json(kFixtures + "/" + GetParam() + "/expected.json");
   if (!expected.contains("chat")) {
-    EXPECT_EQ(tok->chat_format(), ChatFormat::kNone);
-    Result<EncodedChat> chat = tok->encode_chat({});
+    EXPECT_FALSE(tok->chat_template().has_value());
+    Result<EncodedChat> chat = tok->encode_chat(nlohmann::ordered_json::array());
     ASSERT_FALSE(chat.ok());
     EXPECT_EQ(chat.status().code(), StatusCode::kUnimplemented);
     EXPECT_NE(chat.status().message().find("tokenizer_config.json"), std::string::npos);
     return;
   }
   const json& c = expected["chat"];
-  std::vector<ChatMessage> messages;
-  for (const json& m : c["messages"]) messages.push_back({m["role"], m["content"]});
-  Result<EncodedChat> chat = tok->encode_chat(messages);
+  Result<EncodedChat> chat = tok->encode_chat(nlohmann::ordered_json(c["messages"]));
   ASSERT_TRUE(chat.ok()) << chat.status().to_string();
   EXPECT_EQ(chat->text, c["text"].get<std::string>());
   EXPECT_EQ(chat->ids, ids_of(c["ids"]));
@@ -124,7 +122,7 @@ TEST_P(FixtureTest, ChatMatchesRenderedTemplate) {
   for (size_t i = 0; i < chat->ids.size(); ++i) {
     if (chat->loss_mask[i]) counted.push_back(chat->ids[i]);
   }
-  const std::string end = tok->chat_format() == ChatFormat::kChatML ? "<|im_end|>" : "<|eot_id|>";
+  const std::string end = GetParam() == std::string("qwen2") ? "<|im_end|>" : "<|eot_id|>";
   EXPECT_EQ(tok->decode(counted), "4. Easy!" + end + "100 — also easy." + end);
 }
 
@@ -147,8 +145,9 @@ TEST(TokenizerTest, SpecialIdsAndVocabulary) {
   EXPECT_GE(llama3->eos_id(), 0);
   EXPECT_EQ(qwen2->bos_id(), -1);
   EXPECT_EQ(qwen2->eos_id(), qwen2->token_to_id("<|im_end|>"));
-  EXPECT_EQ(llama3->chat_format(), ChatFormat::kLlama3);
-  EXPECT_EQ(qwen2->chat_format(), ChatFormat::kChatML);
+  EXPECT_TRUE(llama3->chat_template().has_value());
+  EXPECT_TRUE(qwen2->chat_template().has_value());
+  EXPECT_FALSE(gpt2->chat_template().has_value());
   // Byte-level spellings.
   const int32_t space = gpt2->token_to_id("\xc4\xa0");  // "Ġ" stands for " "
   ASSERT_GE(space, 0);
@@ -262,18 +261,21 @@ TEST(TokenizerTest, SparseIdsAreRefusedBeforeSizingTheTables) {
   ASSERT_TRUE(ok.ok()) << ok.status().to_string();
 }
 
-TEST(TokenizerTest, UnknownChatTemplateIsUnimplementedNamingTheConfig) {
+TEST(TokenizerTest, AnyChatTemplateIsRendered) {
   TempDir dir;
   copy_with_edit("qwen2", dir, [](json*) {});
-  dir.write("tokenizer_config.json", R"({"eos_token": "<|im_end|>", "chat_template": "{% for m in messages %}[{{m.role}}]{% endfor %}"})");
+  dir.write("tokenizer_config.json", R"({"eos_token": "<|im_end|>", "chat_template": "{% for m in messages %}[{{m.role}}]{{ m.content }}{% endfor %}"})");
   Result<Tokenizer> tok = Tokenizer::load(dir.path());
   ASSERT_TRUE(tok.ok()) << tok.status().to_string();
-  EXPECT_EQ(tok->chat_format(), ChatFormat::kUnknown);
-  std::vector<ChatMessage> messages = {{"user", "hi"}};
-  Result<EncodedChat> chat = tok->encode_chat(messages);
-  ASSERT_FALSE(chat.ok());
-  EXPECT_EQ(chat.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(chat.status().message().find(dir.path() + "/tokenizer_config.json"), std::string::npos);
+  ASSERT_TRUE(tok->chat_template().has_value());
+  Result<EncodedChat> chat = tok->encode_chat(nlohmann::ordered_json::parse(R"([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])"));
+  ASSERT_TRUE(chat.ok()) << chat.status().to_string();
+  EXPECT_EQ(chat->text, "[user]hi[assistant]yo");
+  std::vector<int32_t> counted;
+  for (size_t i = 0; i < chat->ids.size(); ++i) {
+    if (chat->loss_mask[i]) counted.push_back(chat->ids[i]);
+  }
+  EXPECT_EQ(tok->decode(counted), "[assistant]yo");  // this template has no generation prompt to leave out
   // An eos_token that is not in the vocabulary fails the load.
   dir.write("tokenizer_config.json", R"({"eos_token": "<|nope|>"})");
   EXPECT_EQ(Tokenizer::load(dir.path()).status().code(), StatusCode::kCorruption);
@@ -360,7 +362,8 @@ TEST(TokenizerNfcTest, SpansReferToTheRawText) {
 TEST(TokenizerNfcTest, ChatLossMaskCoversTheNormalizedReply) {
   Result<Tokenizer> tok = Tokenizer::load(kFixtures + "/qwen2_nfc");
   ASSERT_TRUE(tok.ok());
-  std::vector<ChatMessage> messages = {{"user", "Cafe\u0301?"}, {"assistant", "Oui, cafe\u0301 \u1112\u1161\u11ab."}};
+  const nlohmann::ordered_json messages = {{{"role", "user"}, {"content", "Cafe\u0301?"}},
+                         {{"role", "assistant"}, {"content", "Oui, cafe\u0301 \u1112\u1161\u11ab."}}};
   Result<EncodedChat> chat = tok->encode_chat(messages);
   ASSERT_TRUE(chat.ok()) << chat.status().to_string();
   std::vector<int32_t> counted;

@@ -22,12 +22,14 @@ Options:
   --out DIR              output directory; created if missing, must hold no shards yet
   --format F             text (default): each file is one document
                          jsonl: one JSON object per line, its "text" string a document
-                         chat: one JSON object per line, {"messages": [{"role", "content"}]},
-                               rendered as the model's chat_template renders it (ChatML,
-                               Qwen2/2.5, Llama-3/3.1, Mistral v0.1/v0.2); also writes
+                         chat: one conversation per line: {"messages": [{"role", "content"}]}
+                               (OpenAI), {"conversations": [{"from", "value"}]} (ShareGPT)
+                               or {"instruction", "input", "output"} (Alpaca), rendered by
+                               strata's Jinja interpreter as transformers renders the
+                               model's chat_template (or chat_template.jinja); also writes
                                OUT/masks/train_NNNNNN.mask, 1 byte per token, 1 = the token is
-                               part of an assistant reply (or the end marker after it) and
-                               counts towards the loss
+                               part of an assistant turn (the reply and its end marker, not
+                               the generation prompt) and counts towards the loss
   --shard-tokens N       tokens per shard (default 100M; K/M/B suffixes are powers of 1000)
   --no-special-tokens    do not put the tokenizer's template tokens (e.g. Llama-3 BOS) around
                          each document
