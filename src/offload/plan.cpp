@@ -150,131 +150,174 @@ GroupBytes shard_of(GroupBytes b, int64_t world, int zero) {
   return b;
 }
 
-Plan plan_at_level(const PlanInput& in, int zero) {
-  Plan p;
-  p.zero = zero;
-  const int64_t L = in.num_layers;
-  const int64_t W = std::max<int64_t>(1, in.world_size);
-  const bool sharded = W > 1 && zero >= 1;  // some kind is split over the ranks
-  const GroupBytes full_layer = group_bytes(in, in.layer_elements, in.param_bytes, in.layer_chunks,
-                                            in.layer_param_chunks, in.layer_moment_chunks);
-  const GroupBytes full_edge = group_bytes(in, in.edge_elements, in.edge_param_bytes, in.edge_chunks,
-                                           in.edge_param_chunks, in.edge_moment_chunks);
-  // What this rank holds of each group; the working set below stays whole-layer sized: ZeRO-3
+// The sizes plan_at_level works with at one ZeRO level: each group whole and as this rank
+// holds it, and the activations' layer-boundary copies (saved activations) of a micro-batch.
+struct LevelSizes {
+  int zero = 0;
+  int64_t L = 0;        // layers; planner group L is the edge (embedding and head)
+  int64_t W = 1;        // ranks
+  int64_t groups = 0;   // L + 1
+  bool sharded = false;  // some kind is split over the ranks
+  GroupBytes full_layer{}, full_edge{};
+  // What this rank holds of each group; the working set stays whole-layer sized: ZeRO-3
   // gathers a layer's parameters before using them and ZeRO-2 produces a layer's gradients in
   // full before reducing them onto their shards.
-  const GroupBytes layer = shard_of(full_layer, W, zero);
-  const GroupBytes edge = shard_of(full_edge, W, zero);
-  // The parameters each rank's AdamW updates in a group.
-  auto updated = [&](uint64_t elements) {
+  GroupBytes layer{}, edge{};
+  uint64_t saved_all = 0;  // every layer's saved activations, kept on the device
+  const GroupBytes& of(int64_t g) const { return g == L ? edge : layer; }
+  // The parameters each rank's AdamW updates in a group of `elements`.
+  uint64_t updated(uint64_t elements) const {
     return zero >= 1 ? (elements + static_cast<uint64_t>(W) - 1) / static_cast<uint64_t>(W) : elements;
-  };
-  const int64_t groups = L + 1;  // index L is the edge group
-  auto gb = [&](int64_t g) -> const GroupBytes& { return g == L ? edge : layer; };
-  const uint64_t ckpt_all = static_cast<uint64_t>(L + 1) * in.checkpoint_bytes_per_layer;
+  }
+};
 
-  // 1. The device working set while everything streams.
-  const uint64_t ws_param = std::max(full_edge.param + full_layer.param, 2 * full_layer.param);
-  const uint64_t ws_grad = std::max(full_edge.grad + full_layer.grad, 2 * full_layer.grad);
-  const uint64_t ws_act = in.layer_workspace_bytes + in.head_workspace_bytes + in.kept_activation_bytes;
-  const uint64_t ws_ckpt_offloaded = 2 * in.checkpoint_bytes_per_layer;
+LevelSizes level_sizes(const PlanInput& in, int zero) {
+  LevelSizes s;
+  s.zero = zero;
+  s.L = in.num_layers;
+  s.W = std::max<int64_t>(1, in.world_size);
+  s.groups = s.L + 1;
+  s.sharded = s.W > 1 && zero >= 1;
+  s.full_layer = group_bytes(in, in.layer_elements, in.param_bytes, in.layer_chunks, in.layer_param_chunks,
+                             in.layer_moment_chunks);
+  s.full_edge = group_bytes(in, in.edge_elements, in.edge_param_bytes, in.edge_chunks, in.edge_param_chunks,
+                            in.edge_moment_chunks);
+  s.layer = shard_of(s.full_layer, s.W, zero);
+  s.edge = shard_of(s.full_edge, s.W, zero);
+  s.saved_all = static_cast<uint64_t>(s.L + 1) * in.checkpoint_bytes_per_layer;
+  return s;
+}
+
+// The device working set while everything streams: two layers' (or a layer's and the edge's)
+// parameters and gradients, the activations, and the saved activations (two layers' when
+// offloaded, else every layer's).
+struct WorkingSet {
+  uint64_t param = 0, grad = 0, act = 0, saved_offloaded = 0;
+};
+
+// Step 1: the working set on the device, and whether the saved activations are offloaded. False
+// with the problem and suggestions in `p` when the device cannot hold it; else `free_bytes` is
+// what the device has left for resident state.
+bool plan_working_set(const PlanInput& in, const LevelSizes& s, Plan& p, WorkingSet* ws, uint64_t* free_bytes) {
+  ws->param = std::max(s.full_edge.param + s.full_layer.param, 2 * s.full_layer.param);
+  ws->grad = std::max(s.full_edge.grad + s.full_layer.grad, 2 * s.full_layer.grad);
+  ws->act = in.layer_workspace_bytes + in.head_workspace_bytes + in.kept_activation_bytes;
+  ws->saved_offloaded = 2 * in.checkpoint_bytes_per_layer;
   bool offload = in.offload_activations == "true";
-  uint64_t minimum = ws_param + ws_grad + ws_act + (offload ? ws_ckpt_offloaded : ckpt_all);
-  if (in.offload_activations == "auto") minimum = ws_param + ws_grad + ws_act + ws_ckpt_offloaded;
+  uint64_t minimum = ws->param + ws->grad + ws->act + (offload ? ws->saved_offloaded : s.saved_all);
+  if (in.offload_activations == "auto") minimum = ws->param + ws->grad + ws->act + ws->saved_offloaded;
   p.min_device_budget = minimum;
   if (minimum > in.device_budget) {
     p.problem = fmt::format(
         "the device budget {} cannot hold one layer's working set of {} (parameters {}, gradients {}, "
-        "activations {}, checkpoints {})",
-        format_bytes(in.device_budget), format_bytes(minimum), format_bytes(ws_param), format_bytes(ws_grad),
-        format_bytes(ws_act), format_bytes(minimum - ws_param - ws_grad - ws_act));
+        "activations {}, saved activations {})",
+        format_bytes(in.device_budget), format_bytes(minimum), format_bytes(ws->param), format_bytes(ws->grad),
+        format_bytes(ws->act), format_bytes(minimum - ws->param - ws->grad - ws->act));
     p.suggestions.push_back(fmt::format("raise memory.device to at least {}", format_bytes(minimum)));
     p.suggestions.push_back("or lower train.micro_batch / train.seq_len (activations grow with tokens per micro-batch)");
-    return p;
+    return false;
   }
-  uint64_t free_bytes = in.device_budget - minimum;
-  p.device.act = ws_act;
+  *free_bytes = in.device_budget - minimum;
+  p.device.act = ws->act;
   if (in.offload_activations == "auto") {
-    const uint64_t extra = ckpt_all - ws_ckpt_offloaded;
-    offload = extra > free_bytes;
-    if (!offload) free_bytes -= extra;
+    const uint64_t extra = s.saved_all - ws->saved_offloaded;
+    offload = extra > *free_bytes;
+    if (!offload) *free_bytes -= extra;
   }
   p.offload_activations = offload;
-  p.device.act += offload ? ws_ckpt_offloaded : ckpt_all;
+  p.device.act += offload ? ws->saved_offloaded : s.saved_all;
+  return true;
+}
 
-  // 2. Resident parameters, then gradients, then optimizer states, group by group (edge first:
-  // it is touched at both ends of every pass).
-  std::vector<bool> param_res(groups, false), grad_res(groups, false), opt_dev(groups, false);
+// Where each planner group's kinds live: resident on the device or not, its optimizer state on
+// the device, else on the host or spilled to NVMe.
+struct GroupHomes {
+  std::vector<bool> param_res, grad_res, opt_dev, opt_nvme;
+};
+
+// Step 2: resident parameters, then gradients, then optimizer states, group by group (edge
+// first: it is touched at both ends of every pass), in the device's `free_bytes`.
+GroupHomes place_on_device(const LevelSizes& s, const WorkingSet& ws, uint64_t free_bytes, Plan& p) {
+  const int64_t groups = s.groups, L = s.L;
+  GroupHomes h{std::vector<bool>(groups, false), std::vector<bool>(groups, false), std::vector<bool>(groups, false),
+               std::vector<bool>(groups, false)};
   auto order = [&](int64_t i) { return i == 0 ? L : i - 1; };
-  uint64_t ws_param_left = ws_param, ws_grad_left = ws_grad;
+  uint64_t ws_param_left = ws.param, ws_grad_left = ws.grad;
   for (int64_t i = 0; i < groups; ++i) {
     const int64_t g = order(i);
-    if (gb(g).param > free_bytes) continue;
-    free_bytes -= gb(g).param;
-    param_res[g] = true;
+    if (s.of(g).param > free_bytes) continue;
+    free_bytes -= s.of(g).param;
+    h.param_res[g] = true;
     p.resident_param_groups++;
   }
   // Every group's parameters resident frees the working set's, unless they are shards.
-  if (p.resident_param_groups == groups && !(W > 1 && zero >= 3)) free_bytes += ws_param_left, ws_param_left = 0;
+  if (p.resident_param_groups == groups && !(s.W > 1 && s.zero >= 3)) free_bytes += ws_param_left, ws_param_left = 0;
   for (int64_t i = 0; i < groups; ++i) {
     const int64_t g = order(i);
-    if (gb(g).grad > free_bytes) continue;
-    free_bytes -= gb(g).grad;
-    grad_res[g] = true;
+    if (s.of(g).grad > free_bytes) continue;
+    free_bytes -= s.of(g).grad;
+    h.grad_res[g] = true;
     p.resident_grad_groups++;
   }
-  if (p.resident_grad_groups == groups && !(W > 1 && zero >= 2)) free_bytes += ws_grad_left, ws_grad_left = 0;
+  if (p.resident_grad_groups == groups && !(s.W > 1 && s.zero >= 2)) free_bytes += ws_grad_left, ws_grad_left = 0;
   for (int64_t i = 0; i < groups; ++i) {
     const int64_t g = order(i);
-    if (!param_res[g] || !grad_res[g] || gb(g).optimizer() > free_bytes) continue;
-    free_bytes -= gb(g).optimizer();
-    opt_dev[g] = true;
+    if (!h.param_res[g] || !h.grad_res[g] || s.of(g).optimizer() > free_bytes) continue;
+    free_bytes -= s.of(g).optimizer();
+    h.opt_dev[g] = true;
     p.device_optimizer_groups++;
   }
-  p.device_working_set = ws_param_left + ws_grad_left + ws_act + (offload ? ws_ckpt_offloaded : 0);
+  p.device_working_set = ws_param_left + ws_grad_left + ws.act + (p.offload_activations ? ws.saved_offloaded : 0);
   p.device.param = ws_param_left;
   p.device.grad = ws_grad_left;
   for (int64_t g = 0; g < groups; ++g) {
-    if (param_res[g]) p.device.param += gb(g).param;
-    if (grad_res[g]) p.device.grad += gb(g).grad;
-    if (opt_dev[g]) p.device.master += gb(g).master, p.device.adam_m += gb(g).adam_m, p.device.adam_v += gb(g).adam_v;
+    if (h.param_res[g]) p.device.param += s.of(g).param;
+    if (h.grad_res[g]) p.device.grad += s.of(g).grad;
+    if (h.opt_dev[g])
+      p.device.master += s.of(g).master, p.device.adam_m += s.of(g).adam_m, p.device.adam_v += s.of(g).adam_v;
   }
+  return h;
+}
 
-  // 3. Host: every group whose optimizer runs on the CPU keeps a parameter copy, a gradient
-  // landing buffer and its optimizer state there, unless the state spills to NVMe.
-  if (offload) p.host.act = ckpt_all;
-  std::vector<int64_t> host_groups;
-  std::vector<bool> opt_nvme(groups, false);
-  for (int64_t g = 0; g < groups; ++g) {
-    if (opt_dev[g]) continue;
-    host_groups.push_back(g);
-    p.host.param += gb(g).param;
-    p.host.grad += gb(g).grad;
-    p.host.master += gb(g).master;
-    p.host.adam_m += gb(g).adam_m;
-    p.host.adam_v += gb(g).adam_v;
-  }
-  // Spill optimizer state to NVMe, whole groups at a time, until the host fits; each NVMe group
-  // then needs staging buffers on the host for the read -> update -> write pipeline.
-  // The pipeline holds two chunks of each optimizer kind in flight (read-ahead and write-behind).
-  // Without a fixed chunk size, chunks come out about one layer's optimizer tensors large. With
-  // the store's chunk counts known, the staging is a whole group's: AdamW acquires all of it.
+// The host staging of the NVMe optimizer pipeline (read -> update -> write): two chunks of each
+// optimizer kind in flight (read-ahead and write-behind). Without a fixed chunk size, chunks
+// come out about one layer's optimizer tensors large. With the store's chunk counts known, the
+// staging is a whole group's (a rank's part of it, sharded): AdamW acquires all of it.
+uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s) {
   const uint64_t pipeline_chunk =
       in.chunk_size ? in.chunk_size : std::min<uint64_t>(64ull << 20, round_up(in.layer_elements * 4, 4096));
   const uint64_t optimizer_kinds = in.separate_master ? 3 : 2;
-  // Sharded, a rank's part of the group.
-  const uint64_t w = static_cast<uint64_t>(W);
-  const uint64_t group_chunks = sharded ? (in.largest_group_chunks + w - 1) / w : in.largest_group_chunks;
-  const uint64_t staging = in.largest_group_chunks > 0 && in.chunk_size > 0
-                               ? optimizer_kinds * std::max<uint64_t>(group_chunks, 2) * in.chunk_size
-                               : 2 * optimizer_kinds * pipeline_chunk;
+  const uint64_t w = static_cast<uint64_t>(s.W);
+  const uint64_t group_chunks = s.sharded ? (in.largest_group_chunks + w - 1) / w : in.largest_group_chunks;
+  return in.largest_group_chunks > 0 && in.chunk_size > 0
+             ? optimizer_kinds * std::max<uint64_t>(group_chunks, 2) * in.chunk_size
+             : 2 * optimizer_kinds * pipeline_chunk;
+}
+
+// Step 3: host and NVMe. Every group whose optimizer runs on the CPU keeps a parameter copy, a
+// gradient landing buffer and its optimizer state on the host, unless the state spills to NVMe
+// (whole groups at a time, from the last, until the host fits; NVMe groups then need the
+// pipeline's staging on the host). False with the problem and suggestions in `p` when the host
+// or NVMe budget cannot hold its part, or the host cannot pass the largest group while the
+// weights load.
+bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s, GroupHomes& h, Plan& p) {
+  if (p.offload_activations) p.host.act = s.saved_all;
+  std::vector<int64_t> host_groups;
+  for (int64_t g = 0; g < s.groups; ++g) {
+    if (h.opt_dev[g]) continue;
+    host_groups.push_back(g);
+    const GroupBytes& b = s.of(g);
+    p.host.param += b.param, p.host.grad += b.grad;
+    p.host.master += b.master, p.host.adam_m += b.adam_m, p.host.adam_v += b.adam_v;
+  }
+  const uint64_t staging = nvme_staging_bytes(in, s);
   auto host_total = [&] { return p.host.total() + (p.nvme_optimizer_groups > 0 ? staging : 0); };
   for (auto it = host_groups.rbegin(); it != host_groups.rend() && host_total() > in.host_budget; ++it) {
     if (in.nvme_budget == 0) break;
-    const GroupBytes& b = gb(*it);
+    const GroupBytes& b = s.of(*it);
     p.host.master -= b.master, p.host.adam_m -= b.adam_m, p.host.adam_v -= b.adam_v;
     p.nvme.master += b.master, p.nvme.adam_m += b.adam_m, p.nvme.adam_v += b.adam_v;
-    opt_nvme[*it] = true;
+    h.opt_nvme[*it] = true;
     p.nvme_optimizer_groups++;
   }
   if (p.nvme_optimizer_groups > 0) p.host.act += staging;
@@ -290,13 +333,13 @@ Plan plan_at_level(const PlanInput& in, int zero) {
       p.suggestions.push_back(fmt::format("raise memory.host to at least {} (parameters and gradients stay on the host)",
                                           format_bytes(p.host.total())));
     }
-    return p;
+    return false;
   }
   if (p.nvme.total() > in.nvme_budget) {
     p.problem = fmt::format("the nvme budget {} cannot hold the {} of optimizer state that spills there",
                             format_bytes(in.nvme_budget), format_bytes(p.nvme.total()));
     p.suggestions.push_back(fmt::format("raise memory.nvme.size to at least {}", format_bytes(p.nvme.total())));
-    return p;
+    return false;
   }
   // Loading the weights passes each group through host memory, whatever its home.
   const uint64_t load_bytes = in.largest_group_load_chunks * in.chunk_size;
@@ -307,13 +350,26 @@ Plan plan_at_level(const PlanInput& in, int zero) {
         format_bytes(in.host_budget), format_bytes(load_bytes));
     p.suggestions.push_back(fmt::format("raise memory.host to at least {}", format_bytes(load_bytes)));
     p.suggestions.push_back("or a smaller vocab_size or hidden_size (model.set) when that group is the embedding");
-    return p;
+    return false;
   }
-  p.fits = true;
-  p.placement = make_placement(in, L, layer, edge, param_res, grad_res, opt_dev, opt_nvme);
+  return true;
+}
 
-  // 4. Traffic per optimizer step, by phase: what one micro-batch's forward and backward move,
-  // and what moves once per step for the gradient passes and the optimizer.
+// What moves between the tiers in one step, by phase: a micro-batch's forward and backward, the
+// gradient passes (zeroing and the norm) and the optimizer once per step.
+struct PhaseTraffic {
+  uint64_t fwd_h2d = 0, fwd_d2h = 0, bwd_h2d = 0, bwd_d2h = 0, opt_h2d = 0, opt_d2h = 0;
+  uint64_t pass_h2d = 0, pass_d2h = 0;
+  uint64_t first_layer_h2d = 0;  // what the first layer of a phase needs before it can start
+  uint64_t grad_total = 0;       // every gradient's bytes this rank holds
+};
+
+// Step 4: traffic per optimizer step, with the step's totals in `p`: each streamed group moved
+// at every use, or, with chunks, the replay of the chunk space.
+PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, Plan& p) {
+  const int64_t L = s.L, groups = s.groups, W = s.W;
+  const int zero = s.zero;
+  const bool sharded = s.sharded, offload = p.offload_activations;
   const uint64_t accum = static_cast<uint64_t>(std::max<int64_t>(1, in.grad_accum));
   // The experts a micro-batch leaves without tokens, which a streamed layer does not move. A
   // rank's gradient shard is a slice of the flat layer that cuts across experts: with sharded
@@ -321,24 +377,25 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   const double idle = W > 1 && zero >= 2 ? 0.0 : std::clamp(1.0 - in.expert_fetch_fraction, 0.0, 1.0);
   const uint64_t idle_experts = static_cast<uint64_t>(idle * static_cast<double>(in.expert_elements));
   uint64_t fwd_h2d = 0, fwd_d2h = 0, bwd_h2d = 0, bwd_d2h = 0, opt_h2d = 0, opt_d2h = 0;
-  uint64_t first_layer_h2d = 0;  // what the first layer of a phase needs before it can start
+  uint64_t first_layer_h2d = 0;
   for (int64_t g = 0; g < groups; ++g) {
-    const GroupBytes& b = gb(g);
+    const GroupBytes& b = s.of(g);
     const uint64_t idle_param = g == L ? 0 : std::min(b.param, bytes_of(idle_experts, in.param_bytes));
     const uint64_t idle_grad = g == L ? 0 : std::min(b.grad, idle_experts * in.grad_bytes);
-    if (!param_res[g]) {  // forward, and backward's recompute
+    if (!h.param_res[g]) {  // forward, and backward's recompute
       fwd_h2d += b.param - idle_param;
       bwd_h2d += b.param - idle_param;
       if (g != L) first_layer_h2d = b.param - idle_param;
-    } else if (!opt_dev[g]) {
+    } else if (!h.opt_dev[g]) {
       opt_h2d += b.param;  // the updated copy after CPU AdamW
     }
-    if (!grad_res[g]) {  // accumulated on the device: read in and written back per micro-batch
+    if (!h.grad_res[g]) {  // accumulated on the device: read in and written back per micro-batch
       bwd_h2d += b.grad - idle_grad;
       bwd_d2h += b.grad - idle_grad;
+    } else if (!h.opt_dev[g]) {
+      opt_d2h += b.grad;  // once, for CPU AdamW
     }
-    else if (!opt_dev[g]) opt_d2h += b.grad;          // once, for CPU AdamW
-    if (!opt_dev[g]) p.cpu_adam_elements += updated(g == L ? in.edge_elements : in.layer_elements);
+    if (!h.opt_dev[g]) p.cpu_adam_elements += s.updated(g == L ? in.edge_elements : in.layer_elements);
   }
   if (offload) {
     fwd_d2h += static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
@@ -348,8 +405,8 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   // is taken inside the overlapped optimizer) reads each one there once more.
   uint64_t grad_total = 0, streamed_grad = 0;
   for (int64_t g = 0; g < groups; ++g) {
-    grad_total += gb(g).grad;
-    if (!grad_res[g]) streamed_grad += gb(g).grad;
+    grad_total += s.of(g).grad;
+    if (!h.grad_res[g]) streamed_grad += s.of(g).grad;
   }
   uint64_t pass_d2h = streamed_grad, pass_h2d = in.overlap_optimizer ? 0 : streamed_grad;
   p.h2d_bytes = accum * (fwd_h2d + bwd_h2d) + opt_h2d + pass_h2d;
@@ -359,7 +416,7 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   // With chunks, what the chunk space moves: it keeps copies in the slots its homes and working
   // set leave free and gives up, when full, the copy needed farthest along the schedule, so the
   // counts above (every streamed group moved at every use) are replaced by a replay of the
-  // schedule against the slots (offload/traffic_sim.h). The checkpoints' copies stay as above.
+  // schedule against the slots (offload/traffic_sim.h). The saved activations' copies stay as above.
   // Shards are not whole chunks: sharded plans keep the counts above (an upper bound).
   if (in.chunk_size > 0 && !sharded) {
     const TrafficResult sim = simulate_traffic(traffic_input(in, L, p, offload, idle_experts));
@@ -377,22 +434,27 @@ Plan plan_at_level(const PlanInput& in, int zero) {
       p.disk_write_bytes = total.disk_write * c;
     }
   }
+  return PhaseTraffic{fwd_h2d, fwd_d2h, bwd_h2d, bwd_d2h, opt_h2d, opt_d2h, pass_h2d, pass_d2h, first_layer_h2d,
+                      grad_total};
+}
 
-  // 5. Time, phase by phase, as the engine schedules the step. Within a phase the copy streams
-  // prefetch along the schedule while compute runs, so a transfer hides behind the compute of
-  // the layers before it; the first layer's parameters cannot (nothing runs before them), and
-  // on the CPU backend copies take the cores compute uses (rates.copy_overlap near 0).
+// Step 5: time, phase by phase, as the engine schedules the step. Within a phase the copy
+// streams prefetch along the schedule while compute runs, so a transfer hides behind the
+// compute of the layers before it; the first layer's parameters cannot (nothing runs before
+// them), and on the CPU backend copies take the cores compute uses (rates.copy_overlap near 0).
+void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, const PhaseTraffic& tr, Plan& p) {
   const MachineRates& r = in.rates;
   const double ov = std::clamp(r.copy_overlap, 0.0, 1.0);
-  const double Ld = static_cast<double>(L);
+  const double Ld = static_cast<double>(s.L);
+  const uint64_t accum = static_cast<uint64_t>(std::max<int64_t>(1, in.grad_accum));
   // Chunks move one by one, each with a cost of its own beside its bytes (a task on a copy
   // stream, its events); without a fixed chunk size, a layer's worth is one move.
-  const double move_bytes = static_cast<double>(in.chunk_size ? in.chunk_size : std::max<uint64_t>(layer.param, 1));
+  const double move_bytes = static_cast<double>(in.chunk_size ? in.chunk_size : std::max<uint64_t>(s.layer.param, 1));
   auto moves = [&](uint64_t bytes) { return std::ceil(static_cast<double>(bytes) / move_bytes) * r.copy_latency_s; };
   auto copy_seconds = [&](uint64_t h2d, uint64_t d2h) {
-    const double h = static_cast<double>(h2d) / r.h2d_bytes_per_s + moves(h2d);
-    const double d = static_cast<double>(d2h) / r.d2h_bytes_per_s + moves(d2h);
-    return std::max({h, d, static_cast<double>(h2d + d2h) / r.both_bytes_per_s + moves(h2d + d2h) / 2});
+    const double hs = static_cast<double>(h2d) / r.h2d_bytes_per_s + moves(h2d);
+    const double ds = static_cast<double>(d2h) / r.d2h_bytes_per_s + moves(d2h);
+    return std::max({hs, ds, static_cast<double>(h2d + d2h) / r.both_bytes_per_s + moves(h2d + d2h) / 2});
   };
   auto phase = [&](double flops, uint64_t h2d, uint64_t d2h, uint64_t first_h2d) {
     PhaseTime t;
@@ -413,32 +475,33 @@ Plan plan_at_level(const PlanInput& in, int zero) {
     forward_flops = in.flops_per_step / static_cast<double>(accum) / 3;
     backward_flops = 2 * forward_flops;
   }
-  ph.forward = phase(forward_flops, fwd_h2d, fwd_d2h, first_layer_h2d);
-  ph.backward = phase(backward_flops, bwd_h2d, bwd_d2h, first_layer_h2d + (offload ? in.checkpoint_bytes_per_layer : 0));
+  ph.forward = phase(forward_flops, tr.fwd_h2d, tr.fwd_d2h, tr.first_layer_h2d);
+  ph.backward = phase(backward_flops, tr.bwd_h2d, tr.bwd_d2h,
+                      tr.first_layer_h2d + (p.offload_activations ? in.checkpoint_bytes_per_layer : 0));
   // Zeroing writes every gradient and the norm reads it, with their copies; with the optimizer
   // overlapped the norm is taken group by group inside it.
   const double passes = in.overlap_optimizer ? 1.0 : 2.0;
-  ph.grad_passes_s = passes * static_cast<double>(grad_total) / r.device_memory_bytes_per_s +
-                     (1 - ov) * (static_cast<double>(pass_h2d) / r.h2d_bytes_per_s + moves(pass_h2d) +
-                                 static_cast<double>(pass_d2h) / r.d2h_bytes_per_s + moves(pass_d2h)) +
-                     ov * copy_seconds(pass_h2d, pass_d2h);
+  ph.grad_passes_s = passes * static_cast<double>(tr.grad_total) / r.device_memory_bytes_per_s +
+                     (1 - ov) * (static_cast<double>(tr.pass_h2d) / r.h2d_bytes_per_s + moves(tr.pass_h2d) +
+                                 static_cast<double>(tr.pass_d2h) / r.d2h_bytes_per_s + moves(tr.pass_d2h)) +
+                     ov * copy_seconds(tr.pass_h2d, tr.pass_d2h);
   // AdamW on the device for the device groups; on the CPU for the others, whose nvme reads and
   // writes and copies to and from the device the CPU cannot overlap with its own AdamW on the
   // CPU backend (ov 0), and can with a GPU's copy engines (ov 1).
   uint64_t device_adam_elements = 0;
-  for (int64_t g = 0; g < groups; ++g)
-    if (opt_dev[g]) device_adam_elements += updated(g == L ? in.edge_elements : in.layer_elements);
+  for (int64_t g = 0; g < s.groups; ++g)
+    if (h.opt_dev[g]) device_adam_elements += s.updated(g == s.L ? in.edge_elements : in.layer_elements);
   p.cpu_adam_s = static_cast<double>(p.cpu_adam_elements) / r.cpu_adam_params_per_s;
   p.disk_s = static_cast<double>(p.disk_read_bytes) / r.disk_read_bytes_per_s +
              static_cast<double>(p.disk_write_bytes) / r.disk_write_bytes_per_s;
-  const double opt_copies = copy_seconds(opt_h2d, opt_d2h);
+  const double opt_copies = copy_seconds(tr.opt_h2d, tr.opt_d2h);
   const double device_adam_s = static_cast<double>(device_adam_elements) / r.device_adam_params_per_s;
   ph.optimizer_s = device_adam_s + p.disk_s + std::max(p.cpu_adam_s, opt_copies) + (1 - ov) * std::min(p.cpu_adam_s, opt_copies);
   // Overlapped with backward, each group's update runs beside the backward of the layers below
   // it, all but the last group's (the embedding) — on cores of their own only where copies and
   // compute do not share them.
-  if (in.overlap_optimizer && groups > 0)
-    ph.optimizer_hidden_s = ov * std::min(ph.optimizer_s * Ld / static_cast<double>(groups), ph.backward.total_s());
+  if (in.overlap_optimizer && s.groups > 0)
+    ph.optimizer_hidden_s = ov * std::min(ph.optimizer_s * Ld / static_cast<double>(s.groups), ph.backward.total_s());
 
   const double mb = static_cast<double>(accum);
   p.compute_s = mb * (ph.forward.compute_s + ph.backward.compute_s);
@@ -447,44 +510,53 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   p.exposed_transfer_s = mb * (ph.forward.exposed_s + ph.backward.exposed_s);
   p.optimizer_tail_s = ph.optimizer_s - ph.optimizer_hidden_s;
   p.step_s = ph.step_s();
+}
 
-  // 6. Collectives between the ranks, bytes each rank sends per step, as ring algorithms do:
-  // an all-reduce of B bytes sends 2(W-1)/W x B (a reduce-scatter, then an all-gather), a
-  // reduce-scatter or an all-gather (W-1)/W x B. G is every gradient's bytes, P the compute
-  // copy's, without chunk padding.
-  //   ZeRO-0: the accumulated gradients all-reduced once per step, 2(W-1)/W x G.
-  //   ZeRO-1: the accumulated gradients reduced once per step onto the rank that owns them,
-  //     (W-1)/W x G (strata train reduces each group onto its owner: every other rank sends it
-  //     the group once), then the compute copy each rank updated gathered, (W-1)/W x P.
-  //   ZeRO-2: each micro-batch's gradients reduce-scattered onto their shards (a rank keeps
-  //     only its shard, so the accumulation happens there), grad_accum x (W-1)/W x G, plus the
-  //     all-gather of the updated compute copy.
-  //   ZeRO-3: the parameters all-gathered for the forward and again for the backward of every
-  //     micro-batch, 2 x grad_accum x (W-1)/W x P, plus ZeRO-2's gradient reduce-scatter; the
-  //     updated shards need no gather.
-  // Time: those bytes over the bus bandwidth of the slowest link the ring crosses, the node's
-  // when the world fits in one node and the network's otherwise (no hierarchical estimate).
-  // ZeRO-3's gathers prefetch beside compute (the larger of the two counts); the gradient
-  // reduction and the updated copy's gather run after backward and count in full.
-  if (W > 1) {
-    const uint64_t G = (static_cast<uint64_t>(L) * in.layer_elements + in.edge_elements) * in.grad_bytes;
-    const uint64_t P = bytes_of(static_cast<uint64_t>(L) * in.layer_elements, in.param_bytes) +
-                       bytes_of(in.edge_elements, in.edge_param_bytes);
-    auto ring = [&](uint64_t bytes) { return bytes / w * (w - 1) + bytes % w * (w - 1) / w; };  // (W-1)/W x bytes
-    CommBytes& c = p.comm;
-    if (zero == 0) c.grad_all_reduce = 2 * ring(G);
-    else if (zero == 1) c.grad_reduce_scatter = ring(G);
-    else c.grad_reduce_scatter = accum * ring(G);
-    if (zero == 1 || zero == 2) c.update_all_gather = ring(P);
-    if (zero == 3) c.param_all_gather = 2 * accum * ring(P);
-    const int64_t per_node = std::clamp<int64_t>(in.ranks_per_node, 1, W);
-    p.comm_bytes_per_s = W <= per_node ? r.intra_node_bytes_per_s : r.inter_node_bytes_per_s;
-    p.comm_s = static_cast<double>(c.total()) / p.comm_bytes_per_s;
-    const double gather_s = static_cast<double>(c.param_all_gather) / p.comm_bytes_per_s;
-    p.comm_exposed_s = (p.comm_s - gather_s) + std::max(0.0, gather_s - p.compute_s);
-    p.step_s += p.comm_exposed_s;
-  }
-  // What bounds the step: the largest of its parts.
+// Step 6: collectives between the ranks, bytes each rank sends per step, as ring algorithms do:
+// an all-reduce of B bytes sends 2(W-1)/W x B (a reduce-scatter, then an all-gather), a
+// reduce-scatter or an all-gather (W-1)/W x B. G is every gradient's bytes, P the compute
+// copy's, without chunk padding.
+//   ZeRO-0: the accumulated gradients all-reduced once per step, 2(W-1)/W x G.
+//   ZeRO-1: the accumulated gradients reduced once per step onto the rank that owns them,
+//     (W-1)/W x G (strata train reduces each group onto its owner: every other rank sends it
+//     the group once), then the compute copy each rank updated gathered, (W-1)/W x P.
+//   ZeRO-2: each micro-batch's gradients reduce-scattered onto their shards (a rank keeps
+//     only its shard, so the accumulation happens there), grad_accum x (W-1)/W x G, plus the
+//     all-gather of the updated compute copy.
+//   ZeRO-3: the parameters all-gathered for the forward and again for the backward of every
+//     micro-batch, 2 x grad_accum x (W-1)/W x P, plus ZeRO-2's gradient reduce-scatter; the
+//     updated shards need no gather.
+// Time: those bytes over the bus bandwidth of the slowest link the ring crosses, the node's
+// when the world fits in one node and the network's otherwise (no hierarchical estimate).
+// ZeRO-3's gathers prefetch beside compute (the larger of the two counts); the gradient
+// reduction and the updated copy's gather run after backward and count in full.
+void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
+  const int64_t W = s.W, L = s.L;
+  const int zero = s.zero;
+  if (W <= 1) return;
+  const uint64_t accum = static_cast<uint64_t>(std::max<int64_t>(1, in.grad_accum));
+  const uint64_t w = static_cast<uint64_t>(W);
+  const MachineRates& r = in.rates;
+  const uint64_t G = (static_cast<uint64_t>(L) * in.layer_elements + in.edge_elements) * in.grad_bytes;
+  const uint64_t P = bytes_of(static_cast<uint64_t>(L) * in.layer_elements, in.param_bytes) +
+                     bytes_of(in.edge_elements, in.edge_param_bytes);
+  auto ring = [&](uint64_t bytes) { return bytes / w * (w - 1) + bytes % w * (w - 1) / w; };  // (W-1)/W x bytes
+  CommBytes& c = p.comm;
+  if (zero == 0) c.grad_all_reduce = 2 * ring(G);
+  else if (zero == 1) c.grad_reduce_scatter = ring(G);
+  else c.grad_reduce_scatter = accum * ring(G);
+  if (zero == 1 || zero == 2) c.update_all_gather = ring(P);
+  if (zero == 3) c.param_all_gather = 2 * accum * ring(P);
+  const int64_t per_node = std::clamp<int64_t>(in.ranks_per_node, 1, W);
+  p.comm_bytes_per_s = W <= per_node ? r.intra_node_bytes_per_s : r.inter_node_bytes_per_s;
+  p.comm_s = static_cast<double>(c.total()) / p.comm_bytes_per_s;
+  const double gather_s = static_cast<double>(c.param_all_gather) / p.comm_bytes_per_s;
+  p.comm_exposed_s = (p.comm_s - gather_s) + std::max(0.0, gather_s - p.compute_s);
+  p.step_s += p.comm_exposed_s;
+}
+
+// What bounds the step: the largest of its parts.
+const char* bottleneck_of(const Plan& p) {
   const double opt_cpu = p.optimizer_tail_s - std::min(p.optimizer_tail_s, p.disk_s);
   const std::pair<double, const char*> terms[] = {
       {p.compute_s, "compute"},
@@ -493,8 +565,29 @@ Plan plan_at_level(const PlanInput& in, int zero) {
       {std::min(p.optimizer_tail_s, p.disk_s), "disk"},
       {p.comm_exposed_s, "communication"}};
   double largest = -1;
+  const char* bottleneck = "";
   for (const auto& term : terms)
-    if (term.first > largest) largest = term.first, p.bottleneck = term.second;
+    if (term.first > largest) largest = term.first, bottleneck = term.second;
+  return bottleneck;
+}
+
+// The plan at one ZeRO level: the device's working set, then what is resident there, the host
+// and NVMe, the placement, the traffic, the time and the collectives.
+Plan plan_at_level(const PlanInput& in, int zero) {
+  Plan p;
+  p.zero = zero;
+  const LevelSizes s = level_sizes(in, zero);
+  WorkingSet ws;
+  uint64_t free_bytes = 0;
+  if (!plan_working_set(in, s, p, &ws, &free_bytes)) return p;
+  GroupHomes homes = place_on_device(s, ws, free_bytes, p);
+  if (!place_on_host_and_nvme(in, s, homes, p)) return p;
+  p.fits = true;
+  p.placement = make_placement(in, s.L, s.layer, s.edge, homes.param_res, homes.grad_res, homes.opt_dev, homes.opt_nvme);
+  const PhaseTraffic traffic = plan_traffic(in, s, homes, p);
+  plan_time(in, s, homes, traffic, p);
+  plan_comm(in, s, p);
+  p.bottleneck = bottleneck_of(p);
   return p;
 }
 
