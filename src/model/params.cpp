@@ -49,7 +49,7 @@ void fill_normal(float* out, int64_t n, double stddev, uint64_t seed) {
 
 }  // namespace
 
-ParamLayout::ParamLayout(const ModelConfig& config) {
+ParamLayout::ParamLayout(const ModelConfig& config) : config_(config) {
   const int64_t V = config.vocab_size;
   const int64_t C = config.hidden_size;
   const int64_t F = config.intermediate_size;

@@ -160,6 +160,8 @@ class ParamLayout {
   // REQUIRES: config.validate(...) is OK.
   explicit ParamLayout(const ModelConfig& config);
 
+  // The model this layout is of.
+  const ModelConfig& config() const { return config_; }
   const std::vector<TensorSpec>& tensors() const { return tensors_; }
   // Null when no tensor has that name.
   const TensorSpec* find(std::string_view name) const;
@@ -180,6 +182,7 @@ class ParamLayout {
  private:
   int64_t add(std::string name, std::vector<int64_t> shape, TensorRole kind);
 
+  ModelConfig config_;
   std::vector<TensorSpec> tensors_;
   std::unordered_map<std::string, size_t> index_;
   int64_t total_size_ = 0;

@@ -1,0 +1,75 @@
+// StepProgram: every acquisition of state in one optimizer step, in order, as the code that
+// acquires it runs. The model's part is recorded from the decoder itself (model/recording_access.h
+// runs its forward, recompute and backward without computing); the optimizer's part comes from
+// the functions below, which PagedState's passes acquire by. The chunk store prefetches and
+// evicts (Belady) along the program's schedule(); the planner's traffic replay
+// (offload/traffic_sim.h) follows its events. Nothing else writes the order down.
+//
+// Batches: the model holds what it acquires for a phase (a layer's parameters, gradients and
+// experts; the head with a tied embedding) until it ends that phase, and the optimizer holds one
+// group's kinds at a time. An event with `last` set closes a batch: everything acquired since
+// the previous such event is released after it.
+//
+// Thread-compatible value types.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "memory/chunk_space.h"
+#include "memory/tier.h"
+#include "offload/state_store.h"
+
+namespace strata {
+
+// The phases of a step, as the planner times them: zeroing the gradients, each micro-batch's
+// forward (the embedding, the layers, the head's forward and backward) and backward (recompute
+// and backward of the layers, the embedding's backward), the gradient norm, AdamW.
+enum class StepPhase : uint8_t { kZero, kForward, kBackward, kNorm, kOptimizer };
+inline constexpr int kStepPhases = 5;
+
+// One acquisition: `access` (its prefetch_to is where it happens) with `mode`.
+struct ProgramEvent {
+  GroupAccess access;
+  AccessMode mode = AccessMode::kRead;
+  StepPhase phase = StepPhase::kForward;
+  bool last = false;  // closes a batch (see above)
+};
+
+struct StepProgram {
+  std::vector<ProgramEvent> zero;         // before the micro-batches
+  std::vector<ProgramEvent> micro_batch;  // one micro-batch, repeated grad_accum times
+  std::vector<ProgramEvent> optimizer;    // after them: the norm, then AdamW group by group
+
+  // Every event of a step of `grad_accum` micro-batches, in order.
+  std::vector<ProgramEvent> events(int64_t grad_accum) const;
+  // Their accesses: the schedule the chunk store follows (StateStore::set_schedule).
+  std::vector<GroupAccess> schedule(int64_t grad_accum) const;
+};
+
+// Where AdamW works on a group whose state of the kind it updates by is homed at `home` (its
+// Adam moments; for a group another rank updates, the compute copy that receives the update):
+// on the device when it lives there, else in host memory (nvme-homed state is read into host
+// slots and written back by eviction).
+inline Tier update_tier(Tier home) { return home == Tier::kDevice ? Tier::kDevice : Tier::kHost; }
+
+// The kinds AdamW acquires for a group, in this order: every kind of the layout (`kinds`, in
+// StateLayout::kinds() order) when this rank updates the group, else only the compute copy,
+// which receives the owner's update.
+std::vector<StateKind> updated_kinds(const std::vector<StateKind>& kinds, bool updates_group);
+
+// The optimizer's side of a step, for `num_groups` groups: what PagedState's zero_grads and
+// clip_and_step acquire.
+struct OptimizerProgram {
+  int num_groups = 0;
+  std::vector<StateKind> kinds;                   // the layout's kinds
+  std::function<bool(int group)> updates_group;   // empty: every group
+  std::function<Tier(int group)> where;           // update_tier of the group
+};
+
+// The whole program: the optimizer's zeroing before `micro_batch` (the model's, recorded), the
+// norm and AdamW after it.
+StepProgram make_step_program(std::vector<ProgramEvent> micro_batch, const OptimizerProgram& optimizer);
+
+}  // namespace strata
