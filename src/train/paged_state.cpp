@@ -17,7 +17,7 @@
 #include "kernels/fp8.h"
 #include "kernels/grad_norm.h"
 #include "kernels/moments.h"
-#include "train/step_schedule.h"
+#include "model/recording_access.h"
 
 namespace strata {
 namespace {
@@ -214,22 +214,22 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
                            dtype_size(so.layout.activation_dtype());
     RETURN_IF_ERROR(ps->store_->add_activations(offloaded, bytes));
   }
-  const bool tied = ps->layout_.lm_head() == ps->layout_.embed_tokens();
-  std::vector<int> experts(static_cast<size_t>(L) + 2, 0);  // per group
-  for (const auto& t : ps->layout_.tensors()) {
-    int& count = experts[static_cast<size_t>(model::param_group_of(ps->layout_, t))];
-    count = std::max(count, model::param_expert_of(ps->layout_, t) + 1);
-  }
-  ps->store_->set_schedule(step_schedule(
-      L, tied, options.grad_accum, offloaded, experts, [p = ps.get()](int g) { return p->adam_tier(g); },
-      so.layout.kinds(), [p = ps.get()](int g, StateKind k) { return p->owns(g) || k == StateKind::kParam; }));
+  ps->store_->set_schedule(ps->step_program().schedule(options.grad_accum));
   if (options.overlap_optimizer) ps->worker_ = std::thread([p = ps.get()] { p->worker_loop(); });
   return ps;
 }
 
 Tier PagedState::adam_tier(int group) const {
-  if (!owns(group)) return store_->home(group, StateKind::kParam) == Tier::kDevice ? Tier::kDevice : Tier::kHost;
-  return store_->home(group, StateKind::kAdamM) == Tier::kDevice ? Tier::kDevice : Tier::kHost;
+  return update_tier(store_->home(group, owns(group) ? StateKind::kAdamM : StateKind::kParam));
+}
+
+StepProgram PagedState::step_program() const {
+  OptimizerProgram optimizer;
+  optimizer.num_groups = store_->num_groups();
+  optimizer.kinds = store_->layout().kinds();
+  optimizer.updates_group = [this](int g) { return owns(g); };
+  optimizer.where = [this](int g) { return adam_tier(g); };
+  return make_step_program(model::record_micro_batch(layout_.config(), options_.offload_activations), optimizer);
 }
 
 size_t PagedState::tensor_at(int64_t offset) const {

@@ -51,6 +51,7 @@
 #include "offload/placement.h"
 #include "kernels/adamw.h"
 #include "offload/state_store.h"
+#include "offload/step_program.h"
 #include "parallel/comm.h"
 #include "train/optimizer.h"
 #include "train/savable_state.h"
@@ -208,6 +209,13 @@ class PagedState : public model::ParamAccess, public SavableState {
   bool offloads_activations() const override { return options_.offload_activations; }
   Status offload_checkpoint(int index, const void* data, uint64_t bytes) override;
   Status fetch_checkpoint(int index, void* data, uint64_t bytes) override;
+
+  // One step of this state as the code runs it (offload/step_program.h): the micro-batch as the
+  // decoder of the layout's model acquires it (recorded, model/recording_access.h), with its
+  // activation offloads when this state keeps them, and the optimizer's zeroing, norm and AdamW,
+  // each group's kinds where update_group() acquires them. The chunk store prefetches and
+  // evicts along its schedule.
+  StepProgram step_program() const;
 
   ChunkSpaceStats stats() const { return store_->stats(); }
   StateStore& store() { return *store_; }

@@ -1,9 +1,11 @@
 // The step program (offload/step_program.h): the model's part recorded from the decoder
 // (model/recording_access.h) and the optimizer's passes, against the order the chunk store
-// followed when it was written by hand (train/step_schedule.cpp), for every kind of model and
-// step the paging tests train: dense, tied, MoE with dense layers between, offloaded
-// activations, several micro-batches, AdamW on the device for some groups and on the host for
-// others, and a data-parallel rank that updates only the groups it owns.
+// followed when it was written down by hand, kept here as the test's statement of the order, for
+// every kind of model and step the paging tests train: dense, tied, MoE with dense layers
+// between, offloaded activations, several micro-batches, AdamW on the device for some groups and
+// on the host for others, and a data-parallel rank that updates only the groups it owns. A
+// change to the order in which the decoder or the optimizer acquires state fails here until the
+// expected order below says the same.
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -12,16 +14,70 @@
 
 #include <fmt/format.h>
 
+#include "core/cpu_device.h"
 #include "model/param_access.h"
 #include "model/params.h"
 #include "model/recording_access.h"
 #include "offload/step_program.h"
 #include "train/paged_state.h"
-#include "train/step_schedule.h"
 #include "train/train_test_util.h"
 
 namespace strata {
 namespace {
+
+// The expected order: num_layers decoder layers; tied embeddings (the head reads group 0);
+// grad_accum micro-batches; `offloaded` saved activations; experts[g]: the experts of group g (0
+// for dense groups), not prefetched; adam_tier(g): where AdamW updates group g; kinds: the state
+// kinds AdamW acquires; updates(g, k): whether the optimizer acquires kind k of group g.
+std::vector<GroupAccess> expected_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded,
+                                           const std::vector<int>& experts, const std::function<Tier(int)>& adam_tier,
+                                           const std::vector<StateKind>& kinds,
+                                           const std::function<bool(int, StateKind)>& updates) {
+  const int head = num_layers + 1;
+  std::vector<GroupAccess> s;
+  auto all = [&](int g, StateKind k) { s.push_back({g, k}); };
+  auto add = [&](int g, StateKind k) { s.push_back(GroupAccess::of_part(g, k, kDensePart)); };
+  auto add_experts = [&](int g, StateKind k) {
+    for (int e = 0; e < experts[static_cast<size_t>(g)]; ++e) {
+      s.push_back(GroupAccess::of_part(g, k, e));
+      s.back().prefetch = false;
+    }
+  };
+  auto act = [&](int i) {
+    if (i < offloaded) s.push_back(GroupAccess::of_activation(i));
+  };
+  for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // zeroing
+  for (int64_t m = 0; m < grad_accum; ++m) {
+    add(0, StateKind::kParam);
+    act(0);
+    for (int l = 0; l < num_layers; ++l) add(1 + l, StateKind::kParam), add_experts(1 + l, StateKind::kParam), act(l + 1);
+    if (tied) add(0, StateKind::kParam), add(0, StateKind::kGrad);
+    add(head, StateKind::kParam), add(head, StateKind::kGrad);
+    for (int l = num_layers - 1; l >= 0; --l) {
+      act(l), add(1 + l, StateKind::kParam), add(1 + l, StateKind::kGrad);
+      add_experts(1 + l, StateKind::kParam), add_experts(1 + l, StateKind::kGrad);
+    }
+    add(0, StateKind::kGrad);
+  }
+  for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // the norm
+  for (int g = 0; g <= head; ++g) {
+    for (StateKind k : kinds) {
+      if (!updates(g, k)) continue;
+      all(g, k);
+      s.back().prefetch_to = adam_tier(g);
+    }
+  }
+  return s;
+}
+
+std::vector<int> experts_per_group(const model::ParamLayout& layout) {
+  std::vector<int> experts(static_cast<size_t>(layout.num_layers()) + 2, 0);
+  for (const auto& t : layout.tensors()) {
+    int& count = experts[static_cast<size_t>(model::param_group_of(layout, t))];
+    count = std::max(count, model::param_expert_of(layout, t) + 1);
+  }
+  return experts;
+}
 
 std::string describe(const GroupAccess& a) {
   return fmt::format("{{group {} kind {} act {} part {} to {} prefetch {}}}", a.group, static_cast<int>(a.kind),
@@ -60,7 +116,7 @@ struct Config {
   bool owns_odd_groups_only = false;  // a data-parallel rank
 };
 
-TEST(StepProgram, TheRecordedProgramIsTheHandWrittenSchedule) {
+TEST(StepProgram, TheRecordedProgramIsTheExpectedOrder) {
   model::ModelConfig deep = tiny_config(false);
   deep.num_hidden_layers = 6;
   const Config configs[] = {
@@ -77,11 +133,7 @@ TEST(StepProgram, TheRecordedProgramIsTheHandWrittenSchedule) {
     const model::ParamLayout layout(c.model);
     const int L = static_cast<int>(layout.num_layers());
     const int groups = L + 2;
-    std::vector<int> experts(static_cast<size_t>(groups), 0);
-    for (const auto& t : layout.tensors()) {
-      int& count = experts[static_cast<size_t>(model::param_group_of(layout, t))];
-      count = std::max(count, model::param_expert_of(layout, t) + 1);
-    }
+    const std::vector<int> experts = experts_per_group(layout);
     // AdamW on the device for every third group, on the host for the others.
     auto where = [](int g) { return g % 3 == 0 ? Tier::kDevice : Tier::kHost; };
     auto owns = [&](int g) { return !c.owns_odd_groups_only || g % 2 == 1; };
@@ -89,7 +141,7 @@ TEST(StepProgram, TheRecordedProgramIsTheHandWrittenSchedule) {
       const std::vector<StateKind> kinds = StateLayout::of(precision).kinds();
       const int offloaded = c.offload ? model::offloaded_checkpoint_count(L) : 0;
       const std::vector<GroupAccess> want =
-          step_schedule(L, c.model.tie_word_embeddings, c.grad_accum, offloaded, experts, where, kinds,
+          expected_schedule(L, c.model.tie_word_embeddings, c.grad_accum, offloaded, experts, where, kinds,
                         [&](int g, StateKind k) { return owns(g) || k == StateKind::kParam; });
       const StepProgram program =
           make_step_program(model::record_micro_batch(c.model, c.offload), {groups, kinds, owns, where});
@@ -97,6 +149,44 @@ TEST(StepProgram, TheRecordedProgramIsTheHandWrittenSchedule) {
                            fmt::format("{} ({})", c.name, precision == Precision::kFp32 ? "fp32" : "bf16"));
     }
   }
+}
+
+// The program the paged state pages along (its store's schedule) is that order for the state's
+// own homes and owners: rank 1 of 2 under a sharded optimizer, the moments of some groups on the
+// device and of the others in host memory, offloaded activations, a tied MoE model.
+TEST(StepProgram, ThePagedStatesProgramFollowsItsPlacement) {
+  model::ModelConfig mc = moe_config();
+  mc.tie_word_embeddings = true;
+  const model::ParamLayout layout(mc);
+  const int L = static_cast<int>(layout.num_layers()), groups = L + 2;
+  Placement placement(groups);
+  for (int g = 0; g < groups; ++g)
+    for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV})
+      placement.place(g, k, g % 3 == 0 ? Tier::kDevice : Tier::kHost, 0);
+  placement.assign_owners(PagedState::group_elements(layout), /*world=*/2, /*shard_optimizer=*/true);
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  PagedStateOptions po;
+  po.device_bytes = 64ull << 20;
+  po.host_bytes = 64ull << 20;
+  po.grad_accum = 2;
+  po.optimizer = optimizer_config(0.0f);
+  po.placement = placement;
+  po.rank = 1;
+  po.offload_activations = true;
+  po.activation_tokens = 16;
+  auto ps = PagedState::create(**device, nullptr, layout, po);
+  ASSERT_TRUE(ps.ok()) << ps.status().to_string();
+  auto owns = [&](int g) { return placement.owner(g) == 1; };
+  auto where = [&](int g) { return placement.home(g, owns(g) ? StateKind::kAdamM : StateKind::kParam); };
+  const std::vector<GroupAccess> want = expected_schedule(
+      L, true, po.grad_accum, model::offloaded_checkpoint_count(L), experts_per_group(layout), where,
+      StateLayout::of(po.precision).kinds(), [&](int g, StateKind k) { return owns(g) || k == StateKind::kParam; });
+  expect_same_schedule((*ps)->step_program().schedule(po.grad_accum), want, "rank 1 of 2");
+  int updated = 0;
+  for (int g = 0; g < groups; ++g) updated += owns(g) ? 1 : 0;
+  EXPECT_GT(updated, 0);
+  EXPECT_LT(updated, groups);
 }
 
 }  // namespace
