@@ -103,16 +103,22 @@ Placement make_placement(const PlanInput& in, int64_t L, const GroupBytes& layer
 }
 
 // The replay's input: each of the store's groups (the embedding, the layers, the head) with the
-// chunks and homes the plan's placement gives it, and the tiers' slots as the engine sizes them:
-// the device's budget less the activations, the host's less nothing but capped at what the state
-// (every kind, wherever homed), the offloaded checkpoints and one nvme staging slot can occupy
-// (train/paged_state.cpp, host_tier_size). REQUIRES: a chunk size; group sizes in whole chunks.
+// chunks and homes the plan's placement gives it, the step program (the model's micro-batch and
+// the optimizer's passes, AdamW where each group's moments are placed), and the tiers' slots as
+// the engine sizes them: the device's budget less the activations, the host's less nothing but
+// capped at what the state (every kind, wherever homed), the offloaded checkpoints and one nvme
+// staging slot can occupy (train/paged_state.cpp, host_tier_size). REQUIRES: a chunk size; group
+// sizes in whole chunks.
 TrafficInput traffic_input(const PlanInput& in, int64_t L, const Plan& p, bool offload, uint64_t idle_experts) {
   const uint64_t c = in.chunk_size;
   TrafficInput t;
-  t.tied = in.tied_embeddings;
-  t.grad_accum = std::max<int64_t>(1, in.grad_accum);
   t.overlap_optimizer = in.overlap_optimizer;
+  OptimizerProgram optimizer;
+  optimizer.num_groups = p.placement.num_groups();
+  optimizer.kinds = {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV};
+  if (in.separate_master) optimizer.kinds.insert(optimizer.kinds.begin() + 2, StateKind::kMaster);
+  optimizer.where = [&p](int g) { return update_tier(p.placement.home(g, StateKind::kAdamM)); };
+  t.program = make_step_program(in.micro_batch_program, optimizer).events(std::max<int64_t>(1, in.grad_accum));
   for (int g = 0; g < p.placement.num_groups(); ++g) {
     TrafficGroup tg;
     for (int k = 0; k < kTrafficKinds; ++k) {
@@ -416,9 +422,9 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
   // With chunks, what the chunk space moves: it keeps copies in the slots its homes and working
   // set leave free and gives up, when full, the copy needed farthest along the schedule, so the
   // counts above (every streamed group moved at every use) are replaced by a replay of the
-  // schedule against the slots (offload/traffic_sim.h). The saved activations' copies stay as above.
+  // step program against the slots (offload/traffic_sim.h). The saved activations' copies stay as above.
   // Shards are not whole chunks: sharded plans keep the counts above (an upper bound).
-  if (in.chunk_size > 0 && !sharded) {
+  if (in.chunk_size > 0 && !sharded && !in.micro_batch_program.empty()) {
     const TrafficResult sim = simulate_traffic(traffic_input(in, L, p, offload, idle_experts));
     if (sim.ok) {
       const uint64_t c = in.chunk_size;

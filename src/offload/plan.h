@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "offload/placement.h"
+#include "offload/step_program.h"
 
 namespace strata {
 
@@ -126,7 +127,6 @@ struct PlanInput {
   uint64_t embed_chunks = 0;
   uint64_t embed_param_chunks = 0;
   uint64_t embed_moment_chunks = 0;
-  bool tied_embeddings = false;  // the head reads the embedding's parameters
   // Chunks of one kind of the largest single group (when set): AdamW on host memory acquires a
   // whole group's optimizer state there at once, so a group streamed from nvme needs that many
   // free host slots per optimizer kind.
@@ -136,6 +136,11 @@ struct PlanInput {
   // compute copy beside it (written from the master). The host tier must have that many slots.
   uint64_t largest_group_load_chunks = 0;
   std::string offload_activations = "auto";  // auto | true | false
+  // The model's accesses in one micro-batch, as its code makes them (model/recording_access.h
+  // records them). With a chunk size the traffic is the replay of the step program they make
+  // with the optimizer's passes (offload/traffic_sim.h); empty: every streamed group is counted
+  // as moved at every use.
+  std::vector<ProgramEvent> micro_batch_program;
   // Data parallelism: ranks in all, ranks sharing a node (capped at world_size), ZeRO level.
   // The budgets above are each rank's; the work per step above is each rank's micro-batches.
   int64_t world_size = 1;
@@ -198,7 +203,7 @@ struct Plan {
   int64_t nvme_optimizer_groups = 0;     // groups whose optimizer state streams from NVMe
   int prefetch_depth = 1;
   // Traffic per optimizer step: with a chunk size, what the chunk space moves in a steady step
-  // (offload/traffic_sim.h replays the schedule); without, every streamed group moved at every use.
+  // (offload/traffic_sim.h replays the step program); without, every streamed group moved at every use.
   uint64_t h2d_bytes = 0, d2h_bytes = 0, disk_read_bytes = 0, disk_write_bytes = 0;
   uint64_t cpu_adam_elements = 0;
   // Predicted seconds per step and what bounds it. compute_s .. disk_s are each resource's

@@ -31,11 +31,7 @@ namespace {
 constexpr int kDev = static_cast<int>(Tier::kDevice);
 constexpr int kHost = static_cast<int>(Tier::kHost);
 constexpr int kNvme = static_cast<int>(Tier::kNvme);
-constexpr int kParamKind = 0, kGradKind = 1;
 constexpr uint64_t kNever = UINT64_MAX;
-
-enum class Mode : uint8_t { kRead, kWrite, kReadWrite };
-enum Phase : uint8_t { kZero, kForward, kBackward, kNorm, kOptimizer, kPhases };
 
 // One chunk acquisition of the step; `last` closes a batch: the chunks of a batch stay pinned
 // until its last is acquired, then all are released (a layer's parameters and gradients, a
@@ -43,8 +39,8 @@ enum Phase : uint8_t { kZero, kForward, kBackward, kNorm, kOptimizer, kPhases };
 struct Access {
   uint32_t chunk;
   uint8_t tier;
-  Mode mode;
-  Phase phase;
+  AccessMode mode;
+  StepPhase phase;
   bool last;
   uint8_t prefetch_to = kNvme;  // kNvme: an entry prefetch skips (and does not count)
   uint32_t window = 0;          // > 0 on an entry's last chunk: prefetch this many entries on
@@ -98,11 +94,11 @@ class Replay {
         }
       }
     }
-    out->zero = moves_[kZero];
-    out->forward = moves_[kForward];
-    out->backward = moves_[kBackward];
-    out->norm = moves_[kNorm];
-    out->optimizer = moves_[kOptimizer];
+    out->zero = moves_[static_cast<int>(StepPhase::kZero)];
+    out->forward = moves_[static_cast<int>(StepPhase::kForward)];
+    out->backward = moves_[static_cast<int>(StepPhase::kBackward)];
+    out->norm = moves_[static_cast<int>(StepPhase::kNorm)];
+    out->optimizer = moves_[static_cast<int>(StepPhase::kOptimizer)];
     out->ok = true;
     return true;
   }
@@ -143,7 +139,7 @@ class Replay {
   }
 
   void count(uint64_t TrafficMoves::*field) {
-    if (counting_) moves_[phase_].*field += 1;
+    if (counting_) moves_[static_cast<int>(phase_)].*field += 1;
   }
 
   // The copy that goes for a slot in t: none when every copy is pinned or home, or, for a
@@ -222,10 +218,10 @@ class Replay {
     c.last_use = position_ + 1;
     if (!c.slot[w] && !take_slot(id, w)) return false;
     detach(id);
-    if (!c.valid[w] && a.mode != Mode::kWrite) {
+    if (!c.valid[w] && a.mode != AccessMode::kWrite) {
       if (!fill(id, w)) return false;
     }
-    if (a.mode != Mode::kRead)
+    if (a.mode != AccessMode::kRead)
       for (int t = 0; t < kNumTiers; ++t) c.valid[t] = t == w;
     c.valid[w] = true;
     c.pinned_in = w;
@@ -296,9 +292,66 @@ class Replay {
   uint64_t used_[2] = {};
   std::optional<uint32_t> busy_;
   uint64_t position_ = 0;
-  Phase phase_ = kZero;
+  StepPhase phase_ = StepPhase::kZero;
   bool counting_ = false;
-  TrafficMoves moves_[kPhases];
+  TrafficMoves moves_[kStepPhases];
+};
+
+// The replay's chunk accesses along the program: each access of a group's kind names its chunks
+// (chunk ids run group by group, kind by kind from `first`), in the tier where it is made.
+class ProgramChunks {
+ public:
+  ProgramChunks(const TrafficInput& in, std::vector<std::array<uint32_t, kTrafficKinds>> first)
+      : in_(in), first_(std::move(first)), window_(static_cast<uint32_t>(std::max(0, in.lookahead))) {}
+
+  void add(const ProgramEvent& e) {
+    const GroupAccess& a = e.access;
+    const bool counted = a.activation < 0 && !(in_.overlap_optimizer && e.phase == StepPhase::kNorm);
+    if (counted) add_chunks(e);
+    expert_run_ = counted && a.part >= 0 ? std::optional<std::pair<int, StateKind>>({a.group, a.kind}) : std::nullopt;
+    if (e.last && out_.size() > batch_start_) out_.back().last = true, batch_start_ = out_.size();
+  }
+  std::vector<Access> take() { return std::move(out_); }
+
+ private:
+  // The chunks the access names: every chunk of the kind, the dense part's (all but the
+  // experts'), or, at the first access of a run over a layer's experts, the experts' that the
+  // micro-batch reaches.
+  void add_chunks(const ProgramEvent& e) {
+    const GroupAccess& a = e.access;
+    const size_t g = static_cast<size_t>(a.group), k = static_cast<size_t>(a.kind);
+    CHECK_MSG(g < in_.groups.size() && k < kTrafficKinds, "the step program names a group or kind the replay lacks");
+    const TrafficGroup& tg = in_.groups[g];
+    const uint64_t n = tg.chunks[k];
+    const uint32_t f = first_[g][k];
+    const bool param = a.kind == StateKind::kParam, grad = a.kind == StateKind::kGrad;
+    const uint64_t experts = std::min(n, param ? tg.expert_param_chunks : grad ? tg.expert_grad_chunks : 0);
+    const uint64_t idle = std::min(experts, param ? tg.idle_param_chunks : grad ? tg.idle_grad_chunks : 0);
+    if (a.part == kAllParts) {
+      entry(e, f, n);
+    } else if (a.part == kDensePart) {
+      entry(e, f, n - experts);
+    } else if (expert_run_ != std::pair<int, StateKind>{a.group, a.kind}) {
+      entry(e, f + static_cast<uint32_t>(n - experts), experts - idle);
+    }
+  }
+  // Chunks [f, f + n) acquired where the access says; a prefetched access has its last chunk
+  // prefetch the next entries.
+  void entry(const ProgramEvent& e, uint32_t f, uint64_t n) {
+    const uint8_t tier = static_cast<uint8_t>(e.access.prefetch_to);
+    for (uint64_t i = 0; i < n; ++i) {
+      out_.push_back({f + static_cast<uint32_t>(i), tier, e.mode, e.phase, false});
+      out_.back().prefetch_to = e.access.prefetch ? tier : static_cast<uint8_t>(kNvme);
+    }
+    if (n > 0 && e.access.prefetch) out_.back().window = window_ * static_cast<uint32_t>(n);
+  }
+
+  const TrafficInput& in_;
+  std::vector<std::array<uint32_t, kTrafficKinds>> first_;
+  uint32_t window_;
+  std::vector<Access> out_;
+  size_t batch_start_ = 0;  // the first access of the open batch
+  std::optional<std::pair<int, StateKind>> expert_run_;  // the previous access was of these experts
 };
 
 }  // namespace
@@ -307,7 +360,6 @@ TrafficResult simulate_traffic(const TrafficInput& in) {
   TrafficResult result;
   const int groups = static_cast<int>(in.groups.size());
   if (groups < 2) return result;
-  const int head = groups - 1;
   // Chunk ids, group by group and kind by kind.
   std::vector<std::array<uint32_t, kTrafficKinds>> first(static_cast<size_t>(groups));
   std::vector<int> homes;
@@ -318,60 +370,9 @@ TrafficResult simulate_traffic(const TrafficInput& in) {
       homes.insert(homes.end(), tg.chunks[static_cast<size_t>(k)], static_cast<int>(tg.home[static_cast<size_t>(k)]));
     }
   }
-  std::vector<Access> s;
-  size_t batch_start = 0;  // the first access of the open batch
-  Phase phase = kZero;
-  // Chunks [0, n) of kind k of group g, acquired in `tier`; `last` closes the batch.
-  // In forward and backward (`parts`) a layer's dense part is one entry, prefetched, and its
-  // experts another, not prefetched; the passes take whole groups.
-  const uint32_t window = static_cast<uint32_t>(std::max(0, in.lookahead));
-  auto entry = [&](uint32_t f, uint64_t n, Tier tier, Mode mode, bool prefetched) {
-    for (uint64_t i = 0; i < n; ++i) {
-      s.push_back({f + static_cast<uint32_t>(i), static_cast<uint8_t>(tier), mode, phase, false});
-      s.back().prefetch_to = static_cast<uint8_t>(prefetched ? tier : Tier::kNvme);
-    }
-    if (n > 0 && prefetched) s.back().window = window * static_cast<uint32_t>(n);
-  };
-  auto add = [&](int g, int k, Tier tier, Mode mode, bool last, bool parts) {
-    const TrafficGroup& tg = in.groups[static_cast<size_t>(g)];
-    uint64_t n = tg.chunks[static_cast<size_t>(k)];
-    const uint32_t f = first[static_cast<size_t>(g)][static_cast<size_t>(k)];
-    if (!parts) {
-      entry(f, n, tier, mode, true);
-    } else {
-      const uint64_t experts = std::min(n, k == kParamKind ? tg.expert_param_chunks : tg.expert_grad_chunks);
-      const uint64_t idle = std::min(experts, k == kParamKind ? tg.idle_param_chunks : tg.idle_grad_chunks);
-      entry(f, n - experts, tier, mode, true);
-      entry(f + static_cast<uint32_t>(n - experts), experts - idle, tier, mode, false);
-    }
-    if (last && s.size() > batch_start) s.back().last = true, batch_start = s.size();
-  };
-  const Tier dev = Tier::kDevice;
-  for (int g = 0; g < groups; ++g) add(g, kGradKind, dev, Mode::kWrite, true, false);
-  for (int64_t m = 0; m < std::max<int64_t>(1, in.grad_accum); ++m) {
-    phase = kForward;
-    add(0, kParamKind, dev, Mode::kRead, true, false);
-    for (int g = 1; g < head; ++g) add(g, kParamKind, dev, Mode::kRead, true, true);
-    if (in.tied) add(0, kParamKind, dev, Mode::kRead, false, false), add(0, kGradKind, dev, Mode::kReadWrite, true, false);
-    add(head, kParamKind, dev, Mode::kRead, false, false);
-    add(head, kGradKind, dev, Mode::kReadWrite, true, false);
-    phase = kBackward;
-    for (int g = head - 1; g >= 1; --g) {
-      add(g, kParamKind, dev, Mode::kRead, false, true);
-      add(g, kGradKind, dev, Mode::kReadWrite, true, true);
-    }
-    add(0, kGradKind, dev, Mode::kReadWrite, true, false);
-  }
-  phase = kNorm;
-  if (!in.overlap_optimizer)
-    for (int g = 0; g < groups; ++g) add(g, kGradKind, dev, Mode::kRead, true, false);
-  phase = kOptimizer;
-  for (int g = 0; g < groups; ++g) {
-    const TrafficGroup& tg = in.groups[static_cast<size_t>(g)];
-    // AdamW runs where the group's moments live: the device, or host memory.
-    const Tier where = tg.home[3] == Tier::kDevice ? Tier::kDevice : Tier::kHost;
-    for (int k = 0; k < kTrafficKinds; ++k) add(g, k, where, Mode::kReadWrite, k + 1 == kTrafficKinds, false);
-  }
+  ProgramChunks chunks(in, std::move(first));
+  for (const ProgramEvent& e : in.program) chunks.add(e);
+  std::vector<Access> s = chunks.take();
   if (s.empty()) return result;
   const uint32_t num_chunks = static_cast<uint32_t>(homes.size());
   Replay replay(in, std::move(s), num_chunks, std::move(homes));

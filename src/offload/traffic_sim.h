@@ -1,12 +1,12 @@
-// The chunk moves of one optimizer step, by replaying its schedule against a model of the chunk
-// space: each chunk has a home tier and copies above it; a tier holds a fixed number of slots;
-// acquiring for write leaves the acquired copy the only valid one; a full tier gives up the
-// copy whose next use along the schedule is farthest (Belady), stale copies first and clean
-// before dirty, and the only valid copy of a chunk is written one tier down before it goes (a
-// device-homed one back up to the device); an nvme-homed chunk reaches the device through a
-// host slot. These are ChunkSpace's rules (memory/chunk_space_moves.cpp); the schedule is the
-// one train/step_schedule.cpp builds: zeroing, grad_accum x (forward, backward), the norm, the
-// optimizer group by group. Prefetch is modelled as the chunk space runs it after each
+// The chunk moves of one optimizer step, by replaying its step program (offload/step_program.h:
+// zeroing, grad_accum x (forward, backward), the norm, the optimizer group by group, each
+// acquisition where and how the code makes it) against a model of the chunk space: each chunk
+// has a home tier and copies above it; a tier holds a fixed number of slots; acquiring for write
+// leaves the acquired copy the only valid one; a full tier gives up the copy whose next use along
+// the program is farthest (Belady), stale copies first and clean before dirty, and the only valid
+// copy of a chunk is written one tier down before it goes (a device-homed one back up to the
+// device); an nvme-homed chunk reaches the device through a host slot. These are ChunkSpace's
+// rules (memory/chunk_space_moves.cpp). Prefetch is modelled as the chunk space runs it after each
 // acquisition: it moves chunks the next entries name, even those an entry will overwrite whole
 // (the gradients the zeroing pass writes), and it only evicts copies needed later than the one
 // it brings. An nvme read is taken as finished by the next prefetch.
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "memory/tier.h"
+#include "offload/step_program.h"
 
 namespace strata {
 
@@ -32,16 +33,18 @@ struct TrafficGroup {
   // Chunks of param and grad a micro-batch leaves untouched (experts without tokens); the
   // forward and backward acquire the group's chunks less these.
   uint64_t idle_param_chunks = 0, idle_grad_chunks = 0;
-  // Of those, the experts' (the last chunks of the group), which are acquired after routing as
-  // entries of their own that are not prefetched.
+  // Of those, the experts' (the last chunks of the group): the program's accesses of a layer's
+  // experts (one per expert, in a row) acquire these less the idle ones, not prefetched; its
+  // accesses of the dense part acquire the others.
   uint64_t expert_param_chunks = 0, expert_grad_chunks = 0;
 };
 
 struct TrafficInput {
   // In the engine's order: the embedding, the L layers, the head.
   std::vector<TrafficGroup> groups;
-  bool tied = false;  // the head reads the embedding's parameters and writes its gradients
-  int64_t grad_accum = 1;
+  // The step, in order (StepProgram::events). Activation accesses are left out: their chunks
+  // are homed in host memory and accessed there (host_other_homes counts their slots).
+  std::vector<ProgramEvent> program;
   bool overlap_optimizer = false;  // the norm is taken inside the optimizer: no pass of its own
   // Slots of each tier, homes included. A host tier in front of nvme keeps one slot free of homes.
   uint64_t device_slots = 0;

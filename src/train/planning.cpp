@@ -10,6 +10,7 @@
 #include "kernels/fp8_operands.h"
 #include "kernels/lm_head_chunks.h"
 #include "model/activations.h"
+#include "model/recording_access.h"
 #include "train/paged_state.h"
 
 namespace strata {
@@ -154,7 +155,8 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
                                               chunks[g] + (state.separate_master() ? param_chunks[g] : 0));
   }
   in.offload_activations = t.offload_activations;
-  in.tied_embeddings = m.tie_word_embeddings;
+  // What the replay follows; offloaded checkpoints are not replayed (their chunks stay on the host).
+  in.micro_batch_program = model::record_micro_batch(m, /*offload_activations=*/false);
   in.rates.compute_flops = t.gpu_flops;
   in.rates.h2d_bytes_per_s = t.h2d_bytes_per_s;
   in.rates.d2h_bytes_per_s = t.d2h_bytes_per_s;

@@ -6,12 +6,33 @@
 
 #include <chrono>
 
+#include "model/config.h"
+#include "model/recording_access.h"
+
 namespace strata {
 namespace {
 
+// The step program of a dense model of `layers` layers whose groups are in.groups, as the decoder
+// and the optimizer run it: AdamW on each group where its moments live.
+std::vector<ProgramEvent> program(const TrafficInput& in, int64_t layers, int64_t grad_accum) {
+  model::ModelConfig mc = model::ModelConfig::preset("tiny").value();
+  mc.num_hidden_layers = layers;
+  mc.tie_word_embeddings = false;
+  OptimizerProgram optimizer;
+  optimizer.num_groups = static_cast<int>(in.groups.size());
+  optimizer.kinds = {StateKind::kParam, StateKind::kGrad, StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV};
+  optimizer.where = [&in](int g) { return update_tier(in.groups[static_cast<size_t>(g)].home[3]); };
+  return make_step_program(model::record_micro_batch(mc, false), optimizer).events(grad_accum);
+}
+
+TrafficResult simulate(TrafficInput in, int64_t layers, int64_t grad_accum = 1) {
+  in.program = program(in, layers, grad_accum);
+  return simulate_traffic(in);
+}
+
 // Three layers of one chunk per kind (param, grad, adam_m, adam_v; no separate master), an
 // embedding and a head without state, everything homed on the host, four device slots, one
-// micro-batch, no prefetch. The schedule (positions in brackets):
+// micro-batch, no prefetch. The step program (positions in brackets):
 //   zero  G1 G2 G3 (write)                      [0-2]
 //   fwd   P1 P2 P3                              [3-5]
 //   bwd   P3+G3, P2+G2, P1+G1                   [6-11]
@@ -31,7 +52,6 @@ TrafficInput three_layers(uint64_t device_slots) {
   layer.chunks = {1, 1, 0, 1, 1};
   layer.home.fill(Tier::kHost);
   in.groups = {none, layer, layer, layer, none};
-  in.grad_accum = 1;
   in.device_slots = device_slots;
   in.host_slots = 100;
   in.lookahead = 0;
@@ -39,7 +59,7 @@ TrafficInput three_layers(uint64_t device_slots) {
 }
 
 TEST(TrafficSim, BeladyKeepsTheCopiesNeededSoonestInAFullDeviceTier) {
-  const TrafficResult r = simulate_traffic(three_layers(4));
+  const TrafficResult r = simulate(three_layers(4), 3);
   ASSERT_TRUE(r.ok);
   EXPECT_EQ(r.zero.h2d, 0u);
   EXPECT_EQ(r.zero.d2h, 0u);
@@ -57,7 +77,7 @@ TEST(TrafficSim, BeladyKeepsTheCopiesNeededSoonestInAFullDeviceTier) {
 // AdamW's writes on the host cost anything, the three parameters read back in forward and the
 // three gradients copied down for AdamW (zeroing overwrites the stale device copies in place).
 TEST(TrafficSim, ARoomyDeviceTierMovesOnlyWhatTheHostOptimizerChanges) {
-  const TrafficResult r = simulate_traffic(three_layers(6));
+  const TrafficResult r = simulate(three_layers(6), 3);
   ASSERT_TRUE(r.ok);
   EXPECT_EQ(r.total().h2d, 3u);
   EXPECT_EQ(r.forward.h2d, 3u);
@@ -71,13 +91,13 @@ TEST(TrafficSim, NvmeStateThatFitsInFreeHostSlotsStaysCached) {
   TrafficInput in = three_layers(6);
   for (int g = 1; g <= 3; ++g) in.groups[g].home[3] = in.groups[g].home[4] = Tier::kNvme;
   in.host_slots = 6 + 6 + 1;  // the homes, a slot per moment, the staging slot
-  TrafficResult r = simulate_traffic(in);
+  TrafficResult r = simulate(in, 3);
   ASSERT_TRUE(r.ok);
   EXPECT_EQ(r.total().disk_read, 0u);
   EXPECT_EQ(r.total().disk_write, 0u);
   // Two slots short: every step some moments go back to disk and are read again.
   in.host_slots = 6 + 4 + 1;
-  r = simulate_traffic(in);
+  r = simulate(in, 3);
   ASSERT_TRUE(r.ok);
   EXPECT_GT(r.total().disk_read, 0u);
   EXPECT_GT(r.total().disk_write, 0u);
@@ -88,7 +108,7 @@ TEST(TrafficSim, NvmeStateThatFitsInFreeHostSlotsStaysCached) {
 TEST(TrafficSim, ATierTooSmallForOneAcquisitionIsReported) {
   TrafficInput in = three_layers(3);
   in.groups[1].chunks = {2, 2, 0, 1, 1};
-  EXPECT_FALSE(simulate_traffic(in).ok);
+  EXPECT_FALSE(simulate(in, 3).ok);
 }
 
 // An 8B-sized schedule (33 groups of ~14 chunks per kind, 8 micro-batches, prefetch on) replays
@@ -100,9 +120,9 @@ TEST(TrafficSim, ALargeModelsScheduleReplays) {
   layer.chunks = {7, 14, 14, 14, 14};
   layer.home = {Tier::kHost, Tier::kHost, Tier::kNvme, Tier::kNvme, Tier::kNvme};
   in.groups.assign(34, layer);
-  in.grad_accum = 8;
   in.device_slots = 200;
   in.host_slots = 34 * 21 + 300;
+  in.program = program(in, 32, 8);
   const auto start = std::chrono::steady_clock::now();
   const TrafficResult r = simulate_traffic(in);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
