@@ -1,23 +1,27 @@
 // Rotary position embedding in the Hugging Face Llama convention ("rotate_half": element i
-// pairs with element i + D/2), with optional Llama-3 frequency scaling (rope_scaling
-// {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
-// original_max_position_embeddings}).
+// pairs with element i + D/2), with optional frequency scaling as config.json's rope_scaling
+// names it: linear ({rope_type: linear, factor}: position interpolation, every frequency
+// divided by factor) or Llama-3's ({rope_type: llama3, factor, low_freq_factor,
+// high_freq_factor, original_max_position_embeddings}).
 #pragma once
 #include <cstdint>
 
 namespace strata::kernels {
 
+enum class RopeScaling : uint8_t { kNone, kLinear, kLlama3 };
+
 struct RopeConfig {
   double theta = 10000.0;
-  bool llama3_scaling = false;
-  double factor = 8.0;
+  RopeScaling scaling = RopeScaling::kNone;
+  double factor = 8.0;  // linear and llama3
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int64_t original_max_position_embeddings = 8192;
 };
 
-// inv_freq (D/2): theta^(-2i/D), then Llama-3 scaling when enabled. Computed in fp32 exactly
-// as transformers does, so that positions rotate by the same angles.
+// inv_freq (D/2): theta^(-2i/D), then the scaling. Computed in fp32 exactly as transformers does
+// (_compute_default/linear_scaling/llama3_parameters), so that positions rotate by the same
+// angles.
 void rope_inv_freq(float* inv_freq /*(D/2)*/, int64_t head_dim, const RopeConfig& config);
 
 #define STRATA_ROPE_OPS                                                                           \

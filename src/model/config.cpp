@@ -152,15 +152,19 @@ Status read_rope_object(const json& object, const std::string& name, const std::
     type_name = type->get<std::string>();
   }
   if (type_name == "default") {
-    rope->llama3_scaling = false;
+    rope->scaling = kernels::RopeScaling::kNone;
     return Status::OK();
+  }
+  if (type_name == "linear") {
+    rope->scaling = kernels::RopeScaling::kLinear;
+    return read_double(object, "factor", name + ".factor", source, &rope->factor);
   }
   if (type_name != "llama3") {
     return Status::Unimplemented(fmt::format(
-        "{}: key '{}.{}' is \"{}\"; strata implements RoPE types \"default\" and \"llama3\"", source,
-        name, type_key, type_name));
+        "{}: key '{}.{}' is \"{}\"; strata implements RoPE types \"default\", \"linear\" and \"llama3\"",
+        source, name, type_key, type_name));
   }
-  rope->llama3_scaling = true;
+  rope->scaling = kernels::RopeScaling::kLlama3;
   RETURN_IF_ERROR(read_double(object, "factor", name + ".factor", source, &rope->factor));
   RETURN_IF_ERROR(read_double(object, "low_freq_factor", name + ".low_freq_factor", source,
                               &rope->low_freq_factor));
@@ -444,7 +448,7 @@ Result<ModelConfig> ModelConfig::preset(const std::string& name) {
     c.max_position_embeddings = 131072;
     c.rms_norm_eps = 1e-5;
     c.tie_word_embeddings = true;
-    c.rope = {.theta = 500000.0, .llama3_scaling = true, .factor = 32.0, .low_freq_factor = 1.0,
+    c.rope = {.theta = 500000.0, .scaling = kernels::RopeScaling::kLlama3, .factor = 32.0, .low_freq_factor = 1.0,
               .high_freq_factor = 4.0, .original_max_position_embeddings = 8192};
   } else if (name == "llama3-8b") {
     c.vocab_size = 128256;
@@ -495,7 +499,7 @@ Status ModelConfig::validate(const std::string& source) const {
                           moe_intermediate_size));
   RETURN_IF_ERROR(at_most(source, "shared_expert_intermediate_size", shared_expert_intermediate_size));
   RETURN_IF_ERROR(at_most(source, "decoder_sparse_step", decoder_sparse_step));
-  if (rope.llama3_scaling) {
+  if (rope.scaling == kernels::RopeScaling::kLlama3) {
     RETURN_IF_ERROR(at_most(source, "rope_scaling.original_max_position_embeddings",
                             rope.original_max_position_embeddings));
   }
@@ -543,10 +547,10 @@ Status ModelConfig::validate_shape(const std::string& source) const {
   if (!(rope.theta > 0) || !std::isfinite(rope.theta)) {
     return bad_key(source, "rope_theta", fmt::format("must be positive, got {}", rope.theta));
   }
-  if (rope.llama3_scaling) {
-    if (!(rope.factor > 0)) {
-      return bad_key(source, "rope_scaling.factor", fmt::format("must be positive, got {}", rope.factor));
-    }
+  if (rope.scaling != kernels::RopeScaling::kNone && (!(rope.factor > 0) || !std::isfinite(rope.factor))) {
+    return bad_key(source, "rope_scaling.factor", fmt::format("must be positive, got {}", rope.factor));
+  }
+  if (rope.scaling == kernels::RopeScaling::kLlama3) {
     if (!(rope.low_freq_factor > 0) || !(rope.high_freq_factor > rope.low_freq_factor)) {
       return bad_key(source, "rope_scaling.high_freq_factor",
                      fmt::format("must exceed low_freq_factor > 0 (got low {}, high {})",
@@ -639,7 +643,9 @@ nlohmann::json ModelConfig::to_json() const {
   j["hidden_act"] = "silu";
   j["rms_norm_eps"] = rms_norm_eps;
   j["rope_theta"] = rope.theta;
-  if (rope.llama3_scaling) {
+  if (rope.scaling == kernels::RopeScaling::kLinear) {
+    j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rope.factor}};
+  } else if (rope.scaling == kernels::RopeScaling::kLlama3) {
     j["rope_scaling"] = {{"rope_type", "llama3"},
                          {"factor", rope.factor},
                          {"low_freq_factor", rope.low_freq_factor},

@@ -169,7 +169,7 @@ TEST(OpsParity, Rope) {
         const std::string what = "rope " + shape({{"T", T}, {"D", D}, {"llama3", llama3}});
         kernels::RopeConfig config;
         config.theta = 500000.0;
-        config.llama3_scaling = llama3;
+        config.scaling = llama3 ? kernels::RopeScaling::kLlama3 : kernels::RopeScaling::kNone;
         std::vector<float> inv_freq(D / 2);
         kernels::rope_inv_freq(inv_freq.data(), D, config);
         std::vector<float> x = random_vector(B * T * H * D, 20 + T + D);

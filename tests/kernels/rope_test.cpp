@@ -36,7 +36,7 @@ const RopeShape kShapes[] = {
 RopeConfig llama3_config() {
   RopeConfig config;
   config.theta = 500000.0;
-  config.llama3_scaling = true;
+  config.scaling = RopeScaling::kLlama3;
   config.factor = 8.0;
   config.low_freq_factor = 1.0;
   config.high_freq_factor = 4.0;
@@ -72,6 +72,28 @@ TEST(RopeTest, InvFreqMatchesTransformersDefault) {
   }
 }
 
+// Linear scaling (position interpolation) by 4: the default frequencies divided by the factor,
+// as transformers' _compute_linear_scaling_rope_parameters does (values from PyTorch 1.13, fp32:
+// `1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)) / 4.0`).
+TEST(RopeTest, InvFreqMatchesTransformersLinear) {
+  RopeConfig config;
+  config.scaling = RopeScaling::kLinear;
+  config.factor = 4.0;
+  std::vector<float> f = inv_freq_for(64, config);
+  const struct {
+    int index;
+    float expected;
+  } cases[] = {{0, 0.25f},
+               {1, 0.18747355043888092f},
+               {5, 0.05928434059023857f},
+               {17, 0.0018747355788946152f},
+               {31, 3.333803761051968e-05f}};
+  for (const auto &c : cases) {
+    EXPECT_WITHIN(max_scaled_error(&f[c.index], &c.expected, 1, 0, 3e-7), 1.0)
+        << c.index;
+  }
+}
+
 // Expected values were produced with PyTorch 1.13 (fp32) by running the body of
 // transformers' _compute_llama3_parameters for Llama 3.1's rope_scaling (theta
 // 500000, head_dim 128, factor 8, low_freq_factor 1, high_freq_factor 4,
@@ -101,7 +123,7 @@ TEST(RopeTest, InvFreqMatchesTransformersLlama3) {
 
 TEST(RopeTest, Llama3ScalingOnlyLowersFrequencies) {
   RopeConfig plain = llama3_config();
-  plain.llama3_scaling = false;
+  plain.scaling = RopeScaling::kNone;
   std::vector<float> base = inv_freq_for(128, plain);
   std::vector<float> scaled = inv_freq_for(128, llama3_config());
   for (size_t i = 0; i < base.size(); ++i) {

@@ -46,7 +46,7 @@ TEST(ModelConfigTest, ReadsHuggingFaceKeysWithTopLevelRopeTheta) {
   EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-5);
   EXPECT_EQ(c->max_position_embeddings, 4096);
   EXPECT_DOUBLE_EQ(c->rope.theta, 500000.0);
-  EXPECT_FALSE(c->rope.llama3_scaling);
+  EXPECT_EQ(c->rope.scaling, kernels::RopeScaling::kNone);
   EXPECT_FALSE(c->tie_word_embeddings);
   EXPECT_FALSE(c->attention_bias);
 }
@@ -66,7 +66,7 @@ TEST(ModelConfigTest, ReadsRopeParametersObject) {
   Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   EXPECT_DOUBLE_EQ(c->rope.theta, 1000000.0);
-  EXPECT_FALSE(c->rope.llama3_scaling);
+  EXPECT_EQ(c->rope.scaling, kernels::RopeScaling::kNone);
 }
 
 TEST(ModelConfigTest, RopeParametersWinOverTopLevelRopeTheta) {
@@ -77,7 +77,7 @@ TEST(ModelConfigTest, RopeParametersWinOverTopLevelRopeTheta) {
   Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   EXPECT_DOUBLE_EQ(c->rope.theta, 250000.0);
-  EXPECT_TRUE(c->rope.llama3_scaling);
+  EXPECT_EQ(c->rope.scaling, kernels::RopeScaling::kLlama3);
   EXPECT_DOUBLE_EQ(c->rope.factor, 16.0);
   EXPECT_DOUBLE_EQ(c->rope.low_freq_factor, 2.0);
   EXPECT_DOUBLE_EQ(c->rope.high_freq_factor, 8.0);
@@ -90,7 +90,7 @@ TEST(ModelConfigTest, ReadsLlama3RopeScaling) {
                        {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
   Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
-  EXPECT_TRUE(c->rope.llama3_scaling);
+  EXPECT_EQ(c->rope.scaling, kernels::RopeScaling::kLlama3);
   EXPECT_DOUBLE_EQ(c->rope.theta, 500000.0);
   EXPECT_DOUBLE_EQ(c->rope.factor, 32.0);
   EXPECT_EQ(c->rope.original_max_position_embeddings, 8192);
@@ -102,7 +102,7 @@ TEST(ModelConfigTest, ReadsLegacyTypeKeyOfRopeScaling) {
                        {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
   Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
-  EXPECT_TRUE(c->rope.llama3_scaling);
+  EXPECT_EQ(c->rope.scaling, kernels::RopeScaling::kLlama3);
   EXPECT_DOUBLE_EQ(c->rope.factor, 8.0);
 }
 
@@ -111,7 +111,7 @@ TEST(ModelConfigTest, NullRopeScalingMeansNoScaling) {
   j["rope_scaling"] = nullptr;
   Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
-  EXPECT_FALSE(c->rope.llama3_scaling);
+  EXPECT_EQ(c->rope.scaling, kernels::RopeScaling::kNone);
 }
 
 TEST(ModelConfigTest, UnknownRopeScalingTypeIsUnimplementedNamingTheKey) {
@@ -120,8 +120,25 @@ TEST(ModelConfigTest, UnknownRopeScalingTypeIsUnimplementedNamingTheKey) {
   expect_error(j, StatusCode::kUnimplemented, "rope_scaling.type");
 
   json k = llama_json();
-  k["rope_parameters"] = {{"rope_type", "linear"}, {"rope_theta", 10000.0}, {"factor", 2.0}};
+  k["rope_parameters"] = {{"rope_type", "dynamic"}, {"rope_theta", 10000.0}, {"factor", 2.0}};
   expect_error(k, StatusCode::kUnimplemented, "rope_parameters.rope_type");
+}
+
+// Linear scaling (position interpolation): read under either key, written back as read, and a
+// factor that is not positive is refused by name.
+TEST(ModelConfigTest, ReadsLinearRopeScaling) {
+  json j = llama_json();
+  j["rope_scaling"] = {{"type", "linear"}, {"factor", 4.0}};
+  Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->rope.scaling, kernels::RopeScaling::kLinear);
+  EXPECT_EQ(c->rope.factor, 4.0);
+  Result<ModelConfig> again = ModelConfig::from_json(c->to_json(), kSource);
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  EXPECT_EQ(again->rope.scaling, kernels::RopeScaling::kLinear);
+  EXPECT_EQ(again->rope.factor, 4.0);
+  j["rope_scaling"]["factor"] = 0.0;
+  expect_error(j, StatusCode::kInvalidArgument, "rope_scaling.factor");
 }
 
 TEST(ModelConfigTest, HeadsNotDividingHiddenSizeNamesTheKey) {

@@ -28,7 +28,13 @@ void rope_inv_freq(float *inv_freq, int64_t head_dim,
         static_cast<float>(2 * i) / static_cast<float>(head_dim);
     inv_freq[i] = 1.0f / std::pow(theta, exponent);
   }
-  if (!config.llama3_scaling)
+  if (config.scaling == RopeScaling::kLinear) {
+    const float factor = static_cast<float>(config.factor);
+    for (int64_t i = 0; i < half; ++i)
+      inv_freq[i] /= factor;
+    return;
+  }
+  if (config.scaling != RopeScaling::kLlama3)
     return;
 
   CHECK_MSG(config.high_freq_factor != config.low_freq_factor,
