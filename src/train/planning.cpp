@@ -153,10 +153,11 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
     for (size_t g = 0; g < chunks.size(); ++g)
       in.largest_group_load_chunks = std::max(in.largest_group_load_chunks,
                                               chunks[g] + (state.separate_master() ? param_chunks[g] : 0));
+    // What the traffic replay follows (it needs whole chunks); offloaded saved activations are
+    // not replayed: their chunks stay in host memory.
+    in.micro_batch_program = model::record_micro_batch(m, /*offload_activations=*/false);
   }
   in.offload_activations = t.offload_activations;
-  // What the replay follows; offloaded checkpoints are not replayed (their chunks stay on the host).
-  in.micro_batch_program = model::record_micro_batch(m, /*offload_activations=*/false);
   in.rates.compute_flops = t.gpu_flops;
   in.rates.h2d_bytes_per_s = t.h2d_bytes_per_s;
   in.rates.d2h_bytes_per_s = t.d2h_bytes_per_s;

@@ -12,6 +12,8 @@
 namespace strata {
 namespace {
 
+constexpr size_t kAdamM = static_cast<size_t>(StateKind::kAdamM), kAdamV = static_cast<size_t>(StateKind::kAdamV);
+
 // The step program of a dense model of `layers` layers whose groups are in.groups, as the decoder
 // and the optimizer run it: AdamW on each group where its moments live.
 std::vector<ProgramEvent> program(const TrafficInput& in, int64_t layers, int64_t grad_accum) {
@@ -21,7 +23,7 @@ std::vector<ProgramEvent> program(const TrafficInput& in, int64_t layers, int64_
   OptimizerProgram optimizer;
   optimizer.num_groups = static_cast<int>(in.groups.size());
   optimizer.kinds = {StateKind::kParam, StateKind::kGrad, StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV};
-  optimizer.where = [&in](int g) { return update_tier(in.groups[static_cast<size_t>(g)].home[3]); };
+  optimizer.where = [&in](int g) { return update_tier(in.groups[static_cast<size_t>(g)].home[kAdamM]); };
   return make_step_program(model::record_micro_batch(mc, false), optimizer).events(grad_accum);
 }
 
@@ -89,7 +91,7 @@ TEST(TrafficSim, ARoomyDeviceTierMovesOnlyWhatTheHostOptimizerChanges) {
 // the host holds all six, the steady step reads and writes nothing on disk.
 TEST(TrafficSim, NvmeStateThatFitsInFreeHostSlotsStaysCached) {
   TrafficInput in = three_layers(6);
-  for (int g = 1; g <= 3; ++g) in.groups[g].home[3] = in.groups[g].home[4] = Tier::kNvme;
+  for (int g = 1; g <= 3; ++g) in.groups[g].home[kAdamM] = in.groups[g].home[kAdamV] = Tier::kNvme;
   in.host_slots = 6 + 6 + 1;  // the homes, a slot per moment, the staging slot
   TrafficResult r = simulate(in, 3);
   ASSERT_TRUE(r.ok);
