@@ -53,6 +53,7 @@ Status MetricsWriter::write(const StepMetrics& m) {
                       {"lr", m.lr},
                       {"grad_norm", m.grad_norm},
                       {"tokens_per_s", m.tokens_per_s},
+                      {"model_tflops", m.model_tflops},
                       {"ms", m.ms},
                       {"tokens", m.tokens},
                       {"device_bytes", m.tier_bytes[0]},

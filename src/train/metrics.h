@@ -19,6 +19,9 @@ struct StepMetrics {
   double lr = 0;
   double grad_norm = 0;
   double tokens_per_s = 0;
+  // Model FLOP/s of the step in units of 10^12: 6N + 12*L*H*T FLOPs per token (DESIGN §2,
+  // train/planning.h), recomputation not counted, times tokens_per_s.
+  double model_tflops = 0;
   double ms = 0;
   int64_t tokens = 0;          // tokens seen so far
   uint64_t tier_bytes[3] = {0, 0, 0};  // chunk bytes in use on device, host, nvme

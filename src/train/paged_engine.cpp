@@ -17,142 +17,180 @@
 namespace strata {
 
 Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfig& mc, const TrainConfig& t,
-                                                         const OptimizerConfig& oc, bool cuda) {
+                                                         const OptimizerConfig& oc, DeviceKind backend) {
   std::unique_ptr<PagedEngine> e(new PagedEngine());
   e->mc_ = mc;
-  TrainConfig budgets = t;
-  // The state lives in the chunk space only: the model keeps no flat copy. On CUDA the model,
-  // its kernels' scratch, its activations and the chunks share the device's arena.
-  if (cuda) {
-    // The bf16 recipe unless fp8 is asked for by name (train.precision=auto is bf16 on CUDA).
-    budgets.precision = planned_precision(t, /*cuda=*/true);
-#if STRATA_HAVE_CUDA
-    const DType compute = StateLayout::of(budgets.precision, t.moments).compute_dtype();
-    RETURN_IF_ERROR(model::cuda_supports(mc, compute));
-    ASSIGN_OR_RETURN(e->device_, open_device("cuda", t.cuda_device, t.memory_device));
-    ASSIGN_OR_RETURN(e->state_kernels_, make_cuda_state_kernels(*e->device_));
-    ASSIGN_OR_RETURN(e->net_, model::make_cuda_decoder(*e->device_, mc, compute));
-    const uint64_t budget = e->device_->memory_budget();
-    const uint64_t taken = e->device_->memory_in_use();  // the kernels' scratch and workspaces
-    if (budget <= taken + (64ull << 20))
-      return Status::OutOfMemory(fmt::format("memory.device {} leaves no room for the model's state after the "
-                                             "kernels' {} of scratch; raise memory.device",
-                                             format_bytes(budget), format_bytes(taken)));
-    budgets.memory_device = budget - taken;
-#else
-    return Status::Unimplemented("this strata was built without the CUDA backend (configure with -DSTRATA_CUDA=ON)");
-#endif
-  } else {
+  e->budgets_ = t;
+  e->backend_ = backend;
+  RETURN_IF_ERROR(e->open_backend(t));
+  RETURN_IF_ERROR(e->resolve_budgets());
+  RETURN_IF_ERROR(e->plan_placement(t));
+  RETURN_IF_ERROR(e->open_nvme(t));
+  RETURN_IF_ERROR(e->size_activations(t));
+  RETURN_IF_ERROR(e->create_state(t, oc));
+  return e;
+}
+
+// The device, the state kernels and the model on the backend. The state lives in the chunk
+// space only: the model keeps no flat copy. On CUDA the model, its kernels' scratch, its
+// activations and the chunks share the device's arena, so budgets_.memory_device becomes what
+// the kernels' scratch leaves of it: from here on it is the one device budget of the state and
+// the activations.
+Status PagedEngine::open_backend(const TrainConfig& t) {
+  if (backend_ == DeviceKind::kCpu) {
     // memory.device caps the cpu device's arena (0: unlimited), which serves the chunks and
     // the model's activations alike.
-    ASSIGN_OR_RETURN(e->device_, open_device("cpu", 0, t.memory_device));
+    ASSIGN_OR_RETURN(device_, open_device("cpu", 0, t.memory_device));
+    const DType compute = StateLayout::of(budgets_.precision, t.moments).compute_dtype();
+    net_ = model::make_cpu_decoder(compute, mc_, /*flat_buffers=*/false, device_.get());
+    return Status::OK();
   }
-  const StateLayout layout = StateLayout::of(budgets.precision, t.moments);
-  if (!cuda) e->net_ = model::make_cpu_decoder(layout.compute_dtype(), mc, /*flat_buffers=*/false, e->device_.get());
+  // The bf16 recipe unless fp8 is asked for by name (train.precision=auto is bf16 on CUDA).
+  budgets_.precision = planned_precision(t, /*cuda=*/true);
+#if STRATA_HAVE_CUDA
+  const DType compute = StateLayout::of(budgets_.precision, t.moments).compute_dtype();
+  RETURN_IF_ERROR(model::cuda_supports(mc_, compute));
+  ASSIGN_OR_RETURN(device_, open_device("cuda", t.cuda_device, t.memory_device));
+  ASSIGN_OR_RETURN(state_kernels_, make_cuda_state_kernels(*device_));
+  ASSIGN_OR_RETURN(net_, model::make_cuda_decoder(*device_, mc_, compute));
+  const uint64_t budget = device_->memory_budget();
+  const uint64_t taken = device_->memory_in_use();  // the kernels' scratch and workspaces
+  if (budget <= taken + (64ull << 20))
+    return Status::OutOfMemory(fmt::format("memory.device {} leaves no room for the model's state after the "
+                                           "kernels' {} of scratch; raise memory.device",
+                                           format_bytes(budget), format_bytes(taken)));
+  budgets_.memory_device = budget - taken;
+  return Status::OK();
+#else
+  return Status::Unimplemented("this strata was built without the CUDA backend (configure with -DSTRATA_CUDA=ON)");
+#endif
+}
 
-  // Where the state lives: the planner places each kind on the tiers, and the chunk space
-  // holds it there. The model's activation workspace is budgeted apart from the chunks.
-  if (budgets.memory_host == 0) budgets.memory_host = default_host_budget();
-  const uint64_t all_state = static_cast<uint64_t>(e->net_->layout().total_size()) * layout.bytes_per_parameter();
-  if (budgets.memory_device == 0) budgets.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
-  // Planned in the chunks the store will use, so that their padding is counted.
-  if (budgets.chunk_size == 0) budgets.chunk_size = PagedState::auto_chunk_bytes(e->net_->layout(), layout);
-  for (const model::TensorSpec& spec : e->net_->layout().tensors()) {
+// The budgets left 0 (host: 80% of what is available; device: room for all the state) and the
+// chunk size, which every tensor's largest block must fit. The planner plans in the chunks the
+// store will use, so that their padding is counted.
+Status PagedEngine::resolve_budgets() {
+  const StateLayout layout = StateLayout::of(budgets_.precision, budgets_.moments);
+  const model::ParamLayout& params = net_->layout();
+  if (budgets_.memory_host == 0) budgets_.memory_host = default_host_budget();
+  const uint64_t all_state = static_cast<uint64_t>(params.total_size()) * layout.bytes_per_parameter();
+  if (budgets_.memory_device == 0) budgets_.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
+  if (budgets_.chunk_size == 0) budgets_.chunk_size = PagedState::auto_chunk_bytes(params, layout);
+  for (const model::TensorSpec& spec : params.tensors()) {
     const uint64_t bytes = static_cast<uint64_t>(spec.block_numel(0)) * sizeof(float);  // its largest block
-    if (bytes > budgets.chunk_size)
+    if (bytes > budgets_.chunk_size)
       return Status::InvalidArgument(fmt::format(
           "memory.chunk_size {} cannot hold tensor '{}'{} ({}); raise memory.chunk_size to at least {}, or leave it auto",
-          format_bytes(budgets.chunk_size), spec.name,
+          format_bytes(budgets_.chunk_size), spec.name,
           spec.num_blocks() > 1 ? fmt::format(" in blocks of {} rows", spec.block_rows) : "", format_bytes(bytes),
           format_bytes((bytes + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment)));
   }
-  PlanInput in = make_plan_input(mc, budgets, cuda);
-  e->plan_ = make_plan(in);
-  // The planner estimates activations from shapes; the table's exact size is known here. When
-  // it is larger (MoE expert buffers, the backend's own), plan again with the difference taken
-  // off the device, so that the groups the plan keeps there fit beside the real table.
+  return Status::OK();
+}
+
+// Where the state lives: the planner places each kind on the tiers, and the chunk space holds
+// it there. The planner estimates activations from shapes; the table's exact size is known
+// here. When it is larger (MoE expert buffers, the backend's own), plan again with the
+// difference taken off the device, so that the groups the plan keeps there fit beside the real
+// table. OutOfMemory with the planner's suggestions when the state does not fit.
+Status PagedEngine::plan_placement(const TrainConfig& t) {
+  PlanInput in = make_plan_input(mc_, budgets_, backend_ == DeviceKind::kCuda);
+  plan_ = make_plan(in);
   const int64_t tokens = t.micro_batch * t.seq_len;
   // memory.keep_activations=true is planned: the kept layers' bytes are in the plan's device.
   const bool planned_keep = in.kept_activation_bytes > 0;
-  if (e->plan_.fits) {
+  if (plan_.fits) {
     const uint64_t exact =
-        static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, e->plan_.offload_activations, planned_keep));
-    if (exact > e->plan_.device.act && in.device_budget > exact - e->plan_.device.act) {
-      in.device_budget -= exact - e->plan_.device.act;
-      e->plan_ = make_plan(in);
+        static_cast<uint64_t>(net_->activation_bytes_for(tokens, plan_.offload_activations, planned_keep));
+    if (exact > plan_.device.act && in.device_budget > exact - plan_.device.act) {
+      in.device_budget -= exact - plan_.device.act;
+      plan_ = make_plan(in);
     }
   }
-  e->plan_input_ = in;
-  const Plan& plan = e->plan_;
-  if (!plan.fits) {
+  plan_input_ = in;
+  if (!plan_.fits) {
     std::string fix;
-    for (const auto& sgn : plan.suggestions) fix += (fix.empty() ? "" : "; ") + sgn;
-    return Status::OutOfMemory("the state does not fit: " + plan.problem + "; " + fix +
+    for (const auto& sgn : plan_.suggestions) fix += (fix.empty() ? "" : "; ") + sgn;
+    return Status::OutOfMemory("the state does not fit: " + plan_.problem + "; " + fix +
                                " (strata plan shows the whole placement)");
   }
+  return Status::OK();
+}
+
+// memory.nvme.path, created, and the I/O engine that pages through it.
+Status PagedEngine::open_nvme(const TrainConfig& t) {
   if (!t.nvme_path.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(t.nvme_path, ec);
     if (ec) return Status::IOError("cannot create memory.nvme.path '" + t.nvme_path + "': " + ec.message());
-    ASSIGN_OR_RETURN(e->io_, make_io_engine(IoEngineOptions{}));
+    ASSIGN_OR_RETURN(io_, make_io_engine(IoEngineOptions{}));
   }
-  e->nvme_path_ = t.nvme_path;
-  // Kept layer activations cost their bytes beside the planned activations; auto keeps them on
-  // cuda when the device has that room left after the plan.
-  const uint64_t keep_extra =
-      planned_keep ? 0
-                   : static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, plan.offload_activations, true) -
-                                           e->net_->activation_bytes_for(tokens, plan.offload_activations, false));
-  const uint64_t planned_device = plan.device.total() + (budgets.memory_device - in.device_budget);
-  const uint64_t device_room = budgets.memory_device > planned_device ? budgets.memory_device - planned_device : 0;
-  e->keep_activations_ = t.keep_activations == "true" || (t.keep_activations == "auto" && cuda && keep_extra <= device_room);
+  nvme_path_ = t.nvme_path;
+  return Status::OK();
+}
+
+// The model's activation table and what it leaves of the device budget to the chunks. Kept
+// layer activations cost their bytes beside the planned activations; memory.keep_activations=auto
+// keeps them on cuda when the device has that room left after the plan.
+Status PagedEngine::size_activations(const TrainConfig& t) {
+  const int64_t tokens = t.micro_batch * t.seq_len;
+  const bool offload = plan_.offload_activations;
+  auto table_bytes = [&](bool keep) { return static_cast<uint64_t>(net_->activation_bytes_for(tokens, offload, keep)); };
+  const uint64_t device = budgets_.memory_device;
+  const bool planned_keep = plan_input_.kept_activation_bytes > 0;
+  const uint64_t keep_extra = planned_keep ? 0 : table_bytes(true) - table_bytes(false);
+  // The plan's device bytes, and what plan_placement took off its budget for the exact table.
+  const uint64_t planned_device = plan_.device.total() + (device - plan_input_.device_budget);
+  const uint64_t device_room = device > planned_device ? device - planned_device : 0;
+  keep_activations_ = t.keep_activations == "true" ||
+                      (t.keep_activations == "auto" && backend_ == DeviceKind::kCuda && keep_extra <= device_room);
   if (t.keep_activations == "true" && keep_extra > device_room)
     return Status::OutOfMemory(fmt::format("memory.keep_activations=true needs {} more device memory than the plan "
                                            "leaves ({}); set it to auto or false, or raise memory.device",
                                            format_bytes(keep_extra), format_bytes(device_room)));
-  e->net_->set_keep_layer_activations(e->keep_activations_);
-  PagedStateOptions& po = e->options_;
+  net_->set_keep_layer_activations(keep_activations_);
   // The chunks get what the activation table (its exact size, and a little for the arena's
   // alignment) leaves of the device's arena.
-  const uint64_t activations =
-      static_cast<uint64_t>(e->net_->activation_bytes_for(tokens, plan.offload_activations, e->keep_activations_)) +
-      (64ull << 10);
-  e->activation_bytes_ = activations;
-  po.device_bytes = budgets.memory_device > activations ? budgets.memory_device - activations : 0;
-  e->device_split_ = fmt::format("{} of device memory: {} chunks, {} activations{}",
-                                 e->device_->memory_budget() == Device::kUnlimited
-                                     ? std::string("unlimited")
-                                     : format_bytes(e->device_->memory_budget()),
-                                 format_bytes(po.device_bytes), format_bytes(activations),
-                                 cuda ? ", " + format_bytes(e->device_->memory_in_use()) + " kernel scratch" : "");
-  po.host_bytes = budgets.memory_host;
+  activation_bytes_ = table_bytes(keep_activations_) + (64ull << 10);
+  options_.device_bytes = device > activation_bytes_ ? device - activation_bytes_ : 0;
+  const uint64_t arena = device_->memory_budget();
+  device_split_ = fmt::format(
+      "{} of device memory: {} chunks, {} activations{}",
+      arena == Device::kUnlimited ? std::string("unlimited") : format_bytes(arena), format_bytes(options_.device_bytes),
+      format_bytes(activation_bytes_),
+      backend_ == DeviceKind::kCuda ? ", " + format_bytes(device_->memory_in_use()) + " kernel scratch" : "");
+  return Status::OK();
+}
+
+// The paged state on the tiers of the budgets, homed by the plan's placement; with several
+// ranks each group gets an owner among them, which writes it into checkpoints and, with the
+// optimizer state sharded (ZeRO-1 over parameter groups), alone holds and updates its master
+// weights and Adam moments.
+Status PagedEngine::create_state(const TrainConfig& t, const OptimizerConfig& oc) {
+  PagedStateOptions& po = options_;
+  po.host_bytes = budgets_.memory_host;
   po.nvme_bytes = t.nvme_path.empty() ? 0 : t.nvme_size;
   po.nvme_dir = t.nvme_path;
-  po.chunk_bytes = budgets.chunk_size;
+  po.chunk_bytes = budgets_.chunk_size;
   po.grad_accum = t.grad_accum;
-  po.offload_activations = plan.offload_activations;
+  po.offload_activations = plan_.offload_activations;
   po.activation_tokens = t.micro_batch * t.seq_len;
   po.optimizer = oc;
   po.overlap_optimizer = t.overlap_backward;
-  po.precision = budgets.precision;
+  po.precision = budgets_.precision;
   po.moments = t.moments;
   po.stochastic_rounding = t.stochastic_rounding;
-  po.device_kernels = e->state_kernels_.get();
+  po.device_kernels = state_kernels_.get();
   if (t.dp_world > 1) {
-    // Each group gets an owner among the ranks, which writes it into checkpoints and, with the
-    // optimizer state sharded (ZeRO-1 over parameter groups), alone holds and updates its master
-    // weights and Adam moments.
-    e->plan_.placement.assign_owners(PagedState::group_elements(e->net_->layout()), t.dp_world,
-                                     /*shard_optimizer=*/t.plan_zero != 0);
+    plan_.placement.assign_owners(PagedState::group_elements(net_->layout()), t.dp_world,
+                                  /*shard_optimizer=*/t.plan_zero != 0);
     po.rank = t.dp_rank;
   }
-  po.placement = plan.placement;
-  e->budgets_ = budgets;
-  e->cuda_ = cuda;
-  ASSIGN_OR_RETURN(e->state_, PagedState::create(*e->device_, e->io_.get(), e->net_->layout(), po));
+  po.placement = plan_.placement;
+  ASSIGN_OR_RETURN(state_, PagedState::create(*device_, io_.get(), net_->layout(), po));
   // Paging is stream-ordered: set_access hands the state the model's compute stream.
-  e->net_->set_access(e->state_.get());
-  return e;
+  net_->set_access(state_.get());
+  return Status::OK();
 }
 
 PagedEngine::~PagedEngine() = default;
@@ -216,7 +254,7 @@ EngineStats PagedEngine::stats() const {
 }
 
 HostRamPlan PagedEngine::host_ram(const HostRamData& data) const {
-  return plan_host_ram(mc_, budgets_, plan_, cuda_, data);
+  return plan_host_ram(mc_, budgets_, plan_, backend_ == DeviceKind::kCuda, data);
 }
 
 // The MoE routers' loss-free balancing bias, one tensor per MoE layer, when that balancing is on.

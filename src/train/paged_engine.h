@@ -3,48 +3,78 @@
 // computing over PagedState, the training state held in chunks across the device, host and
 // nvme budgets of a TrainConfig as the planner places them (DESIGN §3.2-3.3). A state that
 // fits the device is simply the plan that homes every chunk there.
+// The training loop (trainer.cpp) owns data, schedule, metrics, checkpoints and export; the
+// engine owns how a step is computed and where the state is. Not thread-safe.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "core/device.h"
 #include "core/io_engine.h"
+#include "memory/tier.h"
 #include "model/config.h"
 #include "model/decoder.h"
 #include "offload/plan.h"
-#include "train/engine.h"
+#include "parallel/comm.h"
+#include "train/host_ram.h"
 #include "train/optimizer.h"
 #include "train/paged_state.h"
+#include "train/savable_state.h"
 #include "train/train_config.h"
 
 namespace strata {
 
-class PagedEngine final : public TrainEngine {
+// Memory and traffic of an engine, read before and after each step for the metrics.
+struct EngineStats {
+  uint64_t tier_bytes[kNumTiers] = {};  // state bytes in use on device, host, nvme
+  uint64_t stall_ns = 0;                // compute waiting for state to arrive, cumulative
+  uint64_t moved_bytes = 0;             // bytes moved between tiers, cumulative
+};
+
+class PagedEngine {
  public:
   // Plans the placement for the budgets of `t` (memory.*, train.*), then reserves the tiers.
   // OutOfMemory with the planner's suggestions when the state does not fit; IOError naming
   // memory.nvme.path when it cannot be created. The parameters start at zero: fill them
   // through state().
-  // cuda: compute on GPU 0 (the bf16 recipe; chunks, activations and the kernels' scratch all
-  // in its arena of memory.device); otherwise on the CPU in train.precision.
+  // backend kCuda: compute on GPU t.cuda_device (the bf16 recipe unless fp8 is asked for;
+  // chunks, activations and the kernels' scratch all in its arena of memory.device); kCpu: on
+  // the CPU in train.precision.
   static Result<std::unique_ptr<PagedEngine>> create(const model::ModelConfig& mc, const TrainConfig& t,
-                                                     const OptimizerConfig& oc, bool cuda = false);
-  ~PagedEngine() override;
+                                                     const OptimizerConfig& oc,
+                                                     DeviceKind backend = DeviceKind::kCpu);
+  ~PagedEngine();
+  PagedEngine(const PagedEngine&) = delete;
+  PagedEngine& operator=(const PagedEngine&) = delete;
 
-  const model::ParamLayout& layout() const override { return net_->layout(); }
-  SavableState& state() override { return *state_; }
-  std::string device_name() const override { return device_->kind() == DeviceKind::kCpu ? "cpu" : device_->name(); }
-  std::string memory_summary() const override;
+  const model::ParamLayout& layout() const { return net_->layout(); }
+  SavableState& state() { return *state_; }
+  // "cpu", "cuda:0 (NVIDIA H200)": where the steps compute.
+  std::string device_name() const { return device_->kind() == DeviceKind::kCpu ? "cpu" : device_->name(); }
+  // One line for the run's start: where the state lives and in what sizes.
+  std::string memory_summary() const;
 
-  Status zero_grads() override;
+  // One optimizer step: zero_grads(), micro_batch() for each micro-batch (`last` for the step's
+  // final one, with the step's learning rate), then step(lr).
+  Status zero_grads();
+  // Returns the SUM of token NLLs over targets >= 0 and accumulates grad_scale times its
+  // gradient. inputs and targets are host (B, T) arrays.
   Result<double> micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
-                             bool last, float lr) override;
-  Result<double> step(float lr) override;
-  bool updates_during_backward() const override { return options_.overlap_optimizer; }
-  EngineStats stats() const override;
-  Status set_comm(parallel::Comm* comm) override;
+                             bool last, float lr);
+  // Clips the global gradient norm and applies AdamW at `lr`; returns the pre-clip norm. A norm
+  // that is not finite is returned with nothing changed (the loop skips the step), unless the
+  // engine updates during backward, where it is an error: the step cannot be undone.
+  Result<double> step(float lr);
+  // True when micro_batch() may already change parameters (AdamW overlapped with the last
+  // backward): a step with a non-finite loss can then no longer be skipped cleanly.
+  bool updates_during_backward() const { return options_.overlap_optimizer; }
+  EngineStats stats() const;
+  // Data parallelism: from now on step() sums the gradients (and MoE expert counts) over the
+  // ranks of `comm`, which outlives the engine.
+  Status set_comm(parallel::Comm* comm);
 
   // What the engine was planned with, for comparing prediction and measurement: the plan (its
   // per-phase time included; plan() below), the chunk space's counters and the device bytes
@@ -52,22 +82,35 @@ class PagedEngine final : public TrainEngine {
   ChunkSpaceStats chunk_stats() const { return state_->stats(); }
   uint64_t activation_bytes() const { return activation_bytes_; }
 
-  std::vector<ExtraState> extra_state() const override;
-  void set_extra_state(const std::vector<ExtraState>& extra) override;
-  std::string step_note() const override;
-  std::string recipe() const override;
-  const Plan* plan() const override { return &plan_; }
-  const PlanInput* plan_input() const override { return &plan_input_; }
-  HostRamPlan host_ram(const HostRamData& data) const override;
+  // Training state besides the tensors that a resume needs (MoE routers' balancing bias).
+  std::vector<ExtraState> extra_state() const;
+  void set_extra_state(const std::vector<ExtraState>& extra);
+  // A second log line for a step, empty when there is nothing to add (MoE load balance).
+  std::string step_note() const;
+  // The precision recipe and moment format the step line names, e.g. "fp8" or "bf16, int8 moments".
+  std::string recipe() const;
+  // The planner's placement of the state (its groups' owners with several ranks) and what it
+  // was planned from: reports compare the measured run with it.
+  const Plan& plan() const { return plan_; }
+  const PlanInput& plan_input() const { return plan_input_; }
+  // The host memory a run on this engine holds (host_ram.h), given the data as opened.
+  HostRamPlan host_ram(const HostRamData& data) const;
 
  private:
   PagedEngine() = default;
+  // create()'s steps, in order; each reads what the ones before it set.
+  Status open_backend(const TrainConfig& t);
+  Status resolve_budgets();
+  Status plan_placement(const TrainConfig& t);
+  Status open_nvme(const TrainConfig& t);
+  Status size_activations(const TrainConfig& t);
+  Status create_state(const TrainConfig& t, const OptimizerConfig& oc);
 
   model::ModelConfig mc_;
   Plan plan_;  // its placement carries the groups' owners with several ranks
   PlanInput plan_input_;  // what plan_ was made from
   TrainConfig budgets_;  // the settings with every budget and the chunk size resolved
-  bool cuda_ = false;
+  DeviceKind backend_ = DeviceKind::kCpu;
   PagedStateOptions options_;
   bool keep_activations_ = false;
   uint64_t activation_bytes_ = 0;

@@ -30,6 +30,7 @@
 #include "train/goodput.h"
 #include "train/host_ram.h"
 #include "train/paged_engine.h"
+#include "train/planning.h"
 #include "train/ranks.h"
 #include "train/run_dirs.h"
 #if STRATA_HAVE_CUDA
@@ -129,15 +130,6 @@ bool needs_run_dir_for_data(const TrainConfig& t) {
   return false;
 }
 
-Result<std::unique_ptr<TrainEngine>> make_cuda_engine(const model::ModelConfig& mc, const TrainConfig& t,
-                                                      const OptimizerConfig& oc) {
-  if (!t.precision_auto && t.precision == Precision::kFp32)
-    return Status::Unimplemented(
-        "the CUDA backend trains in the bf16 and fp8 recipes; train.precision=fp32 runs on the cpu (run.device=cpu)");
-  ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> paged, PagedEngine::create(mc, t, oc, /*cuda=*/true));
-  return std::unique_ptr<TrainEngine>(std::move(paged));
-}
-
 #if STRATA_HAVE_CUDA
 constexpr bool kBuiltWithCuda = true;
 #else
@@ -152,27 +144,29 @@ bool cuda_visible() {
 #endif
 }
 
-}  // namespace
+Result<std::unique_ptr<PagedEngine>> make_cuda_engine(const model::ModelConfig& mc, const TrainConfig& t,
+                                                      const OptimizerConfig& oc) {
+  if (!t.precision_auto && t.precision == Precision::kFp32)
+    return Status::Unimplemented(
+        "the CUDA backend trains in the bf16 and fp8 recipes; train.precision=fp32 runs on the cpu (run.device=cpu)");
+  return PagedEngine::create(mc, t, oc, DeviceKind::kCuda);
+}
 
-Result<std::unique_ptr<TrainEngine>> make_train_engine(const model::ModelConfig& mc, const TrainConfig& t,
+// The engine for run.device: cuda (the CUDA model with the state on the GPU t.cuda_device), cpu
+// (the CPU model over the paged state), or auto (cuda when this build has it, a GPU is visible
+// and the model runs and fits there, logging why not otherwise; then cpu).
+Result<std::unique_ptr<PagedEngine>> make_train_engine(const model::ModelConfig& mc, const TrainConfig& t,
                                                        const OptimizerConfig& oc) {
   if (t.device == "cuda" || (t.device == "auto" && cuda_visible())) {
-    Result<std::unique_ptr<TrainEngine>> cuda = make_cuda_engine(mc, t, oc);
+    Result<std::unique_ptr<PagedEngine>> cuda = make_cuda_engine(mc, t, oc);
     if (cuda.ok()) return cuda;
     if (t.device == "cuda") return cuda.status().with_context("run.device=cuda");
     LOG_INFO("run.device=auto: not on the GPU ({}); training on the CPU", cuda.status().message());
   } else if (t.device == "auto" && kBuiltWithCuda) {
     LOG_INFO("run.device=auto: no CUDA device is visible; training on the CPU");
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> paged, PagedEngine::create(mc, t, oc));
-  return std::unique_ptr<TrainEngine>(std::move(paged));
+  return PagedEngine::create(mc, t, oc, DeviceKind::kCpu);
 }
-
-Result<TrainSummary> run_training(const TrainConfig& t, const std::string& effective_yaml) {
-  return run_training(t, effective_yaml, make_train_engine);
-}
-
-namespace {
 
 // A run between its three phases: everything prepare() checked and opened, and where the loop is.
 struct Run {
@@ -183,7 +177,7 @@ struct Run {
   model::SafetensorsWriteDtype source_dtype = model::SafetensorsWriteDtype::kF32;
   std::unique_ptr<TokenDataset> dataset;
   std::optional<DataLoader> loader;
-  std::unique_ptr<TrainEngine> engine;
+  std::unique_ptr<PagedEngine> engine;
   std::optional<LrSchedule> schedule;
   std::unique_ptr<TrainCheckpointer> checkpointer;
   std::optional<MetricsWriter> metrics;
@@ -268,26 +262,23 @@ struct Run {
   }
 };
 
-// 1. Everything that can be wrong with the inputs is checked before anything but the locks of
-// the run's folders is written; then the engine, the starting state (a checkpoint, weights or an
-// init) and the run directory.
-Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effective_yaml, const EngineFactory& make_engine,
-                                     GoodputAccountant* goodput, std::optional<RunDirs>* dirs, Ranks& ranks) {
-  auto run = std::make_unique<Run>();
-  run->goodput = goodput;
-  run->ranks = &ranks;
-  ASSIGN_OR_RETURN(run->mc, resolve_model_config(t));
-  const model::ModelConfig& mc = run->mc;
+// prepare()'s first step: the model's config, checked against the run's sequence length.
+Status resolve_run_model(const TrainConfig& t, Run& run) {
+  ASSIGN_OR_RETURN(run.mc, resolve_model_config(t));
   const std::string model_source = !t.model_from.empty()     ? (fs::path(t.model_from) / "config.json").string()
                                    : !t.model_config.empty() ? t.model_config
                                                              : "preset '" + t.model_preset + "'";
-  RETURN_IF_ERROR(mc.check_sequence_length(t.seq_len, model_source + " (train.seq_len)"));
-  if (t.seq_len > mc.max_position_embeddings)
+  RETURN_IF_ERROR(run.mc.check_sequence_length(t.seq_len, model_source + " (train.seq_len)"));
+  if (t.seq_len > run.mc.max_position_embeddings)
     LOG_WARN("train.seq_len {} exceeds the model's max_position_embeddings {}", t.seq_len,
-             mc.max_position_embeddings);
-  // The run's folders, locked: t names them from here on (a version folder, a relative nvme).
-  // Rank 0 owns them and tells the other ranks where they are (after building the default
-  // corpus, which they read).
+             run.mc.max_position_embeddings);
+  return Status::OK();
+}
+
+// The run's folders, locked: t names them from here on (a version folder, a relative nvme).
+// Rank 0 owns them and tells the other ranks where they are (after building the default
+// corpus, which they read). Then the training data and its loader.
+Status open_dirs_and_data(TrainConfig& t, Run& run, std::optional<RunDirs>* dirs, Ranks& ranks) {
   std::error_code ec;
   Status opened_dirs = Status::OK();
   if (ranks.writes()) {
@@ -298,7 +289,7 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
         fs::create_directories(t.run_dir, ec);
         if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
       }
-      ASSIGN_OR_RETURN(run->dataset, open_training_data(t));
+      ASSIGN_OR_RETURN(run.dataset, open_training_data(t));
       return Status::OK();
     }();
   }
@@ -313,35 +304,40 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   }
   RETURN_IF_ERROR(opened_dirs);
   if (!ranks.writes()) {
-    ASSIGN_OR_RETURN(run->dataset, open_training_data(t, /*build_corpus=*/false));
+    ASSIGN_OR_RETURN(run.dataset, open_training_data(t, /*build_corpus=*/false));
   }
-  if (run->dataset->vocab_hint() > mc.vocab_size)
+  if (run.dataset->vocab_hint() > run.mc.vocab_size)
     return Status::InvalidArgument("data.paths are read as bytes (256 token ids) but the model's vocab_size is " +
-                                   std::to_string(mc.vocab_size) + "; use a model with vocab_size >= 256");
+                                   std::to_string(run.mc.vocab_size) + "; use a model with vocab_size >= 256");
   DataLoaderOptions lo;
   lo.batch_size = t.micro_batch;
   lo.seq_len = t.seq_len;
   lo.seed = t.seed;
-  lo.vocab_size = mc.vocab_size;
-  ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(run->dataset.get(), lo));
-  run->loader.emplace(std::move(loader));
+  lo.vocab_size = run.mc.vocab_size;
+  ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(run.dataset.get(), lo));
+  run.loader.emplace(std::move(loader));
+  return Status::OK();
+}
 
-  // The starting weights are read (or initialised) tensor by tensor straight into the engine's
-  // state below, so a model is never held twice in memory. The checkpoint is checked
-  // completely here, first.
-  run->layout = model::ParamLayout(mc);
+// The starting weights of model.from / model.init, checked completely (every tensor the layout
+// needs, in its shape) but not read: they are read tensor by tensor straight into the engine's
+// state, so a model is never held twice in memory. Empty when the run initialises its weights.
+Result<std::optional<model::SafetensorsReader>> open_starting_weights(const TrainConfig& t, Run& run) {
+  run.layout = model::ParamLayout(run.mc);
   const std::string weights_from = !t.model_from.empty() ? t.model_from : t.model_init;
   std::optional<model::SafetensorsReader> weights;
-  if (!weights_from.empty()) {
-    ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_hf_weights(weights_from, run->layout));
-    nlohmann::json source_json = nlohmann::json::object();
-    if (model::is_hf_directory(weights_from)) {
-      ASSIGN_OR_RETURN(source_json, model::read_hf_config_json(weights_from));
-    }
-    run->source_dtype = model::hf_source_dtype(reader, run->layout, source_json);
-    weights.emplace(std::move(reader));
+  if (weights_from.empty()) return weights;
+  ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_hf_weights(weights_from, run.layout));
+  nlohmann::json source_json = nlohmann::json::object();
+  if (model::is_hf_directory(weights_from)) {
+    ASSIGN_OR_RETURN(source_json, model::read_hf_config_json(weights_from));
   }
-  if (!t.run_export.empty()) RETURN_IF_ERROR(model::check_export_target(t.run_export));
+  run.source_dtype = model::hf_source_dtype(reader, run.layout, source_json);
+  weights.emplace(std::move(reader));
+  return weights;
+}
+
+OptimizerConfig optimizer_config(const TrainConfig& t) {
   OptimizerConfig oc;
   oc.lr = static_cast<float>(t.lr);
   oc.beta1 = static_cast<float>(t.beta1);
@@ -349,81 +345,84 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   oc.eps = static_cast<float>(t.eps);
   oc.weight_decay = static_cast<float>(t.weight_decay);
   oc.grad_clip = static_cast<float>(t.grad_clip);
-  run->schedule.emplace(LrSchedule{t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.lr_schedule});
+  return oc;
+}
 
-  // Where the state lives and where the steps compute (run.device, memory.*).
-  ASSIGN_OR_RETURN(run->engine, make_engine(mc, t, oc));
-  RETURN_IF_ERROR(run->engine->set_comm(ranks.comm.get()));
-  SavableState& state = run->engine->state();
-  // Every byte of host memory the run will hold, refused now when the machine does not have it
-  // (the engine's host tier alone was checked before it was reserved), before any weights load.
-  const HostRamPlan host_ram = run->engine->host_ram(host_ram_data(*run->dataset, run->loader->num_windows()));
+// Where the state lives and where the steps compute (run.device, memory.*); then every byte of
+// host memory the run will hold, refused now when the machine does not have it (the engine's
+// host tier alone was checked before it was reserved), before any weights load.
+Result<HostRamPlan> open_engine(const TrainConfig& t, Run& run, Ranks& ranks) {
+  ASSIGN_OR_RETURN(run.engine, make_train_engine(run.mc, t, optimizer_config(t)));
+  RETURN_IF_ERROR(run.engine->set_comm(ranks.comm.get()));
+  const HostRamPlan host_ram = run.engine->host_ram(host_ram_data(*run.dataset, run.loader->num_windows()));
   if (!host_ram.items.empty()) {
     RETURN_IF_ERROR(check_host_ram(host_ram, available_host_memory()));
-    run->host_ram_peak = host_ram.peak();
+    run.host_ram_peak = host_ram.peak();
   }
+  return host_ram;
+}
 
-  // Resume: parameters, moments, data position and step from a checkpoint (any budgets).
-  // Otherwise the starting weights, from model.from / model.init or initialised.
-  std::string resume_from = t.resume;
-  if (resume_from == "auto") {
-    resume_from = fs::exists(fs::path(t.ckpt_dir) / "latest") ? t.ckpt_dir : "";
-    if (resume_from.empty()) LOG_INFO("resume: no checkpoint in {}; starting from step 1", t.ckpt_dir);
-  }
-  if (resume_from.empty()) {
-    Progress progress(weights ? "loading weights from " + weights_from : "initialising weights",
-                      static_cast<uint64_t>(run->layout.total_size()) * sizeof(float));
-    RETURN_IF_ERROR(state.fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
-      if (weights) {
-        RETURN_IF_ERROR(weights->read_f32(spec.name, dst));
-      } else {
-        model::init_tensor(spec, dst, t.seed);
-      }
-      progress.add(static_cast<uint64_t>(spec.numel) * sizeof(float));
-      return Status::OK();
-    }));
-  }
-  weights.reset();
-  if (!resume_from.empty()) {
-    std::vector<ExtraState> extra = run->engine->extra_state();
-    ASSIGN_OR_RETURN(RunPosition pos, restore_checkpoint(resume_from, mc.to_json(), run->layout, state, &extra));
-    run->engine->set_extra_state(extra);
-    RETURN_IF_ERROR(
-        run->loader->set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
-    if (weights_from.empty()) {
-      run->source_dtype = model::parse_torch_dtype(pos.source_torch_dtype).value_or(model::SafetensorsWriteDtype::kF32);
+// The starting weights from model.from / model.init (`weights`), or initialised from train.seed.
+Status fill_starting_weights(const TrainConfig& t, Run& run, std::optional<model::SafetensorsReader>& weights) {
+  const std::string weights_from = !t.model_from.empty() ? t.model_from : t.model_init;
+  Progress progress(weights ? "loading weights from " + weights_from : "initialising weights",
+                    static_cast<uint64_t>(run.layout.total_size()) * sizeof(float));
+  return run.engine->state().fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
+    if (weights) {
+      RETURN_IF_ERROR(weights->read_f32(spec.name, dst));
+    } else {
+      model::init_tensor(spec, dst, t.seed);
     }
-    const std::optional<int64_t> next_step = checked_add(pos.step, int64_t{1});
-    if (!next_step)
-      return Status::InvalidArgument("checkpoint " + resume_from + " is at step " + std::to_string(pos.step) +
-                                     ", too large to continue from");
-    run->start_step = *next_step;
-    run->tokens_seen = static_cast<int64_t>(pos.tokens_seen);
-    // The tensors are logical (decoded moments), so another moment format converts on load:
-    // exactly into a wider one, rounded once into a narrower one.
-    const std::string run_moments = kernels::moment_format_name(t.moments);
-    if (pos.recipe.contains("moments") && pos.recipe["moments"].is_string() && pos.recipe["moments"] != run_moments) {
-      const std::string saved = pos.recipe["moments"].get<std::string>();
-      const auto saved_format = kernels::parse_moment_format(saved);
-      const bool narrower = saved_format && kernels::moment_bytes(t.moments, kernels::kMomentBlock) <
-                                                kernels::moment_bytes(*saved_format, kernels::kMomentBlock);
-      LOG_WARN("the checkpoint's Adam moments were stored as {}; this run stores them as {} (optim.moments), "
-               "converted on load{}",
-               saved, run_moments, narrower ? ": rounded once, so the run is not bitwise the uninterrupted one" : "");
-    }
-    if (run->start_step > t.steps)
-      LOG_WARN("the checkpoint is at step {}; train.steps is {}: nothing to do", pos.step, t.steps);
+    progress.add(static_cast<uint64_t>(spec.numel) * sizeof(float));
+    return Status::OK();
+  });
+}
+
+// Resume: parameters, moments, data position and step from the checkpoint in `resume_from`
+// (saved under any budgets).
+Status restore_run(const TrainConfig& t, Run& run, const std::string& resume_from) {
+  std::vector<ExtraState> extra = run.engine->extra_state();
+  ASSIGN_OR_RETURN(RunPosition pos,
+                   restore_checkpoint(resume_from, run.mc.to_json(), run.layout, run.engine->state(), &extra));
+  run.engine->set_extra_state(extra);
+  RETURN_IF_ERROR(
+      run.loader->set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
+  if (t.model_from.empty() && t.model_init.empty()) {
+    run.source_dtype = model::parse_torch_dtype(pos.source_torch_dtype).value_or(model::SafetensorsWriteDtype::kF32);
   }
+  const std::optional<int64_t> next_step = checked_add(pos.step, int64_t{1});
+  if (!next_step)
+    return Status::InvalidArgument("checkpoint " + resume_from + " is at step " + std::to_string(pos.step) +
+                                   ", too large to continue from");
+  run.start_step = *next_step;
+  run.tokens_seen = static_cast<int64_t>(pos.tokens_seen);
+  // The tensors are logical (decoded moments), so another moment format converts on load:
+  // exactly into a wider one, rounded once into a narrower one.
+  const std::string run_moments = kernels::moment_format_name(t.moments);
+  if (pos.recipe.contains("moments") && pos.recipe["moments"].is_string() && pos.recipe["moments"] != run_moments) {
+    const std::string saved = pos.recipe["moments"].get<std::string>();
+    const auto saved_format = kernels::parse_moment_format(saved);
+    const bool narrower = saved_format && kernels::moment_bytes(t.moments, kernels::kMomentBlock) <
+                                              kernels::moment_bytes(*saved_format, kernels::kMomentBlock);
+    LOG_WARN("the checkpoint's Adam moments were stored as {}; this run stores them as {} (optim.moments), "
+             "converted on load{}",
+             saved, run_moments, narrower ? ": rounded once, so the run is not bitwise the uninterrupted one" : "");
+  }
+  if (run.start_step > t.steps)
+    LOG_WARN("the checkpoint is at step {}; train.steps is {}: nothing to do", pos.step, t.steps);
+  return Status::OK();
+}
+
+// The checkpoint writer of ckpt.*; with several ranks each writes the parameter groups it owns
+// and rank 0 commits them under one manifest.
+void open_checkpointer(const TrainConfig& t, Run& run, Ranks& ranks) {
   CheckpointOptions co;
   co.dir = t.ckpt_dir;
   co.keep_last = static_cast<int>(t.ckpt_keep_last);
   co.skip_if_busy = t.ckpt_skip_if_busy;
   co.staging_bytes = t.ckpt_staging;
   if (ranks.several()) {
-    // Each rank writes the parameter groups it owns; rank 0 commits them under one manifest.
-    const Plan* plan = run->engine->plan();
-    CHECK_MSG(plan != nullptr, "an engine for several ranks without a plan to give the groups' owners");
-    co.placement = plan->placement;
+    co.placement = run.engine->plan().placement;
     co.shard.rank = ranks.rank();
     co.shard.world = ranks.world();
     parallel::Comm* ckpt_comm = ranks.ckpt_comm.get();
@@ -434,19 +433,76 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
     if (co.skip_if_busy) LOG_INFO("ckpt.skip_if_busy is off with several ranks: every rank saves every checkpoint");
     co.skip_if_busy = false;
   }
-  co.recipe = {{"recipe", run->engine->recipe()},
+  co.recipe = {{"recipe", run.engine->recipe()},
                {"moments", kernels::moment_format_name(t.moments)},
                {"moments_rounding", t.stochastic_rounding ? "stochastic" : "nearest"}};
-  run->checkpointer = std::make_unique<TrainCheckpointer>(co, run->layout, state);
-  run->last_saved_step = run->start_step - 1;
-  run->mark_sound(run->start_step - 1);
+  run.checkpointer = std::make_unique<TrainCheckpointer>(co, run.layout, run.engine->state());
+  run.last_saved_step = run.start_step - 1;
+  run.mark_sound(run.start_step - 1);
+}
+
+// The run directory (rank 0's): the effective config, the metrics file (continued when
+// resuming), and the lines that say what the run is about to do.
+Status open_run_dir(const TrainConfig& t, Run& run, const std::string& effective_yaml, bool resuming,
+                    const HostRamPlan& host_ram, const Ranks& ranks) {
+  std::error_code ec;
+  fs::create_directories(t.run_dir, ec);
+  if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
+  {
+    std::ofstream out(fs::path(t.run_dir) / "config.yaml");
+    out << effective_yaml;
+    if (!out) return Status::IOError("cannot write " + (fs::path(t.run_dir) / "config.yaml").string());
+  }
+  const fs::path metrics_path = fs::path(t.run_dir) / "metrics.jsonl";
+  ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open(metrics_path.string(), /*append=*/resuming));
+  run.metrics.emplace(std::move(metrics));
+
+  const model::ModelConfig& mc = run.mc;
+  const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * ranks.world();
+  LOG_INFO("model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {:.2f}M parameters", mc.num_hidden_layers,
+           mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size,
+           static_cast<double>(mc.num_parameters()) / 1e6);
+  LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation{})",
+           run.dataset->num_tokens(), run.loader->num_windows(), t.seq_len, tokens_per_step, t.micro_batch,
+           t.seq_len, t.grad_accum, ranks.several() ? fmt::format(" x {} ranks", ranks.world()) : "");
+  LOG_INFO("memory: {}", run.engine->memory_summary());
+  if (!host_ram.items.empty()) LOG_INFO("{}", format_host_ram(host_ram));
+  LOG_INFO("run: {} steps on {}, writing {} (metrics.jsonl, config.yaml) and checkpoints to {}", t.steps,
+           run.engine->device_name(), t.run_dir, t.ckpt_dir);
+  return Status::OK();
+}
+
+// 1. Everything that can be wrong with the inputs is checked before anything but the locks of
+// the run's folders is written; then the engine, the starting state (a checkpoint, weights or an
+// init) and the run directory.
+Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effective_yaml, GoodputAccountant* goodput,
+                                     std::optional<RunDirs>* dirs, Ranks& ranks) {
+  auto run = std::make_unique<Run>();
+  run->goodput = goodput;
+  run->ranks = &ranks;
+  RETURN_IF_ERROR(resolve_run_model(t, *run));
+  RETURN_IF_ERROR(open_dirs_and_data(t, *run, dirs, ranks));
+  ASSIGN_OR_RETURN(std::optional<model::SafetensorsReader> weights, open_starting_weights(t, *run));
+  if (!t.run_export.empty()) RETURN_IF_ERROR(model::check_export_target(t.run_export));
+  run->schedule.emplace(LrSchedule{t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.lr_schedule});
+  ASSIGN_OR_RETURN(HostRamPlan host_ram, open_engine(t, *run, ranks));
+
+  // Resume from a checkpoint (any budgets); otherwise the starting weights.
+  std::string resume_from = t.resume;
+  if (resume_from == "auto") {
+    resume_from = fs::exists(fs::path(t.ckpt_dir) / "latest") ? t.ckpt_dir : "";
+    if (resume_from.empty()) LOG_INFO("resume: no checkpoint in {}; starting from step 1", t.ckpt_dir);
+  }
+  if (resume_from.empty()) RETURN_IF_ERROR(fill_starting_weights(t, *run, weights));
+  weights.reset();
+  if (!resume_from.empty()) RETURN_IF_ERROR(restore_run(t, *run, resume_from));
+  open_checkpointer(t, *run, ranks);
 
   // Steps an earlier run in this run.dir recorded beyond where this one starts are done again:
   // its metrics are metrics.jsonl when resuming from a checkpoint, or the file set aside when a
   // requeued run found none (run_dirs.h).
-  const fs::path metrics_path = fs::path(t.run_dir) / "metrics.jsonl";
   if (!resume_from.empty()) {
-    run->redo_until = highest_recorded_step(metrics_path.string());
+    run->redo_until = highest_recorded_step((fs::path(t.run_dir) / "metrics.jsonl").string());
   } else if (dirs->has_value() && !(*dirs)->set_aside_metrics().empty()) {
     run->redo_until = highest_recorded_step((*dirs)->set_aside_metrics());
   }
@@ -457,32 +513,11 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
     ranks.start_agreed = true;
     RETURN_IF_ERROR(agree_all_ok(*ranks.comm, Status::OK(), "to start"));
   }
-  // The run directory: the effective config, then metrics as steps complete (rank 0's).
   if (!ranks.writes()) {
     LOG_INFO("rank {}: prepared", ranks.rank());
     return run;
   }
-  fs::create_directories(t.run_dir, ec);
-  if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
-  {
-    std::ofstream out(fs::path(t.run_dir) / "config.yaml");
-    out << effective_yaml;
-    if (!out) return Status::IOError("cannot write " + (fs::path(t.run_dir) / "config.yaml").string());
-  }
-  ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open(metrics_path.string(), /*append=*/!resume_from.empty()));
-  run->metrics.emplace(std::move(metrics));
-
-  const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * ranks.world();
-  LOG_INFO("model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {:.2f}M parameters", mc.num_hidden_layers,
-           mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size,
-           static_cast<double>(mc.num_parameters()) / 1e6);
-  LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation{})",
-           run->dataset->num_tokens(), run->loader->num_windows(), t.seq_len, tokens_per_step, t.micro_batch,
-           t.seq_len, t.grad_accum, ranks.several() ? fmt::format(" x {} ranks", ranks.world()) : "");
-  LOG_INFO("memory: {}", run->engine->memory_summary());
-  if (!host_ram.items.empty()) LOG_INFO("{}", format_host_ram(host_ram));
-  LOG_INFO("run: {} steps on {}, writing {} (metrics.jsonl, config.yaml) and checkpoints to {}", t.steps,
-           run->engine->device_name(), t.run_dir, t.ckpt_dir);
+  RETURN_IF_ERROR(open_run_dir(t, *run, effective_yaml, !resume_from.empty(), host_ram, ranks));
   return run;
 }
 
@@ -540,12 +575,13 @@ void account_step(Run& run, int64_t step, double data_s, double step_s, uint64_t
 // the engine's step, and the loss here. The tokens are scaled by the global batch's count, so a
 // step is the one a single process takes with world x grad_accum micro-batches.
 Status loop(Run& run, const TrainConfig& t) {
-  TrainEngine& engine = *run.engine;
+  PagedEngine& engine = *run.engine;
   Ranks& ranks = *run.ranks;
   const int64_t micro_tokens = t.micro_batch * t.seq_len;
   const int64_t micro_batches = t.grad_accum * ranks.world();  // in the global batch
   const int64_t first_micro = t.grad_accum * ranks.rank();      // this rank's first
   const int64_t tokens_per_step = micro_tokens * micro_batches;
+  const double flops_per_token = model_flops_per_token(run.mc, t.seq_len);
   std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens * micro_batches));
   std::vector<int32_t> targets(inputs.size());
   const auto run_start = std::chrono::steady_clock::now();
@@ -647,6 +683,7 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.grad_norm = grad_norm;
     sm.ms = seconds * 1e3;
     sm.tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
+    sm.model_tflops = sm.tokens_per_s * flops_per_token / 1e12;
     sm.tokens = run.tokens_seen;
     for (int i = 0; i < kNumTiers; ++i) sm.tier_bytes[i] = after.tier_bytes[i];
     sm.stall_ms = static_cast<double>(after.stall_ns - before.stall_ns) / 1e6;
@@ -807,19 +844,18 @@ GoodputReport report_goodput(Run& run, GoodputAccountant& goodput) {
 
 }  // namespace
 
-Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
-                                  const EngineFactory& make_engine) {
-  return run_training(config, effective_yaml, make_engine, nullptr);
+Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml) {
+  return run_training(config, effective_yaml, nullptr);
 }
 
 Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
-                                  const EngineFactory& make_engine, RunObserver* observer) {
+                                  RunObserver* observer) {
   GoodputAccountant goodput;  // the run's wall time starts here
   TrainConfig t = config;
   std::optional<RunDirs> dirs;
   GoodputAccountant::Timer starting = goodput.time(GoodputPart::kStartup);
   ASSIGN_OR_RETURN(Ranks ranks, connect_ranks(t));
-  Result<std::unique_ptr<Run>> prepared = prepare(t, effective_yaml, make_engine, &goodput, &dirs, ranks);
+  Result<std::unique_ptr<Run>> prepared = prepare(t, effective_yaml, &goodput, &dirs, ranks);
   // A rank that failed before prepare's agreement to start still takes part in it.
   if (ranks.several() && !ranks.start_agreed) {
     Status all = agree_all_ok(*ranks.comm, prepared.status(), "to start");

@@ -3,13 +3,12 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 
 #include "core/status.h"
 #include "model/config.h"
-#include "train/engine.h"
+#include "train/paged_engine.h"
 #include "train/metrics.h"
 #include "train/goodput.h"
 #include "train/optimizer.h"
@@ -29,23 +28,13 @@ struct TrainSummary {
 // The model's config.json (model.config, or the preset) with model.set overrides applied.
 Result<model::ModelConfig> resolve_model_config(const TrainConfig& config);
 
-// `effective_yaml` is the fully resolved configuration, saved as RUN_DIR/config.yaml.
+// `effective_yaml` is the fully resolved configuration, saved as RUN_DIR/config.yaml. The
+// engine is the one run.device names: cuda (the CUDA model with the state on the GPU), cpu (the
+// CPU model over the paged state), or auto (cuda when this build has it, a GPU is visible and
+// the model runs and fits there, logging why not otherwise; then cpu).
 // An error leaves no half-written run directory behind: the directory and its files are
 // created only after the model, the data and the budgets have been checked.
 Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml);
-
-// The engine for run.device: cuda (the CUDA model with the whole state on GPU 0), cpu (the
-// CPU model over the paged state), or auto (cuda when this build has it, a GPU is visible and
-// the model runs and fits there, logging why not otherwise; then cpu).
-Result<std::unique_ptr<TrainEngine>> make_train_engine(const model::ModelConfig& mc, const TrainConfig& config,
-                                                       const OptimizerConfig& optimizer);
-
-// run_training with the engine made by `make_engine` instead of make_train_engine (tests run
-// the resident engine over a CPU model this way).
-using EngineFactory = std::function<Result<std::unique_ptr<TrainEngine>>(
-    const model::ModelConfig&, const TrainConfig&, const OptimizerConfig&)>;
-Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
-                                  const EngineFactory& make_engine);
 
 // Watches a run from inside the loop (`strata profile` starts and stops tracing with it).
 // Called on the training thread; must not throw.
@@ -53,12 +42,13 @@ class RunObserver {
  public:
   virtual ~RunObserver() = default;
   // Once the run is prepared: its settings as resolved (run.dir named) and its engine.
-  virtual void on_start(const TrainConfig& /*t*/, TrainEngine& /*engine*/) {}
+  virtual void on_start(const TrainConfig& /*t*/, const PagedEngine& /*engine*/) {}
   // Before a step loads its data, and after its metrics line is written.
   virtual void on_step_begin(int64_t /*step*/) {}
   virtual void on_step_end(const StepMetrics& /*m*/) {}
 };
+// run_training with `observer` watching the loop (null: none).
 Result<TrainSummary> run_training(const TrainConfig& config, const std::string& effective_yaml,
-                                  const EngineFactory& make_engine, RunObserver* observer);
+                                  RunObserver* observer);
 
 }  // namespace strata

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "train/train_config.h"
+#include "train/planning.h"
 #include "train/trainer.h"
 
 namespace strata {
@@ -156,6 +157,34 @@ TEST_F(GoodputRunTest, APlainRunAccountsItsWholeWallTime) {
   EXPECT_EQ(g["restart_s"].get<double>(), 0.0) << "a run that continues none redoes nothing";
   EXPECT_EQ(g["checkpoint_s"].get<double>(), 0.0) << "no save, nothing to wait for";
   EXPECT_EQ(g["export_s"].get<double>(), 0.0);
+}
+
+// metrics.jsonl's model_tflops is the step's tokens/s at the model's FLOPs per token (6N +
+// 12*L*H*T, planning.h), which `strata bench train-gpu` reports as the run's TFLOP/s.
+TEST_F(GoodputRunTest, EveryStepRecordsItsModelFlopRate) {
+  const std::string run_dir = (dir_ / "flops").string();
+  double wall = 0;
+  ASSERT_TRUE(train(run_dir, {"train.steps=3"}, "", &wall).ok());
+  Result<Config> config = load_train_config(
+      "", {"train.seq_len=32", "model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96]"});
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  Result<TrainConfig> tc = make_train_config(*config);
+  ASSERT_TRUE(tc.ok()) << tc.status().message();
+  Result<model::ModelConfig> mc = resolve_model_config(*tc);
+  ASSERT_TRUE(mc.ok()) << mc.status().message();
+  const double flops_per_token = model_flops_per_token(*mc, 32);
+  std::ifstream in(fs::path(run_dir) / "metrics.jsonl");
+  std::string line;
+  int steps = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("step")) continue;
+    ++steps;
+    const double expected = j["tokens_per_s"].get<double>() * flops_per_token / 1e12;
+    EXPECT_GT(expected, 0.0) << line;
+    EXPECT_TRUE(std::abs(j["model_tflops"].get<double>() - expected) <= 1e-12 * expected) << line;
+  }
+  EXPECT_EQ(steps, 3);
 }
 
 TEST_F(GoodputRunTest, PeriodicSavesAreCheckpointTimeAndAResumeRedoingStepsIsRestart) {

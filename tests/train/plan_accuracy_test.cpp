@@ -6,7 +6,7 @@
 // What both sides count:
 //   device  the chunk space's device-tier peak (ChunkSpaceStats) plus the activation table the
 //           engine reserves beside it, against the plan's device total (state + activations);
-//   host    the chunk space's host-tier peak (homes, cached copies, offloaded checkpoints, nvme
+//   host    the chunk space's host-tier peak (homes, cached copies, offloaded saved activations, nvme
 //           staging), against the plan's host total;
 //   nvme    the chunk space's nvme-tier peak, against the plan's nvme total;
 //   moved   bytes each way per step (ChunkSpaceStats counters over the timed steps, divided by
@@ -209,7 +209,7 @@ Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* p
   ASSIGN_OR_RETURN(std::unique_ptr<ComputeProbe> probe, ComputeProbe::create(o));
   OptimizerConfig oc = optimizer_config(1.0f);
   ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> engine, PagedEngine::create(mc, t, oc));
-  *plan = *engine->plan();
+  *plan = engine->plan();
   const int64_t tokens = t.micro_batch * t.seq_len;
   const std::vector<Batch> batches = make_batches(static_cast<int>(kSteps * t.grad_accum), tokens, 7);
   std::vector<double> seconds, predicted, ratios;

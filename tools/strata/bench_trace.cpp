@@ -99,7 +99,7 @@ int bench_trace_command(const std::vector<std::string>& args) {
   lo.level = LogLevel::kWarn;  // the table is the output
   init_logging(lo);
   Alternator alternator;
-  Result<TrainSummary> run = run_training(*tc, config->to_yaml(), make_train_engine, &alternator);
+  Result<TrainSummary> run = run_training(*tc, config->to_yaml(), &alternator);
   if (!run.ok()) {
     std::fprintf(stderr, "strata bench trace: error: %s\n", run.status().message().c_str());
     return 1;

@@ -1,22 +1,26 @@
-// strata bench train-gpu: how fast `strata train` trains a Llama on one GPU — the decoder on the
-// CUDA backend over the paged state, under a device budget of the user's choosing — in tokens/s
-// and model TFLOP/s, beside a cuBLAS bf16 GEMM ceiling measured in the same run. The PyTorch
-// baseline of the same shape is tools/bench_gpu_train_torch.py; tools/gpu_check.sh runs both.
+// strata bench train-gpu: how fast `strata train` trains a Llama on one GPU — the real trainer
+// (run_training, the same code path as `strata train run.device=cuda`) under a device budget of
+// the user's choosing — in tokens/s and model TFLOP/s as the trainer's metrics count them,
+// beside a cuBLAS bf16 GEMM ceiling measured in the same run. The PyTorch baseline of the same
+// shape is tools/bench_gpu_train_torch.py; tools/gpu_check.sh runs both.
 // In a build without the CUDA backend the command explains that and exits 1.
 #include "tools/strata/bench_train_gpu.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "core/config.h"
 #include "core/status.h"
-#include "model/config.h"
+#include "train/trainer.h"
 
 #if STRATA_HAVE_CUDA
 #include <cublas_v2.h>
@@ -24,47 +28,45 @@
 
 #include "core/check.h"
 #include "core/cuda/cuda_check.h"
-#include "core/units.h"
 #include "core/cuda/cuda_device.h"
-#include "model/params.h"
-#include "train/paged_engine.h"
-#include "train/train_config.h"
+#include "core/device.h"
+#include "kernels/cuda/ops.h"
 #endif
 
 namespace strata::tools {
 namespace {
-
-using model::ModelConfig;
 
 constexpr const char* kUsage = R"(Usage: strata bench train-gpu [--preset 0.44b|3.6b|8b|tiny] [--steps 20] [--warmup 3]
                               [--micro-batch 8] [--seq 2048] [--grad-accum 1] [--lr 3e-4]
                               [--memory-device 0] [--memory-host 0] [--nvme DIR --nvme-size SIZE]
                               [--precision bf16|fp8]
 
-Trains a Llama from random weights (normal(0, 0.02), seed 1) on random tokens on GPU 0 exactly
-as `strata train run.device=cuda` does: the decoder's CUDA backend (bf16 compute copy and
-activations; fp32 master weights, gradients and AdamW moments; beta 0.9/0.95, weight decay 0.1,
-gradient clipping at norm 1.0) over the paged state, which the planner places across
---memory-device (0 = the whole free device), --memory-host (0 = 80% of RAM) and an optional
-nvme directory. A step is GRAD_ACCUM micro-batches of MICRO_BATCH sequences of SEQ tokens, then
-one AdamW update. WARMUP untimed steps, then STEPS timed ones. Sizes take units (24GiB).
---precision fp8 runs the fp8 recipe instead (E4M3 compute copies of the linear weights, their
-GEMMs on cuBLASLt's block-scaled FP8 kernels; docs/precision.md).
+Runs `strata train run.device=cuda` itself (the same trainer, engine and metrics) on GPU 0: a
+Llama from random weights (normal(0, 0.02), train.seed 1) trained on the built-in corpus with
+the CUDA backend (bf16 compute copy and activations; fp32 master weights, gradients and AdamW
+moments; beta 0.9/0.95, weight decay 0.1, gradient clipping at norm 1.0, a constant learning
+rate) over the paged state, which the planner places across --memory-device (0 = the whole free
+device), --memory-host (0 = 80% of RAM) and an optional nvme directory. A step is GRAD_ACCUM
+micro-batches of MICRO_BATCH sequences of SEQ tokens, then one AdamW update. WARMUP untimed
+steps, then STEPS timed ones. Sizes take units (24GiB). --precision fp8 runs the fp8 recipe
+instead (E4M3 compute copies of the linear weights, their GEMMs on cuBLASLt's block-scaled FP8
+kernels; docs/precision.md). The run's folder is a temporary one, removed at the end.
 
-Presets (untied embeddings):
+Presets (untied embeddings; the trainer's model.preset with model.set overrides):
   0.44b  hidden 1024, 24 layers, 16 heads, 8 KV heads, FFN 4096, vocab 32000 (0.44B; the shape of
          the PyTorch baseline tools/bench_gpu_train_torch.py)
   3.6b   the Llama-3.2-3B shape: hidden 3072, 28 layers, 24 heads, 8 KV heads, FFN 8192,
          vocab 128256
-  8b     the Llama-3-8B shape: hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336,
-         vocab 128256
+  8b     the Llama-3-8B shape (model.preset llama3-8b): hidden 4096, 32 layers, 32 heads, 8 KV
+         heads, FFN 14336, vocab 128256
   tiny   hidden 256, 2 layers, 4 heads, 2 KV heads, FFN 768, vocab 1024 (a quick smoke run)
 
-Prints the plan, then tokens/s and model TFLOP/s with FLOPs per token = 6*N + 12*L*H*T, where N
-counts EVERY parameter (embeddings and LM head included), L is the number of layers, H the
-hidden size and T the sequence length (the formula of the PyTorch baseline), and the fraction of
-a cuBLAS bf16 GEMM (8192^3) ceiling timed in the same run. The last line, "RESULT {json}", is
-for tools/gpu_check.sh. Needs a build configured with -DSTRATA_CUDA=ON.
+Prints the trainer's log, then tokens/s and model TFLOP/s of the timed steps from the trainer's
+metrics (FLOPs per token = 6*N + 12*L*H*T, where N counts EVERY parameter, embeddings and LM
+head included, L is the number of layers, H the hidden size and T the sequence length: the
+formula of the PyTorch baseline), and the fraction of a cuBLAS bf16 GEMM (8192^3) ceiling timed
+in the same run. The last line, "RESULT {json}", is for tools/gpu_check.sh. Needs a build
+configured with -DSTRATA_CUDA=ON.
 )";
 
 int usage_error(const std::string& msg) {
@@ -101,45 +103,81 @@ bool parse_int(const std::string& text, int64_t lo, int64_t hi, int64_t* out) {
   return true;
 }
 
-Result<ModelConfig> preset_config(const std::string& name, int64_t seq) {
-  ModelConfig c;
-  c.architecture = "LlamaForCausalLM";
-  c.tie_word_embeddings = false;
-  c.rms_norm_eps = 1e-6;
-  c.rope.theta = 10000.0;
-  if (name == "0.44b") {
-    c.vocab_size = 32000;
-    c.hidden_size = 1024;
-    c.intermediate_size = 4096;
-    c.num_hidden_layers = 24;
-    c.num_attention_heads = 16;
-    c.num_key_value_heads = 8;
-  } else if (name == "3.6b" || name == "8b") {
-    const bool big = name == "8b";
-    c.vocab_size = 128256;
-    c.hidden_size = big ? 4096 : 3072;
-    c.intermediate_size = big ? 14336 : 8192;
-    c.num_hidden_layers = big ? 32 : 28;
-    c.num_attention_heads = big ? 32 : 24;
-    c.num_key_value_heads = 8;
-    c.rope.theta = 500000.0;
-  } else if (name == "tiny") {
-    c.vocab_size = 1024;
-    c.hidden_size = 256;
-    c.intermediate_size = 768;
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-  } else {
-    return Status::InvalidArgument("unknown preset '" + name + "'; presets are 0.44b, 3.6b, 8b and tiny");
-  }
-  c.max_position_embeddings = std::max<int64_t>(2048, seq);
-  c.fill_defaults();
-  RETURN_IF_ERROR(c.validate("bench train-gpu --preset " + name));
-  return c;
+// A benchmark preset as the trainer knows models: one of its presets (model.preset) and the
+// model.set overrides that shape it.
+struct BenchPreset {
+  const char* name;
+  const char* base;
+  std::vector<std::string> set;
+};
+
+const std::vector<BenchPreset>& bench_presets() {
+  static const std::vector<BenchPreset> presets = {
+      {"0.44b", "tiny",
+       {"vocab_size=32000", "hidden_size=1024", "intermediate_size=4096", "num_hidden_layers=24",
+        "num_attention_heads=16", "num_key_value_heads=8", "rms_norm_eps=1e-6"}},
+      {"3.6b", "llama3-8b",
+       {"hidden_size=3072", "intermediate_size=8192", "num_hidden_layers=28", "num_attention_heads=24",
+        "rms_norm_eps=1e-6"}},
+      {"8b", "llama3-8b", {"rms_norm_eps=1e-6"}},
+      {"tiny", "tiny",
+       {"vocab_size=1024", "hidden_size=256", "intermediate_size=768", "num_hidden_layers=2", "num_attention_heads=4",
+        "num_key_value_heads=2", "rms_norm_eps=1e-6"}},
+  };
+  return presets;
+}
+
+const BenchPreset* find_preset(const std::string& name) {
+  for (const BenchPreset& p : bench_presets())
+    if (name == p.name) return &p;
+  return nullptr;
+}
+
+// The settings `strata train` runs the benchmark with: its schema's defaults, the preset's
+// model and these options, in `run_dir`.
+Result<Config> bench_config(const Options& opt, const BenchPreset& preset, const std::string& run_dir) {
+  std::string yaml = std::string("model:\n  preset: ") + preset.base + "\n  set:\n";
+  std::vector<std::string> set = preset.set;
+  set.push_back("max_position_embeddings=" + std::to_string(std::max<int64_t>(2048, opt.seq)));
+  for (const std::string& kv : set) yaml += "    - \"" + kv + "\"\n";
+  const std::vector<std::string> overrides = {
+      "train.micro_batch=" + std::to_string(opt.micro_batch), "train.seq_len=" + std::to_string(opt.seq),
+      "train.grad_accum=" + std::to_string(opt.grad_accum),   "train.steps=" + std::to_string(opt.warmup + opt.steps),
+      "train.seed=1",                                          "train.precision=" + opt.precision,
+      "memory.device=" + opt.memory_device,                   "memory.host=" + opt.memory_host,
+      "memory.nvme.path=" + opt.nvme,                         "memory.nvme.size=" + opt.nvme_size,
+      "optim.lr=" + fmt::format("{}", opt.lr),                 "optim.schedule=constant",
+      "optim.warmup_steps=0",                                 "optim.beta1=0.9",
+      "optim.beta2=0.95",                                     "optim.eps=1e-8",
+      "optim.weight_decay=0.1",                               "optim.grad_clip=1.0",
+      "train.max_skipped_steps=0",                            "ckpt.every=0",
+      "run.device=cuda",                                      "run.dir=" + run_dir};
+  return Config::parse(train_schema(), yaml, "<bench train-gpu --preset " + opt.preset + ">", overrides);
 }
 
 #if STRATA_HAVE_CUDA
+
+// The timed steps as the trainer's metrics count them (its log shows every step).
+class StepRecorder final : public RunObserver {
+ public:
+  explicit StepRecorder(int64_t warmup) : warmup_(warmup) {}
+  void on_start(const TrainConfig& /*t*/, const PagedEngine& engine) override {
+    std::printf("plan: %s\n", engine.memory_summary().c_str());
+    std::fflush(stdout);
+  }
+  void on_step_end(const StepMetrics& m) override {
+    if (m.step <= warmup_) return;
+    seconds_.push_back(m.ms / 1e3);
+    tflop_ += m.model_tflops * m.ms / 1e3;
+  }
+  const std::vector<double>& seconds() const { return seconds_; }
+  double tflop() const { return tflop_; }  // model TFLOP of the timed steps
+
+ private:
+  int64_t warmup_;
+  std::vector<double> seconds_;
+  double tflop_ = 0;
+};
 
 // Next value of a 64-bit LCG (Knuth's MMIX constants); the high bits are the random ones.
 uint64_t lcg_next(uint64_t* state) {
@@ -147,189 +185,124 @@ uint64_t lcg_next(uint64_t* state) {
   return *state >> 33;
 }
 
-// One micro-batch of random tokens: each row is T+1 tokens in [0, vocab); inputs get the first
-// T, targets the last T (next-token prediction, every target counted).
-void random_batch(uint64_t* state, int64_t B, int64_t T, int64_t vocab, std::vector<int32_t>* inputs,
-                  std::vector<int32_t>* targets) {
-  std::vector<int32_t> row(static_cast<size_t>(T + 1));
-  for (int64_t b = 0; b < B; ++b) {
-    for (auto& t : row) t = static_cast<int32_t>(lcg_next(state) % static_cast<uint64_t>(vocab));
-    std::copy(row.begin(), row.end() - 1, inputs->begin() + b * T);
-    std::copy(row.begin() + 1, row.end(), targets->begin() + b * T);
-  }
-}
-
-// TFLOP/s of a plain cuBLAS bf16 GEMM 8192^3 (fp32 accumulation) on `stream`: one warm-up call,
-// then the mean of 20, timed with events. Operands are random bf16 in +-[2^-7, 2^-2) so that the
-// power draw is that of real data.
-double gemm_ceiling_tflops(cudaStream_t stream) {
+// TFLOP/s of a plain cuBLAS bf16 GEMM 8192^3 (fp32 accumulation): one warm-up call, then the
+// mean of 20, timed with events. Operands are random bf16 in +-[2^-7, 2^-2) so that the power
+// draw is that of real data. They and the GEMM workspace come from a device arena of their own.
+Result<double> gemm_ceiling_tflops() {
   constexpr int n = 8192;
   constexpr int kIters = 20;
   const size_t count = size_t{n} * n;
+  const size_t workspace = kernels::cuda::Context::kDefaultGemmWorkspaceBytes;
+  ASSIGN_OR_RETURN(std::unique_ptr<Device> device, open_device("cuda", 0, 3 * count * 2 + workspace + (64ull << 20)));
+  ASSIGN_OR_RETURN(DeviceAllocation a, device->allocate(count * 2));
+  ASSIGN_OR_RETURN(DeviceAllocation b, device->allocate(count * 2));
+  ASSIGN_OR_RETURN(DeviceAllocation c, device->allocate(count * 2));
+  ASSIGN_OR_RETURN(DeviceAllocation ws, device->allocate(workspace));
   std::vector<uint16_t> bits(count);
   uint64_t state = 7;
-  for (auto& b : bits) {
+  for (auto& v : bits) {
     const uint64_t r = lcg_next(&state);
-    b = static_cast<uint16_t>(0x3C00 + (r & 0x3FF)) | static_cast<uint16_t>(((r >> 10) & 1) << 15);
+    v = static_cast<uint16_t>(0x3C00 + (r & 0x3FF)) | static_cast<uint16_t>(((r >> 10) & 1) << 15);
   }
-  void* a = nullptr;
-  void* b = nullptr;
-  void* c = nullptr;
-  CUDA_CHECK(cudaMalloc(&a, count * 2));
-  CUDA_CHECK(cudaMalloc(&b, count * 2));
-  CUDA_CHECK(cudaMalloc(&c, count * 2));
-  CUDA_CHECK(cudaMemcpy(a, bits.data(), count * 2, cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(b, bits.data(), count * 2, cudaMemcpyHostToDevice));
-  cublasHandle_t handle = nullptr;
-  CHECK(cublasCreate(&handle) == CUBLAS_STATUS_SUCCESS);
-  CHECK(cublasSetStream(handle, stream) == CUBLAS_STATUS_SUCCESS);
-  const float alpha = 1.0f, beta = 0.0f;
-  const auto gemm = [&] {
-    CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta,
-                       c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS);
-  };
-  gemm();
-  cudaEvent_t start = nullptr, stop = nullptr;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
-  CUDA_CHECK(cudaEventRecord(start, stream));
-  for (int i = 0; i < kIters; ++i) gemm();
-  CUDA_CHECK(cudaEventRecord(stop, stream));
-  CUDA_CHECK(cudaEventSynchronize(stop));
-  float ms = 0;
-  CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  CUDA_CHECK(cudaEventDestroy(start));
-  CUDA_CHECK(cudaEventDestroy(stop));
-  CHECK(cublasDestroy(handle) == CUBLAS_STATUS_SUCCESS);
-  for (void* p : {a, b, c}) CUDA_CHECK(cudaFree(p));
-  return 2.0 * n * n * static_cast<double>(n) / (ms / kIters * 1e-3) / 1e12;
+  CUDA_CHECK(cudaMemcpy(a.data(), bits.data(), count * 2, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(b.data(), bits.data(), count * 2, cudaMemcpyHostToDevice));
+  double tflops = 0;
+  {
+    kernels::cuda::Context ctx(nullptr, 0, ws.data(), workspace);
+    cudaStream_t stream = nullptr;
+    cublasHandle_t handle = ctx.blas(stream);
+    const float alpha = 1.0f, beta = 0.0f;
+    const auto gemm = [&] {
+      CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.data(), CUDA_R_16BF, n, b.data(),
+                         CUDA_R_16BF, n, &beta, c.data(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS);
+    };
+    gemm();
+    cudaEvent_t start = nullptr, stop = nullptr;
+    CUDA_CHECK(cudaEventCreate(&start));
+    CUDA_CHECK(cudaEventCreate(&stop));
+    CUDA_CHECK(cudaEventRecord(start, stream));
+    for (int i = 0; i < kIters; ++i) gemm();
+    CUDA_CHECK(cudaEventRecord(stop, stream));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    CUDA_CHECK(cudaEventDestroy(start));
+    CUDA_CHECK(cudaEventDestroy(stop));
+    tflops = 2.0 * n * n * static_cast<double>(n) / (ms / kIters * 1e-3) / 1e12;
+  }  // the Context waits for the device before the buffers go back to the arena
+  return tflops;
 }
 
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-int run(const Options& opt) {
+int run(const Options& opt, const BenchPreset& preset) {
   if (cuda_device_count() == 0) return fail("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)");
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  Result<ModelConfig> config = preset_config(opt.preset, opt.seq);
+  std::error_code ec;
+  std::string tmpl = (std::filesystem::temp_directory_path(ec) / "strata-bench-train-gpu.XXXXXX").string();
+  if (ec || mkdtemp(tmpl.data()) == nullptr) return fail("cannot create a temporary folder for the run");
+  const std::filesystem::path work = tmpl;
+  struct RemoveAll {
+    std::filesystem::path path;
+    ~RemoveAll() {
+      std::error_code ignored;
+      std::filesystem::remove_all(path, ignored);
+    }
+  } remove_work{work};
+  Result<Config> config = bench_config(opt, preset, (work / "run").string());
   if (!config.ok()) return fail(config.status().message());
-  const ModelConfig& c = *config;
+  Result<TrainConfig> tc = make_train_config(*config);
+  if (!tc.ok()) return fail(tc.status().message());
+  Result<model::ModelConfig> mc = resolve_model_config(*tc);
+  if (!mc.ok()) return fail(mc.status().message());
   const int64_t B = opt.micro_batch, T = opt.seq, A = opt.grad_accum;
-  const int64_t n_params = c.num_parameters();
+  const int64_t n_params = mc->num_parameters();
   const int64_t tokens_per_step = B * T * A;
-  // Model FLOPs per token: 6N for the matmuls of forward and backward, 12*L*H*T for attention.
-  const double flops_per_token = 6.0 * static_cast<double>(n_params) + 12.0 * static_cast<double>(c.num_hidden_layers) *
-                                                                           static_cast<double>(c.hidden_size) *
-                                                                           static_cast<double>(T);
   std::printf(
       "train-gpu benchmark on %s: preset %s in %s, %.3fB parameters, %lld x %lld tokens x %lld "
       "micro-batches = %lld tokens/step, %lld warm-up + %lld timed steps\n",
-      prop.name, opt.preset.c_str(), opt.precision.c_str(), static_cast<double>(n_params) / 1e9, static_cast<long long>(B),
-      static_cast<long long>(T), static_cast<long long>(A), static_cast<long long>(tokens_per_step),
-      static_cast<long long>(opt.warmup), static_cast<long long>(opt.steps));
+      prop.name, opt.preset.c_str(), opt.precision.c_str(), static_cast<double>(n_params) / 1e9,
+      static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(A),
+      static_cast<long long>(tokens_per_step), static_cast<long long>(opt.warmup), static_cast<long long>(opt.steps));
   std::fflush(stdout);
 
-  // The settings `strata train` would use, from its schema's defaults and these overrides.
-  std::vector<std::string> overrides = {
-      "train.micro_batch=" + std::to_string(B), "train.seq_len=" + std::to_string(T),
-      "train.grad_accum=" + std::to_string(A),  "train.steps=" + std::to_string(opt.warmup + opt.steps),
-      "memory.device=" + opt.memory_device,     "memory.host=" + opt.memory_host,
-      "memory.nvme.path=" + opt.nvme,           "memory.nvme.size=" + opt.nvme_size,
-      "optim.warmup_steps=0",                   "run.device=cuda",
-      "train.precision=" + opt.precision};
-  Result<Config> parsed = Config::parse(train_schema(), "model: {preset: tiny}\n", "<bench train-gpu>", overrides);
-  if (!parsed.ok()) return fail(parsed.status().message());
-  Result<TrainConfig> tc = make_train_config(*parsed);
-  if (!tc.ok()) return fail(tc.status().message());
-  OptimizerConfig oc;
-  oc.lr = opt.lr;
-  oc.beta1 = 0.9f;
-  oc.beta2 = 0.95f;
-  oc.eps = 1e-8f;
-  oc.weight_decay = 0.1f;
-  oc.grad_clip = 1.0f;
-  Result<std::unique_ptr<PagedEngine>> created = PagedEngine::create(c, *tc, oc, /*cuda=*/true);
-  if (!created.ok()) return fail(created.status().message());
-  PagedEngine& engine = **created;
-  std::printf("plan: %s\n", engine.memory_summary().c_str());
-  {
-    const auto start = std::chrono::steady_clock::now();
-    Status st = engine.state().fill_kind(StateKind::kParam, [](const model::TensorSpec& spec, float* dst) {
-      model::init_tensor(spec, dst, /*seed=*/1);
-      return Status::OK();
-    });
-    if (!st.ok()) return fail(st.message());
-    std::printf("random init of %.3fB parameters: %.1f s\n", static_cast<double>(n_params) / 1e9, seconds_since(start));
-  }
-
-  const float grad_scale = 1.0f / static_cast<float>(tokens_per_step);  // mean loss of the step
-  std::vector<int32_t> inputs(static_cast<size_t>(B * T)), targets(static_cast<size_t>(B * T));
-  uint64_t token_state = 12345;
-  std::vector<double> step_seconds;
-  double first_loss = 0, last_loss = 0;
-  for (int64_t step = 0; step < opt.warmup + opt.steps; ++step) {
-    const auto start = std::chrono::steady_clock::now();
-    if (Status st = engine.zero_grads(); !st.ok()) return fail(st.message());
-    double loss_sum = 0;
-    for (int64_t micro = 0; micro < A; ++micro) {
-      random_batch(&token_state, B, T, c.vocab_size, &inputs, &targets);
-      Result<double> loss = engine.micro_batch(inputs.data(), targets.data(), B, T, grad_scale, micro == A - 1, opt.lr);
-      if (!loss.ok()) return fail(loss.status().message());
-      loss_sum += *loss;
-    }
-    Result<double> norm = engine.step(opt.lr);
-    if (!norm.ok()) return fail(norm.status().message());
-    const double seconds = seconds_since(start);
-    const double loss = loss_sum / static_cast<double>(tokens_per_step);
-    const bool timed = step >= opt.warmup;
-    if (timed) step_seconds.push_back(seconds);
-    if (step == 0) {
-      first_loss = loss;
-      const EngineStats stats = engine.stats();
-      std::printf("state in use: device %s, host %s, nvme %s\n", format_bytes(stats.tier_bytes[0]).c_str(),
-                  format_bytes(stats.tier_bytes[1]).c_str(), format_bytes(stats.tier_bytes[2]).c_str());
-    }
-    last_loss = loss;
-    std::printf("step %3lld  loss %8.4f  grad norm %8.4f  %9.2f ms  %10.0f tokens/s%s\n", static_cast<long long>(step),
-                loss, *norm, seconds * 1e3, static_cast<double>(tokens_per_step) / seconds, timed ? "" : "  (warm-up)");
-    std::fflush(stdout);
-    if (!std::isfinite(loss)) {
-      return fail("the loss is not finite at step " + std::to_string(step) +
-                  "; the throughput of a diverged run is not a result");
-    }
-  }
+  StepRecorder recorder(opt.warmup);
+  Result<TrainSummary> trained = run_training(*tc, config->to_yaml(), &recorder);
+  if (!trained.ok()) return fail(trained.status().message());
+  if (trained->skipped_steps > 0 || !std::isfinite(trained->last_loss))
+    return fail("the loss is not finite; the throughput of a diverged run is not a result");
+  const std::vector<double>& seconds = recorder.seconds();
+  if (seconds.size() != static_cast<size_t>(opt.steps))
+    return fail("the run ended after " + std::to_string(trained->steps_done) + " steps, before the timed ones were done");
 
   double total = 0;
-  for (double s : step_seconds) total += s;
-  std::vector<double> sorted = step_seconds;
+  for (double s : seconds) total += s;
+  std::vector<double> sorted = seconds;
   std::sort(sorted.begin(), sorted.end());
   const double median_ms = sorted[sorted.size() / 2] * 1e3;
   const double tokens_per_s = static_cast<double>(tokens_per_step) * static_cast<double>(opt.steps) / total;
-  const double tflops = tokens_per_s * flops_per_token / 1e12;
-  // The ceiling's operands (384 MiB) and cuBLAS handle need room the run may have taken: measure
-  // it with the engine freed, on the GPU still warm from training.
-  created.value().reset();
-  const double ceiling = gemm_ceiling_tflops(/*stream=*/nullptr);
+  const double tflops = recorder.tflop() / total;
+  // Measured with the run's engine freed, on the GPU still warm from training.
+  Result<double> ceiling = gemm_ceiling_tflops();
+  if (!ceiling.ok()) return fail("the GEMM ceiling: " + ceiling.status().message());
 
   std::printf("\nstep time       mean %.2f ms, median %.2f ms, min %.2f ms, max %.2f ms\n",
               total / static_cast<double>(opt.steps) * 1e3, median_ms, sorted.front() * 1e3, sorted.back() * 1e3);
   std::printf("tokens/s        %.0f\n", tokens_per_s);
-  std::printf("model TFLOP/s   %.1f  (6N + 12*L*H*T = %.3f GFLOP/token, N = %lld, all parameters)\n", tflops,
-              flops_per_token / 1e9, static_cast<long long>(n_params));
-  std::printf("GEMM ceiling    %.1f TFLOP/s (cuBLAS bf16 8192^3, same run): model TFLOP/s = %.1f%%\n", ceiling,
-              100.0 * tflops / ceiling);
-  std::printf("loss            %.4f -> %.4f (random tokens: ln(vocab) = %.4f)\n", first_loss, last_loss,
-              std::log(static_cast<double>(c.vocab_size)));
+  std::printf("model TFLOP/s   %.1f  (the trainer's 6N + 12*L*H*T per token, N = %lld, all parameters)\n", tflops,
+              static_cast<long long>(n_params));
+  std::printf("GEMM ceiling    %.1f TFLOP/s (cuBLAS bf16 8192^3, same run): model TFLOP/s = %.1f%%\n", *ceiling,
+              100.0 * tflops / *ceiling);
+  std::printf("loss            %.4f -> %.4f\n", trained->first_loss, trained->last_loss);
   std::printf(
       "RESULT {\"impl\": \"strata\", \"preset\": \"%s\", \"precision\": \"%s\", \"params\": %lld, \"micro_batch\": %lld, "
       "\"seq\": %lld, \"grad_accum\": %lld, \"tokens_per_step\": %lld, \"steps\": %lld, "
       "\"memory_device\": \"%s\", \"step_ms_median\": %.3f, \"tokens_per_s\": %.1f, \"tflops\": %.2f, "
       "\"gemm_ceiling_tflops\": %.2f, \"final_loss\": %.4f}\n",
-      opt.preset.c_str(), opt.precision.c_str(), static_cast<long long>(n_params), static_cast<long long>(B), static_cast<long long>(T),
-      static_cast<long long>(A), static_cast<long long>(tokens_per_step), static_cast<long long>(opt.steps),
-      opt.memory_device.c_str(), median_ms, tokens_per_s, tflops, ceiling, last_loss);
+      opt.preset.c_str(), opt.precision.c_str(), static_cast<long long>(n_params), static_cast<long long>(B),
+      static_cast<long long>(T), static_cast<long long>(A), static_cast<long long>(tokens_per_step),
+      static_cast<long long>(opt.steps), opt.memory_device.c_str(), median_ms, tokens_per_s, tflops, *ceiling,
+      trained->last_loss);
   return 0;
 }
 
@@ -381,11 +354,19 @@ int bench_train_gpu_command(const std::vector<std::string>& args) {
       return usage_error("unknown option '" + a + "'");
     }
   }
-  if (Result<ModelConfig> c = preset_config(opt.preset, opt.seq); !c.ok()) {
-    return usage_error(c.status().message());
+  const BenchPreset* preset = find_preset(opt.preset);
+  if (preset == nullptr)
+    return usage_error("unknown preset '" + opt.preset + "'; presets are 0.44b, 3.6b, 8b and tiny");
+  // The settings are checked before the GPU is looked for.
+  if (Result<Config> config = bench_config(opt, *preset, "<temporary>"); !config.ok()) {
+    return usage_error(config.status().message());
+  } else if (Result<TrainConfig> tc = make_train_config(*config); !tc.ok()) {
+    return usage_error(tc.status().message());
+  } else if (Result<model::ModelConfig> mc = resolve_model_config(*tc); !mc.ok()) {
+    return usage_error(mc.status().message());
   }
 #if STRATA_HAVE_CUDA
-  return run(opt);
+  return run(opt, *preset);
 #else
   return fail("this build has no CUDA support; configure with -DSTRATA_CUDA=ON");
 #endif

@@ -82,11 +82,11 @@ bool parse_count(const std::string& flag, const std::string& text, int64_t min, 
 class Profiler final : public RunObserver {
  public:
   Profiler(int64_t first, int64_t last) : first_(first), last_(last) {}
-  void on_start(const TrainConfig& t, TrainEngine& engine) override {
+  void on_start(const TrainConfig& t, const PagedEngine& engine) override {
     run_dir_ = t.run_dir;
     backend_ = engine.device_name() == "cpu" ? "cpu" : "cuda";
-    if (engine.plan() != nullptr) plan_ = *engine.plan();
-    if (engine.plan_input() != nullptr) plan_input_ = *engine.plan_input();
+    plan_ = engine.plan();
+    plan_input_ = engine.plan_input();
   }
   void on_step_begin(int64_t step) override {
     if (step == first_) trace::start();
@@ -179,7 +179,7 @@ int profile_command(const std::vector<std::string>& args) {
   init_logging(lo);
 
   Profiler profiler(warmup + 1, warmup + steps);
-  Result<TrainSummary> summary = run_training(*tc, config->to_yaml(), make_train_engine, &profiler);
+  Result<TrainSummary> summary = run_training(*tc, config->to_yaml(), &profiler);
   if (!summary.ok()) return fail(summary.status());
   trace::stop();  // when the run stopped early
   std::vector<trace::ThreadEvents> threads = trace::collect();
