@@ -60,7 +60,7 @@ struct StateLayout {
     }
     return DType::kF32;
   }
-  // The activations' type (what offloaded checkpoints hold).
+  // The activations' type (what offloaded saved activations hold).
   DType activation_dtype() const { return precision == Precision::kFp32 ? DType::kF32 : DType::kBF16; }
   // A separate fp32 master exists (otherwise the compute copy is the master).
   bool separate_master() const { return precision != Precision::kFp32; }

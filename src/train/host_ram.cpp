@@ -130,7 +130,7 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
                                            chunks / chunk, bytes(chunk), bytes(std::min(rounding, chunks)))
                              : std::string("no host tier")});
   ram.items.push_back({"staging", staging, tier_pinned ? staging : 0, false,
-                       fmt::format("{} activation checkpoint slots, {} nvme staging slot", tier.activation_chunks,
+                       fmt::format("{} saved-activation slots, {} nvme staging slot", tier.activation_chunks,
                                    tier.staging_chunks)});
 
   // On the cpu backend the device is host memory: its arena holds the device tier's slots and the

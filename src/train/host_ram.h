@@ -1,6 +1,6 @@
 // Every byte of host memory a training run holds, from the model config, the settings and the
 // planner's Plan, itemised: the host tier's chunks (and their rounding to whole slots), the
-// pinned staging beside them (the nvme staging slot, offloaded activation checkpoints), the
+// pinned staging beside them (the nvme staging slot, offloaded saved activations), the
 // device's memory when the device is the CPU, the checkpoint writer's staging, the I/O
 // engines, the data loader, the tokenizer, weight loading and the process's own baseline.
 //

@@ -360,7 +360,7 @@ ProfileReport analyze_profile(const ProfileInput& in) {
         "the copy rows and compute are left out");
   r.notes.push_back(
       "memory counts chunks: device activations and kernel scratch come from the device arena outside them "
-      "(the plan's device 'act' column), host 'act' is offloaded activation checkpoints");
+      "(the plan's device 'act' column), host 'act' is offloaded saved activations");
   r.notes.push_back(
       "the training thread is the critical path: transfers, nvme I/O, the overlapped optimizer and the checkpoint "
       "writer run beside it and cost step time only through its stalls");

@@ -87,7 +87,7 @@ ConfigSchema build_schema() {
   s.add({.name = "memory.chunk_size", .type = T::kString, .default_value = "auto",
          .help = "chunk size (e.g. 64MiB), or auto to pick the size that wastes the least padding"});
   s.add({.name = "memory.offload_activations", .type = T::kString, .default_value = "auto",
-         .choices = {"auto", "true", "false"}, .help = "copy layer checkpoints to host memory during forward"});
+         .choices = {"auto", "true", "false"}, .help = "copy the saved layer activations to host memory during forward"});
   s.add({.name = "memory.keep_activations", .type = T::kString, .default_value = "auto",
          .choices = {"auto", "true", "false"},
          .help = "keep every layer's intermediates for backward instead of recomputing them (about a third less "

@@ -4,7 +4,7 @@
 // on the CPU and the CUDA backend (kernels/cuda/backend.h) run the same control flow.
 //
 // Storage types:
-//   Act  activations and activation gradients (the residual stream, checkpoints included)
+//   Act  activations and activation gradients (the residual stream, saved layer activations included)
 //   W    the compute copy of the parameters that the ops read
 // Always fp32: parameter gradients (accumulated with `+=` over micro-batches), saved
 // statistics (rstd, lse), the router (logits, probabilities, weights, their gradients) and
