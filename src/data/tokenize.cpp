@@ -247,7 +247,7 @@ class Tokenize {
         }
         if (cut != std::string::npos && cut + 1 < text.size()) end = cut + 1;
       }
-      ids_ = tok_.encode(std::string_view(text).substr(begin, end - begin));
+      ASSIGN_OR_RETURN(ids_, tok_.encode_all(std::string_view(text).substr(begin, end - begin), {}, path, begin));
       RETURN_IF_ERROR(emit(ids_, {}));
       summary_->bytes += static_cast<int64_t>(end - begin);
       progress_->set(static_cast<uint64_t>(summary_->bytes));
@@ -274,7 +274,9 @@ class Tokenize {
       if (options_.format == TokenizeFormat::kJsonl) {
         auto text = doc.find("text");
         if (text == doc.end() || !text->is_string()) return Status::InvalidArgument(where + ": no \"text\" string");
-        ids_ = tok_.encode(text->get_ref<const std::string&>(), {.add_special_tokens = options_.add_special_tokens});
+        ASSIGN_OR_RETURN(ids_, tok_.encode_all(text->get_ref<const std::string&>(),
+                                               {.add_special_tokens = options_.add_special_tokens},
+                                               where + ": \"text\""));
         RETURN_IF_ERROR(emit(ids_, {}));
         RETURN_IF_ERROR(end_document());
       } else {

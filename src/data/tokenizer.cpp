@@ -9,6 +9,7 @@
 #include <queue>
 #include <sstream>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "data/tokenizer_unicode.h"
@@ -531,6 +532,7 @@ void Tokenizer::encode_with_spans(std::string_view text, const EncodeOptions& op
   if (pos < text.size()) {
     encode_stretch(text.substr(pos), static_cast<uint32_t>(pos), options.parse_special, ids, spans);
   }
+  remove_unencodable(ids, spans, options.unencodable);
   if (options.add_special_tokens) {
     const uint32_t end = static_cast<uint32_t>(text.size());
     for (int32_t id : template_suffix_) {
@@ -538,6 +540,39 @@ void Tokenizer::encode_with_spans(std::string_view text, const EncodeOptions& op
       spans->push_back({end, end});
     }
   }
+}
+
+void Tokenizer::remove_unencodable(std::vector<int32_t>* ids, std::vector<ByteSpan>* spans,
+                                   std::vector<uint32_t>* unencodable) {
+  size_t kept = 0;
+  for (size_t i = 0; i < ids->size(); ++i) {
+    if ((*ids)[i] < 0) {
+      if (unencodable != nullptr) unencodable->push_back((*spans)[i].begin);
+      continue;
+    }
+    (*ids)[kept] = (*ids)[i];
+    (*spans)[kept] = (*spans)[i];
+    ++kept;
+  }
+  ids->resize(kept);
+  spans->resize(kept);
+}
+
+Result<std::vector<int32_t>> Tokenizer::encode_all(std::string_view text, const EncodeOptions& options,
+                                                   const std::string& where, uint64_t offset) const {
+  std::vector<uint32_t> unencodable;
+  EncodeOptions checked = options;
+  checked.unencodable = &unencodable;
+  std::vector<int32_t> ids;
+  std::vector<ByteSpan> spans;
+  encode_with_spans(text, checked, &ids, &spans);
+  if (unencodable.empty()) return ids;
+  const uint32_t at = unencodable.front();
+  return Status::InvalidArgument(fmt::format(
+      "{}: byte {} (0x{:02X}) and {} more characters have no token in this tokenizer, which has neither byte "
+      "fallback nor an <unk> token; they would be dropped from the training text: clean the text, or use a "
+      "tokenizer that covers it",
+      where, offset + at, static_cast<uint8_t>(text[at]), unencodable.size() - 1));
 }
 
 std::vector<std::pair<size_t, const Tokenizer::AddedToken*>> Tokenizer::find_added(std::string_view text,
@@ -606,10 +641,8 @@ void Tokenizer::encode_segment(std::string_view text, uint32_t base, bool at_inp
     for (const auto& [id, len] : tokens) {
       const uint32_t b = begin + (offset > inserted ? offset - inserted : 0);
       const uint32_t e = begin + (offset + len > inserted ? offset + len - inserted : 0);
-      if (id >= 0) {
-        ids->push_back(id);
-        spans->push_back({b, e});
-      }
+      ids->push_back(id);  // -1: bytes no token stands for, removed by encode_with_spans
+      spans->push_back({b, e});
       offset += len;
     }
   };
@@ -658,10 +691,8 @@ void Tokenizer::encode_metaspace(std::string_view text, uint32_t base, bool at_i
     encode_piece(std::string_view(m.text).substr(begin, end - begin), &tokens);
     size_t offset = begin;
     for (const auto& [id, len] : tokens) {
-      if (id >= 0) {
-        ids->push_back(id);
-        spans->push_back({base + m.begin_of[offset], base + m.end_of[offset + len]});
-      }
+      ids->push_back(id);  // -1: bytes no token stands for, removed by encode_with_spans
+      spans->push_back({base + m.begin_of[offset], base + m.end_of[offset + len]});
       offset += len;
     }
   };

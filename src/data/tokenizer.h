@@ -57,6 +57,10 @@ struct EncodeOptions {
   // Recognises the text of added tokens (e.g. "<|endoftext|>") in the input and emits their ids;
   // when false, such text is encoded as ordinary bytes.
   bool parse_special = true;
+  // Bytes of the text no token stands for (a tokenizer with neither byte fallback nor <unk>
+  // meeting a character outside its vocabulary) are left out of the ids; when this is set, the
+  // byte offset of each such character is appended to it, so that a caller can refuse the text.
+  std::vector<uint32_t>* unencodable = nullptr;
 };
 
 // A rendered and encoded conversation. loss_mask[i] is 1 when token i overlaps an assistant
@@ -92,6 +96,13 @@ class Tokenizer {
   // map (sentencepiece style: "▁" as a space, <0xXX> as its byte, see above). Ids outside the vocabulary are skipped. The result is not necessarily valid UTF-8 when
   // the ids end inside a character.
   std::string decode(std::span<const int32_t> ids) const;
+
+  // As encode, but a text with bytes no token stands for is an InvalidArgument naming `where`,
+  // the first such byte's offset (+ `offset`, where the text starts in the file) and its value:
+  // dropping them would train on a text that is not the file's. Byte-level and byte-fallback
+  // tokenizers always succeed.
+  Result<std::vector<int32_t>> encode_all(std::string_view text, const EncodeOptions& options,
+                                          const std::string& where, uint64_t offset = 0) const;
 
   // The id of a token as the vocabulary spells it ("Ġthe") or of an added token; -1 if absent.
   int32_t token_to_id(std::string_view token) const;
@@ -152,8 +163,12 @@ class Tokenizer {
   // encode_segment for the Metaspace pre-tokenizer. REQUIRES: text is not empty.
   void encode_metaspace(std::string_view text, uint32_t base, bool at_input_start, std::vector<int32_t>* ids,
                         std::vector<ByteSpan>* spans) const;
+  // Removes the id -1 entries the encoders leave for bytes no token stands for, appending their
+  // start offsets to `unencodable` when it is not null.
+  static void remove_unencodable(std::vector<int32_t>* ids, std::vector<ByteSpan>* spans,
+                                 std::vector<uint32_t>* unencodable);
   // BPE of one piece: (id, byte length) pairs, from the cache when there; id -1 for bytes that
-  // have no token (no <unk>), which the caller skips.
+  // have no token (no <unk>), which the caller passes on as -1.
   void encode_piece(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
   void bpe(std::string_view piece, std::vector<std::pair<int32_t, uint32_t>>* out) const;
   // Applies the merges to symbols (id, byte length), lowest rank first, leftmost first.

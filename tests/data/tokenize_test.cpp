@@ -137,6 +137,37 @@ TEST_F(TokenizeTest, SentencepieceStyleTokenizerWritesShards) {
   EXPECT_EQ(read_all(o.out_dir), expected);
 }
 
+// A tokenizer with neither byte fallback nor <unk> cannot encode a character outside its
+// vocabulary: the text is refused naming the file and the byte, in text and JSONL inputs alike
+// (it was dropped: 1,450 bytes of text became one end-of-text token, exit 0).
+TEST_F(TokenizeTest, TextATokenizerCannotEncodeIsRefusedNamingTheByte) {
+  nlohmann::json spec = nlohmann::json::parse(std::ifstream(kFixtures + "/llama2/tokenizer.json"), nullptr, false);
+  ASSERT_FALSE(spec.is_discarded());
+  spec["model"]["byte_fallback"] = false;
+  spec["model"]["unk_token"] = nullptr;
+  fs::create_directories(path("narrow"));
+  write("narrow/tokenizer.json", spec.dump());
+  fs::copy_file(kFixtures + "/llama2/tokenizer_config.json", path("narrow/tokenizer_config.json"));
+  const std::string text = "plain words \xE2\x98\x83 and more";  // the snowman is no token
+  TokenizeOptions o;
+  o.tokenizer = path("narrow");
+  o.inputs = {write("a.txt", text)};
+  o.out_dir = path("out");
+  Result<TokenizeSummary> s = tokenize_to_shards(o);
+  ASSERT_FALSE(s.ok()) << "the snowman was dropped";
+  EXPECT_NE(s.status().message().find("a.txt: byte 12 (0xE2)"), std::string::npos) << s.status().to_string();
+  EXPECT_TRUE(!fs::exists(path("out")) || fs::is_empty(path("out"))) << "shards were left behind";
+  TokenizeOptions j = o;
+  j.format = TokenizeFormat::kJsonl;
+  j.inputs = {write("b.jsonl", "{\"text\": \"fine\"}\n{\"text\": \"" + text + "\"}\n")};
+  s = tokenize_to_shards(j);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("b.jsonl:2: \"text\": byte 12"), std::string::npos) << s.status().to_string();
+  // The same text through the fixture's own (byte-fallback) tokenizer encodes whole.
+  o.tokenizer = kFixtures + "/llama2";
+  EXPECT_TRUE(tokenize_to_shards(o).ok());
+}
+
 TEST_F(TokenizeTest, JsonlShardsCutAtShardTokensWithTemplate) {
   std::string jsonl;
   std::vector<std::string> texts;
