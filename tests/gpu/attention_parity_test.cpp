@@ -110,7 +110,7 @@ struct Case {
 
 TEST(AttentionParity, CudnnMatchesTheReference) {
   const kernels::AttentionCapability cap = kernels::CudaOps::attention_capability();
-  cu::Context ctx(size_t{256} << 20);
+  TestContext ctx(size_t{256} << 20);
   StreamGuard stream;
   for (const Shape& s : shapes()) {
     const std::string what = "cuDNN attention " + s.text();
@@ -162,7 +162,7 @@ TEST(AttentionParity, CudnnDeterministicBackwardRepeatsBitwise) {
   const Shape s{2, 1000, 8, 2, 128};
   const AttentionChoice choice = kernels::choose_attention(cap, case_of(s), AttentionForce::kCudnn);
   if (choice.impl != AttentionImpl::kCudnn) GTEST_SKIP() << choice.reason;
-  cu::Context ctx(size_t{256} << 20);
+  TestContext ctx(size_t{256} << 20);
   StreamGuard stream;
   const cu::CudnnAttentionPlan plan = cu::cudnn_attention_prepare(ctx, s.B, s.T, s.Hq, s.Hkv, s.D);
   ASSERT_TRUE(plan.ready) << plan.note;

@@ -221,7 +221,7 @@ bool has_block_scaled_fp8() {
 TEST(Fp8Parity, GemmMatchesTheReferenceWithinTheBound) {
   if (!has_block_scaled_fp8()) GTEST_SKIP() << "cuBLASLt FP8 block scaling as built here needs sm_90";
   StreamGuard stream;
-  cu::Context ctx(64 << 20);
+  TestContext ctx(64 << 20);
   struct Case {
     int64_t M, N, K;
   };
@@ -382,7 +382,7 @@ std::vector<float> host_values(const std::vector<kernels::Bf16>& v) {
 TEST(Fp8Parity, LinearLayersMatchTheCpuFp8Recipe) {
   if (!has_block_scaled_fp8()) GTEST_SKIP() << "cuBLASLt FP8 block scaling as built here needs sm_90";
   StreamGuard stream;
-  cu::Context ctx(64 << 20);
+  TestContext ctx(64 << 20);
   kernels::CpuFp8Ops cpu_ops;
   struct Case {
     int64_t N, IC, OC;

@@ -79,7 +79,7 @@ struct GemmCase {
 
 TEST(GemmPlans, ARepeatedShapeBuildsOnePlanAndGivesIdenticalBits) {
   StreamGuard stream;
-  cu::Context ctx(1 << 20);
+  TestContext ctx(1 << 20);
   GemmCase g(false, true, /*c_fp32=*/true, /*bias=*/false, 96, 160, 200, 1);
   EXPECT_EQ(ctx.gemm_plans().built(), 0);
   const std::vector<float> first = g.run(ctx, stream.get());
@@ -101,13 +101,13 @@ TEST(GemmPlans, InterleavedShapesEachBuildOnePlanAndComputeWhatAFreshContextComp
   // Each shape alone, in its own Context: the bits the cached path must reproduce.
   std::vector<std::vector<float>> alone;
   for (auto& g : cases) {
-    cu::Context fresh(1 << 20);
+    TestContext fresh(1 << 20);
     alone.push_back(g->run(fresh, stream.get()));
     EXPECT_EQ(fresh.gemm_plans().built(), 1);
     const double err = relative_error(alone.back(), g->reference());
     EXPECT_TRUE(err <= (g->c_fp32 ? kF32Tol : kBf16Tol)) << g->name() << ": relative error " << err;
   }
-  cu::Context ctx(1 << 20);
+  TestContext ctx(1 << 20);
   for (int i : {0, 1, 0, 2, 1, 3, 0, 2, 3, 3, 1}) {
     const std::vector<float> got = cases[i]->run(ctx, stream.get());
     EXPECT_TRUE(same_bits(got, alone[i])) << cases[i]->name();
@@ -119,7 +119,7 @@ TEST(GemmPlans, InterleavedShapesEachBuildOnePlanAndComputeWhatAFreshContextComp
 // The bias pointer is an attribute of the cached descriptor: every call sets its own.
 TEST(GemmPlans, EachCallAddsItsOwnBias) {
   StreamGuard stream;
-  cu::Context ctx(1 << 20);
+  TestContext ctx(1 << 20);
   const int64_t M = 17, N = 64, K = 48;
   std::vector<float> a = random_vector(M * K, 50), b = random_vector(N * K, 51);
   std::vector<float> bias1 = random_vector(N, 52), bias2 = random_vector(N, 53);
@@ -142,7 +142,7 @@ TEST(GemmPlans, EachCallAddsItsOwnBias) {
 // plan of its own (and the right result).
 TEST(GemmPlans, ALessAlignedOperandGetsItsOwnPlan) {
   StreamGuard stream;
-  cu::Context ctx(1 << 20);
+  TestContext ctx(1 << 20);
   const int64_t M = 16, N = 32, K = 64;
   std::vector<float> a = random_vector(M * K + 1, 60), b = random_vector(K * N, 61);
   DeviceBuffer<bf16> d_a = upload_bf16(a), d_b = upload_bf16(b);
@@ -161,7 +161,7 @@ TEST(GemmPlans, ALessAlignedOperandGetsItsOwnPlan) {
 // out = x @ W^T + residual in one GEMM (residual as cuBLASLt's C, out as its D).
 TEST(GemmPlans, LinearForwardResidualMatchesTheReferenceAndKeepsTheResidual) {
   StreamGuard stream;
-  cu::Context ctx(1 << 20);
+  TestContext ctx(1 << 20);
   for (const auto& [N, IC, OC] : {std::tuple{int64_t{7}, int64_t{64}, int64_t{96}},
                                   std::tuple{int64_t{128}, int64_t{256}, int64_t{128}}}) {
     std::vector<float> x = random_vector(N * IC, 70), w = random_vector(OC * IC, 71, -0.2f, 0.2f);

@@ -97,6 +97,24 @@ inline std::vector<float> download_f32(const DeviceBuffer<float>& buffer) {
   return buffer.download<float>();
 }
 
+// A kernels Context over device buffers of its own: scratch_bytes of scratch and a GEMM
+// workspace of the Context's default size. The buffers are declared first, so they are freed
+// after the Context has waited for the device.
+class TestContextBuffers {
+ protected:
+  TestContextBuffers(size_t scratch_bytes, size_t workspace_bytes)
+      : scratch_buffer_(scratch_bytes), workspace_buffer_(workspace_bytes) {}
+  DeviceBuffer<uint8_t> scratch_buffer_;
+  DeviceBuffer<uint8_t> workspace_buffer_;
+};
+class TestContext : private TestContextBuffers, public kernels::cuda::Context {
+ public:
+  explicit TestContext(size_t scratch_bytes = kDefaultScratchBytes,
+                       size_t workspace_bytes = kDefaultGemmWorkspaceBytes)
+      : TestContextBuffers(scratch_bytes, workspace_bytes),
+        Context(scratch_buffer_.get(), scratch_bytes, workspace_buffer_.get(), workspace_bytes) {}
+};
+
 class StreamGuard {
  public:
   StreamGuard() { CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }

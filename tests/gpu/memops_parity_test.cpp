@@ -220,7 +220,7 @@ TEST(MemopsParity, RopeBothPaths) {
 
 TEST(MemopsParity, EmbeddingBothPaths) {
   StreamGuard stream;
-  cu::Context ctx(64 << 20);
+  TestContext ctx(64 << 20);
   const int64_t V = 50;
   for (int64_t N : {1, 33, 1000}) {
     for (int64_t C : {8, 64, 67}) {
@@ -254,7 +254,7 @@ TEST(MemopsParity, EmbeddingBothPaths) {
 
 TEST(MemopsParity, RmsNormBothPaths) {
   StreamGuard stream;
-  cu::Context ctx(64 << 20);
+  TestContext ctx(64 << 20);
   // 8200 and 8201 take the wide backward kernel (rows above 512 * 16 columns), 40000 and
   // 40001 the one for rows above 512 * 64.
   for (int64_t N : {1, 7, 600}) {
@@ -289,7 +289,7 @@ TEST(MemopsParity, RmsNormBothPaths) {
 
 TEST(MemopsParity, MultiTensorSumSquaresMatchesTheReferenceAndRepeats) {
   StreamGuard stream;
-  cu::Context ctx(1 << 20);
+  TestContext ctx(1 << 20);
   // More tensors than one launch takes; sizes around the chunk size; every third one misaligned.
   std::vector<int64_t> sizes = {0, 1, 3, 16383, 16384, 16385, 100003};
   for (int i = 0; i < 70; ++i) sizes.push_back(1 + 613 * i);

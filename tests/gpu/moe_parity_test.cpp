@@ -250,7 +250,7 @@ std::string describe(const AssignmentCase& c) {
 
 TEST(MoeParity, PermuteGivesTheReferenceSlots) {
   StreamGuard stream;
-  cu::Context ctx(16 << 20);
+  TestContext ctx(16 << 20);
   for (const AssignmentCase& c : assignment_cases()) {
     const std::string what = "permute " + describe(c);
     const std::vector<int32_t> idx = random_assignments(c.N, c.K, c.E, 400 + c.N + c.E, c.allowed);
@@ -402,7 +402,7 @@ struct ExpertCase {
 
 TEST(MoeParity, ExpertsForwardAndBackward) {
   StreamGuard stream;
-  cu::Context ctx(16 << 20);
+  TestContext ctx(16 << 20);
   for (const ExpertCase& c :
        {ExpertCase{33, 2, 8, 64, 96, {}}, ExpertCase{7, 2, 8, 33, 47, {1, 2, 5}},
         ExpertCase{100, 4, 60, 32, 24, {0, 3, 4, 10, 11, 12, 30, 59}}, ExpertCase{100, 4, 60, 48, 40, {}},
@@ -503,7 +503,7 @@ TEST(MoeParity, RouterStats) {
 // result passes through bf16 activations), and a second run is bitwise identical.
 TEST(MoeParity, BlockMatchesTheReferenceAndIsBitwiseReproducible) {
   StreamGuard stream;
-  cu::Context ctx(16 << 20);
+  TestContext ctx(16 << 20);
   const int64_t N = 513, E = 60, K = 4, C = 64, F = 48, S = N * K;
   RouterConfig config;
   config.num_experts = E;

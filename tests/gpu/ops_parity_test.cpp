@@ -95,7 +95,7 @@ std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed, double m
 
 TEST(OpsParity, Embedding) {
   StreamGuard stream;
-  cu::Context ctx(64 << 20);
+  TestContext ctx(64 << 20);
   for (int64_t N : {1, 7, 33, 1000}) {
     for (int64_t C : {64, 96, 257}) {
       const int64_t V = 50;  // small, so that tokens repeat
@@ -126,7 +126,7 @@ TEST(OpsParity, Embedding) {
 
 TEST(OpsParity, RmsNorm) {
   StreamGuard stream;
-  cu::Context ctx(64 << 20);
+  TestContext ctx(64 << 20);
   for (int64_t N : {1, 7, 33, 600}) {
     for (int64_t C : {64, 96, 257, 4096}) {
       const std::string what = "rmsnorm " + shape({{"N", N}, {"C", C}});
@@ -219,7 +219,7 @@ TEST(OpsParity, SwiGlu) {
 
 TEST(OpsParity, Linear) {
   StreamGuard stream;
-  cu::Context ctx(64 << 20);
+  TestContext ctx(64 << 20);
   struct Case {
     int64_t N, IC, OC;
   };
@@ -260,7 +260,7 @@ TEST(OpsParity, Linear) {
 // Row-major GEMM with every transpose combination against the CPU sgemm on the same values.
 TEST(OpsParity, GemmTransposes) {
   StreamGuard stream;
-  cu::Context ctx(1 << 20);
+  TestContext ctx(1 << 20);
   const int64_t M = 37, N = 53, K = 70;
   for (bool ta : {false, true}) {
     for (bool tb : {false, true}) {
@@ -292,7 +292,7 @@ void poison(DeviceBuffer<T>& buffer, cudaStream_t stream) {
 // and with the launchers' own choice.
 TEST(OpsParity, Attention) {
   StreamGuard stream;
-  cu::Context ctx(64 << 20);
+  TestContext ctx(64 << 20);
   int device = 0, optin = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -383,7 +383,7 @@ TEST(OpsParity, Attention) {
 
 TEST(OpsParity, LmHeadCrossEntropy) {
   StreamGuard stream;
-  cu::Context ctx(64 << 20);
+  TestContext ctx(64 << 20);
   for (int64_t N : {1, 7, 33, 100}) {
     for (int64_t C : {64, 96}) {
       for (int64_t V : {50, 257, 1000}) {
@@ -477,7 +477,7 @@ TEST(OpsParity, AdamWMatchesTheReferenceBitwise) {
 
 TEST(OpsParity, SumSquaresSumAndScale) {
   StreamGuard stream;
-  cu::Context ctx(1 << 20);
+  TestContext ctx(1 << 20);
   for (int64_t n : {0, 1, 1000, 3000001}) {
     const std::string what = "reductions " + shape({{"n", n}});
     std::vector<float> x = random_vector(n, 90 + n);
@@ -506,7 +506,7 @@ TEST(OpsParity, SumSquaresSumAndScale) {
 // The ops with reductions across rows give bitwise identical results on a second run.
 TEST(OpsParity, BackwardReductionsAreBitwiseReproducible) {
   StreamGuard stream;
-  cu::Context ctx(64 << 20);
+  TestContext ctx(64 << 20);
   const int64_t N = 4096, C = 256, V = 30, B = 2, T = 200, Hq = 4, Hkv = 2, D = 64;
   std::vector<int32_t> tokens = random_tokens(N, V, 100);
   std::vector<float> g = random_vector(N * C, 101), x = random_vector(N * C, 102);

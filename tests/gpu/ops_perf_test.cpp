@@ -86,7 +86,7 @@ TEST(OpsPerf, Report) {
   if (!perf_enabled()) GTEST_SKIP() << "perf mode is off: set STRATA_PERF=1 or pass --perf";
   StreamGuard stream_guard;
   const cudaStream_t stream = stream_guard.get();
-  cu::Context ctx(size_t{1} << 30);
+  TestContext ctx(size_t{1} << 30);
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("perf on %s\n", prop.name);
@@ -354,7 +354,7 @@ TEST(OpsPerf, Fp8GemmAgainstBf16) {
   if (prop.major != 9) GTEST_SKIP() << "cuBLASLt FP8 block scaling as built here needs sm_90";
   StreamGuard stream_guard;
   const cudaStream_t stream = stream_guard.get();
-  cu::Context ctx(size_t{256} << 20);
+  TestContext ctx(size_t{256} << 20);
   const int64_t T = 16384, C = 1024, F = 4096;
   struct Shape {
     const char* name;

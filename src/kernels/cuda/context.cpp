@@ -15,35 +15,24 @@
 
 namespace strata::kernels::cuda {
 
-Context::Context(size_t scratch_bytes, size_t gemm_workspace_bytes)
-    : gemm_workspace_bytes_(gemm_workspace_bytes), scratch_bytes_(scratch_bytes) {
-  CUDA_CHECK(cudaGetDevice(&device_));
-  CUBLAS_CHECK(cublasLtCreate(&lt_));
-  if (gemm_workspace_bytes_ > 0) CUDA_CHECK(cudaMalloc(&gemm_workspace_, gemm_workspace_bytes_));
-  if (scratch_bytes_ > 0) CUDA_CHECK(cudaMalloc(&scratch_, scratch_bytes_));
-}
-
 Context::Context(void* scratch, size_t scratch_bytes, void* gemm_workspace, size_t gemm_workspace_bytes)
     : gemm_workspace_(gemm_workspace),
       gemm_workspace_bytes_(gemm_workspace_bytes),
       scratch_(scratch),
-      scratch_bytes_(scratch_bytes),
-      owns_memory_(false) {
+      scratch_bytes_(scratch_bytes) {
   CUDA_CHECK(cudaGetDevice(&device_));
   CUBLAS_CHECK(cublasLtCreate(&lt_));
 }
 
 Context::~Context() {
   CUDA_CHECK(cudaSetDevice(device_));
-  // Work queued by ops may still use the buffers: wait for the device before freeing.
+  // Work queued by ops may still use the handles and the caller's buffers: wait for the device.
   CUDA_CHECK(cudaDeviceSynchronize());
   // Descriptors need no handle, but go before it all the same.
   gemm_plans_.clear();
   fp8_gemm_plans_.clear();
   cudnn_attention_.reset();
   if (blas_ != nullptr) CUBLAS_CHECK(cublasDestroy(blas_));
-  if (owns_memory_ && scratch_ != nullptr) CUDA_CHECK(cudaFree(scratch_));
-  if (owns_memory_ && gemm_workspace_ != nullptr) CUDA_CHECK(cudaFree(gemm_workspace_));
   CUBLAS_CHECK(cublasLtDestroy(lt_));
 }
 
@@ -57,7 +46,6 @@ void* Context::scratch(size_t bytes, const char* what) const {
 }
 
 void Context::use_scratch(void* scratch, size_t scratch_bytes) {
-  CHECK_MSG(!owns_memory_, "Context::use_scratch: this Context owns its scratch");
   scratch_ = scratch;
   scratch_bytes_ = scratch_bytes;
 }

@@ -43,20 +43,18 @@ using bf16 = __nv_bfloat16;
 
 // The cuBLASLt handle, the GEMM workspace and a scratch buffer for ops that need temporary
 // device memory (rmsnorm/linear partial sums, embedding sort, logits chunks, attention delta,
-// reduction partials, MoE sort and grouped-GEMM pointer tables). Created on the current device;
-// owns its memory (two cudaMallocs at construction; the cuBLAS handle of the grouped GEMMs is
-// created by the first op that needs it). Not thread safe. Scratch is reused by every op, so all ops
-// given one Context must run on ONE stream (stream order keeps the reuse safe); use one
-// Context per stream.
+// reduction partials, MoE sort and grouped-GEMM pointer tables). Created on the current device
+// over memory the caller owns (from the Device's budgeted arena; tests use
+// testing::TestContext), which must outlive it: a Context allocates no device memory (the
+// cuBLAS handle of the grouped GEMMs is created by the first op that needs it). Not thread
+// safe. Scratch is reused by every op, so all ops given one Context must run on ONE stream
+// (stream order keeps the reuse safe); use one Context per stream.
 class Context {
  public:
   static constexpr size_t kDefaultScratchBytes = size_t{256} << 20;
   static constexpr size_t kDefaultGemmWorkspaceBytes = size_t{32} << 20;
 
-  explicit Context(size_t scratch_bytes = kDefaultScratchBytes,
-                   size_t gemm_workspace_bytes = kDefaultGemmWorkspaceBytes);
-  // Over memory the caller owns (from the Device's budgeted arena), which must outlive the
-  // Context; nothing is allocated. Both 256-byte aligned.
+  // Both buffers 256-byte aligned; either may be null with a size of 0.
   Context(void* scratch, size_t scratch_bytes, void* gemm_workspace, size_t gemm_workspace_bytes);
   ~Context();
   Context(const Context&) = delete;
@@ -73,7 +71,7 @@ class Context {
   size_t scratch_bytes() const { return scratch_bytes_; }
   // Points the ops queued from now on at another caller-owned scratch buffer (256-byte
   // aligned): the CUDA backend runs its LM head in a buffer of its own. Ops queued before keep
-  // the buffer they were given, which must outlive them. REQUIRES: a Context over caller memory.
+  // the buffer they were given, which must outlive them.
   void use_scratch(void* scratch, size_t scratch_bytes);
 
   // The cuBLASLt plans of gemm() and of fp8_gemm_nt (descriptors, layouts, the chosen
@@ -99,7 +97,6 @@ class Context {
   size_t gemm_workspace_bytes_ = 0;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
-  bool owns_memory_ = true;
   PlanCache<GemmKey, LtPlan> gemm_plans_;
   PlanCache<Fp8GemmKey, LtPlan> fp8_gemm_plans_;
   std::unique_ptr<CudnnAttention, CudnnAttentionDeleter> cudnn_attention_;

@@ -66,6 +66,4 @@ Result<std::unique_ptr<Model>> make_cuda_decoder(Device& device, const ModelConf
   return make_decoder<kernels::CudaOps>(device, config);
 }
 
-uint64_t cuda_decoder_overhead_bytes() { return kernels::CudaOps::kScratchBytes + kernels::CudaOps::kGemmWorkspaceBytes; }
-
 }  // namespace strata::model

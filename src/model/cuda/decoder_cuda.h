@@ -25,7 +25,4 @@ Status cuda_supports(const ModelConfig& config, DType compute = DType::kBF16);
 Result<std::unique_ptr<Model>> make_cuda_decoder(Device& device, const ModelConfig& config,
                                                  DType compute = DType::kBF16);
 
-// Device memory the CUDA decoder takes besides the state: its kernels' scratch and workspace.
-uint64_t cuda_decoder_overhead_bytes();
-
 }  // namespace strata::model
