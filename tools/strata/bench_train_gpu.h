@@ -1,5 +1,6 @@
-// strata bench train-gpu: training throughput of CudaLlama (a whole step on one GPU) in tokens/s
-// and model TFLOP/s, for comparison with tools/bench_gpu_train_torch.py on the same machine.
+// strata bench train-gpu: training throughput of `strata train run.device=cuda` (the trainer
+// itself, on one GPU) in tokens/s and model TFLOP/s, for comparison with
+// tools/bench_gpu_train_torch.py on the same machine.
 #pragma once
 
 #include <string>
