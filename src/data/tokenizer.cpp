@@ -49,15 +49,19 @@ uint32_t byte_to_char(int b) {
 }
 
 // A token given in tokenizer_config.json: a string, {"content": ...} or null.
-std::string config_token(const json& j, const char* key) {
+// A special token of tokenizer_config.json: a string, an AddedToken object {content, ...}, or
+// null/absent (""). Anything else (a number, an object without content) contradicts the format
+// and is refused naming the key, rather than read as "not set".
+Result<std::string> config_token(const json& j, const char* key, const std::string& file) {
   auto it = j.find(key);
-  if (it == j.end()) return {};
+  if (it == j.end() || it->is_null()) return std::string();
   if (it->is_string()) return it->get<std::string>();
   if (it->is_object()) {
     auto c = it->find("content");
     if (c != it->end() && c->is_string()) return c->get<std::string>();
   }
-  return {};
+  return Status::Corruption(file + ": " + key + " is " + it->dump().substr(0, 64) +
+                            ", not a token (a string, or an object with a \"content\" string)");
 }
 
 std::string json_type(const json& j) {
@@ -219,10 +223,33 @@ Status Tokenizer::load_tokenizer_json(const std::string& file) {
   }
   id_to_token_.assign(static_cast<size_t>(size), std::string());
   is_added_.assign(static_cast<size_t>(size), 0);
-  for (const auto& [token, id] : vocab_) id_to_token_[static_cast<size_t>(id)] = token;
+  std::vector<uint8_t> taken(static_cast<size_t>(size), 0);
+  for (const auto& [token, id] : vocab_) {
+    if (taken[static_cast<size_t>(id)]) {
+      return Status::Corruption(file + ": model.vocab gives id " + std::to_string(id) + " to both \"" +
+                                id_to_token_[static_cast<size_t>(id)].substr(0, 32) + "\" and \"" +
+                                token.substr(0, 32) + "\": the file contradicts itself");
+    }
+    taken[static_cast<size_t>(id)] = 1;
+    id_to_token_[static_cast<size_t>(id)] = token;
+  }
+  // An added token may repeat a vocabulary entry (Llama's <s> is in both), but never give its id
+  // to other text, nor its text to another id.
   for (const AddedToken& a : added_) {
-    id_to_token_[static_cast<size_t>(a.id)] = a.content;
-    is_added_[static_cast<size_t>(a.id)] = 1;
+    const size_t i = static_cast<size_t>(a.id);
+    if (taken[i] && id_to_token_[i] != a.content) {
+      return Status::Corruption(file + ": added_tokens gives id " + std::to_string(a.id) + " to \"" +
+                                a.content.substr(0, 32) + "\", which " + (is_added_[i] ? "added_tokens" : "model.vocab") +
+                                " gives to \"" + id_to_token_[i].substr(0, 32) + "\": the file contradicts itself");
+    }
+    if (auto same = vocab_.find(a.content); same != vocab_.end() && same->second != a.id) {
+      return Status::Corruption(file + ": added_tokens gives \"" + a.content.substr(0, 32) + "\" id " +
+                                std::to_string(a.id) + ", but it already has id " + std::to_string(same->second) +
+                                ": the file contradicts itself");
+    }
+    taken[i] = 1;
+    id_to_token_[i] = a.content;
+    is_added_[i] = 1;
     vocab_.emplace(a.content, a.id);
   }
   auto unk = model->find("unk_token");
@@ -462,8 +489,8 @@ Status Tokenizer::load_config(const std::string& file) {
   ASSIGN_OR_RETURN(std::string text, read_file(file));
   const json doc = json::parse(text, nullptr, false);
   if (doc.is_discarded() || !doc.is_object()) return Status::Corruption(file + ": not valid JSON");
-  const std::string bos = config_token(doc, "bos_token");
-  const std::string eos = config_token(doc, "eos_token");
+  ASSIGN_OR_RETURN(const std::string bos, config_token(doc, "bos_token", file));
+  ASSIGN_OR_RETURN(const std::string eos, config_token(doc, "eos_token", file));
   if (!bos.empty()) {
     bos_id_ = token_to_id(bos);
     if (bos_id_ < 0) return Status::Corruption(file + ": bos_token \"" + bos + "\" is not in the vocabulary");

@@ -244,6 +244,49 @@ TEST(TokenizerTest, UnsupportedModelsAndBrokenFilesFail) {
   EXPECT_EQ(Tokenizer::load(dir.path() + "/missing").status().code(), StatusCode::kNotFound);
 }
 
+// Files that contradict themselves are refused naming the key: two vocabulary tokens with one id,
+// an added token taking a vocabulary token's id or moving a token to another id, and special
+// tokens in tokenizer_config.json that are not tokens (they were read as "not set").
+TEST(TokenizerTest, FilesThatContradictThemselvesAreRefusedNamingTheKey) {
+  struct Case {
+    std::function<void(json*)> edit;
+    std::string words;
+  };
+  const std::vector<Case> cases = {
+      {[](json* t) { (*t)["model"]["vocab"]["zzz-duplicate"] = (*t)["model"]["vocab"]["a"]; }, "model.vocab gives id"},
+      {[](json* t) {
+         (*t)["added_tokens"].push_back({{"id", (*t)["model"]["vocab"]["a"]}, {"content", "<|clash|>"}, {"special", true}});
+       },
+       "added_tokens gives id"},
+      {[](json* t) {
+         (*t)["added_tokens"].push_back({{"id", 70000}, {"content", "a"}, {"special", true}});
+       },
+       "already has id"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    TempDir dir;
+    copy_with_edit("gpt2", dir, cases[i].edit);
+    Result<Tokenizer> tok = Tokenizer::load(dir.path());
+    ASSERT_FALSE(tok.ok()) << "case " << i;
+    EXPECT_EQ(tok.status().code(), StatusCode::kCorruption) << tok.status().to_string();
+    EXPECT_NE(tok.status().message().find(cases[i].words), std::string::npos) << tok.status().message();
+  }
+  for (const char* config : {R"({"eos_token": 50256})", R"({"bos_token": {"id": 3}})", R"({"eos_token": [1]})"}) {
+    TempDir dir;
+    copy_with_edit("gpt2", dir, [](json*) {});
+    dir.write("tokenizer_config.json", config);
+    Result<Tokenizer> tok = Tokenizer::load(dir.path());
+    ASSERT_FALSE(tok.ok()) << config;
+    EXPECT_NE(tok.status().message().find("tokenizer_config.json: "), std::string::npos) << tok.status().message();
+    EXPECT_NE(tok.status().message().find("_token is "), std::string::npos) << tok.status().message();
+  }
+  // null means "not set", as transformers reads it.
+  TempDir dir;
+  copy_with_edit("gpt2", dir, [](json*) {});
+  dir.write("tokenizer_config.json", R"({"bos_token": null})");
+  EXPECT_TRUE(Tokenizer::load(dir.path()).ok());
+}
+
 TEST(TokenizerTest, SparseIdsAreRefusedBeforeSizingTheTables) {
   // 60 bytes naming id 2^28 - 1 used to allocate 8 GiB of empty token strings.
   TempDir dir;
