@@ -18,21 +18,24 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/check.h"
 #include "core/cpu_device.h"
+#include "parallel/peer_process.h"
 
 namespace strata::parallel {
 namespace {
 
 constexpr const char* kHint = "a rank may have exited or hung; see its log";
 
-// Room for one transport address ("[ip]:port") in the exchange of peer addresses.
+// Room for one transport address ("[ip]:port") or process identity in the exchange after connecting.
 constexpr size_t kAddressBytes = 128;
 
 class GlooComm final : public Comm {
@@ -40,16 +43,21 @@ class GlooComm final : public Comm {
   GlooComm(std::shared_ptr<gloo::rendezvous::Context> context, std::chrono::milliseconds timeout)
       : context_(std::move(context)), timeout_(timeout) {}
 
-  // Learns, from every other rank, the address its connection to this rank has on its side:
-  // Gloo names a closed connection by that address ("Connection closed by peer [ip]:port"),
-  // which then names the rank that went away. One small all-to-all right after connecting.
-  void learn_peer_addresses() {
+  // Learns, from every other rank, what names it when it goes away, in one small all-to-all
+  // right after connecting: the address its connection to this rank listens at (Gloo names a
+  // closed connection by its peer's address, "Connection closed by peer [ip]:port", which is that
+  // one when this rank connected and an ephemeral port when it accepted), and its process
+  // (parallel/peer_process.h), which a rank on the same machine can check.
+  void learn_peers() {
     const size_t world = this->world();
-    std::vector<char> send(world * kAddressBytes, '\0'), recv(world * kAddressBytes, '\0');
+    constexpr size_t kEntry = 2 * kAddressBytes;
+    std::vector<char> send(world * kEntry, '\0'), recv(world * kEntry, '\0');
+    const std::string me = own_process_identity();
     for (size_t r = 0; r < world; ++r) {
       if (static_cast<int>(r) == rank()) continue;
       const std::string address = context_->getPair(static_cast<int>(r))->address().str();
-      std::strncpy(&send[r * kAddressBytes], address.c_str(), kAddressBytes - 1);
+      std::strncpy(&send[r * kEntry], address.c_str(), kAddressBytes - 1);
+      std::strncpy(&send[r * kEntry + kAddressBytes], me.c_str(), kAddressBytes - 1);
     }
     gloo::AlltoallOptions opts(context_);
     opts.setInput(send.data(), send.size());
@@ -57,9 +65,12 @@ class GlooComm final : public Comm {
     opts.setTimeout(timeout_);
     gloo::alltoall(opts);
     peer_addresses_.assign(world, std::string());
+    peer_processes_.assign(world, std::string());
+    auto text = [&](size_t at) { return std::string(&recv[at], strnlen(&recv[at], kAddressBytes)); };
     for (size_t r = 0; r < world; ++r) {
       if (static_cast<int>(r) == rank()) continue;
-      peer_addresses_[r] = std::string(&recv[r * kAddressBytes], strnlen(&recv[r * kAddressBytes], kAddressBytes));
+      peer_addresses_[r] = text(r * kEntry);
+      peer_processes_[r] = text(r * kEntry + kAddressBytes);
     }
   }
 
@@ -238,13 +249,26 @@ class GlooComm final : public Comm {
       error = e.what();
     }
     failed_ = what;
-    if (const int peer = rank_named_in(error); peer >= 0) {
+    if (const int peer = rank_that_went_away(error); peer >= 0) {
       return Status::IOError(fmt::format("rank {} of {}: {} failed: rank {} of {} closed its connection ({}); it has "
                                          "probably exited: see rank {}'s log",
                                          rank(), world_size(), what, peer, world_size(), error, peer));
     }
     return Status::IOError(fmt::format("rank {} of {}: {} failed within the {} ms timeout or earlier: {}; {}", rank(),
                                        world_size(), what, timeout_.count(), error, kHint));
+  }
+
+  // The rank a failure is owed to: the one whose address the error names, else (a connection
+  // this rank accepted, named by an ephemeral port) one whose process on this machine has
+  // exited, watched for up to a second since its sockets close before it is gone; -1 if none.
+  int rank_that_went_away(const std::string& error) const {
+    if (const int named = rank_named_in(error); named >= 0) return named;
+    for (int attempt = 0; attempt < 20; ++attempt) {
+      for (size_t r = 0; r < peer_processes_.size(); ++r)
+        if (!peer_processes_[r].empty() && process_has_exited(peer_processes_[r])) return static_cast<int>(r);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return -1;
   }
 
   // The rank whose address (peer_addresses_) a Gloo error message names, or -1.
@@ -266,6 +290,7 @@ class GlooComm final : public Comm {
   uint64_t bytes_sent_ = 0;
   std::string failed_;
   std::vector<std::string> peer_addresses_;  // [r]: rank r's side of its connection to this rank
+  std::vector<std::string> peer_processes_;  // [r]: rank r's process (own_process_identity)
   std::vector<float> scratch_;
 };
 
@@ -324,7 +349,7 @@ Result<std::unique_ptr<Comm>> connect_gloo(const LaunchInfo& launch, const CommO
     context->setTimeout(options.timeout);
     context->connectFullMesh(store, device);
     auto comm = std::make_unique<GlooComm>(std::move(context), options.timeout);
-    comm->learn_peer_addresses();
+    comm->learn_peers();
     return std::unique_ptr<Comm>(std::move(comm));
   } catch (const std::exception& e) {
     return Status::IOError(fmt::format(
