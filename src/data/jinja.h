@@ -51,7 +51,9 @@ struct Node;
 
 struct JinjaOptions {
   size_t max_output_bytes = size_t{64} << 20;
-  int64_t max_steps = 50'000'000;
+  // A real chat template takes some thousands of steps per conversation; this bounds a hostile
+  // one to a few seconds.
+  int64_t max_steps = 5'000'000;
   int max_call_depth = 64;  // nested macro calls
   // The time strftime_now formats, in local time; the current time when unset.
   std::optional<std::time_t> now;
