@@ -64,18 +64,33 @@ Handle& my_handle() {
   return handle;
 }
 
+// A new track's buffer, registered for collect(): a thread's or a Track's.
+std::shared_ptr<Buffer> register_buffer(const char* name) {
+  auto b = std::make_shared<Buffer>();
+  if (name != nullptr) b->name = name;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  b->tid = r.next_tid++;
+  r.buffers.push_back(b);
+  return b;
+}
+
 Buffer& my_buffer() {
   Handle& handle = my_handle();
-  if (!handle.buffer) {
-    auto b = std::make_shared<Buffer>();
-    if (handle.name != nullptr) b->name = handle.name;
-    Registry& r = registry();
-    std::lock_guard<std::mutex> lock(r.mu);
-    b->tid = r.next_tid++;
-    r.buffers.push_back(b);
-    handle.buffer = std::move(b);
-  }
+  if (!handle.buffer) handle.buffer = register_buffer(handle.name);
   return *handle.buffer;
+}
+
+// A complete span ('X') from start_ns to end_ns, no arguments.
+Event span_event(const char* category, const char* name, int64_t index, int64_t start_ns, int64_t end_ns) {
+  Event e;
+  e.phase = 'X';
+  e.category = category;
+  e.name = name;
+  e.index = index;
+  e.ts_ns = start_ns;
+  e.dur_ns = std::max<int64_t>(0, end_ns - start_ns);
+  return e;
 }
 
 // Appends under the buffer's lock (only collect() and start() contend for it).
@@ -163,13 +178,7 @@ uint64_t next_id() { return registry().next_id.fetch_add(1, std::memory_order_re
 void complete(const char* category, const char* name, int64_t index, int64_t start_ns, int64_t end_ns,
               std::initializer_list<Arg> args) {
   if (!enabled()) return;
-  Event e;
-  e.phase = 'X';
-  e.category = category;
-  e.name = name;
-  e.index = index;
-  e.ts_ns = start_ns;
-  e.dur_ns = std::max<int64_t>(0, end_ns - start_ns);
+  Event e = span_event(category, name, index, start_ns, end_ns);
   set_args(e, args);
   record(e);
 }
@@ -209,15 +218,7 @@ void async_span(const char* category, const char* name, uint64_t id, int64_t sta
   buf.events.push_back(e);
 }
 
-Track::Track(const char* name) {
-  auto b = std::make_shared<Buffer>();
-  b->name = name;
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  b->tid = r.next_tid++;
-  r.buffers.push_back(b);
-  buffer_ = std::move(b);
-}
+Track::Track(const char* name) : buffer_(register_buffer(name)) {}
 
 Track::~Track() {
   if (!buffer_) return;  // moved from
@@ -227,13 +228,7 @@ Track::~Track() {
 
 void Track::complete(const char* category, const char* name, int64_t index, int64_t start_ns, int64_t end_ns) {
   if (!enabled() || !buffer_) return;
-  Event e;
-  e.phase = 'X';
-  e.category = category;
-  e.name = name;
-  e.index = index;
-  e.ts_ns = start_ns;
-  e.dur_ns = std::max<int64_t>(0, end_ns - start_ns);
+  const Event e = span_event(category, name, index, start_ns, end_ns);
   std::lock_guard<std::mutex> lock(buffer_->mu);
   append_locked(*buffer_, e);
 }

@@ -5,6 +5,8 @@
 #include <thread>
 
 #include <gtest/gtest.h>
+
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "trace_check.h"
@@ -127,6 +129,30 @@ TEST(TraceTest, NamingAThreadCostsNoBufferUntilItRecords) {
   for (const auto& t : trace::collect()) names.push_back(t.name);
   EXPECT_EQ(std::count(names.begin(), names.end(), "quiet"), 0);
   EXPECT_EQ(std::count(names.begin(), names.end(), "busy"), 1);
+}
+
+// A Track is a track of its own, written from any thread (what a device ran, timed there): its
+// spans appear under its name, not the recording thread's, only while tracing is on, and stay
+// after the Track is gone until the next start().
+TEST(TraceTest, ATrackCollectsSpansFromAnyThreadUnderItsName) {
+  trace::start();
+  std::optional<trace::Track> track(std::in_place, "device lane");
+  track->complete("compute", "forward", 3, 100, 250);
+  std::thread other([&] { track->complete("copy", "up", trace::kNoIndex, 300, 200); });
+  other.join();
+  trace::stop();
+  track->complete("compute", "late", trace::kNoIndex, 400, 500);  // tracing is off
+  track.reset();
+  std::vector<trace::Event> spans;
+  for (const trace::ThreadEvents& t : trace::collect())
+    if (t.name == "device lane") spans = t.events;
+  ASSERT_EQ(spans.size(), 2u);
+  EXPECT_STREQ(spans[0].name, "forward");
+  EXPECT_EQ(spans[0].index, 3);
+  EXPECT_EQ(spans[0].ts_ns, 100);
+  EXPECT_EQ(spans[0].dur_ns, 150);
+  EXPECT_STREQ(spans[1].name, "up");
+  EXPECT_EQ(spans[1].dur_ns, 0) << "an end before the start is an empty span";
 }
 
 }  // namespace
