@@ -93,6 +93,10 @@ class IoEngine {
   // Non-blocking: true when wait(ticket) would return at once.
   virtual bool done(IoTicket ticket) = 0;
 
+  // Whether requests move bytes to and from the registered files. The planner's counting
+  // engine (core/counting_backend.h) does not: the nvme tier then creates no files.
+  virtual bool moves_bytes() const { return true; }
+
   // Installs `hook` (not owned; must outlive the engine or be removed with nullptr). REQUIRES:
   // no request in flight. Returns false when the engine has no hook point.
   virtual bool set_transfer_hook(TransferHook* hook) { return false; }

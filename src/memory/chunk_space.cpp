@@ -17,7 +17,6 @@ constexpr int kDevice = static_cast<int>(Tier::kDevice);
 constexpr int kHost = static_cast<int>(Tier::kHost);
 constexpr int kNvme = static_cast<int>(Tier::kNvme);
 constexpr uint64_t kNever = UINT64_MAX;       // next use of a chunk not in the schedule
-constexpr uint64_t kZeroSourceBytes = 1 * kMiB;  // largest device zero-fill copy
 
 int idx(Tier t) { return static_cast<int>(t); }
 
@@ -60,8 +59,9 @@ Result<std::unique_ptr<ChunkSpace>> ChunkSpace::create(Device& device, IoEngine*
                                                             options.host_block_bytes));
   if (options.nvme_bytes > 0) {
     ASSIGN_OR_RETURN(s->tiers_[kNvme],
-                     TierSlots::create_nvme(*io, options.nvme_dir, options.nvme_bytes, chunk,
-                                            options.nvme_file_bytes));
+                     io->moves_bytes() ? TierSlots::create_nvme(*io, options.nvme_dir, options.nvme_bytes, chunk,
+                                                                options.nvme_file_bytes)
+                                       : TierSlots::create_nvme_without_files(options.nvme_bytes, chunk));
   }
   for (int t = 0; t < kNumTiers; ++t) {
     if (!s->tiers_[t]) continue;
@@ -72,14 +72,12 @@ Result<std::unique_ptr<ChunkSpace>> ChunkSpace::create(Device& device, IoEngine*
       for (SlotFence& f : s->fences_[t]) f.event = device.create_event();
     }
   }
-  if (s->tiers_[kDevice]) {
-    s->up_ = device.create_stream();
-    s->down_ = device.create_stream();
-    s->up_->set_trace_name("copy host->device");
-    s->down_->set_trace_name("copy device->host");
-    ASSIGN_OR_RETURN(s->zeros_, device.allocate_pinned(std::min(chunk, kZeroSourceBytes)));
-    std::memset(s->zeros_.data(), 0, s->zeros_.size());
-  }
+  // The copy streams; zero fills of either tier run on the first, so that every byte the space
+  // writes goes through the Device (the planner's replay runs it over one that moves nothing).
+  s->up_ = device.create_stream();
+  s->down_ = device.create_stream();
+  s->up_->set_trace_name("copy host->device");
+  s->down_->set_trace_name("copy device->host");
   return s;
 }
 

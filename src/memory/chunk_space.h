@@ -276,7 +276,6 @@ class ChunkSpace {
   std::vector<ChunkState> chunks_;                             // GUARDED_BY(mu_)
   std::unique_ptr<Stream> up_;    // host -> device copies
   std::unique_ptr<Stream> down_;  // device -> host copies
-  HostAllocation zeros_;          // source of device zero fills
   std::vector<ChunkId> schedule_;                    // GUARDED_BY(mu_)
   std::vector<Tier> schedule_tiers_;                 // GUARDED_BY(mu_); empty or one per entry
   std::vector<std::vector<uint64_t>> uses_;          // GUARDED_BY(mu_); chunk -> positions

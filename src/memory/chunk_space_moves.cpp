@@ -150,18 +150,10 @@ void ChunkSpace::zero_fill(ChunkId id, Tier t, MoveOrigin origin) {
   ChunkState& c = chunks_[id];
   const uint32_t slot = static_cast<uint32_t>(c.slot[idx(t)]);
   const uint64_t bytes = layout_.chunk_bytes();
-  char* dst = static_cast<char*>(tier(t).data(slot));
-  if (t == Tier::kDevice) {
-    // The Device has no fill operation; copy from a small zeroed pinned buffer.
-    (void)order_on(t, slot, *up_);
-    for (uint64_t off = 0; off < bytes; off += zeros_.size()) {
-      device_.copy(dst + off, zeros_.data(), std::min<uint64_t>(zeros_.size(), bytes - off), *up_, "zero fill");
-    }
-    record_on(t, slot, *up_);
-  } else {
-    (void)wait_slot(t, slot);
-    std::memset(dst, 0, bytes);
-  }
+  // Ordered after the slot's last use like any move into it; an acquire waits for it.
+  (void)order_on(t, slot, *up_);
+  device_.fill(tier(t).data(slot), 0, bytes, *up_);
+  record_on(t, slot, *up_);
   c.valid[idx(t)] = true;
   c.prefetched[idx(t)] = origin == MoveOrigin::kPrefetch;
   stats_.zero_filled_bytes += bytes;

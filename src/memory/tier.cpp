@@ -195,6 +195,12 @@ Result<std::unique_ptr<TierSlots>> TierSlots::create_nvme(IoEngine& io, const st
   return t;
 }
 
+Result<std::unique_ptr<TierSlots>> TierSlots::create_nvme_without_files(uint64_t budget, uint64_t slot_bytes) {
+  if (budget == 0) return std::unique_ptr<TierSlots>();
+  ASSIGN_OR_RETURN(uint32_t n, slots_for(Tier::kNvme, budget, slot_bytes));
+  return std::unique_ptr<TierSlots>(new TierSlots(Tier::kNvme, budget, slot_bytes, n));
+}
+
 std::optional<uint32_t> TierSlots::take() {
   if (free_.empty()) return std::nullopt;
   const uint32_t slot = free_.back();
@@ -222,6 +228,7 @@ void* TierSlots::data(uint32_t slot) const {
 
 FileSpan TierSlots::file_span(uint32_t slot) const {
   CHECK(tier_ == Tier::kNvme && slot < slot_count_);
+  if (file_index_.empty()) return FileSpan{-1, uint64_t{slot} * slot_bytes_};  // no files
   return FileSpan{file_index_[slot / slots_per_file_],
                   uint64_t{slot % slots_per_file_} * slot_bytes_};
 }

@@ -59,6 +59,9 @@ class TierSlots {
   static Result<std::unique_ptr<TierSlots>> create_nvme(IoEngine& io, const std::string& dir,
                                                         uint64_t budget, uint64_t slot_bytes,
                                                         uint64_t file_bytes);
+  // An nvme tier of numbered slots and no files, for an IoEngine that moves no bytes
+  // (IoEngine::moves_bytes): the planner's replay. Its slots' file is -1.
+  static Result<std::unique_ptr<TierSlots>> create_nvme_without_files(uint64_t budget, uint64_t slot_bytes);
   ~TierSlots();
   TierSlots(const TierSlots&) = delete;
   TierSlots& operator=(const TierSlots&) = delete;

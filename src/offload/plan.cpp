@@ -8,7 +8,7 @@
 
 #include "core/check.h"
 #include "core/units.h"
-#include "offload/traffic_sim.h"
+#include "offload/replay.h"
 
 namespace strata {
 
@@ -102,47 +102,35 @@ Placement make_placement(const PlanInput& in, int64_t L, const GroupBytes& layer
   return placement;
 }
 
-// The replay's input: each of the store's groups (the embedding, the layers, the head) with the
-// chunks and homes the plan's placement gives it, the step program (the model's micro-batch and
-// the optimizer's passes, AdamW where each group's moments are placed), and the tiers' slots as
-// the engine sizes them: the device's budget less the activations, the host's less nothing but
-// capped at what the state (every kind, wherever homed), the offloaded checkpoints and one nvme
-// staging slot can occupy (train/paged_state.cpp, host_tier_size). REQUIRES: a chunk size; group
-// sizes in whole chunks.
-TrafficInput traffic_input(const PlanInput& in, int64_t L, const Plan& p, bool offload, uint64_t idle_experts) {
+// The replay's input: the engine's store (its tensors, homed as the plan's placement says) on
+// tiers of the engine's sizes: the device's budget less the activations, the host's capped at
+// what the store (every kind, wherever homed, the offloaded saved activations) and one nvme
+// staging slot can occupy (train/paged_state.cpp, host_tier_size); and the step program, the
+// model's micro-batch and the optimizer's passes with AdamW where each group's moments are.
+ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   const uint64_t c = in.chunk_size;
-  TrafficInput t;
-  t.overlap_optimizer = in.overlap_optimizer;
+  ReplayInput r;
+  r.tensors = in.state_tensors;
+  r.store.layout = in.state_layout;
+  r.store.lookahead = in.lookahead;
+  r.store.space.chunk_bytes = c;
+  r.store.home = [&p](int g, StateKind k) { return p.placement.home(g, k); };
+  r.activations = offload ? in.offloaded_activations : 0;
+  r.activation_bytes = in.checkpoint_bytes_per_layer;
+  r.store.space.device_bytes = p.device_chunk_bytes;
+  const uint64_t staging = in.nvme_budget > 0 ? 1 : 0;
+  const uint64_t most = store_chunk_count(r.tensors, r.store.layout, c, r.activations, r.activation_bytes);
+  r.store.space.host_bytes = std::min(in.host_budget, (most + staging) * c);
+  r.store.space.nvme_bytes = in.nvme_budget;
   OptimizerProgram optimizer;
   optimizer.num_groups = p.placement.num_groups();
-  optimizer.kinds = {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV};
-  if (in.separate_master) optimizer.kinds.insert(optimizer.kinds.begin() + 2, StateKind::kMaster);
+  optimizer.kinds = in.state_layout.kinds();
   optimizer.where = [&p](int g) { return update_tier(p.placement.home(g, StateKind::kAdamM)); };
-  t.program = make_step_program(in.micro_batch_program, optimizer).events(std::max<int64_t>(1, in.grad_accum));
-  for (int g = 0; g < p.placement.num_groups(); ++g) {
-    TrafficGroup tg;
-    for (int k = 0; k < kTrafficKinds; ++k) {
-      const PlacementRow& row = p.placement.row(g, static_cast<StateKind>(k));
-      tg.chunks[static_cast<size_t>(k)] = row.bytes / c;
-      tg.home[static_cast<size_t>(k)] = row.home;
-    }
-    if (g > 0 && g <= L) {
-      tg.idle_param_chunks = bytes_of(idle_experts, in.param_bytes) / c;
-      tg.idle_grad_chunks = idle_experts * in.grad_bytes / c;
-      tg.expert_param_chunks = (bytes_of(in.expert_elements, in.param_bytes) + c - 1) / c;
-      tg.expert_grad_chunks = (in.expert_elements * in.grad_bytes + c - 1) / c;
-    }
-    t.groups.push_back(tg);
-  }
-  t.device_slots = in.device_budget > p.device.act ? (in.device_budget - p.device.act) / c : 0;
-  uint64_t state_chunks = 0;
-  for (const TrafficGroup& tg : t.groups)
-    for (uint64_t n : tg.chunks) state_chunks += n;
-  if (offload)
-    t.host_other_homes = static_cast<uint64_t>(std::max<int64_t>(L - 2, 0)) * ((in.checkpoint_bytes_per_layer + c - 1) / c);
-  const uint64_t staging = in.nvme_budget > 0 ? 1 : 0;
-  t.host_slots = std::min(in.host_budget / c, state_chunks + t.host_other_homes + staging);
-  return t;
+  r.program = make_step_program(offload ? in.micro_batch_program_offloaded : in.micro_batch_program, optimizer)
+                  .events(std::max<int64_t>(1, in.grad_accum));
+  r.overlap_optimizer = in.overlap_optimizer;
+  r.expert_fetch_fraction = in.expert_fetch_fraction;
+  return r;
 }
 
 // One rank's part of a group under ZeRO `zero` over `world` ranks: 1/world of each sharded
@@ -232,6 +220,7 @@ bool plan_working_set(const PlanInput& in, const LevelSizes& s, Plan& p, Working
   }
   p.offload_activations = offload;
   p.device.act += offload ? ws->saved_offloaded : s.saved_all;
+  p.device_chunk_bytes = in.device_budget - p.device.act;
   return true;
 }
 
@@ -421,23 +410,28 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
   p.disk_write_bytes = p.nvme.total();
   // With chunks, what the chunk space moves: it keeps copies in the slots its homes and working
   // set leave free and gives up, when full, the copy needed farthest along the schedule, so the
-  // counts above (every streamed group moved at every use) are replaced by a replay of the
-  // step program against the slots (offload/traffic_sim.h). The saved activations' copies stay as above.
+  // counts above (every streamed group moved at every use) are replaced by a replay of the step
+  // on the store itself (offload/replay.h). The saved activations' copies to and from the device
+  // stay as above (the store holds them in host memory; the model copies them in and out).
   // Shards are not whole chunks: sharded plans keep the counts above (an upper bound).
-  if (in.chunk_size > 0 && !sharded && !in.micro_batch_program.empty()) {
-    const TrafficResult sim = simulate_traffic(traffic_input(in, L, p, offload, idle_experts));
-    if (sim.ok) {
-      const uint64_t c = in.chunk_size;
+  if (in.chunk_size > 0 && !sharded && !in.micro_batch_program.empty() && !in.state_tensors.empty()) {
+    Result<ReplayResult> replay = replay_step(replay_input(in, p, offload));
+    if (replay.ok()) {
+      const ReplayResult& r = *replay;
       const uint64_t ckpt = offload ? static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer : 0;
-      const TrafficMoves total = sim.total();
-      fwd_h2d = sim.forward.h2d * c / accum, fwd_d2h = sim.forward.d2h * c / accum + ckpt;
-      bwd_h2d = sim.backward.h2d * c / accum + ckpt, bwd_d2h = sim.backward.d2h * c / accum;
-      pass_h2d = (sim.zero.h2d + sim.norm.h2d) * c, pass_d2h = (sim.zero.d2h + sim.norm.d2h) * c;
-      opt_h2d = sim.optimizer.h2d * c, opt_d2h = sim.optimizer.d2h * c;
-      p.h2d_bytes = total.h2d * c + accum * ckpt;
-      p.d2h_bytes = total.d2h * c + accum * ckpt;
-      p.disk_read_bytes = total.disk_read * c;
-      p.disk_write_bytes = total.disk_write * c;
+      const ReplayMoves total = r.total();
+      const ReplayMoves &fwd = r.of(StepPhase::kForward), &bwd = r.of(StepPhase::kBackward);
+      const ReplayMoves &zero_pass = r.of(StepPhase::kZero), &norm = r.of(StepPhase::kNorm),
+                        &opt = r.of(StepPhase::kOptimizer);
+      fwd_h2d = fwd.h2d / accum, fwd_d2h = fwd.d2h / accum + ckpt;
+      bwd_h2d = bwd.h2d / accum + ckpt, bwd_d2h = bwd.d2h / accum;
+      pass_h2d = zero_pass.h2d + norm.h2d, pass_d2h = zero_pass.d2h + norm.d2h;
+      opt_h2d = opt.h2d, opt_d2h = opt.d2h;
+      p.h2d_bytes = total.h2d + accum * ckpt;
+      p.d2h_bytes = total.d2h + accum * ckpt;
+      p.disk_read_bytes = total.disk_read;
+      p.disk_write_bytes = total.disk_write;
+      p.chunk_peak_bytes = r.peak_bytes;
     }
   }
   return PhaseTraffic{fwd_h2d, fwd_d2h, bwd_h2d, bwd_d2h, opt_h2d, opt_d2h, pass_h2d, pass_d2h, first_layer_h2d,

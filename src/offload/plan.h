@@ -21,6 +21,7 @@
 // Pure computation; thread-compatible.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -137,10 +138,16 @@ struct PlanInput {
   uint64_t largest_group_load_chunks = 0;
   std::string offload_activations = "auto";  // auto | true | false
   // The model's accesses in one micro-batch, as its code makes them (model/recording_access.h
-  // records them). With a chunk size the traffic is the replay of the step program they make
-  // with the optimizer's passes (offload/traffic_sim.h); empty: every streamed group is counted
-  // as moved at every use.
+  // records them), with its saved activations kept on the device and offloaded; and the state
+  // store the engine builds: its tensors as it registers them and the layout of their kinds.
+  // With a chunk size and these, the traffic is one step of the step program replayed on that
+  // store (offload/replay.h); without, every streamed group is counted as moved at every use.
   std::vector<ProgramEvent> micro_batch_program;
+  std::vector<ProgramEvent> micro_batch_program_offloaded;
+  std::vector<StateTensor> state_tensors;
+  StateLayout state_layout;
+  int offloaded_activations = 0;  // saved-activation buffers in the store when offloaded
+  size_t lookahead = 2;           // the store's prefetch window (StateStoreOptions::lookahead)
   // Data parallelism: ranks in all, ranks sharing a node (capped at world_size), ZeRO level.
   // The budgets above are each rank's; the work per step above is each rank's micro-batches.
   int64_t world_size = 1;
@@ -191,6 +198,9 @@ struct Plan {
   KindBytes device, host, nvme;          // steady-state bytes per tier
   uint64_t device_working_set = 0;       // the part of `device` that is transient
   uint64_t min_device_budget = 0;        // the smallest device budget this micro-batch can run in
+  // What the device budget leaves the chunk space beside the activations: the engine's device
+  // tier, and the one the traffic replay runs on.
+  uint64_t device_chunk_bytes = 0;
   bool offload_activations = false;
   // Where each group's state lives (placement.h), in the state store's groups: the embedding,
   // the layers, the head (the edge group's decisions apply to the first and the last). Set when
@@ -203,8 +213,12 @@ struct Plan {
   int64_t nvme_optimizer_groups = 0;     // groups whose optimizer state streams from NVMe
   int prefetch_depth = 1;
   // Traffic per optimizer step: with a chunk size, what the chunk space moves in a steady step
-  // (offload/traffic_sim.h replays the step program); without, every streamed group moved at every use.
+  // (offload/replay.h replays the step program); without, every streamed group moved at every use.
   uint64_t h2d_bytes = 0, d2h_bytes = 0, disk_read_bytes = 0, disk_write_bytes = 0;
+  // With the replay: the most each tier's chunks take over the step (by Tier), the placed state
+  // and working set above and the copies cached in the slots they leave free: what the engine's
+  // chunk space reports as its tiers' peaks. Zero without the replay.
+  std::array<uint64_t, kNumTiers> chunk_peak_bytes{};
   uint64_t cpu_adam_elements = 0;
   // Predicted seconds per step and what bounds it. compute_s .. disk_s are each resource's
   // busy time over the step; step_s is the phase model's sum (phases), in which only what

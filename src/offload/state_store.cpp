@@ -395,8 +395,13 @@ Status StateStore::copy_activation(int i, char* data, uint64_t bytes, bool to_st
     // A piece written is written whole (the tail past `bytes` is never read back).
     ASSIGN_OR_RETURN(void* p, space_->acquire_chunk(chunks[j], Tier::kHost, to_store ? AccessMode::kWrite : AccessMode::kRead));
     char* chunk = static_cast<char*>(p);
-    if (to_store) std::memcpy(chunk, data + j * piece_bytes, n);
-    else std::memcpy(data + j * piece_bytes, chunk, n);
+    if (data == nullptr) {
+      // The chunks' moves only (the planner's replay): nothing to copy.
+    } else if (to_store) {
+      std::memcpy(chunk, data + j * piece_bytes, n);
+    } else {
+      std::memcpy(data + j * piece_bytes, chunk, n);
+    }
     space_->release_chunk(chunks[j]);
   }
   return Status::OK();

@@ -7,7 +7,7 @@
 // are packed into chunks of their own, so a group's chunks can live in a different tier than
 // its neighbours'. The home tier of each (group, kind) comes from the caller (the planner's
 // placement); other copies are cached where compute asks for them and evicted by Belady along
-// the step schedule given to set_schedule().
+// the step program's schedule given to set_schedule() (offload/step_program.h).
 //
 // Parts: a tensor may also name a part of its group (StateTensor::part, e.g. the index of one
 // expert of an MoE layer; kDensePart for the rest). A part of at least half a chunk is
@@ -167,7 +167,8 @@ class StateStore {
   int num_activations() const { return static_cast<int>(act_chunks_.size()); }
   // Copies the first `bytes` bytes of `data` into buffer i / of buffer i into `data`,
   // through host memory. InvalidArgument when i or bytes is out of range; IOError and the
-  // like from moving the chunks.
+  // like from moving the chunks. A null `data` moves the chunks as a copy would and copies
+  // nothing (what the planner's replay, offload/replay.h, does).
   Status write_activation(int i, const void* data, uint64_t bytes);
   Status read_activation(int i, void* data, uint64_t bytes);
 

@@ -3,7 +3,7 @@
 // runs its forward, recompute and backward without computing); the optimizer's part comes from
 // the functions below, which PagedState's passes acquire by. The chunk store prefetches and
 // evicts (Belady) along the program's schedule(); the planner's traffic replay
-// (offload/traffic_sim.h) follows its events. Nothing else writes the order down.
+// (offload/replay.h) drives a store along its events. Nothing else writes the order down.
 //
 // Batches: the model holds what it acquires for a phase (a layer's parameters, gradients and
 // experts; the head with a tied embedding) until it ends that phase, and the optimizer holds one

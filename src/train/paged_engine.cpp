@@ -15,6 +15,12 @@
 #endif
 
 namespace strata {
+namespace {
+
+// Device memory kept beside the activation table for the arena's alignment of its blocks.
+constexpr uint64_t kArenaSlack = 64ull << 10;
+
+}  // namespace
 
 Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfig& mc, const TrainConfig& t,
                                                          const OptimizerConfig& oc, DeviceKind backend) {
@@ -101,10 +107,16 @@ Status PagedEngine::plan_placement(const TrainConfig& t) {
   const bool planned_keep = in.kept_activation_bytes > 0;
   if (plan_.fits) {
     const uint64_t exact =
-        static_cast<uint64_t>(net_->activation_bytes_for(tokens, plan_.offload_activations, planned_keep));
+        static_cast<uint64_t>(net_->activation_bytes_for(tokens, plan_.offload_activations, planned_keep)) +
+        kArenaSlack;
     if (exact > plan_.device.act && in.device_budget > exact - plan_.device.act) {
-      in.device_budget -= exact - plan_.device.act;
+      const uint64_t more = exact - plan_.device.act;
+      in.device_budget -= more;
       plan_ = make_plan(in);
+      // The plan on the whole budget again, its activations the table the engine reserves: the
+      // chunks keep the device tier the planner gave them (Plan::device_chunk_bytes).
+      in.device_budget += more;
+      plan_.device.act += more;
     }
   }
   plan_input_ = in;
@@ -139,8 +151,8 @@ Status PagedEngine::size_activations(const TrainConfig& t) {
   const uint64_t device = budgets_.memory_device;
   const bool planned_keep = plan_input_.kept_activation_bytes > 0;
   const uint64_t keep_extra = planned_keep ? 0 : table_bytes(true) - table_bytes(false);
-  // The plan's device bytes, and what plan_placement took off its budget for the exact table.
-  const uint64_t planned_device = plan_.device.total() + (device - plan_input_.device_budget);
+  // The plan's device bytes, the activation table's exact size among them (plan_placement).
+  const uint64_t planned_device = plan_.device.total();
   const uint64_t device_room = device > planned_device ? device - planned_device : 0;
   keep_activations_ = t.keep_activations == "true" ||
                       (t.keep_activations == "auto" && backend_ == DeviceKind::kCuda && keep_extra <= device_room);
@@ -149,10 +161,11 @@ Status PagedEngine::size_activations(const TrainConfig& t) {
                                            "leaves ({}); set it to auto or false, or raise memory.device",
                                            format_bytes(keep_extra), format_bytes(device_room)));
   net_->set_keep_layer_activations(keep_activations_);
-  // The chunks get what the activation table (its exact size, and a little for the arena's
-  // alignment) leaves of the device's arena.
-  activation_bytes_ = table_bytes(keep_activations_) + (64ull << 10);
-  options_.device_bytes = device > activation_bytes_ ? device - activation_bytes_ : 0;
+  // The chunks get the device tier the plan replayed its traffic on, which plan_placement made
+  // fit beside the activation table (its exact size, and a little for the arena's alignment);
+  // less when kept layers take more.
+  activation_bytes_ = table_bytes(keep_activations_) + kArenaSlack;
+  options_.device_bytes = std::min(device > activation_bytes_ ? device - activation_bytes_ : 0, plan_.device_chunk_bytes);
   const uint64_t arena = device_->memory_budget();
   device_split_ = fmt::format(
       "{} of device memory: {} chunks, {} activations{}",

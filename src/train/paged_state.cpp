@@ -42,6 +42,8 @@ std::vector<StateTensor> state_tensors(const model::ParamLayout& layout) {
 
 }  // namespace
 
+std::vector<StateTensor> PagedState::store_tensors(const model::ParamLayout& layout) { return state_tensors(layout); }
+
 uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout, const StateLayout& state) {
   return StateStore::auto_chunk_bytes(state_tensors(layout), state);
 }

@@ -117,6 +117,9 @@ class PagedState : public model::ParamAccess, public SavableState {
                                                     const PagedStateOptions& options);
 
   // The chunk size create() chooses for `layout` when options.chunk_bytes is 0.
+  // The store's tensors for `layout`, as create() registers them (a linear weight in row blocks
+  // is one tensor per block): what the planner's traffic replay builds its store from.
+  static std::vector<StateTensor> store_tensors(const model::ParamLayout& layout);
   static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, const StateLayout& state = {});
   static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, Precision precision) {
     return auto_chunk_bytes(layout, StateLayout::of(precision));

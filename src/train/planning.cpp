@@ -153,9 +153,13 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
     for (size_t g = 0; g < chunks.size(); ++g)
       in.largest_group_load_chunks = std::max(in.largest_group_load_chunks,
                                               chunks[g] + (state.separate_master() ? param_chunks[g] : 0));
-    // What the traffic replay follows (it needs whole chunks); offloaded saved activations are
-    // not replayed: their chunks stay in host memory.
+    // What the traffic replay follows (it needs whole chunks): the store the engine builds and
+    // the model's accesses, with the saved activations kept and offloaded (the plan decides).
     in.micro_batch_program = model::record_micro_batch(m, /*offload_activations=*/false);
+    in.micro_batch_program_offloaded = model::record_micro_batch(m, /*offload_activations=*/true);
+    in.state_tensors = PagedState::store_tensors(layout);
+    in.state_layout = state;
+    in.offloaded_activations = model::offloaded_checkpoint_count(static_cast<int>(L));
   }
   in.offload_activations = t.offload_activations;
   in.rates.compute_flops = t.gpu_flops;

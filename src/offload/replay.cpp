@@ -1,0 +1,155 @@
+#include "offload/replay.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include "core/counting_backend.h"
+
+namespace strata {
+
+ReplayMoves& ReplayMoves::operator+=(const ReplayMoves& o) {
+  h2d += o.h2d;
+  d2h += o.d2h;
+  disk_read += o.disk_read;
+  disk_write += o.disk_write;
+  return *this;
+}
+
+ReplayMoves ReplayResult::total() const {
+  ReplayMoves t;
+  for (const ReplayMoves& m : phase) t += m;
+  return t;
+}
+
+uint64_t store_chunk_count(const std::vector<StateTensor>& tensors, const StateLayout& layout, uint64_t chunk_bytes,
+                           int activations, uint64_t activation_bytes) {
+  uint64_t chunks = 0;
+  for (const StateKind kind : layout.kinds())
+    for (uint64_t n : StateStore::group_chunks(tensors, chunk_bytes, layout, kind)) chunks += n;
+  const uint64_t per_buffer = (activation_bytes + chunk_bytes - 1) / chunk_bytes;
+  return chunks + static_cast<uint64_t>(std::max(activations, 0)) * per_buffer;
+}
+
+namespace {
+
+ReplayMoves moves_of(const ChunkSpaceStats& s) {
+  return {s.host_to_device_bytes, s.device_to_host_bytes, s.nvme_to_host_bytes, s.host_to_nvme_bytes};
+}
+
+ReplayMoves operator-(const ReplayMoves& a, const ReplayMoves& b) {
+  return {a.h2d - b.h2d, a.d2h - b.d2h, a.disk_read - b.disk_read, a.disk_write - b.disk_write};
+}
+
+// Drives a store along the program as the engine does (train/paged_state.cpp): what it acquires
+// stays pinned until the event that closes its batch.
+class Driver {
+ public:
+  Driver(StateStore& store, const ReplayInput& in) : store_(store), in_(in) {}
+
+  // One step; the moves of each phase are added to `phase` when counting. On error nothing
+  // stays acquired.
+  Status step(std::array<ReplayMoves, kStepPhases>* phase) {
+    Status st = run(phase);
+    release_all();
+    return st;
+  }
+
+ private:
+  Status run(std::array<ReplayMoves, kStepPhases>* phase) {
+    const std::vector<ProgramEvent>& events = in_.program;
+    for (size_t i = 0; i < events.size();) {
+      const ProgramEvent& e = events[i];
+      const ReplayMoves before = moves_of(store_.stats());
+      size_t next = i + 1;
+      bool closes = e.last;
+      if (in_.overlap_optimizer && e.phase == StepPhase::kNorm) {
+        // Not made: the overlapped optimizer takes the norm as it goes.
+      } else if (e.access.activation >= 0) {
+        const int a = e.access.activation;
+        RETURN_IF_ERROR(e.mode == AccessMode::kWrite ? store_.write_activation(a, nullptr, in_.activation_bytes)
+                                                     : store_.read_activation(a, nullptr, in_.activation_bytes));
+      } else if (e.access.part >= 0 && !e.access.prefetch) {
+        // A run over one layer's experts of one kind: those the tokens reach, together.
+        std::vector<int> experts;
+        for (; i < events.size() && same_run(e, events[i]); ++i) {
+          experts.push_back(events[i].access.part);
+          closes = closes || events[i].last;
+        }
+        next = i;
+        const size_t active = reached(experts.size());
+        experts.resize(active);
+        if (!experts.empty()) {
+          RETURN_IF_ERROR(store_.acquire_parts(e.access.group, experts, e.access.kind, e.access.prefetch_to, e.mode));
+          held_.push_back({e.access, experts});
+        }
+      } else if (e.access.part == kAllParts) {
+        RETURN_IF_ERROR(store_.acquire_group(e.access.group, e.access.kind, e.access.prefetch_to, e.mode));
+        held_.push_back({e.access, {}});
+      } else {
+        RETURN_IF_ERROR(
+            store_.acquire_part(e.access.group, e.access.part, e.access.kind, e.access.prefetch_to, e.mode));
+        held_.push_back({e.access, {}});
+      }
+      if (closes) release_all();
+      if (phase != nullptr) (*phase)[static_cast<size_t>(e.phase)] += moves_of(store_.stats()) - before;
+      i = next;
+    }
+    return Status::OK();
+  }
+
+  struct Held {
+    GroupAccess access;
+    std::vector<int> experts;  // an expert run's parts
+  };
+
+  static bool same_run(const ProgramEvent& first, const ProgramEvent& e) {
+    return e.access.activation < 0 && e.access.part >= 0 && !e.access.prefetch && e.access.group == first.access.group &&
+           e.access.kind == first.access.kind;
+  }
+  // Experts of `n` a micro-batch reaches.
+  size_t reached(size_t n) const {
+    const double f = std::clamp(in_.expert_fetch_fraction, 0.0, 1.0);
+    return std::min(n, static_cast<size_t>(std::llround(f * static_cast<double>(n))));
+  }
+  void release_all() {
+    for (const Held& h : held_) {
+      const GroupAccess& a = h.access;
+      if (!h.experts.empty()) {
+        store_.release_parts(a.group, h.experts, a.kind);
+      } else if (a.part == kAllParts) {
+        store_.release_group(a.group, a.kind);
+      } else {
+        store_.release_part(a.group, a.part, a.kind);
+      }
+    }
+    held_.clear();
+  }
+
+  StateStore& store_;
+  const ReplayInput& in_;
+  std::vector<Held> held_;
+};
+
+}  // namespace
+
+Result<ReplayResult> replay_step(const ReplayInput& in) {
+  CountingDevice device;
+  CountingIoEngine io;
+  StateStoreOptions so = in.store;
+  so.space.nvme_dir.clear();
+  ASSIGN_OR_RETURN(std::unique_ptr<StateStore> store, StateStore::create(device, &io, in.tensors, so));
+  if (in.activations > 0) RETURN_IF_ERROR(store->add_activations(in.activations, in.activation_bytes));
+  std::vector<GroupAccess> schedule;
+  for (const ProgramEvent& e : in.program) schedule.push_back(e.access);
+  store->set_schedule(schedule);
+  Driver driver(*store, in);
+  ReplayResult result;
+  const int steps = std::max(2, in.steps);
+  for (int s = 0; s < steps; ++s) RETURN_IF_ERROR(driver.step(s + 1 == steps ? &result.phase : nullptr));
+  const ChunkSpaceStats stats = store->stats();
+  for (int t = 0; t < kNumTiers; ++t) result.peak_bytes[static_cast<size_t>(t)] = stats.tiers[static_cast<size_t>(t)].peak_bytes;
+  return result;
+}
+
+}  // namespace strata
