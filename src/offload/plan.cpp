@@ -77,18 +77,26 @@ uint64_t embedding_share(const PlanInput& in, int k, uint64_t all) {
   return all == 0 ? 0 : first > 0 ? std::min(first, all) : (all + 1) / 2;
 }
 
+// Where each planner group's kinds live: resident on the device or not, its optimizer state on
+// the device, else on the host or spilled to NVMe; a streamed compute copy or gradient on the
+// host, or spilled to NVMe too when the host cannot hold it.
+struct GroupHomes {
+  std::vector<bool> param_res, grad_res, opt_dev, opt_nvme, param_nvme, grad_nvme;
+};
+
 // The placement (placement.h) of the decisions made per planner group (layer l at l, the edge at
 // L), in the state store's groups: the embedding 0, layer l at l + 1, the head L + 1, the edge's
 // bytes split between the embedding and the head as the store packs them.
 Placement make_placement(const PlanInput& in, int64_t L, const GroupBytes& layer, const GroupBytes& edge,
-                         const std::vector<bool>& param_res, const std::vector<bool>& grad_res,
-                         const std::vector<bool>& opt_dev, const std::vector<bool>& opt_nvme) {
+                         const GroupHomes& h) {
   const uint64_t c = in.chunk_size;
   Placement placement(static_cast<int>(L) + 2);
   auto place = [&](int group, int64_t g, const GroupBytes& b, const auto& part) {
-    const Tier opt = opt_dev[g] ? Tier::kDevice : opt_nvme[g] ? Tier::kNvme : Tier::kHost;
-    placement.place(group, StateKind::kParam, param_res[g] ? Tier::kDevice : Tier::kHost, part(0, b.param));
-    placement.place(group, StateKind::kGrad, grad_res[g] ? Tier::kDevice : Tier::kHost, part(1, b.grad));
+    const Tier opt = h.opt_dev[g] ? Tier::kDevice : h.opt_nvme[g] ? Tier::kNvme : Tier::kHost;
+    const Tier param = h.param_res[g] ? Tier::kDevice : h.param_nvme[g] ? Tier::kNvme : Tier::kHost;
+    const Tier grad = h.grad_res[g] ? Tier::kDevice : h.grad_nvme[g] ? Tier::kNvme : Tier::kHost;
+    placement.place(group, StateKind::kParam, param, part(0, b.param));
+    placement.place(group, StateKind::kGrad, grad, part(1, b.grad));
     placement.place(group, StateKind::kMaster, opt, part(2, b.master));
     placement.place(group, StateKind::kAdamM, opt, part(3, b.adam_m));
     placement.place(group, StateKind::kAdamV, opt, part(4, b.adam_v));
@@ -224,18 +232,13 @@ bool plan_working_set(const PlanInput& in, const LevelSizes& s, Plan& p, Working
   return true;
 }
 
-// Where each planner group's kinds live: resident on the device or not, its optimizer state on
-// the device, else on the host or spilled to NVMe.
-struct GroupHomes {
-  std::vector<bool> param_res, grad_res, opt_dev, opt_nvme;
-};
 
 // Step 2: resident parameters, then gradients, then optimizer states, group by group (edge
 // first: it is touched at both ends of every pass), in the device's `free_bytes`.
 GroupHomes place_on_device(const LevelSizes& s, const WorkingSet& ws, uint64_t free_bytes, Plan& p) {
   const int64_t groups = s.groups, L = s.L;
-  GroupHomes h{std::vector<bool>(groups, false), std::vector<bool>(groups, false), std::vector<bool>(groups, false),
-               std::vector<bool>(groups, false)};
+  const std::vector<bool> none(static_cast<size_t>(groups), false);
+  GroupHomes h{none, none, none, none, none, none};
   auto order = [&](int64_t i) { return i == 0 ? L : i - 1; };
   uint64_t ws_param_left = ws.param, ws_grad_left = ws.grad;
   for (int64_t i = 0; i < groups; ++i) {
@@ -275,13 +278,12 @@ GroupHomes place_on_device(const LevelSizes& s, const WorkingSet& ws, uint64_t f
 }
 
 // The host staging of the NVMe optimizer pipeline (read -> update -> write): two chunks of each
-// optimizer kind in flight (read-ahead and write-behind). Without a fixed chunk size, chunks
+// of the `optimizer_kinds` kinds homed there in flight (read-ahead and write-behind). Without a fixed chunk size, chunks
 // come out about one layer's optimizer tensors large. With the store's chunk counts known, the
 // staging is a whole group's (a rank's part of it, sharded): AdamW acquires all of it.
-uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s) {
+uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s, uint64_t optimizer_kinds) {
   const uint64_t pipeline_chunk =
       in.chunk_size ? in.chunk_size : std::min<uint64_t>(64ull << 20, round_up(in.layer_elements * 4, 4096));
-  const uint64_t optimizer_kinds = in.separate_master ? 3 : 2;
   const uint64_t w = static_cast<uint64_t>(s.W);
   const uint64_t group_chunks = s.sharded ? (in.largest_group_chunks + w - 1) / w : in.largest_group_chunks;
   return in.largest_group_chunks > 0 && in.chunk_size > 0
@@ -291,10 +293,12 @@ uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s) {
 
 // Step 3: host and NVMe. Every group whose optimizer runs on the CPU keeps a parameter copy, a
 // gradient landing buffer and its optimizer state on the host, unless the state spills to NVMe
-// (whole groups at a time, from the last, until the host fits; NVMe groups then need the
-// pipeline's staging on the host). False with the problem and suggestions in `p` when the host
-// or NVMe budget cannot hold its part, or the host cannot pass the largest group while the
-// weights load.
+// (whole groups at a time, from the last, until the host fits): the optimizer state first, then
+// the streamed compute copies, then the streamed gradients, so that the host holds little more
+// than the slots the chunks pass through. NVMe groups need that staging on the host: AdamW on the
+// host holds a whole group's kinds at once, and a chunk homed on NVMe reaches the device through
+// a host slot. False with the problem and suggestions in `p` when the host or NVMe budget cannot
+// hold its part, or the host cannot pass the largest group while the weights load.
 bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s, GroupHomes& h, Plan& p) {
   if (p.offload_activations) p.host.act = s.saved_all;
   std::vector<int64_t> host_groups;
@@ -305,8 +309,14 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s, GroupHomes
     p.host.param += b.param, p.host.grad += b.grad;
     p.host.master += b.master, p.host.adam_m += b.adam_m, p.host.adam_v += b.adam_v;
   }
-  const uint64_t staging = nvme_staging_bytes(in, s);
-  auto host_total = [&] { return p.host.total() + (p.nvme_optimizer_groups > 0 ? staging : 0); };
+  // Kinds with a group on nvme, each needing the largest group's worth of host slots.
+  auto staging = [&] {
+    bool param = false, grad = false;
+    for (int64_t g = 0; g < s.groups; ++g) param = param || h.param_nvme[g], grad = grad || h.grad_nvme[g];
+    const uint64_t kinds = (p.nvme_optimizer_groups > 0 ? (in.separate_master ? 3 : 2) : 0) + param + grad;
+    return kinds > 0 ? nvme_staging_bytes(in, s, kinds) : 0;
+  };
+  auto host_total = [&] { return p.host.total() + staging(); };
   for (auto it = host_groups.rbegin(); it != host_groups.rend() && host_total() > in.host_budget; ++it) {
     if (in.nvme_budget == 0) break;
     const GroupBytes& b = s.of(*it);
@@ -315,7 +325,20 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s, GroupHomes
     h.opt_nvme[*it] = true;
     p.nvme_optimizer_groups++;
   }
-  if (p.nvme_optimizer_groups > 0) p.host.act += staging;
+  // Then the compute copies and gradients that stream from the host, whole groups from the last.
+  for (auto it = host_groups.rbegin(); it != host_groups.rend() && in.nvme_budget > 0 && host_total() > in.host_budget; ++it) {
+    if (h.param_res[*it]) continue;
+    p.host.param -= s.of(*it).param, p.nvme.param += s.of(*it).param;
+    h.param_nvme[*it] = true;
+    p.nvme_param_groups++;
+  }
+  for (auto it = host_groups.rbegin(); it != host_groups.rend() && in.nvme_budget > 0 && host_total() > in.host_budget; ++it) {
+    if (h.grad_res[*it]) continue;
+    p.host.grad -= s.of(*it).grad, p.nvme.grad += s.of(*it).grad;
+    h.grad_nvme[*it] = true;
+    p.nvme_grad_groups++;
+  }
+  p.host.act += staging();
   if (p.host.total() > in.host_budget) {
     p.problem = fmt::format("the host budget {} cannot hold the {} this plan keeps there", format_bytes(in.host_budget),
                             format_bytes(p.host.total()));
@@ -325,13 +348,12 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s, GroupHomes
       p.suggestions.push_back(fmt::format("or add an nvme tier (memory.nvme.path, memory.nvme.size >= {}) for the optimizer states",
                                           format_bytes(opt)));
     } else {
-      p.suggestions.push_back(fmt::format("raise memory.host to at least {} (parameters and gradients stay on the host)",
-                                          format_bytes(p.host.total())));
+      p.suggestions.push_back(fmt::format("raise memory.host to at least {}", format_bytes(p.host.total())));
     }
     return false;
   }
   if (p.nvme.total() > in.nvme_budget) {
-    p.problem = fmt::format("the nvme budget {} cannot hold the {} of optimizer state that spills there",
+    p.problem = fmt::format("the nvme budget {} cannot hold the {} of state that spills there",
                             format_bytes(in.nvme_budget), format_bytes(p.nvme.total()));
     p.suggestions.push_back(fmt::format("raise memory.nvme.size to at least {}", format_bytes(p.nvme.total())));
     return false;
@@ -357,6 +379,9 @@ struct PhaseTraffic {
   uint64_t pass_h2d = 0, pass_d2h = 0;
   uint64_t first_layer_h2d = 0;  // what the first layer of a phase needs before it can start
   uint64_t grad_total = 0;       // every gradient's bytes this rank holds
+  // Disk reads and writes together: per micro-batch in forward and in backward (state homed on
+  // nvme that streams to the device), in the gradient passes, and in the optimizer.
+  uint64_t fwd_disk = 0, bwd_disk = 0, pass_disk = 0, opt_disk = 0;
 };
 
 // Step 4: traffic per optimizer step, with the step's totals in `p`: each streamed group moved
@@ -406,8 +431,13 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
   uint64_t pass_d2h = streamed_grad, pass_h2d = in.overlap_optimizer ? 0 : streamed_grad;
   p.h2d_bytes = accum * (fwd_h2d + bwd_h2d) + opt_h2d + pass_h2d;
   p.d2h_bytes = accum * (fwd_d2h + bwd_d2h) + opt_d2h + pass_d2h;
-  p.disk_read_bytes = p.nvme.total();
-  p.disk_write_bytes = p.nvme.total();
+  // The disk: optimizer state read and written once; a compute copy on nvme read for forward and
+  // for backward and written once updated; a gradient on nvme read and written per micro-batch.
+  const uint64_t opt_nvme = p.nvme.master + p.nvme.adam_m + p.nvme.adam_v;
+  uint64_t fwd_disk = p.nvme.param, bwd_disk = p.nvme.param + 2 * p.nvme.grad, pass_disk = 0;
+  uint64_t opt_disk = 2 * (opt_nvme + p.nvme.param);
+  p.disk_read_bytes = opt_nvme + accum * (2 * p.nvme.param + p.nvme.grad);
+  p.disk_write_bytes = opt_nvme + p.nvme.param + accum * p.nvme.grad;
   // With chunks, what the chunk space moves: it keeps copies in the slots its homes and working
   // set leave free and gives up, when full, the copy needed farthest along the schedule, so the
   // counts above (every streamed group moved at every use) are replaced by a replay of the step
@@ -416,7 +446,14 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
   // Shards are not whole chunks: sharded plans keep the counts above (an upper bound).
   if (in.chunk_size > 0 && !sharded && !in.micro_batch_program.empty() && !in.state_tensors.empty()) {
     Result<ReplayResult> replay = replay_step(replay_input(in, p, offload));
-    if (replay.ok()) {
+    if (!replay.ok()) {
+      // The engine would fail the same way in its first step: the placement does not fit.
+      p.fits = false;
+      p.problem = "one step of this placement cannot run: " + replay.status().message();
+      for (Tier t : {Tier::kDevice, Tier::kHost})
+        if (replay.status().message().find(std::string("'") + tier_name(t) + "'") != std::string::npos)
+          p.suggestions.push_back(std::string("raise ") + tier_budget_key(t));
+    } else {
       const ReplayResult& r = *replay;
       const uint64_t ckpt = offload ? static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer : 0;
       const ReplayMoves total = r.total();
@@ -431,11 +468,14 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
       p.d2h_bytes = total.d2h + accum * ckpt;
       p.disk_read_bytes = total.disk_read;
       p.disk_write_bytes = total.disk_write;
+      auto disk = [](const ReplayMoves& m) { return m.disk_read + m.disk_write; };
+      fwd_disk = disk(fwd) / accum, bwd_disk = disk(bwd) / accum;
+      pass_disk = disk(zero_pass) + disk(norm), opt_disk = disk(opt);
       p.chunk_peak_bytes = r.peak_bytes;
     }
   }
-  return PhaseTraffic{fwd_h2d, fwd_d2h, bwd_h2d, bwd_d2h, opt_h2d, opt_d2h, pass_h2d, pass_d2h, first_layer_h2d,
-                      grad_total};
+  return PhaseTraffic{fwd_h2d,  fwd_d2h,  bwd_h2d,         bwd_d2h,    opt_h2d,  opt_d2h,   pass_h2d,
+                      pass_d2h, first_layer_h2d, grad_total, fwd_disk, bwd_disk, pass_disk, opt_disk};
 }
 
 // Step 5: time, phase by phase, as the engine schedules the step. Within a phase the copy
@@ -456,14 +496,20 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
     const double ds = static_cast<double>(d2h) / r.d2h_bytes_per_s + moves(d2h);
     return std::max({hs, ds, static_cast<double>(h2d + d2h) / r.both_bytes_per_s + moves(h2d + d2h) / 2});
   };
-  auto phase = [&](double flops, uint64_t h2d, uint64_t d2h, uint64_t first_h2d) {
+  // The disk's reads and writes of a phase, at the mean of the two rates (they interleave).
+  const double disk_rate = (r.disk_read_bytes_per_s + r.disk_write_bytes_per_s) / 2;
+  auto disk_seconds = [&](uint64_t bytes) { return static_cast<double>(bytes) / disk_rate; };
+  // The disk runs beside compute on every backend (the I/O engine's requests take no core), so
+  // only what outlasts compute adds to a phase.
+  auto phase = [&](double flops, uint64_t h2d, uint64_t d2h, uint64_t first_h2d, uint64_t disk) {
     PhaseTime t;
     t.compute_s = flops / r.compute_flops;
     t.h2d_s = static_cast<double>(h2d) / r.h2d_bytes_per_s + moves(h2d);
     t.d2h_s = static_cast<double>(d2h) / r.d2h_bytes_per_s + moves(d2h);
     t.copy_s = copy_seconds(h2d, d2h);
+    t.disk_s = disk_seconds(disk);
     const double fill = std::min(t.copy_s, static_cast<double>(first_h2d) / r.h2d_bytes_per_s);
-    t.exposed_s = t.copy_s - ov * std::min(t.copy_s - fill, t.compute_s);
+    t.exposed_s = std::max(t.copy_s - ov * std::min(t.copy_s - fill, t.compute_s), t.disk_s - t.compute_s);
     return t;
   };
   StepPhases& ph = p.phases;
@@ -475,16 +521,16 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
     forward_flops = in.flops_per_step / static_cast<double>(accum) / 3;
     backward_flops = 2 * forward_flops;
   }
-  ph.forward = phase(forward_flops, tr.fwd_h2d, tr.fwd_d2h, tr.first_layer_h2d);
+  ph.forward = phase(forward_flops, tr.fwd_h2d, tr.fwd_d2h, tr.first_layer_h2d, tr.fwd_disk);
   ph.backward = phase(backward_flops, tr.bwd_h2d, tr.bwd_d2h,
-                      tr.first_layer_h2d + (p.offload_activations ? in.checkpoint_bytes_per_layer : 0));
+                      tr.first_layer_h2d + (p.offload_activations ? in.checkpoint_bytes_per_layer : 0), tr.bwd_disk);
   // Zeroing writes every gradient and the norm reads it, with their copies; with the optimizer
   // overlapped the norm is taken group by group inside it.
   const double passes = in.overlap_optimizer ? 1.0 : 2.0;
   ph.grad_passes_s = passes * static_cast<double>(tr.grad_total) / r.device_memory_bytes_per_s +
                      (1 - ov) * (static_cast<double>(tr.pass_h2d) / r.h2d_bytes_per_s + moves(tr.pass_h2d) +
                                  static_cast<double>(tr.pass_d2h) / r.d2h_bytes_per_s + moves(tr.pass_d2h)) +
-                     ov * copy_seconds(tr.pass_h2d, tr.pass_d2h);
+                     ov * copy_seconds(tr.pass_h2d, tr.pass_d2h) + disk_seconds(tr.pass_disk);
   // AdamW on the device for the device groups; on the CPU for the others, whose nvme reads and
   // writes and copies to and from the device the CPU cannot overlap with its own AdamW on the
   // CPU backend (ov 0), and can with a GPU's copy engines (ov 1).
@@ -496,7 +542,7 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
              static_cast<double>(p.disk_write_bytes) / r.disk_write_bytes_per_s;
   const double opt_copies = copy_seconds(tr.opt_h2d, tr.opt_d2h);
   const double device_adam_s = static_cast<double>(device_adam_elements) / r.device_adam_params_per_s;
-  ph.optimizer_s = device_adam_s + p.disk_s + std::max(p.cpu_adam_s, opt_copies) + (1 - ov) * std::min(p.cpu_adam_s, opt_copies);
+  ph.optimizer_s = device_adam_s + disk_seconds(tr.opt_disk) + std::max(p.cpu_adam_s, opt_copies) + (1 - ov) * std::min(p.cpu_adam_s, opt_copies);
   // Overlapped with backward, each group's update runs beside the backward of the layers below
   // it, all but the last group's (the embedding) — on cores of their own only where copies and
   // compute do not share them.
@@ -583,8 +629,9 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   GroupHomes homes = place_on_device(s, ws, free_bytes, p);
   if (!place_on_host_and_nvme(in, s, homes, p)) return p;
   p.fits = true;
-  p.placement = make_placement(in, s.L, s.layer, s.edge, homes.param_res, homes.grad_res, homes.opt_dev, homes.opt_nvme);
+  p.placement = make_placement(in, s.L, s.layer, s.edge, homes);
   const PhaseTraffic traffic = plan_traffic(in, s, homes, p);
+  if (!p.fits) return p;
   plan_time(in, s, homes, traffic, p);
   plan_comm(in, s, p);
   p.bottleneck = bottleneck_of(p);
@@ -597,12 +644,15 @@ Plan make_plan(const PlanInput& in) {
   CHECK(in.zero >= kZeroAuto && in.zero < kZeroLevels);
   if (in.world_size <= 1) return plan_at_level(in, 0);  // one rank: nothing to shard
   if (in.zero != kZeroAuto) return plan_at_level(in, in.zero);
-  Plan p;
+  // The fastest level that fits: with every kind able to stream from nvme a lower level may fit
+  // only by paging what a higher one shards away, and at a fraction of its speed.
+  Plan best;
   for (int z = 0; z < kZeroLevels; ++z) {
-    p = plan_at_level(in, z);
-    if (p.fits) break;
+    Plan p = plan_at_level(in, z);
+    if (p.fits && (!best.fits || p.step_s < best.step_s)) best = std::move(p);
+    if (!best.fits && z + 1 == kZeroLevels) best = std::move(p);  // none fits: ZeRO-3's problem
   }
-  return p;
+  return best;
 }
 
 double micro_batch_flops(const PlanInput& in) {
@@ -636,6 +686,9 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
                     p.offload_activations ? "offloaded to host" : "kept on the device");
   if (p.nvme_optimizer_groups > 0)
     os << fmt::format("  optimizer state of {}/{} groups streams from nvme\n", p.nvme_optimizer_groups, groups);
+  if (p.nvme_param_groups > 0 || p.nvme_grad_groups > 0)
+    os << fmt::format("  compute copies of {}/{} groups and gradients of {}/{} stream from nvme\n", p.nvme_param_groups,
+                      groups, p.nvme_grad_groups, groups);
   if (in.expert_elements > 0)
     os << fmt::format("  experts: a micro-batch reaches an expected {:.0f}% of each MoE layer's experts; only those "
                       "are fetched\n",
@@ -688,7 +741,7 @@ std::string format_zero_levels(const PlanInput& in, int chosen) {
   os << fmt::format("data parallel: {} ranks, {} per node ({} node{}), ZeRO-{}{}; collectives at {:.0f} GB/s bus "
                     "bandwidth ({})\n",
                     W, per_node, (W + per_node - 1) / per_node, (W + per_node - 1) / per_node == 1 ? "" : "s", chosen,
-                    in.zero == kZeroAuto ? " (auto: the lowest level that fits)" : " (as given)",
+                    in.zero == kZeroAuto ? " (auto: the fastest level that fits)" : " (as given)",
                     (one_node ? in.rates.intra_node_bytes_per_s : in.rates.inter_node_bytes_per_s) / 1e9,
                     one_node ? "within a node, hardware.intra_node_gbps" : "between nodes, hardware.inter_node_gbps");
   os << fmt::format("  {:<6} {:>11} {:>11} {:>11} {:>5} {:>11} {:>10} {:>10} {:>12}\n", "ZeRO", "device/rank",

@@ -14,7 +14,8 @@
 //           GPU: saves the gradient and updated-parameter transfers entirely).
 //   host:   everything not on the device that the CPU AdamW and the transfers need, filled in
 //           the order param copies, gradients, master weights, Adam m, Adam v.
-//   nvme:   what the host cannot hold, optimizer states only (v, then m, then master).
+//   nvme:   what the host cannot hold, whole groups from the last: optimizer states first, then
+//           the compute copies and the gradients that stream through host slots.
 // With several data-parallel ranks the plan is one rank's: ZeRO (parallel.zero) shards kinds of
 // state over the ranks, which then count 1/world of their bytes on each, the placement above
 // runs on those per-rank sizes, and the collectives' bytes and time join the step.
@@ -68,7 +69,7 @@ struct MachineRates {
 
 // What ZeRO shards over the data-parallel ranks, by level: 0 nothing (every rank holds
 // everything; what the engine implements today), 1 the master weights and Adam moments, 2 also
-// the gradients, 3 also the compute copy. kZeroAuto plans the lowest level that fits.
+// the gradients, 3 also the compute copy. kZeroAuto plans the fastest level that fits.
 constexpr int kZeroAuto = -1;
 constexpr int kZeroLevels = 4;
 
@@ -171,7 +172,8 @@ struct PhaseTime {
   double compute_s = 0;
   double h2d_s = 0, d2h_s = 0;  // each direction alone
   double copy_s = 0;            // both directions, on two copy streams, as they share the link
-  double exposed_s = 0;         // copy time not hidden behind compute
+  double disk_s = 0;            // the nvme tier's reads and writes
+  double exposed_s = 0;         // copy or disk time not hidden behind compute
   double total_s() const { return compute_s + exposed_s; }
 };
 
@@ -211,6 +213,8 @@ struct Plan {
   int64_t resident_grad_groups = 0;
   int64_t device_optimizer_groups = 0;   // groups whose AdamW runs on the device
   int64_t nvme_optimizer_groups = 0;     // groups whose optimizer state streams from NVMe
+  int64_t nvme_param_groups = 0;         // groups whose compute copy streams from NVMe
+  int64_t nvme_grad_groups = 0;          // groups whose gradients stream to and from NVMe
   int prefetch_depth = 1;
   // Traffic per optimizer step: with a chunk size, what the chunk space moves in a steady step
   // (offload/replay.h replays the step program); without, every streamed group moved at every use.
@@ -242,7 +246,7 @@ struct Plan {
 // FLOPs of one micro-batch's forward and backward (with recompute when in.recompute).
 double micro_batch_flops(const PlanInput& in);
 
-// The plan for input.zero, or with kZeroAuto for the lowest level that fits (ZeRO-3's plan,
+// The plan for input.zero, or with kZeroAuto for the fastest level that fits (ZeRO-3's plan,
 // with its problem and suggestions, when none does). With one rank every level is level 0.
 Plan make_plan(const PlanInput& input);
 

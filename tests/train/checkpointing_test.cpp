@@ -223,8 +223,9 @@ class GatedIoEngine final : public IoEngine {
 
 // Tight budgets put parameters and moments in every tier; a closed disk (writes wait for the
 // gate) and 64 KiB of staging keep the save in flight through the next step's forward and
-// backward; the disk opens, slowly (30 ms per write), as its optimizer starts to change every
-// byte of the state, and stays open for two more steps. (The optimizer may wait for bytes the
+// backward; the disk opens, slowly (100 ms per write: a loaded machine's optimizer must still
+// outpace it), as its optimizer starts to change every byte of the state, and stays open for
+// two more steps. (The optimizer may wait for bytes the
 // save has not written yet, so the gate cannot stay shut through it.)
 TEST_P(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
   Trainer tr(dir_, tight(), recipe(), moments());
@@ -234,7 +235,7 @@ TEST_P(CheckpointingTest, SaveDuringTrainingHoldsTheStateOfItsStep) {
   co.dir = (dir_ / "ckpt").string();
   co.staging_bytes = 64 * 1024;
   auto gate = std::make_shared<GatedIoEngine::Gate>();
-  const ckpt::IoEngineFactory slow = faulty_engine(std::chrono::milliseconds(30));
+  const ckpt::IoEngineFactory slow = faulty_engine(std::chrono::milliseconds(100));
   ckpt::IoEngineFactory gated = [gate, slow]() -> Result<std::unique_ptr<IoEngine>> {
     ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> inner, slow());
     return std::unique_ptr<IoEngine>(std::make_unique<GatedIoEngine>(std::move(inner), gate));

@@ -60,7 +60,7 @@ writes), less what of it ran during backward with optim.overlap_backward.
 Data parallelism: parallel.world_size=N plans one of N ranks (parallel.ranks_per_node, 8 by
 default, share a node): each rank's budgets are memory.* as given and its step train.* as
 given. parallel.zero=auto|0|1|2|3 says what is sharded over the ranks (1: master weights and
-Adam moments, 2: also gradients, 3: also the compute copy; auto: the lowest level that fits).
+Adam moments, 2: also gradients, 3: also the compute copy; auto: the fastest level that fits).
 A table then compares the four levels: bytes per rank on each tier, whether it fits, the bytes
 each rank sends per step (ring collectives), their time at hardware.intra_node_gbps (a world
 within one node) or hardware.inter_node_gbps, the step time and the world's tokens/s; the
