@@ -33,9 +33,12 @@ struct AdamWScalars {
 // REQUIRES: p.step >= 1.
 AdamWScalars adamw_scalars(const AdamWParams& p);
 
-#define STRATA_ADAMW_OPS                                                                          \
-  void adamw_step(float* param /*(n)*/, const float* grad /*(n)*/, float* m /*(n)*/,              \
-                  float* v /*(n)*/, int64_t n, const AdamWParams& p);
+// Returns whether every parameter value it wrote is finite (no NaN or Inf), found in the loop
+// that writes them. A finite gradient does not prove it: eps = 0 divides 0 by 0 where a
+// gradient and its moments are 0.
+#define STRATA_ADAMW_OPS                                                                                          \
+  bool adamw_step(float* param /*(n)*/, const float* grad /*(n)*/, float* m /*(n)*/, float* v /*(n)*/, int64_t n, \
+                  const AdamWParams& p);
 namespace ref { STRATA_ADAMW_OPS }
 namespace cpu { STRATA_ADAMW_OPS }
 #undef STRATA_ADAMW_OPS

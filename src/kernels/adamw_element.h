@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "kernels/adamw.h"
 
@@ -54,6 +56,21 @@ STRATA_HOST_DEVICE float sqrt_rn(float a) {
   return __fsqrt_rn(a);
 #else
   return std::sqrt(a);
+#endif
+}
+
+// 0 when x is finite, nonzero (a NaN's bits) when x is NaN or Inf: x - x is +0 for every finite
+// x. One subtraction, whose bits a loop ORs over the values it writes, so that the loop still
+// vectorises: the finiteness check of an update is two operations per vector and no second
+// pass over memory.
+STRATA_HOST_DEVICE uint32_t nonfinite_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(__fsub_rn(x, x));
+#else
+  const float zero_if_finite = x - x;
+  uint32_t bits;
+  std::memcpy(&bits, &zero_if_finite, sizeof(bits));
+  return bits;
 #endif
 }
 

@@ -28,17 +28,20 @@ bool simd_level_supported(SimdLevel level);
 // the variable is read on every call so tests can change it.
 SimdLevel detect_simd_level();
 
+// Each step returns whether every master value it wrote is finite (no NaN or Inf): every level
+// folds the check into the loop that writes them (a few ALU operations per vector, tested once
+// at the end), so the pass over memory stays the only one.
+
 // fp32 master weights and fp32 gradients. REQUIRES: simd_level_supported(level); the four
 // arrays do not overlap.
-void adamw_step_f32(float* param /*(n)*/, const float* grad /*(n)*/, float* m /*(n)*/,
-                    float* v /*(n)*/, int64_t n, const AdamWParams& p, SimdLevel level);
+bool adamw_step_f32(float* param /*(n)*/, const float* grad /*(n)*/, float* m /*(n)*/, float* v /*(n)*/, int64_t n,
+                    const AdamWParams& p, SimdLevel level);
 
 // The GPU layout's mixed precision: bf16 gradients in, fp32 master weights and moments updated
 // in place, and a bf16 copy of the new master (round to nearest even, kernels/bf16.h) written
 // to param_bf16_out. Bitwise equal to widening the gradients to fp32, running adamw_step_f32
 // and narrowing the master. REQUIRES: simd_level_supported(level); no arrays overlap.
-void adamw_step_mixed(float* master /*(n)*/, const uint16_t* grad_bf16 /*(n)*/, float* m /*(n)*/,
-                      float* v /*(n)*/, uint16_t* param_bf16_out /*(n)*/, int64_t n,
-                      const AdamWParams& p, SimdLevel level);
+bool adamw_step_mixed(float* master /*(n)*/, const uint16_t* grad_bf16 /*(n)*/, float* m /*(n)*/, float* v /*(n)*/,
+                      uint16_t* param_bf16_out /*(n)*/, int64_t n, const AdamWParams& p, SimdLevel level);
 
 }  // namespace strata::kernels

@@ -61,7 +61,8 @@ void encode_moments(void* stored, const float* in, MomentFormat format, bool is_
 // AdamW (adamw_step's rule) on a tensor of n elements whose moments are stored in `format`:
 // param and grad fp32, m and v in the stored form above, updated in place. For kF32 this is
 // adamw_step itself. For kInt8 each block's new moments are encoded with the block's new scale.
-void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
+// Returns whether every parameter value it wrote is finite, found in the loop that writes them.
+bool adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
                         const AdamWParams& p, const MomentRounding& rounding);
 
 }  // namespace cpu

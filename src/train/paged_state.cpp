@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -439,23 +440,27 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     float* master = store_->pointer(i, layout.master_kind());
     void* m = store_->raw_pointer(i, StateKind::kAdamM);
     void* v = store_->raw_pointer(i, StateKind::kAdamV);
+    const int64_t tag = static_cast<int64_t>(i);  // first_nonfinite() names the tensor
     if (clipped && where != Tier::kDevice) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
     if (compact) {
       // The random bits of stochastic rounding follow (step, tensor), never tiers or threads.
       const kernels::MomentRounding rounding{options_.stochastic_rounding,
                                              static_cast<uint64_t>(p.step) * 0x9E3779B97F4A7C15ull ^ i};
-      here.adamw_compact(master, grad, m, v, layout.moments, t.numel, p, rounding, device_clips);
+      here.adamw_compact(master, grad, m, v, layout.moments, t.numel, p, rounding, device_clips, tag);
       if (layout.separate_master()) write_copy(here, i, master);
     } else if (where == Tier::kDevice && layout.precision != Precision::kFp8) {
       // The bf16 copy is written by the same kernel.
       void* copy = layout.separate_master() ? store_->raw_pointer(i, StateKind::kParam) : nullptr;
-      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), copy, t.numel, p, device_clips);
+      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), copy, t.numel, p, device_clips,
+                      tag);
     } else if (where == Tier::kDevice) {
-      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), nullptr, t.numel, p,
-                      device_clips);
+      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), nullptr, t.numel, p, device_clips,
+                      tag);
       write_copy(here, i, master);
     } else {
-      kernels::adamw_step_f32(master, grad, static_cast<float*>(m), static_cast<float*>(v), t.numel, p, simd);
+      if (!kernels::adamw_step_f32(master, grad, static_cast<float*>(m), static_cast<float*>(v), t.numel, p, simd) &&
+          (host_nonfinite_ < 0 || tag < host_nonfinite_))
+        host_nonfinite_ = tag;
       if (layout.separate_master()) write_copy(here, i, master);
     }
   }
@@ -526,6 +531,7 @@ Result<double> PagedState::clip_and_step(float lr) {
           "checkpoint is intact: resume from it with optim.overlap_backward=false to skip such steps, or lower "
           "optim.lr)");
     }
+    RETURN_IF_ERROR(check_updated_parameters());
     return std::sqrt(sum);
   }
   // The global norm, summed tensor by tensor in layout order (as AdamW::grad_norm does).
@@ -596,7 +602,34 @@ Result<double> PagedState::clip_and_step(float lr) {
   ++step_count_;
   const kernels::AdamWParams p = adamw_params(lr);
   for (int g = 0; g < store_->num_groups(); ++g) RETURN_IF_ERROR(update_group(g, coefficient, p));
+  RETURN_IF_ERROR(check_updated_parameters());
   return norm;
+}
+
+Status PagedState::check_updated_parameters() {
+  int64_t first = std::exchange(host_nonfinite_, -1);
+  for (StateKernels* k : {kernels_, cpu_state_kernels()}) {
+    const int64_t t = k->first_nonfinite();
+    if (t >= 0 && (first < 0 || t < first)) first = t;
+  }
+  if (sharded() && comm_ != nullptr && comm_->world_size() > 1) {
+    // Each group is updated on its owner alone: every rank learns the first tensor of any, so
+    // that all of them stop at this step with the same error.
+    std::vector<int64_t> firsts(static_cast<size_t>(comm_->world_size()), 0);
+    firsts[static_cast<size_t>(comm_->rank())] = first + 1;  // 0: none
+    RETURN_IF_ERROR(parallel::sum_over_ranks(*comm_, std::span<int64_t>(firsts)));
+    for (int64_t f : firsts)
+      if (f > 0 && (first < 0 || f - 1 < first)) first = f - 1;
+  }
+  if (first < 0) return Status::OK();
+  const std::string cause =
+      options_.optimizer.eps == 0.0f
+          ? "optim.eps=0 divides 0 by 0 where a gradient and its moments are 0: set optim.eps > 0 (1e-8 is usual)"
+          : fmt::format("the update overflowed with optim.eps={:g}: lower optim.lr", options_.optimizer.eps);
+  return Status::InvalidArgument(fmt::format(
+      "AdamW produced non-finite parameters (NaN or Inf) in '{}' (the first such tensor) from finite gradients; {}. "
+      "The run stops without saving this state; checkpoints committed before it are intact",
+      pieces_[static_cast<size_t>(first)].spec->name, cause));
 }
 
 void PagedState::begin_last_micro_batch(float lr) {

@@ -266,6 +266,9 @@ class PagedState : public model::ParamAccess, public SavableState {
   // With sum_squares: first sums the squares of the group's gradients into it and, when that
   // is not finite, changes nothing (the overlap's per-group check).
   Status update_group(int group, float coefficient, kernels::AdamWParams p, double* sum_squares = nullptr);
+  // After a step's updates: an error naming the first tensor whose new parameters hold a NaN or
+  // Inf, as the AdamW kernels found while writing them (on every rank when the state is sharded).
+  Status check_updated_parameters();
   void worker_loop();
 
   PagedStateOptions options_;
@@ -308,6 +311,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   };
   std::vector<Piece> pieces_;
   int64_t step_count_ = 0;
+  int64_t host_nonfinite_ = -1;  // the first tensor host-memory AdamW wrote NaN or Inf into (-1: none)
 
   // Overlap of AdamW with backward (options.overlap_optimizer): end() queues groups whose
   // gradients are final in the last micro-batch; the worker updates them while backward goes on.

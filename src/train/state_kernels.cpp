@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "kernels/bf16.h"
 #include "kernels/fp8.h"
@@ -20,17 +21,19 @@ class CpuStateKernels final : public StateKernels {
   double end_norm() override { return sum_; }
   void set_norm(double sum) override { sum_ = sum; }
   void prepare_clip(double max_norm) override { clip_ = kernels::clip_coefficient(std::sqrt(sum_), max_norm); }
-  void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n,
-             const kernels::AdamWParams& p, bool clipped) override {
+  void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n, const kernels::AdamWParams& p,
+             bool clipped, int64_t tag) override {
     if (clipped) kernels::cpu::scale_inplace(grad, n, clip_);
-    kernels::cpu::adamw_step(master, grad, m, v, n, p);
+    if (!kernels::cpu::adamw_step(master, grad, m, v, n, p)) note_nonfinite(tag);
     if (bf16_copy != nullptr) kernels::round_to_bf16(static_cast<uint16_t*>(bf16_copy), master, n);
   }
   void adamw_compact(float* master, float* grad, void* m, void* v, kernels::MomentFormat format, int64_t n,
-                     const kernels::AdamWParams& p, const kernels::MomentRounding& rounding, bool clipped) override {
+                     const kernels::AdamWParams& p, const kernels::MomentRounding& rounding, bool clipped,
+                     int64_t tag) override {
     if (clipped) kernels::cpu::scale_inplace(grad, n, clip_);
-    kernels::cpu::adamw_step_compact(master, grad, m, v, format, n, p, rounding);
+    if (!kernels::cpu::adamw_step_compact(master, grad, m, v, format, n, p, rounding)) note_nonfinite(tag);
   }
+  int64_t first_nonfinite() override { return std::exchange(first_nonfinite_, -1); }
   void round_copy(void* bf16_copy, const float* master, int64_t n) override {
     kernels::round_to_bf16(static_cast<uint16_t*>(bf16_copy), master, n);
   }
@@ -40,8 +43,13 @@ class CpuStateKernels final : public StateKernels {
   void synchronize() override {}
 
  private:
+  void note_nonfinite(int64_t tag) {
+    if (first_nonfinite_ < 0 || tag < first_nonfinite_) first_nonfinite_ = tag;
+  }
+
   double sum_ = 0;
   float clip_ = 1.0f;
+  int64_t first_nonfinite_ = -1;
 };
 
 }  // namespace

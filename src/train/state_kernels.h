@@ -48,15 +48,22 @@ class StateKernels {
   // rounded to bf16 (nearest even). With `clipped`, every gradient is first multiplied by the
   // prepared clip factor (one fp32 rounding, as kernels::cpu::scale_inplace rounds): the CPU
   // scales grad in place, CUDA applies the factor as it reads grad and leaves the buffer alone.
-  // Either way the update is bitwise that of scaling the gradients, then AdamW.
+  // Either way the update is bitwise that of scaling the gradients, then AdamW. `tag` (>= 0) is
+  // the caller's name for the tensor, reported by first_nonfinite().
   virtual void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n,
-                     const kernels::AdamWParams& p, bool clipped) = 0;
+                     const kernels::AdamWParams& p, bool clipped, int64_t tag) = 0;
   // AdamW on the fp32 master with moments stored compactly (kernels/moments.h: bf16 or int8),
   // updated in place; the compute copy is written apart (round_copy / quantize_copy).
-  // `clipped` as for adamw().
+  // `clipped` and `tag` as for adamw().
   virtual void adamw_compact(float* master, float* grad, void* m, void* v, kernels::MomentFormat format, int64_t n,
-                             const kernels::AdamWParams& p, const kernels::MomentRounding& rounding,
-                             bool clipped) = 0;
+                             const kernels::AdamWParams& p, const kernels::MomentRounding& rounding, bool clipped,
+                             int64_t tag) = 0;
+  // The finiteness of what AdamW wrote, checked by the kernels in the pass that writes it (finite
+  // gradients do not prove it: eps = 0 divides 0 by 0 where a gradient is 0). Returns the
+  // smallest tag of the adamw() and adamw_compact() calls since the last first_nonfinite() that
+  // wrote a NaN or Inf master value, or -1 when every value was finite, and forgets them. CUDA
+  // reads its flags here, after the queued work: call it where the caller waits anyway.
+  virtual int64_t first_nonfinite() = 0;
   // The bf16 compute copy of n master values (nearest even).
   virtual void round_copy(void* bf16_copy, const float* master, int64_t n) = 0;
   // The fp8 recipe's compute copy of a (rows, cols) master matrix: E4M3 blocks (kernels/fp8.h).

@@ -724,7 +724,9 @@ Status loop(Run& run, const TrainConfig& t) {
 
 // OK when every parameter the run ends with is finite; else an error naming the first tensor
 // that is not. A finite loss and gradient norm do not prove it: AdamW itself can write 0/0
-// (optim.eps=0 with a zero gradient), after the step was judged. One read of the parameters,
+// (optim.eps=0 with a zero gradient), after the step was judged. The optimizer checks what it
+// writes and fails that step (PagedState::clip_and_step); this is the last look before anything
+// of the final state is saved or exported. One read of the parameters,
 // as an export makes. With several ranks a rank holds only its groups' fp32 weights: each rank's
 // final checkpoint shard is checked as it is written instead (the writer refuses NaN or Inf),
 // and their export reads that checkpoint.

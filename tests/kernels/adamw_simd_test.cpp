@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -125,8 +126,9 @@ TEST_P(AdamWSimdTest, F32IsBitwiseEqualToReference) {
           const std::vector<float> g = grads_for_step(n, step);
           AdamWParams p = base;
           p.step = step;
-          ref::adamw_step(want.w.data(), g.data(), want.m.data(), want.v.data(), n, p);
-          adamw_step_f32(got.w.data(), g.data(), got.m.data(), got.v.data(), n, p, level);
+          const bool want_finite = ref::adamw_step(want.w.data(), g.data(), want.m.data(), want.v.data(), n, p);
+          const bool got_finite = adamw_step_f32(got.w.data(), g.data(), got.m.data(), got.v.data(), n, p, level);
+          ASSERT_EQ(got_finite, want_finite) << "finiteness after step " << step;
           ASSERT_TRUE(same_bits(got.w, want.w)) << "param after step " << step;
           ASSERT_TRUE(same_bits(got.m, want.m)) << "m after step " << step;
           ASSERT_TRUE(same_bits(got.v, want.v)) << "v after step " << step;
@@ -197,11 +199,12 @@ TEST_P(AdamWSimdTest, MixedIsBitwiseEqualToWidenReferenceNarrow) {
         // The scalar reference: widen the gradients, run ref::adamw_step, narrow the master.
         std::vector<float> g32(n);
         for (int64_t i = 0; i < n; ++i) g32[i] = bf16_to_f32(g[i]);
-        ref::adamw_step(want.w.data(), g32.data(), want.m.data(), want.v.data(), n, p);
+        const bool want_finite = ref::adamw_step(want.w.data(), g32.data(), want.m.data(), want.v.data(), n, p);
         for (int64_t i = 0; i < n; ++i) out_want[i] = f32_to_bf16(want.w[i]);
 
-        adamw_step_mixed(got.w.data(), g.data(), got.m.data(), got.v.data(), out_got.data(), n, p,
-                         level);
+        const bool got_finite =
+            adamw_step_mixed(got.w.data(), g.data(), got.m.data(), got.v.data(), out_got.data(), n, p, level);
+        ASSERT_EQ(got_finite, want_finite) << "finiteness after step " << step;
         ASSERT_TRUE(same_bits(got.w, want.w)) << "master after step " << step;
         ASSERT_TRUE(same_bits(got.m, want.m)) << "m after step " << step;
         ASSERT_TRUE(same_bits(got.v, want.v)) << "v after step " << step;
@@ -218,14 +221,92 @@ TEST_P(AdamWSimdTest, MixedNarrowsNaNAndInfMastersLikeScalar) {
   g[3] = 0x7F80;   // +inf gradient: master becomes NaN
   g[33] = 0x7FC1;  // NaN gradient with a payload, in the AVX-512 tail
   std::vector<uint16_t> out(n, 0);
-  adamw_step_mixed(st.w.data(), g.data(), st.m.data(), st.v.data(), out.data(), n, AdamWParams{},
-                   GetParam());
+  EXPECT_FALSE(
+      adamw_step_mixed(st.w.data(), g.data(), st.m.data(), st.v.data(), out.data(), n, AdamWParams{}, GetParam()));
   EXPECT_TRUE(std::isnan(st.w[3]));
   EXPECT_TRUE(std::isnan(st.w[33]));
   for (int64_t i = 0; i < n; ++i) {
     EXPECT_EQ(out[i], f32_to_bf16(st.w[i])) << "element " << i;
     if (std::isnan(st.w[i])) {
       EXPECT_TRUE(std::isnan(bf16_to_f32(out[i]))) << "element " << i;
+    }
+  }
+}
+
+// The finiteness a step reports, with eps = 0: all finite (every gradient nonzero; the lanes past
+// n of a masked tail, which update zeros to 0 / 0, do not count), a NaN from 0 / 0 where one
+// gradient and its moments are 0, or an Inf from a step past the largest float. The bad element
+// sits at the start, in the vector body, in the tail, or in another thread's block; what is
+// written is the reference's, bit for bit, either way.
+enum class Outcome { kFinite, kZeroOverZero, kOverflow };
+
+struct FiniteCase {
+  State s;
+  std::vector<float> g;
+  AdamWParams p;
+};
+
+FiniteCase finite_case(int64_t n, int64_t at, Outcome outcome) {
+  FiniteCase c{initial_state(n, true), random_vector(n, 5, 0.25f, 1.0f), {1e-3f, 0.9f, 0.999f, 0.0f, 0.1f, 1}};
+  for (int64_t i = 1; i < n; i += 2) c.g[i] = -c.g[i];
+  if (outcome == Outcome::kZeroOverZero) c.g[at] = 0.0f;
+  if (outcome == Outcome::kOverflow) {
+    c.p.lr = 1e33f;  // the first step moves each element by lr against its gradient's sign
+    c.p.weight_decay = 0.0f;
+    c.s.w[at] = std::numeric_limits<float>::max();
+    c.g[at] = -1.0f;
+  }
+  return c;
+}
+
+constexpr Outcome kOutcomes[] = {Outcome::kFinite, Outcome::kZeroOverZero, Outcome::kOverflow};
+
+TEST_P(AdamWSimdTest, F32ReportsWhetherEveryParameterWrittenIsFinite) {
+  for (int64_t n : {1, 15, 16, 17, 1000, 100003}) {
+    for (int64_t at : {int64_t{0}, n / 2, n - 1, std::max<int64_t>(0, n - 17)}) {
+      for (Outcome outcome : kOutcomes) {
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " at=" << at << " outcome=" << int(outcome));
+        FiniteCase want = finite_case(n, at, outcome);
+        FiniteCase got = want;
+        const bool want_finite =
+            ref::adamw_step(want.s.w.data(), want.g.data(), want.s.m.data(), want.s.v.data(), n, want.p);
+        const bool got_finite =
+            adamw_step_f32(got.s.w.data(), got.g.data(), got.s.m.data(), got.s.v.data(), n, got.p, GetParam());
+        ASSERT_EQ(want_finite, outcome == Outcome::kFinite);
+        ASSERT_EQ(got_finite, outcome == Outcome::kFinite);
+        ASSERT_EQ(std::isnan(got.s.w[at]), outcome == Outcome::kZeroOverZero);
+        ASSERT_EQ(std::isinf(got.s.w[at]), outcome == Outcome::kOverflow);
+        ASSERT_TRUE(same_bits(got.s.w, want.s.w));
+        ASSERT_TRUE(same_bits(got.s.m, want.s.m));
+        ASSERT_TRUE(same_bits(got.s.v, want.s.v));
+      }
+    }
+  }
+}
+
+TEST_P(AdamWSimdTest, MixedReportsWhetherEveryMasterWrittenIsFinite) {
+  for (int64_t n : {1, 15, 16, 17, 1000, 100003}) {
+    for (int64_t at : {int64_t{0}, n / 2, n - 1, std::max<int64_t>(0, n - 17)}) {
+      for (Outcome outcome : kOutcomes) {
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " at=" << at << " outcome=" << int(outcome));
+        FiniteCase want = finite_case(n, at, outcome);
+        std::vector<uint16_t> g(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) {
+          g[i] = f32_to_bf16(want.g[i]);
+          want.g[i] = bf16_to_f32(g[i]);  // what the mixed step reads
+        }
+        FiniteCase got = want;
+        const bool want_finite =
+            ref::adamw_step(want.s.w.data(), want.g.data(), want.s.m.data(), want.s.v.data(), n, want.p);
+        std::vector<uint16_t> out(static_cast<size_t>(n));
+        const bool got_finite = adamw_step_mixed(got.s.w.data(), g.data(), got.s.m.data(), got.s.v.data(), out.data(),
+                                                 n, got.p, GetParam());
+        ASSERT_EQ(want_finite, outcome == Outcome::kFinite);
+        ASSERT_EQ(got_finite, outcome == Outcome::kFinite);
+        ASSERT_TRUE(same_bits(got.s.w, want.s.w));
+        ASSERT_TRUE(same_bits(got.s.m, want.s.m));
+        ASSERT_TRUE(same_bits(got.s.v, want.s.v));
+      }
     }
   }
 }

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "../test_util.h"
@@ -105,8 +106,59 @@ TEST(AdamW, MatchesTorchOverThreeSteps) {
 
 TEST(AdamW, NanGradientPropagates) {
   float p = 1.0f, g = NAN, m = 0.0f, v = 0.0f;
-  cpu::adamw_step(&p, &g, &m, &v, 1, AdamWParams{});
+  EXPECT_FALSE(cpu::adamw_step(&p, &g, &m, &v, 1, AdamWParams{})) << "a NaN written is reported";
   EXPECT_TRUE(std::isnan(p));
+}
+
+// What a step writes, and whether it says every parameter is finite: all finite, a NaN from
+// eps = 0 (0 / 0 where the gradient and both moments are 0), or an Inf from a step past the
+// largest float. `at` is the element that goes wrong.
+enum class Outcome { kFinite, kZeroOverZero, kOverflow };
+
+struct FiniteCase {
+  std::vector<float> w, g, m, v;
+  AdamWParams p;
+};
+
+FiniteCase finite_case(int64_t n, int64_t at, Outcome outcome) {
+  FiniteCase c;
+  c.w = random_vector(n, 1);
+  c.g = random_vector(n, 2, 0.25f, 1.0f);  // no zero: eps = 0 alone writes no NaN
+  for (int64_t i = 1; i < n; i += 2) c.g[i] = -c.g[i];
+  c.m.assign(n, 0.0f);
+  c.v.assign(n, 0.0f);
+  c.p = {1e-3f, 0.9f, 0.999f, 0.0f, 0.1f, 1};  // eps = 0
+  if (outcome == Outcome::kZeroOverZero) c.g[at] = 0.0f;
+  if (outcome == Outcome::kOverflow) {
+    // Adam's first step moves each element by lr against its gradient's sign.
+    c.p.lr = 1e33f;
+    c.p.weight_decay = 0.0f;
+    c.w[at] = std::numeric_limits<float>::max();
+    c.g[at] = -1.0f;
+  }
+  return c;
+}
+
+TEST(AdamW, ReportsWhetherEveryParameterWrittenIsFinite) {
+  for (int64_t n : {1, 17, 100003}) {  // 100003: several threads' blocks
+    for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
+      for (Outcome outcome : {Outcome::kFinite, Outcome::kZeroOverZero, Outcome::kOverflow}) {
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " at=" << at << " outcome=" << static_cast<int>(outcome));
+        FiniteCase want = finite_case(n, at, outcome);
+        FiniteCase got = want;
+        const bool want_finite = ref::adamw_step(want.w.data(), want.g.data(), want.m.data(), want.v.data(), n, want.p);
+        const bool got_finite = cpu::adamw_step(got.w.data(), got.g.data(), got.m.data(), got.v.data(), n, got.p);
+        EXPECT_EQ(want_finite, outcome == Outcome::kFinite);
+        EXPECT_EQ(got_finite, outcome == Outcome::kFinite);
+        EXPECT_EQ(std::isnan(want.w[at]), outcome == Outcome::kZeroOverZero);
+        EXPECT_EQ(std::isinf(want.w[at]), outcome == Outcome::kOverflow);
+        // The check changes nothing of what is written.
+        EXPECT_TRUE(bitwise_equal(got.w, want.w));
+        EXPECT_TRUE(bitwise_equal(got.m, want.m));
+        EXPECT_TRUE(bitwise_equal(got.v, want.v));
+      }
+    }
+  }
 }
 
 }  // namespace

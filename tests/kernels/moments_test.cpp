@@ -170,6 +170,47 @@ TEST(Moments, CompactStepIsDecodeReferenceEncode) {
   }
 }
 
+// The finiteness the compact step reports, in every format: with eps = 0 and fresh (zero)
+// moments, a zero gradient divides 0 by 0 and is reported; with every gradient nonzero nothing
+// is. The step writes what decode -> reference -> encode writes either way.
+TEST(Moments, CompactStepReportsWhetherEveryParameterWrittenIsFinite) {
+  for (MomentFormat format : {MomentFormat::kF32, MomentFormat::kBf16, MomentFormat::kInt8}) {
+    for (int64_t n : {1, 257, 1000}) {
+      for (bool zero_gradient : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << moment_format_name(format) << " n=" << n << " zero=" << zero_gradient);
+        AdamWParams params = typical_params(1);
+        params.eps = 0.0f;
+        auto p = random_vector(n, 2);
+        auto g = random_vector(n, 3, 0.25f, 1.0f);
+        if (zero_gradient) g[static_cast<size_t>(n - 1)] = 0.0f;
+        const std::vector<float> zeros(static_cast<size_t>(n), 0.0f);
+        Bytes m = encoded(zeros, format, false), v = encoded(zeros, format, true);
+        auto p_ref = p, m_ref = decoded(m, format, false, n), v_ref = decoded(v, format, true, n);
+        const bool want_finite = ref::adamw_step(p_ref.data(), g.data(), m_ref.data(), v_ref.data(), n, params);
+        const bool got_finite =
+            cpu::adamw_step_compact(p.data(), g.data(), m.data(), v.data(), format, n, params, MomentRounding{});
+        EXPECT_EQ(want_finite, !zero_gradient);
+        EXPECT_EQ(got_finite, !zero_gradient);
+        EXPECT_EQ(std::isnan(p[static_cast<size_t>(n - 1)]), zero_gradient);
+        EXPECT_TRUE(bitwise_equal(p, p_ref));
+        EXPECT_EQ(m, encoded(m_ref, format, false));
+        EXPECT_EQ(v, encoded(v_ref, format, true));
+      }
+    }
+  }
+  // Finite parameters whose sum overflows fp32 are finite all the same.
+  for (MomentFormat format : kCompact) {
+    const int64_t n = 1000;
+    std::vector<float> p(static_cast<size_t>(n), 3e38f);
+    const auto g = random_vector(n, 4, 0.25f, 1.0f);
+    Bytes m = encoded(std::vector<float>(n, 0.0f), format, false),
+          v = encoded(std::vector<float>(n, 0.0f), format, true);
+    EXPECT_TRUE(cpu::adamw_step_compact(p.data(), g.data(), m.data(), v.data(), format, n, typical_params(1), {}))
+        << moment_format_name(format);
+    EXPECT_TRUE(std::isfinite(p[0]) && p[0] > 2e38f) << p[0];
+  }
+}
+
 TEST(Moments, Bf16NearestIsRoundToNearestEven) {
   auto x = random_vector(4096, 5, -3.0f, 3.0f);
   x[0] = 0.0f;

@@ -206,6 +206,23 @@ TEST_F(DataParallelTest, Bf16MastersAndMomentsLiveOnlyOnTheirOwner) {
   EXPECT_TRUE(d.max_abs <= kParamTol) << "max |diff| " << d.max_abs;
 }
 
+// optim.eps=0 with the optimizer state sharded (bf16 recipe): the embedding's owner alone updates
+// it and writes 0/0 into the rows of tokens the batch lacks. Every rank learns of it at the end
+// of the step and stops there with the same error naming the tensor, exit 1, none waiting for
+// another past the step.
+TEST_F(DataParallelTest, AnUpdateThatWritesNaNOnItsOwnerStopsEveryRankNamingTheTensor) {
+  const fs::path run = dir_ / "run";
+  auto w2 = launch(2, run_args(run.string(), 1) + " train.precision=bf16 optim.eps=0", "eps0");
+  for (size_t r = 0; r < w2.size(); ++r) {
+    EXPECT_EQ(w2[r].exit_code, 1) << "rank " << r << "\n" << all_output(w2);
+    EXPECT_NE(w2[r].output.find("step 1: AdamW produced non-finite parameters (NaN or Inf) in "
+                                "'model.embed_tokens.weight'"),
+              std::string::npos)
+        << "rank " << r << "\n"
+        << all_output(w2);
+  }
+}
+
 TEST_F(DataParallelTest, MoeWithGlobalBalancingAndTightBudgetsThroughNvmeOnEveryRank) {
   const std::string moe = ",model_type=mixtral,num_local_experts=4,num_experts_per_tok=2,router_bias_update_rate=0.05";
   const fs::path one = dir_ / "one", two = dir_ / "two";

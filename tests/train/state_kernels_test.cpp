@@ -12,6 +12,7 @@
 #include "../test_util.h"
 #include "kernels/adamw.h"
 #include "kernels/grad_norm.h"
+#include "kernels/moments.h"
 
 namespace strata {
 namespace {
@@ -55,10 +56,43 @@ TEST(CpuStateKernels, ClippedAdamWIsScaleThenUpdateBitwise) {
   kernels::ref::scale_inplace(want_g.data(), n, coefficient);
   kernels::ref::adamw_step(want_w.data(), want_g.data(), want_m.data(), want_v.data(), n, p);
 
-  k->adamw(w.data(), g.data(), m.data(), v.data(), nullptr, n, p, /*clipped=*/true);
+  k->adamw(w.data(), g.data(), m.data(), v.data(), nullptr, n, p, /*clipped=*/true, /*tag=*/0);
   EXPECT_EQ(std::memcmp(w.data(), want_w.data(), n * sizeof(float)), 0) << "master";
   EXPECT_EQ(std::memcmp(m.data(), want_m.data(), n * sizeof(float)), 0) << "m";
   EXPECT_EQ(std::memcmp(v.data(), want_v.data(), n * sizeof(float)), 0) << "v";
+  EXPECT_EQ(k->first_nonfinite(), -1) << "every parameter written was finite";
+}
+
+// first_nonfinite() names the smallest tag of the updates since the last call that wrote a NaN
+// (eps = 0 and a zero gradient with zero moments: 0 / 0), through adamw() and adamw_compact()
+// alike, and forgets them.
+TEST(CpuStateKernels, FirstNonFiniteNamesTheSmallestTagThatWroteNaN) {
+  const int64_t n = 300;
+  std::unique_ptr<StateKernels> k = make_cpu_state_kernels();
+  kernels::AdamWParams p;
+  p.eps = 0.0f;
+  p.step = 1;
+  auto update = [&](int64_t tag, bool zero_gradient, kernels::MomentFormat format) {
+    std::vector<float> w = random_vector(n, 20), g = random_vector(n, 21, 0.25f, 1.0f);
+    if (zero_gradient) g[n / 2] = 0.0f;
+    if (format == kernels::MomentFormat::kF32) {
+      std::vector<float> m(n, 0.0f), v(n, 0.0f);
+      k->adamw(w.data(), g.data(), m.data(), v.data(), nullptr, n, p, false, tag);
+    } else {
+      std::vector<uint8_t> m(kernels::moment_bytes(format, n), 0), v(kernels::moment_bytes(format, n), 0);
+      k->adamw_compact(w.data(), g.data(), m.data(), v.data(), format, n, p, {}, false, tag);
+    }
+    EXPECT_EQ(std::isnan(w[n / 2]), zero_gradient) << "tag " << tag;
+  };
+  EXPECT_EQ(k->first_nonfinite(), -1);
+  update(4, false, kernels::MomentFormat::kF32);
+  update(9, true, kernels::MomentFormat::kBf16);
+  update(5, true, kernels::MomentFormat::kF32);
+  update(2, false, kernels::MomentFormat::kInt8);
+  EXPECT_EQ(k->first_nonfinite(), 5);
+  EXPECT_EQ(k->first_nonfinite(), -1) << "forgotten once read";
+  update(3, true, kernels::MomentFormat::kInt8);
+  EXPECT_EQ(k->first_nonfinite(), 3);
 }
 
 }  // namespace

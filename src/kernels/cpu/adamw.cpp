@@ -39,34 +39,42 @@ AdamWScalars adamw_scalars(const AdamWParams& p) {
 
 namespace ref {
 
-void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n,
-                const AdamWParams& p) {
+bool adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p) {
   const AdamWScalars s = adamw_scalars(p);
-  for (int64_t i = 0; i < n; ++i) adamw_update_element(grad[i], param[i], m[i], v[i], s);
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    adamw_update_element(grad[i], param[i], m[i], v[i], s);
+    finite = finite && std::isfinite(param[i]);
+  }
+  return finite;
 }
 
 }  // namespace ref
 
 namespace cpu {
 
-void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n,
-                const AdamWParams& p) {
+bool adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p) {
   const AdamWScalars s = adamw_scalars(p);
   // The lerp formula is chosen once so the loop body has no branch and vectorises; each
-  // expression repeats the reference's operations in the same order.
+  // expression repeats the reference's operations in the same order. The finiteness of the
+  // new parameters is an integer OR over the values written, which vectorises too.
   const float lerp_factor = s.lerp_small ? s.lerp_weight : 1.0f - s.lerp_weight;
   const bool small = s.lerp_small;
-#pragma omp parallel for schedule(static) if (n >= (int64_t{1} << 16))
+  uint32_t nonfinite = 0;
+#pragma omp parallel for schedule(static) reduction(| : nonfinite) if (n >= (int64_t{1} << 16))
   for (int64_t i = 0; i < n; ++i) {
     const float g = grad[i];
     const float w = param[i] * s.decay;
     const float mi = small ? m[i] + lerp_factor * (g - m[i]) : g - (g - m[i]) * lerp_factor;
     const float vi = v[i] * s.beta2 + s.one_minus_b2 * g * g;
     const float denom = std::sqrt(vi) / s.bc2_sqrt + s.eps;
-    param[i] = w + s.neg_step_size * mi / denom;
+    const float wi = w + s.neg_step_size * mi / denom;
+    param[i] = wi;
     m[i] = mi;
     v[i] = vi;
+    nonfinite |= nonfinite_bits(wi);
   }
+  return nonfinite == 0;
 }
 
 }  // namespace cpu

@@ -24,6 +24,7 @@
 
 #include "core/check.h"
 #include "core/log.h"
+#include "kernels/adamw_element.h"
 #include "kernels/bf16.h"
 
 #define STRATA_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
@@ -56,17 +57,23 @@ inline float update_one(float g, float& w, float& m, float& v, const Scalars& s)
   return w;
 }
 
+// Each kernel returns whether every new w it wrote is finite.
 template <bool kSmall>
-void f32_scalar(float* w, const float* g, float* m, float* v, int64_t n, const Scalars& s) {
-  for (int64_t i = 0; i < n; ++i) update_one<kSmall>(g[i], w[i], m[i], v[i], s);
+bool f32_scalar(float* w, const float* g, float* m, float* v, int64_t n, const Scalars& s) {
+  uint32_t nonfinite = 0;
+  for (int64_t i = 0; i < n; ++i) nonfinite |= nonfinite_bits(update_one<kSmall>(g[i], w[i], m[i], v[i], s));
+  return nonfinite == 0;
 }
 
 template <bool kSmall>
-void mixed_scalar(float* w, const uint16_t* g, float* m, float* v, uint16_t* out, int64_t n,
-                  const Scalars& s) {
+bool mixed_scalar(float* w, const uint16_t* g, float* m, float* v, uint16_t* out, int64_t n, const Scalars& s) {
+  uint32_t nonfinite = 0;
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = f32_to_bf16(update_one<kSmall>(bf16_to_f32(g[i]), w[i], m[i], v[i], s));
+    const float wi = update_one<kSmall>(bf16_to_f32(g[i]), w[i], m[i], v[i], s);
+    out[i] = f32_to_bf16(wi);
+    nonfinite |= nonfinite_bits(wi);
   }
+  return nonfinite == 0;
 }
 
 // ---- AVX-512 ------------------------------------------------------------------------------
@@ -95,6 +102,15 @@ STRATA_TARGET_AVX512 inline __m512 update512(__m512 g, __m512& w, __m512& m, __m
   return w;
 }
 
+// The finiteness check of the vector kernels (nonfinite_bits in adamw_element.h, a vector at a
+// time): `check` starts at 0 and ORs in the bits of x - x for every vector x written, which are
+// 0 for a finite x and a NaN's for NaN or Inf, so it stays 0 exactly when everything written
+// was finite. One test at the end of the loop.
+STRATA_TARGET_AVX512 inline __m512i fold_finite512(__m512i check, __m512 x) {
+  return _mm512_or_si512(check, _mm512_castps_si512(_mm512_sub_ps(x, x)));
+}
+STRATA_TARGET_AVX512 inline bool all_finite512(__m512i check) { return _mm512_test_epi32_mask(check, check) == 0; }
+
 STRATA_TARGET_AVX512 inline __m512 widen_bf16_512(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -113,9 +129,9 @@ STRATA_TARGET_AVX512 inline __m256i narrow_bf16_512(__m512 x) {
 }
 
 template <bool kSmall>
-STRATA_TARGET_AVX512 void f32_avx512(float* w, const float* g, float* m, float* v, int64_t n,
-                                     const Scalars& s) {
+STRATA_TARGET_AVX512 bool f32_avx512(float* w, const float* g, float* m, float* v, int64_t n, const Scalars& s) {
   const Vec512 c = broadcast512(s);
+  __m512i check = _mm512_setzero_si512();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m512 wi = _mm512_loadu_ps(w + i), mi = _mm512_loadu_ps(m + i), vi = _mm512_loadu_ps(v + i);
@@ -123,6 +139,7 @@ STRATA_TARGET_AVX512 void f32_avx512(float* w, const float* g, float* m, float* 
     _mm512_storeu_ps(w + i, wi);
     _mm512_storeu_ps(m + i, mi);
     _mm512_storeu_ps(v + i, vi);
+    check = fold_finite512(check, wi);
   }
   if (i < n) {
     const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
@@ -132,13 +149,17 @@ STRATA_TARGET_AVX512 void f32_avx512(float* w, const float* g, float* m, float* 
     _mm512_mask_storeu_ps(w + i, k, wi);
     _mm512_mask_storeu_ps(m + i, k, mi);
     _mm512_mask_storeu_ps(v + i, k, vi);
+    // The lanes past n hold what zeros update to (0/0 when eps is 0): they are left out.
+    check = fold_finite512(check, _mm512_maskz_mov_ps(k, wi));
   }
+  return all_finite512(check);
 }
 
 template <bool kSmall>
-STRATA_TARGET_AVX512 void mixed_avx512(float* w, const uint16_t* g, float* m, float* v,
-                                       uint16_t* out, int64_t n, const Scalars& s) {
+STRATA_TARGET_AVX512 bool mixed_avx512(float* w, const uint16_t* g, float* m, float* v, uint16_t* out, int64_t n,
+                                       const Scalars& s) {
   const Vec512 c = broadcast512(s);
+  __m512i check = _mm512_setzero_si512();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 gi = widen_bf16_512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i)));
@@ -148,6 +169,7 @@ STRATA_TARGET_AVX512 void mixed_avx512(float* w, const uint16_t* g, float* m, fl
     _mm512_storeu_ps(m + i, mi);
     _mm512_storeu_ps(v + i, vi);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), narrow_bf16_512(wi));
+    check = fold_finite512(check, wi);
   }
   if (i < n) {
     const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
@@ -159,7 +181,9 @@ STRATA_TARGET_AVX512 void mixed_avx512(float* w, const uint16_t* g, float* m, fl
     _mm512_mask_storeu_ps(m + i, k, mi);
     _mm512_mask_storeu_ps(v + i, k, vi);
     _mm256_mask_storeu_epi16(out + i, k, narrow_bf16_512(wi));
+    check = fold_finite512(check, _mm512_maskz_mov_ps(k, wi));
   }
+  return all_finite512(check);
 }
 
 // ---- AVX2 ---------------------------------------------------------------------------------
@@ -187,6 +211,15 @@ STRATA_TARGET_AVX2 inline __m256 update256(__m256 g, __m256& w, __m256& m, __m25
   return w;
 }
 
+// As fold_finite512 and all_finite512.
+STRATA_TARGET_AVX2 inline __m256 fold_finite256(__m256 check, __m256 x) {
+  return _mm256_or_ps(check, _mm256_sub_ps(x, x));
+}
+STRATA_TARGET_AVX2 inline bool all_finite256(__m256 check) {
+  const __m256i bits = _mm256_castps_si256(check);
+  return _mm256_testz_si256(bits, bits) != 0;
+}
+
 STRATA_TARGET_AVX2 inline __m256 widen_bf16_256(__m128i h) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
@@ -204,9 +237,9 @@ STRATA_TARGET_AVX2 inline __m128i narrow_bf16_256(__m256 x) {
 }
 
 template <bool kSmall>
-STRATA_TARGET_AVX2 void f32_avx2(float* w, const float* g, float* m, float* v, int64_t n,
-                                 const Scalars& s) {
+STRATA_TARGET_AVX2 bool f32_avx2(float* w, const float* g, float* m, float* v, int64_t n, const Scalars& s) {
   const Vec256 c = broadcast256(s);
+  __m256 check = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 wi = _mm256_loadu_ps(w + i), mi = _mm256_loadu_ps(m + i), vi = _mm256_loadu_ps(v + i);
@@ -214,14 +247,17 @@ STRATA_TARGET_AVX2 void f32_avx2(float* w, const float* g, float* m, float* v, i
     _mm256_storeu_ps(w + i, wi);
     _mm256_storeu_ps(m + i, mi);
     _mm256_storeu_ps(v + i, vi);
+    check = fold_finite256(check, wi);
   }
-  f32_scalar<kSmall>(w + i, g + i, m + i, v + i, n - i, s);
+  const bool tail_finite = f32_scalar<kSmall>(w + i, g + i, m + i, v + i, n - i, s);
+  return all_finite256(check) && tail_finite;
 }
 
 template <bool kSmall>
-STRATA_TARGET_AVX2 void mixed_avx2(float* w, const uint16_t* g, float* m, float* v, uint16_t* out,
-                                   int64_t n, const Scalars& s) {
+STRATA_TARGET_AVX2 bool mixed_avx2(float* w, const uint16_t* g, float* m, float* v, uint16_t* out, int64_t n,
+                                   const Scalars& s) {
   const Vec256 c = broadcast256(s);
+  __m256 check = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 gi = widen_bf16_256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i)));
@@ -231,15 +267,16 @@ STRATA_TARGET_AVX2 void mixed_avx2(float* w, const uint16_t* g, float* m, float*
     _mm256_storeu_ps(m + i, mi);
     _mm256_storeu_ps(v + i, vi);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), narrow_bf16_256(wi));
+    check = fold_finite256(check, wi);
   }
-  mixed_scalar<kSmall>(w + i, g + i, m + i, v + i, out + i, n - i, s);
+  const bool tail_finite = mixed_scalar<kSmall>(w + i, g + i, m + i, v + i, out + i, n - i, s);
+  return all_finite256(check) && tail_finite;
 }
 
 // ---- dispatch -----------------------------------------------------------------------------
 
-using F32Kernel = void (*)(float*, const float*, float*, float*, int64_t, const Scalars&);
-using MixedKernel = void (*)(float*, const uint16_t*, float*, float*, uint16_t*, int64_t,
-                             const Scalars&);
+using F32Kernel = bool (*)(float*, const float*, float*, float*, int64_t, const Scalars&);
+using MixedKernel = bool (*)(float*, const uint16_t*, float*, float*, uint16_t*, int64_t, const Scalars&);
 
 template <bool kSmall>
 F32Kernel pick_f32(SimdLevel level) {
@@ -318,34 +355,39 @@ SimdLevel detect_simd_level() {
   return static_cast<int>(cap) < static_cast<int>(hardware) ? cap : hardware;
 }
 
-void adamw_step_f32(float* param, const float* grad, float* m, float* v, int64_t n,
-                    const AdamWParams& p, SimdLevel level) {
+bool adamw_step_f32(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p,
+                    SimdLevel level) {
   CHECK_MSG(simd_level_supported(level),
             std::string("this CPU cannot run SIMD level ") + simd_level_name(level));
   CHECK(n >= 0);
   const Scalars s = make_scalars(p);
   const F32Kernel kernel = s.lerp_small ? pick_f32<true>(level) : pick_f32<false>(level);
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (blocks > 1)
+  int nonfinite = 0;
+#pragma omp parallel for schedule(static) reduction(| : nonfinite) if (blocks > 1)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t i = b * kBlock;
-    kernel(param + i, grad + i, m + i, v + i, std::min(kBlock, n - i), s);
+    nonfinite |= kernel(param + i, grad + i, m + i, v + i, std::min(kBlock, n - i), s) ? 0 : 1;
   }
+  return nonfinite == 0;
 }
 
-void adamw_step_mixed(float* master, const uint16_t* grad_bf16, float* m, float* v,
-                      uint16_t* param_bf16_out, int64_t n, const AdamWParams& p, SimdLevel level) {
+bool adamw_step_mixed(float* master, const uint16_t* grad_bf16, float* m, float* v, uint16_t* param_bf16_out, int64_t n,
+                      const AdamWParams& p, SimdLevel level) {
   CHECK_MSG(simd_level_supported(level),
             std::string("this CPU cannot run SIMD level ") + simd_level_name(level));
   CHECK(n >= 0);
   const Scalars s = make_scalars(p);
   const MixedKernel kernel = s.lerp_small ? pick_mixed<true>(level) : pick_mixed<false>(level);
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (blocks > 1)
+  int nonfinite = 0;
+#pragma omp parallel for schedule(static) reduction(| : nonfinite) if (blocks > 1)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t i = b * kBlock;
-    kernel(master + i, grad_bf16 + i, m + i, v + i, param_bf16_out + i, std::min(kBlock, n - i), s);
+    nonfinite |=
+        kernel(master + i, grad_bf16 + i, m + i, v + i, param_bf16_out + i, std::min(kBlock, n - i), s) ? 0 : 1;
   }
+  return nonfinite == 0;
 }
 
 }  // namespace strata::kernels

@@ -183,34 +183,50 @@ void encode_moments(void* stored, const float* in, MomentFormat format, bool is_
   encode_moments(stored, in, format, is_v, n, MomentRounding{});
 }
 
-void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
+namespace {
+
+// Whether x[0, n) are all finite: the exact second look behind a running sum that was not
+// (below). Reached only when a parameter is NaN or Inf, or finite ones sum past FLT_MAX.
+bool all_finite(const float* x, int64_t n) {
+  uint32_t nonfinite = 0;
+  for (int64_t i = 0; i < n; ++i) nonfinite |= nonfinite_bits(x[i]);
+  return nonfinite == 0;
+}
+
+}  // namespace
+
+bool adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
                         const AdamWParams& p, const MomentRounding& rounding) {
   CHECK(n >= 0);
-  if (format == MomentFormat::kF32) {
-    adamw_step(param, grad, static_cast<float*>(m), static_cast<float*>(v), n, p);
-    return;
-  }
+  if (format == MomentFormat::kF32)
+    return adamw_step(param, grad, static_cast<float*>(m), static_cast<float*>(v), n, p);
   const AdamWScalars s = adamw_scalars(p);
   const bool stochastic = rounding.stochastic;
   const uint64_t key_m = moment_stream_key(rounding.seed, false);
   const uint64_t key_v = moment_stream_key(rounding.seed, true);
+  // The finiteness check of these scalar loops is one add per element: the sum of the new
+  // parameters is NaN or Inf when one of them is (and, rarely, when finite ones overflow it, so
+  // a sum that is not finite is confirmed by all_finite). ORing each element's nonfinite_bits
+  // costs three operations, 13% of the bf16 loop's time on data in cache; the add costs 3%.
+  float sum = 0.0f;
   if (format == MomentFormat::kBf16) {
     uint16_t* mb = static_cast<uint16_t*>(m);
     uint16_t* vb = static_cast<uint16_t*>(v);
-#pragma omp parallel for schedule(static) if (n >= kParallelElements)
+#pragma omp parallel for schedule(static) reduction(+ : sum) if (n >= kParallelElements)
     for (int64_t i = 0; i < n; ++i) {
       float mi = moment_bf16_decode(mb[i]), vi = moment_bf16_decode(vb[i]);
       adamw_update_element(grad[i], param[i], mi, vi, s);
+      sum += param[i];
       const uint64_t index = static_cast<uint64_t>(i);
       mb[i] = moment_bf16_encode(mi, stochastic, stochastic ? moment_random_bits(key_m, index) : 0);
       vb[i] = moment_bf16_encode(vi, stochastic, stochastic ? moment_random_bits(key_v, index) : 0);
     }
-    return;
+    return std::isfinite(sum) || all_finite(param, n);
   }
   CHECK_MSG(format == MomentFormat::kInt8, "unknown moment format");
   Int8View mv(m, n), vv(v, n);
   const int64_t blocks = int8_blocks(n);
-#pragma omp parallel for schedule(static) if (n >= kParallelElements)
+#pragma omp parallel for schedule(static) reduction(+ : sum) if (n >= kParallelElements)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t first = b * kMomentBlock;
     const int64_t count = std::min(kMomentBlock, n - first);
@@ -220,10 +236,12 @@ void adamw_step_compact(float* param, const float* grad, void* m, void* v, Momen
       mx[j] = int8_decode(kMomentTableM.value, mv.codes[first + j], m_scale, false);
       vx[j] = int8_decode(kMomentTableV.value, vv.codes[first + j], v_scale, true);
       adamw_update_element(grad[first + j], param[first + j], mx[j], vx[j], s);
+      sum += param[first + j];
     }
     int8_encode_block(mv, b, mx, first, count, false, stochastic, key_m);
     int8_encode_block(vv, b, vx, first, count, true, stochastic, key_v);
   }
+  return std::isfinite(sum) || all_finite(param, n);
 }
 
 }  // namespace cpu

@@ -30,8 +30,9 @@ struct TensorList {
 };
 
 // grid (total blocks of the list). Block b updates kChunk elements of one tensor. grad_scale:
-// see ops.h (null: 1; NaN: the step is skipped and nothing is written).
-__global__ void adamw_kernel(TensorList list, Scalars s, const float* grad_scale) {
+// see ops.h (null: 1; NaN: the step is skipped and nothing is written). nonfinite: see ops.h
+// (null: not checked).
+__global__ void adamw_kernel(TensorList list, Scalars s, const float* grad_scale, int* nonfinite) {
   const float factor = grad_scale != nullptr ? *grad_scale : 1.0f;
   if (isnan(factor)) return;
   const int64_t block = blockIdx.x;
@@ -44,6 +45,7 @@ __global__ void adamw_kernel(TensorList list, Scalars s, const float* grad_scale
   float* m = list.m[t];
   float* v = list.v[t];
   bf16* param_bf16 = list.param_bf16[t];
+  uint32_t bad = 0;
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     float w = param[i], mi = m[i], vi = v[i];
     // The product scale_inplace would have stored (one rounding); g * 1 is g.
@@ -52,7 +54,9 @@ __global__ void adamw_kernel(TensorList list, Scalars s, const float* grad_scale
     m[i] = mi;
     v[i] = vi;
     if (param_bf16 != nullptr) param_bf16[i] = to_bf16(w);
+    bad |= nonfinite_bits(w);
   }
+  if (bad != 0 && nonfinite != nullptr) *nonfinite = 1;  // every writer stores the same value
 }
 
 }  // namespace
@@ -63,6 +67,11 @@ void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p,
 }
 
 void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, const float* grad_scale,
+                cudaStream_t stream) {
+  adamw_step(tensors, count, p, grad_scale, nullptr, stream);
+}
+
+void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, const float* grad_scale, int* nonfinite,
                 cudaStream_t stream) {
   CHECK(count >= 0);
   const Scalars s = make_scalars(p);
@@ -90,7 +99,7 @@ void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, con
     list.first_block[list.count] = blocks;
     if (list.count == 0) continue;
     CHECK_MSG(blocks < (int64_t{1} << 31), "adamw_step: too many elements in one launch");
-    adamw_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(list, s, grad_scale);
+    adamw_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(list, s, grad_scale, nonfinite);
     CUDA_CHECK_LAUNCH();
   }
 }

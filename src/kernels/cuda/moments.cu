@@ -36,10 +36,12 @@ __device__ __forceinline__ float grad_factor(const float* grad_scale) {
   return grad_scale != nullptr ? *grad_scale : 1.0f;
 }
 
+// nonfinite: see ops.h (null: not checked).
 __global__ void bf16_kernel(float* param, const float* grad, uint16_t* m, uint16_t* v, int64_t n, AdamWScalars s,
-                            bool stochastic, Keys keys, const float* grad_scale) {
+                            bool stochastic, Keys keys, const float* grad_scale, int* nonfinite) {
   const float factor = grad_factor(grad_scale);
   if (isnan(factor)) return;
+  uint32_t bad = 0;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     float w = param[i];
     float mi = moment_bf16_decode(m[i]), vi = moment_bf16_decode(v[i]);
@@ -48,7 +50,9 @@ __global__ void bf16_kernel(float* param, const float* grad, uint16_t* m, uint16
     param[i] = w;
     m[i] = moment_bf16_encode(mi, stochastic, stochastic ? moment_random_bits(keys.m, index) : 0);
     v[i] = moment_bf16_encode(vi, stochastic, stochastic ? moment_random_bits(keys.v, index) : 0);
+    bad |= nonfinite_bits(w);
   }
+  if (bad != 0 && nonfinite != nullptr) *nonfinite = 1;  // every writer stores the same value
 }
 
 // The largest of the block's values; every thread gets it. `shared` holds kThreads / 32.
@@ -74,7 +78,7 @@ __device__ uint8_t int8_encode(const float* table, float x, float scale, bool is
 // grid (blocks of the tensor), block kThreads. m_codes/v_codes (n), m_scales/v_scales (blocks).
 __global__ void int8_kernel(float* param, const float* grad, uint8_t* m_codes, float* m_scales, uint8_t* v_codes,
                             float* v_scales, int64_t n, AdamWScalars s, bool stochastic, Keys keys, Tables tables,
-                            const float* grad_scale) {
+                            const float* grad_scale, int* nonfinite) {
   const float factor = grad_factor(grad_scale);
   if (isnan(factor)) return;  // the whole block returns: no thread is left at a barrier
   __shared__ float table_m[kMomentCodes];
@@ -95,6 +99,7 @@ __global__ void int8_kernel(float* param, const float* grad, uint8_t* m_codes, f
     float w = param[i];
     adamw_update_element(mul_rn(grad[i], factor), w, mi, vi, s);
     param[i] = w;
+    if (nonfinite_bits(w) != 0 && nonfinite != nullptr) *nonfinite = 1;
   }
   const float root = sqrt_rn(vi);
   // Inactive threads hold 0, which never exceeds a block's largest |x| (NaN is skipped by fmaxf).
@@ -121,19 +126,25 @@ void adamw_step_compact(float* param, const float* grad, void* m, void* v, Momen
 void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
                         const AdamWParams& p, const MomentRounding& rounding, const float* grad_scale,
                         cudaStream_t stream) {
+  adamw_step_compact(param, grad, m, v, format, n, p, rounding, grad_scale, nullptr, stream);
+}
+
+void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
+                        const AdamWParams& p, const MomentRounding& rounding, const float* grad_scale, int* nonfinite,
+                        cudaStream_t stream) {
   CHECK(n >= 0);
   if (n == 0) return;
   if (format == MomentFormat::kF32) {
     const AdamWTensor t{param, grad, static_cast<float*>(m), static_cast<float*>(v), nullptr, n};
-    adamw_step(&t, 1, p, grad_scale, stream);
+    adamw_step(&t, 1, p, grad_scale, nonfinite, stream);
     return;
   }
   const AdamWScalars s = adamw_scalars(p);
   const Keys keys{moment_stream_key(rounding.seed, false), moment_stream_key(rounding.seed, true)};
   if (format == MomentFormat::kBf16) {
     bf16_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(
-        param, grad, static_cast<uint16_t*>(m), static_cast<uint16_t*>(v), n, s, rounding.stochastic, keys,
-        grad_scale);
+        param, grad, static_cast<uint16_t*>(m), static_cast<uint16_t*>(v), n, s, rounding.stochastic, keys, grad_scale,
+        nonfinite);
     CUDA_CHECK_LAUNCH();
     return;
   }
@@ -148,7 +159,8 @@ void adamw_step_compact(float* param, const float* grad, void* m, void* v, Momen
   const Tables tables{kMomentTableM, kMomentTableV};
   int8_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       param, grad, m_codes, reinterpret_cast<float*>(m_codes + scales_offset), v_codes,
-      reinterpret_cast<float*>(v_codes + scales_offset), n, s, rounding.stochastic, keys, tables, grad_scale);
+      reinterpret_cast<float*>(v_codes + scales_offset), n, s, rounding.stochastic, keys, tables, grad_scale,
+      nonfinite);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -303,6 +303,12 @@ void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, cud
 // device, and the caller, reading the norm later, does not count it. Null grad_scale: 1.
 void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, const float* grad_scale,
                 cudaStream_t stream);
+// The same, also checking what it writes: nonfinite (device int, or null: not checked) is set to
+// 1 by every thread that writes a NaN or Inf master value, and left alone otherwise; the check
+// runs in the loop that writes them. The caller zeroes it first and reads it where it waits for
+// the stream anyway (a skipped step writes nothing and leaves it alone).
+void adamw_step(const AdamWTensor* tensors, int count, const AdamWParams& p, const float* grad_scale, int* nonfinite,
+                cudaStream_t stream);
 
 // AdamW on one tensor whose moments are stored compactly (kernels/moments.h): bitwise the
 // bytes and parameters of kernels::cpu::adamw_step_compact. param, grad (n) fp32; m and v
@@ -313,6 +319,10 @@ void adamw_step_compact(float* param, const float* grad, void* m, void* v, Momen
 // The same with grad_scale as in adamw_step (device float or null; NaN: nothing changes).
 void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
                         const AdamWParams& p, const MomentRounding& rounding, const float* grad_scale,
+                        cudaStream_t stream);
+// The same with nonfinite as in adamw_step (device int or null).
+void adamw_step_compact(float* param, const float* grad, void* m, void* v, MomentFormat format, int64_t n,
+                        const AdamWParams& p, const MomentRounding& rounding, const float* grad_scale, int* nonfinite,
                         cudaStream_t stream);
 
 // ---- reductions for gradient clipping and losses ---------------------------------------------

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -20,17 +21,23 @@ namespace cu = kernels::cuda;
 
 // Partials of the two-pass reductions: far more than multi_tensor_sum_squares needs.
 constexpr uint64_t kScratchBytes = 4ull << 20;
+// Non-finite flags, one device int per AdamW call between two reads (first_nonfinite). More
+// calls than this in one step read the flags early (one wait) and start again.
+constexpr int kFlagSlots = 4096;
 
 class CudaStateKernels final : public StateKernels {
  public:
   CudaStateKernels(std::unique_ptr<Stream> stream, DeviceAllocation scratch, DeviceAllocation norm,
-                   DeviceAllocation clip)
+                   DeviceAllocation clip, DeviceAllocation flags)
       : stream_(std::move(stream)),
         handle_(as_cuda_stream(*stream_).handle()),
         scratch_(std::move(scratch)),
         norm_(std::move(norm)),
         clip_(std::move(clip)),
-        ctx_(scratch_.data(), scratch_.size(), nullptr, 0) {}
+        flags_(std::move(flags)),
+        ctx_(scratch_.data(), scratch_.size(), nullptr, 0) {
+    CUDA_CHECK(cudaMemsetAsync(flags_.data(), 0, flags_.size(), handle_));
+  }
   ~CudaStateKernels() override { synchronize(); }
 
   void zero(float* p, int64_t n) override {
@@ -58,15 +65,20 @@ class CudaStateKernels final : public StateKernels {
   void prepare_clip(double max_norm) override {
     cu::clip_factor(clip_.as<float>(), nullptr, norm_.as<double>(), max_norm, handle_);
   }
-  void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n,
-             const kernels::AdamWParams& p, bool clipped) override {
+  void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n, const kernels::AdamWParams& p,
+             bool clipped, int64_t tag) override {
     const cu::AdamWTensor t{master, grad, m, v, static_cast<cu::bf16*>(bf16_copy), n};
-    cu::adamw_step(&t, 1, p, clipped ? clip_.as<float>() : nullptr, handle_);
+    cu::adamw_step(&t, 1, p, clipped ? clip_.as<float>() : nullptr, next_flag(tag), handle_);
   }
   void adamw_compact(float* master, float* grad, void* m, void* v, kernels::MomentFormat format, int64_t n,
-                     const kernels::AdamWParams& p, const kernels::MomentRounding& rounding, bool clipped) override {
+                     const kernels::AdamWParams& p, const kernels::MomentRounding& rounding, bool clipped,
+                     int64_t tag) override {
     cu::adamw_step_compact(master, grad, m, v, format, n, p, rounding, clipped ? clip_.as<float>() : nullptr,
-                           handle_);
+                           next_flag(tag), handle_);
+  }
+  int64_t first_nonfinite() override {
+    read_flags();
+    return std::exchange(first_nonfinite_, -1);
   }
   void round_copy(void* bf16_copy, const float* master, int64_t n) override {
     cu::f32_to_bf16(static_cast<cu::bf16*>(bf16_copy), master, n, handle_);
@@ -77,10 +89,31 @@ class CudaStateKernels final : public StateKernels {
   void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(handle_)); }
 
  private:
+  // The zeroed flag of the next AdamW call, noted as `tag`'s.
+  int* next_flag(int64_t tag) {
+    if (tags_.size() == static_cast<size_t>(kFlagSlots)) read_flags();
+    tags_.push_back(tag);
+    return flags_.as<int>() + (tags_.size() - 1);
+  }
+  // Waits for the queued calls, notes the smallest tag whose flag is set and zeroes the flags
+  // used (on the stream, before any later call).
+  void read_flags() {
+    if (tags_.empty()) return;
+    std::vector<int> set(tags_.size());
+    CUDA_CHECK(cudaMemcpyAsync(set.data(), flags_.data(), set.size() * sizeof(int), cudaMemcpyDeviceToHost, handle_));
+    synchronize();
+    for (size_t i = 0; i < set.size(); ++i)
+      if (set[i] != 0 && (first_nonfinite_ < 0 || tags_[i] < first_nonfinite_)) first_nonfinite_ = tags_[i];
+    CUDA_CHECK(cudaMemsetAsync(flags_.data(), 0, set.size() * sizeof(int), handle_));
+    tags_.clear();
+  }
+
   std::unique_ptr<Stream> stream_;
   cudaStream_t handle_;
-  DeviceAllocation scratch_, norm_, clip_;
+  DeviceAllocation scratch_, norm_, clip_, flags_;
   cu::Context ctx_;
+  std::vector<int64_t> tags_;  // the tag of each flag in use, in call order
+  int64_t first_nonfinite_ = -1;
 };
 
 }  // namespace
@@ -92,8 +125,9 @@ Result<std::unique_ptr<StateKernels>> make_cuda_state_kernels(Device& device) {
   ASSIGN_OR_RETURN(DeviceAllocation scratch, device.allocate(kScratchBytes));
   ASSIGN_OR_RETURN(DeviceAllocation norm, device.allocate(sizeof(double)));
   ASSIGN_OR_RETURN(DeviceAllocation clip, device.allocate(sizeof(float)));
-  return std::unique_ptr<StateKernels>(std::make_unique<CudaStateKernels>(std::move(stream), std::move(scratch),
-                                                                          std::move(norm), std::move(clip)));
+  ASSIGN_OR_RETURN(DeviceAllocation flags, device.allocate(kFlagSlots * sizeof(int)));
+  return std::unique_ptr<StateKernels>(std::make_unique<CudaStateKernels>(
+      std::move(stream), std::move(scratch), std::move(norm), std::move(clip), std::move(flags)));
 }
 
 }  // namespace strata
