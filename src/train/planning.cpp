@@ -206,6 +206,24 @@ int64_t largest_layer_count(const model::ModelConfig& m, TrainConfig t, bool cud
   return lo;
 }
 
+uint64_t smallest_host_budget(const model::ModelConfig& m, TrainConfig t, bool cuda) {
+  const uint64_t unit = t.chunk_size > 0 ? t.chunk_size : (1ull << 20);
+  auto fits = [&](uint64_t units) {
+    t.memory_host = units * unit;
+    return make_plan(make_plan_input(m, t, cuda)).fits;
+  };
+  const uint64_t most = (16ull << 40) / unit;
+  if (!fits(most)) return 0;
+  // Fitting only gets easier with more host memory: the smallest that fits lies in (lo, hi].
+  uint64_t lo = 0, hi = 1;
+  while (hi < most && !fits(hi)) lo = hi, hi = std::min(most, hi * 2);
+  while (hi - lo > 1) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? hi : lo) = mid;
+  }
+  return hi * unit;
+}
+
 int64_t largest_micro_batch(const model::ModelConfig& m, TrainConfig t, bool cuda) {
   auto fits = [&](int64_t b) {
     t.micro_batch = b;

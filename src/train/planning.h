@@ -21,6 +21,11 @@ double model_flops_per_token(const model::ModelConfig& model, int64_t seq_len);
 
 // The largest micro-batch (sequences) for which the plan fits, 0 when not even one does.
 int64_t largest_micro_batch(const model::ModelConfig& model, TrainConfig train, bool cuda);
+// The smallest memory.host (a multiple of the chunk size, or of 1 MiB without one) with which the
+// plan fits under the other budgets of `train` (nvme included), 0 when no host budget up to
+// 16 TiB makes it fit. With an nvme tier every kind can stream from disk, so this is a handful of
+// chunks of staging: what the largest group's kinds need at once.
+uint64_t smallest_host_budget(const model::ModelConfig& model, TrainConfig train, bool cuda);
 // The most decoder layers a model of this shape (width, vocabulary, experts) can have and still
 // fit the budgets of `train` in its recipe and moment format, up to the model limits' 1024;
 // 0 when not even one layer fits. Planned without chunk padding (chunk sizes follow the model).

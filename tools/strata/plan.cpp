@@ -30,7 +30,8 @@ constexpr const char* kPlanUsage = R"(Usage: strata plan [CONFIG.yaml] [key=valu
 Answers "will this fit, and how fast?" for a training config (the same file and keys as
 `strata train`) without training: bytes of parameters, gradients, master weights, Adam states
 and activations on each tier (device, pinned host, nvme), bytes moved over PCIe and to disk
-per step, the predicted step time and what bounds it, the largest micro-batch that fits, and
+per step, the predicted step time and what bounds it, the largest micro-batch that fits, the
+smallest memory.host that fits the other budgets, and
 the run's peak host memory, itemised (chunks, staging, checkpoint staging, data, ...).
 An infeasible config is refused with the smallest change that would make it fit (exit 1). A
 peak host memory beyond what this machine has available is flagged (`strata train` would refuse
@@ -255,6 +256,10 @@ int plan_command(const std::vector<std::string>& args) {
                 static_cast<long long>(tc->seq_len));
   else
     std::printf("  not even a micro-batch of 1 sequence fits these budgets\n");
+  if (const uint64_t least = smallest_host_budget(*mc, *tc, cuda); least > 0)
+    std::printf("  smallest memory.host that fits with these device and nvme budgets: %s%s\n",
+                format_bytes(least).c_str(),
+                tc->nvme_path.empty() ? " (with memory.nvme.* every kind of state can page to disk instead)" : "");
   if (plan.fits && cuda) {
     const double model_flops = model_flops_per_token(*mc, tc->seq_len) * static_cast<double>(in.tokens_per_step);
     std::printf("  predicted MFU %.1f%% of the H100/H200 dense bf16 peak (989 TFLOP/s; model FLOPs 6N + 12LHT, "
