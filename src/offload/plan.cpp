@@ -449,7 +449,10 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
     if (!replay.ok()) {
       // The engine would fail the same way in its first step: the placement does not fit.
       p.fits = false;
-      p.problem = "one step of this placement cannot run: " + replay.status().message();
+      // The chunk space's own words, less its advice to its callers (which chunks to release).
+      std::string why = replay.status().message();
+      why = why.substr(0, why.find("; release chunks first"));
+      p.problem = "one step of this placement cannot run (replayed on the chunk store): " + why;
       for (Tier t : {Tier::kDevice, Tier::kHost})
         if (replay.status().message().find(std::string("'") + tier_name(t) + "'") != std::string::npos)
           p.suggestions.push_back(std::string("raise ") + tier_budget_key(t));
