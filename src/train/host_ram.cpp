@@ -90,7 +90,7 @@ HostRamData host_ram_data(const TokenDataset& dataset, int64_t windows) {
   return d;
 }
 
-uint64_t process_baseline_bytes(bool cuda) {
+uint64_t process_baseline_bytes(DeviceKind device) {
   // A build with the CUDA backend maps cuBLAS and the CUDA libraries at start, about 160 MiB
   // resident even for a cpu run: the process's own peak so far (in whole MiB, so that two plans
   // in a row agree) covers that, and the threads of the first steps fit under it. Those
@@ -98,14 +98,15 @@ uint64_t process_baseline_bytes(bool cuda) {
   // 222 MiB after 161 MiB when it planned), which is the run's peak unless the run is larger.
   const uint64_t so_far = (peak_resident_bytes() + kMiB - 1) / kMiB * kMiB;
   const uint64_t at_exit = kCudaBuild ? kCudaLibrariesAtExit : 0;
-  return std::max(kProcessBaseline, so_far + at_exit) + (cuda ? kCudaRuntime : 0);
+  return std::max(kProcessBaseline, so_far + at_exit) + (device == DeviceKind::kCuda ? kCudaRuntime : 0);
 }
 
-HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, const Plan& plan, bool cuda,
+HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, const Plan& plan, DeviceKind device,
                           const HostRamData& data) {
   HostRamPlan ram;
   const model::ParamLayout layout(mc);
-  const Precision precision = planned_precision(t, cuda);
+  const bool cuda = device == DeviceKind::kCuda;
+  const Precision precision = planned_precision(t, device);
   const bool has_nvme = !t.nvme_path.empty() && t.nvme_size > 0;
 
   // The host tier: slots of one chunk for the state, and beside them the staging slots.
@@ -208,7 +209,7 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   }
   ram.items.push_back({"weights", reading + whole, 0, false,
                        whole ? what + fmt::format(", a tensor in row blocks {}", bytes(whole)) : what});
-  ram.items.push_back({"process", process_baseline_bytes(cuda), 0, false,
+  ram.items.push_back({"process", process_baseline_bytes(device), 0, false,
                        cuda ? "executable, libraries, CUDA runtime (estimate)" : "executable and libraries"});
   return ram;
 }

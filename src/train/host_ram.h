@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device.h"
 #include "core/host_memory.h"
 #include "core/status.h"
 #include "data/data.h"
@@ -55,13 +56,13 @@ HostRamData host_ram_data(const TokenDataset& dataset, int64_t windows);
 
 // The process's resident memory besides the run's own items: the 16 MiB measured for a cpu-only
 // build with its first steps' threads, or the largest the process has been so far when that is
-// more (the libraries of a build with the CUDA backend, about 220 MiB at start); with cuda, the
-// CUDA runtime's estimate on top. See host_ram.cpp.
-uint64_t process_baseline_bytes(bool cuda);
+// more (the libraries of a build with the CUDA backend, about 220 MiB at start); on a cuda
+// device, the CUDA runtime's estimate on top. See host_ram.cpp.
+uint64_t process_baseline_bytes(DeviceKind device);
 
 // The host memory of a run of `model` with settings `t` placed by `plan` (as PagedEngine makes
-// it: t's budgets and chunk size already resolved) on the CPU backend or on cuda.
-HostRamPlan plan_host_ram(const model::ModelConfig& model, const TrainConfig& t, const Plan& plan, bool cuda,
+// it: t's budgets and chunk size already resolved) on `device`'s backend.
+HostRamPlan plan_host_ram(const model::ModelConfig& model, const TrainConfig& t, const Plan& plan, DeviceKind device,
                           const HostRamData& data = {});
 
 // "host RAM: peak 80.0 MiB (pinned 10.0 MiB): chunks 10.0 MiB, staging ..., ..."

@@ -108,7 +108,7 @@ Result<std::unique_ptr<ComputeProbe>> ComputeProbe::create(const MachineBenchOpt
   t.seq_len = o.seq_len;
   t.grad_accum = 1;
   t.keep_activations = o.keep_activations ? "true" : "false";
-  p->flops_ = micro_batch_flops(make_plan_input(o.model, t, /*cuda=*/false));
+  p->flops_ = micro_batch_flops(make_plan_input(o.model, t, DeviceKind::kCpu));
   p->net_ = model::make_cpu_decoder(DType::kF32, o.model, /*flat_buffers=*/true);
   p->net_->set_keep_layer_activations(o.keep_activations);
   p->tokens_.resize(static_cast<size_t>(p->B_ * p->T_));

@@ -52,7 +52,7 @@ Status PagedEngine::open_backend(const TrainConfig& t) {
     return Status::OK();
   }
   // The bf16 recipe unless fp8 is asked for by name (train.precision=auto is bf16 on CUDA).
-  budgets_.precision = planned_precision(t, /*cuda=*/true);
+  budgets_.precision = planned_precision(t, DeviceKind::kCuda);
 #if STRATA_HAVE_CUDA
   const DType compute = StateLayout::of(budgets_.precision, t.moments).compute_dtype();
   RETURN_IF_ERROR(model::cuda_supports(mc_, compute));
@@ -100,7 +100,7 @@ Status PagedEngine::resolve_budgets() {
 // difference taken off the device, so that the groups the plan keeps there fit beside the real
 // table. OutOfMemory with the planner's suggestions when the state does not fit.
 Status PagedEngine::plan_placement(const TrainConfig& t) {
-  PlanInput in = make_plan_input(mc_, budgets_, backend_ == DeviceKind::kCuda);
+  PlanInput in = make_plan_input(mc_, budgets_, backend_);
   plan_ = make_plan(in);
   const int64_t tokens = t.micro_batch * t.seq_len;
   // memory.keep_activations=true is planned: the kept layers' bytes are in the plan's device.
@@ -267,7 +267,7 @@ EngineStats PagedEngine::stats() const {
 }
 
 HostRamPlan PagedEngine::host_ram(const HostRamData& data) const {
-  return plan_host_ram(mc_, budgets_, plan_, backend_ == DeviceKind::kCuda, data);
+  return plan_host_ram(mc_, budgets_, plan_, backend_, data);
 }
 
 // The MoE routers' loss-free balancing bias, one tensor per MoE layer, when that balancing is on.

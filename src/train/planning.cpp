@@ -30,8 +30,9 @@ uint64_t default_host_budget() {
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 10 * 8;
 }
 
-PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, bool cuda) {
+PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, DeviceKind device) {
   PlanInput in;
+  const bool cuda = device == DeviceKind::kCuda;
   const uint64_t C = static_cast<uint64_t>(m.hidden_size);
   const uint64_t V = static_cast<uint64_t>(m.vocab_size), L = static_cast<uint64_t>(m.num_hidden_layers);
   const uint64_t total = static_cast<uint64_t>(m.num_parameters());
@@ -48,7 +49,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   }
   // The state layout of the recipe (the CUDA backend trains in bf16). Gradients are fp32 in
   // every recipe: they accumulate over micro-batches.
-  const StateLayout state = StateLayout::of(planned_precision(t, cuda), t.moments);
+  const StateLayout state = StateLayout::of(planned_precision(t, device), t.moments);
   in.grad_bytes = static_cast<uint32_t>(state.element_bytes(StateKind::kGrad));
   in.separate_master = state.separate_master();
   const model::ParamLayout layout(m);
@@ -181,18 +182,18 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, boo
   return in;
 }
 
-Precision planned_precision(const TrainConfig& t, bool cuda) {
-  if (!cuda) return t.precision;
+Precision planned_precision(const TrainConfig& t, DeviceKind device) {
+  if (device != DeviceKind::kCuda) return t.precision;
   return !t.precision_auto && t.precision == Precision::kFp8 ? Precision::kFp8 : Precision::kBf16;
 }
 
-int64_t largest_layer_count(const model::ModelConfig& m, TrainConfig t, bool cuda) {
+int64_t largest_layer_count(const model::ModelConfig& m, TrainConfig t, DeviceKind device) {
   t.chunk_size = 0;
   auto fits = [&](int64_t layers) {
     model::ModelConfig shaped = m;
     shaped.num_hidden_layers = layers;
     std::erase_if(shaped.mlp_only_layers, [&](int64_t l) { return l >= layers; });
-    return make_plan(make_plan_input(shaped, t, cuda)).fits;
+    return make_plan(make_plan_input(shaped, t, device)).fits;
   };
   constexpr int64_t kMostLayers = 1024;
   if (!fits(1)) return 0;
@@ -206,11 +207,11 @@ int64_t largest_layer_count(const model::ModelConfig& m, TrainConfig t, bool cud
   return lo;
 }
 
-uint64_t smallest_host_budget(const model::ModelConfig& m, TrainConfig t, bool cuda) {
+uint64_t smallest_host_budget(const model::ModelConfig& m, TrainConfig t, DeviceKind device) {
   const uint64_t unit = t.chunk_size > 0 ? t.chunk_size : (1ull << 20);
   auto fits = [&](uint64_t units) {
     t.memory_host = units * unit;
-    return make_plan(make_plan_input(m, t, cuda)).fits;
+    return make_plan(make_plan_input(m, t, device)).fits;
   };
   const uint64_t most = (16ull << 40) / unit;
   if (!fits(most)) return 0;
@@ -224,10 +225,10 @@ uint64_t smallest_host_budget(const model::ModelConfig& m, TrainConfig t, bool c
   return hi * unit;
 }
 
-int64_t largest_micro_batch(const model::ModelConfig& m, TrainConfig t, bool cuda) {
+int64_t largest_micro_batch(const model::ModelConfig& m, TrainConfig t, DeviceKind device) {
   auto fits = [&](int64_t b) {
     t.micro_batch = b;
-    return make_plan(make_plan_input(m, t, cuda)).fits;
+    return make_plan(make_plan_input(m, t, device)).fits;
   };
   if (!fits(1)) return 0;
   int64_t lo = 1, hi = 2;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "core/device.h"
 #include "core/status.h"
 #include "model/config.h"
 #include "offload/plan.h"
@@ -12,27 +13,28 @@
 
 namespace strata {
 
-// `cuda` selects the GPU layout (bf16 compute copy and gradients, fp32 master and Adam
-// states, bf16 activations); otherwise the CPU backend's (fp32 everything, no separate master).
-PlanInput make_plan_input(const model::ModelConfig& model, const TrainConfig& train, bool cuda);
+// `device` selects the backend's layout: on cuda the GPU's (bf16 compute copy, fp32 master and
+// Adam states, bf16 activations); on the cpu the config's recipe (fp32 by default: no separate
+// master).
+PlanInput make_plan_input(const model::ModelConfig& model, const TrainConfig& train, DeviceKind device);
 
 // Model FLOPs per token, 6N + 12*L*H*T (DESIGN §2), without recomputation.
 double model_flops_per_token(const model::ModelConfig& model, int64_t seq_len);
 
 // The largest micro-batch (sequences) for which the plan fits, 0 when not even one does.
-int64_t largest_micro_batch(const model::ModelConfig& model, TrainConfig train, bool cuda);
+int64_t largest_micro_batch(const model::ModelConfig& model, TrainConfig train, DeviceKind device);
 // The smallest memory.host (a multiple of the chunk size, or of 1 MiB without one) with which the
 // plan fits under the other budgets of `train` (nvme included), 0 when no host budget up to
 // 16 TiB makes it fit. With an nvme tier every kind can stream from disk, so this is a handful of
 // chunks of staging: what the largest group's kinds need at once.
-uint64_t smallest_host_budget(const model::ModelConfig& model, TrainConfig train, bool cuda);
+uint64_t smallest_host_budget(const model::ModelConfig& model, TrainConfig train, DeviceKind device);
 // The most decoder layers a model of this shape (width, vocabulary, experts) can have and still
 // fit the budgets of `train` in its recipe and moment format, up to the model limits' 1024;
 // 0 when not even one layer fits. Planned without chunk padding (chunk sizes follow the model).
-int64_t largest_layer_count(const model::ModelConfig& model, TrainConfig train, bool cuda);
+int64_t largest_layer_count(const model::ModelConfig& model, TrainConfig train, DeviceKind device);
 // The recipe a plan is made for: the config's, except that cuda trains in bf16 unless fp8 was
 // asked for (which the planner plans, though the CUDA backend does not train it yet).
-Precision planned_precision(const TrainConfig& train, bool cuda);
+Precision planned_precision(const TrainConfig& train, DeviceKind device);
 
 // Host memory the planner assumes when memory.host is 0: 80% of what is available now.
 uint64_t default_host_budget();

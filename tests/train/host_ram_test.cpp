@@ -36,7 +36,7 @@ Planned planned(const std::vector<std::string>& overrides) {
   EXPECT_TRUE(mc.ok()) << mc.status().message();
   p.mc = *mc;
   if (p.t.chunk_size == 0) p.t.chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(p.mc), p.t.precision);
-  p.plan = make_plan(make_plan_input(p.mc, p.t, /*cuda=*/false));
+  p.plan = make_plan(make_plan_input(p.mc, p.t, DeviceKind::kCpu));
   EXPECT_TRUE(p.plan.fits) << p.plan.problem;
   return p;
 }
@@ -51,7 +51,7 @@ TEST(HostRamTest, ItemsAddUpToThePeakForTheDefaultAndAMoeRun) {
     HostRamData data;
     data.mapped_bytes = 1 << 20;
     data.windows = 1000;
-    const HostRamPlan ram = plan_host_ram(p.mc, p.t, p.plan, /*cuda=*/false, data);
+    const HostRamPlan ram = plan_host_ram(p.mc, p.t, p.plan, DeviceKind::kCpu, data);
     uint64_t sum = 0, pinned = 0;
     for (const HostRamItem& i : ram.items) {
       sum += i.bytes;
@@ -80,7 +80,7 @@ TEST(HostRamTest, ItemsAddUpToThePeakForTheDefaultAndAMoeRun) {
     // The baseline follows the process's peak so far, which only grows: a later call gives at
     // least as much, and never less than the 16 MiB floor.
     EXPECT_GE(ram.bytes_of("process"), uint64_t{16} << 20);
-    EXPECT_LE(ram.bytes_of("process"), process_baseline_bytes(false));
+    EXPECT_LE(ram.bytes_of("process"), process_baseline_bytes(DeviceKind::kCpu));
     const std::string line = format_host_ram(ram);
     EXPECT_EQ(line.rfind("host RAM: peak ", 0), 0u) << line;
     EXPECT_NE(line.find("chunks "), std::string::npos) << line;
@@ -91,34 +91,37 @@ TEST(HostRamTest, ItemsAddUpToThePeakForTheDefaultAndAMoeRun) {
 
 TEST(HostRamTest, EachItemFollowsItsSetting) {
   const Planned plain = planned({});
-  const HostRamPlan base = plan_host_ram(plain.mc, plain.t, plain.plan, false);
+  const HostRamPlan base = plan_host_ram(plain.mc, plain.t, plain.plan, DeviceKind::kCpu);
   EXPECT_EQ(base.bytes_of("checkpoint"), 0u) << "no periodic saves, no staging";
   EXPECT_EQ(base.bytes_of("staging") % plain.t.chunk_size, 0u);
 
   const Planned saving = planned({"ckpt.every=10", "ckpt.staging=8MiB"});
-  const HostRamPlan ckpt = plan_host_ram(saving.mc, saving.t, saving.plan, false);
+  const HostRamPlan ckpt = plan_host_ram(saving.mc, saving.t, saving.plan, DeviceKind::kCpu);
   EXPECT_EQ(ckpt.bytes_of("checkpoint"), 8u << 20);
   EXPECT_GT(ckpt.bytes_of("io"), base.bytes_of("io")) << "a save writes through an engine of its own";
   // 64 MiB of staging in 8 MiB pieces: a save of the demo's 853,120 parameters (10.2 MB of
   // weights and moments) touches no more than those bytes and a piece of hashing scratch.
   const Planned roomy = planned({"ckpt.every=10"});
-  EXPECT_EQ(plan_host_ram(roomy.mc, roomy.t, roomy.plan, false).bytes_of("checkpoint"), 853120u * 12 + (8u << 20));
+  EXPECT_EQ(plan_host_ram(roomy.mc, roomy.t, roomy.plan, DeviceKind::kCpu).bytes_of("checkpoint"),
+            853120u * 12 + (8u << 20));
 
   const Planned smaller = planned({"train.micro_batch=4"});
-  const HostRamPlan batch = plan_host_ram(smaller.mc, smaller.t, smaller.plan, false);
+  const HostRamPlan batch = plan_host_ram(smaller.mc, smaller.t, smaller.plan, DeviceKind::kCpu);
   EXPECT_EQ(base.bytes_of("data") - batch.bytes_of("data"), 2u * 4 * 128 * sizeof(int32_t))
       << "inputs and targets of 4 sequences of 128 fewer";
 
   const Planned bf16 = planned({"train.precision=bf16"});
   EXPECT_EQ(base.bytes_of("compute"), 0u);
-  EXPECT_GT(plan_host_ram(bf16.mc, bf16.t, bf16.plan, false).bytes_of("compute"), 0u)
+  EXPECT_GT(plan_host_ram(bf16.mc, bf16.t, bf16.plan, DeviceKind::kCpu).bytes_of("compute"), 0u)
       << "the emulated bf16 ops widen their operands on the heap";
 
   const Planned resumed = planned({});
   TrainConfig t = resumed.t;
   t.resume = "auto";
-  EXPECT_GT(plan_host_ram(resumed.mc, t, resumed.plan, false).bytes_of("weights"), base.bytes_of("weights"));
-  EXPECT_GT(plan_host_ram(plain.mc, plain.t, plain.plan, /*cuda=*/true).bytes_of("process"), base.bytes_of("process"))
+  EXPECT_GT(plan_host_ram(resumed.mc, t, resumed.plan, DeviceKind::kCpu).bytes_of("weights"),
+            base.bytes_of("weights"));
+  EXPECT_GT(plan_host_ram(plain.mc, plain.t, plain.plan, DeviceKind::kCuda).bytes_of("process"),
+            base.bytes_of("process"))
       << "the CUDA runtime's host memory";
 }
 
@@ -153,7 +156,7 @@ TEST(HostRamTest, APeakBeyondWhatIsAvailableIsRefusedWithBothNumbers) {
   const Planned p = planned({});
   HostRamData data;
   data.mapped_bytes = 1ull << 40;  // a terabyte of token files: file pages, not held against the machine
-  const HostRamPlan ram = plan_host_ram(p.mc, p.t, p.plan, false, data);
+  const HostRamPlan ram = plan_host_ram(p.mc, p.t, p.plan, DeviceKind::kCpu, data);
   const uint64_t needed = ram.peak() - ram.reclaimable();
   EXPECT_TRUE(check_host_ram(ram, HostMemory{.known = true, .available = needed, .source = "MemAvailable"}).ok());
   EXPECT_TRUE(check_host_ram(ram, HostMemory{}).ok()) << "unknown: nothing to refuse against";

@@ -114,7 +114,7 @@ TEST_P(NvmeEveryKindTest, ParametersAndGradientsFourTimesTheHostTrainThroughNvme
   // Tight: the device holds the working set and little else, the host a quarter of the compute
   // copy and gradients, nvme the rest.
   TrainConfig tight = roomy;
-  const Plan all_on_device = make_plan(make_plan_input(mc, roomy, false));
+  const Plan all_on_device = make_plan(make_plan_input(mc, roomy, DeviceKind::kCpu));
   tight.memory_device = all_on_device.min_device_budget + 2 * tight.chunk_size;
   const model::ParamLayout layout(mc);
   const StateLayout state = StateLayout::of(tight.precision);

@@ -75,10 +75,10 @@ TrainConfig base_config(const model::ModelConfig& mc) {
 template <class Want>
 uint64_t first_device_budget(const model::ModelConfig& mc, TrainConfig t, Want wanted) {
   t.memory_device = 1ull << 30;
-  const uint64_t least = make_plan(make_plan_input(mc, t, false)).min_device_budget;
+  const uint64_t least = make_plan(make_plan_input(mc, t, DeviceKind::kCpu)).min_device_budget;
   for (uint64_t budget = least; budget <= (1ull << 30); budget += t.chunk_size) {
     t.memory_device = budget;
-    const Plan p = make_plan(make_plan_input(mc, t, false));
+    const Plan p = make_plan(make_plan_input(mc, t, DeviceKind::kCpu));
     if (p.fits && wanted(p)) return budget;
   }
   return 0;
@@ -130,7 +130,7 @@ TEST(PlacementTest, AnOversizedEmbeddingLeavesTheEdgeOffTheDeviceAndTheLayersOn)
   TrainConfig t = roomy;
   t.memory_device = first_device_budget(mc, t, [](const Plan& p) { return p.device_optimizer_groups > 0; });
   ASSERT_GT(t.memory_device, 0u) << "no device budget puts any group's optimizer on the device";
-  const PlanInput in = make_plan_input(mc, t, false);
+  const PlanInput in = make_plan_input(mc, t, DeviceKind::kCpu);
   const Plan plan = make_plan(in);
   ASSERT_TRUE(plan.fits) << plan.problem;
   // The edge's parameters alone exceed every byte the plan homes on the device: the groups it
@@ -151,7 +151,7 @@ TEST(PlacementTest, DeviceAndNvmeOptimizerGroupsAreWhereThePlanCountsThem) {
   mc.num_hidden_layers = 6;
   const int64_t groups = mc.num_hidden_layers + 1;
   TrainConfig t = base_config(mc);
-  const PlanInput sizes = make_plan_input(mc, t, false);
+  const PlanInput sizes = make_plan_input(mc, t, DeviceKind::kCpu);
   // The edge's Adam moments are among the device's (it is larger than a layer's, so a plan that
   // skipped it would count k layers' moments there, not the edge's and k - 1 layers').
   auto edge_and_layers = [&](const Plan& p) {
@@ -169,10 +169,10 @@ TEST(PlacementTest, DeviceAndNvmeOptimizerGroupsAreWhereThePlanCountsThem) {
   t.nvme_path = nvme.string();
   t.nvme_size = 256ull << 20;
   // Host room for about half the optimizer state the device leaves there; the rest spills.
-  const Plan through_host = make_plan(make_plan_input(mc, t, false));
+  const Plan through_host = make_plan(make_plan_input(mc, t, DeviceKind::kCpu));
   const uint64_t host_optimizer = through_host.host.master + through_host.host.adam_m + through_host.host.adam_v;
   t.memory_host = through_host.host.total() - host_optimizer / 2;
-  const Plan plan = make_plan(make_plan_input(mc, t, false));
+  const Plan plan = make_plan(make_plan_input(mc, t, DeviceKind::kCpu));
   ASSERT_TRUE(plan.fits) << plan.problem;
   ASSERT_GT(plan.device_optimizer_groups, 0);
   ASSERT_GT(plan.nvme_optimizer_groups, 0);

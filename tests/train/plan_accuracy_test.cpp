@@ -170,16 +170,16 @@ class PlanAccuracy : public ::testing::Test {
     t.chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(mc), t.precision);
     TrainConfig roomy = t;
     roomy.memory_device = 1ull << 30;
-    const Plan all = make_plan(make_plan_input(mc, roomy, false));
+    const Plan all = make_plan(make_plan_input(mc, roomy, DeviceKind::kCpu));
     if (c.budget == Budget::kRoomy) {
       t.memory_device = 1ull << 30;
       return t;
     }
     // Tight: room for the working set and about a third of the layers' parameters.
-    const PlanInput in = make_plan_input(mc, roomy, false);
+    const PlanInput in = make_plan_input(mc, roomy, DeviceKind::kCpu);
     t.memory_device = all.min_device_budget + static_cast<uint64_t>(in.num_layers) * in.layer_chunks * in.chunk_size / 3;
     if (c.budget == Budget::kNvme) {
-      const Plan through_host = make_plan(make_plan_input(mc, t, false));
+      const Plan through_host = make_plan(make_plan_input(mc, t, DeviceKind::kCpu));
       // Host room for half the optimizer state; the rest streams from nvme.
       const uint64_t optimizer = through_host.host.master + through_host.host.adam_m + through_host.host.adam_v;
       t.memory_host = through_host.host.total() - optimizer / 2;
@@ -187,7 +187,7 @@ class PlanAccuracy : public ::testing::Test {
       t.nvme_size = 1ull << 30;
       // Then exactly what that plan keeps on the host (whole groups spill, which leaves some of
       // the first budget over): a tight budget has no room to cache beyond the plan.
-      t.memory_host = make_plan(make_plan_input(mc, t, false)).host.total();
+      t.memory_host = make_plan(make_plan_input(mc, t, DeviceKind::kCpu)).host.total();
     }
     return t;
   }
@@ -227,7 +227,7 @@ Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* p
       std::sort(probe_s.begin(), probe_s.end());
       now.gpu_flops = probe->flops() / probe_s[2];
     }
-    const double predicted_s = make_plan(make_plan_input(mc, now, /*cuda=*/false)).step_s;
+    const double predicted_s = make_plan(make_plan_input(mc, now, DeviceKind::kCpu)).step_s;
     const auto start = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(engine->zero_grads());
     for (int64_t m = 0; m < t.grad_accum; ++m) {

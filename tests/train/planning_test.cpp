@@ -35,7 +35,7 @@ TEST(Planning, PredictedBytesMatchTheRealAllocationWithin5Percent) {
     t.offload_activations = "false";
     t.gpu_flops = t.h2d_bytes_per_s = t.d2h_bytes_per_s = 1e9;
     t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = t.cpu_adam_params_per_s = 1e9;
-    Plan plan = make_plan(make_plan_input(*mc, t, /*cuda=*/false));
+    Plan plan = make_plan(make_plan_input(*mc, t, DeviceKind::kCpu));
     ASSERT_TRUE(plan.fits) << plan.problem;
 
     // What a CPU run holds: params, grads, Adam m and v (flat buffers of the layout), the
@@ -68,12 +68,12 @@ TEST(Planning, LargestMicroBatchIsTheEdgeOfFitting) {
   t.offload_activations = "auto";
   t.gpu_flops = t.h2d_bytes_per_s = t.d2h_bytes_per_s = 1e12;
   t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = t.cpu_adam_params_per_s = 1e9;
-  const int64_t best = largest_micro_batch(*mc, t, /*cuda=*/true);
+  const int64_t best = largest_micro_batch(*mc, t, DeviceKind::kCuda);
   ASSERT_GT(best, 0);
   t.micro_batch = best;
-  EXPECT_TRUE(make_plan(make_plan_input(*mc, t, true)).fits);
+  EXPECT_TRUE(make_plan(make_plan_input(*mc, t, DeviceKind::kCuda)).fits);
   t.micro_batch = best + 1;
-  EXPECT_FALSE(make_plan(make_plan_input(*mc, t, true)).fits);
+  EXPECT_FALSE(make_plan(make_plan_input(*mc, t, DeviceKind::kCuda)).fits);
 }
 
 // On a GPU the head's workspace is the LM-head buffer the CUDA backend reserves beside the
@@ -86,11 +86,11 @@ TEST(Planning, TheHeadWorkspaceIsTheBackendsLmHeadBuffer) {
   t.seq_len = 2048;
   t.grad_accum = 1;
   const int64_t N = t.micro_batch * t.seq_len;
-  EXPECT_EQ(make_plan_input(*mc, t, /*cuda=*/true).head_workspace_bytes,
+  EXPECT_EQ(make_plan_input(*mc, t, DeviceKind::kCuda).head_workspace_bytes,
             kernels::lm_head_device_scratch_bytes(N, mc->hidden_size, mc->vocab_size));
-  EXPECT_GE(make_plan_input(*mc, t, true).head_workspace_bytes,
+  EXPECT_GE(make_plan_input(*mc, t, DeviceKind::kCuda).head_workspace_bytes,
             kernels::lm_head_chunk_bytes(mc->hidden_size, mc->vocab_size, 2048, true));
-  EXPECT_EQ(make_plan_input(*mc, t, /*cuda=*/false).head_workspace_bytes,
+  EXPECT_EQ(make_plan_input(*mc, t, DeviceKind::kCpu).head_workspace_bytes,
             static_cast<uint64_t>(256 * mc->vocab_size) * 4);
 }
 
@@ -105,7 +105,7 @@ TEST(Planning, DataParallelKeysReachThePlannerAndShareTheNodesHost) {
   t.plan_zero = 2;
   t.intra_node_bytes_per_s = 1e9;
   t.inter_node_bytes_per_s = 2e9;
-  const PlanInput in = make_plan_input(*mc, t, /*cuda=*/true);
+  const PlanInput in = make_plan_input(*mc, t, DeviceKind::kCuda);
   EXPECT_EQ(in.world_size, 16);
   EXPECT_EQ(in.ranks_per_node, 4);
   EXPECT_EQ(in.zero, 2);
@@ -116,9 +116,10 @@ TEST(Planning, DataParallelKeysReachThePlannerAndShareTheNodesHost) {
   const double share = static_cast<double>(in.host_budget);
   EXPECT_LE(std::abs(4 * share - whole), 0.05 * whole) << share << " of " << whole;
   t.plan_world_size = 2;  // ranks per node are capped at the world
-  EXPECT_LE(std::abs(2 * static_cast<double>(make_plan_input(*mc, t, true).host_budget) - whole), 0.05 * whole);
+  EXPECT_LE(std::abs(2 * static_cast<double>(make_plan_input(*mc, t, DeviceKind::kCuda).host_budget) - whole),
+            0.05 * whole);
   t.memory_host = 1ull << 30;  // a given budget is each rank's as given
-  EXPECT_EQ(make_plan_input(*mc, t, true).host_budget, 1ull << 30);
+  EXPECT_EQ(make_plan_input(*mc, t, DeviceKind::kCuda).host_budget, 1ull << 30);
 }
 
 // The expected share of experts a micro-batch reaches (uniform routing): few tokens leave most
@@ -133,12 +134,12 @@ TEST(Planning, ExpertFetchFractionFollowsTheTokensPerMicroBatch) {
   TrainConfig t;
   t.micro_batch = 1;
   t.seq_len = 2;
-  PlanInput in = make_plan_input(*mc, t, /*cuda=*/false);
+  PlanInput in = make_plan_input(*mc, t, DeviceKind::kCpu);
   EXPECT_EQ(in.expert_elements, 8u * 3 * 16 * 32);  // every layer is MoE
   EXPECT_DOUBLE_EQ(in.expert_fetch_fraction, 1.0 - 0.75 * 0.75);
   t.seq_len = 2048;
-  EXPECT_DOUBLE_EQ(make_plan_input(*mc, t, false).expert_fetch_fraction, 1.0);
-  EXPECT_EQ(make_plan_input(model::ModelConfig::preset("tiny").value(), t, false).expert_elements, 0u);
+  EXPECT_DOUBLE_EQ(make_plan_input(*mc, t, DeviceKind::kCpu).expert_fetch_fraction, 1.0);
+  EXPECT_EQ(make_plan_input(model::ModelConfig::preset("tiny").value(), t, DeviceKind::kCpu).expert_elements, 0u);
 }
 
 // AdamW on host memory acquires a whole group's optimizer state at once, so state streamed from
@@ -168,7 +169,7 @@ TEST(Planning, NvmeStagingHoldsTheLargestGroup) {
   t.gpu_flops = t.h2d_bytes_per_s = t.d2h_bytes_per_s = 1e9;
   t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = t.cpu_adam_params_per_s = 1e9;
   t.chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(mc));
-  const PlanInput in = make_plan_input(mc, t, /*cuda=*/false);
+  const PlanInput in = make_plan_input(mc, t, DeviceKind::kCpu);
   // The head: the final norm, then 21 row blocks of lm_head (2000 x 64 fp32), one chunk each.
   EXPECT_EQ(in.largest_group_chunks, 22u);
   const Plan plan = make_plan(in);
@@ -203,7 +204,7 @@ TEST(Planning, PlannedBytesPerKindAreTheStoresForEveryRecipe) {
     t.gpu_flops = t.h2d_bytes_per_s = t.d2h_bytes_per_s = 1e9;
     t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = t.cpu_adam_params_per_s = 1e9;
     t.chunk_size = PagedState::auto_chunk_bytes(layout, precision);
-    const Plan plan = make_plan(make_plan_input(*mc, t, /*cuda=*/false));
+    const Plan plan = make_plan(make_plan_input(*mc, t, DeviceKind::kCpu));
     ASSERT_TRUE(plan.fits) << plan.problem;
 
     auto device = CpuDevice::create(0, 0);

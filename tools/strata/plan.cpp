@@ -76,7 +76,7 @@ Example:
 
 // The host memory of the planned run, with the data files as they would be opened (a built-in
 // corpus, or files that cannot be opened, count as none).
-HostRamPlan plan_run_host_ram(const model::ModelConfig& mc, TrainConfig t, const Plan& plan, bool cuda) {
+HostRamPlan plan_run_host_ram(const model::ModelConfig& mc, TrainConfig t, const Plan& plan, DeviceKind device) {
   if (t.memory_host == 0) t.memory_host = default_host_budget();
   HostRamData data;
   DataConfig dc;
@@ -90,7 +90,7 @@ HostRamPlan plan_run_host_ram(const model::ModelConfig& mc, TrainConfig t, const
       data = host_ram_data(**dataset, windows);
     }
   }
-  return plan_host_ram(mc, t, plan, cuda, data);
+  return plan_host_ram(mc, t, plan, device, data);
 }
 
 // "3.21 s", "52.1 ms"; "8.03B", "410.2M".
@@ -102,21 +102,21 @@ std::string count_text(double n) {
 }
 
 // Each recipe's and each moment format's plan under the same budgets, side by side.
-std::string format_recipe_comparison(const model::ModelConfig& mc, const TrainConfig& tc, bool cuda) {
+std::string format_recipe_comparison(const model::ModelConfig& mc, const TrainConfig& tc, DeviceKind device) {
   const model::ParamLayout layout(mc);
   std::string out = "  recipes side by side (these budgets and moments";
   out += "):\n";
   out += fmt::format("    {:<7} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}  {}\n", "recipe", "copy", "all state",
                      "h2d/step", "d2h/step", "disk/step", "step", "fits");
   std::vector<Precision> recipes = {Precision::kBf16, Precision::kFp8};
-  if (!cuda) recipes.insert(recipes.begin(), Precision::kFp32);
+  if (device != DeviceKind::kCuda) recipes.insert(recipes.begin(), Precision::kFp32);
   for (Precision p : recipes) {
     TrainConfig t = tc;
     t.precision = p;
     t.precision_auto = false;
     const StateLayout state = StateLayout::of(p, t.moments);
     t.chunk_size = PagedState::auto_chunk_bytes(layout, state);
-    const PlanInput in = make_plan_input(mc, t, cuda);
+    const PlanInput in = make_plan_input(mc, t, device);
     const Plan plan = make_plan(in);
     uint64_t all = 0;
     for (StateKind k : state.kinds()) all += PagedState::state_bytes(layout, state, k);
@@ -127,15 +127,15 @@ std::string format_recipe_comparison(const model::ModelConfig& mc, const TrainCo
                        plan.fits ? seconds_text(plan.step_s) : "-", plan.fits ? "yes" : "no");
   }
   out += fmt::format("  Adam moment formats ({} recipe; the largest model of this width that fits, chunk padding aside):\n",
-                     precision_name(planned_precision(tc, cuda)));
+                     precision_name(planned_precision(tc, device)));
   out += fmt::format("    {:<7} {:>14} {:>8} {:>12}\n", "moments", "state/param", "layers", "parameters");
   for (kernels::MomentFormat f : {kernels::MomentFormat::kF32, kernels::MomentFormat::kBf16, kernels::MomentFormat::kInt8}) {
     TrainConfig t = tc;
     t.moments = f;
-    const StateLayout state = StateLayout::of(planned_precision(t, cuda), f);
+    const StateLayout state = StateLayout::of(planned_precision(t, device), f);
     uint64_t all = 0;
     for (StateKind k : state.kinds()) all += PagedState::state_bytes(layout, state, k);
-    const int64_t layers = largest_layer_count(mc, t, cuda);
+    const int64_t layers = largest_layer_count(mc, t, device);
     model::ModelConfig largest = mc;
     largest.num_hidden_layers = std::max<int64_t>(layers, 1);
     std::erase_if(largest.mlp_only_layers, [&](int64_t l) { return l >= largest.num_hidden_layers; });
@@ -198,6 +198,7 @@ int plan_command(const std::vector<std::string>& args) {
   }
   // auto plans the GPU layout once there is a GPU budget to plan for.
   const bool cuda = tc->device == "cuda" || (tc->device == "auto" && tc->memory_device > 0);
+  const DeviceKind device = cuda ? DeviceKind::kCuda : DeviceKind::kCpu;
   if (tc->memory_device == 0) {
     if (cuda) {
       std::fprintf(stderr, "strata plan: error: memory.device is 0; set it to the GPU memory to plan for (e.g. memory.device=24GiB)\n");
@@ -210,7 +211,7 @@ int plan_command(const std::vector<std::string>& args) {
     const model::ParamLayout layout(*mc);
     if (tc->chunk_size == 0)
       tc->chunk_size =
-          PagedState::auto_chunk_bytes(layout, StateLayout::of(planned_precision(*tc, cuda), tc->moments));
+          PagedState::auto_chunk_bytes(layout, StateLayout::of(planned_precision(*tc, device), tc->moments));
     for (const model::TensorSpec& t : layout.tensors()) {
       const uint64_t bytes = static_cast<uint64_t>(t.block_numel(0)) * sizeof(float);  // its largest block
       if (bytes <= tc->chunk_size) continue;
@@ -221,14 +222,14 @@ int plan_command(const std::vector<std::string>& args) {
       return 1;
     }
   }
-  const PlanInput in = make_plan_input(*mc, *tc, cuda);
+  const PlanInput in = make_plan_input(*mc, *tc, device);
   const Plan plan = make_plan(in);
   const double n_params = static_cast<double>(mc->num_parameters());
   char params_text[32];
   if (n_params >= 1e12) std::snprintf(params_text, sizeof params_text, "%.3fT", n_params / 1e12);
   else if (n_params >= 1e9) std::snprintf(params_text, sizeof params_text, "%.3fB", n_params / 1e9);
   else std::snprintf(params_text, sizeof params_text, "%.3fM", n_params / 1e6);
-  const Precision recipe = planned_precision(*tc, cuda);
+  const Precision recipe = planned_precision(*tc, device);
   std::printf("model: %s layers, hidden %lld, vocab %lld, %s parameters; %s layout (%s recipe, %s Adam moments)\n",
               std::to_string(mc->num_hidden_layers).c_str(), static_cast<long long>(mc->hidden_size),
               static_cast<long long>(mc->vocab_size), params_text, cuda ? "GPU" : "CPU", precision_name(recipe),
@@ -247,16 +248,16 @@ int plan_command(const std::vector<std::string>& args) {
                 "tokens):\n", plan.zero, static_cast<long long>(in.world_size * in.tokens_per_step));
   }
   std::printf("%s", format_plan(in, plan).c_str());
-  const HostRamPlan ram = plan_run_host_ram(*mc, *tc, plan, cuda);
+  const HostRamPlan ram = plan_run_host_ram(*mc, *tc, plan, device);
   std::printf("  %s\n%s", format_host_ram(ram).c_str(), format_host_ram_items(ram, "    ").c_str());
   const Status ram_fits = check_host_ram(ram, available_host_memory());
-  const int64_t best = largest_micro_batch(*mc, *tc, cuda);
+  const int64_t best = largest_micro_batch(*mc, *tc, device);
   if (best > 0)
     std::printf("  largest micro-batch that fits: %lld sequences of %lld tokens\n", static_cast<long long>(best),
                 static_cast<long long>(tc->seq_len));
   else
     std::printf("  not even a micro-batch of 1 sequence fits these budgets\n");
-  if (const uint64_t least = smallest_host_budget(*mc, *tc, cuda); least > 0)
+  if (const uint64_t least = smallest_host_budget(*mc, *tc, device); least > 0)
     std::printf("  smallest memory.host that fits with these device and nvme budgets: %s%s\n",
                 format_bytes(least).c_str(),
                 tc->nvme_path.empty() ? " (with memory.nvme.* every kind of state can page to disk instead)" : "");
@@ -265,7 +266,7 @@ int plan_command(const std::vector<std::string>& args) {
     std::printf("  predicted MFU %.1f%% of the H100/H200 dense bf16 peak (989 TFLOP/s; model FLOPs 6N + 12LHT, "
                 "recomputation not counted)\n", 100 * model_flops / plan.step_s / 989e12);
   }
-  std::printf("%s", format_recipe_comparison(*mc, *tc, cuda).c_str());
+  std::printf("%s", format_recipe_comparison(*mc, *tc, device).c_str());
   // A plan for a machine not yet rented is still a plan: the check is said, not enforced here.
   if (!ram_fits.ok())
     std::printf("  not on this machine: %s (strata train refuses the run here)\n", ram_fits.message().c_str());
