@@ -40,31 +40,32 @@ class ActivationTable {
  public:
   using Act = typename Ops::Act;
   // Plans for B x T tokens. Every size depends on N = B * T only; the block is reallocated
-  // only when N grows or `offload_checkpoints` changes, and the pointers below are valid until
-  // then. With offload_checkpoints the checkpoints get min(3, L + 1) slots (see below).
+  // only when N grows or `offload_activations` changes, and the pointers below are valid until
+  // then. With offload_activations the layer checkpoints get min(3, L + 1) slots (see below).
   // The block comes from ops.activation_block(), which may fail (OutOfMemory on a device).
   // keep_layers: every layer but the last also keeps its own copy of what its backward reads
   // (layer(l)), so that backward recomputes nothing.
-  Status reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T, bool offload_checkpoints = false,
+  Status reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T, bool offload_activations = false,
                  bool keep_layers = false);
   // Bytes held (for logging and tests).
   int64_t bytes() const { return bytes_; }
   // The bytes reserve() would take, the backend's own per-micro-batch buffers included, without
   // allocating.
-  static int64_t bytes_for(const ModelConfig& config, int64_t N, bool offload_checkpoints, bool keep_layers = false);
+  static int64_t bytes_for(const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers = false);
   // The buffers layer l's forward writes and its backward reads: its own when the table keeps
   // layers (l < L - 1), the shared ones otherwise.
   const ActivationTable& layer(int64_t l) const {
     return static_cast<size_t>(l) < layer_views_.size() ? layer_views_[static_cast<size_t>(l)] : *this;
   }
-  // Slots of N * C floats in `checkpoints`: L + 1, or min(3, L + 1) when planned for offload.
-  int64_t checkpoint_slots() const { return checkpoint_slots_; }
+  // Slots of N * C elements in `layer_checkpoints`: L + 1, or min(3, L + 1) when planned for
+  // offload.
+  int64_t layer_checkpoint_slots() const { return layer_checkpoint_slots_; }
 
   // Kept across the whole forward/backward.
-  // (slots, N, C). Without offload, slot l holds the input of layer l and slot L feeds the final
-  // norm. With offload, checkpoint l < L rotates through slots l % 2 and checkpoint L is slot
-  // min(L, 2).
-  Act* checkpoints = nullptr;
+  // (slots, N, C) the saved activations at layer boundaries (layer checkpoints). Without offload,
+  // slot l holds the input of layer l and slot L feeds the final norm. With offload, layer
+  // checkpoint l < L rotates through slots l % 2 and layer checkpoint L is slot min(L, 2).
+  Act* layer_checkpoints = nullptr;
   Act* final_out = nullptr;    // (N, C) final RMSNorm output, the LM head's input
   float* final_rstd = nullptr;   // (N)
   Act* d_final = nullptr;      // (N, C) gradient of final_out
@@ -133,47 +134,47 @@ class ActivationTable {
  private:
   int64_t planned_tokens_ = 0;
   bool planned_offload_ = false;
-  int64_t checkpoint_slots_ = 0;
+  int64_t layer_checkpoint_slots_ = 0;
   int64_t bytes_ = 0;
 
   // Hands out every field for N tokens from `base` (null: only measures); returns the bytes.
-  int64_t carve(char* base, const ModelConfig& config, int64_t N, bool offload_checkpoints, bool keep_layers);
+  int64_t carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers);
   bool planned_keep_ = false;
   std::vector<ActivationTable> layer_views_;  // per layer 0 .. L-2 when keeping layers
 };
 
 template <class Ops>
 Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T,
-                                     bool offload_checkpoints, bool keep_layers) {
+                                     bool offload_activations, bool keep_layers) {
   int64_t N = B * T;
-  if (N <= planned_tokens_ && offload_checkpoints == planned_offload_ && keep_layers == planned_keep_)
+  if (N <= planned_tokens_ && offload_activations == planned_offload_ && keep_layers == planned_keep_)
     return Status::OK();
   N = std::max(N, planned_tokens_);
-  const int64_t bytes = ActivationTable().carve(nullptr, config, N, offload_checkpoints, keep_layers);
+  const int64_t bytes = ActivationTable().carve(nullptr, config, N, offload_activations, keep_layers);
   // The backend frees the old block first: after a failure nothing is planned any more.
   planned_tokens_ = 0;
   bytes_ = 0;
   ASSIGN_OR_RETURN(void* base, ops.activation_block(static_cast<uint64_t>(bytes), micro_batch_shape(config, N)));
-  carve(static_cast<char*>(base), config, N, offload_checkpoints, keep_layers);
+  carve(static_cast<char*>(base), config, N, offload_activations, keep_layers);
   planned_keep_ = keep_layers;
   bytes_ = bytes;
   planned_tokens_ = N;
-  planned_offload_ = offload_checkpoints;
-  checkpoint_slots_ = offload_checkpoints ? std::min<int64_t>(3, config.num_hidden_layers + 1)
-                                          : config.num_hidden_layers + 1;
+  planned_offload_ = offload_activations;
+  layer_checkpoint_slots_ = offload_activations ? std::min<int64_t>(3, config.num_hidden_layers + 1)
+                                                : config.num_hidden_layers + 1;
   return Status::OK();
 }
 
 template <class Ops>
-int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bool offload_checkpoints,
+int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bool offload_activations,
                                         bool keep_layers) {
   ActivationTable<Ops> measured;
-  return measured.carve(nullptr, config, N, offload_checkpoints, keep_layers) +
+  return measured.carve(nullptr, config, N, offload_activations, keep_layers) +
          static_cast<int64_t>(Ops::extra_activation_bytes(micro_batch_shape(config, N)));
 }
 
 template <class Ops>
-int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64_t N, bool offload_checkpoints,
+int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations,
                                     bool keep_layers) {
   const int64_t C = config.hidden_size;
   const int64_t F = config.dense_mlp_width();
@@ -188,7 +189,7 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   const int64_t K = moe ? config.num_experts_per_tok : 0;
   const int64_t S = N * K;
   const int64_t Fe = moe ? config.moe_intermediate_size : 0;
-  const int64_t checkpoint_slots = offload_checkpoints ? std::min<int64_t>(3, L + 1) : L + 1;
+  const int64_t layer_checkpoint_slots = offload_activations ? std::min<int64_t>(3, L + 1) : L + 1;
   const int64_t shared = moe && config.shared_expert_intermediate_size > 0 ? 1 : 0;
 
   // Each buffer starts on a 64-byte boundary of the block.
@@ -198,7 +199,7 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
     offset += (n * static_cast<int64_t>(sizeof(*field)) + 63) / 64 * 64;
   };
   // What a layer's forward writes and its backward reads (its router's choices included).
-  auto saved = [&](ActivationTable& t) {
+  auto intermediates = [&](ActivationTable& t) {
     take(t.ln1, N * C);
     take(t.ln1_rstd, N);
     take(t.q, N * q_dim);
@@ -231,12 +232,12 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
     take(t.shared_out, shared * N * C);
     take(t.shared_logit, shared * N);
   };
-  take(checkpoints, checkpoint_slots * N * C);
+  take(layer_checkpoints, layer_checkpoint_slots * N * C);
   take(final_out, N * C);
   take(final_rstd, N);
   take(d_final, N * C);
   take(dres, N * C);
-  saved(*this);
+  intermediates(*this);
   take(d_ln, N * C);
   take(d_tmp, N * C);
   take(d_q, N * q_dim);
@@ -257,12 +258,12 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(d_shared_logit, shared * N);
   take(tokens_in, N);
   take(tokens_target, N);
-  // Kept layers: layers 0 .. L-2 get saved fields of their own (the last layer's are the shared
+  // Kept layers: layers 0 .. L-2 get intermediates of their own (the last layer's are the shared
   // ones, still intact when its backward, the first, runs).
   layer_views_.clear();
   if (keep_layers) {
     std::vector<ActivationTable> views(static_cast<size_t>(std::max<int64_t>(L - 1, 0)), *this);
-    for (ActivationTable& view : views) saved(view);
+    for (ActivationTable& view : views) intermediates(view);
     if (base != nullptr) layer_views_ = std::move(views);
   }
   return offset;

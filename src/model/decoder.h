@@ -14,34 +14,33 @@
 // grad_scale = 1 / (valid targets of the step), each micro-batch's aux is weighted by its share
 // of the step's tokens. The returned loss stays the NLL sum; last_aux_loss() reports aux.
 //
-// Activation memory: forward keeps only each layer's input (the layer-boundary checkpoint) plus
-// what the final norm and the LM head need; backward recomputes one layer at a time from its
-// checkpoint into a shared scratch workspace and then runs that layer's backward. Or, with
-// set_keep_layer_activations(true), every layer keeps its own intermediates and backward
-// recomputes nothing (bitwise the same results). All buffers
-// come from one activation table planned for the largest (B, T) seen and reused afterwards.
-// When the ParamAccess offloads activations (param_access.h), the table keeps min(3, L + 1)
-// checkpoint slots instead of L + 1: forward hands each offloaded checkpoint to the access as
-// soon as it is written and backward fetches it back before recomputing its layer; the results
-// are bitwise those of the unoffloaded model.
+// Activation memory: forward saves only each layer's input (its layer checkpoint, a saved
+// activation) plus what the final norm and the LM head need; backward recomputes one layer at a
+// time from its layer checkpoint into a shared scratch workspace and then runs that layer's
+// backward. Or, with set_keep_layer_activations(true), every layer keeps its own intermediates
+// and backward recomputes nothing (bitwise the same results). All buffers come from one
+// activation table planned for the largest (B, T) seen and reused afterwards. When the
+// ParamAccess offloads activations (param_access.h), the table keeps min(3, L + 1) layer
+// checkpoint slots instead of L + 1: forward hands each offloaded layer checkpoint to the access
+// as soon as it is written and backward fetches it back before recomputing its layer; the
+// results are bitwise those of the unoffloaded model.
 //
 // MoE layers route first and then begin, through the ParamAccess, only the experts that received
 // tokens (ParamAccess::begin_experts), so a paged state fetches just those; the other experts'
 // tensors are never touched (the kernels skip experts without rows).
 //
-// Precision: parameters are held as an fp32 master (params(), the optimizer's) and read by the
-// ops as the backend's compute copy W: the master itself for fp32, a bf16 copy otherwise, which
-// sync_compute_copy() refreshes from the master (init_weights and load_safetensors do it). A
-// ParamAccess hands out compute copies of its param_dtype(), which must be the backend's.
-// Parameter gradients are fp32 on every backend.
+// State: the model owns no parameters or gradients. It reads and accumulates them through the
+// ParamAccess it is given (set_access): the paged training state (train/paged_state.h), or a
+// FlatAccess over flat buffers its caller owns (flat_access.h). The ops read the backend's
+// compute copy W, of the access's param_dtype(): fp32 on the CPU reference, bf16 in the GPU's
+// recipe, E4M3 blocks in the fp8 recipe's linear weights. Whoever owns the fp32 master keeps the
+// compute copy in step with it. Parameter gradients are fp32 on every backend.
 //
 // Not thread-safe; not copyable.
 #pragma once
 
 #include <cstdint>
 #include <memory>
-#include <string>
-#include <type_traits>
 #include <vector>
 
 #include "core/status.h"
@@ -65,7 +64,9 @@ class Model {
   virtual ~Model() = default;
   virtual const ModelConfig& config() const = 0;
   virtual const ParamLayout& layout() const = 0;
-  virtual void zero_grads() = 0;
+  // Starts a step's expert token counts (expert_token_counts()) from zero. The gradients are
+  // zeroed by whoever owns them (the ParamAccess's owner).
+  virtual void reset_expert_token_counts() = 0;
   virtual Result<double> compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                  float grad_scale, bool backward) = 0;
   virtual void set_access(ParamAccess* access) = 0;
@@ -78,11 +79,12 @@ class Model {
   virtual std::vector<float>& mutable_expert_selection_bias() = 0;
   virtual void update_expert_bias() = 0;
   // Keep every layer's intermediates for backward (no recomputation: about a third less
-  // compute, more activation memory) or recompute each layer from its checkpoint. Bitwise the
-  // same results either way. Takes effect at the next compute.
+  // compute, more activation memory) or recompute each layer from its layer checkpoint. Bitwise
+  // the same results either way. Takes effect at the next compute.
   virtual void set_keep_layer_activations(bool keep) = 0;
-  // Bytes of the activation table for micro-batches of `tokens` (B * T) tokens.
-  virtual int64_t activation_bytes_for(int64_t tokens, bool offload_checkpoints, bool keep_layers) const = 0;
+  // Bytes of the activation table for micro-batches of `tokens` (B * T) tokens, with the layer
+  // checkpoints offloaded or not.
+  virtual int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers) const = 0;
   // The stream the model's ops are queued on, for an access that orders its moves after them;
   // null when the ops run in the calling thread (a CPU op set made without a Device).
   virtual Stream* compute_stream() = 0;
@@ -95,34 +97,17 @@ class Decoder final : public Model {
   using W = typename Ops::W;
   using OpSet = Ops;
 
-  // REQUIRES: config.validate(...) is OK. Parameters start at zero; call init_weights or
-  // load_safetensors.
-  // flat_buffers = false: no flat parameter and gradient buffers are allocated; a ParamAccess
-  // must be set before compute (a paged run, whose state never fits in memory twice).
+  // REQUIRES: config.validate(...) is OK. Set a ParamAccess (set_access) before compute.
   // ops: the backend's op set (the CPU ones are default-constructed; the CUDA one is made on
   // its Device).
-  explicit Decoder(const ModelConfig& config, bool flat_buffers = true, Ops ops = Ops());
+  explicit Decoder(const ModelConfig& config, Ops ops = Ops());
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
 
   const ModelConfig& config() const override { return config_; }
   const ParamLayout& layout() const override { return layout_; }
-  // Flat buffers of layout().total_size() elements: the fp32 master parameters (call
-  // sync_compute_copy() after changing them) and the fp32 gradients.
-  float* params() { return params_.data(); }
-  const float* params() const { return params_.data(); }
-  float* grads() { return grads_.data(); }
-  const float* grads() const { return grads_.data(); }
 
-  void init_weights(uint64_t seed);
-  // Rounds the master parameters into the compute copy the ops read (a no-op when W is fp32).
-  void sync_compute_copy();
-  // Fills every parameter by Hugging Face name from a safetensors file, index or directory
-  // (load_hf_weights, hf_io.h). On error the parameters are unchanged and the Status names file
-  // and tensor.
-  Status load_safetensors(const std::string& path);
-
-  void zero_grads() override;
+  void reset_expert_token_counts() override;
   // Returns the SUM of token NLLs over targets >= 0 of this micro-batch and accumulates
   // grads += grad_scale * d(sum)/d(params); callers accumulating micro-batches pass
   // grad_scale = 1 / (valid tokens in the whole step) to get the mean loss's gradient.
@@ -131,33 +116,25 @@ class Decoder final : public Model {
                           float grad_scale);
   // Same sum of NLLs without touching the gradients.
   double forward_loss(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T);
-  // The step both wrap: forward, and when `backward` the backward too. Through a ParamAccess
-  // (set_access) the parameters and gradients come from wherever it keeps them and its errors
-  // (an I/O error paging a group in) are returned; with the model's own flat buffers it cannot
-  // fail.
+  // The step both wrap: forward, and when `backward` the backward too. The parameters and
+  // gradients come from the ParamAccess, wherever it keeps them, and its errors (an I/O error
+  // paging a group in) are returned. REQUIRES: a ParamAccess is set.
   Result<double> compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
                          bool backward) override;
-  // Routes parameter and gradient access through `access` (null: the flat buffers params()
-  // and grads()). The model begins and ends groups as model/param_access.h describes; it does
-  // not own `access`, which must outlive its use. REQUIRES: access->param_dtype() is the
-  // backend's weight type.
+  // Routes parameter and gradient access through `access` (null: none, to let the previous one
+  // go). The model begins and ends groups as model/param_access.h describes; it does not own
+  // `access`, which must outlive its use. REQUIRES: access->param_dtype() is the backend's
+  // weight type.
   void set_access(ParamAccess* access) override;
   // Bytes held by the activation table (0 before the first compute).
   int64_t activation_bytes() const { return acts_.bytes(); }
-  // Frees the flat parameter and gradient buffers once a ParamAccess holds the state; params()
-  // and grads() are empty afterwards. (Or construct with flat_buffers = false.)
-  void release_flat_buffers() {
-    std::vector<float>().swap(params_);
-    std::vector<W>().swap(compute_);
-    std::vector<float>().swap(grads_);
-  }
 
   // MoE models: the auxiliary load-balancing loss of the last forward (0 for dense models),
   // reported whether or not it joins the training loss.
   double last_aux_loss() const override { return last_aux_loss_; }
   // (L, E) row-major: assignments (a token's K choices count K times) to each expert of each
-  // layer, summed over the forward_backward calls since the last zero_grads() (one optimizer
-  // step). Rows of dense layers are 0; empty for dense models.
+  // layer, summed over the forward_backward calls since the last reset_expert_token_counts()
+  // (one optimizer step). Rows of dense layers are 0; empty for dense models.
   const std::vector<int64_t>& expert_token_counts() const override { return expert_counts_; }
   std::vector<int64_t>& mutable_expert_token_counts() override { return expert_counts_; }
   // (L, E): the loss-free balancing selection bias (all 0 unless
@@ -169,10 +146,9 @@ class Decoder final : public Model {
   // unless config.router_bias_update_rate > 0.
   void update_expert_bias() override;
   void set_keep_layer_activations(bool keep) override { keep_layers_ = keep; }
-  bool keeps_layer_activations() const { return keep_layers_; }
   Stream* compute_stream() override { return ops_.compute_stream(); }
-  int64_t activation_bytes_for(int64_t tokens, bool offload_checkpoints, bool keep_layers) const override {
-    return ActivationTable<Ops>::bytes_for(config_, tokens, offload_checkpoints, keep_layers);
+  int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers) const override {
+    return ActivationTable<Ops>::bytes_for(config_, tokens, offload_activations, keep_layers);
   }
 
  private:
@@ -180,19 +156,17 @@ class Decoder final : public Model {
   // Sets last_aux_loss_ and the router statistics of this forward (forward_counts_ and
   // forward_prob_sums_, summed over MoE layers); when count_tokens, also adds the per-layer
   // counts to expert_counts_.
-  // With `offload`, forward hands offloaded checkpoints to the access (see param_access.h).
+  // With `offload`, forward hands offloaded layer checkpoints to the access (see
+  // param_access.h).
   Status forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens, bool offload);
-  // The activation table's slot for checkpoint l (0..L) of a micro-batch of N tokens.
-  Act* checkpoint(int64_t l, int64_t N);
+  // The activation table's slot for layer checkpoint l (0..L: the input of layer l, and the
+  // last layer's output) of a micro-batch of N tokens.
+  Act* layer_checkpoint(int64_t l, int64_t N);
   Status begin_group(int group, bool params, bool grads);
   void end_group(int group, bool params, bool grads);
-  // The tensor starting at flat-layout `offset`, from the flat buffers or the ParamAccess.
-  const W* param(int64_t offset) {
-    if (access_ != nullptr) return static_cast<const W*>(access_->param(offset));
-    if constexpr (std::is_same_v<W, float>) return params_.data() + offset;
-    else return compute_.data() + offset;
-  }
-  float* grad(int64_t offset) { return access_ ? access_->grad(offset) : grads_.data() + offset; }
+  // The tensor starting at flat-layout `offset`, from the ParamAccess.
+  const W* param(int64_t offset) { return static_cast<const W*>(access_->param(offset)); }
+  float* grad(int64_t offset) { return access_->grad(offset); }
   // The row blocks of the tensor at `offset` (one pointer when it is not in blocks), and the
   // rows per block (its first dimension when it is not).
   std::vector<const W*> param_blocks(int64_t offset);
@@ -204,7 +178,7 @@ class Decoder final : public Model {
   auto grad_at() {
     return [this](int64_t offset) { return grad(offset); };
   }
-  // One decoder layer from x (its checkpoint). When out is non-null, writes the layer output
+  // One decoder layer from x (its layer checkpoint). When out is non-null, writes the layer output
   // there; backward's recomputation passes null because only the intermediates are needed.
   // stats (null in the recomputation) receives the MoE router statistics. An MoE layer begins
   // the experts its router picked (begin_experts, with their gradients when `grads`) and leaves
@@ -228,9 +202,6 @@ class Decoder final : public Model {
   ModelConfig config_;
   ParamLayout layout_;
   Ops ops_;
-  std::vector<float> params_;  // (total_size) fp32 master
-  std::vector<W> compute_;     // (total_size) the compute copy; empty when W is fp32
-  std::vector<float> grads_;   // (total_size)
   std::vector<float> inv_freq_;  // (D/2) RoPE frequencies
   const float* inv_freq_ops_ = nullptr;  // the same where the ops read them
   const int32_t* staged_inputs_ = nullptr;  // the last forward's input tokens where the ops read them
@@ -238,7 +209,7 @@ class Decoder final : public Model {
   ActivationTable<Ops> acts_;
   ParamAccess* access_ = nullptr;
   // MoE state (empty for dense models).
-  std::vector<int64_t> expert_counts_;     // (L, E) since zero_grads()
+  std::vector<int64_t> expert_counts_;     // (L, E) since reset_expert_token_counts()
   std::vector<int64_t> forward_counts_;    // (E) this forward, summed over MoE layers
   std::vector<double> forward_prob_sums_;  // (E) this forward, summed over MoE layers
   std::vector<float> expert_bias_;         // (L, E) loss-free selection bias
@@ -255,17 +226,16 @@ using CpuFp8Model = kernels::CpuQueuedOps<kernels::CpuFp8Ops>;
 // decoder_cpu.cpp).
 using LlamaModel = Decoder<CpuF32Model>;
 using LlamaModelBf16 = Decoder<CpuBf16Model>;
-// The fp8 recipe on the CPU: through a ParamAccess only (its compute copy is per-tensor bytes).
+// The fp8 recipe on the CPU (its compute copy is per-tensor bytes: no FlatAccess serves it).
 using LlamaModelFp8 = Decoder<CpuFp8Model>;
 extern template class Decoder<CpuF32Model>;
 extern template class Decoder<CpuBf16Model>;
 extern template class Decoder<CpuFp8Model>;
 
 // The decoder on the CPU backend whose compute copy is `compute` (F32: the reference; BF16 and
-// F8_E4M3: the GPU's bf16 and fp8 recipes emulated; F8_E4M3 needs flat_buffers = false). flat_buffers as for Decoder's constructor.
-// device: where its activation table lives (the arena of a cpu Device, under its budget), or
-// null for ordinary host memory.
-std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, bool flat_buffers,
-                                        Device* device = nullptr);
+// F8_E4M3: the GPU's bf16 and fp8 recipes emulated). device: where its activation table lives
+// (the arena of a cpu Device, under its budget, and its ops queued on a compute stream), or null
+// for ordinary host memory and ops run in the caller.
+std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, Device* device = nullptr);
 
 }  // namespace strata::model

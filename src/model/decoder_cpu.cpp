@@ -13,14 +13,10 @@ template class Decoder<CpuF32Model>;
 template class Decoder<CpuBf16Model>;
 template class Decoder<CpuFp8Model>;
 
-std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, bool flat_buffers,
-                                        Device* device) {
-  if (compute == DType::kF8E4M3) {
-    CHECK_MSG(!flat_buffers, "the fp8 recipe computes through a ParamAccess only (no flat buffers)");
-    return std::make_unique<LlamaModelFp8>(config, false, CpuFp8Model(device));
-  }
-  if (compute == DType::kBF16) return std::make_unique<LlamaModelBf16>(config, flat_buffers, CpuBf16Model(device));
-  return std::make_unique<LlamaModel>(config, flat_buffers, CpuF32Model(device));
+std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, Device* device) {
+  if (compute == DType::kF8E4M3) return std::make_unique<LlamaModelFp8>(config, CpuFp8Model(device));
+  if (compute == DType::kBF16) return std::make_unique<LlamaModelBf16>(config, CpuBf16Model(device));
+  return std::make_unique<LlamaModel>(config, CpuF32Model(device));
 }
 
 }  // namespace strata::model

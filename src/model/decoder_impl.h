@@ -12,24 +12,14 @@
 #include "kernels/moe.h"
 #include "kernels/rope.h"
 #include "model/decoder.h"
-#include "model/hf_io.h"
 #include "model/moe_layer.h"
 
 namespace strata::model {
 
 template <class Ops>
-Decoder<Ops>::Decoder(const ModelConfig& config, bool flat_buffers, Ops ops)
-    : config_(config), layout_(config), ops_(std::move(ops)) {
-  Status st = config_.validate("LlamaModel config");
+Decoder<Ops>::Decoder(const ModelConfig& config, Ops ops) : config_(config), layout_(config), ops_(std::move(ops)) {
+  Status st = config_.validate("model config");
   CHECK_MSG(st.ok(), st.to_string());
-  // Flat buffers hold one compute-copy element per parameter: not the fp8 recipe's E4M3 blocks.
-  CHECK_MSG(!flat_buffers || (Ops::kHostMemory && Ops::kWeightDType != DType::kF8E4M3),
-            std::string("the ") + Ops::kName + " backend computes through a ParamAccess only (no flat buffers)");
-  if (flat_buffers) {
-    params_.assign(static_cast<size_t>(layout_.total_size()), 0.0f);
-    if constexpr (!std::is_same_v<W, float>) compute_.assign(params_.size(), W{});
-    grads_.assign(static_cast<size_t>(layout_.total_size()), 0.0f);
-  }
   inv_freq_.resize(static_cast<size_t>(config_.head_dim / 2));
   kernels::rope_inv_freq(inv_freq_.data(), config_.head_dim, config_.rope);
   inv_freq_ops_ = ops_.stage_constants(inv_freq_.data(), static_cast<int64_t>(inv_freq_.size()));
@@ -39,22 +29,6 @@ Decoder<Ops>::Decoder(const ModelConfig& config, bool flat_buffers, Ops ops)
     expert_bias_.assign(expert_counts_.size(), 0.0f);
     forward_counts_.assign(E, 0);
     forward_prob_sums_.assign(E, 0.0);
-  }
-}
-
-template <class Ops>
-void Decoder<Ops>::init_weights(uint64_t seed) {
-  model::init_weights(layout_, params_.data(), seed);
-  sync_compute_copy();
-}
-
-template <class Ops>
-void Decoder<Ops>::sync_compute_copy() {
-  if constexpr (!std::is_same_v<W, float>) {
-    static_assert(sizeof(W) == sizeof(uint16_t), "a bf16 compute copy");
-    CHECK_MSG(compute_.size() == params_.size(), "sync_compute_copy without flat buffers");
-    kernels::round_to_bf16(reinterpret_cast<uint16_t*>(compute_.data()), params_.data(),
-                           static_cast<int64_t>(params_.size()));
   }
 }
 
@@ -72,17 +46,7 @@ void Decoder<Ops>::set_access(ParamAccess* access) {
 }
 
 template <class Ops>
-Status Decoder<Ops>::load_safetensors(const std::string& path) {
-  std::vector<float> loaded(params_.size(), 0.0f);
-  RETURN_IF_ERROR(load_hf_weights(path, layout_, loaded.data()));
-  params_.swap(loaded);
-  sync_compute_copy();
-  return Status::OK();
-}
-
-template <class Ops>
-void Decoder<Ops>::zero_grads() {
-  std::fill(grads_.begin(), grads_.end(), 0.0f);
+void Decoder<Ops>::reset_expert_token_counts() {
   std::fill(expert_counts_.begin(), expert_counts_.end(), int64_t{0});
 }
 
@@ -220,12 +184,11 @@ void Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* dr
 
 template <class Ops>
 Status Decoder<Ops>::begin_group(int group, bool params, bool grads) {
-  return access_ == nullptr ? Status::OK() : access_->begin(group, params, grads);
+  return access_->begin(group, params, grads);
 }
 
 template <class Ops>
 void Decoder<Ops>::end_group(int group, bool params, bool grads) {
-  if (access_ == nullptr) return;
   // The queued ops must be done with the group before it may be evicted: the access orders its
   // moves after them on the compute stream, or the host waits here.
   if (!access_->stream_ordered()) ops_.synchronize();
@@ -261,7 +224,6 @@ Status Decoder<Ops>::begin_experts(int64_t layer, bool params, bool grads) {
   const int64_t* offsets = ops_.expert_offsets_on_host(acts_.layer(layer).expert_offsets, config_.num_experts);
   for (int64_t e = 0; e < config_.num_experts; ++e)
     if (offsets[e + 1] > offsets[e]) active_experts_.push_back(static_cast<int>(e));
-  if (access_ == nullptr) return Status::OK();
   Status st = access_->begin_experts(static_cast<int>(1 + layer), active_experts_, params, grads);
   if (!st.ok()) active_experts_.clear();
   return st;
@@ -270,10 +232,8 @@ Status Decoder<Ops>::begin_experts(int64_t layer, bool params, bool grads) {
 template <class Ops>
 void Decoder<Ops>::end_experts(int64_t layer, bool params, bool grads) {
   if (!config_.is_moe_layer(layer)) return;
-  if (access_ != nullptr) {
-    if (!access_->stream_ordered()) ops_.synchronize();
-    access_->end_experts(static_cast<int>(1 + layer), active_experts_, params, grads);
-  }
+  if (!access_->stream_ordered()) ops_.synchronize();
+  access_->end_experts(static_cast<int>(1 + layer), active_experts_, params, grads);
   active_experts_.clear();
 }
 
@@ -290,11 +250,11 @@ MoeOffsets Decoder<Ops>::moe_offsets(int64_t layer) const {
 }
 
 template <class Ops>
-typename Decoder<Ops>::Act* Decoder<Ops>::checkpoint(int64_t l, int64_t N) {
+typename Decoder<Ops>::Act* Decoder<Ops>::layer_checkpoint(int64_t l, int64_t N) {
   const int64_t L = config_.num_hidden_layers;
   int64_t slot = l;
-  if (acts_.checkpoint_slots() < L + 1) slot = l == L ? std::min<int64_t>(L, 2) : l % 2;
-  return acts_.checkpoints + slot * N * config_.hidden_size;
+  if (acts_.layer_checkpoint_slots() < L + 1) slot = l == L ? std::min<int64_t>(L, 2) : l % 2;
+  return acts_.layer_checkpoints + slot * N * config_.hidden_size;
 }
 
 template <class Ops>
@@ -304,11 +264,10 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
   const int64_t L = config_.num_hidden_layers;
   const int64_t E = config_.num_experts;
   {
-    Status window = config_.check_sequence_length(T, "LlamaModel config");
+    Status window = config_.check_sequence_length(T, "model config");
     CHECK_MSG(window.ok(), window.to_string());
   }
-  RETURN_IF_ERROR(
-      acts_.reserve(ops_, config_, B, T, access_ != nullptr && access_->offloads_activations(), keep_layers_));
+  RETURN_IF_ERROR(acts_.reserve(ops_, config_, B, T, access_->offloads_activations(), keep_layers_));
   const int64_t offloaded = offload ? offloaded_checkpoint_count(static_cast<int>(L)) : 0;
   std::fill(forward_counts_.begin(), forward_counts_.end(), int64_t{0});
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
@@ -318,30 +277,31 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
     trace::Span span("compute", "embedding forward");
     ops_.trace_phase("embedding forward");
     RETURN_IF_ERROR(begin_group(0, true, false));
-    ops_.embedding_forward(checkpoint(0, N), tokens, param_blocks(layout_.embed_tokens()).data(),
+    ops_.embedding_forward(layer_checkpoint(0, N), tokens, param_blocks(layout_.embed_tokens()).data(),
                            block_rows(layout_.embed_tokens()), N, C, config_.vocab_size);
     end_group(0, true, false);
   }
-  const uint64_t checkpoint_bytes = static_cast<uint64_t>(N * C) * sizeof(Act);
+  const uint64_t layer_checkpoint_bytes = static_cast<uint64_t>(N * C) * sizeof(Act);
   if (offloaded > 0) {
     ops_.synchronize();
-    RETURN_IF_ERROR(access_->offload_checkpoint(0, checkpoint(0, N), checkpoint_bytes));
+    RETURN_IF_ERROR(access_->offload_checkpoint(0, layer_checkpoint(0, N), layer_checkpoint_bytes));
   }
   for (int64_t l = 0; l < L; ++l) {
-    const Act* x = checkpoint(l, N);  // (N, C)
+    const Act* x = layer_checkpoint(l, N);  // (N, C)
     std::fill(layer_counts.begin(), layer_counts.end(), int64_t{0});
     const RouterStats stats{layer_counts.data(), forward_prob_sums_.data()};
     trace::Span span("compute", "forward", l);
     ops_.trace_phase("forward", l);
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, false));
-    const Status st = layer_forward(l, x, checkpoint(l + 1, N), B, T, &stats, /*grads=*/false);
+    const Status st = layer_forward(l, x, layer_checkpoint(l + 1, N), B, T, &stats, /*grads=*/false);
     if (st.ok()) end_experts(l, true, false);
     end_group(static_cast<int>(1 + l), true, false);
     span.end();
     RETURN_IF_ERROR(st);
     if (l + 1 < offloaded) {
       ops_.synchronize();
-      RETURN_IF_ERROR(access_->offload_checkpoint(static_cast<int>(l + 1), checkpoint(l + 1, N), checkpoint_bytes));
+      RETURN_IF_ERROR(
+          access_->offload_checkpoint(static_cast<int>(l + 1), layer_checkpoint(l + 1, N), layer_checkpoint_bytes));
     }
     if (!config_.is_moe_layer(l)) continue;
     for (int64_t e = 0; e < E; ++e) {
@@ -375,12 +335,12 @@ template <class Ops>
 Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                    float grad_scale, bool backward) {
   CHECK(B > 0 && T > 0);
-  CHECK_MSG(access_ != nullptr || !params_.empty(), "LlamaModel without flat buffers computes through a ParamAccess");
+  CHECK_MSG(access_ != nullptr, "the model computes through a ParamAccess: set_access() first");
   check_tokens(inputs, targets, B * T);
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
-  const bool offload = backward && access_ != nullptr && access_->offloads_activations();
+  const bool offload = backward && access_->offloads_activations();
   const int64_t offloaded = offload ? offloaded_checkpoint_count(static_cast<int>(L)) : 0;
   RETURN_IF_ERROR(forward_layers(inputs, B, T, /*count_tokens=*/backward, offload));
   const int32_t* staged_targets = ops_.stage_tokens(targets, N, acts_.tokens_target);
@@ -397,8 +357,8 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
     if (tied) end_group(0, true, backward);
     return st;
   }
-  ops_.rmsnorm_forward(acts_.final_out, acts_.final_rstd, checkpoint(L, N),
-                                param(layout_.final_norm()), N, C, static_cast<float>(config_.rms_norm_eps));
+  ops_.rmsnorm_forward(acts_.final_out, acts_.final_rstd, layer_checkpoint(L, N), param(layout_.final_norm()), N, C,
+                       static_cast<float>(config_.rms_norm_eps));
   if (!backward) {
     const double loss = ops_.lm_head_cross_entropy(
         nullptr, nullptr, acts_.final_out, param_blocks(layout_.lm_head()).data(), block_rows(layout_.lm_head()),
@@ -424,24 +384,23 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
       acts_.d_final, grad_blocks(layout_.lm_head()).data(), acts_.final_out, param_blocks(layout_.lm_head()).data(),
       block_rows(layout_.lm_head()), staged_targets, N, C, config_.vocab_size, grad_scale,
       ops_.lm_head_chunk_tokens(N, C, config_.vocab_size));
-  ops_.rmsnorm_backward(acts_.dres, grad(layout_.final_norm()), acts_.d_final,
-                                 checkpoint(L, N), param(layout_.final_norm()), acts_.final_rstd, N,
-                                 C);
+  ops_.rmsnorm_backward(acts_.dres, grad(layout_.final_norm()), acts_.d_final, layer_checkpoint(L, N),
+                        param(layout_.final_norm()), acts_.final_rstd, N, C);
   end_group(head, true, true);
   if (tied) end_group(0, true, true);
   head_span.end();
   for (int64_t l = L - 1; l >= 0; --l) {
-    Act* x = checkpoint(l, N);  // (N, C)
+    Act* x = layer_checkpoint(l, N);  // (N, C)
     // The scratch still holds the last layer's intermediates (and routing) from forward, and
     // with kept layers every layer's are in its own set; otherwise the layer is recomputed from
-    // its checkpoint. Either way the experts that received tokens are begun, parameters and
-    // gradients, for the backward.
+    // its layer checkpoint. Either way the experts that received tokens are begun, parameters
+    // and gradients, for the backward.
     const bool recompute = l != L - 1 && !keep_layers_;
-    // Fetching the layer's state (and its offloaded checkpoint) belongs to the recompute span
-    // when there is one, else to the backward's.
+    // Fetching the layer's state (and its offloaded layer checkpoint) belongs to the recompute
+    // span when there is one, else to the backward's.
     trace::Span recompute_span("compute", recompute ? "recompute" : "backward", l);
     ops_.trace_phase(recompute ? "recompute" : "backward", l);
-    // An offloaded checkpoint's slot has been reused since forward: fetch it back first.
+    // An offloaded layer checkpoint's slot has been reused since forward: fetch it back first.
     if (l < offloaded)
       RETURN_IF_ERROR(access_->fetch_checkpoint(static_cast<int>(l), x, static_cast<uint64_t>(N * C) * sizeof(Act)));
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, true));
@@ -468,8 +427,6 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
                           staged_inputs_, N, C, config_.vocab_size);
   end_group(0, false, true);
   ops_.trace_phase(nullptr);
-  // The model's own flat buffers are read by the host as soon as this returns.
-  if (access_ == nullptr) ops_.synchronize();
   return loss;
 }
 

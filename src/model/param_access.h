@@ -1,8 +1,9 @@
 // ParamAccess: where the model finds its parameters and accumulates its gradients while it
 // computes. The model brackets every phase of compute with begin()/end() for the parameter
 // group it touches (the embedding, one decoder layer, the head), so an implementation can
-// page groups in and out of device memory around compute. Without one, LlamaModel uses flat
-// buffers it owns.
+// page groups in and out of device memory around compute. The model owns no state and always
+// computes through one: the paged training state (train/paged_state.h), or a FlatAccess over
+// flat buffers its caller owns (flat_access.h).
 //
 // Mixture-of-experts layers: the experts of a layer are part of its group, but the model only
 // touches the experts its router sent tokens to. After routing, it begins that subset with
@@ -35,11 +36,12 @@ int param_expert_of(const ParamLayout& layout, const TensorSpec& tensor);
 // Not the embedding, the LM head, norms, biases, the router or the shared expert's gate.
 bool param_is_linear_weight(const ParamLayout& layout, const TensorSpec& tensor);
 
-// Activation offload (DESIGN §3.3): the layer-boundary checkpoints the model hands to
-// offload_checkpoint() during forward and takes back with fetch_checkpoint() during backward
-// are 0 .. offloaded_checkpoint_count(L) - 1. The model keeps checkpoints in two rotating slots
-// (checkpoint l in slot l % 2) plus one for checkpoint L, so after forward the inputs of the
-// last two layers are still resident and only the earlier ones travel.
+// Activation offload (DESIGN §3.3): the layer checkpoints (saved activations: the input of
+// layer l is layer checkpoint l) the model hands to offload_checkpoint() during forward and takes
+// back with fetch_checkpoint() during backward are 0 .. offloaded_checkpoint_count(L) - 1. The
+// model keeps layer checkpoints in two rotating slots (layer checkpoint l in slot l % 2) plus one
+// for layer checkpoint L, so after forward the inputs of the last two layers are still resident
+// and only the earlier ones travel.
 inline int offloaded_checkpoint_count(int num_layers) { return num_layers > 2 ? num_layers - 2 : 0; }
 
 class ParamAccess {
@@ -77,10 +79,11 @@ class ParamAccess {
     (void)group, (void)experts, (void)params, (void)grads;
   }
 
-  // Activation offload. When offloads_activations(), the model plans two checkpoint slots
-  // instead of L + 1; in a step with backward it calls offload_checkpoint(l, ...) as soon as
-  // forward has written checkpoint l (the input of layer l) and fetch_checkpoint(l, ...) before
-  // it recomputes layer l in backward, in reverse order, for l < offloaded_checkpoint_count(L).
+  // Activation offload. When offloads_activations(), the model plans two layer checkpoint slots
+  // (plus one for the last) instead of L + 1; in a step with backward it calls
+  // offload_checkpoint(l, ...) as soon as forward has written layer checkpoint l (the input of
+  // layer l) and fetch_checkpoint(l, ...) before it recomputes layer l in backward, in reverse
+  // order, for l < offloaded_checkpoint_count(L).
   // `bytes` = tokens of the micro-batch * hidden size * the activation type's size. The data
   // pointers are borrowed for the call only. The defaults mean "not offloading" and are never
   // called then.

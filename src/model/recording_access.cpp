@@ -19,7 +19,6 @@ class DryRunOps {
   using W = float;
   static constexpr DType kWeightDType = DType::kF32;
   static constexpr const char* kName = "dry run";
-  static constexpr bool kHostMemory = true;
 
   explicit DryRunOps(RecordingAccess* recorder) : recorder_(recorder) {}
 
@@ -149,7 +148,7 @@ void RecordingAccess::mark_phase(const char* name) {
 
 std::vector<ProgramEvent> record_micro_batch(const ModelConfig& config, bool offload_activations) {
   RecordingAccess recorder(offload_activations);
-  Decoder<DryRunOps> model(config, /*flat_buffers=*/false, DryRunOps(&recorder));
+  Decoder<DryRunOps> model(config, DryRunOps(&recorder));
   model.set_access(&recorder);
   const int32_t token = 0;
   const Result<double> loss = model.compute(&token, &token, /*B=*/1, /*T=*/1, 1.0f, /*backward=*/true);

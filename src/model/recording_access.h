@@ -56,7 +56,7 @@ class RecordingAccess final : public ParamAccess {
 };
 
 // One micro-batch of a model of `config`, forward, recompute and backward, as the decoder
-// acquires state for it; with offload_activations, its checkpoint offloads and fetches too.
+// acquires state for it; with offload_activations, its layer checkpoints' offloads and fetches too.
 std::vector<ProgramEvent> record_micro_batch(const ModelConfig& config, bool offload_activations);
 
 }  // namespace strata::model

@@ -109,7 +109,12 @@ Result<std::unique_ptr<ComputeProbe>> ComputeProbe::create(const MachineBenchOpt
   t.grad_accum = 1;
   t.keep_activations = o.keep_activations ? "true" : "false";
   p->flops_ = micro_batch_flops(make_plan_input(o.model, t, DeviceKind::kCpu));
-  p->net_ = model::make_cpu_decoder(DType::kF32, o.model, /*flat_buffers=*/true);
+  p->net_ = model::make_cpu_decoder(DType::kF32, o.model);
+  const size_t n = static_cast<size_t>(p->net_->layout().total_size());
+  p->params_.assign(n, 0.0f);
+  p->grads_.assign(n, 0.0f);
+  p->access_ = std::make_unique<model::FlatAccess>(DType::kF32, p->params_.data(), p->grads_.data());
+  p->net_->set_access(p->access_.get());
   p->net_->set_keep_layer_activations(o.keep_activations);
   p->tokens_.resize(static_cast<size_t>(p->B_ * p->T_));
   for (size_t i = 0; i < p->tokens_.size(); ++i) p->tokens_[i] = static_cast<int32_t>((i * 7919) % o.model.vocab_size);
@@ -118,7 +123,8 @@ Result<std::unique_ptr<ComputeProbe>> ComputeProbe::create(const MachineBenchOpt
 
 Result<double> ComputeProbe::run_once() {
   const auto start = std::chrono::steady_clock::now();
-  net_->zero_grads();
+  std::fill(grads_.begin(), grads_.end(), 0.0f);
+  net_->reset_expert_token_counts();
   ASSIGN_OR_RETURN(double loss, net_->compute(tokens_.data(), tokens_.data(), B_, T_,
                                               1.0f / static_cast<float>(B_ * T_), /*backward=*/true));
   (void)loss;

@@ -18,6 +18,7 @@
 #include "core/status.h"
 #include "model/config.h"
 #include "model/decoder.h"
+#include "model/flat_access.h"
 #include "offload/plan.h"
 
 namespace strata {
@@ -64,6 +65,10 @@ class ComputeProbe {
 
  private:
   ComputeProbe() = default;
+  // The model's parameters (all zero: the timing does not depend on their values) and
+  // gradients, in flat buffers of its layout, and the access it reads them through.
+  std::vector<float> params_, grads_;
+  std::unique_ptr<model::FlatAccess> access_;
   std::unique_ptr<model::Model> net_;
   std::vector<int32_t> tokens_;
   int64_t B_ = 0, T_ = 0;

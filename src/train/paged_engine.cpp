@@ -38,7 +38,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
 }
 
 // The device, the state kernels and the model on the backend. The state lives in the chunk
-// space only: the model keeps no flat copy. On CUDA the model, its kernels' scratch, its
+// space only: the model holds none. On CUDA the model, its kernels' scratch, its
 // activations and the chunks share the device's arena, so budgets_.memory_device becomes what
 // the kernels' scratch leaves of it: from here on it is the one device budget of the state and
 // the activations.
@@ -48,7 +48,7 @@ Status PagedEngine::open_backend(const TrainConfig& t) {
     // the model's activations alike.
     ASSIGN_OR_RETURN(device_, open_device("cpu", 0, t.memory_device));
     const DType compute = StateLayout::of(budgets_.precision, t.moments).compute_dtype();
-    net_ = model::make_cpu_decoder(compute, mc_, /*flat_buffers=*/false, device_.get());
+    net_ = model::make_cpu_decoder(compute, mc_, device_.get());
     return Status::OK();
   }
   // The bf16 recipe unless fp8 is asked for by name (train.precision=auto is bf16 on CUDA).
@@ -225,7 +225,7 @@ std::string PagedEngine::memory_summary() const {
 }
 
 Status PagedEngine::zero_grads() {
-  net_->zero_grads();  // router statistics; the gradients themselves live in the chunk space
+  net_->reset_expert_token_counts();  // the gradients themselves live in the chunk space
   return state_->zero_grads();
 }
 

@@ -23,9 +23,9 @@
 // order, like AdamW::clip_gradients) and AdamW per group, on the device tier for groups whose
 // Adam moments live there and with the SIMD CPU AdamW in host memory for the others (NVMe-homed
 // moments are read into host slots and written back by eviction). With offload_activations it
-// also keeps the model's offloaded activation checkpoints, in host memory. Both AdamW paths are bitwise
-// equal to the reference, so where a group is updated never changes the result: N steps under
-// any budgets give bitwise the parameters of an unpaged run.
+// also keeps the model's offloaded saved activations (layer checkpoints), in host memory. Both
+// AdamW paths are bitwise equal to the reference, so where a group is updated never changes the
+// result: N steps under any budgets give bitwise the parameters of an unpaged run.
 //
 // Ownership: borrows the Device and IoEngine, which must outlive it. Not thread-safe.
 #pragma once
@@ -70,9 +70,9 @@ struct PagedStateOptions {
   // Home and owner of each group's state of each kind (the plan's placement). None: every chunk
   // in the lowest tier with room, every group owned by this process.
   std::optional<Placement> placement;
-  // Activation offload (DESIGN §3.3): keep the model's offloaded layer-boundary checkpoints
-  // (param_access.h) in kAct chunks homed in host memory. activation_tokens = B * T of one
-  // micro-batch; micro-batches may be smaller, never larger.
+  // Activation offload (DESIGN §3.3): keep the model's offloaded layer checkpoints (saved
+  // activations, param_access.h) in kAct chunks homed in host memory. activation_tokens = B * T
+  // of one micro-batch; micro-batches may be smaller, never larger.
   bool offload_activations = false;
   int64_t activation_tokens = 0;
   OptimizerConfig optimizer;
@@ -98,12 +98,12 @@ struct PagedStateOptions {
 };
 
 // What create() reserves in host memory: a slot of chunk_bytes for every chunk the state can
-// occupy there (every kind's, and the offloaded activation checkpoints'), one more slot for
+// occupy there (every kind's, and the offloaded saved activations'), one more slot for
 // staging moves to and from disk when there is an nvme tier, and no more than the host budget.
 struct HostTierSize {
   uint64_t chunk_bytes = 0;
   uint64_t state_chunks = 0;       // every chunk of every kind of state
-  uint64_t activation_chunks = 0;  // offloaded layer-boundary checkpoints
+  uint64_t activation_chunks = 0;  // offloaded layer checkpoints (saved activations)
   uint64_t staging_chunks = 0;     // the free slot an nvme tier stages through
   uint64_t state_bytes = 0;        // the state's bytes in those chunks (the rest is padding)
   uint64_t reserved_bytes = 0;     // min(host budget, all those chunks): what is reserved
@@ -294,7 +294,7 @@ class PagedState : public model::ParamAccess, public SavableState {
     trace::Span wait("wait", "compute stream");  // profiles attribute it to what the stream ran
     compute_stream_->synchronize();
   }
-  std::unique_ptr<Stream> staging_stream_;     // checkpoint offload between device and host memory
+  std::unique_ptr<Stream> staging_stream_;     // saved activations between device and host memory
   std::vector<char> staging_;
   std::unique_ptr<StateStore> store_;
   std::unordered_map<int64_t, size_t> by_offset_;  // flat offset -> store tensor index

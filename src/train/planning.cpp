@@ -78,7 +78,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
   in.checkpoint_bytes_per_layer = N * C * act;
   // One layer's recompute and backward scratch, the final norm's buffers and the backend's
-  // own (MoE expert buffers): the decoder's activation table less its checkpoints, as the
+  // own (MoE expert buffers): the decoder's activation table less its layer checkpoints, as the
   // table sizes itself (the CPU backend's in its recipe; a GPU's activations are bf16 like the
   // CPU bf16 recipe's). Kept layers hold every layer's intermediates but the last's besides.
   auto table_bytes = [&](bool keep) {
@@ -88,8 +88,8 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
                : model::ActivationTable<kernels::CpuBf16Ops>::bytes_for(m, tokens, false, keep);
   };
   const uint64_t table = static_cast<uint64_t>(table_bytes(false));
-  const uint64_t checkpoints = (L + 1) * in.checkpoint_bytes_per_layer;
-  in.layer_workspace_bytes = table > checkpoints ? table - checkpoints : 0;
+  const uint64_t layer_checkpoints = (L + 1) * in.checkpoint_bytes_per_layer;
+  in.layer_workspace_bytes = table > layer_checkpoints ? table - layer_checkpoints : 0;
   // The CUDA fp8 recipe's quantised GEMM operands, allocated with the table (kernels/fp8_operands.h).
   if (cuda && state.compute_dtype() == DType::kF8E4M3)
     in.layer_workspace_bytes += kernels::fp8_operand_bytes(model::micro_batch_shape(m, static_cast<int64_t>(N)));

@@ -113,7 +113,7 @@ struct Fp8Model {
       CHECK_MSG(m.ok(), m.status().to_string());
       net = std::move(m).value();
     } else {
-      net = model::make_cpu_decoder(DType::kF8E4M3, config, /*flat_buffers=*/false, device.get());
+      net = model::make_cpu_decoder(DType::kF8E4M3, config, device.get());
     }
     PagedStateOptions po;
     po.device_bytes = device_bytes;
@@ -160,9 +160,10 @@ Batch random_batch(int64_t n, int64_t vocab, uint64_t seed) {
 }
 
 std::vector<float> initial_params(const model::ModelConfig& config, uint64_t seed) {
-  model::LlamaModel init(config);
-  init.init_weights(seed);
-  return std::vector<float>(init.params(), init.params() + init.layout().total_size());
+  const model::ParamLayout layout(config);
+  std::vector<float> params(static_cast<size_t>(layout.total_size()));
+  model::init_weights(layout, params.data(), seed);
+  return params;
 }
 
 double cosine(const float* a, const float* b, int64_t n) {

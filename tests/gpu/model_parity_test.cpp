@@ -48,6 +48,7 @@
 #include "model/config.h"
 #include "model/cuda/decoder_cuda.h"
 #include "model/decoder.h"
+#include "model/flat_model.h"
 #include "reference_adamw.h"
 #include "train/paged_state.h"
 #include "train/state_kernels.h"
@@ -55,6 +56,7 @@
 namespace strata::testing {
 namespace {
 
+using model::FlatModel;
 using model::LlamaModel;
 using model::ModelConfig;
 using model::TensorRole;
@@ -215,8 +217,8 @@ class ModelParity : public ::testing::TestWithParam<Variant> {};
 // Against the fp32 reference and against the CPU's bf16 recipe; both errors are printed.
 TEST_P(ModelParity, LossAndEveryGradientMatchTheCpuModels) {
   const ModelConfig config = tiny_config(GetParam());
-  LlamaModel fp32(config);
-  model::LlamaModelBf16 bf16(config);
+  FlatModel<LlamaModel> fp32(config);
+  FlatModel<model::LlamaModelBf16> bf16(config);
   GpuModel gpu(config, adam_config(1.0f));
   const std::vector<float> init = initial_params(fp32.layout(), 17);
   std::copy(init.begin(), init.end(), fp32.params());
@@ -265,7 +267,7 @@ TEST_P(ModelParity, LossAndEveryGradientMatchTheCpuModels) {
 TEST_P(ModelParity, AdamWLossCurveTracksTheCpuModel) {
   const ModelConfig config = tiny_config(GetParam());
   const OptimizerConfig opt = adam_config(0.5f);  // low enough that some steps clip
-  LlamaModel cpu(config);
+  FlatModel<LlamaModel> cpu(config);
   GpuModel gpu(config, opt);
   const std::vector<float> init = initial_params(cpu.layout(), 23);
   std::copy(init.begin(), init.end(), cpu.params());
@@ -365,7 +367,7 @@ TEST(ModelParityMoe, TracksTheBf16RecipeAndTrains) {
   config.router_aux_loss_coef = 0.01;
   config.fill_defaults();
   ASSERT_TRUE(config.validate("test").ok());
-  model::LlamaModelBf16 cpu(config);
+  FlatModel<model::LlamaModelBf16> cpu(config);
   GpuModel gpu(config, adam_config(1.0f));
   const std::vector<float> init = initial_params(cpu.layout(), 31);
   std::copy(init.begin(), init.end(), cpu.params());

@@ -17,6 +17,7 @@
 #include "kernels/rmsnorm.h"
 #include "kernels/swiglu.h"
 #include "model/decoder.h"
+#include "model/flat_model.h"
 
 namespace strata::model {
 namespace {
@@ -190,8 +191,8 @@ class Bf16DecoderTest : public ::testing::TestWithParam<bool> {};
 // tolerances of the fp32 reference, and are not bitwise equal to it (the recipe does round).
 TEST_P(Bf16DecoderTest, TracksTheFp32ReferenceWithinBf16Tolerance) {
   const ModelConfig c = GetParam() ? moe_config() : dense_config();
-  LlamaModel ref(c);
-  LlamaModelBf16 bf(c);
+  FlatModel<LlamaModel> ref(c);
+  FlatModel<LlamaModelBf16> bf(c);
   ref.init_weights(3);
   std::copy_n(ref.params(), ref.layout().total_size(), bf.params());
   bf.sync_compute_copy();
@@ -209,7 +210,7 @@ TEST_P(Bf16DecoderTest, TracksTheFp32ReferenceWithinBf16Tolerance) {
   EXPECT_TRUE(grad_err <= 2e-2) << "gradients differ by " << grad_err << " (relative L2)";
   EXPECT_GT(grad_err, 0.0);
   if (c.is_moe()) {
-    EXPECT_EQ(bf.expert_token_counts(), ref.expert_token_counts());
+    EXPECT_EQ(bf.net().expert_token_counts(), ref.net().expert_token_counts());
   }
   // A forward alone gives the same loss as the forward of forward_backward.
   EXPECT_EQ(bf.forward_loss(t.inputs.data(), t.targets.data(), B, T), got);
@@ -217,7 +218,7 @@ TEST_P(Bf16DecoderTest, TracksTheFp32ReferenceWithinBf16Tolerance) {
 
 TEST_P(Bf16DecoderTest, TrainsTheLossDown) {
   const ModelConfig c = GetParam() ? moe_config() : dense_config();
-  LlamaModelBf16 model(c);
+  FlatModel<LlamaModelBf16> model(c);
   model.init_weights(5);
   const int64_t B = 2, T = 16;
   const Tokens t = random_tokens(B * T, c.vocab_size, 4);
@@ -238,10 +239,10 @@ TEST_P(Bf16DecoderTest, TrainsTheLossDown) {
 // ops on the same inputs, so losses and gradients are bitwise those of recomputation.
 template <class Net>
 void expect_kept_equals_recomputed(const ModelConfig& c) {
-  Net kept(c), recomputed(c);
+  FlatModel<Net> kept(c), recomputed(c);
   kept.init_weights(8);
   recomputed.init_weights(8);
-  kept.set_keep_layer_activations(true);
+  kept.net().set_keep_layer_activations(true);
   const int64_t B = 2, T = 16;
   for (int step = 0; step < 3; ++step) {
     const Tokens t = random_tokens(B * T, c.vocab_size, 20 + step);
@@ -253,7 +254,7 @@ void expect_kept_equals_recomputed(const ModelConfig& c) {
     const int64_t n = kept.layout().total_size();
     ASSERT_EQ(std::memcmp(kept.grads(), recomputed.grads(), static_cast<size_t>(n) * sizeof(float)), 0)
         << "gradients of step " << step;
-    for (Net* net : {&kept, &recomputed}) {
+    for (FlatModel<Net>* net : {&kept, &recomputed}) {
       for (int64_t i = 0; i < n; ++i) net->params()[i] -= 0.1f * net->grads()[i];
       net->sync_compute_copy();
     }
@@ -306,7 +307,7 @@ TEST(DecoderMemory, AnActivationTableOverTheDeviceBudgetIsRefusedByTheAllocator)
   for (const bool fits : {true, false}) {
     auto device = open_device("cpu", 0, static_cast<uint64_t>(fits ? table + (1 << 20) : table / 2));
     ASSERT_TRUE(device.ok()) << device.status().to_string();
-    LlamaModel model(c, /*flat_buffers=*/true, CpuF32Model(device->get()));
+    FlatModel<LlamaModel> model(c, CpuF32Model(device->get()));
     model.init_weights(1);
     const Tokens t = random_tokens(B * T, c.vocab_size, 2);
     Result<double> loss = model.compute(t.inputs.data(), t.targets.data(), B, T, 1.0f, /*backward=*/true);

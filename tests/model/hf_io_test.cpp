@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/decoder.h"
+#include "model/flat_model.h"
 #include "../test_util.h"
 
 namespace strata::model {
@@ -181,7 +182,7 @@ TEST_P(HfVariantTest, LoadThenExportIsBitwiseIdentical) {
 TEST_P(HfVariantTest, LossAndGradientsMatchTransformers) {
   Result<ModelConfig> config = load_hf_config((ref_ / "hf_sharded").string());
   ASSERT_TRUE(config.ok()) << config.status().to_string();
-  LlamaModel model(*config);
+  FlatModel<LlamaModel> model(*config);
   Status st = model.load_safetensors((ref_ / "hf_sharded").string());
   ASSERT_TRUE(st.ok()) << st.to_string();
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../test_util.h"
+#include "model/flat_model.h"
 
 namespace strata::model {
 namespace {
@@ -51,7 +52,7 @@ Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed) {
 
 // Parameters far from the 0.02-std init, so that every gradient is large enough for a finite
 // difference in fp32 to resolve it.
-void randomize_params(LlamaModel& model, uint64_t seed) {
+void randomize_params(FlatModel<LlamaModel>& model, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> matrix(-0.3f, 0.3f), gain(0.7f, 1.3f), bias(-0.1f, 0.1f);
   for (const TensorSpec& t : model.layout().tensors()) {
@@ -70,7 +71,7 @@ class LlamaGradientTest : public ::testing::TestWithParam<std::pair<bool, bool>>
 
 TEST_P(LlamaGradientTest, BackwardMatchesFiniteDifferencesOfTheLoss) {
   const auto [tied, bias] = GetParam();
-  LlamaModel model(small_config(tied, bias));
+  FlatModel<LlamaModel> model(small_config(tied, bias));
   randomize_params(model, 7);
   const Batch b = random_batch(2, 6, model.config().vocab_size, 11);
 
@@ -108,7 +109,7 @@ TEST(LlamaModelTest, ForwardBackwardIsBitwiseDeterministic) {
   const Batch small = random_batch(2, 7, c.vocab_size, 3);
   const Batch large = random_batch(3, 11, c.vocab_size, 4);
 
-  LlamaModel a(c), b(c);
+  FlatModel<LlamaModel> a(c), b(c);
   a.init_weights(42);
   b.init_weights(42);
   ASSERT_EQ(std::memcmp(a.params(), b.params(), sizeof(float) * a.layout().total_size()), 0);
@@ -132,7 +133,7 @@ TEST(LlamaModelTest, MicroBatchesAccumulateToTheFullBatchGradient) {
   const int64_t valid = count_valid_targets(full.targets.data(), full.B * full.T);
   const float scale = 1.0f / static_cast<float>(valid);
 
-  LlamaModel model(c);
+  FlatModel<LlamaModel> model(c);
   model.init_weights(9);
   model.zero_grads();
   const double loss_full = model.forward_backward(full.inputs.data(), full.targets.data(), full.B, full.T, scale);
@@ -154,7 +155,7 @@ TEST(LlamaModelTest, MicroBatchesAccumulateToTheFullBatchGradient) {
 TEST(LlamaModelTest, ForwardLossEqualsForwardBackwardLossAndLeavesGradientsAlone) {
   const ModelConfig c = small_config(false, false);
   const Batch b = random_batch(2, 9, c.vocab_size, 6);
-  LlamaModel model(c);
+  FlatModel<LlamaModel> model(c);
   model.init_weights(1);
   model.zero_grads();
   const double with_grads = model.forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, 1.0f);
@@ -170,7 +171,7 @@ TEST(LlamaModelTest, ForwardLossEqualsForwardBackwardLossAndLeavesGradientsAlone
 TEST(LlamaModelTest, GradientsAccumulateAcrossCalls) {
   const ModelConfig c = small_config(false, false);
   const Batch b = random_batch(1, 5, c.vocab_size, 8);
-  LlamaModel model(c);
+  FlatModel<LlamaModel> model(c);
   model.init_weights(2);
   model.zero_grads();
   model.forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, 1.0f);
@@ -185,7 +186,7 @@ TEST(LlamaModelTest, IgnoredTargetsContributeNoLossAndNoGradient) {
   const ModelConfig c = small_config(false, false);
   Batch b = random_batch(2, 4, c.vocab_size, 10);
   std::fill(b.targets.begin(), b.targets.end(), -1);
-  LlamaModel model(c);
+  FlatModel<LlamaModel> model(c);
   model.init_weights(3);
   model.zero_grads();
   EXPECT_EQ(model.forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, 1.0f), 0.0);

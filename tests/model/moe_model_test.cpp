@@ -1,4 +1,4 @@
-// LlamaModel with mixture-of-experts layers: expert token counts, the auxiliary loss switch and
+// The decoder with mixture-of-experts layers: expert token counts, the auxiliary loss switch and
 // loss-free balancing. Parity with PyTorch is in moe_parity_test.cpp.
 #include <gtest/gtest.h>
 
@@ -14,6 +14,7 @@
 
 #include "../test_util.h"
 #include "model/decoder.h"
+#include "model/flat_model.h"
 
 namespace strata::model {
 namespace {
@@ -51,7 +52,7 @@ Batch make_batch(uint64_t seed, int64_t vocab) {
 }
 
 std::vector<float> gradients(bool output_router_logits, const Batch& batch) {
-  LlamaModel model(moe_config(output_router_logits, 0.0));
+  FlatModel<LlamaModel> model(moe_config(output_router_logits, 0.0));
   model.init_weights(7);
   model.zero_grads();
   model.forward_backward(batch.inputs.data(), batch.targets.data(), kB, kT, 1.0f / (kB * kT));
@@ -62,13 +63,13 @@ TEST(MoeModelTest, AuxLossJoinsTheGradientOnlyWithOutputRouterLogits) {
   const Batch batch = make_batch(1, 31);
   const std::vector<float> without = gradients(false, batch);
   const std::vector<float> with = gradients(true, batch);
-  LlamaModel model(moe_config(true, 0.0));
-  const TensorSpec* router = model.layout().find("model.layers.0.mlp.gate.weight");
+  const ParamLayout layout(moe_config(true, 0.0));
+  const TensorSpec* router = layout.find("model.layers.0.mlp.gate.weight");
   ASSERT_NE(router, nullptr);
   const double diff = testing::relative_error(with.data() + router->offset, without.data() + router->offset,
                                               router->numel);
   EXPECT_GT(diff, 1e-3) << "the auxiliary loss should change the router's gradient";
-  const TensorSpec* lm_head = model.layout().find("lm_head.weight");
+  const TensorSpec* lm_head = layout.find("lm_head.weight");
   ASSERT_NE(lm_head, nullptr);
   // The LM head sits after every router: its gradient does not see the aux loss.
   EXPECT_EQ(std::memcmp(with.data() + lm_head->offset, without.data() + lm_head->offset,
@@ -78,12 +79,12 @@ TEST(MoeModelTest, AuxLossJoinsTheGradientOnlyWithOutputRouterLogits) {
 
 TEST(MoeModelTest, ExpertCountsAccumulateOverAStepAndResetWithZeroGrads) {
   const Batch a = make_batch(2, 31), b = make_batch(3, 31);
-  LlamaModel model(moe_config(true, 0.0));
+  FlatModel<LlamaModel> model(moe_config(true, 0.0));
   model.init_weights(3);
   const int64_t E = 4, per_layer = kB * kT * 2;
   auto layer_total = [&](int64_t layer) {
     int64_t s = 0;
-    for (int64_t e = 0; e < E; ++e) s += model.expert_token_counts()[layer * E + e];
+    for (int64_t e = 0; e < E; ++e) s += model.net().expert_token_counts()[layer * E + e];
     return s;
   };
   model.zero_grads();
@@ -94,8 +95,8 @@ TEST(MoeModelTest, ExpertCountsAccumulateOverAStepAndResetWithZeroGrads) {
   EXPECT_EQ(layer_total(2), 2 * per_layer);
   model.forward_loss(a.inputs.data(), a.targets.data(), kB, kT);  // evaluation does not count
   EXPECT_EQ(layer_total(2), 2 * per_layer);
-  EXPECT_TRUE(std::isfinite(model.last_aux_loss()));
-  EXPECT_GT(model.last_aux_loss(), 0.0);
+  EXPECT_TRUE(std::isfinite(model.net().last_aux_loss()));
+  EXPECT_GT(model.net().last_aux_loss(), 0.0);
   model.zero_grads();
   EXPECT_EQ(layer_total(0), 0);
 }
@@ -119,7 +120,7 @@ double imbalance(const LlamaModel& model) {
 
 TEST(MoeModelTest, LossFreeBiasBalancesTheExperts) {
   const Batch batch = make_batch(4, 31);
-  LlamaModel model(moe_config(false, 0.005));
+  FlatModel<LlamaModel> model(moe_config(false, 0.005));
   model.init_weights(5);
   // Skew every router towards expert 0 so that the start is badly unbalanced.
   for (const char* name : {"model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight"}) {
@@ -136,28 +137,28 @@ TEST(MoeModelTest, LossFreeBiasBalancesTheExperts) {
   for (int step = 0; step < kSteps; ++step) {
     model.zero_grads();
     model.forward_backward(batch.inputs.data(), batch.targets.data(), kB, kT, 0.0f);
-    const double now = imbalance(model);
+    const double now = imbalance(model.net());
     trajectory += fmt::format("{:.2f} ", now);
     if (step == 0) first = now;
     if (step >= kSteps - kTail) tail += now / kTail;
-    model.update_expert_bias();
+    model.net().update_expert_bias();
   }
   EXPECT_GT(first, 1.5) << trajectory;
   EXPECT_LT(tail, first - 0.25) << trajectory;
   std::printf("load max/mean by step: %s\n", trajectory.c_str());
   bool moved = false;
-  for (float v : model.expert_selection_bias()) moved = moved || v != 0.0f;
+  for (float v : model.net().expert_selection_bias()) moved = moved || v != 0.0f;
   EXPECT_TRUE(moved);
 }
 
 TEST(MoeModelTest, WithoutARateTheBiasStaysZero) {
   const Batch batch = make_batch(5, 31);
-  LlamaModel model(moe_config(true, 0.0));
+  FlatModel<LlamaModel> model(moe_config(true, 0.0));
   model.init_weights(5);
   model.zero_grads();
   model.forward_backward(batch.inputs.data(), batch.targets.data(), kB, kT, 0.01f);
-  model.update_expert_bias();
-  for (float v : model.expert_selection_bias()) EXPECT_EQ(v, 0.0f);
+  model.net().update_expert_bias();
+  for (float v : model.net().expert_selection_bias()) EXPECT_EQ(v, 0.0f);
 }
 
 }  // namespace

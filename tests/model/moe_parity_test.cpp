@@ -21,6 +21,7 @@
 #include "../test_util.h"
 #include "model/reference_util.h"
 #include "model/decoder.h"
+#include "model/flat_model.h"
 
 namespace strata::model {
 namespace {
@@ -51,7 +52,7 @@ void check_parity(const std::string& variant, const std::string& architecture) {
   Result<ModelConfig> config = ModelConfig::from_file(dir + "/config.json");
   ASSERT_TRUE(config.ok()) << config.status().to_string();
   EXPECT_EQ(config->architecture, architecture);
-  LlamaModel model(*config);
+  FlatModel<LlamaModel> model(*config);
   Status loaded = model.load_safetensors(dir + "/model.safetensors");
   ASSERT_TRUE(loaded.ok()) << loaded.to_string();
 
@@ -72,13 +73,13 @@ void check_parity(const std::string& variant, const std::string& architecture) {
   const double nll = model.forward_backward(inputs.data(), targets.data(), B, T, 1.0f / static_cast<float>(valid)) /
                      static_cast<double>(valid);
   const bool aux_in_loss = config->is_moe() && config->output_router_logits;
-  const double loss = nll + (aux_in_loss ? config->router_aux_loss_coef * model.last_aux_loss() : 0.0);
+  const double loss = nll + (aux_in_loss ? config->router_aux_loss_coef * model.net().last_aux_loss() : 0.0);
   EXPECT_WITHIN(relative(loss, ref["loss"].get<double>()), kLossTolerance)
       << " loss " << loss << " vs PyTorch " << ref["loss"].get<double>();
   if (config->is_moe()) {
     EXPECT_TRUE(aux_in_loss) << "the reference config sets output_router_logits";
-    EXPECT_WITHIN(relative(model.last_aux_loss(), ref["aux_loss"].get<double>()), kLossTolerance)
-        << " aux loss " << model.last_aux_loss() << " vs PyTorch " << ref["aux_loss"].get<double>();
+    EXPECT_WITHIN(relative(model.net().last_aux_loss(), ref["aux_loss"].get<double>()), kLossTolerance)
+        << " aux loss " << model.net().last_aux_loss() << " vs PyTorch " << ref["aux_loss"].get<double>();
   }
 
   // Gradients, by name.
@@ -109,7 +110,7 @@ void check_parity(const std::string& variant, const std::string& architecture) {
   // Every MoE layer routed each token K times.
   if (config->is_moe()) {
     const int64_t E = config->num_experts;
-    const std::vector<int64_t>& counts = model.expert_token_counts();
+    const std::vector<int64_t>& counts = model.net().expert_token_counts();
     ASSERT_EQ(static_cast<int64_t>(counts.size()), config->num_hidden_layers * E);
     for (int64_t l = 0; l < config->num_hidden_layers; ++l) {
       int64_t sum = 0;

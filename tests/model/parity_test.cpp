@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/decoder.h"
+#include "model/flat_model.h"
 #include "model/safetensors.h"
 #include "../test_util.h"
 #include "model/reference_util.h"
@@ -48,7 +49,7 @@ void check_parity(const std::string& variant) {
 
   Result<ModelConfig> config = ModelConfig::from_file(dir + "/config.json");
   ASSERT_TRUE(config.ok()) << config.status().to_string();
-  LlamaModel model(*config);
+  FlatModel<LlamaModel> model(*config);
   Status loaded = model.load_safetensors(dir + "/model.safetensors");
   ASSERT_TRUE(loaded.ok()) << loaded.to_string();
 

@@ -22,7 +22,8 @@
 
 #include "core/io_engine.h"
 #include "core/io_faulty.h"
-#include "model/decoder.h"
+#include "model/hf_io.h"
+#include "model/params.h"
 #include "../test_util.h"
 
 namespace strata::model {
@@ -505,7 +506,7 @@ TEST(SafetensorsTest, ReadsFileWrittenByPythonSafetensorsAndMatchesTorchBf16Roun
   }
 }
 
-// ---- LlamaModel::load_safetensors -----------------------------------------------------------
+// ---- A model's weights through load_hf_weights ------------------------------------------------
 
 ModelConfig small_config() {
   ModelConfig c;
@@ -520,33 +521,36 @@ ModelConfig small_config() {
   return c;
 }
 
-Status save_model(const LlamaModel& model, const std::string& path, const std::string& skip = "") {
+// params (layout.total_size()) saved under their Hugging Face names, but for `skip`.
+Status save_params(const ParamLayout& layout, const std::vector<float>& params, const std::string& path,
+                   const std::string& skip = "") {
   std::vector<SafetensorsWriteTensor> tensors;
-  for (const TensorSpec& t : model.layout().tensors()) {
-    if (t.name != skip) tensors.push_back({t.name, t.shape, model.params() + t.offset});
+  for (const TensorSpec& t : layout.tensors()) {
+    if (t.name != skip) tensors.push_back({t.name, t.shape, params.data() + t.offset});
   }
   return write_safetensors_file(path, tensors);
 }
 
 TEST(SafetensorsTest, ModelWeightsLoadBackBitwise) {
   const std::string path = test_dir() + "/model.safetensors";
-  LlamaModel a(small_config()), b(small_config());
-  a.init_weights(17);
-  ASSERT_TRUE(save_model(a, path).ok());
-  Status st = b.load_safetensors(path);
+  const ParamLayout layout(small_config());
+  std::vector<float> saved(static_cast<size_t>(layout.total_size())), loaded(saved.size());
+  init_weights(layout, saved.data(), 17);
+  ASSERT_TRUE(save_params(layout, saved, path).ok());
+  Status st = load_hf_weights(path, layout, loaded.data());
   ASSERT_TRUE(st.ok()) << st.to_string();
-  EXPECT_EQ(std::memcmp(a.params(), b.params(), sizeof(float) * a.layout().total_size()), 0);
+  EXPECT_EQ(std::memcmp(saved.data(), loaded.data(), sizeof(float) * saved.size()), 0);
 }
 
 TEST(SafetensorsTest, FailedModelLoadLeavesParametersUnchanged) {
   const std::string path = test_dir() + "/missing.safetensors";
-  LlamaModel model(small_config());
-  model.init_weights(1);
-  ASSERT_TRUE(save_model(model, path, "model.layers.1.mlp.up_proj.weight").ok());
-  LlamaModel fresh(small_config());
-  expect_error(fresh.load_safetensors(path), StatusCode::kNotFound, {path, "model.layers.1.mlp.up_proj.weight"});
-  const float* p = fresh.params();
-  EXPECT_TRUE(std::all_of(p, p + fresh.layout().total_size(), [](float x) { return x == 0.0f; }));
+  const ParamLayout layout(small_config());
+  std::vector<float> saved(static_cast<size_t>(layout.total_size())), fresh(saved.size(), 0.0f);
+  init_weights(layout, saved.data(), 1);
+  ASSERT_TRUE(save_params(layout, saved, path, "model.layers.1.mlp.up_proj.weight").ok());
+  expect_error(load_hf_weights(path, layout, fresh.data()), StatusCode::kNotFound,
+               {path, "model.layers.1.mlp.up_proj.weight"});
+  EXPECT_TRUE(std::all_of(fresh.begin(), fresh.end(), [](float x) { return x == 0.0f; }));
 }
 
 }  // namespace

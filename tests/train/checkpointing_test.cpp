@@ -40,8 +40,7 @@ class Trainer {
           kernels::MomentFormat moments = kernels::MomentFormat::kF32)
       : mc_(tiny_config(false)),
         device_(CpuDevice::create(0, 0).value()),
-        net_(model::make_cpu_decoder(StateLayout::of(precision).compute_dtype(), mc_, /*flat_buffers=*/false,
-                                     device_.get())) {
+        net_(model::make_cpu_decoder(StateLayout::of(precision).compute_dtype(), mc_, device_.get())) {
     io_ = make_io_engine({.kind = "threads"}).value();
     std::vector<float> init(static_cast<size_t>(net_->layout().total_size()));
     model::init_weights(net_->layout(), init.data(), 7);

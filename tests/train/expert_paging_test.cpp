@@ -99,7 +99,7 @@ struct RunResult {
 // Net: model::LlamaModel (the fp32 recipe) or model::LlamaModelBf16 (the bf16 recipe).
 template <class Net>
 RunResult run_flat_with(const model::ModelConfig& mc, const std::vector<Batch>& batches, float grad_clip = 0.5f) {
-  Net net(mc);
+  model::FlatModel<Net> net(mc);
   net.init_weights(7);
   RunResult r;
   r.losses = train_flat(net, batches, kSteps, kAccum, kB, kT, grad_clip, kLr);
@@ -117,8 +117,7 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
   auto io = make_io_engine({.kind = "threads"});
   CHECK(io.ok());
   // Made on the device: its ops are queued on a compute stream, and paging is stream-ordered.
-  Net net(mc, /*flat_buffers=*/true, typename Net::OpSet(device->get()));
-  net.init_weights(7);
+  Net net(mc, typename Net::OpSet(device->get()));
   PagedStateOptions po;
   po.precision = precision;
   po.device_bytes = device_bytes;
@@ -135,14 +134,14 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
   RunResult r;
   if (!paged.ok()) return r;
   PagedState& ps = **paged;
-  EXPECT_TRUE(ps.load_params(net.params()).ok());
+  EXPECT_TRUE(ps.load_params(initial_params(net.layout(), 7).data()).ok());
   r.expert_param_chunks = static_cast<int64_t>(ps.store().part_chunk_count(1, 0, StateKind::kParam));
   r.chunks = ps.store().space().num_chunks();
   CountingAccess access(ps, mc.num_experts, all_experts);
   net.set_access(&access);
   for (int s = 0; s < kSteps; ++s) {
     EXPECT_TRUE(ps.zero_grads().ok());
-    net.zero_grads();  // resets the model's expert token counts
+    net.reset_expert_token_counts();
     double loss = 0;
     for (int m = 0; m < kAccum; ++m) {
       const Batch& b = batches[s * kAccum + m];

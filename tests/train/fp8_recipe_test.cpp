@@ -59,14 +59,14 @@ class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
   TrainResult train(const model::ModelConfig& mc, const std::vector<Batch>& batches, uint64_t device, uint64_t host,
             uint64_t nvme, uint64_t chunk = 0, PagedState** keep = nullptr) {
     const Recipe r = GetParam();
-    model::LlamaModel init(mc);  // the fp32 weights every run starts from
-    init.init_weights(7);
+    // The fp32 weights every run starts from.
+    const std::vector<float> init = initial_params(model::ParamLayout(mc), 7);
     auto dev = CpuDevice::create(0, 0);
     CHECK(dev.ok());
     auto io = make_io_engine({.kind = "threads"});
     CHECK(io.ok());
     std::unique_ptr<model::Model> net =
-        model::make_cpu_decoder(StateLayout::of(r.precision).compute_dtype(), mc, /*flat_buffers=*/false, dev->get());
+        model::make_cpu_decoder(StateLayout::of(r.precision).compute_dtype(), mc, dev->get());
     PagedStateOptions po;
     po.precision = r.precision;
     po.moments = r.moments;
@@ -82,7 +82,7 @@ class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
     TrainResult out;
     if (!paged.ok()) return out;
     PagedState& ps = **paged;
-    EXPECT_TRUE(ps.load_params(init.params()).ok());
+    EXPECT_TRUE(ps.load_params(init.data()).ok());
     net->set_access(&ps);
     for (int s = 0; s < kSteps; ++s) {
       EXPECT_TRUE(ps.zero_grads().ok());
@@ -297,13 +297,12 @@ TEST(Fp8Traffic, ParameterTrafficHalvesAgainstBf16) {
   uint64_t moved[2] = {0, 0};
   for (int r = 0; r < 2; ++r) {
     const Precision precision = r == 0 ? Precision::kBf16 : Precision::kFp8;
-    model::LlamaModel init(mc);
-    init.init_weights(7);
+    const std::vector<float> init = initial_params(model::ParamLayout(mc), 7);
     auto dev = CpuDevice::create(0, 0);
     auto io = make_io_engine({.kind = "threads"});
     ASSERT_TRUE(dev.ok() && io.ok());
     std::unique_ptr<model::Model> net =
-        model::make_cpu_decoder(StateLayout::of(precision).compute_dtype(), mc, false, dev->get());
+        model::make_cpu_decoder(StateLayout::of(precision).compute_dtype(), mc, dev->get());
     PagedStateOptions po;
     po.precision = precision;
     po.chunk_bytes = chunk;
@@ -313,7 +312,7 @@ TEST(Fp8Traffic, ParameterTrafficHalvesAgainstBf16) {
     po.optimizer = optimizer_config(0.5f);
     auto ps = PagedState::create(**dev, io->get(), net->layout(), po);
     ASSERT_TRUE(ps.ok()) << ps.status().to_string();
-    ASSERT_TRUE((*ps)->load_params(init.params()).ok());
+    ASSERT_TRUE((*ps)->load_params(init.data()).ok());
     net->set_access(ps->get());
     const ChunkSpaceStats before = (*ps)->stats();
     for (int s = 0; s < 2; ++s) {

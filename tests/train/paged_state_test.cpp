@@ -55,7 +55,7 @@ uint64_t tight_chunk_bytes(const model::ParamLayout& layout, const model::ModelC
 // Net: model::LlamaModel (the fp32 recipe) or model::LlamaModelBf16 (the bf16 recipe).
 template <class Net>
 RunResult run_flat_with(const model::ModelConfig& mc, const std::vector<Batch>& batches, float grad_clip = kClip) {
-  Net net(mc);
+  model::FlatModel<Net> net(mc);
   net.init_weights(7);
   RunResult r;
   r.losses = train_flat(net, batches, kSteps, kAccum, kB, kT, grad_clip, 1e-2f);
@@ -73,8 +73,7 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
   auto io = make_io_engine({.kind = "threads"});
   CHECK(io.ok());
   // Made on the device: its ops are queued on a compute stream, and paging is stream-ordered.
-  Net net(mc, /*flat_buffers=*/true, typename Net::OpSet(device->get()));
-  net.init_weights(7);
+  Net net(mc, typename Net::OpSet(device->get()));
   PagedStateOptions po;
   po.precision = precision;
   po.device_bytes = device_bytes;
@@ -91,7 +90,7 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
   RunResult r;
   if (!paged.ok()) return r;
   PagedState& ps = **paged;
-  EXPECT_TRUE(ps.load_params(net.params()).ok());
+  EXPECT_TRUE(ps.load_params(initial_params(net.layout(), 7).data()).ok());
   ps.store().space().set_test_skip_acquire_wait(g_planted.skip_acquire_wait);
   net.set_access(&ps);
   for (int s = 0; s < kSteps; ++s) {
@@ -245,11 +244,12 @@ TEST_P(PagedStateTest, GroupChunksAreTheChunksTheStoreMakes) {
   }
 }
 
-// Activation offload (DESIGN §3.3): the layer-boundary checkpoints travel through kAct chunks
-// in host memory and the model keeps 3 checkpoint slots instead of L + 1; nothing changes.
+// Activation offload (DESIGN §3.3): the layer checkpoints (saved activations) travel through
+// kAct chunks in host memory and the model keeps 3 layer checkpoint slots instead of L + 1;
+// nothing changes.
 model::ModelConfig offload_config(bool tied) {
   model::ModelConfig mc = tiny_config(tied);
-  mc.num_hidden_layers = 5;  // checkpoints 0..2 travel; 3 and 4 stay resident
+  mc.num_hidden_layers = 5;  // layer checkpoints 0..2 travel; 3 and 4 stay resident
   return mc;
 }
 
@@ -258,15 +258,15 @@ void expect_offloaded(const RunResult& flat, const RunResult& paged, const RunRe
                       const model::ModelConfig& mc, uint64_t act_size) {
   const int offloaded = model::offloaded_checkpoint_count(mc.num_hidden_layers);
   ASSERT_EQ(offloaded, 3);
-  const uint64_t checkpoint_bytes = kB * kT * mc.hidden_size * act_size;
-  EXPECT_GE(paged.stats.act_bytes, offloaded * checkpoint_bytes);
+  const uint64_t layer_checkpoint_bytes = kB * kT * mc.hidden_size * act_size;
+  EXPECT_GE(paged.stats.act_bytes, offloaded * layer_checkpoint_bytes);
   EXPECT_EQ(resident.stats.act_bytes, 0u);
   // Every offload and every fetch acquires host memory.
   const auto host = static_cast<int>(Tier::kHost);
   EXPECT_GE(paged.stats.tiers[host].acquires,
             resident.stats.tiers[host].acquires + uint64_t{2} * offloaded * kSteps * kAccum);
-  // L + 1 - 3 = L - 2 checkpoint slots fewer.
-  EXPECT_EQ(flat.activation_bytes - paged.activation_bytes, static_cast<int64_t>(offloaded * checkpoint_bytes));
+  // L + 1 - 3 = L - 2 layer checkpoint slots fewer.
+  EXPECT_EQ(flat.activation_bytes - paged.activation_bytes, static_cast<int64_t>(offloaded * layer_checkpoint_bytes));
   EXPECT_EQ(resident.activation_bytes, flat.activation_bytes);
 }
 
@@ -334,14 +334,13 @@ SkipRun run_with_nan_step(bool nan_step, bool overlap, Status* nan_status = null
   const model::ModelConfig mc = tiny_config(false);
   const std::vector<Batch> batches = make_batches(4, kB * kT, 5);
   auto device = CpuDevice::create(0, 0).value();
-  model::LlamaModel net(mc, /*flat_buffers=*/true, model::CpuF32Model(device.get()));
-  net.init_weights(7);
+  model::LlamaModel net(mc, model::CpuF32Model(device.get()));
   PagedStateOptions po;
   po.device_bytes = po.host_bytes = 64ull << 20;
   po.optimizer = optimizer_config(overlap ? 0.0f : kClip);
   po.overlap_optimizer = overlap;
   auto ps = PagedState::create(*device, nullptr, net.layout(), po).value();
-  EXPECT_TRUE(ps->load_params(net.params()).ok());
+  EXPECT_TRUE(ps->load_params(initial_params(net.layout(), 7).data()).ok());
   net.set_access(ps.get());
   auto step = [&](const Batch& b, float scale) -> Result<double> {
     EXPECT_TRUE(ps->zero_grads().ok());
@@ -408,8 +407,7 @@ TEST(PagedStatePrefetchTest, HostOptimizerPhaseIsNotPrefetchedIntoTheDevice) {
   const auto batches = make_batches(kSteps * kAccum, kB * kT, 11);
   auto device = CpuDevice::create(0, 0);
   ASSERT_TRUE(device.ok());
-  model::LlamaModel net(mc, /*flat_buffers=*/true, model::CpuF32Model(device->get()));
-  net.init_weights(7);
+  model::LlamaModel net(mc, model::CpuF32Model(device->get()));
   // Parameters and gradients on the device; every group's moments in host memory.
   Placement placement(static_cast<int>(mc.num_hidden_layers) + 2);
   for (int g = 0; g < placement.num_groups(); ++g)
@@ -424,7 +422,7 @@ TEST(PagedStatePrefetchTest, HostOptimizerPhaseIsNotPrefetchedIntoTheDevice) {
   auto paged = PagedState::create(**device, nullptr, net.layout(), po);
   ASSERT_TRUE(paged.ok()) << paged.status().to_string();
   PagedState& ps = **paged;
-  ASSERT_TRUE(ps.load_params(net.params()).ok());
+  ASSERT_TRUE(ps.load_params(initial_params(net.layout(), 7).data()).ok());
   net.set_access(&ps);
   for (int s = 0; s < kSteps; ++s) {
     ASSERT_TRUE(ps.zero_grads().ok());

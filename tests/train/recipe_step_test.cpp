@@ -45,14 +45,13 @@ struct StepResult {
 
 // One micro-batch's loss and gradients under `precision`, from init_weights(seed)'s fp32 master.
 StepResult one_step(const model::ModelConfig& mc, Precision precision, const Batch& batch) {
-  model::LlamaModel init(mc);
-  init.init_weights(11);
+  const std::vector<float> init = initial_params(model::ParamLayout(mc), 11);
   auto dev = CpuDevice::create(0, 0);
   CHECK(dev.ok());
   auto io = make_io_engine({.kind = "threads"});
   CHECK(io.ok());
   std::unique_ptr<model::Model> net =
-      model::make_cpu_decoder(StateLayout::of(precision).compute_dtype(), mc, /*flat_buffers=*/false, dev->get());
+      model::make_cpu_decoder(StateLayout::of(precision).compute_dtype(), mc, dev->get());
   PagedStateOptions po;
   po.precision = precision;
   po.device_bytes = 1ull << 30;
@@ -61,7 +60,7 @@ StepResult one_step(const model::ModelConfig& mc, Precision precision, const Bat
   auto paged = PagedState::create(**dev, io->get(), net->layout(), po);
   CHECK_MSG(paged.ok(), paged.status().to_string());
   PagedState& ps = **paged;
-  CHECK(ps.load_params(init.params()).ok());
+  CHECK(ps.load_params(init.data()).ok());
   net->set_access(&ps);
   CHECK(ps.zero_grads().ok());
   Result<double> loss = net->compute(batch.inputs.data(), batch.targets.data(), kB, kT, 1.0f / (kB * kT), true);

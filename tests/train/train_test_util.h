@@ -15,6 +15,7 @@
 #include "core/check.h"
 #include "model/config.h"
 #include "model/decoder.h"
+#include "model/flat_model.h"
 #include "model/params.h"
 #include "ckpt/writer.h"
 #include "core/io_faulty.h"
@@ -68,6 +69,14 @@ struct Batch {
   std::vector<int32_t> inputs, targets;
 };
 
+// The fp32 weights model::init_weights gives a model of `layout` with `seed`: what a paged
+// state's load_params starts from.
+inline std::vector<float> initial_params(const model::ParamLayout& layout, uint64_t seed) {
+  std::vector<float> params(static_cast<size_t>(layout.total_size()));
+  model::init_weights(layout, params.data(), seed);
+  return params;
+}
+
 inline std::vector<Batch> make_batches(int n, int64_t tokens, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<Batch> out(n);
@@ -96,7 +105,7 @@ inline OptimizerConfig optimizer_config(float grad_clip) {
 // Net: model::LlamaModel or model::LlamaModelBf16 (AdamW on the fp32 master, then a fresh
 // compute copy).
 template <class Net>
-std::vector<double> train_flat(Net& net, const std::vector<Batch>& batches, int steps, int accum, int64_t B, int64_t T,
+std::vector<double> train_flat(model::FlatModel<Net>& net, const std::vector<Batch>& batches, int steps, int accum, int64_t B, int64_t T,
                                float grad_clip, float lr) {
   AdamW opt(net.layout(), optimizer_config(grad_clip));
   std::vector<double> losses;

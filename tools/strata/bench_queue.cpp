@@ -1,8 +1,10 @@
 // strata bench queue: the CPU backend's compute stream against direct calls. Two fp32 models of
 // the configured shape with the same weights: one made without a Device (every op runs in the
 // caller), one on a cpu Device (every op is a task on its compute stream, as `strata train`
-// runs it). Their forward/backward passes alternate on the same micro-batch, so both see the
-// same machine state, and the medians are compared. The cost of one queued task (enqueue, run,
+// runs it). Both read flat buffers through a FlatAccess, so the queued one waits for its ops
+// each time it ends a layer (a paged run orders its moves on the stream instead). Their
+// forward/backward passes alternate on the same micro-batch, so both see the same machine
+// state, and the medians are compared. The cost of one queued task (enqueue, run,
 // synchronize) is measured apart, as the reference that bounds the difference.
 #include "tools/strata/bench_queue.h"
 
@@ -17,6 +19,8 @@
 #include "core/cpu_device.h"
 #include "core/log.h"
 #include "model/decoder.h"
+#include "model/flat_access.h"
+#include "model/params.h"
 #include "tools/strata/run_args.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
@@ -79,9 +83,16 @@ int bench_queue_command(const std::vector<std::string>& args) {
   Result<std::unique_ptr<CpuDevice>> device = CpuDevice::create(0, 0, 0);
   if (!device.ok()) return fail(device.status().message());
   model::LlamaModel direct(*mc);
-  model::LlamaModel queued(*mc, /*flat_buffers=*/true, model::CpuF32Model(device->get()));
-  direct.init_weights(tc->seed);
-  queued.init_weights(tc->seed);
+  model::LlamaModel queued(*mc, model::CpuF32Model(device->get()));
+  // Each model's fp32 parameters and gradients in flat buffers, the same initial weights in both.
+  const size_t n = static_cast<size_t>(direct.layout().total_size());
+  std::vector<float> direct_params(n), queued_params(n), direct_grads(n), queued_grads(n);
+  model::init_weights(direct.layout(), direct_params.data(), tc->seed);
+  queued_params = direct_params;
+  model::FlatAccess direct_access(DType::kF32, direct_params.data(), direct_grads.data());
+  model::FlatAccess queued_access(DType::kF32, queued_params.data(), queued_grads.data());
+  direct.set_access(&direct_access);
+  queued.set_access(&queued_access);
   const int64_t B = tc->micro_batch, T = tc->seq_len, N = B * T;
   std::vector<int32_t> inputs(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
   std::mt19937 rng(1);
@@ -92,8 +103,8 @@ int bench_queue_command(const std::vector<std::string>& args) {
   std::vector<double> direct_ms, queued_ms;
   bool same = true;
   for (int64_t s = 0; s < steps + 1; ++s) {
-    direct.zero_grads();
-    queued.zero_grads();
+    std::fill(direct_grads.begin(), direct_grads.end(), 0.0f);
+    std::fill(queued_grads.begin(), queued_grads.end(), 0.0f);
     auto t0 = std::chrono::steady_clock::now();
     const double a = direct.forward_backward(inputs.data(), targets.data(), B, T, 1.0f / static_cast<float>(N));
     const double da = ms_since(t0);
@@ -105,8 +116,7 @@ int bench_queue_command(const std::vector<std::string>& args) {
     direct_ms.push_back(da);
     queued_ms.push_back(db);
   }
-  same = same && std::memcmp(direct.grads(), queued.grads(),
-                             static_cast<size_t>(direct.layout().total_size()) * sizeof(float)) == 0;
+  same = same && std::memcmp(direct_grads.data(), queued_grads.data(), n * sizeof(float)) == 0;
   const double d = median(direct_ms), q = median(queued_ms);
   const double task_us = empty_task_us(**device, 100000);
   std::printf("queued compute stream against direct calls: %lld forward/backward passes of %lld x %lld tokens each, "

@@ -52,9 +52,6 @@ namespace strata::kernels {
 // What both CPU recipes share: the memory of the activation table, the fp32 routing ops, and the
 // staging hooks the CUDA backend needs (no-ops here: the CPU ops read host memory).
 struct CpuCommonOps {
-  // The ops read and write host memory (a model may own flat host buffers).
-  static constexpr bool kHostMemory = true;
-
   // device: the cpu Device whose arena (under its budget) holds the activation table; null:
   // ordinary host memory. REQUIRES: the device outlives the ops.
   explicit CpuCommonOps(Device* device = nullptr) : device_(device) {}

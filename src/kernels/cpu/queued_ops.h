@@ -38,7 +38,6 @@ class CpuQueuedOps {
   using W = typename Direct::W;
   static constexpr DType kWeightDType = Direct::kWeightDType;
   static constexpr const char* kName = Direct::kName;
-  static constexpr bool kHostMemory = Direct::kHostMemory;
   static constexpr int64_t kLossChunkTokens = Direct::kLossChunkTokens;
 
   // device: a cpu Device. Its arena holds the activation table and it makes the compute stream

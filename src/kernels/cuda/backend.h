@@ -40,7 +40,6 @@ class CudaOps {
   using W = cuda::bf16;
   static constexpr DType kWeightDType = DType::kBF16;
   static constexpr const char* kName = "cuda bf16";
-  static constexpr bool kHostMemory = false;  // device memory only
   static constexpr size_t kScratchBytes = cuda::Context::kDefaultScratchBytes;
   static constexpr size_t kGemmWorkspaceBytes = cuda::Context::kDefaultGemmWorkspaceBytes;
 

@@ -53,7 +53,7 @@ template <class Ops>
 Result<std::unique_ptr<Model>> make_decoder(Device& device, const ModelConfig& config) {
   Result<Ops> ops = Ops::create(device);
   if (!ops.ok()) return ops.status().with_context("the CUDA kernels' scratch and workspace");
-  return std::unique_ptr<Model>(new Decoder<Ops>(config, /*flat_buffers=*/false, std::move(ops).value()));
+  return std::unique_ptr<Model>(new Decoder<Ops>(config, std::move(ops).value()));
 }
 
 }  // namespace

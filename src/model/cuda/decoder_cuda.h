@@ -19,9 +19,8 @@ namespace strata::model {
 Status cuda_supports(const ModelConfig& config, DType compute = DType::kBF16);
 
 // The decoder on `device` (a CUDA device, current on this thread) in the recipe whose compute
-// copy is `compute`, without flat buffers: set a ParamAccess before computing. Its ops take
-// their scratch, workspace and activations from the device's arena. The errors of
-// cuda_supports().
+// copy is `compute`; set a ParamAccess before computing. Its ops take their scratch, workspace
+// and activations from the device's arena. The errors of cuda_supports().
 Result<std::unique_ptr<Model>> make_cuda_decoder(Device& device, const ModelConfig& config,
                                                  DType compute = DType::kBF16);
 
