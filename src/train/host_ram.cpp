@@ -49,6 +49,13 @@ std::string bytes(uint64_t n) { return format_bytes(n); }
 
 }  // namespace
 
+uint64_t HostRamPlan::pinned_tier() const {
+  uint64_t pinned = 0;
+  for (const HostRamItem& i : items)
+    if (i.name == "chunks" || i.name == "staging") pinned += i.pinned;
+  return pinned;
+}
+
 uint64_t HostRamPlan::peak() const {
   uint64_t sum = 0;
   for (const HostRamItem& i : items) sum += i.bytes;
@@ -102,7 +109,7 @@ uint64_t process_baseline_bytes(DeviceKind device) {
 }
 
 HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, const Plan& plan, DeviceKind device,
-                          const HostRamData& data) {
+                          const HostRamData& data, uint64_t process_bytes) {
   HostRamPlan ram;
   const model::ParamLayout layout(mc);
   const bool cuda = device == DeviceKind::kCuda;
@@ -209,7 +216,7 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   }
   ram.items.push_back({"weights", reading + whole, 0, false,
                        whole ? what + fmt::format(", a tensor in row blocks {}", bytes(whole)) : what});
-  ram.items.push_back({"process", process_baseline_bytes(device), 0, false,
+  ram.items.push_back({"process", process_bytes ? process_bytes : process_baseline_bytes(device), 0, false,
                        cuda ? "executable, libraries, CUDA runtime (estimate)" : "executable and libraries"});
   return ram;
 }

@@ -37,6 +37,9 @@ struct HostRamItem {
 struct HostRamPlan {
   std::vector<HostRamItem> items;
   uint64_t peak() const;
+  // The pinned part of the host tier (chunks and staging): page-locked when the engine reserves
+  // it, so from then on it is resident and gone from the machine's available memory.
+  uint64_t pinned_tier() const;
   uint64_t pinned() const;
   uint64_t reclaimable() const;
   // The bytes item `name` holds (0 when there is no such item).
@@ -61,9 +64,11 @@ HostRamData host_ram_data(const TokenDataset& dataset, int64_t windows);
 uint64_t process_baseline_bytes(DeviceKind device);
 
 // The host memory of a run of `model` with settings `t` placed by `plan` (as PagedEngine makes
-// it: t's budgets and chunk size already resolved) on `device`'s backend.
+// it: t's budgets and chunk size already resolved) on `device`'s backend. process_bytes: the
+// process item as measured before the state's tiers were reserved (0: process_baseline_bytes
+// now, right while nothing of the run is allocated yet).
 HostRamPlan plan_host_ram(const model::ModelConfig& model, const TrainConfig& t, const Plan& plan, DeviceKind device,
-                          const HostRamData& data = {});
+                          const HostRamData& data = {}, uint64_t process_bytes = 0);
 
 // "host RAM: peak 80.0 MiB (pinned 10.0 MiB): chunks 10.0 MiB, staging ..., ..."
 std::string format_host_ram(const HostRamPlan& ram);

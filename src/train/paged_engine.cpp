@@ -33,6 +33,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   RETURN_IF_ERROR(e->plan_placement(t));
   RETURN_IF_ERROR(e->open_nvme(t));
   RETURN_IF_ERROR(e->size_activations(t));
+  e->process_bytes_ = process_baseline_bytes(backend);
   RETURN_IF_ERROR(e->create_state(t, oc));
   return e;
 }
@@ -61,7 +62,9 @@ Status PagedEngine::open_backend(const TrainConfig& t) {
   ASSIGN_OR_RETURN(net_, model::make_cuda_decoder(*device_, mc_, compute));
   const uint64_t budget = device_->memory_budget();
   const uint64_t taken = device_->memory_in_use();  // the kernels' scratch and workspaces
-  if (budget <= taken + (64ull << 20))
+  // Whether the rest holds the activations and enough chunks is the planner's to say, in its
+  // own words; here only a budget the scratch alone fills.
+  if (budget <= taken)
     return Status::OutOfMemory(fmt::format("memory.device {} leaves no room for the model's state after the "
                                            "kernels' {} of scratch; raise memory.device",
                                            format_bytes(budget), format_bytes(taken)));
@@ -267,7 +270,7 @@ EngineStats PagedEngine::stats() const {
 }
 
 HostRamPlan PagedEngine::host_ram(const HostRamData& data) const {
-  return plan_host_ram(mc_, budgets_, plan_, backend_, data);
+  return plan_host_ram(mc_, budgets_, plan_, backend_, data, process_bytes_);
 }
 
 // The MoE routers' loss-free balancing bias, one tensor per MoE layer, when that balancing is on.

@@ -93,7 +93,9 @@ class PagedEngine {
   // was planned from: reports compare the measured run with it.
   const Plan& plan() const { return plan_; }
   const PlanInput& plan_input() const { return plan_input_; }
-  // The host memory a run on this engine holds (host_ram.h), given the data as opened.
+  // The host memory a run on this engine holds (host_ram.h), given the data as opened. Its
+  // process item was measured before the tiers were reserved: pinned chunks are resident and
+  // would count twice.
   HostRamPlan host_ram(const HostRamData& data) const;
 
  private:
@@ -107,6 +109,7 @@ class PagedEngine {
   Status create_state(const TrainConfig& t, const OptimizerConfig& oc);
 
   model::ModelConfig mc_;
+  uint64_t process_bytes_ = 0;  // process_baseline_bytes before the tiers were reserved
   Plan plan_;  // its placement carries the groups' owners with several ranks
   PlanInput plan_input_;  // what plan_ was made from
   TrainConfig budgets_;  // the settings with every budget and the chunk size resolved

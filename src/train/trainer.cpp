@@ -356,7 +356,11 @@ Result<HostRamPlan> open_engine(const TrainConfig& t, Run& run, Ranks& ranks) {
   RETURN_IF_ERROR(run.engine->set_comm(ranks.comm.get()));
   const HostRamPlan host_ram = run.engine->host_ram(host_ram_data(*run.dataset, run.loader->num_windows()));
   if (!host_ram.items.empty()) {
-    RETURN_IF_ERROR(check_host_ram(host_ram, available_host_memory()));
+    // What the engine has pinned already is gone from the machine's available memory but is
+    // in the plan: count it back once.
+    HostMemory machine = available_host_memory();
+    machine.available += host_ram.pinned_tier();
+    RETURN_IF_ERROR(check_host_ram(host_ram, machine));
     run.host_ram_peak = host_ram.peak();
   }
   return host_ram;

@@ -19,11 +19,15 @@
 //                    by 0.6-1.5% (cosine >= 0.9999); bf16 activations round at a few dozen
 //                    places, so a few percent is expected and 5e-2 leaves margin. A wrong
 //                    tensor, sign or missing term gives errors of order 1.
-//   AdamW curve      relative 2e-2 per step on the mean loss and 5e-2 on the pre-clip gradient
+//   AdamW curve      relative 2e-2 per step on the mean loss and 1e-1 on the pre-clip gradient
 //                    norm, over 5 steps on one batch at lr 3e-3 (the CPU loss falls from ~5.59
 //                    to ~4.4 and every step clips at 0.5): after the first update the master
 //                    weights differ by the bf16 gradient error, which AdamW's normalisation
-//                    amplifies for tiny gradients.
+//                    amplifies for tiny gradients. The norm is the sensitive one: from step 3
+//                    the run overshoots (the norm goes 1.6, 3.2, 2.4), and where it turns the
+//                    difference in weights is a difference in the norm's slope. An H200 gave
+//                    norm errors of 1e-3 to 1.4e-2 but 5.2e-2 at step 5 of one variant, whose
+//                    losses stayed within 1.6e-3; 1e-1 keeps that factor of two.
 // Against the CPU's emulation of the same bf16 recipe (model::LlamaModelBf16: the same rounding
 // points, fp32 accumulation), which leaves only the order of fp32 sums and the attention
 // kernel's internal bf16 rounding of P between them, the tolerances are half of the above:
@@ -69,7 +73,7 @@ constexpr double kBf16LossTol = 5e-3;
 constexpr double kBf16GradRelTol = 2.5e-2;
 constexpr double kBf16GradCosineMin = 0.999;
 constexpr double kCurveLossTol = 2e-2;
-constexpr double kCurveNormTol = 5e-2;
+constexpr double kCurveNormTol = 1e-1;
 
 struct Variant {
   const char* name;

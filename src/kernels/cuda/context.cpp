@@ -71,8 +71,14 @@ LtPlan::~LtPlan() {
   if (op) cublasLtMatmulDescDestroy(op);
 }
 
-void choose_algorithm(Context& ctx, LtPlan& plan, const LtAlignments& align, const GemmDescription& what,
-                      const std::string& hint) {
+namespace {
+
+struct Search {
+  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;  // the call's, else the algorithm's own
+  int found = 0;
+};
+
+Search search_algorithm(Context& ctx, LtPlan& plan, const LtAlignments& align) {
   cublasLtMatmulPreference_t pref = nullptr;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t workspace = ctx.gemm_workspace_bytes();
@@ -87,18 +93,29 @@ void choose_algorithm(Context& ctx, LtPlan& plan, const LtAlignments& align, con
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align.d,
                                                     sizeof(align.d)));
   cublasLtMatmulHeuristicResult_t heuristic{};
-  int found = 0;
+  Search s;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.lt(), plan.op, plan.first, plan.second, plan.c,
-                                                               plan.c, pref, 1, &heuristic, &found);
+                                                               plan.c, pref, 1, &heuristic, &s.found);
   cublasLtMatmulPreferenceDestroy(pref);
-  // An algorithm whose own state is not SUCCESS would fail in cublasLtMatmul: report it here,
-  // with its status, as if none were found.
-  const cublasStatus_t reported = status != CUBLAS_STATUS_SUCCESS ? status : heuristic.state;
-  CHECK_MSG(status == CUBLAS_STATUS_SUCCESS && found > 0 && heuristic.state == CUBLAS_STATUS_SUCCESS,
-            gemm_heuristic_failure_message(what, cublasLtGetStatusName(reported), cublasLtGetStatusString(reported),
-                                           found) +
-                hint);
-  plan.algo = heuristic.algo;
+  // An algorithm whose own state is not SUCCESS would fail in cublasLtMatmul: treat it as none.
+  s.status = status != CUBLAS_STATUS_SUCCESS ? status : heuristic.state;
+  if (s.status != CUBLAS_STATUS_SUCCESS) s.found = 0;
+  if (s.found > 0) plan.algo = heuristic.algo;
+  return s;
+}
+
+}  // namespace
+
+bool find_algorithm(Context& ctx, LtPlan& plan, const LtAlignments& align) {
+  return search_algorithm(ctx, plan, align).found > 0;
+}
+
+void choose_algorithm(Context& ctx, LtPlan& plan, const LtAlignments& align, const GemmDescription& what,
+                      const std::string& hint) {
+  const Search s = search_algorithm(ctx, plan, align);
+  CHECK_MSG(s.found > 0, gemm_heuristic_failure_message(what, cublasLtGetStatusName(s.status),
+                                                        cublasLtGetStatusString(s.status), s.found) +
+                             hint);
 }
 
 namespace {
@@ -125,7 +142,7 @@ GemmDescription describe_bf16(const GemmKey& key) {
 // a column-major GEMM with m = N, n = M, k = K, first operand B (stored column-major as
 // B^T: transposed in the call iff trans_b) and second operand A (likewise iff trans_a).
 // The bias of a row-major C is per column of C = per row of C^T: cuBLASLt's BIAS epilogue.
-std::unique_ptr<LtPlan> make_plan(Context& ctx, const GemmKey& key, const bf16* bias) {
+std::unique_ptr<LtPlan> make_plan(Context& ctx, const GemmKey& key, const bf16* bias, bool epilogue_bias) {
   auto plan = std::make_unique<LtPlan>();
   const cublasOperation_t op_first = key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_second = key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -133,7 +150,7 @@ std::unique_ptr<LtPlan> make_plan(Context& ctx, const GemmKey& key, const bf16* 
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
   CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
-  if (key.bias) {
+  if (epilogue_bias) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
@@ -153,8 +170,16 @@ std::unique_ptr<LtPlan> make_plan(Context& ctx, const GemmKey& key, const bf16* 
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->second, CUDA_R_16BF, second_rows, second_cols, key.lda));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, key.c_is_fp32 ? CUDA_R_32F : CUDA_R_16BF, N, M, key.ldc));
   // Our B is cuBLASLt's first operand ("A"), our A its second ("B").
-  choose_algorithm(ctx, *plan, LtAlignments{key.align_b, key.align_a, key.align_c, key.align_d},
-                   describe_bf16(key));
+  const LtAlignments align{key.align_b, key.align_a, key.align_c, key.align_d};
+  if (epilogue_bias) {
+    if (find_algorithm(ctx, *plan, align)) return plan;
+    // cuBLASLt supports the BIAS epilogue for some output types and shapes only (on sm_90 it
+    // offered none for an fp32 output with a bf16 bias): a plain GEMM, then a bias kernel.
+    plan = make_plan(ctx, key, nullptr, false);
+    plan->bias_after = true;
+    return plan;
+  }
+  choose_algorithm(ctx, *plan, align, describe_bf16(key));
   return plan;
 }
 
@@ -195,12 +220,13 @@ void gemm_separate_c(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_
   key.align_c = alignment_of(c_read);
   key.align_d = alignment_of(C);
   key.align_bias = bias != nullptr ? alignment_of(bias) : 0;
-  LtPlan& plan = ctx.gemm_plans().get(key, [&] { return make_plan(ctx, key, bias); });
-  if (bias != nullptr) {
+  LtPlan& plan = ctx.gemm_plans().get(key, [&] { return make_plan(ctx, key, bias, key.bias); });
+  if (bias != nullptr && !plan.bias_after) {
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   }
   CUBLAS_CHECK(cublasLtMatmul(ctx.lt(), plan.op, &alpha, B, plan.first, A, plan.second, &beta, c_read, plan.c, C,
                               plan.c, &plan.algo, ctx.gemm_workspace(), ctx.gemm_workspace_bytes(), stream));
+  if (bias != nullptr && plan.bias_after) add_bias_rows(C, ldc, c_is_fp32, bias, M, N, stream);
 }
 
 void gemm(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,

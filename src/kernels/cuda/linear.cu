@@ -1,5 +1,7 @@
 // Linear layer on CUDA: the GEMMs go through cuBLASLt (gemm() in context.cpp); the bias
 // gradient is a column sum in row chunks, reduced in chunk order (no atomics).
+#include <type_traits>
+
 #include "kernels/cuda/common.cuh"
 
 namespace strata::kernels::cuda {
@@ -31,7 +33,36 @@ __global__ void sum_partials_kernel(float* dbias, const float* partial, int64_t 
   dbias[c] += acc;
 }
 
+// grid (ceil(N / kThreads), up to 65535 rows, striding over the rest): C[row, c] += bias[c].
+template <typename T>
+__global__ void add_bias_rows_kernel(T* C, int64_t ldc, const bf16* bias, int64_t M, int64_t N) {
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= N) return;
+  const float b = to_float(bias[c]);
+  for (int64_t row = blockIdx.y; row < M; row += gridDim.y) {
+    T& out = C[row * ldc + c];
+    if constexpr (std::is_same_v<T, float>) {
+      out += b;
+    } else {
+      out = __float2bfloat16(to_float(out) + b);
+    }
+  }
+}
+
 }  // namespace
+
+void add_bias_rows(void* C, int64_t ldc, bool c_is_fp32, const bf16* bias, int64_t M, int64_t N,
+                   cudaStream_t stream) {
+  CHECK(M >= 0 && N >= 0 && ldc >= N);
+  if (M == 0 || N == 0) return;
+  const dim3 grid(static_cast<unsigned>(ceil_div(N, kThreads)), static_cast<unsigned>(M < 65535 ? M : 65535));
+  if (c_is_fp32) {
+    add_bias_rows_kernel<<<grid, kThreads, 0, stream>>>(static_cast<float*>(C), ldc, bias, M, N);
+  } else {
+    add_bias_rows_kernel<<<grid, kThreads, 0, stream>>>(static_cast<bf16*>(C), ldc, bias, M, N);
+  }
+  CUDA_CHECK_LAUNCH();
+}
 
 void linear_forward(Context& ctx, bf16* out, const bf16* x, const bf16* weight, const bf16* bias,
                     int64_t N, int64_t IC, int64_t OC, cudaStream_t stream) {

@@ -28,6 +28,9 @@ struct LtPlan {
   cublasLtMatrixLayout_t first = nullptr, second = nullptr;
   cublasLtMatrixLayout_t c = nullptr;  // C and D (same type and layout)
   cublasLtMatmulAlgo_t algo{};
+  // The bias is added by a kernel after the GEMM: cuBLASLt had no algorithm with the BIAS
+  // epilogue for this shape and these types (e.g. fp32 output with a bf16 bias).
+  bool bias_after = false;
   LtPlan() = default;
   LtPlan(const LtPlan&) = delete;
   LtPlan& operator=(const LtPlan&) = delete;
@@ -54,6 +57,8 @@ struct LtAlignments {
 // `hint` appended.
 void choose_algorithm(Context& ctx, LtPlan& plan, const LtAlignments& align, const GemmDescription& what,
                       const std::string& hint = "");
+// The same search without the abort: false when cuBLASLt offers no algorithm.
+bool find_algorithm(Context& ctx, LtPlan& plan, const LtAlignments& align);
 
 // The key of a bf16 gemm() plan: everything its descriptors and the heuristic's choice depend
 // on. Pointers are not part of it except through their alignments; the bias pointer is set per

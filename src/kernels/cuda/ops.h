@@ -174,6 +174,11 @@ void linear_backward(Context& ctx, bf16* dx, float* dweight, float* dbias,
 void bias_backward(Context& ctx, float* dbias /*(OC)*/, const bf16* dout /*(N,OC)*/, int64_t N, int64_t OC,
                    cudaStream_t stream);
 
+// C (M,N) row-major (row stride ldc, fp32 or bf16) += bias (N) broadcast over its rows; the sum
+// is rounded once into C. gemm()'s bias where cuBLASLt has no BIAS epilogue for the shape.
+void add_bias_rows(void* C, int64_t ldc, bool c_is_fp32, const bf16* bias, int64_t M, int64_t N,
+                   cudaStream_t stream);
+
 // Row-major GEMM on cuBLASLt, the building block of the ops above (exposed for tests and
 // benchmarks): C (M,N) = alpha * op(A) @ op(B) + beta * C with op(X) = X or X^T; A and B bf16,
 // C bf16 or fp32 (c_is_fp32), fp32 accumulation; lda/ldb/ldc are row strides; bias (bf16, N)
