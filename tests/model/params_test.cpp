@@ -1,6 +1,7 @@
 #include "model/params.h"
 
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstring>
@@ -121,6 +122,28 @@ TEST(InitWeightsTest, ATensorsValuesDependOnItsNameNotItsPosition) {
     ASSERT_NE(u, nullptr);
     EXPECT_EQ(std::memcmp(a.data() + u->offset, b.data() + t.offset, t.numel * sizeof(float)), 0) << t.name;
   }
+}
+
+// A large tensor fills on several threads (each pair of values from its own point of the
+// generator's counter): the bits do not depend on how many there are, and match the values the
+// first pairs get when a tensor is small enough to fill on one.
+TEST(InitWeightsTest, ALargeTensorHasTheSameBitsOnAnyNumberOfThreads) {
+  TensorSpec big;
+  big.name = "model.layers.0.mlp.up_proj.weight";
+  big.kind = TensorRole::kMatrix;
+  big.numel = 300001;  // odd: the last pair has one value
+  TensorSpec small = big;
+  small.numel = 1001;
+  std::vector<float> one(static_cast<size_t>(big.numel)), many(one.size()), head(static_cast<size_t>(small.numel));
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  init_tensor(big, one.data(), 9);
+  omp_set_num_threads(4);
+  init_tensor(big, many.data(), 9);
+  omp_set_num_threads(threads);
+  init_tensor(small, head.data(), 9);
+  EXPECT_EQ(std::memcmp(one.data(), many.data(), one.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(one.data(), head.data(), head.size() * sizeof(float)), 0);
 }
 
 // A vocabulary far larger than every other tensor is cut in row blocks about the size of the
