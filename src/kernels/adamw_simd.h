@@ -37,6 +37,16 @@ SimdLevel detect_simd_level();
 bool adamw_step_f32(float* param /*(n)*/, const float* grad /*(n)*/, float* m /*(n)*/, float* v /*(n)*/, int64_t n,
                     const AdamWParams& p, SimdLevel level);
 
+// The same with the gradients read as grad * grad_scale (the clip coefficient): bitwise what
+// scaling them in place first (kernels::cpu::scale_inplace) and then updating gives, one pass
+// over memory instead of two, the gradients left unchanged. When param_bf16_out is set, the new
+// master is also rounded to bf16 into it (round to nearest even, as kernels::round_to_bf16):
+// the host tier's update of the bf16 recipe in one pass. REQUIRES: as adamw_step_f32, and
+// param_bf16_out overlaps no other array.
+bool adamw_step_f32_clipped(float* param /*(n)*/, const float* grad /*(n)*/, float grad_scale, float* m /*(n)*/,
+                            float* v /*(n)*/, uint16_t* param_bf16_out /*(n) or null*/, int64_t n,
+                            const AdamWParams& p, SimdLevel level);
+
 // The GPU layout's mixed precision: bf16 gradients in, fp32 master weights and moments updated
 // in place, and a bf16 copy of the new master (round to nearest even, kernels/bf16.h) written
 // to param_bf16_out. Bitwise equal to widening the gradients to fp32, running adamw_step_f32

@@ -441,7 +441,8 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     void* m = store_->raw_pointer(i, StateKind::kAdamM);
     void* v = store_->raw_pointer(i, StateKind::kAdamV);
     const int64_t tag = static_cast<int64_t>(i);  // first_nonfinite() names the tensor
-    if (clipped && where != Tier::kDevice) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
+    // The host's fp32 update reads the gradients scaled (one pass); the compact one scales first.
+    if (clipped && where != Tier::kDevice && compact) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
     if (compact) {
       // The random bits of stochastic rounding follow (step, tensor), never tiers or threads.
       const kernels::MomentRounding rounding{options_.stochastic_rounding,
@@ -458,10 +459,16 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
                       tag);
       write_copy(here, i, master);
     } else {
-      if (!kernels::adamw_step_f32(master, grad, static_cast<float*>(m), static_cast<float*>(v), t.numel, p, simd) &&
+      // A bf16 compute copy is written by the same pass; an fp8 one is quantised after it (its
+      // block scales need the whole block's new values).
+      const bool copy = layout.separate_master();
+      const bool bf16 = copy && !layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows});
+      auto* out = bf16 ? static_cast<uint16_t*>(store_->raw_pointer(i, StateKind::kParam)) : nullptr;
+      if (!kernels::adamw_step_f32_clipped(master, grad, coefficient, static_cast<float*>(m), static_cast<float*>(v),
+                                           out, t.numel, p, simd) &&
           (host_nonfinite_ < 0 || tag < host_nonfinite_))
         host_nonfinite_ = tag;
-      if (layout.separate_master()) write_copy(here, i, master);
+      if (copy && !bf16) write_copy(here, i, master);
     }
   }
   });

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <utility>
 
+#include "kernels/adamw_simd.h"
 #include "kernels/bf16.h"
 #include "kernels/fp8.h"
 #include "kernels/grad_norm.h"
@@ -23,9 +24,11 @@ class CpuStateKernels final : public StateKernels {
   void prepare_clip(double max_norm) override { clip_ = kernels::clip_coefficient(std::sqrt(sum_), max_norm); }
   void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n, const kernels::AdamWParams& p,
              bool clipped, int64_t tag) override {
-    if (clipped) kernels::cpu::scale_inplace(grad, n, clip_);
-    if (!kernels::cpu::adamw_step(master, grad, m, v, n, p)) note_nonfinite(tag);
-    if (bf16_copy != nullptr) kernels::round_to_bf16(static_cast<uint16_t*>(bf16_copy), master, n);
+    // One pass: the gradients read scaled, the bf16 copy written beside the master.
+    static const kernels::SimdLevel simd = kernels::detect_simd_level();
+    if (!kernels::adamw_step_f32_clipped(master, grad, clipped ? clip_ : 1.0f, m, v,
+                                         static_cast<uint16_t*>(bf16_copy), n, p, simd))
+      note_nonfinite(tag);
   }
   void adamw_compact(float* master, float* grad, void* m, void* v, kernels::MomentFormat format, int64_t n,
                      const kernels::AdamWParams& p, const kernels::MomentRounding& rounding, bool clipped,

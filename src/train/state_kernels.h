@@ -46,9 +46,9 @@ class StateKernels {
   virtual void prepare_clip(double max_norm) = 0;
   // AdamW on the fp32 master; when bf16_copy is not null, writes the updated master there
   // rounded to bf16 (nearest even). With `clipped`, every gradient is first multiplied by the
-  // prepared clip factor (one fp32 rounding, as kernels::cpu::scale_inplace rounds): the CPU
-  // scales grad in place, CUDA applies the factor as it reads grad and leaves the buffer alone.
-  // Either way the update is bitwise that of scaling the gradients, then AdamW. `tag` (>= 0) is
+  // prepared clip factor (one fp32 rounding, as kernels::cpu::scale_inplace rounds), applied
+  // as grad is read; the buffer is left alone. The update is bitwise that of scaling the
+  // gradients, then AdamW. `tag` (>= 0) is
   // the caller's name for the tensor, reported by first_nonfinite().
   virtual void adamw(float* master, float* grad, float* m, float* v, void* bf16_copy, int64_t n,
                      const kernels::AdamWParams& p, bool clipped, int64_t tag) = 0;

@@ -140,6 +140,49 @@ TEST_P(AdamWSimdTest, F32IsBitwiseEqualToReference) {
   }
 }
 
+// The clipped form with a bf16 copy is what the host tier ran before in three passes: scale
+// the gradients in place, ref::adamw_step, narrow the master; the gradients stay as they were.
+TEST_P(AdamWSimdTest, ClippedIsBitwiseScaleThenReferenceThenNarrow) {
+  const SimdLevel level = GetParam();
+  for (int64_t n : kSizes) {
+    for (const AdamWParams& base : configs()) {
+      for (float scale : {1.0f, 0.37f, 3e-7f}) {
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " beta1=" << base.beta1 << " scale=" << scale);
+        State want = initial_state(n, false);
+        State got = want;
+        std::vector<uint16_t> out_want(n, 0xDEAD), out_got(n, 0xBEEF);
+        for (int64_t step = 1; step <= 3; ++step) {
+          const std::vector<float> g = grads_for_step(n, step);
+          AdamWParams p = base;
+          p.step = step;
+          std::vector<float> scaled = g;
+          for (float& x : scaled) x *= scale;
+          const bool want_finite = ref::adamw_step(want.w.data(), scaled.data(), want.m.data(), want.v.data(), n, p);
+          for (int64_t i = 0; i < n; ++i) out_want[i] = f32_to_bf16(want.w[i]);
+          const std::vector<float> g_before = g;
+          const bool got_finite = adamw_step_f32_clipped(got.w.data(), g.data(), scale, got.m.data(), got.v.data(),
+                                                         out_got.data(), n, p, level);
+          ASSERT_EQ(got_finite, want_finite) << "finiteness after step " << step;
+          ASSERT_TRUE(same_bits(got.w, want.w)) << "master after step " << step;
+          ASSERT_TRUE(same_bits(got.m, want.m)) << "m after step " << step;
+          ASSERT_TRUE(same_bits(got.v, want.v)) << "v after step " << step;
+          ASSERT_TRUE(same_bits(out_got, out_want)) << "bf16 copy after step " << step;
+          ASSERT_TRUE(same_bits(g, g_before)) << "the gradients changed";
+        }
+        // Without a copy nothing else is written.
+        State bare = initial_state(n, false), again = bare;
+        const std::vector<float> g = grads_for_step(n, 1);
+        AdamWParams p = base;
+        adamw_step_f32_clipped(bare.w.data(), g.data(), scale, bare.m.data(), bare.v.data(), nullptr, n, p, level);
+        std::vector<float> scaled = g;
+        for (float& x : scaled) x *= scale;
+        ref::adamw_step(again.w.data(), scaled.data(), again.m.data(), again.v.data(), n, p);
+        ASSERT_TRUE(same_bits(bare.w, again.w));
+      }
+    }
+  }
+}
+
 TEST_P(AdamWSimdTest, F32HandlesUnalignedBuffers) {
   const int64_t n = 1000 + 13;
   State want = initial_state(n + 1, false);

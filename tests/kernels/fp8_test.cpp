@@ -1,8 +1,11 @@
 // FP8 numerics: conversions against the OCP definition, block scales, block quantisation and
 // the promoting GEMM reference.
 #include "kernels/fp8.h"
+#include "kernels/adamw_simd.h"
 
 #include <gtest/gtest.h>
+
+#include <cstdlib>
 
 #include <bit>
 #include <cmath>
@@ -450,6 +453,28 @@ TEST(Fp8Quantize, InfinitiesSaturateNaNsStayAndTheScaleComesFromTheFiniteElement
 // fp8_blocks(K) scaled partials (at most that many more roundings). So
 // |C - exact| <= (127 + blocks) * u * (1 + 1%) * sum_k |a_k * b_k| (the 1% covers the
 // second-order terms of gamma_n = n u / (1 - n u)).
+// The weight quantiser's vector form (AVX2, where the CPU has it) against its scalar form, bit
+// for bit, on a ragged matrix of random fp32 bit patterns (NaNs, infinities, subnormals, every
+// exponent) beside blocks of ordinary weights, whose scales are finite and so exercise rounding
+// at every shift.
+TEST(Fp8Quantize, TheWeightQuantiserGivesTheSameBitsOnEveryInstructionSet) {
+  if (!simd_level_supported(SimdLevel::kAvx2)) GTEST_SKIP() << "this CPU has no AVX2";
+  const int64_t rows = 300, cols = 277;
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  std::mt19937 rng(17);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const bool wild = (i / cols) < 128 && (i % cols) < 128;  // one block of arbitrary bits
+    x[i] = wild ? std::bit_cast<float>(static_cast<uint32_t>(rng()))
+                : std::ldexp(static_cast<float>(static_cast<int32_t>(rng() % 2001) - 1000), -12 - int(rng() % 20));
+  }
+  std::vector<uint8_t> vector_form(fp8_matrix_bytes(rows, cols), 0xAB), scalar_form(vector_form.size(), 0xCD);
+  cpu::quantize_weight_e4m3(vector_form.data(), x.data(), rows, cols);
+  ASSERT_EQ(setenv("STRATA_SIMD", "scalar", 1), 0);
+  cpu::quantize_weight_e4m3(scalar_form.data(), x.data(), rows, cols);
+  unsetenv("STRATA_SIMD");
+  EXPECT_EQ(vector_form, scalar_form);
+}
+
 TEST(Fp8Gemm, MatchesTheDoubleProductOfTheDequantisedOperandsWithinTheFp32AccumulationBound) {
   const int64_t M = 5, N = 130, K = 300, kbs = fp8_blocks(K);
   auto a = spread_values(M * K, 3), b = spread_values(N * K, 4);

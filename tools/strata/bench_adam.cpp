@@ -18,6 +18,9 @@
 #include "core/units.h"
 #include "kernels/adamw.h"
 #include "kernels/adamw_simd.h"
+#include "kernels/bf16.h"
+#include "kernels/fp8.h"
+#include "kernels/grad_norm.h"
 
 namespace strata::tools {
 namespace {
@@ -29,6 +32,11 @@ threads (default: all), warm-up once then best of 5:
   adamw_step_f32     fp32 param, grad, m, v: 4 arrays read, 3 written = 28 B/param
   adamw_step_mixed   bf16 grad in, fp32 master/m/v, bf16 param out    = 24 B/param
   cpu::adamw_step    the compiler-vectorised fast path, for comparison  = 28 B/param
+  clip + f32 + copy  the host tier's bf16-recipe update as three passes: scale the gradients,
+                     adamw_step_f32, round the master to the bf16 copy    = 42 B/param
+  ..._clipped        the same fused into one pass (adamw_step_f32_clipped) = 30 B/param
+  quantize_weight_e4m3  the fp8 recipe's compute copy in 128 x 128 blocks, with AVX2 where the
+                     CPU has it and on plain code (the copy's pass; its amax pass rereads) = 5 B/param
   triad              a[i] = b[i] + s * c[i] over buffers that move 28 B/param (12 B/element)
 and prints parameters/s, GB/s (10^9 bytes/s, bytes the kernel must move) and the ratio to the
 triad. As in STREAM, the triad's GB/s leave out the read for ownership of the array it writes;
@@ -80,6 +88,7 @@ float zero_init(int64_t) { return 0.0f; }
 float one_init(int64_t) { return 1.0f; }
 uint16_t grad_bf16_init(int64_t i) { return static_cast<uint16_t>(0x3A80 + i % 64); }  // ~1e-3
 uint16_t zero_bf16_init(int64_t) { return 0; }
+uint8_t zero_byte_init(int64_t) { return 0; }
 
 // STREAM's triad. Like STREAM, the bytes counted are 12 per element: the write to `a` also costs
 // a read for ownership that is not counted (AdamW writes only arrays it has just read).
@@ -154,6 +163,40 @@ int bench_adam_command(const std::vector<std::string>& args) {
                       kernels::cpu::adamw_step(w.get(), g.get(), m.get(), v.get(), n, p);
                     }),
                     28});
+    // The host tier's update of the bf16 recipe with clipping: the clip scaling, AdamW and the
+    // bf16 compute copy as three passes, and fused into one (adamw_step_f32_clipped).
+    auto copy = make_array<uint16_t>(n, zero_bf16_init);
+    if (!copy) return out_of_memory("bf16 copy");
+    rows.push_back({"clip+f32+bf16 copy, 3 passes", best_seconds([&](int run) {
+                      p.step = 1 + run;
+                      kernels::cpu::scale_inplace(g.get(), n, 1.0f);
+                      kernels::adamw_step_f32(w.get(), g.get(), m.get(), v.get(), n, p, level);
+                      kernels::round_to_bf16(copy.get(), w.get(), n);
+                    }),
+                    42});
+    rows.push_back({"adamw_step_f32_clipped + copy", best_seconds([&](int run) {
+                      p.step = 1 + run;
+                      kernels::adamw_step_f32_clipped(w.get(), g.get(), 1.0f, m.get(), v.get(), copy.get(), n, p,
+                                                      level);
+                    }),
+                    30});
+    copy.reset();
+    // The fp8 recipe's copy: the new master quantised to E4M3 in 128 x 128 blocks (read 4 B,
+    // write 1 B per param, twice read for the blocks' amax), on this level and on plain code.
+    const int64_t cols = 4096, rows_ = n / cols;
+    auto codes = make_array<uint8_t>(static_cast<int64_t>(kernels::fp8_matrix_bytes(rows_, cols)), zero_byte_init);
+    if (!codes) return out_of_memory("fp8 copy");
+    rows.push_back({std::string("quantize_weight_e4m3 (") + (level == kernels::SimdLevel::kScalar ? "scalar" : "avx2") + ")", best_seconds([&](int) {
+                      kernels::cpu::quantize_weight_e4m3(codes.get(), w.get(), rows_, cols);
+                    }),
+                    5});
+    setenv("STRATA_SIMD", "scalar", 1);
+    rows.push_back({"quantize_weight_e4m3 (scalar)", best_seconds([&](int) {
+                      kernels::cpu::quantize_weight_e4m3(codes.get(), w.get(), rows_, cols);
+                    }),
+                    5});
+    unsetenv("STRATA_SIMD");
+    codes.reset();
     g.reset();
     auto gh = make_array<uint16_t>(n, grad_bf16_init),
          out = make_array<uint16_t>(n, zero_bf16_init);

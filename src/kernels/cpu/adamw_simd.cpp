@@ -58,10 +58,16 @@ inline float update_one(float g, float& w, float& m, float& v, const Scalars& s)
 }
 
 // Each kernel returns whether every new w it wrote is finite.
+// fp32 gradients, read as g * gs (the clip coefficient; 1 leaves them as they are); when out is
+// set, the new w also rounded to bf16 into it.
 template <bool kSmall>
-bool f32_scalar(float* w, const float* g, float* m, float* v, int64_t n, const Scalars& s) {
+bool f32_scalar(float* w, const float* g, float gs, float* m, float* v, uint16_t* out, int64_t n, const Scalars& s) {
   uint32_t nonfinite = 0;
-  for (int64_t i = 0; i < n; ++i) nonfinite |= nonfinite_bits(update_one<kSmall>(g[i], w[i], m[i], v[i], s));
+  for (int64_t i = 0; i < n; ++i) {
+    const float wi = update_one<kSmall>(g[i] * gs, w[i], m[i], v[i], s);
+    if (out != nullptr) out[i] = f32_to_bf16(wi);
+    nonfinite |= nonfinite_bits(wi);
+  }
   return nonfinite == 0;
 }
 
@@ -129,26 +135,30 @@ STRATA_TARGET_AVX512 inline __m256i narrow_bf16_512(__m512 x) {
 }
 
 template <bool kSmall>
-STRATA_TARGET_AVX512 bool f32_avx512(float* w, const float* g, float* m, float* v, int64_t n, const Scalars& s) {
+STRATA_TARGET_AVX512 bool f32_avx512(float* w, const float* g, float gs, float* m, float* v, uint16_t* out, int64_t n,
+                                     const Scalars& s) {
   const Vec512 c = broadcast512(s);
+  const __m512 scale = _mm512_set1_ps(gs);
   __m512i check = _mm512_setzero_si512();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m512 wi = _mm512_loadu_ps(w + i), mi = _mm512_loadu_ps(m + i), vi = _mm512_loadu_ps(v + i);
-    update512<kSmall>(_mm512_loadu_ps(g + i), wi, mi, vi, c);
+    update512<kSmall>(_mm512_mul_ps(_mm512_loadu_ps(g + i), scale), wi, mi, vi, c);
     _mm512_storeu_ps(w + i, wi);
     _mm512_storeu_ps(m + i, mi);
     _mm512_storeu_ps(v + i, vi);
+    if (out != nullptr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), narrow_bf16_512(wi));
     check = fold_finite512(check, wi);
   }
   if (i < n) {
     const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
     __m512 wi = _mm512_maskz_loadu_ps(k, w + i), mi = _mm512_maskz_loadu_ps(k, m + i);
     __m512 vi = _mm512_maskz_loadu_ps(k, v + i);
-    update512<kSmall>(_mm512_maskz_loadu_ps(k, g + i), wi, mi, vi, c);
+    update512<kSmall>(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), scale), wi, mi, vi, c);
     _mm512_mask_storeu_ps(w + i, k, wi);
     _mm512_mask_storeu_ps(m + i, k, mi);
     _mm512_mask_storeu_ps(v + i, k, vi);
+    if (out != nullptr) _mm256_mask_storeu_epi16(out + i, k, narrow_bf16_512(wi));
     // The lanes past n hold what zeros update to (0/0 when eps is 0): they are left out.
     check = fold_finite512(check, _mm512_maskz_mov_ps(k, wi));
   }
@@ -237,19 +247,23 @@ STRATA_TARGET_AVX2 inline __m128i narrow_bf16_256(__m256 x) {
 }
 
 template <bool kSmall>
-STRATA_TARGET_AVX2 bool f32_avx2(float* w, const float* g, float* m, float* v, int64_t n, const Scalars& s) {
+STRATA_TARGET_AVX2 bool f32_avx2(float* w, const float* g, float gs, float* m, float* v, uint16_t* out, int64_t n,
+                                 const Scalars& s) {
   const Vec256 c = broadcast256(s);
+  const __m256 scale = _mm256_set1_ps(gs);
   __m256 check = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 wi = _mm256_loadu_ps(w + i), mi = _mm256_loadu_ps(m + i), vi = _mm256_loadu_ps(v + i);
-    update256<kSmall>(_mm256_loadu_ps(g + i), wi, mi, vi, c);
+    update256<kSmall>(_mm256_mul_ps(_mm256_loadu_ps(g + i), scale), wi, mi, vi, c);
     _mm256_storeu_ps(w + i, wi);
     _mm256_storeu_ps(m + i, mi);
     _mm256_storeu_ps(v + i, vi);
+    if (out != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), narrow_bf16_256(wi));
     check = fold_finite256(check, wi);
   }
-  const bool tail_finite = f32_scalar<kSmall>(w + i, g + i, m + i, v + i, n - i, s);
+  const bool tail_finite =
+      f32_scalar<kSmall>(w + i, g + i, gs, m + i, v + i, out != nullptr ? out + i : nullptr, n - i, s);
   return all_finite256(check) && tail_finite;
 }
 
@@ -275,7 +289,7 @@ STRATA_TARGET_AVX2 bool mixed_avx2(float* w, const uint16_t* g, float* m, float*
 
 // ---- dispatch -----------------------------------------------------------------------------
 
-using F32Kernel = bool (*)(float*, const float*, float*, float*, int64_t, const Scalars&);
+using F32Kernel = bool (*)(float*, const float*, float, float*, float*, uint16_t*, int64_t, const Scalars&);
 using MixedKernel = bool (*)(float*, const uint16_t*, float*, float*, uint16_t*, int64_t, const Scalars&);
 
 template <bool kSmall>
@@ -357,6 +371,11 @@ SimdLevel detect_simd_level() {
 
 bool adamw_step_f32(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p,
                     SimdLevel level) {
+  return adamw_step_f32_clipped(param, grad, 1.0f, m, v, nullptr, n, p, level);
+}
+
+bool adamw_step_f32_clipped(float* param, const float* grad, float grad_scale, float* m, float* v,
+                            uint16_t* param_bf16_out, int64_t n, const AdamWParams& p, SimdLevel level) {
   CHECK_MSG(simd_level_supported(level),
             std::string("this CPU cannot run SIMD level ") + simd_level_name(level));
   CHECK(n >= 0);
@@ -367,7 +386,8 @@ bool adamw_step_f32(float* param, const float* grad, float* m, float* v, int64_t
 #pragma omp parallel for schedule(static) reduction(| : nonfinite) if (blocks > 1)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t i = b * kBlock;
-    nonfinite |= kernel(param + i, grad + i, m + i, v + i, std::min(kBlock, n - i), s) ? 0 : 1;
+    uint16_t* out = param_bf16_out != nullptr ? param_bf16_out + i : nullptr;
+    nonfinite |= kernel(param + i, grad + i, grad_scale, m + i, v + i, out, std::min(kBlock, n - i), s) ? 0 : 1;
   }
   return nonfinite == 0;
 }

@@ -10,8 +10,14 @@
 #include <cstring>
 #include <vector>
 
+#include <immintrin.h>
+
+#include "kernels/adamw_simd.h"
+
 namespace strata::kernels {
 namespace {
+
+#define STRATA_TARGET_AVX2 __attribute__((target("avx2")))
 
 // The shape of one format: exponent bias, mantissa bits, largest finite code and canonical
 // NaN code (both positive; the sign goes in bit 7), and whether the top exponent field holds
@@ -116,44 +122,160 @@ inline float reciprocal(float s) {
   return k == 127 ? std::bit_cast<float>(0x00400000u) : std::bit_cast<float>(static_cast<uint32_t>(127 - k) << 23);
 }
 
-// Quantises x[0, n) with the scale s[i / kGroup] (reciprocal inv[i / kGroup]) into codes or,
-// when out is set instead, straight back to fp32 as q * s. The one loop body of every
-// quantiser; kGroup is a constant so that i / kGroup is a shift.
-template <int64_t kGroup>
-inline void quantize_span(uint8_t* codes, float* out, const float* x, int64_t n, const float* s, const float* inv) {
-  if (out != nullptr) {
-    const float* table = e4m3_table().data();
-    for (int64_t i = 0; i < n; ++i) out[i] = table[encode(x[i] * inv[i / kGroup], kE4M3)] * s[i / kGroup];
-  } else {
-    for (int64_t i = 0; i < n; ++i) codes[i] = encode(x[i] * inv[i / kGroup], kE4M3);
+// One band of kBlockRows rows [r0, r1) of a (rows, cols) matrix in blocks of kBlockRows x
+// kBlockCols (1 x 128 tiles, 128 x 1 tiles or 128 x 128 blocks): codes or out set, scales (the
+// band's col_blocks) optional. The band is read twice, row by row (sequential reads): once for
+// the blocks' amax, once to quantise. Each element is read before it is written, so out may
+// alias x. Every inner loop runs over a row segment with the same scale (a 128-wide block: one
+// scalar; 128 x 1 tiles: a scale per column, loaded beside the element), so it compiles to
+// vector code; the operations are integer ones and exact multiplications by powers of two, so
+// every instruction set gives the same bits. `amax`, `s` and `inv` hold col_blocks entries.
+template <int64_t kBlockRows, int64_t kBlockCols>
+inline void quantize_band(uint8_t* codes, float* out, float* scales, const float* x, int64_t r0, int64_t r1,
+                          int64_t cols, uint32_t* amax, float* s, float* inv) {
+  const int64_t col_blocks = (cols + kBlockCols - 1) / kBlockCols;
+  std::fill(amax, amax + col_blocks, 0u);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * cols;
+    if constexpr (kBlockCols == 1) {
+      for (int64_t c = 0; c < cols; ++c) amax[c] = finite_amax_bits(amax[c], xr[c]);
+    } else {
+      for (int64_t b = 0; b < col_blocks; ++b) {
+        const int64_t c0 = b * kBlockCols, c1 = std::min(cols, c0 + kBlockCols);
+        uint32_t m = amax[b];
+        for (int64_t c = c0; c < c1; ++c) m = finite_amax_bits(m, xr[c]);
+        amax[b] = m;
+      }
+    }
+  }
+  for (int64_t b = 0; b < col_blocks; ++b) {
+    s[b] = fp8_block_scale(std::bit_cast<float>(amax[b]), Fp8Format::kE4M3);
+    inv[b] = reciprocal(s[b]);
+  }
+  if (scales != nullptr) std::copy(s, s + col_blocks, scales + (r0 / kBlockRows) * col_blocks);
+  const float* table = e4m3_table().data();
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * cols;
+    uint8_t* cr = codes != nullptr ? codes + r * cols : nullptr;
+    float* orow = out != nullptr ? out + r * cols : nullptr;
+    if constexpr (kBlockCols == 1) {
+      if (orow != nullptr) {
+        for (int64_t c = 0; c < cols; ++c) orow[c] = table[encode(xr[c] * inv[c], kE4M3)] * s[c];
+      } else {
+        for (int64_t c = 0; c < cols; ++c) cr[c] = encode(xr[c] * inv[c], kE4M3);
+      }
+    } else {
+      for (int64_t b = 0; b < col_blocks; ++b) {
+        const int64_t c0 = b * kBlockCols, c1 = std::min(cols, c0 + kBlockCols);
+        const float sb = s[b], ib = inv[b];
+        if (orow != nullptr) {
+          for (int64_t c = c0; c < c1; ++c) orow[c] = table[encode(xr[c] * ib, kE4M3)] * sb;
+        } else {
+          for (int64_t c = c0; c < c1; ++c) cr[c] = encode(xr[c] * ib, kE4M3);
+        }
+      }
+    }
   }
 }
 
-// Blocks of kBlockRows x kBlockCols (1 x 128 tiles, 128 x 1 tiles or 128 x 128 blocks) of a
-// (rows, cols) matrix: codes or out set, scales (block rows, block columns) optional. A band
-// of kBlockRows rows is read twice, row by row (sequential reads): once for the blocks' amax,
-// once to quantise. Each element is read before it is written, so out may alias x.
+// ---- AVX2: the weight quantiser (128 x 128 blocks, codes), the optimizer's fp8 copy ----------
+
+// |x| of finite lanes, 0 for NaN and infinities (finite_amax_bits, 8 lanes).
+STRATA_TARGET_AVX2 inline __m256i finite_abs8(__m256 x) {
+  const __m256i abs = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF));
+  return _mm256_and_si256(abs, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), abs));
+}
+
+// encode(x, kE4M3) of 8 lanes, step for step, into the low 8 bytes.
+STRATA_TARGET_AVX2 inline __m128i encode_e4m3_8(__m256 x) {
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  const __m256i abs = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i exponent = _mm256_srli_epi32(abs, 23);
+  const __m256i min_normal = _mm256_set1_epi32(127 + 1 - kE4M3.bias);
+  const __m256i shortfall = _mm256_max_epi32(_mm256_sub_epi32(min_normal, exponent), _mm256_setzero_si256());
+  const __m256i shift =
+      _mm256_min_epu32(_mm256_add_epi32(_mm256_set1_epi32(23 - kE4M3.mantissa_bits), shortfall), _mm256_set1_epi32(25));
+  const __m256i significand =
+      _mm256_or_si256(_mm256_and_si256(abs, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(0x800000));
+  __m256i kept = _mm256_srlv_epi32(significand, shift);
+  const __m256i rest = _mm256_and_si256(significand, _mm256_sub_epi32(_mm256_sllv_epi32(one, shift), one));
+  const __m256i half = _mm256_sllv_epi32(one, _mm256_sub_epi32(shift, one));
+  const __m256i up = _mm256_or_si256(_mm256_and_si256(_mm256_cmpgt_epi32(rest, half), one),
+                                     _mm256_and_si256(_mm256_cmpeq_epi32(rest, half), _mm256_and_si256(kept, one)));
+  kept = _mm256_add_epi32(kept, up);
+  __m256i code = _mm256_add_epi32(
+      _mm256_slli_epi32(_mm256_sub_epi32(_mm256_max_epu32(exponent, min_normal), min_normal), kE4M3.mantissa_bits),
+      kept);
+  const __m256i saturate = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(static_cast<int>(std::bit_cast<uint32_t>(kE4M3.max) - 1)));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(static_cast<int>(kE4M3.max_code)), saturate);
+  const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F800000));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(static_cast<int>(kE4M3.nan_code)), nan);
+  const __m256i r = _mm256_or_si256(sign, code);  // every lane < 256
+  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  return _mm_packus_epi16(words, words);
+}
+
+// quantize_band<kFp8Block, kFp8Block> writing codes, 8 elements at a time; the same bits.
+STRATA_TARGET_AVX2 void weight_band_avx2(uint8_t* codes, float* scales, const float* x, int64_t r0, int64_t r1,
+                                         int64_t cols, uint32_t* amax, float* s, float* inv) {
+  const int64_t col_blocks = (cols + kFp8Block - 1) / kFp8Block;
+  std::fill(amax, amax + col_blocks, 0u);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * cols;
+    for (int64_t b = 0; b < col_blocks; ++b) {
+      const int64_t c0 = b * kFp8Block, c1 = std::min(cols, c0 + kFp8Block);
+      __m256i m = _mm256_setzero_si256();
+      int64_t c = c0;
+      for (; c + 8 <= c1; c += 8) m = _mm256_max_epu32(m, finite_abs8(_mm256_loadu_ps(xr + c)));
+      alignas(32) uint32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), m);
+      uint32_t best = amax[b];
+      for (uint32_t lane : lanes) best = std::max(best, lane);
+      for (; c < c1; ++c) best = finite_amax_bits(best, xr[c]);
+      amax[b] = best;
+    }
+  }
+  for (int64_t b = 0; b < col_blocks; ++b) {
+    s[b] = fp8_block_scale(std::bit_cast<float>(amax[b]), Fp8Format::kE4M3);
+    inv[b] = reciprocal(s[b]);
+  }
+  if (scales != nullptr) std::copy(s, s + col_blocks, scales + (r0 / kFp8Block) * col_blocks);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * cols;
+    uint8_t* cr = codes + r * cols;
+    for (int64_t b = 0; b < col_blocks; ++b) {
+      const int64_t c0 = b * kFp8Block, c1 = std::min(cols, c0 + kFp8Block);
+      const __m256 ib = _mm256_set1_ps(inv[b]);
+      int64_t c = c0;
+      for (; c + 8 <= c1; c += 8)
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(cr + c), encode_e4m3_8(_mm256_mul_ps(_mm256_loadu_ps(xr + c), ib)));
+      for (; c < c1; ++c) cr[c] = encode(xr[c] * inv[b], kE4M3);
+    }
+  }
+}
+
+// The matrix band by band across the cores, on the best instruction set the CPU has (capped by
+// STRATA_SIMD, as AdamW's is).
 template <int64_t kBlockRows, int64_t kBlockCols>
 void quantize_blocks(uint8_t* codes, float* out, float* scales, const float* x, int64_t rows, int64_t cols) {
   const int64_t bands = (rows + kBlockRows - 1) / kBlockRows;
   const int64_t col_blocks = (cols + kBlockCols - 1) / kBlockCols;
-#pragma omp parallel for schedule(static) if (rows * cols > (int64_t{1} << 16))
-  for (int64_t band = 0; band < bands; ++band) {
-    const int64_t r0 = band * kBlockRows, r1 = std::min(rows, r0 + kBlockRows);
-    std::vector<uint32_t> amax(static_cast<size_t>(col_blocks), 0u);
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = x + r * cols;
-      for (int64_t c = 0; c < cols; ++c) amax[c / kBlockCols] = finite_amax_bits(amax[c / kBlockCols], xr[c]);
-    }
+  const bool avx2 = kBlockRows == kFp8Block && kBlockCols == kFp8Block && codes != nullptr &&
+                    detect_simd_level() != SimdLevel::kScalar;
+#pragma omp parallel if (rows * cols > (int64_t{1} << 16))
+  {
+    std::vector<uint32_t> amax(static_cast<size_t>(col_blocks));
     std::vector<float> s(static_cast<size_t>(col_blocks)), inv(static_cast<size_t>(col_blocks));
-    for (int64_t b = 0; b < col_blocks; ++b) {
-      s[b] = fp8_block_scale(std::bit_cast<float>(amax[b]), Fp8Format::kE4M3);
-      inv[b] = reciprocal(s[b]);
-    }
-    if (scales != nullptr) std::copy(s.begin(), s.end(), scales + band * col_blocks);
-    for (int64_t r = r0; r < r1; ++r) {
-      quantize_span<kBlockCols>(codes ? codes + r * cols : nullptr, out ? out + r * cols : nullptr, x + r * cols,
-                                cols, s.data(), inv.data());
+#pragma omp for schedule(static)
+    for (int64_t band = 0; band < bands; ++band) {
+      const int64_t r0 = band * kBlockRows, r1 = std::min(rows, r0 + kBlockRows);
+      if (avx2) {
+        weight_band_avx2(codes, scales, x, r0, r1, cols, amax.data(), s.data(), inv.data());
+      } else {
+        quantize_band<kBlockRows, kBlockCols>(codes, out, scales, x, r0, r1, cols, amax.data(), s.data(), inv.data());
+      }
     }
   }
 }
