@@ -13,6 +13,10 @@
 #include "model/recording_access.h"
 #include "train/paged_state.h"
 
+#if STRATA_HAVE_CUDA
+#include "core/cuda/cuda_device.h"
+#endif
+
 namespace strata {
 
 double model_flops_per_token(const model::ModelConfig& m, int64_t seq_len) {
@@ -180,6 +184,19 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   in.ranks_per_node = t.plan_ranks_per_node;
   in.zero = t.plan_zero;
   return in;
+}
+
+bool cuda_device_visible() {
+#if STRATA_HAVE_CUDA
+  return cuda_device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+DeviceKind planned_device(const TrainConfig& train) {
+  return train.device == "cuda" || (train.device == "auto" && cuda_device_visible()) ? DeviceKind::kCuda
+                                                                                      : DeviceKind::kCpu;
 }
 
 Precision planned_precision(const TrainConfig& t, DeviceKind device) {

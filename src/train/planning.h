@@ -33,8 +33,15 @@ uint64_t smallest_host_budget(const model::ModelConfig& model, TrainConfig train
 // 0 when not even one layer fits. Planned without chunk padding (chunk sizes follow the model).
 int64_t largest_layer_count(const model::ModelConfig& model, TrainConfig train, DeviceKind device);
 // The recipe a plan is made for: the config's, except that cuda trains in bf16 unless fp8 was
-// asked for (which the planner plans, though the CUDA backend does not train it yet).
+// asked for by name.
 Precision planned_precision(const TrainConfig& train, DeviceKind device);
+
+// Whether this build has the CUDA backend and a CUDA device is visible to it.
+bool cuda_device_visible();
+// run.device as `strata train` resolves it before it tries anything: cuda when asked for, or
+// auto where a CUDA device is visible; otherwise the cpu. (Train then falls back from auto to the
+// cpu when the model cannot run on the GPU; a plan names the layout it planned.)
+DeviceKind planned_device(const TrainConfig& train);
 
 // Host memory the planner assumes when memory.host is 0: 80% of what is available now.
 uint64_t default_host_budget();

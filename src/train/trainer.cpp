@@ -136,14 +136,6 @@ constexpr bool kBuiltWithCuda = true;
 constexpr bool kBuiltWithCuda = false;
 #endif
 
-bool cuda_visible() {
-#if STRATA_HAVE_CUDA
-  return cuda_device_count() > 0;
-#else
-  return false;
-#endif
-}
-
 Result<std::unique_ptr<PagedEngine>> make_cuda_engine(const model::ModelConfig& mc, const TrainConfig& t,
                                                       const OptimizerConfig& oc) {
   if (!t.precision_auto && t.precision == Precision::kFp32)
@@ -157,7 +149,7 @@ Result<std::unique_ptr<PagedEngine>> make_cuda_engine(const model::ModelConfig& 
 // and the model runs and fits there, logging why not otherwise; then cpu).
 Result<std::unique_ptr<PagedEngine>> make_train_engine(const model::ModelConfig& mc, const TrainConfig& t,
                                                        const OptimizerConfig& oc) {
-  if (t.device == "cuda" || (t.device == "auto" && cuda_visible())) {
+  if (t.device == "cuda" || (t.device == "auto" && cuda_device_visible())) {
     Result<std::unique_ptr<PagedEngine>> cuda = make_cuda_engine(mc, t, oc);
     if (cuda.ok()) return cuda;
     if (t.device == "cuda") return cuda.status().with_context("run.device=cuda");

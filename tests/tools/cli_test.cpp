@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tools/cli_util.h"
+#include "train/planning.h"
 
 namespace {
 
@@ -206,6 +207,24 @@ TEST_F(CliTest, PagingThroughHostAndNvmeChangesNoBit) {
   auto j = nlohmann::json::parse(line);
   EXPECT_GT(j["nvme_bytes"].get<uint64_t>(), 0u) << line;
   EXPECT_GT(j["moved_bytes"].get<uint64_t>(), 0u) << line;
+}
+
+// run.device=auto plans where strata train would run: the GPU layout only where this build sees
+// a CUDA device, whatever the budgets; the plan says which it chose and why.
+TEST_F(CliTest, PlanResolvesAutoAsTrainDoes) {
+  CmdResult r = run_strata("plan memory.device=24MiB memory.host=10MiB");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  if (strata::cuda_device_visible()) {
+    EXPECT_NE(r.output.find("GPU layout"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("run.device=auto: a CUDA device is visible here"), std::string::npos) << r.output;
+  } else {
+    EXPECT_NE(r.output.find("CPU layout (fp32 recipe"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("run.device=auto: no CUDA device is visible here"), std::string::npos) << r.output;
+  }
+  CmdResult gpu = run_strata("plan run.device=cuda memory.device=24GiB memory.host=10GiB");
+  EXPECT_EQ(gpu.exit_code, 0) << gpu.output;
+  EXPECT_NE(gpu.output.find("GPU layout"), std::string::npos) << gpu.output;
+  EXPECT_EQ(gpu.output.find("run.device=auto"), std::string::npos) << gpu.output;
 }
 
 // strata plan in the CPU layout plans the chunks strata train will make, and refuses a chunk

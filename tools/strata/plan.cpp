@@ -42,9 +42,10 @@ defaults are an H200 box; `strata bench machine --out FILE` measures this machin
 --hardware FILE reads that profile (key=value on the command line still wins). The report
 names where the rates came from. run.device=cuda plans the GPU's bf16 recipe (a bf16 compute
 copy of the weights and bf16 activations; fp32 master weights, gradients and Adam states), as
-does auto when memory.device is set, or the fp8 recipe with train.precision=fp8 (planned; the
-CUDA backend does not train it yet); cpu plans the CPU backend in train.precision (fp32 by
-default, or the bf16 or fp8 recipe emulated). optim.moments=bf16|int8 plans compact Adam
+does auto where this build sees a CUDA device (as `strata train` resolves it), or the fp8
+recipe with train.precision=fp8; cpu, and auto on a machine without a GPU, plan the CPU backend
+in train.precision (fp32 by default, or the bf16 or fp8 recipe emulated). To plan a GPU run
+from a machine without one, say run.device=cuda. optim.moments=bf16|int8 plans compact Adam
 moments. `strata train` pages the state as planned on either backend.
 
 After the plan, two tables compare the choices under the same budgets: each precision recipe
@@ -196,9 +197,9 @@ int plan_command(const std::vector<std::string>& args) {
     std::fprintf(stderr, "strata plan: error: %s\n", mc.status().message().c_str());
     return 1;
   }
-  // auto plans the GPU layout once there is a GPU budget to plan for.
-  const bool cuda = tc->device == "cuda" || (tc->device == "auto" && tc->memory_device > 0);
-  const DeviceKind device = cuda ? DeviceKind::kCuda : DeviceKind::kCpu;
+  // Where strata train would run these keys here: auto is the GPU only where one is visible.
+  const DeviceKind device = planned_device(*tc);
+  const bool cuda = device == DeviceKind::kCuda;
   if (tc->memory_device == 0) {
     if (cuda) {
       std::fprintf(stderr, "strata plan: error: memory.device is 0; set it to the GPU memory to plan for (e.g. memory.device=24GiB)\n");
@@ -234,6 +235,10 @@ int plan_command(const std::vector<std::string>& args) {
               std::to_string(mc->num_hidden_layers).c_str(), static_cast<long long>(mc->hidden_size),
               static_cast<long long>(mc->vocab_size), params_text, cuda ? "GPU" : "CPU", precision_name(recipe),
               kernels::moment_format_name(tc->moments));
+  if (tc->device == "auto")
+    std::printf("run.device=auto: %s\n", cuda ? "a CUDA device is visible here, so the GPU layout"
+                                             : "no CUDA device is visible here, so the CPU layout (run.device=cuda "
+                                               "plans a GPU run)");
   std::printf("step: %lld x %lld tokens x %lld accumulation = %lld tokens; budgets device %s, host %s, nvme %s\n",
               static_cast<long long>(tc->micro_batch), static_cast<long long>(tc->seq_len),
               static_cast<long long>(tc->grad_accum), static_cast<long long>(in.tokens_per_step),
