@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -52,6 +53,33 @@ TEST_F(BenchMachineCli, WritesAProfileThatPlanReadsAndNames) {
   const CmdResult keys = run_strata("plan model.preset=tiny run.device=cpu hardware.h2d_gbps=7");
   ASSERT_EQ(keys.exit_code, 0) << keys.output;
   EXPECT_NE(keys.output.find("rates: hardware.* keys (command line)"), std::string::npos) << keys.output;
+}
+
+// --save keeps the profile as this machine's for the device it measured; plans for runs on that
+// device then use it without --hardware and name it, --hardware builtin goes back to the
+// defaults, and a plan for the other device is not given it.
+TEST_F(BenchMachineCli, ASavedProfileIsWhatPlansUseByDefault) {
+  const fs::path cache = dir_ / "cache";
+  const char* before = std::getenv("STRATA_CACHE_DIR");
+  const std::string restore = before != nullptr ? before : "";
+  ASSERT_EQ(setenv("STRATA_CACHE_DIR", cache.c_str(), 1), 0);
+  const CmdResult none = run_strata("plan model.preset=tiny run.device=cpu");
+  EXPECT_NE(none.output.find("rates: built-in defaults"), std::string::npos) << none.output;
+  const CmdResult bench = run_strata("bench machine --quick --save --dir " + dir_.string() +
+                                     " model.preset=tiny train.micro_batch=1 train.seq_len=32");
+  ASSERT_EQ(bench.exit_code, 0) << bench.output;
+  const std::string saved = (cache / "machine-cpu.yaml").string();
+  EXPECT_NE(bench.output.find("saved as this machine's cpu profile: " + saved), std::string::npos) << bench.output;
+  EXPECT_TRUE(fs::exists(saved));
+  const CmdResult plan = run_strata("plan model.preset=tiny run.device=cpu");
+  EXPECT_EQ(plan.exit_code, 0) << plan.output;
+  EXPECT_NE(plan.output.find("rates: " + saved + " (strata bench machine --quick, cpu backend"), std::string::npos)
+      << plan.output;
+  const CmdResult builtin = run_strata("plan --hardware builtin model.preset=tiny run.device=cpu");
+  EXPECT_NE(builtin.output.find("rates: built-in defaults"), std::string::npos) << builtin.output;
+  const CmdResult gpu = run_strata("plan model.preset=tiny run.device=cuda memory.device=24GiB memory.host=1GiB");
+  EXPECT_NE(gpu.output.find("rates: built-in defaults"), std::string::npos) << gpu.output;
+  ASSERT_EQ(setenv("STRATA_CACHE_DIR", restore.c_str(), 1), 0);
 }
 
 TEST_F(BenchMachineCli, AProfileWithOtherKeysIsRefusedNamingFileAndKey) {

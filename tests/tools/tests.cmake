@@ -6,7 +6,7 @@ endif()
 # The README's training command lines, run against a tiny model and tokenizer.
 add_test(NAME readme_examples
          COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/tools/readme_examples.sh ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
-set_tests_properties(readme_examples PROPERTIES LABELS "tools" TIMEOUT 600)
+set_tests_properties(readme_examples PROPERTIES LABELS "tools" TIMEOUT 600 ENVIRONMENT "STRATA_CACHE_DIR=")
 
 # tools/gpu_check.sh's dry run: its groups, timeouts, budget and summary, without a GPU.
 add_test(NAME gpu_check_dry_run

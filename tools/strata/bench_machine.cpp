@@ -3,11 +3,13 @@
 #include "tools/strata/bench_machine.h"
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "tools/strata/commands.h"
+#include "train/hardware_profile.h"
 #include "train/machine_bench.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
@@ -15,8 +17,8 @@
 namespace strata::tools {
 namespace {
 
-constexpr const char* kUsage = R"(Usage: strata bench machine [CONFIG.yaml] [key=value ...] [--out FILE] [--device cpu|cuda]
-                            [--dir DIR] [--quick]
+constexpr const char* kUsage = R"(Usage: strata bench machine [CONFIG.yaml] [key=value ...] [--out FILE] [--save]
+                            [--device cpu|cuda] [--dir DIR] [--quick]
 
 Measures on this machine the rates `strata plan` and `strata train` predict a step with, each
 printed beside a reference measured in the same run:
@@ -34,7 +36,11 @@ printed beside a reference measured in the same run:
 The model and micro-batch come from CONFIG.yaml and key=value as in `strata train` (default:
 the embedded demo run). --out FILE writes the profile (hardware.* keys with units) that
 `strata plan --hardware FILE` and `strata train --hardware FILE` read; key=value on their
-command line still wins. --dir DIR: where the nvme tier would live (default: the current
+command line still wins. --save also keeps it as this machine's profile for the device,
+~/.cache/strata/machine-<cpu|cuda>.yaml ($XDG_CACHE_HOME/strata or $STRATA_CACHE_DIR instead
+when set), which strata plan, strata train and strata profile then use by default for a run on
+that device (their --hardware FILE, or --hardware builtin for the built-in H200 rates, says
+otherwise; they name the rates they used). --dir DIR: where the nvme tier would live (default: the current
 directory; `--dir none` skips the disk). --quick: small sizes and fewer repeats (a few
 seconds, noisier); the full run takes about 20 s.
 )";
@@ -55,6 +61,7 @@ int bench_machine_command(const std::vector<std::string>& args) {
   std::string out, config_path, dir = ".";
   std::vector<std::string> overrides;
   MachineBenchOptions o;
+  bool save = false;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
@@ -63,6 +70,10 @@ int bench_machine_command(const std::vector<std::string>& args) {
     }
     if (a == "--quick") {
       o.quick = true;
+      continue;
+    }
+    if (a == "--save") {
+      save = true;
       continue;
     }
     if (a == "--out" || a == "--device" || a == "--dir") {
@@ -102,15 +113,34 @@ int bench_machine_command(const std::vector<std::string>& args) {
     std::printf("%-13s %12.4g %-9s   %12.4g  (%s)\n", f.name.c_str(), f.value, f.unit.c_str(), f.reference_value,
                 f.reference.c_str());
   const std::string yaml = hardware_yaml(*p);
-  if (out.empty()) {
+  if (out.empty() && !save) {
     std::printf("\n%s", yaml.c_str());
     return 0;
   }
-  std::ofstream f(out, std::ios::trunc);
-  f << yaml;
-  f.close();
-  if (!f) return fail(Status::IOError("cannot write the hardware profile " + out));
-  std::printf("\nwrote %s (strata plan --hardware %s)\n", out.c_str(), out.c_str());
+  auto write = [&](const std::string& path) -> Status {
+    std::error_code ec;
+    const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+    if (ec) return Status::IOError("cannot create " + parent.string() + " for the hardware profile: " + ec.message());
+    std::ofstream f(path, std::ios::trunc);
+    f << yaml;
+    f.close();
+    if (!f) return Status::IOError("cannot write the hardware profile " + path);
+    return Status::OK();
+  };
+  if (!out.empty()) {
+    if (Status st = write(out); !st.ok()) return fail(st);
+    std::printf("\nwrote %s (strata plan --hardware %s)\n", out.c_str(), out.c_str());
+  }
+  if (save) {
+    const std::string saved = saved_profile_path(o.device == "cuda" ? DeviceKind::kCuda : DeviceKind::kCpu);
+    if (saved.empty())
+      return fail(Status::InvalidArgument("--save: no place to keep the profile (STRATA_CACHE_DIR is empty, or "
+                                          "neither XDG_CACHE_HOME nor HOME is set); use --out FILE"));
+    if (Status st = write(saved); !st.ok()) return fail(st);
+    std::printf("\nsaved as this machine's %s profile: %s (strata plan, train and profile use it for %s runs; "
+                "--hardware builtin ignores it)\n", o.device.c_str(), saved.c_str(), o.device.c_str());
+  }
   return 0;
 }
 

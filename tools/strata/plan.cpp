@@ -15,6 +15,7 @@
 #include "memory/chunk.h"
 #include "offload/plan.h"
 #include "tools/strata/commands.h"
+#include "train/hardware_profile.h"
 #include "train/host_ram.h"
 #include "train/paged_state.h"
 #include "train/planning.h"
@@ -38,9 +39,10 @@ peak host memory beyond what this machine has available is flagged (`strata trai
 the run here); the plan still stands for a machine with the memory, so the exit code is 0.
 
 Budgets come from memory.device, memory.host and memory.nvme.*; rates from hardware.*: the
-defaults are an H200 box; `strata bench machine --out FILE` measures this machine and
---hardware FILE reads that profile (key=value on the command line still wins). The report
-names where the rates came from. run.device=cuda plans the GPU's bf16 recipe (a bf16 compute
+defaults are an H200 box; `strata bench machine --save` measures this machine and keeps its
+profile, which plans for runs on that device then use; --hardware FILE reads a profile written
+with --out FILE instead, --hardware builtin the defaults (key=value on the command line still
+wins). The report names where the rates came from. run.device=cuda plans the GPU's bf16 recipe (a bf16 compute
 copy of the weights and bf16 activations; fp32 master weights, gradients and Adam states), as
 does auto where this build sees a CUDA device (as `strata train` resolves it), or the fp8
 recipe with train.precision=fp8; cpu, and auto on a machine without a GPU, plan the CPU backend
@@ -173,9 +175,10 @@ int plan_command(const std::vector<std::string>& args) {
       return 2;
     }
   }
-  // A hardware profile's keys go first, so that key=value on the command line still wins.
-  if (!hardware.empty()) {
-    Result<std::vector<std::string>> keys = hardware_overrides(hardware);
+  // The hardware profile's keys (--hardware's, else this machine's saved one) go first, so that
+  // key=value on the command line still wins.
+  {
+    Result<std::vector<std::string>> keys = hardware_keys(hardware, config_path, overrides);
     if (!keys.ok()) {
       std::fprintf(stderr, "strata %s: error: %s\n", "plan", keys.status().message().c_str());
       return 1;

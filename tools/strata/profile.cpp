@@ -16,6 +16,7 @@
 #include "core/trace.h"
 #include "tools/strata/commands.h"
 #include "tools/strata/profile_pictures.h"
+#include "train/hardware_profile.h"
 #include "train/machine_bench.h"
 #include "train/profile_report.h"
 #include "train/train_config.h"
@@ -46,9 +47,9 @@ writes into --out (default RUN_DIR/profile):
   timeline.svg  a typical traced step, one lane per thread, stream and the nvme queue
   memory.svg    memory per tier, and each tier by kind of state, over that step
 
-The plan's prediction uses the hardware.* rates: --hardware FILE reads this machine's, measured
-by `strata bench machine --out FILE` (the defaults describe an H200 box, so without it a CPU
-run's prediction is far off). The report is also printed. The run itself is a normal run (its
+The plan's prediction uses the hardware.* rates: this machine's when `strata bench machine
+--save` kept a profile for the device, a file's with --hardware FILE (`strata bench machine --out
+FILE`), else the defaults, which describe an H200 box (so a CPU run's prediction is far off). The report is also printed. The run itself is a normal run (its
 metrics.jsonl in a new run.dir);
 run.export is ignored and nothing is resumed. On the cuda backend the trace shows host time:
 the GPU's own kernel and copy times are not traced yet.
@@ -155,9 +156,10 @@ int profile_command(const std::vector<std::string>& args) {
       return 2;
     }
   }
-  // A hardware profile's keys go first, so that key=value on the command line still wins.
-  if (!hardware.empty()) {
-    Result<std::vector<std::string>> keys = hardware_overrides(hardware);
+  // The hardware profile's keys (--hardware's, else this machine's saved one) go first, so that
+  // key=value on the command line still wins.
+  {
+    Result<std::vector<std::string>> keys = hardware_keys(hardware, config_path, overrides);
     if (!keys.ok()) return fail(keys.status());
     overrides.insert(overrides.begin(), keys->begin(), keys->end());
   }

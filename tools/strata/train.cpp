@@ -7,6 +7,7 @@
 #include "core/config.h"
 #include "core/log.h"
 #include "tools/strata/commands.h"
+#include "train/hardware_profile.h"
 #include "train/machine_bench.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
@@ -23,9 +24,10 @@ model (model.from, model.config, model.init or model.preset) the embedded demo r
 0.85M-parameter Llama learning Debian's license texts byte by byte, its state paged through
 tiny budgets (24 MiB device, 10 MiB host, 64 MiB nvme). Naming a model leaves the settings
 below at their defaults: the whole free GPU, 80% of the available host memory, no nvme tier.
---print-config prints the effective configuration and exits without training. --hardware FILE
-reads the hardware.* rates the plan predicts with from a `strata bench machine --out FILE`
-profile (key=value on the command line still wins).
+--print-config prints the effective configuration and exits without training. The plan
+predicts with this machine's hardware.* rates when `strata bench machine --save` kept a profile
+for the device; --hardware FILE reads a `strata bench machine --out FILE` profile instead,
+--hardware builtin the built-in defaults (key=value on the command line still wins).
 
 Each step prints one line (step, loss, lr, gradient norm, tokens/s, ms/step, memory, RSS
 against the planned peak of host memory) and appends the same to RUN_DIR/metrics.jsonl; at
@@ -92,9 +94,10 @@ int train_command(const std::vector<std::string>& args) {
       return 2;
     }
   }
-  // A hardware profile's keys go first, so that key=value on the command line still wins.
-  if (!hardware.empty()) {
-    Result<std::vector<std::string>> keys = hardware_overrides(hardware);
+  // The hardware profile's keys (--hardware's, else this machine's saved one) go first, so that
+  // key=value on the command line still wins.
+  {
+    Result<std::vector<std::string>> keys = hardware_keys(hardware, config_path, overrides);
     if (!keys.ok()) {
       std::fprintf(stderr, "strata %s: error: %s\n", "train", keys.status().message().c_str());
       return 1;
