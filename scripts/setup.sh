@@ -28,10 +28,17 @@ install_reference_python() {
   # Hugging Face transformers for the parity tests (reference only; strata never needs Python).
   # 4.40 runs on Debian's torch 1.13 (later releases need torch 2). Tests that need it skip when
   # it cannot be installed (no network), saying so.
-  if /usr/bin/python3 -c "import transformers" 2>/dev/null; then return 0; fi
-  echo "setup: installing transformers==4.40.2 for /usr/bin/python3 (reference tests)"
-  $sudo /usr/bin/python3 -m pip install -q --break-system-packages "transformers==4.40.2" ||
-    echo "setup: warning: transformers could not be installed; the tests that compare with it will be skipped" >&2
+  if ! /usr/bin/python3 -c "import transformers" 2>/dev/null; then
+    echo "setup: installing transformers==4.40.2 for /usr/bin/python3 (reference tests)"
+    $sudo /usr/bin/python3 -m pip install -q --break-system-packages "transformers==4.40.2" ||
+      echo "setup: warning: transformers could not be installed; the tests that compare with it will be skipped" >&2
+  fi
+  # TensorBoard's own event reader checks strata's event files (tests/tools/tensorboard_test.cpp).
+  if ! /usr/bin/python3 -c "import tensorboard" 2>/dev/null; then
+    echo "setup: installing tensorboard for /usr/bin/python3 (reference test)"
+    $sudo /usr/bin/python3 -m pip install -q --break-system-packages tensorboard ||
+      echo "setup: warning: tensorboard could not be installed; the test that reads events with it will be skipped" >&2
+  fi
 }
 
 sudo=""

@@ -31,6 +31,7 @@
 #include "train/host_ram.h"
 #include "train/paged_engine.h"
 #include "train/planning.h"
+#include "train/tensorboard.h"
 #include "train/ranks.h"
 #include "train/run_dirs.h"
 #if STRATA_HAVE_CUDA
@@ -173,6 +174,8 @@ struct Run {
   std::optional<LrSchedule> schedule;
   std::unique_ptr<TrainCheckpointer> checkpointer;
   std::optional<MetricsWriter> metrics;
+  std::optional<TensorBoardWriter> tensorboard;  // RUN_DIR/tensorboard, beside metrics.jsonl
+  int64_t last_logged_step = 0;
   int64_t start_step = 1;
   int64_t tokens_seen = 0;
   int64_t last_saved_step = 0;
@@ -437,6 +440,29 @@ void open_checkpointer(const TrainConfig& t, Run& run, Ranks& ranks) {
   run.mark_sound(run.start_step - 1);
 }
 
+// A step's scalars for TensorBoard. MFU is the model FLOP/s against hardware.gpu_tflops, the
+// compute rate the plan predicts with (this machine's when its profile was measured).
+std::vector<std::pair<std::string, double>> tensorboard_scalars(const StepMetrics& m, const TrainConfig& t) {
+  std::vector<std::pair<std::string, double>> s = {
+      {"train/loss", m.loss},
+      {"train/lr", m.lr},
+      {"train/grad_norm", m.grad_norm},
+      {"perf/tokens_per_s", m.tokens_per_s},
+      {"perf/model_tflops", m.model_tflops},
+      {"perf/mfu", t.gpu_flops > 0 ? m.model_tflops * 1e12 / t.gpu_flops : 0.0},
+      {"perf/step_ms", m.ms},
+      {"memory/device_bytes", static_cast<double>(m.tier_bytes[0])},
+      {"memory/host_bytes", static_cast<double>(m.tier_bytes[1])},
+      {"memory/nvme_bytes", static_cast<double>(m.tier_bytes[2])},
+      {"memory/rss_bytes", static_cast<double>(m.rss_bytes)},
+      {"paging/moved_bytes", static_cast<double>(m.moved_bytes)},
+      {"paging/stall_ms", m.stall_ms},
+      {"train/skipped_steps", static_cast<double>(m.skipped_steps)},
+  };
+  if (m.world > 1) s.emplace_back("comm/bytes_per_rank", m.comm_bytes);
+  return s;
+}
+
 // The run directory (rank 0's): the effective config, the metrics file (continued when
 // resuming), and the lines that say what the run is about to do.
 Status open_run_dir(const TrainConfig& t, Run& run, const std::string& effective_yaml, bool resuming,
@@ -452,6 +478,9 @@ Status open_run_dir(const TrainConfig& t, Run& run, const std::string& effective
   const fs::path metrics_path = fs::path(t.run_dir) / "metrics.jsonl";
   ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open(metrics_path.string(), /*append=*/resuming));
   run.metrics.emplace(std::move(metrics));
+  ASSIGN_OR_RETURN(TensorBoardWriter tensorboard,
+                   TensorBoardWriter::open((fs::path(t.run_dir) / "tensorboard").string(), run.start_step));
+  run.tensorboard.emplace(std::move(tensorboard));
 
   const model::ModelConfig& mc = run.mc;
   const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * ranks.world();
@@ -695,6 +724,8 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.skipped_steps = run.summary.skipped_steps;
     sm.eta_s = sm.elapsed_s / static_cast<double>(step - run.start_step + 1) * static_cast<double>(t.steps - step);
     if (run.metrics) RETURN_IF_ERROR(run.metrics->write(sm));
+    if (run.tensorboard) RETURN_IF_ERROR(run.tensorboard->scalars(step, tensorboard_scalars(sm, t)));
+    run.last_logged_step = step;
     if (step == run.start_step) run.summary.first_loss = sm.loss;
     run.summary.last_loss = sm.loss;
     if (skipped) {
@@ -840,6 +871,11 @@ GoodputReport report_goodput(Run& run, GoodputAccountant& goodput) {
   if (!run.metrics) return report;
   if (Status written = run.metrics->append(goodput_json(report).dump()); !written.ok())
     LOG_WARN("goodput: {}", written.message());
+  if (run.tensorboard && run.last_logged_step > 0) {
+    if (Status written = run.tensorboard->scalars(run.last_logged_step, {{"run/goodput", report.goodput()}});
+        !written.ok())
+      LOG_WARN("goodput: {}", written.message());
+  }
   return report;
 }
 
