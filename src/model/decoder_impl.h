@@ -268,7 +268,7 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
     CHECK_MSG(window.ok(), window.to_string());
   }
   RETURN_IF_ERROR(acts_.reserve(ops_, config_, B, T, access_->offloads_activations(), keep_layers_));
-  const int64_t offloaded = offload ? offloaded_checkpoint_count(static_cast<int>(L)) : 0;
+  const int64_t offloaded = offload ? saved_activation_count(static_cast<int>(L)) : 0;
   std::fill(forward_counts_.begin(), forward_counts_.end(), int64_t{0});
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
   std::vector<int64_t> layer_counts(static_cast<size_t>(E));
@@ -284,7 +284,7 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
   const uint64_t layer_checkpoint_bytes = static_cast<uint64_t>(N * C) * sizeof(Act);
   if (offloaded > 0) {
     ops_.synchronize();
-    RETURN_IF_ERROR(access_->offload_checkpoint(0, layer_checkpoint(0, N), layer_checkpoint_bytes));
+    RETURN_IF_ERROR(access_->offload_saved_activation(0, layer_checkpoint(0, N), layer_checkpoint_bytes));
   }
   for (int64_t l = 0; l < L; ++l) {
     const Act* x = layer_checkpoint(l, N);  // (N, C)
@@ -301,7 +301,7 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
     if (l + 1 < offloaded) {
       ops_.synchronize();
       RETURN_IF_ERROR(
-          access_->offload_checkpoint(static_cast<int>(l + 1), layer_checkpoint(l + 1, N), layer_checkpoint_bytes));
+          access_->offload_saved_activation(static_cast<int>(l + 1), layer_checkpoint(l + 1, N), layer_checkpoint_bytes));
     }
     if (!config_.is_moe_layer(l)) continue;
     for (int64_t e = 0; e < E; ++e) {
@@ -341,7 +341,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
   const bool offload = backward && access_->offloads_activations();
-  const int64_t offloaded = offload ? offloaded_checkpoint_count(static_cast<int>(L)) : 0;
+  const int64_t offloaded = offload ? saved_activation_count(static_cast<int>(L)) : 0;
   RETURN_IF_ERROR(forward_layers(inputs, B, T, /*count_tokens=*/backward, offload));
   const int32_t* staged_targets = ops_.stage_tokens(targets, N, acts_.tokens_target);
 
@@ -402,7 +402,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
     ops_.trace_phase(recompute ? "recompute" : "backward", l);
     // An offloaded layer checkpoint's slot has been reused since forward: fetch it back first.
     if (l < offloaded)
-      RETURN_IF_ERROR(access_->fetch_checkpoint(static_cast<int>(l), x, static_cast<uint64_t>(N * C) * sizeof(Act)));
+      RETURN_IF_ERROR(access_->fetch_saved_activation(static_cast<int>(l), x, static_cast<uint64_t>(N * C) * sizeof(Act)));
     RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, true));
     const Status st = recompute ? layer_forward(l, x, /*out=*/nullptr, B, T, /*stats=*/nullptr, /*grads=*/true)
                                 : begin_experts(l, true, true);

@@ -37,12 +37,12 @@ int param_expert_of(const ParamLayout& layout, const TensorSpec& tensor);
 bool param_is_linear_weight(const ParamLayout& layout, const TensorSpec& tensor);
 
 // Activation offload (DESIGN §3.3): the layer checkpoints (saved activations: the input of
-// layer l is layer checkpoint l) the model hands to offload_checkpoint() during forward and takes
-// back with fetch_checkpoint() during backward are 0 .. offloaded_checkpoint_count(L) - 1. The
+// layer l is layer checkpoint l) the model hands to offload_saved_activation() during forward and takes
+// back with fetch_saved_activation() during backward are 0 .. saved_activation_count(L) - 1. The
 // model keeps layer checkpoints in two rotating slots (layer checkpoint l in slot l % 2) plus one
 // for layer checkpoint L, so after forward the inputs of the last two layers are still resident
 // and only the earlier ones travel.
-inline int offloaded_checkpoint_count(int num_layers) { return num_layers > 2 ? num_layers - 2 : 0; }
+inline int saved_activation_count(int num_layers) { return num_layers > 2 ? num_layers - 2 : 0; }
 
 class ParamAccess {
  public:
@@ -81,20 +81,20 @@ class ParamAccess {
 
   // Activation offload. When offloads_activations(), the model plans two layer checkpoint slots
   // (plus one for the last) instead of L + 1; in a step with backward it calls
-  // offload_checkpoint(l, ...) as soon as forward has written layer checkpoint l (the input of
-  // layer l) and fetch_checkpoint(l, ...) before it recomputes layer l in backward, in reverse
-  // order, for l < offloaded_checkpoint_count(L).
+  // offload_saved_activation(l, ...) as soon as forward has written layer checkpoint l (the input of
+  // layer l) and fetch_saved_activation(l, ...) before it recomputes layer l in backward, in reverse
+  // order, for l < saved_activation_count(L).
   // `bytes` = tokens of the micro-batch * hidden size * the activation type's size. The data
   // pointers are borrowed for the call only. The defaults mean "not offloading" and are never
   // called then.
   virtual bool offloads_activations() const { return false; }
-  virtual Status offload_checkpoint(int index, const void* data, uint64_t bytes) {
+  virtual Status offload_saved_activation(int index, const void* data, uint64_t bytes) {
     (void)index, (void)data, (void)bytes;
-    return Status::Internal("offload_checkpoint without activation offload");
+    return Status::Internal("offload_saved_activation without activation offload");
   }
-  virtual Status fetch_checkpoint(int index, void* data, uint64_t bytes) {
+  virtual Status fetch_saved_activation(int index, void* data, uint64_t bytes) {
     (void)index, (void)data, (void)bytes;
-    return Status::Internal("fetch_checkpoint without activation offload");
+    return Status::Internal("fetch_saved_activation without activation offload");
   }
 };
 

@@ -122,13 +122,13 @@ void RecordingAccess::end_experts(int /*group*/, std::span<const int> /*experts*
   close_batch();
 }
 
-Status RecordingAccess::offload_checkpoint(int index, const void* /*data*/, uint64_t /*bytes*/) {
+Status RecordingAccess::offload_saved_activation(int index, const void* /*data*/, uint64_t /*bytes*/) {
   record(GroupAccess::of_activation(index), AccessMode::kWrite);
   close_batch();
   return Status::OK();
 }
 
-Status RecordingAccess::fetch_checkpoint(int index, void* /*data*/, uint64_t /*bytes*/) {
+Status RecordingAccess::fetch_saved_activation(int index, void* /*data*/, uint64_t /*bytes*/) {
   record(GroupAccess::of_activation(index), AccessMode::kRead);
   close_batch();
   return Status::OK();

@@ -35,8 +35,8 @@ class RecordingAccess final : public ParamAccess {
   const void* param(int64_t offset) override { return (void)offset, nullptr; }
   float* grad(int64_t offset) override { return (void)offset, nullptr; }
   bool offloads_activations() const override { return offload_activations_; }
-  Status offload_checkpoint(int index, const void* data, uint64_t bytes) override;
-  Status fetch_checkpoint(int index, void* data, uint64_t bytes) override;
+  Status offload_saved_activation(int index, const void* data, uint64_t bytes) override;
+  Status fetch_saved_activation(int index, void* data, uint64_t bytes) override;
 
   // The phase the model's ops mark next (the decoder's trace_phase names: "embedding forward",
   // "forward", "head", "recompute", "backward", "embedding backward"; null ends the last).

@@ -124,7 +124,7 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   r.store.space.chunk_bytes = c;
   r.store.home = [&p](int g, StateKind k) { return p.placement.home(g, k); };
   r.activations = offload ? in.offloaded_activations : 0;
-  r.activation_bytes = in.checkpoint_bytes_per_layer;
+  r.activation_bytes = in.saved_activation_bytes_per_layer;
   r.store.space.device_bytes = p.device_chunk_bytes;
   const uint64_t staging = in.nvme_budget > 0 ? 1 : 0;
   const uint64_t most = store_chunk_count(r.tensors, r.store.layout, c, r.activations, r.activation_bytes);
@@ -186,7 +186,7 @@ LevelSizes level_sizes(const PlanInput& in, int zero) {
                             in.edge_moment_chunks);
   s.layer = shard_of(s.full_layer, s.W, zero);
   s.edge = shard_of(s.full_edge, s.W, zero);
-  s.saved_all = static_cast<uint64_t>(s.L + 1) * in.checkpoint_bytes_per_layer;
+  s.saved_all = static_cast<uint64_t>(s.L + 1) * in.saved_activation_bytes_per_layer;
   return s;
 }
 
@@ -204,7 +204,7 @@ bool plan_working_set(const PlanInput& in, const LevelSizes& s, Plan& p, Working
   ws->param = std::max(s.full_edge.param + s.full_layer.param, 2 * s.full_layer.param);
   ws->grad = std::max(s.full_edge.grad + s.full_layer.grad, 2 * s.full_layer.grad);
   ws->act = in.layer_workspace_bytes + in.head_workspace_bytes + in.kept_activation_bytes;
-  ws->saved_offloaded = 2 * in.checkpoint_bytes_per_layer;
+  ws->saved_offloaded = 2 * in.saved_activation_bytes_per_layer;
   bool offload = in.offload_activations == "true";
   uint64_t minimum = ws->param + ws->grad + ws->act + (offload ? ws->saved_offloaded : s.saved_all);
   if (in.offload_activations == "auto") minimum = ws->param + ws->grad + ws->act + ws->saved_offloaded;
@@ -418,8 +418,8 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
     if (!h.opt_dev[g]) p.cpu_adam_elements += s.updated(g == L ? in.edge_elements : in.layer_elements);
   }
   if (offload) {
-    fwd_d2h += static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
-    bwd_h2d += static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer;
+    fwd_d2h += static_cast<uint64_t>(L) * in.saved_activation_bytes_per_layer;
+    bwd_h2d += static_cast<uint64_t>(L) * in.saved_activation_bytes_per_layer;
   }
   // Zeroing writes each streamed gradient on the device and sends it back; the norm (unless it
   // is taken inside the overlapped optimizer) reads each one there once more.
@@ -458,7 +458,7 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
           p.suggestions.push_back(std::string("raise ") + tier_budget_key(t));
     } else {
       const ReplayResult& r = *replay;
-      const uint64_t ckpt = offload ? static_cast<uint64_t>(L) * in.checkpoint_bytes_per_layer : 0;
+      const uint64_t ckpt = offload ? static_cast<uint64_t>(L) * in.saved_activation_bytes_per_layer : 0;
       const ReplayMoves total = r.total();
       const ReplayMoves &fwd = r.of(StepPhase::kForward), &bwd = r.of(StepPhase::kBackward);
       const ReplayMoves &zero_pass = r.of(StepPhase::kZero), &norm = r.of(StepPhase::kNorm),
@@ -526,7 +526,7 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
   }
   ph.forward = phase(forward_flops, tr.fwd_h2d, tr.fwd_d2h, tr.first_layer_h2d, tr.fwd_disk);
   ph.backward = phase(backward_flops, tr.bwd_h2d, tr.bwd_d2h,
-                      tr.first_layer_h2d + (p.offload_activations ? in.checkpoint_bytes_per_layer : 0), tr.bwd_disk);
+                      tr.first_layer_h2d + (p.offload_activations ? in.saved_activation_bytes_per_layer : 0), tr.bwd_disk);
   // Zeroing writes every gradient and the norm reads it, with their copies; with the optimizer
   // overlapped the norm is taken group by group inside it.
   const double passes = in.overlap_optimizer ? 1.0 : 2.0;

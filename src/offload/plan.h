@@ -7,8 +7,9 @@
 // groups plus one "edge" group (embeddings, final norm, LM head). Placement is decided per
 // group and kind, in the order that saves the most traffic per byte of device memory:
 //   device: the working set (one layer's parameters plus the prefetched next, gradients being
-//           produced, one layer's recompute workspace, the LM-head workspace, checkpoints),
-//           then layer-boundary checkpoints (else they are offloaded to host), then
+//           produced, one layer's recompute workspace, the LM-head workspace, saved
+//           activations), then the layer-boundary saved activations (else they are offloaded
+//           to host), then
 //           parameters (each resident group saves 2 x grad_accum transfers per step), then
 //           gradients (saves a transfer per micro-batch), then optimizer states (AdamW on the
 //           GPU: saves the gradient and updated-parameter transfers entirely).
@@ -92,7 +93,7 @@ struct PlanInput {
   uint32_t grad_bytes = 4;
   bool separate_master = true;  // false on the CPU backend: the fp32 compute copy is the master
   // Activations of one micro-batch.
-  uint64_t checkpoint_bytes_per_layer = 0;  // the layer-boundary checkpoint
+  uint64_t saved_activation_bytes_per_layer = 0;  // the activation saved at a layer boundary
   uint64_t layer_workspace_bytes = 0;       // one layer's recomputation and backward scratch
   uint64_t head_workspace_bytes = 0;        // chunked LM head + cross-entropy
   uint64_t kept_activation_bytes = 0;       // every layer's intermediates kept (no recompute)

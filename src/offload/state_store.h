@@ -159,7 +159,7 @@ class StateStore {
     return parts_[group][part_index(group, part)].chunks[static_cast<int>(kind)].size();
   }
 
-  // Activation buffers (saved layer-boundary checkpoints, DESIGN §3.3): `count` buffers of
+  // Activation buffers (activations saved at layer boundaries, DESIGN §3.3): `count` buffers of
   // `bytes` bytes each (of whatever type the model's activations are), in chunks of kind kAct homed in host memory (NVMe when the host tier
   // is full) and always accessed there; each chunk belongs to one buffer, so writing one buffer
   // never touches another. Call before set_schedule(); at most once.

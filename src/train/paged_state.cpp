@@ -86,7 +86,7 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
       if (t.offset == layout.final_norm()) C = static_cast<uint64_t>(t.numel);
     const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * C * dtype_size(state.activation_dtype());
     const uint64_t count =
-        static_cast<uint64_t>(model::offloaded_checkpoint_count(static_cast<int>(layout.num_layers())));
+        static_cast<uint64_t>(model::saved_activation_count(static_cast<int>(layout.num_layers())));
     size.activation_chunks = count * ((bytes + chunk - 1) / chunk);
     size.state_bytes += count * bytes;
   }
@@ -210,7 +210,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   if (options.offload_activations) {
     if (options.activation_tokens <= 0)
       return Status::InvalidArgument("activation offload needs activation_tokens (B * T of a micro-batch)");
-    offloaded = model::offloaded_checkpoint_count(L);
+    offloaded = model::saved_activation_count(L);
     // Hidden size C: the final norm's weight has C elements.
     const int64_t C = ps->pieces_[ps->tensor_at(ps->layout_.final_norm())].numel;
     const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * static_cast<uint64_t>(C) *
@@ -835,7 +835,7 @@ float* PagedState::grad(int64_t offset) { return store_->pointer(tensor_at(offse
 
 // On a device whose memory the host cannot read, checkpoints travel through a host buffer (a
 // difference of memory kind: the CPU backend's device memory is host memory).
-Status PagedState::offload_checkpoint(int index, const void* data, uint64_t bytes) {
+Status PagedState::offload_saved_activation(int index, const void* data, uint64_t bytes) {
   if (staging_stream_ == nullptr) return store_->write_activation(index, data, bytes);
   staging_.resize(bytes);
   device_->copy(staging_.data(), data, bytes, *staging_stream_);
@@ -843,7 +843,7 @@ Status PagedState::offload_checkpoint(int index, const void* data, uint64_t byte
   return store_->write_activation(index, staging_.data(), bytes);
 }
 
-Status PagedState::fetch_checkpoint(int index, void* data, uint64_t bytes) {
+Status PagedState::fetch_saved_activation(int index, void* data, uint64_t bytes) {
   drain_compute();  // the slot may still be read by queued ops
   if (staging_stream_ == nullptr) return store_->read_activation(index, data, bytes);
   staging_.resize(bytes);

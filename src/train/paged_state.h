@@ -210,8 +210,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   }
   float* grad(int64_t offset) override;
   bool offloads_activations() const override { return options_.offload_activations; }
-  Status offload_checkpoint(int index, const void* data, uint64_t bytes) override;
-  Status fetch_checkpoint(int index, void* data, uint64_t bytes) override;
+  Status offload_saved_activation(int index, const void* data, uint64_t bytes) override;
+  Status fetch_saved_activation(int index, void* data, uint64_t bytes) override;
 
   // One step of this state as the code runs it (offload/step_program.h): the micro-batch as the
   // decoder of the layout's model acquires it (recorded, model/recording_access.h), with its

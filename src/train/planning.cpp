@@ -80,7 +80,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   // Activations, in the shapes of model/activations.h, for N tokens per micro-batch.
   const uint64_t act = dtype_size(state.activation_dtype());
   const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
-  in.checkpoint_bytes_per_layer = N * C * act;
+  in.saved_activation_bytes_per_layer = N * C * act;
   // One layer's recompute and backward scratch, the final norm's buffers and the backend's
   // own (MoE expert buffers): the decoder's activation table less its layer checkpoints, as the
   // table sizes itself (the CPU backend's in its recipe; a GPU's activations are bf16 like the
@@ -92,7 +92,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
                : model::ActivationTable<kernels::CpuBf16Ops>::bytes_for(m, tokens, false, keep);
   };
   const uint64_t table = static_cast<uint64_t>(table_bytes(false));
-  const uint64_t layer_checkpoints = (L + 1) * in.checkpoint_bytes_per_layer;
+  const uint64_t layer_checkpoints = (L + 1) * in.saved_activation_bytes_per_layer;
   in.layer_workspace_bytes = table > layer_checkpoints ? table - layer_checkpoints : 0;
   // The CUDA fp8 recipe's quantised GEMM operands, allocated with the table (kernels/fp8_operands.h).
   if (cuda && state.compute_dtype() == DType::kF8E4M3)
@@ -164,7 +164,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     in.micro_batch_program_offloaded = model::record_micro_batch(m, /*offload_activations=*/true);
     in.state_tensors = PagedState::store_tensors(layout);
     in.state_layout = state;
-    in.offloaded_activations = model::offloaded_checkpoint_count(static_cast<int>(L));
+    in.offloaded_activations = model::saved_activation_count(static_cast<int>(L));
   }
   in.offload_activations = t.offload_activations;
   in.rates.compute_flops = t.gpu_flops;

@@ -21,7 +21,7 @@ PlanInput base_input() {
   in.param_bytes = 2;
   in.grad_bytes = 2;
   in.separate_master = true;
-  in.checkpoint_bytes_per_layer = 32ull << 20;
+  in.saved_activation_bytes_per_layer = 32ull << 20;
   in.layer_workspace_bytes = 512ull << 20;
   in.head_workspace_bytes = 64ull << 20;
   in.grad_accum = 4;
@@ -114,7 +114,7 @@ TEST(Plan, ActivationOffloadFollowsTheSetting) {
   Plan on = make_plan(in);
   ASSERT_TRUE(on.fits);
   EXPECT_TRUE(on.offload_activations);
-  EXPECT_EQ(on.host.act, 17 * in.checkpoint_bytes_per_layer);
+  EXPECT_EQ(on.host.act, 17 * in.saved_activation_bytes_per_layer);
   in.offload_activations = "false";
   Plan off = make_plan(in);
   ASSERT_TRUE(off.fits);
@@ -346,7 +346,7 @@ PlanInput seventy_b() {
   in.edge_elements = 2ull * 128256 * 8192 + 8192;
   in.param_bytes = in.edge_param_bytes = 2;
   in.grad_bytes = 4;
-  in.checkpoint_bytes_per_layer = 4096ull * 8192 * 2;
+  in.saved_activation_bytes_per_layer = 4096ull * 8192 * 2;
   in.layer_workspace_bytes = 4 * kGiB;
   in.head_workspace_bytes = 1 * kGiB;
   in.grad_accum = 8;

@@ -256,7 +256,7 @@ model::ModelConfig offload_config(bool tied) {
 // act_size: bytes per activation element in the recipe (4 for fp32, 2 for bf16).
 void expect_offloaded(const RunResult& flat, const RunResult& paged, const RunResult& resident,
                       const model::ModelConfig& mc, uint64_t act_size) {
-  const int offloaded = model::offloaded_checkpoint_count(mc.num_hidden_layers);
+  const int offloaded = model::saved_activation_count(mc.num_hidden_layers);
   ASSERT_EQ(offloaded, 3);
   const uint64_t layer_checkpoint_bytes = kB * kT * mc.hidden_size * act_size;
   EXPECT_GE(paged.stats.act_bytes, offloaded * layer_checkpoint_bytes);

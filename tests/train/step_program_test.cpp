@@ -139,7 +139,7 @@ TEST(StepProgram, TheRecordedProgramIsTheExpectedOrder) {
     auto owns = [&](int g) { return !c.owns_odd_groups_only || g % 2 == 1; };
     for (Precision precision : {Precision::kFp32, Precision::kBf16}) {
       const std::vector<StateKind> kinds = StateLayout::of(precision).kinds();
-      const int offloaded = c.offload ? model::offloaded_checkpoint_count(L) : 0;
+      const int offloaded = c.offload ? model::saved_activation_count(L) : 0;
       const std::vector<GroupAccess> want =
           expected_schedule(L, c.model.tie_word_embeddings, c.grad_accum, offloaded, experts, where, kinds,
                         [&](int g, StateKind k) { return owns(g) || k == StateKind::kParam; });
@@ -180,7 +180,7 @@ TEST(StepProgram, ThePagedStatesProgramFollowsItsPlacement) {
   auto owns = [&](int g) { return placement.owner(g) == 1; };
   auto where = [&](int g) { return placement.home(g, owns(g) ? StateKind::kAdamM : StateKind::kParam); };
   const std::vector<GroupAccess> want = expected_schedule(
-      L, true, po.grad_accum, model::offloaded_checkpoint_count(L), experts_per_group(layout), where,
+      L, true, po.grad_accum, model::saved_activation_count(L), experts_per_group(layout), where,
       StateLayout::of(po.precision).kinds(), [&](int g, StateKind k) { return owns(g) || k == StateKind::kParam; });
   expect_same_schedule((*ps)->step_program().schedule(po.grad_accum), want, "rank 1 of 2");
   int updated = 0;
