@@ -8,7 +8,9 @@
 #   4. op speed: the perf lines of test_gpu --perf, each against a ceiling measured in the run;
 #   5. the 0.44B training benchmark, strata against PyTorch, in the same run;
 #   6. the paged benchmarks: the 3.6B shape under a 24 GiB cap in bf16, then in fp8 (the 8B
-#      one with BIG_BENCH=1).
+#      one with BIG_BENCH=1);
+#   7. `strata profile` of that 3.6B step in bf16: where its time goes, phase by phase, against
+#      the plan (the report's step and critical-path tables go into the summary).
 # It prints one summary table last and writes it, with the perf and throughput tables, to
 # SUMMARY. Builds nothing (tools/build_gpu.sh builds and packs what it runs).
 #
@@ -22,6 +24,7 @@
 #   LOG_DIR=DIR        where each step's log goes (default a new temporary folder)
 #   TRAIN_BENCH=0      skips the 0.44B benchmark (strata and PyTorch)
 #   PAGED_BENCH=0      skips the 3.6B paged benchmarks (bf16 and fp8)
+#   PROFILE_PAGED=0    skips the profile of the 3.6B paged step
 #   BIG_BENCH=1        adds the Llama-3-8B shape under 24 GiB, host <= 100 GiB, nvme in NVME_DIR
 #   SANITIZE=1         adds the parity groups and two training steps under compute-sanitizer
 #                      (SANITIZE_TOOLS="memcheck racecheck synccheck initcheck"; default memcheck)
@@ -55,6 +58,7 @@ sanitize_tools="${SANITIZE_TOOLS:-memcheck}"
 train_bench="${TRAIN_BENCH:-1}"
 paged_bench="${PAGED_BENCH:-1}"
 big_bench="${BIG_BENCH:-0}"
+profile_paged="${PROFILE_PAGED:-1}"
 # Each benchmark: model build, 3 warm-up and 20 timed steps of 8 x 2048 tokens (well under a
 # minute on an H200 at the baseline's speed); the timeout bounds a slow or hung run.
 train_args=(--preset 0.44b --warmup 3 --steps 20 --micro-batch 8 --seq 2048 --grad-accum 1)
@@ -62,6 +66,11 @@ train_args=(--preset 0.44b --warmup 3 --steps 20 --micro-batch 8 --seq 2048 --gr
 paged_args=(--preset 3.6b --warmup 1 --steps 3 --micro-batch 4 --seq 2048 --grad-accum 4 --memory-device 24GiB)
 big_args=(--preset 8b --warmup 1 --steps 2 --micro-batch 4 --seq 2048 --grad-accum 4 --memory-device 24GiB
           --memory-host 100GiB --nvme "${NVME_DIR:-${TMPDIR:-/tmp}}/strata-bench-nvme" --nvme-size 200GiB)
+# The same 3.6B step for `strata profile` (1 warm-up and 2 traced steps), as train keys.
+profile_args=(model.preset=llama3-8b
+              'model.set=[hidden_size=3072,intermediate_size=8192,num_hidden_layers=28,num_attention_heads=24,rms_norm_eps=1e-6]'
+              run.device=cuda memory.device=24GiB train.micro_batch=4 train.seq_len=2048 train.grad_accum=4
+              data.paths='[builtin:licenses]' --warmup 1 --steps 2)
 # Per-step timeouts, seconds: a parity group, the model group, the training check, the perf
 # runner, one 0.44B benchmark, one paged benchmark.
 t_group=90 t_model=150 t_train=240 t_perf=120 t_bench=150 t_paged=300
@@ -188,6 +197,10 @@ if [[ "$paged_bench" == 1 ]]; then
   run paged-3.6b-fp8 "$t_paged" "$strata" bench train-gpu "${paged_args[@]}" --precision fp8
 fi
 [[ "$big_bench" == 1 ]] && run paged-8b "$t_paged" "$strata" bench train-gpu "${big_args[@]}"
+if [[ "$profile_paged" == 1 ]]; then
+  run profile-3.6b "$t_paged" "$strata" profile "${profile_args[@]}" --out "$log_dir/profile-3.6b" \
+    run.dir="$log_dir/profile-3.6b-run"
+fi
 if [[ "$sanitize" == 1 ]]; then
   if ! ((dry)) && ! command -v compute-sanitizer > /dev/null; then
     names+=("sanitize") results+=("FAIL (compute-sanitizer not on PATH)") seconds+=(0)
@@ -278,6 +291,14 @@ tables() {
       "$(result_field "$log_dir/$bench.log" tflops)"
     echo '```'
   done
+  if [[ -f "$log_dir/profile-3.6b/report.txt" ]]; then
+    echo
+    echo "Where the 3.6B paged bf16 step goes (strata profile; host time on the training thread):"
+    echo
+    echo '```'
+    sed -n '/^the step.s critical path/,/^notes:/p' "$log_dir/profile-3.6b/report.txt" | grep -v '^notes:'
+    echo '```'
+  fi
 }
 
 echo

@@ -61,12 +61,15 @@ expect_row plain paged-3.6b PASS
 expect_row plain paged-3.6b-fp8 PASS
 grep -q -- "bench train-gpu .*--preset 3.6b.* --precision fp8" "$work/plain.out" ||
   fail "plain: the fp8 paged benchmark does not ask for the fp8 recipe"
+expect_row plain profile-3.6b PASS
+grep -q -- "strata profile model.preset=llama3-8b .*memory.device=24GiB.* --out " "$work/plain.out" ||
+  fail "plain: the profile step does not profile the 3.6B shape under 24 GiB into the log folder"
 grep -q -- "--gtest_filter=Variants/ModelParity\.\*:ModelParityErrors\.\*" "$work/plain.out" ||
   fail "plain: the model step does not run both model groups in one filter"
 grep -q "^ops-OpsPerf" "$work/plain.md" && fail "plain: the perf runner ran as an op group"
 # The steps in order of value: op groups, model, training, perf, benchmarks.
 order="$(awk '/^total / { t = 0 } t { print $1 } /^step / { t = 1 }' "$work/plain.md" | tr '\n' ' ')"
-[[ "$order" == "ops-CudaDevice ops-OpsParity ops-Typed-Quant model train-cuda perf train-strata train-torch paged-3.6b paged-3.6b-fp8 " ]] ||
+[[ "$order" == "ops-CudaDevice ops-OpsParity ops-Typed-Quant model train-cuda perf train-strata train-torch paged-3.6b paged-3.6b-fp8 profile-3.6b " ]] ||
   fail "plain: steps ran in the order '$order'"
 
 dry faults TIMEOUT_SCALE=0.02 GPU_CHECK_FAKE="ops-OpsParity=fail,model=hang"
