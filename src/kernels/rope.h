@@ -1,28 +1,34 @@
 // Rotary position embedding in the Hugging Face Llama convention ("rotate_half": element i
 // pairs with element i + D/2), with optional frequency scaling as config.json's rope_scaling
 // names it: linear ({rope_type: linear, factor}: position interpolation, every frequency
-// divided by factor) or Llama-3's ({rope_type: llama3, factor, low_freq_factor,
-// high_freq_factor, original_max_position_embeddings}).
+// divided by factor), dynamic NTK ({rope_type | type: dynamic, factor}: for sequences longer than
+// max_position_embeddings, the base theta raised so that the longest wavelength stretches over
+// them; shorter ones rotate as without scaling) or Llama-3's ({rope_type: llama3, factor,
+// low_freq_factor, high_freq_factor, original_max_position_embeddings}).
 #pragma once
 #include <cstdint>
 
 namespace strata::kernels {
 
-enum class RopeScaling : uint8_t { kNone, kLinear, kLlama3 };
+enum class RopeScaling : uint8_t { kNone, kLinear, kLlama3, kDynamic };
 
 struct RopeConfig {
   double theta = 10000.0;
   RopeScaling scaling = RopeScaling::kNone;
-  double factor = 8.0;  // linear and llama3
+  double factor = 8.0;  // linear, dynamic and llama3
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int64_t original_max_position_embeddings = 8192;
+  // dynamic: the context the model was trained for (config.json's max_position_embeddings).
+  int64_t max_position_embeddings = 0;
 };
 
 // inv_freq (D/2): theta^(-2i/D), then the scaling. Computed in fp32 exactly as transformers does
-// (_compute_default/linear_scaling/llama3_parameters), so that positions rotate by the same
-// angles.
-void rope_inv_freq(float* inv_freq /*(D/2)*/, int64_t head_dim, const RopeConfig& config);
+// (_compute_default/linear_scaling/llama3/dynamic_ntk_parameters), so that positions rotate by
+// the same angles. seq_len: the sequence length the frequencies are for (dynamic scaling only,
+// which changes them beyond max_position_embeddings; transformers takes the largest position
+// plus one).
+void rope_inv_freq(float* inv_freq /*(D/2)*/, int64_t head_dim, const RopeConfig& config, int64_t seq_len = 0);
 
 #define STRATA_ROPE_OPS                                                                           \
   /* position of token t is t. out may alias x. */                                                \

@@ -155,13 +155,14 @@ Status read_rope_object(const json& object, const std::string& name, const std::
     rope->scaling = kernels::RopeScaling::kNone;
     return Status::OK();
   }
-  if (type_name == "linear") {
-    rope->scaling = kernels::RopeScaling::kLinear;
+  if (type_name == "linear" || type_name == "dynamic") {
+    rope->scaling = type_name == "linear" ? kernels::RopeScaling::kLinear : kernels::RopeScaling::kDynamic;
     return read_double(object, "factor", name + ".factor", source, &rope->factor);
   }
   if (type_name != "llama3") {
     return Status::Unimplemented(fmt::format(
-        "{}: key '{}.{}' is \"{}\"; strata implements RoPE types \"default\", \"linear\" and \"llama3\"",
+        "{}: key '{}.{}' is \"{}\"; strata implements RoPE types \"default\", \"linear\", \"dynamic\" and "
+        "\"llama3\"",
         source, name, type_key, type_name));
   }
   rope->scaling = kernels::RopeScaling::kLlama3;
@@ -645,6 +646,10 @@ nlohmann::json ModelConfig::to_json() const {
   j["rope_theta"] = rope.theta;
   if (rope.scaling == kernels::RopeScaling::kLinear) {
     j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rope.factor}};
+  } else if (rope.scaling == kernels::RopeScaling::kDynamic) {
+    // "type": the key every transformers release reads for it (later ones copy it to rope_type;
+    // earlier ones refuse any third key).
+    j["rope_scaling"] = {{"type", "dynamic"}, {"factor", rope.factor}};
   } else if (rope.scaling == kernels::RopeScaling::kLlama3) {
     j["rope_scaling"] = {{"rope_type", "llama3"},
                          {"factor", rope.factor},

@@ -152,6 +152,8 @@ class Decoder final : public Model {
   }
 
  private:
+  // Sets the RoPE frequencies (inv_freq_, inv_freq_ops_) for sequences of T tokens.
+  void update_rope(int64_t T);
   // Embedding, all layers, final norm; leaves the final norm's output in acts_.final_out.
   // Sets last_aux_loss_ and the router statistics of this forward (forward_counts_ and
   // forward_prob_sums_, summed over MoE layers); when count_tokens, also adds the per-layer
@@ -204,6 +206,7 @@ class Decoder final : public Model {
   Ops ops_;
   std::vector<float> inv_freq_;  // (D/2) RoPE frequencies
   const float* inv_freq_ops_ = nullptr;  // the same where the ops read them
+  int64_t rope_length_ = -1;             // the sequence length they were made for (dynamic scaling)
   const int32_t* staged_inputs_ = nullptr;  // the last forward's input tokens where the ops read them
   bool keep_layers_ = false;
   ActivationTable<Ops> acts_;

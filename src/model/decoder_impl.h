@@ -21,8 +21,7 @@ Decoder<Ops>::Decoder(const ModelConfig& config, Ops ops) : config_(config), lay
   Status st = config_.validate("model config");
   CHECK_MSG(st.ok(), st.to_string());
   inv_freq_.resize(static_cast<size_t>(config_.head_dim / 2));
-  kernels::rope_inv_freq(inv_freq_.data(), config_.head_dim, config_.rope);
-  inv_freq_ops_ = ops_.stage_constants(inv_freq_.data(), static_cast<int64_t>(inv_freq_.size()));
+  update_rope(1);
   if (config_.is_moe()) {
     const size_t E = static_cast<size_t>(config_.num_experts);
     expert_counts_.assign(static_cast<size_t>(config_.num_hidden_layers) * E, 0);
@@ -331,10 +330,28 @@ double Decoder<Ops>::forward_backward(const int32_t* inputs, const int32_t* targ
 }
 
 // Parameter gradients accumulate (+=); activation gradients overwrite (=).
+// RoPE's frequencies for sequences of T tokens. They are fixed but under dynamic scaling, which
+// changes them for sequences longer than max_position_embeddings (transformers recomputes them
+// from the largest position; shorter sequences rotate as without scaling).
+template <class Ops>
+void Decoder<Ops>::update_rope(int64_t T) {
+  const bool dynamic = config_.rope.scaling == kernels::RopeScaling::kDynamic;
+  const int64_t length = dynamic ? std::max(T, config_.max_position_embeddings) : 0;
+  if (inv_freq_ops_ != nullptr && length == rope_length_) return;
+  // Ops queued earlier may still read the old ones (the cpu ops read inv_freq_ itself).
+  if (inv_freq_ops_ != nullptr) ops_.synchronize();
+  kernels::RopeConfig rope = config_.rope;
+  rope.max_position_embeddings = config_.max_position_embeddings;
+  kernels::rope_inv_freq(inv_freq_.data(), config_.head_dim, rope, length);
+  inv_freq_ops_ = ops_.stage_constants(inv_freq_.data(), static_cast<int64_t>(inv_freq_.size()));
+  rope_length_ = length;
+}
+
 template <class Ops>
 Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                    float grad_scale, bool backward) {
   CHECK(B > 0 && T > 0);
+  update_rope(T);
   CHECK_MSG(access_ != nullptr, "the model computes through a ParamAccess: set_access() first");
   check_tokens(inputs, targets, B * T);
   const int64_t N = B * T;

@@ -264,7 +264,10 @@ Status resolve_run_model(const TrainConfig& t, Run& run) {
                                    : !t.model_config.empty() ? t.model_config
                                                              : "preset '" + t.model_preset + "'";
   RETURN_IF_ERROR(run.mc.check_sequence_length(t.seq_len, model_source + " (train.seq_len)"));
-  if (t.seq_len > run.mc.max_position_embeddings)
+  if (t.seq_len > run.mc.max_position_embeddings && run.mc.rope.scaling == kernels::RopeScaling::kDynamic)
+    LOG_INFO("train.seq_len {} exceeds the model's max_position_embeddings {}: dynamic RoPE scaling (factor {}) "
+             "rescales the frequencies for it", t.seq_len, run.mc.max_position_embeddings, run.mc.rope.factor);
+  else if (t.seq_len > run.mc.max_position_embeddings)
     LOG_WARN("train.seq_len {} exceeds the model's max_position_embeddings {}", t.seq_len,
              run.mc.max_position_embeddings);
   return Status::OK();

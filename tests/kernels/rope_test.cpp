@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <ostream>
+#include <utility>
 #include <vector>
 
 #include "../test_util.h"
@@ -118,6 +119,42 @@ TEST(RopeTest, InvFreqMatchesTransformersLlama3) {
   for (const auto &c : cases) {
     EXPECT_WITHIN(max_scaled_error(&f[c.index], &c.expected, 1, 0, 3e-7), 1.0)
         << c.index;
+  }
+}
+
+// Dynamic NTK scaling, against transformers 4.40's LlamaDynamicNTKScalingRotaryEmbedding run
+// with PyTorch 1.13 (fp32) on positions 0 .. seq_len - 1: past max_position_embeddings the base
+// grows, below it the frequencies are the default ones.
+TEST(RopeTest, InvFreqMatchesTransformersDynamicNtk) {
+  struct Case {
+    int64_t dim, max_positions;
+    double factor, theta;
+    int64_t seq_len;
+    std::vector<std::pair<int, float>> expected;
+  };
+  const Case cases[] = {
+      {64, 256, 2.0, 10000.0, 1000,
+       {{0, 1.0f}, {1, 0.7048864364624023f}, {5, 0.17401862144470215f}, {17, 0.002618336584419012f},
+        {31, 1.95746270037489e-05f}}},
+      {128, 2048, 4.0, 500000.0, 5000,
+       {{0, 1.0f}, {1, 0.7902674674987793f}, {5, 0.30822688341140747f}, {17, 0.01828772760927677f},
+        {63, 3.628845774983347e-07f}}},
+      {64, 256, 2.0, 10000.0, 200,  // shorter than the context: the default frequencies
+       {{0, 1.0f}, {1, 0.7498942017555237f}, {5, 0.23713736236095428f}, {17, 0.007498942315578461f},
+        {31, 0.0001333521504420787f}}},
+  };
+  for (const Case& c : cases) {
+    RopeConfig config;
+    config.scaling = RopeScaling::kDynamic;
+    config.factor = c.factor;
+    config.theta = c.theta;
+    config.max_position_embeddings = c.max_positions;
+    std::vector<float> f(static_cast<size_t>(c.dim / 2));
+    rope_inv_freq(f.data(), c.dim, config, c.seq_len);
+    for (const auto& [index, expected] : c.expected) {
+      EXPECT_WITHIN(max_scaled_error(&f[index], &expected, 1, 0, 3e-7), 1.0)
+          << "dim " << c.dim << " seq_len " << c.seq_len << " index " << index;
+    }
   }
 }
 

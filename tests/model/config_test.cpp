@@ -120,7 +120,7 @@ TEST(ModelConfigTest, UnknownRopeScalingTypeIsUnimplementedNamingTheKey) {
   expect_error(j, StatusCode::kUnimplemented, "rope_scaling.type");
 
   json k = llama_json();
-  k["rope_parameters"] = {{"rope_type", "dynamic"}, {"rope_theta", 10000.0}, {"factor", 2.0}};
+  k["rope_parameters"] = {{"rope_type", "longrope"}, {"rope_theta", 10000.0}, {"factor", 2.0}};
   expect_error(k, StatusCode::kUnimplemented, "rope_parameters.rope_type");
 }
 
@@ -139,6 +139,26 @@ TEST(ModelConfigTest, ReadsLinearRopeScaling) {
   EXPECT_EQ(again->rope.factor, 4.0);
   j["rope_scaling"]["factor"] = 0.0;
   expect_error(j, StatusCode::kInvalidArgument, "rope_scaling.factor");
+}
+
+// Dynamic NTK scaling: read under either key, written back under "type" (which every
+// transformers release reads), a factor that is not positive refused by name.
+TEST(ModelConfigTest, ReadsDynamicRopeScaling) {
+  for (const char* key : {"type", "rope_type"}) {
+    json j = llama_json();
+    j["rope_scaling"] = {{key, "dynamic"}, {"factor", 2.0}};
+    Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    EXPECT_EQ(c->rope.scaling, kernels::RopeScaling::kDynamic);
+    EXPECT_EQ(c->rope.factor, 2.0);
+    const json written = c->to_json();
+    EXPECT_EQ(written["rope_scaling"], json({{"type", "dynamic"}, {"factor", 2.0}}));
+    Result<ModelConfig> again = ModelConfig::from_json(written, kSource);
+    ASSERT_TRUE(again.ok()) << again.status().to_string();
+    EXPECT_EQ(again->rope.scaling, kernels::RopeScaling::kDynamic);
+    j["rope_scaling"]["factor"] = -1.0;
+    expect_error(j, StatusCode::kInvalidArgument, "rope_scaling.factor");
+  }
 }
 
 TEST(ModelConfigTest, HeadsNotDividingHiddenSizeNamesTheKey) {

@@ -148,6 +148,9 @@ TEST_P(HfVariantTest, ConfigReadsTheArchitecture) {
   EXPECT_EQ(c->architecture, ref["architecture"].get<std::string>());
   EXPECT_EQ(c->attention_bias, GetParam() == "qwen2");
   EXPECT_EQ(c->tie_word_embeddings, GetParam() == "llama_tied");
+  const bool dynamic = GetParam() == "llama_dynamic";
+  EXPECT_EQ(c->rope.scaling, dynamic ? kernels::RopeScaling::kDynamic : kernels::RopeScaling::kNone);
+  if (dynamic) EXPECT_EQ(c->rope.factor, 2.0);
 }
 
 TEST_P(HfVariantTest, LoadThenExportIsBitwiseIdentical) {
@@ -272,7 +275,7 @@ TEST_P(HfVariantTest, ExportLoadsInTransformersWithTheSameLogitsAndLoss) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Architectures, HfVariantTest,
-                         ::testing::Values("llama", "llama_tied", "mistral", "qwen2"),
+                         ::testing::Values("llama", "llama_tied", "mistral", "qwen2", "llama_dynamic"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 // ---- without Python ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Modes:
       Writes OUT_FILE with the `safetensors` package: F32, F16 and BF16 tensors, a scalar, an
       empty tensor, "f16_as_f32" (the F16 values as F32) and "bf16_source" (F32) whose torch round-to-nearest-even BF16 is "bf16"
       and F16 "f16_of_source".
-  hf_reference.py generate OUT_DIR VARIANT        VARIANT: llama, llama_tied, mistral, qwen2
+  hf_reference.py generate OUT_DIR VARIANT        VARIANT: llama, llama_tied, mistral, qwen2, llama_dynamic
       A tiny random model of that transformers class saved with save_pretrained in float32:
         OUT_DIR/hf            model.safetensors (+ config.json, generation_config.json, a
                               stand-in tokenizer_config.json to check copying)
@@ -39,6 +39,11 @@ VARIANTS = {
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, rope_theta=500000.0), 12),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0), 13),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0), 14),
+    # Dynamic-NTK RoPE scaling with a context of 8 positions: the batch's 16 tokens run past it,
+    # so the frequencies are the rescaled ones.
+    "llama_dynamic": ("LlamaConfig", "LlamaForCausalLM",
+                      dict(tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=8,
+                           rope_scaling={"type": "dynamic", "factor": 2.0}), 15),
 }
 
 
@@ -69,7 +74,7 @@ def write_safetensors_sample(out_file):
 def build_model(variant):
     import transformers
     config_cls, model_cls, extra, seed = VARIANTS[variant]
-    config = getattr(transformers, config_cls)(**SIZES, **extra)
+    config = getattr(transformers, config_cls)(**{**SIZES, **extra})
     config.architectures = [model_cls]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)

@@ -126,6 +126,33 @@ TEST(LlamaModelTest, ForwardBackwardIsBitwiseDeterministic) {
   EXPECT_EQ(std::memcmp(a.grads(), b.grads(), sizeof(float) * a.layout().total_size()), 0);
 }
 
+// Dynamic NTK RoPE scaling changes nothing for sequences within max_position_embeddings (bitwise
+// the unscaled model), rescales past it (a different loss), and after a long sequence a short one
+// is again computed as without scaling (the frequencies follow each micro-batch's length).
+TEST(LlamaModelTest, DynamicRopeScalingActsOnlyPastTheContext) {
+  ModelConfig plain = small_config(false, false);
+  plain.max_position_embeddings = 16;
+  ModelConfig dynamic = plain;
+  dynamic.rope.scaling = kernels::RopeScaling::kDynamic;
+  dynamic.rope.factor = 2.0;
+  const Batch short_batch = random_batch(2, 16, plain.vocab_size, 5);
+  const Batch long_batch = random_batch(2, 40, plain.vocab_size, 6);
+  FlatModel<LlamaModel> a(plain), b(dynamic);
+  a.init_weights(7);
+  b.init_weights(7);
+  auto run = [](FlatModel<LlamaModel>& m, const Batch& x) {
+    m.zero_grads();
+    return m.forward_backward(x.inputs.data(), x.targets.data(), x.B, x.T, 0.1f);
+  };
+  const double plain_short = run(a, short_batch), dynamic_short = run(b, short_batch);
+  EXPECT_EQ(plain_short, dynamic_short);
+  EXPECT_EQ(std::memcmp(a.grads(), b.grads(), sizeof(float) * a.layout().total_size()), 0);
+  const double plain_long = run(a, long_batch), dynamic_long = run(b, long_batch);
+  EXPECT_TRUE(std::isfinite(dynamic_long));
+  EXPECT_NE(plain_long, dynamic_long);
+  EXPECT_EQ(run(b, short_batch), plain_short);
+}
+
 TEST(LlamaModelTest, MicroBatchesAccumulateToTheFullBatchGradient) {
   const ModelConfig c = small_config(true, false);
   const Batch full = random_batch(4, 8, c.vocab_size, 5);

@@ -17,12 +17,28 @@ namespace strata::kernels {
 // first; `scalar / tensor` is evaluated by PyTorch as reciprocal(tensor) *
 // scalar, which is reproduced below.
 void rope_inv_freq(float *inv_freq, int64_t head_dim,
-                   const RopeConfig &config) {
+                   const RopeConfig &config, int64_t seq_len) {
   CHECK_MSG(head_dim > 0 && head_dim % 2 == 0,
             "rope head_dim must be positive and even, got " +
                 std::to_string(head_dim));
   const int64_t half = head_dim / 2;
-  const float theta = static_cast<float>(config.theta);
+  float theta = static_cast<float>(config.theta);
+  if (config.scaling == RopeScaling::kDynamic &&
+      seq_len > config.max_position_embeddings) {
+    CHECK_MSG(config.max_position_embeddings > 0 && head_dim > 2,
+              "dynamic rope scaling needs max_position_embeddings and a "
+              "head_dim above 2");
+    // base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2)),
+    // a 0-d fp32 tensor: seq_len is one, and every Python number meeting it is
+    // rounded to fp32 (factor - 1 and the exponent are formed in double first).
+    const float scaled =
+        static_cast<float>(config.factor) * static_cast<float>(seq_len) /
+            static_cast<float>(config.max_position_embeddings) -
+        static_cast<float>(config.factor - 1.0);
+    const float exponent = static_cast<float>(
+        static_cast<double>(head_dim) / static_cast<double>(head_dim - 2));
+    theta = theta * std::pow(scaled, exponent);
+  }
   for (int64_t i = 0; i < half; ++i) {
     const float exponent =
         static_cast<float>(2 * i) / static_cast<float>(head_dim);
