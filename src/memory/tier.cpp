@@ -116,7 +116,6 @@ Result<std::unique_ptr<TierSlots>> TierSlots::create_host(Device& device, IoEngi
   for (uint32_t first = 0; first < n; first += t->slots_per_block_) {
     const uint64_t bytes = uint64_t{std::min(t->slots_per_block_, n - first)} * slot_bytes;
     auto block = device.allocate_pinned(bytes);
-    progress.add(bytes);
     if (!block.ok()) {
       return block.status().with_context("reserving the host tier (" + format_bytes(budget) +
                                          " pinned); lower memory.host");
@@ -127,6 +126,7 @@ Result<std::unique_ptr<TierSlots>> TierSlots::create_host(Device& device, IoEngi
       if (!st.ok()) return st.with_context("registering the host tier with the I/O engine");
     }
     t->blocks_.push_back(std::move(block).value());
+    progress.add(bytes);
   }
   return t;
 }

@@ -331,8 +331,10 @@ double Decoder<Ops>::forward_backward(const int32_t* inputs, const int32_t* targ
 
 // Parameter gradients accumulate (+=); activation gradients overwrite (=).
 // RoPE's frequencies for sequences of T tokens. They are fixed but under dynamic scaling, which
-// changes them for sequences longer than max_position_embeddings (transformers recomputes them
-// from the largest position; shorter sequences rotate as without scaling).
+// changes them for sequences longer than max_position_embeddings: each micro-batch gets those of
+// its own length, as transformers computes them from the largest position. (transformers keeps
+// the longest length's until a sequence within the context comes, so with lengths mixed past the
+// context the two differ; a training run's fixed train.seq_len agrees.)
 template <class Ops>
 void Decoder<Ops>::update_rope(int64_t T) {
   const bool dynamic = config_.rope.scaling == kernels::RopeScaling::kDynamic;

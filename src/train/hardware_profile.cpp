@@ -38,7 +38,15 @@ Result<std::vector<std::string>> hardware_keys(const std::string& hardware, cons
   const std::string saved = saved_profile_path(planned_device(*t));
   std::error_code ec;
   if (saved.empty() || !std::filesystem::exists(saved, ec)) return std::vector<std::string>{};
-  return hardware_overrides(saved);
+  // A default, not an order: the config's own hardware.* keys (its file's or the command line's)
+  // keep their values.
+  ASSIGN_OR_RETURN(std::vector<std::string> keys, hardware_overrides(saved));
+  std::vector<std::string> kept;
+  for (const std::string& kv : keys) {
+    const std::string name = kv.substr(0, kv.find('='));
+    if (name == "hardware.profile" || !config->is_set(name)) kept.push_back(kv);
+  }
+  return kept;
 }
 
 }  // namespace strata

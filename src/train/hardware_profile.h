@@ -24,7 +24,7 @@ inline constexpr const char* kBuiltinHardware = "builtin";
 // The hardware.* key=value overrides a command puts before its own: those of the profile file
 // `hardware` names (kBuiltinHardware: none), or when `hardware` is empty, those of the saved
 // profile for the device the config (`config_path` with `overrides`) would run on, if there is
-// one (a config that does not load has none: the command then reports it). Errors: a profile
+// one, less the hardware.* keys the config sets itself (a saved profile is a default) (a config that does not load has none: the command then reports it). Errors: a profile
 // that cannot be read or holds other keys (hardware_overrides).
 Result<std::vector<std::string>> hardware_keys(const std::string& hardware, const std::string& config_path,
                                                const std::vector<std::string>& overrides);

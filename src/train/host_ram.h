@@ -37,8 +37,8 @@ struct HostRamItem {
 struct HostRamPlan {
   std::vector<HostRamItem> items;
   uint64_t peak() const;
-  // The pinned part of the host tier (chunks and staging): page-locked when the engine reserves
-  // it, so from then on it is resident and gone from the machine's available memory.
+  // The pinned part of the host tier (chunks and staging). On cuda it is page-locked when the
+  // engine reserves it, so from then on resident and gone from the machine's available memory.
   uint64_t pinned_tier() const;
   uint64_t pinned() const;
   uint64_t reclaimable() const;

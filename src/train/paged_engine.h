@@ -97,6 +97,8 @@ class PagedEngine {
   // process item was measured before the tiers were reserved: pinned chunks are resident and
   // would count twice.
   HostRamPlan host_ram(const HostRamData& data) const;
+  // The backend the steps compute on.
+  DeviceKind backend() const { return backend_; }
 
  private:
   PagedEngine() = default;

@@ -194,6 +194,15 @@ bool cuda_device_visible() {
 #endif
 }
 
+Result<uint64_t> free_gpu_budget(const TrainConfig& train) {
+#if STRATA_HAVE_CUDA
+  return cuda_free_budget(train.cuda_device);
+#else
+  (void)train;
+  return Status::Unimplemented("this strata was built without the CUDA backend");
+#endif
+}
+
 DeviceKind planned_device(const TrainConfig& train) {
   return train.device == "cuda" || (train.device == "auto" && cuda_device_visible()) ? DeviceKind::kCuda
                                                                                       : DeviceKind::kCpu;

@@ -42,6 +42,10 @@ bool cuda_device_visible();
 // auto where a CUDA device is visible; otherwise the cpu. (Train then falls back from auto to the
 // cpu when the model cannot run on the GPU; a plan names the layout it planned.)
 DeviceKind planned_device(const TrainConfig& train);
+// memory.device=0 on cuda as strata train resolves it: the free memory of GPU train.cuda_device
+// less the driver's margin (before the kernels' scratch). Unimplemented without the CUDA
+// backend; the device's own error when it is not visible.
+Result<uint64_t> free_gpu_budget(const TrainConfig& train);
 
 // Host memory the planner assumes when memory.host is 0: 80% of what is available now.
 uint64_t default_host_budget();

@@ -354,10 +354,12 @@ Result<HostRamPlan> open_engine(const TrainConfig& t, Run& run, Ranks& ranks) {
   RETURN_IF_ERROR(run.engine->set_comm(ranks.comm.get()));
   const HostRamPlan host_ram = run.engine->host_ram(host_ram_data(*run.dataset, run.loader->num_windows()));
   if (!host_ram.items.empty()) {
-    // What the engine has pinned already is gone from the machine's available memory but is
-    // in the plan: count it back once.
+    // On cuda the host tier is page-locked (cudaHostAlloc: every page committed) as the engine
+    // reserves it, so it is gone from the machine's available memory but in the plan: count it
+    // back once. On the cpu its pages are committed as they are used (and locked only where
+    // io_uring registers them), so what is available still includes them.
     HostMemory machine = available_host_memory();
-    machine.available += host_ram.pinned_tier();
+    if (run.engine->backend() == DeviceKind::kCuda) machine.available += host_ram.pinned_tier();
     RETURN_IF_ERROR(check_host_ram(host_ram, machine));
     run.host_ram_peak = host_ram.peak();
   }

@@ -75,6 +75,16 @@ TEST_F(BenchMachineCli, ASavedProfileIsWhatPlansUseByDefault) {
   EXPECT_EQ(plan.exit_code, 0) << plan.output;
   EXPECT_NE(plan.output.find("rates: " + saved + " (strata bench machine --quick, cpu backend"), std::string::npos)
       << plan.output;
+  // A default, not an order: hardware.* keys of the config file and of the command line keep
+  // their values over the saved profile's.
+  const std::string yaml = (dir_ / "run.yaml").string();
+  std::ofstream(yaml) << "hardware:\n  h2d_gbps: 9.5\n";
+  const CmdResult from_file = run_strata("train " + yaml + " --print-config run.device=cpu");
+  EXPECT_NE(from_file.output.find("h2d_gbps: 9.5"), std::string::npos) << from_file.output;
+  const CmdResult from_line = run_strata("train --print-config run.device=cpu hardware.h2d_gbps=7.5");
+  EXPECT_NE(from_line.output.find("h2d_gbps: 7.5"), std::string::npos) << from_line.output;
+  const CmdResult saved_only = run_strata("train --print-config run.device=cpu");
+  EXPECT_NE(saved_only.output.find("profile: " + saved), std::string::npos) << saved_only.output;
   const CmdResult builtin = run_strata("plan --hardware builtin model.preset=tiny run.device=cpu");
   EXPECT_NE(builtin.output.find("rates: built-in defaults"), std::string::npos) << builtin.output;
   const CmdResult gpu = run_strata("plan model.preset=tiny run.device=cuda memory.device=24GiB memory.host=1GiB");

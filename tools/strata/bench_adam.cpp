@@ -183,20 +183,27 @@ int bench_adam_command(const std::vector<std::string>& args) {
     copy.reset();
     // The fp8 recipe's copy: the new master quantised to E4M3 in 128 x 128 blocks (read 4 B,
     // write 1 B per param, twice read for the blocks' amax), on this level and on plain code.
+    // Over rows of 4096: the largest such matrix within n (the rate's bytes count n).
     const int64_t cols = 4096, rows_ = n / cols;
-    auto codes = make_array<uint8_t>(static_cast<int64_t>(kernels::fp8_matrix_bytes(rows_, cols)), zero_byte_init);
-    if (!codes) return out_of_memory("fp8 copy");
-    rows.push_back({std::string("quantize_weight_e4m3 (") + (level == kernels::SimdLevel::kScalar ? "scalar" : "avx2") + ")", best_seconds([&](int) {
-                      kernels::cpu::quantize_weight_e4m3(codes.get(), w.get(), rows_, cols);
-                    }),
-                    5});
-    setenv("STRATA_SIMD", "scalar", 1);
-    rows.push_back({"quantize_weight_e4m3 (scalar)", best_seconds([&](int) {
-                      kernels::cpu::quantize_weight_e4m3(codes.get(), w.get(), rows_, cols);
-                    }),
-                    5});
-    unsetenv("STRATA_SIMD");
-    codes.reset();
+    if (rows_ > 0) {
+      auto codes = make_array<uint8_t>(static_cast<int64_t>(kernels::fp8_matrix_bytes(rows_, cols)), zero_byte_init);
+      if (!codes) return out_of_memory("fp8 copy");
+      rows.push_back({std::string("quantize_weight_e4m3 (") +
+                          (level == kernels::SimdLevel::kScalar ? "scalar" : "avx2") + ")",
+                      best_seconds([&](int) { kernels::cpu::quantize_weight_e4m3(codes.get(), w.get(), rows_, cols); }),
+                      5});
+      const char* before = std::getenv("STRATA_SIMD");
+      const std::string saved = before != nullptr ? before : "";
+      setenv("STRATA_SIMD", "scalar", 1);
+      rows.push_back({"quantize_weight_e4m3 (scalar)",
+                      best_seconds([&](int) { kernels::cpu::quantize_weight_e4m3(codes.get(), w.get(), rows_, cols); }),
+                      5});
+      if (before != nullptr) {
+        setenv("STRATA_SIMD", saved.c_str(), 1);
+      } else {
+        unsetenv("STRATA_SIMD");
+      }
+    }
     g.reset();
     auto gh = make_array<uint16_t>(n, grad_bf16_init),
          out = make_array<uint16_t>(n, zero_bf16_init);

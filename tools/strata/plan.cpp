@@ -204,11 +204,24 @@ int plan_command(const std::vector<std::string>& args) {
   const DeviceKind device = planned_device(*tc);
   const bool cuda = device == DeviceKind::kCuda;
   if (tc->memory_device == 0) {
-    if (cuda) {
+    if (cuda && !cuda_device_visible()) {
       std::fprintf(stderr, "strata plan: error: memory.device is 0; set it to the GPU memory to plan for (e.g. memory.device=24GiB)\n");
       return 1;
     }
-    tc->memory_device = tc->memory_host ? tc->memory_host : default_host_budget();
+    if (cuda) {
+      // As strata train reads it: the whole free GPU here.
+      Result<uint64_t> free = free_gpu_budget(*tc);
+      if (!free.ok()) {
+        std::fprintf(stderr, "strata plan: error: memory.device=0 means the free GPU memory: %s\n",
+                     free.status().message().c_str());
+        return 1;
+      }
+      tc->memory_device = *free;
+      std::printf("memory.device=0: the free memory of cuda:%d, %s\n", tc->cuda_device,
+                  format_bytes(*free).c_str());
+    } else {
+      tc->memory_device = tc->memory_host ? tc->memory_host : default_host_budget();
+    }
   }
   // The chunks `strata train` would make, on either backend, so that padding is counted.
   {

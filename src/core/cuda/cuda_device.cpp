@@ -163,6 +163,19 @@ uint64_t CudaDevice::PinnedMemory::in_use() const {
   return in_use_;
 }
 
+Result<uint64_t> cuda_free_budget(int index) {
+  if (index < 0 || index >= cuda_device_count())
+    return Status::InvalidArgument("no CUDA device cuda:" + std::to_string(index) + " is visible");
+  RETURN_IF_ERROR(cuda_status(cudaSetDevice(index), "cudaSetDevice(" + std::to_string(index) + ")"));
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  RETURN_IF_ERROR(cuda_status(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+  if (free_bytes <= CudaDevice::kReserveMargin + kRegionGranularity)
+    return Status::OutOfMemory("cuda:" + std::to_string(index) + " has only " + format_bytes(free_bytes) +
+                               " free of " + format_bytes(total_bytes) + "; free the GPU from other processes");
+  return (free_bytes - CudaDevice::kReserveMargin) / kRegionGranularity * kRegionGranularity;
+}
+
 // ---------------------------------------------------------------------------------------------
 // CudaDevice
 

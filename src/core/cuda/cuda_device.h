@@ -23,6 +23,10 @@ namespace strata {
 
 // Number of usable CUDA devices; 0 when there is no device or no driver. Never aborts.
 int cuda_device_count();
+// The device memory open_device("cuda", index, 0) would take as its whole budget: what is free
+// now less the margin left to the driver, without reserving it. InvalidArgument when there is no
+// such device, OutOfMemory when too little is free.
+Result<uint64_t> cuda_free_budget(int index);
 // Makes device `index` the calling thread's current one (what NCCL's communicator uses).
 // InvalidArgument when there is no such device.
 Status cuda_use_device(int index);

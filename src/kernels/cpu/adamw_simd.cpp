@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 #include <string_view>
 
 #include "core/check.h"
@@ -362,8 +363,11 @@ SimdLevel detect_simd_level() {
   } else if (name == "avx512") {
     cap = SimdLevel::kAvx512;
   } else {
-    LOG_WARN("STRATA_SIMD='{}' is not one of scalar, avx2, avx512; using {}", name,
-             simd_level_name(hardware));
+    // Once: the fp8 quantiser asks on every call.
+    static std::once_flag warned;
+    std::call_once(warned, [&] {
+      LOG_WARN("STRATA_SIMD='{}' is not one of scalar, avx2, avx512; using {}", name, simd_level_name(hardware));
+    });
     return hardware;
   }
   return static_cast<int>(cap) < static_cast<int>(hardware) ? cap : hardware;

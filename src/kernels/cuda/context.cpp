@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/check.h"
+#include "core/log.h"
 #include "core/cuda/cuda_check.h"
 #include "kernels/cuda/cublas_check.h"
 #include "kernels/cuda/ops.h"
@@ -175,6 +176,8 @@ std::unique_ptr<LtPlan> make_plan(Context& ctx, const GemmKey& key, const bf16* 
     if (find_algorithm(ctx, *plan, align)) return plan;
     // cuBLASLt supports the BIAS epilogue for some output types and shapes only (on sm_90 it
     // offered none for an fp32 output with a bf16 bias): a plain GEMM, then a bias kernel.
+    LOG_INFO("cuBLASLt has no bias epilogue for the GEMM {}; adding the bias with a kernel after it",
+             describe(describe_bf16(key)));
     plan = make_plan(ctx, key, nullptr, false);
     plan->bias_after = true;
     return plan;

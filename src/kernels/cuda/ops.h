@@ -174,8 +174,9 @@ void linear_backward(Context& ctx, bf16* dx, float* dweight, float* dbias,
 void bias_backward(Context& ctx, float* dbias /*(OC)*/, const bf16* dout /*(N,OC)*/, int64_t N, int64_t OC,
                    cudaStream_t stream);
 
-// C (M,N) row-major (row stride ldc, fp32 or bf16) += bias (N) broadcast over its rows; the sum
-// is rounded once into C. gemm()'s bias where cuBLASLt has no BIAS epilogue for the shape.
+// C (M,N) row-major (row stride ldc, fp32 or bf16) += bias (N) broadcast over its rows, rounded
+// into C's type. gemm()'s bias where cuBLASLt has no BIAS epilogue for the shape; a bf16 C is then
+// rounded twice (the GEMM's result, then the sum) where the epilogue rounds once.
 void add_bias_rows(void* C, int64_t ldc, bool c_is_fp32, const bf16* bias, int64_t M, int64_t N,
                    cudaStream_t stream);
 
