@@ -142,6 +142,26 @@ Status Config::assign(const ConfigKey& key, const std::string& text, bool is_seq
     }
     return Status::OK();
   };
+  // Every value is one line of text. A control character (a stray carriage return from an
+  // editor, a NUL) would be kept by the parser but lost or changed when the config is written
+  // back into the run dir, so it is refused here rather than resumed differently.
+  auto control_char = [](const std::string& s) -> std::string {
+    for (size_t i = 0; i < s.size(); ++i) {
+      const auto c = static_cast<unsigned char>(s[i]);
+      if ((c < 0x20 && c != '\t') || c == 0x7f) {
+        char hex[8];
+        snprintf(hex, sizeof hex, "0x%02x", c);
+        return "byte " + std::to_string(i) + " is the control character " + hex;
+      }
+    }
+    return "";
+  };
+  if (const std::string why = control_char(text); !why.empty())
+    return bad(why + "; values are single lines of text (check the file's line endings)");
+  for (const auto& item : items) {
+    if (const std::string why = control_char(item); !why.empty())
+      return bad("list item '" + item.substr(0, 40) + "': " + why + "; values are single lines of text");
+  }
   Entry e{key.type, {}, where, true};
   if (is_sequence && key.type != ConfigType::kStringList)
     return bad("expected a " + std::string(type_name(key.type)) + ", got a list");

@@ -138,6 +138,24 @@ TEST(Config, ListOverrideWithNestedItemsIsAnError) {
                  {"command line", "data.paths"});
 }
 
+TEST(Config, ControlCharactersInValuesAreRefusedByKey) {
+  // A lone carriage return at the end of the file stays in the value, and writing the config
+  // back (into the run dir) would lose it; such a value is refused rather than changed.
+  auto cr = Config::parse(make_schema(), "optim:\n  schedule: cosine\r", "x.yaml");
+  ASSERT_FALSE(cr.ok());
+  EXPECT_NE(cr.status().message().find("optim.schedule"), std::string::npos) << cr.status().to_string();
+  EXPECT_NE(cr.status().message().find("0x0d"), std::string::npos) << cr.status().to_string();
+  auto item = Config::parse(make_schema(), "data:\n  paths: [\"a\\x01.bin\"]\n", "x.yaml");
+  ASSERT_FALSE(item.ok());
+  EXPECT_NE(item.status().message().find("0x01"), std::string::npos) << item.status().to_string();
+  // A tab is text, and round-trips.
+  auto tab = Config::parse(make_schema(), "data:\n  paths: [\"a\\tb \"]\n", "x.yaml");
+  ASSERT_TRUE(tab.ok()) << tab.status().to_string();
+  auto again = Config::parse(make_schema(), tab->to_yaml(), "again");
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  EXPECT_EQ(again->get_list("data.paths"), std::vector<std::string>{"a\tb "});
+}
+
 TEST(Config, EffectiveConfigRoundTripsThroughYaml) {
   auto c = Config::parse(make_schema(), "optim: {lr: 0.25}\ndata: {paths: [x]}\n", "run.yaml",
                          {"memory.device=1GiB"});
