@@ -12,10 +12,10 @@ namespace strata {
 namespace {
 
 constexpr const char* kKeys[kNumGoodputParts] = {"compute", "memory_stall", "checkpoint", "startup",
-                                                 "restart", "data",         "export",     "idle"};
+                                                 "restart", "data",         "export",     "eval", "idle"};
 // The words of the goodput line, in the same order.
 constexpr const char* kWords[kNumGoodputParts] = {"compute", "memory stalls", "checkpoints", "start-up",
-                                                  "restart", "data",          "export",      "idle"};
+                                                  "restart", "data",          "export",      "evaluation", "idle"};
 
 // "41.2 s", "0 s": one decimal, and a plain 0 for nothing at all.
 std::string seconds_text(double s) { return s == 0 ? std::string("0 s") : fmt::format("{:.1f} s", s); }

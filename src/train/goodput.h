@@ -9,6 +9,7 @@
 //                from (the work is done twice; their whole time counts here)
 //   data         waiting for the data loader
 //   export       run.export
+//   eval         evaluations on data.eval_paths (train.eval_every)
 //   idle         the rest: logging, metrics writes, teardown, anything not timed
 // Goodput is compute over wall time.
 //
@@ -26,8 +27,8 @@
 
 namespace strata {
 
-enum class GoodputPart { kCompute, kMemoryStall, kCheckpoint, kStartup, kRestart, kData, kExport, kIdle };
-inline constexpr int kNumGoodputParts = 8;
+enum class GoodputPart { kCompute, kMemoryStall, kCheckpoint, kStartup, kRestart, kData, kExport, kEval, kIdle };
+inline constexpr int kNumGoodputParts = 9;
 
 // "compute", "memory_stall", ...: the part's key in metrics.jsonl (with "_s" appended).
 const char* goodput_part_key(GoodputPart part);

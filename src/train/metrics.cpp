@@ -22,10 +22,13 @@ std::string format_step_line(const StepMetrics& m) {
   const std::string skipped = m.skipped             ? fmt::format(" | SKIPPED ({})", m.skipped_steps)
                               : m.skipped_steps > 0 ? fmt::format(" | skipped {}", m.skipped_steps)
                                                     : std::string();
+  const std::string eval = std::isfinite(m.eval_loss)
+                               ? fmt::format(" | eval {:.4f} ppl {:.2f}", m.eval_loss, std::exp(m.eval_loss))
+                               : std::string();
   return fmt::format(
-      "step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {:.0f} ms{} | dev {} host {} nvme {} | "
+      "step {:>{}}/{} | loss {:.4f}{} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {:.0f} ms{} | dev {} host {} nvme {} | "
       "moved {} stall {:.0f} ms | rss {}{}{}{}{}",
-      m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, tps, m.ms, eta, format_bytes(m.tier_bytes[0]),
+      m.step, width, m.total_steps, m.loss, eval, m.lr, m.grad_norm, tps, m.ms, eta, format_bytes(m.tier_bytes[0]),
       format_bytes(m.tier_bytes[1]), format_bytes(m.tier_bytes[2]), format_bytes(m.moved_bytes), m.stall_ms,
       format_bytes(m.rss_bytes),
       m.rss_planned_bytes > 0 ? " / " + format_bytes(m.rss_planned_bytes) + " planned" : std::string(),
@@ -68,6 +71,10 @@ Status MetricsWriter::write(const StepMetrics& m) {
                       {"skipped_steps", m.skipped_steps},
                       {"rss_bytes", m.rss_bytes},
                       {"rss_planned_bytes", m.rss_planned_bytes}};
+  if (std::isfinite(m.eval_loss)) {
+    j["eval_loss"] = m.eval_loss;
+    j["eval_ppl"] = std::exp(m.eval_loss);
+  }
   if (m.world > 1) {
     j["world"] = m.world;
     j["comm_bytes"] = m.comm_bytes;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <string>
 
 #include "core/progress.h"  // format_duration
@@ -43,11 +44,14 @@ struct StepMetrics {
   double eta_s = -1;
   // The precision recipe ("fp8", "bf16, int8 moments"); empty: not shown.
   std::string recipe;
+  // The mean NLL per predicted token on data.eval_paths after this step; NaN: not evaluated.
+  double eval_loss = std::numeric_limits<double>::quiet_NaN();
 };
 
 // "step  10/200 | loss 3.2113 | lr 1.50e-03 | gnorm 0.912 | 5.1k tok/s | 199 ms | eta 38s |
 //  dev 4.0 MiB host 6.0 MiB nvme 8.0 MiB | moved 12.0 MiB stall 3 ms | rss 61.0 MiB / 80.0 MiB planned"
-// (without the planned part when it is unknown); once a step
+// (without the planned part when it is unknown); "| eval 3.1002 ppl 22.20" after the loss on a step
+// that was evaluated; once a step
 // was skipped, "| skipped 2" follows ("| SKIPPED (2)" on the skipped step itself).
 std::string format_step_line(const StepMetrics& m);
 

@@ -238,6 +238,10 @@ Result<double> PagedEngine::micro_batch(const int32_t* inputs, const int32_t* ta
   return net_->compute(inputs, targets, B, T, grad_scale, /*backward=*/true);
 }
 
+Result<double> PagedEngine::eval_micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T) {
+  return net_->compute(inputs, targets, B, T, /*grad_scale=*/0.0f, /*backward=*/false);
+}
+
 Status PagedEngine::set_comm(parallel::Comm* comm) {
   if (comm != nullptr && comm->world_size() > 1 && options_.overlap_optimizer)
     return Status::InvalidArgument(fmt::format(

@@ -27,6 +27,9 @@ ConfigSchema build_schema() {
          .help = "train steps in which the loss masks leave no token to predict (a no-op step: zero gradients); "
                  "false: such a step stops the run naming the file, since an all-zero mask usually means broken "
                  "data"});
+  s.add({.name = "data.eval_paths", .type = T::kStringList, .default_value = "[]",
+         .help = "token files held out for evaluation, read as data.paths are (data.format); empty = no "
+                 "evaluation. Their windows never train"});
   s.add({.name = "train.micro_batch", .type = T::kInt, .default_value = "8", .min = 1, .max = 1 << 20,
          .help = "sequences per micro-batch"});
   s.add({.name = "train.seq_len", .type = T::kInt, .default_value = "128", .min = 1, .max = 1 << 24,
@@ -39,6 +42,13 @@ ConfigSchema build_schema() {
          .help = "a step whose loss or gradient norm is NaN/Inf is skipped (no update; the data and the lr schedule "
                  "move on, AdamW's step count does not); this many skipped in a row are tolerated, one more stops "
                  "the run with an error (0: stop at the first)"});
+  s.add({.name = "train.eval_every", .type = T::kInt, .default_value = "0", .min = 0,
+         .help = "evaluate on data.eval_paths every N steps and after the last (0 = after the last only); the "
+                 "eval loss and perplexity join the step's line, metrics.jsonl, TensorBoard and strata plot"});
+  s.add({.name = "train.eval_steps", .type = T::kInt, .default_value = "16", .min = 1, .max = 1 << 20,
+         .help = "micro-batches (train.micro_batch x train.seq_len tokens each) in one evaluation, shared out "
+                 "over the ranks; the same windows every time, so evaluations compare, and at most what the eval "
+                 "data holds"});
   s.add({.name = "train.seed", .type = T::kInt, .default_value = "1234", .min = 0,
          .help = "seed for weights and data order; the same seed gives bitwise the same run on the same build, machine type and any thread count (README: Determinism)"});
   s.add({.name = "train.precision", .type = T::kString, .default_value = "auto",
@@ -232,6 +242,9 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.data_paths = c.get_list("data.paths");
   t.data_format = c.get_string("data.format");
   t.data_allow_empty_loss = c.get_bool("data.allow_empty_loss");
+  t.data_eval_paths = c.get_list("data.eval_paths");
+  t.eval_every = c.get_int("train.eval_every");
+  t.eval_steps = c.get_int("train.eval_steps");
   t.micro_batch = c.get_int("train.micro_batch");
   t.seq_len = c.get_int("train.seq_len");
   t.grad_accum = c.get_int("train.grad_accum");
@@ -316,6 +329,11 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.inter_node_bytes_per_s = c.get_float("hardware.inter_node_gbps") * 1e9;
   if (t.data_paths.empty())
     return Status::InvalidArgument(c.origin("data.paths") + ": key 'data.paths' is empty; name at least one token file");
+  if (t.data_eval_paths.empty() && (c.is_set("train.eval_every") || c.is_set("train.eval_steps"))) {
+    const char* key = c.is_set("train.eval_every") ? "train.eval_every" : "train.eval_steps";
+    return Status::InvalidArgument(c.origin(key) + ": key '" + key +
+                                   "' is set but data.eval_paths is empty; name the token files to evaluate on");
+  }
   if (t.warmup_steps > t.steps)
     return Status::InvalidArgument(c.origin("optim.warmup_steps") + ": key 'optim.warmup_steps' (" +
                                    std::to_string(t.warmup_steps) + ") exceeds train.steps (" +

@@ -22,6 +22,9 @@ struct TrainConfig {
   std::vector<std::string> data_paths;
   std::string data_format;
   bool data_allow_empty_loss = false;  // steps whose masks leave no target are trained, not refused
+  std::vector<std::string> data_eval_paths;  // held-out token files; empty: no evaluation
+  int64_t eval_every = 0;                    // evaluate every N steps and after the last; 0: the last only
+  int64_t eval_steps = 16;                   // micro-batches in one evaluation, over all ranks
   // schedule of work
   int64_t micro_batch = 0;
   int64_t seq_len = 0;

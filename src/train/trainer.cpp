@@ -105,11 +105,13 @@ Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
 
 namespace {
 
+// The token files of `paths` (data.paths or data.eval_paths), read as data.format says.
 // build_corpus: false on the ranks after the first, which read the corpus rank 0 built.
-Result<std::unique_ptr<TokenDataset>> open_training_data(const TrainConfig& t, bool build_corpus = true) {
+Result<std::unique_ptr<TokenDataset>> open_token_data(const TrainConfig& t, const std::vector<std::string>& paths,
+                                                      bool build_corpus = true) {
   DataConfig dc;
   dc.format = t.data_format;
-  for (const auto& p : t.data_paths) {
+  for (const auto& p : paths) {
     if (p == kBuiltinLicenses) {
       const std::string path = (fs::path(t.run_dir) / "licenses.txt").string();
       if (!build_corpus) {
@@ -127,6 +129,8 @@ Result<std::unique_ptr<TokenDataset>> open_training_data(const TrainConfig& t, b
 
 bool needs_run_dir_for_data(const TrainConfig& t) {
   for (const auto& p : t.data_paths)
+    if (p == kBuiltinLicenses) return true;
+  for (const auto& p : t.data_eval_paths)
     if (p == kBuiltinLicenses) return true;
   return false;
 }
@@ -170,6 +174,11 @@ struct Run {
   model::SafetensorsWriteDtype source_dtype = model::SafetensorsWriteDtype::kF32;
   std::unique_ptr<TokenDataset> dataset;
   std::optional<DataLoader> loader;
+  // data.eval_paths, when set: the held-out data, its loader (restarted for each evaluation) and
+  // the micro-batches one evaluation takes over all ranks (train.eval_steps, at most all it holds).
+  std::unique_ptr<TokenDataset> eval_dataset;
+  std::optional<DataLoader> eval_loader;
+  int64_t eval_batches = 0;
   std::unique_ptr<PagedEngine> engine;
   std::optional<LrSchedule> schedule;
   std::unique_ptr<TrainCheckpointer> checkpointer;
@@ -287,7 +296,10 @@ Status open_dirs_and_data(TrainConfig& t, Run& run, std::optional<RunDirs>* dirs
         fs::create_directories(t.run_dir, ec);
         if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
       }
-      ASSIGN_OR_RETURN(run.dataset, open_training_data(t));
+      ASSIGN_OR_RETURN(run.dataset, open_token_data(t, t.data_paths));
+      if (!t.data_eval_paths.empty()) {
+        ASSIGN_OR_RETURN(run.eval_dataset, open_token_data(t, t.data_eval_paths));
+      }
       return Status::OK();
     }();
   }
@@ -302,7 +314,10 @@ Status open_dirs_and_data(TrainConfig& t, Run& run, std::optional<RunDirs>* dirs
   }
   RETURN_IF_ERROR(opened_dirs);
   if (!ranks.writes()) {
-    ASSIGN_OR_RETURN(run.dataset, open_training_data(t, /*build_corpus=*/false));
+    ASSIGN_OR_RETURN(run.dataset, open_token_data(t, t.data_paths, /*build_corpus=*/false));
+    if (!t.data_eval_paths.empty()) {
+      ASSIGN_OR_RETURN(run.eval_dataset, open_token_data(t, t.data_eval_paths, /*build_corpus=*/false));
+    }
   }
   if (run.dataset->vocab_hint() > run.mc.vocab_size)
     return Status::InvalidArgument("data.paths are read as bytes (256 token ids) but the model's vocab_size is " +
@@ -314,6 +329,21 @@ Status open_dirs_and_data(TrainConfig& t, Run& run, std::optional<RunDirs>* dirs
   lo.vocab_size = run.mc.vocab_size;
   ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(run.dataset.get(), lo));
   run.loader.emplace(std::move(loader));
+  if (run.eval_dataset) {
+    if (run.eval_dataset->vocab_hint() > run.mc.vocab_size)
+      return Status::InvalidArgument("data.eval_paths are read as bytes (256 token ids) but the model's vocab_size is " +
+                                     std::to_string(run.mc.vocab_size) + "; use a model with vocab_size >= 256");
+    // Every rank reads the same windows from the start each time and evaluates its share.
+    Result<DataLoader> eval = DataLoader::create(run.eval_dataset.get(), lo);
+    if (!eval.ok()) return eval.status().with_context("data.eval_paths");
+    run.eval_batches = std::min(t.eval_steps, eval->batches_per_epoch());
+    if (run.eval_batches == 0)
+      return Status::InvalidArgument(fmt::format(
+          "data.eval_paths hold {} tokens, fewer than one evaluation micro-batch needs ({} windows of {} tokens); "
+          "name more eval data or lower train.micro_batch or train.seq_len",
+          run.eval_dataset->num_tokens(), t.micro_batch, t.seq_len + 1));
+    run.eval_loader.emplace(std::move(*eval));
+  }
   return Status::OK();
 }
 
@@ -465,6 +495,10 @@ std::vector<std::pair<std::string, double>> tensorboard_scalars(const StepMetric
       {"train/skipped_steps", static_cast<double>(m.skipped_steps)},
   };
   if (m.world > 1) s.emplace_back("comm/bytes_per_rank", m.comm_bytes);
+  if (std::isfinite(m.eval_loss)) {
+    s.emplace_back("eval/loss", m.eval_loss);
+    s.emplace_back("eval/ppl", std::exp(m.eval_loss));
+  }
   return s;
 }
 
@@ -495,6 +529,10 @@ Status open_run_dir(const TrainConfig& t, Run& run, const std::string& effective
   LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation{})",
            run.dataset->num_tokens(), run.loader->num_windows(), t.seq_len, tokens_per_step, t.micro_batch,
            t.seq_len, t.grad_accum, ranks.several() ? fmt::format(" x {} ranks", ranks.world()) : "");
+  if (run.eval_loader)
+    LOG_INFO("eval: {} micro-batches ({} tokens) of data.eval_paths ({} tokens) after {}the last step",
+             run.eval_batches, run.eval_batches * t.micro_batch * t.seq_len, run.eval_dataset->num_tokens(),
+             t.eval_every > 0 ? fmt::format("every {} steps and ", t.eval_every) : std::string());
   LOG_INFO("memory: {}", run.engine->memory_summary());
   if (!host_ram.items.empty()) LOG_INFO("{}", format_host_ram(host_ram));
   LOG_INFO("run: {} steps on {}, writing {} (metrics.jsonl, config.yaml) and checkpoints to {}", t.steps,
@@ -595,6 +633,34 @@ void account_step(Run& run, int64_t step, double data_s, double step_s, uint64_t
   g.add(GoodputPart::kMemoryStall, stall_s);
   g.add(GoodputPart::kCheckpoint, ckpt_s);
   g.add(GoodputPart::kCompute, step_s - stall_s - ckpt_s);
+}
+
+// One evaluation on data.eval_paths after `step`: the first run.eval_batches micro-batches of the
+// eval data's window order, the same ones every time, forward only through the engine. Rank r
+// computes micro-batches r, r + W, ...; the sums of NLLs and of predicted tokens are added over
+// the ranks. Returns the mean NLL per predicted token.
+Result<double> evaluate(Run& run, const TrainConfig& t, int64_t step) {
+  trace::Span eval_span("step", "evaluation", step);
+  GoodputAccountant::Timer timing = run.goodput->time(GoodputPart::kEval);
+  Ranks& ranks = *run.ranks;
+  const int64_t micro_tokens = t.micro_batch * t.seq_len;
+  std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens)), targets(inputs.size());
+  RETURN_IF_ERROR(run.eval_loader->set_cursor({}));
+  double sums[2] = {0, 0};  // NLL, predicted tokens
+  for (int64_t m = 0; m < run.eval_batches; ++m) {
+    RETURN_IF_ERROR(run.eval_loader->next(inputs.data(), targets.data()));
+    if (m % ranks.world() != ranks.rank()) continue;
+    ASSIGN_OR_RETURN(double nll, run.engine->eval_micro_batch(inputs.data(), targets.data(), t.micro_batch, t.seq_len));
+    sums[0] += nll;
+    sums[1] += static_cast<double>(model::count_valid_targets(targets.data(), micro_tokens));
+  }
+  if (ranks.several()) RETURN_IF_ERROR(parallel::sum_over_ranks(*ranks.comm, std::span<double>(sums)));
+  if (sums[1] == 0)
+    return Status::InvalidArgument(fmt::format(
+        "step {}: the loss masks of data.eval_paths leave no token to predict in the {} micro-batches evaluated; "
+        "check the masks beside the eval token files, or raise train.eval_steps",
+        step, run.eval_batches));
+  return sums[0] / sums[1];
 }
 
 // 2. The steps, until train.steps, a signal or the first error (returned).
@@ -728,6 +794,9 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.skipped = skipped;
     sm.skipped_steps = run.summary.skipped_steps;
     sm.eta_s = sm.elapsed_s / static_cast<double>(step - run.start_step + 1) * static_cast<double>(t.steps - step);
+    if (run.eval_loader && ((t.eval_every > 0 && step % t.eval_every == 0) || step == t.steps)) {
+      ASSIGN_OR_RETURN(sm.eval_loss, evaluate(run, t, step));
+    }
     if (run.metrics) RETURN_IF_ERROR(run.metrics->write(sm));
     if (run.tensorboard) RETURN_IF_ERROR(run.tensorboard->scalars(step, tensorboard_scalars(sm, t)));
     run.last_logged_step = step;
@@ -745,7 +814,7 @@ Status loop(Run& run, const TrainConfig& t) {
       trace::Span save_span("checkpoint", "checkpoint start");
       RETURN_IF_ERROR(run.save_checkpoint(t));
     }
-    if (!skipped && (step % t.log_every == 0 || step == 1 || step == t.steps)) {
+    if (!skipped && (step % t.log_every == 0 || step == 1 || step == t.steps || std::isfinite(sm.eval_loss))) {
       LOG_INFO("{}", format_step_line(sm));
       if (std::string note = engine.step_note(); !note.empty()) LOG_INFO("{}", note);
     }
@@ -869,6 +938,8 @@ GoodputReport report_goodput(Run& run, GoodputAccountant& goodput) {
     run.checkpointer.reset();
   }
   run.engine.reset();
+  run.eval_loader.reset();
+  run.eval_dataset.reset();
   run.loader.reset();
   run.dataset.reset();
   const GoodputReport report = goodput.report();

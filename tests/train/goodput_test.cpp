@@ -58,10 +58,10 @@ TEST(GoodputTest, PartsTimedBeyondTheWallClockLeaveNoNegativeIdle) {
 TEST(GoodputTest, LineAndEventNameEveryPart) {
   GoodputReport r;
   r.wall_s = 48.0;
-  r.seconds = {41.2, 3.1, 1.0, 2.2, 0.0, 0.1, 0.0, 0.4};
+  r.seconds = {41.2, 3.1, 1.0, 2.2, 0.0, 0.1, 0.0, 0.0, 0.4};
   EXPECT_EQ(format_goodput_line(r),
             "goodput 85.8%: compute 41.2 s, memory stalls 3.1 s, checkpoints 1.0 s, start-up 2.2 s, restart 0 s, "
-            "data 0.1 s, export 0 s, idle 0.4 s of 48.0 s");
+            "data 0.1 s, export 0 s, evaluation 0 s, idle 0.4 s of 48.0 s");
   const nlohmann::json j = goodput_json(r);
   EXPECT_EQ(j["event"], "goodput");
   EXPECT_FALSE(j.contains("step"));
@@ -129,7 +129,7 @@ class GoodputRunTest : public ::testing::Test {
     ASSERT_TRUE(g.is_object() && g.value("event", "") == "goodput") << g.dump();
     double sum = 0;
     for (const char* part :
-         {"compute_s", "memory_stall_s", "checkpoint_s", "startup_s", "restart_s", "data_s", "export_s", "idle_s"}) {
+         {"compute_s", "memory_stall_s", "checkpoint_s", "startup_s", "restart_s", "data_s", "export_s", "eval_s", "idle_s"}) {
       ASSERT_TRUE(g.contains(part)) << part << " missing: " << g.dump();
       const double s = g[part].get<double>();
       EXPECT_TRUE(s >= 0) << part << " = " << s;

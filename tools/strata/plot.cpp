@@ -33,7 +33,8 @@ RUN_DIR is the run.dir of a `strata train` run: it reads RUN_DIR/metrics.jsonl a
 it, any metrics.restart-K.jsonl that a requeued run set aside (in K order, each restart a
 dashed line), and writes into DIR (default RUN_DIR/plots):
 
-  loss.svg        loss per step; a cross marks each skipped (non-finite) step
+  loss.svg        loss per step, and the eval loss where the run evaluated (data.eval_paths);
+                  a cross marks each skipped (non-finite) step
   throughput.svg  tokens per second
   memory.svg      bytes on device, host and nvme (stacked) and the process's RSS
   stalls.svg      time compute waited for data, and bytes moved between tiers, per step
@@ -57,11 +58,12 @@ Options:
 struct StepRow {
   double x;  // the step, after the steps of earlier attempts
   double loss, tokens_per_s, device, host, nvme, rss, stall_ms, moved;
+  double eval_loss;  // NaN on steps that were not evaluated
   bool skipped;
 };
 
 // A break in every line.
-StepRow gap_row() { return StepRow{kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, false}; }
+StepRow gap_row() { return StepRow{kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, kNaN, false}; }
 
 struct RunMetrics {
   std::vector<StepRow> rows;
@@ -138,7 +140,7 @@ Status read_metrics(const fs::path& path, RunMetrics* run, double* offset) {
     for (const Field& field :
          {Field{"loss", &row.loss}, Field{"tokens_per_s", &row.tokens_per_s}, Field{"device_bytes", &row.device},
           Field{"host_bytes", &row.host}, Field{"nvme_bytes", &row.nvme}, Field{"rss_bytes", &row.rss},
-          Field{"stall_ms", &row.stall_ms}, Field{"moved_bytes", &row.moved}}) {
+          Field{"stall_ms", &row.stall_ms}, Field{"moved_bytes", &row.moved}, Field{"eval_loss", &row.eval_loss}}) {
       Result<double> v = number(j, field.key, where);
       if (!v.ok()) {
         status = v.status();
@@ -219,6 +221,14 @@ Charts make_charts(const RunMetrics& run) {
   svg::LineChart loss = chart("Loss", "loss", svg::Unit::kPlain);
   loss.y_from_zero = false;
   loss.series.push_back({"loss", x, column(&StepRow::loss)});
+  // Evaluations (data.eval_paths) are a line of their own through the steps that had one; a
+  // resume breaks it as it breaks the training loss.
+  svg::Series eval{"eval loss", {}, {}, svg::Style::kLine};
+  for (const StepRow& r : run.rows) {
+    if (std::isnan(r.x) && !eval.x.empty()) eval.x.push_back(kNaN), eval.y.push_back(kNaN);
+    if (std::isfinite(r.eval_loss)) eval.x.push_back(r.x), eval.y.push_back(r.eval_loss);
+  }
+  if (!eval.x.empty()) loss.series.push_back(eval);
   // A skipped step has no loss to draw: its cross sits at the last loss before it.
   svg::Series skipped{"skipped step", {}, {}, svg::Style::kPoints};
   double last_loss = kNaN;

@@ -1,0 +1,145 @@
+// Evaluation during training (data.eval_paths, train.eval_every, train.eval_steps): the eval
+// loss is the training loss's forward on held-out windows, through the same engine and paging.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "train/train_config.h"
+#include "train/trainer.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+class EvalTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           ("strata_eval_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::string text;
+    for (int i = 0; i < 200; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
+    std::ofstream(dir_ / "corpus.txt") << text;
+    std::string held_out;
+    for (int i = 0; i < 60; ++i) held_out += "a lazy dog sleeps under the brown fox " + std::to_string(i % 5) + "\n";
+    std::ofstream(dir_ / "held_out.txt") << held_out;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string corpus() const { return (dir_ / "corpus.txt").string(); }
+  std::string held_out() const { return (dir_ / "held_out.txt").string(); }
+
+  // Trains in this process: a small model on the small corpus; returns run_training's status.
+  Status train(const std::string& name, std::vector<std::string> overrides) {
+    std::vector<std::string> all = {"data.paths=[" + corpus() + "]",
+                                    "run.dir=" + (dir_ / name).string(),
+                                    "train.micro_batch=2",
+                                    "train.seq_len=32",
+                                    "train.steps=4",
+                                    "optim.warmup_steps=1",
+                                    "run.log_every=100",
+                                    "model.set=[num_hidden_layers=2,hidden_size=64,intermediate_size=96]"};
+    all.insert(all.end(), overrides.begin(), overrides.end());
+    Result<Config> config = load_train_config("", all);
+    if (!config.ok()) return config.status();
+    Result<TrainConfig> tc = make_train_config(*config);
+    if (!tc.ok()) return tc.status();
+    Result<TrainSummary> r = run_training(*tc, config->to_yaml());
+    return r.status();
+  }
+
+  // metrics.jsonl's step lines of run `name`: step -> the line.
+  std::map<int64_t, nlohmann::json> steps_of(const std::string& name) const {
+    std::map<int64_t, nlohmann::json> out;
+    std::ifstream in(dir_ / name / "metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("step")) out[j["step"].get<int64_t>()] = j;
+    }
+    return out;
+  }
+
+  fs::path dir_;
+};
+
+// At lr = 0 nothing moves, so evaluating the windows the first step trained on (the eval data is
+// the training data, read in the same order, one step's worth) gives that step's loss: the same
+// forward, summed in the same order. Bitwise, in both recipes.
+TEST_F(EvalTest, OnTheTrainingDataAtLrZeroItIsTheFirstStepsLossBitwise) {
+  for (const char* precision : {"fp32", "bf16"}) {
+    SCOPED_TRACE(precision);
+    const std::string name = std::string("lr0_") + precision;
+    ASSERT_TRUE(train(name, {"optim.lr=0", "train.grad_accum=3", "data.eval_paths=[" + corpus() + "]",
+                             "train.eval_every=2", "train.eval_steps=3", std::string("train.precision=") + precision})
+                    .ok());
+    const auto steps = steps_of(name);
+    ASSERT_EQ(steps.size(), 4u);
+    const double first = steps.at(1)["loss"].get<double>();
+    for (int64_t s : {2, 4}) {
+      ASSERT_TRUE(steps.at(s).contains("eval_loss")) << steps.at(s).dump();
+      EXPECT_EQ(steps.at(s)["eval_loss"].get<double>(), first) << "step " << s;
+      EXPECT_DOUBLE_EQ(steps.at(s)["eval_ppl"].get<double>(), std::exp(first));
+    }
+    // Only the steps train.eval_every names, and the last.
+    EXPECT_FALSE(steps.at(1).contains("eval_loss"));
+    EXPECT_FALSE(steps.at(3).contains("eval_loss"));
+  }
+}
+
+// Evaluating changes nothing of training: the losses with and without evaluations are the same
+// bits. And evaluation pages as training does: under budgets that push the weights through host
+// memory and nvme, the eval losses are the roomy run's bits.
+TEST_F(EvalTest, ChangesNoTrainingBitAndTightBudgetsEvaluateAsRoomyOnes) {
+  const std::vector<std::string> eval = {"data.eval_paths=[" + held_out() + "]", "train.eval_every=1",
+                                         "train.eval_steps=4", "train.grad_accum=2"};
+  ASSERT_TRUE(train("plain", {"train.grad_accum=2"}).ok());
+  std::vector<std::string> roomy = eval;
+  roomy.insert(roomy.end(), {"memory.device=256MiB", "memory.host=256MiB"});
+  ASSERT_TRUE(train("roomy", roomy).ok());
+  std::vector<std::string> tight = eval;
+  tight.insert(tight.end(), {"memory.device=1200KiB", "memory.host=1300KiB",
+                             "memory.nvme.path=" + (dir_ / "nvme").string(), "memory.nvme.size=16MiB",
+                             "memory.offload_activations=true"});
+  ASSERT_TRUE(train("tight", tight).ok());
+  const auto plain = steps_of("plain"), a = steps_of("roomy"), b = steps_of("tight");
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 4u);
+  for (int64_t s = 1; s <= 4; ++s) {
+    EXPECT_EQ(plain.at(s)["loss"].get<double>(), a.at(s)["loss"].get<double>()) << "step " << s;
+    EXPECT_EQ(a.at(s)["loss"].get<double>(), b.at(s)["loss"].get<double>()) << "step " << s;
+    ASSERT_TRUE(a.at(s).contains("eval_loss") && b.at(s).contains("eval_loss"));
+    EXPECT_EQ(a.at(s)["eval_loss"].get<double>(), b.at(s)["eval_loss"].get<double>()) << "step " << s;
+  }
+  // The tight run really paged.
+  EXPECT_GT(b.at(1)["nvme_bytes"].get<uint64_t>(), 0u);
+  // The held-out loss is a loss of this model on other text: finite, and it falls as it trains.
+  const double e1 = a.at(1)["eval_loss"].get<double>(), e4 = a.at(4)["eval_loss"].get<double>();
+  EXPECT_TRUE(std::isfinite(e1) && e4 < e1) << e1 << " -> " << e4;
+}
+
+TEST_F(EvalTest, KeysWithoutEvalDataAndEvalDataTooSmallAreRefused) {
+  Status no_data = train("no_data", {"train.eval_every=5"});
+  ASSERT_FALSE(no_data.ok());
+  EXPECT_NE(no_data.message().find("data.eval_paths is empty"), std::string::npos) << no_data.to_string();
+  EXPECT_NE(no_data.message().find("train.eval_every"), std::string::npos) << no_data.to_string();
+
+  std::ofstream(dir_ / "tiny.txt") << "too short for a window";
+  Status small = train("small", {"data.eval_paths=[" + (dir_ / "tiny.txt").string() + "]"});
+  ASSERT_FALSE(small.ok());
+  EXPECT_NE(small.message().find("data.eval_paths"), std::string::npos) << small.to_string();
+  EXPECT_FALSE(fs::exists(dir_ / "small" / "metrics.jsonl")) << "a refused start writes no run dir";
+}
+
+}  // namespace
+}  // namespace strata
