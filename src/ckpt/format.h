@@ -33,6 +33,9 @@ inline constexpr const char* kModelFile = "model.safetensors";
 inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
 inline constexpr const char* kManifestFile = "manifest.json";
 inline constexpr const char* kLatestFile = "latest";
+// Names the best checkpoint by a measure the trainer chose (ckpt.keep_best: the eval loss):
+// the step directory on the first line, then a line saying why. Retention never removes it.
+inline constexpr const char* kBestFile = "best";
 
 // What a saved tensor is. kParam goes to model.safetensors under its own name; the others go
 // to optimizer.safetensors under "<prefix>/<name>". kState is other training state a resume

@@ -16,6 +16,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <fstream>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -171,14 +172,23 @@ Status remove_stale_tmp_dirs(const std::string& dir) {
   return Status::OK();
 }
 
+std::string read_best_step(const std::string& dir) {
+  std::ifstream in(dir + "/" + kBestFile);
+  std::string name;
+  if (!in || !std::getline(in, name)) return "";
+  return name;
+}
+
 Status apply_retention(const std::string& dir, int keep_last, const std::string& protect,
                        const std::function<Status(const std::string&)>& remove) {
   if (keep_last <= 0) return Status::OK();
   std::vector<StepEntry> committed;
   RETURN_IF_ERROR(list_step_dirs(dir, &committed, nullptr));
+  // The newest keep_last stay, and older ones that latest or best name stay on top of them.
+  const std::string best = read_best_step(dir);
   const int excess = static_cast<int>(committed.size()) - keep_last;
   for (int i = 0; i < excess; ++i) {
-    if (committed[i].name == protect) continue;
+    if (committed[i].name == protect || committed[i].name == best) continue;
     const std::string path = dir + "/" + committed[i].name;
     const std::string deleting = path + ".deleting";
     LOG_INFO("removing checkpoint {} (keeping the last {})", path, keep_last);
@@ -579,6 +589,11 @@ Status CheckpointWriter::commit(Job* job) {
   const std::string latest = job->dir + "/" + kLatestFile;
   RETURN_IF_ERROR(write_file_durable(latest + ".tmp", step_name + "\n"));
   RETURN_IF_ERROR(rename_durable(latest + ".tmp", latest));
+  if (!job->request.best_note.empty()) {
+    const std::string best = job->dir + "/" + kBestFile;
+    RETURN_IF_ERROR(write_file_durable(best + ".tmp", step_name + "\n" + job->request.best_note + "\n"));
+    RETURN_IF_ERROR(rename_durable(best + ".tmp", best));
+  }
   Status retention = apply_retention(job->dir, options_.keep_last, step_name);
   if (!retention.ok()) LOG_WARN("checkpoint retention in {}: {}", job->dir, retention.message());
   return Status::OK();

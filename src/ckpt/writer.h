@@ -99,6 +99,9 @@ struct SaveRequest {
   std::vector<Region> regions;  // before_modify's `region` indexes this vector
   ManifestFields manifest;
   ShardedSave shard;
+  // Not empty: this save is the best so far. Once it commits, DIR/best names it, with this
+  // note (e.g. "eval_loss 3.1002") as the second line, and retention keeps it beside the last.
+  std::string best_note;
 };
 
 enum class IfBusy : uint8_t {
@@ -192,8 +195,10 @@ class CheckpointWriter {
 // Removes the unfinished DIR/step-*.tmp and DIR/step-*.deleting directories (logging each); used
 // at the start of every save and of a run with several ranks.
 Status remove_stale_tmp_dirs(const std::string& dir);
+// The step directory DIR/best names; empty when there is no such file or it is unreadable.
+std::string read_best_step(const std::string& dir);
 // Deletes committed DIR/step-N directories beyond the `keep_last` newest, never `protect`
-// (the one latest names). Logs each deletion. Each is first renamed to step-N.deleting (durably)
+// (the one latest names) nor the one DIR/best names. Logs each deletion. Each is first renamed to step-N.deleting (durably)
 // and only then removed, so a process killed mid-removal leaves no half-deleted directory under
 // a committed name; the next save removes the leftover. `remove` removes a tree (remove_tree; a
 // test may pass one that fails part-way).

@@ -87,7 +87,7 @@ void TrainCheckpointer::before_modify(int group) {
 }
 
 Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos, const nlohmann::json& model_config,
-                               uint64_t seed, const std::vector<ExtraState>& extra) {
+                               uint64_t seed, const std::vector<ExtraState>& extra, const std::string& best_note) {
   CHECK_MSG(&state == &state_, "a TrainCheckpointer saves the state it was made for");
   if (writer_->in_flight()) {
     if (options_.skip_if_busy) {
@@ -101,6 +101,7 @@ Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos
   ckpt::SaveRequest req;
   req.dir = options_.dir;
   req.step = pos.step;
+  req.best_note = best_note;
   const ckpt::ShardedSave& shard = options_.shard;
   auto owned = [&](const model::TensorSpec& t) {
     return !shard.sharded() ||

@@ -69,9 +69,9 @@ class TrainCheckpointer {
   // Starts writing DIR/step-N from `state` (the state after step N). The previous save is waited
   // for first (or, with skip_if_busy, this one skipped); its failure is logged (the run goes on)
   // and returned by the next wait(). Returns whether the save started (false: skipped).
-  // `extra` is copied.
+  // `extra` is copied. A `best_note` marks the save as the run's best (ckpt::SaveRequest).
   Result<bool> save(SavableState& state, const RunPosition& position, const nlohmann::json& model_config, uint64_t seed,
-              const std::vector<ExtraState>& extra = {});
+                    const std::vector<ExtraState>& extra = {}, const std::string& best_note = "");
   // Waits for the save in flight; its outcome.
   Status wait() { return writer_->wait(); }
   bool in_flight() const { return writer_->in_flight(); }

@@ -147,6 +147,9 @@ ConfigSchema build_schema() {
          .help = "checkpoint directory; empty = RUN_DIR/checkpoints"});
   s.add({.name = "ckpt.keep_last", .type = T::kInt, .default_value = "3", .min = 0,
          .help = "committed checkpoints to keep (0 = all)"});
+  s.add({.name = "ckpt.keep_best", .type = T::kBool, .default_value = "false",
+         .help = "save each evaluation (data.eval_paths) that has the lowest eval loss so far, name it in "
+                 "CKPT_DIR/best and keep it beside ckpt.keep_last"});
   s.add({.name = "ckpt.if_busy", .type = T::kString, .default_value = "wait", .choices = {"wait", "skip"},
          .help = "when a save is due while the previous one is still being written"});
   s.add({.name = "ckpt.staging", .type = T::kBytes, .default_value = "64MiB", .min = 65536,
@@ -312,6 +315,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.ckpt_dir_named = !t.ckpt_dir.empty();
   if (t.ckpt_dir.empty()) t.ckpt_dir = t.run_dir + "/checkpoints";
   t.ckpt_keep_last = c.get_int("ckpt.keep_last");
+  t.ckpt_keep_best = c.get_bool("ckpt.keep_best");
   t.ckpt_skip_if_busy = c.get_string("ckpt.if_busy") == "skip";
   t.ckpt_staging = c.get_bytes("ckpt.staging");
   t.run_export = c.get_string("run.export");
@@ -334,6 +338,9 @@ Result<TrainConfig> make_train_config(const Config& c) {
     return Status::InvalidArgument(c.origin(key) + ": key '" + key +
                                    "' is set but data.eval_paths is empty; name the token files to evaluate on");
   }
+  if (t.ckpt_keep_best && t.data_eval_paths.empty())
+    return Status::InvalidArgument(c.origin("ckpt.keep_best") +
+                                   ": key 'ckpt.keep_best' needs evaluations; name the token files in data.eval_paths");
   if (t.warmup_steps > t.steps)
     return Status::InvalidArgument(c.origin("optim.warmup_steps") + ": key 'optim.warmup_steps' (" +
                                    std::to_string(t.warmup_steps) + ") exceeds train.steps (" +

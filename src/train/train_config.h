@@ -61,6 +61,7 @@ struct TrainConfig {
   std::string ckpt_dir;     // "" in the config: RUN_DIR/checkpoints (filled in here)
   bool ckpt_dir_named = false;  // ckpt.dir was given (else it follows run.dir)
   int64_t ckpt_keep_last = 3;
+  bool ckpt_keep_best = false;  // save the lowest eval loss so far and keep it (CKPT_DIR/best)
   bool ckpt_skip_if_busy = false;
   uint64_t ckpt_staging = 64ull << 20;
   std::string resume;  // --resume: a checkpoint path, "auto" (ckpt_dir if it has one), or ""

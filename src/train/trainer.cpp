@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/finite.h"
+#include "ckpt/format.h"
 #include "core/checked_math.h"
 #include "core/host_memory.h"
 #include "core/log.h"
@@ -179,6 +180,8 @@ struct Run {
   std::unique_ptr<TokenDataset> eval_dataset;
   std::optional<DataLoader> eval_loader;
   int64_t eval_batches = 0;
+  // The lowest eval loss a checkpoint was saved for (ckpt.keep_best); +inf before the first.
+  double best_eval = std::numeric_limits<double>::infinity();
   std::unique_ptr<PagedEngine> engine;
   std::optional<LrSchedule> schedule;
   std::unique_ptr<TrainCheckpointer> checkpointer;
@@ -211,8 +214,9 @@ struct Run {
     sound_cursor = loader->cursor();
   }
 
-  // Starts a save of the state after the last sound step.
-  Status save_checkpoint(const TrainConfig& t) {
+  // Starts a save of the state after the last sound step; with `best_eval_loss`, as the run's
+  // best (ckpt.keep_best), which it then is once the save has started.
+  Status save_checkpoint(const TrainConfig& t, std::optional<double> best_eval_loss = {}) {
     CHECK(sound);
     GoodputAccountant::Timer blocked = goodput->time(GoodputPart::kCheckpoint);  // waits for the previous save
     RunPosition pos;
@@ -223,9 +227,11 @@ struct Run {
     pos.optimizer_step = engine->state().step_count();
     nlohmann::json model_config = mc.to_json();
     model_config["torch_dtype"] = model::torch_dtype_name(source_dtype);
-    ASSIGN_OR_RETURN(bool started,
-                     checkpointer->save(engine->state(), pos, model_config, t.seed, engine->extra_state()));
+    const std::string best_note = best_eval_loss ? fmt::format("eval_loss {:.17g}", *best_eval_loss) : "";
+    ASSIGN_OR_RETURN(bool started, checkpointer->save(engine->state(), pos, model_config, t.seed,
+                                                      engine->extra_state(), best_note));
     if (started) last_saved_step = sound_step;
+    if (started && best_eval_loss) best_eval = *best_eval_loss;
     return Status::OK();
   }
 
@@ -540,6 +546,19 @@ Status open_run_dir(const TrainConfig& t, Run& run, const std::string& effective
   return Status::OK();
 }
 
+// The eval loss of the checkpoint CKPT_DIR/best names (ckpt.keep_best), so that a resumed run
+// saves only evaluations better than it; +inf when there is none or it cannot be read.
+double saved_best_eval(const std::string& ckpt_dir) {
+  std::ifstream in(fs::path(ckpt_dir) / ckpt::kBestFile);
+  std::string name, key;
+  double loss = 0;
+  if (std::getline(in, name) && (in >> key >> loss) && key == "eval_loss" && std::isfinite(loss)) {
+    LOG_INFO("ckpt.keep_best: the best so far is {} (eval loss {:.4f})", name, loss);
+    return loss;
+  }
+  return std::numeric_limits<double>::infinity();
+}
+
 // 1. Everything that can be wrong with the inputs is checked before anything but the locks of
 // the run's folders is written; then the engine, the starting state (a checkpoint, weights or an
 // init) and the run directory.
@@ -564,6 +583,7 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   if (resume_from.empty()) RETURN_IF_ERROR(fill_starting_weights(t, *run, weights));
   weights.reset();
   if (!resume_from.empty()) RETURN_IF_ERROR(restore_run(t, *run, resume_from));
+  if (!resume_from.empty() && t.ckpt_keep_best) run->best_eval = saved_best_eval(t.ckpt_dir);
   open_checkpointer(t, *run, ranks);
 
   // Steps an earlier run in this run.dir recorded beyond where this one starts are done again:
@@ -810,9 +830,12 @@ Status loop(Run& run, const TrainConfig& t) {
         return st;
       }
     }
-    if (t.ckpt_every > 0 && step % t.ckpt_every == 0) {
+    // ckpt.keep_best: an evaluation better than every saved one is saved too.
+    std::optional<double> best;
+    if (t.ckpt_keep_best && !skipped && sm.eval_loss < run.best_eval) best = sm.eval_loss;
+    if ((t.ckpt_every > 0 && step % t.ckpt_every == 0) || best) {
       trace::Span save_span("checkpoint", "checkpoint start");
-      RETURN_IF_ERROR(run.save_checkpoint(t));
+      RETURN_IF_ERROR(run.save_checkpoint(t, best));
     }
     if (!skipped && (step % t.log_every == 0 || step == 1 || step == t.steps || std::isfinite(sm.eval_loss))) {
       LOG_INFO("{}", format_step_line(sm));

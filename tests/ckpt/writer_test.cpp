@@ -278,6 +278,31 @@ TEST_F(CkptTest, RetentionNeverDeletesTheStepLatestNames) {
   EXPECT_TRUE(fs::exists(dir_ / "step-7"));
 }
 
+TEST_F(CkptTest, ASaveMarkedBestIsNamedInBestAndKeptBesideTheLastK) {
+  TrainState state;
+  CheckpointWriterOptions opt;
+  opt.keep_last = 1;
+  CheckpointWriter w(opt);
+  SaveRequest best = state.request(dir(), 2);
+  save_and_wait(w, state.request(dir(), 1));
+  best.best_note = "eval_loss 1.5";
+  save_and_wait(w, best);
+  for (int step : {3, 4}) save_and_wait(w, state.request(dir(), step));
+  EXPECT_EQ(read_text(dir_ / "best"), "step-2\neval_loss 1.5\n");
+  EXPECT_EQ(read_best_step(dir()), "step-2");
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir_)) names.insert(e.path().filename().string());
+  EXPECT_EQ(names, (std::set<std::string>{"best", "latest", "step-2", "step-4"}));
+  // A later best replaces it, and the old one goes at the next retention.
+  SaveRequest better = state.request(dir(), 5);
+  better.best_note = "eval_loss 1.25";
+  save_and_wait(w, better);
+  EXPECT_EQ(read_best_step(dir()), "step-5");
+  EXPECT_FALSE(fs::exists(dir_ / "step-2"));
+  EXPECT_FALSE(fs::exists(dir_ / "step-4"));
+  EXPECT_TRUE(fs::exists(dir_ / "step-5"));
+}
+
 // A removal that stops part-way (a kill during keep-last cleanup) leaves the half-deleted
 // checkpoint out of the committed names, so no reader takes it for one; the next save removes it.
 TEST_F(CkptTest, RetentionInterruptedMidRemovalLeavesNoHalfCheckpointBehindACommittedName) {

@@ -42,6 +42,18 @@ std::vector<double> losses_of(const fs::path& metrics) {
   return out;
 }
 
+// The eval losses of metrics.jsonl, in step order (steps that evaluated only).
+std::vector<double> eval_losses_of(const fs::path& metrics) {
+  std::vector<double> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.contains("eval_loss")) out.push_back(j["eval_loss"].get<double>());
+  }
+  return out;
+}
+
 std::string read_text(const fs::path& p) {
   std::ifstream in(p);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -148,11 +160,14 @@ void expect_close_losses(const std::vector<double>& a, const std::vector<double>
 
 TEST_F(DataParallelTest, WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch) {
   const fs::path one = dir_ / "one", two = dir_ / "two", four = dir_ / "four";
-  CmdResult single = testing::run_strata(run_args(one.string(), 4) + " run.export=" + (one / "export").string());
+  // Evaluations share their micro-batches out over the ranks: the same windows at every world.
+  const std::string eval = " data.eval_paths=[" + corpus() + "] train.eval_every=2 train.eval_steps=5";
+  CmdResult single =
+      testing::run_strata(run_args(one.string(), 4) + eval + " run.export=" + (one / "export").string());
   ASSERT_EQ(single.exit_code, 0) << single.output;
-  auto w2 = launch(2, run_args(two.string(), 2) + " run.export=" + (two / "export").string(), "w2");
+  auto w2 = launch(2, run_args(two.string(), 2) + eval + " run.export=" + (two / "export").string(), "w2");
   ASSERT_TRUE(all_ok(w2)) << all_output(w2);
-  auto w4 = launch(4, run_args(four.string(), 1) + " run.export=" + (four / "export").string(), "w4");
+  auto w4 = launch(4, run_args(four.string(), 1) + eval + " run.export=" + (four / "export").string(), "w4");
   ASSERT_TRUE(all_ok(w4)) << all_output(w4);
   EXPECT_NE(w4[0].output.find("rank 0 of 4"), std::string::npos) << w4[0].output;
   EXPECT_NE(w4[0].output.find("x 4 ranks"), std::string::npos) << w4[0].output;
@@ -161,6 +176,10 @@ TEST_F(DataParallelTest, WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch) {
   ASSERT_EQ(l1.size(), 4u);
   expect_close_losses(l1, losses_of(two / "metrics.jsonl"), "world 2");
   expect_close_losses(l1, losses_of(four / "metrics.jsonl"), "world 4");
+  const auto e1 = eval_losses_of(one / "metrics.jsonl");
+  ASSERT_EQ(e1.size(), 2u);
+  expect_close_losses(e1, eval_losses_of(two / "metrics.jsonl"), "world 2 eval");
+  expect_close_losses(e1, eval_losses_of(four / "metrics.jsonl"), "world 4 eval");
   for (const fs::path& other : {two, four}) {
     const ParamDiff d = compare_exports(one / "export", other / "export");
     ASSERT_GT(d.tensors, 0u) << other;

@@ -48,6 +48,7 @@ for i in $(seq 1 60); do
   printf '{"messages": [{"role": "user", "content": "What is %d plus %d?"}, {"role": "assistant", "content": "%d plus %d is %d."}]}\n' \
     "$i" "$i" "$i" "$i" $((2 * i))
 done > chats.jsonl
+head -n 20 chats.jsonl > chats-held-out.jsonl
 blocks yaml "Training" | sed "s|/models/|$work/models/|g" > run.yaml
 grep -q "model:" run.yaml || { echo "readme_examples: no yaml block under Training"; exit 1; }
 
@@ -68,7 +69,7 @@ while IFS= read -r line; do
     exit 1
   fi
   count=$((count + 1))
-done < <(for section in "Hugging Face models, tokenizers and data" "Training" "Fine-tuning on chat data, end to end" "Plots" \
+done < <(for section in "Hugging Face models, tokenizers and data" "Training" "Fine-tuning on chat data, end to end" "Evaluation" "Plots" \
                           "Will it fit, and how fast?" "Plan, profile, plot: one example"; do
            blocks sh "$section"  # the data section first: it tokenizes what Training's run.yaml reads
          done)

@@ -5,7 +5,9 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -54,11 +56,20 @@ class EvalTest : public ::testing::Test {
     if (!config.ok()) return config.status();
     Result<TrainConfig> tc = make_train_config(*config);
     if (!tc.ok()) return tc.status();
+    tc->resume = resume_;
     Result<TrainSummary> r = run_training(*tc, config->to_yaml());
     return r.status();
   }
 
-  // metrics.jsonl's step lines of run `name`: step -> the line.
+  // train() resuming run `name` from its latest checkpoint (--resume auto).
+  Status train_resumed(const std::string& name, std::vector<std::string> overrides) {
+    resume_ = "auto";
+    Status st = train(name, std::move(overrides));
+    resume_.clear();
+    return st;
+  }
+
+  // metrics.jsonl's step lines of run `name`: step -> the line (the last one of a step redone).
   std::map<int64_t, nlohmann::json> steps_of(const std::string& name) const {
     std::map<int64_t, nlohmann::json> out;
     std::ifstream in(dir_ / name / "metrics.jsonl");
@@ -71,6 +82,7 @@ class EvalTest : public ::testing::Test {
   }
 
   fs::path dir_;
+  std::string resume_;
 };
 
 // At lr = 0 nothing moves, so evaluating the windows the first step trained on (the eval data is
@@ -126,6 +138,46 @@ TEST_F(EvalTest, ChangesNoTrainingBitAndTightBudgetsEvaluateAsRoomyOnes) {
   // The held-out loss is a loss of this model on other text: finite, and it falls as it trains.
   const double e1 = a.at(1)["eval_loss"].get<double>(), e4 = a.at(4)["eval_loss"].get<double>();
   EXPECT_TRUE(std::isfinite(e1) && e4 < e1) << e1 << " -> " << e4;
+}
+
+// ckpt.keep_best: CKPT_DIR/best names the step with the lowest eval loss of the run, with that
+// loss, and keep_last=1 does not remove it; a resumed run only replaces it with a lower one.
+TEST_F(EvalTest, KeepBestNamesAndKeepsTheLowestEvalLossAcrossAResume) {
+  const std::vector<std::string> common = {"data.eval_paths=[" + held_out() + "]", "train.eval_every=1",
+                                           "train.eval_steps=2", "ckpt.keep_best=true", "ckpt.keep_last=1",
+                                           "ckpt.every=4", "optim.lr=0.02"};
+  std::vector<std::string> first = common;
+  first.push_back("train.steps=4");
+  ASSERT_TRUE(train("best", first).ok());
+  // Resumed with a learning rate far too high, the eval loss rises: the best stays an older
+  // step than the last, which keep_last=1 alone would remove.
+  std::vector<std::string> resumed = common;
+  resumed.insert(resumed.end(), {"train.steps=8", "optim.lr=0.5", "optim.schedule=constant"});
+  Status again = train_resumed("best", resumed);
+  ASSERT_TRUE(again.ok()) << again.to_string();
+  const auto steps = steps_of("best");
+  ASSERT_EQ(steps.size(), 8u);
+  int64_t argmin = 0;
+  double lowest = std::numeric_limits<double>::infinity();
+  for (const auto& [step, j] : steps) {
+    ASSERT_TRUE(j.contains("eval_loss")) << j.dump();
+    if (j["eval_loss"].get<double>() < lowest) lowest = j["eval_loss"].get<double>(), argmin = step;
+  }
+  std::ifstream in(dir_ / "best" / "checkpoints" / "best");
+  std::string name, key;
+  double saved = 0;
+  ASSERT_TRUE(std::getline(in, name) && (in >> key >> saved)) << "no readable CKPT_DIR/best";
+  EXPECT_EQ(name, "step-" + std::to_string(argmin));
+  EXPECT_EQ(key, "eval_loss");
+  EXPECT_EQ(saved, lowest);
+  EXPECT_TRUE(fs::exists(dir_ / "best" / "checkpoints" / name / "manifest.json")) << name;
+  EXPECT_TRUE(fs::exists(dir_ / "best" / "checkpoints" / "step-8" / "manifest.json"));
+  EXPECT_LE(argmin, 4) << "the resumed steps' eval losses were meant to rise";
+  // keep_last=1 keeps the last and the best, nothing else.
+  std::set<std::string> kept;
+  for (const auto& e : fs::directory_iterator(dir_ / "best" / "checkpoints"))
+    if (e.is_directory()) kept.insert(e.path().filename().string());
+  EXPECT_EQ(kept, (std::set<std::string>{name, "step-8"}));
 }
 
 TEST_F(EvalTest, KeysWithoutEvalDataAndEvalDataTooSmallAreRefused) {
