@@ -159,10 +159,32 @@ Status read_rope_object(const json& object, const std::string& name, const std::
     rope->scaling = type_name == "linear" ? kernels::RopeScaling::kLinear : kernels::RopeScaling::kDynamic;
     return read_double(object, "factor", name + ".factor", source, &rope->factor);
   }
+  if (type_name == "yarn") {
+    rope->scaling = kernels::RopeScaling::kYarn;
+    rope->original_max_position_embeddings = 0;  // unset: max_position_embeddings stands for it
+    // Optional keys may be written as null; transformers then takes their defaults.
+    auto optional_double = [&](const char* key, double* out) -> Status {
+      const json* value = find_key(object, key);
+      if (value == nullptr || value->is_null()) return Status::OK();
+      return read_double(object, key, name + "." + key, source, out);
+    };
+    RETURN_IF_ERROR(read_double(object, "factor", name + ".factor", source, &rope->factor));
+    for (const auto& [key, out] : {std::pair{"beta_fast", &rope->beta_fast}, std::pair{"beta_slow", &rope->beta_slow},
+                                   std::pair{"attention_factor", &rope->attention_factor},
+                                   std::pair{"mscale", &rope->mscale}, std::pair{"mscale_all_dim", &rope->mscale_all_dim}}) {
+      RETURN_IF_ERROR(optional_double(key, out));
+    }
+    if (const json* original = find_key(object, "original_max_position_embeddings"); original && !original->is_null()) {
+      RETURN_IF_ERROR(read_int(object, "original_max_position_embeddings",
+                               name + ".original_max_position_embeddings", source, /*required=*/false,
+                               &rope->original_max_position_embeddings));
+    }
+    return read_bool(object, "truncate", source, &rope->truncate);
+  }
   if (type_name != "llama3") {
     return Status::Unimplemented(fmt::format(
-        "{}: key '{}.{}' is \"{}\"; strata implements RoPE types \"default\", \"linear\", \"dynamic\" and "
-        "\"llama3\"",
+        "{}: key '{}.{}' is \"{}\"; strata implements RoPE types \"default\", \"linear\", \"dynamic\", "
+        "\"llama3\" and \"yarn\"",
         source, name, type_key, type_name));
   }
   rope->scaling = kernels::RopeScaling::kLlama3;
@@ -500,7 +522,7 @@ Status ModelConfig::validate(const std::string& source) const {
                           moe_intermediate_size));
   RETURN_IF_ERROR(at_most(source, "shared_expert_intermediate_size", shared_expert_intermediate_size));
   RETURN_IF_ERROR(at_most(source, "decoder_sparse_step", decoder_sparse_step));
-  if (rope.scaling == kernels::RopeScaling::kLlama3) {
+  if (rope.scaling == kernels::RopeScaling::kLlama3 || rope.scaling == kernels::RopeScaling::kYarn) {
     RETURN_IF_ERROR(at_most(source, "rope_scaling.original_max_position_embeddings",
                             rope.original_max_position_embeddings));
   }
@@ -561,6 +583,24 @@ Status ModelConfig::validate_shape(const std::string& source) const {
       return bad_key(source, "rope_scaling.original_max_position_embeddings",
                      fmt::format("must be positive, got {}", rope.original_max_position_embeddings));
     }
+  }
+  if (rope.scaling == kernels::RopeScaling::kYarn) {
+    if (rope.original_max_position_embeddings < 0)
+      return bad_key(source, "rope_scaling.original_max_position_embeddings",
+                     fmt::format("must be positive, got {}", rope.original_max_position_embeddings));
+    const std::pair<const char*, double> keys[] = {{"beta_fast", rope.beta_fast},
+                                                   {"beta_slow", rope.beta_slow},
+                                                   {"attention_factor", rope.attention_factor},
+                                                   {"mscale", rope.mscale},
+                                                   {"mscale_all_dim", rope.mscale_all_dim}};
+    for (const auto& [key, value] : keys) {
+      if (!(value >= 0) || !std::isfinite(value))
+        return bad_key(source, std::string("rope_scaling.") + key,
+                       fmt::format("must be a finite number >= 0, got {}", value));
+    }
+    // The ramp's boundaries take the logarithm of the base and of the context over the turns.
+    if (rope.theta <= 1.0)
+      return bad_key(source, "rope_theta", fmt::format("must exceed 1 for yarn scaling, got {}", rope.theta));
   }
   if (sliding_window < 0) {
     return bad_key(source, "sliding_window", fmt::format("must be positive or null, got {}", sliding_window));
@@ -656,6 +696,19 @@ nlohmann::json ModelConfig::to_json() const {
                          {"low_freq_factor", rope.low_freq_factor},
                          {"high_freq_factor", rope.high_freq_factor},
                          {"original_max_position_embeddings", rope.original_max_position_embeddings}};
+  } else if (rope.scaling == kernels::RopeScaling::kYarn) {
+    // What was read, with transformers' defaults for the rest (its validation warns about
+    // unknown keys, so only the ones it knows are written).
+    j["rope_scaling"] = {{"rope_type", "yarn"},
+                         {"factor", rope.factor},
+                         {"beta_fast", rope.beta_fast != 0 ? rope.beta_fast : 32.0},
+                         {"beta_slow", rope.beta_slow != 0 ? rope.beta_slow : 1.0},
+                         {"truncate", rope.truncate}};
+    if (rope.original_max_position_embeddings > 0)
+      j["rope_scaling"]["original_max_position_embeddings"] = rope.original_max_position_embeddings;
+    if (rope.attention_factor != 0) j["rope_scaling"]["attention_factor"] = rope.attention_factor;
+    if (rope.mscale != 0) j["rope_scaling"]["mscale"] = rope.mscale;
+    if (rope.mscale_all_dim != 0) j["rope_scaling"]["mscale_all_dim"] = rope.mscale_all_dim;
   } else {
     j["rope_scaling"] = nullptr;
   }

@@ -206,6 +206,7 @@ class Decoder final : public Model {
   Ops ops_;
   std::vector<float> inv_freq_;  // (D/2) RoPE frequencies
   const float* inv_freq_ops_ = nullptr;  // the same where the ops read them
+  float rope_scale_ = 1.0f;  // what RoPE multiplies cos and sin by (YaRN's attention factor)
   int64_t rope_length_ = -1;             // the sequence length they were made for (dynamic scaling)
   const int32_t* staged_inputs_ = nullptr;  // the last forward's input tokens where the ops read them
   bool keep_layers_ = false;

@@ -103,8 +103,8 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
     ops_.linear_forward(a.k, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
   }
   ops_.linear_forward(a.v, a.ln1, p.v_proj, p.v_bias, N, C, Hkv * D);
-  ops_.rope_forward(a.q, a.q, inv_freq_ops_, B, T, Hq, D);
-  ops_.rope_forward(a.k, a.k, inv_freq_ops_, B, T, Hkv, D);
+  ops_.rope_forward(a.q, a.q, inv_freq_ops_, B, T, Hq, D, rope_scale_);
+  ops_.rope_forward(a.k, a.k, inv_freq_ops_, B, T, Hkv, D, rope_scale_);
   ops_.attention_forward(a.att, a.lse, a.q, a.k, a.v, B, T, Hq, Hkv, D);
   ops_.linear_forward_residual(a.h, a.att, p.o_proj, x, N, Hq * D, C);
 
@@ -162,8 +162,8 @@ void Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* dr
   // Attention block. h = x + o_proj(att): dL/dx starts as dL/dh.
   ops_.linear_backward(a.d_att, g.o_proj, nullptr, dres, a.att, p.o_proj, N, Hq * D, C);
   ops_.attention_backward(a.d_q, a.d_k, a.d_v, a.d_att, a.q, a.k, a.v, a.att, a.lse, B, T, Hq, Hkv, D);
-  ops_.rope_backward(a.d_q, a.d_q, inv_freq_ops_, B, T, Hq, D);
-  ops_.rope_backward(a.d_k, a.d_k, inv_freq_ops_, B, T, Hkv, D);
+  ops_.rope_backward(a.d_q, a.d_q, inv_freq_ops_, B, T, Hq, D, rope_scale_);
+  ops_.rope_backward(a.d_k, a.d_k, inv_freq_ops_, B, T, Hkv, D, rope_scale_);
   if (p.q_norm != nullptr) {
     // Through the per-head norms; d_qk_raw serves q, then k.
     ops_.rmsnorm_backward(a.d_qk_raw, g.q_norm, a.d_q, a.q_raw, p.q_norm, a.q_norm_rstd, N * Hq, D);
@@ -347,6 +347,7 @@ void Decoder<Ops>::update_rope(int64_t T) {
   kernels::rope_inv_freq(inv_freq_.data(), config_.head_dim, rope, length);
   inv_freq_ops_ = ops_.stage_constants(inv_freq_.data(), static_cast<int64_t>(inv_freq_.size()));
   rope_length_ = length;
+  rope_scale_ = static_cast<float>(kernels::rope_attention_factor(rope));
 }
 
 template <class Ops>

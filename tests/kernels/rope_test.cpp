@@ -7,9 +7,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <ostream>
 #include <utility>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "../test_util.h"
 
@@ -169,6 +174,95 @@ TEST(RopeTest, Llama3ScalingOnlyLowersFrequencies) {
   }
 }
 
+// YaRN, against transformers 4.57.1's _compute_yarn_parameters run on PyTorch 1.13 (fp32):
+// tests/fixtures/rope/yarn_transformers_4.57.1.txt, written by tests/kernels/yarn_reference.py
+// (it says how). Every frequency of each case, and the attention factor.
+struct YarnCase {
+  std::string name;
+  int64_t head_dim = 0, max_positions = 0;
+  RopeConfig config;
+  double attention_factor = 0;
+  std::vector<float> inv_freq;
+};
+
+std::vector<YarnCase> yarn_cases() {
+  std::ifstream in(std::string(STRATA_SOURCE_DIR) +
+                   "/tests/fixtures/rope/yarn_transformers_4.57.1.txt");
+  std::vector<YarnCase> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream is(line);
+    YarnCase c;
+    std::string scaling;
+    is >> c.name >> c.head_dim >> c.config.theta >> c.max_positions >> scaling >>
+        c.attention_factor;
+    const nlohmann::json j = nlohmann::json::parse(scaling);
+    c.config.scaling = RopeScaling::kYarn;
+    c.config.max_position_embeddings = c.max_positions;
+    c.config.factor = j.at("factor").get<double>();
+    c.config.original_max_position_embeddings =
+        j.value("original_max_position_embeddings", int64_t{0});
+    c.config.beta_fast = j.value("beta_fast", 0.0);
+    c.config.beta_slow = j.value("beta_slow", 0.0);
+    c.config.attention_factor = j.value("attention_factor", 0.0);
+    c.config.mscale = j.value("mscale", 0.0);
+    c.config.mscale_all_dim = j.value("mscale_all_dim", 0.0);
+    c.config.truncate = j.value("truncate", true);
+    double v;
+    while (is >> v)
+      c.inv_freq.push_back(static_cast<float>(v));
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+TEST(RopeTest, YarnMatchesTransformersTables) {
+  const std::vector<YarnCase> cases = yarn_cases();
+  ASSERT_EQ(cases.size(), 5u) << "the fixture file is missing or changed";
+  for (const YarnCase &c : cases) {
+    SCOPED_TRACE(c.name);
+    ASSERT_EQ(static_cast<int64_t>(c.inv_freq.size()), c.head_dim / 2);
+    const std::vector<float> f = inv_freq_for(c.head_dim, c.config);
+    for (int64_t i = 0; i < c.head_dim / 2; ++i) {
+      EXPECT_WITHIN(max_scaled_error(&f[i], &c.inv_freq[i], 1, 0, 3e-7), 1.0)
+          << "index " << i << ": " << f[i] << " vs " << c.inv_freq[i];
+    }
+    const double factor = rope_attention_factor(c.config);
+    EXPECT_TRUE(std::abs(factor - c.attention_factor) <= 1e-15) << factor;
+  }
+  // Every other scaling leaves cos and sin as they are.
+  EXPECT_EQ(rope_attention_factor(llama3_config()), 1.0);
+  EXPECT_EQ(rope_attention_factor(RopeConfig{}), 1.0);
+}
+
+// The attention factor multiplies cos and sin: forward is the unscaled rotation times it, and
+// backward its transpose (the same factor), in both the reference and the fast path.
+TEST(RopeTest, AScaleMultipliesTheRotationForwardAndBackward) {
+  const int64_t B = 2, T = 9, H = 3, D = 16, n = B * T * H * D;
+  const float scale = 1.2079441f;
+  std::vector<float> inv_freq = inv_freq_for(D, yarn_cases().at(1).config);
+  std::vector<float> x = random_vector(n, 8), plain(n), scaled(n), expect(n);
+  for (bool fast : {false, true}) {
+    auto fwd = fast ? cpu::rope_forward : ref::rope_forward;
+    auto bwd = fast ? cpu::rope_backward : ref::rope_backward;
+    fwd(plain.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f);
+    fwd(scaled.data(), x.data(), inv_freq.data(), B, T, H, D, scale);
+    for (int64_t i = 0; i < n; ++i)
+      expect[i] = plain[i] * scale;
+    EXPECT_WITHIN(max_scaled_error(scaled.data(), expect.data(), n, 1e-6, 1e-6), 1.0) << fast;
+    bwd(plain.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f);
+    bwd(scaled.data(), x.data(), inv_freq.data(), B, T, H, D, scale);
+    for (int64_t i = 0; i < n; ++i)
+      expect[i] = plain[i] * scale;
+    EXPECT_WITHIN(max_scaled_error(scaled.data(), expect.data(), n, 1e-6, 1e-6), 1.0) << fast;
+  }
+  // Fast against reference with the scale.
+  std::vector<float> a(n), b(n);
+  ref::rope_forward(a.data(), x.data(), inv_freq.data(), B, T, H, D, scale);
+  cpu::rope_forward(b.data(), x.data(), inv_freq.data(), B, T, H, D, scale);
+  EXPECT_WITHIN(max_scaled_error(b.data(), a.data(), n, 1e-6, 1e-5), 1.0);
+}
+
 class RopeShapeTest : public ::testing::TestWithParam<RopeShape> {};
 
 TEST_P(RopeShapeTest, FastMatchesReference) {
@@ -279,14 +373,15 @@ TEST(RopeTest, BackwardMatchesFiniteDifference) {
   std::vector<float> inv_freq = inv_freq_for(D, llama3_config());
   std::vector<float> x = random_vector(n, 6), w = random_vector(n, 7), out(n),
                      dx(n);
+  const float scale = 1.25f;  // as YaRN's attention factor scales cos and sin
   auto loss = [&]() {
-    ref::rope_forward(out.data(), x.data(), inv_freq.data(), B, T, H, D);
+    ref::rope_forward(out.data(), x.data(), inv_freq.data(), B, T, H, D, scale);
     double s = 0;
     for (int64_t i = 0; i < n; ++i)
       s += double(w[i]) * out[i];
     return s;
   };
-  ref::rope_backward(dx.data(), w.data(), inv_freq.data(), B, T, H, D);
+  ref::rope_backward(dx.data(), w.data(), inv_freq.data(), B, T, H, D, scale);
   std::vector<float> numeric(n);
   for (int64_t i = 0; i < n; ++i)
     numeric[i] = float(finite_difference(loss, &x[i], 1e-2));

@@ -1,6 +1,9 @@
 #include "model/config.h"
+#include "kernels/rope.h"
 
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include <filesystem>
 #include <fstream>
@@ -116,7 +119,7 @@ TEST(ModelConfigTest, NullRopeScalingMeansNoScaling) {
 
 TEST(ModelConfigTest, UnknownRopeScalingTypeIsUnimplementedNamingTheKey) {
   json j = llama_json();
-  j["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}};
+  j["rope_scaling"] = {{"type", "su"}, {"factor", 4.0}};
   expect_error(j, StatusCode::kUnimplemented, "rope_scaling.type");
 
   json k = llama_json();
@@ -159,6 +162,49 @@ TEST(ModelConfigTest, ReadsDynamicRopeScaling) {
     j["rope_scaling"]["factor"] = -1.0;
     expect_error(j, StatusCode::kInvalidArgument, "rope_scaling.factor");
   }
+}
+
+// YaRN as Qwen2.5 and DeepSeek configs write it: read under either key, its optional keys
+// (null where a config leaves them to transformers' defaults), written back so that it reads the
+// same, and out-of-range keys refused by name.
+TEST(ModelConfigTest, ReadsYarnRopeScaling) {
+  json j = llama_json();
+  j["max_position_embeddings"] = 131072;
+  j["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 32768},
+                       {"attention_factor", nullptr}, {"beta_fast", nullptr}};
+  Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->rope.scaling, kernels::RopeScaling::kYarn);
+  EXPECT_EQ(c->rope.factor, 4.0);
+  EXPECT_EQ(c->rope.original_max_position_embeddings, 32768);
+  EXPECT_TRUE(c->rope.truncate);
+  EXPECT_DOUBLE_EQ(kernels::rope_attention_factor(c->rope), 0.1 * std::log(4.0) + 1.0);
+
+  json d = llama_json();
+  d["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 40.0}, {"mscale", 1.0}, {"mscale_all_dim", 0.707},
+                       {"beta_fast", 32}, {"beta_slow", 1}, {"truncate", false}};
+  Result<ModelConfig> deep = ModelConfig::from_json(d, kSource);
+  ASSERT_TRUE(deep.ok()) << deep.status().to_string();
+  EXPECT_EQ(deep->rope.original_max_position_embeddings, 0) << "unset: max_position_embeddings stands for it";
+  EXPECT_FALSE(deep->rope.truncate);
+  for (const ModelConfig& read : {*c, *deep}) {
+    Result<ModelConfig> again = ModelConfig::from_json(read.to_json(), kSource);
+    ASSERT_TRUE(again.ok()) << again.status().to_string();
+    EXPECT_EQ(again->rope.scaling, kernels::RopeScaling::kYarn);
+    std::vector<float> a(64), b(64);
+    kernels::RopeConfig ra = read.rope, rb = again->rope;
+    ra.max_position_embeddings = read.max_position_embeddings;
+    rb.max_position_embeddings = again->max_position_embeddings;
+    kernels::rope_inv_freq(a.data(), 128, ra);
+    kernels::rope_inv_freq(b.data(), 128, rb);
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(kernels::rope_attention_factor(ra), kernels::rope_attention_factor(rb));
+  }
+  j["rope_scaling"]["beta_slow"] = -1.0;
+  expect_error(j, StatusCode::kInvalidArgument, "rope_scaling.beta_slow");
+  j["rope_scaling"]["beta_slow"] = 1.0;
+  j["rope_scaling"]["factor"] = 0.0;
+  expect_error(j, StatusCode::kInvalidArgument, "rope_scaling.factor");
 }
 
 TEST(ModelConfigTest, HeadsNotDividingHiddenSizeNamesTheKey) {

@@ -153,6 +153,47 @@ TEST(LlamaModelTest, DynamicRopeScalingActsOnlyPastTheContext) {
   EXPECT_EQ(run(b, short_batch), plain_short);
 }
 
+// YaRN: the decoder rotates with its frequencies and multiplies cos and sin by its attention
+// factor, in forward and in backward (the gradient is the loss's, by finite differences). With a
+// factor of 1 it is the unscaled model, bit for bit.
+TEST(LlamaModelTest, YarnRopeScalingBackwardMatchesItsLoss) {
+  ModelConfig plain = small_config(false, false);
+  plain.max_position_embeddings = 4;
+  ModelConfig yarn = plain;
+  yarn.rope.scaling = kernels::RopeScaling::kYarn;
+  yarn.rope.original_max_position_embeddings = 0;
+  yarn.rope.factor = 1.0;
+  const Batch b = random_batch(2, 6, plain.vocab_size, 11);
+  FlatModel<LlamaModel> a(plain), one(yarn);
+  randomize_params(a, 7);
+  randomize_params(one, 7);
+  auto run = [&](FlatModel<LlamaModel>& m) {
+    m.zero_grads();
+    return m.forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, 1.0f);
+  };
+  EXPECT_EQ(run(a), run(one));
+  EXPECT_EQ(std::memcmp(a.grads(), one.grads(), sizeof(float) * a.layout().total_size()), 0);
+
+  yarn.rope.factor = 4.0;  // attention factor 1 + 0.1 ln 4
+  FlatModel<LlamaModel> model(yarn);
+  randomize_params(model, 7);
+  const double scaled = run(model);
+  EXPECT_TRUE(std::isfinite(scaled));
+  EXPECT_NE(scaled, run(a));
+  run(model);
+  const std::vector<float> grads(model.grads(), model.grads() + model.layout().total_size());
+  auto loss = [&] { return model.forward_loss(b.inputs.data(), b.targets.data(), b.B, b.T); };
+  // The attention projections are where RoPE sits; check the largest gradient of each.
+  for (const TensorSpec& t : model.layout().tensors()) {
+    if (t.name.find("q_proj") == std::string::npos && t.name.find("k_proj") == std::string::npos) continue;
+    const float* g = grads.data() + t.offset;
+    const int64_t i = std::max_element(g, g + t.numel, [](float x, float y) { return std::fabs(x) < std::fabs(y); }) - g;
+    const double fd = testing::finite_difference(loss, model.params() + t.offset + i, 1e-2);
+    const double err = std::fabs(fd - g[i]) / (2e-3 + 1e-2 * std::fabs(g[i]));
+    EXPECT_WITHIN(err, 1.0) << t.name << "[" << i << "]: backward " << g[i] << ", finite difference " << fd;
+  }
+}
+
 TEST(LlamaModelTest, MicroBatchesAccumulateToTheFullBatchGradient) {
   const ModelConfig c = small_config(true, false);
   const Batch full = random_batch(4, 8, c.vocab_size, 5);

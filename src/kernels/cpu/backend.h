@@ -123,9 +123,9 @@ struct CpuCommonOps {
                            const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/, int64_t N, int64_t IC,             \
                            int64_t OC);                                                                             \
   void rope_forward(Act* out, const Act* x /*(B,T,H,D)*/, const float* inv_freq /*(D/2)*/, int64_t B, int64_t T,   \
-                    int64_t H, int64_t D);                                                                          \
+                    int64_t H, int64_t D, float scale);                                                             \
   void rope_backward(Act* dx, const Act* dout /*(B,T,H,D)*/, const float* inv_freq /*(D/2)*/, int64_t B,           \
-                     int64_t T, int64_t H, int64_t D);                                                              \
+                     int64_t T, int64_t H, int64_t D, float scale);                                                 \
   void attention_forward(Act* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/, const Act* q /*(B,T,Hq,D)*/,            \
                          const Act* k /*(B,T,Hkv,D)*/, const Act* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T,         \
                          int64_t Hq, int64_t Hkv, int64_t D);                                                       \

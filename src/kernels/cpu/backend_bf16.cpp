@@ -102,15 +102,15 @@ void CpuBf16Ops::linear_backward_f32(Bf16* dx, float* dweight, const float* dout
   narrow(dx, o.data(), N * IC);
 }
 void CpuBf16Ops::rope_forward(Bf16* out, const Bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-                              int64_t D) {
+                              int64_t D, float scale) {
   std::vector<float> f = widen(x, B * T * H * D);
-  cpu::rope_forward(f.data(), f.data(), inv_freq, B, T, H, D);
+  cpu::rope_forward(f.data(), f.data(), inv_freq, B, T, H, D, scale);
   narrow(out, f.data(), B * T * H * D);
 }
 void CpuBf16Ops::rope_backward(Bf16* dx, const Bf16* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-                               int64_t D) {
+                               int64_t D, float scale) {
   std::vector<float> f = widen(dout, B * T * H * D);
-  cpu::rope_backward(f.data(), f.data(), inv_freq, B, T, H, D);
+  cpu::rope_backward(f.data(), f.data(), inv_freq, B, T, H, D, scale);
   narrow(dx, f.data(), B * T * H * D);
 }
 void CpuBf16Ops::attention_forward(Bf16* out, float* lse, const Bf16* q, const Bf16* k, const Bf16* v, int64_t B,

@@ -80,12 +80,12 @@ void CpuF32Ops::linear_backward_f32(float* dx, float* dweight, const float* dout
   cpu::linear_backward(dx, dweight, nullptr, dout, x, weight, N, IC, OC);
 }
 void CpuF32Ops::rope_forward(float* out, const float* x, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-                             int64_t D) {
-  cpu::rope_forward(out, x, inv_freq, B, T, H, D);
+                             int64_t D, float scale) {
+  cpu::rope_forward(out, x, inv_freq, B, T, H, D, scale);
 }
 void CpuF32Ops::rope_backward(float* dx, const float* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-                              int64_t D) {
-  cpu::rope_backward(dx, dout, inv_freq, B, T, H, D);
+                              int64_t D, float scale) {
+  cpu::rope_backward(dx, dout, inv_freq, B, T, H, D, scale);
 }
 void CpuF32Ops::attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
                                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {

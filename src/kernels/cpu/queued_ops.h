@@ -163,11 +163,13 @@ class CpuQueuedOps {
                            int64_t IC, int64_t OC) {
     launch([=, this] { direct_.linear_backward_f32(dx, dweight, dout, x, weight, N, IC, OC); });
   }
-  void rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D) {
-    launch([=, this] { direct_.rope_forward(out, x, inv_freq, B, T, H, D); });
+  void rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
+                    float scale) {
+    launch([=, this] { direct_.rope_forward(out, x, inv_freq, B, T, H, D, scale); });
   }
-  void rope_backward(Act* dx, const Act* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D) {
-    launch([=, this] { direct_.rope_backward(dx, dout, inv_freq, B, T, H, D); });
+  void rope_backward(Act* dx, const Act* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
+                     float scale) {
+    launch([=, this] { direct_.rope_backward(dx, dout, inv_freq, B, T, H, D, scale); });
   }
   void attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
                          int64_t Hq, int64_t Hkv, int64_t D) {

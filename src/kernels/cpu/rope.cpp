@@ -3,6 +3,7 @@
 // batch row and head).
 #include "kernels/rope.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 #include <vector>
@@ -10,6 +11,75 @@
 #include "core/check.h"
 
 namespace strata::kernels {
+
+namespace {
+
+// transformers' get_mscale: 0.1 * mscale * ln(scale) + 1 beyond a scale of 1.
+double yarn_mscale(double scale, double mscale) {
+  return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+}
+
+// YaRN, over the default frequencies already in inv_freq (1 / theta^(2i/D)): each dimension's
+// frequency is blended between the interpolated one (divided by factor) and the original by a
+// ramp that is 0 below the `beta_fast` boundary and 1 past `beta_slow`. The boundaries are in
+// double (Python floats), the blend in fp32, as _compute_yarn_parameters does them.
+void yarn_inv_freq(float *inv_freq, int64_t head_dim, const RopeConfig &config) {
+  const int64_t half = head_dim / 2;
+  const double dim = static_cast<double>(head_dim);
+  const double base = config.theta;
+  const int64_t original = config.original_max_position_embeddings > 0
+                               ? config.original_max_position_embeddings
+                               : config.max_position_embeddings;
+  CHECK_MSG(original > 0, "yarn rope scaling needs original_max_position_embeddings or "
+                          "max_position_embeddings");
+  const double beta_fast = config.beta_fast != 0 ? config.beta_fast : 32.0;
+  const double beta_slow = config.beta_slow != 0 ? config.beta_slow : 1.0;
+  // The dimension whose wavelength fits `rotations` turns into the original context.
+  auto correction_dim = [&](double rotations) {
+    return (dim * std::log(static_cast<double>(original) /
+                           (rotations * 2.0 * std::numbers::pi))) /
+           (2.0 * std::log(base));
+  };
+  double low = correction_dim(beta_fast), high = correction_dim(beta_slow);
+  if (config.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, dim - 1.0);
+  if (low == high)
+    high += 0.001; // as transformers avoids the singular ramp
+  const float ramp_low = static_cast<float>(low);
+  const float ramp_width = static_cast<float>(high - low);
+  const float factor = static_cast<float>(config.factor);
+  for (int64_t i = 0; i < half; ++i) {
+    // inv_freq[i] is 1 / pos_freq; transformers divides 1 by pos_freq and by
+    // factor * pos_freq, so pos_freq is recovered first.
+    const float pos_freq = std::pow(static_cast<float>(config.theta),
+                                    static_cast<float>(2 * i) /
+                                        static_cast<float>(head_dim));
+    const float extrapolation = 1.0f / pos_freq;
+    const float interpolation = 1.0f / (factor * pos_freq);
+    const float ramp = std::clamp(
+        (static_cast<float>(i) - ramp_low) / ramp_width, 0.0f, 1.0f);
+    const float extrapolation_factor = 1.0f - ramp;
+    inv_freq[i] = interpolation * (1.0f - extrapolation_factor) +
+                  extrapolation * extrapolation_factor;
+  }
+}
+
+} // namespace
+
+double rope_attention_factor(const RopeConfig &config) {
+  if (config.scaling != RopeScaling::kYarn)
+    return 1.0;
+  if (config.attention_factor != 0)
+    return config.attention_factor;
+  if (config.mscale != 0 && config.mscale_all_dim != 0)
+    return yarn_mscale(config.factor, config.mscale) /
+           yarn_mscale(config.factor, config.mscale_all_dim);
+  return yarn_mscale(config.factor, 1.0);
+}
 
 // Every step is done in fp32 in the order transformers evaluates it, because
 // the angles a checkpoint was trained with are whatever those fp32 roundings
@@ -50,6 +120,10 @@ void rope_inv_freq(float *inv_freq, int64_t head_dim,
       inv_freq[i] /= factor;
     return;
   }
+  if (config.scaling == RopeScaling::kYarn) {
+    yarn_inv_freq(inv_freq, head_dim, config);
+    return;
+  }
   if (config.scaling != RopeScaling::kLlama3)
     return;
 
@@ -88,7 +162,7 @@ namespace ref {
 namespace {
 // Rotates every (i, i + D/2) pair of every head by sign * t * inv_freq[i].
 void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
-            int64_t T, int64_t H, int64_t D, double sign) {
+            int64_t T, int64_t H, int64_t D, double sign, double scale) {
   CHECK(D % 2 == 0);
   const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b) {
@@ -99,8 +173,8 @@ void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
           // The angle is rounded to fp32 like transformers' freqs; the rest is
           // exact-ish.
           const float angle = static_cast<float>(t) * inv_freq[i];
-          const double c = std::cos(static_cast<double>(angle));
-          const double s = sign * std::sin(static_cast<double>(angle));
+          const double c = std::cos(static_cast<double>(angle)) * scale;
+          const double s = sign * std::sin(static_cast<double>(angle)) * scale;
           const double x1 = x[base + i];
           const double x2 = x[base + i + half];
           out[base + i] = static_cast<float>(x1 * c - x2 * s);
@@ -113,14 +187,15 @@ void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
 } // namespace
 
 void rope_forward(float *out, const float *x, const float *inv_freq, int64_t B,
-                  int64_t T, int64_t H, int64_t D) {
-  rotate(out, x, inv_freq, B, T, H, D, 1.0);
+                  int64_t T, int64_t H, int64_t D, float scale) {
+  rotate(out, x, inv_freq, B, T, H, D, 1.0, scale);
 }
 
-// dx = (rotation by -angle) dout: the transpose of a rotation is its inverse.
+// dx = scale * (rotation by -angle) dout: the transpose of a rotation is its
+// inverse.
 void rope_backward(float *dx, const float *dout, const float *inv_freq,
-                   int64_t B, int64_t T, int64_t H, int64_t D) {
-  rotate(dx, dout, inv_freq, B, T, H, D, -1.0);
+                   int64_t B, int64_t T, int64_t H, int64_t D, float scale) {
+  rotate(dx, dout, inv_freq, B, T, H, D, -1.0, scale);
 }
 
 } // namespace ref
@@ -132,7 +207,7 @@ namespace {
 // and applies them to all B x H rows there. Every output element depends only
 // on its own inputs, so results do not depend on the thread count.
 void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
-            int64_t T, int64_t H, int64_t D, float sign) {
+            int64_t T, int64_t H, int64_t D, float sign, float scale) {
   CHECK(D % 2 == 0);
   const int64_t half = D / 2;
 #pragma omp parallel
@@ -143,8 +218,10 @@ void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t i = 0; i < half; ++i) {
         const float angle = static_cast<float>(t) * inv_freq[i];
-        cos_t[i] = std::cos(angle);
-        sin_t[i] = sign * std::sin(angle);
+        // cos and sin times the scale in fp32, as transformers scales them
+        // (exact for the usual scale of 1).
+        cos_t[i] = std::cos(angle) * scale;
+        sin_t[i] = sign * (std::sin(angle) * scale);
       }
       for (int64_t b = 0; b < B; ++b) {
         for (int64_t h = 0; h < H; ++h) {
@@ -168,13 +245,13 @@ void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
 } // namespace
 
 void rope_forward(float *out, const float *x, const float *inv_freq, int64_t B,
-                  int64_t T, int64_t H, int64_t D) {
-  rotate(out, x, inv_freq, B, T, H, D, 1.0f);
+                  int64_t T, int64_t H, int64_t D, float scale) {
+  rotate(out, x, inv_freq, B, T, H, D, 1.0f, scale);
 }
 
 void rope_backward(float *dx, const float *dout, const float *inv_freq,
-                   int64_t B, int64_t T, int64_t H, int64_t D) {
-  rotate(dx, dout, inv_freq, B, T, H, D, -1.0f);
+                   int64_t B, int64_t T, int64_t H, int64_t D, float scale) {
+  rotate(dx, dout, inv_freq, B, T, H, D, -1.0f, scale);
 }
 
 } // namespace cpu

@@ -156,13 +156,14 @@ void CudaOps::linear_backward_f32(Act* dx, float* dweight, const float* dout, co
   cuda::linear_backward(*ctx_, dx, dweight, nullptr, rounded, x, weight, N, IC, OC, stream_);
 }
 
-void CudaOps::rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D) {
-  cuda::rope_forward(out, x, inv_freq, B, T, H, D, stream_);
+void CudaOps::rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
+                           float scale) {
+  cuda::rope_forward(out, x, inv_freq, B, T, H, D, scale, stream_);
 }
 
 void CudaOps::rope_backward(Act* dx, const Act* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-                            int64_t D) {
-  cuda::rope_backward(dx, dout, inv_freq, B, T, H, D, stream_);
+                            int64_t D, float scale) {
+  cuda::rope_backward(dx, dout, inv_freq, B, T, H, D, scale, stream_);
 }
 
 AttentionCapability CudaOps::attention_capability() {

@@ -136,13 +136,14 @@ void rmsnorm_backward(Context& ctx, bf16* dx /*(N,C)*/, float* dweight /*(C)*/,
 
 // ---- RoPE -----------------------------------------------------------------------------------
 // inv_freq: device copy of kernels::rope_inv_freq (computed on the host). out may alias x.
+// scale multiplies cos and sin (YaRN's attention factor; 1 otherwise), as in kernels/rope.h.
 void rope_forward(bf16* out /*(B,T,H,D)*/, const bf16* x /*(B,T,H,D)*/,
                   const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,
-                  cudaStream_t stream);
-// dx = (rotation by -angle) dout. dx may alias dout.
+                  float scale, cudaStream_t stream);
+// dx = scale * (rotation by -angle) dout. dx may alias dout.
 void rope_backward(bf16* dx /*(B,T,H,D)*/, const bf16* dout /*(B,T,H,D)*/,
                    const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,
-                   cudaStream_t stream);
+                   float scale, cudaStream_t stream);
 
 // ---- SwiGLU ---------------------------------------------------------------------------------
 void swiglu_forward(bf16* out /*(n)*/, const bf16* gate /*(n)*/, const bf16* up /*(n)*/,

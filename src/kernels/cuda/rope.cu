@@ -11,12 +11,14 @@ namespace {
 constexpr int kThreads = 256;
 
 // The angle is rounded to fp32 as transformers' freqs are; sincosf is the accurate one (this
-// backend is not built with fast math). Rotates (x1, x2) by sign * t * inv_freq.
-__device__ __forceinline__ void rotate(float& x1, float& x2, int64_t t, float inv_freq, float sign) {
+// backend is not built with fast math). Rotates (x1, x2) by sign * t * inv_freq and multiplies
+// by scale, which transformers applies to cos and sin in fp32 (exact for a scale of 1).
+__device__ __forceinline__ void rotate(float& x1, float& x2, int64_t t, float inv_freq, float sign, float scale) {
   const float angle = static_cast<float>(t) * inv_freq;
   float s, c;
   sincosf(angle, &s, &c);
-  s *= sign;
+  c *= scale;
+  s = sign * (s * scale);
   const float r1 = x1 * c - x2 * s;
   const float r2 = x2 * c + x1 * s;
   x1 = r1;
@@ -28,7 +30,7 @@ __device__ __forceinline__ void rotate(float& x1, float& x2, int64_t t, float in
 // kWidth == 8 REQUIRES D/2 % 8 == 0 and out, x 16-byte aligned.
 template <int kWidth>
 __global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                            float sign) {
+                            float sign, float scale) {
   const int64_t half = D / 2;
   const int64_t groups = half / kWidth;  // per row
   const int64_t total = B * T * H * groups;
@@ -43,13 +45,13 @@ __global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int
       load_bf16x8(x + base + i, x1);
       load_bf16x8(x + base + i + half, x2);
 #pragma unroll
-      for (int k = 0; k < kBf16PerPack; ++k) rotate(x1[k], x2[k], t, inv_freq[i + k], sign);
+      for (int k = 0; k < kBf16PerPack; ++k) rotate(x1[k], x2[k], t, inv_freq[i + k], sign, scale);
       store_bf16x8(out + base + i, x1);
       store_bf16x8(out + base + i + half, x2);
     } else {
       static_assert(kWidth == 1, "rope_kernel: one pair or a pack of 8 per thread");
       float x1 = to_float(x[base + i]), x2 = to_float(x[base + i + half]);
-      rotate(x1, x2, t, inv_freq[i], sign);
+      rotate(x1, x2, t, inv_freq[i], sign, scale);
       out[base + i] = to_bf16(x1);
       out[base + i + half] = to_bf16(x2);
     }
@@ -57,16 +59,16 @@ __global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int
 }
 
 void rope(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D, float sign,
-          cudaStream_t stream) {
+          float scale, cudaStream_t stream) {
   CHECK(B >= 0 && T >= 0 && H >= 0 && D > 0);
   CHECK_MSG(D % 2 == 0, "rope needs an even head dimension, got " + std::to_string(D));
   const int64_t pairs = B * T * H * (D / 2);
   if (pairs == 0) return;
   if ((D / 2) % kBf16PerPack == 0 && aligned16(out) && aligned16(x)) {
     rope_kernel<kBf16PerPack><<<elementwise_blocks(pairs / kBf16PerPack, kThreads), kThreads, 0, stream>>>(
-        out, x, inv_freq, B, T, H, D, sign);
+        out, x, inv_freq, B, T, H, D, sign, scale);
   } else {
-    rope_kernel<1><<<elementwise_blocks(pairs, kThreads), kThreads, 0, stream>>>(out, x, inv_freq, B, T, H, D, sign);
+    rope_kernel<1><<<elementwise_blocks(pairs, kThreads), kThreads, 0, stream>>>(out, x, inv_freq, B, T, H, D, sign, scale);
   }
   CUDA_CHECK_LAUNCH();
 }
@@ -74,14 +76,14 @@ void rope(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T,
 }  // namespace
 
 void rope_forward(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                  cudaStream_t stream) {
-  rope(out, x, inv_freq, B, T, H, D, 1.0f, stream);
+                  float scale, cudaStream_t stream) {
+  rope(out, x, inv_freq, B, T, H, D, 1.0f, scale, stream);
 }
 
-// dx = (rotation by -angle) dout: the transpose of a rotation is its inverse.
+// dx = scale * (rotation by -angle) dout: the transpose of a rotation is its inverse.
 void rope_backward(bf16* dx, const bf16* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                   cudaStream_t stream) {
-  rope(dx, dout, inv_freq, B, T, H, D, -1.0f, stream);
+                   float scale, cudaStream_t stream) {
+  rope(dx, dout, inv_freq, B, T, H, D, -1.0f, scale, stream);
 }
 
 }  // namespace strata::kernels::cuda
