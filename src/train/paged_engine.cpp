@@ -126,6 +126,11 @@ Status PagedEngine::plan_placement(const TrainConfig& t) {
   if (!plan_.fits) {
     std::string fix;
     for (const auto& sgn : plan_.suggestions) fix += (fix.empty() ? "" : "; ") + sgn;
+    // When a shorter sequence would fit, say how long: activations are what grows with it.
+    if (const int64_t longest = longest_sequence(mc_, budgets_, backend_); longest > 0 && longest < t.seq_len)
+      fix += fmt::format("; or lower train.seq_len to at most {} (the longest that fits these budgets at "
+                         "train.micro_batch={})",
+                         longest, t.micro_batch);
     return Status::OutOfMemory("the state does not fit: " + plan_.problem + "; " + fix +
                                " (strata plan shows the whole placement)");
   }

@@ -251,6 +251,26 @@ uint64_t smallest_host_budget(const model::ModelConfig& m, TrainConfig t, Device
   return hi * unit;
 }
 
+int64_t longest_sequence(const model::ModelConfig& m, TrainConfig t, DeviceKind device) {
+  auto fits = [&](int64_t seq_len) {
+    t.seq_len = seq_len;
+    return make_plan(make_plan_input(m, t, device)).fits;
+  };
+  const int64_t limit = std::min<int64_t>(int64_t{1} << 24, (int64_t{1} << 28) / std::max<int64_t>(t.micro_batch, 1));
+  if (limit < 1 || !fits(1)) return 0;
+  int64_t lo = 1, hi = 2;
+  while (hi <= limit && fits(hi)) lo = hi, hi *= 2;
+  if (hi > limit) {
+    if (fits(limit)) return limit;
+    hi = limit;
+  }
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
 int64_t largest_micro_batch(const model::ModelConfig& m, TrainConfig t, DeviceKind device) {
   auto fits = [&](int64_t b) {
     t.micro_batch = b;

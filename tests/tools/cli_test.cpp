@@ -189,6 +189,26 @@ TEST_F(CliTest, AMalformedDeterministicGemmSettingIsRefused) {
   EXPECT_FALSE(fs::exists(dir_ / "run"));
 }
 
+// A sequence too long for the device budget is refused before anything is written, naming the
+// longest train.seq_len that fits; strata plan agrees that it fits and one token more does not.
+TEST_F(CliTest, ASequenceTooLongIsRefusedNamingTheLongestThatFits) {
+  const std::string budgets = " model.preset=tiny run.device=cpu memory.device=20MiB train.micro_batch=2";
+  CmdResult r = run_strata("train" + budgets + " train.seq_len=4096 train.steps=1 optim.warmup_steps=0 run.dir=" +
+                           (dir_ / "long").string());
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  const std::string key = "lower train.seq_len to at most ";
+  const size_t at = r.output.find(key);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const int64_t longest = std::stoll(r.output.substr(at + key.size()));
+  ASSERT_GT(longest, 0);
+  ASSERT_LT(longest, 4096);
+  EXPECT_FALSE(fs::exists(dir_ / "long" / "metrics.jsonl"));
+  EXPECT_EQ(run_strata("plan" + budgets + " train.seq_len=" + std::to_string(longest)).exit_code, 0);
+  EXPECT_EQ(run_strata("plan" + budgets + " train.seq_len=" + std::to_string(longest + 1)).exit_code, 1);
+  CmdResult plan = run_strata("plan" + budgets + " train.seq_len=64");
+  EXPECT_NE(plan.output.find("longest train.seq_len that fits these budgets: "), std::string::npos) << plan.output;
+}
+
 TEST_F(CliTest, PagingThroughHostAndNvmeChangesNoBit) {
   // The same run with roomy budgets and with budgets that push parameters, gradients and Adam
   // moments through every tier: bitwise the same losses.

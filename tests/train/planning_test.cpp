@@ -76,6 +76,32 @@ TEST(Planning, LargestMicroBatchIsTheEdgeOfFitting) {
   EXPECT_FALSE(make_plan(make_plan_input(*mc, t, DeviceKind::kCuda)).fits);
 }
 
+// The longest sequence is the edge too, at one sequence per micro-batch and at several, and
+// shorter sequences all fit below it (activations are what grows with T).
+TEST(Planning, LongestSequenceIsTheEdgeOfFitting) {
+  auto mc = model::ModelConfig::preset("llama3.2-1b");
+  ASSERT_TRUE(mc.ok()) << mc.status().to_string();
+  TrainConfig t;
+  t.grad_accum = 1;
+  t.memory_device = 8ull << 30;
+  t.memory_host = 100ull << 30;
+  t.offload_activations = "auto";
+  t.gpu_flops = t.h2d_bytes_per_s = t.d2h_bytes_per_s = 1e12;
+  t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = t.cpu_adam_params_per_s = 1e9;
+  for (const int64_t micro_batch : {1, 3}) {
+    SCOPED_TRACE(micro_batch);
+    t.micro_batch = micro_batch;
+    const int64_t longest = longest_sequence(*mc, t, DeviceKind::kCuda);
+    ASSERT_GT(longest, 1024);
+    for (const int64_t seq_len : {longest / 4, longest / 2, longest}) {
+      t.seq_len = seq_len;
+      EXPECT_TRUE(make_plan(make_plan_input(*mc, t, DeviceKind::kCuda)).fits) << seq_len;
+    }
+    t.seq_len = longest + 1;
+    EXPECT_FALSE(make_plan(make_plan_input(*mc, t, DeviceKind::kCuda)).fits);
+  }
+}
+
 // On a GPU the head's workspace is the LM-head buffer the CUDA backend reserves beside the
 // activation table (chunks of thousands of tokens), on the CPU the 256-token logits vector.
 TEST(Planning, TheHeadWorkspaceIsTheBackendsLmHeadBuffer) {

@@ -32,7 +32,7 @@ Answers "will this fit, and how fast?" for a training config (the same file and 
 `strata train`) without training: bytes of parameters, gradients, master weights, Adam states
 and activations on each tier (device, pinned host, nvme), bytes moved over PCIe and to disk
 per step, the predicted step time and what bounds it, the largest micro-batch that fits, the
-smallest memory.host that fits the other budgets, and
+longest train.seq_len that fits, the smallest memory.host that fits the other budgets, and
 the run's peak host memory, itemised (chunks, staging, checkpoint staging, data, ...).
 An infeasible config is refused with the smallest change that would make it fit (exit 1). A
 peak host memory beyond what this machine has available is flagged (`strata train` would refuse
@@ -278,6 +278,23 @@ int plan_command(const std::vector<std::string>& args) {
                 static_cast<long long>(tc->seq_len));
   else
     std::printf("  not even a micro-batch of 1 sequence fits these budgets\n");
+  {
+    // Sequence length as a budgeted resource: the longest that fits, at one sequence per
+    // micro-batch and at the configured micro-batch.
+    TrainConfig one = *tc;
+    one.micro_batch = 1;
+    const int64_t longest = longest_sequence(*mc, one, device);
+    std::string line = longest > 0 ? fmt::format("{} tokens at micro-batch 1", longest)
+                                   : std::string("none at micro-batch 1");
+    if (tc->micro_batch > 1) {
+      const int64_t at_batch = longest_sequence(*mc, *tc, device);
+      line += fmt::format(", {} at micro-batch {}", at_batch, tc->micro_batch);
+    }
+    if (longest > mc->max_position_embeddings)
+      line += fmt::format(" (the model's max_position_embeddings is {}; past it, RoPE scaling decides quality)",
+                          mc->max_position_embeddings);
+    std::printf("  longest train.seq_len that fits these budgets: %s\n", line.c_str());
+  }
   if (const uint64_t least = smallest_host_budget(*mc, *tc, device); least > 0)
     std::printf("  smallest memory.host that fits with these device and nvme budgets: %s%s\n",
                 format_bytes(least).c_str(),
