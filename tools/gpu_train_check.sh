@@ -11,7 +11,9 @@
 #      run closer than the fp32 CPU run does (within 2% per step);
 #   5. the GPU run with memory.device so small that a third of the state's chunks fit beside
 #      the kernels' scratch pages through host memory and must give bitwise the same losses;
-#   6. a mixture-of-experts model (4 experts, 2 per token, a shared expert) must learn on the GPU.
+#   6. a mixture-of-experts model (4 experts, 2 per token, a shared expert) must learn on the GPU;
+#   7. every run evaluates (data.eval_paths) at steps 10 and 20: the GPU's eval losses agree with
+#      the CPU's within 5%, and the paged GPU run's are the resident run's bits.
 #
 #   tools/gpu_train_check.sh STRATA_BINARY [WORK_DIR]
 #   GPU_DEVICE=cpu tools/gpu_train_check.sh build/strata   checks the script itself without a GPU
@@ -25,7 +27,8 @@ gpu="${GPU_DEVICE:-cuda}"
 common=(model.preset=tiny
         'model.set=[hidden_size=256,num_attention_heads=4,num_key_value_heads=2,intermediate_size=512]'
         train.micro_batch=4 train.seq_len=128 train.steps=20 optim.warmup_steps=5 run.log_every=5
-        ckpt.every=10 memory.device=8GiB memory.host=0 memory.nvme.path= data.paths='[builtin:licenses]')
+        ckpt.every=10 memory.device=8GiB memory.host=0 memory.nvme.path= data.paths='[builtin:licenses]'
+        data.eval_paths='[builtin:licenses]' train.eval_every=10 train.eval_steps=4)
 
 train() {  # train NAME DEVICE [more keys...]
   local name="$1" device="$2"
@@ -52,8 +55,9 @@ train cuda-moe "$gpu" \
 python3 - "$work" <<'PY'
 import json, sys
 work = sys.argv[1]
-def losses(name):
-    return {j["step"]: j["loss"] for j in map(json.loads, open(f"{work}/{name}/metrics.jsonl")) if "event" not in j}
+def losses(name, key="loss"):
+    return {j["step"]: j[key] for j in map(json.loads, open(f"{work}/{name}/metrics.jsonl"))
+            if "event" not in j and key in j}
 cuda, cpu = losses("cuda"), losses("cpu")
 failed = False
 def compare(a_name, a, b_name, b, steps, tolerance=0.05):
@@ -75,6 +79,9 @@ compare("cuda-from-cpu", losses("cuda-from-cpu"), "cpu", cpu, list(range(11, 21)
 compare("cuda-from-cuda", losses("cuda-from-cuda"), "cuda", cuda, list(range(11, 21)), tolerance=0.0)
 compare("cuda", cuda, "cpu-bf16", losses("cpu-bf16"), list(range(1, 21)), tolerance=0.02)
 compare("cuda-paged", losses("cuda-paged"), "cuda", cuda, list(range(1, 21)), tolerance=0.0)
+compare("cuda eval", losses("cuda", "eval_loss"), "cpu eval", losses("cpu", "eval_loss"), [10, 20])
+compare("cuda-paged eval", losses("cuda-paged", "eval_loss"), "cuda eval", losses("cuda", "eval_loss"), [10, 20],
+        tolerance=0.0)
 moe = losses("cuda-moe")
 moe_learned = moe.get(20, 99) < moe.get(1, 0) - 0.5
 failed |= not moe_learned
