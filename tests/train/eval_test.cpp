@@ -142,6 +142,43 @@ TEST_F(EvalTest, ChangesNoTrainingBitAndTightBudgetsEvaluateAsRoomyOnes) {
 
 // ckpt.keep_best: CKPT_DIR/best names the step with the lowest eval loss of the run, with that
 // loss, and keep_last=1 does not remove it; a resumed run only replaces it with a lower one.
+// The same for a mixture-of-experts model, whose experts page in as the router picks them
+// (forward only: no gradients, no routing statistics), and with the optimizer overlapped with
+// backward, whose updates must be done before an evaluation reads the weights.
+TEST_F(EvalTest, MoeAndOverlappedRunsEvaluateUnderTightBudgetsAsRoomyOnes) {
+  const std::vector<std::string> eval = {"data.eval_paths=[" + held_out() + "]", "train.eval_every=2",
+                                         "train.eval_steps=3"};
+  const std::vector<std::vector<std::string>> variants = {
+      {"model.set=[num_hidden_layers=2,hidden_size=64,model_type=mixtral,num_local_experts=4,"
+       "num_experts_per_tok=2,intermediate_size=48]"},
+      {"optim.overlap_backward=true", "optim.grad_clip=0"}};
+  for (size_t v = 0; v < variants.size(); ++v) {
+    SCOPED_TRACE(variants[v][0]);
+    std::vector<std::string> roomy = eval, tight = eval;
+    roomy.insert(roomy.end(), variants[v].begin(), variants[v].end());
+    tight.insert(tight.end(), variants[v].begin(), variants[v].end());
+    roomy.insert(roomy.end(), {"memory.device=256MiB", "memory.host=256MiB"});
+    tight.insert(tight.end(), {"memory.device=1600KiB", "memory.host=1700KiB",
+                               "memory.nvme.path=" + (dir_ / ("nvme" + std::to_string(v))).string(),
+                               "memory.nvme.size=16MiB"});
+    const std::string a_name = "roomy" + std::to_string(v), b_name = "tight" + std::to_string(v);
+    Status a_ok = train(a_name, roomy);
+    ASSERT_TRUE(a_ok.ok()) << a_ok.to_string();
+    Status b_ok = train(b_name, tight);
+    ASSERT_TRUE(b_ok.ok()) << b_ok.to_string();
+    const auto a = steps_of(a_name), b = steps_of(b_name);
+    ASSERT_EQ(a.size(), 4u);
+    ASSERT_EQ(b.size(), 4u);
+    for (int64_t s : {2, 4}) {
+      ASSERT_TRUE(a.at(s).contains("eval_loss") && b.at(s).contains("eval_loss"));
+      EXPECT_TRUE(std::isfinite(a.at(s)["eval_loss"].get<double>()));
+      EXPECT_EQ(a.at(s)["eval_loss"].get<double>(), b.at(s)["eval_loss"].get<double>()) << "step " << s;
+      EXPECT_EQ(a.at(s)["loss"].get<double>(), b.at(s)["loss"].get<double>()) << "step " << s;
+    }
+    EXPECT_GT(b.at(2)["moved_bytes"].get<uint64_t>(), 0u) << "the tight run did not page";
+  }
+}
+
 TEST_F(EvalTest, KeepBestNamesAndKeepsTheLowestEvalLossAcrossAResume) {
   const std::vector<std::string> common = {"data.eval_paths=[" + held_out() + "]", "train.eval_every=1",
                                            "train.eval_steps=2", "ckpt.keep_best=true", "ckpt.keep_last=1",
