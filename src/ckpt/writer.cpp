@@ -589,10 +589,15 @@ Status CheckpointWriter::commit(Job* job) {
   const std::string latest = job->dir + "/" + kLatestFile;
   RETURN_IF_ERROR(write_file_durable(latest + ".tmp", step_name + "\n"));
   RETURN_IF_ERROR(rename_durable(latest + ".tmp", latest));
+  const std::string best = job->dir + "/" + kBestFile;
   if (!job->request.best_note.empty()) {
-    const std::string best = job->dir + "/" + kBestFile;
     RETURN_IF_ERROR(write_file_durable(best + ".tmp", step_name + "\n" + job->request.best_note + "\n"));
     RETURN_IF_ERROR(rename_durable(best + ".tmp", best));
+  } else if (read_best_step(job->dir) == step_name) {
+    // The step best named was saved again (a run resumed from before it): its weights are no
+    // longer the ones evaluated, so best names nothing until the next best save.
+    if (::unlink(best.c_str()) != 0 && errno != ENOENT) return sys_error("removal of", best, errno);
+    RETURN_IF_ERROR(fsync_path(job->dir));
   }
   Status retention = apply_retention(job->dir, options_.keep_last, step_name);
   if (!retention.ok()) LOG_WARN("checkpoint retention in {}: {}", job->dir, retention.message());

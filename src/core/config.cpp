@@ -158,9 +158,10 @@ Status Config::assign(const ConfigKey& key, const std::string& text, bool is_seq
   };
   if (const std::string why = control_char(text); !why.empty())
     return bad(why + "; values are single lines of text (check the file's line endings)");
-  for (const auto& item : items) {
-    if (const std::string why = control_char(item); !why.empty())
-      return bad("list item '" + item.substr(0, 40) + "': " + why + "; values are single lines of text");
+  for (size_t i = 0; i < items.size(); ++i) {
+    // Named by position: the item's text holds the character and is not echoed.
+    if (const std::string why = control_char(items[i]); !why.empty())
+      return bad("list item " + std::to_string(i + 1) + ": " + why + "; values are single lines of text");
   }
   Entry e{key.type, {}, where, true};
   if (is_sequence && key.type != ConfigType::kStringList)

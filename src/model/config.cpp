@@ -168,7 +168,15 @@ Status read_rope_object(const json& object, const std::string& name, const std::
       if (value == nullptr || value->is_null()) return Status::OK();
       return read_double(object, key, name + "." + key, source, out);
     };
+    // transformers requires the factor for yarn (the other types' 8.0 default is not one).
+    const json* factor = find_key(object, "factor");
+    if (factor == nullptr || factor->is_null())
+      return bad_key(source, name + ".factor", "is required for yarn scaling");
     RETURN_IF_ERROR(read_double(object, "factor", name + ".factor", source, &rope->factor));
+    if (const json* given = find_key(object, "attention_factor"); given && given->is_number() &&
+        !(given->get<double>() > 0))
+      return bad_key(source, name + ".attention_factor",
+                     fmt::format("must be positive (it multiplies cos and sin), got {}", given->dump()));
     for (const auto& [key, out] : {std::pair{"beta_fast", &rope->beta_fast}, std::pair{"beta_slow", &rope->beta_slow},
                                    std::pair{"attention_factor", &rope->attention_factor},
                                    std::pair{"mscale", &rope->mscale}, std::pair{"mscale_all_dim", &rope->mscale_all_dim}}) {
@@ -178,6 +186,11 @@ Status read_rope_object(const json& object, const std::string& name, const std::
       RETURN_IF_ERROR(read_int(object, "original_max_position_embeddings",
                                name + ".original_max_position_embeddings", source, /*required=*/false,
                                &rope->original_max_position_embeddings));
+    }
+    // transformers tests truncate for truth: null does not truncate.
+    if (const auto truncate = object.find("truncate"); truncate != object.end() && truncate->is_null()) {
+      rope->truncate = false;
+      return Status::OK();
     }
     return read_bool(object, "truncate", source, &rope->truncate);
   }

@@ -88,8 +88,9 @@ struct ModelConfig {
 
   // Reads the keys of a Hugging Face Llama config.json. `source` names the file in messages.
   // RoPE: top-level `rope_theta`, or the newer `rope_parameters` object (which wins when both
-  // are present); `rope_scaling` / `rope_parameters` of type "llama3" enable Llama-3 scaling,
-  // other scaling types are Unimplemented. The result is validated.
+  // are present); `rope_scaling` / `rope_parameters` of type "linear", "dynamic", "llama3" or
+  // "yarn" enable that scaling (kernels/rope.h), other types are Unimplemented. The result is
+  // validated.
   static Result<ModelConfig> from_json(const nlohmann::json& json, const std::string& source);
   static Result<ModelConfig> from_file(const std::string& path);
   // Named architectures: "tiny" (the default CPU run), "llama3.2-1b", "llama3-8b".

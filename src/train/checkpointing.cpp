@@ -90,7 +90,8 @@ Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos
                                uint64_t seed, const std::vector<ExtraState>& extra, const std::string& best_note) {
   CHECK_MSG(&state == &state_, "a TrainCheckpointer saves the state it was made for");
   if (writer_->in_flight()) {
-    if (options_.skip_if_busy) {
+    // A save of the best evaluation waits rather than being skipped: it is not taken again.
+    if (options_.skip_if_busy && best_note.empty()) {
       LOG_INFO("checkpoint: step {} skipped, the save of an earlier step is still being written", pos.step);
       return false;
     }

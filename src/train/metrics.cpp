@@ -22,7 +22,7 @@ std::string format_step_line(const StepMetrics& m) {
   const std::string skipped = m.skipped             ? fmt::format(" | SKIPPED ({})", m.skipped_steps)
                               : m.skipped_steps > 0 ? fmt::format(" | skipped {}", m.skipped_steps)
                                                     : std::string();
-  const std::string eval = std::isfinite(m.eval_loss)
+  const std::string eval = m.evaluated
                                ? fmt::format(" | eval {:.4f} ppl {:.2f}", m.eval_loss, std::exp(m.eval_loss))
                                : std::string();
   return fmt::format(
@@ -71,7 +71,8 @@ Status MetricsWriter::write(const StepMetrics& m) {
                       {"skipped_steps", m.skipped_steps},
                       {"rss_bytes", m.rss_bytes},
                       {"rss_planned_bytes", m.rss_planned_bytes}};
-  if (std::isfinite(m.eval_loss)) {
+  if (m.evaluated) {
+    // JSON has no NaN or Inf: nlohmann writes them as null, which readers take as not a number.
     j["eval_loss"] = m.eval_loss;
     j["eval_ppl"] = std::exp(m.eval_loss);
   }

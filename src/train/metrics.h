@@ -44,7 +44,9 @@ struct StepMetrics {
   double eta_s = -1;
   // The precision recipe ("fp8", "bf16, int8 moments"); empty: not shown.
   std::string recipe;
-  // The mean NLL per predicted token on data.eval_paths after this step; NaN: not evaluated.
+  // The mean NLL per predicted token on data.eval_paths after this step, when `evaluated` (it may
+  // then be NaN or Inf, shown as such).
+  bool evaluated = false;
   double eval_loss = std::numeric_limits<double>::quiet_NaN();
 };
 

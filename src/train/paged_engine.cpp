@@ -240,7 +240,9 @@ Status PagedEngine::zero_grads() {
 Result<double> PagedEngine::micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                         float grad_scale, bool last, float lr) {
   if (last) state_->begin_last_micro_batch(lr);
-  return net_->compute(inputs, targets, B, T, grad_scale, /*backward=*/true);
+  Result<double> loss = net_->compute(inputs, targets, B, T, grad_scale, /*backward=*/true);
+  train_aux_loss_ = net_->last_aux_loss();  // an evaluation's forward does not replace it
+  return loss;
 }
 
 Result<double> PagedEngine::eval_micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T) {
@@ -329,7 +331,7 @@ std::string PagedEngine::step_note() const {
       worst_layer = l;
     }
   }
-  return fmt::format("moe: aux loss {:.4f} | expert load max/mean {:.2f} (layer {})", net_->last_aux_loss(), worst,
+  return fmt::format("moe: aux loss {:.4f} | expert load max/mean {:.2f} (layer {})", train_aux_loss_, worst,
                      worst_layer);
 }
 

@@ -119,6 +119,7 @@ class PagedEngine {
   Plan plan_;  // its placement carries the groups' owners with several ranks
   PlanInput plan_input_;  // what plan_ was made from
   TrainConfig budgets_;  // the settings with every budget and the chunk size resolved
+  double train_aux_loss_ = 0;  // the MoE aux loss of the last training micro-batch (step_note)
   DeviceKind backend_ = DeviceKind::kCpu;
   PagedStateOptions options_;
   bool keep_activations_ = false;

@@ -256,7 +256,9 @@ int64_t longest_sequence(const model::ModelConfig& m, TrainConfig t, DeviceKind 
     t.seq_len = seq_len;
     return make_plan(make_plan_input(m, t, device)).fits;
   };
-  const int64_t limit = std::min<int64_t>(int64_t{1} << 24, (int64_t{1} << 28) / std::max<int64_t>(t.micro_batch, 1));
+  int64_t limit = std::min<int64_t>(int64_t{1} << 24, (int64_t{1} << 28) / std::max<int64_t>(t.micro_batch, 1));
+  // A sliding window shorter than the sequence is refused (full causal attention only).
+  if (m.sliding_window > 0) limit = std::min(limit, m.sliding_window);
   if (limit < 1 || !fits(1)) return 0;
   int64_t lo = 1, hi = 2;
   while (hi <= limit && fits(hi)) lo = hi, hi *= 2;

@@ -24,7 +24,8 @@ double model_flops_per_token(const model::ModelConfig& model, int64_t seq_len);
 // The largest micro-batch (sequences) for which the plan fits, 0 when not even one does.
 int64_t largest_micro_batch(const model::ModelConfig& model, TrainConfig train, DeviceKind device);
 // The longest sequence (train.seq_len) for which the plan fits at train.micro_batch, up to the
-// key's limit of 2^24 tokens (and 2^28 tokens per micro-batch); 0 when not even one token does.
+// key's limit of 2^24 tokens (and 2^28 tokens per micro-batch) and the model's sliding window;
+// 0 when not even one token does.
 // Activations grow with it (and their tiers with them); the rest of the state does not.
 int64_t longest_sequence(const model::ModelConfig& model, TrainConfig train, DeviceKind device);
 // The smallest memory.host (a multiple of the chunk size, or of 1 MiB without one) with which the

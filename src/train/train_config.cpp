@@ -28,8 +28,8 @@ ConfigSchema build_schema() {
                  "false: such a step stops the run naming the file, since an all-zero mask usually means broken "
                  "data"});
   s.add({.name = "data.eval_paths", .type = T::kStringList, .default_value = "[]",
-         .help = "token files held out for evaluation, read as data.paths are (data.format); empty = no "
-                 "evaluation. Their windows never train"});
+         .help = "token files to evaluate on, read as data.paths are (data.format); empty = no evaluation. "
+                 "Name files that data.paths does not: nothing checks that they differ"});
   s.add({.name = "train.micro_batch", .type = T::kInt, .default_value = "8", .min = 1, .max = 1 << 20,
          .help = "sequences per micro-batch"});
   s.add({.name = "train.seq_len", .type = T::kInt, .default_value = "128", .min = 1, .max = 1 << 24,

@@ -349,6 +349,19 @@ Status open_dirs_and_data(TrainConfig& t, Run& run, std::optional<RunDirs>* dirs
           "name more eval data or lower train.micro_batch or train.seq_len",
           run.eval_dataset->num_tokens(), t.micro_batch, t.seq_len + 1));
     run.eval_loader.emplace(std::move(*eval));
+    // The windows are the same at every evaluation: data with nothing to predict in them is
+    // refused now, not after the training steps.
+    std::vector<int32_t> inputs(static_cast<size_t>(t.micro_batch * t.seq_len)), targets(inputs.size());
+    int64_t valid = 0;
+    for (int64_t m = 0; m < run.eval_batches; ++m) {
+      RETURN_IF_ERROR(run.eval_loader->next(inputs.data(), targets.data()));
+      valid += model::count_valid_targets(targets.data(), static_cast<int64_t>(targets.size()));
+    }
+    if (valid == 0)
+      return Status::InvalidArgument(fmt::format(
+          "the loss masks of data.eval_paths leave no token to predict in the {} micro-batches an evaluation "
+          "takes; check the masks beside the eval token files, or raise train.eval_steps",
+          run.eval_batches));
   }
   return Status::OK();
 }
@@ -388,7 +401,15 @@ OptimizerConfig optimizer_config(const TrainConfig& t) {
 Result<HostRamPlan> open_engine(const TrainConfig& t, Run& run, Ranks& ranks) {
   ASSIGN_OR_RETURN(run.engine, make_train_engine(run.mc, t, optimizer_config(t)));
   RETURN_IF_ERROR(run.engine->set_comm(ranks.comm.get()));
-  const HostRamPlan host_ram = run.engine->host_ram(host_ram_data(*run.dataset, run.loader->num_windows()));
+  HostRamData data = host_ram_data(*run.dataset, run.loader->num_windows());
+  if (run.eval_dataset) {
+    const HostRamData eval = host_ram_data(*run.eval_dataset, run.eval_loader->num_windows());
+    data.mapped_bytes += eval.mapped_bytes;
+    data.windows += eval.windows;
+    data.mask_bytes += eval.mask_bytes;
+    data.index_bytes += eval.index_bytes;
+  }
+  const HostRamPlan host_ram = run.engine->host_ram(data);
   if (!host_ram.items.empty()) {
     // On cuda the host tier is page-locked (cudaHostAlloc: every page committed) as the engine
     // reserves it, so it is gone from the machine's available memory but in the plan: count it
@@ -501,7 +522,7 @@ std::vector<std::pair<std::string, double>> tensorboard_scalars(const StepMetric
       {"train/skipped_steps", static_cast<double>(m.skipped_steps)},
   };
   if (m.world > 1) s.emplace_back("comm/bytes_per_rank", m.comm_bytes);
-  if (std::isfinite(m.eval_loss)) {
+  if (m.evaluated) {
     s.emplace_back("eval/loss", m.eval_loss);
     s.emplace_back("eval/ppl", std::exp(m.eval_loss));
   }
@@ -546,17 +567,29 @@ Status open_run_dir(const TrainConfig& t, Run& run, const std::string& effective
   return Status::OK();
 }
 
-// The eval loss of the checkpoint CKPT_DIR/best names (ckpt.keep_best), so that a resumed run
-// saves only evaluations better than it; +inf when there is none or it cannot be read.
-double saved_best_eval(const std::string& ckpt_dir) {
-  std::ifstream in(fs::path(ckpt_dir) / ckpt::kBestFile);
+// The eval loss of the checkpoint CKPT_DIR/best names (ckpt.keep_best), so that a run resumed
+// from step `resumed` saves only evaluations better than it; +inf when there is none, it cannot
+// be read, or it names a later step (a branch this run redoes: that checkpoint stays until its
+// step is saved again, and this run's evaluations start a new best).
+double saved_best_eval(const std::string& ckpt_dir, int64_t resumed) {
+  const fs::path path = fs::path(ckpt_dir) / ckpt::kBestFile;
+  if (!fs::exists(path)) return std::numeric_limits<double>::infinity();
+  std::ifstream in(path);
   std::string name, key;
   double loss = 0;
-  if (std::getline(in, name) && (in >> key >> loss) && key == "eval_loss" && std::isfinite(loss)) {
-    LOG_INFO("ckpt.keep_best: the best so far is {} (eval loss {:.4f})", name, loss);
-    return loss;
+  long long step = -1;
+  if (!std::getline(in, name) || !(in >> key >> loss) || key != "eval_loss" || !std::isfinite(loss) ||
+      std::sscanf(name.c_str(), "step-%lld", &step) != 1) {
+    LOG_WARN("ckpt.keep_best: {} cannot be read; this run's evaluations start a new best", path.string());
+    return std::numeric_limits<double>::infinity();
   }
-  return std::numeric_limits<double>::infinity();
+  if (step > resumed) {
+    LOG_INFO("ckpt.keep_best: {} names {}, after step {} this run resumes from; this run's evaluations start a "
+             "new best", path.string(), name, resumed);
+    return std::numeric_limits<double>::infinity();
+  }
+  LOG_INFO("ckpt.keep_best: the best so far is {} (eval loss {:.4f})", name, loss);
+  return loss;
 }
 
 // 1. Everything that can be wrong with the inputs is checked before anything but the locks of
@@ -583,7 +616,17 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   if (resume_from.empty()) RETURN_IF_ERROR(fill_starting_weights(t, *run, weights));
   weights.reset();
   if (!resume_from.empty()) RETURN_IF_ERROR(restore_run(t, *run, resume_from));
-  if (!resume_from.empty() && t.ckpt_keep_best) run->best_eval = saved_best_eval(t.ckpt_dir);
+  if (!resume_from.empty() && t.ckpt_keep_best) {
+    run->best_eval = saved_best_eval(t.ckpt_dir, run->start_step - 1);
+    if (ranks.several()) {
+      // Every rank must make the same best-save decisions (a sharded save needs all of them):
+      // they take rank 0's reading.
+      std::vector<double> readings(static_cast<size_t>(ranks.world()), 0.0);
+      if (ranks.rank() == 0) readings[0] = run->best_eval;
+      RETURN_IF_ERROR(parallel::sum_over_ranks(*ranks.comm, std::span<double>(readings)));
+      run->best_eval = readings[0];
+    }
+  }
   open_checkpointer(t, *run, ranks);
 
   // Steps an earlier run in this run.dir recorded beyond where this one starts are done again:
@@ -675,11 +718,7 @@ Result<double> evaluate(Run& run, const TrainConfig& t, int64_t step) {
     sums[1] += static_cast<double>(model::count_valid_targets(targets.data(), micro_tokens));
   }
   if (ranks.several()) RETURN_IF_ERROR(parallel::sum_over_ranks(*ranks.comm, std::span<double>(sums)));
-  if (sums[1] == 0)
-    return Status::InvalidArgument(fmt::format(
-        "step {}: the loss masks of data.eval_paths leave no token to predict in the {} micro-batches evaluated; "
-        "check the masks beside the eval token files, or raise train.eval_steps",
-        step, run.eval_batches));
+  CHECK_MSG(sums[1] > 0, "the eval windows were checked for targets when the run started");
   return sums[0] / sums[1];
 }
 
@@ -816,6 +855,7 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.eta_s = sm.elapsed_s / static_cast<double>(step - run.start_step + 1) * static_cast<double>(t.steps - step);
     if (run.eval_loader && ((t.eval_every > 0 && step % t.eval_every == 0) || step == t.steps)) {
       ASSIGN_OR_RETURN(sm.eval_loss, evaluate(run, t, step));
+      sm.evaluated = true;
     }
     if (run.metrics) RETURN_IF_ERROR(run.metrics->write(sm));
     if (run.tensorboard) RETURN_IF_ERROR(run.tensorboard->scalars(step, tensorboard_scalars(sm, t)));
@@ -832,12 +872,12 @@ Status loop(Run& run, const TrainConfig& t) {
     }
     // ckpt.keep_best: an evaluation better than every saved one is saved too.
     std::optional<double> best;
-    if (t.ckpt_keep_best && !skipped && sm.eval_loss < run.best_eval) best = sm.eval_loss;
+    if (t.ckpt_keep_best && !skipped && sm.evaluated && sm.eval_loss < run.best_eval) best = sm.eval_loss;
     if ((t.ckpt_every > 0 && step % t.ckpt_every == 0) || best) {
       trace::Span save_span("checkpoint", "checkpoint start");
       RETURN_IF_ERROR(run.save_checkpoint(t, best));
     }
-    if (!skipped && (step % t.log_every == 0 || step == 1 || step == t.steps || std::isfinite(sm.eval_loss))) {
+    if (!skipped && (step % t.log_every == 0 || step == 1 || step == t.steps || sm.evaluated)) {
       LOG_INFO("{}", format_step_line(sm));
       if (std::string note = engine.step_note(); !note.empty()) LOG_INFO("{}", note);
     }

@@ -301,6 +301,11 @@ TEST_F(CkptTest, ASaveMarkedBestIsNamedInBestAndKeptBesideTheLastK) {
   EXPECT_FALSE(fs::exists(dir_ / "step-2"));
   EXPECT_FALSE(fs::exists(dir_ / "step-4"));
   EXPECT_TRUE(fs::exists(dir_ / "step-5"));
+  // The best step saved again without a note (a run resumed from before it) holds other weights
+  // now: best names nothing until the next best save.
+  save_and_wait(w, state.request(dir(), 5));
+  EXPECT_FALSE(fs::exists(dir_ / "best"));
+  EXPECT_EQ(read_best_step(dir()), "");
 }
 
 // A removal that stops part-way (a kill during keep-last cleanup) leaves the half-deleted

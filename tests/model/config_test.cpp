@@ -200,6 +200,19 @@ TEST(ModelConfigTest, ReadsYarnRopeScaling) {
     EXPECT_EQ(a, b);
     EXPECT_EQ(kernels::rope_attention_factor(ra), kernels::rope_attention_factor(rb));
   }
+  // transformers' readings at the edges: no factor is an error, a null truncate does not
+  // truncate, an attention factor of 0 would zero cos and sin.
+  json no_factor = llama_json();
+  no_factor["rope_scaling"] = {{"rope_type", "yarn"}};
+  expect_error(no_factor, StatusCode::kInvalidArgument, "rope_scaling.factor");
+  json null_truncate = llama_json();
+  null_truncate["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 2.0}, {"truncate", nullptr}};
+  Result<ModelConfig> untruncated = ModelConfig::from_json(null_truncate, kSource);
+  ASSERT_TRUE(untruncated.ok()) << untruncated.status().to_string();
+  EXPECT_FALSE(untruncated->rope.truncate);
+  json zero = llama_json();
+  zero["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 2.0}, {"attention_factor", 0.0}};
+  expect_error(zero, StatusCode::kInvalidArgument, "rope_scaling.attention_factor");
   j["rope_scaling"]["beta_slow"] = -1.0;
   expect_error(j, StatusCode::kInvalidArgument, "rope_scaling.beta_slow");
   j["rope_scaling"]["beta_slow"] = 1.0;

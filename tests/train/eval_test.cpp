@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ckpt/writer.h"
 #include "core/config.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
@@ -215,6 +216,29 @@ TEST_F(EvalTest, KeepBestNamesAndKeepsTheLowestEvalLossAcrossAResume) {
   for (const auto& e : fs::directory_iterator(dir_ / "best" / "checkpoints"))
     if (e.is_directory()) kept.insert(e.path().filename().string());
   EXPECT_EQ(kept, (std::set<std::string>{name, "step-8"}));
+}
+
+// A run resumed from before the step CKPT_DIR/best names redoes that branch: its first
+// evaluation becomes the new best, whatever the old branch's loss was.
+TEST_F(EvalTest, ResumingFromBeforeTheBestStepStartsANewBest) {
+  const std::vector<std::string> common = {"data.eval_paths=[" + held_out() + "]", "train.eval_every=1",
+                                           "train.eval_steps=2", "ckpt.keep_best=true", "ckpt.keep_last=0",
+                                           "ckpt.every=2", "optim.lr=0.02", "train.steps=6"};
+  ASSERT_TRUE(train("redo", common).ok());
+  ASSERT_EQ(ckpt::read_best_step((dir_ / "redo" / "checkpoints").string()), "step-6");
+  resume_ = (dir_ / "redo" / "checkpoints" / "step-2").string();
+  std::vector<std::string> again = common;
+  again.push_back("optim.lr=0.5");  // the redone steps' evaluations get worse than the old branch's
+  Status st = train("redo", again);
+  resume_.clear();
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  const auto steps = steps_of("redo");  // the redone steps' lines come last
+  std::ifstream in(dir_ / "redo" / "checkpoints" / "best");
+  std::string name, key;
+  double saved = 0;
+  ASSERT_TRUE(std::getline(in, name) && (in >> key >> saved));
+  EXPECT_EQ(name, "step-3") << "the first evaluation after the resume";
+  EXPECT_EQ(saved, steps.at(3)["eval_loss"].get<double>());
 }
 
 TEST_F(EvalTest, KeysWithoutEvalDataAndEvalDataTooSmallAreRefused) {

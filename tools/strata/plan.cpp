@@ -288,7 +288,8 @@ int plan_command(const std::vector<std::string>& args) {
                                    : std::string("none at micro-batch 1");
     if (tc->micro_batch > 1) {
       const int64_t at_batch = longest_sequence(*mc, *tc, device);
-      line += fmt::format(", {} at micro-batch {}", at_batch, tc->micro_batch);
+      line += at_batch > 0 ? fmt::format(", {} at micro-batch {}", at_batch, tc->micro_batch)
+                           : fmt::format(", none at micro-batch {}", tc->micro_batch);
     }
     if (longest > mc->max_position_embeddings)
       line += fmt::format(" (the model's max_position_embeddings is {}; past it, RoPE scaling decides quality)",
