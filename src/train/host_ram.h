@@ -52,6 +52,14 @@ struct HostRamData {
   uint64_t windows = 0;       // training windows (the loader keeps an order of them)
   uint64_t mask_bytes = 0;    // loss masks held in memory (one byte per token)
   uint64_t index_bytes = 0;   // in-memory indexes (Megatron .idx: 16 bytes per sequence)
+  // Another dataset's footprint on top (the eval data beside the training data).
+  HostRamData& operator+=(const HostRamData& o) {
+    mapped_bytes += o.mapped_bytes;
+    windows += o.windows;
+    mask_bytes += o.mask_bytes;
+    index_bytes += o.index_bytes;
+    return *this;
+  }
 };
 
 // The footprint of an opened dataset whose loader has `windows` windows.

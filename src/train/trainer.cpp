@@ -402,13 +402,7 @@ Result<HostRamPlan> open_engine(const TrainConfig& t, Run& run, Ranks& ranks) {
   ASSIGN_OR_RETURN(run.engine, make_train_engine(run.mc, t, optimizer_config(t)));
   RETURN_IF_ERROR(run.engine->set_comm(ranks.comm.get()));
   HostRamData data = host_ram_data(*run.dataset, run.loader->num_windows());
-  if (run.eval_dataset) {
-    const HostRamData eval = host_ram_data(*run.eval_dataset, run.eval_loader->num_windows());
-    data.mapped_bytes += eval.mapped_bytes;
-    data.windows += eval.windows;
-    data.mask_bytes += eval.mask_bytes;
-    data.index_bytes += eval.index_bytes;
-  }
+  if (run.eval_dataset) data += host_ram_data(*run.eval_dataset, run.eval_loader->num_windows());
   const HostRamPlan host_ram = run.engine->host_ram(data);
   if (!host_ram.items.empty()) {
     // On cuda the host tier is page-locked (cudaHostAlloc: every page committed) as the engine

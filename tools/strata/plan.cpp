@@ -81,17 +81,18 @@ Example:
 // corpus, or files that cannot be opened, count as none).
 HostRamPlan plan_run_host_ram(const model::ModelConfig& mc, TrainConfig t, const Plan& plan, DeviceKind device) {
   if (t.memory_host == 0) t.memory_host = default_host_budget();
+  // The training data and the eval data (data.eval_paths), as strata train counts them.
   HostRamData data;
-  DataConfig dc;
-  dc.format = t.data_format;
-  for (const std::string& p : t.data_paths)
-    if (p.rfind("builtin:", 0) != 0) dc.paths.push_back(p);
-  if (!dc.paths.empty()) {
+  for (const std::vector<std::string>* paths : {&t.data_paths, &t.data_eval_paths}) {
+    DataConfig dc;
+    dc.format = t.data_format;
+    for (const std::string& p : *paths)
+      if (p.rfind("builtin:", 0) != 0) dc.paths.push_back(p);
+    if (dc.paths.empty()) continue;
     Result<std::unique_ptr<TokenDataset>> dataset = open_dataset(dc);
-    if (dataset.ok()) {
-      const int64_t windows = (*dataset)->num_tokens() / std::max<int64_t>(t.seq_len, 1);
-      data = host_ram_data(**dataset, windows);
-    }
+    if (!dataset.ok()) continue;
+    const int64_t windows = (*dataset)->num_tokens() / std::max<int64_t>(t.seq_len, 1);
+    data += host_ram_data(**dataset, windows);
   }
   return plan_host_ram(mc, t, plan, device, data);
 }
