@@ -31,25 +31,15 @@ namespace {
 namespace fs = std::filesystem;
 using testing::CmdResult;
 
-std::vector<double> losses_of(const fs::path& metrics) {
+// The step lines' `key` ("loss", or "eval_loss" on the steps that evaluated) of metrics.jsonl,
+// in step order.
+std::vector<double> losses_of(const fs::path& metrics, const char* key = "loss") {
   std::vector<double> out;
   std::ifstream in(metrics);
   std::string line;
   while (std::getline(in, line)) {
     nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_object() && j.contains("loss") && j.contains("step")) out.push_back(j["loss"].get<double>());
-  }
-  return out;
-}
-
-// The eval losses of metrics.jsonl, in step order (steps that evaluated only).
-std::vector<double> eval_losses_of(const fs::path& metrics) {
-  std::vector<double> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_object() && j.contains("eval_loss")) out.push_back(j["eval_loss"].get<double>());
+    if (j.is_object() && j.contains(key) && j.contains("step")) out.push_back(j[key].get<double>());
   }
   return out;
 }
@@ -176,10 +166,10 @@ TEST_F(DataParallelTest, WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch) {
   ASSERT_EQ(l1.size(), 4u);
   expect_close_losses(l1, losses_of(two / "metrics.jsonl"), "world 2");
   expect_close_losses(l1, losses_of(four / "metrics.jsonl"), "world 4");
-  const auto e1 = eval_losses_of(one / "metrics.jsonl");
+  const auto e1 = losses_of(one / "metrics.jsonl", "eval_loss");
   ASSERT_EQ(e1.size(), 2u);
-  expect_close_losses(e1, eval_losses_of(two / "metrics.jsonl"), "world 2 eval");
-  expect_close_losses(e1, eval_losses_of(four / "metrics.jsonl"), "world 4 eval");
+  expect_close_losses(e1, losses_of(two / "metrics.jsonl", "eval_loss"), "world 2 eval");
+  expect_close_losses(e1, losses_of(four / "metrics.jsonl", "eval_loss"), "world 4 eval");
   for (const fs::path& other : {two, four}) {
     const ParamDiff d = compare_exports(one / "export", other / "export");
     ASSERT_GT(d.tensors, 0u) << other;
