@@ -223,10 +223,10 @@ Result<std::unique_ptr<TokenDataset>> open_dataset(const DataConfig& config) {
   if (dataset->num_tokens() == 0) {
     std::string names;
     for (const auto& p : config.paths) names += (names.empty() ? "" : ", ") + p;
-    return Status::InvalidArgument("dataset has no tokens: every file under " + names +
+    return Status::InvalidArgument(config.what + " has no tokens: every file under " + names +
                                    " is empty; check that the data was prepared");
   }
-  LOG_INFO("data: {} files, {} tokens (format {})", dataset->num_sources(), dataset->num_tokens(), format);
+  LOG_INFO("{}: {} files, {} tokens (format {})", config.what, dataset->num_sources(), dataset->num_tokens(), format);
   return dataset;
 }
 

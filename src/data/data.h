@@ -26,6 +26,7 @@ struct DataConfig {
   // glob patterns (sorted matches). Each file is read once even if several entries name it.
   std::vector<std::string> paths;
   std::string format = "auto";  // auto | llmc | megatron | text
+  std::string what = "data";    // what the log line and messages call it ("eval data")
 };
 
 // All sources back to back as one token stream. Safe for concurrent reads.

@@ -106,12 +106,14 @@ Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
 
 namespace {
 
-// The token files of `paths` (data.paths or data.eval_paths), read as data.format says.
-// build_corpus: false on the ranks after the first, which read the corpus rank 0 built.
+// The token files of `paths` (data.paths or data.eval_paths), read as data.format says; `what`
+// names them in the log ("data", "eval data"). build_corpus: false on the ranks after the first,
+// which read the corpus rank 0 built.
 Result<std::unique_ptr<TokenDataset>> open_token_data(const TrainConfig& t, const std::vector<std::string>& paths,
-                                                      bool build_corpus = true) {
+                                                      const std::string& what, bool build_corpus = true) {
   DataConfig dc;
   dc.format = t.data_format;
+  dc.what = what;
   for (const auto& p : paths) {
     if (p == kBuiltinLicenses) {
       const std::string path = (fs::path(t.run_dir) / "licenses.txt").string();
@@ -302,9 +304,9 @@ Status open_dirs_and_data(TrainConfig& t, Run& run, std::optional<RunDirs>* dirs
         fs::create_directories(t.run_dir, ec);
         if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
       }
-      ASSIGN_OR_RETURN(run.dataset, open_token_data(t, t.data_paths));
+      ASSIGN_OR_RETURN(run.dataset, open_token_data(t, t.data_paths, "data"));
       if (!t.data_eval_paths.empty()) {
-        ASSIGN_OR_RETURN(run.eval_dataset, open_token_data(t, t.data_eval_paths));
+        ASSIGN_OR_RETURN(run.eval_dataset, open_token_data(t, t.data_eval_paths, "eval data"));
       }
       return Status::OK();
     }();
@@ -320,9 +322,9 @@ Status open_dirs_and_data(TrainConfig& t, Run& run, std::optional<RunDirs>* dirs
   }
   RETURN_IF_ERROR(opened_dirs);
   if (!ranks.writes()) {
-    ASSIGN_OR_RETURN(run.dataset, open_token_data(t, t.data_paths, /*build_corpus=*/false));
+    ASSIGN_OR_RETURN(run.dataset, open_token_data(t, t.data_paths, "data", /*build_corpus=*/false));
     if (!t.data_eval_paths.empty()) {
-      ASSIGN_OR_RETURN(run.eval_dataset, open_token_data(t, t.data_eval_paths, /*build_corpus=*/false));
+      ASSIGN_OR_RETURN(run.eval_dataset, open_token_data(t, t.data_eval_paths, "eval data", /*build_corpus=*/false));
     }
   }
   if (run.dataset->vocab_hint() > run.mc.vocab_size)
