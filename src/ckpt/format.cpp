@@ -95,13 +95,25 @@ std::string xxh3_hex(uint64_t hash) {
   return buf;
 }
 
+std::optional<uint64_t> checked_numel(const std::vector<int64_t>& shape) {
+  uint64_t numel = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel)) return std::nullopt;
+  }
+  return numel;
+}
+
 std::string build_safetensors_header(const std::vector<HeaderEntry>& entries,
                                      const std::map<std::string, std::string>& metadata) {
   json h = json::object();
   h["__metadata__"] = metadata;
+  json slices = json::object();
   for (const HeaderEntry& e : entries) {
     h[e.name] = {{"dtype", dtype_name(e.dtype)}, {"shape", e.shape}, {"data_offsets", {e.begin, e.end}}};
+    if (e.slice) slices[e.name] = json::array({e.slice->first, e.slice->count, e.slice->whole_shape});
   }
+  // safetensors metadata values are strings: the slices go in as JSON text.
+  if (!slices.empty()) h["__metadata__"][kSlicesMetadataKey] = slices.dump();
   std::string text = h.dump();
   const uint64_t data_start = round_up(8 + text.size(), kFileAlign);
   text.resize(data_start - 8, ' ');
@@ -110,6 +122,58 @@ std::string build_safetensors_header(const std::vector<HeaderEntry>& entries,
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
   return out + text;
 }
+
+namespace {
+
+// The slices __metadata__[kSlicesMetadataKey] records, set on the entries they name.
+Status read_slices(const std::string& path, const json& header, std::vector<HeaderEntry>* entries) {
+  auto meta = header.find("__metadata__");
+  if (meta == header.end() || !meta->contains(kSlicesMetadataKey)) return Status::OK();
+  const std::string where = path + ": __metadata__ " + kSlicesMetadataKey;
+  const json& text = (*meta)[kSlicesMetadataKey];
+  const json slices = text.is_string() ? json::parse(text.get<std::string>(), nullptr, false) : json();
+  if (!slices.is_object()) {
+    return Status::Corruption(where + " is not a JSON object in a string; the file is damaged");
+  }
+  std::map<std::string, HeaderEntry*> by_name;
+  for (HeaderEntry& e : *entries) by_name[e.name] = &e;
+  for (auto it = slices.begin(); it != slices.end(); ++it) {
+    const std::string tensor = where + ": tensor '" + it.key() + "'";
+    auto entry = by_name.find(it.key());
+    if (entry == by_name.end()) return Status::Corruption(tensor + " is not in the file; the file is damaged");
+    const json& v = *it;
+    if (!v.is_array() || v.size() != 3 || !v[0].is_number_unsigned() || !v[1].is_number_unsigned() ||
+        !v[2].is_array()) {
+      return Status::Corruption(tensor + " is not [first, count, [shape]]; the file is damaged");
+    }
+    HeaderSlice slice;
+    slice.first = v[0].get<uint64_t>();
+    slice.count = v[1].get<uint64_t>();
+    for (const json& d : v[2]) {
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > uint64_t(INT64_MAX)) {
+        return Status::Corruption(tensor + " has a bad shape; the file is damaged");
+      }
+      slice.whole_shape.push_back(d.get<int64_t>());
+    }
+    const std::optional<uint64_t> numel = checked_numel(slice.whole_shape);
+    if (!numel) return Status::Corruption(tensor + " has a bad shape; the file is damaged");
+    HeaderEntry& e = *entry->second;
+    if (slice.count == 0 || slice.count > *numel || slice.first > *numel - slice.count) {
+      return Status::Corruption(tensor + " is a slice of " + std::to_string(slice.count) + " elements from element " +
+                                std::to_string(slice.first) + ", not a non-empty range of its " +
+                                std::to_string(*numel) + " elements; the file is damaged");
+    }
+    if (e.shape != std::vector<int64_t>{static_cast<int64_t>(slice.count)}) {
+      return Status::Corruption(tensor + " is a slice of " + std::to_string(slice.count) +
+                                " elements but its entry's shape is not [" + std::to_string(slice.count) +
+                                "]; the file is damaged");
+    }
+    e.slice = std::move(slice);
+  }
+  return Status::OK();
+}
+
+}  // namespace
 
 Result<ParsedHeader> parse_safetensors_header(const std::string& path, const std::string& prefix8,
                                               const std::string& json_text, uint64_t file_size) {
@@ -165,6 +229,7 @@ Result<ParsedHeader> parse_safetensors_header(const std::string& path, const std
     }
     out.entries.push_back(std::move(e));
   }
+  RETURN_IF_ERROR(read_slices(path, h, &out.entries));
   std::sort(out.entries.begin(), out.entries.end(),
             [](const HeaderEntry& a, const HeaderEntry& b) { return a.begin < b.begin; });
   uint64_t pos = 0;

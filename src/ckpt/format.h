@@ -57,6 +57,10 @@ using ::strata::DType;
 
 inline uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
+// The element count of a row-major shape; nullopt for a negative dimension or a count past
+// 2^64 - 1.
+std::optional<uint64_t> checked_numel(const std::vector<int64_t>& shape);
+
 // The largest step a checkpoint may record: 18 digits, as step-N names hold, so that step + 1
 // never overflows.
 inline constexpr int64_t kMaxStep = 999'999'999'999'999'999;
@@ -77,23 +81,40 @@ std::optional<int64_t> parse_step_dir_name(std::string_view name);
 // 16 lowercase hex digits.
 std::string xxh3_hex(uint64_t hash);
 
-// One tensor of a safetensors file: `begin`/`end` count from the first data byte.
+// The header's __metadata__ key that records which entries are slices of larger tensors: a
+// JSON object as a string, {"NAME": [first, count, [whole shape]], ...}.
+inline constexpr const char* kSlicesMetadataKey = "strata_slices";
+
+// Elements [first, first + count) of the row-major flattened tensor of shape `whole_shape`,
+// stored under the tensor's own name as a 1-D entry of `count` elements (a rank's share of a
+// tensor sharded by element ranges; docs/checkpoint-format.md, "Slices").
+struct HeaderSlice {
+  uint64_t first = 0;
+  uint64_t count = 0;
+  std::vector<int64_t> whole_shape;
+};
+
+// One tensor of a safetensors file: `begin`/`end` count from the first data byte. `shape` is
+// the entry's shape in the file: {slice->count} for a slice.
 struct HeaderEntry {
   std::string name;  // qualified
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
   uint64_t begin = 0;
   uint64_t end = 0;
+  std::optional<HeaderSlice> slice;
 };
 
 // The first data_start bytes of a safetensors file: 8-byte little-endian length, JSON, spaces
-// up to a multiple of kFileAlign. `entries` must tile [0, total) in order.
+// up to a multiple of kFileAlign. `entries` must tile [0, total) in order. Entries with a slice
+// are listed under kSlicesMetadataKey in __metadata__ (absent when none is).
 std::string build_safetensors_header(const std::vector<HeaderEntry>& entries,
                                      const std::map<std::string, std::string>& metadata);
 
 // A parsed header. Validates JSON, dtypes, shapes against byte counts, and that the tensors
-// tile the data section with no holes or overlaps and end exactly at `file_size`. Messages name
-// `path`.
+// tile the data section with no holes or overlaps and end exactly at `file_size`; reads the
+// slices kSlicesMetadataKey records (each naming an entry of shape {count}, inside its whole
+// shape, count > 0). Messages name `path`.
 struct ParsedHeader {
   uint64_t data_start = 0;
   std::vector<HeaderEntry> entries;  // sorted by begin

@@ -101,7 +101,14 @@ Status exchange_paths(const std::string& a, const std::string& b) {
 
 Status remove_tree(const std::string& path) {
   std::error_code ec;
-  std::filesystem::remove_all(path, ec);
+  // Entries may vanish while the tree is walked (the ranks of a failed sharded save each
+  // remove their own files while rank 0 removes the folder): the walk then fails with ENOENT
+  // and is taken again over what is left.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    ec.clear();
+    std::filesystem::remove_all(path, ec);
+    if (ec != std::errc::no_such_file_or_directory) break;
+  }
   if (ec) return Status::IOError("removing " + path + " failed: " + ec.message());
   return Status::OK();
 }

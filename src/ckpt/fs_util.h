@@ -57,7 +57,7 @@ Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes 
 Status rename_durable(const std::string& from, const std::string& to);
 // Swaps two existing paths atomically (renameat2 RENAME_EXCHANGE).
 Status exchange_paths(const std::string& a, const std::string& b);
-// rm -rf; OK when `path` does not exist.
+// rm -rf; OK when `path` does not exist, also when entries vanish while it runs.
 Status remove_tree(const std::string& path);
 
 struct StepEntry {

@@ -31,15 +31,29 @@ struct ReaderOpenOptions {
   bool verify = false;  // recompute and compare every file's xxh3_64
 };
 
+// One slice of a tensor stored in slices (a checkpoint sharded by element ranges: each rank's
+// files hold its range of every tensor).
+struct SavedSlice {
+  uint64_t first = 0;   // elements [first, first + count) of the tensor flattened row-major
+  uint64_t count = 0;
+  int file = 0;         // index into files()
+  uint64_t offset = 0;  // absolute file offset of the slice's first byte
+};
+
+// One logical tensor, stored whole in one file or in slices across several.
 struct SavedTensor {
   std::string name;            // qualified: "model.norm.weight", "adam_m/model.norm.weight"
   TensorKind kind = TensorKind::kParam;
   DType dtype = DType::kF32;
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;  // the whole tensor's, also when it is stored in slices
   uint64_t numel = 0;
-  uint64_t nbytes = 0;
-  int file = 0;                // index into files()
-  uint64_t offset = 0;         // absolute file offset of the first byte
+  uint64_t nbytes = 0;         // numel * the dtype's size
+  int file = 0;                // index into files(); for a sliced tensor, its first slice's
+  uint64_t offset = 0;         // absolute file offset of the first byte (of the first slice)
+  // Empty for a tensor stored whole; otherwise its slices by `first`, tiling [0, numel) with no
+  // gap or overlap (open() refuses a checkpoint where they do not). Read them through the
+  // reader's methods, which stitch them.
+  std::vector<SavedSlice> slices;
 };
 
 struct SavedFile {
@@ -61,7 +75,8 @@ class CheckpointReader {
   const Manifest& manifest() const { return manifest_; }
   const nlohmann::json& manifest_json() const { return manifest_json_; }
   const std::vector<SavedFile>& files() const { return files_; }
-  const std::vector<SavedTensor>& tensors() const { return tensors_; }  // by file, then offset
+  // The logical tensors, by the file and offset of their first bytes.
+  const std::vector<SavedTensor>& tensors() const { return tensors_; }
   // nullptr when absent. `qualified` as in tensors(): use qualified_name(kind, name).
   const SavedTensor* find(const std::string& qualified) const;
 
@@ -72,15 +87,36 @@ class CheckpointReader {
   Status check_f32(const std::string& qualified, uint64_t count) const;
   // Reads the tensor's stored bytes unchanged; `bytes` must equal its nbytes.
   Status read_raw(const std::string& qualified, void* out, uint64_t bytes) const;
+  // Reads elements [first, first + count) of the tensor flattened row-major into out[0, count)
+  // as fp32, whether it is stored whole or in slices (a rank reading back its own range).
+  // InvalidArgument when the range is not inside the tensor, NotFound for an unknown name.
+  Status read_f32_range(const std::string& qualified, uint64_t first, uint64_t count, float* out) const;
 
   // Recomputes every file's xxh3_64; Corruption naming the first file that differs. With
   // `non_finite`, the same pass also appends every tensor holding NaN or Inf values (with
-  // their count) to it. A long verification shows a progress line on stderr.
+  // their count, over all its slices) to it. A long verification shows a progress line on
+  // stderr.
   Status verify(std::vector<ScannedTensor>* non_finite = nullptr) const;
 
  private:
+  // A tensor entry of one file's header, before the files' entries are joined into tensors.
+  struct FileEntry {
+    HeaderEntry entry;
+    int file = 0;
+    uint64_t offset = 0;  // absolute file offset of the first byte
+  };
+
   CheckpointReader() = default;
+  Status open_files(const std::string& manifest_path);
+  Status read_headers(std::vector<FileEntry>* entries);
+  Status join_tensors(const std::vector<FileEntry>& entries);
+  Result<SavedTensor> join_slices(const std::string& name, std::vector<const FileEntry*> parts) const;
   Status read_at(int file, void* out, uint64_t bytes, uint64_t offset) const;
+  // Stored bytes of elements [first, first + count) of `t`, across its slices.
+  Status read_elements(const SavedTensor& t, uint64_t first, uint64_t count, void* out) const;
+  Status read_f32_elements(const SavedTensor& t, uint64_t first, uint64_t count, float* out) const;
+  // The tensors and slices whose bytes are in file `file`, by offset (what verify scans).
+  std::vector<ScannedTensor> tensors_in_file(int file) const;
 
   std::string step_dir_;
   Manifest manifest_;

@@ -3,18 +3,24 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 
 namespace strata::ckpt {
 namespace {
 
-// One tensor as placed in a file.
+// One tensor (or slice of one) as placed in a file.
 struct Placed {
   std::string qualified;
   const RegionTensor* tensor = nullptr;
   int region = 0;
   uint64_t nbytes = 0;
   uint64_t file_begin = 0;  // from the first data byte
+  std::optional<HeaderSlice> slice;
+  // The entry's shape in the file: the tensor's, or {count} for a slice.
+  std::vector<int64_t> file_shape() const {
+    return slice ? std::vector<int64_t>{static_cast<int64_t>(slice->count)} : tensor->shape;
+  }
 };
 
 // Consecutive bytes of one region at consecutive file offsets.
@@ -40,7 +46,7 @@ void plan_file(int index, const std::string& name, std::vector<Placed>& placed, 
   uint64_t pos = 0;
   for (Placed& p : placed) {
     p.file_begin = pos;
-    entries.push_back(HeaderEntry{p.qualified, p.tensor->dtype, p.tensor->shape, pos, pos + p.nbytes});
+    entries.push_back(HeaderEntry{p.qualified, p.tensor->dtype, p.file_shape(), pos, pos + p.nbytes, p.slice});
     pos += p.nbytes;
   }
   std::map<std::string, std::string> metadata = {{"format", "pt"},
@@ -147,19 +153,32 @@ Result<SavePlan> make_save_plan(const SaveRequest& request, uint64_t piece_bytes
     }
     std::vector<std::pair<uint64_t, uint64_t>> ranges;
     for (const RegionTensor& t : region.tensors) {
-      uint64_t numel = 1;
-      for (int64_t d : t.shape) {
+      if (t.name.empty()) return tensor_error(request, r, t, "has no name");
+      for (int64_t d : t.shape)
         if (d < 0) return tensor_error(request, r, t, "has a negative dimension");
-        numel *= static_cast<uint64_t>(d);
+      const std::optional<uint64_t> numel = checked_numel(t.shape);
+      uint64_t nbytes = 0;
+      if (!numel || __builtin_mul_overflow(*numel, dtype_size(t.dtype), &nbytes)) {
+        return tensor_error(request, r, t, "has a shape whose byte count overflows");
       }
-      const uint64_t nbytes = numel * dtype_size(t.dtype);
+      std::optional<HeaderSlice> slice;
+      if (t.slice) {
+        const TensorSlice& s = *t.slice;
+        if (s.count > *numel || s.first > *numel - s.count) {
+          return tensor_error(request, r, t, "has a slice of " + std::to_string(s.count) + " elements from element " +
+                                                 std::to_string(s.first) + ", past its " + std::to_string(*numel) +
+                                                 " elements");
+        }
+        if (s.count == 0) continue;  // nothing of it is this writer's to save
+        if (s.count < *numel) slice = HeaderSlice{s.first, s.count, t.shape};
+        nbytes = s.count * dtype_size(t.dtype);
+      }
       if (t.offset > region.size || nbytes > region.size - t.offset) {
         return tensor_error(request, r, t, "does not fit in its region (offset " + std::to_string(t.offset) + ", " +
                                                std::to_string(nbytes) + " bytes, region " +
                                                std::to_string(region.size) + " bytes)");
       }
-      if (t.name.empty()) return tensor_error(request, r, t, "has no name");
-      Placed p{qualified_name(region.kind, t.name), &t, r, nbytes, 0};
+      Placed p{qualified_name(region.kind, t.name), &t, r, nbytes, 0, std::move(slice)};
       const int f = region.kind == TensorKind::kParam ? 0 : 1;
       if (!names[f].insert(p.qualified).second) return tensor_error(request, r, t, "is saved twice");
       (f == 0 ? model : optimizer).push_back(std::move(p));

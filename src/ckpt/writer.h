@@ -41,6 +41,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -54,12 +55,27 @@
 
 namespace strata::ckpt {
 
-// One tensor inside a region.
+// Elements [first, first + count) of a tensor flattened row-major: the share of it a
+// data-parallel rank owns when ranks shard every tensor by element ranges.
+struct TensorSlice {
+  uint64_t first = 0;
+  uint64_t count = 0;
+};
+
+// One tensor inside a region, or (with `slice`) one slice of it. The slices that the ranks of a
+// sharded save write of one tensor must tile it exactly, in one dtype, and the tensor must not
+// also be saved whole; the reader refuses the checkpoint otherwise (docs/checkpoint-format.md,
+// "Slices").
 struct RegionTensor {
   std::string name;            // Hugging Face name, without the kind prefix
-  std::vector<int64_t> shape;  // row-major; {} for a scalar
+  std::vector<int64_t> shape;  // row-major, of the whole tensor even with a slice; {} for a scalar
   DType dtype = DType::kF32;
   uint64_t offset = 0;         // byte offset within the region
+  // Set: the region holds only elements [first, first + count) of the tensor, `count` elements
+  // of `dtype` at `offset`. REQUIRES first + count <= the shape's element count (begin_save
+  // refuses it otherwise). An empty slice is not written; one of every element is written as the
+  // whole tensor.
+  std::optional<TensorSlice> slice;
 };
 
 // Copies bytes [offset, offset + length) of a region into dst (e.g. out of a chunk space whose

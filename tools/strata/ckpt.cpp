@@ -84,9 +84,16 @@ int inspect(const std::string& path) {
   const nlohmann::json& layout = m.fields.layout;
   if (layout.contains("sharding") && layout["sharding"].is_object()) {
     const nlohmann::json& sh = layout["sharding"];
-    std::printf("written as       %s ranks, each its %s (any number of ranks resumes it)\n",
-                sh.value("world_size", nlohmann::json("?")).dump().c_str(),
-                sh.value("by", std::string("share")).c_str());
+    const std::string world = sh.value("world_size", nlohmann::json("?")).dump();
+    const std::string by = sh.contains("by") && sh["by"].is_string() ? sh["by"].get<std::string>() : "share";
+    if (by == "element ranges") {
+      // Every rank wrote a slice of every tensor; the reader joins them.
+      std::printf("written as       sharded over %s ranks by element ranges (any number of ranks resumes it)\n",
+                  world.c_str());
+    } else {
+      std::printf("written as       %s ranks, each its %s (any number of ranks resumes it)\n", world.c_str(),
+                  by.c_str());
+    }
   } else {
     std::printf("written as       one process\n");
   }
@@ -95,14 +102,19 @@ int inspect(const std::string& path) {
     std::printf("%-40s %14s  %s\n", f.name.c_str(), format_bytes(f.size).c_str(), ckpt::xxh3_hex(f.xxh3).c_str());
   }
   uint64_t counts[ckpt::kTensorKindCount] = {0}, bytes[ckpt::kTensorKindCount] = {0};
+  uint64_t sliced = 0;
   for (const ckpt::SavedTensor& t : r.tensors()) {
     counts[static_cast<int>(t.kind)]++;
     bytes[static_cast<int>(t.kind)] += t.nbytes;
+    sliced += !t.slices.empty();
   }
   std::printf("\n%-8s %8s %14s\n", "kind", "tensors", "bytes");
   for (int k = 0; k < ckpt::kTensorKindCount; ++k) {
     std::printf("%-8s %8llu %14s\n", ckpt::tensor_kind_name(static_cast<ckpt::TensorKind>(k)),
                 static_cast<unsigned long long>(counts[k]), format_bytes(bytes[k]).c_str());
+  }
+  if (sliced > 0) {
+    std::printf("(%llu of them stored in slices across the ranks' files)\n", static_cast<unsigned long long>(sliced));
   }
   const nlohmann::json& cfg = m.fields.model_config;
   std::string summary;
