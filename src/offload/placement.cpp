@@ -10,41 +10,33 @@ void Placement::place(int group, StateKind kind, Tier home, uint64_t bytes) {
   PlacementRow& r = row(group, kind);
   r.home = home;
   r.bytes = bytes;
-  r.owned = {0, bytes};
-}
-
-std::vector<int> Placement::owners() const {
-  std::vector<int> out;
-  for (int g = 0; g < num_groups(); ++g) out.push_back(owner(g));
-  return out;
 }
 
 bool Placement::sharded() const {
   for (const auto& group : rows_)
     for (const PlacementRow& r : group)
-      if (!r.replicated) return true;
+      if (r.sliced) return true;
   return false;
 }
 
-void Placement::assign_owners(std::span<const uint64_t> group_elements, int world, bool shard_optimizer) {
-  CHECK(group_elements.size() == rows_.size() && world >= 1);
-  std::vector<int> order(rows_.size());
-  for (size_t g = 0; g < order.size(); ++g) order[g] = static_cast<int>(g);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-    return group_elements[static_cast<size_t>(a)] > group_elements[static_cast<size_t>(b)];
-  });
-  std::vector<uint64_t> load(static_cast<size_t>(world), 0);
-  for (int g : order) {
-    const size_t r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    load[r] += group_elements[static_cast<size_t>(g)];
-    for (PlacementRow& row : rows_[static_cast<size_t>(g)]) row.owner = static_cast<int>(r);
-    // ZeRO-1: the optimizer's kinds live on the owner alone, which holds all of them.
-    for (StateKind k : {StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV}) {
-      PlacementRow& opt = row(g, k);
-      opt.replicated = !shard_optimizer;
-      opt.owned = {0, opt.bytes};
-    }
-  }
+void Placement::shard_over(int world, bool shard_optimizer) {
+  CHECK(world >= 1);
+  world_ = world;
+  for (auto& group : rows_)
+    for (StateKind k : {StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV})
+      group[index(k)].sliced = shard_optimizer && world > 1;
+}
+
+ElementRange tensor_shard(const StateLayout& layout, const StateShape& shape, size_t index, int rank, int world) {
+  CHECK(world >= 1 && rank >= 0 && rank < world);
+  const uint64_t n = shape.elements;
+  if (layout.quantized(shape))
+    return static_cast<int>(index % static_cast<size_t>(world)) == rank ? ElementRange{0, n} : ElementRange{n, 0};
+  const uint64_t units = (n + kShardUnit - 1) / kShardUnit, w = static_cast<uint64_t>(world);
+  const uint64_t r = static_cast<uint64_t>(rank);
+  const uint64_t first = std::min(n, units * r / w * kShardUnit);
+  const uint64_t end = std::min(n, units * (r + 1) / w * kShardUnit);
+  return {first, end - first};
 }
 
 }  // namespace strata

@@ -1,23 +1,23 @@
-// Placement: the one table of where each parameter group's training state lives and which
-// data-parallel rank holds it. The planner (plan.h) makes it from its decisions; the state store
-// homes each group's chunks as it says; the optimizer, the gradient reduction and the checkpoint
-// writer take the groups' owners from it. Nothing else decides a home or an owner.
+// Placement: the one table of where each parameter group's training state lives and how it is
+// shared out over the data-parallel ranks. The planner (plan.h) makes it from its decisions; the
+// state store homes each group's chunks as it says; the optimizer, the gradient reduction and
+// the checkpoint writer take each rank's ranges from it. Nothing else decides a home or a share.
 //
 // Rows: one per parameter group and kind of state (param, grad, master, adam_m, adam_v). Groups
 // are numbered as the state store numbers them: 0 the embedding, 1..L the decoder layers, L + 1
 // the LM head (and final norm). The planner decides the embedding and the head together, as its
 // one "edge" group.
 //
-// Owners: with several data-parallel ranks every group has an owner, the rank that updates it
-// and writes it into checkpoints. A row that is not replicated exists on its owner only, which
-// holds the byte range `owned` of the group's state of that kind (ZeRO-1 today: whole groups'
-// master weights and Adam moments, [0, bytes)); a replicated row exists on every rank.
-// Thread-compatible value type.
+// Sharding: with several data-parallel ranks each rank owns a contiguous range of the elements
+// of every tensor (tensor_shard): it writes those into checkpoints and, for a row that is
+// `sliced`, holds that kind of state for its ranges only (ZeRO-1: the master weights and Adam
+// moments), updates them and sends the other ranks its part of the new compute copy. So every
+// rank's share is 1/W of every group, whatever the layer count. A row that is not sliced exists
+// whole on every rank. Thread-compatible value type.
 #pragma once
 
 #include <array>
 #include <cstdint>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -28,21 +28,28 @@
 
 namespace strata {
 
-// PlacementRow::owner of a row no rank was given (one process: it owns everything).
-inline constexpr int kNoOwner = -1;
-
 struct PlacementRow {
   Tier home = Tier::kHost;
-  int owner = kNoOwner;
-  bool replicated = true;  // every rank holds it; false: only the owner
-  uint64_t bytes = 0;      // the group's state of this kind, as the planner counts it
-  ByteRange owned;         // the part of those bytes the owner holds
+  bool sliced = false;  // each rank holds its element ranges of it; false: every rank holds it whole
+  uint64_t bytes = 0;   // the group's state of this kind, as the planner counts it
 };
+
+// Elements of a data-parallel shard: whole blocks of kernels::kMomentBlock, so that compact
+// moments (kernels/moments.h) of a rank's range are the blocks of the whole tensor's encoding.
+inline constexpr uint64_t kShardUnit = 256;
+
+// The range of a tensor of `shape` (the `index`-th of the model's tensors) that rank `rank` of
+// `world` owns: equal contiguous parts in whole kShardUnit blocks (the last rank's ends at the
+// tensor's end; a tensor of fewer blocks than ranks leaves some ranks an empty range). The fp8
+// recipe's quantised matrices are not split, as their block scales need whole 128 x 128 blocks:
+// each is owned whole, by rank index % world. The ranges of all ranks partition the tensor.
+// REQUIRES: 0 <= rank < world.
+ElementRange tensor_shard(const StateLayout& layout, const StateShape& shape, size_t index, int rank, int world);
 
 class Placement {
  public:
   Placement() = default;
-  // `num_groups` groups, every row homed in host memory and replicated, no owners.
+  // `num_groups` groups, every row homed in host memory and whole, one rank.
   explicit Placement(int num_groups);
 
   int num_groups() const { return static_cast<int>(rows_.size()); }
@@ -53,24 +60,18 @@ class Placement {
   // Sets the home of `kind` in `group` and that it is `bytes` large.
   void place(int group, StateKind kind, Tier home, uint64_t bytes);
 
-  // The rank that updates group g and writes it into checkpoints; kNoOwner without ranks.
-  int owner(int group) const { return row(group, StateKind::kAdamM).owner; }
-  // Every group's owner, in group order.
-  std::vector<int> owners() const;
-  // Whether rank `rank` holds `kind` of group g.
-  bool holds(int rank, int group, StateKind kind) const {
-    const PlacementRow& r = row(group, kind);
-    return r.replicated || r.owner == rank;
-  }
-  // Whether some row exists on its owner only (the optimizer state is sharded over the ranks).
+  // The data-parallel ranks the tensors' element ranges are shared out over (1: one process).
+  int world() const { return world_; }
+  // Whether `kind` of group g is held as each rank's element ranges only.
+  bool sliced(int group, StateKind kind) const { return row(group, kind).sliced; }
+  // Whether some row is sliced (the optimizer state is sharded over the ranks).
   bool sharded() const;
 
-  // Gives each group an owner among `world` ranks: the groups, largest (`group_elements`) first,
-  // each to the rank that owns the fewest elements so far (the lowest such rank on a tie). With
-  // shard_optimizer the master weights and Adam moments then live on their group's owner only,
-  // whole ([0, bytes)); otherwise every rank keeps every row and the owners only write
-  // checkpoints. REQUIRES: group_elements.size() == num_groups(), world >= 1.
-  void assign_owners(std::span<const uint64_t> group_elements, int world, bool shard_optimizer);
+  // Shares the tensors out over `world` ranks (tensor_shard). With shard_optimizer the master
+  // weights and Adam moments are sliced: each rank holds them for its ranges only (ZeRO-1);
+  // otherwise every rank keeps every row whole and the ranges only say what each rank writes
+  // into checkpoints. REQUIRES: world >= 1.
+  void shard_over(int world, bool shard_optimizer);
 
  private:
   static size_t index(StateKind kind) {
@@ -79,6 +80,7 @@ class Placement {
     return k;
   }
   std::vector<std::array<PlacementRow, kNumStateKinds>> rows_;  // per group, per kind
+  int world_ = 1;
 };
 
 }  // namespace strata

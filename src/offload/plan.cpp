@@ -70,10 +70,11 @@ std::string format_seconds(double s) {
 
 // Of the edge group's `all` chunks (or bytes, without a chunk size) of kind k (StateKind order),
 // the embedding's: the store's count when the input gives it, else half; the head has the rest.
-uint64_t embedding_share(const PlanInput& in, int k, uint64_t all) {
-  const uint64_t first = k == 0                                  ? in.embed_param_chunks
-                         : k >= 3 && in.embed_moment_chunks > 0 ? in.embed_moment_chunks
-                                                                : in.embed_chunks;
+// `sliced`: the kind is held as a rank's slices (ZeRO-1 and up for the optimizer's kinds).
+uint64_t embedding_share(const PlanInput& in, int k, uint64_t all, bool sliced) {
+  const uint64_t moment = sliced ? in.embed_sliced_moment_chunks : in.embed_moment_chunks;
+  const uint64_t fp32 = sliced ? in.embed_sliced_chunks : in.embed_chunks;
+  const uint64_t first = k == 0 ? in.embed_param_chunks : k >= 3 && moment > 0 ? moment : fp32;
   return all == 0 ? 0 : first > 0 ? std::min(first, all) : (all + 1) / 2;
 }
 
@@ -88,9 +89,11 @@ struct GroupHomes {
 // L), in the state store's groups: the embedding 0, layer l at l + 1, the head L + 1, the edge's
 // bytes split between the embedding and the head as the store packs them.
 Placement make_placement(const PlanInput& in, int64_t L, const GroupBytes& layer, const GroupBytes& edge,
-                         const GroupHomes& h) {
+                         const GroupHomes& h, int zero) {
   const uint64_t c = in.chunk_size;
   Placement placement(static_cast<int>(L) + 2);
+  const int world = static_cast<int>(std::max<int64_t>(1, in.world_size));
+  placement.shard_over(world, zero >= 1);
   auto place = [&](int group, int64_t g, const GroupBytes& b, const auto& part) {
     const Tier opt = h.opt_dev[g] ? Tier::kDevice : h.opt_nvme[g] ? Tier::kNvme : Tier::kHost;
     const Tier param = h.param_res[g] ? Tier::kDevice : h.param_nvme[g] ? Tier::kNvme : Tier::kHost;
@@ -102,7 +105,8 @@ Placement make_placement(const PlanInput& in, int64_t L, const GroupBytes& layer
     placement.place(group, StateKind::kAdamV, opt, part(4, b.adam_v));
   };
   auto embedding = [&](int k, uint64_t bytes) {
-    return c > 0 ? embedding_share(in, k, bytes / c) * c : embedding_share(in, k, bytes);
+    const bool sliced = placement.sliced(0, static_cast<StateKind>(k));
+    return c > 0 ? embedding_share(in, k, bytes / c, sliced) * c : embedding_share(in, k, bytes, sliced);
   };
   place(0, L, edge, embedding);
   for (int64_t l = 0; l < L; ++l) place(static_cast<int>(l) + 1, l, layer, [](int, uint64_t bytes) { return bytes; });
@@ -123,17 +127,21 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   r.store.lookahead = in.lookahead;
   r.store.space.chunk_bytes = c;
   r.store.home = [&p](int g, StateKind k) { return p.placement.home(g, k); };
+  r.store.sliced = [&p](int g, StateKind k) { return p.placement.sliced(g, k); };
+  std::array<bool, kNumStateKinds> sliced{};
+  for (StateKind k : in.state_layout.kinds()) sliced[static_cast<size_t>(k)] = p.placement.sliced(0, k);
   r.activations = offload ? in.offloaded_activations : 0;
   r.activation_bytes = in.saved_activation_bytes_per_layer;
   r.store.space.device_bytes = p.device_chunk_bytes;
   const uint64_t staging = in.nvme_budget > 0 ? 1 : 0;
-  const uint64_t most = store_chunk_count(r.tensors, r.store.layout, c, r.activations, r.activation_bytes);
+  const uint64_t most = store_chunk_count(r.tensors, r.store.layout, c, r.activations, r.activation_bytes, sliced);
   r.store.space.host_bytes = std::min(in.host_budget, (most + staging) * c);
   r.store.space.nvme_bytes = in.nvme_budget;
   OptimizerProgram optimizer;
   optimizer.num_groups = p.placement.num_groups();
   optimizer.kinds = in.state_layout.kinds();
   optimizer.where = [&p](int g) { return update_tier(p.placement.home(g, StateKind::kAdamM)); };
+  optimizer.reduces_gradients = in.world_size > 1;
   r.program = make_step_program(offload ? in.micro_batch_program_offloaded : in.micro_batch_program, optimizer)
                   .events(std::max<int64_t>(1, in.grad_accum));
   r.overlap_optimizer = in.overlap_optimizer;
@@ -142,11 +150,20 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
 }
 
 // One rank's part of a group under ZeRO `zero` over `world` ranks: 1/world of each sharded
-// kind, rounded up (a rank's shard of the flat state, not whole chunks).
-GroupBytes shard_of(GroupBytes b, int64_t world, int zero) {
+// kind, rounded up (a rank's shard of the flat state, not whole chunks); the optimizer's kinds
+// as the store packs the rank's slices when `sliced_chunks` (and for compact moments
+// `sliced_moment_chunks`) are known.
+GroupBytes shard_of(const PlanInput& in, GroupBytes b, int64_t world, int zero, uint64_t sliced_chunks,
+                    uint64_t sliced_moment_chunks) {
   const uint64_t w = static_cast<uint64_t>(world);
   auto part = [&](uint64_t bytes) { return (bytes + w - 1) / w; };
-  if (zero >= 1) b.master = part(b.master), b.adam_m = part(b.adam_m), b.adam_v = part(b.adam_v);
+  const uint64_t c = in.chunk_size;
+  if (zero >= 1 && world > 1 && sliced_chunks > 0 && c > 0) {
+    b.master = in.separate_master ? sliced_chunks * c : 0;
+    b.adam_m = b.adam_v = (sliced_moment_chunks > 0 ? sliced_moment_chunks : sliced_chunks) * c;
+  } else if (zero >= 1) {
+    b.master = part(b.master), b.adam_m = part(b.adam_m), b.adam_v = part(b.adam_v);
+  }
   if (zero >= 2) b.grad = part(b.grad);
   if (zero >= 3) b.param = part(b.param);
   return b;
@@ -184,8 +201,8 @@ LevelSizes level_sizes(const PlanInput& in, int zero) {
                              in.layer_moment_chunks);
   s.full_edge = group_bytes(in, in.edge_elements, in.edge_param_bytes, in.edge_chunks, in.edge_param_chunks,
                             in.edge_moment_chunks);
-  s.layer = shard_of(s.full_layer, s.W, zero);
-  s.edge = shard_of(s.full_edge, s.W, zero);
+  s.layer = shard_of(in, s.full_layer, s.W, zero, in.layer_sliced_chunks, in.layer_sliced_moment_chunks);
+  s.edge = shard_of(in, s.full_edge, s.W, zero, in.edge_sliced_chunks, in.edge_sliced_moment_chunks);
   s.saved_all = static_cast<uint64_t>(s.L + 1) * in.saved_activation_bytes_per_layer;
   return s;
 }
@@ -285,7 +302,9 @@ uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s, uint64_t o
   const uint64_t pipeline_chunk =
       in.chunk_size ? in.chunk_size : std::min<uint64_t>(64ull << 20, round_up(in.layer_elements * 4, 4096));
   const uint64_t w = static_cast<uint64_t>(s.W);
-  const uint64_t group_chunks = s.sharded ? (in.largest_group_chunks + w - 1) / w : in.largest_group_chunks;
+  const uint64_t group_chunks = !s.sharded                         ? in.largest_group_chunks
+                                : in.largest_sliced_group_chunks > 0 ? in.largest_sliced_group_chunks
+                                                                     : (in.largest_group_chunks + w - 1) / w;
   return in.largest_group_chunks > 0 && in.chunk_size > 0
              ? optimizer_kinds * std::max<uint64_t>(group_chunks, 2) * in.chunk_size
              : 2 * optimizer_kinds * pipeline_chunk;
@@ -389,7 +408,7 @@ struct PhaseTraffic {
 PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, Plan& p) {
   const int64_t L = s.L, groups = s.groups, W = s.W;
   const int zero = s.zero;
-  const bool sharded = s.sharded, offload = p.offload_activations;
+  const bool offload = p.offload_activations;
   const uint64_t accum = static_cast<uint64_t>(std::max<int64_t>(1, in.grad_accum));
   // The experts a micro-batch leaves without tokens, which a streamed layer does not move. A
   // rank's gradient shard is a slice of the flat layer that cuts across experts: with sharded
@@ -443,8 +462,9 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
   // counts above (every streamed group moved at every use) are replaced by a replay of the step
   // on the store itself (offload/replay.h). The saved activations' copies to and from the device
   // stay as above (the store holds them in host memory; the model copies them in and out).
-  // Shards are not whole chunks: sharded plans keep the counts above (an upper bound).
-  if (in.chunk_size > 0 && !sharded && !in.micro_batch_program.empty() && !in.state_tensors.empty()) {
+  // ZeRO-1's shards are the store's slices of each tensor, which the replay packs as the
+  // engine does; ZeRO-2 and 3 (planned, not trained yet) keep the counts above (an upper bound).
+  if (in.chunk_size > 0 && zero <= 1 && !in.micro_batch_program.empty() && !in.state_tensors.empty()) {
     Result<ReplayResult> replay = replay_step(replay_input(in, p, offload));
     if (!replay.ok()) {
       // The engine would fail the same way in its first step: the placement does not fit.
@@ -632,7 +652,7 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   GroupHomes homes = place_on_device(s, ws, free_bytes, p);
   if (!place_on_host_and_nvme(in, s, homes, p)) return p;
   p.fits = true;
-  p.placement = make_placement(in, s.L, s.layer, s.edge, homes);
+  p.placement = make_placement(in, s.L, s.layer, s.edge, homes, zero);
   const PhaseTraffic traffic = plan_traffic(in, s, homes, p);
   if (!p.fits) return p;
   plan_time(in, s, homes, traffic, p);

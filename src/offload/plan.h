@@ -130,6 +130,12 @@ struct PlanInput {
   uint64_t embed_chunks = 0;
   uint64_t embed_param_chunks = 0;
   uint64_t embed_moment_chunks = 0;
+  // The same as layer/edge/embed chunks and their moment variants, for the master weights and
+  // moments of data-parallel rank `rank` under ZeRO-1 and up, packed from its slices of every
+  // tensor (placement.h's tensor_shard) as the store packs them; 0: 1/world_size of the whole.
+  uint64_t layer_sliced_chunks = 0, edge_sliced_chunks = 0, embed_sliced_chunks = 0;
+  uint64_t layer_sliced_moment_chunks = 0, edge_sliced_moment_chunks = 0, embed_sliced_moment_chunks = 0;
+  uint64_t largest_sliced_group_chunks = 0;
   // Chunks of one kind of the largest single group (when set): AdamW on host memory acquires a
   // whole group's optimizer state there at once, so a group streamed from nvme needs that many
   // free host slots per optimizer kind.
@@ -146,6 +152,7 @@ struct PlanInput {
   // store (offload/replay.h); without, every streamed group is counted as moved at every use.
   std::vector<ProgramEvent> micro_batch_program;
   std::vector<ProgramEvent> micro_batch_program_offloaded;
+  // With several ranks, each with the slice rank `rank` holds of a sliced kind (StateTensor::slice).
   std::vector<StateTensor> state_tensors;
   StateLayout state_layout;
   int offloaded_activations = 0;  // saved-activation buffers in the store when offloaded
@@ -153,6 +160,7 @@ struct PlanInput {
   // Data parallelism: ranks in all, ranks sharing a node (capped at world_size), ZeRO level.
   // The budgets above are each rank's; the work per step above is each rank's micro-batches.
   int64_t world_size = 1;
+  int64_t rank = 0;  // the rank planned (the others' shares differ by a few padded chunks)
   int64_t ranks_per_node = 8;
   int zero = kZeroAuto;
   MachineRates rates;

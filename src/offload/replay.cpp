@@ -23,10 +23,11 @@ ReplayMoves ReplayResult::total() const {
 }
 
 uint64_t store_chunk_count(const std::vector<StateTensor>& tensors, const StateLayout& layout, uint64_t chunk_bytes,
-                           int activations, uint64_t activation_bytes) {
+                           int activations, uint64_t activation_bytes, const std::array<bool, kNumStateKinds>& sliced) {
   uint64_t chunks = 0;
   for (const StateKind kind : layout.kinds())
-    for (uint64_t n : StateStore::group_chunks(tensors, chunk_bytes, layout, kind)) chunks += n;
+    for (uint64_t n : StateStore::group_chunks(tensors, chunk_bytes, layout, kind, sliced[static_cast<size_t>(kind)]))
+      chunks += n;
   const uint64_t per_buffer = (activation_bytes + chunk_bytes - 1) / chunk_bytes;
   return chunks + static_cast<uint64_t>(std::max(activations, 0)) * per_buffer;
 }

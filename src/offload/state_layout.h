@@ -43,6 +43,15 @@ struct StateShape {
   int64_t matrix_rows = 0;
 };
 
+// A contiguous range of a tensor's elements (row-major, flattened): e.g. the part of a tensor's
+// optimizer state one data-parallel rank holds (placement.h).
+struct ElementRange {
+  uint64_t first = 0;
+  uint64_t count = 0;
+  uint64_t end() const { return first + count; }
+  bool operator==(const ElementRange&) const = default;
+};
+
 struct StateLayout {
   Precision precision = Precision::kFp32;
   kernels::MomentFormat moments = kernels::MomentFormat::kF32;

@@ -91,7 +91,7 @@ std::vector<std::vector<StateStore::Part>> StateStore::make_parts(const std::vec
 }
 
 std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes,
-                                               const StateLayout& state, StateKind kind) {
+                                               const StateLayout& state, StateKind kind, bool sliced) {
   int num_groups = 0;
   for (const StateTensor& t : tensors) num_groups = std::max(num_groups, t.group + 1);
   const std::vector<std::vector<Part>> parts = make_parts(tensors, num_groups);
@@ -104,7 +104,8 @@ std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& t
     for (size_t pi = 0; pi < parts[static_cast<size_t>(g)].size(); ++pi) {
       if (opens_own_chunk(tensors, parts[static_cast<size_t>(g)], pi, chunk_bytes)) layout->open_chunk(ChunkKind::kParam);
       for (size_t i : parts[static_cast<size_t>(g)][pi].tensors) {
-        Result<TensorId> added = layout->add(tensors[i].name, ChunkKind::kParam, state.tensor_bytes(kind, tensors[i].shape()));
+        Result<TensorId> added =
+            layout->add(tensors[i].name, ChunkKind::kParam, state.tensor_bytes(kind, tensors[i].shape(sliced)));
         CHECK_MSG(added.ok(), added.status().to_string());
       }
     }
@@ -138,14 +139,12 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
   s->layout_ = options.layout;
   s->ptrs_.assign(s->tensors_.size(), std::array<void*, kNumStateKinds>{});
   s->homes_.resize(static_cast<size_t>(s->num_groups_) * kNumStateKinds, Tier::kHost);
-  s->holds_.assign(static_cast<size_t>(s->num_groups_) * kNumStateKinds, true);
+  s->sliced_.assign(static_cast<size_t>(s->num_groups_) * kNumStateKinds, false);
   for (const StateKind kind : s->layout_.kinds()) {
     const int k = static_cast<int>(kind);
     for (int g = 0; g < s->num_groups_; ++g) {
-      if (options.holds && !options.holds(g, kind)) {
-        s->holds_[static_cast<size_t>(g) * kNumStateKinds + static_cast<size_t>(k)] = false;
-        continue;
-      }
+      const bool sliced = options.sliced && options.sliced(g, kind);
+      s->sliced_[static_cast<size_t>(g) * kNumStateKinds + static_cast<size_t>(k)] = sliced;
       std::optional<Tier> home;
       if (options.home) home = options.home(g, kind);
       // A home tier that is already full falls back to the tiers below it (for the rest of the
@@ -174,7 +173,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
           // A tensor that opens a chunk of its own (past the end of the current one) falls back too.
           ASSIGN_OR_RETURN(TensorId id, with_fallback([&] {
                              return s->space_->add_tensor(std::string(state_kind_name(kind)) + "/" + t.name,
-                                                          kind, s->layout_.tensor_bytes(kind, t.shape()), home);
+                                                          kind, s->layout_.tensor_bytes(kind, t.shape(sliced)), home);
                            }));
           s->ids_[i][k] = id;
           const ChunkId c = s->space_->tensor(id).chunk;
@@ -304,7 +303,7 @@ void StateStore::unpin(int group, const std::vector<size_t>& parts, StateKind ki
 
 Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMode mode) {
   CHECK(group >= 0 && group < num_groups_);
-  CHECK_MSG(holds(group, kind), "group " + std::to_string(group) + " holds no " + state_kind_name(kind) + " state");
+  CHECK_MSG(layout_.has(kind), std::string("this layout holds no ") + state_kind_name(kind) + " state");
   std::vector<size_t> all(parts_[group].size());
   for (size_t p = 0; p < all.size(); ++p) all[p] = p;
   // Where this access sits in the step's schedule (the next matching entry).

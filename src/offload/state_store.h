@@ -56,7 +56,14 @@ struct StateTensor {
   int group = 0;
   int part = kDensePart;  // >= 0: a part of the group with chunks of its own (e.g. an expert)
   int64_t matrix_rows = 0;  // > 0: a linear layer's weight of this many rows (StateShape)
+  // The elements this store holds of the kinds StateStoreOptions::sliced names (a data-parallel
+  // rank's range, placement.h); none: the whole tensor. An empty range holds nothing.
+  std::optional<ElementRange> slice;
   StateShape shape() const { return {elements, matrix_rows}; }
+  // The shape of what the store holds of a kind that is sliced (`sliced`) or whole.
+  StateShape shape(bool sliced) const { return sliced && slice ? StateShape{slice->count, matrix_rows} : shape(); }
+  // The range held: the slice of a sliced kind, else every element.
+  ElementRange held(bool sliced) const { return sliced && slice ? *slice : ElementRange{0, elements}; }
 };
 
 // One acquisition in the step's schedule: a group's chunks of a kind (all its parts, or one),
@@ -88,10 +95,9 @@ struct StateStoreOptions {
   // The home tier of each group's chunks of a kind. Empty: the ChunkSpace's default (the
   // lowest tier with room).
   std::function<Tier(int group, StateKind kind)> home;
-  // Which groups hold state of a kind. Empty: every group holds every kind of the layout.
-  // Data-parallel ranks hold master weights and Adam moments only for the groups they own; a
-  // kind a group does not hold has no chunks, and acquiring it is a programmer error.
-  std::function<bool(int group, StateKind kind)> holds;
+  // Which groups hold only each tensor's StateTensor::slice of a kind (a data-parallel rank's
+  // range of the optimizer state: ZeRO-1). Empty: none; every kind is held whole.
+  std::function<bool(int group, StateKind kind)> sliced;
 };
 
 class StateStore {
@@ -106,8 +112,10 @@ class StateStore {
   // Chunks of `kind` each group takes in chunks of `chunk_bytes`, packed as create() packs them
   // under `layout`: what the planner needs to count padding exactly. REQUIRES: every tensor
   // fits a chunk.
+  // With `sliced` each tensor's StateTensor::slice is packed instead of the whole tensor.
   static std::vector<uint64_t> group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes,
-                                            const StateLayout& layout = {}, StateKind kind = StateKind::kGrad);
+                                            const StateLayout& layout = {}, StateKind kind = StateKind::kGrad,
+                                            bool sliced = false);
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
 
@@ -138,16 +146,19 @@ class StateStore {
                        Stream* consumer = nullptr);
   void release_parts(int group, std::span<const int> parts, StateKind kind, Stream* consumer = nullptr);
   // REQUIRES: tensor i's group or part is acquired for `kind`. raw_pointer() for any kind (its
-  // bytes are layout().tensor_bytes(kind, tensor(i).shape())); pointer() for the fp32 kinds.
+  // bytes are layout().tensor_bytes(kind, tensor(i).shape(sliced(group, kind)))); pointer() for
+  // the fp32 kinds. Of a sliced kind they point at the slice's first element.
   void* raw_pointer(size_t i, StateKind kind) const;
   float* pointer(size_t i, StateKind kind) const;
   const StateLayout& layout() const { return layout_; }
-  // Whether group g holds state of `kind` (StateStoreOptions::holds).
-  bool holds(int group, StateKind kind) const {
-    return layout_.has(kind) && holds_[static_cast<size_t>(group) * kNumStateKinds + static_cast<size_t>(kind)];
+  // Whether group g holds only its tensors' slices of `kind` (StateStoreOptions::sliced).
+  bool sliced(int group, StateKind kind) const {
+    return sliced_[static_cast<size_t>(group) * kNumStateKinds + static_cast<size_t>(kind)];
   }
-  // Copies floats [first, first + count) of tensor i's `kind` state (an fp32 kind) into `dst`
-  // from wherever its latest copy is, without moving or pinning anything
+  // The elements of tensor i's `kind` state this store holds (StateTensor::held).
+  ElementRange held(size_t i, StateKind kind) const { return tensors_[i].held(sliced(tensors_[i].group, kind)); }
+  // Copies floats [first, first + count) of tensor i's `kind` state (an fp32 kind; of a sliced
+  // kind, counted from the slice's first element) into `dst` from wherever its latest copy is, without moving or pinning anything
   // (ChunkSpace::read_tensor). The caller guarantees nobody writes them meanwhile.
   Status read_tensor(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst);
   // The same for bytes [first, first + count) of any kind's stored form.
@@ -234,7 +245,7 @@ class StateStore {
   std::optional<size_t> next_entry(const GroupAccess& access);
   Status copy_activation(int i, char* data, uint64_t bytes, bool to_store);
   size_t lookahead_ = 2;
-  std::vector<bool> holds_;  // [group * kNumStateKinds + kind]
+  std::vector<bool> sliced_;  // [group * kNumStateKinds + kind]
 };
 
 }  // namespace strata

@@ -15,11 +15,6 @@ std::vector<GroupAccess> StepProgram::schedule(int64_t grad_accum) const {
   return out;
 }
 
-std::vector<StateKind> updated_kinds(const std::vector<StateKind>& kinds, bool updates_group) {
-  if (!updates_group) return {StateKind::kParam};
-  return kinds;
-}
-
 namespace {
 
 // Each group's gradients, whole, one group at a time: zeroing writes them, the norm reads them.
@@ -33,9 +28,10 @@ StepProgram make_step_program(std::vector<ProgramEvent> micro_batch, const Optim
   StepProgram p;
   append_grad_pass(o.num_groups, AccessMode::kWrite, StepPhase::kZero, &p.zero);
   p.micro_batch = std::move(micro_batch);
-  append_grad_pass(o.num_groups, AccessMode::kRead, StepPhase::kNorm, &p.optimizer);
+  append_grad_pass(o.num_groups, o.reduces_gradients ? AccessMode::kReadWrite : AccessMode::kRead, StepPhase::kNorm,
+                   &p.optimizer);
   for (int g = 0; g < o.num_groups; ++g) {
-    const std::vector<StateKind> kinds = updated_kinds(o.kinds, !o.updates_group || o.updates_group(g));
+    const std::vector<StateKind>& kinds = o.kinds;
     for (StateKind k : kinds) {
       ProgramEvent e{GroupAccess{g, k}, AccessMode::kReadWrite, StepPhase::kOptimizer, false};
       e.access.prefetch_to = o.where(g);

@@ -48,24 +48,21 @@ struct StepProgram {
   std::vector<GroupAccess> schedule(int64_t grad_accum) const;
 };
 
-// Where AdamW works on a group whose state of the kind it updates by is homed at `home` (its
-// Adam moments; for a group another rank updates, the compute copy that receives the update):
-// on the device when it lives there, else in host memory (nvme-homed state is read into host
-// slots and written back by eviction).
+// Where AdamW works on a group whose Adam moments are homed at `home`: on the device when they
+// live there, else in host memory (nvme-homed state is read into host slots and written back by
+// eviction).
 inline Tier update_tier(Tier home) { return home == Tier::kDevice ? Tier::kDevice : Tier::kHost; }
 
-// The kinds AdamW acquires for a group, in this order: every kind of the layout (`kinds`, in
-// StateLayout::kinds() order) when this rank updates the group, else only the compute copy,
-// which receives the owner's update.
-std::vector<StateKind> updated_kinds(const std::vector<StateKind>& kinds, bool updates_group);
-
 // The optimizer's side of a step, for `num_groups` groups: what PagedState's zero_grads and
-// clip_and_step acquire.
+// clip_and_step acquire. AdamW acquires every kind of the layout for each group (a
+// data-parallel rank its ranges of every group), in StateLayout::kinds() order.
 struct OptimizerProgram {
   int num_groups = 0;
-  std::vector<StateKind> kinds;                   // the layout's kinds
-  std::function<bool(int group)> updates_group;   // empty: every group
-  std::function<Tier(int group)> where;           // update_tier of the group
+  std::vector<StateKind> kinds;          // the layout's kinds
+  std::function<Tier(int group)> where;  // update_tier of the group
+  // Data-parallel ranks sum the gradients over the ranks in place before the norm reads them:
+  // the norm pass then writes them too.
+  bool reduces_gradients = false;
 };
 
 // The whole program: the optimizer's zeroing before `micro_batch` (the model's, recorded), the

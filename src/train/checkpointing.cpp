@@ -26,10 +26,11 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return out + "]";
 }
 
-// The flat layout of one kind: the state's host copy, or read out of it on demand.
-// owned(t): whether this writer saves tensor t (a rank saves the groups it owns).
+// The flat layout of one kind: the state's host copy, or read out of it on demand. Each tensor
+// as far as this writer saves it (SavableState::saved_range): a data-parallel rank its range,
+// as a slice of the tensor, unless that is all of it.
 ckpt::Region make_region(ckpt::TensorKind kind, StateKind state_kind, const model::ParamLayout& layout,
-                         SavableState& state, const std::function<bool(const model::TensorSpec&)>& owned) {
+                         SavableState& state) {
   ckpt::Region r;
   r.kind = kind;
   r.data = state.flat_data(state_kind);
@@ -39,8 +40,14 @@ ckpt::Region make_region(ckpt::TensorKind kind, StateKind state_kind, const mode
     };
   }
   r.size = static_cast<uint64_t>(layout.total_size()) * sizeof(float);
-  for (const auto& t : layout.tensors())
-    if (owned(t)) r.tensors.push_back({t.name, t.shape, ckpt::DType::kF32, static_cast<uint64_t>(t.offset) * sizeof(float)});
+  for (size_t i = 0; i < layout.tensors().size(); ++i) {
+    const model::TensorSpec& t = layout.tensors()[i];
+    const ElementRange range = state.saved_range(t, i);
+    if (range.count == 0) continue;
+    ckpt::RegionTensor& rt = r.tensors.emplace_back(ckpt::RegionTensor{
+        t.name, t.shape, ckpt::DType::kF32, (static_cast<uint64_t>(t.offset) + range.first) * sizeof(float)});
+    if (range.count != static_cast<uint64_t>(t.numel)) rt.slice = ckpt::TensorSlice{range.first, range.count};
+  }
   return r;
 }
 
@@ -49,8 +56,7 @@ ckpt::Region make_region(ckpt::TensorKind kind, StateKind state_kind, const mode
 TrainCheckpointer::TrainCheckpointer(const CheckpointOptions& options, const model::ParamLayout& layout,
                                      SavableState& state, ckpt::IoEngineFactory engine_factory)
     : options_(options), layout_(layout), state_(state) {
-  CHECK(!options.shard.sharded() ||
-        (options.shard.exchange && options.placement.num_groups() == layout.num_layers() + 2));
+  CHECK(!options.shard.sharded() || options.shard.exchange);
   ckpt::CheckpointWriterOptions wo;
   wo.keep_last = options.keep_last;
   wo.if_busy = options.skip_if_busy ? ckpt::IfBusy::kSkip : ckpt::IfBusy::kWait;
@@ -104,14 +110,10 @@ Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos
   req.step = pos.step;
   req.best_note = best_note;
   const ckpt::ShardedSave& shard = options_.shard;
-  auto owned = [&](const model::TensorSpec& t) {
-    return !shard.sharded() ||
-           options_.placement.owner(model::param_group_of(layout_, t)) == shard.rank;
-  };
   req.shard = shard;
-  req.regions.push_back(make_region(ckpt::TensorKind::kParam, kSavedKinds[0], layout_, state_, owned));
-  req.regions.push_back(make_region(ckpt::TensorKind::kAdamM, kSavedKinds[1], layout_, state_, owned));
-  req.regions.push_back(make_region(ckpt::TensorKind::kAdamV, kSavedKinds[2], layout_, state_, owned));
+  req.regions.push_back(make_region(ckpt::TensorKind::kParam, kSavedKinds[0], layout_, state_));
+  req.regions.push_back(make_region(ckpt::TensorKind::kAdamM, kSavedKinds[1], layout_, state_));
+  req.regions.push_back(make_region(ckpt::TensorKind::kAdamV, kSavedKinds[2], layout_, state_));
   if (!extra.empty() && shard.rank == 0) {
     // The writer waited for above no longer reads extra_values_.
     extra_values_.clear();
@@ -135,9 +137,7 @@ Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos
   req.manifest.model_config = model_config;
   req.manifest.layout = {{"kind", "flat fp32 per tensor"}, {"tensors", layout_.tensors().size()}};
   if (shard.sharded())
-    req.manifest.layout["sharding"] = {{"world_size", shard.world},
-                                       {"by", "parameter groups"},
-                                       {"group_owner", options_.placement.owners()}};
+    req.manifest.layout["sharding"] = {{"world_size", shard.world}, {"by", "element ranges"}};
   req.manifest.precision = options_.recipe;
   ASSIGN_OR_RETURN(ckpt::SaveStart started, writer_->begin_save(req));
   return started == ckpt::SaveStart::kStarted;

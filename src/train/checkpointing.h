@@ -24,7 +24,6 @@
 #include "ckpt/writer.h"
 #include "model/params.h"
 #include "model/param_access.h"
-#include "offload/placement.h"
 #include "train/savable_state.h"
 
 namespace strata {
@@ -37,11 +36,10 @@ struct CheckpointOptions {
   // The run's precision recipe and moment format, recorded in each manifest's "precision"
   // object (the tensors themselves are logical: fp32 master weights and decoded moments).
   nlohmann::json recipe = nlohmann::json::object();
-  // Data-parallel ranks: each writes the tensors of the parameter groups it owns
-  // (placement.owner(g), model::param_group_of numbering) into files of its own, and rank 0
-  // commits them under one manifest (ckpt::ShardedSave). world 1: one writer saves everything.
+  // Data-parallel ranks: each writes its range of every tensor (SavableState::saved_range) into
+  // files of its own, and rank 0 commits them under one manifest (ckpt::ShardedSave). world 1:
+  // one writer saves everything.
   ckpt::ShardedSave shard;
-  Placement placement;
 };
 
 // What a run needs besides the tensors to continue where it stopped.

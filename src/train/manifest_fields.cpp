@@ -94,7 +94,10 @@ Status check_sharding(const FieldChecker& layout, const std::string& path) {
   uint64_t world = 0;
   RETURN_IF_ERROR(s.unsigned_integer("world_size", 1u << 20, &world));
   if (s.find("world_size") == nullptr || world == 0) return s.bad("world_size", "is not a number of ranks from 1");
-  RETURN_IF_ERROR(s.string("by", [](const std::string& v) { return v == "parameter groups"; }, "\"parameter groups\""));
+  // "element ranges": each rank's range of every tensor; "parameter groups": whole groups per
+  // rank, as checkpoints written before range sharding record it.
+  RETURN_IF_ERROR(s.string("by", [](const std::string& v) { return v == "element ranges" || v == "parameter groups"; },
+                           "\"element ranges\" or \"parameter groups\""));
   if (const json* owners = s.find("group_owner")) {
     if (!owners->is_array()) return s.bad("group_owner", "is not an array of ranks");
     for (const json& o : *owners)

@@ -27,6 +27,10 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   std::unique_ptr<PagedEngine> e(new PagedEngine());
   e->mc_ = mc;
   e->budgets_ = t;
+  // The plan is this rank's among the ranks launched (parallel.world_size is what strata plan
+  // plans for), at the level the engine trains: ZeRO-1 unless parallel.zero=0.
+  e->budgets_.plan_world_size = std::max(1, t.dp_world);
+  e->budgets_.plan_zero = t.dp_world > 1 && t.plan_zero != 0 ? 1 : 0;
   e->backend_ = backend;
   RETURN_IF_ERROR(e->open_backend(t));
   RETURN_IF_ERROR(e->resolve_budgets());
@@ -183,10 +187,10 @@ Status PagedEngine::size_activations(const TrainConfig& t) {
   return Status::OK();
 }
 
-// The paged state on the tiers of the budgets, homed by the plan's placement; with several
-// ranks each group gets an owner among them, which writes it into checkpoints and, with the
-// optimizer state sharded (ZeRO-1 over parameter groups), alone holds and updates its master
-// weights and Adam moments.
+// The paged state on the tiers of the budgets, homed and shared out by the plan's placement: with
+// several ranks each owns a range of every tensor, which it writes into checkpoints and, with the
+// optimizer state sharded (ZeRO-1 over element ranges), alone holds and updates the master
+// weights and Adam moments of.
 Status PagedEngine::create_state(const TrainConfig& t, const OptimizerConfig& oc) {
   PagedStateOptions& po = options_;
   po.host_bytes = budgets_.memory_host;
@@ -202,11 +206,7 @@ Status PagedEngine::create_state(const TrainConfig& t, const OptimizerConfig& oc
   po.moments = t.moments;
   po.stochastic_rounding = t.stochastic_rounding;
   po.device_kernels = state_kernels_.get();
-  if (t.dp_world > 1) {
-    plan_.placement.assign_owners(PagedState::group_elements(net_->layout()), t.dp_world,
-                                  /*shard_optimizer=*/t.plan_zero != 0);
-    po.rank = t.dp_rank;
-  }
+  po.rank = t.dp_rank;  // the plan's placement shares the tensors out over the ranks
   po.placement = plan_.placement;
   ASSIGN_OR_RETURN(state_, PagedState::create(*device_, io_.get(), net_->layout(), po));
   // Paging is stream-ordered: set_access hands the state the model's compute stream.

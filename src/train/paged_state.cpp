@@ -41,9 +41,38 @@ std::vector<StateTensor> state_tensors(const model::ParamLayout& layout) {
   return tensors;
 }
 
+// The elements of tensor t (the index-th of the layout's) that rank `rank` of `world` owns.
+ElementRange tensor_range(const model::ParamLayout& layout, const StateLayout& state, const model::TensorSpec& t,
+                          size_t index, int rank, int world) {
+  const int64_t rows = model::param_is_linear_weight(layout, t) ? t.shape[0] : 0;
+  return tensor_shard(state, {static_cast<uint64_t>(t.numel), rows}, index, rank, world);
+}
+
+// Of them, those in row block b, counted from the block's first element.
+ElementRange block_range(const model::ParamLayout& layout, const StateLayout& state, const model::TensorSpec& t,
+                         size_t index, int64_t b, int rank, int world) {
+  const ElementRange whole = tensor_range(layout, state, t, index, rank, world);
+  const uint64_t begin = static_cast<uint64_t>(t.block_offset(b) - t.offset);
+  const uint64_t end = begin + static_cast<uint64_t>(t.block_numel(b));
+  const uint64_t first = std::clamp(whole.first, begin, end), last = std::clamp(whole.end(), begin, end);
+  return {first - begin, last - first};
+}
+
 }  // namespace
 
 std::vector<StateTensor> PagedState::store_tensors(const model::ParamLayout& layout) { return state_tensors(layout); }
+
+std::vector<StateTensor> PagedState::store_tensors(const model::ParamLayout& layout, const StateLayout& state,
+                                                   int rank, int world) {
+  std::vector<StateTensor> tensors = state_tensors(layout);
+  if (world <= 1) return tensors;
+  size_t i = 0;
+  for (size_t index = 0; index < layout.tensors().size(); ++index) {
+    const model::TensorSpec& t = layout.tensors()[index];
+    for (int64_t b = 0; b < t.num_blocks(); ++b) tensors[i++].slice = block_range(layout, state, t, index, b, rank, world);
+  }
+  return tensors;
+}
 
 uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout, const StateLayout& state) {
   return StateStore::auto_chunk_bytes(state_tensors(layout), state);
@@ -76,9 +105,13 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
   size.chunk_bytes = chunk;
   for (const model::TensorSpec& t : layout.tensors())
     if (static_cast<uint64_t>(t.block_numel(0)) * sizeof(float) > chunk) return size;  // refused later
+  // A data-parallel rank's sliced kinds hold its ranges only (placement.h).
+  const int world = options.placement ? options.placement->world() : 1;
+  const std::vector<StateTensor> tensors = store_tensors(layout, state, options.rank, world);
   for (const StateKind kind : state.kinds()) {
-    for (uint64_t n : PagedState::group_chunks(layout, chunk, state, kind)) size.state_chunks += n;
-    size.state_bytes += PagedState::state_bytes(layout, state, kind);
+    const bool sliced = options.placement && options.placement->sliced(0, kind);
+    for (uint64_t n : StateStore::group_chunks(tensors, chunk, state, kind, sliced)) size.state_chunks += n;
+    for (const StateTensor& t : tensors) size.state_bytes += state.tensor_bytes(kind, t.shape(sliced));
   }
   if (options.offload_activations && options.activation_tokens > 0) {
     uint64_t C = 0;  // hidden size: the final norm's weight has C elements
@@ -141,9 +174,8 @@ Status fit_device_tier(Device& device, const model::ParamLayout& layout, const P
   return Status::OK();
 }
 
-// The store's homes and holdings as `placement` gives them: each (group, kind) homed where it
-// says, and a rank's kinds limited to the rows it holds (a sharded optimizer's rows on their
-// owner only).
+// The store's homes and slices as `placement` gives them: each (group, kind) homed where it
+// says, and a sliced row held as this rank's range of each tensor (tensor_shard).
 Status follow_placement(const Placement& placement, int num_layers, const PagedStateOptions& options,
                         StateStoreOptions* so) {
   if (placement.num_groups() != num_layers + 2)
@@ -156,7 +188,7 @@ Status follow_placement(const Placement& placement, int num_layers, const PagedS
             "the placement homes the {} of parameter group {} on nvme, but there is no nvme tier (memory.nvme.*)",
             state_kind_name(k), g));
   so->home = [&placement](int g, StateKind k) { return placement.home(g, k); };
-  so->holds = [&placement, rank = options.rank](int g, StateKind k) { return placement.holds(rank, g, k); };
+  so->sliced = [&placement](int g, StateKind k) { return placement.sliced(g, k); };
   return Status::OK();
 }
 
@@ -181,14 +213,18 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   // through a staging stream; the CPU backend's device memory is host memory.
   if (device.kind() != DeviceKind::kCpu) ps->staging_stream_ = device.create_stream();
   std::vector<StateTensor> tensors;
+  size_t spec_index = 0;
   for (const auto& t : ps->layout_.tensors()) {
     for (int64_t b = 0; b < t.num_blocks(); ++b) {
       ps->by_offset_[t.block_offset(b)] = tensors.size();
       ps->sorted_.emplace_back(t.block_offset(b), tensors.size());
       tensors.push_back(state_tensor(ps->layout_, t, b));
-      ps->pieces_.push_back({&t, b, t.block_offset(b), t.block_numel(b), tensors.back().matrix_rows});
+      ps->pieces_.push_back({&t, b, t.block_offset(b), t.block_numel(b), tensors.back().matrix_rows, spec_index});
     }
+    ++spec_index;
   }
+  if (options.placement && options.placement->world() > 1)
+    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].slice = ps->range_of(i, options.rank);  // store_tensors' slices
   std::sort(ps->sorted_.begin(), ps->sorted_.end());
   const int L = static_cast<int>(ps->layout_.num_layers());
   StateStoreOptions so;
@@ -222,15 +258,26 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   return ps;
 }
 
-Tier PagedState::adam_tier(int group) const {
-  return update_tier(store_->home(group, owns(group) ? StateKind::kAdamM : StateKind::kParam));
+Tier PagedState::adam_tier(int group) const { return update_tier(store_->home(group, StateKind::kAdamM)); }
+
+ElementRange PagedState::saved_range(const model::TensorSpec& t, size_t index) const {
+  if (!options_.placement || options_.placement->world() <= 1) return {0, static_cast<uint64_t>(t.numel)};
+  return tensor_range(layout_, state_layout(options_), t, index, options_.rank, options_.placement->world());
+}
+
+ElementRange PagedState::range_of(size_t i, int rank) const {
+  const Piece& p = pieces_[i];
+  if (!options_.placement || options_.placement->world() <= 1) return {0, static_cast<uint64_t>(p.numel)};
+  return block_range(layout_, state_layout(options_), *p.spec, p.spec_index, p.block, rank,
+                     options_.placement->world());
 }
 
 StepProgram PagedState::step_program() const {
   OptimizerProgram optimizer;
   optimizer.num_groups = store_->num_groups();
   optimizer.kinds = store_->layout().kinds();
-  optimizer.updates_group = [this](int g) { return owns(g); };
+  // Data-parallel ranks (a placement over several) sum the gradients in place before the norm.
+  optimizer.reduces_gradients = options_.placement && options_.placement->world() > 1;
   optimizer.where = [this](int g) { return adam_tier(g); };
   return make_step_program(model::record_micro_batch(layout_.config(), options_.offload_activations), optimizer);
 }
@@ -246,49 +293,43 @@ Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
   const StateKind kind = stored_kind(saved);
   for (int g = 0; g < store_->num_groups(); ++g) {
     if (before_modify_ && kind != StateKind::kGrad) before_modify_(g);
-    if (!store_->holds(g, kind)) {
-      // A group another rank owns: its moments are that rank's; of its weights this rank keeps
-      // only the compute copy, written from the values as the owner writes it from its master.
-      if (kind != StateKind::kMaster) continue;
-      RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kParam, Tier::kHost, AccessMode::kReadWrite));
-      Status st = Status::OK();
-      std::vector<float> whole;
-      for (size_t i : store_->group_tensors(g)) {
-        const Piece& p = pieces_[i];
-        if (p.block != 0) continue;
-        whole.resize(static_cast<size_t>(p.spec->numel));
-        st = fill(*p.spec, whole.data());
-        for (int64_t b = 0; st.ok() && b < p.spec->num_blocks(); ++b)
-          write_copy(*cpu_state_kernels(), i + static_cast<size_t>(b),
-                     whole.data() + (p.spec->block_offset(b) - p.spec->offset));
-        if (!st.ok()) break;
-      }
-      store_->release_group(g, StateKind::kParam);
-      RETURN_IF_ERROR(st);
-      continue;
-    }
+    const bool sliced = store_->sliced(g, kind);
+    // A sliced master holds this rank's ranges only, so the compute copy, which every rank holds
+    // whole, is written here from the whole values rather than from the master afterwards.
+    const bool copy_too = sliced && kind == StateKind::kMaster;
     RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kReadWrite));
-    Status st = Status::OK();
+    Status st = copy_too ? store_->acquire_group(g, StateKind::kParam, Tier::kHost, AccessMode::kReadWrite)
+                         : Status::OK();
+    if (!st.ok()) {
+      store_->release_group(g, kind);
+      return st;
+    }
     const bool f32 = store_->layout().is_f32(kind);
-    // A tensor in row blocks, or of a compact kind, is filled into fp32 values first, then
-    // stored block by block.
+    // A tensor in row blocks, of a compact kind, or held as a slice is filled into fp32 values
+    // first, then stored block by block.
     std::vector<float> whole;
     for (size_t i : store_->group_tensors(g)) {
       const Piece& p = pieces_[i];
-      if (p.spec->num_blocks() == 1 && f32) {
+      if (p.spec->num_blocks() == 1 && f32 && !sliced) {
         st = fill(*p.spec, store_->pointer(i, kind));
       } else if (p.block == 0) {
         whole.resize(static_cast<size_t>(p.spec->numel));
         st = fill(*p.spec, whole.data());
         // The blocks are the next store tensors of this group, all acquired.
-        for (int64_t b = 0; st.ok() && b < p.spec->num_blocks(); ++b)
-          put_values(i + static_cast<size_t>(b), kind, whole.data() + (p.spec->block_offset(b) - p.spec->offset));
+        for (int64_t b = 0; st.ok() && b < p.spec->num_blocks(); ++b) {
+          const size_t bi = i + static_cast<size_t>(b);
+          const float* values = whole.data() + (p.spec->block_offset(b) - p.spec->offset);
+          const ElementRange held = store_->held(bi, kind);
+          put_values(bi, kind, values + held.first, held.count);
+          if (copy_too) write_copy(*cpu_state_kernels(), bi, values, {0, static_cast<uint64_t>(pieces_[bi].numel)});
+        }
       }
       if (!st.ok()) break;
     }
+    if (copy_too) store_->release_group(g, StateKind::kParam);
     store_->release_group(g, kind);
     RETURN_IF_ERROR(st);
-    if (kind == StateKind::kMaster) RETURN_IF_ERROR(refresh_compute_copy(g));
+    if (kind == StateKind::kMaster && !sliced) RETURN_IF_ERROR(refresh_compute_copy(g));
   }
   return store_->synchronize();
 }
@@ -297,7 +338,8 @@ Status PagedState::refresh_compute_copy(int g) {
   RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kMaster, Tier::kHost, AccessMode::kRead));
   Status st = store_->acquire_group(g, StateKind::kParam, Tier::kHost, AccessMode::kWrite);
   if (st.ok()) {
-    for (size_t i : store_->group_tensors(g)) write_copy(*cpu_state_kernels(), i, store_->pointer(i, StateKind::kMaster));
+    for (size_t i : store_->group_tensors(g))
+      write_copy(*cpu_state_kernels(), i, store_->pointer(i, StateKind::kMaster), store_->held(i, StateKind::kMaster));
     store_->release_group(g, StateKind::kParam);
   }
   store_->release_group(g, StateKind::kMaster);
@@ -314,9 +356,10 @@ Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
     });
   }
   for (int g = 0; g < store_->num_groups(); ++g) {
-    CHECK_MSG(store_->holds(g, kind), "copy_kind of a kind this rank does not hold for every group");
+    CHECK_MSG(!store_->sliced(g, kind), "copy_kind out of a kind this rank holds only its ranges of");
     RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kRead));
-    for (size_t i : store_->group_tensors(g)) get_values(i, kind, flat + pieces_[i].offset);
+    for (size_t i : store_->group_tensors(g))
+      get_values(i, kind, flat + pieces_[i].offset, static_cast<uint64_t>(pieces_[i].numel));
     store_->release_group(g, kind);
   }
   return store_->synchronize();
@@ -340,14 +383,15 @@ Status PagedState::read_flat(StateKind saved, uint64_t offset, uint64_t length, 
     CHECK_MSG(first >= t.offset && first < t.offset + t.numel,
               "read_flat of flat offset " + std::to_string(first) + ", which is in no tensor");
     const int64_t count = std::min(end, t.offset + t.numel) - first;
-    CHECK_MSG(store_->holds(store_->tensor(it->second).group, kind),
-              "read_flat of " + std::string(state_kind_name(kind)) + " state another rank owns");
+    // Of a sliced kind the range must lie in this rank's slice; offsets count from its start.
+    const ElementRange held = store_->held(it->second, kind);
+    const uint64_t at = static_cast<uint64_t>(first - t.offset);
+    CHECK_MSG(at >= held.first && at + static_cast<uint64_t>(count) <= held.end(),
+              "read_flat of " + std::string(state_kind_name(kind)) + " state outside this rank's range");
     if (store_->layout().is_f32(kind)) {
-      RETURN_IF_ERROR(store_->read_tensor(it->second, kind, static_cast<uint64_t>(first - t.offset),
-                                          static_cast<uint64_t>(count), out));
+      RETURN_IF_ERROR(store_->read_tensor(it->second, kind, at - held.first, static_cast<uint64_t>(count), out));
     } else {
-      RETURN_IF_ERROR(read_moments(it->second, kind, static_cast<uint64_t>(first - t.offset),
-                                   static_cast<uint64_t>(count), out));
+      RETURN_IF_ERROR(read_moments(it->second, kind, at - held.first, static_cast<uint64_t>(count), out));
     }
     out += count;
     first += count;
@@ -399,7 +443,6 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   const Tier where = adam_tier(g);
   const StateLayout& layout = store_->layout();
   const std::vector<StateKind> kinds = layout.kinds();
-  if (!owns(g)) return receive_group(g);
   trace::Span span("optimizer", "adamw group", g);
   span.arg("tier", static_cast<double>(where));
   if (before_modify_) before_modify_(g);
@@ -435,69 +478,79 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   on_compute_thread([&] {
   for (size_t i : store_->group_tensors(g)) {
     const Piece& t = pieces_[i];
-    float* grad = store_->pointer(i, StateKind::kGrad);
+    // This rank's range of the tensor (all of it without sharded optimizer state); the moments,
+    // and a sliced master, hold that range alone, the gradients and compute copy every element.
+    const ElementRange range = updated_range(i);
+    if (range.count == 0) continue;
+    const int64_t n = static_cast<int64_t>(range.count);
+    float* grad = store_->pointer(i, StateKind::kGrad) + range.first;
     p.weight_decay = t.spec->weight_decay ? options_.optimizer.weight_decay : 0.0f;
-    float* master = store_->pointer(i, layout.master_kind());
+    const StateKind mk = layout.master_kind();
+    float* master = store_->pointer(i, mk) + (range.first - store_->held(i, mk).first);
     void* m = store_->raw_pointer(i, StateKind::kAdamM);
     void* v = store_->raw_pointer(i, StateKind::kAdamV);
+    const size_t copy_size = dtype_size(layout.activation_dtype());
+    void* copy_at = static_cast<char*>(store_->raw_pointer(i, StateKind::kParam)) + range.first * copy_size;
     const int64_t tag = static_cast<int64_t>(i);  // first_nonfinite() names the tensor
     // The host's fp32 update reads the gradients scaled (one pass); the compact one scales first.
-    if (clipped && where != Tier::kDevice && compact) kernels::cpu::scale_inplace(grad, t.numel, coefficient);
+    if (clipped && where != Tier::kDevice && compact) kernels::cpu::scale_inplace(grad, n, coefficient);
     if (compact) {
       // The random bits of stochastic rounding follow (step, tensor), never tiers or threads.
       const kernels::MomentRounding rounding{options_.stochastic_rounding,
                                              static_cast<uint64_t>(p.step) * 0x9E3779B97F4A7C15ull ^ i};
-      here.adamw_compact(master, grad, m, v, layout.moments, t.numel, p, rounding, device_clips, tag);
-      if (layout.separate_master()) write_copy(here, i, master);
+      here.adamw_compact(master, grad, m, v, layout.moments, n, p, rounding, device_clips, tag);
+      if (layout.separate_master()) write_copy(here, i, master, range);
     } else if (where == Tier::kDevice && layout.precision != Precision::kFp8) {
       // The bf16 copy is written by the same kernel.
-      void* copy = layout.separate_master() ? store_->raw_pointer(i, StateKind::kParam) : nullptr;
-      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), copy, t.numel, p, device_clips,
-                      tag);
+      void* copy = layout.separate_master() ? copy_at : nullptr;
+      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), copy, n, p, device_clips, tag);
     } else if (where == Tier::kDevice) {
-      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), nullptr, t.numel, p, device_clips,
-                      tag);
-      write_copy(here, i, master);
+      kernels_->adamw(master, grad, static_cast<float*>(m), static_cast<float*>(v), nullptr, n, p, device_clips, tag);
+      write_copy(here, i, master, range);
     } else {
       // A bf16 compute copy is written by the same pass; an fp8 one is quantised after it (its
       // block scales need the whole block's new values).
       const bool copy = layout.separate_master();
       const bool bf16 = copy && !layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows});
-      auto* out = bf16 ? static_cast<uint16_t*>(store_->raw_pointer(i, StateKind::kParam)) : nullptr;
+      auto* out = bf16 ? static_cast<uint16_t*>(copy_at) : nullptr;
       if (!kernels::adamw_step_f32_clipped(master, grad, coefficient, static_cast<float*>(m), static_cast<float*>(v),
-                                           out, t.numel, p, simd) &&
+                                           out, n, p, simd) &&
           (host_nonfinite_ < 0 || tag < host_nonfinite_))
         host_nonfinite_ = tag;
-      if (copy && !bf16) write_copy(here, i, master);
+      if (copy && !bf16) write_copy(here, i, master, range);
     }
   }
   });
   if (where == Tier::kDevice) kernels_->synchronize();
-  Status sent = sharded() ? broadcast_copy(g, where) : Status::OK();
+  Status sent = sharded() ? gather_copy(g, where) : Status::OK();
   for (StateKind k : kinds) store_->release_group(g, k);
   return sent;
 }
 
-Status PagedState::receive_group(int g) {
-  const Tier where = adam_tier(g);
-  trace::Span span("optimizer", "receive group", g);
-  if (before_modify_) before_modify_(g);
-  RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kParam, where, AccessMode::kReadWrite));
-  Status st = broadcast_copy(g, where);
-  store_->release_group(g, StateKind::kParam);
-  return st;
+ElementRange PagedState::updated_range(size_t i) const {
+  return sharded() ? range_of(i, options_.rank) : ElementRange{0, static_cast<uint64_t>(pieces_[i].numel)};
 }
 
-Status PagedState::broadcast_copy(int g, Tier where) {
+Status PagedState::gather_copy(int g, Tier where) {
   CHECK_MSG(comm_ != nullptr, "sharded optimizer state without the ranks' Comm (set_comm)");
-  const int owner = options_.placement->owner(g);
   // Device memory goes on the compute stream (NCCL queues there; Gloo, which moves the CPU
   // backend's host memory, waits for the stream and runs to completion); host memory without one.
   Stream* stream = where == Tier::kDevice ? compute_stream_ : nullptr;
+  const StateLayout& layout = store_->layout();
+  const uint64_t size = dtype_size(layout.activation_dtype());
   for (size_t i : store_->group_tensors(g)) {
-    const uint64_t bytes = store_->layout().tensor_bytes(StateKind::kParam, store_->tensor(i).shape());
-    Status st = comm_->broadcast(store_->raw_pointer(i, StateKind::kParam), bytes, owner, stream);
-    if (!st.ok()) return st.with_context("the updated weights of parameter group " + std::to_string(g));
+    const Piece& t = pieces_[i];
+    const bool whole = layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows});
+    char* copy = static_cast<char*>(store_->raw_pointer(i, StateKind::kParam));
+    // Each rank's range, from that rank: a quantised matrix's copy (owned whole) as it is stored.
+    for (int r = 0; r < comm_->world_size(); ++r) {
+      const ElementRange range = range_of(i, r);
+      if (range.count == 0) continue;
+      const uint64_t offset = whole ? 0 : range.first * size;
+      const uint64_t bytes = whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : range.count * size;
+      Status st = comm_->broadcast(copy + offset, bytes, r, stream);
+      if (!st.ok()) return st.with_context("the updated weights of parameter group " + std::to_string(g));
+    }
   }
   if (stream != nullptr) stream->synchronize();
   return Status::OK();
@@ -558,10 +611,11 @@ Result<double> PagedState::clip_and_step(float lr) {
   };
   // Data parallel: each group's gradients are summed over the ranks where they are acquired,
   // before their squares are. Every rank holds the sums when the optimizer state is whole
-  // (all-reduce); with sharded state only the group's owner does (reduce onto the owner, half
-  // the bytes), it alone adds their squares, and the ranks then add their partial sums.
+  // (all-reduce); with sharded state each rank's ranges are summed onto it (a reduce per range,
+  // half the bytes of an all-reduce), it alone adds their squares, and the ranks then add their
+  // partial sums.
   const bool reduce = comm_ != nullptr && comm_->world_size() > 1;
-  const bool to_owner = reduce && sharded();
+  const bool to_ranges = reduce && sharded();
   for (int g = 0; g < store_->num_groups(); ++g) {
     const bool on_device = store_->home(g, StateKind::kGrad) == Tier::kDevice;
     if (!on_device) sum_and_release();
@@ -572,15 +626,21 @@ Result<double> PagedState::clip_and_step(float lr) {
     }
     held.push_back(g);
     const std::vector<GradBuffer> buffers = grad_buffers(g);
+    const std::vector<size_t>& tensors = store_->group_tensors(g);
     if (reduce) {
-      trace::Span reduce_span("optimizer", "gradient all-reduce", g);
-      // Reduced on the compute stream, as broadcast_copy's weights are.
+      trace::Span reduce_span("optimizer", to_ranges ? "gradient reduce to ranges" : "gradient all-reduce", g);
+      // Reduced on the compute stream, as gather_copy's weights are.
       Stream* stream = compute_stream_;
-      for (const GradBuffer& b : buffers) {
-        st = to_owner ? comm_->reduce_sum(const_cast<float*>(b.p), static_cast<size_t>(b.n),
-                                          options_.placement->owner(g), stream)
-                      : comm_->all_reduce_sum(const_cast<float*>(b.p), static_cast<size_t>(b.n), stream);
-        if (!st.ok()) break;
+      for (size_t j = 0; j < buffers.size() && st.ok(); ++j) {
+        float* p = const_cast<float*>(buffers[j].p);
+        if (!to_ranges) {
+          st = comm_->all_reduce_sum(p, static_cast<size_t>(buffers[j].n), stream);
+          continue;
+        }
+        for (int r = 0; r < comm_->world_size() && st.ok(); ++r) {
+          const ElementRange range = range_of(tensors[j], r);
+          if (range.count > 0) st = comm_->reduce_sum(p + range.first, range.count, r, stream);
+        }
       }
       if (stream != nullptr) stream->synchronize();
       if (!st.ok()) {
@@ -588,12 +648,15 @@ Result<double> PagedState::clip_and_step(float lr) {
         return st.with_context("the gradients of parameter group " + std::to_string(g));
       }
     }
-    if (!to_owner || owns(g)) pending.insert(pending.end(), buffers.begin(), buffers.end());
+    for (size_t j = 0; j < buffers.size(); ++j) {
+      const ElementRange range = updated_range(tensors[j]);
+      if (range.count > 0) pending.push_back({buffers[j].p + range.first, static_cast<int64_t>(range.count)});
+    }
     if (!on_device) sum_and_release();
   }
   sum_and_release();
   double sum_squares = kernels_->end_norm();
-  if (to_owner) {
+  if (to_ranges) {
     // The partial sums added in rank order: every rank gets the same bits.
     ASSIGN_OR_RETURN(sum_squares, parallel::sum_over_ranks(*comm_, sum_squares));
     kernels_->set_norm(sum_squares);
@@ -620,7 +683,7 @@ Status PagedState::check_updated_parameters() {
     if (t >= 0 && (first < 0 || t < first)) first = t;
   }
   if (sharded() && comm_ != nullptr && comm_->world_size() > 1) {
-    // Each group is updated on its owner alone: every rank learns the first tensor of any, so
+    // Each range is updated on its rank alone: every rank learns the first tensor of any, so
     // that all of them stop at this step with the same error.
     std::vector<int64_t> firsts(static_cast<size_t>(comm_->world_size()), 0);
     firsts[static_cast<size_t>(comm_->rank())] = first + 1;  // 0: none
@@ -769,17 +832,21 @@ std::vector<GradBuffer> PagedState::grad_buffers(int g) {
   return buffers;
 }
 
-void PagedState::write_copy(StateKernels& kernels, size_t i, const float* master) {
+void PagedState::write_copy(StateKernels& kernels, size_t i, const float* master, ElementRange range) {
+  if (range.count == 0) return;
   const Piece& t = pieces_[i];
   void* copy = store_->raw_pointer(i, StateKind::kParam);
-  if (store_->layout().quantized({static_cast<uint64_t>(t.numel), t.matrix_rows}))
+  if (store_->layout().quantized({static_cast<uint64_t>(t.numel), t.matrix_rows})) {
+    CHECK_MSG(range.count == static_cast<uint64_t>(t.numel), "a quantised matrix's compute copy is written whole");
     kernels.quantize_copy(copy, master, t.matrix_rows, t.numel / t.matrix_rows);
-  else
-    kernels.round_copy(copy, master, t.numel);
+  } else {
+    const uint64_t size = dtype_size(store_->layout().activation_dtype());
+    kernels.round_copy(static_cast<char*>(copy) + range.first * size, master, static_cast<int64_t>(range.count));
+  }
 }
 
-void PagedState::put_values(size_t i, StateKind kind, const float* values) {
-  const int64_t n = pieces_[i].numel;
+void PagedState::put_values(size_t i, StateKind kind, const float* values, uint64_t count) {
+  const int64_t n = static_cast<int64_t>(count);
   const StateLayout& layout = store_->layout();
   if (layout.is_f32(kind)) {
     std::memcpy(store_->pointer(i, kind), values, static_cast<size_t>(n) * sizeof(float));
@@ -790,8 +857,8 @@ void PagedState::put_values(size_t i, StateKind kind, const float* values) {
   kernels::cpu::encode_moments(store_->raw_pointer(i, kind), values, layout.moments, is_second_moment(kind), n);
 }
 
-void PagedState::get_values(size_t i, StateKind kind, float* values) {
-  const int64_t n = pieces_[i].numel;
+void PagedState::get_values(size_t i, StateKind kind, float* values, uint64_t count) {
+  const int64_t n = static_cast<int64_t>(count);
   const StateLayout& layout = store_->layout();
   if (layout.is_f32(kind)) {
     std::memcpy(values, store_->pointer(i, kind), static_cast<size_t>(n) * sizeof(float));
@@ -815,7 +882,7 @@ Status PagedState::read_moments(size_t i, StateKind kind, uint64_t first, uint64
     return Status::OK();
   }
   CHECK_MSG(format == kernels::MomentFormat::kInt8, "read_moments of fp32 moments");
-  const uint64_t n = static_cast<uint64_t>(pieces_[i].numel), B = kernels::kMomentBlock;
+  const uint64_t n = store_->held(i, kind).count, B = kernels::kMomentBlock;
   const uint64_t b0 = first / B, b1 = (first + count - 1) / B;
   const uint64_t sub_first = b0 * B, sub_n = std::min(n, (b1 + 1) * B) - sub_first;
   const uint64_t sub_bytes = kernels::moment_bytes(format, static_cast<int64_t>(sub_n));
@@ -858,9 +925,11 @@ std::string PagedState::placement_summary() const {
   for (StateKind k : store_->layout().kinds()) {
     int counts[kNumTiers] = {0, 0, 0};
     for (int g = 0; g < store_->num_groups(); ++g)
-      if (store_->holds(g, k)) counts[static_cast<int>(store_->home(g, k))]++;
-    out += fmt::format("{}{}: {} device, {} host, {} nvme", out.empty() ? "" : "; ", state_kind_name(k), counts[0],
-                       counts[1], counts[2]);
+      counts[static_cast<int>(store_->home(g, k))]++;
+    bool sliced = false;
+    for (int g = 0; g < store_->num_groups(); ++g) sliced = sliced || store_->sliced(g, k);
+    out += fmt::format("{}{}: {} device, {} host, {} nvme{}", out.empty() ? "" : "; ", state_kind_name(k), counts[0],
+                       counts[1], counts[2], sliced ? " (this rank's ranges)" : "");
   }
   return out;
 }

@@ -67,7 +67,7 @@ struct PagedStateOptions {
   uint64_t chunk_bytes = 0;   // 0 = choose the size that wastes the least padding
   size_t lookahead = 2;       // groups prefetched ahead
   int64_t grad_accum = 1;     // micro-batches per step (for the schedule)
-  // Home and owner of each group's state of each kind (the plan's placement). None: every chunk
+  // Home and sharding of each group's state of each kind (the plan's placement). None: every chunk
   // in the lowest tier with room, every group owned by this process.
   std::optional<Placement> placement;
   // Activation offload (DESIGN §3.3): keep the model's offloaded layer checkpoints (saved
@@ -90,10 +90,10 @@ struct PagedStateOptions {
   // Start AdamW on each group as soon as its gradients are final in the step's last micro-batch,
   // on a worker thread, while backward continues on earlier layers. Requires grad_clip = 0.
   bool overlap_optimizer = false;
-  // Data parallelism: this process's rank. With sharded optimizer state (ZeRO-1 over parameter
-  // groups, Placement::sharded) group g's master weights and Adam moments exist only on its owner
-  // (placement->owner(g)), which updates the group and sends its new compute copy to the other
-  // ranks (set_comm); every rank holds every group's compute copy and gradients.
+  // Data parallelism: this process's rank. With sharded optimizer state (ZeRO-1 over element
+  // ranges, Placement::sharded) each rank holds the master weights and Adam moments of its range
+  // of every tensor only (tensor_shard), updates that range and sends its new compute copy to
+  // the other ranks (set_comm); every rank holds every group's compute copy and gradients.
   int rank = 0;
 };
 
@@ -120,6 +120,10 @@ class PagedState : public model::ParamAccess, public SavableState {
   // The store's tensors for `layout`, as create() registers them (a linear weight in row blocks
   // is one tensor per block): what the planner's traffic replay builds its store from.
   static std::vector<StateTensor> store_tensors(const model::ParamLayout& layout);
+  // The same for data-parallel rank `rank` of `world` (world > 1): each with the slice of its
+  // elements the rank owns (StateTensor::slice), what a sharded optimizer's kinds hold.
+  static std::vector<StateTensor> store_tensors(const model::ParamLayout& layout, const StateLayout& state, int rank,
+                                                int world);
   static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, const StateLayout& state = {});
   static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, Precision precision) {
     return auto_chunk_bytes(layout, StateLayout::of(precision));
@@ -160,6 +164,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   // from the thread doing it: a save in flight captures the bytes it has not written yet.
   void set_before_modify(std::function<void(int group)> hook) override { before_modify_ = std::move(hook); }
   void set_step_count(int64_t steps) override { step_count_ = steps; }
+  ElementRange saved_range(const model::TensorSpec& t, size_t index) const override;
 
   Status zero_grads();
   // Clips the global gradient norm to options.optimizer.grad_clip and applies one AdamW update
@@ -199,7 +204,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   void set_compute_stream(Stream* stream) override { compute_stream_ = stream; }
   // Data parallelism: clip_and_step() first sums every gradient over the ranks of `comm`
   // (parallel/comm.h), in rank order, so all ranks take the same step: onto every rank
-  // (all-reduce) when each holds the whole state, onto each group's owner (reduce) when the
+  // (all-reduce) when each holds the whole state, each rank's ranges onto it (reduce) when the
   // optimizer state is sharded (options.placement), whose partial norms are then summed. Null or world 1: no
   // reduction. REQUIRES: not with overlap_optimizer (groups would update before the sums);
   // the Comm outlives the state.
@@ -234,32 +239,32 @@ class PagedState : public model::ParamAccess, public SavableState {
   }
   // Rounds group g's fp32 master into its compute copy (a layout with a separate master).
   Status refresh_compute_copy(int g);
-  // Writes store tensor i's compute copy from its master (both acquired where `kernels` works).
-  void write_copy(StateKernels& kernels, size_t i, const float* master);
+  // Writes elements `range` of store tensor i's compute copy from `master`, the master values of
+  // that range (both acquired where `kernels` works). A quantised matrix is written whole.
+  void write_copy(StateKernels& kernels, size_t i, const float* master, ElementRange range);
   // The gradient buffers of group g's tensors, in layout order (REQUIRES its gradients acquired).
   std::vector<GradBuffer> grad_buffers(int g);
-  // Tensor i's `kind` state (acquired) from / into fp32 values: a copy for fp32 kinds, the
-  // moments' encoding or decoding for compact ones.
-  void put_values(size_t i, StateKind kind, const float* values);
-  void get_values(size_t i, StateKind kind, float* values);
+  // Tensor i's `kind` state (acquired; `count` elements, what the store holds of it) from / into
+  // fp32 values: a copy for fp32 kinds, the moments' encoding or decoding for compact ones.
+  void put_values(size_t i, StateKind kind, const float* values, uint64_t count);
+  void get_values(size_t i, StateKind kind, float* values, uint64_t count);
   // Decoded elements [first, first + count) of tensor i's compact moments, read beside training.
   Status read_moments(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst);
   size_t tensor_at(int64_t offset) const;
   // Where AdamW updates a group: the device tier when its moments live there, else host memory
-  // (NVMe-homed moments are read into host slots). For a group another rank owns: where its
-  // compute copy receives the owner's update (the device tier when it is homed there).
+  // (NVMe-homed moments are read into host slots).
   Tier adam_tier(int group) const;
-  // Whether this rank updates group g and holds its master weights and moments.
-  bool owns(int group) const {
-    return !options_.placement || options_.placement->holds(options_.rank, group, StateKind::kAdamM);
-  }
-  // Whether the groups' optimizer state is sharded over the ranks (each group's on its owner).
+  // Whether the optimizer state is sharded over the ranks (each rank's ranges on that rank).
   bool sharded() const { return options_.placement && options_.placement->sharded(); }
-  // A group another rank owns: its compute copy, as the owner updated it (the broadcast of
-  // update_group on the owner).
-  Status receive_group(int group);
-  // Sends (owner) or receives each tensor of group g's compute copy, acquired at `where`.
-  Status broadcast_copy(int group, Tier where);
+  // The elements of store tensor i that rank `rank` owns (placement.h's tensor_shard of its
+  // layout tensor, as far as it falls in this piece, counted from the piece's first element);
+  // every element without ranks.
+  ElementRange range_of(size_t i, int rank) const;
+  // The elements of store tensor i this rank updates: its range when sharded, else all.
+  ElementRange updated_range(size_t i) const;
+  // Sends this rank's ranges of group g's new compute copy (acquired at `where`) to the other
+  // ranks and receives theirs.
+  Status gather_copy(int group, Tier where);
 
   model::ParamLayout layout_;
   kernels::AdamWParams adamw_params(float lr) const;
@@ -308,6 +313,7 @@ class PagedState : public model::ParamAccess, public SavableState {
     int64_t offset = 0;  // in the flat layout
     int64_t numel = 0;
     int64_t matrix_rows = 0;  // > 0: a linear layer's weight (the fp8 recipe quantises it)
+    size_t spec_index = 0;    // of spec in the layout's tensors
   };
   std::vector<Piece> pieces_;
   int64_t step_count_ = 0;

@@ -43,6 +43,12 @@ class SavableState {
   // Called with a parameter group before bytes a save may still be reading are overwritten
   // (model::param_group_of numbering), so the save can copy them first or finish them.
   virtual void set_before_modify(std::function<void(int group)> hook) = 0;
+  // The elements of `t` (the index-th of ParamLayout::tensors()) this data-parallel rank writes
+  // into a sharded checkpoint: its range (offload/placement.h's tensor_shard). All of them for
+  // one process.
+  virtual ElementRange saved_range(const model::TensorSpec& t, size_t /*index*/) const {
+    return {0, static_cast<uint64_t>(t.numel)};
+  }
   virtual int64_t step_count() const = 0;  // AdamW steps taken (bias correction)
   virtual void set_step_count(int64_t steps) = 0;
 };

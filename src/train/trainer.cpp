@@ -479,7 +479,6 @@ void open_checkpointer(const TrainConfig& t, Run& run, Ranks& ranks) {
   co.skip_if_busy = t.ckpt_skip_if_busy;
   co.staging_bytes = t.ckpt_staging;
   if (ranks.several()) {
-    co.placement = run.engine->plan().placement;
     co.shard.rank = ranks.rank();
     co.shard.world = ranks.world();
     parallel::Comm* ckpt_comm = ranks.ckpt_comm.get();

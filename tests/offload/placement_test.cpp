@@ -8,35 +8,91 @@
 namespace strata {
 namespace {
 
-TEST(PlacementOwners, LargestGroupsGoFirstToTheLeastLoadedRank) {
-  Placement placement(5);
-  const std::vector<uint64_t> elements = {40, 10, 10, 10, 40};
-  placement.assign_owners(elements, 2, /*shard_optimizer=*/true);
-  // 40 -> rank 0, 40 -> rank 1, then the 10s to the lower rank on each tie.
-  EXPECT_EQ(placement.owners(), (std::vector<int>{0, 0, 1, 0, 1}));
-  EXPECT_TRUE(placement.sharded());
-  EXPECT_TRUE(placement.holds(1, 0, StateKind::kParam));  // the compute copy is everyone's
-  EXPECT_TRUE(placement.holds(1, 0, StateKind::kGrad));
-  EXPECT_FALSE(placement.holds(1, 0, StateKind::kAdamM));  // the moments only the owner's
-  EXPECT_TRUE(placement.holds(0, 0, StateKind::kAdamV));
+// Every rank's range of a tensor, in rank order.
+std::vector<ElementRange> ranges(const StateLayout& layout, const StateShape& shape, size_t index, int world) {
+  std::vector<ElementRange> out;
+  for (int r = 0; r < world; ++r) out.push_back(tensor_shard(layout, shape, index, r, world));
+  return out;
 }
 
-TEST(PlacementOwners, UnshardedOwnersOnlyNameTheWriterOfEachGroup) {
+// The ranges of the ranks partition the tensor, in order and without holes, for sizes around
+// the shard unit and worlds up to 8.
+TEST(TensorShard, TheRanksRangesPartitionEveryTensor) {
+  const StateLayout layout = StateLayout::of(Precision::kBf16);
+  for (uint64_t n : {1ull, 255ull, 256ull, 257ull, 1000ull, 4096ull, 65537ull}) {
+    for (int world = 1; world <= 8; ++world) {
+      uint64_t next = 0;
+      for (const ElementRange& r : ranges(layout, {n, 0}, 3, world)) {
+        EXPECT_EQ(r.first, next) << "n " << n << " world " << world;
+        // Every range but the end of the tensor starts and ends on a whole shard unit.
+        EXPECT_EQ(r.first % kShardUnit, 0u);
+        if (r.end() != n) EXPECT_EQ(r.end() % kShardUnit, 0u);
+        next = r.end();
+      }
+      EXPECT_EQ(next, n) << "n " << n << " world " << world;
+    }
+  }
+}
+
+// The shares are even: no rank holds more than one shard unit above 1/W of the tensor.
+TEST(TensorShard, SharesDifferByAtMostOneUnit) {
+  const StateLayout layout = StateLayout::of(Precision::kFp32);
+  const uint64_t n = 4096 * 11 + 100;
+  for (int world : {2, 3, 4, 7}) {
+    uint64_t lo = UINT64_MAX, hi = 0;
+    for (const ElementRange& r : ranges(layout, {n, 0}, 0, world)) lo = std::min(lo, r.count), hi = std::max(hi, r.count);
+    EXPECT_LE(hi - lo, kShardUnit) << "world " << world;
+  }
+  // A tensor of one unit goes to one rank; the others' ranges are empty, at its end.
+  const std::vector<ElementRange> small = ranges(layout, {64, 0}, 0, 4);
+  int holders = 0;
+  for (const ElementRange& r : small) holders += r.count > 0 ? 1 : 0;
+  EXPECT_EQ(holders, 1);
+}
+
+// The fp8 recipe's quantised matrices are owned whole, by tensor index modulo the world; other
+// tensors of that recipe are split as in any other.
+TEST(TensorShard, QuantisedMatricesAreOwnedWhole) {
+  const StateLayout layout = StateLayout::of(Precision::kFp8);
+  const StateShape matrix{256 * 128, 256};
+  for (size_t index = 0; index < 6; ++index) {
+    for (int r = 0; r < 3; ++r) {
+      const ElementRange got = tensor_shard(layout, matrix, index, r, 3);
+      if (static_cast<int>(index % 3) == r) EXPECT_EQ(got, (ElementRange{0, matrix.elements}));
+      else EXPECT_EQ(got.count, 0u);
+    }
+  }
+  // A matrix in the bf16 recipe is not quantised: it is split.
+  EXPECT_EQ(tensor_shard(StateLayout::of(Precision::kBf16), matrix, 0, 1, 2), (ElementRange{16384, 16384}));
+}
+
+TEST(Placement, ShardingTheOptimizerSlicesItsKindsOnly) {
   Placement placement(3);
   placement.place(1, StateKind::kAdamM, Tier::kNvme, 4096);
-  placement.assign_owners(std::vector<uint64_t>{1, 2, 3}, 3, /*shard_optimizer=*/false);
-  EXPECT_EQ(placement.owners(), (std::vector<int>{2, 1, 0}));
-  EXPECT_FALSE(placement.sharded());
-  for (int rank = 0; rank < 3; ++rank) EXPECT_TRUE(placement.holds(rank, 1, StateKind::kAdamM));
+  placement.shard_over(4, /*shard_optimizer=*/true);
+  EXPECT_EQ(placement.world(), 4);
+  EXPECT_TRUE(placement.sharded());
+  for (int g = 0; g < 3; ++g) {
+    EXPECT_FALSE(placement.sliced(g, StateKind::kParam));  // the compute copy is everyone's
+    EXPECT_FALSE(placement.sliced(g, StateKind::kGrad));
+    EXPECT_TRUE(placement.sliced(g, StateKind::kMaster));
+    EXPECT_TRUE(placement.sliced(g, StateKind::kAdamM));
+    EXPECT_TRUE(placement.sliced(g, StateKind::kAdamV));
+  }
   EXPECT_EQ(placement.home(1, StateKind::kAdamM), Tier::kNvme);
-  EXPECT_EQ(placement.row(1, StateKind::kAdamM).owned, (ByteRange{0, 4096}));
 }
 
-TEST(PlacementOwners, OneRankOwnsNothingAndHoldsEverything) {
-  const Placement placement(4);
-  EXPECT_EQ(placement.owner(2), kNoOwner);
-  EXPECT_FALSE(placement.sharded());
-  EXPECT_TRUE(placement.holds(0, 2, StateKind::kMaster));
+TEST(Placement, UnshardedRanksAndOneRankSliceNothing) {
+  Placement zero0(3);
+  zero0.shard_over(3, /*shard_optimizer=*/false);
+  EXPECT_EQ(zero0.world(), 3);
+  EXPECT_FALSE(zero0.sharded());
+  Placement one(3);
+  one.shard_over(1, /*shard_optimizer=*/true);  // one rank has nothing to shard
+  EXPECT_FALSE(one.sharded());
+  const Placement fresh(4);
+  EXPECT_EQ(fresh.world(), 1);
+  EXPECT_FALSE(fresh.sharded());
 }
 
 }  // namespace

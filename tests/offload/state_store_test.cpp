@@ -164,5 +164,51 @@ TEST(StateStoreTest, SharedChunksFallBackToTheTierBelowWhenTheHomeIsFull) {
   EXPECT_EQ((*store)->space().home(param_chunk(**store, "e7")), Tier::kHost);
 }
 
+// A sliced kind holds each tensor's slice alone, packed as slices (the chunk count the planner
+// reads from group_chunks(..., sliced) is the store's), and pointer() points at the slice's
+// first element; the other kinds hold every element.
+TEST(StateStoreTest, ASlicedKindHoldsEachTensorsSliceAlone) {
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  const uint64_t n = kFloats / 2;  // two whole tensors fill one chunk
+  std::vector<StateTensor> tensors = {{"a", n, 0}, {"b", n, 0}, {"c", n, 0}, {"d", n, 1}};
+  // Each holds a quarter; "d" holds nothing (an empty range).
+  for (StateTensor& t : tensors) t.slice = ElementRange{n / 4, t.name == "d" ? 0 : n / 4};
+  StateStoreOptions o;
+  o.space.chunk_bytes = kChunk;
+  o.space.host_bytes = 64 * kChunk;
+  o.layout = StateLayout::of(Precision::kBf16);
+  o.home = [](int, StateKind) { return Tier::kHost; };
+  o.sliced = [](int, StateKind k) { return k == StateKind::kMaster || k == StateKind::kAdamM; };
+  auto store = StateStore::create(**device, nullptr, tensors, o);
+  ASSERT_TRUE(store.ok()) << store.status().to_string();
+  StateStore& s = **store;
+  // Whole: a and b fill one chunk, c another, d (group 1) a third. Sliced: a, b and c share one.
+  const std::vector<uint64_t> whole = StateStore::group_chunks(tensors, kChunk, o.layout, StateKind::kAdamV);
+  const std::vector<uint64_t> sliced = StateStore::group_chunks(tensors, kChunk, o.layout, StateKind::kAdamM, true);
+  EXPECT_EQ(whole, (std::vector<uint64_t>{2, 1}));
+  EXPECT_EQ(sliced, (std::vector<uint64_t>{1, 1}));
+  uint64_t adam_m = 0, adam_v = 0;
+  for (ChunkId c = 0; c < s.space().num_chunks(); ++c) {
+    adam_m += s.space().chunk_kind(c) == ChunkKind::kAdamM ? 1 : 0;
+    adam_v += s.space().chunk_kind(c) == ChunkKind::kAdamV ? 1 : 0;
+  }
+  EXPECT_EQ(adam_m, sliced[0] + sliced[1]);
+  EXPECT_EQ(adam_v, whole[0] + whole[1]);
+  EXPECT_TRUE(s.sliced(0, StateKind::kAdamM));
+  EXPECT_FALSE(s.sliced(0, StateKind::kAdamV));
+  EXPECT_EQ(s.held(0, StateKind::kAdamM), (ElementRange{n / 4, n / 4}));
+  EXPECT_EQ(s.held(0, StateKind::kAdamV), (ElementRange{0, n}));
+  EXPECT_EQ(s.held(3, StateKind::kMaster).count, 0u);
+  // Writing a slice and reading it back through read_tensor, whose offsets count from the slice.
+  ASSERT_TRUE(s.acquire_group(0, StateKind::kAdamM, Tier::kHost, AccessMode::kWrite).ok());
+  for (size_t i = 0; i < 3; ++i)
+    for (uint64_t e = 0; e < n / 4; ++e) s.pointer(i, StateKind::kAdamM)[e] = static_cast<float>(i * 1000 + e);
+  s.release_group(0, StateKind::kAdamM);
+  std::vector<float> back(4);
+  ASSERT_TRUE(s.read_tensor(2, StateKind::kAdamM, 10, 4, back.data()).ok());
+  EXPECT_EQ(back, (std::vector<float>{2010, 2011, 2012, 2013}));
+}
+
 }  // namespace
 }  // namespace strata

@@ -183,43 +183,60 @@ TEST_F(DataParallelTest, WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch) {
   EXPECT_FALSE(fs::exists(four / "metrics.rank1.jsonl"));
 }
 
-// "homes: param: 4 device, 0 host, 0 nvme; grad: ...": the groups holding `kind` on this rank.
-int groups_holding(const std::string& log, const std::string& kind) {
+// "homes: param: 4 device, 0 host, 0 nvme; grad: ...": the rest of the `kind` entry on this rank.
+std::string homes_of(const std::string& log, const std::string& kind) {
   const size_t at = log.find(kind + ": ", log.find("homes: "));
-  if (at == std::string::npos) return -1;
-  int device = 0, host = 0, nvme = 0;
-  if (std::sscanf(log.c_str() + at + kind.size() + 2, "%d device, %d host, %d nvme", &device, &host, &nvme) != 3)
-    return -1;
-  return device + host + nvme;
+  if (at == std::string::npos) return "";
+  const size_t end = log.find_first_of(";\n", at);
+  return log.substr(at + kind.size() + 2, end == std::string::npos ? std::string::npos : end - at - kind.size() - 2);
 }
 
-// In the bf16 recipe each rank keeps master weights and Adam moments only for the parameter
-// groups it owns (4 groups: 2 each), updates those and sends their new bf16 copies to the other
-// rank; the export reads the masters back from the final (sharded) checkpoint.
-TEST_F(DataParallelTest, Bf16MastersAndMomentsLiveOnlyOnTheirOwner) {
+// Bytes of each rank's file `stem`.rank-R-of-W.safetensors in a step directory, in rank order.
+std::vector<uint64_t> shard_bytes(const fs::path& step, const char* stem, int world) {
+  std::vector<uint64_t> out;
+  for (int r = 0; r < world; ++r) {
+    char name[96];
+    std::snprintf(name, sizeof name, "%s.rank-%05d-of-%05d.safetensors", stem, r, world);
+    out.push_back(fs::exists(step / name) ? fs::file_size(step / name) : 0);
+  }
+  return out;
+}
+
+// In the bf16 recipe each rank keeps master weights and Adam moments only for its range of
+// every tensor (half of each), updates that range and sends its part of the new bf16 copies to
+// the other rank; the export reads the masters back from the final (sharded) checkpoint, where
+// each rank wrote its ranges.
+TEST_F(DataParallelTest, Bf16MastersAndMomentsLiveOnlyOnTheRankOwningTheirRange) {
   const fs::path one = dir_ / "one", two = dir_ / "two";
-  const std::string bf16 = " train.precision=bf16";
+  const std::string bf16 = " train.precision=bf16 ckpt.every=4";
   CmdResult single = testing::run_strata(run_args(one.string(), 2) + bf16 + " run.export=" + (one / "export").string() +
                                          " run.export_dtype=f32");
   ASSERT_EQ(single.exit_code, 0) << single.output;
-  EXPECT_EQ(groups_holding(single.output, "master"), 4) << single.output;
+  EXPECT_EQ(homes_of(single.output, "master"), "4 device, 0 host, 0 nvme") << single.output;
   auto w2 = launch(2, run_args(two.string(), 1) + bf16 + " run.export=" + (two / "export").string() +
                           " run.export_dtype=f32", "bf16");
   ASSERT_TRUE(all_ok(w2)) << all_output(w2);
-  EXPECT_EQ(groups_holding(w2[0].output, "master"), 2) << w2[0].output;
-  EXPECT_EQ(groups_holding(w2[0].output, "adam_m"), 2) << w2[0].output;
-  EXPECT_EQ(groups_holding(w2[0].output, "param"), 4) << w2[0].output;
+  // Rank 0 logs its homes.
+  EXPECT_EQ(homes_of(w2[0].output, "master"), "4 device, 0 host, 0 nvme (this rank's ranges)") << w2[0].output;
+  EXPECT_EQ(homes_of(w2[0].output, "adam_v"), "4 device, 0 host, 0 nvme (this rank's ranges)") << w2[0].output;
+  EXPECT_EQ(homes_of(w2[0].output, "param"), "4 device, 0 host, 0 nvme") << w2[0].output;
+  // Each rank wrote about half of the optimizer state: within 10% of half the one process's file.
+  const fs::path whole = one / "checkpoints" / "step-4" / "optimizer.safetensors";
+  ASSERT_TRUE(fs::exists(whole));
+  const double half = static_cast<double>(fs::file_size(whole)) / 2;
+  for (uint64_t b : shard_bytes(two / "checkpoints" / "step-4", "optimizer", 2))
+    EXPECT_TRUE(std::fabs(static_cast<double>(b) - half) <= 0.1 * half) << b << " bytes against half of " << 2 * half;
   expect_close_losses(losses_of(one / "metrics.jsonl"), losses_of(two / "metrics.jsonl"), "bf16 world 2");
   const ParamDiff d = compare_exports(one / "export", two / "export");
   ASSERT_GT(d.tensors, 0u);
   EXPECT_TRUE(d.max_abs <= kParamTol) << "max |diff| " << d.max_abs;
 }
 
-// optim.eps=0 with the optimizer state sharded (bf16 recipe): the embedding's owner alone updates
-// it and writes 0/0 into the rows of tokens the batch lacks. Every rank learns of it at the end
-// of the step and stops there with the same error naming the tensor, exit 1, none waiting for
-// another past the step.
-TEST_F(DataParallelTest, AnUpdateThatWritesNaNOnItsOwnerStopsEveryRankNamingTheTensor) {
+// optim.eps=0 with the optimizer state sharded (bf16 recipe): each rank updates its range of the
+// embedding and writes 0/0 into the rows of tokens the batch lacks. Every rank learns of the
+// first such tensor on any rank at the end of the step and stops there with the same error
+// naming it, exit 1, none waiting for another past the step.
+TEST_F(DataParallelTest, AnUpdateThatWritesNaNOnARankStopsEveryRankNamingTheTensor) {
   const fs::path run = dir_ / "run";
   auto w2 = launch(2, run_args(run.string(), 1) + " train.precision=bf16 optim.eps=0", "eps0");
   for (size_t r = 0; r < w2.size(); ++r) {
@@ -276,8 +293,14 @@ TEST_F(DataParallelTest, CheckpointOfFourRanksResumesOnOneTwoThreeAndFour) {
   EXPECT_FALSE(fs::exists(fs::path(step2) / "model.safetensors"));
   CmdResult inspect = testing::run_strata("ckpt inspect " + step2);
   ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
-  EXPECT_NE(inspect.output.find("written as       4 ranks, each its parameter groups"), std::string::npos)
+  EXPECT_NE(inspect.output.find("written as       sharded over 4 ranks by element ranges"), std::string::npos)
       << inspect.output;
+  // The shares are even: each rank's files within 5% of a quarter of the four together.
+  for (const char* stem : {"model", "optimizer"}) {
+    const std::vector<uint64_t> bytes = shard_bytes(step2, stem, 4);
+    const double quarter = static_cast<double>(bytes[0] + bytes[1] + bytes[2] + bytes[3]) / 4;
+    for (uint64_t b : bytes) EXPECT_TRUE(std::fabs(static_cast<double>(b) - quarter) <= 0.05 * quarter) << stem << " " << b;
+  }
   // It exports to Hugging Face like any checkpoint, tensor by tensor.
   CmdResult convert = testing::run_strata("convert --from " + step2 + " --to " + (dir_ / "hf").string());
   ASSERT_EQ(convert.exit_code, 0) << convert.output;
@@ -298,7 +321,7 @@ TEST_F(DataParallelTest, CheckpointOfFourRanksResumesOnOneTwoThreeAndFour) {
   ASSERT_EQ(r1.exit_code, 0) << r1.output;
   expect_close_losses({expected[2], expected[3]}, losses_of(one / "metrics.jsonl"), "world 1 from world 4");
 
-  // Three ranks own the groups unevenly (4 groups); 1 x 3 micro-batches of 2 sequences is
+  // Three ranks split every tensor in three; 1 x 3 micro-batches of 2 sequences is
   // another global batch (6 sequences), so this only shows that the run continues from the
   // state world 4 left, its loss near world 4's.
   const fs::path three = dir_ / "three";

@@ -3,7 +3,7 @@
 // followed when it was written down by hand, kept here as the test's statement of the order, for
 // every kind of model and step the paging tests train: dense, tied, MoE with dense layers
 // between, offloaded activations, several micro-batches, AdamW on the device for some groups and
-// on the host for others, and a data-parallel rank that updates only the groups it owns. A
+// on the host for others, and a data-parallel rank, whose norm pass sums the gradients in place. A
 // change to the order in which the decoder or the optimizer acquires state fails here until the
 // expected order below says the same.
 #include <gtest/gtest.h>
@@ -28,11 +28,10 @@ namespace {
 // The expected order: num_layers decoder layers; tied embeddings (the head reads group 0);
 // grad_accum micro-batches; `offloaded` saved activations; experts[g]: the experts of group g (0
 // for dense groups), not prefetched; adam_tier(g): where AdamW updates group g; kinds: the state
-// kinds AdamW acquires; updates(g, k): whether the optimizer acquires kind k of group g.
+// kinds AdamW acquires.
 std::vector<GroupAccess> expected_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded,
                                            const std::vector<int>& experts, const std::function<Tier(int)>& adam_tier,
-                                           const std::vector<StateKind>& kinds,
-                                           const std::function<bool(int, StateKind)>& updates) {
+                                           const std::vector<StateKind>& kinds) {
   const int head = num_layers + 1;
   std::vector<GroupAccess> s;
   auto all = [&](int g, StateKind k) { s.push_back({g, k}); };
@@ -62,7 +61,6 @@ std::vector<GroupAccess> expected_schedule(int num_layers, bool tied, int64_t gr
   for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // the norm
   for (int g = 0; g <= head; ++g) {
     for (StateKind k : kinds) {
-      if (!updates(g, k)) continue;
       all(g, k);
       s.back().prefetch_to = adam_tier(g);
     }
@@ -113,7 +111,7 @@ struct Config {
   model::ModelConfig model;
   bool offload = false;
   int64_t grad_accum = 1;
-  bool owns_odd_groups_only = false;  // a data-parallel rank
+  bool data_parallel = false;  // a data-parallel rank
 };
 
 TEST(StepProgram, TheRecordedProgramIsTheExpectedOrder) {
@@ -136,24 +134,31 @@ TEST(StepProgram, TheRecordedProgramIsTheExpectedOrder) {
     const std::vector<int> experts = experts_per_group(layout);
     // AdamW on the device for every third group, on the host for the others.
     auto where = [](int g) { return g % 3 == 0 ? Tier::kDevice : Tier::kHost; };
-    auto owns = [&](int g) { return !c.owns_odd_groups_only || g % 2 == 1; };
     for (Precision precision : {Precision::kFp32, Precision::kBf16}) {
       const std::vector<StateKind> kinds = StateLayout::of(precision).kinds();
       const int offloaded = c.offload ? model::saved_activation_count(L) : 0;
       const std::vector<GroupAccess> want =
-          expected_schedule(L, c.model.tie_word_embeddings, c.grad_accum, offloaded, experts, where, kinds,
-                        [&](int g, StateKind k) { return owns(g) || k == StateKind::kParam; });
-      const StepProgram program =
-          make_step_program(model::record_micro_batch(c.model, c.offload), {groups, kinds, owns, where});
-      expect_same_schedule(program.schedule(c.grad_accum), want,
-                           fmt::format("{} ({})", c.name, precision == Precision::kFp32 ? "fp32" : "bf16"));
+          expected_schedule(L, c.model.tie_word_embeddings, c.grad_accum, offloaded, experts, where, kinds);
+      const StepProgram program = make_step_program(model::record_micro_batch(c.model, c.offload),
+                                                    {groups, kinds, where, c.data_parallel});
+      const std::string what = fmt::format("{} ({})", c.name, precision == Precision::kFp32 ? "fp32" : "bf16");
+      expect_same_schedule(program.schedule(c.grad_accum), want, what);
+      // The norm pass reads the gradients, or with ranks sums them in place first.
+      int norm = 0;
+      for (const ProgramEvent& e : program.optimizer) {
+        if (e.phase != StepPhase::kNorm) continue;
+        ++norm;
+        EXPECT_EQ(e.mode, c.data_parallel ? AccessMode::kReadWrite : AccessMode::kRead) << what;
+      }
+      EXPECT_EQ(norm, groups) << what;
     }
   }
 }
 
 // The program the paged state pages along (its store's schedule) is that order for the state's
-// own homes and owners: rank 1 of 2 under a sharded optimizer, the moments of some groups on the
-// device and of the others in host memory, offloaded activations, a tied MoE model.
+// own homes and sharding: rank 1 of 2 under a sharded optimizer (which updates its ranges of
+// every group), the moments of some groups on the device and of the others in host memory,
+// offloaded activations, a tied MoE model.
 TEST(StepProgram, ThePagedStatesProgramFollowsItsPlacement) {
   model::ModelConfig mc = moe_config();
   mc.tie_word_embeddings = true;
@@ -163,7 +168,7 @@ TEST(StepProgram, ThePagedStatesProgramFollowsItsPlacement) {
   for (int g = 0; g < groups; ++g)
     for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV})
       placement.place(g, k, g % 3 == 0 ? Tier::kDevice : Tier::kHost, 0);
-  placement.assign_owners(PagedState::group_elements(layout), /*world=*/2, /*shard_optimizer=*/true);
+  placement.shard_over(/*world=*/2, /*shard_optimizer=*/true);
   auto device = CpuDevice::create(0, 0);
   ASSERT_TRUE(device.ok());
   PagedStateOptions po;
@@ -177,16 +182,16 @@ TEST(StepProgram, ThePagedStatesProgramFollowsItsPlacement) {
   po.activation_tokens = 16;
   auto ps = PagedState::create(**device, nullptr, layout, po);
   ASSERT_TRUE(ps.ok()) << ps.status().to_string();
-  auto owns = [&](int g) { return placement.owner(g) == 1; };
-  auto where = [&](int g) { return placement.home(g, owns(g) ? StateKind::kAdamM : StateKind::kParam); };
-  const std::vector<GroupAccess> want = expected_schedule(
-      L, true, po.grad_accum, model::saved_activation_count(L), experts_per_group(layout), where,
-      StateLayout::of(po.precision).kinds(), [&](int g, StateKind k) { return owns(g) || k == StateKind::kParam; });
+  auto where = [&](int g) { return placement.home(g, StateKind::kAdamM); };
+  const std::vector<GroupAccess> want =
+      expected_schedule(L, true, po.grad_accum, model::saved_activation_count(L), experts_per_group(layout), where,
+                        StateLayout::of(po.precision).kinds());
   expect_same_schedule((*ps)->step_program().schedule(po.grad_accum), want, "rank 1 of 2");
-  int updated = 0;
-  for (int g = 0; g < groups; ++g) updated += owns(g) ? 1 : 0;
-  EXPECT_GT(updated, 0);
-  EXPECT_LT(updated, groups);
+  // The moments are this rank's ranges: every group holds them, sliced.
+  for (int g = 0; g < groups; ++g) {
+    EXPECT_TRUE((*ps)->store().sliced(g, StateKind::kAdamM)) << g;
+    EXPECT_FALSE((*ps)->store().sliced(g, StateKind::kParam)) << g;
+  }
 }
 
 }  // namespace
