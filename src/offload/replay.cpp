@@ -146,8 +146,15 @@ Result<ReplayResult> replay_step(const ReplayInput& in) {
   store->set_schedule(schedule);
   Driver driver(*store, in);
   ReplayResult result;
-  const int steps = std::max(2, in.steps);
-  for (int s = 0; s < steps; ++s) RETURN_IF_ERROR(driver.step(s + 1 == steps ? &result.phase : nullptr));
+  const int counted = std::max(1, in.counted_steps);
+  RETURN_IF_ERROR(driver.step(nullptr));
+  std::array<ReplayMoves, kStepPhases> sums{};
+  for (int s = 0; s < counted; ++s) RETURN_IF_ERROR(driver.step(&sums));
+  const uint64_t n = static_cast<uint64_t>(counted);
+  auto per_step = [n](uint64_t sum) { return (sum + n / 2) / n; };
+  for (size_t p = 0; p < sums.size(); ++p)
+    result.phase[p] = {per_step(sums[p].h2d), per_step(sums[p].d2h), per_step(sums[p].disk_read),
+                       per_step(sums[p].disk_write)};
   const ChunkSpaceStats stats = store->stats();
   for (int t = 0; t < kNumTiers; ++t) result.peak_bytes[static_cast<size_t>(t)] = stats.tiers[static_cast<size_t>(t)].peak_bytes;
   return result;

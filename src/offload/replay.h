@@ -11,7 +11,10 @@
 // `expert_fetch_fraction` of each MoE layer's experts (the planner's uniform routing), and an
 // nvme read has finished when the next prefetch looks at it.
 //
-// The replay runs a few steps from the homes alone and counts the last, the steady state.
+// The replay runs one step from the homes alone, then averages the moves of the next few: the
+// steady state. That is not always one step long: which copies a full tier keeps can rotate
+// over steps (e.g. 2 of every 3 steps moving more), so the steps counted cover every cycle of 1,
+// 2, 3 or 6 steps whole.
 // Thread-compatible; cost: the chunk space's, without a byte moved.
 #pragma once
 
@@ -35,7 +38,7 @@ struct ReplayInput {
   // The norm is taken inside the overlapped optimizer: its pass is not made.
   bool overlap_optimizer = false;
   double expert_fetch_fraction = 1.0;
-  int steps = 3;  // replayed; the last is counted
+  int counted_steps = 6;  // averaged, after the first step
 };
 
 // Bytes moved between the tiers.
@@ -45,7 +48,8 @@ struct ReplayMoves {
 };
 
 struct ReplayResult {
-  std::array<ReplayMoves, kStepPhases> phase{};  // the counted step's moves, by StepPhase
+  // The counted steps' moves per step, by StepPhase (each rounded to the nearest byte).
+  std::array<ReplayMoves, kStepPhases> phase{};
   std::array<uint64_t, kNumTiers> peak_bytes{};  // each tier's peak in use over the replay
   ReplayMoves total() const;
   const ReplayMoves& of(StepPhase p) const { return phase[static_cast<size_t>(p)]; }
