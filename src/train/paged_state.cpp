@@ -253,7 +253,21 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
                            dtype_size(so.layout.activation_dtype());
     RETURN_IF_ERROR(ps->store_->add_activations(offloaded, bytes));
   }
-  ps->store_->set_schedule(ps->step_program().schedule(options.grad_accum));
+  // The optimizer's loops walk the program's passes: the order the store prefetches along is the
+  // order they acquire in, by construction.
+  const StepProgram program = ps->step_program();
+  for (const ProgramEvent& e : program.zero) ps->zero_pass_.push_back(e);
+  for (const ProgramEvent& e : program.optimizer) {
+    if (e.phase == StepPhase::kNorm) {
+      ps->norm_pass_.push_back(e);
+    } else {
+      if (ps->updates_.empty() || ps->updates_.back().group != e.access.group) ps->updates_.push_back({e.access.group, {}});
+      ps->updates_.back().kinds.push_back(e.access.kind);
+    }
+  }
+  ps->update_index_.assign(static_cast<size_t>(ps->store_->num_groups()), SIZE_MAX);
+  for (size_t u = 0; u < ps->updates_.size(); ++u) ps->update_index_[static_cast<size_t>(ps->updates_[u].group)] = u;
+  ps->store_->set_schedule(program.schedule(options.grad_accum));
   if (options.overlap_optimizer) ps->worker_ = std::thread([p = ps.get()] { p->worker_loop(); });
   return ps;
 }
@@ -417,11 +431,12 @@ Status PagedState::zero_grads() {
   drain_compute();
   store_->space().trace_usage();  // a trace's memory counters start from every tier's use
   trace::Span span("optimizer", "zero gradients");
-  for (int g = 0; g < store_->num_groups(); ++g) {
-    RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, AccessMode::kWrite));
+  for (const ProgramEvent& e : zero_pass_) {
+    const int g = e.access.group;
+    RETURN_IF_ERROR(store_->acquire_group(g, e.access.kind, e.access.prefetch_to, e.mode));
     for (size_t i : store_->group_tensors(g)) kernels_->zero(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
     kernels_->synchronize();
-    store_->release_group(g, StateKind::kGrad);
+    store_->release_group(g, e.access.kind);
   }
   return Status::OK();
 }
@@ -442,7 +457,8 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   // moments are read into host slots and written back when evicted).
   const Tier where = adam_tier(g);
   const StateLayout& layout = store_->layout();
-  const std::vector<StateKind> kinds = layout.kinds();
+  // The kinds, in the order, the program's update of the group acquires.
+  const std::vector<StateKind>& kinds = updates_[update_index_.at(static_cast<size_t>(g))].kinds;
   trace::Span span("optimizer", "adamw group", g);
   span.arg("tier", static_cast<double>(where));
   if (before_modify_) before_modify_(g);
@@ -576,7 +592,8 @@ Result<double> PagedState::clip_and_step(float lr) {
     int bad_group = overlap_bad_group_;
     lock.unlock();
     RETURN_IF_ERROR(failed);
-    for (int g = 0; g < store_->num_groups() && bad_group < 0; ++g) {
+    for (size_t u = 0; u < updates_.size() && bad_group < 0; ++u) {
+      const int g = updates_[u].group;
       if (done[static_cast<size_t>(g)]) continue;
       double ss = 0;
       RETURN_IF_ERROR(update_group(g, 1.0f, p, &ss));
@@ -616,10 +633,13 @@ Result<double> PagedState::clip_and_step(float lr) {
   // partial sums.
   const bool reduce = comm_ != nullptr && comm_->world_size() > 1;
   const bool to_ranges = reduce && sharded();
-  for (int g = 0; g < store_->num_groups(); ++g) {
+  for (const ProgramEvent& e : norm_pass_) {
+    const int g = e.access.group;
     const bool on_device = store_->home(g, StateKind::kGrad) == Tier::kDevice;
     if (!on_device) sum_and_release();
-    Status st = store_->acquire_group(g, StateKind::kGrad, Tier::kDevice, reduce ? AccessMode::kReadWrite : AccessMode::kRead);
+    CHECK_MSG(!reduce || e.mode == AccessMode::kReadWrite, "the program's norm pass does not write the gradients the "
+                                                           "ranks sum in place");
+    Status st = store_->acquire_group(g, e.access.kind, e.access.prefetch_to, e.mode);
     if (!st.ok()) {
       sum_and_release();
       return st;
@@ -671,7 +691,7 @@ Result<double> PagedState::clip_and_step(float lr) {
   if (coefficient != 1.0f) kernels_->prepare_clip(options_.optimizer.grad_clip);
   ++step_count_;
   const kernels::AdamWParams p = adamw_params(lr);
-  for (int g = 0; g < store_->num_groups(); ++g) RETURN_IF_ERROR(update_group(g, coefficient, p));
+  for (const GroupUpdate& u : updates_) RETURN_IF_ERROR(update_group(u.group, coefficient, p));
   RETURN_IF_ERROR(check_updated_parameters());
   return norm;
 }

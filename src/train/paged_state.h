@@ -302,6 +302,15 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::unique_ptr<Stream> staging_stream_;     // saved activations between device and host memory
   std::vector<char> staging_;
   std::unique_ptr<StateStore> store_;
+  // The optimizer's passes of the step program (step_program()), which its loops walk: zeroing,
+  // the norm, and AdamW group by group with the kinds it acquires, in order.
+  struct GroupUpdate {
+    int group = 0;
+    std::vector<StateKind> kinds;
+  };
+  std::vector<ProgramEvent> zero_pass_, norm_pass_;
+  std::vector<GroupUpdate> updates_;
+  std::vector<size_t> update_index_;  // group -> its entry in updates_
   std::unordered_map<int64_t, size_t> by_offset_;  // flat offset -> store tensor index
   std::vector<std::pair<int64_t, size_t>> sorted_;  // (flat offset, store tensor index), ascending
   std::function<void(int group)> before_modify_;
