@@ -48,14 +48,15 @@ void rope_inv_freq(float* inv_freq /*(D/2)*/, int64_t head_dim, const RopeConfig
 // The ops rotate by the angles and multiply by `scale` (YaRN's attention factor, which
 // transformers applies to cos and sin; 1 otherwise).
 #define STRATA_ROPE_OPS                                                                            \
-  /* position of token t is t. out may alias x. */                                                 \
+  /* position of token t is past + t (past: positions already in a KV cache, 0 in training).    \
+     out may alias x. */                                                                           \
   void rope_forward(float* out /*(B,T,H,D)*/, const float* x /*(B,T,H,D)*/,                        \
                     const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,   \
-                    float scale = 1.0f);                                                           \
+                    float scale = 1.0f, int64_t past = 0);                                         \
   /* dx = scale * (rotation by -angle) dout. dx may alias dout. */                                 \
   void rope_backward(float* dx /*(B,T,H,D)*/, const float* dout /*(B,T,H,D)*/,                     \
                      const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,  \
-                     float scale = 1.0f);
+                     float scale = 1.0f, int64_t past = 0);
 namespace ref { STRATA_ROPE_OPS }
 namespace cpu { STRATA_ROPE_OPS }
 #undef STRATA_ROPE_OPS

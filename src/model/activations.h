@@ -44,9 +44,11 @@ class ActivationTable {
   // then. With offload_activations the layer checkpoints get min(3, L + 1) slots (see below).
   // The block comes from ops.activation_block(), which may fail (OutOfMemory on a device).
   // keep_layers: every layer but the last also keeps its own copy of what its backward reads
-  // (layer(l)), so that backward recomputes nothing.
+  // (layer(l)), so that backward recomputes nothing. kv_tokens > 0: generation's buffers too, a
+  // KV cache of that many positions and one row of logits (kv_cache, logits); the block is then
+  // planned for exactly these arguments (a call with others plans it anew, the cache lost).
   Status reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T, bool offload_activations = false,
-                 bool keep_layers = false);
+                 bool keep_layers = false, int64_t kv_tokens = 0);
   // Bytes held (for logging and tests).
   int64_t bytes() const { return bytes_; }
   // The bytes reserve() would take, the backend's own per-micro-batch buffers included, without
@@ -106,6 +108,13 @@ class ActivationTable {
   Act* shared_out = nullptr;     // (N, C) shared expert output before its sigmoid gate
   float* shared_logit = nullptr;   // (N) shared_expert_gate(x)
 
+  // Generation (kv_tokens > 0 only). The cache holds every layer's keys (after RoPE) and values
+  // of one sequence: layer l's keys are the (kv_tokens, Hkv*D) rows at kv_cache + 2*l*kv_tokens*Hkv*D,
+  // its values the next as many.
+  Act* kv_cache = nullptr;  // (L, 2, kv_tokens, Hkv*D)
+  float* logits = nullptr;  // (V) the last position's
+  int64_t kv_tokens() const { return planned_kv_; }
+
   // The micro-batch's token ids where the ops read them (backends whose ops cannot read host
   // memory copy them here; the CPU reads the caller's arrays).
   int32_t* tokens_in = nullptr;      // (N)
@@ -133,30 +142,35 @@ class ActivationTable {
 
  private:
   int64_t planned_tokens_ = 0;
+  int64_t planned_kv_ = 0;
   bool planned_offload_ = false;
   int64_t layer_checkpoint_slots_ = 0;
   int64_t bytes_ = 0;
 
   // Hands out every field for N tokens from `base` (null: only measures); returns the bytes.
-  int64_t carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers);
+  int64_t carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers,
+                int64_t kv_tokens);
   bool planned_keep_ = false;
   std::vector<ActivationTable> layer_views_;  // per layer 0 .. L-2 when keeping layers
 };
 
 template <class Ops>
 Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T,
-                                     bool offload_activations, bool keep_layers) {
+                                     bool offload_activations, bool keep_layers, int64_t kv_tokens) {
   int64_t N = B * T;
-  if (N <= planned_tokens_ && offload_activations == planned_offload_ && keep_layers == planned_keep_)
+  if (N <= planned_tokens_ && offload_activations == planned_offload_ && keep_layers == planned_keep_ &&
+      kv_tokens == planned_kv_)
     return Status::OK();
-  N = std::max(N, planned_tokens_);
-  const int64_t bytes = ActivationTable().carve(nullptr, config, N, offload_activations, keep_layers);
+  if (kv_tokens == planned_kv_) N = std::max(N, planned_tokens_);
+  const int64_t bytes = ActivationTable().carve(nullptr, config, N, offload_activations, keep_layers, kv_tokens);
   // The backend frees the old block first: after a failure nothing is planned any more.
   planned_tokens_ = 0;
+  planned_kv_ = 0;
   bytes_ = 0;
   ASSIGN_OR_RETURN(void* base, ops.activation_block(static_cast<uint64_t>(bytes), micro_batch_shape(config, N)));
-  carve(static_cast<char*>(base), config, N, offload_activations, keep_layers);
+  carve(static_cast<char*>(base), config, N, offload_activations, keep_layers, kv_tokens);
   planned_keep_ = keep_layers;
+  planned_kv_ = kv_tokens;
   bytes_ = bytes;
   planned_tokens_ = N;
   planned_offload_ = offload_activations;
@@ -169,13 +183,13 @@ template <class Ops>
 int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bool offload_activations,
                                         bool keep_layers) {
   ActivationTable<Ops> measured;
-  return measured.carve(nullptr, config, N, offload_activations, keep_layers) +
+  return measured.carve(nullptr, config, N, offload_activations, keep_layers, /*kv_tokens=*/0) +
          static_cast<int64_t>(Ops::extra_activation_bytes(micro_batch_shape(config, N)));
 }
 
 template <class Ops>
 int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations,
-                                    bool keep_layers) {
+                                    bool keep_layers, int64_t kv_tokens) {
   const int64_t C = config.hidden_size;
   const int64_t F = config.dense_mlp_width();
   const int64_t L = config.num_hidden_layers;
@@ -258,6 +272,8 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(d_shared_logit, shared * N);
   take(tokens_in, N);
   take(tokens_target, N);
+  take(kv_cache, kv_tokens > 0 ? L * 2 * kv_tokens * kv_dim : 0);
+  take(logits, kv_tokens > 0 ? config.vocab_size : 0);
   // Kept layers: layers 0 .. L-2 get intermediates of their own (the last layer's are the shared
   // ones, still intact when its backward, the first, runs).
   layer_views_.clear();

@@ -25,6 +25,15 @@
 // as soon as it is written and backward fetches it back before recomputing its layer; the
 // results are bitwise those of the unoffloaded model.
 //
+// Generation: begin_sequence() and decode() run one sequence with a KV cache: the prompt's tokens
+// in one call (prefill), then one token per call. They run the training forward's own layer graph
+// (layer_forward, the same ops): the only differences are that the keys and values a layer makes
+// go to the cache, RoPE rotates by the tokens' positions in the sequence, and attention's queries
+// see the cached keys before their own (the ops' `past`). Each token's row goes through the same
+// arithmetic as in a forward of the whole sequence, so with a GEMM whose sums do not depend on the
+// number of rows (STRATA_DETERMINISTIC_GEMM=1 on the CPU) the logits are bitwise those of
+// recomputing the whole sequence; with OpenBLAS they differ by its summation order.
+//
 // MoE layers route first and then begin, through the ParamAccess, only the experts that received
 // tokens (ParamAccess::begin_experts), so a paged state fetches just those; the other experts'
 // tensors are never touched (the kernels skip experts without rows).
@@ -88,6 +97,22 @@ class Model {
   // The stream the model's ops are queued on, for an access that orders its moves after them;
   // null when the ops run in the calling thread (a CPU op set made without a Device).
   virtual Stream* compute_stream() = 0;
+
+  // Generation with a KV cache, one sequence at a time (see Decoder). begin_sequence starts a
+  // sequence of at most `capacity` tokens (prompt and generated), whose decode() calls take at
+  // most `max_chunk` tokens each: the activation table is planned for that (the cache included;
+  // a compute() in between plans it anew and ends the sequence). InvalidArgument for a capacity
+  // beyond the config's sliding window or one whose cache size overflows; the backend's
+  // OutOfMemory when the table does not fit.
+  virtual Status begin_sequence(int64_t capacity, int64_t max_chunk) = 0;
+  // Runs tokens (n) at positions sequence_length() .. + n - 1 through the model, their keys and
+  // values added to the cache, and writes to logits (V, fp32, host memory) the scores of the
+  // token that follows the last of them. InvalidArgument for a token outside the vocabulary, for
+  // n beyond the chunk or the capacity left, and when no sequence is begun. REQUIRES: a
+  // ParamAccess is set.
+  virtual Status decode(const int32_t* tokens, int64_t n, float* logits) = 0;
+  // Tokens in the cache: those decode() has run since begin_sequence.
+  virtual int64_t sequence_length() const = 0;
 };
 
 template <class Ops>
@@ -147,6 +172,9 @@ class Decoder final : public Model {
   void update_expert_bias() override;
   void set_keep_layer_activations(bool keep) override { keep_layers_ = keep; }
   Stream* compute_stream() override { return ops_.compute_stream(); }
+  Status begin_sequence(int64_t capacity, int64_t max_chunk) override;
+  Status decode(const int32_t* tokens, int64_t n, float* logits) override;
+  int64_t sequence_length() const override { return kv_length_; }
   int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers) const override {
     return ActivationTable<Ops>::bytes_for(config_, tokens, offload_activations, keep_layers);
   }
@@ -180,13 +208,25 @@ class Decoder final : public Model {
   auto grad_at() {
     return [this](int64_t offset) { return grad(offset); };
   }
+  // Generation: where layer_forward puts the keys and values of its T tokens and what attention
+  // reads. k and v are the layer's cache, (capacity, Hkv*D) rows each (B = 1); the tokens are at
+  // positions past .. past + T - 1.
+  struct KvSlot {
+    Act* k = nullptr;
+    Act* v = nullptr;
+    int64_t past = 0;
+  };
   // One decoder layer from x (its layer checkpoint). When out is non-null, writes the layer output
   // there; backward's recomputation passes null because only the intermediates are needed.
   // stats (null in the recomputation) receives the MoE router statistics. An MoE layer begins
   // the experts its router picked (begin_experts, with their gradients when `grads`) and leaves
-  // them begun: the caller ends them with end_experts() once done with the layer.
+  // them begun: the caller ends them with end_experts() once done with the layer. kv: null in
+  // training; in generation the cache (above), and attention sees the cached positions too.
   Status layer_forward(int64_t layer, const Act* x, Act* out, int64_t B, int64_t T, const RouterStats* stats,
-                       bool grads);
+                       bool grads, const KvSlot* kv = nullptr);
+  // Generation's head: final norm of the (C) row x and the LM head into acts_.logits, copied to
+  // logits (V) on the host.
+  Status decode_head(const Act* x, float* logits);
   // MoE layers: begins, through the ParamAccess, the experts that the last routing
   // (acts_.expert_offsets) gave at least one token, and records them in active_experts_; only
   // their tensors are bound (moe_offsets()). No-ops for dense layers.
@@ -219,6 +259,11 @@ class Decoder final : public Model {
   std::vector<float> expert_bias_;         // (L, E) loss-free selection bias
   std::vector<int> active_experts_;        // the experts begun by begin_experts(), ascending
   double last_aux_loss_ = 0.0;
+  // Generation (begin_sequence): the sequence's capacity, the tokens per decode() at most, and
+  // the tokens in the cache.
+  int64_t kv_capacity_ = 0;
+  int64_t kv_chunk_ = 0;
+  int64_t kv_length_ = 0;
 };
 
 // The CPU backend's op sets as the decoder runs them: queued on a compute stream when made

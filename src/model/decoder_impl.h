@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "core/checked_math.h"
 #include "core/trace.h"
 #include "kernels/moe.h"
 #include "kernels/rope.h"
@@ -79,7 +80,7 @@ void Decoder<Ops>::check_tokens(const int32_t* inputs, const int32_t* targets, i
 
 template <class Ops>
 Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* out /*(N,C)*/, int64_t B,
-                                   int64_t T, const RouterStats* stats, bool grads) {
+                                   int64_t T, const RouterStats* stats, bool grads, const KvSlot* kv) {
   const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(layer));
   const ActivationTable<Ops>& a = acts_.layer(layer);
   const int64_t N = B * T;
@@ -91,21 +92,26 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
   const float eps = static_cast<float>(config_.rms_norm_eps);
 
   // Attention block: h = x + o_proj(attention(rope(q), rope(k), v)); with qk_norm, q and k
-  // are RMS-normalised per head (rows of D) before RoPE.
+  // are RMS-normalised per head (rows of D) before RoPE. In generation the keys and values go
+  // to the cache after the `past` positions already there, and attention reads them all.
+  const int64_t past = kv != nullptr ? kv->past : 0;
+  Act* k = kv != nullptr ? kv->k + past * Hkv * D : a.k;  // (N, Hkv*D)
+  Act* v = kv != nullptr ? kv->v + past * Hkv * D : a.v;  // (N, Hkv*D)
   ops_.rmsnorm_forward(a.ln1, a.ln1_rstd, x, p.input_layernorm, N, C, eps);
   if (p.q_norm != nullptr) {
     ops_.linear_forward(a.q_raw, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
     ops_.linear_forward(a.k_raw, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
     ops_.rmsnorm_forward(a.q, a.q_norm_rstd, a.q_raw, p.q_norm, N * Hq, D, eps);
-    ops_.rmsnorm_forward(a.k, a.k_norm_rstd, a.k_raw, p.k_norm, N * Hkv, D, eps);
+    ops_.rmsnorm_forward(k, a.k_norm_rstd, a.k_raw, p.k_norm, N * Hkv, D, eps);
   } else {
     ops_.linear_forward(a.q, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
-    ops_.linear_forward(a.k, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
+    ops_.linear_forward(k, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
   }
-  ops_.linear_forward(a.v, a.ln1, p.v_proj, p.v_bias, N, C, Hkv * D);
-  ops_.rope_forward(a.q, a.q, inv_freq_ops_, B, T, Hq, D, rope_scale_);
-  ops_.rope_forward(a.k, a.k, inv_freq_ops_, B, T, Hkv, D, rope_scale_);
-  ops_.attention_forward(a.att, a.lse, a.q, a.k, a.v, B, T, Hq, Hkv, D);
+  ops_.linear_forward(v, a.ln1, p.v_proj, p.v_bias, N, C, Hkv * D);
+  ops_.rope_forward(a.q, a.q, inv_freq_ops_, B, T, Hq, D, rope_scale_, past);
+  ops_.rope_forward(k, k, inv_freq_ops_, B, T, Hkv, D, rope_scale_, past);
+  ops_.attention_forward(a.att, a.lse, a.q, kv != nullptr ? kv->k : a.k, kv != nullptr ? kv->v : a.v, B, T, Hq, Hkv,
+                         D, past);
   ops_.linear_forward_residual(a.h, a.att, p.o_proj, x, N, Hq * D, C);
 
   // MLP block: out = h + mlp(ln2), mlp = down(silu(gate(ln2)) * up(ln2)) or the experts.
@@ -448,6 +454,99 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   end_group(0, false, true);
   ops_.trace_phase(nullptr);
   return loss;
+}
+
+// ---- generation ------------------------------------------------------------------------------
+
+template <class Ops>
+Status Decoder<Ops>::begin_sequence(int64_t capacity, int64_t max_chunk) {
+  CHECK_MSG(access_ != nullptr, "the model computes through a ParamAccess: set_access() first");
+  kv_capacity_ = kv_chunk_ = kv_length_ = 0;
+  if (capacity < 1 || max_chunk < 1 || max_chunk > capacity) {
+    return Status::InvalidArgument(fmt::format("a sequence of {} tokens decoded {} at a time: both must be positive, "
+                                               "the second at most the first",
+                                               capacity, max_chunk));
+  }
+  RETURN_IF_ERROR(config_.check_sequence_length(capacity, "model config"));
+  const std::optional<int64_t> cache_bytes =
+      checked_product(config_.num_hidden_layers, int64_t{2}, capacity, config_.kv_dim(),
+                      static_cast<int64_t>(sizeof(Act)));
+  if (!cache_bytes) {
+    return Status::InvalidArgument(
+        fmt::format("a KV cache of {} tokens for this model does not fit in 64-bit sizes", capacity));
+  }
+  RETURN_IF_ERROR(acts_.reserve(ops_, config_, 1, max_chunk, /*offload_activations=*/false, /*keep_layers=*/false,
+                                capacity));
+  kv_capacity_ = capacity;
+  kv_chunk_ = max_chunk;
+  return Status::OK();
+}
+
+template <class Ops>
+Status Decoder<Ops>::decode(const int32_t* tokens, int64_t n, float* logits) {
+  CHECK_MSG(access_ != nullptr, "the model computes through a ParamAccess: set_access() first");
+  if (kv_capacity_ == 0 || acts_.kv_tokens() != kv_capacity_) {
+    return Status::InvalidArgument("decode needs a sequence: call begin_sequence first (a compute() ends one)");
+  }
+  if (n < 1 || n > kv_chunk_ || kv_length_ + n > kv_capacity_) {
+    return Status::InvalidArgument(fmt::format("decode of {} tokens after {}: at most {} at a time and {} in all", n,
+                                               kv_length_, kv_chunk_, kv_capacity_));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) {
+      return Status::InvalidArgument(fmt::format("token {} at position {} is outside the model's vocabulary [0, {})",
+                                                 tokens[i], kv_length_ + i, config_.vocab_size));
+    }
+  }
+  const int64_t past = kv_length_;
+  const int64_t C = config_.hidden_size;
+  const int64_t L = config_.num_hidden_layers;
+  const int64_t layer_kv = kv_capacity_ * config_.kv_dim();  // elements of one layer's keys
+  update_rope(past + n);
+  // The residual stream alternates between two slots of the layer checkpoints.
+  auto residual = [&](int64_t l) { return acts_.layer_checkpoints + (l % 2) * n * C; };
+  const int32_t* staged = staged_inputs_ = ops_.stage_tokens(tokens, n, acts_.tokens_in);
+  RETURN_IF_ERROR(begin_group(0, true, false));
+  ops_.embedding_forward(residual(0), staged, param_blocks(layout_.embed_tokens()).data(),
+                         block_rows(layout_.embed_tokens()), n, C, config_.vocab_size);
+  end_group(0, true, false);
+  for (int64_t l = 0; l < L; ++l) {
+    const KvSlot kv{acts_.kv_cache + 2 * l * layer_kv, acts_.kv_cache + (2 * l + 1) * layer_kv, past};
+    RETURN_IF_ERROR(begin_group(static_cast<int>(1 + l), true, false));
+    const Status st = layer_forward(l, residual(l), residual(l + 1), 1, n, /*stats=*/nullptr, /*grads=*/false, &kv);
+    if (st.ok()) end_experts(l, true, false);
+    end_group(static_cast<int>(1 + l), true, false);
+    RETURN_IF_ERROR(st);
+  }
+  RETURN_IF_ERROR(decode_head(residual(L) + (n - 1) * C, logits));
+  kv_length_ += n;
+  return Status::OK();
+}
+
+template <class Ops>
+Status Decoder<Ops>::decode_head(const Act* x /*(C)*/, float* logits /*(V)*/) {
+  const int64_t C = config_.hidden_size;
+  const int64_t V = config_.vocab_size;
+  const int head = static_cast<int>(config_.num_hidden_layers + 1);
+  const bool tied = layout_.lm_head() == layout_.embed_tokens();
+  if (tied) RETURN_IF_ERROR(begin_group(0, true, false));
+  if (Status st = begin_group(head, true, false); !st.ok()) {
+    if (tied) end_group(0, true, false);
+    return st;
+  }
+  ops_.rmsnorm_forward(acts_.final_out, acts_.final_rstd, x, param(layout_.final_norm()), 1, C,
+                       static_cast<float>(config_.rms_norm_eps));
+  // The LM head block by block of vocabulary rows (the last block may be shorter).
+  const std::vector<const W*> blocks = param_blocks(layout_.lm_head());
+  const int64_t rows = block_rows(layout_.lm_head());
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const int64_t first = static_cast<int64_t>(b) * rows;
+    ops_.linear_forward_f32(acts_.logits + first, acts_.final_out, blocks[b], 1, C, std::min(rows, V - first));
+  }
+  ops_.copy_to_host(logits, acts_.logits, V);
+  end_group(head, true, false);
+  if (tied) end_group(0, true, false);
+  return Status::OK();
 }
 
 }  // namespace strata::model

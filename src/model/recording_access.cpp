@@ -76,6 +76,7 @@ class DryRunOps {
   STRATA_DRY_RUN_OP(moe_experts_backward)
   STRATA_DRY_RUN_OP(shared_expert_combine)
   STRATA_DRY_RUN_OP(shared_expert_backward)
+  STRATA_DRY_RUN_OP(copy_to_host)
 #undef STRATA_DRY_RUN_OP
 
  private:

@@ -207,7 +207,7 @@ TEST(MemopsParity, RopeBothPaths) {
     for (size_t offset : {0, 1}) {
       const std::string what = "rope D=" + std::to_string(D) + path_name(offset);
       Placed<bf16> d_x = placed_bf16(x, offset), d_dout = placed_bf16(dout, offset), d_out(x.size(), offset);
-      cu::rope_forward(d_out.get(), d_x.get(), d_freq.get(), B, T, H, D, 1.0f, stream.get());
+      cu::rope_forward(d_out.get(), d_x.get(), d_freq.get(), B, T, H, D, 1.0f, 0, stream.get());
       cu::rope_backward(d_dout.get(), d_dout.get(), d_freq.get(), B, T, H, D, 1.0f, stream.get());  // in place
       results[offset][0] = values(d_out);
       results[offset][1] = values(d_dout);

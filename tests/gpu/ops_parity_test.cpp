@@ -183,7 +183,7 @@ TEST(OpsParity, Rope) {
         const float scale = llama3 ? 1.0f : 1.2079441f;
         ref::rope_forward(out.data(), x.data(), inv_freq.data(), B, T, H, D, scale);
         ref::rope_backward(dx.data(), dout.data(), inv_freq.data(), B, T, H, D, scale);
-        cu::rope_forward(d_out.get(), d_x.get(), d_freq.get(), B, T, H, D, scale, stream.get());
+        cu::rope_forward(d_out.get(), d_x.get(), d_freq.get(), B, T, H, D, scale, 0, stream.get());
         // Backward in place (dx aliases dout).
         cu::rope_backward(d_dout.get(), d_dout.get(), d_freq.get(), B, T, H, D, scale, stream.get());
         expect_close(download_bf16(d_out), out, kBf16Tol, what + " forward");

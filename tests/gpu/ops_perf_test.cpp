@@ -254,7 +254,7 @@ TEST(OpsPerf, Report) {
     DeviceBuffer<float> freq(inv_freq);
     const int64_t n = B * T * Hq * D;
     bytes_row("rope_forward", "B=4 T=2048 H=32 D=128", 2.0 * n * 2, [&] {
-      cu::rope_forward(y->get(), x->get(), freq.get(), B, T, Hq, D, 1.0f, stream);
+      cu::rope_forward(y->get(), x->get(), freq.get(), B, T, Hq, D, 1.0f, 0, stream);
     });
     bytes_row("rope_backward", "B=4 T=2048 H=32 D=128 (in place)", 2.0 * n * 2, [&] {
       cu::rope_backward(y->get(), y->get(), freq.get(), B, T, Hq, D, 1.0f, stream);

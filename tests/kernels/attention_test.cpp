@@ -63,7 +63,7 @@ AttnResult run(const AttnData &d, Forward forward, Backward backward) {
               NAN); // NaN-filled: backward must overwrite every element
   r.dv.assign(d.kv_size, NAN);
   forward(r.out.data(), r.lse.data(), d.q.data(), d.k.data(), d.v.data(), B, T,
-          Hq, Hkv, D);
+          Hq, Hkv, D, 0);
   backward(r.dq.data(), r.dk.data(), r.dv.data(), d.dout.data(), d.q.data(),
            d.k.data(), d.v.data(), r.out.data(), r.lse.data(), B, T, Hq, Hkv,
            D);
@@ -134,6 +134,33 @@ TEST_P(AttentionShapeTest, FutureKeysDoNotAffectEarlierOutputs) {
         } else {
           EXPECT_FALSE(same) << "fast=" << fast << " b=" << b << " t=" << t;
         }
+      }
+    }
+  }
+}
+
+// Queries after `past` cached positions (a KV cache in generation) give bitwise the rows
+// of those queries in the whole sequence's attention, on both paths.
+TEST_P(AttentionShapeTest, QueriesAfterCachedKeysGiveTheFullSequencesRowsBitwise) {
+  const AttnShape shape = GetParam();
+  const auto [B, T, Hq, Hkv, D] = shape;
+  const AttnData d(shape, 21);
+  for (const bool fast : {false, true}) {
+    auto forward = fast ? cpu::attention_forward : ref::attention_forward;
+    std::vector<float> full(d.q_size), full_lse(B * Hq * T);
+    forward(full.data(), full_lse.data(), d.q.data(), d.k.data(), d.v.data(), B, T, Hq, Hkv, D, 0);
+    for (const int64_t past : {T / 2, T - 1}) {
+      const int64_t n = T - past;  // the new queries
+      std::vector<float> q(B * n * Hq * D), out(B * n * Hq * D, NAN), lse(B * Hq * n, NAN);
+      for (int64_t b = 0; b < B; ++b)
+        std::copy_n(d.q.begin() + (b * T + past) * Hq * D, n * Hq * D, q.begin() + b * n * Hq * D);
+      forward(out.data(), lse.data(), q.data(), d.k.data(), d.v.data(), B, n, Hq, Hkv, D, past);
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = 0; i < n * Hq * D; ++i)
+          ASSERT_EQ(out[b * n * Hq * D + i], full[(b * T + past) * Hq * D + i]) << fast << " past " << past;
+        for (int64_t h = 0; h < Hq; ++h)
+          for (int64_t t = 0; t < n; ++t)
+            ASSERT_EQ(lse[(b * Hq + h) * n + t], full_lse[(b * Hq + h) * T + past + t]) << fast << " past " << past;
       }
     }
   }

@@ -245,13 +245,13 @@ TEST(RopeTest, AScaleMultipliesTheRotationForwardAndBackward) {
   for (bool fast : {false, true}) {
     auto fwd = fast ? cpu::rope_forward : ref::rope_forward;
     auto bwd = fast ? cpu::rope_backward : ref::rope_backward;
-    fwd(plain.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f);
-    fwd(scaled.data(), x.data(), inv_freq.data(), B, T, H, D, scale);
+    fwd(plain.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f, 0);
+    fwd(scaled.data(), x.data(), inv_freq.data(), B, T, H, D, scale, 0);
     for (int64_t i = 0; i < n; ++i)
       expect[i] = plain[i] * scale;
     EXPECT_WITHIN(max_scaled_error(scaled.data(), expect.data(), n, 1e-6, 1e-6), 1.0) << fast;
-    bwd(plain.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f);
-    bwd(scaled.data(), x.data(), inv_freq.data(), B, T, H, D, scale);
+    bwd(plain.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f, 0);
+    bwd(scaled.data(), x.data(), inv_freq.data(), B, T, H, D, scale, 0);
     for (int64_t i = 0; i < n; ++i)
       expect[i] = plain[i] * scale;
     EXPECT_WITHIN(max_scaled_error(scaled.data(), expect.data(), n, 1e-6, 1e-6), 1.0) << fast;
@@ -261,6 +261,20 @@ TEST(RopeTest, AScaleMultipliesTheRotationForwardAndBackward) {
   ref::rope_forward(a.data(), x.data(), inv_freq.data(), B, T, H, D, scale);
   cpu::rope_forward(b.data(), x.data(), inv_freq.data(), B, T, H, D, scale);
   EXPECT_WITHIN(max_scaled_error(b.data(), a.data(), n, 1e-6, 1e-5), 1.0);
+}
+
+// Tokens after `past` positions (a KV cache in generation) rotate exactly as the same
+// positions of the whole sequence, on both paths.
+TEST(RopeTest, PastShiftsThePositionsBitwise) {
+  const int64_t T = 23, H = 2, D = 16, past = 17, n = T - past;
+  std::vector<float> inv_freq = inv_freq_for(D, llama3_config());
+  std::vector<float> x = random_vector(T * H * D, 9), full(T * H * D), tail(n * H * D);
+  for (bool fast : {false, true}) {
+    auto fwd = fast ? cpu::rope_forward : ref::rope_forward;
+    fwd(full.data(), x.data(), inv_freq.data(), 1, T, H, D, 1.0f, 0);
+    fwd(tail.data(), x.data() + past * H * D, inv_freq.data(), 1, n, H, D, 1.0f, past);
+    for (int64_t i = 0; i < n * H * D; ++i) ASSERT_EQ(tail[i], full[past * H * D + i]) << fast;
+  }
 }
 
 class RopeShapeTest : public ::testing::TestWithParam<RopeShape> {};

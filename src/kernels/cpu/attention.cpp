@@ -34,29 +34,32 @@ double dot(const float *a, const float *b, int64_t n) {
 
 void attention_forward(float *out, float *lse, const float *q, const float *k,
                        const float *v, int64_t B, int64_t T, int64_t Hq,
-                       int64_t Hkv, int64_t D) {
+                       int64_t Hkv, int64_t D, int64_t past) {
   check_shapes(B, T, Hq, Hkv, D);
+  CHECK(past >= 0);
   const int64_t group = Hq / Hkv;
+  const int64_t Tk = past + T; // keys per sequence
   const double scale = 1.0 / std::sqrt(double(D));
-  std::vector<double> s(static_cast<size_t>(T));
+  std::vector<double> s(static_cast<size_t>(Tk));
   std::vector<double> acc(static_cast<size_t>(D));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hq; ++h) {
       const int64_t g = h / group;
       for (int64_t t = 0; t < T; ++t) {
         const float *qt = q + ((b * T + t) * Hq + h) * D;
+        const int64_t last = past + t; // the last key this query sees
         double m = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j <= t; ++j) {
-          s[j] = scale * dot(qt, k + ((b * T + j) * Hkv + g) * D, D);
+        for (int64_t j = 0; j <= last; ++j) {
+          s[j] = scale * dot(qt, k + ((b * Tk + j) * Hkv + g) * D, D);
           m = std::max(m, s[j]);
         }
         double sum = 0;
-        for (int64_t j = 0; j <= t; ++j)
+        for (int64_t j = 0; j <= last; ++j)
           sum += std::exp(s[j] - m);
         std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = 0; j <= last; ++j) {
           const double p = std::exp(s[j] - m) / sum;
-          const float *vj = v + ((b * T + j) * Hkv + g) * D;
+          const float *vj = v + ((b * Tk + j) * Hkv + g) * D;
           for (int64_t d = 0; d < D; ++d)
             acc[d] += p * vj[d];
         }
@@ -138,19 +141,24 @@ inline void axpy(float *y, float alpha, const float *x, int64_t n) {
 
 // Work units are (b, query head, block of rows); each writes only its own
 // out/lse rows, so the result is the same for any thread count. Later blocks
-// see more keys, hence dynamic schedule.
+// see more keys, hence dynamic schedule. Row r of a block is query t0 + r at
+// position past + t0 + r; its scores, softmax and weighted sum are formed in
+// the same order whatever the block and `past`, so a row comes out the same
+// computed alone (cached decoding) or among the whole sequence's.
 void attention_forward(float *out, float *lse, const float *q, const float *k,
                        const float *v, int64_t B, int64_t T, int64_t Hq,
-                       int64_t Hkv, int64_t D) {
+                       int64_t Hkv, int64_t D, int64_t past) {
   check_shapes(B, T, Hq, Hkv, D);
+  CHECK(past >= 0);
   const int64_t group = Hq / Hkv;
+  const int64_t Tk = past + T; // keys per sequence
   const float scale = static_cast<float>(1.0 / std::sqrt(double(D)));
   const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
   const int64_t units = B * Hq * blocks;
 #pragma omp parallel
   {
     // Scores of one block of rows against every key up to the block's last row.
-    std::vector<float> s(static_cast<size_t>(kBlockRows * T));
+    std::vector<float> s(static_cast<size_t>(kBlockRows * Tk));
     std::vector<float> acc(static_cast<size_t>(kBlockRows * D));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
@@ -160,26 +168,27 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
       const int64_t g = h / group;
       const int64_t t0 = blk * kBlockRows;
       const int64_t rows = std::min(kBlockRows, T - t0);
-      const int64_t keys =
-          t0 + rows; // keys 0 .. t0 + rows - 1 are visible to some row
+      const int64_t p0 = past + t0; // position of the block's first row
+      // keys 0 .. p0 + rows - 1 are visible to some row
+      const int64_t keys = p0 + rows;
       const float *q0 = q + ((b * T + t0) * Hq + h) * D;
       const int64_t q_stride = Hq * D;
-      const float *kb = k + (b * T * Hkv + g) * D;
-      const float *vb = v + (b * T * Hkv + g) * D;
+      const float *kb = k + (b * Tk * Hkv + g) * D;
+      const float *vb = v + (b * Tk * Hkv + g) * D;
       const int64_t kv_stride = Hkv * D;
 
       for (int64_t j = 0; j < keys; ++j) {
         const float *kj = kb + j * kv_stride;
-        // Row r sees keys j <= t0 + r; start at the first row that can see key
+        // Row r sees keys j <= p0 + r; start at the first row that can see key
         // j.
-        for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
-          s[r * T + j] = scale * dot(q0 + r * q_stride, kj, D);
+        for (int64_t r = std::max<int64_t>(0, j - p0); r < rows; ++r) {
+          s[r * Tk + j] = scale * dot(q0 + r * q_stride, kj, D);
         }
       }
       std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
       for (int64_t r = 0; r < rows; ++r) {
-        float *sr = s.data() + r * T;
-        const int64_t n = t0 + r + 1;
+        float *sr = s.data() + r * Tk;
+        const int64_t n = p0 + r + 1;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j)
           m = std::max(m, sr[j]);
@@ -195,8 +204,8 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
       }
       for (int64_t j = 0; j < keys; ++j) {
         const float *vj = vb + j * kv_stride;
-        for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
-          axpy(acc.data() + r * D, s[r * T + j], vj, D);
+        for (int64_t r = std::max<int64_t>(0, j - p0); r < rows; ++r) {
+          axpy(acc.data() + r * D, s[r * Tk + j], vj, D);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {

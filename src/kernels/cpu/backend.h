@@ -37,6 +37,7 @@
 // activation block); not thread-safe.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -88,6 +89,8 @@ struct CpuCommonOps {
   const int64_t* expert_offsets_on_host(const int64_t* offsets /*(E+1)*/, int64_t /*E*/) { return offsets; }
   // Token ids where the ops can read them: the host arrays themselves.
   const int32_t* stage_tokens(const int32_t* host /*(N)*/, int64_t /*N*/, int32_t* /*slot*/) { return host; }
+  // host (n) = src (n): fp32 results of the ops (generation's logits) read back by the host.
+  void copy_to_host(float* host, const float* src, int64_t n) { std::copy_n(src, n, host); }
 
  private:
   Device* device_ = nullptr;
@@ -122,13 +125,15 @@ struct CpuCommonOps {
   void linear_backward_f32(Act* dx /*(N,IC)*/, float* dweight /*(OC,IC)*/, const float* dout /*(N,OC)*/,           \
                            const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/, int64_t N, int64_t IC,             \
                            int64_t OC);                                                                             \
+  /* past: positions before these T (kernels/rope.h) */                                                           \
   void rope_forward(Act* out, const Act* x /*(B,T,H,D)*/, const float* inv_freq /*(D/2)*/, int64_t B, int64_t T,   \
-                    int64_t H, int64_t D, float scale);                                                             \
+                    int64_t H, int64_t D, float scale, int64_t past = 0);                                           \
   void rope_backward(Act* dx, const Act* dout /*(B,T,H,D)*/, const float* inv_freq /*(D/2)*/, int64_t B,           \
                      int64_t T, int64_t H, int64_t D, float scale);                                                 \
+  /* past: cached positions before the T queries; k and v hold past + T rows (kernels/attention.h) */            \
   void attention_forward(Act* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/, const Act* q /*(B,T,Hq,D)*/,            \
-                         const Act* k /*(B,T,Hkv,D)*/, const Act* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T,         \
-                         int64_t Hq, int64_t Hkv, int64_t D);                                                       \
+                         const Act* k /*(B,past+T,Hkv,D)*/, const Act* v /*(B,past+T,Hkv,D)*/, int64_t B,          \
+                         int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0);                          \
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,     \
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,          \
                           int64_t D);                                                                               \

@@ -96,6 +96,10 @@ class CpuQueuedOps {
     synchronize();
     return direct_.expert_offsets_on_host(offsets, E);
   }
+  void copy_to_host(float* host, const float* src, int64_t n) {
+    synchronize();
+    direct_.copy_to_host(host, src, n);
+  }
 
   // Routing (fp32 on every recipe).
   void moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const float* logits,
@@ -164,16 +168,16 @@ class CpuQueuedOps {
     launch([=, this] { direct_.linear_backward_f32(dx, dweight, dout, x, weight, N, IC, OC); });
   }
   void rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                    float scale) {
-    launch([=, this] { direct_.rope_forward(out, x, inv_freq, B, T, H, D, scale); });
+                    float scale, int64_t past = 0) {
+    launch([=, this] { direct_.rope_forward(out, x, inv_freq, B, T, H, D, scale, past); });
   }
   void rope_backward(Act* dx, const Act* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
                      float scale) {
     launch([=, this] { direct_.rope_backward(dx, dout, inv_freq, B, T, H, D, scale); });
   }
   void attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
-                         int64_t Hq, int64_t Hkv, int64_t D) {
-    launch([=, this] { direct_.attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D); });
+                         int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0) {
+    launch([=, this] { direct_.attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, past); });
   }
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {

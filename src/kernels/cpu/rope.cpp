@@ -162,7 +162,8 @@ namespace ref {
 namespace {
 // Rotates every (i, i + D/2) pair of every head by sign * t * inv_freq[i].
 void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
-            int64_t T, int64_t H, int64_t D, double sign, double scale) {
+            int64_t T, int64_t H, int64_t D, double sign, double scale,
+            int64_t past) {
   CHECK(D % 2 == 0);
   const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b) {
@@ -172,7 +173,7 @@ void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
         for (int64_t i = 0; i < half; ++i) {
           // The angle is rounded to fp32 like transformers' freqs; the rest is
           // exact-ish.
-          const float angle = static_cast<float>(t) * inv_freq[i];
+          const float angle = static_cast<float>(past + t) * inv_freq[i];
           const double c = std::cos(static_cast<double>(angle)) * scale;
           const double s = sign * std::sin(static_cast<double>(angle)) * scale;
           const double x1 = x[base + i];
@@ -187,15 +188,16 @@ void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
 } // namespace
 
 void rope_forward(float *out, const float *x, const float *inv_freq, int64_t B,
-                  int64_t T, int64_t H, int64_t D, float scale) {
-  rotate(out, x, inv_freq, B, T, H, D, 1.0, scale);
+                  int64_t T, int64_t H, int64_t D, float scale, int64_t past) {
+  rotate(out, x, inv_freq, B, T, H, D, 1.0, scale, past);
 }
 
 // dx = scale * (rotation by -angle) dout: the transpose of a rotation is its
 // inverse.
 void rope_backward(float *dx, const float *dout, const float *inv_freq,
-                   int64_t B, int64_t T, int64_t H, int64_t D, float scale) {
-  rotate(dx, dout, inv_freq, B, T, H, D, -1.0, scale);
+                   int64_t B, int64_t T, int64_t H, int64_t D, float scale,
+                   int64_t past) {
+  rotate(dx, dout, inv_freq, B, T, H, D, -1.0, scale, past);
 }
 
 } // namespace ref
@@ -207,7 +209,8 @@ namespace {
 // and applies them to all B x H rows there. Every output element depends only
 // on its own inputs, so results do not depend on the thread count.
 void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
-            int64_t T, int64_t H, int64_t D, float sign, float scale) {
+            int64_t T, int64_t H, int64_t D, float sign, float scale,
+            int64_t past) {
   CHECK(D % 2 == 0);
   const int64_t half = D / 2;
 #pragma omp parallel
@@ -217,7 +220,7 @@ void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t i = 0; i < half; ++i) {
-        const float angle = static_cast<float>(t) * inv_freq[i];
+        const float angle = static_cast<float>(past + t) * inv_freq[i];
         // cos and sin times the scale in fp32, as transformers scales them
         // (exact for the usual scale of 1).
         cos_t[i] = std::cos(angle) * scale;
@@ -245,13 +248,14 @@ void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
 } // namespace
 
 void rope_forward(float *out, const float *x, const float *inv_freq, int64_t B,
-                  int64_t T, int64_t H, int64_t D, float scale) {
-  rotate(out, x, inv_freq, B, T, H, D, 1.0f, scale);
+                  int64_t T, int64_t H, int64_t D, float scale, int64_t past) {
+  rotate(out, x, inv_freq, B, T, H, D, 1.0f, scale, past);
 }
 
 void rope_backward(float *dx, const float *dout, const float *inv_freq,
-                   int64_t B, int64_t T, int64_t H, int64_t D, float scale) {
-  rotate(dx, dout, inv_freq, B, T, H, D, -1.0f, scale);
+                   int64_t B, int64_t T, int64_t H, int64_t D, float scale,
+                   int64_t past) {
+  rotate(dx, dout, inv_freq, B, T, H, D, -1.0f, scale, past);
 }
 
 } // namespace cpu

@@ -152,7 +152,7 @@ static_assert(std::max({forward_smem<128, 32>(), dkdv_smem<128, 32>(), dq_smem<1
 template <int D, int kTile>
 __global__ void __launch_bounds__(block_threads(kTile))
     attention_forward_kernel(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                             int64_t T, int64_t Hq, int64_t Hkv, float scale) {
+                             int64_t T, int64_t Hq, int64_t Hkv, float scale, int64_t past) {
   extern __shared__ __align__(128) char smem[];
   Carver carve{smem};
   bf16* Qs = carve.take<bf16>(kTile * D);
@@ -179,11 +179,13 @@ __global__ void __launch_bounds__(block_threads(kTile))
     row_sum[rr] = 0.0f;
   }
 
-  const int64_t kv_end = min(q0 + kTile, T);  // causal: keys up to the last query row
+  // Query qi is at position past + qi; k and v hold Tk = past + T rows per sequence.
+  const int64_t Tk = past + T;
+  const int64_t kv_end = min(past + q0 + kTile, Tk);  // causal: keys up to the last query row
   for (int64_t k0 = 0; k0 < kv_end; k0 += kTile) {
     __syncthreads();  // the previous tiles are no longer read
-    load_tile<D, kTile>(Ks, k, b, k0, T, Hkv, g);
-    load_tile<D, kTile>(Vs, v, b, k0, T, Hkv, g);
+    load_tile<D, kTile>(Ks, k, b, k0, Tk, Hkv, g);
+    load_tile<D, kTile>(Vs, v, b, k0, Tk, Hkv, g);
     __syncthreads();
 
     warp_abt<D, kTile>(S, Qs, Ks, row0);  // S rows of this warp = Q K^T
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(block_threads(kTile))
       for (int e = 0; e < kCols; ++e) {
         const int c = lane + e * kWarpSize;
         const int64_t kv = k0 + c;
-        s[e] = (kv <= qi && kv < T) ? S[r * kTile + c] * scale : -INFINITY;
+        s[e] = (kv <= past + qi && kv < Tk) ? S[r * kTile + c] * scale : -INFINITY;
       }
       float s_max = s[0];
 #pragma unroll
@@ -495,13 +497,13 @@ float softmax_scale() {
 
 template <int D, int kTile>
 void launch_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                    int64_t B, int64_t T, int64_t Hq, int64_t Hkv, cudaStream_t stream) {
+                    int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t past, cudaStream_t stream) {
   const size_t smem = forward_smem<D, kTile>();
   allow_smem(attention_forward_kernel<D, kTile>, smem);
   const dim3 grid(static_cast<unsigned>(ceil_div(T, kTile)), static_cast<unsigned>(Hq),
                   static_cast<unsigned>(B));
   attention_forward_kernel<D, kTile><<<grid, block_threads(kTile), smem, stream>>>(
-      out, lse, q, k, v, T, Hq, Hkv, softmax_scale<D>());
+      out, lse, q, k, v, T, Hq, Hkv, softmax_scale<D>(), past);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -533,11 +535,11 @@ void launch_dq(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const b
 
 template <int D>
 void forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int64_t B,
-             int64_t T, int64_t Hq, int64_t Hkv, int tile, cudaStream_t stream) {
+             int64_t T, int64_t Hq, int64_t Hkv, int64_t past, int tile, cudaStream_t stream) {
   if (tile == 64) {
-    launch_forward<D, 64>(out, lse, q, k, v, B, T, Hq, Hkv, stream);
+    launch_forward<D, 64>(out, lse, q, k, v, B, T, Hq, Hkv, past, stream);
   } else {
-    launch_forward<D, 32>(out, lse, q, k, v, B, T, Hq, Hkv, stream);
+    launch_forward<D, 32>(out, lse, q, k, v, B, T, Hq, Hkv, past, stream);
   }
 }
 
@@ -584,15 +586,16 @@ size_t attention_backward_shared_bytes(int64_t D, int tile_rows) {
 
 void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                        int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                       cudaStream_t stream, int tile_rows) {
+                       cudaStream_t stream, int tile_rows, int64_t past) {
   check_args(B, T, Hq, Hkv, D, {out, q, k, v});
+  CHECK(past >= 0);
   if (B == 0 || T == 0) return;
   const int tile = pick_tile(tile_rows, smem_needs(D, 64).forward, smem_needs(D, 32).forward,
                              "attention_forward", D);
   if (D == 64) {
-    forward<64>(out, lse, q, k, v, B, T, Hq, Hkv, tile, stream);
+    forward<64>(out, lse, q, k, v, B, T, Hq, Hkv, past, tile, stream);
   } else {
-    forward<128>(out, lse, q, k, v, B, T, Hq, Hkv, tile, stream);
+    forward<128>(out, lse, q, k, v, B, T, Hq, Hkv, past, tile, stream);
   }
 }
 

@@ -100,6 +100,11 @@ const int32_t* CudaOps::stage_tokens(const int32_t* host, int64_t N, int32_t* sl
   return slot;
 }
 
+void CudaOps::copy_to_host(float* host, const float* src, int64_t n) {
+  CUDA_CHECK(cudaMemcpyAsync(host, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  synchronize();
+}
+
 const int64_t* CudaOps::expert_offsets_on_host(const int64_t* offsets, int64_t E) {
   host_offsets_.resize(static_cast<size_t>(E + 1));
   CUDA_CHECK(cudaMemcpyAsync(host_offsets_.data(), offsets, host_offsets_.size() * sizeof(int64_t),
@@ -157,8 +162,8 @@ void CudaOps::linear_backward_f32(Act* dx, float* dweight, const float* dout, co
 }
 
 void CudaOps::rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                           float scale) {
-  cuda::rope_forward(out, x, inv_freq, B, T, H, D, scale, stream_);
+                           float scale, int64_t past) {
+  cuda::rope_forward(out, x, inv_freq, B, T, H, D, scale, past, stream_);
 }
 
 void CudaOps::rope_backward(Act* dx, const Act* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H,
@@ -203,7 +208,12 @@ AttentionImpl CudaOps::attention_impl(int64_t B, int64_t T, int64_t Hq, int64_t 
 }
 
 void CudaOps::attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
-                                int64_t Hq, int64_t Hkv, int64_t D) {
+                                int64_t Hq, int64_t Hkv, int64_t D, int64_t past) {
+  if (past > 0) {  // decoding after cached keys: cuDNN's graphs here are square, the WMMA kernel is not
+    CHECK_MSG(D == 64 || D == 128, "cached attention on CUDA needs head_dim 64 or 128, got " + std::to_string(D));
+    cuda::attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, stream_, /*tile_rows=*/0, past);
+    return;
+  }
   if (B > 0 && T > 0 && attention_impl(B, T, Hq, Hkv, D) == AttentionImpl::kCudnn) {
     cuda::cudnn_attention_forward(*ctx_, out, lse, q, k, v, B, T, Hq, Hkv, D, stream_);
   } else {

@@ -82,6 +82,8 @@ class CudaOps {
   const float* stage_constants(const float* host, int64_t n);
   const int32_t* stage_tokens(const int32_t* host, int64_t N, int32_t* slot);
   const int64_t* expert_offsets_on_host(const int64_t* offsets, int64_t E);
+  // host (n) = src (n) on the device, waiting for it (generation's logits).
+  void copy_to_host(float* host, const float* src, int64_t n);
 
   void embedding_forward(Act* out, const int32_t* tokens, const W* const* table_blocks, int64_t block_rows, int64_t N,
                          int64_t C, int64_t V);
@@ -99,11 +101,12 @@ class CudaOps {
   void linear_backward_f32(Act* dx, float* dweight, const float* dout, const Act* x, const W* weight, int64_t N,
                            int64_t IC, int64_t OC);
   void rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                    float scale);
+                    float scale, int64_t past = 0);
   void rope_backward(Act* dx, const Act* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
                      float scale);
+  // past > 0 (queries after cached keys, kernels/attention.h) runs the WMMA kernel.
   void attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
-                         int64_t Hq, int64_t Hkv, int64_t D);
+                         int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0);
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D);
   void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n);

@@ -137,9 +137,10 @@ void rmsnorm_backward(Context& ctx, bf16* dx /*(N,C)*/, float* dweight /*(C)*/,
 // ---- RoPE -----------------------------------------------------------------------------------
 // inv_freq: device copy of kernels::rope_inv_freq (computed on the host). out may alias x.
 // scale multiplies cos and sin (YaRN's attention factor; 1 otherwise), as in kernels/rope.h.
+// Token t is at position past + t (past: positions already in a KV cache).
 void rope_forward(bf16* out /*(B,T,H,D)*/, const bf16* x /*(B,T,H,D)*/,
                   const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,
-                  float scale, cudaStream_t stream);
+                  float scale, int64_t past, cudaStream_t stream);
 // dx = scale * (rotation by -angle) dout. dx may alias dout.
 void rope_backward(bf16* dx /*(B,T,H,D)*/, const bf16* dout /*(B,T,H,D)*/,
                    const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,
@@ -204,10 +205,13 @@ void gemm_separate_c(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_
 // tile_rows: rows of the query/key tiles, 0 to pick per kernel the larger (64, else 32) that
 // the device's opt-in shared memory per block allows; 32 or 64 force one (tests), and fail
 // when it does not fit. The two agree up to rounding (other tile boundaries).
+// past: keys of `past` cached positions precede the T queries' own (kernels/attention.h): k and v
+// hold past + T rows per sequence and query t sees keys 0 .. past + t.
 void attention_forward(bf16* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,
-                       const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,T,Hkv,D)*/,
-                       const bf16* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,
-                       int64_t Hkv, int64_t D, cudaStream_t stream, int tile_rows = 0);
+                       const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,past+T,Hkv,D)*/,
+                       const bf16* v /*(B,past+T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,
+                       int64_t Hkv, int64_t D, cudaStream_t stream, int tile_rows = 0,
+                       int64_t past = 0);
 // The least opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin) a device
 // needs to run attention for head dim D (64 or 128): that of the 32-row tiles, 76.25 KiB at
 // most, so every sm_80+ GPU (99 KiB or more) runs it. Devices with more get 64-row tiles.

@@ -30,7 +30,7 @@ __device__ __forceinline__ void rotate(float& x1, float& x2, int64_t t, float in
 // kWidth == 8 REQUIRES D/2 % 8 == 0 and out, x 16-byte aligned.
 template <int kWidth>
 __global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                            float sign, float scale) {
+                            float sign, float scale, int64_t past) {
   const int64_t half = D / 2;
   const int64_t groups = half / kWidth;  // per row
   const int64_t total = B * T * H * groups;
@@ -38,7 +38,7 @@ __global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int
        idx += int64_t{gridDim.x} * blockDim.x) {
     const int64_t i = (idx % groups) * kWidth;
     const int64_t row = idx / groups;  // (b * T + t) * H + h
-    const int64_t t = (row / H) % T;
+    const int64_t t = past + (row / H) % T;  // the position
     const int64_t base = row * D;
     if constexpr (kWidth == kBf16PerPack) {
       float x1[kBf16PerPack], x2[kBf16PerPack];
@@ -59,16 +59,17 @@ __global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int
 }
 
 void rope(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D, float sign,
-          float scale, cudaStream_t stream) {
-  CHECK(B >= 0 && T >= 0 && H >= 0 && D > 0);
+          float scale, int64_t past, cudaStream_t stream) {
+  CHECK(B >= 0 && T >= 0 && H >= 0 && D > 0 && past >= 0);
   CHECK_MSG(D % 2 == 0, "rope needs an even head dimension, got " + std::to_string(D));
   const int64_t pairs = B * T * H * (D / 2);
   if (pairs == 0) return;
   if ((D / 2) % kBf16PerPack == 0 && aligned16(out) && aligned16(x)) {
     rope_kernel<kBf16PerPack><<<elementwise_blocks(pairs / kBf16PerPack, kThreads), kThreads, 0, stream>>>(
-        out, x, inv_freq, B, T, H, D, sign, scale);
+        out, x, inv_freq, B, T, H, D, sign, scale, past);
   } else {
-    rope_kernel<1><<<elementwise_blocks(pairs, kThreads), kThreads, 0, stream>>>(out, x, inv_freq, B, T, H, D, sign, scale);
+    rope_kernel<1><<<elementwise_blocks(pairs, kThreads), kThreads, 0, stream>>>(out, x, inv_freq, B, T, H, D, sign, scale,
+                                                                                      past);
   }
   CUDA_CHECK_LAUNCH();
 }
@@ -76,14 +77,14 @@ void rope(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T,
 }  // namespace
 
 void rope_forward(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                  float scale, cudaStream_t stream) {
-  rope(out, x, inv_freq, B, T, H, D, 1.0f, scale, stream);
+                  float scale, int64_t past, cudaStream_t stream) {
+  rope(out, x, inv_freq, B, T, H, D, 1.0f, scale, past, stream);
 }
 
 // dx = scale * (rotation by -angle) dout: the transpose of a rotation is its inverse.
 void rope_backward(bf16* dx, const bf16* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
                    float scale, cudaStream_t stream) {
-  rope(dx, dout, inv_freq, B, T, H, D, -1.0f, scale, stream);
+  rope(dx, dout, inv_freq, B, T, H, D, -1.0f, scale, 0, stream);
 }
 
 }  // namespace strata::kernels::cuda
