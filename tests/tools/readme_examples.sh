@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the command lines the README shows for training (its Training section, its Hugging Face
-# section, the chat workflow, plotting a run, planning and profiling) against a tiny model and
-# tokenizer, so that they stay true.
+# section, the chat workflow, evaluation, generation, plotting a run, planning and profiling)
+# against a tiny model and tokenizer, so that they stay true.
 # Every /models/NAME is a 2-layer Llama carrying the qwen2 test tokenizer (with its chat
 # template); `strata train` lines get short-run overrides appended (a few steps of short
 # sequences), nothing else is changed. Usage: readme_examples.sh SOURCE_DIR BINARY_DIR
@@ -49,6 +49,7 @@ for i in $(seq 1 60); do
     "$i" "$i" "$i" "$i" $((2 * i))
 done > chats.jsonl
 head -n 20 chats.jsonl > chats-held-out.jsonl
+echo '[{"role": "user", "content": "What is 2 plus 2?"}]' > question.json
 blocks yaml "Training" | sed "s|/models/|$work/models/|g" > run.yaml
 grep -q "model:" run.yaml || { echo "readme_examples: no yaml block under Training"; exit 1; }
 
@@ -69,7 +70,7 @@ while IFS= read -r line; do
     exit 1
   fi
   count=$((count + 1))
-done < <(for section in "Hugging Face models, tokenizers and data" "Training" "Fine-tuning on chat data, end to end" "Evaluation" "Plots" \
+done < <(for section in "Hugging Face models, tokenizers and data" "Training" "Fine-tuning on chat data, end to end" "Evaluation" "Generate" "Plots" \
                           "Will it fit, and how fast?" "Plan, profile, plot: one example"; do
            blocks sh "$section"  # the data section first: it tokenizes what Training's run.yaml reads
          done)

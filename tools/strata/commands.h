@@ -18,5 +18,6 @@ int plan_command(const std::vector<std::string>& args);
 int profile_command(const std::vector<std::string>& args);
 int data_command(const std::vector<std::string>& args);
 int plot_command(const std::vector<std::string>& args);
+int generate_command(const std::vector<std::string>& args);
 
 }  // namespace strata::tools

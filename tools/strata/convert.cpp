@@ -6,16 +6,12 @@
 #include <utility>
 #include <vector>
 
-#include "ckpt/format.h"
-#include "ckpt/reader.h"
 #include "core/log.h"
-#include "core/progress.h"
 #include "core/units.h"
 #include "model/hf_io.h"
 #include "model/params.h"
 #include "tools/strata/commands.h"
-#include "train/checkpointing.h"
-#include "train/manifest_fields.h"
+#include "tools/strata/model_source.h"
 
 namespace strata::tools {
 namespace {
@@ -57,65 +53,6 @@ int usage_error(const std::string& message) {
 int fail(const Status& st) {
   std::fprintf(stderr, "strata convert: error: %s\n", st.message().c_str());
   return 1;
-}
-
-// A strata checkpoint: a `latest` file, a directory holding `latest` or manifest.json, or a
-// directory named step-N (whose manifest may be missing: the reader then names what is wrong).
-bool looks_like_checkpoint(const std::string& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  fs::path p(path);
-  while (p.has_relative_path() && p.filename().empty()) p = p.parent_path();  // trailing '/'
-  if (fs::is_regular_file(p, ec) && p.filename() == ckpt::kLatestFile) return true;
-  if (!fs::is_directory(p, ec)) return false;
-  if (fs::exists(p / ckpt::kLatestFile, ec) || fs::exists(p / ckpt::kManifestFile, ec)) return true;
-  return ckpt::parse_step_dir_name(p.filename().string()).has_value();
-}
-
-struct LoadedModel {
-  model::ModelConfig config;
-  std::vector<float> params;
-  model::SafetensorsWriteDtype source_dtype = model::SafetensorsWriteDtype::kF32;  // what --dtype auto writes
-};
-
-// Reads the parameters of a checkpoint (checksums verified first) and the config the trainer
-// recorded in its manifest.
-Result<LoadedModel> load_checkpoint(const std::string& path) {
-  ckpt::ReaderOpenOptions ro;
-  ro.verify = true;
-  ASSIGN_OR_RETURN(std::unique_ptr<ckpt::CheckpointReader> reader, ckpt::CheckpointReader::open(path, ro));
-  const std::string manifest = reader->step_dir() + "/" + ckpt::kManifestFile;
-  const nlohmann::json& mc = reader->manifest().fields.model_config;
-  if (!mc.is_object() || mc.empty()) {
-    return Status::InvalidArgument(manifest + " has no model_config, so the model's shape is unknown; convert a "
-                                   "checkpoint saved by strata train, which records the model's config.json there");
-  }
-  Result<model::ModelConfig> config = model::ModelConfig::from_json(mc, manifest + " model_config");
-  if (!config.ok()) return config.status();
-  LoadedModel out;
-  out.config = *config;
-  if (const auto it = mc.find("torch_dtype"); it != mc.end() && it->is_string()) {
-    out.source_dtype = model::parse_torch_dtype(it->get<std::string>()).value_or(model::SafetensorsWriteDtype::kF32);
-  }
-  const model::ParamLayout layout(out.config);
-  // Checked as a resume checks it, before the model's memory is allocated: a manifest that
-  // misdescribes its files (fewer layers than they hold, a tensor stored transposed) fails here.
-  RETURN_IF_ERROR(check_trainer_fields(reader->manifest(), manifest));
-  RETURN_IF_ERROR(check_checkpoint_tensors(
-      *reader, layout, "checkpoint " + reader->step_dir() + " against the model_config in " + manifest,
-      "; the checkpoint's files do not match the model its manifest records (edited or mixed up): convert "
-      "another step"));
-  out.params.assign(static_cast<size_t>(layout.total_size()), 0.0f);
-  LOG_INFO("reading checkpoint {} (step {}, {} parameters)", reader->step_dir(), reader->step(),
-           layout.num_parameters());
-  Progress progress("reading " + reader->step_dir(), static_cast<uint64_t>(layout.total_size()) * sizeof(float));
-  for (const model::TensorSpec& t : layout.tensors()) {
-    const std::string name = ckpt::qualified_name(ckpt::TensorKind::kParam, t.name);
-    Status st = reader->read_f32(name, out.params.data() + t.offset, static_cast<uint64_t>(t.numel));
-    if (!st.ok()) return st.with_context("reading checkpoint " + reader->step_dir());
-    progress.add(static_cast<uint64_t>(t.numel) * sizeof(float));
-  }
-  return out;
 }
 
 }  // namespace

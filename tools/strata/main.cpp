@@ -23,6 +23,7 @@ Commands:
   profile [CONFIG.yaml] [key=value ...] a few traced steps: Perfetto trace, report against the plan, SVGs
   plot RUN_DIR [--out DIR]              SVG charts of a run's metrics (loss, throughput, memory, stalls)
   convert --from SRC --to DST           Hugging Face model or strata checkpoint -> Hugging Face directory
+  generate --from SRC --prompt TEXT     sample text from a run, checkpoint or Hugging Face model (KV cache)
   data tokenize --tokenizer DIR ...     text, JSONL or chat JSONL -> llm.c token shards
   ckpt inspect|verify DIR               summarise a checkpoint, or recompute its checksums
   bench machine|io|adam|train-gpu|...   the planner's rates, the disk, the CPU AdamW, GPU training, tracing, queueing
@@ -61,6 +62,7 @@ int main(int argc, char** argv) {
   if (command == "profile") return strata::tools::profile_command(args);
   if (command == "plot") return strata::tools::plot_command(args);
   if (command == "data") return strata::tools::data_command(args);
+  if (command == "generate") return strata::tools::generate_command(args);
   if (command == "ckpt") return strata::tools::ckpt_command(args);
   if (command == "version" || command == "--version") {
     std::printf("strata %s\n", strata::tools::kVersion);
