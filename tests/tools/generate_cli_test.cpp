@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "data/tokenizer.h"
 #include "model/config.h"
@@ -56,7 +57,22 @@ class GenerateCliTest : public ::testing::Test {
     EXPECT_TRUE(tok.ok());
     model::EncodeOptions eo;
     eo.add_special_tokens = true;
-    const std::vector<int32_t> ids = tok->encode(prompt, eo);
+    return expected_text(tok->encode(prompt, eo), options);
+  }
+  // The same for a conversation rendered with the generation prompt.
+  std::string expected_chat_text(const nlohmann::ordered_json& messages, const model::GenerateOptions& options) {
+    Result<model::Tokenizer> tok = model::Tokenizer::load(kTokenizer.string());
+    EXPECT_TRUE(tok.ok());
+    model::ChatRenderOptions ro;
+    ro.add_generation_prompt = true;
+    Result<std::string> text = tok->chat_template()->render(messages, ro);
+    EXPECT_TRUE(text.ok()) << text.status().to_string();
+    EXPECT_TRUE(text->ends_with("<|im_start|>assistant\n")) << *text;
+    return expected_text(tok->encode(*text, model::EncodeOptions{.add_special_tokens = false}), options);
+  }
+  std::string expected_text(const std::vector<int32_t>& ids, const model::GenerateOptions& options) {
+    Result<model::Tokenizer> tok = model::Tokenizer::load(kTokenizer.string());
+    EXPECT_TRUE(tok.ok());
     std::unique_ptr<model::Model> net = model::make_cpu_decoder(DType::kF32, config_);
     model::FlatAccess access(DType::kF32, params_.data(), nullptr);
     net->set_access(&access);
@@ -109,10 +125,16 @@ TEST_F(GenerateCliTest, ASeedRepeatsASampledTextAndAnotherChangesIt) {
 
 TEST_F(GenerateCliTest, ChatRendersTheTemplateWithTheGenerationPrompt) {
   const fs::path chat = dir_ / "chat.json";
-  std::ofstream(chat) << R"([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}])";
+  const std::string conversation =
+      R"([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}])";
+  std::ofstream(chat) << conversation;
   const CmdResult r =
-      run_strata("generate --from " + hf_.string() + " --chat " + chat.string() + " --max-new-tokens 4 --ignore-eos");
+      run_strata("generate --from " + hf_.string() + " --chat " + chat.string() + " --max-new-tokens 6 --ignore-eos");
   EXPECT_EQ(r.exit_code, 0) << r.output;
+  model::GenerateOptions options;
+  options.max_new_tokens = 6;
+  const std::string text = expected_chat_text(nlohmann::ordered_json::parse(conversation), options);
+  EXPECT_NE(r.output.find(text + "\n"), std::string::npos) << "expected '" << text << "' in:\n" << r.output;
   // The ShareGPT shape is read as data tokenize reads it; a conversation ending with the
   // assistant has nothing to answer.
   std::ofstream(chat) << R"({"conversations": [{"from": "human", "value": "Hi"}]})";

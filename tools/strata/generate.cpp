@@ -278,10 +278,13 @@ Result<std::vector<int32_t>> encode_prompt(const Options& o, const model::Tokeni
                                    "chat_template.jinja) to render --chat " + o.chat + "; use --prompt");
   }
   ASSIGN_OR_RETURN(nlohmann::ordered_json messages, read_chat(o.chat));
+  // As apply_chat_template(add_generation_prompt=True, tokenize=True): the rendered text with
+  // its added tokens parsed and nothing put around it.
   model::ChatRenderOptions ro;
   ro.add_generation_prompt = true;
-  ASSIGN_OR_RETURN(model::EncodedChat chat, tok.encode_chat(messages, ro));
-  return chat.ids;
+  ASSIGN_OR_RETURN(std::string text, tok.chat_template()->render(messages, ro));
+  return tok.encode_all(text, model::EncodeOptions{.add_special_tokens = false, .parse_special = true},
+                        "--chat " + o.chat + " rendered");
 }
 
 int run(const Options& o) {
