@@ -319,7 +319,13 @@ uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s, uint64_t o
 // a host slot. False with the problem and suggestions in `p` when the host or NVMe budget cannot
 // hold its part, or the host cannot pass the largest group while the weights load.
 bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s, GroupHomes& h, Plan& p) {
-  if (p.offload_activations) p.host.act = s.saved_all;
+  // Offloaded saved activations take whole chunks of the store, packed (StateStore::add_activations).
+  if (p.offload_activations)
+    p.host.act = in.chunk_size > 0 && in.offloaded_activations > 0
+                     ? StateStore::activation_chunks(in.offloaded_activations, in.saved_activation_bytes_per_layer,
+                                                     in.chunk_size) *
+                           in.chunk_size
+                     : s.saved_all;
   std::vector<int64_t> host_groups;
   for (int64_t g = 0; g < s.groups; ++g) {
     if (h.opt_dev[g]) continue;

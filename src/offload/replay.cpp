@@ -28,8 +28,7 @@ uint64_t store_chunk_count(const std::vector<StateTensor>& tensors, const StateL
   for (const StateKind kind : layout.kinds())
     for (uint64_t n : StateStore::group_chunks(tensors, chunk_bytes, layout, kind, sliced[static_cast<size_t>(kind)]))
       chunks += n;
-  const uint64_t per_buffer = (activation_bytes + chunk_bytes - 1) / chunk_bytes;
-  return chunks + static_cast<uint64_t>(std::max(activations, 0)) * per_buffer;
+  return chunks + StateStore::activation_chunks(activations, activation_bytes, chunk_bytes);
 }
 
 namespace {

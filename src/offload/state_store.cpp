@@ -353,21 +353,56 @@ std::optional<size_t> StateStore::next_entry(const GroupAccess& access) {
   return entry;
 }
 
+namespace {
+
+// Buffers of `bytes` one chunk holds whole (0: a buffer is larger than a chunk).
+uint64_t buffers_per_chunk(uint64_t bytes, uint64_t chunk_bytes) {
+  // Buffer k starts at k strides (tensors start at kTensorAlignment multiples) and must end
+  // inside the chunk.
+  return bytes > chunk_bytes ? 0 : (chunk_bytes - bytes) / round_up(bytes, kTensorAlignment) + 1;
+}
+
+}  // namespace
+
+uint64_t StateStore::activation_chunks(int count, uint64_t bytes, uint64_t chunk_bytes) {
+  if (count <= 0 || bytes == 0) return 0;
+  const uint64_t n = static_cast<uint64_t>(count), per_chunk = buffers_per_chunk(bytes, chunk_bytes);
+  return per_chunk > 0 ? (n + per_chunk - 1) / per_chunk : n * ((bytes + chunk_bytes - 1) / chunk_bytes);
+}
+
 Status StateStore::add_activations(int count, uint64_t bytes) {
   if (!act_chunks_.empty()) return Status::InvalidArgument("activation buffers are already registered");
   if (count <= 0) return Status::OK();
   if (bytes == 0) return Status::InvalidArgument("activation buffers need at least one byte");
   if (!space_->has_tier(Tier::kHost)) return Status::InvalidArgument("activation offload needs a host memory tier");
   const uint64_t piece_bytes = space_->chunk_bytes();
+  const uint64_t per_chunk = buffers_per_chunk(bytes, piece_bytes);
+  // A chunk homed in host memory or, when that is full, on NVMe.
+  auto add_chunk = [&]() -> Result<ChunkId> {
+    Result<ChunkId> added = space_->add_chunk(ChunkKind::kAct, Tier::kHost);
+    if (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && space_->has_tier(Tier::kNvme))
+      added = space_->add_chunk(ChunkKind::kAct, Tier::kNvme);
+    return added;
+  };
   std::vector<std::vector<ChunkId>> chunks(static_cast<size_t>(count));
+  std::vector<uint64_t> offsets(static_cast<size_t>(count), 0);
   for (int i = 0; i < count; ++i) {
+    if (per_chunk > 0) {
+      // Whole buffers packed: a new chunk for every per_chunk-th.
+      std::optional<ChunkId> opened;
+      if (static_cast<uint64_t>(i) % per_chunk == 0) {
+        ASSIGN_OR_RETURN(opened, add_chunk());
+      }
+      ASSIGN_OR_RETURN(TensorId id, space_->add_tensor("act/" + std::to_string(i), ChunkKind::kAct, bytes));
+      CHECK(!opened || space_->tensor(id).chunk == *opened);
+      CHECK(static_cast<uint64_t>(i) % per_chunk != 0 || space_->tensor(id).offset == 0);
+      chunks[static_cast<size_t>(i)].push_back(space_->tensor(id).chunk);
+      offsets[static_cast<size_t>(i)] = space_->tensor(id).offset;
+      continue;
+    }
     for (uint64_t done = 0, p = 0; done < bytes; done += piece_bytes, ++p) {
       const uint64_t n = std::min(piece_bytes, bytes - done);
-      // One chunk per piece, homed in host memory or, when that is full, on NVMe.
-      Result<ChunkId> added = space_->add_chunk(ChunkKind::kAct, Tier::kHost);
-      if (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && space_->has_tier(Tier::kNvme))
-        added = space_->add_chunk(ChunkKind::kAct, Tier::kNvme);
-      ASSIGN_OR_RETURN(ChunkId c, std::move(added));
+      ASSIGN_OR_RETURN(ChunkId c, add_chunk());
       ASSIGN_OR_RETURN(TensorId id, space_->add_tensor("act/" + std::to_string(i) + "/" + std::to_string(p),
                                                        ChunkKind::kAct, n));
       CHECK(space_->tensor(id).chunk == c && space_->tensor(id).offset == 0);
@@ -375,7 +410,9 @@ Status StateStore::add_activations(int count, uint64_t bytes) {
     }
   }
   act_chunks_ = std::move(chunks);
+  act_offsets_ = std::move(offsets);
   act_bytes_ = bytes;
+  act_per_chunk_ = std::max<uint64_t>(per_chunk, 1);
   return Status::OK();
 }
 
@@ -391,9 +428,11 @@ Status StateStore::copy_activation(int i, char* data, uint64_t bytes, bool to_st
   for (size_t j = 0; j < chunks.size() && j * piece_bytes < bytes; ++j) {
     const uint64_t n = std::min(piece_bytes, bytes - j * piece_bytes);
     if (entry) space_->advance(schedule_chunk_start_[*entry] + j);
-    // A piece written is written whole (the tail past `bytes` is never read back).
-    ASSIGN_OR_RETURN(void* p, space_->acquire_chunk(chunks[j], Tier::kHost, to_store ? AccessMode::kWrite : AccessMode::kRead));
-    char* chunk = static_cast<char*>(p);
+    // A piece written is written whole (the tail past `bytes` is never read back), unless other
+    // buffers share its chunk: those are kept.
+    const AccessMode write = act_per_chunk_ > 1 ? AccessMode::kReadWrite : AccessMode::kWrite;
+    ASSIGN_OR_RETURN(void* p, space_->acquire_chunk(chunks[j], Tier::kHost, to_store ? write : AccessMode::kRead));
+    char* chunk = static_cast<char*>(p) + act_offsets_[static_cast<size_t>(i)];
     if (data == nullptr) {
       // The chunks' moves only (the planner's replay): nothing to copy.
     } else if (to_store) {

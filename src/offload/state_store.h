@@ -171,10 +171,15 @@ class StateStore {
   }
 
   // Activation buffers (activations saved at layer boundaries, DESIGN §3.3): `count` buffers of
-  // `bytes` bytes each (of whatever type the model's activations are), in chunks of kind kAct homed in host memory (NVMe when the host tier
-  // is full) and always accessed there; each chunk belongs to one buffer, so writing one buffer
-  // never touches another. Call before set_schedule(); at most once.
+  // `bytes` bytes each (of whatever type the model's activations are), in chunks of kind kAct
+  // homed in host memory (NVMe when the host tier is full) and always accessed there. Buffers no
+  // larger than a chunk are packed whole, as many to a chunk as fit (a large model's chunk holds
+  // a dozen: one each would take a chunk per layer); a larger buffer takes chunks of its own, in
+  // pieces of a chunk. A buffer sharing its chunk is written in place, its neighbours kept.
+  // Call before set_schedule(); at most once.
   Status add_activations(int count, uint64_t bytes);
+  // Chunks of `chunk_bytes` that add_activations(count, bytes) takes.
+  static uint64_t activation_chunks(int count, uint64_t bytes, uint64_t chunk_bytes);
   int num_activations() const { return static_cast<int>(act_chunks_.size()); }
   // Copies the first `bytes` bytes of `data` into buffer i / of buffer i into `data`,
   // through host memory. InvalidArgument when i or bytes is out of range; IOError and the
@@ -237,8 +242,11 @@ class StateStore {
   std::vector<size_t> schedule_chunk_start_;
   std::mutex schedule_mu_;  // guards schedule_pos_
   size_t schedule_pos_ = 0;
-  // Activation buffers: the chunks of each (one piece of up to chunk_bytes each), their bytes.
+  // Activation buffers: the chunks of each (one piece of up to chunk_bytes each), their bytes,
+  // where each starts in its first chunk, and how many share a chunk (1: each has its own).
   std::vector<std::vector<ChunkId>> act_chunks_;
+  std::vector<uint64_t> act_offsets_;
+  uint64_t act_per_chunk_ = 1;
   uint64_t act_bytes_ = 0;
 
   // The next schedule entry matching `access` from the current position (advancing past it).

@@ -120,7 +120,7 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
     const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * C * dtype_size(state.activation_dtype());
     const uint64_t count =
         static_cast<uint64_t>(model::saved_activation_count(static_cast<int>(layout.num_layers())));
-    size.activation_chunks = count * ((bytes + chunk - 1) / chunk);
+    size.activation_chunks = StateStore::activation_chunks(static_cast<int>(count), bytes, chunk);
     size.state_bytes += count * bytes;
   }
   // With an nvme tier the chunk space keeps one host slot free for staging moves to and from disk.

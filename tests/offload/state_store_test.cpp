@@ -210,5 +210,41 @@ TEST(StateStoreTest, ASlicedKindHoldsEachTensorsSliceAlone) {
   EXPECT_EQ(back, (std::vector<float>{2010, 2011, 2012, 2013}));
 }
 
+// Saved-activation buffers no larger than a chunk are packed whole, as many to a chunk as fit;
+// each keeps its own bytes when its neighbours are written. A larger buffer takes chunks of its
+// own. (A 70B shape: 78 buffers of 64 MiB in 896 MiB chunks take 6 chunks, not 78.)
+TEST(StateStoreTest, ActivationBuffersArePackedAndKeepTheirBytes) {
+  EXPECT_EQ(StateStore::activation_chunks(78, 64ull << 20, 896ull << 20), 6u);
+  EXPECT_EQ(StateStore::activation_chunks(5, kChunk / 4, kChunk), 2u);  // 4 to a chunk
+  EXPECT_EQ(StateStore::activation_chunks(5, kChunk / 3, kChunk), 3u);  // 2: starts on 256-byte multiples
+  EXPECT_EQ(StateStore::activation_chunks(2, kChunk + 1, kChunk), 4u);  // 2 pieces each
+  EXPECT_EQ(StateStore::activation_chunks(0, kChunk, kChunk), 0u);
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  for (const uint64_t bytes : {kChunk / 3, kChunk / 4, kChunk + 100}) {
+    StateStoreOptions o;
+    o.space.chunk_bytes = kChunk;
+    o.space.host_bytes = 64 * kChunk;
+    auto store = StateStore::create(**device, nullptr, {{"a", kFloats, 0}}, o);
+    ASSERT_TRUE(store.ok()) << store.status().to_string();
+    StateStore& s = **store;
+    const uint64_t before = s.space().num_chunks();
+    const int count = 5;
+    ASSERT_TRUE(s.add_activations(count, bytes).ok());
+    EXPECT_EQ(s.space().num_chunks() - before, StateStore::activation_chunks(count, bytes, kChunk)) << bytes;
+    std::vector<std::vector<uint8_t>> written;
+    for (int i = 0; i < count; ++i) {
+      std::vector<uint8_t>& w = written.emplace_back(bytes);
+      for (uint64_t b = 0; b < bytes; ++b) w[b] = static_cast<uint8_t>(b * 7 + static_cast<uint64_t>(i) * 31);
+      ASSERT_TRUE(s.write_activation(i, w.data(), bytes).ok());
+    }
+    for (int i = count - 1; i >= 0; --i) {
+      std::vector<uint8_t> back(bytes);
+      ASSERT_TRUE(s.read_activation(i, back.data(), bytes).ok());
+      EXPECT_TRUE(back == written[static_cast<size_t>(i)]) << "buffer " << i << " of " << bytes << " bytes";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata
