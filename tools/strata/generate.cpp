@@ -55,8 +55,9 @@ Options:
                           tokenizer's chat template with the generation prompt appended
   --tokenizer DIR         tokenizer directory (tokenizer.json, tokenizer_config.json); default:
                           the one that comes with SRC (above)
-  --max-new-tokens N      tokens to generate at most (default 128); prompt + N - 1 must fit the
-                          model's max_position_embeddings
+  --max-new-tokens N      tokens to generate at most (default 128, or fewer where the prompt
+                          leaves less of the model's max_position_embeddings); prompt + N - 1
+                          must fit in max_position_embeddings
   --temperature T         0 (the default): greedy, the most likely token each time; T > 0
                           samples from softmax(logits / T)
   --top-p P               with T > 0, sample among the most likely tokens whose probabilities
@@ -86,6 +87,7 @@ int fail(const Status& st) {
 struct Options {
   std::string from, prompt, chat, tokenizer, device = "cpu", precision;
   bool have_prompt = false, ignore_eos = false, special_tokens = true;
+  bool max_new_given = false;  // --max-new-tokens was given (else 128, or the context left)
   model::GenerateOptions generate;
 };
 
@@ -139,6 +141,7 @@ std::string parse_args(const std::vector<std::string>& args, Options* o) {
     } else if (a == "--max-new-tokens") {
       if (!parse_int(v, 1, 1 << 20, &n)) return "--max-new-tokens is '" + v + "'; use a whole number from 1 to 1048576";
       o->generate.max_new_tokens = n;
+      o->max_new_given = true;
     } else if (a == "--seed") {
       if (!parse_int(v, 0, INT64_MAX, &n)) return "--seed is '" + v + "'; use a whole number of 0 or more";
       o->generate.sampling.seed = static_cast<uint64_t>(n);
@@ -248,7 +251,9 @@ Status make_runner(const Options& o, LoadedModel loaded, Runner* r) {
     r->model = model::make_cpu_decoder(bf16 ? DType::kBF16 : DType::kF32, loaded.config);
   } else {
 #if STRATA_HAVE_CUDA
-    RETURN_IF_ERROR(model::cuda_supports(loaded.config, DType::kBF16));
+    if (Status st = model::cuda_supports(loaded.config, DType::kBF16); !st.ok()) {
+      return Status::Unimplemented("--device cuda cannot run this model (" + st.message() + "); use --device cpu");
+    }
     ASSIGN_OR_RETURN(r->device, open_device("cuda", 0, 0));
     const uint64_t bytes = static_cast<uint64_t>(total) * sizeof(uint16_t);
     ASSIGN_OR_RETURN(r->weights, r->device->allocate(bytes));
@@ -315,16 +320,23 @@ int run(const Options& o) {
                                           std::to_string(config.vocab_size) + ": not this model's tokenizer?"));
     }
   }
-  if (P + o.generate.max_new_tokens - 1 > config.max_position_embeddings) {
+  const int64_t context = config.max_position_embeddings;
+  if (P > context) {
+    return fail(Status::InvalidArgument("the prompt (" + std::to_string(P) +
+                                        " tokens) is longer than the model's max_position_embeddings (" +
+                                        std::to_string(context) + "); shorten it"));
+  }
+  model::GenerateOptions go = o.generate;
+  if (!o.max_new_given) go.max_new_tokens = std::min(go.max_new_tokens, context - P + 1);
+  if (P + go.max_new_tokens - 1 > context) {
     return fail(Status::InvalidArgument(
         "the prompt (" + std::to_string(P) + " tokens) and --max-new-tokens " +
-        std::to_string(o.generate.max_new_tokens) + " run past the model's max_position_embeddings (" +
+        std::to_string(go.max_new_tokens) + " run past the model's max_position_embeddings (" +
         std::to_string(config.max_position_embeddings) + "); ask for fewer new tokens or shorten the prompt"));
   }
   Runner runner;
   if (Status st = make_runner(o, std::move(*loaded), &runner); !st.ok()) return fail(st);
 
-  model::GenerateOptions go = o.generate;
   if (!o.ignore_eos) {
     if (tok->eos_id() >= 0) go.stop_ids.push_back(tok->eos_id());
     // generation_config.json beside the weights, or beside the tokenizer (the model a run
