@@ -103,6 +103,13 @@ TEST_F(GenerateCliTest, GreedyTextIsTheLibrarysAndRepeats) {
   // The bf16 recipe runs too.
   const CmdResult bf16 = run_strata(args + " --precision bf16");
   EXPECT_EQ(bf16.exit_code, 0) << bf16.output;
+  // Without --max-new-tokens: 128 at most, here what the context of 128 positions leaves.
+  Result<model::Tokenizer> tok = model::Tokenizer::load(kTokenizer.string());
+  ASSERT_TRUE(tok.ok());
+  const int64_t P = static_cast<int64_t>(tok->encode("hello world", model::EncodeOptions{.add_special_tokens = true}).size());
+  const CmdResult all = run_strata("generate --from " + hf_.string() + " --prompt 'hello world' --ignore-eos");
+  EXPECT_EQ(all.exit_code, 0) << all.output;
+  EXPECT_NE(all.output.find(std::to_string(128 - P + 1) + " new tokens"), std::string::npos) << all.output;
 }
 
 TEST_F(GenerateCliTest, ASeedRepeatsASampledTextAndAnotherChangesIt) {
