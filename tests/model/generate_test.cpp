@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../test_util.h"
+#include "core/cpu_device.h"
 #include "kernels/linear.h"
 #include "model/decoder.h"
 #include "model/flat_model.h"
@@ -178,6 +179,34 @@ TEST(Generate, CachedLogitsGiveTheTrainingForwardsLoss) {
     // Training after generation plans the activation table anew and computes as before.
     const double loss_after = model.forward_loss(inputs.data(), targets.data(), 1, T);
     EXPECT_EQ(loss_before, loss_after);
+  }
+}
+
+// Queued on a compute stream in chaos mode (random delays before every task, released slots
+// poisoned), decoding reads its tokens and logits only after the ops that own them: the same bits
+// as ops run in the caller.
+TEST(Generate, QueuedOpsOnAChaoticStreamDecodeAsOpsInTheCaller) {
+  FixedOrderGemm gemm(true);
+  Result<std::unique_ptr<CpuDevice>> device = CpuDevice::create(0, 0, /*chaos_seed=*/5);
+  ASSERT_TRUE(device.ok()) << device.status().to_string();
+  for (const ModelConfig& config : {dense_config(), moe_config()}) {
+    FlatModel<LlamaModel> direct(config);
+    FlatModel<LlamaModel> queued(config, CpuF32Model(device->get()));
+    direct.init_weights(9);
+    queued.init_weights(9);
+    const std::vector<int32_t> tokens = random_tokens(24, config.vocab_size, 4);
+    const auto want = cached_logits(direct.net(), tokens, 6);
+    const auto got = cached_logits(queued.net(), tokens, 6);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_EQ(std::memcmp(got[i].data(), want[i].data(), got[i].size() * sizeof(float)), 0) << "step " << i;
+    GenerateOptions options;
+    options.max_new_tokens = 10;
+    options.sampling = {0.9, 0.95, 3};
+    Result<std::vector<int32_t>> a = generate(direct.net(), tokens, options);
+    Result<std::vector<int32_t>> b = generate(queued.net(), tokens, options);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(*a, *b);
   }
 }
 
