@@ -6,7 +6,7 @@
 // - greedy decoding gives transformers' generate(do_sample=False) tokens on tiny random Llama,
 //   Mixtral and Qwen2-MoE models (tests/model/reference_generate.py), and its logits agree;
 // - the decode head agrees with the training forward's loss, and training after generation is
-//   unchanged;
+//   unchanged; ops queued on a chaos-mode stream decode the same bits;
 // - the sampler is seeded, greedy at temperature 0 and keeps only the top-p tokens.
 #include <algorithm>
 #include <cmath>
