@@ -791,7 +791,8 @@ std::string format_zero_levels(const PlanInput& in, int chosen) {
     if (!p.fits) os << "         " << p.problem << "\n";
   }
   os << "  (bytes and collectives per rank per optimizer step, ring algorithms; strata train runs levels 0 "
-        "and 1 (1 with whole parameter groups per rank); 2 and 3 are planned ahead of it)\n";
+        "and 1 (1: each rank holds the master weights and moments of its range of every tensor); 2 and 3 are "
+        "planned ahead of it)\n";
   return os.str();
 }
 
