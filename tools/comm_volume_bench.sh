@@ -61,8 +61,8 @@ done
   echo "(metrics.jsonl), what each rank's Comm counted as sent, averaged over the ranks. Planned: the"
   echo "\"comm/rank\" column of \`strata plan parallel.world_size=W parallel.zero=Z\` (ring collectives:"
   echo "ZeRO-0 all-reduces the gradients, 2(W-1)/W of their bytes; ZeRO-1 reduces them onto each"
-  echo "group's owner, (W-1)/W, and gathers the updated copy, (W-1)/W of it, which strata sends as"
-  echo "broadcasts from each group's owner). The plan"
+  echo "range's rank, (W-1)/W, and gathers the updated copy, (W-1)/W of it, which strata sends as"
+  echo "broadcasts of each rank's ranges). The plan"
   echo "prints 3 significant digits; the step's scalars (loss, stop flag) are in the measurement only."
   echo
   echo "| ZeRO | world | measured bytes | planned bytes | measured/planned | within 5% |"
