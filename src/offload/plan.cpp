@@ -593,8 +593,8 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
 // copy's, without chunk padding.
 //   ZeRO-0: the accumulated gradients all-reduced once per step, 2(W-1)/W x G.
 //   ZeRO-1: the accumulated gradients reduced once per step onto the rank that owns them,
-//     (W-1)/W x G (strata train reduces each group onto its owner: every other rank sends it
-//     the group once), then the compute copy each rank updated gathered, (W-1)/W x P.
+//     (W-1)/W x G (strata train reduces each rank's range of every tensor onto it: every other
+//     rank sends it the range once), then the compute copy each rank updated gathered, (W-1)/W x P.
 //   ZeRO-2: each micro-batch's gradients reduce-scattered onto their shards (a rank keeps
 //     only its shard, so the accumulation happens there), grad_accum x (W-1)/W x G, plus the
 //     all-gather of the updated compute copy.

@@ -63,15 +63,17 @@ uint64_t StateStore::auto_chunk_bytes(const std::vector<StateTensor>& tensors, c
   return choose_group_chunk_bytes(bytes);
 }
 
-uint64_t StateStore::part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part) {
+uint64_t StateStore::part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part, bool sliced) {
   uint64_t bytes = 0;
-  for (size_t i : part.tensors) bytes += round_up(tensors[i].elements * sizeof(float), kTensorAlignment);
+  for (size_t i : part.tensors) bytes += round_up(tensors[i].held(sliced).count * sizeof(float), kTensorAlignment);
   return bytes;
 }
 
 bool StateStore::opens_own_chunk(const std::vector<StateTensor>& tensors, const std::vector<Part>& parts, size_t pi,
-                                 uint64_t chunk_bytes) {
-  return pi == 0 || part_bytes_of(tensors, parts[pi]) * kOwnChunkFraction >= chunk_bytes;
+                                 bool sliced, uint64_t chunk_bytes) {
+  if (pi == 0) return true;
+  const uint64_t bytes = part_bytes_of(tensors, parts[pi], sliced);
+  return bytes > 0 && bytes * kOwnChunkFraction >= chunk_bytes;
 }
 
 std::vector<std::vector<StateStore::Part>> StateStore::make_parts(const std::vector<StateTensor>& tensors,
@@ -102,7 +104,8 @@ std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& t
   for (int g = 0; g < num_groups; ++g) {
     const size_t before = layout->num_chunks();
     for (size_t pi = 0; pi < parts[static_cast<size_t>(g)].size(); ++pi) {
-      if (opens_own_chunk(tensors, parts[static_cast<size_t>(g)], pi, chunk_bytes)) layout->open_chunk(ChunkKind::kParam);
+      if (opens_own_chunk(tensors, parts[static_cast<size_t>(g)], pi, sliced, chunk_bytes))
+        layout->open_chunk(ChunkKind::kParam);
       for (size_t i : parts[static_cast<size_t>(g)][pi].tensors) {
         Result<TensorId> added =
             layout->add(tensors[i].name, ChunkKind::kParam, state.tensor_bytes(kind, tensors[i].shape(sliced)));
@@ -164,7 +167,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
         // opens one too, so it pages alone. Smaller parts (experts far smaller than the largest
         // tensor) share chunks with the part before them, rather than each padding a chunk of
         // its own: fetching one then brings its neighbours along.
-        if (opens_own_chunk(s->tensors_, s->parts_[g], pi, so.chunk_bytes)) {
+        if (opens_own_chunk(s->tensors_, s->parts_[g], pi, sliced, so.chunk_bytes)) {
           ASSIGN_OR_RETURN(ChunkId first, with_fallback([&] { return s->space_->add_chunk(kind, home); }));
           chunks.push_back(first);
         }

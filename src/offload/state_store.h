@@ -206,9 +206,12 @@ class StateStore {
     std::array<bool, kNumStateKinds> pinned{};
   };
   // Bytes a part's tensors take in a chunk, alignment included.
-  static uint64_t part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part);
+  // `sliced`: of a sliced kind, what each tensor's slice holds.
+  static uint64_t part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part, bool sliced);
   // Whether part pi of a group starts a chunk of its own (else it fills the chunk before it).
-  static bool opens_own_chunk(const std::vector<StateTensor>& tensors, const std::vector<Part>& parts, size_t pi,
+  // A part of a sliced kind whose slices are all empty (an expert another rank owns whole) opens
+  // none.
+  static bool opens_own_chunk(const std::vector<StateTensor>& tensors, const std::vector<Part>& parts, size_t pi, bool sliced,
                               uint64_t chunk_bytes);
   // The parts of each group: the dense part first, then the others by id; each lists its
   // tensors (indices into `tensors`) in order.

@@ -17,7 +17,8 @@ std::vector<GroupAccess> StepProgram::schedule(int64_t grad_accum) const {
 
 namespace {
 
-// Each group's gradients, whole, one group at a time: zeroing writes them, the norm reads them.
+// Each group's gradients, whole, one group at a time: zeroing writes them, the norm reads them
+// (and writes them where the ranks sum them in place first).
 void append_grad_pass(int num_groups, AccessMode mode, StepPhase phase, std::vector<ProgramEvent>* out) {
   for (int g = 0; g < num_groups; ++g) out->push_back({GroupAccess{g, StateKind::kGrad}, mode, phase, true});
 }

@@ -54,8 +54,8 @@ class Comm {
   // data (count floats) becomes the sum over ranks, on every rank.
   virtual Status all_reduce_sum(float* data, size_t count, Stream* stream = nullptr) = 0;
   // root's data (count floats) becomes the sum over ranks; the others' data is left as it was.
-  // Each rank but root sends its count floats once (what a ZeRO-1 rank's gradient reduction
-  // onto the owner of a group costs).
+  // Each rank but root sends its count floats once (what ZeRO-1's gradient reduction of a
+  // range onto the rank that owns it costs).
   virtual Status reduce_sum(float* data, size_t count, int root, Stream* stream = nullptr) = 0;
   // Sends send_bytes[r] bytes (consecutive in send, in rank order) to rank r and receives
   // recv_bytes[r] bytes from rank r into recv, consecutive in rank order. Both spans have

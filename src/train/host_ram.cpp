@@ -125,6 +125,11 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   po.activation_tokens = t.micro_batch * t.seq_len;
   po.precision = precision;
   po.moments = t.moments;
+  // A data-parallel rank's share, as the plan places it (its sliced kinds hold its ranges).
+  if (plan.placement.num_groups() == static_cast<int>(layout.num_layers()) + 2) {
+    po.placement = plan.placement;
+    po.rank = std::clamp(t.dp_rank, 0, std::max(plan.placement.world(), 1) - 1);
+  }
   const HostTierSize tier = PagedState::host_tier_size(layout, po);
   const uint64_t chunk = tier.chunk_bytes;
   // Pinned: cudaHostAlloc on cuda; on the cpu, registering with io_uring (an nvme tier) locks it.

@@ -250,6 +250,11 @@ Result<double> PagedEngine::eval_micro_batch(const int32_t* inputs, const int32_
 }
 
 Status PagedEngine::set_comm(parallel::Comm* comm) {
+  // The ranks the state's ranges were shared out over must be the ranks that sum and gather them.
+  const int world = std::max(plan_.placement.world(), 1), comm_world = comm != nullptr ? comm->world_size() : 1;
+  if (world != comm_world)
+    return Status::InvalidArgument(fmt::format("the training state is shared out over {} ranks but the "
+                                               "communicator has {}", world, comm_world));
   if (comm != nullptr && comm->world_size() > 1 && options_.overlap_optimizer)
     return Status::InvalidArgument(fmt::format(
         "optim.overlap_backward updates each layer before its gradients are summed over the {} ranks; set "

@@ -93,7 +93,7 @@ class PagedEngine {
   std::string step_note() const;
   // The precision recipe and moment format the step line names, e.g. "fp8" or "bf16, int8 moments".
   std::string recipe() const;
-  // The planner's placement of the state (its groups' owners with several ranks) and what it
+  // The planner's placement of the state (with several ranks, this rank's share) and what it
   // was planned from: reports compare the measured run with it.
   const Plan& plan() const { return plan_; }
   const PlanInput& plan_input() const { return plan_input_; }
@@ -116,7 +116,7 @@ class PagedEngine {
 
   model::ModelConfig mc_;
   uint64_t process_bytes_ = 0;  // process_baseline_bytes before the tiers were reserved
-  Plan plan_;  // its placement carries the groups' owners with several ranks
+  Plan plan_;  // its placement shares the tensors out over the ranks
   PlanInput plan_input_;  // what plan_ was made from
   TrainConfig budgets_;  // the settings with every budget and the chunk size resolved
   double train_aux_loss_ = 0;  // the MoE aux loss of the last training micro-batch (step_note)

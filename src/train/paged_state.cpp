@@ -511,9 +511,12 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     // The host's fp32 update reads the gradients scaled (one pass); the compact one scales first.
     if (clipped && where != Tier::kDevice && compact) kernels::cpu::scale_inplace(grad, n, coefficient);
     if (compact) {
-      // The random bits of stochastic rounding follow (step, tensor), never tiers or threads.
+      // The random bits of stochastic rounding follow (step, tensor, the range's first element),
+      // never tiers or threads: the kernel counts elements from the range's start, so each rank's
+      // range draws bits of its own (0 for the whole tensor).
       const kernels::MomentRounding rounding{options_.stochastic_rounding,
-                                             static_cast<uint64_t>(p.step) * 0x9E3779B97F4A7C15ull ^ i};
+                                             (static_cast<uint64_t>(p.step) * 0x9E3779B97F4A7C15ull ^ i) +
+                                                 range.first * 0xD1B54A32D192ED03ull};
       here.adamw_compact(master, grad, m, v, layout.moments, n, p, rounding, device_clips, tag);
       if (layout.separate_master()) write_copy(here, i, master, range);
     } else if (where == Tier::kDevice && layout.precision != Precision::kFp8) {

@@ -68,7 +68,7 @@ struct PagedStateOptions {
   size_t lookahead = 2;       // groups prefetched ahead
   int64_t grad_accum = 1;     // micro-batches per step (for the schedule)
   // Home and sharding of each group's state of each kind (the plan's placement). None: every chunk
-  // in the lowest tier with room, every group owned by this process.
+  // in the lowest tier with room, all of it this process's.
   std::optional<Placement> placement;
   // Activation offload (DESIGN §3.3): keep the model's offloaded layer checkpoints (saved
   // activations, param_access.h) in kAct chunks homed in host memory. activation_tokens = B * T

@@ -161,22 +161,27 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     // What the traffic replay follows (it needs whole chunks): the store the engine builds and
     // the model's accesses, with the saved activations kept and offloaded (the plan decides).
     // A data-parallel rank's master weights and moments under ZeRO-1 and up: its slices of
-    // every tensor, packed as the store packs them.
+    // every tensor, packed as the store packs them. The placement is planned from the largest
+    // share of any rank, so that every rank's plan homes each group alike (their collectives
+    // on a group's compute copy then move the same kind of memory); the traffic is replayed on
+    // this rank's own store.
     const int W = static_cast<int>(world), rank = static_cast<int>(std::clamp<int64_t>(t.dp_rank, 0, world - 1));
     const std::vector<StateTensor> tensors = PagedState::store_tensors(layout, state, rank, W);
-    if (W > 1) {
-      const std::vector<uint64_t> sliced = StateStore::group_chunks(tensors, t.chunk_size, state, StateKind::kGrad, true);
+    for (int r = 0; r < W && W > 1; ++r) {
+      const std::vector<StateTensor> share = PagedState::store_tensors(layout, state, r, W);
+      const std::vector<uint64_t> sliced = StateStore::group_chunks(share, t.chunk_size, state, StateKind::kGrad, true);
       const std::vector<uint64_t> sliced_moments =
-          StateStore::group_chunks(tensors, t.chunk_size, state, StateKind::kAdamM, true);
+          StateStore::group_chunks(share, t.chunk_size, state, StateKind::kAdamM, true);
       uint64_t layers = 0, layer_moments = 0;
       for (size_t g = 1; g + 1 < sliced.size(); ++g) layers += sliced[g], layer_moments += sliced_moments[g];
-      in.layer_sliced_chunks = (layers + L - 1) / std::max<uint64_t>(L, 1);
-      in.edge_sliced_chunks = sliced.front() + sliced.back();
-      in.embed_sliced_chunks = sliced.front();
-      in.layer_sliced_moment_chunks = (layer_moments + L - 1) / std::max<uint64_t>(L, 1);
-      in.edge_sliced_moment_chunks = sliced_moments.front() + sliced_moments.back();
-      in.embed_sliced_moment_chunks = sliced_moments.front();
-      for (uint64_t c : sliced) in.largest_sliced_group_chunks = std::max(in.largest_sliced_group_chunks, c);
+      auto most = [](uint64_t& into, uint64_t v) { into = std::max(into, v); };
+      most(in.layer_sliced_chunks, (layers + L - 1) / std::max<uint64_t>(L, 1));
+      most(in.edge_sliced_chunks, sliced.front() + sliced.back());
+      most(in.embed_sliced_chunks, sliced.front());
+      most(in.layer_sliced_moment_chunks, (layer_moments + L - 1) / std::max<uint64_t>(L, 1));
+      most(in.edge_sliced_moment_chunks, sliced_moments.front() + sliced_moments.back());
+      most(in.embed_sliced_moment_chunks, sliced_moments.front());
+      for (uint64_t c : sliced) most(in.largest_sliced_group_chunks, c);
     }
     in.micro_batch_program = model::record_micro_batch(m, /*offload_activations=*/false);
     in.micro_batch_program_offloaded = model::record_micro_batch(m, /*offload_activations=*/true);

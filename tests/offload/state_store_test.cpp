@@ -246,5 +246,35 @@ TEST(StateStoreTest, ActivationBuffersArePackedAndKeepTheirBytes) {
   }
 }
 
+// Of a sliced kind, an expert part is sized by what its slices hold: experts another rank owns
+// whole (the fp8 recipe's matrices) hold nothing there and open no chunk, and the store packs as
+// group_chunks counts.
+TEST(StateStoreTest, ExpertsASlicedKindHoldsNothingOfOpenNoChunk) {
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  std::vector<StateTensor> tensors = {{"dense", kFloats, 0}};
+  for (int e = 0; e < 4; ++e) tensors.push_back({"expert" + std::to_string(e), kFloats / 2, 0, e});
+  for (StateTensor& t : tensors) t.slice = ElementRange{0, t.part == 1 || t.part == kDensePart ? t.elements : 0};
+  StateStoreOptions o;
+  o.space.chunk_bytes = kChunk;
+  o.space.host_bytes = 64 * kChunk;
+  o.home = [](int, StateKind) { return Tier::kHost; };
+  o.sliced = [](int, StateKind k) { return k == StateKind::kAdamM; };
+  auto store = StateStore::create(**device, nullptr, tensors, o);
+  ASSERT_TRUE(store.ok()) << store.status().to_string();
+  // Whole: the dense part and each expert a chunk (each is half a chunk, so it pages alone).
+  EXPECT_EQ(StateStore::group_chunks(tensors, kChunk, o.layout, StateKind::kAdamV), (std::vector<uint64_t>{5}));
+  // Sliced: the dense part and expert 1; the three empty experts share the chunk before them.
+  const std::vector<uint64_t> sliced = StateStore::group_chunks(tensors, kChunk, o.layout, StateKind::kAdamM, true);
+  EXPECT_EQ(sliced, (std::vector<uint64_t>{2}));
+  uint64_t adam_m = 0;
+  for (ChunkId c = 0; c < (*store)->space().num_chunks(); ++c)
+    adam_m += (*store)->space().chunk_kind(c) == ChunkKind::kAdamM ? 1 : 0;
+  EXPECT_EQ(adam_m, sliced[0]);
+  // The optimizer acquires the whole group, empty experts included.
+  ASSERT_TRUE((*store)->acquire_group(0, StateKind::kAdamM, Tier::kHost, AccessMode::kReadWrite).ok());
+  (*store)->release_group(0, StateKind::kAdamM);
+}
+
 }  // namespace
 }  // namespace strata

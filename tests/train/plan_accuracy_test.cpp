@@ -390,7 +390,17 @@ TEST_F(PlanAccuracy, ARanksPlanMatchesItsEngineInBytesAtWorldsTwoAndFour) {
         }
       }
     }
-  }
+  }  // Ranks whose collectives span another world than the state was shared out over are refused.
+  TrainConfig t = config(cases[0], ::testing::TempDir() + "/plan_accuracy_nvme");
+  t.dp_world = 2;
+  t.dp_rank = 0;
+  t.plan_zero = 1;
+  Result<std::unique_ptr<PagedEngine>> engine = PagedEngine::create(dense_model(), t, optimizer_config(1.0f));
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  testing::IdleComm four(0, 4);
+  const Status st = (*engine)->set_comm(&four);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("shared out over 2 ranks but the communicator has 4"), std::string::npos) << st.message();
 }
 
 }  // namespace

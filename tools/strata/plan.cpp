@@ -69,7 +69,7 @@ A table then compares the four levels: bytes per rank on each tier, whether it f
 each rank sends per step (ring collectives), their time at hardware.intra_node_gbps (a world
 within one node) or hardware.inter_node_gbps, the step time and the world's tokens/s; the
 gradient reduction is counted after backward in full, ZeRO-3's parameter gathers beside compute.
-`strata train` runs ZeRO-0 and ZeRO-1 (each rank owning whole parameter groups) and takes its
+`strata train` runs ZeRO-0 and ZeRO-1 (each rank owning its range of every tensor) and takes its
 world from the launcher, not from parallel.world_size.
 
 Example:
