@@ -277,6 +277,32 @@ Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* p
 constexpr size_t kDevice = static_cast<size_t>(Tier::kDevice), kHost = static_cast<size_t>(Tier::kHost),
                  kNvme = static_cast<size_t>(Tier::kNvme);
 
+// The plan's bytes against the engine's: placed totals within 5%, the replayed tier peaks equal,
+// traffic equal up to the rounding of its per-step average. Rows are added to `table` when given.
+void expect_bytes_match(const std::string& name, const Plan& plan, const Measured& m, std::string* table) {
+  const struct {
+    const char* what;
+    double planned, measured, tol;
+  } rows[] = {
+      {"device", static_cast<double>(plan.device.total()), m.device, 0.05},
+      {"host", static_cast<double>(plan.host.total()), m.host, 0.05},
+      {"nvme", static_cast<double>(plan.nvme.total()), m.nvme, 0.05},
+      {"device peak", static_cast<double>(plan.chunk_peak_bytes[kDevice] + plan.device.act), m.device, 0},
+      {"host peak", static_cast<double>(plan.chunk_peak_bytes[kHost]), m.host, 0},
+      {"nvme peak", static_cast<double>(plan.chunk_peak_bytes[kNvme]), m.nvme, 0},
+      {"h2d/step", static_cast<double>(plan.h2d_bytes), m.h2d, 0},
+      {"d2h/step", static_cast<double>(plan.d2h_bytes), m.d2h, 0},
+      {"disk/step", static_cast<double>(plan.disk_read_bytes + plan.disk_write_bytes), m.disk, 0},
+  };
+  for (const auto& r : rows) {
+    if (table != nullptr)
+      *table += fmt::format("{:<24} {:>11} {:>10.4g} {:>10.4g} {:>6.3f}\n", name, r.what, r.planned, r.measured,
+                            r.measured > 0 ? r.planned / r.measured : (r.planned == 0 ? 1.0 : INFINITY));
+    EXPECT_TRUE(close(r.planned, r.measured, r.tol, slack(r.what)))
+        << name << ": " << r.what << " planned " << r.planned << ", measured " << r.measured;
+  }
+}
+
 TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytes) {
   const Case cases[] = {
       {"dense roomy recompute", false, Budget::kRoomy, false},
@@ -308,26 +334,7 @@ TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytes) {
       m->predicted_s = again->predicted_s;
       m->ratio = again->ratio;
     }
-    const struct {
-      const char* what;
-      double planned, measured, tol;
-    } rows[] = {
-        {"device", static_cast<double>(plan.device.total()), m->device, 0.05},
-        {"host", static_cast<double>(plan.host.total()), m->host, 0.05},
-        {"nvme", static_cast<double>(plan.nvme.total()), m->nvme, 0.05},
-        {"device peak", static_cast<double>(plan.chunk_peak_bytes[kDevice] + plan.device.act), m->device, 0},
-        {"host peak", static_cast<double>(plan.chunk_peak_bytes[kHost]), m->host, 0},
-        {"nvme peak", static_cast<double>(plan.chunk_peak_bytes[kNvme]), m->nvme, 0},
-        {"h2d/step", static_cast<double>(plan.h2d_bytes), m->h2d, 0},
-        {"d2h/step", static_cast<double>(plan.d2h_bytes), m->d2h, 0},
-        {"disk/step", static_cast<double>(plan.disk_read_bytes + plan.disk_write_bytes), m->disk, 0},
-    };
-    for (const auto& r : rows) {
-      table += fmt::format("{:<24} {:>11} {:>10.4g} {:>10.4g} {:>6.3f}\n", c.name, r.what, r.planned, r.measured,
-                           r.measured > 0 ? r.planned / r.measured : (r.planned == 0 ? 1.0 : INFINITY));
-      EXPECT_TRUE(close(r.planned, r.measured, r.tol, slack(r.what)))
-          << c.name << ": " << r.what << " planned " << r.planned << ", measured " << r.measured;
-    }
+    expect_bytes_match(c.name, plan, *m, &table);
     table += fmt::format("{:<24} {:>11} {:>10.4g} {:>10.4g} {:>6.3f}{}\n", c.name, "step ms", m->predicted_s * 1e3,
                          m->step_s * 1e3, m->ratio, timed ? "" : " (not checked)");
     if (!timed) continue;
@@ -370,23 +377,7 @@ TEST_F(PlanAccuracy, ARanksPlanMatchesItsEngineInBytesAtWorldsTwoAndFour) {
           EXPECT_EQ(plan.zero, zero) << name;
           EXPECT_EQ(plan.placement.world(), world) << name;
           EXPECT_EQ(plan.placement.sharded(), zero == 1) << name;
-          const struct {
-            const char* what;
-            double planned, measured, tol;
-          } rows[] = {
-              {"device", static_cast<double>(plan.device.total()), m->device, 0.05},
-              {"host", static_cast<double>(plan.host.total()), m->host, 0.05},
-              {"nvme", static_cast<double>(plan.nvme.total()), m->nvme, 0.05},
-              {"device peak", static_cast<double>(plan.chunk_peak_bytes[kDevice] + plan.device.act), m->device, 0},
-              {"host peak", static_cast<double>(plan.chunk_peak_bytes[kHost]), m->host, 0},
-              {"nvme peak", static_cast<double>(plan.chunk_peak_bytes[kNvme]), m->nvme, 0},
-              {"h2d/step", static_cast<double>(plan.h2d_bytes), m->h2d, 0},
-              {"d2h/step", static_cast<double>(plan.d2h_bytes), m->d2h, 0},
-              {"disk/step", static_cast<double>(plan.disk_read_bytes + plan.disk_write_bytes), m->disk, 0},
-          };
-          for (const auto& r : rows)
-            EXPECT_TRUE(close(r.planned, r.measured, r.tol, slack(r.what)))
-                << name << ": " << r.what << " planned " << r.planned << ", measured " << r.measured;
+          expect_bytes_match(name, plan, *m, nullptr);
         }
       }
     }
