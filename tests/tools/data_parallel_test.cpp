@@ -273,6 +273,33 @@ TEST_F(DataParallelTest, MoeWithGlobalBalancingAndTightBudgetsThroughNvmeOnEvery
   EXPECT_TRUE(d.max_abs <= kParamTol) << "max |diff| " << d.max_abs;
 }
 
+// Sharding is real: with budgets one process cannot fit its state into (no nvme tier), four
+// ranks at ZeRO-1 train, each holding a quarter of the master weights and moments. The single
+// process is refused before its first step, naming the budget and what it would need; rank 0's
+// host tier stays inside that budget at every step.
+TEST_F(DataParallelTest, ZeroOneOnFourRanksTrainsWhatOneProcessCannotHoldInTheSameBudgets) {
+  const std::string budgets =
+      " train.precision=bf16 memory.device=1MiB memory.host=4608KiB memory.nvme.path= run.device=cpu";
+  const std::string model = ",num_hidden_layers=8";
+  const fs::path one = dir_ / "one", four = dir_ / "four";
+  CmdResult single = testing::run_strata(run_args(one.string(), 4, model) + budgets);
+  EXPECT_EQ(single.exit_code, 1) << single.output;
+  EXPECT_NE(single.output.find("the state does not fit: the host budget 4.50 MiB cannot hold"), std::string::npos)
+      << single.output;
+  auto w4 = launch(4, run_args(four.string(), 1, model) + budgets, "sharded");
+  ASSERT_TRUE(all_ok(w4)) << all_output(w4);
+  std::ifstream in(four / "metrics.jsonl");
+  std::string line;
+  int steps = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_object() || !j.contains("host_bytes")) continue;
+    ++steps;
+    EXPECT_LE(j["host_bytes"].get<uint64_t>(), 4608u << 10) << line;
+  }
+  EXPECT_EQ(steps, 4);
+}
+
 TEST_F(DataParallelTest, CheckpointOfFourRanksResumesOnOneTwoThreeAndFour) {
   const fs::path four = dir_ / "four";
   auto w4 = launch(4, run_args(four.string(), 1) + " ckpt.every=2", "w4");
