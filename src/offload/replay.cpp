@@ -63,9 +63,7 @@ class Driver {
       const ReplayMoves before = moves_of(store_.stats());
       size_t next = i + 1;
       bool closes = e.last;
-      if (in_.overlap_optimizer && e.phase == StepPhase::kNorm) {
-        // Not made: the overlapped optimizer takes the norm as it goes.
-      } else if (e.access.activation >= 0) {
+      if (e.access.activation >= 0) {
         const int a = e.access.activation;
         RETURN_IF_ERROR(e.mode == AccessMode::kWrite ? store_.write_activation(a, nullptr, in_.activation_bytes)
                                                      : store_.read_activation(a, nullptr, in_.activation_bytes));
@@ -84,7 +82,8 @@ class Driver {
           held_.push_back({e.access, experts});
         }
       } else if (e.access.part == kAllParts) {
-        RETURN_IF_ERROR(store_.acquire_group(e.access.group, e.access.kind, e.access.prefetch_to, e.mode));
+        RETURN_IF_ERROR(
+            store_.acquire_group(e.access.group, e.access.kind, e.access.prefetch_to, e.mode, e.access.cursor));
         held_.push_back({e.access, {}});
       } else {
         RETURN_IF_ERROR(

@@ -35,8 +35,6 @@ struct ReplayInput {
   int activations = 0;               // offloaded saved-activation buffers
   uint64_t activation_bytes = 0;     // bytes of each
   std::vector<ProgramEvent> program;  // one step (StepProgram::events)
-  // The norm is taken inside the overlapped optimizer: its pass is not made.
-  bool overlap_optimizer = false;
   double expert_fetch_fraction = 1.0;
   int counted_steps = 6;  // averaged, after the first step
 };

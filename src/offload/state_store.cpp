@@ -304,13 +304,14 @@ void StateStore::unpin(int group, const std::vector<size_t>& parts, StateKind ki
   }
 }
 
-Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMode mode) {
+Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMode mode, ScheduleCursor cursor) {
   CHECK(group >= 0 && group < num_groups_);
   CHECK_MSG(layout_.has(kind), std::string("this layout holds no ") + state_kind_name(kind) + " state");
   std::vector<size_t> all(parts_[group].size());
   for (size_t p = 0; p < all.size(); ++p) all[p] = p;
   // Where this access sits in the step's schedule (the next matching entry).
-  const std::optional<size_t> entry = next_entry(GroupAccess{group, kind});
+  const std::optional<size_t> entry =
+      cursor == ScheduleCursor::kFollow ? next_entry(GroupAccess{group, kind}) : std::nullopt;
   return pin(group, all, kind, where, mode, entry, nullptr, false);
 }
 
@@ -347,7 +348,7 @@ std::optional<size_t> StateStore::next_entry(const GroupAccess& access) {
   std::lock_guard<std::mutex> lock(schedule_mu_);
   for (size_t n = 0; n < schedule_.size(); ++n) {
     const size_t i = (schedule_pos_ + n) % schedule_.size();
-    if (schedule_[i] == access) {
+    if (schedule_[i] == access && schedule_[i].cursor == ScheduleCursor::kFollow) {
       entry = i;
       break;
     }

@@ -66,6 +66,16 @@ struct StateTensor {
   ElementRange held(bool sliced) const { return sliced && slice ? *slice : ElementRange{0, elements}; }
 };
 
+// How an acquisition relates to the schedule's cursor (the entry the store takes as now).
+enum class ScheduleCursor : uint8_t {
+  // The next entry matching it becomes the current one, and the entries after it are prefetched.
+  kFollow,
+  // An acquisition beside the cursor, on another thread than the one that moves it (the
+  // overlapped optimizer, step_program.h): its entry was prefetched with its neighbours and
+  // eviction counts it as a use, but wherever that thread has got to, it moves nothing.
+  kBeside,
+};
+
 // One acquisition in the step's schedule: a group's chunks of a kind (all its parts, or one),
 // or (activation >= 0) the chunks of one activation buffer (group, kind and part unused).
 struct GroupAccess {
@@ -80,6 +90,9 @@ struct GroupAccess {
   // tokens): never prefetched, but eviction counts it as the chunks' next use, so that what is
   // probably needed soon is not evicted first. Not part of an access's identity either.
   bool prefetch = true;
+  // kBeside: an entry of an acquisition beside the cursor, which kFollow acquisitions never
+  // match. Not part of an access's identity.
+  ScheduleCursor cursor = ScheduleCursor::kFollow;
   static GroupAccess of_activation(int i) { return {0, StateKind::kParam, i}; }
   static GroupAccess of_part(int group, StateKind kind, int part) { return {group, kind, -1, part}; }
   bool operator==(const GroupAccess& o) const {
@@ -127,11 +140,17 @@ class StateStore {
   // The order in which a training step acquires groups; repeats every step. Belady eviction
   // and prefetch follow it.
   void set_schedule(const std::vector<GroupAccess>& accesses);
+  // The schedule entry the next kFollow acquisition searches from.
+  size_t schedule_cursor() {
+    std::lock_guard<std::mutex> lock(schedule_mu_);
+    return schedule_pos_;
+  }
 
   // Pins every chunk holding `kind` tensors of `group` in `where` (moving and prefetching as
   // needed). Afterwards pointer(i, kind) is valid for the group's tensors.
   // REQUIRES: no part of the group is acquired for `kind`.
-  Status acquire_group(int group, StateKind kind, Tier where, AccessMode mode);
+  Status acquire_group(int group, StateKind kind, Tier where, AccessMode mode,
+                       ScheduleCursor cursor = ScheduleCursor::kFollow);
   void release_group(int group, StateKind kind);
   // The same for one part of the group (following its schedule entry GroupAccess::of_part, when
   // the schedule has one). REQUIRES: the group has the part (kDensePart always exists).

@@ -1,10 +1,14 @@
 #include "offload/step_program.h"
 
+#include <cstdint>
+#include <utility>
+
 namespace strata {
 
 std::vector<ProgramEvent> StepProgram::events(int64_t grad_accum) const {
   std::vector<ProgramEvent> out = zero;
-  for (int64_t m = 0; m < grad_accum; ++m) out.insert(out.end(), micro_batch.begin(), micro_batch.end());
+  for (int64_t m = 0; m + 1 < grad_accum; ++m) out.insert(out.end(), micro_batch.begin(), micro_batch.end());
+  out.insert(out.end(), last_micro_batch.begin(), last_micro_batch.end());
   out.insert(out.end(), optimizer.begin(), optimizer.end());
   return out;
 }
@@ -23,23 +27,86 @@ void append_grad_pass(int num_groups, AccessMode mode, StepPhase phase, std::vec
   for (int g = 0; g < num_groups; ++g) out->push_back({GroupAccess{g, StateKind::kGrad}, mode, phase, true});
 }
 
+// Whether `a` acquires a group's gradients (its dense part or all of it, not one expert's).
+bool acquires_gradients(const GroupAccess& a) {
+  return a.activation < 0 && a.kind == StateKind::kGrad && (a.part == kDensePart || a.part == kAllParts);
+}
+
+// AdamW on group g: every kind, where the program says, one batch.
+void append_update(const OptimizerProgram& o, int g, std::vector<ProgramEvent>* out) {
+  for (StateKind k : o.kinds) {
+    ProgramEvent e{GroupAccess{g, k}, AccessMode::kReadWrite, StepPhase::kOptimizer, false};
+    e.access.prefetch_to = o.where(g);
+    if (o.overlapped) e.access.cursor = ScheduleCursor::kBeside;
+    out->push_back(e);
+  }
+  if (!o.kinds.empty()) out->back().last = true;
+}
+
+// `micro_batch` with each group's update after the batch that last acquires its gradients, as
+// the overlapped optimizer is handed the group (a group whose gradients the micro-batch never
+// acquires is updated after it).
+std::vector<ProgramEvent> with_updates(const std::vector<ProgramEvent>& micro_batch, const OptimizerProgram& o) {
+  // Each batch as [first event, closing event]; the closing event of each group's last batch
+  // with its gradients (SIZE_MAX: none).
+  std::vector<std::pair<size_t, size_t>> batches;
+  std::vector<size_t> closes(static_cast<size_t>(o.num_groups), SIZE_MAX);
+  for (size_t i = 0, first = 0; i < micro_batch.size(); ++i) {
+    if (!micro_batch[i].last) continue;
+    batches.push_back({first, i});
+    for (size_t j = first; j <= i; ++j) {
+      const GroupAccess& a = micro_batch[j].access;
+      if (acquires_gradients(a)) closes.at(static_cast<size_t>(a.group)) = i;
+    }
+    first = i + 1;
+  }
+  std::vector<ProgramEvent> out;
+  std::vector<bool> placed(static_cast<size_t>(o.num_groups), false);
+  size_t next = 0;  // the first event not yet copied
+  for (const auto& [first, close] : batches) {
+    for (; next <= close; ++next) out.push_back(micro_batch[next]);
+    // The groups this batch is the last to hand over, in the order it acquired them.
+    for (size_t j = first; j <= close; ++j) {
+      const GroupAccess& a = micro_batch[j].access;
+      if (!acquires_gradients(a)) continue;
+      const size_t g = static_cast<size_t>(a.group);
+      if (closes[g] != close || placed[g]) continue;
+      append_update(o, a.group, &out);
+      placed[g] = true;
+    }
+  }
+  for (; next < micro_batch.size(); ++next) out.push_back(micro_batch[next]);
+  for (int g = 0; g < o.num_groups; ++g)
+    if (!placed[static_cast<size_t>(g)]) append_update(o, g, &out);
+  return out;
+}
+
 }  // namespace
+
+std::vector<int> gradient_batches(const std::vector<ProgramEvent>& micro_batch, int num_groups) {
+  std::vector<int> batches(static_cast<size_t>(num_groups), 0);
+  std::vector<bool> in_batch(static_cast<size_t>(num_groups), false);
+  for (const ProgramEvent& e : micro_batch) {
+    if (acquires_gradients(e.access)) in_batch.at(static_cast<size_t>(e.access.group)) = true;
+    if (!e.last) continue;
+    for (size_t g = 0; g < in_batch.size(); ++g) batches[g] += in_batch[g] ? 1 : 0;
+    in_batch.assign(in_batch.size(), false);
+  }
+  return batches;
+}
 
 StepProgram make_step_program(std::vector<ProgramEvent> micro_batch, const OptimizerProgram& o) {
   StepProgram p;
   append_grad_pass(o.num_groups, AccessMode::kWrite, StepPhase::kZero, &p.zero);
   p.micro_batch = std::move(micro_batch);
+  if (o.overlapped) {
+    p.last_micro_batch = with_updates(p.micro_batch, o);
+    return p;
+  }
+  p.last_micro_batch = p.micro_batch;
   append_grad_pass(o.num_groups, o.reduces_gradients ? AccessMode::kReadWrite : AccessMode::kRead, StepPhase::kNorm,
                    &p.optimizer);
-  for (int g = 0; g < o.num_groups; ++g) {
-    const std::vector<StateKind>& kinds = o.kinds;
-    for (StateKind k : kinds) {
-      ProgramEvent e{GroupAccess{g, k}, AccessMode::kReadWrite, StepPhase::kOptimizer, false};
-      e.access.prefetch_to = o.where(g);
-      p.optimizer.push_back(e);
-    }
-    if (!kinds.empty()) p.optimizer.back().last = true;
-  }
+  for (int g = 0; g < o.num_groups; ++g) append_update(o, g, &p.optimizer);
   return p;
 }
 

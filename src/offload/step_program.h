@@ -10,6 +10,13 @@
 // group's kinds at a time. An event with `last` set closes a batch: everything acquired since
 // the previous such event is released after it.
 //
+// The overlapped optimizer (OptimizerProgram::overlapped) updates each group on a thread of its
+// own as soon as the step's last micro-batch is done with the group's gradients: its updates are
+// then part of that micro-batch, each right after the batch that last acquires its group's
+// gradients, and there is no norm pass. That thread acquires beside the order (StateStore's
+// kBeside): the compute thread's acquisitions move along the schedule and prefetch the updates
+// with their neighbours, and eviction counts them as uses, wherever the other thread has got to.
+//
 // Thread-compatible value types.
 #pragma once
 
@@ -39,7 +46,9 @@ struct ProgramEvent {
 
 struct StepProgram {
   std::vector<ProgramEvent> zero;         // before the micro-batches
-  std::vector<ProgramEvent> micro_batch;  // one micro-batch, repeated grad_accum times
+  std::vector<ProgramEvent> micro_batch;  // one micro-batch, repeated for all but the step's last
+  // The step's last micro-batch: micro_batch, with the overlapped optimizer's updates inside.
+  std::vector<ProgramEvent> last_micro_batch;
   std::vector<ProgramEvent> optimizer;    // after them: the norm, then AdamW group by group
 
   // Every event of a step of `grad_accum` micro-batches, in order.
@@ -63,10 +72,18 @@ struct OptimizerProgram {
   // Data-parallel ranks sum the gradients over the ranks in place before the norm reads them:
   // the norm pass then writes them too.
   bool reduces_gradients = false;
+  // AdamW overlapped with the last micro-batch's backward (see above): no norm pass, and each
+  // group's update follows the batch that last acquires its gradients.
+  bool overlapped = false;
 };
 
+// How many batches of `micro_batch` acquire each of `num_groups` groups' gradients (their dense
+// part, which the experts' come with): the overlapped optimizer is handed a group when the last
+// of them closes in the step's last micro-batch.
+std::vector<int> gradient_batches(const std::vector<ProgramEvent>& micro_batch, int num_groups);
+
 // The whole program: the optimizer's zeroing before `micro_batch` (the model's, recorded), the
-// norm and AdamW after it.
+// norm and AdamW after it, or the updates inside the last micro-batch when overlapped.
 StepProgram make_step_program(std::vector<ProgramEvent> micro_batch, const OptimizerProgram& optimizer);
 
 }  // namespace strata

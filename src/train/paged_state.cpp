@@ -257,14 +257,19 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   // order they acquire in, by construction.
   const StepProgram program = ps->step_program();
   for (const ProgramEvent& e : program.zero) ps->zero_pass_.push_back(e);
-  for (const ProgramEvent& e : program.optimizer) {
-    if (e.phase == StepPhase::kNorm) {
-      ps->norm_pass_.push_back(e);
-    } else {
-      if (ps->updates_.empty() || ps->updates_.back().group != e.access.group) ps->updates_.push_back({e.access.group, {}});
-      ps->updates_.back().kinds.push_back(e.access.kind);
+  // The updates are in the last micro-batch when overlapped, else after the norm pass.
+  for (const std::vector<ProgramEvent>* part : {&program.last_micro_batch, &program.optimizer}) {
+    for (const ProgramEvent& e : *part) {
+      if (e.phase == StepPhase::kNorm) {
+        ps->norm_pass_.push_back(e);
+      } else if (e.phase == StepPhase::kOptimizer) {
+        if (ps->updates_.empty() || ps->updates_.back().group != e.access.group)
+          ps->updates_.push_back({e.access.group, {}, e.access.cursor});
+        ps->updates_.back().kinds.push_back(e.access.kind);
+      }
     }
   }
+  ps->handover_ = gradient_batches(program.micro_batch, ps->store_->num_groups());
   ps->update_index_.assign(static_cast<size_t>(ps->store_->num_groups()), SIZE_MAX);
   for (size_t u = 0; u < ps->updates_.size(); ++u) ps->update_index_[static_cast<size_t>(ps->updates_[u].group)] = u;
   ps->store_->set_schedule(program.schedule(options.grad_accum));
@@ -293,6 +298,7 @@ StepProgram PagedState::step_program() const {
   // Data-parallel ranks (a placement over several) sum the gradients in place before the norm.
   optimizer.reduces_gradients = options_.placement && options_.placement->world() > 1;
   optimizer.where = [this](int g) { return adam_tier(g); };
+  optimizer.overlapped = options_.overlap_optimizer;
   return make_step_program(model::record_micro_batch(layout_.config(), options_.offload_activations), optimizer);
 }
 
@@ -458,12 +464,13 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   const Tier where = adam_tier(g);
   const StateLayout& layout = store_->layout();
   // The kinds, in the order, the program's update of the group acquires.
-  const std::vector<StateKind>& kinds = updates_[update_index_.at(static_cast<size_t>(g))].kinds;
+  const GroupUpdate& update = updates_[update_index_.at(static_cast<size_t>(g))];
+  const std::vector<StateKind>& kinds = update.kinds;
   trace::Span span("optimizer", "adamw group", g);
   span.arg("tier", static_cast<double>(where));
   if (before_modify_) before_modify_(g);
   for (size_t k = 0; k < kinds.size(); ++k) {
-    Status st = store_->acquire_group(g, kinds[k], where, AccessMode::kReadWrite);
+    Status st = store_->acquire_group(g, kinds[k], where, AccessMode::kReadWrite, update.cursor);
     if (!st.ok()) {
       for (size_t r = 0; r < k; ++r) store_->release_group(g, kinds[r]);
       return st;
@@ -731,6 +738,7 @@ void PagedState::begin_last_micro_batch(float lr) {
   ++step_count_;
   overlap_params_ = adamw_params(lr);
   updated_.assign(static_cast<size_t>(store_->num_groups()), false);
+  grad_releases_.assign(static_cast<size_t>(store_->num_groups()), 0);
   overlap_sum_squares_ = 0;
   overlap_bad_group_ = -1;
   overlap_active_ = true;
@@ -835,10 +843,11 @@ void PagedState::end_experts(int group, std::span<const int> experts, bool param
 void PagedState::end(int group, bool params, bool grads) {
   if (params) store_->release_part(group, kDensePart, StateKind::kParam, compute_stream_);
   if (grads) store_->release_part(group, kDensePart, StateKind::kGrad, compute_stream_);
-  // In the last micro-batch a group's gradients are final when backward releases them for the
-  // last time: every group but the embedding at its only backward end; the embedding (whose
-  // gradients the tied head also adds to) at the embedding backward, which holds no params.
-  if (options_.overlap_optimizer && overlap_active_ && grads && (group != 0 || !params)) {
+  // In the last micro-batch a group's gradients are final when the last batch of the program
+  // that acquires them ends (the embedding's, whose gradients a tied head adds to first, at its
+  // backward).
+  if (options_.overlap_optimizer && overlap_active_ && grads &&
+      ++grad_releases_[static_cast<size_t>(group)] == handover_[static_cast<size_t>(group)]) {
     {
       std::lock_guard<std::mutex> lock(worker_mu_);
       queue_.push_back(group);

@@ -303,14 +303,19 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::vector<char> staging_;
   std::unique_ptr<StateStore> store_;
   // The optimizer's passes of the step program (step_program()), which its loops walk: zeroing,
-  // the norm, and AdamW group by group with the kinds it acquires, in order.
+  // the norm (none when overlapped), and AdamW group by group with the kinds it acquires, in
+  // order (the order the overlapped optimizer is handed the groups in).
   struct GroupUpdate {
     int group = 0;
     std::vector<StateKind> kinds;
+    ScheduleCursor cursor = ScheduleCursor::kFollow;  // kBeside: the overlapped optimizer's
   };
   std::vector<ProgramEvent> zero_pass_, norm_pass_;
   std::vector<GroupUpdate> updates_;
   std::vector<size_t> update_index_;  // group -> its entry in updates_
+  // Per group: batches of a micro-batch that acquire its gradients (gradient_batches), and how
+  // many of them the last micro-batch has ended so far (the overlap hands it over at the last).
+  std::vector<int> handover_, grad_releases_;
   std::unordered_map<int64_t, size_t> by_offset_;  // flat offset -> store tensor index
   std::vector<std::pair<int64_t, size_t>> sorted_;  // (flat offset, store tensor index), ascending
   std::function<void(int group)> before_modify_;

@@ -94,6 +94,8 @@ struct RunResult {
   int64_t expert_param_chunks = 0;  // chunks of one expert's parameters
   int64_t overlapped_updates = 0;
   size_t chunks = 0;                // chunks of the whole state
+  std::vector<size_t> cursors;      // the store's schedule cursor after each step
+  size_t last_followed = 0;         // the schedule's last entry acquired on the cursor
 };
 
 // Net: model::LlamaModel (the fp32 recipe) or model::LlamaModelBf16 (the bf16 recipe).
@@ -158,7 +160,11 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
     Result<double> norm = ps.clip_and_step(kLr);
     EXPECT_TRUE(norm.ok()) << norm.status().to_string();
     r.losses.push_back(loss);
+    r.cursors.push_back(ps.store().schedule_cursor());
   }
+  const std::vector<GroupAccess> schedule = ps.step_program().schedule(kAccum);
+  for (size_t i = 0; i < schedule.size(); ++i)
+    if (schedule[i].cursor == ScheduleCursor::kFollow) r.last_followed = i;
   net.set_access(nullptr);
   r.params.assign(static_cast<size_t>(net.layout().total_size()), 0.0f);
   EXPECT_TRUE(ps.store_params(r.params.data()).ok());
@@ -267,6 +273,12 @@ TEST_P(ExpertPagingTest, OptimizerOverlappingBackwardMatchesFlatBitwise) {
       run_paged(mc, batches, false, 24 * kChunk, host_chunks(48) * kChunk, 256 * kChunk, nvme, 2, /*overlap_optimizer=*/true);
   expect_bitwise_equal(flat, overlapped, mc);
   EXPECT_EQ(overlapped.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
+  // The updates are acquired beside the schedule's cursor, on the worker's thread: after every
+  // step the cursor is where compute's last acquisition (the embedding's backward) left it,
+  // wherever the worker had got to.
+  ASSERT_EQ(overlapped.cursors.size(), static_cast<size_t>(kSteps));
+  for (size_t s = 0; s < overlapped.cursors.size(); ++s)
+    EXPECT_EQ(overlapped.cursors[s], overlapped.last_followed + 1) << "after step " << s;
 }
 
 // Chunks four times an expert's size (as when a large embedding sets the chunk size): the

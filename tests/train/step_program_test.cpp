@@ -29,12 +29,21 @@ namespace {
 // grad_accum micro-batches; `offloaded` saved activations; experts[g]: the experts of group g (0
 // for dense groups), not prefetched; adam_tier(g): where AdamW updates group g; kinds: the state
 // kinds AdamW acquires.
+// overlapped: AdamW overlapped with backward, each group updated (beside the cursor) after the
+// last micro-batch's last batch with its gradients, and no norm pass.
 std::vector<GroupAccess> expected_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded,
                                            const std::vector<int>& experts, const std::function<Tier(int)>& adam_tier,
-                                           const std::vector<StateKind>& kinds) {
+                                           const std::vector<StateKind>& kinds, bool overlapped = false) {
   const int head = num_layers + 1;
   std::vector<GroupAccess> s;
   auto all = [&](int g, StateKind k) { s.push_back({g, k}); };
+  auto update = [&](int g) {
+    for (StateKind k : kinds) {
+      all(g, k);
+      s.back().prefetch_to = adam_tier(g);
+      if (overlapped) s.back().cursor = ScheduleCursor::kBeside;
+    }
+  };
   auto add = [&](int g, StateKind k) { s.push_back(GroupAccess::of_part(g, k, kDensePart)); };
   auto add_experts = [&](int g, StateKind k) {
     for (int e = 0; e < experts[static_cast<size_t>(g)]; ++e) {
@@ -47,24 +56,24 @@ std::vector<GroupAccess> expected_schedule(int num_layers, bool tied, int64_t gr
   };
   for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // zeroing
   for (int64_t m = 0; m < grad_accum; ++m) {
+    const bool updates = overlapped && m == grad_accum - 1;
     add(0, StateKind::kParam);
     act(0);
     for (int l = 0; l < num_layers; ++l) add(1 + l, StateKind::kParam), add_experts(1 + l, StateKind::kParam), act(l + 1);
     if (tied) add(0, StateKind::kParam), add(0, StateKind::kGrad);
     add(head, StateKind::kParam), add(head, StateKind::kGrad);
+    if (updates) update(head);
     for (int l = num_layers - 1; l >= 0; --l) {
       act(l), add(1 + l, StateKind::kParam), add(1 + l, StateKind::kGrad);
       add_experts(1 + l, StateKind::kParam), add_experts(1 + l, StateKind::kGrad);
+      if (updates) update(1 + l);
     }
     add(0, StateKind::kGrad);
+    if (updates) update(0);
   }
+  if (overlapped) return s;
   for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // the norm
-  for (int g = 0; g <= head; ++g) {
-    for (StateKind k : kinds) {
-      all(g, k);
-      s.back().prefetch_to = adam_tier(g);
-    }
-  }
+  for (int g = 0; g <= head; ++g) update(g);
   return s;
 }
 
@@ -78,8 +87,9 @@ std::vector<int> experts_per_group(const model::ParamLayout& layout) {
 }
 
 std::string describe(const GroupAccess& a) {
-  return fmt::format("{{group {} kind {} act {} part {} to {} prefetch {}}}", a.group, static_cast<int>(a.kind),
-                     a.activation, a.part, static_cast<int>(a.prefetch_to), a.prefetch);
+  return fmt::format("{{group {} kind {} act {} part {} to {} prefetch {} beside {}}}", a.group,
+                     static_cast<int>(a.kind), a.activation, a.part, static_cast<int>(a.prefetch_to), a.prefetch,
+                     a.cursor == ScheduleCursor::kBeside);
 }
 
 // Equal in every field, those operator== leaves out (where prefetch moves, whether it does) too.
@@ -88,7 +98,7 @@ void expect_same_schedule(const std::vector<GroupAccess>& got, const std::vector
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i) {
     const bool same = got[i] == want[i] && got[i].prefetch_to == want[i].prefetch_to &&
-                      got[i].prefetch == want[i].prefetch;
+                      got[i].prefetch == want[i].prefetch && got[i].cursor == want[i].cursor;
     EXPECT_TRUE(same) << what << ": entry " << i << " is " << describe(got[i]) << ", expected "
                       << describe(want[i]);
     if (!same) return;
@@ -151,6 +161,21 @@ TEST(StepProgram, TheRecordedProgramIsTheExpectedOrder) {
         EXPECT_EQ(e.mode, c.data_parallel ? AccessMode::kReadWrite : AccessMode::kRead) << what;
       }
       EXPECT_EQ(norm, groups) << what;
+      // Overlapped with backward: the updates inside the last micro-batch, beside the cursor.
+      const OptimizerProgram overlapped{groups, kinds, where, false, /*overlapped=*/true};
+      const StepProgram program_overlapped =
+          make_step_program(model::record_micro_batch(c.model, c.offload), overlapped);
+      expect_same_schedule(program_overlapped.schedule(c.grad_accum),
+                           expected_schedule(L, c.model.tie_word_embeddings, c.grad_accum, offloaded, experts, where,
+                                             kinds, /*overlapped=*/true),
+                           what + ", overlapped");
+      EXPECT_TRUE(program_overlapped.optimizer.empty()) << what;
+      // Each group's gradients are acquired by one batch of a micro-batch (the embedding's by two
+      // when the head is tied to it): the overlapped optimizer takes the group after the last.
+      const std::vector<int> batches = gradient_batches(program_overlapped.micro_batch, groups);
+      for (int g = 0; g < groups; ++g)
+        EXPECT_EQ(batches[static_cast<size_t>(g)], g == 0 && c.model.tie_word_embeddings ? 2 : 1)
+            << what << ", group " << g;
     }
   }
 }
