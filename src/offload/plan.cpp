@@ -143,6 +143,7 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   optimizer.where = [&p](int g) { return update_tier(p.placement.home(g, StateKind::kAdamM)); };
   optimizer.reduces_gradients = in.world_size > 1;
   optimizer.overlapped = in.overlap_optimizer;
+  optimizer.reduces_at_handover = in.overlap_comm && !in.overlap_optimizer;
   r.program = make_step_program(offload ? in.micro_batch_program_offloaded : in.micro_batch_program, optimizer)
                   .events(std::max<int64_t>(1, in.grad_accum));
   r.expert_fetch_fraction = in.expert_fetch_fraction;

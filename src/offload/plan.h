@@ -109,6 +109,9 @@ struct PlanInput {
   double head_forward_flops = 0;
   bool recompute = true;           // false with memory.keep_activations
   bool overlap_optimizer = false;  // AdamW starts on each group as backward finishes with it
+  // With several ranks: each group's gradient sums start as backward finishes with it
+  // (OptimizerProgram::reduces_at_handover).
+  bool overlap_comm = false;
   // Budgets; 0 nvme bytes means no nvme tier.
   uint64_t device_budget = 0;
   uint64_t host_budget = 0;

@@ -1,6 +1,7 @@
 #include "offload/step_program.h"
 
 #include <cstdint>
+#include <functional>
 #include <utility>
 
 namespace strata {
@@ -32,6 +33,13 @@ bool acquires_gradients(const GroupAccess& a) {
   return a.activation < 0 && a.kind == StateKind::kGrad && (a.part == kDensePart || a.part == kAllParts);
 }
 
+// The ranks' sum of group g's gradients, in place, as the handover's reduction makes it.
+void append_reduction(int g, std::vector<ProgramEvent>* out) {
+  ProgramEvent e{GroupAccess{g, StateKind::kGrad}, AccessMode::kReadWrite, StepPhase::kNorm, true};
+  e.access.cursor = ScheduleCursor::kBeside;
+  out->push_back(e);
+}
+
 // AdamW on group g: every kind, where the program says, one batch.
 void append_update(const OptimizerProgram& o, int g, std::vector<ProgramEvent>* out) {
   for (StateKind k : o.kinds) {
@@ -43,14 +51,15 @@ void append_update(const OptimizerProgram& o, int g, std::vector<ProgramEvent>* 
   if (!o.kinds.empty()) out->back().last = true;
 }
 
-// `micro_batch` with each group's update after the batch that last acquires its gradients, as
-// the overlapped optimizer is handed the group (a group whose gradients the micro-batch never
-// acquires is updated after it).
-std::vector<ProgramEvent> with_updates(const std::vector<ProgramEvent>& micro_batch, const OptimizerProgram& o) {
+// `micro_batch` with `handover(g)` appended after the batch that last acquires group g's
+// gradients, as the overlapped optimizer or reduction is handed the group (after the micro-batch
+// for a group whose gradients it never acquires).
+std::vector<ProgramEvent> with_handovers(const std::vector<ProgramEvent>& micro_batch, int num_groups,
+                                         const std::function<void(int, std::vector<ProgramEvent>*)>& handover) {
   // Each batch as [first event, closing event]; the closing event of each group's last batch
   // with its gradients (SIZE_MAX: none).
   std::vector<std::pair<size_t, size_t>> batches;
-  std::vector<size_t> closes(static_cast<size_t>(o.num_groups), SIZE_MAX);
+  std::vector<size_t> closes(static_cast<size_t>(num_groups), SIZE_MAX);
   for (size_t i = 0, first = 0; i < micro_batch.size(); ++i) {
     if (!micro_batch[i].last) continue;
     batches.push_back({first, i});
@@ -61,7 +70,7 @@ std::vector<ProgramEvent> with_updates(const std::vector<ProgramEvent>& micro_ba
     first = i + 1;
   }
   std::vector<ProgramEvent> out;
-  std::vector<bool> placed(static_cast<size_t>(o.num_groups), false);
+  std::vector<bool> placed(static_cast<size_t>(num_groups), false);
   size_t next = 0;  // the first event not yet copied
   for (const auto& [first, close] : batches) {
     for (; next <= close; ++next) out.push_back(micro_batch[next]);
@@ -71,13 +80,13 @@ std::vector<ProgramEvent> with_updates(const std::vector<ProgramEvent>& micro_ba
       if (!acquires_gradients(a)) continue;
       const size_t g = static_cast<size_t>(a.group);
       if (closes[g] != close || placed[g]) continue;
-      append_update(o, a.group, &out);
+      handover(a.group, &out);
       placed[g] = true;
     }
   }
   for (; next < micro_batch.size(); ++next) out.push_back(micro_batch[next]);
-  for (int g = 0; g < o.num_groups; ++g)
-    if (!placed[static_cast<size_t>(g)]) append_update(o, g, &out);
+  for (int g = 0; g < num_groups; ++g)
+    if (!placed[static_cast<size_t>(g)]) handover(g, &out);
   return out;
 }
 
@@ -100,11 +109,14 @@ StepProgram make_step_program(std::vector<ProgramEvent> micro_batch, const Optim
   append_grad_pass(o.num_groups, AccessMode::kWrite, StepPhase::kZero, &p.zero);
   p.micro_batch = std::move(micro_batch);
   if (o.overlapped) {
-    p.last_micro_batch = with_updates(p.micro_batch, o);
+    p.last_micro_batch = with_handovers(p.micro_batch, o.num_groups,
+                                        [&o](int g, std::vector<ProgramEvent>* out) { append_update(o, g, out); });
     return p;
   }
-  p.last_micro_batch = p.micro_batch;
-  append_grad_pass(o.num_groups, o.reduces_gradients ? AccessMode::kReadWrite : AccessMode::kRead, StepPhase::kNorm,
+  const bool at_handover = o.reduces_gradients && o.reduces_at_handover;
+  p.last_micro_batch = at_handover ? with_handovers(p.micro_batch, o.num_groups, append_reduction) : p.micro_batch;
+  const bool norm_writes = o.reduces_gradients && !at_handover;
+  append_grad_pass(o.num_groups, norm_writes ? AccessMode::kReadWrite : AccessMode::kRead, StepPhase::kNorm,
                    &p.optimizer);
   for (int g = 0; g < o.num_groups; ++g) append_update(o, g, &p.optimizer);
   return p;

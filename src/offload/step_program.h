@@ -75,6 +75,11 @@ struct OptimizerProgram {
   // AdamW overlapped with the last micro-batch's backward (see above): no norm pass, and each
   // group's update follows the batch that last acquires its gradients.
   bool overlapped = false;
+  // With reduces_gradients: the ranks sum each group's gradients on a thread of their own as the
+  // last micro-batch's backward hands the group over (an event of the norm's phase there, beside
+  // the cursor, that writes them), hidden behind the backward of the groups before it; the norm
+  // pass then only reads them.
+  bool reduces_at_handover = false;
 };
 
 // How many batches of `micro_batch` acquire each of `num_groups` groups' gradients (their dense

@@ -202,6 +202,9 @@ Status PagedEngine::create_state(const TrainConfig& t, const OptimizerConfig& oc
   po.activation_tokens = t.micro_batch * t.seq_len;
   po.optimizer = oc;
   po.overlap_optimizer = t.overlap_backward;
+  // With several ranks (the optimizer overlapped with backward is refused there) the gradient
+  // sums start as backward hands each layer over.
+  po.overlap_reduction = t.parallel_overlap_comm && t.dp_world > 1 && !t.overlap_backward;
   po.precision = budgets_.precision;
   po.moments = t.moments;
   po.stochastic_rounding = t.stochastic_rounding;
@@ -249,7 +252,7 @@ Result<double> PagedEngine::eval_micro_batch(const int32_t* inputs, const int32_
   return net_->compute(inputs, targets, B, T, /*grad_scale=*/0.0f, /*backward=*/false);
 }
 
-Status PagedEngine::set_comm(parallel::Comm* comm) {
+Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover) {
   // The ranks the state's ranges were shared out over must be the ranks that sum and gather them.
   const int world = std::max(plan_.placement.world(), 1), comm_world = comm != nullptr ? comm->world_size() : 1;
   if (world != comm_world)
@@ -260,7 +263,10 @@ Status PagedEngine::set_comm(parallel::Comm* comm) {
         "optim.overlap_backward updates each layer before its gradients are summed over the {} ranks; set "
         "optim.overlap_backward=false to train with several processes",
         comm->world_size()));
-  state_->set_comm(comm);
+  if (comm != nullptr && comm->world_size() > 1 && options_.overlap_reduction && handover == nullptr)
+    return Status::InvalidArgument("parallel.overlap_comm sums the gradients through a communicator of its own; "
+                                   "none was given");
+  state_->set_comm(comm, handover);
   comm_ = comm;
   return Status::OK();
 }

@@ -76,9 +76,10 @@ class PagedEngine {
   // backward): a step with a non-finite loss can then no longer be skipped cleanly.
   bool updates_during_backward() const { return options_.overlap_optimizer; }
   EngineStats stats() const;
-  // Data parallelism: from now on step() sums the gradients (and MoE expert counts) over the
-  // ranks of `comm`, which outlives the engine.
-  Status set_comm(parallel::Comm* comm);
+  // Data parallelism: from now on the gradients (and MoE expert counts) are summed over the
+  // ranks of `comm`; with parallel.overlap_comm the gradients through `handover` (another Comm
+  // of the same ranks) as backward hands each layer over. Both outlive the engine.
+  Status set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr);
 
   // What the engine was planned with, for comparing prediction and measurement: the plan (its
   // per-phase time included; plan() below), the chunk space's counters and the device bytes

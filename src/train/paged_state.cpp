@@ -257,10 +257,14 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   // order they acquire in, by construction.
   const StepProgram program = ps->step_program();
   for (const ProgramEvent& e : program.zero) ps->zero_pass_.push_back(e);
-  // The updates are in the last micro-batch when overlapped, else after the norm pass.
+  // The updates are in the last micro-batch when overlapped, else after the norm pass; so are
+  // the reductions at handover.
+  ps->reductions_.resize(static_cast<size_t>(ps->store_->num_groups()));
   for (const std::vector<ProgramEvent>* part : {&program.last_micro_batch, &program.optimizer}) {
     for (const ProgramEvent& e : *part) {
-      if (e.phase == StepPhase::kNorm) {
+      if (e.phase == StepPhase::kNorm && part == &program.last_micro_batch) {
+        ps->reductions_.at(static_cast<size_t>(e.access.group)) = e;
+      } else if (e.phase == StepPhase::kNorm) {
         ps->norm_pass_.push_back(e);
       } else if (e.phase == StepPhase::kOptimizer) {
         if (ps->updates_.empty() || ps->updates_.back().group != e.access.group)
@@ -273,7 +277,14 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   ps->update_index_.assign(static_cast<size_t>(ps->store_->num_groups()), SIZE_MAX);
   for (size_t u = 0; u < ps->updates_.size(); ++u) ps->update_index_[static_cast<size_t>(ps->updates_[u].group)] = u;
   ps->store_->set_schedule(program.schedule(options.grad_accum));
-  if (options.overlap_optimizer) ps->worker_ = std::thread([p = ps.get()] { p->worker_loop(); });
+  CHECK_MSG(!(options.overlap_optimizer && options.overlap_reduction),
+            "overlap_optimizer updates groups before their gradients are summed over the ranks");
+  if (options.overlap_reduction) {
+    ps->handover_stream_ = device.create_stream();
+    ps->handover_stream_->set_trace_name("communication");
+  }
+  if (options.overlap_optimizer || options.overlap_reduction)
+    ps->worker_ = std::thread([p = ps.get()] { p->worker_loop(); });
   return ps;
 }
 
@@ -299,6 +310,7 @@ StepProgram PagedState::step_program() const {
   optimizer.reduces_gradients = options_.placement && options_.placement->world() > 1;
   optimizer.where = [this](int g) { return adam_tier(g); };
   optimizer.overlapped = options_.overlap_optimizer;
+  optimizer.reduces_at_handover = options_.overlap_reduction;
   return make_step_program(model::record_micro_batch(layout_.config(), options_.offload_activations), optimizer);
 }
 
@@ -435,6 +447,9 @@ Status PagedState::load_moments(const float* m_flat, const float* v_flat) {
 
 Status PagedState::zero_grads() {
   drain_compute();
+  // A step skipped after its last micro-batch (a non-finite loss) never reached clip_and_step():
+  // its gradient sums finish before the gradients are zeroed.
+  if (reduces_at_handover()) RETURN_IF_ERROR(finish_handovers().status());
   store_->space().trace_usage();  // a trace's memory counters start from every tier's use
   trace::Span span("optimizer", "zero gradients");
   for (const ProgramEvent& e : zero_pass_) {
@@ -553,6 +568,49 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   return sent;
 }
 
+Status PagedState::sum_gradients(int g, parallel::Comm& comm, Stream* stream) {
+  const bool to_ranges = sharded();
+  trace::Span span("communication", to_ranges ? "gradient reduce to ranges" : "gradient all-reduce", g);
+  const std::vector<GradBuffer> buffers = grad_buffers(g);
+  const std::vector<size_t>& tensors = store_->group_tensors(g);
+  Status st = Status::OK();
+  for (size_t j = 0; j < buffers.size() && st.ok(); ++j) {
+    float* p = const_cast<float*>(buffers[j].p);
+    if (!to_ranges) {
+      st = comm.all_reduce_sum(p, static_cast<size_t>(buffers[j].n), stream);
+      continue;
+    }
+    for (int r = 0; r < comm.world_size() && st.ok(); ++r) {
+      const ElementRange range = range_of(tensors[j], r);
+      if (range.count > 0) st = comm.reduce_sum(p + range.first, range.count, r, stream);
+    }
+  }
+  if (stream != nullptr) stream->synchronize();
+  return st.ok() ? st : st.with_context("the gradients of parameter group " + std::to_string(g));
+}
+
+Result<std::vector<bool>> PagedState::finish_handovers() {
+  std::unique_lock<std::mutex> lock(worker_mu_);
+  if (!overlap_active_) return std::vector<bool>(static_cast<size_t>(store_->num_groups()), false);
+  {
+    trace::Span wait("optimizer", "wait for gradient sums");
+    worker_cv_.wait(lock, [&] { return queue_.empty() && !worker_busy_; });
+  }
+  overlap_active_ = false;
+  RETURN_IF_ERROR(std::exchange(worker_status_, Status::OK()));
+  return updated_;
+}
+
+Status PagedState::reduce_handed_over(int g) {
+  CHECK_MSG(handover_comm_ != nullptr, "gradient sums at handover without their Comm (set_comm)");
+  const ProgramEvent& e = reductions_.at(static_cast<size_t>(g));
+  RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, e.access.prefetch_to, e.mode, e.access.cursor));
+  // Gloo waits for the stream (the CPU backend's) and sums host memory; NCCL queues on it.
+  Status st = sum_gradients(g, *handover_comm_, handover_stream_.get());
+  store_->release_group(g, StateKind::kGrad);
+  return st;
+}
+
 ElementRange PagedState::updated_range(size_t i) const {
   return sharded() ? range_of(i, options_.rank) : ElementRange{0, static_cast<uint64_t>(pieces_[i].numel)};
 }
@@ -621,6 +679,15 @@ Result<double> PagedState::clip_and_step(float lr) {
     RETURN_IF_ERROR(check_updated_parameters());
     return std::sqrt(sum);
   }
+  if (reduces_at_handover()) {
+    // The groups backward handed over are being (or have been) summed over the ranks by the
+    // handover thread; wait for it, then sum any group it has not seen, in group order (the
+    // program's), through its Comm: every rank issues the same sums in the same order.
+    CHECK_MSG(overlap_active_, "begin_last_micro_batch() was not called before the step's last micro-batch");
+    ASSIGN_OR_RETURN(const std::vector<bool> done, finish_handovers());
+    for (int g = 0; g < store_->num_groups(); ++g)
+      if (!done[static_cast<size_t>(g)]) RETURN_IF_ERROR(reduce_handed_over(g));
+  }
   // The global norm, summed tensor by tensor in layout order (as AdamW::grad_norm does).
   trace::Span norm_span("optimizer", "gradient norm");
   // Consecutive groups whose gradients live in device memory are summed together (one
@@ -647,8 +714,8 @@ Result<double> PagedState::clip_and_step(float lr) {
     const int g = e.access.group;
     const bool on_device = store_->home(g, StateKind::kGrad) == Tier::kDevice;
     if (!on_device) sum_and_release();
-    CHECK_MSG(!reduce || e.mode == AccessMode::kReadWrite, "the program's norm pass does not write the gradients the "
-                                                           "ranks sum in place");
+    CHECK_MSG(!reduce || reduces_at_handover() || e.mode == AccessMode::kReadWrite,
+              "the program's norm pass does not write the gradients the ranks sum in place");
     Status st = store_->acquire_group(g, e.access.kind, e.access.prefetch_to, e.mode);
     if (!st.ok()) {
       sum_and_release();
@@ -657,25 +724,11 @@ Result<double> PagedState::clip_and_step(float lr) {
     held.push_back(g);
     const std::vector<GradBuffer> buffers = grad_buffers(g);
     const std::vector<size_t>& tensors = store_->group_tensors(g);
-    if (reduce) {
-      trace::Span reduce_span("optimizer", to_ranges ? "gradient reduce to ranges" : "gradient all-reduce", g);
-      // Reduced on the compute stream, as gather_copy's weights are.
-      Stream* stream = compute_stream_;
-      for (size_t j = 0; j < buffers.size() && st.ok(); ++j) {
-        float* p = const_cast<float*>(buffers[j].p);
-        if (!to_ranges) {
-          st = comm_->all_reduce_sum(p, static_cast<size_t>(buffers[j].n), stream);
-          continue;
-        }
-        for (int r = 0; r < comm_->world_size() && st.ok(); ++r) {
-          const ElementRange range = range_of(tensors[j], r);
-          if (range.count > 0) st = comm_->reduce_sum(p + range.first, range.count, r, stream);
-        }
-      }
-      if (stream != nullptr) stream->synchronize();
+    if (reduce && !reduces_at_handover()) {
+      st = sum_gradients(g, *comm_, compute_stream_);  // on the compute stream, as gather_copy's weights
       if (!st.ok()) {
         sum_and_release();
-        return st.with_context("the gradients of parameter group " + std::to_string(g));
+        return st;
       }
     }
     for (size_t j = 0; j < buffers.size(); ++j) {
@@ -733,9 +786,9 @@ Status PagedState::check_updated_parameters() {
 }
 
 void PagedState::begin_last_micro_batch(float lr) {
-  if (!options_.overlap_optimizer) return;
+  if (!options_.overlap_optimizer && !reduces_at_handover()) return;
   std::lock_guard<std::mutex> lock(worker_mu_);
-  ++step_count_;
+  if (options_.overlap_optimizer) ++step_count_;
   overlap_params_ = adamw_params(lr);
   updated_.assign(static_cast<size_t>(store_->num_groups()), false);
   grad_releases_.assign(static_cast<size_t>(store_->num_groups()), 0);
@@ -745,7 +798,7 @@ void PagedState::begin_last_micro_batch(float lr) {
 }
 
 void PagedState::worker_loop() {
-  trace::name_thread("optimizer (overlapped)");
+  trace::name_thread(options_.overlap_optimizer ? "optimizer (overlapped)" : "communication (gradients)");
   std::unique_lock<std::mutex> lock(worker_mu_);
   for (;;) {
     worker_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
@@ -753,7 +806,7 @@ void PagedState::worker_loop() {
     const int g = queue_.front();
     queue_.pop_front();
     // After a group with non-finite gradients the step is lost; later groups are left alone.
-    if (overlap_bad_group_ >= 0) {
+    if (overlap_bad_group_ >= 0 || !worker_status_.ok()) {
       updated_[static_cast<size_t>(g)] = true;
       worker_cv_.notify_all();
       continue;
@@ -762,10 +815,12 @@ void PagedState::worker_loop() {
     const kernels::AdamWParams p = overlap_params_;
     lock.unlock();
     double ss = 0;
-    Status st = update_group(g, 1.0f, p, &ss);
+    Status st = options_.overlap_optimizer ? update_group(g, 1.0f, p, &ss) : reduce_handed_over(g);
     lock.lock();
     worker_busy_ = false;
-    if (st.ok()) {
+    if (st.ok() && !options_.overlap_optimizer) {
+      updated_[static_cast<size_t>(g)] = true;  // summed over the ranks
+    } else if (st.ok()) {
       updated_[static_cast<size_t>(g)] = true;
       overlap_sum_squares_ += ss;
       if (std::isfinite(ss)) ++overlapped_updates_;
@@ -846,7 +901,7 @@ void PagedState::end(int group, bool params, bool grads) {
   // In the last micro-batch a group's gradients are final when the last batch of the program
   // that acquires them ends (the embedding's, whose gradients a tied head adds to first, at its
   // backward).
-  if (options_.overlap_optimizer && overlap_active_ && grads &&
+  if ((options_.overlap_optimizer || reduces_at_handover()) && overlap_active_ && grads &&
       ++grad_releases_[static_cast<size_t>(group)] == handover_[static_cast<size_t>(group)]) {
     {
       std::lock_guard<std::mutex> lock(worker_mu_);

@@ -95,6 +95,11 @@ struct PagedStateOptions {
   // of every tensor only (tensor_shard), updates that range and sends its new compute copy to
   // the other ranks (set_comm); every rank holds every group's compute copy and gradients.
   int rank = 0;
+  // Data parallelism (a placement over several ranks): sum each group's gradients over the ranks
+  // as the step's last micro-batch hands it over (step_program.h), on a thread of their own with
+  // a Comm of their own (set_comm's `handover`), hidden behind the backward of the groups before
+  // it. Not with overlap_optimizer.
+  bool overlap_reduction = false;
 };
 
 // What create() reserves in host memory: a slot of chunk_bytes for every chunk the state can
@@ -202,16 +207,21 @@ class PagedState : public model::ParamAccess, public SavableState {
   // without one: a model made without a Device runs its ops in the caller and cannot page);
   // the stream outlives its use (the model sets null when it lets the state go).
   void set_compute_stream(Stream* stream) override { compute_stream_ = stream; }
-  // Data parallelism: clip_and_step() first sums every gradient over the ranks of `comm`
-  // (parallel/comm.h), in rank order, so all ranks take the same step: onto every rank
-  // (all-reduce) when each holds the whole state, each rank's ranges onto it (reduce) when the
-  // optimizer state is sharded (options.placement), whose partial norms are then summed. Null or world 1: no
-  // reduction. REQUIRES: not with overlap_optimizer (groups would update before the sums);
-  // the Comm outlives the state.
-  void set_comm(parallel::Comm* comm) {
+  // Data parallelism: every gradient is summed over the ranks of `comm` (parallel/comm.h), in
+  // rank order, so all ranks take the same step: onto every rank (all-reduce) when each holds the
+  // whole state, each rank's ranges onto it (reduce) when the optimizer state is sharded
+  // (options.placement), whose partial norms are then summed. clip_and_step() sums them, or with
+  // options.overlap_reduction the handover thread does, through `handover` (another Comm of the
+  // same ranks: one thread issues a Comm's operations). Null or world 1: no reduction.
+  // REQUIRES: not with overlap_optimizer (groups would update before the sums); `handover` with
+  // overlap_reduction; the Comms outlive the state.
+  void set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr) {
     CHECK_MSG(comm == nullptr || comm->world_size() == 1 || !options_.overlap_optimizer,
               "overlap_optimizer updates groups before their gradients are summed over the ranks");
+    CHECK_MSG(!options_.overlap_reduction || comm == nullptr || handover != nullptr,
+              "overlap_reduction sums the gradients through a Comm of its own");
     comm_ = comm;
+    handover_comm_ = handover;
   }
   float* grad(int64_t offset) override;
   bool offloads_activations() const override { return options_.offload_activations; }
@@ -262,6 +272,19 @@ class PagedState : public model::ParamAccess, public SavableState {
   ElementRange range_of(size_t i, int rank) const;
   // The elements of store tensor i this rank updates: its range when sharded, else all.
   ElementRange updated_range(size_t i) const;
+  // Sums group g's gradients (acquired) over the ranks of `comm`, on `stream` when they are in
+  // device memory (see set_comm).
+  Status sum_gradients(int group, parallel::Comm& comm, Stream* stream);
+  // The handover thread's work on group g: its gradients acquired beside the cursor where the
+  // program's reduction says, summed over the ranks through handover_comm_.
+  Status reduce_handed_over(int group);
+  // Waits for the handover thread's sums of this step (none since begin_last_micro_batch: all
+  // false) and returns which groups it summed, or its error.
+  Result<std::vector<bool>> finish_handovers();
+  // Whether the ranks sum the gradients as backward hands each group over (the Comms are set).
+  bool reduces_at_handover() const {
+    return options_.overlap_reduction && handover_comm_ != nullptr && handover_comm_->world_size() > 1;
+  }
   // Sends this rank's ranges of group g's new compute copy (acquired at `where`) to the other
   // ranks and receives theirs.
   Status gather_copy(int group, Tier where);
@@ -284,6 +307,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   StateKernels* kernels_ = nullptr;           // device-tier arithmetic
   Stream* compute_stream_ = nullptr;          // the model's, when paging is stream-ordered
   parallel::Comm* comm_ = nullptr;             // data-parallel ranks whose gradients are summed
+  parallel::Comm* handover_comm_ = nullptr;    // the same ranks, for the handover thread's sums
+  std::unique_ptr<Stream> handover_stream_;    // its device-memory sums queue here
   // Waits for the model's queued ops (stream-ordered paging) before state is touched otherwise.
   // Runs `work` (arithmetic on state the host has acquired) and returns when it is done. On the
   // CPU backend it runs as a task on the model's compute stream's thread, so that one OpenMP
@@ -311,6 +336,7 @@ class PagedState : public model::ParamAccess, public SavableState {
     ScheduleCursor cursor = ScheduleCursor::kFollow;  // kBeside: the overlapped optimizer's
   };
   std::vector<ProgramEvent> zero_pass_, norm_pass_;
+  std::vector<ProgramEvent> reductions_;  // per group: its reduction at handover (overlap_reduction)
   std::vector<GroupUpdate> updates_;
   std::vector<size_t> update_index_;  // group -> its entry in updates_
   // Per group: batches of a micro-batch that acquire its gradients (gradient_batches), and how
@@ -333,8 +359,9 @@ class PagedState : public model::ParamAccess, public SavableState {
   int64_t step_count_ = 0;
   int64_t host_nonfinite_ = -1;  // the first tensor host-memory AdamW wrote NaN or Inf into (-1: none)
 
-  // Overlap of AdamW with backward (options.overlap_optimizer): end() queues groups whose
-  // gradients are final in the last micro-batch; the worker updates them while backward goes on.
+  // Overlap with backward (options.overlap_optimizer or overlap_reduction): end() queues groups
+  // whose gradients are final in the last micro-batch; the worker updates them, or sums them over
+  // the ranks, while backward goes on.
   std::thread worker_;
   std::mutex worker_mu_;  // guards everything below
   std::condition_variable worker_cv_;

@@ -102,6 +102,12 @@ Result<Ranks> connect_ranks(TrainConfig& t) {
   Result<std::unique_ptr<parallel::Comm>> ckpt = parallel::connect(l, co);
   if (!ckpt.ok()) return ckpt.status().with_context("connecting the checkpoint writers of the ranks");
   ranks.ckpt_comm = std::move(*ckpt);
+  if (t.parallel_overlap_comm) {
+    co.name = "grad";
+    Result<std::unique_ptr<parallel::Comm>> grad = parallel::connect(l, co);
+    if (!grad.ok()) return grad.status().with_context("connecting the ranks' gradient sums (parallel.overlap_comm)");
+    ranks.grad_comm = std::move(*grad);
+  }
   return ranks;
 }
 

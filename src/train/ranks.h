@@ -27,11 +27,18 @@ struct Ranks {
   std::unique_ptr<parallel::Comm> comm;  // null in a single process
   // The checkpoint writers' own (they run on a thread of their own beside training).
   std::unique_ptr<parallel::Comm> ckpt_comm;
+  // The gradient sums' own, which run on a thread of their own as backward hands each layer
+  // over (parallel.overlap_comm).
+  std::unique_ptr<parallel::Comm> grad_comm;
   bool start_agreed = false;  // every rank has said whether it could start (agree_all_ok)
   int rank() const { return launch.rank; }
   int world() const { return launch.world_size; }
   bool several() const { return launch.world_size > 1; }
   bool writes() const { return launch.rank == 0; }  // owns run.dir, metrics and checkpoints
+  // Bytes this rank has sent for training (comm and grad_comm; not checkpoint bookkeeping).
+  uint64_t bytes_sent() const {
+    return (comm ? comm->bytes_sent() : 0) + (grad_comm ? grad_comm->bytes_sent() : 0);
+  }
 };
 
 // The ranks of this process from its environment, connected when there are several: each

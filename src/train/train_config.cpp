@@ -184,6 +184,10 @@ ConfigSchema build_schema() {
          .help = "a directory every rank can reach (a shared filesystem across nodes) where the ranks find each "
                  "other, one subfolder per launch (named by the launcher's job id); empty: /tmp/strata-rendezvous "
                  "on one node, required with several"});
+  s.add({.name = "parallel.overlap_comm", .type = T::kBool, .default_value = "true",
+         .help = "sum each layer's gradients over the ranks on a thread of their own as soon as the step's last "
+                 "micro-batch's backward is done with them, hidden behind the backward of the layers before it "
+                 "(false: after backward, before the gradient norm); the results are the same bits either way"});
   s.add({.name = "parallel.timeout_s", .type = T::kFloat, .default_value = "300", .min = 1, .max = 86400,
          .help = "seconds a collective waits for the other ranks before the run stops with an error naming the "
                  "operation (a rank died or hangs)"});
@@ -326,6 +330,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.parallel_backend = c.get_string("parallel.backend");
   t.parallel_rendezvous = c.get_string("parallel.rendezvous");
   t.parallel_timeout_s = c.get_float("parallel.timeout_s");
+  t.parallel_overlap_comm = c.get_bool("parallel.overlap_comm");
   t.plan_world_size = c.get_int("parallel.world_size");
   t.plan_ranks_per_node = c.get_int("parallel.ranks_per_node");
   t.plan_zero = c.get_string("parallel.zero") == "auto" ? -1 : std::stoi(c.get_string("parallel.zero"));

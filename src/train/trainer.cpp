@@ -402,7 +402,7 @@ OptimizerConfig optimizer_config(const TrainConfig& t) {
 // host tier alone was checked before it was reserved), before any weights load.
 Result<HostRamPlan> open_engine(const TrainConfig& t, Run& run, Ranks& ranks) {
   ASSIGN_OR_RETURN(run.engine, make_train_engine(run.mc, t, optimizer_config(t)));
-  RETURN_IF_ERROR(run.engine->set_comm(ranks.comm.get()));
+  RETURN_IF_ERROR(run.engine->set_comm(ranks.comm.get(), ranks.grad_comm.get()));
   HostRamData data = host_ram_data(*run.dataset, run.loader->num_windows());
   if (run.eval_dataset) data += host_ram_data(*run.eval_dataset, run.eval_loader->num_windows());
   const HostRamPlan host_ram = run.engine->host_ram(data);
@@ -772,7 +772,7 @@ Status loop(Run& run, const TrainConfig& t) {
     }
     const float grad_scale = valid > 0 ? 1.0f / static_cast<float>(valid) : 0.0f;
     const EngineStats before = engine.stats();
-    const uint64_t sent_before = ranks.several() ? ranks.comm->bytes_sent() : 0;
+    const uint64_t sent_before = ranks.bytes_sent();
     const uint64_t ckpt_blocked_before = run.checkpointer->blocked_ns();
     run.sound = false;  // until the optimizer step is through
     RETURN_IF_ERROR(engine.zero_grads());
@@ -818,7 +818,7 @@ Status loop(Run& run, const TrainConfig& t) {
     double comm_bytes = 0;
     if (ranks.several()) {
       ASSIGN_OR_RETURN(comm_bytes, parallel::sum_over_ranks(
-                                       *ranks.comm, static_cast<double>(ranks.comm->bytes_sent() - sent_before)));
+                                       *ranks.comm, static_cast<double>(ranks.bytes_sent() - sent_before)));
       comm_bytes /= ranks.world();
     }
     run.tokens_seen += tokens_per_step;

@@ -183,6 +183,30 @@ TEST_F(DataParallelTest, WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch) {
   EXPECT_FALSE(fs::exists(four / "metrics.rank1.jsonl"));
 }
 
+// The gradient sums started as backward hands each layer over (parallel.overlap_comm, on a
+// thread and a Comm of their own) are the same operations on the same gradients as the sums
+// after backward: the same bits, ZeRO-0 (all-reduce) and ZeRO-1 (reduce to ranges), with
+// micro-batches accumulated first and the gradients paged through host memory.
+TEST_F(DataParallelTest, GradientSumsAtHandoverAreTheBitsOfSumsAfterBackward) {
+  for (const char* zero : {"0", "1"}) {
+    std::vector<fs::path> runs;
+    for (const char* overlap : {"false", "true"}) {
+      const fs::path run = dir_ / (std::string("zero") + zero + "_overlap_" + overlap);
+      const std::string args = run_args(run.string(), 2) + " parallel.zero=" + zero +
+                               " parallel.overlap_comm=" + overlap + " memory.device=1200KiB run.export=" +
+                               (run / "export").string();
+      auto w2 = launch(2, args, std::string("handover") + zero + overlap);
+      ASSERT_TRUE(all_ok(w2)) << all_output(w2);
+      runs.push_back(run);
+    }
+    const std::string what = std::string("ZeRO-") + zero;
+    EXPECT_EQ(losses_of(runs[0] / "metrics.jsonl"), losses_of(runs[1] / "metrics.jsonl")) << what;
+    const ParamDiff d = compare_exports(runs[0] / "export", runs[1] / "export");
+    ASSERT_GT(d.tensors, 0u) << what;
+    EXPECT_EQ(d.max_abs, 0.0) << what;
+  }
+}
+
 // "homes: param: 4 device, 0 host, 0 nvme; grad: ...": the rest of the `kind` entry on this rank.
 std::string homes_of(const std::string& log, const std::string& kind) {
   const size_t at = log.find(kind + ": ", log.find("homes: "));

@@ -172,6 +172,33 @@ TEST(StepProgram, TheRecordedProgramIsTheExpectedOrder) {
       EXPECT_TRUE(program_overlapped.optimizer.empty()) << what;
       // Each group's gradients are acquired by one batch of a micro-batch (the embedding's by two
       // when the head is tied to it): the overlapped optimizer takes the group after the last.
+      // A data-parallel rank summing the gradients at handover: one reduction per group where the
+      // overlapped optimizer's update sits, beside the cursor and writing; the norm pass reads.
+      if (c.data_parallel) {
+        const OptimizerProgram at_handover{groups, kinds, where, true, false, /*reduces_at_handover=*/true};
+        const StepProgram program_reducing = make_step_program(model::record_micro_batch(c.model, c.offload), at_handover);
+        std::vector<int> reduced, updated;
+        std::vector<GroupAccess> rest;
+        for (const ProgramEvent& e : program_reducing.last_micro_batch) {
+          if (e.phase != StepPhase::kNorm) {
+            rest.push_back(e.access);
+            continue;
+          }
+          reduced.push_back(e.access.group);
+          EXPECT_TRUE(e.access.kind == StateKind::kGrad && e.mode == AccessMode::kReadWrite && e.last &&
+                      e.access.cursor == ScheduleCursor::kBeside)
+              << what << ": " << describe(e.access);
+        }
+        for (const ProgramEvent& e : program_overlapped.last_micro_batch)
+          if (e.phase == StepPhase::kOptimizer && (updated.empty() || updated.back() != e.access.group))
+            updated.push_back(e.access.group);
+        EXPECT_EQ(reduced, updated) << what;
+        std::vector<GroupAccess> plain;
+        for (const ProgramEvent& e : program_reducing.micro_batch) plain.push_back(e.access);
+        expect_same_schedule(rest, plain, what + ", reducing at handover");
+        for (const ProgramEvent& e : program_reducing.optimizer)
+          if (e.phase == StepPhase::kNorm) EXPECT_EQ(e.mode, AccessMode::kRead) << what;
+      }
       const std::vector<int> batches = gradient_batches(program_overlapped.micro_batch, groups);
       for (int g = 0; g < groups; ++g)
         EXPECT_EQ(batches[static_cast<size_t>(g)], g == 0 && c.model.tie_word_embeddings ? 2 : 1)
