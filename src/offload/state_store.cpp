@@ -304,7 +304,8 @@ void StateStore::unpin(int group, const std::vector<size_t>& parts, StateKind ki
   }
 }
 
-Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMode mode, ScheduleCursor cursor) {
+Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMode mode, ScheduleCursor cursor,
+                                 Stream* consumer) {
   CHECK(group >= 0 && group < num_groups_);
   CHECK_MSG(layout_.has(kind), std::string("this layout holds no ") + state_kind_name(kind) + " state");
   std::vector<size_t> all(parts_[group].size());
@@ -312,13 +313,13 @@ Status StateStore::acquire_group(int group, StateKind kind, Tier where, AccessMo
   // Where this access sits in the step's schedule (the next matching entry).
   const std::optional<size_t> entry =
       cursor == ScheduleCursor::kFollow ? next_entry(GroupAccess{group, kind}) : std::nullopt;
-  return pin(group, all, kind, where, mode, entry, nullptr, false);
+  return pin(group, all, kind, where, mode, entry, consumer, false);
 }
 
-void StateStore::release_group(int group, StateKind kind) {
+void StateStore::release_group(int group, StateKind kind, Stream* consumer) {
   std::vector<size_t> all(parts_[group].size());
   for (size_t p = 0; p < all.size(); ++p) all[p] = p;
-  unpin(group, all, kind, nullptr);
+  unpin(group, all, kind, consumer);
 }
 
 Status StateStore::acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode, Stream* consumer) {

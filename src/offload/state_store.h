@@ -148,10 +148,12 @@ class StateStore {
 
   // Pins every chunk holding `kind` tensors of `group` in `where` (moving and prefetching as
   // needed). Afterwards pointer(i, kind) is valid for the group's tensors.
-  // REQUIRES: no part of the group is acquired for `kind`.
+  // With `consumer` (stream-ordered, as acquire_part): the stream waits for the chunks' moves
+  // and for the work they wait on, instead of the host (which then never waits holding the
+  // chunk space). REQUIRES: no part of the group is acquired for `kind`.
   Status acquire_group(int group, StateKind kind, Tier where, AccessMode mode,
-                       ScheduleCursor cursor = ScheduleCursor::kFollow);
-  void release_group(int group, StateKind kind);
+                       ScheduleCursor cursor = ScheduleCursor::kFollow, Stream* consumer = nullptr);
+  void release_group(int group, StateKind kind, Stream* consumer = nullptr);
   // The same for one part of the group (following its schedule entry GroupAccess::of_part, when
   // the schedule has one). REQUIRES: the group has the part (kDensePart always exists).
   // With `consumer` (stream-ordered): the consumer stream waits for the chunks' moves instead of

@@ -279,11 +279,11 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   ps->store_->set_schedule(program.schedule(options.grad_accum));
   CHECK_MSG(!(options.overlap_optimizer && options.overlap_reduction),
             "overlap_optimizer updates groups before their gradients are summed over the ranks");
-  if (options.overlap_reduction) {
+  if (ps->plans_reductions_at_handover()) {
     ps->handover_stream_ = device.create_stream();
     ps->handover_stream_->set_trace_name("communication");
   }
-  if (options.overlap_optimizer || options.overlap_reduction)
+  if (options.overlap_optimizer || ps->plans_reductions_at_handover())
     ps->worker_ = std::thread([p = ps.get()] { p->worker_loop(); });
   return ps;
 }
@@ -310,7 +310,7 @@ StepProgram PagedState::step_program() const {
   optimizer.reduces_gradients = options_.placement && options_.placement->world() > 1;
   optimizer.where = [this](int g) { return adam_tier(g); };
   optimizer.overlapped = options_.overlap_optimizer;
-  optimizer.reduces_at_handover = options_.overlap_reduction;
+  optimizer.reduces_at_handover = plans_reductions_at_handover();
   return make_step_program(model::record_micro_batch(layout_.config(), options_.offload_activations), optimizer);
 }
 
@@ -604,10 +604,17 @@ Result<std::vector<bool>> PagedState::finish_handovers() {
 Status PagedState::reduce_handed_over(int g) {
   CHECK_MSG(handover_comm_ != nullptr, "gradient sums at handover without their Comm (set_comm)");
   const ProgramEvent& e = reductions_.at(static_cast<size_t>(g));
-  RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, e.access.prefetch_to, e.mode, e.access.cursor));
-  // Gloo waits for the stream (the CPU backend's) and sums host memory; NCCL queues on it.
-  Status st = sum_gradients(g, *handover_comm_, handover_stream_.get());
-  store_->release_group(g, StateKind::kGrad);
+  CHECK_MSG(e.access.kind == StateKind::kGrad && e.mode == AccessMode::kReadWrite &&
+                e.access.cursor == ScheduleCursor::kBeside,
+            "the step program has no reduction at handover for parameter group " + std::to_string(g));
+  // The handover stream waits for the gradients (for backward's last writes to them, and their
+  // moves): this thread never waits holding the chunk space while compute goes on. Gloo waits
+  // for the stream (the CPU backend's) and sums host memory; NCCL queues on it.
+  Stream* stream = handover_stream_.get();
+  RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kGrad, e.access.prefetch_to, e.mode, e.access.cursor, stream));
+  Status st = sum_gradients(g, *handover_comm_, stream);
+  ++handover_sums_;
+  store_->release_group(g, StateKind::kGrad, stream);
   return st;
 }
 
@@ -802,7 +809,8 @@ void PagedState::worker_loop() {
   std::unique_lock<std::mutex> lock(worker_mu_);
   for (;;) {
     worker_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stop_ with nothing left
+    // Stopping: what is queued is left (sums would be collectives the other ranks may not make).
+    if (stop_) return;
     const int g = queue_.front();
     queue_.pop_front();
     // After a group with non-finite gradients the step is lost; later groups are left alone.

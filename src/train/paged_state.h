@@ -30,6 +30,7 @@
 // Ownership: borrows the Device and IoEngine, which must outlive it. Not thread-safe.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -188,6 +189,8 @@ class PagedState : public model::ParamAccess, public SavableState {
     std::lock_guard<std::mutex> lock(worker_mu_);
     return overlapped_updates_;
   }
+  // Groups whose gradients were summed over the ranks at handover (options.overlap_reduction).
+  int64_t handover_sums() const { return handover_sums_.load(); }
   int64_t step_count() const override { return step_count_; }
 
   // ParamAccess.
@@ -218,7 +221,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   void set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr) {
     CHECK_MSG(comm == nullptr || comm->world_size() == 1 || !options_.overlap_optimizer,
               "overlap_optimizer updates groups before their gradients are summed over the ranks");
-    CHECK_MSG(!options_.overlap_reduction || comm == nullptr || handover != nullptr,
+    CHECK_MSG(!plans_reductions_at_handover() || comm == nullptr || comm->world_size() == 1 || handover != nullptr,
               "overlap_reduction sums the gradients through a Comm of its own");
     comm_ = comm;
     handover_comm_ = handover;
@@ -281,9 +284,14 @@ class PagedState : public model::ParamAccess, public SavableState {
   // Waits for the handover thread's sums of this step (none since begin_last_micro_batch: all
   // false) and returns which groups it summed, or its error.
   Result<std::vector<bool>> finish_handovers();
-  // Whether the ranks sum the gradients as backward hands each group over (the Comms are set).
+  // Whether the program sums the gradients as backward hands each group over: several ranks
+  // share the placement out, and options.overlap_reduction.
+  bool plans_reductions_at_handover() const {
+    return options_.overlap_reduction && options_.placement && options_.placement->world() > 1;
+  }
+  // Whether it does now (the Comms are set).
   bool reduces_at_handover() const {
-    return options_.overlap_reduction && handover_comm_ != nullptr && handover_comm_->world_size() > 1;
+    return plans_reductions_at_handover() && handover_comm_ != nullptr && handover_comm_->world_size() > 1;
   }
   // Sends this rank's ranges of group g's new compute copy (acquired at `where`) to the other
   // ranks and receives theirs.
@@ -373,6 +381,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   bool stop_ = false;
   Status worker_status_;
   int64_t overlapped_updates_ = 0;
+  std::atomic<int64_t> handover_sums_{0};
   double overlap_sum_squares_ = 0;  // the step's groups so far, in the order they were updated
   int overlap_bad_group_ = -1;      // the first group whose gradients were not finite
 };

@@ -772,10 +772,11 @@ Status loop(Run& run, const TrainConfig& t) {
     }
     const float grad_scale = valid > 0 ? 1.0f / static_cast<float>(valid) : 0.0f;
     const EngineStats before = engine.stats();
-    const uint64_t sent_before = ranks.bytes_sent();
     const uint64_t ckpt_blocked_before = run.checkpointer->blocked_ns();
     run.sound = false;  // until the optimizer step is through
     RETURN_IF_ERROR(engine.zero_grads());
+    // After zero_grads(), which waits for a skipped step's gradient sums still under way.
+    const uint64_t sent_before = ranks.bytes_sent();
     double loss_sum = 0;
     const double lr = run.schedule->lr(step);
     for (int64_t m = first_micro; m < first_micro + t.grad_accum; ++m) {

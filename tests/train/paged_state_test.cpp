@@ -16,6 +16,7 @@
 #include "core/io_engine.h"
 #include "model/decoder.h"
 #include "offload/placement.h"
+#include "idle_comm.h"
 #include "reference_adamw.h"
 #include "train_test_util.h"
 
@@ -30,6 +31,9 @@ struct RunResult {
   ChunkSpaceStats stats;
   int64_t overlapped_updates = 0;
   int64_t activation_bytes = 0;  // the model's activation table
+  int64_t handover_sums = 0;     // groups summed over the ranks at handover
+  std::vector<size_t> cursors;   // the store's schedule cursor after each step
+  size_t after_followed = 0;     // the entry after the schedule's last one acquired on the cursor
 };
 
 constexpr int64_t kB = 2, kT = 16, kSteps = 4, kAccum = 2;
@@ -67,7 +71,8 @@ RunResult run_flat_with(const model::ModelConfig& mc, const std::vector<Batch>& 
 template <class Net>
 RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, const std::vector<Batch>& batches,
                          uint64_t device_bytes, uint64_t host_bytes, uint64_t nvme_bytes, const std::string& nvme_dir,
-                         bool offload_activations = false, bool overlap_optimizer = false, float grad_clip = kClip) {
+                         bool offload_activations = false, bool overlap_optimizer = false, float grad_clip = kClip,
+                         bool handover_sums = false) {
   auto device = g_planted.chaos_seed != 0 ? CpuDevice::create(0, 0, g_planted.chaos_seed) : CpuDevice::create(0, 0);
   CHECK(device.ok());
   auto io = make_io_engine({.kind = "threads"});
@@ -85,6 +90,19 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
   po.offload_activations = offload_activations;
   po.activation_tokens = kB * kT;
   po.overlap_optimizer = overlap_optimizer;
+  // Rank 0 of 2 with the state whole (ZeRO-0), summing each group's gradients at handover over
+  // collectives that move nothing: the run is one process's, with the sums' acquisitions.
+  testing::IdleComm comm(0, 2), handover(0, 2);
+  if (handover_sums) {
+    const int groups = static_cast<int>(model::ParamLayout(mc).num_layers()) + 2;
+    Placement placement(groups);  // in host memory, the optimizer's kinds on nvme when there is one
+    for (int g = 0; g < groups; ++g)
+      for (StateKind k : StateLayout::of(precision).kinds())
+        if (k != StateKind::kParam && k != StateKind::kGrad && nvme_bytes > 0) placement.place(g, k, Tier::kNvme, 0);
+    placement.shard_over(2, /*shard_optimizer=*/false);
+    po.placement = placement;
+    po.overlap_reduction = true;
+  }
   auto paged = PagedState::create(**device, io->get(), net.layout(), po);
   EXPECT_TRUE(paged.ok()) << paged.status().to_string();
   RunResult r;
@@ -93,6 +111,7 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
   EXPECT_TRUE(ps.load_params(initial_params(net.layout(), 7).data()).ok());
   ps.store().space().set_test_skip_acquire_wait(g_planted.skip_acquire_wait);
   net.set_access(&ps);
+  if (handover_sums) ps.set_comm(&comm, &handover);
   for (int s = 0; s < kSteps; ++s) {
     EXPECT_TRUE(ps.zero_grads().ok());
     double loss = 0;
@@ -106,12 +125,17 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
     Result<double> norm = ps.clip_and_step(1e-2f);
     EXPECT_TRUE(norm.ok()) << norm.status().to_string();
     r.losses.push_back(loss);
+    r.cursors.push_back(ps.store().schedule_cursor());
   }
+  const std::vector<GroupAccess> schedule = ps.step_program().schedule(kAccum);
+  for (size_t i = 0; i < schedule.size(); ++i)
+    if (schedule[i].cursor == ScheduleCursor::kFollow) r.after_followed = (i + 1) % schedule.size();
   net.set_access(nullptr);
   r.params.assign(static_cast<size_t>(net.layout().total_size()), 0.0f);
   EXPECT_TRUE(ps.store_params(r.params.data()).ok());
   r.stats = ps.stats();
   r.overlapped_updates = ps.overlapped_updates();
+  r.handover_sums = ps.handover_sums();
   r.activation_bytes = net.activation_bytes();
   return r;
 }
@@ -316,6 +340,30 @@ TEST_P(PagedStateTest, OptimizerOverlappingBackwardMatchesBitwise) {
   // Every group of every step was updated by the worker, queued the moment backward released it.
   EXPECT_EQ(overlapped.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
   EXPECT_EQ(tight.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
+}
+
+// A data-parallel rank summing each group's gradients as the last micro-batch's backward hands it
+// over (over collectives that move nothing, so the run is one process's): every group of every
+// step is summed by the handover thread, once (the tied embedding after its own backward, not
+// the head's), acquired beside the schedule's cursor, so after each step the cursor is where
+// compute's last acquisition left it; and the bits are the unpaged run's, roomy or paged
+// through host and nvme.
+TEST_P(PagedStateTest, GradientSumsAtHandoverLeaveTheRunAndTheCursorAlone) {
+  const model::ModelConfig mc = tiny_config(GetParam().tied);
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 11);
+  RunResult flat = run_flat(mc, batches);
+  model::ParamLayout layout(mc);
+  const uint64_t chunk = tight_chunk_bytes(layout, mc);
+  fs::create_directories(dir_ / "nvme");
+  const RunResult roomy = run_paged(mc, batches, 64ull << 20, 64ull << 20, 0, "", false, false, kClip, true);
+  const RunResult tight =
+      run_paged(mc, batches, 6 * chunk, 16 * chunk, 64 * chunk, (dir_ / "nvme").string(), false, false, kClip, true);
+  for (const RunResult* r : {&roomy, &tight}) {
+    expect_bitwise_equal(flat, *r, mc);
+    EXPECT_EQ(r->handover_sums, kSteps * (mc.num_hidden_layers + 2));
+    ASSERT_EQ(r->cursors.size(), static_cast<size_t>(kSteps));
+    for (size_t s = 0; s < r->cursors.size(); ++s) EXPECT_EQ(r->cursors[s], r->after_followed) << "after step " << s;
+  }
 }
 
 // With the Adam moments homed in host memory, AdamW runs there, so the optimizer phase
