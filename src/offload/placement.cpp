@@ -19,12 +19,14 @@ bool Placement::sharded() const {
   return false;
 }
 
-void Placement::shard_over(int world, bool shard_optimizer) {
-  CHECK(world >= 1);
+void Placement::shard_over(int world, int zero) {
+  CHECK(world >= 1 && zero >= 0 && zero <= 2);
   world_ = world;
-  for (auto& group : rows_)
+  for (auto& group : rows_) {
     for (StateKind k : {StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV})
-      group[index(k)].sliced = shard_optimizer && world > 1;
+      group[index(k)].sliced = zero >= 1 && world > 1;
+    group[index(StateKind::kGrad)].sliced = zero >= 2 && world > 1;
+  }
 }
 
 ElementRange tensor_shard(const StateLayout& layout, const StateShape& shape, size_t index, int rank, int world) {

@@ -67,11 +67,13 @@ class Placement {
   // Whether some row is sliced (the optimizer state is sharded over the ranks).
   bool sharded() const;
 
-  // Shares the tensors out over `world` ranks (tensor_shard). With shard_optimizer the master
-  // weights and Adam moments are sliced: each rank holds them for its ranges only (ZeRO-1);
-  // otherwise every rank keeps every row whole and the ranges only say what each rank writes
-  // into checkpoints. REQUIRES: world >= 1.
-  void shard_over(int world, bool shard_optimizer);
+  // Shares the tensors out over `world` ranks (tensor_shard) at ZeRO level `zero`: from 1 the
+  // master weights and Adam moments are sliced (each rank holds them for its ranges only), from
+  // 2 the gradients too (each rank keeps the sums of its ranges; backward's full gradients live
+  // in a working buffer beside the chunks until they are summed onto their ranks); at 0 every
+  // rank keeps every row whole and the ranges only say what each rank writes into checkpoints.
+  // REQUIRES: world >= 1, 0 <= zero <= 2.
+  void shard_over(int world, int zero);
 
  private:
   static size_t index(StateKind kind) {

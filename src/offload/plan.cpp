@@ -93,7 +93,7 @@ Placement make_placement(const PlanInput& in, int64_t L, const GroupBytes& layer
   const uint64_t c = in.chunk_size;
   Placement placement(static_cast<int>(L) + 2);
   const int world = static_cast<int>(std::max<int64_t>(1, in.world_size));
-  placement.shard_over(world, zero >= 1);
+  placement.shard_over(world, std::min(zero, 2));
   auto place = [&](int group, int64_t g, const GroupBytes& b, const auto& part) {
     const Tier opt = h.opt_dev[g] ? Tier::kDevice : h.opt_nvme[g] ? Tier::kNvme : Tier::kHost;
     const Tier param = h.param_res[g] ? Tier::kDevice : h.param_nvme[g] ? Tier::kNvme : Tier::kHost;
@@ -141,7 +141,9 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   optimizer.num_groups = p.placement.num_groups();
   optimizer.kinds = in.state_layout.kinds();
   optimizer.where = [&p](int g) { return update_tier(p.placement.home(g, StateKind::kAdamM)); };
-  optimizer.reduces_gradients = in.world_size > 1;
+  // Ranks holding every gradient sum them in place; at ZeRO-2 each backward's sums go onto the
+  // ranks' slices as it ends.
+  optimizer.reduces_gradients = in.world_size > 1 && !p.placement.sliced(0, StateKind::kGrad);
   optimizer.overlapped = in.overlap_optimizer;
   optimizer.reduces_at_handover = in.overlap_comm && !in.overlap_optimizer;
   r.program = make_step_program(offload ? in.micro_batch_program_offloaded : in.micro_batch_program, optimizer)
@@ -159,13 +161,14 @@ GroupBytes shard_of(const PlanInput& in, GroupBytes b, int64_t world, int zero, 
   const uint64_t w = static_cast<uint64_t>(world);
   auto part = [&](uint64_t bytes) { return (bytes + w - 1) / w; };
   const uint64_t c = in.chunk_size;
-  if (zero >= 1 && world > 1 && sliced_chunks > 0 && c > 0) {
+  const bool packed = world > 1 && sliced_chunks > 0 && c > 0;  // the store's slices of fp32 kinds known
+  if (zero >= 1 && packed) {
     b.master = in.separate_master ? sliced_chunks * c : 0;
     b.adam_m = b.adam_v = (sliced_moment_chunks > 0 ? sliced_moment_chunks : sliced_chunks) * c;
   } else if (zero >= 1) {
     b.master = part(b.master), b.adam_m = part(b.adam_m), b.adam_v = part(b.adam_v);
   }
-  if (zero >= 2) b.grad = part(b.grad);
+  if (zero >= 2) b.grad = packed ? sliced_chunks * c : part(b.grad);
   if (zero >= 3) b.param = part(b.param);
   return b;
 }
@@ -222,6 +225,13 @@ bool plan_working_set(const PlanInput& in, const LevelSizes& s, Plan& p, Working
   ws->param = std::max(s.full_edge.param + s.full_layer.param, 2 * s.full_layer.param);
   ws->grad = std::max(s.full_edge.grad + s.full_layer.grad, 2 * s.full_layer.grad);
   ws->act = in.layer_workspace_bytes + in.head_workspace_bytes + in.kept_activation_bytes;
+  if (s.W > 1 && s.zero >= 2) {
+    // Backward writes a group's full gradients into a working buffer beside the chunks (two
+    // groups' worth: the head's and the tied embedding's at once), which are summed onto
+    // their ranks' slices; the chunks then pass two groups' slices.
+    ws->act += in.gradient_working_bytes > 0 ? in.gradient_working_bytes : ws->grad;
+    ws->grad = std::max(s.edge.grad + s.layer.grad, 2 * s.layer.grad);
+  }
   ws->saved_offloaded = 2 * in.saved_activation_bytes_per_layer;
   bool offload = in.offload_activations == "true";
   uint64_t minimum = ws->param + ws->grad + ws->act + (offload ? ws->saved_offloaded : s.saved_all);
@@ -275,7 +285,8 @@ GroupHomes place_on_device(const LevelSizes& s, const WorkingSet& ws, uint64_t f
     h.grad_res[g] = true;
     p.resident_grad_groups++;
   }
-  if (p.resident_grad_groups == groups && !(s.W > 1 && s.zero >= 2)) free_bytes += ws_grad_left, ws_grad_left = 0;
+  // (At ZeRO-2 the working set passes slices; backward's full gradients have a workspace of their own.)
+  if (p.resident_grad_groups == groups) free_bytes += ws_grad_left, ws_grad_left = 0;
   for (int64_t i = 0; i < groups; ++i) {
     const int64_t g = order(i);
     if (!h.param_res[g] || !h.grad_res[g] || s.of(g).optimizer() > free_bytes) continue;
@@ -469,9 +480,9 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
   // counts above (every streamed group moved at every use) are replaced by a replay of the step
   // on the store itself (offload/replay.h). The saved activations' copies to and from the device
   // stay as above (the store holds them in host memory; the model copies them in and out).
-  // ZeRO-1's shards are the store's slices of each tensor, which the replay packs as the
-  // engine does; ZeRO-2 and 3 (planned, not trained yet) keep the counts above (an upper bound).
-  if (in.chunk_size > 0 && zero <= 1 && !in.micro_batch_program.empty() && !in.state_tensors.empty()) {
+  // ZeRO-1's and 2's shards are the store's slices of each tensor, which the replay packs as the
+  // engine does; ZeRO-3 (planned, not trained yet) keeps the counts above (an upper bound).
+  if (in.chunk_size > 0 && zero <= 2 && !in.micro_batch_program.empty() && !in.state_tensors.empty()) {
     Result<ReplayResult> replay = replay_step(replay_input(in, p, offload));
     if (!replay.ok()) {
       // The engine would fail the same way in its first step: the placement does not fit.

@@ -112,6 +112,10 @@ struct PlanInput {
   // With several ranks: each group's gradient sums start as backward finishes with it
   // (OptimizerProgram::reduces_at_handover).
   bool overlap_comm = false;
+  // ZeRO-2 and up over several ranks: the device buffer backward writes full gradients into
+  // before they are summed onto the ranks' slices (PagedState::gradient_working_bytes); 0: two
+  // layers' (or the edge's and a layer's) gradients.
+  uint64_t gradient_working_bytes = 0;
   // Budgets; 0 nvme bytes means no nvme tier.
   uint64_t device_budget = 0;
   uint64_t host_budget = 0;

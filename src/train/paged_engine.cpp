@@ -28,9 +28,13 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   e->mc_ = mc;
   e->budgets_ = t;
   // The plan is this rank's among the ranks launched (parallel.world_size is what strata plan
-  // plans for), at the level the engine trains: ZeRO-1 unless parallel.zero=0.
+  // plans for), at the level the engine trains: ZeRO-1 unless parallel.zero=0 or 2.
   e->budgets_.plan_world_size = std::max(1, t.dp_world);
-  e->budgets_.plan_zero = t.dp_world > 1 && t.plan_zero != 0 ? 1 : 0;
+  e->budgets_.plan_zero = t.dp_world <= 1 || t.plan_zero == 0 ? 0 : t.plan_zero == 2 ? 2 : 1;
+  if (e->budgets_.plan_zero == 2 && mc.is_moe())
+    return Status::Unimplemented(
+        "parallel.zero=2 with MoE layers: which experts a rank's tokens reach is that rank's own, and their "
+        "gradient sums cannot follow them yet; use parallel.zero=1 (or auto) for this model");
   e->backend_ = backend;
   RETURN_IF_ERROR(e->open_backend(t));
   RETURN_IF_ERROR(e->resolve_budgets());
@@ -177,6 +181,8 @@ Status PagedEngine::size_activations(const TrainConfig& t) {
   // fit beside the activation table (its exact size, and a little for the arena's alignment);
   // less when kept layers take more.
   activation_bytes_ = table_bytes(keep_activations_) + kArenaSlack;
+  // ZeRO-2: backward's full gradients, in a workspace beside the chunks (the plan keeps it free).
+  if (budgets_.plan_zero >= 2) activation_bytes_ += PagedState::gradient_working_bytes(net_->layout());
   options_.device_bytes = std::min(device > activation_bytes_ ? device - activation_bytes_ : 0, plan_.device_chunk_bytes);
   const uint64_t arena = device_->memory_budget();
   device_split_ = fmt::format(

@@ -277,6 +277,14 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   ps->update_index_.assign(static_cast<size_t>(ps->store_->num_groups()), SIZE_MAX);
   for (size_t u = 0; u < ps->updates_.size(); ++u) ps->update_index_[static_cast<size_t>(ps->updates_[u].group)] = u;
   ps->store_->set_schedule(program.schedule(options.grad_accum));
+  if (ps->slices_gradients()) {
+    std::vector<uint64_t> elements;
+    std::vector<int> groups;
+    for (size_t i = 0; i < ps->store_->num_tensors(); ++i)
+      elements.push_back(ps->store_->tensor(i).elements), groups.push_back(ps->store_->tensor(i).group);
+    ASSIGN_OR_RETURN(GradientWorkspace w, GradientWorkspace::create(device, elements, groups));
+    ps->workspace_ = std::move(w);
+  }
   CHECK_MSG(!(options.overlap_optimizer && options.overlap_reduction),
             "overlap_optimizer updates groups before their gradients are summed over the ranks");
   if (ps->plans_reductions_at_handover()) {
@@ -307,7 +315,7 @@ StepProgram PagedState::step_program() const {
   optimizer.num_groups = store_->num_groups();
   optimizer.kinds = store_->layout().kinds();
   // Data-parallel ranks (a placement over several) sum the gradients in place before the norm.
-  optimizer.reduces_gradients = options_.placement && options_.placement->world() > 1;
+  optimizer.reduces_gradients = options_.placement && options_.placement->world() > 1 && !slices_gradients();
   optimizer.where = [this](int g) { return adam_tier(g); };
   optimizer.overlapped = options_.overlap_optimizer;
   optimizer.reduces_at_handover = plans_reductions_at_handover();
@@ -447,6 +455,7 @@ Status PagedState::load_moments(const float* m_flat, const float* v_flat) {
 
 Status PagedState::zero_grads() {
   drain_compute();
+  RETURN_IF_ERROR(std::exchange(deferred_, Status::OK()));  // a sum end() could not make
   // A step skipped after its last micro-batch (a non-finite loss) never reached clip_and_step():
   // its gradient sums finish before the gradients are zeroed.
   if (reduces_at_handover()) RETURN_IF_ERROR(finish_handovers().status());
@@ -455,7 +464,8 @@ Status PagedState::zero_grads() {
   for (const ProgramEvent& e : zero_pass_) {
     const int g = e.access.group;
     RETURN_IF_ERROR(store_->acquire_group(g, e.access.kind, e.access.prefetch_to, e.mode));
-    for (size_t i : store_->group_tensors(g)) kernels_->zero(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
+    for (size_t i : store_->group_tensors(g))
+      kernels_->zero(store_->pointer(i, StateKind::kGrad), static_cast<int64_t>(store_->held(i, StateKind::kGrad).count));
     kernels_->synchronize();
     store_->release_group(g, e.access.kind);
   }
@@ -521,7 +531,8 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     const ElementRange range = updated_range(i);
     if (range.count == 0) continue;
     const int64_t n = static_cast<int64_t>(range.count);
-    float* grad = store_->pointer(i, StateKind::kGrad) + range.first;
+    // The gradients of the range: all of the tensor's held, or (ZeRO-2) this rank's slice.
+    float* grad = store_->pointer(i, StateKind::kGrad) + (range.first - store_->held(i, StateKind::kGrad).first);
     p.weight_decay = t.spec->weight_decay ? options_.optimizer.weight_decay : 0.0f;
     const StateKind mk = layout.master_kind();
     float* master = store_->pointer(i, mk) + (range.first - store_->held(i, mk).first);
@@ -649,6 +660,7 @@ Status PagedState::gather_copy(int g, Tier where) {
 
 Result<double> PagedState::clip_and_step(float lr) {
   drain_compute();
+  RETURN_IF_ERROR(std::exchange(deferred_, Status::OK()));  // a sum end() could not make
   if (options_.overlap_optimizer) {
     // The groups whose gradients became final during backward are being (or have been)
     // updated by the worker; wait for it, then update any group it has not seen.
@@ -721,7 +733,7 @@ Result<double> PagedState::clip_and_step(float lr) {
     const int g = e.access.group;
     const bool on_device = store_->home(g, StateKind::kGrad) == Tier::kDevice;
     if (!on_device) sum_and_release();
-    CHECK_MSG(!reduce || reduces_at_handover() || e.mode == AccessMode::kReadWrite,
+    CHECK_MSG(!reduce || reduces_at_handover() || workspace_ || e.mode == AccessMode::kReadWrite,
               "the program's norm pass does not write the gradients the ranks sum in place");
     Status st = store_->acquire_group(g, e.access.kind, e.access.prefetch_to, e.mode);
     if (!st.ok()) {
@@ -731,7 +743,7 @@ Result<double> PagedState::clip_and_step(float lr) {
     held.push_back(g);
     const std::vector<GradBuffer> buffers = grad_buffers(g);
     const std::vector<size_t>& tensors = store_->group_tensors(g);
-    if (reduce && !reduces_at_handover()) {
+    if (reduce && !reduces_at_handover() && !workspace_) {
       st = sum_gradients(g, *comm_, compute_stream_);  // on the compute stream, as gather_copy's weights
       if (!st.ok()) {
         sum_and_release();
@@ -740,7 +752,8 @@ Result<double> PagedState::clip_and_step(float lr) {
     }
     for (size_t j = 0; j < buffers.size(); ++j) {
       const ElementRange range = updated_range(tensors[j]);
-      if (range.count > 0) pending.push_back({buffers[j].p + range.first, static_cast<int64_t>(range.count)});
+      const uint64_t from = range.first - store_->held(tensors[j], StateKind::kGrad).first;
+      if (range.count > 0) pending.push_back({buffers[j].p + from, static_cast<int64_t>(range.count)});
     }
     if (!on_device) sum_and_release();
   }
@@ -871,6 +884,7 @@ Stream* PagedState::model_stream() const {
 }
 
 Status PagedState::begin(int group, bool params, bool grads) {
+  RETURN_IF_ERROR(deferred_);  // a sum end() could not make
   Stream* s = model_stream();
   if (params)
     RETURN_IF_ERROR(store_->acquire_part(group, kDensePart, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
@@ -880,12 +894,15 @@ Status PagedState::begin(int group, bool params, bool grads) {
       if (params) store_->release_part(group, kDensePart, StateKind::kParam, s);
       return st;
     }
+    if (workspace_) open_gradients(group, *s);
   }
   return Status::OK();
 }
 
 Status PagedState::begin_experts(int group, std::span<const int> experts, bool params, bool grads) {
   Stream* s = model_stream();
+  // Which experts a rank's tokens reach is its own: their sums, collectives, cannot follow them.
+  CHECK_MSG(!grads || !workspace_, "gradients sliced over the ranks (ZeRO-2) with experts fetched on demand");
   if (params)
     RETURN_IF_ERROR(store_->acquire_parts(group, experts, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
   if (grads) {
@@ -904,6 +921,7 @@ void PagedState::end_experts(int group, std::span<const int> experts, bool param
 }
 
 void PagedState::end(int group, bool params, bool grads) {
+  if (grads && workspace_) close_gradients(group, *model_stream());
   if (params) store_->release_part(group, kDensePart, StateKind::kParam, compute_stream_);
   if (grads) store_->release_part(group, kDensePart, StateKind::kGrad, compute_stream_);
   // In the last micro-batch a group's gradients are final when the last batch of the program
@@ -923,7 +941,8 @@ StateKernels* PagedState::cpu_state_kernels() { return cpu_kernels_.get(); }
 
 std::vector<GradBuffer> PagedState::grad_buffers(int g) {
   std::vector<GradBuffer> buffers;
-  for (size_t i : store_->group_tensors(g)) buffers.push_back({store_->pointer(i, StateKind::kGrad), pieces_[i].numel});
+  for (size_t i : store_->group_tensors(g))
+    buffers.push_back({store_->pointer(i, StateKind::kGrad), static_cast<int64_t>(store_->held(i, StateKind::kGrad).count)});
   return buffers;
 }
 
@@ -993,7 +1012,52 @@ Status PagedState::read_moments(size_t i, StateKind kind, uint64_t first, uint64
 }
 
 const void* PagedState::param(int64_t offset) { return store_->raw_pointer(tensor_at(offset), StateKind::kParam); }
-float* PagedState::grad(int64_t offset) { return store_->pointer(tensor_at(offset), StateKind::kGrad); }
+float* PagedState::grad(int64_t offset) {
+  const size_t i = tensor_at(offset);
+  return workspace_ ? workspace_->at(i) : store_->pointer(i, StateKind::kGrad);
+}
+
+uint64_t PagedState::gradient_working_bytes(const model::ParamLayout& layout) {
+  std::vector<uint64_t> elements;
+  std::vector<int> groups;
+  for (const StateTensor& t : store_tensors(layout)) elements.push_back(t.elements), groups.push_back(t.group);
+  return GradientWorkspace::bytes_for(elements, groups);
+}
+
+void PagedState::open_gradients(int g, Stream& stream) {
+  workspace_->open(g);
+  for (size_t i : store_->group_tensors(g)) {
+    if (store_->tensor(i).part != kDensePart) continue;
+    float* w = workspace_->at(i);
+    const ElementRange own = store_->held(i, StateKind::kGrad);
+    // Zeros, and this rank's sums so far in its range: the ranks' sum of what backward adds
+    // there is then the new sum of the range.
+    device_->fill(w, 0, static_cast<uint64_t>(pieces_[i].numel) * sizeof(float), stream);
+    if (own.count > 0)
+      device_->copy(w + own.first, store_->pointer(i, StateKind::kGrad), own.count * sizeof(float), stream,
+                    "gradient slice");
+  }
+}
+
+void PagedState::close_gradients(int g, Stream& stream) {
+  CHECK_MSG(comm_ != nullptr, "gradients sliced over the ranks without the ranks' Comm (set_comm)");
+  for (size_t i : store_->group_tensors(g)) {
+    if (store_->tensor(i).part != kDensePart) continue;
+    float* w = workspace_->at(i);
+    // Each range summed onto its rank, in rank order (one process's sum of the same addends).
+    for (int r = 0; r < comm_->world_size() && deferred_.ok(); ++r) {
+      const ElementRange range = range_of(i, r);
+      if (range.count == 0) continue;
+      Status st = comm_->reduce_sum(w + range.first, range.count, r, &stream);
+      if (!st.ok()) deferred_ = st.with_context("the gradients of parameter group " + std::to_string(g));
+    }
+    const ElementRange own = store_->held(i, StateKind::kGrad);
+    if (own.count > 0 && deferred_.ok())
+      device_->copy(store_->pointer(i, StateKind::kGrad), w + own.first, own.count * sizeof(float), stream,
+                    "gradient slice");
+  }
+  workspace_->close(g);
+}
 
 // On a device whose memory the host cannot read, checkpoints travel through a host buffer (a
 // difference of memory kind: the CPU backend's device memory is host memory).

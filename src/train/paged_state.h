@@ -55,6 +55,7 @@
 #include "offload/step_program.h"
 #include "parallel/comm.h"
 #include "train/optimizer.h"
+#include "train/gradient_workspace.h"
 #include "train/savable_state.h"
 #include "train/state_kernels.h"
 
@@ -142,6 +143,9 @@ class PagedState : public model::ParamAccess, public SavableState {
   static std::vector<uint64_t> group_elements(const model::ParamLayout& layout);
   // Bytes of `kind` over every tensor of `layout` under `state` (alignment left out).
   static uint64_t state_bytes(const model::ParamLayout& layout, const StateLayout& state, StateKind kind);
+  // Device bytes of the workspace backward writes full gradients into when the ranks hold only
+  // their slices of the sums (ZeRO-2): beside the chunks, what the planner keeps free for it.
+  static uint64_t gradient_working_bytes(const model::ParamLayout& layout);
   // The state layout `options` ask for.
   static StateLayout state_layout(const PagedStateOptions& options) {
     return StateLayout::of(options.precision, options.moments);
@@ -285,10 +289,21 @@ class PagedState : public model::ParamAccess, public SavableState {
   // false) and returns which groups it summed, or its error.
   Result<std::vector<bool>> finish_handovers();
   // Whether the program sums the gradients as backward hands each group over: several ranks
-  // share the placement out, and options.overlap_reduction.
+  // share the placement out, each holding every gradient, and options.overlap_reduction.
   bool plans_reductions_at_handover() const {
-    return options_.overlap_reduction && options_.placement && options_.placement->world() > 1;
+    return options_.overlap_reduction && options_.placement && options_.placement->world() > 1 && !slices_gradients();
   }
+  // ZeRO-2: each rank holds its ranges of the gradients' sums only (the placement slices them).
+  // Backward writes a group's full gradients into the workspace; end() sums each range onto its
+  // rank, which adds it to its slice (open_gradients, close_gradients).
+  bool slices_gradients() const {
+    return options_.placement && options_.placement->world() > 1 && options_.placement->sliced(0, StateKind::kGrad);
+  }
+  // The workspace for the dense part of group g: zeros, with this rank's range holding its slice.
+  void open_gradients(int group, Stream& stream);
+  // Sums each range of the workspace onto its rank and copies this rank's into its slice (the
+  // first error is kept in deferred_); then gives the workspace back.
+  void close_gradients(int group, Stream& stream);
   // Whether it does now (the Comms are set).
   bool reduces_at_handover() const {
     return plans_reductions_at_handover() && handover_comm_ != nullptr && handover_comm_->world_size() > 1;
@@ -335,6 +350,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::unique_ptr<Stream> staging_stream_;     // saved activations between device and host memory
   std::vector<char> staging_;
   std::unique_ptr<StateStore> store_;
+  std::optional<GradientWorkspace> workspace_;  // ZeRO-2's full gradients (slices_gradients)
+  Status deferred_;  // the first error of a sum end() made (it returns nothing); begin() and the step return it
   // The optimizer's passes of the step program (step_program()), which its loops walk: zeroing,
   // the norm (none when overlapped), and AdamW group by group with the kinds it acquires, in
   // order (the order the overlapped optimizer is handed the groups in).

@@ -124,6 +124,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   in.recompute = t.keep_activations != "true";
   in.overlap_optimizer = t.overlap_backward;
   in.overlap_comm = t.parallel_overlap_comm;
+  in.gradient_working_bytes = PagedState::gradient_working_bytes(layout);
   in.flops_per_step = static_cast<double>(t.grad_accum) * micro_batch_flops(in);
 
   in.device_budget = t.memory_device;

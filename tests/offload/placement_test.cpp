@@ -69,7 +69,7 @@ TEST(TensorShard, QuantisedMatricesAreOwnedWhole) {
 TEST(Placement, ShardingTheOptimizerSlicesItsKindsOnly) {
   Placement placement(3);
   placement.place(1, StateKind::kAdamM, Tier::kNvme, 4096);
-  placement.shard_over(4, /*shard_optimizer=*/true);
+  placement.shard_over(4, /*zero=*/1);
   EXPECT_EQ(placement.world(), 4);
   EXPECT_TRUE(placement.sharded());
   for (int g = 0; g < 3; ++g) {
@@ -82,13 +82,26 @@ TEST(Placement, ShardingTheOptimizerSlicesItsKindsOnly) {
   EXPECT_EQ(placement.home(1, StateKind::kAdamM), Tier::kNvme);
 }
 
+TEST(Placement, ZeroTwoSlicesTheGradientsToo) {
+  Placement placement(3);
+  placement.shard_over(2, /*zero=*/2);
+  for (int g = 0; g < 3; ++g) {
+    EXPECT_FALSE(placement.sliced(g, StateKind::kParam));
+    for (StateKind k : {StateKind::kGrad, StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV})
+      EXPECT_TRUE(placement.sliced(g, k)) << g << " " << state_kind_name(k);
+  }
+  Placement one(3);
+  one.shard_over(1, /*zero=*/2);
+  EXPECT_FALSE(one.sliced(0, StateKind::kGrad));
+}
+
 TEST(Placement, UnshardedRanksAndOneRankSliceNothing) {
   Placement zero0(3);
-  zero0.shard_over(3, /*shard_optimizer=*/false);
+  zero0.shard_over(3, /*zero=*/0);
   EXPECT_EQ(zero0.world(), 3);
   EXPECT_FALSE(zero0.sharded());
   Placement one(3);
-  one.shard_over(1, /*shard_optimizer=*/true);  // one rank has nothing to shard
+  one.shard_over(1, /*zero=*/1);  // one rank has nothing to shard
   EXPECT_FALSE(one.sharded());
   const Placement fresh(4);
   EXPECT_EQ(fresh.world(), 1);

@@ -233,10 +233,14 @@ TEST(PlanDataParallel, ShardedKindsCountOneWorldthOnEachRank) {
     EXPECT_EQ(p.device.master, zero >= 1 ? full_opt / 8 : full_opt) << zero;
     EXPECT_EQ(p.device.adam_m, zero >= 1 ? full_opt / 8 : full_opt) << zero;
     EXPECT_EQ(p.device.adam_v, zero >= 1 ? full_opt / 8 : full_opt) << zero;
-    // A sharded kind keeps its working set beside the shards (a layer is produced or gathered
-    // whole); an unsharded one resident everywhere needs none.
-    EXPECT_EQ(p.device.grad, zero >= 2 ? full_grad / 8 + ws : full_grad) << zero;
+    // Sharded parameters keep their working set beside the shards (a layer is gathered whole);
+    // an unsharded kind resident everywhere needs none. Sharded gradients are produced whole
+    // into a workspace beside the chunks (counted with the activations), and their slices, all
+    // resident here, need no working set among the chunks either.
+    EXPECT_EQ(p.device.grad, zero >= 2 ? full_grad / 8 : full_grad) << zero;
     EXPECT_EQ(p.device.param, zero >= 3 ? full_param / 8 + ws : full_param) << zero;
+    const Plan one = make_plan(ranks(base_input(), 8, 1));
+    if (zero >= 2) EXPECT_EQ(p.device.act, one.device.act + ws) << zero;
     EXPECT_EQ(p.cpu_adam_elements, 0u);
   }
   // Shards round up: 3 ranks of 50M-element layers.

@@ -297,6 +297,44 @@ TEST_F(DataParallelTest, MoeWithGlobalBalancingAndTightBudgetsThroughNvmeOnEvery
   EXPECT_TRUE(d.max_abs <= kParamTol) << "max |diff| " << d.max_abs;
 }
 
+// ZeRO-2: each rank keeps only its ranges of the gradients' sums, beside its ranges of the master
+// weights and moments; backward writes a layer's full gradients into a workspace, and each
+// range is summed onto its rank as backward ends (micro-batch by micro-batch). At worlds 2 and 4,
+// under tight budgets through host and nvme on every rank, the losses and weights are one
+// process's within the bound, and the same world repeats bit for bit. A checkpoint it writes
+// resumes at ZeRO-1.
+TEST_F(DataParallelTest, ZeroTwoShardsTheGradientsAndTrainsWhatOneProcessTrains) {
+  const fs::path one = dir_ / "one";
+  CmdResult single = testing::run_strata(run_args(one.string(), 4) + " run.export=" + (one / "export").string());
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  const std::string tight = " parallel.zero=2 memory.device=1400KiB memory.host=1200KiB memory.nvme.path=" +
+                            (dir_ / "nvme").string() + " memory.nvme.size=16MiB";
+  std::vector<fs::path> runs;
+  for (const auto& [world, name] : {std::pair{2, "two"}, std::pair{4, "four"}, std::pair{2, "two_again"}}) {
+    const fs::path run = dir_ / name;
+    auto ranks = launch(world, run_args(run.string(), 4 / world) + tight + " ckpt.every=4 run.export=" +
+                                   (run / "export").string(),
+                        name);
+    ASSERT_TRUE(all_ok(ranks)) << all_output(ranks);
+    EXPECT_NE(homes_of(ranks[0].output, "grad").find("(this rank's ranges)"), std::string::npos) << ranks[0].output;
+    std::ifstream in(run / "metrics.jsonl");
+    std::string line;
+    std::getline(in, line);
+    EXPECT_GT(nlohmann::json::parse(line)["nvme_bytes"].get<uint64_t>(), 0u) << line;
+    expect_close_losses(losses_of(one / "metrics.jsonl"), losses_of(run / "metrics.jsonl"), name);
+    const ParamDiff d = compare_exports(one / "export", run / "export");
+    ASSERT_GT(d.tensors, 0u) << name;
+    EXPECT_TRUE(d.max_abs <= kParamTol) << name << ": max |diff| " << d.max_abs;
+    runs.push_back(run);
+  }
+  EXPECT_EQ(losses_of(runs[0] / "metrics.jsonl"), losses_of(runs[2] / "metrics.jsonl"));
+  EXPECT_EQ(compare_exports(runs[0] / "export", runs[2] / "export").max_abs, 0.0);
+  // The checkpoint of world 4 at ZeRO-2 resumes on 2 ranks at ZeRO-1 for two more steps.
+  auto resumed = launch(2, run_args(runs[1].string(), 2) + " train.steps=6 parallel.zero=1 --resume auto", "resume");
+  ASSERT_TRUE(all_ok(resumed)) << all_output(resumed);
+  EXPECT_EQ(losses_of(runs[1] / "metrics.jsonl").size(), 6u);
+}
+
 // Sharding is real: with budgets one process cannot fit its state into (no nvme tier), four
 // ranks at ZeRO-1 train, each holding a quarter of the master weights and moments. The single
 // process is refused before its first step, naming the budget and what it would need; rank 0's

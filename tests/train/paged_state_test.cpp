@@ -99,7 +99,7 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
     for (int g = 0; g < groups; ++g)
       for (StateKind k : StateLayout::of(precision).kinds())
         if (k != StateKind::kParam && k != StateKind::kGrad && nvme_bytes > 0) placement.place(g, k, Tier::kNvme, 0);
-    placement.shard_over(2, /*shard_optimizer=*/false);
+    placement.shard_over(2, /*zero=*/0);
     po.placement = placement;
     po.overlap_reduction = true;
   }

@@ -220,7 +220,7 @@ TEST(StepProgram, ThePagedStatesProgramFollowsItsPlacement) {
   for (int g = 0; g < groups; ++g)
     for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kAdamM, StateKind::kAdamV})
       placement.place(g, k, g % 3 == 0 ? Tier::kDevice : Tier::kHost, 0);
-  placement.shard_over(/*world=*/2, /*shard_optimizer=*/true);
+  placement.shard_over(/*world=*/2, /*zero=*/1);
   auto device = CpuDevice::create(0, 0);
   ASSERT_TRUE(device.ok());
   PagedStateOptions po;
