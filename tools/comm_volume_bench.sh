@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The bytes each data-parallel rank sends per step, measured by `strata train` (metrics.jsonl's
 # comm_bytes: the Comm's own count, averaged over the ranks) beside what `strata plan` predicts
-# for the same model, world and ZeRO level (its "comm/rank" column), on the CPU backend through
+# for the same model, world and ZeRO level (0, 1 and 2) (its "comm/rank" column), on the CPU backend through
 # Gloo over the loopback. The two should agree within 5%.
 #
 #   tools/comm_volume_bench.sh [BUILD=build] [OUT=bench/results/DATE-comm-volume.md]
@@ -15,7 +15,7 @@ trap 'rm -rf "$work"' EXIT
 for i in $(seq 400); do echo "the quick brown fox jumps over the lazy dog $((i * 7919 % 13))"; done > "$work/corpus.txt"
 model='model.set=[num_hidden_layers=4,hidden_size=128,intermediate_size=256]'
 common=(data.paths=["$work/corpus.txt"] "$model" train.micro_batch=2 train.seq_len=32 train.steps=3
-        optim.warmup_steps=1 run.device=cpu)
+        optim.warmup_steps=1 train.grad_accum=2 run.device=cpu)
 
 # "3.76 MiB" -> bytes
 to_bytes() {
@@ -27,7 +27,7 @@ print(int(float(v) * m[u]))' "$1" "$2"
 
 rows=()
 status=0
-for zero in 0 1; do
+for zero in 0 1 2; do
   for world in 2 4; do
     run="$work/run-$zero-$world"
     pids=()
@@ -57,12 +57,13 @@ done
   echo "# Bytes sent per rank per step: strata train against strata plan ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
   echo
   echo "CPU backend, Gloo over the loopback; the model is \`$model\` (fp32 recipe: 4-byte gradients and"
-  echo "compute copy), 2 x 32 tokens per rank per step. Measured: the third step's comm_bytes"
+  echo "compute copy), 2 micro-batches of 2 x 32 tokens per rank per step. Measured: the third step's comm_bytes"
   echo "(metrics.jsonl), what each rank's Comm counted as sent, averaged over the ranks. Planned: the"
   echo "\"comm/rank\" column of \`strata plan parallel.world_size=W parallel.zero=Z\` (ring collectives:"
   echo "ZeRO-0 all-reduces the gradients, 2(W-1)/W of their bytes; ZeRO-1 reduces them onto each"
   echo "range's rank, (W-1)/W, and gathers the updated copy, (W-1)/W of it, which strata sends as"
-  echo "broadcasts of each rank's ranges). The plan"
+  echo "broadcasts of each rank's ranges; ZeRO-2 reduces each micro-batch's gradients onto the ranges'"
+  echo "ranks as backward ends, grad_accum x (W-1)/W, and gathers the copy as ZeRO-1). The plan"
   echo "prints 3 significant digits; the step's scalars (loss, stop flag) are in the measurement only."
   echo
   echo "| ZeRO | world | measured bytes | planned bytes | measured/planned | within 5% |"
