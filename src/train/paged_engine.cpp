@@ -117,9 +117,10 @@ Status PagedEngine::plan_placement(const TrainConfig& t) {
   // memory.keep_activations=true is planned: the kept layers' bytes are in the plan's device.
   const bool planned_keep = in.kept_activation_bytes > 0;
   if (plan_.fits) {
+    // The plan counts ZeRO-2's gradient workspace with the activations: so does the comparison.
     const uint64_t exact =
         static_cast<uint64_t>(net_->activation_bytes_for(tokens, plan_.offload_activations, planned_keep)) +
-        kArenaSlack;
+        kArenaSlack + (budgets_.plan_zero >= 2 ? PagedState::gradient_working_bytes(net_->layout()) : 0);
     if (exact > plan_.device.act && in.device_budget > exact - plan_.device.act) {
       const uint64_t more = exact - plan_.device.act;
       in.device_budget -= more;

@@ -278,12 +278,15 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   for (size_t u = 0; u < ps->updates_.size(); ++u) ps->update_index_[static_cast<size_t>(ps->updates_[u].group)] = u;
   ps->store_->set_schedule(program.schedule(options.grad_accum));
   if (ps->slices_gradients()) {
+    if (options.overlap_optimizer)
+      return Status::InvalidArgument("optim.overlap_backward with the gradients sliced over the ranks (parallel.zero=2)");
     std::vector<uint64_t> elements;
     std::vector<int> groups;
     for (size_t i = 0; i < ps->store_->num_tensors(); ++i)
       elements.push_back(ps->store_->tensor(i).elements), groups.push_back(ps->store_->tensor(i).group);
-    ASSIGN_OR_RETURN(GradientWorkspace w, GradientWorkspace::create(device, elements, groups));
+    ASSIGN_OR_RETURN(GradientWorkspace w, GradientWorkspace::create(device, elements, groups, program.micro_batch));
     ps->workspace_ = std::move(w);
+    ps->gradient_batches_seen_.assign(static_cast<size_t>(ps->store_->num_groups()), 0);
   }
   CHECK_MSG(!(options.overlap_optimizer && options.overlap_reduction),
             "overlap_optimizer updates groups before their gradients are summed over the ranks");
@@ -456,6 +459,7 @@ Status PagedState::load_moments(const float* m_flat, const float* v_flat) {
 Status PagedState::zero_grads() {
   drain_compute();
   RETURN_IF_ERROR(std::exchange(deferred_, Status::OK()));  // a sum end() could not make
+  if (workspace_) std::fill(gradient_batches_seen_.begin(), gradient_batches_seen_.end(), 0);
   // A step skipped after its last micro-batch (a non-finite loss) never reached clip_and_step():
   // its gradient sums finish before the gradients are zeroed.
   if (reduces_at_handover()) RETURN_IF_ERROR(finish_handovers().status());
@@ -1021,10 +1025,12 @@ uint64_t PagedState::gradient_working_bytes(const model::ParamLayout& layout) {
   std::vector<uint64_t> elements;
   std::vector<int> groups;
   for (const StateTensor& t : store_tensors(layout)) elements.push_back(t.elements), groups.push_back(t.group);
-  return GradientWorkspace::bytes_for(elements, groups);
+  return GradientWorkspace::bytes_for(elements, groups, model::record_micro_batch(layout.config(), false));
 }
 
 void PagedState::open_gradients(int g, Stream& stream) {
+  // Opened at the group's first gradient batch of the micro-batch, kept to its last.
+  if (workspace_->is_open(g)) return;
   workspace_->open(g);
   for (size_t i : store_->group_tensors(g)) {
     if (store_->tensor(i).part != kDensePart) continue;
@@ -1041,10 +1047,16 @@ void PagedState::open_gradients(int g, Stream& stream) {
 
 void PagedState::close_gradients(int g, Stream& stream) {
   CHECK_MSG(comm_ != nullptr, "gradients sliced over the ranks without the ranks' Comm (set_comm)");
+  // Summed once a micro-batch, at the group's last gradient batch (a tied embedding's own
+  // backward, after the head's).
+  int& seen = gradient_batches_seen_[static_cast<size_t>(g)];
+  if (++seen < handover_[static_cast<size_t>(g)]) return;
+  seen = 0;
   for (size_t i : store_->group_tensors(g)) {
     if (store_->tensor(i).part != kDensePart) continue;
     float* w = workspace_->at(i);
     // Each range summed onto its rank, in rank order (one process's sum of the same addends).
+    // After an error no more collectives: this rank's run stops, and the others' time out.
     for (int r = 0; r < comm_->world_size() && deferred_.ok(); ++r) {
       const ElementRange range = range_of(i, r);
       if (range.count == 0) continue;

@@ -299,10 +299,11 @@ class PagedState : public model::ParamAccess, public SavableState {
   bool slices_gradients() const {
     return options_.placement && options_.placement->world() > 1 && options_.placement->sliced(0, StateKind::kGrad);
   }
-  // The workspace for the dense part of group g: zeros, with this rank's range holding its slice.
+  // At group g's first gradient batch of a micro-batch: its place in the workspace, zeros with
+  // this rank's range holding its slice.
   void open_gradients(int group, Stream& stream);
-  // Sums each range of the workspace onto its rank and copies this rank's into its slice (the
-  // first error is kept in deferred_); then gives the workspace back.
+  // At its last (the program's gradient_batches): sums each range onto its rank and copies
+  // this rank's into its slice (the first error is kept in deferred_), then gives the place back.
   void close_gradients(int group, Stream& stream);
   // Whether it does now (the Comms are set).
   bool reduces_at_handover() const {
@@ -351,6 +352,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::vector<char> staging_;
   std::unique_ptr<StateStore> store_;
   std::optional<GradientWorkspace> workspace_;  // ZeRO-2's full gradients (slices_gradients)
+  std::vector<int> gradient_batches_seen_;      // per group, in the micro-batch under way (ZeRO-2)
   Status deferred_;  // the first error of a sum end() made (it returns nothing); begin() and the step return it
   // The optimizer's passes of the step program (step_program()), which its loops walk: zeroing,
   // the norm (none when overlapped), and AdamW group by group with the kinds it acquires, in

@@ -329,6 +329,23 @@ TEST_F(DataParallelTest, ZeroTwoShardsTheGradientsAndTrainsWhatOneProcessTrains)
   }
   EXPECT_EQ(losses_of(runs[0] / "metrics.jsonl"), losses_of(runs[2] / "metrics.jsonl"));
   EXPECT_EQ(compare_exports(runs[0] / "export", runs[2] / "export").max_abs, 0.0);
+  // Tied embeddings (their gradients taken at the head and at the embedding, summed once a
+  // micro-batch) with evaluations, against one process.
+  const std::string tied = ",tie_word_embeddings=true";
+  const std::string eval = " data.eval_paths=[" + corpus() + "] train.eval_every=2 train.eval_steps=2";
+  const fs::path one_tied = dir_ / "one_tied", two_tied = dir_ / "two_tied";
+  CmdResult single_tied = testing::run_strata(run_args(one_tied.string(), 4, tied) + eval + " run.export=" +
+                                              (one_tied / "export").string());
+  ASSERT_EQ(single_tied.exit_code, 0) << single_tied.output;
+  auto w2 = launch(2, run_args(two_tied.string(), 2, tied) + eval + tight + " run.export=" + (two_tied / "export").string(),
+                   "tied");
+  ASSERT_TRUE(all_ok(w2)) << all_output(w2);
+  expect_close_losses(losses_of(one_tied / "metrics.jsonl"), losses_of(two_tied / "metrics.jsonl"), "tied");
+  expect_close_losses(losses_of(one_tied / "metrics.jsonl", "eval_loss"), losses_of(two_tied / "metrics.jsonl", "eval_loss"),
+                      "tied eval");
+  const ParamDiff d = compare_exports(one_tied / "export", two_tied / "export");
+  ASSERT_GT(d.tensors, 0u);
+  EXPECT_TRUE(d.max_abs <= kParamTol) << "tied: max |diff| " << d.max_abs;
   // The checkpoint of world 4 at ZeRO-2 resumes on 2 ranks at ZeRO-1 for two more steps.
   auto resumed = launch(2, run_args(runs[1].string(), 2) + " train.steps=6 parallel.zero=1 --resume auto", "resume");
   ASSERT_TRUE(all_ok(resumed)) << all_output(resumed);
