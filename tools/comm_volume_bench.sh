@@ -27,7 +27,7 @@ print(int(float(v) * m[u]))' "$1" "$2"
 
 rows=()
 status=0
-for zero in 0 1 2; do
+for zero in 0 1 2 3; do
   for world in 2 4; do
     run="$work/run-$zero-$world"
     pids=()

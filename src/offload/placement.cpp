@@ -20,12 +20,13 @@ bool Placement::sharded() const {
 }
 
 void Placement::shard_over(int world, int zero) {
-  CHECK(world >= 1 && zero >= 0 && zero <= 2);
+  CHECK(world >= 1 && zero >= 0 && zero <= 3);
   world_ = world;
   for (auto& group : rows_) {
     for (StateKind k : {StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV})
       group[index(k)].sliced = zero >= 1 && world > 1;
     group[index(StateKind::kGrad)].sliced = zero >= 2 && world > 1;
+    group[index(StateKind::kParam)].sliced = zero >= 3 && world > 1;
   }
 }
 

@@ -70,9 +70,10 @@ class Placement {
   // Shares the tensors out over `world` ranks (tensor_shard) at ZeRO level `zero`: from 1 the
   // master weights and Adam moments are sliced (each rank holds them for its ranges only), from
   // 2 the gradients too (each rank keeps the sums of its ranges; backward's full gradients live
-  // in a working buffer beside the chunks until they are summed onto their ranks); at 0 every
-  // rank keeps every row whole and the ranges only say what each rank writes into checkpoints.
-  // REQUIRES: world >= 1, 0 <= zero <= 2.
+  // in a working buffer beside the chunks until they are summed onto their ranks), at 3 the
+  // compute copy too (gathered from the ranks for each batch of compute); at 0 every rank keeps
+  // every row whole and the ranges only say what each rank writes into checkpoints.
+  // REQUIRES: world >= 1, 0 <= zero <= 3.
   void shard_over(int world, int zero);
 
  private:

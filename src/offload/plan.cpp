@@ -74,7 +74,8 @@ std::string format_seconds(double s) {
 uint64_t embedding_share(const PlanInput& in, int k, uint64_t all, bool sliced) {
   const uint64_t moment = sliced ? in.embed_sliced_moment_chunks : in.embed_moment_chunks;
   const uint64_t fp32 = sliced ? in.embed_sliced_chunks : in.embed_chunks;
-  const uint64_t first = k == 0 ? in.embed_param_chunks : k >= 3 && moment > 0 ? moment : fp32;
+  const uint64_t copy = sliced ? in.embed_sliced_param_chunks : in.embed_param_chunks;
+  const uint64_t first = k == 0 ? copy : k >= 3 && moment > 0 ? moment : fp32;
   return all == 0 ? 0 : first > 0 ? std::min(first, all) : (all + 1) / 2;
 }
 
@@ -93,7 +94,7 @@ Placement make_placement(const PlanInput& in, int64_t L, const GroupBytes& layer
   const uint64_t c = in.chunk_size;
   Placement placement(static_cast<int>(L) + 2);
   const int world = static_cast<int>(std::max<int64_t>(1, in.world_size));
-  placement.shard_over(world, std::min(zero, 2));
+  placement.shard_over(world, zero);
   auto place = [&](int group, int64_t g, const GroupBytes& b, const auto& part) {
     const Tier opt = h.opt_dev[g] ? Tier::kDevice : h.opt_nvme[g] ? Tier::kNvme : Tier::kHost;
     const Tier param = h.param_res[g] ? Tier::kDevice : h.param_nvme[g] ? Tier::kNvme : Tier::kHost;
@@ -157,7 +158,7 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
 // as the store packs the rank's slices when `sliced_chunks` (and for compact moments
 // `sliced_moment_chunks`) are known.
 GroupBytes shard_of(const PlanInput& in, GroupBytes b, int64_t world, int zero, uint64_t sliced_chunks,
-                    uint64_t sliced_moment_chunks) {
+                    uint64_t sliced_moment_chunks, uint64_t sliced_param_chunks) {
   const uint64_t w = static_cast<uint64_t>(world);
   auto part = [&](uint64_t bytes) { return (bytes + w - 1) / w; };
   const uint64_t c = in.chunk_size;
@@ -169,7 +170,7 @@ GroupBytes shard_of(const PlanInput& in, GroupBytes b, int64_t world, int zero, 
     b.master = part(b.master), b.adam_m = part(b.adam_m), b.adam_v = part(b.adam_v);
   }
   if (zero >= 2) b.grad = packed ? sliced_chunks * c : part(b.grad);
-  if (zero >= 3) b.param = part(b.param);
+  if (zero >= 3) b.param = packed && sliced_param_chunks > 0 ? sliced_param_chunks * c : part(b.param);
   return b;
 }
 
@@ -205,8 +206,10 @@ LevelSizes level_sizes(const PlanInput& in, int zero) {
                              in.layer_moment_chunks);
   s.full_edge = group_bytes(in, in.edge_elements, in.edge_param_bytes, in.edge_chunks, in.edge_param_chunks,
                             in.edge_moment_chunks);
-  s.layer = shard_of(in, s.full_layer, s.W, zero, in.layer_sliced_chunks, in.layer_sliced_moment_chunks);
-  s.edge = shard_of(in, s.full_edge, s.W, zero, in.edge_sliced_chunks, in.edge_sliced_moment_chunks);
+  s.layer = shard_of(in, s.full_layer, s.W, zero, in.layer_sliced_chunks, in.layer_sliced_moment_chunks,
+                     in.layer_sliced_param_chunks);
+  s.edge = shard_of(in, s.full_edge, s.W, zero, in.edge_sliced_chunks, in.edge_sliced_moment_chunks,
+                    in.edge_sliced_param_chunks);
   s.saved_all = static_cast<uint64_t>(s.L + 1) * in.saved_activation_bytes_per_layer;
   return s;
 }
@@ -226,11 +229,16 @@ bool plan_working_set(const PlanInput& in, const LevelSizes& s, Plan& p, Working
   ws->grad = std::max(s.full_edge.grad + s.full_layer.grad, 2 * s.full_layer.grad);
   ws->act = in.layer_workspace_bytes + in.head_workspace_bytes + in.kept_activation_bytes;
   if (s.W > 1 && s.zero >= 2) {
-    // Backward writes a group's full gradients into a working buffer beside the chunks (two
-    // groups' worth: the head's and the tied embedding's at once), which are summed onto
-    // their ranks' slices; the chunks then pass two groups' slices.
+    // Backward writes a group's full gradients into a workspace beside the chunks (a tied
+    // embedding's and a layer's at once), which are summed onto their ranks' slices; the chunks
+    // then pass two groups' slices.
     ws->act += in.gradient_working_bytes > 0 ? in.gradient_working_bytes : ws->grad;
     ws->grad = std::max(s.edge.grad + s.layer.grad, 2 * s.layer.grad);
+  }
+  if (s.W > 1 && s.zero >= 3) {
+    // The same for the compute copy: each batch's groups gathered whole into a workspace.
+    ws->act += in.param_working_bytes > 0 ? in.param_working_bytes : ws->param;
+    ws->param = std::max(s.edge.param + s.layer.param, 2 * s.layer.param);
   }
   ws->saved_offloaded = 2 * in.saved_activation_bytes_per_layer;
   bool offload = in.offload_activations == "true";
@@ -277,7 +285,7 @@ GroupHomes place_on_device(const LevelSizes& s, const WorkingSet& ws, uint64_t f
     p.resident_param_groups++;
   }
   // Every group's parameters resident frees the working set's, unless they are shards.
-  if (p.resident_param_groups == groups && !(s.W > 1 && s.zero >= 3)) free_bytes += ws_param_left, ws_param_left = 0;
+  if (p.resident_param_groups == groups) free_bytes += ws_param_left, ws_param_left = 0;
   for (int64_t i = 0; i < groups; ++i) {
     const int64_t g = order(i);
     if (s.of(g).grad > free_bytes) continue;
@@ -480,9 +488,8 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
   // counts above (every streamed group moved at every use) are replaced by a replay of the step
   // on the store itself (offload/replay.h). The saved activations' copies to and from the device
   // stay as above (the store holds them in host memory; the model copies them in and out).
-  // ZeRO-1's and 2's shards are the store's slices of each tensor, which the replay packs as the
-  // engine does; ZeRO-3 (planned, not trained yet) keeps the counts above (an upper bound).
-  if (in.chunk_size > 0 && zero <= 2 && !in.micro_batch_program.empty() && !in.state_tensors.empty()) {
+  // The shards are the store's slices of each tensor, which the replay packs as the engine does.
+  if (in.chunk_size > 0 && !in.micro_batch_program.empty() && !in.state_tensors.empty()) {
     Result<ReplayResult> replay = replay_step(replay_input(in, p, offload));
     if (!replay.ok()) {
       // The engine would fail the same way in its first step: the placement does not fit.
@@ -633,7 +640,21 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   else if (zero == 1) c.grad_reduce_scatter = ring(G);
   else c.grad_reduce_scatter = accum * ring(G);
   if (zero == 1 || zero == 2) c.update_all_gather = ring(P);
-  if (zero == 3) c.param_all_gather = 2 * accum * ring(P);
+  if (zero == 3) {
+    c.param_all_gather = 2 * accum * ring(P);
+    if (!in.state_tensors.empty() && !in.micro_batch_program.empty()) {
+      // What strata train gathers: each group's whole copy at every batch of the micro-batch
+      // that computes with it (forward, recompute, backward; a tied embedding at the head too).
+      std::vector<uint64_t> copy(static_cast<size_t>(L) + 2, 0);
+      for (const StateTensor& t : in.state_tensors)
+        copy.at(static_cast<size_t>(t.group)) += in.state_layout.tensor_bytes(StateKind::kParam, t.shape());
+      uint64_t gathered = 0;
+      for (const ProgramEvent& e : in.micro_batch_program)
+        if (e.access.activation < 0 && e.access.kind == StateKind::kParam && e.access.part == kDensePart)
+          gathered += ring(copy.at(static_cast<size_t>(e.access.group)));
+      c.param_all_gather = accum * gathered;
+    }
+  }
   const int64_t per_node = std::clamp<int64_t>(in.ranks_per_node, 1, W);
   p.comm_bytes_per_s = W <= per_node ? r.intra_node_bytes_per_s : r.inter_node_bytes_per_s;
   p.comm_s = static_cast<double>(c.total()) / p.comm_bytes_per_s;
@@ -802,9 +823,8 @@ std::string format_zero_levels(const PlanInput& in, int chosen) {
                           : "-");
     if (!p.fits) os << "         " << p.problem << "\n";
   }
-  os << "  (bytes and collectives per rank per optimizer step, ring algorithms; strata train runs levels 0 "
-        "and 1 (1: each rank holds the master weights and moments of its range of every tensor); 2 and 3 are "
-        "planned ahead of it)\n";
+  os << "  (bytes and collectives per rank per optimizer step, ring algorithms; each rank holds its range of "
+        "every tensor of the sharded kinds; strata train runs every level, 2 and 3 not yet with MoE layers)\n";
   return os.str();
 }
 

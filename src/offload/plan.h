@@ -116,6 +116,9 @@ struct PlanInput {
   // before they are summed onto the ranks' slices (PagedState::gradient_working_bytes); 0: two
   // layers' (or the edge's and a layer's) gradients.
   uint64_t gradient_working_bytes = 0;
+  // ZeRO-3: the device buffer a batch's groups' compute copies are gathered into
+  // (PagedState::param_working_bytes); 0: two layers' (or the edge's and a layer's).
+  uint64_t param_working_bytes = 0;
   // Budgets; 0 nvme bytes means no nvme tier.
   uint64_t device_budget = 0;
   uint64_t host_budget = 0;
@@ -143,6 +146,8 @@ struct PlanInput {
   uint64_t layer_sliced_chunks = 0, edge_sliced_chunks = 0, embed_sliced_chunks = 0;
   uint64_t layer_sliced_moment_chunks = 0, edge_sliced_moment_chunks = 0, embed_sliced_moment_chunks = 0;
   uint64_t largest_sliced_group_chunks = 0;
+  // The same of the compute copy (ZeRO-3).
+  uint64_t layer_sliced_param_chunks = 0, edge_sliced_param_chunks = 0, embed_sliced_param_chunks = 0;
   // Chunks of one kind of the largest single group (when set): AdamW on host memory acquires a
   // whole group's optimizer state there at once, so a group streamed from nvme needs that many
   // free host slots per optimizer kind.

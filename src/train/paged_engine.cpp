@@ -28,13 +28,14 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   e->mc_ = mc;
   e->budgets_ = t;
   // The plan is this rank's among the ranks launched (parallel.world_size is what strata plan
-  // plans for), at the level the engine trains: ZeRO-1 unless parallel.zero=0 or 2.
+  // plans for), at the level the engine trains: parallel.zero, ZeRO-1 for auto.
   e->budgets_.plan_world_size = std::max(1, t.dp_world);
-  e->budgets_.plan_zero = t.dp_world <= 1 || t.plan_zero == 0 ? 0 : t.plan_zero == 2 ? 2 : 1;
-  if (e->budgets_.plan_zero == 2 && mc.is_moe())
-    return Status::Unimplemented(
-        "parallel.zero=2 with MoE layers: which experts a rank's tokens reach is that rank's own, and their "
-        "gradient sums cannot follow them yet; use parallel.zero=1 (or auto) for this model");
+  e->budgets_.plan_zero = t.dp_world <= 1 || t.plan_zero == 0 ? 0 : t.plan_zero < 0 ? 1 : t.plan_zero;
+  if (e->budgets_.plan_zero >= 2 && mc.is_moe())
+    return Status::Unimplemented(fmt::format(
+        "parallel.zero={} with MoE layers: which experts a rank's tokens reach is that rank's own, and their "
+        "gradient sums and weight gathers cannot follow them yet; use parallel.zero=1 (or auto) for this model",
+        e->budgets_.plan_zero));
   e->backend_ = backend;
   RETURN_IF_ERROR(e->open_backend(t));
   RETURN_IF_ERROR(e->resolve_budgets());
@@ -120,7 +121,7 @@ Status PagedEngine::plan_placement(const TrainConfig& t) {
     // The plan counts ZeRO-2's gradient workspace with the activations: so does the comparison.
     const uint64_t exact =
         static_cast<uint64_t>(net_->activation_bytes_for(tokens, plan_.offload_activations, planned_keep)) +
-        kArenaSlack + (budgets_.plan_zero >= 2 ? PagedState::gradient_working_bytes(net_->layout()) : 0);
+        kArenaSlack + workspace_bytes();
     if (exact > plan_.device.act && in.device_budget > exact - plan_.device.act) {
       const uint64_t more = exact - plan_.device.act;
       in.device_budget -= more;
@@ -182,8 +183,7 @@ Status PagedEngine::size_activations(const TrainConfig& t) {
   // fit beside the activation table (its exact size, and a little for the arena's alignment);
   // less when kept layers take more.
   activation_bytes_ = table_bytes(keep_activations_) + kArenaSlack;
-  // ZeRO-2: backward's full gradients, in a workspace beside the chunks (the plan keeps it free).
-  if (budgets_.plan_zero >= 2) activation_bytes_ += PagedState::gradient_working_bytes(net_->layout());
+  activation_bytes_ += workspace_bytes();
   options_.device_bytes = std::min(device > activation_bytes_ ? device - activation_bytes_ : 0, plan_.device_chunk_bytes);
   const uint64_t arena = device_->memory_budget();
   device_split_ = fmt::format(
@@ -225,6 +225,14 @@ Status PagedEngine::create_state(const TrainConfig& t, const OptimizerConfig& oc
 }
 
 PagedEngine::~PagedEngine() = default;
+
+uint64_t PagedEngine::workspace_bytes() const {
+  uint64_t bytes = 0;
+  if (budgets_.plan_zero >= 2) bytes += PagedState::gradient_working_bytes(net_->layout());
+  if (budgets_.plan_zero >= 3)
+    bytes += PagedState::param_working_bytes(net_->layout(), StateLayout::of(budgets_.precision, budgets_.moments));
+  return bytes;
+}
 
 std::string PagedEngine::recipe() const {
   std::string out = precision_name(options_.precision);

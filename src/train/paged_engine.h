@@ -80,6 +80,9 @@ class PagedEngine {
   // ranks of `comm`; with parallel.overlap_comm the gradients through `handover` (another Comm
   // of the same ranks) as backward hands each layer over. Both outlive the engine.
   Status set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr);
+  // Device bytes beside the chunks and the activation table for whole groups the ranks hold
+  // slices of: ZeRO-2's gradient workspace, ZeRO-3's gathered weights (the plan keeps them free).
+  uint64_t workspace_bytes() const;
 
   // What the engine was planned with, for comparing prediction and measurement: the plan (its
   // per-phase time included; plan() below), the chunk space's counters and the device bytes

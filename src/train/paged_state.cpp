@@ -280,13 +280,19 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   if (ps->slices_gradients()) {
     if (options.overlap_optimizer)
       return Status::InvalidArgument("optim.overlap_backward with the gradients sliced over the ranks (parallel.zero=2)");
-    std::vector<uint64_t> elements;
-    std::vector<int> groups;
-    for (size_t i = 0; i < ps->store_->num_tensors(); ++i)
-      elements.push_back(ps->store_->tensor(i).elements), groups.push_back(ps->store_->tensor(i).group);
-    ASSIGN_OR_RETURN(GradientWorkspace w, GradientWorkspace::create(device, elements, groups, program.micro_batch));
+    std::vector<StateTensor> all;
+    for (size_t i = 0; i < ps->store_->num_tensors(); ++i) all.push_back(ps->store_->tensor(i));
+    ASSIGN_OR_RETURN(GroupWorkspace w,
+                     GroupWorkspace::create(device, workspace_layout(all, so.layout, StateKind::kGrad),
+                                            program.micro_batch, "backward's full gradients (parallel.zero=2)"));
     ps->workspace_ = std::move(w);
     ps->gradient_batches_seen_.assign(static_cast<size_t>(ps->store_->num_groups()), 0);
+    if (ps->slices_params()) {
+      ASSIGN_OR_RETURN(GroupWorkspace p,
+                       GroupWorkspace::create(device, workspace_layout(all, so.layout, StateKind::kParam),
+                                              program.micro_batch, "the weights gathered for compute (parallel.zero=3)"));
+      ps->gathered_ = std::move(p);
+    }
   }
   CHECK_MSG(!(options.overlap_optimizer && options.overlap_reduction),
             "overlap_optimizer updates groups before their gradients are summed over the ranks");
@@ -364,7 +370,11 @@ Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
           const float* values = whole.data() + (p.spec->block_offset(b) - p.spec->offset);
           const ElementRange held = store_->held(bi, kind);
           put_values(bi, kind, values + held.first, held.count);
-          if (copy_too) write_copy(*cpu_state_kernels(), bi, values, {0, static_cast<uint64_t>(pieces_[bi].numel)});
+          if (copy_too) {
+            // The whole copy, or (ZeRO-3) this rank's range of it.
+            const ElementRange copy_held = store_->held(bi, StateKind::kParam);
+            write_copy(*cpu_state_kernels(), bi, values + copy_held.first, copy_held);
+          }
         }
       }
       if (!st.ok()) break;
@@ -543,7 +553,8 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
     void* m = store_->raw_pointer(i, StateKind::kAdamM);
     void* v = store_->raw_pointer(i, StateKind::kAdamV);
     const size_t copy_size = dtype_size(layout.activation_dtype());
-    void* copy_at = static_cast<char*>(store_->raw_pointer(i, StateKind::kParam)) + range.first * copy_size;
+    void* copy_at = static_cast<char*>(store_->raw_pointer(i, StateKind::kParam)) +
+                    (range.first - store_->held(i, StateKind::kParam).first) * copy_size;
     const int64_t tag = static_cast<int64_t>(i);  // first_nonfinite() names the tensor
     // The host's fp32 update reads the gradients scaled (one pass); the compact one scales first.
     if (clipped && where != Tier::kDevice && compact) kernels::cpu::scale_inplace(grad, n, coefficient);
@@ -578,7 +589,8 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   }
   });
   if (where == Tier::kDevice) kernels_->synchronize();
-  Status sent = sharded() ? gather_copy(g, where) : Status::OK();
+  // ZeRO-3's ranks keep their ranges of the copy: nothing to send (begin() gathers it for compute).
+  Status sent = sharded() && !slices_params() ? gather_copy(g, where) : Status::OK();
   for (StateKind k : kinds) store_->release_group(g, k);
   return sent;
 }
@@ -890,11 +902,14 @@ Stream* PagedState::model_stream() const {
 Status PagedState::begin(int group, bool params, bool grads) {
   RETURN_IF_ERROR(deferred_);  // a sum end() could not make
   Stream* s = model_stream();
-  if (params)
+  if (params) {
     RETURN_IF_ERROR(store_->acquire_part(group, kDensePart, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
+    if (gathered_) gather_params(group, *s);
+  }
   if (grads) {
     Status st = store_->acquire_part(group, kDensePart, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite, s);
     if (!st.ok()) {
+      if (params && gathered_) gathered_->close(group);
       if (params) store_->release_part(group, kDensePart, StateKind::kParam, s);
       return st;
     }
@@ -926,6 +941,7 @@ void PagedState::end_experts(int group, std::span<const int> experts, bool param
 
 void PagedState::end(int group, bool params, bool grads) {
   if (grads && workspace_) close_gradients(group, *model_stream());
+  if (params && gathered_) gathered_->close(group);  // the stream's later work reuses it in order
   if (params) store_->release_part(group, kDensePart, StateKind::kParam, compute_stream_);
   if (grads) store_->release_part(group, kDensePart, StateKind::kGrad, compute_stream_);
   // In the last micro-batch a group's gradients are final when the last batch of the program
@@ -958,8 +974,10 @@ void PagedState::write_copy(StateKernels& kernels, size_t i, const float* master
     CHECK_MSG(range.count == static_cast<uint64_t>(t.numel), "a quantised matrix's compute copy is written whole");
     kernels.quantize_copy(copy, master, t.matrix_rows, t.numel / t.matrix_rows);
   } else {
+    // The copy holds the tensor whole, or (ZeRO-3) this rank's range of it.
     const uint64_t size = dtype_size(store_->layout().activation_dtype());
-    kernels.round_copy(static_cast<char*>(copy) + range.first * size, master, static_cast<int64_t>(range.count));
+    const uint64_t from = range.first - store_->held(i, StateKind::kParam).first;
+    kernels.round_copy(static_cast<char*>(copy) + from * size, master, static_cast<int64_t>(range.count));
   }
 }
 
@@ -1015,17 +1033,61 @@ Status PagedState::read_moments(size_t i, StateKind kind, uint64_t first, uint64
   return Status::OK();
 }
 
-const void* PagedState::param(int64_t offset) { return store_->raw_pointer(tensor_at(offset), StateKind::kParam); }
+const void* PagedState::param(int64_t offset) {
+  const size_t i = tensor_at(offset);
+  return gathered_ ? gathered_->at(i) : store_->raw_pointer(i, StateKind::kParam);
+}
 float* PagedState::grad(int64_t offset) {
   const size_t i = tensor_at(offset);
-  return workspace_ ? workspace_->at(i) : store_->pointer(i, StateKind::kGrad);
+  return workspace_ ? static_cast<float*>(workspace_->at(i)) : store_->pointer(i, StateKind::kGrad);
+}
+
+WorkspaceLayout PagedState::workspace_layout(const std::vector<StateTensor>& tensors, const StateLayout& state,
+                                             StateKind kind) {
+  WorkspaceLayout w;
+  w.kind = kind;
+  w.span = kind == StateKind::kGrad ? WorkspaceSpan::kMicroBatch : WorkspaceSpan::kBatch;
+  for (const StateTensor& t : tensors) {
+    w.tensor_bytes.push_back(kind == StateKind::kGrad ? t.elements * sizeof(float) : state.tensor_bytes(kind, t.shape()));
+    w.groups.push_back(t.group);
+  }
+  return w;
 }
 
 uint64_t PagedState::gradient_working_bytes(const model::ParamLayout& layout) {
-  std::vector<uint64_t> elements;
-  std::vector<int> groups;
-  for (const StateTensor& t : store_tensors(layout)) elements.push_back(t.elements), groups.push_back(t.group);
-  return GradientWorkspace::bytes_for(elements, groups, model::record_micro_batch(layout.config(), false));
+  return GroupWorkspace::bytes_for(workspace_layout(store_tensors(layout), StateLayout{}, StateKind::kGrad),
+                                   model::record_micro_batch(layout.config(), false));
+}
+
+uint64_t PagedState::param_working_bytes(const model::ParamLayout& layout, const StateLayout& state) {
+  return GroupWorkspace::bytes_for(workspace_layout(store_tensors(layout), state, StateKind::kParam),
+                                   model::record_micro_batch(layout.config(), false));
+}
+
+void PagedState::gather_params(int g, Stream& stream) {
+  CHECK_MSG(comm_ != nullptr, "weights sliced over the ranks without the ranks' Comm (set_comm)");
+  gathered_->open(g);
+  const StateLayout& layout = store_->layout();
+  const uint64_t size = dtype_size(layout.activation_dtype());
+  for (size_t i : store_->group_tensors(g)) {
+    if (store_->tensor(i).part != kDensePart) continue;
+    char* w = static_cast<char*>(gathered_->at(i));
+    // A quantised matrix's copy (with its block scales) is owned whole, as it is stored.
+    const bool whole = layout.quantized(store_->tensor(i).shape());
+    auto place = [&](ElementRange r) { return std::pair{whole ? 0 : r.first * size, whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : r.count * size}; };
+    const ElementRange own = store_->held(i, StateKind::kParam);
+    if (own.count > 0) {
+      const auto [offset, bytes] = place(own);
+      device_->copy(w + offset, store_->raw_pointer(i, StateKind::kParam), bytes, stream, "gathered weights");
+    }
+    for (int r = 0; r < comm_->world_size() && deferred_.ok(); ++r) {
+      const ElementRange range = range_of(i, r);
+      if (range.count == 0) continue;
+      const auto [offset, bytes] = place(range);
+      Status st = comm_->broadcast(w + offset, bytes, r, &stream);
+      if (!st.ok()) deferred_ = st.with_context("gathering the weights of parameter group " + std::to_string(g));
+    }
+  }
 }
 
 void PagedState::open_gradients(int g, Stream& stream) {
@@ -1034,7 +1096,7 @@ void PagedState::open_gradients(int g, Stream& stream) {
   workspace_->open(g);
   for (size_t i : store_->group_tensors(g)) {
     if (store_->tensor(i).part != kDensePart) continue;
-    float* w = workspace_->at(i);
+    float* w = static_cast<float*>(workspace_->at(i));
     const ElementRange own = store_->held(i, StateKind::kGrad);
     // Zeros, and this rank's sums so far in its range: the ranks' sum of what backward adds
     // there is then the new sum of the range.
@@ -1054,7 +1116,7 @@ void PagedState::close_gradients(int g, Stream& stream) {
   seen = 0;
   for (size_t i : store_->group_tensors(g)) {
     if (store_->tensor(i).part != kDensePart) continue;
-    float* w = workspace_->at(i);
+    float* w = static_cast<float*>(workspace_->at(i));
     // Each range summed onto its rank, in rank order (one process's sum of the same addends).
     // After an error no more collectives: this rank's run stops, and the others' time out.
     for (int r = 0; r < comm_->world_size() && deferred_.ok(); ++r) {

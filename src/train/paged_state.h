@@ -55,7 +55,7 @@
 #include "offload/step_program.h"
 #include "parallel/comm.h"
 #include "train/optimizer.h"
-#include "train/gradient_workspace.h"
+#include "train/group_workspace.h"
 #include "train/savable_state.h"
 #include "train/state_kernels.h"
 
@@ -146,6 +146,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   // Device bytes of the workspace backward writes full gradients into when the ranks hold only
   // their slices of the sums (ZeRO-2): beside the chunks, what the planner keeps free for it.
   static uint64_t gradient_working_bytes(const model::ParamLayout& layout);
+  // The same for ZeRO-3's gathered weights under the recipe's `state` layout.
+  static uint64_t param_working_bytes(const model::ParamLayout& layout, const StateLayout& state);
   // The state layout `options` ask for.
   static StateLayout state_layout(const PagedStateOptions& options) {
     return StateLayout::of(options.precision, options.moments);
@@ -299,6 +301,18 @@ class PagedState : public model::ParamAccess, public SavableState {
   bool slices_gradients() const {
     return options_.placement && options_.placement->world() > 1 && options_.placement->sliced(0, StateKind::kGrad);
   }
+  // ZeRO-3: each rank holds its ranges of the compute copy only; begin() gathers a group's whole
+  // copy from the ranks into `gathered_` for the batch, end() drops it.
+  bool slices_params() const {
+    return options_.placement && options_.placement->world() > 1 && options_.placement->sliced(0, StateKind::kParam);
+  }
+  // The workspace layout of `kind` (kGrad: fp32 gradients for a micro-batch; kParam: the
+  // compute copy for a batch) over the store's tensors.
+  static WorkspaceLayout workspace_layout(const std::vector<StateTensor>& tensors, const StateLayout& state,
+                                          StateKind kind);
+  // Gathers group g's compute copy: this rank's ranges copied into place, every range then sent
+  // from its rank to the others (the first error is kept in deferred_).
+  void gather_params(int group, Stream& stream);
   // At group g's first gradient batch of a micro-batch: its place in the workspace, zeros with
   // this rank's range holding its slice.
   void open_gradients(int group, Stream& stream);
@@ -351,7 +365,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::unique_ptr<Stream> staging_stream_;     // saved activations between device and host memory
   std::vector<char> staging_;
   std::unique_ptr<StateStore> store_;
-  std::optional<GradientWorkspace> workspace_;  // ZeRO-2's full gradients (slices_gradients)
+  std::optional<GroupWorkspace> workspace_;     // ZeRO-2's full gradients (slices_gradients)
+  std::optional<GroupWorkspace> gathered_;      // ZeRO-3's gathered weights (slices_params)
   std::vector<int> gradient_batches_seen_;      // per group, in the micro-batch under way (ZeRO-2)
   Status deferred_;  // the first error of a sum end() made (it returns nothing); begin() and the step return it
   // The optimizer's passes of the step program (step_program()), which its loops walk: zeroing,

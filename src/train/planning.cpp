@@ -125,6 +125,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   in.overlap_optimizer = t.overlap_backward;
   in.overlap_comm = t.parallel_overlap_comm;
   in.gradient_working_bytes = PagedState::gradient_working_bytes(layout);
+  in.param_working_bytes = PagedState::param_working_bytes(layout, state);
   in.flops_per_step = static_cast<double>(t.grad_accum) * micro_batch_flops(in);
 
   in.device_budget = t.memory_device;
@@ -174,8 +175,10 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
       const std::vector<uint64_t> sliced = StateStore::group_chunks(share, t.chunk_size, state, StateKind::kGrad, true);
       const std::vector<uint64_t> sliced_moments =
           StateStore::group_chunks(share, t.chunk_size, state, StateKind::kAdamM, true);
-      uint64_t layers = 0, layer_moments = 0;
-      for (size_t g = 1; g + 1 < sliced.size(); ++g) layers += sliced[g], layer_moments += sliced_moments[g];
+      const std::vector<uint64_t> sliced_copy = StateStore::group_chunks(share, t.chunk_size, state, StateKind::kParam, true);
+      uint64_t layers = 0, layer_moments = 0, layer_copy = 0;
+      for (size_t g = 1; g + 1 < sliced.size(); ++g)
+        layers += sliced[g], layer_moments += sliced_moments[g], layer_copy += sliced_copy[g];
       auto most = [](uint64_t& into, uint64_t v) { into = std::max(into, v); };
       most(in.layer_sliced_chunks, (layers + L - 1) / std::max<uint64_t>(L, 1));
       most(in.edge_sliced_chunks, sliced.front() + sliced.back());
@@ -183,6 +186,9 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
       most(in.layer_sliced_moment_chunks, (layer_moments + L - 1) / std::max<uint64_t>(L, 1));
       most(in.edge_sliced_moment_chunks, sliced_moments.front() + sliced_moments.back());
       most(in.embed_sliced_moment_chunks, sliced_moments.front());
+      most(in.layer_sliced_param_chunks, (layer_copy + L - 1) / std::max<uint64_t>(L, 1));
+      most(in.edge_sliced_param_chunks, sliced_copy.front() + sliced_copy.back());
+      most(in.embed_sliced_param_chunks, sliced_copy.front());
       for (uint64_t c : sliced) most(in.largest_sliced_group_chunks, c);
     }
     in.micro_batch_program = model::record_micro_batch(m, /*offload_activations=*/false);

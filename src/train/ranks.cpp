@@ -43,12 +43,6 @@ Result<Ranks> connect_ranks(TrainConfig& t) {
                t.plan_world_size);
     return ranks;
   }
-  if (t.plan_zero > 2)
-    return Status::Unimplemented(fmt::format(
-        "parallel.zero={}: strata train shards master weights and Adam moments (parallel.zero=1 or auto), also the "
-        "gradients (2), or nothing (0); sharding the parameters' compute copy too (3) is planned by strata plan but "
-        "not trained yet",
-        t.plan_zero));
   const parallel::LaunchInfo& l = ranks.launch;
   ProcessIdentity id = process_identity();
   id.rank = l.rank;

@@ -202,8 +202,8 @@ ConfigSchema build_schema() {
   s.add({.name = "parallel.zero", .type = T::kString, .default_value = "auto", .choices = {"auto", "0", "1", "2", "3"},
          .help = "what is sharded over the data-parallel ranks: 0 nothing, 1 master weights and Adam moments, 2 "
                  "also gradients, 3 also the parameters' compute copy. strata plan: auto is the lowest level that "
-                 "fits the budgets per rank. strata train runs 0, 1 and 2 (auto: 1; each rank owns a range of every "
-                 "tensor; 2 not yet with MoE layers) and refuses 3 for now"});
+                 "fits the budgets per rank. strata train runs every level (auto: 1; each rank owns a range of every "
+                 "tensor; 2 and 3 not yet with MoE layers)"});
   return s;
 }
 

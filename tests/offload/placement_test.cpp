@@ -82,7 +82,7 @@ TEST(Placement, ShardingTheOptimizerSlicesItsKindsOnly) {
   EXPECT_EQ(placement.home(1, StateKind::kAdamM), Tier::kNvme);
 }
 
-TEST(Placement, ZeroTwoSlicesTheGradientsToo) {
+TEST(Placement, ZeroTwoSlicesTheGradientsAndZeroThreeTheComputeCopyToo) {
   Placement placement(3);
   placement.shard_over(2, /*zero=*/2);
   for (int g = 0; g < 3; ++g) {
@@ -93,6 +93,11 @@ TEST(Placement, ZeroTwoSlicesTheGradientsToo) {
   Placement one(3);
   one.shard_over(1, /*zero=*/2);
   EXPECT_FALSE(one.sliced(0, StateKind::kGrad));
+  Placement three(3);
+  three.shard_over(4, /*zero=*/3);
+  for (int g = 0; g < 3; ++g)
+    for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV})
+      EXPECT_TRUE(three.sliced(g, k)) << g << " " << state_kind_name(k);
 }
 
 TEST(Placement, UnshardedRanksAndOneRankSliceNothing) {

@@ -233,14 +233,14 @@ TEST(PlanDataParallel, ShardedKindsCountOneWorldthOnEachRank) {
     EXPECT_EQ(p.device.master, zero >= 1 ? full_opt / 8 : full_opt) << zero;
     EXPECT_EQ(p.device.adam_m, zero >= 1 ? full_opt / 8 : full_opt) << zero;
     EXPECT_EQ(p.device.adam_v, zero >= 1 ? full_opt / 8 : full_opt) << zero;
-    // Sharded parameters keep their working set beside the shards (a layer is gathered whole);
-    // an unsharded kind resident everywhere needs none. Sharded gradients are produced whole
-    // into a workspace beside the chunks (counted with the activations), and their slices, all
-    // resident here, need no working set among the chunks either.
+    // Sharded gradients are produced whole into a workspace beside the chunks, and sharded
+    // parameters gathered whole into another (both counted with the activations, a layer's and
+    // the edge's each); their slices, all resident here, need no working set among the chunks.
     EXPECT_EQ(p.device.grad, zero >= 2 ? full_grad / 8 : full_grad) << zero;
-    EXPECT_EQ(p.device.param, zero >= 3 ? full_param / 8 + ws : full_param) << zero;
+    EXPECT_EQ(p.device.param, zero >= 3 ? full_param / 8 : full_param) << zero;
     const Plan one = make_plan(ranks(base_input(), 8, 1));
-    if (zero >= 2) EXPECT_EQ(p.device.act, one.device.act + ws) << zero;
+    const uint64_t workspaces = (zero >= 2 ? ws : 0) + (zero >= 3 ? ws : 0);
+    EXPECT_EQ(p.device.act, one.device.act + workspaces) << zero;
     EXPECT_EQ(p.cpu_adam_elements, 0u);
   }
   // Shards round up: 3 ranks of 50M-element layers.

@@ -348,8 +348,9 @@ TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytes) {
 }
 
 // A data-parallel rank's plan is its engine's, at worlds 2 and 4, ZeRO-0 (every rank holds
-// everything), ZeRO-1 (master weights and moments of the rank's ranges only) and ZeRO-2 (the
-// gradients' sums too, backward's full gradients in a workspace beside the chunks), for the first
+// everything), ZeRO-1 (master weights and moments of the rank's ranges only), ZeRO-2 (the
+// gradients' sums too, backward's full gradients in a workspace beside the chunks) and ZeRO-3
+// (the compute copy too, gathered into a workspace for each batch), for the first
 // and the last rank: the replay runs on the rank's own store, so traffic and tier peaks are
 // equal byte for byte, and the placed totals within 5%. Each rank runs alone here, its
 // collectives moving nothing (IdleComm): what a rank pages does not depend on what the others
@@ -361,7 +362,7 @@ TEST_F(PlanAccuracy, ARanksPlanMatchesItsEngineInBytesAtWorldsTwoAndFour) {
   };
   for (const Case& c : cases) {
     for (int world : {2, 4}) {
-      for (int zero : {0, 1, 2}) {
+      for (int zero : {0, 1, 2, 3}) {
         for (int rank : {0, world - 1}) {
           const std::string name = fmt::format("{}, rank {} of {}, ZeRO-{}", c.name, rank, world, zero);
           const std::string nvme_dir = ::testing::TempDir() + "/plan_accuracy_nvme";
@@ -371,8 +372,11 @@ TEST_F(PlanAccuracy, ARanksPlanMatchesItsEngineInBytesAtWorldsTwoAndFour) {
           t.dp_world = world;
           t.dp_rank = rank;
           t.plan_zero = zero;
-          // ZeRO-2's workspace of full gradients sits beside the chunks.
-          if (zero == 2) t.memory_device += PagedState::gradient_working_bytes(model::ParamLayout(mc));
+          // ZeRO-2's workspace of full gradients (and ZeRO-3's of gathered weights) sits beside
+          // the chunks.
+          const model::ParamLayout layout(mc);
+          if (zero >= 2) t.memory_device += PagedState::gradient_working_bytes(layout);
+          if (zero >= 3) t.memory_device += PagedState::param_working_bytes(layout, StateLayout::of(t.precision));
           // The sums after backward, on the training thread: at handover a thread of their own
           // acquires the gradients beside compute, and which copy a full tier evicts then depends
           // on timing, which the replay's one order cannot follow byte for byte.
@@ -380,17 +384,19 @@ TEST_F(PlanAccuracy, ARanksPlanMatchesItsEngineInBytesAtWorldsTwoAndFour) {
           testing::IdleComm comm(rank, world);
           Plan plan;
           Result<Measured> m = run(mc, t, &plan, /*timed=*/false, &comm);
-          if (zero == 2 && c.moe) {
+          if (zero >= 2 && c.moe) {
             // Not yet: the experts a rank's tokens reach are its own, and their sums cannot follow.
             EXPECT_EQ(m.status().code(), StatusCode::kUnimplemented) << name;
-            EXPECT_NE(m.status().message().find("parallel.zero=2 with MoE"), std::string::npos) << m.status().message();
+            EXPECT_NE(m.status().message().find(fmt::format("parallel.zero={} with MoE", zero)), std::string::npos)
+                << m.status().message();
             continue;
           }
           ASSERT_TRUE(m.ok()) << name << ": " << m.status().to_string();
           EXPECT_EQ(plan.zero, zero) << name;
           EXPECT_EQ(plan.placement.world(), world) << name;
           EXPECT_EQ(plan.placement.sharded(), zero >= 1) << name;
-          EXPECT_EQ(plan.placement.sliced(1, StateKind::kGrad), zero == 2) << name;
+          EXPECT_EQ(plan.placement.sliced(1, StateKind::kGrad), zero >= 2) << name;
+          EXPECT_EQ(plan.placement.sliced(1, StateKind::kParam), zero == 3) << name;
           expect_bytes_match(name, plan, *m, nullptr);
         }
       }
