@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The bytes each data-parallel rank sends per step, measured by `strata train` (metrics.jsonl's
 # comm_bytes: the Comm's own count, averaged over the ranks) beside what `strata plan` predicts
-# for the same model, world and ZeRO level (0, 1 and 2) (its "comm/rank" column), on the CPU backend through
+# for the same model, world and ZeRO level (0 to 3) (its "comm/rank" column), on the CPU backend through
 # Gloo over the loopback. The two should agree within 5%.
 #
 #   tools/comm_volume_bench.sh [BUILD=build] [OUT=bench/results/DATE-comm-volume.md]
@@ -63,7 +63,9 @@ done
   echo "ZeRO-0 all-reduces the gradients, 2(W-1)/W of their bytes; ZeRO-1 reduces them onto each"
   echo "range's rank, (W-1)/W, and gathers the updated copy, (W-1)/W of it, which strata sends as"
   echo "broadcasts of each rank's ranges; ZeRO-2 reduces each micro-batch's gradients onto the ranges'"
-  echo "ranks as backward ends, grad_accum x (W-1)/W, and gathers the copy as ZeRO-1). The plan"
+  echo "ranks as backward ends, grad_accum x (W-1)/W, and gathers the copy as ZeRO-1; ZeRO-3 sums as"
+  echo "ZeRO-2 and gathers each layer's copy for every batch of the step program that computes with it)."
+  echo "The plan"
   echo "prints 3 significant digits; the step's scalars (loss, stop flag) are in the measurement only."
   echo
   echo "| ZeRO | world | measured bytes | planned bytes | measured/planned | within 5% |"
