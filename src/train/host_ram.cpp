@@ -203,11 +203,14 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   ram.items.push_back({"mapped data", data.mapped_bytes, 0, true, "token files, file pages the kernel can drop"});
   ram.items.push_back({"tokenizer", 0, 0, false, "none: strata train reads token ids"});
 
-  // Loading: a tensor in row blocks is filled whole, then copied into its blocks; a non-F32
-  // source converts through a staging piece; a resume hashes and converts through its buffers.
+  // Loading: a tensor in row blocks is filled whole, then copied into its blocks, and so is every
+  // tensor of a kind a rank holds its ranges of (sharded over the ranks) or stores compact (the
+  // moments' encodings); a non-F32 source converts through a staging piece; a resume hashes and
+  // converts through its buffers.
+  const bool staged = (t.dp_world > 1 && t.plan_zero != 0) || t.moments != kernels::MomentFormat::kF32;
   uint64_t whole = 0, largest = 0;
   for (const model::TensorSpec& s : layout.tensors()) {
-    if (s.num_blocks() > 1) whole = std::max(whole, static_cast<uint64_t>(s.numel) * sizeof(float));
+    if (s.num_blocks() > 1 || staged) whole = std::max(whole, static_cast<uint64_t>(s.numel) * sizeof(float));
     largest = std::max(largest, static_cast<uint64_t>(s.numel));
   }
   uint64_t reading = 0;
@@ -220,7 +223,7 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
     what = "safetensors staging and index " + bytes(reading);
   }
   ram.items.push_back({"weights", reading + whole, 0, false,
-                       whole ? what + fmt::format(", a tensor in row blocks {}", bytes(whole)) : what});
+                       whole ? what + fmt::format(", a tensor filled whole {}", bytes(whole)) : what});
   ram.items.push_back({"process", process_bytes ? process_bytes : process_baseline_bytes(device), 0, false,
                        cuda ? "executable, libraries, CUDA runtime (estimate)" : "executable and libraries"});
   return ram;

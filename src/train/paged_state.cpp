@@ -904,7 +904,14 @@ Status PagedState::begin(int group, bool params, bool grads) {
   Stream* s = model_stream();
   if (params) {
     RETURN_IF_ERROR(store_->acquire_part(group, kDensePart, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
-    if (gathered_) gather_params(group, *s);
+    if (gathered_) {
+      gather_params(group, *s);
+      if (!deferred_.ok()) {  // no compute with weights gathered in part
+        gathered_->close(group);
+        store_->release_part(group, kDensePart, StateKind::kParam, s);
+        return deferred_;
+      }
+    }
   }
   if (grads) {
     Status st = store_->acquire_part(group, kDensePart, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite, s);

@@ -705,10 +705,22 @@ Result<double> evaluate(Run& run, const TrainConfig& t, int64_t step) {
   std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens)), targets(inputs.size());
   RETURN_IF_ERROR(run.eval_loader->set_cursor({}));
   double sums[2] = {0, 0};  // NLL, predicted tokens
-  for (int64_t m = 0; m < run.eval_batches; ++m) {
-    RETURN_IF_ERROR(run.eval_loader->next(inputs.data(), targets.data()));
-    if (m % ranks.world() != ranks.rank()) continue;
-    ASSIGN_OR_RETURN(double nll, run.engine->eval_micro_batch(inputs.data(), targets.data(), t.micro_batch, t.seq_len));
+  // Rounds of one micro-batch per rank: with the weights sliced over the ranks (ZeRO-3) every
+  // forward gathers them, a collective, so a rank without a micro-batch of its own in the last
+  // round computes the round's first one again and drops its loss.
+  const int64_t world = ranks.world();
+  const int64_t rounds = (run.eval_batches + world - 1) / world;
+  const bool every_rank_computes = world > 1 && run.engine->plan().zero >= 3;
+  std::vector<int32_t> first_inputs, first_targets;  // of the round
+  for (int64_t m = 0; m < rounds * world; ++m) {
+    const bool real = m < run.eval_batches;
+    if (real) RETURN_IF_ERROR(run.eval_loader->next(inputs.data(), targets.data()));
+    if (m % world == 0) first_inputs = inputs, first_targets = targets;
+    if (m % world != ranks.rank() || (!real && !every_rank_computes)) continue;
+    const int32_t* in = real ? inputs.data() : first_inputs.data();
+    const int32_t* tg = real ? targets.data() : first_targets.data();
+    ASSIGN_OR_RETURN(double nll, run.engine->eval_micro_batch(in, tg, t.micro_batch, t.seq_len));
+    if (!real) continue;
     sums[0] += nll;
     sums[1] += static_cast<double>(model::count_valid_targets(targets.data(), micro_tokens));
   }
