@@ -196,8 +196,11 @@ TEST(StepProgram, TheRecordedProgramIsTheExpectedOrder) {
         std::vector<GroupAccess> plain;
         for (const ProgramEvent& e : program_reducing.micro_batch) plain.push_back(e.access);
         expect_same_schedule(rest, plain, what + ", reducing at handover");
-        for (const ProgramEvent& e : program_reducing.optimizer)
-          if (e.phase == StepPhase::kNorm) EXPECT_EQ(e.mode, AccessMode::kRead) << what;
+        for (const ProgramEvent& e : program_reducing.optimizer) {
+          if (e.phase == StepPhase::kNorm) {
+            EXPECT_EQ(e.mode, AccessMode::kRead) << what;
+          }
+        }
       }
       const std::vector<int> batches = gradient_batches(program_overlapped.micro_batch, groups);
       for (int g = 0; g < groups; ++g)
