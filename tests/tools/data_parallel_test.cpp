@@ -148,6 +148,32 @@ void expect_close_losses(const std::vector<double>& a, const std::vector<double>
   }
 }
 
+// Every step's host tier bytes in `metrics` (rank 0's) within `budget`, over `steps` steps.
+void expect_host_within(const fs::path& metrics, uint64_t budget, int steps) {
+  std::ifstream in(metrics);
+  std::string line;
+  int seen = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_object() || !j.contains("host_bytes")) continue;
+    ++seen;
+    EXPECT_LE(j["host_bytes"].get<uint64_t>(), budget) << line;
+  }
+  EXPECT_EQ(seen, steps) << metrics;
+}
+
+// The run in `run` took the steps of the one in `one` (losses, and eval losses when `eval`) and
+// exported its weights, within the bounds.
+void expect_trained_as(const fs::path& one, const fs::path& run, const std::string& what, bool eval = false) {
+  expect_close_losses(losses_of(one / "metrics.jsonl"), losses_of(run / "metrics.jsonl"), what);
+  if (eval)
+    expect_close_losses(losses_of(one / "metrics.jsonl", "eval_loss"), losses_of(run / "metrics.jsonl", "eval_loss"),
+                        what + " eval");
+  const ParamDiff d = compare_exports(one / "export", run / "export");
+  ASSERT_GT(d.tensors, 0u) << what;
+  EXPECT_TRUE(d.max_abs <= kParamTol) << what << ": max |diff| " << d.max_abs;
+}
+
 TEST_F(DataParallelTest, WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch) {
   const fs::path one = dir_ / "one", two = dir_ / "two", four = dir_ / "four";
   // Evaluations share their micro-batches out over the ranks: the same windows at every world.
@@ -321,10 +347,7 @@ TEST_F(DataParallelTest, ZeroTwoShardsTheGradientsAndTrainsWhatOneProcessTrains)
     std::string line;
     std::getline(in, line);
     EXPECT_GT(nlohmann::json::parse(line)["nvme_bytes"].get<uint64_t>(), 0u) << line;
-    expect_close_losses(losses_of(one / "metrics.jsonl"), losses_of(run / "metrics.jsonl"), name);
-    const ParamDiff d = compare_exports(one / "export", run / "export");
-    ASSERT_GT(d.tensors, 0u) << name;
-    EXPECT_TRUE(d.max_abs <= kParamTol) << name << ": max |diff| " << d.max_abs;
+    expect_trained_as(one, run, name);
     runs.push_back(run);
   }
   EXPECT_EQ(losses_of(runs[0] / "metrics.jsonl"), losses_of(runs[2] / "metrics.jsonl"));
@@ -340,12 +363,7 @@ TEST_F(DataParallelTest, ZeroTwoShardsTheGradientsAndTrainsWhatOneProcessTrains)
   auto w2 = launch(2, run_args(two_tied.string(), 2, tied) + eval + tight + " run.export=" + (two_tied / "export").string(),
                    "tied");
   ASSERT_TRUE(all_ok(w2)) << all_output(w2);
-  expect_close_losses(losses_of(one_tied / "metrics.jsonl"), losses_of(two_tied / "metrics.jsonl"), "tied");
-  expect_close_losses(losses_of(one_tied / "metrics.jsonl", "eval_loss"), losses_of(two_tied / "metrics.jsonl", "eval_loss"),
-                      "tied eval");
-  const ParamDiff d = compare_exports(one_tied / "export", two_tied / "export");
-  ASSERT_GT(d.tensors, 0u);
-  EXPECT_TRUE(d.max_abs <= kParamTol) << "tied: max |diff| " << d.max_abs;
+  expect_trained_as(one_tied, two_tied, "tied", /*eval=*/true);
   // The checkpoint of world 4 at ZeRO-2 resumes on 2 ranks at ZeRO-1 for two more steps.
   auto resumed = launch(2, run_args(runs[1].string(), 2) + " train.steps=6 parallel.zero=1 --resume auto", "resume");
   ASSERT_TRUE(all_ok(resumed)) << all_output(resumed);
@@ -380,10 +398,7 @@ TEST_F(DataParallelTest, ZeroThreeGathersTheWeightsAndTrainsWhatOneProcessTrains
       std::string line;
       std::getline(in, line);
       EXPECT_GT(nlohmann::json::parse(line)["nvme_bytes"].get<uint64_t>(), 0u) << line;
-      expect_close_losses(losses_of(one / "metrics.jsonl"), losses_of(run / "metrics.jsonl"), name + " " + precision);
-      const ParamDiff d = compare_exports(one / "export", run / "export");
-      ASSERT_GT(d.tensors, 0u) << name;
-      EXPECT_TRUE(d.max_abs <= kParamTol) << name << " " << precision << ": max |diff| " << d.max_abs;
+      expect_trained_as(one, run, name + " " + precision);
       runs.push_back(run);
     }
     EXPECT_EQ(losses_of(runs[0] / "metrics.jsonl"), losses_of(runs[1] / "metrics.jsonl")) << precision;
@@ -415,12 +430,7 @@ TEST_F(DataParallelTest, ZeroThreeGathersTheWeightsAndTrainsWhatOneProcessTrains
                        (two_tied / "export").string(),
                    "tied3");
   ASSERT_TRUE(all_ok(w2)) << all_output(w2);
-  expect_close_losses(losses_of(one_tied / "metrics.jsonl"), losses_of(two_tied / "metrics.jsonl"), "tied");
-  expect_close_losses(losses_of(one_tied / "metrics.jsonl", "eval_loss"), losses_of(two_tied / "metrics.jsonl", "eval_loss"),
-                      "tied eval");
-  const ParamDiff d = compare_exports(one_tied / "export", two_tied / "export");
-  ASSERT_GT(d.tensors, 0u);
-  EXPECT_TRUE(d.max_abs <= kParamTol) << "tied: max |diff| " << d.max_abs;
+  expect_trained_as(one_tied, two_tied, "tied", /*eval=*/true);
 }
 
 // Sharding is real at ZeRO-3: budgets (no nvme tier) that neither one process nor four ranks at
@@ -442,16 +452,7 @@ TEST_F(DataParallelTest, ZeroThreeOnFourRanksTrainsWhatZeroOneCannotHoldInTheSam
   }
   auto zero3 = launch(4, run_args(four3.string(), 1, model) + budgets + " parallel.zero=3", "zero3");
   ASSERT_TRUE(all_ok(zero3)) << all_output(zero3);
-  std::ifstream in(four3 / "metrics.jsonl");
-  std::string line;
-  int steps = 0;
-  while (std::getline(in, line)) {
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_object() || !j.contains("host_bytes")) continue;
-    ++steps;
-    EXPECT_LE(j["host_bytes"].get<uint64_t>(), 3600u << 10) << line;
-  }
-  EXPECT_EQ(steps, 4);
+  expect_host_within(four3 / "metrics.jsonl", 3600u << 10, 4);
 }
 
 // Sharding is real: with budgets one process cannot fit its state into (no nvme tier), four
@@ -469,16 +470,7 @@ TEST_F(DataParallelTest, ZeroOneOnFourRanksTrainsWhatOneProcessCannotHoldInTheSa
       << single.output;
   auto w4 = launch(4, run_args(four.string(), 1, model) + budgets, "sharded");
   ASSERT_TRUE(all_ok(w4)) << all_output(w4);
-  std::ifstream in(four / "metrics.jsonl");
-  std::string line;
-  int steps = 0;
-  while (std::getline(in, line)) {
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_object() || !j.contains("host_bytes")) continue;
-    ++steps;
-    EXPECT_LE(j["host_bytes"].get<uint64_t>(), 4608u << 10) << line;
-  }
-  EXPECT_EQ(steps, 4);
+  expect_host_within(four / "metrics.jsonl", 4608u << 10, 4);
 }
 
 TEST_F(DataParallelTest, CheckpointOfFourRanksResumesOnOneTwoThreeAndFour) {
