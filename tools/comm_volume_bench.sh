@@ -13,9 +13,10 @@ strata="$build/strata"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 for i in $(seq 400); do echo "the quick brown fox jumps over the lazy dog $((i * 7919 % 13))"; done > "$work/corpus.txt"
-model='model.set=[num_hidden_layers=4,hidden_size=128,intermediate_size=256]'
-common=(data.paths=["$work/corpus.txt"] "$model" train.micro_batch=2 train.seq_len=32 train.steps=3
-        optim.warmup_steps=1 train.grad_accum=2 run.device=cpu)
+dense='model.set=[num_hidden_layers=4,hidden_size=128,intermediate_size=256]'
+# Top-2 of 4 experts: each rank's tokens reach experts of their own, and at ZeRO-2 and 3 every rank
+# still sums and gathers every expert.
+moe='model.set=[num_hidden_layers=4,hidden_size=128,intermediate_size=256,model_type=mixtral,num_local_experts=4,num_experts_per_tok=2]'
 
 # "3.76 MiB" -> bytes
 to_bytes() {
@@ -27,17 +28,21 @@ print(int(float(v) * m[u]))' "$1" "$2"
 
 rows=()
 status=0
+for name in dense moe; do
+model=${!name}
+common=(data.paths=["$work/corpus.txt"] "$model" train.micro_batch=2 train.seq_len=32 train.steps=3
+        optim.warmup_steps=1 train.grad_accum=2 run.device=cpu)
 for zero in 0 1 2 3; do
   for world in 2 4; do
-    run="$work/run-$zero-$world"
+    run="$work/run-$name-$zero-$world"
     pids=()
     for ((r = 0; r < world; r++)); do
-      RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world TORCHELASTIC_RUN_ID="bench-$zero-$world" \
+      RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world TORCHELASTIC_RUN_ID="bench-$name-$zero-$world" \
         "$strata" train "${common[@]}" run.dir="$run" parallel.zero=$zero \
-        parallel.rendezvous="$work/rendezvous" > "$work/log-$zero-$world-$r" 2>&1 &
+        parallel.rendezvous="$work/rendezvous" > "$work/log-$name-$zero-$world-$r" 2>&1 &
       pids+=($!)
     done
-    for p in "${pids[@]}"; do wait "$p" || { cat "$work/log-$zero-$world-"*; exit 1; }; done
+    for p in "${pids[@]}"; do wait "$p" || { cat "$work/log-$name-$zero-$world-"*; exit 1; }; done
     measured=$(python3 -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "comm_bytes" in l]
 print(int(rows[-1]["comm_bytes"]))' "$run/metrics.jsonl")
@@ -49,14 +54,15 @@ print(int(rows[-1]["comm_bytes"]))' "$run/metrics.jsonl")
     ratio=$(python3 -c "print(f'{$measured / $planned:.3f}')")
     ok=$(python3 -c "print('yes' if abs($measured / $planned - 1) <= 0.05 else 'NO')")
     [[ $ok == yes ]] || status=1
-    rows+=("| $zero | $world | $measured | $planned | $ratio | $ok |")
+    rows+=("| $name | $zero | $world | $measured | $planned | $ratio | $ok |")
   done
+done
 done
 
 {
   echo "# Bytes sent per rank per step: strata train against strata plan ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
   echo
-  echo "CPU backend, Gloo over the loopback; the model is \`$model\` (fp32 recipe: 4-byte gradients and"
+  echo "CPU backend, Gloo over the loopback; the models are \`$dense\` and \`$moe\` (fp32 recipe: 4-byte gradients and"
   echo "compute copy), 2 micro-batches of 2 x 32 tokens per rank per step. Measured: the third step's comm_bytes"
   echo "(metrics.jsonl), what each rank's Comm counted as sent, averaged over the ranks. Planned: the"
   echo "\"comm/rank\" column of \`strata plan parallel.world_size=W parallel.zero=Z\` (ring collectives:"
@@ -68,8 +74,8 @@ done
   echo "The plan"
   echo "prints 3 significant digits; the step's scalars (loss, stop flag) are in the measurement only."
   echo
-  echo "| ZeRO | world | measured bytes | planned bytes | measured/planned | within 5% |"
-  echo "|---|---|---|---|---|---|"
+  echo "| model | ZeRO | world | measured bytes | planned bytes | measured/planned | within 5% |"
+  echo "|---|---|---|---|---|---|---|"
   printf '%s\n' "${rows[@]}"
   echo
   echo "Command: \`tools/comm_volume_bench.sh $build\`"

@@ -35,8 +35,8 @@
 // recomputing the whole sequence; with OpenBLAS they differ by its summation order.
 //
 // MoE layers route first and then begin, through the ParamAccess, only the experts that received
-// tokens (ParamAccess::begin_experts), so a paged state fetches just those; the other experts'
-// tensors are never touched (the kernels skip experts without rows).
+// tokens (ParamAccess::begin_experts), so a paged state can fetch just those; the kernels never
+// touch the other experts' tensors (they skip experts without rows).
 //
 // State: the model owns no parameters or gradients. It reads and accumulates them through the
 // ParamAccess it is given (set_access): the paged training state (train/paged_state.h), or a

@@ -8,6 +8,13 @@
 // the LM head (and final norm). The planner decides the embedding and the head together, as its
 // one "edge" group.
 //
+// Parts: a group may have parts with chunks of their own (StateTensor::part: each expert of an
+// MoE layer). A part may have rows of its own (place_part): its chunks are then homed there,
+// while the group's row homes its dense part and every part without rows. A part too small to
+// open a chunk of its own starts in the chunk before it, with that chunk's home (a chunk it
+// opens further on takes its own row's). The bytes
+// of a group's row are the whole group's; a part's row counts the chunks it opens.
+//
 // Sharding: with several data-parallel ranks each rank owns a contiguous range of the elements
 // of every tensor (tensor_shard): it writes those into checkpoints and, for a row that is
 // `sliced`, holds that kind of state for its ranges only (ZeRO-1: the master weights and Adam
@@ -56,9 +63,19 @@ class Placement {
   const PlacementRow& row(int group, StateKind kind) const { return rows_.at(static_cast<size_t>(group))[index(kind)]; }
   PlacementRow& row(int group, StateKind kind) { return rows_.at(static_cast<size_t>(group))[index(kind)]; }
   Tier home(int group, StateKind kind) const { return row(group, kind).home; }
+  // The home of part `part` of a group (kDensePart, or an expert's index): its own row's when it
+  // has rows, else the group's.
+  Tier home(int group, StateKind kind, int part) const;
 
   // Sets the home of `kind` in `group` and that it is `bytes` large.
   void place(int group, StateKind kind, Tier home, uint64_t bytes);
+  // Gives part `part` (>= 0) of a group a row of its own for `kind`: its chunks are homed at
+  // `home` and take `bytes`. Its other kinds keep the group's home until placed.
+  void place_part(int group, int part, StateKind kind, Tier home, uint64_t bytes);
+  // The parts of `group` with rows of their own, ascending, and a part's row of a kind (the
+  // group's when the part was not placed for that kind).
+  std::vector<int> parts(int group) const;
+  const PlacementRow& part_row(int group, int part, StateKind kind) const;
 
   // The data-parallel ranks the tensors' element ranges are shared out over (1: one process).
   int world() const { return world_; }
@@ -82,7 +99,15 @@ class Placement {
     CHECK_MSG(k < kNumStateKinds, "activations have no row in the placement");
     return k;
   }
-  std::vector<std::array<PlacementRow, kNumStateKinds>> rows_;  // per group, per kind
+  using Rows = std::array<PlacementRow, kNumStateKinds>;
+  struct PartRows {
+    int part = 0;
+    Rows rows;
+    std::array<bool, kNumStateKinds> placed{};  // kinds place_part() set; others follow the group
+  };
+  const PartRows* find_part(int group, int part) const;
+  std::vector<Rows> rows_;                    // per group, per kind
+  std::vector<std::vector<PartRows>> parts_;  // per group, ascending by part
   int world_ = 1;
 };
 

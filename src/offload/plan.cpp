@@ -84,13 +84,35 @@ uint64_t embedding_share(const PlanInput& in, int k, uint64_t all, bool sliced) 
 // host, or spilled to NVMe too when the host cannot hold it.
 struct GroupHomes {
   std::vector<bool> param_res, grad_res, opt_dev, opt_nvme, param_nvme, grad_nvme;
+  // Of a group whose optimizer state stays on the host, its last experts (of those
+  // spillable_experts lists) whose optimizer state is on nvme.
+  std::vector<size_t> opt_nvme_experts;
 };
+
+// One expert of a layer and its optimizer state's bytes (whole chunks, as the store packs them).
+struct ExpertBytes {
+  int part = 0;
+  uint64_t master = 0, adam_m = 0, adam_v = 0;
+};
+
+// Per planner group (layer l at l; the edge, at L, has none), the experts whose optimizer state
+// can move to nvme one at a time (PlanInput::expert_chunks): as every rank holds them whole, or
+// as the largest share packs its slices, so that every rank homes them alike.
+std::vector<std::vector<ExpertBytes>> spillable_experts(const PlanInput& in, int64_t L, bool sharded) {
+  std::vector<std::vector<ExpertBytes>> out(static_cast<size_t>(L) + 1);
+  const auto& chunks = sharded ? in.expert_sliced_chunks : in.expert_chunks;
+  const uint64_t c = in.chunk_size;
+  for (size_t l = 0; l < chunks.size() && l < static_cast<size_t>(L) && c > 0; ++l)
+    for (const PlanInput::ExpertChunks& e : chunks[l])
+      out[l].push_back({e.part, e.master * c, e.adam_m * c, e.adam_v * c});
+  return out;
+}
 
 // The placement (placement.h) of the decisions made per planner group (layer l at l, the edge at
 // L), in the state store's groups: the embedding 0, layer l at l + 1, the head L + 1, the edge's
 // bytes split between the embedding and the head as the store packs them.
 Placement make_placement(const PlanInput& in, int64_t L, const GroupBytes& layer, const GroupBytes& edge,
-                         const GroupHomes& h, int zero) {
+                         const GroupHomes& h, const std::vector<std::vector<ExpertBytes>>& spill, int zero) {
   const uint64_t c = in.chunk_size;
   Placement placement(static_cast<int>(L) + 2);
   const int world = static_cast<int>(std::max<int64_t>(1, in.world_size));
@@ -112,6 +134,29 @@ Placement make_placement(const PlanInput& in, int64_t L, const GroupBytes& layer
   place(0, L, edge, embedding);
   for (int64_t l = 0; l < L; ++l) place(static_cast<int>(l) + 1, l, layer, [](int, uint64_t bytes) { return bytes; });
   place(static_cast<int>(L) + 1, L, edge, [&](int k, uint64_t bytes) { return bytes - embedding(k, bytes); });
+  // A row for each part of the store's groups (the experts of MoE layers), homed with its group
+  // but for the experts whose optimizer state the host spilled to nvme, sized as the store packs
+  // it (this rank's slices of a sliced kind).
+  if (c == 0 || in.state_tensors.empty()) return placement;
+  for (StateKind kind : in.state_layout.kinds()) {
+    const bool opt = kind == StateKind::kMaster || kind == StateKind::kAdamM || kind == StateKind::kAdamV;
+    const auto packed =
+        StateStore::part_chunks(in.state_tensors, c, in.state_layout, kind, placement.sliced(0, kind));
+    for (size_t g = 0; g < packed.size() && g < static_cast<size_t>(placement.num_groups()); ++g) {
+      const int64_t planner_group =
+          g == 0 || g + 1 == static_cast<size_t>(placement.num_groups()) ? L : static_cast<int64_t>(g) - 1;
+      const std::vector<ExpertBytes>& spilled = spill[static_cast<size_t>(planner_group)];
+      const size_t nvme_from = spilled.size() - std::min(spilled.size(), h.opt_nvme_experts[planner_group]);
+      for (const StateStore::PartChunks& part : packed[g]) {
+        if (part.part == kDensePart) continue;
+        bool on_nvme = false;
+        for (size_t i = nvme_from; i < spilled.size(); ++i) on_nvme = on_nvme || spilled[i].part == part.part;
+        const int group = static_cast<int>(g);
+        placement.place_part(group, part.part, kind, opt && on_nvme ? Tier::kNvme : placement.home(group, kind),
+                             part.chunks * c);
+      }
+    }
+  }
   return placement;
 }
 
@@ -127,7 +172,7 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   r.store.layout = in.state_layout;
   r.store.lookahead = in.lookahead;
   r.store.space.chunk_bytes = c;
-  r.store.home = [&p](int g, StateKind k) { return p.placement.home(g, k); };
+  r.store.home = [&p](int g, StateKind k, int part) { return p.placement.home(g, k, part); };
   r.store.sliced = [&p](int g, StateKind k) { return p.placement.sliced(g, k); };
   std::array<bool, kNumStateKinds> sliced{};
   for (StateKind k : in.state_layout.kinds()) sliced[static_cast<size_t>(k)] = p.placement.sliced(0, k);
@@ -150,6 +195,9 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   r.program = make_step_program(offload ? in.micro_batch_program_offloaded : in.micro_batch_program, optimizer)
                   .events(std::max<int64_t>(1, in.grad_accum));
   r.expert_fetch_fraction = in.expert_fetch_fraction;
+  // The ranks gather and sum every expert of a sliced kind (train/paged_state.cpp, begin_experts).
+  for (StateKind k : {StateKind::kParam, StateKind::kGrad})
+    r.every_expert[static_cast<size_t>(k)] = in.world_size > 1 && p.placement.sliced(0, k);
   return r;
 }
 
@@ -274,7 +322,7 @@ bool plan_working_set(const PlanInput& in, const LevelSizes& s, Plan& p, Working
 GroupHomes place_on_device(const LevelSizes& s, const WorkingSet& ws, uint64_t free_bytes, Plan& p) {
   const int64_t groups = s.groups, L = s.L;
   const std::vector<bool> none(static_cast<size_t>(groups), false);
-  GroupHomes h{none, none, none, none, none, none};
+  GroupHomes h{none, none, none, none, none, none, std::vector<size_t>(static_cast<size_t>(groups), 0)};
   auto order = [&](int64_t i) { return i == 0 ? L : i - 1; };
   uint64_t ws_param_left = ws.param, ws_grad_left = ws.grad;
   for (int64_t i = 0; i < groups; ++i) {
@@ -332,13 +380,15 @@ uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s, uint64_t o
 
 // Step 3: host and NVMe. Every group whose optimizer runs on the CPU keeps a parameter copy, a
 // gradient landing buffer and its optimizer state on the host, unless the state spills to NVMe
-// (whole groups at a time, from the last, until the host fits): the optimizer state first, then
+// (whole groups at a time, from the last, until the host fits; an MoE layer's optimizer state
+// expert by expert, then the rest of the layer): the optimizer state first, then
 // the streamed compute copies, then the streamed gradients, so that the host holds little more
 // than the slots the chunks pass through. NVMe groups need that staging on the host: AdamW on the
 // host holds a whole group's kinds at once, and a chunk homed on NVMe reaches the device through
 // a host slot. False with the problem and suggestions in `p` when the host or NVMe budget cannot
 // hold its part, or the host cannot pass the largest group while the weights load.
-bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s, GroupHomes& h, Plan& p) {
+bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
+                            const std::vector<std::vector<ExpertBytes>>& spill, GroupHomes& h, Plan& p) {
   // Offloaded saved activations take whole chunks of the store, packed (StateStore::add_activations).
   if (p.offload_activations)
     p.host.act = in.chunk_size > 0 && in.offloaded_activations > 0
@@ -358,15 +408,43 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s, GroupHomes
   auto staging = [&] {
     bool param = false, grad = false;
     for (int64_t g = 0; g < s.groups; ++g) param = param || h.param_nvme[g], grad = grad || h.grad_nvme[g];
-    const uint64_t kinds = (p.nvme_optimizer_groups > 0 ? (in.separate_master ? 3 : 2) : 0) + param + grad;
+    const bool opt = p.nvme_optimizer_groups > 0 || p.nvme_optimizer_experts > 0;
+    const uint64_t kinds = (opt ? (in.separate_master ? 3 : 2) : 0) + param + grad;
     return kinds > 0 ? nvme_staging_bytes(in, s, kinds) : 0;
   };
   auto host_total = [&] { return p.host.total() + staging(); };
+  auto spill_optimizer = [&](uint64_t master, uint64_t adam_m, uint64_t adam_v) {
+    p.host.master -= master, p.host.adam_m -= adam_m, p.host.adam_v -= adam_v;
+    p.nvme.master += master, p.nvme.adam_m += adam_m, p.nvme.adam_v += adam_v;
+  };
   for (auto it = host_groups.rbegin(); it != host_groups.rend() && host_total() > in.host_budget; ++it) {
     if (in.nvme_budget == 0) break;
     const GroupBytes& b = s.of(*it);
-    p.host.master -= b.master, p.host.adam_m -= b.adam_m, p.host.adam_v -= b.adam_v;
-    p.nvme.master += b.master, p.nvme.adam_m += b.adam_m, p.nvme.adam_v += b.adam_v;
+    // An MoE layer's experts go one at a time, from the last, before the rest of the layer: the
+    // host then keeps all but the last expert's worth of what it has room for, not all but a
+    // layer's.
+    uint64_t master = b.master, adam_m = b.adam_m, adam_v = b.adam_v;
+    // Expert by expert only where the experts fit in the planner's (average) layer: a model
+    // with dense layers among its MoE ones has an MoE layer larger than the average, which
+    // spills whole so that nvme counts every byte it holds.
+    const std::vector<ExpertBytes>& listed = spill[static_cast<size_t>(*it)];
+    uint64_t em_all = 0, eam_all = 0, eav_all = 0;
+    for (const ExpertBytes& e : listed) em_all += e.master, eam_all += e.adam_m, eav_all += e.adam_v;
+    static const std::vector<ExpertBytes> kNone;
+    const std::vector<ExpertBytes>& experts =
+        em_all <= master && eam_all <= adam_m && eav_all <= adam_v ? listed : kNone;
+    size_t& spilled = h.opt_nvme_experts[static_cast<size_t>(*it)];
+    while (spilled < experts.size() && host_total() > in.host_budget) {
+      const ExpertBytes& e = experts[experts.size() - 1 - spilled];
+      spill_optimizer(e.master, e.adam_m, e.adam_v);
+      master -= e.master, adam_m -= e.adam_m, adam_v -= e.adam_v;
+      ++spilled;
+      p.nvme_optimizer_experts++;
+    }
+    if (host_total() <= in.host_budget) break;
+    spill_optimizer(master, adam_m, adam_v);
+    p.nvme_optimizer_experts -= static_cast<int64_t>(spilled);
+    spilled = 0;
     h.opt_nvme[*it] = true;
     p.nvme_optimizer_groups++;
   }
@@ -689,9 +767,10 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   uint64_t free_bytes = 0;
   if (!plan_working_set(in, s, p, &ws, &free_bytes)) return p;
   GroupHomes homes = place_on_device(s, ws, free_bytes, p);
-  if (!place_on_host_and_nvme(in, s, homes, p)) return p;
+  const std::vector<std::vector<ExpertBytes>> spill = spillable_experts(in, s.L, s.sharded);
+  if (!place_on_host_and_nvme(in, s, spill, homes, p)) return p;
   p.fits = true;
-  p.placement = make_placement(in, s.L, s.layer, s.edge, homes, zero);
+  p.placement = make_placement(in, s.L, s.layer, s.edge, homes, spill, zero);
   const PhaseTraffic traffic = plan_traffic(in, s, homes, p);
   if (!p.fits) return p;
   plan_time(in, s, homes, traffic, p);
@@ -746,8 +825,11 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
                     "activations {}\n",
                     p.resident_param_groups, groups, p.resident_grad_groups, groups, p.device_optimizer_groups, groups,
                     p.offload_activations ? "offloaded to host" : "kept on the device");
-  if (p.nvme_optimizer_groups > 0)
-    os << fmt::format("  optimizer state of {}/{} groups streams from nvme\n", p.nvme_optimizer_groups, groups);
+  if (p.nvme_optimizer_groups > 0 || p.nvme_optimizer_experts > 0)
+    os << fmt::format("  optimizer state of {}/{} groups{} streams from nvme\n", p.nvme_optimizer_groups, groups,
+                      p.nvme_optimizer_experts > 0
+                          ? fmt::format(" and of {} experts of another layer", p.nvme_optimizer_experts)
+                          : std::string());
   if (p.nvme_param_groups > 0 || p.nvme_grad_groups > 0)
     os << fmt::format("  compute copies of {}/{} groups and gradients of {}/{} stream from nvme\n", p.nvme_param_groups,
                       groups, p.nvme_grad_groups, groups);
@@ -824,7 +906,7 @@ std::string format_zero_levels(const PlanInput& in, int chosen) {
     if (!p.fits) os << "         " << p.problem << "\n";
   }
   os << "  (bytes and collectives per rank per optimizer step, ring algorithms; each rank holds its range of "
-        "every tensor of the sharded kinds; strata train runs every level, 2 and 3 not yet with MoE layers)\n";
+        "every tensor of the sharded kinds; strata train runs every level)\n";
   return os.str();
 }
 

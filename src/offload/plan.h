@@ -148,6 +148,16 @@ struct PlanInput {
   uint64_t largest_sliced_group_chunks = 0;
   // The same of the compute copy (ZeRO-3).
   uint64_t layer_sliced_param_chunks = 0, edge_sliced_param_chunks = 0, embed_sliced_param_chunks = 0;
+  // MoE: per layer (the store's groups 1..L), each expert's chunks of the optimizer's kinds as
+  // the store packs them, whole and (sliced) as the largest share of any rank packs its slices.
+  // A layer is left empty when some expert of it shares a chunk with another part (its chunks
+  // could not move alone). The planner spills an MoE layer's optimizer state to NVMe expert by
+  // expert from these.
+  struct ExpertChunks {
+    int part = 0;
+    uint64_t master = 0, adam_m = 0, adam_v = 0;
+  };
+  std::vector<std::vector<ExpertChunks>> expert_chunks, expert_sliced_chunks;
   // Chunks of one kind of the largest single group (when set): AdamW on host memory acquires a
   // whole group's optimizer state there at once, so a group streamed from nvme needs that many
   // free host slots per optimizer kind.
@@ -234,6 +244,10 @@ struct Plan {
   int64_t resident_grad_groups = 0;
   int64_t device_optimizer_groups = 0;   // groups whose AdamW runs on the device
   int64_t nvme_optimizer_groups = 0;     // groups whose optimizer state streams from NVMe
+  // Experts of an MoE layer not counted above whose optimizer state streams from NVMe: the
+  // planner spills a layer's experts one at a time before the rest of it, so the host keeps all
+  // it has room for (placement.h part rows).
+  int64_t nvme_optimizer_experts = 0;
   int64_t nvme_param_groups = 0;         // groups whose compute copy streams from NVMe
   int64_t nvme_grad_groups = 0;          // groups whose gradients stream to and from NVMe
   int prefetch_depth = 1;

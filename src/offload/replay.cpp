@@ -75,7 +75,7 @@ class Driver {
           closes = closes || events[i].last;
         }
         next = i;
-        const size_t active = reached(experts.size());
+        const size_t active = in_.every_expert[static_cast<size_t>(e.access.kind)] ? experts.size() : reached(experts.size());
         experts.resize(active);
         if (!experts.empty()) {
           RETURN_IF_ERROR(store_.acquire_parts(e.access.group, experts, e.access.kind, e.access.prefetch_to, e.mode));

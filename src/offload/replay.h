@@ -8,7 +8,8 @@
 // construction: slots, Belady eviction, prefetch and write-backs are the same code.
 //
 // What only data decides is taken as planned: a micro-batch's tokens reach the first
-// `expert_fetch_fraction` of each MoE layer's experts (the planner's uniform routing), and an
+// `expert_fetch_fraction` of each MoE layer's experts (the planner's uniform routing; every
+// expert for the kinds `every_expert` names), and an
 // nvme read has finished when the next prefetch looks at it.
 //
 // The replay runs one step from the homes alone, then averages the moves of the next few: the
@@ -36,6 +37,9 @@ struct ReplayInput {
   uint64_t activation_bytes = 0;     // bytes of each
   std::vector<ProgramEvent> program;  // one step (StepProgram::events)
   double expert_fetch_fraction = 1.0;
+  // Kinds whose expert runs take every expert of the layer, whatever the tokens reach: a sliced
+  // kind the ranks gather (ZeRO-3's weights) or sum (ZeRO-2's gradients) expert by expert.
+  std::array<bool, kNumStateKinds> every_expert{};
   int counted_steps = 6;  // averaged, after the first step
 };
 

@@ -92,27 +92,40 @@ std::vector<std::vector<StateStore::Part>> StateStore::make_parts(const std::vec
   return out;
 }
 
-std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes,
-                                               const StateLayout& state, StateKind kind, bool sliced) {
+std::vector<std::vector<StateStore::PartChunks>> StateStore::part_chunks(const std::vector<StateTensor>& tensors,
+                                                                        uint64_t chunk_bytes, const StateLayout& state,
+                                                                        StateKind kind, bool sliced) {
   int num_groups = 0;
   for (const StateTensor& t : tensors) num_groups = std::max(num_groups, t.group + 1);
   const std::vector<std::vector<Part>> parts = make_parts(tensors, num_groups);
   // The packing create() does for one kind, on a layout of its own.
   Result<ChunkLayout> layout = ChunkLayout::create(chunk_bytes);
   CHECK_MSG(layout.ok(), layout.status().to_string());
-  std::vector<uint64_t> out(static_cast<size_t>(num_groups), 0);
+  std::vector<std::vector<PartChunks>> out(static_cast<size_t>(num_groups));
   for (int g = 0; g < num_groups; ++g) {
-    const size_t before = layout->num_chunks();
-    for (size_t pi = 0; pi < parts[static_cast<size_t>(g)].size(); ++pi) {
-      if (opens_own_chunk(tensors, parts[static_cast<size_t>(g)], pi, sliced, chunk_bytes))
-        layout->open_chunk(ChunkKind::kParam);
-      for (size_t i : parts[static_cast<size_t>(g)][pi].tensors) {
+    const std::vector<Part>& group = parts[static_cast<size_t>(g)];
+    for (size_t pi = 0; pi < group.size(); ++pi) {
+      const size_t before = layout->num_chunks();
+      const bool own = opens_own_chunk(tensors, group, pi, sliced, chunk_bytes);
+      if (own) layout->open_chunk(ChunkKind::kParam);
+      for (size_t i : group[pi].tensors) {
         Result<TensorId> added =
             layout->add(tensors[i].name, ChunkKind::kParam, state.tensor_bytes(kind, tensors[i].shape(sliced)));
         CHECK_MSG(added.ok(), added.status().to_string());
       }
+      out[static_cast<size_t>(g)].push_back({group[pi].id, layout->num_chunks() - before, own});
     }
-    out[static_cast<size_t>(g)] = layout->num_chunks() - before;
+  }
+  return out;
+}
+
+std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes,
+                                               const StateLayout& state, StateKind kind, bool sliced) {
+  std::vector<uint64_t> out;
+  for (const std::vector<PartChunks>& group : part_chunks(tensors, chunk_bytes, state, kind, sliced)) {
+    uint64_t n = 0;
+    for (const PartChunks& p : group) n += p.chunks;
+    out.push_back(n);
   }
   return out;
 }
@@ -149,19 +162,28 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
       const bool sliced = options.sliced && options.sliced(g, kind);
       s->sliced_[static_cast<size_t>(g) * kNumStateKinds + static_cast<size_t>(k)] = sliced;
       std::optional<Tier> home;
-      if (options.home) home = options.home(g, kind);
       // A home tier that is already full falls back to the tiers below it (for the rest of the
-      // group too). A failed attempt leaves the layout as it was, so it can be retried.
+      // group's parts asked to live there too). A failed attempt leaves the layout as it was,
+      // so it can be retried.
+      std::optional<Tier> asked, fell_to;
+      auto home_of = [&](int part) -> std::optional<Tier> {
+        if (!options.home) return std::nullopt;
+        const Tier want = options.home(g, kind, part);
+        if (asked != want) asked = want, fell_to = want;
+        return fell_to;
+      };
       auto with_fallback = [&](auto add) {
         auto added = add();
         while (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && home && *home != Tier::kNvme) {
           home = static_cast<Tier>(static_cast<int>(*home) + 1);
           if (s->space_->has_tier(*home)) added = add();
         }
+        fell_to = home;
         return added;
       };
       for (size_t pi = 0; pi < s->parts_[g].size(); ++pi) {
         Part& part = s->parts_[g][pi];
+        home = home_of(part.id);
         std::vector<ChunkId>& chunks = part.chunks[k];
         // The group's first part opens a chunk; a part of at least 1/kOwnChunkFraction of a chunk
         // opens one too, so it pages alone. Smaller parts (experts far smaller than the largest
@@ -198,6 +220,18 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
 }
 
 Tier StateStore::home(int group, StateKind kind) const { return homes_[group * kNumStateKinds + static_cast<int>(kind)]; }
+
+std::vector<int> StateStore::parts(int group) const {
+  std::vector<int> out;
+  for (const Part& p : parts_.at(static_cast<size_t>(group)))
+    if (p.id != kDensePart) out.push_back(p.id);
+  return out;
+}
+
+Tier StateStore::part_home(int group, int part, StateKind kind) const {
+  const std::vector<ChunkId>& chunks = parts_.at(static_cast<size_t>(group))[part_index(group, part)].chunks[static_cast<int>(kind)];
+  return chunks.empty() ? home(group, kind) : space_->home(chunks.front());  // a part another rank owns holds none
+}
 
 size_t StateStore::part_index(int group, int part) const {
   CHECK(group >= 0 && group < num_groups_);

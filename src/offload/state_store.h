@@ -105,9 +105,10 @@ struct StateStoreOptions {
   size_t lookahead = 2;     // schedule entries prefetched ahead of the one being acquired
   // Which kinds of state exist and their element types (offload/state_layout.h).
   StateLayout layout;
-  // The home tier of each group's chunks of a kind. Empty: the ChunkSpace's default (the
-  // lowest tier with room).
-  std::function<Tier(int group, StateKind kind)> home;
+  // The home tier of the chunks of a kind that a part of a group opens (kDensePart: the group's
+  // first chunks and those of every part without chunks of its own; placement.h). Empty: the
+  // ChunkSpace's default (the lowest tier with room).
+  std::function<Tier(int group, StateKind kind, int part)> home;
   // Which groups hold only each tensor's StateTensor::slice of a kind (a data-parallel rank's
   // range of the optimizer state: ZeRO-1). Empty: none; every kind is held whole.
   std::function<bool(int group, StateKind kind)> sliced;
@@ -129,6 +130,17 @@ class StateStore {
   static std::vector<uint64_t> group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes,
                                             const StateLayout& layout = {}, StateKind kind = StateKind::kGrad,
                                             bool sliced = false);
+  // The same per part: for each group, its parts in order (the dense part first), each with the
+  // chunks packing it opens and whether it opens its first one itself (else it begins in the
+  // chunk of the part before it, and shares that chunk's home).
+  struct PartChunks {
+    int part = kDensePart;
+    uint64_t chunks = 0;
+    bool own = true;
+  };
+  static std::vector<std::vector<PartChunks>> part_chunks(const std::vector<StateTensor>& tensors,
+                                                          uint64_t chunk_bytes, const StateLayout& layout,
+                                                          StateKind kind, bool sliced = false);
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
 
@@ -209,8 +221,12 @@ class StateStore {
   Status write_activation(int i, const void* data, uint64_t bytes);
   Status read_activation(int i, void* data, uint64_t bytes);
 
-  // Home tier of a group's chunks of `kind`.
+  // Home tier of a group's first chunk of `kind` (its dense part's), and of the first chunk of
+  // `kind` that a part holds (which it shares with the part before it when it opens none).
   Tier home(int group, StateKind kind) const;
+  Tier part_home(int group, int part, StateKind kind) const;
+  // The parts of a group with tensors of their own (StateTensor::part >= 0), ascending.
+  std::vector<int> parts(int group) const;
   Status synchronize() { return space_->synchronize(); }
   // The ChunkSpace's statistics, with the time acquire_parts() waited for its moves added to
   // the stall time of the tier it acquired in.

@@ -254,6 +254,13 @@ class GlooComm final : public Comm {
                                          "probably exited: see rank {}'s log",
                                          rank(), world_size(), what, peer, world_size(), error, peer));
     }
+    // Of two ranks, the one waited for is the other (with more, the error does not say which).
+    if (world_size() == 2) {
+      const int other = 1 - rank();
+      return Status::IOError(fmt::format("rank {} of 2: {} failed within the {} ms timeout or earlier: {}; rank {} of 2 "
+                                         "may have exited or hung: see rank {}'s log",
+                                         rank(), what, timeout_.count(), error, other, other));
+    }
     return Status::IOError(fmt::format("rank {} of {}: {} failed within the {} ms timeout or earlier: {}; {}", rank(),
                                        world_size(), what, timeout_.count(), error, kHint));
   }

@@ -31,11 +31,6 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   // plans for), at the level the engine trains: parallel.zero, ZeRO-1 for auto.
   e->budgets_.plan_world_size = std::max(1, t.dp_world);
   e->budgets_.plan_zero = t.dp_world <= 1 || t.plan_zero == 0 ? 0 : t.plan_zero < 0 ? 1 : t.plan_zero;
-  if (e->budgets_.plan_zero >= 2 && mc.is_moe())
-    return Status::Unimplemented(fmt::format(
-        "parallel.zero={} with MoE layers: which experts a rank's tokens reach is that rank's own, and their "
-        "gradient sums and weight gathers cannot follow them yet; use parallel.zero=1 (or auto) for this model",
-        e->budgets_.plan_zero));
   e->backend_ = backend;
   RETURN_IF_ERROR(e->open_backend(t));
   RETURN_IF_ERROR(e->resolve_budgets());

@@ -174,20 +174,29 @@ Status fit_device_tier(Device& device, const model::ParamLayout& layout, const P
   return Status::OK();
 }
 
-// The store's homes and slices as `placement` gives them: each (group, kind) homed where it
-// says, and a sliced row held as this rank's range of each tensor (tensor_shard).
+// The store's homes and slices as `placement` gives them: each (group, kind), and each part
+// with rows of its own, homed where it says, and a sliced row held as this rank's range of each
+// tensor (tensor_shard).
 Status follow_placement(const Placement& placement, int num_layers, const PagedStateOptions& options,
                         StateStoreOptions* so) {
   if (placement.num_groups() != num_layers + 2)
     return Status::InvalidArgument(fmt::format("the placement has {} parameter groups; the model has {}",
                                                placement.num_groups(), num_layers + 2));
-  for (int g = 0; g < placement.num_groups(); ++g)
-    for (StateKind k : so->layout.kinds())
+  for (int g = 0; g < placement.num_groups(); ++g) {
+    for (StateKind k : so->layout.kinds()) {
       if (placement.home(g, k) == Tier::kNvme && options.nvme_bytes == 0)
         return Status::InvalidArgument(fmt::format(
             "the placement homes the {} of parameter group {} on nvme, but there is no nvme tier (memory.nvme.*)",
             state_kind_name(k), g));
-  so->home = [&placement](int g, StateKind k) { return placement.home(g, k); };
+      for (int part : placement.parts(g))
+        if (placement.home(g, k, part) == Tier::kNvme && options.nvme_bytes == 0)
+          return Status::InvalidArgument(
+              fmt::format("the placement homes the {} of part {} of parameter group {} on nvme, but there is no nvme "
+                          "tier (memory.nvme.*)",
+                          state_kind_name(k), part, g));
+    }
+  }
+  so->home = [&placement](int g, StateKind k, int part) { return placement.home(g, k, part); };
   so->sliced = [&placement](int g, StateKind k) { return placement.sliced(g, k); };
   return Status::OK();
 }
@@ -905,7 +914,7 @@ Status PagedState::begin(int group, bool params, bool grads) {
   if (params) {
     RETURN_IF_ERROR(store_->acquire_part(group, kDensePart, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
     if (gathered_) {
-      gather_params(group, *s);
+      gather_params(group, /*experts=*/false, *s);
       if (!deferred_.ok()) {  // no compute with weights gathered in part
         gathered_->close(group);
         store_->release_part(group, kDensePart, StateKind::kParam, s);
@@ -926,24 +935,57 @@ Status PagedState::begin(int group, bool params, bool grads) {
 }
 
 Status PagedState::begin_experts(int group, std::span<const int> experts, bool params, bool grads) {
+  RETURN_IF_ERROR(deferred_);
   Stream* s = model_stream();
-  // Which experts a rank's tokens reach is its own: their sums, collectives, cannot follow them.
-  CHECK_MSG(!grads || !workspace_, "gradients sliced over the ranks (ZeRO-2) with experts fetched on demand");
-  if (params)
-    RETURN_IF_ERROR(store_->acquire_parts(group, experts, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
-  if (grads) {
-    Status st = store_->acquire_parts(group, experts, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite, s);
-    if (!st.ok()) {
-      if (params) store_->release_parts(group, experts, StateKind::kParam, s);
-      return st;
+  // Ranks holding slices of a kind take part in its collectives for every expert of the layer,
+  // whichever their own tokens reach: ZeRO-3 gathers every expert's weights, ZeRO-2 sums every
+  // expert's gradients (zero where no token of a rank went), on every rank alike.
+  const std::vector<int> every = store_->parts(group);
+  const std::span<const int> weights = gathered_ ? std::span<const int>(every) : experts;
+  const std::span<const int> gradients = workspace_ ? std::span<const int>(every) : experts;
+  // A rank that fails here skips the experts' collectives the others make: it makes no more
+  // collectives at all (deferred_ stops them), so that the others fail at theirs rather than
+  // pair theirs with its next ones.
+  auto failed = [&](Status st) {
+    if ((gathered_ || workspace_) && deferred_.ok()) deferred_ = st;
+    return st;
+  };
+  if (params) {
+    if (Status st = store_->acquire_parts(group, weights, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s);
+        !st.ok())
+      return failed(st);
+    if (gathered_) {
+      gather_params(group, /*experts=*/true, *s);
+      if (!deferred_.ok()) {
+        store_->release_parts(group, weights, StateKind::kParam, s);
+        return deferred_;
+      }
     }
+  }
+  if (grads) {
+    Status st = store_->acquire_parts(group, gradients, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite, s);
+    if (!st.ok()) {
+      if (params) store_->release_parts(group, weights, StateKind::kParam, s);
+      return failed(st);
+    }
+    if (workspace_) fill_gradients(group, /*experts=*/true, *s);
   }
   return Status::OK();
 }
 
 void PagedState::end_experts(int group, std::span<const int> experts, bool params, bool grads) {
-  if (params) store_->release_parts(group, experts, StateKind::kParam, compute_stream_);
-  if (grads) store_->release_parts(group, experts, StateKind::kGrad, compute_stream_);
+  const std::vector<int> every = store_->parts(group);
+  if (grads && workspace_) {
+    // An MoE layer's gradients are taken in one batch of the micro-batch (its backward), so the
+    // experts' sums are made here, while their slices are acquired.
+    CHECK_MSG(handover_[static_cast<size_t>(group)] == 1,
+              "an MoE layer whose gradients are taken in more than one batch of a micro-batch");
+    sum_gradients_to_ranges(group, /*experts=*/true, *model_stream());
+  }
+  if (params) store_->release_parts(group, gathered_ ? std::span<const int>(every) : experts, StateKind::kParam,
+                                    compute_stream_);
+  if (grads) store_->release_parts(group, workspace_ ? std::span<const int>(every) : experts, StateKind::kGrad,
+                                   compute_stream_);
 }
 
 void PagedState::end(int group, bool params, bool grads) {
@@ -1071,13 +1113,13 @@ uint64_t PagedState::param_working_bytes(const model::ParamLayout& layout, const
                                    model::record_micro_batch(layout.config(), false));
 }
 
-void PagedState::gather_params(int g, Stream& stream) {
+void PagedState::gather_params(int g, bool experts, Stream& stream) {
   CHECK_MSG(comm_ != nullptr, "weights sliced over the ranks without the ranks' Comm (set_comm)");
-  gathered_->open(g);
+  if (!experts) gathered_->open(g);
   const StateLayout& layout = store_->layout();
   const uint64_t size = dtype_size(layout.activation_dtype());
   for (size_t i : store_->group_tensors(g)) {
-    if (store_->tensor(i).part != kDensePart) continue;
+    if ((store_->tensor(i).part != kDensePart) != experts) continue;
     char* w = static_cast<char*>(gathered_->at(i));
     // A quantised matrix's copy (with its block scales) is owned whole, as it is stored.
     const bool whole = layout.quantized(store_->tensor(i).shape());
@@ -1101,8 +1143,12 @@ void PagedState::open_gradients(int g, Stream& stream) {
   // Opened at the group's first gradient batch of the micro-batch, kept to its last.
   if (workspace_->is_open(g)) return;
   workspace_->open(g);
+  fill_gradients(g, /*experts=*/false, stream);
+}
+
+void PagedState::fill_gradients(int g, bool experts, Stream& stream) {
   for (size_t i : store_->group_tensors(g)) {
-    if (store_->tensor(i).part != kDensePart) continue;
+    if ((store_->tensor(i).part != kDensePart) != experts) continue;
     float* w = static_cast<float*>(workspace_->at(i));
     const ElementRange own = store_->held(i, StateKind::kGrad);
     // Zeros, and this rank's sums so far in its range: the ranks' sum of what backward adds
@@ -1115,14 +1161,19 @@ void PagedState::open_gradients(int g, Stream& stream) {
 }
 
 void PagedState::close_gradients(int g, Stream& stream) {
-  CHECK_MSG(comm_ != nullptr, "gradients sliced over the ranks without the ranks' Comm (set_comm)");
   // Summed once a micro-batch, at the group's last gradient batch (a tied embedding's own
   // backward, after the head's).
   int& seen = gradient_batches_seen_[static_cast<size_t>(g)];
   if (++seen < handover_[static_cast<size_t>(g)]) return;
   seen = 0;
+  sum_gradients_to_ranges(g, /*experts=*/false, stream);
+  workspace_->close(g);
+}
+
+void PagedState::sum_gradients_to_ranges(int g, bool experts, Stream& stream) {
+  CHECK_MSG(comm_ != nullptr, "gradients sliced over the ranks without the ranks' Comm (set_comm)");
   for (size_t i : store_->group_tensors(g)) {
-    if (store_->tensor(i).part != kDensePart) continue;
+    if ((store_->tensor(i).part != kDensePart) != experts) continue;
     float* w = static_cast<float*>(workspace_->at(i));
     // Each range summed onto its rank, in rank order (one process's sum of the same addends).
     // After an error no more collectives: this rank's run stops, and the others' time out.
@@ -1137,7 +1188,6 @@ void PagedState::close_gradients(int g, Stream& stream) {
       device_->copy(store_->pointer(i, StateKind::kGrad), w + own.first, own.count * sizeof(float), stream,
                     "gradient slice");
   }
-  workspace_->close(g);
 }
 
 // On a device whose memory the host cannot read, checkpoints travel through a host buffer (a
@@ -1163,13 +1213,20 @@ Status PagedState::fetch_saved_activation(int index, void* data, uint64_t bytes)
 std::string PagedState::placement_summary() const {
   std::string out;
   for (StateKind k : store_->layout().kinds()) {
-    int counts[kNumTiers] = {0, 0, 0};
-    for (int g = 0; g < store_->num_groups(); ++g)
+    int counts[kNumTiers] = {0, 0, 0}, apart[kNumTiers] = {0, 0, 0};
+    for (int g = 0; g < store_->num_groups(); ++g) {
       counts[static_cast<int>(store_->home(g, k))]++;
+      // Experts homed elsewhere than their layer (placement part rows).
+      for (int part : store_->parts(g))
+        if (const Tier t = store_->part_home(g, part, k); t != store_->home(g, k)) apart[static_cast<int>(t)]++;
+    }
     bool sliced = false;
     for (int g = 0; g < store_->num_groups(); ++g) sliced = sliced || store_->sliced(g, k);
-    out += fmt::format("{}{}: {} device, {} host, {} nvme{}", out.empty() ? "" : "; ", state_kind_name(k), counts[0],
-                       counts[1], counts[2], sliced ? " (this rank's ranges)" : "");
+    std::string experts;
+    if (apart[0] + apart[1] + apart[2] > 0)
+      experts = fmt::format(" (experts apart from their layer: {} device, {} host, {} nvme)", apart[0], apart[1], apart[2]);
+    out += fmt::format("{}{}: {} device, {} host, {} nvme{}{}", out.empty() ? "" : "; ", state_kind_name(k), counts[0],
+                       counts[1], counts[2], experts, sliced ? " (this rank's ranges)" : "");
   }
   return out;
 }

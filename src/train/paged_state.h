@@ -9,7 +9,9 @@
 // expert); after routing, begin_experts() fetches the experts that received tokens, all of
 // them at once, on demand: routing is data dependent, so the experts are not in the schedule and
 // are not prefetched ahead of it. Experts without tokens in a micro-batch are never fetched and
-// get no gradient chunks acquired; zero_grads() and AdamW still cover every expert (an expert
+// get no gradient chunks acquired, except where the ranks hold slices of a kind: ZeRO-3 gathers
+// every expert's weights and ZeRO-2 sums every expert's gradients, on every rank, so that the
+// ranks' collectives match; zero_grads() and AdamW still cover every expert (an expert
 // without tokens has a zero gradient, and AdamW decays its moments and weights as the flat
 // AdamW does).
 //
@@ -310,15 +312,23 @@ class PagedState : public model::ParamAccess, public SavableState {
   // compute copy for a batch) over the store's tensors.
   static WorkspaceLayout workspace_layout(const std::vector<StateTensor>& tensors, const StateLayout& state,
                                           StateKind kind);
-  // Gathers group g's compute copy: this rank's ranges copied into place, every range then sent
-  // from its rank to the others (the first error is kept in deferred_).
-  void gather_params(int group, Stream& stream);
+  // Gathers group g's compute copy (the dense part's tensors, or with `experts` those of its
+  // experts, whose place the dense part's gather opened): this rank's ranges copied into place,
+  // every range then sent from its rank to the others (the first error is kept in deferred_).
+  // The ranks gather every expert of a layer, whichever their own tokens reach, so that their
+  // collectives match.
+  void gather_params(int group, bool experts, Stream& stream);
   // At group g's first gradient batch of a micro-batch: its place in the workspace, zeros with
-  // this rank's range holding its slice.
+  // this rank's range holding its slice (fill_gradients: of the dense part's or, at
+  // begin_experts, of every expert's tensors).
   void open_gradients(int group, Stream& stream);
+  void fill_gradients(int group, bool experts, Stream& stream);
   // At its last (the program's gradient_batches): sums each range onto its rank and copies
   // this rank's into its slice (the first error is kept in deferred_), then gives the place back.
+  // sum_gradients_to_ranges does it for the dense part's or every expert's tensors (the
+  // experts' at end_experts, every rank summing every expert).
   void close_gradients(int group, Stream& stream);
+  void sum_gradients_to_ranges(int group, bool experts, Stream& stream);
   // Whether it does now (the Comms are set).
   bool reduces_at_handover() const {
     return plans_reductions_at_handover() && handover_comm_ != nullptr && handover_comm_->world_size() > 1;

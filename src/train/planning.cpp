@@ -34,6 +34,60 @@ uint64_t default_host_budget() {
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 10 * 8;
 }
 
+namespace {
+
+using ExpertChunks = std::vector<std::vector<PlanInput::ExpertChunks>>;
+
+// Per layer, each expert's chunks of the optimizer's kinds as the store packs `tensors` (with
+// `sliced`, their slices); a layer with an expert that shares a chunk with another part is left
+// empty.
+ExpertChunks expert_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk, const StateLayout& state,
+                           uint64_t layers, bool sliced) {
+  ExpertChunks out(layers);
+  std::vector<StateKind> kinds;
+  std::vector<std::vector<std::vector<StateStore::PartChunks>>> packed;
+  for (StateKind k : state.kinds()) {
+    if (k != StateKind::kMaster && k != StateKind::kAdamM && k != StateKind::kAdamV) continue;
+    kinds.push_back(k);
+    packed.push_back(StateStore::part_chunks(tensors, chunk, state, k, sliced));
+  }
+  for (size_t l = 0; l < layers && !packed.empty(); ++l) {
+    const size_t g = l + 1;  // the store's group of layer l
+    if (g >= packed[0].size()) break;
+    std::vector<PlanInput::ExpertChunks> experts;
+    bool alone = true;
+    for (size_t pi = 0; pi < packed[0][g].size(); ++pi) {
+      if (packed[0][g][pi].part == kDensePart) continue;
+      PlanInput::ExpertChunks e{packed[0][g][pi].part};
+      for (size_t ki = 0; ki < kinds.size(); ++ki) {
+        const StateStore::PartChunks& c = packed[ki][g][pi];
+        alone = alone && c.own && c.chunks > 0;
+        (kinds[ki] == StateKind::kMaster ? e.master : kinds[ki] == StateKind::kAdamM ? e.adam_m : e.adam_v) = c.chunks;
+      }
+      experts.push_back(e);
+    }
+    if (alone) out[l] = std::move(experts);
+  }
+  return out;
+}
+
+// Expert by expert, the larger of two ranks' shares; a layer either leaves empty ends empty.
+void keep_largest(ExpertChunks& into, const ExpertChunks& share) {
+  for (size_t l = 0; l < into.size(); ++l) {
+    if (into[l].size() != share[l].size()) {
+      into[l].clear();
+      continue;
+    }
+    for (size_t e = 0; e < into[l].size(); ++e) {
+      into[l][e].master = std::max(into[l][e].master, share[l][e].master);
+      into[l][e].adam_m = std::max(into[l][e].adam_m, share[l][e].adam_m);
+      into[l][e].adam_v = std::max(into[l][e].adam_v, share[l][e].adam_v);
+    }
+  }
+}
+
+}  // namespace
+
 PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, DeviceKind device) {
   PlanInput in;
   const bool cuda = device == DeviceKind::kCuda;
@@ -170,8 +224,12 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     // this rank's own store.
     const int W = static_cast<int>(world), rank = static_cast<int>(std::clamp<int64_t>(t.dp_rank, 0, world - 1));
     const std::vector<StateTensor> tensors = PagedState::store_tensors(layout, state, rank, W);
+    in.expert_chunks = expert_chunks(tensors, t.chunk_size, state, L, /*sliced=*/false);
     for (int r = 0; r < W && W > 1; ++r) {
       const std::vector<StateTensor> share = PagedState::store_tensors(layout, state, r, W);
+      const ExpertChunks experts = expert_chunks(share, t.chunk_size, state, L, /*sliced=*/true);
+      if (r == 0) in.expert_sliced_chunks = experts;
+      else keep_largest(in.expert_sliced_chunks, experts);
       const std::vector<uint64_t> sliced = StateStore::group_chunks(share, t.chunk_size, state, StateKind::kGrad, true);
       const std::vector<uint64_t> sliced_moments =
           StateStore::group_chunks(share, t.chunk_size, state, StateKind::kAdamM, true);

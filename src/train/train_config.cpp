@@ -203,7 +203,7 @@ ConfigSchema build_schema() {
          .help = "what is sharded over the data-parallel ranks: 0 nothing, 1 master weights and Adam moments, 2 "
                  "also gradients, 3 also the parameters' compute copy. strata plan: auto is the lowest level that "
                  "fits the budgets per rank. strata train runs every level (auto: 1; each rank owns a range of every "
-                 "tensor; 2 and 3 not yet with MoE layers)"});
+                 "tensor)"});
   return s;
 }
 

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "offload/state_store.h"
+
 namespace strata {
 namespace {
 
@@ -98,6 +100,28 @@ TEST(Placement, ZeroTwoSlicesTheGradientsAndZeroThreeTheComputeCopyToo) {
   for (int g = 0; g < 3; ++g)
     for (StateKind k : {StateKind::kParam, StateKind::kGrad, StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV})
       EXPECT_TRUE(three.sliced(g, k)) << g << " " << state_kind_name(k);
+}
+
+// A part follows its group's row for every kind until it is placed itself; its rows are shared
+// out as the group's.
+TEST(Placement, PartRowsFollowTheirGroupUntilPlaced) {
+  Placement placement(3);
+  placement.place(1, StateKind::kAdamM, Tier::kHost, 8192);
+  EXPECT_TRUE(placement.parts(1).empty());
+  EXPECT_EQ(placement.home(1, StateKind::kAdamM, 5), Tier::kHost);
+  placement.place_part(1, 5, StateKind::kAdamM, Tier::kNvme, 1024);
+  placement.place_part(1, 2, StateKind::kParam, Tier::kDevice, 512);
+  EXPECT_EQ(placement.parts(1), (std::vector<int>{2, 5}));
+  EXPECT_EQ(placement.home(1, StateKind::kAdamM, 5), Tier::kNvme);
+  EXPECT_EQ(placement.part_row(1, 5, StateKind::kAdamM).bytes, 1024u);
+  EXPECT_EQ(placement.home(1, StateKind::kAdamV, 5), Tier::kHost);  // not placed: the group's
+  EXPECT_EQ(placement.home(1, StateKind::kAdamM, kDensePart), Tier::kHost);
+  EXPECT_EQ(placement.home(1, StateKind::kAdamM), Tier::kHost);
+  EXPECT_EQ(placement.home(1, StateKind::kParam, 2), Tier::kDevice);
+  EXPECT_TRUE(placement.parts(0).empty());
+  placement.shard_over(2, /*zero=*/1);
+  EXPECT_TRUE(placement.part_row(1, 5, StateKind::kAdamM).sliced);
+  EXPECT_FALSE(placement.part_row(1, 2, StateKind::kParam).sliced);
 }
 
 TEST(Placement, UnshardedRanksAndOneRankSliceNothing) {

@@ -16,14 +16,14 @@ constexpr uint64_t kChunk = 64 * 1024;
 // The step program of a dense model of `layers` layers, as the decoder and the optimizer run it:
 // AdamW on each group where `home` puts its moments.
 std::vector<ProgramEvent> program(int64_t layers, int64_t grad_accum, const StateLayout& layout,
-                                  const std::function<Tier(int, StateKind)>& home) {
+                                  const std::function<Tier(int, StateKind, int)>& home) {
   model::ModelConfig mc = model::ModelConfig::preset("tiny").value();
   mc.num_hidden_layers = layers;
   mc.tie_word_embeddings = false;
   OptimizerProgram optimizer;
   optimizer.num_groups = static_cast<int>(layers) + 2;
   optimizer.kinds = layout.kinds();
-  optimizer.where = [home](int g) { return update_tier(home(g, StateKind::kAdamM)); };
+  optimizer.where = [home](int g) { return update_tier(home(g, StateKind::kAdamM, kDensePart)); };
   return make_step_program(model::record_micro_batch(mc, false), optimizer).events(grad_accum);
 }
 
@@ -45,8 +45,8 @@ std::vector<ProgramEvent> program(int64_t layers, int64_t grad_accum, const Stat
 constexpr uint64_t kEdgeChunks = 8;
 
 // Homes: the embedding (group 0) and the head (4) on the device, the layers' kinds by `layers`.
-std::function<Tier(int, StateKind)> homes(std::function<Tier(StateKind)> layers) {
-  return [layers](int g, StateKind k) { return g == 0 || g == 4 ? Tier::kDevice : layers(k); };
+std::function<Tier(int, StateKind, int)> homes(std::function<Tier(StateKind)> layers) {
+  return [layers](int g, StateKind k, int) { return g == 0 || g == 4 ? Tier::kDevice : layers(k); };
 }
 
 ReplayInput three_layers(uint64_t device_chunks, uint64_t chunks_per_tensor = 1) {
@@ -140,7 +140,7 @@ TEST(Replay, ALargeModelsStepReplays) {
   in.store.space.device_bytes = 200 * kChunk;
   in.store.space.host_bytes = (34 * 21 + 300) * kChunk;
   in.store.space.nvme_bytes = 34 * 50 * kChunk;
-  in.store.home = [](int, StateKind k) {
+  in.store.home = [](int, StateKind k, int) {
     return k == StateKind::kParam || k == StateKind::kGrad ? Tier::kHost : Tier::kNvme;
   };
   in.program = program(32, 8, in.store.layout, in.store.home);

@@ -31,7 +31,7 @@ std::unique_ptr<StateStore> make_store(Device& device, size_t lookahead) {
   o.space.device_bytes = 2 * kChunk;
   o.space.host_bytes = 64 * kChunk;
   o.lookahead = lookahead;
-  o.home = [](int, StateKind) { return Tier::kHost; };
+  o.home = [](int, StateKind, int) { return Tier::kHost; };
   Result<std::unique_ptr<StateStore>> store = StateStore::create(device, nullptr, std::move(tensors), o);
   CHECK_MSG(store.ok(), store.status().to_string());
   // Written once in host memory: a chunk never written is zero-filled where it is first
@@ -125,7 +125,7 @@ TEST(StateStoreTest, SmallPartsShareAChunkAndAWholeWriteOfOneKeepsTheOther) {
   o.space.chunk_bytes = kChunk;
   o.space.device_bytes = 2 * kChunk;
   o.space.host_bytes = 64 * kChunk;
-  o.home = [](int, StateKind) { return Tier::kHost; };
+  o.home = [](int, StateKind, int) { return Tier::kHost; };
   std::unique_ptr<StateStore> store = StateStore::create(*device, nullptr, std::move(tensors), o).value();
   EXPECT_EQ(store->part_chunk_count(0, 0, StateKind::kParam), 1u);
   EXPECT_EQ(store->part_chunk_count(0, 1, StateKind::kParam), 1u);
@@ -157,11 +157,53 @@ TEST(StateStoreTest, SharedChunksFallBackToTheTierBelowWhenTheHomeIsFull) {
   o.space.chunk_bytes = kChunk;
   o.space.device_bytes = 2 * kChunk;  // the dense chunk and one experts' chunk of parameters
   o.space.host_bytes = 64 * kChunk;
-  o.home = [](int, StateKind kind) { return kind == StateKind::kParam ? Tier::kDevice : Tier::kHost; };
+  o.home = [](int, StateKind kind, int) { return kind == StateKind::kParam ? Tier::kDevice : Tier::kHost; };
   Result<std::unique_ptr<StateStore>> store = StateStore::create(*device, nullptr, std::move(tensors), o);
   ASSERT_TRUE(store.ok()) << store.status().to_string();
   EXPECT_EQ((*store)->space().home(param_chunk(**store, "e0")), Tier::kDevice);
   EXPECT_EQ((*store)->space().home(param_chunk(**store, "e7")), Tier::kHost);
+}
+
+// Each part opens its chunks in the home asked for it (the planner's part rows): experts 0 and 1
+// of full size on the device and in host memory, the small experts 2 and 3 sharing the chunk
+// expert 1 opened, and with it its home; part_chunks() counts what each part opens.
+TEST(StateStoreTest, PartsOpenTheirChunksInTheirOwnHomes) {
+  std::unique_ptr<CpuDevice> device = CpuDevice::create(0, 0).value();
+  std::vector<StateTensor> tensors = {{"dense", kFloats, 0, kDensePart},
+                                      {"e0", kFloats, 0, 0},
+                                      {"e1", kFloats / 2, 0, 1},
+                                      {"e2", kFloats / 4, 0, 2},
+                                      {"e3", kFloats / 4, 0, 3}};
+  StateStoreOptions o;
+  o.space.chunk_bytes = kChunk;
+  o.space.device_bytes = 8 * kChunk;
+  o.space.host_bytes = 64 * kChunk;
+  o.home = [](int, StateKind kind, int part) {
+    if (kind != StateKind::kParam) return Tier::kHost;
+    return part == 0 ? Tier::kDevice : part == kDensePart ? Tier::kHost : part == 1 ? Tier::kHost : Tier::kDevice;
+  };
+  const std::vector<StateTensor> described = tensors;
+  Result<std::unique_ptr<StateStore>> store = StateStore::create(*device, nullptr, std::move(tensors), o);
+  ASSERT_TRUE(store.ok()) << store.status().to_string();
+  StateStore& s = **store;
+  EXPECT_EQ(s.space().home(param_chunk(s, "dense")), Tier::kHost);
+  EXPECT_EQ(s.space().home(param_chunk(s, "e0")), Tier::kDevice);
+  EXPECT_EQ(s.space().home(param_chunk(s, "e1")), Tier::kHost);
+  EXPECT_EQ(param_chunk(s, "e2"), param_chunk(s, "e1"));  // too small for a chunk of its own
+  EXPECT_EQ(s.part_home(0, 3, StateKind::kParam), Tier::kHost);  // asked for the device, shares e1's
+  EXPECT_EQ(s.home(0, StateKind::kParam), Tier::kHost);
+  EXPECT_EQ(s.part_home(0, 0, StateKind::kParam), Tier::kDevice);
+  const auto parts = StateStore::part_chunks(described, kChunk, StateLayout{}, StateKind::kParam);
+  ASSERT_EQ(parts.size(), 1u);
+  ASSERT_EQ(parts[0].size(), 5u);
+  const bool own[] = {true, true, true, false, false};
+  const uint64_t chunks[] = {1, 1, 1, 0, 0};
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(parts[0][i].part, static_cast<int>(i) - 1);
+    EXPECT_EQ(parts[0][i].own, own[i]) << i;
+    EXPECT_EQ(parts[0][i].chunks, chunks[i]) << i;
+  }
+  EXPECT_EQ(StateStore::group_chunks(described, kChunk, StateLayout{}, StateKind::kParam), (std::vector<uint64_t>{3}));
 }
 
 // A sliced kind holds each tensor's slice alone, packed as slices (the chunk count the planner
@@ -178,7 +220,7 @@ TEST(StateStoreTest, ASlicedKindHoldsEachTensorsSliceAlone) {
   o.space.chunk_bytes = kChunk;
   o.space.host_bytes = 64 * kChunk;
   o.layout = StateLayout::of(Precision::kBf16);
-  o.home = [](int, StateKind) { return Tier::kHost; };
+  o.home = [](int, StateKind, int) { return Tier::kHost; };
   o.sliced = [](int, StateKind k) { return k == StateKind::kMaster || k == StateKind::kAdamM; };
   auto store = StateStore::create(**device, nullptr, tensors, o);
   ASSERT_TRUE(store.ok()) << store.status().to_string();
@@ -258,7 +300,7 @@ TEST(StateStoreTest, ExpertsASlicedKindHoldsNothingOfOpenNoChunk) {
   StateStoreOptions o;
   o.space.chunk_bytes = kChunk;
   o.space.host_bytes = 64 * kChunk;
-  o.home = [](int, StateKind) { return Tier::kHost; };
+  o.home = [](int, StateKind, int) { return Tier::kHost; };
   o.sliced = [](int, StateKind k) { return k == StateKind::kAdamM; };
   auto store = StateStore::create(**device, nullptr, tensors, o);
   ASSERT_TRUE(store.ok()) << store.status().to_string();

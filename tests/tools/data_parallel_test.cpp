@@ -323,6 +323,34 @@ TEST_F(DataParallelTest, MoeWithGlobalBalancingAndTightBudgetsThroughNvmeOnEvery
   EXPECT_TRUE(d.max_abs <= kParamTol) << "max |diff| " << d.max_abs;
 }
 
+// MoE at ZeRO-2 and 3: which experts a rank's tokens reach is its own, so every rank sums every
+// expert's gradients (zeros where none of its tokens went) and gathers every expert's weights,
+// in one order on all ranks. Top-2 of 4 experts, each rank's micro-batch routed its own way,
+// every kind paged through host and nvme: two ranks train what one process trains.
+TEST_F(DataParallelTest, MoeAtZeroTwoAndThreeTrainsWhatOneProcessTrains) {
+  const std::string moe = ",model_type=mixtral,num_local_experts=4,num_experts_per_tok=2,router_bias_update_rate=0.05";
+  const fs::path one = dir_ / "one";
+  CmdResult single = testing::run_strata(run_args(one.string(), 2, moe) + " run.export=" + (one / "export").string());
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  const std::string tight = " memory.device=2900KiB memory.host=2600KiB memory.nvme.path=" + (dir_ / "nvme").string() +
+                            " memory.nvme.size=16MiB memory.offload_activations=true";
+  for (int zero : {2, 3}) {
+    const std::string name = "moe_zero" + std::to_string(zero);
+    const fs::path run = dir_ / name;
+    auto ranks = launch(2, run_args(run.string(), 1, moe) + tight + " parallel.zero=" + std::to_string(zero) +
+                               " run.export=" + (run / "export").string(),
+                        name);
+    ASSERT_TRUE(all_ok(ranks)) << all_output(ranks);
+    EXPECT_NE(homes_of(ranks[0].output, zero == 3 ? "param" : "grad").find("(this rank's ranges)"), std::string::npos)
+        << ranks[0].output;
+    std::ifstream in(run / "metrics.jsonl");
+    std::string line;
+    std::getline(in, line);
+    EXPECT_GT(nlohmann::json::parse(line)["nvme_bytes"].get<uint64_t>(), 0u) << line;
+    expect_trained_as(one, run, name);
+  }
+}
+
 // ZeRO-2: each rank keeps only its ranges of the gradients' sums, beside its ranges of the master
 // weights and moments; backward writes a layer's full gradients into a workspace, and each
 // range is summed onto its rank as backward ends (micro-batch by micro-batch). At worlds 2 and 4,
@@ -572,51 +600,103 @@ TEST_F(DataParallelTest, ARankThatCannotStartStopsTheOthersBeforeTheFirstStep) {
   EXPECT_FALSE(fs::exists(run / "metrics.jsonl"));
 }
 
-TEST_F(DataParallelTest, AKilledRankStopsTheOthersWithAMessageAndTheLastCheckpointResumes) {
-  const fs::path run = dir_ / "run";
-  // Rank 1 is killed once the run has a checkpoint; rank 0 must not wait past the timeout.
-  const std::string args = run_args(run.string(), 1) + " train.steps=100000 ckpt.every=2";
-  std::vector<CmdResult> results(2);
+// Two ranks of `args` started in the background, each logging to dir_/NAME.rankR.log; their pids.
+std::vector<int> start_two_ranks(const fs::path& dir, const std::string& args, const std::string& name) {
   std::vector<int> pids(2, 0);
-  const std::string rdzv = (dir_ / "rendezvous").string();
+  const std::string rdzv = (dir / ("rendezvous-" + name)).string();
   for (int r = 0; r < 2; ++r) {
-    const fs::path log = dir_ / ("rank" + std::to_string(r) + ".log");
-    const std::string cmd = "RANK=" + std::to_string(r) +
-                            " WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 TORCHELASTIC_RUN_ID=kill " +
-                            std::string(STRATA_BINARY_DIR) + "/strata " + args + " parallel.rendezvous=" + rdzv +
-                            " parallel.timeout_s=10 > " + log.string() + " 2>&1 & echo $!";
+    const fs::path log = dir / (name + ".rank" + std::to_string(r) + ".log");
+    const std::string cmd = "RANK=" + std::to_string(r) + " WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 TORCHELASTIC_RUN_ID=" +
+                            name + " " + std::string(STRATA_BINARY_DIR) + "/strata " + args + " parallel.rendezvous=" +
+                            rdzv + " parallel.timeout_s=10 > " + log.string() + " 2>&1 & echo $!";
     FILE* p = popen(cmd.c_str(), "r");
-    ASSERT_NE(p, nullptr);
-    ASSERT_EQ(fscanf(p, "%d", &pids[static_cast<size_t>(r)]), 1);
-    pclose(p);
+    if (p == nullptr || fscanf(p, "%d", &pids[static_cast<size_t>(r)]) != 1) ADD_FAILURE() << "could not start " << cmd;
+    if (p != nullptr) pclose(p);
   }
+  return pids;
+}
+
+// Waits (at most 40 s) for process `pid` to end; the seconds it took.
+double wait_for_exit(int pid) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int waited = 0; kill(pid, 0) == 0 && waited < 400; ++waited) {
+    waitpid(pid, nullptr, WNOHANG);
+    usleep(100 * 1000);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Once the run in `run` has a checkpoint, `stop` is done to rank 1 (SIGKILL: it dies; SIGSTOP:
+// it hangs); rank 0 must exit within the timeout with one error naming itself and rank 1. The
+// last committed checkpoint then verifies, and one process resumes from it for a step.
+void expect_stopped_rank_stops_the_other(const fs::path& dir, const fs::path& run, const std::string& args,
+                                         const std::string& resume_args, const std::string& name, int stop,
+                                         const std::vector<std::string>& any_of) {
+  const std::vector<int> pids = start_two_ranks(dir, args, name);
+  // Whatever fails below, neither rank is left running (or stopped).
+  struct KillOnExit {
+    const std::vector<int>& pids;
+    ~KillOnExit() {
+      for (int pid : pids) {
+        if (pid <= 0) continue;
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, WNOHANG);
+      }
+    }
+  } kill_on_exit{pids};
   const fs::path latest = run / "checkpoints" / "latest";
   for (int i = 0; i < 600 && !fs::exists(latest); ++i) usleep(100 * 1000);
-  ASSERT_TRUE(fs::exists(latest)) << read_text(dir_ / "rank0.log") << read_text(dir_ / "rank1.log");
-  ASSERT_EQ(kill(pids[1], SIGKILL), 0);
-  const auto killed_at = std::chrono::steady_clock::now();
-  int waited = 0;
-  while (kill(pids[0], 0) == 0 && waited++ < 400) usleep(100 * 1000);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
-  const std::string log0 = read_text(dir_ / "rank0.log");
-  ASSERT_NE(kill(pids[0], 0), 0) << "rank 0 still runs " << seconds << " s after rank 1 was killed\n" << log0;
+  const std::string log0_path = (dir / (name + ".rank0.log")).string();
+  ASSERT_TRUE(fs::exists(latest)) << read_text(log0_path) << read_text(dir / (name + ".rank1.log"));
+  ASSERT_EQ(kill(pids[1], stop), 0);
+  const double seconds = wait_for_exit(pids[0]);
+  const std::string log0 = read_text(log0_path);
+  kill(pids[1], SIGKILL);  // a stopped rank is killed now
+  waitpid(pids[1], nullptr, WNOHANG);
+  ASSERT_NE(kill(pids[0], 0), 0) << "rank 0 still runs " << seconds << " s after rank 1 was stopped\n" << log0;
   EXPECT_LT(seconds, 30.0) << log0;
-  // One error naming this rank, the collective that failed and the rank that went away.
   EXPECT_NE(log0.find("rank 0 of 2"), std::string::npos) << log0;
-  EXPECT_NE(log0.find("rank 1 of 2 closed its connection"), std::string::npos) << log0;
-  EXPECT_NE(log0.find("see rank 1's log"), std::string::npos) << log0;
-  waitpid(pids[0], nullptr, WNOHANG);
+  bool named = false;
+  for (const std::string& s : any_of) named = named || log0.find(s) != std::string::npos;
+  EXPECT_TRUE(named) << log0;
 
-  // The last committed checkpoint verifies, and one process resumes from it.
-  std::string name = read_text(latest);
-  while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
-  const int64_t saved = std::stoll(name.substr(name.find('-') + 1));
-  CmdResult verify = testing::run_strata("ckpt verify " + (run / "checkpoints" / name).string());
+  std::string checkpoint = read_text(latest);
+  while (!checkpoint.empty() && std::isspace(static_cast<unsigned char>(checkpoint.back()))) checkpoint.pop_back();
+  const int64_t saved = std::stoll(checkpoint.substr(checkpoint.find('-') + 1));
+  CmdResult verify = testing::run_strata("ckpt verify " + (run / "checkpoints" / checkpoint).string());
   EXPECT_EQ(verify.exit_code, 0) << verify.output;
-  CmdResult resumed = testing::run_strata(run_args(run.string(), 2) + " train.steps=" + std::to_string(saved + 1) +
-                                          " ckpt.every=2 --resume auto");
+  CmdResult resumed =
+      testing::run_strata(resume_args + " train.steps=" + std::to_string(saved + 1) + " ckpt.every=2 --resume auto");
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("done: " + std::to_string(saved + 1) + " steps"), std::string::npos) << resumed.output;
+}
+
+TEST_F(DataParallelTest, AKilledRankStopsTheOthersWithAMessageAndTheLastCheckpointResumes) {
+  const fs::path run = dir_ / "run";
+  // One error naming this rank, the collective that failed and the rank that went away.
+  expect_stopped_rank_stops_the_other(dir_, run, run_args(run.string(), 1) + " train.steps=100000 ckpt.every=2",
+                                      run_args(run.string(), 2), "kill", SIGKILL,
+                                      {"rank 1 of 2 closed its connection"});
+  EXPECT_NE(read_text(dir_ / "kill.rank0.log").find("see rank 1's log"), std::string::npos);
+}
+
+// ZeRO-3 with MoE layers, where most collectives are the weights' gathers (every expert's too):
+// a rank killed, then in another run a rank that hangs (stopped), makes the other exit naming
+// the operation it was in (a gather, or the sums onto the ranks' ranges), and the last
+// checkpoint resumes on one process.
+TEST_F(DataParallelTest, ARankThatDiesOrHangsAtZeroThreeStopsTheOtherNamingTheOperation) {
+  const std::string moe = ",model_type=mixtral,num_local_experts=4,num_experts_per_tok=2";
+  for (const auto& [stop, name] : {std::pair{SIGKILL, "dies"}, std::pair{SIGSTOP, "hangs"}}) {
+    const fs::path run = dir_ / name;
+    expect_stopped_rank_stops_the_other(
+        dir_, run, run_args(run.string(), 1, moe) + " parallel.zero=3 train.steps=100000 ckpt.every=2",
+        run_args(run.string(), 2, moe), name, stop,
+        {"gathering the weights of parameter group", "the gradients of parameter group"});
+    const std::string log0 = read_text(dir_ / (std::string(name) + ".rank0.log"));
+    EXPECT_NE(log0.find(stop == SIGKILL ? "rank 1 of 2 closed its connection" : "rank 1 of 2 may have exited or hung"),
+              std::string::npos)
+        << log0;
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Evaluation during training (data.eval_paths, train.eval_every, train.eval_steps): the eval
 // loss is the training loss's forward on held-out windows, through the same engine and paging.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -27,7 +28,7 @@ class EvalTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = fs::path(::testing::TempDir()) /
-           ("strata_eval_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+           ("strata_eval_" + std::to_string(::getpid()) + "_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     std::string text;

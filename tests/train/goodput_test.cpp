@@ -83,7 +83,7 @@ class GoodputRunTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = fs::path(::testing::TempDir()) /
-           ("strata_goodput_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+           ("strata_goodput_" + std::to_string(::getpid()) + "_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     std::string text;

@@ -3,6 +3,7 @@
 #include "train/host_ram.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 
@@ -130,7 +131,7 @@ TEST(HostRamTest, EachItemFollowsItsSetting) {
 // nvme budget was read before it was set).
 TEST(HostRamTest, ThePagedStateReservesThePlannedHostTierWithItsNvmeStagingSlot) {
   const model::ModelConfig mc = tiny_config(/*tied=*/false);
-  const std::filesystem::path nvme = std::filesystem::path(::testing::TempDir()) / "strata_host_ram_nvme";
+  const std::filesystem::path nvme = std::filesystem::path(::testing::TempDir()) / ("strata_host_ram_nvme_" + std::to_string(::getpid()));
   std::filesystem::create_directories(nvme);
   auto device = CpuDevice::create(0, 0);
   ASSERT_TRUE(device.ok());

@@ -4,6 +4,7 @@
 // run with room for everything, in the fp32 and the bf16 recipes; and the plan's traffic and
 // tier peaks are the engine's counters (the planner replays the step on the same store).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -83,7 +84,7 @@ Result<TrainedRun> train(const model::ModelConfig& mc, const TrainConfig& t) {
 class NvmeEveryKindTest : public ::testing::TestWithParam<Precision> {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) / ("nvme_every_kind_" + std::to_string(static_cast<int>(GetParam())));
+    dir_ = fs::path(::testing::TempDir()) / ("nvme_every_kind_" + std::to_string(::getpid()) + "_" + std::to_string(static_cast<int>(GetParam())));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -168,6 +169,85 @@ TEST_P(NvmeEveryKindTest, ParametersAndGradientsFourTimesTheHostTrainThroughNvme
   for (int t = 0; t < kNumTiers; ++t)
     EXPECT_EQ(plan.chunk_peak_bytes[static_cast<size_t>(t)], b.tiers[static_cast<size_t>(t)].peak_bytes)
         << tier_name(static_cast<Tier>(t));
+}
+
+// An MoE model (every token to each of 8 experts, so every expert moves as the plan's uniform
+// routing says) whose host has room for all its optimizer state but a few experts' worth: the
+// planner spills those experts of the last host layer to nvme one at a time (placement part
+// rows) rather than the whole layer, the store homes each expert's chunks where its row says,
+// and the run trains bit for bit as with room for everything, its traffic and peaks the plan's.
+TEST_P(NvmeEveryKindTest, AnMoELayersExpertsSpillToNvmeOneAtATime) {
+  model::ModelConfig mc = model_config();
+  mc.num_hidden_layers = 4;
+  mc.num_experts = 8;
+  mc.num_experts_per_tok = 8;
+  mc.moe_intermediate_size = 64;
+  TrainConfig roomy = config();
+  roomy.chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(mc), roomy.precision);
+  Result<TrainedRun> reference = train(mc, roomy);
+  ASSERT_TRUE(reference.ok()) << reference.status().to_string();
+
+  TrainConfig tight = roomy;
+  const Plan all_on_device = make_plan(make_plan_input(mc, roomy, DeviceKind::kCpu));
+  tight.memory_device = all_on_device.min_device_budget + 2 * tight.chunk_size;
+  const uint64_t host_needed = make_plan(make_plan_input(mc, tight, DeviceKind::kCpu)).host.total();
+  tight.nvme_path = (dir_ / "nvme").string();
+  tight.nvme_size = 1ull << 30;
+  // The largest host budget, in steps of a chunk below what the plan needs with nothing on nvme,
+  // whose plan spills experts without their whole layer.
+  Plan spilled;
+  for (uint64_t host = host_needed; host > tight.chunk_size && !(spilled.fits && spilled.nvme_optimizer_experts > 0);
+       host -= tight.chunk_size) {
+    tight.memory_host = host;
+    spilled = make_plan(make_plan_input(mc, tight, DeviceKind::kCpu));
+  }
+  ASSERT_TRUE(spilled.fits) << spilled.problem;
+  ASSERT_GT(spilled.nvme_optimizer_experts, 0) << "no host budget spills experts alone";
+  // (All of them, the dense part left, is counted so too.)
+  ASSERT_LE(spilled.nvme_optimizer_experts, mc.num_experts);
+  std::printf("%lld of the layer's %lld experts spilled\n", static_cast<long long>(spilled.nvme_optimizer_experts),
+              static_cast<long long>(mc.num_experts));
+  // The rows: one layer keeps its dense part's optimizer state on the host and has its last
+  // experts' on nvme, the first ones' on the host; the compute copy stays with its group.
+  int partial = -1;
+  for (int g = 0; g < spilled.placement.num_groups(); ++g) {
+    if (spilled.placement.home(g, StateKind::kAdamM) != Tier::kHost) continue;
+    for (int e : spilled.placement.parts(g))
+      if (spilled.placement.home(g, StateKind::kAdamM, e) == Tier::kNvme) partial = g;
+  }
+  ASSERT_GE(partial, 1) << "no layer has experts on nvme and the rest on the host";
+  ASSERT_EQ(spilled.placement.parts(partial).size(), static_cast<size_t>(mc.num_experts));
+  for (int e = 0; e < mc.num_experts; ++e) {
+    const bool nvme = e >= mc.num_experts - spilled.nvme_optimizer_experts;
+    for (StateKind k : {StateKind::kAdamM, StateKind::kAdamV})
+      EXPECT_EQ(spilled.placement.home(partial, k, e), nvme ? Tier::kNvme : Tier::kHost) << e;
+    EXPECT_EQ(spilled.placement.home(partial, StateKind::kParam, e), spilled.placement.home(partial, StateKind::kParam))
+        << e;
+  }
+
+  Result<TrainedRun> paged = train(mc, tight);
+  ASSERT_TRUE(paged.ok()) << paged.status().to_string();
+  const Plan& plan = paged->plan;
+  EXPECT_EQ(plan.nvme_optimizer_experts, spilled.nvme_optimizer_experts);
+  EXPECT_GT(paged->last.nvme_to_host_bytes, paged->first.nvme_to_host_bytes) << "nothing was read from nvme";
+  ASSERT_EQ(paged->losses.size(), reference->losses.size());
+  for (size_t i = 0; i < paged->losses.size(); ++i)
+    EXPECT_EQ(paged->losses[i], reference->losses[i]) << "step " << i;
+  ASSERT_EQ(paged->params.size(), reference->params.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < paged->params.size(); ++i)
+    differ += std::memcmp(&paged->params[i], &reference->params[i], sizeof(float)) != 0;
+  EXPECT_EQ(differ, 0u) << "parameters differ from the roomy run's bits";
+  const double steps = kSteps - 1;
+  const ChunkSpaceStats& a = paged->first;
+  const ChunkSpaceStats& b = paged->last;
+  EXPECT_EQ(static_cast<double>(plan.disk_read_bytes), static_cast<double>(b.nvme_to_host_bytes - a.nvme_to_host_bytes) / steps);
+  EXPECT_EQ(static_cast<double>(plan.disk_write_bytes), static_cast<double>(b.host_to_nvme_bytes - a.host_to_nvme_bytes) / steps);
+  for (int t = 0; t < kNumTiers; ++t)
+    EXPECT_EQ(plan.chunk_peak_bytes[static_cast<size_t>(t)], b.tiers[static_cast<size_t>(t)].peak_bytes)
+        << tier_name(static_cast<Tier>(t));
+  // nvme holds homes only: the groups and the experts the plan spilled, chunk for chunk.
+  EXPECT_EQ(plan.nvme.total(), b.tiers[static_cast<size_t>(Tier::kNvme)].peak_bytes);
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, NvmeEveryKindTest, ::testing::Values(Precision::kFp32, Precision::kBf16),

@@ -11,6 +11,7 @@
 // The store is made with roomy budgets, so that every chunk lands in the home it was given
 // rather than falling back to a tier below a full one.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <array>
 #include <filesystem>
@@ -163,7 +164,7 @@ TEST(PlacementTest, DeviceAndNvmeOptimizerGroupsAreWhereThePlanCountsThem) {
   ASSERT_NE(sizes.edge_moment_chunks, sizes.layer_moment_chunks);
   t.memory_device = first_device_budget(mc, t, edge_and_layers);
   ASSERT_GT(t.memory_device, 0u) << "no device budget keeps the edge's and some, not all, layers' optimizer there";
-  const fs::path nvme = fs::path(::testing::TempDir()) / "placement_test_nvme";
+  const fs::path nvme = fs::path(::testing::TempDir()) / ("placement_test_nvme_" + std::to_string(::getpid()));
   fs::remove_all(nvme);
   fs::create_directories(nvme);
   t.nvme_path = nvme.string();

@@ -20,7 +20,7 @@ class RunDirsTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = fs::path(::testing::TempDir()) /
-           ("strata_rundirs_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+           ("strata_rundirs_" + std::to_string(::getpid()) + "_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
