@@ -31,7 +31,7 @@ status=0
 for name in dense moe; do
 model=${!name}
 common=(data.paths=["$work/corpus.txt"] "$model" train.micro_batch=2 train.seq_len=32 train.steps=3
-        optim.warmup_steps=1 train.grad_accum=2 run.device=cpu)
+        optim.warmup_steps=1 train.grad_accum=2 run.device=cpu memory.host=256MiB)
 for zero in 0 1 2 3; do
   for world in 2 4; do
     run="$work/run-$name-$zero-$world"
