@@ -700,8 +700,10 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
 //     updated shards need no gather.
 // Time: those bytes over the bus bandwidth of the slowest link the ring crosses, the node's
 // when the world fits in one node and the network's otherwise (no hierarchical estimate).
-// ZeRO-3's gathers prefetch beside compute (the larger of the two counts); the gradient
-// reduction and the updated copy's gather run after backward and count in full.
+// Every collective counts in full, as strata train runs them: ZeRO-3's gathers on the compute
+// stream when a batch begins its group (not prefetched beside compute yet), the gradient
+// reduction and the updated copy's gather after backward (the sums at handover, ZeRO-0 and 1,
+// overlap backward, which is not counted either).
 void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   const int64_t W = s.W, L = s.L;
   const int zero = s.zero;
@@ -736,8 +738,7 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   const int64_t per_node = std::clamp<int64_t>(in.ranks_per_node, 1, W);
   p.comm_bytes_per_s = W <= per_node ? r.intra_node_bytes_per_s : r.inter_node_bytes_per_s;
   p.comm_s = static_cast<double>(c.total()) / p.comm_bytes_per_s;
-  const double gather_s = static_cast<double>(c.param_all_gather) / p.comm_bytes_per_s;
-  p.comm_exposed_s = (p.comm_s - gather_s) + std::max(0.0, gather_s - p.compute_s);
+  p.comm_exposed_s = p.comm_s;
   p.step_s += p.comm_exposed_s;
 }
 
