@@ -64,6 +64,16 @@ class Comm {
                               std::span<const size_t> recv_bytes, Stream* stream = nullptr) = 0;
   // data (bytes) becomes root's on every rank.
   virtual Status broadcast(void* data, size_t bytes, int root, Stream* stream = nullptr) = 0;
+  // In place, over blocks of uneven sizes: data holds world_size blocks, consecutive in rank
+  // order, block r of bytes[r] bytes (some may be empty). all_gather_v: every rank's block r
+  // becomes rank r's. reduce_scatter_v_sum (blocks of counts[r] floats): rank r's block r
+  // becomes the sum over ranks of block r, added in rank order; the other blocks are left as
+  // they were. One call moves what a broadcast (or reduce_sum) per block would, in one
+  // collective: a tensor shared out over the ranks by contiguous ranges is gathered, or summed
+  // onto its ranges' ranks, at once. `bytes` and `counts` have world_size entries, the same on
+  // every rank.
+  virtual Status all_gather_v(void* data, std::span<const size_t> bytes, Stream* stream = nullptr) = 0;
+  virtual Status reduce_scatter_v_sum(float* data, std::span<const size_t> counts, Stream* stream = nullptr) = 0;
   // Returns once every rank has called it.
   virtual Status barrier() = 0;
 

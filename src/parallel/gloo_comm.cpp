@@ -168,6 +168,37 @@ class GlooComm final : public Comm {
     });
   }
 
+  Status all_gather_v(void* data, std::span<const size_t> bytes, Stream* stream) override {
+    CHECK(bytes.size() == world());
+    size_t total = 0;
+    for (size_t b : bytes) total += b;
+    const std::string what = fmt::format("all_gather_v of {} bytes", total);
+    return run(what, stream, [&] {
+      if (total == 0) return;
+      // No input: this rank's block already sits at its place in data.
+      gloo::AllgathervOptions opts(context_);
+      opts.setOutput(static_cast<uint8_t*>(data), std::vector<size_t>(bytes.begin(), bytes.end()));
+      opts.setTimeout(timeout_);
+      gloo::allgatherv(opts);
+      // A ring: each rank passes on every block but its right neighbour's.
+      bytes_sent_ += total - bytes[(static_cast<size_t>(rank()) + 1) % world()];
+    });
+  }
+
+  Status reduce_scatter_v_sum(float* data, std::span<const size_t> counts, Stream* stream) override {
+    CHECK(counts.size() == world());
+    size_t total = 0, offset = 0;
+    for (size_t r = 0; r < world(); ++r) {
+      total += counts[r];
+      if (r < static_cast<size_t>(rank())) offset += counts[r];
+    }
+    const std::string what = fmt::format("reduce_scatter_v_sum of {} floats", total);
+    return run(what, stream, [&] {
+      // The blocks are all sent before this rank's sum overwrites its own.
+      reduce_scatter(data, std::vector<size_t>(counts.begin(), counts.end()), data + offset);
+    });
+  }
+
   Status barrier() override {
     return run("barrier", nullptr, [&] {
       gloo::BarrierOptions opts(context_);

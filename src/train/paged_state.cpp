@@ -328,6 +328,22 @@ ElementRange PagedState::range_of(size_t i, int rank) const {
                      options_.placement->world());
 }
 
+std::vector<size_t> PagedState::rank_blocks(size_t i, uint64_t element_bytes, uint64_t whole_bytes) const {
+  const int world = options_.placement ? options_.placement->world() : 1;
+  std::vector<size_t> blocks(static_cast<size_t>(world));
+  uint64_t next = 0;
+  for (int r = 0; r < world; ++r) {
+    const ElementRange range = range_of(i, r);
+    if (range.count == 0) continue;
+    // The ranks' ranges follow each other in rank order from the tensor's start.
+    CHECK_MSG(range.first == next, "a tensor's ranges are not consecutive in rank order");
+    next = range.first + range.count;
+    blocks[static_cast<size_t>(r)] =
+        whole_bytes > 0 ? whole_bytes : element_bytes > 0 ? range.count * element_bytes : range.count;
+  }
+  return blocks;
+}
+
 StepProgram PagedState::step_program() const {
   OptimizerProgram optimizer;
   optimizer.num_groups = store_->num_groups();
@@ -616,10 +632,8 @@ Status PagedState::sum_gradients(int g, parallel::Comm& comm, Stream* stream) {
       st = comm.all_reduce_sum(p, static_cast<size_t>(buffers[j].n), stream);
       continue;
     }
-    for (int r = 0; r < comm.world_size() && st.ok(); ++r) {
-      const ElementRange range = range_of(tensors[j], r);
-      if (range.count > 0) st = comm.reduce_sum(p + range.first, range.count, r, stream);
-    }
+    // Each range summed onto its rank, the whole tensor in one collective.
+    st = comm.reduce_scatter_v_sum(p, rank_blocks(tensors[j], 0), stream);
   }
   if (stream != nullptr) stream->synchronize();
   return st.ok() ? st : st.with_context("the gradients of parameter group " + std::to_string(g));
@@ -669,15 +683,11 @@ Status PagedState::gather_copy(int g, Tier where) {
     const Piece& t = pieces_[i];
     const bool whole = layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows});
     char* copy = static_cast<char*>(store_->raw_pointer(i, StateKind::kParam));
-    // Each rank's range, from that rank: a quantised matrix's copy (owned whole) as it is stored.
-    for (int r = 0; r < comm_->world_size(); ++r) {
-      const ElementRange range = range_of(i, r);
-      if (range.count == 0) continue;
-      const uint64_t offset = whole ? 0 : range.first * size;
-      const uint64_t bytes = whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : range.count * size;
-      Status st = comm_->broadcast(copy + offset, bytes, r, stream);
-      if (!st.ok()) return st.with_context("the updated weights of parameter group " + std::to_string(g));
-    }
+    // Each rank's range, from that rank, in one collective: a quantised matrix's copy (owned
+    // whole) as it is stored.
+    const uint64_t whole_bytes = whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : 0;
+    Status st = comm_->all_gather_v(copy, rank_blocks(i, size, whole_bytes), stream);
+    if (!st.ok()) return st.with_context("the updated weights of parameter group " + std::to_string(g));
   }
   if (stream != nullptr) stream->synchronize();
   return Status::OK();
@@ -1123,19 +1133,16 @@ void PagedState::gather_params(int g, bool experts, Stream& stream) {
     char* w = static_cast<char*>(gathered_->at(i));
     // A quantised matrix's copy (with its block scales) is owned whole, as it is stored.
     const bool whole = layout.quantized(store_->tensor(i).shape());
-    auto place = [&](ElementRange r) { return std::pair{whole ? 0 : r.first * size, whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : r.count * size}; };
+    const uint64_t whole_bytes = whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : 0;
     const ElementRange own = store_->held(i, StateKind::kParam);
     if (own.count > 0) {
-      const auto [offset, bytes] = place(own);
-      device_->copy(w + offset, store_->raw_pointer(i, StateKind::kParam), bytes, stream, "gathered weights");
+      device_->copy(w + (whole ? 0 : own.first * size), store_->raw_pointer(i, StateKind::kParam),
+                    whole ? whole_bytes : own.count * size, stream, "gathered weights");
     }
-    for (int r = 0; r < comm_->world_size() && deferred_.ok(); ++r) {
-      const ElementRange range = range_of(i, r);
-      if (range.count == 0) continue;
-      const auto [offset, bytes] = place(range);
-      Status st = comm_->broadcast(w + offset, bytes, r, &stream);
-      if (!st.ok()) deferred_ = st.with_context("gathering the weights of parameter group " + std::to_string(g));
-    }
+    // Every rank's range from its rank, in one collective. After an error no more collectives.
+    if (!deferred_.ok()) continue;
+    Status st = comm_->all_gather_v(w, rank_blocks(i, size, whole_bytes), &stream);
+    if (!st.ok()) deferred_ = st.with_context("gathering the weights of parameter group " + std::to_string(g));
   }
 }
 
@@ -1175,12 +1182,11 @@ void PagedState::sum_gradients_to_ranges(int g, bool experts, Stream& stream) {
   for (size_t i : store_->group_tensors(g)) {
     if ((store_->tensor(i).part != kDensePart) != experts) continue;
     float* w = static_cast<float*>(workspace_->at(i));
-    // Each range summed onto its rank, in rank order (one process's sum of the same addends).
-    // After an error no more collectives: this rank's run stops, and the others' time out.
-    for (int r = 0; r < comm_->world_size() && deferred_.ok(); ++r) {
-      const ElementRange range = range_of(i, r);
-      if (range.count == 0) continue;
-      Status st = comm_->reduce_sum(w + range.first, range.count, r, &stream);
+    // Each range summed onto its rank, in rank order (one process's sum of the same addends),
+    // the whole tensor in one collective. After an error no more collectives: this rank's run
+    // stops, and the others' time out.
+    if (deferred_.ok()) {
+      Status st = comm_->reduce_scatter_v_sum(w, rank_blocks(i, 0), &stream);
       if (!st.ok()) deferred_ = st.with_context("the gradients of parameter group " + std::to_string(g));
     }
     const ElementRange own = store_->held(i, StateKind::kGrad);

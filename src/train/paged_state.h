@@ -281,6 +281,10 @@ class PagedState : public model::ParamAccess, public SavableState {
   // layout tensor, as far as it falls in this piece, counted from the piece's first element);
   // every element without ranks.
   ElementRange range_of(size_t i, int rank) const;
+  // Tensor i's blocks per rank for Comm::all_gather_v / reduce_scatter_v_sum: each rank's range
+  // in elements (element_bytes 0), or in bytes of `element_bytes` each; a tensor owned whole by
+  // one rank (a quantised matrix, `whole_bytes` > 0) is that rank's block of whole_bytes.
+  std::vector<size_t> rank_blocks(size_t i, uint64_t element_bytes, uint64_t whole_bytes = 0) const;
   // The elements of store tensor i this rank updates: its range when sharded, else all.
   ElementRange updated_range(size_t i) const;
   // Sums group g's gradients (acquired) over the ranks of `comm`, on `stream` when they are in

@@ -47,6 +47,11 @@ TEST(LocalComm, CopiesWhereDataMovesAndSumsAreTheInput) {
   ASSERT_TRUE(c.all_to_all_v(bytes.data(), sizes, out.data(), sizes).ok());
   EXPECT_EQ(out, bytes);
   ASSERT_TRUE(c.broadcast(bytes.data(), 4, 0).ok());
+  ASSERT_TRUE(c.all_gather_v(bytes.data(), sizes).ok());  // one rank's block: nothing moves
+  EXPECT_EQ(bytes, (std::vector<uint8_t>{1, 2, 3, 4}));
+  const std::vector<size_t> counts = {3};
+  ASSERT_TRUE(c.reduce_scatter_v_sum(recv.data(), counts).ok());
+  EXPECT_EQ(recv, send);
   ASSERT_TRUE(c.barrier().ok());
   Result<double> sum = sum_over_ranks(c, 2.5);
   ASSERT_TRUE(sum.ok());

@@ -89,6 +89,42 @@ class NcclComm final : public Comm {
                  ncclBroadcast(data, data, bytes, ncclUint8, root, comm_, handle(*stream)));
   }
 
+  Status all_gather_v(void* data, std::span<const size_t> bytes, Stream* stream) override {
+    if (stream == nullptr) return bootstrap_->all_gather_v(data, bytes);
+    CHECK(bytes.size() == static_cast<size_t>(world_));
+    cudaStream_t s = handle(*stream);
+    size_t total = 0;
+    for (size_t b : bytes) total += b;
+    // A broadcast of each block from its rank, grouped into one launch.
+    auto* at = static_cast<uint8_t*>(data);
+    ncclResult_t result = ncclGroupStart();
+    for (int r = 0; r < world_ && result == ncclSuccess; ++r) {
+      if (bytes[r] > 0) result = ncclBroadcast(at, at, bytes[r], ncclUint8, r, comm_, s);
+      if (rank_ != (r + world_ - 1) % world_) bytes_sent_ += bytes[r];
+      at += bytes[r];
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    return check(fmt::format("all_gather_v of {} bytes", total), result != ncclSuccess ? result : end);
+  }
+
+  Status reduce_scatter_v_sum(float* data, std::span<const size_t> counts, Stream* stream) override {
+    if (stream == nullptr) return bootstrap_->reduce_scatter_v_sum(data, counts);
+    CHECK(counts.size() == static_cast<size_t>(world_));
+    cudaStream_t s = handle(*stream);
+    size_t total = 0;
+    for (size_t c : counts) total += c;
+    // A reduce of each block onto its rank, grouped into one launch.
+    float* at = data;
+    ncclResult_t result = ncclGroupStart();
+    for (int r = 0; r < world_ && result == ncclSuccess; ++r) {
+      if (counts[r] > 0) result = ncclReduce(at, at, counts[r], ncclFloat, ncclSum, r, comm_, s);
+      if (rank_ != r) bytes_sent_ += counts[r] * sizeof(float);
+      at += counts[r];
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    return check(fmt::format("reduce_scatter_v_sum of {} floats", total), result != ncclSuccess ? result : end);
+  }
+
   Status barrier() override { return bootstrap_->barrier(); }
 
  private:

@@ -226,6 +226,62 @@ size_t check_reduce(const LaunchInfo& l, Comm& comm, size_t count, int root) {
   return order_matters;
 }
 
+// Uneven blocks per rank (rank r's of sizes[r], some empty), as a tensor shared out by ranges.
+std::vector<size_t> uneven_blocks(int world, size_t unit) {
+  std::vector<size_t> sizes(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) sizes[static_cast<size_t>(r)] = r == 1 ? 0 : unit * (r + 1) + r;
+  return sizes;
+}
+
+// all_gather_v: every rank ends with every rank's block in place; each rank counts the ring's
+// bytes (all but its right neighbour's block).
+void check_all_gather_v(const LaunchInfo& l, Comm& comm) {
+  const int w = l.world_size;
+  const std::vector<size_t> bytes = uneven_blocks(w, 29);
+  size_t total = 0, mine = 0;
+  for (int r = 0; r < w; ++r) {
+    if (r == l.rank) mine = total;
+    total += bytes[static_cast<size_t>(r)];
+  }
+  std::vector<uint8_t> data(total, 0xEE);
+  for (size_t i = 0; i < bytes[static_cast<size_t>(l.rank)]; ++i) data[mine + i] = byte_of(l.rank, 7, i);
+  const uint64_t before = comm.bytes_sent();
+  expect_ok(l, comm.all_gather_v(data.data(), bytes), "all_gather_v");
+  const uint64_t want_sent = total - bytes[static_cast<size_t>((l.rank + 1) % w)];
+  if (comm.bytes_sent() - before != want_sent)
+    fail(l, fmt::format("all_gather_v counted {} bytes sent, expected {}", comm.bytes_sent() - before, want_sent));
+  size_t at = 0;
+  for (int r = 0; r < w; ++r) {
+    for (size_t i = 0; i < bytes[static_cast<size_t>(r)]; ++i, ++at) {
+      if (data[at] != byte_of(r, 7, i))
+        fail(l, fmt::format("all_gather_v: byte {} of rank {}'s block is {}, expected {}", i, r, data[at], byte_of(r, 7, i)));
+    }
+  }
+}
+
+// reduce_scatter_v_sum: this rank's block holds the sum in rank order, the others are as they were.
+size_t check_reduce_scatter_v(const LaunchInfo& l, Comm& comm) {
+  const int w = l.world_size;
+  const std::vector<size_t> counts = uneven_blocks(w, 41);
+  size_t total = 0, mine = 0;
+  for (int r = 0; r < w; ++r) {
+    if (r == l.rank) mine = total;
+    total += counts[static_cast<size_t>(r)];
+  }
+  std::vector<float> data(total);
+  for (size_t i = 0; i < total; ++i) data[i] = addend(l.rank, i);
+  expect_ok(l, comm.reduce_scatter_v_sum(data.data(), counts), "reduce_scatter_v_sum");
+  size_t order_matters = 0;
+  for (size_t i = 0; i < total; ++i) {
+    const bool own = i >= mine && i < mine + counts[static_cast<size_t>(l.rank)];
+    const float want = own ? sum_in_rank_order(w, i) : addend(l.rank, i);
+    if (!same_bits(data[i], want))
+      fail(l, fmt::format("reduce_scatter_v_sum: element {} is {:.9g}, expected {:.9g}", i, data[i], want));
+    if (own && !same_bits(want, sum_in_reverse_order(w, i))) ++order_matters;
+  }
+  return order_matters;
+}
+
 void check_sum_over_ranks(const LaunchInfo& l, Comm& comm) {
   const int w = l.world_size;
   // Doubles where the order shows: 1e17 and 1 do not add exactly.
@@ -279,6 +335,8 @@ int run_ops(const LaunchInfo& l) {
     order_matters += check_all_reduce(l, *comm, count);
   }
   for (int root : {0, w - 1}) order_matters += check_reduce(l, *comm, 333, root);
+  check_all_gather_v(l, *comm);
+  order_matters += check_reduce_scatter_v(l, *comm);
   // The data must be such that a sum in another order would have been caught (from three
   // ranks on: two addends commute exactly).
   if (w >= 3 && order_matters == 0) fail(l, "no element's sum depends on the order; the check proves nothing");
