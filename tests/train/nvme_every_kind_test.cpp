@@ -81,6 +81,38 @@ Result<TrainedRun> train(const model::ModelConfig& mc, const TrainConfig& t) {
   return run;
 }
 
+// The paged run's losses and weights are the reference's bits.
+void expect_same_bits(const TrainedRun& paged, const TrainedRun& reference) {
+  ASSERT_EQ(paged.losses.size(), reference.losses.size());
+  for (size_t i = 0; i < paged.losses.size(); ++i) EXPECT_EQ(paged.losses[i], reference.losses[i]) << "step " << i;
+  ASSERT_EQ(paged.params.size(), reference.params.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < paged.params.size(); ++i)
+    differ += std::memcmp(&paged.params[i], &reference.params[i], sizeof(float)) != 0;
+  EXPECT_EQ(differ, 0u) << "parameters differ from the roomy run's bits";
+}
+
+// The run's plan against its engine's counters over the steps after the first: host-device
+// traffic within `tol`, the disk's bytes and every tier's peak exactly.
+void expect_plan_is_the_engines(const TrainedRun& run, double tol) {
+  const Plan& plan = run.plan;
+  const double steps = kSteps - 1;
+  const ChunkSpaceStats& a = run.first;
+  const ChunkSpaceStats& b = run.last;
+  const double h2d = static_cast<double>(b.host_to_device_bytes - a.host_to_device_bytes) / steps;
+  const double d2h = static_cast<double>(b.device_to_host_bytes - a.device_to_host_bytes) / steps;
+  auto within = [tol](double planned, double measured) {
+    return std::fabs(planned - measured) <= tol * std::max(std::fabs(planned), std::fabs(measured));
+  };
+  EXPECT_TRUE(within(static_cast<double>(plan.h2d_bytes), h2d)) << plan.h2d_bytes << " planned, " << h2d << " measured";
+  EXPECT_TRUE(within(static_cast<double>(plan.d2h_bytes), d2h)) << plan.d2h_bytes << " planned, " << d2h << " measured";
+  EXPECT_EQ(static_cast<double>(plan.disk_read_bytes), static_cast<double>(b.nvme_to_host_bytes - a.nvme_to_host_bytes) / steps);
+  EXPECT_EQ(static_cast<double>(plan.disk_write_bytes), static_cast<double>(b.host_to_nvme_bytes - a.host_to_nvme_bytes) / steps);
+  for (int t = 0; t < kNumTiers; ++t)
+    EXPECT_EQ(plan.chunk_peak_bytes[static_cast<size_t>(t)], b.tiers[static_cast<size_t>(t)].peak_bytes)
+        << tier_name(static_cast<Tier>(t));
+}
+
 class NvmeEveryKindTest : public ::testing::TestWithParam<Precision> {
  protected:
   void SetUp() override {
@@ -139,36 +171,13 @@ TEST_P(NvmeEveryKindTest, ParametersAndGradientsFourTimesTheHostTrainThroughNvme
   EXPECT_GT(nvme_grads, 0);
   EXPECT_GT(paged->last.nvme_to_host_bytes, paged->first.nvme_to_host_bytes) << "nothing was read from nvme";
 
-  ASSERT_EQ(paged->losses.size(), reference->losses.size());
-  for (size_t i = 0; i < paged->losses.size(); ++i)
-    EXPECT_EQ(paged->losses[i], reference->losses[i]) << "step " << i;
-  ASSERT_EQ(paged->params.size(), reference->params.size());
-  size_t differ = 0;
-  for (size_t i = 0; i < paged->params.size(); ++i)
-    differ += std::memcmp(&paged->params[i], &reference->params[i], sizeof(float)) != 0;
-  EXPECT_EQ(differ, 0u) << "parameters differ from the roomy run's bits";
-
+  expect_same_bits(*paged, *reference);
   // The plan's traffic per step and tier peaks are the engine's. Byte for byte in the fp32
   // recipe; in the bf16 recipe the engine's copies between host and device vary from run to run
   // by a few percent (a prefetch that finds a disk read still running leaves the device copy to
   // a later call, and which slots are free then depends on timing), so they are held to the
   // accuracy matrix's 5% there, the disk's bytes and the tier peaks exactly.
-  const double steps = kSteps - 1;
-  const ChunkSpaceStats& a = paged->first;
-  const ChunkSpaceStats& b = paged->last;
-  const double h2d = static_cast<double>(b.host_to_device_bytes - a.host_to_device_bytes) / steps;
-  const double d2h = static_cast<double>(b.device_to_host_bytes - a.device_to_host_bytes) / steps;
-  const double tol = GetParam() == Precision::kFp32 ? 0.0 : 0.05;
-  auto within = [tol](double planned, double measured) {
-    return std::fabs(planned - measured) <= tol * std::max(std::fabs(planned), std::fabs(measured));
-  };
-  EXPECT_TRUE(within(static_cast<double>(plan.h2d_bytes), h2d)) << plan.h2d_bytes << " planned, " << h2d << " measured";
-  EXPECT_TRUE(within(static_cast<double>(plan.d2h_bytes), d2h)) << plan.d2h_bytes << " planned, " << d2h << " measured";
-  EXPECT_EQ(static_cast<double>(plan.disk_read_bytes), static_cast<double>(b.nvme_to_host_bytes - a.nvme_to_host_bytes) / steps);
-  EXPECT_EQ(static_cast<double>(plan.disk_write_bytes), static_cast<double>(b.host_to_nvme_bytes - a.host_to_nvme_bytes) / steps);
-  for (int t = 0; t < kNumTiers; ++t)
-    EXPECT_EQ(plan.chunk_peak_bytes[static_cast<size_t>(t)], b.tiers[static_cast<size_t>(t)].peak_bytes)
-        << tier_name(static_cast<Tier>(t));
+  expect_plan_is_the_engines(*paged, GetParam() == Precision::kFp32 ? 0.0 : 0.05);
 }
 
 // An MoE model (every token to each of 8 experts, so every expert moves as the plan's uniform
@@ -230,24 +239,10 @@ TEST_P(NvmeEveryKindTest, AnMoELayersExpertsSpillToNvmeOneAtATime) {
   const Plan& plan = paged->plan;
   EXPECT_EQ(plan.nvme_optimizer_experts, spilled.nvme_optimizer_experts);
   EXPECT_GT(paged->last.nvme_to_host_bytes, paged->first.nvme_to_host_bytes) << "nothing was read from nvme";
-  ASSERT_EQ(paged->losses.size(), reference->losses.size());
-  for (size_t i = 0; i < paged->losses.size(); ++i)
-    EXPECT_EQ(paged->losses[i], reference->losses[i]) << "step " << i;
-  ASSERT_EQ(paged->params.size(), reference->params.size());
-  size_t differ = 0;
-  for (size_t i = 0; i < paged->params.size(); ++i)
-    differ += std::memcmp(&paged->params[i], &reference->params[i], sizeof(float)) != 0;
-  EXPECT_EQ(differ, 0u) << "parameters differ from the roomy run's bits";
-  const double steps = kSteps - 1;
-  const ChunkSpaceStats& a = paged->first;
-  const ChunkSpaceStats& b = paged->last;
-  EXPECT_EQ(static_cast<double>(plan.disk_read_bytes), static_cast<double>(b.nvme_to_host_bytes - a.nvme_to_host_bytes) / steps);
-  EXPECT_EQ(static_cast<double>(plan.disk_write_bytes), static_cast<double>(b.host_to_nvme_bytes - a.host_to_nvme_bytes) / steps);
-  for (int t = 0; t < kNumTiers; ++t)
-    EXPECT_EQ(plan.chunk_peak_bytes[static_cast<size_t>(t)], b.tiers[static_cast<size_t>(t)].peak_bytes)
-        << tier_name(static_cast<Tier>(t));
+  expect_same_bits(*paged, *reference);
+  expect_plan_is_the_engines(*paged, GetParam() == Precision::kFp32 ? 0.0 : 0.05);
   // nvme holds homes only: the groups and the experts the plan spilled, chunk for chunk.
-  EXPECT_EQ(plan.nvme.total(), b.tiers[static_cast<size_t>(Tier::kNvme)].peak_bytes);
+  EXPECT_EQ(plan.nvme.total(), paged->last.tiers[static_cast<size_t>(Tier::kNvme)].peak_bytes);
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, NvmeEveryKindTest, ::testing::Values(Precision::kFp32, Precision::kBf16),
