@@ -700,10 +700,13 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
 //     updated shards need no gather.
 // Time: those bytes over the bus bandwidth of the slowest link the ring crosses, the node's
 // when the world fits in one node and the network's otherwise (no hierarchical estimate).
-// Every collective counts in full, as strata train runs them: ZeRO-3's gathers on the compute
-// stream when a batch begins its group (not prefetched beside compute yet), the gradient
-// reduction and the updated copy's gather after backward (the sums at handover, ZeRO-0 and 1,
-// overlap backward, which is not counted either).
+// What adds to the step is what strata train waits for: ZeRO-3's gathers on the compute stream
+// when a batch begins its group (not prefetched beside compute yet), ZeRO-2's sums as each
+// backward ends and the updated copy's gather after the optimizer, in full. The sums at
+// handover (ZeRO-0 and 1 with parallel.overlap_comm, the optimizer not overlapped) run on a
+// thread of their own as the last micro-batch's backward hands each group over: all but the
+// last group's (the embedding's, handed over as backward ends) hide behind the rest of that
+// backward, as far as its compute time reaches.
 void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   const int64_t W = s.W, L = s.L;
   const int zero = s.zero;
@@ -738,7 +741,18 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   const int64_t per_node = std::clamp<int64_t>(in.ranks_per_node, 1, W);
   p.comm_bytes_per_s = W <= per_node ? r.intra_node_bytes_per_s : r.inter_node_bytes_per_s;
   p.comm_s = static_cast<double>(c.total()) / p.comm_bytes_per_s;
-  p.comm_exposed_s = p.comm_s;
+  if (in.overlap_comm && !in.overlap_optimizer && zero <= 1) {
+    const double sums_s = static_cast<double>(c.grad_all_reduce + c.grad_reduce_scatter) / p.comm_bytes_per_s;
+    // The embedding's share of the gradients: the store's chunks when known, else half the edge.
+    const double embed = in.edge_chunks > 0 && in.embed_chunks > 0
+                             ? static_cast<double>(in.embed_chunks) / static_cast<double>(in.edge_chunks)
+                             : 0.5;
+    const double all = static_cast<double>(L) * static_cast<double>(in.layer_elements) +
+                       static_cast<double>(in.edge_elements);
+    const double last = all > 0 ? embed * static_cast<double>(in.edge_elements) / all : 0;
+    p.comm_hidden_s = std::min(sums_s * (1 - last), p.phases.backward.compute_s);
+  }
+  p.comm_exposed_s = p.comm_s - p.comm_hidden_s;
   p.step_s += p.comm_exposed_s;
 }
 
@@ -861,10 +875,12 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
   if (in.world_size > 1) {
     const CommBytes& c = p.comm;
     os << fmt::format("  collectives per rank per step (ZeRO-{}, {} GB/s bus): gradient all-reduce {}, reduce-scatter "
-                      "{}, parameter all-gather {}, updated-copy all-gather {}; {} of which {} adds to the step\n",
+                      "{}, parameter all-gather {}, updated-copy all-gather {}; {}, {:.0f}% hidden behind compute, {} "
+                      "adds to the step\n",
                       p.zero, p.comm_bytes_per_s / 1e9, format_bytes(c.grad_all_reduce),
                       format_bytes(c.grad_reduce_scatter), format_bytes(c.param_all_gather),
-                      format_bytes(c.update_all_gather), format_seconds(p.comm_s), format_seconds(p.comm_exposed_s));
+                      format_bytes(c.update_all_gather), format_seconds(p.comm_s),
+                      p.comm_s > 0 ? 100 * p.comm_hidden_s / p.comm_s : 0.0, format_seconds(p.comm_exposed_s));
   }
   if (in.tokens_per_step > 0 && p.step_s > 0) {
     if (in.world_size > 1)

@@ -269,13 +269,13 @@ struct Plan {
   std::string bottleneck;  // compute, PCIe host-to-device / device-to-host, CPU AdamW, disk or
                            // communication
   // Data parallelism (all zero for one process): the level planned (auto's choice), each
-  // rank's collective bytes per step, the bus bandwidth they run at, their time, and the part
-  // of it that adds to step_s (ZeRO-3's parameter gathers hide behind compute; the gradient
-  // reduction and the updated copy's gather do not).
+  // rank's collective bytes per step, the bus bandwidth they run at, their time, the part of it
+  // hidden behind compute (the gradient sums made as backward hands each group over, ZeRO-0
+  // and 1 with parallel.overlap_comm) and the rest, which adds to step_s.
   int zero = 0;
   CommBytes comm;
   double comm_bytes_per_s = 0;
-  double comm_s = 0, comm_exposed_s = 0;
+  double comm_s = 0, comm_hidden_s = 0, comm_exposed_s = 0;
 };
 
 // FLOPs of one micro-batch's forward and backward (with recompute when in.recompute).

@@ -8,10 +8,11 @@
 // it completes. The CPU backend (Gloo) first waits for the work queued on a stream it is
 // given (the CPU backend's own), then runs the operation to completion before it returns.
 //
-// Reproducibility: reduce_scatter_sum, all_reduce_sum and reduce_sum add in rank order, every element
-// computed as ((x_0 + x_1) + x_2) + ... on the Gloo and local backends, so a run repeats bit
-// for bit and equals one process that accumulates the same addends in that order. NCCL sums in
-// the order of its ring or tree, fixed for a given world size and topology.
+// Reproducibility: reduce_scatter_sum, reduce_scatter_v_sum, all_reduce_sum and reduce_sum add
+// in rank order, every element computed as ((x_0 + x_1) + x_2) + ... on the Gloo and local
+// backends, so a run repeats bit for bit and equals one process that accumulates the same
+// addends in that order. NCCL sums in the order of its ring or tree, fixed for a given world
+// size and topology.
 //
 // Failures: an operation that cannot complete within the timeout (a rank died or hangs)
 // returns an error naming this rank, the operation and what was waited for; the Comm is then
@@ -67,7 +68,7 @@ class Comm {
   // In place, over blocks of uneven sizes: data holds world_size blocks, consecutive in rank
   // order, block r of bytes[r] bytes (some may be empty). all_gather_v: every rank's block r
   // becomes rank r's. reduce_scatter_v_sum (blocks of counts[r] floats): rank r's block r
-  // becomes the sum over ranks of block r, added in rank order; the other blocks are left as
+  // becomes the sum over ranks of block r (in the order above); the other blocks are left as
   // they were. One call moves what a broadcast (or reduce_sum) per block would, in one
   // collective: a tensor shared out over the ranks by contiguous ranges is gathered, or summed
   // onto its ranges' ranks, at once. `bytes` and `counts` have world_size entries, the same on

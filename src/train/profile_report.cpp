@@ -284,6 +284,35 @@ ProfileReport analyze_profile(const ProfileInput& in) {
   }
   for (auto& [name, busy] : track_busy)
     r.tracks.emplace_back(name, static_cast<double>(length(merged(busy))) / 1e9 / steps);
+
+  // Collectives between the ranks, inside the traced steps: exposed where the training thread
+  // ran them itself or waited for another thread's (the gradient sums at handover).
+  std::vector<Interval> comm_busy, comm_waited;
+  for (const auto& t : in.threads) {
+    for (const trace::Event& e : t.events) {
+      if (e.phase != 'X') continue;
+      const bool in_step = std::any_of(steps_at.begin(), steps_at.end(),
+                                       [&](const Interval& i) { return e.ts_ns >= i.begin && e.ts_ns < i.end; });
+      if (!in_step) continue;
+      const Interval span{e.ts_ns, e.ts_ns + e.dur_ns};
+      if (is(e, "communication")) comm_busy.push_back(span);
+      if (&t == training && (is(e, "communication") || is(e, "optimizer", "wait for gradient sums")))
+        comm_waited.push_back(span);
+    }
+  }
+  if (!comm_busy.empty()) {
+    const std::vector<Interval> busy = merged(comm_busy);
+    const int64_t busy_ns = length(busy);
+    ProfileReport::Communication& c = r.communication;
+    c.traced = true;
+    c.busy_s = static_cast<double>(busy_ns) / 1e9 / steps;
+    c.hidden_share =
+        busy_ns > 0 ? 1.0 - static_cast<double>(overlap(busy, merged(comm_waited))) / static_cast<double>(busy_ns) : 0;
+    if (in.plan != nullptr) {
+      c.planned_s = in.plan->comm_s;
+      c.planned_hidden_share = in.plan->comm_s > 0 ? in.plan->comm_hidden_s / in.plan->comm_s : 0;
+    }
+  }
   for (auto& [name, f] : flows)  // other I/O: checkpoint reads and writes
     if (name.rfind("checkpoint", 0) == 0)
       r.tracks.emplace_back(name + " I/O", static_cast<double>(length(merged(f.busy))) / 1e9 / steps);
@@ -394,6 +423,12 @@ std::string format_profile_report(const ProfileReport& r) {
       os << fmt::format("  {:<13} {:>11} {:>11} {:>10} {:>10} {:>7.0f}%\n", t.name, format_bytes(t.planned_bytes),
                         format_bytes(t.bytes), ratio(static_cast<double>(t.bytes), static_cast<double>(t.planned_bytes)),
                         seconds(t.busy_s), 100 * t.hidden_share);
+  if (r.communication.traced) {
+    const ProfileReport::Communication& c = r.communication;
+    os << fmt::format("\ncollectives between the ranks per step: planned {}, busy {}; hidden behind compute: planned "
+                      "{:.0f}%, measured {:.0f}%\n",
+                      seconds(c.planned_s), seconds(c.busy_s), 100 * c.planned_hidden_share, 100 * c.hidden_share);
+  }
   os << "\nthe step's critical path (the training thread), per step:\n";
   for (const auto& [name, s] : r.phases) {
     if (s <= 0) continue;
@@ -445,6 +480,11 @@ nlohmann::json profile_report_json(const ProfileReport& r) {
                             {"bytes", t.bytes},
                             {"busy_s", t.busy_s},
                             {"hidden_share", t.hidden_share}});
+  if (r.communication.traced)
+    j["communication"] = {{"busy_s", r.communication.busy_s},
+                          {"hidden_share", r.communication.hidden_share},
+                          {"planned_s", r.communication.planned_s},
+                          {"planned_hidden_share", r.communication.planned_hidden_share}};
   j["phases"] = nlohmann::json::object();
   for (const auto& [name, s] : r.phases) j["phases"][name] = s;
   j["stalls"] = nlohmann::json::object();

@@ -52,6 +52,17 @@ struct ProfileReport {
     bool traced = true;       // false: the backend does not trace these (cuda copies)
   };
   std::vector<Traffic> traffic;
+  // Collectives between the ranks per step (the "communication" spans of every thread): the
+  // time at least one ran, and the share of it the training thread did not wait through (it
+  // ran on another thread beside compute: the sums at handover), beside the plan's. traced
+  // false: no collective was traced (one process).
+  struct Communication {
+    double busy_s = 0;
+    double hidden_share = 0;
+    double planned_s = 0, planned_hidden_share = 0;
+    bool traced = false;
+  };
+  Communication communication;
   // The training thread's time per step by phase, and each phase's parts (stall kinds,
   // optimizer parts); both sum to step_s.
   std::vector<std::pair<std::string, double>> phases;

@@ -305,6 +305,33 @@ TEST(PlanDataParallel, RingCollectiveBytesPerLevel) {
   EXPECT_EQ(slow.bottleneck, "communication");
 }
 
+// The sums at handover (ZeRO-0 and 1 with overlap_comm): all but the embedding's share hide
+// behind the last micro-batch's backward, as far as its compute reaches; ZeRO-2's sums, made as
+// each backward ends, and the updated copy's gather add in full.
+TEST(PlanDataParallel, SumsAtHandoverHideBehindBackward) {
+  PlanInput in = base_input();
+  in.rates.intra_node_bytes_per_s = 100e9;
+  in.overlap_comm = true;
+  const uint64_t g = 2'000'000'000ull / 4 * 3;  // (W-1)/W of the gradients at W = 4
+  const Plan z0 = make_plan(ranks(in, 4, 0));
+  ASSERT_TRUE(z0.fits) << z0.problem;
+  const double sums_s = 2.0 * g / 100e9;
+  // No chunk counts: the embedding is half the edge's 200M of the 1000M elements.
+  const double want = std::min(sums_s * (1 - 0.5 * 200.0 / 1000.0), z0.phases.backward.compute_s);
+  ASSERT_GT(want, 0);
+  EXPECT_NEAR(z0.comm_hidden_s, want, 1e-12);
+  EXPECT_NEAR(z0.comm_exposed_s, z0.comm_s - want, 1e-12);
+  const Plan z1 = make_plan(ranks(in, 4, 1));
+  EXPECT_GT(z1.comm_hidden_s, 0);
+  EXPECT_NEAR(z1.comm_exposed_s, z1.comm_s - z1.comm_hidden_s, 1e-12);
+  const Plan z2 = make_plan(ranks(in, 4, 2));
+  EXPECT_EQ(z2.comm_hidden_s, 0);
+  EXPECT_EQ(z2.comm_exposed_s, z2.comm_s);
+  // The optimizer overlapped with backward takes the handover instead: nothing hides.
+  in.overlap_optimizer = true;
+  EXPECT_EQ(make_plan(ranks(in, 4, 0)).comm_hidden_s, 0);
+}
+
 TEST(PlanDataParallel, AWorldBeyondOneNodeTalksAtTheNetworksRate) {
   PlanInput in = base_input();
   in.rates.intra_node_bytes_per_s = 150e9;

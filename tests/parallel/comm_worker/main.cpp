@@ -226,18 +226,23 @@ size_t check_reduce(const LaunchInfo& l, Comm& comm, size_t count, int root) {
   return order_matters;
 }
 
-// Uneven blocks per rank (rank r's of sizes[r], some empty), as a tensor shared out by ranges.
-std::vector<size_t> uneven_blocks(int world, size_t unit) {
-  std::vector<size_t> sizes(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r) sizes[static_cast<size_t>(r)] = r == 1 ? 0 : unit * (r + 1) + r;
+// Blocks per rank as a tensor shared out by ranges: uneven with rank 1's empty (kUneven), one
+// rank's alone (kOneOwner: the last rank owns a whole fp8 matrix), or none at all (kEmpty).
+enum class Blocks { kUneven, kOneOwner, kEmpty };
+std::vector<size_t> blocks_of(int world, size_t unit, Blocks kind) {
+  std::vector<size_t> sizes(static_cast<size_t>(world), 0);
+  for (int r = 0; r < world; ++r) {
+    if (kind == Blocks::kUneven) sizes[static_cast<size_t>(r)] = r == 1 ? 0 : unit * (r + 1) + r;
+    if (kind == Blocks::kOneOwner && r == world - 1) sizes[static_cast<size_t>(r)] = unit * 3 + 1;
+  }
   return sizes;
 }
 
 // all_gather_v: every rank ends with every rank's block in place; each rank counts the ring's
 // bytes (all but its right neighbour's block).
-void check_all_gather_v(const LaunchInfo& l, Comm& comm) {
+void check_all_gather_v(const LaunchInfo& l, Comm& comm, Blocks kind) {
   const int w = l.world_size;
-  const std::vector<size_t> bytes = uneven_blocks(w, 29);
+  const std::vector<size_t> bytes = blocks_of(w, 29, kind);
   size_t total = 0, mine = 0;
   for (int r = 0; r < w; ++r) {
     if (r == l.rank) mine = total;
@@ -260,9 +265,9 @@ void check_all_gather_v(const LaunchInfo& l, Comm& comm) {
 }
 
 // reduce_scatter_v_sum: this rank's block holds the sum in rank order, the others are as they were.
-size_t check_reduce_scatter_v(const LaunchInfo& l, Comm& comm) {
+size_t check_reduce_scatter_v(const LaunchInfo& l, Comm& comm, Blocks kind) {
   const int w = l.world_size;
-  const std::vector<size_t> counts = uneven_blocks(w, 41);
+  const std::vector<size_t> counts = blocks_of(w, 41, kind);
   size_t total = 0, mine = 0;
   for (int r = 0; r < w; ++r) {
     if (r == l.rank) mine = total;
@@ -335,8 +340,10 @@ int run_ops(const LaunchInfo& l) {
     order_matters += check_all_reduce(l, *comm, count);
   }
   for (int root : {0, w - 1}) order_matters += check_reduce(l, *comm, 333, root);
-  check_all_gather_v(l, *comm);
-  order_matters += check_reduce_scatter_v(l, *comm);
+  for (Blocks kind : {Blocks::kUneven, Blocks::kOneOwner, Blocks::kEmpty}) {
+    check_all_gather_v(l, *comm, kind);
+    order_matters += check_reduce_scatter_v(l, *comm, kind);
+  }
   // The data must be such that a sum in another order would have been caught (from three
   // ranks on: two addends commute exactly).
   if (w >= 3 && order_matters == 0) fail(l, "no element's sum depends on the order; the check proves nothing");
