@@ -674,10 +674,11 @@ ElementRange PagedState::updated_range(size_t i) const {
 
 Status PagedState::gather_copy(int g, Tier where) {
   CHECK_MSG(comm_ != nullptr, "sharded optimizer state without the ranks' Comm (set_comm)");
-  trace::Span span("communication", "updated weight gather", g);
   // Device memory goes on the compute stream (NCCL queues there; Gloo, which moves the CPU
   // backend's host memory, waits for the stream and runs to completion); host memory without one.
   Stream* stream = where == Tier::kDevice ? compute_stream_ : nullptr;
+  if (stream != nullptr) settle_before_collective();
+  trace::Span span("communication", "updated weight gather", g);
   const StateLayout& layout = store_->layout();
   const uint64_t size = dtype_size(layout.activation_dtype());
   for (size_t i : store_->group_tensors(g)) {
@@ -1126,6 +1127,7 @@ uint64_t PagedState::param_working_bytes(const model::ParamLayout& layout, const
 
 void PagedState::gather_params(int g, bool experts, Stream& stream) {
   CHECK_MSG(comm_ != nullptr, "weights sliced over the ranks without the ranks' Comm (set_comm)");
+  settle_before_collective();
   trace::Span span("communication", experts ? "expert weight gather" : "weight gather", g);
   if (!experts) gathered_->open(g);
   const StateLayout& layout = store_->layout();
@@ -1181,6 +1183,7 @@ void PagedState::close_gradients(int g, Stream& stream) {
 
 void PagedState::sum_gradients_to_ranges(int g, bool experts, Stream& stream) {
   CHECK_MSG(comm_ != nullptr, "gradients sliced over the ranks without the ranks' Comm (set_comm)");
+  settle_before_collective();
   trace::Span span("communication", experts ? "expert gradient sums to ranges" : "gradient sums to ranges", g);
   for (size_t i : store_->group_tensors(g)) {
     if ((store_->tensor(i).part != kDensePart) != experts) continue;

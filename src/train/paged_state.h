@@ -376,6 +376,12 @@ class PagedState : public model::ParamAccess, public SavableState {
     trace::Span wait("wait", "compute stream");  // profiles attribute it to what the stream ran
     compute_stream_->synchronize();
   }
+  // Before a collective's span on the compute stream: on the CPU backend Gloo first waits for
+  // the stream's queued compute, which the span would otherwise count as communication. (On
+  // CUDA the collective is queued behind it, and the span times the queueing.)
+  void settle_before_collective() {
+    if (device_->kind() == DeviceKind::kCpu) drain_compute();
+  }
   std::unique_ptr<Stream> staging_stream_;     // saved activations between device and host memory
   std::vector<char> staging_;
   std::unique_ptr<StateStore> store_;

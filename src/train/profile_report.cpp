@@ -103,6 +103,7 @@ const char* phase_of(const trace::Event& e) {
     return "backward";
   }
   if (is(e, "stall")) return "memory stalls";
+  if (is(e, "communication")) return "communication";
   if (is(e, "optimizer") || is(e, "step", "optimizer step")) return "optimizer";
   if (is(e, "data")) return "data";
   if (is(e, "checkpoint")) return "checkpoint";
@@ -110,7 +111,7 @@ const char* phase_of(const trace::Event& e) {
 }
 
 constexpr const char* kPhaseOrder[] = {"forward", "recompute", "backward", "head (LM head + loss)", "optimizer",
-                                       "memory stalls", "data", "checkpoint", "other"};
+                                       "communication", "memory stalls", "data", "checkpoint", "other"};
 
 KindBytes kind_bytes_from(const std::map<std::string, double>& by_kind) {
   auto get = [&](const char* k) {

@@ -171,7 +171,7 @@ TEST_P(NvmeEveryKindTest, ParametersAndGradientsFourTimesTheHostTrainThroughNvme
   EXPECT_GT(nvme_grads, 0);
   EXPECT_GT(paged->last.nvme_to_host_bytes, paged->first.nvme_to_host_bytes) << "nothing was read from nvme";
 
-  expect_same_bits(*paged, *reference);
+  ASSERT_NO_FATAL_FAILURE(expect_same_bits(*paged, *reference));
   // The plan's traffic per step and tier peaks are the engine's. Byte for byte in the fp32
   // recipe; in the bf16 recipe the engine's copies between host and device vary from run to run
   // by a few percent (a prefetch that finds a disk read still running leaves the device copy to
@@ -239,7 +239,7 @@ TEST_P(NvmeEveryKindTest, AnMoELayersExpertsSpillToNvmeOneAtATime) {
   const Plan& plan = paged->plan;
   EXPECT_EQ(plan.nvme_optimizer_experts, spilled.nvme_optimizer_experts);
   EXPECT_GT(paged->last.nvme_to_host_bytes, paged->first.nvme_to_host_bytes) << "nothing was read from nvme";
-  expect_same_bits(*paged, *reference);
+  ASSERT_NO_FATAL_FAILURE(expect_same_bits(*paged, *reference));
   expect_plan_is_the_engines(*paged, GetParam() == Precision::kFp32 ? 0.0 : 0.05);
   // nvme holds homes only: the groups and the experts the plan spilled, chunk for chunk.
   EXPECT_EQ(plan.nvme.total(), paged->last.tiers[static_cast<size_t>(Tier::kNvme)].peak_bytes);

@@ -140,17 +140,18 @@ TEST(ProfileReportTest, TransfersOverlappingStallsAreNotHidden) {
 }
 
 // Collectives: the sums at handover on a thread of their own (120 us a step) are hidden but for
-// the 40 us the training thread waited for them in step 1; the training thread's own (30 us in
-// step 2) are not hidden at all. Spans outside the traced steps are left out.
+// the 40 us the training thread waited for them after AdamW in step 1; the training thread's own
+// (30 us in step 2) are not hidden at all, and are a phase of the step of their own. Spans
+// outside the traced steps are left out.
 TEST(ProfileReportTest, CollectivesTheTrainingThreadWaitsForAreNotHidden) {
   Plan plan;
   ProfileInput in = two_steps(&plan);
   plan.comm_s = 150e-6;
   plan.comm_hidden_s = 100e-6;
-  in.threads[0].events.push_back(span("optimizer", "wait for gradient sums", trace::kNoIndex, 700, 40));
+  in.threads[0].events.push_back(span("optimizer", "wait for gradient sums", trace::kNoIndex, 950, 40));
   in.threads[0].events.push_back(span("communication", "updated weight gather", 0, 1960, 30));
   trace::ThreadEvents sums{4, "thread 4", {}};
-  sums.events.push_back(span("communication", "gradient all-reduce", 1, 620, 120));
+  sums.events.push_back(span("communication", "gradient all-reduce", 1, 870, 120));
   sums.events.push_back(span("communication", "gradient all-reduce", 1, 1620, 120));
   sums.events.push_back(span("communication", "gradient all-reduce", 1, 2500, 120));  // after the steps
   in.threads.push_back(sums);
@@ -160,6 +161,7 @@ TEST(ProfileReportTest, CollectivesTheTrainingThreadWaitsForAreNotHidden) {
   EXPECT_NEAR(r.communication.hidden_share, 1.0 - (40.0 + 30.0) / 270.0, 1e-9);
   EXPECT_NEAR(r.communication.planned_s, 150e-6, 1e-12);
   EXPECT_NEAR(r.communication.planned_hidden_share, 100.0 / 150.0, 1e-9);
+  EXPECT_NEAR(phase(r, "communication"), 15e-6, 1e-12);  // 30 us over two steps
   EXPECT_NE(format_profile_report(r).find("hidden behind compute: planned 67%, measured 74%"), std::string::npos)
       << format_profile_report(r);
   EXPECT_NEAR(profile_report_json(r)["communication"]["hidden_share"].get<double>(), r.communication.hidden_share, 1e-12);
