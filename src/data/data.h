@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/status.h"
@@ -79,6 +80,19 @@ struct DataCursor {
   bool operator==(const DataCursor&) const = default;
 };
 
+// How documents share a sequence (data.packing). Both cut the token stream into the same
+// windows; they differ in what a window's tokens may see.
+//   kConcat    the window is one sequence: attention and positions run across the documents in
+//              it, and the token after an EOS is predicted from the document before (as
+//              llm.c and Megatron train).
+//   kDocument  each document in the window is a sequence of its own: a document ends at an EOS
+//              token (eos_id), positions restart at 0 after it, attention never crosses it, and
+//              the EOS token's target (the next document's first token) is not predicted.
+enum class Packing : uint8_t { kConcat, kDocument };
+const char* packing_name(Packing packing);  // "concat", "document"
+// "concat" | "document"; InvalidArgument naming `key` and the values otherwise.
+Result<Packing> parse_packing(std::string_view name, std::string_view key = "data.packing");
+
 struct DataLoaderOptions {
   int64_t batch_size = 1;  // B: sequences per micro-batch on this rank
   int64_t seq_len = 1;     // T: tokens per sequence
@@ -86,6 +100,8 @@ struct DataLoaderOptions {
   int rank = 0;
   int world_size = 1;
   int64_t vocab_size = 0;  // > 0: a token id outside [0, vocab_size) fails next(); 0: unchecked
+  Packing packing = Packing::kConcat;
+  int64_t eos_id = -1;  // kDocument: the token id that ends a document (>= 0)
 };
 
 // Cuts the dataset into windows of T+1 tokens at stride T (inputs = window[0:T], targets =
@@ -99,7 +115,11 @@ class DataLoader {
   static Result<DataLoader> create(const TokenDataset* dataset, const DataLoaderOptions& options);
 
   // Fills one micro-batch and advances. inputs, targets: (B, T). On error nothing advances.
-  Status next(int32_t* inputs, int32_t* targets);
+  // positions (B, T): with Packing::kDocument, each token's position in its document (what
+  // Model::compute takes), and the targets of EOS tokens are -1; the first document of a row may
+  // have begun before the window and counts from 0 at its start. REQUIRES: positions non-null
+  // with kDocument; ignored (may be null) with kConcat.
+  Status next(int32_t* inputs, int32_t* targets, int32_t* positions = nullptr);
   // The stream position of the first window the last next() read (for error messages).
   int64_t last_window_start() const { return last_start_; }
 
@@ -131,6 +151,9 @@ class DataLoader {
 // The permutation of [0, n) that the loader uses for (seed, epoch): splitmix64 feeding a
 // Fisher-Yates shuffle, unsigned 64-bit arithmetic only. Exposed for tests and tools.
 std::vector<int64_t> window_order(int64_t n, uint64_t seed, uint64_t epoch);
+// splitmix64's output function (Steele, Lea, Flood 2014): a 64-bit hash that is the same on every
+// platform, behind the window order and data.eval_fraction's document split.
+uint64_t splitmix64_mix(uint64_t z);
 
 inline constexpr const char* kDefaultCorpusSource = "/usr/share/common-licenses";
 

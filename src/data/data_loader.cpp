@@ -27,17 +27,29 @@ class SplitMix64 {
       if (r >= threshold) return r % bound;
     }
   }
-  static uint64_t mix(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
+  static uint64_t mix(uint64_t z) { return splitmix64_mix(z); }
 
  private:
   uint64_t state_;
 };
 
 }  // namespace
+
+uint64_t splitmix64_mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+const char* packing_name(Packing packing) { return packing == Packing::kDocument ? "document" : "concat"; }
+
+Result<Packing> parse_packing(std::string_view name, std::string_view key) {
+  if (name == "concat") return Packing::kConcat;
+  if (name == "document") return Packing::kDocument;
+  return Status::InvalidArgument("key '" + std::string(key) + "': '" + std::string(name) +
+                                 "' is not a packing; use concat (documents run into each other, the default) or "
+                                 "document (attention and positions restart at each EOS)");
+}
 
 std::vector<int64_t> window_order(int64_t n, uint64_t seed, uint64_t epoch) {
   std::vector<int64_t> order(static_cast<size_t>(std::max<int64_t>(n, 0)));
@@ -65,6 +77,13 @@ Result<DataLoader> DataLoader::create(const TokenDataset* dataset, const DataLoa
   if (o.vocab_size < 0) {
     return Status::InvalidArgument("data loader: vocab size " + std::to_string(o.vocab_size) +
                                    " is negative (0 disables the check)");
+  }
+  if (o.packing == Packing::kDocument && (o.eos_id < 0 || (o.vocab_size > 0 && o.eos_id >= o.vocab_size))) {
+    return Status::InvalidArgument(
+        "data.packing: document needs data.eos_id, the token id that ends each document (the tokenizer's "
+        "eos_token, which strata data tokenize writes after every document), in [0, " +
+        (o.vocab_size > 0 ? std::to_string(o.vocab_size) : std::string("vocab_size")) + "); it is " +
+        std::to_string(o.eos_id));
   }
   const int64_t n = dataset->num_tokens();
   const int64_t windows = n > o.seq_len ? (n - 1) / o.seq_len : 0;
@@ -101,7 +120,22 @@ Status DataLoader::set_cursor(const DataCursor& cursor) {
   return Status::OK();
 }
 
-Status DataLoader::next(int32_t* inputs, int32_t* targets) {
+namespace {
+
+// Document packing of one row (DataLoaderOptions): positions restart after each EOS, and an
+// EOS's target, the next document's first token, is not predicted.
+void mark_documents(const int32_t* inputs, int32_t* targets, int32_t* positions, int64_t T, int64_t eos) {
+  for (int64_t t = 0; t < T; ++t) {
+    positions[t] = t == 0 || inputs[t - 1] == eos ? 0 : positions[t - 1] + 1;
+    if (inputs[t] == eos) targets[t] = -1;
+  }
+}
+
+}  // namespace
+
+Status DataLoader::next(int32_t* inputs, int32_t* targets, int32_t* positions) {
+  const bool documents = options_.packing == Packing::kDocument;
+  CHECK_MSG(!documents || positions != nullptr, "document packing fills positions: pass an array of B * T");
   const int64_t B = options_.batch_size;
   const int64_t T = options_.seq_len;
   const uint64_t per_step = static_cast<uint64_t>(B * options_.world_size);
@@ -137,6 +171,7 @@ Status DataLoader::next(int32_t* inputs, int32_t* targets) {
       for (int64_t t = 0; t < T; ++t)
         if (mask_[static_cast<size_t>(t + 1)] == 0) targets[b * T + t] = -1;
     }
+    if (documents) mark_documents(inputs + b * T, targets + b * T, positions + b * T, T, options_.eos_id);
   }
   c.index += per_step;
   cursor_ = c;

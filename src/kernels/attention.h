@@ -7,6 +7,14 @@
 // sees keys 0 .. past + t. Each query row is computed as with past = 0 and the whole sequence
 // (the same sums in the same order), so cached decoding gives bitwise the rows a full forward
 // gives. Backward takes past = 0 only (training).
+//
+// positions (B, T) or null: document masks for packed sequences (data.packing: document).
+// positions[b, t] is token t's position in its document, so its document starts at
+// t - positions[b, t]; query t then sees keys t - positions[b, t] .. t only, never a key of an
+// earlier document in the same row. Null is plain causal attention (every row one document
+// starting at 0). REQUIRES with positions: past = 0 and 0 <= positions[b, t] <= t. A row of a
+// masked batch is computed with the same sums in the same order as that document alone at the
+// start of a sequence, so the masked result of each document equals its unpacked one bitwise.
 #pragma once
 #include <cstdint>
 
@@ -15,13 +23,15 @@ namespace strata::kernels {
   void attention_forward(float* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,                      \
                          const float* q /*(B,T,Hq,D)*/, const float* k /*(B,past+T,Hkv,D)*/,      \
                          const float* v /*(B,past+T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,   \
-                         int64_t Hkv, int64_t D, int64_t past = 0);                                \
+                         int64_t Hkv, int64_t D, int64_t past = 0,                                 \
+                         const int32_t* positions /*(B,T) or null*/ = nullptr);                   \
   /* dq, dk, dv = (overwritten) */                                                                \
   void attention_backward(float* dq /*(B,T,Hq,D)*/, float* dk /*(B,T,Hkv,D)*/,                    \
                           float* dv /*(B,T,Hkv,D)*/, const float* dout /*(B,T,Hq,D)*/,            \
                           const float* q, const float* k, const float* v,                         \
                           const float* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/,         \
-                          int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D);
+                          int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,               \
+                          const int32_t* positions /*(B,T) or null*/ = nullptr);
 namespace ref { STRATA_ATTENTION_OPS }
 namespace cpu { STRATA_ATTENTION_OPS }
 #undef STRATA_ATTENTION_OPS

@@ -48,15 +48,18 @@ void rope_inv_freq(float* inv_freq /*(D/2)*/, int64_t head_dim, const RopeConfig
 // The ops rotate by the angles and multiply by `scale` (YaRN's attention factor, which
 // transformers applies to cos and sin; 1 otherwise).
 #define STRATA_ROPE_OPS                                                                            \
-  /* position of token t is past + t (past: positions already in a KV cache, 0 in training).    \
+  /* position of token t is past + t (past: positions already in a KV cache, 0 in training), or  \
+     positions[b, t] when positions (B,T) is given (packed documents restart at 0; past = 0).  \
      out may alias x. */                                                                           \
   void rope_forward(float* out /*(B,T,H,D)*/, const float* x /*(B,T,H,D)*/,                        \
                     const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,   \
-                    float scale = 1.0f, int64_t past = 0);                                         \
+                    float scale = 1.0f, int64_t past = 0,                                          \
+                    const int32_t* positions /*(B,T) or null*/ = nullptr);                         \
   /* dx = scale * (rotation by -angle) dout. dx may alias dout. */                                 \
   void rope_backward(float* dx /*(B,T,H,D)*/, const float* dout /*(B,T,H,D)*/,                     \
                      const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,  \
-                     float scale = 1.0f, int64_t past = 0);
+                     float scale = 1.0f, int64_t past = 0,                                         \
+                     const int32_t* positions /*(B,T) or null*/ = nullptr);
 namespace ref { STRATA_ROPE_OPS }
 namespace cpu { STRATA_ROPE_OPS }
 #undef STRATA_ROPE_OPS

@@ -119,6 +119,7 @@ class ActivationTable {
   // memory copy them here; the CPU reads the caller's arrays).
   int32_t* tokens_in = nullptr;      // (N)
   int32_t* tokens_target = nullptr;  // (N)
+  int32_t* tokens_pos = nullptr;     // (N) positions in their documents (packed documents only)
 
   // One layer's gradient scratch.
   Act* d_ln = nullptr;    // (N, C) gradient of a norm's output
@@ -272,6 +273,7 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(d_shared_logit, shared * N);
   take(tokens_in, N);
   take(tokens_target, N);
+  take(tokens_pos, N);
   take(kv_cache, kv_tokens > 0 ? L * 2 * kv_tokens * kv_dim : 0);
   take(logits, kv_tokens > 0 ? config.vocab_size : 0);
   // Kept layers: layers 0 .. L-2 get intermediates of their own (the last layer's are the shared

@@ -76,8 +76,10 @@ class Model {
   // Starts a step's expert token counts (expert_token_counts()) from zero. The gradients are
   // zeroed by whoever owns them (the ParamAccess's owner).
   virtual void reset_expert_token_counts() = 0;
+  // positions (B, T) or null: packed documents (data.packing: document), each token's position
+  // in its document; see Decoder::compute.
   virtual Result<double> compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
-                                 float grad_scale, bool backward) = 0;
+                                 float grad_scale, bool backward, const int32_t* positions = nullptr) = 0;
   virtual void set_access(ParamAccess* access) = 0;
   virtual double last_aux_loss() const = 0;
   virtual const std::vector<int64_t>& expert_token_counts() const = 0;
@@ -144,8 +146,15 @@ class Decoder final : public Model {
   // The step both wrap: forward, and when `backward` the backward too. The parameters and
   // gradients come from the ParamAccess, wherever it keeps them, and its errors (an I/O error
   // paging a group in) are returned. REQUIRES: a ParamAccess is set.
+  // positions (B, T) or null: document masks for sequences that pack several documents. Token
+  // t of row b is at position positions[b, t] of a document that starts at t - positions[b, t]:
+  // RoPE rotates by that position and attention sees only the keys of the same document
+  // (kernels/attention.h). Null: each row is one sequence from position 0 (the bits of a run
+  // without packing). The targets that would cross a boundary are the caller's to mask (the
+  // data loader sets them to -1). REQUIRES: positions[b, 0] = 0 and each next position is 0 or
+  // the previous one plus 1.
   Result<double> compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
-                         bool backward) override;
+                         bool backward, const int32_t* positions = nullptr) override;
   // Routes parameter and gradient access through `access` (null: none, to let the previous one
   // go). The model begins and ends groups as model/param_access.h describes; it does not own
   // `access`, which must outlive its use. REQUIRES: access->param_dtype() is the backend's
@@ -188,7 +197,9 @@ class Decoder final : public Model {
   // counts to expert_counts_.
   // With `offload`, forward hands offloaded layer checkpoints to the access (see
   // param_access.h).
-  Status forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens, bool offload);
+  // positions: as compute's (null without document masks); staged for the ops in staged_positions_.
+  Status forward_layers(const int32_t* inputs, const int32_t* positions, int64_t B, int64_t T, bool count_tokens,
+                        bool offload);
   // The activation table's slot for layer checkpoint l (0..L: the input of layer l, and the
   // last layer's output) of a micro-batch of N tokens.
   Act* layer_checkpoint(int64_t l, int64_t N);
@@ -240,6 +251,7 @@ class Decoder final : public Model {
   const float* layer_selection_bias(int64_t layer) const;
 
   void check_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) const;
+  void check_positions(const int32_t* positions, int64_t B, int64_t T) const;
 
   ModelConfig config_;
   ParamLayout layout_;
@@ -249,6 +261,7 @@ class Decoder final : public Model {
   float rope_scale_ = 1.0f;  // what RoPE multiplies cos and sin by (YaRN's attention factor)
   int64_t rope_length_ = -1;             // the sequence length they were made for (dynamic scaling)
   const int32_t* staged_inputs_ = nullptr;  // the last forward's input tokens where the ops read them
+  const int32_t* staged_positions_ = nullptr;  // its document positions there; null without document masks
   bool keep_layers_ = false;
   ActivationTable<Ops> acts_;
   ParamAccess* access_ = nullptr;

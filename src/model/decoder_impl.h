@@ -79,6 +79,20 @@ void Decoder<Ops>::check_tokens(const int32_t* inputs, const int32_t* targets, i
 }
 
 template <class Ops>
+void Decoder<Ops>::check_positions(const int32_t* positions, int64_t B, int64_t T) const {
+  if (positions == nullptr) return;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t p = positions[b * T + t];
+      const bool ok = t == 0 ? p == 0 : p == 0 || p == positions[b * T + t - 1] + 1;
+      CHECK_MSG(ok, fmt::format("document position {} of token {} in row {} follows {}: a row's positions start "
+                                "at 0 and each next is 0 (a new document) or one more",
+                                p, t, b, t == 0 ? -1 : positions[b * T + t - 1]));
+    }
+  }
+}
+
+template <class Ops>
 Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* out /*(N,C)*/, int64_t B,
                                    int64_t T, const RouterStats* stats, bool grads, const KvSlot* kv) {
   const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(layer));
@@ -108,10 +122,13 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
     ops_.linear_forward(k, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
   }
   ops_.linear_forward(v, a.ln1, p.v_proj, p.v_bias, N, C, Hkv * D);
-  ops_.rope_forward(a.q, a.q, inv_freq_ops_, B, T, Hq, D, rope_scale_, past);
-  ops_.rope_forward(k, k, inv_freq_ops_, B, T, Hkv, D, rope_scale_, past);
+  // Packed documents (training only): positions restart at each document, and attention stays
+  // inside it.
+  const int32_t* positions = kv != nullptr ? nullptr : staged_positions_;
+  ops_.rope_forward(a.q, a.q, inv_freq_ops_, B, T, Hq, D, rope_scale_, past, positions);
+  ops_.rope_forward(k, k, inv_freq_ops_, B, T, Hkv, D, rope_scale_, past, positions);
   ops_.attention_forward(a.att, a.lse, a.q, kv != nullptr ? kv->k : a.k, kv != nullptr ? kv->v : a.v, B, T, Hq, Hkv,
-                         D, past);
+                         D, past, positions);
   ops_.linear_forward_residual(a.h, a.att, p.o_proj, x, N, Hq * D, C);
 
   // MLP block: out = h + mlp(ln2), mlp = down(silu(gate(ln2)) * up(ln2)) or the experts.
@@ -167,9 +184,10 @@ void Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* dr
 
   // Attention block. h = x + o_proj(att): dL/dx starts as dL/dh.
   ops_.linear_backward(a.d_att, g.o_proj, nullptr, dres, a.att, p.o_proj, N, Hq * D, C);
-  ops_.attention_backward(a.d_q, a.d_k, a.d_v, a.d_att, a.q, a.k, a.v, a.att, a.lse, B, T, Hq, Hkv, D);
-  ops_.rope_backward(a.d_q, a.d_q, inv_freq_ops_, B, T, Hq, D, rope_scale_);
-  ops_.rope_backward(a.d_k, a.d_k, inv_freq_ops_, B, T, Hkv, D, rope_scale_);
+  ops_.attention_backward(a.d_q, a.d_k, a.d_v, a.d_att, a.q, a.k, a.v, a.att, a.lse, B, T, Hq, Hkv, D,
+                          staged_positions_);
+  ops_.rope_backward(a.d_q, a.d_q, inv_freq_ops_, B, T, Hq, D, rope_scale_, staged_positions_);
+  ops_.rope_backward(a.d_k, a.d_k, inv_freq_ops_, B, T, Hkv, D, rope_scale_, staged_positions_);
   if (p.q_norm != nullptr) {
     // Through the per-head norms; d_qk_raw serves q, then k.
     ops_.rmsnorm_backward(a.d_qk_raw, g.q_norm, a.d_q, a.q_raw, p.q_norm, a.q_norm_rstd, N * Hq, D);
@@ -263,7 +281,8 @@ typename Decoder<Ops>::Act* Decoder<Ops>::layer_checkpoint(int64_t l, int64_t N)
 }
 
 template <class Ops>
-Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T, bool count_tokens, bool offload) {
+Status Decoder<Ops>::forward_layers(const int32_t* inputs, const int32_t* positions, int64_t B, int64_t T,
+                                    bool count_tokens, bool offload) {
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
@@ -278,6 +297,7 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, int64_t B, int64_t T,
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
   std::vector<int64_t> layer_counts(static_cast<size_t>(E));
   const int32_t* tokens = staged_inputs_ = ops_.stage_tokens(inputs, N, acts_.tokens_in);
+  staged_positions_ = positions != nullptr ? ops_.stage_tokens(positions, N, acts_.tokens_pos) : nullptr;
   {
     trace::Span span("compute", "embedding forward");
     ops_.trace_phase("embedding forward");
@@ -358,17 +378,18 @@ void Decoder<Ops>::update_rope(int64_t T) {
 
 template <class Ops>
 Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
-                                   float grad_scale, bool backward) {
+                                   float grad_scale, bool backward, const int32_t* positions) {
   CHECK(B > 0 && T > 0);
   update_rope(T);
   CHECK_MSG(access_ != nullptr, "the model computes through a ParamAccess: set_access() first");
   check_tokens(inputs, targets, B * T);
+  check_positions(positions, B, T);
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
   const bool offload = backward && access_->offloads_activations();
   const int64_t offloaded = offload ? saved_activation_count(static_cast<int>(L)) : 0;
-  RETURN_IF_ERROR(forward_layers(inputs, B, T, /*count_tokens=*/backward, offload));
+  RETURN_IF_ERROR(forward_layers(inputs, positions, B, T, /*count_tokens=*/backward, offload));
   const int32_t* staged_targets = ops_.stage_tokens(targets, N, acts_.tokens_target);
 
   // The head: final norm, LM head and cross-entropy (and their backward). With tied
@@ -506,6 +527,7 @@ Status Decoder<Ops>::decode(const int32_t* tokens, int64_t n, float* logits) {
   // The residual stream alternates between two slots of the layer checkpoints.
   auto residual = [&](int64_t l) { return acts_.layer_checkpoints + (l % 2) * n * C; };
   const int32_t* staged = staged_inputs_ = ops_.stage_tokens(tokens, n, acts_.tokens_in);
+  staged_positions_ = nullptr;
   RETURN_IF_ERROR(begin_group(0, true, false));
   ops_.embedding_forward(residual(0), staged, param_blocks(layout_.embed_tokens()).data(),
                          block_rows(layout_.embed_tokens()), n, C, config_.vocab_size);

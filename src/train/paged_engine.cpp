@@ -251,15 +251,16 @@ Status PagedEngine::zero_grads() {
 }
 
 Result<double> PagedEngine::micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
-                                        float grad_scale, bool last, float lr) {
+                                        float grad_scale, bool last, float lr, const int32_t* positions) {
   if (last) state_->begin_last_micro_batch(lr);
-  Result<double> loss = net_->compute(inputs, targets, B, T, grad_scale, /*backward=*/true);
+  Result<double> loss = net_->compute(inputs, targets, B, T, grad_scale, /*backward=*/true, positions);
   train_aux_loss_ = net_->last_aux_loss();  // an evaluation's forward does not replace it
   return loss;
 }
 
-Result<double> PagedEngine::eval_micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T) {
-  return net_->compute(inputs, targets, B, T, /*grad_scale=*/0.0f, /*backward=*/false);
+Result<double> PagedEngine::eval_micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                                             const int32_t* positions) {
+  return net_->compute(inputs, targets, B, T, /*grad_scale=*/0.0f, /*backward=*/false, positions);
 }
 
 Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover) {

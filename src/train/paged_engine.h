@@ -61,13 +61,15 @@ class PagedEngine {
   // final one, with the step's learning rate), then step(lr).
   Status zero_grads();
   // Returns the SUM of token NLLs over targets >= 0 and accumulates grad_scale times its
-  // gradient. inputs and targets are host (B, T) arrays.
+  // gradient. inputs and targets are host (B, T) arrays; positions, host (B, T) or null, the
+  // document positions of packed documents (model::Model::compute).
   Result<double> micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
-                             bool last, float lr);
+                             bool last, float lr, const int32_t* positions = nullptr);
   // Evaluation: the SUM of token NLLs over targets >= 0 of one micro-batch, forward only. The
   // weights page in as for training, under the same budgets; no gradient, optimizer state or
   // router statistic changes, so a run's training is the same with evaluations or without.
-  Result<double> eval_micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T);
+  Result<double> eval_micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                                  const int32_t* positions = nullptr);
   // Clips the global gradient norm and applies AdamW at `lr`; returns the pre-clip norm. A norm
   // that is not finite is returned with nothing changed (the loop skips the step), unless the
   // engine updates during backward, where it is an error: the step cannot be undone.

@@ -27,9 +27,21 @@ ConfigSchema build_schema() {
          .help = "train steps in which the loss masks leave no token to predict (a no-op step: zero gradients); "
                  "false: such a step stops the run naming the file, since an all-zero mask usually means broken "
                  "data"});
+  s.add({.name = "data.packing", .type = T::kString, .default_value = "concat", .choices = {"concat", "document"},
+         .help = "how documents share a sequence. concat: a window of the token stream is one sequence, documents "
+                 "attend to the ones before them. document: attention and positions restart after each "
+                 "data.eos_id token, and the token after an EOS is not predicted (README: Packing)"});
+  s.add({.name = "data.eos_id", .type = T::kInt, .default_value = "-1", .min = -1, .max = 1 << 24,
+         .help = "the token id that ends each document (the tokenizer's eos_token, which strata data tokenize "
+                 "writes after every text document), for data.packing=document; -1 = the eos_token of model.from's "
+                 "tokenizer"});
   s.add({.name = "data.eval_paths", .type = T::kStringList, .default_value = "[]",
          .help = "token files to evaluate on, read as data.paths are (data.format); empty = no evaluation. "
                  "Name files that data.paths does not: nothing checks that they differ"});
+  s.add({.name = "data.eval_fraction", .type = T::kFloat, .default_value = "0", .min = 0, .max = 0.9,
+         .help = "evaluate on this share of the documents of data.paths, held out by document (ended by "
+                 "data.eos_id, or model.from's tokenizer's eos_token) and never trained on; the same documents in "
+                 "every run over the same data. 0 = none; instead of data.eval_paths"});
   s.add({.name = "train.micro_batch", .type = T::kInt, .default_value = "8", .min = 1, .max = 1 << 20,
          .help = "sequences per micro-batch"});
   s.add({.name = "train.seq_len", .type = T::kInt, .default_value = "128", .min = 1, .max = 1 << 24,
@@ -249,7 +261,15 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.data_paths = c.get_list("data.paths");
   t.data_format = c.get_string("data.format");
   t.data_allow_empty_loss = c.get_bool("data.allow_empty_loss");
+  t.data_packing = c.get_string("data.packing");
+  t.data_eos_id = c.get_int("data.eos_id");
+  if (t.data_packing == "document" && t.data_eos_id < 0 && t.model_from.empty())
+    return Status::InvalidArgument(c.origin("data.packing") +
+                                   ": key 'data.packing' is document but data.eos_id is not set; set data.eos_id to "
+                                   "the token id that ends each document (the tokenizer's eos_token), or name the "
+                                   "model with model.from to take its tokenizer's");
   t.data_eval_paths = c.get_list("data.eval_paths");
+  t.data_eval_fraction = c.get_float("data.eval_fraction");
   t.eval_every = c.get_int("train.eval_every");
   t.eval_steps = c.get_int("train.eval_steps");
   t.micro_batch = c.get_int("train.micro_batch");
@@ -338,14 +358,21 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.inter_node_bytes_per_s = c.get_float("hardware.inter_node_gbps") * 1e9;
   if (t.data_paths.empty())
     return Status::InvalidArgument(c.origin("data.paths") + ": key 'data.paths' is empty; name at least one token file");
-  if (t.data_eval_paths.empty() && (c.is_set("train.eval_every") || c.is_set("train.eval_steps"))) {
+  const bool evaluates = !t.data_eval_paths.empty() || t.data_eval_fraction > 0;
+  if (!evaluates && (c.is_set("train.eval_every") || c.is_set("train.eval_steps"))) {
     const char* key = c.is_set("train.eval_every") ? "train.eval_every" : "train.eval_steps";
     return Status::InvalidArgument(c.origin(key) + ": key '" + key +
-                                   "' is set but data.eval_paths is empty; name the token files to evaluate on");
+                                   "' is set but data.eval_paths is empty; name the token files to evaluate on, or "
+                                   "hold out a share of the training documents with data.eval_fraction");
   }
-  if (t.ckpt_keep_best && t.data_eval_paths.empty())
+  if (t.ckpt_keep_best && !evaluates)
     return Status::InvalidArgument(c.origin("ckpt.keep_best") +
-                                   ": key 'ckpt.keep_best' needs evaluations; name the token files in data.eval_paths");
+                                   ": key 'ckpt.keep_best' needs evaluations; name the token files in data.eval_paths "
+                                   "or set data.eval_fraction");
+  if (t.data_eval_fraction > 0 && !t.data_eval_paths.empty())
+    return Status::InvalidArgument(c.origin("data.eval_fraction") +
+                                   ": keys 'data.eval_fraction' and 'data.eval_paths' both name evaluation data; "
+                                   "set one of them");
   if (t.warmup_steps > t.steps)
     return Status::InvalidArgument(c.origin("optim.warmup_steps") + ": key 'optim.warmup_steps' (" +
                                    std::to_string(t.warmup_steps) + ") exceeds train.steps (" +

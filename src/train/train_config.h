@@ -22,7 +22,10 @@ struct TrainConfig {
   std::vector<std::string> data_paths;
   std::string data_format;
   bool data_allow_empty_loss = false;  // steps whose masks leave no target are trained, not refused
+  std::string data_packing = "concat";  // concat | document (data/data.h: Packing)
+  int64_t data_eos_id = -1;             // the token that ends a document (document packing); -1: unset
   std::vector<std::string> data_eval_paths;  // held-out token files; empty: no evaluation
+  double data_eval_fraction = 0;             // share of data.paths' documents held out for evaluation
   int64_t eval_every = 0;                    // evaluate every N steps and after the last; 0: the last only
   int64_t eval_steps = 16;                   // micro-batches in one evaluation, over all ranks
   // schedule of work

@@ -24,6 +24,8 @@
 #include "model/hf_io.h"
 #include "model/decoder.h"
 #include "data/data.h"
+#include "data/document_split.h"
+#include "data/tokenizer.h"
 #include "train/lr_schedule.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
@@ -290,6 +292,37 @@ Status resolve_run_model(const TrainConfig& t, Run& run) {
   return Status::OK();
 }
 
+// The token that ends a document, for `what` (data.packing: document, data.eval_fraction):
+// data.eos_id, else the eos_token of model.from's tokenizer (the one `strata data tokenize`
+// writes after every document).
+Result<int64_t> document_eos_id(const TrainConfig& t, const std::string& what) {
+  if (t.data_eos_id >= 0) return t.data_eos_id;
+  const std::string how = "set data.eos_id to the token id that ends each document (the tokenizer's eos_token)";
+  if (t.model_from.empty() || !fs::exists(fs::path(t.model_from) / "tokenizer.json"))
+    return Status::InvalidArgument(what + " needs data.eos_id, and model.from names no tokenizer.json to take it "
+                                   "from; " + how);
+  Result<model::Tokenizer> tok = model::Tokenizer::load(t.model_from);
+  if (!tok.ok()) return tok.status().with_context(what + " reads the EOS of model.from's tokenizer");
+  if (tok->eos_id() < 0)
+    return Status::InvalidArgument(what + ": the tokenizer of " + t.model_from + " has no eos_token; " + how);
+  LOG_INFO("data: documents end at token {} (the eos_token of {}'s tokenizer)", tok->eos_id(), t.model_from);
+  return static_cast<int64_t>(tok->eos_id());
+}
+
+// data.eval_fraction: the documents of data.paths split into the ones training reads (run.dataset)
+// and the held-out ones evaluations read (run.eval_dataset).
+Status hold_out_documents(const TrainConfig& t, Run& run) {
+  ASSIGN_OR_RETURN(int64_t eos, document_eos_id(t, "data.eval_fraction"));
+  std::shared_ptr<const TokenDataset> all(std::move(run.dataset));
+  ASSIGN_OR_RETURN(DocumentSplit split, split_documents(all, eos, t.data_eval_fraction));
+  LOG_INFO("data: {} of {} documents ({} of {} tokens) held out for evaluation (data.eval_fraction {})",
+           split.held_out_documents, split.documents, split.held_out->num_tokens(), all->num_tokens(),
+           t.data_eval_fraction);
+  run.dataset = std::move(split.train);
+  run.eval_dataset = std::move(split.held_out);
+  return Status::OK();
+}
+
 // The run's folders, locked: t names them from here on (a version folder, a relative nvme).
 // Rank 0 owns them and tells the other ranks where they are (after building the default
 // corpus, which they read). Then the training data and its loader.
@@ -330,11 +363,16 @@ Status open_dirs_and_data(TrainConfig& t, Run& run, std::optional<RunDirs>* dirs
   if (run.dataset->vocab_hint() > run.mc.vocab_size)
     return Status::InvalidArgument("data.paths are read as bytes (256 token ids) but the model's vocab_size is " +
                                    std::to_string(run.mc.vocab_size) + "; use a model with vocab_size >= 256");
+  if (t.data_eval_fraction > 0) RETURN_IF_ERROR(hold_out_documents(t, run));
   DataLoaderOptions lo;
   lo.batch_size = t.micro_batch;
   lo.seq_len = t.seq_len;
   lo.seed = t.seed;
   lo.vocab_size = run.mc.vocab_size;
+  ASSIGN_OR_RETURN(lo.packing, parse_packing(t.data_packing));
+  if (lo.packing == Packing::kDocument) {
+    ASSIGN_OR_RETURN(lo.eos_id, document_eos_id(t, "data.packing: document"));
+  }
   ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(run.dataset.get(), lo));
   run.loader.emplace(std::move(loader));
   if (run.eval_dataset) {
@@ -353,10 +391,11 @@ Status open_dirs_and_data(TrainConfig& t, Run& run, std::optional<RunDirs>* dirs
     run.eval_loader.emplace(std::move(*eval));
     // The windows are the same at every evaluation: data with nothing to predict in them is
     // refused now, not after the training steps.
-    std::vector<int32_t> inputs(static_cast<size_t>(t.micro_batch * t.seq_len)), targets(inputs.size());
+    std::vector<int32_t> inputs(static_cast<size_t>(t.micro_batch * t.seq_len)), targets(inputs.size()),
+        positions(inputs.size());
     int64_t valid = 0;
     for (int64_t m = 0; m < run.eval_batches; ++m) {
-      RETURN_IF_ERROR(run.eval_loader->next(inputs.data(), targets.data()));
+      RETURN_IF_ERROR(run.eval_loader->next(inputs.data(), targets.data(), positions.data()));
       valid += model::count_valid_targets(targets.data(), static_cast<int64_t>(targets.size()));
     }
     if (valid == 0)
@@ -548,12 +587,16 @@ Status open_run_dir(const TrainConfig& t, Run& run, const std::string& effective
   LOG_INFO("model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {:.2f}M parameters", mc.num_hidden_layers,
            mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size,
            static_cast<double>(mc.num_parameters()) / 1e6);
-  LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation{})",
+  LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation{}){}",
            run.dataset->num_tokens(), run.loader->num_windows(), t.seq_len, tokens_per_step, t.micro_batch,
-           t.seq_len, t.grad_accum, ranks.several() ? fmt::format(" x {} ranks", ranks.world()) : "");
+           t.seq_len, t.grad_accum, ranks.several() ? fmt::format(" x {} ranks", ranks.world()) : "",
+           run.loader->options().packing == Packing::kDocument
+               ? fmt::format("; documents packed apart (end at token {})", run.loader->options().eos_id)
+               : "");
   if (run.eval_loader)
-    LOG_INFO("eval: {} micro-batches ({} tokens) of data.eval_paths ({} tokens) after {}the last step",
-             run.eval_batches, run.eval_batches * t.micro_batch * t.seq_len, run.eval_dataset->num_tokens(),
+    LOG_INFO("eval: {} micro-batches ({} tokens) of {} ({} tokens) after {}the last step", run.eval_batches,
+             run.eval_batches * t.micro_batch * t.seq_len,
+             t.data_eval_fraction > 0 ? "the held-out documents" : "data.eval_paths", run.eval_dataset->num_tokens(),
              t.eval_every > 0 ? fmt::format("every {} steps and ", t.eval_every) : std::string());
   LOG_INFO("memory: {}", run.engine->memory_summary());
   if (!host_ram.items.empty()) LOG_INFO("{}", format_host_ram(host_ram));
@@ -702,7 +745,9 @@ Result<double> evaluate(Run& run, const TrainConfig& t, int64_t step) {
   GoodputAccountant::Timer timing = run.goodput->time(GoodputPart::kEval);
   Ranks& ranks = *run.ranks;
   const int64_t micro_tokens = t.micro_batch * t.seq_len;
-  std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens)), targets(inputs.size());
+  std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens)), targets(inputs.size()), positions(inputs.size());
+  // Packed documents' positions (data.packing: document); null keeps concat's bits.
+  const bool documents = run.eval_loader->options().packing == Packing::kDocument;
   RETURN_IF_ERROR(run.eval_loader->set_cursor({}));
   double sums[2] = {0, 0};  // NLL, predicted tokens
   // Rounds of one micro-batch per rank: with the weights sliced over the ranks (ZeRO-3) every
@@ -711,15 +756,16 @@ Result<double> evaluate(Run& run, const TrainConfig& t, int64_t step) {
   const int64_t world = ranks.world();
   const int64_t rounds = (run.eval_batches + world - 1) / world;
   const bool every_rank_computes = world > 1 && run.engine->plan().zero >= 3;
-  std::vector<int32_t> first_inputs, first_targets;  // of the round
+  std::vector<int32_t> first_inputs, first_targets, first_positions;  // of the round
   for (int64_t m = 0; m < rounds * world; ++m) {
     const bool real = m < run.eval_batches;
-    if (real) RETURN_IF_ERROR(run.eval_loader->next(inputs.data(), targets.data()));
-    if (m % world == 0) first_inputs = inputs, first_targets = targets;
+    if (real) RETURN_IF_ERROR(run.eval_loader->next(inputs.data(), targets.data(), positions.data()));
+    if (m % world == 0) first_inputs = inputs, first_targets = targets, first_positions = positions;
     if (m % world != ranks.rank() || (!real && !every_rank_computes)) continue;
     const int32_t* in = real ? inputs.data() : first_inputs.data();
     const int32_t* tg = real ? targets.data() : first_targets.data();
-    ASSIGN_OR_RETURN(double nll, run.engine->eval_micro_batch(in, tg, t.micro_batch, t.seq_len));
+    const int32_t* pos = !documents ? nullptr : real ? positions.data() : first_positions.data();
+    ASSIGN_OR_RETURN(double nll, run.engine->eval_micro_batch(in, tg, t.micro_batch, t.seq_len, pos));
     if (!real) continue;
     sums[0] += nll;
     sums[1] += static_cast<double>(model::count_valid_targets(targets.data(), micro_tokens));
@@ -746,6 +792,10 @@ Status loop(Run& run, const TrainConfig& t) {
   const double flops_per_token = model_flops_per_token(run.mc, t.seq_len);
   std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens * micro_batches));
   std::vector<int32_t> targets(inputs.size());
+  // Packed documents' positions (data.packing: document); none with concat, whose bits stay.
+  const bool documents = run.loader->options().packing == Packing::kDocument;
+  std::vector<int32_t> positions(documents ? inputs.size() : 0);
+  auto positions_of = [&](int64_t m) { return documents ? positions.data() + m * micro_tokens : nullptr; };
   const auto run_start = std::chrono::steady_clock::now();
   trace::name_thread("training");
   for (int64_t step = run.start_step; step <= t.steps; ++step) {
@@ -765,7 +815,8 @@ Status loop(Run& run, const TrainConfig& t) {
     trace::Span data_span("data", "data");
     int64_t step_start = 0;  // where the step's first window starts in the token stream
     for (int64_t m = 0; m < micro_batches; ++m) {
-      RETURN_IF_ERROR(run.loader->next(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens));
+      RETURN_IF_ERROR(
+          run.loader->next(inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens, positions_of(m)));
       if (m == 0) step_start = run.loader->last_window_start();
     }
     data_span.end();
@@ -796,7 +847,7 @@ Status loop(Run& run, const TrainConfig& t) {
       ASSIGN_OR_RETURN(double loss, engine.micro_batch(inputs.data() + m * micro_tokens,
                                                         targets.data() + m * micro_tokens, t.micro_batch, t.seq_len,
                                                         grad_scale, m == first_micro + t.grad_accum - 1,
-                                                        static_cast<float>(lr)));
+                                                        static_cast<float>(lr), positions_of(m)));
       loss_sum += loss;
     }
     if (ranks.several()) {

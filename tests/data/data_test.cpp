@@ -481,6 +481,51 @@ TEST_F(DataTest, TokenOutsideVocabularyNamesFileAndPosition) {
 // ---------------------------------------------------------------------------------------------
 // Default corpus
 
+// data.packing: document. The windows are those of concat packing, and within each row the
+// positions restart after every EOS ('\n' here) and the EOS's target, the next document's first
+// token, is -1; everything else is as concat serves it.
+TEST_F(DataTest, DocumentPackingRestartsPositionsAfterEachEosAndSkipsItsTarget) {
+  std::string text;
+  for (int d = 0; d < 40; ++d) text += std::string(1 + (d * 7) % 11, static_cast<char>('a' + d % 26)) + "\n";
+  auto d = open({write_text("docs.txt", text)});
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  const int64_t B = 3, T = 16;
+  DataLoaderOptions o{.batch_size = B, .seq_len = T, .seed = 5};
+  auto concat = DataLoader::create(d->get(), o);
+  o.packing = Packing::kDocument;
+  o.eos_id = '\n';
+  auto docs = DataLoader::create(d->get(), o);
+  ASSERT_TRUE(concat.ok() && docs.ok());
+  std::vector<int32_t> in(B * T), tg(B * T), pos(B * T), cin(B * T), ctg(B * T);
+  int64_t restarts = 0;
+  for (int step = 0; step < 6; ++step) {
+    ASSERT_TRUE(concat->next(cin.data(), ctg.data()).ok());
+    ASSERT_TRUE(docs->next(in.data(), tg.data(), pos.data()).ok());
+    EXPECT_EQ(in, cin);
+    for (int64_t i = 0; i < B * T; ++i) {
+      const int64_t t = i % T;
+      const bool after_eos = t > 0 && in[i - 1] == '\n';
+      EXPECT_EQ(pos[i], t == 0 || after_eos ? 0 : pos[i - 1] + 1) << "step " << step << " token " << i;
+      EXPECT_EQ(tg[i], in[i] == '\n' ? -1 : ctg[i]) << "step " << step << " token " << i;
+      restarts += after_eos ? 1 : 0;
+    }
+  }
+  EXPECT_GT(restarts, 10);
+}
+
+TEST_F(DataTest, DocumentPackingNeedsAnEosIdAndNamesIt) {
+  auto d = counting_dataset(200);
+  auto loader = DataLoader::create(d.get(), {.batch_size = 2, .seq_len = 8, .packing = Packing::kDocument});
+  expect_error(loader.status(), StatusCode::kInvalidArgument, {"data.packing: document", "data.eos_id"});
+  auto outside = DataLoader::create(
+      d.get(), {.batch_size = 2, .seq_len = 8, .vocab_size = 300, .packing = Packing::kDocument, .eos_id = 300});
+  expect_error(outside.status(), StatusCode::kInvalidArgument, {"data.eos_id", "[0, 300)"});
+  EXPECT_EQ(parse_packing("document").value(), Packing::kDocument);
+  EXPECT_EQ(parse_packing("concat").value(), Packing::kConcat);
+  expect_error(parse_packing("docs").status(), StatusCode::kInvalidArgument,
+               {"data.packing", "'docs'", "concat", "document"});
+}
+
 TEST_F(DataTest, DefaultCorpusConcatenatesSortedTextsOnce) {
   fs::create_directory(path("lic"));
   write_text("lic/B", "bee\n");

@@ -383,6 +383,98 @@ TEST(OpsParity, Attention) {
 
 // ---- LM head + cross-entropy ----------------------------------------------------------------
 
+// Document masks (data.packing: document): rows cut into documents of cycling lengths (long
+// ones spanning tiles, single tokens, some starting mid-tile), positions restarting at each; the
+// WMMA kernel and RoPE against the masked reference, the way CudaOps runs every document-masked
+// batch (the cuDNN graphs take no masks).
+std::vector<int32_t> document_positions(int64_t B, int64_t T) {
+  const int64_t lengths[] = {37, 5, 1, 70, 20};
+  std::vector<int32_t> positions;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t doc = 2 * b, pos = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      if (pos == lengths[doc % 5]) pos = 0, ++doc;
+      positions.push_back(static_cast<int32_t>(pos++));
+    }
+  }
+  return positions;
+}
+
+TEST(OpsParity, DocumentMaskedAttentionAndRope) {
+  StreamGuard stream;
+  TestContext ctx(64 << 20);
+  int device = 0, optin = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const auto fits = [&](size_t need) { return need <= static_cast<size_t>(optin); };
+  for (int64_t T : {17, 128, 257}) {
+    for (int64_t D : {64, 128}) {
+      const int64_t B = 2, Hq = 4, Hkv = 2;
+      const std::string what = "document-masked attention " + shape({{"T", T}, {"D", D}});
+      std::vector<int32_t> positions = document_positions(B, T);
+      DeviceBuffer<int32_t> d_pos(positions);
+      const int64_t nq = B * T * Hq * D, nkv = B * T * Hkv * D;
+      std::vector<float> q = random_vector(nq, 160 + T + D, -1.5f, 1.5f);
+      std::vector<float> k = random_vector(nkv, 161 + T, -1.5f, 1.5f);
+      std::vector<float> v = random_vector(nkv, 162 + T);
+      std::vector<float> dout = random_vector(nq, 163 + T);
+      DeviceBuffer<bf16> d_q = upload_bf16(q), d_k = upload_bf16(k), d_v = upload_bf16(v);
+      DeviceBuffer<bf16> d_dout = upload_bf16(dout);
+      DeviceBuffer<bf16> d_out(nq), d_dq(nq), d_dk(nkv), d_dv(nkv);
+      DeviceBuffer<float> d_lse(B * Hq * T);
+
+      std::vector<float> out(nq), lse(B * Hq * T);
+      ref::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), B, T, Hq, Hkv, D, 0,
+                             positions.data());
+      for (int tile : {0, 32, 64}) {
+        if (tile != 0 && !fits(cu::attention_forward_shared_bytes(D, tile))) continue;
+        const std::string at = what + " tile=" + (tile == 0 ? "auto" : std::to_string(tile));
+        poison(d_out, stream.get());
+        poison(d_lse, stream.get());
+        cu::attention_forward(d_out.get(), d_lse.get(), d_q.get(), d_k.get(), d_v.get(), B, T, Hq, Hkv, D,
+                              stream.get(), tile, /*past=*/0, d_pos.get());
+        expect_close(download_bf16(d_out), out, kBf16Tol, at + " out");
+        expect_close(download_f32(d_lse), lse, kF32Tol, at + " lse");
+      }
+      DeviceBuffer<bf16> d_out_ref = upload_bf16(out);
+      DeviceBuffer<float> d_lse_ref(lse);
+      std::vector<float> dq(nq), dk(nkv), dv(nkv);
+      ref::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                              out.data(), lse.data(), B, T, Hq, Hkv, D, positions.data());
+      for (int tile : {0, 32, 64}) {
+        if (tile != 0 && !fits(cu::attention_backward_shared_bytes(D, tile))) continue;
+        const std::string at = what + " tile=" + (tile == 0 ? "auto" : std::to_string(tile));
+        poison(d_dq, stream.get());
+        poison(d_dk, stream.get());
+        poison(d_dv, stream.get());
+        cu::attention_backward(ctx, d_dq.get(), d_dk.get(), d_dv.get(), d_dout.get(), d_q.get(), d_k.get(),
+                               d_v.get(), d_out_ref.get(), d_lse_ref.get(), B, T, Hq, Hkv, D, stream.get(), tile,
+                               d_pos.get());
+        // Single-token documents have exactly zero dq and dk in the reference (see Attention):
+        // the relative error over the whole tensor is dominated by the other documents.
+        expect_close(download_bf16(d_dq), dq, kBf16Tol, at + " dq");
+        expect_close(download_bf16(d_dk), dk, kBf16Tol, at + " dk");
+        expect_close(download_bf16(d_dv), dv, kBf16Tol, at + " dv");
+      }
+
+      // RoPE at the documents' positions.
+      const int64_t H = 3;
+      std::vector<float> inv_freq(D / 2);
+      kernels::rope_inv_freq(inv_freq.data(), D, kernels::RopeConfig{});
+      std::vector<float> x = random_vector(B * T * H * D, 170 + T), gx = random_vector(B * T * H * D, 171 + T);
+      DeviceBuffer<float> d_freq(inv_freq);
+      DeviceBuffer<bf16> d_x = upload_bf16(x), d_gx = upload_bf16(gx), d_rot(x.size());
+      std::vector<float> rot(x.size()), grot(x.size());
+      ref::rope_forward(rot.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f, 0, positions.data());
+      ref::rope_backward(grot.data(), gx.data(), inv_freq.data(), B, T, H, D, 1.0f, 0, positions.data());
+      cu::rope_forward(d_rot.get(), d_x.get(), d_freq.get(), B, T, H, D, 1.0f, 0, stream.get(), d_pos.get());
+      cu::rope_backward(d_gx.get(), d_gx.get(), d_freq.get(), B, T, H, D, 1.0f, stream.get(), d_pos.get());
+      expect_close(download_bf16(d_rot), rot, kBf16Tol, what + " rope forward");
+      expect_close(download_bf16(d_gx), grot, kBf16Tol, what + " rope backward (in place)");
+    }
+  }
+}
+
 TEST(OpsParity, LmHeadCrossEntropy) {
   StreamGuard stream;
   TestContext ctx(64 << 20);

@@ -46,6 +46,7 @@ struct AttnData {
   AttnShape shape;
   int64_t q_size, kv_size;
   std::vector<float> q, k, v, dout;
+  std::vector<int32_t> positions; // (B, T) document masks; empty: none
 };
 
 struct AttnResult {
@@ -63,10 +64,10 @@ AttnResult run(const AttnData &d, Forward forward, Backward backward) {
               NAN); // NaN-filled: backward must overwrite every element
   r.dv.assign(d.kv_size, NAN);
   forward(r.out.data(), r.lse.data(), d.q.data(), d.k.data(), d.v.data(), B, T,
-          Hq, Hkv, D, 0);
+          Hq, Hkv, D, 0, d.positions.empty() ? nullptr : d.positions.data());
   backward(r.dq.data(), r.dk.data(), r.dv.data(), d.dout.data(), d.q.data(),
            d.k.data(), d.v.data(), r.out.data(), r.lse.data(), B, T, Hq, Hkv,
-           D);
+           D, d.positions.empty() ? nullptr : d.positions.data());
   return r;
 }
 
@@ -148,13 +149,13 @@ TEST_P(AttentionShapeTest, QueriesAfterCachedKeysGiveTheFullSequencesRowsBitwise
   for (const bool fast : {false, true}) {
     auto forward = fast ? cpu::attention_forward : ref::attention_forward;
     std::vector<float> full(d.q_size), full_lse(B * Hq * T);
-    forward(full.data(), full_lse.data(), d.q.data(), d.k.data(), d.v.data(), B, T, Hq, Hkv, D, 0);
+    forward(full.data(), full_lse.data(), d.q.data(), d.k.data(), d.v.data(), B, T, Hq, Hkv, D, 0, nullptr);
     for (const int64_t past : {T / 2, T - 1}) {
       const int64_t n = T - past;  // the new queries
       std::vector<float> q(B * n * Hq * D), out(B * n * Hq * D, NAN), lse(B * Hq * n, NAN);
       for (int64_t b = 0; b < B; ++b)
         std::copy_n(d.q.begin() + (b * T + past) * Hq * D, n * Hq * D, q.begin() + b * n * Hq * D);
-      forward(out.data(), lse.data(), q.data(), d.k.data(), d.v.data(), B, n, Hq, Hkv, D, past);
+      forward(out.data(), lse.data(), q.data(), d.k.data(), d.v.data(), B, n, Hq, Hkv, D, past, nullptr);
       for (int64_t b = 0; b < B; ++b) {
         for (int64_t i = 0; i < n * Hq * D; ++i)
           ASSERT_EQ(out[b * n * Hq * D + i], full[(b * T + past) * Hq * D + i]) << fast << " past " << past;
@@ -180,6 +181,67 @@ TEST_P(AttentionShapeTest, SameResultForAnyThreadCountAndRun) {
     EXPECT_EQ(r->dq, first.dq);
     EXPECT_EQ(r->dk, first.dk);
     EXPECT_EQ(r->dv, first.dv);
+  }
+}
+
+// Document masks (kernels/attention.h): rows cut into documents of lengths 3, 5, 1, 7, ...
+// (the last cut short by T), and each row's positions restarting at each.
+std::vector<int32_t> document_positions(int64_t B, int64_t T) {
+  const int64_t lengths[] = {3, 5, 1, 7, 2};
+  std::vector<int32_t> positions;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t doc = b, pos = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      if (pos == lengths[doc % 5])
+        pos = 0, ++doc;
+      positions.push_back(static_cast<int32_t>(pos++));
+    }
+  }
+  return positions;
+}
+
+// Each document of a masked batch gets bitwise what it gets alone in a
+// sequence of its own (forward and backward), on both paths: its rows see
+// only its keys, in the same order.
+TEST_P(AttentionShapeTest, DocumentMasksGiveEachDocumentItsOwnAttentionBitwise) {
+  const auto [B, T, Hq, Hkv, D] = GetParam();
+  AttnData d(GetParam(), 70);
+  d.positions = document_positions(B, T);
+  for (const bool fast : {false, true}) {
+    const AttnResult packed = fast ? run_cpu(d) : run_ref(d);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t start = 0; start < T;) {
+        int64_t n = 1;
+        while (start + n < T && d.positions[b * T + start + n] != 0)
+          ++n;
+        AttnData alone({1, n, Hq, Hkv, D}, 0);
+        auto cut = [&](const std::vector<float> &all, int64_t heads,
+                       std::vector<float> *out) {
+          out->assign(all.begin() + (b * T + start) * heads * D,
+                      all.begin() + (b * T + start + n) * heads * D);
+        };
+        cut(d.q, Hq, &alone.q);
+        cut(d.dout, Hq, &alone.dout);
+        cut(d.k, Hkv, &alone.k);
+        cut(d.v, Hkv, &alone.v);
+        const AttnResult want = fast ? run_cpu(alone) : run_ref(alone);
+        std::vector<float> got;
+        cut(packed.out, Hq, &got);
+        EXPECT_EQ(got, want.out) << fast;
+        cut(packed.dq, Hq, &got);
+        EXPECT_EQ(got, want.dq) << fast;
+        cut(packed.dk, Hkv, &got);
+        EXPECT_EQ(got, want.dk) << fast;
+        cut(packed.dv, Hkv, &got);
+        EXPECT_EQ(got, want.dv) << fast;
+        for (int64_t h = 0; h < Hq; ++h)
+          for (int64_t t = 0; t < n; ++t)
+            EXPECT_EQ(packed.lse[(b * Hq + h) * T + start + t],
+                      want.lse[h * n + t])
+                << fast;
+        start += n;
+      }
+    }
   }
 }
 

@@ -245,13 +245,13 @@ TEST(RopeTest, AScaleMultipliesTheRotationForwardAndBackward) {
   for (bool fast : {false, true}) {
     auto fwd = fast ? cpu::rope_forward : ref::rope_forward;
     auto bwd = fast ? cpu::rope_backward : ref::rope_backward;
-    fwd(plain.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f, 0);
-    fwd(scaled.data(), x.data(), inv_freq.data(), B, T, H, D, scale, 0);
+    fwd(plain.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f, 0, nullptr);
+    fwd(scaled.data(), x.data(), inv_freq.data(), B, T, H, D, scale, 0, nullptr);
     for (int64_t i = 0; i < n; ++i)
       expect[i] = plain[i] * scale;
     EXPECT_WITHIN(max_scaled_error(scaled.data(), expect.data(), n, 1e-6, 1e-6), 1.0) << fast;
-    bwd(plain.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f, 0);
-    bwd(scaled.data(), x.data(), inv_freq.data(), B, T, H, D, scale, 0);
+    bwd(plain.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f, 0, nullptr);
+    bwd(scaled.data(), x.data(), inv_freq.data(), B, T, H, D, scale, 0, nullptr);
     for (int64_t i = 0; i < n; ++i)
       expect[i] = plain[i] * scale;
     EXPECT_WITHIN(max_scaled_error(scaled.data(), expect.data(), n, 1e-6, 1e-6), 1.0) << fast;
@@ -271,9 +271,37 @@ TEST(RopeTest, PastShiftsThePositionsBitwise) {
   std::vector<float> x = random_vector(T * H * D, 9), full(T * H * D), tail(n * H * D);
   for (bool fast : {false, true}) {
     auto fwd = fast ? cpu::rope_forward : ref::rope_forward;
-    fwd(full.data(), x.data(), inv_freq.data(), 1, T, H, D, 1.0f, 0);
-    fwd(tail.data(), x.data() + past * H * D, inv_freq.data(), 1, n, H, D, 1.0f, past);
+    fwd(full.data(), x.data(), inv_freq.data(), 1, T, H, D, 1.0f, 0, nullptr);
+    fwd(tail.data(), x.data() + past * H * D, inv_freq.data(), 1, n, H, D, 1.0f, past, nullptr);
     for (int64_t i = 0; i < n * H * D; ++i) ASSERT_EQ(tail[i], full[past * H * D + i]) << fast;
+  }
+}
+
+// Per-token positions (packed documents restarting at 0) rotate each token as
+// the token at that position of a sequence of its own, forward and backward,
+// on both paths; rows of the batch may differ.
+TEST(RopeTest, DocumentPositionsRotateEachDocumentAsAlone) {
+  const int64_t B = 2, T = 11, H = 3, D = 16;
+  const int32_t positions[B * T] = {0, 1, 2, 0, 1, 2, 3, 4, 0, 0, 1,
+                                    0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3};
+  std::vector<float> inv_freq = inv_freq_for(D, llama3_config());
+  std::vector<float> x = random_vector(B * T * H * D, 11);
+  std::vector<float> packed(x.size()), alone(T * H * D);
+  for (bool fast : {false, true}) {
+    for (bool backward : {false, true}) {
+      auto op = backward ? (fast ? cpu::rope_backward : ref::rope_backward)
+                         : (fast ? cpu::rope_forward : ref::rope_forward);
+      op(packed.data(), x.data(), inv_freq.data(), B, T, H, D, 1.0f, 0, positions);
+      for (int64_t i = 0; i < B * T; ++i) {
+        const int64_t p = positions[i];
+        // Token i alone at position p: the row of a sequence of p + 1 tokens.
+        std::vector<float> seq((p + 1) * H * D, 0.0f);
+        std::copy_n(x.data() + i * H * D, H * D, seq.data() + p * H * D);
+        op(alone.data(), seq.data(), inv_freq.data(), 1, p + 1, H, D, 1.0f, 0, nullptr);
+        for (int64_t j = 0; j < H * D; ++j)
+          ASSERT_EQ(packed[i * H * D + j], alone[p * H * D + j]) << fast << backward << " token " << i;
+      }
+    }
   }
 }
 

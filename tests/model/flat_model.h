@@ -85,8 +85,8 @@ class FlatModel {
     return net_.forward_loss(inputs, targets, B, T);
   }
   Result<double> compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, float grad_scale,
-                         bool backward) {
-    return net_.compute(inputs, targets, B, T, grad_scale, backward);
+                         bool backward, const int32_t* positions = nullptr) {
+    return net_.compute(inputs, targets, B, T, grad_scale, backward, positions);
   }
   int64_t activation_bytes() const { return net_.activation_bytes(); }
 

@@ -255,5 +255,25 @@ TEST_F(EvalTest, KeysWithoutEvalDataAndEvalDataTooSmallAreRefused) {
   EXPECT_FALSE(fs::exists(dir_ / "small" / "metrics.jsonl")) << "a refused start writes no run dir";
 }
 
+// data.eval_fraction: evaluations on documents of data.paths held out of training (the split
+// itself is tested in tests/data/document_split_test.cpp); it and data.eval_paths exclude each
+// other, and it needs the token that ends a document.
+TEST_F(EvalTest, AHeldOutFractionOfTheDocumentsIsEvaluated) {
+  ASSERT_TRUE(train("fraction", {"data.eval_fraction=0.2", "data.eos_id=10", "train.eval_steps=2"}).ok());
+  const std::map<int64_t, nlohmann::json> steps = steps_of("fraction");
+  ASSERT_EQ(steps.count(4), 1u);
+  ASSERT_TRUE(steps.at(4).contains("eval_loss")) << steps.at(4).dump();
+  EXPECT_TRUE(std::isfinite(steps.at(4)["eval_loss"].get<double>()));
+
+  Status both = train("both", {"data.eval_fraction=0.2", "data.eos_id=10", "data.eval_paths=[" + held_out() + "]"});
+  ASSERT_FALSE(both.ok());
+  EXPECT_NE(both.message().find("data.eval_fraction"), std::string::npos) << both.to_string();
+  EXPECT_NE(both.message().find("data.eval_paths"), std::string::npos) << both.to_string();
+
+  Status no_eos = train("no_eos", {"data.eval_fraction=0.2"});
+  ASSERT_FALSE(no_eos.ok());
+  EXPECT_NE(no_eos.message().find("data.eos_id"), std::string::npos) << no_eos.to_string();
+}
+
 }  // namespace
 }  // namespace strata

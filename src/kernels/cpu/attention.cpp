@@ -19,6 +19,28 @@ void check_shapes(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
             "attention needs Hq a multiple of Hkv, got Hq=" +
                 std::to_string(Hq) + " Hkv=" + std::to_string(Hkv));
 }
+
+// Document masks (kernels/attention.h): past = 0 and 0 <= positions[b, t] <= t.
+void check_positions(const int32_t *positions, int64_t B, int64_t T,
+                     int64_t past) {
+  if (positions == nullptr)
+    return;
+  CHECK_MSG(past == 0, "document-masked attention takes no cached keys");
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t p = positions[b * T + t];
+      CHECK_MSG(p >= 0 && p <= t, "attention position " + std::to_string(p) +
+                                      " of token " + std::to_string(t) +
+                                      " lies outside [0, t]");
+    }
+}
+
+// The first key query t of sequence b sees: the start of its document, 0
+// without document masks.
+inline int64_t first_key(const int32_t *positions, int64_t b, int64_t T,
+                         int64_t t) {
+  return positions == nullptr ? 0 : t - positions[b * T + t];
+}
 } // namespace
 
 namespace ref {
@@ -34,9 +56,11 @@ double dot(const float *a, const float *b, int64_t n) {
 
 void attention_forward(float *out, float *lse, const float *q, const float *k,
                        const float *v, int64_t B, int64_t T, int64_t Hq,
-                       int64_t Hkv, int64_t D, int64_t past) {
+                       int64_t Hkv, int64_t D, int64_t past,
+                       const int32_t *positions) {
   check_shapes(B, T, Hq, Hkv, D);
   CHECK(past >= 0);
+  check_positions(positions, B, T, past);
   const int64_t group = Hq / Hkv;
   const int64_t Tk = past + T; // keys per sequence
   const double scale = 1.0 / std::sqrt(double(D));
@@ -48,16 +72,17 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
       for (int64_t t = 0; t < T; ++t) {
         const float *qt = q + ((b * T + t) * Hq + h) * D;
         const int64_t last = past + t; // the last key this query sees
+        const int64_t first = first_key(positions, b, T, t);
         double m = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j <= last; ++j) {
+        for (int64_t j = first; j <= last; ++j) {
           s[j] = scale * dot(qt, k + ((b * Tk + j) * Hkv + g) * D, D);
           m = std::max(m, s[j]);
         }
         double sum = 0;
-        for (int64_t j = 0; j <= last; ++j)
+        for (int64_t j = first; j <= last; ++j)
           sum += std::exp(s[j] - m);
         std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t j = 0; j <= last; ++j) {
+        for (int64_t j = first; j <= last; ++j) {
           const double p = std::exp(s[j] - m) / sum;
           const float *vj = v + ((b * Tk + j) * Hkv + g) * D;
           for (int64_t d = 0; d < D; ++d)
@@ -76,8 +101,10 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
 void attention_backward(float *dq, float *dk, float *dv, const float *dout,
                         const float *q, const float *k, const float *v,
                         const float *out, const float *lse, int64_t B,
-                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                        const int32_t *positions) {
   check_shapes(B, T, Hq, Hkv, D);
+  check_positions(positions, B, T, 0);
   const int64_t group = Hq / Hkv;
   const double scale = 1.0 / std::sqrt(double(D));
   const size_t kv_size = static_cast<size_t>(B * T * Hkv * D);
@@ -92,7 +119,7 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
         const double delta =
             dot(dout + row, out + row, D); // D_t = dout_t . out_t
         std::fill(dq_row.begin(), dq_row.end(), 0.0);
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = first_key(positions, b, T, t); j <= t; ++j) {
           const int64_t kv_row = ((b * T + j) * Hkv + g) * D;
           const double p =
               std::exp(scale * dot(q + row, k + kv_row, D) - row_lse);
@@ -144,12 +171,16 @@ inline void axpy(float *y, float alpha, const float *x, int64_t n) {
 // see more keys, hence dynamic schedule. Row r of a block is query t0 + r at
 // position past + t0 + r; its scores, softmax and weighted sum are formed in
 // the same order whatever the block and `past`, so a row comes out the same
-// computed alone (cached decoding) or among the whole sequence's.
+// computed alone (cached decoding) or among the whole sequence's. With document
+// masks row r sees keys first[r] .. p0 + r, visited in the same ascending order,
+// so a document's rows come out as they do for that document alone.
 void attention_forward(float *out, float *lse, const float *q, const float *k,
                        const float *v, int64_t B, int64_t T, int64_t Hq,
-                       int64_t Hkv, int64_t D, int64_t past) {
+                       int64_t Hkv, int64_t D, int64_t past,
+                       const int32_t *positions) {
   check_shapes(B, T, Hq, Hkv, D);
   CHECK(past >= 0);
+  check_positions(positions, B, T, past);
   const int64_t group = Hq / Hkv;
   const int64_t Tk = past + T; // keys per sequence
   const float scale = static_cast<float>(1.0 / std::sqrt(double(D)));
@@ -160,6 +191,7 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
     // Scores of one block of rows against every key up to the block's last row.
     std::vector<float> s(static_cast<size_t>(kBlockRows * Tk));
     std::vector<float> acc(static_cast<size_t>(kBlockRows * D));
+    std::vector<int64_t> first(static_cast<size_t>(kBlockRows));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
       const int64_t blk = unit % blocks;
@@ -176,36 +208,45 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
       const float *kb = k + (b * Tk * Hkv + g) * D;
       const float *vb = v + (b * Tk * Hkv + g) * D;
       const int64_t kv_stride = Hkv * D;
+      // Row r sees keys first[r] .. p0 + r; no row sees a key before kmin.
+      int64_t kmin = keys;
+      for (int64_t r = 0; r < rows; ++r) {
+        first[r] = first_key(positions, b, T, t0 + r);
+        kmin = std::min(kmin, first[r]);
+      }
 
-      for (int64_t j = 0; j < keys; ++j) {
+      for (int64_t j = kmin; j < keys; ++j) {
         const float *kj = kb + j * kv_stride;
         // Row r sees keys j <= p0 + r; start at the first row that can see key
         // j.
         for (int64_t r = std::max<int64_t>(0, j - p0); r < rows; ++r) {
-          s[r * Tk + j] = scale * dot(q0 + r * q_stride, kj, D);
+          if (j >= first[r])
+            s[r * Tk + j] = scale * dot(q0 + r * q_stride, kj, D);
         }
       }
       std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
       for (int64_t r = 0; r < rows; ++r) {
         float *sr = s.data() + r * Tk;
+        const int64_t j0 = first[r];
         const int64_t n = p0 + r + 1;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j)
+        for (int64_t j = j0; j < n; ++j)
           m = std::max(m, sr[j]);
         double sum = 0; // double: n can be tens of thousands of terms
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = j0; j < n; ++j) {
           sr[j] = std::exp(sr[j] - m);
           sum += sr[j];
         }
         const float inv = static_cast<float>(1.0 / sum);
-        for (int64_t j = 0; j < n; ++j)
+        for (int64_t j = j0; j < n; ++j)
           sr[j] *= inv;
         lse[(b * Hq + h) * T + t0 + r] = static_cast<float>(m + std::log(sum));
       }
-      for (int64_t j = 0; j < keys; ++j) {
+      for (int64_t j = kmin; j < keys; ++j) {
         const float *vj = vb + j * kv_stride;
         for (int64_t r = std::max<int64_t>(0, j - p0); r < rows; ++r) {
-          axpy(acc.data() + r * D, s[r * Tk + j], vj, D);
+          if (j >= first[r])
+            axpy(acc.data() + r * D, s[r * Tk + j], vj, D);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -219,11 +260,15 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
 // dq, dk, dv are overwritten. Work units are (b, kv head): the unit owns the
 // dk/dv rows of its kv head and the dq rows of the query heads in its group, so
 // no two threads write the same element and the order of every sum is fixed.
+// With document masks the rows that see key j are those of its document at or
+// after j, visited in the same order as for that document alone.
 void attention_backward(float *dq, float *dk, float *dv, const float *dout,
                         const float *q, const float *k, const float *v,
                         const float *out, const float *lse, int64_t B,
-                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                        const int32_t *positions) {
   check_shapes(B, T, Hq, Hkv, D);
+  check_positions(positions, B, T, 0);
   const int64_t group = Hq / Hkv;
   const float scale = static_cast<float>(1.0 / std::sqrt(double(D)));
   const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
@@ -236,6 +281,7 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
         static_cast<size_t>(kBlockRows * T)); // dS = P * (dP - D_r)
     std::vector<float> dq_acc(static_cast<size_t>(kBlockRows * D));
     std::vector<float> delta(static_cast<size_t>(kBlockRows));
+    std::vector<int64_t> first(static_cast<size_t>(kBlockRows));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < B * Hkv; ++unit) {
       const int64_t b = unit / Hkv;
@@ -258,13 +304,18 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
           const float *do0 = dout + row0;
           const float *o0 = out + row0;
           const float *lse0 = lse + (b * Hq + h) * T + t0;
+          int64_t kmin = keys;
           for (int64_t r = 0; r < rows; ++r) {
             delta[r] = dot(do0 + r * q_stride, o0 + r * q_stride, D);
+            first[r] = first_key(positions, b, T, t0 + r);
+            kmin = std::min(kmin, first[r]);
           }
-          for (int64_t j = 0; j < keys; ++j) {
+          for (int64_t j = kmin; j < keys; ++j) {
             const float *kj = kb + j * kv_stride;
             const float *vj = vb + j * kv_stride;
             for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
+              if (j < first[r])
+                continue;
               const float pr =
                   std::exp(scale * dot(q0 + r * q_stride, kj, D) - lse0[r]);
               const float dp = dot(do0 + r * q_stride, vj, D);
@@ -273,11 +324,13 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
             }
           }
           std::fill(dq_acc.begin(), dq_acc.begin() + rows * D, 0.0f);
-          for (int64_t j = 0; j < keys; ++j) {
+          for (int64_t j = kmin; j < keys; ++j) {
             const float *kj = kb + j * kv_stride;
             float *dkj = dkb + j * kv_stride;
             float *dvj = dvb + j * kv_stride;
             for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
+              if (j < first[r])
+                continue;
               const float dsr = ds[r * T + j];
               axpy(dq_acc.data() + r * D, scale * dsr, kj, D);
               axpy(dkj, scale * dsr, q0 + r * q_stride, D);

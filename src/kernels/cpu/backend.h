@@ -125,18 +125,21 @@ struct CpuCommonOps {
   void linear_backward_f32(Act* dx /*(N,IC)*/, float* dweight /*(OC,IC)*/, const float* dout /*(N,OC)*/,           \
                            const Act* x /*(N,IC)*/, const W* weight /*(OC,IC)*/, int64_t N, int64_t IC,             \
                            int64_t OC);                                                                             \
-  /* past: positions before these T (kernels/rope.h) */                                                           \
+  /* past: positions before these T (kernels/rope.h); positions (B,T) or null: each token's position in its     \
+     document (packed documents, kernels/attention.h) */                                                           \
   void rope_forward(Act* out, const Act* x /*(B,T,H,D)*/, const float* inv_freq /*(D/2)*/, int64_t B, int64_t T,   \
-                    int64_t H, int64_t D, float scale, int64_t past = 0);                                           \
+                    int64_t H, int64_t D, float scale, int64_t past = 0, const int32_t* positions = nullptr);      \
   void rope_backward(Act* dx, const Act* dout /*(B,T,H,D)*/, const float* inv_freq /*(D/2)*/, int64_t B,           \
-                     int64_t T, int64_t H, int64_t D, float scale);                                                 \
-  /* past: cached positions before the T queries; k and v hold past + T rows (kernels/attention.h) */            \
+                     int64_t T, int64_t H, int64_t D, float scale, const int32_t* positions = nullptr);            \
+  /* past: cached positions before the T queries; k and v hold past + T rows; positions: document masks          \
+     (kernels/attention.h) */                                                                                      \
   void attention_forward(Act* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/, const Act* q /*(B,T,Hq,D)*/,            \
                          const Act* k /*(B,past+T,Hkv,D)*/, const Act* v /*(B,past+T,Hkv,D)*/, int64_t B,          \
-                         int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0);                          \
+                         int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0,                           \
+                         const int32_t* positions = nullptr);                                                       \
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,     \
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,          \
-                          int64_t D);                                                                               \
+                          int64_t D, const int32_t* positions = nullptr);                                           \
   void swiglu_forward(Act* out /*(n)*/, const Act* gate /*(n)*/, const Act* up /*(n)*/, int64_t n);                 \
   void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);           \
   /* a (n) += b (n) */                                                                                               \

@@ -102,35 +102,36 @@ void CpuBf16Ops::linear_backward_f32(Bf16* dx, float* dweight, const float* dout
   narrow(dx, o.data(), N * IC);
 }
 void CpuBf16Ops::rope_forward(Bf16* out, const Bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-                              int64_t D, float scale, int64_t past) {
+                              int64_t D, float scale, int64_t past, const int32_t* positions) {
   std::vector<float> f = widen(x, B * T * H * D);
-  cpu::rope_forward(f.data(), f.data(), inv_freq, B, T, H, D, scale, past);
+  cpu::rope_forward(f.data(), f.data(), inv_freq, B, T, H, D, scale, past, positions);
   narrow(out, f.data(), B * T * H * D);
 }
 void CpuBf16Ops::rope_backward(Bf16* dx, const Bf16* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-                               int64_t D, float scale) {
+                               int64_t D, float scale, const int32_t* positions) {
   std::vector<float> f = widen(dout, B * T * H * D);
-  cpu::rope_backward(f.data(), f.data(), inv_freq, B, T, H, D, scale);
+  cpu::rope_backward(f.data(), f.data(), inv_freq, B, T, H, D, scale, 0, positions);
   narrow(dx, f.data(), B * T * H * D);
 }
 void CpuBf16Ops::attention_forward(Bf16* out, float* lse, const Bf16* q, const Bf16* k, const Bf16* v, int64_t B,
-                                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past) {
+                                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past,
+                                   const int32_t* positions) {
   const int64_t Tk = past + T;
   const std::vector<float> qf = widen(q, B * T * Hq * D), kf = widen(k, B * Tk * Hkv * D),
                            vf = widen(v, B * Tk * Hkv * D);
   std::vector<float> o(qf.size());
-  cpu::attention_forward(o.data(), lse, qf.data(), kf.data(), vf.data(), B, T, Hq, Hkv, D, past);
+  cpu::attention_forward(o.data(), lse, qf.data(), kf.data(), vf.data(), B, T, Hq, Hkv, D, past, positions);
   narrow(out, o.data(), B * T * Hq * D);
 }
 void CpuBf16Ops::attention_backward(Bf16* dq, Bf16* dk, Bf16* dv, const Bf16* dout, const Bf16* q, const Bf16* k,
                                     const Bf16* v, const Bf16* out, const float* lse, int64_t B, int64_t T,
-                                    int64_t Hq, int64_t Hkv, int64_t D) {
+                                    int64_t Hq, int64_t Hkv, int64_t D, const int32_t* positions) {
   const int64_t nq = B * T * Hq * D, nkv = B * T * Hkv * D;
   const std::vector<float> df = widen(dout, nq), qf = widen(q, nq), kf = widen(k, nkv), vf = widen(v, nkv),
                            of = widen(out, nq);
   std::vector<float> dqf(static_cast<size_t>(nq)), dkf(static_cast<size_t>(nkv)), dvf(static_cast<size_t>(nkv));
   cpu::attention_backward(dqf.data(), dkf.data(), dvf.data(), df.data(), qf.data(), kf.data(), vf.data(), of.data(),
-                          lse, B, T, Hq, Hkv, D);
+                          lse, B, T, Hq, Hkv, D, positions);
   narrow(dq, dqf.data(), nq);
   narrow(dk, dkf.data(), nkv);
   narrow(dv, dvf.data(), nkv);

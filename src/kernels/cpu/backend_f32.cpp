@@ -80,21 +80,22 @@ void CpuF32Ops::linear_backward_f32(float* dx, float* dweight, const float* dout
   cpu::linear_backward(dx, dweight, nullptr, dout, x, weight, N, IC, OC);
 }
 void CpuF32Ops::rope_forward(float* out, const float* x, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-                             int64_t D, float scale, int64_t past) {
-  cpu::rope_forward(out, x, inv_freq, B, T, H, D, scale, past);
+                             int64_t D, float scale, int64_t past, const int32_t* positions) {
+  cpu::rope_forward(out, x, inv_freq, B, T, H, D, scale, past, positions);
 }
 void CpuF32Ops::rope_backward(float* dx, const float* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-                              int64_t D, float scale) {
-  cpu::rope_backward(dx, dout, inv_freq, B, T, H, D, scale);
+                              int64_t D, float scale, const int32_t* positions) {
+  cpu::rope_backward(dx, dout, inv_freq, B, T, H, D, scale, 0, positions);
 }
 void CpuF32Ops::attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
-                                  int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past) {
-  cpu::attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, past);
+                                  int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past,
+                                  const int32_t* positions) {
+  cpu::attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, past, positions);
 }
 void CpuF32Ops::attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                                    const float* k, const float* v, const float* out, const float* lse, int64_t B,
-                                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
-  cpu::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D);
+                                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int32_t* positions) {
+  cpu::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, positions);
 }
 void CpuF32Ops::swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
   cpu::swiglu_forward(out, gate, up, n);

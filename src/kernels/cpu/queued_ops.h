@@ -168,20 +168,23 @@ class CpuQueuedOps {
     launch([=, this] { direct_.linear_backward_f32(dx, dweight, dout, x, weight, N, IC, OC); });
   }
   void rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                    float scale, int64_t past = 0) {
-    launch([=, this] { direct_.rope_forward(out, x, inv_freq, B, T, H, D, scale, past); });
+                    float scale, int64_t past = 0, const int32_t* positions = nullptr) {
+    launch([=, this] { direct_.rope_forward(out, x, inv_freq, B, T, H, D, scale, past, positions); });
   }
   void rope_backward(Act* dx, const Act* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                     float scale) {
-    launch([=, this] { direct_.rope_backward(dx, dout, inv_freq, B, T, H, D, scale); });
+                     float scale, const int32_t* positions = nullptr) {
+    launch([=, this] { direct_.rope_backward(dx, dout, inv_freq, B, T, H, D, scale, positions); });
   }
   void attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
-                         int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0) {
-    launch([=, this] { direct_.attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, past); });
+                         int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0, const int32_t* positions = nullptr) {
+    launch([=, this] { direct_.attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, past, positions); });
   }
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
-                          const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
-    launch([=, this] { direct_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D); });
+                          const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                          const int32_t* positions = nullptr) {
+    launch([=, this] {
+      direct_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, positions);
+    });
   }
   void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n) {
     launch([=, this] { direct_.swiglu_forward(out, gate, up, n); });

@@ -163,17 +163,19 @@ namespace {
 // Rotates every (i, i + D/2) pair of every head by sign * t * inv_freq[i].
 void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
             int64_t T, int64_t H, int64_t D, double sign, double scale,
-            int64_t past) {
+            int64_t past, const int32_t *positions) {
   CHECK(D % 2 == 0);
+  CHECK(positions == nullptr || past == 0);
   const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
+      const int64_t pos = positions != nullptr ? positions[b * T + t] : past + t;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t base = ((b * T + t) * H + h) * D;
         for (int64_t i = 0; i < half; ++i) {
           // The angle is rounded to fp32 like transformers' freqs; the rest is
           // exact-ish.
-          const float angle = static_cast<float>(past + t) * inv_freq[i];
+          const float angle = static_cast<float>(pos) * inv_freq[i];
           const double c = std::cos(static_cast<double>(angle)) * scale;
           const double s = sign * std::sin(static_cast<double>(angle)) * scale;
           const double x1 = x[base + i];
@@ -188,16 +190,17 @@ void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
 } // namespace
 
 void rope_forward(float *out, const float *x, const float *inv_freq, int64_t B,
-                  int64_t T, int64_t H, int64_t D, float scale, int64_t past) {
-  rotate(out, x, inv_freq, B, T, H, D, 1.0, scale, past);
+                  int64_t T, int64_t H, int64_t D, float scale, int64_t past,
+                  const int32_t *positions) {
+  rotate(out, x, inv_freq, B, T, H, D, 1.0, scale, past, positions);
 }
 
 // dx = scale * (rotation by -angle) dout: the transpose of a rotation is its
 // inverse.
 void rope_backward(float *dx, const float *dout, const float *inv_freq,
                    int64_t B, int64_t T, int64_t H, int64_t D, float scale,
-                   int64_t past) {
-  rotate(dx, dout, inv_freq, B, T, H, D, -1.0, scale, past);
+                   int64_t past, const int32_t *positions) {
+  rotate(dx, dout, inv_freq, B, T, H, D, -1.0, scale, past, positions);
 }
 
 } // namespace ref
@@ -206,27 +209,35 @@ namespace cpu {
 
 namespace {
 // Parallel over positions: each thread computes cos/sin of its position once
-// and applies them to all B x H rows there. Every output element depends only
-// on its own inputs, so results do not depend on the thread count.
+// and applies them to all B x H rows there (with per-token positions, to the H
+// rows of one token). Every output element depends only on its own inputs, so
+// results do not depend on the thread count.
 void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
             int64_t T, int64_t H, int64_t D, float sign, float scale,
-            int64_t past) {
+            int64_t past, const int32_t *positions) {
   CHECK(D % 2 == 0);
+  CHECK(positions == nullptr || past == 0);
   const int64_t half = D / 2;
+  // Units: the T positions shared by every sequence, or each of the B * T tokens.
+  const int64_t units = positions != nullptr ? B * T : T;
 #pragma omp parallel
   {
     std::vector<float> cos_t(static_cast<size_t>(half));
     std::vector<float> sin_t(static_cast<size_t>(half));
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t t = positions != nullptr ? u % T : u;
+      const int64_t pos = positions != nullptr ? positions[u] : past + t;
+      const int64_t b_begin = positions != nullptr ? u / T : 0;
+      const int64_t b_end = positions != nullptr ? b_begin + 1 : B;
       for (int64_t i = 0; i < half; ++i) {
-        const float angle = static_cast<float>(past + t) * inv_freq[i];
+        const float angle = static_cast<float>(pos) * inv_freq[i];
         // cos and sin times the scale in fp32, as transformers scales them
         // (exact for the usual scale of 1).
         cos_t[i] = std::cos(angle) * scale;
         sin_t[i] = sign * (std::sin(angle) * scale);
       }
-      for (int64_t b = 0; b < B; ++b) {
+      for (int64_t b = b_begin; b < b_end; ++b) {
         for (int64_t h = 0; h < H; ++h) {
           const int64_t base = ((b * T + t) * H + h) * D;
           const float *xr = x + base;
@@ -248,14 +259,15 @@ void rotate(float *out, const float *x, const float *inv_freq, int64_t B,
 } // namespace
 
 void rope_forward(float *out, const float *x, const float *inv_freq, int64_t B,
-                  int64_t T, int64_t H, int64_t D, float scale, int64_t past) {
-  rotate(out, x, inv_freq, B, T, H, D, 1.0f, scale, past);
+                  int64_t T, int64_t H, int64_t D, float scale, int64_t past,
+                  const int32_t *positions) {
+  rotate(out, x, inv_freq, B, T, H, D, 1.0f, scale, past, positions);
 }
 
 void rope_backward(float *dx, const float *dout, const float *inv_freq,
                    int64_t B, int64_t T, int64_t H, int64_t D, float scale,
-                   int64_t past) {
-  rotate(dx, dout, inv_freq, B, T, H, D, -1.0f, scale, past);
+                   int64_t past, const int32_t *positions) {
+  rotate(dx, dout, inv_freq, B, T, H, D, -1.0f, scale, past, positions);
 }
 
 } // namespace cpu

@@ -18,6 +18,11 @@
 //             its dk/dv rows.
 //   dq        grid (q tiles, Hq, B): loops over key tiles at or before the query tile.
 // Rows past T are loaded as zeros and masked, so no garbage reaches a product.
+//
+// Document masks (positions non-null, kernels/attention.h): query t sees keys t - positions[b, t]
+// .. t. A document's first key t - positions[b, t] never decreases along a row, so the forward
+// and dq blocks start at the key tile holding their first row's, and a dk/dv block stops at the
+// first query tile whose documents all start after its keys.
 #include <mma.h>
 
 #include <algorithm>
@@ -120,6 +125,12 @@ struct Carver {
 };
 constexpr size_t region(size_t bytes) { return (bytes + 127) / 128 * 128; }
 
+// The first key query qi of sequence b sees: its document's start (kernels/attention.h), 0
+// without document masks or past the end of the sequence.
+__device__ __forceinline__ int64_t first_key(const int32_t* positions, int64_t b, int64_t T, int64_t qi) {
+  return positions != nullptr && qi < T ? qi - positions[b * T + qi] : 0;
+}
+
 template <int D, int kTile>
 constexpr size_t forward_smem() {
   return 3 * region(kTile * D * 2) + region(kTile * kTile * 4) + region(kTile * kTile * 2) +
@@ -152,7 +163,8 @@ static_assert(std::max({forward_smem<128, 32>(), dkdv_smem<128, 32>(), dq_smem<1
 template <int D, int kTile>
 __global__ void __launch_bounds__(block_threads(kTile))
     attention_forward_kernel(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                             int64_t T, int64_t Hq, int64_t Hkv, float scale, int64_t past) {
+                             int64_t T, int64_t Hq, int64_t Hkv, float scale, int64_t past,
+                             const int32_t* positions) {
   extern __shared__ __align__(128) char smem[];
   Carver carve{smem};
   bf16* Qs = carve.take<bf16>(kTile * D);
@@ -182,7 +194,9 @@ __global__ void __launch_bounds__(block_threads(kTile))
   // Query qi is at position past + qi; k and v hold Tk = past + T rows per sequence.
   const int64_t Tk = past + T;
   const int64_t kv_end = min(past + q0 + kTile, Tk);  // causal: keys up to the last query row
-  for (int64_t k0 = 0; k0 < kv_end; k0 += kTile) {
+  // Document masks: no row of the tile sees a key before its first row's document.
+  const int64_t kv_begin = first_key(positions, b, T, q0) / kTile * kTile;
+  for (int64_t k0 = kv_begin; k0 < kv_end; k0 += kTile) {
     __syncthreads();  // the previous tiles are no longer read
     load_tile<D, kTile>(Ks, k, b, k0, Tk, Hkv, g);
     load_tile<D, kTile>(Vs, v, b, k0, Tk, Hkv, g);
@@ -194,12 +208,13 @@ __global__ void __launch_bounds__(block_threads(kTile))
     for (int rr = 0; rr < 16; ++rr) {
       const int r = row0 + rr;
       const int64_t qi = q0 + r;
+      const int64_t first = first_key(positions, b, T, qi);
       float s[kCols];
 #pragma unroll
       for (int e = 0; e < kCols; ++e) {
         const int c = lane + e * kWarpSize;
         const int64_t kv = k0 + c;
-        s[e] = (kv <= past + qi && kv < Tk) ? S[r * kTile + c] * scale : -INFINITY;
+        s[e] = (kv >= first && kv <= past + qi && kv < Tk) ? S[r * kTile + c] * scale : -INFINITY;
       }
       float s_max = s[0];
 #pragma unroll
@@ -270,7 +285,7 @@ template <int D, int kTile>
 __global__ void __launch_bounds__(block_threads(kTile))
     attention_dkdv_kernel(bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
                           const bf16* v, const float* lse, const float* delta, int64_t T,
-                          int64_t Hq, int64_t Hkv, float scale) {
+                          int64_t Hq, int64_t Hkv, float scale, const int32_t* positions) {
   extern __shared__ __align__(128) char smem[];
   Carver carve{smem};
   bf16* Ks = carve.take<bf16>(kTile * D);
@@ -303,6 +318,9 @@ __global__ void __launch_bounds__(block_threads(kTile))
   for (int64_t h = g * group; h < (g + 1) * group; ++h) {
     // Causal: query rows before k0 see none of these keys. k0 is a multiple of kTile.
     for (int64_t q0 = k0; q0 < T; q0 += kTile) {
+      // Document masks: this query tile's documents, and every later one's, start after these
+      // keys (the same value for every thread, so the whole block leaves together).
+      if (first_key(positions, b, T, q0) >= k0 + kTile) break;
       __syncthreads();  // the previous Q/dO tiles are no longer read
       load_tile<D, kTile>(Qs, q, b, q0, T, Hq, h);
       load_tile<D, kTile>(dOs, dout, b, q0, T, Hq, h);
@@ -320,7 +338,7 @@ __global__ void __launch_bounds__(block_threads(kTile))
           const int c = lane + e * kWarpSize;
           const int64_t qi = q0 + c;
           float p = 0.0f, ds = 0.0f;
-          if (kv <= qi && qi < T && kv < T) {
+          if (kv <= qi && qi < T && kv < T && kv >= first_key(positions, b, T, qi)) {
             p = expf(St[r * kTile + c] * scale - lse_s[c]);
             ds = p * (dPt[r * kTile + c] - delta_s[c]) * scale;
           }
@@ -351,7 +369,7 @@ template <int D, int kTile>
 __global__ void __launch_bounds__(block_threads(kTile))
     attention_dq_kernel(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
                         const float* lse, const float* delta, int64_t T, int64_t Hq,
-                        int64_t Hkv, float scale) {
+                        int64_t Hkv, float scale, const int32_t* positions) {
   extern __shared__ __align__(128) char smem[];
   Carver carve{smem};
   bf16* Qs = carve.take<bf16>(kTile * D);
@@ -378,7 +396,8 @@ __global__ void __launch_bounds__(block_threads(kTile))
   for (int i = threadIdx.x; i < kTile * D; i += blockDim.x) dQ[i] = 0.0f;
 
   const int64_t kv_end = min(q0 + kTile, T);
-  for (int64_t k0 = 0; k0 < kv_end; k0 += kTile) {
+  const int64_t kv_begin = first_key(positions, b, T, q0) / kTile * kTile;  // as in the forward
+  for (int64_t k0 = kv_begin; k0 < kv_end; k0 += kTile) {
     __syncthreads();
     load_tile<D, kTile>(Ks, k, b, k0, T, Hkv, g);
     load_tile<D, kTile>(Vs, v, b, k0, T, Hkv, g);
@@ -390,12 +409,13 @@ __global__ void __launch_bounds__(block_threads(kTile))
     for (int rr = 0; rr < 16; ++rr) {
       const int r = row0 + rr;
       const int64_t qi = q0 + r;
+      const int64_t first = first_key(positions, b, T, qi);
 #pragma unroll
       for (int e = 0; e < kCols; ++e) {
         const int c = lane + e * kWarpSize;
         const int64_t kv = k0 + c;
         float ds = 0.0f;
-        if (kv <= qi && qi < T && kv < T) {
+        if (kv >= first && kv <= qi && qi < T && kv < T) {
           const float p = expf(S[r * kTile + c] * scale - lse_s[r]);
           ds = p * (dP[r * kTile + c] - delta_s[r]) * scale;
         }
@@ -497,49 +517,51 @@ float softmax_scale() {
 
 template <int D, int kTile>
 void launch_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                    int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t past, cudaStream_t stream) {
+                    int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t past, const int32_t* positions,
+                    cudaStream_t stream) {
   const size_t smem = forward_smem<D, kTile>();
   allow_smem(attention_forward_kernel<D, kTile>, smem);
   const dim3 grid(static_cast<unsigned>(ceil_div(T, kTile)), static_cast<unsigned>(Hq),
                   static_cast<unsigned>(B));
   attention_forward_kernel<D, kTile><<<grid, block_threads(kTile), smem, stream>>>(
-      out, lse, q, k, v, T, Hq, Hkv, softmax_scale<D>(), past);
+      out, lse, q, k, v, T, Hq, Hkv, softmax_scale<D>(), past, positions);
   CUDA_CHECK_LAUNCH();
 }
 
 template <int D, int kTile>
 void launch_dkdv(bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
                  const bf16* v, const float* lse, const float* delta, int64_t B, int64_t T,
-                 int64_t Hq, int64_t Hkv, cudaStream_t stream) {
+                 int64_t Hq, int64_t Hkv, const int32_t* positions, cudaStream_t stream) {
   const size_t smem = dkdv_smem<D, kTile>();
   allow_smem(attention_dkdv_kernel<D, kTile>, smem);
   const dim3 grid(static_cast<unsigned>(ceil_div(T, kTile)), static_cast<unsigned>(Hkv),
                   static_cast<unsigned>(B));
   attention_dkdv_kernel<D, kTile><<<grid, block_threads(kTile), smem, stream>>>(
-      dk, dv, dout, q, k, v, lse, delta, T, Hq, Hkv, softmax_scale<D>());
+      dk, dv, dout, q, k, v, lse, delta, T, Hq, Hkv, softmax_scale<D>(), positions);
   CUDA_CHECK_LAUNCH();
 }
 
 template <int D, int kTile>
 void launch_dq(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
                const float* lse, const float* delta, int64_t B, int64_t T, int64_t Hq,
-               int64_t Hkv, cudaStream_t stream) {
+               int64_t Hkv, const int32_t* positions, cudaStream_t stream) {
   const size_t smem = dq_smem<D, kTile>();
   allow_smem(attention_dq_kernel<D, kTile>, smem);
   const dim3 grid(static_cast<unsigned>(ceil_div(T, kTile)), static_cast<unsigned>(Hq),
                   static_cast<unsigned>(B));
   attention_dq_kernel<D, kTile><<<grid, block_threads(kTile), smem, stream>>>(
-      dq, dout, q, k, v, lse, delta, T, Hq, Hkv, softmax_scale<D>());
+      dq, dout, q, k, v, lse, delta, T, Hq, Hkv, softmax_scale<D>(), positions);
   CUDA_CHECK_LAUNCH();
 }
 
 template <int D>
 void forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int64_t B,
-             int64_t T, int64_t Hq, int64_t Hkv, int64_t past, int tile, cudaStream_t stream) {
+             int64_t T, int64_t Hq, int64_t Hkv, int64_t past, const int32_t* positions, int tile,
+             cudaStream_t stream) {
   if (tile == 64) {
-    launch_forward<D, 64>(out, lse, q, k, v, B, T, Hq, Hkv, past, stream);
+    launch_forward<D, 64>(out, lse, q, k, v, B, T, Hq, Hkv, past, positions, stream);
   } else {
-    launch_forward<D, 32>(out, lse, q, k, v, B, T, Hq, Hkv, past, stream);
+    launch_forward<D, 32>(out, lse, q, k, v, B, T, Hq, Hkv, past, positions, stream);
   }
 }
 
@@ -547,7 +569,7 @@ void forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
 template <int D>
 void backward(float* delta, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
               const bf16* k, const bf16* v, const bf16* out, const float* lse, int64_t B,
-              int64_t T, int64_t Hq, int64_t Hkv, int tile_kv, int tile_q,
+              int64_t T, int64_t Hq, int64_t Hkv, const int32_t* positions, int tile_kv, int tile_q,
               cudaStream_t stream) {
   const int64_t rows = B * T * Hq;
   constexpr int kDeltaThreads = 256;
@@ -557,14 +579,14 @@ void backward(float* delta, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, cons
   CUDA_CHECK_LAUNCH();
 
   if (tile_kv == 64) {
-    launch_dkdv<D, 64>(dk, dv, dout, q, k, v, lse, delta, B, T, Hq, Hkv, stream);
+    launch_dkdv<D, 64>(dk, dv, dout, q, k, v, lse, delta, B, T, Hq, Hkv, positions, stream);
   } else {
-    launch_dkdv<D, 32>(dk, dv, dout, q, k, v, lse, delta, B, T, Hq, Hkv, stream);
+    launch_dkdv<D, 32>(dk, dv, dout, q, k, v, lse, delta, B, T, Hq, Hkv, positions, stream);
   }
   if (tile_q == 64) {
-    launch_dq<D, 64>(dq, dout, q, k, v, lse, delta, B, T, Hq, Hkv, stream);
+    launch_dq<D, 64>(dq, dout, q, k, v, lse, delta, B, T, Hq, Hkv, positions, stream);
   } else {
-    launch_dq<D, 32>(dq, dout, q, k, v, lse, delta, B, T, Hq, Hkv, stream);
+    launch_dq<D, 32>(dq, dout, q, k, v, lse, delta, B, T, Hq, Hkv, positions, stream);
   }
 }
 
@@ -586,23 +608,24 @@ size_t attention_backward_shared_bytes(int64_t D, int tile_rows) {
 
 void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                        int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                       cudaStream_t stream, int tile_rows, int64_t past) {
+                       cudaStream_t stream, int tile_rows, int64_t past, const int32_t* positions) {
   check_args(B, T, Hq, Hkv, D, {out, q, k, v});
   CHECK(past >= 0);
+  CHECK_MSG(positions == nullptr || past == 0, "document-masked attention takes no cached keys");
   if (B == 0 || T == 0) return;
   const int tile = pick_tile(tile_rows, smem_needs(D, 64).forward, smem_needs(D, 32).forward,
                              "attention_forward", D);
   if (D == 64) {
-    forward<64>(out, lse, q, k, v, B, T, Hq, Hkv, past, tile, stream);
+    forward<64>(out, lse, q, k, v, B, T, Hq, Hkv, past, positions, tile, stream);
   } else {
-    forward<128>(out, lse, q, k, v, B, T, Hq, Hkv, past, tile, stream);
+    forward<128>(out, lse, q, k, v, B, T, Hq, Hkv, past, positions, tile, stream);
   }
 }
 
 void attention_backward(Context& ctx, bf16* dq, bf16* dk, bf16* dv, const bf16* dout,
                         const bf16* q, const bf16* k, const bf16* v, const bf16* out,
                         const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                        int64_t D, cudaStream_t stream, int tile_rows) {
+                        int64_t D, cudaStream_t stream, int tile_rows, const int32_t* positions) {
   check_args(B, T, Hq, Hkv, D, {dq, dk, dv, dout, q, k, v, out});
   if (B == 0 || T == 0) return;
   const SmemNeeds need64 = smem_needs(D, 64), need32 = smem_needs(D, 32);
@@ -612,11 +635,11 @@ void attention_backward(Context& ctx, bf16* dq, bf16* dk, bf16* dv, const bf16* 
   auto* delta = static_cast<float*>(ctx.scratch(
       static_cast<size_t>(B * Hq * T) * sizeof(float), "attention_backward (delta)"));
   if (D == 64) {
-    backward<64>(delta, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, tile_kv, tile_q,
-                 stream);
+    backward<64>(delta, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, positions, tile_kv,
+                 tile_q, stream);
   } else {
-    backward<128>(delta, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, tile_kv, tile_q,
-                  stream);
+    backward<128>(delta, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, positions, tile_kv,
+                  tile_q, stream);
   }
 }
 

@@ -162,13 +162,13 @@ void CudaOps::linear_backward_f32(Act* dx, float* dweight, const float* dout, co
 }
 
 void CudaOps::rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                           float scale, int64_t past) {
-  cuda::rope_forward(out, x, inv_freq, B, T, H, D, scale, past, stream_);
+                           float scale, int64_t past, const int32_t* positions) {
+  cuda::rope_forward(out, x, inv_freq, B, T, H, D, scale, past, stream_, positions);
 }
 
 void CudaOps::rope_backward(Act* dx, const Act* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H,
-                            int64_t D, float scale) {
-  cuda::rope_backward(dx, dout, inv_freq, B, T, H, D, scale, stream_);
+                            int64_t D, float scale, const int32_t* positions) {
+  cuda::rope_backward(dx, dout, inv_freq, B, T, H, D, scale, stream_, positions);
 }
 
 AttentionCapability CudaOps::attention_capability() {
@@ -208,7 +208,18 @@ AttentionImpl CudaOps::attention_impl(int64_t B, int64_t T, int64_t Hq, int64_t 
 }
 
 void CudaOps::attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
-                                int64_t Hq, int64_t Hkv, int64_t D, int64_t past) {
+                                int64_t Hq, int64_t Hkv, int64_t D, int64_t past, const int32_t* positions) {
+  if (positions != nullptr) {  // document masks: the WMMA kernel (see backend.h)
+    CHECK_MSG(D == 64 || D == 128, "document-masked attention (data.packing: document) on CUDA runs the WMMA kernel, "
+                                   "which needs head_dim 64 or 128, got " + std::to_string(D) +
+                                       "; use data.packing: concat for this model");
+    if (!logged_document_masks_) {
+      LOG_INFO("attention: document-masked batches run the WMMA kernel (the cuDNN graphs take no document masks)");
+      logged_document_masks_ = true;
+    }
+    cuda::attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, stream_, /*tile_rows=*/0, /*past=*/0, positions);
+    return;
+  }
   if (past > 0) {  // decoding after cached keys: cuDNN's graphs here are square, the WMMA kernel is not
     CHECK_MSG(D == 64 || D == 128, "cached attention on CUDA needs head_dim 64 or 128, got " + std::to_string(D));
     cuda::attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, stream_, /*tile_rows=*/0, past);
@@ -223,7 +234,12 @@ void CudaOps::attention_forward(Act* out, float* lse, const Act* q, const Act* k
 
 void CudaOps::attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                                  const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                 int64_t D) {
+                                 int64_t D, const int32_t* positions) {
+  if (positions != nullptr) {  // the forward's kernel, whose lse this is
+    cuda::attention_backward(*ctx_, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, stream_, /*tile_rows=*/0,
+                             positions);
+    return;
+  }
   // The same implementation as the forward of this shape, so lse is always its own.
   if (B > 0 && T > 0 && attention_impl(B, T, Hq, Hkv, D) == AttentionImpl::kCudnn) {
     cuda::cudnn_attention_backward(*ctx_, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, stream_);

@@ -101,14 +101,17 @@ class CudaOps {
   void linear_backward_f32(Act* dx, float* dweight, const float* dout, const Act* x, const W* weight, int64_t N,
                            int64_t IC, int64_t OC);
   void rope_forward(Act* out, const Act* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                    float scale, int64_t past = 0);
+                    float scale, int64_t past = 0, const int32_t* positions = nullptr);
   void rope_backward(Act* dx, const Act* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                     float scale);
-  // past > 0 (queries after cached keys, kernels/attention.h) runs the WMMA kernel.
+                     float scale, const int32_t* positions = nullptr);
+  // past > 0 (queries after cached keys, kernels/attention.h) runs the WMMA kernel. So do document
+  // masks (positions non-null, staged by stage_tokens): the cuDNN graphs built here take no
+  // sequence lengths or ragged offsets yet, so a document-masked batch never runs on cuDNN.
   void attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
-                         int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0);
+                         int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0, const int32_t* positions = nullptr);
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
-                          const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D);
+                          const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                          const int32_t* positions = nullptr);
   void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n);
   void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);
   void add_inplace(Act* a, const Act* b, int64_t n);
@@ -166,6 +169,7 @@ class CudaOps {
   AttentionCapability attention_capability_;
   AttentionForce attention_force_ = AttentionForce::kAuto;
   std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>, AttentionImpl> attention_impls_;  // B,T,Hq,Hkv,D
+  bool logged_document_masks_ = false;  // the WMMA kernel's taking document-masked batches, said once
 };
 
 // The fp8 recipe on CUDA (DeepSeek-V3's; its CPU reference is CpuFp8Ops, kernels/cpu/backend.h):

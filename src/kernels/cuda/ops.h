@@ -137,14 +137,17 @@ void rmsnorm_backward(Context& ctx, bf16* dx /*(N,C)*/, float* dweight /*(C)*/,
 // ---- RoPE -----------------------------------------------------------------------------------
 // inv_freq: device copy of kernels::rope_inv_freq (computed on the host). out may alias x.
 // scale multiplies cos and sin (YaRN's attention factor; 1 otherwise), as in kernels/rope.h.
-// Token t is at position past + t (past: positions already in a KV cache).
+// Token t is at position past + t (past: positions already in a KV cache), or at
+// positions[b, t] (device memory) when positions is given (packed documents; past = 0).
 void rope_forward(bf16* out /*(B,T,H,D)*/, const bf16* x /*(B,T,H,D)*/,
                   const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,
-                  float scale, int64_t past, cudaStream_t stream);
+                  float scale, int64_t past, cudaStream_t stream,
+                  const int32_t* positions /*(B,T) or null*/ = nullptr);
 // dx = scale * (rotation by -angle) dout. dx may alias dout.
 void rope_backward(bf16* dx /*(B,T,H,D)*/, const bf16* dout /*(B,T,H,D)*/,
                    const float* inv_freq /*(D/2)*/, int64_t B, int64_t T, int64_t H, int64_t D,
-                   float scale, cudaStream_t stream);
+                   float scale, cudaStream_t stream,
+                   const int32_t* positions /*(B,T) or null*/ = nullptr);
 
 // ---- SwiGLU ---------------------------------------------------------------------------------
 void swiglu_forward(bf16* out /*(n)*/, const bf16* gate /*(n)*/, const bf16* up /*(n)*/,
@@ -207,11 +210,14 @@ void gemm_separate_c(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_
 // when it does not fit. The two agree up to rounding (other tile boundaries).
 // past: keys of `past` cached positions precede the T queries' own (kernels/attention.h): k and v
 // hold past + T rows per sequence and query t sees keys 0 .. past + t.
+// positions (B,T) in device memory, or null: document masks (kernels/attention.h): query t sees
+// keys t - positions[b, t] .. t only (past = 0). This is the kernel document-masked batches run
+// on: the cuDNN graphs take no masks.
 void attention_forward(bf16* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,
                        const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,past+T,Hkv,D)*/,
                        const bf16* v /*(B,past+T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,
                        int64_t Hkv, int64_t D, cudaStream_t stream, int tile_rows = 0,
-                       int64_t past = 0);
+                       int64_t past = 0, const int32_t* positions /*(B,T) or null*/ = nullptr);
 // The least opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin) a device
 // needs to run attention for head dim D (64 or 128): that of the 32-row tiles, 76.25 KiB at
 // most, so every sm_80+ GPU (99 KiB or more) runs it. Devices with more get 64-row tiles.
@@ -223,14 +229,15 @@ size_t attention_forward_shared_bytes(int64_t D, int tile_rows);
 size_t attention_backward_shared_bytes(int64_t D, int tile_rows);
 // dq, dk, dv = (overwritten). Recomputes P from lse. Two kernels, no atomics: one owns key
 // tiles (dk, dv summed over the query heads of the group), one owns query tiles (dq).
-// tile_rows as for attention_forward, chosen for each of the two kernels.
+// tile_rows as for attention_forward, chosen for each of the two kernels. positions: the
+// forward's document masks.
 // Scratch: B*Hq*T floats (delta = rowsum(dout * out)).
 void attention_backward(Context& ctx, bf16* dq /*(B,T,Hq,D)*/, bf16* dk /*(B,T,Hkv,D)*/,
                         bf16* dv /*(B,T,Hkv,D)*/, const bf16* dout /*(B,T,Hq,D)*/,
                         const bf16* q, const bf16* k, const bf16* v,
                         const bf16* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/, int64_t B,
                         int64_t T, int64_t Hq, int64_t Hkv, int64_t D, cudaStream_t stream,
-                        int tile_rows = 0);
+                        int tile_rows = 0, const int32_t* positions /*(B,T) or null*/ = nullptr);
 
 // ---- causal GQA attention on cuDNN's fused SDPA (cudnn_attention.cpp) -------------------------
 // Same shapes, layout and scale (1/sqrt(D)) as attention_forward/backward above; lse is the

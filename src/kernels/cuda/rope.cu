@@ -30,7 +30,7 @@ __device__ __forceinline__ void rotate(float& x1, float& x2, int64_t t, float in
 // kWidth == 8 REQUIRES D/2 % 8 == 0 and out, x 16-byte aligned.
 template <int kWidth>
 __global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                            float sign, float scale, int64_t past) {
+                            float sign, float scale, int64_t past, const int32_t* positions) {
   const int64_t half = D / 2;
   const int64_t groups = half / kWidth;  // per row
   const int64_t total = B * T * H * groups;
@@ -38,7 +38,8 @@ __global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int
        idx += int64_t{gridDim.x} * blockDim.x) {
     const int64_t i = (idx % groups) * kWidth;
     const int64_t row = idx / groups;  // (b * T + t) * H + h
-    const int64_t t = past + (row / H) % T;  // the position
+    // The position: past + t, or the token's position in its document.
+    const int64_t t = positions != nullptr ? int64_t{positions[row / H]} : past + (row / H) % T;
     const int64_t base = row * D;
     if constexpr (kWidth == kBf16PerPack) {
       float x1[kBf16PerPack], x2[kBf16PerPack];
@@ -59,17 +60,18 @@ __global__ void rope_kernel(bf16* out, const bf16* x, const float* inv_freq, int
 }
 
 void rope(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D, float sign,
-          float scale, int64_t past, cudaStream_t stream) {
+          float scale, int64_t past, const int32_t* positions, cudaStream_t stream) {
   CHECK(B >= 0 && T >= 0 && H >= 0 && D > 0 && past >= 0);
+  CHECK_MSG(positions == nullptr || past == 0, "rope: document positions take no cached positions");
   CHECK_MSG(D % 2 == 0, "rope needs an even head dimension, got " + std::to_string(D));
   const int64_t pairs = B * T * H * (D / 2);
   if (pairs == 0) return;
   if ((D / 2) % kBf16PerPack == 0 && aligned16(out) && aligned16(x)) {
     rope_kernel<kBf16PerPack><<<elementwise_blocks(pairs / kBf16PerPack, kThreads), kThreads, 0, stream>>>(
-        out, x, inv_freq, B, T, H, D, sign, scale, past);
+        out, x, inv_freq, B, T, H, D, sign, scale, past, positions);
   } else {
     rope_kernel<1><<<elementwise_blocks(pairs, kThreads), kThreads, 0, stream>>>(out, x, inv_freq, B, T, H, D, sign, scale,
-                                                                                      past);
+                                                                                      past, positions);
   }
   CUDA_CHECK_LAUNCH();
 }
@@ -77,14 +79,14 @@ void rope(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T,
 }  // namespace
 
 void rope_forward(bf16* out, const bf16* x, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                  float scale, int64_t past, cudaStream_t stream) {
-  rope(out, x, inv_freq, B, T, H, D, 1.0f, scale, past, stream);
+                  float scale, int64_t past, cudaStream_t stream, const int32_t* positions) {
+  rope(out, x, inv_freq, B, T, H, D, 1.0f, scale, past, positions, stream);
 }
 
 // dx = scale * (rotation by -angle) dout: the transpose of a rotation is its inverse.
 void rope_backward(bf16* dx, const bf16* dout, const float* inv_freq, int64_t B, int64_t T, int64_t H, int64_t D,
-                   float scale, cudaStream_t stream) {
-  rope(dx, dout, inv_freq, B, T, H, D, -1.0f, scale, 0, stream);
+                   float scale, cudaStream_t stream, const int32_t* positions) {
+  rope(dx, dout, inv_freq, B, T, H, D, -1.0f, scale, 0, positions, stream);
 }
 
 }  // namespace strata::kernels::cuda
