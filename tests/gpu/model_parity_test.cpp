@@ -404,6 +404,58 @@ TEST(ModelParityMoe, TracksTheBf16RecipeAndTrains) {
   EXPECT_LT(last, first) << "the MoE loss did not fall on the GPU";
 }
 
+// Document packing (data.packing: document): a packed batch with positions restarting at each
+// document runs on the WMMA kernel with document masks (CudaOps never gives cuDNN such a batch)
+// and matches the CPU bf16 recipe given the same positions, within the bf16-recipe tolerances.
+TEST(ModelParityPacking, DocumentPackedBatchMatchesTheCpuBf16Recipe) {
+  const ModelConfig config = tiny_config(Variant{"untied", false, true});
+  FlatModel<model::LlamaModelBf16> bf16(config);
+  GpuModel gpu(config, adam_config(1.0f));
+  const std::vector<float> init = initial_params(bf16.layout(), 23);
+  std::copy(init.begin(), init.end(), bf16.params());
+  bf16.sync_compute_copy();
+  ASSERT_TRUE(gpu.state->load_params(init.data()).ok());
+
+  const int64_t B = 2, T = 160;
+  Batch b = random_batch(B * T, config.vocab_size, 5);
+  const int32_t eos = 7;
+  std::vector<int32_t> positions(static_cast<size_t>(B * T));
+  std::mt19937_64 rng(9);
+  for (int64_t r = 0; r < B; ++r) {
+    int64_t left = 1 + static_cast<int64_t>(rng() % 70);  // tokens left in the current document
+    for (int64_t t = 0; t < T; ++t) {
+      const size_t i = static_cast<size_t>(r * T + t);
+      if (b.inputs[i] == eos) b.inputs[i] = eos + 1;
+      if (--left == 0) {
+        b.inputs[i] = eos;
+        left = 1 + static_cast<int64_t>(rng() % 70);
+      }
+      positions[i] = t == 0 || b.inputs[i - 1] == eos ? 0 : positions[i - 1] + 1;
+      if (b.inputs[i] == eos) b.targets[i] = -1;
+    }
+  }
+  const float grad_scale = 1.0f / static_cast<float>(model::count_valid_targets(b.targets.data(), B * T));
+  bf16.zero_grads();
+  ASSERT_TRUE(gpu.state->zero_grads().ok());
+  Result<double> want = bf16.compute(b.inputs.data(), b.targets.data(), B, T, grad_scale, true, positions.data());
+  Result<double> got = gpu.net->compute(b.inputs.data(), b.targets.data(), B, T, grad_scale, true, positions.data());
+  ASSERT_TRUE(want.ok() && got.ok());
+  const double err = std::abs(*got - *want) / std::abs(*want);
+  std::printf("document-packed loss: gpu %.6f cpu-bf16 %.6f (rel %.2e)\n", *got, *want, err);
+  EXPECT_TRUE(err <= kBf16LossTol) << "loss " << *got << " vs " << *want;
+  const std::vector<float> grads = gpu.grads();
+  for (const TensorSpec& t : bf16.layout().tensors()) {
+    const TensorError e = compare(grads.data() + t.offset, bf16.grads() + t.offset, t.numel);
+    std::printf("  %-48s rel %.2e cos %.6f\n", t.name.c_str(), e.relative, e.cosine);
+    EXPECT_TRUE(e.relative <= kBf16GradRelTol) << t.name << ": relative L2 error " << e.relative;
+    EXPECT_TRUE(e.cosine >= kBf16GradCosineMin) << t.name << ": cosine " << e.cosine;
+  }
+  // The masks matter: without them the same batch loses differently.
+  Result<double> unmasked = bf16.compute(b.inputs.data(), b.targets.data(), B, T, 0.0f, false);
+  ASSERT_TRUE(unmasked.ok());
+  EXPECT_NE(*unmasked, *want);
+}
+
 TEST(ModelParityErrors, RefusesHeadDimsTheAttentionKernelLacks) {
   ModelConfig narrow = tiny_config(Variant{"", false, false});
   narrow.head_dim = 32;
