@@ -71,6 +71,19 @@ TEST(DocumentSplit, HeldOutDocumentsAreWholeNeverTrainedOnAndTheSameEveryTime) {
   fs::remove_all(dir);
 }
 
+// Pinned (and checked against an independent Python splitmix64): a change of hash would move
+// documents between training and evaluation for runs resumed over the same data.
+TEST(DocumentSplit, HeldOutDocumentsMatchPinnedValues) {
+  const fs::path dir = fs::path(::testing::TempDir()) / "strata_document_split_pinned";
+  fs::remove_all(dir);
+  Result<DocumentSplit> s = split_documents(documents(dir, 40, false), '\n', 0.25);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  EXPECT_EQ(names(text_of(*s->held_out)), (std::vector<std::string>{"<4>", "<8>", "<14>", "<15>", "<18>", "<21>",
+                                                                     "<24>", "<26>", "<31>", "<32>", "<34>", "<38>",
+                                                                     "<39>"}));
+  fs::remove_all(dir);
+}
+
 TEST(DocumentSplit, AFractionOutsideTheRangeOrASideWithoutDocumentsIsRefused) {
   const fs::path dir = fs::path(::testing::TempDir()) / "strata_document_split_bad";
   fs::remove_all(dir);
