@@ -72,10 +72,13 @@ std::string format_seconds(double s) {
 // the embedding's: the store's count when the input gives it, else half; the head has the rest.
 // `sliced`: the kind is held as a rank's slices (ZeRO-1 and up for the optimizer's kinds).
 uint64_t embedding_share(const PlanInput& in, int k, uint64_t all, bool sliced) {
-  const uint64_t moment = sliced ? in.embed_sliced_moment_chunks : in.embed_moment_chunks;
-  const uint64_t fp32 = sliced ? in.embed_sliced_chunks : in.embed_chunks;
-  const uint64_t copy = sliced ? in.embed_sliced_param_chunks : in.embed_param_chunks;
+  const uint64_t moment = in.embed_moment_chunks, fp32 = in.embed_chunks, copy = in.embed_param_chunks;
   const uint64_t first = k == 0 ? copy : k >= 3 && moment > 0 ? moment : fp32;
+  if (sliced) {  // counted in bytes (`all` too)
+    const uint64_t moment_bytes = in.embed_sliced_moment_bytes, fp32_bytes = in.embed_sliced_bytes;
+    const uint64_t bytes = k == 0 ? in.embed_sliced_param_bytes : k >= 3 && moment_bytes > 0 ? moment_bytes : fp32_bytes;
+    return all == 0 ? 0 : bytes > 0 ? std::min(bytes, all) : (all + 1) / 2;
+  }
   return all == 0 ? 0 : first > 0 ? std::min(first, all) : (all + 1) / 2;
 }
 
@@ -108,6 +111,87 @@ std::vector<std::vector<ExpertBytes>> spillable_experts(const PlanInput& in, int
   return out;
 }
 
+// How many times plan_at_level places the groups again with less device room.
+constexpr int kPlacementAttempts = 6;
+
+// KindBytes' member for a kind of state.
+uint64_t& bytes_of_kind(KindBytes& b, StateKind k) {
+  switch (k) {
+    case StateKind::kParam: return b.param;
+    case StateKind::kGrad: return b.grad;
+    case StateKind::kMaster: return b.master;
+    case StateKind::kAdamM: return b.adam_m;
+    case StateKind::kAdamV: return b.adam_v;
+    default: break;
+  }
+  CHECK_MSG(false, "activations are not a kind of group state");
+  return b.act;
+}
+
+// The planner group of a state-store group: the embedding and the head are the edge (L), store
+// group l + 1 is layer l.
+int64_t planner_group(int g, int64_t L) { return g == 0 || g == L + 1 ? L : static_cast<int64_t>(g) - 1; }
+
+// Where the decisions made per planner group home part `part` of store group g's `kind`: the
+// group's row, or nvme for an expert whose optimizer state the host spilled there.
+Tier planned_home(int64_t L, const GroupHomes& h, const std::vector<std::vector<ExpertBytes>>& spill, int g,
+                  StateKind kind, int part) {
+  const int64_t pg = planner_group(g, L);
+  const bool opt = kind == StateKind::kMaster || kind == StateKind::kAdamM || kind == StateKind::kAdamV;
+  if (opt && part != kDensePart && !h.opt_dev[pg] && !h.opt_nvme[pg]) {
+    const std::vector<ExpertBytes>& spilled = spill[static_cast<size_t>(pg)];
+    for (size_t i = spilled.size() - std::min(spilled.size(), h.opt_nvme_experts[pg]); i < spilled.size(); ++i)
+      if (spilled[i].part == part) return Tier::kNvme;
+  }
+  switch (kind) {
+    case StateKind::kParam: return h.param_res[pg] ? Tier::kDevice : h.param_nvme[pg] ? Tier::kNvme : Tier::kHost;
+    case StateKind::kGrad: return h.grad_res[pg] ? Tier::kDevice : h.grad_nvme[pg] ? Tier::kNvme : Tier::kHost;
+    default: return h.opt_dev[pg] ? Tier::kDevice : h.opt_nvme[pg] ? Tier::kNvme : Tier::kHost;
+  }
+}
+
+// The kinds a rank holds its slices of at ZeRO `zero` over `world` ranks (Placement::shard_over).
+bool sliced_at(StateKind kind, int64_t world, int zero) {
+  if (world <= 1) return false;
+  if (kind == StateKind::kParam) return zero >= 3;
+  if (kind == StateKind::kGrad) return zero >= 2;
+  return zero >= 1;
+}
+
+// The largest share's slices of each kind sliced at the level, as the store packs them
+// (state_store.h, "Slices"); none without the store's tensors and chunk size.
+struct SlicedKinds {
+  std::vector<std::pair<StateKind, StateStore::Packing>> packings;
+  SlicedKinds(const PlanInput& in, int64_t world, int zero) {
+    if (in.chunk_size == 0 || in.state_tensors.empty()) return;
+    // The largest share's slices, so that every rank chooses the same homes.
+    const std::vector<StateTensor>& tensors = in.sliced_share_tensors.empty() ? in.state_tensors : in.sliced_share_tensors;
+    for (StateKind k : in.state_layout.kinds())
+      if (sliced_at(k, world, zero))
+        packings.emplace_back(k, StateStore::Packing(tensors, in.chunk_size, in.state_layout, k, true));
+  }
+  // The bytes per tier of each kind homed by `home`: the groups' slices share chunks, so a run
+  // of groups homed alike takes the chunks their slices fill together, not a layer's even share
+  // each. With `host_adamw` (whether a store group's AdamW runs on the host), the host also
+  // counts the device's chunks of the compute copy and gradients of such groups, as the planner
+  // does for whole groups (AdamW acquires them there).
+  std::array<uint64_t, kNumTiers> tier_bytes(size_t i, uint64_t chunk_bytes, const HomeOf& home,
+                                             const std::function<bool(int)>& host_adamw = {}) const {
+    const StateKind kind = packings[i].first;
+    std::array<uint64_t, kNumTiers> out{};
+    const auto packed = packings[i].second.count(home);
+    const bool copy_or_grad = kind == StateKind::kParam || kind == StateKind::kGrad;
+    for (size_t g = 0; g < packed.size(); ++g)
+      for (const StateStore::PartChunks& part : packed[g]) {
+        const Tier t = home(static_cast<int>(g), kind, part.part);
+        out[static_cast<size_t>(t)] += part.chunks * chunk_bytes;
+        if (t == Tier::kDevice && copy_or_grad && host_adamw && host_adamw(static_cast<int>(g)))
+          out[static_cast<size_t>(Tier::kHost)] += part.chunks * chunk_bytes;
+      }
+    return out;
+  }
+};
+
 // The placement (placement.h) of the decisions made per planner group (layer l at l, the edge at
 // L), in the state store's groups: the embedding 0, layer l at l + 1, the head L + 1, the edge's
 // bytes split between the embedding and the head as the store packs them.
@@ -117,45 +201,33 @@ Placement make_placement(const PlanInput& in, int64_t L, const GroupBytes& layer
   Placement placement(static_cast<int>(L) + 2);
   const int world = static_cast<int>(std::max<int64_t>(1, in.world_size));
   placement.shard_over(world, zero);
-  auto place = [&](int group, int64_t g, const GroupBytes& b, const auto& part) {
-    const Tier opt = h.opt_dev[g] ? Tier::kDevice : h.opt_nvme[g] ? Tier::kNvme : Tier::kHost;
-    const Tier param = h.param_res[g] ? Tier::kDevice : h.param_nvme[g] ? Tier::kNvme : Tier::kHost;
-    const Tier grad = h.grad_res[g] ? Tier::kDevice : h.grad_nvme[g] ? Tier::kNvme : Tier::kHost;
-    placement.place(group, StateKind::kParam, param, part(0, b.param));
-    placement.place(group, StateKind::kGrad, grad, part(1, b.grad));
-    placement.place(group, StateKind::kMaster, opt, part(2, b.master));
-    placement.place(group, StateKind::kAdamM, opt, part(3, b.adam_m));
-    placement.place(group, StateKind::kAdamV, opt, part(4, b.adam_v));
+  auto place = [&](int group, const GroupBytes& b, const auto& part) {
+    auto home = [&](StateKind k) { return planned_home(L, h, spill, group, k, kDensePart); };
+    placement.place(group, StateKind::kParam, home(StateKind::kParam), part(0, b.param));
+    placement.place(group, StateKind::kGrad, home(StateKind::kGrad), part(1, b.grad));
+    placement.place(group, StateKind::kMaster, home(StateKind::kMaster), part(2, b.master));
+    placement.place(group, StateKind::kAdamM, home(StateKind::kAdamM), part(3, b.adam_m));
+    placement.place(group, StateKind::kAdamV, home(StateKind::kAdamV), part(4, b.adam_v));
   };
   auto embedding = [&](int k, uint64_t bytes) {
     const bool sliced = placement.sliced(0, static_cast<StateKind>(k));
-    return c > 0 ? embedding_share(in, k, bytes / c, sliced) * c : embedding_share(in, k, bytes, sliced);
+    return c > 0 && !sliced ? embedding_share(in, k, bytes / c, sliced) * c : embedding_share(in, k, bytes, sliced);
   };
-  place(0, L, edge, embedding);
-  for (int64_t l = 0; l < L; ++l) place(static_cast<int>(l) + 1, l, layer, [](int, uint64_t bytes) { return bytes; });
-  place(static_cast<int>(L) + 1, L, edge, [&](int k, uint64_t bytes) { return bytes - embedding(k, bytes); });
+  place(0, edge, embedding);
+  for (int64_t l = 0; l < L; ++l) place(static_cast<int>(l) + 1, layer, [](int, uint64_t bytes) { return bytes; });
+  place(static_cast<int>(L) + 1, edge, [&](int k, uint64_t bytes) { return bytes - embedding(k, bytes); });
   // A row for each part of the store's groups (the experts of MoE layers), homed with its group
   // but for the experts whose optimizer state the host spilled to nvme, sized as the store packs
   // it (this rank's slices of a sliced kind).
   if (c == 0 || in.state_tensors.empty()) return placement;
+  const HomeOf home = [&](int g, StateKind k, int part) { return planned_home(L, h, spill, g, k, part); };
   for (StateKind kind : in.state_layout.kinds()) {
-    const bool opt = kind == StateKind::kMaster || kind == StateKind::kAdamM || kind == StateKind::kAdamV;
-    const auto packed =
-        StateStore::part_chunks(in.state_tensors, c, in.state_layout, kind, placement.sliced(0, kind));
-    for (size_t g = 0; g < packed.size() && g < static_cast<size_t>(placement.num_groups()); ++g) {
-      const int64_t planner_group =
-          g == 0 || g + 1 == static_cast<size_t>(placement.num_groups()) ? L : static_cast<int64_t>(g) - 1;
-      const std::vector<ExpertBytes>& spilled = spill[static_cast<size_t>(planner_group)];
-      const size_t nvme_from = spilled.size() - std::min(spilled.size(), h.opt_nvme_experts[planner_group]);
-      for (const StateStore::PartChunks& part : packed[g]) {
-        if (part.part == kDensePart) continue;
-        bool on_nvme = false;
-        for (size_t i = nvme_from; i < spilled.size(); ++i) on_nvme = on_nvme || spilled[i].part == part.part;
-        const int group = static_cast<int>(g);
-        placement.place_part(group, part.part, kind, opt && on_nvme ? Tier::kNvme : placement.home(group, kind),
-                             part.chunks * c);
-      }
-    }
+    const auto packed = StateStore::part_chunks(in.state_tensors, c, in.state_layout, kind, placement.sliced(0, kind), home);
+    for (size_t g = 0; g < packed.size() && g < static_cast<size_t>(placement.num_groups()); ++g)
+      for (const StateStore::PartChunks& part : packed[g])
+        if (part.part != kDensePart)
+          placement.place_part(static_cast<int>(g), part.part, kind, home(static_cast<int>(g), kind, part.part),
+                               part.chunks * c);
   }
   return placement;
 }
@@ -180,7 +252,8 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   r.activation_bytes = in.saved_activation_bytes_per_layer;
   r.store.space.device_bytes = p.device_chunk_bytes;
   const uint64_t staging = in.nvme_budget > 0 ? 1 : 0;
-  const uint64_t most = store_chunk_count(r.tensors, r.store.layout, c, r.activations, r.activation_bytes, sliced);
+  const uint64_t most =
+      store_chunk_count(r.tensors, r.store.layout, c, r.activations, r.activation_bytes, sliced, r.store.home);
   r.store.space.host_bytes = std::min(in.host_budget, (most + staging) * c);
   r.store.space.nvme_bytes = in.nvme_budget;
   OptimizerProgram optimizer;
@@ -203,22 +276,21 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
 
 // One rank's part of a group under ZeRO `zero` over `world` ranks: 1/world of each sharded
 // kind, rounded up (a rank's shard of the flat state, not whole chunks); the optimizer's kinds
-// as the store packs the rank's slices when `sliced_chunks` (and for compact moments
-// `sliced_moment_chunks`) are known.
-GroupBytes shard_of(const PlanInput& in, GroupBytes b, int64_t world, int zero, uint64_t sliced_chunks,
-                    uint64_t sliced_moment_chunks, uint64_t sliced_param_chunks) {
+// as the store packs the rank's slices when `sliced` (and for compact moments `sliced_moment`)
+// bytes are known.
+GroupBytes shard_of(const PlanInput& in, GroupBytes b, int64_t world, int zero, uint64_t sliced,
+                    uint64_t sliced_moment, uint64_t sliced_param) {
   const uint64_t w = static_cast<uint64_t>(world);
   auto part = [&](uint64_t bytes) { return (bytes + w - 1) / w; };
-  const uint64_t c = in.chunk_size;
-  const bool packed = world > 1 && sliced_chunks > 0 && c > 0;  // the store's slices of fp32 kinds known
+  const bool packed = world > 1 && sliced > 0 && in.chunk_size > 0;  // the store's slices of fp32 kinds known
   if (zero >= 1 && packed) {
-    b.master = in.separate_master ? sliced_chunks * c : 0;
-    b.adam_m = b.adam_v = (sliced_moment_chunks > 0 ? sliced_moment_chunks : sliced_chunks) * c;
+    b.master = in.separate_master ? sliced : 0;
+    b.adam_m = b.adam_v = sliced_moment > 0 ? sliced_moment : sliced;
   } else if (zero >= 1) {
     b.master = part(b.master), b.adam_m = part(b.adam_m), b.adam_v = part(b.adam_v);
   }
-  if (zero >= 2) b.grad = packed ? sliced_chunks * c : part(b.grad);
-  if (zero >= 3) b.param = packed && sliced_param_chunks > 0 ? sliced_param_chunks * c : part(b.param);
+  if (zero >= 2) b.grad = packed ? sliced : part(b.grad);
+  if (zero >= 3) b.param = packed && sliced_param > 0 ? sliced_param : part(b.param);
   return b;
 }
 
@@ -254,10 +326,10 @@ LevelSizes level_sizes(const PlanInput& in, int zero) {
                              in.layer_moment_chunks);
   s.full_edge = group_bytes(in, in.edge_elements, in.edge_param_bytes, in.edge_chunks, in.edge_param_chunks,
                             in.edge_moment_chunks);
-  s.layer = shard_of(in, s.full_layer, s.W, zero, in.layer_sliced_chunks, in.layer_sliced_moment_chunks,
-                     in.layer_sliced_param_chunks);
-  s.edge = shard_of(in, s.full_edge, s.W, zero, in.edge_sliced_chunks, in.edge_sliced_moment_chunks,
-                    in.edge_sliced_param_chunks);
+  s.layer = shard_of(in, s.full_layer, s.W, zero, in.layer_sliced_bytes, in.layer_sliced_moment_bytes,
+                     in.layer_sliced_param_bytes);
+  s.edge = shard_of(in, s.full_edge, s.W, zero, in.edge_sliced_bytes, in.edge_sliced_moment_bytes,
+                    in.edge_sliced_param_bytes);
   s.saved_all = static_cast<uint64_t>(s.L + 1) * in.saved_activation_bytes_per_layer;
   return s;
 }
@@ -388,7 +460,8 @@ uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s, uint64_t o
 // a host slot. False with the problem and suggestions in `p` when the host or NVMe budget cannot
 // hold its part, or the host cannot pass the largest group while the weights load.
 bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
-                            const std::vector<std::vector<ExpertBytes>>& spill, GroupHomes& h, Plan& p) {
+                            const std::vector<std::vector<ExpertBytes>>& spill, const SlicedKinds& sliced,
+                            GroupHomes& h, Plan& p) {
   // Offloaded saved activations take whole chunks of the store, packed (StateStore::add_activations).
   if (p.offload_activations)
     p.host.act = in.chunk_size > 0 && in.offloaded_activations > 0
@@ -412,54 +485,92 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
     const uint64_t kinds = (opt ? (in.separate_master ? 3 : 2) : 0) + param + grad;
     return kinds > 0 ? nvme_staging_bytes(in, s, kinds) : 0;
   };
-  auto host_total = [&] { return p.host.total() + staging(); };
+  // The sliced kinds' bytes as the store packs them under the homes so far: what the host holds
+  // of them differs from the layers' even shares p.host counts.
+  const HomeOf home = [&](int g, StateKind k, int part) { return planned_home(s.L, h, spill, g, k, part); };
+  const std::function<bool(int)> host_adamw = [&](int g) { return !h.opt_dev[planner_group(g, s.L)]; };
+  auto sliced_exactly = [&](Tier t) {
+    uint64_t exact = 0, even = 0;
+    for (size_t i = 0; i < sliced.packings.size(); ++i)
+      exact += sliced.tier_bytes(i, in.chunk_size, home, host_adamw)[static_cast<size_t>(t)],
+          even += bytes_of_kind(t == Tier::kHost ? p.host : p.nvme, sliced.packings[i].first);
+    return std::pair{exact, even};
+  };
+  // The even shares differ from the packing by the chunks the runs of groups homed alike fill in
+  // part, a few per sliced kind: only within that margin of the budget is the packing counted
+  // (O(tensors) a count, which a spill step by step would repeat many times over).
+  const uint64_t margin = 4 * sliced.packings.size() * in.chunk_size;
+  auto over = [&] {
+    const uint64_t total = p.host.total() + staging();
+    if (sliced.packings.empty() || total > in.host_budget + margin) return total > in.host_budget;
+    if (total + margin < in.host_budget) return false;
+    const auto [exact, even] = sliced_exactly(Tier::kHost);
+    return total - even + exact > in.host_budget;
+  };
   auto spill_optimizer = [&](uint64_t master, uint64_t adam_m, uint64_t adam_v) {
     p.host.master -= master, p.host.adam_m -= adam_m, p.host.adam_v -= adam_v;
     p.nvme.master += master, p.nvme.adam_m += adam_m, p.nvme.adam_v += adam_v;
   };
-  for (auto it = host_groups.rbegin(); it != host_groups.rend() && host_total() > in.host_budget; ++it) {
-    if (in.nvme_budget == 0) break;
-    const GroupBytes& b = s.of(*it);
-    // An MoE layer's experts go one at a time, from the last, before the rest of the layer: the
-    // host then keeps all but the last expert's worth of what it has room for, not all but a
-    // layer's.
-    uint64_t master = b.master, adam_m = b.adam_m, adam_v = b.adam_v;
-    // Expert by expert only where the experts fit in the planner's (average) layer: a model
-    // with dense layers among its MoE ones has an MoE layer larger than the average, which
-    // spills whole so that nvme counts every byte it holds.
-    const std::vector<ExpertBytes>& listed = spill[static_cast<size_t>(*it)];
-    uint64_t em_all = 0, eam_all = 0, eav_all = 0;
-    for (const ExpertBytes& e : listed) em_all += e.master, eam_all += e.adam_m, eav_all += e.adam_v;
-    static const std::vector<ExpertBytes> kNone;
-    const std::vector<ExpertBytes>& experts =
-        em_all <= master && eam_all <= adam_m && eav_all <= adam_v ? listed : kNone;
-    size_t& spilled = h.opt_nvme_experts[static_cast<size_t>(*it)];
-    while (spilled < experts.size() && host_total() > in.host_budget) {
-      const ExpertBytes& e = experts[experts.size() - 1 - spilled];
-      spill_optimizer(e.master, e.adam_m, e.adam_v);
-      master -= e.master, adam_m -= e.adam_m, adam_v -= e.adam_v;
-      ++spilled;
-      p.nvme_optimizer_experts++;
+  auto spill_pass = [&] {
+    if (in.nvme_budget == 0) return;
+    for (auto it = host_groups.rbegin(); it != host_groups.rend(); ++it) {
+      if (h.opt_nvme[*it]) continue;
+      if (!over()) break;
+      const GroupBytes& b = s.of(*it);
+      // An MoE layer's experts go one at a time, from the last, before the rest of the layer: the
+      // host then keeps all but the last expert's worth of what it has room for, not all but a
+      // layer's.
+      uint64_t master = b.master, adam_m = b.adam_m, adam_v = b.adam_v;
+      // Expert by expert only where the experts fit in the planner's (average) layer: a model
+      // with dense layers among its MoE ones has an MoE layer larger than the average, which
+      // spills whole so that nvme counts every byte it holds.
+      const std::vector<ExpertBytes>& listed = spill[static_cast<size_t>(*it)];
+      uint64_t em_all = 0, eam_all = 0, eav_all = 0;
+      for (const ExpertBytes& e : listed) em_all += e.master, eam_all += e.adam_m, eav_all += e.adam_v;
+      static const std::vector<ExpertBytes> kNone;
+      const std::vector<ExpertBytes>& experts =
+          em_all <= master && eam_all <= adam_m && eav_all <= adam_v ? listed : kNone;
+      size_t& spilled = h.opt_nvme_experts[static_cast<size_t>(*it)];
+      for (size_t i = 0; i < spilled; ++i) {  // spilled by the pass before
+        const ExpertBytes& e = experts[experts.size() - 1 - i];
+        master -= e.master, adam_m -= e.adam_m, adam_v -= e.adam_v;
+      }
+      while (spilled < experts.size() && over()) {
+        const ExpertBytes& e = experts[experts.size() - 1 - spilled];
+        spill_optimizer(e.master, e.adam_m, e.adam_v);
+        master -= e.master, adam_m -= e.adam_m, adam_v -= e.adam_v;
+        ++spilled;
+        p.nvme_optimizer_experts++;
+      }
+      if (!over()) break;
+      spill_optimizer(master, adam_m, adam_v);
+      p.nvme_optimizer_experts -= static_cast<int64_t>(spilled);
+      spilled = 0;
+      h.opt_nvme[*it] = true;
+      p.nvme_optimizer_groups++;
     }
-    if (host_total() <= in.host_budget) break;
-    spill_optimizer(master, adam_m, adam_v);
-    p.nvme_optimizer_experts -= static_cast<int64_t>(spilled);
-    spilled = 0;
-    h.opt_nvme[*it] = true;
-    p.nvme_optimizer_groups++;
-  }
-  // Then the compute copies and gradients that stream from the host, whole groups from the last.
-  for (auto it = host_groups.rbegin(); it != host_groups.rend() && in.nvme_budget > 0 && host_total() > in.host_budget; ++it) {
-    if (h.param_res[*it]) continue;
-    p.host.param -= s.of(*it).param, p.nvme.param += s.of(*it).param;
-    h.param_nvme[*it] = true;
-    p.nvme_param_groups++;
-  }
-  for (auto it = host_groups.rbegin(); it != host_groups.rend() && in.nvme_budget > 0 && host_total() > in.host_budget; ++it) {
-    if (h.grad_res[*it]) continue;
-    p.host.grad -= s.of(*it).grad, p.nvme.grad += s.of(*it).grad;
-    h.grad_nvme[*it] = true;
-    p.nvme_grad_groups++;
+    // Then the compute copies and gradients that stream from the host, whole groups from the last.
+    for (auto it = host_groups.rbegin(); it != host_groups.rend(); ++it) {
+      if (h.param_res[*it] || h.param_nvme[*it]) continue;
+      if (!over()) break;
+      p.host.param -= s.of(*it).param, p.nvme.param += s.of(*it).param;
+      h.param_nvme[*it] = true;
+      p.nvme_param_groups++;
+    }
+    for (auto it = host_groups.rbegin(); it != host_groups.rend(); ++it) {
+      if (h.grad_res[*it] || h.grad_nvme[*it]) continue;
+      if (!over()) break;
+      p.host.grad -= s.of(*it).grad, p.nvme.grad += s.of(*it).grad;
+      h.grad_nvme[*it] = true;
+      p.nvme_grad_groups++;
+    }
+  };
+  spill_pass();
+  // The sliced kinds as the store packs them.
+  for (size_t i = 0; i < sliced.packings.size(); ++i) {
+    const std::array<uint64_t, kNumTiers> exact = sliced.tier_bytes(i, in.chunk_size, home, host_adamw);
+    bytes_of_kind(p.host, sliced.packings[i].first) = exact[static_cast<size_t>(Tier::kHost)];
+    bytes_of_kind(p.nvme, sliced.packings[i].first) = exact[static_cast<size_t>(Tier::kNvme)];
   }
   p.host.act += staging();
   if (p.host.total() > in.host_budget) {
@@ -509,7 +620,8 @@ struct PhaseTraffic {
 
 // Step 4: traffic per optimizer step, with the step's totals in `p`: each streamed group moved
 // at every use, or, with chunks, the replay of the chunk space.
-PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, Plan& p) {
+PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, Plan& p,
+                          bool* device_short = nullptr) {
   const int64_t L = s.L, groups = s.groups, W = s.W;
   const int zero = s.zero;
   const bool offload = p.offload_activations;
@@ -577,8 +689,10 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
       why = why.substr(0, why.find("; release chunks first"));
       p.problem = "one step of this placement cannot run (replayed on the chunk store): " + why;
       for (Tier t : {Tier::kDevice, Tier::kHost})
-        if (replay.status().message().find(std::string("'") + tier_name(t) + "'") != std::string::npos)
+        if (replay.status().message().find(std::string("'") + tier_name(t) + "'") != std::string::npos) {
           p.suggestions.push_back(std::string("raise ") + tier_budget_key(t));
+          if (t == Tier::kDevice && device_short != nullptr) *device_short = true;
+        }
     } else {
       const ReplayResult& r = *replay;
       const uint64_t ckpt = offload ? static_cast<uint64_t>(L) * in.saved_activation_bytes_per_layer : 0;
@@ -772,6 +886,26 @@ const char* bottleneck_of(const Plan& p) {
   return bottleneck;
 }
 
+// The device's bytes of a rank's sliced kinds as the store packs them under `p.placement`
+// (SlicedKinds::tier_bytes): the device's groups are chosen from the layers' even shares.
+// Corrects the device's total in `p` by the difference, and returns how far it then exceeds the
+// budget.
+uint64_t count_sliced_on_device(const PlanInput& in, const SlicedKinds& sliced, Plan& p) {
+  const Placement& placement = p.placement;
+  const HomeOf home = [&placement](int g, StateKind k, int part) { return placement.home(g, k, part); };
+  for (size_t i = 0; i < sliced.packings.size(); ++i) {
+    const StateKind kind = sliced.packings[i].first;
+    const uint64_t exact = sliced.tier_bytes(i, in.chunk_size, home)[static_cast<size_t>(Tier::kDevice)];
+    uint64_t even = 0;  // what the plan counted: the device's rows (nothing of them spills)
+    for (int g = 0; g < placement.num_groups(); ++g)
+      if (placement.home(g, kind) == Tier::kDevice) even += placement.row(g, kind).bytes;
+    uint64_t& b = bytes_of_kind(p.device, kind);
+    b = b + exact >= even ? b + exact - even : 0;
+  }
+  if (sliced.packings.empty()) return 0;
+  return p.device.total() > in.device_budget ? p.device.total() - in.device_budget : 0;
+}
+
 // The plan at one ZeRO level: the device's working set, then what is resident there, the host
 // and NVMe, the placement, the traffic, the time and the collectives.
 Plan plan_at_level(const PlanInput& in, int zero) {
@@ -781,13 +915,45 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   WorkingSet ws;
   uint64_t free_bytes = 0;
   if (!plan_working_set(in, s, p, &ws, &free_bytes)) return p;
-  GroupHomes homes = place_on_device(s, ws, free_bytes, p);
+  const Plan start = p;
   const std::vector<std::vector<ExpertBytes>> spill = spillable_experts(in, s.L, s.sharded);
-  if (!place_on_host_and_nvme(in, s, spill, homes, p)) return p;
-  p.fits = true;
-  p.placement = make_placement(in, s.L, s.layer, s.edge, homes, spill, zero);
-  const PhaseTraffic traffic = plan_traffic(in, s, homes, p);
-  if (!p.fits) return p;
+  const SlicedKinds sliced(in, s.W, zero);
+  GroupHomes homes;
+  // The device's groups are chosen from each layer's even share of the sliced kinds; where the
+  // store's packing of them (count_sliced_on_device) then exceeds the budget, they are chosen
+  // again with that much less room. (The host's spill counts the packing as it goes.) And where
+  // the replayed step finds the device's slots all taken (sliced groups acquired together pin
+  // whole chunks, however few of their bytes are theirs), again with two chunks less.
+  uint64_t device_reserve = 0, last_over = UINT64_MAX;
+  PhaseTraffic traffic;
+  for (int attempt = 0;; ++attempt) {
+    p = start;
+    homes = place_on_device(s, ws, free_bytes - std::min(free_bytes, device_reserve), p);
+    if (!place_on_host_and_nvme(in, s, spill, sliced, homes, p)) return p;
+    p.placement = make_placement(in, s.L, s.layer, s.edge, homes, spill, zero);
+    const uint64_t over = count_sliced_on_device(in, sliced, p);
+    if (over > 0) {
+      if (attempt == kPlacementAttempts) {
+        p.problem = fmt::format("the device budget {} cannot hold the {} this plan keeps there",
+                                format_bytes(in.device_budget), format_bytes(p.device.total()));
+        p.suggestions.push_back(fmt::format("raise memory.device to at least {}", format_bytes(p.device.total())));
+        return p;
+      }
+      // Room that moved no group off the device: take a layer's worth more; the last try none.
+      device_reserve += over < last_over ? over : over + s.layer.param + s.layer.grad + s.layer.optimizer();
+      if (attempt + 1 == kPlacementAttempts) device_reserve = free_bytes;
+      last_over = over;
+      continue;
+    }
+    p.fits = true;
+    bool device_short = false;
+    traffic = plan_traffic(in, s, homes, p, &device_short);
+    if (p.fits) break;
+    if (!device_short || sliced.packings.empty() || attempt == kPlacementAttempts || device_reserve >= free_bytes)
+      return p;
+    // The last try keeps no group on the device: it fits whenever the working set does.
+    device_reserve = attempt + 1 == kPlacementAttempts ? free_bytes : device_reserve + 2 * in.chunk_size;
+  }
   plan_time(in, s, homes, traffic, p);
   plan_comm(in, s, p);
   p.bottleneck = bottleneck_of(p);

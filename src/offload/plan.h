@@ -140,14 +140,20 @@ struct PlanInput {
   uint64_t embed_chunks = 0;
   uint64_t embed_param_chunks = 0;
   uint64_t embed_moment_chunks = 0;
-  // The same as layer/edge/embed chunks and their moment variants, for the master weights and
-  // moments of data-parallel rank `rank` under ZeRO-1 and up, packed from its slices of every
-  // tensor (placement.h's tensor_shard) as the store packs them; 0: 1/world_size of the whole.
-  uint64_t layer_sliced_chunks = 0, edge_sliced_chunks = 0, embed_sliced_chunks = 0;
-  uint64_t layer_sliced_moment_chunks = 0, edge_sliced_moment_chunks = 0, embed_sliced_moment_chunks = 0;
+  // The bytes of one fp32 kind a layer group (the average over the layers) and the edge
+  // groups take, and their moment variants, for the master weights and moments of data-parallel
+  // rank `rank` under ZeRO-1 and up (and its gradients from ZeRO-2), packed from its slices of
+  // every tensor (placement.h's tensor_shard) as the store packs them: the groups' slices share
+  // chunks (state_store.h, "Slices"), so each group counts the chunks it opens, whole, and the
+  // sum over the groups is the store's when every group is homed alike (the planner then counts
+  // the homes it chooses exactly, from sliced_share_tensors). 0: 1/world_size of the whole.
+  uint64_t layer_sliced_bytes = 0, edge_sliced_bytes = 0, embed_sliced_bytes = 0;
+  uint64_t layer_sliced_moment_bytes = 0, edge_sliced_moment_bytes = 0, embed_sliced_moment_bytes = 0;
+  // Chunks the slices of the largest group span (the chunk before it that it continues in
+  // included): what AdamW pins at once.
   uint64_t largest_sliced_group_chunks = 0;
   // The same of the compute copy (ZeRO-3).
-  uint64_t layer_sliced_param_chunks = 0, edge_sliced_param_chunks = 0, embed_sliced_param_chunks = 0;
+  uint64_t layer_sliced_param_bytes = 0, edge_sliced_param_bytes = 0, embed_sliced_param_bytes = 0;
   // MoE: per layer (the store's groups 1..L), each expert's chunks of the optimizer's kinds as
   // the store packs them, whole and (sliced) as the largest share of any rank packs its slices.
   // A layer is left empty when some expert of it shares a chunk with another part (its chunks
@@ -176,6 +182,11 @@ struct PlanInput {
   std::vector<ProgramEvent> micro_batch_program_offloaded;
   // With several ranks, each with the slice rank `rank` holds of a sliced kind (StateTensor::slice).
   std::vector<StateTensor> state_tensors;
+  // The same with the slices of the rank holding the most of the sliced kinds (the last: it holds
+  // tensors of fewer blocks than ranks whole; in the fp8 recipe whichever owns the most whole
+  // matrices): the planner counts them to choose the homes, so that every rank homes each group
+  // alike (their collectives on a group then move the same kind of memory). Empty: state_tensors.
+  std::vector<StateTensor> sliced_share_tensors;
   StateLayout state_layout;
   int offloaded_activations = 0;  // saved-activation buffers in the store when offloaded
   size_t lookahead = 2;           // the store's prefetch window (StateStoreOptions::lookahead)

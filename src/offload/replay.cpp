@@ -23,10 +23,12 @@ ReplayMoves ReplayResult::total() const {
 }
 
 uint64_t store_chunk_count(const std::vector<StateTensor>& tensors, const StateLayout& layout, uint64_t chunk_bytes,
-                           int activations, uint64_t activation_bytes, const std::array<bool, kNumStateKinds>& sliced) {
+                           int activations, uint64_t activation_bytes, const std::array<bool, kNumStateKinds>& sliced,
+                           const HomeOf& home) {
   uint64_t chunks = 0;
   for (const StateKind kind : layout.kinds())
-    for (uint64_t n : StateStore::group_chunks(tensors, chunk_bytes, layout, kind, sliced[static_cast<size_t>(kind)]))
+    for (uint64_t n :
+         StateStore::group_chunks(tensors, chunk_bytes, layout, kind, sliced[static_cast<size_t>(kind)], home))
       chunks += n;
   return chunks + StateStore::activation_chunks(activations, activation_bytes, chunk_bytes);
 }

@@ -62,11 +62,11 @@ struct ReplayResult {
 Result<ReplayResult> replay_step(const ReplayInput& input);
 
 // Chunks the store of `tensors` takes over every kind of `layout` (each group's kind packed on
-// its own; the kinds `sliced` names as the tensors' slices), with `activations` buffers of
-// `activation_bytes` beside them: the most a tier can hold, so what the engine reserves for one
-// at most (one more with nvme staging).
+// its own, but the kinds `sliced` names, packed as the tensors' slices that continue from group
+// to group where `home` homes them alike, as the store packs them), with `activations` buffers of `activation_bytes` beside them: the most a tier can hold,
+// so what the engine reserves for one at most (one more with nvme staging).
 uint64_t store_chunk_count(const std::vector<StateTensor>& tensors, const StateLayout& layout, uint64_t chunk_bytes,
                            int activations, uint64_t activation_bytes,
-                           const std::array<bool, kNumStateKinds>& sliced = {});
+                           const std::array<bool, kNumStateKinds>& sliced = {}, const HomeOf& home = {});
 
 }  // namespace strata

@@ -92,37 +92,70 @@ std::vector<std::vector<StateStore::Part>> StateStore::make_parts(const std::vec
   return out;
 }
 
-std::vector<std::vector<StateStore::PartChunks>> StateStore::part_chunks(const std::vector<StateTensor>& tensors,
-                                                                        uint64_t chunk_bytes, const StateLayout& state,
-                                                                        StateKind kind, bool sliced) {
+bool StateStore::continues_group(int g, StateKind kind, bool sliced, const HomeOf& home, std::optional<Tier> last) {
+  if (!sliced || g == 0) return false;
+  return !home || last == home(g, kind, kDensePart);
+}
+
+StateStore::Packing::Packing(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes, const StateLayout& layout,
+                             StateKind kind, bool sliced)
+    : chunk_bytes_(chunk_bytes), kind_(kind), sliced_(sliced) {
+  CHECK_MSG(chunk_bytes > 0 && chunk_bytes % kChunkAlignment == 0, "chunk size " + std::to_string(chunk_bytes));
   int num_groups = 0;
   for (const StateTensor& t : tensors) num_groups = std::max(num_groups, t.group + 1);
   const std::vector<std::vector<Part>> parts = make_parts(tensors, num_groups);
-  // The packing create() does for one kind, on a layout of its own.
-  Result<ChunkLayout> layout = ChunkLayout::create(chunk_bytes);
-  CHECK_MSG(layout.ok(), layout.status().to_string());
-  std::vector<std::vector<PartChunks>> out(static_cast<size_t>(num_groups));
-  for (int g = 0; g < num_groups; ++g) {
-    const std::vector<Part>& group = parts[static_cast<size_t>(g)];
-    for (size_t pi = 0; pi < group.size(); ++pi) {
-      const size_t before = layout->num_chunks();
-      const bool own = opens_own_chunk(tensors, group, pi, sliced, chunk_bytes);
-      if (own) layout->open_chunk(ChunkKind::kParam);
-      for (size_t i : group[pi].tensors) {
-        Result<TensorId> added =
-            layout->add(tensors[i].name, ChunkKind::kParam, state.tensor_bytes(kind, tensors[i].shape(sliced)));
-        CHECK_MSG(added.ok(), added.status().to_string());
+  groups_.resize(parts.size());
+  for (size_t g = 0; g < parts.size(); ++g) {
+    for (size_t pi = 0; pi < parts[g].size(); ++pi) {
+      PartBytes& p = groups_[g].emplace_back();
+      p.id = parts[g][pi].id;
+      p.opens_own = pi > 0 && opens_own_chunk(tensors, parts[g], pi, sliced, chunk_bytes);
+      for (size_t i : parts[g][pi].tensors) {
+        const uint64_t bytes = layout.tensor_bytes(kind, tensors[i].shape(sliced));
+        CHECK_MSG(bytes <= chunk_bytes, "tensor '" + tensors[i].name + "' does not fit a chunk");
+        p.bytes.push_back(bytes);
       }
-      out[static_cast<size_t>(g)].push_back({group[pi].id, layout->num_chunks() - before, own});
+    }
+  }
+}
+
+std::vector<std::vector<StateStore::PartChunks>> StateStore::Packing::count(const HomeOf& home) const {
+  // The packing create() does for one kind (ChunkLayout::add's rule: each tensor after the last
+  // at the next kTensorAlignment boundary, or at the start of a new chunk when it does not fit),
+  // counted without building a layout.
+  std::vector<std::vector<PartChunks>> out(groups_.size());
+  uint64_t chunks = 0, used = 0;  // chunks so far; bytes used of the last
+  std::optional<Tier> last;       // the asked home of the part that opened the last chunk
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const int group = static_cast<int>(g);
+    for (size_t pi = 0; pi < groups_[g].size(); ++pi) {
+      const PartBytes& part = groups_[g][pi];
+      const uint64_t before = chunks;
+      const bool own = pi == 0 ? !continues_group(group, kind_, sliced_, home, last) : part.opens_own;
+      if (own) ++chunks, used = 0;
+      for (uint64_t bytes : part.bytes) {
+        const uint64_t offset = round_up(used, kTensorAlignment);
+        if (chunks == 0 || offset + bytes > chunk_bytes_) ++chunks, used = bytes;
+        else used = offset + bytes;
+      }
+      if (chunks > before && home) last = home(group, kind_, part.id);
+      out[g].push_back({part.id, chunks - before, own});
     }
   }
   return out;
 }
 
+std::vector<std::vector<StateStore::PartChunks>> StateStore::part_chunks(const std::vector<StateTensor>& tensors,
+                                                                        uint64_t chunk_bytes, const StateLayout& state,
+                                                                        StateKind kind, bool sliced, const HomeOf& home) {
+  return Packing(tensors, chunk_bytes, state, kind, sliced).count(home);
+}
+
 std::vector<uint64_t> StateStore::group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes,
-                                               const StateLayout& state, StateKind kind, bool sliced) {
+                                               const StateLayout& state, StateKind kind, bool sliced,
+                                               const HomeOf& home) {
   std::vector<uint64_t> out;
-  for (const std::vector<PartChunks>& group : part_chunks(tensors, chunk_bytes, state, kind, sliced)) {
+  for (const std::vector<PartChunks>& group : part_chunks(tensors, chunk_bytes, state, kind, sliced, home)) {
     uint64_t n = 0;
     for (const PartChunks& p : group) n += p.chunks;
     out.push_back(n);
@@ -158,6 +191,8 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
   s->sliced_.assign(static_cast<size_t>(s->num_groups_) * kNumStateKinds, false);
   for (const StateKind kind : s->layout_.kinds()) {
     const int k = static_cast<int>(kind);
+    std::optional<ChunkId> last_chunk;  // the kind's last chunk so far
+    std::optional<Tier> last_asked;     // the home asked by the part that opened it
     for (int g = 0; g < s->num_groups_; ++g) {
       const bool sliced = options.sliced && options.sliced(g, kind);
       s->sliced_[static_cast<size_t>(g) * kNumStateKinds + static_cast<size_t>(k)] = sliced;
@@ -185,11 +220,17 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
         Part& part = s->parts_[g][pi];
         home = home_of(part.id);
         std::vector<ChunkId>& chunks = part.chunks[k];
-        // The group's first part opens a chunk; a part of at least 1/kOwnChunkFraction of a chunk
-        // opens one too, so it pages alone. Smaller parts (experts far smaller than the largest
-        // tensor) share chunks with the part before them, rather than each padding a chunk of
-        // its own: fetching one then brings its neighbours along.
-        if (opens_own_chunk(s->tensors_, s->parts_[g], pi, sliced, so.chunk_bytes)) {
+        // The group's first part opens a chunk (but a group's slices continue where the group
+        // before them ended, when homed alike: "Slices" in the header); a part of at least
+        // 1/kOwnChunkFraction of a chunk opens one too, so it pages alone. Smaller parts (experts
+        // far smaller than the largest tensor) share chunks with the part before them, rather
+        // than each padding a chunk of its own: fetching one then brings its neighbours along.
+        // Asked homes are compared, as Packing::count does: a tier that was full for the chunk
+        // before is full for this group's too, which would fall back alike.
+        const bool own = pi == 0 ? !continues_group(g, kind, sliced, options.home, last_asked)
+                                 : opens_own_chunk(s->tensors_, s->parts_[g], pi, sliced, so.chunk_bytes);
+        const size_t chunks_before = s->space_->num_chunks();
+        if (own) {
           ASSIGN_OR_RETURN(ChunkId first, with_fallback([&] { return s->space_->add_chunk(kind, home); }));
           chunks.push_back(first);
         }
@@ -204,16 +245,27 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
           const ChunkId c = s->space_->tensor(id).chunk;
           if (std::find(chunks.begin(), chunks.end(), c) == chunks.end()) chunks.push_back(c);
         }
+        if (!chunks.empty()) last_chunk = chunks.back();
+        if (options.home && s->space_->num_chunks() > chunks_before) last_asked = options.home(g, kind, part.id);
       }
-      s->homes_[g * kNumStateKinds + k] = s->space_->home(s->parts_[g].front().chunks[k].front());
+      const std::vector<ChunkId>& dense = s->parts_[g].front().chunks[k];
+      CHECK_MSG(!dense.empty() || last_chunk, "a group without a chunk of its own or before it");
+      s->homes_[g * kNumStateKinds + k] = s->space_->home(dense.empty() ? *last_chunk : dense.front());
     }
   }
-  // Chunks holding more than one part (counted per kind: a chunk holds one kind).
-  std::vector<int> parts_in(s->space_->num_chunks(), 0);
-  for (const auto& parts : s->parts_)
-    for (const Part& p : parts)
+  // Chunks holding more than one part, or parts of more than one group (counted per kind: a
+  // chunk holds one kind).
+  std::vector<int> parts_in(s->space_->num_chunks(), 0), first_group(s->space_->num_chunks(), -1);
+  s->shared_by_groups_.assign(parts_in.size(), false);
+  for (int g = 0; g < s->num_groups_; ++g)
+    for (const Part& p : s->parts_[g])
       for (const auto& chunks : p.chunks)
-        for (ChunkId c : chunks) ++parts_in[c];
+        for (ChunkId c : chunks) {
+          ++parts_in[c];
+          if (first_group[c] < 0) first_group[c] = g;
+          if (first_group[c] != g) s->shared_by_groups_[c] = true;
+        }
+  s->state_chunks_ = parts_in.size();  // activation buffers are added later
   s->shared_.resize(parts_in.size());
   for (size_t c = 0; c < parts_in.size(); ++c) s->shared_[c] = parts_in[c] > 1;
   return s;
@@ -285,12 +337,13 @@ Status StateStore::pin(int group, const std::vector<size_t>& parts, StateKind ki
   std::vector<ChunkId> chunks;
   std::vector<void*> bases;
   Status st = Status::OK();
-  // Overwriting a whole chunk is only allowed to the caller of every part it holds.
+  // Overwriting a whole chunk is only allowed to the caller of every part it holds (of one group).
   const bool every_part = parts.size() == ps.size();
   for (size_t p : parts) {
     for (ChunkId c : ps[p].chunks[k]) {
       if (entry) space_->advance(schedule_chunk_start_[*entry] + chunks.size());
-      const AccessMode chunk_mode = mode == AccessMode::kWrite && shared_[c] && !every_part ? AccessMode::kReadWrite : mode;
+      const bool others = shared_by_groups_[c] || (shared_[c] && !every_part);
+      const AccessMode chunk_mode = mode == AccessMode::kWrite && others ? AccessMode::kReadWrite : mode;
       Result<void*> base = space_->acquire_chunk(c, where, chunk_mode, consumer);
       if (!base.ok()) {
         st = base.status();

@@ -19,10 +19,21 @@
 // several parts on demand, outside the schedule (the experts a router picked: which ones is only
 // known once the router has run).
 //
+// Slices: a group that holds only its tensors' slices of a kind (a data-parallel rank's ranges,
+// StateStoreOptions::sliced) packs them on from where the group before it ended, when the chunk
+// it would continue in lives where the group's are homed, instead of opening a chunk of its own. A rank of W holds 1/W of each group: padding every group's slices
+// to whole chunks would keep a rank's share from shrinking with W (a layer's slices at W = 64 are
+// a sixteenth of a chunk sized for the largest tensor). A chunk holding two groups' slices is
+// never overwritten whole (kWrite reads it first), and acquiring one group pins it. Two groups
+// that share a chunk may be acquired in different tiers one after the other (each group's AdamW
+// where its moments live), never at once: the step's only concurrent acquisitions (an optimizer or
+// a communication thread beside compute) are of kinds ZeRO-1 holds whole.
+//
 // Ownership: the Device and IoEngine must outlive the store. Pointers from pointer() are valid
 // until the matching release. Thread safety: safe for concurrent use from several threads for
 // different groups (the ChunkSpace serializes), e.g. AdamW threads on host groups while compute
-// works on device groups; acquire_parts() from one thread at a time.
+// works on device groups, except two groups whose slices share a chunk in different tiers at once
+// (see "Slices": that fails with InvalidArgument); acquire_parts() from one thread at a time.
 #pragma once
 
 #include <array>
@@ -100,6 +111,9 @@ struct GroupAccess {
   }
 };
 
+// The home tier of the chunks of a kind that a part of a group opens (StateStoreOptions::home).
+using HomeOf = std::function<Tier(int group, StateKind kind, int part)>;
+
 struct StateStoreOptions {
   ChunkSpaceOptions space;  // budgets and nvme directory; chunk_bytes 0 = choose the size
   size_t lookahead = 2;     // schedule entries prefetched ahead of the one being acquired
@@ -108,7 +122,7 @@ struct StateStoreOptions {
   // The home tier of the chunks of a kind that a part of a group opens (kDensePart: the group's
   // first chunks and those of every part without chunks of its own; placement.h). Empty: the
   // ChunkSpace's default (the lowest tier with room).
-  std::function<Tier(int group, StateKind kind, int part)> home;
+  HomeOf home;
   // Which groups hold only each tensor's StateTensor::slice of a kind (a data-parallel rank's
   // range of the optimizer state: ZeRO-1). Empty: none; every kind is held whole.
   std::function<bool(int group, StateKind kind)> sliced;
@@ -126,10 +140,12 @@ class StateStore {
   // Chunks of `kind` each group takes in chunks of `chunk_bytes`, packed as create() packs them
   // under `layout`: what the planner needs to count padding exactly. REQUIRES: every tensor
   // fits a chunk.
-  // With `sliced` each tensor's StateTensor::slice is packed instead of the whole tensor.
+  // With `sliced` each tensor's StateTensor::slice is packed instead of the whole tensor, and a
+  // group's slices continue in the chunk of the group before it when `home` homes the two
+  // groups alike (no `home`: always), as create() packs them (see "Slices" below).
   static std::vector<uint64_t> group_chunks(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes,
                                             const StateLayout& layout = {}, StateKind kind = StateKind::kGrad,
-                                            bool sliced = false);
+                                            bool sliced = false, const HomeOf& home = {});
   // The same per part: for each group, its parts in order (the dense part first), each with the
   // chunks packing it opens and whether it opens its first one itself (else it begins in the
   // chunk of the part before it, and shares that chunk's home).
@@ -140,7 +156,27 @@ class StateStore {
   };
   static std::vector<std::vector<PartChunks>> part_chunks(const std::vector<StateTensor>& tensors,
                                                           uint64_t chunk_bytes, const StateLayout& layout,
-                                                          StateKind kind, bool sliced = false);
+                                                          StateKind kind, bool sliced = false,
+                                                          const HomeOf& home = {});
+  // part_chunks() of one kind, with the tensors' bytes worked out once, to be counted under many
+  // homes (the planner's placements while it spills) without rebuilding them.
+  class Packing {
+   public:
+    Packing(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes, const StateLayout& layout, StateKind kind,
+            bool sliced);
+    std::vector<std::vector<PartChunks>> count(const HomeOf& home = {}) const;
+
+   private:
+    struct PartBytes {
+      int id = kDensePart;
+      bool opens_own = true;        // a part after the first that opens a chunk of its own
+      std::vector<uint64_t> bytes;  // each tensor's, in order
+    };
+    std::vector<std::vector<PartBytes>> groups_;
+    uint64_t chunk_bytes_ = 0;
+    StateKind kind_ = StateKind::kParam;
+    bool sliced_ = false;
+  };
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
 
@@ -214,6 +250,9 @@ class StateStore {
   // Chunks of `chunk_bytes` that add_activations(count, bytes) takes.
   static uint64_t activation_chunks(int count, uint64_t bytes, uint64_t chunk_bytes);
   int num_activations() const { return static_cast<int>(act_chunks_.size()); }
+  // Chunks holding the training state (every kind, each chunk once, wherever homed): the
+  // activation buffers' chunks are not among them.
+  uint64_t state_chunks() const { return state_chunks_; }
   // Copies the first `bytes` bytes of `data` into buffer i / of buffer i into `data`,
   // through host memory. InvalidArgument when i or bytes is out of range; IOError and the
   // like from moving the chunks. A null `data` moves the chunks as a copy would and copies
@@ -253,6 +292,10 @@ class StateStore {
   // The parts of each group: the dense part first, then the others by id; each lists its
   // tensors (indices into `tensors`) in order.
   static std::vector<std::vector<Part>> make_parts(const std::vector<StateTensor>& tensors, int num_groups);
+  // Whether group g's slices of `kind` may continue in the chunk before them: the kind is sliced,
+  // g is not the first group, and `home` (when given) homes g's dense part where `last` (the tier
+  // of the part that opened the chunk before) is.
+  static bool continues_group(int g, StateKind kind, bool sliced, const HomeOf& home, std::optional<Tier> last);
   // Index in parts_[group]. REQUIRES: the group has the part.
   size_t part_index(int group, int part) const;
   // Pins the chunks of parts_[group][parts...] (in that order) in `where`. With `entry`, each
@@ -276,6 +319,8 @@ class StateStore {
   StateLayout layout_;
   std::vector<std::vector<Part>> parts_;  // per group: kDensePart first, then the others ascending
   std::vector<bool> shared_;  // per chunk: it holds more than one part
+  std::vector<bool> shared_by_groups_;  // per chunk: it holds slices of more than one group
+  uint64_t state_chunks_ = 0;
   std::vector<Tier> homes_;  // per group * kind
   // Schedule: the chunk order handed to the ChunkSpace, and for each group access where it starts.
   std::vector<GroupAccess> schedule_;

@@ -36,6 +36,10 @@ constexpr uint64_t kCudaRuntime = 512 * kMiB;
 // One I/O engine: io_uring's rings (32 entries of 64 B, twice as many completions of 16 B) or
 // the thread pool's stacks as far as they are touched, and the engine's bookkeeping.
 constexpr uint64_t kIoEngine = 64 * kKiB;
+// Several ranks' Gloo communicator: its context and loop thread, and per other rank a pair
+// (socket buffers, state). An estimate with headroom over what was measured (see its item).
+constexpr uint64_t kCommBase = 2 * kMiB;
+constexpr uint64_t kCommPerPeer = 128 * kKiB;
 // A safetensors reader's index: about this much per tensor (name, shape, offsets).
 constexpr uint64_t kReaderIndexPerTensor = 512;
 // Loading weights converts non-F32 tensors through a staging buffer of at most this much
@@ -224,6 +228,13 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   }
   ram.items.push_back({"weights", reading + whole, 0, false,
                        whole ? what + fmt::format(", a tensor filled whole {}", bytes(whole)) : what});
+  // Several ranks: Gloo's connection to each other rank (its socket buffers and the pair's
+  // state) and its loop thread (an estimate: ranks at worlds 2 to 4 on the cpu backend, 2 cores,
+  // peaked 0.5 to 1.5 MiB above what the other items plan for a lone process).
+  const int world = std::max(t.dp_world, static_cast<int>(t.plan_world_size));
+  const uint64_t comm = world > 1 ? kCommBase + static_cast<uint64_t>(world - 1) * kCommPerPeer : 0;
+  ram.items.push_back({"communication", comm, 0, false,
+                       world > 1 ? fmt::format("connections to {} other ranks", world - 1) : std::string("one process")});
   ram.items.push_back({"process", process_bytes ? process_bytes : process_baseline_bytes(device), 0, false,
                        cuda ? "executable, libraries, CUDA runtime (estimate)" : "executable and libraries"});
   return ram;

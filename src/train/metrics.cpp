@@ -62,6 +62,7 @@ Status MetricsWriter::write(const StepMetrics& m) {
                       {"device_bytes", m.tier_bytes[0]},
                       {"host_bytes", m.tier_bytes[1]},
                       {"nvme_bytes", m.tier_bytes[2]},
+                      {"state_bytes", m.state_bytes},
                       {"moved_bytes", m.moved_bytes},
                       {"stall_ms", m.stall_ms},
                       {"elapsed_s", m.elapsed_s},

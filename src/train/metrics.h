@@ -26,6 +26,7 @@ struct StepMetrics {
   double ms = 0;
   int64_t tokens = 0;          // tokens seen so far
   uint64_t tier_bytes[3] = {0, 0, 0};  // chunk bytes in use on device, host, nvme
+  uint64_t state_bytes = 0;    // the training state's chunks this process holds (EngineStats)
   uint64_t moved_bytes = 0;    // bytes moved between tiers during the step
   int world = 1;               // data-parallel ranks
   double comm_bytes = 0;       // bytes each rank sent to the others during the step (mean over ranks)

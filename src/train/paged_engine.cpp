@@ -299,6 +299,7 @@ EngineStats PagedEngine::stats() const {
   for (int i = 0; i < kNumTiers; ++i) out.tier_bytes[i] = s.tiers[i].in_use_bytes;
   out.stall_ns = s.stall_ns();
   out.moved_bytes = s.moved_bytes();
+  out.state_bytes = state_->store().state_chunks() * state_->store().chunk_bytes();
   return out;
 }
 

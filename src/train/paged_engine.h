@@ -32,6 +32,9 @@ struct EngineStats {
   uint64_t tier_bytes[kNumTiers] = {};  // state bytes in use on device, host, nvme
   uint64_t stall_ns = 0;                // compute waiting for state to arrive, cumulative
   uint64_t moved_bytes = 0;             // bytes moved between tiers, cumulative
+  // The chunks of the training state this process holds, each once wherever it lives (padding
+  // included; a data-parallel rank's slices of the sliced kinds).
+  uint64_t state_bytes = 0;
 };
 
 class PagedEngine {

@@ -108,9 +108,12 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
   // A data-parallel rank's sliced kinds hold its ranges only (placement.h).
   const int world = options.placement ? options.placement->world() : 1;
   const std::vector<StateTensor> tensors = store_tensors(layout, state, options.rank, world);
+  HomeOf home;
+  if (options.placement)
+    home = [p = &*options.placement](int g, StateKind k, int part) { return p->home(g, k, part); };
   for (const StateKind kind : state.kinds()) {
     const bool sliced = options.placement && options.placement->sliced(0, kind);
-    for (uint64_t n : StateStore::group_chunks(tensors, chunk, state, kind, sliced)) size.state_chunks += n;
+    for (uint64_t n : StateStore::group_chunks(tensors, chunk, state, kind, sliced, home)) size.state_chunks += n;
     for (const StateTensor& t : tensors) size.state_bytes += state.tensor_bytes(kind, t.shape(sliced));
   }
   if (options.offload_activations && options.activation_tokens > 0) {

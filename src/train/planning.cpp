@@ -225,29 +225,38 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     const int W = static_cast<int>(world), rank = static_cast<int>(std::clamp<int64_t>(t.dp_rank, 0, world - 1));
     const std::vector<StateTensor> tensors = PagedState::store_tensors(layout, state, rank, W);
     in.expert_chunks = expert_chunks(tensors, t.chunk_size, state, L, /*sliced=*/false);
+    uint64_t largest_share = 0;
     for (int r = 0; r < W && W > 1; ++r) {
       const std::vector<StateTensor> share = PagedState::store_tensors(layout, state, r, W);
+      uint64_t held = 0;
+      for (const StateTensor& t : share)
+        for (StateKind k : state.kinds()) held += state.tensor_bytes(k, t.shape(/*sliced=*/true));
+      if (held > largest_share) largest_share = held, in.sliced_share_tensors = share;
       const ExpertChunks experts = expert_chunks(share, t.chunk_size, state, L, /*sliced=*/true);
       if (r == 0) in.expert_sliced_chunks = experts;
       else keep_largest(in.expert_sliced_chunks, experts);
-      const std::vector<uint64_t> sliced = StateStore::group_chunks(share, t.chunk_size, state, StateKind::kGrad, true);
-      const std::vector<uint64_t> sliced_moments =
-          StateStore::group_chunks(share, t.chunk_size, state, StateKind::kAdamM, true);
-      const std::vector<uint64_t> sliced_copy = StateStore::group_chunks(share, t.chunk_size, state, StateKind::kParam, true);
-      uint64_t layers = 0, layer_moments = 0, layer_copy = 0;
-      for (size_t g = 1; g + 1 < sliced.size(); ++g)
-        layers += sliced[g], layer_moments += sliced_moments[g], layer_copy += sliced_copy[g];
+      // The groups' slices share chunks (state_store.h, "Slices"): a layer's bytes are the
+      // average of the chunks the layers open, the edge's the chunks its two groups open.
+      const uint64_t c = t.chunk_size;
       auto most = [](uint64_t& into, uint64_t v) { into = std::max(into, v); };
-      most(in.layer_sliced_chunks, (layers + L - 1) / std::max<uint64_t>(L, 1));
-      most(in.edge_sliced_chunks, sliced.front() + sliced.back());
-      most(in.embed_sliced_chunks, sliced.front());
-      most(in.layer_sliced_moment_chunks, (layer_moments + L - 1) / std::max<uint64_t>(L, 1));
-      most(in.edge_sliced_moment_chunks, sliced_moments.front() + sliced_moments.back());
-      most(in.embed_sliced_moment_chunks, sliced_moments.front());
-      most(in.layer_sliced_param_chunks, (layer_copy + L - 1) / std::max<uint64_t>(L, 1));
-      most(in.edge_sliced_param_chunks, sliced_copy.front() + sliced_copy.back());
-      most(in.embed_sliced_param_chunks, sliced_copy.front());
-      for (uint64_t c : sliced) most(in.largest_sliced_group_chunks, c);
+      auto count = [&](StateKind kind, uint64_t& layer, uint64_t& edge, uint64_t& embed) {
+        const auto packed = StateStore::part_chunks(share, c, state, kind, /*sliced=*/true);
+        std::vector<uint64_t> opened;
+        for (const auto& group : packed) {
+          uint64_t n = 0, spanned = group.empty() || group.front().own ? 0 : 1;
+          for (const StateStore::PartChunks& p : group) n += p.chunks;
+          opened.push_back(n);
+          most(in.largest_sliced_group_chunks, n + spanned);
+        }
+        uint64_t layers = 0;
+        for (size_t g = 1; g + 1 < opened.size(); ++g) layers += opened[g];
+        most(layer, (layers * c + L - 1) / std::max<uint64_t>(L, 1));
+        most(edge, (opened.front() + opened.back()) * c);
+        most(embed, opened.front() * c);
+      };
+      count(StateKind::kGrad, in.layer_sliced_bytes, in.edge_sliced_bytes, in.embed_sliced_bytes);
+      count(StateKind::kAdamM, in.layer_sliced_moment_bytes, in.edge_sliced_moment_bytes, in.embed_sliced_moment_bytes);
+      count(StateKind::kParam, in.layer_sliced_param_bytes, in.edge_sliced_param_bytes, in.embed_sliced_param_bytes);
     }
     in.micro_batch_program = model::record_micro_batch(m, /*offload_activations=*/false);
     in.micro_batch_program_offloaded = model::record_micro_batch(m, /*offload_activations=*/true);

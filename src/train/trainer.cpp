@@ -684,6 +684,15 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   }
   if (!ranks.writes()) {
     LOG_INFO("rank {}: prepared", ranks.rank());
+    // Each other rank keeps its own step metrics beside rank 0's: its tiers, traffic and
+    // memory are its own. Appended to, never truncated: a rerun in the same run.dir adds its
+    // steps after the earlier run's (rank 0's set-aside and redo rules are for metrics.jsonl).
+    const fs::path path = fs::path(t.run_dir) / fmt::format("metrics.rank-{}.jsonl", ranks.rank());
+    std::error_code ec;
+    fs::create_directories(t.run_dir, ec);
+    if (ec) return Status::IOError("cannot create run.dir '" + t.run_dir + "': " + ec.message());
+    ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open(path.string(), /*append=*/true));
+    run->metrics.emplace(std::move(metrics));
     return run;
   }
   RETURN_IF_ERROR(open_run_dir(t, *run, effective_yaml, !resume_from.empty(), host_ram, ranks));
@@ -900,6 +909,7 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.model_tflops = sm.tokens_per_s * flops_per_token / 1e12;
     sm.tokens = run.tokens_seen;
     for (int i = 0; i < kNumTiers; ++i) sm.tier_bytes[i] = after.tier_bytes[i];
+    sm.state_bytes = after.state_bytes;
     sm.stall_ms = static_cast<double>(after.stall_ns - before.stall_ns) / 1e6;
     sm.moved_bytes = after.moved_bytes - before.moved_bytes;
     sm.world = ranks.world();

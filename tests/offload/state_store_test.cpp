@@ -5,13 +5,17 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <array>
+#include <filesystem>
 #include <utility>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "core/cpu_device.h"
+#include "core/io_engine.h"
 
 namespace strata {
 namespace {
@@ -225,11 +229,12 @@ TEST(StateStoreTest, ASlicedKindHoldsEachTensorsSliceAlone) {
   auto store = StateStore::create(**device, nullptr, tensors, o);
   ASSERT_TRUE(store.ok()) << store.status().to_string();
   StateStore& s = **store;
-  // Whole: a and b fill one chunk, c another, d (group 1) a third. Sliced: a, b and c share one.
+  // Whole: a and b fill one chunk, c another, d (group 1) a third. Sliced: a, b and c share one,
+  // and group 1's (empty) slice continues in it.
   const std::vector<uint64_t> whole = StateStore::group_chunks(tensors, kChunk, o.layout, StateKind::kAdamV);
   const std::vector<uint64_t> sliced = StateStore::group_chunks(tensors, kChunk, o.layout, StateKind::kAdamM, true);
   EXPECT_EQ(whole, (std::vector<uint64_t>{2, 1}));
-  EXPECT_EQ(sliced, (std::vector<uint64_t>{1, 1}));
+  EXPECT_EQ(sliced, (std::vector<uint64_t>{1, 0}));
   uint64_t adam_m = 0, adam_v = 0;
   for (ChunkId c = 0; c < s.space().num_chunks(); ++c) {
     adam_m += s.space().chunk_kind(c) == ChunkKind::kAdamM ? 1 : 0;
@@ -250,6 +255,70 @@ TEST(StateStoreTest, ASlicedKindHoldsEachTensorsSliceAlone) {
   std::vector<float> back(4);
   ASSERT_TRUE(s.read_tensor(2, StateKind::kAdamM, 10, 4, back.data()).ok());
   EXPECT_EQ(back, (std::vector<float>{2010, 2011, 2012, 2013}));
+}
+
+// The groups' slices of a sliced kind share chunks where the groups are homed alike, so a rank's
+// share is its slices' bytes, not a chunk per group; a group homed elsewhere opens a chunk of its
+// own. Writing one group's slices whole (kWrite) keeps the other group's bytes in the chunk they
+// share, and the static count (group_chunks with the homes) is the store's.
+TEST(StateStoreTest, GroupsSlicesShareChunksWhereHomedAlike) {
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  const uint64_t n = kFloats;  // each tensor a chunk whole; a rank holds an eighth of each
+  std::vector<StateTensor> tensors;
+  for (int g = 0; g < 6; ++g) tensors.push_back({"t" + std::to_string(g), n, g});
+  for (StateTensor& t : tensors) t.slice = ElementRange{n / 8, n / 8};
+  StateStoreOptions o;
+  o.space.chunk_bytes = kChunk;
+  o.space.host_bytes = 64 * kChunk;
+  o.space.nvme_bytes = 64 * kChunk;
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("strata_state_store_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  o.space.nvme_dir = dir.string();
+  o.layout = StateLayout::of(Precision::kBf16);
+  // Groups 0-3 on the host, 4-5 on nvme (every kind).
+  o.home = [](int g, StateKind, int) { return g < 4 ? Tier::kHost : Tier::kNvme; };
+  o.sliced = [](int, StateKind k) { return k == StateKind::kAdamM; };
+  IoEngineOptions io_options;
+  io_options.kind = "threads";
+  auto io = make_io_engine(io_options);
+  ASSERT_TRUE(io.ok()) << io.status().to_string();
+  auto store = StateStore::create(**device, io->get(), tensors, o);
+  ASSERT_TRUE(store.ok()) << store.status().to_string();
+  StateStore& s = **store;
+  // Sliced: groups 0-3 in one chunk, 4-5 in another; whole: a chunk each.
+  const std::vector<uint64_t> sliced =
+      StateStore::group_chunks(tensors, kChunk, o.layout, StateKind::kAdamM, true, o.home);
+  EXPECT_EQ(sliced, (std::vector<uint64_t>{1, 0, 0, 0, 1, 0}));
+  EXPECT_EQ(StateStore::group_chunks(tensors, kChunk, o.layout, StateKind::kAdamM, true),
+            (std::vector<uint64_t>{1, 0, 0, 0, 0, 0}));  // without homes: one chunk for all
+  uint64_t adam_m = 0;
+  for (ChunkId c = 0; c < s.space().num_chunks(); ++c) adam_m += s.space().chunk_kind(c) == ChunkKind::kAdamM ? 1 : 0;
+  EXPECT_EQ(adam_m, 2u);
+  for (int g = 0; g < 6; ++g) EXPECT_EQ(s.home(g, StateKind::kAdamM), g < 4 ? Tier::kHost : Tier::kNvme) << g;
+  // Each group written whole in turn, then read back: no group's write loses another's bytes.
+  for (int g = 0; g < 6; ++g) {
+    ASSERT_TRUE(s.acquire_group(g, StateKind::kAdamM, Tier::kHost, AccessMode::kWrite).ok());
+    float* p = s.pointer(static_cast<size_t>(g), StateKind::kAdamM);
+    for (uint64_t e = 0; e < n / 8; ++e) p[e] = static_cast<float>(g * 100000 + static_cast<int>(e));
+    s.release_group(g, StateKind::kAdamM);
+  }
+  for (int g = 5; g >= 0; --g) {
+    ASSERT_TRUE(s.acquire_group(g, StateKind::kAdamM, Tier::kHost, AccessMode::kRead).ok());
+    const float* p = s.pointer(static_cast<size_t>(g), StateKind::kAdamM);
+    bool same = true;
+    for (uint64_t e = 0; e < n / 8; ++e) same = same && p[e] == static_cast<float>(g * 100000 + static_cast<int>(e));
+    EXPECT_TRUE(same) << "group " << g;
+    s.release_group(g, StateKind::kAdamM);
+  }
+  // Two neighbours acquired together pin their one chunk twice.
+  ASSERT_TRUE(s.acquire_group(1, StateKind::kAdamM, Tier::kHost, AccessMode::kReadWrite).ok());
+  ASSERT_TRUE(s.acquire_group(2, StateKind::kAdamM, Tier::kHost, AccessMode::kReadWrite).ok());
+  s.release_group(1, StateKind::kAdamM);
+  s.release_group(2, StateKind::kAdamM);
+  store->reset();
+  std::filesystem::remove_all(dir);
 }
 
 // Saved-activation buffers no larger than a chunk are packed whole, as many to a chunk as fit;
