@@ -119,11 +119,12 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
       const Batch& b = batches[s * kAccum + m];
       if (m == kAccum - 1) ps.begin_last_micro_batch(1e-2f);
       Result<double> l = net.compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kAccum * kB * kT), true);
-      EXPECT_TRUE(l.ok()) << l.status().to_string();
-      if (l.ok()) loss += *l;
+      // A planted bug may make numbers an op refuses: the run then is not the flat one either.
+      if (!g_planted.skip_acquire_wait) EXPECT_TRUE(l.ok()) << l.status().to_string();
+      loss += l.ok() ? *l : std::nan("");
     }
     Result<double> norm = ps.clip_and_step(1e-2f);
-    EXPECT_TRUE(norm.ok()) << norm.status().to_string();
+    if (!g_planted.skip_acquire_wait) EXPECT_TRUE(norm.ok()) << norm.status().to_string();
     r.losses.push_back(loss);
     r.cursors.push_back(ps.store().schedule_cursor());
   }
