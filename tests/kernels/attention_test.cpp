@@ -215,8 +215,9 @@ TEST_P(AttentionShapeTest, DocumentMasksGiveEachDocumentItsOwnAttentionBitwise) 
         while (start + n < T && d.positions[b * T + start + n] != 0)
           ++n;
         AttnData alone({1, n, Hq, Hkv, D}, 0);
-        auto cut = [&](const std::vector<float> &all, int64_t heads,
-                       std::vector<float> *out) {
+        // (Structured bindings are copied: clang 14 cannot capture them.)
+        auto cut = [&, T = T, D = D](const std::vector<float> &all,
+                                     int64_t heads, std::vector<float> *out) {
           out->assign(all.begin() + (b * T + start) * heads * D,
                       all.begin() + (b * T + start + n) * heads * D);
         };
