@@ -3,7 +3,8 @@
 // llm.c does). N = B * T tokens; C hidden; F the widest dense MLP (ModelConfig::dense_mlp_width:
 // dense layers and the shared expert); Hq, Hkv heads; D head dim; L layers. MoE: E experts, K
 // per token, S = N * K expert rows, Fe one expert's width. Buffers a config does not use are
-// empty.
+// empty. Expert parallelism over P ranks (model/expert_parallel.h): a rank's experts may receive
+// the rows of all P ranks, so the experts' own buffers have R = P * S rows (R = S without it).
 //
 // Ops is the backend's op set (model/decoder.h): its Act is the activation storage type (float,
 // or bf16 in the GPU recipe) and its activation_block() the memory (host memory on the CPU,
@@ -47,13 +48,15 @@ class ActivationTable {
   // (layer(l)), so that backward recomputes nothing. kv_tokens > 0: generation's buffers too, a
   // KV cache of that many positions and one row of logits (kv_cache, logits); the block is then
   // planned for exactly these arguments (a call with others plans it anew, the cache lost).
+  // expert_ranks: P above (1: no expert parallelism).
   Status reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T, bool offload_activations = false,
-                 bool keep_layers = false, int64_t kv_tokens = 0);
+                 bool keep_layers = false, int64_t kv_tokens = 0, int64_t expert_ranks = 1);
   // Bytes held (for logging and tests).
   int64_t bytes() const { return bytes_; }
   // The bytes reserve() would take, the backend's own per-micro-batch buffers included, without
   // allocating.
-  static int64_t bytes_for(const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers = false);
+  static int64_t bytes_for(const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers = false,
+                           int64_t expert_ranks = 1);
   // The buffers layer l's forward writes and its backward reads: its own when the table keeps
   // layers (l < L - 1), the shared ones otherwise.
   const ActivationTable& layer(int64_t l) const {
@@ -101,10 +104,19 @@ class ActivationTable {
   int32_t* token_of_slot = nullptr;  // (S)
   int64_t* expert_offsets = nullptr;  // (E+1)
   Act* expert_xs = nullptr;      // (S, C) tokens gathered in expert order
-  Act* expert_gate = nullptr;    // (S, Fe)
-  Act* expert_up = nullptr;      // (S, Fe)
-  Act* expert_act = nullptr;     // (S, Fe)
+  Act* expert_gate = nullptr;    // (R, Fe)
+  Act* expert_up = nullptr;      // (R, Fe)
+  Act* expert_act = nullptr;     // (R, Fe)
   Act* expert_ys = nullptr;      // (S, C)
+  // Expert parallelism only (P > 1): the rows this rank's experts received from every rank, in
+  // expert order (each expert's rows by source rank, then as the source sent them), their
+  // outputs, the two permutations between that order and the order of arrival (source rank,
+  // then expert), and the local experts' row offsets (other experts have none).
+  Act* ep_xs = nullptr;            // (R, C)
+  Act* ep_ys = nullptr;            // (R, C)
+  int32_t* ep_order = nullptr;     // (R) ep_xs[i] = arrival row ep_order[i]
+  int32_t* ep_unorder = nullptr;   // (R) arrival row j = ep_ys[ep_unorder[j]]
+  int64_t* ep_offsets = nullptr;   // (E+1)
   Act* shared_out = nullptr;     // (N, C) shared expert output before its sigmoid gate
   float* shared_logit = nullptr;   // (N) shared_expert_gate(x)
 
@@ -136,41 +148,50 @@ class ActivationTable {
   float* d_router_logits = nullptr;  // (N, E)
   Act* d_expert_ys = nullptr;      // (S, C)
   Act* d_expert_xs = nullptr;      // (S, C)
-  Act* d_expert_gate = nullptr;    // (S, Fe)
-  Act* d_expert_up = nullptr;      // (S, Fe)
-  Act* d_expert_act = nullptr;     // (S, Fe)
+  Act* d_expert_gate = nullptr;    // (R, Fe)
+  Act* d_expert_up = nullptr;      // (R, Fe)
+  Act* d_expert_act = nullptr;     // (R, Fe)
+  // Expert parallelism only: rows in the order of arrival (what is sent and received), and the
+  // experts' output and input gradients in expert order.
+  Act* ep_arrival = nullptr;       // (R, C)
+  Act* ep_dys = nullptr;           // (R, C)
+  Act* ep_dxs = nullptr;           // (R, C)
   float* d_shared_logit = nullptr;   // (N)
 
  private:
   int64_t planned_tokens_ = 0;
   int64_t planned_kv_ = 0;
+  int64_t planned_ranks_ = 1;
   bool planned_offload_ = false;
   int64_t layer_checkpoint_slots_ = 0;
   int64_t bytes_ = 0;
 
   // Hands out every field for N tokens from `base` (null: only measures); returns the bytes.
   int64_t carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers,
-                int64_t kv_tokens);
+                int64_t kv_tokens, int64_t expert_ranks);
   bool planned_keep_ = false;
   std::vector<ActivationTable> layer_views_;  // per layer 0 .. L-2 when keeping layers
 };
 
 template <class Ops>
 Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T,
-                                     bool offload_activations, bool keep_layers, int64_t kv_tokens) {
+                                     bool offload_activations, bool keep_layers, int64_t kv_tokens,
+                                     int64_t expert_ranks) {
   int64_t N = B * T;
   if (N <= planned_tokens_ && offload_activations == planned_offload_ && keep_layers == planned_keep_ &&
-      kv_tokens == planned_kv_)
+      kv_tokens == planned_kv_ && expert_ranks == planned_ranks_)
     return Status::OK();
   if (kv_tokens == planned_kv_) N = std::max(N, planned_tokens_);
-  const int64_t bytes = ActivationTable().carve(nullptr, config, N, offload_activations, keep_layers, kv_tokens);
+  const int64_t bytes =
+      ActivationTable().carve(nullptr, config, N, offload_activations, keep_layers, kv_tokens, expert_ranks);
   // The backend frees the old block first: after a failure nothing is planned any more.
   planned_tokens_ = 0;
   planned_kv_ = 0;
   bytes_ = 0;
   ASSIGN_OR_RETURN(void* base, ops.activation_block(static_cast<uint64_t>(bytes), micro_batch_shape(config, N)));
-  carve(static_cast<char*>(base), config, N, offload_activations, keep_layers, kv_tokens);
+  carve(static_cast<char*>(base), config, N, offload_activations, keep_layers, kv_tokens, expert_ranks);
   planned_keep_ = keep_layers;
+  planned_ranks_ = expert_ranks;
   planned_kv_ = kv_tokens;
   bytes_ = bytes;
   planned_tokens_ = N;
@@ -182,15 +203,15 @@ Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_
 
 template <class Ops>
 int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bool offload_activations,
-                                        bool keep_layers) {
+                                        bool keep_layers, int64_t expert_ranks) {
   ActivationTable<Ops> measured;
-  return measured.carve(nullptr, config, N, offload_activations, keep_layers, /*kv_tokens=*/0) +
+  return measured.carve(nullptr, config, N, offload_activations, keep_layers, /*kv_tokens=*/0, expert_ranks) +
          static_cast<int64_t>(Ops::extra_activation_bytes(micro_batch_shape(config, N)));
 }
 
 template <class Ops>
 int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations,
-                                    bool keep_layers, int64_t kv_tokens) {
+                                    bool keep_layers, int64_t kv_tokens, int64_t expert_ranks) {
   const int64_t C = config.hidden_size;
   const int64_t F = config.dense_mlp_width();
   const int64_t L = config.num_hidden_layers;
@@ -203,6 +224,9 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   const int64_t E = moe ? config.num_experts : 0;
   const int64_t K = moe ? config.num_experts_per_tok : 0;
   const int64_t S = N * K;
+  const int64_t P = moe ? expert_ranks : 1;
+  const int64_t R = P * S;               // rows the experts of this rank may receive
+  const int64_t ep = P > 1 ? R : 0;      // the expert-parallel buffers' rows
   const int64_t Fe = moe ? config.moe_intermediate_size : 0;
   const int64_t layer_checkpoint_slots = offload_activations ? std::min<int64_t>(3, L + 1) : L + 1;
   const int64_t shared = moe && config.shared_expert_intermediate_size > 0 ? 1 : 0;
@@ -240,10 +264,15 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
     take(t.token_of_slot, S);
     take(t.expert_offsets, E + 1);
     take(t.expert_xs, S * C);
-    take(t.expert_gate, S * Fe);
-    take(t.expert_up, S * Fe);
-    take(t.expert_act, S * Fe);
+    take(t.expert_gate, R * Fe);
+    take(t.expert_up, R * Fe);
+    take(t.expert_act, R * Fe);
     take(t.expert_ys, S * C);
+    take(t.ep_xs, ep * C);
+    take(t.ep_ys, ep * C);
+    take(t.ep_order, ep);
+    take(t.ep_unorder, ep);
+    take(t.ep_offsets, P > 1 ? E + 1 : 0);
     take(t.shared_out, shared * N * C);
     take(t.shared_logit, shared * N);
   };
@@ -267,9 +296,12 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(d_router_logits, N * E);
   take(d_expert_ys, S * C);
   take(d_expert_xs, S * C);
-  take(d_expert_gate, S * Fe);
-  take(d_expert_up, S * Fe);
-  take(d_expert_act, S * Fe);
+  take(d_expert_gate, R * Fe);
+  take(d_expert_up, R * Fe);
+  take(d_expert_act, R * Fe);
+  take(ep_arrival, ep * C);
+  take(ep_dys, ep * C);
+  take(ep_dxs, ep * C);
   take(d_shared_logit, shared * N);
   take(tokens_in, N);
   take(tokens_target, N);

@@ -57,6 +57,7 @@
 #include "kernels/cpu/queued_ops.h"
 #include "model/activations.h"
 #include "model/config.h"
+#include "model/expert_parallel.h"
 #include "model/moe_layer.h"
 #include "model/param_access.h"
 #include "model/params.h"
@@ -99,6 +100,16 @@ class Model {
   // The stream the model's ops are queued on, for an access that orders its moves after them;
   // null when the ops run in the calling thread (a CPU op set made without a Device).
   virtual Stream* compute_stream() = 0;
+  // Expert parallelism (model/expert_parallel.h): the routed experts of every MoE layer are split
+  // over the ranks of `comm` (the expert group), this process computing expert_range(E,
+  // comm->world_size(), comm->rank()) for every rank's tokens, and begins only those through its
+  // ParamAccess. Null (the default): this process runs every expert of its own tokens. Every rank
+  // of the group must then run the same micro-batches (compute() calls) in step. Borrowed; its
+  // operations are issued from the thread that calls compute(). REQUIRES: an MoE model whose
+  // expert count the group's size divides; not while a sequence is generated.
+  virtual void set_expert_comm(parallel::Comm* comm) = 0;
+  // The ranks of the expert group (1 without expert parallelism).
+  virtual int expert_ranks() const = 0;
 
   // Generation with a KV cache, one sequence at a time (see Decoder). begin_sequence starts a
   // sequence of at most `capacity` tokens (prompt and generated), whose decode() calls take at
@@ -181,11 +192,13 @@ class Decoder final : public Model {
   void update_expert_bias() override;
   void set_keep_layer_activations(bool keep) override { keep_layers_ = keep; }
   Stream* compute_stream() override { return ops_.compute_stream(); }
+  void set_expert_comm(parallel::Comm* comm) override;
+  int expert_ranks() const override { return expert_comm_ != nullptr ? expert_comm_->world_size() : 1; }
   Status begin_sequence(int64_t capacity, int64_t max_chunk) override;
   Status decode(const int32_t* tokens, int64_t n, float* logits) override;
   int64_t sequence_length() const override { return kv_length_; }
   int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers) const override {
-    return ActivationTable<Ops>::bytes_for(config_, tokens, offload_activations, keep_layers);
+    return ActivationTable<Ops>::bytes_for(config_, tokens, offload_activations, keep_layers, expert_ranks());
   }
 
  private:
@@ -247,7 +260,8 @@ class Decoder final : public Model {
   MoeOffsets moe_offsets(int64_t layer) const;
   // dres (N, C): on entry dL/d(layer output), on return dL/d(layer input x). prob_grad (E) or
   // null: the auxiliary loss's gradient with respect to the router softmax.
-  void layer_backward(int64_t layer, const Act* x, Act* dres, int64_t B, int64_t T, const float* prob_grad);
+  // Returns expert parallelism's communication errors (other layers never fail).
+  Status layer_backward(int64_t layer, const Act* x, Act* dres, int64_t B, int64_t T, const float* prob_grad);
   const float* layer_selection_bias(int64_t layer) const;
 
   void check_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) const;
@@ -271,6 +285,9 @@ class Decoder final : public Model {
   std::vector<double> forward_prob_sums_;  // (E) this forward, summed over MoE layers
   std::vector<float> expert_bias_;         // (L, E) loss-free selection bias
   std::vector<int> active_experts_;        // the experts begun by begin_experts(), ascending
+  // Expert parallelism (set_expert_comm): the expert group, and each layer's last exchange.
+  parallel::Comm* expert_comm_ = nullptr;
+  std::vector<ExpertRoute> expert_routes_;  // (L)
   double last_aux_loss_ = 0.0;
   // Generation (begin_sequence): the sequence's capacity, the tokens per decode() at most, and
   // the tokens in the cache.

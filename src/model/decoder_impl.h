@@ -46,6 +46,19 @@ void Decoder<Ops>::set_access(ParamAccess* access) {
 }
 
 template <class Ops>
+void Decoder<Ops>::set_expert_comm(parallel::Comm* comm) {
+  if (comm != nullptr) {
+    CHECK_MSG(config_.is_moe(), "expert parallelism for a model without experts");
+    CHECK_MSG(config_.num_experts % comm->world_size() == 0,
+              fmt::format("{} experts cannot be split evenly over an expert group of {} ranks", config_.num_experts,
+                          comm->world_size()));
+    CHECK_MSG(kv_capacity_ == 0, "expert parallelism while a sequence is generated");
+  }
+  expert_comm_ = comm;
+  expert_routes_.assign(comm != nullptr ? static_cast<size_t>(config_.num_hidden_layers) : 0, ExpertRoute{});
+}
+
+template <class Ops>
 void Decoder<Ops>::reset_expert_token_counts() {
   std::fill(expert_counts_.begin(), expert_counts_.end(), int64_t{0});
 }
@@ -137,9 +150,20 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
     // Only the experts the router picks are needed: route first, then fetch them.
     moe_route(ops_, config_, param(layout_.layer(layer).moe.router), layer_selection_bias(layer), a, a.ln2, stats,
               N);
+    // With expert parallelism the rows go to their experts' ranks first, and this rank's
+    // experts that receive any (from any rank) are the ones begun.
+    if (expert_comm_ != nullptr) {
+      const int64_t* offsets = ops_.expert_offsets_on_host(a.expert_offsets, config_.num_experts);
+      RETURN_IF_ERROR(ep_plan(ops_, *expert_comm_, config_, a, offsets, expert_routes_[static_cast<size_t>(layer)])
+                          .with_context(fmt::format("layer {}", layer)));
+    }
     RETURN_IF_ERROR(begin_experts(layer, /*params=*/true, grads));
     const auto m = MoeTensors<const W>::bind_with(param_at(), moe_offsets(layer));
-    moe_mlp_forward(ops_, config_, m, a, a.ln2, out, N);
+    if (expert_comm_ != nullptr)
+      RETURN_IF_ERROR(ep_experts_forward(ops_, *expert_comm_, config_, m.experts(), a,
+                                         expert_routes_[static_cast<size_t>(layer)])
+                          .with_context(fmt::format("layer {}", layer)));
+    moe_mlp_forward(ops_, config_, m, a, a.ln2, out, N, /*experts_done=*/expert_comm_ != nullptr);
     if (out != nullptr) ops_.add_inplace(out, a.h, N * C);
     return Status::OK();
   }
@@ -153,8 +177,8 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
 
 // Parameter gradients accumulate (+=); activation gradients overwrite (=).
 template <class Ops>
-void Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* dres /*(N,C)*/, int64_t B,
-                                  int64_t T, const float* prob_grad) {
+Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* dres /*(N,C)*/, int64_t B,
+                                    int64_t T, const float* prob_grad) {
   const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(layer));
   const LayerGrads g = LayerGrads::bind_with(grad_at(), layout_.layer(layer));
   const ActivationTable<Ops>& a = acts_.layer(layer);
@@ -170,7 +194,16 @@ void Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* dr
     const MoeOffsets mo = moe_offsets(layer);
     const auto mp = MoeTensors<const W>::bind_with(param_at(), mo);
     const MoeGrads mg = MoeGrads::bind_with(grad_at(), mo);
-    moe_mlp_backward(ops_, config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N);
+    if (expert_comm_ == nullptr) {
+      RETURN_IF_ERROR(moe_mlp_backward(ops_, config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N));
+    } else {
+      const ExpertRoute& route = expert_routes_[static_cast<size_t>(layer)];
+      auto exchange = [&] {
+        return ep_experts_backward(ops_, *expert_comm_, config_, mp.experts(), mg.experts(), a, route)
+            .with_context(fmt::format("layer {}", layer));
+      };
+      RETURN_IF_ERROR(moe_mlp_backward(ops_, config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N, exchange));
+    }
   } else {
     ops_.linear_backward(a.d_act, g.down_proj, nullptr, dres, a.act, p.down_proj, N, F, C);
     ops_.swiglu_backward(a.d_gate, a.d_up, a.d_act, a.gate, a.up, N * F);
@@ -203,6 +236,7 @@ void Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* dr
   ops_.add_inplace(a.d_ln, a.d_tmp, N * C);
   ops_.rmsnorm_backward(a.d_tmp, g.input_layernorm, a.d_ln, x, p.input_layernorm, a.ln1_rstd, N, C);
   ops_.add_inplace(dres, a.d_tmp, N * C);  // dres is now dL/dx
+  return Status::OK();
 }
 
 template <class Ops>
@@ -244,9 +278,13 @@ template <class Ops>
 Status Decoder<Ops>::begin_experts(int64_t layer, bool params, bool grads) {
   active_experts_.clear();
   if (!config_.is_moe_layer(layer)) return Status::OK();
-  const int64_t* offsets = ops_.expert_offsets_on_host(acts_.layer(layer).expert_offsets, config_.num_experts);
-  for (int64_t e = 0; e < config_.num_experts; ++e)
-    if (offsets[e + 1] > offsets[e]) active_experts_.push_back(static_cast<int>(e));
+  if (expert_comm_ != nullptr) {
+    active_experts_ = expert_routes_[static_cast<size_t>(layer)].active;
+  } else {
+    const int64_t* offsets = ops_.expert_offsets_on_host(acts_.layer(layer).expert_offsets, config_.num_experts);
+    for (int64_t e = 0; e < config_.num_experts; ++e)
+      if (offsets[e + 1] > offsets[e]) active_experts_.push_back(static_cast<int>(e));
+  }
   Status st = access_->begin_experts(static_cast<int>(1 + layer), active_experts_, params, grads);
   if (!st.ok()) active_experts_.clear();
   return st;
@@ -291,7 +329,8 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, const int32_t* positi
     Status window = config_.check_sequence_length(T, "model config");
     CHECK_MSG(window.ok(), window.to_string());
   }
-  RETURN_IF_ERROR(acts_.reserve(ops_, config_, B, T, access_->offloads_activations(), keep_layers_));
+  RETURN_IF_ERROR(
+      acts_.reserve(ops_, config_, B, T, access_->offloads_activations(), keep_layers_, 0, expert_ranks()));
   const int64_t offloaded = offload ? saved_activation_count(static_cast<int>(L)) : 0;
   std::fill(forward_counts_.begin(), forward_counts_.end(), int64_t{0});
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);
@@ -459,13 +498,14 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
       backward_span.emplace("compute", "backward", l);
       ops_.trace_phase("backward", l);
     }
+    Status done = st;
     if (st.ok()) {
-      layer_backward(l, x, acts_.dres, B, T, prob_grad.empty() ? nullptr : prob_grad.data());
+      done = layer_backward(l, x, acts_.dres, B, T, prob_grad.empty() ? nullptr : prob_grad.data());
       end_experts(l, true, true);
     }
     end_group(static_cast<int>(1 + l), true, true);
     backward_span.reset();
-    RETURN_IF_ERROR(st);
+    RETURN_IF_ERROR(done);
   }
   trace::Span span("compute", "embedding backward");
   ops_.trace_phase("embedding backward");
@@ -482,6 +522,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
 template <class Ops>
 Status Decoder<Ops>::begin_sequence(int64_t capacity, int64_t max_chunk) {
   CHECK_MSG(access_ != nullptr, "the model computes through a ParamAccess: set_access() first");
+  CHECK_MSG(expert_comm_ == nullptr, "generation with expert parallelism (set_expert_comm(nullptr) first)");
   kv_capacity_ = kv_chunk_ = kv_length_ = 0;
   if (capacity < 1 || max_chunk < 1 || max_chunk > capacity) {
     return Status::InvalidArgument(fmt::format("a sequence of {} tokens decoded {} at a time: both must be positive, "

@@ -34,6 +34,7 @@ class DryRunOps {
   void trace_phase(const char* name, int64_t /*index*/ = trace::kNoIndex) { recorder_->mark_phase(name); }
   const float* stage_constants(const float* host, int64_t /*n*/) { return host; }
   const int32_t* stage_tokens(const int32_t* host, int64_t /*N*/, int32_t* /*slot*/) { return host; }
+  const int64_t* stage_offsets(const int64_t* host, int64_t /*n*/, int64_t* /*slot*/) { return host; }
   // Expert e owns row e: every expert has tokens, so the decoder begins them all.
   const int64_t* expert_offsets_on_host(const int64_t* /*offsets*/, int64_t E) {
     every_expert_.resize(static_cast<size_t>(E) + 1);

@@ -89,6 +89,8 @@ struct CpuCommonOps {
   const int64_t* expert_offsets_on_host(const int64_t* offsets /*(E+1)*/, int64_t /*E*/) { return offsets; }
   // Token ids where the ops can read them: the host arrays themselves.
   const int32_t* stage_tokens(const int32_t* host /*(N)*/, int64_t /*N*/, int32_t* /*slot*/) { return host; }
+  // Row offsets the host computed (expert parallelism's), likewise.
+  const int64_t* stage_offsets(const int64_t* host /*(n)*/, int64_t /*n*/, int64_t* /*slot*/) { return host; }
   // host (n) = src (n): fp32 results of the ops (generation's logits) read back by the host.
   void copy_to_host(float* host, const float* src, int64_t n) { std::copy_n(src, n, host); }
 

@@ -92,6 +92,12 @@ class CpuQueuedOps {
     launch([ids = std::move(ids), slot] { std::memcpy(slot, ids.data(), ids.size() * sizeof(int32_t)); });
     return slot;
   }
+  const int64_t* stage_offsets(const int64_t* host, int64_t n, int64_t* slot) {
+    if (stream_ == nullptr) return host;
+    std::vector<int64_t> values(host, host + n);
+    launch([values = std::move(values), slot] { std::memcpy(slot, values.data(), values.size() * sizeof(int64_t)); });
+    return slot;
+  }
   const int64_t* expert_offsets_on_host(const int64_t* offsets, int64_t E) {
     synchronize();
     return direct_.expert_offsets_on_host(offsets, E);

@@ -105,6 +105,11 @@ void CudaOps::copy_to_host(float* host, const float* src, int64_t n) {
   synchronize();
 }
 
+const int64_t* CudaOps::stage_offsets(const int64_t* host, int64_t n, int64_t* slot) {
+  CUDA_CHECK(cudaMemcpyAsync(slot, host, static_cast<size_t>(n) * sizeof(int64_t), cudaMemcpyHostToDevice, stream_));
+  return slot;
+}
+
 const int64_t* CudaOps::expert_offsets_on_host(const int64_t* offsets, int64_t E) {
   host_offsets_.resize(static_cast<size_t>(E + 1));
   CUDA_CHECK(cudaMemcpyAsync(host_offsets_.data(), offsets, host_offsets_.size() * sizeof(int64_t),

@@ -81,6 +81,7 @@ class CudaOps {
   void trace_phase(const char* name, int64_t index = trace::kNoIndex);
   const float* stage_constants(const float* host, int64_t n);
   const int32_t* stage_tokens(const int32_t* host, int64_t N, int32_t* slot);
+  const int64_t* stage_offsets(const int64_t* host, int64_t n, int64_t* slot);
   const int64_t* expert_offsets_on_host(const int64_t* offsets, int64_t E);
   // host (n) = src (n) on the device, waiting for it (generation's logits).
   void copy_to_host(float* host, const float* src, int64_t n);
