@@ -95,8 +95,10 @@ class Model {
   // the same results either way. Takes effect at the next compute.
   virtual void set_keep_layer_activations(bool keep) = 0;
   // Bytes of the activation table for micro-batches of `tokens` (B * T) tokens, with the layer
-  // checkpoints offloaded or not.
-  virtual int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers) const = 0;
+  // checkpoints offloaded or not, in an expert group of `expert_ranks` (1: none; see
+  // set_expert_comm).
+  virtual int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers,
+                                       int64_t expert_ranks) const = 0;
   // The stream the model's ops are queued on, for an access that orders its moves after them;
   // null when the ops run in the calling thread (a CPU op set made without a Device).
   virtual Stream* compute_stream() = 0;
@@ -197,8 +199,9 @@ class Decoder final : public Model {
   Status begin_sequence(int64_t capacity, int64_t max_chunk) override;
   Status decode(const int32_t* tokens, int64_t n, float* logits) override;
   int64_t sequence_length() const override { return kv_length_; }
-  int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers) const override {
-    return ActivationTable<Ops>::bytes_for(config_, tokens, offload_activations, keep_layers, expert_ranks());
+  int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers,
+                               int64_t expert_ranks) const override {
+    return ActivationTable<Ops>::bytes_for(config_, tokens, offload_activations, keep_layers, expert_ranks);
   }
 
  private:

@@ -70,11 +70,20 @@ struct StateTensor {
   // The elements this store holds of the kinds StateStoreOptions::sliced names (a data-parallel
   // rank's range, placement.h); none: the whole tensor. An empty range holds nothing.
   std::optional<ElementRange> slice;
+  // This store holds nothing of the tensor, in any kind: other ranks hold all of it (an expert
+  // that another rank of an expert group computes, model/expert_parallel.h).
+  bool elsewhere = false;
   StateShape shape() const { return {elements, matrix_rows}; }
   // The shape of what the store holds of a kind that is sliced (`sliced`) or whole.
-  StateShape shape(bool sliced) const { return sliced && slice ? StateShape{slice->count, matrix_rows} : shape(); }
-  // The range held: the slice of a sliced kind, else every element.
-  ElementRange held(bool sliced) const { return sliced && slice ? *slice : ElementRange{0, elements}; }
+  StateShape shape(bool sliced) const {
+    if (elsewhere) return {0, 0};
+    return sliced && slice ? StateShape{slice->count, matrix_rows} : shape();
+  }
+  // The range held: the slice of a sliced kind, else every element; none when elsewhere.
+  ElementRange held(bool sliced) const {
+    if (elsewhere) return {0, 0};
+    return sliced && slice ? *slice : ElementRange{0, elements};
+  }
 };
 
 // How an acquisition relates to the schedule's cursor (the entry the store takes as now).

@@ -32,6 +32,22 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   e->budgets_.plan_world_size = std::max(1, t.dp_world);
   e->budgets_.plan_zero = t.dp_world <= 1 || t.plan_zero == 0 ? 0 : t.plan_zero < 0 ? 1 : t.plan_zero;
   e->backend_ = backend;
+  if (t.parallel_expert > 1) {
+    // Expert parallelism: what it cannot split is refused before anything is planned.
+    if (!mc.is_moe())
+      return Status::InvalidArgument(fmt::format(
+          "parallel.expert_parallel={} splits a model's experts over ranks, and this model has none: set it to 1",
+          t.parallel_expert));
+    if (mc.num_experts % t.parallel_expert != 0)
+      return Status::InvalidArgument(fmt::format(
+          "parallel.expert_parallel={} must divide the model's {} experts per layer: choose a divisor of {}",
+          t.parallel_expert, mc.num_experts, mc.num_experts));
+    if (e->budgets_.plan_zero == 0)
+      return Status::InvalidArgument(fmt::format(
+          "parallel.expert_parallel={} shares each expert's optimizer state out over the ranks that hold it: "
+          "parallel.zero=0 keeps it whole on every rank; use parallel.zero=1, 2 or 3",
+          t.parallel_expert));
+  }
   RETURN_IF_ERROR(e->open_backend(t));
   RETURN_IF_ERROR(e->resolve_budgets());
   RETURN_IF_ERROR(e->plan_placement(t));
@@ -115,7 +131,7 @@ Status PagedEngine::plan_placement(const TrainConfig& t) {
   if (plan_.fits) {
     // The plan counts ZeRO-2's gradient workspace with the activations: so does the comparison.
     const uint64_t exact =
-        static_cast<uint64_t>(net_->activation_bytes_for(tokens, plan_.offload_activations, planned_keep)) +
+        static_cast<uint64_t>(net_->activation_bytes_for(tokens, plan_.offload_activations, planned_keep, t.parallel_expert)) +
         kArenaSlack + workspace_bytes();
     if (exact > plan_.device.act && in.device_budget > exact - plan_.device.act) {
       const uint64_t more = exact - plan_.device.act;
@@ -160,7 +176,7 @@ Status PagedEngine::open_nvme(const TrainConfig& t) {
 Status PagedEngine::size_activations(const TrainConfig& t) {
   const int64_t tokens = t.micro_batch * t.seq_len;
   const bool offload = plan_.offload_activations;
-  auto table_bytes = [&](bool keep) { return static_cast<uint64_t>(net_->activation_bytes_for(tokens, offload, keep)); };
+  auto table_bytes = [&](bool keep) { return static_cast<uint64_t>(net_->activation_bytes_for(tokens, offload, keep, t.parallel_expert)); };
   const uint64_t device = budgets_.memory_device;
   const bool planned_keep = plan_input_.kept_activation_bytes > 0;
   const uint64_t keep_extra = planned_keep ? 0 : table_bytes(true) - table_bytes(false);
@@ -206,7 +222,9 @@ Status PagedEngine::create_state(const TrainConfig& t, const OptimizerConfig& oc
   po.overlap_optimizer = t.overlap_backward;
   // With several ranks (the optimizer overlapped with backward is refused there) the gradient
   // sums start as backward hands each layer over.
-  po.overlap_reduction = t.parallel_overlap_comm && t.dp_world > 1 && !t.overlap_backward;
+  // Not with expert parallelism, whose experts' sums go through a Comm of their own.
+  po.overlap_reduction = t.parallel_overlap_comm && t.dp_world > 1 && !t.overlap_backward && t.parallel_expert <= 1;
+  po.expert_ranks = static_cast<int>(t.parallel_expert);
   po.precision = budgets_.precision;
   po.moments = t.moments;
   po.stochastic_rounding = t.stochastic_rounding;
@@ -263,7 +281,12 @@ Result<double> PagedEngine::eval_micro_batch(const int32_t* inputs, const int32_
   return net_->compute(inputs, targets, B, T, /*grad_scale=*/0.0f, /*backward=*/false, positions);
 }
 
-Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover) {
+Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover, parallel::Comm* experts,
+                             parallel::Comm* expert_holders) {
+  const int P = experts != nullptr ? experts->world_size() : 1;
+  if (P != std::max(options_.expert_ranks, 1))
+    return Status::InvalidArgument(fmt::format("the training state was made for expert groups of {} ranks, and "
+                                               "this rank's group has {}", options_.expert_ranks, P));
   // The ranks the state's ranges were shared out over must be the ranks that sum and gather them.
   const int world = std::max(plan_.placement.world(), 1), comm_world = comm != nullptr ? comm->world_size() : 1;
   if (world != comm_world)
@@ -277,7 +300,8 @@ Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover) {
   if (comm != nullptr && comm->world_size() > 1 && options_.overlap_reduction && handover == nullptr)
     return Status::InvalidArgument("parallel.overlap_comm sums the gradients through a communicator of its own; "
                                    "none was given");
-  state_->set_comm(comm, handover);
+  state_->set_comm(comm, handover, P > 1 ? expert_holders : nullptr);
+  net_->set_expert_comm(P > 1 ? experts : nullptr);
   comm_ = comm;
   return Status::OK();
 }

@@ -83,8 +83,13 @@ class PagedEngine {
   EngineStats stats() const;
   // Data parallelism: from now on the gradients (and MoE expert counts) are summed over the
   // ranks of `comm`; with parallel.overlap_comm the gradients through `handover` (another Comm
-  // of the same ranks) as backward hands each layer over. Both outlive the engine.
-  Status set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr);
+  // of the same ranks) as backward hands each layer over. Expert parallelism
+  // (parallel.expert_parallel, model/expert_parallel.h): `experts` is this rank's expert group,
+  // which exchanges routed tokens, and `expert_holders` the ranks holding the same experts as
+  // this one, which sum their gradients and gather their weights; InvalidArgument when the group
+  // is not the size the engine was made for. All outlive the engine.
+  Status set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr, parallel::Comm* experts = nullptr,
+                  parallel::Comm* expert_holders = nullptr);
   // Device bytes beside the chunks and the activation table for whole groups the ranks hold
   // slices of: ZeRO-2's gradient workspace, ZeRO-3's gathered weights (the plan keeps them free).
   uint64_t workspace_bytes() const;

@@ -18,6 +18,7 @@
 #include "kernels/fp8.h"
 #include "kernels/grad_norm.h"
 #include "kernels/moments.h"
+#include "model/expert_parallel.h"
 #include "model/recording_access.h"
 
 namespace strata {
@@ -41,17 +42,36 @@ std::vector<StateTensor> state_tensors(const model::ParamLayout& layout) {
   return tensors;
 }
 
-// The elements of tensor t (the index-th of the layout's) that rank `rank` of `world` owns.
+// Who shares tensor t's state out among them, and where rank `rank` of `world` stands there:
+// every rank for a dense tensor; with expert groups of P > 1, an expert's W / P holders (the
+// ranks whose place in their group computes it), rank r being r / P of them.
+struct Holders {
+  bool holds = true;
+  int rank = 0;
+  int world = 1;
+};
+Holders holders_of(const model::ParamLayout& layout, const model::TensorSpec& t, int rank, int world,
+                   int expert_ranks) {
+  const int expert = model::param_expert_of(layout, t);
+  if (expert < 0 || expert_ranks <= 1) return {true, rank, world};
+  const bool holds = model::expert_range(layout.config().num_experts, expert_ranks, rank % expert_ranks).holds(expert);
+  return {holds, rank / expert_ranks, world / expert_ranks};
+}
+
+// The elements of tensor t (the index-th of the layout's) that rank `rank` of `world` owns
+// (none of an expert it does not hold).
 ElementRange tensor_range(const model::ParamLayout& layout, const StateLayout& state, const model::TensorSpec& t,
-                          size_t index, int rank, int world) {
+                          size_t index, int rank, int world, int expert_ranks) {
+  const Holders h = holders_of(layout, t, rank, world, expert_ranks);
+  if (!h.holds) return {0, 0};
   const int64_t rows = model::param_is_linear_weight(layout, t) ? t.shape[0] : 0;
-  return tensor_shard(state, {static_cast<uint64_t>(t.numel), rows}, index, rank, world);
+  return tensor_shard(state, {static_cast<uint64_t>(t.numel), rows}, index, h.rank, h.world);
 }
 
 // Of them, those in row block b, counted from the block's first element.
 ElementRange block_range(const model::ParamLayout& layout, const StateLayout& state, const model::TensorSpec& t,
-                         size_t index, int64_t b, int rank, int world) {
-  const ElementRange whole = tensor_range(layout, state, t, index, rank, world);
+                         size_t index, int64_t b, int rank, int world, int expert_ranks) {
+  const ElementRange whole = tensor_range(layout, state, t, index, rank, world, expert_ranks);
   const uint64_t begin = static_cast<uint64_t>(t.block_offset(b) - t.offset);
   const uint64_t end = begin + static_cast<uint64_t>(t.block_numel(b));
   const uint64_t first = std::clamp(whole.first, begin, end), last = std::clamp(whole.end(), begin, end);
@@ -63,13 +83,17 @@ ElementRange block_range(const model::ParamLayout& layout, const StateLayout& st
 std::vector<StateTensor> PagedState::store_tensors(const model::ParamLayout& layout) { return state_tensors(layout); }
 
 std::vector<StateTensor> PagedState::store_tensors(const model::ParamLayout& layout, const StateLayout& state,
-                                                   int rank, int world) {
+                                                   int rank, int world, int expert_ranks) {
   std::vector<StateTensor> tensors = state_tensors(layout);
   if (world <= 1) return tensors;
   size_t i = 0;
   for (size_t index = 0; index < layout.tensors().size(); ++index) {
     const model::TensorSpec& t = layout.tensors()[index];
-    for (int64_t b = 0; b < t.num_blocks(); ++b) tensors[i++].slice = block_range(layout, state, t, index, b, rank, world);
+    const bool held = holders_of(layout, t, rank, world, expert_ranks).holds;
+    for (int64_t b = 0; b < t.num_blocks(); ++b) {
+      tensors[i].elsewhere = !held;
+      tensors[i++].slice = block_range(layout, state, t, index, b, rank, world, expert_ranks);
+    }
   }
   return tensors;
 }
@@ -107,7 +131,7 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
     if (static_cast<uint64_t>(t.block_numel(0)) * sizeof(float) > chunk) return size;  // refused later
   // A data-parallel rank's sliced kinds hold its ranges only (placement.h).
   const int world = options.placement ? options.placement->world() : 1;
-  const std::vector<StateTensor> tensors = store_tensors(layout, state, options.rank, world);
+  const std::vector<StateTensor> tensors = store_tensors(layout, state, options.rank, world, options.expert_ranks);
   HomeOf home;
   if (options.placement)
     home = [p = &*options.placement](int g, StateKind k, int part) { return p->home(g, k, part); };
@@ -235,8 +259,28 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     }
     ++spec_index;
   }
-  if (options.placement && options.placement->world() > 1)
-    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].slice = ps->range_of(i, options.rank);  // store_tensors' slices
+  if (options.expert_ranks > 1) {
+    const int world = options.placement ? options.placement->world() : 1;
+    if (!layout.config().is_moe() || world % options.expert_ranks != 0 ||
+        layout.config().num_experts % options.expert_ranks != 0)
+      return Status::InvalidArgument(fmt::format(
+          "expert groups of {} ranks need an MoE model whose experts they divide, among ranks they divide ({})",
+          options.expert_ranks, world));
+    if (!options.placement || !options.placement->sharded())
+      return Status::InvalidArgument("expert parallelism shares each expert's optimizer state out over the ranks "
+                                     "holding it: parallel.zero must be 1 or more");
+    if (options.overlap_reduction)
+      return Status::InvalidArgument("expert parallelism sums the gradients after backward (no overlap_reduction)");
+  }
+  if (options.placement && options.placement->world() > 1) {
+    // store_tensors' slices, and what this rank holds of no kind.
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      tensors[i].slice = ps->range_of(i, options.rank);
+      const Piece& p = ps->pieces_[i];
+      tensors[i].elsewhere = !holders_of(layout, *p.spec, options.rank, options.placement->world(),
+                                         options.expert_ranks).holds;
+    }
+  }
   std::sort(ps->sorted_.begin(), ps->sorted_.end());
   const int L = static_cast<int>(ps->layout_.num_layers());
   StateStoreOptions so;
@@ -321,30 +365,55 @@ Tier PagedState::adam_tier(int group) const { return update_tier(store_->home(gr
 
 ElementRange PagedState::saved_range(const model::TensorSpec& t, size_t index) const {
   if (!options_.placement || options_.placement->world() <= 1) return {0, static_cast<uint64_t>(t.numel)};
-  return tensor_range(layout_, state_layout(options_), t, index, options_.rank, options_.placement->world());
+  return tensor_range(layout_, state_layout(options_), t, index, options_.rank, options_.placement->world(),
+                      options_.expert_ranks);
 }
 
 ElementRange PagedState::range_of(size_t i, int rank) const {
   const Piece& p = pieces_[i];
   if (!options_.placement || options_.placement->world() <= 1) return {0, static_cast<uint64_t>(p.numel)};
   return block_range(layout_, state_layout(options_), *p.spec, p.spec_index, p.block, rank,
-                     options_.placement->world());
+                     options_.placement->world(), options_.expert_ranks);
 }
 
 std::vector<size_t> PagedState::rank_blocks(size_t i, uint64_t element_bytes, uint64_t whole_bytes) const {
   const int world = options_.placement ? options_.placement->world() : 1;
-  std::vector<size_t> blocks(static_cast<size_t>(world));
+  // The ranks of comm_of(i), in its rank order: every rank, or an expert's holders, the ranks
+  // at this rank's place in their expert groups.
+  const Piece& p = pieces_[i];
+  const Holders me = holders_of(layout_, *p.spec, options_.rank, world, options_.expert_ranks);
+  const int P = me.world == world ? 1 : options_.expert_ranks;
+  std::vector<size_t> blocks(static_cast<size_t>(me.world));
   uint64_t next = 0;
-  for (int r = 0; r < world; ++r) {
-    const ElementRange range = range_of(i, r);
+  for (int k = 0; k < me.world; ++k) {
+    const ElementRange range = range_of(i, P == 1 ? k : options_.rank % P + k * P);
     if (range.count == 0) continue;
     // The ranks' ranges follow each other in rank order from the tensor's start.
     CHECK_MSG(range.first == next, "a tensor's ranges are not consecutive in rank order");
     next = range.first + range.count;
-    blocks[static_cast<size_t>(r)] =
+    blocks[static_cast<size_t>(k)] =
         whole_bytes > 0 ? whole_bytes : element_bytes > 0 ? range.count * element_bytes : range.count;
   }
   return blocks;
+}
+
+parallel::Comm& PagedState::comm_of(size_t i) const {
+  const bool expert = options_.expert_ranks > 1 && store_->tensor(i).part != kDensePart;
+  parallel::Comm* comm = expert ? expert_comm_ : comm_;
+  CHECK_MSG(comm != nullptr, expert ? "expert parallelism without the Comm of the ranks holding this rank's experts"
+                                    : "data parallelism without the ranks' Comm (set_comm)");
+  return *comm;
+}
+
+std::vector<int> PagedState::held_parts(int group) const {
+  std::vector<int> held;
+  for (int part : store_->parts(group)) {
+    bool elsewhere_part = true;
+    for (size_t i : store_->group_tensors(group))
+      if (store_->tensor(i).part == part && !elsewhere(i)) elsewhere_part = false;
+    if (!elsewhere_part) held.push_back(part);
+  }
+  return held;
 }
 
 StepProgram PagedState::step_program() const {
@@ -387,6 +456,7 @@ Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
     std::vector<float> whole;
     for (size_t i : store_->group_tensors(g)) {
       const Piece& p = pieces_[i];
+      if (elsewhere(i)) continue;  // nothing of it here (its blocks are all elsewhere alike)
       if (p.spec->num_blocks() == 1 && f32 && !sliced) {
         st = fill(*p.spec, store_->pointer(i, kind));
       } else if (p.block == 0) {
@@ -440,7 +510,7 @@ Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
     CHECK_MSG(!store_->sliced(g, kind), "copy_kind out of a kind this rank holds only its ranges of");
     RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kRead));
     for (size_t i : store_->group_tensors(g))
-      get_values(i, kind, flat + pieces_[i].offset, static_cast<uint64_t>(pieces_[i].numel));
+      if (!elsewhere(i)) get_values(i, kind, flat + pieces_[i].offset, static_cast<uint64_t>(pieces_[i].numel));
     store_->release_group(g, kind);
   }
   return store_->synchronize();
@@ -635,8 +705,12 @@ Status PagedState::sum_gradients(int g, parallel::Comm& comm, Stream* stream) {
       st = comm.all_reduce_sum(p, static_cast<size_t>(buffers[j].n), stream);
       continue;
     }
-    // Each range summed onto its rank, the whole tensor in one collective.
-    st = comm.reduce_scatter_v_sum(p, rank_blocks(tensors[j], 0), stream);
+    // Each range summed onto its rank, the whole tensor in one collective: over every rank, or
+    // an expert's over the ranks that hold it (none of it here when another group's rank does).
+    if (elsewhere(tensors[j])) continue;
+    parallel::Comm& over = store_->tensor(tensors[j]).part != kDensePart && options_.expert_ranks > 1
+                               ? comm_of(tensors[j]) : comm;
+    st = over.reduce_scatter_v_sum(p, rank_blocks(tensors[j], 0), stream);
   }
   if (stream != nullptr) stream->synchronize();
   return st.ok() ? st : st.with_context("the gradients of parameter group " + std::to_string(g));
@@ -685,13 +759,14 @@ Status PagedState::gather_copy(int g, Tier where) {
   const StateLayout& layout = store_->layout();
   const uint64_t size = dtype_size(layout.activation_dtype());
   for (size_t i : store_->group_tensors(g)) {
+    if (elsewhere(i)) continue;
     const Piece& t = pieces_[i];
     const bool whole = layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows});
     char* copy = static_cast<char*>(store_->raw_pointer(i, StateKind::kParam));
     // Each rank's range, from that rank, in one collective: a quantised matrix's copy (owned
     // whole) as it is stored.
     const uint64_t whole_bytes = whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : 0;
-    Status st = comm_->all_gather_v(copy, rank_blocks(i, size, whole_bytes), stream);
+    Status st = comm_of(i).all_gather_v(copy, rank_blocks(i, size, whole_bytes), stream);
     if (!st.ok()) return st.with_context("the updated weights of parameter group " + std::to_string(g));
   }
   if (stream != nullptr) stream->synchronize();
@@ -955,7 +1030,7 @@ Status PagedState::begin_experts(int group, std::span<const int> experts, bool p
   // Ranks holding slices of a kind take part in its collectives for every expert of the layer,
   // whichever their own tokens reach: ZeRO-3 gathers every expert's weights, ZeRO-2 sums every
   // expert's gradients (zero where no token of a rank went), on every rank alike.
-  const std::vector<int> every = store_->parts(group);
+  const std::vector<int> every = held_parts(group);
   const std::span<const int> weights = gathered_ ? std::span<const int>(every) : experts;
   const std::span<const int> gradients = workspace_ ? std::span<const int>(every) : experts;
   // A rank that fails here skips the experts' collectives the others make: it makes no more
@@ -989,7 +1064,7 @@ Status PagedState::begin_experts(int group, std::span<const int> experts, bool p
 }
 
 void PagedState::end_experts(int group, std::span<const int> experts, bool params, bool grads) {
-  const std::vector<int> every = store_->parts(group);
+  const std::vector<int> every = held_parts(group);
   if (grads && workspace_) {
     // An MoE layer's gradients are taken in one batch of the micro-batch (its backward), so the
     // experts' sums are made here, while their slices are acquired.
@@ -1112,7 +1187,9 @@ WorkspaceLayout PagedState::workspace_layout(const std::vector<StateTensor>& ten
   w.kind = kind;
   w.span = kind == StateKind::kGrad ? WorkspaceSpan::kMicroBatch : WorkspaceSpan::kBatch;
   for (const StateTensor& t : tensors) {
-    w.tensor_bytes.push_back(kind == StateKind::kGrad ? t.elements * sizeof(float) : state.tensor_bytes(kind, t.shape()));
+    // Nothing of an expert held elsewhere is computed here.
+    const uint64_t bytes = kind == StateKind::kGrad ? t.elements * sizeof(float) : state.tensor_bytes(kind, t.shape());
+    w.tensor_bytes.push_back(t.elsewhere ? 0 : bytes);
     w.groups.push_back(t.group);
   }
   return w;
@@ -1136,7 +1213,7 @@ void PagedState::gather_params(int g, bool experts, Stream& stream) {
   const StateLayout& layout = store_->layout();
   const uint64_t size = dtype_size(layout.activation_dtype());
   for (size_t i : store_->group_tensors(g)) {
-    if ((store_->tensor(i).part != kDensePart) != experts) continue;
+    if ((store_->tensor(i).part != kDensePart) != experts || elsewhere(i)) continue;
     char* w = static_cast<char*>(gathered_->at(i));
     // A quantised matrix's copy (with its block scales) is owned whole, as it is stored.
     const bool whole = layout.quantized(store_->tensor(i).shape());
@@ -1148,7 +1225,7 @@ void PagedState::gather_params(int g, bool experts, Stream& stream) {
     }
     // Every rank's range from its rank, in one collective. After an error no more collectives.
     if (!deferred_.ok()) continue;
-    Status st = comm_->all_gather_v(w, rank_blocks(i, size, whole_bytes), &stream);
+    Status st = comm_of(i).all_gather_v(w, rank_blocks(i, size, whole_bytes), &stream);
     if (!st.ok()) deferred_ = st.with_context("gathering the weights of parameter group " + std::to_string(g));
   }
 }
@@ -1162,7 +1239,7 @@ void PagedState::open_gradients(int g, Stream& stream) {
 
 void PagedState::fill_gradients(int g, bool experts, Stream& stream) {
   for (size_t i : store_->group_tensors(g)) {
-    if ((store_->tensor(i).part != kDensePart) != experts) continue;
+    if ((store_->tensor(i).part != kDensePart) != experts || elsewhere(i)) continue;
     float* w = static_cast<float*>(workspace_->at(i));
     const ElementRange own = store_->held(i, StateKind::kGrad);
     // Zeros, and this rank's sums so far in its range: the ranks' sum of what backward adds
@@ -1189,13 +1266,13 @@ void PagedState::sum_gradients_to_ranges(int g, bool experts, Stream& stream) {
   settle_before_collective();
   trace::Span span("communication", experts ? "expert gradient sums to ranges" : "gradient sums to ranges", g);
   for (size_t i : store_->group_tensors(g)) {
-    if ((store_->tensor(i).part != kDensePart) != experts) continue;
+    if ((store_->tensor(i).part != kDensePart) != experts || elsewhere(i)) continue;
     float* w = static_cast<float*>(workspace_->at(i));
     // Each range summed onto its rank, in rank order (one process's sum of the same addends),
     // the whole tensor in one collective. After an error no more collectives: this rank's run
     // stops, and the others' time out.
     if (deferred_.ok()) {
-      Status st = comm_->reduce_scatter_v_sum(w, rank_blocks(i, 0), &stream);
+      Status st = comm_of(i).reduce_scatter_v_sum(w, rank_blocks(i, 0), &stream);
       if (!st.ok()) deferred_ = st.with_context("the gradients of parameter group " + std::to_string(g));
     }
     const ElementRange own = store_->held(i, StateKind::kGrad);

@@ -104,6 +104,13 @@ struct PagedStateOptions {
   // a Comm of their own (set_comm's `handover`), hidden behind the backward of the groups before
   // it. Not with overlap_optimizer.
   bool overlap_reduction = false;
+  // Expert parallelism (model/expert_parallel.h): the ranks of an expert group, P > 1 (the
+  // placement's world a multiple of it). Rank r then holds no state of any kind of the experts
+  // other ranks of its group compute (StateTensor::elsewhere): only of expert_range(E, P, r % P).
+  // Those experts' state is shared out over the W / P ranks holding them (r / P among them), as
+  // dense tensors' are over all W, and their sums and gathers run over those ranks (set_comm's
+  // `experts`). REQUIRES with P > 1: a sharded placement (ZeRO >= 1) and no overlap_reduction.
+  int expert_ranks = 1;
 };
 
 // What create() reserves in host memory: a slot of chunk_bytes for every chunk the state can
@@ -131,8 +138,10 @@ class PagedState : public model::ParamAccess, public SavableState {
   static std::vector<StateTensor> store_tensors(const model::ParamLayout& layout);
   // The same for data-parallel rank `rank` of `world` (world > 1): each with the slice of its
   // elements the rank owns (StateTensor::slice), what a sharded optimizer's kinds hold.
+  // With expert_ranks P > 1 (expert parallelism), the experts other ranks of its expert group
+  // compute are elsewhere, and an expert's slices are shared out over the ranks that hold it.
   static std::vector<StateTensor> store_tensors(const model::ParamLayout& layout, const StateLayout& state, int rank,
-                                                int world);
+                                                int world, int expert_ranks = 1);
   static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, const StateLayout& state = {});
   static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, Precision precision) {
     return auto_chunk_bytes(layout, StateLayout::of(precision));
@@ -226,13 +235,19 @@ class PagedState : public model::ParamAccess, public SavableState {
   // same ranks: one thread issues a Comm's operations). Null or world 1: no reduction.
   // REQUIRES: not with overlap_optimizer (groups would update before the sums); `handover` with
   // overlap_reduction; the Comms outlive the state.
-  void set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr) {
+  // `experts` (options.expert_ranks > 1): the W / P ranks that hold the same experts as this one,
+  // whose experts' gradients it sums and whose experts' weights it gathers.
+  void set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr, parallel::Comm* experts = nullptr) {
     CHECK_MSG(comm == nullptr || comm->world_size() == 1 || !options_.overlap_optimizer,
               "overlap_optimizer updates groups before their gradients are summed over the ranks");
     CHECK_MSG(!plans_reductions_at_handover() || comm == nullptr || comm->world_size() == 1 || handover != nullptr,
               "overlap_reduction sums the gradients through a Comm of its own");
+    CHECK_MSG(options_.expert_ranks <= 1 || comm == nullptr ||
+                  (experts != nullptr && experts->world_size() * options_.expert_ranks == comm->world_size()),
+              "expert parallelism without the Comm of the ranks that hold this rank's experts");
     comm_ = comm;
     handover_comm_ = handover;
+    expert_comm_ = experts;
   }
   float* grad(int64_t offset) override;
   bool offloads_activations() const override { return options_.offload_activations; }
@@ -285,6 +300,14 @@ class PagedState : public model::ParamAccess, public SavableState {
   // in elements (element_bytes 0), or in bytes of `element_bytes` each; a tensor owned whole by
   // one rank (a quantised matrix, `whole_bytes` > 0) is that rank's block of whole_bytes.
   std::vector<size_t> rank_blocks(size_t i, uint64_t element_bytes, uint64_t whole_bytes = 0) const;
+  // Expert parallelism: whether this rank holds nothing of store tensor i (another expert
+  // group's rank computes its expert), and the ranks that sum and gather tensor i's state: the
+  // expert's holders (expert_comm_) for an expert's tensor, else all of them (comm_). Their
+  // blocks (rank_blocks) are in that Comm's rank order.
+  bool elsewhere(size_t i) const { return store_->tensor(i).elsewhere; }
+  parallel::Comm& comm_of(size_t i) const;
+  // The parts of `group` this rank holds (every part but the experts held elsewhere).
+  std::vector<int> held_parts(int group) const;
   // The elements of store tensor i this rank updates: its range when sharded, else all.
   ElementRange updated_range(size_t i) const;
   // Sums group g's gradients (acquired) over the ranks of `comm`, on `stream` when they are in
@@ -360,6 +383,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   Stream* compute_stream_ = nullptr;          // the model's, when paging is stream-ordered
   parallel::Comm* comm_ = nullptr;             // data-parallel ranks whose gradients are summed
   parallel::Comm* handover_comm_ = nullptr;    // the same ranks, for the handover thread's sums
+  parallel::Comm* expert_comm_ = nullptr;      // the ranks holding this rank's experts (expert_ranks > 1)
   std::unique_ptr<Stream> handover_stream_;    // its device-memory sums queue here
   // Waits for the model's queued ops (stream-ordered paging) before state is touched otherwise.
   // Runs `work` (arithmetic on state the host has acquired) and returns when it is done. On the

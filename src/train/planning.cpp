@@ -139,11 +139,12 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   // own (MoE expert buffers): the decoder's activation table less its layer checkpoints, as the
   // table sizes itself (the CPU backend's in its recipe; a GPU's activations are bf16 like the
   // CPU bf16 recipe's). Kept layers hold every layer's intermediates but the last's besides.
+  // Expert parallelism: the experts' buffers for every rank's rows of the group.
   auto table_bytes = [&](bool keep) {
     const int64_t tokens = static_cast<int64_t>(N);
     return state.activation_dtype() == DType::kF32
-               ? model::ActivationTable<kernels::CpuF32Ops>::bytes_for(m, tokens, false, keep)
-               : model::ActivationTable<kernels::CpuBf16Ops>::bytes_for(m, tokens, false, keep);
+               ? model::ActivationTable<kernels::CpuF32Ops>::bytes_for(m, tokens, false, keep, t.parallel_expert)
+               : model::ActivationTable<kernels::CpuBf16Ops>::bytes_for(m, tokens, false, keep, t.parallel_expert);
   };
   const uint64_t table = static_cast<uint64_t>(table_bytes(false));
   const uint64_t layer_checkpoints = (L + 1) * in.saved_activation_bytes_per_layer;
@@ -223,11 +224,13 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     // on a group's compute copy then move the same kind of memory); the traffic is replayed on
     // this rank's own store.
     const int W = static_cast<int>(world), rank = static_cast<int>(std::clamp<int64_t>(t.dp_rank, 0, world - 1));
-    const std::vector<StateTensor> tensors = PagedState::store_tensors(layout, state, rank, W);
+    // Expert parallelism: a rank holds its experts only (and shares them out with their holders).
+    const int P = static_cast<int>(std::max<int64_t>(t.parallel_expert, 1));
+    const std::vector<StateTensor> tensors = PagedState::store_tensors(layout, state, rank, W, P);
     in.expert_chunks = expert_chunks(tensors, t.chunk_size, state, L, /*sliced=*/false);
     uint64_t largest_share = 0;
     for (int r = 0; r < W && W > 1; ++r) {
-      const std::vector<StateTensor> share = PagedState::store_tensors(layout, state, r, W);
+      const std::vector<StateTensor> share = PagedState::store_tensors(layout, state, r, W, P);
       uint64_t held = 0;
       for (const StateTensor& t : share)
         for (StateKind k : state.kinds()) held += state.tensor_bytes(k, t.shape(/*sliced=*/true));

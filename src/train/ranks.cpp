@@ -36,6 +36,10 @@ std::string rendezvous_dir(const TrainConfig& t, const parallel::LaunchInfo& lau
 Result<Ranks> connect_ranks(TrainConfig& t) {
   Ranks ranks;
   ASSIGN_OR_RETURN(ranks.launch, parallel::launch_from_env());
+  if (ranks.launch.world_size % t.parallel_expert != 0)
+    return Status::InvalidArgument(fmt::format(
+        "parallel.expert_parallel={} must divide the number of ranks, {}{}: launch a multiple of it, or lower it",
+        t.parallel_expert, ranks.launch.world_size, ranks.several() ? "" : " (this process was started alone)"));
   if (!ranks.several()) {
     if (t.plan_world_size > 1)
       LOG_WARN("parallel.world_size={} is what strata plan plans for; strata train runs as the processes a launcher "
@@ -102,6 +106,39 @@ Result<Ranks> connect_ranks(TrainConfig& t) {
     Result<std::unique_ptr<parallel::Comm>> grad = parallel::connect(l, co);
     if (!grad.ok()) return grad.status().with_context("connecting the ranks' gradient sums (parallel.overlap_comm)");
     ranks.grad_comm = std::move(*grad);
+  }
+  if (t.parallel_expert > 1) {
+    // The expert group: consecutive ranks, as one node's GPUs are, so that the all-to-all of
+    // routed tokens stays within a node where it can.
+    const int P = static_cast<int>(t.parallel_expert);
+    parallel::LaunchInfo group = l;
+    group.rank = l.rank % P;
+    group.world_size = P;
+    // Within one node when the whole world is (the address other ranks reach it at).
+    group.local_world_size = l.local_world_size == l.world_size ? P : l.local_world_size;
+    group.local_rank = l.local_world_size == l.world_size ? group.rank : l.local_rank;
+    co.name = fmt::format("experts-{}", l.rank / P);
+    Result<std::unique_ptr<parallel::Comm>> experts = parallel::connect(group, co);
+    if (!experts.ok())
+      return experts.status().with_context(
+          fmt::format("connecting expert group {} (ranks {} to {}, parallel.expert_parallel={})", l.rank / P,
+                      l.rank / P * P, l.rank / P * P + P - 1, P));
+    ranks.expert_comm = std::move(*experts);
+    if (l.world_size == P) {
+      ranks.expert_holders = parallel::make_local_comm();
+    } else {
+      parallel::LaunchInfo holders = l;
+      holders.rank = l.rank / P;
+      holders.world_size = l.world_size / P;
+      holders.local_world_size = l.local_world_size == l.world_size ? holders.world_size : l.local_world_size;
+      holders.local_rank = l.local_world_size == l.world_size ? holders.rank : l.local_rank;
+      co.name = fmt::format("expert-holders-{}", l.rank % P);
+      Result<std::unique_ptr<parallel::Comm>> held = parallel::connect(holders, co);
+      if (!held.ok())
+        return held.status().with_context(fmt::format("connecting the ranks that hold expert group place {}'s experts",
+                                                      l.rank % P));
+      ranks.expert_holders = std::move(*held);
+    }
   }
   return ranks;
 }

@@ -30,6 +30,12 @@ struct Ranks {
   // The gradient sums' own, which run on a thread of their own as backward hands each layer
   // over (parallel.overlap_comm).
   std::unique_ptr<parallel::Comm> grad_comm;
+  // Expert parallelism (parallel.expert_parallel = P > 1): this rank's expert group, the P
+  // consecutive ranks [P * (rank / P), P * (rank / P) + P), in which it is rank % P. Null without.
+  std::unique_ptr<parallel::Comm> expert_comm;
+  // The W / P ranks at this rank's place in their expert groups (rank % P), which hold the same
+  // experts' state: rank / P among them. A local Comm when P is the whole world.
+  std::unique_ptr<parallel::Comm> expert_holders;
   bool start_agreed = false;  // every rank has said whether it could start (agree_all_ok)
   int rank() const { return launch.rank; }
   int world() const { return launch.world_size; }
@@ -37,13 +43,15 @@ struct Ranks {
   bool writes() const { return launch.rank == 0; }  // owns run.dir, metrics and checkpoints
   // Bytes this rank has sent for training (comm and grad_comm; not checkpoint bookkeeping).
   uint64_t bytes_sent() const {
-    return (comm ? comm->bytes_sent() : 0) + (grad_comm ? grad_comm->bytes_sent() : 0);
+    return (comm ? comm->bytes_sent() : 0) + (grad_comm ? grad_comm->bytes_sent() : 0) +
+           (expert_comm ? expert_comm->bytes_sent() : 0) + (expert_holders ? expert_holders->bytes_sent() : 0);
   }
 };
 
 // The ranks of this process from its environment, connected when there are several: each
 // process sets its log and CHECK prefix to its rank, the device to its local rank, and the
-// host-memory default to its share of the node.
+// host-memory default to its share of the node. InvalidArgument when parallel.expert_parallel
+// does not divide the world.
 Result<Ranks> connect_ranks(TrainConfig& t);
 
 // The rendezvous folder of this launch: parallel.rendezvous (or /tmp/strata-rendezvous) with

@@ -216,6 +216,11 @@ ConfigSchema build_schema() {
                  "also gradients, 3 also the parameters' compute copy. strata plan: auto is the lowest level that "
                  "fits the budgets per rank. strata train runs every level (auto: 1; each rank owns a range of every "
                  "tensor)"});
+  s.add({.name = "parallel.expert_parallel", .type = T::kInt, .default_value = "1", .min = 1, .max = 1 << 20,
+         .help = "MoE models: split the routed experts of every layer over groups of this many ranks (consecutive "
+                 "ranks; it must divide the world and the expert count); each rank computes its experts for the "
+                 "tokens of its whole group, sent to it and back with all-to-all. 1: every rank computes every "
+                 "expert of its own tokens"});
   return s;
 }
 
@@ -351,6 +356,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.parallel_rendezvous = c.get_string("parallel.rendezvous");
   t.parallel_timeout_s = c.get_float("parallel.timeout_s");
   t.parallel_overlap_comm = c.get_bool("parallel.overlap_comm");
+  t.parallel_expert = c.get_int("parallel.expert_parallel");
   t.plan_world_size = c.get_int("parallel.world_size");
   t.plan_ranks_per_node = c.get_int("parallel.ranks_per_node");
   t.plan_zero = c.get_string("parallel.zero") == "auto" ? -1 : std::stoi(c.get_string("parallel.zero"));

@@ -83,6 +83,7 @@ struct TrainConfig {
   std::string parallel_rendezvous;
   double parallel_timeout_s = 300;
   bool parallel_overlap_comm = true;  // gradient sums at handover (PagedStateOptions::overlap_reduction)
+  int64_t parallel_expert = 1;        // parallel.expert_parallel: ranks per expert group
   // What strata plan plans for (parallel.world_size, .ranks_per_node, .zero with -1 for auto;
   // hardware.intra_node_gbps, .inter_node_gbps); strata train does not read them.
   int64_t plan_world_size = 1, plan_ranks_per_node = 8;

@@ -441,7 +441,8 @@ OptimizerConfig optimizer_config(const TrainConfig& t) {
 // host tier alone was checked before it was reserved), before any weights load.
 Result<HostRamPlan> open_engine(const TrainConfig& t, Run& run, Ranks& ranks) {
   ASSIGN_OR_RETURN(run.engine, make_train_engine(run.mc, t, optimizer_config(t)));
-  RETURN_IF_ERROR(run.engine->set_comm(ranks.comm.get(), ranks.grad_comm.get()));
+  RETURN_IF_ERROR(run.engine->set_comm(ranks.comm.get(), ranks.grad_comm.get(), ranks.expert_comm.get(),
+                                       ranks.expert_holders.get()));
   HostRamData data = host_ram_data(*run.dataset, run.loader->num_windows());
   if (run.eval_dataset) data += host_ram_data(*run.eval_dataset, run.eval_loader->num_windows());
   const HostRamPlan host_ram = run.engine->host_ram(data);
@@ -760,11 +761,12 @@ Result<double> evaluate(Run& run, const TrainConfig& t, int64_t step) {
   RETURN_IF_ERROR(run.eval_loader->set_cursor({}));
   double sums[2] = {0, 0};  // NLL, predicted tokens
   // Rounds of one micro-batch per rank: with the weights sliced over the ranks (ZeRO-3) every
-  // forward gathers them, a collective, so a rank without a micro-batch of its own in the last
-  // round computes the round's first one again and drops its loss.
+  // forward gathers them, and with expert parallelism every MoE layer exchanges tokens, both
+  // collectives, so a rank without a micro-batch of its own in the last round computes the
+  // round's first one again and drops its loss.
   const int64_t world = ranks.world();
   const int64_t rounds = (run.eval_batches + world - 1) / world;
-  const bool every_rank_computes = world > 1 && run.engine->plan().zero >= 3;
+  const bool every_rank_computes = world > 1 && (run.engine->plan().zero >= 3 || ranks.expert_comm != nullptr);
   std::vector<int32_t> first_inputs, first_targets, first_positions;  // of the round
   for (int64_t m = 0; m < rounds * world; ++m) {
     const bool real = m < run.eval_batches;

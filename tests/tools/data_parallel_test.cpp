@@ -18,6 +18,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -349,6 +350,116 @@ TEST_F(DataParallelTest, MoeAtZeroTwoAndThreeTrainsWhatOneProcessTrains) {
     std::getline(in, line);
     EXPECT_GT(nlohmann::json::parse(line)["nvme_bytes"].get<uint64_t>(), 0u) << line;
     expect_trained_as(one, run, name);
+  }
+}
+
+// Expert parallelism: each MoE layer's routed rows go to the ranks of their experts and come back
+// (model/expert_parallel.h); the dense parts and the gradient sums stay data-parallel over the
+// whole world. An expert group of 2 at world 2, groups of 2 and of 4 at world 4 (ZeRO-3 and
+// ZeRO-2, paging through the host tier), against one process with the same global batch and its
+// global balancing, evaluations included: within the bound, and the same world repeats bit for
+// bit.
+TEST_F(DataParallelTest, ExpertGroupsTrainWhatOneProcessTrains) {
+  const std::string moe = ",model_type=mixtral,num_local_experts=4,num_experts_per_tok=2,router_bias_update_rate=0.05";
+  const std::string eval = " data.eval_paths=[" + corpus() + "] train.eval_every=2 train.eval_steps=3";
+  const fs::path one = dir_ / "one";
+  CmdResult single =
+      testing::run_strata(run_args(one.string(), 4, moe) + eval + " run.export=" + (one / "export").string());
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  // Tight devices (which hold P times a rank's expert rows: its experts may receive every rank's)
+  // that page the state through the host tier on every rank.
+  const std::string tight = " memory.device=3000KiB memory.host=2600KiB memory.offload_activations=true";
+  struct Case {
+    int world, experts;
+    std::string name, extra;
+  };
+  const std::vector<Case> cases = {{2, 2, "ep2", ""},
+                                   {2, 2, "ep2_again", ""},
+                                   {4, 2, "w4_ep2_zero3", tight + " parallel.zero=3 ckpt.every=4"},
+                                   {4, 4, "w4_ep4_zero2", tight + " parallel.zero=2 memory.device=3600KiB"}};
+  std::vector<fs::path> runs;
+  for (const Case& c : cases) {
+    const fs::path run = dir_ / c.name;
+    auto ranks = launch(c.world, run_args(run.string(), 4 / c.world, moe) + eval + c.extra +
+                                     " parallel.expert_parallel=" + std::to_string(c.experts) +
+                                     " run.export=" + (run / "export").string(),
+                        c.name);
+    ASSERT_TRUE(all_ok(ranks)) << all_output(ranks);
+    if (!c.extra.empty()) {
+      std::ifstream in(run / "metrics.jsonl");
+      std::string line;
+      std::getline(in, line);
+      EXPECT_GT(nlohmann::json::parse(line)["moved_bytes"].get<uint64_t>(), 0u) << c.name << ": " << line;
+    }
+    expect_trained_as(one, run, c.name, /*eval=*/true);
+    runs.push_back(run);
+  }
+  EXPECT_EQ(losses_of(runs[0] / "metrics.jsonl"), losses_of(runs[1] / "metrics.jsonl"));
+  EXPECT_EQ(compare_exports(runs[0] / "export", runs[1] / "export").max_abs, 0.0);
+
+  // Each rank holds only its experts' state. At ZeRO-1 the compute copy and gradients are whole
+  // on every rank: with groups of 2 a rank holds half the experts' (the moments, sliced, are a
+  // half either way), so its chunks shrink by at least that half of the experts' fp32 copy and
+  // gradients, less a chunk of rounding.
+  const fs::path whole = dir_ / "ep1";
+  auto w2 = launch(2, run_args(whole.string(), 2, moe), "ep1");
+  ASSERT_TRUE(all_ok(w2)) << all_output(w2);
+  auto first_state = [](const fs::path& metrics) {
+    std::ifstream in(metrics);
+    std::string line;
+    std::getline(in, line);
+    return nlohmann::json::parse(line)["state_bytes"].get<uint64_t>();
+  };
+  // 2 MoE layers x 4 experts x 3 matrices of 96 x 64 fp32 elements, copy and gradient.
+  const uint64_t expert_bytes = 2ull * 4 * 3 * 96 * 64 * 4 * 2;
+  for (const char* file : {"metrics.jsonl", "metrics.rank-1.jsonl"}) {
+    const uint64_t split = first_state(runs[0] / file), all = first_state(whole / file);
+    EXPECT_GE(all, split + expert_bytes / 2 - 64 * 1024) << file << ": " << all << " bytes without expert groups, "
+                                                          << split << " with";
+  }
+
+  // The checkpoint of four ranks in expert groups of 2 at ZeRO-3 resumes on one process, on two
+  // ranks without expert groups and on two in one group, each for two more steps alike.
+  std::vector<fs::path> resumed;
+  for (const auto& [world, experts, name] : std::vector<std::tuple<int, int, std::string>>{
+           {1, 1, "resumed1"}, {2, 1, "resumed2"}, {2, 2, "resumed2_ep2"}}) {
+    const fs::path run = dir_ / name;
+    fs::copy(runs[2], run, fs::copy_options::recursive);
+    const std::string args = run_args(run.string(), 4 / world, moe) + eval +
+                             " train.steps=6 --resume auto parallel.expert_parallel=" + std::to_string(experts);
+    if (world == 1) {
+      CmdResult alone = testing::run_strata(args);
+      ASSERT_EQ(alone.exit_code, 0) << alone.output;
+    } else {
+      auto ranks = launch(world, args, name);
+      ASSERT_TRUE(all_ok(ranks)) << all_output(ranks);
+    }
+    ASSERT_EQ(losses_of(run / "metrics.jsonl").size(), 6u) << name;
+    resumed.push_back(run);
+  }
+  expect_close_losses(losses_of(resumed[0] / "metrics.jsonl"), losses_of(resumed[1] / "metrics.jsonl"),
+                      "resumed at world 2");
+  expect_close_losses(losses_of(resumed[0] / "metrics.jsonl"), losses_of(resumed[2] / "metrics.jsonl"),
+                      "resumed at world 2 in one expert group");
+}
+
+// What expert parallelism cannot split is refused before training, naming the key.
+TEST_F(DataParallelTest, ExpertGroupsThatCannotSplitAreRefusedNamingTheKey) {
+  const std::string moe = ",model_type=mixtral,num_local_experts=4,num_experts_per_tok=2";
+  CmdResult alone = testing::run_strata(run_args((dir_ / "alone").string(), 1, moe) + " parallel.expert_parallel=2");
+  EXPECT_NE(alone.exit_code, 0);
+  EXPECT_NE(alone.output.find("parallel.expert_parallel=2 must divide the number of ranks, 1"), std::string::npos)
+      << alone.output;
+  auto three = launch(2, run_args((dir_ / "three").string(), 1, moe) + " parallel.expert_parallel=3", "three");
+  for (const CmdResult& r : three) {
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.output.find("parallel.expert_parallel=3 must divide the number of ranks, 2"), std::string::npos)
+        << r.output;
+  }
+  auto dense = launch(2, run_args((dir_ / "dense").string(), 1) + " parallel.expert_parallel=2", "dense");
+  for (const CmdResult& r : dense) {
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.output.find("this model has none"), std::string::npos) << r.output;
   }
 }
 
