@@ -828,29 +828,49 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   const uint64_t accum = static_cast<uint64_t>(std::max<int64_t>(1, in.grad_accum));
   const uint64_t w = static_cast<uint64_t>(W);
   const MachineRates& r = in.rates;
-  const uint64_t G = (static_cast<uint64_t>(L) * in.layer_elements + in.edge_elements) * in.grad_bytes;
-  const uint64_t P = bytes_of(static_cast<uint64_t>(L) * in.layer_elements, in.param_bytes) +
+  // Expert parallelism in groups of E: a rank's experts' state is summed and gathered over the
+  // W / E ranks holding the same experts (the experts' share of every rank's bytes is 1/E of
+  // all experts'), the rest over all W.
+  const uint64_t experts_p = static_cast<uint64_t>(std::max<int64_t>(in.expert_ranks, 1));
+  const uint64_t expert_elements = experts_p > 1 ? static_cast<uint64_t>(L) * in.expert_elements : 0;
+  const uint64_t elements = static_cast<uint64_t>(L) * in.layer_elements + in.edge_elements;
+  const uint64_t G = (elements - expert_elements) * in.grad_bytes;
+  const uint64_t G_experts = expert_elements / experts_p * in.grad_bytes;
+  const uint64_t P = bytes_of(static_cast<uint64_t>(L) * in.layer_elements - expert_elements, in.param_bytes) +
                      bytes_of(in.edge_elements, in.edge_param_bytes);
-  auto ring = [&](uint64_t bytes) { return bytes / w * (w - 1) + bytes % w * (w - 1) / w; };  // (W-1)/W x bytes
+  const uint64_t P_experts = bytes_of(expert_elements / experts_p, in.param_bytes);
+  auto ring_over = [](uint64_t bytes, uint64_t n) { return n <= 1 ? 0 : bytes / n * (n - 1) + bytes % n * (n - 1) / n; };
+  auto ring = [&](uint64_t bytes) { return ring_over(bytes, w); };  // (W-1)/W x bytes
+  const uint64_t holders = w / experts_p;
   CommBytes& c = p.comm;
-  if (zero == 0) c.grad_all_reduce = 2 * ring(G);
-  else if (zero == 1) c.grad_reduce_scatter = ring(G);
-  else c.grad_reduce_scatter = accum * ring(G);
-  if (zero == 1 || zero == 2) c.update_all_gather = ring(P);
+  if (zero == 0) c.grad_all_reduce = 2 * (ring(G) + ring_over(G_experts, holders));
+  else if (zero == 1) c.grad_reduce_scatter = ring(G) + ring_over(G_experts, holders);
+  else c.grad_reduce_scatter = accum * (ring(G) + ring_over(G_experts, holders));
+  if (zero == 1 || zero == 2) c.update_all_gather = ring(P) + ring_over(P_experts, holders);
   if (zero == 3) {
-    c.param_all_gather = 2 * accum * ring(P);
+    c.param_all_gather = 2 * accum * (ring(P) + ring_over(P_experts, holders));
     if (!in.state_tensors.empty() && !in.micro_batch_program.empty()) {
       // What strata train gathers: each group's whole copy at every batch of the micro-batch
       // that computes with it (forward, recompute, backward; a tied embedding at the head too).
+      // With expert groups, the experts this rank holds over their holders, the rest not here.
       std::vector<uint64_t> copy(static_cast<size_t>(L) + 2, 0);
-      for (const StateTensor& t : in.state_tensors)
-        copy.at(static_cast<size_t>(t.group)) += in.state_layout.tensor_bytes(StateKind::kParam, t.shape());
+      std::vector<uint64_t> expert_copy(static_cast<size_t>(L) + 2, 0);
+      for (const StateTensor& t : in.state_tensors) {
+        if (t.elsewhere) continue;
+        const uint64_t bytes = in.state_layout.tensor_bytes(StateKind::kParam, t.shape());
+        (experts_p > 1 && t.part != kDensePart ? expert_copy : copy).at(static_cast<size_t>(t.group)) += bytes;
+      }
       uint64_t gathered = 0;
       for (const ProgramEvent& e : in.micro_batch_program)
         if (e.access.activation < 0 && e.access.kind == StateKind::kParam && e.access.part == kDensePart)
-          gathered += ring(copy.at(static_cast<size_t>(e.access.group)));
+          gathered += ring(copy.at(static_cast<size_t>(e.access.group))) +
+                      ring_over(expert_copy.at(static_cast<size_t>(e.access.group)), holders);
       c.param_all_gather = accum * gathered;
     }
+  }
+  if (in.expert_ranks > 1) {
+    const uint64_t e = static_cast<uint64_t>(in.expert_ranks);
+    c.expert_all_to_all = accum * (in.expert_exchange_bytes / e * (e - 1) + in.expert_exchange_bytes % e * (e - 1) / e);
   }
   const int64_t per_node = std::clamp<int64_t>(in.ranks_per_node, 1, W);
   p.comm_bytes_per_s = W <= per_node ? r.intra_node_bytes_per_s : r.inter_node_bytes_per_s;
@@ -1041,11 +1061,15 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
   if (in.world_size > 1) {
     const CommBytes& c = p.comm;
     os << fmt::format("  collectives per rank per step (ZeRO-{}, {} GB/s bus): gradient all-reduce {}, reduce-scatter "
-                      "{}, parameter all-gather {}, updated-copy all-gather {}; {}, {:.0f}% hidden behind compute, {} "
+                      "{}, parameter all-gather {}, updated-copy all-gather {}{}; {}, {:.0f}% hidden behind compute, {} "
                       "adds to the step\n",
                       p.zero, p.comm_bytes_per_s / 1e9, format_bytes(c.grad_all_reduce),
                       format_bytes(c.grad_reduce_scatter), format_bytes(c.param_all_gather),
-                      format_bytes(c.update_all_gather), format_seconds(p.comm_s),
+                      format_bytes(c.update_all_gather),
+                      in.expert_ranks > 1 ? fmt::format(", expert all-to-all {} (groups of {})",
+                                                        format_bytes(c.expert_all_to_all), in.expert_ranks)
+                                          : std::string(),
+                      format_seconds(p.comm_s),
                       p.comm_s > 0 ? 100 * p.comm_hidden_s / p.comm_s : 0.0, format_seconds(p.comm_exposed_s));
   }
   if (in.tokens_per_step > 0 && p.step_s > 0) {

@@ -196,6 +196,12 @@ struct PlanInput {
   int64_t rank = 0;  // the rank planned (the others' shares differ by a few padded chunks)
   int64_t ranks_per_node = 8;
   int zero = kZeroAuto;
+  // Expert parallelism: ranks per expert group (1: none), and the bytes of the routed rows one
+  // micro-batch's MoE layers exchange in all (a layer's N x K rows of C activations, sent out
+  // and back in forward, in a recompute, and in backward), before the share that stays on the
+  // rank.
+  int64_t expert_ranks = 1;
+  uint64_t expert_exchange_bytes = 0;
   MachineRates rates;
 };
 
@@ -205,7 +211,12 @@ struct CommBytes {
   uint64_t grad_reduce_scatter = 0;  // ZeRO-1: once per step; ZeRO-2/3: each micro-batch's, onto their shards
   uint64_t param_all_gather = 0;     // ZeRO-3: the compute copy for forward and for backward
   uint64_t update_all_gather = 0;    // ZeRO-1/2: the updated compute copy after the optimizer
-  uint64_t total() const { return grad_all_reduce + grad_reduce_scatter + param_all_gather + update_all_gather; }
+  // Expert parallelism: routed rows to their experts' ranks and back, with even routing (each
+  // rank keeps 1/P of its rows); on the critical path, never hidden.
+  uint64_t expert_all_to_all = 0;
+  uint64_t total() const {
+    return grad_all_reduce + grad_reduce_scatter + param_all_gather + update_all_gather + expert_all_to_all;
+  }
 };
 
 // Predicted seconds of one phase of a step: its compute, the copy time its transfers take,

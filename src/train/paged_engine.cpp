@@ -32,22 +32,8 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   e->budgets_.plan_world_size = std::max(1, t.dp_world);
   e->budgets_.plan_zero = t.dp_world <= 1 || t.plan_zero == 0 ? 0 : t.plan_zero < 0 ? 1 : t.plan_zero;
   e->backend_ = backend;
-  if (t.parallel_expert > 1) {
-    // Expert parallelism: what it cannot split is refused before anything is planned.
-    if (!mc.is_moe())
-      return Status::InvalidArgument(fmt::format(
-          "parallel.expert_parallel={} splits a model's experts over ranks, and this model has none: set it to 1",
-          t.parallel_expert));
-    if (mc.num_experts % t.parallel_expert != 0)
-      return Status::InvalidArgument(fmt::format(
-          "parallel.expert_parallel={} must divide the model's {} experts per layer: choose a divisor of {}",
-          t.parallel_expert, mc.num_experts, mc.num_experts));
-    if (e->budgets_.plan_zero == 0)
-      return Status::InvalidArgument(fmt::format(
-          "parallel.expert_parallel={} shares each expert's optimizer state out over the ranks that hold it: "
-          "parallel.zero=0 keeps it whole on every rank; use parallel.zero=1, 2 or 3",
-          t.parallel_expert));
-  }
+  // Expert parallelism: what it cannot split is refused before anything is planned.
+  RETURN_IF_ERROR(check_expert_parallel(mc, t.parallel_expert, std::max(1, t.dp_world), e->budgets_.plan_zero));
   RETURN_IF_ERROR(e->open_backend(t));
   RETURN_IF_ERROR(e->resolve_budgets());
   RETURN_IF_ERROR(e->plan_placement(t));

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include <fmt/format.h>
+
 #include "core/host_memory.h"
 #include "kernels/cpu/backend.h"
 #include "kernels/fp8_operands.h"
@@ -178,7 +180,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   // engine decides after planning, so auto is planned as recompute (the slower case).
   in.recompute = t.keep_activations != "true";
   in.overlap_optimizer = t.overlap_backward;
-  in.overlap_comm = t.parallel_overlap_comm;
+  in.overlap_comm = t.parallel_overlap_comm && t.parallel_expert <= 1;  // expert groups sum after backward
   in.gradient_working_bytes = PagedState::gradient_working_bytes(layout);
   in.param_working_bytes = PagedState::param_working_bytes(layout, state);
   in.flops_per_step = static_cast<double>(t.grad_accum) * micro_batch_flops(in);
@@ -225,7 +227,8 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     // this rank's own store.
     const int W = static_cast<int>(world), rank = static_cast<int>(std::clamp<int64_t>(t.dp_rank, 0, world - 1));
     // Expert parallelism: a rank holds its experts only (and shares them out with their holders).
-    const int P = static_cast<int>(std::max<int64_t>(t.parallel_expert, 1));
+    const int P = check_expert_parallel(m, t.parallel_expert, W, t.plan_zero).ok()
+                      ? static_cast<int>(std::max<int64_t>(t.parallel_expert, 1)) : 1;
     const std::vector<StateTensor> tensors = PagedState::store_tensors(layout, state, rank, W, P);
     in.expert_chunks = expert_chunks(tensors, t.chunk_size, state, L, /*sliced=*/false);
     uint64_t largest_share = 0;
@@ -285,7 +288,36 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   in.rank = std::clamp<int64_t>(t.dp_rank, 0, world - 1);
   in.ranks_per_node = t.plan_ranks_per_node;
   in.zero = t.plan_zero;
+  if (t.parallel_expert > 1 && check_expert_parallel(m, t.parallel_expert, world, t.plan_zero).ok()) {
+    // Each MoE layer sends its N x K rows out and back in forward, again in a recompute (every
+    // layer but the last), and its gradients out and back in backward.
+    int64_t passes = 0;
+    for (int64_t l = 0; l < m.num_hidden_layers; ++l)
+      if (m.is_moe_layer(l)) passes += 4 + (in.recompute && l + 1 < m.num_hidden_layers ? 2 : 0);
+    in.expert_ranks = t.parallel_expert;
+    in.expert_exchange_bytes = static_cast<uint64_t>(passes) * N * static_cast<uint64_t>(m.num_experts_per_tok) * C * act;
+  }
   return in;
+}
+
+Status check_expert_parallel(const model::ModelConfig& m, int64_t P, int64_t world, int zero) {
+  if (P <= 1) return Status::OK();
+  if (!m.is_moe())
+    return Status::InvalidArgument(fmt::format(
+        "parallel.expert_parallel={} splits a model's experts over ranks, and this model has none: set it to 1", P));
+  if (m.num_experts % P != 0)
+    return Status::InvalidArgument(fmt::format(
+        "parallel.expert_parallel={} must divide the model's {} experts per layer: choose a divisor of {}", P,
+        m.num_experts, m.num_experts));
+  if (world % P != 0)
+    return Status::InvalidArgument(fmt::format("parallel.expert_parallel={} must divide the number of ranks, {}", P,
+                                               world));
+  if (zero == 0)
+    return Status::InvalidArgument(fmt::format(
+        "parallel.expert_parallel={} shares each expert's optimizer state out over the ranks that hold it: "
+        "parallel.zero=0 keeps it whole on every rank; use parallel.zero=1, 2 or 3",
+        P));
+  return Status::OK();
 }
 
 bool cuda_device_visible() {

@@ -18,6 +18,11 @@ namespace strata {
 // master).
 PlanInput make_plan_input(const model::ModelConfig& model, const TrainConfig& train, DeviceKind device);
 
+// Whether parallel.expert_parallel can split `model` over `world` ranks at ZeRO level `zero`
+// (-1: auto): an MoE model whose experts it divides, a world it divides, the optimizer state
+// sharded. InvalidArgument naming the key and what to change.
+Status check_expert_parallel(const model::ModelConfig& model, int64_t expert_parallel, int64_t world, int zero);
+
 // Model FLOPs per token, 6N + 12*L*H*T (DESIGN §2), without recomputation.
 double model_flops_per_token(const model::ModelConfig& model, int64_t seq_len);
 

@@ -887,5 +887,25 @@ TEST_F(DataParallelTest, ARankThatDiesOrHangsAtZeroThreeStopsTheOtherNamingTheOp
   }
 }
 
+// Expert parallelism: most of a step's collectives are its token exchanges, so a rank stopped
+// mid-run usually leaves the other inside one (or in a gradient sum or a checkpoint's agreement);
+// it exits naming the operation and the rank, the checkpoint verifies and one process resumes it.
+TEST_F(DataParallelTest, ARankThatDiesOrHangsInAnExpertExchangeStopsTheOtherNamingTheOperation) {
+  const std::string moe = ",model_type=mixtral,num_local_experts=4,num_experts_per_tok=2";
+  for (const auto& [stop, name] : {std::pair{SIGKILL, "ep_dies"}, std::pair{SIGSTOP, "ep_hangs"}}) {
+    const fs::path run = dir_ / name;
+    expect_stopped_rank_stops_the_other(
+        dir_, run, run_args(run.string(), 1, moe) + " parallel.expert_parallel=2 train.steps=100000 ckpt.every=2",
+        run_args(run.string(), 2, moe), name, stop,
+        {"routed tokens to their experts' ranks", "the experts' outputs to their tokens' ranks",
+         "output gradients to their experts' ranks", "input gradients to their tokens' ranks",
+         "routed rows per expert", "the gradients of parameter group", "the updated weights of parameter group",
+         "checkpoint of step", "all_gather of"});
+    const std::string log0 = read_text(dir_ / (std::string(name) + ".rank0.log"));
+    EXPECT_NE(log0.find(stop == SIGKILL ? "closed its connection" : "may have exited or hung"), std::string::npos)
+        << log0;
+  }
+}
+
 }  // namespace
 }  // namespace strata

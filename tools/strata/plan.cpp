@@ -201,6 +201,10 @@ int plan_command(const std::vector<std::string>& args) {
     std::fprintf(stderr, "strata plan: error: %s\n", mc.status().message().c_str());
     return 1;
   }
+  if (Status ep = check_expert_parallel(*mc, tc->parallel_expert, tc->plan_world_size, tc->plan_zero); !ep.ok()) {
+    std::fprintf(stderr, "strata plan: error: %s\n", ep.message().c_str());
+    return 1;
+  }
   // Where strata train would run these keys here: auto is the GPU only where one is visible.
   const DeviceKind device = planned_device(*tc);
   const bool cuda = device == DeviceKind::kCuda;
