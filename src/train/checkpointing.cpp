@@ -138,6 +138,8 @@ Result<bool> TrainCheckpointer::save(SavableState& state, const RunPosition& pos
   req.manifest.layout = {{"kind", "flat fp32 per tensor"}, {"tensors", layout_.tensors().size()}};
   if (shard.sharded())
     req.manifest.layout["sharding"] = {{"world_size", shard.world}, {"by", "element ranges"}};
+  if (shard.sharded() && options_.expert_groups > 1)
+    req.manifest.layout["sharding"]["expert_parallel"] = options_.expert_groups;
   req.manifest.precision = options_.recipe;
   ASSIGN_OR_RETURN(ckpt::SaveStart started, writer_->begin_save(req));
   return started == ckpt::SaveStart::kStarted;

@@ -40,6 +40,10 @@ struct CheckpointOptions {
   // files of its own, and rank 0 commits them under one manifest (ckpt::ShardedSave). world 1:
   // one writer saves everything.
   ckpt::ShardedSave shard;
+  // Expert parallelism (parallel.expert_parallel): each expert's ranges are written by the
+  // world / expert_groups ranks holding it; recorded in the manifest for `ckpt inspect` (a
+  // resume reads tensors by name and range, whatever the groups).
+  int64_t expert_groups = 1;
 };
 
 // What a run needs besides the tensors to continue where it stopped.

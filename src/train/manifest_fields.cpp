@@ -90,10 +90,15 @@ Status check_sharding(const FieldChecker& layout, const std::string& path) {
   if (sharding == nullptr) return Status::OK();
   if (!sharding->is_object()) return layout.bad("sharding", "is not a JSON object");
   FieldChecker s(path, "layout.sharding", *sharding);
-  RETURN_IF_ERROR(s.only({"world_size", "by", "group_owner"}));
+  RETURN_IF_ERROR(s.only({"world_size", "by", "group_owner", "expert_parallel"}));
   uint64_t world = 0;
   RETURN_IF_ERROR(s.unsigned_integer("world_size", 1u << 20, &world));
   if (s.find("world_size") == nullptr || world == 0) return s.bad("world_size", "is not a number of ranks from 1");
+  // Expert groups of this many ranks (each expert's ranges written by the ranks holding it).
+  uint64_t experts = 1;
+  RETURN_IF_ERROR(s.unsigned_integer("expert_parallel", 1u << 20, &experts));
+  if (s.find("expert_parallel") != nullptr && (experts == 0 || world % experts != 0))
+    return s.bad("expert_parallel", fmt::format("is not a number of ranks that divides the world size {}", world));
   // "element ranges": each rank's range of every tensor; "parameter groups": whole groups per
   // rank, as checkpoints written before range sharding record it.
   RETURN_IF_ERROR(s.string("by", [](const std::string& v) { return v == "element ranges" || v == "parameter groups"; },

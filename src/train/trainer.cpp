@@ -521,6 +521,7 @@ void open_checkpointer(const TrainConfig& t, Run& run, Ranks& ranks) {
   if (ranks.several()) {
     co.shard.rank = ranks.rank();
     co.shard.world = ranks.world();
+    co.expert_groups = t.parallel_expert;
     parallel::Comm* ckpt_comm = ranks.ckpt_comm.get();
     co.shard.exchange = [ckpt_comm](const Status& own, const std::map<std::string, ckpt::FileRecord>& files) {
       return exchange_shard_files(*ckpt_comm, own, files);

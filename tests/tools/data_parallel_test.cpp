@@ -418,8 +418,12 @@ TEST_F(DataParallelTest, ExpertGroupsTrainWhatOneProcessTrains) {
                                                           << split << " with";
   }
 
-  // The checkpoint of four ranks in expert groups of 2 at ZeRO-3 resumes on one process, on two
-  // ranks without expert groups and on two in one group, each for two more steps alike.
+  // The checkpoint of four ranks in expert groups of 2 at ZeRO-3 says how it was written, and
+  // resumes on one process, on two ranks without expert groups and on two in one group, each for
+  // two more steps alike.
+  CmdResult inspect = testing::run_strata("ckpt inspect " + (runs[2] / "checkpoints" / "step-4").string());
+  EXPECT_EQ(inspect.exit_code, 0) << inspect.output;
+  EXPECT_NE(inspect.output.find("experts split over groups of 2 ranks"), std::string::npos) << inspect.output;
   std::vector<fs::path> resumed;
   for (const auto& [world, experts, name] : std::vector<std::tuple<int, int, std::string>>{
            {1, 1, "resumed1"}, {2, 1, "resumed2"}, {2, 2, "resumed2_ep2"}}) {

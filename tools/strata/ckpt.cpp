@@ -90,6 +90,10 @@ int inspect(const std::string& path) {
       // Every rank wrote a slice of every tensor; the reader joins them.
       std::printf("written as       sharded over %s ranks by element ranges (any number of ranks resumes it)\n",
                   world.c_str());
+      if (sh.contains("expert_parallel") && sh["expert_parallel"].is_number_integer())
+        std::printf("                 experts split over groups of %s ranks: each expert's ranges by the ranks "
+                    "holding it (any expert groups resume it)\n",
+                    sh["expert_parallel"].dump().c_str());
     } else {
       std::printf("written as       %s ranks, each its %s (any number of ranks resumes it)\n", world.c_str(),
                   by.c_str());
