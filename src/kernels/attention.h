@@ -12,7 +12,9 @@
 // positions[b, t] is token t's position in its document, so its document starts at
 // t - positions[b, t]; query t then sees keys t - positions[b, t] .. t only, never a key of an
 // earlier document in the same row. Null is plain causal attention (every row one document
-// starting at 0). REQUIRES with positions: past = 0 and 0 <= positions[b, t] <= t. A row of a
+// starting at 0). REQUIRES with positions: past = 0, positions[b, 0] = 0 and each next
+// positions[b, t] either 0 (a new document) or positions[b, t - 1] + 1 (what the CUDA kernel's
+// tile skipping relies on: a key tile before a query's document start is wholly masked). A row of a
 // masked batch is computed with the same sums in the same order as that document alone at the
 // start of a sequence, so the masked result of each document equals its unpacked one bitwise.
 #pragma once

@@ -275,6 +275,11 @@ Result<TrainConfig> make_train_config(const Config& c) {
                                    "model with model.from to take its tokenizer's");
   t.data_eval_paths = c.get_list("data.eval_paths");
   t.data_eval_fraction = c.get_float("data.eval_fraction");
+  if (t.data_eval_fraction > 0 && t.data_eos_id < 0 && t.model_from.empty())
+    return Status::InvalidArgument(c.origin("data.eval_fraction") +
+                                   ": key 'data.eval_fraction' holds out whole documents, but data.eos_id is not set; "
+                                   "set data.eos_id to the token id that ends each document (the tokenizer's "
+                                   "eos_token), or name the model with model.from to take its tokenizer's");
   t.eval_every = c.get_int("train.eval_every");
   t.eval_steps = c.get_int("train.eval_steps");
   t.micro_batch = c.get_int("train.micro_batch");

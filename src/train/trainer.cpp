@@ -376,18 +376,22 @@ Status open_dirs_and_data(TrainConfig& t, Run& run, std::optional<RunDirs>* dirs
   ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(run.dataset.get(), lo));
   run.loader.emplace(std::move(loader));
   if (run.eval_dataset) {
+    // What the eval data is, in the messages: the files named, or the documents held out.
+    const bool held_out = t.data_eval_fraction > 0;
+    const std::string eval_data = held_out ? "the documents data.eval_fraction holds out" : "data.eval_paths";
     if (run.eval_dataset->vocab_hint() > run.mc.vocab_size)
-      return Status::InvalidArgument("data.eval_paths are read as bytes (256 token ids) but the model's vocab_size is " +
+      return Status::InvalidArgument(eval_data + " are read as bytes (256 token ids) but the model's vocab_size is " +
                                      std::to_string(run.mc.vocab_size) + "; use a model with vocab_size >= 256");
     // Every rank reads the same windows from the start each time and evaluates its share.
     Result<DataLoader> eval = DataLoader::create(run.eval_dataset.get(), lo);
-    if (!eval.ok()) return eval.status().with_context("data.eval_paths");
+    if (!eval.ok()) return eval.status().with_context(eval_data);
     run.eval_batches = std::min(t.eval_steps, eval->batches_per_epoch());
     if (run.eval_batches == 0)
       return Status::InvalidArgument(fmt::format(
-          "data.eval_paths hold {} tokens, fewer than one evaluation micro-batch needs ({} windows of {} tokens); "
-          "name more eval data or lower train.micro_batch or train.seq_len",
-          run.eval_dataset->num_tokens(), t.micro_batch, t.seq_len + 1));
+          "{} hold {} tokens, fewer than one evaluation micro-batch needs ({} windows of {} tokens); {} or lower "
+          "train.micro_batch or train.seq_len",
+          eval_data, run.eval_dataset->num_tokens(), t.micro_batch, t.seq_len + 1,
+          held_out ? "raise data.eval_fraction" : "name more eval data"));
     run.eval_loader.emplace(std::move(*eval));
     // The windows are the same at every evaluation: data with nothing to predict in them is
     // refused now, not after the training steps.
@@ -400,9 +404,9 @@ Status open_dirs_and_data(TrainConfig& t, Run& run, std::optional<RunDirs>* dirs
     }
     if (valid == 0)
       return Status::InvalidArgument(fmt::format(
-          "the loss masks of data.eval_paths leave no token to predict in the {} micro-batches an evaluation "
-          "takes; check the masks beside the eval token files, or raise train.eval_steps",
-          run.eval_batches));
+          "the loss masks of {} leave no token to predict in the {} micro-batches an evaluation takes; check the "
+          "masks beside the {} token files, or raise train.eval_steps",
+          eval_data, run.eval_batches, held_out ? "training" : "eval"));
   }
   return Status::OK();
 }

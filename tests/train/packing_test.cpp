@@ -1,5 +1,6 @@
 // data.packing and data.eos_id as a run reads them: a bad value is refused naming the key and the
-// values it takes, document packing without an EOS id is refused naming data.eos_id, and a run
+// values it takes, document packing (or data.eval_fraction) without an EOS id is refused naming
+// data.eos_id when the config is read, and a run
 // with document packing trains and evaluates through the engine.
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -65,6 +66,12 @@ TEST_F(PackingTest, ABadPackingIsRefusedNamingTheKeyAndTheValues) {
   Result<TrainConfig> no_eos = config({"data.packing=document"});
   ASSERT_FALSE(no_eos.ok());
   EXPECT_NE(no_eos.status().message().find("data.eos_id"), std::string::npos) << no_eos.status().to_string();
+
+  // Holding out whole documents needs the token that ends them too, known before the run starts.
+  Result<TrainConfig> held_out = config({"data.eval_fraction=0.2"});
+  ASSERT_FALSE(held_out.ok());
+  EXPECT_NE(held_out.status().message().find("'data.eval_fraction'"), std::string::npos) << held_out.status().to_string();
+  EXPECT_NE(held_out.status().message().find("data.eos_id"), std::string::npos) << held_out.status().to_string();
 
   Result<TrainConfig> concat = config({});
   ASSERT_TRUE(concat.ok()) << concat.status().to_string();

@@ -29,9 +29,11 @@ void check_positions(const int32_t *positions, int64_t B, int64_t T,
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       const int32_t p = positions[b * T + t];
-      CHECK_MSG(p >= 0 && p <= t, "attention position " + std::to_string(p) +
-                                      " of token " + std::to_string(t) +
-                                      " lies outside [0, t]");
+      // Each document runs on from its start: 0, or one more than the token before.
+      const bool ok = p == 0 || (t > 0 && p == positions[b * T + t - 1] + 1);
+      CHECK_MSG(ok, "attention position " + std::to_string(p) + " of token " +
+                        std::to_string(t) + " in row " + std::to_string(b) +
+                        " is neither 0 nor one more than the position before it");
     }
 }
 
