@@ -13,6 +13,20 @@
 
 namespace strata::testing {
 
+// Whether this build runs under AddressSanitizer or ThreadSanitizer, whose shadow memory is in
+// the process's resident memory but not in the program's plan (RSS checks skip then).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
+inline constexpr bool kSanitized = true;
+#else
+inline constexpr bool kSanitized = false;
+#endif
+#else
+inline constexpr bool kSanitized = false;
+#endif
+
 struct CmdResult {
   int exit_code = -1;
   std::string output;  // stdout and stderr together

@@ -585,17 +585,6 @@ TEST_F(DataParallelTest, ZeroThreeGathersTheWeightsAndTrainsWhatOneProcessTrains
   expect_trained_as(one_tied, two_tied, "tied", /*eval=*/true);
 }
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
 
 // "1.51M parameters", as the run's log counts them.
 std::string fmt_millions(double parameters) {
@@ -660,7 +649,7 @@ TEST_F(DataParallelTest, ZeroThreeOnFourRanksHoldsAQuarterEachOfWhatOneProcessCa
       EXPECT_LE(j["device_bytes"].get<uint64_t>(), 2u << 20) << "rank " << r << ": " << j.dump();
       EXPECT_LE(j["host_bytes"].get<uint64_t>(), 2u << 20) << "rank " << r << ": " << j.dump();
       EXPECT_LE(j["nvme_bytes"].get<uint64_t>(), 8u << 20) << "rank " << r << ": " << j.dump();
-      if (!kSanitized)
+      if (!testing::kSanitized)
         EXPECT_LE(j["rss_bytes"].get<uint64_t>(), j["rss_planned_bytes"].get<uint64_t>()) << "rank " << r << ": " << j.dump();
       const double share = static_cast<double>(j["state_bytes"].get<uint64_t>()) / quarter;
       // Rank 0 holds no norm: (whole - norms) / 4 is 0.4% under a quarter. The last rank holds

@@ -29,18 +29,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
-
 struct Ran {
   int exit_code = -1;
   uint64_t peak_rss = 0;  // bytes
@@ -109,13 +97,13 @@ class TrainMemoryTest : public ::testing::Test {
 };
 
 TEST_F(TrainMemoryTest, TheDefaultRunStaysWithinItsPlannedHostMemory) {
-  if (kSanitized) GTEST_SKIP() << "sanitizers' shadow memory is not the program's";
+  if (strata::testing::kSanitized) GTEST_SKIP() << "sanitizers' shadow memory is not the program's";
   expect_within_plan("the embedded default", {"train", "run.dir=run", "run.device=cpu", "train.steps=12",
                                               "optim.warmup_steps=2", "ckpt.every=5", "run.log_every=4"});
 }
 
 TEST_F(TrainMemoryTest, AMoeRunStaysWithinItsPlannedHostMemory) {
-  if (kSanitized) GTEST_SKIP() << "sanitizers' shadow memory is not the program's";
+  if (strata::testing::kSanitized) GTEST_SKIP() << "sanitizers' shadow memory is not the program's";
   expect_within_plan("a MoE run",
                      {"train", "run.dir=run", "run.device=cpu", "data.paths=[corpus.txt]", "train.micro_batch=2",
                       "train.seq_len=32", "train.steps=12", "optim.warmup_steps=2", "ckpt.every=5",
