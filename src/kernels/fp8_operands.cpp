@@ -26,7 +26,7 @@ uint64_t fp8_linear_operand_bytes(int64_t N, int64_t IC, int64_t OC) {
 }
 
 uint64_t fp8_operand_bytes(const MicroBatchShape& s) {
-  const int64_t rows = s.N * std::max<int64_t>(s.K, 1);
+  const int64_t rows = s.N * std::max<int64_t>(s.K, 1) * std::max<int64_t>(s.P, 1);
   const int64_t F = std::max(s.F, s.C);
   return std::max(fp8_linear_operand_bytes(rows, s.C, F), fp8_linear_operand_bytes(rows, F, s.C));
 }

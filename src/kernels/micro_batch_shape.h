@@ -14,6 +14,9 @@ struct MicroBatchShape {
   int64_t C = 0;  // hidden size
   int64_t F = 0;  // the widest linear layer's other side: q/k/v projections, MLPs, experts
   int64_t V = 0;  // vocabulary
+  // Ranks of an expert group (model/expert_parallel.h): an expert may compute the rows of all
+  // of them, P x N x K at most. 1: no expert parallelism.
+  int64_t P = 1;
 };
 
 }  // namespace strata::kernels

@@ -24,8 +24,10 @@
 namespace strata::model {
 
 // The dimensions an op set sizes its per-micro-batch buffers by, for N tokens of `config`.
-inline kernels::MicroBatchShape micro_batch_shape(const ModelConfig& config, int64_t N) {
+// expert_ranks: the expert group's (expert_parallel.h), whose rows an expert may compute.
+inline kernels::MicroBatchShape micro_batch_shape(const ModelConfig& config, int64_t N, int64_t expert_ranks = 1) {
   kernels::MicroBatchShape s;
+  s.P = config.is_moe() ? expert_ranks : 1;
   s.N = N;
   s.E = config.is_moe() ? config.num_experts : 0;
   s.K = config.is_moe() ? config.num_experts_per_tok : 0;
@@ -53,6 +55,8 @@ class ActivationTable {
                  bool keep_layers = false, int64_t kv_tokens = 0, int64_t expert_ranks = 1);
   // Bytes held (for logging and tests).
   int64_t bytes() const { return bytes_; }
+  // The tokens per micro-batch the buffers hold (N; 0 before reserve()).
+  int64_t planned_tokens() const { return planned_tokens_; }
   // The bytes reserve() would take, the backend's own per-micro-batch buffers included, without
   // allocating.
   static int64_t bytes_for(const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers = false,
@@ -188,7 +192,8 @@ Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_
   planned_tokens_ = 0;
   planned_kv_ = 0;
   bytes_ = 0;
-  ASSIGN_OR_RETURN(void* base, ops.activation_block(static_cast<uint64_t>(bytes), micro_batch_shape(config, N)));
+  ASSIGN_OR_RETURN(void* base,
+                   ops.activation_block(static_cast<uint64_t>(bytes), micro_batch_shape(config, N, expert_ranks)));
   carve(static_cast<char*>(base), config, N, offload_activations, keep_layers, kv_tokens, expert_ranks);
   planned_keep_ = keep_layers;
   planned_ranks_ = expert_ranks;
@@ -206,7 +211,7 @@ int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bo
                                         bool keep_layers, int64_t expert_ranks) {
   ActivationTable<Ops> measured;
   return measured.carve(nullptr, config, N, offload_activations, keep_layers, /*kv_tokens=*/0, expert_ranks) +
-         static_cast<int64_t>(Ops::extra_activation_bytes(micro_batch_shape(config, N)));
+         static_cast<int64_t>(Ops::extra_activation_bytes(micro_batch_shape(config, N, expert_ranks)));
 }
 
 template <class Ops>

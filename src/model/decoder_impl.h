@@ -153,16 +153,32 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
     // With expert parallelism the rows go to their experts' ranks first, and this rank's
     // experts that receive any (from any rank) are the ones begun.
     if (expert_comm_ != nullptr) {
+      ExpertRoute& route = expert_routes_[static_cast<size_t>(layer)];
       const int64_t* offsets = ops_.expert_offsets_on_host(a.expert_offsets, config_.num_experts);
-      RETURN_IF_ERROR(ep_plan(ops_, *expert_comm_, config_, a, offsets, expert_routes_[static_cast<size_t>(layer)])
-                          .with_context(fmt::format("layer {}", layer)));
+      if (Status st = ep_plan(ops_, *expert_comm_, config_, a, offsets, route); !st.ok()) {
+        access_->collectives_failed(st);
+        return st.with_context(fmt::format("layer {}", layer));
+      }
+      // The table holds P times this rank's rows for its experts: every rank's micro-batch is
+      // as large as this one's (the ranks run the same shapes).
+      CHECK_MSG(route.received <= expert_ranks() * acts_.planned_tokens() * config_.num_experts_per_tok,
+                fmt::format("layer {}'s experts received {} rows; the activation table holds {} (a rank of the "
+                            "expert group ran a larger micro-batch)",
+                            layer, route.received, expert_ranks() * acts_.planned_tokens() * config_.num_experts_per_tok));
     }
     RETURN_IF_ERROR(begin_experts(layer, /*params=*/true, grads));
     const auto m = MoeTensors<const W>::bind_with(param_at(), moe_offsets(layer));
-    if (expert_comm_ != nullptr)
-      RETURN_IF_ERROR(ep_experts_forward(ops_, *expert_comm_, config_, m.experts(), a,
-                                         expert_routes_[static_cast<size_t>(layer)])
-                          .with_context(fmt::format("layer {}", layer)));
+    if (expert_comm_ != nullptr) {
+      if (Status st = ep_experts_forward(ops_, *expert_comm_, config_, m.experts(), a,
+                                         expert_routes_[static_cast<size_t>(layer)]);
+          !st.ok()) {
+        // No more collectives of the access either; the experts begun are ended (the caller
+        // ends only a layer that succeeded).
+        access_->collectives_failed(st);
+        end_experts(layer, true, grads);
+        return st.with_context(fmt::format("layer {}", layer));
+      }
+    }
     moe_mlp_forward(ops_, config_, m, a, a.ln2, out, N, /*experts_done=*/expert_comm_ != nullptr);
     if (out != nullptr) ops_.add_inplace(out, a.h, N * C);
     return Status::OK();
@@ -199,8 +215,9 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
     } else {
       const ExpertRoute& route = expert_routes_[static_cast<size_t>(layer)];
       auto exchange = [&] {
-        return ep_experts_backward(ops_, *expert_comm_, config_, mp.experts(), mg.experts(), a, route)
-            .with_context(fmt::format("layer {}", layer));
+        Status st = ep_experts_backward(ops_, *expert_comm_, config_, mp.experts(), mg.experts(), a, route);
+        if (!st.ok()) access_->collectives_failed(st);  // before end_experts' sums
+        return st.with_context(fmt::format("layer {}", layer));
       };
       RETURN_IF_ERROR(moe_mlp_backward(ops_, config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N, exchange));
     }

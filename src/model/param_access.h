@@ -78,6 +78,11 @@ class ParamAccess {
   virtual void end_experts(int group, std::span<const int> experts, bool params, bool grads) {
     (void)group, (void)experts, (void)params, (void)grads;
   }
+  // A collective of the model's own failed (expert parallelism's token exchange): the ranks'
+  // sequences of collectives no longer match, so an access that makes collectives of its own
+  // (data parallelism's gathers and sums) makes no more, and reports `error` from then on. The
+  // default: none to stop.
+  virtual void collectives_failed(const Status& error) { (void)error; }
 
   // Activation offload. When offloads_activations(), the model plans two layer checkpoint slots
   // (plus one for the last) instead of L + 1; in a step with backward it calls

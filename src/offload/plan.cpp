@@ -989,7 +989,8 @@ Plan make_plan(const PlanInput& in) {
   // The fastest level that fits: with every kind able to stream from nvme a lower level may fit
   // only by paging what a higher one shards away, and at a fraction of its speed.
   Plan best;
-  for (int z = 0; z < kZeroLevels; ++z) {
+  // Expert groups shard the experts' optimizer state over their holders: ZeRO-1 and up.
+  for (int z = in.expert_ranks > 1 ? 1 : 0; z < kZeroLevels; ++z) {
     Plan p = plan_at_level(in, z);
     if (p.fits && (!best.fits || p.step_s < best.step_s)) best = std::move(p);
     if (!best.fits && z + 1 == kZeroLevels) best = std::move(p);  // none fits: ZeRO-3's problem

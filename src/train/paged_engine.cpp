@@ -286,6 +286,16 @@ Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover, par
   if (comm != nullptr && comm->world_size() > 1 && options_.overlap_reduction && handover == nullptr)
     return Status::InvalidArgument("parallel.overlap_comm sums the gradients through a communicator of its own; "
                                    "none was given");
+  if (P > 1 && comm != nullptr && comm->world_size() > 1) {
+    // Whether a layer is recomputed decides whether its token exchanges run again in backward:
+    // every rank must decide alike. memory.keep_activations=auto decides by each rank's own
+    // room (its experts differ), so the ranks keep only when all of them can.
+    ASSIGN_OR_RETURN(const double keeping, parallel::sum_over_ranks(*comm, keep_activations_ ? 1.0 : 0.0));
+    if (keep_activations_ && keeping < comm->world_size()) {
+      keep_activations_ = false;
+      net_->set_keep_layer_activations(false);
+    }
+  }
   state_->set_comm(comm, handover, P > 1 ? expert_holders : nullptr);
   net_->set_expert_comm(P > 1 ? experts : nullptr);
   comm_ = comm;

@@ -215,6 +215,9 @@ class PagedState : public model::ParamAccess, public SavableState {
   void end(int group, bool params, bool grads) override;
   Status begin_experts(int group, std::span<const int> experts, bool params, bool grads) override;
   void end_experts(int group, std::span<const int> experts, bool params, bool grads) override;
+  void collectives_failed(const Status& error) override {
+    if (deferred_.ok()) deferred_ = error;
+  }
   const void* param(int64_t offset) override;
   DType param_dtype() const override { return store_->layout().compute_dtype(); }
   bool stream_ordered() const override { return compute_stream_ != nullptr; }

@@ -153,7 +153,8 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   in.layer_workspace_bytes = table > layer_checkpoints ? table - layer_checkpoints : 0;
   // The CUDA fp8 recipe's quantised GEMM operands, allocated with the table (kernels/fp8_operands.h).
   if (cuda && state.compute_dtype() == DType::kF8E4M3)
-    in.layer_workspace_bytes += kernels::fp8_operand_bytes(model::micro_batch_shape(m, static_cast<int64_t>(N)));
+    in.layer_workspace_bytes +=
+        kernels::fp8_operand_bytes(model::micro_batch_shape(m, static_cast<int64_t>(N), t.parallel_expert));
   if (t.keep_activations == "true") in.kept_activation_bytes = static_cast<uint64_t>(table_bytes(true)) - table;
   // The LM head's logits chunks: on a GPU the buffer the CUDA backend reserves beside the
   // activation table (kernels/lm_head_chunks.h), on the CPU a host vector of 256 x V floats.

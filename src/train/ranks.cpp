@@ -108,32 +108,42 @@ Result<Ranks> connect_ranks(TrainConfig& t) {
     ranks.grad_comm = std::move(*grad);
   }
   if (t.parallel_expert > 1) {
+    const int P = static_cast<int>(t.parallel_expert);
+    // A Comm over some of the ranks (`members`, world ranks in its rank order): this rank's place
+    // among them, and how many of them share its node (launchers number the ranks node by node),
+    // which decides whether it listens on the loopback or on an address other nodes reach.
+    auto sub_launch = [&l](const std::vector<int>& members) {
+      parallel::LaunchInfo sub = l;
+      sub.world_size = static_cast<int>(members.size());
+      sub.local_world_size = 0;
+      sub.local_rank = 0;
+      const int node = l.rank / std::max(l.local_world_size, 1);
+      for (size_t k = 0; k < members.size(); ++k) {
+        if (members[k] == l.rank) sub.rank = static_cast<int>(k);
+        if (members[k] / std::max(l.local_world_size, 1) != node) continue;
+        if (members[k] < l.rank) ++sub.local_rank;
+        ++sub.local_world_size;
+      }
+      return sub;
+    };
     // The expert group: consecutive ranks, as one node's GPUs are, so that the all-to-all of
     // routed tokens stays within a node where it can.
-    const int P = static_cast<int>(t.parallel_expert);
-    parallel::LaunchInfo group = l;
-    group.rank = l.rank % P;
-    group.world_size = P;
-    // Within one node when the whole world is (the address other ranks reach it at).
-    group.local_world_size = l.local_world_size == l.world_size ? P : l.local_world_size;
-    group.local_rank = l.local_world_size == l.world_size ? group.rank : l.local_rank;
+    std::vector<int> group, holders;
+    for (int q = l.rank / P * P; q < l.rank / P * P + P; ++q) group.push_back(q);
+    for (int q = l.rank % P; q < l.world_size; q += P) holders.push_back(q);
     co.name = fmt::format("experts-{}", l.rank / P);
-    Result<std::unique_ptr<parallel::Comm>> experts = parallel::connect(group, co);
+    Result<std::unique_ptr<parallel::Comm>> experts = parallel::connect(sub_launch(group), co);
     if (!experts.ok())
       return experts.status().with_context(
           fmt::format("connecting expert group {} (ranks {} to {}, parallel.expert_parallel={})", l.rank / P,
                       l.rank / P * P, l.rank / P * P + P - 1, P));
     ranks.expert_comm = std::move(*experts);
-    if (l.world_size == P) {
+    // The ranks at this rank's place in their groups, which hold the same experts.
+    if (holders.size() == 1) {
       ranks.expert_holders = parallel::make_local_comm();
     } else {
-      parallel::LaunchInfo holders = l;
-      holders.rank = l.rank / P;
-      holders.world_size = l.world_size / P;
-      holders.local_world_size = l.local_world_size == l.world_size ? holders.world_size : l.local_world_size;
-      holders.local_rank = l.local_world_size == l.world_size ? holders.rank : l.local_rank;
       co.name = fmt::format("expert-holders-{}", l.rank % P);
-      Result<std::unique_ptr<parallel::Comm>> held = parallel::connect(holders, co);
+      Result<std::unique_ptr<parallel::Comm>> held = parallel::connect(sub_launch(holders), co);
       if (!held.ok())
         return held.status().with_context(fmt::format("connecting the ranks that hold expert group place {}'s experts",
                                                       l.rank % P));

@@ -59,7 +59,7 @@ void* CudaOps::grow(DeviceAllocation& buffer, uint64_t bytes, const char* what) 
 }
 
 uint64_t CudaOps::extra_activation_bytes(const MicroBatchShape& shape) {
-  [[maybe_unused]] const auto [N, E, K, C, F, V] = shape;
+  [[maybe_unused]] const auto [N, E, K, C, F, V, P] = shape;
   const uint64_t n = static_cast<uint64_t>(N), e = static_cast<uint64_t>(std::max<int64_t>(E, 1));
   // losses, rounded, router, the LM head's chunks; alignment
   return n * sizeof(float) + n * e * sizeof(Act) + 20 * e + lm_head_device_scratch_bytes(std::max<int64_t>(N, 1), C, V) +
@@ -67,7 +67,7 @@ uint64_t CudaOps::extra_activation_bytes(const MicroBatchShape& shape) {
 }
 
 Result<void*> CudaOps::activation_block(uint64_t bytes, const MicroBatchShape& shape) {
-  [[maybe_unused]] const auto [N, E, K, C, F, V] = shape;
+  [[maybe_unused]] const auto [N, E, K, C, F, V, P] = shape;
   synchronize();
   block_.reset();
   losses_.reset();
