@@ -15,12 +15,12 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "../test_util.h"
 #include "model/decoder.h"
 #include "model/expert_parallel.h"
 #include "model/flat_model.h"
+#include "model/tiny_moe.h"
 #include "parallel/comm.h"
 
 namespace strata::model {
@@ -28,39 +28,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr int64_t kB = 2;
-constexpr int64_t kT = 8;
+constexpr int64_t kB = kTinyB;
+constexpr int64_t kT = kTinyT;
 constexpr int64_t kExperts = 4;
+using Batch = TinyBatch;
 
-// A small Qwen2-MoE: layers 0 and 2 have 4 experts (top-2) and a shared expert, layer 1 is dense.
-// bias_rate > 0 turns on the loss-free balancing bias, which the tests set by hand.
-ModelConfig moe_config(double bias_rate) {
-  nlohmann::json j = {
-      {"architectures", {"Qwen2MoeForCausalLM"}}, {"vocab_size", 31}, {"hidden_size", 16},
-      {"intermediate_size", 24}, {"num_hidden_layers", 3}, {"num_attention_heads", 2},
-      {"num_key_value_heads", 1}, {"max_position_embeddings", 64}, {"num_experts", kExperts},
-      {"num_experts_per_tok", 2}, {"moe_intermediate_size", 12},
-      {"shared_expert_intermediate_size", 20}, {"mlp_only_layers", {1}},
-      {"router_aux_loss_coef", 0.1}, {"output_router_logits", true},
-      {"router_bias_update_rate", bias_rate}};
-  Result<ModelConfig> c = ModelConfig::from_json(j, "expert_parallel_test");
-  CHECK_MSG(c.ok(), c.status().to_string());
-  return *c;
-}
-
-struct Batch {
-  std::vector<int32_t> inputs, targets;
-};
-
-Batch make_batch(uint64_t seed, int64_t vocab) {
-  const std::vector<float> r = testing::random_vector(2 * kB * kT, seed, 0.0f, 1.0f);
-  Batch b;
-  for (int64_t i = 0; i < kB * kT; ++i) {
-    b.inputs.push_back(static_cast<int32_t>(r[i] * (vocab - 1)));
-    b.targets.push_back(static_cast<int32_t>(r[kB * kT + i] * (vocab - 1)));
-  }
-  return b;
-}
+// The aux loss on; bias_rate > 0 turns on the loss-free balancing bias, which the tests set by
+// hand.
+ModelConfig moe_config(double bias_rate) { return tiny_moe_config(/*output_router_logits=*/true, bias_rate); }
 
 struct Run {
   std::vector<double> losses;              // per micro-batch (per rank)
@@ -146,7 +121,7 @@ template <class Net>
 void check_against_one_process(int P, bool skew, double tol) {
   const ModelConfig config = moe_config(skew ? 0.01 : 0.0);
   std::vector<Batch> batches;
-  for (int r = 0; r < P; ++r) batches.push_back(make_batch(100 + static_cast<uint64_t>(r), config.vocab_size));
+  for (int r = 0; r < P; ++r) batches.push_back(tiny_batch(100 + static_cast<uint64_t>(r), config.vocab_size));
   const Run one = one_process<Net>(config, batches, skew);
   const Run ep = expert_parallel<Net>(config, batches, skew);
   if (::testing::Test::HasFailure()) return;

@@ -10,49 +10,20 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "../test_util.h"
 #include "model/decoder.h"
 #include "model/flat_model.h"
+#include "model/tiny_moe.h"
 
 namespace strata::model {
 namespace {
 
-constexpr int64_t kB = 2;
-constexpr int64_t kT = 8;
+constexpr int64_t kB = kTinyB;
+constexpr int64_t kT = kTinyT;
 
-// A small Qwen2-MoE: layers 0 and 2 have 4 experts (top-2) and a shared expert, layer 1 is dense.
-ModelConfig moe_config(bool output_router_logits, double bias_rate) {
-  nlohmann::json j = {
-      {"architectures", {"Qwen2MoeForCausalLM"}}, {"vocab_size", 31}, {"hidden_size", 16},
-      {"intermediate_size", 24}, {"num_hidden_layers", 3}, {"num_attention_heads", 2},
-      {"num_key_value_heads", 1}, {"max_position_embeddings", 64}, {"num_experts", 4},
-      {"num_experts_per_tok", 2}, {"moe_intermediate_size", 12},
-      {"shared_expert_intermediate_size", 20}, {"mlp_only_layers", {1}},
-      {"router_aux_loss_coef", 0.1}, {"output_router_logits", output_router_logits},
-      {"router_bias_update_rate", bias_rate}};
-  Result<ModelConfig> c = ModelConfig::from_json(j, "moe_model_test");
-  CHECK_MSG(c.ok(), c.status().to_string());
-  return *c;
-}
-
-struct Batch {
-  std::vector<int32_t> inputs, targets;
-};
-
-Batch make_batch(uint64_t seed, int64_t vocab) {
-  const std::vector<float> r = testing::random_vector(2 * kB * kT, seed, 0.0f, 1.0f);
-  Batch b;
-  for (int64_t i = 0; i < kB * kT; ++i) {
-    b.inputs.push_back(static_cast<int32_t>(r[i] * (vocab - 1)));
-    b.targets.push_back(static_cast<int32_t>(r[kB * kT + i] * (vocab - 1)));
-  }
-  return b;
-}
-
-std::vector<float> gradients(bool output_router_logits, const Batch& batch) {
-  FlatModel<LlamaModel> model(moe_config(output_router_logits, 0.0));
+std::vector<float> gradients(bool output_router_logits, const TinyBatch& batch) {
+  FlatModel<LlamaModel> model(tiny_moe_config(output_router_logits, 0.0));
   model.init_weights(7);
   model.zero_grads();
   model.forward_backward(batch.inputs.data(), batch.targets.data(), kB, kT, 1.0f / (kB * kT));
@@ -60,10 +31,10 @@ std::vector<float> gradients(bool output_router_logits, const Batch& batch) {
 }
 
 TEST(MoeModelTest, AuxLossJoinsTheGradientOnlyWithOutputRouterLogits) {
-  const Batch batch = make_batch(1, 31);
+  const TinyBatch batch = tiny_batch(1, 31);
   const std::vector<float> without = gradients(false, batch);
   const std::vector<float> with = gradients(true, batch);
-  const ParamLayout layout(moe_config(true, 0.0));
+  const ParamLayout layout(tiny_moe_config(true, 0.0));
   const TensorSpec* router = layout.find("model.layers.0.mlp.gate.weight");
   ASSERT_NE(router, nullptr);
   const double diff = testing::relative_error(with.data() + router->offset, without.data() + router->offset,
@@ -78,8 +49,8 @@ TEST(MoeModelTest, AuxLossJoinsTheGradientOnlyWithOutputRouterLogits) {
 }
 
 TEST(MoeModelTest, ExpertCountsAccumulateOverAStepAndResetWithZeroGrads) {
-  const Batch a = make_batch(2, 31), b = make_batch(3, 31);
-  FlatModel<LlamaModel> model(moe_config(true, 0.0));
+  const TinyBatch a = tiny_batch(2, 31), b = tiny_batch(3, 31);
+  FlatModel<LlamaModel> model(tiny_moe_config(true, 0.0));
   model.init_weights(3);
   const int64_t E = 4, per_layer = kB * kT * 2;
   auto layer_total = [&](int64_t layer) {
@@ -119,8 +90,8 @@ double imbalance(const LlamaModel& model) {
 }
 
 TEST(MoeModelTest, LossFreeBiasBalancesTheExperts) {
-  const Batch batch = make_batch(4, 31);
-  FlatModel<LlamaModel> model(moe_config(false, 0.005));
+  const TinyBatch batch = tiny_batch(4, 31);
+  FlatModel<LlamaModel> model(tiny_moe_config(false, 0.005));
   model.init_weights(5);
   // Skew every router towards expert 0 so that the start is badly unbalanced.
   for (const char* name : {"model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight"}) {
@@ -152,8 +123,8 @@ TEST(MoeModelTest, LossFreeBiasBalancesTheExperts) {
 }
 
 TEST(MoeModelTest, WithoutARateTheBiasStaysZero) {
-  const Batch batch = make_batch(5, 31);
-  FlatModel<LlamaModel> model(moe_config(true, 0.0));
+  const TinyBatch batch = tiny_batch(5, 31);
+  FlatModel<LlamaModel> model(tiny_moe_config(true, 0.0));
   model.init_weights(5);
   model.zero_grads();
   model.forward_backward(batch.inputs.data(), batch.targets.data(), kB, kT, 0.01f);
