@@ -200,9 +200,19 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     // The chunks as the paged state packs them: the layers (on average, as the
     // planner's layer groups are all alike), and the embedding plus the head. (A chunk size
     // that cannot hold a tensor is refused by the state itself, naming the tensor.)
-    const std::vector<uint64_t> chunks = PagedState::group_chunks(layout, t.chunk_size, state, StateKind::kGrad);
-    const std::vector<uint64_t> param_chunks = PagedState::group_chunks(layout, t.chunk_size, state, StateKind::kParam);
-    const std::vector<uint64_t> moment_chunks = PagedState::group_chunks(layout, t.chunk_size, state, StateKind::kAdamM);
+    // With expert groups, a rank's own: the experts it does not hold take no chunk of any kind.
+    const int experts_p = check_expert_parallel(m, t.parallel_expert, world, t.plan_zero).ok()
+                              ? static_cast<int>(std::max<int64_t>(t.parallel_expert, 1)) : 1;
+    auto whole_chunks = [&](StateKind kind) {
+      if (experts_p <= 1) return PagedState::group_chunks(layout, t.chunk_size, state, kind);
+      const int own_rank = static_cast<int>(std::clamp<int64_t>(t.dp_rank, 0, world - 1));
+      return StateStore::group_chunks(
+          PagedState::store_tensors(layout, state, own_rank, static_cast<int>(world), experts_p), t.chunk_size, state,
+          kind, /*sliced=*/false);
+    };
+    const std::vector<uint64_t> chunks = whole_chunks(StateKind::kGrad);
+    const std::vector<uint64_t> param_chunks = whole_chunks(StateKind::kParam);
+    const std::vector<uint64_t> moment_chunks = whole_chunks(StateKind::kAdamM);
     uint64_t layer_total = 0, layer_param_total = 0, layer_moment_total = 0;
     for (size_t g = 1; g + 1 < chunks.size(); ++g)
       layer_total += chunks[g], layer_param_total += param_chunks[g], layer_moment_total += moment_chunks[g];

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -24,6 +25,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "core/units.h"
 #include "model/safetensors.h"
 #include "tools/cli_util.h"
 
@@ -417,6 +419,36 @@ TEST_F(DataParallelTest, ExpertGroupsTrainWhatOneProcessTrains) {
     EXPECT_GE(all, split + expert_bytes / 2 - 64 * 1024) << file << ": " << all << " bytes without expert groups, "
                                                           << split << " with";
   }
+
+  // The plan counts a rank's own experts only: with the host tier holding the state, the host
+  // bytes strata plan gives a rank are what the rank's engine holds (the plan prints three
+  // significant digits).
+  const fs::path paged = dir_ / "ep2_host";
+  const std::string host_args = run_args(paged.string(), 2, moe) +
+                                " run.device=cpu memory.device=2600KiB memory.host=2600KiB parallel.zero=1 "
+                                "parallel.expert_parallel=2";
+  auto on_host = launch(2, host_args, "ep2_host");
+  ASSERT_TRUE(all_ok(on_host)) << all_output(on_host);
+  std::string plan_args = host_args.substr(std::string("train ").size()) + " parallel.world_size=2";
+  CmdResult plan = testing::run_strata("plan " + plan_args);
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  // The chosen level's row: "  1*  DEVICE UNIT  HOST UNIT ..."
+  const size_t row = plan.output.find("\n  1*");
+  ASSERT_NE(row, std::string::npos) << plan.output;
+  std::istringstream fields(plan.output.substr(row + 1));
+  std::string level, device_value, device_unit, host_value, host_unit;
+  fields >> level >> device_value >> device_unit >> host_value >> host_unit;
+  Result<uint64_t> planned_host = parse_bytes(host_value + " " + host_unit);
+  ASSERT_TRUE(planned_host.ok()) << plan.output;
+  const uint64_t engine_host = [&] {
+    std::ifstream in(paged / "metrics.jsonl");
+    std::string line;
+    std::getline(in, line);
+    return nlohmann::json::parse(line)["host_bytes"].get<uint64_t>();
+  }();
+  EXPECT_GT(engine_host, 0u);
+  EXPECT_TRUE(std::fabs(static_cast<double>(*planned_host) / static_cast<double>(engine_host) - 1) <= 0.01)
+      << "planned " << *planned_host << " host bytes, the engine holds " << engine_host << "\n" << plan.output;
 
   // The checkpoint of four ranks in expert groups of 2 at ZeRO-3 says how it was written, and
   // resumes on one process, on two ranks without expert groups and on two in one group, each for
