@@ -54,7 +54,7 @@ struct ExpertRoute {
   std::vector<size_t> recv_bytes;   // (P) bytes of rows it receives from each
   std::vector<int32_t> order;       // (R) ep_order's values
   std::vector<int32_t> unorder;     // (R) ep_unorder's values
-  std::vector<int64_t> offsets;     // (E + 1) the local experts' rows in ep_xs; 0 for the others
+  std::vector<int64_t> offsets;     // (E + 1) row offsets into ep_xs: only the local experts own rows
   int64_t received = 0;             // R: rows this rank's experts received
   // The local experts with at least one row, ascending (what the access begins).
   std::vector<int> active;
