@@ -117,7 +117,16 @@ void CpuStream::wait(Event& event) {
     generation = state->latest;
     if (generation == 0 || state->pending.count(generation) == 0) return;  // already complete
   }
-  enqueue([state = std::move(state), generation] { state->wait_for(generation); });
+  enqueue([state = std::move(state), generation] {
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      if (state->pending.count(generation) == 0) return;
+    }
+    // Traced only when it blocks: a profile then tells the stream's own work from its waits
+    // inside the phases it marks (kernels/cpu/queued_ops.h).
+    trace::Span span("wait", "event");
+    state->wait_for(generation);
+  });
 }
 
 CpuStream& as_cpu_stream(Stream& stream) {

@@ -814,13 +814,25 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
 //     updated shards need no gather.
 // Time: those bytes over the bus bandwidth of the slowest link the ring crosses, the node's
 // when the world fits in one node and the network's otherwise (no hierarchical estimate).
-// What adds to the step is what strata train waits for: ZeRO-3's gathers on the compute stream
-// when a batch begins its group (not prefetched beside compute yet), ZeRO-2's sums as each
-// backward ends and the updated copy's gather after the optimizer, in full. The sums at
-// handover (ZeRO-0 and 1 with parallel.overlap_comm, the optimizer not overlapped) run on a
-// thread of their own as the last micro-batch's backward hands each group over: all but the
-// last group's (the embedding's, handed over as backward ends) hide behind the rest of that
-// backward, as far as its compute time reaches.
+// What adds to the step is what strata train waits for. The sums at handover (ZeRO-0 and 1 with
+// parallel.overlap_comm, the optimizer not overlapped) run on a thread of their own as the last
+// micro-batch's backward hands each group over: all but the last group's (the embedding's,
+// handed over as backward ends) hide behind the rest of that backward, as far as its compute
+// time reaches. ZeRO-2 and 3 with parallel.overlap_comm queue their gathers and sums on a
+// communication stream: a group's gather runs while the group before it computes, its sums
+// while the group after it runs backward. All but the embedding's share (the first gathered,
+// the last summed) hide, as far as the micro-batches' compute reaches. The updated copy's
+// gather after the optimizer (ZeRO-1 and 2) and, without overlap, every collective add in full.
+// The embedding's share of the parameters: of the edge, the store's chunks when known, else half.
+double embedding_share(const PlanInput& in, int64_t L) {
+  const double embed = in.edge_chunks > 0 && in.embed_chunks > 0
+                           ? static_cast<double>(in.embed_chunks) / static_cast<double>(in.edge_chunks)
+                           : 0.5;
+  const double all = static_cast<double>(L) * static_cast<double>(in.layer_elements) +
+                     static_cast<double>(in.edge_elements);
+  return all > 0 ? embed * static_cast<double>(in.edge_elements) / all : 0;
+}
+
 void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   const int64_t W = s.W, L = s.L;
   const int zero = s.zero;
@@ -877,14 +889,12 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   p.comm_s = static_cast<double>(c.total()) / p.comm_bytes_per_s;
   if (in.overlap_comm && !in.overlap_optimizer && zero <= 1) {
     const double sums_s = static_cast<double>(c.grad_all_reduce + c.grad_reduce_scatter) / p.comm_bytes_per_s;
-    // The embedding's share of the gradients: the store's chunks when known, else half the edge.
-    const double embed = in.edge_chunks > 0 && in.embed_chunks > 0
-                             ? static_cast<double>(in.embed_chunks) / static_cast<double>(in.edge_chunks)
-                             : 0.5;
-    const double all = static_cast<double>(L) * static_cast<double>(in.layer_elements) +
-                       static_cast<double>(in.edge_elements);
-    const double last = all > 0 ? embed * static_cast<double>(in.edge_elements) / all : 0;
+    const double last = embedding_share(in, L);
     p.comm_hidden_s = std::min(sums_s * (1 - last), p.phases.backward.compute_s);
+  } else if (in.overlap_comm && !in.overlap_optimizer && zero >= 2) {
+    const double queued_s = static_cast<double>(c.grad_reduce_scatter + c.param_all_gather) / p.comm_bytes_per_s;
+    const double compute_s = static_cast<double>(accum) * (p.phases.forward.compute_s + p.phases.backward.compute_s);
+    p.comm_hidden_s = std::min(queued_s * (1 - embedding_share(in, L)), compute_s);
   }
   p.comm_exposed_s = p.comm_s - p.comm_hidden_s;
   p.step_s += p.comm_exposed_s;

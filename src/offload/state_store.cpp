@@ -409,9 +409,11 @@ void StateStore::release_group(int group, StateKind kind, Stream* consumer) {
   unpin(group, all, kind, consumer);
 }
 
-Status StateStore::acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode, Stream* consumer) {
+Status StateStore::acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode, Stream* consumer,
+                                bool follow) {
   const std::vector<size_t> parts{part_index(group, part)};
-  const std::optional<size_t> entry = next_entry(GroupAccess::of_part(group, kind, part));
+  const std::optional<size_t> entry =
+      follow ? next_entry(GroupAccess::of_part(group, kind, part)) : std::optional<size_t>();
   return pin(group, parts, kind, where, mode, entry, consumer, /*wait_on_host=*/false);
 }
 

@@ -215,7 +215,10 @@ class StateStore {
   // the schedule has one). REQUIRES: the group has the part (kDensePart always exists).
   // With `consumer` (stream-ordered): the consumer stream waits for the chunks' moves instead of
   // the host, and later moves of them wait for the work queued on it before release.
-  Status acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode, Stream* consumer = nullptr);
+  // follow = false: an acquisition ahead of its entry (a gather prefetched for the next batch):
+  // the cursor stays where it is, and later acquisitions pass the entry by.
+  Status acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode, Stream* consumer = nullptr,
+                      bool follow = true);
   void release_part(int group, int part, StateKind kind, Stream* consumer = nullptr);
   // Several parts at once, on demand: not in the schedule (nothing is prefetched for them or
   // ahead of them) and the moves of all their chunks are started before any is waited for.

@@ -2,6 +2,8 @@
 
 #if STRATA_HAVE_GLOO
 
+#include <atomic>
+
 #include <fmt/format.h>
 #include <gloo/allgather.h>
 #include <gloo/allgatherv.h>
@@ -325,7 +327,7 @@ class GlooComm final : public Comm {
 
   std::shared_ptr<gloo::rendezvous::Context> context_;
   const std::chrono::milliseconds timeout_;
-  uint64_t bytes_sent_ = 0;
+  std::atomic<uint64_t> bytes_sent_{0};  // read by other threads than the one issuing operations
   std::string failed_;
   std::vector<std::string> peer_addresses_;  // [r]: rank r's side of its connection to this rank
   std::vector<std::string> peer_processes_;  // [r]: rank r's process (own_process_identity)

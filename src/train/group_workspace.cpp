@@ -59,12 +59,14 @@ uint64_t GroupWorkspace::bytes_for(const WorkspaceLayout& layout, const std::vec
       if (closes) open[g] = false, now -= bytes[g], seen[g] = 0;
     }
   }
-  return most;
+  const uint64_t largest = bytes.empty() ? 0 : *std::max_element(bytes.begin(), bytes.end());
+  return most + static_cast<uint64_t>(std::max(layout.in_flight, 0)) * largest;
 }
 
 Result<GroupWorkspace> GroupWorkspace::create(Device& device, const WorkspaceLayout& layout,
                                               const std::vector<ProgramEvent>& micro_batch, const char* what) {
   GroupWorkspace w;
+  w.device_ = &device;
   w.offset_ = offsets(layout, &w.group_bytes_);
   w.group_ = layout.groups;
   w.base_.assign(w.group_bytes_.size(), kClosed);
@@ -76,26 +78,81 @@ Result<GroupWorkspace> GroupWorkspace::create(Device& device, const WorkspaceLay
   return w;
 }
 
-void GroupWorkspace::open(int group) {
-  const size_t g = static_cast<size_t>(group);
-  CHECK_MSG(base_.at(g) == kClosed, fmt::format("parameter group {} is opened in a workspace twice", group));
-  CHECK_MSG(top_ + group_bytes_[g] <= capacity_,
-            fmt::format("a workspace of {} bytes has no room for parameter group {} ({} bytes on top of {}): the "
-                        "step program did not size it for this order",
-                        capacity_, group, group_bytes_[g], top_));
-  base_[g] = top_;
-  top_ += group_bytes_[g];
-  stack_.push_back(group);
+std::pair<uint64_t, uint64_t> GroupWorkspace::place_for(int group) const {
+  const uint64_t need = group_bytes_[static_cast<size_t>(group)];
+  // Candidates: the start, and the end of every place open or in flight (first fit among those
+  // is as tight as any). Among those free of open groups, the one whose overlapped places were
+  // closed the longest ago (none: 0) and then the lowest.
+  std::vector<uint64_t> candidates = {0};
+  for (size_t h = 0; h < base_.size(); ++h)
+    if (base_[h] != kClosed) candidates.push_back(base_[h] + group_bytes_[h]);
+  for (const Closed& f : recent_) candidates.push_back(f.end);
+  auto overlaps = [](uint64_t a, uint64_t b, uint64_t c, uint64_t d) { return a < d && c < b; };
+  uint64_t best = kClosed, best_cost = UINT64_MAX;
+  for (uint64_t at : candidates) {
+    if (at + need > capacity_) continue;
+    bool clash = false;
+    for (size_t h = 0; h < base_.size() && !clash; ++h)
+      clash = base_[h] != kClosed && need > 0 && group_bytes_[h] > 0 &&
+              overlaps(at, at + need, base_[h], base_[h] + group_bytes_[h]);
+    if (clash) continue;
+    uint64_t cost = 0;
+    for (const Closed& f : recent_)
+      if (overlaps(at, at + need, f.begin, f.end)) cost = std::max(cost, f.order);
+    if (cost < best_cost || (cost == best_cost && at < best)) best = at, best_cost = cost;
+  }
+  return {best, best_cost};
 }
 
-void GroupWorkspace::close(int group) {
+void GroupWorkspace::open(int group, Stream* user) {
+  const size_t g = static_cast<size_t>(group);
+  CHECK_MSG(base_.at(g) == kClosed, fmt::format("parameter group {} is opened in a workspace twice", group));
+  const uint64_t need = group_bytes_[g];
+  // Places done with are free again.
+  std::erase_if(in_flight_, [&](Closed& f) {
+    if (!f.done->query()) return false;
+    spare_events_.push_back(std::move(f.done));
+    return true;
+  });
+  const uint64_t best = place_for(group).first;
+  CHECK_MSG(best != kClosed,
+            fmt::format("a workspace of {} bytes has no room for parameter group {} ({} bytes): the step program did "
+                        "not size it for this order",
+                        capacity_, group, need));
+  for (const Closed& f : in_flight_) {
+    if (!(best < f.end && f.begin < best + need)) continue;
+    CHECK_MSG(user != nullptr, "a workspace place reused before its last user's work is done, by the host");
+    user->wait(*f.done);
+  }
+  base_[g] = best;
+}
+
+void GroupWorkspace::close(int group, Stream* last_user) {
   const size_t g = static_cast<size_t>(group);
   CHECK_MSG(base_.at(g) != kClosed, fmt::format("parameter group {} closes a workspace place it has not opened", group));
-  base_[g] = kClosed;
-  while (!stack_.empty() && base_[static_cast<size_t>(stack_.back())] == kClosed) {
-    top_ -= group_bytes_[static_cast<size_t>(stack_.back())];
-    stack_.pop_back();
+  if (group_bytes_[g] > 0) {
+    ++closes_;
+    if (recent_.size() == kRecent) recent_.erase(recent_.begin());
+    recent_.push_back(Closed{base_[g], base_[g] + group_bytes_[g], closes_, nullptr});
+    if (last_user != nullptr) {
+      Closed f{base_[g], base_[g] + group_bytes_[g], closes_, nullptr};
+      if (spare_events_.empty()) {
+        f.done = device_->create_event();
+      } else {
+        f.done = std::move(spare_events_.back());
+        spare_events_.pop_back();
+      }
+      f.done->record(*last_user);
+      in_flight_.push_back(std::move(f));
+    }
   }
+  base_[g] = kClosed;
+}
+
+uint64_t GroupWorkspace::place(int group) const {
+  const uint64_t base = base_.at(static_cast<size_t>(group));
+  CHECK_MSG(base != kClosed, fmt::format("parameter group {} has no place in its workspace", group));
+  return base;
 }
 
 void* GroupWorkspace::at(size_t tensor) const {

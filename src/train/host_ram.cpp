@@ -40,6 +40,9 @@ constexpr uint64_t kIoEngine = 64 * kKiB;
 // (socket buffers, state). An estimate with headroom over what was measured (see its item).
 constexpr uint64_t kCommBase = 2 * kMiB;
 constexpr uint64_t kCommPerPeer = 128 * kKiB;
+// The communication stream's thread and communicator (ZeRO-2 and 3 overlapped): an estimate
+// with headroom (worlds 2 and 4, cpu backend: up to 0.2 MiB above the items without it).
+constexpr uint64_t kCommStream = 1 * kMiB;
 // A safetensors reader's index: about this much per tensor (name, shape, offsets).
 constexpr uint64_t kReaderIndexPerTensor = 512;
 // Loading weights converts non-F32 tensors through a staging buffer of at most this much
@@ -232,9 +235,15 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   // state) and its loop thread (an estimate: ranks at worlds 2 to 4 on the cpu backend, 2 cores,
   // peaked 0.5 to 1.5 MiB above what the other items plan for a lone process).
   const int world = std::max(t.dp_world, static_cast<int>(t.plan_world_size));
-  const uint64_t comm = world > 1 ? kCommBase + static_cast<uint64_t>(world - 1) * kCommPerPeer : 0;
+  uint64_t comm = world > 1 ? kCommBase + static_cast<uint64_t>(world - 1) * kCommPerPeer : 0;
+  // ZeRO-2 and 3 overlapped: a second communicator moves data, from the communication stream's
+  // thread (its stack and allocator arena as far as touched, and that communicator's buffers).
+  const bool stream = world > 1 && plan.zero >= 2 && overlaps_collectives(t);
+  if (stream) comm += kCommStream;
   ram.items.push_back({"communication", comm, 0, false,
-                       world > 1 ? fmt::format("connections to {} other ranks", world - 1) : std::string("one process")});
+                       world > 1 ? fmt::format("connections to {} other ranks{}", world - 1,
+                                               stream ? ", a communication stream" : "")
+                                 : std::string("one process")});
   ram.items.push_back({"process", process_bytes ? process_bytes : process_baseline_bytes(device), 0, false,
                        cuda ? "executable, libraries, CUDA runtime (estimate)" : "executable and libraries"});
   return ram;

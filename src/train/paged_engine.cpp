@@ -206,10 +206,7 @@ Status PagedEngine::create_state(const TrainConfig& t, const OptimizerConfig& oc
   po.activation_tokens = t.micro_batch * t.seq_len;
   po.optimizer = oc;
   po.overlap_optimizer = t.overlap_backward;
-  // With several ranks (the optimizer overlapped with backward is refused there) the gradient
-  // sums start as backward hands each layer over.
-  // Not with expert parallelism, whose experts' sums go through a Comm of their own.
-  po.overlap_reduction = t.parallel_overlap_comm && t.dp_world > 1 && !t.overlap_backward && t.parallel_expert <= 1;
+  po.overlap_reduction = overlaps_collectives(t);
   po.expert_ranks = static_cast<int>(t.parallel_expert);
   po.precision = budgets_.precision;
   po.moments = t.moments;
@@ -227,9 +224,11 @@ PagedEngine::~PagedEngine() = default;
 
 uint64_t PagedEngine::workspace_bytes() const {
   uint64_t bytes = 0;
-  if (budgets_.plan_zero >= 2) bytes += PagedState::gradient_working_bytes(net_->layout());
+  const bool overlapped = overlaps_collectives(budgets_);
+  if (budgets_.plan_zero >= 2) bytes += PagedState::gradient_working_bytes(net_->layout(), overlapped);
   if (budgets_.plan_zero >= 3)
-    bytes += PagedState::param_working_bytes(net_->layout(), StateLayout::of(budgets_.precision, budgets_.moments));
+    bytes += PagedState::param_working_bytes(net_->layout(), StateLayout::of(budgets_.precision, budgets_.moments),
+                                             overlapped);
   return bytes;
 }
 

@@ -339,16 +339,31 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     std::vector<StateTensor> all;
     for (size_t i = 0; i < ps->store_->num_tensors(); ++i) all.push_back(ps->store_->tensor(i));
     ASSIGN_OR_RETURN(GroupWorkspace w,
-                     GroupWorkspace::create(device, workspace_layout(all, so.layout, StateKind::kGrad),
+                     GroupWorkspace::create(device,
+                                            workspace_layout(all, so.layout, StateKind::kGrad,
+                                                             ps->plans_overlapped_collectives()),
                                             program.micro_batch, "backward's full gradients (parallel.zero=2)"));
     ps->workspace_ = std::move(w);
     ps->gradient_batches_seen_.assign(static_cast<size_t>(ps->store_->num_groups()), 0);
     if (ps->slices_params()) {
       ASSIGN_OR_RETURN(GroupWorkspace p,
-                       GroupWorkspace::create(device, workspace_layout(all, so.layout, StateKind::kParam),
+                       GroupWorkspace::create(device,
+                                              workspace_layout(all, so.layout, StateKind::kParam,
+                                                               ps->plans_overlapped_collectives()),
                                               program.micro_batch, "the weights gathered for compute (parallel.zero=3)"));
       ps->gathered_ = std::move(p);
     }
+  }
+  if (ps->plans_overlapped_collectives()) {
+    ps->comm_stream_ = device.create_stream();
+    ps->comm_stream_->set_trace_name("communication");
+    ps->gathered_event_ = device.create_event();
+    ps->prefetched_event_ = device.create_event();
+    for (const ProgramEvent& e : program.micro_batch)
+      if (e.access.activation < 0 && e.access.kind == StateKind::kParam && e.access.part == kDensePart)
+        ps->gather_order_.push_back(e.access.group);
+    ps->compute_done_event_ = device.create_event();
+    for (int g = 0; g < ps->store_->num_groups(); ++g) ps->slice_summed_.push_back(device.create_event());
   }
   CHECK_MSG(!(options.overlap_optimizer && options.overlap_reduction),
             "overlap_optimizer updates groups before their gradients are summed over the ranks");
@@ -436,6 +451,7 @@ size_t PagedState::tensor_at(int64_t offset) const {
 
 Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
   drain_compute();
+  drop_prefetch();  // weights gathered ahead would miss this change
   const StateKind kind = stored_kind(saved);
   for (int g = 0; g < store_->num_groups(); ++g) {
     if (before_modify_ && kind != StateKind::kGrad) before_modify_(g);
@@ -499,6 +515,7 @@ Status PagedState::refresh_compute_copy(int g) {
 
 Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
   drain_compute();
+  drop_prefetch();  // weights gathered ahead would miss this change
   const StateKind kind = stored_kind(saved);
   if (to_store) {
     return fill_kind(saved, [flat](const model::TensorSpec& t, float* chunk) {
@@ -566,6 +583,7 @@ Status PagedState::load_moments(const float* m_flat, const float* v_flat) {
 
 Status PagedState::zero_grads() {
   drain_compute();
+  drop_prefetch();  // none is kept across the optimizer
   RETURN_IF_ERROR(std::exchange(deferred_, Status::OK()));  // a sum end() could not make
   if (workspace_) std::fill(gradient_batches_seen_.begin(), gradient_batches_seen_.end(), 0);
   // A step skipped after its last micro-batch (a non-finite loss) never reached clip_and_step():
@@ -775,6 +793,7 @@ Status PagedState::gather_copy(int g, Tier where) {
 
 Result<double> PagedState::clip_and_step(float lr) {
   drain_compute();
+  drop_prefetch();  // none is kept across the optimizer
   RETURN_IF_ERROR(std::exchange(deferred_, Status::OK()));  // a sum end() could not make
   if (options_.overlap_optimizer) {
     // The groups whose gradients became final during backward are being (or have been)
@@ -1001,7 +1020,9 @@ Stream* PagedState::model_stream() const {
 Status PagedState::begin(int group, bool params, bool grads) {
   RETURN_IF_ERROR(deferred_);  // a sum end() could not make
   Stream* s = model_stream();
-  if (params) {
+  if (params && gathered_ && overlaps_collectives()) {
+    RETURN_IF_ERROR(begin_gathered(group));
+  } else if (params) {
     RETURN_IF_ERROR(store_->acquire_part(group, kDensePart, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
     if (gathered_) {
       gather_params(group, /*experts=*/false, *s);
@@ -1013,10 +1034,13 @@ Status PagedState::begin(int group, bool params, bool grads) {
     }
   }
   if (grads) {
-    Status st = store_->acquire_part(group, kDensePart, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite, s);
+    // (A group whose sums are still queued is acquired again: a tied embedding at the head.)
+    if (std::find(summing_.begin(), summing_.end(), group) != summing_.end()) release_summed_slices();
+    Status st = acquire_part(group, StateKind::kGrad, AccessMode::kReadWrite, s);
     if (!st.ok()) {
-      if (params && gathered_) gathered_->close(group);
-      if (params) store_->release_part(group, kDensePart, StateKind::kParam, s);
+      if (params && gathered_) gathered_->close(group, overlaps_collectives() ? s : nullptr);
+      if (params && !(gathered_ && overlaps_collectives()))
+        store_->release_part(group, kDensePart, StateKind::kParam, s);
       return st;
     }
     if (workspace_) open_gradients(group, *s);
@@ -1032,6 +1056,7 @@ Status PagedState::begin_experts(int group, std::span<const int> experts, bool p
   // expert's gradients (zero where no token of a rank went), on every rank alike.
   const std::vector<int> every = held_parts(group);
   const std::span<const int> weights = gathered_ ? std::span<const int>(every) : experts;
+  release_summed_slices();  // the experts' collectives wait for the compute stream anyway
   const std::span<const int> gradients = workspace_ ? std::span<const int>(every) : experts;
   // A rank that fails here skips the experts' collectives the others make: it makes no more
   // collectives at all (deferred_ stops them), so that the others fail at theirs rather than
@@ -1079,10 +1104,27 @@ void PagedState::end_experts(int group, std::span<const int> experts, bool param
 }
 
 void PagedState::end(int group, bool params, bool grads) {
-  if (grads && workspace_) close_gradients(group, *model_stream());
-  if (params && gathered_) gathered_->close(group);  // the stream's later work reuses it in order
-  if (params) store_->release_part(group, kDensePart, StateKind::kParam, compute_stream_);
-  if (grads) store_->release_part(group, kDensePart, StateKind::kGrad, compute_stream_);
+  const bool overlapped = overlaps_collectives();
+  // Overlapped, the sums onto the slice are queued on the communication stream, after the
+  // group's backward: the slice's chunk moves only after them.
+  const bool summed = grads && workspace_ && close_gradients(group, *model_stream());
+  // Without overlap the compute stream's later work reuses the place in order; with it, a gather
+  // on the communication stream waits for this group's compute first.
+  if (params && gathered_) gathered_->close(group, overlapped ? compute_stream_ : nullptr);
+  // (An overlapped gather released the chunk once it had copied from it.)
+  if (params && !(gathered_ && overlapped))
+    store_->release_part(group, kDensePart, StateKind::kParam, compute_stream_);
+  if (grads && summed && overlapped) {
+    // The slice's chunk stays pinned until the sums queued on the communication stream have
+    // written it: released with the compute stream, whose later acquirers would otherwise wait
+    // for them (a chunk's fence orders its users one after another), or with the communication
+    // stream, whose sums the next groups' acquisitions of a chunk they share would wait for.
+    // At most one group's slices stay pinned: the device tier was planned for one at a time.
+    release_summed_slices();
+    summing_.push_back(group);
+  } else if (grads) {
+    store_->release_part(group, kDensePart, StateKind::kGrad, compute_stream_);
+  }
   // In the last micro-batch a group's gradients are final when the last batch of the program
   // that acquires them ends (the embedding's, whose gradients a tied head adds to first, at its
   // backward).
@@ -1182,9 +1224,11 @@ float* PagedState::grad(int64_t offset) {
 }
 
 WorkspaceLayout PagedState::workspace_layout(const std::vector<StateTensor>& tensors, const StateLayout& state,
-                                             StateKind kind) {
+                                             StateKind kind, bool overlapped) {
   WorkspaceLayout w;
   w.kind = kind;
+  // A group's gather in flight beside the one computing, or its sums beside the next's backward.
+  w.in_flight = overlapped ? 1 : 0;
   w.span = kind == StateKind::kGrad ? WorkspaceSpan::kMicroBatch : WorkspaceSpan::kBatch;
   for (const StateTensor& t : tensors) {
     // Nothing of an expert held elsewhere is computed here.
@@ -1195,13 +1239,15 @@ WorkspaceLayout PagedState::workspace_layout(const std::vector<StateTensor>& ten
   return w;
 }
 
-uint64_t PagedState::gradient_working_bytes(const model::ParamLayout& layout) {
-  return GroupWorkspace::bytes_for(workspace_layout(store_tensors(layout), StateLayout{}, StateKind::kGrad),
-                                   model::record_micro_batch(layout.config(), false));
+uint64_t PagedState::gradient_working_bytes(const model::ParamLayout& layout, bool overlapped) {
+  return GroupWorkspace::bytes_for(
+      workspace_layout(store_tensors(layout), StateLayout{}, StateKind::kGrad, overlapped),
+      model::record_micro_batch(layout.config(), false));
 }
 
-uint64_t PagedState::param_working_bytes(const model::ParamLayout& layout, const StateLayout& state) {
-  return GroupWorkspace::bytes_for(workspace_layout(store_tensors(layout), state, StateKind::kParam),
+uint64_t PagedState::param_working_bytes(const model::ParamLayout& layout, const StateLayout& state,
+                                         bool overlapped) {
+  return GroupWorkspace::bytes_for(workspace_layout(store_tensors(layout), state, StateKind::kParam, overlapped),
                                    model::record_micro_batch(layout.config(), false));
 }
 
@@ -1233,7 +1279,14 @@ void PagedState::gather_params(int g, bool experts, Stream& stream) {
 void PagedState::open_gradients(int g, Stream& stream) {
   // Opened at the group's first gradient batch of the micro-batch, kept to its last.
   if (workspace_->is_open(g)) return;
-  workspace_->open(g);
+  if (overlaps_collectives()) {
+    // The place may still be in an earlier group's sums, and the slice filled below in this
+    // group's sums of the micro-batch before.
+    workspace_->open(g, &stream);
+    stream.wait(*slice_summed_[static_cast<size_t>(g)]);
+  } else {
+    workspace_->open(g);
+  }
   fill_gradients(g, /*experts=*/false, stream);
 }
 
@@ -1251,14 +1304,136 @@ void PagedState::fill_gradients(int g, bool experts, Stream& stream) {
   }
 }
 
-void PagedState::close_gradients(int g, Stream& stream) {
+bool PagedState::close_gradients(int g, Stream& stream) {
   // Summed once a micro-batch, at the group's last gradient batch (a tied embedding's own
   // backward, after the head's).
   int& seen = gradient_batches_seen_[static_cast<size_t>(g)];
-  if (++seen < handover_[static_cast<size_t>(g)]) return;
+  if (++seen < handover_[static_cast<size_t>(g)]) return false;
   seen = 0;
-  sum_gradients_to_ranges(g, /*experts=*/false, stream);
-  workspace_->close(g);
+  if (overlaps_collectives()) {
+    queue_gradient_sums(g);
+    workspace_->close(g, comm_stream_.get());
+  } else {
+    sum_gradients_to_ranges(g, /*experts=*/false, stream);
+    workspace_->close(g);
+  }
+  return true;
+}
+
+void PagedState::queue_collective(const char* what, int group, std::function<Status(parallel::Comm&, Stream*)> op) {
+  auto failed = [this, what, group](const Status& st) {
+    collectives_stopped_ = true;
+    std::lock_guard<std::mutex> lock(collective_mu_);
+    if (collective_error_.ok()) collective_error_ = st.with_context(fmt::format("{} of parameter group {}", what, group));
+  };
+  if (device_->kind() != DeviceKind::kCpu) {
+    // NCCL queues the collective on the stream and returns.
+    if (collectives_stopped_) return;
+    trace::Span span("communication", what, group);
+    if (Status st = op(*handover_comm_, comm_stream_.get()); !st.ok()) failed(st);
+    return;
+  }
+  // Gloo moves host memory (the CPU backend's device memory) from the stream's own thread.
+  as_cpu_stream(*comm_stream_).enqueue([this, what, group, failed, op = std::move(op)] {
+    if (collectives_stopped_) return;
+    trace::Span span("communication", what, group);
+    if (Status st = op(*handover_comm_, nullptr); !st.ok()) failed(st);
+  });
+}
+
+void PagedState::release_summed_slices(bool done_only) {
+  std::erase_if(summing_, [&](int g) {
+    Event& summed = *slice_summed_[static_cast<size_t>(g)];
+    if (!summed.query()) {
+      if (done_only) return false;
+      trace::Span wait("wait", "communication stream");
+      summed.synchronize();
+    }
+    store_->release_part(g, kDensePart, StateKind::kGrad, compute_stream_);
+    return true;
+  });
+}
+
+Status PagedState::acquire_part(int g, StateKind kind, AccessMode mode, Stream* consumer, bool follow) {
+  Status st = store_->acquire_part(g, kDensePart, kind, Tier::kDevice, mode, consumer, follow);
+  if (st.code() != StatusCode::kOutOfMemory || summing_.empty()) return st;
+  release_summed_slices();
+  return store_->acquire_part(g, kDensePart, kind, Tier::kDevice, mode, consumer, /*follow=*/false);
+}
+
+Status PagedState::begin_gathered(int g) {
+  RETURN_IF_ERROR(collective_error());
+  if (prefetched_ == g) {
+    prefetched_ = -1;
+    model_stream()->wait(*prefetched_event_);
+  } else {
+    drop_prefetch();
+    RETURN_IF_ERROR(queue_gather(g, /*follow=*/true, *gathered_event_));
+    model_stream()->wait(*gathered_event_);
+  }
+  // Where g is in the order: the next entry, else the first one after it (wrapping).
+  for (size_t n = 0; n < gather_order_.size(); ++n) {
+    const size_t i = (gather_next_ + n) % gather_order_.size();
+    if (gather_order_[i] != g) continue;
+    gather_next_ = i + 1;
+    break;
+  }
+  if (gather_next_ >= gather_order_.size()) return Status::OK();  // the micro-batch's last
+  const int next = gather_order_[gather_next_];
+  if (next == g || gathered_->is_open(next) || !gathered_->can_open(next)) return Status::OK();
+  RETURN_IF_ERROR(queue_gather(next, /*follow=*/false, *prefetched_event_));
+  prefetched_ = next;
+  return Status::OK();
+}
+
+void PagedState::drop_prefetch() {
+  if (prefetched_ < 0) return;
+  gathered_->close(prefetched_, comm_stream_.get());  // its gather is its only user
+  prefetched_ = -1;
+}
+
+Status PagedState::queue_gather(int g, bool follow, Event& done) {
+  Stream& cs = *comm_stream_;
+  // The chunk is read on the communication stream: its moves are waited for there, and it moves
+  // again only after the copy of this rank's ranges.
+  RETURN_IF_ERROR(acquire_part(g, StateKind::kParam, AccessMode::kRead, &cs, follow));
+  gathered_->open(g, &cs);
+  const StateLayout& layout = store_->layout();
+  const uint64_t size = dtype_size(layout.activation_dtype());
+  for (size_t i : store_->group_tensors(g)) {
+    if (store_->tensor(i).part != kDensePart || elsewhere(i)) continue;
+    char* w = static_cast<char*>(gathered_->at(i));
+    const bool whole = layout.quantized(store_->tensor(i).shape());
+    const uint64_t whole_bytes = whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : 0;
+    const ElementRange own = store_->held(i, StateKind::kParam);
+    if (own.count > 0)
+      device_->copy(w + (whole ? 0 : own.first * size), store_->raw_pointer(i, StateKind::kParam),
+                    whole ? whole_bytes : own.count * size, cs, "gathered weights");
+    queue_collective("gathering the weights", g, [w, blocks = rank_blocks(i, size, whole_bytes)](parallel::Comm& c, Stream* st) {
+      return c.all_gather_v(w, blocks, st);
+    });
+  }
+  store_->release_part(g, kDensePart, StateKind::kParam, &cs);
+  done.record(cs);
+  return Status::OK();
+}
+
+void PagedState::queue_gradient_sums(int g) {
+  Stream& cs = *comm_stream_;
+  compute_done_event_->record(*model_stream());  // the group's backward
+  cs.wait(*compute_done_event_);
+  for (size_t i : store_->group_tensors(g)) {
+    if (store_->tensor(i).part != kDensePart || elsewhere(i)) continue;
+    float* w = static_cast<float*>(workspace_->at(i));
+    queue_collective("summing the gradients", g, [w, counts = rank_blocks(i, 0)](parallel::Comm& c, Stream* st) {
+      return c.reduce_scatter_v_sum(w, counts, st);
+    });
+    const ElementRange own = store_->held(i, StateKind::kGrad);
+    if (own.count > 0)
+      device_->copy(store_->pointer(i, StateKind::kGrad), w + own.first, own.count * sizeof(float), cs,
+                    "gradient slice");
+  }
+  slice_summed_[static_cast<size_t>(g)]->record(cs);
 }
 
 void PagedState::sum_gradients_to_ranges(int g, bool experts, Stream& stream) {

@@ -156,9 +156,11 @@ class PagedState : public model::ParamAccess, public SavableState {
   static uint64_t state_bytes(const model::ParamLayout& layout, const StateLayout& state, StateKind kind);
   // Device bytes of the workspace backward writes full gradients into when the ranks hold only
   // their slices of the sums (ZeRO-2): beside the chunks, what the planner keeps free for it.
-  static uint64_t gradient_working_bytes(const model::ParamLayout& layout);
+  // `overlapped` (collectives on the communication stream): with room for a group in flight.
+  static uint64_t gradient_working_bytes(const model::ParamLayout& layout, bool overlapped = false);
   // The same for ZeRO-3's gathered weights under the recipe's `state` layout.
-  static uint64_t param_working_bytes(const model::ParamLayout& layout, const StateLayout& state);
+  static uint64_t param_working_bytes(const model::ParamLayout& layout, const StateLayout& state,
+                                      bool overlapped = false);
   // The state layout `options` ask for.
   static StateLayout state_layout(const PagedStateOptions& options) {
     return StateLayout::of(options.precision, options.moments);
@@ -341,7 +343,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   // The workspace layout of `kind` (kGrad: fp32 gradients for a micro-batch; kParam: the
   // compute copy for a batch) over the store's tensors.
   static WorkspaceLayout workspace_layout(const std::vector<StateTensor>& tensors, const StateLayout& state,
-                                          StateKind kind);
+                                          StateKind kind, bool overlapped);
   // Gathers group g's compute copy (the dense part's tensors, or with `experts` those of its
   // experts, whose place the dense part's gather opened): this rank's ranges copied into place,
   // every range then sent from its rank to the others (the first error is kept in deferred_).
@@ -357,8 +359,52 @@ class PagedState : public model::ParamAccess, public SavableState {
   // this rank's into its slice (the first error is kept in deferred_), then gives the place back.
   // sum_gradients_to_ranges does it for the dense part's or every expert's tensors (the
   // experts' at end_experts, every rank summing every expert).
-  void close_gradients(int group, Stream& stream);
+  // Returns whether it summed (the group's last gradient batch of the micro-batch).
+  bool close_gradients(int group, Stream& stream);
   void sum_gradients_to_ranges(int group, bool experts, Stream& stream);
+  // ZeRO-2 and 3 with options.overlap_reduction: the dense parts' weight gathers and gradient
+  // sums run on a communication stream of their own (comm_stream_), through `handover` (set_comm),
+  // ordered against compute by events: begin() queues a group's gather there and the compute
+  // stream waits for it only before that group's compute, so that a gather runs while the
+  // groups before it compute; end() queues its sums there behind its backward, and backward goes
+  // on. The experts' collectives (data dependent) stay on the compute stream.
+  bool plans_overlapped_collectives() const {
+    return options_.overlap_reduction && options_.placement && options_.placement->world() > 1 && slices_gradients();
+  }
+  bool overlaps_collectives() const {
+    return plans_overlapped_collectives() && handover_comm_ != nullptr && handover_comm_->world_size() > 1;
+  }
+  // Queues `op` (a collective through handover_comm_, named `what` for group g) on the
+  // communication stream: on the CPU backend a task of the stream's thread, which runs it on
+  // host memory (Gloo); elsewhere the host queues it on the stream (NCCL). Once one has failed
+  // no more run; the first error is kept (collective_error_) for begin() and the step.
+  void queue_collective(const char* what, int group, std::function<Status(parallel::Comm&, Stream*)> op);
+  // The overlapped gather of group g's dense part (plans_overlapped_collectives), whose end
+  // `done` marks; `follow` as StateStore::acquire_part's (false: a prefetch).
+  Status queue_gather(int group, bool follow, Event& done);
+  // begin()'s weights, overlapped: group g's gather (prefetched by the begin before, or queued
+  // now), waited for by the compute stream; then the gather of the group the micro-batch's
+  // program begins next (gather_order_), when the workspace has room for it. Every rank runs
+  // the same program and so gathers in the same order. Not past the micro-batch's last gather:
+  // the optimizer may change the weights before the next.
+  Status begin_gathered(int group);
+  // Gives the prefetched group's place back unused (a begin other than the program's next, e.g.
+  // an evaluation's; the step's end).
+  void drop_prefetch();
+  // The overlapped sums of group g's dense part onto the ranks' slices, behind its backward.
+  void queue_gradient_sums(int group);
+  // Releases the gradient slices of the groups whose sums were queued (summing_), once the
+  // host has waited for those sums; with `done_only`, only those whose sums are already done.
+  void release_summed_slices(bool done_only = false);
+  // StateStore::acquire_part, and when the device tier has no slot free while gradient slices
+  // stay pinned for their queued sums, again after those are released (the cursor already at
+  // the entry). Which of them is released when does not change any rank's collectives.
+  Status acquire_part(int group, StateKind kind, AccessMode mode, Stream* consumer, bool follow = true);
+  // The first error of a queued collective (none: OK).
+  Status collective_error() {
+    std::lock_guard<std::mutex> lock(collective_mu_);
+    return collective_error_;
+  }
   // Whether it does now (the Comms are set).
   bool reduces_at_handover() const {
     return plans_reductions_at_handover() && handover_comm_ != nullptr && handover_comm_->world_size() > 1;
@@ -388,6 +434,23 @@ class PagedState : public model::ParamAccess, public SavableState {
   parallel::Comm* handover_comm_ = nullptr;    // the same ranks, for the handover thread's sums
   parallel::Comm* expert_comm_ = nullptr;      // the ranks holding this rank's experts (expert_ranks > 1)
   std::unique_ptr<Stream> handover_stream_;    // its device-memory sums queue here
+  // The overlapped collectives of ZeRO-2 and 3 (plans_overlapped_collectives): their stream, the
+  // event the compute stream waits on for a gather, the per-group event after the latest sums
+  // onto its gradient slice (a later micro-batch's backward reads the slice), and their errors.
+  std::unique_ptr<Stream> comm_stream_;
+  std::unique_ptr<Event> gathered_event_, compute_done_event_;
+  std::vector<std::unique_ptr<Event>> slice_summed_;
+  std::vector<int> summing_;  // groups whose slices are pinned until their queued sums are done
+  // ZeRO-3 overlapped: the groups a micro-batch's batches gather, in order (the program's dense
+  // kParam acquisitions), the entry after the latest begin's, the group gathered ahead (-1:
+  // none) and the end of its gather.
+  std::vector<int> gather_order_;
+  size_t gather_next_ = 0;
+  int prefetched_ = -1;
+  std::unique_ptr<Event> prefetched_event_;
+  std::mutex collective_mu_;
+  Status collective_error_;                   // GUARDED_BY(collective_mu_)
+  std::atomic<bool> collectives_stopped_{false};
   // Waits for the model's queued ops (stream-ordered paging) before state is touched otherwise.
   // Runs `work` (arithmetic on state the host has acquired) and returns when it is done. On the
   // CPU backend it runs as a task on the model's compute stream's thread, so that one OpenMP
@@ -398,10 +461,18 @@ class PagedState : public model::ParamAccess, public SavableState {
   void on_compute_thread(const std::function<void()>& work);
   // The compute stream begin() orders moves on (aborts without one).
   Stream* model_stream() const;
+  // Also waits for the overlapped collectives, and keeps their first error in deferred_.
   void drain_compute() {
-    if (compute_stream_ == nullptr) return;
-    trace::Span wait("wait", "compute stream");  // profiles attribute it to what the stream ran
-    compute_stream_->synchronize();
+    if (compute_stream_ != nullptr) {
+      trace::Span wait("wait", "compute stream");  // profiles attribute it to what the stream ran
+      compute_stream_->synchronize();
+    }
+    if (comm_stream_ != nullptr) {
+      trace::Span wait("wait", "communication stream");
+      comm_stream_->synchronize();
+      release_summed_slices();
+      if (Status st = collective_error(); !st.ok() && deferred_.ok()) deferred_ = st;
+    }
   }
   // Before a collective's span on the compute stream: on the CPU backend Gloo first waits for
   // the stream's queued compute, which the span would otherwise count as communication. (On

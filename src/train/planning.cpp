@@ -182,8 +182,8 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   in.recompute = t.keep_activations != "true";
   in.overlap_optimizer = t.overlap_backward;
   in.overlap_comm = t.parallel_overlap_comm && t.parallel_expert <= 1;  // expert groups sum after backward
-  in.gradient_working_bytes = PagedState::gradient_working_bytes(layout);
-  in.param_working_bytes = PagedState::param_working_bytes(layout, state);
+  in.gradient_working_bytes = PagedState::gradient_working_bytes(layout, overlaps_collectives(t));
+  in.param_working_bytes = PagedState::param_working_bytes(layout, state, overlaps_collectives(t));
   in.flops_per_step = static_cast<double>(t.grad_accum) * micro_batch_flops(in);
 
   in.device_budget = t.memory_device;

@@ -48,6 +48,22 @@ int64_t overlap(const std::vector<Interval>& a, const std::vector<Interval>& b) 
   return n;
 }
 
+// The time of `a` not in `b` (each merged), merged.
+std::vector<Interval> without(const std::vector<Interval>& a, const std::vector<Interval>& b) {
+  std::vector<Interval> out;
+  size_t j = 0;
+  for (Interval i : a) {
+    while (j < b.size() && b[j].end <= i.begin) ++j;
+    for (size_t k = j; k < b.size() && b[k].begin < i.end; ++k) {
+      if (b[k].begin > i.begin) out.push_back(Interval{i.begin, b[k].begin});
+      i.begin = std::max(i.begin, b[k].end);
+      if (i.begin >= i.end) break;
+    }
+    if (i.begin < i.end) out.push_back(i);
+  }
+  return out;
+}
+
 double arg_of(const trace::Event& e, const char* key, double fallback = 0) {
   for (int i = 0; i < e.num_args; ++i)
     if (std::strcmp(e.args[i].key, key) == 0) return e.args[i].value;
@@ -238,7 +254,7 @@ ProfileReport analyze_profile(const ProfileInput& in) {
     std::vector<Interval> busy;
   };
   std::map<std::string, Flow> flows;
-  std::map<std::string, std::vector<Interval>> track_busy;
+  std::map<std::string, std::vector<Interval>> track_busy, track_waits;
   double host_adam_ns = 0;
   for (const auto& t : in.threads) {
     // AdamW on host memory: its own time, without the nvme stalls of fetching its state.
@@ -260,9 +276,13 @@ ProfileReport analyze_profile(const ProfileInput& in) {
         f.bytes += static_cast<uint64_t>(arg_of(e, "bytes"));
         f.busy.push_back(Interval{e.ts_ns, t.events[i + 1].ts_ns});
       }
-      if (e.phase == 'X' && &t != training && !copy_track) track_busy[t.name].push_back(Interval{e.ts_ns, e.ts_ns + e.dur_ns});
+      if (e.phase == 'X' && &t != training && !copy_track)
+        (is(e, "wait") ? track_waits : track_busy)[t.name].push_back(Interval{e.ts_ns, e.ts_ns + e.dur_ns});
     }
   }
+  // A stream's waits for events inside its spans (the phases a compute stream marks) are not
+  // its work.
+  for (auto& [name, busy] : track_busy) busy = without(merged(busy), merged(track_waits[name]));
   const Plan* plan = in.plan;
   const std::pair<const char*, uint64_t> directions[] = {
       {"host->device", plan ? plan->h2d_bytes : 0},
@@ -287,7 +307,13 @@ ProfileReport analyze_profile(const ProfileInput& in) {
     r.tracks.emplace_back(name, static_cast<double>(length(merged(busy))) / 1e9 / steps);
 
   // Collectives between the ranks, inside the traced steps: exposed where the training thread
-  // ran them itself or waited for another thread's (the gradient sums at handover).
+  // ran them itself or waited for another thread's (the gradient sums at handover), and where
+  // another thread's (a communication stream's) ran while the compute stream had no op running.
+  std::vector<Interval> lane_busy;  // the compute stream's work, less its waits
+  if (auto it = track_busy.find(in.compute_stream); it != track_busy.end()) lane_busy = it->second;
+  auto exposed_beside_lane = [&](const Interval& span, std::vector<Interval>& out) {
+    for (const Interval& i : without({span}, lane_busy)) out.push_back(i);
+  };
   std::vector<Interval> comm_busy, comm_waited;
   for (const auto& t : in.threads) {
     for (const trace::Event& e : t.events) {
@@ -299,6 +325,8 @@ ProfileReport analyze_profile(const ProfileInput& in) {
       if (is(e, "communication")) comm_busy.push_back(span);
       if (&t == training && (is(e, "communication") || is(e, "optimizer", "wait for gradient sums")))
         comm_waited.push_back(span);
+      else if (is(e, "communication") && !lane.empty())
+        exposed_beside_lane(span, comm_waited);
     }
   }
   if (!comm_busy.empty()) {

@@ -308,7 +308,7 @@ TEST(PlanDataParallel, RingCollectiveBytesPerLevel) {
 // The sums at handover (ZeRO-0 and 1 with overlap_comm): all but the embedding's share hide
 // behind the last micro-batch's backward, as far as its compute reaches; ZeRO-2's sums, made as
 // each backward ends, and the updated copy's gather add in full.
-TEST(PlanDataParallel, SumsAtHandoverHideBehindBackward) {
+TEST(PlanDataParallel, SumsAtHandoverAndQueuedCollectivesHideBehindCompute) {
   PlanInput in = base_input();
   in.rates.intra_node_bytes_per_s = 100e9;
   in.overlap_comm = true;
@@ -324,12 +324,28 @@ TEST(PlanDataParallel, SumsAtHandoverHideBehindBackward) {
   const Plan z1 = make_plan(ranks(in, 4, 1));
   EXPECT_GT(z1.comm_hidden_s, 0);
   EXPECT_NEAR(z1.comm_exposed_s, z1.comm_s - z1.comm_hidden_s, 1e-12);
-  const Plan z2 = make_plan(ranks(in, 4, 2));
-  EXPECT_EQ(z2.comm_hidden_s, 0);
-  EXPECT_EQ(z2.comm_exposed_s, z2.comm_s);
+  // ZeRO-2 and 3 queue their sums (and ZeRO-3 its gathers) on the communication stream: all but
+  // the embedding's share hide, as far as forward's and backward's compute reach; the updated
+  // copy's gather after the optimizer (ZeRO-2) adds in full.
+  for (int zero : {2, 3}) {
+    const Plan z = make_plan(ranks(in, 4, zero));
+    ASSERT_TRUE(z.fits) << z.problem;
+    const double queued_s = static_cast<double>(z.comm.grad_reduce_scatter + z.comm.param_all_gather) / 100e9;
+    const double compute_s =
+        static_cast<double>(in.grad_accum) * (z.phases.forward.compute_s + z.phases.backward.compute_s);
+    const double hidden = std::min(queued_s * (1 - 0.5 * 200.0 / 1000.0), compute_s);
+    ASSERT_GT(hidden, 0) << zero;
+    EXPECT_NEAR(z.comm_hidden_s, hidden, 1e-12) << zero;
+    EXPECT_NEAR(z.comm_exposed_s, z.comm_s - hidden, 1e-12) << zero;
+    if (zero == 2) EXPECT_GE(z.comm_exposed_s, static_cast<double>(z.comm.update_all_gather) / 100e9 - 1e-12);
+    in.overlap_comm = false;
+    EXPECT_EQ(make_plan(ranks(in, 4, zero)).comm_hidden_s, 0) << zero;
+    in.overlap_comm = true;
+  }
   // The optimizer overlapped with backward takes the handover instead: nothing hides.
   in.overlap_optimizer = true;
   EXPECT_EQ(make_plan(ranks(in, 4, 0)).comm_hidden_s, 0);
+  EXPECT_EQ(make_plan(ranks(in, 4, 3)).comm_hidden_s, 0);
 }
 
 TEST(PlanDataParallel, AWorldBeyondOneNodeTalksAtTheNetworksRate) {

@@ -14,11 +14,12 @@ add_test(NAME gpu_check_dry_run
 set_tests_properties(gpu_check_dry_run PROPERTIES LABELS "tools" TIMEOUT 120)
 
 # Chaos mode (tests/train/tests.cmake) for what runs whole processes: data parallelism at world 2
-# and 4 against one process, and resume bit for bit on other budgets and across recipes. One
-# seed: each run starts strata several times.
+# and 4 against one process, collectives overlapped on the communication stream against the same
+# collectives in line (ZeRO-0 to 3), and resume bit for bit on other budgets and across recipes.
+# One seed: each run starts strata several times.
 if(TARGET test_tools)
   add_test(NAME chaos_cli_seed_1 COMMAND test_tools
-           --gtest_filter=DataParallelTest.WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch:CliTest.ResumeIsBitExactEvenWithOtherBudgets:CliTest.Bf16RecipeResumesBitExactlyAndAcrossRecipes)
+           --gtest_filter=DataParallelTest.WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch:DataParallelTest.OverlappedCollectivesAreTheBitsOfCollectivesInLine:CliTest.ResumeIsBitExactEvenWithOtherBudgets:CliTest.Bf16RecipeResumesBitExactlyAndAcrossRecipes)
   set_tests_properties(chaos_cli_seed_1 PROPERTIES
     LABELS "slow;chaos" TIMEOUT 600 ENVIRONMENT "STRATA_STREAM_CHAOS=1")
 endif()

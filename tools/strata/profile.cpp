@@ -14,6 +14,7 @@
 #include "core/config.h"
 #include "core/log.h"
 #include "core/trace.h"
+#include "parallel/launch.h"
 #include "tools/strata/commands.h"
 #include "tools/strata/profile_pictures.h"
 #include "train/hardware_profile.h"
@@ -38,14 +39,19 @@ writes into --out (default RUN_DIR/profile):
   trace.json    a Perfetto / Chrome trace (open it in https://ui.perfetto.dev): the training
                 thread's forward, recompute and backward per layer, the optimizer per group,
                 stalls, each copy stream's copies and the nvme requests with their bytes, the
-                checkpoint writer, and counters of bytes in use per tier and kind of state
+                checkpoint writer, the communication stream's collectives, and counters of
+                bytes in use per tier and kind of state
   report.txt    memory per tier and kind, planned against peak measured; bytes moved per step
                 in each direction, planned against measured, with the share of transfer time
-                hidden behind work; the step's time by phase (its critical path); the plan's
+                hidden behind work; the collectives between the ranks and the share of their
+                time the compute hid; the step's time by phase (its critical path); the plan's
                 predicted step time and terms against the measured ones
   report.json   the same numbers for scripts
   timeline.svg  a typical traced step, one lane per thread, stream and the nvme queue
   memory.svg    memory per tier, and each tier by kind of state, over that step
+
+With several ranks (torchrun's variables) each rank profiles itself: rank 0 writes into --out,
+rank N into --out/rank-N.
 
 The plan's prediction uses the hardware.* rates: this machine's when `strata bench machine
 --save` kept a profile for the device, a file's with --hardware FILE (`strata bench machine --out
@@ -188,7 +194,11 @@ int profile_command(const std::vector<std::string>& args) {
   if (summary->interrupted || summary->steps_done < warmup + steps || threads.empty())
     return fail(Status::Internal("the run stopped before its traced steps ended; nothing was written"));
 
-  const fs::path out = out_dir.empty() ? fs::path(profiler.run_dir()) / "profile" : fs::path(out_dir);
+  fs::path out = out_dir.empty() ? fs::path(profiler.run_dir()) / "profile" : fs::path(out_dir);
+  // Several ranks: each writes its own trace and report, rank 0's into the folder and the
+  // others' into rank-N inside it (the run started, so the environment parsed).
+  if (Result<parallel::LaunchInfo> launch = parallel::launch_from_env(); launch.ok() && launch->rank > 0)
+    out /= "rank-" + std::to_string(launch->rank);
   std::error_code ec;
   fs::create_directories(out, ec);
   if (ec) return fail(Status::IOError("cannot create --out '" + out.string() + "': " + ec.message()));

@@ -1,0 +1,144 @@
+// GroupWorkspace (train/group_workspace.h): the device memory where ZeRO-2's full gradients and
+// ZeRO-3's gathered weights live for a while. Its size follows the step program; a place closed
+// with a stream is reused only after that stream's work, and open() prefers places whose users
+// are done with them, so that a group's gather or sums in flight on one stream and the next
+// group's compute on another do not wait for each other. The choice of place depends on the
+// order of opens and closes only.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "core/cpu_device.h"
+#include "train/group_workspace.h"
+
+namespace strata {
+namespace {
+
+// Groups 0..3 of `bytes` each (one tensor per group), and a program of one batch per group,
+// each opening its group: at most one open at a time.
+WorkspaceLayout layout_of(std::vector<uint64_t> bytes, int in_flight) {
+  WorkspaceLayout w;
+  for (size_t g = 0; g < bytes.size(); ++g) {
+    w.tensor_bytes.push_back(bytes[g]);
+    w.groups.push_back(static_cast<int>(g));
+  }
+  w.kind = StateKind::kParam;
+  w.span = WorkspaceSpan::kBatch;
+  w.in_flight = in_flight;
+  return w;
+}
+
+std::vector<ProgramEvent> one_batch_each(int groups) {
+  std::vector<ProgramEvent> p;
+  for (int g = 0; g < groups; ++g) {
+    ProgramEvent e;
+    e.access = GroupAccess::of_part(g, StateKind::kParam, kDensePart);
+    e.last = true;
+    p.push_back(e);
+  }
+  return p;
+}
+
+TEST(GroupWorkspace, SizedForTheMostOpenAtOncePlusTheLargestGroupsInFlight) {
+  const std::vector<uint64_t> bytes = {1000, 512, 3000, 256};  // 256-byte blocks: 1024, 512, 3072, 256
+  EXPECT_EQ(GroupWorkspace::bytes_for(layout_of(bytes, 0), one_batch_each(4)), 3072u);
+  EXPECT_EQ(GroupWorkspace::bytes_for(layout_of(bytes, 1), one_batch_each(4)), 3072u + 3072u);
+  EXPECT_EQ(GroupWorkspace::bytes_for(layout_of(bytes, 2), one_batch_each(4)), 3072u + 2 * 3072u);
+}
+
+TEST(GroupWorkspace, WithoutStreamsAPlaceIsReusedAtOnce) {
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  auto w = GroupWorkspace::create(**device, layout_of({1024, 1024, 1024}, 0), one_batch_each(3), "test");
+  ASSERT_TRUE(w.ok());
+  w->open(0);
+  void* first = w->at(0);
+  w->close(0);
+  w->open(1);
+  EXPECT_EQ(w->at(1), first);
+  EXPECT_FALSE(w->can_open(2));  // one place, taken
+  w->close(1);
+  EXPECT_TRUE(w->can_open(2));
+}
+
+// A place closed with a stream whose work is still running: the next group takes the spare room
+// rather than wait, and the one after it the place closed the longest ago, its opener's stream
+// waiting for that place's last user.
+TEST(GroupWorkspace, APlaceInFlightIsAvoidedAndThenWaitedFor) {
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  auto w = GroupWorkspace::create(**device, layout_of({1024, 1024, 1024}, 1), one_batch_each(3), "test");
+  ASSERT_TRUE(w.ok());
+  std::unique_ptr<Stream> user = (*device)->create_stream(), next = (*device)->create_stream();
+  std::atomic<bool> release{false}, wrote{false};
+  w->open(0, user.get());
+  char* place0 = static_cast<char*>(w->at(0));
+  // The user's work on group 0 runs until the test lets it go.
+  as_cpu_stream(*user).enqueue([&] {
+    while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    place0[0] = 'a';
+    wrote = true;
+  });
+  w->close(0, user.get());
+  w->open(1, next.get());
+  EXPECT_NE(static_cast<char*>(w->at(1)), place0);  // the spare room: no wait
+  as_cpu_stream(*next).enqueue([] {});
+  next->synchronize();  // returns while group 0's user still runs
+  EXPECT_FALSE(wrote);
+  w->close(1, next.get());
+  // Group 2 reuses group 0's place (closed the longest ago): `next` waits for the user first.
+  w->open(2, next.get());
+  EXPECT_EQ(static_cast<char*>(w->at(2)), place0);
+  std::atomic<bool> saw_write{false};
+  as_cpu_stream(*next).enqueue([&] { saw_write = wrote.load(); });
+  release = true;
+  next->synchronize();
+  EXPECT_TRUE(saw_write);
+  w->close(2, next.get());
+  user->synchronize();
+  next->synchronize();
+}
+
+// The place a group gets depends on the order of opens and closes, not on which streams have
+// finished: two workspaces driven alike, one whose users are done and one whose are not, choose
+// the same places.
+TEST(GroupWorkspace, PlacesDependOnTheOrderOnlyNotOnStreamProgress) {
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  const WorkspaceLayout layout = layout_of({1024, 512, 2048, 256, 768}, 1);
+  auto a = GroupWorkspace::create(**device, layout, one_batch_each(5), "a");
+  auto b = GroupWorkspace::create(**device, layout, one_batch_each(5), "b");
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::unique_ptr<Stream> idle = (*device)->create_stream(), busy = (*device)->create_stream();
+  std::unique_ptr<Stream> opener = (*device)->create_stream();
+  std::atomic<bool> release{false};
+  as_cpu_stream(*busy).enqueue([&] {
+    while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  // Two groups open at a time at most (the one computing and the next, gathered ahead).
+  const std::vector<int> order = {0, 1, 2, 3, 4, 2, 0, 1, 3, 4, 0, 2};
+  std::vector<int> open_now;
+  for (int g : order) {
+    if (open_now.size() == 2) {
+      a->close(open_now.front(), idle.get());
+      b->close(open_now.front(), busy.get());
+      open_now.erase(open_now.begin());
+    }
+    idle->synchronize();
+    ASSERT_EQ(a->can_open(g), b->can_open(g)) << g;
+    if (!a->can_open(g)) continue;
+    a->open(g, opener.get());
+    b->open(g, opener.get());
+    EXPECT_EQ(a->place(g), b->place(g)) << "group " << g;
+    open_now.push_back(g);
+  }
+  release = true;
+  busy->synchronize();
+  opener->synchronize();
+}
+
+}  // namespace
+}  // namespace strata
