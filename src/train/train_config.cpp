@@ -197,9 +197,11 @@ ConfigSchema build_schema() {
                  "other, one subfolder per launch (named by the launcher's job id); empty: /tmp/strata-rendezvous "
                  "on one node, required with several"});
   s.add({.name = "parallel.overlap_comm", .type = T::kBool, .default_value = "true",
-         .help = "sum each layer's gradients over the ranks on a thread of their own as soon as the step's last "
-                 "micro-batch's backward is done with them, hidden behind the backward of the layers before it "
-                 "(false: after backward, before the gradient norm); the results are the same bits either way"});
+         .help = "overlap the ranks' collectives with compute: at ZeRO 0 and 1 each layer's gradients are summed "
+                 "on a thread of their own as soon as the step's last micro-batch's backward is done with them; at "
+                 "ZeRO 2 and 3 each layer's gradient sums and weight gathers run on a communication stream, the "
+                 "next layer's gather while this one computes (false: every collective on the compute path); the "
+                 "results are the same bits either way. Not with parallel.expert_parallel"});
   s.add({.name = "parallel.timeout_s", .type = T::kFloat, .default_value = "300", .min = 1, .max = 86400,
          .help = "seconds a collective waits for the other ranks before the run stops with an error naming the "
                  "operation (a rank died or hangs)"});

@@ -1,6 +1,7 @@
 # Chaos mode (STRATA_STREAM_CHAOS=SEED, core/cpu_device.h): the paging-invariance tests of the
 # training state (tight budgets through host and nvme, expert paging, the fp8 and bf16 recipes,
-# optimizer overlap, offloaded activations) and a save taken during training, again with every
+# optimizer overlap, offloaded activations), ZeRO-2 and 3's collectives on the communication
+# stream against the same collectives in line, and a save taken during training, again with every
 # stream task (the model's compute stream's included) delayed at random and every device slot a
 # chunk leaves poisoned with NaN, under three seeds. They must stay bitwise
 # equal to the roomy runs. tests/memory's ChunkSpaceChaos.AMissingWaitIsCaught and
@@ -9,7 +10,8 @@
 # would take most of CI's time.
 if(TARGET test_train)
   foreach(seed 1 2 3)
-    add_test(NAME chaos_paging_seed_${seed} COMMAND test_train --gtest_filter=*Bitwise*:*SaveDuringTraining*)
+    add_test(NAME chaos_paging_seed_${seed} COMMAND test_train
+             --gtest_filter=*Bitwise*:*SaveDuringTraining*:*OverlappedCollectives*)
     set_tests_properties(chaos_paging_seed_${seed} PROPERTIES
       LABELS "slow;chaos" TIMEOUT 600 ENVIRONMENT "STRATA_STREAM_CHAOS=${seed}")
   endforeach()
