@@ -821,7 +821,8 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
 // time reaches. ZeRO-2 and 3 with parallel.overlap_comm queue their gathers and sums on a
 // communication stream: a group's gather runs while the group before it computes, its sums
 // while the group after it runs backward. All but the embedding's share (the first gathered,
-// the last summed) hide, as far as the micro-batches' compute reaches. The updated copy's
+// the last summed) hide, as far as the micro-batches' compute reaches (backward's for ZeRO-2's
+// sums, forward's and backward's for ZeRO-3). The updated copy's
 // gather after the optimizer (ZeRO-1 and 2) and, without overlap, every collective add in full.
 // The embedding's share of the parameters: of the edge, the store's chunks when known, else half.
 double embedding_share(const PlanInput& in, int64_t L) {
@@ -892,8 +893,10 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
     const double last = embedding_share(in, L);
     p.comm_hidden_s = std::min(sums_s * (1 - last), p.phases.backward.compute_s);
   } else if (in.overlap_comm && !in.overlap_optimizer && zero >= 2) {
+    // ZeRO-2's sums hide behind backward only; ZeRO-3's gathers behind forward too.
     const double queued_s = static_cast<double>(c.grad_reduce_scatter + c.param_all_gather) / p.comm_bytes_per_s;
-    const double compute_s = static_cast<double>(accum) * (p.phases.forward.compute_s + p.phases.backward.compute_s);
+    const double compute_s = static_cast<double>(accum) * ((zero >= 3 ? p.phases.forward.compute_s : 0.0) +
+                                                           p.phases.backward.compute_s);
     p.comm_hidden_s = std::min(queued_s * (1 - embedding_share(in, L)), compute_s);
   }
   p.comm_exposed_s = p.comm_s - p.comm_hidden_s;

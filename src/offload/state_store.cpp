@@ -417,6 +417,15 @@ Status StateStore::acquire_part(int group, int part, StateKind kind, Tier where,
   return pin(group, parts, kind, where, mode, entry, consumer, /*wait_on_host=*/false);
 }
 
+Status StateStore::pass_part(int group, int part, StateKind kind, Tier where) {
+  const std::optional<size_t> entry = next_entry(GroupAccess::of_part(group, kind, part));
+  if (!entry) return Status::OK();
+  const size_t chunks = parts_[group][part_index(group, part)].chunks[static_cast<int>(kind)].size();
+  if (chunks == 0) return Status::OK();
+  space_->advance(schedule_chunk_start_[*entry] + chunks - 1);  // as acquire_part leaves it
+  return lookahead_ > 0 ? space_->prefetch(lookahead_ * chunks, where) : Status::OK();
+}
+
 void StateStore::release_part(int group, int part, StateKind kind, Stream* consumer) {
   unpin(group, {part_index(group, part)}, kind, consumer);
 }

@@ -219,6 +219,10 @@ class StateStore {
   // the cursor stays where it is, and later acquisitions pass the entry by.
   Status acquire_part(int group, int part, StateKind kind, Tier where, AccessMode mode, Stream* consumer = nullptr,
                       bool follow = true);
+  // The schedule passes the part's entry as an acquisition following it would (the cursor moves
+  // past it and the entries after it are prefetched), acquiring nothing: where an acquisition
+  // ahead of its entry (follow = false) stands for it.
+  Status pass_part(int group, int part, StateKind kind, Tier where);
   void release_part(int group, int part, StateKind kind, Stream* consumer = nullptr);
   // Several parts at once, on demand: not in the schedule (nothing is prefetched for them or
   // ahead of them) and the moves of all their chunks are started before any is waited for.

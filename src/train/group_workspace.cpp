@@ -71,6 +71,7 @@ Result<GroupWorkspace> GroupWorkspace::create(Device& device, const WorkspaceLay
   w.group_ = layout.groups;
   w.base_.assign(w.group_bytes_.size(), kClosed);
   w.capacity_ = bytes_for(layout, micro_batch);
+  w.in_flight_room_ = layout.in_flight > 0;
   Result<DeviceAllocation> memory = device.allocate(std::max<uint64_t>(w.capacity_, kAlign));
   if (!memory.ok())
     return memory.status().with_context(fmt::format("the {} of device memory for {}", format_bytes(w.capacity_), what));
@@ -80,9 +81,10 @@ Result<GroupWorkspace> GroupWorkspace::create(Device& device, const WorkspaceLay
 
 std::pair<uint64_t, uint64_t> GroupWorkspace::place_for(int group) const {
   const uint64_t need = group_bytes_[static_cast<size_t>(group)];
-  // Candidates: the start, and the end of every place open or in flight (first fit among those
-  // is as tight as any). Among those free of open groups, the one whose overlapped places were
-  // closed the longest ago (none: 0) and then the lowest.
+  // Candidates: the start, and the end of every place open or recently closed (first fit among
+  // those is as tight as any). Among those free of open groups, with room for groups in flight,
+  // the one whose overlapped places were closed the longest ago (none: 0) and then the lowest;
+  // without, the lowest (a stack's order: only that is sure to fit the most the program opens).
   std::vector<uint64_t> candidates = {0};
   for (size_t h = 0; h < base_.size(); ++h)
     if (base_[h] != kClosed) candidates.push_back(base_[h] + group_bytes_[h]);
@@ -97,8 +99,9 @@ std::pair<uint64_t, uint64_t> GroupWorkspace::place_for(int group) const {
               overlaps(at, at + need, base_[h], base_[h] + group_bytes_[h]);
     if (clash) continue;
     uint64_t cost = 0;
-    for (const Closed& f : recent_)
-      if (overlaps(at, at + need, f.begin, f.end)) cost = std::max(cost, f.order);
+    if (in_flight_room_)
+      for (const Closed& f : recent_)
+        if (overlaps(at, at + need, f.begin, f.end)) cost = std::max(cost, f.order);
     if (cost < best_cost || (cost == best_cost && at < best)) best = at, best_cost = cost;
   }
   return {best, best_cost};

@@ -85,6 +85,7 @@ class GroupWorkspace {
   Device* device_ = nullptr;
   DeviceAllocation memory_;
   uint64_t capacity_ = 0;
+  bool in_flight_room_ = false;  // WorkspaceLayout::in_flight > 0
   std::vector<uint64_t> offset_;       // per tensor
   std::vector<int> group_;             // per tensor
   std::vector<uint64_t> group_bytes_;  // per group

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "core/log.h"
 #include "core/units.h"
 #include "memory/chunk.h"
 #include "train/planning.h"
@@ -298,6 +299,9 @@ Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover, par
   state_->set_comm(comm, handover, P > 1 ? expert_holders : nullptr);
   net_->set_expert_comm(P > 1 ? experts : nullptr);
   comm_ = comm;
+  if (state_->overlaps_collectives())
+    LOG_INFO("parallel: ZeRO-{}'s {}gradient sums run on a communication stream beside compute (parallel.overlap_comm)",
+             budgets_.plan_zero, budgets_.plan_zero >= 3 ? "weight gathers and " : "");
   return Status::OK();
 }
 

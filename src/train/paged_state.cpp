@@ -1023,7 +1023,7 @@ Status PagedState::begin(int group, bool params, bool grads) {
   if (params && gathered_ && overlaps_collectives()) {
     RETURN_IF_ERROR(begin_gathered(group));
   } else if (params) {
-    RETURN_IF_ERROR(store_->acquire_part(group, kDensePart, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s));
+    RETURN_IF_ERROR(acquire_part(group, StateKind::kParam, AccessMode::kRead, s));
     if (gathered_) {
       gather_params(group, /*experts=*/false, *s);
       if (!deferred_.ok()) {  // no compute with weights gathered in part
@@ -1320,7 +1320,8 @@ bool PagedState::close_gradients(int g, Stream& stream) {
   return true;
 }
 
-void PagedState::queue_collective(const char* what, int group, std::function<Status(parallel::Comm&, Stream*)> op) {
+void PagedState::queue_collective(const char* what, int group, std::function<Status(parallel::Comm&, Stream*)> op,
+                                  std::function<void(Stream*)> then) {
   auto failed = [this, what, group](const Status& st) {
     collectives_stopped_ = true;
     std::lock_guard<std::mutex> lock(collective_mu_);
@@ -1331,13 +1332,17 @@ void PagedState::queue_collective(const char* what, int group, std::function<Sta
     if (collectives_stopped_) return;
     trace::Span span("communication", what, group);
     if (Status st = op(*handover_comm_, comm_stream_.get()); !st.ok()) failed(st);
+    else if (then) then(comm_stream_.get());
     return;
   }
   // Gloo moves host memory (the CPU backend's device memory) from the stream's own thread.
-  as_cpu_stream(*comm_stream_).enqueue([this, what, group, failed, op = std::move(op)] {
+  as_cpu_stream(*comm_stream_).enqueue([this, what, group, failed, op = std::move(op), then = std::move(then)] {
     if (collectives_stopped_) return;
-    trace::Span span("communication", what, group);
-    if (Status st = op(*handover_comm_, nullptr); !st.ok()) failed(st);
+    {
+      trace::Span span("communication", what, group);
+      if (Status st = op(*handover_comm_, nullptr); !st.ok()) return failed(st);
+    }
+    if (then) then(nullptr);
   });
 }
 
@@ -1366,6 +1371,8 @@ Status PagedState::begin_gathered(int g) {
   if (prefetched_ == g) {
     prefetched_ = -1;
     model_stream()->wait(*prefetched_event_);
+    // Its acquisition came ahead of its entry: the schedule moves past it now.
+    RETURN_IF_ERROR(store_->pass_part(g, kDensePart, StateKind::kParam, Tier::kDevice));
   } else {
     drop_prefetch();
     RETURN_IF_ERROR(queue_gather(g, /*follow=*/true, *gathered_event_));
@@ -1425,13 +1432,22 @@ void PagedState::queue_gradient_sums(int g) {
   for (size_t i : store_->group_tensors(g)) {
     if (store_->tensor(i).part != kDensePart || elsewhere(i)) continue;
     float* w = static_cast<float*>(workspace_->at(i));
-    queue_collective("summing the gradients", g, [w, counts = rank_blocks(i, 0)](parallel::Comm& c, Stream* st) {
-      return c.reduce_scatter_v_sum(w, counts, st);
-    });
     const ElementRange own = store_->held(i, StateKind::kGrad);
-    if (own.count > 0)
-      device_->copy(store_->pointer(i, StateKind::kGrad), w + own.first, own.count * sizeof(float), cs,
-                    "gradient slice");
+    float* slice = own.count > 0 ? store_->pointer(i, StateKind::kGrad) : nullptr;
+    // The slice takes the sum of its range, and nothing after a failed collective: no partial
+    // sums reach the state.
+    queue_collective(
+        "summing the gradients", g,
+        [w, counts = rank_blocks(i, 0)](parallel::Comm& c, Stream* st) { return c.reduce_scatter_v_sum(w, counts, st); },
+        [this, w, slice, own](Stream* st) {
+          if (slice == nullptr) return;
+          if (st != nullptr) {
+            device_->copy(slice, w + own.first, own.count * sizeof(float), *st, "gradient slice");
+          } else {
+            trace::Span span("copy", "gradient slice");
+            std::memcpy(slice, w + own.first, own.count * sizeof(float));
+          }
+        });
   }
   slice_summed_[static_cast<size_t>(g)]->record(cs);
 }

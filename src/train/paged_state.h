@@ -172,6 +172,11 @@ class PagedState : public model::ParamAccess, public SavableState {
   // Copies parameters in from / out to a flat buffer of layout.total_size() floats.
   Status load_params(const float* flat);
   Status store_params(float* flat);
+  // Whether ZeRO-2 and 3's collectives run on the communication stream now (options'
+  // overlap_reduction with sliced gradients, and set_comm's `handover` of several ranks).
+  bool overlaps_collectives() const {
+    return plans_overlapped_collectives() && handover_comm_ != nullptr && handover_comm_->world_size() > 1;
+  }
   // Copies the gradients out (tests compare them across backends).
   Status store_grads(float* flat);
   // Copies the Adam moments out / in.
@@ -371,14 +376,14 @@ class PagedState : public model::ParamAccess, public SavableState {
   bool plans_overlapped_collectives() const {
     return options_.overlap_reduction && options_.placement && options_.placement->world() > 1 && slices_gradients();
   }
-  bool overlaps_collectives() const {
-    return plans_overlapped_collectives() && handover_comm_ != nullptr && handover_comm_->world_size() > 1;
-  }
   // Queues `op` (a collective through handover_comm_, named `what` for group g) on the
-  // communication stream: on the CPU backend a task of the stream's thread, which runs it on
-  // host memory (Gloo); elsewhere the host queues it on the stream (NCCL). Once one has failed
-  // no more run; the first error is kept (collective_error_) for begin() and the step.
-  void queue_collective(const char* what, int group, std::function<Status(parallel::Comm&, Stream*)> op);
+  // communication stream, and `then` after it when it succeeds: on the CPU backend in a task of
+  // the stream's thread, which runs them on host memory (Gloo; `then` gets no stream and works
+  // at once); elsewhere the host queues them on the stream (NCCL; `then` gets the stream). Once
+  // one has failed no more run; the first error is kept (collective_error_) for begin() and the
+  // step.
+  void queue_collective(const char* what, int group, std::function<Status(parallel::Comm&, Stream*)> op,
+                        std::function<void(Stream*)> then = {});
   // The overlapped gather of group g's dense part (plans_overlapped_collectives), whose end
   // `done` marks; `follow` as StateStore::acquire_part's (false: a prefetch).
   Status queue_gather(int group, bool follow, Event& done);

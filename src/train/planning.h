@@ -3,6 +3,7 @@
 // that will run them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/device.h"
@@ -18,16 +19,19 @@ namespace strata {
 // master).
 PlanInput make_plan_input(const model::ModelConfig& model, const TrainConfig& train, DeviceKind device);
 
-// Whether parallel.expert_parallel can split `model` over `world` ranks at ZeRO level `zero`
-// (-1: auto): an MoE model whose experts it divides, a world it divides, the optimizer state
-// sharded. InvalidArgument naming the key and what to change.
 // Whether the ranks' collectives overlap compute (parallel.overlap_comm where it applies): the
 // gradient sums at handover (ZeRO 0 and 1), or ZeRO-2 and 3's gathers and sums on the
 // communication stream. Not with the optimizer overlapped with backward, nor with expert groups,
-// whose experts' sums go through a Comm of their own after backward.
+// whose experts' sums go through a Comm of their own after backward. The world is the
+// launcher's, or strata plan's parallel.world_size.
 inline bool overlaps_collectives(const TrainConfig& t) {
-  return t.parallel_overlap_comm && t.dp_world > 1 && !t.overlap_backward && t.parallel_expert <= 1;
+  return t.parallel_overlap_comm && std::max<int64_t>(t.dp_world, t.plan_world_size) > 1 && !t.overlap_backward &&
+         t.parallel_expert <= 1;
 }
+
+// Whether parallel.expert_parallel can split `model` over `world` ranks at ZeRO level `zero`
+// (-1: auto): an MoE model whose experts it divides, a world it divides, the optimizer state
+// sharded. InvalidArgument naming the key and what to change.
 Status check_expert_parallel(const model::ModelConfig& model, int64_t expert_parallel, int64_t world, int zero);
 
 // Model FLOPs per token, 6N + 12*L*H*T (DESIGN §2), without recomputation.

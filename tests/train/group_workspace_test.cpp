@@ -12,7 +12,11 @@
 #include <vector>
 
 #include "core/cpu_device.h"
+#include "model/params.h"
+#include "model/recording_access.h"
 #include "train/group_workspace.h"
+#include "train/paged_state.h"
+#include "train_test_util.h"
 
 namespace strata {
 namespace {
@@ -138,6 +142,76 @@ TEST(GroupWorkspace, PlacesDependOnTheOrderOnlyNotOnStreamProgress) {
   release = true;
   busy->synchronize();
   opener->synchronize();
+}
+
+// The real step program of a tied model whose embedding is smaller than a layer, opened and
+// closed as PagedState does for several micro-batches (gradients: from a group's first batch to
+// its last; weights: each batch), with and without room for a group in flight (closing with a
+// stream then): every open finds a place, and no two open places overlap.
+TEST(GroupWorkspace, ATiedModelsProgramFitsMicroBatchAfterMicroBatch) {
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  model::ModelConfig mc = tiny_config(/*tied=*/true);
+  mc.vocab_size = 64;  // the embedding (64 x 32) smaller than a layer
+  const model::ParamLayout layout(mc);
+  const std::vector<ProgramEvent> program = model::record_micro_batch(mc, false);
+  std::vector<StateTensor> tensors = PagedState::store_tensors(layout);
+  std::unique_ptr<Stream> stream = (*device)->create_stream();
+  for (StateKind kind : {StateKind::kGrad, StateKind::kParam}) {
+    for (int in_flight : {0, 1}) {
+      WorkspaceLayout w;
+      for (const StateTensor& t : tensors) {
+        w.tensor_bytes.push_back(t.elements * sizeof(float));
+        w.groups.push_back(t.group);
+      }
+      w.kind = kind;
+      w.span = kind == StateKind::kGrad ? WorkspaceSpan::kMicroBatch : WorkspaceSpan::kBatch;
+      w.in_flight = in_flight;
+      auto ws = GroupWorkspace::create(**device, w, program, "test");
+      ASSERT_TRUE(ws.ok());
+      const int groups = static_cast<int>(layout.num_layers()) + 2;
+      std::vector<uint64_t> group_bytes(static_cast<size_t>(groups), 0);
+      for (const StateTensor& t : tensors) group_bytes[static_cast<size_t>(t.group)] += (t.elements * 4 + 255) / 256 * 256;
+      auto opens = [&](const GroupAccess& a) { return a.activation < 0 && a.kind == kind && a.part == kDensePart; };
+      std::vector<int> batches(static_cast<size_t>(groups), 0), seen(static_cast<size_t>(groups), 0);
+      std::vector<bool> in_batch(static_cast<size_t>(groups), false);
+      for (const ProgramEvent& e : program) {
+        if (opens(e.access)) in_batch[static_cast<size_t>(e.access.group)] = true;
+        if (!e.last) continue;
+        for (int g = 0; g < groups; ++g) batches[static_cast<size_t>(g)] += in_batch[static_cast<size_t>(g)] ? 1 : 0;
+        in_batch.assign(static_cast<size_t>(groups), false);
+      }
+      Stream* user = in_flight > 0 ? stream.get() : nullptr;
+      for (int micro_batch = 0; micro_batch < 4; ++micro_batch) {
+        for (const ProgramEvent& e : program) {
+          if (opens(e.access)) {
+            const int g = e.access.group;
+            in_batch[static_cast<size_t>(g)] = true;
+            if (!ws->is_open(g)) {
+              ASSERT_TRUE(ws->can_open(g)) << "kind " << static_cast<int>(kind) << " in flight " << in_flight;
+              ws->open(g, user);
+              for (int h = 0; h < groups; ++h) {
+                if (h == g || !ws->is_open(h) || group_bytes[static_cast<size_t>(h)] == 0) continue;
+                const uint64_t a = ws->place(g), b = ws->place(h);
+                EXPECT_TRUE(a + group_bytes[static_cast<size_t>(g)] <= b || b + group_bytes[static_cast<size_t>(h)] <= a)
+                    << "groups " << g << " and " << h << " overlap";
+              }
+            }
+          }
+          if (!e.last) continue;
+          for (int g = 0; g < groups; ++g) {
+            if (!in_batch[static_cast<size_t>(g)]) continue;
+            in_batch[static_cast<size_t>(g)] = false;
+            if (w.span == WorkspaceSpan::kBatch || ++seen[static_cast<size_t>(g)] == batches[static_cast<size_t>(g)]) {
+              seen[static_cast<size_t>(g)] = 0;
+              ws->close(g, user);
+            }
+          }
+        }
+      }
+      stream->synchronize();
+    }
+  }
 }
 
 }  // namespace
