@@ -820,9 +820,9 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
 // handed over as backward ends) hide behind the rest of that backward, as far as its compute
 // time reaches. ZeRO-2 and 3 with parallel.overlap_comm queue their gathers and sums on a
 // communication stream: a group's gather runs while the group before it computes, its sums
-// while the group after it runs backward. All but the embedding's share (the first gathered,
-// the last summed) hide, as far as the micro-batches' compute reaches (backward's for ZeRO-2's
-// sums, forward's and backward's for ZeRO-3). The updated copy's
+// while the group after it runs backward. All but the embedding's first gather of each
+// micro-batch and its sums in the last hide, as far as the micro-batches' compute reaches
+// (backward's for ZeRO-2's sums, forward's and backward's for ZeRO-3). The updated copy's
 // gather after the optimizer (ZeRO-1 and 2) and, without overlap, every collective add in full.
 // The embedding's share of the parameters: of the edge, the store's chunks when known, else half.
 double embedding_share(const PlanInput& in, int64_t L) {
@@ -897,7 +897,14 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
     const double queued_s = static_cast<double>(c.grad_reduce_scatter + c.param_all_gather) / p.comm_bytes_per_s;
     const double compute_s = static_cast<double>(accum) * ((zero >= 3 ? p.phases.forward.compute_s : 0.0) +
                                                            p.phases.backward.compute_s);
-    p.comm_hidden_s = std::min(queued_s * (1 - embedding_share(in, L)), compute_s);
+    // Exposed: the embedding's sums of the step's last micro-batch (the others' run during the
+    // next micro-batch's forward), and its gather as each micro-batch's forward begins (nothing
+    // is gathered ahead across micro-batches), about half its gathers (forward and backward).
+    const double embed = embedding_share(in, L);
+    const double exposed_s = (static_cast<double>(c.grad_reduce_scatter) / static_cast<double>(accum) * embed +
+                              static_cast<double>(c.param_all_gather) * embed / 2) /
+                             p.comm_bytes_per_s;
+    p.comm_hidden_s = std::min(queued_s - exposed_s, compute_s);
   }
   p.comm_exposed_s = p.comm_s - p.comm_hidden_s;
   p.step_s += p.comm_exposed_s;

@@ -325,15 +325,20 @@ TEST(PlanDataParallel, SumsAtHandoverAndQueuedCollectivesHideBehindCompute) {
   EXPECT_GT(z1.comm_hidden_s, 0);
   EXPECT_NEAR(z1.comm_exposed_s, z1.comm_s - z1.comm_hidden_s, 1e-12);
   // ZeRO-2 and 3 queue their sums (and ZeRO-3 its gathers) on the communication stream: all but
-  // the embedding's share hide, as far as backward's compute reaches (and forward's, for ZeRO-3's
-  // gathers); the updated copy's gather after the optimizer (ZeRO-2) adds in full.
+  // the embedding's sums in the last micro-batch and its forward gathers hide, as far as
+  // backward's compute reaches (and forward's, for ZeRO-3's gathers); the updated copy's gather
+  // after the optimizer (ZeRO-2) adds in full.
   for (int zero : {2, 3}) {
     const Plan z = make_plan(ranks(in, 4, zero));
     ASSERT_TRUE(z.fits) << z.problem;
     const double queued_s = static_cast<double>(z.comm.grad_reduce_scatter + z.comm.param_all_gather) / 100e9;
     const double compute_s = static_cast<double>(in.grad_accum) *
                              ((zero == 3 ? z.phases.forward.compute_s : 0.0) + z.phases.backward.compute_s);
-    const double hidden = std::min(queued_s * (1 - 0.5 * 200.0 / 1000.0), compute_s);
+    const double embed = 0.5 * 200.0 / 1000.0;
+    const double exposed_s = (static_cast<double>(z.comm.grad_reduce_scatter) / in.grad_accum * embed +
+                              static_cast<double>(z.comm.param_all_gather) * embed / 2) /
+                             100e9;
+    const double hidden = std::min(queued_s - exposed_s, compute_s);
     ASSERT_GT(hidden, 0) << zero;
     EXPECT_NEAR(z.comm_hidden_s, hidden, 1e-12) << zero;
     EXPECT_NEAR(z.comm_exposed_s, z.comm_s - hidden, 1e-12) << zero;
