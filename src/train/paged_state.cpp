@@ -358,6 +358,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     ps->comm_stream_ = device.create_stream();
     ps->comm_stream_->set_trace_name("communication");
     ps->gathered_event_ = device.create_event();
+    ps->comm_done_event_ = device.create_event();
     ps->prefetched_event_ = device.create_event();
     for (const ProgramEvent& e : program.micro_batch)
       if (e.access.activation < 0 && e.access.kind == StateKind::kParam && e.access.part == kDensePart)
@@ -1251,6 +1252,22 @@ uint64_t PagedState::param_working_bytes(const model::ParamLayout& layout, const
                                    model::record_micro_batch(layout.config(), false));
 }
 
+void PagedState::settle_before_collective() {
+  if (device_->kind() == DeviceKind::kCpu) {
+    drain_compute();  // (the communication stream's too)
+    return;
+  }
+  if (!overlaps_collectives()) return;
+  comm_done_event_->record(*comm_stream_);
+  model_stream()->wait(*comm_done_event_);
+}
+
+void PagedState::after_collective() {
+  if (device_->kind() == DeviceKind::kCpu || !overlaps_collectives()) return;
+  compute_done_event_->record(*model_stream());
+  comm_stream_->wait(*compute_done_event_);
+}
+
 void PagedState::gather_params(int g, bool experts, Stream& stream) {
   CHECK_MSG(comm_ != nullptr, "weights sliced over the ranks without the ranks' Comm (set_comm)");
   settle_before_collective();
@@ -1274,6 +1291,7 @@ void PagedState::gather_params(int g, bool experts, Stream& stream) {
     Status st = comm_of(i).all_gather_v(w, rank_blocks(i, size, whole_bytes), &stream);
     if (!st.ok()) deferred_ = st.with_context("gathering the weights of parameter group " + std::to_string(g));
   }
+  after_collective();
 }
 
 void PagedState::open_gradients(int g, Stream& stream) {
@@ -1471,6 +1489,7 @@ void PagedState::sum_gradients_to_ranges(int g, bool experts, Stream& stream) {
       device_->copy(store_->pointer(i, StateKind::kGrad), w + own.first, own.count * sizeof(float), stream,
                     "gradient slice");
   }
+  after_collective();
 }
 
 // On a device whose memory the host cannot read, checkpoints travel through a host buffer (a

@@ -443,7 +443,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   // event the compute stream waits on for a gather, the per-group event after the latest sums
   // onto its gradient slice (a later micro-batch's backward reads the slice), and their errors.
   std::unique_ptr<Stream> comm_stream_;
-  std::unique_ptr<Event> gathered_event_, compute_done_event_;
+  std::unique_ptr<Event> gathered_event_, compute_done_event_, comm_done_event_;
   std::vector<std::unique_ptr<Event>> slice_summed_;
   std::vector<int> summing_;  // groups whose slices are pinned until their queued sums are done
   // ZeRO-3 overlapped: the groups a micro-batch's batches gather, in order (the program's dense
@@ -481,10 +481,13 @@ class PagedState : public model::ParamAccess, public SavableState {
   }
   // Before a collective's span on the compute stream: on the CPU backend Gloo first waits for
   // the stream's queued compute, which the span would otherwise count as communication. (On
-  // CUDA the collective is queued behind it, and the span times the queueing.)
-  void settle_before_collective() {
-    if (device_->kind() == DeviceKind::kCpu) drain_compute();
-  }
+  // CUDA the collective is queued behind it, and the span times the queueing.) With the
+  // communication stream in use, no collective of the compute stream's runs beside one of its
+  // (NCCL kernels of two communicators at once may wait on each other): the compute stream
+  // waits for what is queued there, and after_collective() makes it wait for the compute
+  // stream's collective in turn.
+  void settle_before_collective();
+  void after_collective();
   std::unique_ptr<Stream> staging_stream_;     // saved activations between device and host memory
   std::vector<char> staging_;
   std::unique_ptr<StateStore> store_;
