@@ -1117,10 +1117,11 @@ void PagedState::end(int group, bool params, bool grads) {
     store_->release_part(group, kDensePart, StateKind::kParam, compute_stream_);
   if (grads && summed && overlapped) {
     // The slice's chunk stays pinned until the sums queued on the communication stream have
-    // written it: released with the compute stream, whose later acquirers would otherwise wait
-    // for them (a chunk's fence orders its users one after another), or with the communication
-    // stream, whose sums the next groups' acquisitions of a chunk they share would wait for.
-    // At most one group's slices stay pinned: the device tier was planned for one at a time.
+    // written it, and is then released with the compute stream. Released with the communication
+    // stream instead, it would make the next acquisitions of the chunk (other groups' slices
+    // share it) wait for those sums on the compute stream: a chunk's fence orders its users one
+    // after another. At most one group's slices stay pinned so, and an acquisition that finds the
+    // device tier full releases them first (acquire_part).
     release_summed_slices();
     summing_.push_back(group);
   } else if (grads) {
