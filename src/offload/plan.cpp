@@ -888,7 +888,7 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   const int64_t per_node = std::clamp<int64_t>(in.ranks_per_node, 1, W);
   p.comm_bytes_per_s = W <= per_node ? r.intra_node_bytes_per_s : r.inter_node_bytes_per_s;
   p.comm_s = static_cast<double>(c.total()) / p.comm_bytes_per_s;
-  if (in.overlap_comm && !in.overlap_optimizer && zero <= 1) {
+  if (in.overlap_comm && !in.overlap_optimizer && zero <= 1 && in.expert_ranks <= 1) {
     const double sums_s = static_cast<double>(c.grad_all_reduce + c.grad_reduce_scatter) / p.comm_bytes_per_s;
     const double last = embedding_share(in, L);
     p.comm_hidden_s = std::min(sums_s * (1 - last), p.phases.backward.compute_s);

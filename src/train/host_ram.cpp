@@ -238,7 +238,7 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   uint64_t comm = world > 1 ? kCommBase + static_cast<uint64_t>(world - 1) * kCommPerPeer : 0;
   // ZeRO-2 and 3 overlapped: a second communicator moves data, from the communication stream's
   // thread (its stack and allocator arena as far as touched, and that communicator's buffers).
-  const bool stream = world > 1 && plan.zero >= 2 && overlaps_collectives(t);
+  const bool stream = world > 1 && plan.zero >= 2 && overlaps_collectives(t, plan.zero);
   if (stream) comm += kCommStream;
   ram.items.push_back({"communication", comm, 0, false,
                        world > 1 ? fmt::format("connections to {} other ranks{}", world - 1,

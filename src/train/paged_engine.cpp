@@ -207,7 +207,7 @@ Status PagedEngine::create_state(const TrainConfig& t, const OptimizerConfig& oc
   po.activation_tokens = t.micro_batch * t.seq_len;
   po.optimizer = oc;
   po.overlap_optimizer = t.overlap_backward;
-  po.overlap_reduction = overlaps_collectives(t);
+  po.overlap_reduction = overlaps_collectives(t, budgets_.plan_zero);
   po.expert_ranks = static_cast<int>(t.parallel_expert);
   po.precision = budgets_.precision;
   po.moments = t.moments;
@@ -225,7 +225,7 @@ PagedEngine::~PagedEngine() = default;
 
 uint64_t PagedEngine::workspace_bytes() const {
   uint64_t bytes = 0;
-  const bool overlapped = overlaps_collectives(budgets_);
+  const bool overlapped = overlaps_collectives(budgets_, budgets_.plan_zero);
   if (budgets_.plan_zero >= 2) bytes += PagedState::gradient_working_bytes(net_->layout(), overlapped);
   if (budgets_.plan_zero >= 3)
     bytes += PagedState::param_working_bytes(net_->layout(), StateLayout::of(budgets_.precision, budgets_.moments),

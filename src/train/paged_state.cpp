@@ -269,8 +269,10 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     if (!options.placement || !options.placement->sharded())
       return Status::InvalidArgument("expert parallelism shares each expert's optimizer state out over the ranks "
                                      "holding it: parallel.zero must be 1 or more");
-    if (options.overlap_reduction)
-      return Status::InvalidArgument("expert parallelism sums the gradients after backward (no overlap_reduction)");
+    if (options.overlap_reduction && !options.placement->sliced(0, StateKind::kGrad))
+      return Status::InvalidArgument(
+          "expert parallelism at ZeRO-1 sums the gradients after backward (no overlap_reduction): the gradient sums "
+          "at handover do not know the experts' holders");
   }
   if (options.placement && options.placement->world() > 1) {
     // store_tensors' slices, and what this rank holds of no kind.
@@ -1058,6 +1060,10 @@ Status PagedState::begin_experts(int group, std::span<const int> experts, bool p
   const std::vector<int> every = held_parts(group);
   const std::span<const int> weights = gathered_ ? std::span<const int>(every) : experts;
   release_summed_slices();  // the experts' collectives wait for the compute stream anyway
+  // Expert groups on NCCL: the model's token exchanges between here and end_experts() run on the
+  // compute stream, after the communication stream's work and before its next (see
+  // settle_before_collective). Gloo's run apart on the host.
+  if (options_.expert_ranks > 1 && device_->kind() != DeviceKind::kCpu) settle_before_collective();
   const std::span<const int> gradients = workspace_ ? std::span<const int>(every) : experts;
   // A rank that fails here skips the experts' collectives the others make: it makes no more
   // collectives at all (deferred_ stops them), so that the others fail at theirs rather than
@@ -1102,6 +1108,7 @@ void PagedState::end_experts(int group, std::span<const int> experts, bool param
                                     compute_stream_);
   if (grads) store_->release_parts(group, workspace_ ? std::span<const int>(every) : experts, StateKind::kGrad,
                                    compute_stream_);
+  if (options_.expert_ranks > 1) after_collective();  // (begin_experts)
 }
 
 void PagedState::end(int group, bool params, bool grads) {

@@ -109,7 +109,9 @@ struct PagedStateOptions {
   // other ranks of its group compute (StateTensor::elsewhere): only of expert_range(E, P, r % P).
   // Those experts' state is shared out over the W / P ranks holding them (r / P among them), as
   // dense tensors' are over all W, and their sums and gathers run over those ranks (set_comm's
-  // `experts`). REQUIRES with P > 1: a sharded placement (ZeRO >= 1) and no overlap_reduction.
+  // `experts`). REQUIRES with P > 1: a sharded placement (ZeRO >= 1), and overlap_reduction only
+  // with the gradients sliced (ZeRO-2 and 3: the dense parts' collectives on the communication
+  // stream; the experts' stay on the compute stream).
   int expert_ranks = 1;
 };
 

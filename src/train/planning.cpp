@@ -181,9 +181,10 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   // engine decides after planning, so auto is planned as recompute (the slower case).
   in.recompute = t.keep_activations != "true";
   in.overlap_optimizer = t.overlap_backward;
-  in.overlap_comm = t.parallel_overlap_comm && t.parallel_expert <= 1;  // expert groups sum after backward
-  in.gradient_working_bytes = PagedState::gradient_working_bytes(layout, overlaps_collectives(t));
-  in.param_working_bytes = PagedState::param_working_bytes(layout, state, overlaps_collectives(t));
+  in.overlap_comm = t.parallel_overlap_comm;  // (with expert groups, at ZeRO-2 and 3 only: plan_comm)
+  // (Counted at ZeRO-2 and 3 only.)
+  in.gradient_working_bytes = PagedState::gradient_working_bytes(layout, overlaps_collectives(t, 2));
+  in.param_working_bytes = PagedState::param_working_bytes(layout, state, overlaps_collectives(t, 3));
   in.flops_per_step = static_cast<double>(t.grad_accum) * micro_batch_flops(in);
 
   in.device_budget = t.memory_device;

@@ -19,14 +19,14 @@ namespace strata {
 // master).
 PlanInput make_plan_input(const model::ModelConfig& model, const TrainConfig& train, DeviceKind device);
 
-// Whether the ranks' collectives overlap compute (parallel.overlap_comm where it applies): the
-// gradient sums at handover (ZeRO 0 and 1), or ZeRO-2 and 3's gathers and sums on the
-// communication stream. Not with the optimizer overlapped with backward, nor with expert groups,
-// whose experts' sums go through a Comm of their own after backward. The world is the
-// launcher's, or strata plan's parallel.world_size.
-inline bool overlaps_collectives(const TrainConfig& t) {
+// Whether the ranks' collectives overlap compute at ZeRO level `zero` (parallel.overlap_comm
+// where it applies): the gradient sums at handover (ZeRO 0 and 1), or ZeRO-2 and 3's gathers
+// and sums on the communication stream. Not with the optimizer overlapped with backward, nor at
+// ZeRO 0 and 1 with expert groups, whose experts' sums go through a Comm of their own after
+// backward. The world is the launcher's, or strata plan's parallel.world_size.
+inline bool overlaps_collectives(const TrainConfig& t, int zero) {
   return t.parallel_overlap_comm && std::max<int64_t>(t.dp_world, t.plan_world_size) > 1 && !t.overlap_backward &&
-         t.parallel_expert <= 1;
+         (t.parallel_expert <= 1 || zero >= 2);
 }
 
 // Whether parallel.expert_parallel can split `model` over `world` ranks at ZeRO level `zero`

@@ -201,7 +201,7 @@ ConfigSchema build_schema() {
                  "on a thread of their own as soon as the step's last micro-batch's backward is done with them; at "
                  "ZeRO 2 and 3 each layer's gradient sums and weight gathers run on a communication stream, the "
                  "next layer's gather while this one computes (false: every collective on the compute path); the "
-                 "results are the same bits either way. Not with parallel.expert_parallel"});
+                 "results are the same bits either way. With parallel.expert_parallel at ZeRO 2 and 3 only"});
   s.add({.name = "parallel.timeout_s", .type = T::kFloat, .default_value = "300", .min = 1, .max = 86400,
          .help = "seconds a collective waits for the other ranks before the run stops with an error naming the "
                  "operation (a rank died or hangs)"});
