@@ -347,6 +347,12 @@ TEST(PlanDataParallel, SumsAtHandoverAndQueuedCollectivesHideBehindCompute) {
     EXPECT_EQ(make_plan(ranks(in, 4, zero)).comm_hidden_s, 0) << zero;
     in.overlap_comm = true;
   }
+  // Expert groups: their sums run after backward at ZeRO-0 and 1; at 2 and 3 the dense parts'
+  // collectives overlap as above.
+  in.expert_ranks = 2;
+  EXPECT_EQ(make_plan(ranks(in, 4, 1)).comm_hidden_s, 0);
+  EXPECT_GT(make_plan(ranks(in, 4, 3)).comm_hidden_s, 0);
+  in.expert_ranks = 1;
   // The optimizer overlapped with backward takes the handover instead: nothing hides.
   in.overlap_optimizer = true;
   EXPECT_EQ(make_plan(ranks(in, 4, 0)).comm_hidden_s, 0);
