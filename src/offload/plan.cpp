@@ -859,9 +859,13 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   if (zero == 0) c.grad_all_reduce = 2 * (ring(G) + ring_over(G_experts, holders));
   else if (zero == 1) c.grad_reduce_scatter = ring(G) + ring_over(G_experts, holders);
   else c.grad_reduce_scatter = accum * (ring(G) + ring_over(G_experts, holders));
+  // The dense parts' share of ZeRO-2 and 3's sums and gathers (the experts' of expert groups run
+  // on the compute path, not on the communication stream).
+  uint64_t dense_queued = zero >= 2 ? accum * ring(G) : 0;
   if (zero == 1 || zero == 2) c.update_all_gather = ring(P) + ring_over(P_experts, holders);
   if (zero == 3) {
     c.param_all_gather = 2 * accum * (ring(P) + ring_over(P_experts, holders));
+    dense_queued += 2 * accum * ring(P);
     if (!in.state_tensors.empty() && !in.micro_batch_program.empty()) {
       // What strata train gathers: each group's whole copy at every batch of the micro-batch
       // that computes with it (forward, recompute, backward; a tied embedding at the head too).
@@ -873,12 +877,15 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
         const uint64_t bytes = in.state_layout.tensor_bytes(StateKind::kParam, t.shape());
         (experts_p > 1 && t.part != kDensePart ? expert_copy : copy).at(static_cast<size_t>(t.group)) += bytes;
       }
-      uint64_t gathered = 0;
+      uint64_t gathered = 0, dense = 0;
       for (const ProgramEvent& e : in.micro_batch_program)
-        if (e.access.activation < 0 && e.access.kind == StateKind::kParam && e.access.part == kDensePart)
+        if (e.access.activation < 0 && e.access.kind == StateKind::kParam && e.access.part == kDensePart) {
+          dense += ring(copy.at(static_cast<size_t>(e.access.group)));
           gathered += ring(copy.at(static_cast<size_t>(e.access.group))) +
                       ring_over(expert_copy.at(static_cast<size_t>(e.access.group)), holders);
+        }
       c.param_all_gather = accum * gathered;
+      dense_queued = c.grad_reduce_scatter - accum * ring_over(G_experts, holders) + accum * dense;
     }
   }
   if (in.expert_ranks > 1) {
@@ -894,7 +901,7 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
     p.comm_hidden_s = std::min(sums_s * (1 - last), p.phases.backward.compute_s);
   } else if (in.overlap_comm && !in.overlap_optimizer && zero >= 2) {
     // ZeRO-2's sums hide behind backward only; ZeRO-3's gathers behind forward too.
-    const double queued_s = static_cast<double>(c.grad_reduce_scatter + c.param_all_gather) / p.comm_bytes_per_s;
+    const double queued_s = static_cast<double>(dense_queued) / p.comm_bytes_per_s;
     const double compute_s = static_cast<double>(accum) * ((zero >= 3 ? p.phases.forward.compute_s : 0.0) +
                                                            p.phases.backward.compute_s);
     // Exposed: the embedding's sums of the step's last micro-batch (the others' run during the
@@ -904,7 +911,7 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
     const double exposed_s = (static_cast<double>(c.grad_reduce_scatter) / static_cast<double>(accum) * embed +
                               static_cast<double>(c.param_all_gather) * embed / 2) /
                              p.comm_bytes_per_s;
-    p.comm_hidden_s = std::min(queued_s - exposed_s, compute_s);
+    p.comm_hidden_s = std::clamp(queued_s - exposed_s, 0.0, compute_s);
   }
   p.comm_exposed_s = p.comm_s - p.comm_hidden_s;
   p.step_s += p.comm_exposed_s;
