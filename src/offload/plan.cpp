@@ -264,7 +264,8 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   // ranks' slices as it ends.
   optimizer.reduces_gradients = in.world_size > 1 && !p.placement.sliced(0, StateKind::kGrad);
   optimizer.overlapped = in.overlap_optimizer;
-  optimizer.reduces_at_handover = in.overlap_comm && !in.overlap_optimizer;
+  // (Expert groups sum after backward at ZeRO-0 and 1: PagedState has no handover for them.)
+  optimizer.reduces_at_handover = in.overlap_comm && !in.overlap_optimizer && in.expert_ranks <= 1;
   r.program = make_step_program(offload ? in.micro_batch_program_offloaded : in.micro_batch_program, optimizer)
                   .events(std::max<int64_t>(1, in.grad_accum));
   r.expert_fetch_fraction = in.expert_fetch_fraction;

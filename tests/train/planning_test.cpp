@@ -148,6 +148,53 @@ TEST(Planning, DataParallelKeysReachThePlannerAndShareTheNodesHost) {
   EXPECT_EQ(make_plan_input(*mc, t, DeviceKind::kCuda).host_budget, 1ull << 30);
 }
 
+// Expert groups at ZeRO-1 sum their gradients after backward whatever parallel.overlap_comm says
+// (PagedState has no handover for them): the plan replays the same step and hides nothing either
+// way. At ZeRO-3 the dense parts' collectives overlap and hide.
+TEST(Planning, ExpertGroupsAtZeroOnePlanTheSameStepWithOrWithoutOverlap) {
+  nlohmann::json j = {{"architectures", {"MixtralForCausalLM"}}, {"vocab_size", 64}, {"hidden_size", 32},
+                      {"intermediate_size", 16}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+                      {"num_key_value_heads", 2}, {"max_position_embeddings", 4096}, {"num_local_experts", 4},
+                      {"num_experts_per_tok", 2}};
+  auto mc = model::ModelConfig::from_json(j, "planning_test");
+  ASSERT_TRUE(mc.ok()) << mc.status().to_string();
+  TrainConfig t;
+  t.micro_batch = 2;
+  t.seq_len = 16;
+  t.grad_accum = 2;
+  // The state pages through the host tier and nvme.
+  t.memory_host = 256ull << 10;
+  t.nvme_path = "/nonexistent-planned-only";
+  t.nvme_size = 64ull << 20;
+  t.plan_world_size = 4;
+  t.parallel_expert = 2;
+  // Rates (a bare TrainConfig has none; the config's defaults are an H200 box's).
+  t.gpu_flops = 100e12;
+  t.h2d_bytes_per_s = t.d2h_bytes_per_s = 50e9;
+  t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = 5e9;
+  t.cpu_adam_params_per_s = 1e9;
+  t.intra_node_bytes_per_s = t.inter_node_bytes_per_s = 1e9;
+  for (int zero : {1, 3}) {
+    t.plan_zero = zero;
+    t.memory_device = zero == 1 ? 420ull << 10 : 640ull << 10;
+    Plan with[2];
+    for (int overlap = 0; overlap < 2; ++overlap) {
+      t.parallel_overlap_comm = overlap == 1;
+      with[overlap] = make_plan(make_plan_input(*mc, t, DeviceKind::kCpu));
+      ASSERT_TRUE(with[overlap].fits) << with[overlap].problem;
+    }
+    if (zero == 1) {
+      EXPECT_EQ(with[0].h2d_bytes, with[1].h2d_bytes);
+      EXPECT_EQ(with[0].d2h_bytes, with[1].d2h_bytes);
+      EXPECT_EQ(with[0].step_s, with[1].step_s);
+      EXPECT_EQ(with[1].comm_hidden_s, 0);
+    } else {
+      EXPECT_EQ(with[0].comm_hidden_s, 0);
+      EXPECT_GT(with[1].comm_hidden_s, 0);
+    }
+  }
+}
+
 // The expected share of experts a micro-batch reaches (uniform routing): few tokens leave most
 // experts idle, a training-sized micro-batch reaches them all.
 TEST(Planning, ExpertFetchFractionFollowsTheTokensPerMicroBatch) {
