@@ -912,7 +912,12 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
     const double exposed_s = (static_cast<double>(c.grad_reduce_scatter) / static_cast<double>(accum) * embed +
                               static_cast<double>(c.param_all_gather) * embed / 2) /
                              p.comm_bytes_per_s;
-    p.comm_hidden_s = std::clamp(queued_s - exposed_s, 0.0, compute_s);
+    // An MoE layer's experts' collectives wait for both streams (paged_state.cpp,
+    // begin_experts), so its layer's queued work is counted as exposed.
+    const double dense = L > 0 ? 1.0 - static_cast<double>(std::clamp<int64_t>(in.moe_layers, 0, L)) /
+                                           static_cast<double>(L)
+                               : 1.0;
+    p.comm_hidden_s = std::clamp((queued_s - exposed_s) * dense, 0.0, compute_s);
   }
   p.comm_exposed_s = p.comm_s - p.comm_hidden_s;
   p.step_s += p.comm_exposed_s;

@@ -83,6 +83,7 @@ struct PlanInput {
   // layer_elements) and the expected fraction of them that one micro-batch's tokens reach. A
   // streamed layer fetches only those experts and produces only their gradients.
   uint64_t expert_elements = 0;
+  int64_t moe_layers = 0;  // layers with routed experts (the rest are dense)
   double expert_fetch_fraction = 1.0;
   // Bytes per element of the compute copy in a layer group and in the edge group (they differ in
   // the fp8 recipe: E4M3 matrices with their scales in the layers, bf16 embeddings), and of each

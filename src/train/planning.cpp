@@ -105,6 +105,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     const uint64_t E = static_cast<uint64_t>(m.num_experts), Fe = static_cast<uint64_t>(m.moe_intermediate_size);
     const double tokens = static_cast<double>(t.micro_batch * t.seq_len);
     in.expert_elements = static_cast<uint64_t>(m.num_moe_layers()) * E * 3 * Fe * C / std::max<uint64_t>(L, 1);
+    in.moe_layers = m.num_moe_layers();
     in.expert_fetch_fraction = 1.0 - std::pow(1.0 - static_cast<double>(m.num_experts_per_tok) / E, tokens);
   }
   // The state layout of the recipe (the CUDA backend trains in bf16). Gradients are fp32 in

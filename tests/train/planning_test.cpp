@@ -152,10 +152,12 @@ TEST(Planning, DataParallelKeysReachThePlannerAndShareTheNodesHost) {
 // (PagedState has no handover for them): the plan replays the same step and hides nothing either
 // way. At ZeRO-3 the dense parts' collectives overlap and hide.
 TEST(Planning, ExpertGroupsAtZeroOnePlanTheSameStepWithOrWithoutOverlap) {
-  nlohmann::json j = {{"architectures", {"MixtralForCausalLM"}}, {"vocab_size", 64}, {"hidden_size", 32},
+  // Layer 1 dense: its collectives hide (an MoE layer's wait for both streams at its experts).
+  nlohmann::json j = {{"architectures", {"Qwen2MoeForCausalLM"}}, {"vocab_size", 64}, {"hidden_size", 32},
                       {"intermediate_size", 16}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
-                      {"num_key_value_heads", 2}, {"max_position_embeddings", 4096}, {"num_local_experts", 4},
-                      {"num_experts_per_tok", 2}};
+                      {"num_key_value_heads", 2}, {"max_position_embeddings", 4096}, {"num_experts", 4},
+                      {"num_experts_per_tok", 2}, {"moe_intermediate_size", 16},
+                      {"shared_expert_intermediate_size", 16}, {"mlp_only_layers", {1}}};
   auto mc = model::ModelConfig::from_json(j, "planning_test");
   ASSERT_TRUE(mc.ok()) << mc.status().to_string();
   TrainConfig t;
