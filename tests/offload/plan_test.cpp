@@ -354,7 +354,7 @@ TEST(PlanDataParallel, SumsAtHandoverAndQueuedCollectivesHideBehindCompute) {
   EXPECT_GT(make_plan(ranks(in, 4, 3)).comm_hidden_s, 0);
   in.expert_ranks = 1;
   // An MoE layer's experts' collectives wait for both streams: a model of MoE layers only hides
-  // none of its layers' (the edge's share is within the exposed embedding's here).
+  // nothing (the plan counts the edge's collectives with the layers').
   in.moe_layers = 1 << 20;  // (every layer)
   EXPECT_EQ(make_plan(ranks(in, 4, 3)).comm_hidden_s, 0);
   in.moe_layers = 0;
