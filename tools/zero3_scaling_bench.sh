@@ -44,9 +44,7 @@ world, report, base = int(sys.argv[1]), json.load(open(sys.argv[2])), sys.argv[3
 tokens = float(sys.argv[4])  # tokens per rank per step
 step = report["median_step_s"]
 per_gpu = tokens / step
-eff = "-"
-if base != "-":
-    eff = "%.2f" % (per_gpu / float(base))
+eff = "1.00" if base == "-" else "%.2f" % (per_gpu / float(base))
 c = report.get("communication", {})
 hidden = "%.0f%%" % (100 * c["hidden_share"]) if c.get("busy_s") else "-"
 planned = "%.0f%%" % (100 * c["planned_hidden_share"]) if c.get("busy_s") else "-"
