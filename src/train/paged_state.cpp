@@ -1276,27 +1276,36 @@ void PagedState::after_collective() {
   comm_stream_->wait(*compute_done_event_);
 }
 
+PagedState::GatherPiece PagedState::gather_piece(size_t i) const {
+  const StateLayout& layout = store_->layout();
+  const uint64_t size = dtype_size(layout.activation_dtype());
+  GatherPiece p;
+  p.place = static_cast<char*>(gathered_->at(i));
+  // A quantised matrix's copy (with its block scales) is owned whole, as it is stored.
+  const bool whole = layout.quantized(store_->tensor(i).shape());
+  const uint64_t whole_bytes = whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : 0;
+  const ElementRange own = store_->held(i, StateKind::kParam);
+  if (own.count > 0) {
+    p.own_at = p.place + (whole ? 0 : own.first * size);
+    p.own = store_->raw_pointer(i, StateKind::kParam);
+    p.own_bytes = whole ? whole_bytes : own.count * size;
+  }
+  p.blocks = rank_blocks(i, size, whole_bytes);
+  return p;
+}
+
 void PagedState::gather_params(int g, bool experts, Stream& stream) {
   CHECK_MSG(comm_ != nullptr, "weights sliced over the ranks without the ranks' Comm (set_comm)");
   settle_before_collective();
   trace::Span span("communication", experts ? "expert weight gather" : "weight gather", g);
   if (!experts) gathered_->open(g);
-  const StateLayout& layout = store_->layout();
-  const uint64_t size = dtype_size(layout.activation_dtype());
   for (size_t i : store_->group_tensors(g)) {
     if ((store_->tensor(i).part != kDensePart) != experts || elsewhere(i)) continue;
-    char* w = static_cast<char*>(gathered_->at(i));
-    // A quantised matrix's copy (with its block scales) is owned whole, as it is stored.
-    const bool whole = layout.quantized(store_->tensor(i).shape());
-    const uint64_t whole_bytes = whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : 0;
-    const ElementRange own = store_->held(i, StateKind::kParam);
-    if (own.count > 0) {
-      device_->copy(w + (whole ? 0 : own.first * size), store_->raw_pointer(i, StateKind::kParam),
-                    whole ? whole_bytes : own.count * size, stream, "gathered weights");
-    }
+    const GatherPiece p = gather_piece(i);
+    if (p.own_bytes > 0) device_->copy(p.own_at, p.own, p.own_bytes, stream, "gathered weights");
     // Every rank's range from its rank, in one collective. After an error no more collectives.
     if (!deferred_.ok()) continue;
-    Status st = comm_of(i).all_gather_v(w, rank_blocks(i, size, whole_bytes), &stream);
+    Status st = comm_of(i).all_gather_v(p.place, p.blocks, &stream);
     if (!st.ok()) deferred_ = st.with_context("gathering the weights of parameter group " + std::to_string(g));
   }
   after_collective();
@@ -1431,20 +1440,14 @@ Status PagedState::queue_gather(int g, bool follow, Event& done) {
   // again only after the copy of this rank's ranges.
   RETURN_IF_ERROR(acquire_part(g, StateKind::kParam, AccessMode::kRead, &cs, follow));
   gathered_->open(g, &cs);
-  const StateLayout& layout = store_->layout();
-  const uint64_t size = dtype_size(layout.activation_dtype());
   for (size_t i : store_->group_tensors(g)) {
     if (store_->tensor(i).part != kDensePart || elsewhere(i)) continue;
-    char* w = static_cast<char*>(gathered_->at(i));
-    const bool whole = layout.quantized(store_->tensor(i).shape());
-    const uint64_t whole_bytes = whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : 0;
-    const ElementRange own = store_->held(i, StateKind::kParam);
-    if (own.count > 0)
-      device_->copy(w + (whole ? 0 : own.first * size), store_->raw_pointer(i, StateKind::kParam),
-                    whole ? whole_bytes : own.count * size, cs, "gathered weights");
-    queue_collective("gathering the weights", g, [w, blocks = rank_blocks(i, size, whole_bytes)](parallel::Comm& c, Stream* st) {
-      return c.all_gather_v(w, blocks, st);
-    });
+    GatherPiece p = gather_piece(i);
+    if (p.own_bytes > 0) device_->copy(p.own_at, p.own, p.own_bytes, cs, "gathered weights");
+    queue_collective("gathering the weights", g,
+                     [w = p.place, blocks = std::move(p.blocks)](parallel::Comm& c, Stream* st) {
+                       return c.all_gather_v(w, blocks, st);
+                     });
   }
   store_->release_part(g, kDensePart, StateKind::kParam, &cs);
   done.record(cs);

@@ -357,6 +357,16 @@ class PagedState : public model::ParamAccess, public SavableState {
   // The ranks gather every expert of a layer, whichever their own tokens reach, so that their
   // collectives match.
   void gather_params(int group, bool experts, Stream& stream);
+  // Store tensor i in its group's gathered place (open): the place, where this rank's part of
+  // it goes and comes from (none when it holds none), and every rank's blocks for all_gather_v.
+  struct GatherPiece {
+    char* place = nullptr;
+    char* own_at = nullptr;
+    const void* own = nullptr;
+    uint64_t own_bytes = 0;
+    std::vector<size_t> blocks;
+  };
+  GatherPiece gather_piece(size_t i) const;
   // At group g's first gradient batch of a micro-batch: its place in the workspace, zeros with
   // this rank's range holding its slice (fill_gradients: of the dense part's or, at
   // begin_experts, of every expert's tensors).
