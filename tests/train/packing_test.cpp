@@ -103,7 +103,8 @@ double eval_loss_of(const fs::path& metrics) {
 
 // The trainer hands the loader's document positions to the model: packed documents neither see
 // each other nor their place in the row. A corpus of one document repeated, a model trained on
-// it (concat) so that it uses what it sees, then its eval loss at lr=0 with rows of 2 and of 3
+// it (concat, rows of 3 documents, so that every position is one it has seen) so that it uses
+// what it sees, then its eval loss at lr=0 with rows of 2 and of 3
 // whole documents: with document packing every document is alone, so the two are the same loss
 // up to rounding; with concat the documents after the first in a row see the ones before (a
 // third more of them at 3), and the losses differ, which shows the check can fail. The same holds
@@ -117,7 +118,7 @@ TEST_F(PackingTest, EachPackedDocumentIsAloneWhateverRowItSharesWithOthers) {
   const std::string data = "data.paths=[" + (dir_ / "same.txt").string() + "]";
   const fs::path exported = dir_ / "trained";
   {
-    Result<TrainConfig> tc = config({data, "train.steps=30", "optim.lr=0.01", "train.seq_len=" + std::to_string(2 * d),
+    Result<TrainConfig> tc = config({data, "train.steps=30", "optim.lr=0.01", "train.seq_len=" + std::to_string(3 * d),
                                      "run.export=" + exported.string(), "run.dir=" + (dir_ / "train").string()});
     ASSERT_TRUE(tc.ok()) << tc.status().to_string();
     Result<TrainSummary> r = run_training(*tc, yaml_);
