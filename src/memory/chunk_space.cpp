@@ -175,6 +175,11 @@ Result<TensorId> ChunkSpace::add_tensor(const std::string& name, ChunkKind kind,
   return id;
 }
 
+bool ChunkSpace::opens_chunk(ChunkKind kind, uint64_t bytes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return layout_.opens_chunk(kind, bytes);
+}
+
 Result<ChunkId> ChunkSpace::add_chunk(ChunkKind kind, std::optional<Tier> home) {
   std::lock_guard<std::mutex> lock(mu_);
   RETURN_IF_ERROR(new_chunk_home(kind, home).status());

@@ -119,6 +119,8 @@ class ChunkSpace {
   // `home`, or in the lowest tier with room. OutOfMemory when no tier has room.
   Result<TensorId> add_tensor(const std::string& name, ChunkKind kind, uint64_t bytes,
                               std::optional<Tier> home = std::nullopt);
+  // Whether add_tensor() of `bytes` of `kind` would open a new chunk (ChunkLayout::opens_chunk).
+  bool opens_chunk(ChunkKind kind, uint64_t bytes) const;
   // A new empty chunk of `kind` (later tensors of the kind go into it), homed as above.
   Result<ChunkId> add_chunk(ChunkKind kind, std::optional<Tier> home = std::nullopt);
 

@@ -812,7 +812,8 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
 //     all-gather of the updated compute copy.
 //   ZeRO-3: the parameters all-gathered for the forward and again for the backward of every
 //     micro-batch, 2 x grad_accum x (W-1)/W x P, plus ZeRO-2's gradient reduce-scatter; the
-//     updated shards need no gather.
+//     updated shards need no gather. Overlapped, the last layer keeps its weights from its
+//     forward to its backward when only an untied head's batch comes between.
 // Time: those bytes over the bus bandwidth of the slowest link the ring crosses, the node's
 // when the world fits in one node and the network's otherwise (no hierarchical estimate).
 // What adds to the step is what strata train waits for. The sums at handover (ZeRO-0 and 1 with
@@ -878,9 +879,19 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
         const uint64_t bytes = in.state_layout.tensor_bytes(StateKind::kParam, t.shape());
         (experts_p > 1 && t.part != kDensePart ? expert_copy : copy).at(static_cast<size_t>(t.group)) += bytes;
       }
+      // Overlapped, a group whose next batch follows one other's keeps its gathered copy (the
+      // last layer around an untied head; train/paged_state.h, keeps_gathered): no gather.
+      std::vector<int> order;
       uint64_t gathered = 0, dense = 0;
       for (const ProgramEvent& e : in.micro_batch_program)
         if (e.access.activation < 0 && e.access.kind == StateKind::kParam && e.access.part == kDensePart) {
+          const int g = e.access.group;
+          const size_t k = order.size();
+          order.push_back(g);
+          if (in.overlap_comm && k >= 2 && order[k - 2] == g && order[k - 1] != g) {
+            gathered += ring_over(expert_copy.at(static_cast<size_t>(g)), holders);  // experts' again
+            continue;
+          }
           dense += ring(copy.at(static_cast<size_t>(e.access.group)));
           gathered += ring(copy.at(static_cast<size_t>(e.access.group))) +
                       ring_over(expert_copy.at(static_cast<size_t>(e.access.group)), holders);

@@ -92,6 +92,28 @@ std::vector<std::vector<StateStore::Part>> StateStore::make_parts(const std::vec
   return out;
 }
 
+Status StateStore::fill_order(const std::vector<uint64_t>& bytes, bool fills, const std::function<bool(uint64_t)>& opens,
+                              const std::function<Status(size_t)>& pack) {
+  // Largest first (ties in order), each time the largest left that fits the open chunk's tail,
+  // else the largest left, which opens a chunk: the small ones stay for the tails.
+  std::vector<size_t> left(bytes.size());
+  for (size_t j = 0; j < left.size(); ++j) left[j] = j;
+  if (fills) std::stable_sort(left.begin(), left.end(), [&](size_t a, size_t b) { return bytes[a] > bytes[b]; });
+  while (!left.empty()) {
+    size_t at = 0;
+    if (fills)
+      for (size_t n = 0; n < left.size(); ++n)
+        if (!opens(bytes[left[n]])) {
+          at = n;
+          break;
+        }
+    const size_t pick = left[at];
+    left.erase(left.begin() + static_cast<std::ptrdiff_t>(at));
+    RETURN_IF_ERROR(pack(pick));
+  }
+  return Status::OK();
+}
+
 bool StateStore::continues_group(int g, StateKind kind, bool sliced, const HomeOf& home, std::optional<Tier> last) {
   if (!sliced || g == 0) return false;
   return !home || last == home(g, kind, kDensePart);
@@ -133,11 +155,16 @@ std::vector<std::vector<StateStore::PartChunks>> StateStore::Packing::count(cons
       const uint64_t before = chunks;
       const bool own = pi == 0 ? !continues_group(group, kind_, sliced_, home, last) : part.opens_own;
       if (own) ++chunks, used = 0;
-      for (uint64_t bytes : part.bytes) {
-        const uint64_t offset = round_up(used, kTensorAlignment);
-        if (chunks == 0 || offset + bytes > chunk_bytes_) ++chunks, used = bytes;
-        else used = offset + bytes;
-      }
+      const auto opens = [&](uint64_t bytes) {
+        return chunks == 0 || round_up(used, kTensorAlignment) + bytes > chunk_bytes_;
+      };
+      const Status packed = fill_order(part.bytes, sliced_, opens, [&](size_t j) {
+        const uint64_t bytes = part.bytes[j];
+        if (opens(bytes)) ++chunks, used = bytes;
+        else used = round_up(used, kTensorAlignment) + bytes;
+        return Status::OK();
+      });
+      CHECK(packed.ok());
       if (chunks > before && home) last = home(group, kind_, part.id);
       out[g].push_back({part.id, chunks - before, own});
     }
@@ -234,17 +261,22 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
           ASSIGN_OR_RETURN(ChunkId first, with_fallback([&] { return s->space_->add_chunk(kind, home); }));
           chunks.push_back(first);
         }
-        for (size_t i : part.tensors) {
-          const StateTensor& t = s->tensors_[i];
-          // A tensor that opens a chunk of its own (past the end of the current one) falls back too.
-          ASSIGN_OR_RETURN(TensorId id, with_fallback([&] {
-                             return s->space_->add_tensor(std::string(state_kind_name(kind)) + "/" + t.name,
-                                                          kind, s->layout_.tensor_bytes(kind, t.shape(sliced)), home);
-                           }));
-          s->ids_[i][k] = id;
-          const ChunkId c = s->space_->tensor(id).chunk;
-          if (std::find(chunks.begin(), chunks.end(), c) == chunks.end()) chunks.push_back(c);
-        }
+        std::vector<uint64_t> bytes;
+        for (size_t i : part.tensors) bytes.push_back(s->layout_.tensor_bytes(kind, s->tensors_[i].shape(sliced)));
+        RETURN_IF_ERROR(fill_order(
+            bytes, sliced, [&](uint64_t b) { return s->space_->opens_chunk(kind, b); },
+            [&](size_t j) -> Status {
+              const size_t i = part.tensors[j];
+              // A tensor that opens a chunk of its own (past the end of the current one) falls back too.
+              ASSIGN_OR_RETURN(TensorId id, with_fallback([&] {
+                                 return s->space_->add_tensor(
+                                     std::string(state_kind_name(kind)) + "/" + s->tensors_[i].name, kind, bytes[j], home);
+                               }));
+              s->ids_[i][k] = id;
+              const ChunkId c = s->space_->tensor(id).chunk;
+              if (std::find(chunks.begin(), chunks.end(), c) == chunks.end()) chunks.push_back(c);
+              return Status::OK();
+            }));
         if (!chunks.empty()) last_chunk = chunks.back();
         if (options.home && s->space_->num_chunks() > chunks_before) last_asked = options.home(g, kind, part.id);
       }

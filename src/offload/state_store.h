@@ -24,7 +24,10 @@
 // it would continue in lives where the group's are homed, instead of opening a chunk of its own. A rank of W holds 1/W of each group: padding every group's slices
 // to whole chunks would keep a rank's share from shrinking with W (a layer's slices at W = 64 are
 // a sixteenth of a chunk sized for the largest tensor). A chunk holding two groups' slices is
-// never overwritten whole (kWrite reads it first), and acquiring one group pins it. Two groups
+// never overwritten whole (kWrite reads it first), and acquiring one group pins it. A part's slices
+// are packed largest first, the smaller ones filling the tails that the larger leave (fill_order):
+// a rank's slices are small beside a chunk, and packing them in order left up to a slice's worth
+// of each chunk empty. The order of a part's tensors in its chunks matters to nothing else. Two groups
 // that share a chunk may be acquired in different tiers one after the other (each group's AdamW
 // where its moments live), never at once: the step's only concurrent acquisitions (an optimizer or
 // a communication thread beside compute) are of kinds ZeRO-1 holds whole.
@@ -167,6 +170,12 @@ class StateStore {
                                                           uint64_t chunk_bytes, const StateLayout& layout,
                                                           StateKind kind, bool sliced = false,
                                                           const HomeOf& home = {});
+  // Packs a part's tensors of `bytes` (each in its bytes of one kind) through `pack` (given the
+  // index), in the order create() does: without `fills` in order; with it (slices), largest
+  // first, each time the largest left that does not open a chunk (`opens(bytes)` false, as
+  // packed so far), else the largest left. Stops at the first error `pack` returns.
+  static Status fill_order(const std::vector<uint64_t>& bytes, bool fills, const std::function<bool(uint64_t)>& opens,
+                           const std::function<Status(size_t)>& pack);
   // part_chunks() of one kind, with the tensors' bytes worked out once, to be counted under many
   // homes (the planner's placements while it spills) without rebuilding them.
   class Packing {

@@ -89,8 +89,16 @@ std::pair<uint64_t, uint64_t> GroupWorkspace::place_for(int group) const {
   for (size_t h = 0; h < base_.size(); ++h)
     if (base_[h] != kClosed) candidates.push_back(base_[h] + group_bytes_[h]);
   for (const Closed& f : recent_) candidates.push_back(f.end);
+  if (in_flight_room_ && need <= capacity_) {
+    // Also the top, and just below each open place: a group in flight beside one in use lands
+    // at either end of the room between them rather than in its middle, leaving the other end
+    // whole for the next (the head after the last layer, each larger than the gap it'd leave).
+    candidates.push_back(capacity_ - need);
+    for (size_t h = 0; h < base_.size(); ++h)
+      if (base_[h] != kClosed && base_[h] >= need) candidates.push_back(base_[h] - need);
+  }
   auto overlaps = [](uint64_t a, uint64_t b, uint64_t c, uint64_t d) { return a < d && c < b; };
-  uint64_t best = kClosed, best_cost = UINT64_MAX;
+  uint64_t best = kClosed, best_cost = UINT64_MAX, best_hole = 0;
   for (uint64_t at : candidates) {
     if (at + need > capacity_) continue;
     bool clash = false;
@@ -98,11 +106,16 @@ std::pair<uint64_t, uint64_t> GroupWorkspace::place_for(int group) const {
       clash = base_[h] != kClosed && need > 0 && group_bytes_[h] > 0 &&
               overlaps(at, at + need, base_[h], base_[h] + group_bytes_[h]);
     if (clash) continue;
-    uint64_t cost = 0;
-    if (in_flight_room_)
+    uint64_t cost = 0, hole = 0;
+    if (in_flight_room_) {
       for (const Closed& f : recent_)
         if (overlaps(at, at + need, f.begin, f.end)) cost = std::max(cost, f.order);
-    if (cost < best_cost || (cost == best_cost && at < best)) best = at, best_cost = cost;
+      hole = std::max(at, capacity_ - (at + need));
+    }
+    // Ties: the place nearer an end of the buffer (the room on its far side is whole once the
+    // groups in use now close: the next group in flight fits there), then the lowest.
+    if (cost < best_cost || (cost == best_cost && (hole > best_hole || (hole == best_hole && at < best))))
+      best = at, best_cost = cost, best_hole = hole;
   }
   return {best, best_cost};
 }

@@ -13,7 +13,9 @@
 // gradient sum not yet made, weights not yet read). close() with that stream records an event,
 // and an open() whose place overlaps such a place makes its own stream wait for it; so that
 // opening a group rarely waits for the one before it, open() prefers places whose users are
-// done, or else closed the longest ago, and the extra room holds a group still in flight.
+// done, or else closed the longest ago, and the extra room holds a group still in flight. Among
+// places alike so, it takes the one nearer an end of the buffer: a group opened beside the one
+// in use then leaves the far side whole for the next, once that one closes.
 //
 // Ownership: borrows the Device (which must outlive it). Not thread-safe: the training thread's.
 #pragma once

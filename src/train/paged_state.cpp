@@ -1072,7 +1072,9 @@ Status PagedState::begin_experts(int group, std::span<const int> experts, bool p
     if ((gathered_ || workspace_) && deferred_.ok()) deferred_ = st;
     return st;
   };
-  if (params) {
+  // Overlapped ZeRO-3 gathered the experts with their layer, on the communication stream.
+  const bool weights_here = params && !gathers_experts_with_layer();
+  if (weights_here) {
     if (Status st = store_->acquire_parts(group, weights, StateKind::kParam, Tier::kDevice, AccessMode::kRead, s);
         !st.ok())
       return failed(st);
@@ -1087,7 +1089,7 @@ Status PagedState::begin_experts(int group, std::span<const int> experts, bool p
   if (grads) {
     Status st = store_->acquire_parts(group, gradients, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite, s);
     if (!st.ok()) {
-      if (params) store_->release_parts(group, weights, StateKind::kParam, s);
+      if (weights_here) store_->release_parts(group, weights, StateKind::kParam, s);
       return failed(st);
     }
     if (workspace_) fill_gradients(group, /*experts=*/true, *s);
@@ -1104,8 +1106,9 @@ void PagedState::end_experts(int group, std::span<const int> experts, bool param
               "an MoE layer whose gradients are taken in more than one batch of a micro-batch");
     sum_gradients_to_ranges(group, /*experts=*/true, *model_stream());
   }
-  if (params) store_->release_parts(group, gathered_ ? std::span<const int>(every) : experts, StateKind::kParam,
-                                    compute_stream_);
+  if (params && !gathers_experts_with_layer())
+    store_->release_parts(group, gathered_ ? std::span<const int>(every) : experts, StateKind::kParam,
+                          compute_stream_);
   if (grads) store_->release_parts(group, workspace_ ? std::span<const int>(every) : experts, StateKind::kGrad,
                                    compute_stream_);
   if (options_.expert_ranks > 1) after_collective();  // (begin_experts)
@@ -1118,7 +1121,8 @@ void PagedState::end(int group, bool params, bool grads) {
   const bool summed = grads && workspace_ && close_gradients(group, *model_stream());
   // Without overlap the compute stream's later work reuses the place in order; with it, a gather
   // on the communication stream waits for this group's compute first.
-  if (params && gathered_) gathered_->close(group, overlapped ? compute_stream_ : nullptr);
+  if (params && gathered_ && overlapped && keeps_gathered(group)) kept_ = group;
+  else if (params && gathered_) gathered_->close(group, overlapped ? compute_stream_ : nullptr);
   // (An overlapped gather released the chunk once it had copied from it.)
   if (params && !(gathered_ && overlapped))
     store_->release_part(group, kDensePart, StateKind::kParam, compute_stream_);
@@ -1403,7 +1407,12 @@ Status PagedState::acquire_part(int g, StateKind kind, AccessMode mode, Stream* 
 
 Status PagedState::begin_gathered(int g) {
   RETURN_IF_ERROR(collective_error());
-  if (prefetched_ == g) {
+  if (kept_ == g) {
+    // Gathered for its batch before, on the compute stream's order since: the schedule passes
+    // the entry its gather would acquire.
+    kept_ = -1;
+    RETURN_IF_ERROR(store_->pass_part(g, kDensePart, StateKind::kParam, Tier::kDevice));
+  } else if (prefetched_ == g) {
     prefetched_ = -1;
     model_stream()->wait(*prefetched_event_);
     // Its acquisition came ahead of its entry: the schedule moves past it now.
@@ -1428,7 +1437,18 @@ Status PagedState::begin_gathered(int g) {
   return Status::OK();
 }
 
+bool PagedState::keeps_gathered(int g) const {
+  // gather_next_ is the entry after g's own (begin_gathered).
+  const size_t between = gather_next_, again = gather_next_ + 1;
+  return again < gather_order_.size() && gather_order_[again] == g && gather_order_[between] != g &&
+         prefetched_ == gather_order_[between];
+}
+
 void PagedState::drop_prefetch() {
+  if (kept_ >= 0) {
+    gathered_->close(kept_, compute_stream_);  // the compute stream used it last
+    kept_ = -1;
+  }
   if (prefetched_ < 0) return;
   gathered_->close(prefetched_, comm_stream_.get());  // its gather is its only user
   prefetched_ = -1;
@@ -1439,9 +1459,18 @@ Status PagedState::queue_gather(int g, bool follow, Event& done) {
   // The chunk is read on the communication stream: its moves are waited for there, and it moves
   // again only after the copy of this rank's ranges.
   RETURN_IF_ERROR(acquire_part(g, StateKind::kParam, AccessMode::kRead, &cs, follow));
+  // An MoE layer's experts come along (every one the layer has, as begin_experts would gather).
+  const std::vector<int> experts = gathers_experts_with_layer() ? held_parts(g) : std::vector<int>{};
+  if (!experts.empty()) {
+    if (Status st = store_->acquire_parts(g, experts, StateKind::kParam, Tier::kDevice, AccessMode::kRead, &cs);
+        !st.ok()) {
+      store_->release_part(g, kDensePart, StateKind::kParam, &cs);
+      return st;
+    }
+  }
   gathered_->open(g, &cs);
   for (size_t i : store_->group_tensors(g)) {
-    if (store_->tensor(i).part != kDensePart || elsewhere(i)) continue;
+    if ((store_->tensor(i).part != kDensePart && experts.empty()) || elsewhere(i)) continue;
     GatherPiece p = gather_piece(i);
     if (p.own_bytes > 0) device_->copy(p.own_at, p.own, p.own_bytes, cs, "gathered weights");
     queue_collective("gathering the weights", g,
@@ -1450,6 +1479,7 @@ Status PagedState::queue_gather(int g, bool follow, Event& done) {
                      });
   }
   store_->release_part(g, kDensePart, StateKind::kParam, &cs);
+  if (!experts.empty()) store_->release_parts(g, experts, StateKind::kParam, &cs);
   done.record(cs);
   return Status::OK();
 }

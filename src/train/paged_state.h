@@ -405,8 +405,20 @@ class PagedState : public model::ParamAccess, public SavableState {
   // the same program and so gathers in the same order. Not past the micro-batch's last gather:
   // the optimizer may change the weights before the next.
   Status begin_gathered(int group);
+  // Whether end() keeps group g's gathered weights for its next batch (kept_) rather than
+  // dropping them: when one other batch, whose gather is already done or queued (prefetched_),
+  // comes between (the last layer's forward, the head, the last layer's backward). Its place is
+  // open already and no gather opens one before g's next batch: keeping costs no room.
+  bool keeps_gathered(int group) const;
+  // Overlapped ZeRO-3 without expert groups: a layer's gather on the communication stream
+  // brings its experts' weights too (all of them, as every rank gathers every expert), so that
+  // begin_experts finds them in place. With expert groups the experts' gathers run over the
+  // holders' Comm, on the compute path.
+  bool gathers_experts_with_layer() const {
+    return gathered_ && overlaps_collectives() && options_.expert_ranks <= 1;
+  }
   // Gives the prefetched group's place back unused (a begin other than the program's next, e.g.
-  // an evaluation's; the step's end).
+  // an evaluation's; the step's end), and the kept group's.
   void drop_prefetch();
   // The overlapped sums of group g's dense part onto the ranks' slices, behind its backward.
   void queue_gradient_sums(int group);
@@ -460,10 +472,11 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::vector<int> summing_;  // groups whose slices are pinned until their queued sums are done
   // ZeRO-3 overlapped: the groups a micro-batch's batches gather, in order (the program's dense
   // kParam acquisitions), the entry after the latest begin's, the group gathered ahead (-1:
-  // none) and the end of its gather.
+  // none) and the end of its gather, and the group whose gathered weights end() kept (-1: none).
   std::vector<int> gather_order_;
   size_t gather_next_ = 0;
   int prefetched_ = -1;
+  int kept_ = -1;
   std::unique_ptr<Event> prefetched_event_;
   std::mutex collective_mu_;
   Status collective_error_;                   // GUARDED_BY(collective_mu_)

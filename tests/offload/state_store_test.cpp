@@ -257,6 +257,39 @@ TEST(StateStoreTest, ASlicedKindHoldsEachTensorsSliceAlone) {
   EXPECT_EQ(back, (std::vector<float>{2010, 2011, 2012, 2013}));
 }
 
+// A part's slices are packed largest first, the smaller filling the tails the larger leave: slices
+// of 1/2, 3/8, 1/2, 1/8 and 1/2 of a chunk take three chunks in order (the 1/8 and 3/8 tails stay
+// empty) and two so. The static count is the store's, and every slice keeps its own bytes.
+TEST(StateStoreTest, SlicesFillTheTailsOfTheirChunks) {
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  const uint64_t eighth = kFloats / 8;
+  std::vector<StateTensor> tensors;
+  for (uint64_t eighths : {4, 3, 4, 1, 4}) tensors.push_back({"t" + std::to_string(tensors.size()), 2 * eighths * eighth, 0});
+  for (StateTensor& t : tensors) t.slice = ElementRange{t.elements / 2, t.elements / 2};  // this rank's half
+  StateStoreOptions o;
+  o.space.chunk_bytes = kChunk;
+  o.space.host_bytes = 64 * kChunk;
+  o.home = [](int, StateKind, int) { return Tier::kHost; };
+  o.sliced = [](int, StateKind k) { return k == StateKind::kAdamM; };
+  auto store = StateStore::create(**device, nullptr, tensors, o);
+  ASSERT_TRUE(store.ok()) << store.status().to_string();
+  StateStore& s = **store;
+  EXPECT_EQ(StateStore::group_chunks(tensors, kChunk, o.layout, StateKind::kAdamM, true), (std::vector<uint64_t>{2}));
+  uint64_t adam_m = 0;
+  for (ChunkId c = 0; c < s.space().num_chunks(); ++c) adam_m += s.space().chunk_kind(c) == ChunkKind::kAdamM ? 1 : 0;
+  EXPECT_EQ(adam_m, 2u);
+  ASSERT_TRUE(s.acquire_group(0, StateKind::kAdamM, Tier::kHost, AccessMode::kWrite).ok());
+  for (size_t i = 0; i < tensors.size(); ++i)
+    for (uint64_t e = 0; e < tensors[i].elements / 2; ++e) s.pointer(i, StateKind::kAdamM)[e] = static_cast<float>(i * 100000 + e);
+  bool same = true;
+  for (size_t i = 0; i < tensors.size(); ++i)
+    for (uint64_t e = 0; e < tensors[i].elements / 2; ++e)
+      same = same && s.pointer(i, StateKind::kAdamM)[e] == static_cast<float>(i * 100000 + e);
+  EXPECT_TRUE(same);
+  s.release_group(0, StateKind::kAdamM);
+}
+
 // The groups' slices of a sliced kind share chunks where the groups are homed alike, so a rank's
 // share is its slices' bytes, not a chunk per group; a group homed elsewhere opens a chunk of its
 // own. Writing one group's slices whole (kWrite) keeps the other group's bytes in the chunk they

@@ -144,6 +144,27 @@ TEST(GroupWorkspace, PlacesDependOnTheOrderOnlyNotOnStreamProgress) {
   opener->synchronize();
 }
 
+// Layers of 960 bytes (1024 with the blocks) then a head of 1280, each gathered while the one
+// before computes (two open at once), in a room of 2 x 1280: a layer opened beside the one in use
+// goes to an end of the buffer, so once that one closes the head finds the other end whole. (In
+// the first free place after the open layer, the head found 1024 and 256 on its two sides.)
+TEST(GroupWorkspace, AGroupInFlightGoesToAnEndLeavingTheOtherWhole) {
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  const int head = 4;
+  auto w = GroupWorkspace::create(**device, layout_of({960, 960, 960, 960, 1280}, 1), one_batch_each(5), "test");
+  ASSERT_TRUE(w.ok());
+  std::unique_ptr<Stream> compute = (*device)->create_stream();
+  w->open(0, compute.get());
+  for (int g = 1; g <= head; ++g) {
+    ASSERT_TRUE(w->can_open(g)) << "group " << g << " beside group " << g - 1;
+    w->open(g, compute.get());
+    w->close(g - 1, compute.get());
+  }
+  w->close(head, compute.get());
+  compute->synchronize();
+}
+
 // The real step program of a tied model whose embedding is smaller than a layer, opened and
 // closed as PagedState does for several micro-batches (gradients: from a group's first batch to
 // its last; weights: each batch), with and without room for a group in flight (closing with a

@@ -5,8 +5,9 @@
 // stream's ops by events, and must give the bits of the same collectives made in line, with
 // micro-batches accumulated, tied embeddings (gathered at the head and the embedding) and the
 // gradients' slices paged through host memory; also in chaos mode, where a missing wait between
-// the streams shows as other bits. Under ThreadSanitizer this is the suite that watches the
-// communication stream's thread.
+// the streams shows as other bits. At ZeRO-3 with an untied head the last layer's weights stay
+// gathered from its forward to its backward when overlapped. Under ThreadSanitizer this is the
+// suite that watches the communication stream's thread.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -41,6 +42,8 @@ struct RankRun {
   std::vector<double> losses;
   std::vector<float> params;
   std::string error;
+  uint64_t sent = 0;       // bytes this rank sent, over both communicators
+  uint64_t last_layer = 0;  // bytes of the last layer's weights this rank holds
 };
 
 // One rank's run: `steps` steps of kAccum micro-batches of its own batches, at ZeRO `zero`.
@@ -111,6 +114,11 @@ RankRun run_rank(int rank, int zero, bool overlap, bool tied, const fs::path& re
     out.losses.push_back(loss);
   }
   net.set_access(nullptr);
+  out.sent = (*comm)->bytes_sent() + (*grad)->bytes_sent();
+  const std::string last = fmt::format("model.layers.{}.", mc.num_hidden_layers - 1);
+  for (size_t i = 0; i < net.layout().tensors().size(); ++i)
+    if (net.layout().tensors()[i].name.starts_with(last))
+      out.last_layer += ps.saved_range(net.layout().tensors()[i], i).count * sizeof(float);
   // The ranges of the parameters this rank holds (at ZeRO-3 no rank holds the rest).
   out.params.assign(static_cast<size_t>(net.layout().total_size()), 0.0f);
   const auto& tensors = net.layout().tensors();
@@ -153,6 +161,12 @@ TEST_P(OverlappedCollectives, AreTheBitsOfTheSameCollectivesInLine) {
     size_t differ = 0;
     for (size_t i = 0; i < a.params.size(); ++i) differ += a.params[i] != b.params[i] ? 1 : 0;
     EXPECT_EQ(differ, 0u) << "rank " << r << ": parameters that differ from the run in line";
+    // The same collectives, but that at ZeRO-3 with an untied head the last layer keeps its
+    // gathered weights from its forward to its backward: each micro-batch, a rank sends its
+    // range of them once less (an all-gather over two ranks sends each its own range once).
+    const uint64_t kept = zero == 3 && !tied ? kSteps * kAccum * a.last_layer : 0;
+    EXPECT_GT(a.last_layer, 0u);
+    EXPECT_EQ(a.sent - b.sent, kept) << "rank " << r << " sent " << a.sent << " in line, " << b.sent << " overlapped";
   }
   // Each rank held its own ranges: together, every parameter.
   size_t held = 0;
