@@ -74,16 +74,19 @@ ElementRange tensor_shard(const StateLayout& layout, const StateShape& shape, si
     return static_cast<int>(index % static_cast<size_t>(world)) == rank ? ElementRange{0, n} : ElementRange{n, 0};
   const uint64_t units = (n + kShardUnit - 1) / kShardUnit, w = static_cast<uint64_t>(world);
   const uint64_t r = static_cast<uint64_t>(rank);
-  // Each rank takes units / w; the units % w left over go to the `rem` ranks from
-  // index % w on (round the ranks), so that over many tensors no rank is always the one with
-  // more: a model's norms and biases (often one unit) land on every rank alike. The ranks'
-  // ranges stay contiguous in rank order, as the collectives' blocks need.
-  const uint64_t each = units / w, rem = units % w, start = static_cast<uint64_t>(index) % w;
-  const auto extra = [&](uint64_t q) { return (q + w - start) % w < rem ? 1u : 0u; };
-  uint64_t before = r * each;
-  for (uint64_t q = 0; q < r; ++q) before += extra(q);
+  // Equal parts by the floor of units x rank / w: the last rank's part is the largest, of every
+  // tensor (the planner homes the groups for the largest share, planning.cpp). A tensor of fewer
+  // units than ranks (a norm, a bias) instead goes to the ranks from index % w on, so that such
+  // tensors spread over the ranks rather than all land on the last. Either way the ranks' ranges
+  // are contiguous and in rank order, as the collectives' blocks need.
+  uint64_t before = units * r / w, after = units * (r + 1) / w;
+  if (units < w) {
+    const uint64_t start = std::min(static_cast<uint64_t>(index) % w, w - units);
+    before = std::clamp(r, start, start + units) - start;
+    after = std::clamp(r + 1, start, start + units) - start;
+  }
   const uint64_t first = std::min(n, before * kShardUnit);
-  const uint64_t end = std::min(n, (before + each + extra(r)) * kShardUnit);
+  const uint64_t end = std::min(n, after * kShardUnit);
   return {first, end - first};
 }
 

@@ -46,14 +46,12 @@ struct PlacementRow {
 inline constexpr uint64_t kShardUnit = 256;
 
 // The range of a tensor of `shape` (the `index`-th of the model's tensors) that rank `rank` of
-// `world` owns: contiguous parts in rank order, in whole kShardUnit blocks, of at most one block
-// more than 1/world (the range holding the tensor's end ends there). The blocks left over after
-// an even split go to the ranks from index % world on, so that a tensor of fewer blocks than
-// ranks (a norm) lands on a different rank than its neighbours, and no rank holds more of them
-// all. The fp8
-// recipe's quantised matrices are not split, as their block scales need whole 128 x 128 blocks:
-// each is owned whole, by rank index % world. The ranges of all ranks partition the tensor.
-// REQUIRES: 0 <= rank < world.
+// `world` owns: equal contiguous parts in whole kShardUnit blocks, in rank order (the last rank's
+// is the largest and ends at the tensor's end). A tensor of fewer blocks than ranks (a norm) is
+// owned by consecutive ranks from index % world on, one block each, so that such tensors spread
+// over the ranks; the others' ranges are empty. The fp8 recipe's quantised matrices are not split,
+// as their block scales need whole 128 x 128 blocks: each is owned whole, by rank index % world.
+// The ranges of all ranks partition the tensor. REQUIRES: 0 <= rank < world.
 ElementRange tensor_shard(const StateLayout& layout, const StateShape& shape, size_t index, int rank, int world);
 
 class Placement {

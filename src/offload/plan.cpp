@@ -880,7 +880,8 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
         (experts_p > 1 && t.part != kDensePart ? expert_copy : copy).at(static_cast<size_t>(t.group)) += bytes;
       }
       // Overlapped, a group whose next batch follows one other's keeps its gathered copy (the
-      // last layer around an untied head; train/paged_state.h, keeps_gathered): no gather.
+      // last layer around an untied head, or a one-layer model's tied embedding around its
+      // layer; train/paged_state.h, keeps_gathered): no gather.
       std::vector<int> order;
       uint64_t gathered = 0, dense = 0;
       for (const ProgramEvent& e : in.micro_batch_program)
@@ -923,8 +924,9 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
     const double exposed_s = (static_cast<double>(c.grad_reduce_scatter) / static_cast<double>(accum) * embed +
                               static_cast<double>(c.param_all_gather) * embed / 2) /
                              p.comm_bytes_per_s;
-    // An MoE layer's experts' collectives wait for both streams (paged_state.cpp,
-    // begin_experts), so its layer's queued work is counted as exposed.
+    // An MoE layer's experts' gradient sums (and with expert groups their gathers) wait for both
+    // streams (paged_state.cpp, begin_experts), so its layer's queued work is counted as
+    // exposed: a bound from below where its experts' gathers run with the layer's.
     const double dense = L > 0 ? 1.0 - static_cast<double>(std::clamp<int64_t>(in.moe_layers, 0, L)) /
                                            static_cast<double>(L)
                                : 1.0;

@@ -183,10 +183,11 @@ struct PlanInput {
   std::vector<ProgramEvent> micro_batch_program_offloaded;
   // With several ranks, each with the slice rank `rank` holds of a sliced kind (StateTensor::slice).
   std::vector<StateTensor> state_tensors;
-  // The same with the slices of the rank holding the most of the sliced kinds (the last: it holds
-  // tensors of fewer blocks than ranks whole; in the fp8 recipe whichever owns the most whole
-  // matrices): the planner counts them to choose the homes, so that every rank homes each group
-  // alike (their collectives on a group then move the same kind of memory). Empty: state_tensors.
+  // The same with the slices of the rank holding the most of the sliced kinds (the last holds
+  // the largest part of every tensor split evenly, while tensors of fewer shard units than ranks
+  // spread over the ranks; in the fp8 recipe whichever owns the most whole matrices): the
+  // planner counts them to choose the homes, so that every rank homes each group alike
+  // (their collectives on a group then move the same kind of memory). Empty: state_tensors.
   std::vector<StateTensor> sliced_share_tensors;
   StateLayout state_layout;
   int offloaded_activations = 0;  // saved-activation buffers in the store when offloaded

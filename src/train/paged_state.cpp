@@ -367,6 +367,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
         ps->gather_order_.push_back(e.access.group);
     ps->compute_done_event_ = device.create_event();
     for (int g = 0; g < ps->store_->num_groups(); ++g) ps->slice_summed_.push_back(device.create_event());
+    ps->summing_experts_.resize(static_cast<size_t>(ps->store_->num_groups()));
   }
   CHECK_MSG(!(options.overlap_optimizer && options.overlap_reduction),
             "overlap_optimizer updates groups before their gradients are summed over the ranks");
@@ -1059,7 +1060,11 @@ Status PagedState::begin_experts(int group, std::span<const int> experts, bool p
   // expert's gradients (zero where no token of a rank went), on every rank alike.
   const std::vector<int> every = held_parts(group);
   const std::span<const int> weights = gathered_ ? std::span<const int>(every) : experts;
-  release_summed_slices();  // the experts' collectives wait for the compute stream anyway
+  if (!sums_experts_with_layer()) {
+    release_summed_slices();  // the experts' collectives wait for the compute stream anyway
+  } else if (std::find(summing_.begin(), summing_.end(), group) != summing_.end()) {
+    release_summed_slices();  // its slices, still pinned for the sums of the micro-batch before
+  }
   // Expert groups on NCCL: the model's token exchanges between here and end_experts() run on the
   // compute stream, after the communication stream's work and before its next (see
   // settle_before_collective). Gloo's run apart on the host.
@@ -1088,6 +1093,10 @@ Status PagedState::begin_experts(int group, std::span<const int> experts, bool p
   }
   if (grads) {
     Status st = store_->acquire_parts(group, gradients, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite, s);
+    if (st.code() == StatusCode::kOutOfMemory && !summing_.empty()) {  // as acquire_part does
+      release_summed_slices();
+      st = store_->acquire_parts(group, gradients, StateKind::kGrad, Tier::kDevice, AccessMode::kReadWrite, s);
+    }
     if (!st.ok()) {
       if (weights_here) store_->release_parts(group, weights, StateKind::kParam, s);
       return failed(st);
@@ -1099,18 +1108,27 @@ Status PagedState::begin_experts(int group, std::span<const int> experts, bool p
 
 void PagedState::end_experts(int group, std::span<const int> experts, bool params, bool grads) {
   const std::vector<int> every = held_parts(group);
+  const bool queued = grads && sums_experts_with_layer();
   if (grads && workspace_) {
     // An MoE layer's gradients are taken in one batch of the micro-batch (its backward), so the
-    // experts' sums are made here, while their slices are acquired.
+    // experts' sums are made here, while their slices are acquired: in line, or queued on the
+    // communication stream ahead of the layer's own (end()), their slices pinned until they are
+    // done and released with the layer's (release_summed_slices).
     CHECK_MSG(handover_[static_cast<size_t>(group)] == 1,
               "an MoE layer whose gradients are taken in more than one batch of a micro-batch");
-    sum_gradients_to_ranges(group, /*experts=*/true, *model_stream());
+    if (queued) {
+      queue_gradient_sums(group, /*experts=*/true);
+      summing_experts_[static_cast<size_t>(group)] = every;
+    } else {
+      sum_gradients_to_ranges(group, /*experts=*/true, *model_stream());
+    }
   }
   if (params && !gathers_experts_with_layer())
     store_->release_parts(group, gathered_ ? std::span<const int>(every) : experts, StateKind::kParam,
                           compute_stream_);
-  if (grads) store_->release_parts(group, workspace_ ? std::span<const int>(every) : experts, StateKind::kGrad,
-                                   compute_stream_);
+  if (grads && !queued)
+    store_->release_parts(group, workspace_ ? std::span<const int>(every) : experts, StateKind::kGrad,
+                          compute_stream_);
   if (options_.expert_ranks > 1) after_collective();  // (begin_experts)
 }
 
@@ -1350,7 +1368,7 @@ bool PagedState::close_gradients(int g, Stream& stream) {
   if (++seen < handover_[static_cast<size_t>(g)]) return false;
   seen = 0;
   if (overlaps_collectives()) {
-    queue_gradient_sums(g);
+    queue_gradient_sums(g, /*experts=*/false);
     workspace_->close(g, comm_stream_.get());
   } else {
     sum_gradients_to_ranges(g, /*experts=*/false, stream);
@@ -1394,6 +1412,9 @@ void PagedState::release_summed_slices(bool done_only) {
       summed.synchronize();
     }
     store_->release_part(g, kDensePart, StateKind::kGrad, compute_stream_);
+    std::vector<int>& experts = summing_experts_[static_cast<size_t>(g)];
+    if (!experts.empty()) store_->release_parts(g, experts, StateKind::kGrad, compute_stream_);
+    experts.clear();
     return true;
   });
 }
@@ -1462,8 +1483,12 @@ Status PagedState::queue_gather(int g, bool follow, Event& done) {
   // An MoE layer's experts come along (every one the layer has, as begin_experts would gather).
   const std::vector<int> experts = gathers_experts_with_layer() ? held_parts(g) : std::vector<int>{};
   if (!experts.empty()) {
-    if (Status st = store_->acquire_parts(g, experts, StateKind::kParam, Tier::kDevice, AccessMode::kRead, &cs);
-        !st.ok()) {
+    Status st = store_->acquire_parts(g, experts, StateKind::kParam, Tier::kDevice, AccessMode::kRead, &cs);
+    if (st.code() == StatusCode::kOutOfMemory && !summing_.empty()) {  // as acquire_part does
+      release_summed_slices();
+      st = store_->acquire_parts(g, experts, StateKind::kParam, Tier::kDevice, AccessMode::kRead, &cs);
+    }
+    if (!st.ok()) {
       store_->release_part(g, kDensePart, StateKind::kParam, &cs);
       return st;
     }
@@ -1484,12 +1509,12 @@ Status PagedState::queue_gather(int g, bool follow, Event& done) {
   return Status::OK();
 }
 
-void PagedState::queue_gradient_sums(int g) {
+void PagedState::queue_gradient_sums(int g, bool experts) {
   Stream& cs = *comm_stream_;
   compute_done_event_->record(*model_stream());  // the group's backward
   cs.wait(*compute_done_event_);
   for (size_t i : store_->group_tensors(g)) {
-    if (store_->tensor(i).part != kDensePart || elsewhere(i)) continue;
+    if ((store_->tensor(i).part != kDensePart) != experts || elsewhere(i)) continue;
     float* w = static_cast<float*>(workspace_->at(i));
     const ElementRange own = store_->held(i, StateKind::kGrad);
     float* slice = own.count > 0 ? store_->pointer(i, StateKind::kGrad) : nullptr;
@@ -1508,7 +1533,7 @@ void PagedState::queue_gradient_sums(int g) {
           }
         });
   }
-  slice_summed_[static_cast<size_t>(g)]->record(cs);
+  if (!experts) slice_summed_[static_cast<size_t>(g)]->record(cs);  // the experts' are queued before
 }
 
 void PagedState::sum_gradients_to_ranges(int g, bool experts, Stream& stream) {

@@ -417,11 +417,17 @@ class PagedState : public model::ParamAccess, public SavableState {
   bool gathers_experts_with_layer() const {
     return gathered_ && overlaps_collectives() && options_.expert_ranks <= 1;
   }
+  // Overlapped ZeRO-2 and 3 without expert groups: an MoE layer's experts' gradient sums are
+  // queued on the communication stream too (end_experts), ahead of the layer's own.
+  bool sums_experts_with_layer() const {
+    return workspace_ && overlaps_collectives() && options_.expert_ranks <= 1;
+  }
   // Gives the prefetched group's place back unused (a begin other than the program's next, e.g.
   // an evaluation's; the step's end), and the kept group's.
   void drop_prefetch();
-  // The overlapped sums of group g's dense part onto the ranks' slices, behind its backward.
-  void queue_gradient_sums(int group);
+  // The overlapped sums of group g's dense part (or its experts') onto the ranks' slices,
+  // behind its backward. The dense part's are the group's last: their end is slice_summed_.
+  void queue_gradient_sums(int group, bool experts);
   // Releases the gradient slices of the groups whose sums were queued (summing_), once the
   // host has waited for those sums; with `done_only`, only those whose sums are already done.
   void release_summed_slices(bool done_only = false);
@@ -470,6 +476,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::unique_ptr<Event> gathered_event_, compute_done_event_, comm_done_event_;
   std::vector<std::unique_ptr<Event>> slice_summed_;
   std::vector<int> summing_;  // groups whose slices are pinned until their queued sums are done
+  std::vector<std::vector<int>> summing_experts_;  // per group, its experts' parts pinned so too
   // ZeRO-3 overlapped: the groups a micro-batch's batches gather, in order (the program's dense
   // kParam acquisitions), the entry after the latest begin's, the group gathered ahead (-1:
   // none) and the end of its gather, and the group whose gathered weights end() kept (-1: none).

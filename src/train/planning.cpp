@@ -237,7 +237,9 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     // every tensor, packed as the store packs them. The placement is planned from the largest
     // share of any rank, so that every rank's plan homes each group alike (their collectives
     // on a group's compute copy then move the same kind of memory); the traffic is replayed on
-    // this rank's own store.
+    // this rank's own store. (The largest share holds the largest slice of nearly every tensor,
+    // tensor_shard; where another rank's run of groups homed alike would still take a chunk more,
+    // its store homes the last of them a tier lower, StateStore::create.)
     const int W = static_cast<int>(world), rank = static_cast<int>(std::clamp<int64_t>(t.dp_rank, 0, world - 1));
     // Expert parallelism: a rank holds its experts only (and shares them out with their holders).
     const int P = check_expert_parallel(m, t.parallel_expert, W, t.plan_zero).ok()

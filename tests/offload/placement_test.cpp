@@ -38,14 +38,16 @@ TEST(TensorShard, TheRanksRangesPartitionEveryTensor) {
 }
 
 // The shares are even: they differ by less than two shard units (one left over after the even
-// split, and the tensor's last, partial one).
+// split, and the tensor's last, partial one), and the last rank's is the largest.
 TEST(TensorShard, SharesDifferByAtMostOneUnit) {
   const StateLayout layout = StateLayout::of(Precision::kFp32);
   const uint64_t n = 4096 * 11 + 100;
   for (int world : {2, 3, 4, 7}) {
     uint64_t lo = UINT64_MAX, hi = 0;
-    for (const ElementRange& r : ranges(layout, {n, 0}, 0, world)) lo = std::min(lo, r.count), hi = std::max(hi, r.count);
+    const std::vector<ElementRange> rs = ranges(layout, {n, 0}, 0, world);
+    for (const ElementRange& r : rs) lo = std::min(lo, r.count), hi = std::max(hi, r.count);
     EXPECT_LT(hi - lo, 2 * kShardUnit) << "world " << world;
+    if (n % kShardUnit == 0) EXPECT_EQ(rs.back().count, hi) << "world " << world;
   }
   // A tensor of one unit goes to one rank, the index % world-th; the others' ranges are empty.
   for (size_t index = 0; index < 8; ++index) {
@@ -54,12 +56,12 @@ TEST(TensorShard, SharesDifferByAtMostOneUnit) {
   }
 }
 
-// Over a model's tensors, the units left over after the even split land on every rank alike: a
-// layer's two norms (one unit each) and matrices of 1 + 4k units, 48 layers over 4 ranks, give
-// every rank the same number of elements to within one unit per layer.
-TEST(TensorShard, LeftOverUnitsGoRoundTheRanks) {
+// Tensors of fewer shard units than ranks spread over the ranks: 48 layers of two 64-element
+// norms and matrices of whole multiples of 4 units give each of 4 ranks the same elements (all
+// on the last rank, it held 6144 more).
+TEST(TensorShard, TensorsSmallerThanTheWorldSpreadOverTheRanks) {
   const StateLayout layout = StateLayout::of(Precision::kFp32);
-  const std::vector<uint64_t> layer = {64, 5 * kShardUnit, 9 * kShardUnit, 64, 13 * kShardUnit};
+  const std::vector<uint64_t> layer = {64, 8 * kShardUnit, 12 * kShardUnit, 64, 16 * kShardUnit};
   std::vector<uint64_t> held(4, 0);
   size_t index = 0;
   for (int l = 0; l < 48; ++l)
@@ -67,8 +69,12 @@ TEST(TensorShard, LeftOverUnitsGoRoundTheRanks) {
       const std::vector<ElementRange> rs = ranges(layout, {n, 0}, index++, 4);
       for (size_t r = 0; r < 4; ++r) held[r] += rs[r].count;
     }
-  const auto [lo, hi] = std::minmax_element(held.begin(), held.end());
-  EXPECT_LE(*hi - *lo, 2 * kShardUnit) << held[0] << " " << held[1] << " " << held[2] << " " << held[3];
+  EXPECT_EQ(held, std::vector<uint64_t>(4, held[0]));
+  // A tensor of 2 units over 4 ranks: ranks index % 4 and the next, the last one at most.
+  EXPECT_EQ(ranges(layout, {2 * kShardUnit, 0}, 1, 4),
+            (std::vector<ElementRange>{{0, 0}, {0, kShardUnit}, {kShardUnit, kShardUnit}, {2 * kShardUnit, 0}}));
+  EXPECT_EQ(ranges(layout, {2 * kShardUnit, 0}, 3, 4),
+            (std::vector<ElementRange>{{0, 0}, {0, 0}, {0, kShardUnit}, {kShardUnit, kShardUnit}}));
 }
 
 // The fp8 recipe's quantised matrices are owned whole, by tensor index modulo the world; other

@@ -3,8 +3,9 @@
 // stream), PagedState and communication stream. The gathers (the next group's prefetched along
 // the program) and the gradient sums run on the communication stream against the compute
 // stream's ops by events, and must give the bits of the same collectives made in line, with
-// micro-batches accumulated, tied embeddings (gathered at the head and the embedding) and the
-// gradients' slices paged through host memory; also in chaos mode, where a missing wait between
+// micro-batches accumulated, tied embeddings (gathered at the head and the embedding), an MoE
+// model (whose experts' gathers and sums go with their layer's) and the gradients' slices paged
+// through host memory; also in chaos mode, where a missing wait between
 // the streams shows as other bits. At ZeRO-3 with an untied head the last layer's weights stay
 // gathered from its forward to its backward when overlapped. Under ThreadSanitizer this is the
 // suite that watches the communication stream's thread.
@@ -47,7 +48,7 @@ struct RankRun {
 };
 
 // One rank's run: `steps` steps of kAccum micro-batches of its own batches, at ZeRO `zero`.
-RankRun run_rank(int rank, int zero, bool overlap, bool tied, const fs::path& rendezvous) {
+RankRun run_rank(int rank, int zero, bool overlap, bool tied, bool moe, const fs::path& rendezvous) {
   RankRun out;
   parallel::LaunchInfo launch;
   launch.rank = launch.local_rank = rank;
@@ -65,7 +66,8 @@ RankRun run_rank(int rank, int zero, bool overlap, bool tied, const fs::path& re
     out.error = (comm.ok() ? grad.status() : comm.status()).to_string();
     return out;
   }
-  const model::ModelConfig mc = tiny_config(tied);
+  model::ModelConfig mc = moe ? fp8_moe_config() : tiny_config(tied);
+  mc.tie_word_embeddings = tied;
   // Chaos mode (STRATA_STREAM_CHAOS, tests/train/tests.cmake) delays every stream task at random.
   Result<uint64_t> chaos = stream_chaos_from_env();
   CHECK_MSG(chaos.ok(), chaos.status().to_string());
@@ -131,26 +133,26 @@ RankRun run_rank(int rank, int zero, bool overlap, bool tied, const fs::path& re
   return out;
 }
 
-std::vector<RankRun> run_world(int zero, bool overlap, bool tied) {
+std::vector<RankRun> run_world(int zero, bool overlap, bool tied, bool moe) {
   const fs::path dir = fs::path(::testing::TempDir()) /
-                       fmt::format("overlap_{}_{}_{}_{}", ::getpid(), zero, overlap, tied);
+                       fmt::format("overlap_{}_{}_{}_{}_{}", ::getpid(), zero, overlap, tied, moe);
   fs::remove_all(dir);
   fs::create_directories(dir);
   std::vector<RankRun> runs(kWorld);
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorld; ++r)
-    threads.emplace_back([&, r] { runs[static_cast<size_t>(r)] = run_rank(r, zero, overlap, tied, dir); });
+    threads.emplace_back([&, r] { runs[static_cast<size_t>(r)] = run_rank(r, zero, overlap, tied, moe, dir); });
   for (std::thread& t : threads) t.join();
   fs::remove_all(dir);
   return runs;
 }
 
-class OverlappedCollectives : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+class OverlappedCollectives : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
 
 TEST_P(OverlappedCollectives, AreTheBitsOfTheSameCollectivesInLine) {
-  const auto [zero, tied] = GetParam();
-  const std::vector<RankRun> inline_runs = run_world(zero, false, tied);
-  const std::vector<RankRun> overlapped = run_world(zero, true, tied);
+  const auto [zero, tied, moe] = GetParam();
+  const std::vector<RankRun> inline_runs = run_world(zero, false, tied, moe);
+  const std::vector<RankRun> overlapped = run_world(zero, true, tied, moe);
   for (int r = 0; r < kWorld; ++r) {
     const RankRun& a = inline_runs[static_cast<size_t>(r)];
     const RankRun& b = overlapped[static_cast<size_t>(r)];
@@ -175,8 +177,9 @@ TEST_P(OverlappedCollectives, AreTheBitsOfTheSameCollectivesInLine) {
   EXPECT_EQ(held, overlapped[0].params.size());
 }
 
+// (zero, tied, moe): the MoE model's experts' gathers and sums go with their layer's.
 INSTANTIATE_TEST_SUITE_P(ZeroTwoAndThree, OverlappedCollectives,
-                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool()));
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool(), ::testing::Bool()));
 
 #endif  // STRATA_HAVE_GLOO
 
