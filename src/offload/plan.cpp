@@ -2,13 +2,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <sstream>
+#include <utility>
 
 #include <fmt/format.h>
 
 #include "core/check.h"
 #include "core/units.h"
 #include "offload/replay.h"
+#include "offload/step_program.h"
 
 namespace strata {
 
@@ -879,24 +882,20 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
         const uint64_t bytes = in.state_layout.tensor_bytes(StateKind::kParam, t.shape());
         (experts_p > 1 && t.part != kDensePart ? expert_copy : copy).at(static_cast<size_t>(t.group)) += bytes;
       }
-      // Overlapped, a group whose next batch follows one other's keeps its gathered copy (the
-      // last layer around an untied head, or a one-layer model's tied embedding around its
-      // layer; train/paged_state.h, keeps_gathered): no gather.
-      std::vector<int> order;
+      // Overlapped, a group whose weights are still in place from its batch before needs no
+      // gather (step_program.h, kept_gathers): the last layer around the head.
+      const std::vector<int> order = gather_order(in.micro_batch_program);
+      const std::vector<bool> kept =
+          in.overlap_comm ? kept_gathers(order, p.gather_ahead) : std::vector<bool>(order.size(), false);
       uint64_t gathered = 0, dense = 0;
-      for (const ProgramEvent& e : in.micro_batch_program)
-        if (e.access.activation < 0 && e.access.kind == StateKind::kParam && e.access.part == kDensePart) {
-          const int g = e.access.group;
-          const size_t k = order.size();
-          order.push_back(g);
-          if (in.overlap_comm && k >= 2 && order[k - 2] == g && order[k - 1] != g) {
-            gathered += ring_over(expert_copy.at(static_cast<size_t>(g)), holders);  // experts' again
-            continue;
-          }
-          dense += ring(copy.at(static_cast<size_t>(e.access.group)));
-          gathered += ring(copy.at(static_cast<size_t>(e.access.group))) +
-                      ring_over(expert_copy.at(static_cast<size_t>(e.access.group)), holders);
-        }
+      for (size_t k = 0; k < order.size(); ++k) {
+        const size_t g = static_cast<size_t>(order[k]);
+        // With expert groups a kept layer's experts are gathered again over their holders.
+        gathered += ring_over(expert_copy.at(g), holders);
+        if (kept[k]) continue;
+        dense += ring(copy.at(g));
+        gathered += ring(copy.at(g));
+      }
       c.param_all_gather = accum * gathered;
       dense_queued = c.grad_reduce_scatter - accum * ring_over(G_experts, holders) + accum * dense;
     }
@@ -1012,6 +1011,16 @@ Plan plan_at_level(const PlanInput& in, int zero) {
       continue;
     }
     p.fits = true;
+    // The device's room left beside what the plan keeps there takes more groups gathered ahead
+    // (their workspace counted with the activations), before the traffic is replayed on the
+    // device tier that then remains.
+    if (s.W > 1 && zero >= 3 && in.overlap_comm && in.param_ahead_bytes > 0) {
+      const uint64_t left = in.device_budget > p.device.total() ? in.device_budget - p.device.total() : 0;
+      const uint64_t more = std::min<uint64_t>(kMaxGatherAhead - 1, left / in.param_ahead_bytes);
+      p.gather_ahead = 1 + static_cast<int>(more);
+      p.device.act += more * in.param_ahead_bytes;
+      p.device_chunk_bytes -= more * in.param_ahead_bytes;
+    }
     bool device_short = false;
     traffic = plan_traffic(in, s, homes, p, &device_short);
     if (p.fits) break;
@@ -1118,6 +1127,9 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
                                           : std::string(),
                       format_seconds(p.comm_s),
                       p.comm_s > 0 ? 100 * p.comm_hidden_s / p.comm_s : 0.0, format_seconds(p.comm_exposed_s));
+    if (p.zero >= 3 && in.overlap_comm)
+      os << fmt::format("  weights gathered {} group{} ahead of compute (the device's room beside the plan)\n",
+                        p.gather_ahead, p.gather_ahead == 1 ? "" : "s");
   }
   if (in.tokens_per_step > 0 && p.step_s > 0) {
     if (in.world_size > 1)

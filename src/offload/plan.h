@@ -118,8 +118,11 @@ struct PlanInput {
   // layers' (or the edge's and a layer's) gradients.
   uint64_t gradient_working_bytes = 0;
   // ZeRO-3: the device buffer a batch's groups' compute copies are gathered into
-  // (PagedState::param_working_bytes); 0: two layers' (or the edge's and a layer's).
+  // (PagedState::param_working_bytes); 0: two layers' (or the edge's and a layer's). With
+  // overlap_comm it has room for one group gathered ahead; param_ahead_bytes is the room for each
+  // more (the largest group's copy).
   uint64_t param_working_bytes = 0;
+  uint64_t param_ahead_bytes = 0;
   // Budgets; 0 nvme bytes means no nvme tier.
   uint64_t device_budget = 0;
   uint64_t host_budget = 0;
@@ -300,7 +303,14 @@ struct Plan {
   CommBytes comm;
   double comm_bytes_per_s = 0;
   double comm_s = 0, comm_hidden_s = 0, comm_exposed_s = 0;
+  // ZeRO-3 with overlap_comm: how many groups' gathers run ahead of compute. One, and as many
+  // more (up to kMaxGatherAhead) as the device has room for beside what the plan keeps there
+  // (counted in device.act, taken from device_chunk_bytes): a late gather then delays compute
+  // less. The ranks run the fewest any of them plans (their collectives pair up in order).
+  int gather_ahead = 1;
 };
+
+inline constexpr int kMaxGatherAhead = 4;
 
 // FLOPs of one micro-batch's forward and backward (with recompute when in.recompute).
 double micro_batch_flops(const PlanInput& in);

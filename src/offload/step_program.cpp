@@ -1,6 +1,8 @@
 #include "offload/step_program.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <utility>
 
@@ -91,6 +93,37 @@ std::vector<ProgramEvent> with_handovers(const std::vector<ProgramEvent>& micro_
 }
 
 }  // namespace
+
+std::vector<int> gather_order(const std::vector<ProgramEvent>& micro_batch) {
+  std::vector<int> order;
+  for (const ProgramEvent& e : micro_batch)
+    if (e.access.activation < 0 && e.access.kind == StateKind::kParam && e.access.part == kDensePart)
+      order.push_back(e.access.group);
+  return order;
+}
+
+std::vector<bool> kept_gathers(const std::vector<int>& order, int ahead) {
+  const size_t most = static_cast<size_t>(std::max(ahead, 1));
+  std::vector<bool> kept(order.size(), false);
+  std::deque<std::pair<int, bool>> in_place;  // the groups ahead, in order, and whether kept
+  for (size_t k = 0; k < order.size(); ++k) {
+    const int g = order[k];
+    if (!in_place.empty() && in_place.front().first == g) {
+      kept[k] = in_place.front().second;
+      in_place.pop_front();
+    } else {
+      in_place.clear();
+    }
+    auto placed = [&](int group) {
+      return group == g || std::any_of(in_place.begin(), in_place.end(), [&](const auto& a) { return a.first == group; });
+    };
+    for (size_t at = k + 1 + in_place.size(); in_place.size() < most && at < order.size() && !placed(order[at]); ++at)
+      in_place.emplace_back(order[at], false);
+    const size_t again = k + 1 + in_place.size();
+    if (again < order.size() && order[again] == g && in_place.size() <= most) in_place.emplace_back(g, true);
+  }
+  return kept;
+}
 
 std::vector<int> gradient_batches(const std::vector<ProgramEvent>& micro_batch, int num_groups) {
   std::vector<int> batches(static_cast<size_t>(num_groups), 0);

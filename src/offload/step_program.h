@@ -87,6 +87,18 @@ struct OptimizerProgram {
 // of them closes in the step's last micro-batch.
 std::vector<int> gradient_batches(const std::vector<ProgramEvent>& micro_batch, int num_groups);
 
+// ZeRO-3's gathers of a micro-batch: the group of each batch that computes with weights (the
+// program's acquisitions of a group's dense compute copy), in order.
+std::vector<int> gather_order(const std::vector<ProgramEvent>& micro_batch);
+
+// For each entry of `order`, whether its group's weights are still in place from its batch
+// before, as overlapped ZeRO-3 runs the order with `ahead` groups gathered ahead
+// (train/paged_state.h, begin_gathered and keeps_gathered), room permitting: each batch's
+// begin gathers the groups after those already ahead, up to `ahead` of them and stopping at a
+// group that is ahead already or its own; its end keeps its group when the group's next entry is
+// the one right after those ahead. A kept entry needs no gather.
+std::vector<bool> kept_gathers(const std::vector<int>& order, int ahead);
+
 // The whole program: the optimizer's zeroing before `micro_batch` (the model's, recorded), the
 // norm and AdamW after it, or the updates inside the last micro-batch when overlapped.
 StepProgram make_step_program(std::vector<ProgramEvent> micro_batch, const OptimizerProgram& optimizer);

@@ -209,6 +209,7 @@ Status PagedEngine::create_state(const TrainConfig& t, const OptimizerConfig& oc
   po.overlap_optimizer = t.overlap_backward;
   po.overlap_reduction = overlaps_collectives(t, budgets_.plan_zero);
   po.expert_ranks = static_cast<int>(t.parallel_expert);
+  po.gather_ahead = plan_.gather_ahead;
   po.precision = budgets_.precision;
   po.moments = t.moments;
   po.stochastic_rounding = t.stochastic_rounding;
@@ -229,7 +230,7 @@ uint64_t PagedEngine::workspace_bytes() const {
   if (budgets_.plan_zero >= 2) bytes += PagedState::gradient_working_bytes(net_->layout(), overlapped);
   if (budgets_.plan_zero >= 3)
     bytes += PagedState::param_working_bytes(net_->layout(), StateLayout::of(budgets_.precision, budgets_.moments),
-                                             overlapped);
+                                             overlapped ? std::max(plan_.gather_ahead, 1) : 0);
   return bytes;
 }
 
@@ -265,6 +266,11 @@ Result<double> PagedEngine::micro_batch(const int32_t* inputs, const int32_t* ta
 Result<double> PagedEngine::eval_micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                              const int32_t* positions) {
   return net_->compute(inputs, targets, B, T, /*grad_scale=*/0.0f, /*backward=*/false, positions);
+}
+
+void PagedEngine::run_gathers_ahead(int ahead) {
+  CHECK(ahead >= 1 && ahead <= gather_ahead());
+  state_->run_gathers_ahead(ahead);
 }
 
 Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover, parallel::Comm* experts,

@@ -110,6 +110,10 @@ class PagedEngine {
   // The planner's placement of the state (with several ranks, this rank's share) and what it
   // was planned from: reports compare the measured run with it.
   const Plan& plan() const { return plan_; }
+  // ZeRO-3 overlapped: how many groups' gathers this rank's plan runs ahead (Plan::gather_ahead),
+  // and running `ahead` (at most that: the fewest over the ranks) instead.
+  int gather_ahead() const { return std::max(plan_.gather_ahead, 1); }
+  void run_gathers_ahead(int ahead);
   const PlanInput& plan_input() const { return plan_input_; }
   // The host memory a run on this engine holds (host_ram.h), given the data as opened. Its
   // process item was measured before the tiers were reserved: pinned chunks are resident and

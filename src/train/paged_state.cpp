@@ -343,7 +343,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     ASSIGN_OR_RETURN(GroupWorkspace w,
                      GroupWorkspace::create(device,
                                             workspace_layout(all, so.layout, StateKind::kGrad,
-                                                             ps->plans_overlapped_collectives()),
+                                                             ps->plans_overlapped_collectives() ? 1 : 0),
                                             program.micro_batch, "backward's full gradients (parallel.zero=2)"));
     ps->workspace_ = std::move(w);
     ps->gradient_batches_seen_.assign(static_cast<size_t>(ps->store_->num_groups()), 0);
@@ -351,7 +351,9 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
       ASSIGN_OR_RETURN(GroupWorkspace p,
                        GroupWorkspace::create(device,
                                               workspace_layout(all, so.layout, StateKind::kParam,
-                                                               ps->plans_overlapped_collectives()),
+                                                               ps->plans_overlapped_collectives()
+                                                                   ? std::max(options.gather_ahead, 1)
+                                                                   : 0),
                                               program.micro_batch, "the weights gathered for compute (parallel.zero=3)"));
       ps->gathered_ = std::move(p);
     }
@@ -361,10 +363,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     ps->comm_stream_->set_trace_name("communication");
     ps->gathered_event_ = device.create_event();
     ps->comm_done_event_ = device.create_event();
-    ps->prefetched_event_ = device.create_event();
-    for (const ProgramEvent& e : program.micro_batch)
-      if (e.access.activation < 0 && e.access.kind == StateKind::kParam && e.access.part == kDensePart)
-        ps->gather_order_.push_back(e.access.group);
+    ps->gather_order_ = gather_order(program.micro_batch);
     ps->compute_done_event_ = device.create_event();
     for (int g = 0; g < ps->store_->num_groups(); ++g) ps->slice_summed_.push_back(device.create_event());
     ps->summing_experts_.resize(static_cast<size_t>(ps->store_->num_groups()));
@@ -1139,7 +1138,7 @@ void PagedState::end(int group, bool params, bool grads) {
   const bool summed = grads && workspace_ && close_gradients(group, *model_stream());
   // Without overlap the compute stream's later work reuses the place in order; with it, a gather
   // on the communication stream waits for this group's compute first.
-  if (params && gathered_ && overlapped && keeps_gathered(group)) kept_ = group;
+  if (params && gathered_ && overlapped && keeps_gathered(group)) ahead_.push_back(Ahead{group, nullptr});
   else if (params && gathered_) gathered_->close(group, overlapped ? compute_stream_ : nullptr);
   // (An overlapped gather released the chunk once it had copied from it.)
   if (params && !(gathered_ && overlapped))
@@ -1255,11 +1254,12 @@ float* PagedState::grad(int64_t offset) {
 }
 
 WorkspaceLayout PagedState::workspace_layout(const std::vector<StateTensor>& tensors, const StateLayout& state,
-                                             StateKind kind, bool overlapped) {
+                                             StateKind kind, int in_flight) {
   WorkspaceLayout w;
   w.kind = kind;
-  // A group's gather in flight beside the one computing, or its sums beside the next's backward.
-  w.in_flight = overlapped ? 1 : 0;
+  // Groups' gathers in flight beside the one computing, or a group's sums beside the next's
+  // backward.
+  w.in_flight = in_flight;
   w.span = kind == StateKind::kGrad ? WorkspaceSpan::kMicroBatch : WorkspaceSpan::kBatch;
   for (const StateTensor& t : tensors) {
     // Nothing of an expert held elsewhere is computed here.
@@ -1272,13 +1272,12 @@ WorkspaceLayout PagedState::workspace_layout(const std::vector<StateTensor>& ten
 
 uint64_t PagedState::gradient_working_bytes(const model::ParamLayout& layout, bool overlapped) {
   return GroupWorkspace::bytes_for(
-      workspace_layout(store_tensors(layout), StateLayout{}, StateKind::kGrad, overlapped),
+      workspace_layout(store_tensors(layout), StateLayout{}, StateKind::kGrad, overlapped ? 1 : 0),
       model::record_micro_batch(layout.config(), false));
 }
 
-uint64_t PagedState::param_working_bytes(const model::ParamLayout& layout, const StateLayout& state,
-                                         bool overlapped) {
-  return GroupWorkspace::bytes_for(workspace_layout(store_tensors(layout), state, StateKind::kParam, overlapped),
+uint64_t PagedState::param_working_bytes(const model::ParamLayout& layout, const StateLayout& state, int ahead) {
+  return GroupWorkspace::bytes_for(workspace_layout(store_tensors(layout), state, StateKind::kParam, ahead),
                                    model::record_micro_batch(layout.config(), false));
 }
 
@@ -1428,15 +1427,15 @@ Status PagedState::acquire_part(int g, StateKind kind, AccessMode mode, Stream* 
 
 Status PagedState::begin_gathered(int g) {
   RETURN_IF_ERROR(collective_error());
-  if (kept_ == g) {
-    // Gathered for its batch before, on the compute stream's order since: the schedule passes
-    // the entry its gather would acquire.
-    kept_ = -1;
-    RETURN_IF_ERROR(store_->pass_part(g, kDensePart, StateKind::kParam, Tier::kDevice));
-  } else if (prefetched_ == g) {
-    prefetched_ = -1;
-    model_stream()->wait(*prefetched_event_);
-    // Its acquisition came ahead of its entry: the schedule moves past it now.
+  if (!ahead_.empty() && ahead_.front().group == g) {
+    // Gathered ahead (or kept from its batch before, on the compute stream's order since): its
+    // acquisition came ahead of its entry, so the schedule moves past it now.
+    Ahead a = std::move(ahead_.front());
+    ahead_.pop_front();
+    if (a.done) {
+      model_stream()->wait(*a.done);
+      spare_ahead_events_.push_back(std::move(a.done));
+    }
     RETURN_IF_ERROR(store_->pass_part(g, kDensePart, StateKind::kParam, Tier::kDevice));
   } else {
     drop_prefetch();
@@ -1450,29 +1449,45 @@ Status PagedState::begin_gathered(int g) {
     gather_next_ = i + 1;
     break;
   }
-  if (gather_next_ >= gather_order_.size()) return Status::OK();  // the micro-batch's last
-  const int next = gather_order_[gather_next_];
-  if (next == g || gathered_->is_open(next) || !gathered_->can_open(next)) return Status::OK();
-  RETURN_IF_ERROR(queue_gather(next, /*follow=*/false, *prefetched_event_));
-  prefetched_ = next;
+  // The groups after those already ahead, up to gather_ahead of them and not past the
+  // micro-batch's last gather, while the workspace has room; not one still open (g itself,
+  // which end() may keep).
+  const size_t most = static_cast<size_t>(std::max(options_.gather_ahead, 1));
+  for (size_t at = gather_next_ + ahead_.size(); ahead_.size() < most && at < gather_order_.size(); ++at) {
+    const int next = gather_order_[at];
+    if (gathered_->is_open(next) || !gathered_->can_open(next)) break;
+    std::unique_ptr<Event> done;
+    if (spare_ahead_events_.empty()) {
+      done = device_->create_event();
+    } else {
+      done = std::move(spare_ahead_events_.back());
+      spare_ahead_events_.pop_back();
+    }
+    // A gather that cannot be queued now (no room to acquire the slices) is made when its
+    // batch begins: g's batch goes on.
+    if (!queue_gather(next, /*follow=*/false, *done).ok()) {
+      spare_ahead_events_.push_back(std::move(done));
+      break;
+    }
+    ahead_.push_back(Ahead{next, std::move(done)});
+  }
   return Status::OK();
 }
 
 bool PagedState::keeps_gathered(int g) const {
-  // gather_next_ is the entry after g's own (begin_gathered).
-  const size_t between = gather_next_, again = gather_next_ + 1;
-  return again < gather_order_.size() && gather_order_[again] == g && gather_order_[between] != g &&
-         prefetched_ == gather_order_[between];
+  // gather_next_ is the entry after g's own (begin_gathered); those ahead follow it.
+  const size_t again = gather_next_ + ahead_.size();
+  return again < gather_order_.size() && gather_order_[again] == g &&
+         ahead_.size() <= static_cast<size_t>(std::max(options_.gather_ahead, 1));
 }
 
 void PagedState::drop_prefetch() {
-  if (kept_ >= 0) {
-    gathered_->close(kept_, compute_stream_);  // the compute stream used it last
-    kept_ = -1;
+  for (Ahead& a : ahead_) {
+    // A gather's only user is its stream; a kept group's last was the compute stream.
+    gathered_->close(a.group, a.done ? comm_stream_.get() : compute_stream_);
+    if (a.done) spare_ahead_events_.push_back(std::move(a.done));
   }
-  if (prefetched_ < 0) return;
-  gathered_->close(prefetched_, comm_stream_.get());  // its gather is its only user
-  prefetched_ = -1;
+  ahead_.clear();
 }
 
 Status PagedState::queue_gather(int g, bool follow, Event& done) {

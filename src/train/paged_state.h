@@ -113,6 +113,10 @@ struct PagedStateOptions {
   // with the gradients sliced (ZeRO-2 and 3: the dense parts' collectives on the communication
   // stream; the experts' stay on the compute stream).
   int expert_ranks = 1;
+  // ZeRO-3 with overlap_reduction: how many groups' gathers run ahead of compute along the step
+  // program (the plan's Plan::gather_ahead, as the device budget allows); the gathered weights'
+  // workspace holds that many groups in flight.
+  int gather_ahead = 1;
 };
 
 // What create() reserves in host memory: a slot of chunk_bytes for every chunk the state can
@@ -161,8 +165,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   // `overlapped` (collectives on the communication stream): with room for a group in flight.
   static uint64_t gradient_working_bytes(const model::ParamLayout& layout, bool overlapped = false);
   // The same for ZeRO-3's gathered weights under the recipe's `state` layout.
-  static uint64_t param_working_bytes(const model::ParamLayout& layout, const StateLayout& state,
-                                      bool overlapped = false);
+  // `ahead`: groups in flight (PagedStateOptions::gather_ahead; 0 without overlap).
+  static uint64_t param_working_bytes(const model::ParamLayout& layout, const StateLayout& state, int ahead = 0);
   // The state layout `options` ask for.
   static StateLayout state_layout(const PagedStateOptions& options) {
     return StateLayout::of(options.precision, options.moments);
@@ -249,6 +253,13 @@ class PagedState : public model::ParamAccess, public SavableState {
   // overlap_reduction; the Comms outlive the state.
   // `experts` (options.expert_ranks > 1): the W / P ranks that hold the same experts as this one,
   // whose experts' gradients it sums and whose experts' weights it gathers.
+  // Runs `ahead` groups' gathers ahead instead of options.gather_ahead (fewer: the workspace has
+  // room for those). Every rank must run alike: their collectives pair up in order. Between steps.
+  void run_gathers_ahead(int ahead) {
+    CHECK(ahead >= 1 && ahead <= std::max(options_.gather_ahead, 1));
+    drop_prefetch();
+    options_.gather_ahead = ahead;
+  }
   void set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr, parallel::Comm* experts = nullptr) {
     CHECK_MSG(comm == nullptr || comm->world_size() == 1 || !options_.overlap_optimizer,
               "overlap_optimizer updates groups before their gradients are summed over the ranks");
@@ -348,9 +359,9 @@ class PagedState : public model::ParamAccess, public SavableState {
     return options_.placement && options_.placement->world() > 1 && options_.placement->sliced(0, StateKind::kParam);
   }
   // The workspace layout of `kind` (kGrad: fp32 gradients for a micro-batch; kParam: the
-  // compute copy for a batch) over the store's tensors.
+  // compute copy for a batch) over the store's tensors, with room for `in_flight` groups.
   static WorkspaceLayout workspace_layout(const std::vector<StateTensor>& tensors, const StateLayout& state,
-                                          StateKind kind, bool overlapped);
+                                          StateKind kind, int in_flight);
   // Gathers group g's compute copy (the dense part's tensors, or with `experts` those of its
   // experts, whose place the dense part's gather opened): this rank's ranges copied into place,
   // every range then sent from its rank to the others (the first error is kept in deferred_).
@@ -405,10 +416,11 @@ class PagedState : public model::ParamAccess, public SavableState {
   // the same program and so gathers in the same order. Not past the micro-batch's last gather:
   // the optimizer may change the weights before the next.
   Status begin_gathered(int group);
-  // Whether end() keeps group g's gathered weights for its next batch (kept_) rather than
-  // dropping them: when one other batch, whose gather is already done or queued (prefetched_),
-  // comes between (the last layer's forward, the head, the last layer's backward). Its place is
-  // open already and no gather opens one before g's next batch: keeping costs no room.
+  // Whether end() keeps group g's gathered weights for its next batch (in ahead_) rather than
+  // dropping them: when only batches whose weights are already ahead come between (the last
+  // layer's forward, the head, the last layer's backward; with a tied head and two ahead, the
+  // embedding too). Its place is open already, and no gather opens one for it: keeping costs no
+  // room.
   bool keeps_gathered(int group) const;
   // Overlapped ZeRO-3 without expert groups: a layer's gather on the communication stream
   // brings its experts' weights too (all of them, as every rank gathers every expert), so that
@@ -422,8 +434,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   bool sums_experts_with_layer() const {
     return workspace_ && overlaps_collectives() && options_.expert_ranks <= 1;
   }
-  // Gives the prefetched group's place back unused (a begin other than the program's next, e.g.
-  // an evaluation's; the step's end), and the kept group's.
+  // Gives the places of the groups ahead back unused (a begin other than the program's next,
+  // e.g. an evaluation's; the step's end).
   void drop_prefetch();
   // The overlapped sums of group g's dense part (or its experts') onto the ranks' slices,
   // behind its backward. The dense part's are the group's last: their end is slice_summed_.
@@ -478,13 +490,17 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::vector<int> summing_;  // groups whose slices are pinned until their queued sums are done
   std::vector<std::vector<int>> summing_experts_;  // per group, its experts' parts pinned so too
   // ZeRO-3 overlapped: the groups a micro-batch's batches gather, in order (the program's dense
-  // kParam acquisitions), the entry after the latest begin's, the group gathered ahead (-1:
-  // none) and the end of its gather, and the group whose gathered weights end() kept (-1: none).
+  // kParam acquisitions), the entry after the latest begin's, and the groups whose weights are
+  // in place ahead of their batches, for the entries from it on: each gathered ahead (with the
+  // end of its gather) or kept by end() from its batch before (no event).
+  struct Ahead {
+    int group = -1;
+    std::unique_ptr<Event> done;
+  };
   std::vector<int> gather_order_;
   size_t gather_next_ = 0;
-  int prefetched_ = -1;
-  int kept_ = -1;
-  std::unique_ptr<Event> prefetched_event_;
+  std::deque<Ahead> ahead_;
+  std::vector<std::unique_ptr<Event>> spare_ahead_events_;
   std::mutex collective_mu_;
   Status collective_error_;                   // GUARDED_BY(collective_mu_)
   std::atomic<bool> collectives_stopped_{false};

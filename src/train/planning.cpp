@@ -185,7 +185,11 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   in.overlap_comm = t.parallel_overlap_comm;  // (with expert groups, at ZeRO-2 and 3 only: plan_comm)
   // (Counted at ZeRO-2 and 3 only.)
   in.gradient_working_bytes = PagedState::gradient_working_bytes(layout, overlaps_collectives(t, 2));
-  in.param_working_bytes = PagedState::param_working_bytes(layout, state, overlaps_collectives(t, 3));
+  const bool gathers_overlapped = overlaps_collectives(t, 3);
+  in.param_working_bytes = PagedState::param_working_bytes(layout, state, gathers_overlapped ? 1 : 0);
+  // Each more group gathered ahead takes room for the largest group.
+  if (gathers_overlapped)
+    in.param_ahead_bytes = PagedState::param_working_bytes(layout, state, 2) - in.param_working_bytes;
   in.flops_per_step = static_cast<double>(t.grad_accum) * micro_batch_flops(in);
 
   in.device_budget = t.memory_device;

@@ -219,6 +219,17 @@ Result<bool> any_rank(parallel::Comm& comm, bool value) {
   return sum > 0;
 }
 
+Result<int> fewest_over_ranks(parallel::Comm& comm, int value, int most) {
+  CHECK(value >= 1 && value <= most);
+  // How many ranks have each value: the smallest with any.
+  std::vector<double> votes(static_cast<size_t>(most), 0.0);
+  votes[static_cast<size_t>(value - 1)] = 1.0;
+  RETURN_IF_ERROR(parallel::sum_over_ranks(comm, std::span<double>(votes)));
+  for (size_t v = 0; v < votes.size(); ++v)
+    if (votes[v] > 0) return static_cast<int>(v) + 1;
+  return value;
+}
+
 Result<std::map<std::string, ckpt::FileRecord>> exchange_shard_files(parallel::Comm& comm, const Status& own,
                                                                     const std::map<std::string, ckpt::FileRecord>& files) {
   nlohmann::json mine = {{"ok", own.ok()}, {"message", own.ok() ? "" : own.message()}, {"files", nlohmann::json::object()}};

@@ -74,6 +74,9 @@ void retire_rendezvous(Ranks& ranks, const TrainConfig& t);
 // True on every rank when any rank asks to stop (a signal reached some of them).
 Result<bool> any_rank(parallel::Comm& comm, bool value);
 
+// The smallest of the ranks' values, each in [1, most].
+Result<int> fewest_over_ranks(parallel::Comm& comm, int value, int most);
+
 // A sharded checkpoint's exchange (ckpt::ShardedSave::exchange) over `comm`: every rank's
 // outcome and files to every rank; rank 0 gets all files, the others none, and every rank an
 // error naming the ranks whose share failed.

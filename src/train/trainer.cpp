@@ -687,6 +687,11 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   if (ranks.several()) {
     ranks.start_agreed = true;
     RETURN_IF_ERROR(agree_all_ok(*ranks.comm, Status::OK(), "to start"));
+    // ZeRO-3's gathers run as many groups ahead on every rank, so that the ranks' collectives
+    // pair up in order: the fewest any rank's device has room for.
+    ASSIGN_OR_RETURN(const int ahead,
+                     fewest_over_ranks(*ranks.comm, run->engine->gather_ahead(), kMaxGatherAhead));
+    run->engine->run_gathers_ahead(ahead);
   }
   if (!ranks.writes()) {
     LOG_INFO("rank {}: prepared", ranks.rank());

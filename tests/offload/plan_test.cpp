@@ -364,6 +364,29 @@ TEST(PlanDataParallel, SumsAtHandoverAndQueuedCollectivesHideBehindCompute) {
   EXPECT_EQ(make_plan(ranks(in, 4, 3)).comm_hidden_s, 0);
 }
 
+// Overlapped ZeRO-3 gathers more groups ahead as the device has room left beside what the plan
+// keeps there (counted with the activations), up to kMaxGatherAhead; one without overlap.
+TEST(PlanDataParallel, RoomLeftOnTheDeviceGathersMoreGroupsAhead) {
+  PlanInput in = base_input();
+  in.overlap_comm = true;
+  in.param_working_bytes = 64 << 20;
+  in.param_ahead_bytes = 32 << 20;
+  const Plan one = make_plan(ranks(in, 4, 3));
+  ASSERT_TRUE(one.fits) << one.problem;
+  const uint64_t left = in.device_budget - one.device.total() + (static_cast<uint64_t>(one.gather_ahead) - 1) * (32 << 20);
+  const int expected = 1 + static_cast<int>(std::min<uint64_t>(kMaxGatherAhead - 1, left / (32 << 20)));
+  EXPECT_EQ(one.gather_ahead, expected);
+  EXPECT_LE(one.device.total(), in.device_budget);
+  // A budget with room for exactly one more beside the same placement: two ahead.
+  in.device_budget = one.device.total() - (static_cast<uint64_t>(one.gather_ahead) - 1) * (32 << 20) + (32 << 20);
+  const Plan two = make_plan(ranks(in, 4, 3));
+  ASSERT_TRUE(two.fits) << two.problem;
+  EXPECT_EQ(two.gather_ahead, 2);
+  EXPECT_LE(two.device.total(), in.device_budget);
+  in.overlap_comm = false;
+  EXPECT_EQ(make_plan(ranks(in, 4, 3)).gather_ahead, 1);
+}
+
 TEST(PlanDataParallel, AWorldBeyondOneNodeTalksAtTheNetworksRate) {
   PlanInput in = base_input();
   in.rates.intra_node_bytes_per_s = 150e9;

@@ -4,8 +4,8 @@
 // the program) and the gradient sums run on the communication stream against the compute
 // stream's ops by events, and must give the bits of the same collectives made in line, with
 // micro-batches accumulated, tied embeddings (gathered at the head and the embedding), an MoE
-// model (whose experts' gathers and sums go with their layer's) and the gradients' slices paged
-// through host memory; also in chaos mode, where a missing wait between
+// model (whose experts' gathers and sums go with their layer's), one or three groups gathered
+// ahead, and the gradients' slices paged through host memory; also in chaos mode, where a missing wait between
 // the streams shows as other bits. At ZeRO-3 with an untied head the last layer's weights stay
 // gathered from its forward to its backward when overlapped. Under ThreadSanitizer this is the
 // suite that watches the communication stream's thread.
@@ -44,11 +44,11 @@ struct RankRun {
   std::vector<float> params;
   std::string error;
   uint64_t sent = 0;       // bytes this rank sent, over both communicators
-  uint64_t last_layer = 0;  // bytes of the last layer's weights this rank holds
+  std::vector<uint64_t> group_bytes;  // per parameter group, the bytes of its weights this rank holds
 };
 
 // One rank's run: `steps` steps of kAccum micro-batches of its own batches, at ZeRO `zero`.
-RankRun run_rank(int rank, int zero, bool overlap, bool tied, bool moe, const fs::path& rendezvous) {
+RankRun run_rank(int rank, int zero, bool overlap, bool tied, bool moe, int ahead, const fs::path& rendezvous) {
   RankRun out;
   parallel::LaunchInfo launch;
   launch.rank = launch.local_rank = rank;
@@ -83,6 +83,7 @@ RankRun run_rank(int rank, int zero, bool overlap, bool tied, bool moe, const fs
   po.rank = rank;
   po.placement = placement;
   po.overlap_reduction = overlap;
+  po.gather_ahead = ahead;
   po.grad_accum = kAccum;
   po.optimizer = optimizer_config(1.0f);
   // About a layer a chunk, six on the device: the groups' chunks move between the tiers.
@@ -117,10 +118,16 @@ RankRun run_rank(int rank, int zero, bool overlap, bool tied, bool moe, const fs
   }
   net.set_access(nullptr);
   out.sent = (*comm)->bytes_sent() + (*grad)->bytes_sent();
-  const std::string last = fmt::format("model.layers.{}.", mc.num_hidden_layers - 1);
-  for (size_t i = 0; i < net.layout().tensors().size(); ++i)
-    if (net.layout().tensors()[i].name.starts_with(last))
-      out.last_layer += ps.saved_range(net.layout().tensors()[i], i).count * sizeof(float);
+  // Groups: the embedding 0, layer l at l + 1, the head (final norm, lm_head) after them.
+  const int64_t layers = mc.num_hidden_layers;
+  out.group_bytes.assign(static_cast<size_t>(layers) + 2, 0);
+  for (size_t i = 0; i < net.layout().tensors().size(); ++i) {
+    const std::string& name = net.layout().tensors()[i].name;
+    int64_t group = layers + 1;
+    if (name.starts_with("model.embed_tokens.")) group = 0;
+    else if (name.starts_with("model.layers.")) group = 1 + std::stoll(name.substr(13));
+    out.group_bytes[static_cast<size_t>(group)] += ps.saved_range(net.layout().tensors()[i], i).count * sizeof(float);
+  }
   // The ranges of the parameters this rank holds (at ZeRO-3 no rank holds the rest).
   out.params.assign(static_cast<size_t>(net.layout().total_size()), 0.0f);
   const auto& tensors = net.layout().tensors();
@@ -133,26 +140,26 @@ RankRun run_rank(int rank, int zero, bool overlap, bool tied, bool moe, const fs
   return out;
 }
 
-std::vector<RankRun> run_world(int zero, bool overlap, bool tied, bool moe) {
+std::vector<RankRun> run_world(int zero, bool overlap, bool tied, bool moe, int ahead) {
   const fs::path dir = fs::path(::testing::TempDir()) /
-                       fmt::format("overlap_{}_{}_{}_{}_{}", ::getpid(), zero, overlap, tied, moe);
+                       fmt::format("overlap_{}_{}_{}_{}_{}_{}", ::getpid(), zero, overlap, tied, moe, ahead);
   fs::remove_all(dir);
   fs::create_directories(dir);
   std::vector<RankRun> runs(kWorld);
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorld; ++r)
-    threads.emplace_back([&, r] { runs[static_cast<size_t>(r)] = run_rank(r, zero, overlap, tied, moe, dir); });
+    threads.emplace_back([&, r] { runs[static_cast<size_t>(r)] = run_rank(r, zero, overlap, tied, moe, ahead, dir); });
   for (std::thread& t : threads) t.join();
   fs::remove_all(dir);
   return runs;
 }
 
-class OverlappedCollectives : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
+class OverlappedCollectives : public ::testing::TestWithParam<std::tuple<int, bool, bool, int>> {};
 
 TEST_P(OverlappedCollectives, AreTheBitsOfTheSameCollectivesInLine) {
-  const auto [zero, tied, moe] = GetParam();
-  const std::vector<RankRun> inline_runs = run_world(zero, false, tied, moe);
-  const std::vector<RankRun> overlapped = run_world(zero, true, tied, moe);
+  const auto [zero, tied, moe, ahead] = GetParam();
+  const std::vector<RankRun> inline_runs = run_world(zero, false, tied, moe, 1);
+  const std::vector<RankRun> overlapped = run_world(zero, true, tied, moe, ahead);
   for (int r = 0; r < kWorld; ++r) {
     const RankRun& a = inline_runs[static_cast<size_t>(r)];
     const RankRun& b = overlapped[static_cast<size_t>(r)];
@@ -163,11 +170,24 @@ TEST_P(OverlappedCollectives, AreTheBitsOfTheSameCollectivesInLine) {
     size_t differ = 0;
     for (size_t i = 0; i < a.params.size(); ++i) differ += a.params[i] != b.params[i] ? 1 : 0;
     EXPECT_EQ(differ, 0u) << "rank " << r << ": parameters that differ from the run in line";
-    // The same collectives, but that at ZeRO-3 with an untied head the last layer keeps its
-    // gathered weights from its forward to its backward: each micro-batch, a rank sends its
-    // range of them once less (an all-gather over two ranks sends each its own range once).
-    const uint64_t kept = zero == 3 && !tied ? kSteps * kAccum * a.last_layer : 0;
-    EXPECT_GT(a.last_layer, 0u);
+    // The same collectives, but that at ZeRO-3 a group kept from one batch to its next is not
+    // gathered again: each micro-batch, a rank sends its range of it once less (an all-gather
+    // over two ranks sends each its own range once).
+    // The batches' gathers in order: the embedding, the layers, (a tied embedding,) the head,
+    // the layers backward. Those whose weights stay in place from the batch before are not
+    // gathered again (kept_gathers): the last layer around an untied head; with three ahead the
+    // last layer around a tied one too, and the tied embedding from its forward to the head.
+    const int64_t L = static_cast<int64_t>(a.group_bytes.size()) - 2;
+    std::vector<int> order = {0};
+    for (int l = 1; l <= L; ++l) order.push_back(l);
+    if (tied) order.push_back(0);
+    order.push_back(static_cast<int>(L) + 1);
+    for (int l = static_cast<int>(L); l >= 1; --l) order.push_back(l);
+    uint64_t kept = 0;
+    const std::vector<bool> in_place = kept_gathers(order, ahead);
+    for (size_t k = 0; k < order.size() && zero == 3; ++k)
+      if (in_place[k]) kept += kSteps * kAccum * a.group_bytes[static_cast<size_t>(order[k])];
+    if (zero == 3 && (!tied || ahead > 1)) EXPECT_GT(kept, 0u);
     EXPECT_EQ(a.sent - b.sent, kept) << "rank " << r << " sent " << a.sent << " in line, " << b.sent << " overlapped";
   }
   // Each rank held its own ranges: together, every parameter.
@@ -177,9 +197,11 @@ TEST_P(OverlappedCollectives, AreTheBitsOfTheSameCollectivesInLine) {
   EXPECT_EQ(held, overlapped[0].params.size());
 }
 
-// (zero, tied, moe): the MoE model's experts' gathers and sums go with their layer's.
+// (zero, tied, moe, groups gathered ahead): the MoE model's experts' gathers and sums go with
+// their layer's.
 INSTANTIATE_TEST_SUITE_P(ZeroTwoAndThree, OverlappedCollectives,
-                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool(), ::testing::Bool()));
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool(), ::testing::Bool(),
+                                            ::testing::Values(1, 3)));
 
 #endif  // STRATA_HAVE_GLOO
 

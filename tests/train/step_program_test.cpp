@@ -124,6 +124,31 @@ struct Config {
   bool data_parallel = false;  // a data-parallel rank
 };
 
+// Overlapped ZeRO-3's weights kept from a batch to the group's next (kept_gathers): the last
+// layer around an untied head with one group gathered ahead; around a tied head (the embedding
+// between too) with two; with three also the tied embedding from its forward to the head. No
+// layer before the last: its window holds a repeat.
+TEST(StepProgram, GathersKeptFromABatchToTheNext) {
+  const std::vector<int> untied = {0, 1, 2, 3, 4, 3, 2, 1}, tied = {0, 1, 2, 3, 0, 4, 3, 2, 1};
+  auto kept_at = [](const std::vector<int>& order, int ahead) {
+    std::vector<size_t> at;
+    const std::vector<bool> kept = kept_gathers(order, ahead);
+    for (size_t k = 0; k < kept.size(); ++k)
+      if (kept[k]) at.push_back(k);
+    return at;
+  };
+  EXPECT_EQ(kept_at(untied, 1), std::vector<size_t>{5});
+  EXPECT_EQ(kept_at(untied, 3), std::vector<size_t>{5});
+  EXPECT_EQ(kept_at(tied, 1), std::vector<size_t>{});
+  EXPECT_EQ(kept_at(tied, 2), std::vector<size_t>{6});
+  EXPECT_EQ(kept_at(tied, 3), (std::vector<size_t>{4, 6}));
+  // The recorded program's order is the one above.
+  model::ModelConfig mc = tiny_config(false);
+  EXPECT_EQ(gather_order(model::record_micro_batch(mc, false)), untied);
+  mc.tie_word_embeddings = true;
+  EXPECT_EQ(gather_order(model::record_micro_batch(mc, false)), tied);
+}
+
 TEST(StepProgram, TheRecordedProgramIsTheExpectedOrder) {
   model::ModelConfig deep = tiny_config(false);
   deep.num_hidden_layers = 6;
