@@ -257,6 +257,16 @@ TEST(StateStoreTest, ASlicedKindHoldsEachTensorsSliceAlone) {
   EXPECT_EQ(back, (std::vector<float>{2010, 2011, 2012, 2013}));
 }
 
+// Every kind homed in a host tier of 64 chunks, the Adam first moments held as slices.
+StateStoreOptions host_options_slicing_adam_m() {
+  StateStoreOptions o;
+  o.space.chunk_bytes = kChunk;
+  o.space.host_bytes = 64 * kChunk;
+  o.home = [](int, StateKind, int) { return Tier::kHost; };
+  o.sliced = [](int, StateKind k) { return k == StateKind::kAdamM; };
+  return o;
+}
+
 // A part's slices are packed largest first, the smaller filling the tails the larger leave: slices
 // of 1/2, 3/8, 1/2, 1/8 and 1/2 of a chunk take three chunks in order (the 1/8 and 3/8 tails stay
 // empty) and two so. The static count is the store's, and every slice keeps its own bytes.
@@ -267,11 +277,7 @@ TEST(StateStoreTest, SlicesFillTheTailsOfTheirChunks) {
   std::vector<StateTensor> tensors;
   for (uint64_t eighths : {4, 3, 4, 1, 4}) tensors.push_back({"t" + std::to_string(tensors.size()), 2 * eighths * eighth, 0});
   for (StateTensor& t : tensors) t.slice = ElementRange{t.elements / 2, t.elements / 2};  // this rank's half
-  StateStoreOptions o;
-  o.space.chunk_bytes = kChunk;
-  o.space.host_bytes = 64 * kChunk;
-  o.home = [](int, StateKind, int) { return Tier::kHost; };
-  o.sliced = [](int, StateKind k) { return k == StateKind::kAdamM; };
+  const StateStoreOptions o = host_options_slicing_adam_m();
   auto store = StateStore::create(**device, nullptr, tensors, o);
   ASSERT_TRUE(store.ok()) << store.status().to_string();
   StateStore& s = **store;
@@ -399,11 +405,7 @@ TEST(StateStoreTest, ExpertsASlicedKindHoldsNothingOfOpenNoChunk) {
   std::vector<StateTensor> tensors = {{"dense", kFloats, 0}};
   for (int e = 0; e < 4; ++e) tensors.push_back({"expert" + std::to_string(e), kFloats / 2, 0, e});
   for (StateTensor& t : tensors) t.slice = ElementRange{0, t.part == 1 || t.part == kDensePart ? t.elements : 0};
-  StateStoreOptions o;
-  o.space.chunk_bytes = kChunk;
-  o.space.host_bytes = 64 * kChunk;
-  o.home = [](int, StateKind, int) { return Tier::kHost; };
-  o.sliced = [](int, StateKind k) { return k == StateKind::kAdamM; };
+  const StateStoreOptions o = host_options_slicing_adam_m();
   auto store = StateStore::create(**device, nullptr, tensors, o);
   ASSERT_TRUE(store.ok()) << store.status().to_string();
   // Whole: the dense part and each expert a chunk (each is half a chunk, so it pages alone).
