@@ -5,6 +5,8 @@
 #include "model/hf_io.h"
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -55,27 +57,41 @@ double relative(double a, double b) {
   return std::fabs(a - b) / std::max(std::fabs(b), 1e-30);
 }
 
+// Whether `dir` holds a reference newer than the script that generates it.
+bool fresh(const fs::path& dir) {
+  std::error_code ec;
+  return fs::exists(dir / "reference.json", ec) &&
+         fs::last_write_time(dir / "reference.json", ec) >= fs::last_write_time(script(), ec);
+}
+
 // The reference directory of `variant`, generated once and reused while newer than the script.
-// Generation goes to a private directory renamed into place, so parallel tests never see a
-// half-written one.
+// ctest runs each test in its own process, several at once. Generation holds a lock on the
+// variant, so one process generates while the others wait and then reuse its directory; a
+// fresh directory is never replaced while another test may be reading it.
 fs::path reference(const std::string& variant) {
   const fs::path root = fs::path(STRATA_BINARY_DIR) / "tests" / "model_hf";
   const fs::path dir = root / variant;
+  if (fresh(dir)) return dir;
   std::error_code ec;
-  if (fs::exists(dir / "reference.json", ec) &&
-      fs::last_write_time(dir / "reference.json", ec) >= fs::last_write_time(script(), ec)) {
-    return dir;
-  }
   fs::create_directories(root, ec);
-  const fs::path tmp = root / (variant + ".tmp." + std::to_string(::getpid()));
-  fs::remove_all(tmp, ec);
-  const std::string log = (root / (variant + ".log")).string();
-  const std::string cmd = std::string(kPython) + " " + script().string() + " generate " + tmp.string() + " " +
-                          variant + " >" + log + " 2>&1";
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << "reference script failed; see " << log;
-  fs::remove_all(dir, ec);
-  fs::rename(tmp, dir, ec);
-  if (ec) fs::remove_all(tmp, ec);  // another test won the race
+  const std::string lock_path = (root / (variant + ".lock")).string();
+  const int lock = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  EXPECT_GE(lock, 0) << "cannot open " << lock_path;
+  if (lock >= 0) {
+    EXPECT_EQ(::flock(lock, LOCK_EX), 0) << "cannot lock " << lock_path;
+  }
+  if (!fresh(dir)) {
+    const fs::path tmp = root / (variant + ".tmp." + std::to_string(::getpid()));
+    fs::remove_all(tmp, ec);
+    const std::string log = (root / (variant + ".log")).string();
+    const std::string cmd = std::string(kPython) + " " + script().string() + " generate " + tmp.string() + " " +
+                            variant + " >" + log + " 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << "reference script failed; see " << log;
+    fs::remove_all(dir, ec);  // stale: the script changed since it was generated
+    fs::rename(tmp, dir, ec);
+    EXPECT_FALSE(ec) << "cannot move " << tmp << " to " << dir << ": " << ec.message();
+  }
+  if (lock >= 0) ::close(lock);  // releases the lock
   return dir;
 }
 
@@ -150,7 +166,9 @@ TEST_P(HfVariantTest, ConfigReadsTheArchitecture) {
   EXPECT_EQ(c->tie_word_embeddings, GetParam() == "llama_tied");
   const bool dynamic = GetParam() == "llama_dynamic";
   EXPECT_EQ(c->rope.scaling, dynamic ? kernels::RopeScaling::kDynamic : kernels::RopeScaling::kNone);
-  if (dynamic) EXPECT_EQ(c->rope.factor, 2.0);
+  if (dynamic) {
+    EXPECT_EQ(c->rope.factor, 2.0);
+  }
 }
 
 TEST_P(HfVariantTest, LoadThenExportIsBitwiseIdentical) {
