@@ -864,13 +864,9 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   if (zero == 0) c.grad_all_reduce = 2 * (ring(G) + ring_over(G_experts, holders));
   else if (zero == 1) c.grad_reduce_scatter = ring(G) + ring_over(G_experts, holders);
   else c.grad_reduce_scatter = accum * (ring(G) + ring_over(G_experts, holders));
-  // The dense parts' share of ZeRO-2 and 3's sums and gathers (the experts' of expert groups run
-  // on the compute path, not on the communication stream).
-  uint64_t dense_queued = zero >= 2 ? accum * ring(G) : 0;
   if (zero == 1 || zero == 2) c.update_all_gather = ring(P) + ring_over(P_experts, holders);
   if (zero == 3) {
     c.param_all_gather = 2 * accum * (ring(P) + ring_over(P_experts, holders));
-    dense_queued += 2 * accum * ring(P);
     if (!in.state_tensors.empty() && !in.micro_batch_program.empty()) {
       // What strata train gathers: each group's whole copy at every batch of the micro-batch
       // that computes with it (forward, recompute, backward; a tied embedding at the head too).
@@ -887,17 +883,14 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
       const std::vector<int> order = gather_order(in.micro_batch_program);
       const std::vector<bool> kept =
           in.overlap_comm ? kept_gathers(order, p.gather_ahead) : std::vector<bool>(order.size(), false);
-      uint64_t gathered = 0, dense = 0;
+      // A kept layer keeps its experts' weights too (gathered with it, over their holders with
+      // expert groups).
+      uint64_t gathered = 0;
       for (size_t k = 0; k < order.size(); ++k) {
         const size_t g = static_cast<size_t>(order[k]);
-        // With expert groups a kept layer's experts are gathered again over their holders.
-        gathered += ring_over(expert_copy.at(g), holders);
-        if (kept[k]) continue;
-        dense += ring(copy.at(g));
-        gathered += ring(copy.at(g));
+        if (!kept[k]) gathered += ring(copy.at(g)) + ring_over(expert_copy.at(g), holders);
       }
       c.param_all_gather = accum * gathered;
-      dense_queued = c.grad_reduce_scatter - accum * ring_over(G_experts, holders) + accum * dense;
     }
   }
   if (in.expert_ranks > 1) {
@@ -912,8 +905,9 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
     const double last = embedding_share(in, L);
     p.comm_hidden_s = std::min(sums_s * (1 - last), p.phases.backward.compute_s);
   } else if (in.overlap_comm && !in.overlap_optimizer && zero >= 2) {
-    // ZeRO-2's sums hide behind backward only; ZeRO-3's gathers behind forward too.
-    const double queued_s = static_cast<double>(dense_queued) / p.comm_bytes_per_s;
+    // ZeRO-2's sums hide behind backward only; ZeRO-3's gathers behind forward too. An MoE
+    // layer's experts' go with the layer's, on the communication stream.
+    const double queued_s = static_cast<double>(c.grad_reduce_scatter + c.param_all_gather) / p.comm_bytes_per_s;
     const double compute_s = static_cast<double>(accum) * ((zero >= 3 ? p.phases.forward.compute_s : 0.0) +
                                                            p.phases.backward.compute_s);
     // Exposed: the embedding's sums of the step's last micro-batch (the others' run during the
@@ -923,13 +917,12 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
     const double exposed_s = (static_cast<double>(c.grad_reduce_scatter) / static_cast<double>(accum) * embed +
                               static_cast<double>(c.param_all_gather) * embed / 2) /
                              p.comm_bytes_per_s;
-    // An MoE layer's experts' gradient sums (and with expert groups their gathers) wait for both
-    // streams (paged_state.cpp, begin_experts), so its layer's queued work is counted as
-    // exposed: a bound from below where its experts' gathers run with the layer's.
-    const double dense = L > 0 ? 1.0 - static_cast<double>(std::clamp<int64_t>(in.moe_layers, 0, L)) /
-                                           static_cast<double>(L)
-                               : 1.0;
-    p.comm_hidden_s = std::clamp((queued_s - exposed_s) * dense, 0.0, compute_s);
+    // Where the token exchanges settle the streams, an MoE layer's share of the queued work is
+    // counted as exposed.
+    const double moe = L > 0 && in.exchanges_settle_comm
+                           ? static_cast<double>(std::clamp<int64_t>(in.moe_layers, 0, L)) / static_cast<double>(L)
+                           : 0.0;
+    p.comm_hidden_s = std::clamp((queued_s - exposed_s) * (1.0 - moe), 0.0, compute_s);
   }
   p.comm_exposed_s = p.comm_s - p.comm_hidden_s;
   p.step_s += p.comm_exposed_s;

@@ -207,6 +207,11 @@ struct PlanInput {
   // rank.
   int64_t expert_ranks = 1;
   uint64_t expert_exchange_bytes = 0;
+  // Expert groups on cuda: an MoE layer's token exchanges on the compute stream first wait for
+  // the communication stream's work, which then waits for them (NCCL's kernels of two
+  // communicators must not interleave differently on different GPUs), so the queued
+  // collectives do not run beside MoE layers. On the CPU backend Gloo's exchanges run apart.
+  bool exchanges_settle_comm = false;
   MachineRates rates;
 };
 

@@ -274,7 +274,7 @@ void PagedEngine::run_gathers_ahead(int ahead) {
 }
 
 Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover, parallel::Comm* experts,
-                             parallel::Comm* expert_holders) {
+                             parallel::Comm* expert_holders, parallel::Comm* expert_handover) {
   const int P = experts != nullptr ? experts->world_size() : 1;
   if (P != std::max(options_.expert_ranks, 1))
     return Status::InvalidArgument(fmt::format("the training state was made for expert groups of {} ranks, and "
@@ -302,7 +302,7 @@ Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover, par
       net_->set_keep_layer_activations(false);
     }
   }
-  state_->set_comm(comm, handover, P > 1 ? expert_holders : nullptr);
+  state_->set_comm(comm, handover, P > 1 ? expert_holders : nullptr, P > 1 ? expert_handover : nullptr);
   net_->set_expert_comm(P > 1 ? experts : nullptr);
   comm_ = comm;
   if (state_->overlaps_collectives())

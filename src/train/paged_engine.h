@@ -86,10 +86,12 @@ class PagedEngine {
   // of the same ranks) as backward hands each layer over. Expert parallelism
   // (parallel.expert_parallel, model/expert_parallel.h): `experts` is this rank's expert group,
   // which exchanges routed tokens, and `expert_holders` the ranks holding the same experts as
-  // this one, which sum their gradients and gather their weights; InvalidArgument when the group
-  // is not the size the engine was made for. All outlive the engine.
+  // this one, which sum their gradients and gather their weights (with parallel.overlap_comm,
+  // through `expert_handover`, another Comm of those ranks, on the communication stream);
+  // InvalidArgument when the group is not the size the engine was made for. All outlive the
+  // engine.
   Status set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr, parallel::Comm* experts = nullptr,
-                  parallel::Comm* expert_holders = nullptr);
+                  parallel::Comm* expert_holders = nullptr, parallel::Comm* expert_handover = nullptr);
   // Device bytes beside the chunks and the activation table for whole groups the ranks hold
   // slices of: ZeRO-2's gradient workspace, ZeRO-3's gathered weights (the plan keeps them free).
   uint64_t workspace_bytes() const;

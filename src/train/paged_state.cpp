@@ -416,7 +416,7 @@ std::vector<size_t> PagedState::rank_blocks(size_t i, uint64_t element_bytes, ui
 }
 
 parallel::Comm& PagedState::comm_of(size_t i) const {
-  const bool expert = options_.expert_ranks > 1 && store_->tensor(i).part != kDensePart;
+  const bool expert = expert_tensor(i);
   parallel::Comm* comm = expert ? expert_comm_ : comm_;
   CHECK_MSG(comm != nullptr, expert ? "expert parallelism without the Comm of the ranks holding this rank's experts"
                                     : "data parallelism without the ranks' Comm (set_comm)");
@@ -729,8 +729,7 @@ Status PagedState::sum_gradients(int g, parallel::Comm& comm, Stream* stream) {
     // Each range summed onto its rank, the whole tensor in one collective: over every rank, or
     // an expert's over the ranks that hold it (none of it here when another group's rank does).
     if (elsewhere(tensors[j])) continue;
-    parallel::Comm& over = store_->tensor(tensors[j]).part != kDensePart && options_.expert_ranks > 1
-                               ? comm_of(tensors[j]) : comm;
+    parallel::Comm& over = expert_tensor(tensors[j]) ? comm_of(tensors[j]) : comm;
     st = over.reduce_scatter_v_sum(p, rank_blocks(tensors[j], 0), stream);
   }
   if (stream != nullptr) stream->synchronize();
@@ -1376,8 +1375,11 @@ bool PagedState::close_gradients(int g, Stream& stream) {
   return true;
 }
 
-void PagedState::queue_collective(const char* what, int group, std::function<Status(parallel::Comm&, Stream*)> op,
-                                  std::function<void(Stream*)> then) {
+void PagedState::queue_collective(const char* what, int group, bool expert,
+                                  std::function<Status(parallel::Comm&, Stream*)> op, std::function<void(Stream*)> then) {
+  parallel::Comm* comm = expert ? expert_handover_comm_ : handover_comm_;
+  CHECK_MSG(comm != nullptr, expert ? "an expert's collective on the communication stream without the holders' Comm"
+                                    : "a collective on the communication stream without its Comm (set_comm)");
   auto failed = [this, what, group](const Status& st) {
     collectives_stopped_ = true;
     std::lock_guard<std::mutex> lock(collective_mu_);
@@ -1387,16 +1389,16 @@ void PagedState::queue_collective(const char* what, int group, std::function<Sta
     // NCCL queues the collective on the stream and returns.
     if (collectives_stopped_) return;
     trace::Span span("communication", what, group);
-    if (Status st = op(*handover_comm_, comm_stream_.get()); !st.ok()) failed(st);
+    if (Status st = op(*comm, comm_stream_.get()); !st.ok()) failed(st);
     else if (then) then(comm_stream_.get());
     return;
   }
   // Gloo moves host memory (the CPU backend's device memory) from the stream's own thread.
-  as_cpu_stream(*comm_stream_).enqueue([this, what, group, failed, op = std::move(op), then = std::move(then)] {
+  as_cpu_stream(*comm_stream_).enqueue([this, comm, what, group, failed, op = std::move(op), then = std::move(then)] {
     if (collectives_stopped_) return;
     {
       trace::Span span("communication", what, group);
-      if (Status st = op(*handover_comm_, nullptr); !st.ok()) return failed(st);
+      if (Status st = op(*comm, nullptr); !st.ok()) return failed(st);
     }
     if (then) then(nullptr);
   });
@@ -1513,7 +1515,7 @@ Status PagedState::queue_gather(int g, bool follow, Event& done) {
     if ((store_->tensor(i).part != kDensePart && experts.empty()) || elsewhere(i)) continue;
     GatherPiece p = gather_piece(i);
     if (p.own_bytes > 0) device_->copy(p.own_at, p.own, p.own_bytes, cs, "gathered weights");
-    queue_collective("gathering the weights", g,
+    queue_collective("gathering the weights", g, expert_tensor(i),
                      [w = p.place, blocks = std::move(p.blocks)](parallel::Comm& c, Stream* st) {
                        return c.all_gather_v(w, blocks, st);
                      });
@@ -1536,7 +1538,7 @@ void PagedState::queue_gradient_sums(int g, bool experts) {
     // The slice takes the sum of its range, and nothing after a failed collective: no partial
     // sums reach the state.
     queue_collective(
-        "summing the gradients", g,
+        "summing the gradients", g, expert_tensor(i),
         [w, counts = rank_blocks(i, 0)](parallel::Comm& c, Stream* st) { return c.reduce_scatter_v_sum(w, counts, st); },
         [this, w, slice, own](Stream* st) {
           if (slice == nullptr) return;

@@ -252,7 +252,9 @@ class PagedState : public model::ParamAccess, public SavableState {
   // REQUIRES: not with overlap_optimizer (groups would update before the sums); `handover` with
   // overlap_reduction; the Comms outlive the state.
   // `experts` (options.expert_ranks > 1): the W / P ranks that hold the same experts as this one,
-  // whose experts' gradients it sums and whose experts' weights it gathers.
+  // whose experts' gradients it sums and whose experts' weights it gathers; `expert_handover`,
+  // another Comm of those ranks, makes those collectives on the communication stream when the
+  // dense ones go there (null: on the compute path).
   // Runs `ahead` groups' gathers ahead instead of options.gather_ahead (fewer: the workspace has
   // room for those). Every rank must run alike: their collectives pair up in order. Between steps.
   void run_gathers_ahead(int ahead) {
@@ -260,7 +262,8 @@ class PagedState : public model::ParamAccess, public SavableState {
     drop_prefetch();
     options_.gather_ahead = ahead;
   }
-  void set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr, parallel::Comm* experts = nullptr) {
+  void set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr, parallel::Comm* experts = nullptr,
+                parallel::Comm* expert_handover = nullptr) {
     CHECK_MSG(comm == nullptr || comm->world_size() == 1 || !options_.overlap_optimizer,
               "overlap_optimizer updates groups before their gradients are summed over the ranks");
     CHECK_MSG(!plans_reductions_at_handover() || comm == nullptr || comm->world_size() == 1 || handover != nullptr,
@@ -268,9 +271,12 @@ class PagedState : public model::ParamAccess, public SavableState {
     CHECK_MSG(options_.expert_ranks <= 1 || comm == nullptr ||
                   (experts != nullptr && experts->world_size() * options_.expert_ranks == comm->world_size()),
               "expert parallelism without the Comm of the ranks that hold this rank's experts");
+    CHECK_MSG(expert_handover == nullptr || (experts != nullptr && expert_handover->world_size() == experts->world_size()),
+              "the experts' handover Comm is not of the ranks holding this rank's experts");
     comm_ = comm;
     handover_comm_ = handover;
     expert_comm_ = experts;
+    expert_handover_comm_ = expert_handover;
   }
   float* grad(int64_t offset) override;
   bool offloads_activations() const override { return options_.offload_activations; }
@@ -328,6 +334,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   // expert's holders (expert_comm_) for an expert's tensor, else all of them (comm_). Their
   // blocks (rank_blocks) are in that Comm's rank order.
   bool elsewhere(size_t i) const { return store_->tensor(i).elsewhere; }
+  // Whether store tensor i is summed and gathered over its expert's holders (expert groups).
+  bool expert_tensor(size_t i) const { return options_.expert_ranks > 1 && store_->tensor(i).part != kDensePart; }
   parallel::Comm& comm_of(size_t i) const;
   // The parts of `group` this rank holds (every part but the experts held elsewhere).
   std::vector<int> held_parts(int group) const;
@@ -395,7 +403,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   // ordered against compute by events: begin() queues a group's gather there and the compute
   // stream waits for it only before that group's compute, so that a gather runs while the
   // groups before it compute; end() queues its sums there behind its backward, and backward goes
-  // on. The experts' collectives (data dependent) stay on the compute stream.
+  // on. An MoE layer's experts' go with the layer's (gathers_experts_with_layer,
+  // sums_experts_with_layer): every expert this rank holds, whichever its tokens reach.
   bool plans_overlapped_collectives() const {
     return options_.overlap_reduction && options_.placement && options_.placement->world() > 1 && slices_gradients();
   }
@@ -405,7 +414,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   // at once); elsewhere the host queues them on the stream (NCCL; `then` gets the stream). Once
   // one has failed no more run; the first error is kept (collective_error_) for begin() and the
   // step.
-  void queue_collective(const char* what, int group, std::function<Status(parallel::Comm&, Stream*)> op,
+  // `expert`: through expert_handover_comm_ (an expert's tensor with expert groups).
+  void queue_collective(const char* what, int group, bool expert, std::function<Status(parallel::Comm&, Stream*)> op,
                         std::function<void(Stream*)> then = {});
   // The overlapped gather of group g's dense part (plans_overlapped_collectives), whose end
   // `done` marks; `follow` as StateStore::acquire_part's (false: a prefetch).
@@ -422,17 +432,16 @@ class PagedState : public model::ParamAccess, public SavableState {
   // embedding too). Its place is open already, and no gather opens one for it: keeping costs no
   // room.
   bool keeps_gathered(int group) const;
-  // Overlapped ZeRO-3 without expert groups: a layer's gather on the communication stream
-  // brings its experts' weights too (all of them, as every rank gathers every expert), so that
-  // begin_experts finds them in place. With expert groups the experts' gathers run over the
-  // holders' Comm, on the compute path.
-  bool gathers_experts_with_layer() const {
-    return gathered_ && overlaps_collectives() && options_.expert_ranks <= 1;
-  }
-  // Overlapped ZeRO-2 and 3 without expert groups: an MoE layer's experts' gradient sums are
-  // queued on the communication stream too (end_experts), ahead of the layer's own.
-  bool sums_experts_with_layer() const {
-    return workspace_ && overlaps_collectives() && options_.expert_ranks <= 1;
+  // Overlapped ZeRO-3: a layer's gather on the communication stream brings its experts' weights
+  // too (every expert this rank holds, as begin_experts would gather them), so that begin_experts
+  // finds them in place. With expert groups, over the holders' Comm of that stream
+  // (expert_handover_comm_); without one, the experts' gathers run on the compute path.
+  bool gathers_experts_with_layer() const { return gathered_ && overlaps_collectives() && experts_handed_over(); }
+  // Overlapped ZeRO-2 and 3: an MoE layer's experts' gradient sums are queued on the
+  // communication stream too (end_experts), ahead of the layer's own; as above with expert groups.
+  bool sums_experts_with_layer() const { return workspace_ && overlaps_collectives() && experts_handed_over(); }
+  bool experts_handed_over() const {
+    return options_.expert_ranks <= 1 || expert_handover_comm_ != nullptr;
   }
   // Gives the places of the groups ahead back unused (a begin other than the program's next,
   // e.g. an evaluation's; the step's end).
@@ -480,6 +489,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   parallel::Comm* comm_ = nullptr;             // data-parallel ranks whose gradients are summed
   parallel::Comm* handover_comm_ = nullptr;    // the same ranks, for the handover thread's sums
   parallel::Comm* expert_comm_ = nullptr;      // the ranks holding this rank's experts (expert_ranks > 1)
+  parallel::Comm* expert_handover_comm_ = nullptr;  // the same, for the communication stream's collectives
   std::unique_ptr<Stream> handover_stream_;    // its device-memory sums queue here
   // The overlapped collectives of ZeRO-2 and 3 (plans_overlapped_collectives): their stream, the
   // event the compute stream waits on for a gather, the per-group event after the latest sums

@@ -314,6 +314,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     for (int64_t l = 0; l < m.num_hidden_layers; ++l)
       if (m.is_moe_layer(l)) passes += 4 + (in.recompute && l + 1 < m.num_hidden_layers ? 2 : 0);
     in.expert_ranks = t.parallel_expert;
+    in.exchanges_settle_comm = cuda;
     in.expert_exchange_bytes = static_cast<uint64_t>(passes) * N * static_cast<uint64_t>(m.num_experts_per_tok) * C * act;
   }
   return in;

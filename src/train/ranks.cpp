@@ -139,15 +139,18 @@ Result<Ranks> connect_ranks(TrainConfig& t) {
                       l.rank / P * P, l.rank / P * P + P - 1, P));
     ranks.expert_comm = std::move(*experts);
     // The ranks at this rank's place in their groups, which hold the same experts.
-    if (holders.size() == 1) {
-      ranks.expert_holders = parallel::make_local_comm();
-    } else {
-      co.name = fmt::format("expert-holders-{}", l.rank % P);
+    auto connect_holders = [&](const std::string& name) -> Result<std::unique_ptr<parallel::Comm>> {
+      if (holders.size() == 1) return parallel::make_local_comm();
+      co.name = fmt::format("{}-{}", name, l.rank % P);
       Result<std::unique_ptr<parallel::Comm>> held = parallel::connect(sub_launch(holders), co);
       if (!held.ok())
         return held.status().with_context(fmt::format("connecting the ranks that hold expert group place {}'s experts",
                                                       l.rank % P));
-      ranks.expert_holders = std::move(*held);
+      return held;
+    };
+    ASSIGN_OR_RETURN(ranks.expert_holders, connect_holders("expert-holders"));
+    if (t.parallel_overlap_comm) {
+      ASSIGN_OR_RETURN(ranks.grad_expert_holders, connect_holders("grad-expert-holders"));
     }
   }
   return ranks;

@@ -36,6 +36,9 @@ struct Ranks {
   // The W / P ranks at this rank's place in their expert groups (rank % P), which hold the same
   // experts' state: rank / P among them. A local Comm when P is the whole world.
   std::unique_ptr<parallel::Comm> expert_holders;
+  // The same ranks, for the experts' gradient sums and weight gathers on the communication
+  // stream's thread (parallel.overlap_comm).
+  std::unique_ptr<parallel::Comm> grad_expert_holders;
   bool start_agreed = false;  // every rank has said whether it could start (agree_all_ok)
   int rank() const { return launch.rank; }
   int world() const { return launch.world_size; }
@@ -44,7 +47,8 @@ struct Ranks {
   // Bytes this rank has sent for training (comm and grad_comm; not checkpoint bookkeeping).
   uint64_t bytes_sent() const {
     return (comm ? comm->bytes_sent() : 0) + (grad_comm ? grad_comm->bytes_sent() : 0) +
-           (expert_comm ? expert_comm->bytes_sent() : 0) + (expert_holders ? expert_holders->bytes_sent() : 0);
+           (expert_comm ? expert_comm->bytes_sent() : 0) + (expert_holders ? expert_holders->bytes_sent() : 0) +
+           (grad_expert_holders ? grad_expert_holders->bytes_sent() : 0);
   }
 };
 

@@ -446,7 +446,7 @@ OptimizerConfig optimizer_config(const TrainConfig& t) {
 Result<HostRamPlan> open_engine(const TrainConfig& t, Run& run, Ranks& ranks) {
   ASSIGN_OR_RETURN(run.engine, make_train_engine(run.mc, t, optimizer_config(t)));
   RETURN_IF_ERROR(run.engine->set_comm(ranks.comm.get(), ranks.grad_comm.get(), ranks.expert_comm.get(),
-                                       ranks.expert_holders.get()));
+                                       ranks.expert_holders.get(), ranks.grad_expert_holders.get()));
   HostRamData data = host_ram_data(*run.dataset, run.loader->num_windows());
   if (run.eval_dataset) data += host_ram_data(*run.eval_dataset, run.eval_loader->num_windows());
   const HostRamPlan host_ram = run.engine->host_ram(data);

@@ -244,9 +244,9 @@ TEST_F(DataParallelTest, OverlappedCollectivesAreTheBitsOfCollectivesInLine) {
     ASSERT_GT(d.tensors, 0u) << what;
     EXPECT_EQ(d.max_abs, 0.0) << what;
   }
-  // MoE: expert groups of 2 at ZeRO-2 (the dense parts' sums on the communication stream, the
-  // experts' and the token exchanges on the compute path), and ZeRO-3 without expert groups
-  // (each layer's experts' weights gathered with the layer on the communication stream).
+  // MoE: expert groups of 2 at ZeRO-2 (the experts' sums with their layer's on the communication
+  // stream, through the holders' Comm of that stream; the token exchanges on the compute path),
+  // and ZeRO-3 without expert groups (each layer's experts' weights gathered with the layer).
   const std::string moe = ",model_type=mixtral,num_local_experts=4,num_experts_per_tok=2";
   for (const char* parallel : {"parallel.zero=2 parallel.expert_parallel=2", "parallel.zero=3"}) {
     std::vector<fs::path> runs;

@@ -6,7 +6,8 @@
 // micro-batches accumulated, tied embeddings (gathered at the head and the embedding), an MoE
 // model (whose experts' gathers and sums go with their layer's), one or three groups gathered
 // ahead, and the gradients' slices paged through host memory; also in chaos mode, where a missing wait between
-// the streams shows as other bits. At ZeRO-3 with an untied head the last layer's weights stay
+// the streams shows as other bits. Four ranks in expert groups of two gather and sum their
+// experts' state over the ranks holding the same experts, on the same stream. At ZeRO-3 with an untied head the last layer's weights stay
 // gathered from its forward to its backward when overlapped. Under ThreadSanitizer this is the
 // suite that watches the communication stream's thread.
 #include <gtest/gtest.h>
@@ -36,36 +37,69 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr int kWorld = 2;
 constexpr int64_t kB = 2, kT = 16, kSteps = 3, kAccum = 2;
 
 struct RankRun {
   std::vector<double> losses;
   std::vector<float> params;
   std::string error;
-  uint64_t sent = 0;       // bytes this rank sent, over both communicators
+  uint64_t sent = 0;       // bytes this rank sent, over all its communicators
+  uint64_t expert_handover_sent = 0;  // of them, through the holders' Comm of the communication stream
   std::vector<uint64_t> group_bytes;  // per parameter group, the bytes of its weights this rank holds
 };
 
-// One rank's run: `steps` steps of kAccum micro-batches of its own batches, at ZeRO `zero`.
-RankRun run_rank(int rank, int zero, bool overlap, bool tied, bool moe, int ahead, const fs::path& rendezvous) {
-  RankRun out;
+// What a world runs: `world` ranks at ZeRO `zero`, an MoE model or a dense one (`tied`), with
+// expert groups of `experts` ranks (1: none), `ahead` groups gathered ahead.
+struct WorldCase {
+  int world = 2;
+  int zero = 2;
+  bool tied = false;
+  bool moe = false;
+  int ahead = 1;
+  int experts = 1;
+};
+
+// A Comm over the world ranks `members` (in its rank order) named `name`, for world rank `rank`.
+Result<std::unique_ptr<parallel::Comm>> connect_among(const std::vector<int>& members, int rank,
+                                                      const std::string& name, const fs::path& rendezvous) {
   parallel::LaunchInfo launch;
-  launch.rank = launch.local_rank = rank;
-  launch.world_size = launch.local_world_size = kWorld;
+  launch.world_size = launch.local_world_size = static_cast<int>(members.size());
+  launch.rank = launch.local_rank =
+      static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
   launch.launcher = "test";
   parallel::CommOptions options;
   options.backend = "gloo";
   options.rendezvous_dir = rendezvous.string();
   options.timeout = std::chrono::seconds(60);
-  options.name = "train";
-  Result<std::unique_ptr<parallel::Comm>> comm = parallel::connect(launch, options);
-  options.name = "grad";
-  Result<std::unique_ptr<parallel::Comm>> grad = comm.ok() ? parallel::connect(launch, options) : comm.status();
-  if (!comm.ok() || !grad.ok()) {
-    out.error = (comm.ok() ? grad.status() : comm.status()).to_string();
-    return out;
+  options.name = name;
+  return parallel::connect(launch, options);
+}
+
+// One rank's run: `steps` steps of kAccum micro-batches of its own batches.
+RankRun run_rank(int rank, const WorldCase& w, bool overlap, const fs::path& rendezvous) {
+  RankRun out;
+  const int world = w.world, P = w.experts;
+  std::vector<int> everyone, group, holders;
+  for (int q = 0; q < world; ++q) everyone.push_back(q);
+  for (int q = rank / P * P; q < rank / P * P + P; ++q) group.push_back(q);
+  for (int q = rank % P; q < world; q += P) holders.push_back(q);
+  std::vector<std::unique_ptr<parallel::Comm>> comms;  // world, grad, experts, holders, grad holders
+  for (const auto& [members, name] : std::vector<std::pair<std::vector<int>, std::string>>{
+           {everyone, "train"},
+           {everyone, "grad"},
+           {group, fmt::format("experts-{}", rank / P)},
+           {holders, fmt::format("holders-{}", rank % P)},
+           {holders, fmt::format("grad-holders-{}", rank % P)}}) {
+    if (P == 1 && comms.size() == 2) break;
+    Result<std::unique_ptr<parallel::Comm>> c = connect_among(members, rank, name, rendezvous);
+    if (!c.ok()) {
+      out.error = c.status().to_string();
+      return out;
+    }
+    comms.push_back(std::move(*c));
   }
+  const bool moe = w.moe, tied = w.tied;
+  const int zero = w.zero;
   model::ModelConfig mc = moe ? fp8_moe_config() : tiny_config(tied);
   mc.tie_word_embeddings = tied;
   // Chaos mode (STRATA_STREAM_CHAOS, tests/train/tests.cmake) delays every stream task at random.
@@ -78,12 +112,13 @@ RankRun run_rank(int rank, int zero, bool overlap, bool tied, bool moe, int ahea
   model::LlamaModel net(mc, model::CpuF32Model(device->get()));
   const int groups = static_cast<int>(net.layout().num_layers()) + 2;
   Placement placement(groups);  // every kind homed in host memory, paged through a small device tier
-  placement.shard_over(kWorld, zero);
+  placement.shard_over(world, zero);
   PagedStateOptions po;
   po.rank = rank;
   po.placement = placement;
   po.overlap_reduction = overlap;
-  po.gather_ahead = ahead;
+  po.gather_ahead = w.ahead;
+  po.expert_ranks = P;
   po.grad_accum = kAccum;
   po.optimizer = optimizer_config(1.0f);
   // About a layer a chunk, six on the device: the groups' chunks move between the tiers.
@@ -101,14 +136,15 @@ RankRun run_rank(int rank, int zero, bool overlap, bool tied, bool moe, int ahea
   PagedState& ps = **paged;
   CHECK(ps.load_params(initial_params(net.layout(), 7).data()).ok());
   net.set_access(&ps);
-  ps.set_comm(comm->get(), grad->get());
-  const std::vector<Batch> batches = make_batches(kSteps * kAccum * kWorld, kB * kT, 11);
+  if (P > 1) net.set_expert_comm(comms[2].get());
+  ps.set_comm(comms[0].get(), comms[1].get(), P > 1 ? comms[3].get() : nullptr, P > 1 ? comms[4].get() : nullptr);
+  const std::vector<Batch> batches = make_batches(kSteps * kAccum * world, kB * kT, 11);
   for (int s = 0; s < kSteps && out.error.empty(); ++s) {
     Status st = ps.zero_grads();
     double loss = 0;
     for (int m = 0; m < kAccum && st.ok(); ++m) {
-      const Batch& b = batches[static_cast<size_t>((s * kAccum + m) * kWorld + rank)];
-      Result<double> l = net.compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kWorld * kAccum * kB * kT), true);
+      const Batch& b = batches[static_cast<size_t>((s * kAccum + m) * world + rank)];
+      Result<double> l = net.compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (world * kAccum * kB * kT), true);
       if (l.ok()) loss += *l;
       else st = l.status();
     }
@@ -117,7 +153,9 @@ RankRun run_rank(int rank, int zero, bool overlap, bool tied, bool moe, int ahea
     out.losses.push_back(loss);
   }
   net.set_access(nullptr);
-  out.sent = (*comm)->bytes_sent() + (*grad)->bytes_sent();
+  if (P > 1) net.set_expert_comm(nullptr);
+  for (const auto& c : comms) out.sent += c->bytes_sent();
+  if (P > 1) out.expert_handover_sent = comms[4]->bytes_sent();
   // Groups: the embedding 0, layer l at l + 1, the head (final norm, lm_head) after them.
   const int64_t layers = mc.num_hidden_layers;
   out.group_bytes.assign(static_cast<size_t>(layers) + 2, 0);
@@ -140,36 +178,56 @@ RankRun run_rank(int rank, int zero, bool overlap, bool tied, bool moe, int ahea
   return out;
 }
 
-std::vector<RankRun> run_world(int zero, bool overlap, bool tied, bool moe, int ahead) {
+std::vector<RankRun> run_world(const WorldCase& w, bool overlap) {
   const fs::path dir = fs::path(::testing::TempDir()) /
-                       fmt::format("overlap_{}_{}_{}_{}_{}_{}", ::getpid(), zero, overlap, tied, moe, ahead);
+                       fmt::format("overlap_{}_{}_{}_{}_{}_{}_{}_{}", ::getpid(), w.world, w.zero, overlap, w.tied,
+                                   w.moe, w.ahead, w.experts);
   fs::remove_all(dir);
   fs::create_directories(dir);
-  std::vector<RankRun> runs(kWorld);
+  std::vector<RankRun> runs(static_cast<size_t>(w.world));
   std::vector<std::thread> threads;
-  for (int r = 0; r < kWorld; ++r)
-    threads.emplace_back([&, r] { runs[static_cast<size_t>(r)] = run_rank(r, zero, overlap, tied, moe, ahead, dir); });
+  for (int r = 0; r < w.world; ++r)
+    threads.emplace_back([&, r] { runs[static_cast<size_t>(r)] = run_rank(r, w, overlap, dir); });
   for (std::thread& t : threads) t.join();
   fs::remove_all(dir);
   return runs;
+}
+
+// The same losses and parameters on every rank; each rank held its own ranges, so that together
+// the ranks hold every parameter.
+void expect_same_bits(const std::vector<RankRun>& inline_runs, const std::vector<RankRun>& overlapped) {
+  std::vector<bool> held(overlapped[0].params.size(), false);
+  for (size_t r = 0; r < inline_runs.size(); ++r) {
+    const RankRun& a = inline_runs[r];
+    const RankRun& b = overlapped[r];
+    ASSERT_EQ(a.error, "") << "rank " << r;
+    ASSERT_EQ(b.error, "") << "rank " << r;
+    EXPECT_EQ(a.losses, b.losses) << "rank " << r;
+    ASSERT_EQ(a.params.size(), b.params.size());
+    size_t differ = 0;
+    for (size_t i = 0; i < a.params.size(); ++i) {
+      differ += a.params[i] != b.params[i] ? 1 : 0;
+      if (b.params[i] != 0.0f) held[i] = true;
+    }
+    EXPECT_EQ(differ, 0u) << "rank " << r << ": parameters that differ from the run in line";
+  }
+  EXPECT_EQ(static_cast<size_t>(std::count(held.begin(), held.end(), true)), held.size());
 }
 
 class OverlappedCollectives : public ::testing::TestWithParam<std::tuple<int, bool, bool, int>> {};
 
 TEST_P(OverlappedCollectives, AreTheBitsOfTheSameCollectivesInLine) {
   const auto [zero, tied, moe, ahead] = GetParam();
-  const std::vector<RankRun> inline_runs = run_world(zero, false, tied, moe, 1);
-  const std::vector<RankRun> overlapped = run_world(zero, true, tied, moe, ahead);
-  for (int r = 0; r < kWorld; ++r) {
+  const WorldCase w{.world = 2, .zero = zero, .tied = tied, .moe = moe, .ahead = ahead};
+  WorldCase in_line = w;
+  in_line.ahead = 1;
+  const std::vector<RankRun> inline_runs = run_world(in_line, false);
+  const std::vector<RankRun> overlapped = run_world(w, true);
+  expect_same_bits(inline_runs, overlapped);
+  if (HasFatalFailure()) return;
+  for (int r = 0; r < w.world; ++r) {
     const RankRun& a = inline_runs[static_cast<size_t>(r)];
     const RankRun& b = overlapped[static_cast<size_t>(r)];
-    ASSERT_EQ(a.error, "") << "rank " << r;
-    ASSERT_EQ(b.error, "") << "rank " << r;
-    EXPECT_EQ(a.losses, b.losses) << "rank " << r;
-    ASSERT_EQ(a.params.size(), b.params.size());
-    size_t differ = 0;
-    for (size_t i = 0; i < a.params.size(); ++i) differ += a.params[i] != b.params[i] ? 1 : 0;
-    EXPECT_EQ(differ, 0u) << "rank " << r << ": parameters that differ from the run in line";
     // The same collectives, but that at ZeRO-3 a group kept from one batch to its next is not
     // gathered again: each micro-batch, a rank sends its range of it once less (an all-gather
     // over two ranks sends each its own range once).
@@ -190,11 +248,27 @@ TEST_P(OverlappedCollectives, AreTheBitsOfTheSameCollectivesInLine) {
     if (zero == 3 && (!tied || ahead > 1)) EXPECT_GT(kept, 0u);
     EXPECT_EQ(a.sent - b.sent, kept) << "rank " << r << " sent " << a.sent << " in line, " << b.sent << " overlapped";
   }
-  // Each rank held its own ranges: together, every parameter.
-  size_t held = 0;
-  for (size_t i = 0; i < overlapped[0].params.size(); ++i)
-    held += overlapped[0].params[i] != 0.0f || overlapped[1].params[i] != 0.0f ? 1 : 0;
-  EXPECT_EQ(held, overlapped[0].params.size());
+}
+
+// Expert groups of 2 over 4 ranks: each MoE layer's experts' gathers and gradient sums go with
+// the layer's on the communication stream, over the 2 ranks holding the same experts (a Comm of
+// their own for that stream), while the model's token exchanges run in its expert group.
+TEST(OverlappedExpertGroups, AreTheBitsOfTheSameCollectivesInLine) {
+  for (const int zero : {2, 3}) {
+    SCOPED_TRACE(fmt::format("ZeRO-{}", zero));
+    const WorldCase w{.world = 4, .zero = zero, .moe = true, .ahead = 2, .experts = 2};
+    WorldCase in_line = w;
+    in_line.ahead = 1;
+    const std::vector<RankRun> inline_runs = run_world(in_line, false);
+    const std::vector<RankRun> overlapped = run_world(w, true);
+    expect_same_bits(inline_runs, overlapped);
+    for (size_t r = 0; r < overlapped.size(); ++r) {
+      EXPECT_EQ(inline_runs[r].expert_handover_sent, 0u) << "rank " << r;
+      EXPECT_GT(overlapped[r].expert_handover_sent, 0u) << "rank " << r;
+      // At ZeRO-3 the last layer's weights, its experts' among them, stay gathered around the head.
+      if (zero == 3) EXPECT_LT(overlapped[r].sent, inline_runs[r].sent) << "rank " << r;
+    }
+  }
 }
 
 // (zero, tied, moe, groups gathered ahead): the MoE model's experts' gathers and sums go with
