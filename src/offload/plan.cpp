@@ -828,7 +828,9 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
 // while the group after it runs backward. All but the embedding's first gather of each
 // micro-batch and its sums in the last hide, as far as the micro-batches' compute reaches
 // (backward's for ZeRO-2's sums, forward's and backward's for ZeRO-3). The updated copy's
-// gather after the optimizer (ZeRO-1 and 2) and, without overlap, every collective add in full.
+// gathers after the optimizer (ZeRO-1 and 2) go on that stream too, each while the next groups
+// update: all but the last group's hide behind the optimizer (on cuda, only the groups updated
+// in device memory). Without overlap every collective adds in full.
 // The embedding's share of the parameters: of the edge, the store's chunks when known, else half.
 double embedding_share(const PlanInput& in, int64_t L) {
   const double embed = in.edge_chunks > 0 && in.embed_chunks > 0
@@ -923,6 +925,17 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
                            ? static_cast<double>(std::clamp<int64_t>(in.moe_layers, 0, L)) / static_cast<double>(L)
                            : 0.0;
     p.comm_hidden_s = std::clamp((queued_s - exposed_s) * (1.0 - moe), 0.0, compute_s);
+  }
+  if (in.overlap_comm && !in.overlap_optimizer && (zero == 2 || (zero == 1 && in.expert_ranks <= 1))) {
+    // The updated weights' gathers run on the communication stream while the next groups update
+    // (paged_state.h, queues_copy_gathers): all but the last group's hide behind the optimizer.
+    const int groups = p.placement.num_groups();
+    int queued = 0;
+    for (int g = 0; g < groups; ++g)
+      if (!in.copy_gathers_need_device || update_tier(p.placement.home(g, StateKind::kAdamM)) == Tier::kDevice) ++queued;
+    const double gather_s = static_cast<double>(c.update_all_gather) / p.comm_bytes_per_s;
+    const double share = groups > 0 ? static_cast<double>(std::max(queued - 1, 0)) / static_cast<double>(groups) : 0.0;
+    p.comm_hidden_s += std::min(gather_s * share, p.phases.optimizer_s);
   }
   p.comm_exposed_s = p.comm_s - p.comm_hidden_s;
   p.step_s += p.comm_exposed_s;

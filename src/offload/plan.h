@@ -212,6 +212,9 @@ struct PlanInput {
   // communicators must not interleave differently on different GPUs), so the queued
   // collectives do not run beside MoE layers. On the CPU backend Gloo's exchanges run apart.
   bool exchanges_settle_comm = false;
+  // On cuda the updated weights' gathers of ZeRO-1 and 2 overlap the optimizer only for groups
+  // updated in device memory (NCCL moves device memory); on the CPU backend for every group.
+  bool copy_gathers_need_device = false;
   MachineRates rates;
 };
 

@@ -358,9 +358,13 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
       ps->gathered_ = std::move(p);
     }
   }
-  if (ps->plans_overlapped_collectives()) {
+  // The communication stream: ZeRO-2 and 3's overlapped collectives, and ZeRO-1's (and 2's)
+  // gathers of the updated weights (queues_copy_gathers).
+  if (ps->plans_overlapped_collectives() || (ps->plans_reductions_at_handover() && ps->sharded())) {
     ps->comm_stream_ = device.create_stream();
     ps->comm_stream_->set_trace_name("communication");
+  }
+  if (ps->plans_overlapped_collectives()) {
     ps->gathered_event_ = device.create_event();
     ps->comm_done_event_ = device.create_event();
     ps->gather_order_ = gather_order(program.micro_batch);
@@ -709,6 +713,12 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   });
   if (where == Tier::kDevice) kernels_->synchronize();
   // ZeRO-3's ranks keep their ranges of the copy: nothing to send (begin() gathers it for compute).
+  if (sharded() && !slices_params() && queues_copy_gathers(where)) {
+    // The copy's chunks move only after the gather (released with its stream).
+    queue_copy_gather(g);
+    for (StateKind k : kinds) store_->release_group(g, k, k == StateKind::kParam ? comm_stream_.get() : nullptr);
+    return Status::OK();
+  }
   Status sent = sharded() && !slices_params() ? gather_copy(g, where) : Status::OK();
   for (StateKind k : kinds) store_->release_group(g, k);
   return sent;
@@ -776,21 +786,48 @@ Status PagedState::gather_copy(int g, Tier where) {
   Stream* stream = where == Tier::kDevice ? compute_stream_ : nullptr;
   if (stream != nullptr) settle_before_collective();
   trace::Span span("communication", "updated weight gather", g);
-  const StateLayout& layout = store_->layout();
-  const uint64_t size = dtype_size(layout.activation_dtype());
   for (size_t i : store_->group_tensors(g)) {
     if (elsewhere(i)) continue;
-    const Piece& t = pieces_[i];
-    const bool whole = layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows});
-    char* copy = static_cast<char*>(store_->raw_pointer(i, StateKind::kParam));
-    // Each rank's range, from that rank, in one collective: a quantised matrix's copy (owned
-    // whole) as it is stored.
-    const uint64_t whole_bytes = whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : 0;
-    Status st = comm_of(i).all_gather_v(copy, rank_blocks(i, size, whole_bytes), stream);
+    // Each rank's range, from that rank, in one collective.
+    const auto [copy, blocks] = copy_blocks(i);
+    Status st = comm_of(i).all_gather_v(copy, blocks, stream);
     if (!st.ok()) return st.with_context("the updated weights of parameter group " + std::to_string(g));
   }
   if (stream != nullptr) stream->synchronize();
   return Status::OK();
+}
+
+std::pair<char*, std::vector<size_t>> PagedState::copy_blocks(size_t i) const {
+  const StateLayout& layout = store_->layout();
+  const Piece& t = pieces_[i];
+  const bool whole = layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows});
+  const uint64_t whole_bytes = whole ? layout.tensor_bytes(StateKind::kParam, store_->tensor(i).shape()) : 0;
+  return {static_cast<char*>(store_->raw_pointer(i, StateKind::kParam)),
+          rank_blocks(i, dtype_size(layout.activation_dtype()), whole_bytes)};
+}
+
+void PagedState::queue_copy_gather(int g) {
+  // The copy was written before (the host's AdamW, or the device's, synchronized): the stream
+  // starts at once.
+  copy_gathers_queued_ = true;
+  ++queued_copy_gathers_;
+  for (size_t i : store_->group_tensors(g)) {
+    if (elsewhere(i)) continue;
+    auto [copy, blocks] = copy_blocks(i);
+    queue_collective("gathering the updated weights", g, expert_tensor(i),
+                     [copy, blocks = std::move(blocks)](parallel::Comm& c, Stream* st) {
+                       return c.all_gather_v(copy, blocks, st);
+                     });
+  }
+}
+
+Status PagedState::finish_copy_gathers() {
+  if (!std::exchange(copy_gathers_queued_, false)) return Status::OK();
+  {
+    trace::Span wait("wait", "communication stream");
+    comm_stream_->synchronize();
+  }
+  return collective_error();
 }
 
 Result<double> PagedState::clip_and_step(float lr) {
@@ -910,7 +947,11 @@ Result<double> PagedState::clip_and_step(float lr) {
   if (coefficient != 1.0f) kernels_->prepare_clip(options_.optimizer.grad_clip);
   ++step_count_;
   const kernels::AdamWParams p = adamw_params(lr);
-  for (const GroupUpdate& u : updates_) RETURN_IF_ERROR(update_group(u.group, coefficient, p));
+  Status updated = Status::OK();
+  for (size_t u = 0; u < updates_.size() && updated.ok(); ++u) updated = update_group(updates_[u].group, coefficient, p);
+  const Status gathered = finish_copy_gathers();
+  RETURN_IF_ERROR(updated);
+  RETURN_IF_ERROR(gathered);
   RETURN_IF_ERROR(check_updated_parameters());
   return norm;
 }

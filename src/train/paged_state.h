@@ -221,6 +221,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   }
   // Groups whose gradients were summed over the ranks at handover (options.overlap_reduction).
   int64_t handover_sums() const { return handover_sums_.load(); }
+  // Groups whose updated weights were gathered on the communication stream (queues_copy_gathers).
+  int64_t queued_copy_gathers() const { return queued_copy_gathers_; }
   int64_t step_count() const override { return step_count_; }
 
   // ParamAccess.
@@ -468,6 +470,21 @@ class PagedState : public model::ParamAccess, public SavableState {
   // Sends this rank's ranges of group g's new compute copy (acquired at `where`) to the other
   // ranks and receives theirs.
   Status gather_copy(int group, Tier where);
+  // ZeRO-1 and 2 with options.overlap_reduction over several ranks: each group's gather of its
+  // updated copy (acquired at `where`) is queued on the communication stream instead
+  // (queue_copy_gather), so that the next groups update while it runs; the ranks queue them in
+  // the program's update order. On a GPU for device memory (NCCL queues there); on the CPU
+  // backend for any tier (Gloo runs on the stream's thread over host memory). The step waits
+  // for them at its end (finish_copy_gathers): forward reads the new weights.
+  bool queues_copy_gathers(Tier where) const {
+    return comm_stream_ != nullptr && handover_comm_ != nullptr && handover_comm_->world_size() > 1 && sharded() &&
+           !slices_params() && experts_handed_over() && (device_->kind() == DeviceKind::kCpu || where == Tier::kDevice);
+  }
+  void queue_copy_gather(int group);
+  Status finish_copy_gathers();
+  // Tensor i's compute copy and each rank's block of it in bytes, as the updated weights are
+  // gathered: a quantised matrix's copy (owned whole) as it is stored.
+  std::pair<char*, std::vector<size_t>> copy_blocks(size_t i) const;
 
   model::ParamLayout layout_;
   kernels::AdamWParams adamw_params(float lr) const;
@@ -514,6 +531,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::mutex collective_mu_;
   Status collective_error_;                   // GUARDED_BY(collective_mu_)
   std::atomic<bool> collectives_stopped_{false};
+  bool copy_gathers_queued_ = false;  // this step's (queue_copy_gather)
+  int64_t queued_copy_gathers_ = 0;
   // Waits for the model's queued ops (stream-ordered paging) before state is touched otherwise.
   // Runs `work` (arithmetic on state the host has acquired) and returns when it is done. On the
   // CPU backend it runs as a task on the model's compute stream's thread, so that one OpenMP

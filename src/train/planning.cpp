@@ -183,6 +183,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   in.recompute = t.keep_activations != "true";
   in.overlap_optimizer = t.overlap_backward;
   in.overlap_comm = t.parallel_overlap_comm;  // (with expert groups, at ZeRO-2 and 3 only: plan_comm)
+  in.copy_gathers_need_device = cuda;
   // (Counted at ZeRO-2 and 3 only.)
   in.gradient_working_bytes = PagedState::gradient_working_bytes(layout, overlaps_collectives(t, 2));
   const bool gathers_overlapped = overlaps_collectives(t, 3);

@@ -1,15 +1,16 @@
-// ZeRO-2 and 3 with the collectives overlapped (PagedStateOptions::overlap_reduction): two ranks
+// ZeRO-1, 2 and 3 with the collectives overlapped (PagedStateOptions::overlap_reduction): two ranks
 // as threads of this process, Gloo over the loopback, each with its own CPU device (compute
 // stream), PagedState and communication stream. The gathers (the next group's prefetched along
-// the program) and the gradient sums run on the communication stream against the compute
-// stream's ops by events, and must give the bits of the same collectives made in line, with
-// micro-batches accumulated, tied embeddings (gathered at the head and the embedding), an MoE
-// model (whose experts' gathers and sums go with their layer's), one or three groups gathered
-// ahead, and the gradients' slices paged through host memory; also in chaos mode, where a missing wait between
-// the streams shows as other bits. Four ranks in expert groups of two gather and sum their
-// experts' state over the ranks holding the same experts, on the same stream. At ZeRO-3 with an untied head the last layer's weights stay
-// gathered from its forward to its backward when overlapped. Under ThreadSanitizer this is the
-// suite that watches the communication stream's thread.
+// the program), the gradient sums and, at ZeRO-1 and 2, the gathers of the updated weights after
+// the optimizer run on the communication stream against the compute stream's ops by events, and
+// must give the bits of the same collectives made in line, with micro-batches accumulated, tied
+// embeddings (gathered at the head and the embedding), an MoE model (whose experts' gathers and
+// sums go with their layer's), one or three groups gathered ahead, and the gradients' slices
+// paged through host memory; also in chaos mode, where a missing wait between the streams shows
+// as other bits. Four ranks in expert groups of two gather and sum their experts' state over the
+// ranks holding the same experts, on the same stream. At ZeRO-3 with an untied head the last
+// layer's weights stay gathered from its forward to its backward when overlapped. Under
+// ThreadSanitizer this is the suite that watches the communication stream's thread.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -45,6 +46,8 @@ struct RankRun {
   std::string error;
   uint64_t sent = 0;       // bytes this rank sent, over all its communicators
   uint64_t expert_handover_sent = 0;  // of them, through the holders' Comm of the communication stream
+  int64_t queued_copy_gathers = 0;    // groups whose updated weights were gathered on that stream
+  int64_t groups = 0;
   std::vector<uint64_t> group_bytes;  // per parameter group, the bytes of its weights this rank holds
 };
 
@@ -144,6 +147,7 @@ RankRun run_rank(int rank, const WorldCase& w, bool overlap, const fs::path& ren
     double loss = 0;
     for (int m = 0; m < kAccum && st.ok(); ++m) {
       const Batch& b = batches[static_cast<size_t>((s * kAccum + m) * world + rank)];
+      if (m == kAccum - 1) ps.begin_last_micro_batch(1e-2f);  // (ZeRO-1's sums at handover)
       Result<double> l = net.compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (world * kAccum * kB * kT), true);
       if (l.ok()) loss += *l;
       else st = l.status();
@@ -156,6 +160,8 @@ RankRun run_rank(int rank, const WorldCase& w, bool overlap, const fs::path& ren
   if (P > 1) net.set_expert_comm(nullptr);
   for (const auto& c : comms) out.sent += c->bytes_sent();
   if (P > 1) out.expert_handover_sent = comms[4]->bytes_sent();
+  out.queued_copy_gathers = ps.queued_copy_gathers();
+  out.groups = groups;
   // Groups: the embedding 0, layer l at l + 1, the head (final norm, lm_head) after them.
   const int64_t layers = mc.num_hidden_layers;
   out.group_bytes.assign(static_cast<size_t>(layers) + 2, 0);
@@ -247,6 +253,10 @@ TEST_P(OverlappedCollectives, AreTheBitsOfTheSameCollectivesInLine) {
       if (in_place[k]) kept += kSteps * kAccum * a.group_bytes[static_cast<size_t>(order[k])];
     if (zero == 3 && (!tied || ahead > 1)) EXPECT_GT(kept, 0u);
     EXPECT_EQ(a.sent - b.sent, kept) << "rank " << r << " sent " << a.sent << " in line, " << b.sent << " overlapped";
+    // ZeRO-1 and 2 gather each group's updated weights after the optimizer, overlapped on the
+    // communication stream while the next groups update.
+    EXPECT_EQ(a.queued_copy_gathers, 0) << "rank " << r;
+    EXPECT_EQ(b.queued_copy_gathers, zero <= 2 ? kSteps * b.groups : 0) << "rank " << r;
   }
 }
 
@@ -265,6 +275,7 @@ TEST(OverlappedExpertGroups, AreTheBitsOfTheSameCollectivesInLine) {
     for (size_t r = 0; r < overlapped.size(); ++r) {
       EXPECT_EQ(inline_runs[r].expert_handover_sent, 0u) << "rank " << r;
       EXPECT_GT(overlapped[r].expert_handover_sent, 0u) << "rank " << r;
+      EXPECT_EQ(overlapped[r].queued_copy_gathers, zero == 2 ? kSteps * overlapped[r].groups : 0) << "rank " << r;
       // At ZeRO-3 the last layer's weights, its experts' among them, stay gathered around the head.
       if (zero == 3) EXPECT_LT(overlapped[r].sent, inline_runs[r].sent) << "rank " << r;
     }
@@ -276,6 +287,11 @@ TEST(OverlappedExpertGroups, AreTheBitsOfTheSameCollectivesInLine) {
 INSTANTIATE_TEST_SUITE_P(ZeroTwoAndThree, OverlappedCollectives,
                          ::testing::Combine(::testing::Values(2, 3), ::testing::Bool(), ::testing::Bool(),
                                             ::testing::Values(1, 3)));
+// ZeRO-1: the gradient sums start on a thread of their own as backward hands each group over,
+// and the updated weights' gathers run on the communication stream.
+INSTANTIATE_TEST_SUITE_P(ZeroOne, OverlappedCollectives,
+                         ::testing::Combine(::testing::Values(1), ::testing::Bool(), ::testing::Bool(),
+                                            ::testing::Values(1)));
 
 #endif  // STRATA_HAVE_GLOO
 
