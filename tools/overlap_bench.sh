@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# How much of the ranks' communication hides behind compute at ZeRO-2 and 3 (parallel.overlap_comm:
-# gathers and gradient sums on the communication stream), on the CPU backend: `strata profile`
+# How much of the ranks' communication hides behind compute at ZeRO-1, 2 and 3 (parallel.overlap_comm:
+# ZeRO-1's sums at handover; gathers, gradient sums and the updated weights' gathers on the
+# communication stream), on the CPU backend: `strata profile`
 # at world 2 with the collectives in line and overlapped, the measured hidden share beside the
 # plan's prediction, and the step times of both.
 #
@@ -60,7 +61,7 @@ profile() {
 }
 
 rows=()
-for zero in 2 3; do
+for zero in 1 2 3; do
   echo "overlap_bench: ZeRO-$zero in line" >&2
   inline=$(profile "$zero" false)
   # Bytes each rank sent per step (metrics.jsonl) over the collectives' busy time: Gloo's rate here.
@@ -71,7 +72,7 @@ for zero in 2 3; do
 done
 
 {
-  echo "# Communication hidden behind compute, ZeRO-2 and 3 at world 2 ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+  echo "# Communication hidden behind compute, ZeRO-1, 2 and 3 at world 2 ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
   echo
   echo "\`tools/overlap_bench.sh\` on $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)),"
   echo "CPU backend, Gloo over the loopback, two ranks on this machine, one compute thread each. Model"
@@ -79,10 +80,12 @@ done
   echo "--warmup 2\`, rank 0's report."
   echo
   echo "- in line: \`parallel.overlap_comm=false\`, every collective on the compute path;"
-  echo "- overlapped: \`parallel.overlap_comm=true\`, the dense parts' gathers and gradient sums on the"
+  echo "- overlapped: \`parallel.overlap_comm=true\`: ZeRO-1's gradient sums at handover on a thread of"
+  echo "  their own; the gathers, gradient sums and (ZeRO-1 and 2) the updated weights' gathers on the"
   echo "  communication stream, ordered against compute by events;"
   echo "- hidden (measured): the share of the collectives' busy time during which the compute stream"
-  echo "  ran an op (its own waits for events left out), from the trace's timestamps;"
+  echo "  ran an op (its own waits for events left out) or the optimizer updated a group, from the"
+  echo "  trace's timestamps;"
   echo "- hidden (planned): \`strata plan\`'s comm_hidden_s / comm_s with this machine's compute rate"
   echo "  (\`strata bench machine\`, one thread) and the Gloo rate of the in-line run (GB/s column)."
   echo

@@ -308,9 +308,17 @@ ProfileReport analyze_profile(const ProfileInput& in) {
 
   // Collectives between the ranks, inside the traced steps: exposed where the training thread
   // ran them itself or waited for another thread's (the gradient sums at handover), and where
-  // another thread's (a communication stream's) ran while the compute stream had no op running.
-  std::vector<Interval> lane_busy;  // the compute stream's work, less its waits
+  // another thread's (a communication stream's) ran while neither the compute stream nor the
+  // optimizer ran.
+  // The compute stream's work, less its waits; and the optimizer's group updates on the training
+  // thread, beside which the updated weights' gathers run (ZeRO-1 and 2).
+  std::vector<Interval> lane_busy;
   if (auto it = track_busy.find(in.compute_stream); it != track_busy.end()) lane_busy = it->second;
+  if (training != nullptr) {
+    for (const trace::Event& e : training->events)
+      if (e.phase == 'X' && is(e, "optimizer", "adamw group")) lane_busy.push_back(Interval{e.ts_ns, e.ts_ns + e.dur_ns});
+    lane_busy = merged(lane_busy);
+  }
   auto exposed_beside_lane = [&](const Interval& span, std::vector<Interval>& out) {
     for (const Interval& i : without({span}, lane_busy)) out.push_back(i);
   };

@@ -139,6 +139,28 @@ TEST(ProfileReportTest, TransfersOverlappingStallsAreNotHidden) {
   EXPECT_NEAR(h2d.hidden_share, 1.0 - 100.0 / 250.0, 1e-9);
 }
 
+// ZeRO-1 and 2's updated-weight gathers run on the communication stream beside the optimizer's
+// group updates: hidden while the training thread updates a group (as while the compute stream
+// runs an op), exposed after the last update, when the step waits for them.
+TEST(ProfileReportTest, UpdatedWeightGathersBesideTheOptimizerAreHidden) {
+  Plan plan;
+  ProfileInput in = two_steps(&plan);
+  in.compute_stream = "compute stream";
+  trace::ThreadEvents stream{5, "compute stream", {}};
+  stream.events.push_back(span("compute", "forward", 0, 50, 300));
+  stream.events.push_back(span("compute", "backward", 0, 350, 400));
+  trace::ThreadEvents comm{6, "communication", {}};
+  // Step 1's AdamW runs over [750, 950): 100 us of gather inside it, 30 us after it.
+  comm.events.push_back(span("communication", "gathering the updated weights", 0, 800, 100));
+  comm.events.push_back(span("communication", "gathering the updated weights", 1, 960, 30));
+  in.threads.push_back(stream);
+  in.threads.push_back(comm);
+  const ProfileReport r = analyze_profile(in);
+  ASSERT_TRUE(r.communication.traced);
+  EXPECT_NEAR(r.communication.busy_s, 130.0 / 2 * 1e-6, 1e-12);
+  EXPECT_NEAR(r.communication.hidden_share, 1.0 - 30.0 / 130.0, 1e-9);
+}
+
 // Collectives: the sums at handover on a thread of their own (120 us a step) are hidden but for
 // the 40 us the training thread waited for them after AdamW in step 1; the training thread's own
 // (30 us in step 2) are not hidden at all, and are a phase of the step of their own. Spans
