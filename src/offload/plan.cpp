@@ -267,6 +267,7 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   // ranks' slices as it ends.
   optimizer.reduces_gradients = in.world_size > 1 && !p.placement.sliced(0, StateKind::kGrad);
   optimizer.overlapped = in.overlap_optimizer;
+  optimizer.slices_host_updates = true;  // as the engine updates (replay_step splits them)
   // (Expert groups sum after backward at ZeRO-0 and 1: PagedState has no handover for them.)
   optimizer.reduces_at_handover = in.overlap_comm && !in.overlap_optimizer && in.expert_ranks <= 1;
   r.program = make_step_program(offload ? in.micro_batch_program_offloaded : in.micro_batch_program, optimizer)
@@ -438,11 +439,14 @@ GroupHomes place_on_device(const LevelSizes& s, const WorkingSet& ws, uint64_t f
   return h;
 }
 
-// The host staging of the NVMe optimizer pipeline (read -> update -> write): two chunks of each
-// of the `optimizer_kinds` kinds homed there in flight (read-ahead and write-behind). Without a fixed chunk size, chunks
-// come out about one layer's optimizer tensors large. With the store's chunk counts known, the
-// staging is a whole group's (a rank's part of it, sharded): AdamW acquires all of it.
-uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s, uint64_t optimizer_kinds) {
+// The host staging of state homed on NVMe. AdamW in host memory goes update slice by slice
+// (one chunk of each kind at a time, StateStore's update slices): two chunks of each of the
+// `optimizer_kinds` kinds in flight (the slice's, and the next one's read ahead). A compute copy
+// or gradients homed on NVMe reach the device through host slots, a group's at a time: the
+// largest group's chunks (a rank's part of it, sharded) for each of the `paged_kinds`. Without a
+// fixed chunk size, chunks come out about one layer's optimizer tensors large. The planner's
+// replay of the step then decides whether the host really has the slots.
+uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s, uint64_t optimizer_kinds, uint64_t paged_kinds) {
   const uint64_t pipeline_chunk =
       in.chunk_size ? in.chunk_size : std::min<uint64_t>(64ull << 20, round_up(in.layer_elements * 4, 4096));
   const uint64_t w = static_cast<uint64_t>(s.W);
@@ -450,8 +454,8 @@ uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s, uint64_t o
                                 : in.largest_sliced_group_chunks > 0 ? in.largest_sliced_group_chunks
                                                                      : (in.largest_group_chunks + w - 1) / w;
   return in.largest_group_chunks > 0 && in.chunk_size > 0
-             ? optimizer_kinds * std::max<uint64_t>(group_chunks, 2) * in.chunk_size
-             : 2 * optimizer_kinds * pipeline_chunk;
+             ? (2 * optimizer_kinds + paged_kinds * 2) * in.chunk_size
+             : 2 * (optimizer_kinds + paged_kinds) * pipeline_chunk;
 }
 
 // Step 3: host and NVMe. Every group whose optimizer runs on the CPU keeps a parameter copy, a
@@ -460,7 +464,7 @@ uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s, uint64_t o
 // expert by expert, then the rest of the layer): the optimizer state first, then
 // the streamed compute copies, then the streamed gradients, so that the host holds little more
 // than the slots the chunks pass through. NVMe groups need that staging on the host: AdamW on the
-// host holds a whole group's kinds at once, and a chunk homed on NVMe reaches the device through
+// host holds an update slice's kinds at once, and a chunk homed on NVMe reaches the device through
 // a host slot. False with the problem and suggestions in `p` when the host or NVMe budget cannot
 // hold its part, or the host cannot pass the largest group while the weights load.
 bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
@@ -486,8 +490,8 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
     bool param = false, grad = false;
     for (int64_t g = 0; g < s.groups; ++g) param = param || h.param_nvme[g], grad = grad || h.grad_nvme[g];
     const bool opt = p.nvme_optimizer_groups > 0 || p.nvme_optimizer_experts > 0;
-    const uint64_t kinds = (opt ? (in.separate_master ? 3 : 2) : 0) + param + grad;
-    return kinds > 0 ? nvme_staging_bytes(in, s, kinds) : 0;
+    const uint64_t optimizer = opt ? (in.separate_master ? 3 : 2) : 0, paged = (param ? 1 : 0) + (grad ? 1 : 0);
+    return optimizer + paged > 0 ? nvme_staging_bytes(in, s, optimizer, paged) : 0;
   };
   // The sliced kinds' bytes as the store packs them under the homes so far: what the host holds
   // of them differs from the layers' even shares p.host counts.
@@ -568,6 +572,23 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
       h.grad_nvme[*it] = true;
       p.nvme_grad_groups++;
     }
+    // Last, the homes of what the device keeps resident: AdamW in host memory writes the compute
+    // copy there and reads the gradients from there, so with those homes on nvme each step moves
+    // them through host slots instead of keeping them on the host.
+    for (auto it = host_groups.rbegin(); it != host_groups.rend(); ++it) {
+      if (!h.param_res[*it] || h.param_nvme[*it]) continue;
+      if (!over()) break;
+      p.host.param -= s.of(*it).param, p.nvme.param += s.of(*it).param;
+      h.param_nvme[*it] = true;
+      p.nvme_param_groups++;
+    }
+    for (auto it = host_groups.rbegin(); it != host_groups.rend(); ++it) {
+      if (!h.grad_res[*it] || h.grad_nvme[*it]) continue;
+      if (!over()) break;
+      p.host.grad -= s.of(*it).grad, p.nvme.grad += s.of(*it).grad;
+      h.grad_nvme[*it] = true;
+      p.nvme_grad_groups++;
+    }
   };
   spill_pass();
   // The sliced kinds as the store packs them.
@@ -596,15 +617,15 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
     p.suggestions.push_back(fmt::format("raise memory.nvme.size to at least {}", format_bytes(p.nvme.total())));
     return false;
   }
-  // Loading the weights passes each group through host memory, whatever its home.
+  // Loading the weights passes them through host memory, whatever their home, a chunk of each
+  // kind written at a time (StateStore's update slices).
   const uint64_t load_bytes = in.largest_group_load_chunks * in.chunk_size;
   if (in.host_budget > 0 && load_bytes > in.host_budget) {
     p.problem = fmt::format(
-        "the host budget {} cannot hold the largest parameter group's {} while the weights load (they pass through "
-        "host memory one group at a time, whatever their home)",
+        "the host budget {} cannot hold the {} the weights pass through while they load (a chunk of each kind they "
+        "are written in at a time, whatever their home)",
         format_bytes(in.host_budget), format_bytes(load_bytes));
     p.suggestions.push_back(fmt::format("raise memory.host to at least {}", format_bytes(load_bytes)));
-    p.suggestions.push_back("or a smaller vocab_size or hidden_size (model.set) when that group is the embedding");
     return false;
   }
   return true;

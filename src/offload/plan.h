@@ -168,13 +168,14 @@ struct PlanInput {
     uint64_t master = 0, adam_m = 0, adam_v = 0;
   };
   std::vector<std::vector<ExpertChunks>> expert_chunks, expert_sliced_chunks;
-  // Chunks of one kind of the largest single group (when set): AdamW on host memory acquires a
-  // whole group's optimizer state there at once, so a group streamed from nvme needs that many
-  // free host slots per optimizer kind.
+  // Chunks of one kind of the largest single group (when set): a compute copy or gradients homed
+  // on nvme reach the device through host slots a group at a time (AdamW on host memory goes by
+  // update slices instead, a chunk of each kind at a time).
   uint64_t largest_group_chunks = 0;
-  // Chunks the largest group holds in host memory while the weights load (initialisation, a
-  // model file, a checkpoint): its fp32 state of one kind, and with a separate master its
-  // compute copy beside it (written from the master). The host tier must have that many slots.
+  // Chunks host memory holds at once while the weights load (initialisation, a model file, a
+  // checkpoint), update slice by update slice: one of the fp32 kind being written, and with a
+  // separate master one of the compute copy beside it (written from the master). The host tier
+  // must have that many slots.
   uint64_t largest_group_load_chunks = 0;
   std::string offload_activations = "auto";  // auto | true | false
   // The model's accesses in one micro-batch, as its code makes them (model/recording_access.h

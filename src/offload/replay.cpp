@@ -47,7 +47,8 @@ ReplayMoves operator-(const ReplayMoves& a, const ReplayMoves& b) {
 // stays pinned until the event that closes its batch.
 class Driver {
  public:
-  Driver(StateStore& store, const ReplayInput& in) : store_(store), in_(in) {}
+  Driver(StateStore& store, const ReplayInput& in, const std::vector<ProgramEvent>& program)
+      : store_(store), in_(in), program_(program) {}
 
   // One step; the moves of each phase are added to `phase` when counting. On error nothing
   // stays acquired.
@@ -59,7 +60,7 @@ class Driver {
 
  private:
   Status run(std::array<ReplayMoves, kStepPhases>* phase) {
-    const std::vector<ProgramEvent>& events = in_.program;
+    const std::vector<ProgramEvent>& events = program_;
     for (size_t i = 0; i < events.size();) {
       const ProgramEvent& e = events[i];
       const ReplayMoves before = moves_of(store_.stats());
@@ -83,6 +84,10 @@ class Driver {
           RETURN_IF_ERROR(store_.acquire_parts(e.access.group, experts, e.access.kind, e.access.prefetch_to, e.mode));
           held_.push_back({e.access, experts});
         }
+      } else if (e.access.slice >= 0) {
+        RETURN_IF_ERROR(store_.acquire_slice(e.access.group, e.access.slice, e.access.kind, e.access.prefetch_to, e.mode,
+                                             e.access.cursor));
+        held_.push_back({e.access, {}});
       } else if (e.access.part == kAllParts) {
         RETURN_IF_ERROR(
             store_.acquire_group(e.access.group, e.access.kind, e.access.prefetch_to, e.mode, e.access.cursor));
@@ -118,6 +123,8 @@ class Driver {
       const GroupAccess& a = h.access;
       if (!h.experts.empty()) {
         store_.release_parts(a.group, h.experts, a.kind);
+      } else if (a.slice >= 0) {
+        store_.release_slice(a.group, a.slice, a.kind);
       } else if (a.part == kAllParts) {
         store_.release_group(a.group, a.kind);
       } else {
@@ -129,6 +136,7 @@ class Driver {
 
   StateStore& store_;
   const ReplayInput& in_;
+  const std::vector<ProgramEvent>& program_;  // in.program with its update slices
   std::vector<Held> held_;
 };
 
@@ -141,10 +149,13 @@ Result<ReplayResult> replay_step(const ReplayInput& in) {
   so.space.nvme_dir.clear();
   ASSIGN_OR_RETURN(std::unique_ptr<StateStore> store, StateStore::create(device, &io, in.tensors, so));
   if (in.activations > 0) RETURN_IF_ERROR(store->add_activations(in.activations, in.activation_bytes));
+  // Updates marked to go slice by slice, split by the store's slices.
+  const std::vector<ProgramEvent> program =
+      expand_update_slices(in.program, [&store](int g) { return store->update_slices(g); });
   std::vector<GroupAccess> schedule;
-  for (const ProgramEvent& e : in.program) schedule.push_back(e.access);
+  for (const ProgramEvent& e : program) schedule.push_back(e.access);
   store->set_schedule(schedule);
-  Driver driver(*store, in);
+  Driver driver(*store, in, program);
   ReplayResult result;
   const int counted = std::max(1, in.counted_steps);
   RETURN_IF_ERROR(driver.step(nullptr));

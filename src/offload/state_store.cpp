@@ -297,10 +297,79 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
           if (first_group[c] < 0) first_group[c] = g;
           if (first_group[c] != g) s->shared_by_groups_[c] = true;
         }
+  s->make_slices();
   s->state_chunks_ = parts_in.size();  // activation buffers are added later
   s->shared_.resize(parts_in.size());
   for (size_t c = 0; c < parts_in.size(); ++c) s->shared_[c] = parts_in[c] > 1;
   return s;
+}
+
+void StateStore::make_slices() {
+  slices_.assign(static_cast<size_t>(num_groups_), {});
+  const std::vector<StateKind> kinds = layout_.kinds();
+  for (int g = 0; g < num_groups_; ++g) {
+    std::vector<Slice>& slices = slices_[static_cast<size_t>(g)];
+    for (size_t i : group_tensors_[g]) {
+      // Its chunk of each kind it holds some of; it joins the slice when each is the slice's.
+      std::array<std::optional<ChunkId>, kNumStateKinds> at;
+      bool joins = !slices.empty();
+      for (StateKind kind : kinds) {
+        const int k = static_cast<int>(kind);
+        if (layout_.tensor_bytes(kind, tensors_[i].shape(sliced(g, kind))) == 0) continue;
+        at[k] = space_->tensor(ids_[i][k]).chunk;
+        if (joins && !slices.back().chunks[k].empty() && slices.back().chunks[k].front() != *at[k]) joins = false;
+      }
+      if (!joins) slices.emplace_back();
+      slices.back().tensors.push_back(i);
+      for (StateKind kind : kinds) {
+        const int k = static_cast<int>(kind);
+        if (at[k] && slices.back().chunks[k].empty()) slices.back().chunks[k].push_back(*at[k]);
+      }
+    }
+    if (slices.empty()) slices.emplace_back();
+  }
+}
+
+Status StateStore::acquire_slice(int group, int slice, StateKind kind, Tier where, AccessMode mode,
+                                 ScheduleCursor cursor, Stream* consumer) {
+  CHECK(group >= 0 && group < num_groups_);
+  CHECK_MSG(layout_.has(kind), std::string("this layout holds no ") + state_kind_name(kind) + " state");
+  const int k = static_cast<int>(kind);
+  Slice& sl = slices_[static_cast<size_t>(group)].at(static_cast<size_t>(slice));
+  CHECK_MSG(!sl.pinned[k], "update slice " + std::to_string(slice) + " of group " + std::to_string(group) +
+                               " acquired twice");
+  const std::optional<size_t> entry =
+      cursor == ScheduleCursor::kFollow ? next_entry(GroupAccess::of_slice(group, kind, slice)) : std::nullopt;
+  std::vector<void*> bases;
+  for (ChunkId c : sl.chunks[k]) {
+    if (entry) space_->advance(schedule_chunk_start_[*entry] + bases.size());
+    // The chunk may hold other slices' tensors: it is never overwritten whole.
+    const AccessMode chunk_mode = mode == AccessMode::kWrite ? AccessMode::kReadWrite : mode;
+    Result<void*> base = space_->acquire_chunk(c, where, chunk_mode, consumer);
+    Status st = base.status();
+    if (st.ok() && entry && lookahead_ > 0) st = space_->prefetch(lookahead_ * sl.chunks[k].size(), where);
+    if (!st.ok()) {
+      if (base.ok()) space_->release_chunk(c, consumer);
+      return st;
+    }
+    bases.push_back(*base);
+  }
+  for (size_t i : sl.tensors) {
+    if (layout_.tensor_bytes(kind, tensors_[i].shape(sliced(group, kind))) == 0) continue;
+    ptrs_[i][k] = static_cast<char*>(bases.front()) + space_->tensor(ids_[i][k]).offset;
+  }
+  sl.pinned[k] = true;
+  return Status::OK();
+}
+
+void StateStore::release_slice(int group, int slice, StateKind kind, Stream* consumer) {
+  const int k = static_cast<int>(kind);
+  Slice& sl = slices_[static_cast<size_t>(group)].at(static_cast<size_t>(slice));
+  CHECK_MSG(sl.pinned[k], "release of update slice " + std::to_string(slice) + " of group " + std::to_string(group) +
+                              ", which is not acquired");
+  for (ChunkId c : sl.chunks[k]) space_->release_chunk(c, consumer);
+  for (size_t i : sl.tensors) ptrs_[i][k] = nullptr;
+  sl.pinned[k] = false;
 }
 
 Tier StateStore::home(int group, StateKind kind) const { return homes_[group * kNumStateKinds + static_cast<int>(kind)]; }
@@ -341,10 +410,14 @@ void StateStore::set_schedule(const std::vector<GroupAccess>& accesses) {
   std::vector<ChunkId> order;
   std::vector<Tier> tiers;
   for (const GroupAccess& a : accesses) {
+    CHECK_MSG(a.slice >= kWholeGroup, "a schedule with an update not expanded into its slices (expand_update_slices)");
     schedule_chunk_start_.push_back(order.size());
     if (a.activation >= 0) {
       CHECK_MSG(a.activation < num_activations(), "schedule names an activation buffer that does not exist");
       for (ChunkId c : act_chunks_[a.activation]) order.push_back(c);
+    } else if (a.slice >= 0) {
+      for (ChunkId c : slices_.at(static_cast<size_t>(a.group)).at(static_cast<size_t>(a.slice)).chunks[static_cast<int>(a.kind)])
+        order.push_back(c);
     } else if (a.part != kAllParts) {
       for (ChunkId c : parts_[a.group][part_index(a.group, a.part)].chunks[static_cast<int>(a.kind)]) order.push_back(c);
     } else {

@@ -19,6 +19,13 @@
 // several parts on demand, outside the schedule (the experts a router picked: which ones is only
 // known once the router has run).
 //
+// Update slices: AdamW in host memory holds every kind of what it updates at once, and a whole
+// group of a large model (an embedding of a large vocabulary: tens of chunks of each kind) would
+// set the host memory a run needs. So each group's tensors are also split, in order, into runs
+// whose state of each kind lies in one chunk (update_slices); acquire_slice() pins one run's
+// chunks of a kind, and the optimizer (and loading or restoring a kind) goes slice by slice:
+// five chunks at a time, one per kind, whatever the group's size.
+//
 // Slices: a group that holds only its tensors' slices of a kind (a data-parallel rank's ranges,
 // StateStoreOptions::sliced) packs them on from where the group before it ended, when the chunk
 // it would continue in lives where the group's are homed, instead of opening a chunk of its own. A rank of W holds 1/W of each group: padding every group's slices
@@ -116,12 +123,25 @@ struct GroupAccess {
   // kBeside: an entry of an acquisition beside the cursor, which kFollow acquisitions never
   // match. Not part of an access's identity.
   ScheduleCursor cursor = ScheduleCursor::kFollow;
+  // >= 0: one update slice of the group (StateStore::acquire_slice; part unused). kWholeGroup:
+  // none. kEachSlice: a step program's mark for an update to be made slice by slice, which
+  // expand_update_slices (step_program.h) turns into one batch per slice.
+  int slice = -1;
   static GroupAccess of_activation(int i) { return {0, StateKind::kParam, i}; }
   static GroupAccess of_part(int group, StateKind kind, int part) { return {group, kind, -1, part}; }
+  static GroupAccess of_slice(int group, StateKind kind, int slice) {
+    GroupAccess a{group, kind};
+    a.slice = slice;
+    return a;
+  }
   bool operator==(const GroupAccess& o) const {
-    return group == o.group && kind == o.kind && activation == o.activation && part == o.part;
+    return group == o.group && kind == o.kind && activation == o.activation && part == o.part && slice == o.slice;
   }
 };
+
+// GroupAccess::slice values that name no slice.
+inline constexpr int kWholeGroup = -1;
+inline constexpr int kEachSlice = -2;
 
 // The home tier of the chunks of a kind that a part of a group opens (StateStoreOptions::home).
 using HomeOf = std::function<Tier(int group, StateKind kind, int part)>;
@@ -239,6 +259,18 @@ class StateStore {
   Status acquire_parts(int group, std::span<const int> parts, StateKind kind, Tier where, AccessMode mode,
                        Stream* consumer = nullptr);
   void release_parts(int group, std::span<const int> parts, StateKind kind, Stream* consumer = nullptr);
+  // Update slices (see above): how many a group has (at least 1), and the tensors of one.
+  int update_slices(int group) const { return static_cast<int>(slices_.at(static_cast<size_t>(group)).size()); }
+  const std::vector<size_t>& slice_tensors(int group, int slice) const {
+    return slices_.at(static_cast<size_t>(group)).at(static_cast<size_t>(slice)).tensors;
+  }
+  // Pins the chunk holding the `kind` state of one update slice of a group (none when the slice
+  // holds none of that kind), as acquire_group does the group's: pointer() is then valid for
+  // the slice's tensors that hold some. Its chunk may hold other slices' tensors, so kWrite reads
+  // it first. REQUIRES: the slice is not acquired for `kind`.
+  Status acquire_slice(int group, int slice, StateKind kind, Tier where, AccessMode mode,
+                       ScheduleCursor cursor = ScheduleCursor::kFollow, Stream* consumer = nullptr);
+  void release_slice(int group, int slice, StateKind kind, Stream* consumer = nullptr);
   // REQUIRES: tensor i's group or part is acquired for `kind`. raw_pointer() for any kind (its
   // bytes are layout().tensor_bytes(kind, tensor(i).shape(sliced(group, kind)))); pointer() for
   // the fp32 kinds. Of a sliced kind they point at the slice's first element.
@@ -299,6 +331,15 @@ class StateStore {
 
  private:
   StateStore() = default;
+  // One update slice of a group: its tensors (consecutive in the group's order) and, per kind,
+  // the chunk holding them (none when they hold nothing of that kind).
+  struct Slice {
+    std::vector<size_t> tensors;
+    std::array<std::vector<ChunkId>, kNumStateKinds> chunks;
+    std::array<bool, kNumStateKinds> pinned{};
+  };
+  // The update slices of every group, once the tensors are packed.
+  void make_slices();
   // One part of a group: its tensors (in order) and, per kind, the chunks holding them.
   struct Part {
     int id = kDensePart;
@@ -343,6 +384,7 @@ class StateStore {
   std::vector<std::array<void*, kNumStateKinds>> ptrs_;    // per tensor, while acquired
   StateLayout layout_;
   std::vector<std::vector<Part>> parts_;  // per group: kDensePart first, then the others ascending
+  std::vector<std::vector<Slice>> slices_;  // per group, at least one
   std::vector<bool> shared_;  // per chunk: it holds more than one part
   std::vector<bool> shared_by_groups_;  // per chunk: it holds slices of more than one group
   uint64_t state_chunks_ = 0;

@@ -6,6 +6,8 @@
 #include <functional>
 #include <utility>
 
+#include "core/check.h"
+
 namespace strata {
 
 std::vector<ProgramEvent> StepProgram::events(int64_t grad_accum) const {
@@ -42,12 +44,15 @@ void append_reduction(int g, std::vector<ProgramEvent>* out) {
   out->push_back(e);
 }
 
-// AdamW on group g: every kind, where the program says, one batch.
+// AdamW on group g: every kind, where the program says, one batch (in host memory, marked to be
+// made slice by slice when the program asks).
 void append_update(const OptimizerProgram& o, int g, std::vector<ProgramEvent>* out) {
+  const Tier where = o.where(g);
   for (StateKind k : o.kinds) {
     ProgramEvent e{GroupAccess{g, k}, AccessMode::kReadWrite, StepPhase::kOptimizer, false};
-    e.access.prefetch_to = o.where(g);
+    e.access.prefetch_to = where;
     if (o.overlapped) e.access.cursor = ScheduleCursor::kBeside;
+    if (o.slices_host_updates && !o.overlapped && where != Tier::kDevice) e.access.slice = kEachSlice;
     out->push_back(e);
   }
   if (!o.kinds.empty()) out->back().last = true;
@@ -135,6 +140,32 @@ std::vector<int> gradient_batches(const std::vector<ProgramEvent>& micro_batch, 
     in_batch.assign(in_batch.size(), false);
   }
   return batches;
+}
+
+std::vector<ProgramEvent> expand_update_slices(const std::vector<ProgramEvent>& events,
+                                               const std::function<int(int group)>& slices) {
+  std::vector<ProgramEvent> out;
+  for (size_t i = 0; i < events.size();) {
+    if (events[i].access.slice != kEachSlice) {
+      out.push_back(events[i++]);
+      continue;
+    }
+    // The marked batch: its events up to the one that closes it.
+    size_t end = i;
+    while (end < events.size() && events[end].access.slice == kEachSlice && !events[end].last) ++end;
+    CHECK_MSG(end < events.size() && events[end].access.slice == kEachSlice,
+              "an update marked kEachSlice that no marked event closes");
+    const int n = slices(events[i].access.group);
+    for (int s = 0; s < std::max(n, 1); ++s) {
+      for (size_t j = i; j <= end; ++j) {
+        ProgramEvent e = events[j];
+        e.access.slice = n > 1 ? s : kWholeGroup;
+        out.push_back(e);
+      }
+    }
+    i = end + 1;
+  }
+  return out;
 }
 
 StepProgram make_step_program(std::vector<ProgramEvent> micro_batch, const OptimizerProgram& o) {

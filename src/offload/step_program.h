@@ -80,6 +80,11 @@ struct OptimizerProgram {
   // the cursor, that writes them), hidden behind the backward of the groups before it; the norm
   // pass then only reads them.
   bool reduces_at_handover = false;
+  // AdamW in host memory goes slice by slice (StateStore's update slices), not group by group:
+  // those updates are marked kEachSlice, for expand_update_slices to split once the store's
+  // slices are known. Not with `overlapped` (its per-group finiteness check reads the whole
+  // group's gradients before changing any of it).
+  bool slices_host_updates = false;
 };
 
 // How many batches of `micro_batch` acquire each of `num_groups` groups' gradients (their dense
@@ -98,6 +103,12 @@ std::vector<int> gather_order(const std::vector<ProgramEvent>& micro_batch);
 // group that is ahead already or its own; its end keeps its group when the group's next entry is
 // the one right after those ahead. A kept entry needs no gather.
 std::vector<bool> kept_gathers(const std::vector<int>& order, int ahead);
+
+// Splits each update marked kEachSlice (OptimizerProgram::slices_host_updates) into one batch
+// per update slice of its group, `slices(group)` of them, in order: the same kinds for each
+// slice. A group of one slice is updated whole (kWholeGroup), as without the mark.
+std::vector<ProgramEvent> expand_update_slices(const std::vector<ProgramEvent>& events,
+                                               const std::function<int(int group)>& slices);
 
 // The whole program: the optimizer's zeroing before `micro_batch` (the model's, recorded), the
 // norm and AdamW after it, or the updates inside the last micro-batch when overlapped.

@@ -325,9 +325,10 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
       } else if (e.phase == StepPhase::kNorm) {
         ps->norm_pass_.push_back(e);
       } else if (e.phase == StepPhase::kOptimizer) {
+        // (A group updated by slices has the same kinds for each: its first slice's.)
         if (ps->updates_.empty() || ps->updates_.back().group != e.access.group)
-          ps->updates_.push_back({e.access.group, {}, e.access.cursor});
-        ps->updates_.back().kinds.push_back(e.access.kind);
+          ps->updates_.push_back({e.access.group, {}, e.access.cursor, e.access.slice >= 0});
+        if (e.access.slice <= 0) ps->updates_.back().kinds.push_back(e.access.kind);
       }
     }
   }
@@ -447,7 +448,10 @@ StepProgram PagedState::step_program() const {
   optimizer.where = [this](int g) { return adam_tier(g); };
   optimizer.overlapped = options_.overlap_optimizer;
   optimizer.reduces_at_handover = plans_reductions_at_handover();
-  return make_step_program(model::record_micro_batch(layout_.config(), options_.offload_activations), optimizer);
+  optimizer.slices_host_updates = true;
+  StepProgram program = make_step_program(model::record_micro_batch(layout_.config(), options_.offload_activations), optimizer);
+  program.optimizer = expand_update_slices(program.optimizer, [this](int g) { return store_->update_slices(g); });
+  return program;
 }
 
 size_t PagedState::tensor_at(int64_t offset) const {
@@ -460,64 +464,73 @@ Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
   drain_compute();
   drop_prefetch();  // weights gathered ahead would miss this change
   const StateKind kind = stored_kind(saved);
+  const bool f32 = store_->layout().is_f32(kind);
+  // A tensor in row blocks, of a compact kind, or held as a slice is filled into fp32 values
+  // first (once: its blocks may lie in several update slices), then stored block by block.
+  std::vector<float> whole;
+  const model::TensorSpec* whole_of = nullptr;
   for (int g = 0; g < store_->num_groups(); ++g) {
     if (before_modify_ && kind != StateKind::kGrad) before_modify_(g);
     const bool sliced = store_->sliced(g, kind);
     // A sliced master holds this rank's ranges only, so the compute copy, which every rank holds
     // whole, is written here from the whole values rather than from the master afterwards.
     const bool copy_too = sliced && kind == StateKind::kMaster;
-    RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kReadWrite));
-    Status st = copy_too ? store_->acquire_group(g, StateKind::kParam, Tier::kHost, AccessMode::kReadWrite)
-                         : Status::OK();
-    if (!st.ok()) {
-      store_->release_group(g, kind);
-      return st;
-    }
-    const bool f32 = store_->layout().is_f32(kind);
-    // A tensor in row blocks, of a compact kind, or held as a slice is filled into fp32 values
-    // first, then stored block by block.
-    std::vector<float> whole;
-    for (size_t i : store_->group_tensors(g)) {
-      const Piece& p = pieces_[i];
-      if (elsewhere(i)) continue;  // nothing of it here (its blocks are all elsewhere alike)
-      if (p.spec->num_blocks() == 1 && f32 && !sliced) {
-        st = fill(*p.spec, store_->pointer(i, kind));
-      } else if (p.block == 0) {
-        whole.resize(static_cast<size_t>(p.spec->numel));
-        st = fill(*p.spec, whole.data());
-        // The blocks are the next store tensors of this group, all acquired.
-        for (int64_t b = 0; st.ok() && b < p.spec->num_blocks(); ++b) {
-          const size_t bi = i + static_cast<size_t>(b);
-          const float* values = whole.data() + (p.spec->block_offset(b) - p.spec->offset);
-          const ElementRange held = store_->held(bi, kind);
-          put_values(bi, kind, values + held.first, held.count);
-          if (copy_too) {
-            // The whole copy, or (ZeRO-3) this rank's range of it.
-            const ElementRange copy_held = store_->held(bi, StateKind::kParam);
-            write_copy(*cpu_state_kernels(), bi, values + copy_held.first, copy_held);
+    // Update slice by slice: host memory holds a chunk of each kind at a time, whatever the
+    // group's size.
+    for (int sl = 0; sl < store_->update_slices(g); ++sl) {
+      RETURN_IF_ERROR(store_->acquire_slice(g, sl, kind, Tier::kHost, AccessMode::kReadWrite));
+      Status st = copy_too ? store_->acquire_slice(g, sl, StateKind::kParam, Tier::kHost, AccessMode::kReadWrite)
+                           : Status::OK();
+      if (!st.ok()) {
+        store_->release_slice(g, sl, kind);
+        return st;
+      }
+      for (size_t i : store_->slice_tensors(g, sl)) {
+        const Piece& p = pieces_[i];
+        if (elsewhere(i)) continue;  // nothing of it here (its blocks are all elsewhere alike)
+        if (p.spec->num_blocks() == 1 && f32 && !sliced) {
+          st = fill(*p.spec, store_->pointer(i, kind));
+        } else {
+          if (whole_of != p.spec) {
+            whole.resize(static_cast<size_t>(p.spec->numel));
+            st = fill(*p.spec, whole.data());
+            whole_of = p.spec;
+          }
+          if (st.ok()) {
+            const float* values = whole.data() + (p.spec->block_offset(p.block) - p.spec->offset);
+            const ElementRange held = store_->held(i, kind);
+            put_values(i, kind, values + held.first, held.count);
+            if (copy_too) {
+              // The whole copy, or (ZeRO-3) this rank's range of it.
+              const ElementRange copy_held = store_->held(i, StateKind::kParam);
+              write_copy(*cpu_state_kernels(), i, values + copy_held.first, copy_held);
+            }
           }
         }
+        if (!st.ok()) break;
       }
-      if (!st.ok()) break;
+      if (copy_too) store_->release_slice(g, sl, StateKind::kParam);
+      store_->release_slice(g, sl, kind);
+      RETURN_IF_ERROR(st);
     }
-    if (copy_too) store_->release_group(g, StateKind::kParam);
-    store_->release_group(g, kind);
-    RETURN_IF_ERROR(st);
     if (kind == StateKind::kMaster && !sliced) RETURN_IF_ERROR(refresh_compute_copy(g));
   }
   return store_->synchronize();
 }
 
 Status PagedState::refresh_compute_copy(int g) {
-  RETURN_IF_ERROR(store_->acquire_group(g, StateKind::kMaster, Tier::kHost, AccessMode::kRead));
-  Status st = store_->acquire_group(g, StateKind::kParam, Tier::kHost, AccessMode::kWrite);
-  if (st.ok()) {
-    for (size_t i : store_->group_tensors(g))
-      write_copy(*cpu_state_kernels(), i, store_->pointer(i, StateKind::kMaster), store_->held(i, StateKind::kMaster));
-    store_->release_group(g, StateKind::kParam);
+  for (int sl = 0; sl < store_->update_slices(g); ++sl) {
+    RETURN_IF_ERROR(store_->acquire_slice(g, sl, StateKind::kMaster, Tier::kHost, AccessMode::kRead));
+    Status st = store_->acquire_slice(g, sl, StateKind::kParam, Tier::kHost, AccessMode::kWrite);
+    if (st.ok()) {
+      for (size_t i : store_->slice_tensors(g, sl))
+        write_copy(*cpu_state_kernels(), i, store_->pointer(i, StateKind::kMaster), store_->held(i, StateKind::kMaster));
+      store_->release_slice(g, sl, StateKind::kParam);
+    }
+    store_->release_slice(g, sl, StateKind::kMaster);
+    RETURN_IF_ERROR(st);
   }
-  store_->release_group(g, StateKind::kMaster);
-  return st;
+  return Status::OK();
 }
 
 Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
@@ -532,10 +545,12 @@ Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
   }
   for (int g = 0; g < store_->num_groups(); ++g) {
     CHECK_MSG(!store_->sliced(g, kind), "copy_kind out of a kind this rank holds only its ranges of");
-    RETURN_IF_ERROR(store_->acquire_group(g, kind, Tier::kHost, AccessMode::kRead));
-    for (size_t i : store_->group_tensors(g))
-      if (!elsewhere(i)) get_values(i, kind, flat + pieces_[i].offset, static_cast<uint64_t>(pieces_[i].numel));
-    store_->release_group(g, kind);
+    for (int sl = 0; sl < store_->update_slices(g); ++sl) {
+      RETURN_IF_ERROR(store_->acquire_slice(g, sl, kind, Tier::kHost, AccessMode::kRead));
+      for (size_t i : store_->slice_tensors(g, sl))
+        if (!elsewhere(i)) get_values(i, kind, flat + pieces_[i].offset, static_cast<uint64_t>(pieces_[i].numel));
+      store_->release_slice(g, sl, kind);
+    }
   }
   return store_->synchronize();
 }
@@ -620,21 +635,34 @@ kernels::AdamWParams PagedState::adamw_params(float lr) const {
 }
 
 Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p, double* sum_squares) {
-  static const kernels::SimdLevel simd = kernels::detect_simd_level();
   // AdamW runs where the group's moments live: the device tier, or host memory (NVMe-homed
-  // moments are read into host slots and written back when evicted).
+  // moments are read into host slots and written back when evicted); there, as the program
+  // says, slice by slice.
   const Tier where = adam_tier(g);
+  const GroupUpdate& update = updates_[update_index_.at(static_cast<size_t>(g))];
+  trace::Span span("optimizer", "adamw group", g);
+  span.arg("tier", static_cast<double>(where));
+  if (before_modify_) before_modify_(g);
+  if (sharded() && !slices_params() && queues_copy_gathers(where)) ++queued_copy_gathers_;
+  if (!update.by_slices)
+    return update_tensors(g, kWholeGroup, store_->group_tensors(g), where, coefficient, p, sum_squares);
+  CHECK_MSG(sum_squares == nullptr, "the overlapped optimizer updates its groups whole");
+  for (int s = 0; s < store_->update_slices(g); ++s)
+    RETURN_IF_ERROR(update_tensors(g, s, store_->slice_tensors(g, s), where, coefficient, p, nullptr));
+  return Status::OK();
+}
+
+Status PagedState::update_tensors(int g, int slice, std::span<const size_t> tensors, Tier where, float coefficient,
+                                  kernels::AdamWParams p, double* sum_squares) {
+  static const kernels::SimdLevel simd = kernels::detect_simd_level();
   const StateLayout& layout = store_->layout();
   // The kinds, in the order, the program's update of the group acquires.
   const GroupUpdate& update = updates_[update_index_.at(static_cast<size_t>(g))];
   const std::vector<StateKind>& kinds = update.kinds;
-  trace::Span span("optimizer", "adamw group", g);
-  span.arg("tier", static_cast<double>(where));
-  if (before_modify_) before_modify_(g);
   for (size_t k = 0; k < kinds.size(); ++k) {
-    Status st = store_->acquire_group(g, kinds[k], where, AccessMode::kReadWrite, update.cursor);
+    Status st = acquire_update(g, slice, kinds[k], where, AccessMode::kReadWrite, update.cursor);
     if (!st.ok()) {
-      for (size_t r = 0; r < k; ++r) store_->release_group(g, kinds[r]);
+      for (size_t r = 0; r < k; ++r) release_update(g, slice, kinds[r]);
       return st;
     }
   }
@@ -646,11 +674,11 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
       kernels_->add_sum_squares(grad_buffers(g));
       ss = kernels_->end_norm();
     } else {
-      for (size_t i : store_->group_tensors(g)) ss += kernels::cpu::sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
+      for (size_t i : tensors) ss += kernels::cpu::sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
     }
     *sum_squares = ss;
     if (!std::isfinite(ss)) {
-      for (StateKind k : kinds) store_->release_group(g, k);
+      for (StateKind k : kinds) release_update(g, slice, k);
       return Status::OK();
     }
   }
@@ -661,7 +689,7 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   const bool clipped = coefficient != 1.0f;
   const bool device_clips = clipped && where == Tier::kDevice;
   on_compute_thread([&] {
-  for (size_t i : store_->group_tensors(g)) {
+  for (size_t i : tensors) {
     const Piece& t = pieces_[i];
     // This rank's range of the tensor (all of it without sharded optimizer state); the moments,
     // and a sliced master, hold that range alone, the gradients and compute copy every element.
@@ -715,12 +743,12 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
   // ZeRO-3's ranks keep their ranges of the copy: nothing to send (begin() gathers it for compute).
   if (sharded() && !slices_params() && queues_copy_gathers(where)) {
     // The copy's chunks move only after the gather (released with its stream).
-    queue_copy_gather(g);
-    for (StateKind k : kinds) store_->release_group(g, k, k == StateKind::kParam ? comm_stream_.get() : nullptr);
+    queue_copy_gather(g, tensors);
+    for (StateKind k : kinds) release_update(g, slice, k, k == StateKind::kParam ? comm_stream_.get() : nullptr);
     return Status::OK();
   }
-  Status sent = sharded() && !slices_params() ? gather_copy(g, where) : Status::OK();
-  for (StateKind k : kinds) store_->release_group(g, k);
+  Status sent = sharded() && !slices_params() ? gather_copy(g, tensors, where) : Status::OK();
+  for (StateKind k : kinds) release_update(g, slice, k);
   return sent;
 }
 
@@ -779,14 +807,14 @@ ElementRange PagedState::updated_range(size_t i) const {
   return sharded() ? range_of(i, options_.rank) : ElementRange{0, static_cast<uint64_t>(pieces_[i].numel)};
 }
 
-Status PagedState::gather_copy(int g, Tier where) {
+Status PagedState::gather_copy(int g, std::span<const size_t> tensors, Tier where) {
   CHECK_MSG(comm_ != nullptr, "sharded optimizer state without the ranks' Comm (set_comm)");
   // Device memory goes on the compute stream (NCCL queues there; Gloo, which moves the CPU
   // backend's host memory, waits for the stream and runs to completion); host memory without one.
   Stream* stream = where == Tier::kDevice ? compute_stream_ : nullptr;
   if (stream != nullptr) settle_before_collective();
   trace::Span span("communication", "updated weight gather", g);
-  for (size_t i : store_->group_tensors(g)) {
+  for (size_t i : tensors) {
     if (elsewhere(i)) continue;
     // Each rank's range, from that rank, in one collective.
     const auto [copy, blocks] = copy_blocks(i);
@@ -806,12 +834,11 @@ std::pair<char*, std::vector<size_t>> PagedState::copy_blocks(size_t i) const {
           rank_blocks(i, dtype_size(layout.activation_dtype()), whole_bytes)};
 }
 
-void PagedState::queue_copy_gather(int g) {
+void PagedState::queue_copy_gather(int g, std::span<const size_t> tensors) {
   // The copy was written before (the host's AdamW, or the device's, synchronized): the stream
   // starts at once.
   copy_gathers_queued_ = true;
-  ++queued_copy_gathers_;
-  for (size_t i : store_->group_tensors(g)) {
+  for (size_t i : tensors) {
     if (elsewhere(i)) continue;
     auto [copy, blocks] = copy_blocks(i);
     queue_collective("gathering the updated weights", g, expert_tensor(i),
@@ -1233,6 +1260,7 @@ void PagedState::write_copy(StateKernels& kernels, size_t i, const float* master
 }
 
 void PagedState::put_values(size_t i, StateKind kind, const float* values, uint64_t count) {
+  if (count == 0) return;  // (a tensor holding none of the kind is not addressable)
   const int64_t n = static_cast<int64_t>(count);
   const StateLayout& layout = store_->layout();
   if (layout.is_f32(kind)) {
@@ -1245,6 +1273,7 @@ void PagedState::put_values(size_t i, StateKind kind, const float* values, uint6
 }
 
 void PagedState::get_values(size_t i, StateKind kind, float* values, uint64_t count) {
+  if (count == 0) return;  // (a tensor holding none of the kind is not addressable)
   const int64_t n = static_cast<int64_t>(count);
   const StateLayout& layout = store_->layout();
   if (layout.is_f32(kind)) {

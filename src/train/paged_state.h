@@ -467,9 +467,23 @@ class PagedState : public model::ParamAccess, public SavableState {
   bool reduces_at_handover() const {
     return plans_reductions_at_handover() && handover_comm_ != nullptr && handover_comm_->world_size() > 1;
   }
-  // Sends this rank's ranges of group g's new compute copy (acquired at `where`) to the other
-  // ranks and receives theirs.
-  Status gather_copy(int group, Tier where);
+  // Sends this rank's ranges of the new compute copy of group g's `tensors` (acquired at
+  // `where`) to the other ranks and receives theirs.
+  Status gather_copy(int group, std::span<const size_t> tensors, Tier where);
+  // AdamW on `tensors` of group g (the group's, or one update slice's: `slice`), their kinds
+  // acquired at `where` as the program's update says; update_group's work.
+  Status update_tensors(int group, int slice, std::span<const size_t> tensors, Tier where, float coefficient,
+                        kernels::AdamWParams p, double* sum_squares);
+  // Acquires / releases group g's `kind` whole (slice kWholeGroup) or one update slice of it.
+  Status acquire_update(int group, int slice, StateKind kind, Tier where, AccessMode mode,
+                        ScheduleCursor cursor = ScheduleCursor::kFollow) {
+    return slice >= 0 ? store_->acquire_slice(group, slice, kind, where, mode, cursor)
+                      : store_->acquire_group(group, kind, where, mode, cursor);
+  }
+  void release_update(int group, int slice, StateKind kind, Stream* consumer = nullptr) {
+    if (slice >= 0) store_->release_slice(group, slice, kind, consumer);
+    else store_->release_group(group, kind, consumer);
+  }
   // ZeRO-1 and 2 with options.overlap_reduction over several ranks: each group's gather of its
   // updated copy (acquired at `where`) is queued on the communication stream instead
   // (queue_copy_gather), so that the next groups update while it runs; the ranks queue them in
@@ -480,7 +494,7 @@ class PagedState : public model::ParamAccess, public SavableState {
     return comm_stream_ != nullptr && handover_comm_ != nullptr && handover_comm_->world_size() > 1 && sharded() &&
            !slices_params() && experts_handed_over() && (device_->kind() == DeviceKind::kCpu || where == Tier::kDevice);
   }
-  void queue_copy_gather(int group);
+  void queue_copy_gather(int group, std::span<const size_t> tensors);
   Status finish_copy_gathers();
   // Tensor i's compute copy and each rank's block of it in bytes, as the updated weights are
   // gathered: a quantised matrix's copy (owned whole) as it is stored.
@@ -579,6 +593,7 @@ class PagedState : public model::ParamAccess, public SavableState {
     int group = 0;
     std::vector<StateKind> kinds;
     ScheduleCursor cursor = ScheduleCursor::kFollow;  // kBeside: the overlapped optimizer's
+    bool by_slices = false;  // slice by slice (StateStore's update slices), else the group whole
   };
   std::vector<ProgramEvent> zero_pass_, norm_pass_;
   std::vector<ProgramEvent> reductions_;  // per group: its reduction at handover (overlap_reduction)

@@ -233,9 +233,10 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     in.embed_param_chunks = param_chunks.front();
     in.embed_moment_chunks = moment_chunks.front();
     for (uint64_t c : chunks) in.largest_group_chunks = std::max(in.largest_group_chunks, c);
-    for (size_t g = 0; g < chunks.size(); ++g)
-      in.largest_group_load_chunks = std::max(in.largest_group_load_chunks,
-                                              chunks[g] + (state.separate_master() ? param_chunks[g] : 0));
+    // Loading the weights passes them through host memory update slice by slice (StateStore's
+    // update slices): a chunk of the master at a time, and one of the compute copy beside it
+    // where that is separate.
+    in.largest_group_load_chunks = state.separate_master() ? 2 : 1;
     // What the traffic replay follows (it needs whole chunks): the store the engine builds and
     // the model's accesses, with the saved activations kept and offloaded (the plan decides).
     // A data-parallel rank's master weights and moments under ZeRO-1 and up: its slices of

@@ -422,5 +422,69 @@ TEST(StateStoreTest, ExpertsASlicedKindHoldsNothingOfOpenNoChunk) {
   (*store)->release_group(0, StateKind::kAdamM);
 }
 
+// Update slices: a group's tensors in order, in runs whose state of each kind lies in one chunk.
+// Ten tensors of a third of a chunk span four chunks of each kind; in the bf16 recipe the compute
+// copy packs more densely than the fp32 kinds, and slices break where any kind changes chunk.
+// Acquired slice by slice, a tier of one chunk per kind holds what the whole group (four of
+// each) could not, and the bytes written through slices are the group's.
+TEST(StateStoreTest, UpdateSlicesHoldAChunkOfEachKindAtATime) {
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    SCOPED_TRACE(precision_name(precision));
+    std::vector<StateTensor> tensors;
+    for (int i = 0; i < 10; ++i) tensors.push_back({"t" + std::to_string(i), kFloats / 3 - 64, 0, kDensePart});
+    tensors.push_back({"other", kFloats / 3, 1, kDensePart});
+    const StateLayout layout = StateLayout::of(precision);
+    const std::vector<StateKind> kinds = layout.kinds();
+    StateStoreOptions o;
+    o.layout = layout;
+    o.space.chunk_bytes = kChunk;
+    o.space.device_bytes = kinds.size() * kChunk;  // one chunk of each kind
+    o.space.host_bytes = 64 * kChunk;
+    o.home = [](int, StateKind, int) { return Tier::kHost; };
+    auto store = StateStore::create(**device, nullptr, tensors, o);
+    ASSERT_TRUE(store.ok()) << store.status().to_string();
+    StateStore& s = **store;
+    // In order, every tensor once.
+    std::vector<size_t> order;
+    for (int sl = 0; sl < s.update_slices(0); ++sl)
+      for (size_t i : s.slice_tensors(0, sl)) order.push_back(i);
+    EXPECT_EQ(order, s.group_tensors(0));
+    // Three tensors to a chunk of an fp32 kind; five of the bf16 copy (256-byte aligned): the
+    // fp32 kinds change chunk after tensors 3, 6 and 9, the bf16 copy after 5 as well.
+    EXPECT_EQ(s.update_slices(0), precision == Precision::kFp32 ? 4 : 5);
+    EXPECT_EQ(s.update_slices(1), 1);
+    // Each slice's tensors of each kind in one chunk, acquired in a device tier of one chunk per
+    // kind, and written: tensor i's first element of kind k is 1000 i + k.
+    for (int sl = 0; sl < s.update_slices(0); ++sl) {
+      for (StateKind k : kinds) ASSERT_TRUE(s.acquire_slice(0, sl, k, Tier::kDevice, AccessMode::kReadWrite).ok()) << sl;
+      for (StateKind k : kinds) {
+        if (!layout.is_f32(k)) continue;
+        for (size_t i : s.slice_tensors(0, sl)) s.pointer(i, k)[0] = static_cast<float>(1000 * i + static_cast<int>(k));
+      }
+      for (StateKind k : kinds) s.release_slice(0, sl, k);
+    }
+    // The whole group's kinds at once do not fit that tier.
+    Status whole = Status::OK();
+    size_t acquired = 0;
+    for (StateKind k : kinds) {
+      whole = s.acquire_group(0, k, Tier::kDevice, AccessMode::kRead);
+      if (!whole.ok()) break;
+      ++acquired;
+    }
+    EXPECT_EQ(whole.code(), StatusCode::kOutOfMemory);
+    for (size_t k = 0; k < acquired; ++k) s.release_group(0, kinds[k]);
+    // What the slices wrote, read back group by group in host memory.
+    for (StateKind k : kinds) {
+      if (!layout.is_f32(k)) continue;
+      ASSERT_TRUE(s.acquire_group(0, k, Tier::kHost, AccessMode::kRead).ok());
+      for (size_t i : s.group_tensors(0))
+        EXPECT_EQ(s.pointer(i, k)[0], static_cast<float>(1000 * i + static_cast<int>(k))) << i;
+      s.release_group(0, k);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata

@@ -93,8 +93,11 @@ void expect_same_bits(const TrainedRun& paged, const TrainedRun& reference) {
 }
 
 // The run's plan against its engine's counters over the steps after the first: host-device
-// traffic within `tol`, the disk's bytes and every tier's peak exactly.
-void expect_plan_is_the_engines(const TrainedRun& run, double tol) {
+// traffic within `tol`, every tier's peak exactly, and the disk's bytes to within one chunk
+// over those steps: the replay steps from its own first step, the engine from the cache the
+// weights' loading left, and where the host has a few slots to spare that start can move one
+// chunk more or less once (the steady step is the same).
+void expect_plan_is_the_engines(const TrainedRun& run, double tol, uint64_t chunk_bytes) {
   const Plan& plan = run.plan;
   const double steps = kSteps - 1;
   const ChunkSpaceStats& a = run.first;
@@ -106,8 +109,14 @@ void expect_plan_is_the_engines(const TrainedRun& run, double tol) {
   };
   EXPECT_TRUE(within(static_cast<double>(plan.h2d_bytes), h2d)) << plan.h2d_bytes << " planned, " << h2d << " measured";
   EXPECT_TRUE(within(static_cast<double>(plan.d2h_bytes), d2h)) << plan.d2h_bytes << " planned, " << d2h << " measured";
-  EXPECT_EQ(static_cast<double>(plan.disk_read_bytes), static_cast<double>(b.nvme_to_host_bytes - a.nvme_to_host_bytes) / steps);
-  EXPECT_EQ(static_cast<double>(plan.disk_write_bytes), static_cast<double>(b.host_to_nvme_bytes - a.host_to_nvme_bytes) / steps);
+  const double read = static_cast<double>(b.nvme_to_host_bytes - a.nvme_to_host_bytes);
+  const double written = static_cast<double>(b.host_to_nvme_bytes - a.host_to_nvme_bytes);
+  // (The plan's bytes a step are its steps' average rounded to a byte.)
+  const double bound = static_cast<double>(chunk_bytes) + steps;
+  EXPECT_LE(std::fabs(static_cast<double>(plan.disk_read_bytes) * steps - read), bound)
+      << plan.disk_read_bytes << " planned a step, " << read / steps << " read";
+  EXPECT_LE(std::fabs(static_cast<double>(plan.disk_write_bytes) * steps - written), bound)
+      << plan.disk_write_bytes << " planned a step, " << written / steps << " written";
   for (int t = 0; t < kNumTiers; ++t)
     EXPECT_EQ(plan.chunk_peak_bytes[static_cast<size_t>(t)], b.tiers[static_cast<size_t>(t)].peak_bytes)
         << tier_name(static_cast<Tier>(t));
@@ -177,7 +186,7 @@ TEST_P(NvmeEveryKindTest, ParametersAndGradientsFourTimesTheHostTrainThroughNvme
   // by a few percent (a prefetch that finds a disk read still running leaves the device copy to
   // a later call, and which slots are free then depends on timing), so they are held to the
   // accuracy matrix's 5% there, the disk's bytes and the tier peaks exactly.
-  expect_plan_is_the_engines(*paged, GetParam() == Precision::kFp32 ? 0.0 : 0.05);
+  expect_plan_is_the_engines(*paged, GetParam() == Precision::kFp32 ? 0.0 : 0.05, tight.chunk_size);
 }
 
 // An MoE model (every token to each of 8 experts, so every expert moves as the plan's uniform
@@ -240,9 +249,54 @@ TEST_P(NvmeEveryKindTest, AnMoELayersExpertsSpillToNvmeOneAtATime) {
   EXPECT_EQ(plan.nvme_optimizer_experts, spilled.nvme_optimizer_experts);
   EXPECT_GT(paged->last.nvme_to_host_bytes, paged->first.nvme_to_host_bytes) << "nothing was read from nvme";
   ASSERT_NO_FATAL_FAILURE(expect_same_bits(*paged, *reference));
-  expect_plan_is_the_engines(*paged, GetParam() == Precision::kFp32 ? 0.0 : 0.05);
+  expect_plan_is_the_engines(*paged, GetParam() == Precision::kFp32 ? 0.0 : 0.05, tight.chunk_size);
   // nvme holds homes only: the groups and the experts the plan spilled, chunk for chunk.
   EXPECT_EQ(plan.nvme.total(), paged->last.tiers[static_cast<size_t>(Tier::kNvme)].peak_bytes);
+}
+
+// A vocabulary far larger than any other tensor: the embedding and the head go in row blocks of
+// about a chunk each, so each of those groups spans many chunks of every kind. AdamW and the
+// weights' loading go update slice by slice (StateStore's update slices, a chunk of each kind at
+// a time), so the smallest host budget the planner finds is a handful of chunks, fewer than one
+// kind of the embedding alone. At that budget the run trains through nvme bit for bit as with
+// room for everything, its traffic and peaks the plan's.
+TEST_P(NvmeEveryKindTest, TheSmallestHostBudgetIsAHandfulOfChunksAndTrainsBitwise) {
+  model::ModelConfig mc = model_config();
+  mc.num_hidden_layers = 4;
+  mc.vocab_size = 16384;
+  TrainConfig roomy = config();
+  const model::ParamLayout layout(mc);
+  roomy.chunk_size = PagedState::auto_chunk_bytes(layout, roomy.precision);
+  ASSERT_GT(layout.at(layout.embed_tokens()).num_blocks(), 8) << "the embedding is not in row blocks";
+  Result<TrainedRun> reference = train(mc, roomy);
+  ASSERT_TRUE(reference.ok()) << reference.status().to_string();
+
+  TrainConfig tight = roomy;
+  const Plan all_on_device = make_plan(make_plan_input(mc, roomy, DeviceKind::kCpu));
+  tight.memory_device = all_on_device.min_device_budget + 2 * tight.chunk_size;
+  tight.nvme_path = (dir_ / "nvme").string();
+  tight.nvme_size = 1ull << 30;
+  tight.memory_host = smallest_host_budget(mc, tight, DeviceKind::kCpu);
+  ASSERT_GT(tight.memory_host, 0u);
+  const StateLayout state = StateLayout::of(tight.precision);
+  const uint64_t embedding = PagedState::state_bytes(layout, state, StateKind::kGrad) * layout.at(layout.embed_tokens()).numel /
+                             layout.total_size();
+  std::printf("smallest memory.host %llu chunks; the embedding's gradients alone %llu bytes (%.1f chunks)\n",
+              static_cast<unsigned long long>(tight.memory_host / tight.chunk_size),
+              static_cast<unsigned long long>(embedding), static_cast<double>(embedding) / static_cast<double>(tight.chunk_size));
+  EXPECT_LE(tight.memory_host, 12 * tight.chunk_size);
+  EXPECT_LT(tight.memory_host, embedding);
+  Result<TrainedRun> paged = train(mc, tight);
+  ASSERT_TRUE(paged.ok()) << paged.status().to_string();
+  EXPECT_GT(paged->last.nvme_to_host_bytes, paged->first.nvme_to_host_bytes) << "nothing was read from nvme";
+  EXPECT_LE(paged->last.tiers[static_cast<size_t>(Tier::kHost)].peak_bytes, tight.memory_host);
+  ASSERT_NO_FATAL_FAILURE(expect_same_bits(*paged, *reference));
+  // The tier peaks exactly, the disk's bytes as above; the copies between host and device within 10%:
+  // with a host of a few chunks, whether a prefetch to the device finds its chunk's disk read
+  // still running (and leaves the copy to the acquisition) depends on timing far more often than
+  // above, and a copy made early that eviction then undoes is made twice. The replay, which
+  // knows no timing, makes every prefetch (measured 3-8% more than the engine).
+  expect_plan_is_the_engines(*paged, 0.10, tight.chunk_size);
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, NvmeEveryKindTest, ::testing::Values(Precision::kFp32, Precision::kBf16),

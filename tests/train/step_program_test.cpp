@@ -31,17 +31,24 @@ namespace {
 // kinds AdamW acquires.
 // overlapped: AdamW overlapped with backward, each group updated (beside the cursor) after the
 // last micro-batch's last batch with its gradients, and no norm pass.
+// slices(g): the update slices of group g, when AdamW in host memory goes slice by slice (null:
+// every group whole).
 std::vector<GroupAccess> expected_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded,
                                            const std::vector<int>& experts, const std::function<Tier(int)>& adam_tier,
-                                           const std::vector<StateKind>& kinds, bool overlapped = false) {
+                                           const std::vector<StateKind>& kinds, bool overlapped = false,
+                                           const std::function<int(int)>& slices = nullptr) {
   const int head = num_layers + 1;
   std::vector<GroupAccess> s;
   auto all = [&](int g, StateKind k) { s.push_back({g, k}); };
   auto update = [&](int g) {
-    for (StateKind k : kinds) {
-      all(g, k);
-      s.back().prefetch_to = adam_tier(g);
-      if (overlapped) s.back().cursor = ScheduleCursor::kBeside;
+    const int n = slices && adam_tier(g) == Tier::kHost ? slices(g) : 1;
+    for (int slice = 0; slice < n; ++slice) {
+      for (StateKind k : kinds) {
+        all(g, k);
+        s.back().prefetch_to = adam_tier(g);
+        if (n > 1) s.back().slice = slice;
+        if (overlapped) s.back().cursor = ScheduleCursor::kBeside;
+      }
     }
   };
   auto add = [&](int g, StateKind k) { s.push_back(GroupAccess::of_part(g, k, kDensePart)); };
@@ -87,9 +94,9 @@ std::vector<int> experts_per_group(const model::ParamLayout& layout) {
 }
 
 std::string describe(const GroupAccess& a) {
-  return fmt::format("{{group {} kind {} act {} part {} to {} prefetch {} beside {}}}", a.group,
-                     static_cast<int>(a.kind), a.activation, a.part, static_cast<int>(a.prefetch_to), a.prefetch,
-                     a.cursor == ScheduleCursor::kBeside);
+  return fmt::format("{{group {} kind {} act {} part {} slice {} to {} prefetch {} beside {}}}", a.group,
+                     static_cast<int>(a.kind), a.activation, a.part, a.slice, static_cast<int>(a.prefetch_to),
+                     a.prefetch, a.cursor == ScheduleCursor::kBeside);
 }
 
 // Equal in every field, those operator== leaves out (where prefetch moves, whether it does) too.
@@ -263,10 +270,17 @@ TEST(StepProgram, ThePagedStatesProgramFollowsItsPlacement) {
   auto ps = PagedState::create(**device, nullptr, layout, po);
   ASSERT_TRUE(ps.ok()) << ps.status().to_string();
   auto where = [&](int g) { return placement.home(g, StateKind::kAdamM); };
+  // AdamW in host memory goes slice by slice: the store's update slices.
+  StateStore& store = (*ps)->store();
+  auto slices = [&store](int g) { return store.update_slices(g); };
   const std::vector<GroupAccess> want =
       expected_schedule(L, true, po.grad_accum, model::saved_activation_count(L), experts_per_group(layout), where,
-                        StateLayout::of(po.precision).kinds());
+                        StateLayout::of(po.precision).kinds(), false, slices);
   expect_same_schedule((*ps)->step_program().schedule(po.grad_accum), want, "rank 1 of 2");
+  // Some host group has several slices, so that the case is seen.
+  int sliced_groups = 0;
+  for (int g = 0; g < groups; ++g) sliced_groups += where(g) == Tier::kHost && slices(g) > 1 ? 1 : 0;
+  EXPECT_GT(sliced_groups, 0);
   // The moments are this rank's ranges: every group holds them, sliced.
   for (int g = 0; g < groups; ++g) {
     EXPECT_TRUE((*ps)->store().sliced(g, StateKind::kAdamM)) << g;
