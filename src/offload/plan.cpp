@@ -439,23 +439,17 @@ GroupHomes place_on_device(const LevelSizes& s, const WorkingSet& ws, uint64_t f
   return h;
 }
 
-// The host staging of state homed on NVMe. AdamW in host memory goes update slice by slice
-// (one chunk of each kind at a time, StateStore's update slices): two chunks of each of the
-// `optimizer_kinds` kinds in flight (the slice's, and the next one's read ahead). A compute copy
-// or gradients homed on NVMe reach the device through host slots, a group's at a time: the
-// largest group's chunks (a rank's part of it, sharded) for each of the `paged_kinds`. Without a
-// fixed chunk size, chunks come out about one layer's optimizer tensors large. The planner's
-// replay of the step then decides whether the host really has the slots.
-uint64_t nvme_staging_bytes(const PlanInput& in, const LevelSizes& s, uint64_t optimizer_kinds, uint64_t paged_kinds) {
-  const uint64_t pipeline_chunk =
+// The host staging of state homed on NVMe or passed through the host: two chunks of each of the
+// `optimizer_kinds` kinds homed there (AdamW in host memory goes update slice by slice, a chunk
+// of each kind at a time: the slice's, and the next one's read ahead), and two of each of the
+// `paged_kinds` (compute copies and gradients reach the device through host slots, and AdamW
+// takes resident ones through them). Without a fixed chunk size, chunks come out about one
+// layer's optimizer tensors large. The planner's replay of the step then decides whether the
+// host really has the slots.
+uint64_t nvme_staging_bytes(const PlanInput& in, uint64_t optimizer_kinds, uint64_t paged_kinds) {
+  const uint64_t chunk =
       in.chunk_size ? in.chunk_size : std::min<uint64_t>(64ull << 20, round_up(in.layer_elements * 4, 4096));
-  const uint64_t w = static_cast<uint64_t>(s.W);
-  const uint64_t group_chunks = !s.sharded                         ? in.largest_group_chunks
-                                : in.largest_sliced_group_chunks > 0 ? in.largest_sliced_group_chunks
-                                                                     : (in.largest_group_chunks + w - 1) / w;
-  return in.largest_group_chunks > 0 && in.chunk_size > 0
-             ? (2 * optimizer_kinds + paged_kinds * 2) * in.chunk_size
-             : 2 * (optimizer_kinds + paged_kinds) * pipeline_chunk;
+  return 2 * (optimizer_kinds + paged_kinds) * chunk;
 }
 
 // Step 3: host and NVMe. Every group whose optimizer runs on the CPU keeps a parameter copy, a
@@ -485,13 +479,17 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
     p.host.param += b.param, p.host.grad += b.grad;
     p.host.master += b.master, p.host.adam_m += b.adam_m, p.host.adam_v += b.adam_v;
   }
-  // Kinds with a group on nvme, each needing the largest group's worth of host slots.
+  // What the device keeps resident but the host does not hold (the spill pass's last step): per
+  // group, of its compute copy and of its gradients.
+  std::vector<std::array<bool, 2>> resident_passed(static_cast<size_t>(s.groups), {false, false});
+  bool passes_param = false, passes_grad = false;
+  // Kinds with a group on nvme, or passed through the host, each needing host slots.
   auto staging = [&] {
-    bool param = false, grad = false;
+    bool param = passes_param, grad = passes_grad;
     for (int64_t g = 0; g < s.groups; ++g) param = param || h.param_nvme[g], grad = grad || h.grad_nvme[g];
     const bool opt = p.nvme_optimizer_groups > 0 || p.nvme_optimizer_experts > 0;
     const uint64_t optimizer = opt ? (in.separate_master ? 3 : 2) : 0, paged = (param ? 1 : 0) + (grad ? 1 : 0);
-    return optimizer + paged > 0 ? nvme_staging_bytes(in, s, optimizer, paged) : 0;
+    return optimizer + paged > 0 ? nvme_staging_bytes(in, optimizer, paged) : 0;
   };
   // The sliced kinds' bytes as the store packs them under the homes so far: what the host holds
   // of them differs from the layers' even shares p.host counts.
@@ -572,22 +570,17 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
       h.grad_nvme[*it] = true;
       p.nvme_grad_groups++;
     }
-    // Last, the homes of what the device keeps resident: AdamW in host memory writes the compute
-    // copy there and reads the gradients from there, so with those homes on nvme each step moves
-    // them through host slots instead of keeping them on the host.
+    // Last, what the device keeps resident: its home is the device, and AdamW in host memory
+    // takes its compute copy and gradients through host slots an update slice at a time, so the
+    // host need not hold them whole (two slots of each kind stay for the slices: staging).
     for (auto it = host_groups.rbegin(); it != host_groups.rend(); ++it) {
-      if (!h.param_res[*it] || h.param_nvme[*it]) continue;
-      if (!over()) break;
-      p.host.param -= s.of(*it).param, p.nvme.param += s.of(*it).param;
-      h.param_nvme[*it] = true;
-      p.nvme_param_groups++;
-    }
-    for (auto it = host_groups.rbegin(); it != host_groups.rend(); ++it) {
-      if (!h.grad_res[*it] || h.grad_nvme[*it]) continue;
-      if (!over()) break;
-      p.host.grad -= s.of(*it).grad, p.nvme.grad += s.of(*it).grad;
-      h.grad_nvme[*it] = true;
-      p.nvme_grad_groups++;
+      for (const bool param : {true, false}) {
+        if (!(param ? h.param_res : h.grad_res)[*it] || resident_passed[static_cast<size_t>(*it)][param]) continue;
+        if (!over()) break;
+        (param ? p.host.param : p.host.grad) -= param ? s.of(*it).param : s.of(*it).grad;
+        resident_passed[static_cast<size_t>(*it)][param] = true;
+        (param ? passes_param : passes_grad) = true;
+      }
     }
   };
   spill_pass();

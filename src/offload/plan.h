@@ -153,9 +153,6 @@ struct PlanInput {
   // the homes it chooses exactly, from sliced_share_tensors). 0: 1/world_size of the whole.
   uint64_t layer_sliced_bytes = 0, edge_sliced_bytes = 0, embed_sliced_bytes = 0;
   uint64_t layer_sliced_moment_bytes = 0, edge_sliced_moment_bytes = 0, embed_sliced_moment_bytes = 0;
-  // Chunks the slices of the largest group span (the chunk before it that it continues in
-  // included): what AdamW pins at once.
-  uint64_t largest_sliced_group_chunks = 0;
   // The same of the compute copy (ZeRO-3).
   uint64_t layer_sliced_param_bytes = 0, edge_sliced_param_bytes = 0, embed_sliced_param_bytes = 0;
   // MoE: per layer (the store's groups 1..L), each expert's chunks of the optimizer's kinds as
@@ -168,10 +165,6 @@ struct PlanInput {
     uint64_t master = 0, adam_m = 0, adam_v = 0;
   };
   std::vector<std::vector<ExpertChunks>> expert_chunks, expert_sliced_chunks;
-  // Chunks of one kind of the largest single group (when set): a compute copy or gradients homed
-  // on nvme reach the device through host slots a group at a time (AdamW on host memory goes by
-  // update slices instead, a chunk of each kind at a time).
-  uint64_t largest_group_chunks = 0;
   // Chunks host memory holds at once while the weights load (initialisation, a model file, a
   // checkpoint), update slice by update slice: one of the fp32 kind being written, and with a
   // separate master one of the compute copy beside it (written from the master). The host tier

@@ -523,8 +523,10 @@ Status PagedState::refresh_compute_copy(int g) {
     RETURN_IF_ERROR(store_->acquire_slice(g, sl, StateKind::kMaster, Tier::kHost, AccessMode::kRead));
     Status st = store_->acquire_slice(g, sl, StateKind::kParam, Tier::kHost, AccessMode::kWrite);
     if (st.ok()) {
-      for (size_t i : store_->slice_tensors(g, sl))
-        write_copy(*cpu_state_kernels(), i, store_->pointer(i, StateKind::kMaster), store_->held(i, StateKind::kMaster));
+      for (size_t i : store_->slice_tensors(g, sl)) {
+        const ElementRange held = store_->held(i, StateKind::kMaster);
+        if (held.count > 0) write_copy(*cpu_state_kernels(), i, store_->pointer(i, StateKind::kMaster), held);
+      }
       store_->release_slice(g, sl, StateKind::kParam);
     }
     store_->release_slice(g, sl, StateKind::kMaster);
@@ -840,9 +842,9 @@ void PagedState::queue_copy_gather(int g, std::span<const size_t> tensors) {
   copy_gathers_queued_ = true;
   for (size_t i : tensors) {
     if (elsewhere(i)) continue;
-    auto [copy, blocks] = copy_blocks(i);
+    std::pair<char*, std::vector<size_t>> piece = copy_blocks(i);  // (no structured binding: it is captured)
     queue_collective("gathering the updated weights", g, expert_tensor(i),
-                     [copy, blocks = std::move(blocks)](parallel::Comm& c, Stream* st) {
+                     [copy = piece.first, blocks = std::move(piece.second)](parallel::Comm& c, Stream* st) {
                        return c.all_gather_v(copy, blocks, st);
                      });
   }

@@ -232,7 +232,6 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     in.embed_chunks = chunks.front();
     in.embed_param_chunks = param_chunks.front();
     in.embed_moment_chunks = moment_chunks.front();
-    for (uint64_t c : chunks) in.largest_group_chunks = std::max(in.largest_group_chunks, c);
     // Loading the weights passes them through host memory update slice by slice (StateStore's
     // update slices): a chunk of the master at a time, and one of the compute copy beside it
     // where that is separate.
@@ -270,10 +269,9 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
         const auto packed = StateStore::part_chunks(share, c, state, kind, /*sliced=*/true);
         std::vector<uint64_t> opened;
         for (const auto& group : packed) {
-          uint64_t n = 0, spanned = group.empty() || group.front().own ? 0 : 1;
+          uint64_t n = 0;
           for (const StateStore::PartChunks& p : group) n += p.chunks;
           opened.push_back(n);
-          most(in.largest_sliced_group_chunks, n + spanned);
         }
         uint64_t layers = 0;
         for (size_t g = 1; g + 1 < opened.size(); ++g) layers += opened[g];

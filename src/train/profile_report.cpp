@@ -315,8 +315,15 @@ ProfileReport analyze_profile(const ProfileInput& in) {
   std::vector<Interval> lane_busy;
   if (auto it = track_busy.find(in.compute_stream); it != track_busy.end()) lane_busy = it->second;
   if (training != nullptr) {
-    for (const trace::Event& e : training->events)
-      if (e.phase == 'X' && is(e, "optimizer", "adamw group")) lane_busy.push_back(Interval{e.ts_ns, e.ts_ns + e.dur_ns});
+    // (Less the training thread's stalls and waits inside them: a chunk waiting for a gather.)
+    std::vector<Interval> updates, waiting;
+    for (const trace::Event& e : training->events) {
+      if (e.phase != 'X') continue;
+      const Interval span{e.ts_ns, e.ts_ns + e.dur_ns};
+      if (is(e, "optimizer", "adamw group")) updates.push_back(span);
+      else if (is(e, "stall") || is(e, "wait")) waiting.push_back(span);
+    }
+    for (const Interval& i : without(merged(updates), merged(waiting))) lane_busy.push_back(i);
     lane_busy = merged(lane_busy);
   }
   auto exposed_beside_lane = [&](const Interval& span, std::vector<Interval>& out) {
