@@ -149,7 +149,9 @@ class ChunkSpace {
   Result<void*> acquire_tensor(TensorId id, Tier where, AccessMode mode,
                                Stream* consumer = nullptr);
   // Unpins. With `consumer`, later moves of the chunk wait for the work queued on it so far.
-  // REQUIRES: one acquire not yet released; the same consumer stream as that acquire.
+  // REQUIRES: one acquire not yet released. `consumer` is the stream whose work last uses the
+  // bytes: the acquire's, or one they were handed to after it (a chunk the host acquired, then
+  // read by a collective queued on a communication stream).
   void release_chunk(ChunkId id, Stream* consumer = nullptr);
   void release_tensor(TensorId id, Stream* consumer = nullptr);
 
