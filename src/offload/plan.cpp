@@ -456,11 +456,12 @@ uint64_t nvme_staging_bytes(const PlanInput& in, uint64_t optimizer_kinds, uint6
 // gradient landing buffer and its optimizer state on the host, unless the state spills to NVMe
 // (whole groups at a time, from the last, until the host fits; an MoE layer's optimizer state
 // expert by expert, then the rest of the layer): the optimizer state first, then
-// the streamed compute copies, then the streamed gradients, so that the host holds little more
-// than the slots the chunks pass through. NVMe groups need that staging on the host: AdamW on the
-// host holds an update slice's kinds at once, and a chunk homed on NVMe reaches the device through
-// a host slot. False with the problem and suggestions in `p` when the host or NVMe budget cannot
-// hold its part, or the host cannot pass the largest group while the weights load.
+// the streamed compute copies, then the streamed gradients; last, what the device keeps resident
+// is passed through the host by update slices instead of held there. The host then holds little
+// more than the slots the chunks pass through (staging): AdamW on the host holds an update
+// slice's kinds at once, and a chunk homed on NVMe reaches the device through a host slot. False
+// with the problem and suggestions in `p` when the host or NVMe budget cannot hold its part, or
+// the host cannot hold what the weights pass through while they load.
 bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
                             const std::vector<std::vector<ExpertBytes>>& spill, const SlicedKinds& sliced,
                             GroupHomes& h, Plan& p) {

@@ -47,7 +47,7 @@ int64_t longest_sequence(const model::ModelConfig& model, TrainConfig train, Dev
 // The smallest memory.host (a multiple of the chunk size, or of 1 MiB without one) with which the
 // plan fits under the other budgets of `train` (nvme included), 0 when no host budget up to
 // 16 TiB makes it fit. With an nvme tier every kind can stream from disk, so this is a handful of
-// chunks of staging: what the largest group's kinds need at once.
+// chunks of staging: a chunk or two of each kind in flight (update slices, state_store.h).
 uint64_t smallest_host_budget(const model::ModelConfig& model, TrainConfig train, DeviceKind device);
 // The most decoder layers a model of this shape (width, vocabulary, experts) can have and still
 // fit the budgets of `train` in its recipe and moment format, up to the model limits' 1024;
