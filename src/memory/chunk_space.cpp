@@ -350,6 +350,18 @@ Status ChunkSpace::evict(ChunkId id, Tier from) {
   return st;
 }
 
+Status ChunkSpace::send_home(ChunkId id, Tier from) {
+  std::unique_lock<std::mutex> lock = lock_space();
+  CHECK(id < chunks_.size());
+  const ChunkState& c = chunks_[id];
+  if (!has_tier(from) || c.slot[idx(from)] < 0 || c.home == from || (c.pins > 0 && c.pinned_in == from))
+    return Status::OK();
+  busy_ = id;
+  Status st = evict_locked(id, from);
+  busy_.reset();
+  return st;
+}
+
 Status ChunkSpace::read_tensor(TensorId id, uint64_t offset, uint64_t length, void* dst) {
   std::unique_lock<std::mutex> lock(mu_);
   const TensorPlacement t = layout_.tensor(id);

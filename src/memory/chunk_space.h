@@ -159,6 +159,10 @@ class ChunkSpace {
   // valid copy. No-op when it has no copy there. InvalidArgument for the home tier or when
   // the chunk is pinned there.
   Status evict(ChunkId id, Tier from);
+  // As evict(), but a no-op, not an error, for the home tier or a chunk pinned there: what a
+  // pass through a tier (loading, restoring, reading the state) calls on each chunk after it,
+  // so that the tier's slots are reused chunk after chunk instead of keeping every copy.
+  Status send_home(ChunkId id, Tier from);
   // For the chaos suite's planted-bug test only: acquire no longer waits for (or orders the
   // consumer after) the move that fills the copy it returns, the one bug the suite must catch.
   void set_test_skip_acquire_wait(bool skip) { skip_acquire_wait_ = skip; }

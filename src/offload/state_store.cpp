@@ -362,6 +362,21 @@ Status StateStore::acquire_slice(int group, int slice, StateKind kind, Tier wher
   return Status::OK();
 }
 
+Status StateStore::send_slice_home(int group, int slice, StateKind kind, Tier where) {
+  const int k = static_cast<int>(kind);
+  const std::vector<Slice>& slices = slices_[static_cast<size_t>(group)];
+  const Slice& sl = slices.at(static_cast<size_t>(slice));
+  CHECK_MSG(!sl.pinned[k], "update slice " + std::to_string(slice) + " of group " + std::to_string(group) +
+                               " sent home while acquired");
+  const std::vector<ChunkId>* next =
+      static_cast<size_t>(slice) + 1 < slices.size() ? &slices[static_cast<size_t>(slice) + 1].chunks[k] : nullptr;
+  for (ChunkId c : sl.chunks[k]) {
+    if (next != nullptr && std::find(next->begin(), next->end(), c) != next->end()) continue;
+    RETURN_IF_ERROR(space_->send_home(c, where));
+  }
+  return Status::OK();
+}
+
 void StateStore::release_slice(int group, int slice, StateKind kind, Stream* consumer) {
   const int k = static_cast<int>(kind);
   Slice& sl = slices_[static_cast<size_t>(group)].at(static_cast<size_t>(slice));

@@ -271,6 +271,12 @@ class StateStore {
   Status acquire_slice(int group, int slice, StateKind kind, Tier where, AccessMode mode,
                        ScheduleCursor cursor = ScheduleCursor::kFollow, Stream* consumer = nullptr);
   void release_slice(int group, int slice, StateKind kind, Stream* consumer = nullptr);
+  // After a pass over a released slice in `where` (loading, restoring or reading the state
+  // there): each of its chunks of `kind` homed elsewhere goes home (written back where this was
+  // its only valid copy) and gives its slot in `where` back, unless the group's next slice holds
+  // it too. So a pass over the whole state through host memory reuses a few host slots, slice
+  // after slice, instead of leaving a copy of everything there.
+  Status send_slice_home(int group, int slice, StateKind kind, Tier where);
   // REQUIRES: tensor i's group or part is acquired for `kind`. raw_pointer() for any kind (its
   // bytes are layout().tensor_bytes(kind, tensor(i).shape(sliced(group, kind)))); pointer() for
   // the fp32 kinds. Of a sliced kind they point at the slice's first element.

@@ -142,13 +142,24 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   // Pinned: cudaHostAlloc on cuda; on the cpu, registering with io_uring (an nvme tier) locks it.
   const bool tier_pinned = cuda || has_nvme;
   const uint64_t staging = std::min(tier.reserved_bytes, (tier.activation_chunks + tier.staging_chunks) * chunk);
-  const uint64_t chunks = tier.reserved_bytes - staging;
+  // A pinned tier is resident whole. Otherwise only the slots written are: those of the state
+  // homed there, and the few a pass over the state (loading, restoring) goes through, two
+  // consecutive slices of two kinds at a time (PagedState::fill_kind sends each home after it).
+  constexpr uint64_t kPassSlots = 4;
+  const uint64_t reserved_chunks = tier.reserved_bytes - staging;
+  const uint64_t chunks =
+      tier_pinned ? reserved_chunks : std::min(reserved_chunks, (tier.host_home_chunks + kPassSlots) * chunk);
   const uint64_t state_slots = tier.state_chunks + tier.activation_chunks;
   const uint64_t rounding = state_slots * chunk > tier.state_bytes ? state_slots * chunk - tier.state_bytes : 0;
   ram.items.push_back({"chunks", chunks, tier_pinned ? chunks : 0, false,
-                       chunk ? fmt::format("{} slots of {} for the state, {} of it padding and slot rounding",
-                                           chunks / chunk, bytes(chunk), bytes(std::min(rounding, chunks)))
-                             : std::string("no host tier")});
+                       !chunk ? std::string("no host tier")
+                       : chunks < reserved_chunks
+                           ? fmt::format("{} slots of {}: {} for the state homed here, {} it passes through",
+                                         chunks / chunk, bytes(chunk), tier.host_home_chunks,
+                                         chunks / chunk - std::min(chunks / chunk, tier.host_home_chunks))
+                           : fmt::format("{} slots of {} for the state, {} of it padding and slot rounding",
+                                         chunks / chunk, bytes(chunk), bytes(std::min(rounding, chunks)))
+});
   ram.items.push_back({"staging", staging, tier_pinned ? staging : 0, false,
                        fmt::format("{} saved-activation slots, {} nvme staging slot", tier.activation_chunks,
                                    tier.staging_chunks)});

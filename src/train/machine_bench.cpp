@@ -180,6 +180,47 @@ Result<ComputeRate> measure_compute(const MachineBenchOptions& o) {
   return r;
 }
 
+std::vector<int64_t> default_probe_widths(bool quick) {
+  if (quick) return {128, 512, 2048};
+  return {128, 256, 512, 1024, 2048, 4096};
+}
+
+model::ModelConfig width_probe_model(int64_t width) {
+  model::ModelConfig m = model::ModelConfig::preset("tiny").value();
+  m.hidden_size = width;
+  m.num_attention_heads = std::max<int64_t>(1, width / 64);
+  m.num_key_value_heads = std::max<int64_t>(1, m.num_attention_heads / 4);
+  m.head_dim = width / m.num_attention_heads;
+  m.intermediate_size = (width * 7 / 2 + 63) / 64 * 64;
+  m.num_hidden_layers = 1;
+  m.vocab_size = 8192;
+  return m;
+}
+
+Result<std::vector<WidthRate>> measure_compute_by_width(const std::vector<int64_t>& widths, bool quick) {
+  std::vector<WidthRate> out;
+  for (int64_t w : widths) {
+    MachineBenchOptions o;
+    o.model = width_probe_model(w);
+    o.micro_batch = 2;
+    o.seq_len = 256;
+    ASSIGN_OR_RETURN(std::unique_ptr<ComputeProbe> probe, ComputeProbe::create(o));
+    // A warm-up, then repeats for about a quarter (quick: a tenth) of a second, at least one:
+    // a wide probe takes seconds, and its time varies less than a narrow one's.
+    ASSIGN_OR_RETURN(double first, probe->run_once());
+    const int repeats = std::clamp(static_cast<int>((quick ? 0.1 : 0.25) / std::max(first, 1e-6)), 1, 15);
+    std::vector<double> s;
+    for (int i = 0; i < repeats; ++i) {
+      ASSIGN_OR_RETURN(double t, probe->run_once());
+      s.push_back(t);
+    }
+    std::sort(s.begin(), s.end());
+    const double median = s[s.size() / 2];
+    out.push_back({w, probe->flops() / median, median});
+  }
+  return out;
+}
+
 Result<CopyRates> measure_copies(Device& device, uint64_t bytes, int repeats) {
   ASSIGN_OR_RETURN(DeviceAllocation up, device.allocate(bytes));
   ASSIGN_OR_RETURN(DeviceAllocation down, device.allocate(bytes));
@@ -344,6 +385,13 @@ Result<MachineProfile> bench_machine(const MachineBenchOptions& o) {
     add("compute", compute.flops_per_s / 1e12, "TFLOP/s", fmt::format("one micro-batch, {:.3g} s", compute.seconds),
         compute.seconds);
     add("copy_overlap", compute.copy_overlap, "share", "1 = copies fully hidden behind compute", 1.0);
+    std::vector<int64_t> widths = o.widths;
+    std::sort(widths.begin(), widths.end());
+    widths.erase(std::unique(widths.begin(), widths.end()), widths.end());
+    ASSIGN_OR_RETURN(prof.compute_by_width, measure_compute_by_width(widths, o.quick));
+    for (const WidthRate& w : prof.compute_by_width)
+      add(fmt::format("compute@{}", w.width), w.flops_per_s / 1e12, "TFLOP/s",
+          fmt::format("one micro-batch, {:.3g} s", w.seconds), w.seconds);
   }
   // On cuda the compute rate is not measured here yet: the profile keeps the default (an H200's
   // bf16 GEMM rate) and copy engines that run beside compute (copy_overlap 1).
@@ -422,6 +470,13 @@ std::string hardware_yaml(const MachineProfile& p) {
   y += "hardware:\n";
   y += fmt::format("  profile: \"{}\"\n", p.description);
   y += fmt::format("  gpu_tflops: {:.6g}          # compute rate on the model's shapes, 10^12 FLOP/s\n", r.compute_flops / 1e12);
+  if (!p.compute_by_width.empty()) {
+    y += "  cpu_tflops_by_width: [";
+    for (size_t i = 0; i < p.compute_by_width.size(); ++i)
+      y += fmt::format("{}\"{}:{:.6g}\"", i ? ", " : "", p.compute_by_width[i].width,
+                       p.compute_by_width[i].flops_per_s / 1e12);
+    y += "]  # cpu backend: compute rate by model width (hidden size), 10^12 FLOP/s\n";
+  }
   y += fmt::format("  h2d_gbps: {:.6g}            # host to device, 10^9 bytes/s\n", r.h2d_bytes_per_s / 1e9);
   y += fmt::format("  d2h_gbps: {:.6g}            # device to host, 10^9 bytes/s\n", r.d2h_bytes_per_s / 1e9);
   y += fmt::format("  both_gbps: {:.6g}           # both directions at once, together, 10^9 bytes/s\n",
@@ -451,7 +506,13 @@ Result<std::vector<std::string>> hardware_overrides(const std::string& path) {
   std::vector<std::string> out;
   for (const ConfigKey& k : schema.keys()) {
     if (k.name == "hardware.profile" || !c->is_set(k.name)) continue;
-    out.push_back(fmt::format("{}={}", k.name, c->get_float(k.name)));
+    if (k.type == ConfigType::kStringList) {
+      std::string list;
+      for (const std::string& item : c->get_list(k.name)) list += (list.empty() ? "" : ",") + item;
+      out.push_back(fmt::format("{}=[{}]", k.name, list));
+    } else {
+      out.push_back(fmt::format("{}={}", k.name, c->get_float(k.name)));
+    }
   }
   const std::string described = c->get_string("hardware.profile");
   out.push_back("hardware.profile=" + path + (described.empty() ? "" : " (" + described + ")"));

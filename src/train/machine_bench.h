@@ -33,6 +33,9 @@ struct MachineBenchOptions {
   int64_t micro_batch = 1;
   int64_t seq_len = 128;
   bool keep_activations = false;  // time the model as memory.keep_activations=true runs it
+  // The widths (hidden sizes) the cpu backend's compute rate is also measured at, for plans of
+  // other models than this one (hardware.cpu_tflops_by_width); empty: none.
+  std::vector<int64_t> widths;
 };
 
 // One measured figure beside its reference, both in `unit`.
@@ -44,8 +47,16 @@ struct MachineFigure {
   double reference_value = 0;
 };
 
+// The compute rate at one model width (measure_compute_by_width).
+struct WidthRate {
+  int64_t width = 0;
+  double flops_per_s = 0;
+  double seconds = 0;  // one micro-batch of the probe
+};
+
 struct MachineProfile {
   MachineRates rates;
+  std::vector<WidthRate> compute_by_width;  // ascending widths; cpu backend only
   std::vector<MachineFigure> figures;  // in the order printed
   std::string description;             // "strata bench machine, cpu backend, host X, 2026-12-01"
 };
@@ -85,6 +96,17 @@ struct ComputeRate {
   double seconds = 0;  // one micro-batch
 };
 Result<ComputeRate> measure_compute(const MachineBenchOptions& options);
+
+// The default widths: a few seconds of probes in quick mode, about a minute in all otherwise.
+std::vector<int64_t> default_probe_widths(bool quick);
+// The model a width is measured on: one Llama-shaped decoder layer of that hidden size (heads of
+// 64, a quarter as many key/value heads, an MLP 3.5 times as wide) and a head over 8192 tokens,
+// so that the layer's GEMMs and the head's weigh about as they do in the models people train.
+model::ModelConfig width_probe_model(int64_t width);
+// The cpu backend's compute rate on each width's probe model (2 x 256 tokens, recompute), as
+// measure_compute counts it: a CPU's GEMMs speed up with their matrices, so a plan of a
+// 1B-parameter model cannot take the rate of the 4-layer demo.
+Result<std::vector<WidthRate>> measure_compute_by_width(const std::vector<int64_t>& widths, bool quick);
 
 // Host <-> device copy bandwidth through the Device's copy streams, each way alone and both at
 // once (two streams), of `bytes` per copy.

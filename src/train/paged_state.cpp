@@ -138,6 +138,11 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
   for (const StateKind kind : state.kinds()) {
     const bool sliced = options.placement && options.placement->sliced(0, kind);
     for (uint64_t n : StateStore::group_chunks(tensors, chunk, state, kind, sliced, home)) size.state_chunks += n;
+    const std::vector<std::vector<StateStore::PartChunks>> parts =
+        StateStore::part_chunks(tensors, chunk, state, kind, sliced, home);
+    for (size_t g = 0; g < parts.size(); ++g)
+      for (const StateStore::PartChunks& p : parts[g])
+        if (!home || home(static_cast<int>(g), kind, p.part) == Tier::kHost) size.host_home_chunks += p.chunks;
     for (const StateTensor& t : tensors) size.state_bytes += state.tensor_bytes(kind, t.shape(sliced));
   }
   if (options.offload_activations && options.activation_tokens > 0) {
@@ -512,6 +517,10 @@ Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
       if (copy_too) store_->release_slice(g, sl, StateKind::kParam);
       store_->release_slice(g, sl, kind);
       RETURN_IF_ERROR(st);
+      // Host memory passes the state through: a few slots, not a copy of everything (a master
+      // whose compute copy is refreshed from it below goes home after that).
+      if (copy_too) RETURN_IF_ERROR(store_->send_slice_home(g, sl, StateKind::kParam, Tier::kHost));
+      if (kind != StateKind::kMaster || sliced) RETURN_IF_ERROR(store_->send_slice_home(g, sl, kind, Tier::kHost));
     }
     if (kind == StateKind::kMaster && !sliced) RETURN_IF_ERROR(refresh_compute_copy(g));
   }
@@ -531,6 +540,8 @@ Status PagedState::refresh_compute_copy(int g) {
     }
     store_->release_slice(g, sl, StateKind::kMaster);
     RETURN_IF_ERROR(st);
+    RETURN_IF_ERROR(store_->send_slice_home(g, sl, StateKind::kParam, Tier::kHost));
+    RETURN_IF_ERROR(store_->send_slice_home(g, sl, StateKind::kMaster, Tier::kHost));
   }
   return Status::OK();
 }
@@ -552,6 +563,7 @@ Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
       for (size_t i : store_->slice_tensors(g, sl))
         if (!elsewhere(i)) get_values(i, kind, flat + pieces_[i].offset, static_cast<uint64_t>(pieces_[i].numel));
       store_->release_slice(g, sl, kind);
+      RETURN_IF_ERROR(store_->send_slice_home(g, sl, kind, Tier::kHost));
     }
   }
   return store_->synchronize();

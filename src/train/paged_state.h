@@ -125,6 +125,7 @@ struct PagedStateOptions {
 struct HostTierSize {
   uint64_t chunk_bytes = 0;
   uint64_t state_chunks = 0;       // every chunk of every kind of state
+  uint64_t host_home_chunks = 0;   // those homed in host memory (all of them without a placement)
   uint64_t activation_chunks = 0;  // offloaded layer checkpoints (saved activations)
   uint64_t staging_chunks = 0;     // the free slot an nvme tier stages through
   uint64_t state_bytes = 0;        // the state's bytes in those chunks (the rest is padding)

@@ -90,6 +90,21 @@ void keep_largest(ExpertChunks& into, const ExpertChunks& share) {
 
 }  // namespace
 
+double planned_compute_flops(const model::ModelConfig& m, const TrainConfig& t, DeviceKind device) {
+  const auto& table = t.cpu_flops_by_width;
+  if (device != DeviceKind::kCpu || table.empty()) return t.gpu_flops;
+  const int64_t w = m.hidden_size;
+  if (w <= table.front().first) return table.front().second;
+  if (w >= table.back().first) return table.back().second;
+  size_t hi = 1;
+  while (table[hi].first < w) ++hi;
+  const auto& [w0, r0] = table[hi - 1];
+  const auto& [w1, r1] = table[hi];
+  const double f = std::log(static_cast<double>(w) / static_cast<double>(w0)) /
+                   std::log(static_cast<double>(w1) / static_cast<double>(w0));
+  return std::exp(std::log(r0) + f * std::log(r1 / r0));
+}
+
 PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, DeviceKind device) {
   PlanInput in;
   const bool cuda = device == DeviceKind::kCuda;
@@ -290,7 +305,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
     in.offloaded_activations = model::saved_activation_count(static_cast<int>(L));
   }
   in.offload_activations = t.offload_activations;
-  in.rates.compute_flops = t.gpu_flops;
+  in.rates.compute_flops = planned_compute_flops(m, t, device);
   in.rates.h2d_bytes_per_s = t.h2d_bytes_per_s;
   in.rates.d2h_bytes_per_s = t.d2h_bytes_per_s;
   in.rates.disk_read_bytes_per_s = t.disk_read_bytes_per_s;

@@ -34,6 +34,13 @@ inline bool overlaps_collectives(const TrainConfig& t, int zero) {
 // sharded. InvalidArgument naming the key and what to change.
 Status check_expert_parallel(const model::ModelConfig& model, int64_t expert_parallel, int64_t world, int zero);
 
+// The compute rate a plan for `device` predicts with: on the cpu backend with a rate table
+// (hardware.cpu_tflops_by_width), the rate at the model's hidden size, interpolated in log
+// width and log rate between the measured widths on either side and the nearest one's beyond
+// them (a CPU's GEMMs speed up with their matrices, so one rate does not fit every model);
+// otherwise hardware.gpu_tflops.
+double planned_compute_flops(const model::ModelConfig& model, const TrainConfig& train, DeviceKind device);
+
 // Model FLOPs per token, 6N + 12*L*H*T (DESIGN §2), without recomputation.
 double model_flops_per_token(const model::ModelConfig& model, int64_t seq_len);
 

@@ -1,5 +1,8 @@
 #include "train/train_config.h"
 
+#include <cmath>
+#include <cstdlib>
+
 #include "core/units.h"
 
 namespace strata {
@@ -124,6 +127,11 @@ ConfigSchema build_schema() {
   s.add({.name = "hardware.gpu_tflops", .type = T::kFloat, .default_value = "781", .min = 1e-6,
          .help = "compute rate the backend's ops reach on the model's shapes, in 10^12 FLOP/s (GPU: dense bf16 "
                  "GEMM; cpu backend: what its ops reach on a decoder layer)"});
+  s.add({.name = "hardware.cpu_tflops_by_width", .type = T::kStringList, .default_value = "",
+         .help = "the cpu backend's compute rate by model width, as WIDTH:TFLOPS pairs (e.g. [128:0.07, 2048:0.15]; "
+                 "strata bench machine measures them): a cpu plan takes the rate at its model's hidden size, "
+                 "interpolated between the widths on either side (the nearest beyond them), in place of "
+                 "hardware.gpu_tflops; empty: hardware.gpu_tflops"});
   s.add({.name = "hardware.h2d_gbps", .type = T::kFloat, .default_value = "55", .min = 1e-6,
          .help = "pinned host-to-device bandwidth in GB/s (10^9 bytes/s)"});
   s.add({.name = "hardware.d2h_gbps", .type = T::kFloat, .default_value = "55", .min = 1e-6,
@@ -325,6 +333,22 @@ Result<TrainConfig> make_train_config(const Config& c) {
     return Status::InvalidArgument(c.origin("memory.nvme.path") + ": memory.nvme.path is set but memory.nvme.size is 0; "
                                    "give the nvme tier a budget (e.g. memory.nvme.size=500GiB)");
   t.gpu_flops = c.get_float("hardware.gpu_tflops") * 1e12;
+  for (const std::string& pair : c.get_list("hardware.cpu_tflops_by_width")) {
+    const size_t colon = pair.find(':');
+    char* end = nullptr;
+    const std::string width_text = pair.substr(0, colon);
+    const long long width = colon == std::string::npos ? 0 : std::strtoll(width_text.c_str(), &end, 10);
+    const bool width_ok = colon != std::string::npos && end != nullptr && *end == '\0' && width > 0;
+    const std::string rate_text = width_ok ? pair.substr(colon + 1) : "";
+    const double tflops = width_ok ? std::strtod(rate_text.c_str(), &end) : 0;
+    const bool rate_ok = width_ok && !rate_text.empty() && *end == '\0' && std::isfinite(tflops) && tflops > 0;
+    const bool ascending = t.cpu_flops_by_width.empty() || t.cpu_flops_by_width.back().first < width;
+    if (!rate_ok || !ascending)
+      return Status::InvalidArgument(c.origin("hardware.cpu_tflops_by_width") +
+                                     ": key 'hardware.cpu_tflops_by_width': expected WIDTH:TFLOPS pairs with widths "
+                                     "ascending and rates above 0 (e.g. [128:0.07, 2048:0.15]), got '" + pair + "'");
+    t.cpu_flops_by_width.emplace_back(width, tflops * 1e12);
+  }
   t.h2d_bytes_per_s = c.get_float("hardware.h2d_gbps") * 1e9;
   t.d2h_bytes_per_s = c.get_float("hardware.d2h_gbps") * 1e9;
   t.disk_read_bytes_per_s = c.get_float("hardware.disk_read_gbps") * 1e9;

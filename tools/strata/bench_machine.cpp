@@ -2,7 +2,9 @@
 // profile (the measuring lives in train/machine_bench.cpp, which the tests link too).
 #include "tools/strata/bench_machine.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -18,7 +20,7 @@ namespace strata::tools {
 namespace {
 
 constexpr const char* kUsage = R"(Usage: strata bench machine [CONFIG.yaml] [key=value ...] [--out FILE] [--save]
-                            [--device cpu|cuda] [--dir DIR] [--quick]
+                            [--device cpu|cuda] [--dir DIR] [--quick] [--widths W,W,...|none]
 
 Measures on this machine the rates `strata plan` and `strata train` predict a step with, each
 printed beside a reference measured in the same run:
@@ -27,6 +29,12 @@ printed beside a reference measured in the same run:
                 (forward and backward with recompute, FLOPs as the planner counts them), and
                 the share of a copy stream's work that hides behind that compute (copy_overlap:
                 near 0 on the cpu backend, whose copies take the cores compute uses)
+  compute@W     (cpu only) the same at each width W of --widths: one Llama-shaped decoder layer
+                of hidden size W (heads of 64, MLP 3.5 W wide) and a head over 8192 tokens,
+                2 x 256 tokens. A CPU's GEMMs speed up with their matrices, so plans of other
+                models take the rate at their own hidden size from this table
+                (hardware.cpu_tflops_by_width), interpolated between the widths around it.
+                Default widths: 128,512,2048 with --quick, else 128,256,512,1024,2048,4096
   h2d, d2h      host<->device copies through the device's copy streams, each way alone and
   both          both at once (on the cpu backend: memcpys on stream threads), and what each
                 small copy costs beyond its bytes (copy_latency)
@@ -41,8 +49,8 @@ command line still wins. --save also keeps it as this machine's profile for the 
 when set), which strata plan, strata train and strata profile then use by default for a run on
 that device (their --hardware FILE, or --hardware builtin for the built-in H200 rates, says
 otherwise; they name the rates they used). --dir DIR: where the nvme tier would live (default: the current
-directory; `--dir none` skips the disk). --quick: small sizes and fewer repeats (a few
-seconds, noisier); the full run takes about 20 s.
+directory; `--dir none` skips the disk). --quick: small sizes and fewer repeats (about 15 s
+here, noisier); the full run takes about a minute on 2 cores.
 )";
 
 int usage_error(const std::string& msg) {
@@ -62,6 +70,7 @@ int bench_machine_command(const std::vector<std::string>& args) {
   std::vector<std::string> overrides;
   MachineBenchOptions o;
   bool save = false;
+  std::string widths;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
@@ -76,9 +85,9 @@ int bench_machine_command(const std::vector<std::string>& args) {
       save = true;
       continue;
     }
-    if (a == "--out" || a == "--device" || a == "--dir") {
+    if (a == "--out" || a == "--device" || a == "--dir" || a == "--widths") {
       if (i + 1 >= args.size()) return usage_error("option '" + a + "' needs a value");
-      (a == "--out" ? out : a == "--device" ? o.device : dir) = args[++i];
+      (a == "--out" ? out : a == "--device" ? o.device : a == "--dir" ? dir : widths) = args[++i];
       continue;
     }
     if (a.find('=') != std::string::npos && a[0] != '-') {
@@ -91,6 +100,22 @@ int bench_machine_command(const std::vector<std::string>& args) {
   }
   if (o.device != "cpu" && o.device != "cuda") return usage_error("--device must be cpu or cuda");
   o.disk_dir = dir == "none" ? "" : dir;
+  if (widths.empty()) {
+    o.widths = default_probe_widths(o.quick);
+  } else if (widths != "none") {
+    size_t at = 0;
+    while (at <= widths.size()) {
+      const size_t comma = std::min(widths.find(',', at), widths.size());
+      const std::string item = widths.substr(at, comma - at);
+      char* end = nullptr;
+      const long long w = std::strtoll(item.c_str(), &end, 10);
+      if (item.empty() || *end != '\0' || w < 64 || w > 16384 || w % 64 != 0)
+        return usage_error("--widths: expected hidden sizes that are multiples of 64 from 64 to 16384, separated by "
+                           "commas (or none), got '" + item + "'");
+      o.widths.push_back(w);
+      at = comma + 1;
+    }
+  }
   Result<Config> config = load_train_config(config_path, overrides);
   if (!config.ok()) return fail(config.status());
   Result<TrainConfig> tc = make_train_config(*config);

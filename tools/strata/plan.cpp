@@ -268,6 +268,9 @@ int plan_command(const std::vector<std::string>& args) {
   std::printf("rates: %s\n", tc->hardware_profile.empty()
                                 ? "built-in defaults (an H200 box; strata bench machine measures this one)"
                                 : tc->hardware_profile.c_str());
+  if (!cuda && !tc->cpu_flops_by_width.empty())
+    std::printf("compute: %.4g TFLOP/s at hidden %lld (hardware.cpu_tflops_by_width)\n", in.rates.compute_flops / 1e12,
+                static_cast<long long>(mc->hidden_size));
   if (in.world_size > 1) {
     std::printf("%s", format_zero_levels(in, plan.zero).c_str());
     std::printf("per rank at ZeRO-%d (each rank's budgets and micro-batches as above; the world's step is %lld "
