@@ -627,14 +627,18 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
 
 // What moves between the tiers in one step, by phase: a micro-batch's forward and backward, the
 // gradient passes (zeroing and the norm) and the optimizer once per step.
+struct DiskMoves {
+  uint64_t read = 0, write = 0;
+};
+
 struct PhaseTraffic {
   uint64_t fwd_h2d = 0, fwd_d2h = 0, bwd_h2d = 0, bwd_d2h = 0, opt_h2d = 0, opt_d2h = 0;
   uint64_t pass_h2d = 0, pass_d2h = 0;
   uint64_t first_layer_h2d = 0;  // what the first layer of a phase needs before it can start
   uint64_t grad_total = 0;       // every gradient's bytes this rank holds
-  // Disk reads and writes together: per micro-batch in forward and in backward (state homed on
-  // nvme that streams to the device), in the gradient passes, and in the optimizer.
-  uint64_t fwd_disk = 0, bwd_disk = 0, pass_disk = 0, opt_disk = 0;
+  // Disk reads and writes: per micro-batch in forward and in backward (state homed on nvme that
+  // streams to the device), in the gradient passes, and in the optimizer.
+  DiskMoves fwd_disk, bwd_disk, pass_disk, opt_disk;
 };
 
 // Step 4: traffic per optimizer step, with the step's totals in `p`: each streamed group moved
@@ -688,8 +692,8 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
   // The disk: optimizer state read and written once; a compute copy on nvme read for forward and
   // for backward and written once updated; a gradient on nvme read and written per micro-batch.
   const uint64_t opt_nvme = p.nvme.master + p.nvme.adam_m + p.nvme.adam_v;
-  uint64_t fwd_disk = p.nvme.param, bwd_disk = p.nvme.param + 2 * p.nvme.grad, pass_disk = 0;
-  uint64_t opt_disk = 2 * (opt_nvme + p.nvme.param);
+  DiskMoves fwd_disk{p.nvme.param, 0}, bwd_disk{p.nvme.param + p.nvme.grad, p.nvme.grad}, pass_disk;
+  DiskMoves opt_disk{opt_nvme + p.nvme.param, opt_nvme + p.nvme.param};
   p.disk_read_bytes = opt_nvme + accum * (2 * p.nvme.param + p.nvme.grad);
   p.disk_write_bytes = opt_nvme + p.nvme.param + accum * p.nvme.grad;
   // With chunks, what the chunk space moves: it keeps copies in the slots its homes and working
@@ -727,9 +731,10 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
       p.d2h_bytes = total.d2h + accum * ckpt;
       p.disk_read_bytes = total.disk_read;
       p.disk_write_bytes = total.disk_write;
-      auto disk = [](const ReplayMoves& m) { return m.disk_read + m.disk_write; };
-      fwd_disk = disk(fwd) / accum, bwd_disk = disk(bwd) / accum;
-      pass_disk = disk(zero_pass) + disk(norm), opt_disk = disk(opt);
+      fwd_disk = {fwd.disk_read / accum, fwd.disk_write / accum};
+      bwd_disk = {bwd.disk_read / accum, bwd.disk_write / accum};
+      pass_disk = {zero_pass.disk_read + norm.disk_read, zero_pass.disk_write + norm.disk_write};
+      opt_disk = {opt.disk_read, opt.disk_write};
       p.chunk_peak_bytes = r.peak_bytes;
     }
   }
@@ -755,12 +760,18 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
     const double ds = static_cast<double>(d2h) / r.d2h_bytes_per_s + moves(d2h);
     return std::max({hs, ds, static_cast<double>(h2d + d2h) / r.both_bytes_per_s + moves(h2d + d2h) / 2});
   };
-  // The disk's reads and writes of a phase, at the mean of the two rates (they interleave).
-  const double disk_rate = (r.disk_read_bytes_per_s + r.disk_write_bytes_per_s) / 2;
-  auto disk_seconds = [&](uint64_t bytes) { return static_cast<double>(bytes) / disk_rate; };
+  // The disk's reads and writes of a phase are in flight together: each direction at its own
+  // rate, the two at most at the rate of both at once (by default the mean: they take turns).
+  const double disk_both = r.disk_both_bytes_per_s > 0 ? r.disk_both_bytes_per_s
+                                                       : (r.disk_read_bytes_per_s + r.disk_write_bytes_per_s) / 2;
+  auto disk_seconds = [&](const DiskMoves& d) {
+    return std::max({static_cast<double>(d.read) / r.disk_read_bytes_per_s,
+                     static_cast<double>(d.write) / r.disk_write_bytes_per_s,
+                     static_cast<double>(d.read + d.write) / disk_both});
+  };
   // The disk runs beside compute on every backend (the I/O engine's requests take no core), so
   // only what outlasts compute adds to a phase.
-  auto phase = [&](double flops, uint64_t h2d, uint64_t d2h, uint64_t first_h2d, uint64_t disk) {
+  auto phase = [&](double flops, uint64_t h2d, uint64_t d2h, uint64_t first_h2d, const DiskMoves& disk) {
     PhaseTime t;
     t.compute_s = flops / r.compute_flops;
     t.h2d_s = static_cast<double>(h2d) / r.h2d_bytes_per_s + moves(h2d);
@@ -797,8 +808,7 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
   for (int64_t g = 0; g < s.groups; ++g)
     if (h.opt_dev[g]) device_adam_elements += s.updated(g == s.L ? in.edge_elements : in.layer_elements);
   p.cpu_adam_s = static_cast<double>(p.cpu_adam_elements) / r.cpu_adam_params_per_s;
-  p.disk_s = static_cast<double>(p.disk_read_bytes) / r.disk_read_bytes_per_s +
-             static_cast<double>(p.disk_write_bytes) / r.disk_write_bytes_per_s;
+  p.disk_s = disk_seconds({p.disk_read_bytes, p.disk_write_bytes});
   const double opt_copies = copy_seconds(tr.opt_h2d, tr.opt_d2h);
   const double device_adam_s = static_cast<double>(device_adam_elements) / r.device_adam_params_per_s;
   ph.optimizer_s = device_adam_s + disk_seconds(tr.opt_disk) + std::max(p.cpu_adam_s, opt_copies) + (1 - ov) * std::min(p.cpu_adam_s, opt_copies);

@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "core/check.h"
 #include "core/config.h"
 #include "core/units.h"
 #include "kernels/adamw.h"
@@ -344,23 +345,63 @@ Status stream_chunks(IoEngine& engine, int file, IoOp op, uint64_t size, uint64_
   return Status::OK();
 }
 
+Status stream_both(IoEngine& engine, int read_file, int write_file, uint64_t size, uint64_t chunk,
+                   const std::vector<char*>& buffers) {
+  const uint64_t depth = buffers.size();
+  CHECK_MSG(depth >= 2 && depth % 2 == 0, "stream_both needs an even number of buffers");
+  const uint64_t requests = 2 * (size / chunk);  // even: a read, odd: a write, of chunk i / 2
+  std::vector<IoTicket> tickets(depth, 0);
+  auto finish = [&](uint64_t i) -> Status {
+    const uint64_t slot = i % depth, index = i / 2;
+    RETURN_IF_ERROR(engine.wait(tickets[slot]));
+    tickets[slot] = 0;
+    if (i % 2 == 0 && std::memcmp(buffers[slot], &index, sizeof(index)) != 0)
+      return Status::Corruption("chunk " + std::to_string(index) + " read back with the wrong contents");
+    return Status::OK();
+  };
+  for (uint64_t i = 0; i < requests; ++i) {
+    const uint64_t slot = i % depth, index = i / 2;
+    if (tickets[slot] != 0) RETURN_IF_ERROR(finish(i - depth));
+    const bool write = i % 2 == 1;
+    if (write) std::memcpy(buffers[slot], &index, sizeof(index));
+    ASSIGN_OR_RETURN(tickets[slot], engine.submit({write ? IoOp::kWrite : IoOp::kRead, write ? write_file : read_file,
+                                                   buffers[slot], chunk, index * chunk}));
+  }
+  for (uint64_t i = requests > depth ? requests - depth : 0; i < requests; ++i) RETURN_IF_ERROR(finish(i));
+  return Status::OK();
+}
+
 Result<DiskTiming> time_disk(IoEngine& engine, const std::string& dir, uint64_t size, uint64_t chunk,
                              const std::vector<char*>& buffers) {
-  const std::string path = dir + "/strata_bench." + engine.name() + "." + std::to_string(::getpid()) + ".tmp";
-  TempFile file(path, ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0600));
-  if (file.fd() < 0) {
-    return Status::IOError("cannot open " + path + " with O_DIRECT: " + std::strerror(errno) +
-                           "; the directory must be on a filesystem that supports O_DIRECT (not tmpfs)");
-  }
-  ASSIGN_OR_RETURN(int id, engine.register_file(file.fd(), path));
+  const std::string base = dir + "/strata_bench." + engine.name() + "." + std::to_string(::getpid());
+  auto open_file = [](const std::string& path) {
+    return std::make_unique<TempFile>(path, ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0600));
+  };
+  std::unique_ptr<TempFile> file = open_file(base + ".tmp"), second = open_file(base + ".2.tmp");
+  for (const TempFile* f : {file.get(), second.get()})
+    if (f->fd() < 0)
+      return Status::IOError("cannot open a file in " + dir + " with O_DIRECT: " + std::strerror(errno) +
+                             "; the directory must be on a filesystem that supports O_DIRECT (not tmpfs)");
+  ASSIGN_OR_RETURN(int id, engine.register_file(file->fd(), base + ".tmp"));
+  ASSIGN_OR_RETURN(int id2, engine.register_file(second->fd(), base + ".2.tmp"));
+  auto sync = [&](const TempFile& f) -> Status {
+    if (::fsync(f.fd()) != 0) return Status::IOError("fsync of a file in " + dir + " failed: " + std::strerror(errno));
+    return Status::OK();
+  };
   DiskTiming t;
   auto start = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(stream_chunks(engine, id, IoOp::kWrite, size, chunk, buffers));
-  if (::fsync(file.fd()) != 0) return Status::IOError("fsync of " + path + " failed: " + std::strerror(errno));
+  RETURN_IF_ERROR(sync(*file));
   t.write_s = seconds_since(start);
   start = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(stream_chunks(engine, id, IoOp::kRead, size, chunk, buffers));
   t.read_s = seconds_since(start);
+  // Both at once, as the optimizer's phase pages state in and out: the first file read back
+  // while the second is written, half the requests in flight each.
+  start = std::chrono::steady_clock::now();
+  RETURN_IF_ERROR(stream_both(engine, id, id2, size, chunk, buffers));
+  RETURN_IF_ERROR(sync(*second));
+  t.both_s = seconds_since(start);
   return t;
 }
 
@@ -433,7 +474,8 @@ Result<MachineProfile> bench_machine(const MachineBenchOptions& o) {
   add("memcpy", memcpy_rate / 1e9, "GB/s", "read + write", memcpy_rate / 1e9);
 
   if (!o.disk_dir.empty()) {
-    const uint64_t size = o.quick ? (32ull << 20) : (256ull << 20), chunk = 4ull << 20, depth = 8;
+    // Sizes as the nvme tier moves them: chunks of tens of MiB, a gigabyte or more per phase.
+    const uint64_t size = o.quick ? (64ull << 20) : (1ull << 30), chunk = 4ull << 20, depth = 32;
     IoEngineOptions io;
     io.queue_depth = depth;
     io.threads = depth;
@@ -446,18 +488,22 @@ Result<MachineProfile> bench_machine(const MachineBenchOptions& o) {
       buffers.push_back(owned.back().get());
       RETURN_IF_ERROR(engine->register_buffer(buffers.back(), chunk));
     }
-    std::vector<double> w, rd;
+    std::vector<double> w, rd, both;
     for (int i = 0; i < (o.quick ? 1 : 3); ++i) {
       ASSIGN_OR_RETURN(DiskTiming t, time_disk(*engine, o.disk_dir, size, chunk, buffers));
       w.push_back(t.write_s);
       rd.push_back(t.read_s);
+      both.push_back(t.both_s);
     }
     std::sort(w.begin(), w.end());
     std::sort(rd.begin(), rd.end());
+    std::sort(both.begin(), both.end());
     r.disk_write_bytes_per_s = static_cast<double>(size) / w[w.size() / 2];
     r.disk_read_bytes_per_s = static_cast<double>(size) / rd[rd.size() / 2];
     add("disk_write", r.disk_write_bytes_per_s / 1e9, "GB/s", "memcpy", half_memcpy);
     add("disk_read", r.disk_read_bytes_per_s / 1e9, "GB/s", "memcpy", half_memcpy);
+    r.disk_both_bytes_per_s = 2.0 * static_cast<double>(size) / both[both.size() / 2];
+    add("disk_both", r.disk_both_bytes_per_s / 1e9, "GB/s", "memcpy", half_memcpy);
   }
   prof.description = fmt::format("strata bench machine{}, {} backend, {} threads, on {}, {}", o.quick ? " --quick" : "",
                                  o.device, omp_get_max_threads(), host_name(), today());
@@ -486,6 +532,9 @@ std::string hardware_yaml(const MachineProfile& p) {
   y += fmt::format("  copy_overlap: {:.3g}        # share of copy time hidden behind compute, 0..1\n", r.copy_overlap);
   y += fmt::format("  disk_read_gbps: {:.6g}      # 10^9 bytes/s\n", r.disk_read_bytes_per_s / 1e9);
   y += fmt::format("  disk_write_gbps: {:.6g}     # 10^9 bytes/s\n", r.disk_write_bytes_per_s / 1e9);
+  if (r.disk_both_bytes_per_s > 0)
+    y += fmt::format("  disk_both_gbps: {:.6g}      # reads and writes at once, together, 10^9 bytes/s\n",
+                     r.disk_both_bytes_per_s / 1e9);
   y += fmt::format("  cpu_adam_gparams: {:.6g}    # 10^9 parameters/s\n", r.cpu_adam_params_per_s / 1e9);
   y += fmt::format("  device_adam_gparams: {:.6g} # 10^9 parameters/s\n", r.device_adam_params_per_s / 1e9);
   y += fmt::format("  device_mem_gbps: {:.6g}     # read + write, 10^9 bytes/s\n", r.device_memory_bytes_per_s / 1e9);

@@ -132,13 +132,19 @@ struct AdamRates {
 Result<AdamRates> measure_adamw(const std::vector<int64_t>& sizes, int repeats);
 
 // Sequential O_DIRECT write then read of `size` bytes in `chunk` requests through `engine`,
-// `buffers.size()` in flight (fsync inside the write's timing), in a temporary file in `dir`
-// that is removed. Writes stamp each chunk with its index; reads check it.
+// `buffers.size()` in flight (fsync inside the write's timing), in a temporary file in `dir`;
+// then that file read back while a second one is written (both at once). The files are
+// removed. Writes stamp each chunk with its index; reads check it.
 struct DiskTiming {
   double write_s = 0, read_s = 0;
+  double both_s = 0;  // `size` read from the file written while a second file of `size` is written
 };
 Result<DiskTiming> time_disk(IoEngine& engine, const std::string& dir, uint64_t size, uint64_t chunk,
                              const std::vector<char*>& buffers);
+// Reads `size` bytes of `read_file` (written by stream_chunks) while writing `size` bytes to
+// `write_file`, alternating requests, half the buffers (an even number) each.
+Status stream_both(IoEngine& engine, int read_file, int write_file, uint64_t size, uint64_t chunk,
+                   const std::vector<char*>& buffers);
 // Moves `size` bytes through `engine` in chunk requests, one buffer per slot in flight.
 Status stream_chunks(IoEngine& engine, int file, IoOp op, uint64_t size, uint64_t chunk,
                      const std::vector<char*>& buffers);

@@ -71,6 +71,7 @@ Status MetricsWriter::write(const StepMetrics& m) {
                       {"skipped", m.skipped},
                       {"skipped_steps", m.skipped_steps},
                       {"rss_bytes", m.rss_bytes},
+                      {"rss_peak_bytes", m.rss_peak_bytes},
                       {"rss_planned_bytes", m.rss_planned_bytes}};
   if (m.evaluated) {
     // JSON has no NaN or Inf: nlohmann writes them as null, which readers take as not a number.

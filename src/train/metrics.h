@@ -32,6 +32,7 @@ struct StepMetrics {
   double comm_bytes = 0;       // bytes each rank sent to the others during the step (mean over ranks)
   double stall_ms = 0;         // time compute waited for data during the step
   uint64_t rss_bytes = 0;      // resident memory of the process
+  uint64_t rss_peak_bytes = 0;  // the most it has been resident so far (VmHWM)
   uint64_t rss_planned_bytes = 0;  // the planned peak of host memory (host_ram.h); 0 when unknown
   // Seconds since the first step of this run began, at the end of this step's compute: wall
   // time between two steps includes everything in between (checkpoint starts, logging).

@@ -310,6 +310,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   in.rates.d2h_bytes_per_s = t.d2h_bytes_per_s;
   in.rates.disk_read_bytes_per_s = t.disk_read_bytes_per_s;
   in.rates.disk_write_bytes_per_s = t.disk_write_bytes_per_s;
+  in.rates.disk_both_bytes_per_s = t.disk_both_bytes_per_s;
   in.rates.cpu_adam_params_per_s = t.cpu_adam_params_per_s;
   in.rates.both_bytes_per_s = t.both_bytes_per_s;
   in.rates.copy_overlap = t.copy_overlap;

@@ -147,6 +147,9 @@ ConfigSchema build_schema() {
          .help = "nvme tier read bandwidth in GB/s"});
   s.add({.name = "hardware.disk_write_gbps", .type = T::kFloat, .default_value = "1.7", .min = 1e-6,
          .help = "nvme tier write bandwidth in GB/s"});
+  s.add({.name = "hardware.disk_both_gbps", .type = T::kFloat, .default_value = "0", .min = 0,
+         .help = "nvme tier reads and writes at once, the two together, in GB/s (a disk may serve both faster than "
+                 "either alone); 0: the mean of the read and write rates"});
   s.add({.name = "hardware.cpu_adam_gparams", .type = T::kFloat, .default_value = "3.66", .min = 1e-6,
          .help = "CPU AdamW rate (the SIMD kernel on all cores) in 10^9 parameters per second"});
   s.add({.name = "hardware.device_adam_gparams", .type = T::kFloat, .default_value = "150", .min = 1e-6,
@@ -353,6 +356,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.d2h_bytes_per_s = c.get_float("hardware.d2h_gbps") * 1e9;
   t.disk_read_bytes_per_s = c.get_float("hardware.disk_read_gbps") * 1e9;
   t.disk_write_bytes_per_s = c.get_float("hardware.disk_write_gbps") * 1e9;
+  t.disk_both_bytes_per_s = c.get_float("hardware.disk_both_gbps") * 1e9;
   t.cpu_adam_params_per_s = c.get_float("hardware.cpu_adam_gparams") * 1e9;
   t.both_bytes_per_s = c.get_float("hardware.both_gbps") * 1e9;
   t.copy_overlap = c.get_float("hardware.copy_overlap");

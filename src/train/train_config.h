@@ -57,7 +57,7 @@ struct TrainConfig {
   std::string keep_activations = "auto";  // keep every layer's intermediates: auto | true | false
   // rates the planner predicts with
   double gpu_flops = 0, h2d_bytes_per_s = 0, d2h_bytes_per_s = 0, disk_read_bytes_per_s = 0,
-         disk_write_bytes_per_s = 0, cpu_adam_params_per_s = 0;
+         disk_write_bytes_per_s = 0, disk_both_bytes_per_s = 0, cpu_adam_params_per_s = 0;
   double both_bytes_per_s = 87e9, copy_overlap = 1, copy_latency_s = 10e-6, device_adam_params_per_s = 150e9, device_memory_bytes_per_s = 4.2e12;
   // hardware.cpu_tflops_by_width: (hidden size, FLOP/s) ascending; a cpu plan's compute rate.
   std::vector<std::pair<int64_t, double>> cpu_flops_by_width;

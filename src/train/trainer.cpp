@@ -927,6 +927,7 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.world = ranks.world();
     sm.comm_bytes = comm_bytes;
     sm.rss_bytes = resident_bytes();
+    sm.rss_peak_bytes = peak_resident_bytes();
     sm.rss_planned_bytes = run.host_ram_peak;
     sm.recipe = run.engine->recipe();
     sm.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();

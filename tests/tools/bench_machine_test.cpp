@@ -31,22 +31,29 @@ class BenchMachineCli : public ::testing::Test {
 
 TEST_F(BenchMachineCli, WritesAProfileThatPlanReadsAndNames) {
   const std::string profile = (dir_ / "machine.yaml").string();
-  const CmdResult bench = run_strata("bench machine --quick --dir " + dir_.string() + " --out " + profile +
-                           " model.preset=tiny train.micro_batch=1 train.seq_len=32");
+  const CmdResult bench = run_strata("bench machine --quick --widths 64,128 --dir " + dir_.string() + " --out " +
+                                     profile + " model.preset=tiny train.micro_batch=1 train.seq_len=32");
   ASSERT_EQ(bench.exit_code, 0) << bench.output;
-  for (const char* rate : {"compute", "copy_overlap", "h2d", "d2h", "both", "cpu_adam", "memcpy", "disk_read"})
+  for (const char* rate : {"compute", "compute@64", "compute@128", "copy_overlap", "h2d", "d2h", "both", "cpu_adam", "memcpy", "disk_read"})
     EXPECT_NE(bench.output.find(std::string("\n") + rate + " "), std::string::npos) << rate << "\n" << bench.output;
   std::ifstream in(profile);
   std::stringstream text;
   text << in.rdbuf();
   EXPECT_NE(text.str().find("gpu_tflops:"), std::string::npos) << text.str();
   EXPECT_NE(text.str().find("copy_overlap:"), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("cpu_tflops_by_width: [\"64:"), std::string::npos) << text.str();
 
   const CmdResult plan = run_strata("plan --hardware " + profile + " model.preset=tiny run.device=cpu");
   ASSERT_EQ(plan.exit_code, 0) << plan.output;
   EXPECT_NE(plan.output.find("rates: " + profile + " (strata bench machine --quick, cpu backend"), std::string::npos)
       << plan.output;
   EXPECT_NE(plan.output.find("per phase"), std::string::npos) << plan.output;
+  // The tiny model's width, 128, is a measured one: the plan computes at its rate.
+  EXPECT_NE(plan.output.find(" TFLOP/s at hidden 128 (hardware.cpu_tflops_by_width)"), std::string::npos)
+      << plan.output;
+  const CmdResult bad = run_strata("bench machine --quick --widths 64,100 --dir none");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--widths"), std::string::npos) << bad.output;
   const CmdResult defaults = run_strata("plan model.preset=tiny run.device=cpu");
   ASSERT_EQ(defaults.exit_code, 0) << defaults.output;
   EXPECT_NE(defaults.output.find("rates: built-in defaults"), std::string::npos) << defaults.output;
@@ -65,7 +72,7 @@ TEST_F(BenchMachineCli, ASavedProfileIsWhatPlansUseByDefault) {
   ASSERT_EQ(setenv("STRATA_CACHE_DIR", cache.c_str(), 1), 0);
   const CmdResult none = run_strata("plan model.preset=tiny run.device=cpu");
   EXPECT_NE(none.output.find("rates: built-in defaults"), std::string::npos) << none.output;
-  const CmdResult bench = run_strata("bench machine --quick --save --dir " + dir_.string() +
+  const CmdResult bench = run_strata("bench machine --quick --save --widths 64 --dir " + dir_.string() +
                                      " model.preset=tiny train.micro_batch=1 train.seq_len=32");
   ASSERT_EQ(bench.exit_code, 0) << bench.output;
   const std::string saved = (cache / "machine-cpu.yaml").string();

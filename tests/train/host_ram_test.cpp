@@ -153,6 +153,27 @@ TEST(HostRamTest, ThePagedStateReservesThePlannedHostTierWithItsNvmeStagingSlot)
   std::filesystem::remove_all(nvme);
 }
 
+// A host tier that is not pinned (the cpu backend without an nvme tier) is resident only where
+// it is written: the state homed there and the few slots a load passes through, not its whole
+// reservation; a pinned one (an nvme tier registers it) is resident whole.
+TEST(HostRamTest, AnUnpinnedHostTierCountsTheStateHomedThereAndAFewSlots) {
+  const Planned roomy = planned({"memory.nvme.path=", "memory.nvme.size=0", "memory.device=1GiB", "memory.host=1GiB"});
+  const HostRamPlan ram = plan_host_ram(roomy.mc, roomy.t, roomy.plan, DeviceKind::kCpu);
+  const uint64_t chunk = roomy.t.chunk_size;
+  EXPECT_EQ(roomy.plan.host.total(), 0u) << "the roomy plan keeps everything on the device";
+  EXPECT_EQ(ram.bytes_of("chunks"), 4 * chunk);
+  EXPECT_EQ(ram.items[0].pinned, 0u);
+  const Planned pinned = planned({"memory.device=1GiB", "memory.host=1GiB"});
+  PagedStateOptions po;
+  po.host_bytes = pinned.t.memory_host;
+  po.nvme_bytes = pinned.t.nvme_size;
+  po.chunk_bytes = pinned.t.chunk_size;
+  po.placement = pinned.plan.placement;
+  const HostTierSize tier = PagedState::host_tier_size(model::ParamLayout(pinned.mc), po);
+  const HostRamPlan locked = plan_host_ram(pinned.mc, pinned.t, pinned.plan, DeviceKind::kCpu);
+  EXPECT_EQ(locked.bytes_of("chunks") + locked.bytes_of("staging"), tier.reserved_bytes);
+}
+
 TEST(HostRamTest, APeakBeyondWhatIsAvailableIsRefusedWithBothNumbers) {
   const Planned p = planned({});
   HostRamData data;

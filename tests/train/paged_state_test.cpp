@@ -492,6 +492,53 @@ TEST(PagedStatePrefetchTest, HostOptimizerPhaseIsNotPrefetchedIntoTheDevice) {
   EXPECT_GT(ps.stats().host_to_device_bytes, 0u);
 }
 
+// Loading, restoring and reading state homed on the device goes through host memory a slice at
+// a time: each slice's chunks go home after it, so the host tier reuses a few slots and holds
+// no copy afterwards, however large the state, and the values read back are the values loaded.
+TEST(PagedStateLoadTest, PassesOverStateHomedOnTheDeviceLeaveNoCopyInHostMemory) {
+  model::ModelConfig mc = tiny_config(false);
+  mc.num_hidden_layers = 6;
+  auto device = CpuDevice::create(0, 0);
+  ASSERT_TRUE(device.ok());
+  model::LlamaModel net(mc, model::CpuF32Model(device->get()));
+  const model::ParamLayout& layout = net.layout();
+  Placement placement(static_cast<int>(mc.num_hidden_layers) + 2);
+  for (int g = 0; g < placement.num_groups(); ++g)
+    for (StateKind k : StateLayout::of(Precision::kFp32).kinds()) placement.row(g, k).home = Tier::kDevice;
+  PagedStateOptions po;
+  po.device_bytes = 64ull << 20;
+  po.host_bytes = 64ull << 20;  // room for a copy of everything, were it kept
+  po.chunk_bytes = (tight_chunk_bytes(layout, mc) + 4095) / 4096 * 4096;
+  po.grad_accum = kAccum;
+  po.optimizer = optimizer_config(kClip);
+  po.placement = placement;
+  auto paged = PagedState::create(**device, nullptr, layout, po);
+  ASSERT_TRUE(paged.ok()) << paged.status().to_string();
+  PagedState& ps = **paged;
+  const std::vector<float> values = initial_params(layout, 7);
+  ASSERT_TRUE(ps.load_params(values.data()).ok());
+  std::vector<float> m(values.size()), v(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    m[i] = 0.5f * values[i];
+    v[i] = values[i] * values[i];
+  }
+  ASSERT_TRUE(ps.load_moments(m.data(), v.data()).ok());
+  std::vector<float> params(values.size()), m_back(values.size()), v_back(values.size());
+  ASSERT_TRUE(ps.store_params(params.data()).ok());
+  ASSERT_TRUE(ps.store_moments(m_back.data(), v_back.data()).ok());
+  EXPECT_EQ(std::memcmp(params.data(), values.data(), values.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(m_back.data(), m.data(), m.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(v_back.data(), v.data(), v.size() * sizeof(float)), 0);
+  const ChunkSpaceStats stats = ps.stats();
+  const uint64_t chunk = ps.store().chunk_bytes();
+  const TierUsage& host = stats.tiers[static_cast<int>(Tier::kHost)];
+  EXPECT_EQ(host.in_use_bytes, 0u) << "a copy stayed in host memory";
+  // Two consecutive slices of two kinds at most (host_ram.cpp's kPassSlots), of a state of many
+  // more chunks.
+  EXPECT_LE(host.peak_bytes, 4 * chunk);
+  EXPECT_GT(stats.tiers[static_cast<int>(Tier::kDevice)].in_use_bytes, 12 * chunk);
+}
+
 // The chaos suite can fail: with the compute stream's wait for each chunk's move deleted (the
 // planted bug), the tight run that is bitwise the flat one above goes wrong under chaos, reading
 // slots whose copy has not landed or that were poisoned when their chunk left. The same run with

@@ -168,6 +168,7 @@ class PlanAccuracy : public ::testing::Test {
     t.copy_latency_s = r.copy_latency_s;
     t.disk_read_bytes_per_s = r.disk_read_bytes_per_s;
     t.disk_write_bytes_per_s = r.disk_write_bytes_per_s;
+    t.disk_both_bytes_per_s = r.disk_both_bytes_per_s;
     t.cpu_adam_params_per_s = r.cpu_adam_params_per_s;
     t.device_adam_params_per_s = r.device_adam_params_per_s;
     t.device_memory_bytes_per_s = r.device_memory_bytes_per_s;

@@ -14,6 +14,7 @@
 #include "offload/plan.h"
 #include "core/cpu_device.h"
 #include "train/paged_state.h"
+#include "train/trainer.h"
 
 namespace strata {
 namespace {
@@ -317,6 +318,48 @@ TEST(Planning, PlannedBytesPerKindAreTheStoresForEveryRecipe) {
       EXPECT_GT(store[static_cast<int>(StateKind::kMaster)], 0u);
       EXPECT_LT(store[static_cast<int>(StateKind::kParam)], store[static_cast<int>(StateKind::kGrad)]);
     }
+  }
+}
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+// A cpu plan takes its compute rate from hardware.cpu_tflops_by_width at its model's width:
+// a measured width's own rate, log-linear between two, the nearest's beyond them; a cuda plan,
+// and a cpu plan without the table, hardware.gpu_tflops. Bad tables are refused naming the key.
+TEST(Planning, TheCpuComputeRateIsTheTablesAtTheModelsWidth) {
+  Result<Config> config =
+      load_train_config("", {"hardware.cpu_tflops_by_width=[128:0.05, 512:0.1, 2048:0.2]", "hardware.gpu_tflops=3"});
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  Result<TrainConfig> t = make_train_config(*config);
+  ASSERT_TRUE(t.ok()) << t.status().message();
+  model::ModelConfig mc = model::ModelConfig::preset("tiny").value();
+  auto rate = [&](int64_t width, DeviceKind device) {
+    mc.hidden_size = width;
+    return planned_compute_flops(mc, *t, device);
+  };
+  // The table's TFLOP/s times 10^12, to the last bits of a double.
+  auto near = [](double a, double b) { return std::abs(a - b) <= 1e-12 * std::abs(b); };
+  EXPECT_PRED2(near, rate(512, DeviceKind::kCpu), 0.1e12);
+  EXPECT_PRED2(near, rate(64, DeviceKind::kCpu), 0.05e12);
+  EXPECT_PRED2(near, rate(8192, DeviceKind::kCpu), 0.2e12);
+  // 1024 is halfway from 512 to 2048 in log width: the rates' geometric mean.
+  const double mid = rate(1024, DeviceKind::kCpu);
+  if (!(std::abs(mid - std::sqrt(0.1e12 * 0.2e12)) <= 1e-9 * mid)) ADD_FAILURE() << mid;
+  EXPECT_PRED2(near, rate(1024, DeviceKind::kCuda), 3e12);
+  mc.hidden_size = 1024;
+  EXPECT_PRED2(near, make_plan_input(mc, *t, DeviceKind::kCpu).rates.compute_flops, mid);
+
+  for (const char* bad : {"[512:0.1, 128:0.05]", "[512]", "[x:0.1]", "[512:0]", "[512:nan]", "[512:0.1x]"}) {
+    Result<Config> c = load_train_config("", {std::string("hardware.cpu_tflops_by_width=") + bad});
+    ASSERT_TRUE(c.ok()) << c.status().message();
+    Result<TrainConfig> refused = make_train_config(*c);
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.status().message().find("hardware.cpu_tflops_by_width"), std::string::npos)
+        << refused.status().message();
   }
 }
 
