@@ -66,7 +66,7 @@ uint64_t HostRamPlan::pinned_tier() const {
 uint64_t HostRamPlan::peak() const {
   uint64_t sum = 0;
   for (const HostRamItem& i : items) sum += i.bytes;
-  return sum;
+  return sum - std::min(sum, load_overlap);
 }
 
 uint64_t HostRamPlan::pinned() const {
@@ -143,20 +143,22 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   const bool tier_pinned = cuda || has_nvme;
   const uint64_t staging = std::min(tier.reserved_bytes, (tier.activation_chunks + tier.staging_chunks) * chunk);
   // A pinned tier is resident whole. Otherwise only the slots written are: those of the state
-  // homed there, and the few a pass over the state (loading, restoring) goes through, two
+  // homed there, those the optimizer updates there of state homed on the device (they stay as
+  // copies), and the few a pass over the state (loading, restoring) goes through, two
   // consecutive slices of two kinds at a time (PagedState::fill_kind sends each home after it).
   constexpr uint64_t kPassSlots = 4;
   const uint64_t reserved_chunks = tier.reserved_bytes - staging;
-  const uint64_t chunks =
-      tier_pinned ? reserved_chunks : std::min(reserved_chunks, (tier.host_home_chunks + kPassSlots) * chunk);
+  const uint64_t written = tier.host_home_chunks + tier.host_update_chunks + kPassSlots;
+  const uint64_t chunks = tier_pinned ? reserved_chunks : std::min(reserved_chunks, written * chunk);
   const uint64_t state_slots = tier.state_chunks + tier.activation_chunks;
   const uint64_t rounding = state_slots * chunk > tier.state_bytes ? state_slots * chunk - tier.state_bytes : 0;
   ram.items.push_back({"chunks", chunks, tier_pinned ? chunks : 0, false,
                        !chunk ? std::string("no host tier")
                        : chunks < reserved_chunks
-                           ? fmt::format("{} slots of {}: {} for the state homed here, {} it passes through",
-                                         chunks / chunk, bytes(chunk), tier.host_home_chunks,
-                                         chunks / chunk - std::min(chunks / chunk, tier.host_home_chunks))
+                           ? fmt::format("{} slots of {}: {} for the state homed here, {} the optimizer updates "
+                                         "here, {} passing through",
+                                         chunks / chunk, bytes(chunk), tier.host_home_chunks, tier.host_update_chunks,
+                                         kPassSlots)
                            : fmt::format("{} slots of {} for the state, {} of it padding and slot rounding",
                                          chunks / chunk, bytes(chunk), bytes(std::min(rounding, chunks)))
 });
@@ -242,6 +244,14 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   }
   ram.items.push_back({"weights", reading + whole, 0, false,
                        whole ? what + fmt::format(", a tensor filled whole {}", bytes(whole)) : what});
+  // A fresh run loads only the weights into the cpu device's memory (a resume restores every
+  // kind): its other chunks and the activations are first written by the first step, after
+  // the loading buffers are gone.
+  if (!cuda && t.resume.empty()) {
+    const uint64_t device = ram.bytes_of("device");
+    const uint64_t loaded = std::min(device, plan.device.param + plan.device.master);
+    ram.load_overlap = std::min(reading + whole, device - loaded);
+  }
   // Several ranks: Gloo's connection to each other rank (its socket buffers and the pair's
   // state) and its loop thread (an estimate: ranks at worlds 2 to 4 on the cpu backend, 2 cores,
   // peaked 0.5 to 1.5 MiB above what the other items plan for a lone process).
@@ -267,6 +277,9 @@ std::string format_host_ram(const HostRamPlan& ram) {
     text += fmt::format("{} {} {}", first ? "" : ",", i.name, bytes(i.bytes));
     first = false;
   }
+  if (ram.load_overlap > 0)
+    text += fmt::format("; less {} of the weights' loading, done before the step writes the device's gradients, "
+                        "moments and activations", bytes(ram.load_overlap));
   return text;
 }
 

@@ -36,6 +36,10 @@ struct HostRamItem {
 
 struct HostRamPlan {
   std::vector<HostRamItem> items;
+  // Of the "weights" item, the bytes that only loading holds, in memory the run writes only
+  // after it (on the cpu backend: the device's gradients, moments and activations, which a fresh
+  // run leaves untouched until its first step). The items less these make the peak.
+  uint64_t load_overlap = 0;
   uint64_t peak() const;
   // The pinned part of the host tier (chunks and staging). On cuda it is page-locked when the
   // engine reserves it, so from then on resident and gone from the machine's available memory.

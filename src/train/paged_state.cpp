@@ -140,9 +140,15 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
     for (uint64_t n : StateStore::group_chunks(tensors, chunk, state, kind, sliced, home)) size.state_chunks += n;
     const std::vector<std::vector<StateStore::PartChunks>> parts =
         StateStore::part_chunks(tensors, chunk, state, kind, sliced, home);
+    const bool moment = kind == StateKind::kAdamM || kind == StateKind::kAdamV;
     for (size_t g = 0; g < parts.size(); ++g)
-      for (const StateStore::PartChunks& p : parts[g])
-        if (!home || home(static_cast<int>(g), kind, p.part) == Tier::kHost) size.host_home_chunks += p.chunks;
+      for (const StateStore::PartChunks& p : parts[g]) {
+        const int group = static_cast<int>(g);
+        const Tier at = home ? home(group, kind, p.part) : Tier::kHost;
+        if (at == Tier::kHost) size.host_home_chunks += p.chunks;
+        if (at == Tier::kDevice && !moment && home(group, StateKind::kAdamM, p.part) != Tier::kDevice)
+          size.host_update_chunks += p.chunks;
+      }
     for (const StateTensor& t : tensors) size.state_bytes += state.tensor_bytes(kind, t.shape(sliced));
   }
   if (options.offload_activations && options.activation_tokens > 0) {

@@ -126,6 +126,9 @@ struct HostTierSize {
   uint64_t chunk_bytes = 0;
   uint64_t state_chunks = 0;       // every chunk of every kind of state
   uint64_t host_home_chunks = 0;   // those homed in host memory (all of them without a placement)
+  // Those homed on the device that the optimizer reads or writes in host memory every step (the
+  // weights, master and gradients of a group whose Adam moments are not on the device).
+  uint64_t host_update_chunks = 0;
   uint64_t activation_chunks = 0;  // offloaded layer checkpoints (saved activations)
   uint64_t staging_chunks = 0;     // the free slot an nvme tier stages through
   uint64_t state_bytes = 0;        // the state's bytes in those chunks (the rest is padding)
