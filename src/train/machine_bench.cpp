@@ -382,6 +382,12 @@ Result<DiskTiming> time_disk(IoEngine& engine, const std::string& dir, uint64_t 
     if (f->fd() < 0)
       return Status::IOError("cannot open a file in " + dir + " with O_DIRECT: " + std::strerror(errno) +
                              "; the directory must be on a filesystem that supports O_DIRECT (not tmpfs)");
+  // Reserved on disk first, as the nvme tier reserves its files: the writes then time the
+  // transfers, not the filesystem allocating blocks.
+  for (const TempFile* f : {file.get(), second.get()})
+    if (::fallocate(f->fd(), 0, 0, static_cast<off_t>(size)) != 0 && errno != EOPNOTSUPP && errno != ENOSYS)
+      return Status::IOError("cannot reserve " + format_bytes(size) + " in " + dir + ": " + std::strerror(errno) +
+                             "; the nvme tier's disk needs room for its files");
   ASSIGN_OR_RETURN(int id, engine.register_file(file->fd(), base + ".tmp"));
   ASSIGN_OR_RETURN(int id2, engine.register_file(second->fd(), base + ".2.tmp"));
   auto sync = [&](const TempFile& f) -> Status {
