@@ -760,14 +760,15 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
     const double ds = static_cast<double>(d2h) / r.d2h_bytes_per_s + moves(d2h);
     return std::max({hs, ds, static_cast<double>(h2d + d2h) / r.both_bytes_per_s + moves(h2d + d2h) / 2});
   };
-  // The disk's reads and writes of a phase are in flight together: each direction at its own
-  // rate, the two at most at the rate of both at once (by default the mean: they take turns).
-  const double disk_both = r.disk_both_bytes_per_s > 0 ? r.disk_both_bytes_per_s
-                                                       : (r.disk_read_bytes_per_s + r.disk_write_bytes_per_s) / 2;
+  // The disk's reads and writes of a phase are in flight together: as many bytes each way as
+  // the other direction has go at the rate of both at once, the rest at its own direction's
+  // rate. Without a measured rate of both, the two take turns.
   auto disk_seconds = [&](const DiskMoves& d) {
-    return std::max({static_cast<double>(d.read) / r.disk_read_bytes_per_s,
-                     static_cast<double>(d.write) / r.disk_write_bytes_per_s,
-                     static_cast<double>(d.read + d.write) / disk_both});
+    const double rd = static_cast<double>(d.read), wr = static_cast<double>(d.write);
+    if (!(r.disk_both_bytes_per_s > 0)) return rd / r.disk_read_bytes_per_s + wr / r.disk_write_bytes_per_s;
+    const double both = std::min(rd, wr);
+    return 2 * both / r.disk_both_bytes_per_s + (rd - both) / r.disk_read_bytes_per_s +
+           (wr - both) / r.disk_write_bytes_per_s;
   };
   // The disk runs beside compute on every backend (the I/O engine's requests take no core), so
   // only what outlasts compute adds to a phase.
@@ -808,7 +809,9 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
   for (int64_t g = 0; g < s.groups; ++g)
     if (h.opt_dev[g]) device_adam_elements += s.updated(g == s.L ? in.edge_elements : in.layer_elements);
   p.cpu_adam_s = static_cast<double>(p.cpu_adam_elements) / r.cpu_adam_params_per_s;
-  p.disk_s = disk_seconds({p.disk_read_bytes, p.disk_write_bytes});
+  // The step's disk time: its phases', each its reads and writes together.
+  p.disk_s = static_cast<double>(accum) * (disk_seconds(tr.fwd_disk) + disk_seconds(tr.bwd_disk)) +
+             disk_seconds(tr.pass_disk) + disk_seconds(tr.opt_disk);
   const double opt_copies = copy_seconds(tr.opt_h2d, tr.opt_d2h);
   const double device_adam_s = static_cast<double>(device_adam_elements) / r.device_adam_params_per_s;
   ph.optimizer_s = device_adam_s + disk_seconds(tr.opt_disk) + std::max(p.cpu_adam_s, opt_copies) + (1 - ov) * std::min(p.cpu_adam_s, opt_copies);

@@ -58,7 +58,7 @@ struct MachineRates {
   double copy_overlap = 1.0;
   double disk_read_bytes_per_s = 1.7e9;
   double disk_write_bytes_per_s = 1.7e9;
-  // Reads and writes at once, the two together; 0: the mean of the two rates (they take turns).
+  // Reads and writes at once, the two together; 0: unknown (they take turns).
   double disk_both_bytes_per_s = 0;
   double cpu_adam_params_per_s = 3.66e9;      // SIMD AdamW on host memory, all cores
   double device_adam_params_per_s = 150e9;    // AdamW on the device tier (HBM / 28 B)

@@ -144,11 +144,10 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   const uint64_t staging = std::min(tier.reserved_bytes, (tier.activation_chunks + tier.staging_chunks) * chunk);
   // A pinned tier is resident whole. Otherwise only the slots written are: those of the state
   // homed there, those the optimizer updates there of state homed on the device (they stay as
-  // copies), and the few a pass over the state (loading, restoring) goes through, two
-  // consecutive slices of two kinds at a time (PagedState::fill_kind sends each home after it).
-  constexpr uint64_t kPassSlots = 4;
+  // copies), and the few a pass over the state (loading, restoring) goes through at a time
+  // (PagedState::fill_kind sends each slice home after it).
   const uint64_t reserved_chunks = tier.reserved_bytes - staging;
-  const uint64_t written = tier.host_home_chunks + tier.host_update_chunks + kPassSlots;
+  const uint64_t written = tier.host_home_chunks + tier.host_update_chunks + tier.pass_chunks;
   const uint64_t chunks = tier_pinned ? reserved_chunks : std::min(reserved_chunks, written * chunk);
   const uint64_t state_slots = tier.state_chunks + tier.activation_chunks;
   const uint64_t rounding = state_slots * chunk > tier.state_bytes ? state_slots * chunk - tier.state_bytes : 0;
@@ -158,7 +157,7 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
                            ? fmt::format("{} slots of {}: {} for the state homed here, {} the optimizer updates "
                                          "here, {} passing through",
                                          chunks / chunk, bytes(chunk), tier.host_home_chunks, tier.host_update_chunks,
-                                         kPassSlots)
+                                         tier.pass_chunks)
                            : fmt::format("{} slots of {} for the state, {} of it padding and slot rounding",
                                          chunks / chunk, bytes(chunk), bytes(std::min(rounding, chunks)))
 });
@@ -271,15 +270,17 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
 }
 
 std::string format_host_ram(const HostRamPlan& ram) {
-  std::string text = fmt::format("host RAM: peak {} (pinned {}):", bytes(ram.peak()), bytes(ram.pinned()));
+  // The items add up to the peak, less what loading holds in memory the step writes only later.
+  std::string text = fmt::format("host RAM: peak {} (pinned {}{}):", bytes(ram.peak()), bytes(ram.pinned()),
+                                 ram.load_overlap > 0 ? fmt::format("; less {} of weights loaded before the step "
+                                                                    "writes the device's other state",
+                                                                    bytes(ram.load_overlap))
+                                                      : std::string());
   bool first = true;
   for (const HostRamItem& i : ram.items) {
     text += fmt::format("{} {} {}", first ? "" : ",", i.name, bytes(i.bytes));
     first = false;
   }
-  if (ram.load_overlap > 0)
-    text += fmt::format("; less {} of the weights' loading, done before the step writes the device's gradients, "
-                        "moments and activations", bytes(ram.load_overlap));
   return text;
 }
 

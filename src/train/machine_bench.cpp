@@ -377,11 +377,15 @@ Result<DiskTiming> time_disk(IoEngine& engine, const std::string& dir, uint64_t 
   auto open_file = [](const std::string& path) {
     return std::make_unique<TempFile>(path, ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0600));
   };
-  std::unique_ptr<TempFile> file = open_file(base + ".tmp"), second = open_file(base + ".2.tmp");
-  for (const TempFile* f : {file.get(), second.get()})
-    if (f->fd() < 0)
-      return Status::IOError("cannot open a file in " + dir + " with O_DIRECT: " + std::strerror(errno) +
-                             "; the directory must be on a filesystem that supports O_DIRECT (not tmpfs)");
+  auto opened = [&](const std::unique_ptr<TempFile>& f, const std::string& path) -> Status {
+    if (f->fd() >= 0) return Status::OK();
+    return Status::IOError("cannot open " + path + " with O_DIRECT: " + std::strerror(errno) +
+                           "; the directory must be on a filesystem that supports O_DIRECT (not tmpfs)");
+  };
+  std::unique_ptr<TempFile> file = open_file(base + ".tmp");
+  RETURN_IF_ERROR(opened(file, base + ".tmp"));
+  std::unique_ptr<TempFile> second = open_file(base + ".2.tmp");
+  RETURN_IF_ERROR(opened(second, base + ".2.tmp"));
   // Reserved on disk first, as the nvme tier reserves its files: the writes then time the
   // transfers, not the filesystem allocating blocks.
   for (const TempFile* f : {file.get(), second.get()})
@@ -485,17 +489,19 @@ Result<MachineProfile> bench_machine(const MachineBenchOptions& o) {
     IoEngineOptions io;
     io.queue_depth = depth;
     io.threads = depth;
-    ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> engine, make_io_engine(io));
     std::vector<Buffer> owned;
     std::vector<char*> buffers;
     for (uint64_t i = 0; i < depth; ++i) {
       owned.push_back(aligned_buffer(chunk, static_cast<int>(i + 1)));
       if (!owned.back()) return Status::OutOfMemory("cannot allocate the disk benchmark's buffers");
       buffers.push_back(owned.back().get());
-      RETURN_IF_ERROR(engine->register_buffer(buffers.back(), chunk));
     }
     std::vector<double> w, rd, both;
     for (int i = 0; i < (o.quick ? 1 : 3); ++i) {
+      // An engine per round: it holds the files it registered until it goes, and each round's
+      // files take disk space until then.
+      ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> engine, make_io_engine(io));
+      for (char* b : buffers) RETURN_IF_ERROR(engine->register_buffer(b, chunk));
       ASSIGN_OR_RETURN(DiskTiming t, time_disk(*engine, o.disk_dir, size, chunk, buffers));
       w.push_back(t.write_s);
       rd.push_back(t.read_s);

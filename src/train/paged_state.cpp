@@ -141,7 +141,11 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
     const std::vector<std::vector<StateStore::PartChunks>> parts =
         StateStore::part_chunks(tensors, chunk, state, kind, sliced, home);
     const bool moment = kind == StateKind::kAdamM || kind == StateKind::kAdamV;
-    for (size_t g = 0; g < parts.size(); ++g)
+    for (size_t g = 0; g < parts.size(); ++g) {
+      uint64_t in_group = 0;
+      for (const StateStore::PartChunks& p : parts[g]) in_group += p.chunks;
+      if (kind == StateKind::kMaster && state.separate_master() && !sliced)
+        size.pass_chunks = std::max(size.pass_chunks, in_group + 2);
       for (const StateStore::PartChunks& p : parts[g]) {
         const int group = static_cast<int>(g);
         const Tier at = home ? home(group, kind, p.part) : Tier::kHost;
@@ -149,6 +153,7 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
         if (at == Tier::kDevice && !moment && home(group, StateKind::kAdamM, p.part) != Tier::kDevice)
           size.host_update_chunks += p.chunks;
       }
+    }
     for (const StateTensor& t : tensors) size.state_bytes += state.tensor_bytes(kind, t.shape(sliced));
   }
   if (options.offload_activations && options.activation_tokens > 0) {

@@ -129,6 +129,10 @@ struct HostTierSize {
   // Those homed on the device that the optimizer reads or writes in host memory every step (the
   // weights, master and gradients of a group whose Adam moments are not on the device).
   uint64_t host_update_chunks = 0;
+  // The most host slots a pass over the state (loading, restoring) holds at once: two
+  // consecutive slices of two kinds, or a group's whole master (kept until its compute copy is
+  // refreshed from it) and a slice of the copy.
+  uint64_t pass_chunks = 4;
   uint64_t activation_chunks = 0;  // offloaded layer checkpoints (saved activations)
   uint64_t staging_chunks = 0;     // the free slot an nvme tier stages through
   uint64_t state_bytes = 0;        // the state's bytes in those chunks (the rest is padding)

@@ -126,7 +126,9 @@ ConfigSchema build_schema() {
                  "the built-in H200 defaults"});
   s.add({.name = "hardware.gpu_tflops", .type = T::kFloat, .default_value = "781", .min = 1e-6,
          .help = "compute rate the backend's ops reach on the model's shapes, in 10^12 FLOP/s (GPU: dense bf16 "
-                 "GEMM; cpu backend: what its ops reach on a decoder layer)"});
+                 "GEMM; cpu backend: what its ops reach on a decoder layer). A cpu plan with "
+                 "hardware.cpu_tflops_by_width takes the rate at its width from that table instead (set it to [] "
+                 "to plan with this one)"});
   s.add({.name = "hardware.cpu_tflops_by_width", .type = T::kStringList, .default_value = "",
          .help = "the cpu backend's compute rate by model width, as WIDTH:TFLOPS pairs (e.g. [128:0.07, 2048:0.15]; "
                  "strata bench machine measures them): a cpu plan takes the rate at its model's hidden size, "
@@ -149,7 +151,7 @@ ConfigSchema build_schema() {
          .help = "nvme tier write bandwidth in GB/s"});
   s.add({.name = "hardware.disk_both_gbps", .type = T::kFloat, .default_value = "0", .min = 0,
          .help = "nvme tier reads and writes at once, the two together, in GB/s (a disk may serve both faster than "
-                 "either alone); 0: the mean of the read and write rates"});
+                 "either alone); 0: unknown, reads and writes take turns"});
   s.add({.name = "hardware.cpu_adam_gparams", .type = T::kFloat, .default_value = "3.66", .min = 1e-6,
          .help = "CPU AdamW rate (the SIMD kernel on all cores) in 10^9 parameters per second"});
   s.add({.name = "hardware.device_adam_gparams", .type = T::kFloat, .default_value = "150", .min = 1e-6,
