@@ -1,5 +1,5 @@
 # libFuzzer targets, one per input format (README.md). Built only with STRATA_FUZZ=ON, which
-# needs clang; every library is then compiled with coverage feedback for the fuzzer.
+# needs clang; the parsing layers (STRATA_FUZZ_LAYERS) are then compiled with coverage feedback.
 if(NOT STRATA_FUZZ)
   return()
 endif()
