@@ -298,6 +298,7 @@ Result<void*> ChunkSpace::acquire_locked(ChunkId id, Tier where, AccessMode mode
   }
   if (writes(mode)) {
     c.zero = false;
+    ++c.version;
     for (int t = 0; t < kNumTiers; ++t) {
       c.valid[t] = t == w;
       if (t != w) c.prefetched[t] = false;
@@ -486,7 +487,8 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
     if (to == Tier::kDevice && on_nvme_only) {
       if (!has_tier(Tier::kHost)) continue;
       if (c.slot[kHost] < 0) {
-        if (tier(Tier::kHost).free_count() == 0 && !pick_victim(Tier::kHost, due)) continue;
+        ASSIGN_OR_RETURN(const bool ready, host_slot_ready(due));
+        if (!ready) continue;
         RETURN_IF_ERROR(take_slot(Tier::kHost, id, due).status());
       }
       RETURN_IF_ERROR(fill(id, Tier::kHost, MoveOrigin::kPrefetch));
@@ -497,9 +499,30 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
       if (f && !f->waited && !io_->done(f->ticket)) continue;  // its read is still running
     }
     if (c.slot[w] < 0) {
-      if (tier(to).free_count() == 0 && !pick_victim(to, due)) {
-        full[w] = true;  // later entries are due even later: none of them gets a slot either
-        continue;
+      if (to == Tier::kHost) {
+        ASSIGN_OR_RETURN(const bool ready, host_slot_ready(due));
+        if (!ready) {
+          full[w] = true;  // later entries would wait for the same eviction
+          continue;
+        }
+      } else if (tier(to).free_count() == 0) {
+        const std::optional<ChunkId> victim = pick_victim(to, due);
+        if (!victim) {
+          full[w] = true;  // later entries are due even later: none of them gets a slot either
+          continue;
+        }
+        // Evicting the victim from the device copies it to a host slot first, which may have
+        // to be written back to make room.
+        const ChunkState& v = chunks_[*victim];
+        bool only_copy = v.valid[w] && !v.zero;
+        for (int o = 0; o < kNumTiers; ++o) only_copy = only_copy && (o == w || !v.valid[o]);
+        if (only_copy && v.home != Tier::kDevice && v.slot[kHost] < 0 && has_tier(Tier::kNvme)) {
+          ASSIGN_OR_RETURN(const bool ready, host_slot_ready(std::nullopt));
+          if (!ready) {
+            full[w] = true;
+            continue;
+          }
+        }
       }
       RETURN_IF_ERROR(take_slot(to, id, due).status());
     }

@@ -13,8 +13,12 @@
 // host -> device also goes through a host slot for nvme-homed chunks; host <-> nvme goes through
 // the IoEngine. Every slot carries a fence (an Event and/or an I/O ticket) for the last move
 // that touched it: a move using the slot is ordered after it (Stream::wait, no blocking) and an
-// acquire waits for it before handing out the pointer. Write-backs to nvme are completed before
-// their host slot is reused, so an I/O error there reaches the caller that caused the eviction.
+// acquire waits for it before handing out the pointer. A write-back to nvme is complete before
+// its host copy is dropped, so an I/O error there reaches the caller that caused the eviction
+// and the bytes stay in host memory. prefetch() starts the write-back of the copy it would evict
+// and leaves the eviction to its next call (write-behind), which finds the write done or waits
+// only for what is left. The nvme copy counts as valid from the write's completion, and only if the chunk
+// was not written again meanwhile.
 // A failed read reaches the caller of acquire() as a Status; the copy it was filling stays
 // stale, never a silent zero page.
 //
@@ -184,10 +188,11 @@ class ChunkSpace {
   // Marks entry `position` of the schedule as the current one (call before its acquire).
   void advance(size_t position);
   // Starts moving the chunks of the next `lookahead` schedule entries that can be prefetched
-  // (from the current one) into `to` (or each entry's tier from set_schedule): into free slots, or into slots of
-  // copies not needed before them. Never blocks
-  // on moves in flight, so an nvme-homed chunk may only reach host by this call and device by
-  // a later one. Errors: write-backs forced by its evictions.
+  // (from the current one) into `to` (or each entry's tier from set_schedule): into free
+  // slots, or into slots of copies not needed before them. An nvme-homed chunk reaches host by
+  // this call and device by a later one: prefetch does not wait for a disk read. Where a host
+  // slot needs its copy written back to nvme first, it starts that write and leaves the entry to
+  // the next call, which waits only for what is left of the write. Errors: failed write-backs.
   Status prefetch(size_t lookahead, Tier to = Tier::kDevice);
 
   // Blocks until every move issued so far has completed. Returns the first I/O error seen.
@@ -205,8 +210,9 @@ class ChunkSpace {
     bool waited = false;
     Status status;
     bool read = false;
-    ChunkId chunk = 0;       // reads: the chunk whose host copy the read fills
-    uint32_t host_slot = 0;  // reads: the slot it fills
+    ChunkId chunk = 0;       // the chunk whose host copy the read fills or the write saves
+    uint32_t host_slot = 0;  // the host slot it fills or saves
+    uint64_t version = 0;    // writes: ChunkState::version of the bytes written
   };
 
   // The last move that touched a slot.
@@ -224,6 +230,7 @@ class ChunkSpace {
     Tier pinned_in = Tier::kDevice;
     bool zero = true;  // never written: reads as zeros, nothing to write back
     uint64_t last_use = 0;
+    uint64_t version = 0;  // counts acquires for writing: a write-back saves one version
     ChunkKind kind = ChunkKind::kParam;
   };
 
@@ -250,6 +257,17 @@ class ChunkSpace {
   Status copy_down(ChunkId id, MoveOrigin origin);  // device -> host, on down_
   Status read_up(ChunkId id, MoveOrigin origin);    // nvme -> host, asynchronous
   Status write_down(ChunkId id);                    // host -> nvme, complete on return
+  Status start_write_down(ChunkId id);              // host -> nvme, asynchronous
+  // Whether dropping the chunk's host copy needs a write-back first (its only valid copy,
+  // homed on nvme).
+  bool needs_write_down(ChunkId id) const;
+  // The write-back of the chunk's current host copy, when one is in flight or done but not yet
+  // waited on; else null.
+  IoFence* pending_write(ChunkId id);
+  // For prefetch(): whether to take a host slot now. When the eviction it needs would write a
+  // copy back, starts that write-back and says no; the next call says yes, and the eviction
+  // waits for what is left of the write.
+  Result<bool> host_slot_ready(std::optional<uint64_t> due);
   void count_move(ChunkId id, Tier to, uint64_t ChunkSpaceStats::*field, MoveOrigin origin);
   // Fences. wait_io/wait_slot block; order_on blocks only for I/O. They return the status of
   // an I/O the slot was waiting for (a failed read has already marked its copy stale).

@@ -225,15 +225,16 @@ Status ChunkSpace::read_up(ChunkId id, MoveOrigin origin) {
   return Status::OK();
 }
 
-Status ChunkSpace::write_down(ChunkId id) {
+Status ChunkSpace::start_write_down(ChunkId id) {
   ChunkState& c = chunks_[id];
   const uint32_t h = static_cast<uint32_t>(c.slot[kHost]);
   const uint32_t n = static_cast<uint32_t>(c.slot[kNvme]);
+  // The engine is not ordered with the copy streams: the copy filling the host slot (an
+  // eviction from the device) and the last I/O of the nvme slot finish first.
   (void)wait_slot(Tier::kHost, h);
   (void)wait_slot(Tier::kNvme, n);
   CHECK(c.valid[kHost]);  // the only valid copy never comes from a read
-  const TierSlots& nvme = tier(Tier::kNvme);
-  const FileSpan span = nvme.file_span(n);
+  const FileSpan span = tier(Tier::kNvme).file_span(n);
   IoRequest request;
   request.op = IoOp::kWrite;
   request.file = span.file;
@@ -241,22 +242,69 @@ Status ChunkSpace::write_down(ChunkId id) {
   request.length = layout_.chunk_bytes();
   request.offset = span.offset;
   request.trace_name = "nvme write";
-  const auto start = std::chrono::steady_clock::now();
-  trace::Span stall("stall", "nvme write-back");
   Result<IoTicket> ticket = io_->submit(request);
-  Status st = ticket.ok() ? io_->wait(*ticket) : ticket.status();
-  blocked_ns_ += elapsed_ns(start);
-  stall.end();
+  if (!ticket.ok()) {
+    return ticket.status().with_context("writing chunk " + std::to_string(id) + " back to the nvme tier in '" +
+                                        tier(Tier::kNvme).dir() + "'");
+  }
+  auto f = std::make_shared<IoFence>();
+  f->ticket = *ticket;
+  f->chunk = id;
+  f->host_slot = h;
+  f->version = c.version;
+  // An acquire of the host copy, a later user of the host slot and a read of the nvme slot all
+  // wait for the write through these fences.
+  fence(Tier::kHost, h).io = f;
+  fence(Tier::kNvme, n).io = f;
+  count_move(id, Tier::kNvme, &ChunkSpaceStats::host_to_nvme_bytes, MoveOrigin::kWriteBack);
+  return Status::OK();
+}
+
+Status ChunkSpace::write_down(ChunkId id) {
+  ChunkState& c = chunks_[id];
+  if (pending_write(id) == nullptr) RETURN_IF_ERROR(start_write_down(id));
+  // Keep the fence: wait_slot() would drop it, and a failed write's status belongs to this caller.
+  const std::shared_ptr<IoFence> f = fence(Tier::kHost, c.slot[kHost]).io;
+  CHECK(f != nullptr);
+  Status st = wait_io(*f);
   if (!st.ok()) {
     // The host copy stays valid and dirty: nothing is lost, and the caller sees why.
+    const TierSlots& nvme = tier(Tier::kNvme);
     return st.with_context("writing chunk " + std::to_string(id) + " (" +
                            format_bytes(layout_.chunk_bytes()) + ") back to the nvme tier in '" +
                            nvme.dir() + "', which needs " + format_bytes(nvme.budget()) +
                            " there");
   }
-  c.valid[kNvme] = true;
-  count_move(id, Tier::kNvme, &ChunkSpaceStats::host_to_nvme_bytes, MoveOrigin::kWriteBack);
+  CHECK(c.valid[kNvme]);
   return Status::OK();
+}
+
+bool ChunkSpace::needs_write_down(ChunkId id) const {
+  const ChunkState& c = chunks_[id];
+  return c.home == Tier::kNvme && c.slot[kHost] >= 0 && c.valid[kHost] && !c.zero && !c.valid[kDevice] &&
+         !c.valid[kNvme];
+}
+
+ChunkSpace::IoFence* ChunkSpace::pending_write(ChunkId id) {
+  const ChunkState& c = chunks_[id];
+  if (c.slot[kHost] < 0) return nullptr;
+  IoFence* f = fence(Tier::kHost, c.slot[kHost]).io.get();
+  if (f == nullptr || f->read || f->chunk != id || f->version != c.version) return nullptr;
+  if (f->waited && !f->status.ok()) return nullptr;  // failed: an eviction writes it again
+  return f;
+}
+
+Result<bool> ChunkSpace::host_slot_ready(std::optional<uint64_t> due) {
+  if (tier(Tier::kHost).free_count() > 0) return true;
+  const std::optional<ChunkId> victim = pick_victim(Tier::kHost, due);
+  if (!victim) return false;
+  if (!has_tier(Tier::kNvme) || !needs_write_down(*victim)) return true;
+  // Started by an earlier call: the eviction waits for what is left of it. The answer never
+  // depends on how far the disk has got, so the planner's replay, whose I/O completes at once,
+  // makes the same moves as the engine.
+  if (pending_write(*victim) != nullptr) return true;
+  RETURN_IF_ERROR(start_write_down(*victim));
+  return false;
 }
 
 void ChunkSpace::count_move(ChunkId id, Tier to, uint64_t ChunkSpaceStats::*field,
@@ -280,13 +328,21 @@ ChunkSpace::SlotFence& ChunkSpace::fence(Tier t, int64_t slot) {
 
 Status ChunkSpace::wait_io(IoFence& f) {
   if (f.waited) return f.status;
-  const auto start = std::chrono::steady_clock::now();
-  {
-    trace::Span stall("stall", "wait for nvme read");
+  if (io_->done(f.ticket)) {
     f.status = io_->wait(f.ticket);
+  } else {
+    const auto start = std::chrono::steady_clock::now();
+    trace::Span stall("stall", f.read ? "wait for nvme read" : "nvme write-back");
+    f.status = io_->wait(f.ticket);
+    stall.end();
+    blocked_ns_ += elapsed_ns(start);
   }
-  blocked_ns_ += elapsed_ns(start);
   f.waited = true;
+  if (f.status.ok() && !f.read && f.chunk < chunks_.size()) {
+    // The nvme copy holds the chunk's latest bytes unless it was written again since.
+    ChunkState& c = chunks_[f.chunk];
+    if (c.version == f.version) c.valid[kNvme] = true;
+  }
   if (!f.status.ok() && f.read && f.chunk < chunks_.size()) {
     // The host copy the read was filling holds garbage: mark it stale, once, here.
     ChunkState& c = chunks_[f.chunk];

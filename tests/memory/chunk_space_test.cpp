@@ -7,10 +7,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -404,6 +407,150 @@ TEST(ChunkSpaceTest, NoSpaceOnWriteBackNamesTheDirectoryAndKeepsTheData) {
   void* p = space->acquire_chunk(2, Tier::kHost, AccessMode::kRead).value();
   EXPECT_EQ(fnv1a(p, kChunk), sums[2]);
   space->release_chunk(2);
+}
+
+// Holds every write transfer until released (or 20 s pass, which the test reports as a failure:
+// the caller waited for a write it should have left running).
+class WriteGate final : public TransferHook {
+ public:
+  TransferDecision before_transfer(const IoRequest& request, uint64_t done, uint64_t want) override {
+    if (request.op == IoOp::kWrite) {
+      std::unique_lock<std::mutex> lock(mu_);
+      ++held_;
+      if (!cv_.wait_for(lock, std::chrono::seconds(20), [&] { return open_; })) timed_out_ = true;
+    }
+    return TransferDecision{want, 0};
+  }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  bool timed_out() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return timed_out_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+  bool timed_out_ = false;
+  int held_ = 0;
+};
+
+// Two dirty nvme-homed chunks fill the host tier; a prefetch that needs a slot there starts the
+// Belady victim's write-back and returns without waiting for the disk, leaving the entry to a
+// later call. The write-back then makes the eviction free, and the bytes come back intact.
+TEST(ChunkSpaceTest, PrefetchStartsTheWriteBackOfItsVictimWithoutWaitingForIt) {
+  TempDir dir;
+  auto device = make_device();
+  auto io = make_threads_engine();
+  WriteGate gate;
+  ASSERT_TRUE(io->set_transfer_hook(&gate));
+  auto space = ChunkSpace::create(*device, io.get(), small_options(dir, 1, 2, 8)).value();
+  std::mt19937_64 rng(21);
+  std::vector<uint64_t> sums;
+  std::vector<ChunkId> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(space->add_chunk(ChunkKind::kAdamM).value());
+  for (int i = 0; i < 2; ++i) {
+    void* p = space->acquire_chunk(ids[i], Tier::kHost, AccessMode::kWrite).value();
+    fill_random(p, kChunk, rng);
+    sums.push_back(fnv1a(p, kChunk));
+    space->release_chunk(ids[i]);
+  }
+  ASSERT_EQ(space->home(ids[0]), Tier::kNvme);
+  // Next: chunk 2, then 0, then 1 (the schedule repeats): chunk 1 is the victim.
+  space->set_schedule({ids[0], ids[1], ids[2]}, {Tier::kHost, Tier::kHost, Tier::kHost});
+  space->advance(2);
+  ASSERT_TRUE(space->prefetch(1, Tier::kHost).ok());
+  EXPECT_EQ(space->stats().host_to_nvme_bytes, kChunk);  // the write-back started...
+  EXPECT_FALSE(space->is_resident(ids[2], Tier::kHost));  // ...and the entry waits for it
+  EXPECT_TRUE(space->is_resident(ids[1], Tier::kHost));
+  EXPECT_FALSE(space->is_resident(ids[1], Tier::kNvme));  // not valid there until it completes
+  gate.open();
+  ASSERT_TRUE(space->synchronize().ok());
+  EXPECT_FALSE(gate.timed_out()) << "prefetch waited for the write-back";
+  EXPECT_TRUE(space->is_resident(ids[1], Tier::kNvme));
+  ASSERT_TRUE(space->prefetch(1, Tier::kHost).ok());
+  EXPECT_TRUE(space->is_resident(ids[2], Tier::kHost));
+  EXPECT_FALSE(space->is_resident(ids[1], Tier::kHost));
+  EXPECT_EQ(space->stats().host_to_nvme_bytes, kChunk);  // the eviction wrote nothing more
+  for (int i = 0; i < 2; ++i) {
+    void* p = space->acquire_chunk(ids[i], Tier::kHost, AccessMode::kRead).value();
+    EXPECT_EQ(fnv1a(p, kChunk), sums[i]) << "chunk " << i;
+    space->release_chunk(ids[i]);
+  }
+}
+
+// A chunk written again while its write-back runs: the write-back's completion does not make the
+// nvme copy valid, so the next eviction writes the new bytes.
+TEST(ChunkSpaceTest, AWriteBackOfAnOlderVersionNeverStandsForTheNewOne) {
+  TempDir dir;
+  auto device = make_device();
+  auto io = make_threads_engine();
+  auto space = ChunkSpace::create(*device, io.get(), small_options(dir, 1, 2, 8)).value();
+  std::mt19937_64 rng(22);
+  std::vector<ChunkId> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(space->add_chunk(ChunkKind::kAdamM).value());
+  for (int i = 0; i < 2; ++i) {
+    void* p = space->acquire_chunk(ids[i], Tier::kHost, AccessMode::kWrite).value();
+    fill_random(p, kChunk, rng);
+    space->release_chunk(ids[i]);
+  }
+  space->set_schedule({ids[0], ids[1], ids[2]}, {Tier::kHost, Tier::kHost, Tier::kHost});
+  space->advance(2);
+  ASSERT_TRUE(space->prefetch(1, Tier::kHost).ok());  // starts chunk 1's write-back
+  // Written again in the device tier: the host copy and the write-back become stale.
+  void* d = space->acquire_chunk(ids[1], Tier::kDevice, AccessMode::kReadWrite).value();
+  fill_random(d, kChunk, rng);
+  const uint64_t sum = fnv1a(d, kChunk);
+  space->release_chunk(ids[1]);
+  ASSERT_TRUE(space->synchronize().ok());
+  EXPECT_FALSE(space->is_resident(ids[1], Tier::kNvme));
+  EXPECT_FALSE(space->is_resident(ids[1], Tier::kHost));
+  // Through the disk and back: the device copy goes down to host, then nvme, then returns.
+  void* p = space->acquire_chunk(ids[0], Tier::kDevice, AccessMode::kRead).value();  // evicts 1
+  space->release_chunk(ids[0]);
+  ASSERT_TRUE(space->evict(ids[1], Tier::kHost).ok());
+  ASSERT_TRUE(space->is_resident(ids[1], Tier::kNvme));
+  p = space->acquire_chunk(ids[1], Tier::kHost, AccessMode::kRead).value();
+  EXPECT_EQ(fnv1a(p, kChunk), sum);
+  space->release_chunk(ids[1]);
+}
+
+// A write-back prefetch started fails: the eviction that needs the slot reports it, naming the
+// directory, and the host copy keeps the bytes.
+TEST(ChunkSpaceTest, AFailedWriteBehindReachesTheEvictionAndKeepsTheData) {
+  TempDir dir;
+  auto device = make_device();
+  FaultOptions faults;
+  faults.eio_write.every = 1;
+  auto io = FaultyIoEngine::create(make_threads_engine(), faults).value();
+  auto space = ChunkSpace::create(*device, io.get(), small_options(dir, 1, 2, 8)).value();
+  std::mt19937_64 rng(23);
+  std::vector<uint64_t> sums;
+  std::vector<ChunkId> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(space->add_chunk(ChunkKind::kAdamM).value());
+  for (int i = 0; i < 2; ++i) {
+    void* p = space->acquire_chunk(ids[i], Tier::kHost, AccessMode::kWrite).value();
+    fill_random(p, kChunk, rng);
+    sums.push_back(fnv1a(p, kChunk));
+    space->release_chunk(ids[i]);
+  }
+  space->set_schedule({ids[0], ids[1], ids[2]}, {Tier::kHost, Tier::kHost, Tier::kHost});
+  space->advance(2);
+  ASSERT_TRUE(space->prefetch(1, Tier::kHost).ok());  // submitted; fails on the disk later
+  Result<void*> r = space->acquire_chunk(ids[2], Tier::kHost, AccessMode::kWrite);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kIOError);
+  EXPECT_NE(r.status().message().find("'" + dir.path() + "'"), std::string::npos) << r.status().message();
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(space->is_resident(ids[i], Tier::kHost));
+    void* p = space->acquire_chunk(ids[i], Tier::kHost, AccessMode::kRead).value();
+    EXPECT_EQ(fnv1a(p, kChunk), sums[i]) << "chunk " << i;
+    space->release_chunk(ids[i]);
+  }
 }
 
 TEST(ChunkSpaceTest, NvmeTierWithoutRoomOnDiskNamesTheDirectoryAndBytes) {
