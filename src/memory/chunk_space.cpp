@@ -287,8 +287,8 @@ Result<void*> ChunkSpace::acquire_locked(ChunkId id, Tier where, AccessMode mode
   if (!c.valid[w] && load) RETURN_IF_ERROR(fill(id, where, MoveOrigin::kDemand));
   const uint32_t slot = static_cast<uint32_t>(c.slot[w]);
   Status st = skip_acquire_wait_ ? Status::OK()
-              : consumer != nullptr ? order_on(where, slot, *consumer)
-                                    : wait_slot(where, slot);
+              : consumer != nullptr ? order_on(where, slot, *consumer, mode == AccessMode::kRead)
+                                    : wait_slot(where, slot, mode == AccessMode::kRead);
   stats_.tiers[w].stall_ns += blocked_ns_ - blocked_before;
   if (load && !c.valid[w]) {
     // The read that was filling this copy failed.

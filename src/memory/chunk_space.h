@@ -270,11 +270,12 @@ class ChunkSpace {
   Result<bool> host_slot_ready(std::optional<uint64_t> due);
   void count_move(ChunkId id, Tier to, uint64_t ChunkSpaceStats::*field, MoveOrigin origin);
   // Fences. wait_io/wait_slot block; order_on blocks only for I/O. They return the status of
-  // an I/O the slot was waiting for (a failed read has already marked its copy stale).
+  // an I/O the slot was waiting for (a failed read has already marked its copy stale). A
+  // `reader` of the slot does not wait for a write-back from it, which only reads it too.
   SlotFence& fence(Tier tier, int64_t slot);
   Status wait_io(IoFence& f);
-  Status wait_slot(Tier tier, uint32_t slot);
-  Status order_on(Tier tier, uint32_t slot, Stream& stream);
+  Status wait_slot(Tier tier, uint32_t slot, bool reader = false);
+  Status order_on(Tier tier, uint32_t slot, Stream& stream, bool reader = false);
   void record_on(Tier tier, uint32_t slot, Stream& stream);
   uint64_t next_use(ChunkId id) const;  // schedule entries until the chunk's next use
   // Locks mu_ for the calls compute makes; with tracing on, the time spent waiting for

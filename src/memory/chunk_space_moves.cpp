@@ -163,7 +163,8 @@ Status ChunkSpace::copy_up(ChunkId id, MoveOrigin origin) {
   ChunkState& c = chunks_[id];
   const uint32_t h = static_cast<uint32_t>(c.slot[kHost]);
   const uint32_t d = static_cast<uint32_t>(c.slot[kDevice]);
-  Status st = order_on(Tier::kHost, h, *up_);
+  // A write-back of the host copy may still run: the copy only reads the slot too.
+  Status st = order_on(Tier::kHost, h, *up_, /*reader=*/true);
   if (!c.valid[kHost]) {
     return st.ok() ? Status::Internal("chunk " + std::to_string(id) + " lost its host copy")
                    : st.with_context("reading chunk " + std::to_string(id) + " from the nvme tier");
@@ -354,7 +355,7 @@ Status ChunkSpace::wait_io(IoFence& f) {
   return f.status;
 }
 
-Status ChunkSpace::wait_slot(Tier t, uint32_t slot) {
+Status ChunkSpace::wait_slot(Tier t, uint32_t slot, bool reader) {
   SlotFence& f = fence(t, slot);
   if (f.event && !f.event->query()) {
     const auto start = std::chrono::steady_clock::now();
@@ -364,17 +365,17 @@ Status ChunkSpace::wait_slot(Tier t, uint32_t slot) {
     blocked_ns_ += elapsed_ns(start);
   }
   Status st = Status::OK();
-  if (f.io) {
+  if (f.io && !(reader && !f.io->read)) {
     st = wait_io(*f.io);
     f.io.reset();
   }
   return st;
 }
 
-Status ChunkSpace::order_on(Tier t, uint32_t slot, Stream& stream) {
+Status ChunkSpace::order_on(Tier t, uint32_t slot, Stream& stream, bool reader) {
   SlotFence& f = fence(t, slot);
   Status st = Status::OK();
-  if (f.io) {
+  if (f.io && !(reader && !f.io->read)) {
     st = wait_io(*f.io);
     f.io.reset();
   }
