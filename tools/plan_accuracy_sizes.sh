@@ -7,11 +7,12 @@
 # the process's peak RSS (VmHWM, metrics.jsonl's rss_peak_bytes). The 15% step-time target of the planner is checked here, not in the test
 # suite: times depend on the CPU, its load and OpenBLAS's kernels. Run it on a quiet machine.
 #
-#   tools/plan_accuracy_sizes.sh [BUILD_DIR] [WORK_DIR] [SIZES]
+#   tools/plan_accuracy_sizes.sh [BUILD_DIR] [WORK_DIR] [SIZES] [BUDGETS]
 #
 # BUILD_DIR defaults to build, WORK_DIR to a fresh temporary directory (removed after), SIZES to
 # "50m moe 1b" (any of them): 58M dense, 364M MoE (8 experts, 2 per token) and 983M dense
-# parameters. About 15 minutes on 2 cores; the 1B runs need 19 GiB of memory and 24 GiB of disk. Exit status: 1 when a step time is off by more than 15% or a byte count by
+# parameters; BUDGETS to "roomy host nvme". A WORK_DIR that already holds machine.yaml from an
+# earlier run keeps it, so two builds can be compared at the same rates. About 15 minutes on 2 cores; the 1B runs need 19 GiB of memory and 24 GiB of disk. Exit status: 1 when a step time is off by more than 15% or a byte count by
 # more than 5%, else 0.
 set -euo pipefail
 
@@ -30,8 +31,9 @@ sizes="${3:-50m moe 1b}"
 
 echo "# strata plan_accuracy_sizes, $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo "# $(nproc) cores, $(awk '/MemTotal/ {printf "%.1f GiB", $2 / 1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
+budgets="${4:-roomy host nvme}"
 hardware="$work/machine.yaml"
-"$strata" bench machine --dir "$work" --out "$hardware" >"$work/machine.txt"
+[[ -f "$hardware" ]] || "$strata" bench machine --dir "$work" --out "$hardware" >"$work/machine.txt"
 sed -n '/^rate/,/^$/p' "$work/machine.txt" | sed 's/^/# /'
 
 # name | model.set | tokens (micro_batch seq_len) | budgets: roomy | host | nvme
@@ -69,7 +71,7 @@ status=0
 printf '%-10s %-6s %10s %10s %6s %12s %12s %6s %12s %12s %6s %10s %10s %6s\n' model budget "step plan" measured ratio \
   "h2d plan" measured ratio "disk plan" measured ratio "host peak" rss ratio
 for size in $sizes; do
-  for budget in roomy host nvme; do
+  for budget in $budgets; do
     dir="$work/$size-$budget"
     rm -rf "$dir"
     nvme="memory.nvme.path= memory.nvme.size=0"

@@ -382,7 +382,7 @@ Status ChunkSpace::read_tensor(TensorId id, uint64_t offset, uint64_t length, vo
   // it failed, which marks the copy stale; then the next copy is tried.
   if (c.valid[kHost]) {
     const uint32_t h = static_cast<uint32_t>(c.slot[kHost]);
-    (void)wait_slot(Tier::kHost, h);
+    (void)wait_slot(Tier::kHost, h, /*reader=*/true);
     if (c.valid[kHost]) {
       std::memcpy(dst, static_cast<const char*>(tier(Tier::kHost).data(h)) + at, length);
       return Status::OK();
@@ -496,7 +496,7 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
     }
     if (to == Tier::kDevice && !c.zero && !c.valid[kDevice] && c.slot[kHost] >= 0) {
       const std::shared_ptr<IoFence>& f = fence(Tier::kHost, c.slot[kHost]).io;
-      if (f && !f->waited && !io_->done(f->ticket)) continue;  // its read is still running
+      if (f && f->read && !f->waited && !io_->done(f->ticket)) continue;  // its read is still running
     }
     if (c.slot[w] < 0) {
       if (to == Tier::kHost) {

@@ -235,6 +235,8 @@ Status ChunkSpace::start_write_down(ChunkId id) {
   (void)wait_slot(Tier::kHost, h);
   (void)wait_slot(Tier::kNvme, n);
   CHECK(c.valid[kHost]);  // the only valid copy never comes from a read
+  // Those waits may have completed an earlier write-back of these very bytes.
+  if (c.valid[kNvme]) return Status::OK();
   const FileSpan span = tier(Tier::kNvme).file_span(n);
   IoRequest request;
   request.op = IoOp::kWrite;
@@ -263,7 +265,10 @@ Status ChunkSpace::start_write_down(ChunkId id) {
 
 Status ChunkSpace::write_down(ChunkId id) {
   ChunkState& c = chunks_[id];
-  if (pending_write(id) == nullptr) RETURN_IF_ERROR(start_write_down(id));
+  if (pending_write(id) == nullptr) {
+    RETURN_IF_ERROR(start_write_down(id));
+    if (c.valid[kNvme]) return Status::OK();
+  }
   // Keep the fence: wait_slot() would drop it, and a failed write's status belongs to this caller.
   const std::shared_ptr<IoFence> f = fence(Tier::kHost, c.slot[kHost]).io;
   CHECK(f != nullptr);

@@ -426,6 +426,10 @@ class WriteGate final : public TransferHook {
     open_ = true;
     cv_.notify_all();
   }
+  void close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = false;
+  }
   bool timed_out() {
     std::lock_guard<std::mutex> lock(mu_);
     return timed_out_;
