@@ -443,6 +443,24 @@ class WriteGate final : public TransferHook {
   int held_ = 0;
 };
 
+// Three nvme-homed chunks, the first two written in host memory (filling it), on a schedule of
+// host acquisitions positioned before the third: a prefetch of it must evict chunk 1, the one
+// used last. Returns the checksums of chunks 0 and 1.
+std::vector<uint64_t> two_dirty_in_host_then_a_third(ChunkSpace& space, std::vector<ChunkId>& ids, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint64_t> sums;
+  for (int i = 0; i < 3; ++i) ids.push_back(space.add_chunk(ChunkKind::kAdamM).value());
+  for (int i = 0; i < 2; ++i) {
+    void* p = space.acquire_chunk(ids[i], Tier::kHost, AccessMode::kWrite).value();
+    fill_random(p, kChunk, rng);
+    sums.push_back(fnv1a(p, kChunk));
+    space.release_chunk(ids[i]);
+  }
+  space.set_schedule({ids[0], ids[1], ids[2]}, {Tier::kHost, Tier::kHost, Tier::kHost});
+  space.advance(2);
+  return sums;
+}
+
 // Two dirty nvme-homed chunks fill the host tier; a prefetch that needs a slot there starts the
 // Belady victim's write-back and returns without waiting for the disk, leaving the entry to a
 // later call. The write-back then makes the eviction free, and the bytes come back intact.
@@ -453,20 +471,9 @@ TEST(ChunkSpaceTest, PrefetchStartsTheWriteBackOfItsVictimWithoutWaitingForIt) {
   WriteGate gate;
   ASSERT_TRUE(io->set_transfer_hook(&gate));
   auto space = ChunkSpace::create(*device, io.get(), small_options(dir, 1, 2, 8)).value();
-  std::mt19937_64 rng(21);
-  std::vector<uint64_t> sums;
   std::vector<ChunkId> ids;
-  for (int i = 0; i < 3; ++i) ids.push_back(space->add_chunk(ChunkKind::kAdamM).value());
-  for (int i = 0; i < 2; ++i) {
-    void* p = space->acquire_chunk(ids[i], Tier::kHost, AccessMode::kWrite).value();
-    fill_random(p, kChunk, rng);
-    sums.push_back(fnv1a(p, kChunk));
-    space->release_chunk(ids[i]);
-  }
+  const std::vector<uint64_t> sums = two_dirty_in_host_then_a_third(*space, ids, 21);
   ASSERT_EQ(space->home(ids[0]), Tier::kNvme);
-  // Next: chunk 2, then 0, then 1 (the schedule repeats): chunk 1 is the victim.
-  space->set_schedule({ids[0], ids[1], ids[2]}, {Tier::kHost, Tier::kHost, Tier::kHost});
-  space->advance(2);
   ASSERT_TRUE(space->prefetch(1, Tier::kHost).ok());
   EXPECT_EQ(space->stats().host_to_nvme_bytes, kChunk);  // the write-back started...
   EXPECT_FALSE(space->is_resident(ids[2], Tier::kHost));  // ...and the entry waits for it
@@ -494,16 +501,9 @@ TEST(ChunkSpaceTest, AWriteBackOfAnOlderVersionNeverStandsForTheNewOne) {
   auto device = make_device();
   auto io = make_threads_engine();
   auto space = ChunkSpace::create(*device, io.get(), small_options(dir, 1, 2, 8)).value();
-  std::mt19937_64 rng(22);
   std::vector<ChunkId> ids;
-  for (int i = 0; i < 3; ++i) ids.push_back(space->add_chunk(ChunkKind::kAdamM).value());
-  for (int i = 0; i < 2; ++i) {
-    void* p = space->acquire_chunk(ids[i], Tier::kHost, AccessMode::kWrite).value();
-    fill_random(p, kChunk, rng);
-    space->release_chunk(ids[i]);
-  }
-  space->set_schedule({ids[0], ids[1], ids[2]}, {Tier::kHost, Tier::kHost, Tier::kHost});
-  space->advance(2);
+  two_dirty_in_host_then_a_third(*space, ids, 22);
+  std::mt19937_64 rng(122);
   ASSERT_TRUE(space->prefetch(1, Tier::kHost).ok());  // starts chunk 1's write-back
   // Written again in the device tier: the host copy and the write-back become stale.
   void* d = space->acquire_chunk(ids[1], Tier::kDevice, AccessMode::kReadWrite).value();
@@ -532,18 +532,8 @@ TEST(ChunkSpaceTest, AFailedWriteBehindReachesTheEvictionAndKeepsTheData) {
   faults.eio_write.every = 1;
   auto io = FaultyIoEngine::create(make_threads_engine(), faults).value();
   auto space = ChunkSpace::create(*device, io.get(), small_options(dir, 1, 2, 8)).value();
-  std::mt19937_64 rng(23);
-  std::vector<uint64_t> sums;
   std::vector<ChunkId> ids;
-  for (int i = 0; i < 3; ++i) ids.push_back(space->add_chunk(ChunkKind::kAdamM).value());
-  for (int i = 0; i < 2; ++i) {
-    void* p = space->acquire_chunk(ids[i], Tier::kHost, AccessMode::kWrite).value();
-    fill_random(p, kChunk, rng);
-    sums.push_back(fnv1a(p, kChunk));
-    space->release_chunk(ids[i]);
-  }
-  space->set_schedule({ids[0], ids[1], ids[2]}, {Tier::kHost, Tier::kHost, Tier::kHost});
-  space->advance(2);
+  const std::vector<uint64_t> sums = two_dirty_in_host_then_a_third(*space, ids, 23);
   ASSERT_TRUE(space->prefetch(1, Tier::kHost).ok());  // submitted; fails on the disk later
   Result<void*> r = space->acquire_chunk(ids[2], Tier::kHost, AccessMode::kWrite);
   ASSERT_FALSE(r.ok());
