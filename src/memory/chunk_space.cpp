@@ -481,22 +481,23 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
       std::optional<ChunkId>& busy;
       ~Unbusy() { busy.reset(); }
     } unbusy{busy_};
-    // A chunk only on nvme goes to host first; its device copy waits for the read to finish
-    // (a later call), so that prefetch never blocks on a disk.
+    // A chunk only on nvme goes to host first; its device copy is left to a later call, which
+    // queues it after the read. That call waits for the read if the disk is behind: skipping
+    // the entry instead would depend on how far the disk has got, which the planner's replay
+    // cannot know.
     const bool on_nvme_only = !c.zero && !c.valid[kHost] && !c.valid[kDevice];
     if (to == Tier::kDevice && on_nvme_only) {
-      if (!has_tier(Tier::kHost)) continue;
+      if (!has_tier(Tier::kHost) || full[kHost]) continue;
       if (c.slot[kHost] < 0) {
         ASSIGN_OR_RETURN(const bool ready, host_slot_ready(due));
-        if (!ready) continue;
+        if (!ready) {
+          full[kHost] = true;  // later entries would wait for the write-back just started
+          continue;
+        }
         RETURN_IF_ERROR(take_slot(Tier::kHost, id, due).status());
       }
       RETURN_IF_ERROR(fill(id, Tier::kHost, MoveOrigin::kPrefetch));
       continue;
-    }
-    if (to == Tier::kDevice && !c.zero && !c.valid[kDevice] && c.slot[kHost] >= 0) {
-      const std::shared_ptr<IoFence>& f = fence(Tier::kHost, c.slot[kHost]).io;
-      if (f && f->read && !f->waited && !io_->done(f->ticket)) continue;  // its read is still running
     }
     if (c.slot[w] < 0) {
       if (to == Tier::kHost) {
@@ -517,9 +518,13 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
         bool only_copy = v.valid[w] && !v.zero;
         for (int o = 0; o < kNumTiers; ++o) only_copy = only_copy && (o == w || !v.valid[o]);
         if (only_copy && v.home != Tier::kDevice && v.slot[kHost] < 0 && has_tier(Tier::kNvme)) {
-          ASSIGN_OR_RETURN(const bool ready, host_slot_ready(std::nullopt));
+          bool ready = false;
+          if (!full[kHost]) {
+            ASSIGN_OR_RETURN(ready, host_slot_ready(std::nullopt));
+          }
           if (!ready) {
             full[w] = true;
+            full[kHost] = true;
             continue;
           }
         }

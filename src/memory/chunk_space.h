@@ -265,9 +265,9 @@ class ChunkSpace {
   // waited on; else null.
   IoFence* pending_write(ChunkId id);
   // For prefetch(): whether to take a host slot now. When the eviction it needs would write a
-  // copy back, starts that write-back and says no; a later entry or call that finds the write
-  // started says yes, and the eviction waits for what is left of it. (Refusing every later
-  // entry of the call instead made the engine's disk traffic part from the planner's replay.)
+  // copy back, starts that write-back and says no; prefetch then takes no host slot for the
+  // rest of the call. A later call that finds the write started says yes, and the eviction
+  // waits for what is left of it. None of this depends on how far the disk has got.
   Result<bool> host_slot_ready(std::optional<uint64_t> due);
   void count_move(ChunkId id, Tier to, uint64_t ChunkSpaceStats::*field, MoveOrigin origin);
   // Fences. wait_io/wait_slot block; order_on blocks only for I/O. They return the status of

@@ -1,6 +1,7 @@
 #include "offload/plan.h"
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <cstdint>
 #include <sstream>
@@ -455,16 +456,19 @@ uint64_t nvme_staging_bytes(const PlanInput& in, uint64_t optimizer_kinds, uint6
 // Step 3: host and NVMe. Every group whose optimizer runs on the CPU keeps a parameter copy, a
 // gradient landing buffer and its optimizer state on the host, unless the state spills to NVMe
 // (whole groups at a time, from the last, until the host fits; an MoE layer's optimizer state
-// expert by expert, then the rest of the layer): the optimizer state first, then
-// the streamed compute copies, then the streamed gradients; last, what the device keeps resident
-// is passed through the host by update slices instead of held there. The host then holds little
-// more than the slots the chunks pass through (staging): AdamW on the host holds an update
-// slice's kinds at once, and a chunk homed on NVMe reaches the device through a host slot. False
-// with the problem and suggestions in `p` when the host or NVMe budget cannot hold its part, or
-// the host cannot hold what the weights pass through while they load.
+// expert by expert, then the rest of the layer). `order` says in which order the optimizer
+// state, the compute copies and the gradients that stream to the device from the host spill:
+// the planner tries each and keeps the fastest predicted step, since an optimizer step through
+// NVMe reads and writes every optimizer byte once, a streamed copy is read at every use and a
+// streamed gradient written at every micro-batch. Last, what the device keeps resident is passed
+// through the host by update slices instead of held there. The host then holds little more than
+// the slots the chunks pass through (staging): AdamW on the host holds an update slice's kinds at
+// once, and a chunk homed on NVMe reaches the device through a host slot. False with the problem
+// and suggestions in `p` when the host or NVMe budget cannot hold its part, or the host cannot
+// hold what the weights pass through while they load.
 bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
                             const std::vector<std::vector<ExpertBytes>>& spill, const SlicedKinds& sliced,
-                            GroupHomes& h, Plan& p) {
+                            SpillOrder order, GroupHomes& h, Plan& p) {
   // Offloaded saved activations take whole chunks of the store, packed (StateStore::add_activations).
   if (p.offload_activations)
     p.host.act = in.chunk_size > 0 && in.offloaded_activations > 0
@@ -518,8 +522,7 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
     p.host.master -= master, p.host.adam_m -= adam_m, p.host.adam_v -= adam_v;
     p.nvme.master += master, p.nvme.adam_m += adam_m, p.nvme.adam_v += adam_v;
   };
-  auto spill_pass = [&] {
-    if (in.nvme_budget == 0) return;
+  auto spill_optimizer_state = [&] {
     for (auto it = host_groups.rbegin(); it != host_groups.rend(); ++it) {
       if (h.opt_nvme[*it]) continue;
       if (!over()) break;
@@ -556,7 +559,9 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
       h.opt_nvme[*it] = true;
       p.nvme_optimizer_groups++;
     }
-    // Then the compute copies and gradients that stream from the host, whole groups from the last.
+  };
+  // The compute copies and gradients that stream from the host, whole groups from the last.
+  auto spill_copies = [&] {
     for (auto it = host_groups.rbegin(); it != host_groups.rend(); ++it) {
       if (h.param_res[*it] || h.param_nvme[*it]) continue;
       if (!over()) break;
@@ -564,6 +569,8 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
       h.param_nvme[*it] = true;
       p.nvme_param_groups++;
     }
+  };
+  auto spill_gradients = [&] {
     for (auto it = host_groups.rbegin(); it != host_groups.rend(); ++it) {
       if (h.grad_res[*it] || h.grad_nvme[*it]) continue;
       if (!over()) break;
@@ -571,9 +578,11 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
       h.grad_nvme[*it] = true;
       p.nvme_grad_groups++;
     }
-    // Last, what the device keeps resident: its home is the device, and AdamW in host memory
-    // takes its compute copy and gradients through host slots an update slice at a time, so the
-    // host need not hold them whole (two slots of each kind stay for the slices: staging).
+  };
+  // Last, what the device keeps resident: its home is the device, and AdamW in host memory
+  // takes its compute copy and gradients through host slots an update slice at a time, so the
+  // host need not hold them whole (two slots of each kind stay for the slices: staging).
+  auto pass_resident = [&] {
     for (auto it = host_groups.rbegin(); it != host_groups.rend(); ++it) {
       for (const bool param : {true, false}) {
         if (!(param ? h.param_res : h.grad_res)[*it] || resident_passed[static_cast<size_t>(*it)][param]) continue;
@@ -583,6 +592,15 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
         (param ? passes_param : passes_grad) = true;
       }
     }
+  };
+  auto spill_pass = [&] {
+    if (in.nvme_budget == 0) return;
+    switch (order) {
+      case SpillOrder::kOptimizerFirst: spill_optimizer_state(), spill_copies(), spill_gradients(); break;
+      case SpillOrder::kCopiesFirst: spill_copies(), spill_optimizer_state(), spill_gradients(); break;
+      case SpillOrder::kStreamsFirst: spill_copies(), spill_gradients(), spill_optimizer_state(); break;
+    }
+    pass_resident();
   };
   spill_pass();
   // The sliced kinds as the store packs them.
@@ -1007,9 +1025,10 @@ uint64_t count_sliced_on_device(const PlanInput& in, const SlicedKinds& sliced, 
 
 // The plan at one ZeRO level: the device's working set, then what is resident there, the host
 // and NVMe, the placement, the traffic, the time and the collectives.
-Plan plan_at_level(const PlanInput& in, int zero) {
+Plan plan_at_level(const PlanInput& in, int zero, SpillOrder order) {
   Plan p;
   p.zero = zero;
+  p.spill_order = static_cast<int>(order);
   const LevelSizes s = level_sizes(in, zero);
   WorkingSet ws;
   uint64_t free_bytes = 0;
@@ -1028,7 +1047,7 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   for (int attempt = 0;; ++attempt) {
     p = start;
     homes = place_on_device(s, ws, free_bytes - std::min(free_bytes, device_reserve), p);
-    if (!place_on_host_and_nvme(in, s, spill, sliced, homes, p)) return p;
+    if (!place_on_host_and_nvme(in, s, spill, sliced, order, homes, p)) return p;
     p.placement = make_placement(in, s.L, s.layer, s.edge, homes, spill, zero);
     const uint64_t over = count_sliced_on_device(in, sliced, p);
     if (over > 0) {
@@ -1069,23 +1088,40 @@ Plan plan_at_level(const PlanInput& in, int zero) {
   return p;
 }
 
-}  // namespace
+// The placement at one ZeRO level in `order`, or without one the fastest predicted step of the
+// orders where anything spills to NVMe.
+Plan plan_at_level(const PlanInput& in, int zero, std::optional<SpillOrder> order) {
+  if (order) return plan_at_level(in, zero, *order);
+  Plan best = plan_at_level(in, zero, SpillOrder::kOptimizerFirst);
+  if (in.nvme_budget == 0 || !best.fits || best.nvme.total() == 0) return best;
+  for (SpillOrder other : {SpillOrder::kCopiesFirst, SpillOrder::kStreamsFirst}) {
+    Plan p = plan_at_level(in, zero, other);
+    if (p.fits && p.step_s < best.step_s) best = std::move(p);
+  }
+  return best;
+}
 
-Plan make_plan(const PlanInput& in) {
+Plan plan_levels(const PlanInput& in, std::optional<SpillOrder> order) {
   CHECK(in.zero >= kZeroAuto && in.zero < kZeroLevels);
-  if (in.world_size <= 1) return plan_at_level(in, 0);  // one rank: nothing to shard
-  if (in.zero != kZeroAuto) return plan_at_level(in, in.zero);
+  if (in.world_size <= 1) return plan_at_level(in, 0, order);  // one rank: nothing to shard
+  if (in.zero != kZeroAuto) return plan_at_level(in, in.zero, order);
   // The fastest level that fits: with every kind able to stream from nvme a lower level may fit
   // only by paging what a higher one shards away, and at a fraction of its speed.
   Plan best;
   // Expert groups shard the experts' optimizer state over their holders: ZeRO-1 and up.
   for (int z = in.expert_ranks > 1 ? 1 : 0; z < kZeroLevels; ++z) {
-    Plan p = plan_at_level(in, z);
+    Plan p = plan_at_level(in, z, order);
     if (p.fits && (!best.fits || p.step_s < best.step_s)) best = std::move(p);
     if (!best.fits && z + 1 == kZeroLevels) best = std::move(p);  // none fits: ZeRO-3's problem
   }
   return best;
 }
+
+}  // namespace
+
+Plan make_plan(const PlanInput& in) { return plan_levels(in, std::nullopt); }
+
+Plan make_plan(const PlanInput& in, SpillOrder order) { return plan_levels(in, order); }
 
 double micro_batch_flops(const PlanInput& in) {
   const double L = static_cast<double>(in.num_layers);
@@ -1124,6 +1160,13 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
   if (p.nvme_param_groups > 0 || p.nvme_grad_groups > 0)
     os << fmt::format("  compute copies of {}/{} groups and gradients of {}/{} stream from nvme\n", p.nvme_param_groups,
                       groups, p.nvme_grad_groups, groups);
+  if (p.nvme.total() > 0) {
+    static constexpr const char* kOrders[] = {"the optimizer state, then compute copies, then gradients",
+                                              "compute copies, then the optimizer state, then gradients",
+                                              "compute copies, then gradients, then the optimizer state"};
+    os << fmt::format("  spilled to nvme in the order with the fastest predicted step: {}\n",
+                      kOrders[std::clamp(p.spill_order, 0, 2)]);
+  }
   if (in.expert_elements > 0)
     os << fmt::format("  experts: a micro-batch reaches an expected {:.0f}% of each MoE layer's experts; only those "
                       "are fetched\n",

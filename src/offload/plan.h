@@ -312,6 +312,9 @@ struct Plan {
   // (counted in device.act, taken from device_chunk_bytes): a late gather then delays compute
   // less. The ranks run the fewest any of them plans (their collectives pair up in order).
   int gather_ahead = 1;
+  // Where state spills to NVMe: the spill order this placement was made in (make_plan keeps the
+  // fastest predicted step of them).
+  int spill_order = 0;  // a SpillOrder
 };
 
 inline constexpr int kMaxGatherAhead = 4;
@@ -319,9 +322,19 @@ inline constexpr int kMaxGatherAhead = 4;
 // FLOPs of one micro-batch's forward and backward (with recompute when in.recompute).
 double micro_batch_flops(const PlanInput& in);
 
+// The order in which state spills to NVMe when the host cannot hold it: the optimizer state (read
+// and written once a step), the compute copies that stream to the device from the host (read at
+// every use), the gradients that stream back (written at every micro-batch). kOptimizerFirst:
+// optimizer, copies, gradients; kCopiesFirst: copies, optimizer, gradients; kStreamsFirst:
+// copies, gradients, optimizer. The homes of what the device keeps resident spill last in each.
+enum class SpillOrder : uint8_t { kOptimizerFirst, kCopiesFirst, kStreamsFirst };
+
 // The plan for input.zero, or with kZeroAuto for the fastest level that fits (ZeRO-3's plan,
-// with its problem and suggestions, when none does). With one rank every level is level 0.
+// with its problem and suggestions, when none does). With one rank every level is level 0. At
+// each level, where state spills to NVMe, the faster predicted step of the two spill orders.
 Plan make_plan(const PlanInput& input);
+// The same with one spill order only (what make_plan compares).
+Plan make_plan(const PlanInput& input, SpillOrder order);
 
 // With several ranks: a table of every ZeRO level's per-rank bytes on each tier, whether it
 // fits, collective bytes and time per step, step time and the world's tokens per second.

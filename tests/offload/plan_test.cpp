@@ -519,5 +519,44 @@ TEST(PlanDataParallel, TheLevelTableHasARowPerLevelAndMarksTheChoice) {
   EXPECT_NE(table.find("host budget"), std::string::npos) << table;
 }
 
+// Placement by predicted step time: where state spills to NVMe, the plan is the fastest of the
+// spill orders (optimizer state first; compute copies first; copies and gradients first). With
+// little compute per step the optimizer state goes first (its bytes move once a step); with
+// much, streamed copies and gradients hide behind compute and go first.
+TEST(PlanSpill, ThePlacementIsTheFastestOfTheSpillOrders) {
+  int not_optimizer_first = 0, cases = 0;
+  for (const double compute : {1.0, 200.0}) {
+    for (const double host_gib : {6.0, 10.0, 14.0}) {
+      PlanInput in = base_input();
+      in.grad_accum = 1;
+      in.grad_bytes = 4;
+      in.tokens_per_step = 8192;
+      in.flops_per_step = 8.0 * 1e9 * 8192 * compute;
+      in.layer_forward_flops = in.flops_per_step / 3 / 17;
+      in.device_budget = 4 * kGiB;
+      in.host_budget = static_cast<uint64_t>(host_gib * static_cast<double>(kGiB));
+      in.nvme_budget = 1ull << 40;
+      in.rates.disk_read_bytes_per_s = 3e9;
+      in.rates.disk_write_bytes_per_s = 2e9;
+      const Plan chosen = make_plan(in);
+      ASSERT_TRUE(chosen.fits) << chosen.problem;
+      ASSERT_GT(chosen.nvme.total(), 0u);
+      double fastest = INFINITY;
+      SpillOrder best = SpillOrder::kOptimizerFirst;
+      for (SpillOrder order : {SpillOrder::kOptimizerFirst, SpillOrder::kCopiesFirst, SpillOrder::kStreamsFirst}) {
+        const Plan p = make_plan(in, order);
+        if (p.fits && p.step_s < fastest) fastest = p.step_s, best = order;
+      }
+      EXPECT_EQ(chosen.step_s, fastest) << "compute x" << compute << ", host " << host_gib << " GiB";
+      ++cases;
+      if (best != SpillOrder::kOptimizerFirst) ++not_optimizer_first;
+      // Little compute: the optimizer state first.
+      if (compute == 1.0) EXPECT_EQ(best, SpillOrder::kOptimizerFirst) << host_gib;
+    }
+  }
+  EXPECT_GT(not_optimizer_first, 0) << "no case where another order is faster";
+  EXPECT_LT(not_optimizer_first, cases);
+}
+
 }  // namespace
 }  // namespace strata
