@@ -331,7 +331,7 @@ enum class SpillOrder : uint8_t { kOptimizerFirst, kCopiesFirst, kStreamsFirst }
 
 // The plan for input.zero, or with kZeroAuto for the fastest level that fits (ZeRO-3's plan,
 // with its problem and suggestions, when none does). With one rank every level is level 0. At
-// each level, where state spills to NVMe, the faster predicted step of the two spill orders.
+// each level, where state spills to NVMe, the fastest predicted step of the three spill orders.
 Plan make_plan(const PlanInput& input);
 // The same with one spill order only (what make_plan compares).
 Plan make_plan(const PlanInput& input, SpillOrder order);

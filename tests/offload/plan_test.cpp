@@ -521,8 +521,9 @@ TEST(PlanDataParallel, TheLevelTableHasARowPerLevelAndMarksTheChoice) {
 
 // Placement by predicted step time: where state spills to NVMe, the plan is the fastest of the
 // spill orders (optimizer state first; compute copies first; copies and gradients first). With
-// little compute per step the optimizer state goes first (its bytes move once a step); with
-// much, streamed copies and gradients hide behind compute and go first.
+// little compute per step and much to spill the optimizer state goes first (its bytes move once
+// a step, a streamed copy's at every use); with much compute, streamed copies and gradients
+// hide behind it and go first.
 TEST(PlanSpill, ThePlacementIsTheFastestOfTheSpillOrders) {
   int not_optimizer_first = 0, cases = 0;
   for (const double compute : {1.0, 200.0}) {
@@ -550,8 +551,8 @@ TEST(PlanSpill, ThePlacementIsTheFastestOfTheSpillOrders) {
       EXPECT_EQ(chosen.step_s, fastest) << "compute x" << compute << ", host " << host_gib << " GiB";
       ++cases;
       if (best != SpillOrder::kOptimizerFirst) ++not_optimizer_first;
-      // Little compute: the optimizer state first.
-      if (compute == 1.0) EXPECT_EQ(best, SpillOrder::kOptimizerFirst) << host_gib;
+      // Much compute: the streams hide behind it, while AdamW's reads and writes do not.
+      if (compute > 1.0) EXPECT_NE(best, SpillOrder::kOptimizerFirst) << host_gib;
     }
   }
   EXPECT_GT(not_optimizer_first, 0) << "no case where another order is faster";
