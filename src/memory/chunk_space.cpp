@@ -363,6 +363,17 @@ Status ChunkSpace::send_home(ChunkId id, Tier from) {
   return st;
 }
 
+void ChunkSpace::discard(ChunkId id) {
+  std::unique_lock<std::mutex> lock = lock_space();
+  CHECK(id < chunks_.size());
+  ChunkState& c = chunks_[id];
+  CHECK_MSG(c.pins == 0, "discard of chunk " + std::to_string(id) + ", which is acquired");
+  c.zero = true;
+  ++c.version;  // a write-back still running saves bytes nobody needs
+  c.valid = {};
+  c.prefetched = {};
+}
+
 Status ChunkSpace::read_tensor(TensorId id, uint64_t offset, uint64_t length, void* dst) {
   std::unique_lock<std::mutex> lock(mu_);
   const TensorPlacement t = layout_.tensor(id);

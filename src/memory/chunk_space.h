@@ -93,6 +93,8 @@ struct ChunkSpaceStats {
   uint64_t act_bytes = 0;           // bytes of the chunks of kind kAct (saved activations)
   // Bytes moved between any two tiers, by the kind of the chunk moved (ChunkKind order).
   std::array<uint64_t, kNumChunkKinds> moved_by_kind{};
+  // Of them, the bytes written to the nvme tier.
+  std::array<uint64_t, kNumChunkKinds> written_by_kind{};
   uint64_t moved_bytes() const {
     return device_to_host_bytes + host_to_device_bytes + host_to_nvme_bytes + nvme_to_host_bytes;
   }
@@ -167,6 +169,11 @@ class ChunkSpace {
   // pass through a tier (loading, restoring, reading the state) calls on each chunk after it,
   // so that the tier's slots are reused chunk after chunk instead of keeping every copy.
   Status send_home(ChunkId id, Tier from);
+  // The caller is done with the chunk's bytes until an acquisition overwrites them (AdamW's
+  // gradients, which the next step zeroes): it reads as zeros from now on, every copy is stale,
+  // and none is written back. A write-back in flight no longer counts for it. Its slots stay
+  // until eviction takes them, first, for free. REQUIRES: the chunk is not pinned.
+  void discard(ChunkId id);
   // For the chaos suite's planted-bug test only: acquire no longer waits for (or orders the
   // consumer after) the move that fills the copy it returns, the one bug the suite must catch.
   void set_test_skip_acquire_wait(bool skip) { skip_acquire_wait_ = skip; }

@@ -318,6 +318,8 @@ void ChunkSpace::count_move(ChunkId id, Tier to, uint64_t ChunkSpaceStats::*fiel
   const uint64_t bytes = layout_.chunk_bytes();
   stats_.*field += bytes;
   stats_.moved_by_kind[static_cast<size_t>(layout_.chunk(id).kind)] += bytes;
+  if (field == &ChunkSpaceStats::host_to_nvme_bytes)
+    stats_.written_by_kind[static_cast<size_t>(layout_.chunk(id).kind)] += bytes;
   ChunkState& c = chunks_[id];
   c.prefetched[idx(to)] = origin == MoveOrigin::kPrefetch;
   if (origin == MoveOrigin::kPrefetch) stats_.prefetched_bytes += bytes;

@@ -66,7 +66,9 @@ class Driver {
       const ReplayMoves before = moves_of(store_.stats());
       size_t next = i + 1;
       bool closes = e.last;
-      if (e.access.activation >= 0) {
+      if (e.phase == StepPhase::kZero && store_.zero_by_discard(e.access.group, e.access.kind)) {
+        // Zeroed as the engine zeroes it (PagedState::zero_grads): nothing is acquired.
+      } else if (e.access.activation >= 0) {
         const int a = e.access.activation;
         RETURN_IF_ERROR(e.mode == AccessMode::kWrite ? store_.write_activation(a, nullptr, in_.activation_bytes)
                                                      : store_.read_activation(a, nullptr, in_.activation_bytes));
@@ -87,11 +89,11 @@ class Driver {
       } else if (e.access.slice >= 0) {
         RETURN_IF_ERROR(store_.acquire_slice(e.access.group, e.access.slice, e.access.kind, e.access.prefetch_to, e.mode,
                                              e.access.cursor));
-        held_.push_back({e.access, {}});
+        held_.push_back({e.access, {}, e.discard});
       } else if (e.access.part == kAllParts) {
         RETURN_IF_ERROR(
             store_.acquire_group(e.access.group, e.access.kind, e.access.prefetch_to, e.mode, e.access.cursor));
-        held_.push_back({e.access, {}});
+        held_.push_back({e.access, {}, e.discard});
       } else {
         RETURN_IF_ERROR(
             store_.acquire_part(e.access.group, e.access.part, e.access.kind, e.access.prefetch_to, e.mode));
@@ -107,6 +109,7 @@ class Driver {
   struct Held {
     GroupAccess access;
     std::vector<int> experts;  // an expert run's parts
+    bool discard = false;      // ProgramEvent::discard
   };
 
   static bool same_run(const ProgramEvent& first, const ProgramEvent& e) {
@@ -125,8 +128,10 @@ class Driver {
         store_.release_parts(a.group, h.experts, a.kind);
       } else if (a.slice >= 0) {
         store_.release_slice(a.group, a.slice, a.kind);
+        if (h.discard) store_.discard(a.group, a.slice, a.kind);
       } else if (a.part == kAllParts) {
         store_.release_group(a.group, a.kind);
+        if (h.discard) store_.discard(a.group, kWholeGroup, a.kind);
       } else {
         store_.release_part(a.group, a.part, a.kind);
       }

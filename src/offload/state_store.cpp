@@ -387,6 +387,42 @@ void StateStore::release_slice(int group, int slice, StateKind kind, Stream* con
   sl.pinned[k] = false;
 }
 
+void StateStore::discard(int group, int slice, StateKind kind) {
+  const int k = static_cast<int>(kind);
+  std::vector<ChunkId> chunks;
+  // The chunks later slices hold: a chunk packs the group's parts, not its tensors, in order,
+  // so slices far apart may share one.
+  std::vector<ChunkId> later;
+  if (slice >= 0) {
+    const std::vector<Slice>& slices = slices_[static_cast<size_t>(group)];
+    const Slice& sl = slices.at(static_cast<size_t>(slice));
+    CHECK_MSG(!sl.pinned[k], "update slice " + std::to_string(slice) + " of group " + std::to_string(group) +
+                                 " discarded while acquired");
+    chunks = sl.chunks[k];
+    for (size_t s = static_cast<size_t>(slice) + 1; s < slices.size(); ++s)
+      later.insert(later.end(), slices[s].chunks[k].begin(), slices[s].chunks[k].end());
+  } else {
+    for (const Part& p : parts_[group]) {
+      CHECK_MSG(!p.pinned[k], "group " + std::to_string(group) + " discarded while acquired");
+      chunks.insert(chunks.end(), p.chunks[k].begin(), p.chunks[k].end());
+    }
+  }
+  for (ChunkId c : chunks) {
+    if (shared_by_groups_[c]) continue;
+    if (std::find(later.begin(), later.end(), c) != later.end()) continue;
+    space_->discard(c);
+  }
+}
+
+bool StateStore::zero_by_discard(int group, StateKind kind) {
+  const int k = static_cast<int>(kind);
+  for (const Part& p : parts_[group])
+    for (ChunkId c : p.chunks[k])
+      if (shared_by_groups_[c]) return false;
+  discard(group, kWholeGroup, kind);
+  return true;
+}
+
 Tier StateStore::home(int group, StateKind kind) const { return homes_[group * kNumStateKinds + static_cast<int>(kind)]; }
 
 std::vector<int> StateStore::parts(int group) const {

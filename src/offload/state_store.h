@@ -271,6 +271,16 @@ class StateStore {
   Status acquire_slice(int group, int slice, StateKind kind, Tier where, AccessMode mode,
                        ScheduleCursor cursor = ScheduleCursor::kFollow, Stream* consumer = nullptr);
   void release_slice(int group, int slice, StateKind kind, Stream* consumer = nullptr);
+  // After the last read of a released group's `kind` (slice kWholeGroup) or of one of its update
+  // slices, before a later acquisition overwrites it (ProgramEvent::discard): its chunks read as
+  // zeros from now on and none of their copies is written back (ChunkSpace::discard). Chunks
+  // that also hold another group's state, or a later slice's, are left as they are.
+  void discard(int group, int slice, StateKind kind);
+  // Zeroes a released group's `kind` (the gradients before a step) without moving a byte: where
+  // none of its chunks holds another group's state, discards them all (they read as zeros) and
+  // says true. False, changing nothing, where one does: the caller acquires the group and
+  // writes the zeros.
+  bool zero_by_discard(int group, StateKind kind);
   // After a pass over a released slice in `where` (loading, restoring or reading the state
   // there): each of its chunks of `kind` homed elsewhere goes home (written back where this was
   // its only valid copy) and gives its slot in `where` back, unless the group's next slice holds

@@ -29,7 +29,12 @@ namespace {
 // Each group's gradients, whole, one group at a time: zeroing writes them, the norm reads them
 // (and writes them where the ranks sum them in place first).
 void append_grad_pass(int num_groups, AccessMode mode, StepPhase phase, std::vector<ProgramEvent>* out) {
-  for (int g = 0; g < num_groups; ++g) out->push_back({GroupAccess{g, StateKind::kGrad}, mode, phase, true});
+  for (int g = 0; g < num_groups; ++g) {
+    out->push_back({GroupAccess{g, StateKind::kGrad}, mode, phase, true});
+    // Zeroing overwrites the gradients: there is nothing to bring ahead of it (and a group
+    // whose chunks are its own is zeroed by discarding them, StateStore::zero_by_discard).
+    if (phase == StepPhase::kZero) out->back().access.prefetch = false;
+  }
 }
 
 // Whether `a` acquires a group's gradients (its dense part or all of it, not one expert's).
@@ -51,6 +56,7 @@ void append_update(const OptimizerProgram& o, int g, std::vector<ProgramEvent>* 
   for (StateKind k : o.kinds) {
     ProgramEvent e{GroupAccess{g, k}, AccessMode::kReadWrite, StepPhase::kOptimizer, false};
     e.access.prefetch_to = where;
+    e.discard = k == StateKind::kGrad;
     if (o.overlapped) e.access.cursor = ScheduleCursor::kBeside;
     if (o.slices_host_updates && !o.overlapped && where != Tier::kDevice) e.access.slice = kEachSlice;
     out->push_back(e);

@@ -42,6 +42,10 @@ struct ProgramEvent {
   AccessMode mode = AccessMode::kRead;
   StepPhase phase = StepPhase::kForward;
   bool last = false;  // closes a batch (see above)
+  // Nothing reads the state acquired here after it until an acquisition overwrites it whole:
+  // AdamW's gradients, which the next step's zeroing writes. Its release discards the bytes
+  // (StateStore::discard), so that no copy of them is written back.
+  bool discard = false;
 };
 
 struct StepProgram {

@@ -344,7 +344,10 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
         // (A group updated by slices has the same kinds for each: its first slice's.)
         if (ps->updates_.empty() || ps->updates_.back().group != e.access.group)
           ps->updates_.push_back({e.access.group, {}, e.access.cursor, e.access.slice >= 0});
-        if (e.access.slice <= 0) ps->updates_.back().kinds.push_back(e.access.kind);
+        if (e.access.slice <= 0) {
+          ps->updates_.back().kinds.push_back(e.access.kind);
+          ps->updates_.back().discards.push_back(e.discard);
+        }
       }
     }
   }
@@ -640,6 +643,7 @@ Status PagedState::zero_grads() {
   trace::Span span("optimizer", "zero gradients");
   for (const ProgramEvent& e : zero_pass_) {
     const int g = e.access.group;
+    if (store_->zero_by_discard(g, e.access.kind)) continue;  // its chunks now read as zeros
     RETURN_IF_ERROR(store_->acquire_group(g, e.access.kind, e.access.prefetch_to, e.mode));
     for (size_t i : store_->group_tensors(g))
       kernels_->zero(store_->pointer(i, StateKind::kGrad), static_cast<int64_t>(store_->held(i, StateKind::kGrad).count));
@@ -769,12 +773,21 @@ Status PagedState::update_tensors(int g, int slice, std::span<const size_t> tens
   if (sharded() && !slices_params() && queues_copy_gathers(where)) {
     // The copy's chunks move only after the gather (released with its stream).
     queue_copy_gather(g, tensors);
-    for (StateKind k : kinds) release_update(g, slice, k, k == StateKind::kParam ? comm_stream_.get() : nullptr);
+    end_update(g, slice, comm_stream_.get());
     return Status::OK();
   }
   Status sent = sharded() && !slices_params() ? gather_copy(g, tensors, where) : Status::OK();
-  for (StateKind k : kinds) release_update(g, slice, k);
+  end_update(g, slice);
   return sent;
+}
+
+void PagedState::end_update(int group, int slice, Stream* param_consumer) {
+  const GroupUpdate& update = updates_[update_index_.at(static_cast<size_t>(group))];
+  for (size_t k = 0; k < update.kinds.size(); ++k) {
+    const StateKind kind = update.kinds[k];
+    release_update(group, slice, kind, kind == StateKind::kParam ? param_consumer : nullptr);
+    if (update.discards[k]) store_->discard(group, slice, kind);
+  }
 }
 
 Status PagedState::sum_gradients(int g, parallel::Comm& comm, Stream* stream) {

@@ -492,6 +492,9 @@ class PagedState : public model::ParamAccess, public SavableState {
     if (slice >= 0) store_->release_slice(group, slice, kind, consumer);
     else store_->release_group(group, kind, consumer);
   }
+  // Releases every kind of group g's update (or of one of its update slices) as the program
+  // says, discarding those it marks; the compute copy's release after `param_consumer`'s work.
+  void end_update(int group, int slice, Stream* param_consumer = nullptr);
   // ZeRO-1 and 2 with options.overlap_reduction over several ranks: each group's gather of its
   // updated copy (acquired at `where`) is queued on the communication stream instead
   // (queue_copy_gather), so that the next groups update while it runs; the ranks queue them in
@@ -602,6 +605,7 @@ class PagedState : public model::ParamAccess, public SavableState {
     std::vector<StateKind> kinds;
     ScheduleCursor cursor = ScheduleCursor::kFollow;  // kBeside: the overlapped optimizer's
     bool by_slices = false;  // slice by slice (StateStore's update slices), else the group whole
+    std::vector<bool> discards;  // per kind: ProgramEvent::discard
   };
   std::vector<ProgramEvent> zero_pass_, norm_pass_;
   std::vector<ProgramEvent> reductions_;  // per group: its reduction at handover (overlap_reduction)

@@ -523,6 +523,45 @@ TEST(ChunkSpaceTest, AWriteBackOfAnOlderVersionNeverStandsForTheNewOne) {
   space->release_chunk(ids[1]);
 }
 
+// A discarded chunk reads as zeros and its eviction writes nothing, even while a write-back of
+// its old bytes runs: that write no longer makes the nvme copy valid. An acquisition that
+// overwrites it whole loads nothing; one that reads it finds zeros.
+TEST(ChunkSpaceTest, ADiscardedChunkIsNeverWrittenBackAndReadsAsZeros) {
+  TempDir dir;
+  auto device = make_device();
+  auto io = make_threads_engine();
+  WriteGate gate;
+  ASSERT_TRUE(io->set_transfer_hook(&gate));
+  auto space = ChunkSpace::create(*device, io.get(), small_options(dir, 1, 2, 8)).value();
+  std::vector<ChunkId> ids;
+  const std::vector<uint64_t> sums = two_dirty_in_host_then_a_third(*space, ids, 23);
+  ASSERT_TRUE(space->prefetch(1, Tier::kHost).ok());  // starts chunk 1's write-back
+  EXPECT_EQ(space->stats().host_to_nvme_bytes, kChunk);
+  space->discard(ids[1]);
+  space->discard(ids[0]);  // dirty, no write-back started
+  gate.open();
+  ASSERT_TRUE(space->synchronize().ok());
+  EXPECT_FALSE(space->is_resident(ids[1], Tier::kNvme)) << "the old bytes' write made the copy valid";
+  EXPECT_FALSE(space->is_resident(ids[0], Tier::kHost));
+  // Both host slots go to other chunks without a byte written.
+  const ChunkId e = space->add_chunk(ChunkKind::kAdamM).value();
+  for (ChunkId c : {ids[2], e}) {
+    ASSERT_TRUE(space->acquire_chunk(c, Tier::kHost, AccessMode::kWrite).ok());
+    space->release_chunk(c);
+  }
+  EXPECT_EQ(space->stats().host_to_nvme_bytes, kChunk);
+  EXPECT_EQ(space->stats().nvme_to_host_bytes, 0u);
+  for (int i = 0; i < 2; ++i) {
+    const void* p = space->acquire_chunk(ids[i], Tier::kHost, AccessMode::kRead).value();
+    EXPECT_NE(fnv1a(p, kChunk), sums[i]) << "chunk " << i;
+    const std::vector<uint8_t> zeros(kChunk, 0);
+    EXPECT_EQ(std::memcmp(p, zeros.data(), kChunk), 0) << "chunk " << i;
+    space->release_chunk(ids[i]);
+  }
+  EXPECT_EQ(space->stats().nvme_to_host_bytes, 0u);  // zero-filled, not read
+  EXPECT_FALSE(gate.timed_out());
+}
+
 // A write-back prefetch started fails: the eviction that needs the slot reports it, naming the
 // directory, and the host copy keeps the bytes.
 TEST(ChunkSpaceTest, AFailedWriteBehindReachesTheEvictionAndKeepsTheData) {

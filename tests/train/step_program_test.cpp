@@ -61,7 +61,10 @@ std::vector<GroupAccess> expected_schedule(int num_layers, bool tied, int64_t gr
   auto act = [&](int i) {
     if (i < offloaded) s.push_back(GroupAccess::of_activation(i));
   };
-  for (int g = 0; g <= head; ++g) all(g, StateKind::kGrad);  // zeroing
+  for (int g = 0; g <= head; ++g) {
+    all(g, StateKind::kGrad);  // zeroing: nothing to prefetch for it
+    s.back().prefetch = false;
+  }
   for (int64_t m = 0; m < grad_accum; ++m) {
     const bool updates = overlapped && m == grad_accum - 1;
     add(0, StateKind::kParam);
