@@ -185,12 +185,13 @@ TEST_P(NvmeEveryKindTest, ParametersAndGradientsFourTimesTheHostTrainThroughNvme
   // the engine's depends on how far a copy or a disk request has got.
   expect_plan_is_the_engines(*paged, 0.0, tight.chunk_size);
   // Each version of a chunk reaches the disk at most once (a written copy stays valid until the
-  // chunk is written again). A step makes kAccum + 1 versions of each gradient that count: the
-  // zeroing's and each micro-batch's. AdamW's, which nothing reads, is discarded, not written.
+  // chunk is written again). A step makes kAccum versions of each gradient that count, one per
+  // micro-batch: AdamW's and the zeroing's are discarded, not written. Over the steps counted,
+  // one version from before them may be written within them.
   const size_t grad = static_cast<size_t>(ChunkKind::kGrad);
   const uint64_t grads_written = paged->last.written_by_kind[grad] - paged->first.written_by_kind[grad];
   EXPECT_GT(grads_written, 0u);
-  EXPECT_LE(grads_written, (kSteps - 1) * (kAccum + 1) * plan.nvme.grad);
+  EXPECT_LE(grads_written, ((kSteps - 1) * kAccum + 1) * plan.nvme.grad);
 }
 
 // AdamW overlapping backward (optim.overlap_backward, no clipping) updates each group on a
