@@ -144,6 +144,20 @@ class NvmeEveryKindTest : public ::testing::TestWithParam<Precision> {
     t.chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(model_config()), t.precision);
     return t;
   }
+  // Tight: the device holds the working set and little else, the host a quarter of the compute
+  // copy and gradients, nvme the rest.
+  TrainConfig tight_config(const model::ModelConfig& mc, const TrainConfig& roomy) const {
+    TrainConfig tight = roomy;
+    const Plan all_on_device = make_plan(make_plan_input(mc, roomy, DeviceKind::kCpu));
+    tight.memory_device = all_on_device.min_device_budget + 2 * tight.chunk_size;
+    const model::ParamLayout layout(mc);
+    const StateLayout state = StateLayout::of(tight.precision);
+    tight.memory_host = (PagedState::state_bytes(layout, state, StateKind::kParam) +
+                         PagedState::state_bytes(layout, state, StateKind::kGrad)) / 4;
+    tight.nvme_path = (dir_ / "nvme").string();
+    tight.nvme_size = 1ull << 30;
+    return tight;
+  }
   fs::path dir_;
 };
 
@@ -153,18 +167,7 @@ TEST_P(NvmeEveryKindTest, ParametersAndGradientsFourTimesTheHostTrainThroughNvme
   Result<TrainedRun> reference = train(mc, roomy);
   ASSERT_TRUE(reference.ok()) << reference.status().to_string();
 
-  // Tight: the device holds the working set and little else, the host a quarter of the compute
-  // copy and gradients, nvme the rest.
-  TrainConfig tight = roomy;
-  const Plan all_on_device = make_plan(make_plan_input(mc, roomy, DeviceKind::kCpu));
-  tight.memory_device = all_on_device.min_device_budget + 2 * tight.chunk_size;
-  const model::ParamLayout layout(mc);
-  const StateLayout state = StateLayout::of(tight.precision);
-  const uint64_t param_and_grad = PagedState::state_bytes(layout, state, StateKind::kParam) +
-                                  PagedState::state_bytes(layout, state, StateKind::kGrad);
-  tight.memory_host = param_and_grad / 4;
-  tight.nvme_path = (dir_ / "nvme").string();
-  tight.nvme_size = 1ull << 30;
+  const TrainConfig tight = tight_config(mc, roomy);
   Result<TrainedRun> paged = train(mc, tight);
   ASSERT_TRUE(paged.ok()) << paged.status().to_string();
 
@@ -205,16 +208,7 @@ TEST_P(NvmeEveryKindTest, OverlappedAdamWDiscardsGradientsBesideTheScheduleBitwi
   roomy.overlap_backward = true;
   Result<TrainedRun> reference = train(mc, roomy, 0.0f);
   ASSERT_TRUE(reference.ok()) << reference.status().to_string();
-  TrainConfig tight = roomy;
-  const Plan all_on_device = make_plan(make_plan_input(mc, roomy, DeviceKind::kCpu));
-  tight.memory_device = all_on_device.min_device_budget + 2 * tight.chunk_size;
-  const model::ParamLayout layout(mc);
-  const StateLayout state = StateLayout::of(tight.precision);
-  tight.memory_host = (PagedState::state_bytes(layout, state, StateKind::kParam) +
-                       PagedState::state_bytes(layout, state, StateKind::kGrad)) / 4;
-  tight.nvme_path = (dir_ / "nvme").string();
-  tight.nvme_size = 1ull << 30;
-  Result<TrainedRun> paged = train(mc, tight, 0.0f);
+  Result<TrainedRun> paged = train(mc, tight_config(mc, roomy), 0.0f);
   ASSERT_TRUE(paged.ok()) << paged.status().to_string();
   EXPECT_GT(paged->plan.nvme.grad, 0u) << "no gradient was placed on nvme";
   EXPECT_GT(paged->last.written_by_kind[static_cast<size_t>(ChunkKind::kGrad)], 0u) << "no gradient went to disk";
