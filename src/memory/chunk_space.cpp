@@ -471,6 +471,9 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
   std::unique_lock<std::mutex> lock = lock_space();
   if (schedule_.empty()) return Status::OK();
   std::array<bool, kNumTiers> full{};  // no slot left for prefetches into the tier
+  // Chunks whose disk read this call started: an entry naming one again (a chunk two groups or
+  // parts share) leaves its device copy to a later call too, rather than wait for the read.
+  std::vector<ChunkId> reading;
   // `lookahead` counts entries that may be prefetched: those naming nvme only tell eviction
   // when their chunks are next used, so they neither move nor use up the window.
   size_t counted = 0;
@@ -497,9 +500,11 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
     // the entry instead would depend on how far the disk has got, which the planner's replay
     // cannot know.
     const bool on_nvme_only = !c.zero && !c.valid[kHost] && !c.valid[kDevice];
+    if (to == Tier::kDevice && std::find(reading.begin(), reading.end(), id) != reading.end()) continue;
     if (to == Tier::kDevice && on_nvme_only) {
-      if (!has_tier(Tier::kHost) || full[kHost]) continue;
+      if (!has_tier(Tier::kHost)) continue;
       if (c.slot[kHost] < 0) {
+        if (full[kHost]) continue;
         ASSIGN_OR_RETURN(const bool ready, host_slot_ready(due));
         if (!ready) {
           full[kHost] = true;  // later entries would wait for the write-back just started
@@ -508,6 +513,7 @@ Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {
         RETURN_IF_ERROR(take_slot(Tier::kHost, id, due).status());
       }
       RETURN_IF_ERROR(fill(id, Tier::kHost, MoveOrigin::kPrefetch));
+      reading.push_back(id);
       continue;
     }
     if (c.slot[w] < 0) {

@@ -16,7 +16,7 @@
 // acquire waits for it before handing out the pointer. A write-back to nvme is complete before
 // its host copy is dropped, so an I/O error there reaches the caller that caused the eviction
 // and the bytes stay in host memory. prefetch() starts the write-back of the copy it would evict
-// and leaves the eviction to a later entry or call (write-behind), which finds the write done or
+// and leaves the eviction to a later call (write-behind), which finds the write done or
 // waits only for what is left. The nvme copy counts as valid from the write's completion, and
 // only if the chunk was not written again meanwhile.
 // A failed read reaches the caller of acquire() as a Status; the copy it was filling stays
@@ -197,9 +197,10 @@ class ChunkSpace {
   // Starts moving the chunks of the next `lookahead` schedule entries that can be prefetched
   // (from the current one) into `to` (or each entry's tier from set_schedule): into free
   // slots, or into slots of copies not needed before them. An nvme-homed chunk reaches host by
-  // this call and device by a later one: prefetch does not wait for a disk read. Where a host
-  // slot needs its copy written back to nvme first, it starts that write and leaves the entry to
-  // a later entry or call, which waits only for what is left of the write. Errors: failed write-backs.
+  // this call and device by a later one, which waits for the read if it is still running. Where
+  // a host slot needs its copy written back to nvme first, it starts that write and takes no
+  // other host slot in this call; a later call waits only for what is left of the write. No
+  // choice depends on how far a copy or disk request has got. Errors: failed write-backs.
   Status prefetch(size_t lookahead, Tier to = Tier::kDevice);
 
   // Blocks until every move issued so far has completed. Returns the first I/O error seen.

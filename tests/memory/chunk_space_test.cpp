@@ -411,10 +411,12 @@ TEST(ChunkSpaceTest, NoSpaceOnWriteBackNamesTheDirectoryAndKeepsTheData) {
 
 // Holds every write transfer until released (or 20 s pass, which the test reports as a failure:
 // the caller waited for a write it should have left running).
+// Holds every transfer of one kind (writes unless told) until opened, for at most 20 s.
 class WriteGate final : public TransferHook {
  public:
+  explicit WriteGate(IoOp held = IoOp::kWrite) : held_op_(held) {}
   TransferDecision before_transfer(const IoRequest& request, uint64_t done, uint64_t want) override {
-    if (request.op == IoOp::kWrite) {
+    if (request.op == held_op_) {
       std::unique_lock<std::mutex> lock(mu_);
       ++held_;
       if (!cv_.wait_for(lock, std::chrono::seconds(20), [&] { return open_; })) timed_out_ = true;
@@ -436,6 +438,7 @@ class WriteGate final : public TransferHook {
   }
 
  private:
+  const IoOp held_op_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool open_ = false;
@@ -521,6 +524,36 @@ TEST(ChunkSpaceTest, AWriteBackOfAnOlderVersionNeverStandsForTheNewOne) {
   p = space->acquire_chunk(ids[1], Tier::kHost, AccessMode::kRead).value();
   EXPECT_EQ(fnv1a(p, kChunk), sum);
   space->release_chunk(ids[1]);
+}
+
+// A chunk on nvme named twice in the window (two groups or parts sharing it): the call that
+// starts its disk read leaves its device copy to a later call instead of waiting for the read.
+TEST(ChunkSpaceTest, PrefetchNeverWaitsForADiskReadItStarted) {
+  TempDir dir;
+  auto device = make_device();
+  auto io = make_threads_engine();
+  WriteGate gate(IoOp::kRead);
+  ASSERT_TRUE(io->set_transfer_hook(&gate));
+  auto space = ChunkSpace::create(*device, io.get(), small_options(dir, 2, 2, 8)).value();
+  const ChunkId a = space->add_chunk(ChunkKind::kParam).value();
+  std::mt19937_64 rng(24);
+  void* p = space->acquire_chunk(a, Tier::kHost, AccessMode::kWrite).value();
+  fill_random(p, kChunk, rng);
+  const uint64_t sum = fnv1a(p, kChunk);
+  space->release_chunk(a);
+  ASSERT_TRUE(space->evict(a, Tier::kHost).ok());
+  ASSERT_TRUE(space->is_resident(a, Tier::kNvme));
+  space->set_schedule({a, a}, {Tier::kDevice, Tier::kDevice});
+  ASSERT_TRUE(space->prefetch(2, Tier::kDevice).ok());
+  EXPECT_EQ(space->stats().nvme_to_host_bytes, kChunk);
+  EXPECT_EQ(space->stats().host_to_device_bytes, 0u);
+  gate.open();
+  EXPECT_FALSE(gate.timed_out()) << "prefetch waited for the read it started";
+  ASSERT_TRUE(space->prefetch(2, Tier::kDevice).ok());  // the next call copies it up
+  EXPECT_EQ(space->stats().host_to_device_bytes, kChunk);
+  p = space->acquire_chunk(a, Tier::kDevice, AccessMode::kRead).value();
+  EXPECT_EQ(fnv1a(p, kChunk), sum);
+  space->release_chunk(a);
 }
 
 // A discarded chunk reads as zeros and its eviction writes nothing, even while a write-back of
