@@ -27,17 +27,40 @@ namespace strata::kernels {
 enum class RouterScoring : uint8_t {
   // Mixtral: the K largest logits, then a softmax over those K.
   kTopKThenSoftmax,
-  // Qwen2-MoE / Qwen3-MoE: softmax over all E experts, then the K largest probabilities,
-  // divided by their sum when normalize_top_k.
+  // Qwen2-MoE / Qwen3-MoE / DeepSeek-V2: softmax over all E experts, then the K largest
+  // probabilities, divided by their sum when normalize_top_k.
   kSoftmaxThenTopK,
+  // DeepSeek-V3: each expert's score is sigmoid(logit), independently of the others; the K
+  // largest are chosen and weighted by their scores, divided by their sum when normalize_top_k.
+  kSigmoidThenTopK,
+};
+
+// Group-limited routing (DeepSeek-V2's group_limited_greedy, V3's noaux_tc): the E experts form
+// num_groups equal groups of consecutive indices; each group is scored from its experts'
+// selection scores, the top_groups best groups are kept (ties to the lower group), and the K
+// experts are chosen among theirs only. The weights are untouched by it.
+enum class GroupScore : uint8_t {
+  kMax,        // the group's largest selection score (V2)
+  kTopTwoSum,  // the sum of its two largest selection scores (V3; groups of at least 2)
 };
 
 struct RouterConfig {
   int64_t num_experts = 0;  // E
   int64_t top_k = 0;        // K, 1 <= K <= E
   RouterScoring scoring = RouterScoring::kTopKThenSoftmax;
-  bool normalize_top_k = false;  // kSoftmaxThenTopK only
+  bool normalize_top_k = false;  // kSoftmaxThenTopK and kSigmoidThenTopK
+  // Groups: 1 (no limiting), else a divisor of E with top_groups in [1, num_groups] whose
+  // experts number at least K. Not with kTopKThenSoftmax.
+  int64_t num_groups = 1;
+  int64_t top_groups = 1;
+  GroupScore group_score = GroupScore::kMax;
+  // Every routing weight is multiplied by it after any normalisation (DeepSeek's
+  // routed_scaling_factor). Not with kTopKThenSoftmax, whose weights sum to 1 by definition.
+  float scale = 1.0f;
 };
+
+// Whether c is a routing strata computes (the rules above); the reason when it is not.
+bool router_config_ok(const RouterConfig& c, const char** why = nullptr);
 
 // The experts' weights, one pointer per expert (E entries each): the Hugging Face tensors are
 // separate, so they need not be contiguous. T = const float for weights, float for gradients.
@@ -49,9 +72,10 @@ struct ExpertTensors {
 };
 
 #define STRATA_MOE_OPS                                                                            \
-  /* probs (N,E) = softmax(logits) over all experts (kept for backward and the aux loss).        \
-     Selection uses logits (kTopKThenSoftmax) or probs (kSoftmaxThenTopK), plus selection_bias  \
-     when it is not null. expert_idx, weights (N,K) are overwritten. */                          \
+  /* probs (N,E) = softmax(logits) over all experts, or sigmoid(logits) for kSigmoidThenTopK   \
+     (kept for backward and the aux loss). Selection uses logits (kTopKThenSoftmax) or probs    \
+     (the others), plus selection_bias when it is not null, within the chosen groups.           \
+     expert_idx, weights (N,K) are overwritten. */                                               \
   void moe_route_forward(int32_t* expert_idx /*(N,K)*/, float* weights /*(N,K)*/,                 \
                          float* probs /*(N,E)*/, const float* logits /*(N,E)*/,                   \
                          const float* selection_bias /*(E) or null*/, int64_t N,                  \

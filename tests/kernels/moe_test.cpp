@@ -189,7 +189,87 @@ std::vector<Case> routing_cases() {
       {"qwen_top2", {4, 2, RS::kSoftmaxThenTopK, false}},
       {"qwen_top2_normalized", {4, 2, RS::kSoftmaxThenTopK, true}},
       {"qwen_top3_of_6_normalized", {6, 3, RS::kSoftmaxThenTopK, true}},
+      // DeepSeek-V2: group-limited greedy over softmax probabilities, scaled.
+      {"deepseek_v2_groups_scaled", {8, 3, RS::kSoftmaxThenTopK, false, 4, 2, GroupScore::kMax, 2.0f}},
+      // DeepSeek-V3: sigmoid scores, top-two group sums, normalised and scaled.
+      {"deepseek_v3_groups", {8, 2, RS::kSigmoidThenTopK, true, 4, 2, GroupScore::kTopTwoSum, 2.5f}},
+      {"sigmoid_unnormalized", {6, 2, RS::kSigmoidThenTopK, false, 1, 1, GroupScore::kMax, 1.5f}},
   };
+}
+
+// The logit whose sigmoid is s.
+float logit_of(double s) { return static_cast<float>(std::log(s / (1.0 - s))); }
+
+TEST(MoeRouting, SigmoidScoresEachExpertOnItsOwn) {
+  const double s[4] = {0.3, 0.9, 0.6, 0.2};
+  float logits[4];
+  for (int e = 0; e < 4; ++e) logits[e] = logit_of(s[e]);
+  for (const Backend* b : {&kRef, &kCpu}) {
+    int32_t idx[2];
+    float w[2], probs[4];
+    b->route_forward(idx, w, probs, logits, nullptr, 1,
+                     {4, 2, RouterScoring::kSigmoidThenTopK, true, 1, 1, GroupScore::kMax, 2.5f});
+    for (int e = 0; e < 4; ++e) EXPECT_NEAR(probs[e], s[e], 1e-6) << b->name;
+    EXPECT_EQ(idx[0], 1) << b->name;
+    EXPECT_EQ(idx[1], 2) << b->name;
+    EXPECT_NEAR(w[0], 2.5 * 0.9 / 1.5, 1e-6) << b->name;
+    EXPECT_NEAR(w[1], 2.5 * 0.6 / 1.5, 1e-6) << b->name;
+    b->route_forward(idx, w, probs, logits, nullptr, 1,
+                     {4, 2, RouterScoring::kSigmoidThenTopK, false, 1, 1, GroupScore::kMax, 1.0f});
+    EXPECT_NEAR(w[0], 0.9, 1e-6) << b->name;
+    EXPECT_NEAR(w[1], 0.6, 1e-6) << b->name;
+  }
+}
+
+// Eight experts in four groups of two, two groups kept. The two best experts (0 and 2) are in
+// different groups; group 1 has the best pair, group 2 the next, group 0 only one good expert.
+TEST(MoeRouting, GroupLimitingChangesTheChoice) {
+  const double s[8] = {0.95, 0.05, 0.9, 0.7, 0.8, 0.75, 0.1, 0.1};
+  float logits[8];
+  for (int e = 0; e < 8; ++e) logits[e] = logit_of(s[e]);
+  using RS = RouterScoring;
+  const RouterConfig plain{8, 2, RS::kSigmoidThenTopK, true};
+  const RouterConfig top_two{8, 2, RS::kSigmoidThenTopK, true, 4, 2, GroupScore::kTopTwoSum};
+  const RouterConfig by_max{8, 2, RS::kSigmoidThenTopK, true, 4, 2, GroupScore::kMax};
+  const RouterConfig one_group{8, 2, RS::kSigmoidThenTopK, true, 4, 1, GroupScore::kTopTwoSum};
+  for (const Backend* b : {&kRef, &kCpu}) {
+    int32_t idx[2];
+    float w[2], probs[8];
+    b->route_forward(idx, w, probs, logits, nullptr, 1, plain);
+    EXPECT_EQ(std::vector<int32_t>(idx, idx + 2), (std::vector<int32_t>{0, 2})) << b->name;
+    // Group sums: 1.0, 1.6, 1.55, 0.2: groups 1 and 2 are kept, expert 0 is not eligible.
+    b->route_forward(idx, w, probs, logits, nullptr, 1, top_two);
+    EXPECT_EQ(std::vector<int32_t>(idx, idx + 2), (std::vector<int32_t>{2, 4})) << b->name;
+    EXPECT_NEAR(w[0], 0.9 / 1.7, 1e-6) << b->name;
+    // Group maxima: 0.95, 0.9, 0.8, 0.1: groups 0 and 1 are kept.
+    b->route_forward(idx, w, probs, logits, nullptr, 1, by_max);
+    EXPECT_EQ(std::vector<int32_t>(idx, idx + 2), (std::vector<int32_t>{0, 2})) << b->name;
+    b->route_forward(idx, w, probs, logits, nullptr, 1, one_group);
+    EXPECT_EQ(std::vector<int32_t>(idx, idx + 2), (std::vector<int32_t>{2, 3})) << b->name;
+    // The selection bias moves group 3 to the top (0.1 + 1 twice) but not the weights.
+    const float bias[8] = {0, 0, 0, 0, 0, 0, 1.0f, 1.0f};
+    b->route_forward(idx, w, probs, logits, bias, 1, one_group);
+    EXPECT_EQ(std::vector<int32_t>(idx, idx + 2), (std::vector<int32_t>{6, 7})) << b->name;
+    EXPECT_NEAR(w[0], 0.5, 1e-6) << b->name;
+  }
+}
+
+TEST(MoeRouting, ConfigsOutsideTheRulesAreNamed) {
+  using RS = RouterScoring;
+  const char* why = nullptr;
+  EXPECT_TRUE(router_config_ok({8, 2, RS::kSigmoidThenTopK, true, 4, 2, GroupScore::kTopTwoSum, 2.5f}));
+  EXPECT_FALSE(router_config_ok({8, 2, RS::kSigmoidThenTopK, true, 3, 2}, &why));
+  EXPECT_STREQ(why, "num_groups must divide num_experts");
+  EXPECT_FALSE(router_config_ok({8, 2, RS::kSigmoidThenTopK, true, 4, 5}, &why));
+  EXPECT_STREQ(why, "needs 1 <= top_groups <= num_groups");
+  EXPECT_FALSE(router_config_ok({8, 3, RS::kSigmoidThenTopK, true, 4, 1}, &why));
+  EXPECT_STREQ(why, "the kept groups hold fewer experts than top_k");
+  EXPECT_FALSE(router_config_ok({8, 1, RS::kSigmoidThenTopK, true, 8, 1, GroupScore::kTopTwoSum}, &why));
+  EXPECT_STREQ(why, "a top-two group score needs groups of at least 2 experts");
+  EXPECT_FALSE(router_config_ok({8, 2, RS::kTopKThenSoftmax, false, 2, 1}, &why));
+  EXPECT_STREQ(why, "top-k-then-softmax routing takes neither groups nor a scale");
+  EXPECT_FALSE(router_config_ok({8, 2, RS::kSoftmaxThenTopK, false, 1, 1, GroupScore::kMax, 0.0f}, &why));
+  EXPECT_STREQ(why, "the routing scale must be positive and finite");
 }
 
 TEST(MoeRouting, ForwardMatchesDefinitionForBothScorings) {

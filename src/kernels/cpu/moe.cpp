@@ -13,14 +13,16 @@
 namespace strata::kernels {
 namespace {
 
-// Writes the indices of the K largest scores (descending; ties to the lower index) into out.
-// Repeated arg-max: K * E comparisons, and exact ordering without a sort.
+// Writes the indices of the K largest scores (descending; ties to the lower index) into out,
+// among the experts not `excluded` (null: all). Repeated arg-max: K * E comparisons, and exact
+// ordering without a sort.
 template <typename Score>
-void top_k_indices(int32_t* out /*(K)*/, const Score* scores /*(E)*/, int64_t E, int64_t K) {
+void top_k_indices(int32_t* out /*(K)*/, const Score* scores /*(E)*/, int64_t E, int64_t K,
+                   const unsigned char* excluded = nullptr) {
   for (int64_t k = 0; k < K; ++k) {
     int64_t best = -1;
     for (int64_t e = 0; e < E; ++e) {
-      bool taken = false;
+      bool taken = excluded != nullptr && excluded[e] != 0;
       for (int64_t j = 0; j < k; ++j) taken = taken || out[j] == e;
       if (taken) continue;
       if (best < 0 || scores[e] > scores[best]) best = e;
@@ -29,9 +31,35 @@ void top_k_indices(int32_t* out /*(K)*/, const Score* scores /*(E)*/, int64_t E,
   }
 }
 
+// Group-limited routing: marks in excluded (E) the experts outside the config's top_groups
+// groups by group score; all zero without groups.
+template <typename Score>
+void exclude_groups(unsigned char* excluded /*(E)*/, const Score* scores /*(E)*/, const RouterConfig& c) {
+  const int64_t E = c.num_experts, G = c.num_groups, per = E / G;
+  std::fill(excluded, excluded + E, static_cast<unsigned char>(0));
+  if (G <= 1) return;
+  std::vector<Score> group(static_cast<size_t>(G));
+  for (int64_t g = 0; g < G; ++g) {
+    const Score* s = scores + g * per;
+    if (c.group_score == GroupScore::kMax) {
+      Score m = s[0];
+      for (int64_t i = 1; i < per; ++i) m = std::max(m, s[i]);
+      group[static_cast<size_t>(g)] = m;
+    } else {
+      int32_t two[2];
+      top_k_indices(two, s, per, 2);
+      group[static_cast<size_t>(g)] = s[two[0]] + s[two[1]];
+    }
+  }
+  std::vector<int32_t> kept(static_cast<size_t>(c.top_groups));
+  top_k_indices(kept.data(), group.data(), G, c.top_groups);
+  std::fill(excluded, excluded + E, static_cast<unsigned char>(1));
+  for (const int32_t g : kept) std::fill_n(excluded + g * per, per, static_cast<unsigned char>(0));
+}
+
 void check_router(const RouterConfig& c) {
-  CHECK_MSG(c.num_experts > 0 && c.top_k >= 1 && c.top_k <= c.num_experts,
-            "router needs 1 <= top_k <= num_experts");
+  const char* why = nullptr;
+  CHECK_MSG(router_config_ok(c, &why), std::string("router config: ") + why);
 }
 
 // Counting sort shared by both backends: it is already linear and exact.
@@ -54,6 +82,24 @@ void permute_impl(int32_t* slot_of, int32_t* token_of_slot, int64_t* expert_offs
 }
 
 }  // namespace
+
+bool router_config_ok(const RouterConfig& c, const char** why) {
+  auto fail = [&](const char* reason) {
+    if (why != nullptr) *why = reason;
+    return false;
+  };
+  if (!(c.num_experts > 0 && c.top_k >= 1 && c.top_k <= c.num_experts)) return fail("needs 1 <= top_k <= num_experts");
+  if (c.num_groups < 1 || c.num_experts % c.num_groups != 0) return fail("num_groups must divide num_experts");
+  if (c.top_groups < 1 || c.top_groups > c.num_groups) return fail("needs 1 <= top_groups <= num_groups");
+  if (c.top_groups * (c.num_experts / c.num_groups) < c.top_k)
+    return fail("the kept groups hold fewer experts than top_k");
+  if (c.num_groups > 1 && c.group_score == GroupScore::kTopTwoSum && c.num_experts / c.num_groups < 2)
+    return fail("a top-two group score needs groups of at least 2 experts");
+  if (c.scoring == RouterScoring::kTopKThenSoftmax && (c.num_groups != 1 || c.scale != 1.0f))
+    return fail("top-k-then-softmax routing takes neither groups nor a scale");
+  if (!(c.scale > 0 && std::isfinite(c.scale))) return fail("the routing scale must be positive and finite");
+  return true;
+}
 
 double moe_aux_loss(const int64_t* counts, const double* prob_sums, int64_t tokens, int64_t E) {
   if (tokens <= 0) return 0.0;
@@ -90,21 +136,28 @@ void moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const 
   check_router(config);
   const int64_t E = config.num_experts;
   const int64_t K = config.top_k;
+  const bool sigmoid = config.scoring == RouterScoring::kSigmoidThenTopK;
   std::vector<double> p(static_cast<size_t>(E)), score(static_cast<size_t>(E));
+  std::vector<unsigned char> excluded(static_cast<size_t>(E));
   for (int64_t n = 0; n < N; ++n) {
     const float* l = logits + n * E;
-    double max_logit = l[0];
-    for (int64_t e = 1; e < E; ++e) max_logit = std::max(max_logit, double(l[e]));
-    double denom = 0;
-    for (int64_t e = 0; e < E; ++e) denom += p[e] = std::exp(double(l[e]) - max_logit);
+    if (sigmoid) {
+      for (int64_t e = 0; e < E; ++e) p[e] = 1.0 / (1.0 + std::exp(-double(l[e])));
+    } else {
+      double max_logit = l[0];
+      for (int64_t e = 1; e < E; ++e) max_logit = std::max(max_logit, double(l[e]));
+      double denom = 0;
+      for (int64_t e = 0; e < E; ++e) denom += p[e] = std::exp(double(l[e]) - max_logit);
+      for (int64_t e = 0; e < E; ++e) p[e] /= denom;
+    }
     for (int64_t e = 0; e < E; ++e) {
-      p[e] /= denom;
       probs[n * E + e] = static_cast<float>(p[e]);
       const double base = config.scoring == RouterScoring::kTopKThenSoftmax ? double(l[e]) : p[e];
       score[e] = base + (selection_bias ? double(selection_bias[e]) : 0.0);
     }
     int32_t* idx = expert_idx + n * K;
-    top_k_indices(idx, score.data(), E, K);
+    exclude_groups(excluded.data(), score.data(), config);
+    top_k_indices(idx, score.data(), E, K, excluded.data());
     float* w = weights + n * K;
     if (config.scoring == RouterScoring::kTopKThenSoftmax) {
       double top_max = l[idx[0]];
@@ -116,7 +169,7 @@ void moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const 
       double z = 0;
       for (int64_t k = 0; k < K; ++k) z += p[idx[k]];
       for (int64_t k = 0; k < K; ++k) {
-        w[k] = static_cast<float>(config.normalize_top_k ? p[idx[k]] / z : p[idx[k]]);
+        w[k] = static_cast<float>((config.normalize_top_k ? p[idx[k]] / z : p[idx[k]]) * double(config.scale));
       }
     }
   }
@@ -142,15 +195,23 @@ void moe_route_backward(float* dlogits, const float* dweights, const float* prob
       // w = softmax over the selected logits: dl_s = w_s (dw_s - <w, dw>).
       for (int64_t k = 0; k < K; ++k) dl[idx[k]] += double(w[k]) * (double(dw[k]) - w_dot_dw);
     } else if (config.normalize_top_k) {
-      // w_k = p_k / Z, Z = sum of the selected p: dp_k = (dw_k - <w, dw>) / Z.
+      // w_k = c p_k / Z, Z = sum of the selected p, c the scale: dp_k = c (dw_k - <w, dw> / c) / Z.
+      const double c = config.scale;
       double z = 0;
       for (int64_t k = 0; k < K; ++k) z += double(p[idx[k]]);
-      for (int64_t k = 0; k < K; ++k) dp[idx[k]] += (double(dw[k]) - w_dot_dw) / z;
+      for (int64_t k = 0; k < K; ++k) dp[idx[k]] += c * (double(dw[k]) - w_dot_dw / c) / z;
     } else {
-      for (int64_t k = 0; k < K; ++k) dp[idx[k]] += double(dw[k]);
+      for (int64_t k = 0; k < K; ++k) dp[idx[k]] += double(config.scale) * double(dw[k]);
     }
     if (prob_grad) {
       for (int64_t e = 0; e < E; ++e) dp[e] += double(prob_grad[e]);
+    }
+    if (config.scoring == RouterScoring::kSigmoidThenTopK) {
+      // Each score is its own logit's sigmoid: dl = dp * p (1 - p).
+      for (int64_t e = 0; e < E; ++e) {
+        dlogits[n * E + e] = static_cast<float>(dp[e] * double(p[e]) * (1.0 - double(p[e])));
+      }
+      continue;
     }
     // Softmax backward over all experts: dl += p * (dp - <p, dp>).
     double p_dot_dp = 0;
@@ -284,22 +345,28 @@ void moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const 
 #pragma omp parallel if (N * E * K >= kParallelWork)
   {
     std::vector<float> score(static_cast<size_t>(E));
+    std::vector<unsigned char> excluded(static_cast<size_t>(E));
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const float* l = logits + n * E;
       float* p = probs + n * E;
-      float max_logit = l[0];
-      for (int64_t e = 1; e < E; ++e) max_logit = std::max(max_logit, l[e]);
-      float denom = 0;
-      for (int64_t e = 0; e < E; ++e) denom += p[e] = std::exp(l[e] - max_logit);
-      const float inv = 1.0f / denom;
+      if (config.scoring == RouterScoring::kSigmoidThenTopK) {
+        for (int64_t e = 0; e < E; ++e) p[e] = 1.0f / (1.0f + std::exp(-l[e]));
+      } else {
+        float max_logit = l[0];
+        for (int64_t e = 1; e < E; ++e) max_logit = std::max(max_logit, l[e]);
+        float denom = 0;
+        for (int64_t e = 0; e < E; ++e) denom += p[e] = std::exp(l[e] - max_logit);
+        const float inv = 1.0f / denom;
+        for (int64_t e = 0; e < E; ++e) p[e] *= inv;
+      }
       for (int64_t e = 0; e < E; ++e) {
-        p[e] *= inv;
         const float base = config.scoring == RouterScoring::kTopKThenSoftmax ? l[e] : p[e];
         score[e] = base + (selection_bias ? selection_bias[e] : 0.0f);
       }
       int32_t* idx = expert_idx + n * K;
-      top_k_indices(idx, score.data(), E, K);
+      exclude_groups(excluded.data(), score.data(), config);
+      top_k_indices(idx, score.data(), E, K, excluded.data());
       float* w = weights + n * K;
       if (config.scoring == RouterScoring::kTopKThenSoftmax) {
         float top_max = l[idx[0]];
@@ -313,6 +380,7 @@ void moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const 
         if (config.normalize_top_k) {
           for (int64_t k = 0; k < K; ++k) w[k] /= z;
         }
+        for (int64_t k = 0; k < K; ++k) w[k] *= config.scale;
       }
     }
   }
@@ -343,11 +411,16 @@ void moe_route_backward(float* dlogits, const float* dweights, const float* prob
       if (config.scoring == RouterScoring::kTopKThenSoftmax) {
         for (int64_t k = 0; k < K; ++k) dl[idx[k]] += w[k] * (dw[k] - w_dot_dw);
       } else if (config.normalize_top_k) {
+        const float c = config.scale;
         float z = 0;
         for (int64_t k = 0; k < K; ++k) z += p[idx[k]];
-        for (int64_t k = 0; k < K; ++k) dp[idx[k]] += (dw[k] - w_dot_dw) / z;
+        for (int64_t k = 0; k < K; ++k) dp[idx[k]] += c * (dw[k] - w_dot_dw / c) / z;
       } else {
-        for (int64_t k = 0; k < K; ++k) dp[idx[k]] += dw[k];
+        for (int64_t k = 0; k < K; ++k) dp[idx[k]] += config.scale * dw[k];
+      }
+      if (config.scoring == RouterScoring::kSigmoidThenTopK) {
+        for (int64_t e = 0; e < E; ++e) dl[e] = dp[e] * p[e] * (1.0f - p[e]);
+        continue;
       }
       float p_dot_dp = 0;
       for (int64_t e = 0; e < E; ++e) p_dot_dp += p[e] * dp[e];

@@ -48,9 +48,27 @@ __device__ __forceinline__ void check_expert(int32_t e, int E) {
 // One warp per token. probs = softmax(logits) in double; score = logits or probs, plus the
 // selection bias; the K best scores by repeated warp arg-max (ties to the lower index, as the
 // reference); then the weights of the selected experts, by lane 0 in k order.
+// The score of group g of `per` experts (GroupScore): its largest selection score, or the sum of
+// its two largest.
+__device__ double group_score(const double* score, int g, int per, bool top_two) {
+  double first = -INFINITY, second = -INFINITY;
+  for (int i = g * per; i < (g + 1) * per; ++i) {
+    if (score[i] > first) {
+      second = first;
+      first = score[i];
+    } else if (score[i] > second) {
+      second = score[i];
+    }
+  }
+  return top_two ? first + second : first;
+}
+
 __global__ void route_forward_kernel(int32_t* expert_idx, float* weights, float* probs, const float* logits,
-                                     const float* bias, int64_t N, int E, int K, bool topk_then_softmax,
-                                     bool normalize) {
+                                     const float* bias, int64_t N, RouterConfig c) {
+  const int E = static_cast<int>(c.num_experts), K = static_cast<int>(c.top_k);
+  const bool topk_then_softmax = c.scoring == RouterScoring::kTopKThenSoftmax;
+  const bool sigmoid = c.scoring == RouterScoring::kSigmoidThenTopK;
+  const bool normalize = c.normalize_top_k;
   extern __shared__ double route_shared[];
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t n = int64_t{blockIdx.x} * (blockDim.x / kWarpSize) + warp;
@@ -60,22 +78,45 @@ __global__ void route_forward_kernel(int32_t* expert_idx, float* weights, float*
   auto* taken = reinterpret_cast<unsigned char*>(score + E);  // (E)
   const float* l = logits + n * E;
 
-  double max_logit = -INFINITY;
-  for (int e = lane; e < E; e += kWarpSize) max_logit = fmax(max_logit, double(l[e]));
-  max_logit = warp_max(max_logit);
-  double partial = 0.0;
-  for (int e = lane; e < E; e += kWarpSize) {
-    const double v = exp(double(l[e]) - max_logit);
-    p[e] = v;
-    partial += v;
+  if (sigmoid) {
+    for (int e = lane; e < E; e += kWarpSize) p[e] = 1.0 / (1.0 + exp(-double(l[e])));
+  } else {
+    double max_logit = -INFINITY;
+    for (int e = lane; e < E; e += kWarpSize) max_logit = fmax(max_logit, double(l[e]));
+    max_logit = warp_max(max_logit);
+    double partial = 0.0;
+    for (int e = lane; e < E; e += kWarpSize) {
+      const double v = exp(double(l[e]) - max_logit);
+      p[e] = v;
+      partial += v;
+    }
+    const double denom = warp_sum(partial);
+    for (int e = lane; e < E; e += kWarpSize) p[e] /= denom;
   }
-  const double denom = warp_sum(partial);
   for (int e = lane; e < E; e += kWarpSize) {
-    p[e] /= denom;
     probs[n * E + e] = static_cast<float>(p[e]);
     const double base = topk_then_softmax ? double(l[e]) : p[e];
     score[e] = base + (bias != nullptr ? double(bias[e]) : 0.0);
-    taken[e] = 0;
+    taken[e] = c.num_groups > 1 ? 1 : 0;  // with groups, every expert starts excluded
+  }
+  __syncwarp();
+  if (c.num_groups > 1 && lane == 0) {
+    // Group-limited routing: the top_groups best groups (ties to the lower one) become eligible.
+    const int G = static_cast<int>(c.num_groups), per = E / G;
+    const bool top_two = c.group_score == GroupScore::kTopTwoSum;
+    for (int pick = 0; pick < c.top_groups; ++pick) {
+      int best = -1;
+      double best_score = 0.0;
+      for (int g = 0; g < G; ++g) {
+        if (taken[g * per] == 0) continue;  // already kept
+        const double v = group_score(score, g, per, top_two);
+        if (best < 0 || v > best_score) {
+          best = g;
+          best_score = v;
+        }
+      }
+      for (int i = best * per; i < (best + 1) * per; ++i) taken[i] = 0;
+    }
   }
   __syncwarp();
 
@@ -121,7 +162,7 @@ __global__ void route_forward_kernel(int32_t* expert_idx, float* weights, float*
     } else {
       double z = 0.0;
       for (int k = 0; k < K; ++k) z += p[idx[k]];
-      for (int k = 0; k < K; ++k) w[k] = static_cast<float>(normalize ? p[idx[k]] / z : p[idx[k]]);
+      for (int k = 0; k < K; ++k) w[k] = static_cast<float>((normalize ? p[idx[k]] / z : p[idx[k]]) * double(c.scale));
     }
   }
 }
@@ -129,8 +170,10 @@ __global__ void route_forward_kernel(int32_t* expert_idx, float* weights, float*
 // One warp per token: the gradient through the selected weights (lane 0, k order), plus
 // prob_grad, then the softmax backward dl += p * (dp - <p, dp>) over all experts. Double.
 __global__ void route_backward_kernel(float* dlogits, const float* dweights, const float* prob_grad, const float* probs,
-                                      const int32_t* expert_idx, const float* weights, int64_t N, int E, int K,
-                                      bool topk_then_softmax, bool normalize) {
+                                      const int32_t* expert_idx, const float* weights, int64_t N, RouterConfig c) {
+  const int E = static_cast<int>(c.num_experts), K = static_cast<int>(c.top_k);
+  const bool topk_then_softmax = c.scoring == RouterScoring::kTopKThenSoftmax;
+  const bool normalize = c.normalize_top_k;
   extern __shared__ double route_shared[];
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t n = int64_t{blockIdx.x} * (blockDim.x / kWarpSize) + warp;
@@ -154,15 +197,24 @@ __global__ void route_backward_kernel(float* dlogits, const float* dweights, con
       // w = softmax over the selected logits: dl_s = w_s (dw_s - <w, dw>).
       for (int k = 0; k < K; ++k) dl[idx[k]] += double(w[k]) * (double(dw[k]) - w_dot_dw);
     } else if (normalize) {
-      // w_k = p_k / Z, Z = sum of the selected p: dp_k = (dw_k - <w, dw>) / Z.
+      // w_k = s p_k / Z, Z = sum of the selected p, s the scale: dp_k = s (dw_k - <w, dw> / s) / Z.
+      const double scale = c.scale;
       double z = 0.0;
       for (int k = 0; k < K; ++k) z += double(p[idx[k]]);
-      for (int k = 0; k < K; ++k) dp[idx[k]] += (double(dw[k]) - w_dot_dw) / z;
+      for (int k = 0; k < K; ++k) dp[idx[k]] += scale * (double(dw[k]) - w_dot_dw / scale) / z;
     } else {
-      for (int k = 0; k < K; ++k) dp[idx[k]] += double(dw[k]);
+      for (int k = 0; k < K; ++k) dp[idx[k]] += double(c.scale) * double(dw[k]);
     }
   }
   __syncwarp();
+  if (c.scoring == RouterScoring::kSigmoidThenTopK) {
+    // Each score is its own logit's sigmoid: dl = dp * p (1 - p).
+    for (int e = lane; e < E; e += kWarpSize) {
+      if (prob_grad != nullptr) dp[e] += double(prob_grad[e]);
+      dlogits[n * E + e] = static_cast<float>(dp[e] * double(p[e]) * (1.0 - double(p[e])));
+    }
+    return;
+  }
   double partial = 0.0;
   for (int e = lane; e < E; e += kWarpSize) {
     if (prob_grad != nullptr) dp[e] += double(prob_grad[e]);
@@ -194,7 +246,8 @@ RouteLaunch route_launch(int64_t N, int64_t E) {
 }
 
 void check_router(const RouterConfig& c) {
-  CHECK_MSG(c.num_experts > 0 && c.top_k >= 1 && c.top_k <= c.num_experts, "router needs 1 <= top_k <= num_experts");
+  const char* why = nullptr;
+  CHECK_MSG(router_config_ok(c, &why), std::string("router config: ") + why);
 }
 
 // ---- permutation ----------------------------------------------------------------------------
@@ -489,8 +542,7 @@ void moe_route_forward(int32_t* expert_idx, float* weights, float* probs, const 
   if (N == 0) return;
   const RouteLaunch launch = route_launch(N, config.num_experts);
   route_forward_kernel<<<launch.blocks, launch.threads, launch.shared_bytes, stream>>>(
-      expert_idx, weights, probs, logits, selection_bias, N, static_cast<int>(config.num_experts),
-      static_cast<int>(config.top_k), config.scoring == RouterScoring::kTopKThenSoftmax, config.normalize_top_k);
+      expert_idx, weights, probs, logits, selection_bias, N, config);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -502,8 +554,7 @@ void moe_route_backward(float* dlogits, const float* dweights, const float* prob
   if (N == 0) return;
   const RouteLaunch launch = route_launch(N, config.num_experts);
   route_backward_kernel<<<launch.blocks, launch.threads, launch.shared_bytes, stream>>>(
-      dlogits, dweights, prob_grad, probs, expert_idx, weights, N, static_cast<int>(config.num_experts),
-      static_cast<int>(config.top_k), config.scoring == RouterScoring::kTopKThenSoftmax, config.normalize_top_k);
+      dlogits, dweights, prob_grad, probs, expert_idx, weights, N, config);
   CUDA_CHECK_LAUNCH();
 }
 
