@@ -37,6 +37,7 @@ namespace {
 
 namespace ref = kernels::ref;
 namespace cu = kernels::cuda;
+using kernels::GroupScore;
 using kernels::RouterConfig;
 using kernels::RouterScoring;
 
@@ -123,33 +124,42 @@ struct RouteCase {
   int64_t N, E, K;
   RouterScoring scoring;
   bool normalize;
+  // Group-limited routing and the weights' scale (kernels/moe.h); 1, 1, 1: none.
+  int64_t groups = 1, top_groups = 1;
+  bool top_two = false;
+  float scale = 1.0f;
+  RouterConfig config() const {
+    return {E, K, scoring, normalize, groups, top_groups, top_two ? GroupScore::kTopTwoSum : GroupScore::kMax, scale};
+  }
 };
 
 std::vector<RouteCase> route_cases() {
   const auto mixtral = RouterScoring::kTopKThenSoftmax;
   const auto qwen = RouterScoring::kSoftmaxThenTopK;
+  const auto sigmoid = RouterScoring::kSigmoidThenTopK;
   return {
       {1, 1, 1, mixtral, false},   {7, 8, 2, mixtral, false}, {257, 8, 2, mixtral, false}, {65, 5, 5, mixtral, false},
       {50, 33, 3, mixtral, false}, {33, 60, 4, qwen, false},  {1000, 60, 4, qwen, true},   {129, 128, 8, qwen, true},
       {20, 257, 6, qwen, false},   {31, 8, 2, qwen, true},    {17, 2048, 8, qwen, true},
+      // DeepSeek-V2 (group-limited greedy, scaled), DeepSeek-V3 (sigmoid, top-two group sums).
+      {45, 64, 6, qwen, false, 8, 3, false, 16.0f}, {300, 256, 8, sigmoid, true, 8, 4, true, 2.5f},
+      {17, 8, 2, sigmoid, false},  {9, 160, 6, sigmoid, true, 16, 3, true, 1.0f},
   };
 }
 
 std::string describe(const RouteCase& c, bool bias, const char* inputs) {
-  return dims({{"N", c.N}, {"E", c.E}, {"K", c.K}, {"bias", bias}}) +
-         (c.scoring == RouterScoring::kTopKThenSoftmax ? " topk-then-softmax" : " softmax-then-topk") +
-         (c.normalize ? " normalized " : " ") + inputs;
+  const char* scoring = c.scoring == RouterScoring::kTopKThenSoftmax   ? " topk-then-softmax"
+                        : c.scoring == RouterScoring::kSoftmaxThenTopK ? " softmax-then-topk"
+                                                                       : " sigmoid-then-topk";
+  return dims({{"N", c.N}, {"E", c.E}, {"K", c.K}, {"groups", c.groups}, {"top_groups", c.top_groups}, {"bias", bias}}) +
+         scoring + (c.top_two ? " top-two" : "") + (c.normalize ? " normalized " : " ") + inputs;
 }
 
 // Forward on both backends from the same logits; checks the outputs; returns nothing (the
 // backward test recomputes the reference forward itself).
 void check_route_forward(const RouteCase& c, const std::vector<float>& logits, const std::vector<float>* bias,
                          const std::string& what, cudaStream_t stream) {
-  RouterConfig config;
-  config.num_experts = c.E;
-  config.top_k = c.K;
-  config.scoring = c.scoring;
-  config.normalize_top_k = c.normalize;
+  const RouterConfig config = c.config();
   std::vector<int32_t> idx(c.N * c.K);
   std::vector<float> weights(c.N * c.K), probs(c.N * c.E);
   ref::moe_route_forward(idx.data(), weights.data(), probs.data(), logits.data(), bias ? bias->data() : nullptr, c.N,
@@ -197,11 +207,7 @@ TEST(MoeParity, RouteBackward) {
   for (const RouteCase& c : route_cases()) {
     for (bool with_prob_grad : {false, true}) {
       const std::string what = describe(c, false, with_prob_grad ? "prob_grad" : "no prob_grad");
-      RouterConfig config;
-      config.num_experts = c.E;
-      config.top_k = c.K;
-      config.scoring = c.scoring;
-      config.normalize_top_k = c.normalize;
+      const RouterConfig config = c.config();
       const uint64_t seed = 300 + c.N * 7 + c.E * 3 + c.K;
       const std::vector<float> logits = random_vector(c.N * c.E, seed, -3.f, 3.f);
       std::vector<int32_t> idx(c.N * c.K);
