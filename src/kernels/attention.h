@@ -1,6 +1,11 @@
 // Causal grouped-query attention: query head h reads key/value head h / (Hq / Hkv).
-// scale = 1/sqrt(D). lse (B, Hq, T) is the log-sum-exp of each softmax row (scaled scores),
-// saved for backward so that backward never needs the T x T probabilities stored.
+// lse (B, Hq, T) is the log-sum-exp of each softmax row (scaled scores), saved for backward so
+// that backward never needs the T x T probabilities stored.
+//
+// Head dims: queries and keys have D, values and outputs Dv (0: Dv = D). Multi-head latent
+// attention (DeepSeek-V2/V3) has D = qk_nope_head_dim + qk_rope_head_dim = 192 and Dv = 128.
+// scale multiplies the scores q.k before the softmax; 0 means 1/sqrt(D) (DeepSeek's YaRN models
+// multiply that by mscale^2).
 //
 // past: keys and values of `past` earlier positions precede the T new ones (a KV cache, in
 // generation): k and v hold past + T rows per sequence, query t is at position past + t and
@@ -22,18 +27,20 @@
 
 namespace strata::kernels {
 #define STRATA_ATTENTION_OPS                                                                      \
-  void attention_forward(float* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,                      \
+  void attention_forward(float* out /*(B,T,Hq,Dv)*/, float* lse /*(B,Hq,T)*/,                     \
                          const float* q /*(B,T,Hq,D)*/, const float* k /*(B,past+T,Hkv,D)*/,      \
-                         const float* v /*(B,past+T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,   \
+                         const float* v /*(B,past+T,Hkv,Dv)*/, int64_t B, int64_t T, int64_t Hq,  \
                          int64_t Hkv, int64_t D, int64_t past = 0,                                 \
-                         const int32_t* positions /*(B,T) or null*/ = nullptr);                   \
+                         const int32_t* positions /*(B,T) or null*/ = nullptr, int64_t Dv = 0,    \
+                         double scale = 0);                                                        \
   /* dq, dk, dv = (overwritten) */                                                                \
   void attention_backward(float* dq /*(B,T,Hq,D)*/, float* dk /*(B,T,Hkv,D)*/,                    \
-                          float* dv /*(B,T,Hkv,D)*/, const float* dout /*(B,T,Hq,D)*/,            \
+                          float* dv /*(B,T,Hkv,Dv)*/, const float* dout /*(B,T,Hq,Dv)*/,          \
                           const float* q, const float* k, const float* v,                         \
-                          const float* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/,         \
+                          const float* out /*(B,T,Hq,Dv)*/, const float* lse /*(B,Hq,T)*/,        \
                           int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,               \
-                          const int32_t* positions /*(B,T) or null*/ = nullptr);
+                          const int32_t* positions /*(B,T) or null*/ = nullptr, int64_t Dv = 0,   \
+                          double scale = 0);
 namespace ref { STRATA_ATTENTION_OPS }
 namespace cpu { STRATA_ATTENTION_OPS }
 #undef STRATA_ATTENTION_OPS

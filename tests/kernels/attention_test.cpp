@@ -33,18 +33,23 @@ const AttnShape kShapes[] = {{1, 1, 1, 1, 8},   {2, 7, 2, 1, 16},
                              {1, 33, 4, 2, 8},  {2, 17, 4, 4, 16},
                              {1, 65, 4, 1, 64}, {1, 33, 2, 2, 64}};
 
+// Dv: the value head dim (0: D); scale: the softmax scale (0: 1/sqrt(D)).
 struct AttnData {
-  explicit AttnData(const AttnShape &s, uint64_t seed)
-      : shape(s), q_size(s.B * s.T * s.Hq * s.D),
-        kv_size(s.B * s.T * s.Hkv * s.D),
+  explicit AttnData(const AttnShape &s, uint64_t seed, int64_t value_dim = 0,
+                    double softmax_scale = 0)
+      : shape(s), Dv(value_dim == 0 ? s.D : value_dim), scale(softmax_scale),
+        q_size(s.B * s.T * s.Hq * s.D), kv_size(s.B * s.T * s.Hkv * s.D),
+        o_size(s.B * s.T * s.Hq * Dv), v_size(s.B * s.T * s.Hkv * Dv),
         // A wider spread than [-1, 1] makes the softmax rows peaked as well as
         // flat.
         q(random_vector(q_size, seed, -2.f, 2.f)),
         k(random_vector(kv_size, seed + 1, -2.f, 2.f)),
-        v(random_vector(kv_size, seed + 2)),
-        dout(random_vector(q_size, seed + 3)) {}
+        v(random_vector(v_size, seed + 2)),
+        dout(random_vector(o_size, seed + 3)) {}
   AttnShape shape;
-  int64_t q_size, kv_size;
+  int64_t Dv;
+  double scale;
+  int64_t q_size, kv_size, o_size, v_size;
   std::vector<float> q, k, v, dout;
   std::vector<int32_t> positions; // (B, T) document masks; empty: none
 };
@@ -57,17 +62,18 @@ template <typename Forward, typename Backward>
 AttnResult run(const AttnData &d, Forward forward, Backward backward) {
   const auto [B, T, Hq, Hkv, D] = d.shape;
   AttnResult r;
-  r.out.assign(d.q_size, NAN);
+  r.out.assign(d.o_size, NAN);
   r.lse.assign(B * Hq * T, NAN);
   r.dq.assign(d.q_size, NAN);
   r.dk.assign(d.kv_size,
               NAN); // NaN-filled: backward must overwrite every element
-  r.dv.assign(d.kv_size, NAN);
+  r.dv.assign(d.v_size, NAN);
+  const int32_t *positions = d.positions.empty() ? nullptr : d.positions.data();
   forward(r.out.data(), r.lse.data(), d.q.data(), d.k.data(), d.v.data(), B, T,
-          Hq, Hkv, D, 0, d.positions.empty() ? nullptr : d.positions.data());
+          Hq, Hkv, D, 0, positions, d.Dv, d.scale);
   backward(r.dq.data(), r.dk.data(), r.dv.data(), d.dout.data(), d.q.data(),
            d.k.data(), d.v.data(), r.out.data(), r.lse.data(), B, T, Hq, Hkv,
-           D, d.positions.empty() ? nullptr : d.positions.data());
+           D, positions, d.Dv, d.scale);
   return r;
 }
 
@@ -102,7 +108,7 @@ TEST_P(AttentionShapeTest, FastBackwardMatchesReferenceOnSameInputs) {
   std::vector<float> dq(d.q_size), dk(d.kv_size), dv(d.kv_size);
   cpu::attention_backward(dq.data(), dk.data(), dv.data(), d.dout.data(),
                           d.q.data(), d.k.data(), d.v.data(), want.out.data(),
-                          want.lse.data(), B, T, Hq, Hkv, D);
+                          want.lse.data(), B, T, Hq, Hkv, D, nullptr);
   EXPECT_WITHIN(relative_error(dq, want.dq), 1e-5);
   EXPECT_WITHIN(relative_error(dk, want.dk), 1e-5);
   EXPECT_WITHIN(relative_error(dv, want.dv), 1e-5);
@@ -149,13 +155,13 @@ TEST_P(AttentionShapeTest, QueriesAfterCachedKeysGiveTheFullSequencesRowsBitwise
   for (const bool fast : {false, true}) {
     auto forward = fast ? cpu::attention_forward : ref::attention_forward;
     std::vector<float> full(d.q_size), full_lse(B * Hq * T);
-    forward(full.data(), full_lse.data(), d.q.data(), d.k.data(), d.v.data(), B, T, Hq, Hkv, D, 0, nullptr);
+    forward(full.data(), full_lse.data(), d.q.data(), d.k.data(), d.v.data(), B, T, Hq, Hkv, D, 0, nullptr, 0, 0);
     for (const int64_t past : {T / 2, T - 1}) {
       const int64_t n = T - past;  // the new queries
       std::vector<float> q(B * n * Hq * D), out(B * n * Hq * D, NAN), lse(B * Hq * n, NAN);
       for (int64_t b = 0; b < B; ++b)
         std::copy_n(d.q.begin() + (b * T + past) * Hq * D, n * Hq * D, q.begin() + b * n * Hq * D);
-      forward(out.data(), lse.data(), q.data(), d.k.data(), d.v.data(), B, n, Hq, Hkv, D, past, nullptr);
+      forward(out.data(), lse.data(), q.data(), d.k.data(), d.v.data(), B, n, Hq, Hkv, D, past, nullptr, 0, 0);
       for (int64_t b = 0; b < B; ++b) {
         for (int64_t i = 0; i < n * Hq * D; ++i)
           ASSERT_EQ(out[b * n * Hq * D + i], full[(b * T + past) * Hq * D + i]) << fast << " past " << past;
@@ -251,17 +257,19 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionShapeTest,
 
 // L = sum(out * dout) through the reference forward; its gradient with respect
 // to every element of q, k and v must match the reference backward.
-void check_finite_difference(const AttnShape &shape) {
-  AttnData d(shape, 50);
+void check_finite_difference(const AttnShape &shape, int64_t Dv = 0,
+                             double scale = 0) {
+  AttnData d(shape, 50, Dv, scale);
   const auto [B, T, Hq, Hkv, D] = shape;
   AttnResult analytic = run_ref(d);
-  std::vector<float> out(d.q_size), lse(B * Hq * T);
+  std::vector<float> out(d.o_size), lse(B * Hq * T);
   // Bindings captured by copy: clang 14 cannot capture a structured binding implicitly.
   auto loss = [&, B = B, T = T, Hq = Hq, Hkv = Hkv, D = D]() {
     ref::attention_forward(out.data(), lse.data(), d.q.data(), d.k.data(),
-                           d.v.data(), B, T, Hq, Hkv, D);
+                           d.v.data(), B, T, Hq, Hkv, D, 0, nullptr, d.Dv,
+                           d.scale);
     double s = 0;
-    for (int64_t i = 0; i < d.q_size; ++i)
+    for (int64_t i = 0; i < d.o_size; ++i)
       s += double(d.dout[i]) * out[i];
     return s;
   };
@@ -285,6 +293,57 @@ TEST(AttentionTest, ReferenceBackwardMatchesFiniteDifference) {
   check_finite_difference({1, 7, 2, 1, 8});
   check_finite_difference({2, 5, 4, 2, 8});
   check_finite_difference({1, 4, 2, 2, 16});
+}
+
+// Multi-head latent attention's shapes: values narrower (or wider) than queries and keys, and
+// a softmax scale of the caller's.
+TEST(AttentionTest, ValueDimsAndScaleMatchFiniteDifference) {
+  check_finite_difference({1, 7, 2, 1, 12}, 8, 0.5);
+  check_finite_difference({2, 5, 4, 2, 8}, 16);
+  check_finite_difference({1, 6, 2, 2, 24}, 16, 0.3);
+}
+
+TEST(AttentionTest, ValueDimsAndScaleFastMatchesReference) {
+  struct Case {
+    AttnShape shape;
+    int64_t Dv;
+    double scale;
+  };
+  const Case cases[] = {{{1, 33, 4, 2, 24}, 16, 0},
+                        {{2, 17, 4, 1, 12}, 20, 0.4},
+                        {{1, 40, 2, 2, 192}, 128, 0.1}};
+  for (const Case &c : cases) {
+    for (const bool masked : {false, true}) {
+      AttnData d(c.shape, 80, c.Dv, c.scale);
+      if (masked)
+        d.positions = document_positions(c.shape.B, c.shape.T);
+      const AttnResult want = run_ref(d);
+      const AttnResult got = run_cpu(d);
+      EXPECT_WITHIN(relative_error(got.out, want.out), 1e-5) << c.Dv;
+      EXPECT_WITHIN(max_scaled_error(got.lse.data(), want.lse.data(),
+                                     got.lse.size(), 1e-5, 1e-5),
+                    1.0);
+      EXPECT_WITHIN(relative_error(got.dq, want.dq), 1e-5) << c.Dv;
+      EXPECT_WITHIN(relative_error(got.dk, want.dk), 1e-5) << c.Dv;
+      EXPECT_WITHIN(relative_error(got.dv, want.dv), 1e-5) << c.Dv;
+    }
+  }
+}
+
+// Naming the defaults changes nothing: Dv = D and scale = 1/sqrt(D) give the bits of 0 and 0.
+TEST(AttentionTest, ExplicitDefaultsGiveTheSameBits) {
+  const AttnShape shape{2, 17, 4, 2, 16};
+  const AttnData implicit(shape, 90);
+  const AttnData named(shape, 90, 16, 1.0 / std::sqrt(16.0));
+  for (const bool fast : {false, true}) {
+    const AttnResult a = fast ? run_cpu(implicit) : run_ref(implicit);
+    const AttnResult b = fast ? run_cpu(named) : run_ref(named);
+    EXPECT_EQ(a.out, b.out) << fast;
+    EXPECT_EQ(a.lse, b.lse) << fast;
+    EXPECT_EQ(a.dq, b.dq) << fast;
+    EXPECT_EQ(a.dk, b.dk) << fast;
+    EXPECT_EQ(a.dv, b.dv) << fast;
+  }
 }
 
 // A single key means the output row is that key's value row exactly, with lse =

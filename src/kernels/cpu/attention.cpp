@@ -37,6 +37,18 @@ void check_positions(const int32_t *positions, int64_t B, int64_t T,
     }
 }
 
+// The value head dim: Dv, or D when 0.
+int64_t value_dim(int64_t D, int64_t Dv) {
+  CHECK(Dv >= 0);
+  return Dv == 0 ? D : Dv;
+}
+
+// The softmax scale: scale, or 1/sqrt(D) when 0.
+double softmax_scale(int64_t D, double scale) {
+  CHECK(scale >= 0 && std::isfinite(scale));
+  return scale == 0 ? 1.0 / std::sqrt(double(D)) : scale;
+}
+
 // The first key query t of sequence b sees: the start of its document, 0
 // without document masks.
 inline int64_t first_key(const int32_t *positions, int64_t b, int64_t T,
@@ -59,15 +71,16 @@ double dot(const float *a, const float *b, int64_t n) {
 void attention_forward(float *out, float *lse, const float *q, const float *k,
                        const float *v, int64_t B, int64_t T, int64_t Hq,
                        int64_t Hkv, int64_t D, int64_t past,
-                       const int32_t *positions) {
+                       const int32_t *positions, int64_t Dv, double scale_arg) {
   check_shapes(B, T, Hq, Hkv, D);
+  Dv = value_dim(D, Dv);
   CHECK(past >= 0);
   check_positions(positions, B, T, past);
   const int64_t group = Hq / Hkv;
   const int64_t Tk = past + T; // keys per sequence
-  const double scale = 1.0 / std::sqrt(double(D));
+  const double scale = softmax_scale(D, scale_arg);
   std::vector<double> s(static_cast<size_t>(Tk));
-  std::vector<double> acc(static_cast<size_t>(D));
+  std::vector<double> acc(static_cast<size_t>(Dv));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hq; ++h) {
       const int64_t g = h / group;
@@ -86,12 +99,12 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
         std::fill(acc.begin(), acc.end(), 0.0);
         for (int64_t j = first; j <= last; ++j) {
           const double p = std::exp(s[j] - m) / sum;
-          const float *vj = v + ((b * Tk + j) * Hkv + g) * D;
-          for (int64_t d = 0; d < D; ++d)
+          const float *vj = v + ((b * Tk + j) * Hkv + g) * Dv;
+          for (int64_t d = 0; d < Dv; ++d)
             acc[d] += p * vj[d];
         }
-        float *ot = out + ((b * T + t) * Hq + h) * D;
-        for (int64_t d = 0; d < D; ++d)
+        float *ot = out + ((b * T + t) * Hq + h) * Dv;
+        for (int64_t d = 0; d < Dv; ++d)
           ot[d] = static_cast<float>(acc[d]);
         lse[(b * Hq + h) * T + t] = static_cast<float>(m + std::log(sum));
       }
@@ -104,44 +117,50 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
                         const float *q, const float *k, const float *v,
                         const float *out, const float *lse, int64_t B,
                         int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                        const int32_t *positions) {
+                        const int32_t *positions, int64_t Dv,
+                        double scale_arg) {
   check_shapes(B, T, Hq, Hkv, D);
+  Dv = value_dim(D, Dv);
   check_positions(positions, B, T, 0);
   const int64_t group = Hq / Hkv;
-  const double scale = 1.0 / std::sqrt(double(D));
-  const size_t kv_size = static_cast<size_t>(B * T * Hkv * D);
-  std::vector<double> dk_acc(kv_size, 0.0), dv_acc(kv_size, 0.0);
+  const double scale = softmax_scale(D, scale_arg);
+  const size_t k_size = static_cast<size_t>(B * T * Hkv * D);
+  const size_t v_size = static_cast<size_t>(B * T * Hkv * Dv);
+  std::vector<double> dk_acc(k_size, 0.0), dv_acc(v_size, 0.0);
   std::vector<double> dq_row(static_cast<size_t>(D));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hq; ++h) {
       const int64_t g = h / group;
       for (int64_t t = 0; t < T; ++t) {
-        const int64_t row = ((b * T + t) * Hq + h) * D;
+        const int64_t row = ((b * T + t) * Hq + h) * D;      // of q, dq
+        const int64_t orow = ((b * T + t) * Hq + h) * Dv;    // of out, dout
         const double row_lse = lse[(b * Hq + h) * T + t];
         const double delta =
-            dot(dout + row, out + row, D); // D_t = dout_t . out_t
+            dot(dout + orow, out + orow, Dv); // D_t = dout_t . out_t
         std::fill(dq_row.begin(), dq_row.end(), 0.0);
         for (int64_t j = first_key(positions, b, T, t); j <= t; ++j) {
           const int64_t kv_row = ((b * T + j) * Hkv + g) * D;
+          const int64_t v_row = ((b * T + j) * Hkv + g) * Dv;
           const double p =
               std::exp(scale * dot(q + row, k + kv_row, D) - row_lse);
-          const double dp = dot(dout + row, v + kv_row, D);
+          const double dp = dot(dout + orow, v + v_row, Dv);
           const double ds = p * (dp - delta);
           for (int64_t d = 0; d < D; ++d) {
             dq_row[d] += scale * ds * k[kv_row + d];
             dk_acc[kv_row + d] += scale * ds * q[row + d];
-            dv_acc[kv_row + d] += p * dout[row + d];
           }
+          for (int64_t d = 0; d < Dv; ++d)
+            dv_acc[v_row + d] += p * dout[orow + d];
         }
         for (int64_t d = 0; d < D; ++d)
           dq[row + d] = static_cast<float>(dq_row[d]);
       }
     }
   }
-  for (size_t i = 0; i < kv_size; ++i) {
+  for (size_t i = 0; i < k_size; ++i)
     dk[i] = static_cast<float>(dk_acc[i]);
+  for (size_t i = 0; i < v_size; ++i)
     dv[i] = static_cast<float>(dv_acc[i]);
-  }
 }
 
 } // namespace ref
@@ -179,20 +198,21 @@ inline void axpy(float *y, float alpha, const float *x, int64_t n) {
 void attention_forward(float *out, float *lse, const float *q, const float *k,
                        const float *v, int64_t B, int64_t T, int64_t Hq,
                        int64_t Hkv, int64_t D, int64_t past,
-                       const int32_t *positions) {
+                       const int32_t *positions, int64_t Dv, double scale_arg) {
   check_shapes(B, T, Hq, Hkv, D);
+  Dv = value_dim(D, Dv);
   CHECK(past >= 0);
   check_positions(positions, B, T, past);
   const int64_t group = Hq / Hkv;
   const int64_t Tk = past + T; // keys per sequence
-  const float scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  const float scale = static_cast<float>(softmax_scale(D, scale_arg));
   const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
   const int64_t units = B * Hq * blocks;
 #pragma omp parallel
   {
     // Scores of one block of rows against every key up to the block's last row.
     std::vector<float> s(static_cast<size_t>(kBlockRows * Tk));
-    std::vector<float> acc(static_cast<size_t>(kBlockRows * D));
+    std::vector<float> acc(static_cast<size_t>(kBlockRows * Dv));
     std::vector<int64_t> first(static_cast<size_t>(kBlockRows));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
@@ -208,8 +228,9 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
       const float *q0 = q + ((b * T + t0) * Hq + h) * D;
       const int64_t q_stride = Hq * D;
       const float *kb = k + (b * Tk * Hkv + g) * D;
-      const float *vb = v + (b * Tk * Hkv + g) * D;
+      const float *vb = v + (b * Tk * Hkv + g) * Dv;
       const int64_t kv_stride = Hkv * D;
+      const int64_t v_stride = Hkv * Dv;
       // Row r sees keys first[r] .. p0 + r; no row sees a key before kmin.
       int64_t kmin = keys;
       for (int64_t r = 0; r < rows; ++r) {
@@ -226,7 +247,7 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
             s[r * Tk + j] = scale * dot(q0 + r * q_stride, kj, D);
         }
       }
-      std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
+      std::fill(acc.begin(), acc.begin() + rows * Dv, 0.0f);
       for (int64_t r = 0; r < rows; ++r) {
         float *sr = s.data() + r * Tk;
         const int64_t j0 = first[r];
@@ -245,15 +266,15 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
         lse[(b * Hq + h) * T + t0 + r] = static_cast<float>(m + std::log(sum));
       }
       for (int64_t j = kmin; j < keys; ++j) {
-        const float *vj = vb + j * kv_stride;
+        const float *vj = vb + j * v_stride;
         for (int64_t r = std::max<int64_t>(0, j - p0); r < rows; ++r) {
           if (j >= first[r])
-            axpy(acc.data() + r * D, s[r * Tk + j], vj, D);
+            axpy(acc.data() + r * Dv, s[r * Tk + j], vj, Dv);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        std::copy_n(acc.data() + r * D, D,
-                    out + ((b * T + t0 + r) * Hq + h) * D);
+        std::copy_n(acc.data() + r * Dv, Dv,
+                    out + ((b * T + t0 + r) * Hq + h) * Dv);
       }
     }
   }
@@ -268,14 +289,18 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
                         const float *q, const float *k, const float *v,
                         const float *out, const float *lse, int64_t B,
                         int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                        const int32_t *positions) {
+                        const int32_t *positions, int64_t Dv,
+                        double scale_arg) {
   check_shapes(B, T, Hq, Hkv, D);
+  Dv = value_dim(D, Dv);
   check_positions(positions, B, T, 0);
   const int64_t group = Hq / Hkv;
-  const float scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  const float scale = static_cast<float>(softmax_scale(D, scale_arg));
   const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
   const int64_t q_stride = Hq * D;
+  const int64_t o_stride = Hq * Dv; // of out and dout
   const int64_t kv_stride = Hkv * D;
+  const int64_t v_stride = Hkv * Dv;
 #pragma omp parallel
   {
     std::vector<float> p(static_cast<size_t>(kBlockRows * T)); // probabilities
@@ -289,12 +314,12 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
       const int64_t b = unit / Hkv;
       const int64_t g = unit % Hkv;
       const float *kb = k + (b * T * Hkv + g) * D;
-      const float *vb = v + (b * T * Hkv + g) * D;
+      const float *vb = v + (b * T * Hkv + g) * Dv;
       float *dkb = dk + (b * T * Hkv + g) * D;
-      float *dvb = dv + (b * T * Hkv + g) * D;
+      float *dvb = dv + (b * T * Hkv + g) * Dv;
       for (int64_t j = 0; j < T; ++j) {
         std::fill_n(dkb + j * kv_stride, D, 0.0f);
-        std::fill_n(dvb + j * kv_stride, D, 0.0f);
+        std::fill_n(dvb + j * v_stride, Dv, 0.0f);
       }
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         for (int64_t blk = 0; blk < blocks; ++blk) {
@@ -302,25 +327,26 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
           const int64_t rows = std::min(kBlockRows, T - t0);
           const int64_t keys = t0 + rows;
           const int64_t row0 = ((b * T + t0) * Hq + h) * D;
+          const int64_t orow0 = ((b * T + t0) * Hq + h) * Dv;
           const float *q0 = q + row0;
-          const float *do0 = dout + row0;
-          const float *o0 = out + row0;
+          const float *do0 = dout + orow0;
+          const float *o0 = out + orow0;
           const float *lse0 = lse + (b * Hq + h) * T + t0;
           int64_t kmin = keys;
           for (int64_t r = 0; r < rows; ++r) {
-            delta[r] = dot(do0 + r * q_stride, o0 + r * q_stride, D);
+            delta[r] = dot(do0 + r * o_stride, o0 + r * o_stride, Dv);
             first[r] = first_key(positions, b, T, t0 + r);
             kmin = std::min(kmin, first[r]);
           }
           for (int64_t j = kmin; j < keys; ++j) {
             const float *kj = kb + j * kv_stride;
-            const float *vj = vb + j * kv_stride;
+            const float *vj = vb + j * v_stride;
             for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
               if (j < first[r])
                 continue;
               const float pr =
                   std::exp(scale * dot(q0 + r * q_stride, kj, D) - lse0[r]);
-              const float dp = dot(do0 + r * q_stride, vj, D);
+              const float dp = dot(do0 + r * o_stride, vj, Dv);
               p[r * T + j] = pr;
               ds[r * T + j] = pr * (dp - delta[r]);
             }
@@ -329,14 +355,14 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
           for (int64_t j = kmin; j < keys; ++j) {
             const float *kj = kb + j * kv_stride;
             float *dkj = dkb + j * kv_stride;
-            float *dvj = dvb + j * kv_stride;
+            float *dvj = dvb + j * v_stride;
             for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
               if (j < first[r])
                 continue;
               const float dsr = ds[r * T + j];
               axpy(dq_acc.data() + r * D, scale * dsr, kj, D);
               axpy(dkj, scale * dsr, q0 + r * q_stride, D);
-              axpy(dvj, p[r * T + j], do0 + r * q_stride, D);
+              axpy(dvj, p[r * T + j], do0 + r * o_stride, Dv);
             }
           }
           for (int64_t r = 0; r < rows; ++r) {
