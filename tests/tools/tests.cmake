@@ -8,7 +8,8 @@ endif()
 # eight of its ten minutes' timeout, leaves them out.
 add_test(NAME readme_examples
          COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/tools/readme_examples.sh ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
-set_tests_properties(readme_examples PROPERTIES LABELS "slow" TIMEOUT 600 ENVIRONMENT "STRATA_CACHE_DIR=")
+# COST: started among the first (tests/train/tests.cmake says why).
+set_tests_properties(readme_examples PROPERTIES LABELS "slow" TIMEOUT 600 COST 80 ENVIRONMENT "STRATA_CACHE_DIR=")
 
 # tools/gpu_check.sh's dry run: its groups, timeouts, budget and summary, without a GPU.
 add_test(NAME gpu_check_dry_run
@@ -23,5 +24,5 @@ if(TARGET test_tools)
   add_test(NAME chaos_cli_seed_1 COMMAND test_tools
            --gtest_filter=DataParallelTest.WorldTwoAndFourTrainTheOneProcessRunsGlobalBatch:DataParallelTest.OverlappedCollectivesAreTheBitsOfCollectivesInLine:CliTest.ResumeIsBitExactEvenWithOtherBudgets:CliTest.Bf16RecipeResumesBitExactlyAndAcrossRecipes)
   set_tests_properties(chaos_cli_seed_1 PROPERTIES
-    LABELS "slow;chaos" TIMEOUT 600 ENVIRONMENT "STRATA_STREAM_CHAOS=1")
+    LABELS "slow;chaos" TIMEOUT 600 COST 35 ENVIRONMENT "STRATA_STREAM_CHAOS=1")
 endif()
