@@ -82,6 +82,34 @@ TEST(CpuBf16Ops, EachOpRoundsTheFp32ResultOnce) {
   EXPECT_EQ(lse, lse_ref);
 }
 
+// Multi-head latent attention's shapes (values narrower than queries and keys, a caller's
+// softmax scale) pass through the op set: forward and backward round the fp32 kernel's results.
+TEST(CpuBf16Ops, AttentionWithValueDimsRoundsTheFp32ResultOnce) {
+  kernels::CpuBf16Ops ops;
+  const int64_t B = 2, T = 5, Hq = 4, Hkv = 2, D = 12, Dv = 8;
+  const double scale = 0.3;
+  const auto q = random_bf16(B * T * Hq * D, 15), k = random_bf16(B * T * Hkv * D, 16),
+             v = random_bf16(B * T * Hkv * Dv, 17), dout = random_bf16(B * T * Hq * Dv, 18);
+  std::vector<Bf16> att(static_cast<size_t>(B * T * Hq * Dv));
+  std::vector<float> lse(B * Hq * T), lse_ref(lse.size()), att_ref(att.size());
+  ops.attention_forward(att.data(), lse.data(), q.data(), k.data(), v.data(), B, T, Hq, Hkv, D, 0, nullptr, Dv, scale);
+  kernels::cpu::attention_forward(att_ref.data(), lse_ref.data(), widen(q).data(), widen(k).data(), widen(v).data(),
+                                  B, T, Hq, Hkv, D, 0, nullptr, Dv, scale);
+  expect_rounded(att, att_ref, "attention_forward");
+  EXPECT_EQ(lse, lse_ref);
+
+  std::vector<Bf16> dq(q.size()), dk(k.size()), dv(v.size());
+  ops.attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(), att.data(),
+                         lse.data(), B, T, Hq, Hkv, D, nullptr, Dv, scale);
+  std::vector<float> dq_ref(dq.size()), dk_ref(dk.size()), dv_ref(dv.size());
+  kernels::cpu::attention_backward(dq_ref.data(), dk_ref.data(), dv_ref.data(), widen(dout).data(), widen(q).data(),
+                                   widen(k).data(), widen(v).data(), widen(att).data(), lse.data(), B, T, Hq, Hkv, D,
+                                   nullptr, Dv, scale);
+  expect_rounded(dq, dq_ref, "attention_backward dq");
+  expect_rounded(dk, dk_ref, "attention_backward dk");
+  expect_rounded(dv, dv_ref, "attention_backward dv");
+}
+
 TEST(CpuBf16Ops, AddInplaceRoundsTheSum) {
   kernels::CpuBf16Ops ops;
   // 1 + 2^-9 is not a bf16 (8 explicit mantissa bits): the sum rounds to even, back to 1.

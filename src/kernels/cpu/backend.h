@@ -133,15 +133,15 @@ struct CpuCommonOps {
                     int64_t H, int64_t D, float scale, int64_t past = 0, const int32_t* positions = nullptr);      \
   void rope_backward(Act* dx, const Act* dout /*(B,T,H,D)*/, const float* inv_freq /*(D/2)*/, int64_t B,           \
                      int64_t T, int64_t H, int64_t D, float scale, const int32_t* positions = nullptr);            \
-  /* past: cached positions before the T queries; k and v hold past + T rows; positions: document masks          \
-     (kernels/attention.h) */                                                                                      \
-  void attention_forward(Act* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/, const Act* q /*(B,T,Hq,D)*/,            \
-                         const Act* k /*(B,past+T,Hkv,D)*/, const Act* v /*(B,past+T,Hkv,D)*/, int64_t B,          \
+  /* past: cached positions before the T queries; k and v hold past + T rows; positions: document masks;         \
+     Dv: the value head dim (0: D); scale: the softmax scale (0: 1/sqrt(D)) (kernels/attention.h) */               \
+  void attention_forward(Act* out /*(B,T,Hq,Dv)*/, float* lse /*(B,Hq,T)*/, const Act* q /*(B,T,Hq,D)*/,           \
+                         const Act* k /*(B,past+T,Hkv,D)*/, const Act* v /*(B,past+T,Hkv,Dv)*/, int64_t B,         \
                          int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0,                           \
-                         const int32_t* positions = nullptr);                                                       \
+                         const int32_t* positions = nullptr, int64_t Dv = 0, double scale = 0);                     \
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,     \
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,          \
-                          int64_t D, const int32_t* positions = nullptr);                                           \
+                          int64_t D, const int32_t* positions = nullptr, int64_t Dv = 0, double scale = 0);         \
   void swiglu_forward(Act* out /*(n)*/, const Act* gate /*(n)*/, const Act* up /*(n)*/, int64_t n);                 \
   void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);           \
   /* a (n) += b (n) */                                                                                               \

@@ -115,26 +115,29 @@ void CpuBf16Ops::rope_backward(Bf16* dx, const Bf16* dout, const float* inv_freq
 }
 void CpuBf16Ops::attention_forward(Bf16* out, float* lse, const Bf16* q, const Bf16* k, const Bf16* v, int64_t B,
                                    int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past,
-                                   const int32_t* positions) {
-  const int64_t Tk = past + T;
+                                   const int32_t* positions, int64_t Dv, double scale) {
+  const int64_t Tk = past + T, dv_ = Dv == 0 ? D : Dv;
   const std::vector<float> qf = widen(q, B * T * Hq * D), kf = widen(k, B * Tk * Hkv * D),
-                           vf = widen(v, B * Tk * Hkv * D);
-  std::vector<float> o(qf.size());
-  cpu::attention_forward(o.data(), lse, qf.data(), kf.data(), vf.data(), B, T, Hq, Hkv, D, past, positions);
-  narrow(out, o.data(), B * T * Hq * D);
+                           vf = widen(v, B * Tk * Hkv * dv_);
+  std::vector<float> o(static_cast<size_t>(B * T * Hq * dv_));
+  cpu::attention_forward(o.data(), lse, qf.data(), kf.data(), vf.data(), B, T, Hq, Hkv, D, past, positions, Dv,
+                         scale);
+  narrow(out, o.data(), B * T * Hq * dv_);
 }
 void CpuBf16Ops::attention_backward(Bf16* dq, Bf16* dk, Bf16* dv, const Bf16* dout, const Bf16* q, const Bf16* k,
                                     const Bf16* v, const Bf16* out, const float* lse, int64_t B, int64_t T,
-                                    int64_t Hq, int64_t Hkv, int64_t D, const int32_t* positions) {
-  const int64_t nq = B * T * Hq * D, nkv = B * T * Hkv * D;
-  const std::vector<float> df = widen(dout, nq), qf = widen(q, nq), kf = widen(k, nkv), vf = widen(v, nkv),
-                           of = widen(out, nq);
-  std::vector<float> dqf(static_cast<size_t>(nq)), dkf(static_cast<size_t>(nkv)), dvf(static_cast<size_t>(nkv));
+                                    int64_t Hq, int64_t Hkv, int64_t D, const int32_t* positions, int64_t Dv,
+                                    double scale) {
+  const int64_t dv_ = Dv == 0 ? D : Dv;
+  const int64_t nq = B * T * Hq * D, nkv = B * T * Hkv * D, no = B * T * Hq * dv_, nv = B * T * Hkv * dv_;
+  const std::vector<float> df = widen(dout, no), qf = widen(q, nq), kf = widen(k, nkv), vf = widen(v, nv),
+                           of = widen(out, no);
+  std::vector<float> dqf(static_cast<size_t>(nq)), dkf(static_cast<size_t>(nkv)), dvf(static_cast<size_t>(nv));
   cpu::attention_backward(dqf.data(), dkf.data(), dvf.data(), df.data(), qf.data(), kf.data(), vf.data(), of.data(),
-                          lse, B, T, Hq, Hkv, D, positions);
+                          lse, B, T, Hq, Hkv, D, positions, Dv, scale);
   narrow(dq, dqf.data(), nq);
   narrow(dk, dkf.data(), nkv);
-  narrow(dv, dvf.data(), nkv);
+  narrow(dv, dvf.data(), nv);
 }
 void CpuBf16Ops::swiglu_forward(Bf16* out, const Bf16* gate, const Bf16* up, int64_t n) {
   const std::vector<float> g = widen(gate, n), u = widen(up, n);

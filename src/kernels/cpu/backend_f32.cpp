@@ -89,13 +89,14 @@ void CpuF32Ops::rope_backward(float* dx, const float* dout, const float* inv_fre
 }
 void CpuF32Ops::attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
                                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past,
-                                  const int32_t* positions) {
-  cpu::attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, past, positions);
+                                  const int32_t* positions, int64_t Dv, double scale) {
+  cpu::attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, past, positions, Dv, scale);
 }
 void CpuF32Ops::attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                                    const float* k, const float* v, const float* out, const float* lse, int64_t B,
-                                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int32_t* positions) {
-  cpu::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, positions);
+                                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int32_t* positions,
+                                   int64_t Dv, double scale) {
+  cpu::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, positions, Dv, scale);
 }
 void CpuF32Ops::swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
   cpu::swiglu_forward(out, gate, up, n);

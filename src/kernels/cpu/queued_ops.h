@@ -182,14 +182,15 @@ class CpuQueuedOps {
     launch([=, this] { direct_.rope_backward(dx, dout, inv_freq, B, T, H, D, scale, positions); });
   }
   void attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
-                         int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0, const int32_t* positions = nullptr) {
-    launch([=, this] { direct_.attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, past, positions); });
+                         int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0, const int32_t* positions = nullptr,
+                         int64_t Dv = 0, double scale = 0) {
+    launch([=, this] { direct_.attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, past, positions, Dv, scale); });
   }
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                          const int32_t* positions = nullptr) {
+                          const int32_t* positions = nullptr, int64_t Dv = 0, double scale = 0) {
     launch([=, this] {
-      direct_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, positions);
+      direct_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, positions, Dv, scale);
     });
   }
   void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n) {

@@ -212,8 +212,20 @@ AttentionImpl CudaOps::attention_impl(int64_t B, int64_t T, int64_t Hq, int64_t 
   return choice.impl;
 }
 
+namespace {
+// A value head dim apart from D, or a caller's softmax scale: not on CUDA yet (backend.h).
+void check_default_attention(int64_t D, int64_t Dv, double scale) {
+  CHECK_MSG((Dv == 0 || Dv == D) && scale == 0,
+            "CUDA attention with d_v != d_qk or a caller's softmax scale (multi-head latent attention) needs a "
+            "cuDNN graph strata does not build yet: d_qk " + std::to_string(D) + ", d_v " + std::to_string(Dv) +
+                ", scale " + std::to_string(scale) + "; use the CPU backend (run.device=cpu)");
+}
+}  // namespace
+
 void CudaOps::attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
-                                int64_t Hq, int64_t Hkv, int64_t D, int64_t past, const int32_t* positions) {
+                                int64_t Hq, int64_t Hkv, int64_t D, int64_t past, const int32_t* positions,
+                                int64_t Dv, double scale) {
+  check_default_attention(D, Dv, scale);
   if (positions != nullptr) {  // document masks: the WMMA kernel (see backend.h)
     CHECK_MSG(D == 64 || D == 128, "document-masked attention (data.packing: document) on CUDA runs the WMMA kernel, "
                                    "which needs head_dim 64 or 128, got " + std::to_string(D) +
@@ -239,7 +251,8 @@ void CudaOps::attention_forward(Act* out, float* lse, const Act* q, const Act* k
 
 void CudaOps::attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                                  const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                 int64_t D, const int32_t* positions) {
+                                 int64_t D, const int32_t* positions, int64_t Dv, double scale) {
+  check_default_attention(D, Dv, scale);
   if (positions != nullptr) {  // the forward's kernel, whose lse this is
     cuda::attention_backward(*ctx_, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, stream_, /*tile_rows=*/0,
                              positions);

@@ -108,11 +108,15 @@ class CudaOps {
   // past > 0 (queries after cached keys, kernels/attention.h) runs the WMMA kernel. So do document
   // masks (positions non-null, staged by stage_tokens): the cuDNN graphs built here take no
   // sequence lengths or ragged offsets yet, so a document-masked batch never runs on cuDNN.
+  // Dv and scale (kernels/attention.h) take their defaults only: a value head dim apart from D
+  // and a caller's scale need the cuDNN graph built for them (multi-head latent attention), which
+  // is not written yet, and abort naming that.
   void attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
-                         int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0, const int32_t* positions = nullptr);
+                         int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0, const int32_t* positions = nullptr,
+                         int64_t Dv = 0, double scale = 0);
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                          const int32_t* positions = nullptr);
+                          const int32_t* positions = nullptr, int64_t Dv = 0, double scale = 0);
   void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n);
   void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);
   void add_inplace(Act* a, const Act* b, int64_t n);
