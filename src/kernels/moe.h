@@ -55,7 +55,9 @@ struct RouterConfig {
   int64_t top_groups = 1;
   GroupScore group_score = GroupScore::kMax;
   // Every routing weight is multiplied by it after any normalisation (DeepSeek's
-  // routed_scaling_factor). Not with kTopKThenSoftmax, whose weights sum to 1 by definition.
+  // routed_scaling_factor as V3 applies it). DeepSeek-V2 applies its factor only when it does not
+  // normalise: a V2 config with norm_topk_prob maps to 1. Not with kTopKThenSoftmax, whose
+  // weights sum to 1 by definition.
   float scale = 1.0f;
 };
 

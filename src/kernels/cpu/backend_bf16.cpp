@@ -116,6 +116,7 @@ void CpuBf16Ops::rope_backward(Bf16* dx, const Bf16* dout, const float* inv_freq
 void CpuBf16Ops::attention_forward(Bf16* out, float* lse, const Bf16* q, const Bf16* k, const Bf16* v, int64_t B,
                                    int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t past,
                                    const int32_t* positions, int64_t Dv, double scale) {
+  CHECK(Dv >= 0);
   const int64_t Tk = past + T, dv_ = Dv == 0 ? D : Dv;
   const std::vector<float> qf = widen(q, B * T * Hq * D), kf = widen(k, B * Tk * Hkv * D),
                            vf = widen(v, B * Tk * Hkv * dv_);
@@ -128,6 +129,7 @@ void CpuBf16Ops::attention_backward(Bf16* dq, Bf16* dk, Bf16* dv, const Bf16* do
                                     const Bf16* v, const Bf16* out, const float* lse, int64_t B, int64_t T,
                                     int64_t Hq, int64_t Hkv, int64_t D, const int32_t* positions, int64_t Dv,
                                     double scale) {
+  CHECK(Dv >= 0);
   const int64_t dv_ = Dv == 0 ? D : Dv;
   const int64_t nq = B * T * Hq * D, nkv = B * T * Hkv * D, no = B * T * Hq * dv_, nv = B * T * Hkv * dv_;
   const std::vector<float> df = widen(dout, no), qf = widen(q, nq), kf = widen(k, nkv), vf = widen(v, nv),

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "core/check.h"
@@ -40,16 +41,19 @@ void exclude_groups(unsigned char* excluded /*(E)*/, const Score* scores /*(E)*/
   if (G <= 1) return;
   std::vector<Score> group(static_cast<size_t>(G));
   for (int64_t g = 0; g < G; ++g) {
+    // The largest and second largest score in one pass from -inf (as the CUDA kernel does; a NaN
+    // score is never taken).
     const Score* s = scores + g * per;
-    if (c.group_score == GroupScore::kMax) {
-      Score m = s[0];
-      for (int64_t i = 1; i < per; ++i) m = std::max(m, s[i]);
-      group[static_cast<size_t>(g)] = m;
-    } else {
-      int32_t two[2];
-      top_k_indices(two, s, per, 2);
-      group[static_cast<size_t>(g)] = s[two[0]] + s[two[1]];
+    Score first = -std::numeric_limits<Score>::infinity(), second = first;
+    for (int64_t i = 0; i < per; ++i) {
+      if (s[i] > first) {
+        second = first;
+        first = s[i];
+      } else if (s[i] > second) {
+        second = s[i];
+      }
     }
+    group[static_cast<size_t>(g)] = c.group_score == GroupScore::kMax ? first : first + second;
   }
   std::vector<int32_t> kept(static_cast<size_t>(c.top_groups));
   top_k_indices(kept.data(), group.data(), G, c.top_groups);

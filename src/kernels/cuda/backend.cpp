@@ -2,6 +2,7 @@
 #include "kernels/cuda/backend.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <utility>
@@ -215,7 +216,7 @@ AttentionImpl CudaOps::attention_impl(int64_t B, int64_t T, int64_t Hq, int64_t 
 namespace {
 // A value head dim apart from D, or a caller's softmax scale: not on CUDA yet (backend.h).
 void check_default_attention(int64_t D, int64_t Dv, double scale) {
-  CHECK_MSG((Dv == 0 || Dv == D) && scale == 0,
+  CHECK_MSG((Dv == 0 || Dv == D) && (scale == 0 || scale == 1.0 / std::sqrt(static_cast<double>(D))),
             "CUDA attention with d_v != d_qk or a caller's softmax scale (multi-head latent attention) needs a "
             "cuDNN graph strata does not build yet: d_qk " + std::to_string(D) + ", d_v " + std::to_string(Dv) +
                 ", scale " + std::to_string(scale) + "; use the CPU backend (run.device=cpu)");
