@@ -45,9 +45,6 @@ __device__ __forceinline__ void check_expert(int32_t e, int E) {
   if (e < 0 || e >= E) __trap();  // REQUIRES 0 <= expert index < E
 }
 
-// One warp per token. probs = softmax(logits) in double; score = logits or probs, plus the
-// selection bias; the K best scores by repeated warp arg-max (ties to the lower index, as the
-// reference); then the weights of the selected experts, by lane 0 in k order.
 // The score of group g of `per` experts (GroupScore): its largest selection score, or the sum of
 // its two largest.
 __device__ double group_score(const double* score, int g, int per, bool top_two) {
@@ -63,6 +60,10 @@ __device__ double group_score(const double* score, int g, int per, bool top_two)
   return top_two ? first + second : first;
 }
 
+// One warp per token. probs = softmax(logits), or sigmoid(logits) for kSigmoidThenTopK, in
+// double; score = logits or probs, plus the selection bias; with groups, lane 0 marks the experts
+// outside the kept groups as taken; the K best scores by repeated warp arg-max (ties to the lower
+// index, as the reference); then the weights of the selected experts, by lane 0 in k order.
 __global__ void route_forward_kernel(int32_t* expert_idx, float* weights, float* probs, const float* logits,
                                      const float* bias, int64_t N, RouterConfig c) {
   const int E = static_cast<int>(c.num_experts), K = static_cast<int>(c.top_k);
@@ -168,7 +169,8 @@ __global__ void route_forward_kernel(int32_t* expert_idx, float* weights, float*
 }
 
 // One warp per token: the gradient through the selected weights (lane 0, k order), plus
-// prob_grad, then the softmax backward dl += p * (dp - <p, dp>) over all experts. Double.
+// prob_grad, then the softmax backward dl += p * (dp - <p, dp>) over all experts, or for sigmoid
+// scores dl = dp * p (1 - p). Double.
 __global__ void route_backward_kernel(float* dlogits, const float* dweights, const float* prob_grad, const float* probs,
                                       const int32_t* expert_idx, const float* weights, int64_t N, RouterConfig c) {
   const int E = static_cast<int>(c.num_experts), K = static_cast<int>(c.top_k);
