@@ -148,12 +148,12 @@ void RecordingAccess::mark_phase(const char* name) {
   }
 }
 
-std::vector<ProgramEvent> record_micro_batch(const ModelConfig& config, bool offload_activations) {
-  RecordingAccess recorder(offload_activations);
+std::vector<ProgramEvent> record_micro_batch(const ModelConfig& config, bool offload_activations, bool backward) {
+  RecordingAccess recorder(offload_activations && backward);
   Decoder<DryRunOps> model(config, DryRunOps(&recorder));
   model.set_access(&recorder);
   const int32_t token = 0;
-  const Result<double> loss = model.compute(&token, &token, /*B=*/1, /*T=*/1, 1.0f, /*backward=*/true);
+  const Result<double> loss = model.compute(&token, &token, /*B=*/1, /*T=*/1, 1.0f, backward);
   CHECK_MSG(loss.ok(), "recording the model's accesses failed: " + loss.status().to_string());
   model.set_access(nullptr);
   return recorder.take_events();

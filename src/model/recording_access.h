@@ -57,6 +57,9 @@ class RecordingAccess final : public ParamAccess {
 
 // One micro-batch of a model of `config`, forward, recompute and backward, as the decoder
 // acquires state for it; with offload_activations, its layer checkpoints' offloads and fetches too.
-std::vector<ProgramEvent> record_micro_batch(const ModelConfig& config, bool offload_activations);
+// backward = false: the forward alone (evaluation), whose acquisitions are also those of one
+// decode() of generation: the embedding, each layer (its experts on demand), the head.
+std::vector<ProgramEvent> record_micro_batch(const ModelConfig& config, bool offload_activations,
+                                             bool backward = true);
 
 }  // namespace strata::model

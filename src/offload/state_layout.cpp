@@ -21,6 +21,7 @@ std::optional<Precision> parse_precision(std::string_view name) {
 }
 
 uint64_t StateLayout::element_bytes(StateKind kind) const {
+  if (weights_only && kind != StateKind::kParam) return 0;
   switch (kind) {
     case StateKind::kParam: return precision == Precision::kFp32 ? 4 : precision == Precision::kBf16 ? 2 : 1;
     case StateKind::kMaster: return separate_master() ? 4 : 0;
@@ -33,6 +34,7 @@ uint64_t StateLayout::element_bytes(StateKind kind) const {
 }
 
 bool StateLayout::is_f32(StateKind kind) const {
+  if (weights_only && kind != StateKind::kParam) return false;
   switch (kind) {
     case StateKind::kParam: return precision == Precision::kFp32;
     case StateKind::kMaster: return separate_master();
@@ -46,6 +48,7 @@ bool StateLayout::is_f32(StateKind kind) const {
 
 uint64_t StateLayout::tensor_bytes(StateKind kind, const StateShape& t) const {
   const int64_t n = static_cast<int64_t>(t.elements);
+  if (weights_only && kind != StateKind::kParam) return 0;
   switch (kind) {
     case StateKind::kParam:
       if (quantized(t)) return kernels::fp8_matrix_bytes(t.matrix_rows, n / t.matrix_rows);

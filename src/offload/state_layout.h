@@ -55,9 +55,15 @@ struct ElementRange {
 struct StateLayout {
   Precision precision = Precision::kFp32;
   kernels::MomentFormat moments = kernels::MomentFormat::kF32;
+  // Frozen weights (generation, train/paged_weights.h): the compute copy alone, in the recipe's
+  // dtype; no master, gradients or moments.
+  bool weights_only = false;
 
   static StateLayout of(Precision precision, kernels::MomentFormat moments = kernels::MomentFormat::kF32) {
     return StateLayout{precision, moments};
+  }
+  static StateLayout weights(Precision precision) {
+    return StateLayout{precision, kernels::MomentFormat::kF32, /*weights_only=*/true};
   }
   // The compute copy's type as the model's backend names it: kF32, kBF16, or kF8E4M3 for the
   // fp8 recipe (E4M3 matrices, bf16 elsewhere).
@@ -71,8 +77,8 @@ struct StateLayout {
   }
   // The activations' type (what offloaded saved activations hold).
   DType activation_dtype() const { return precision == Precision::kFp32 ? DType::kF32 : DType::kBF16; }
-  // A separate fp32 master exists (otherwise the compute copy is the master).
-  bool separate_master() const { return precision != Precision::kFp32; }
+  // A separate fp32 master exists (otherwise the compute copy is the master, or there is none).
+  bool separate_master() const { return precision != Precision::kFp32 && !weights_only; }
   // The kind that holds the fp32 master weights: kMaster, or kParam when it is the master.
   StateKind master_kind() const { return separate_master() ? StateKind::kMaster : StateKind::kParam; }
   // Whether this tensor's compute copy is fp8 blocks (the fp8 recipe's linear weights).
