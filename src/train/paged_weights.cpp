@@ -59,7 +59,8 @@ Result<WeightsPlacement> place_weights(const model::ParamLayout& layout, const P
   uint64_t used = 0;
   size_t g = 0;
   for (; g < groups && used + p.chunks[g] <= device_homes; ++g) used += p.chunks[g];
-  p.device_slots = device_slots;
+  // (All on the device: the tier is what they take, whatever the budget.)
+  p.device_slots = std::min(device_slots, total);
   uint64_t rest = 0;
   for (size_t r = g; r < groups; ++r) rest += p.chunks[r];
   // Host memory: every group left when there is no nvme tier (or room for all of them).

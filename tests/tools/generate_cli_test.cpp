@@ -1,6 +1,8 @@
 // strata generate: from a Hugging Face directory, a run directory and a checkpoint; the text it
 // streams is the one model::generate gives in-process (greedy), a --seed repeats a sampled text
-// and another seed changes it, --chat renders the template; bad inputs are refused by name.
+// and another seed changes it, --chat renders the template; weights paged through small device
+// and host budgets and nvme give the same text; bad inputs are refused by name.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -17,6 +19,7 @@
 #include "model/hf_io.h"
 #include "model/params.h"
 #include "tools/cli_util.h"
+#include "train/paged_weights.h"
 
 namespace strata {
 namespace {
@@ -112,6 +115,34 @@ TEST_F(GenerateCliTest, GreedyTextIsTheLibrarysAndRepeats) {
   EXPECT_NE(all.output.find(std::to_string(128 - P + 1) + " new tokens"), std::string::npos) << all.output;
 }
 
+TEST_F(GenerateCliTest, WeightsPagedThroughHostAndNvmeGiveTheSameText) {
+  // The device holds the largest group alone, the host its staging slots: the rest is on nvme.
+  PagedWeightsOptions po;
+  po.device_bytes = 1ull << 30;
+  Result<WeightsPlacement> roomy = place_weights(model::ParamLayout(config_), po);
+  ASSERT_TRUE(roomy.ok()) << roomy.status().to_string();
+  uint64_t largest = 0;
+  for (uint64_t n : roomy->chunks) largest = std::max(largest, n);
+  const uint64_t chunk = roomy->chunk_bytes;
+  fs::create_directories(dir_ / "nvme");
+  const std::string budgets = " memory.device=" + std::to_string(largest * chunk) +
+                              " memory.host=" + std::to_string((3 + largest) * chunk) +
+                              " memory.nvme.path=" + (dir_ / "nvme").string() + " memory.nvme.size=64MiB";
+  const std::string args = "generate --from " + hf_.string() + " --prompt 'hello world' --max-new-tokens 12 --ignore-eos";
+  model::GenerateOptions options;
+  options.max_new_tokens = 12;
+  const std::string text = expected_text("hello world", options);
+  const CmdResult paged = run_strata(args + budgets);
+  ASSERT_EQ(paged.exit_code, 0) << paged.output;
+  EXPECT_NE(paged.output.find(text + "\n"), std::string::npos) << "expected the text '" << text << "' in:\n" << paged.output;
+  EXPECT_NE(paged.output.find("weights paged"), std::string::npos) << paged.output;
+  EXPECT_EQ(paged.output.find(" 0 on nvme"), std::string::npos) << paged.output;
+  // A device budget below the largest group names the key to raise.
+  const CmdResult small = run_strata(args + " memory.device=" + std::to_string(largest * chunk - 1));
+  EXPECT_EQ(small.exit_code, 1) << small.output;
+  EXPECT_NE(small.output.find("raise memory.device"), std::string::npos) << small.output;
+}
+
 TEST_F(GenerateCliTest, ASeedRepeatsASampledTextAndAnotherChangesIt) {
   const std::string args = "generate --from " + hf_.string() +
                            " --prompt 'once upon a time' --max-new-tokens 16 --ignore-eos --temperature 1.5 --top-p 0.95";
@@ -193,6 +224,11 @@ TEST_F(GenerateCliTest, BadInputsAreRefusedByName) {
       {from + " --prompt hi --seed x", 2, "--seed"},
       {from + " --prompt hi --device tpu", 2, "--device"},
       {from + " --prompt hi --bogus 1", 2, "unknown option"},
+      {from + " --prompt hi memory.hots=1GiB", 2, "unknown key 'memory.hots'"},
+      {from + " --prompt hi memory.device=lots", 2, "memory.device is 'lots'"},
+      {from + " --prompt hi memory.host=1GiB", 2, "give memory.device too"},
+      {from + " --prompt hi memory.device=1GiB memory.nvme.size=1GiB", 2, "memory.nvme.path=DIR"},
+      {from + " --prompt hi --precision fp16", 2, "--precision"},
       {" --from " + (dir_ / "nowhere").string() + " --prompt hi", 1, "not a Hugging Face directory"},
       {from + " --prompt hi --max-new-tokens 500", 1, "max_position_embeddings"},
       {from + " --chat " + (dir_ / "missing.json").string(), 1, "missing.json"},

@@ -16,15 +16,17 @@
 #include <nlohmann/json.hpp>
 
 #include "core/device.h"
+#include "core/io_engine.h"
 #include "core/log.h"
+#include "core/units.h"
 #include "data/conversation.h"
 #include "data/tokenizer.h"
-#include "kernels/bf16.h"
 #include "model/cuda/decoder_cuda.h"
 #include "model/decoder.h"
-#include "model/flat_access.h"
 #include "model/generate.h"
 #include "model/params.h"
+#include "offload/state_layout.h"
+#include "train/paged_weights.h"
 #include "tools/strata/commands.h"
 #include "tools/strata/model_source.h"
 
@@ -67,11 +69,24 @@ Options:
   --ignore-eos            do not stop at the end-of-sequence tokens (the tokenizer's EOS and
                           generation_config.json's eos_token_id)
   --no-special-tokens     --prompt without the tokenizer's special tokens around it
-  --device D              cpu (the default) or cuda (GPU builds: bf16 weights, head_dim 64 or 128)
-  --precision P           cpu: fp32 (the default) or bf16 (the GPU's bf16 recipe emulated)
+  --device D              cpu (the default) or cuda (GPU builds: head_dim 64 or 128)
+  --precision P           the compute copy of the weights, as strata train's recipes hold it:
+                          fp32 (the cpu default), bf16 (the cuda default; on cpu the GPU's bf16
+                          recipe emulated) or fp8 (E4M3 blocks of the linear layers' weights)
   -h, --help              this text
 
-Weights are read whole into memory (the device's for cuda): the model must fit there.
+Memory (the keys strata train reads, as key=value):
+  memory.device=SIZE      device memory for the weights (default: all of them on the cpu, at
+                          most three quarters of the GPU's free memory on cuda). A smaller
+                          budget pages them: the groups that do not fit (a decoder layer each,
+                          the embedding, the head) live in host memory or on nvme and are
+                          copied up, ahead of use, for each token. It must hold the largest
+                          layer (with all its experts) at once, and more makes it faster.
+  memory.host=SIZE        host memory for the weights the device has no room for (default: all
+                          of them); with an nvme tier, at least a few chunks to stage through
+  memory.nvme.path=DIR    a directory on a fast disk for what host memory has no room for,
+  memory.nvme.size=SIZE   and its budget
+A budget too small for what the weights need says which key to raise and by how much.
 )";
 
 int usage_error(const std::string& message) {
@@ -86,6 +101,9 @@ int fail(const Status& st) {
 
 struct Options {
   std::string from, prompt, chat, tokenizer, device = "cpu", precision;
+  // Tier budgets of the weights (memory.* as strata train names them); 0: not given.
+  uint64_t memory_device = 0, memory_host = 0, nvme_size = 0;
+  std::string nvme_path;
   bool have_prompt = false, ignore_eos = false, special_tokens = true;
   bool max_new_given = false;  // --max-new-tokens was given (else 128, or the context left)
   model::GenerateOptions generate;
@@ -118,6 +136,27 @@ std::string parse_args(const std::vector<std::string>& args, Options* o) {
     }
     if (a == "--no-special-tokens") {
       o->special_tokens = false;
+      continue;
+    }
+    if (a.rfind("memory.", 0) == 0) {
+      const size_t eq = a.find('=');
+      const std::string key = a.substr(0, eq), value = eq == std::string::npos ? "" : a.substr(eq + 1);
+      if (eq == std::string::npos || value.empty()) return key + " needs a value: " + key + "=VALUE";
+      if (key == "memory.nvme.path") {
+        o->nvme_path = value;
+        continue;
+      }
+      uint64_t* budget = key == "memory.device"      ? &o->memory_device
+                         : key == "memory.host"      ? &o->memory_host
+                         : key == "memory.nvme.size" ? &o->nvme_size
+                                                     : nullptr;
+      if (budget == nullptr) {
+        return "unknown key '" + key + "'; generate reads memory.device, memory.host, memory.nvme.path and "
+               "memory.nvme.size";
+      }
+      Result<uint64_t> bytes = parse_bytes(value);
+      if (!bytes.ok() || *bytes == 0) return key + " is '" + value + "'; use a size such as 8GiB";
+      *budget = *bytes;
       continue;
     }
     if (a.rfind("--", 0) != 0) return "unexpected argument '" + a + "'";
@@ -159,8 +198,12 @@ std::string parse_args(const std::vector<std::string>& args, Options* o) {
   if (o->have_prompt == !o->chat.empty()) return "give exactly one of --prompt TEXT and --chat FILE";
   if (o->device != "cpu" && o->device != "cuda") return "--device is '" + o->device + "'; choose cpu or cuda";
   if (o->precision.empty()) o->precision = o->device == "cuda" ? "bf16" : "fp32";
-  if (o->precision != "fp32" && o->precision != "bf16") return "--precision is '" + o->precision + "'; choose fp32 or bf16";
-  if (o->device == "cuda" && o->precision != "bf16") return "--device cuda computes in bf16; leave out --precision";
+  if (!parse_precision(o->precision)) return "--precision is '" + o->precision + "'; choose fp32, bf16 or fp8";
+  if (o->device == "cuda" && o->precision == "fp32") return "--device cuda computes in bf16 or fp8; not fp32";
+  if (o->nvme_path.empty() != (o->nvme_size == 0))
+    return "an nvme tier needs both memory.nvme.path=DIR and memory.nvme.size=SIZE";
+  if (o->memory_device == 0 && (o->memory_host > 0 || o->nvme_size > 0))
+    return "memory.host and memory.nvme.* hold what memory.device has no room for; give memory.device too";
   return "";
 }
 
@@ -221,13 +264,11 @@ size_t complete_utf8_prefix(const std::string& s) {
   return n;
 }
 
-// The model and the memory it reads its weights from.
+// The model and the chunk space its weights page through.
 struct Runner {
-  std::unique_ptr<Device> device;  // cuda only
-  DeviceAllocation weights;        // cuda only: the bf16 compute copy
-  std::vector<float> params;       // cpu fp32
-  std::vector<uint16_t> bf16;      // the bf16 compute copy (cpu bf16; staging for cuda)
-  std::unique_ptr<model::FlatAccess> access;
+  std::unique_ptr<Device> device;
+  std::unique_ptr<IoEngine> io;  // with an nvme tier
+  std::unique_ptr<PagedWeights> weights;
   std::unique_ptr<model::Model> model;
   ~Runner() {
     if (model) model->set_access(nullptr);
@@ -235,39 +276,52 @@ struct Runner {
 };
 
 Status make_runner(const Options& o, LoadedModel loaded, Runner* r) {
-  const int64_t total = model::ParamLayout(loaded.config).total_size();
-  if (o.precision == "bf16") {
-    r->bf16.resize(static_cast<size_t>(total));
-    kernels::round_to_bf16(r->bf16.data(), loaded.params.data(), total);
-    loaded.params = {};
-  }
-  if (o.device == "cpu") {
-    r->params = std::move(loaded.params);
-    const bool bf16 = o.precision == "bf16";
-    r->access = std::make_unique<model::FlatAccess>(bf16 ? DType::kBF16 : DType::kF32,
-                                                    bf16 ? static_cast<const void*>(r->bf16.data())
-                                                         : static_cast<const void*>(r->params.data()),
-                                                    nullptr);
-    r->model = model::make_cpu_decoder(bf16 ? DType::kBF16 : DType::kF32, loaded.config);
-  } else {
+  const model::ParamLayout layout(loaded.config);
+  const Precision precision = *parse_precision(o.precision);
+  const DType compute = StateLayout::of(precision).compute_dtype();
+  if (o.device == "cuda") {
 #if STRATA_HAVE_CUDA
-    if (Status st = model::cuda_supports(loaded.config, DType::kBF16); !st.ok()) {
+    if (Status st = model::cuda_supports(loaded.config, compute); !st.ok()) {
       return Status::Unimplemented("--device cuda cannot run this model (" + st.message() + "); use --device cpu");
     }
-    ASSIGN_OR_RETURN(r->device, open_device("cuda", 0, 0));
-    const uint64_t bytes = static_cast<uint64_t>(total) * sizeof(uint16_t);
-    ASSIGN_OR_RETURN(r->weights, r->device->allocate(bytes));
-    std::unique_ptr<Stream> stream = r->device->create_stream();
-    r->device->copy(r->weights.data(), r->bf16.data(), bytes, *stream, "weights");
-    stream->synchronize();
-    r->bf16 = {};
-    r->access = std::make_unique<model::FlatAccess>(DType::kBF16, r->weights.data(), nullptr);
-    ASSIGN_OR_RETURN(r->model, model::make_cuda_decoder(*r->device, loaded.config, DType::kBF16));
 #else
     return Status::Unimplemented("this strata is built without CUDA; use --device cpu");
 #endif
   }
-  r->model->set_access(r->access.get());
+  ASSIGN_OR_RETURN(r->device, open_device(o.device, 0, 0));
+  PagedWeightsOptions po;
+  po.precision = precision;
+  // Without memory.device: three quarters of a capped device (a GPU's free memory), the rest
+  // left to the KV cache and the activations; place_weights takes no more than the weights need,
+  // and pages them when they need more.
+  const uint64_t budget = r->device->memory_budget();
+  po.device_bytes = o.memory_device > 0 ? o.memory_device : budget == Device::kUnlimited ? UINT64_MAX / 2 : budget / 4 * 3;
+  po.host_bytes = o.memory_host;
+  po.nvme_bytes = o.nvme_size;
+  po.nvme_dir = o.nvme_path;
+  if (po.nvme_bytes > 0) {
+    ASSIGN_OR_RETURN(r->io, make_io_engine(IoEngineOptions{}));
+  }
+  ASSIGN_OR_RETURN(r->weights, PagedWeights::create(*r->device, r->io.get(), layout, po));
+  RETURN_IF_ERROR(r->weights->load(loaded.params.data()));
+  loaded.params = {};
+  const WeightsPlacement& p = r->weights->placement();
+  int in[kNumTiers] = {};
+  for (Tier t : p.homes) ++in[static_cast<int>(t)];
+  if (in[static_cast<int>(Tier::kDevice)] < static_cast<int>(p.homes.size())) {
+    LOG_INFO("weights paged in chunks of {}: {} of {} groups on the device ({}), {} in host memory, {} on nvme",
+             format_bytes(p.chunk_bytes), in[static_cast<int>(Tier::kDevice)], p.homes.size(),
+             format_bytes(p.device_slots * p.chunk_bytes), in[static_cast<int>(Tier::kHost)],
+             in[static_cast<int>(Tier::kNvme)]);
+  }
+  if (o.device == "cpu") {
+    r->model = model::make_cpu_decoder(compute, loaded.config);
+  } else {
+#if STRATA_HAVE_CUDA
+    ASSIGN_OR_RETURN(r->model, model::make_cuda_decoder(*r->device, loaded.config, compute));
+#endif
+  }
+  r->model->set_access(r->weights.get());
   return Status::OK();
 }
 
