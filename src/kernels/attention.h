@@ -22,10 +22,24 @@
 // tile skipping relies on: a key tile before a query's document start is wholly masked). A row of a
 // masked batch is computed with the same sums in the same order as that document alone at the
 // start of a sequence, so the masked result of each document equals its unpacked one bitwise.
+//
+// Key tiles (the CPU reference and fast path): scores are formed for a tile of keys at a time
+// and folded into each row's online softmax (running max, sum and weighted values, rescaled
+// when a tile raises the max), so no T x T, or even row x T, scores are held: a block of rows
+// by a tile of keys. A row's tiles start at its first key. Backward recomputes the
+// probabilities from lse tile by tile, its sums in the untiled order: its bits do not depend
+// on the tile. Forward's do, within the bound of a few roundings per tile (the rescaling);
+// tests/kernels/attention_test.cpp states it.
 #pragma once
 #include <cstdint>
 
 namespace strata::kernels {
+
+// Keys per tile of the CPU attention (process-wide; 0: one tile of every key, untiled).
+inline constexpr int64_t kDefaultAttentionKeyTile = 512;
+int64_t attention_key_tile();
+void set_attention_key_tile(int64_t keys);
+
 #define STRATA_ATTENTION_OPS                                                                      \
   void attention_forward(float* out /*(B,T,Hq,Dv)*/, float* lse /*(B,Hq,T)*/,                     \
                          const float* q /*(B,T,Hq,D)*/, const float* k /*(B,past+T,Hkv,D)*/,      \

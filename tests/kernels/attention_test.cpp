@@ -84,10 +84,36 @@ AttnResult run_cpu(const AttnData &d) {
   return run(d, cpu::attention_forward, cpu::attention_backward);
 }
 
-class AttentionShapeTest : public ::testing::TestWithParam<AttnShape> {};
+// Each shape runs untiled (a key tile larger than T) and with a key tile of 8, so that rows see
+// several tiles, documents start inside tiles and cached rows' tiles line up with the whole
+// sequence's.
+struct AttnCase {
+  AttnShape shape;
+  int64_t tile;
+};
+void PrintTo(const AttnCase &c, std::ostream *os) {
+  PrintTo(c.shape, os);
+  *os << " key tile " << c.tile;
+}
+
+// Sets the CPU attention's key tile for a scope.
+class KeyTile {
+ public:
+  explicit KeyTile(int64_t keys) : before_(attention_key_tile()) { set_attention_key_tile(keys); }
+  ~KeyTile() { set_attention_key_tile(before_); }
+
+ private:
+  int64_t before_;
+};
+
+class AttentionShapeTest : public ::testing::TestWithParam<AttnCase> {
+ protected:
+  AttnShape shape() const { return GetParam().shape; }
+  KeyTile tile_{GetParam().tile};
+};
 
 TEST_P(AttentionShapeTest, FastMatchesReference) {
-  AttnData d(GetParam(), 10);
+  AttnData d(shape(), 10);
   AttnResult want = run_ref(d);
   AttnResult got = run_cpu(d);
   EXPECT_WITHIN(relative_error(got.out, want.out), 1e-5);
@@ -102,7 +128,7 @@ TEST_P(AttentionShapeTest, FastMatchesReference) {
 // The fast backward given the reference's out/lse must also agree: backward
 // only trusts its inputs, so this isolates it from the forward.
 TEST_P(AttentionShapeTest, FastBackwardMatchesReferenceOnSameInputs) {
-  AttnData d(GetParam(), 20);
+  AttnData d(shape(), 20);
   const auto [B, T, Hq, Hkv, D] = d.shape;
   AttnResult want = run_ref(d);
   std::vector<float> dq(d.q_size), dk(d.kv_size), dv(d.kv_size);
@@ -117,7 +143,7 @@ TEST_P(AttentionShapeTest, FastBackwardMatchesReferenceOnSameInputs) {
 // Changing key/value at position p must leave every output before p
 // bit-identical.
 TEST_P(AttentionShapeTest, FutureKeysDoNotAffectEarlierOutputs) {
-  AttnData d(GetParam(), 30);
+  AttnData d(shape(), 30);
   const auto [B, T, Hq, Hkv, D] = d.shape;
   const int64_t p = T / 2;
   for (bool fast : {false, true}) {
@@ -149,7 +175,7 @@ TEST_P(AttentionShapeTest, FutureKeysDoNotAffectEarlierOutputs) {
 // Queries after `past` cached positions (a KV cache in generation) give bitwise the rows
 // of those queries in the whole sequence's attention, on both paths.
 TEST_P(AttentionShapeTest, QueriesAfterCachedKeysGiveTheFullSequencesRowsBitwise) {
-  const AttnShape shape = GetParam();
+  const AttnShape shape = this->shape();
   const auto [B, T, Hq, Hkv, D] = shape;
   const AttnData d(shape, 21);
   for (const bool fast : {false, true}) {
@@ -174,7 +200,7 @@ TEST_P(AttentionShapeTest, QueriesAfterCachedKeysGiveTheFullSequencesRowsBitwise
 }
 
 TEST_P(AttentionShapeTest, SameResultForAnyThreadCountAndRun) {
-  AttnData d(GetParam(), 40);
+  AttnData d(shape(), 40);
   AttnResult first = run_cpu(d);
   AttnResult second = run_cpu(d);
   const int threads = omp_get_max_threads();
@@ -210,8 +236,8 @@ std::vector<int32_t> document_positions(int64_t B, int64_t T) {
 // sequence of its own (forward and backward), on both paths: its rows see
 // only its keys, in the same order.
 TEST_P(AttentionShapeTest, DocumentMasksGiveEachDocumentItsOwnAttentionBitwise) {
-  const auto [B, T, Hq, Hkv, D] = GetParam();
-  AttnData d(GetParam(), 70);
+  const auto [B, T, Hq, Hkv, D] = shape();
+  AttnData d(shape(), 70);
   d.positions = document_positions(B, T);
   for (const bool fast : {false, true}) {
     const AttnResult packed = fast ? run_cpu(d) : run_ref(d);
@@ -252,8 +278,15 @@ TEST_P(AttentionShapeTest, DocumentMasksGiveEachDocumentItsOwnAttentionBitwise) 
   }
 }
 
+std::vector<AttnCase> shape_cases() {
+  std::vector<AttnCase> cases;
+  for (int64_t tile : {int64_t{1} << 20, int64_t{8}})
+    for (const AttnShape &s : kShapes)
+      cases.push_back({s, tile});
+  return cases;
+}
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionShapeTest,
-                         ::testing::ValuesIn(kShapes));
+                         ::testing::ValuesIn(shape_cases()));
 
 // L = sum(out * dout) through the reference forward; its gradient with respect
 // to every element of q, k and v must match the reference backward.
@@ -287,6 +320,72 @@ void check_finite_difference(const AttnShape &shape, int64_t Dv = 0,
     }
     EXPECT_WITHIN(relative_error(numeric, *c.grad), 2e-4) << c.name;
   }
+}
+
+// Key tiles against one tile of every key (kernels/attention.h), with document masks too.
+// Backward given the same out and lse runs its sums in the untiled order: bitwise the same.
+// Forward differs by the online softmax only. With u = 2^-24, n keys in a row and n_t tiles, each
+// term p_j v_j picks up at most (2 + 2 n_t) u from the exps and rescalings beyond the untiled
+// path's, plus u |s_j - m| from rounding s_j - m, whose p-weighted sum is at most n/e; both
+// paths' fp32 accumulations add (n + 6) u each. So per element of out
+//   |tiled - untiled| <= 3 (n + n_t + 8) u max|v|,
+// and of lse (the log of a sum whose terms differ so, plus the final rounding of each)
+//   |tiled - untiled| <= (n + 4 n_t + 8) u + 2 u |lse|.
+// The reference, in double, differs by the rounding of its float results: 2 u max|v| and 2 u |lse|
+// (plus 1e-12 for its double arithmetic).
+void expect_tiles_within_bound(const AttnShape &shape, int64_t tile, bool fast, bool documents) {
+  AttnData d(shape, 80);
+  const auto [B, T, Hq, Hkv, D] = shape;
+  if (documents) {  // documents of 700, 900 and the rest (and of 40, 80, ... in short rows)
+    d.positions.resize(static_cast<size_t>(B * T));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0, start = 0; t < T; ++t) {
+        if (t - start == (T > 1000 ? 700 + 200 * (start > 0) : 40 + 40 * (start > 0))) start = t;
+        d.positions[static_cast<size_t>(b * T + t)] = static_cast<int32_t>(t - start);
+      }
+  }
+  auto forward = fast ? cpu::attention_forward : ref::attention_forward;
+  auto backward = fast ? cpu::attention_backward : ref::attention_backward;
+  AttnResult untiled, tiled;
+  {
+    KeyTile all(0);
+    untiled = run(d, forward, backward);
+  }
+  {
+    KeyTile some(tile);
+    tiled = run(d, forward, backward);
+  }
+  const double u = std::ldexp(1.0, -24);
+  double max_v = 0;
+  for (float x : d.v) max_v = std::max(max_v, double(std::fabs(x)));
+  const double n = double(T), n_t = std::ceil(double(T) / double(tile));
+  const double out_bound = fast ? 3 * (n + n_t + 8) * u * max_v : 2 * u * max_v + 1e-12;
+  for (size_t i = 0; i < tiled.out.size(); ++i)
+    ASSERT_TRUE(std::fabs(tiled.out[i] - untiled.out[i]) <= out_bound)
+        << "out[" << i << "] " << tiled.out[i] << " tiled, " << untiled.out[i] << " untiled; bound " << out_bound;
+  for (size_t i = 0; i < tiled.lse.size(); ++i) {
+    const double bound = (fast ? (n + 4 * n_t + 8) * u : 1e-12) + 2 * u * std::fabs(untiled.lse[i]);
+    ASSERT_TRUE(std::fabs(tiled.lse[i] - untiled.lse[i]) <= bound)
+        << "lse[" << i << "] " << tiled.lse[i] << " tiled, " << untiled.lse[i] << " untiled; bound " << bound;
+  }
+  // Backward on the same inputs: the untiled forward's out and lse, under the tile.
+  std::vector<float> dq(d.q_size), dk(d.kv_size), dv(d.v_size);
+  const int32_t *positions = d.positions.empty() ? nullptr : d.positions.data();
+  {
+    KeyTile some(tile);
+    backward(dq.data(), dk.data(), dv.data(), d.dout.data(), d.q.data(), d.k.data(), d.v.data(), untiled.out.data(),
+             untiled.lse.data(), B, T, Hq, Hkv, D, positions, 0, 0);
+  }
+  EXPECT_EQ(dq, untiled.dq);
+  EXPECT_EQ(dk, untiled.dk);
+  EXPECT_EQ(dv, untiled.dv);
+}
+
+TEST(AttentionTest, KeyTilesAgainstUntiledAtLongSequences) {
+  expect_tiles_within_bound({1, 2048, 2, 1, 32}, 64, /*fast=*/true, /*documents=*/false);
+  expect_tiles_within_bound({1, 2048, 2, 1, 32}, 100, /*fast=*/true, /*documents=*/true);
+  expect_tiles_within_bound({2, 300, 2, 1, 16}, 16, /*fast=*/false, /*documents=*/false);
+  expect_tiles_within_bound({1, 300, 2, 2, 16}, 24, /*fast=*/false, /*documents=*/true);
 }
 
 TEST(AttentionTest, ReferenceBackwardMatchesFiniteDifference) {

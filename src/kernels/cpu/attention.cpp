@@ -1,9 +1,10 @@
 // Causal grouped-query attention on the CPU: the reference (double, one row at
 // a time) and the fast path (fp32, blocks of query rows so that each key/value
-// row is loaded once per block).
+// row is loaded once per block), both over tiles of keys with an online softmax.
 #include "kernels/attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -57,6 +58,16 @@ inline int64_t first_key(const int32_t *positions, int64_t b, int64_t T,
 }
 } // namespace
 
+namespace {
+std::atomic<int64_t> g_key_tile{kDefaultAttentionKeyTile};
+} // namespace
+
+int64_t attention_key_tile() { return g_key_tile.load(std::memory_order_relaxed); }
+void set_attention_key_tile(int64_t keys) {
+  CHECK_MSG(keys >= 0, "the attention key tile is a number of keys, 0 for untiled");
+  g_key_tile.store(keys, std::memory_order_relaxed);
+}
+
 namespace ref {
 
 namespace {
@@ -79,7 +90,10 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
   const int64_t group = Hq / Hkv;
   const int64_t Tk = past + T; // keys per sequence
   const double scale = softmax_scale(D, scale_arg);
-  std::vector<double> s(static_cast<size_t>(Tk));
+  // Keys in tiles with an online softmax (as the fast path): the running max m,
+  // the sum of exp(s - m) and the weighted values, rescaled when a tile raises m.
+  const int64_t tile = std::max<int64_t>(attention_key_tile() > 0 ? std::min(attention_key_tile(), Tk) : Tk, 1);
+  std::vector<double> s(static_cast<size_t>(tile));
   std::vector<double> acc(static_cast<size_t>(Dv));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hq; ++h) {
@@ -89,23 +103,31 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
         const int64_t last = past + t; // the last key this query sees
         const int64_t first = first_key(positions, b, T, t);
         double m = -std::numeric_limits<double>::infinity();
-        for (int64_t j = first; j <= last; ++j) {
-          s[j] = scale * dot(qt, k + ((b * Tk + j) * Hkv + g) * D, D);
-          m = std::max(m, s[j]);
-        }
         double sum = 0;
-        for (int64_t j = first; j <= last; ++j)
-          sum += std::exp(s[j] - m);
         std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t j = first; j <= last; ++j) {
-          const double p = std::exp(s[j] - m) / sum;
-          const float *vj = v + ((b * Tk + j) * Hkv + g) * Dv;
-          for (int64_t d = 0; d < Dv; ++d)
-            acc[d] += p * vj[d];
+        for (int64_t j0 = first; j0 <= last; j0 += tile) {
+          const int64_t j1 = std::min(j0 + tile, last + 1);
+          double m_new = m;
+          for (int64_t j = j0; j < j1; ++j) {
+            s[j - j0] = scale * dot(qt, k + ((b * Tk + j) * Hkv + g) * D, D);
+            m_new = std::max(m_new, s[j - j0]);
+          }
+          const double c = std::exp(m - m_new); // 0 for the first tile
+          sum *= c;
+          for (double &a : acc)
+            a *= c;
+          m = m_new;
+          for (int64_t j = j0; j < j1; ++j) {
+            const double p = std::exp(s[j - j0] - m);
+            sum += p;
+            const float *vj = v + ((b * Tk + j) * Hkv + g) * Dv;
+            for (int64_t d = 0; d < Dv; ++d)
+              acc[d] += p * vj[d];
+          }
         }
         float *ot = out + ((b * T + t) * Hq + h) * Dv;
         for (int64_t d = 0; d < Dv; ++d)
-          ot[d] = static_cast<float>(acc[d]);
+          ot[d] = static_cast<float>(acc[d] / sum);
         lse[(b * Hq + h) * T + t] = static_cast<float>(m + std::log(sum));
       }
     }
@@ -189,12 +211,17 @@ inline void axpy(float *y, float alpha, const float *x, int64_t n) {
 
 // Work units are (b, query head, block of rows); each writes only its own
 // out/lse rows, so the result is the same for any thread count. Later blocks
-// see more keys, hence dynamic schedule. Row r of a block is query t0 + r at
-// position past + t0 + r; its scores, softmax and weighted sum are formed in
-// the same order whatever the block and `past`, so a row comes out the same
-// computed alone (cached decoding) or among the whole sequence's. With document
-// masks row r sees keys first[r] .. p0 + r, visited in the same ascending order,
-// so a document's rows come out as they do for that document alone.
+// see more keys, hence dynamic schedule.
+//
+// Keys go in tiles of attention_key_tile() with an online softmax: each row
+// keeps its running max m, its sum l of exp(s - m) and its weighted sum of
+// values, rescaled by exp(m_old - m_new) when a tile raises the max, so the
+// scores held at once are a block of rows by a tile of keys, whatever T. A
+// row's tiles start at its first key (0, or its document's start) and the keys
+// of a tile are visited in ascending order, so a row comes out the same
+// computed alone (cached decoding, any `past`) or among the whole sequence's,
+// and a document's rows as for that document alone. The block's rows are
+// taken in runs that share their first key (one run without document masks).
 void attention_forward(float *out, float *lse, const float *q, const float *k,
                        const float *v, int64_t B, int64_t T, int64_t Hq,
                        int64_t Hkv, int64_t D, int64_t past,
@@ -208,12 +235,14 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
   const float scale = static_cast<float>(softmax_scale(D, scale_arg));
   const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
   const int64_t units = B * Hq * blocks;
+  const int64_t tile = std::max<int64_t>(attention_key_tile() > 0 ? std::min(attention_key_tile(), Tk) : Tk, 1);
 #pragma omp parallel
   {
-    // Scores of one block of rows against every key up to the block's last row.
-    std::vector<float> s(static_cast<size_t>(kBlockRows * Tk));
+    // Scores of one block of rows against one tile of keys.
+    std::vector<float> s(static_cast<size_t>(kBlockRows * tile));
     std::vector<float> acc(static_cast<size_t>(kBlockRows * Dv));
-    std::vector<int64_t> first(static_cast<size_t>(kBlockRows));
+    std::vector<float> m(static_cast<size_t>(kBlockRows));
+    std::vector<double> l(static_cast<size_t>(kBlockRows)); // double: tens of thousands of terms
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
       const int64_t blk = unit % blocks;
@@ -223,58 +252,66 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
       const int64_t t0 = blk * kBlockRows;
       const int64_t rows = std::min(kBlockRows, T - t0);
       const int64_t p0 = past + t0; // position of the block's first row
-      // keys 0 .. p0 + rows - 1 are visible to some row
-      const int64_t keys = p0 + rows;
       const float *q0 = q + ((b * T + t0) * Hq + h) * D;
       const int64_t q_stride = Hq * D;
       const float *kb = k + (b * Tk * Hkv + g) * D;
       const float *vb = v + (b * Tk * Hkv + g) * Dv;
       const int64_t kv_stride = Hkv * D;
       const int64_t v_stride = Hkv * Dv;
-      // Row r sees keys first[r] .. p0 + r; no row sees a key before kmin.
-      int64_t kmin = keys;
-      for (int64_t r = 0; r < rows; ++r) {
-        first[r] = first_key(positions, b, T, t0 + r);
-        kmin = std::min(kmin, first[r]);
-      }
-
-      for (int64_t j = kmin; j < keys; ++j) {
-        const float *kj = kb + j * kv_stride;
-        // Row r sees keys j <= p0 + r; start at the first row that can see key
-        // j.
-        for (int64_t r = std::max<int64_t>(0, j - p0); r < rows; ++r) {
-          if (j >= first[r])
-            s[r * Tk + j] = scale * dot(q0 + r * q_stride, kj, D);
-        }
-      }
       std::fill(acc.begin(), acc.begin() + rows * Dv, 0.0f);
-      for (int64_t r = 0; r < rows; ++r) {
-        float *sr = s.data() + r * Tk;
-        const int64_t j0 = first[r];
-        const int64_t n = p0 + r + 1;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = j0; j < n; ++j)
-          m = std::max(m, sr[j]);
-        double sum = 0; // double: n can be tens of thousands of terms
-        for (int64_t j = j0; j < n; ++j) {
-          sr[j] = std::exp(sr[j] - m);
-          sum += sr[j];
+      std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + rows, 0.0);
+      // Runs of rows [r0, r1) sharing their first key f: row r sees f .. p0 + r.
+      for (int64_t r0 = 0, r1 = 0; r0 < rows; r0 = r1) {
+        const int64_t f = first_key(positions, b, T, t0 + r0);
+        for (r1 = r0 + 1; r1 < rows && first_key(positions, b, T, t0 + r1) == f; ++r1) {
         }
-        const float inv = static_cast<float>(1.0 / sum);
-        for (int64_t j = j0; j < n; ++j)
-          sr[j] *= inv;
-        lse[(b * Hq + h) * T + t0 + r] = static_cast<float>(m + std::log(sum));
-      }
-      for (int64_t j = kmin; j < keys; ++j) {
-        const float *vj = vb + j * v_stride;
-        for (int64_t r = std::max<int64_t>(0, j - p0); r < rows; ++r) {
-          if (j >= first[r])
-            axpy(acc.data() + r * Dv, s[r * Tk + j], vj, Dv);
+        const int64_t keys = p0 + r1; // keys f .. keys - 1 are visible to some row of the run
+        for (int64_t j0 = f; j0 < keys; j0 += tile) {
+          const int64_t j1 = std::min(j0 + tile, keys);
+          // Row r sees keys j <= p0 + r: start at the first row that can see key j.
+          for (int64_t j = j0; j < j1; ++j) {
+            const float *kj = kb + j * kv_stride;
+            for (int64_t r = std::max(r0, j - p0); r < r1; ++r)
+              s[r * tile + (j - j0)] = scale * dot(q0 + r * q_stride, kj, D);
+          }
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t n = std::min(j1, p0 + r + 1) - j0; // keys of the tile row r sees
+            if (n <= 0)
+              continue;
+            float *sr = s.data() + r * tile;
+            float tile_max = -std::numeric_limits<float>::infinity();
+            for (int64_t i = 0; i < n; ++i)
+              tile_max = std::max(tile_max, sr[i]);
+            const float m_new = std::max(m[r], tile_max);
+            if (m_new > m[r] && m[r] != -std::numeric_limits<float>::infinity()) {
+              const float c = std::exp(m[r] - m_new);
+              l[r] *= c;
+              float *ar = acc.data() + r * Dv;
+              for (int64_t d = 0; d < Dv; ++d)
+                ar[d] *= c;
+            }
+            m[r] = m_new;
+            double sum = 0;
+            for (int64_t i = 0; i < n; ++i) {
+              sr[i] = std::exp(sr[i] - m_new);
+              sum += sr[i];
+            }
+            l[r] += sum;
+          }
+          for (int64_t j = j0; j < j1; ++j) {
+            const float *vj = vb + j * v_stride;
+            for (int64_t r = std::max(r0, j - p0); r < r1; ++r)
+              axpy(acc.data() + r * Dv, s[r * tile + (j - j0)], vj, Dv);
+          }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        std::copy_n(acc.data() + r * Dv, Dv,
-                    out + ((b * T + t0 + r) * Hq + h) * Dv);
+        const float inv = static_cast<float>(1.0 / l[r]);
+        float *o = out + ((b * T + t0 + r) * Hq + h) * Dv;
+        for (int64_t d = 0; d < Dv; ++d)
+          o[d] = acc[r * Dv + d] * inv;
+        lse[(b * Hq + h) * T + t0 + r] = static_cast<float>(m[r] + std::log(l[r]));
       }
     }
   }
@@ -301,11 +338,13 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
   const int64_t o_stride = Hq * Dv; // of out and dout
   const int64_t kv_stride = Hkv * D;
   const int64_t v_stride = Hkv * Dv;
+  const int64_t tile = std::max<int64_t>(attention_key_tile() > 0 ? std::min(attention_key_tile(), T) : T, 1);
 #pragma omp parallel
   {
-    std::vector<float> p(static_cast<size_t>(kBlockRows * T)); // probabilities
+    // A block of rows by a tile of keys.
+    std::vector<float> p(static_cast<size_t>(kBlockRows * tile)); // probabilities
     std::vector<float> ds(
-        static_cast<size_t>(kBlockRows * T)); // dS = P * (dP - D_r)
+        static_cast<size_t>(kBlockRows * tile)); // dS = P * (dP - D_r)
     std::vector<float> dq_acc(static_cast<size_t>(kBlockRows * D));
     std::vector<float> delta(static_cast<size_t>(kBlockRows));
     std::vector<int64_t> first(static_cast<size_t>(kBlockRows));
@@ -338,31 +377,37 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
             first[r] = first_key(positions, b, T, t0 + r);
             kmin = std::min(kmin, first[r]);
           }
-          for (int64_t j = kmin; j < keys; ++j) {
-            const float *kj = kb + j * kv_stride;
-            const float *vj = vb + j * v_stride;
-            for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
-              if (j < first[r])
-                continue;
-              const float pr =
-                  std::exp(scale * dot(q0 + r * q_stride, kj, D) - lse0[r]);
-              const float dp = dot(do0 + r * o_stride, vj, Dv);
-              p[r * T + j] = pr;
-              ds[r * T + j] = pr * (dp - delta[r]);
-            }
-          }
           std::fill(dq_acc.begin(), dq_acc.begin() + rows * D, 0.0f);
-          for (int64_t j = kmin; j < keys; ++j) {
-            const float *kj = kb + j * kv_stride;
-            float *dkj = dkb + j * kv_stride;
-            float *dvj = dvb + j * v_stride;
-            for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
-              if (j < first[r])
-                continue;
-              const float dsr = ds[r * T + j];
-              axpy(dq_acc.data() + r * D, scale * dsr, kj, D);
-              axpy(dkj, scale * dsr, q0 + r * q_stride, D);
-              axpy(dvj, p[r * T + j], do0 + r * o_stride, Dv);
+          // Key tiles: the sums run in the order of untiled keys (each dq row over its keys
+          // in ascending order, each dk/dv row over the block's rows in ascending order), so
+          // the tile size changes no bit.
+          for (int64_t j0 = kmin; j0 < keys; j0 += tile) {
+            const int64_t j1 = std::min(j0 + tile, keys);
+            for (int64_t j = j0; j < j1; ++j) {
+              const float *kj = kb + j * kv_stride;
+              const float *vj = vb + j * v_stride;
+              for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
+                if (j < first[r])
+                  continue;
+                const float pr =
+                    std::exp(scale * dot(q0 + r * q_stride, kj, D) - lse0[r]);
+                const float dp = dot(do0 + r * o_stride, vj, Dv);
+                p[r * tile + (j - j0)] = pr;
+                ds[r * tile + (j - j0)] = pr * (dp - delta[r]);
+              }
+            }
+            for (int64_t j = j0; j < j1; ++j) {
+              const float *kj = kb + j * kv_stride;
+              float *dkj = dkb + j * kv_stride;
+              float *dvj = dvb + j * v_stride;
+              for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
+                if (j < first[r])
+                  continue;
+                const float dsr = ds[r * tile + (j - j0)];
+                axpy(dq_acc.data() + r * D, scale * dsr, kj, D);
+                axpy(dkj, scale * dsr, q0 + r * q_stride, D);
+                axpy(dvj, p[r * tile + (j - j0)], do0 + r * o_stride, Dv);
+              }
             }
           }
           for (int64_t r = 0; r < rows; ++r) {
