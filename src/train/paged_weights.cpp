@@ -23,7 +23,7 @@ uint64_t sum_largest(std::vector<uint64_t> chunks, size_t count) {
 
 Status too_small(const char* key, uint64_t budget, uint64_t chunks, uint64_t chunk_bytes, const std::string& what) {
   return Status::OutOfMemory(std::string(key) + " = " + format_bytes(budget) + " is too small for the weights: " +
-                                   what + " needs " + std::to_string(chunks) + " chunks of " +
+                                   what + " takes " + std::to_string(chunks) + " chunks of " +
                                    format_bytes(chunk_bytes) + " (" + format_bytes(chunks * chunk_bytes) +
                                    "); raise " + key);
 }
@@ -46,7 +46,7 @@ Result<WeightsPlacement> place_weights(const model::ParamLayout& layout, const P
   const uint64_t at_once = std::max(largest, tied ? p.chunks.front() + p.chunks.back() : 0);
   if (device_slots < at_once) {
     return too_small("memory.device", options.device_bytes, at_once, p.chunk_bytes,
-                     "the largest group the model holds at once");
+                     "holding the largest group the model uses at once");
   }
   // Loading passes the weights through a host slot or two; an nvme tier stages through one more.
   const bool nvme = options.nvme_bytes > 0;
@@ -56,35 +56,47 @@ Result<WeightsPlacement> place_weights(const model::ParamLayout& layout, const P
     const uint64_t in_flight = sum_largest(p.chunks, options.lookahead + 1);
     device_homes = device_slots - (device_slots >= in_flight + largest ? in_flight : at_once);
   }
-  uint64_t used = 0;
-  size_t g = 0;
-  for (; g < groups && used + p.chunks[g] <= device_homes; ++g) used += p.chunks[g];
+  // Groups in order, each homed on the device where it still fits (a large embedding that does
+  // not leaves the room to the layers after it), then in host memory, then on nvme.
+  std::vector<bool> placed(groups, false);
+  uint64_t used = 0, rest = 0;
+  for (size_t g = 0; g < groups; ++g) {
+    placed[g] = used + p.chunks[g] <= device_homes;
+    if (placed[g]) used += p.chunks[g];
+    else rest += p.chunks[g];
+  }
   // (All on the device: the tier is what they take, whatever the budget.)
   p.device_slots = std::min(device_slots, total);
-  uint64_t rest = 0;
-  for (size_t r = g; r < groups; ++r) rest += p.chunks[r];
-  // Host memory: every group left when there is no nvme tier (or room for all of them).
+  // Host memory: without an nvme tier every group left (its default: room for all of them);
+  // with one, what memory.host leaves after staging (its default: staging alone).
   const uint64_t host_wanted = rest + host_pass;
-  const uint64_t host_slots = options.host_bytes > 0 ? options.host_bytes / p.chunk_bytes : host_wanted;
+  const uint64_t host_slots = options.host_bytes > 0 ? options.host_bytes / p.chunk_bytes
+                              : nvme                 ? host_pass
+                                                     : host_wanted;
   if (host_slots < host_pass || (!nvme && host_slots < host_wanted)) {
-    return too_small("memory.host", options.host_bytes, nvme ? host_pass : host_wanted, p.chunk_bytes,
-                     nvme ? "staging the weights to and from nvme" : "the groups the device has no room for");
+    const char* what = rest == 0 ? "loading the weights through host memory"
+                       : nvme    ? "staging the weights to and from nvme"
+                                 : "holding the groups the device has no room for";
+    return too_small("memory.host", options.host_bytes, nvme || rest == 0 ? host_pass : host_wanted, p.chunk_bytes,
+                     what);
   }
   p.host_slots = std::min(host_slots, host_wanted);
-  uint64_t host_used = 0;
-  for (; g < groups && host_used + p.chunks[g] + host_pass <= p.host_slots; ++g) {
-    p.homes[g] = Tier::kHost;
-    host_used += p.chunks[g];
-  }
-  uint64_t nvme_used = 0;
-  for (; g < groups; ++g) {
-    p.homes[g] = Tier::kNvme;
-    nvme_used += p.chunks[g];
+  uint64_t host_used = 0, nvme_used = 0;
+  for (size_t g = 0; g < groups; ++g) {
+    if (placed[g]) continue;
+    if (host_used + p.chunks[g] + host_pass <= p.host_slots) {
+      p.homes[g] = Tier::kHost;
+      host_used += p.chunks[g];
+    } else {
+      p.homes[g] = Tier::kNvme;
+      nvme_used += p.chunks[g];
+    }
   }
   if (nvme_used > 0) {
     const uint64_t nvme_slots = options.nvme_bytes / p.chunk_bytes;
     if (nvme_slots < nvme_used)
-      return too_small("memory.nvme", options.nvme_bytes, nvme_used, p.chunk_bytes, "the groups homed on nvme");
+      return too_small("memory.nvme.size", options.nvme_bytes, nvme_used, p.chunk_bytes,
+                       "holding the groups homed on nvme");
     p.nvme_slots = nvme_used;
   }
   return p;
@@ -95,7 +107,7 @@ Result<std::unique_ptr<PagedWeights>> PagedWeights::create(Device& device, IoEng
                                                            const PagedWeightsOptions& options) {
   ASSIGN_OR_RETURN(WeightsPlacement placement, place_weights(layout, options));
   if (placement.nvme_slots > 0 && (io == nullptr || options.nvme_dir.empty()))
-    return Status::InvalidArgument("the weights spill to nvme, which needs an nvme directory (memory.nvme_dir)");
+    return Status::InvalidArgument("the weights spill to nvme, which needs an nvme directory (memory.nvme.path)");
   StateStoreOptions so;
   so.layout = StateLayout::weights(options.precision);
   so.lookahead = options.lookahead;

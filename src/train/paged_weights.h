@@ -34,7 +34,8 @@ namespace strata {
 struct PagedWeightsOptions {
   // Tier budgets. device_bytes: at least the chunks of the groups the model holds at once (a
   // layer with all its experts; the embedding and the head together when they are tied).
-  // host_bytes 0: what the placement needs. nvme_bytes 0: no nvme tier.
+  // host_bytes 0: without nvme, room for every group the device has none for; with nvme, the
+  // slots staging takes alone (the rest goes to nvme). nvme_bytes 0: no nvme tier.
   uint64_t device_bytes = 0;
   uint64_t host_bytes = 0;
   uint64_t nvme_bytes = 0;
@@ -56,9 +57,9 @@ struct WeightsPlacement {
 
 // The placement for `options`: every group on the device when all fit; otherwise the device
 // keeps room for the groups in flight (the `lookahead` + 1 largest, or at least what the model
-// holds at once) and homes groups in order in the rest, host memory the next ones (keeping a
-// slot to stage nvme moves through and room for the largest group's copies on their way up),
-// and the nvme tier the rest. An error naming the budget (memory.device, memory.host,
+// holds at once) and homes groups, in order, where each still fits in the rest; host memory the
+// others while there is room (keeping two slots to load through and, with nvme, one to stage
+// through and room for the largest group's copies on their way up), and the nvme tier the rest. An error naming the budget (memory.device, memory.host,
 // memory.nvme) that is too small, with what it needs.
 Result<WeightsPlacement> place_weights(const model::ParamLayout& layout, const PagedWeightsOptions& options);
 

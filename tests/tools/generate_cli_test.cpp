@@ -116,7 +116,8 @@ TEST_F(GenerateCliTest, GreedyTextIsTheLibrarysAndRepeats) {
 }
 
 TEST_F(GenerateCliTest, WeightsPagedThroughHostAndNvmeGiveTheSameText) {
-  // The device holds the largest group alone, the host its staging slots: the rest is on nvme.
+  // The device holds the largest group alone, the host its staging slots: the rest is on nvme,
+  // in a directory generate makes.
   PagedWeightsOptions po;
   po.device_bytes = 1ull << 30;
   Result<WeightsPlacement> roomy = place_weights(model::ParamLayout(config_), po);
@@ -124,10 +125,9 @@ TEST_F(GenerateCliTest, WeightsPagedThroughHostAndNvmeGiveTheSameText) {
   uint64_t largest = 0;
   for (uint64_t n : roomy->chunks) largest = std::max(largest, n);
   const uint64_t chunk = roomy->chunk_bytes;
-  fs::create_directories(dir_ / "nvme");
   const std::string budgets = " memory.device=" + std::to_string(largest * chunk) +
                               " memory.host=" + std::to_string((3 + largest) * chunk) +
-                              " memory.nvme.path=" + (dir_ / "nvme").string() + " memory.nvme.size=64MiB";
+                              " memory.nvme.path=" + (dir_ / "nvme" / "weights").string() + " memory.nvme.size=64MiB";
   const std::string args = "generate --from " + hf_.string() + " --prompt 'hello world' --max-new-tokens 12 --ignore-eos";
   model::GenerateOptions options;
   options.max_new_tokens = 12;

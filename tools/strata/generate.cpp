@@ -83,10 +83,13 @@ Memory (the keys strata train reads, as key=value):
                           copied up, ahead of use, for each token. It must hold the largest
                           layer (with all its experts) at once, and more makes it faster.
   memory.host=SIZE        host memory for the weights the device has no room for (default: all
-                          of them); with an nvme tier, at least a few chunks to stage through
-  memory.nvme.path=DIR    a directory on a fast disk for what host memory has no room for,
-  memory.nvme.size=SIZE   and its budget
-A budget too small for what the weights need says which key to raise and by how much.
+                          of them; with an nvme tier, only the slots it stages through: two
+                          chunks and the largest group's, plus one)
+  memory.nvme.path=DIR    a directory on a fast disk for what host memory has no room for
+  memory.nvme.size=SIZE   (made when missing), and its budget
+A budget too small for what the weights need says which key to raise and by how much. The
+weights are read whole into host memory once and copied into their tiers, so loading takes
+their fp32 size in host memory besides the host tier.
 )";
 
 int usage_error(const std::string& message) {
@@ -295,11 +298,19 @@ Status make_runner(const Options& o, LoadedModel loaded, Runner* r) {
   // left to the KV cache and the activations; place_weights takes no more than the weights need,
   // and pages them when they need more.
   const uint64_t budget = r->device->memory_budget();
+  if (o.memory_device > 0 && budget != Device::kUnlimited && o.memory_device > budget) {
+    return Status::OutOfMemory("memory.device = " + format_bytes(o.memory_device) + " is more than the " + o.device +
+                               " device has free (" + format_bytes(budget) + "); lower memory.device");
+  }
   po.device_bytes = o.memory_device > 0 ? o.memory_device : budget == Device::kUnlimited ? UINT64_MAX / 2 : budget / 4 * 3;
   po.host_bytes = o.memory_host;
   po.nvme_bytes = o.nvme_size;
   po.nvme_dir = o.nvme_path;
   if (po.nvme_bytes > 0) {
+    // As strata train does: the directory is made when missing.
+    std::error_code ec;
+    std::filesystem::create_directories(po.nvme_dir, ec);
+    if (ec) return Status::IOError("cannot create memory.nvme.path " + po.nvme_dir + ": " + ec.message());
     ASSIGN_OR_RETURN(r->io, make_io_engine(IoEngineOptions{}));
   }
   ASSIGN_OR_RETURN(r->weights, PagedWeights::create(*r->device, r->io.get(), layout, po));
