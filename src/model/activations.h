@@ -50,9 +50,12 @@ class ActivationTable {
   // (layer(l)), so that backward recomputes nothing. kv_tokens > 0: generation's buffers too, a
   // KV cache of that many positions and one row of logits (kv_cache, logits); the block is then
   // planned for exactly these arguments (a call with others plans it anew, the cache lost).
-  // expert_ranks: P above (1: no expert parallelism).
+  // expert_ranks: P above (1: no expert parallelism). mlp_tile > 0: the dense MLP runs over
+  // tiles of that many tokens (Decoder::set_mlp_tile_tokens), so gate, up, act and their
+  // gradients hold min(N, mlp_tile) rows (mlp_rows()) and no layer keeps them; except in MoE
+  // models with a shared expert, which runs on all N rows of those buffers.
   Status reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T, bool offload_activations = false,
-                 bool keep_layers = false, int64_t kv_tokens = 0, int64_t expert_ranks = 1);
+                 bool keep_layers = false, int64_t kv_tokens = 0, int64_t expert_ranks = 1, int64_t mlp_tile = 0);
   // Bytes held (for logging and tests).
   int64_t bytes() const { return bytes_; }
   // The tokens per micro-batch the buffers hold (N; 0 before reserve()).
@@ -60,7 +63,9 @@ class ActivationTable {
   // The bytes reserve() would take, the backend's own per-micro-batch buffers included, without
   // allocating.
   static int64_t bytes_for(const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers = false,
-                           int64_t expert_ranks = 1);
+                           int64_t expert_ranks = 1, int64_t mlp_tile = 0);
+  // Rows of the dense MLP's buffers (gate .. act, d_gate .. d_act): N, or the token tile.
+  int64_t mlp_rows() const { return mlp_rows_; }
   // The buffers layer l's forward writes and its backward reads: its own when the table keeps
   // layers (l < L - 1), the shared ones otherwise.
   const ActivationTable& layer(int64_t l) const {
@@ -95,9 +100,9 @@ class ActivationTable {
   Act* h = nullptr;         // (N, C) residual after attention
   Act* ln2 = nullptr;       // (N, C) post_attention_layernorm output
   float* ln2_rstd = nullptr;  // (N)
-  Act* gate = nullptr;      // (N, F)
-  Act* up = nullptr;        // (N, F)
-  Act* act = nullptr;       // (N, F) silu(gate) * up
+  Act* gate = nullptr;      // (mlp_rows(), F)
+  Act* up = nullptr;        // (mlp_rows(), F)
+  Act* act = nullptr;       // (mlp_rows(), F) silu(gate) * up
 
   // One MoE layer's intermediates (MoE models only). The shared expert runs in gate/up/act.
   float* router_logits = nullptr;  // (N, E)
@@ -144,9 +149,9 @@ class ActivationTable {
   Act* d_k = nullptr;     // (N, Hkv*D)
   Act* d_v = nullptr;     // (N, Hkv*D)
   Act* d_att = nullptr;   // (N, Hq*D)
-  Act* d_gate = nullptr;  // (N, F)
-  Act* d_up = nullptr;    // (N, F)
-  Act* d_act = nullptr;   // (N, F)
+  Act* d_gate = nullptr;  // (mlp_rows(), F)
+  Act* d_up = nullptr;    // (mlp_rows(), F)
+  Act* d_act = nullptr;   // (mlp_rows(), F)
   Act* d_qk_raw = nullptr;  // (N, Hq*D) gradient of q_raw or k_raw (qk_norm only)
   float* d_route_weights = nullptr;  // (N, K)
   float* d_router_logits = nullptr;  // (N, E)
@@ -169,10 +174,12 @@ class ActivationTable {
   bool planned_offload_ = false;
   int64_t layer_checkpoint_slots_ = 0;
   int64_t bytes_ = 0;
+  int64_t planned_mlp_tile_ = 0;
+  int64_t mlp_rows_ = 0;
 
   // Hands out every field for N tokens from `base` (null: only measures); returns the bytes.
   int64_t carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers,
-                int64_t kv_tokens, int64_t expert_ranks);
+                int64_t kv_tokens, int64_t expert_ranks, int64_t mlp_tile);
   bool planned_keep_ = false;
   std::vector<ActivationTable> layer_views_;  // per layer 0 .. L-2 when keeping layers
 };
@@ -180,21 +187,22 @@ class ActivationTable {
 template <class Ops>
 Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T,
                                      bool offload_activations, bool keep_layers, int64_t kv_tokens,
-                                     int64_t expert_ranks) {
+                                     int64_t expert_ranks, int64_t mlp_tile) {
   int64_t N = B * T;
   if (N <= planned_tokens_ && offload_activations == planned_offload_ && keep_layers == planned_keep_ &&
-      kv_tokens == planned_kv_ && expert_ranks == planned_ranks_)
+      kv_tokens == planned_kv_ && expert_ranks == planned_ranks_ && mlp_tile == planned_mlp_tile_)
     return Status::OK();
   if (kv_tokens == planned_kv_) N = std::max(N, planned_tokens_);
   const int64_t bytes =
-      ActivationTable().carve(nullptr, config, N, offload_activations, keep_layers, kv_tokens, expert_ranks);
+      ActivationTable().carve(nullptr, config, N, offload_activations, keep_layers, kv_tokens, expert_ranks, mlp_tile);
   // The backend frees the old block first: after a failure nothing is planned any more.
   planned_tokens_ = 0;
   planned_kv_ = 0;
   bytes_ = 0;
   ASSIGN_OR_RETURN(void* base,
                    ops.activation_block(static_cast<uint64_t>(bytes), micro_batch_shape(config, N, expert_ranks)));
-  carve(static_cast<char*>(base), config, N, offload_activations, keep_layers, kv_tokens, expert_ranks);
+  carve(static_cast<char*>(base), config, N, offload_activations, keep_layers, kv_tokens, expert_ranks, mlp_tile);
+  planned_mlp_tile_ = mlp_tile;
   planned_keep_ = keep_layers;
   planned_ranks_ = expert_ranks;
   planned_kv_ = kv_tokens;
@@ -208,15 +216,16 @@ Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_
 
 template <class Ops>
 int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bool offload_activations,
-                                        bool keep_layers, int64_t expert_ranks) {
+                                        bool keep_layers, int64_t expert_ranks, int64_t mlp_tile) {
   ActivationTable<Ops> measured;
-  return measured.carve(nullptr, config, N, offload_activations, keep_layers, /*kv_tokens=*/0, expert_ranks) +
+  return measured.carve(nullptr, config, N, offload_activations, keep_layers, /*kv_tokens=*/0, expert_ranks,
+                        mlp_tile) +
          static_cast<int64_t>(Ops::extra_activation_bytes(micro_batch_shape(config, N, expert_ranks)));
 }
 
 template <class Ops>
 int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations,
-                                    bool keep_layers, int64_t kv_tokens, int64_t expert_ranks) {
+                                    bool keep_layers, int64_t kv_tokens, int64_t expert_ranks, int64_t mlp_tile) {
   const int64_t C = config.hidden_size;
   const int64_t F = config.dense_mlp_width();
   const int64_t L = config.num_hidden_layers;
@@ -235,6 +244,10 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   const int64_t Fe = moe ? config.moe_intermediate_size : 0;
   const int64_t layer_checkpoint_slots = offload_activations ? std::min<int64_t>(3, L + 1) : L + 1;
   const int64_t shared = moe && config.shared_expert_intermediate_size > 0 ? 1 : 0;
+  // The dense MLP's rows: a token tile, unless a shared expert runs on all N in these buffers.
+  const bool tiled = mlp_tile > 0 && mlp_tile < N && shared == 0;
+  const int64_t Nf = tiled ? mlp_tile : N;
+  mlp_rows_ = Nf;
 
   // Each buffer starts on a 64-byte boundary of the block.
   int64_t offset = 0;  // bytes
@@ -243,7 +256,9 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
     offset += (n * static_cast<int64_t>(sizeof(*field)) + 63) / 64 * 64;
   };
   // What a layer's forward writes and its backward reads (its router's choices included).
-  auto intermediates = [&](ActivationTable& t) {
+  // A layer kept for backward keeps no MLP intermediates when they are tiled: its backward
+  // recomputes them tile by tile into the shared buffers.
+  auto intermediates = [&](ActivationTable& t, int64_t mlp_rows) {
     take(t.ln1, N * C);
     take(t.ln1_rstd, N);
     take(t.q, N * q_dim);
@@ -258,9 +273,9 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
     take(t.h, N * C);
     take(t.ln2, N * C);
     take(t.ln2_rstd, N);
-    take(t.gate, N * F);
-    take(t.up, N * F);
-    take(t.act, N * F);
+    take(t.gate, mlp_rows * F);
+    take(t.up, mlp_rows * F);
+    take(t.act, mlp_rows * F);
     take(t.router_logits, N * E);
     take(t.router_probs, N * E);
     take(t.route_weights, N * K);
@@ -286,16 +301,16 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(final_rstd, N);
   take(d_final, N * C);
   take(dres, N * C);
-  intermediates(*this);
+  intermediates(*this, Nf);
   take(d_ln, N * C);
   take(d_tmp, N * C);
   take(d_q, N * q_dim);
   take(d_k, N * kv_dim);
   take(d_v, N * kv_dim);
   take(d_att, N * q_dim);
-  take(d_gate, N * F);
-  take(d_up, N * F);
-  take(d_act, N * F);
+  take(d_gate, Nf * F);
+  take(d_up, Nf * F);
+  take(d_act, Nf * F);
   take(d_qk_raw, qk ? N * q_dim : 0);
   take(d_route_weights, N * K);
   take(d_router_logits, N * E);
@@ -318,7 +333,7 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   layer_views_.clear();
   if (keep_layers) {
     std::vector<ActivationTable> views(static_cast<size_t>(std::max<int64_t>(L - 1, 0)), *this);
-    for (ActivationTable& view : views) intermediates(view);
+    for (ActivationTable& view : views) intermediates(view, tiled ? 0 : N);
     if (base != nullptr) layer_views_ = std::move(views);
   }
   return offset;

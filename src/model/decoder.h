@@ -94,6 +94,15 @@ class Model {
   // compute, more activation memory) or recompute each layer from its layer checkpoint. Bitwise
   // the same results either way. Takes effect at the next compute.
   virtual void set_keep_layer_activations(bool keep) = 0;
+  // Run each dense MLP over tiles of `tokens` tokens of the micro-batch (0: all at once), in
+  // forward and in backward, which then recomputes each tile's gate, up and activation instead
+  // of keeping them: its buffers hold a tile, O(tile x intermediate) rather than O(N x
+  // intermediate). The output and every input gradient are those of the untiled MLP row for
+  // row (bitwise with a GEMM whose rows do not depend on each other, e.g. the fixed-order one);
+  // the MLP's weight gradients sum the tiles' partial sums (within the bound of reordered fp32
+  // sums). Not for MoE models with a shared expert (it runs untiled). Takes effect at the next
+  // compute. REQUIRES: tokens >= 0.
+  virtual void set_mlp_tile_tokens(int64_t tokens) = 0;
   // Bytes of the activation table for micro-batches of `tokens` (B * T) tokens, with the layer
   // checkpoints offloaded or not, in an expert group of `expert_ranks` (1: none; see
   // set_expert_comm).
@@ -193,6 +202,7 @@ class Decoder final : public Model {
   // unless config.router_bias_update_rate > 0.
   void update_expert_bias() override;
   void set_keep_layer_activations(bool keep) override { keep_layers_ = keep; }
+  void set_mlp_tile_tokens(int64_t tokens) override { mlp_tile_ = tokens; }
   Stream* compute_stream() override { return ops_.compute_stream(); }
   void set_expert_comm(parallel::Comm* comm) override;
   int expert_ranks() const override { return expert_comm_ != nullptr ? expert_comm_->world_size() : 1; }
@@ -201,7 +211,7 @@ class Decoder final : public Model {
   int64_t sequence_length() const override { return kv_length_; }
   int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers,
                                int64_t expert_ranks) const override {
-    return ActivationTable<Ops>::bytes_for(config_, tokens, offload_activations, keep_layers, expert_ranks);
+    return ActivationTable<Ops>::bytes_for(config_, tokens, offload_activations, keep_layers, expert_ranks, mlp_tile_);
   }
 
  private:
@@ -265,6 +275,10 @@ class Decoder final : public Model {
   // null: the auxiliary loss's gradient with respect to the router softmax.
   // Returns expert parallelism's communication errors (other layers never fail).
   Status layer_backward(int64_t layer, const Act* x, Act* dres, int64_t B, int64_t T, const float* prob_grad);
+  // The dense MLP's gate, up and activation of n rows x (n, C) into `into`'s buffers (null: the
+  // shared ones, which hold a token tile when the MLP is tiled).
+  void mlp_tile_forward(const LayerTensors<const W>& p, const Act* x, int64_t n,
+                        const ActivationTable<Ops>* into = nullptr);
   const float* layer_selection_bias(int64_t layer) const;
 
   void check_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) const;
@@ -280,6 +294,7 @@ class Decoder final : public Model {
   const int32_t* staged_inputs_ = nullptr;  // the last forward's input tokens where the ops read them
   const int32_t* staged_positions_ = nullptr;  // its document positions there; null without document masks
   bool keep_layers_ = false;
+  int64_t mlp_tile_ = 0;  // tokens per dense MLP tile (0: untiled)
   ActivationTable<Ops> acts_;
   ParamAccess* access_ = nullptr;
   // MoE state (empty for dense models).

@@ -183,12 +183,33 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
     if (out != nullptr) ops_.add_inplace(out, a.h, N * C);
     return Status::OK();
   }
-  ops_.linear_forward(a.gate, a.ln2, p.gate_proj, nullptr, N, C, F);
-  ops_.linear_forward(a.up, a.ln2, p.up_proj, nullptr, N, C, F);
-  ops_.swiglu_forward(a.act, a.gate, a.up, N * F);
+  const int64_t tile = acts_.mlp_rows();
+  if (tile < N) {
+    // Token tiles: each tile's gate, up and activation live only while its rows are computed
+    // (backward recomputes them), so the recompute before backward has nothing to do here.
+    if (out == nullptr) return Status::OK();
+    for (int64_t r0 = 0; r0 < N; r0 += tile) {
+      const int64_t n = std::min(tile, N - r0);
+      mlp_tile_forward(p, a.ln2 + r0 * C, n);
+      ops_.linear_forward_residual(out + r0 * C, acts_.act, p.down_proj, a.h + r0 * C, n, F, C);
+    }
+    return Status::OK();
+  }
+  mlp_tile_forward(p, a.ln2, N, &a);
   if (out == nullptr) return Status::OK();
   ops_.linear_forward_residual(out, a.act, p.down_proj, a.h, N, F, C);
   return Status::OK();
+}
+
+template <class Ops>
+void Decoder<Ops>::mlp_tile_forward(const LayerTensors<const W>& p, const Act* x /*(n,C)*/, int64_t n,
+                                    const ActivationTable<Ops>* into) {
+  const ActivationTable<Ops>& a = into != nullptr ? *into : acts_;
+  const int64_t C = config_.hidden_size;
+  const int64_t F = config_.intermediate_size;
+  ops_.linear_forward(a.gate, x, p.gate_proj, nullptr, n, C, F);
+  ops_.linear_forward(a.up, x, p.up_proj, nullptr, n, C, F);
+  ops_.swiglu_forward(a.act, a.gate, a.up, n * F);
 }
 
 // Parameter gradients accumulate (+=); activation gradients overwrite (=).
@@ -222,10 +243,20 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
       RETURN_IF_ERROR(moe_mlp_backward(ops_, config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N, exchange));
     }
   } else {
-    ops_.linear_backward(a.d_act, g.down_proj, nullptr, dres, a.act, p.down_proj, N, F, C);
-    ops_.swiglu_backward(a.d_gate, a.d_up, a.d_act, a.gate, a.up, N * F);
-    ops_.linear_backward(a.d_ln, g.gate_proj, nullptr, a.d_gate, a.ln2, p.gate_proj, N, C, F);
-    ops_.linear_backward(a.d_tmp, g.up_proj, nullptr, a.d_up, a.ln2, p.up_proj, N, C, F);
+    // Token tiles (set_mlp_tile_tokens): each tile's intermediates recomputed, then its
+    // backward; the weight gradients add up tile by tile.
+    const int64_t tile = acts_.mlp_rows();
+    const bool tiled = tile < N;
+    const ActivationTable<Ops>& m = tiled ? acts_ : a;  // where gate .. act live
+    for (int64_t r0 = 0; r0 < N; r0 += tile) {
+      const int64_t n = std::min(tile, N - r0);
+      const Act* x2 = a.ln2 + r0 * C;
+      if (tiled) mlp_tile_forward(p, x2, n);
+      ops_.linear_backward(m.d_act, g.down_proj, nullptr, dres + r0 * C, m.act, p.down_proj, n, F, C);
+      ops_.swiglu_backward(m.d_gate, m.d_up, m.d_act, m.gate, m.up, n * F);
+      ops_.linear_backward(a.d_ln + r0 * C, g.gate_proj, nullptr, m.d_gate, x2, p.gate_proj, n, C, F);
+      ops_.linear_backward(a.d_tmp + r0 * C, g.up_proj, nullptr, m.d_up, x2, p.up_proj, n, C, F);
+    }
     ops_.add_inplace(a.d_ln, a.d_tmp, N * C);
   }
   ops_.rmsnorm_backward(a.d_tmp, g.post_attention_layernorm, a.d_ln, a.h, p.post_attention_layernorm,
@@ -347,7 +378,7 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, const int32_t* positi
     CHECK_MSG(window.ok(), window.to_string());
   }
   RETURN_IF_ERROR(
-      acts_.reserve(ops_, config_, B, T, access_->offloads_activations(), keep_layers_, 0, expert_ranks()));
+      acts_.reserve(ops_, config_, B, T, access_->offloads_activations(), keep_layers_, 0, expert_ranks(), mlp_tile_));
   const int64_t offloaded = offload ? saved_activation_count(static_cast<int>(L)) : 0;
   std::fill(forward_counts_.begin(), forward_counts_.end(), int64_t{0});
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);

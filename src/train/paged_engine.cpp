@@ -36,6 +36,8 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   // Expert parallelism: what it cannot split is refused before anything is planned.
   RETURN_IF_ERROR(check_expert_parallel(mc, t.parallel_expert, std::max(1, t.dp_world), e->budgets_.plan_zero));
   RETURN_IF_ERROR(e->open_backend(t));
+  // Before anything sizes the activation table: the MLP's tile sets its buffers.
+  e->net_->set_mlp_tile_tokens(t.mlp_tile_tokens);
   RETURN_IF_ERROR(e->resolve_budgets());
   RETURN_IF_ERROR(e->plan_placement(t));
   RETURN_IF_ERROR(e->open_nvme(t));

@@ -161,8 +161,10 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, Dev
   auto table_bytes = [&](bool keep) {
     const int64_t tokens = static_cast<int64_t>(N);
     return state.activation_dtype() == DType::kF32
-               ? model::ActivationTable<kernels::CpuF32Ops>::bytes_for(m, tokens, false, keep, t.parallel_expert)
-               : model::ActivationTable<kernels::CpuBf16Ops>::bytes_for(m, tokens, false, keep, t.parallel_expert);
+               ? model::ActivationTable<kernels::CpuF32Ops>::bytes_for(m, tokens, false, keep, t.parallel_expert,
+                                                                     t.mlp_tile_tokens)
+               : model::ActivationTable<kernels::CpuBf16Ops>::bytes_for(m, tokens, false, keep, t.parallel_expert,
+                                                                      t.mlp_tile_tokens);
   };
   const uint64_t table = static_cast<uint64_t>(table_bytes(false));
   const uint64_t layer_checkpoints = (L + 1) * in.saved_activation_bytes_per_layer;

@@ -1,0 +1,121 @@
+// The dense MLP over token tiles (Model::set_mlp_tile_tokens) against the untiled MLP at
+// T = 2048, in fp32 and the bf16 recipe, with kept layers and with recompute:
+// - under the fixed-order GEMM (whose rows do not depend on each other) the loss and every
+//   gradient but the MLP weights' are bitwise the untiled ones: the tiles compute the same
+//   rows;
+// - the MLP weights' gradients add the tiles' partial sums: per element the two differ by at
+//   most 2 gamma_N sum_t |dy_t x_t| (N tokens, gamma_N = N u / (1 - N u), u = 2^-24), which over
+//   the whole tensor the test takes as a relative (Frobenius) error of 1e-4, about gamma_2048;
+// - the activation table's MLP buffers hold a tile: doubling T leaves their bytes unchanged.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "../test_util.h"
+#include "kernels/linear.h"
+#include "model/activations.h"
+#include "model/decoder.h"
+#include "model/flat_model.h"
+
+namespace strata::model {
+namespace {
+
+ModelConfig llama(int64_t intermediate) {
+  Result<ModelConfig> c = ModelConfig::from_json(
+      {{"architectures", {"LlamaForCausalLM"}}, {"vocab_size", 64}, {"hidden_size", 32},
+       {"intermediate_size", intermediate}, {"num_hidden_layers", 3}, {"num_attention_heads", 4},
+       {"num_key_value_heads", 2}, {"max_position_embeddings", 4096}},
+      "mlp_tiling_test");
+  CHECK_MSG(c.ok(), c.status().to_string());
+  return *c;
+}
+
+class FixedOrderGemm {
+ public:
+  FixedOrderGemm() : before_(kernels::fixed_order_gemm()) { kernels::set_fixed_order_gemm(true); }
+  ~FixedOrderGemm() { kernels::set_fixed_order_gemm(before_); }
+
+ private:
+  bool before_;
+};
+
+constexpr int64_t kT = 2048;
+
+struct Result2 {
+  double loss = 0;
+  std::vector<float> grads;
+};
+
+template <class Net>
+Result2 train_step(const ModelConfig& config, int64_t tile, bool keep_layers) {
+  FlatModel<Net> model(config);
+  model.init_weights(3);
+  model.net().set_mlp_tile_tokens(tile);
+  model.net().set_keep_layer_activations(keep_layers);
+  std::vector<int32_t> inputs(kT), targets(kT);
+  for (int64_t t = 0; t < kT; ++t) {
+    inputs[static_cast<size_t>(t)] = static_cast<int32_t>((t * 13 + 5) % config.vocab_size);
+    targets[static_cast<size_t>(t)] = static_cast<int32_t>((t * 7 + 1) % config.vocab_size);
+  }
+  model.zero_grads();
+  Result<double> loss = model.compute(inputs.data(), targets.data(), 1, kT, 1.0f, /*backward=*/true);
+  EXPECT_TRUE(loss.ok()) << loss.status().to_string();
+  Result2 r;
+  r.loss = loss.ok() ? *loss : NAN;
+  const size_t n = static_cast<size_t>(model.layout().total_size());
+  r.grads.assign(model.grads(), model.grads() + n);
+  return r;
+}
+
+bool is_mlp_weight(const TensorSpec& t) {
+  return t.name.find("mlp.gate_proj") != std::string::npos || t.name.find("mlp.up_proj") != std::string::npos ||
+         t.name.find("mlp.down_proj") != std::string::npos;
+}
+
+template <class Net>
+void expect_tiles_match_untiled(int64_t tile) {
+  FixedOrderGemm gemm;
+  const ModelConfig config = llama(96);
+  const ParamLayout layout(config);
+  for (const bool keep : {false, true}) {
+    const Result2 untiled = train_step<Net>(config, 0, keep);
+    const Result2 tiled = train_step<Net>(config, tile, keep);
+    EXPECT_EQ(std::memcmp(&untiled.loss, &tiled.loss, sizeof(double)), 0)
+        << untiled.loss << " untiled, " << tiled.loss << " tiled";
+    int mlp = 0;
+    for (const TensorSpec& t : layout.tensors()) {
+      const float* a = untiled.grads.data() + t.offset;
+      const float* b = tiled.grads.data() + t.offset;
+      if (is_mlp_weight(t)) {
+        ++mlp;
+        EXPECT_WITHIN(testing::relative_error(b, a, t.numel), 1e-4) << t.name;
+      } else {
+        EXPECT_EQ(std::memcmp(a, b, static_cast<size_t>(t.numel) * sizeof(float)), 0) << t.name << " keep " << keep;
+      }
+    }
+    EXPECT_EQ(mlp, 3 * config.num_hidden_layers);
+  }
+}
+
+TEST(MlpTiling, TiledMlpGivesTheUntiledRowsFp32) { expect_tiles_match_untiled<LlamaModel>(384); }
+TEST(MlpTiling, TiledMlpGivesTheUntiledRowsBf16) { expect_tiles_match_untiled<LlamaModelBf16>(512); }
+
+// The MLP's share of the table (the bytes a wider intermediate adds) does not grow with T when
+// tiled, and does untiled.
+TEST(MlpTiling, TheMlpBuffersHoldATileWhateverT) {
+  auto mlp_share = [](int64_t T, int64_t tile, bool keep) {
+    using Table = ActivationTable<kernels::CpuF32Ops>;
+    return Table::bytes_for(llama(192), T, false, keep, 1, tile) - Table::bytes_for(llama(96), T, false, keep, 1, tile);
+  };
+  for (const bool keep : {false, true}) {
+    EXPECT_EQ(mlp_share(4096, 256, keep), mlp_share(2048, 256, keep));
+    EXPECT_EQ(mlp_share(2048, 256, keep), 6 * 256 * 96 * int64_t{sizeof(float)});
+    EXPECT_GT(mlp_share(4096, 0, keep), mlp_share(2048, 0, keep));
+  }
+}
+
+}  // namespace
+}  // namespace strata::model
