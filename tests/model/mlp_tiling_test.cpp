@@ -26,8 +26,8 @@ namespace {
 ModelConfig llama(int64_t intermediate) {
   Result<ModelConfig> c = ModelConfig::from_json(
       {{"architectures", {"LlamaForCausalLM"}}, {"vocab_size", 64}, {"hidden_size", 32},
-       {"intermediate_size", intermediate}, {"num_hidden_layers", 3}, {"num_attention_heads", 4},
-       {"num_key_value_heads", 2}, {"max_position_embeddings", 4096}},
+       {"intermediate_size", intermediate}, {"num_hidden_layers", 2}, {"num_attention_heads", 2},
+       {"num_key_value_heads", 1}, {"max_position_embeddings", 4096}},
       "mlp_tiling_test");
   CHECK_MSG(c.ok(), c.status().to_string());
   return *c;
