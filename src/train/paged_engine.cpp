@@ -36,9 +36,14 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   // Expert parallelism: what it cannot split is refused before anything is planned.
   RETURN_IF_ERROR(check_expert_parallel(mc, t.parallel_expert, std::max(1, t.dp_world), e->budgets_.plan_zero));
   RETURN_IF_ERROR(e->open_backend(t));
-  // Before anything sizes the activation table: the MLP's tile sets its buffers.
-  e->net_->set_mlp_tile_tokens(t.mlp_tile_tokens);
   RETURN_IF_ERROR(e->resolve_budgets());
+  // Before anything sizes the activation table: the MLP's tile (the planner's choice under auto,
+  // for the budgets resolved) sets its buffers.
+  e->budgets_.mlp_tile_tokens = planned_mlp_tile(mc, e->budgets_, backend);
+  e->net_->set_mlp_tile_tokens(e->budgets_.mlp_tile_tokens);
+  if (t.mlp_tile_tokens == TrainConfig::kMlpTileAuto && e->budgets_.mlp_tile_tokens > 0)
+    LOG_INFO("the dense MLP runs in tiles of {} tokens: untiled, the step's activations do not fit "
+             "(memory.mlp_tile_tokens=auto)", e->budgets_.mlp_tile_tokens);
   RETURN_IF_ERROR(e->plan_placement(t));
   RETURN_IF_ERROR(e->open_nvme(t));
   RETURN_IF_ERROR(e->size_activations(t));
@@ -137,7 +142,10 @@ Status PagedEngine::plan_placement(const TrainConfig& t) {
     std::string fix;
     for (const auto& sgn : plan_.suggestions) fix += (fix.empty() ? "" : "; ") + sgn;
     // When a shorter sequence would fit, say how long: activations are what grows with it.
-    if (const int64_t longest = longest_sequence(mc_, budgets_, backend_); longest > 0 && longest < t.seq_len)
+    // (With memory.mlp_tile_tokens as the user gave it: auto chooses a tile per length.)
+    TrainConfig shorter = budgets_;
+    shorter.mlp_tile_tokens = t.mlp_tile_tokens;
+    if (const int64_t longest = longest_sequence(mc_, shorter, backend_); longest > 0 && longest < t.seq_len)
       fix += fmt::format("; or lower train.seq_len to at most {} (the longest that fits these budgets at "
                          "train.micro_batch={})",
                          longest, t.micro_batch);

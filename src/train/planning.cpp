@@ -105,7 +105,24 @@ double planned_compute_flops(const model::ModelConfig& m, const TrainConfig& t, 
   return std::exp(std::log(r0) + f * std::log(r1 / r0));
 }
 
-PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& t, DeviceKind device) {
+int64_t planned_mlp_tile(const model::ModelConfig& m, const TrainConfig& train, DeviceKind device) {
+  if (train.mlp_tile_tokens != TrainConfig::kMlpTileAuto) return train.mlp_tile_tokens;
+  TrainConfig t = train;
+  t.mlp_tile_tokens = 0;
+  if (make_plan(make_plan_input(m, t, device)).fits) return 0;
+  const int64_t tokens = t.micro_batch * t.seq_len;
+  int64_t tile = (tokens - 1) / 128 * 128;
+  for (; tile >= 128; tile = tile / 2 / 128 * 128) {
+    t.mlp_tile_tokens = tile;
+    if (make_plan(make_plan_input(m, t, device)).fits) return tile;
+  }
+  return 0;
+}
+
+PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train, DeviceKind device) {
+  // An auto MLP tile is planned as the planner chooses it.
+  TrainConfig t = train;
+  t.mlp_tile_tokens = planned_mlp_tile(m, train, device);
   PlanInput in;
   const bool cuda = device == DeviceKind::kCuda;
   const uint64_t C = static_cast<uint64_t>(m.hidden_size);

@@ -44,6 +44,12 @@ double planned_compute_flops(const model::ModelConfig& model, const TrainConfig&
 // Model FLOPs per token, 6N + 12*L*H*T (DESIGN §2), without recomputation.
 double model_flops_per_token(const model::ModelConfig& model, int64_t seq_len);
 
+// memory.mlp_tile_tokens as planned: a number given is kept; auto is untiled (0) where the plan
+// fits so, else the largest tile with which it fits, halving from the largest multiple of 128
+// below the micro-batch's tokens down to 128; 0 when none does (the untiled plan then says what
+// does not fit). make_plan_input plans auto so.
+int64_t planned_mlp_tile(const model::ModelConfig& model, const TrainConfig& train, DeviceKind device);
+
 // The largest micro-batch (sequences) for which the plan fits, 0 when not even one does.
 int64_t largest_micro_batch(const model::ModelConfig& model, TrainConfig train, DeviceKind device);
 // The longest sequence (train.seq_len) for which the plan fits at train.micro_batch, up to the

@@ -113,10 +113,11 @@ ConfigSchema build_schema() {
          .help = "chunk size (e.g. 64MiB), or auto to pick the size that wastes the least padding"});
   s.add({.name = "memory.offload_activations", .type = T::kString, .default_value = "auto",
          .choices = {"auto", "true", "false"}, .help = "copy the saved layer activations to host memory during forward"});
-  s.add({.name = "memory.mlp_tile_tokens", .type = T::kInt, .default_value = "0", .min = 0, .max = 1 << 24,
+  s.add({.name = "memory.mlp_tile_tokens", .type = T::kString, .default_value = "auto",
          .help = "run each dense MLP over tiles of this many tokens of the micro-batch (a multiple of 128; 0: all "
                  "at once): its gate, up and activation then take a tile's activation memory instead of the "
-                 "micro-batch's, and backward recomputes them tile by tile (long sequences)"});
+                 "micro-batch's, and backward recomputes them tile by tile (long sequences). auto: untiled when "
+                 "the plan fits so, else the largest tile with which it fits"});
   s.add({.name = "memory.keep_activations", .type = T::kString, .default_value = "auto",
          .choices = {"auto", "true", "false"},
          .help = "keep every layer's intermediates for backward instead of recomputing them (about a third less "
@@ -338,11 +339,15 @@ Result<TrainConfig> make_train_config(const Config& c) {
   }
   t.offload_activations = c.get_string("memory.offload_activations");
   t.keep_activations = c.get_string("memory.keep_activations");
-  t.mlp_tile_tokens = c.get_int("memory.mlp_tile_tokens");
-  if (t.mlp_tile_tokens % 128 != 0)
-    return Status::InvalidArgument(c.origin("memory.mlp_tile_tokens") + ": key 'memory.mlp_tile_tokens': expected 0 "
-                                   "or a multiple of 128 (the GPU's GEMM tiles and the fp8 recipe's token blocks), "
-                                   "got " + std::to_string(t.mlp_tile_tokens));
+  if (const std::string tile = c.get_string("memory.mlp_tile_tokens"); tile != "auto") {
+    char* end = nullptr;
+    const long long v = std::strtoll(tile.c_str(), &end, 10);
+    if (tile.empty() || *end != '\0' || v < 0 || v > (1ll << 24) || v % 128 != 0)
+      return Status::InvalidArgument(c.origin("memory.mlp_tile_tokens") + ": key 'memory.mlp_tile_tokens': expected "
+                                     "auto, 0 or a multiple of 128 up to 16777216 (the GPU's GEMM tiles and the fp8 "
+                                     "recipe's token blocks), got '" + tile + "'");
+    t.mlp_tile_tokens = v;
+  }
   if (!t.nvme_path.empty() && t.nvme_size == 0)
     return Status::InvalidArgument(c.origin("memory.nvme.path") + ": memory.nvme.path is set but memory.nvme.size is 0; "
                                    "give the nvme tier a budget (e.g. memory.nvme.size=500GiB)");

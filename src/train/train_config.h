@@ -55,8 +55,10 @@ struct TrainConfig {
   uint64_t chunk_size = 0;  // 0 = auto
   std::string offload_activations;
   std::string keep_activations = "auto";  // keep every layer's intermediates: auto | true | false
-  // Tokens per tile of the dense MLP (Model::set_mlp_tile_tokens); 0: the whole micro-batch.
-  int64_t mlp_tile_tokens = 0;
+  // Tokens per tile of the dense MLP (Model::set_mlp_tile_tokens); 0: the whole micro-batch;
+  // kMlpTileAuto: the planner's choice (planned_mlp_tile, train/planning.h).
+  static constexpr int64_t kMlpTileAuto = -1;
+  int64_t mlp_tile_tokens = kMlpTileAuto;
   // rates the planner predicts with
   double gpu_flops = 0, h2d_bytes_per_s = 0, d2h_bytes_per_s = 0, disk_read_bytes_per_s = 0,
          disk_write_bytes_per_s = 0, disk_both_bytes_per_s = 0, cpu_adam_params_per_s = 0;
