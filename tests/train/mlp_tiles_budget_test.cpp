@@ -14,6 +14,7 @@
 
 #include "train/paged_engine.h"
 #include "train/planning.h"
+#include "train/train_config.h"
 #include "train/train_test_util.h"
 
 namespace strata {
@@ -115,6 +116,62 @@ TEST(MlpTilesBudget, ASequenceWhoseUntiledActivationsDoNotFitTrainsTiledThroughH
   ASSERT_EQ(paged->params.size(), reference->params.size());
   EXPECT_EQ(std::memcmp(paged->params.data(), reference->params.data(), paged->params.size() * sizeof(float)), 0);
   fs::remove_all(dir);
+}
+
+// memory.mlp_tile_tokens=auto: untiled where that fits; else the largest candidate tile (halving
+// from the largest multiple of 128 below the tokens) with which the plan fits.
+TEST(MlpTilesBudget, AutoTilesOnlyWhereTheUntiledPlanDoesNotFit) {
+  const model::ModelConfig mc = wide_mlp_config();
+  TrainConfig t;
+  t.micro_batch = 1;
+  t.seq_len = kSeqLen;
+  t.keep_activations = "false";
+  t.memory_device = 1ull << 30;
+  t.memory_host = 1ull << 30;
+  ASSERT_EQ(t.mlp_tile_tokens, TrainConfig::kMlpTileAuto);
+  EXPECT_EQ(planned_mlp_tile(mc, t, DeviceKind::kCpu), 0);
+
+  auto fits = [&](int64_t tile) {
+    TrainConfig c = t;
+    c.mlp_tile_tokens = tile;
+    return make_plan(make_plan_input(mc, c, DeviceKind::kCpu)).fits;
+  };
+  t.mlp_tile_tokens = 128;
+  t.memory_device = make_plan(make_plan_input(mc, t, DeviceKind::kCpu)).min_device_budget;
+  t.mlp_tile_tokens = TrainConfig::kMlpTileAuto;
+  ASSERT_FALSE(fits(0));
+  const int64_t tile = planned_mlp_tile(mc, t, DeviceKind::kCpu);
+  EXPECT_GT(tile, 0);
+  EXPECT_EQ(tile % 128, 0);
+  EXPECT_TRUE(fits(tile));
+  // The candidates above it (896, 384 for 1024 tokens) do not fit.
+  for (int64_t larger = (kSeqLen - 1) / 128 * 128; larger > tile; larger = larger / 2 / 128 * 128)
+    EXPECT_FALSE(fits(larger)) << larger;
+  // A number given is kept, fitting or not.
+  t.mlp_tile_tokens = 0;
+  EXPECT_EQ(planned_mlp_tile(mc, t, DeviceKind::kCpu), 0);
+  t.mlp_tile_tokens = 256;
+  EXPECT_EQ(planned_mlp_tile(mc, t, DeviceKind::kCpu), 256);
+}
+
+TEST(MlpTilesBudget, TheKeyTakesAutoZeroOrMultiplesOf128) {
+  const std::pair<const char*, int64_t> good[] = {{"auto", TrainConfig::kMlpTileAuto}, {"0", 0}, {"128", 128},
+                                                   {"4096", 4096}};
+  for (const auto& [text, value] : good) {
+    Result<Config> c = load_train_config("", {std::string("memory.mlp_tile_tokens=") + text});
+    ASSERT_TRUE(c.ok()) << c.status().message();
+    Result<TrainConfig> t = make_train_config(*c);
+    ASSERT_TRUE(t.ok()) << text << ": " << t.status().message();
+    EXPECT_EQ(t->mlp_tile_tokens, value) << text;
+  }
+  for (const char* bad : {"100", "-128", "x", "128x", "", "33554432"}) {
+    Result<Config> c = load_train_config("", {std::string("memory.mlp_tile_tokens=") + bad});
+    if (!c.ok()) continue;  // refused already as a value
+    Result<TrainConfig> refused = make_train_config(*c);
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.status().message().find("memory.mlp_tile_tokens"), std::string::npos)
+        << refused.status().message();
+  }
 }
 
 }  // namespace
