@@ -21,6 +21,7 @@
 #include "core/io_uring_engine.h"
 #include "train/machine_bench.h"
 #include "tools/strata/bench_adam.h"
+#include "tools/strata/bench_attention.h"
 #include "tools/strata/bench_machine.h"
 #include "tools/strata/bench_queue.h"
 #include "tools/strata/bench_trace.h"
@@ -34,6 +35,7 @@ namespace {
 
 constexpr const char* kBenchUsage = R"(Usage: strata bench machine [--out FILE] [--device cpu|cuda] [--quick] ...   (see strata bench machine --help)
        strata bench adam [--params N] [--threads T]   (see strata bench adam --help)
+       strata bench attention [--seq 4096,8192,16384] ...   (see strata bench attention --help)
        strata bench train-gpu [--preset 0.44b|tiny] [--steps N] ...   (see strata bench train-gpu --help)
        strata bench trace [CONFIG.yaml] [key=value ...] [--steps N]   (see strata bench trace --help)
        strata bench queue [CONFIG.yaml] [key=value ...] [--steps N]   (see strata bench queue --help)
@@ -267,12 +269,13 @@ int bench_command(const std::vector<std::string>& args) {
   if (args[0] == "io") return bench_io(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "machine") return bench_machine_command(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "adam") return bench_adam_command(std::vector<std::string>(args.begin() + 1, args.end()));
+  if (args[0] == "attention") return bench_attention_command(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "trace") return bench_trace_command(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "queue") return bench_queue_command(std::vector<std::string>(args.begin() + 1, args.end()));
   if (args[0] == "train-gpu") {
     return bench_train_gpu_command(std::vector<std::string>(args.begin() + 1, args.end()));
   }
-  return usage_error("unknown benchmark '" + args[0] + "'; available: machine, io, adam, train-gpu, trace, queue");
+  return usage_error("unknown benchmark '" + args[0] + "'; available: machine, io, adam, attention, train-gpu, trace, queue");
 }
 
 }  // namespace strata::tools
