@@ -66,6 +66,10 @@ class ActivationTable {
                            int64_t expert_ranks = 1, int64_t mlp_tile = 0);
   // Rows of the dense MLP's buffers (gate .. act, d_gate .. d_act): N, or the token tile.
   int64_t mlp_rows() const { return mlp_rows_; }
+  // Whether the table was planned with the MLP in token tiles: its kept layers then hold none of
+  // the MLP's intermediates, so the MLP runs tile by tile whatever the micro-batch (a later one
+  // may be no larger than a tile).
+  bool mlp_tiled() const { return mlp_tiled_; }
   // The buffers layer l's forward writes and its backward reads: its own when the table keeps
   // layers (l < L - 1), the shared ones otherwise.
   const ActivationTable& layer(int64_t l) const {
@@ -176,6 +180,7 @@ class ActivationTable {
   int64_t bytes_ = 0;
   int64_t planned_mlp_tile_ = 0;
   int64_t mlp_rows_ = 0;
+  bool mlp_tiled_ = false;
 
   // Hands out every field for N tokens from `base` (null: only measures); returns the bytes.
   int64_t carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers,
@@ -248,6 +253,7 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   const bool tiled = mlp_tile > 0 && mlp_tile < N && shared == 0;
   const int64_t Nf = tiled ? mlp_tile : N;
   mlp_rows_ = Nf;
+  mlp_tiled_ = tiled;
 
   // Each buffer starts on a 64-byte boundary of the block.
   int64_t offset = 0;  // bytes

@@ -184,7 +184,7 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
     return Status::OK();
   }
   const int64_t tile = acts_.mlp_rows();
-  if (tile < N) {
+  if (acts_.mlp_tiled()) {
     // Token tiles: each tile's gate, up and activation live only while its rows are computed
     // (backward recomputes them), so the recompute before backward has nothing to do here.
     if (out == nullptr) return Status::OK();
@@ -245,8 +245,8 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
   } else {
     // Token tiles (set_mlp_tile_tokens): each tile's intermediates recomputed, then its
     // backward; the weight gradients add up tile by tile.
-    const int64_t tile = acts_.mlp_rows();
-    const bool tiled = tile < N;
+    const bool tiled = acts_.mlp_tiled();
+    const int64_t tile = tiled ? acts_.mlp_rows() : N;
     const ActivationTable<Ops>& m = tiled ? acts_ : a;  // where gate .. act live
     for (int64_t r0 = 0; r0 < N; r0 += tile) {
       const int64_t n = std::min(tile, N - r0);

@@ -41,10 +41,24 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   // for the budgets resolved) sets its buffers.
   e->budgets_.mlp_tile_tokens = planned_mlp_tile(mc, e->budgets_, backend);
   e->net_->set_mlp_tile_tokens(e->budgets_.mlp_tile_tokens);
+  Status placed = e->plan_placement(t);
+  if (t.mlp_tile_tokens == TrainConfig::kMlpTileAuto && placed.code() == StatusCode::kOutOfMemory) {
+    // The planner chose the tile from its estimate of the activation table; the exact table
+    // (plan_placement) may be larger: smaller tiles then, while one fits.
+    for (const int64_t tile : mlp_tile_candidates(t.micro_batch * t.seq_len)) {
+      if (e->budgets_.mlp_tile_tokens != 0 && tile >= e->budgets_.mlp_tile_tokens) continue;
+      e->budgets_.mlp_tile_tokens = tile;
+      e->net_->set_mlp_tile_tokens(tile);
+      if (Status st = e->plan_placement(t); st.ok() || st.code() != StatusCode::kOutOfMemory) {
+        placed = st;
+        break;
+      }
+    }
+  }
+  RETURN_IF_ERROR(placed);
   if (t.mlp_tile_tokens == TrainConfig::kMlpTileAuto && e->budgets_.mlp_tile_tokens > 0)
     LOG_INFO("the dense MLP runs in tiles of {} tokens: untiled, the step's activations do not fit "
              "(memory.mlp_tile_tokens=auto)", e->budgets_.mlp_tile_tokens);
-  RETURN_IF_ERROR(e->plan_placement(t));
   RETURN_IF_ERROR(e->open_nvme(t));
   RETURN_IF_ERROR(e->size_activations(t));
   e->process_bytes_ = process_baseline_bytes(backend);

@@ -105,17 +105,26 @@ double planned_compute_flops(const model::ModelConfig& m, const TrainConfig& t, 
   return std::exp(std::log(r0) + f * std::log(r1 / r0));
 }
 
+std::vector<int64_t> mlp_tile_candidates(int64_t tokens) {
+  std::vector<int64_t> tiles;
+  for (int64_t tile = tokens / 2 / 128 * 128; tile >= 128; tile = tile / 2 / 128 * 128) tiles.push_back(tile);
+  return tiles;
+}
+
 int64_t planned_mlp_tile(const model::ModelConfig& m, const TrainConfig& train, DeviceKind device) {
   if (train.mlp_tile_tokens != TrainConfig::kMlpTileAuto) return train.mlp_tile_tokens;
   TrainConfig t = train;
-  t.mlp_tile_tokens = 0;
-  if (make_plan(make_plan_input(m, t, device)).fits) return 0;
-  const int64_t tokens = t.micro_batch * t.seq_len;
-  int64_t tile = (tokens - 1) / 128 * 128;
-  for (; tile >= 128; tile = tile / 2 / 128 * 128) {
+  auto fits = [&](int64_t tile) {
     t.mlp_tile_tokens = tile;
-    if (make_plan(make_plan_input(m, t, device)).fits) return tile;
-  }
+    return make_plan(make_plan_input(m, t, device)).fits;
+  };
+  if (fits(0)) return 0;
+  const std::vector<int64_t> tiles = mlp_tile_candidates(t.micro_batch * t.seq_len);
+  // Where not even the smallest tile fits, no tile does (a tile's buffers shrink with it): two
+  // plans decide it, as the searches for the longest sequence and largest batch mostly ask.
+  if (tiles.empty() || !fits(tiles.back())) return 0;
+  for (int64_t tile : tiles)
+    if (tile == tiles.back() || fits(tile)) return tile;
   return 0;
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "core/device.h"
 #include "core/status.h"
@@ -45,10 +46,14 @@ double planned_compute_flops(const model::ModelConfig& model, const TrainConfig&
 double model_flops_per_token(const model::ModelConfig& model, int64_t seq_len);
 
 // memory.mlp_tile_tokens as planned: a number given is kept; auto is untiled (0) where the plan
-// fits so, else the largest tile with which it fits, halving from the largest multiple of 128
-// below the micro-batch's tokens down to 128; 0 when none does (the untiled plan then says what
-// does not fit). make_plan_input plans auto so.
+// fits so, else the largest of mlp_tile_candidates with which it fits; 0 when none does (the
+// untiled plan then says what does not fit). make_plan_input plans auto so. Under auto the tile
+// depends on the budgets (a GPU's free memory when memory.device is unset), and a tiled run's
+// MLP weight gradients differ from an untiled one's in the last bits (reordered sums).
 int64_t planned_mlp_tile(const model::ModelConfig& model, const TrainConfig& train, DeviceKind device);
+// The tiles auto tries for micro-batches of `tokens`, largest first: half the tokens rounded
+// down to a multiple of 128, halving down to 128 (none below 256 tokens).
+std::vector<int64_t> mlp_tile_candidates(int64_t tokens);
 
 // The largest micro-batch (sequences) for which the plan fits, 0 when not even one does.
 int64_t largest_micro_batch(const model::ModelConfig& model, TrainConfig train, DeviceKind device);

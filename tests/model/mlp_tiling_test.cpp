@@ -103,6 +103,31 @@ void expect_tiles_match_untiled(int64_t tile) {
 TEST(MlpTiling, TiledMlpGivesTheUntiledRowsFp32) { expect_tiles_match_untiled<LlamaModel>(384); }
 TEST(MlpTiling, TiledMlpGivesTheUntiledRowsBf16) { expect_tiles_match_untiled<LlamaModelBf16>(512); }
 
+// A table planned with the MLP in tiles keeps no kept layer's MLP intermediates: a later, shorter
+// micro-batch (no longer than a tile) still runs the MLP as tiles, one here, and so computes
+// bitwise what an untiled model does on it.
+TEST(MlpTiling, AShorterMicroBatchAfterATiledOneRunsAsOneTile) {
+  FixedOrderGemm gemm;
+  const ModelConfig config = llama(96);
+  FlatModel<LlamaModel> tiled(config), untiled(config);
+  tiled.init_weights(3);
+  untiled.init_weights(3);
+  tiled.net().set_mlp_tile_tokens(384);
+  for (FlatModel<LlamaModel>* m : {&tiled, &untiled}) m->net().set_keep_layer_activations(true);
+  std::vector<int32_t> tokens(kT);
+  for (int64_t t = 0; t < kT; ++t) tokens[static_cast<size_t>(t)] = static_cast<int32_t>((t * 5 + 2) % config.vocab_size);
+  ASSERT_TRUE(tiled.compute(tokens.data(), tokens.data(), 1, kT, 1.0f, true).ok());  // plans the tiled table
+  const int64_t T = 100;
+  tiled.zero_grads();
+  untiled.zero_grads();
+  Result<double> a = tiled.compute(tokens.data() + 1, tokens.data(), 1, T, 1.0f, true);
+  Result<double> b = untiled.compute(tokens.data() + 1, tokens.data(), 1, T, 1.0f, true);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(*a, *b);
+  const size_t n = static_cast<size_t>(tiled.layout().total_size());
+  EXPECT_EQ(std::memcmp(tiled.grads(), untiled.grads(), n * sizeof(float)), 0);
+}
+
 // The MLP's share of the table (the bytes a wider intermediate adds) does not grow with T when
 // tiled, and does untiled.
 TEST(MlpTiling, TheMlpBuffersHoldATileWhateverT) {

@@ -119,7 +119,7 @@ TEST(MlpTilesBudget, ASequenceWhoseUntiledActivationsDoNotFitTrainsTiledThroughH
 }
 
 // memory.mlp_tile_tokens=auto: untiled where that fits; else the largest candidate tile (halving
-// from the largest multiple of 128 below the tokens) with which the plan fits.
+// from half the tokens) with which the plan fits.
 TEST(MlpTilesBudget, AutoTilesOnlyWhereTheUntiledPlanDoesNotFit) {
   const model::ModelConfig mc = wide_mlp_config();
   TrainConfig t;
@@ -144,9 +144,10 @@ TEST(MlpTilesBudget, AutoTilesOnlyWhereTheUntiledPlanDoesNotFit) {
   EXPECT_GT(tile, 0);
   EXPECT_EQ(tile % 128, 0);
   EXPECT_TRUE(fits(tile));
-  // The candidates above it (896, 384 for 1024 tokens) do not fit.
-  for (int64_t larger = (kSeqLen - 1) / 128 * 128; larger > tile; larger = larger / 2 / 128 * 128)
-    EXPECT_FALSE(fits(larger)) << larger;
+  // The candidates (512, 256, 128 for 1024 tokens) above it do not fit.
+  EXPECT_EQ(mlp_tile_candidates(kSeqLen), (std::vector<int64_t>{512, 256, 128}));
+  for (int64_t larger : mlp_tile_candidates(kSeqLen))
+    if (larger > tile) EXPECT_FALSE(fits(larger)) << larger;
   // A number given is kept, fitting or not.
   t.mlp_tile_tokens = 0;
   EXPECT_EQ(planned_mlp_tile(mc, t, DeviceKind::kCpu), 0);

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -25,8 +26,8 @@ constexpr const char* kUsage = R"(Usage: strata bench attention [--seq 4096,8192
                               [--head-dim 64] [--key-tile 512] [--repeat 3]
 
 Times the CPU attention's forward and backward (causal, fp32, batch 1) at each sequence length,
-once in key tiles of --key-tile keys with the online softmax and once with a single tile of
-every key (what the kernel held before tiling: 16 query rows by all T keys of scores), and
+once in key tiles of --key-tile keys and once with a single tile of every key (the same code
+holding the scores of 16 query rows by all T keys, as a kernel without key tiles does), and
 prints tokens/s of each (forward, backward, both; the best of --repeat) and the scores each
 holds per thread. tools/attention_bench_torch.py times PyTorch's scaled_dot_product_attention
 at the same shapes and thread count for comparison.

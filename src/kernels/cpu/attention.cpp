@@ -92,7 +92,8 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
   const double scale = softmax_scale(D, scale_arg);
   // Keys in tiles with an online softmax (as the fast path): the running max m,
   // the sum of exp(s - m) and the weighted values, rescaled when a tile raises m.
-  const int64_t tile = std::max<int64_t>(attention_key_tile() > 0 ? std::min(attention_key_tile(), Tk) : Tk, 1);
+  const int64_t setting = attention_key_tile();  // (read once)
+  const int64_t tile = std::max<int64_t>(setting > 0 ? std::min(setting, Tk) : Tk, 1);
   std::vector<double> s(static_cast<size_t>(tile));
   std::vector<double> acc(static_cast<size_t>(Dv));
   for (int64_t b = 0; b < B; ++b) {
@@ -235,7 +236,8 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
   const float scale = static_cast<float>(softmax_scale(D, scale_arg));
   const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
   const int64_t units = B * Hq * blocks;
-  const int64_t tile = std::max<int64_t>(attention_key_tile() > 0 ? std::min(attention_key_tile(), Tk) : Tk, 1);
+  const int64_t setting = attention_key_tile();  // (read once)
+  const int64_t tile = std::max<int64_t>(setting > 0 ? std::min(setting, Tk) : Tk, 1);
 #pragma omp parallel
   {
     // Scores of one block of rows against one tile of keys.
@@ -338,7 +340,8 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
   const int64_t o_stride = Hq * Dv; // of out and dout
   const int64_t kv_stride = Hkv * D;
   const int64_t v_stride = Hkv * Dv;
-  const int64_t tile = std::max<int64_t>(attention_key_tile() > 0 ? std::min(attention_key_tile(), T) : T, 1);
+  const int64_t setting = attention_key_tile();  // (read once)
+  const int64_t tile = std::max<int64_t>(setting > 0 ? std::min(setting, T) : T, 1);
 #pragma omp parallel
   {
     // A block of rows by a tile of keys.
