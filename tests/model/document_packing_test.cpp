@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/linear.h"
+#include "model/fixed_order_gemm.h"
 #include "model/decoder.h"
 #include "model/flat_model.h"
 
@@ -123,15 +124,6 @@ void separate_batch(const Packed& p, int64_t only, std::vector<int32_t>* inputs,
     }
   }
 }
-
-class FixedOrderGemm {
- public:
-  FixedOrderGemm() : was_(kernels::fixed_order_gemm()) { kernels::set_fixed_order_gemm(true); }
-  ~FixedOrderGemm() { kernels::set_fixed_order_gemm(was_); }
-
- private:
-  bool was_;
-};
 
 template <class Net>
 void expect_packed_equals_separate(bool moe = false) {

@@ -22,6 +22,7 @@
 #include "../test_util.h"
 #include "core/cpu_device.h"
 #include "kernels/linear.h"
+#include "model/fixed_order_gemm.h"
 #include "model/decoder.h"
 #include "model/flat_model.h"
 #include "model/generate.h"
@@ -96,16 +97,6 @@ std::vector<float> recomputed_logits(Model& model, const std::vector<int32_t>& t
   EXPECT_TRUE(st.ok()) << st.to_string();
   return logits;
 }
-
-// Restores the GEMM choice a test changed.
-class FixedOrderGemm {
- public:
-  explicit FixedOrderGemm(bool on) : before_(kernels::fixed_order_gemm()) { kernels::set_fixed_order_gemm(on); }
-  ~FixedOrderGemm() { kernels::set_fixed_order_gemm(before_); }
-
- private:
-  bool before_;
-};
 
 constexpr int64_t kTokens = 40;  // crosses two 16-row blocks of the CPU attention
 constexpr int64_t kPrefill = 5;

@@ -16,6 +16,7 @@
 
 #include "../test_util.h"
 #include "kernels/linear.h"
+#include "model/fixed_order_gemm.h"
 #include "model/activations.h"
 #include "model/decoder.h"
 #include "model/flat_model.h"
@@ -32,15 +33,6 @@ ModelConfig llama(int64_t intermediate) {
   CHECK_MSG(c.ok(), c.status().to_string());
   return *c;
 }
-
-class FixedOrderGemm {
- public:
-  FixedOrderGemm() : before_(kernels::fixed_order_gemm()) { kernels::set_fixed_order_gemm(true); }
-  ~FixedOrderGemm() { kernels::set_fixed_order_gemm(before_); }
-
- private:
-  bool before_;
-};
 
 constexpr int64_t kT = 2048;
 
