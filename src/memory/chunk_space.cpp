@@ -147,6 +147,8 @@ Result<ChunkId> ChunkSpace::new_chunk_home(ChunkKind kind, std::optional<Tier> h
     }
     chunks_[id].home = t;
     ++homes_[idx(t)];
+    guest_slots_known_[idx(t)] = false;
+    if (kind == ChunkKind::kAct) ++act_chunks_;
     return id;
   }
   chunks_.pop_back();
@@ -227,8 +229,7 @@ bool ChunkSpace::is_resident(ChunkId id, Tier tier) const {
 ChunkSpaceStats ChunkSpace::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   ChunkSpaceStats s = stats_;
-  for (ChunkId id = 0; id < chunks_.size(); ++id)
-    if (layout_.chunk(id).kind == ChunkKind::kAct) s.act_bytes += layout_.chunk_bytes();
+  s.act_bytes = act_chunks_ * layout_.chunk_bytes();
   for (int t = 0; t < kNumTiers; ++t) {
     if (!tiers_[t]) continue;
     s.tiers[t].capacity_bytes = uint64_t{tiers_[t]->slot_count()} * tiers_[t]->slot_bytes();
@@ -449,6 +450,7 @@ void ChunkSpace::set_schedule(std::vector<ChunkId> order, std::vector<Tier> tier
   }
   schedule_ = std::move(order);
   schedule_tiers_ = std::move(tiers);
+  next_use_cache_.assign(uses_.size(), NextUse{});
   position_ = 0;
 }
 
@@ -462,9 +464,13 @@ uint64_t ChunkSpace::next_use(ChunkId id) const {
   if (id >= uses_.size()) return kNever;
   const std::vector<uint64_t>& uses = uses_[id];
   if (uses.empty()) return kNever;
+  if (next_use_cache_.size() <= id) next_use_cache_.resize(uses_.size());
+  NextUse& known = next_use_cache_[id];
+  if (known.from <= position_ && position_ <= known.at) return known.at - position_;
   auto it = std::lower_bound(uses.begin(), uses.end(), position_);
-  if (it != uses.end()) return *it - position_;
-  return uses.front() + schedule_.size() - position_;  // in the next step
+  const uint64_t at = it != uses.end() ? *it : uses.front() + schedule_.size();  // else in the next step
+  known = NextUse{position_, at};
+  return at - position_;
 }
 
 Status ChunkSpace::prefetch(size_t lookahead, Tier default_to) {

@@ -309,6 +309,10 @@ class ChunkSpace {
   std::array<std::vector<SlotFence>, kNumTiers> fences_;       // GUARDED_BY(mu_); per slot
   std::array<std::vector<int64_t>, kNumTiers> owner_;          // GUARDED_BY(mu_); slot -> chunk
   std::array<uint32_t, kNumTiers> homes_{};                    // GUARDED_BY(mu_); home slots
+  // The slots of each tier that no home holds, in slot order: the only ones pick_victim can
+  // choose from. A home keeps its slot for good, so the list is rebuilt only after homes are added.
+  mutable std::array<std::vector<uint32_t>, kNumTiers> guest_slots_;  // GUARDED_BY(mu_)
+  mutable std::array<bool, kNumTiers> guest_slots_known_{};           // GUARDED_BY(mu_)
   std::vector<ChunkState> chunks_;                             // GUARDED_BY(mu_)
   std::unique_ptr<Stream> up_;    // host -> device copies
   std::unique_ptr<Stream> down_;  // device -> host copies
@@ -316,12 +320,22 @@ class ChunkSpace {
   std::vector<Tier> schedule_tiers_;                 // GUARDED_BY(mu_); empty or one per entry
   std::vector<std::vector<uint64_t>> uses_;          // GUARDED_BY(mu_); chunk -> positions
   uint64_t position_ = 0;                            // GUARDED_BY(mu_)
+  // next_use's last answer per chunk, with the positions it holds for: no use of the chunk lies
+  // in [from, at), so from any position there the next use is `at` (past the schedule's end: in
+  // the next step). pick_victim asks for the chunk of every slot of a tier at every eviction.
+  struct NextUse {
+    uint64_t from = 1, at = 0;  // from > at: not known
+  };
+  mutable std::vector<NextUse> next_use_cache_;      // GUARDED_BY(mu_)
   uint64_t tick_ = 0;                                // GUARDED_BY(mu_); LRU clock
   std::optional<ChunkId> busy_;                      // GUARDED_BY(mu_); never a victim
   uint64_t blocked_ns_ = 0;                          // GUARDED_BY(mu_); time in blocking waits
   // Bytes of slots in use per tier and chunk kind (home and cached copies).
   std::array<std::array<uint64_t, kNumChunkKinds>, kNumTiers> usage_{};  // GUARDED_BY(mu_)
   ChunkSpaceStats stats_;                            // GUARDED_BY(mu_)
+  // Chunks of kind kAct, counted as they are added: stats() is read after every entry of a
+  // replayed step, so it must not walk the chunks.
+  uint64_t act_chunks_ = 0;                          // GUARDED_BY(mu_)
 };
 
 }  // namespace strata

@@ -57,7 +57,17 @@ std::optional<ChunkId> ChunkSpace::pick_victim(Tier t, std::optional<uint64_t> d
   using Key = std::tuple<bool, uint64_t, bool, uint64_t>;  // larger goes first
   std::optional<ChunkId> best;
   Key best_key{};
-  for (int64_t owner : owner_[idx(t)]) {
+  const int w = idx(t);
+  if (!guest_slots_known_[w]) {
+    guest_slots_[w].clear();
+    for (uint32_t slot = 0; slot < owner_[w].size(); ++slot) {
+      const int64_t owner = owner_[w][slot];
+      if (owner < 0 || chunks_[static_cast<ChunkId>(owner)].home != t) guest_slots_[w].push_back(slot);
+    }
+    guest_slots_known_[w] = true;
+  }
+  for (uint32_t slot : guest_slots_[w]) {
+    const int64_t owner = owner_[w][slot];
     if (owner < 0) continue;
     const ChunkId id = static_cast<ChunkId>(owner);
     const ChunkState& c = chunks_[id];

@@ -1121,6 +1121,17 @@ Plan plan_levels(const PlanInput& in, std::optional<SpillOrder> order) {
 
 Plan make_plan(const PlanInput& in) { return plan_levels(in, std::nullopt); }
 
+bool plan_fits(const PlanInput& in) {
+  // As plan_levels and plan_at_level decide: the optimizer-first order fits wherever the
+  // placement make_plan returns does, and a level fits if any does.
+  CHECK(in.zero >= kZeroAuto && in.zero < kZeroLevels);
+  if (in.world_size <= 1) return plan_at_level(in, 0, SpillOrder::kOptimizerFirst).fits;
+  if (in.zero != kZeroAuto) return plan_at_level(in, in.zero, SpillOrder::kOptimizerFirst).fits;
+  for (int z = in.expert_ranks > 1 ? 1 : 0; z < kZeroLevels; ++z)
+    if (plan_at_level(in, z, SpillOrder::kOptimizerFirst).fits) return true;
+  return false;
+}
+
 Plan make_plan(const PlanInput& in, SpillOrder order) { return plan_levels(in, order); }
 
 double micro_batch_flops(const PlanInput& in) {

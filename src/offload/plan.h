@@ -335,6 +335,10 @@ enum class SpillOrder : uint8_t { kOptimizerFirst, kCopiesFirst, kStreamsFirst }
 Plan make_plan(const PlanInput& input);
 // The same with one spill order only (what make_plan compares).
 Plan make_plan(const PlanInput& input, SpillOrder order);
+// Whether make_plan(input) fits, without the plans that would only choose the fastest of those
+// that fit (the other spill orders; the ZeRO levels after the first that fits). The searches for
+// the largest batch, longest sequence and smallest host budget ask this at every probe.
+bool plan_fits(const PlanInput& input);
 
 // With several ranks: a table of every ZeRO level's per-rank bytes on each tier, whether it
 // fits, collective bytes and time per step, step time and the world's tokens per second.

@@ -116,7 +116,7 @@ int64_t planned_mlp_tile(const model::ModelConfig& m, const TrainConfig& train, 
   TrainConfig t = train;
   auto fits = [&](int64_t tile) {
     t.mlp_tile_tokens = tile;
-    return make_plan(make_plan_input(m, t, device)).fits;
+    return plan_fits(make_plan_input(m, t, device));
   };
   if (fits(0)) return 0;
   const std::vector<int64_t> tiles = mlp_tile_candidates(t.micro_batch * t.seq_len);
@@ -417,7 +417,7 @@ int64_t largest_layer_count(const model::ModelConfig& m, TrainConfig t, DeviceKi
     model::ModelConfig shaped = m;
     shaped.num_hidden_layers = layers;
     std::erase_if(shaped.mlp_only_layers, [&](int64_t l) { return l >= layers; });
-    return make_plan(make_plan_input(shaped, t, device)).fits;
+    return plan_fits(make_plan_input(shaped, t, device));
   };
   constexpr int64_t kMostLayers = 1024;
   if (!fits(1)) return 0;
@@ -435,7 +435,7 @@ uint64_t smallest_host_budget(const model::ModelConfig& m, TrainConfig t, Device
   const uint64_t unit = t.chunk_size > 0 ? t.chunk_size : (1ull << 20);
   auto fits = [&](uint64_t units) {
     t.memory_host = units * unit;
-    return make_plan(make_plan_input(m, t, device)).fits;
+    return plan_fits(make_plan_input(m, t, device));
   };
   const uint64_t most = (16ull << 40) / unit;
   if (!fits(most)) return 0;
@@ -452,7 +452,7 @@ uint64_t smallest_host_budget(const model::ModelConfig& m, TrainConfig t, Device
 int64_t longest_sequence(const model::ModelConfig& m, TrainConfig t, DeviceKind device) {
   auto fits = [&](int64_t seq_len) {
     t.seq_len = seq_len;
-    return make_plan(make_plan_input(m, t, device)).fits;
+    return plan_fits(make_plan_input(m, t, device));
   };
   int64_t limit = std::min<int64_t>(int64_t{1} << 24, (int64_t{1} << 28) / std::max<int64_t>(t.micro_batch, 1));
   // A sliding window shorter than the sequence is refused (full causal attention only).
@@ -474,7 +474,7 @@ int64_t longest_sequence(const model::ModelConfig& m, TrainConfig t, DeviceKind 
 int64_t largest_micro_batch(const model::ModelConfig& m, TrainConfig t, DeviceKind device) {
   auto fits = [&](int64_t b) {
     t.micro_batch = b;
-    return make_plan(make_plan_input(m, t, device)).fits;
+    return plan_fits(make_plan_input(m, t, device));
   };
   if (!fits(1)) return 0;
   int64_t lo = 1, hi = 2;
