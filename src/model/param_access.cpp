@@ -1,6 +1,6 @@
 #include "model/param_access.h"
 
-#include <cstdlib>
+#include <charconv>
 #include <string_view>
 
 namespace strata::model {
@@ -12,7 +12,8 @@ int param_group_of(const ParamLayout& layout, const TensorSpec& tensor) {
   const std::string_view name = tensor.name;
   if (tensor.offset == layout.embed_tokens()) return 0;
   if (name.substr(0, kLayerPrefix.size()) == kLayerPrefix) {
-    const int layer = std::atoi(std::string(name.substr(kLayerPrefix.size())).c_str());
+    int layer = -1;  // the digits after the prefix (the planner asks for every tensor of every plan)
+    std::from_chars(name.data() + kLayerPrefix.size(), name.data() + name.size(), layer);
     CHECK_MSG(layer >= 0 && layer < layout.num_layers(), "tensor " + tensor.name + " names no layer of the model");
     return 1 + layer;
   }
