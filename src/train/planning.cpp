@@ -3,6 +3,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <map>
+#include <mutex>
+#include <string>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -86,6 +90,73 @@ void keep_largest(ExpertChunks& into, const ExpertChunks& share) {
       into[l][e].adam_v = std::max(into[l][e].adam_v, share[l][e].adam_v);
     }
   }
+}
+
+// What the planner needs of every data-parallel rank's share of the sliced kinds: the largest
+// share's tensors, each expert's largest chunks and the largest of the chunks each group opens
+// (see make_plan_input). It depends on the model, the layout and the chunk size only, while the
+// searches for the longest sequence or the largest batch ask for it at every probe, and a world
+// of hundreds of ranks takes seconds: the last few answers are kept.
+struct SlicedShares {
+  std::vector<StateTensor> largest;
+  ExpertChunks experts;
+  std::array<uint64_t, 3> grad{}, moment{}, param{};  // per layer, the edge, the embedding
+};
+
+SlicedShares compute_sliced_shares(const model::ModelConfig& m, const model::ParamLayout& layout,
+                                   const StateLayout& state, uint64_t chunk, int W, int P) {
+  SlicedShares out;
+  const uint64_t L = static_cast<uint64_t>(m.num_hidden_layers);
+  uint64_t largest_share = 0;
+  for (int r = 0; r < W; ++r) {
+    const std::vector<StateTensor> share = PagedState::store_tensors(layout, state, r, W, P);
+    uint64_t held = 0;
+    for (const StateTensor& t : share)
+      for (StateKind k : state.kinds()) held += state.tensor_bytes(k, t.shape(/*sliced=*/true));
+    if (held > largest_share) largest_share = held, out.largest = share;
+    const ExpertChunks experts = expert_chunks(share, chunk, state, L, /*sliced=*/true);
+    if (r == 0) out.experts = experts;
+    else keep_largest(out.experts, experts);
+    // The groups' slices share chunks (state_store.h, "Slices"): a layer's bytes are the
+    // average of the chunks the layers open, the edge's the chunks its two groups open.
+    const uint64_t c = chunk;
+    auto most = [](uint64_t& into, uint64_t v) { into = std::max(into, v); };
+    auto count = [&](StateKind kind, uint64_t& layer, uint64_t& edge, uint64_t& embed) {
+      const auto packed = StateStore::part_chunks(share, c, state, kind, /*sliced=*/true);
+      std::vector<uint64_t> opened;
+      for (const auto& group : packed) {
+        uint64_t n = 0;
+        for (const StateStore::PartChunks& p : group) n += p.chunks;
+        opened.push_back(n);
+      }
+      uint64_t layers = 0;
+      for (size_t g = 1; g + 1 < opened.size(); ++g) layers += opened[g];
+      most(layer, (layers * c + L - 1) / std::max<uint64_t>(L, 1));
+      most(edge, (opened.front() + opened.back()) * c);
+      most(embed, opened.front() * c);
+    };
+    count(StateKind::kGrad, out.grad[0], out.grad[1], out.grad[2]);
+    count(StateKind::kAdamM, out.moment[0], out.moment[1], out.moment[2]);
+    count(StateKind::kParam, out.param[0], out.param[1], out.param[2]);
+  }
+  return out;
+}
+
+SlicedShares sliced_shares(const model::ModelConfig& m, const model::ParamLayout& layout, const StateLayout& state,
+                           uint64_t chunk, int W, int P) {
+  static std::mutex mu;
+  static std::map<std::string, SlicedShares> known;
+  const std::string key = fmt::format("{}|{}|{}|{}|{}|{}", m.to_json().dump(), static_cast<int>(state.precision),
+                                      static_cast<int>(state.moments), chunk, W, P);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = known.find(key); it != known.end()) return it->second;
+  }
+  SlicedShares shares = compute_sliced_shares(m, layout, state, chunk, W, P);
+  std::lock_guard<std::mutex> lock(mu);
+  if (known.size() >= 8) known.clear();
+  known.emplace(key, shares);
+  return shares;
 }
 
 }  // namespace
@@ -294,37 +365,15 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
                       ? static_cast<int>(std::max<int64_t>(t.parallel_expert, 1)) : 1;
     const std::vector<StateTensor> tensors = PagedState::store_tensors(layout, state, rank, W, P);
     in.expert_chunks = expert_chunks(tensors, t.chunk_size, state, L, /*sliced=*/false);
-    uint64_t largest_share = 0;
-    for (int r = 0; r < W && W > 1; ++r) {
-      const std::vector<StateTensor> share = PagedState::store_tensors(layout, state, r, W, P);
-      uint64_t held = 0;
-      for (const StateTensor& t : share)
-        for (StateKind k : state.kinds()) held += state.tensor_bytes(k, t.shape(/*sliced=*/true));
-      if (held > largest_share) largest_share = held, in.sliced_share_tensors = share;
-      const ExpertChunks experts = expert_chunks(share, t.chunk_size, state, L, /*sliced=*/true);
-      if (r == 0) in.expert_sliced_chunks = experts;
-      else keep_largest(in.expert_sliced_chunks, experts);
-      // The groups' slices share chunks (state_store.h, "Slices"): a layer's bytes are the
-      // average of the chunks the layers open, the edge's the chunks its two groups open.
-      const uint64_t c = t.chunk_size;
-      auto most = [](uint64_t& into, uint64_t v) { into = std::max(into, v); };
-      auto count = [&](StateKind kind, uint64_t& layer, uint64_t& edge, uint64_t& embed) {
-        const auto packed = StateStore::part_chunks(share, c, state, kind, /*sliced=*/true);
-        std::vector<uint64_t> opened;
-        for (const auto& group : packed) {
-          uint64_t n = 0;
-          for (const StateStore::PartChunks& p : group) n += p.chunks;
-          opened.push_back(n);
-        }
-        uint64_t layers = 0;
-        for (size_t g = 1; g + 1 < opened.size(); ++g) layers += opened[g];
-        most(layer, (layers * c + L - 1) / std::max<uint64_t>(L, 1));
-        most(edge, (opened.front() + opened.back()) * c);
-        most(embed, opened.front() * c);
-      };
-      count(StateKind::kGrad, in.layer_sliced_bytes, in.edge_sliced_bytes, in.embed_sliced_bytes);
-      count(StateKind::kAdamM, in.layer_sliced_moment_bytes, in.edge_sliced_moment_bytes, in.embed_sliced_moment_bytes);
-      count(StateKind::kParam, in.layer_sliced_param_bytes, in.edge_sliced_param_bytes, in.embed_sliced_param_bytes);
+    if (W > 1) {
+      const SlicedShares shares = sliced_shares(m, layout, state, t.chunk_size, W, P);
+      in.sliced_share_tensors = shares.largest;
+      in.expert_sliced_chunks = shares.experts;
+      in.layer_sliced_bytes = shares.grad[0], in.edge_sliced_bytes = shares.grad[1], in.embed_sliced_bytes = shares.grad[2];
+      in.layer_sliced_moment_bytes = shares.moment[0], in.edge_sliced_moment_bytes = shares.moment[1];
+      in.embed_sliced_moment_bytes = shares.moment[2];
+      in.layer_sliced_param_bytes = shares.param[0], in.edge_sliced_param_bytes = shares.param[1];
+      in.embed_sliced_param_bytes = shares.param[2];
     }
     in.micro_batch_program = model::record_micro_batch(m, /*offload_activations=*/false);
     in.micro_batch_program_offloaded = model::record_micro_batch(m, /*offload_activations=*/true);

@@ -132,6 +132,22 @@ TEST(Nf4, RoundTripWithinTheDerivedBound) {
   }
 }
 
+// A block whose absmax is subnormal (1 / absmax overflows) still quantises to the nearest values.
+TEST(Nf4, SubnormalBlocksKeepTheirZerosAndSigns) {
+  std::vector<float> x(64, 0.0f);
+  x[0] = 1e-39f;
+  x[1] = -1e-39f;
+  std::vector<uint8_t> q(nf4_layout(64).bytes);
+  nf4_quantize(x.data(), 64, q.data());
+  EXPECT_EQ(q[0], 0xF0);
+  EXPECT_EQ(q[1], 0x77);
+  std::vector<float> back(64, 1.0f);
+  nf4_dequantize(q.data(), 64, back.data());
+  EXPECT_EQ(back[0], 1e-39f);
+  EXPECT_EQ(back[1], -1e-39f);
+  EXPECT_EQ(back[2], 0.0f);
+}
+
 TEST(Nf4, AllZeroBlocksDecodeToZeros) {
   std::vector<float> x(64 * 3, 0.0f);
   for (int i = 64; i < 128; ++i) x[static_cast<size_t>(i)] = 0.5f * ((i % 3) - 1);

@@ -16,8 +16,9 @@ constexpr std::array<float, 16> kNf4 = {
     0.7229568362236023f, 1.0f};
 
 // The decision thresholds between consecutive NF4 values, as bitsandbytes compares them (its
-// quantisation tree): the midpoints, printed in decimal and read as fp32. The one between 0.72296
-// and 1 falls an ulp below the midpoint rounded from double, so they are taken as published.
+// quantisation tree): the midpoints, printed in decimal and read as fp32. The exact midpoint of
+// 0.72296 and 1 is a tie between two fp32 values, which rounding to even sends up while the
+// published decimal reads as the lower, so the thresholds are taken as published.
 constexpr std::array<float, 15> kNf4Thresholds = {
     -0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f, -0.33967943489551544f,
     -0.23460740596055984f, -0.13791173323988914f, -0.045525018125772476f, 0.03979014977812767f,
@@ -106,8 +107,9 @@ void nf4_quantize(const float* x, int64_t n, uint8_t* out) {
     for (int64_t i = first; i < end; ++i) a = std::max(a, std::fabs(x[i]));
     absmax[static_cast<size_t>(b)] = a;
     const float inv = a > 0.0f ? 1.0f / a : 0.0f;  // an all-zero block: every index is zero's
+    const bool subnormal = !std::isfinite(inv);      // 1 / a overflows: divide instead
     for (int64_t i = first; i < end; ++i) {
-      const uint8_t q = nf4_index(x[i] * inv);
+      const uint8_t q = nf4_index(subnormal ? x[i] / a : x[i] * inv);
       indices[i / 2] |= static_cast<uint8_t>(i % 2 == 0 ? q << 4 : q);
     }
   }
@@ -122,8 +124,11 @@ void nf4_quantize(const float* x, int64_t n, uint8_t* out) {
     for (int64_t b = first; b < end; ++b) scale = std::max(scale, std::fabs(absmax[static_cast<size_t>(b)] - mean));
     store_f32(out + l.scales_offset + 4 * static_cast<uint64_t>(s), scale);
     const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    for (int64_t b = first; b < end; ++b)
-      out[l.codes_offset + static_cast<uint64_t>(b)] = nf4_scale_index((absmax[static_cast<size_t>(b)] - mean) * inv);
+    const bool subnormal = !std::isfinite(inv);
+    for (int64_t b = first; b < end; ++b) {
+      const float d = absmax[static_cast<size_t>(b)] - mean;
+      out[l.codes_offset + static_cast<uint64_t>(b)] = nf4_scale_index(subnormal ? d / scale : d * inv);
+    }
   }
 }
 
