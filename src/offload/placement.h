@@ -94,6 +94,11 @@ class Placement {
   // REQUIRES: world >= 1, 0 <= zero <= 3.
   void shard_over(int world, int zero);
 
+  // Chunks of the offloaded saved activations homed in host memory, the rest on NVMe
+  // (StateStore::add_activations); -1: as many as the host tier holds.
+  int64_t activation_host_chunks() const { return activation_host_chunks_; }
+  void set_activation_host_chunks(int64_t chunks) { activation_host_chunks_ = chunks; }
+
  private:
   static size_t index(StateKind kind) {
     const size_t k = static_cast<size_t>(kind);
@@ -110,6 +115,7 @@ class Placement {
   std::vector<Rows> rows_;                    // per group, per kind
   std::vector<std::vector<PartRows>> parts_;  // per group, ascending by part
   int world_ = 1;
+  int64_t activation_host_chunks_ = -1;
 };
 
 }  // namespace strata

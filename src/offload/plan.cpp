@@ -254,6 +254,7 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   for (StateKind k : in.state_layout.kinds()) sliced[static_cast<size_t>(k)] = p.placement.sliced(0, k);
   r.activations = offload ? in.offloaded_activations : 0;
   r.activation_bytes = in.saved_activation_bytes_per_layer;
+  r.activation_host_chunks = p.placement.activation_host_chunks();
   r.store.space.device_bytes = p.device_chunk_bytes;
   const uint64_t staging = in.nvme_budget > 0 ? 1 : 0;
   const uint64_t most =
@@ -470,6 +471,10 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
                             const std::vector<std::vector<ExpertBytes>>& spill, const SlicedKinds& sliced,
                             SpillOrder order, GroupHomes& h, Plan& p) {
   // Offloaded saved activations take whole chunks of the store, packed (StateStore::add_activations).
+  const uint64_t act_chunks =
+      p.offload_activations && in.chunk_size > 0 && in.offloaded_activations > 0
+          ? StateStore::activation_chunks(in.offloaded_activations, in.saved_activation_bytes_per_layer, in.chunk_size)
+          : 0;
   if (p.offload_activations)
     p.host.act = in.chunk_size > 0 && in.offloaded_activations > 0
                      ? StateStore::activation_chunks(in.offloaded_activations, in.saved_activation_bytes_per_layer,
@@ -493,7 +498,8 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
     bool param = passes_param, grad = passes_grad;
     for (int64_t g = 0; g < s.groups; ++g) param = param || h.param_nvme[g], grad = grad || h.grad_nvme[g];
     const bool opt = p.nvme_optimizer_groups > 0 || p.nvme_optimizer_experts > 0;
-    const uint64_t optimizer = opt ? (in.separate_master ? 3 : 2) : 0, paged = (param ? 1 : 0) + (grad ? 1 : 0);
+    const uint64_t optimizer = opt ? (in.separate_master ? 3 : 2) : 0,
+                   paged = (param ? 1 : 0) + (grad ? 1 : 0) + (p.nvme_activation_chunks > 0 ? 1 : 0);
     return optimizer + paged > 0 ? nvme_staging_bytes(in, optimizer, paged) : 0;
   };
   // The sliced kinds' bytes as the store packs them under the homes so far: what the host holds
@@ -593,6 +599,15 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
       }
     }
   };
+  // When all that still leaves the host over its budget, the saved activations: chunk by chunk,
+  // the last layers' first (the store homes the chunks it opens last on NVMe), each then written
+  // and read once a micro-batch through a host slot.
+  auto spill_activations = [&] {
+    while (static_cast<uint64_t>(p.nvme_activation_chunks) < act_chunks && over()) {
+      p.host.act -= in.chunk_size, p.nvme.act += in.chunk_size;
+      ++p.nvme_activation_chunks;
+    }
+  };
   auto spill_pass = [&] {
     if (in.nvme_budget == 0) return;
     switch (order) {
@@ -601,6 +616,7 @@ bool place_on_host_and_nvme(const PlanInput& in, const LevelSizes& s,
       case SpillOrder::kStreamsFirst: spill_copies(), spill_gradients(), spill_optimizer_state(); break;
     }
     pass_resident();
+    spill_activations();
   };
   spill_pass();
   // The sliced kinds as the store packs them.
@@ -1049,6 +1065,11 @@ Plan plan_at_level(const PlanInput& in, int zero, SpillOrder order) {
     homes = place_on_device(s, ws, free_bytes - std::min(free_bytes, device_reserve), p);
     if (!place_on_host_and_nvme(in, s, spill, sliced, order, homes, p)) return p;
     p.placement = make_placement(in, s.L, s.layer, s.edge, homes, spill, zero);
+    if (p.nvme_activation_chunks > 0) {
+      const uint64_t all = StateStore::activation_chunks(in.offloaded_activations, in.saved_activation_bytes_per_layer,
+                                                         in.chunk_size);
+      p.placement.set_activation_host_chunks(static_cast<int64_t>(all) - p.nvme_activation_chunks);
+    }
     const uint64_t over = count_sliced_on_device(in, sliced, p);
     if (over > 0) {
       if (attempt == kPlacementAttempts) {
@@ -1162,7 +1183,9 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
   os << fmt::format("  resident on the device: parameters {}/{} groups, gradients {}/{}, optimizer {}/{}; "
                     "activations {}\n",
                     p.resident_param_groups, groups, p.resident_grad_groups, groups, p.device_optimizer_groups, groups,
-                    p.offload_activations ? "offloaded to host" : "kept on the device");
+                    !p.offload_activations        ? "kept on the device"
+                    : p.nvme_activation_chunks > 0 ? "offloaded to host, the last layers' to nvme"
+                                                   : "offloaded to host");
   if (p.nvme_optimizer_groups > 0 || p.nvme_optimizer_experts > 0)
     os << fmt::format("  optimizer state of {}/{} groups{} streams from nvme\n", p.nvme_optimizer_groups, groups,
                       p.nvme_optimizer_experts > 0

@@ -281,6 +281,10 @@ struct Plan {
   int64_t nvme_optimizer_experts = 0;
   int64_t nvme_param_groups = 0;         // groups whose compute copy streams from NVMe
   int64_t nvme_grad_groups = 0;          // groups whose gradients stream to and from NVMe
+  // Chunks of the offloaded saved activations homed on NVMe (the last layers'): when the host
+  // cannot hold them beside the state however much of it spills, they go through host slots
+  // (Placement::activation_host_chunks).
+  int64_t nvme_activation_chunks = 0;
   int prefetch_depth = 1;
   // Traffic per optimizer step: with a chunk size, what the chunk space moves in a steady step
   // (offload/replay.h replays the step program); without, every streamed group moved at every use.

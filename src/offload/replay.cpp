@@ -153,7 +153,8 @@ Result<ReplayResult> replay_step(const ReplayInput& in) {
   StateStoreOptions so = in.store;
   so.space.nvme_dir.clear();
   ASSIGN_OR_RETURN(std::unique_ptr<StateStore> store, StateStore::create(device, &io, in.tensors, so));
-  if (in.activations > 0) RETURN_IF_ERROR(store->add_activations(in.activations, in.activation_bytes));
+  if (in.activations > 0)
+    RETURN_IF_ERROR(store->add_activations(in.activations, in.activation_bytes, in.activation_host_chunks));
   // Updates marked to go slice by slice, split by the store's slices.
   const std::vector<ProgramEvent> program =
       expand_update_slices(in.program, [&store](int g) { return store->update_slices(g); });

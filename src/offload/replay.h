@@ -35,6 +35,7 @@ struct ReplayInput {
   StateStoreOptions store;           // budgets, chunk size, layout, homes, holdings, lookahead
   int activations = 0;               // offloaded saved-activation buffers
   uint64_t activation_bytes = 0;     // bytes of each
+  int64_t activation_host_chunks = -1;  // of their chunks, those homed on the host (Placement's)
   std::vector<ProgramEvent> program;  // one step (StepProgram::events)
   double expert_fetch_fraction = 1.0;
   // Kinds whose expert runs take every expert of the layer, whatever the tokens reach: a sliced

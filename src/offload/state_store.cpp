@@ -629,15 +629,20 @@ uint64_t StateStore::activation_chunks(int count, uint64_t bytes, uint64_t chunk
   return per_chunk > 0 ? (n + per_chunk - 1) / per_chunk : n * ((bytes + chunk_bytes - 1) / chunk_bytes);
 }
 
-Status StateStore::add_activations(int count, uint64_t bytes) {
+Status StateStore::add_activations(int count, uint64_t bytes, int64_t host_chunks) {
   if (!act_chunks_.empty()) return Status::InvalidArgument("activation buffers are already registered");
   if (count <= 0) return Status::OK();
   if (bytes == 0) return Status::InvalidArgument("activation buffers need at least one byte");
   if (!space_->has_tier(Tier::kHost)) return Status::InvalidArgument("activation offload needs a host memory tier");
   const uint64_t piece_bytes = space_->chunk_bytes();
   const uint64_t per_chunk = buffers_per_chunk(bytes, piece_bytes);
-  // A chunk homed in host memory or, when that is full, on NVMe.
+  if (host_chunks >= 0 && static_cast<uint64_t>(host_chunks) < activation_chunks(count, bytes, piece_bytes) &&
+      !space_->has_tier(Tier::kNvme))
+    return Status::InvalidArgument("the placement homes saved activations on nvme, but there is no nvme tier");
+  // A chunk homed in host memory or, when that is full or the placement says so, on NVMe.
+  int64_t opened_chunks = 0;
   auto add_chunk = [&]() -> Result<ChunkId> {
+    if (host_chunks >= 0 && opened_chunks++ >= host_chunks) return space_->add_chunk(ChunkKind::kAct, Tier::kNvme);
     Result<ChunkId> added = space_->add_chunk(ChunkKind::kAct, Tier::kHost);
     if (!added.ok() && added.status().code() == StatusCode::kOutOfMemory && space_->has_tier(Tier::kNvme))
       added = space_->add_chunk(ChunkKind::kAct, Tier::kNvme);

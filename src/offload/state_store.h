@@ -318,8 +318,10 @@ class StateStore {
   // larger than a chunk are packed whole, as many to a chunk as fit (a large model's chunk holds
   // a dozen: one each would take a chunk per layer); a larger buffer takes chunks of its own, in
   // pieces of a chunk. A buffer sharing its chunk is written in place, its neighbours kept.
+  // host_chunks >= 0: the first host_chunks chunks are homed in host memory and the rest on NVMe
+  // (the plan's placement, Placement::activation_host_chunks); -1: as many as the host holds.
   // Call before set_schedule(); at most once.
-  Status add_activations(int count, uint64_t bytes);
+  Status add_activations(int count, uint64_t bytes, int64_t host_chunks = -1);
   // Chunks of `chunk_bytes` that add_activations(count, bytes) takes.
   static uint64_t activation_chunks(int count, uint64_t bytes, uint64_t chunk_bytes);
   int num_activations() const { return static_cast<int>(act_chunks_.size()); }

@@ -325,7 +325,8 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     const int64_t C = ps->pieces_[ps->tensor_at(ps->layout_.final_norm())].numel;
     const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * static_cast<uint64_t>(C) *
                            dtype_size(so.layout.activation_dtype());
-    RETURN_IF_ERROR(ps->store_->add_activations(offloaded, bytes));
+    RETURN_IF_ERROR(ps->store_->add_activations(
+        offloaded, bytes, options.placement ? options.placement->activation_host_chunks() : -1));
   }
   // The optimizer's loops walk the program's passes: the order the store prefetches along is the
   // order they acquire in, by construction.
