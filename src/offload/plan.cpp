@@ -734,7 +734,8 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
   // set leave free and gives up, when full, the copy needed farthest along the schedule, so the
   // counts above (every streamed group moved at every use) are replaced by a replay of the step
   // on the store itself (offload/replay.h). The saved activations' copies to and from the device
-  // stay as above (the store holds them in host memory; the model copies them in and out).
+  // stay as above (the model copies them in and out of their chunks, which the store holds in
+  // host memory or, homed on nvme, reads and writes through host slots: the replay counts those).
   // The shards are the store's slices of each tensor, which the replay packs as the engine does.
   if (in.chunk_size > 0 && !in.micro_batch_program.empty() && !in.state_tensors.empty()) {
     Result<ReplayResult> replay = replay_step(replay_input(in, p, offload));

@@ -141,7 +141,11 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   const uint64_t chunk = tier.chunk_bytes;
   // Pinned: cudaHostAlloc on cuda; on the cpu, registering with io_uring (an nvme tier) locks it.
   const bool tier_pinned = cuda || has_nvme;
-  const uint64_t staging = std::min(tier.reserved_bytes, (tier.activation_chunks + tier.staging_chunks) * chunk);
+  // Saved activations the plan homes on nvme pass through the staging slot, not slots of their own.
+  const int64_t act_at_host = plan.placement.activation_host_chunks();
+  const uint64_t act_slots = act_at_host >= 0 ? std::min<uint64_t>(tier.activation_chunks, static_cast<uint64_t>(act_at_host))
+                                              : tier.activation_chunks;
+  const uint64_t staging = std::min(tier.reserved_bytes, (act_slots + tier.staging_chunks) * chunk);
   // A pinned tier is resident whole. Otherwise only the slots written are: those of the state
   // homed there, those the optimizer updates there of state homed on the device (they stay as
   // copies), and the few a pass over the state (loading, restoring) goes through at a time
@@ -162,7 +166,10 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
                                          chunks / chunk, bytes(chunk), bytes(std::min(rounding, chunks)))
 });
   ram.items.push_back({"staging", staging, tier_pinned ? staging : 0, false,
-                       fmt::format("{} saved-activation slots, {} nvme staging slot", tier.activation_chunks,
+                       fmt::format("{} saved-activation slots{}, {} nvme staging slot", act_slots,
+                                   act_slots < tier.activation_chunks
+                                       ? fmt::format(" ({} more on nvme)", tier.activation_chunks - act_slots)
+                                       : std::string(),
                                    tier.staging_chunks)});
 
   // On the cpu backend the device is host memory: its arena holds the device tier's slots and the
