@@ -275,6 +275,7 @@ ReplayInput replay_input(const PlanInput& in, const Plan& p, bool offload) {
   r.program = make_step_program(offload ? in.micro_batch_program_offloaded : in.micro_batch_program, optimizer)
                   .events(std::max<int64_t>(1, in.grad_accum));
   r.expert_fetch_fraction = in.expert_fetch_fraction;
+  r.expert_fetch_by_group = in.expert_fetch_by_group;
   // The ranks gather and sum every expert of a sliced kind (train/paged_state.cpp, begin_experts).
   for (StateKind k : {StateKind::kParam, StateKind::kGrad})
     r.every_expert[static_cast<size_t>(k)] = in.world_size > 1 && p.placement.sliced(0, k);
@@ -1202,10 +1203,11 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
     os << fmt::format("  spilled to nvme in the order with the fastest predicted step: {}\n",
                       kOrders[std::clamp(p.spill_order, 0, 2)]);
   }
-  if (in.expert_elements > 0)
-    os << fmt::format("  experts: a micro-batch reaches an expected {:.0f}% of each MoE layer's experts; only those "
-                      "are fetched\n",
-                      100 * std::clamp(in.expert_fetch_fraction, 0.0, 1.0));
+  if (const bool given = !in.expert_fetch_by_group.empty(); in.expert_elements > 0)
+    os << fmt::format("  experts: a micro-batch reaches {}{:.0f}% of each MoE layer's experts{}; only those are "
+                      "fetched\n",
+                      given ? "" : "an expected ", 100 * std::clamp(in.expert_fetch_fraction, 0.0, 1.0),
+                      given ? " on average (plan.experts_reached)" : " with balanced routing");
   os << fmt::format("  per step: host->device {}, device->host {}, disk read {}, write {}, CPU AdamW {:.3g}M params\n",
                     format_bytes(p.h2d_bytes), format_bytes(p.d2h_bytes), format_bytes(p.disk_read_bytes),
                     format_bytes(p.disk_write_bytes), p.cpu_adam_elements / 1e6);

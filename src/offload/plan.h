@@ -87,6 +87,10 @@ struct PlanInput {
   uint64_t expert_elements = 0;
   int64_t moe_layers = 0;  // layers with routed experts (the rest are dense)
   double expert_fetch_fraction = 1.0;
+  // Given (plan.experts_reached): per group, the share of its experts a micro-batch reaches (0
+  // for groups without experts), with expert_fetch_fraction their mean over the MoE layers. Empty:
+  // expert_fetch_fraction, uniform routing's expectation, for every MoE layer.
+  std::vector<double> expert_fetch_by_group;
   // Bytes per element of the compute copy in a layer group and in the edge group (they differ in
   // the fp8 recipe: E4M3 matrices with their scales in the layers, bf16 embeddings), and of each
   // Adam moment (4 fp32, 2 bf16, a little over 1 int8).

@@ -38,6 +38,7 @@ struct ReplayInput {
   int64_t activation_host_chunks = -1;  // of their chunks, those homed on the host (Placement's)
   std::vector<ProgramEvent> program;  // one step (StepProgram::events)
   double expert_fetch_fraction = 1.0;
+  std::vector<double> expert_fetch_by_group;  // when not empty, per group instead
   // Kinds whose expert runs take every expert of the layer, whatever the tokens reach: a sliced
   // kind the ranks gather (ZeRO-3's weights) or sum (ZeRO-2's gradients) expert by expert.
   std::array<bool, kNumStateKinds> every_expert{};

@@ -78,6 +78,10 @@ Status MetricsWriter::write(const StepMetrics& m) {
     j["eval_loss"] = m.eval_loss;
     j["eval_ppl"] = std::exp(m.eval_loss);
   }
+  if (!m.experts_reached_by_layer.empty()) {
+    j["experts_reached"] = m.experts_reached;
+    j["experts_reached_by_layer"] = m.experts_reached_by_layer;
+  }
   if (m.world > 1) {
     j["world"] = m.world;
     j["comm_bytes"] = m.comm_bytes;

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "core/progress.h"  // format_duration
 #include "core/status.h"
@@ -30,6 +31,9 @@ struct StepMetrics {
   uint64_t moved_bytes = 0;    // bytes moved between tiers during the step
   int world = 1;               // data-parallel ranks
   double comm_bytes = 0;       // bytes each rank sent to the others during the step (mean over ranks)
+  // MoE: PagedEngine::experts_reached_by_layer() over the step (empty: dense), and their mean.
+  std::vector<double> experts_reached_by_layer;
+  double experts_reached = -1;
   double stall_ms = 0;         // time compute waited for data during the step
   uint64_t rss_bytes = 0;      // resident memory of the process
   uint64_t rss_peak_bytes = 0;  // the most it has been resident so far (VmHWM)

@@ -35,6 +35,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   e->backend_ = backend;
   // Expert parallelism: what it cannot split is refused before anything is planned.
   RETURN_IF_ERROR(check_expert_parallel(mc, t.parallel_expert, std::max(1, t.dp_world), e->budgets_.plan_zero));
+  RETURN_IF_ERROR(check_experts_reached(mc, t.experts_reached));
   RETURN_IF_ERROR(e->open_backend(t));
   RETURN_IF_ERROR(e->resolve_budgets());
   // Before anything sizes the activation table: the MLP's tile (the planner's choice under auto,
@@ -276,15 +277,48 @@ std::string PagedEngine::memory_summary() const {
 
 Status PagedEngine::zero_grads() {
   net_->reset_expert_token_counts();  // the gradients themselves live in the chunk space
+  reached_by_layer_.assign(static_cast<size_t>(mc_.num_moe_layers()), 0);
+  reach_batches_ = 0;
   return state_->zero_grads();
 }
 
 Result<double> PagedEngine::micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                         float grad_scale, bool last, float lr, const int32_t* positions) {
   if (last) state_->begin_last_micro_batch(lr);
+  if (mc_.is_moe()) counts_before_ = net_->expert_token_counts();
   Result<double> loss = net_->compute(inputs, targets, B, T, grad_scale, /*backward=*/true, positions);
   train_aux_loss_ = net_->last_aux_loss();  // an evaluation's forward does not replace it
+  if (mc_.is_moe() && loss.ok()) {
+    const std::vector<int64_t>& counts = net_->expert_token_counts();
+    const int64_t E = mc_.num_experts;
+    reached_by_layer_.resize(static_cast<size_t>(mc_.num_moe_layers()), 0);
+    for (int64_t l = 0, m = 0; l < mc_.num_hidden_layers; ++l) {
+      if (!mc_.is_moe_layer(l)) continue;
+      for (int64_t e = 0; e < E; ++e) {
+        const size_t i = static_cast<size_t>(l * E + e);
+        reached_by_layer_[static_cast<size_t>(m)] += counts[i] > counts_before_[i] ? 1 : 0;
+      }
+      ++m;
+    }
+    ++reach_batches_;
+  }
   return loss;
+}
+
+std::vector<double> PagedEngine::experts_reached_by_layer() const {
+  std::vector<double> share;
+  if (reach_batches_ == 0) return share;
+  const double runs = static_cast<double>(reach_batches_ * mc_.num_experts);
+  for (int64_t n : reached_by_layer_) share.push_back(static_cast<double>(n) / runs);
+  return share;
+}
+
+double PagedEngine::experts_reached() const {
+  const std::vector<double> share = experts_reached_by_layer();
+  if (share.empty()) return -1.0;
+  double sum = 0;
+  for (double s : share) sum += s;
+  return sum / static_cast<double>(share.size());
 }
 
 Result<double> PagedEngine::eval_micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
@@ -386,8 +420,9 @@ void PagedEngine::set_extra_state(const std::vector<ExtraState>& extra) {
   }
 }
 
-// "moe: aux loss 2.0113 | expert load max/mean 1.42 (layer 3)": the auxiliary loss of the last
-// micro-batch and the most loaded expert of the step relative to an even split.
+// "moe: aux loss 2.0113 | expert load max/mean 1.42 (layer 3) | experts reached 87.5%": the
+// auxiliary loss of the last micro-batch, the most loaded expert of the step relative to an even
+// split, and experts_reached().
 std::string PagedEngine::step_note() const {
   if (!mc_.is_moe()) return {};
   const int64_t E = mc_.num_experts;
@@ -407,8 +442,8 @@ std::string PagedEngine::step_note() const {
       worst_layer = l;
     }
   }
-  return fmt::format("moe: aux loss {:.4f} | expert load max/mean {:.2f} (layer {})", train_aux_loss_, worst,
-                     worst_layer);
+  return fmt::format("moe: aux loss {:.4f} | expert load max/mean {:.2f} (layer {}) | experts reached {:.1f}%",
+                     train_aux_loss_, worst, worst_layer, 100 * std::max(experts_reached(), 0.0));
 }
 
 }  // namespace strata

@@ -107,6 +107,12 @@ class PagedEngine {
   void set_extra_state(const std::vector<ExtraState>& extra);
   // A second log line for a step, empty when there is nothing to add (MoE load balance).
   std::string step_note() const;
+  // MoE models: per MoE layer (in order), the share of its experts that this rank's training
+  // micro-batches reached (gave at least one token) since zero_grads(), over the micro-batches:
+  // what plan.experts_reached takes. Empty for a dense model or before the first micro-batch.
+  std::vector<double> experts_reached_by_layer() const;
+  // Their mean over the layers; -1 when that is empty.
+  double experts_reached() const;
   // The precision recipe and moment format the step line names, e.g. "fp8" or "bf16, int8 moments".
   std::string recipe() const;
   // The planner's placement of the state (with several ranks, this rank's share) and what it
@@ -140,6 +146,9 @@ class PagedEngine {
   PlanInput plan_input_;  // what plan_ was made from
   TrainConfig budgets_;  // the settings with every budget and the chunk size resolved
   double train_aux_loss_ = 0;  // the MoE aux loss of the last training micro-batch (step_note)
+  std::vector<int64_t> reached_by_layer_;  // experts given tokens, per MoE layer, since zero_grads
+  int64_t reach_batches_ = 0;               // the micro-batches they count over
+  std::vector<int64_t> counts_before_;               // the expert counts before a micro-batch
   DeviceKind backend_ = DeviceKind::kCpu;
   PagedStateOptions options_;
   bool keep_activations_ = false;

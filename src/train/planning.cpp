@@ -212,13 +212,28 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   in.edge_elements = V * C * (m.tie_word_embeddings ? 1 : 2) + C;
   in.layer_elements = (total - in.edge_elements) / std::max<uint64_t>(L, 1);
   if (m.is_moe()) {
-    // Expected share of a layer's E experts that N tokens reach, each picking K of them, with
-    // uniform routing: 1 - (1 - K/E)^N. Training micro-batches usually reach every expert.
+    // The share of a layer's E experts a micro-batch reaches: plan.experts_reached when given
+    // (what a run measured), else its expectation with uniform routing when N tokens each pick K
+    // of them, 1 - (1 - K/E)^N. Training micro-batches of a balanced router reach every expert; an
+    // untrained router, whose tokens crowd onto a few experts, reaches fewer.
     const uint64_t E = static_cast<uint64_t>(m.num_experts), Fe = static_cast<uint64_t>(m.moe_intermediate_size);
     const double tokens = static_cast<double>(t.micro_batch * t.seq_len);
     in.expert_elements = static_cast<uint64_t>(m.num_moe_layers()) * E * 3 * Fe * C / std::max<uint64_t>(L, 1);
     in.moe_layers = m.num_moe_layers();
     in.expert_fetch_fraction = 1.0 - std::pow(1.0 - static_cast<double>(m.num_experts_per_tok) / E, tokens);
+    const std::vector<double>& given = t.experts_reached;
+    if (given.size() == 1 || given.size() == static_cast<size_t>(m.num_moe_layers())) {
+      // Per group (layer l is group l + 1), and their mean over the MoE layers.
+      in.expert_fetch_by_group.assign(static_cast<size_t>(m.num_hidden_layers) + 2, 0.0);
+      double sum = 0;
+      for (int64_t l = 0, i = 0; l < m.num_hidden_layers; ++l) {
+        if (!m.is_moe_layer(l)) continue;
+        const double share = given[given.size() == 1 ? 0 : static_cast<size_t>(i++)];
+        in.expert_fetch_by_group[static_cast<size_t>(l) + 1] = share;
+        sum += share;
+      }
+      in.expert_fetch_fraction = sum / static_cast<double>(std::max<int64_t>(m.num_moe_layers(), 1));
+    }
   }
   // The state layout of the recipe (the CUDA backend trains in bf16). Gradients are fp32 in
   // every recipe: they accumulate over micro-batches.
@@ -411,6 +426,18 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
     in.expert_exchange_bytes = static_cast<uint64_t>(passes) * N * static_cast<uint64_t>(m.num_experts_per_tok) * C * act;
   }
   return in;
+}
+
+Status check_experts_reached(const model::ModelConfig& m, const std::vector<double>& shares) {
+  if (shares.empty()) return Status::OK();
+  if (!m.is_moe())
+    return Status::InvalidArgument("plan.experts_reached gives the share of an MoE layer's experts a micro-batch "
+                                   "reaches, and this model has no experts: leave it empty");
+  if (shares.size() != 1 && shares.size() != static_cast<size_t>(m.num_moe_layers()))
+    return Status::InvalidArgument(fmt::format(
+        "plan.experts_reached has {} shares; give one for every MoE layer, or one per MoE layer ({} here)",
+        shares.size(), m.num_moe_layers()));
+  return Status::OK();
 }
 
 Status check_expert_parallel(const model::ModelConfig& m, int64_t P, int64_t world, int zero) {

@@ -34,6 +34,9 @@ inline bool overlaps_collectives(const TrainConfig& t, int zero) {
 // (-1: auto): an MoE model whose experts it divides, a world it divides, the optimizer state
 // sharded. InvalidArgument naming the key and what to change.
 Status check_expert_parallel(const model::ModelConfig& model, int64_t expert_parallel, int64_t world, int zero);
+// plan.experts_reached (TrainConfig::experts_reached) against the model: one share, or one per
+// MoE layer, of an MoE model.
+Status check_experts_reached(const model::ModelConfig& model, const std::vector<double>& shares);
 
 // The compute rate a plan for `device` predicts with: on the cpu backend with a rate table
 // (hardware.cpu_tflops_by_width), the rate at the model's hidden size, interpolated in log

@@ -171,6 +171,13 @@ ConfigSchema build_schema() {
   s.add({.name = "hardware.inter_node_gbps", .type = T::kFloat, .default_value = "25", .min = 1e-6,
          .help = "collective bus bandwidth per GPU between nodes in GB/s (25 = a 200 Gb/s NIC per GPU), for strata "
                  "plan's data-parallel estimate"});
+  // What only a run can tell the planner.
+  s.add({.name = "plan.experts_reached", .type = T::kStringList, .default_value = "",
+         .help = "MoE models: the share of each MoE layer's experts that a micro-batch's tokens reach, which "
+                 "decides the experts' traffic in the plan (experts no token reaches are not fetched): one share "
+                 "for every MoE layer, or a list with one per MoE layer. Empty: uniform routing's expectation, "
+                 "1 - (1 - K/E)^tokens, what a trained, balanced router gives. A run reports what it measured "
+                 "(metrics.jsonl's experts_reached_by_layer; the step line's moe note gives their mean)"});
   s.add({.name = "ckpt.every", .type = T::kInt, .default_value = "0", .min = 0,
          .help = "save a checkpoint every N steps (0 = only when stopped by SIGINT/SIGTERM)"});
   s.add({.name = "ckpt.dir", .type = T::kString, .default_value = "",
@@ -412,6 +419,14 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.plan_ranks_per_node = c.get_int("parallel.ranks_per_node");
   t.plan_zero = c.get_string("parallel.zero") == "auto" ? -1 : std::stoi(c.get_string("parallel.zero"));
   t.intra_node_bytes_per_s = c.get_float("hardware.intra_node_gbps") * 1e9;
+  for (const std::string& text : c.get_list("plan.experts_reached")) {
+    char* end = nullptr;
+    const double share = std::strtod(text.c_str(), &end);
+    if (text.empty() || *end != '\0' || !(share >= 0 && share <= 1))
+      return Status::InvalidArgument(c.origin("plan.experts_reached") + ": key 'plan.experts_reached': '" + text +
+                                     "' is not a share between 0 and 1 (e.g. 0.7, or [0.9, 0.6] per MoE layer)");
+    t.experts_reached.push_back(share);
+  }
   t.inter_node_bytes_per_s = c.get_float("hardware.inter_node_gbps") * 1e9;
   if (t.data_paths.empty())
     return Status::InvalidArgument(c.origin("data.paths") + ": key 'data.paths' is empty; name at least one token file");

@@ -66,6 +66,10 @@ struct TrainConfig {
   // hardware.cpu_tflops_by_width: (hidden size, FLOP/s) ascending; a cpu plan's compute rate.
   std::vector<std::pair<int64_t, double>> cpu_flops_by_width;
   std::string hardware_profile;  // hardware.profile: where the rates come from ("" = built-in defaults)
+  // plan.experts_reached: the share of an MoE layer's experts a micro-batch reaches, for the
+  // planner's traffic: one for every MoE layer, or one per MoE layer (check_experts_reached);
+  // empty: uniform routing's expectation (make_plan_input).
+  std::vector<double> experts_reached;
   // checkpoints
   int64_t ckpt_every = 0;
   std::string ckpt_dir;     // "" in the config: RUN_DIR/checkpoints (filled in here)

@@ -926,6 +926,8 @@ Status loop(Run& run, const TrainConfig& t) {
     sm.moved_bytes = after.moved_bytes - before.moved_bytes;
     sm.world = ranks.world();
     sm.comm_bytes = comm_bytes;
+    sm.experts_reached_by_layer = run.engine->experts_reached_by_layer();
+    sm.experts_reached = run.engine->experts_reached();
     sm.rss_bytes = resident_bytes();
     sm.rss_peak_bytes = peak_resident_bytes();
     sm.rss_planned_bytes = run.host_ram_peak;

@@ -205,6 +205,10 @@ int plan_command(const std::vector<std::string>& args) {
     std::fprintf(stderr, "strata plan: error: %s\n", ep.message().c_str());
     return 1;
   }
+  if (Status er = check_experts_reached(*mc, tc->experts_reached); !er.ok()) {
+    std::fprintf(stderr, "strata plan: error: %s\n", er.message().c_str());
+    return 1;
+  }
   // Where strata train would run these keys here: auto is the GPU only where one is visible.
   const DeviceKind device = planned_device(*tc);
   const bool cuda = device == DeviceKind::kCuda;
