@@ -44,7 +44,8 @@ ReplayMoves operator-(const ReplayMoves& a, const ReplayMoves& b) {
 }
 
 // Drives a store along the program as the engine does (train/paged_state.cpp): what it acquires
-// stays pinned until the event that closes its batch.
+// stays pinned until the event that closes its batch (an overlapped update's, until the next
+// one begins or the step ends).
 class Driver {
  public:
   Driver(StateStore& store, const ReplayInput& in, const std::vector<ProgramEvent>& program)
@@ -55,6 +56,7 @@ class Driver {
   Status step(std::array<ReplayMoves, kStepPhases>* phase) {
     Status st = run(phase);
     release_all();
+    release(&applying_);
     return st;
   }
 
@@ -66,6 +68,8 @@ class Driver {
       const ReplayMoves before = moves_of(store_.stats());
       size_t next = i + 1;
       bool closes = e.last;
+      // The overlapped update before this one is settled as this one begins (step_program.h).
+      if (e.overlapped && held_.empty()) release(&applying_);
       if (e.phase == StepPhase::kZero && store_.zero_by_discard(e.access.group, e.access.kind)) {
         // Zeroed as the engine zeroes it (PagedState::zero_grads): nothing is acquired.
       } else if (e.access.activation >= 0) {
@@ -101,7 +105,12 @@ class Driver {
             store_.acquire_part(e.access.group, e.access.part, e.access.kind, e.access.prefetch_to, e.mode));
         held_.push_back({e.access, {}});
       }
-      if (closes) release_all();
+      if (closes && e.overlapped) {
+        applying_ = std::move(held_);  // while the optimizer's thread applies it
+        held_.clear();
+      } else if (closes) {
+        release_all();
+      }
       if (phase != nullptr) (*phase)[static_cast<size_t>(e.phase)] += moves_of(store_.stats()) - before;
       i = next;
     }
@@ -135,8 +144,9 @@ class Driver {
     const long long count = std::llround((before + share(g)) * N) - std::llround(before * N);
     return std::min(n, static_cast<size_t>(std::max(count, 0LL)));
   }
-  void release_all() {
-    for (const Held& h : held_) {
+  void release_all() { release(&held_); }
+  void release(std::vector<Held>* held) {
+    for (const Held& h : *held) {
       const GroupAccess& a = h.access;
       if (!h.experts.empty()) {
         store_.release_parts(a.group, h.experts, a.kind);
@@ -150,13 +160,14 @@ class Driver {
         store_.release_part(a.group, a.part, a.kind);
       }
     }
-    held_.clear();
+    held->clear();
   }
 
   StateStore& store_;
   const ReplayInput& in_;
   const std::vector<ProgramEvent>& program_;  // in.program with its update slices
   std::vector<Held> held_;
+  std::vector<Held> applying_;  // the overlapped update being applied (ProgramEvent::overlapped)
 };
 
 }  // namespace

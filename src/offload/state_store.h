@@ -101,7 +101,7 @@ enum class ScheduleCursor : uint8_t {
   // The next entry matching it becomes the current one, and the entries after it are prefetched.
   kFollow,
   // An acquisition beside the cursor, on another thread than the one that moves it (the
-  // overlapped optimizer, step_program.h): its entry was prefetched with its neighbours and
+  // gradient sums at handover, train/paged_state.h): its entry was prefetched with its neighbours and
   // eviction counts it as a use, but wherever that thread has got to, it moves nothing.
   kBeside,
 };

@@ -57,7 +57,7 @@ void append_update(const OptimizerProgram& o, int g, std::vector<ProgramEvent>* 
     ProgramEvent e{GroupAccess{g, k}, AccessMode::kReadWrite, StepPhase::kOptimizer, false};
     e.access.prefetch_to = where;
     e.discard = k == StateKind::kGrad;
-    if (o.overlapped) e.access.cursor = ScheduleCursor::kBeside;
+    e.overlapped = o.overlapped;
     if (o.slices_host_updates && !o.overlapped && where != Tier::kDevice) e.access.slice = kEachSlice;
     out->push_back(e);
   }

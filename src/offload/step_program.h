@@ -13,9 +13,11 @@
 // The overlapped optimizer (OptimizerProgram::overlapped) updates each group on a thread of its
 // own as soon as the step's last micro-batch is done with the group's gradients: its updates are
 // then part of that micro-batch, each right after the batch that last acquires its group's
-// gradients, and there is no norm pass. That thread acquires beside the order (StateStore's
-// kBeside): the compute thread's acquisitions move along the schedule and prefetch the updates
-// with their neighbours, and eviction counts them as uses, wherever the other thread has got to.
+// gradients, and there is no norm pass. The compute thread acquires each update's kinds there,
+// in the order, and the other thread applies it; its batch (ProgramEvent::overlapped) stays
+// acquired until the next overlapped update begins, or the step's end, where the compute thread
+// waits for it and releases it. So the acquisitions and releases happen at fixed points of the
+// program, whatever the threads' timing.
 //
 // Thread-compatible value types.
 #pragma once
@@ -46,6 +48,9 @@ struct ProgramEvent {
   // AdamW's gradients, which the next step's zeroing writes. Its release discards the bytes
   // (StateStore::discard), so that no copy of them is written back.
   bool discard = false;
+  // An overlapped AdamW update's (see above): its batch is released when the next such batch
+  // begins, or at the step's end, not when it closes.
+  bool overlapped = false;
 };
 
 struct StepProgram {

@@ -399,6 +399,10 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
     ps->handover_stream_ = device.create_stream();
     ps->handover_stream_->set_trace_name("communication");
   }
+  if (options.overlap_optimizer) {
+    ps->update_stream_ = device.create_stream();
+    ps->update_stream_->set_trace_name("optimizer (overlapped)");
+  }
   if (options.overlap_optimizer || ps->plans_reductions_at_handover())
     ps->worker_ = std::thread([p = ps.get()] { p->worker_loop(); });
   return ps;
@@ -640,6 +644,8 @@ Status PagedState::zero_grads() {
   // A step skipped after its last micro-batch (a non-finite loss) never reached clip_and_step():
   // its gradient sums finish before the gradients are zeroed.
   if (reduces_at_handover()) RETURN_IF_ERROR(finish_handovers().status());
+  // Its last overlapped update's kinds are released, as the step would have.
+  if (options_.overlap_optimizer) RETURN_IF_ERROR(settle_update());
   store_->space().trace_usage();  // a trace's memory counters start from every tier's use
   trace::Span span("optimizer", "zero gradients");
   for (const ProgramEvent& e : zero_pass_) {
@@ -684,18 +690,34 @@ Status PagedState::update_group(int g, float coefficient, kernels::AdamWParams p
 
 Status PagedState::update_tensors(int g, int slice, std::span<const size_t> tensors, Tier where, float coefficient,
                                   kernels::AdamWParams p, double* sum_squares) {
-  static const kernels::SimdLevel simd = kernels::detect_simd_level();
-  const StateLayout& layout = store_->layout();
   // The kinds, in the order, the program's update of the group acquires.
+  const GroupUpdate& update = updates_[update_index_.at(static_cast<size_t>(g))];
+  RETURN_IF_ERROR(acquire_update_kinds(g, slice, where));
+  if (!apply_update(g, tensors, where, coefficient, p, sum_squares)) {
+    for (StateKind k : update.kinds) release_update(g, slice, k);
+    return Status::OK();
+  }
+  return finish_update(g, slice, tensors, where);
+}
+
+Status PagedState::acquire_update_kinds(int g, int slice, Tier where, Stream* consumer) {
   const GroupUpdate& update = updates_[update_index_.at(static_cast<size_t>(g))];
   const std::vector<StateKind>& kinds = update.kinds;
   for (size_t k = 0; k < kinds.size(); ++k) {
-    Status st = acquire_update(g, slice, kinds[k], where, AccessMode::kReadWrite, update.cursor);
+    Status st = slice >= 0 ? store_->acquire_slice(g, slice, kinds[k], where, AccessMode::kReadWrite, update.cursor)
+                           : store_->acquire_group(g, kinds[k], where, AccessMode::kReadWrite, update.cursor, consumer);
     if (!st.ok()) {
       for (size_t r = 0; r < k; ++r) release_update(g, slice, kinds[r]);
       return st;
     }
   }
+  return Status::OK();
+}
+
+bool PagedState::apply_update(int g, std::span<const size_t> tensors, Tier where, float coefficient,
+                              kernels::AdamWParams p, double* sum_squares) {
+  static const kernels::SimdLevel simd = kernels::detect_simd_level();
+  const StateLayout& layout = store_->layout();
   if (sum_squares != nullptr) {
     // The overlap's check: this group's gradients, before anything of it changes.
     double ss = 0;
@@ -707,10 +729,7 @@ Status PagedState::update_tensors(int g, int slice, std::span<const size_t> tens
       for (size_t i : tensors) ss += kernels::cpu::sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
     }
     *sum_squares = ss;
-    if (!std::isfinite(ss)) {
-      for (StateKind k : kinds) release_update(g, slice, k);
-      return Status::OK();
-    }
+    if (!std::isfinite(ss)) return false;
   }
   const bool compact = layout.moments != kernels::MomentFormat::kF32;
   StateKernels& here = where == Tier::kDevice ? *kernels_ : *cpu_state_kernels();
@@ -770,6 +789,10 @@ Status PagedState::update_tensors(int g, int slice, std::span<const size_t> tens
   }
   });
   if (where == Tier::kDevice) kernels_->synchronize();
+  return true;
+}
+
+Status PagedState::finish_update(int g, int slice, std::span<const size_t> tensors, Tier where) {
   // ZeRO-3's ranks keep their ranges of the copy: nothing to send (begin() gathers it for compute).
   if (sharded() && !slices_params() && queues_copy_gathers(where)) {
     // The copy's chunks move only after the gather (released with its stream).
@@ -902,7 +925,9 @@ Result<double> PagedState::clip_and_step(float lr) {
   RETURN_IF_ERROR(std::exchange(deferred_, Status::OK()));  // a sum end() could not make
   if (options_.overlap_optimizer) {
     // The groups whose gradients became final during backward are being (or have been)
-    // updated by the worker; wait for it, then update any group it has not seen.
+    // updated by the worker; wait for it, release the last one's kinds, then update any group
+    // it has not seen.
+    const Status settled = settle_update();
     std::unique_lock<std::mutex> lock(worker_mu_);
     CHECK_MSG(overlap_active_, "begin_last_micro_batch() was not called before the step's last micro-batch");
     {
@@ -918,6 +943,7 @@ Result<double> PagedState::clip_and_step(float lr) {
     int bad_group = overlap_bad_group_;
     lock.unlock();
     RETURN_IF_ERROR(failed);
+    RETURN_IF_ERROR(settled);
     for (size_t u = 0; u < updates_.size() && bad_group < 0; ++u) {
       const int g = updates_[u].group;
       if (done[static_cast<size_t>(g)]) continue;
@@ -1060,6 +1086,52 @@ void PagedState::begin_last_micro_batch(float lr) {
   overlap_active_ = true;
 }
 
+void PagedState::hand_over_update(int g) {
+  const Status settled = settle_update();
+  {
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    if (!settled.ok() && worker_status_.ok()) worker_status_ = settled;
+    // After a group with non-finite gradients, or an error, the step is lost: later groups are
+    // left alone.
+    if (overlap_bad_group_ >= 0 || !worker_status_.ok()) {
+      updated_[static_cast<size_t>(g)] = true;
+      return;
+    }
+  }
+  // Whole groups (the program does not slice overlapped updates), where the moments live; the
+  // update stream, not this thread, waits for the moves.
+  const Status acquired = acquire_update_kinds(g, kWholeGroup, adam_tier(g), update_stream_.get());
+  {
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    if (!acquired.ok()) {
+      if (worker_status_.ok()) worker_status_ = acquired;
+      updated_[static_cast<size_t>(g)] = true;
+      return;
+    }
+    pending_update_ = g;
+    pending_applied_ = false;
+    queue_.push_back(g);
+  }
+  worker_cv_.notify_all();
+}
+
+Status PagedState::settle_update() {
+  if (pending_update_ < 0) return Status::OK();
+  bool applied = false;
+  {
+    std::unique_lock<std::mutex> lock(worker_mu_);
+    if (!queue_.empty() || worker_busy_) {
+      trace::Span wait("optimizer", "wait for the overlapped update", pending_update_);
+      worker_cv_.wait(lock, [&] { return queue_.empty() && !worker_busy_; });
+    }
+    applied = pending_applied_;
+  }
+  const int g = std::exchange(pending_update_, -1);
+  if (applied) return finish_update(g, kWholeGroup, store_->group_tensors(g), adam_tier(g));
+  for (StateKind k : updates_[update_index_.at(static_cast<size_t>(g))].kinds) release_update(g, kWholeGroup, k);
+  return Status::OK();
+}
+
 void PagedState::worker_loop() {
   trace::name_thread(options_.overlap_optimizer ? "optimizer (overlapped)" : "communication (gradients)");
   std::unique_lock<std::mutex> lock(worker_mu_);
@@ -1079,13 +1151,27 @@ void PagedState::worker_loop() {
     const kernels::AdamWParams p = overlap_params_;
     lock.unlock();
     double ss = 0;
-    Status st = options_.overlap_optimizer ? update_group(g, 1.0f, p, &ss) : reduce_handed_over(g);
+    bool applied = false;
+    Status st = Status::OK();
+    if (options_.overlap_optimizer) {
+      // The compute thread acquired the group's kinds (hand_over_update); they are here once the
+      // update stream has waited for their moves. It releases them (settle_update).
+      update_stream_->synchronize();
+      const Tier where = adam_tier(g);
+      trace::Span span("optimizer", "adamw group", g);
+      span.arg("tier", static_cast<double>(where));
+      if (before_modify_) before_modify_(g);
+      applied = apply_update(g, store_->group_tensors(g), where, 1.0f, p, &ss);
+    } else {
+      st = reduce_handed_over(g);
+    }
     lock.lock();
     worker_busy_ = false;
     if (st.ok() && !options_.overlap_optimizer) {
       updated_[static_cast<size_t>(g)] = true;  // summed over the ranks
     } else if (st.ok()) {
       updated_[static_cast<size_t>(g)] = true;
+      pending_applied_ = applied;
       overlap_sum_squares_ += ss;
       if (std::isfinite(ss)) ++overlapped_updates_;
       else overlap_bad_group_ = g;
@@ -1099,6 +1185,7 @@ void PagedState::worker_loop() {
 PagedState::~PagedState() {
   drain_compute();  // queued ops may still use chunks whose slots go back to the arena
   if (worker_.joinable()) {
+    (void)settle_update();  // a step that stopped between handovers: the worker finishes it first
     {
       std::lock_guard<std::mutex> lock(worker_mu_);
       stop_ = true;
@@ -1266,6 +1353,10 @@ void PagedState::end(int group, bool params, bool grads) {
   // backward).
   if ((options_.overlap_optimizer || reduces_at_handover()) && overlap_active_ && grads &&
       ++grad_releases_[static_cast<size_t>(group)] == handover_[static_cast<size_t>(group)]) {
+    if (options_.overlap_optimizer) {
+      hand_over_update(group);
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(worker_mu_);
       queue_.push_back(group);

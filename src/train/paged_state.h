@@ -482,6 +482,25 @@ class PagedState : public model::ParamAccess, public SavableState {
   // acquired at `where` as the program's update says; update_group's work.
   Status update_tensors(int group, int slice, std::span<const size_t> tensors, Tier where, float coefficient,
                         kernels::AdamWParams p, double* sum_squares);
+  // update_tensors' three parts. Acquires every kind of group g's update (whole, or one update
+  // slice) at `where`, along the program's cursor; with `consumer` (whole groups), that stream
+  // waits for the moves instead of the host. On error nothing stays acquired.
+  Status acquire_update_kinds(int group, int slice, Tier where, Stream* consumer = nullptr);
+  // AdamW on the acquired `tensors`; false (nothing changed) when sum_squares is given and the
+  // gradients' sum of squares it receives is not finite.
+  bool apply_update(int group, std::span<const size_t> tensors, Tier where, float coefficient, kernels::AdamWParams p,
+                    double* sum_squares);
+  // After apply_update: the ranks' gather of the new copy (sharded state), and the releases.
+  Status finish_update(int group, int slice, std::span<const size_t> tensors, Tier where);
+  // The overlapped optimizer, on the compute thread at group g's handover: settles the group
+  // handed over before (settle_update), then acquires g's update at this point of the program and
+  // queues it for the worker, which applies it while backward goes on. So every acquisition and
+  // release of the step happens on the compute thread at a fixed point of its program, and the
+  // traffic is the planner's replay's (offload/replay.h), whatever the threads' timing.
+  void hand_over_update(int group);
+  // Waits for the worker to apply the pending update (the group last handed over), then releases
+  // its kinds: at the next handover, or in the step after the last micro-batch.
+  Status settle_update();
   // Acquires / releases group g's `kind` whole (slice kWholeGroup) or one update slice of it.
   Status acquire_update(int group, int slice, StateKind kind, Tier where, AccessMode mode,
                         ScheduleCursor cursor = ScheduleCursor::kFollow) {
@@ -533,6 +552,9 @@ class PagedState : public model::ParamAccess, public SavableState {
   parallel::Comm* expert_comm_ = nullptr;      // the ranks holding this rank's experts (expert_ranks > 1)
   parallel::Comm* expert_handover_comm_ = nullptr;  // the same, for the communication stream's collectives
   std::unique_ptr<Stream> handover_stream_;    // its device-memory sums queue here
+  // The overlapped optimizer's acquisitions: this stream waits for their moves (and backward's
+  // last writes to the gradients), the worker for the stream.
+  std::unique_ptr<Stream> update_stream_;
   // The overlapped collectives of ZeRO-2 and 3 (plans_overlapped_collectives): their stream, the
   // event the compute stream waits on for a gather, the per-group event after the latest sums
   // onto its gradient slice (a later micro-batch's backward reads the slice), and their errors.
@@ -648,6 +670,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::atomic<int64_t> handover_sums_{0};
   double overlap_sum_squares_ = 0;  // the step's groups so far, in the order they were updated
   int overlap_bad_group_ = -1;      // the first group whose gradients were not finite
+  int pending_update_ = -1;        // handed over, acquired, not yet settled (hand_over_update)
+  bool pending_applied_ = false;   // the worker applied it (else its gradients were not finite, or it failed)
 };
 
 }  // namespace strata

@@ -29,8 +29,9 @@ namespace {
 // grad_accum micro-batches; `offloaded` saved activations; experts[g]: the experts of group g (0
 // for dense groups), not prefetched; adam_tier(g): where AdamW updates group g; kinds: the state
 // kinds AdamW acquires.
-// overlapped: AdamW overlapped with backward, each group updated (beside the cursor) after the
-// last micro-batch's last batch with its gradients, and no norm pass.
+// overlapped: AdamW overlapped with backward, each group updated (its kinds acquired on the
+// cursor by the compute thread) after the last micro-batch's last batch with its gradients, and
+// no norm pass.
 // slices(g): the update slices of group g, when AdamW in host memory goes slice by slice (null:
 // every group whole).
 std::vector<GroupAccess> expected_schedule(int num_layers, bool tied, int64_t grad_accum, int offloaded,
@@ -47,7 +48,6 @@ std::vector<GroupAccess> expected_schedule(int num_layers, bool tied, int64_t gr
         all(g, k);
         s.back().prefetch_to = adam_tier(g);
         if (n > 1) s.back().slice = slice;
-        if (overlapped) s.back().cursor = ScheduleCursor::kBeside;
       }
     }
   };
@@ -196,7 +196,7 @@ TEST(StepProgram, TheRecordedProgramIsTheExpectedOrder) {
         EXPECT_EQ(e.mode, c.data_parallel ? AccessMode::kReadWrite : AccessMode::kRead) << what;
       }
       EXPECT_EQ(norm, groups) << what;
-      // Overlapped with backward: the updates inside the last micro-batch, beside the cursor.
+      // Overlapped with backward: the updates inside the last micro-batch.
       const OptimizerProgram overlapped{groups, kinds, where, false, /*overlapped=*/true};
       const StepProgram program_overlapped =
           make_step_program(model::record_micro_batch(c.model, c.offload), overlapped);
@@ -205,10 +205,14 @@ TEST(StepProgram, TheRecordedProgramIsTheExpectedOrder) {
                                              kinds, /*overlapped=*/true),
                            what + ", overlapped");
       EXPECT_TRUE(program_overlapped.optimizer.empty()) << what;
+      // The updates' events, and only theirs, are released at the next update or the step's end.
+      for (const ProgramEvent& e : program_overlapped.last_micro_batch)
+        EXPECT_EQ(e.overlapped, e.phase == StepPhase::kOptimizer) << what << ": " << describe(e.access);
       // Each group's gradients are acquired by one batch of a micro-batch (the embedding's by two
       // when the head is tied to it): the overlapped optimizer takes the group after the last.
       // A data-parallel rank summing the gradients at handover: one reduction per group where the
-      // overlapped optimizer's update sits, beside the cursor and writing; the norm pass reads.
+      // overlapped optimizer's update sits, beside the cursor (the handover thread acquires it)
+      // and writing; the norm pass reads.
       if (c.data_parallel) {
         const OptimizerProgram at_handover{groups, kinds, where, true, false, /*reduces_at_handover=*/true};
         const StepProgram program_reducing = make_step_program(model::record_micro_batch(c.model, c.offload), at_handover);
