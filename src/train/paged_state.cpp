@@ -639,13 +639,17 @@ Status PagedState::load_moments(const float* m_flat, const float* v_flat) {
 Status PagedState::zero_grads() {
   drain_compute();
   drop_prefetch();  // none is kept across the optimizer
-  RETURN_IF_ERROR(std::exchange(deferred_, Status::OK()));  // a sum end() could not make
-  if (workspace_) std::fill(gradient_batches_seen_.begin(), gradient_batches_seen_.end(), 0);
   // A step skipped after its last micro-batch (a non-finite loss) never reached clip_and_step():
-  // its gradient sums finish before the gradients are zeroed.
+  // its last overlapped update's kinds are released first, as the step would have (and a
+  // micro-batch that failed half-way leaves no group open).
+  const Status settled = settle_update();
+  open_groups_ = 0;
+  updates_due_.clear();
+  RETURN_IF_ERROR(std::exchange(deferred_, Status::OK()));  // a sum end() could not make
+  RETURN_IF_ERROR(settled);
+  if (workspace_) std::fill(gradient_batches_seen_.begin(), gradient_batches_seen_.end(), 0);
+  // Its gradient sums finish before the gradients are zeroed.
   if (reduces_at_handover()) RETURN_IF_ERROR(finish_handovers().status());
-  // Its last overlapped update's kinds are released, as the step would have.
-  if (options_.overlap_optimizer) RETURN_IF_ERROR(settle_update());
   store_->space().trace_usage();  // a trace's memory counters start from every tier's use
   trace::Span span("optimizer", "zero gradients");
   for (const ProgramEvent& e : zero_pass_) {
@@ -922,12 +926,12 @@ Status PagedState::finish_copy_gathers() {
 Result<double> PagedState::clip_and_step(float lr) {
   drain_compute();
   drop_prefetch();  // none is kept across the optimizer
+  // The overlapped optimizer's last group: waited for and its kinds released, whatever follows.
+  const Status settled = settle_update();
   RETURN_IF_ERROR(std::exchange(deferred_, Status::OK()));  // a sum end() could not make
   if (options_.overlap_optimizer) {
     // The groups whose gradients became final during backward are being (or have been)
-    // updated by the worker; wait for it, release the last one's kinds, then update any group
-    // it has not seen.
-    const Status settled = settle_update();
+    // updated by the worker; wait for it, then update any group it has not seen.
     std::unique_lock<std::mutex> lock(worker_mu_);
     CHECK_MSG(overlap_active_, "begin_last_micro_batch() was not called before the step's last micro-batch");
     {
@@ -1115,6 +1119,9 @@ void PagedState::hand_over_update(int g) {
   worker_cv_.notify_all();
 }
 
+// A group whose gradients were not finite is released as it was (nothing discarded), and the
+// groups after it are not acquired: the step is lost and the run stops (clip_and_step), so its
+// traffic need not be the plan's.
 Status PagedState::settle_update() {
   if (pending_update_ < 0) return Status::OK();
   bool applied = false;
@@ -1241,6 +1248,7 @@ Status PagedState::begin(int group, bool params, bool grads) {
     }
     if (workspace_) open_gradients(group, *s);
   }
+  ++open_groups_;
   return Status::OK();
 }
 
@@ -1325,6 +1333,7 @@ void PagedState::end_experts(int group, std::span<const int> experts, bool param
 }
 
 void PagedState::end(int group, bool params, bool grads) {
+  --open_groups_;
   const bool overlapped = overlaps_collectives();
   // Overlapped, the sums onto the slice are queued on the communication stream, after the
   // group's backward: the slice's chunk moves only after them.
@@ -1353,15 +1362,22 @@ void PagedState::end(int group, bool params, bool grads) {
   // backward).
   if ((options_.overlap_optimizer || reduces_at_handover()) && overlap_active_ && grads &&
       ++grad_releases_[static_cast<size_t>(group)] == handover_[static_cast<size_t>(group)]) {
-    if (options_.overlap_optimizer) {
-      hand_over_update(group);
-      return;
+    if (!options_.overlap_optimizer) {
+      {
+        std::lock_guard<std::mutex> lock(worker_mu_);
+        queue_.push_back(group);
+      }
+      worker_cv_.notify_all();
+    } else {
+      updates_due_.push_back(group);
     }
-    {
-      std::lock_guard<std::mutex> lock(worker_mu_);
-      queue_.push_back(group);
-    }
-    worker_cv_.notify_all();
+  }
+  // The overlapped optimizer takes a group once the model holds nothing more of the batch that
+  // handed it over (a tied head's batch also holds the embedding): where the step program's
+  // batch closes, so the update's acquisitions meet the tiers as the replay's do.
+  if (open_groups_ == 0 && !updates_due_.empty()) {
+    for (int g : updates_due_) hand_over_update(g);
+    updates_due_.clear();
   }
 }
 

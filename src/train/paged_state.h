@@ -248,7 +248,8 @@ class PagedState : public model::ParamAccess, public SavableState {
   // `stream` (its device's compute stream; the model's set_access hands it over): begin() makes
   // the stream wait for the chunks' moves instead of blocking the host, and end() leaves later
   // moves of them waiting for what is queued on it. The optimizer and loads wait for the stream
-  // first; the overlap worker and saves wait on the chunks' fences. Stall time counts host
+  // first; the overlap worker waits on its update stream (which waits for the update's moves),
+  // the handover sums and saves on the chunks' fences. Stall time counts host
   // waits only: compute-stream waits are not timed. REQUIRES: set before begin() (which aborts
   // without one: a model made without a Device runs its ops in the caller and cannot page);
   // the stream outlives its use (the model sets null when it lets the state go).
@@ -625,7 +626,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   struct GroupUpdate {
     int group = 0;
     std::vector<StateKind> kinds;
-    ScheduleCursor cursor = ScheduleCursor::kFollow;  // kBeside: the overlapped optimizer's
+    ScheduleCursor cursor = ScheduleCursor::kFollow;  // the program's (kFollow for every update)
     bool by_slices = false;  // slice by slice (StateStore's update slices), else the group whole
     std::vector<bool> discards;  // per kind: ProgramEvent::discard
   };
@@ -653,9 +654,16 @@ class PagedState : public model::ParamAccess, public SavableState {
   int64_t step_count_ = 0;
   int64_t host_nonfinite_ = -1;  // the first tensor host-memory AdamW wrote NaN or Inf into (-1: none)
 
+  // The compute thread's alone (not guarded by worker_mu_): groups the model has begun and not
+  // ended, groups handed over while some were (taken when none is), and the update handed over,
+  // acquired and not yet settled (hand_over_update).
+  int open_groups_ = 0;
+  std::vector<int> updates_due_;
+  int pending_update_ = -1;
+
   // Overlap with backward (options.overlap_optimizer or overlap_reduction): end() queues groups
-  // whose gradients are final in the last micro-batch; the worker updates them, or sums them over
-  // the ranks, while backward goes on.
+  // whose gradients are final in the last micro-batch; the worker applies their updates (which the
+  // compute thread acquired: hand_over_update), or sums them over the ranks, while backward goes on.
   std::thread worker_;
   std::mutex worker_mu_;  // guards everything below
   std::condition_variable worker_cv_;
@@ -670,8 +678,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   std::atomic<int64_t> handover_sums_{0};
   double overlap_sum_squares_ = 0;  // the step's groups so far, in the order they were updated
   int overlap_bad_group_ = -1;      // the first group whose gradients were not finite
-  int pending_update_ = -1;        // handed over, acquired, not yet settled (hand_over_update)
-  bool pending_applied_ = false;   // the worker applied it (else its gradients were not finite, or it failed)
+  bool pending_applied_ = false;  // the worker applied pending_update_ (else not finite, or it failed)
 };
 
 }  // namespace strata

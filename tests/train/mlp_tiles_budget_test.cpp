@@ -146,13 +146,53 @@ TEST(MlpTilesBudget, AutoTilesOnlyWhereTheUntiledPlanDoesNotFit) {
   EXPECT_TRUE(fits(tile));
   // The candidates (512, 256, 128 for 1024 tokens) above it do not fit.
   EXPECT_EQ(mlp_tile_candidates(kSeqLen), (std::vector<int64_t>{512, 256, 128}));
-  for (int64_t larger : mlp_tile_candidates(kSeqLen))
-    if (larger > tile) EXPECT_FALSE(fits(larger)) << larger;
+  for (int64_t larger : mlp_tile_candidates(kSeqLen)) {
+    if (larger > tile) {
+      EXPECT_FALSE(fits(larger)) << larger;
+    }
+  }
   // A number given is kept, fitting or not.
   t.mlp_tile_tokens = 0;
   EXPECT_EQ(planned_mlp_tile(mc, t, DeviceKind::kCpu), 0);
   t.mlp_tile_tokens = 256;
   EXPECT_EQ(planned_mlp_tile(mc, t, DeviceKind::kCpu), 256);
+}
+
+// The device's transient buffers are O(tile), not O(T): with the MLP in tiles, doubling the
+// sequence grows the activation table an engine reserves by the same bytes whatever the MLP's
+// width and the vocabulary (the LM head runs over token chunks), so only the per-token buffers of
+// the hidden and attention widths (layer inputs, q, k, v, the residual's gradients) grow with T.
+// Untiled, the growth includes the MLP's intermediates.
+TEST(MlpTilesBudget, DoublingTheSequenceGrowsOnlyThePerTokenBuffersNotTheTiles) {
+  auto table_bytes = [](int64_t F, int64_t V, int64_t T, int64_t tile) -> int64_t {
+    model::ModelConfig mc = wide_mlp_config();
+    mc.intermediate_size = F;
+    mc.vocab_size = V;
+    mc.max_position_embeddings = 4096;
+    TrainConfig t;
+    t.micro_batch = 1;
+    t.seq_len = T;
+    t.keep_activations = "false";
+    t.offload_activations = "true";
+    t.memory_device = 1ull << 30;
+    t.memory_host = 1ull << 30;
+    t.mlp_tile_tokens = tile;
+    Result<std::unique_ptr<PagedEngine>> engine = PagedEngine::create(mc, t, optimizer_config(1.0f));
+    EXPECT_TRUE(engine.ok()) << engine.status().to_string();
+    return engine.ok() ? static_cast<int64_t>((*engine)->activation_bytes()) : -1;
+  };
+  const int64_t T = 1024, V = wide_mlp_config().vocab_size;
+  const int64_t growth = table_bytes(512, V, 2 * T, 128) - table_bytes(512, V, T, 128);
+  EXPECT_GT(growth, 0);
+  for (int64_t F : {512, 1024}) {
+    for (int64_t vocab : {V, 4 * V}) {
+      const int64_t tiled = table_bytes(F, vocab, 2 * T, 128) - table_bytes(F, vocab, T, 128);
+      EXPECT_EQ(tiled, growth) << "F " << F << ", vocabulary " << vocab;
+    }
+    // Untiled: six (T, F) buffers more (gate, up, act and their gradients), of fp32.
+    const int64_t untiled = table_bytes(F, V, 2 * T, 0) - table_bytes(F, V, T, 0);
+    EXPECT_EQ(untiled - growth, 6 * T * F * static_cast<int64_t>(sizeof(float))) << "F " << F;
+  }
 }
 
 TEST(MlpTilesBudget, TheKeyTakesAutoZeroOrMultiplesOf128) {

@@ -208,19 +208,26 @@ TEST_P(NvmeEveryKindTest, ParametersAndGradientsFourTimesTheHostTrainThroughNvme
 // there, while the compute thread goes on paging other groups' through nvme: bit for bit as the
 // roomy overlapped run. The compute thread acquires each update at its handover and releases it
 // at the next, so the traffic and tier peaks are the plan's to the byte, however long the
-// updates take beside backward.
+// updates take beside backward. Also with the head tied to the embedding, whose batch holds the
+// embedding's chunks when it hands the head over: the update waits for the batch to end.
 TEST_P(NvmeEveryKindTest, OverlappedAdamWPagesThroughNvmeAsPlannedBitwise) {
-  const model::ModelConfig mc = model_config();
-  TrainConfig roomy = config();
-  roomy.overlap_backward = true;
-  Result<TrainedRun> reference = train(mc, roomy, 0.0f);
-  ASSERT_TRUE(reference.ok()) << reference.status().to_string();
-  Result<TrainedRun> paged = train(mc, tight_config(mc, roomy), 0.0f);
-  ASSERT_TRUE(paged.ok()) << paged.status().to_string();
-  EXPECT_GT(paged->plan.nvme.grad, 0u) << "no gradient was placed on nvme";
-  EXPECT_GT(paged->last.written_by_kind[static_cast<size_t>(ChunkKind::kGrad)], 0u) << "no gradient went to disk";
-  ASSERT_NO_FATAL_FAILURE(expect_same_bits(*paged, *reference));
-  expect_plan_is_the_engines(*paged, 0.0, roomy.chunk_size);
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied embeddings" : "untied");
+    model::ModelConfig mc = model_config();
+    mc.tie_word_embeddings = tied;
+    TrainConfig roomy = config();
+    roomy.chunk_size = PagedState::auto_chunk_bytes(model::ParamLayout(mc), roomy.precision);
+    roomy.overlap_backward = true;
+    Result<TrainedRun> reference = train(mc, roomy, 0.0f);
+    ASSERT_TRUE(reference.ok()) << reference.status().to_string();
+    fs::remove_all(dir_ / "nvme");
+    Result<TrainedRun> paged = train(mc, tight_config(mc, roomy), 0.0f);
+    ASSERT_TRUE(paged.ok()) << paged.status().to_string();
+    EXPECT_GT(paged->plan.nvme.grad, 0u) << "no gradient was placed on nvme";
+    EXPECT_GT(paged->last.written_by_kind[static_cast<size_t>(ChunkKind::kGrad)], 0u) << "no gradient went to disk";
+    ASSERT_NO_FATAL_FAILURE(expect_same_bits(*paged, *reference));
+    expect_plan_is_the_engines(*paged, 0.0, roomy.chunk_size);
+  }
 }
 
 // An MoE model (every token to each of 8 experts, so every expert moves as the plan's uniform
