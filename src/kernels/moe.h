@@ -140,6 +140,11 @@ double moe_aux_loss(const int64_t* counts /*(E)*/, const double* prob_sums /*(E)
 // every token of every layer (f_e is piecewise constant).
 void moe_aux_loss_prob_grad(float* prob_grad /*(E)*/, const int64_t* counts /*(E)*/, int64_t tokens,
                             int64_t E, double scale);
+// One tile of the expert order, rows [row0, row0 + rows) of the S rows moe_permute ordered:
+// tile_offsets[e] = clamp(expert_offsets[e] - row0, 0, rows) for e in [0, E], so that the
+// experts' ops, given the tile's rows of xs and ys and buffers of `rows` rows, run each expert
+// over its rows within the tile (an expert spanning tiles runs in each). Both arrays (E+1).
+void moe_tile_offsets(int64_t* tile_offsets, const int64_t* expert_offsets, int64_t E, int64_t row0, int64_t rows);
 // Loss-free balancing update: bias[e] += rate * sign(mean_e(counts) - counts[e]).
 void moe_update_selection_bias(float* bias /*(E)*/, const int64_t* counts /*(E)*/, int64_t E,
                                float rate);

@@ -50,10 +50,11 @@ class ActivationTable {
   // (layer(l)), so that backward recomputes nothing. kv_tokens > 0: generation's buffers too, a
   // KV cache of that many positions and one row of logits (kv_cache, logits); the block is then
   // planned for exactly these arguments (a call with others plans it anew, the cache lost).
-  // expert_ranks: P above (1: no expert parallelism). mlp_tile > 0: the dense MLP runs over
-  // tiles of that many tokens (Decoder::set_mlp_tile_tokens), so gate, up, act and their
-  // gradients hold min(N, mlp_tile) rows (mlp_rows()) and no layer keeps them; except in MoE
-  // models with a shared expert, which runs on all N rows of those buffers.
+  // expert_ranks: P above (1: no expert parallelism). mlp_tile > 0: the dense MLP and the shared
+  // expert run over tiles of that many tokens (Decoder::set_mlp_tile_tokens), so gate, up, act
+  // and their gradients hold min(N, mlp_tile) rows (mlp_rows()) and no layer keeps them; and
+  // without expert parallelism the routed experts run over tiles of that many rows of the expert
+  // order (expert_rows(): expert_gate .. d_expert_act, none kept by a layer either).
   Status reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T, bool offload_activations = false,
                  bool keep_layers = false, int64_t kv_tokens = 0, int64_t expert_ranks = 1, int64_t mlp_tile = 0);
   // Bytes held (for logging and tests).
@@ -66,6 +67,11 @@ class ActivationTable {
                            int64_t expert_ranks = 1, int64_t mlp_tile = 0);
   // Rows of the dense MLP's buffers (gate .. act, d_gate .. d_act): N, or the token tile.
   int64_t mlp_rows() const { return mlp_rows_; }
+  // Whether the routed experts run in tiles of expert_rows() rows of the expert order (their
+  // intermediates expert_gate .. d_expert_act hold that many; expert_tile_offsets the tile's
+  // offsets), rather than on all R rows at once.
+  bool experts_tiled() const { return experts_tiled_; }
+  int64_t expert_rows() const { return expert_rows_; }
   // Whether the table was planned with the MLP in token tiles: its kept layers then hold none of
   // the MLP's intermediates, so the MLP runs tile by tile whatever the micro-batch (a later one
   // may be no larger than a tile).
@@ -116,6 +122,7 @@ class ActivationTable {
   int32_t* slot_of = nullptr;      // (N, K) row of assignment (n, k) in the expert order
   int32_t* token_of_slot = nullptr;  // (S)
   int64_t* expert_offsets = nullptr;  // (E+1)
+  int64_t* expert_tile_offsets = nullptr;  // (E+1) one tile's (experts_tiled(); moe_tile_offsets)
   Act* expert_xs = nullptr;      // (S, C) tokens gathered in expert order
   Act* expert_gate = nullptr;    // (R, Fe)
   Act* expert_up = nullptr;      // (R, Fe)
@@ -180,6 +187,8 @@ class ActivationTable {
   int64_t bytes_ = 0;
   int64_t planned_mlp_tile_ = 0;
   int64_t mlp_rows_ = 0;
+  bool experts_tiled_ = false;
+  int64_t expert_rows_ = 0;
   bool mlp_tiled_ = false;
 
   // Hands out every field for N tokens from `base` (null: only measures); returns the bytes.
@@ -249,11 +258,17 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   const int64_t Fe = moe ? config.moe_intermediate_size : 0;
   const int64_t layer_checkpoint_slots = offload_activations ? std::min<int64_t>(3, L + 1) : L + 1;
   const int64_t shared = moe && config.shared_expert_intermediate_size > 0 ? 1 : 0;
-  // The dense MLP's rows: a token tile, unless a shared expert runs on all N in these buffers.
-  const bool tiled = mlp_tile > 0 && mlp_tile < N && shared == 0;
+  // The dense MLP's (and shared expert's) rows: a token tile.
+  const bool tiled = mlp_tile > 0 && mlp_tile < N;
   const int64_t Nf = tiled ? mlp_tile : N;
   mlp_rows_ = Nf;
   mlp_tiled_ = tiled;
+  // The routed experts' rows: a tile of the expert order, without expert parallelism (whose
+  // experts take the rows the ranks send them at once).
+  const bool experts_tiled = moe && P == 1 && mlp_tile > 0 && mlp_tile < R;
+  const int64_t Re = experts_tiled ? mlp_tile : R;
+  experts_tiled_ = experts_tiled;
+  expert_rows_ = Re;
 
   // Each buffer starts on a 64-byte boundary of the block.
   int64_t offset = 0;  // bytes
@@ -264,7 +279,7 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   // What a layer's forward writes and its backward reads (its router's choices included).
   // A layer kept for backward keeps no MLP intermediates when they are tiled: its backward
   // recomputes them tile by tile into the shared buffers.
-  auto intermediates = [&](ActivationTable& t, int64_t mlp_rows) {
+  auto intermediates = [&](ActivationTable& t, int64_t mlp_rows, int64_t expert_rows) {
     take(t.ln1, N * C);
     take(t.ln1_rstd, N);
     take(t.q, N * q_dim);
@@ -289,10 +304,11 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
     take(t.slot_of, S);
     take(t.token_of_slot, S);
     take(t.expert_offsets, E + 1);
+    take(t.expert_tile_offsets, experts_tiled ? E + 1 : 0);
     take(t.expert_xs, S * C);
-    take(t.expert_gate, R * Fe);
-    take(t.expert_up, R * Fe);
-    take(t.expert_act, R * Fe);
+    take(t.expert_gate, expert_rows * Fe);
+    take(t.expert_up, expert_rows * Fe);
+    take(t.expert_act, expert_rows * Fe);
     take(t.expert_ys, S * C);
     take(t.ep_xs, ep * C);
     take(t.ep_ys, ep * C);
@@ -307,7 +323,7 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(final_rstd, N);
   take(d_final, N * C);
   take(dres, N * C);
-  intermediates(*this, Nf);
+  intermediates(*this, Nf, Re);
   take(d_ln, N * C);
   take(d_tmp, N * C);
   take(d_q, N * q_dim);
@@ -322,9 +338,9 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(d_router_logits, N * E);
   take(d_expert_ys, S * C);
   take(d_expert_xs, S * C);
-  take(d_expert_gate, R * Fe);
-  take(d_expert_up, R * Fe);
-  take(d_expert_act, R * Fe);
+  take(d_expert_gate, Re * Fe);
+  take(d_expert_up, Re * Fe);
+  take(d_expert_act, Re * Fe);
   take(ep_arrival, ep * C);
   take(ep_dys, ep * C);
   take(ep_dxs, ep * C);
@@ -339,7 +355,7 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   layer_views_.clear();
   if (keep_layers) {
     std::vector<ActivationTable> views(static_cast<size_t>(std::max<int64_t>(L - 1, 0)), *this);
-    for (ActivationTable& view : views) intermediates(view, tiled ? 0 : N);
+    for (ActivationTable& view : views) intermediates(view, tiled ? 0 : N, experts_tiled ? 0 : R);
     if (base != nullptr) layer_views_ = std::move(views);
   }
   return offset;

@@ -179,7 +179,7 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
         return st.with_context(fmt::format("layer {}", layer));
       }
     }
-    moe_mlp_forward(ops_, config_, m, a, a.ln2, out, N, /*experts_done=*/expert_comm_ != nullptr);
+    moe_mlp_forward(ops_, config_, m, a, acts_, a.ln2, out, N, /*experts_done=*/expert_comm_ != nullptr);
     if (out != nullptr) ops_.add_inplace(out, a.h, N * C);
     return Status::OK();
   }
@@ -232,7 +232,7 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
     const auto mp = MoeTensors<const W>::bind_with(param_at(), mo);
     const MoeGrads mg = MoeGrads::bind_with(grad_at(), mo);
     if (expert_comm_ == nullptr) {
-      RETURN_IF_ERROR(moe_mlp_backward(ops_, config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N));
+      RETURN_IF_ERROR(moe_mlp_backward(ops_, config_, mp, mg, a, acts_, a.ln2, dres, prob_grad, a.d_ln, N));
     } else {
       const ExpertRoute& route = expert_routes_[static_cast<size_t>(layer)];
       auto exchange = [&] {
@@ -240,7 +240,8 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
         if (!st.ok()) access_->collectives_failed(st);  // before end_experts' sums
         return st.with_context(fmt::format("layer {}", layer));
       };
-      RETURN_IF_ERROR(moe_mlp_backward(ops_, config_, mp, mg, a, a.ln2, dres, prob_grad, a.d_ln, N, exchange));
+      RETURN_IF_ERROR(
+          moe_mlp_backward(ops_, config_, mp, mg, a, acts_, a.ln2, dres, prob_grad, a.d_ln, N, exchange));
     }
   } else {
     // Token tiles (set_mlp_tile_tokens): each tile's intermediates recomputed, then its

@@ -6,6 +6,7 @@
 // top-k choices do not depend on the activation type.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -43,33 +44,60 @@ void moe_route(Ops& ops, const ModelConfig& config, const typename Ops::W* route
   ops.moe_gather(a.expert_xs, x, a.token_of_slot, N * K, C);
 }
 
+// The routed experts' forward over the expert order's rows: all at once into a's intermediates,
+// or, when `t` (the table holding the shared tile buffers) plans them in tiles, tile by tile into
+// t's, each tile's gate, up and act overwriting the last's. Either way a.expert_ys gets every row.
+template <class Ops>
+void moe_experts_forward_rows(Ops& ops, const ModelConfig& config, const kernels::ExpertTensors<const typename Ops::W>& w,
+                              const ActivationTable<Ops>& a, const ActivationTable<Ops>& t, int64_t N) {
+  const int64_t C = config.hidden_size;
+  const int64_t E = config.num_experts;
+  const int64_t Fe = config.moe_intermediate_size;
+  if (!t.experts_tiled()) {
+    ops.moe_experts_forward(a.expert_ys, a.expert_gate, a.expert_up, a.expert_act, a.expert_xs, a.expert_offsets, w,
+                            E, C, Fe);
+    return;
+  }
+  const int64_t S = N * config.num_experts_per_tok, tile = t.expert_rows();
+  for (int64_t r0 = 0; r0 < S; r0 += tile) {
+    const int64_t n = std::min(tile, S - r0);
+    ops.moe_tile_offsets(t.expert_tile_offsets, a.expert_offsets, E, r0, n);
+    ops.moe_experts_forward(a.expert_ys + r0 * C, t.expert_gate, t.expert_up, t.expert_act, a.expert_xs + r0 * C,
+                            t.expert_tile_offsets, w, E, C, Fe);
+  }
+}
+
 // After moe_route: the experts, the weighted combine and the shared expert. Writes the block's
 // output to out (N, C) unless out is null (backward's recomputation needs only the
 // intermediates). The tensors of experts without rows are not read and may be null in p.
 // experts_done: a.expert_ys already holds the routed experts' outputs (expert parallelism ran
-// them on their ranks, model/expert_parallel.h).
+// them on their ranks, model/expert_parallel.h). t: the table with the shared buffers (a itself,
+// or the decoder's when a is a kept layer's view): when it plans the MLP in tiles (mlp_tiled,
+// experts_tiled) the experts and the shared expert run tile by tile in its buffers, which keep
+// nothing for backward (moe_mlp_backward recomputes each tile), and out is the same bits.
 template <class Ops>
 void moe_mlp_forward(Ops& ops, const ModelConfig& config, const MoeTensors<const typename Ops::W>& p,
-                     const ActivationTable<Ops>& a, const typename Ops::Act* x /*(N,C)*/,
+                     const ActivationTable<Ops>& a, const ActivationTable<Ops>& t, const typename Ops::Act* x /*(N,C)*/,
                      typename Ops::Act* out /*(N,C)*/, int64_t N, bool experts_done = false) {
   const int64_t C = config.hidden_size;
-  const int64_t E = config.num_experts;
   const int64_t K = config.num_experts_per_tok;
-  const int64_t Fe = config.moe_intermediate_size;
   const int64_t Fs = config.shared_expert_intermediate_size;
 
   // Routed experts.
-  if (!experts_done)
-    ops.moe_experts_forward(a.expert_ys, a.expert_gate, a.expert_up, a.expert_act, a.expert_xs, a.expert_offsets,
-                            p.experts(), E, C, Fe);
+  if (!experts_done) moe_experts_forward_rows(ops, config, p.experts(), a, t, N);
   if (out != nullptr) ops.moe_combine_forward(out, a.expert_ys, a.route_weights, a.slot_of, N, K, C);
 
   // Shared expert: a dense SwiGLU MLP scaled by sigmoid(shared_expert_gate(x)).
   if (Fs == 0) return;
-  ops.linear_forward(a.gate, x, p.shared_gate_proj, nullptr, N, C, Fs);
-  ops.linear_forward(a.up, x, p.shared_up_proj, nullptr, N, C, Fs);
-  ops.swiglu_forward(a.act, a.gate, a.up, N * Fs);
-  ops.linear_forward(a.shared_out, a.act, p.shared_down_proj, nullptr, N, Fs, C);
+  const ActivationTable<Ops>& m = t.mlp_tiled() ? t : a;  // where gate .. act live
+  const int64_t tile = t.mlp_tiled() ? t.mlp_rows() : N;
+  for (int64_t r0 = 0; r0 < N; r0 += tile) {
+    const int64_t n = std::min(tile, N - r0);
+    ops.linear_forward(m.gate, x + r0 * C, p.shared_gate_proj, nullptr, n, C, Fs);
+    ops.linear_forward(m.up, x + r0 * C, p.shared_up_proj, nullptr, n, C, Fs);
+    ops.swiglu_forward(m.act, m.gate, m.up, n * Fs);
+    ops.linear_forward(a.shared_out + r0 * C, m.act, p.shared_down_proj, nullptr, n, Fs, C);
+  }
   ops.linear_forward_f32(a.shared_logit, x, p.shared_expert_gate, N, C, 1);
   if (out != nullptr) ops.shared_expert_combine(out, a.shared_out, a.shared_logit, N, C);
 }
@@ -82,9 +110,11 @@ void moe_mlp_forward(Ops& ops, const ModelConfig& config, const MoeTensors<const
 // experts_backward: null to run the routed experts' backward here; else a callable returning
 // Status that turns a.d_expert_ys into a.d_expert_xs (and adds the experts' weight gradients)
 // elsewhere: expert parallelism's exchange (model/expert_parallel.h), whose errors are returned.
+// t: as for moe_mlp_forward; tiled, each tile's intermediates are recomputed before its backward,
+// the activation gradients are the same bits and the weight gradients add up tile by tile.
 template <class Ops, class ExpertsBackward = std::nullptr_t>
 Status moe_mlp_backward(Ops& ops, const ModelConfig& config, const MoeTensors<const typename Ops::W>& p,
-                        const MoeTensors<float>& g, const ActivationTable<Ops>& a,
+                        const MoeTensors<float>& g, const ActivationTable<Ops>& a, const ActivationTable<Ops>& t,
                         const typename Ops::Act* x /*(N,C)*/, const typename Ops::Act* dout /*(N,C)*/,
                         const float* prob_grad /*(E)*/, typename Ops::Act* dx /*(N,C)*/, int64_t N,
                         ExpertsBackward experts_backward = nullptr) {
@@ -98,9 +128,24 @@ Status moe_mlp_backward(Ops& ops, const ModelConfig& config, const MoeTensors<co
   ops.moe_combine_backward(a.d_expert_ys, a.d_route_weights, dout, a.expert_ys, a.route_weights, a.slot_of, N, K,
                            C);
   if constexpr (std::is_same_v<ExpertsBackward, std::nullptr_t>) {
-    ops.moe_experts_backward(a.d_expert_xs, g.experts(), a.d_expert_gate, a.d_expert_up, a.d_expert_act,
-                             a.d_expert_ys, a.expert_xs, a.expert_gate, a.expert_up, a.expert_act, a.expert_offsets,
-                             p.experts(), E, C, Fe);
+    if (!t.experts_tiled()) {
+      ops.moe_experts_backward(a.d_expert_xs, g.experts(), a.d_expert_gate, a.d_expert_up, a.d_expert_act,
+                               a.d_expert_ys, a.expert_xs, a.expert_gate, a.expert_up, a.expert_act,
+                               a.expert_offsets, p.experts(), E, C, Fe);
+    } else {
+      const int64_t S = N * K, tile = t.expert_rows();
+      for (int64_t r0 = 0; r0 < S; r0 += tile) {
+        const int64_t n = std::min(tile, S - r0);
+        // The tile's gate, up and act again (its rows of expert_ys are rewritten with the bits
+        // they hold), then its backward.
+        ops.moe_tile_offsets(t.expert_tile_offsets, a.expert_offsets, E, r0, n);
+        ops.moe_experts_forward(a.expert_ys + r0 * C, t.expert_gate, t.expert_up, t.expert_act,
+                                a.expert_xs + r0 * C, t.expert_tile_offsets, p.experts(), E, C, Fe);
+        ops.moe_experts_backward(a.d_expert_xs + r0 * C, g.experts(), t.d_expert_gate, t.d_expert_up,
+                                 t.d_expert_act, a.d_expert_ys + r0 * C, a.expert_xs + r0 * C, t.expert_gate,
+                                 t.expert_up, t.expert_act, t.expert_tile_offsets, p.experts(), E, C, Fe);
+      }
+    }
   } else {
     RETURN_IF_ERROR(experts_backward());
   }
@@ -111,14 +156,28 @@ Status moe_mlp_backward(Ops& ops, const ModelConfig& config, const MoeTensors<co
   ops.add_inplace(dx, a.d_tmp, N * C);
   if (Fs == 0) return Status::OK();
 
-  // Shared expert: y = s * shared_out, s = sigmoid(logit). d_tmp holds dL/d shared_out.
+  // Shared expert: y = s * shared_out, s = sigmoid(logit). d_tmp holds dL/d shared_out, each tile's
+  // rows of it free once the tile's d_act is made (the tile's input gradients go there).
   ops.shared_expert_backward(a.d_tmp, a.d_shared_logit, dout, a.shared_out, a.shared_logit, N, C);
-  ops.linear_backward(a.d_act, g.shared_down_proj, nullptr, a.d_tmp, a.act, p.shared_down_proj, N, Fs, C);
-  ops.swiglu_backward(a.d_gate, a.d_up, a.d_act, a.gate, a.up, N * Fs);
-  ops.linear_backward(a.d_tmp, g.shared_gate_proj, nullptr, a.d_gate, x, p.shared_gate_proj, N, C, Fs);
-  ops.add_inplace(dx, a.d_tmp, N * C);
-  ops.linear_backward(a.d_tmp, g.shared_up_proj, nullptr, a.d_up, x, p.shared_up_proj, N, C, Fs);
-  ops.add_inplace(dx, a.d_tmp, N * C);
+  const bool tiled = t.mlp_tiled();
+  const ActivationTable<Ops>& m = tiled ? t : a;  // where gate .. act and their gradients live
+  const int64_t tile = tiled ? t.mlp_rows() : N;
+  for (int64_t r0 = 0; r0 < N; r0 += tile) {
+    const int64_t n = std::min(tile, N - r0);
+    const typename Ops::Act* xt = x + r0 * C;
+    typename Ops::Act* d = a.d_tmp + r0 * C;
+    if (tiled) {
+      ops.linear_forward(m.gate, xt, p.shared_gate_proj, nullptr, n, C, Fs);
+      ops.linear_forward(m.up, xt, p.shared_up_proj, nullptr, n, C, Fs);
+      ops.swiglu_forward(m.act, m.gate, m.up, n * Fs);
+    }
+    ops.linear_backward(m.d_act, g.shared_down_proj, nullptr, d, m.act, p.shared_down_proj, n, Fs, C);
+    ops.swiglu_backward(m.d_gate, m.d_up, m.d_act, m.gate, m.up, n * Fs);
+    ops.linear_backward(d, g.shared_gate_proj, nullptr, m.d_gate, xt, p.shared_gate_proj, n, C, Fs);
+    ops.add_inplace(dx + r0 * C, d, n * C);
+    ops.linear_backward(d, g.shared_up_proj, nullptr, m.d_up, xt, p.shared_up_proj, n, C, Fs);
+    ops.add_inplace(dx + r0 * C, d, n * C);
+  }
   ops.linear_backward_f32(a.d_tmp, g.shared_expert_gate, a.d_shared_logit, x, p.shared_expert_gate, N, C, 1);
   ops.add_inplace(dx, a.d_tmp, N * C);
   return Status::OK();

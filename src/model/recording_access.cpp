@@ -69,6 +69,7 @@ class DryRunOps {
   STRATA_DRY_RUN_OP(moe_route_backward)
   STRATA_DRY_RUN_OP(moe_router_stats)
   STRATA_DRY_RUN_OP(moe_permute)
+  STRATA_DRY_RUN_OP(moe_tile_offsets)
   STRATA_DRY_RUN_OP(moe_gather)
   STRATA_DRY_RUN_OP(moe_gather_backward)
   STRATA_DRY_RUN_OP(moe_combine_forward)

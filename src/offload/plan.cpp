@@ -1160,7 +1160,7 @@ Plan make_plan(const PlanInput& in, SpillOrder order) { return plan_levels(in, o
 double micro_batch_flops(const PlanInput& in) {
   const double L = static_cast<double>(in.num_layers);
   const double recompute_layers = in.recompute ? std::max(0.0, L - 1) : 0.0;
-  return (3 * L + recompute_layers) * in.layer_forward_flops + 3 * in.head_forward_flops;
+  return (3 * L + recompute_layers) * in.layer_forward_flops + 3 * in.head_forward_flops + in.tile_recompute_flops;
 }
 
 std::string format_plan(const PlanInput& in, const Plan& p) {

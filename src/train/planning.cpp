@@ -310,6 +310,26 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   // Kept activations skip the recompute; auto keeps them only on cuda when they fit, which the
   // engine decides after planning, so auto is planned as recompute (the slower case).
   in.recompute = t.keep_activations != "true";
+  // MLP tiles (memory.mlp_tile_tokens) recompute each tile's intermediates in backward: where the
+  // untiled backward reads them from forward (every layer when kept, else the last, whose forward
+  // is not recomputed), the tile's forward is compute more; and the routed experts' outputs are
+  // made again in every layer's recompute beside the tiles' (model/moe_layer.h).
+  if (const int64_t tile = t.mlp_tile_tokens; tile > 0) {
+    const int64_t tokens = t.micro_batch * t.seq_len;
+    const double Cd = static_cast<double>(C);
+    double mlp_once = 0;  // one pass of every layer's dense MLP or shared expert, over N tokens
+    for (int64_t l = 0; l < m.num_hidden_layers; ++l) {
+      const double width = static_cast<double>(m.is_moe_layer(l) ? m.shared_expert_intermediate_size
+                                                                 : m.intermediate_size);
+      mlp_once += tile < tokens ? tokens_mb * 6.0 * Cd * width : 0.0;
+    }
+    const double layers = static_cast<double>(std::max<int64_t>(m.num_hidden_layers, 1));
+    in.tile_recompute_flops = in.recompute ? mlp_once / layers : mlp_once;
+    const int64_t rows = tokens * m.num_experts_per_tok;
+    if (m.is_moe() && t.parallel_expert <= 1 && tile < rows)
+      in.tile_recompute_flops += static_cast<double>(m.num_moe_layers()) * static_cast<double>(rows) * 6.0 * Cd *
+                                 static_cast<double>(m.moe_intermediate_size);
+  }
   in.overlap_optimizer = t.overlap_backward;
   in.overlap_comm = t.parallel_overlap_comm;  // (with expert groups, at ZeRO-2 and 3 only: plan_comm)
   in.copy_gathers_need_device = cuda;

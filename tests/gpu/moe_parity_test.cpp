@@ -271,6 +271,24 @@ TEST(MoeParity, PermuteGivesTheReferenceSlots) {
   }
 }
 
+// Every tile of the expert order, its offsets from the device's offsets as the CPU's make them.
+TEST(MoeParity, TileOffsetsAreTheReferences) {
+  StreamGuard stream;
+  for (const AssignmentCase& c : assignment_cases()) {
+    const std::vector<int32_t> idx = random_assignments(c.N, c.K, c.E, 500 + c.N + c.E, c.allowed);
+    const Permutation perm = reference_permutation(idx, c.N, c.K, c.E);
+    DeviceBuffer<int64_t> d_offsets(perm.offsets), d_tile(c.E + 1);
+    const int64_t S = c.N * c.K, tile = std::max<int64_t>(1, S / 3);
+    for (int64_t r0 = 0; r0 < S; r0 += tile) {
+      const int64_t n = std::min(tile, S - r0);
+      std::vector<int64_t> want(static_cast<size_t>(c.E + 1));
+      kernels::moe_tile_offsets(want.data(), perm.offsets.data(), c.E, r0, n);
+      cu::moe_tile_offsets(d_tile.get(), d_offsets.get(), c.E, r0, n, stream.get());
+      expect_same(d_tile.download<int64_t>(), want, "tile offsets " + describe(c) + " from row " + std::to_string(r0));
+    }
+  }
+}
+
 // ---- gather and combine ---------------------------------------------------------------------
 
 TEST(MoeParity, GatherAndCombine) {

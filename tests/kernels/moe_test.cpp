@@ -499,5 +499,18 @@ TEST(MoeLossFree, BiasMovesTowardsUnderloadedExperts) {
   EXPECT_FLOAT_EQ(bias[3], 0.0f);
 }
 
+// A tile of the expert order gives each expert its rows within the tile: offsets 0 2 5 5 9 (4
+// experts, the third without rows), tiles of 4 rows.
+TEST(MoeTileOffsets, EachExpertGetsItsRowsWithinTheTile) {
+  const std::vector<int64_t> offsets = {0, 2, 5, 5, 9};
+  const std::vector<std::vector<int64_t>> want = {{0, 2, 4, 4, 4}, {0, 0, 1, 1, 4}, {0, 0, 0, 0, 1}};
+  for (int64_t t = 0; t < 3; ++t) {
+    const int64_t r0 = 4 * t, n = std::min<int64_t>(4, 9 - r0);
+    std::vector<int64_t> got(5, -1);
+    moe_tile_offsets(got.data(), offsets.data(), 4, r0, n);
+    EXPECT_EQ(got, want[static_cast<size_t>(t)]) << "tile from row " << r0;
+  }
+}
+
 }  // namespace
 }  // namespace strata::kernels

@@ -6,7 +6,9 @@
 // - the MLP weights' gradients add the tiles' partial sums: per element the two differ by at
 //   most 2 gamma_N sum_t |dy_t x_t| (N tokens, gamma_N = N u / (1 - N u), u = 2^-24), which over
 //   the whole tensor the test takes as a relative (Frobenius) error of 1e-4, about gamma_2048;
-// - the activation table's MLP buffers hold a tile: doubling T leaves their bytes unchanged.
+// - the activation table's MLP buffers hold a tile: doubling T leaves their bytes unchanged;
+// - the same for MoE layers: the routed experts over tiles of the expert order, the shared expert
+//   over token tiles.
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -118,6 +120,87 @@ TEST(MlpTiling, AShorterMicroBatchAfterATiledOneRunsAsOneTile) {
   EXPECT_EQ(*a, *b);
   const size_t n = static_cast<size_t>(tiled.layout().total_size());
   EXPECT_EQ(std::memcmp(tiled.grads(), untiled.grads(), n * sizeof(float)), 0);
+}
+
+// MoE layers (4 experts, 2 per token) over tiles: the routed experts over tiles of the expert
+// order's rows, the shared expert (and the dense first layer) over token tiles. As for the dense
+// MLP, the fixed-order GEMM computes every row alike however the rows are split, so the loss and
+// every gradient but those summed over rows (the experts', the shared expert's and the dense
+// MLP's weights) are bitwise the untiled ones, and those within the same bound.
+ModelConfig moe(bool shared) {
+  nlohmann::json j = {{"architectures", {shared ? "Qwen2MoeForCausalLM" : "MixtralForCausalLM"}},
+                      {"vocab_size", 64}, {"hidden_size", 32}, {"intermediate_size", 96},
+                      {"num_hidden_layers", 3}, {"num_attention_heads", 2}, {"num_key_value_heads", 1},
+                      {"max_position_embeddings", 4096}, {"num_local_experts", 4}, {"num_experts", 4},
+                      {"num_experts_per_tok", 2}, {"moe_intermediate_size", 48}, {"tie_word_embeddings", false}};
+  if (shared) {
+    j["shared_expert_intermediate_size"] = 64;
+    j["mlp_only_layers"] = {0};
+  }
+  Result<ModelConfig> c = ModelConfig::from_json(j, "mlp_tiling_test");
+  CHECK_MSG(c.ok(), c.status().to_string());
+  return *c;
+}
+
+bool sums_over_rows(const TensorSpec& t) {
+  return is_mlp_weight(t) || t.name.find(".experts.") != std::string::npos ||
+         t.name.find("shared_expert.") != std::string::npos;
+}
+
+template <class Net>
+void expect_moe_tiles_match_untiled(bool shared, int64_t tile) {
+  FixedOrderGemm gemm;
+  const ModelConfig config = moe(shared);
+  ASSERT_TRUE(config.is_moe());
+  ASSERT_EQ(config.shared_expert_intermediate_size > 0, shared);
+  const ParamLayout layout(config);
+  for (const bool keep : {false, true}) {
+    const Result2 untiled = train_step<Net>(config, 0, keep);
+    const Result2 tiled = train_step<Net>(config, tile, keep);
+    EXPECT_EQ(std::memcmp(&untiled.loss, &tiled.loss, sizeof(double)), 0)
+        << untiled.loss << " untiled, " << tiled.loss << " tiled";
+    int summed = 0, expert_sums_differ = 0;
+    for (const TensorSpec& t : layout.tensors()) {
+      const float* a = untiled.grads.data() + t.offset;
+      const float* b = tiled.grads.data() + t.offset;
+      if (sums_over_rows(t)) {
+        ++summed;
+        EXPECT_WITHIN(testing::relative_error(b, a, t.numel), 1e-4) << t.name;
+        // (An expert whose rows span tiles adds partial sums: the tiles did run.)
+        if (t.name.find(".experts.") != std::string::npos &&
+            std::memcmp(a, b, static_cast<size_t>(t.numel) * sizeof(float)) != 0)
+          ++expert_sums_differ;
+      } else {
+        EXPECT_EQ(std::memcmp(a, b, static_cast<size_t>(t.numel) * sizeof(float)), 0) << t.name << " keep " << keep;
+      }
+    }
+    EXPECT_GE(summed, 3 * config.num_experts * config.num_moe_layers());
+    EXPECT_GT(expert_sums_differ, 0);
+  }
+}
+
+TEST(MlpTiling, TiledExpertsGiveTheUntiledRowsFp32) { expect_moe_tiles_match_untiled<LlamaModel>(false, 384); }
+TEST(MlpTiling, TiledExpertsAndSharedExpertGiveTheUntiledRowsFp32) {
+  expect_moe_tiles_match_untiled<LlamaModel>(true, 384);
+}
+TEST(MlpTiling, TiledExpertsAndSharedExpertGiveTheUntiledRowsBf16) {
+  expect_moe_tiles_match_untiled<LlamaModelBf16>(true, 512);
+}
+
+// The experts' intermediates hold a tile of rows too: a wider expert adds the same bytes at any
+// T when tiled (three buffers and their gradients of a tile's rows), more at a longer T untiled.
+TEST(MlpTiling, TheExpertBuffersHoldATileWhateverT) {
+  auto expert_share = [](int64_t T, int64_t tile, bool keep) {
+    using Table = ActivationTable<kernels::CpuF32Ops>;
+    ModelConfig wide = moe(true);
+    wide.moe_intermediate_size *= 2;
+    return Table::bytes_for(wide, T, false, keep, 1, tile) - Table::bytes_for(moe(true), T, false, keep, 1, tile);
+  };
+  for (const bool keep : {false, true}) {
+    EXPECT_EQ(expert_share(4096, 256, keep), expert_share(2048, 256, keep));
+    EXPECT_EQ(expert_share(2048, 256, keep), 6 * 256 * 48 * int64_t{sizeof(float)});
+    EXPECT_GT(expert_share(4096, 0, keep), expert_share(2048, 0, keep));
+  }
 }
 
 // The MLP's share of the table (the bytes a wider intermediate adds) does not grow with T when

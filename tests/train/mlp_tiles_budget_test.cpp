@@ -65,11 +65,10 @@ Result<TiledRun> train(const model::ModelConfig& mc, const TrainConfig& t) {
   return run;
 }
 
-TEST(MlpTilesBudget, ASequenceWhoseUntiledActivationsDoNotFitTrainsTiledThroughHostAndNvmeBitwise) {
+void expect_tiled_run_fits_where_untiled_does_not(const model::ModelConfig& mc) {
   const fs::path dir = fs::path(::testing::TempDir()) / ("mlp_tiles_budget_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
-  const model::ModelConfig mc = wide_mlp_config();
   TrainConfig roomy;
   roomy.micro_batch = 1;
   roomy.seq_len = kSeqLen;
@@ -116,6 +115,23 @@ TEST(MlpTilesBudget, ASequenceWhoseUntiledActivationsDoNotFitTrainsTiledThroughH
   ASSERT_EQ(paged->params.size(), reference->params.size());
   EXPECT_EQ(std::memcmp(paged->params.data(), reference->params.data(), paged->params.size() * sizeof(float)), 0);
   fs::remove_all(dir);
+}
+
+TEST(MlpTilesBudget, ASequenceWhoseUntiledActivationsDoNotFitTrainsTiledThroughHostAndNvmeBitwise) {
+  expect_tiled_run_fits_where_untiled_does_not(wide_mlp_config());
+}
+
+// The same with MoE layers whose experts are wide (4 experts, 2 per token, a shared expert): the
+// routed experts run over tiles of the expert order's rows, the shared expert over token tiles.
+TEST(MlpTilesBudget, AnMoeSequenceWhoseUntiledExpertsDoNotFitTrainsTiledThroughHostAndNvmeBitwise) {
+  model::ModelConfig mc = wide_mlp_config();
+  mc.num_experts = 4;
+  mc.num_experts_per_tok = 2;
+  mc.moe_intermediate_size = 256;
+  mc.shared_expert_intermediate_size = 128;
+  mc.intermediate_size = 128;
+  ASSERT_TRUE(mc.is_moe());
+  expect_tiled_run_fits_where_untiled_does_not(mc);
 }
 
 // memory.mlp_tile_tokens=auto: untiled where that fits; else the largest candidate tile (halving

@@ -85,6 +85,10 @@ struct CpuCommonOps {
                    const int32_t* expert_idx /*(N,K)*/, int64_t N, int64_t K, int64_t E);
   void moe_router_stats(int64_t* counts /*(E)*/, double* prob_sums /*(E)*/, const int32_t* expert_idx /*(N,K)*/,
                         const float* probs /*(N,E)*/, int64_t N, int64_t K, int64_t E);
+  void moe_tile_offsets(int64_t* tile_offsets /*(E+1)*/, const int64_t* expert_offsets /*(E+1)*/, int64_t E,
+                        int64_t row0, int64_t rows) {
+    kernels::moe_tile_offsets(tile_offsets, expert_offsets, E, row0, rows);
+  }
   // The expert offsets where the host can read them (begin_experts picks experts by them).
   const int64_t* expert_offsets_on_host(const int64_t* offsets /*(E+1)*/, int64_t /*E*/) { return offsets; }
   // Token ids where the ops can read them: the host arrays themselves.

@@ -122,6 +122,10 @@ void moe_aux_loss_prob_grad(float* prob_grad, const int64_t* counts, int64_t tok
   }
 }
 
+void moe_tile_offsets(int64_t* tile_offsets, const int64_t* expert_offsets, int64_t E, int64_t row0, int64_t rows) {
+  for (int64_t e = 0; e <= E; ++e) tile_offsets[e] = std::clamp<int64_t>(expert_offsets[e] - row0, 0, rows);
+}
+
 void moe_update_selection_bias(float* bias, const int64_t* counts, int64_t E, float rate) {
   double mean = 0;
   for (int64_t e = 0; e < E; ++e) mean += static_cast<double>(counts[e]);

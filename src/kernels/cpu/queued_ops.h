@@ -123,6 +123,9 @@ class CpuQueuedOps {
                                  config);
     });
   }
+  void moe_tile_offsets(int64_t* tile_offsets, const int64_t* expert_offsets, int64_t E, int64_t row0, int64_t rows) {
+    launch([=, this] { direct_.moe_tile_offsets(tile_offsets, expert_offsets, E, row0, rows); });
+  }
   void moe_permute(int32_t* slot_of, int32_t* token_of_slot, int64_t* expert_offsets, const int32_t* expert_idx,
                    int64_t N, int64_t K, int64_t E) {
     launch([=, this] { direct_.moe_permute(slot_of, token_of_slot, expert_offsets, expert_idx, N, K, E); });

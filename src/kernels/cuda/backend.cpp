@@ -365,6 +365,11 @@ void CudaOps::moe_gather(Act* xs, const Act* x, const int32_t* token_of_slot, in
   cuda::moe_gather(xs, x, token_of_slot, S, C, stream_);
 }
 
+void CudaOps::moe_tile_offsets(int64_t* tile_offsets, const int64_t* expert_offsets, int64_t E, int64_t row0,
+                               int64_t rows) {
+  cuda::moe_tile_offsets(tile_offsets, expert_offsets, E, row0, rows, stream_);
+}
+
 void CudaOps::moe_gather_backward(Act* dx, const Act* dxs, const int32_t* slot_of, int64_t N, int64_t K, int64_t C) {
   cuda::moe_gather_backward(dx, dxs, slot_of, N, K, C, stream_);
 }

@@ -133,6 +133,7 @@ class CudaOps {
                           const RouterConfig& config);
   void moe_permute(int32_t* slot_of, int32_t* token_of_slot, int64_t* expert_offsets, const int32_t* expert_idx,
                    int64_t N, int64_t K, int64_t E);
+  void moe_tile_offsets(int64_t* tile_offsets, const int64_t* expert_offsets, int64_t E, int64_t row0, int64_t rows);
   // counts, prob_sums: HOST arrays, added to (the device's statistics are copied back).
   void moe_router_stats(int64_t* counts, double* prob_sums, const int32_t* expert_idx, const float* probs, int64_t N,
                         int64_t K, int64_t E);

@@ -319,6 +319,15 @@ PermuteScratch permute_scratch(void* base, int64_t A, int64_t E) {
 // ---- gather and combine ---------------------------------------------------------------------
 
 // xs (S,C) = x[token_of_slot]
+// kernels/moe.h moe_tile_offsets, one thread per offset.
+__global__ void tile_offsets_kernel(int64_t* tile_offsets, const int64_t* expert_offsets, int64_t E, int64_t row0,
+                                    int64_t rows) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e > E) return;
+  const int64_t r = expert_offsets[e] - row0;
+  tile_offsets[e] = r < 0 ? 0 : (r > rows ? rows : r);
+}
+
 __global__ void gather_kernel(bf16* xs, const bf16* x, const int32_t* token_of_slot, int64_t S, int64_t C) {
   const int64_t total = S * C;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
@@ -586,6 +595,14 @@ void moe_permute(Context& ctx, int32_t* slot_of, int32_t* token_of_slot, int64_t
   } else {
     expert_offsets_kernel<<<1, kThreads, 0, stream>>>(expert_offsets, nullptr, 0, E);
   }
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_tile_offsets(int64_t* tile_offsets, const int64_t* expert_offsets, int64_t E, int64_t row0, int64_t rows,
+                      cudaStream_t stream) {
+  CHECK(E > 0 && row0 >= 0 && rows >= 0);
+  tile_offsets_kernel<<<elementwise_blocks(E + 1, kThreads), kThreads, 0, stream>>>(tile_offsets, expert_offsets, E,
+                                                                                     row0, rows);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -403,6 +403,9 @@ void moe_permute(Context& ctx, int32_t* slot_of /*(N,K)*/, int32_t* token_of_slo
                  int64_t* expert_offsets /*(E+1)*/, const int32_t* expert_idx /*(N,K)*/,
                  int64_t N, int64_t K, int64_t E, cudaStream_t stream);
 size_t moe_permute_scratch_bytes(int64_t assignments, int64_t E);
+// kernels/moe.h moe_tile_offsets, on the device (both arrays device memory).
+void moe_tile_offsets(int64_t* tile_offsets /*(E+1)*/, const int64_t* expert_offsets /*(E+1)*/, int64_t E,
+                      int64_t row0, int64_t rows, cudaStream_t stream);
 // xs = x[token_of_slot] (a copy: exact).
 void moe_gather(bf16* xs /*(S,C)*/, const bf16* x /*(N,C)*/,
                 const int32_t* token_of_slot /*(S)*/, int64_t S, int64_t C, cudaStream_t stream);
