@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/status.h"
 #include "kernels/micro_batch_shape.h"
 #include "model/config.h"
@@ -124,9 +125,9 @@ class ActivationTable {
   int64_t* expert_offsets = nullptr;  // (E+1)
   int64_t* expert_tile_offsets = nullptr;  // (E+1) one tile's (experts_tiled(); moe_tile_offsets)
   Act* expert_xs = nullptr;      // (S, C) tokens gathered in expert order
-  Act* expert_gate = nullptr;    // (R, Fe)
-  Act* expert_up = nullptr;      // (R, Fe)
-  Act* expert_act = nullptr;     // (R, Fe)
+  Act* expert_gate = nullptr;    // (expert_rows(), Fe): R, or a tile's rows
+  Act* expert_up = nullptr;      // (expert_rows(), Fe)
+  Act* expert_act = nullptr;     // (expert_rows(), Fe)
   Act* expert_ys = nullptr;      // (S, C)
   // Expert parallelism only (P > 1): the rows this rank's experts received from every rank, in
   // expert order (each expert's rows by source rank, then as the source sent them), their
@@ -168,9 +169,9 @@ class ActivationTable {
   float* d_router_logits = nullptr;  // (N, E)
   Act* d_expert_ys = nullptr;      // (S, C)
   Act* d_expert_xs = nullptr;      // (S, C)
-  Act* d_expert_gate = nullptr;    // (R, Fe)
-  Act* d_expert_up = nullptr;      // (R, Fe)
-  Act* d_expert_act = nullptr;     // (R, Fe)
+  Act* d_expert_gate = nullptr;    // (expert_rows(), Fe)
+  Act* d_expert_up = nullptr;      // (expert_rows(), Fe)
+  Act* d_expert_act = nullptr;     // (expert_rows(), Fe)
   // Expert parallelism only: rows in the order of arrival (what is sent and received), and the
   // experts' output and input gradients in expert order.
   Act* ep_arrival = nullptr;       // (R, C)
@@ -264,8 +265,11 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   mlp_rows_ = Nf;
   mlp_tiled_ = tiled;
   // The routed experts' rows: a tile of the expert order, without expert parallelism (whose
-  // experts take the rows the ranks send them at once).
-  const bool experts_tiled = moe && P == 1 && mlp_tile > 0 && mlp_tile < R;
+  // experts take the rows the ranks send them at once), and not in the fp8 recipe: its weight
+  // gradients quantise 128-row blocks counted from each expert's first row, which a tile that
+  // splits an expert elsewhere would move (the dense MLP's tiles of 128-multiples keep them).
+  const bool block_scaled = Ops::kWeightDType == DType::kF8E4M3;
+  const bool experts_tiled = moe && P == 1 && mlp_tile > 0 && mlp_tile < R && !block_scaled;
   const int64_t Re = experts_tiled ? mlp_tile : R;
   experts_tiled_ = experts_tiled;
   expert_rows_ = Re;
@@ -304,7 +308,7 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
     take(t.slot_of, S);
     take(t.token_of_slot, S);
     take(t.expert_offsets, E + 1);
-    take(t.expert_tile_offsets, experts_tiled ? E + 1 : 0);
+    take(t.expert_tile_offsets, experts_tiled && expert_rows > 0 ? E + 1 : 0);  // (not a kept view's)
     take(t.expert_xs, S * C);
     take(t.expert_gate, expert_rows * Fe);
     take(t.expert_up, expert_rows * Fe);

@@ -100,8 +100,9 @@ class Model {
   // intermediate). The output and every input gradient are those of the untiled MLP row for
   // row (bitwise with a GEMM whose rows do not depend on each other, e.g. the fixed-order one);
   // the MLP's weight gradients sum the tiles' partial sums (within the bound of reordered fp32
-  // sums). Not for MoE models with a shared expert (it runs untiled). Takes effect at the next
-  // compute. REQUIRES: tokens >= 0.
+  // sums). MoE layers: the shared expert over the same token tiles, and (without expert
+  // parallelism, not in the fp8 recipe) the routed experts over tiles of as many rows of the
+  // expert order (model/moe_layer.h). Takes effect at the next compute. REQUIRES: tokens >= 0.
   virtual void set_mlp_tile_tokens(int64_t tokens) = 0;
   // Bytes of the activation table for micro-batches of `tokens` (B * T) tokens, with the layer
   // checkpoints offloaded or not, in an expert group of `expert_ranks` (1: none; see
@@ -294,7 +295,7 @@ class Decoder final : public Model {
   const int32_t* staged_inputs_ = nullptr;  // the last forward's input tokens where the ops read them
   const int32_t* staged_positions_ = nullptr;  // its document positions there; null without document masks
   bool keep_layers_ = false;
-  int64_t mlp_tile_ = 0;  // tokens per dense MLP tile (0: untiled)
+  int64_t mlp_tile_ = 0;  // tokens (and expert rows) per MLP tile (0: untiled)
   ActivationTable<Ops> acts_;
   ParamAccess* access_ = nullptr;
   // MoE state (empty for dense models).

@@ -153,6 +153,7 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
     // With expert parallelism the rows go to their experts' ranks first, and this rank's
     // experts that receive any (from any rank) are the ones begun.
     if (expert_comm_ != nullptr) {
+      CHECK_MSG(!acts_.experts_tiled(), "expert parallelism with the routed experts in tiles (the table plans none)");
       ExpertRoute& route = expert_routes_[static_cast<size_t>(layer)];
       const int64_t* offsets = ops_.expert_offsets_on_host(a.expert_offsets, config_.num_experts);
       if (Status st = ep_plan(ops_, *expert_comm_, config_, a, offsets, route); !st.ok()) {

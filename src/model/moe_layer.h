@@ -105,7 +105,8 @@ void moe_mlp_forward(Ops& ops, const ModelConfig& config, const MoeTensors<const
 // Parameter gradients accumulate (+=); activation gradients overwrite (=).
 // dx (N, C) = dL/dx from dout (N, C) = dL/d(block output). prob_grad (E) or null: gradient of
 // the loss with respect to every token's router softmax (the auxiliary loss). Uses a.d_tmp as
-// scratch; REQUIRES: the intermediates of moe_route and moe_mlp_forward for this x are in a.
+// scratch; REQUIRES: the intermediates of moe_route and moe_mlp_forward for this x are in a (in
+// t's tile buffers, those of the last tile only, which the tiled backward recomputes anyway).
 // As in moe_mlp_forward, experts without rows may be null in p and g.
 // experts_backward: null to run the routed experts' backward here; else a callable returning
 // Status that turns a.d_expert_ys into a.d_expert_xs (and adds the experts' weight gradients)

@@ -114,7 +114,8 @@ struct PlanInput {
   // but the last (whose intermediates are still in the scratch).
   double layer_forward_flops = 0;
   double head_forward_flops = 0;
-  // Per micro-batch, what MLP tiles compute more than the untiled MLP (train/planning.cpp).
+  // Per micro-batch, what MLP tiles compute more than the untiled MLP (train/planning.cpp; less
+  // where a tiled dense MLP skips the recompute pass: negative then).
   double tile_recompute_flops = 0;
   bool recompute = true;           // false with memory.keep_activations
   bool overlap_optimizer = false;  // AdamW starts on each group as backward finishes with it

@@ -58,7 +58,8 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   }
   RETURN_IF_ERROR(placed);
   if (t.mlp_tile_tokens == TrainConfig::kMlpTileAuto && e->budgets_.mlp_tile_tokens > 0)
-    LOG_INFO("the dense MLP runs in tiles of {} tokens: untiled, the step's activations do not fit "
+    LOG_INFO("the MLP runs in tiles of {} tokens (and rows of the routed experts): untiled, the step's "
+             "activations do not fit "
              "(memory.mlp_tile_tokens=auto)", e->budgets_.mlp_tile_tokens);
   RETURN_IF_ERROR(e->open_nvme(t));
   RETURN_IF_ERROR(e->size_activations(t));

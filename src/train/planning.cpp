@@ -310,25 +310,32 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   // Kept activations skip the recompute; auto keeps them only on cuda when they fit, which the
   // engine decides after planning, so auto is planned as recompute (the slower case).
   in.recompute = t.keep_activations != "true";
-  // MLP tiles (memory.mlp_tile_tokens) recompute each tile's intermediates in backward: where the
-  // untiled backward reads them from forward (every layer when kept, else the last, whose forward
-  // is not recomputed), the tile's forward is compute more; and the routed experts' outputs are
-  // made again in every layer's recompute beside the tiles' (model/moe_layer.h).
+  // MLP tiles (memory.mlp_tile_tokens) change the compute (model/decoder_impl.h, moe_layer.h):
+  // - a dense layer's backward recomputes its tiles' gate and up, and the recompute pass before it
+  //   skips the MLP (the last layer, kept and not recomputed, has no such pass to skip);
+  // - a shared expert's backward recomputes gate and up too, beside the whole shared expert that
+  //   forward and the recompute pass still run (its output is read by backward);
+  // - the routed experts (tiled without expert parallelism, not in the fp8 recipe) run again
+  //   whole in every layer's backward, tile by tile.
   if (const int64_t tile = t.mlp_tile_tokens; tile > 0) {
-    const int64_t tokens = t.micro_batch * t.seq_len;
-    const double Cd = static_cast<double>(C);
-    double mlp_once = 0;  // one pass of every layer's dense MLP or shared expert, over N tokens
+    const int64_t tokens = t.micro_batch * t.seq_len, rows = tokens * m.num_experts_per_tok;
+    const double Cd = static_cast<double>(C), Nd = static_cast<double>(tokens);
+    const bool tokens_tiled = tile < tokens;
+    const bool experts_tiled = m.is_moe() && t.parallel_expert <= 1 && tile < rows &&
+                               planned_precision(t, device) != Precision::kFp8;
+    double extra = 0;
     for (int64_t l = 0; l < m.num_hidden_layers; ++l) {
-      const double width = static_cast<double>(m.is_moe_layer(l) ? m.shared_expert_intermediate_size
-                                                                 : m.intermediate_size);
-      mlp_once += tile < tokens ? tokens_mb * 6.0 * Cd * width : 0.0;
+      if (m.is_moe_layer(l)) {
+        if (tokens_tiled) extra += 4.0 * Nd * Cd * static_cast<double>(m.shared_expert_intermediate_size);
+        if (experts_tiled)
+          extra += 6.0 * static_cast<double>(rows) * Cd * static_cast<double>(m.moe_intermediate_size);
+      } else if (tokens_tiled) {
+        const double F = static_cast<double>(m.intermediate_size);
+        extra += 4.0 * Nd * Cd * F;
+        if (in.recompute && l + 1 < m.num_hidden_layers) extra -= 6.0 * Nd * Cd * F;
+      }
     }
-    const double layers = static_cast<double>(std::max<int64_t>(m.num_hidden_layers, 1));
-    in.tile_recompute_flops = in.recompute ? mlp_once / layers : mlp_once;
-    const int64_t rows = tokens * m.num_experts_per_tok;
-    if (m.is_moe() && t.parallel_expert <= 1 && tile < rows)
-      in.tile_recompute_flops += static_cast<double>(m.num_moe_layers()) * static_cast<double>(rows) * 6.0 * Cd *
-                                 static_cast<double>(m.moe_intermediate_size);
+    in.tile_recompute_flops = extra;
   }
   in.overlap_optimizer = t.overlap_backward;
   in.overlap_comm = t.parallel_overlap_comm;  // (with expert groups, at ZeRO-2 and 3 only: plan_comm)

@@ -115,7 +115,8 @@ ConfigSchema build_schema() {
          .choices = {"auto", "true", "false"}, .help = "copy the saved layer activations to host memory during forward"});
   s.add({.name = "memory.mlp_tile_tokens", .type = T::kString, .default_value = "auto",
          .help = "run each dense MLP and shared expert over tiles of this many tokens of the micro-batch, and "
-                 "the routed experts over tiles of as many rows (a multiple of 128; 0: all at once): their gate, "
+                 "the routed experts (not in the fp8 recipe) over tiles of as many rows (a multiple of 128; 0: all "
+                 "at once): their gate, "
                  "up and activation then take a tile's activation memory instead of the micro-batch's, and "
                  "backward recomputes them tile by tile (long sequences). auto: untiled when the plan fits so, "
                  "else the largest tile with which it fits"});

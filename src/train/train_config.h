@@ -55,7 +55,8 @@ struct TrainConfig {
   uint64_t chunk_size = 0;  // 0 = auto
   std::string offload_activations;
   std::string keep_activations = "auto";  // keep every layer's intermediates: auto | true | false
-  // Tokens per tile of the dense MLP (Model::set_mlp_tile_tokens); 0: the whole micro-batch;
+  // Tokens per tile of the MLP and shared expert, and rows per tile of the routed experts
+  // (Model::set_mlp_tile_tokens); 0: the whole micro-batch;
   // kMlpTileAuto: the planner's choice (planned_mlp_tile, train/planning.h).
   static constexpr int64_t kMlpTileAuto = -1;
   int64_t mlp_tile_tokens = kMlpTileAuto;

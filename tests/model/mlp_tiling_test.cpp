@@ -201,6 +201,15 @@ TEST(MlpTiling, TheExpertBuffersHoldATileWhateverT) {
     EXPECT_EQ(expert_share(2048, 256, keep), 6 * 256 * 48 * int64_t{sizeof(float)});
     EXPECT_GT(expert_share(4096, 0, keep), expert_share(2048, 0, keep));
   }
+  // The fp8 recipe keeps the routed experts untiled (their weight gradients' 128-row blocks count
+  // from each expert's first row): their share grows with T, tiles or not.
+  using Fp8Table = ActivationTable<kernels::CpuFp8Ops>;
+  ModelConfig wide = moe(true);
+  wide.moe_intermediate_size *= 2;
+  auto fp8_share = [&](int64_t T) {
+    return Fp8Table::bytes_for(wide, T, false, false, 1, 256) - Fp8Table::bytes_for(moe(true), T, false, false, 1, 256);
+  };
+  EXPECT_GT(fp8_share(4096), fp8_share(2048));
 }
 
 // The MLP's share of the table (the bytes a wider intermediate adds) does not grow with T when

@@ -269,10 +269,17 @@ int plan_command(const std::vector<std::string>& args) {
               static_cast<long long>(tc->grad_accum), static_cast<long long>(in.tokens_per_step),
               format_bytes(in.device_budget).c_str(), format_bytes(in.host_budget).c_str(),
               in.nvme_budget ? format_bytes(in.nvme_budget).c_str() : "none");
-  if (const int64_t tile = planned_mlp_tile(*mc, *tc, device); tile > 0)
-    std::printf("dense MLP: in tiles of %lld tokens (memory.mlp_tile_tokens=%s)\n", static_cast<long long>(tile),
+  if (const int64_t tile = planned_mlp_tile(*mc, *tc, device); tile > 0) {
+    // (model/activations.h: the routed experts tile without expert parallelism only.)
+    const char* experts = !mc->is_moe()                            ? ""
+                          : tc->parallel_expert > 1                 ? ", the routed experts untiled (expert parallelism)"
+                          : planned_precision(*tc, device) == Precision::kFp8 ? ", the routed experts untiled (fp8)"
+                                                                     : ", the routed experts in tiles of as many rows";
+    std::printf("MLP: in tiles of %lld tokens%s (memory.mlp_tile_tokens=%s)\n", static_cast<long long>(tile),
+                experts,
                 tc->mlp_tile_tokens == TrainConfig::kMlpTileAuto ? "auto: untiled does not fit"
                                                                  : std::to_string(tile).c_str());
+  }
   std::printf("rates: %s\n", tc->hardware_profile.empty()
                                 ? "built-in defaults (an H200 box; strata bench machine measures this one)"
                                 : tc->hardware_profile.c_str());

@@ -318,7 +318,6 @@ PermuteScratch permute_scratch(void* base, int64_t A, int64_t E) {
 
 // ---- gather and combine ---------------------------------------------------------------------
 
-// xs (S,C) = x[token_of_slot]
 // kernels/moe.h moe_tile_offsets, one thread per offset.
 __global__ void tile_offsets_kernel(int64_t* tile_offsets, const int64_t* expert_offsets, int64_t E, int64_t row0,
                                     int64_t rows) {
@@ -328,6 +327,7 @@ __global__ void tile_offsets_kernel(int64_t* tile_offsets, const int64_t* expert
   tile_offsets[e] = r < 0 ? 0 : (r > rows ? rows : r);
 }
 
+// xs (S,C) = x[token_of_slot]
 __global__ void gather_kernel(bf16* xs, const bf16* x, const int32_t* token_of_slot, int64_t S, int64_t C) {
   const int64_t total = S * C;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
