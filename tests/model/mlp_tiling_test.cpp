@@ -69,29 +69,42 @@ bool is_mlp_weight(const TensorSpec& t) {
          t.name.find("mlp.down_proj") != std::string::npos;
 }
 
+// The tiled step against the untiled one for `config`: the loss and every gradient bitwise,
+// but those `summed_over_rows` names (within the bound above), which are counted in `summed`;
+// `expert_sums_differ` counts the experts' weights whose gradients differ at all.
+struct TileCounts {
+  int summed = 0, expert_sums_differ = 0;
+};
+template <class Net>
+TileCounts expect_tiled_step_matches(const ModelConfig& config, int64_t tile, bool keep,
+                                     bool (*summed_over_rows)(const TensorSpec&)) {
+  const ParamLayout layout(config);
+  const Result2 untiled = train_step<Net>(config, 0, keep);
+  const Result2 tiled = train_step<Net>(config, tile, keep);
+  EXPECT_EQ(std::memcmp(&untiled.loss, &tiled.loss, sizeof(double)), 0)
+      << untiled.loss << " untiled, " << tiled.loss << " tiled";
+  TileCounts n;
+  for (const TensorSpec& t : layout.tensors()) {
+    const float* a = untiled.grads.data() + t.offset;
+    const float* b = tiled.grads.data() + t.offset;
+    const bool same = std::memcmp(a, b, static_cast<size_t>(t.numel) * sizeof(float)) == 0;
+    if (summed_over_rows(t)) {
+      ++n.summed;
+      EXPECT_WITHIN(testing::relative_error(b, a, t.numel), 1e-4) << t.name;
+      if (t.name.find(".experts.") != std::string::npos && !same) ++n.expert_sums_differ;
+    } else {
+      EXPECT_TRUE(same) << t.name << " keep " << keep;
+    }
+  }
+  return n;
+}
+
 template <class Net>
 void expect_tiles_match_untiled(int64_t tile) {
   FixedOrderGemm gemm;
   const ModelConfig config = llama(96);
-  const ParamLayout layout(config);
-  for (const bool keep : {false, true}) {
-    const Result2 untiled = train_step<Net>(config, 0, keep);
-    const Result2 tiled = train_step<Net>(config, tile, keep);
-    EXPECT_EQ(std::memcmp(&untiled.loss, &tiled.loss, sizeof(double)), 0)
-        << untiled.loss << " untiled, " << tiled.loss << " tiled";
-    int mlp = 0;
-    for (const TensorSpec& t : layout.tensors()) {
-      const float* a = untiled.grads.data() + t.offset;
-      const float* b = tiled.grads.data() + t.offset;
-      if (is_mlp_weight(t)) {
-        ++mlp;
-        EXPECT_WITHIN(testing::relative_error(b, a, t.numel), 1e-4) << t.name;
-      } else {
-        EXPECT_EQ(std::memcmp(a, b, static_cast<size_t>(t.numel) * sizeof(float)), 0) << t.name << " keep " << keep;
-      }
-    }
-    EXPECT_EQ(mlp, 3 * config.num_hidden_layers);
-  }
+  for (const bool keep : {false, true})
+    EXPECT_EQ(expect_tiled_step_matches<Net>(config, tile, keep, is_mlp_weight).summed, 3 * config.num_hidden_layers);
 }
 
 TEST(MlpTiling, TiledMlpGivesTheUntiledRowsFp32) { expect_tiles_match_untiled<LlamaModel>(384); }
@@ -153,29 +166,11 @@ void expect_moe_tiles_match_untiled(bool shared, int64_t tile) {
   const ModelConfig config = moe(shared);
   ASSERT_TRUE(config.is_moe());
   ASSERT_EQ(config.shared_expert_intermediate_size > 0, shared);
-  const ParamLayout layout(config);
   for (const bool keep : {false, true}) {
-    const Result2 untiled = train_step<Net>(config, 0, keep);
-    const Result2 tiled = train_step<Net>(config, tile, keep);
-    EXPECT_EQ(std::memcmp(&untiled.loss, &tiled.loss, sizeof(double)), 0)
-        << untiled.loss << " untiled, " << tiled.loss << " tiled";
-    int summed = 0, expert_sums_differ = 0;
-    for (const TensorSpec& t : layout.tensors()) {
-      const float* a = untiled.grads.data() + t.offset;
-      const float* b = tiled.grads.data() + t.offset;
-      if (sums_over_rows(t)) {
-        ++summed;
-        EXPECT_WITHIN(testing::relative_error(b, a, t.numel), 1e-4) << t.name;
-        // (An expert whose rows span tiles adds partial sums: the tiles did run.)
-        if (t.name.find(".experts.") != std::string::npos &&
-            std::memcmp(a, b, static_cast<size_t>(t.numel) * sizeof(float)) != 0)
-          ++expert_sums_differ;
-      } else {
-        EXPECT_EQ(std::memcmp(a, b, static_cast<size_t>(t.numel) * sizeof(float)), 0) << t.name << " keep " << keep;
-      }
-    }
-    EXPECT_GE(summed, 3 * config.num_experts * config.num_moe_layers());
-    EXPECT_GT(expert_sums_differ, 0);
+    const TileCounts n = expect_tiled_step_matches<Net>(config, tile, keep, sums_over_rows);
+    EXPECT_GE(n.summed, 3 * config.num_experts * config.num_moe_layers());
+    // An expert whose rows span tiles adds partial sums: the tiles did run.
+    EXPECT_GT(n.expert_sums_differ, 0);
   }
 }
 
