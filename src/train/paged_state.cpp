@@ -708,8 +708,7 @@ Status PagedState::acquire_update_kinds(int g, int slice, Tier where, Stream* co
   const GroupUpdate& update = updates_[update_index_.at(static_cast<size_t>(g))];
   const std::vector<StateKind>& kinds = update.kinds;
   for (size_t k = 0; k < kinds.size(); ++k) {
-    Status st = slice >= 0 ? store_->acquire_slice(g, slice, kinds[k], where, AccessMode::kReadWrite, update.cursor)
-                           : store_->acquire_group(g, kinds[k], where, AccessMode::kReadWrite, update.cursor, consumer);
+    Status st = acquire_update(g, slice, kinds[k], where, AccessMode::kReadWrite, update.cursor, consumer);
     if (!st.ok()) {
       for (size_t r = 0; r < k; ++r) release_update(g, slice, kinds[r]);
       return st;

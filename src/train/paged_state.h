@@ -502,11 +502,12 @@ class PagedState : public model::ParamAccess, public SavableState {
   // Waits for the worker to apply the pending update (the group last handed over), then releases
   // its kinds: at the next handover, or in the step after the last micro-batch.
   Status settle_update();
-  // Acquires / releases group g's `kind` whole (slice kWholeGroup) or one update slice of it.
+  // Acquires / releases group g's `kind` whole (slice kWholeGroup; with `consumer`, that stream
+  // waits for the moves) or one update slice of it.
   Status acquire_update(int group, int slice, StateKind kind, Tier where, AccessMode mode,
-                        ScheduleCursor cursor = ScheduleCursor::kFollow) {
+                        ScheduleCursor cursor = ScheduleCursor::kFollow, Stream* consumer = nullptr) {
     return slice >= 0 ? store_->acquire_slice(group, slice, kind, where, mode, cursor)
-                      : store_->acquire_group(group, kind, where, mode, cursor);
+                      : store_->acquire_group(group, kind, where, mode, cursor, consumer);
   }
   void release_update(int group, int slice, StateKind kind, Stream* consumer = nullptr) {
     if (slice >= 0) store_->release_slice(group, slice, kind, consumer);
