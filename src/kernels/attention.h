@@ -40,6 +40,12 @@ inline constexpr int64_t kDefaultAttentionKeyTile = 512;
 int64_t attention_key_tile();
 void set_attention_key_tile(int64_t keys);
 
+// Blocks of ring attention (context parallelism, model/context_parallel.h): the queries of one
+// chunk of the sequence against the keys of another. kFull: every query sees every key (the
+// keys' chunk comes earlier); kCausal: the same chunk (Tq = Tk), query t sees keys 0 .. t, as
+// attention_forward with past = 0. A chunk after the queries' is masked whole and never computed.
+enum class AttentionBlock : uint8_t { kFull, kCausal };
+
 #define STRATA_ATTENTION_OPS                                                                      \
   void attention_forward(float* out /*(B,T,Hq,Dv)*/, float* lse /*(B,Hq,T)*/,                     \
                          const float* q /*(B,T,Hq,D)*/, const float* k /*(B,past+T,Hkv,D)*/,      \
@@ -54,7 +60,25 @@ void set_attention_key_tile(int64_t keys);
                           const float* out /*(B,T,Hq,Dv)*/, const float* lse /*(B,Hq,T)*/,        \
                           int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,               \
                           const int32_t* positions /*(B,T) or null*/ = nullptr, int64_t Dv = 0,   \
-                          double scale = 0);
+                          double scale = 0);                                                       \
+  /* Ring attention (context parallelism): one block of Tq queries against Tk keys (see above).  \
+     With accumulate, the block's rows are merged into the running (out, lse) of the blocks      \
+     before (lse = log(e^lse + e^lse_block), out weighted by each side's share); without, they  \
+     are written. */                                                                              \
+  void attention_block_forward(float* out /*(B,Tq,Hq,Dv)*/, float* lse /*(B,Hq,Tq)*/,             \
+                               const float* q /*(B,Tq,Hq,D)*/, const float* k /*(B,Tk,Hkv,D)*/,  \
+                               const float* v /*(B,Tk,Hkv,Dv)*/, int64_t B, int64_t Tq,          \
+                               int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,                    \
+                               AttentionBlock mask, bool accumulate, int64_t Dv = 0,              \
+                               double scale = 0);                                                 \
+  /* The block's share of the gradients, added (+=) to dq, dk, dv; out and lse are the whole    \
+     attention's (every block merged), as the probabilities are P = exp(s - lse). */             \
+  void attention_block_backward(float* dq /*(B,Tq,Hq,D)*/, float* dk /*(B,Tk,Hkv,D)*/,            \
+                                float* dv /*(B,Tk,Hkv,Dv)*/, const float* dout /*(B,Tq,Hq,Dv)*/, \
+                                const float* q, const float* k, const float* v,                   \
+                                const float* out /*(B,Tq,Hq,Dv)*/, const float* lse /*(B,Hq,Tq)*/,\
+                                int64_t B, int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv,       \
+                                int64_t D, AttentionBlock mask, int64_t Dv = 0, double scale = 0);
 namespace ref { STRATA_ATTENTION_OPS }
 namespace cpu { STRATA_ATTENTION_OPS }
 #undef STRATA_ATTENTION_OPS

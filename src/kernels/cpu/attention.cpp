@@ -56,6 +56,29 @@ inline int64_t first_key(const int32_t *positions, int64_t b, int64_t T,
                          int64_t t) {
   return positions == nullptr ? 0 : t - positions[b * T + t];
 }
+
+// Writes a row's attention (its out, normalised, and its lse), or with
+// `accumulate` merges it into the row already there: the two softmaxes are
+// over disjoint keys, so the merged lse is log(e^a + e^b) and each out weighs
+// by its share e^(lse - merged). In double, once per row.
+template <typename T>
+inline void store_row(float *o, float *lse_slot, const T *row_out,
+                      double row_lse, int64_t Dv, bool accumulate) {
+  const double old = accumulate ? double(*lse_slot)
+                                : -std::numeric_limits<double>::infinity();
+  if (old == -std::numeric_limits<double>::infinity()) {
+    for (int64_t d = 0; d < Dv; ++d)
+      o[d] = static_cast<float>(row_out[d]);
+    *lse_slot = static_cast<float>(row_lse);
+    return;
+  }
+  const double hi = std::max(old, row_lse);
+  const double merged = hi + std::log(std::exp(old - hi) + std::exp(row_lse - hi));
+  const double w_old = std::exp(old - merged), w_new = std::exp(row_lse - merged);
+  for (int64_t d = 0; d < Dv; ++d)
+    o[d] = static_cast<float>(w_old * double(o[d]) + w_new * double(row_out[d]));
+  *lse_slot = static_cast<float>(merged);
+}
 } // namespace
 
 namespace {
@@ -79,16 +102,19 @@ double dot(const float *a, const float *b, int64_t n) {
 }
 } // namespace
 
-void attention_forward(float *out, float *lse, const float *q, const float *k,
-                       const float *v, int64_t B, int64_t T, int64_t Hq,
-                       int64_t Hkv, int64_t D, int64_t past,
-                       const int32_t *positions, int64_t Dv, double scale_arg) {
+namespace {
+// T queries against Tk keys per sequence: causal (query t sees keys up to
+// past + t, Tk = past + T) or, with `full`, every key.
+void forward_impl(float *out, float *lse, const float *q, const float *k,
+                  const float *v, int64_t B, int64_t T, int64_t Tk, int64_t Hq,
+                  int64_t Hkv, int64_t D, int64_t past,
+                  const int32_t *positions, int64_t Dv, double scale_arg,
+                  bool full, bool accumulate) {
   check_shapes(B, T, Hq, Hkv, D);
   Dv = value_dim(D, Dv);
-  CHECK(past >= 0);
+  CHECK(past >= 0 && Tk >= 0);
   check_positions(positions, B, T, past);
   const int64_t group = Hq / Hkv;
-  const int64_t Tk = past + T; // keys per sequence
   const double scale = softmax_scale(D, scale_arg);
   // Keys in tiles with an online softmax (as the fast path): the running max m,
   // the sum of exp(s - m) and the weighted values, rescaled when a tile raises m.
@@ -101,7 +127,7 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
       const int64_t g = h / group;
       for (int64_t t = 0; t < T; ++t) {
         const float *qt = q + ((b * T + t) * Hq + h) * D;
-        const int64_t last = past + t; // the last key this query sees
+        const int64_t last = full ? Tk - 1 : past + t; // the last key this query sees
         const int64_t first = first_key(positions, b, T, t);
         double m = -std::numeric_limits<double>::infinity();
         double sum = 0;
@@ -126,29 +152,41 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
               acc[d] += p * vj[d];
           }
         }
-        float *ot = out + ((b * T + t) * Hq + h) * Dv;
-        for (int64_t d = 0; d < Dv; ++d)
-          ot[d] = static_cast<float>(acc[d] / sum);
-        lse[(b * Hq + h) * T + t] = static_cast<float>(m + std::log(sum));
+        for (double &a : acc)
+          a /= sum;
+        store_row(out + ((b * T + t) * Hq + h) * Dv, lse + (b * Hq + h) * T + t,
+                  acc.data(), m + std::log(sum), Dv, accumulate);
       }
     }
   }
 }
+} // namespace
 
-// dq, dk, dv are overwritten.
-void attention_backward(float *dq, float *dk, float *dv, const float *dout,
-                        const float *q, const float *k, const float *v,
-                        const float *out, const float *lse, int64_t B,
-                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                        const int32_t *positions, int64_t Dv,
-                        double scale_arg) {
+void attention_forward(float *out, float *lse, const float *q, const float *k,
+                       const float *v, int64_t B, int64_t T, int64_t Hq,
+                       int64_t Hkv, int64_t D, int64_t past,
+                       const int32_t *positions, int64_t Dv, double scale_arg) {
+  forward_impl(out, lse, q, k, v, B, T, past + T, Hq, Hkv, D, past, positions,
+               Dv, scale_arg, /*full=*/false, /*accumulate=*/false);
+}
+
+namespace {
+// dq, dk, dv are overwritten, or added to with `accumulate`. T queries against
+// Tk keys: causal (Tk = T) or, with `full`, every key.
+void backward_impl(float *dq, float *dk, float *dv, const float *dout,
+                   const float *q, const float *k, const float *v,
+                   const float *out, const float *lse, int64_t B, int64_t T,
+                   int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,
+                   const int32_t *positions, int64_t Dv, double scale_arg,
+                   bool full, bool accumulate) {
   check_shapes(B, T, Hq, Hkv, D);
   Dv = value_dim(D, Dv);
   check_positions(positions, B, T, 0);
+  CHECK(full || Tk == T);
   const int64_t group = Hq / Hkv;
   const double scale = softmax_scale(D, scale_arg);
-  const size_t k_size = static_cast<size_t>(B * T * Hkv * D);
-  const size_t v_size = static_cast<size_t>(B * T * Hkv * Dv);
+  const size_t k_size = static_cast<size_t>(B * Tk * Hkv * D);
+  const size_t v_size = static_cast<size_t>(B * Tk * Hkv * Dv);
   std::vector<double> dk_acc(k_size, 0.0), dv_acc(v_size, 0.0);
   std::vector<double> dq_row(static_cast<size_t>(D));
   for (int64_t b = 0; b < B; ++b) {
@@ -161,9 +199,10 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
         const double delta =
             dot(dout + orow, out + orow, Dv); // D_t = dout_t . out_t
         std::fill(dq_row.begin(), dq_row.end(), 0.0);
-        for (int64_t j = first_key(positions, b, T, t); j <= t; ++j) {
-          const int64_t kv_row = ((b * T + j) * Hkv + g) * D;
-          const int64_t v_row = ((b * T + j) * Hkv + g) * Dv;
+        const int64_t last = full ? Tk - 1 : t;
+        for (int64_t j = first_key(positions, b, T, t); j <= last; ++j) {
+          const int64_t kv_row = ((b * Tk + j) * Hkv + g) * D;
+          const int64_t v_row = ((b * Tk + j) * Hkv + g) * Dv;
           const double p =
               std::exp(scale * dot(q + row, k + kv_row, D) - row_lse);
           const double dp = dot(dout + orow, v + v_row, Dv);
@@ -176,14 +215,49 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
             dv_acc[v_row + d] += p * dout[orow + d];
         }
         for (int64_t d = 0; d < D; ++d)
-          dq[row + d] = static_cast<float>(dq_row[d]);
+          dq[row + d] = static_cast<float>(accumulate ? double(dq[row + d]) + dq_row[d] : dq_row[d]);
       }
     }
   }
   for (size_t i = 0; i < k_size; ++i)
-    dk[i] = static_cast<float>(dk_acc[i]);
+    dk[i] = static_cast<float>(accumulate ? double(dk[i]) + dk_acc[i] : dk_acc[i]);
   for (size_t i = 0; i < v_size; ++i)
-    dv[i] = static_cast<float>(dv_acc[i]);
+    dv[i] = static_cast<float>(accumulate ? double(dv[i]) + dv_acc[i] : dv_acc[i]);
+}
+} // namespace
+
+// dq, dk, dv are overwritten.
+void attention_backward(float *dq, float *dk, float *dv, const float *dout,
+                        const float *q, const float *k, const float *v,
+                        const float *out, const float *lse, int64_t B,
+                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                        const int32_t *positions, int64_t Dv,
+                        double scale_arg) {
+  backward_impl(dq, dk, dv, dout, q, k, v, out, lse, B, T, T, Hq, Hkv, D,
+                positions, Dv, scale_arg, /*full=*/false, /*accumulate=*/false);
+}
+
+void attention_block_forward(float *out, float *lse, const float *q,
+                             const float *k, const float *v, int64_t B,
+                             int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv,
+                             int64_t D, AttentionBlock mask, bool accumulate,
+                             int64_t Dv, double scale) {
+  const bool full = mask == AttentionBlock::kFull;
+  CHECK_MSG(full || Tq == Tk, "a causal attention block pairs a chunk with itself (Tq = Tk)");
+  forward_impl(out, lse, q, k, v, B, Tq, Tk, Hq, Hkv, D, 0, nullptr, Dv, scale,
+               full, accumulate);
+}
+
+void attention_block_backward(float *dq, float *dk, float *dv,
+                              const float *dout, const float *q, const float *k,
+                              const float *v, const float *out,
+                              const float *lse, int64_t B, int64_t Tq,
+                              int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,
+                              AttentionBlock mask, int64_t Dv, double scale) {
+  const bool full = mask == AttentionBlock::kFull;
+  CHECK_MSG(full || Tq == Tk, "a causal attention block pairs a chunk with itself (Tq = Tk)");
+  backward_impl(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, D,
+                nullptr, Dv, scale, full, /*accumulate=*/true);
 }
 
 } // namespace ref
@@ -223,16 +297,20 @@ inline void axpy(float *y, float alpha, const float *x, int64_t n) {
 // computed alone (cached decoding, any `past`) or among the whole sequence's,
 // and a document's rows as for that document alone. The block's rows are
 // taken in runs that share their first key (one run without document masks).
-void attention_forward(float *out, float *lse, const float *q, const float *k,
-                       const float *v, int64_t B, int64_t T, int64_t Hq,
-                       int64_t Hkv, int64_t D, int64_t past,
-                       const int32_t *positions, int64_t Dv, double scale_arg) {
+//
+// With `full` (a block of ring attention) every row sees all Tk keys; with
+// `accumulate` each row is merged into the one already in out/lse.
+namespace {
+void forward_impl(float *out, float *lse, const float *q, const float *k,
+                  const float *v, int64_t B, int64_t T, int64_t Tk, int64_t Hq,
+                  int64_t Hkv, int64_t D, int64_t past,
+                  const int32_t *positions, int64_t Dv, double scale_arg,
+                  bool full, bool accumulate) {
   check_shapes(B, T, Hq, Hkv, D);
   Dv = value_dim(D, Dv);
-  CHECK(past >= 0);
+  CHECK(past >= 0 && Tk >= 0);
   check_positions(positions, B, T, past);
   const int64_t group = Hq / Hkv;
-  const int64_t Tk = past + T; // keys per sequence
   const float scale = static_cast<float>(softmax_scale(D, scale_arg));
   const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
   const int64_t units = B * Hq * blocks;
@@ -268,17 +346,18 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
         const int64_t f = first_key(positions, b, T, t0 + r0);
         for (r1 = r0 + 1; r1 < rows && first_key(positions, b, T, t0 + r1) == f; ++r1) {
         }
-        const int64_t keys = p0 + r1; // keys f .. keys - 1 are visible to some row of the run
+        // keys f .. keys - 1 are visible to some row of the run
+        const int64_t keys = full ? Tk : p0 + r1;
         for (int64_t j0 = f; j0 < keys; j0 += tile) {
           const int64_t j1 = std::min(j0 + tile, keys);
           // Row r sees keys j <= p0 + r: start at the first row that can see key j.
           for (int64_t j = j0; j < j1; ++j) {
             const float *kj = kb + j * kv_stride;
-            for (int64_t r = std::max(r0, j - p0); r < r1; ++r)
+            for (int64_t r = full ? r0 : std::max(r0, j - p0); r < r1; ++r)
               s[r * tile + (j - j0)] = scale * dot(q0 + r * q_stride, kj, D);
           }
           for (int64_t r = r0; r < r1; ++r) {
-            const int64_t n = std::min(j1, p0 + r + 1) - j0; // keys of the tile row r sees
+            const int64_t n = std::min(j1, full ? Tk : p0 + r + 1) - j0; // keys of the tile row r sees
             if (n <= 0)
               continue;
             float *sr = s.data() + r * tile;
@@ -303,20 +382,30 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
           }
           for (int64_t j = j0; j < j1; ++j) {
             const float *vj = vb + j * v_stride;
-            for (int64_t r = std::max(r0, j - p0); r < r1; ++r)
+            for (int64_t r = full ? r0 : std::max(r0, j - p0); r < r1; ++r)
               axpy(acc.data() + r * Dv, s[r * tile + (j - j0)], vj, Dv);
           }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = static_cast<float>(1.0 / l[r]);
-        float *o = out + ((b * T + t0 + r) * Hq + h) * Dv;
+        float *ar = acc.data() + r * Dv;
         for (int64_t d = 0; d < Dv; ++d)
-          o[d] = acc[r * Dv + d] * inv;
-        lse[(b * Hq + h) * T + t0 + r] = static_cast<float>(m[r] + std::log(l[r]));
+          ar[d] *= inv;
+        store_row(out + ((b * T + t0 + r) * Hq + h) * Dv, lse + (b * Hq + h) * T + t0 + r, ar,
+                  double(m[r]) + std::log(l[r]), Dv, accumulate);
       }
     }
   }
+}
+} // namespace
+
+void attention_forward(float *out, float *lse, const float *q, const float *k,
+                       const float *v, int64_t B, int64_t T, int64_t Hq,
+                       int64_t Hkv, int64_t D, int64_t past,
+                       const int32_t *positions, int64_t Dv, double scale_arg) {
+  forward_impl(out, lse, q, k, v, B, T, past + T, Hq, Hkv, D, past, positions,
+               Dv, scale_arg, /*full=*/false, /*accumulate=*/false);
 }
 
 // dq, dk, dv are overwritten. Work units are (b, kv head): the unit owns the
@@ -324,15 +413,19 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
 // no two threads write the same element and the order of every sum is fixed.
 // With document masks the rows that see key j are those of its document at or
 // after j, visited in the same order as for that document alone.
-void attention_backward(float *dq, float *dk, float *dv, const float *dout,
-                        const float *q, const float *k, const float *v,
-                        const float *out, const float *lse, int64_t B,
-                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                        const int32_t *positions, int64_t Dv,
-                        double scale_arg) {
+// With `full` every row sees all Tk keys; with `accumulate` the gradients are
+// added to dq, dk, dv.
+namespace {
+void backward_impl(float *dq, float *dk, float *dv, const float *dout,
+                   const float *q, const float *k, const float *v,
+                   const float *out, const float *lse, int64_t B, int64_t T,
+                   int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,
+                   const int32_t *positions, int64_t Dv, double scale_arg,
+                   bool full, bool accumulate) {
   check_shapes(B, T, Hq, Hkv, D);
   Dv = value_dim(D, Dv);
   check_positions(positions, B, T, 0);
+  CHECK(full || Tk == T);
   const int64_t group = Hq / Hkv;
   const float scale = static_cast<float>(softmax_scale(D, scale_arg));
   const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
@@ -341,7 +434,7 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
   const int64_t kv_stride = Hkv * D;
   const int64_t v_stride = Hkv * Dv;
   const int64_t setting = attention_key_tile();  // (read once)
-  const int64_t tile = std::max<int64_t>(setting > 0 ? std::min(setting, T) : T, 1);
+  const int64_t tile = std::max<int64_t>(setting > 0 ? std::min(setting, Tk) : Tk, 1);
 #pragma omp parallel
   {
     // A block of rows by a tile of keys.
@@ -355,11 +448,11 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
     for (int64_t unit = 0; unit < B * Hkv; ++unit) {
       const int64_t b = unit / Hkv;
       const int64_t g = unit % Hkv;
-      const float *kb = k + (b * T * Hkv + g) * D;
-      const float *vb = v + (b * T * Hkv + g) * Dv;
-      float *dkb = dk + (b * T * Hkv + g) * D;
-      float *dvb = dv + (b * T * Hkv + g) * Dv;
-      for (int64_t j = 0; j < T; ++j) {
+      const float *kb = k + (b * Tk * Hkv + g) * D;
+      const float *vb = v + (b * Tk * Hkv + g) * Dv;
+      float *dkb = dk + (b * Tk * Hkv + g) * D;
+      float *dvb = dv + (b * Tk * Hkv + g) * Dv;
+      for (int64_t j = 0; j < Tk && !accumulate; ++j) {
         std::fill_n(dkb + j * kv_stride, D, 0.0f);
         std::fill_n(dvb + j * v_stride, Dv, 0.0f);
       }
@@ -367,7 +460,7 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
         for (int64_t blk = 0; blk < blocks; ++blk) {
           const int64_t t0 = blk * kBlockRows;
           const int64_t rows = std::min(kBlockRows, T - t0);
-          const int64_t keys = t0 + rows;
+          const int64_t keys = full ? Tk : t0 + rows;
           const int64_t row0 = ((b * T + t0) * Hq + h) * D;
           const int64_t orow0 = ((b * T + t0) * Hq + h) * Dv;
           const float *q0 = q + row0;
@@ -389,7 +482,7 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
             for (int64_t j = j0; j < j1; ++j) {
               const float *kj = kb + j * kv_stride;
               const float *vj = vb + j * v_stride;
-              for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
+              for (int64_t r = full ? 0 : std::max<int64_t>(0, j - t0); r < rows; ++r) {
                 if (j < first[r])
                   continue;
                 const float pr =
@@ -403,7 +496,7 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
               const float *kj = kb + j * kv_stride;
               float *dkj = dkb + j * kv_stride;
               float *dvj = dvb + j * v_stride;
-              for (int64_t r = std::max<int64_t>(0, j - t0); r < rows; ++r) {
+              for (int64_t r = full ? 0 : std::max<int64_t>(0, j - t0); r < rows; ++r) {
                 if (j < first[r])
                   continue;
                 const float dsr = ds[r * tile + (j - j0)];
@@ -414,12 +507,49 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
             }
           }
           for (int64_t r = 0; r < rows; ++r) {
-            std::copy_n(dq_acc.data() + r * D, D, dq + row0 + r * q_stride);
+            if (accumulate)
+              axpy(dq + row0 + r * q_stride, 1.0f, dq_acc.data() + r * D, D);
+            else
+              std::copy_n(dq_acc.data() + r * D, D, dq + row0 + r * q_stride);
           }
         }
       }
     }
   }
+}
+} // namespace
+
+void attention_backward(float *dq, float *dk, float *dv, const float *dout,
+                        const float *q, const float *k, const float *v,
+                        const float *out, const float *lse, int64_t B,
+                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                        const int32_t *positions, int64_t Dv,
+                        double scale_arg) {
+  backward_impl(dq, dk, dv, dout, q, k, v, out, lse, B, T, T, Hq, Hkv, D,
+                positions, Dv, scale_arg, /*full=*/false, /*accumulate=*/false);
+}
+
+void attention_block_forward(float *out, float *lse, const float *q,
+                             const float *k, const float *v, int64_t B,
+                             int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv,
+                             int64_t D, AttentionBlock mask, bool accumulate,
+                             int64_t Dv, double scale) {
+  const bool full = mask == AttentionBlock::kFull;
+  CHECK_MSG(full || Tq == Tk, "a causal attention block pairs a chunk with itself (Tq = Tk)");
+  forward_impl(out, lse, q, k, v, B, Tq, Tk, Hq, Hkv, D, 0, nullptr, Dv, scale,
+               full, accumulate);
+}
+
+void attention_block_backward(float *dq, float *dk, float *dv,
+                              const float *dout, const float *q, const float *k,
+                              const float *v, const float *out,
+                              const float *lse, int64_t B, int64_t Tq,
+                              int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,
+                              AttentionBlock mask, int64_t Dv, double scale) {
+  const bool full = mask == AttentionBlock::kFull;
+  CHECK_MSG(full || Tq == Tk, "a causal attention block pairs a chunk with itself (Tq = Tk)");
+  backward_impl(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, D,
+                nullptr, Dv, scale, full, /*accumulate=*/true);
 }
 
 } // namespace cpu
