@@ -58,6 +58,11 @@ class LocalComm final : public Comm {
     copy(recv, send, send_bytes[0], stream);
     return Status::OK();
   }
+  Status send_recv(const void* send, int to, void* recv, int from, size_t bytes, Stream* stream) override {
+    CHECK(to == 0 && from == 0);
+    copy(recv, send, bytes, stream);
+    return Status::OK();
+  }
   Status broadcast(void*, size_t, int root, Stream*) override {
     CHECK(root == 0);
     return Status::OK();

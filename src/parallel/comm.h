@@ -75,6 +75,11 @@ class Comm {
   // every rank.
   virtual Status all_gather_v(void* data, std::span<const size_t> bytes, Stream* stream = nullptr) = 0;
   virtual Status reduce_scatter_v_sum(float* data, std::span<const size_t> counts, Stream* stream = nullptr) = 0;
+  // A step of a ring: sends `bytes` of send to rank `to` and receives `bytes` from rank `from`
+  // into recv (send and recv may not overlap). The ranks that exchange call it together, each with
+  // the same bytes (context parallelism's ring attention passes keys and values on so, every rank
+  // sending to the next and receiving from the one before).
+  virtual Status send_recv(const void* send, int to, void* recv, int from, size_t bytes, Stream* stream = nullptr) = 0;
   // Returns once every rank has called it.
   virtual Status barrier() = 0;
 

@@ -150,6 +150,27 @@ class GlooComm final : public Comm {
     });
   }
 
+  Status send_recv(const void* send, int to, void* recv, int from, size_t bytes, Stream* stream) override {
+    CHECK(to >= 0 && to < world_size() && from >= 0 && from < world_size());
+    const std::string what = fmt::format("send_recv of {} bytes to rank {} from rank {}", bytes, to, from);
+    return run(what, stream, [&] {
+      if (bytes == 0) return;
+      if (to == rank() && from == rank()) {
+        std::memcpy(recv, send, bytes);
+        return;
+      }
+      // Every rank takes the same next slot, so the pair's tags match.
+      const uint64_t slot = context_->nextSlot();
+      auto out = context_->createUnboundBuffer(const_cast<void*>(send), bytes);
+      auto in = context_->createUnboundBuffer(recv, bytes);
+      in->recv(from, slot);
+      out->send(to, slot);
+      // (Gloo throws at the timeout; false means the wait was aborted.)
+      if (!in->waitRecv(timeout_) || !out->waitSend(timeout_)) throw std::runtime_error("the exchange was aborted");
+      bytes_sent_ += bytes;
+    });
+  }
+
   Status broadcast(void* data, size_t bytes, int root, Stream* stream) override {
     CHECK(root >= 0 && root < world_size());
     const std::string what = fmt::format("broadcast of {} bytes from rank {}", bytes, root);

@@ -46,6 +46,9 @@ TEST(LocalComm, CopiesWhereDataMovesAndSumsAreTheInput) {
   std::fill(out.begin(), out.end(), 0);
   ASSERT_TRUE(c.all_to_all_v(bytes.data(), sizes, out.data(), sizes).ok());
   EXPECT_EQ(out, bytes);
+  std::fill(out.begin(), out.end(), 0);
+  ASSERT_TRUE(c.send_recv(bytes.data(), 0, out.data(), 0, 4).ok());  // a ring of one: to itself
+  EXPECT_EQ(out, bytes);
   ASSERT_TRUE(c.broadcast(bytes.data(), 4, 0).ok());
   ASSERT_TRUE(c.all_gather_v(bytes.data(), sizes).ok());  // one rank's block: nothing moves
   EXPECT_EQ(bytes, (std::vector<uint8_t>{1, 2, 3, 4}));

@@ -80,6 +80,20 @@ class NcclComm final : public Comm {
     return check(what, result != ncclSuccess ? result : end);
   }
 
+  Status send_recv(const void* send, int to, void* recv, int from, size_t bytes, Stream* stream) override {
+    if (stream == nullptr) return bootstrap_->send_recv(send, to, recv, from, bytes);
+    CHECK(to >= 0 && to < world_ && from >= 0 && from < world_);
+    const std::string what = fmt::format("send_recv of {} bytes to rank {} from rank {}", bytes, to, from);
+    if (bytes == 0) return Status::OK();
+    cudaStream_t s = handle(*stream);
+    ncclResult_t result = ncclGroupStart();
+    if (result == ncclSuccess) result = ncclSend(send, bytes, ncclUint8, to, comm_, s);
+    if (result == ncclSuccess) result = ncclRecv(recv, bytes, ncclUint8, from, comm_, s);
+    const ncclResult_t end = ncclGroupEnd();
+    if (to != rank_) bytes_sent_ += bytes;
+    return check(what, result != ncclSuccess ? result : end);
+  }
+
   Status broadcast(void* data, size_t bytes, int root, Stream* stream) override {
     if (stream == nullptr) return bootstrap_->broadcast(data, bytes, root);
     CHECK(root >= 0 && root < world_);

@@ -165,6 +165,34 @@ void check_broadcast(const LaunchInfo& l, Comm& comm, int root, size_t bytes) {
   }
 }
 
+// A ring step `shift` ranks on: each rank sends to rank + shift and receives from rank - shift,
+// then the ring's every step back to its own bytes (what ring attention's keys do).
+void check_send_recv(const LaunchInfo& l, Comm& comm, int shift, size_t bytes) {
+  const int w = l.world_size;
+  const int to = (l.rank + shift) % w, from = (l.rank - shift % w + w) % w;
+  std::vector<uint8_t> send(bytes), recv(bytes, 0xEE);
+  for (size_t i = 0; i < bytes; ++i) send[i] = byte_of(l.rank, 7, i);
+  const uint64_t before = comm.bytes_sent();
+  expect_ok(l, comm.send_recv(send.data(), to, recv.data(), from, bytes), "send_recv");
+  const uint64_t want_sent = to == l.rank ? 0 : bytes;
+  if (comm.bytes_sent() - before != want_sent)
+    fail(l, fmt::format("send_recv counted {} bytes sent, expected {}", comm.bytes_sent() - before, want_sent));
+  for (size_t i = 0; i < bytes; ++i)
+    if (recv[i] != byte_of(from, 7, i)) {
+      fail(l, fmt::format("send_recv of {} bytes to rank {} from rank {}: byte {} is {}, expected {}", bytes, to, from,
+                          i, recv[i], byte_of(from, 7, i)));
+      return;
+    }
+  // Around the whole ring: after w steps each rank holds its own bytes again.
+  std::vector<uint8_t> held = send, next(bytes);
+  for (int step = 0; step < w; ++step) {
+    expect_ok(l, comm.send_recv(held.data(), (l.rank + 1) % w, next.data(), (l.rank + w - 1) % w, bytes),
+              "send_recv around the ring");
+    held.swap(next);
+  }
+  if (held != send) fail(l, fmt::format("send_recv: {} bytes passed around the ring came back changed", bytes));
+}
+
 // Returns how many elements' sums depend on the order (the reverse order gives other bits).
 size_t check_reduce_scatter(const LaunchInfo& l, Comm& comm, size_t count) {
   const int w = l.world_size;
@@ -333,6 +361,8 @@ int run_ops(const LaunchInfo& l) {
   check_broadcast(l, *comm, w - 1, 1000);
   check_broadcast(l, *comm, 0, 5);
   check_broadcast(l, *comm, 1, 77);
+  for (int shift : {0, 1, w - 1}) check_send_recv(l, *comm, shift, 4099);
+  check_send_recv(l, *comm, 1, 0);
   size_t order_matters = 0;
   for (size_t count : {size_t{0}, size_t{1}, size_t{257}}) order_matters += check_reduce_scatter(l, *comm, count);
   // Uneven splits: fewer elements than ranks, and a tail.
