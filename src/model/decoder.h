@@ -122,6 +122,17 @@ class Model {
   virtual void set_expert_comm(parallel::Comm* comm) = 0;
   // The ranks of the expert group (1 without expert parallelism).
   virtual int expert_ranks() const = 0;
+  // Context parallelism (model/context_parallel.h): the sequences are split over the N ranks of
+  // `comm` (the context group) and attention runs as a ring over them. compute() then takes this
+  // rank's tokens in the layout there: B = 2S rows of T = C tokens for S sequences of 2NC tokens
+  // (context_split of the inputs and targets); RoPE rotates each token by its position in its
+  // sequence. Every rank of the group runs the same compute() calls in step, and their gradients
+  // add up to the whole sequences' (the caller sums them, as over data-parallel ranks). Null (the
+  // default): none. Borrowed; its operations are issued from the thread that calls compute().
+  // REQUIRES: no document masks, not while a sequence is generated.
+  virtual void set_context_comm(parallel::Comm* comm) = 0;
+  // The ranks of the context group (1 without context parallelism).
+  virtual int context_ranks() const = 0;
 
   // Generation with a KV cache, one sequence at a time (see Decoder). begin_sequence starts a
   // sequence of at most `capacity` tokens (prompt and generated), whose decode() calls take at
@@ -207,6 +218,8 @@ class Decoder final : public Model {
   Stream* compute_stream() override { return ops_.compute_stream(); }
   void set_expert_comm(parallel::Comm* comm) override;
   int expert_ranks() const override { return expert_comm_ != nullptr ? expert_comm_->world_size() : 1; }
+  void set_context_comm(parallel::Comm* comm) override;
+  int context_ranks() const override { return context_comm_ != nullptr ? context_comm_->world_size() : 1; }
   Status begin_sequence(int64_t capacity, int64_t max_chunk) override;
   Status decode(const int32_t* tokens, int64_t n, float* logits) override;
   int64_t sequence_length() const override { return kv_length_; }
@@ -231,6 +244,12 @@ class Decoder final : public Model {
   // last layer's output) of a micro-batch of N tokens.
   Act* layer_checkpoint(int64_t l, int64_t N);
   Status begin_group(int group, bool params, bool grads);
+  // Ring attention over the context group (model/context_parallel.h): forward writes a.att and
+  // a.lse from a.q and the layer's k, v; backward a.d_q, a.d_k, a.d_v from a.d_att. Errors: the
+  // ring's exchanges (a rank that died), named with the layer.
+  Status ring_attention_forward(int64_t layer, const ActivationTable<Ops>& a, const Act* k, const Act* v, int64_t B,
+                                int64_t T);
+  Status ring_attention_backward(int64_t layer, const ActivationTable<Ops>& a, int64_t B, int64_t T);
   void end_group(int group, bool params, bool grads);
   // The tensor starting at flat-layout `offset`, from the ParamAccess.
   const W* param(int64_t offset) { return static_cast<const W*>(access_->param(offset)); }
@@ -294,6 +313,9 @@ class Decoder final : public Model {
   int64_t rope_length_ = -1;             // the sequence length they were made for (dynamic scaling)
   const int32_t* staged_inputs_ = nullptr;  // the last forward's input tokens where the ops read them
   const int32_t* staged_positions_ = nullptr;  // its document positions there; null without document masks
+  // The positions RoPE rotates by: the document positions, or the tokens' places in their
+  // sequences with context parallelism; null for 0 .. T-1 in every row.
+  const int32_t* staged_rope_positions_ = nullptr;
   bool keep_layers_ = false;
   int64_t mlp_tile_ = 0;  // tokens (and expert rows) per MLP tile (0: untiled)
   ActivationTable<Ops> acts_;
@@ -307,6 +329,13 @@ class Decoder final : public Model {
   // Expert parallelism (set_expert_comm): the expert group, and each layer's last exchange.
   parallel::Comm* expert_comm_ = nullptr;
   std::vector<ExpertRoute> expert_routes_;  // (L)
+  // Context parallelism (set_context_comm): the context group, each token's place in its
+  // sequence, and the ring's buffers (the keys and values passed on, two of each; the fp32
+  // output and gradient sums).
+  parallel::Comm* context_comm_ = nullptr;
+  std::vector<int32_t> context_positions_;
+  std::vector<Act> ring_k_[2], ring_v_[2];
+  std::vector<float> ring_dk_[2], ring_dv_[2], ring_out_, ring_dq_;
   double last_aux_loss_ = 0.0;
   // Generation (begin_sequence): the sequence's capacity, the tokens per decode() at most, and
   // the tokens in the cache.

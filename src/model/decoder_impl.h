@@ -13,6 +13,7 @@
 #include "kernels/moe.h"
 #include "kernels/rope.h"
 #include "model/decoder.h"
+#include "model/context_parallel.h"
 #include "model/moe_layer.h"
 
 namespace strata::model {
@@ -43,6 +44,12 @@ void Decoder<Ops>::set_access(ParamAccess* access) {
   if (access_ != nullptr) access_->set_compute_stream(nullptr);
   access_ = access;
   if (access_ != nullptr) access_->set_compute_stream(ops_.compute_stream());
+}
+
+template <class Ops>
+void Decoder<Ops>::set_context_comm(parallel::Comm* comm) {
+  CHECK_MSG(comm == nullptr || kv_capacity_ == 0, "context parallelism while a sequence is generated");
+  context_comm_ = comm;
 }
 
 template <class Ops>
@@ -137,11 +144,18 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
   ops_.linear_forward(v, a.ln1, p.v_proj, p.v_bias, N, C, Hkv * D);
   // Packed documents (training only): positions restart at each document, and attention stays
   // inside it.
+  // With context parallelism RoPE rotates by the tokens' places in their sequences and attention
+  // runs over the context group's ring.
   const int32_t* positions = kv != nullptr ? nullptr : staged_positions_;
-  ops_.rope_forward(a.q, a.q, inv_freq_ops_, B, T, Hq, D, rope_scale_, past, positions);
-  ops_.rope_forward(k, k, inv_freq_ops_, B, T, Hkv, D, rope_scale_, past, positions);
-  ops_.attention_forward(a.att, a.lse, a.q, kv != nullptr ? kv->k : a.k, kv != nullptr ? kv->v : a.v, B, T, Hq, Hkv,
-                         D, past, positions);
+  const int32_t* rope_positions = kv != nullptr ? nullptr : staged_rope_positions_;
+  ops_.rope_forward(a.q, a.q, inv_freq_ops_, B, T, Hq, D, rope_scale_, past, rope_positions);
+  ops_.rope_forward(k, k, inv_freq_ops_, B, T, Hkv, D, rope_scale_, past, rope_positions);
+  if (context_comm_ != nullptr && kv == nullptr) {
+    RETURN_IF_ERROR(ring_attention_forward(layer, a, k, v, B, T));
+  } else {
+    ops_.attention_forward(a.att, a.lse, a.q, kv != nullptr ? kv->k : a.k, kv != nullptr ? kv->v : a.v, B, T, Hq, Hkv,
+                           D, past, positions);
+  }
   ops_.linear_forward_residual(a.h, a.att, p.o_proj, x, N, Hq * D, C);
 
   // MLP block: out = h + mlp(ln2), mlp = down(silu(gate(ln2)) * up(ln2)) or the experts.
@@ -267,10 +281,14 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
 
   // Attention block. h = x + o_proj(att): dL/dx starts as dL/dh.
   ops_.linear_backward(a.d_att, g.o_proj, nullptr, dres, a.att, p.o_proj, N, Hq * D, C);
-  ops_.attention_backward(a.d_q, a.d_k, a.d_v, a.d_att, a.q, a.k, a.v, a.att, a.lse, B, T, Hq, Hkv, D,
-                          staged_positions_);
-  ops_.rope_backward(a.d_q, a.d_q, inv_freq_ops_, B, T, Hq, D, rope_scale_, staged_positions_);
-  ops_.rope_backward(a.d_k, a.d_k, inv_freq_ops_, B, T, Hkv, D, rope_scale_, staged_positions_);
+  if (context_comm_ != nullptr) {
+    RETURN_IF_ERROR(ring_attention_backward(layer, a, B, T));
+  } else {
+    ops_.attention_backward(a.d_q, a.d_k, a.d_v, a.d_att, a.q, a.k, a.v, a.att, a.lse, B, T, Hq, Hkv, D,
+                            staged_positions_);
+  }
+  ops_.rope_backward(a.d_q, a.d_q, inv_freq_ops_, B, T, Hq, D, rope_scale_, staged_rope_positions_);
+  ops_.rope_backward(a.d_k, a.d_k, inv_freq_ops_, B, T, Hkv, D, rope_scale_, staged_rope_positions_);
   if (p.q_norm != nullptr) {
     // Through the per-head norms; d_qk_raw serves q, then k.
     ops_.rmsnorm_backward(a.d_qk_raw, g.q_norm, a.d_q, a.q_raw, p.q_norm, a.q_norm_rstd, N * Hq, D);
@@ -376,7 +394,8 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, const int32_t* positi
   const int64_t L = config_.num_hidden_layers;
   const int64_t E = config_.num_experts;
   {
-    Status window = config_.check_sequence_length(T, "model config");
+    Status window = config_.check_sequence_length(context_comm_ != nullptr ? 2 * context_comm_->world_size() * T : T,
+                                                  "model config");
     CHECK_MSG(window.ok(), window.to_string());
   }
   RETURN_IF_ERROR(
@@ -387,6 +406,16 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, const int32_t* positi
   std::vector<int64_t> layer_counts(static_cast<size_t>(E));
   const int32_t* tokens = staged_inputs_ = ops_.stage_tokens(inputs, N, acts_.tokens_in);
   staged_positions_ = positions != nullptr ? ops_.stage_tokens(positions, N, acts_.tokens_pos) : nullptr;
+  staged_rope_positions_ = staged_positions_;
+  if (context_comm_ != nullptr) {
+    // Each token's place in its sequence (B = 2S rows of T = C tokens, S sequences of 2NC).
+    CHECK_MSG(positions == nullptr, "context parallelism with document masks");
+    CHECK_MSG(B % 2 == 0, "context parallelism takes two chunks of every sequence: B must be even");
+    const int64_t ranks = context_comm_->world_size();
+    context_positions_.resize(static_cast<size_t>(N));
+    context_positions(context_positions_.data(), B / 2, 2 * ranks * T, ranks, context_comm_->rank());
+    staged_rope_positions_ = ops_.stage_tokens(context_positions_.data(), N, acts_.tokens_pos);
+  }
   {
     trace::Span span("compute", "embedding forward");
     ops_.trace_phase("embedding forward");
@@ -469,7 +498,8 @@ template <class Ops>
 Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                    float grad_scale, bool backward, const int32_t* positions) {
   CHECK(B > 0 && T > 0);
-  update_rope(T);
+  // With context parallelism the sequences are 2N chunks of T tokens.
+  update_rope(context_comm_ != nullptr ? 2 * context_comm_->world_size() * T : T);
   CHECK_MSG(access_ != nullptr, "the model computes through a ParamAccess: set_access() first");
   check_tokens(inputs, targets, B * T);
   check_positions(positions, B, T);
@@ -619,6 +649,7 @@ Status Decoder<Ops>::decode(const int32_t* tokens, int64_t n, float* logits) {
   auto residual = [&](int64_t l) { return acts_.layer_checkpoints + (l % 2) * n * C; };
   const int32_t* staged = staged_inputs_ = ops_.stage_tokens(tokens, n, acts_.tokens_in);
   staged_positions_ = nullptr;
+  staged_rope_positions_ = nullptr;
   RETURN_IF_ERROR(begin_group(0, true, false));
   ops_.embedding_forward(residual(0), staged, param_blocks(layout_.embed_tokens()).data(),
                          block_rows(layout_.embed_tokens()), n, C, config_.vocab_size);
@@ -663,3 +694,5 @@ Status Decoder<Ops>::decode_head(const Act* x /*(C)*/, float* logits /*(V)*/) {
 }
 
 }  // namespace strata::model
+
+#include "model/ring_attention.h"

@@ -7,8 +7,15 @@
 #include <numeric>
 #include <vector>
 
+#include <filesystem>
+#include <memory>
+#include <thread>
+#include <unistd.h>
+
 #include "../test_util.h"
+#include "flat_model.h"
 #include "kernels/attention.h"
+#include "parallel/comm.h"
 
 namespace strata::model {
 namespace {
@@ -319,6 +326,127 @@ TEST(RingAttention, ACausalBlockIsAttentionForwardBitwise) {
                                         p.Hq, p.Hkv, p.D, AttentionBlock::kCausal, false, p.Dv, 0);
   EXPECT_EQ(out, whole.out);
   EXPECT_EQ(lse, whole.lse);
+}
+
+ModelConfig ring_config(bool moe) {
+  ModelConfig c;
+  c.vocab_size = 61;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 128;
+  if (moe) {  // no auxiliary loss: it is a rank's own tokens' (as with data parallelism)
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 24;
+    c.shared_expert_intermediate_size = 16;
+  }
+  c.fill_defaults();
+  return c;
+}
+
+struct RankResult {
+  double loss = 0;
+  std::vector<float> grads;
+  uint64_t bytes_sent = 0;
+  std::string error;
+};
+
+// One process over S whole sequences of T tokens against a context group of N ranks (threads,
+// each with its own Gloo connection and model) over the same tokens: the ranks' losses and
+// gradients add up to the whole's, within fp32 (bf16) reordering, and each rank sends the ring's
+// bytes: per layer, the keys and values N - 1 times in forward, again in the recompute (all
+// layers but the last) and in backward, and the fp32 sums of their gradients N times.
+template <class Net>
+void expect_context_group_matches_one_process(int64_t N, bool moe, double tolerance) {
+  const ModelConfig config = ring_config(moe);
+  const int64_t S = 2, C = 8, T = 2 * N * C;
+  std::vector<int32_t> inputs(static_cast<size_t>(S * T)), targets(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    inputs[i] = static_cast<int32_t>((i * 37 + 11) % static_cast<size_t>(config.vocab_size));
+    targets[i] = i % 13 == 5 ? -1 : static_cast<int32_t>((i * 53 + 3) % static_cast<size_t>(config.vocab_size));
+  }
+  FlatModel<Net> whole(config);
+  whole.init_weights(7);
+  Result<double> want = whole.compute(inputs.data(), targets.data(), S, T, 1.0f, /*backward=*/true);
+  ASSERT_TRUE(want.ok()) << want.status().to_string();
+
+  const std::string dir = ::testing::TempDir() + "/ring_" + std::to_string(getpid()) + "_" + std::to_string(N) +
+                          (moe ? "_moe" : "") + "_" + std::to_string(sizeof(typename Net::Act));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::vector<RankResult> results(static_cast<size_t>(N));
+  std::vector<std::thread> threads;
+  for (int64_t r = 0; r < N; ++r) {
+    threads.emplace_back([&, r] {
+      RankResult& out = results[static_cast<size_t>(r)];
+      parallel::LaunchInfo launch;
+      launch.rank = static_cast<int>(r);
+      launch.world_size = static_cast<int>(N);
+      launch.local_rank = launch.rank;
+      launch.local_world_size = launch.world_size;
+      launch.launcher = "torchrun";
+      launch.job_id = "ring";
+      parallel::CommOptions options;
+      options.backend = "gloo";
+      options.rendezvous_dir = dir;
+      options.timeout = std::chrono::seconds(60);
+      Result<std::unique_ptr<parallel::Comm>> comm = parallel::connect(launch, options);
+      if (!comm.ok()) {
+        out.error = comm.status().to_string();
+        return;
+      }
+      FlatModel<Net> m(config);
+      m.init_weights(7);
+      m.net().set_context_comm(comm->get());
+      std::vector<int32_t> in(inputs.size() / static_cast<size_t>(N)), tg(in.size());
+      context_split(in.data(), inputs.data(), S, T, 1, sizeof(int32_t), N, r);
+      context_split(tg.data(), targets.data(), S, T, 1, sizeof(int32_t), N, r);
+      Result<double> loss = m.compute(in.data(), tg.data(), 2 * S, C, 1.0f, /*backward=*/true);
+      if (!loss.ok()) {
+        out.error = loss.status().to_string();
+        return;
+      }
+      out.loss = *loss;
+      out.grads.assign(m.grads(), m.grads() + m.layout().total_size());
+      out.bytes_sent = (*comm)->bytes_sent();
+      m.net().set_context_comm(nullptr);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  std::filesystem::remove_all(dir);
+  double loss = 0;
+  std::vector<double> grads(static_cast<size_t>(whole.layout().total_size()), 0.0);
+  const int64_t L = config.num_hidden_layers;
+  const uint64_t kv_elems = static_cast<uint64_t>(2 * S * C * config.num_key_value_heads * config.head_dim);
+  const uint64_t kv_bytes = kv_elems * sizeof(typename Net::Act), sum_bytes = kv_elems * sizeof(float);
+  const uint64_t ring_bytes =
+      N == 1 ? 0 : static_cast<uint64_t>(3 * L - 1) * 2 * (N - 1) * kv_bytes + static_cast<uint64_t>(L) * 2 * N * sum_bytes;
+  for (const RankResult& r : results) {
+    ASSERT_TRUE(r.error.empty()) << r.error;
+    loss += r.loss;
+    for (size_t i = 0; i < grads.size(); ++i) grads[i] += r.grads[i];
+    EXPECT_EQ(r.bytes_sent, ring_bytes);
+  }
+  EXPECT_TRUE(std::fabs(loss - *want) <= tolerance * std::fabs(*want)) << loss << " over the ring, " << *want;
+  const std::vector<float> summed(grads.begin(), grads.end());
+  const std::vector<float> expected(whole.grads(), whole.grads() + whole.layout().total_size());
+  const double err = strata::testing::relative_error(summed, expected);
+  EXPECT_TRUE(err <= tolerance) << "gradients' relative error " << err << " over a ring of " << N;
+}
+
+TEST(ContextParallelModel, Fp32DenseAtRingsOfTwoAndFour) {
+  for (int64_t N : {1, 2, 4}) expect_context_group_matches_one_process<LlamaModel>(N, false, 1e-5);
+}
+
+TEST(ContextParallelModel, Fp32MoeAtRingsOfTwoAndFour) {
+  for (int64_t N : {2, 4}) expect_context_group_matches_one_process<LlamaModel>(N, true, 1e-5);
+}
+
+TEST(ContextParallelModel, Bf16DenseAtRingOfTwo) {
+  expect_context_group_matches_one_process<LlamaModelBf16>(2, false, 1e-3);
 }
 
 }  // namespace

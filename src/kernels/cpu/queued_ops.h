@@ -189,6 +189,24 @@ class CpuQueuedOps {
                          int64_t Dv = 0, double scale = 0) {
     launch([=, this] { direct_.attention_forward(out, lse, q, k, v, B, T, Hq, Hkv, D, past, positions, Dv, scale); });
   }
+  void attention_block_forward(float* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t Tq,
+                               int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, bool accumulate,
+                               int64_t Dv = 0, double scale = 0) {
+    launch([=, this] {
+      direct_.attention_block_forward(out, lse, q, k, v, B, Tq, Tk, Hq, Hkv, D, mask, accumulate, Dv, scale);
+    });
+  }
+  void attention_block_backward(float* dq, float* dk, float* dv, const Act* dout, const Act* q, const Act* k,
+                                const Act* v, const Act* out, const float* lse, int64_t B, int64_t Tq, int64_t Tk,
+                                int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, int64_t Dv = 0,
+                                double scale = 0) {
+    launch([=, this] {
+      direct_.attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, D, mask, Dv, scale);
+    });
+  }
+  void round_activations(Act* dst, const float* src, int64_t n) {
+    launch([=, this] { direct_.round_activations(dst, src, n); });
+  }
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                           const int32_t* positions = nullptr, int64_t Dv = 0, double scale = 0) {

@@ -267,6 +267,19 @@ void CudaOps::attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, con
   }
 }
 
+void CudaOps::attention_block_forward(float*, float*, const Act*, const Act*, const Act*, int64_t, int64_t, int64_t,
+                                      int64_t, int64_t, int64_t, AttentionBlock, bool, int64_t, double) {
+  CHECK_MSG(false, "ring attention (parallel.context_parallel) has no CUDA kernel yet; run it on the CPU backend");
+}
+
+void CudaOps::attention_block_backward(float*, float*, float*, const Act*, const Act*, const Act*, const Act*,
+                                       const Act*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                       AttentionBlock, int64_t, double) {
+  CHECK_MSG(false, "ring attention (parallel.context_parallel) has no CUDA kernel yet; run it on the CPU backend");
+}
+
+void CudaOps::round_activations(Act* dst, const float* src, int64_t n) { cuda::f32_to_bf16(dst, src, n, stream_); }
+
 void CudaOps::swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n) {
   cuda::swiglu_forward(out, gate, up, n, stream_);
 }

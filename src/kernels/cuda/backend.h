@@ -27,6 +27,7 @@
 #include "core/device.h"
 #include "core/dtype.h"
 #include "core/status.h"
+#include "kernels/attention.h"
 #include "kernels/attention_choice.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/micro_batch_shape.h"
@@ -117,6 +118,16 @@ class CudaOps {
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                           const int32_t* positions = nullptr, int64_t Dv = 0, double scale = 0);
+  // Ring attention's blocks (context parallelism): no CUDA kernel yet; they abort, and the
+  // trainer refuses parallel.context_parallel on CUDA before a step.
+  void attention_block_forward(float* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t Tq,
+                               int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, bool accumulate,
+                               int64_t Dv = 0, double scale = 0);
+  void attention_block_backward(float* dq, float* dk, float* dv, const Act* dout, const Act* q, const Act* k,
+                                const Act* v, const Act* out, const float* lse, int64_t B, int64_t Tq, int64_t Tk,
+                                int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, int64_t Dv = 0,
+                                double scale = 0);
+  void round_activations(Act* dst, const float* src, int64_t n);
   void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n);
   void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);
   void add_inplace(Act* a, const Act* b, int64_t n);
