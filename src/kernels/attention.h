@@ -71,14 +71,16 @@ enum class AttentionBlock : uint8_t { kFull, kCausal };
                                int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,                    \
                                AttentionBlock mask, bool accumulate, int64_t Dv = 0,              \
                                double scale = 0);                                                 \
-  /* The block's share of the gradients, added (+=) to dq, dk, dv; out and lse are the whole    \
-     attention's (every block merged), as the probabilities are P = exp(s - lse). */             \
+  /* The block's share of the gradients, written to dq and dk, dv, or added to them (+=) with    \
+     accumulate_dq and accumulate_dkv; out and lse are the whole attention's (every block       \
+     merged), as the probabilities are P = exp(s - lse). */                                       \
   void attention_block_backward(float* dq /*(B,Tq,Hq,D)*/, float* dk /*(B,Tk,Hkv,D)*/,            \
                                 float* dv /*(B,Tk,Hkv,Dv)*/, const float* dout /*(B,Tq,Hq,Dv)*/, \
                                 const float* q, const float* k, const float* v,                   \
                                 const float* out /*(B,Tq,Hq,Dv)*/, const float* lse /*(B,Hq,Tq)*/,\
                                 int64_t B, int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv,       \
-                                int64_t D, AttentionBlock mask, int64_t Dv = 0, double scale = 0);
+                                int64_t D, AttentionBlock mask, bool accumulate_dq,               \
+                                bool accumulate_dkv, int64_t Dv = 0, double scale = 0);
 namespace ref { STRATA_ATTENTION_OPS }
 namespace cpu { STRATA_ATTENTION_OPS }
 #undef STRATA_ATTENTION_OPS

@@ -56,8 +56,11 @@ class ActivationTable {
   // and their gradients hold min(N, mlp_tile) rows (mlp_rows()) and no layer keeps them; and
   // without expert parallelism the routed experts run over tiles of that many rows of the expert
   // order (expert_rows(): expert_gate .. d_expert_act, none kept by a layer either).
+  // context_ranks: the context group's ranks with context parallelism, whose ring buffers the
+  // table then holds too (ring_k .. ring_dq); 0 without.
   Status reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T, bool offload_activations = false,
-                 bool keep_layers = false, int64_t kv_tokens = 0, int64_t expert_ranks = 1, int64_t mlp_tile = 0);
+                 bool keep_layers = false, int64_t kv_tokens = 0, int64_t expert_ranks = 1, int64_t mlp_tile = 0,
+                 int64_t context_ranks = 0);
   // Bytes held (for logging and tests).
   int64_t bytes() const { return bytes_; }
   // The tokens per micro-batch the buffers hold (N; 0 before reserve()).
@@ -65,7 +68,7 @@ class ActivationTable {
   // The bytes reserve() would take, the backend's own per-micro-batch buffers included, without
   // allocating.
   static int64_t bytes_for(const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers = false,
-                           int64_t expert_ranks = 1, int64_t mlp_tile = 0);
+                           int64_t expert_ranks = 1, int64_t mlp_tile = 0, int64_t context_ranks = 0);
   // Rows of the dense MLP's buffers (gate .. act, d_gate .. d_act): N, or the token tile.
   int64_t mlp_rows() const { return mlp_rows_; }
   // Whether the routed experts run in tiles of expert_rows() rows of the expert order (their
@@ -178,11 +181,21 @@ class ActivationTable {
   Act* ep_dys = nullptr;           // (R, C)
   Act* ep_dxs = nullptr;           // (R, C)
   float* d_shared_logit = nullptr;   // (N)
+  // Context parallelism only (model/ring_attention.h): the keys and values held and passed on,
+  // two of each; the fp32 sums of their gradients travelling beside them, two of each; the fp32
+  // sums of the attention output and of dq.
+  Act* ring_k[2] = {nullptr, nullptr};    // (N, Hkv*D)
+  Act* ring_v[2] = {nullptr, nullptr};    // (N, Hkv*D)
+  float* ring_dk[2] = {nullptr, nullptr}; // (N, Hkv*D)
+  float* ring_dv[2] = {nullptr, nullptr}; // (N, Hkv*D)
+  float* ring_out = nullptr;              // (N, Hq*D)
+  float* ring_dq = nullptr;               // (N, Hq*D)
 
  private:
   int64_t planned_tokens_ = 0;
   int64_t planned_kv_ = 0;
   int64_t planned_ranks_ = 1;
+  int64_t planned_context_ = 0;
   bool planned_offload_ = false;
   int64_t layer_checkpoint_slots_ = 0;
   int64_t bytes_ = 0;
@@ -194,7 +207,7 @@ class ActivationTable {
 
   // Hands out every field for N tokens from `base` (null: only measures); returns the bytes.
   int64_t carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations, bool keep_layers,
-                int64_t kv_tokens, int64_t expert_ranks, int64_t mlp_tile);
+                int64_t kv_tokens, int64_t expert_ranks, int64_t mlp_tile, int64_t context_ranks);
   bool planned_keep_ = false;
   std::vector<ActivationTable> layer_views_;  // per layer 0 .. L-2 when keeping layers
 };
@@ -202,22 +215,25 @@ class ActivationTable {
 template <class Ops>
 Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_t B, int64_t T,
                                      bool offload_activations, bool keep_layers, int64_t kv_tokens,
-                                     int64_t expert_ranks, int64_t mlp_tile) {
+                                     int64_t expert_ranks, int64_t mlp_tile, int64_t context_ranks) {
   int64_t N = B * T;
   if (N <= planned_tokens_ && offload_activations == planned_offload_ && keep_layers == planned_keep_ &&
-      kv_tokens == planned_kv_ && expert_ranks == planned_ranks_ && mlp_tile == planned_mlp_tile_)
+      kv_tokens == planned_kv_ && expert_ranks == planned_ranks_ && mlp_tile == planned_mlp_tile_ &&
+      context_ranks == planned_context_)
     return Status::OK();
   if (kv_tokens == planned_kv_) N = std::max(N, planned_tokens_);
-  const int64_t bytes =
-      ActivationTable().carve(nullptr, config, N, offload_activations, keep_layers, kv_tokens, expert_ranks, mlp_tile);
+  const int64_t bytes = ActivationTable().carve(nullptr, config, N, offload_activations, keep_layers, kv_tokens,
+                                                expert_ranks, mlp_tile, context_ranks);
   // The backend frees the old block first: after a failure nothing is planned any more.
   planned_tokens_ = 0;
   planned_kv_ = 0;
   bytes_ = 0;
   ASSIGN_OR_RETURN(void* base,
                    ops.activation_block(static_cast<uint64_t>(bytes), micro_batch_shape(config, N, expert_ranks)));
-  carve(static_cast<char*>(base), config, N, offload_activations, keep_layers, kv_tokens, expert_ranks, mlp_tile);
+  carve(static_cast<char*>(base), config, N, offload_activations, keep_layers, kv_tokens, expert_ranks, mlp_tile,
+        context_ranks);
   planned_mlp_tile_ = mlp_tile;
+  planned_context_ = context_ranks;
   planned_keep_ = keep_layers;
   planned_ranks_ = expert_ranks;
   planned_kv_ = kv_tokens;
@@ -231,16 +247,18 @@ Status ActivationTable<Ops>::reserve(Ops& ops, const ModelConfig& config, int64_
 
 template <class Ops>
 int64_t ActivationTable<Ops>::bytes_for(const ModelConfig& config, int64_t N, bool offload_activations,
-                                        bool keep_layers, int64_t expert_ranks, int64_t mlp_tile) {
+                                        bool keep_layers, int64_t expert_ranks, int64_t mlp_tile,
+                                        int64_t context_ranks) {
   ActivationTable<Ops> measured;
   return measured.carve(nullptr, config, N, offload_activations, keep_layers, /*kv_tokens=*/0, expert_ranks,
-                        mlp_tile) +
+                        mlp_tile, context_ranks) +
          static_cast<int64_t>(Ops::extra_activation_bytes(micro_batch_shape(config, N, expert_ranks)));
 }
 
 template <class Ops>
 int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64_t N, bool offload_activations,
-                                    bool keep_layers, int64_t kv_tokens, int64_t expert_ranks, int64_t mlp_tile) {
+                                    bool keep_layers, int64_t kv_tokens, int64_t expert_ranks, int64_t mlp_tile,
+                                    int64_t context_ranks) {
   const int64_t C = config.hidden_size;
   const int64_t F = config.dense_mlp_width();
   const int64_t L = config.num_hidden_layers;
@@ -349,6 +367,15 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(ep_dys, ep * C);
   take(ep_dxs, ep * C);
   take(d_shared_logit, shared * N);
+  const int64_t ring = context_ranks > 0 ? N : 0;
+  for (int i = 0; i < 2; ++i) {
+    take(ring_k[i], ring * kv_dim);
+    take(ring_v[i], ring * kv_dim);
+    take(ring_dk[i], ring * kv_dim);
+    take(ring_dv[i], ring * kv_dim);
+  }
+  take(ring_out, ring * q_dim);
+  take(ring_dq, ring * q_dim);
   take(tokens_in, N);
   take(tokens_target, N);
   take(tokens_pos, N);

@@ -106,9 +106,9 @@ class Model {
   virtual void set_mlp_tile_tokens(int64_t tokens) = 0;
   // Bytes of the activation table for micro-batches of `tokens` (B * T) tokens, with the layer
   // checkpoints offloaded or not, in an expert group of `expert_ranks` (1: none; see
-  // set_expert_comm).
+  // set_expert_comm) and a context group of `context_ranks` (0: none; see set_context_comm).
   virtual int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers,
-                                       int64_t expert_ranks) const = 0;
+                                       int64_t expert_ranks, int64_t context_ranks) const = 0;
   // The stream the model's ops are queued on, for an access that orders its moves after them;
   // null when the ops run in the calling thread (a CPU op set made without a Device).
   virtual Stream* compute_stream() = 0;
@@ -223,9 +223,10 @@ class Decoder final : public Model {
   Status begin_sequence(int64_t capacity, int64_t max_chunk) override;
   Status decode(const int32_t* tokens, int64_t n, float* logits) override;
   int64_t sequence_length() const override { return kv_length_; }
-  int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers,
-                               int64_t expert_ranks) const override {
-    return ActivationTable<Ops>::bytes_for(config_, tokens, offload_activations, keep_layers, expert_ranks, mlp_tile_);
+  int64_t activation_bytes_for(int64_t tokens, bool offload_activations, bool keep_layers, int64_t expert_ranks,
+                               int64_t context_ranks) const override {
+    return ActivationTable<Ops>::bytes_for(config_, tokens, offload_activations, keep_layers, expert_ranks, mlp_tile_,
+                                           context_ranks);
   }
 
  private:
@@ -329,13 +330,10 @@ class Decoder final : public Model {
   // Expert parallelism (set_expert_comm): the expert group, and each layer's last exchange.
   parallel::Comm* expert_comm_ = nullptr;
   std::vector<ExpertRoute> expert_routes_;  // (L)
-  // Context parallelism (set_context_comm): the context group, each token's place in its
-  // sequence, and the ring's buffers (the keys and values passed on, two of each; the fp32
-  // output and gradient sums).
+  // Context parallelism (set_context_comm): the context group and each token's place in its
+  // sequence (the ring's buffers are the activation table's).
   parallel::Comm* context_comm_ = nullptr;
   std::vector<int32_t> context_positions_;
-  std::vector<Act> ring_k_[2], ring_v_[2];
-  std::vector<float> ring_dk_[2], ring_dv_[2], ring_out_, ring_dq_;
   double last_aux_loss_ = 0.0;
   // Generation (begin_sequence): the sequence's capacity, the tokens per decode() at most, and
   // the tokens in the cache.

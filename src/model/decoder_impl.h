@@ -399,7 +399,8 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, const int32_t* positi
     CHECK_MSG(window.ok(), window.to_string());
   }
   RETURN_IF_ERROR(
-      acts_.reserve(ops_, config_, B, T, access_->offloads_activations(), keep_layers_, 0, expert_ranks(), mlp_tile_));
+      acts_.reserve(ops_, config_, B, T, access_->offloads_activations(), keep_layers_, 0, expert_ranks(), mlp_tile_,
+                    context_comm_ != nullptr ? context_ranks() : 0));
   const int64_t offloaded = offload ? saved_activation_count(static_cast<int>(L)) : 0;
   std::fill(forward_counts_.begin(), forward_counts_.end(), int64_t{0});
   std::fill(forward_prob_sums_.begin(), forward_prob_sums_.end(), 0.0);

@@ -2,17 +2,17 @@
 // included at the end of decoder_impl.h.
 //
 // Forward: at step s this rank holds the keys and values of rank (r - s) mod N, its own at step 0
-// (the layer's own k, v), later in ring_k_/ring_v_ by turns. Before the blocks of step s run, the
+// (the layer's own k, v), later in ring_k/ring_v by turns. Before the blocks of step s run, the
 // keys and values it holds go on to rank r + 1 and those for step s + 1 come in from r - 1, so on
 // a backend whose Comm queues on a stream (NCCL) the exchange overlaps the blocks. The blocks merge
-// into fp32 sums (ring_out_, and the lse in a.lse itself), rounded into a.att at the end.
-// Backward: the same ring, with the fp32 gradients of the keys and values held (ring_dk_,
-// ring_dv_) travelling beside them: each step's blocks add to them and to dq, then they go on to
+// into fp32 sums (ring_out, and the lse in a.lse itself), rounded into a.att at the end.
+// Backward: the same ring, with the fp32 gradients of the keys and values held (ring_dk,
+// ring_dv) travelling beside them: each step's blocks add to them and to dq, then they go on to
 // the next rank, and after the N-th exchange each rank holds its own keys' sums.
 //
-// A buffer the queued blocks read is written again only by an exchange after them, which the
-// compute stream orders (Comm's stream contract); the fp32 sums are zeroed once the ops queued
-// before are done.
+// The buffers are the activation table's (ring_k .. ring_dq). One the queued blocks read is
+// written again only by an exchange queued after them, which the compute stream orders (Comm's
+// stream contract). No sum is zeroed: each half's first block writes it.
 #pragma once
 
 #include <algorithm>
@@ -33,13 +33,8 @@ Status Decoder<Ops>::ring_attention_forward(int64_t layer, const ActivationTable
   const int64_t S = B / 2, Hq = config_.num_attention_heads, Hkv = config_.num_key_value_heads,
                 D = config_.head_dim;
   const int64_t kv_elems = B * T * Hkv * D, out_elems = B * T * Hq * D;
+  const size_t kv_bytes = static_cast<size_t>(kv_elems) * sizeof(Act);
   const int to = static_cast<int>((r + 1) % N), from = static_cast<int>((r + N - 1) % N);
-  ops_.synchronize();  // the ops queued before may still read the buffers resized here
-  for (int i = 0; i < 2; ++i) {
-    ring_k_[i].resize(static_cast<size_t>(kv_elems));
-    ring_v_[i].resize(static_cast<size_t>(kv_elems));
-  }
-  ring_out_.resize(static_cast<size_t>(out_elems));
   auto exchange = [&](const void* send, void* recv, size_t bytes) -> Status {
     Status st = comm.send_recv(send, to, recv, from, bytes, ops_.compute_stream());
     if (!st.ok()) access_->collectives_failed(st);
@@ -47,15 +42,13 @@ Status Decoder<Ops>::ring_attention_forward(int64_t layer, const ActivationTable
   };
   // Half h (0, 1) of a local tensor with `width` elements per token.
   auto half = [&](auto* base, int h, int64_t width) { return base + h * S * T * width; };
-  bool started[2] = {false, false};
+  bool started[2] = {false, false};  // a query half's first block writes, the later ones merge
   const Act* held_k = k;
   const Act* held_v = v;
   for (int64_t s = 0; s < N; ++s) {
     if (s + 1 < N) {
-      Act* next_k = ring_k_[s % 2].data();
-      Act* next_v = ring_v_[s % 2].data();
-      RETURN_IF_ERROR(exchange(held_k, next_k, static_cast<size_t>(kv_elems) * sizeof(Act)));
-      RETURN_IF_ERROR(exchange(held_v, next_v, static_cast<size_t>(kv_elems) * sizeof(Act)));
+      RETURN_IF_ERROR(exchange(held_k, acts_.ring_k[s % 2], kv_bytes));
+      RETURN_IF_ERROR(exchange(held_v, acts_.ring_v[s % 2], kv_bytes));
     }
     const int64_t src = context_ring_source(N, r, s);
     for (int qh = 0; qh < 2; ++qh)
@@ -63,17 +56,17 @@ Status Decoder<Ops>::ring_attention_forward(int64_t layer, const ActivationTable
         const std::optional<kernels::AttentionBlock> block =
             context_block(context_chunk(N, r, qh), context_chunk(N, src, kh));
         if (!block) continue;
-        ops_.attention_block_forward(half(ring_out_.data(), qh, Hq * D), half(a.lse, qh, Hq), half(a.q, qh, Hq * D),
+        ops_.attention_block_forward(half(acts_.ring_out, qh, Hq * D), half(a.lse, qh, Hq), half(a.q, qh, Hq * D),
                                      half(held_k, kh, Hkv * D), half(held_v, kh, Hkv * D), S, T, T, Hq, Hkv, D, *block,
                                      started[qh]);
         started[qh] = true;
       }
     if (s + 1 < N) {
-      held_k = ring_k_[s % 2].data();
-      held_v = ring_v_[s % 2].data();
+      held_k = acts_.ring_k[s % 2];
+      held_v = acts_.ring_v[s % 2];
     }
   }
-  ops_.round_activations(a.att, ring_out_.data(), out_elems);
+  ops_.round_activations(a.att, acts_.ring_out, out_elems);
   return Status::OK();
 }
 
@@ -84,59 +77,54 @@ Status Decoder<Ops>::ring_attention_backward(int64_t layer, const ActivationTabl
   const int64_t S = B / 2, Hq = config_.num_attention_heads, Hkv = config_.num_key_value_heads,
                 D = config_.head_dim;
   const int64_t kv_elems = B * T * Hkv * D, q_elems = B * T * Hq * D;
+  const size_t kv_bytes = static_cast<size_t>(kv_elems) * sizeof(Act);
+  const size_t sum_bytes = static_cast<size_t>(kv_elems) * sizeof(float);
   const int to = static_cast<int>((r + 1) % N), from = static_cast<int>((r + N - 1) % N);
-  ops_.synchronize();  // nothing queued still reads the sums zeroed here
-  for (int i = 0; i < 2; ++i) {
-    ring_k_[i].resize(static_cast<size_t>(kv_elems));
-    ring_v_[i].resize(static_cast<size_t>(kv_elems));
-    ring_dk_[i].assign(static_cast<size_t>(kv_elems), 0.0f);
-    ring_dv_[i].assign(static_cast<size_t>(kv_elems), 0.0f);
-  }
-  ring_dq_.assign(static_cast<size_t>(q_elems), 0.0f);
   auto exchange = [&](const void* send, void* recv, size_t bytes) -> Status {
     Status st = comm.send_recv(send, to, recv, from, bytes, ops_.compute_stream());
     if (!st.ok()) access_->collectives_failed(st);
     return st.with_context(fmt::format("layer {}: ring attention backward", layer));
   };
   auto half = [&](auto* base, int h, int64_t width) { return base + h * S * T * width; };
+  // At step 0 the first block of each half writes its sums (dq's, and those of this rank's own
+  // keys); later blocks, and the sums received, are added to.
+  bool dq_started[2] = {false, false}, dkv_started[2] = {false, false};
   const Act* held_k = a.k;
   const Act* held_v = a.v;
-  const size_t act_bytes = static_cast<size_t>(kv_elems) * sizeof(Act);
-  const size_t sum_bytes = static_cast<size_t>(kv_elems) * sizeof(float);
   for (int64_t s = 0; s < N; ++s) {
     // The keys for the next step come in while this step's blocks run; the gradient sums go on
     // once the blocks have added to them.
     if (s + 1 < N) {
-      RETURN_IF_ERROR(exchange(held_k, ring_k_[s % 2].data(), act_bytes));
-      RETURN_IF_ERROR(exchange(held_v, ring_v_[s % 2].data(), act_bytes));
+      RETURN_IF_ERROR(exchange(held_k, acts_.ring_k[s % 2], kv_bytes));
+      RETURN_IF_ERROR(exchange(held_v, acts_.ring_v[s % 2], kv_bytes));
     }
-    float* dk = ring_dk_[s % 2].data();
-    float* dv = ring_dv_[s % 2].data();
+    float* dk = acts_.ring_dk[s % 2];
+    float* dv = acts_.ring_dv[s % 2];
     const int64_t src = context_ring_source(N, r, s);
     for (int qh = 0; qh < 2; ++qh)
       for (int kh = 0; kh < 2; ++kh) {
         const std::optional<kernels::AttentionBlock> block =
             context_block(context_chunk(N, r, qh), context_chunk(N, src, kh));
         if (!block) continue;
-        ops_.attention_block_backward(half(ring_dq_.data(), qh, Hq * D), half(dk, kh, Hkv * D), half(dv, kh, Hkv * D),
+        ops_.attention_block_backward(half(acts_.ring_dq, qh, Hq * D), half(dk, kh, Hkv * D), half(dv, kh, Hkv * D),
                                       half(a.d_att, qh, Hq * D), half(a.q, qh, Hq * D), half(held_k, kh, Hkv * D),
                                       half(held_v, kh, Hkv * D), half(a.att, qh, Hq * D), half(a.lse, qh, Hq), S, T,
-                                      T, Hq, Hkv, D, *block);
+                                      T, Hq, Hkv, D, *block, dq_started[qh], s > 0 || dkv_started[kh]);
+        dq_started[qh] = true;
+        if (s == 0) dkv_started[kh] = true;
       }
-    // The sums go on to the next rank; the ones coming in replace the buffer sent a step before.
-    float* next_dk = ring_dk_[(s + 1) % 2].data();
-    float* next_dv = ring_dv_[(s + 1) % 2].data();
-    RETURN_IF_ERROR(exchange(dk, next_dk, sum_bytes));
-    RETURN_IF_ERROR(exchange(dv, next_dv, sum_bytes));
+    // The sums go on to the next rank; the ones coming in replace those sent a step before.
+    RETURN_IF_ERROR(exchange(dk, acts_.ring_dk[(s + 1) % 2], sum_bytes));
+    RETURN_IF_ERROR(exchange(dv, acts_.ring_dv[(s + 1) % 2], sum_bytes));
     if (s + 1 < N) {
-      held_k = ring_k_[s % 2].data();
-      held_v = ring_v_[s % 2].data();
+      held_k = acts_.ring_k[s % 2];
+      held_v = acts_.ring_v[s % 2];
     }
   }
   // After N exchanges the sums of this rank's own keys are back, in the buffer of step N.
-  ops_.round_activations(a.d_q, ring_dq_.data(), q_elems);
-  ops_.round_activations(a.d_k, ring_dk_[N % 2].data(), kv_elems);
-  ops_.round_activations(a.d_v, ring_dv_[N % 2].data(), kv_elems);
+  ops_.round_activations(a.d_q, acts_.ring_dq, q_elems);
+  ops_.round_activations(a.d_k, acts_.ring_dk[N % 2], kv_elems);
+  ops_.round_activations(a.d_v, acts_.ring_dv[N % 2], kv_elems);
   return Status::OK();
 }
 

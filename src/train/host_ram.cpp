@@ -129,7 +129,7 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   po.nvme_bytes = has_nvme ? t.nvme_size : 0;
   po.chunk_bytes = t.chunk_size;
   po.offload_activations = plan.offload_activations;
-  po.activation_tokens = t.micro_batch * t.seq_len;
+  po.activation_tokens = t.rank_tokens();
   po.precision = precision;
   po.moments = t.moments;
   // A data-parallel rank's share, as the plan places it (its sliced kinds hold its ranges).
@@ -188,7 +188,7 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
   // recipe (backend_fp8.cpp) holds two more quantised copies of the token operands.
   uint64_t scratch = 0;
   if (!cuda && precision != Precision::kFp32) {
-    const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
+    const uint64_t N = static_cast<uint64_t>(t.rank_tokens());
     const uint64_t wide = static_cast<uint64_t>(std::max({mc.hidden_size, mc.intermediate_size, mc.q_dim()}));
     const uint64_t narrow = static_cast<uint64_t>(mc.hidden_size);
     const uint64_t token_operands = precision == Precision::kFp8 ? 5 : 3;

@@ -36,6 +36,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   // Expert parallelism: what it cannot split is refused before anything is planned.
   RETURN_IF_ERROR(check_expert_parallel(mc, t.parallel_expert, std::max(1, t.dp_world), e->budgets_.plan_zero));
   RETURN_IF_ERROR(check_experts_reached(mc, t.experts_reached));
+  RETURN_IF_ERROR(check_context_parallel(t, std::max(1, t.dp_world), backend));
   RETURN_IF_ERROR(e->open_backend(t));
   RETURN_IF_ERROR(e->resolve_budgets());
   // Before anything sizes the activation table: the MLP's tile (the planner's choice under auto,
@@ -46,7 +47,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   if (t.mlp_tile_tokens == TrainConfig::kMlpTileAuto && placed.code() == StatusCode::kOutOfMemory) {
     // The planner chose the tile from its estimate of the activation table; the exact table
     // (plan_placement) may be larger: smaller tiles then, while one fits.
-    for (const int64_t tile : mlp_tile_candidates(t.micro_batch * t.seq_len)) {
+    for (const int64_t tile : mlp_tile_candidates(t.rank_tokens())) {
       if (e->budgets_.mlp_tile_tokens != 0 && tile >= e->budgets_.mlp_tile_tokens) continue;
       e->budgets_.mlp_tile_tokens = tile;
       e->net_->set_mlp_tile_tokens(tile);
@@ -135,13 +136,14 @@ Status PagedEngine::resolve_budgets() {
 Status PagedEngine::plan_placement(const TrainConfig& t) {
   PlanInput in = make_plan_input(mc_, budgets_, backend_);
   plan_ = make_plan(in);
-  const int64_t tokens = t.micro_batch * t.seq_len;
+  const int64_t tokens = t.rank_tokens();
   // memory.keep_activations=true is planned: the kept layers' bytes are in the plan's device.
   const bool planned_keep = in.kept_activation_bytes > 0;
   if (plan_.fits) {
     // The plan counts ZeRO-2's gradient workspace with the activations: so does the comparison.
     const uint64_t exact =
-        static_cast<uint64_t>(net_->activation_bytes_for(tokens, plan_.offload_activations, planned_keep, t.parallel_expert)) +
+        static_cast<uint64_t>(net_->activation_bytes_for(tokens, plan_.offload_activations, planned_keep, t.parallel_expert,
+                                                         t.ring_ranks())) +
         kArenaSlack + workspace_bytes();
     if (exact > plan_.device.act && in.device_budget > exact - plan_.device.act) {
       const uint64_t more = exact - plan_.device.act;
@@ -187,9 +189,11 @@ Status PagedEngine::open_nvme(const TrainConfig& t) {
 // layer activations cost their bytes beside the planned activations; memory.keep_activations=auto
 // keeps them on cuda when the device has that room left after the plan.
 Status PagedEngine::size_activations(const TrainConfig& t) {
-  const int64_t tokens = t.micro_batch * t.seq_len;
+  const int64_t tokens = t.rank_tokens();
   const bool offload = plan_.offload_activations;
-  auto table_bytes = [&](bool keep) { return static_cast<uint64_t>(net_->activation_bytes_for(tokens, offload, keep, t.parallel_expert)); };
+  auto table_bytes = [&](bool keep) {
+    return static_cast<uint64_t>(net_->activation_bytes_for(tokens, offload, keep, t.parallel_expert, t.ring_ranks()));
+  };
   const uint64_t device = budgets_.memory_device;
   const bool planned_keep = plan_input_.kept_activation_bytes > 0;
   const uint64_t keep_extra = planned_keep ? 0 : table_bytes(true) - table_bytes(false);
@@ -230,7 +234,7 @@ Status PagedEngine::create_state(const TrainConfig& t, const OptimizerConfig& oc
   po.chunk_bytes = budgets_.chunk_size;
   po.grad_accum = t.grad_accum;
   po.offload_activations = plan_.offload_activations;
-  po.activation_tokens = t.micro_batch * t.seq_len;
+  po.activation_tokens = t.rank_tokens();
   po.optimizer = oc;
   po.overlap_optimizer = t.overlap_backward;
   po.overlap_reduction = overlaps_collectives(t, budgets_.plan_zero);
@@ -332,6 +336,30 @@ void PagedEngine::run_gathers_ahead(int ahead) {
   state_->run_gathers_ahead(ahead);
 }
 
+// Whether a layer is recomputed decides whether its exchanges (expert groups' tokens, the context
+// ring's keys) run again in backward: every rank must decide alike. memory.keep_activations=auto
+// decides by each rank's own room (its experts differ), so the ranks keep only when all can.
+Status PagedEngine::agree_keep_activations(parallel::Comm& comm) {
+  if (comm.world_size() <= 1) return Status::OK();
+  ASSIGN_OR_RETURN(const double keeping, parallel::sum_over_ranks(comm, keep_activations_ ? 1.0 : 0.0));
+  if (keep_activations_ && keeping < comm.world_size()) {
+    keep_activations_ = false;
+    net_->set_keep_layer_activations(false);
+  }
+  return Status::OK();
+}
+
+Status PagedEngine::set_context_comm(parallel::Comm* context) {
+  const int64_t N = context != nullptr ? context->world_size() : 1;
+  if (N != std::max<int64_t>(budgets_.parallel_context, 1))
+    return Status::InvalidArgument(fmt::format("the engine was planned for context groups of {} ranks "
+                                               "(parallel.context_parallel), and this rank's group has {}",
+                                               budgets_.parallel_context, N));
+  if (context != nullptr) RETURN_IF_ERROR(agree_keep_activations(*context));
+  net_->set_context_comm(N > 1 ? context : nullptr);
+  return Status::OK();
+}
+
 Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover, parallel::Comm* experts,
                              parallel::Comm* expert_holders, parallel::Comm* expert_handover) {
   const int P = experts != nullptr ? experts->world_size() : 1;
@@ -351,16 +379,7 @@ Status PagedEngine::set_comm(parallel::Comm* comm, parallel::Comm* handover, par
   if (comm != nullptr && comm->world_size() > 1 && options_.overlap_reduction && handover == nullptr)
     return Status::InvalidArgument("parallel.overlap_comm sums the gradients through a communicator of its own; "
                                    "none was given");
-  if (P > 1 && comm != nullptr && comm->world_size() > 1) {
-    // Whether a layer is recomputed decides whether its token exchanges run again in backward:
-    // every rank must decide alike. memory.keep_activations=auto decides by each rank's own
-    // room (its experts differ), so the ranks keep only when all of them can.
-    ASSIGN_OR_RETURN(const double keeping, parallel::sum_over_ranks(*comm, keep_activations_ ? 1.0 : 0.0));
-    if (keep_activations_ && keeping < comm->world_size()) {
-      keep_activations_ = false;
-      net_->set_keep_layer_activations(false);
-    }
-  }
+  if (P > 1 && comm != nullptr) RETURN_IF_ERROR(agree_keep_activations(*comm));
   state_->set_comm(comm, handover, P > 1 ? expert_holders : nullptr, P > 1 ? expert_handover : nullptr);
   net_->set_expert_comm(P > 1 ? experts : nullptr);
   comm_ = comm;

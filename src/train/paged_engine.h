@@ -92,6 +92,12 @@ class PagedEngine {
   // engine.
   Status set_comm(parallel::Comm* comm, parallel::Comm* handover = nullptr, parallel::Comm* experts = nullptr,
                   parallel::Comm* expert_holders = nullptr, parallel::Comm* expert_handover = nullptr);
+  // Context parallelism (parallel.context_parallel = N > 1, model/context_parallel.h): this rank's
+  // context group. micro_batch() and eval_micro_batch() then take the rank's share of each
+  // sequence, B = 2S rows of seq_len / 2N tokens for S sequences, and every rank of the group
+  // calls them in step. Call after set_comm. InvalidArgument when the group's size is not the
+  // one the engine was planned for.
+  Status set_context_comm(parallel::Comm* context);
   // Device bytes beside the chunks and the activation table for whole groups the ranks hold
   // slices of: ZeRO-2's gradient workspace, ZeRO-3's gathered weights (the plan keeps them free).
   uint64_t workspace_bytes() const;
@@ -160,6 +166,8 @@ class PagedEngine {
   std::unique_ptr<StateKernels> state_kernels_;  // the device's; null on the CPU
   std::unique_ptr<model::Model> net_;
   std::unique_ptr<PagedState> state_;
+  // memory.keep_activations agreed over the ranks of `comm` (all keep, or none).
+  Status agree_keep_activations(parallel::Comm& comm);
   parallel::Comm* comm_ = nullptr;  // data-parallel ranks, or null
 };
 

@@ -190,7 +190,7 @@ int64_t planned_mlp_tile(const model::ModelConfig& m, const TrainConfig& train, 
     return plan_fits(make_plan_input(m, t, device));
   };
   if (fits(0)) return 0;
-  const std::vector<int64_t> tiles = mlp_tile_candidates(t.micro_batch * t.seq_len);
+  const std::vector<int64_t> tiles = mlp_tile_candidates(t.rank_tokens());
   // Where not even the smallest tile fits, no tile does (a tile's buffers shrink with it): two
   // plans decide it, as the searches for the longest sequence and largest batch mostly ask.
   if (tiles.empty() || !fits(tiles.back())) return 0;
@@ -217,7 +217,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
     // of them, 1 - (1 - K/E)^N. Training micro-batches of a balanced router reach every expert; an
     // untrained router, whose tokens crowd onto a few experts, reaches fewer.
     const uint64_t E = static_cast<uint64_t>(m.num_experts), Fe = static_cast<uint64_t>(m.moe_intermediate_size);
-    const double tokens = static_cast<double>(t.micro_batch * t.seq_len);
+    const double tokens = static_cast<double>(t.rank_tokens());
     in.expert_elements = static_cast<uint64_t>(m.num_moe_layers()) * E * 3 * Fe * C / std::max<uint64_t>(L, 1);
     in.moe_layers = m.num_moe_layers();
     in.expert_fetch_fraction = 1.0 - std::pow(1.0 - static_cast<double>(m.num_experts_per_tok) / E, tokens);
@@ -263,7 +263,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
 
   // Activations, in the shapes of model/activations.h, for N tokens per micro-batch.
   const uint64_t act = dtype_size(state.activation_dtype());
-  const uint64_t N = static_cast<uint64_t>(t.micro_batch * t.seq_len);
+  const uint64_t N = static_cast<uint64_t>(t.rank_tokens());
   in.saved_activation_bytes_per_layer = N * C * act;
   // One layer's recompute and backward scratch, the final norm's buffers and the backend's
   // own (MoE expert buffers): the decoder's activation table less its layer checkpoints, as the
@@ -274,9 +274,9 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
     const int64_t tokens = static_cast<int64_t>(N);
     return state.activation_dtype() == DType::kF32
                ? model::ActivationTable<kernels::CpuF32Ops>::bytes_for(m, tokens, false, keep, t.parallel_expert,
-                                                                     t.mlp_tile_tokens)
+                                                                     t.mlp_tile_tokens, t.ring_ranks())
                : model::ActivationTable<kernels::CpuBf16Ops>::bytes_for(m, tokens, false, keep, t.parallel_expert,
-                                                                      t.mlp_tile_tokens);
+                                                                      t.mlp_tile_tokens, t.ring_ranks());
   };
   const uint64_t table = static_cast<uint64_t>(table_bytes(false));
   const uint64_t layer_checkpoints = (L + 1) * in.saved_activation_bytes_per_layer;
@@ -295,7 +295,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
            : loss_chunk * V * 4;
 
   in.grad_accum = t.grad_accum;
-  in.tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum;
+  in.tokens_per_step = t.rank_tokens() * t.grad_accum;
   // FLOPs as DESIGN §2 counts them (2 per weight and token forward, 4*C*T per token and layer
   // for attention), for the weights a token really multiplies: the experts it is routed to, not
   // all of them, and the LM head but not the embedding lookup.
@@ -318,7 +318,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   // - the routed experts (tiled without expert parallelism, not in the fp8 recipe) run again
   //   whole in every layer's backward, tile by tile.
   if (const int64_t tile = t.mlp_tile_tokens; tile > 0) {
-    const int64_t tokens = t.micro_batch * t.seq_len, rows = tokens * m.num_experts_per_tok;
+    const int64_t tokens = t.rank_tokens(), rows = tokens * m.num_experts_per_tok;
     const double Cd = static_cast<double>(C), Nd = static_cast<double>(tokens);
     const bool tokens_tiled = tile < tokens;
     const bool experts_tiled = m.is_moe() && t.parallel_expert <= 1 && tile < rows &&
@@ -467,6 +467,36 @@ Status check_experts_reached(const model::ModelConfig& m, const std::vector<doub
   return Status::OK();
 }
 
+Status check_context_parallel(const TrainConfig& t, int64_t world, DeviceKind backend) {
+  const int64_t N = t.parallel_context;
+  if (N <= 1) return Status::OK();
+  if (world % N != 0)
+    return Status::InvalidArgument(fmt::format(
+        "parallel.context_parallel={} must divide the number of ranks, {}: launch a multiple of it, or lower it", N,
+        world));
+  if (t.seq_len % (2 * N) != 0)
+    return Status::InvalidArgument(fmt::format(
+        "train.seq_len={} must be a multiple of {} (2 x parallel.context_parallel={}): each rank of a context group "
+        "takes two equal chunks of every sequence",
+        t.seq_len, 2 * N, N));
+  if (t.data_packing == "document")
+    return Status::InvalidArgument(fmt::format(
+        "parallel.context_parallel={} with data.packing=document: ring attention takes no document masks yet; use "
+        "data.packing=concat, or parallel.context_parallel=1",
+        N));
+  if (t.parallel_expert > 1)
+    return Status::InvalidArgument(fmt::format(
+        "parallel.context_parallel={} with parallel.expert_parallel={}: the two do not combine yet; set one of them "
+        "to 1",
+        N, t.parallel_expert));
+  if (backend != DeviceKind::kCpu)
+    return Status::InvalidArgument(fmt::format(
+        "parallel.context_parallel={}: ring attention has no CUDA kernel yet; run it on the CPU backend "
+        "(run.device=cpu), or set parallel.context_parallel=1",
+        N));
+  return Status::OK();
+}
+
 Status check_expert_parallel(const model::ModelConfig& m, int64_t P, int64_t world, int zero) {
   if (P <= 1) return Status::OK();
   if (!m.is_moe())
@@ -553,25 +583,28 @@ uint64_t smallest_host_budget(const model::ModelConfig& m, TrainConfig t, Device
 }
 
 int64_t longest_sequence(const model::ModelConfig& m, TrainConfig t, DeviceKind device) {
-  auto fits = [&](int64_t seq_len) {
-    t.seq_len = seq_len;
+  // With context parallelism over N ranks a sequence is 2N chunks: lengths in units of 2N.
+  const int64_t unit = t.parallel_context > 1 ? 2 * t.parallel_context : 1;
+  auto fits = [&](int64_t units) {
+    t.seq_len = units * unit;
     return plan_fits(make_plan_input(m, t, device));
   };
   int64_t limit = std::min<int64_t>(int64_t{1} << 24, (int64_t{1} << 28) / std::max<int64_t>(t.micro_batch, 1));
   // A sliding window shorter than the sequence is refused (full causal attention only).
   if (m.sliding_window > 0) limit = std::min(limit, m.sliding_window);
+  limit /= unit;
   if (limit < 1 || !fits(1)) return 0;
   int64_t lo = 1, hi = 2;
   while (hi <= limit && fits(hi)) lo = hi, hi *= 2;
   if (hi > limit) {
-    if (fits(limit)) return limit;
+    if (fits(limit)) return limit * unit;
     hi = limit;
   }
   while (hi - lo > 1) {
     const int64_t mid = lo + (hi - lo) / 2;
     (fits(mid) ? lo : hi) = mid;
   }
-  return lo;
+  return lo * unit;
 }
 
 int64_t largest_micro_batch(const model::ModelConfig& m, TrainConfig t, DeviceKind device) {

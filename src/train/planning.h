@@ -34,6 +34,11 @@ inline bool overlaps_collectives(const TrainConfig& t, int zero) {
 // (-1: auto): an MoE model whose experts it divides, a world it divides, the optimizer state
 // sharded. InvalidArgument naming the key and what to change.
 Status check_expert_parallel(const model::ModelConfig& model, int64_t expert_parallel, int64_t world, int zero);
+// Whether parallel.context_parallel can split the sequences of `t` over `world` ranks on `backend`
+// (model/context_parallel.h): a divisor of the world, train.seq_len a multiple of twice it, no
+// document masks, no expert groups, the CPU backend. InvalidArgument naming the key and what to
+// change.
+Status check_context_parallel(const TrainConfig& t, int64_t world, DeviceKind backend);
 // plan.experts_reached (TrainConfig::experts_reached) against the model: one share, or one per
 // MoE layer, of an MoE model.
 Status check_experts_reached(const model::ModelConfig& model, const std::vector<double>& shares);

@@ -40,6 +40,10 @@ Result<Ranks> connect_ranks(TrainConfig& t) {
     return Status::InvalidArgument(fmt::format(
         "parallel.expert_parallel={} must divide the number of ranks, {}{}: launch a multiple of it, or lower it",
         t.parallel_expert, ranks.launch.world_size, ranks.several() ? "" : " (this process was started alone)"));
+  if (ranks.launch.world_size % t.parallel_context != 0)
+    return Status::InvalidArgument(fmt::format(
+        "parallel.context_parallel={} must divide the number of ranks, {}{}: launch a multiple of it, or lower it",
+        t.parallel_context, ranks.launch.world_size, ranks.several() ? "" : " (this process was started alone)"));
   if (!ranks.several()) {
     if (t.plan_world_size > 1)
       LOG_WARN("parallel.world_size={} is what strata plan plans for; strata train runs as the processes a launcher "
@@ -107,25 +111,39 @@ Result<Ranks> connect_ranks(TrainConfig& t) {
     if (!grad.ok()) return grad.status().with_context("connecting the ranks' gradient sums (parallel.overlap_comm)");
     ranks.grad_comm = std::move(*grad);
   }
+  // A Comm over some of the ranks (`members`, world ranks in its rank order): this rank's place
+  // among them, and how many of them share its node (launchers number the ranks node by node),
+  // which decides whether it listens on the loopback or on an address other nodes reach.
+  auto sub_launch = [&l](const std::vector<int>& members) {
+    parallel::LaunchInfo sub = l;
+    sub.world_size = static_cast<int>(members.size());
+    sub.local_world_size = 0;
+    sub.local_rank = 0;
+    const int node = l.rank / std::max(l.local_world_size, 1);
+    for (size_t k = 0; k < members.size(); ++k) {
+      if (members[k] == l.rank) sub.rank = static_cast<int>(k);
+      if (members[k] / std::max(l.local_world_size, 1) != node) continue;
+      if (members[k] < l.rank) ++sub.local_rank;
+      ++sub.local_world_size;
+    }
+    return sub;
+  };
+  if (t.parallel_context > 1) {
+    // The context group: consecutive ranks, so that the ring's neighbours share a node where
+    // they can.
+    const int N = static_cast<int>(t.parallel_context);
+    std::vector<int> group;
+    for (int q = l.rank / N * N; q < l.rank / N * N + N; ++q) group.push_back(q);
+    co.name = fmt::format("context-{}", l.rank / N);
+    Result<std::unique_ptr<parallel::Comm>> context = parallel::connect(sub_launch(group), co);
+    if (!context.ok())
+      return context.status().with_context(
+          fmt::format("connecting context group {} (ranks {} to {}, parallel.context_parallel={})", l.rank / N,
+                      l.rank / N * N, l.rank / N * N + N - 1, N));
+    ranks.context_comm = std::move(*context);
+  }
   if (t.parallel_expert > 1) {
     const int P = static_cast<int>(t.parallel_expert);
-    // A Comm over some of the ranks (`members`, world ranks in its rank order): this rank's place
-    // among them, and how many of them share its node (launchers number the ranks node by node),
-    // which decides whether it listens on the loopback or on an address other nodes reach.
-    auto sub_launch = [&l](const std::vector<int>& members) {
-      parallel::LaunchInfo sub = l;
-      sub.world_size = static_cast<int>(members.size());
-      sub.local_world_size = 0;
-      sub.local_rank = 0;
-      const int node = l.rank / std::max(l.local_world_size, 1);
-      for (size_t k = 0; k < members.size(); ++k) {
-        if (members[k] == l.rank) sub.rank = static_cast<int>(k);
-        if (members[k] / std::max(l.local_world_size, 1) != node) continue;
-        if (members[k] < l.rank) ++sub.local_rank;
-        ++sub.local_world_size;
-      }
-      return sub;
-    };
     // The expert group: consecutive ranks, as one node's GPUs are, so that the all-to-all of
     // routed tokens stays within a node where it can.
     std::vector<int> group, holders;

@@ -39,6 +39,10 @@ struct Ranks {
   // The same ranks, for the experts' gradient sums and weight gathers on the communication
   // stream's thread (parallel.overlap_comm).
   std::unique_ptr<parallel::Comm> grad_expert_holders;
+  // Context parallelism (parallel.context_parallel = N > 1): this rank's context group, the N
+  // consecutive ranks [N * (rank / N), N * (rank / N) + N), in which it is rank % N (its place on
+  // the ring, model/context_parallel.h). Null without.
+  std::unique_ptr<parallel::Comm> context_comm;
   bool start_agreed = false;  // every rank has said whether it could start (agree_all_ok)
   int rank() const { return launch.rank; }
   int world() const { return launch.world_size; }
@@ -48,7 +52,8 @@ struct Ranks {
   uint64_t bytes_sent() const {
     return (comm ? comm->bytes_sent() : 0) + (grad_comm ? grad_comm->bytes_sent() : 0) +
            (expert_comm ? expert_comm->bytes_sent() : 0) + (expert_holders ? expert_holders->bytes_sent() : 0) +
-           (grad_expert_holders ? grad_expert_holders->bytes_sent() : 0);
+           (grad_expert_holders ? grad_expert_holders->bytes_sent() : 0) +
+           (context_comm ? context_comm->bytes_sent() : 0);
   }
 };
 

@@ -250,6 +250,13 @@ ConfigSchema build_schema() {
                  "ranks; it must divide the world and the expert count); each rank computes its experts for the "
                  "tokens of its whole group, sent to it and back with all-to-all. 1: every rank computes every "
                  "expert of its own tokens"});
+  s.add({.name = "parallel.context_parallel", .type = T::kInt, .default_value = "1", .min = 1, .max = 1 << 16,
+         .help = "long sequences: split each sequence over groups of this many consecutive ranks (it must divide the "
+                 "world, and twice it train.seq_len). Rank r of a group of N takes chunks r and 2N-1-r of the "
+                 "sequence's 2N, so causal work is even; attention runs as a ring passing keys and values from rank "
+                 "to rank, and everything else stays on the rank's own tokens, so each rank's activations are a 1/N "
+                 "share. The groups' gradients add up as data-parallel ranks' do. The CPU backend only so far; not "
+                 "with data.packing=document or parallel.expert_parallel"});
   return s;
 }
 
@@ -417,6 +424,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.parallel_timeout_s = c.get_float("parallel.timeout_s");
   t.parallel_overlap_comm = c.get_bool("parallel.overlap_comm");
   t.parallel_expert = c.get_int("parallel.expert_parallel");
+  t.parallel_context = c.get_int("parallel.context_parallel");
   t.plan_world_size = c.get_int("parallel.world_size");
   t.plan_ranks_per_node = c.get_int("parallel.ranks_per_node");
   t.plan_zero = c.get_string("parallel.zero") == "auto" ? -1 : std::stoi(c.get_string("parallel.zero"));

@@ -2,6 +2,7 @@
 // default run, and the typed struct the trainer reads.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -96,6 +97,7 @@ struct TrainConfig {
   double parallel_timeout_s = 300;
   bool parallel_overlap_comm = true;  // gradient sums at handover (PagedStateOptions::overlap_reduction)
   int64_t parallel_expert = 1;        // parallel.expert_parallel: ranks per expert group
+  int64_t parallel_context = 1;       // parallel.context_parallel: ranks per context group
   // What strata plan plans for (parallel.world_size, .ranks_per_node, .zero with -1 for auto;
   // hardware.intra_node_gbps, .inter_node_gbps); strata train does not read them.
   int64_t plan_world_size = 1, plan_ranks_per_node = 8;
@@ -104,6 +106,12 @@ struct TrainConfig {
   int cuda_device = 0;  // not a key: the GPU of this process (its local rank when launched as several)
   int dp_rank = 0;      // not keys: this process's data-parallel rank and their number (train/ranks.h)
   int dp_world = 1;
+
+  // The tokens of one micro-batch this rank computes: with context parallelism its share of
+  // every sequence (model/context_parallel.h).
+  int64_t rank_tokens() const { return micro_batch * seq_len / std::max<int64_t>(parallel_context, 1); }
+  // The context group's ranks as the activation table counts them (0: no context parallelism).
+  int64_t ring_ranks() const { return parallel_context > 1 ? parallel_context : 0; }
 };
 
 // Every key `strata train` accepts.

@@ -22,6 +22,7 @@
 #include "core/progress.h"
 #include "core/trace.h"
 #include "model/hf_io.h"
+#include "model/context_parallel.h"
 #include "model/decoder.h"
 #include "data/data.h"
 #include "data/document_split.h"
@@ -447,6 +448,7 @@ Result<HostRamPlan> open_engine(const TrainConfig& t, Run& run, Ranks& ranks) {
   ASSIGN_OR_RETURN(run.engine, make_train_engine(run.mc, t, optimizer_config(t)));
   RETURN_IF_ERROR(run.engine->set_comm(ranks.comm.get(), ranks.grad_comm.get(), ranks.expert_comm.get(),
                                        ranks.expert_holders.get(), ranks.grad_expert_holders.get()));
+  RETURN_IF_ERROR(run.engine->set_context_comm(ranks.context_comm.get()));
   HostRamData data = host_ram_data(*run.dataset, run.loader->num_windows());
   if (run.eval_dataset) data += host_ram_data(*run.eval_dataset, run.eval_loader->num_windows());
   const HostRamPlan host_ram = run.engine->host_ram(data);
@@ -589,13 +591,18 @@ Status open_run_dir(const TrainConfig& t, Run& run, const std::string& effective
   run.tensorboard.emplace(std::move(tensorboard));
 
   const model::ModelConfig& mc = run.mc;
-  const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * ranks.world();
+  const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * ranks.world() / t.parallel_context;
   LOG_INFO("model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {:.2f}M parameters", mc.num_hidden_layers,
            mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size,
            static_cast<double>(mc.num_parameters()) / 1e6);
   LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation{}){}",
            run.dataset->num_tokens(), run.loader->num_windows(), t.seq_len, tokens_per_step, t.micro_batch,
-           t.seq_len, t.grad_accum, ranks.several() ? fmt::format(" x {} ranks", ranks.world()) : "",
+           t.seq_len, t.grad_accum,
+           t.parallel_context > 1 ? fmt::format(" x {} context groups of {} ranks, each rank a 1/{} share of every "
+                                                "sequence", ranks.world() / t.parallel_context, t.parallel_context,
+                                                t.parallel_context)
+           : ranks.several()      ? fmt::format(" x {} ranks", ranks.world())
+                                  : "",
            run.loader->options().packing == Packing::kDocument
                ? fmt::format("; documents packed apart (end at token {})", run.loader->options().eos_id)
                : "");
@@ -760,6 +767,25 @@ void account_step(Run& run, int64_t step, double data_s, double step_s, uint64_t
 // eval data's window order, the same ones every time, forward only through the engine. Rank r
 // computes micro-batches r, r + W, ...; the sums of NLLs and of predicted tokens are added over
 // the ranks. Returns the mean NLL per predicted token.
+// This rank's share of a micro-batch of train.micro_batch sequences: all of it, or with context
+// parallelism its two chunks of every sequence (model/context_parallel.h), as rows and tokens.
+struct RankShare {
+  const int32_t* inputs;
+  const int32_t* targets;
+  int64_t B, T;
+};
+RankShare rank_share(const TrainConfig& t, const Ranks& ranks, const int32_t* inputs, const int32_t* targets,
+                     std::vector<int32_t>& local_inputs, std::vector<int32_t>& local_targets) {
+  const int64_t N = t.parallel_context;
+  if (N <= 1) return {inputs, targets, t.micro_batch, t.seq_len};
+  const int64_t local = t.micro_batch * t.seq_len / N, r = ranks.rank() % N;
+  local_inputs.resize(static_cast<size_t>(local));
+  local_targets.resize(static_cast<size_t>(local));
+  model::context_split(local_inputs.data(), inputs, t.micro_batch, t.seq_len, 1, sizeof(int32_t), N, r);
+  model::context_split(local_targets.data(), targets, t.micro_batch, t.seq_len, 1, sizeof(int32_t), N, r);
+  return {local_inputs.data(), local_targets.data(), 2 * t.micro_batch, t.seq_len / (2 * N)};
+}
+
 Result<double> evaluate(Run& run, const TrainConfig& t, int64_t step) {
   trace::Span eval_span("step", "evaluation", step);
   GoodputAccountant::Timer timing = run.goodput->time(GoodputPart::kEval);
@@ -770,26 +796,29 @@ Result<double> evaluate(Run& run, const TrainConfig& t, int64_t step) {
   const bool documents = run.eval_loader->options().packing == Packing::kDocument;
   RETURN_IF_ERROR(run.eval_loader->set_cursor({}));
   double sums[2] = {0, 0};  // NLL, predicted tokens
-  // Rounds of one micro-batch per rank: with the weights sliced over the ranks (ZeRO-3) every
-  // forward gathers them, and with expert parallelism every MoE layer exchanges tokens, both
-  // collectives, so a rank without a micro-batch of its own in the last round computes the
-  // round's first one again and drops its loss.
-  const int64_t world = ranks.world();
+  // Rounds of one micro-batch per rank (per context group with context parallelism, whose ranks
+  // share it): with the weights sliced over the ranks (ZeRO-3) every forward gathers them, with
+  // expert parallelism every MoE layer exchanges tokens, and a context group's ring passes keys
+  // on, all collectives, so a rank without a micro-batch of its own in the last round computes
+  // the round's first one again and drops its loss.
+  const int64_t world = ranks.world() / t.parallel_context, own = ranks.rank() / t.parallel_context;
   const int64_t rounds = (run.eval_batches + world - 1) / world;
-  const bool every_rank_computes = world > 1 && (run.engine->plan().zero >= 3 || ranks.expert_comm != nullptr);
+  const bool every_rank_computes = world > 1 && (run.engine->plan().zero >= 3 || ranks.expert_comm != nullptr ||
+                                                 t.parallel_context > 1);
   std::vector<int32_t> first_inputs, first_targets, first_positions;  // of the round
+  std::vector<int32_t> local_inputs, local_targets;
   for (int64_t m = 0; m < rounds * world; ++m) {
     const bool real = m < run.eval_batches;
     if (real) RETURN_IF_ERROR(run.eval_loader->next(inputs.data(), targets.data(), positions.data()));
     if (m % world == 0) first_inputs = inputs, first_targets = targets, first_positions = positions;
-    if (m % world != ranks.rank() || (!real && !every_rank_computes)) continue;
-    const int32_t* in = real ? inputs.data() : first_inputs.data();
-    const int32_t* tg = real ? targets.data() : first_targets.data();
+    if (m % world != own || (!real && !every_rank_computes)) continue;
     const int32_t* pos = !documents ? nullptr : real ? positions.data() : first_positions.data();
-    ASSIGN_OR_RETURN(double nll, run.engine->eval_micro_batch(in, tg, t.micro_batch, t.seq_len, pos));
+    const RankShare share = rank_share(t, ranks, real ? inputs.data() : first_inputs.data(),
+                                       real ? targets.data() : first_targets.data(), local_inputs, local_targets);
+    ASSIGN_OR_RETURN(double nll, run.engine->eval_micro_batch(share.inputs, share.targets, share.B, share.T, pos));
     if (!real) continue;
     sums[0] += nll;
-    sums[1] += static_cast<double>(model::count_valid_targets(targets.data(), micro_tokens));
+    sums[1] += static_cast<double>(model::count_valid_targets(share.targets, share.B * share.T));
   }
   if (ranks.several()) RETURN_IF_ERROR(parallel::sum_over_ranks(*ranks.comm, std::span<double>(sums)));
   CHECK_MSG(sums[1] > 0, "the eval windows were checked for targets when the run started");
@@ -807,8 +836,10 @@ Status loop(Run& run, const TrainConfig& t) {
   PagedEngine& engine = *run.engine;
   Ranks& ranks = *run.ranks;
   const int64_t micro_tokens = t.micro_batch * t.seq_len;
-  const int64_t micro_batches = t.grad_accum * ranks.world();  // in the global batch
-  const int64_t first_micro = t.grad_accum * ranks.rank();      // this rank's first
+  // In the global batch, and this rank's first: a context group's ranks share theirs.
+  const int64_t micro_batches = t.grad_accum * ranks.world() / t.parallel_context;
+  const int64_t first_micro = t.grad_accum * (ranks.rank() / t.parallel_context);
+  std::vector<int32_t> local_inputs, local_targets;  // this rank's share (context parallelism)
   const int64_t tokens_per_step = micro_tokens * micro_batches;
   const double flops_per_token = model_flops_per_token(run.mc, t.seq_len);
   std::vector<int32_t> inputs(static_cast<size_t>(micro_tokens * micro_batches));
@@ -865,10 +896,11 @@ Status loop(Run& run, const TrainConfig& t) {
     const double lr = run.schedule->lr(step);
     for (int64_t m = first_micro; m < first_micro + t.grad_accum; ++m) {
       trace::Span micro_span("step", "micro-batch", m);
-      ASSIGN_OR_RETURN(double loss, engine.micro_batch(inputs.data() + m * micro_tokens,
-                                                        targets.data() + m * micro_tokens, t.micro_batch, t.seq_len,
-                                                        grad_scale, m == first_micro + t.grad_accum - 1,
-                                                        static_cast<float>(lr), positions_of(m)));
+      const RankShare share = rank_share(t, ranks, inputs.data() + m * micro_tokens, targets.data() + m * micro_tokens,
+                                         local_inputs, local_targets);
+      ASSIGN_OR_RETURN(double loss, engine.micro_batch(share.inputs, share.targets, share.B, share.T, grad_scale,
+                                                        m == first_micro + t.grad_accum - 1, static_cast<float>(lr),
+                                                        positions_of(m)));
       loss_sum += loss;
     }
     if (ranks.several()) {

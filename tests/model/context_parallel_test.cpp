@@ -133,8 +133,9 @@ Outputs ring(const Problem& p, int64_t N, Forward forward, Backward backward, co
   std::vector<std::vector<float>> dv(N, std::vector<float>(v[0].size(), 0.0f));
   for (int64_t r = 0; r < N; ++r) {
     std::vector<float> out(q[r].size() / static_cast<size_t>(D) * static_cast<size_t>(Dv)),
-        lse(static_cast<size_t>(2 * B * Hq * C)), dq(q[r].size(), 0.0f);
+        lse(static_cast<size_t>(2 * B * Hq * C)), dq(q[r].size(), std::nanf(""));
     bool started[2] = {false, false};
+    bool dq_started[2] = {false, false};  // a half's first block writes its dq, the later ones add
     for (int64_t s = 0; s < N; ++s) {
       const int64_t src = context_ring_source(N, r, s);
       for (int qh = 0; qh < 2; ++qh)
@@ -148,7 +149,8 @@ Outputs ring(const Problem& p, int64_t N, Forward forward, Backward backward, co
           backward(dq.data() + half_at(qh, qw), dk[src].data() + half_at(kh, kw), dv[src].data() + half_at(kh, vw),
                    dout[r].data() + half_at(qh, ow), q[r].data() + half_at(qh, qw), k[src].data() + half_at(kh, kw),
                    v[src].data() + half_at(kh, vw), wout[r].data() + half_at(qh, ow), wlse[r].data() + half_at(qh, Hq),
-                   B, C, C, Hq, Hkv, D, *block, Dv, 0);
+                   B, C, C, Hq, Hkv, D, *block, dq_started[qh], /*accumulate_dkv=*/true, Dv, 0);
+          dq_started[qh] = true;
         }
     }
     context_merge(o.out.data(), out.data(), B, T, ow, sizeof(float), N, r);
@@ -301,9 +303,10 @@ TEST(RingAttention, AWrongMaskIsFarOutsideTheBound) {
   };
   auto all_full_backward = [](float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
                               const float* v, const float* out, const float* lse, int64_t B, int64_t Tq, int64_t Tk,
-                              int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock, int64_t Dv, double scale) {
+                              int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock, bool accumulate_dq,
+                              bool accumulate_dkv, int64_t Dv, double scale) {
     kernels::cpu::attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, D,
-                                           AttentionBlock::kFull, Dv, scale);
+                                           AttentionBlock::kFull, accumulate_dq, accumulate_dkv, Dv, scale);
   };
   const Outputs r = ring(p, 2, all_full, all_full_backward, whole);
   double worst = 0;

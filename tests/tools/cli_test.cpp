@@ -207,6 +207,23 @@ TEST_F(CliTest, ASequenceTooLongIsRefusedNamingTheLongestThatFits) {
   EXPECT_EQ(run_strata("plan" + budgets + " train.seq_len=" + std::to_string(longest + 1)).exit_code, 1);
   CmdResult plan = run_strata("plan" + budgets + " train.seq_len=64");
   EXPECT_NE(plan.output.find("longest train.seq_len that fits these budgets: "), std::string::npos) << plan.output;
+  // With context parallelism over four ranks, the longest with and without it side by side; a
+  // length a group cannot split is refused naming the key.
+  CmdResult cp = run_strata("plan" + budgets + " train.seq_len=64 parallel.world_size=4 parallel.context_parallel=4");
+  EXPECT_EQ(cp.exit_code, 0) << cp.output;
+  const std::string line = "at micro-batch 1: ";
+  const size_t cp_at = cp.output.find(line);
+  ASSERT_NE(cp_at, std::string::npos) << cp.output;
+  const int64_t without = std::stoll(cp.output.substr(cp_at + line.size()));
+  const std::string with_key = "tokens without context parallelism, ";
+  const size_t with_at = cp.output.find(with_key, cp_at);
+  ASSERT_NE(with_at, std::string::npos) << cp.output;
+  const int64_t with = std::stoll(cp.output.substr(with_at + with_key.size()));
+  EXPECT_GT(with, 2 * without) << cp.output;
+  EXPECT_EQ(with % 8, 0) << cp.output;
+  CmdResult odd = run_strata("plan" + budgets + " train.seq_len=60 parallel.world_size=4 parallel.context_parallel=4");
+  EXPECT_NE(odd.exit_code, 0);
+  EXPECT_NE(odd.output.find("train.seq_len=60 must be a multiple of 8"), std::string::npos) << odd.output;
 }
 
 TEST_F(CliTest, PagingThroughHostAndNvmeChangesNoBit) {

@@ -103,6 +103,48 @@ TEST(Planning, LongestSequenceIsTheEdgeOfFitting) {
   }
 }
 
+// Context parallelism: a rank's activations are its 1/N share of every sequence (plus the ring's
+// buffers), so the longest sequence that fits grows with N, is a multiple of 2N (each rank takes
+// two equal chunks), and is the edge of fitting at that granularity. The activation table's ring
+// buffers are counted: the per-rank workspace at N is more than the one-process workspace of the
+// same local tokens.
+TEST(Planning, ContextParallelismLengthensTheLongestSequence) {
+  auto mc = model::ModelConfig::preset("llama3.2-1b");
+  ASSERT_TRUE(mc.ok()) << mc.status().to_string();
+  TrainConfig t;
+  t.grad_accum = 1;
+  t.micro_batch = 1;
+  t.memory_device = 8ull << 30;
+  t.memory_host = 100ull << 30;
+  t.offload_activations = "auto";
+  t.gpu_flops = t.h2d_bytes_per_s = t.d2h_bytes_per_s = 1e12;
+  t.disk_read_bytes_per_s = t.disk_write_bytes_per_s = t.cpu_adam_params_per_s = 1e9;
+  const int64_t alone = longest_sequence(*mc, t, DeviceKind::kCpu);
+  ASSERT_GT(alone, 1024);
+  int64_t previous = alone;
+  for (const int64_t N : {2, 4}) {
+    SCOPED_TRACE(N);
+    t.parallel_context = N;
+    t.plan_world_size = N;
+    const int64_t longest = longest_sequence(*mc, t, DeviceKind::kCpu);
+    EXPECT_EQ(longest % (2 * N), 0);
+    EXPECT_GT(longest, previous + previous / 2);  // activations are most of what grows
+    t.seq_len = longest;
+    EXPECT_TRUE(make_plan(make_plan_input(*mc, t, DeviceKind::kCpu)).fits);
+    t.seq_len = longest + 2 * N;
+    EXPECT_FALSE(make_plan(make_plan_input(*mc, t, DeviceKind::kCpu)).fits);
+    previous = longest;
+  }
+  // The ring's buffers: the same local tokens cost more workspace with a context group.
+  t.parallel_context = 2;
+  t.plan_world_size = 2;
+  t.seq_len = 4096;
+  const uint64_t with_ring = make_plan_input(*mc, t, DeviceKind::kCpu).layer_workspace_bytes;
+  t.parallel_context = 1;
+  t.seq_len = 2048;
+  EXPECT_GT(with_ring, make_plan_input(*mc, t, DeviceKind::kCpu).layer_workspace_bytes);
+}
+
 // On a GPU the head's workspace is the LM-head buffer the CUDA backend reserves beside the
 // activation table (chunks of thousands of tokens), on the CPU the 256-token logits vector.
 TEST(Planning, TheHeadWorkspaceIsTheBackendsLmHeadBuffer) {

@@ -212,6 +212,10 @@ int plan_command(const std::vector<std::string>& args) {
   // Where strata train would run these keys here: auto is the GPU only where one is visible.
   const DeviceKind device = planned_device(*tc);
   const bool cuda = device == DeviceKind::kCuda;
+  if (Status cp = check_context_parallel(*tc, tc->plan_world_size, device); !cp.ok()) {
+    std::fprintf(stderr, "strata plan: error: %s\n", cp.message().c_str());
+    return 1;
+  }
   if (tc->memory_device == 0) {
     if (cuda && !cuda_device_visible()) {
       std::fprintf(stderr, "strata plan: error: memory.device is 0; set it to the GPU memory to plan for (e.g. memory.device=24GiB)\n");
@@ -318,6 +322,20 @@ int plan_command(const std::vector<std::string>& args) {
       line += fmt::format(" (the model's max_position_embeddings is {}; past it, RoPE scaling decides quality)",
                           mc->max_position_embeddings);
     std::printf("  longest train.seq_len that fits these budgets: %s\n", line.c_str());
+    // With and without context parallelism: over parallel.context_parallel ranks when it is set,
+    // else over the planned world's (each rank then holds 1/N of every sequence's activations).
+    const int64_t N = tc->parallel_context > 1 ? tc->parallel_context : tc->plan_world_size;
+    if (N > 1 && (tc->parallel_context > 1 || tc->parallel_expert <= 1) && tc->data_packing != "document") {
+      TrainConfig other = one;
+      other.parallel_context = tc->parallel_context > 1 ? 1 : N;
+      other.plan_world_size = std::max(other.plan_world_size, N);
+      const int64_t alt = longest_sequence(*mc, other, device);
+      const int64_t with = other.parallel_context > 1 ? alt : longest, without = other.parallel_context > 1 ? longest : alt;
+      std::printf("  at micro-batch 1: %s without context parallelism, %s with parallel.context_parallel=%lld%s\n",
+                  without > 0 ? fmt::format("{} tokens", without).c_str() : "none",
+                  with > 0 ? fmt::format("{} tokens", with).c_str() : "none", static_cast<long long>(N),
+                  cuda ? " (ring attention runs on the CPU backend only so far)" : "");
+    }
   }
   if (const uint64_t least = smallest_host_budget(*mc, *tc, device); least > 0)
     std::printf("  smallest memory.host that fits with these device and nvme budgets: %s%s\n",

@@ -171,14 +171,14 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
 }
 
 namespace {
-// dq, dk, dv are overwritten, or added to with `accumulate`. T queries against
+// dq, dk, dv are overwritten, or added to with accumulate_dq (dq) and accumulate_dkv (dk, dv). T queries against
 // Tk keys: causal (Tk = T) or, with `full`, every key.
 void backward_impl(float *dq, float *dk, float *dv, const float *dout,
                    const float *q, const float *k, const float *v,
                    const float *out, const float *lse, int64_t B, int64_t T,
                    int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,
                    const int32_t *positions, int64_t Dv, double scale_arg,
-                   bool full, bool accumulate) {
+                   bool full, bool accumulate_dq, bool accumulate_dkv) {
   check_shapes(B, T, Hq, Hkv, D);
   Dv = value_dim(D, Dv);
   check_positions(positions, B, T, 0);
@@ -215,14 +215,14 @@ void backward_impl(float *dq, float *dk, float *dv, const float *dout,
             dv_acc[v_row + d] += p * dout[orow + d];
         }
         for (int64_t d = 0; d < D; ++d)
-          dq[row + d] = static_cast<float>(accumulate ? double(dq[row + d]) + dq_row[d] : dq_row[d]);
+          dq[row + d] = static_cast<float>(accumulate_dq ? double(dq[row + d]) + dq_row[d] : dq_row[d]);
       }
     }
   }
   for (size_t i = 0; i < k_size; ++i)
-    dk[i] = static_cast<float>(accumulate ? double(dk[i]) + dk_acc[i] : dk_acc[i]);
+    dk[i] = static_cast<float>(accumulate_dkv ? double(dk[i]) + dk_acc[i] : dk_acc[i]);
   for (size_t i = 0; i < v_size; ++i)
-    dv[i] = static_cast<float>(accumulate ? double(dv[i]) + dv_acc[i] : dv_acc[i]);
+    dv[i] = static_cast<float>(accumulate_dkv ? double(dv[i]) + dv_acc[i] : dv_acc[i]);
 }
 } // namespace
 
@@ -234,7 +234,7 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
                         const int32_t *positions, int64_t Dv,
                         double scale_arg) {
   backward_impl(dq, dk, dv, dout, q, k, v, out, lse, B, T, T, Hq, Hkv, D,
-                positions, Dv, scale_arg, /*full=*/false, /*accumulate=*/false);
+                positions, Dv, scale_arg, /*full=*/false, /*accumulate_dq=*/false, /*accumulate_dkv=*/false);
 }
 
 void attention_block_forward(float *out, float *lse, const float *q,
@@ -253,11 +253,12 @@ void attention_block_backward(float *dq, float *dk, float *dv,
                               const float *v, const float *out,
                               const float *lse, int64_t B, int64_t Tq,
                               int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,
-                              AttentionBlock mask, int64_t Dv, double scale) {
+                              AttentionBlock mask, bool accumulate_dq,
+                              bool accumulate_dkv, int64_t Dv, double scale) {
   const bool full = mask == AttentionBlock::kFull;
   CHECK_MSG(full || Tq == Tk, "a causal attention block pairs a chunk with itself (Tq = Tk)");
   backward_impl(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, D,
-                nullptr, Dv, scale, full, /*accumulate=*/true);
+                nullptr, Dv, scale, full, accumulate_dq, accumulate_dkv);
 }
 
 } // namespace ref
@@ -413,7 +414,7 @@ void attention_forward(float *out, float *lse, const float *q, const float *k,
 // no two threads write the same element and the order of every sum is fixed.
 // With document masks the rows that see key j are those of its document at or
 // after j, visited in the same order as for that document alone.
-// With `full` every row sees all Tk keys; with `accumulate` the gradients are
+// With `full` every row sees all Tk keys; with accumulate_dq (accumulate_dkv) the gradients are
 // added to dq, dk, dv.
 namespace {
 void backward_impl(float *dq, float *dk, float *dv, const float *dout,
@@ -421,7 +422,7 @@ void backward_impl(float *dq, float *dk, float *dv, const float *dout,
                    const float *out, const float *lse, int64_t B, int64_t T,
                    int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,
                    const int32_t *positions, int64_t Dv, double scale_arg,
-                   bool full, bool accumulate) {
+                   bool full, bool accumulate_dq, bool accumulate_dkv) {
   check_shapes(B, T, Hq, Hkv, D);
   Dv = value_dim(D, Dv);
   check_positions(positions, B, T, 0);
@@ -452,7 +453,7 @@ void backward_impl(float *dq, float *dk, float *dv, const float *dout,
       const float *vb = v + (b * Tk * Hkv + g) * Dv;
       float *dkb = dk + (b * Tk * Hkv + g) * D;
       float *dvb = dv + (b * Tk * Hkv + g) * Dv;
-      for (int64_t j = 0; j < Tk && !accumulate; ++j) {
+      for (int64_t j = 0; j < Tk && !accumulate_dkv; ++j) {
         std::fill_n(dkb + j * kv_stride, D, 0.0f);
         std::fill_n(dvb + j * v_stride, Dv, 0.0f);
       }
@@ -507,7 +508,7 @@ void backward_impl(float *dq, float *dk, float *dv, const float *dout,
             }
           }
           for (int64_t r = 0; r < rows; ++r) {
-            if (accumulate)
+            if (accumulate_dq)
               axpy(dq + row0 + r * q_stride, 1.0f, dq_acc.data() + r * D, D);
             else
               std::copy_n(dq_acc.data() + r * D, D, dq + row0 + r * q_stride);
@@ -526,7 +527,7 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout,
                         const int32_t *positions, int64_t Dv,
                         double scale_arg) {
   backward_impl(dq, dk, dv, dout, q, k, v, out, lse, B, T, T, Hq, Hkv, D,
-                positions, Dv, scale_arg, /*full=*/false, /*accumulate=*/false);
+                positions, Dv, scale_arg, /*full=*/false, /*accumulate_dq=*/false, /*accumulate_dkv=*/false);
 }
 
 void attention_block_forward(float *out, float *lse, const float *q,
@@ -545,11 +546,12 @@ void attention_block_backward(float *dq, float *dk, float *dv,
                               const float *v, const float *out,
                               const float *lse, int64_t B, int64_t Tq,
                               int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,
-                              AttentionBlock mask, int64_t Dv, double scale) {
+                              AttentionBlock mask, bool accumulate_dq,
+                              bool accumulate_dkv, int64_t Dv, double scale) {
   const bool full = mask == AttentionBlock::kFull;
   CHECK_MSG(full || Tq == Tk, "a causal attention block pairs a chunk with itself (Tq = Tk)");
   backward_impl(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, D,
-                nullptr, Dv, scale, full, /*accumulate=*/true);
+                nullptr, Dv, scale, full, accumulate_dq, accumulate_dkv);
 }
 
 } // namespace cpu

@@ -148,14 +148,15 @@ struct CpuCommonOps {
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,          \
                           int64_t D, const int32_t* positions = nullptr, int64_t Dv = 0, double scale = 0);         \
   /* Ring attention's blocks (context parallelism, model/context_parallel.h): out and lse merged, and dq, dk, dv    \
-     added to, in fp32 (kernels/attention.h); round_activations then writes them in the activation type. */         \
+     written or added to, in fp32 (kernels/attention.h); round_activations then writes them in the activation     \
+     type. */                                                                                                       \
   void attention_block_forward(float* out /*(B,Tq,Hq,Dv)*/, float* lse /*(B,Hq,Tq)*/, const Act* q, const Act* k,   \
                                const Act* v, int64_t B, int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, \
                                AttentionBlock mask, bool accumulate, int64_t Dv = 0, double scale = 0);              \
   void attention_block_backward(float* dq, float* dk, float* dv, const Act* dout, const Act* q, const Act* k,      \
                                 const Act* v, const Act* out, const float* lse, int64_t B, int64_t Tq, int64_t Tk,  \
-                                int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, int64_t Dv = 0,             \
-                                double scale = 0);                                                                  \
+                                int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, bool accumulate_dq,        \
+                                bool accumulate_dkv, int64_t Dv = 0, double scale = 0);                             \
   /* dst (n) = src rounded to the activation type */                                                                \
   void round_activations(Act* dst, const float* src, int64_t n);                                                    \
   void swiglu_forward(Act* out /*(n)*/, const Act* gate /*(n)*/, const Act* up /*(n)*/, int64_t n);                 \

@@ -138,14 +138,15 @@ void CpuBf16Ops::attention_block_forward(float* out, float* lse, const Bf16* q, 
 void CpuBf16Ops::attention_block_backward(float* dq, float* dk, float* dv, const Bf16* dout, const Bf16* q,
                                           const Bf16* k, const Bf16* v, const Bf16* out, const float* lse, int64_t B,
                                           int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,
-                                          AttentionBlock mask, int64_t Dv, double scale) {
+                                          AttentionBlock mask, bool accumulate_dq, bool accumulate_dkv,
+                                          int64_t Dv, double scale) {
   CHECK(Dv >= 0);
   const int64_t dv_ = Dv == 0 ? D : Dv;
   const std::vector<float> df = widen(dout, B * Tq * Hq * dv_), qf = widen(q, B * Tq * Hq * D),
                            kf = widen(k, B * Tk * Hkv * D), vf = widen(v, B * Tk * Hkv * dv_),
                            of = widen(out, B * Tq * Hq * dv_);
   cpu::attention_block_backward(dq, dk, dv, df.data(), qf.data(), kf.data(), vf.data(), of.data(), lse, B, Tq, Tk, Hq,
-                                Hkv, D, mask, Dv, scale);
+                                Hkv, D, mask, accumulate_dq, accumulate_dkv, Dv, scale);
 }
 void CpuBf16Ops::round_activations(Bf16* dst, const float* src, int64_t n) { narrow(dst, src, n); }
 void CpuBf16Ops::attention_backward(Bf16* dq, Bf16* dk, Bf16* dv, const Bf16* dout, const Bf16* q, const Bf16* k,

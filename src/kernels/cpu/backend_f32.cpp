@@ -100,8 +100,10 @@ void CpuF32Ops::attention_block_forward(float* out, float* lse, const float* q, 
 void CpuF32Ops::attention_block_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                                          const float* k, const float* v, const float* out, const float* lse,
                                          int64_t B, int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D,
-                                         AttentionBlock mask, int64_t Dv, double scale) {
-  cpu::attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, D, mask, Dv, scale);
+                                         AttentionBlock mask, bool accumulate_dq, bool accumulate_dkv, int64_t Dv,
+                                         double scale) {
+  cpu::attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, D, mask, accumulate_dq,
+                                accumulate_dkv, Dv, scale);
 }
 void CpuF32Ops::round_activations(float* dst, const float* src, int64_t n) {
   if (dst != src) std::copy_n(src, n, dst);

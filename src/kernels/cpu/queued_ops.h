@@ -198,10 +198,11 @@ class CpuQueuedOps {
   }
   void attention_block_backward(float* dq, float* dk, float* dv, const Act* dout, const Act* q, const Act* k,
                                 const Act* v, const Act* out, const float* lse, int64_t B, int64_t Tq, int64_t Tk,
-                                int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, int64_t Dv = 0,
-                                double scale = 0) {
+                                int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, bool accumulate_dq,
+                                bool accumulate_dkv, int64_t Dv = 0, double scale = 0) {
     launch([=, this] {
-      direct_.attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, D, mask, Dv, scale);
+      direct_.attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, D, mask, accumulate_dq,
+                                       accumulate_dkv, Dv, scale);
     });
   }
   void round_activations(Act* dst, const float* src, int64_t n) {

@@ -274,7 +274,7 @@ void CudaOps::attention_block_forward(float*, float*, const Act*, const Act*, co
 
 void CudaOps::attention_block_backward(float*, float*, float*, const Act*, const Act*, const Act*, const Act*,
                                        const Act*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                       AttentionBlock, int64_t, double) {
+                                       AttentionBlock, bool, bool, int64_t, double) {
   CHECK_MSG(false, "ring attention (parallel.context_parallel) has no CUDA kernel yet; run it on the CPU backend");
 }
 

@@ -125,8 +125,8 @@ class CudaOps {
                                int64_t Dv = 0, double scale = 0);
   void attention_block_backward(float* dq, float* dk, float* dv, const Act* dout, const Act* q, const Act* k,
                                 const Act* v, const Act* out, const float* lse, int64_t B, int64_t Tq, int64_t Tk,
-                                int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, int64_t Dv = 0,
-                                double scale = 0);
+                                int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, bool accumulate_dq,
+                                bool accumulate_dkv, int64_t Dv = 0, double scale = 0);
   void round_activations(Act* dst, const float* src, int64_t n);
   void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n);
   void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);
