@@ -31,6 +31,10 @@ class DryRunOps {
   int64_t lm_head_chunk_tokens(int64_t N, int64_t /*C*/, int64_t /*V*/) const { return N; }
   void synchronize() {}
   Stream* compute_stream() { return nullptr; }
+  static constexpr bool kHostMemory = true;
+  using HostMark = int;
+  HostMark host_mark() { return 0; }
+  void wait_host_mark(HostMark /*mark*/) {}
   void trace_phase(const char* name, int64_t /*index*/ = trace::kNoIndex) { recorder_->mark_phase(name); }
   const float* stage_constants(const float* host, int64_t /*n*/) { return host; }
   const int32_t* stage_tokens(const int32_t* host, int64_t /*N*/, int32_t* /*slot*/) { return host; }

@@ -2,17 +2,20 @@
 // included at the end of decoder_impl.h.
 //
 // Forward: at step s this rank holds the keys and values of rank (r - s) mod N, its own at step 0
-// (the layer's own k, v), later in ring_k/ring_v by turns. Before the blocks of step s run, the
-// keys and values it holds go on to rank r + 1 and those for step s + 1 come in from r - 1, so on
-// a backend whose Comm queues on a stream (NCCL) the exchange overlaps the blocks. The blocks merge
-// into fp32 sums (ring_out, and the lse in a.lse itself), rounded into a.att at the end.
+// (the layer's own k, v), later in ring_k/ring_v by turns. The blocks of step s are queued first;
+// then the keys and values held go on to rank r + 1 while those for step s + 1 come in from
+// r - 1, over the buffer the blocks of step s - 1 read. The blocks merge into fp32 sums
+// (ring_out, and the lse in a.lse itself), rounded into a.att at the end.
 // Backward: the same ring, with the fp32 gradients of the keys and values held (ring_dk,
 // ring_dv) travelling beside them: each step's blocks add to them and to dq, then they go on to
 // the next rank, and after the N-th exchange each rank holds its own keys' sums.
 //
-// The buffers are the activation table's (ring_k .. ring_dq). One the queued blocks read is
-// written again only by an exchange queued after them, which the compute stream orders (Comm's
-// stream contract). No sum is zeroed: each half's first block writes it.
+// Overlap: on the CPU backend (host memory, ops queued on a compute stream's thread) the
+// exchanges run on the calling thread while the step's blocks run on the stream: a host mark
+// taken before the blocks says when what an exchange sends or receives over is free. The
+// gradient sums wait for the step's own blocks. On CUDA the exchanges are queued on the compute
+// stream behind the blocks (NCCL), in order. The buffers are the activation table's
+// (ring_k .. ring_dq); no sum is zeroed: each half's first block writes it.
 #pragma once
 
 #include <algorithm>
@@ -25,6 +28,23 @@
 
 namespace strata::model {
 
+// One exchange of the ring: `send` to the next rank, `recv` from the one before. With host-memory
+// op sets it runs on this thread once the ops before `mark` are done (those that wrote `send` or
+// read `recv` last), while the ops queued after the mark run on; otherwise it is queued on the
+// compute stream behind them.
+template <class Ops>
+Status ring_exchange(Ops& ops, parallel::Comm& comm, const typename Ops::HostMark& mark, const void* send, void* recv,
+                     size_t bytes) {
+  const int N = comm.world_size(), r = comm.rank();
+  const int to = (r + 1) % N, from = (r + N - 1) % N;
+  if constexpr (Ops::kHostMemory) {
+    ops.wait_host_mark(mark);
+    return comm.send_recv(send, to, recv, from, bytes);
+  } else {
+    return comm.send_recv(send, to, recv, from, bytes, ops.compute_stream());
+  }
+}
+
 template <class Ops>
 Status Decoder<Ops>::ring_attention_forward(int64_t layer, const ActivationTable<Ops>& a, const Act* k, const Act* v,
                                             int64_t B, int64_t T) {
@@ -34,10 +54,8 @@ Status Decoder<Ops>::ring_attention_forward(int64_t layer, const ActivationTable
                 D = config_.head_dim;
   const int64_t kv_elems = B * T * Hkv * D, out_elems = B * T * Hq * D;
   const size_t kv_bytes = static_cast<size_t>(kv_elems) * sizeof(Act);
-  const int to = static_cast<int>((r + 1) % N), from = static_cast<int>((r + N - 1) % N);
-  auto exchange = [&](const void* send, void* recv, size_t bytes) -> Status {
-    Status st = comm.send_recv(send, to, recv, from, bytes, ops_.compute_stream());
-    if (!st.ok()) access_->collectives_failed(st);
+  auto failed = [&](const Status& st) {
+    access_->collectives_failed(st);
     return st.with_context(fmt::format("layer {}: ring attention forward", layer));
   };
   // Half h (0, 1) of a local tensor with `width` elements per token.
@@ -46,10 +64,9 @@ Status Decoder<Ops>::ring_attention_forward(int64_t layer, const ActivationTable
   const Act* held_k = k;
   const Act* held_v = v;
   for (int64_t s = 0; s < N; ++s) {
-    if (s + 1 < N) {
-      RETURN_IF_ERROR(exchange(held_k, acts_.ring_k[s % 2], kv_bytes));
-      RETURN_IF_ERROR(exchange(held_v, acts_.ring_v[s % 2], kv_bytes));
-    }
+    // The ops before this mark wrote what is sent (RoPE, at step 0) and read last what is
+    // received over (the blocks of step s - 1); the blocks of step s run during the exchange.
+    const typename Ops::HostMark mark = ops_.host_mark();
     const int64_t src = context_ring_source(N, r, s);
     for (int qh = 0; qh < 2; ++qh)
       for (int kh = 0; kh < 2; ++kh) {
@@ -61,10 +78,11 @@ Status Decoder<Ops>::ring_attention_forward(int64_t layer, const ActivationTable
                                      started[qh]);
         started[qh] = true;
       }
-    if (s + 1 < N) {
-      held_k = acts_.ring_k[s % 2];
-      held_v = acts_.ring_v[s % 2];
-    }
+    if (s + 1 == N) break;
+    if (Status st = ring_exchange(ops_, comm, mark, held_k, acts_.ring_k[s % 2], kv_bytes); !st.ok()) return failed(st);
+    if (Status st = ring_exchange(ops_, comm, mark, held_v, acts_.ring_v[s % 2], kv_bytes); !st.ok()) return failed(st);
+    held_k = acts_.ring_k[s % 2];
+    held_v = acts_.ring_v[s % 2];
   }
   ops_.round_activations(a.att, acts_.ring_out, out_elems);
   return Status::OK();
@@ -79,10 +97,8 @@ Status Decoder<Ops>::ring_attention_backward(int64_t layer, const ActivationTabl
   const int64_t kv_elems = B * T * Hkv * D, q_elems = B * T * Hq * D;
   const size_t kv_bytes = static_cast<size_t>(kv_elems) * sizeof(Act);
   const size_t sum_bytes = static_cast<size_t>(kv_elems) * sizeof(float);
-  const int to = static_cast<int>((r + 1) % N), from = static_cast<int>((r + N - 1) % N);
-  auto exchange = [&](const void* send, void* recv, size_t bytes) -> Status {
-    Status st = comm.send_recv(send, to, recv, from, bytes, ops_.compute_stream());
-    if (!st.ok()) access_->collectives_failed(st);
+  auto failed = [&](const Status& st) {
+    access_->collectives_failed(st);
     return st.with_context(fmt::format("layer {}: ring attention backward", layer));
   };
   auto half = [&](auto* base, int h, int64_t width) { return base + h * S * T * width; };
@@ -92,12 +108,7 @@ Status Decoder<Ops>::ring_attention_backward(int64_t layer, const ActivationTabl
   const Act* held_k = a.k;
   const Act* held_v = a.v;
   for (int64_t s = 0; s < N; ++s) {
-    // The keys for the next step come in while this step's blocks run; the gradient sums go on
-    // once the blocks have added to them.
-    if (s + 1 < N) {
-      RETURN_IF_ERROR(exchange(held_k, acts_.ring_k[s % 2], kv_bytes));
-      RETURN_IF_ERROR(exchange(held_v, acts_.ring_v[s % 2], kv_bytes));
-    }
+    const typename Ops::HostMark mark = ops_.host_mark();
     float* dk = acts_.ring_dk[s % 2];
     float* dv = acts_.ring_dv[s % 2];
     const int64_t src = context_ring_source(N, r, s);
@@ -113,13 +124,23 @@ Status Decoder<Ops>::ring_attention_backward(int64_t layer, const ActivationTabl
         dq_started[qh] = true;
         if (s == 0) dkv_started[kh] = true;
       }
-    // The sums go on to the next rank; the ones coming in replace those sent a step before.
-    RETURN_IF_ERROR(exchange(dk, acts_.ring_dk[(s + 1) % 2], sum_bytes));
-    RETURN_IF_ERROR(exchange(dv, acts_.ring_dv[(s + 1) % 2], sum_bytes));
+    // The keys and values for the next step come in while this step's blocks run (the blocks of
+    // step s - 1 read last what they come in over).
     if (s + 1 < N) {
+      if (Status st = ring_exchange(ops_, comm, mark, held_k, acts_.ring_k[s % 2], kv_bytes); !st.ok())
+        return failed(st);
+      if (Status st = ring_exchange(ops_, comm, mark, held_v, acts_.ring_v[s % 2], kv_bytes); !st.ok())
+        return failed(st);
       held_k = acts_.ring_k[s % 2];
       held_v = acts_.ring_v[s % 2];
     }
+    // The gradient sums go on once this step's blocks have added to them; the ones coming in
+    // replace those sent a step before.
+    const typename Ops::HostMark blocks_done = ops_.host_mark();
+    if (Status st = ring_exchange(ops_, comm, blocks_done, dk, acts_.ring_dk[(s + 1) % 2], sum_bytes); !st.ok())
+      return failed(st);
+    if (Status st = ring_exchange(ops_, comm, blocks_done, dv, acts_.ring_dv[(s + 1) % 2], sum_bytes); !st.ok())
+      return failed(st);
   }
   // After N exchanges the sums of this rank's own keys are back, in the buffer of step N.
   ops_.round_activations(a.d_q, acts_.ring_dq, q_elems);

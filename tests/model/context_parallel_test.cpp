@@ -15,6 +15,7 @@
 #include "../test_util.h"
 #include "flat_model.h"
 #include "kernels/attention.h"
+#include "core/cpu_device.h"
 #include "parallel/comm.h"
 
 namespace strata::model {
@@ -357,27 +358,28 @@ struct RankResult {
   std::string error;
 };
 
-// One process over S whole sequences of T tokens against a context group of N ranks (threads,
-// each with its own Gloo connection and model) over the same tokens: the ranks' losses and
-// gradients add up to the whole's, within fp32 (bf16) reordering, and each rank sends the ring's
-// bytes: per layer, the keys and values N - 1 times in forward, again in the recompute (all
-// layers but the last) and in backward, and the fp32 sums of their gradients N times.
-template <class Net>
-void expect_context_group_matches_one_process(int64_t N, bool moe, double tolerance) {
-  const ModelConfig config = ring_config(moe);
-  const int64_t S = 2, C = 8, T = 2 * N * C;
-  std::vector<int32_t> inputs(static_cast<size_t>(S * T)), targets(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    inputs[i] = static_cast<int32_t>((i * 37 + 11) % static_cast<size_t>(config.vocab_size));
-    targets[i] = i % 13 == 5 ? -1 : static_cast<int32_t>((i * 53 + 3) % static_cast<size_t>(config.vocab_size));
+// Tokens of S sequences of T.
+struct Batch {
+  std::vector<int32_t> inputs, targets;
+  Batch(const ModelConfig& config, int64_t S, int64_t T) : inputs(static_cast<size_t>(S * T)), targets(inputs.size()) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      inputs[i] = static_cast<int32_t>((i * 37 + 11) % static_cast<size_t>(config.vocab_size));
+      targets[i] = i % 13 == 5 ? -1 : static_cast<int32_t>((i * 53 + 3) % static_cast<size_t>(config.vocab_size));
+    }
   }
-  FlatModel<Net> whole(config);
-  whole.init_weights(7);
-  Result<double> want = whole.compute(inputs.data(), targets.data(), S, T, 1.0f, /*backward=*/true);
-  ASSERT_TRUE(want.ok()) << want.status().to_string();
+};
 
-  const std::string dir = ::testing::TempDir() + "/ring_" + std::to_string(getpid()) + "_" + std::to_string(N) +
-                          (moe ? "_moe" : "") + "_" + std::to_string(sizeof(typename Net::Act));
+// A context group of N ranks (threads, each with its own Gloo connection and model) over S whole
+// sequences of T tokens: each rank's loss, gradients and bytes sent. chaos_seed >= 0: each rank's
+// ops are queued on a compute stream of a CPU device in chaos mode with that seed (random delays
+// before each task, so an exchange that does not wait for the blocks it must shows), else they
+// run in the calling thread.
+template <class Net>
+std::vector<RankResult> run_context_group(const ModelConfig& config, int64_t N, const Batch& batch, int64_t S,
+                                          int64_t T, int64_t chaos_seed = -1) {
+  const std::string dir = ::testing::TempDir() + "/ring_" + std::to_string(getpid()) + "_" + std::to_string(N) + "_" +
+                          std::to_string(config.num_experts) + "_" + std::to_string(sizeof(typename Net::Act)) + "_" +
+                          std::to_string(chaos_seed);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   std::vector<RankResult> results(static_cast<size_t>(N));
@@ -401,13 +403,22 @@ void expect_context_group_matches_one_process(int64_t N, bool moe, double tolera
         out.error = comm.status().to_string();
         return;
       }
-      FlatModel<Net> m(config);
+      std::unique_ptr<CpuDevice> device;
+      if (chaos_seed >= 0) {
+        Result<std::unique_ptr<CpuDevice>> made = CpuDevice::create(0, 0, static_cast<uint64_t>(chaos_seed) + 1);
+        if (!made.ok()) {
+          out.error = made.status().to_string();
+          return;
+        }
+        device = std::move(*made);
+      }
+      FlatModel<Net> m(config, typename Net::OpSet(device.get()));
       m.init_weights(7);
       m.net().set_context_comm(comm->get());
-      std::vector<int32_t> in(inputs.size() / static_cast<size_t>(N)), tg(in.size());
-      context_split(in.data(), inputs.data(), S, T, 1, sizeof(int32_t), N, r);
-      context_split(tg.data(), targets.data(), S, T, 1, sizeof(int32_t), N, r);
-      Result<double> loss = m.compute(in.data(), tg.data(), 2 * S, C, 1.0f, /*backward=*/true);
+      std::vector<int32_t> in(batch.inputs.size() / static_cast<size_t>(N)), tg(in.size());
+      context_split(in.data(), batch.inputs.data(), S, T, 1, sizeof(int32_t), N, r);
+      context_split(tg.data(), batch.targets.data(), S, T, 1, sizeof(int32_t), N, r);
+      Result<double> loss = m.compute(in.data(), tg.data(), 2 * S, T / (2 * N), 1.0f, /*backward=*/true);
       if (!loss.ok()) {
         out.error = loss.status().to_string();
         return;
@@ -420,6 +431,24 @@ void expect_context_group_matches_one_process(int64_t N, bool moe, double tolera
   }
   for (std::thread& t : threads) t.join();
   std::filesystem::remove_all(dir);
+  return results;
+}
+
+// One process over S whole sequences of T tokens against a context group of N ranks over the same
+// tokens: the ranks' losses and gradients add up to the whole's, within fp32 (bf16) reordering,
+// and each rank sends the ring's bytes: per layer, the keys and values N - 1 times in forward,
+// again in the recompute (all layers but the last) and in backward, and the fp32 sums of their
+// gradients N times.
+template <class Net>
+void expect_context_group_matches_one_process(int64_t N, bool moe, double tolerance) {
+  const ModelConfig config = ring_config(moe);
+  const int64_t S = 2, C = 8, T = 2 * N * C;
+  const Batch batch(config, S, T);
+  FlatModel<Net> whole(config);
+  whole.init_weights(7);
+  Result<double> want = whole.compute(batch.inputs.data(), batch.targets.data(), S, T, 1.0f, /*backward=*/true);
+  ASSERT_TRUE(want.ok()) << want.status().to_string();
+  const std::vector<RankResult> results = run_context_group<Net>(config, N, batch, S, T);
   double loss = 0;
   std::vector<double> grads(static_cast<size_t>(whole.layout().total_size()), 0.0);
   const int64_t L = config.num_hidden_layers;
@@ -438,6 +467,28 @@ void expect_context_group_matches_one_process(int64_t N, bool moe, double tolera
   const std::vector<float> expected(whole.grads(), whole.grads() + whole.layout().total_size());
   const double err = strata::testing::relative_error(summed, expected);
   EXPECT_TRUE(err <= tolerance) << "gradients' relative error " << err << " over a ring of " << N;
+}
+
+// The ops queued on a compute stream whose tasks start after random delays, the exchanges on the
+// calling thread beside them (overlapped, host marks saying when a buffer is free): the same bits
+// as the ops run in the calling thread, on every rank.
+TEST(ContextParallelModel, QueuedOpsOnChaoticStreamsGiveTheBitsOfOpsInTheCaller) {
+  for (const bool moe : {false, true}) {
+    const ModelConfig config = ring_config(moe);
+    for (int64_t N : {2, 4}) {
+      const int64_t S = 2, T = 2 * N * 8;
+      const Batch batch(config, S, T);
+      const std::vector<RankResult> direct = run_context_group<LlamaModel>(config, N, batch, S, T);
+      for (int64_t seed : {1, 2}) {
+        const std::vector<RankResult> queued = run_context_group<LlamaModel>(config, N, batch, S, T, seed);
+        for (int64_t r = 0; r < N; ++r) {
+          ASSERT_TRUE(direct[r].error.empty() && queued[r].error.empty()) << direct[r].error << queued[r].error;
+          EXPECT_EQ(queued[r].loss, direct[r].loss) << "rank " << r << " of " << N << ", chaos seed " << seed;
+          EXPECT_EQ(queued[r].grads, direct[r].grads) << "rank " << r << " of " << N << ", chaos seed " << seed;
+        }
+      }
+    }
+  }
 }
 
 TEST(ContextParallelModel, Fp32DenseAtRingsOfTwoAndFour) {

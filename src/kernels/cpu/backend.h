@@ -72,6 +72,13 @@ struct CpuCommonOps {
   // Waits for the queued ops: a no-op, the CPU ops run in the caller.
   void synchronize() {}
   Stream* compute_stream() { return nullptr; }
+  // The ops' buffers are host memory, which a Comm moves without a stream from the calling
+  // thread once a host mark says the ops that touch them are done (ring attention's exchanges).
+  static constexpr bool kHostMemory = true;
+  // A point in the ops' queue the caller can wait for (the ops called so far): nothing here.
+  using HostMark = int;
+  HostMark host_mark() { return 0; }
+  void wait_host_mark(HostMark /*mark*/) {}
   // Constants the ops read (RoPE frequencies), where they can read them.
   const float* stage_constants(const float* host, int64_t /*n*/) { return host; }
 

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -82,6 +83,21 @@ class CpuQueuedOps {
   }
   // The stream the ops are queued on; null when they run in the caller.
   Stream* compute_stream() { return stream_.get(); }
+  // Host marks (kernels/cpu/backend.h): a point in the queue, the ops queued so far, which
+  // wait_host_mark() waits for while the ops queued after it go on running.
+  static constexpr bool kHostMemory = Direct::kHostMemory;
+  using HostMark = std::shared_future<void>;
+  HostMark host_mark() {
+    auto reached = std::make_shared<std::promise<void>>();
+    HostMark mark = reached->get_future().share();
+    launch([reached] { reached->set_value(); });
+    return mark;
+  }
+  void wait_host_mark(const HostMark& mark) {
+    if (!mark.valid()) return;
+    trace::Span wait("wait", "compute stream");
+    mark.wait();
+  }
   // REQUIRES: `host` outlives the ops' use (the decoder's own constants).
   const float* stage_constants(const float* host, int64_t /*n*/) { return host; }
   // The token ids copied into the activation table's slot on the stream (the caller may reuse

@@ -62,6 +62,11 @@ class CudaOps {
 
   cudaStream_t stream() const { return stream_; }
   Stream* compute_stream() { return compute_.get(); }
+  // Device memory: a Comm moves it queued on the compute stream, in its order (no host marks).
+  static constexpr bool kHostMemory = false;
+  using HostMark = int;
+  HostMark host_mark() { return 0; }
+  void wait_host_mark(HostMark /*mark*/) {}
   cuda::Context& context() { return *ctx_; }
 
   // The activation table's block, and with it the ops' own per-micro-batch buffers for a
