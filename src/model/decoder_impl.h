@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <span>
 
 #include <fmt/format.h>
 
@@ -49,6 +50,7 @@ void Decoder<Ops>::set_access(ParamAccess* access) {
 template <class Ops>
 void Decoder<Ops>::set_context_comm(parallel::Comm* comm) {
   CHECK_MSG(comm == nullptr || kv_capacity_ == 0, "context parallelism while a sequence is generated");
+  CHECK_MSG(comm == nullptr || expert_comm_ == nullptr, "context parallelism beside expert parallelism");
   context_comm_ = comm;
 }
 
@@ -60,6 +62,7 @@ void Decoder<Ops>::set_expert_comm(parallel::Comm* comm) {
               fmt::format("{} experts cannot be split evenly over an expert group of {} ranks", config_.num_experts,
                           comm->world_size()));
     CHECK_MSG(kv_capacity_ == 0, "expert parallelism while a sequence is generated");
+    CHECK_MSG(context_comm_ == nullptr, "expert parallelism beside context parallelism");
   }
   expert_comm_ = comm;
   expert_routes_.assign(comm != nullptr ? static_cast<size_t>(config_.num_hidden_layers) : 0, ExpertRoute{});
@@ -453,8 +456,20 @@ Status Decoder<Ops>::forward_layers(const int32_t* inputs, const int32_t* positi
       if (count_tokens) expert_counts_[l * E + e] += layer_counts[e];
     }
   }
+  // With context parallelism the auxiliary loss is the whole micro-batch's, as in one process:
+  // the statistics of the group's shares summed (the same bits on every rank of it).
+  int64_t aux_tokens = config_.num_moe_layers() * N;
+  if (context_comm_ != nullptr && config_.is_moe()) {
+    Status st = parallel::sum_over_ranks(*context_comm_, std::span<int64_t>(forward_counts_));
+    if (st.ok()) st = parallel::sum_over_ranks(*context_comm_, std::span<double>(forward_prob_sums_));
+    if (!st.ok()) {
+      access_->collectives_failed(st);
+      return st.with_context("summing the router statistics over the context group");
+    }
+    aux_tokens *= context_comm_->world_size();
+  }
   last_aux_loss_ = config_.is_moe() ? kernels::moe_aux_loss(forward_counts_.data(), forward_prob_sums_.data(),
-                                                            config_.num_moe_layers() * N, E)
+                                                            aux_tokens, E)
                                     : 0.0;
   return Status::OK();
 }
@@ -539,11 +554,24 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   // The auxiliary loss's gradient with respect to the router softmax (see decoder.h).
   std::vector<float> prob_grad;
   if (config_.is_moe() && config_.output_router_logits && config_.router_aux_loss_coef > 0) {
-    const double weight = static_cast<double>(grad_scale) * static_cast<double>(count_valid_targets(targets, N)) *
-                          config_.router_aux_loss_coef;
+    // Over the whole micro-batch with context parallelism (its targets and routed tokens).
+    double valid = static_cast<double>(count_valid_targets(targets, N));
+    int64_t aux_tokens = config_.num_moe_layers() * N;
+    if (context_comm_ != nullptr) {
+      Result<double> summed = parallel::sum_over_ranks(*context_comm_, valid);
+      if (!summed.ok()) {
+        access_->collectives_failed(summed.status());
+        end_group(head, true, true);
+        if (tied) end_group(0, true, true);
+        return summed.status().with_context("summing the valid targets over the context group");
+      }
+      valid = *summed;
+      aux_tokens *= context_comm_->world_size();
+    }
+    const double weight = static_cast<double>(grad_scale) * valid * config_.router_aux_loss_coef;
     prob_grad.resize(static_cast<size_t>(config_.num_experts));
-    kernels::moe_aux_loss_prob_grad(prob_grad.data(), forward_counts_.data(), config_.num_moe_layers() * N,
-                                    config_.num_experts, weight);
+    kernels::moe_aux_loss_prob_grad(prob_grad.data(), forward_counts_.data(), aux_tokens, config_.num_experts,
+                                    weight);
   }
 
   // With tied embeddings lm_head() is the embedding's offset, so both gradients add up there.
@@ -604,6 +632,7 @@ template <class Ops>
 Status Decoder<Ops>::begin_sequence(int64_t capacity, int64_t max_chunk) {
   CHECK_MSG(access_ != nullptr, "the model computes through a ParamAccess: set_access() first");
   CHECK_MSG(expert_comm_ == nullptr, "generation with expert parallelism (set_expert_comm(nullptr) first)");
+  CHECK_MSG(context_comm_ == nullptr, "generation with context parallelism (set_context_comm(nullptr) first)");
   kv_capacity_ = kv_chunk_ = kv_length_ = 0;
   if (capacity < 1 || max_chunk < 1 || max_chunk > capacity) {
     return Status::InvalidArgument(fmt::format("a sequence of {} tokens decoded {} at a time: both must be positive, "

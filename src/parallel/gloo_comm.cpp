@@ -152,15 +152,17 @@ class GlooComm final : public Comm {
 
   Status send_recv(const void* send, int to, void* recv, int from, size_t bytes, Stream* stream) override {
     CHECK(to >= 0 && to < world_size() && from >= 0 && from < world_size());
+    // A rank exchanges with itself only whole (Gloo has no pair to itself).
+    CHECK((to == rank()) == (from == rank()));
     const std::string what = fmt::format("send_recv of {} bytes to rank {} from rank {}", bytes, to, from);
     return run(what, stream, [&] {
+      // Every rank takes the next slot, whatever it moves, so the pairs' tags stay matched.
+      const uint64_t slot = context_->nextSlot();
       if (bytes == 0) return;
-      if (to == rank() && from == rank()) {
+      if (to == rank()) {
         std::memcpy(recv, send, bytes);
         return;
       }
-      // Every rank takes the same next slot, so the pair's tags match.
-      const uint64_t slot = context_->nextSlot();
       auto out = context_->createUnboundBuffer(const_cast<void*>(send), bytes);
       auto in = context_->createUnboundBuffer(recv, bytes);
       in->recv(from, slot);

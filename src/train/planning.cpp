@@ -472,8 +472,9 @@ Status check_context_parallel(const TrainConfig& t, int64_t world, DeviceKind ba
   if (N <= 1) return Status::OK();
   if (world % N != 0)
     return Status::InvalidArgument(fmt::format(
-        "parallel.context_parallel={} must divide the number of ranks, {}: launch a multiple of it, or lower it", N,
-        world));
+        "parallel.context_parallel={} must divide the number of ranks, {} (the ranks launched; for strata plan, "
+        "parallel.world_size): use a multiple of it, or lower it",
+        N, world));
   if (t.seq_len % (2 * N) != 0)
     return Status::InvalidArgument(fmt::format(
         "train.seq_len={} must be a multiple of {} (2 x parallel.context_parallel={}): each rank of a context group "

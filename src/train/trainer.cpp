@@ -763,10 +763,6 @@ void account_step(Run& run, int64_t step, double data_s, double step_s, uint64_t
   g.add(GoodputPart::kCompute, step_s - stall_s - ckpt_s);
 }
 
-// One evaluation on data.eval_paths after `step`: the first run.eval_batches micro-batches of the
-// eval data's window order, the same ones every time, forward only through the engine. Rank r
-// computes micro-batches r, r + W, ...; the sums of NLLs and of predicted tokens are added over
-// the ranks. Returns the mean NLL per predicted token.
 // This rank's share of a micro-batch of train.micro_batch sequences: all of it, or with context
 // parallelism its two chunks of every sequence (model/context_parallel.h), as rows and tokens.
 struct RankShare {
@@ -786,6 +782,11 @@ RankShare rank_share(const TrainConfig& t, const Ranks& ranks, const int32_t* in
   return {local_inputs.data(), local_targets.data(), 2 * t.micro_batch, t.seq_len / (2 * N)};
 }
 
+// One evaluation on data.eval_paths after `step`: the first run.eval_batches micro-batches of the
+// eval data's window order, the same ones every time, forward only through the engine. Rank r
+// computes micro-batches r, r + W, ... (context group g = r / N of W / N groups computes g, g +
+// W / N, ..., each rank its share); the sums of NLLs and of predicted tokens are added over
+// the ranks. Returns the mean NLL per predicted token.
 Result<double> evaluate(Run& run, const TrainConfig& t, int64_t step) {
   trace::Span eval_span("step", "evaluation", step);
   GoodputAccountant::Timer timing = run.goodput->time(GoodputPart::kEval);
@@ -831,7 +832,8 @@ Result<double> evaluate(Run& run, const TrainConfig& t, int64_t step) {
 // micro-batches, so the data cursor is the same everywhere) and computes micro-batches
 // [rank x grad_accum, (rank + 1) x grad_accum) of it; the gradients are summed over the ranks in
 // the engine's step, and the loss here. The tokens are scaled by the global batch's count, so a
-// step is the one a single process takes with world x grad_accum micro-batches.
+// step is the one a single process takes with world x grad_accum micro-batches (W / N x
+// grad_accum with context groups of N, whose ranks share each micro-batch).
 Status loop(Run& run, const TrainConfig& t) {
   PagedEngine& engine = *run.engine;
   Ranks& ranks = *run.ranks;

@@ -322,17 +322,32 @@ TEST(RingAttention, AWrongMaskIsFarOutsideTheBound) {
   EXPECT_GT(ratio, 100.0);
 }
 
-TEST(RingAttention, ACausalBlockIsAttentionForwardBitwise) {
-  const Problem p(2, 40, 4, 2, 16, 16);
-  const Outputs whole = whole_attention(p, true);
-  std::vector<float> out(whole.out.size()), lse(whole.lse.size());
-  kernels::cpu::attention_block_forward(out.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), p.B, p.T, p.T,
-                                        p.Hq, p.Hkv, p.D, AttentionBlock::kCausal, false, p.Dv, 0);
-  EXPECT_EQ(out, whole.out);
-  EXPECT_EQ(lse, whole.lse);
+// A causal block that writes (no accumulation) is attention_forward and attention_backward bit
+// for bit, over outputs that held NaN before; fast path and reference.
+TEST(RingAttention, ACausalBlockIsWholeSequenceAttentionBitwise) {
+  const Problem p(2, 40, 4, 2, 16, 8);
+  for (const bool fast : {true, false}) {
+    const Outputs whole = whole_attention(p, fast);
+    const float nan = std::nanf("");
+    std::vector<float> out(whole.out.size(), nan), lse(whole.lse.size(), nan), dq(p.q.size(), nan),
+        dk(p.k.size(), nan), dv(p.v.size(), nan);
+    auto forward = fast ? kernels::cpu::attention_block_forward : kernels::ref::attention_block_forward;
+    auto backward = fast ? kernels::cpu::attention_block_backward : kernels::ref::attention_block_backward;
+    forward(out.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), p.B, p.T, p.T, p.Hq, p.Hkv, p.D,
+            AttentionBlock::kCausal, false, p.Dv, 0);
+    EXPECT_EQ(out, whole.out);
+    EXPECT_EQ(lse, whole.lse);
+    backward(dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(), p.k.data(), p.v.data(), whole.out.data(),
+             whole.lse.data(), p.B, p.T, p.T, p.Hq, p.Hkv, p.D, AttentionBlock::kCausal, false, false, p.Dv, 0);
+    EXPECT_EQ(dq, whole.dq);
+    EXPECT_EQ(dk, whole.dk);
+    EXPECT_EQ(dv, whole.dv);
+  }
 }
 
-ModelConfig ring_config(bool moe) {
+// aux: the auxiliary load-balancing loss joins the gradients; its statistics are the whole
+// micro-batch's, summed over the group.
+ModelConfig ring_config(bool moe, bool aux = false) {
   ModelConfig c;
   c.vocab_size = 61;
   c.hidden_size = 32;
@@ -341,7 +356,9 @@ ModelConfig ring_config(bool moe) {
   c.num_attention_heads = 4;
   c.num_key_value_heads = 2;
   c.max_position_embeddings = 128;
-  if (moe) {  // no auxiliary loss: it is a rank's own tokens' (as with data parallelism)
+  if (moe) {
+    c.output_router_logits = aux;
+    c.router_aux_loss_coef = aux ? 0.05 : 0.0;
     c.num_experts = 4;
     c.num_experts_per_tok = 2;
     c.moe_intermediate_size = 24;
@@ -440,8 +457,8 @@ std::vector<RankResult> run_context_group(const ModelConfig& config, int64_t N, 
 // again in the recompute (all layers but the last) and in backward, and the fp32 sums of their
 // gradients N times.
 template <class Net>
-void expect_context_group_matches_one_process(int64_t N, bool moe, double tolerance) {
-  const ModelConfig config = ring_config(moe);
+void expect_context_group_matches_one_process(int64_t N, bool moe, double tolerance, bool aux = false) {
+  const ModelConfig config = ring_config(moe, aux);
   const int64_t S = 2, C = 8, T = 2 * N * C;
   const Batch batch(config, S, T);
   FlatModel<Net> whole(config);
@@ -454,13 +471,16 @@ void expect_context_group_matches_one_process(int64_t N, bool moe, double tolera
   const int64_t L = config.num_hidden_layers;
   const uint64_t kv_elems = static_cast<uint64_t>(2 * S * C * config.num_key_value_heads * config.head_dim);
   const uint64_t kv_bytes = kv_elems * sizeof(typename Net::Act), sum_bytes = kv_elems * sizeof(float);
+  // MoE: the router statistics (E counts, E probability sums) all-gathered once a forward, and
+  // with the auxiliary loss the valid targets too, each rank sending its share N - 1 times.
+  const uint64_t stats_bytes = moe ? static_cast<uint64_t>(N - 1) * (16 * config.num_experts + (aux ? 8 : 0)) : 0;
   const uint64_t ring_bytes =
       N == 1 ? 0 : static_cast<uint64_t>(3 * L - 1) * 2 * (N - 1) * kv_bytes + static_cast<uint64_t>(L) * 2 * N * sum_bytes;
   for (const RankResult& r : results) {
     ASSERT_TRUE(r.error.empty()) << r.error;
     loss += r.loss;
     for (size_t i = 0; i < grads.size(); ++i) grads[i] += r.grads[i];
-    EXPECT_EQ(r.bytes_sent, ring_bytes);
+    EXPECT_EQ(r.bytes_sent, ring_bytes + stats_bytes);
   }
   EXPECT_TRUE(std::fabs(loss - *want) <= tolerance * std::fabs(*want)) << loss << " over the ring, " << *want;
   const std::vector<float> summed(grads.begin(), grads.end());
@@ -497,6 +517,7 @@ TEST(ContextParallelModel, Fp32DenseAtRingsOfTwoAndFour) {
 
 TEST(ContextParallelModel, Fp32MoeAtRingsOfTwoAndFour) {
   for (int64_t N : {2, 4}) expect_context_group_matches_one_process<LlamaModel>(N, true, 1e-5);
+  for (int64_t N : {2, 4}) expect_context_group_matches_one_process<LlamaModel>(N, true, 1e-5, /*aux=*/true);
 }
 
 TEST(ContextParallelModel, Bf16DenseAtRingOfTwo) {

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -214,10 +215,12 @@ TEST_F(CliTest, ASequenceTooLongIsRefusedNamingTheLongestThatFits) {
   const std::string line = "at micro-batch 1: ";
   const size_t cp_at = cp.output.find(line);
   ASSERT_NE(cp_at, std::string::npos) << cp.output;
+  ASSERT_TRUE(std::isdigit(static_cast<unsigned char>(cp.output[cp_at + line.size()]))) << cp.output;
   const int64_t without = std::stoll(cp.output.substr(cp_at + line.size()));
   const std::string with_key = "tokens without context parallelism, ";
   const size_t with_at = cp.output.find(with_key, cp_at);
   ASSERT_NE(with_at, std::string::npos) << cp.output;
+  ASSERT_TRUE(std::isdigit(static_cast<unsigned char>(cp.output[with_at + with_key.size()]))) << cp.output;
   const int64_t with = std::stoll(cp.output.substr(with_at + with_key.size()));
   EXPECT_GT(with, 2 * without) << cp.output;
   EXPECT_EQ(with % 8, 0) << cp.output;

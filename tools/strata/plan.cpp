@@ -268,9 +268,15 @@ int plan_command(const std::vector<std::string>& args) {
     std::printf("run.device=auto: %s\n", cuda ? "a CUDA device is visible here, so the GPU layout"
                                              : "no CUDA device is visible here, so the CPU layout (run.device=cuda "
                                                "plans a GPU run)");
-  std::printf("step: %lld x %lld tokens x %lld accumulation = %lld tokens; budgets device %s, host %s, nvme %s\n",
+  std::printf("step: %lld x %lld tokens x %lld accumulation = %lld tokens%s; budgets device %s, host %s, nvme %s\n",
               static_cast<long long>(tc->micro_batch), static_cast<long long>(tc->seq_len),
-              static_cast<long long>(tc->grad_accum), static_cast<long long>(in.tokens_per_step),
+              static_cast<long long>(tc->grad_accum),
+              static_cast<long long>(tc->micro_batch * tc->seq_len * tc->grad_accum),
+              tc->parallel_context > 1
+                  ? fmt::format(" ({} per rank: 1/{} of each sequence, parallel.context_parallel)", in.tokens_per_step,
+                                tc->parallel_context)
+                        .c_str()
+                  : "",
               format_bytes(in.device_budget).c_str(), format_bytes(in.host_budget).c_str(),
               in.nvme_budget ? format_bytes(in.nvme_budget).c_str() : "none");
   if (const int64_t tile = planned_mlp_tile(*mc, *tc, device); tile > 0) {
