@@ -963,6 +963,7 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
     const uint64_t e = static_cast<uint64_t>(in.expert_ranks);
     c.expert_all_to_all = accum * (in.expert_exchange_bytes / e * (e - 1) + in.expert_exchange_bytes % e * (e - 1) / e);
   }
+  if (in.context_ranks > 1) c.ring_exchange = accum * in.ring_exchange_bytes;
   const int64_t per_node = std::clamp<int64_t>(in.ranks_per_node, 1, W);
   p.comm_bytes_per_s = W <= per_node ? r.intra_node_bytes_per_s : r.inter_node_bytes_per_s;
   p.comm_s = static_cast<double>(c.total()) / p.comm_bytes_per_s;
@@ -1236,9 +1237,12 @@ std::string format_plan(const PlanInput& in, const Plan& p) {
                       p.zero, p.comm_bytes_per_s / 1e9, format_bytes(c.grad_all_reduce),
                       format_bytes(c.grad_reduce_scatter), format_bytes(c.param_all_gather),
                       format_bytes(c.update_all_gather),
-                      in.expert_ranks > 1 ? fmt::format(", expert all-to-all {} (groups of {})",
-                                                        format_bytes(c.expert_all_to_all), in.expert_ranks)
-                                          : std::string(),
+                      (in.expert_ranks > 1 ? fmt::format(", expert all-to-all {} (groups of {})",
+                                                         format_bytes(c.expert_all_to_all), in.expert_ranks)
+                                           : std::string()) +
+                          (in.context_ranks > 1 ? fmt::format(", ring attention {} (context groups of {})",
+                                                              format_bytes(c.ring_exchange), in.context_ranks)
+                                                : std::string()),
                       format_seconds(p.comm_s),
                       p.comm_s > 0 ? 100 * p.comm_hidden_s / p.comm_s : 0.0, format_seconds(p.comm_exposed_s));
     if (p.zero >= 3 && in.overlap_comm)

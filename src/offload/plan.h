@@ -210,6 +210,11 @@ struct PlanInput {
   // rank.
   int64_t expert_ranks = 1;
   uint64_t expert_exchange_bytes = 0;
+  // Context parallelism: ranks per context group (1: none), and the bytes one micro-batch's ring
+  // attention sends from a rank in all (keys and values N - 1 times a layer in forward, in a
+  // recompute and in backward; their fp32 gradient sums N times a layer in backward).
+  int64_t context_ranks = 1;
+  uint64_t ring_exchange_bytes = 0;
   // Expert groups on cuda: an MoE layer's token exchanges on the compute stream first wait for
   // the communication stream's work, which then waits for them (NCCL's kernels of two
   // communicators must not interleave differently on different GPUs), so the queued
@@ -230,8 +235,12 @@ struct CommBytes {
   // Expert parallelism: routed rows to their experts' ranks and back, with even routing (each
   // rank keeps 1/P of its rows); on the critical path, never hidden.
   uint64_t expert_all_to_all = 0;
+  // Context parallelism: ring attention's exchanges, counted on the critical path (the planner
+  // does not yet credit the keys' overlap with the blocks).
+  uint64_t ring_exchange = 0;
   uint64_t total() const {
-    return grad_all_reduce + grad_reduce_scatter + param_all_gather + update_all_gather + expert_all_to_all;
+    return grad_all_reduce + grad_reduce_scatter + param_all_gather + update_all_gather + expert_all_to_all +
+           ring_exchange;
   }
 };
 

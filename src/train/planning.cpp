@@ -452,6 +452,16 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
     in.exchanges_settle_comm = cuda;
     in.expert_exchange_bytes = static_cast<uint64_t>(passes) * N * static_cast<uint64_t>(m.num_experts_per_tok) * C * act;
   }
+  if (t.parallel_context > 1) {
+    // model/ring_attention.h: per layer, the keys and values (N tokens of the rank's share) go on
+    // N - 1 times in forward, in a recompute (every layer but the last) and in backward, and
+    // their fp32 gradient sums N times in backward.
+    const uint64_t R = static_cast<uint64_t>(t.parallel_context);
+    const uint64_t kv = N * static_cast<uint64_t>(m.kv_dim());
+    const uint64_t passes = 2 * L + (in.recompute && L > 0 ? L - 1 : 0);
+    in.context_ranks = t.parallel_context;
+    in.ring_exchange_bytes = passes * 2 * (R - 1) * kv * act + L * 2 * R * kv * sizeof(float);
+  }
   return in;
 }
 

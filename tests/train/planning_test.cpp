@@ -145,6 +145,34 @@ TEST(Planning, ContextParallelismLengthensTheLongestSequence) {
   EXPECT_GT(with_ring, make_plan_input(*mc, t, DeviceKind::kCpu).layer_workspace_bytes);
 }
 
+// The ring's bytes in the plan are what the decoder's ring sends (tests/model/context_parallel_test
+// counts those on the wire): per layer the keys and values of the rank's tokens N - 1 times in
+// forward, recompute (all layers but the last) and backward, their fp32 sums N times; per
+// micro-batch, and on the step's collectives line.
+TEST(Planning, TheRingsBytesAreWhatTheDecodersRingSends) {
+  auto mc = model::ModelConfig::preset("tiny");
+  ASSERT_TRUE(mc.ok()) << mc.status().to_string();
+  TrainConfig t;
+  t.micro_batch = 2;
+  t.seq_len = 64;
+  t.grad_accum = 3;
+  t.parallel_context = 4;
+  t.plan_world_size = 4;
+  t.memory_device = 1ull << 30;
+  t.memory_host = 1ull << 30;
+  const PlanInput in = make_plan_input(*mc, t, DeviceKind::kCpu);
+  const uint64_t L = static_cast<uint64_t>(mc->num_hidden_layers), N = 4;
+  const uint64_t kv = static_cast<uint64_t>(t.micro_batch * t.seq_len / 4 * mc->kv_dim());
+  ASSERT_TRUE(in.recompute);
+  EXPECT_EQ(in.ring_exchange_bytes, (3 * L - 1) * 2 * (N - 1) * kv * sizeof(float) + L * 2 * N * kv * sizeof(float));
+  const Plan plan = make_plan(in);
+  ASSERT_TRUE(plan.fits) << plan.problem;
+  EXPECT_EQ(plan.comm.ring_exchange, 3 * in.ring_exchange_bytes);
+  EXPECT_NE(format_plan(in, plan).find("ring attention"), std::string::npos);
+  t.parallel_context = 1;
+  EXPECT_EQ(make_plan(make_plan_input(*mc, t, DeviceKind::kCpu)).comm.ring_exchange, 0u);
+}
+
 // On a GPU the head's workspace is the LM-head buffer the CUDA backend reserves beside the
 // activation table (chunks of thousands of tokens), on the CPU the 256-token logits vector.
 TEST(Planning, TheHeadWorkspaceIsTheBackendsLmHeadBuffer) {
