@@ -49,36 +49,39 @@ inline int64_t context_ring_source(int64_t ranks, int64_t rank, int64_t step) {
   return ((rank - step) % ranks + ranks) % ranks;
 }
 
-// Rank `rank`'s tokens of B sequences of T tokens, in the layout above: local (2B, T/(2N), width)
-// from sequences (B, T, width), each token `width` elements of `bytes_per` bytes.
-// REQUIRES: 2N divides T.
-inline void context_split(void* local, const void* sequences, int64_t B, int64_t T, int64_t width, size_t bytes_per,
-                          int64_t ranks, int64_t rank) {
+// Copies rank `rank`'s tokens of B sequences of T tokens between the sequences (B, T, width) and
+// its local rows (2B, T/(2N), width) in the layout above, each token `width` elements of
+// `bytes_per` bytes: into `local` when to_local, else back to their places in `sequences` (the
+// other ranks' places left as they were). REQUIRES: 2N divides T.
+inline void context_copy(char* local, char* sequences, int64_t B, int64_t T, int64_t width, size_t bytes_per,
+                         int64_t ranks, int64_t rank, bool to_local) {
   CHECK(T % (2 * ranks) == 0);
   const int64_t C = T / (2 * ranks);
   const size_t chunk_bytes = static_cast<size_t>(C * width) * bytes_per;
   for (int half = 0; half < 2; ++half)
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t chunk = context_chunk(ranks, rank, half);
-      std::memcpy(static_cast<char*>(local) + static_cast<size_t>(half * B + b) * chunk_bytes,
-                  static_cast<const char*>(sequences) + static_cast<size_t>(b * T + chunk * C) * width * bytes_per,
-                  chunk_bytes);
+      char* mine = local + static_cast<size_t>(half * B + b) * chunk_bytes;
+      char* theirs =
+          sequences + static_cast<size_t>(b * T + context_chunk(ranks, rank, half) * C) * width * bytes_per;
+      if (to_local)
+        std::memcpy(mine, theirs, chunk_bytes);
+      else
+        std::memcpy(theirs, mine, chunk_bytes);
     }
 }
 
-// The inverse: rank `rank`'s tokens back to their places in the sequences (the others' places
-// are left as they were).
+// Rank `rank`'s local rows from the sequences.
+inline void context_split(void* local, const void* sequences, int64_t B, int64_t T, int64_t width, size_t bytes_per,
+                          int64_t ranks, int64_t rank) {
+  context_copy(static_cast<char*>(local), const_cast<char*>(static_cast<const char*>(sequences)), B, T, width,
+               bytes_per, ranks, rank, /*to_local=*/true);
+}
+
+// Rank `rank`'s local rows back to their places in the sequences.
 inline void context_merge(void* sequences, const void* local, int64_t B, int64_t T, int64_t width, size_t bytes_per,
                           int64_t ranks, int64_t rank) {
-  CHECK(T % (2 * ranks) == 0);
-  const int64_t C = T / (2 * ranks);
-  const size_t chunk_bytes = static_cast<size_t>(C * width) * bytes_per;
-  for (int half = 0; half < 2; ++half)
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t chunk = context_chunk(ranks, rank, half);
-      std::memcpy(static_cast<char*>(sequences) + static_cast<size_t>(b * T + chunk * C) * width * bytes_per,
-                  static_cast<const char*>(local) + static_cast<size_t>(half * B + b) * chunk_bytes, chunk_bytes);
-    }
+  context_copy(const_cast<char*>(static_cast<const char*>(local)), static_cast<char*>(sequences), B, T, width,
+               bytes_per, ranks, rank, /*to_local=*/false);
 }
 
 // Each local token's position in its sequence: (2B, C), the positions RoPE rotates by.
