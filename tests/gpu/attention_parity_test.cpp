@@ -264,6 +264,78 @@ TEST(AttentionParity, OpSetLeftToChooseMatchesTheReference) {
   op_set_matches_reference("auto", AttentionForce::kAuto);
 }
 
+// Ring attention's blocks (context parallelism) through the op set against the CPU's fp32 blocks
+// on the same bf16 inputs: a chunk's queries against its own keys (the causal block) and then
+// against an earlier chunk's (a full block, cuDNN's unmasked graph), merged into fp32 sums; then
+// both blocks' gradients from the merged out (rounded to bf16, as the decoder keeps it) and lse,
+// the earlier chunk's written and the own chunk's added to. The GPU rounds each block's output
+// and gradients to bf16 before they join the sums: kBf16Tol. Chunk lengths a multiple of 128 and
+// one that is not.
+TEST(AttentionParity, RingBlocksMatchTheCpuBlocks) {
+  Result<std::unique_ptr<Device>> device = open_device("cuda", 0, uint64_t{2} << 30);
+  ASSERT_TRUE(device.ok()) << device.status().to_string();
+  Result<kernels::CudaOps> created = kernels::CudaOps::create(*device.value());
+  ASSERT_TRUE(created.ok()) << created.status().to_string();
+  kernels::CudaOps& ops = created.value();
+  namespace cpu = kernels::cpu;
+  using kernels::AttentionBlock;
+  for (const Shape& s : {Shape{2, 128, 4, 2, 64}, Shape{1, 256, 8, 2, 128}, Shape{2, 17, 4, 4, 64}}) {
+    const std::string what = "ring blocks " + s.text();
+    const cu::CudnnAttentionPlan full = cu::cudnn_attention_prepare(ops.context(), s.B, s.T, s.Hq, s.Hkv, s.D, false);
+    if (!full.ready) {
+      std::printf("note: %s skipped: cuDNN cannot serve the full block: %s\n", what.c_str(), full.note.c_str());
+      continue;
+    }
+    const int64_t nq = s.B * s.T * s.Hq * s.D, nkv = s.B * s.T * s.Hkv * s.D, nl = s.B * s.Hq * s.T;
+    std::vector<float> q = random_vector(nq, 81, -1.5f, 1.5f), dout = random_vector(nq, 82);
+    std::vector<float> k_own = random_vector(nkv, 83, -1.5f, 1.5f), v_own = random_vector(nkv, 84);
+    std::vector<float> k_prev = random_vector(nkv, 85, -1.5f, 1.5f), v_prev = random_vector(nkv, 86);
+    DeviceBuffer<bf16> d_q = upload_bf16(q), d_dout = upload_bf16(dout), d_k_own = upload_bf16(k_own),
+                       d_v_own = upload_bf16(v_own), d_k_prev = upload_bf16(k_prev), d_v_prev = upload_bf16(v_prev);
+    // The CPU's blocks, fp32 on the bf16-rounded inputs.
+    std::vector<float> out(nq), lse(nl);
+    cpu::attention_block_forward(out.data(), lse.data(), q.data(), k_own.data(), v_own.data(), s.B, s.T, s.T, s.Hq,
+                                 s.Hkv, s.D, AttentionBlock::kCausal, false);
+    cpu::attention_block_forward(out.data(), lse.data(), q.data(), k_prev.data(), v_prev.data(), s.B, s.T, s.T, s.Hq,
+                                 s.Hkv, s.D, AttentionBlock::kFull, true);
+    DeviceBuffer<float> d_out(nq), d_lse(nl);
+    poison(d_out);
+    poison(d_lse);
+    ops.attention_block_forward(d_out.get(), d_lse.get(), d_q.get(), d_k_own.get(), d_v_own.get(), s.B, s.T, s.T,
+                                s.Hq, s.Hkv, s.D, AttentionBlock::kCausal, false);
+    ops.attention_block_forward(d_out.get(), d_lse.get(), d_q.get(), d_k_prev.get(), d_v_prev.get(), s.B, s.T, s.T,
+                                s.Hq, s.Hkv, s.D, AttentionBlock::kFull, true);
+    ops.synchronize();
+    expect_close(download_f32(d_out), out, kBf16Tol, what + " out");
+    expect_close(download_f32(d_lse), lse, kLseTol, what + " lse");
+
+    // Backward from the CPU's merged out (rounded) and lse on both sides.
+    DeviceBuffer<bf16> d_att = upload_bf16(out);
+    DeviceBuffer<float> d_lse_in(lse);
+    std::vector<float> dq(nq), dk_own(nkv), dv_own(nkv), dk_prev(nkv), dv_prev(nkv);
+    cpu::attention_block_backward(dq.data(), dk_own.data(), dv_own.data(), dout.data(), q.data(), k_own.data(),
+                                  v_own.data(), out.data(), lse.data(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D,
+                                  AttentionBlock::kCausal, false, false);
+    cpu::attention_block_backward(dq.data(), dk_prev.data(), dv_prev.data(), dout.data(), q.data(), k_prev.data(),
+                                  v_prev.data(), out.data(), lse.data(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D,
+                                  AttentionBlock::kFull, true, false);
+    DeviceBuffer<float> d_dq(nq), d_dk_own(nkv), d_dv_own(nkv), d_dk_prev(nkv), d_dv_prev(nkv);
+    for (DeviceBuffer<float>* b : {&d_dq, &d_dk_own, &d_dv_own, &d_dk_prev, &d_dv_prev}) poison(*b);
+    ops.attention_block_backward(d_dq.get(), d_dk_own.get(), d_dv_own.get(), d_dout.get(), d_q.get(), d_k_own.get(),
+                                 d_v_own.get(), d_att.get(), d_lse_in.get(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D,
+                                 AttentionBlock::kCausal, false, false);
+    ops.attention_block_backward(d_dq.get(), d_dk_prev.get(), d_dv_prev.get(), d_dout.get(), d_q.get(), d_k_prev.get(),
+                                 d_v_prev.get(), d_att.get(), d_lse_in.get(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D,
+                                 AttentionBlock::kFull, true, false);
+    ops.synchronize();
+    expect_close(download_f32(d_dq), dq, kBf16Tol, what + " dq");
+    expect_close(download_f32(d_dk_own), dk_own, kBf16Tol, what + " dk (own chunk)");
+    expect_close(download_f32(d_dv_own), dv_own, kBf16Tol, what + " dv (own chunk)");
+    expect_close(download_f32(d_dk_prev), dk_prev, kBf16Tol, what + " dk (earlier chunk)");
+    expect_close(download_f32(d_dv_prev), dv_prev, kBf16Tol, what + " dv (earlier chunk)");
+  }
+}
+
 TEST(AttentionParity, AnUnknownOverrideIsRefused) {
   AttentionEnv env("flash");
   Result<std::unique_ptr<Device>> device = open_device("cuda", 0, uint64_t{1} << 30);

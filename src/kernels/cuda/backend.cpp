@@ -7,6 +7,8 @@
 #include <string>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "core/check.h"
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/cuda_device.h"
@@ -267,15 +269,60 @@ void CudaOps::attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, con
   }
 }
 
-void CudaOps::attention_block_forward(float*, float*, const Act*, const Act*, const Act*, int64_t, int64_t, int64_t,
-                                      int64_t, int64_t, int64_t, AttentionBlock, bool, int64_t, double) {
-  CHECK_MSG(false, "ring attention (parallel.context_parallel) has no CUDA kernel yet; run it on the CPU backend");
+namespace {
+// Ring attention's full blocks run on cuDNN's unmasked graph: why a shape cannot.
+void check_full_block(const cuda::CudnnAttentionPlan& plan, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
+                      int64_t D) {
+  CHECK_MSG(plan.ready, fmt::format("ring attention's full blocks (B={} T={} Hq={} Hkv={} D={}) run on cuDNN's fused "
+                                    "attention, which cannot serve them here: {}",
+                                    B, T, Hq, Hkv, D, plan.note));
+}
+}  // namespace
+
+void CudaOps::attention_block_forward(float* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B,
+                                      int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask,
+                                      bool accumulate, int64_t Dv, double scale) {
+  check_default_attention(D, Dv, scale);
+  CHECK_MSG(Tq == Tk, "ring attention's blocks on CUDA pair chunks of one length");
+  const int64_t T = Tq;
+  const uint64_t out_bytes = (static_cast<uint64_t>(B * T * Hq * D) * sizeof(Act) + 255) / 256 * 256;
+  char* block = static_cast<char*>(
+      grow(ring_block_, out_bytes + static_cast<uint64_t>(B * Hq * T) * sizeof(float), "ring attention block"));
+  Act* block_out = reinterpret_cast<Act*>(block);
+  float* block_lse = reinterpret_cast<float*>(block + out_bytes);
+  if (mask == AttentionBlock::kCausal) {
+    attention_forward(block_out, block_lse, q, k, v, B, T, Hq, Hkv, D);
+  } else {
+    check_full_block(cuda::cudnn_attention_prepare(*ctx_, B, T, Hq, Hkv, D, /*causal=*/false), B, T, Hq, Hkv, D);
+    cuda::cudnn_attention_forward(*ctx_, block_out, block_lse, q, k, v, B, T, Hq, Hkv, D, stream_, /*causal=*/false);
+  }
+  cuda::attention_merge(out, lse, block_out, block_lse, B, T, Hq, D, accumulate, stream_);
 }
 
-void CudaOps::attention_block_backward(float*, float*, float*, const Act*, const Act*, const Act*, const Act*,
-                                       const Act*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                       AttentionBlock, bool, bool, int64_t, double) {
-  CHECK_MSG(false, "ring attention (parallel.context_parallel) has no CUDA kernel yet; run it on the CPU backend");
+void CudaOps::attention_block_backward(float* dq, float* dk, float* dv, const Act* dout, const Act* q, const Act* k,
+                                       const Act* v, const Act* out, const float* lse, int64_t B, int64_t Tq,
+                                       int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask,
+                                       bool accumulate_dq, bool accumulate_dkv, int64_t Dv, double scale) {
+  check_default_attention(D, Dv, scale);
+  CHECK_MSG(Tq == Tk, "ring attention's blocks on CUDA pair chunks of one length");
+  const int64_t T = Tq, nq = B * T * Hq * D, nkv = B * T * Hkv * D;
+  auto padded = [](int64_t n) { return (static_cast<uint64_t>(n) * sizeof(Act) + 255) / 256 * 256; };
+  char* block = static_cast<char*>(grow(ring_block_, padded(nq) + 2 * padded(nkv), "ring attention block"));
+  Act* bdq = reinterpret_cast<Act*>(block);
+  Act* bdk = reinterpret_cast<Act*>(block + padded(nq));
+  Act* bdv = reinterpret_cast<Act*>(block + padded(nq) + padded(nkv));
+  // P = exp(s - lse) with the whole attention's lse, and delta from its (rounded) output: the
+  // block's share of the gradients.
+  if (mask == AttentionBlock::kCausal) {
+    attention_backward(bdq, bdk, bdv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D);
+  } else {
+    check_full_block(cuda::cudnn_attention_prepare(*ctx_, B, T, Hq, Hkv, D, /*causal=*/false), B, T, Hq, Hkv, D);
+    cuda::cudnn_attention_backward(*ctx_, bdq, bdk, bdv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, stream_,
+                                   /*causal=*/false);
+  }
+  cuda::add_bf16_to_f32(dq, bdq, nq, accumulate_dq, stream_);
+  cuda::add_bf16_to_f32(dk, bdk, nkv, accumulate_dkv, stream_);
+  cuda::add_bf16_to_f32(dv, bdv, nkv, accumulate_dkv, stream_);
 }
 
 void CudaOps::round_activations(Act* dst, const float* src, int64_t n) { cuda::f32_to_bf16(dst, src, n, stream_); }

@@ -123,8 +123,11 @@ class CudaOps {
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                           const int32_t* positions = nullptr, int64_t Dv = 0, double scale = 0);
-  // Ring attention's blocks (context parallelism): no CUDA kernel yet; they abort, and the
-  // trainer refuses parallel.context_parallel on CUDA before a step.
+  // Ring attention's blocks (context parallelism, model/ring_attention.h): the causal block is the
+  // whole-sequence attention of its chunk (cuDNN or the WMMA kernel, as the shape chooses), a
+  // full block cuDNN's graph without the mask; each block's bf16 results then join the fp32 sums
+  // (ring_blocks.cu). Compiled, not yet run on a GPU: the trainer still refuses
+  // parallel.context_parallel on CUDA.
   void attention_block_forward(float* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t Tq,
                                int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, bool accumulate,
                                int64_t Dv = 0, double scale = 0);
@@ -187,6 +190,8 @@ class CudaOps {
   DeviceAllocation rounded_;    // an fp32 output gradient rounded to bf16
   DeviceAllocation lm_head_;    // the LM head's scratch: logits chunks (lm_head_device_scratch_bytes)
   DeviceAllocation router_;     // selection bias or prob_grad (E floats), counts (E) and prob sums (E)
+  // Ring attention: one block's output and lse, or its dq, dk and dv, before they join the sums.
+  DeviceAllocation ring_block_;
   std::vector<int64_t> host_offsets_;
   AttentionCapability attention_capability_;
   AttentionForce attention_force_ = AttentionForce::kAuto;

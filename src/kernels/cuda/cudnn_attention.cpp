@@ -1,4 +1,5 @@
-// Causal GQA attention on cuDNN's fused SDPA engines, through the cuDNN 9 backend graph API.
+// Causal GQA attention on cuDNN's fused SDPA engines, through the cuDNN 9 backend graph API; and
+// the same without the mask (every query sees every key), ring attention's full blocks.
 //
 // cuDNN recognises a fused flash-attention engine by the shape of an operation graph, so the
 // graphs below spell out the math the engine implements, operation by operation (cuDNN's own
@@ -53,16 +54,16 @@ Context::CudnnAttention& Context::cudnn_attention() {
 }
 
 int cudnn_version() { return 0; }
-CudnnAttentionPlan cudnn_attention_prepare(Context&, int64_t, int64_t, int64_t, int64_t, int64_t) {
+CudnnAttentionPlan cudnn_attention_prepare(Context&, int64_t, int64_t, int64_t, int64_t, int64_t, bool) {
   return {false, false, "this build has no cuDNN"};
 }
 void cudnn_attention_forward(Context&, bf16*, float*, const bf16*, const bf16*, const bf16*, int64_t,
-                             int64_t, int64_t, int64_t, int64_t, cudaStream_t) {
+                             int64_t, int64_t, int64_t, int64_t, cudaStream_t, bool) {
   CHECK_MSG(false, "cudnn_attention_forward: this build has no cuDNN");
 }
 void cudnn_attention_backward(Context&, bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*,
                               const bf16*, const bf16*, const float*, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, cudaStream_t) {
+                              int64_t, int64_t, cudaStream_t, bool) {
   CHECK_MSG(false, "cudnn_attention_backward: this build has no cuDNN");
 }
 
@@ -328,7 +329,8 @@ Desc causal_mask(Graph& g, Desc s, const Dims& dims, const Dims& strides, Desc n
   return masked;
 }
 
-void build_forward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+// causal = false: every query sees every key (ring attention's full blocks), no mask.
+void build_forward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool causal) {
   const Dims row_dims{B, Hq, T, 1}, row_strides{Hq * T, T, 1, 1};
   const Dims s_dims{B, Hq, T, T}, s_strides{Hq * T * T, T * T, T, 1};
   Desc q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hq, T, D), bhtd_strides(Hq, T, D), false);
@@ -343,7 +345,7 @@ void build_forward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int6
   g.matmul(q, kt, s);
   Desc scaled = g.temp(CUDNN_DATA_FLOAT, s_dims, s_strides);
   g.pointwise(CUDNN_POINTWISE_MUL, s, scale, scaled);
-  Desc masked = causal_mask(g, scaled, s_dims, s_strides, neg_inf);
+  Desc masked = causal ? causal_mask(g, scaled, s_dims, s_strides, neg_inf) : scaled;
   Desc row_max = g.temp(CUDNN_DATA_FLOAT, row_dims, row_strides);
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, masked, row_max);
   Desc shifted = g.temp(CUDNN_DATA_FLOAT, s_dims, s_strides);
@@ -364,7 +366,8 @@ void build_forward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int6
 
 // accumulate_dq: dQ = dS K into an fp32 accumulator in the workspace, then copied to bf16 (cuDNN
 // adds into it with atomics); else straight into dq.
-void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool accumulate_dq) {
+void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool accumulate_dq,
+                    bool causal) {
   const Dims row_dims{B, Hq, T, 1}, row_strides{Hq * T, T, 1, 1};
   const Dims s_dims{B, Hq, T, T}, s_strides{Hq * T * T, T * T, T, 1};
   // The same scores transposed: (B,Hq,T_kv,T_q).
@@ -398,7 +401,7 @@ void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int
   g.pointwise(CUDNN_POINTWISE_MUL, s, scale, scaled);
   Desc centred = g.temp(CUDNN_DATA_FLOAT, s_dims, s_strides);
   g.pointwise(CUDNN_POINTWISE_SUB, scaled, stats, centred);
-  Desc masked = causal_mask(g, centred, s_dims, s_strides, neg_inf);
+  Desc masked = causal ? causal_mask(g, centred, s_dims, s_strides, neg_inf) : centred;
   Desc p = g.temp(CUDNN_DATA_FLOAT, s_dims, s_strides);
   g.pointwise(CUDNN_POINTWISE_EXP, masked, nullptr, p);
 
@@ -449,7 +452,7 @@ void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int
 
 size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-using ShapeKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;  // B, T, Hq, Hkv, D
+using ShapeKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>;  // B, T, Hq, Hkv, D, causal
 
 // The two plans of one shape, or why there are none.
 struct Entry {
@@ -510,9 +513,9 @@ namespace {
 // The backward of `entry` in one of its two forms, with its scratch layout; empty when it is
 // built and fits the scratch, else why not.
 std::string build_backward_entry(Entry& entry, cudnnHandle_t handle, size_t scratch_bytes, int64_t B,
-                                 int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool accumulate_dq) {
+                                 int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool accumulate_dq, bool causal) {
   entry.backward = std::make_unique<Graph>(handle);
-  build_backward(*entry.backward, B, T, Hq, Hkv, D, accumulate_dq);
+  build_backward(*entry.backward, B, T, Hq, Hkv, D, accumulate_dq, causal);
   if (!entry.backward->ok()) {
     const std::string failure = entry.backward->error();
     entry.backward.reset();
@@ -537,10 +540,10 @@ std::string build_backward_entry(Entry& entry, cudnnHandle_t handle, size_t scra
 }  // namespace
 
 CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                           int64_t D) {
+                                           int64_t D, bool causal) {
   CHECK(B > 0 && T > 0 && Hq > 0 && Hkv > 0 && D > 0 && Hq % Hkv == 0);
   Context::CudnnAttention& cache = ctx.cudnn_attention();
-  const ShapeKey key{B, T, Hq, Hkv, D};
+  const ShapeKey key{B, T, Hq, Hkv, D, causal};
   if (auto it = cache.entries.find(key); it != cache.entries.end()) return it->second.plan;
   Entry& entry = cache.entries[key];
   if (cache.handle == nullptr && cache.handle_error.empty()) {
@@ -557,7 +560,7 @@ CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, i
   entry.scalars.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   entry.scalars.neg_inf = masked_score(cudnn_version());
   entry.forward = std::make_unique<Graph>(cache.handle);
-  build_forward(*entry.forward, B, T, Hq, Hkv, D);
+  build_forward(*entry.forward, B, T, Hq, Hkv, D, causal);
   if (entry.forward->ok() && static_cast<size_t>(entry.forward->workspace_bytes()) > ctx.scratch_bytes()) {
     entry.plan.note = "the forward needs " + std::to_string(entry.forward->workspace_bytes()) +
                       " bytes of workspace, the kernel context has " + std::to_string(ctx.scratch_bytes());
@@ -572,13 +575,13 @@ CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, i
   // sm_80 and sm_90 (what its frontend builds when asked for a deterministic backward); the
   // form with an fp32 accumulator is usually faster but adds into it with atomics.
   const std::string fixed_order = build_backward_entry(entry, cache.handle, ctx.scratch_bytes(), B, T, Hq, Hkv, D,
-                                                       /*accumulate_dq=*/false);
+                                                       /*accumulate_dq=*/false, causal);
   if (fixed_order.empty()) {
     entry.plan = {true, true, ""};
     return entry.plan;
   }
   const std::string atomics = build_backward_entry(entry, cache.handle, ctx.scratch_bytes(), B, T, Hq, Hkv, D,
-                                                   /*accumulate_dq=*/true);
+                                                   /*accumulate_dq=*/true, causal);
   if (atomics.empty()) {
     entry.plan = {true, false, "its backward accumulates dq with atomics, not bitwise reproducible (the fixed-order "
                                "form failed: " + fixed_order + ")"};
@@ -597,9 +600,9 @@ void check_aligned(std::initializer_list<const void*> pointers) {
   }
 }
 
-Entry& prepared(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+Entry& prepared(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool causal) {
   Context::CudnnAttention& cache = ctx.cudnn_attention();
-  const auto it = cache.entries.find(ShapeKey{B, T, Hq, Hkv, D});
+  const auto it = cache.entries.find(ShapeKey{B, T, Hq, Hkv, D, causal});
   CHECK_MSG(it != cache.entries.end() && it->second.plan.ready,
             "cuDNN attention called for a shape that cudnn_attention_prepare did not accept");
   return it->second;
@@ -609,8 +612,8 @@ Entry& prepared(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int
 
 void cudnn_attention_forward(Context& ctx, bf16* out, float* lse, const bf16* q, const bf16* k,
                              const bf16* v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                             cudaStream_t stream) {
-  Entry& e = prepared(ctx, B, T, Hq, Hkv, D);
+                             cudaStream_t stream, bool causal) {
+  Entry& e = prepared(ctx, B, T, Hq, Hkv, D, causal);
   check_aligned({out, lse, q, k, v});
   void* workspace = ctx.scratch(static_cast<size_t>(e.forward->workspace_bytes()), "cuDNN SDPA forward");
   const std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale, kNegInf};
@@ -622,8 +625,8 @@ void cudnn_attention_forward(Context& ctx, bf16* out, float* lse, const bf16* q,
 void cudnn_attention_backward(Context& ctx, bf16* dq, bf16* dk, bf16* dv, const bf16* dout,
                               const bf16* q, const bf16* k, const bf16* v, const bf16* out,
                               const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                              int64_t D, cudaStream_t stream) {
-  Entry& e = prepared(ctx, B, T, Hq, Hkv, D);
+                              int64_t D, cudaStream_t stream, bool causal) {
+  Entry& e = prepared(ctx, B, T, Hq, Hkv, D, causal);
   check_aligned({dq, dk, dv, dout, q, k, v, out, lse});
   char* scratch = static_cast<char*>(ctx.scratch(e.backward_bytes, "cuDNN SDPA backward"));
   float* delta = reinterpret_cast<float*>(scratch + e.delta_offset);

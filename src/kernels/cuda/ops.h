@@ -261,20 +261,30 @@ struct CudnnAttentionPlan {
 // with atomics. Not ready: `note` names the cuDNN call and status that failed (the graphs are
 // then never tried again for the shape) or the scratch they would need beyond the Context's.
 // Never aborts for a cuDNN status.
+// causal = false: the graphs without the mask, every query seeing every key (ring attention's
+// full blocks, model/ring_attention.h), cached apart from the causal ones.
 CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                           int64_t D);
+                                           int64_t D, bool causal = true);
 // REQUIRE: cudnn_attention_prepare found the shape ready. Workspace from ctx's scratch
 // (the backward's also holds delta and an fp32 dq accumulator; prepare checks that it fits).
 void cudnn_attention_forward(Context& ctx, bf16* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,
                              const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,T,Hkv,D)*/,
                              const bf16* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,
-                             int64_t Hkv, int64_t D, cudaStream_t stream);
+                             int64_t Hkv, int64_t D, cudaStream_t stream, bool causal = true);
 void cudnn_attention_backward(Context& ctx, bf16* dq /*(B,T,Hq,D)*/, bf16* dk /*(B,T,Hkv,D)*/,
                               bf16* dv /*(B,T,Hkv,D)*/, const bf16* dout /*(B,T,Hq,D)*/,
                               const bf16* q, const bf16* k, const bf16* v,
                               const bf16* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/,
                               int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                              cudaStream_t stream);
+                              cudaStream_t stream, bool causal = true);
+
+// ---- ring attention's blocks (ring_blocks.cu) ----------------------------------------------------
+// Merges one block's attention (block_out bf16 (B,T,Hq,Dv), block_lse (B,Hq,T)) into the running
+// fp32 out and lse of the blocks before, by their log-sum-exps; without accumulate, writes them.
+void attention_merge(float* out, float* lse, const bf16* block_out, const float* block_lse, int64_t B, int64_t T,
+                     int64_t Hq, int64_t Dv, bool accumulate, cudaStream_t stream);
+// sum (n) = (accumulate ? sum : 0) + x, in fp32.
+void add_bf16_to_f32(float* sum, const bf16* x, int64_t n, bool accumulate, cudaStream_t stream);
 
 // ---- LM head + cross-entropy, chunked over tokens --------------------------------------------
 // Per chunk of chunk_tokens tokens: logits (fp32, scratch) = x @ weight^T; one fused kernel
