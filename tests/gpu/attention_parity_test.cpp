@@ -13,6 +13,7 @@
 // its graphs fails the test.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -50,6 +51,8 @@ void expect_close(const std::vector<float>& gpu, const std::vector<float>& want,
 template <typename T>
 void poison(DeviceBuffer<T>& buffer) {
   CUDA_CHECK(cudaMemset(buffer.get(), 0xFF, buffer.size() * sizeof(T)));
+  // On the legacy stream, which the op set's non-blocking stream does not wait for.
+  CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 struct Shape {
@@ -265,74 +268,114 @@ TEST(AttentionParity, OpSetLeftToChooseMatchesTheReference) {
 }
 
 // Ring attention's blocks (context parallelism) through the op set against the CPU's fp32 blocks
-// on the same bf16 inputs: a chunk's queries against its own keys (the causal block) and then
-// against an earlier chunk's (a full block, cuDNN's unmasked graph), merged into fp32 sums; then
-// both blocks' gradients from the merged out (rounded to bf16, as the decoder keeps it) and lse,
-// the earlier chunk's written and the own chunk's added to. The GPU rounds each block's output
-// and gradients to bf16 before they join the sums: kBf16Tol. Chunk lengths a multiple of 128 and
-// one that is not.
+// on the same bf16 inputs, in a ring's order (one rank of a ring of one: query halves a and b of
+// chunks 0 and 1, keys of the same chunks): (a, a) causal writes a's sums, (b, a) full writes b's
+// (a full block first), (b, b) causal merges into them; backward in the same order from the
+// merged out (rounded to bf16, as the decoder keeps it) and lse, so each of dq, dk, dv is both
+// written and added to. The GPU rounds each block's output and gradients to bf16 before they join
+// the sums: kBf16Tol. Chunk lengths a multiple of 128 and one that is not. Where the selection
+// says cuDNN serves the shape, cuDNN failing to build the unmasked graph fails the test.
 TEST(AttentionParity, RingBlocksMatchTheCpuBlocks) {
   Result<std::unique_ptr<Device>> device = open_device("cuda", 0, uint64_t{2} << 30);
   ASSERT_TRUE(device.ok()) << device.status().to_string();
   Result<kernels::CudaOps> created = kernels::CudaOps::create(*device.value());
   ASSERT_TRUE(created.ok()) << created.status().to_string();
   kernels::CudaOps& ops = created.value();
+  const kernels::AttentionCapability cap = kernels::CudaOps::attention_capability();
   namespace cpu = kernels::cpu;
   using kernels::AttentionBlock;
   for (const Shape& s : {Shape{2, 128, 4, 2, 64}, Shape{1, 256, 8, 2, 128}, Shape{2, 17, 4, 4, 64}}) {
     const std::string what = "ring blocks " + s.text();
     const cu::CudnnAttentionPlan full = cu::cudnn_attention_prepare(ops.context(), s.B, s.T, s.Hq, s.Hkv, s.D, false);
     if (!full.ready) {
-      std::printf("note: %s skipped: cuDNN cannot serve the full block: %s\n", what.c_str(), full.note.c_str());
+      const AttentionChoice expected = kernels::choose_attention(cap, case_of(s), AttentionForce::kAuto);
+      if (expected.impl == AttentionImpl::kCudnn) {
+        ADD_FAILURE() << what << ": cuDNN serves the causal shape but not the unmasked graph: " << full.note;
+      } else {
+        std::printf("note: %s skipped: cuDNN cannot serve the full block: %s\n", what.c_str(), full.note.c_str());
+      }
       continue;
     }
     const int64_t nq = s.B * s.T * s.Hq * s.D, nkv = s.B * s.T * s.Hkv * s.D, nl = s.B * s.Hq * s.T;
-    std::vector<float> q = random_vector(nq, 81, -1.5f, 1.5f), dout = random_vector(nq, 82);
-    std::vector<float> k_own = random_vector(nkv, 83, -1.5f, 1.5f), v_own = random_vector(nkv, 84);
-    std::vector<float> k_prev = random_vector(nkv, 85, -1.5f, 1.5f), v_prev = random_vector(nkv, 86);
-    DeviceBuffer<bf16> d_q = upload_bf16(q), d_dout = upload_bf16(dout), d_k_own = upload_bf16(k_own),
-                       d_v_own = upload_bf16(v_own), d_k_prev = upload_bf16(k_prev), d_v_prev = upload_bf16(v_prev);
-    // The CPU's blocks, fp32 on the bf16-rounded inputs.
-    std::vector<float> out(nq), lse(nl);
-    cpu::attention_block_forward(out.data(), lse.data(), q.data(), k_own.data(), v_own.data(), s.B, s.T, s.T, s.Hq,
-                                 s.Hkv, s.D, AttentionBlock::kCausal, false);
-    cpu::attention_block_forward(out.data(), lse.data(), q.data(), k_prev.data(), v_prev.data(), s.B, s.T, s.T, s.Hq,
-                                 s.Hkv, s.D, AttentionBlock::kFull, true);
-    DeviceBuffer<float> d_out(nq), d_lse(nl);
-    poison(d_out);
-    poison(d_lse);
-    ops.attention_block_forward(d_out.get(), d_lse.get(), d_q.get(), d_k_own.get(), d_v_own.get(), s.B, s.T, s.T,
-                                s.Hq, s.Hkv, s.D, AttentionBlock::kCausal, false);
-    ops.attention_block_forward(d_out.get(), d_lse.get(), d_q.get(), d_k_prev.get(), d_v_prev.get(), s.B, s.T, s.T,
-                                s.Hq, s.Hkv, s.D, AttentionBlock::kFull, true);
+    // Half h: queries q[h], keys k[h], values v[h], output gradients dout[h].
+    std::vector<float> q[2], k[2], v[2], dout[2];
+    for (int h = 0; h < 2; ++h) {
+      q[h] = random_vector(nq, 81 + 10 * h, -1.5f, 1.5f);
+      k[h] = random_vector(nkv, 82 + 10 * h, -1.5f, 1.5f);
+      v[h] = random_vector(nkv, 83 + 10 * h);
+      dout[h] = random_vector(nq, 84 + 10 * h);
+    }
+    std::vector<std::unique_ptr<DeviceBuffer<bf16>>> d_q, d_k, d_v, d_dout;
+    for (int h = 0; h < 2; ++h) {  // (rounds the host copies the CPU reads)
+      d_q.push_back(std::make_unique<DeviceBuffer<bf16>>(round_to_bf16(q[h])));
+      d_k.push_back(std::make_unique<DeviceBuffer<bf16>>(round_to_bf16(k[h])));
+      d_v.push_back(std::make_unique<DeviceBuffer<bf16>>(round_to_bf16(v[h])));
+      d_dout.push_back(std::make_unique<DeviceBuffer<bf16>>(round_to_bf16(dout[h])));
+    }
+    struct Block {
+      int qh, kh;
+      AttentionBlock mask;
+    };
+    const Block order[3] = {{0, 0, AttentionBlock::kCausal}, {1, 0, AttentionBlock::kFull},
+                            {1, 1, AttentionBlock::kCausal}};
+    // Forward: the CPU's and the GPU's sums of each query half.
+    std::vector<float> out[2] = {std::vector<float>(nq), std::vector<float>(nq)};
+    std::vector<float> lse[2] = {std::vector<float>(nl), std::vector<float>(nl)};
+    std::vector<std::unique_ptr<DeviceBuffer<float>>> d_out, d_lse;
+    for (int h = 0; h < 2; ++h) {
+      d_out.push_back(std::make_unique<DeviceBuffer<float>>(nq));
+      d_lse.push_back(std::make_unique<DeviceBuffer<float>>(nl));
+      poison(*d_out.back());
+      poison(*d_lse.back());
+    }
+    bool started[2] = {false, false};
+    for (const Block& b : order) {
+      cpu::attention_block_forward(out[b.qh].data(), lse[b.qh].data(), q[b.qh].data(), k[b.kh].data(),
+                                   v[b.kh].data(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D, b.mask, started[b.qh]);
+      ops.attention_block_forward(d_out[b.qh]->get(), d_lse[b.qh]->get(), d_q[b.qh]->get(), d_k[b.kh]->get(),
+                                  d_v[b.kh]->get(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D, b.mask, started[b.qh]);
+      started[b.qh] = true;
+    }
     ops.synchronize();
-    expect_close(download_f32(d_out), out, kBf16Tol, what + " out");
-    expect_close(download_f32(d_lse), lse, kLseTol, what + " lse");
+    for (int h = 0; h < 2; ++h) {
+      expect_close(download_f32(*d_out[h]), out[h], kBf16Tol, what + " out of half " + std::to_string(h));
+      expect_close(download_f32(*d_lse[h]), lse[h], kLseTol, what + " lse of half " + std::to_string(h));
+    }
 
     // Backward from the CPU's merged out (rounded) and lse on both sides.
-    DeviceBuffer<bf16> d_att = upload_bf16(out);
-    DeviceBuffer<float> d_lse_in(lse);
-    std::vector<float> dq(nq), dk_own(nkv), dv_own(nkv), dk_prev(nkv), dv_prev(nkv);
-    cpu::attention_block_backward(dq.data(), dk_own.data(), dv_own.data(), dout.data(), q.data(), k_own.data(),
-                                  v_own.data(), out.data(), lse.data(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D,
-                                  AttentionBlock::kCausal, false, false);
-    cpu::attention_block_backward(dq.data(), dk_prev.data(), dv_prev.data(), dout.data(), q.data(), k_prev.data(),
-                                  v_prev.data(), out.data(), lse.data(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D,
-                                  AttentionBlock::kFull, true, false);
-    DeviceBuffer<float> d_dq(nq), d_dk_own(nkv), d_dv_own(nkv), d_dk_prev(nkv), d_dv_prev(nkv);
-    for (DeviceBuffer<float>* b : {&d_dq, &d_dk_own, &d_dv_own, &d_dk_prev, &d_dv_prev}) poison(*b);
-    ops.attention_block_backward(d_dq.get(), d_dk_own.get(), d_dv_own.get(), d_dout.get(), d_q.get(), d_k_own.get(),
-                                 d_v_own.get(), d_att.get(), d_lse_in.get(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D,
-                                 AttentionBlock::kCausal, false, false);
-    ops.attention_block_backward(d_dq.get(), d_dk_prev.get(), d_dv_prev.get(), d_dout.get(), d_q.get(), d_k_prev.get(),
-                                 d_v_prev.get(), d_att.get(), d_lse_in.get(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D,
-                                 AttentionBlock::kFull, true, false);
+    std::vector<std::unique_ptr<DeviceBuffer<bf16>>> d_att;
+    std::vector<std::unique_ptr<DeviceBuffer<float>>> d_lse_in, d_dq, d_dk, d_dv;
+    std::vector<float> dq[2], dk[2], dv[2];
+    for (int h = 0; h < 2; ++h) {
+      d_att.push_back(std::make_unique<DeviceBuffer<bf16>>(round_to_bf16(out[h])));
+      d_lse_in.push_back(std::make_unique<DeviceBuffer<float>>(lse[h]));
+      dq[h].assign(nq, std::nanf(""));
+      dk[h].assign(nkv, std::nanf(""));
+      dv[h].assign(nkv, std::nanf(""));
+      for (auto* list : {&d_dq, &d_dk, &d_dv}) {
+        list->push_back(std::make_unique<DeviceBuffer<float>>(list == &d_dq ? nq : nkv));
+        poison(*list->back());
+      }
+    }
+    bool dq_started[2] = {false, false}, dkv_started[2] = {false, false};
+    for (const Block& b : order) {
+      cpu::attention_block_backward(dq[b.qh].data(), dk[b.kh].data(), dv[b.kh].data(), dout[b.qh].data(),
+                                    q[b.qh].data(), k[b.kh].data(), v[b.kh].data(), out[b.qh].data(),
+                                    lse[b.qh].data(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D, b.mask, dq_started[b.qh],
+                                    dkv_started[b.kh]);
+      ops.attention_block_backward(d_dq[b.qh]->get(), d_dk[b.kh]->get(), d_dv[b.kh]->get(), d_dout[b.qh]->get(),
+                                   d_q[b.qh]->get(), d_k[b.kh]->get(), d_v[b.kh]->get(), d_att[b.qh]->get(),
+                                   d_lse_in[b.qh]->get(), s.B, s.T, s.T, s.Hq, s.Hkv, s.D, b.mask, dq_started[b.qh],
+                                   dkv_started[b.kh]);
+      dq_started[b.qh] = dkv_started[b.kh] = true;
+    }
     ops.synchronize();
-    expect_close(download_f32(d_dq), dq, kBf16Tol, what + " dq");
-    expect_close(download_f32(d_dk_own), dk_own, kBf16Tol, what + " dk (own chunk)");
-    expect_close(download_f32(d_dv_own), dv_own, kBf16Tol, what + " dv (own chunk)");
-    expect_close(download_f32(d_dk_prev), dk_prev, kBf16Tol, what + " dk (earlier chunk)");
-    expect_close(download_f32(d_dv_prev), dv_prev, kBf16Tol, what + " dv (earlier chunk)");
+    for (int h = 0; h < 2; ++h) {
+      const std::string half = " of half " + std::to_string(h);
+      expect_close(download_f32(*d_dq[h]), dq[h], kBf16Tol, what + " dq" + half);
+      expect_close(download_f32(*d_dk[h]), dk[h], kBf16Tol, what + " dk" + half);
+      expect_close(download_f32(*d_dv[h]), dv[h], kBf16Tol, what + " dv" + half);
+    }
   }
 }
 

@@ -261,7 +261,8 @@ void CudaOps::attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, con
                              positions);
     return;
   }
-  // The same implementation as the forward of this shape, so lse is always its own.
+  // The same implementation as the forward of this shape (both read lse as max + log sum of the
+  // scaled scores, so ring attention's merged lse serves either).
   if (B > 0 && T > 0 && attention_impl(B, T, Hq, Hkv, D) == AttentionImpl::kCudnn) {
     cuda::cudnn_attention_backward(*ctx_, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, stream_);
   } else {

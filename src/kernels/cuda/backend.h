@@ -127,7 +127,7 @@ class CudaOps {
   // whole-sequence attention of its chunk (cuDNN or the WMMA kernel, as the shape chooses), a
   // full block cuDNN's graph without the mask; each block's bf16 results then join the fp32 sums
   // (ring_blocks.cu). Compiled, not yet run on a GPU: the trainer still refuses
-  // parallel.context_parallel on CUDA.
+  // parallel.context_parallel on CUDA. The block's buffer (ring_block_) is not in the plan yet.
   void attention_block_forward(float* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t Tq,
                                int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, bool accumulate,
                                int64_t Dv = 0, double scale = 0);

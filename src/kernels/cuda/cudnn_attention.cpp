@@ -339,7 +339,7 @@ void build_forward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int6
   Desc o = g.tensor(kO, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hq, T, D), bhtd_strides(Hq, T, D), false);
   Desc stats = g.tensor(kStats, CUDNN_DATA_FLOAT, row_dims, row_strides, false);
   Desc scale = g.scalar(kScale, CUDNN_DATA_FLOAT);
-  Desc neg_inf = g.scalar(kNegInf, CUDNN_DATA_FLOAT);
+  Desc neg_inf = causal ? g.scalar(kNegInf, CUDNN_DATA_FLOAT) : nullptr;
 
   Desc s = g.temp(CUDNN_DATA_FLOAT, s_dims, s_strides);
   g.matmul(q, kt, s);
@@ -382,7 +382,7 @@ void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int
   Desc dk = g.tensor(kDK, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hkv, T, D), bhtd_strides(Hkv, T, D), false);
   Desc dv = g.tensor(kDV, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hkv, T, D), bhtd_strides(Hkv, T, D), false);
   Desc scale = g.scalar(kScale, CUDNN_DATA_FLOAT);
-  Desc neg_inf = g.scalar(kNegInf, CUDNN_DATA_FLOAT);
+  Desc neg_inf = causal ? g.scalar(kNegInf, CUDNN_DATA_FLOAT) : nullptr;
   Desc one = g.scalar(kOne, CUDNN_DATA_FLOAT);
   // Contiguous (B,Hq,T,*) fp32 buffers in the workspace.
   Desc delta = g.tensor(kDelta, CUDNN_DATA_FLOAT, row_dims, row_strides, false);
@@ -459,6 +459,7 @@ struct Entry {
   CudnnAttentionPlan plan;
   std::unique_ptr<Graph> forward, backward;
   bool accumulates_dq = false;  // the backward's form
+  bool causal = true;           // the graphs mask (else no masked-score scalar in them)
   Scalars scalars;
   // Scratch layout of the backward: delta, the fp32 dq accumulator, then cuDNN's workspace.
   size_t delta_offset = 0, dq_accum_offset = 0, backward_workspace_offset = 0, backward_bytes = 0;
@@ -559,6 +560,7 @@ CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, i
   }
   entry.scalars.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   entry.scalars.neg_inf = masked_score(cudnn_version());
+  entry.causal = causal;
   entry.forward = std::make_unique<Graph>(cache.handle);
   build_forward(*entry.forward, B, T, Hq, Hkv, D, causal);
   if (entry.forward->ok() && static_cast<size_t>(entry.forward->workspace_bytes()) > ctx.scratch_bytes()) {
@@ -616,9 +618,13 @@ void cudnn_attention_forward(Context& ctx, bf16* out, float* lse, const bf16* q,
   Entry& e = prepared(ctx, B, T, Hq, Hkv, D, causal);
   check_aligned({out, lse, q, k, v});
   void* workspace = ctx.scratch(static_cast<size_t>(e.forward->workspace_bytes()), "cuDNN SDPA forward");
-  const std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale, kNegInf};
-  const std::vector<void*> pointers{const_cast<bf16*>(q), const_cast<bf16*>(k), const_cast<bf16*>(v),
-                                    out, lse, &e.scalars.scale, &e.scalars.neg_inf};
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale};
+  std::vector<void*> pointers{const_cast<bf16*>(q), const_cast<bf16*>(k), const_cast<bf16*>(v),
+                              out, lse, &e.scalars.scale};
+  if (e.causal) {  // the unmasked graph has no masked score
+    uids.push_back(kNegInf);
+    pointers.push_back(&e.scalars.neg_inf);
+  }
   execute(ctx.cudnn_attention().handle, *e.forward, uids, pointers, workspace, stream);
 }
 
@@ -630,11 +636,15 @@ void cudnn_attention_backward(Context& ctx, bf16* dq, bf16* dk, bf16* dv, const 
   check_aligned({dq, dk, dv, dout, q, k, v, out, lse});
   char* scratch = static_cast<char*>(ctx.scratch(e.backward_bytes, "cuDNN SDPA backward"));
   float* delta = reinterpret_cast<float*>(scratch + e.delta_offset);
-  std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kNegInf, kOne, kDelta};
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kOne, kDelta};
   std::vector<void*> pointers{const_cast<bf16*>(q), const_cast<bf16*>(k), const_cast<bf16*>(v),
                               const_cast<bf16*>(out), const_cast<bf16*>(dout),
                               const_cast<float*>(lse), dq, dk, dv, &e.scalars.scale,
-                              &e.scalars.neg_inf, &e.scalars.one, delta};
+                              &e.scalars.one, delta};
+  if (e.causal) {
+    uids.push_back(kNegInf);
+    pointers.push_back(&e.scalars.neg_inf);
+  }
   if (e.accumulates_dq) {
     float* dq_accum = reinterpret_cast<float*>(scratch + e.dq_accum_offset);
     // The accumulator starts at zero (cuDNN before 9.6 expects its caller to clear it).
