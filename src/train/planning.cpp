@@ -502,8 +502,8 @@ Status check_context_parallel(const TrainConfig& t, int64_t world, DeviceKind ba
         N, t.parallel_expert));
   if (backend != DeviceKind::kCpu)
     return Status::InvalidArgument(fmt::format(
-        "parallel.context_parallel={}: ring attention has no CUDA kernel yet; run it on the CPU backend "
-        "(run.device=cpu), or set parallel.context_parallel=1",
+        "parallel.context_parallel={}: ring attention trains on the CPU backend only (its CUDA blocks are "
+        "built but not yet verified on a GPU); run it with run.device=cpu, or set parallel.context_parallel=1",
         N));
   return Status::OK();
 }

@@ -32,15 +32,16 @@ model::ModelConfig wide_mlp_config() {
 
 constexpr int64_t kSeqLen = 1024;
 constexpr int kSteps = 2;
-constexpr int64_t kLayerCheckpoints = 3;  // tiny_config's layers: at most this many offloaded
 
 struct TiledRun {
   std::vector<double> losses;
   std::vector<float> params;
   ChunkSpaceStats stats;
+  int64_t nvme_activation_chunks = 0;  // the plan's layer checkpoints homed on nvme
 };
 
-Result<TiledRun> train(const model::ModelConfig& mc, const TrainConfig& t) {
+Result<TiledRun> train(const model::ModelConfig& mc, const TrainConfig& t, int steps) {
+  const int64_t T = t.seq_len;
   ASSIGN_OR_RETURN(std::unique_ptr<PagedEngine> engine, PagedEngine::create(mc, t, optimizer_config(1.0f)));
   std::mt19937 rng(3);
   std::normal_distribution<float> normal(0.0f, 0.05f);
@@ -48,30 +49,34 @@ Result<TiledRun> train(const model::ModelConfig& mc, const TrainConfig& t) {
     for (int64_t i = 0; i < spec.numel; ++i) dst[i] = spec.name.find("norm") != std::string::npos ? 1.0f : normal(rng);
     return Status::OK();
   }));
-  const std::vector<Batch> batches = make_batches(kSteps, kSeqLen, 9);
+  const std::vector<Batch> batches = make_batches(steps, T, 9);
   TiledRun run;
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < steps; ++s) {
     RETURN_IF_ERROR(engine->zero_grads());
     const Batch& b = batches[static_cast<size_t>(s)];
-    ASSIGN_OR_RETURN(double loss, engine->micro_batch(b.inputs.data(), b.targets.data(), 1, kSeqLen,
-                                                      1.0f / static_cast<float>(kSeqLen), true, 1e-3f));
+    ASSIGN_OR_RETURN(double loss, engine->micro_batch(b.inputs.data(), b.targets.data(), 1, T,
+                                                      1.0f / static_cast<float>(T), true, 1e-3f));
     RETURN_IF_ERROR(engine->step(1e-3f).status());
     run.losses.push_back(loss);
   }
   run.stats = engine->chunk_stats();
+  run.nvme_activation_chunks = engine->plan().nvme_activation_chunks;
   run.params.resize(static_cast<size_t>(engine->layout().total_size()));
   RETURN_IF_ERROR(
       engine->state().read_flat(StateKind::kParam, 0, run.params.size() * sizeof(float), run.params.data()));
   return run;
 }
 
-void expect_tiled_run_fits_where_untiled_does_not(const model::ModelConfig& mc) {
+// With `smallest_host`, the host budget is the smallest the planner finds, which homes some of the
+// layer checkpoints on nvme too.
+void expect_tiled_run_fits_where_untiled_does_not(const model::ModelConfig& mc, int64_t seq_len = kSeqLen,
+                                                  int steps = kSteps, bool smallest_host = false) {
   const fs::path dir = fs::path(::testing::TempDir()) / ("mlp_tiles_budget_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   TrainConfig roomy;
   roomy.micro_batch = 1;
-  roomy.seq_len = kSeqLen;
+  roomy.seq_len = seq_len;
   roomy.grad_accum = 1;
   roomy.keep_activations = "false";
   roomy.offload_activations = "true";
@@ -93,24 +98,30 @@ void expect_tiled_run_fits_where_untiled_does_not(const model::ModelConfig& mc) 
   const StateLayout state = StateLayout::of(tight.precision);
   // The host: a third of the state (whose four kinds are each a compute copy's size) beside the
   // offloaded layer checkpoints; the rest goes to nvme.
-  tight.memory_host = 2 * kLayerCheckpoints * kSeqLen * mc.hidden_size * sizeof(float) +
+  // At most one checkpoint per layer is offloaded.
+  tight.memory_host = 2 * mc.num_hidden_layers * seq_len * mc.hidden_size * sizeof(float) +
                       4 * PagedState::state_bytes(layout, state, StateKind::kParam) / 3;
   tight.nvme_path = dir.string();
   tight.nvme_size = 1ull << 30;
+  if (smallest_host) {
+    tight.memory_host = smallest_host_budget(mc, tight, DeviceKind::kCpu);
+    ASSERT_GT(tight.memory_host, 0u);
+  }
 
   untiled.memory_device = tight.memory_device;
   untiled.memory_host = tight.memory_host;
   untiled.nvme_path = tight.nvme_path;
   untiled.nvme_size = tight.nvme_size;
-  Result<TiledRun> refused = train(mc, untiled);
+  Result<TiledRun> refused = train(mc, untiled, steps);
   ASSERT_FALSE(refused.ok()) << "the untiled MLP trained in a device its plan says is too small";
   EXPECT_EQ(refused.status().code(), StatusCode::kOutOfMemory) << refused.status().to_string();
 
-  Result<TiledRun> reference = train(mc, roomy);
+  Result<TiledRun> reference = train(mc, roomy, steps);
   ASSERT_TRUE(reference.ok()) << reference.status().to_string();
-  Result<TiledRun> paged = train(mc, tight);
+  Result<TiledRun> paged = train(mc, tight, steps);
   ASSERT_TRUE(paged.ok()) << paged.status().to_string();
   EXPECT_GT(paged->stats.nvme_to_host_bytes, 0u);
+  if (smallest_host) EXPECT_GT(paged->nvme_activation_chunks, 0) << "no layer checkpoint was homed on nvme";
   ASSERT_EQ(paged->losses, reference->losses);
   ASSERT_EQ(paged->params.size(), reference->params.size());
   EXPECT_EQ(std::memcmp(paged->params.data(), reference->params.data(), paged->params.size() * sizeof(float)), 0);
@@ -119,6 +130,21 @@ void expect_tiled_run_fits_where_untiled_does_not(const model::ModelConfig& mc) 
 
 TEST(MlpTilesBudget, ASequenceWhoseUntiledActivationsDoNotFitTrainsTiledThroughHostAndNvmeBitwise) {
   expect_tiled_run_fits_where_untiled_does_not(wide_mlp_config());
+}
+
+// A long sequence on a small budget: 32K tokens through a small model (one narrow attention head,
+// so that T^2 attention stays a few seconds on the CPU) whose untiled activations do not fit the
+// device. Attention runs in key tiles, the MLP and LM head in token tiles, and the layer
+// checkpoints page through the host and nvme with the state; one step matches the roomy run.
+TEST(MlpTilesBudget, A32KTokenSequenceTrainsTiledThroughHostAndNvmeAsWithRoom) {
+  model::ModelConfig mc = wide_mlp_config();
+  mc.num_hidden_layers = 3;  // the first layer's checkpoint leaves the device (saved_activation_count)
+  mc.num_attention_heads = 1;
+  mc.num_key_value_heads = 1;
+  mc.head_dim = 8;
+  mc.max_position_embeddings = 32768;
+  ASSERT_TRUE(mc.validate("long").ok());
+  expect_tiled_run_fits_where_untiled_does_not(mc, 32768, 1, /*smallest_host=*/true);
 }
 
 // The same with MoE layers whose experts are wide (4 experts, 2 per token, a shared expert): the

@@ -25,3 +25,11 @@ if(TARGET test_train)
       LABELS "slow;chaos" TIMEOUT 600 COST ${cost} ENVIRONMENT "STRATA_STREAM_CHAOS=${seed}")
   endforeach()
 endif()
+
+# A 32K-token sequence through a small model on a small device (mlp_tiles_budget_test.cpp): about
+# a minute and a half in the release suite, so release only (label slow), started first.
+if(TARGET test_train)
+  add_test(NAME long_sequence_32k COMMAND test_train --gtest_filter=MlpTilesBudget.A32KTokenSequence*)
+  set_tests_properties(long_sequence_32k PROPERTIES
+    LABELS slow TIMEOUT 600 COST 100 ENVIRONMENT "STRATA_CACHE_DIR=")
+endif()
