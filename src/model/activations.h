@@ -108,8 +108,16 @@ class ActivationTable {
   Act* k_raw = nullptr;     // (N, Hkv*D) k_proj output before k_norm (qk_norm only)
   float* q_norm_rstd = nullptr;  // (N*Hq) (qk_norm only)
   float* k_norm_rstd = nullptr;  // (N*Hkv) (qk_norm only)
-  Act* v = nullptr;         // (N, Hkv*D)
-  Act* att = nullptr;       // (N, Hq*D) attention output before o_proj
+  Act* v = nullptr;         // (N, Hkv*Dv) (Dv: ModelConfig::value_head_dim)
+  Act* att = nullptr;       // (N, Hq*Dv) attention output before o_proj
+  // Multi-head latent attention (model/mla_layer.h): the low-rank q and its norm (q_lora_rank),
+  // the compressed kv and its norm.
+  Act* mla_q_a = nullptr;         // (N, q_lora_rank)
+  Act* mla_q_an = nullptr;        // (N, q_lora_rank)
+  float* mla_q_a_rstd = nullptr;  // (N)
+  Act* mla_ckv = nullptr;         // (N, kv_lora_rank)
+  Act* mla_kv_an = nullptr;       // (N, kv_lora_rank)
+  float* mla_kv_rstd = nullptr;   // (N)
   float* lse = nullptr;       // (B, Hq, T) softmax log-sum-exp
   Act* h = nullptr;         // (N, C) residual after attention
   Act* ln2 = nullptr;       // (N, C) post_attention_layernorm output
@@ -162,8 +170,18 @@ class ActivationTable {
   Act* d_tmp = nullptr;   // (N, C) partial input gradients before they are summed
   Act* d_q = nullptr;     // (N, Hq*D)
   Act* d_k = nullptr;     // (N, Hkv*D)
-  Act* d_v = nullptr;     // (N, Hkv*D)
-  Act* d_att = nullptr;   // (N, Hq*D)
+  Act* d_v = nullptr;     // (N, Hkv*Dv)
+  Act* d_att = nullptr;   // (N, Hq*Dv)
+  // Latent attention's scratch, in forward and backward: RoPE dims (N*Hq, rope dims), kv_b_proj's
+  // output or its gradient (N, Hq*(nope + Dv)), kv_a_proj_with_mqa's output or its gradient,
+  // and the gradients through the two norms.
+  Act* mla_pe = nullptr;
+  Act* mla_kv = nullptr;
+  Act* mla_kv_a = nullptr;
+  Act* d_mla_q_an = nullptr;   // (N, q_lora_rank)
+  Act* d_mla_q_a = nullptr;    // (N, q_lora_rank)
+  Act* d_mla_kv_an = nullptr;  // (N, kv_lora_rank)
+  Act* d_mla_ckv = nullptr;    // (N, kv_lora_rank)
   Act* d_gate = nullptr;  // (mlp_rows(), F)
   Act* d_up = nullptr;    // (mlp_rows(), F)
   Act* d_act = nullptr;   // (mlp_rows(), F)
@@ -264,6 +282,11 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   const int64_t L = config.num_hidden_layers;
   const int64_t q_dim = config.q_dim();
   const int64_t kv_dim = config.kv_dim();
+  const int64_t v_dim = config.v_dim();
+  const int64_t att_dim = config.att_dim();
+  const bool mla = config.is_mla();
+  const int64_t Rq = mla ? config.q_lora_rank : 0, Rkv = mla ? config.kv_lora_rank : 0;
+  const int64_t Dr = mla ? config.qk_rope_head_dim : 0;
   const int64_t Hq = config.num_attention_heads;
   const int64_t Hkv = config.num_key_value_heads;
   const bool qk = config.qk_norm;
@@ -310,8 +333,14 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
     take(t.k_raw, qk ? N * kv_dim : 0);
     take(t.q_norm_rstd, qk ? N * Hq : 0);
     take(t.k_norm_rstd, qk ? N * Hkv : 0);
-    take(t.v, N * kv_dim);
-    take(t.att, N * q_dim);
+    take(t.v, N * v_dim);
+    take(t.att, N * att_dim);
+    take(t.mla_q_a, N * Rq);
+    take(t.mla_q_an, N * Rq);
+    take(t.mla_q_a_rstd, Rq > 0 ? N : 0);
+    take(t.mla_ckv, N * Rkv);
+    take(t.mla_kv_an, N * Rkv);
+    take(t.mla_kv_rstd, mla ? N : 0);
     take(t.lse, N * Hq);  // (B, Hq, T)
     take(t.h, N * C);
     take(t.ln2, N * C);
@@ -350,8 +379,15 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(d_tmp, N * C);
   take(d_q, N * q_dim);
   take(d_k, N * kv_dim);
-  take(d_v, N * kv_dim);
-  take(d_att, N * q_dim);
+  take(d_v, N * v_dim);
+  take(d_att, N * att_dim);
+  take(mla_pe, mla ? N * Hq * Dr : 0);
+  take(mla_kv, mla ? N * Hq * (config.qk_nope_head_dim + config.v_head_dim) : 0);
+  take(mla_kv_a, mla ? N * (Rkv + Dr) : 0);
+  take(d_mla_q_an, N * Rq);
+  take(d_mla_q_a, N * Rq);
+  take(d_mla_kv_an, N * Rkv);
+  take(d_mla_ckv, N * Rkv);
   take(d_gate, Nf * F);
   take(d_up, Nf * F);
   take(d_act, Nf * F);

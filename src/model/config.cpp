@@ -43,6 +43,17 @@ constexpr KeyLimit kKeyLimits[] = {
     {"num_attention_heads", ModelLimits::kHeads},
     {"num_key_value_heads", ModelLimits::kHeads},
     {"head_dim", ModelLimits::kHeadDim},
+    {"qk_nope_head_dim", ModelLimits::kHeadDim},
+    {"qk_rope_head_dim", ModelLimits::kHeadDim},
+    {"v_head_dim", ModelLimits::kHeadDim},
+    {"q_lora_rank", ModelLimits::kLoraRank},
+    {"kv_lora_rank", ModelLimits::kLoraRank},
+    {"first_k_dense_replace", ModelLimits::kLayers},
+    {"moe_layer_freq", ModelLimits::kLayers},
+    {"n_routed_experts", ModelLimits::kExperts},
+    {"n_shared_experts", ModelLimits::kExperts},
+    {"n_group", ModelLimits::kExperts},
+    {"topk_group", ModelLimits::kExperts},
     {"num_experts", ModelLimits::kExperts},
     {"num_local_experts", ModelLimits::kExperts},
     {"num_experts_per_tok", ModelLimits::kExperts},
@@ -226,7 +237,8 @@ constexpr Architecture kArchitectures[] = {
     {"LlamaForCausalLM", "llama"},      {"MistralForCausalLM", "mistral"},
     {"Qwen2ForCausalLM", "qwen2"},      {"MixtralForCausalLM", "mixtral"},
     {"Qwen2MoeForCausalLM", "qwen2_moe"}, {"Qwen3ForCausalLM", "qwen3"},
-    {"Qwen3MoeForCausalLM", "qwen3_moe"},
+    {"Qwen3MoeForCausalLM", "qwen3_moe"}, {"DeepseekV2ForCausalLM", "deepseek_v2"},
+    {"DeepseekV3ForCausalLM", "deepseek_v3"},
 };
 constexpr const char* kMixtral = "MixtralForCausalLM";
 constexpr const char* kQwen2 = "Qwen2ForCausalLM";
@@ -234,6 +246,8 @@ constexpr const char* kQwen2Moe = "Qwen2MoeForCausalLM";
 constexpr const char* kQwen3 = "Qwen3ForCausalLM";
 constexpr const char* kQwen3Moe = "Qwen3MoeForCausalLM";
 constexpr const char* kMistral = "MistralForCausalLM";
+constexpr const char* kDeepseekV2 = "DeepseekV2ForCausalLM";
+constexpr const char* kDeepseekV3 = "DeepseekV3ForCausalLM";
 
 const Architecture* find_architecture(const std::string& name, bool by_model_type) {
   for (const Architecture& a : kArchitectures) {
@@ -280,10 +294,146 @@ const char* experts_key(const std::string& architecture) {
   return architecture == kMixtral ? "num_local_experts" : "num_experts";
 }
 
+// A string key among `allowed`; absent keys leave *out unchanged.
+Status read_choice(const json& object, const std::string& key, const std::string& source,
+                   std::initializer_list<const char*> allowed, std::string* out) {
+  const json* value = find_key(object, key);
+  if (value == nullptr) return Status::OK();
+  std::string list;
+  for (const char* a : allowed) list += (list.empty() ? "\"" : ", \"") + std::string(a) + "\"";
+  if (value->is_string()) {
+    for (const char* a : allowed) {
+      if (value->get<std::string>() == a) {
+        *out = a;
+        return Status::OK();
+      }
+    }
+  }
+  return Status::Unimplemented(
+      fmt::format("{}: key '{}' is {}; strata implements {}", source, key, value->dump(), list));
+}
+
+// An integer key that may be null (DeepSeek's q_lora_rank: null = no low-rank q); null reads as 0.
+Status read_int_or_null(const json& object, const std::string& key, const std::string& source, int64_t* out) {
+  if (auto it = object.find(key); it != object.end() && it->is_null()) {
+    *out = 0;
+    return Status::OK();
+  }
+  return read_int(object, key, key, source, false, out);
+}
+
+// DeepSeek-V2/V3: multi-head latent attention and DeepSeekMoE (DeepseekV2Config's and
+// DeepseekV3Config's defaults for absent keys). Keys that would change the math in a way strata
+// does not implement are refused by name.
+Status read_deepseek_keys(const json& json, const std::string& source, ModelConfig* c) {
+  const bool v3 = c->architecture == kDeepseekV3;
+  c->attention_bias = false;
+  bool bias = false;
+  RETURN_IF_ERROR(read_bool(json, "attention_bias", source, &bias));
+  if (bias) {
+    return Status::Unimplemented(fmt::format(
+        "{}: key 'attention_bias' is true; DeepSeek's latent attention in strata has no projection biases", source));
+  }
+  c->q_lora_rank = 1536;
+  c->kv_lora_rank = 512;
+  c->qk_nope_head_dim = 128;
+  c->qk_rope_head_dim = 64;
+  c->v_head_dim = 128;
+  RETURN_IF_ERROR(read_int_or_null(json, "q_lora_rank", source, &c->q_lora_rank));
+  RETURN_IF_ERROR(read_int(json, "kv_lora_rank", "kv_lora_rank", source, false, &c->kv_lora_rank));
+  RETURN_IF_ERROR(read_int(json, "qk_nope_head_dim", "qk_nope_head_dim", source, false, &c->qk_nope_head_dim));
+  RETURN_IF_ERROR(read_int(json, "qk_rope_head_dim", "qk_rope_head_dim", source, false, &c->qk_rope_head_dim));
+  RETURN_IF_ERROR(read_int(json, "v_head_dim", "v_head_dim", source, false, &c->v_head_dim));
+  if (c->kv_lora_rank <= 0) {
+    return bad_key(source, "kv_lora_rank",
+                   fmt::format("must be positive (latent attention), got {}", c->kv_lora_rank));
+  }
+  // The q/k head and the heads' count follow from these (fill_defaults); config.json's own
+  // head_dim and num_key_value_heads do not enter DeepSeek's attention.
+  c->head_dim = 0;
+  c->num_key_value_heads = 0;
+
+  // Experts: n_routed_experts null or 0 means a dense model.
+  c->num_experts = 0;
+  RETURN_IF_ERROR(read_int(json, "n_routed_experts", "n_routed_experts", source, false, &c->num_experts));
+  c->num_experts_per_tok = v3 ? 8 : 6;
+  RETURN_IF_ERROR(read_int(json, "num_experts_per_tok", "num_experts_per_tok", source, false,
+                           &c->num_experts_per_tok));
+  c->moe_intermediate_size = v3 ? 2048 : 1407;
+  RETURN_IF_ERROR(read_int(json, "moe_intermediate_size", "moe_intermediate_size", source, false,
+                           &c->moe_intermediate_size));
+  int64_t shared = v3 ? 1 : 0;
+  // null: none.
+  if (auto it = json.find("n_shared_experts"); it != json.end() && it->is_null()) shared = 0;
+  RETURN_IF_ERROR(read_int(json, "n_shared_experts", "n_shared_experts", source, false, &shared));
+  if (shared < 0) return bad_key(source, "n_shared_experts", fmt::format("must not be negative, got {}", shared));
+  RETURN_IF_ERROR(at_most(source, "n_shared_experts", shared));
+  RETURN_IF_ERROR(at_most(source, "moe_intermediate_size", c->moe_intermediate_size));
+  c->shared_expert_intermediate_size = shared * c->moe_intermediate_size;
+  c->shared_expert_gated = false;
+  c->first_k_dense_replace = 0;
+  c->moe_layer_freq = 1;
+  RETURN_IF_ERROR(read_int(json, "first_k_dense_replace", "first_k_dense_replace", source, false,
+                           &c->first_k_dense_replace));
+  RETURN_IF_ERROR(read_int(json, "moe_layer_freq", "moe_layer_freq", source, false, &c->moe_layer_freq));
+
+  // Routing: scores, group limiting, normalisation and scaling (kernels/moe.h).
+  std::string scoring = v3 ? "sigmoid" : "softmax";
+  RETURN_IF_ERROR(read_choice(json, "scoring_func", source, {"softmax", "sigmoid"}, &scoring));
+  std::string method = v3 ? "noaux_tc" : "greedy";
+  RETURN_IF_ERROR(read_choice(json, "topk_method", source, {"greedy", "group_limited_greedy", "noaux_tc"}, &method));
+  c->router_scoring =
+      scoring == "sigmoid" ? kernels::RouterScoring::kSigmoidThenTopK : kernels::RouterScoring::kSoftmaxThenTopK;
+  c->norm_topk_prob = v3;
+  RETURN_IF_ERROR(read_bool(json, "norm_topk_prob", source, &c->norm_topk_prob));
+  c->n_group = 1;
+  c->topk_group = 1;
+  RETURN_IF_ERROR(read_int(json, "n_group", "n_group", source, false, &c->n_group));
+  RETURN_IF_ERROR(read_int(json, "topk_group", "topk_group", source, false, &c->topk_group));
+  if (method == "greedy") {
+    c->n_group = 1;  // the groups are not read
+    c->topk_group = 1;
+  }
+  c->group_score = method == "noaux_tc" ? kernels::GroupScore::kTopTwoSum : kernels::GroupScore::kMax;
+  c->router_selection_bias = method == "noaux_tc";
+  double scale = 1.0;
+  RETURN_IF_ERROR(read_double(json, "routed_scaling_factor", "routed_scaling_factor", source, &scale));
+  // DeepSeek-V2 scales the weights only where it does not normalise them; V3 always.
+  c->routed_scale = !v3 && c->norm_topk_prob && c->num_experts_per_tok > 1 ? 1.0 : scale;
+  if (!(c->routed_scale > 0) || !std::isfinite(c->routed_scale)) {
+    return bad_key(source, "routed_scaling_factor", fmt::format("must be positive, got {}", scale));
+  }
+  // DeepSeek-V2 trains with a sequence-wise auxiliary loss strata does not compute; balancing
+  // comes from the selection bias (router_bias_update_rate). V3's published modeling code routes
+  // with noaux_tc and applies no auxiliary loss, whatever aux_loss_alpha says.
+  double alpha = 0.0;
+  RETURN_IF_ERROR(read_double(json, "aux_loss_alpha", "aux_loss_alpha", source, &alpha));
+  if (alpha != 0.0 && method != "noaux_tc") {
+    return Status::Unimplemented(fmt::format(
+        "{}: key 'aux_loss_alpha' is {}; strata trains DeepSeek's experts without its sequence-wise "
+        "auxiliary loss: set it to 0 (model.set aux_loss_alpha=0), and balance with router_bias_update_rate",
+        source, alpha));
+  }
+  c->router_aux_loss_coef = 0.0;
+  c->output_router_logits = false;
+  RETURN_IF_ERROR(read_double(json, "router_bias_update_rate", "router_bias_update_rate", source,
+                              &c->router_bias_update_rate));
+  int64_t nextn = 0;
+  RETURN_IF_ERROR(read_int(json, "num_nextn_predict_layers", "num_nextn_predict_layers", source, false, &nextn));
+  if (nextn != 0) {
+    return Status::Unimplemented(fmt::format(
+        "{}: key 'num_nextn_predict_layers' is {}; strata does not train multi-token prediction modules yet: "
+        "set it to 0 (model.set num_nextn_predict_layers=0; the checkpoint's MTP layers are then not loaded)",
+        source, nextn));
+  }
+  return Status::OK();
+}
+
 // Reads the architecture-specific keys: attention variants, sliding window and experts. Absent
 // keys take transformers' defaults for that architecture.
 Status read_architecture_keys(const json& json, const std::string& source, ModelConfig* c) {
   const std::string& arch = c->architecture;
+  if (arch == kDeepseekV2 || arch == kDeepseekV3) return read_deepseek_keys(json, source, c);
   const bool qwen = arch == kQwen2 || arch == kQwen2Moe || arch == kQwen3 || arch == kQwen3Moe;
   if (arch == kQwen2 || arch == kQwen2Moe) {
     c->attention_bias = true;  // Qwen2 attention always has q/k/v biases
@@ -420,7 +570,7 @@ Result<ModelConfig> ModelConfig::from_json(const json& json, const std::string& 
   }
 
   // Report a head count that does not divide the hidden size before it is hidden by defaults.
-  if (c.head_dim == 0 && c.num_attention_heads > 0 && c.hidden_size > 0 &&
+  if (c.head_dim == 0 && !c.is_mla() && c.num_attention_heads > 0 && c.hidden_size > 0 &&
       c.hidden_size % c.num_attention_heads != 0) {
     return bad_key(source, "num_attention_heads",
                    fmt::format("({}) does not divide hidden_size ({}) and head_dim is not set",
@@ -441,6 +591,10 @@ const std::vector<std::string>& ModelConfig::known_keys() {
       "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
       "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
       "router_aux_loss_coef", "output_router_logits", "router_bias_update_rate",
+      // DeepSeek-V2/V3
+      "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+      "n_shared_experts", "n_group", "topk_group", "topk_method", "scoring_func", "routed_scaling_factor",
+      "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers", "aux_loss_alpha",
   };
   return keys;
 }
@@ -505,6 +659,11 @@ Result<ModelConfig> ModelConfig::preset(const std::string& name) {
 }
 
 void ModelConfig::fill_defaults() {
+  if (is_mla()) {
+    // Every head has its own keys (from the shared latent), q and k heads of nope + rope dims.
+    num_key_value_heads = num_attention_heads;
+    head_dim = qk_nope_head_dim + qk_rope_head_dim;
+  }
   if (num_key_value_heads == 0) num_key_value_heads = num_attention_heads;
   if (head_dim == 0 && num_attention_heads > 0 && hidden_size % num_attention_heads == 0) {
     head_dim = hidden_size / num_attention_heads;
@@ -535,6 +694,15 @@ Status ModelConfig::validate(const std::string& source) const {
                           moe_intermediate_size));
   RETURN_IF_ERROR(at_most(source, "shared_expert_intermediate_size", shared_expert_intermediate_size));
   RETURN_IF_ERROR(at_most(source, "decoder_sparse_step", decoder_sparse_step));
+  RETURN_IF_ERROR(at_most(source, "q_lora_rank", q_lora_rank));
+  RETURN_IF_ERROR(at_most(source, "kv_lora_rank", kv_lora_rank));
+  RETURN_IF_ERROR(at_most(source, "qk_nope_head_dim", qk_nope_head_dim));
+  RETURN_IF_ERROR(at_most(source, "qk_rope_head_dim", qk_rope_head_dim));
+  RETURN_IF_ERROR(at_most(source, "v_head_dim", v_head_dim));
+  RETURN_IF_ERROR(at_most(source, "first_k_dense_replace", first_k_dense_replace));
+  RETURN_IF_ERROR(at_most(source, "moe_layer_freq", moe_layer_freq));
+  RETURN_IF_ERROR(at_most(source, "n_group", n_group));
+  RETURN_IF_ERROR(at_most(source, "topk_group", topk_group));
   if (rope.scaling == kernels::RopeScaling::kLlama3 || rope.scaling == kernels::RopeScaling::kYarn) {
     RETURN_IF_ERROR(at_most(source, "rope_scaling.original_max_position_embeddings",
                             rope.original_max_position_embeddings));
@@ -562,7 +730,32 @@ Status ModelConfig::validate(const std::string& source) const {
   return Status::OK();
 }
 
+// Multi-head latent attention's keys (ModelConfig::is_mla).
+Status validate_mla(const ModelConfig& c, const std::string& source) {
+  RETURN_IF_ERROR(positive(source, "qk_nope_head_dim", c.qk_nope_head_dim));
+  RETURN_IF_ERROR(positive(source, "qk_rope_head_dim", c.qk_rope_head_dim));
+  RETURN_IF_ERROR(positive(source, "v_head_dim", c.v_head_dim));
+  if (c.qk_rope_head_dim % 2 != 0) {
+    return bad_key(source, "qk_rope_head_dim",
+                   fmt::format("must be even for rotary embeddings, got {}", c.qk_rope_head_dim));
+  }
+  if (c.q_lora_rank < 0) return bad_key(source, "q_lora_rank", fmt::format("must not be negative, got {}", c.q_lora_rank));
+  if (c.head_dim != c.qk_nope_head_dim + c.qk_rope_head_dim || c.num_key_value_heads != c.num_attention_heads) {
+    return bad_key(source, "head_dim",
+                   fmt::format("is {} with {} key heads; latent attention's heads are qk_nope_head_dim + "
+                               "qk_rope_head_dim = {} wide, one per attention head ({})",
+                               c.head_dim, c.num_key_value_heads, c.qk_nope_head_dim + c.qk_rope_head_dim,
+                               c.num_attention_heads));
+  }
+  if (c.qk_norm || c.attention_bias) {
+    return bad_key(source, c.qk_norm ? "qk_norm" : "attention_bias",
+                   "does not combine with latent attention (kv_lora_rank)");
+  }
+  return Status::OK();
+}
+
 Status ModelConfig::validate_shape(const std::string& source) const {
+  if (is_mla()) RETURN_IF_ERROR(validate_mla(*this, source));
   if (head_dim == 0 && hidden_size % num_attention_heads != 0) {
     return bad_key(source, "num_attention_heads",
                    fmt::format("({}) does not divide hidden_size ({}) and head_dim is not set",
@@ -647,6 +840,23 @@ Status ModelConfig::validate_shape(const std::string& source) const {
     return bad_key(source, "router_bias_update_rate",
                    fmt::format("must be >= 0, got {}", router_bias_update_rate));
   }
+  if (first_k_dense_replace < 0) {
+    return bad_key(source, "first_k_dense_replace",
+                   fmt::format("must not be negative, got {}", first_k_dense_replace));
+  }
+  RETURN_IF_ERROR(positive(source, "moe_layer_freq", moe_layer_freq));
+  if (n_group < 1 || num_experts % n_group != 0) {
+    return bad_key(source, "n_group",
+                   fmt::format("must divide the {} experts into equal groups, got {}", num_experts, n_group));
+  }
+  if (topk_group < 1 || topk_group > n_group) {
+    return bad_key(source, "topk_group", fmt::format("must be between 1 and n_group ({}), got {}", n_group, topk_group));
+  }
+  const char* why = nullptr;
+  if (!kernels::router_config_ok(router_config(), &why)) {
+    return bad_key(source, n_group > 1 ? "topk_group" : "num_experts_per_tok",
+                   fmt::format("gives a routing strata cannot compute: {}", why != nullptr ? why : "?"));
+  }
   return Status::OK();
 }
 
@@ -659,7 +869,9 @@ Status ModelConfig::check_sequence_length(int64_t seq_len, const std::string& so
 }
 
 bool ModelConfig::is_moe_layer(int64_t layer) const {
-  if (num_experts <= 0 || decoder_sparse_step <= 0) return false;
+  if (num_experts <= 0) return false;
+  if (is_deepseek()) return layer >= first_k_dense_replace && moe_layer_freq > 0 && layer % moe_layer_freq == 0;
+  if (decoder_sparse_step <= 0) return false;
   for (int64_t dense : mlp_only_layers) {
     if (dense == layer) return false;
   }
@@ -751,6 +963,35 @@ nlohmann::json ModelConfig::to_json() const {
     j["decoder_sparse_step"] = decoder_sparse_step;
     j["mlp_only_layers"] = mlp_only_layers;
   }
+  if (is_deepseek()) {
+    // DeepseekV2Config / DeepseekV3Config keys; head_dim and num_key_value_heads follow from them.
+    j.erase("head_dim");
+    j["q_lora_rank"] = q_lora_rank > 0 ? json(q_lora_rank) : json(nullptr);
+    j["kv_lora_rank"] = kv_lora_rank;
+    j["qk_nope_head_dim"] = qk_nope_head_dim;
+    j["qk_rope_head_dim"] = qk_rope_head_dim;
+    j["v_head_dim"] = v_head_dim;
+    j["n_routed_experts"] = num_experts > 0 ? json(num_experts) : json(nullptr);
+    j["num_experts_per_tok"] = num_experts > 0 ? json(num_experts_per_tok) : json(nullptr);
+    j["moe_intermediate_size"] = moe_intermediate_size;
+    j["n_shared_experts"] = num_experts > 0 ? json(deepseek_shared_experts()) : json(nullptr);
+    j["first_k_dense_replace"] = first_k_dense_replace;
+    j["moe_layer_freq"] = moe_layer_freq;
+    j["scoring_func"] = router_scoring == kernels::RouterScoring::kSigmoidThenTopK ? "sigmoid" : "softmax";
+    j["topk_method"] = router_selection_bias ? "noaux_tc" : n_group > 1 ? "group_limited_greedy" : "greedy";
+    j["n_group"] = n_group;
+    j["topk_group"] = topk_group;
+    j["norm_topk_prob"] = norm_topk_prob;
+    j["routed_scaling_factor"] = routed_scale;
+    j["aux_loss_alpha"] = 0.0;
+    j["num_nextn_predict_layers"] = 0;
+    if (router_bias_update_rate > 0) j["router_bias_update_rate"] = router_bias_update_rate;
+    // DeepSeek's YaRN object names its type "type" and keeps the mscales.
+    if (rope.scaling == kernels::RopeScaling::kYarn) {
+      j["rope_scaling"]["type"] = "yarn";
+      j["rope_scaling"].erase("truncate");
+    }
+  }
   if (architecture == kMixtral || architecture == kQwen2Moe || architecture == kQwen3Moe) {
     j["num_experts_per_tok"] = num_experts_per_tok;
     j["router_aux_loss_coef"] = router_aux_loss_coef;
@@ -772,7 +1013,7 @@ std::optional<int64_t> ModelConfig::count_parameters() const {
   const std::optional<int64_t> q = checked_mul(num_attention_heads, head_dim);
   const std::optional<int64_t> kv = checked_mul(num_key_value_heads, head_dim);
   if (!q || !kv) return std::nullopt;
-  const std::optional<int64_t> attention =
+  std::optional<int64_t> attention =
       sum({C,                                          // input_layernorm
            checked_mul(C, *q),                         // q_proj
            checked_product(int64_t{2}, C, *kv),        // k_proj, v_proj
@@ -780,12 +1021,23 @@ std::optional<int64_t> ModelConfig::count_parameters() const {
            C,                                          // post_attention_layernorm
            attention_bias ? sum({*q, *kv, *kv}) : 0,
            qk_norm ? checked_mul(int64_t{2}, head_dim) : 0});
+  if (is_mla()) {
+    const int64_t H = num_attention_heads;
+    attention = sum({C, C,                                                           // the two norms
+                     q_lora_rank > 0 ? sum({checked_mul(q_lora_rank, C), q_lora_rank,  // q_a_proj, q_a_layernorm
+                                            checked_mul(*q, q_lora_rank)})           // q_b_proj
+                                     : checked_mul(*q, C),                           // q_proj
+                     checked_mul(kv_lora_rank + qk_rope_head_dim, C),                // kv_a_proj_with_mqa
+                     kv_lora_rank,                                                   // kv_a_layernorm
+                     checked_product(H, qk_nope_head_dim + v_head_dim, kv_lora_rank),  // kv_b_proj
+                     checked_product(C, H, v_head_dim)});                            // o_proj
+  }
   const std::optional<int64_t> dense = checked_product(int64_t{3}, C, intermediate_size);  // gate, up, down
   const std::optional<int64_t> moe =
       sum({checked_mul(num_experts, C),                                              // router
            checked_product(num_experts, int64_t{3}, C, moe_intermediate_size),       // experts
            shared_expert_intermediate_size > 0                                       // shared expert, its gate
-               ? sum({checked_product(int64_t{3}, C, shared_expert_intermediate_size), C})
+               ? sum({checked_product(int64_t{3}, C, shared_expert_intermediate_size), shared_expert_gated ? C : 0})
                : 0});
   const std::optional<int64_t> vocab = checked_mul(vocab_size, C);
   std::optional<int64_t> total = sum({vocab, C, tie_word_embeddings ? 0 : vocab});  // embeddings, final norm
@@ -802,8 +1054,12 @@ int64_t ModelConfig::num_parameters() const {
 }
 
 int64_t ModelConfig::num_tensors() const {
-  const int64_t attention = 6 + (attention_bias ? 3 : 0) + (qk_norm ? 2 : 0);  // norms, q/k/v/o, biases, q/k norms
-  const int64_t moe = 1 + 3 * num_experts + (shared_expert_intermediate_size > 0 ? 4 : 0);
+  // norms, q/k/v/o, biases, q/k norms; with latent attention: norms, q (or q_a, its norm, q_b),
+  // kv_a, its norm, kv_b, o.
+  const int64_t attention = is_mla() ? 2 + (q_lora_rank > 0 ? 3 : 1) + 4
+                                     : 6 + (attention_bias ? 3 : 0) + (qk_norm ? 2 : 0);
+  const int64_t moe =
+      1 + 3 * num_experts + (shared_expert_intermediate_size > 0 ? (shared_expert_gated ? 4 : 3) : 0);
   const int64_t moe_layers = num_moe_layers();
   return 2 + (tie_word_embeddings ? 0 : 1) + num_hidden_layers * attention + (num_hidden_layers - moe_layers) * 3 +
          moe_layers * moe;

@@ -14,6 +14,11 @@
 //                                         before RoPE (q/k/v biases when attention_bias says so)
 //   Qwen3MoeForCausalLM                   like Qwen2-MoE without the shared expert and biases,
 //                                         plus per-head RMSNorm of q and k before RoPE
+//   DeepseekV2ForCausalLM,                multi-head latent attention (low-rank q and kv, a
+//   DeepseekV3ForCausalLM                 decoupled RoPE key shared by the heads); experts with
+//                                         softmax (V2) or sigmoid (V3) scores, group-limited
+//                                         top-k, a routed scaling factor and ungated shared
+//                                         experts; the first layers dense
 #pragma once
 
 #include <cstdint>
@@ -42,7 +47,8 @@ struct ModelLimits {
   static constexpr int64_t kIntermediateSize = int64_t{1} << 20;  // intermediate_size and the expert widths
   static constexpr int64_t kLayers = 1024;                        // num_hidden_layers, decoder_sparse_step
   static constexpr int64_t kHeads = 4096;                         // num_attention_heads, num_key_value_heads
-  static constexpr int64_t kHeadDim = 4096;                       // head_dim
+  static constexpr int64_t kHeadDim = 4096;                       // head_dim, the MLA head dims
+  static constexpr int64_t kLoraRank = int64_t{1} << 16;          // q_lora_rank, kv_lora_rank
   static constexpr int64_t kExperts = 4096;                       // num_experts / num_local_experts
   static constexpr int64_t kPositions = int64_t{1} << 30;         // max_position_embeddings, sliding_window
   // Over the whole model: parameter tensors (a ParamLayout entry each) and parameters (2^44 is
@@ -70,6 +76,19 @@ struct ModelConfig {
   // exact only while the window covers the sequence: see check_sequence_length.
   int64_t sliding_window = 0;
 
+  // Multi-head latent attention (DeepSeek-V2/V3), on when kv_lora_rank > 0. Keys are the
+  // compressed kv_a_proj_with_mqa output (kv_lora_rank, RMS-normalised, then kv_b_proj to every
+  // head's qk_nope_head_dim key part and v_head_dim value) and a qk_rope_head_dim RoPE key all
+  // heads share; queries come from q_proj, or through q_a_proj, its RMSNorm and q_b_proj when
+  // q_lora_rank > 0. A q or k head is head_dim = qk_nope_head_dim + qk_rope_head_dim wide
+  // (fill_defaults), num_key_value_heads = num_attention_heads, and RoPE turns the last
+  // qk_rope_head_dim of each (DeepSeek's checkpoints hold them interleaved: rope_interleaved).
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+
   // Mixture of experts. num_experts == 0: every layer has a dense MLP of intermediate_size.
   int64_t num_experts = 0;                      // E (Mixtral: num_local_experts)
   int64_t num_experts_per_tok = 0;              // K
@@ -85,6 +104,23 @@ struct ModelConfig {
   // strata extension (key `router_bias_update_rate`): > 0 turns on auxiliary-loss-free
   // balancing (DeepSeek-V3), a per-expert selection bias moved by this much after each step.
   double router_bias_update_rate = 0.0;
+  // DeepSeek's routing (kernels/moe.h RouterConfig): group-limited top-k over n_group groups,
+  // the best topk_group of them by group_score; every weight multiplied by routed_scale.
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  kernels::GroupScore group_score = kernels::GroupScore::kMax;
+  double routed_scale = 1.0;
+  // DeepSeek-V3 (topk_method noaux_tc): each MoE layer's router holds a selection bias,
+  // mlp.gate.e_score_correction_bias, added to the scores that choose the experts only. It is
+  // the loss-free balancing bias (router_bias_update_rate moves it).
+  bool router_selection_bias = false;
+  // The shared expert's sigmoid gate (Qwen2-MoE's shared_expert_gate); DeepSeek's shared experts
+  // (mlp.shared_experts, n_shared_experts x moe_intermediate_size wide) add ungated.
+  bool shared_expert_gated = true;
+  // DeepSeek's dense layers: layer l is MoE when l >= first_k_dense_replace and l %
+  // moe_layer_freq == 0 (used instead of decoder_sparse_step and mlp_only_layers).
+  int64_t first_k_dense_replace = 0;
+  int64_t moe_layer_freq = 1;
 
   // Reads the keys of a Hugging Face Llama config.json. `source` names the file in messages.
   // RoPE: top-level `rope_theta`, or the newer `rope_parameters` object (which wins when both
@@ -114,20 +150,35 @@ struct ModelConfig {
   Status check_sequence_length(int64_t seq_len, const std::string& source) const;
 
   bool is_moe() const { return num_experts > 0; }
+  bool is_mla() const { return kv_lora_rank > 0; }
+  bool is_deepseek() const {
+    return architecture == "DeepseekV2ForCausalLM" || architecture == "DeepseekV3ForCausalLM";
+  }
+  // The dims RoPE turns in a q or k head: the last qk_rope_head_dim with MLA, else all of them.
+  int64_t rope_dim() const { return is_mla() ? qk_rope_head_dim : head_dim; }
+  // Width of a value head and of the attention output (o_proj's input): v_head_dim with MLA.
+  int64_t value_head_dim() const { return is_mla() ? v_head_dim : head_dim; }
+  int64_t att_dim() const { return num_attention_heads * value_head_dim(); }
   // Whether decoder layer `layer` has a mixture of experts instead of a dense MLP.
   bool is_moe_layer(int64_t layer) const;
   int64_t num_moe_layers() const;
   // Widest dense MLP any layer runs: intermediate_size of the dense layers, the shared expert.
   int64_t dense_mlp_width() const;
+  // The DeepSeek configs' n_shared_experts (shared_expert_intermediate_size / moe_intermediate_size).
+  int64_t deepseek_shared_experts() const {
+    return moe_intermediate_size > 0 ? shared_expert_intermediate_size / moe_intermediate_size : 0;
+  }
   // Mixtral names its MoE tensors block_sparse_moe.{gate, experts.E.w1/w2/w3}; the Qwen models
   // mlp.{gate, experts.E.gate_proj/up_proj/down_proj}.
   bool uses_mixtral_tensor_names() const { return architecture == "MixtralForCausalLM"; }
   kernels::RouterConfig router_config() const {
-    return {num_experts, num_experts_per_tok, router_scoring, norm_topk_prob};
+    return {num_experts,  num_experts_per_tok, router_scoring, norm_topk_prob, n_group,
+            topk_group,   group_score,         static_cast<float>(routed_scale)};
   }
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }    // width of q_proj output
-  int64_t kv_dim() const { return num_key_value_heads * head_dim; }   // width of k/v_proj output
+  int64_t kv_dim() const { return num_key_value_heads * head_dim; }   // width of k/v_proj output (a k head's with MLA)
+  int64_t v_dim() const { return num_key_value_heads * value_head_dim(); }  // the values' width
   // Parameter count (tied embeddings counted once). REQUIRES: validate(...) is OK.
   int64_t num_parameters() const;
   // Parameter tensors (ParamLayout entries) of this model. REQUIRES: validate(...) is OK.

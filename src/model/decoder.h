@@ -58,6 +58,7 @@
 #include "model/activations.h"
 #include "model/config.h"
 #include "model/expert_parallel.h"
+#include "model/mla_layer.h"
 #include "model/moe_layer.h"
 #include "model/param_access.h"
 #include "model/params.h"
@@ -230,6 +231,8 @@ class Decoder final : public Model {
   }
 
  private:
+  // What latent attention's RoPE reads (model/mla_layer.h).
+  MlaRope mla_rope() const;
   // Sets the RoPE frequencies (inv_freq_, inv_freq_ops_) for sequences of T tokens.
   void update_rope(int64_t T);
   // Embedding, all layers, final norm; leaves the final norm's output in acts_.final_out.

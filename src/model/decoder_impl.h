@@ -15,6 +15,7 @@
 #include "kernels/rope.h"
 #include "model/decoder.h"
 #include "model/context_parallel.h"
+#include "model/mla_layer.h"
 #include "model/moe_layer.h"
 
 namespace strata::model {
@@ -23,7 +24,7 @@ template <class Ops>
 Decoder<Ops>::Decoder(const ModelConfig& config, Ops ops) : config_(config), layout_(config), ops_(std::move(ops)) {
   Status st = config_.validate("model config");
   CHECK_MSG(st.ok(), st.to_string());
-  inv_freq_.resize(static_cast<size_t>(config_.head_dim / 2));
+  inv_freq_.resize(static_cast<size_t>(config_.rope_dim() / 2));
   update_rope(1);
   if (config_.is_moe()) {
     const size_t E = static_cast<size_t>(config_.num_experts);
@@ -75,7 +76,8 @@ void Decoder<Ops>::reset_expert_token_counts() {
 
 template <class Ops>
 const float* Decoder<Ops>::layer_selection_bias(int64_t layer) const {
-  if (config_.router_bias_update_rate <= 0) return nullptr;
+  // DeepSeek-V3's routers hold one (e_score_correction_bias) whether or not it is moved.
+  if (config_.router_bias_update_rate <= 0 && !config_.router_selection_bias) return nullptr;
   return expert_bias_.data() + layer * config_.num_experts;
 }
 
@@ -135,6 +137,13 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
   Act* k = kv != nullptr ? kv->k + past * Hkv * D : a.k;  // (N, Hkv*D)
   Act* v = kv != nullptr ? kv->v + past * Hkv * D : a.v;  // (N, Hkv*D)
   ops_.rmsnorm_forward(a.ln1, a.ln1_rstd, x, p.input_layernorm, N, C, eps);
+  if (config_.is_mla()) {
+    // Latent attention (model/mla_layer.h); generation and context parallelism refuse it before.
+    CHECK_MSG(kv == nullptr && context_comm_ == nullptr,
+              "multi-head latent attention with a KV cache or context parallelism");
+    mla_attention_forward(ops_, config_, p, a, acts_, B, T, mla_rope());
+    ops_.linear_forward_residual(a.h, a.att, p.o_proj, x, N, config_.att_dim(), C);
+  } else {
   if (p.q_norm != nullptr) {
     ops_.linear_forward(a.q_raw, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
     ops_.linear_forward(a.k_raw, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
@@ -160,6 +169,7 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
                            D, past, positions);
   }
   ops_.linear_forward_residual(a.h, a.att, p.o_proj, x, N, Hq * D, C);
+  }
 
   // MLP block: out = h + mlp(ln2), mlp = down(silu(gate(ln2)) * up(ln2)) or the experts.
   ops_.rmsnorm_forward(a.ln2, a.ln2_rstd, a.h, p.post_attention_layernorm, N, C, eps);
@@ -283,7 +293,10 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
   ops_.add_inplace(dres, a.d_tmp, N * C);  // dres is now dL/dh
 
   // Attention block. h = x + o_proj(att): dL/dx starts as dL/dh.
-  ops_.linear_backward(a.d_att, g.o_proj, nullptr, dres, a.att, p.o_proj, N, Hq * D, C);
+  ops_.linear_backward(a.d_att, g.o_proj, nullptr, dres, a.att, p.o_proj, N, config_.att_dim(), C);
+  if (config_.is_mla()) {
+    mla_attention_backward(ops_, config_, p, g, a, acts_, B, T, mla_rope(), a.d_ln);
+  } else {
   if (context_comm_ != nullptr) {
     RETURN_IF_ERROR(ring_attention_backward(layer, a, B, T));
   } else {
@@ -305,6 +318,7 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
   ops_.add_inplace(a.d_ln, a.d_tmp, N * C);
   ops_.linear_backward(a.d_tmp, g.v_proj, g.v_bias, a.d_v, a.ln1, p.v_proj, N, C, Hkv * D);
   ops_.add_inplace(a.d_ln, a.d_tmp, N * C);
+  }
   ops_.rmsnorm_backward(a.d_tmp, g.input_layernorm, a.d_ln, x, p.input_layernorm, a.ln1_rstd, N, C);
   ops_.add_inplace(dres, a.d_tmp, N * C);  // dres is now dL/dx
   return Status::OK();
@@ -496,6 +510,11 @@ double Decoder<Ops>::forward_backward(const int32_t* inputs, const int32_t* targ
 // the longest length's until a sequence within the context comes, so with lengths mixed past the
 // context the two differ; a training run's fixed train.seq_len agrees.)
 template <class Ops>
+MlaRope Decoder<Ops>::mla_rope() const {
+  return {inv_freq_ops_, rope_scale_, staged_positions_, staged_rope_positions_};
+}
+
+template <class Ops>
 void Decoder<Ops>::update_rope(int64_t T) {
   const bool dynamic = config_.rope.scaling == kernels::RopeScaling::kDynamic;
   const int64_t length = dynamic ? std::max(T, config_.max_position_embeddings) : 0;
@@ -504,7 +523,7 @@ void Decoder<Ops>::update_rope(int64_t T) {
   if (inv_freq_ops_ != nullptr) ops_.synchronize();
   kernels::RopeConfig rope = config_.rope;
   rope.max_position_embeddings = config_.max_position_embeddings;
-  kernels::rope_inv_freq(inv_freq_.data(), config_.head_dim, rope, length);
+  kernels::rope_inv_freq(inv_freq_.data(), config_.rope_dim(), rope, length);
   inv_freq_ops_ = ops_.stage_constants(inv_freq_.data(), static_cast<int64_t>(inv_freq_.size()));
   rope_length_ = length;
   rope_scale_ = static_cast<float>(kernels::rope_attention_factor(rope));

@@ -196,6 +196,8 @@ Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const 
     if (layout.find(info.name) != nullptr) continue;
     if (info.name.ends_with("rotary_emb.inv_freq")) continue;  // a buffer older transformers saved
     if (tied && info.name == "lm_head.weight") continue;       // a copy of the tied embeddings
+    if (layout.config().router_selection_bias && info.name.ends_with("mlp.gate.e_score_correction_bias"))
+      continue;  // read_hf_selection_bias's
     extra.push_back(info.name);
   }
   if (!extra.empty()) {
@@ -205,6 +207,27 @@ Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const 
              extra.size() > named ? ", ..." : "");
   }
   return reader;
+}
+
+std::string selection_bias_name(int64_t layer) {
+  return fmt::format("model.layers.{}.mlp.gate.e_score_correction_bias", layer);
+}
+
+Status read_hf_selection_bias(const SafetensorsReader& reader, const ModelConfig& config, std::vector<float>* bias) {
+  if (!config.router_selection_bias || !config.is_moe()) return Status::OK();
+  const int64_t E = config.num_experts;
+  std::vector<float> read(static_cast<size_t>(config.num_hidden_layers * E), 0.0f);
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    if (!config.is_moe_layer(l)) continue;
+    const std::string name = selection_bias_name(l);
+    if (reader.find(name) == nullptr)
+      return Status::NotFound(fmt::format("tensor '{}' of shape [{}] is missing (topk_method noaux_tc routes "
+                                          "by it)",
+                                          name, E));
+    RETURN_IF_ERROR(reader.read_f32(name, {E}, read.data() + l * E));
+  }
+  *bias = std::move(read);
+  return Status::OK();
 }
 
 Status check_export_target(const std::string& out_dir) {
@@ -282,6 +305,25 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
                              "(strata convert --allow-nonfinite)",
                              t.name, bad, t.numel));
                        }});
+  }
+  // DeepSeek-V3's selection biases, after their layer's router.
+  if (config.router_selection_bias && config.is_moe()) {
+    const int64_t E = config.num_experts;
+    for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+      if (!config.is_moe_layer(l)) continue;
+      const int64_t router = layout.layer(l).moe.router;
+      auto at = std::find_if(tensors.begin(), tensors.end(),
+                             [&](const SafetensorsWriteTensor& w) { return w.name == layout.at(router).name; });
+      const float* from = options.selection_bias != nullptr &&
+                                  options.selection_bias->size() == static_cast<size_t>(config.num_hidden_layers * E)
+                              ? options.selection_bias->data() + l * E
+                              : nullptr;
+      SafetensorsWriteTensor w{selection_bias_name(l), {E}, nullptr, [from, E](float* out) {
+                                 for (int64_t e = 0; e < E; ++e) out[e] = from != nullptr ? from[e] : 0.0f;
+                                 return Status::OK();
+                               }};
+      tensors.insert(at == tensors.end() ? at : at + 1, std::move(w));
+    }
   }
   uint64_t total_bytes = 0;
   for (const TensorSpec& t : layout.tensors()) {

@@ -52,6 +52,14 @@ Status read_hf_weights(const SafetensorsReader& reader, const ParamLayout& layou
 Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const ParamLayout& layout,
                                           const ReaderOptions& options = {});
 
+// DeepSeek-V3's routers' selection biases (ModelConfig::router_selection_bias): one (E) tensor
+// per MoE layer, model.layers.{l}.mlp.gate.e_score_correction_bias. The decoder holds them with
+// the training state besides the parameters (the loss-free balancing bias), not in the layout.
+std::string selection_bias_name(int64_t layer);
+// Reads them into bias (L x E, zero for dense layers) from a checkpoint holding them; NotFound
+// naming the first missing one. Does nothing (bias left as it is) when the config has none.
+Status read_hf_selection_bias(const SafetensorsReader& reader, const ModelConfig& config, std::vector<float>* bias);
+
 // Export dtypes by the names of `strata convert --dtype` and run.export_dtype ("f32", "bf16",
 // "f16"), and by transformers' torch_dtype ("float32", "bfloat16", "float16").
 std::optional<SafetensorsWriteDtype> parse_export_dtype(std::string_view name);
@@ -71,6 +79,9 @@ struct ExportOptions {
   SafetensorsWriteDtype dtype = SafetensorsWriteDtype::kF32;
   uint64_t max_shard_bytes = kDefaultMaxShardBytes;
   std::string copy_tokenizer_from;  // a model directory whose hf_tokenizer_files() to copy; "" = none
+  // The routers' selection biases (L x E, read_hf_selection_bias's layout) written beside the
+  // weights when the config has them (DeepSeek-V3); null writes zeros.
+  const std::vector<float>* selection_bias = nullptr;
   // Weights holding NaN or Inf are refused (InvalidArgument naming the first such tensor and its
   // count; nothing is written) unless this is set.
   bool allow_nonfinite = false;

@@ -1,6 +1,7 @@
 // The mixture-of-experts MLP of a decoder layer, written once over a backend's op set (the Ops
 // of model/decoder.h):
 //   out = sum_k weight_k * expert_k(x)  [+ sigmoid(shared_expert_gate(x)) * shared_expert(x)]
+//   (DeepSeek's shared experts are ungated: + shared_experts(x))
 // with x the post-attention RMSNorm output. Intermediates live in the ActivationTable. The
 // router is fp32 on every backend (logits, probabilities, weights and their gradients), so the
 // top-k choices do not depend on the activation type.
@@ -98,6 +99,11 @@ void moe_mlp_forward(Ops& ops, const ModelConfig& config, const MoeTensors<const
     ops.swiglu_forward(m.act, m.gate, m.up, n * Fs);
     ops.linear_forward(a.shared_out + r0 * C, m.act, p.shared_down_proj, nullptr, n, Fs, C);
   }
+  if (!config.shared_expert_gated) {
+    // DeepSeek's shared experts add to the routed ones ungated.
+    if (out != nullptr) ops.add_inplace(out, a.shared_out, N * C);
+    return;
+  }
   ops.linear_forward_f32(a.shared_logit, x, p.shared_expert_gate, N, C, 1);
   if (out != nullptr) ops.shared_expert_combine(out, a.shared_out, a.shared_logit, N, C);
 }
@@ -159,7 +165,10 @@ Status moe_mlp_backward(Ops& ops, const ModelConfig& config, const MoeTensors<co
 
   // Shared expert: y = s * shared_out, s = sigmoid(logit). d_tmp holds dL/d shared_out, each tile's
   // rows of it free once the tile's d_act is made (the tile's input gradients go there).
-  ops.shared_expert_backward(a.d_tmp, a.d_shared_logit, dout, a.shared_out, a.shared_logit, N, C);
+  // Ungated (DeepSeek), dL/d shared_out is dout itself.
+  const bool gated = config.shared_expert_gated;
+  if (gated) ops.shared_expert_backward(a.d_tmp, a.d_shared_logit, dout, a.shared_out, a.shared_logit, N, C);
+  const typename Ops::Act* dshared = gated ? a.d_tmp : dout;
   const bool tiled = t.mlp_tiled();
   const ActivationTable<Ops>& m = tiled ? t : a;  // where gate .. act and their gradients live
   const int64_t tile = tiled ? t.mlp_rows() : N;
@@ -172,13 +181,14 @@ Status moe_mlp_backward(Ops& ops, const ModelConfig& config, const MoeTensors<co
       ops.linear_forward(m.up, xt, p.shared_up_proj, nullptr, n, C, Fs);
       ops.swiglu_forward(m.act, m.gate, m.up, n * Fs);
     }
-    ops.linear_backward(m.d_act, g.shared_down_proj, nullptr, d, m.act, p.shared_down_proj, n, Fs, C);
+    ops.linear_backward(m.d_act, g.shared_down_proj, nullptr, dshared + r0 * C, m.act, p.shared_down_proj, n, Fs, C);
     ops.swiglu_backward(m.d_gate, m.d_up, m.d_act, m.gate, m.up, n * Fs);
     ops.linear_backward(d, g.shared_gate_proj, nullptr, m.d_gate, xt, p.shared_gate_proj, n, C, Fs);
     ops.add_inplace(dx + r0 * C, d, n * C);
     ops.linear_backward(d, g.shared_up_proj, nullptr, m.d_up, xt, p.shared_up_proj, n, C, Fs);
     ops.add_inplace(dx + r0 * C, d, n * C);
   }
+  if (!gated) return Status::OK();
   ops.linear_backward_f32(a.d_tmp, g.shared_expert_gate, a.d_shared_logit, x, p.shared_expert_gate, N, C, 1);
   ops.add_inplace(dx, a.d_tmp, N * C);
   return Status::OK();

@@ -72,6 +72,25 @@ ParamLayout::ParamLayout(const ModelConfig& config) : config_(config) {
     const std::string p = fmt::format("model.layers.{}.", i);
     LayerOffsets o;
     o.input_layernorm = add(p + "input_layernorm.weight", {C}, TensorRole::kNormWeight);
+    if (config.is_mla()) {
+      // DeepSeek's order: q (or its low-rank pair and their norm), the compressed kv with the
+      // shared RoPE key, its norm, the per-head keys and values, o.
+      const std::string a = p + "self_attn.";
+      const int64_t Rq = config.q_lora_rank, Rkv = config.kv_lora_rank;
+      if (Rq > 0) {
+        o.q_a_proj = add(a + "q_a_proj.weight", {Rq, C}, TensorRole::kMatrix);
+        o.q_a_layernorm = add(a + "q_a_layernorm.weight", {Rq}, TensorRole::kNormWeight);
+        o.q_b_proj = add(a + "q_b_proj.weight", {q_dim, Rq}, TensorRole::kMatrix);
+      } else {
+        o.q_proj = add(a + "q_proj.weight", {q_dim, C}, TensorRole::kMatrix);
+      }
+      o.kv_a_proj = add(a + "kv_a_proj_with_mqa.weight", {Rkv + config.qk_rope_head_dim, C}, TensorRole::kMatrix);
+      o.kv_a_layernorm = add(a + "kv_a_layernorm.weight", {Rkv}, TensorRole::kNormWeight);
+      o.kv_b_proj = add(a + "kv_b_proj.weight",
+                        {config.num_attention_heads * (config.qk_nope_head_dim + config.v_head_dim), Rkv},
+                        TensorRole::kMatrix);
+      o.o_proj = add(a + "o_proj.weight", {C, config.att_dim()}, TensorRole::kMatrix);
+    } else {
     o.q_proj = add(p + "self_attn.q_proj.weight", {q_dim, C}, TensorRole::kMatrix);
     if (config.attention_bias) o.q_bias = add(p + "self_attn.q_proj.bias", {q_dim}, TensorRole::kBias);
     o.k_proj = add(p + "self_attn.k_proj.weight", {kv_dim, C}, TensorRole::kMatrix);
@@ -82,6 +101,7 @@ ParamLayout::ParamLayout(const ModelConfig& config) : config_(config) {
     if (config.qk_norm) {
       o.q_norm = add(p + "self_attn.q_norm.weight", {D}, TensorRole::kNormWeight);
       o.k_norm = add(p + "self_attn.k_norm.weight", {D}, TensorRole::kNormWeight);
+    }
     }
     o.post_attention_layernorm = add(p + "post_attention_layernorm.weight", {C}, TensorRole::kNormWeight);
     if (!config.is_moe_layer(i)) {
@@ -108,10 +128,13 @@ ParamLayout::ParamLayout(const ModelConfig& config) : config_(config) {
         o.moe.expert_down.push_back(add(x + "down_proj.weight", {C, Fe}, TensorRole::kMatrix));
       }
       if (Fs > 0) {
-        o.moe.shared_gate_proj = add(m + "shared_expert.gate_proj.weight", {Fs, C}, TensorRole::kMatrix);
-        o.moe.shared_up_proj = add(m + "shared_expert.up_proj.weight", {Fs, C}, TensorRole::kMatrix);
-        o.moe.shared_down_proj = add(m + "shared_expert.down_proj.weight", {C, Fs}, TensorRole::kMatrix);
-        o.moe.shared_expert_gate = add(m + "shared_expert_gate.weight", {1, C}, TensorRole::kMatrix);
+        // Qwen2-MoE's gated shared_expert; DeepSeek's ungated shared_experts.
+        const std::string x = m + (config.shared_expert_gated ? "shared_expert." : "shared_experts.");
+        o.moe.shared_gate_proj = add(x + "gate_proj.weight", {Fs, C}, TensorRole::kMatrix);
+        o.moe.shared_up_proj = add(x + "up_proj.weight", {Fs, C}, TensorRole::kMatrix);
+        o.moe.shared_down_proj = add(x + "down_proj.weight", {C, Fs}, TensorRole::kMatrix);
+        if (config.shared_expert_gated)
+          o.moe.shared_expert_gate = add(m + "shared_expert_gate.weight", {1, C}, TensorRole::kMatrix);
       }
     }
     layers_.push_back(o);

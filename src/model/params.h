@@ -60,7 +60,7 @@ struct MoeOffsets {
   int64_t shared_gate_proj = -1;      // (Fs, C) or -1
   int64_t shared_up_proj = -1;        // (Fs, C)
   int64_t shared_down_proj = -1;      // (C, Fs)
-  int64_t shared_expert_gate = -1;    // (1, C)
+  int64_t shared_expert_gate = -1;    // (1, C), or -1 when the shared expert is ungated (DeepSeek)
 };
 
 // Element offsets of one decoder layer's tensors in the flat buffer; -1 for absent tensors
@@ -76,6 +76,13 @@ struct LayerOffsets {
   int64_t o_proj = -1;
   int64_t q_norm = -1;  // (D) Qwen3
   int64_t k_norm = -1;  // (D) Qwen3
+  // Multi-head latent attention (ModelConfig::is_mla); q_proj when q_lora_rank is 0.
+  int64_t q_a_proj = -1;            // (q_lora_rank, C)
+  int64_t q_a_layernorm = -1;       // (q_lora_rank)
+  int64_t q_b_proj = -1;            // (Hq*D, q_lora_rank)
+  int64_t kv_a_proj = -1;           // (kv_lora_rank + rope dims, C) kv_a_proj_with_mqa
+  int64_t kv_a_layernorm = -1;      // (kv_lora_rank)
+  int64_t kv_b_proj = -1;           // (Hq*(nope dims + v_head_dim), kv_lora_rank)
   int64_t post_attention_layernorm = -1;
   int64_t gate_proj = -1;
   int64_t up_proj = -1;
@@ -97,6 +104,12 @@ struct LayerTensors {
   T* o_proj;                    // (C, Hq*D)
   T* q_norm;                    // (D) or null
   T* k_norm;                    // (D) or null
+  T* q_a_proj;                  // latent attention's (LayerOffsets), else null
+  T* q_a_layernorm;
+  T* q_b_proj;
+  T* kv_a_proj;
+  T* kv_a_layernorm;
+  T* kv_b_proj;
   T* post_attention_layernorm;  // (C)
   T* gate_proj;                 // (F, C) or null in MoE layers
   T* up_proj;                   // (F, C) or null
@@ -111,7 +124,9 @@ struct LayerTensors {
     auto at = [&resolve](int64_t offset) -> T* { return offset < 0 ? nullptr : resolve(offset); };
     return {at(o.input_layernorm), at(o.q_proj),    at(o.q_bias), at(o.k_proj),
             at(o.k_bias),          at(o.v_proj),    at(o.v_bias), at(o.o_proj),
-            at(o.q_norm),          at(o.k_norm),    at(o.post_attention_layernorm),
+            at(o.q_norm),          at(o.k_norm),    at(o.q_a_proj), at(o.q_a_layernorm),
+            at(o.q_b_proj),        at(o.kv_a_proj), at(o.kv_a_layernorm), at(o.kv_b_proj),
+            at(o.post_attention_layernorm),
             at(o.gate_proj),       at(o.up_proj),   at(o.down_proj)};
   }
 };

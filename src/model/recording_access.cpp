@@ -72,6 +72,8 @@ class DryRunOps {
   STRATA_DRY_RUN_OP(swiglu_forward)
   STRATA_DRY_RUN_OP(swiglu_backward)
   STRATA_DRY_RUN_OP(add_inplace)
+  STRATA_DRY_RUN_OP(copy_columns)
+  STRATA_DRY_RUN_OP(sum_head_columns)
   STRATA_DRY_RUN_OP(moe_route_forward)
   STRATA_DRY_RUN_OP(moe_route_backward)
   STRATA_DRY_RUN_OP(moe_router_stats)

@@ -431,8 +431,144 @@ TEST(ModelConfigTest, UnknownArchitectureIsUnimplementedNamingFileAndValue) {
   expect_error(j, StatusCode::kUnimplemented, "GPTNeoXForCausalLM");
   expect_error(j, StatusCode::kUnimplemented, "architectures");
   json k = llama_json();
-  k["model_type"] = "deepseek_v3";
-  expect_error(k, StatusCode::kUnimplemented, "deepseek_v3");
+  k["model_type"] = "gpt_neox";
+  expect_error(k, StatusCode::kUnimplemented, "gpt_neox");
+}
+
+// DeepSeek-V3's config.json as published (deepseek-ai/DeepSeek-V3; its quantization_config
+// left out): latent attention, 256 sigmoid-scored experts in 8 groups with the selection bias,
+// an ungated shared expert and three dense layers first.
+json deepseek_v3_json() {
+  return json::parse(R"({
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": true, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": true,
+    "tie_word_embeddings": false, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": true, "v_head_dim": 128, "vocab_size": 129280
+  })");
+}
+
+TEST(ModelConfigTest, ReadsDeepseekV3AsPublishedWithoutItsMtpModule) {
+  json j = deepseek_v3_json();
+  // Multi-token prediction modules are not trained yet: refused by name, and accepted at 0.
+  expect_error(j, StatusCode::kUnimplemented, "num_nextn_predict_layers");
+  j["num_nextn_predict_layers"] = 0;
+  Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_TRUE(c->is_mla());
+  EXPECT_EQ(c->head_dim, 192);
+  EXPECT_EQ(c->num_key_value_heads, 128);
+  EXPECT_EQ(c->q_dim(), 128 * 192);
+  EXPECT_EQ(c->att_dim(), 128 * 128);
+  EXPECT_EQ(c->rope_dim(), 64);
+  EXPECT_EQ(c->num_experts, 256);
+  EXPECT_EQ(c->shared_expert_intermediate_size, 2048);
+  EXPECT_FALSE(c->shared_expert_gated);
+  EXPECT_TRUE(c->router_selection_bias);
+  EXPECT_EQ(c->router_scoring, kernels::RouterScoring::kSigmoidThenTopK);
+  EXPECT_EQ(c->group_score, kernels::GroupScore::kTopTwoSum);
+  EXPECT_EQ(c->n_group, 8);
+  EXPECT_EQ(c->topk_group, 4);
+  EXPECT_DOUBLE_EQ(c->routed_scale, 2.5);
+  EXPECT_EQ(c->num_moe_layers(), 58);
+  EXPECT_FALSE(c->is_moe_layer(2));
+  EXPECT_TRUE(c->is_moe_layer(3));
+  // 671B parameters without the MTP module, as DeepSeek counts them (671B of 685B).
+  EXPECT_GT(c->num_parameters(), int64_t{670'000'000'000});
+  EXPECT_LT(c->num_parameters(), int64_t{672'000'000'000});
+  EXPECT_EQ(c->num_parameters(), ParamLayout(*c).num_parameters());
+  EXPECT_EQ(c->num_tensors(), static_cast<int64_t>(ParamLayout(*c).tensors().size()));
+  // to_json gives the same model back.
+  Result<ModelConfig> again = ModelConfig::from_json(c->to_json(), "again");
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  EXPECT_EQ(again->to_json(), c->to_json());
+  EXPECT_EQ(again->num_parameters(), c->num_parameters());
+}
+
+// DeepSeek-V2-Lite's (deepseek-ai/DeepSeek-V2-Lite): no low-rank q, softmax scores, greedy
+// top-6 of 64 experts and two shared ones; its sequence-wise auxiliary loss is refused by name.
+TEST(ModelConfigTest, ReadsDeepseekV2LiteAndRefusesItsAuxiliaryLossByName) {
+  json j = json::parse(R"({
+    "architectures": ["DeepseekV2ForCausalLM"], "aux_loss_alpha": 0.001, "bos_token_id": 100000,
+    "eos_token_id": 100001, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "model_type": "deepseek_v2", "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1,
+    "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": false, "num_attention_heads": 16,
+    "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": null,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": true,
+    "tie_word_embeddings": false, "topk_group": 1, "topk_method": "greedy", "v_head_dim": 128,
+    "vocab_size": 102400
+  })");
+  expect_error(j, StatusCode::kUnimplemented, "aux_loss_alpha");
+  j["aux_loss_alpha"] = 0.0;
+  Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->q_lora_rank, 0);
+  EXPECT_EQ(c->shared_expert_intermediate_size, 2 * 1408);
+  EXPECT_EQ(c->n_group, 1);
+  EXPECT_FALSE(c->router_selection_bias);
+  EXPECT_EQ(c->router_scoring, kernels::RouterScoring::kSoftmaxThenTopK);
+  // 15.7B parameters, as published.
+  EXPECT_GT(c->num_parameters(), int64_t{15'600'000'000});
+  EXPECT_LT(c->num_parameters(), int64_t{15'800'000'000});
+  EXPECT_EQ(c->num_parameters(), ParamLayout(*c).num_parameters());
+  EXPECT_EQ(c->num_tensors(), static_cast<int64_t>(ParamLayout(*c).tensors().size()));
+}
+
+TEST(ModelConfigTest, DeepseekKeysOutsideWhatStrataComputesAreRefusedByName) {
+  json j = deepseek_v3_json();
+  j["num_nextn_predict_layers"] = 0;
+  {
+    json k = j;
+    k["scoring_func"] = "sqrtsoftplus";
+    expect_error(k, StatusCode::kUnimplemented, "scoring_func");
+  }
+  {
+    json k = j;
+    k["topk_method"] = "random";
+    expect_error(k, StatusCode::kUnimplemented, "topk_method");
+  }
+  {
+    json k = j;
+    k["attention_bias"] = true;
+    expect_error(k, StatusCode::kUnimplemented, "attention_bias");
+  }
+  {
+    json k = j;
+    k["n_group"] = 7;  // does not divide 256
+    expect_error(k, StatusCode::kInvalidArgument, "n_group");
+  }
+  {
+    json k = j;
+    k["topk_group"] = 9;
+    expect_error(k, StatusCode::kInvalidArgument, "topk_group");
+  }
+  {
+    json k = j;
+    k["qk_rope_head_dim"] = 63;
+    expect_error(k, StatusCode::kInvalidArgument, "qk_rope_head_dim");
+  }
+  {
+    json k = j;
+    k["kv_lora_rank"] = int64_t{1} << 20;
+    expect_error(k, StatusCode::kInvalidArgument, "kv_lora_rank");
+  }
+  {
+    json k = j;
+    k["kv_lora_rank"] = 0;
+    expect_error(k, StatusCode::kInvalidArgument, "kv_lora_rank");
+  }
 }
 
 TEST(ModelConfigTest, ArchitectureFollowsModelTypeWhenArchitecturesIsAbsent) {

@@ -60,6 +60,10 @@ class FlatModel {
   Status load_safetensors(const std::string& path) {
     std::vector<float> loaded(size(), 0.0f);
     RETURN_IF_ERROR(load_hf_weights(path, layout(), loaded.data()));
+    if (config().router_selection_bias) {
+      ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(path));
+      RETURN_IF_ERROR(read_hf_selection_bias(reader, config(), &net_.mutable_expert_selection_bias()));
+    }
     std::copy(loaded.begin(), loaded.end(), master_.begin());
     sync_compute_copy();
     return Status::OK();

@@ -46,6 +46,7 @@
 #include "core/status.h"
 #include "kernels/attention.h"
 #include "kernels/bf16.h"
+#include "kernels/columns.h"
 #include "kernels/micro_batch_shape.h"
 #include "kernels/moe.h"
 
@@ -170,6 +171,7 @@ struct CpuCommonOps {
   void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);           \
   /* a (n) += b (n) */                                                                                               \
   void add_inplace(Act* a, const Act* b, int64_t n);                                                                \
+  STRATA_COLUMN_OPS(Act)                                                                                            \
   /* The LM head and cross-entropy over vocabulary row blocks (kernels/cross_entropy.h): returns the sum of       \
      token NLLs; dx (N,C) = (null: skipped), dweight blocks += (null: skipped). */                                  \
   double lm_head_cross_entropy(Act* dx, float* const* dweight_blocks, const Act* x /*(N,C)*/,                       \

@@ -300,4 +300,13 @@ void CpuBf16Ops::shared_expert_backward(Bf16* dshared, float* dlogit, const Bf16
   }
 }
 
+void CpuBf16Ops::copy_columns(Bf16* dst, int64_t ld_dst, const Bf16* src, int64_t ld_src, int64_t rows, int64_t cols,
+                              ColumnOrder order) {
+  cpu::copy_columns(dst, ld_dst, src, ld_src, rows, cols, order);
+}
+void CpuBf16Ops::sum_head_columns(Bf16* dst, const Bf16* src, int64_t ld_src, int64_t head_stride, int64_t rows,
+                                  int64_t heads, int64_t cols) {
+  cpu::sum_head_columns(dst, src, ld_src, head_stride, rows, heads, cols);
+}
+
 }  // namespace strata::kernels

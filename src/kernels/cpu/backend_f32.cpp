@@ -191,4 +191,13 @@ void CpuF32Ops::shared_expert_backward(float* dshared, float* dlogit, const floa
   }
 }
 
+void CpuF32Ops::copy_columns(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols,
+                              ColumnOrder order) {
+  cpu::copy_columns(dst, ld_dst, src, ld_src, rows, cols, order);
+}
+void CpuF32Ops::sum_head_columns(float* dst, const float* src, int64_t ld_src, int64_t head_stride, int64_t rows,
+                                  int64_t heads, int64_t cols) {
+  cpu::sum_head_columns(dst, src, ld_src, head_stride, rows, heads, cols);
+}
+
 }  // namespace strata::kernels

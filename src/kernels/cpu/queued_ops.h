@@ -224,6 +224,14 @@ class CpuQueuedOps {
   void round_activations(Act* dst, const float* src, int64_t n) {
     launch([=, this] { direct_.round_activations(dst, src, n); });
   }
+  void copy_columns(Act* dst, int64_t ld_dst, const Act* src, int64_t ld_src, int64_t rows, int64_t cols,
+                    ColumnOrder order) {
+    launch([=, this] { direct_.copy_columns(dst, ld_dst, src, ld_src, rows, cols, order); });
+  }
+  void sum_head_columns(Act* dst, const Act* src, int64_t ld_src, int64_t head_stride, int64_t rows, int64_t heads,
+                        int64_t cols) {
+    launch([=, this] { direct_.sum_head_columns(dst, src, ld_src, head_stride, rows, heads, cols); });
+  }
   void attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                           const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                           const int32_t* positions = nullptr, int64_t Dv = 0, double scale = 0) {

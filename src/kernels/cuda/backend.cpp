@@ -337,6 +337,14 @@ void CudaOps::swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* 
 }
 
 void CudaOps::add_inplace(Act* a, const Act* b, int64_t n) { cuda::add_inplace(a, b, n, stream_); }
+void CudaOps::copy_columns(Act* dst, int64_t ld_dst, const Act* src, int64_t ld_src, int64_t rows, int64_t cols,
+                           ColumnOrder order) {
+  cuda::copy_columns(dst, ld_dst, src, ld_src, rows, cols, static_cast<int>(order), stream_);
+}
+void CudaOps::sum_head_columns(Act* dst, const Act* src, int64_t ld_src, int64_t head_stride, int64_t rows,
+                               int64_t heads, int64_t cols) {
+  cuda::sum_head_columns(dst, src, ld_src, head_stride, rows, heads, cols, stream_);
+}
 
 int64_t CudaOps::lm_head_chunk_tokens(int64_t N, int64_t C, int64_t V) const {
   // Before the activation block exists (no LM head buffer yet) the kernels' scratch serves.

@@ -29,6 +29,7 @@
 #include "core/status.h"
 #include "kernels/attention.h"
 #include "kernels/attention_choice.h"
+#include "kernels/columns.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/micro_batch_shape.h"
 #include "kernels/moe.h"
@@ -139,6 +140,10 @@ class CudaOps {
   void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n);
   void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);
   void add_inplace(Act* a, const Act* b, int64_t n);
+  void copy_columns(Act* dst, int64_t ld_dst, const Act* src, int64_t ld_src, int64_t rows, int64_t cols,
+                    ColumnOrder order);
+  void sum_head_columns(Act* dst, const Act* src, int64_t ld_src, int64_t head_stride, int64_t rows, int64_t heads,
+                        int64_t cols);
   // Runs in the LM head's buffer (kernels' scratch before activation_block), chunk_tokens at a
   // time (the decoder passes lm_head_chunk_tokens(); a larger one is halved until it fits).
   double lm_head_cross_entropy(Act* dx, float* const* dweight_blocks, const Act* x, const W* const* weight_blocks,

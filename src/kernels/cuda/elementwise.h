@@ -25,4 +25,12 @@ void shared_expert_backward(bf16* dshared /*(N,C)*/, float* dlogit /*(N)*/, cons
                             const bf16* shared_out /*(N,C)*/, const float* logit /*(N)*/, int64_t N, int64_t C,
                             cudaStream_t stream);
 
+// kernels/columns.h's column ops (order: 0 same, 1 de-interleave, 2 interleave, ColumnOrder's
+// values): dst[r*ld_dst + c] = src[r*ld_src + source column of c]; and dst (rows, cols) = the
+// fp32 sum over h < heads, in order of h, of src[r*ld_src + h*head_stride + c], rounded once.
+void copy_columns(bf16* dst, int64_t ld_dst, const bf16* src, int64_t ld_src, int64_t rows, int64_t cols, int order,
+                  cudaStream_t stream);
+void sum_head_columns(bf16* dst, const bf16* src, int64_t ld_src, int64_t head_stride, int64_t rows, int64_t heads,
+                      int64_t cols, cudaStream_t stream);
+
 }  // namespace strata::kernels::cuda

@@ -1,0 +1,391 @@
+#!/usr/bin/python3
+"""References for strata's DeepSeek-V2/V3 parity test, from DeepSeek's published modeling code.
+
+Usage: reference_deepseek.py OUTDIR VARIANT
+  VARIANT  deepseek_v3          DeepseekV3ForCausalLM: q LoRA, sigmoid router with
+                                e_score_correction_bias, noaux_tc group-limited top-k,
+                                normalised weights x routed_scaling_factor, 1 shared expert
+           deepseek_v3_noqlora  the same without q LoRA (q_proj) and with YaRN rope scaling
+           deepseek_v2          DeepseekV2ForCausalLM: softmax router, group_limited_greedy,
+                                unnormalised weights x routed_scaling_factor, 2 shared experts,
+                                sequence-level auxiliary loss (aux_loss_alpha, seq_aux)
+
+The model code is the published Hugging Face remote code kept unmodified under
+tests/fixtures/deepseek/ (see its README.md), imported with importlib. Tiny random models
+(hidden 64, vocab 97, 3 layers, 8 routed experts) are built from it in float32.
+
+Shim (applied here at import time, never in the fixture files): the published V3 code is
+inference-only. Its gate asserts `not self.training` for topk_method "noaux_tc", and
+DeepseekV3MoE.forward only has the inference branch, `moe_infer`, which is decorated with
+@torch.no_grad(). The V3 variants therefore run in eval mode (dropout is 0 everywhere, so
+nothing else changes) with DeepseekV3MoE.moe_infer replaced by the published function
+itself without the no_grad decorator (moe_infer.__wrapped__), so that autograd gives gradients
+to the routed experts and, through the gathered sigmoid weights, to the gate. The V2 variant
+runs the published code in train mode, unpatched: its gate computes the auxiliary loss only
+in training, and its MoE training branch adds the aux loss's gradient through
+AddAuxiliaryLoss (the returned loss never includes it).
+
+Writes OUTDIR/VARIANT/:
+  config.json, model.safetensors   save_pretrained(safe_serialization=True) in float32, with
+                                   the published tensor names; config.json holds
+                                   architectures, model_type and auto_map like the
+                                   published configs
+  reference.json                   batch (inputs, targets with -1 = ignored), "loss" (mean
+                                   NLL + the aux loss the code trains with: for deepseek_v2
+                                   the sum over MoE layers of the gate's aux_loss, which
+                                   already includes aux_loss_alpha; 0 for V3), "nll",
+                                   "aux_loss", "aux_losses" (per MoE layer), "grads":
+                                   [{name, shape, offset}] into grads.bin, "zero_grads"
+                                   (tensors with no gradient path), "adamw" (3 steps on the
+                                   same batch: hyper-parameters and the loss before each
+                                   step) and "routing" (diagnostics)
+  grads.bin                        float32 gradients of "loss", concatenated in that order
+  params_after.bin                 float32 parameters after the 3 AdamW steps, same layout
+
+Prints routing diagnostics to stderr (how many token choices group limiting and the
+correction bias change, the smallest top-k and group margins over the 3 AdamW steps).
+"""
+
+import importlib
+import json
+import math
+import os
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+BATCH, SEQ = 2, 12
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "fixtures", "deepseek")
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, steps=3)
+MARGIN = 1e-4  # smallest acceptable gap at a top-k / group boundary (routing must not flip)
+
+COMMON = dict(vocab_size=97, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+              max_position_embeddings=128, rms_norm_eps=1e-5, hidden_act="silu",
+              num_hidden_layers=3, intermediate_size=80, moe_intermediate_size=32,
+              n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+              first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=16,
+              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_theta=10000.0,
+              rope_scaling=None, tie_word_embeddings=False, attention_bias=False,
+              attention_dropout=0.0, initializer_range=0.02, ep_size=1, use_cache=False,
+              bos_token_id=0, eos_token_id=1)
+V3 = dict(COMMON, q_lora_rank=24, topk_method="noaux_tc", scoring_func="sigmoid",
+          norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1,
+          num_nextn_predict_layers=0, aux_loss_alpha=0.001, seq_aux=True)
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+# variant: (fixture folder, version, config, seed, gate weight std x sqrt(hidden))
+VARIANTS = {
+    "deepseek_v3": ("DeepSeek-V3", 3, V3, 62, 1.0),
+    "deepseek_v3_noqlora": ("DeepSeek-V3", 3, dict(V3, q_lora_rank=None, rope_scaling=YARN), 51, 1.0),
+    "deepseek_v2": ("DeepSeek-V2-Lite", 2,
+                    dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy",
+                         scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.5,
+                         n_shared_experts=2, aux_loss_alpha=0.001, seq_aux=True), 47, 2.0),
+}
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def load_published(folder, version):
+    """Imports configuration_deepseek and modeling_deepseek of a fixture folder as a package
+    (modeling_deepseek does `from .configuration_deepseek import ...`), writing no bytecode
+    into the source tree."""
+    package = "published_deepseek_v%d" % version
+    if package + ".modeling_deepseek" in sys.modules:
+        return sys.modules[package + ".configuration_deepseek"], sys.modules[package + ".modeling_deepseek"]
+    sys.dont_write_bytecode = True
+    pkg = types.ModuleType(package)
+    pkg.__path__ = [os.path.abspath(os.path.join(FIXTURES, folder))]
+    sys.modules[package] = pkg
+    configuration = importlib.import_module(package + ".configuration_deepseek")
+    modeling = importlib.import_module(package + ".modeling_deepseek")
+    if version == 3:
+        # The shim described above: the published moe_infer, without @torch.no_grad().
+        moe_infer = modeling.DeepseekV3MoE.moe_infer
+        modeling.DeepseekV3MoE.moe_infer = getattr(moe_infer, "__wrapped__", moe_infer)
+        assert modeling.DeepseekV3MoE.moe_infer is not moe_infer, "moe_infer is not a no_grad wrapper"
+    return configuration, modeling
+
+
+def perturb(model, gate_gain, version):
+    """Weights away from the published init so that every gradient matters: unit-variance
+    projections (attention is far from uniform), norms near 1, routers decisive, and for V3 a
+    small random e_score_correction_bias (the published code leaves it uninitialised)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.uniform_(0.8, 1.2)
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0.0, 0.05)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, gate_gain / math.sqrt(p.shape[1]))
+            elif name.endswith("embed_tokens.weight"):
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+
+
+def build(variant):
+    folder, version, c, seed, gate_gain = VARIANTS[variant]
+    configuration, modeling = load_published(folder, version)
+    config_class = getattr(configuration, "DeepseekV%dConfig" % version)
+    model_class = getattr(modeling, "DeepseekV%dForCausalLM" % version)
+    torch.manual_seed(seed)
+    config = config_class(**c, torch_dtype="float32", attn_implementation="eager")
+    config.auto_map = {"AutoConfig": "configuration_deepseek.DeepseekV%dConfig" % version,
+                       "AutoModel": "modeling_deepseek.DeepseekV%dModel" % version,
+                       "AutoModelForCausalLM": "modeling_deepseek.DeepseekV%dForCausalLM" % version}
+    model = model_class(config).to(torch.float32)
+    perturb(model, gate_gain, version)
+    # V2: train mode (the gate's aux loss and the MoE training branch). V3: eval mode (the
+    # published noaux_tc gate asserts not training). Dropout is 0 either way.
+    model.train(version == 2)
+    return model, config, modeling, version, seed
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing diagnostics: an independent re-implementation of the published gate, checked against
+# what the gate returned, plus margins at every top-k / group boundary.
+
+class RoutingProbe:
+    def __init__(self, model, config, version):
+        self.config, self.version = config, version
+        self.gates = [(i, layer.mlp.gate) for i, layer in enumerate(model.model.layers)
+                      if hasattr(layer.mlp, "gate")]
+        self.records = []
+        for i, gate in self.gates:
+            gate.register_forward_hook(self.hook(i))
+
+    def hook(self, layer):
+        def fn(gate, inputs, output):
+            self.records.append((layer, gate, inputs[0].detach(), [o.detach() if o is not None else None
+                                                                    for o in output]))
+        return fn
+
+    def reset(self):
+        self.records = []
+
+    def aux_losses(self):
+        return [out[2] for _, _, _, out in self.records] if self.version == 2 else []
+
+    def check(self, stats):
+        c = self.config
+        E, K, G, TG = c.n_routed_experts, c.num_experts_per_tok, c.n_group, c.topk_group
+        for layer, gate, x, out in self.records:
+            h = x.reshape(-1, x.shape[-1]).double()
+            logits = h @ gate.weight.detach().double().T
+            if self.version == 3:
+                scores = logits.sigmoid()
+                choice = scores + gate.e_score_correction_bias.detach().double()
+                group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+            else:
+                scores = logits.softmax(-1)
+                choice = scores
+                group_scores = choice.view(-1, G, E // G).max(-1).values
+
+            def select(ch, gs):
+                gsorted = gs.sort(-1, descending=True).values
+                gmargin = (gsorted[:, TG - 1] - gsorted[:, TG]).min().item() if TG < G else math.inf
+                gidx = gs.topk(TG, -1).indices
+                gmask = torch.zeros_like(gs).scatter_(1, gidx, 1.0)
+                smask = gmask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+                tmp = ch.masked_fill(~smask.bool(), 0.0)
+                tsorted = tmp.sort(-1, descending=True).values
+                return tmp.topk(K, -1).indices, (tsorted[:, K - 1] - tsorted[:, K]).min().item(), gmargin
+
+            idx, kmargin, gmargin = select(choice, group_scores)
+            got = out[0]
+            assert torch.equal(idx.sort(-1).values, got.sort(-1).values), "re-implemented routing differs"
+            # weights, as re-implemented
+            if self.version == 3:
+                w = scores.gather(1, got)
+                w = w / (w.sum(-1, keepdim=True) + 1e-20) * c.routed_scaling_factor
+            else:
+                w = scores.gather(1, got)
+                w = (w / (w.sum(-1, keepdim=True) + 1e-20)) if (K > 1 and c.norm_topk_prob) else w * c.routed_scaling_factor
+            assert torch.allclose(w.float(), out[1], rtol=1e-5, atol=1e-6), "re-implemented weights differ"
+            if self.version == 2 and out[2] is not None:
+                bsz, seq = x.shape[0], x.shape[1]
+                ce = torch.zeros(bsz, E, dtype=torch.float64)
+                ce.scatter_add_(1, got.view(bsz, -1), torch.ones(bsz, seq * K, dtype=torch.float64))
+                ce /= seq * K / E
+                aux = (ce * scores.view(bsz, seq, E).mean(1)).sum(1).mean() * c.aux_loss_alpha
+                assert abs(aux.item() - out[2].item()) <= 1e-6 * max(1.0, abs(aux.item())), "aux differs"
+            plain = choice.topk(K, -1).indices.sort(-1).values
+            stats["group_limit_changes"] += int((plain != idx.sort(-1).values).any(-1).sum())
+            if self.version == 3:
+                nob = scores
+                nob_idx, _, _ = select(nob, nob.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1))
+                stats["bias_changes"] += int((nob_idx.sort(-1).values != idx.sort(-1).values).any(-1).sum())
+            stats["min_topk_margin"] = min(stats["min_topk_margin"], kmargin)
+            stats["min_group_margin"] = min(stats["min_group_margin"], gmargin)
+            counts = torch.bincount(got.reshape(-1), minlength=E)
+            stats["min_tokens_per_expert"] = min(stats["min_tokens_per_expert"], int(counts.min()))
+            stats["choices"] += got.shape[0]
+
+
+# ---------------------------------------------------------------------------------------------
+
+def forward_loss(model, probe, inputs, targets):
+    probe.reset()
+    logits = model(input_ids=inputs).logits
+    nll = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1), ignore_index=IGNORE_INDEX)
+    aux_losses = probe.aux_losses()
+    aux = sum(a.item() for a in aux_losses) if aux_losses else 0.0
+    # For V2 the aux gradient is injected by the published AddAuxiliaryLoss during backward of
+    # anything downstream of the MoE output, so backward(nll) yields d(nll + aux).
+    return nll, aux, [a.item() for a in aux_losses]
+
+
+def flat(tensors):
+    return b"".join(t.detach().contiguous().to(torch.float32).numpy().tobytes() for t in tensors)
+
+
+def check_aux_gradient_trick(model, modeling, inputs, targets, probe, grads):
+    """V2 only: the gradients with the published AddAuxiliaryLoss must equal those of
+    nll + sum(aux) computed explicitly with the trick turned off."""
+    assert "apply" not in vars(modeling.AddAuxiliaryLoss)
+    modeling.AddAuxiliaryLoss.apply = staticmethod(lambda y, loss: y)
+    try:
+        model.zero_grad(set_to_none=True)
+        probe.reset()
+        captured = []
+        hooks = [g.register_forward_hook(lambda m, i, o: captured.append(o[2])) for _, g in probe.gates]
+        logits = model(input_ids=inputs).logits
+        for h in hooks:
+            h.remove()
+        nll = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1), ignore_index=IGNORE_INDEX)
+        (nll + sum(captured)).backward()
+        worst = 0.0
+        for (name, p), g in zip(model.named_parameters(), grads):
+            e = p.grad if p.grad is not None else torch.zeros_like(p)
+            worst = max(worst, ((e - g).norm() / max(g.norm(), 1e-30)).item())
+        log("aux gradient trick vs explicit nll + aux: worst relative difference %.2e" % worst)
+        assert worst < 1e-5
+    finally:
+        del modeling.AddAuxiliaryLoss.apply  # back to torch.autograd.Function.apply
+        model.zero_grad(set_to_none=True)
+
+
+def run(outdir, variant):
+    model, config, modeling, version, seed = build(variant)
+    out = os.path.join(outdir, variant)
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    generator = torch.Generator().manual_seed(seed + 100)
+    inputs = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=generator)
+    targets = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=generator)
+    targets[torch.rand((BATCH, SEQ), generator=generator) < 0.2] = IGNORE_INDEX
+
+    probe = RoutingProbe(model, config, version)
+    stats = dict(choices=0, group_limit_changes=0, bias_changes=0, min_topk_margin=math.inf,
+                 min_group_margin=math.inf, min_tokens_per_expert=1 << 30)
+
+    # Gradient of the loss at the initial weights.
+    model.zero_grad(set_to_none=True)
+    nll, aux, aux_layers = forward_loss(model, probe, inputs, targets)
+    probe.check(stats)
+    nll.backward()
+    names, grads, zero_grads, entries, offset = [], [], [], [], 0
+    for name, p in model.named_parameters():
+        if p.grad is None:  # no gradient path (e_score_correction_bias only selects experts)
+            zero_grads.append(name)
+        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        names.append(name)
+        grads.append(g)
+        entries.append(dict(name=name, shape=list(g.shape), offset=offset))
+        offset += g.numel()
+    loss = nll.item() + aux
+    if version == 2:
+        check_aux_gradient_trick(model, modeling, inputs, targets, probe, grads)
+
+    # Three AdamW steps on the same batch, from the same initial weights.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(initial[n])
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() != 2]
+    optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=ADAMW["weight_decay"]),
+                                   dict(params=no_decay, weight_decay=0.0)],
+                                  lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"])
+    losses, nlls, auxes = [], [], []
+    for step in range(ADAMW["steps"]):
+        model.zero_grad(set_to_none=True)
+        step_nll, step_aux, _ = forward_loss(model, probe, inputs, targets)
+        probe.check(stats)
+        losses.append(step_nll.item() + step_aux)
+        nlls.append(step_nll.item())
+        auxes.append(step_aux)
+        step_nll.backward()
+        if step == 0:
+            for (n, p), g in zip(model.named_parameters(), grads):
+                assert torch.equal(p.grad if p.grad is not None else torch.zeros_like(p), g), n
+        unexpected = [n for n, p in model.named_parameters()
+                      if p.grad is None and not n.endswith("e_score_correction_bias")]
+        assert not unexpected, "no gradient (an expert got no tokens?): %s" % unexpected
+        optimizer.step()
+    assert losses[0] == loss
+
+    with open(os.path.join(out, "grads.bin"), "wb") as f:
+        f.write(flat(grads))
+    with open(os.path.join(out, "params_after.bin"), "wb") as f:
+        f.write(flat(p for _, p in model.named_parameters()))
+
+    strata_targets = targets.clone()
+    strata_targets[strata_targets == IGNORE_INDEX] = -1
+    alpha = config.aux_loss_alpha if version == 2 else 0.0
+    reference = dict(
+        variant=variant, architecture=model.__class__.__name__, batch=BATCH, seq=SEQ,
+        inputs=inputs.tolist(), targets=strata_targets.tolist(),
+        loss=loss, nll=nll.item(), aux_loss=aux, aux_losses=aux_layers,
+        aux_loss_alpha=alpha, aux_loss_unscaled=(aux / alpha if alpha else 0.0),
+        grads=entries, zero_grads=zero_grads,
+        adamw=dict(lr=ADAMW["lr"], betas=list(ADAMW["betas"]), eps=ADAMW["eps"],
+                   weight_decay=ADAMW["weight_decay"], weight_decay_on="2-D tensors (1-D: 0)",
+                   steps=ADAMW["steps"], losses=losses, nlls=nlls, aux_losses=auxes,
+                   params_after="params_after.bin"),
+        routing=stats)
+    with open(os.path.join(out, "reference.json"), "w") as f:
+        json.dump(reference, f)
+
+    log("%s: loss %.6f (nll %.6f, aux %.3e), AdamW losses %s" % (variant, loss, nll.item(), aux,
+                                                                 " ".join("%.6f" % l for l in losses)))
+    log("%s: %d token choices over 4 forwards x %d MoE layers: group limiting changed %d, "
+        "correction bias changed %d; min top-k margin %.2e, min group margin %.2e, min tokens/expert %d"
+        % (variant, stats["choices"], len(probe.gates), stats["group_limit_changes"], stats["bias_changes"],
+           stats["min_topk_margin"], stats["min_group_margin"], stats["min_tokens_per_expert"]))
+    log("%s: tensors without a gradient path: %s" % (variant, zero_grads or "none"))
+    ok = stats["min_topk_margin"] >= MARGIN and stats["min_group_margin"] >= MARGIN
+    if not ok:
+        log("%s: a routing margin is below %.0e; pick another seed" % (variant, MARGIN))
+    if stats["min_tokens_per_expert"] < 1:
+        log("%s: an expert got no tokens in some forward; pick another seed" % variant)
+        ok = False
+    all_zero = [n for n, g in zip(names, grads) if not g.any() and n not in zero_grads]
+    if all_zero:
+        log("%s: all-zero gradients (routed only to ignored targets?): %s; pick another seed" % (variant, all_zero))
+        ok = False
+    if stats["group_limit_changes"] == 0 or (version == 3 and stats["bias_changes"] == 0):
+        log("%s: group limiting or the correction bias never changed a choice; pick another seed" % variant)
+        ok = False
+    return ok
+
+
+def main():
+    if len(sys.argv) != 3 or sys.argv[2] not in VARIANTS:
+        print(__doc__, file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    return 0 if run(sys.argv[1], sys.argv[2]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
