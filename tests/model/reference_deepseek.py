@@ -85,6 +85,11 @@ VARIANTS = {
                     dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy",
                          scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.5,
                          n_shared_experts=2, aux_loss_alpha=0.001, seq_aux=True), 47, 2.0),
+    # The same without the auxiliary loss (strata refuses aux_loss_alpha > 0 for V2).
+    "deepseek_v2_noaux": ("DeepSeek-V2-Lite", 2,
+                          dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy",
+                               scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.5,
+                               n_shared_experts=2, aux_loss_alpha=0.0, seq_aux=True), 47, 2.0),
 }
 
 
@@ -105,11 +110,12 @@ def load_published(folder, version):
     sys.modules[package] = pkg
     configuration = importlib.import_module(package + ".configuration_deepseek")
     modeling = importlib.import_module(package + ".modeling_deepseek")
-    if version == 3:
-        # The shim described above: the published moe_infer, without @torch.no_grad().
-        moe_infer = modeling.DeepseekV3MoE.moe_infer
-        modeling.DeepseekV3MoE.moe_infer = getattr(moe_infer, "__wrapped__", moe_infer)
-        assert modeling.DeepseekV3MoE.moe_infer is not moe_infer, "moe_infer is not a no_grad wrapper"
+    # The shim described above: the published moe_infer, without @torch.no_grad() (V3, and V2
+    # run in eval mode when it has no auxiliary loss).
+    moe = getattr(modeling, "DeepseekV%dMoE" % version)
+    moe_infer = moe.moe_infer
+    moe.moe_infer = getattr(moe_infer, "__wrapped__", moe_infer)
+    assert moe.moe_infer is not moe_infer, "moe_infer is not a no_grad wrapper"
     return configuration, modeling
 
 
@@ -143,9 +149,10 @@ def build(variant):
                        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV%dForCausalLM" % version}
     model = model_class(config).to(torch.float32)
     perturb(model, gate_gain, version)
-    # V2: train mode (the gate's aux loss and the MoE training branch). V3: eval mode (the
-    # published noaux_tc gate asserts not training). Dropout is 0 either way.
-    model.train(version == 2)
+    # V2 with an auxiliary loss: train mode (the gate's aux loss and the MoE training branch;
+    # the published training branch needs aux_loss_alpha > 0). V3, and V2 without it: eval mode
+    # (the published noaux_tc gate asserts not training). Dropout is 0 either way.
+    model.train(version == 2 and config.aux_loss_alpha > 0)
     return model, config, modeling, version, seed
 
 
@@ -172,7 +179,7 @@ class RoutingProbe:
         self.records = []
 
     def aux_losses(self):
-        return [out[2] for _, _, _, out in self.records] if self.version == 2 else []
+        return [out[2] for _, _, _, out in self.records if out[2] is not None] if self.version == 2 else []
 
     def check(self, stats):
         c = self.config
@@ -304,7 +311,7 @@ def run(outdir, variant):
         entries.append(dict(name=name, shape=list(g.shape), offset=offset))
         offset += g.numel()
     loss = nll.item() + aux
-    if version == 2:
+    if version == 2 and config.aux_loss_alpha > 0:
         check_aux_gradient_trick(model, modeling, inputs, targets, probe, grads)
 
     # Three AdamW steps on the same batch, from the same initial weights.
