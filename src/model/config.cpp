@@ -860,6 +860,14 @@ Status ModelConfig::validate_shape(const std::string& source) const {
   return Status::OK();
 }
 
+Status ModelConfig::check_generation() const {
+  if (!is_mla()) return Status::OK();
+  return Status::Unimplemented(fmt::format(
+      "generating from a {} model: its latent attention has no KV cache in strata yet (training and export "
+      "work; sample with the model's own code)",
+      architecture));
+}
+
 Status ModelConfig::check_sequence_length(int64_t seq_len, const std::string& source) const {
   if (sliding_window == 0 || seq_len <= sliding_window) return Status::OK();
   return Status::Unimplemented(fmt::format(

@@ -145,12 +145,18 @@ struct ModelConfig {
   // Hugging Face-compatible config.json content; from_json(to_json()) gives back this config.
   nlohmann::json to_json() const;
 
+  // Unimplemented, naming the architecture, for models strata cannot yet generate from (latent
+  // attention has no KV cache yet).
+  Status check_generation() const;
   // Fails with Unimplemented naming `sliding_window` when a window shorter than seq_len would
   // change attention (strata's attention is full causal).
   Status check_sequence_length(int64_t seq_len, const std::string& source) const;
 
   bool is_moe() const { return num_experts > 0; }
   bool is_mla() const { return kv_lora_rank > 0; }
+  // Whether the routers hold a selection bias (loss-free balancing, or DeepSeek-V3's
+  // e_score_correction_bias): training state saved beside the parameters.
+  bool has_selection_bias() const { return is_moe() && (router_bias_update_rate > 0 || router_selection_bias); }
   bool is_deepseek() const {
     return architecture == "DeepseekV2ForCausalLM" || architecture == "DeepseekV3ForCausalLM";
   }

@@ -653,6 +653,7 @@ Status Decoder<Ops>::begin_sequence(int64_t capacity, int64_t max_chunk) {
   CHECK_MSG(expert_comm_ == nullptr, "generation with expert parallelism (set_expert_comm(nullptr) first)");
   CHECK_MSG(context_comm_ == nullptr, "generation with context parallelism (set_context_comm(nullptr) first)");
   kv_capacity_ = kv_chunk_ = kv_length_ = 0;
+  RETURN_IF_ERROR(config_.check_generation());
   if (capacity < 1 || max_chunk < 1 || max_chunk > capacity) {
     return Status::InvalidArgument(fmt::format("a sequence of {} tokens decoded {} at a time: both must be positive, "
                                                "the second at most the first",

@@ -37,6 +37,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   RETURN_IF_ERROR(check_expert_parallel(mc, t.parallel_expert, std::max(1, t.dp_world), e->budgets_.plan_zero));
   RETURN_IF_ERROR(check_experts_reached(mc, t.experts_reached));
   RETURN_IF_ERROR(check_context_parallel(t, std::max(1, t.dp_world), backend));
+  RETURN_IF_ERROR(check_latent_attention(mc, t, backend));
   RETURN_IF_ERROR(e->open_backend(t));
   RETURN_IF_ERROR(e->resolve_budgets());
   // Before anything sizes the activation table: the MLP's tile (the planner's choice under auto,
@@ -415,17 +416,28 @@ HostRamPlan PagedEngine::host_ram(const HostRamData& data) const {
 }
 
 // The MoE routers' loss-free balancing bias, one tensor per MoE layer, when that balancing is on.
+std::string selection_bias_state_name(int64_t layer) {
+  return fmt::format("model.layers.{}.mlp.gate.selection_bias", layer);
+}
+
 std::vector<ExtraState> PagedEngine::extra_state() const {
   std::vector<ExtraState> out;
-  if (!mc_.is_moe() || !(mc_.router_bias_update_rate > 0)) return out;
+  if (!mc_.has_selection_bias()) return out;
   const std::vector<float>& bias = net_->expert_selection_bias();
   const int64_t E = mc_.num_experts;
   for (int64_t l = 0; l < mc_.num_hidden_layers; ++l) {
     if (!mc_.is_moe_layer(l)) continue;
-    out.push_back({fmt::format("model.layers.{}.mlp.gate.selection_bias", l),
+    out.push_back({selection_bias_state_name(l),
                    std::vector<float>(bias.begin() + l * E, bias.begin() + (l + 1) * E)});
   }
   return out;
+}
+
+const std::vector<float>& PagedEngine::selection_bias() const { return net_->expert_selection_bias(); }
+
+void PagedEngine::set_selection_bias(const std::vector<float>& bias) {
+  CHECK(bias.size() == net_->expert_selection_bias().size());
+  net_->mutable_expert_selection_bias() = bias;
 }
 
 void PagedEngine::set_extra_state(const std::vector<ExtraState>& extra) {

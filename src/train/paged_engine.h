@@ -37,6 +37,9 @@ struct EngineStats {
   uint64_t state_bytes = 0;
 };
 
+// The name a checkpoint gives layer `layer`'s router selection bias (a kState tensor).
+std::string selection_bias_state_name(int64_t layer);
+
 class PagedEngine {
  public:
   // Plans the placement for the budgets of `t` (memory.*, train.*), then reserves the tiers.
@@ -110,6 +113,10 @@ class PagedEngine {
 
   // Training state besides the tensors that a resume needs (MoE routers' balancing bias).
   std::vector<ExtraState> extra_state() const;
+  // The MoE routers' selection biases (L x E; ModelConfig::has_selection_bias), as exports and
+  // loads of Hugging Face weights hold them (model/hf_io.h).
+  const std::vector<float>& selection_bias() const;
+  void set_selection_bias(const std::vector<float>& bias);
   void set_extra_state(const std::vector<ExtraState>& extra);
   // A second log line for a step, empty when there is nothing to add (MoE load balance).
   std::string step_note() const;

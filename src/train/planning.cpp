@@ -508,6 +508,21 @@ Status check_context_parallel(const TrainConfig& t, int64_t world, DeviceKind ba
   return Status::OK();
 }
 
+Status check_latent_attention(const model::ModelConfig& m, const TrainConfig& t, DeviceKind backend) {
+  if (!m.is_mla()) return Status::OK();
+  if (backend != DeviceKind::kCpu)
+    return Status::InvalidArgument(fmt::format(
+        "{}'s latent attention (value heads of {} beside {}-wide query and key heads) trains on the CPU backend "
+        "only: its cuDNN graph is not built yet; run it with run.device=cpu",
+        m.architecture, m.v_head_dim, m.head_dim));
+  if (t.parallel_context > 1)
+    return Status::InvalidArgument(fmt::format(
+        "parallel.context_parallel={} with {}'s latent attention: ring attention does not run it yet; set "
+        "parallel.context_parallel=1",
+        t.parallel_context, m.architecture));
+  return Status::OK();
+}
+
 Status check_expert_parallel(const model::ModelConfig& m, int64_t P, int64_t world, int zero) {
   if (P <= 1) return Status::OK();
   if (!m.is_moe())

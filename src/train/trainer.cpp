@@ -178,6 +178,8 @@ struct Run {
   // The precision of the weights the run started from: run.export_dtype=auto exports in it, and
   // checkpoints record it as their model_config's torch_dtype so a resumed run still knows it.
   model::SafetensorsWriteDtype source_dtype = model::SafetensorsWriteDtype::kF32;
+  // DeepSeek-V3's routers' selection biases read with the starting weights (empty otherwise).
+  std::vector<float> start_selection_bias;
   std::unique_ptr<TokenDataset> dataset;
   std::optional<DataLoader> loader;
   // data.eval_paths, when set: the held-out data, its loader (restarted for each evaluation) and
@@ -426,6 +428,7 @@ Result<std::optional<model::SafetensorsReader>> open_starting_weights(const Trai
     ASSIGN_OR_RETURN(source_json, model::read_hf_config_json(weights_from));
   }
   run.source_dtype = model::hf_source_dtype(reader, run.layout, source_json);
+  RETURN_IF_ERROR(model::read_hf_selection_bias(reader, run.mc, &run.start_selection_bias));
   weights.emplace(std::move(reader));
   return weights;
 }
@@ -468,6 +471,7 @@ Result<HostRamPlan> open_engine(const TrainConfig& t, Run& run, Ranks& ranks) {
 // The starting weights from model.from / model.init (`weights`), or initialised from train.seed.
 Status fill_starting_weights(const TrainConfig& t, Run& run, std::optional<model::SafetensorsReader>& weights) {
   const std::string weights_from = !t.model_from.empty() ? t.model_from : t.model_init;
+  if (!run.start_selection_bias.empty()) run.engine->set_selection_bias(run.start_selection_bias);
   Progress progress(weights ? "loading weights from " + weights_from : "initialising weights",
                     static_cast<uint64_t>(run.layout.total_size()) * sizeof(float));
   return run.engine->state().fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
@@ -1052,6 +1056,7 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
     model::ExportOptions eo;
     eo.copy_tokenizer_from = t.model_from;
     eo.dtype = t.run_export_dtype == "auto" ? run.source_dtype : *model::parse_export_dtype(t.run_export_dtype);
+    eo.selection_bias = &run.engine->selection_bias();
     SavableState& state = run.engine->state();
     std::unique_ptr<ckpt::CheckpointReader> saved;
     if (export_from_checkpoint) {

@@ -42,6 +42,12 @@ Writes OUTDIR/VARIANT/:
   grads.bin                        float32 gradients of "loss", concatenated in that order
   params_after.bin                 float32 parameters after the 3 AdamW steps, same layout
 
+Usage: reference_deepseek.py check REF_DIR EXPORT_DIR
+  Loads both directories with the published code's from_pretrained (the class and version named
+  by each config.json) and compares the export with the reference: the loading info (missing,
+  unexpected and mismatched keys), every tensor exactly, and the logits on a fixed batch.
+  Writes the findings to EXPORT_DIR.check.json and exits 0 when they agree.
+
 Prints routing diagnostics to stderr (how many token choices group limiting and the
 correction bias change, the smallest top-k and group margins over the 3 AdamW steps).
 """
@@ -85,6 +91,8 @@ VARIANTS = {
                     dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy",
                          scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.5,
                          n_shared_experts=2, aux_loss_alpha=0.001, seq_aux=True), 47, 2.0),
+    # deepseek_v3 with a 256-token vocabulary, for training on bytes through the CLI.
+    "deepseek_v3_bytes": ("DeepSeek-V3", 3, dict(V3, vocab_size=256), 64, 1.0),
     # The same without the auxiliary loss (strata refuses aux_loss_alpha > 0 for V2).
     "deepseek_v2_noaux": ("DeepSeek-V2-Lite", 2,
                           dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy",
@@ -386,7 +394,47 @@ def run(outdir, variant):
     return ok
 
 
+def load_dir(path):
+    """The published model class of a directory's config.json, loaded by from_pretrained."""
+    with open(os.path.join(path, "config.json")) as f:
+        arch = json.load(f)["architectures"][0]
+    version = 3 if "V3" in arch else 2
+    configuration, modeling = load_published("DeepSeek-V3" if version == 3 else "DeepSeek-V2-Lite", version)
+    config = getattr(configuration, "DeepseekV%dConfig" % version).from_pretrained(path)
+    model, info = getattr(modeling, "DeepseekV%dForCausalLM" % version).from_pretrained(
+        path, config=config, torch_dtype=torch.float32, output_loading_info=True)
+    model.eval()
+    return model, info, arch
+
+
+def check(ref_dir, export_dir):
+    ref, _, ref_arch = load_dir(ref_dir)
+    out, info, arch = load_dir(export_dir)
+    findings = dict(architecture=arch, reference_architecture=ref_arch,
+                    missing_keys=sorted(info["missing_keys"]), unexpected_keys=sorted(info["unexpected_keys"]),
+                    mismatched_keys=[str(k) for k in info["mismatched_keys"]])
+    ref_state, out_state = ref.state_dict(), out.state_dict()
+    differing = [n for n, t in ref_state.items() if n not in out_state or not torch.equal(t, out_state[n])]
+    findings["differing_tensors"] = differing
+    generator = torch.Generator().manual_seed(5)
+    inputs = torch.randint(0, ref.config.vocab_size, (BATCH, SEQ), generator=generator)
+    with torch.no_grad():
+        a = ref(input_ids=inputs).logits
+        b = out(input_ids=inputs).logits
+    findings["max_logit_difference"] = (a - b).abs().max().item()
+    ok = (arch == ref_arch and not findings["missing_keys"] and not findings["unexpected_keys"] and
+          not findings["mismatched_keys"] and not differing and findings["max_logit_difference"] == 0.0)
+    findings["ok"] = ok
+    with open(export_dir.rstrip("/") + ".check.json", "w") as f:
+        json.dump(findings, f, indent=1)
+    log(json.dumps(findings))
+    return ok
+
+
 def main():
+    if len(sys.argv) == 4 and sys.argv[1] == "check":
+        torch.set_num_threads(1)
+        return 0 if check(sys.argv[2], sys.argv[3]) else 1
     if len(sys.argv) != 3 or sys.argv[2] not in VARIANTS:
         print(__doc__, file=sys.stderr)
         return 2

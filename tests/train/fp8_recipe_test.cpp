@@ -159,6 +159,23 @@ TEST_P(Fp8RecipeTest, MixtureOfExpertsPagesBitwiseToo) {
   EXPECT_GT(tight.stats.host_to_device_bytes, 0u) << "nothing streamed to the device";
 }
 
+// DeepSeek's latent attention and routing (model/mla_layer.h) under the same tight budgets.
+TEST_P(Fp8RecipeTest, LatentAttentionPagesBitwiseToo) {
+  const model::ModelConfig mc = deepseek_config();
+  ASSERT_TRUE(mc.is_mla());
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 14);
+  const TrainResult roomy = train(mc, batches, 0, 0, 0);
+  for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
+  model::ParamLayout layout(mc);
+  const uint64_t c = PagedState::auto_chunk_bytes(layout, StateLayout::of(GetParam().precision));
+  const TrainResult tight = train(mc, batches, 24 * c, 48 * c, 1024 * c, c);
+  EXPECT_EQ(roomy.losses, tight.losses);
+  EXPECT_TRUE(bitwise_equal(roomy.params, tight.params)) << "paging changed the parameters";
+  EXPECT_TRUE(bitwise_equal(roomy.m, tight.m) && bitwise_equal(roomy.v, tight.v)) << "paging changed the moments";
+  EXPECT_GT(tight.stats.host_to_device_bytes, 0u) << "nothing streamed to the device";
+  EXPECT_GT(tight.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
+}
+
 // The compute copy the model reads: E4M3 blocks of the master for linear weights (bytes equal
 // to the reference quantiser's), bf16 of the master for everything else.
 TEST_P(Fp8RecipeTest, ComputeCopiesAreTheMasterQuantised) {

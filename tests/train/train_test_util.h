@@ -50,6 +50,23 @@ inline model::ModelConfig fp8_config() {
   return mc;
 }
 
+// A small DeepSeek-V3 (latent attention with a low-rank q, 8 sigmoid-scored experts in 2
+// groups with the selection bias, an ungated shared expert, layer 0 dense) whose projections
+// span more than one 128-block.
+inline model::ModelConfig deepseek_config() {
+  nlohmann::json j = {
+      {"architectures", {"DeepseekV3ForCausalLM"}}, {"vocab_size", 256}, {"hidden_size", 160},
+      {"intermediate_size", 288}, {"num_hidden_layers", 3}, {"num_attention_heads", 4},
+      {"q_lora_rank", 136}, {"kv_lora_rank", 144}, {"qk_nope_head_dim", 32}, {"qk_rope_head_dim", 16},
+      {"v_head_dim", 24}, {"max_position_embeddings", 64}, {"n_routed_experts", 8}, {"num_experts_per_tok", 2},
+      {"n_group", 2}, {"topk_group", 1}, {"moe_intermediate_size", 136}, {"n_shared_experts", 1},
+      {"first_k_dense_replace", 1}, {"routed_scaling_factor", 2.5}, {"num_nextn_predict_layers", 0},
+      {"router_bias_update_rate", 0.001}, {"tie_word_embeddings", false}};
+  Result<model::ModelConfig> c = model::ModelConfig::from_json(j, "train_test_util");
+  CHECK_MSG(c.ok(), c.status().to_string());
+  return *c;
+}
+
 // A small Qwen2-MoE (8 experts, top-2, a shared expert; layer 1 dense) whose projections span
 // more than one 128-block: the experts' ops quantise too.
 inline model::ModelConfig fp8_moe_config() {

@@ -103,11 +103,13 @@ int convert_command(const std::vector<std::string>& args) {
 
   model::ModelConfig config;
   std::vector<float> params;
+  std::vector<float> selection_bias;  // DeepSeek-V3's routers' (model/hf_io.h)
   if (from_checkpoint) {
     Result<LoadedModel> loaded = load_checkpoint(from);
     if (!loaded.ok()) return fail(loaded.status());
     config = std::move(loaded->config);
     params = std::move(loaded->params);
+    selection_bias = std::move(loaded->selection_bias);
     if (dtype == "auto") dtype = model::export_dtype_name(loaded->source_dtype);
   } else {
     Result<nlohmann::json> source_json = model::read_hf_config_json(from);
@@ -127,10 +129,13 @@ int convert_command(const std::vector<std::string>& args) {
              format_bytes(static_cast<uint64_t>(layout.total_size()) * sizeof(float)));
     Status st = model::read_hf_weights(*reader, layout, params.data());
     if (!st.ok()) return fail(st);
+    st = model::read_hf_selection_bias(*reader, config, &selection_bias);
+    if (!st.ok()) return fail(st);
   }
   eo.dtype = *model::parse_export_dtype(dtype);
 
   eo.allow_nonfinite = allow_nonfinite;
+  eo.selection_bias = &selection_bias;
   const model::ParamLayout layout(config);
   Status st = model::export_hf(to, config, layout, params.data(), eo);
   if (!st.ok()) return fail(st);

@@ -360,6 +360,12 @@ Result<std::vector<int32_t>> encode_prompt(const Options& o, const model::Tokeni
 int run(const Options& o) {
   Result<ModelSource> source = resolve_model_source(o.from);
   if (!source.ok()) return fail(source.status());
+  // A model it cannot generate from is said before anything else is asked for.
+  if (source->kind == ModelSource::Kind::kHuggingFace) {
+    if (Result<model::ModelConfig> mc = model::load_hf_config(source->model_path); mc.ok()) {
+      if (Status st = mc->check_generation(); !st.ok()) return fail(st);
+    }
+  }
   std::string tokenizer_dir = o.tokenizer.empty() ? source->tokenizer_dir : o.tokenizer;
   if (tokenizer_dir.empty()) {
     return fail(Status::InvalidArgument("no tokenizer for " + o.from + ": " + source->tokenizer_note +

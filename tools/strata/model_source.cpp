@@ -14,6 +14,7 @@
 #include "model/params.h"
 #include "train/checkpointing.h"
 #include "train/manifest_fields.h"
+#include "train/paged_engine.h"
 #include "train/train_config.h"
 
 namespace strata::tools {
@@ -65,6 +66,17 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
     if (!st.ok()) return st.with_context("reading checkpoint " + reader->step_dir());
     progress.add(static_cast<uint64_t>(t.numel) * sizeof(float));
   }
+  if (out.config.has_selection_bias()) {
+    const int64_t E = out.config.num_experts;
+    out.selection_bias.assign(static_cast<size_t>(out.config.num_hidden_layers * E), 0.0f);
+    for (int64_t l = 0; l < out.config.num_hidden_layers; ++l) {
+      if (!out.config.is_moe_layer(l)) continue;
+      const std::string name = ckpt::qualified_name(ckpt::TensorKind::kState, selection_bias_state_name(l));
+      if (reader->find(name) == nullptr) continue;  // saved before it was trained: zeros, as resume starts
+      Status st = reader->read_f32(name, out.selection_bias.data() + l * E, static_cast<uint64_t>(E));
+      if (!st.ok()) return st.with_context("reading checkpoint " + reader->step_dir());
+    }
+  }
   return out;
 }
 
@@ -77,6 +89,7 @@ Result<LoadedModel> load_hf_model(const std::string& dir) {
   LOG_INFO("reading {} ({} parameters, {} in fp32)", dir, layout.num_parameters(),
            format_bytes(static_cast<uint64_t>(layout.total_size()) * sizeof(float)));
   RETURN_IF_ERROR(model::read_hf_weights(reader, layout, out.params.data()));
+  RETURN_IF_ERROR(model::read_hf_selection_bias(reader, out.config, &out.selection_bias));
   return out;
 }
 

@@ -23,6 +23,8 @@ struct LoadedModel {
   model::ModelConfig config;
   std::vector<float> params;  // (ParamLayout(config).total_size()) fp32
   model::SafetensorsWriteDtype source_dtype = model::SafetensorsWriteDtype::kF32;  // what --dtype auto writes
+  // The routers' selection biases (L x E) when the config has them (model/hf_io.h), else empty.
+  std::vector<float> selection_bias;
 };
 
 // Reads the parameters of a checkpoint (checksums verified first) and the config the trainer

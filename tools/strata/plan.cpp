@@ -216,6 +216,14 @@ int plan_command(const std::vector<std::string>& args) {
     std::fprintf(stderr, "strata plan: error: %s\n", cp.message().c_str());
     return 1;
   }
+  // Latent attention: what cannot combine is an error; that the GPU does not run it yet is said,
+  // and the GPU's plan made all the same (what it would take is what people plan for).
+  if (Status ml = check_latent_attention(*mc, *tc, DeviceKind::kCpu); !ml.ok()) {
+    std::fprintf(stderr, "strata plan: error: %s\n", ml.message().c_str());
+    return 1;
+  }
+  if (Status ml = check_latent_attention(*mc, *tc, device); !ml.ok())
+    std::fprintf(stderr, "strata plan: note: %s (the plan below is the GPU's all the same)\n", ml.message().c_str());
   if (tc->memory_device == 0) {
     if (cuda && !cuda_device_visible()) {
       std::fprintf(stderr, "strata plan: error: memory.device is 0; set it to the GPU memory to plan for (e.g. memory.device=24GiB)\n");
