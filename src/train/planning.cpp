@@ -305,7 +305,10 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
     active_layer -= (1.0 - routed) * static_cast<double>(in.expert_elements);
   }
   const double tokens_mb = static_cast<double>(N);
-  in.layer_forward_flops = tokens_mb * (2.0 * active_layer + 4.0 * static_cast<double>(C * t.seq_len));
+  // Attention per token: 2 * T * (Hq * D) for the scores, 2 * T * (Hq * Dv) for the weighted
+  // values (4 * C * T when Hq * D = C; latent attention's heads are D = 192 and Dv = 128 wide).
+  in.layer_forward_flops =
+      tokens_mb * (2.0 * active_layer + 2.0 * static_cast<double>((m.q_dim() + m.att_dim()) * t.seq_len));
   in.head_forward_flops = tokens_mb * 2.0 * static_cast<double>(V * C);
   // Kept activations skip the recompute; auto keeps them only on cuda when they fit, which the
   // engine decides after planning, so auto is planned as recompute (the slower case).
