@@ -11,6 +11,7 @@
 #include <fmt/ranges.h>
 
 #include "ckpt/finite.h"
+#include "kernels/fp8.h"
 #include "core/atomic_file.h"
 #include "core/check.h"
 #include "core/log.h"
@@ -156,12 +157,59 @@ Status load_hf_weights(const std::string& dir_or_file, const ParamLayout& layout
   return read_hf_weights(reader, layout, params);
 }
 
+std::string block_scale_name(std::string_view weight_name) { return std::string(weight_name) + "_scale_inv"; }
+
+namespace {
+
+constexpr int64_t kScaleBlock = 128;  // DeepSeek-V3's weight_block_size
+
+// Whether `info`, a layout tensor's entry, is an FP8 weight with block scales beside it, checked:
+// InvalidArgument naming the scales when their shape or dtype is not what the weight needs.
+Result<bool> has_block_scales(const SafetensorsReader& reader, const TensorSpec& t,
+                              const SafetensorsTensorInfo& info) {
+  const SafetensorsTensorInfo* scales = reader.find(block_scale_name(t.name));
+  if (scales == nullptr) return false;
+  if (info.dtype != "F8_E4M3" || t.shape.size() != 2)
+    return Status::InvalidArgument(fmt::format("{}: tensor '{}' has block scales '{}' but is {} of {} dims; strata "
+                                               "dequantises F8_E4M3 matrices only",
+                                               info.file, t.name, scales->name, info.dtype, t.shape.size()));
+  const std::vector<int64_t> expected = {(t.shape[0] + kScaleBlock - 1) / kScaleBlock,
+                                         (t.shape[1] + kScaleBlock - 1) / kScaleBlock};
+  if (scales->shape != expected || !(scales->dtype == "F32" || scales->dtype == "BF16"))
+    return Status::InvalidArgument(fmt::format(
+        "{}: block scales '{}' are {} {}; weight '{}' of shape {} needs {} F32 scales, one per 128 x 128 block "
+        "(quantization_config.weight_block_size [128, 128])",
+        scales->file, scales->name, scales->dtype, shape_text(scales->shape), t.name, shape_text(t.shape),
+        shape_text(expected)));
+  return true;
+}
+
+}  // namespace
+
+Status read_hf_tensor(const SafetensorsReader& reader, const TensorSpec& t, float* out) {
+  const SafetensorsTensorInfo* info = reader.find(t.name);
+  if (info == nullptr) return reader.read_f32(t.name, out);  // its NotFound
+  ASSIGN_OR_RETURN(bool scaled, has_block_scales(reader, t, *info));
+  if (!scaled) return reader.read_f32(t.name, out);
+  const int64_t rows = t.shape[0], cols = t.shape[1];
+  const int64_t block_cols = (cols + kScaleBlock - 1) / kScaleBlock;
+  std::vector<uint8_t> bytes(static_cast<size_t>(rows * cols));
+  std::vector<float> scales(static_cast<size_t>(((rows + kScaleBlock - 1) / kScaleBlock) * block_cols));
+  RETURN_IF_ERROR(reader.read_raw(t.name, bytes.data()));
+  RETURN_IF_ERROR(reader.read_f32(block_scale_name(t.name), scales.data()));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = scales.data() + (r / kScaleBlock) * block_cols;
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = kernels::e4m3_to_f32(bytes[static_cast<size_t>(r * cols + c)]) * s[c / kScaleBlock];
+  }
+  return Status::OK();
+}
+
 Status read_hf_weights(const SafetensorsReader& reader, const ParamLayout& layout, float* params) {
   uint64_t total = 0;
   for (const TensorSpec& t : layout.tensors()) total += static_cast<uint64_t>(reader.find(t.name)->nbytes);
   Progress progress("loading weights from " + reader.path(), total);
   for (const TensorSpec& t : layout.tensors()) {
-    RETURN_IF_ERROR(reader.read_f32(t.name, params + t.offset));
+    RETURN_IF_ERROR(read_hf_tensor(reader, t, params + t.offset));
     progress.add(static_cast<uint64_t>(reader.find(t.name)->nbytes));
   }
   return Status::OK();
@@ -185,6 +233,7 @@ Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const 
       return Status::InvalidArgument(fmt::format("{}: tensor '{}' has shape {}, the model config expects {}",
                                                  info->file, t.name, shape_text(info->shape), shape_text(t.shape)));
     }
+    if (Result<bool> scaled = has_block_scales(reader, t, *info); !scaled.ok()) return scaled.status();
     if (!safetensors_dtype_readable(info->dtype)) {
       return Status::Unimplemented(fmt::format("{}: tensor '{}' has dtype {}; strata reads F32, BF16, F16, "
                                                "F8_E4M3 and F8_E5M2",
@@ -198,6 +247,8 @@ Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const 
     if (tied && info.name == "lm_head.weight") continue;       // a copy of the tied embeddings
     if (layout.config().router_selection_bias && info.name.ends_with("mlp.gate.e_score_correction_bias"))
       continue;  // read_hf_selection_bias's
+    if (info.name.ends_with("_scale_inv") && layout.find(info.name.substr(0, info.name.size() - 10)) != nullptr)
+      continue;  // a weight's block scales (read_hf_tensor)
     extra.push_back(info.name);
   }
   if (!extra.empty()) {

@@ -46,6 +46,14 @@ Status load_hf_weights(const std::string& dir_or_file, const ParamLayout& layout
 // The reads of load_hf_weights from a reader open_hf_weights returned, with a progress line on
 // stderr when they take long.
 Status read_hf_weights(const SafetensorsReader& reader, const ParamLayout& layout, float* params);
+// Reads one layout tensor from a reader open_hf_weights returned, converted to fp32. An FP8
+// weight with block scales beside it (DeepSeek-V3's checkpoints: NAME_scale_inv, one fp32 per
+// 128 x 128 block, ceil(rows/128) x ceil(cols/128) of them) is dequantised as DeepSeek's own
+// weight_dequant does: each element's E4M3 value times its block's scale, in fp32.
+Status read_hf_tensor(const SafetensorsReader& reader, const TensorSpec& t, float* out);
+// The name of a weight's block scales in such a checkpoint ("....weight" -> "....weight_scale_inv").
+std::string block_scale_name(std::string_view weight_name);
+
 // The checks of load_hf_weights alone, returning the open reader: the caller then reads each
 // layout tensor with read_f32(name, ...) wherever it wants it (e.g. straight into its chunks,
 // so that the model is never held twice in memory).

@@ -476,7 +476,7 @@ Status fill_starting_weights(const TrainConfig& t, Run& run, std::optional<model
                     static_cast<uint64_t>(run.layout.total_size()) * sizeof(float));
   return run.engine->state().fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
     if (weights) {
-      RETURN_IF_ERROR(weights->read_f32(spec.name, dst));
+      RETURN_IF_ERROR(model::read_hf_tensor(*weights, spec, dst));
     } else {
       model::init_tensor(spec, dst, t.seed);
     }
