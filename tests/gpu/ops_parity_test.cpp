@@ -23,7 +23,10 @@
 #include "gpu_test_util.h"
 #include "kernels/adamw.h"
 #include "kernels/attention.h"
+#include "kernels/bf16.h"
+#include "kernels/columns.h"
 #include "kernels/cross_entropy.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/embedding.h"
 #include "kernels/grad_norm.h"
@@ -215,6 +218,35 @@ TEST(OpsParity, SwiGlu) {
     expect_close(download_bf16(d_dgate), dgate, kBf16Tol, what + " dgate");
     expect_close(download_bf16(d_dup), dup, kBf16Tol, what + " dup");
   }
+}
+
+// Latent attention's column ops (kernels/columns.h): the CUDA kernels give the CPU bf16 ops' bits.
+TEST(OpsParity, ColumnCopiesAndHeadSums) {
+  StreamGuard stream;
+  const int64_t rows = 37, heads = 5, nope = 16, r = 8, D = nope + r;
+  std::vector<float> x = random_vector(rows * heads * D, 91, -3.f, 3.f);
+  for (float& v : x) v = kernels::to_f32(kernels::to_bf16(v));
+  std::vector<kernels::Bf16> xb(x.size());
+  for (size_t i = 0; i < x.size(); ++i) xb[i] = kernels::to_bf16(x[i]);
+  DeviceBuffer<bf16> d_x = upload_bf16(x);
+  for (int order = 0; order < 3; ++order) {
+    const std::string what = "copy_columns order " + std::to_string(order);
+    std::vector<kernels::Bf16> want(static_cast<size_t>(rows * heads * r));
+    kernels::cpu::copy_columns(want.data(), r, xb.data() + nope, D, rows * heads, r,
+                               static_cast<kernels::ColumnOrder>(order));
+    DeviceBuffer<bf16> d_out(rows * heads * r);
+    cu::copy_columns(d_out.get(), r, d_x.get() + nope, D, rows * heads, r, order, stream.get());
+    std::vector<float> wantf(want.size());
+    for (size_t i = 0; i < want.size(); ++i) wantf[i] = kernels::to_f32(want[i]);
+    expect_equal(download_bf16(d_out), wantf, what);
+  }
+  std::vector<kernels::Bf16> want(static_cast<size_t>(rows * r));
+  kernels::cpu::sum_head_columns(want.data(), xb.data() + nope, heads * D, D, rows, heads, r);
+  DeviceBuffer<bf16> d_sum(rows * r);
+  cu::sum_head_columns(d_sum.get(), d_x.get() + nope, heads * D, D, rows, heads, r, stream.get());
+  std::vector<float> wantf(want.size());
+  for (size_t i = 0; i < want.size(); ++i) wantf[i] = kernels::to_f32(want[i]);
+  expect_equal(download_bf16(d_sum), wantf, "sum_head_columns");
 }
 
 // ---- linear ---------------------------------------------------------------------------------

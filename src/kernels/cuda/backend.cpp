@@ -216,18 +216,36 @@ AttentionImpl CudaOps::attention_impl(int64_t B, int64_t T, int64_t Hq, int64_t 
 }
 
 namespace {
-// A value head dim apart from D, or a caller's softmax scale: not on CUDA yet (backend.h).
+bool default_attention(int64_t D, int64_t Dv, double scale) {
+  return (Dv == 0 || Dv == D) && (scale == 0 || scale == 1.0 / std::sqrt(static_cast<double>(D)));
+}
+// Ring attention's blocks, documents and cached keys take a value head dim apart from D or a
+// caller's softmax scale nowhere yet (backend.h).
 void check_default_attention(int64_t D, int64_t Dv, double scale) {
-  CHECK_MSG((Dv == 0 || Dv == D) && (scale == 0 || scale == 1.0 / std::sqrt(static_cast<double>(D))),
-            "CUDA attention with d_v != d_qk or a caller's softmax scale (multi-head latent attention) needs a "
-            "cuDNN graph strata does not build yet: d_qk " + std::to_string(D) + ", d_v " + std::to_string(Dv) +
+  CHECK_MSG(default_attention(D, Dv, scale),
+            "CUDA attention with d_v != d_qk or a caller's softmax scale (multi-head latent attention) runs on "
+            "cuDNN's graph for whole causal sequences only: d_qk " + std::to_string(D) + ", d_v " + std::to_string(Dv) +
                 ", scale " + std::to_string(scale) + "; use the CPU backend (run.device=cpu)");
 }
 }  // namespace
 
+void CudaOps::prepare_latent_attention(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv,
+                                       double scale) {
+  const cuda::CudnnAttentionPlan plan =
+      cuda::cudnn_attention_prepare(*ctx_, B, T, Hq, Hkv, D, /*causal=*/true, Dv, scale);
+  CHECK_MSG(plan.ready, fmt::format("latent attention (B={} T={} Hq={} Hkv={} d_qk={} d_v={}) runs on cuDNN's fused "
+                                    "attention only, which cannot serve it here: {}; use the CPU backend",
+                                    B, T, Hq, Hkv, D, Dv, plan.note));
+}
+
 void CudaOps::attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
                                 int64_t Hq, int64_t Hkv, int64_t D, int64_t past, const int32_t* positions,
                                 int64_t Dv, double scale) {
+  if (!default_attention(D, Dv, scale) && positions == nullptr && past == 0 && B > 0 && T > 0) {
+    prepare_latent_attention(B, T, Hq, Hkv, D, Dv, scale);
+    cuda::cudnn_attention_forward(*ctx_, out, lse, q, k, v, B, T, Hq, Hkv, D, stream_, /*causal=*/true, Dv, scale);
+    return;
+  }
   check_default_attention(D, Dv, scale);
   if (positions != nullptr) {  // document masks: the WMMA kernel (see backend.h)
     CHECK_MSG(D == 64 || D == 128, "document-masked attention (data.packing: document) on CUDA runs the WMMA kernel, "
@@ -255,6 +273,12 @@ void CudaOps::attention_forward(Act* out, float* lse, const Act* q, const Act* k
 void CudaOps::attention_backward(Act* dq, Act* dk, Act* dv, const Act* dout, const Act* q, const Act* k, const Act* v,
                                  const Act* out, const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
                                  int64_t D, const int32_t* positions, int64_t Dv, double scale) {
+  if (!default_attention(D, Dv, scale) && positions == nullptr && B > 0 && T > 0) {
+    prepare_latent_attention(B, T, Hq, Hkv, D, Dv, scale);
+    cuda::cudnn_attention_backward(*ctx_, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, stream_,
+                                   /*causal=*/true, Dv, scale);
+    return;
+  }
   check_default_attention(D, Dv, scale);
   if (positions != nullptr) {  // the forward's kernel, whose lse this is
     cuda::attention_backward(*ctx_, dq, dk, dv, dout, q, k, v, out, lse, B, T, Hq, Hkv, D, stream_, /*tile_rows=*/0,

@@ -115,9 +115,12 @@ class CudaOps {
   // past > 0 (queries after cached keys, kernels/attention.h) runs the WMMA kernel. So do document
   // masks (positions non-null, staged by stage_tokens): the cuDNN graphs built here take no
   // sequence lengths or ragged offsets yet, so a document-masked batch never runs on cuDNN.
-  // Dv and scale (kernels/attention.h) take their defaults only: a value head dim apart from D
-  // and a caller's scale need the cuDNN graph built for them (multi-head latent attention), which
-  // is not written yet, and abort naming that.
+  // A value head dim apart from D or a caller's scale (kernels/attention.h; multi-head latent
+  // attention's 192/128 heads) runs on cuDNN's graph built for it, whole causal sequences only
+  // (no document masks, cached keys or ring blocks), and aborts naming the shape where cuDNN
+  // cannot build it.
+  // Builds (once) cuDNN's graphs for latent attention's shape, or aborts naming why not.
+  void prepare_latent_attention(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, double scale);
   void attention_forward(Act* out, float* lse, const Act* q, const Act* k, const Act* v, int64_t B, int64_t T,
                          int64_t Hq, int64_t Hkv, int64_t D, int64_t past = 0, const int32_t* positions = nullptr,
                          int64_t Dv = 0, double scale = 0);

@@ -54,16 +54,17 @@ Context::CudnnAttention& Context::cudnn_attention() {
 }
 
 int cudnn_version() { return 0; }
-CudnnAttentionPlan cudnn_attention_prepare(Context&, int64_t, int64_t, int64_t, int64_t, int64_t, bool) {
+CudnnAttentionPlan cudnn_attention_prepare(Context&, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int64_t,
+                                           double) {
   return {false, false, "this build has no cuDNN"};
 }
 void cudnn_attention_forward(Context&, bf16*, float*, const bf16*, const bf16*, const bf16*, int64_t,
-                             int64_t, int64_t, int64_t, int64_t, cudaStream_t, bool) {
+                             int64_t, int64_t, int64_t, int64_t, cudaStream_t, bool, int64_t, double) {
   CHECK_MSG(false, "cudnn_attention_forward: this build has no cuDNN");
 }
 void cudnn_attention_backward(Context&, bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*,
                               const bf16*, const bf16*, const float*, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, cudaStream_t, bool) {
+                              int64_t, int64_t, cudaStream_t, bool, int64_t, double) {
   CHECK_MSG(false, "cudnn_attention_backward: this build has no cuDNN");
 }
 
@@ -82,7 +83,7 @@ enum Uid : int64_t {
   kV,  // read as V (forward) or V^T (backward)
   kO,
   kStats,
-  kScale,    // by value: 1/sqrt(D)
+  kScale,    // by value: the softmax scale (1/sqrt(D) unless given)
   kNegInf,   // by value: the masked score
   kOne,      // by value: 1
   kDO,
@@ -330,13 +331,13 @@ Desc causal_mask(Graph& g, Desc s, const Dims& dims, const Dims& strides, Desc n
 }
 
 // causal = false: every query sees every key (ring attention's full blocks), no mask.
-void build_forward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool causal) {
+void build_forward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool causal, int64_t Dv) {
   const Dims row_dims{B, Hq, T, 1}, row_strides{Hq * T, T, 1, 1};
   const Dims s_dims{B, Hq, T, T}, s_strides{Hq * T * T, T * T, T, 1};
   Desc q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hq, T, D), bhtd_strides(Hq, T, D), false);
   Desc kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, bhdt_dims(B, Hkv, T, D), bhdt_strides(Hkv, T, D), false);
-  Desc v = g.tensor(kV, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hkv, T, D), bhtd_strides(Hkv, T, D), false);
-  Desc o = g.tensor(kO, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hq, T, D), bhtd_strides(Hq, T, D), false);
+  Desc v = g.tensor(kV, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hkv, T, Dv), bhtd_strides(Hkv, T, Dv), false);
+  Desc o = g.tensor(kO, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hq, T, Dv), bhtd_strides(Hq, T, Dv), false);
   Desc stats = g.tensor(kStats, CUDNN_DATA_FLOAT, row_dims, row_strides, false);
   Desc scale = g.scalar(kScale, CUDNN_DATA_FLOAT);
   Desc neg_inf = causal ? g.scalar(kNegInf, CUDNN_DATA_FLOAT) : nullptr;
@@ -367,20 +368,20 @@ void build_forward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int6
 // accumulate_dq: dQ = dS K into an fp32 accumulator in the workspace, then copied to bf16 (cuDNN
 // adds into it with atomics); else straight into dq.
 void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool accumulate_dq,
-                    bool causal) {
+                    bool causal, int64_t Dv) {
   const Dims row_dims{B, Hq, T, 1}, row_strides{Hq * T, T, 1, 1};
   const Dims s_dims{B, Hq, T, T}, s_strides{Hq * T * T, T * T, T, 1};
   // The same scores transposed: (B,Hq,T_kv,T_q).
   const Dims st_strides{Hq * T * T, T * T, 1, T};
   Desc q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hq, T, D), bhtd_strides(Hq, T, D), false);
   Desc kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, bhdt_dims(B, Hkv, T, D), bhdt_strides(Hkv, T, D), false);
-  Desc vt = g.tensor(kV, CUDNN_DATA_BFLOAT16, bhdt_dims(B, Hkv, T, D), bhdt_strides(Hkv, T, D), false);
-  Desc o = g.tensor(kO, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hq, T, D), bhtd_strides(Hq, T, D), false);
-  Desc d_o = g.tensor(kDO, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hq, T, D), bhtd_strides(Hq, T, D), false);
+  Desc vt = g.tensor(kV, CUDNN_DATA_BFLOAT16, bhdt_dims(B, Hkv, T, Dv), bhdt_strides(Hkv, T, Dv), false);
+  Desc o = g.tensor(kO, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hq, T, Dv), bhtd_strides(Hq, T, Dv), false);
+  Desc d_o = g.tensor(kDO, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hq, T, Dv), bhtd_strides(Hq, T, Dv), false);
   Desc stats = g.tensor(kStats, CUDNN_DATA_FLOAT, row_dims, row_strides, false);
   Desc dq = g.tensor(kDQ, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hq, T, D), bhtd_strides(Hq, T, D), false);
   Desc dk = g.tensor(kDK, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hkv, T, D), bhtd_strides(Hkv, T, D), false);
-  Desc dv = g.tensor(kDV, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hkv, T, D), bhtd_strides(Hkv, T, D), false);
+  Desc dv = g.tensor(kDV, CUDNN_DATA_BFLOAT16, bhtd_dims(B, Hkv, T, Dv), bhtd_strides(Hkv, T, Dv), false);
   Desc scale = g.scalar(kScale, CUDNN_DATA_FLOAT);
   Desc neg_inf = causal ? g.scalar(kNegInf, CUDNN_DATA_FLOAT) : nullptr;
   Desc one = g.scalar(kOne, CUDNN_DATA_FLOAT);
@@ -388,7 +389,7 @@ void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int
   Desc delta = g.tensor(kDelta, CUDNN_DATA_FLOAT, row_dims, row_strides, false);
 
   // delta = rowsum(dO * O) * 1
-  Desc d_o_o = g.temp(CUDNN_DATA_FLOAT, bhtd_dims(B, Hq, T, D), bhtd_strides(Hq, T, D));
+  Desc d_o_o = g.temp(CUDNN_DATA_FLOAT, bhtd_dims(B, Hq, T, Dv), bhtd_strides(Hq, T, Dv));
   g.pointwise(CUDNN_POINTWISE_MUL, d_o, o, d_o_o);
   Desc row_dot = g.temp(CUDNN_DATA_FLOAT, row_dims, row_strides);
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, d_o_o, row_dot);
@@ -411,7 +412,7 @@ void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int
   if (Hq == Hkv) {
     g.matmul(pt, d_o, dv);
   } else {
-    Desc dv_heads = g.temp(CUDNN_DATA_BFLOAT16, {B, Hq, T, D}, {Hq * T * D, T * D, D, 1});
+    Desc dv_heads = g.temp(CUDNN_DATA_BFLOAT16, {B, Hq, T, Dv}, {Hq * T * Dv, T * Dv, Dv, 1});
     g.matmul(pt, d_o, dv_heads);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, dv_heads, dv);
   }
@@ -452,7 +453,8 @@ void build_backward(Graph& g, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int
 
 size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-using ShapeKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>;  // B, T, Hq, Hkv, D, causal
+// B, T, Hq, Hkv, D, causal, Dv, the softmax scale
+using ShapeKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool, int64_t, double>;
 
 // The two plans of one shape, or why there are none.
 struct Entry {
@@ -514,9 +516,10 @@ namespace {
 // The backward of `entry` in one of its two forms, with its scratch layout; empty when it is
 // built and fits the scratch, else why not.
 std::string build_backward_entry(Entry& entry, cudnnHandle_t handle, size_t scratch_bytes, int64_t B,
-                                 int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool accumulate_dq, bool causal) {
+                                 int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool accumulate_dq, bool causal,
+                                 int64_t Dv) {
   entry.backward = std::make_unique<Graph>(handle);
-  build_backward(*entry.backward, B, T, Hq, Hkv, D, accumulate_dq, causal);
+  build_backward(*entry.backward, B, T, Hq, Hkv, D, accumulate_dq, causal, Dv);
   if (!entry.backward->ok()) {
     const std::string failure = entry.backward->error();
     entry.backward.reset();
@@ -540,11 +543,18 @@ std::string build_backward_entry(Entry& entry, cudnnHandle_t handle, size_t scra
 
 }  // namespace
 
+namespace {
+int64_t value_dim(int64_t D, int64_t Dv) { return Dv > 0 ? Dv : D; }
+double softmax_scale(int64_t D, double scale) { return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D)); }
+}  // namespace
+
 CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                           int64_t D, bool causal) {
-  CHECK(B > 0 && T > 0 && Hq > 0 && Hkv > 0 && D > 0 && Hq % Hkv == 0);
+                                           int64_t D, bool causal, int64_t Dv, double scale) {
+  CHECK(B > 0 && T > 0 && Hq > 0 && Hkv > 0 && D > 0 && Hq % Hkv == 0 && Dv >= 0);
+  Dv = value_dim(D, Dv);
+  scale = softmax_scale(D, scale);
   Context::CudnnAttention& cache = ctx.cudnn_attention();
-  const ShapeKey key{B, T, Hq, Hkv, D, causal};
+  const ShapeKey key{B, T, Hq, Hkv, D, causal, Dv, scale};
   if (auto it = cache.entries.find(key); it != cache.entries.end()) return it->second.plan;
   Entry& entry = cache.entries[key];
   if (cache.handle == nullptr && cache.handle_error.empty()) {
@@ -558,11 +568,11 @@ CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, i
     entry.plan.note = cache.handle_error;
     return entry.plan;
   }
-  entry.scalars.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  entry.scalars.scale = static_cast<float>(scale);
   entry.scalars.neg_inf = masked_score(cudnn_version());
   entry.causal = causal;
   entry.forward = std::make_unique<Graph>(cache.handle);
-  build_forward(*entry.forward, B, T, Hq, Hkv, D, causal);
+  build_forward(*entry.forward, B, T, Hq, Hkv, D, causal, Dv);
   if (entry.forward->ok() && static_cast<size_t>(entry.forward->workspace_bytes()) > ctx.scratch_bytes()) {
     entry.plan.note = "the forward needs " + std::to_string(entry.forward->workspace_bytes()) +
                       " bytes of workspace, the kernel context has " + std::to_string(ctx.scratch_bytes());
@@ -577,13 +587,13 @@ CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, i
   // sm_80 and sm_90 (what its frontend builds when asked for a deterministic backward); the
   // form with an fp32 accumulator is usually faster but adds into it with atomics.
   const std::string fixed_order = build_backward_entry(entry, cache.handle, ctx.scratch_bytes(), B, T, Hq, Hkv, D,
-                                                       /*accumulate_dq=*/false, causal);
+                                                       /*accumulate_dq=*/false, causal, Dv);
   if (fixed_order.empty()) {
     entry.plan = {true, true, ""};
     return entry.plan;
   }
   const std::string atomics = build_backward_entry(entry, cache.handle, ctx.scratch_bytes(), B, T, Hq, Hkv, D,
-                                                   /*accumulate_dq=*/true, causal);
+                                                   /*accumulate_dq=*/true, causal, Dv);
   if (atomics.empty()) {
     entry.plan = {true, false, "its backward accumulates dq with atomics, not bitwise reproducible (the fixed-order "
                                "form failed: " + fixed_order + ")"};
@@ -602,9 +612,10 @@ void check_aligned(std::initializer_list<const void*> pointers) {
   }
 }
 
-Entry& prepared(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool causal) {
+Entry& prepared(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, bool causal, int64_t Dv,
+               double scale) {
   Context::CudnnAttention& cache = ctx.cudnn_attention();
-  const auto it = cache.entries.find(ShapeKey{B, T, Hq, Hkv, D, causal});
+  const auto it = cache.entries.find(ShapeKey{B, T, Hq, Hkv, D, causal, value_dim(D, Dv), softmax_scale(D, scale)});
   CHECK_MSG(it != cache.entries.end() && it->second.plan.ready,
             "cuDNN attention called for a shape that cudnn_attention_prepare did not accept");
   return it->second;
@@ -614,8 +625,8 @@ Entry& prepared(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int
 
 void cudnn_attention_forward(Context& ctx, bf16* out, float* lse, const bf16* q, const bf16* k,
                              const bf16* v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                             cudaStream_t stream, bool causal) {
-  Entry& e = prepared(ctx, B, T, Hq, Hkv, D, causal);
+                             cudaStream_t stream, bool causal, int64_t Dv, double scale) {
+  Entry& e = prepared(ctx, B, T, Hq, Hkv, D, causal, Dv, scale);
   check_aligned({out, lse, q, k, v});
   void* workspace = ctx.scratch(static_cast<size_t>(e.forward->workspace_bytes()), "cuDNN SDPA forward");
   std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale};
@@ -631,8 +642,8 @@ void cudnn_attention_forward(Context& ctx, bf16* out, float* lse, const bf16* q,
 void cudnn_attention_backward(Context& ctx, bf16* dq, bf16* dk, bf16* dv, const bf16* dout,
                               const bf16* q, const bf16* k, const bf16* v, const bf16* out,
                               const float* lse, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                              int64_t D, cudaStream_t stream, bool causal) {
-  Entry& e = prepared(ctx, B, T, Hq, Hkv, D, causal);
+                              int64_t D, cudaStream_t stream, bool causal, int64_t Dv, double scale) {
+  Entry& e = prepared(ctx, B, T, Hq, Hkv, D, causal, Dv, scale);
   check_aligned({dq, dk, dv, dout, q, k, v, out, lse});
   char* scratch = static_cast<char*>(ctx.scratch(e.backward_bytes, "cuDNN SDPA backward"));
   float* delta = reinterpret_cast<float*>(scratch + e.delta_offset);

@@ -256,7 +256,9 @@ struct CudnnAttentionPlan {
   bool deterministic = false;  // the backward runs in a fixed order (bitwise reproducible)
   std::string note;            // why not ready, or why not deterministic; else empty
 };
-// Builds and caches the two graphs of a shape (D = d_qk = d_v) unless cached already: the
+// Builds and caches the two graphs of a shape (d_qk = D, d_v = Dv or D when 0; the softmax scale
+// `scale`, or 1/sqrt(D) when 0: multi-head latent attention's 192/128 heads and YaRN scale) unless
+// cached already: the
 // backward in its fixed-order form, or where that fails in the faster form that accumulates dq
 // with atomics. Not ready: `note` names the cuDNN call and status that failed (the graphs are
 // then never tried again for the shape) or the scratch they would need beyond the Context's.
@@ -264,19 +266,20 @@ struct CudnnAttentionPlan {
 // causal = false: the graphs without the mask, every query seeing every key (ring attention's
 // full blocks, model/ring_attention.h), cached apart from the causal ones.
 CudnnAttentionPlan cudnn_attention_prepare(Context& ctx, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                           int64_t D, bool causal = true);
+                                           int64_t D, bool causal = true, int64_t Dv = 0, double scale = 0);
 // REQUIRE: cudnn_attention_prepare found the shape ready. Workspace from ctx's scratch
 // (the backward's also holds delta and an fp32 dq accumulator; prepare checks that it fits).
 void cudnn_attention_forward(Context& ctx, bf16* out /*(B,T,Hq,D)*/, float* lse /*(B,Hq,T)*/,
                              const bf16* q /*(B,T,Hq,D)*/, const bf16* k /*(B,T,Hkv,D)*/,
                              const bf16* v /*(B,T,Hkv,D)*/, int64_t B, int64_t T, int64_t Hq,
-                             int64_t Hkv, int64_t D, cudaStream_t stream, bool causal = true);
+                             int64_t Hkv, int64_t D, cudaStream_t stream, bool causal = true, int64_t Dv = 0,
+                             double scale = 0);
 void cudnn_attention_backward(Context& ctx, bf16* dq /*(B,T,Hq,D)*/, bf16* dk /*(B,T,Hkv,D)*/,
                               bf16* dv /*(B,T,Hkv,D)*/, const bf16* dout /*(B,T,Hq,D)*/,
                               const bf16* q, const bf16* k, const bf16* v,
                               const bf16* out /*(B,T,Hq,D)*/, const float* lse /*(B,Hq,T)*/,
                               int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                              cudaStream_t stream, bool causal = true);
+                              cudaStream_t stream, bool causal = true, int64_t Dv = 0, double scale = 0);
 
 // ---- ring attention's blocks (ring_blocks.cu) ----------------------------------------------------
 // Merges one block's attention (block_out bf16 (B,T,Hq,Dv), block_lse (B,Hq,T)) into the running
