@@ -516,7 +516,7 @@ Status check_latent_attention(const model::ModelConfig& m, const TrainConfig& t,
   if (backend != DeviceKind::kCpu)
     return Status::InvalidArgument(fmt::format(
         "{}'s latent attention (value heads of {} beside {}-wide query and key heads) trains on the CPU backend "
-        "only: its cuDNN graph is not built yet; run it with run.device=cpu",
+        "only for now: its cuDNN graphs are built but not yet verified on a GPU; run it with run.device=cpu",
         m.architecture, m.v_head_dim, m.head_dim));
   if (t.parallel_context > 1)
     return Status::InvalidArgument(fmt::format(

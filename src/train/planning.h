@@ -39,8 +39,9 @@ Status check_expert_parallel(const model::ModelConfig& model, int64_t expert_par
 // document masks, no expert groups, the CPU backend. InvalidArgument naming the key and what to
 // change.
 Status check_context_parallel(const TrainConfig& t, int64_t world, DeviceKind backend);
-// Multi-head latent attention (DeepSeek) where it does not run yet: on CUDA (the cuDNN graph for
-// value heads narrower than the keys is not built) and with context parallelism. InvalidArgument
+// Multi-head latent attention (DeepSeek) where it does not run yet: on CUDA (the cuDNN graphs for
+// value heads narrower than the keys are built but not verified on a GPU) and with context
+// parallelism. InvalidArgument
 // naming the key to change.
 Status check_latent_attention(const model::ModelConfig& m, const TrainConfig& t, DeviceKind backend);
 // plan.experts_reached (TrainConfig::experts_reached) against the model: one share, or one per
