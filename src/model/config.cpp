@@ -291,6 +291,7 @@ Status read_int_list(const json& object, const std::string& key, const std::stri
 
 // The Hugging Face key that holds the expert count of this architecture.
 const char* experts_key(const std::string& architecture) {
+  if (architecture == kDeepseekV2 || architecture == kDeepseekV3) return "n_routed_experts";
   return architecture == kMixtral ? "num_local_experts" : "num_experts";
 }
 
@@ -353,10 +354,10 @@ Status read_deepseek_keys(const json& json, const std::string& source, ModelConf
   c->head_dim = 0;
   c->num_key_value_heads = 0;
 
-  // Experts: n_routed_experts null or 0 means a dense model.
-  c->num_experts = 0;
+  // Experts: n_routed_experts null or 0 means a dense model (V2's default; V3's is 256).
+  c->num_experts = v3 ? 256 : 0;
   RETURN_IF_ERROR(read_int(json, "n_routed_experts", "n_routed_experts", source, false, &c->num_experts));
-  c->num_experts_per_tok = v3 ? 8 : 6;
+  c->num_experts_per_tok = v3 ? 8 : 0;  // V2's default is none: an MoE config names it
   RETURN_IF_ERROR(read_int(json, "num_experts_per_tok", "num_experts_per_tok", source, false,
                            &c->num_experts_per_tok));
   c->moe_intermediate_size = v3 ? 2048 : 1407;
@@ -371,7 +372,7 @@ Status read_deepseek_keys(const json& json, const std::string& source, ModelConf
   RETURN_IF_ERROR(at_most(source, "moe_intermediate_size", c->moe_intermediate_size));
   c->shared_expert_intermediate_size = shared * c->moe_intermediate_size;
   c->shared_expert_gated = false;
-  c->first_k_dense_replace = 0;
+  c->first_k_dense_replace = v3 ? 3 : 0;
   c->moe_layer_freq = 1;
   RETURN_IF_ERROR(read_int(json, "first_k_dense_replace", "first_k_dense_replace", source, false,
                            &c->first_k_dense_replace));
@@ -386,8 +387,10 @@ Status read_deepseek_keys(const json& json, const std::string& source, ModelConf
       scoring == "sigmoid" ? kernels::RouterScoring::kSigmoidThenTopK : kernels::RouterScoring::kSoftmaxThenTopK;
   c->norm_topk_prob = v3;
   RETURN_IF_ERROR(read_bool(json, "norm_topk_prob", source, &c->norm_topk_prob));
-  c->n_group = 1;
-  c->topk_group = 1;
+  // DeepSeek normalises only when it routes to more than one expert.
+  c->norm_topk_prob = c->norm_topk_prob && c->num_experts_per_tok > 1;
+  c->n_group = v3 ? 8 : 1;
+  c->topk_group = v3 ? 4 : 1;
   RETURN_IF_ERROR(read_int(json, "n_group", "n_group", source, false, &c->n_group));
   RETURN_IF_ERROR(read_int(json, "topk_group", "topk_group", source, false, &c->topk_group));
   if (method == "greedy") {
@@ -396,7 +399,7 @@ Status read_deepseek_keys(const json& json, const std::string& source, ModelConf
   }
   c->group_score = method == "noaux_tc" ? kernels::GroupScore::kTopTwoSum : kernels::GroupScore::kMax;
   c->router_selection_bias = method == "noaux_tc";
-  double scale = 1.0;
+  double scale = v3 ? 2.5 : 1.0;
   RETURN_IF_ERROR(read_double(json, "routed_scaling_factor", "routed_scaling_factor", source, &scale));
   // DeepSeek-V2 scales the weights only where it does not normalise them; V3 always.
   c->routed_scale = !v3 && c->norm_topk_prob && c->num_experts_per_tok > 1 ? 1.0 : scale;
@@ -406,9 +409,9 @@ Status read_deepseek_keys(const json& json, const std::string& source, ModelConf
   // DeepSeek-V2 trains with a sequence-wise auxiliary loss strata does not compute; balancing
   // comes from the selection bias (router_bias_update_rate). V3's published modeling code routes
   // with noaux_tc and applies no auxiliary loss, whatever aux_loss_alpha says.
-  double alpha = 0.0;
+  double alpha = 0.001;  // both versions' default
   RETURN_IF_ERROR(read_double(json, "aux_loss_alpha", "aux_loss_alpha", source, &alpha));
-  if (alpha != 0.0 && method != "noaux_tc") {
+  if (alpha != 0.0 && method != "noaux_tc" && c->num_experts > 0) {
     return Status::Unimplemented(fmt::format(
         "{}: key 'aux_loss_alpha' is {}; strata trains DeepSeek's experts without its sequence-wise "
         "auxiliary loss: set it to 0 (model.set aux_loss_alpha=0), and balance with router_bias_update_rate",
@@ -418,7 +421,7 @@ Status read_deepseek_keys(const json& json, const std::string& source, ModelConf
   c->output_router_logits = false;
   RETURN_IF_ERROR(read_double(json, "router_bias_update_rate", "router_bias_update_rate", source,
                               &c->router_bias_update_rate));
-  int64_t nextn = 0;
+  int64_t nextn = v3 ? 1 : 0;
   RETURN_IF_ERROR(read_int(json, "num_nextn_predict_layers", "num_nextn_predict_layers", source, false, &nextn));
   if (nextn != 0) {
     return Status::Unimplemented(fmt::format(
@@ -741,9 +744,9 @@ Status validate_mla(const ModelConfig& c, const std::string& source) {
   }
   if (c.q_lora_rank < 0) return bad_key(source, "q_lora_rank", fmt::format("must not be negative, got {}", c.q_lora_rank));
   if (c.head_dim != c.qk_nope_head_dim + c.qk_rope_head_dim || c.num_key_value_heads != c.num_attention_heads) {
-    return bad_key(source, "head_dim",
-                   fmt::format("is {} with {} key heads; latent attention's heads are qk_nope_head_dim + "
-                               "qk_rope_head_dim = {} wide, one per attention head ({})",
+    return bad_key(source, "qk_nope_head_dim",
+                   fmt::format("and qk_rope_head_dim give heads of {} with {} key heads; latent attention's heads "
+                               "are qk_nope_head_dim + qk_rope_head_dim = {} wide, one per attention head ({})",
                                c.head_dim, c.num_key_value_heads, c.qk_nope_head_dim + c.qk_rope_head_dim,
                                c.num_attention_heads));
   }
@@ -762,7 +765,7 @@ Status ModelConfig::validate_shape(const std::string& source) const {
                                num_attention_heads, hidden_size));
   }
   RETURN_IF_ERROR(positive(source, "head_dim", head_dim));
-  if (head_dim % 2 != 0) {
+  if (head_dim % 2 != 0 && !is_mla()) {  // latent attention turns qk_rope_head_dim dims only
     return bad_key(source, "head_dim", fmt::format("must be even for rotary embeddings, got {}", head_dim));
   }
   if (num_attention_heads % num_key_value_heads != 0) {

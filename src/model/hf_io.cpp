@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -168,7 +169,15 @@ constexpr int64_t kScaleBlock = 128;  // DeepSeek-V3's weight_block_size
 Result<bool> has_block_scales(const SafetensorsReader& reader, const TensorSpec& t,
                               const SafetensorsTensorInfo& info) {
   const SafetensorsTensorInfo* scales = reader.find(block_scale_name(t.name));
-  if (scales == nullptr) return false;
+  if (scales == nullptr) {
+    // FP8 weights with scales of another convention (a per-tensor weight_scale) would load unscaled.
+    if (const SafetensorsTensorInfo* other = reader.find(t.name + "_scale");
+        other != nullptr && info.dtype.starts_with("F8_"))
+      return Status::Unimplemented(fmt::format("{}: tensor '{}' is {} with scales '{}'; strata reads FP8 weights with "
+                                               "128 x 128 block scales named NAME_scale_inv (DeepSeek-V3's) only",
+                                               info.file, t.name, info.dtype, other->name));
+    return false;
+  }
   if (info.dtype != "F8_E4M3" || t.shape.size() != 2)
     return Status::InvalidArgument(fmt::format("{}: tensor '{}' has block scales '{}' but is {} of {} dims; strata "
                                                "dequantises F8_E4M3 matrices only",
@@ -337,6 +346,9 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
       for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
         if (source->contains(key) && !j.contains(key)) j[key] = (*source)[key];
       }
+      // A model transformers loads through its own published code (DeepSeek's auto_map and
+      // modeling_*.py, trust_remote_code) keeps it: the map here, its files below.
+      if (const auto it = source->find("auto_map"); it != source->end() && it->is_object()) j["auto_map"] = *it;
     }
   }
   RETURN_IF_ERROR(write_file_atomic((tmp / "config.json").string(), j.dump(2) + "\n"));
@@ -365,14 +377,19 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
       const int64_t router = layout.layer(l).moe.router;
       auto at = std::find_if(tensors.begin(), tensors.end(),
                              [&](const SafetensorsWriteTensor& w) { return w.name == layout.at(router).name; });
-      const float* from = options.selection_bias != nullptr &&
-                                  options.selection_bias->size() == static_cast<size_t>(config.num_hidden_layers * E)
-                              ? options.selection_bias->data() + l * E
-                              : nullptr;
-      SafetensorsWriteTensor w{selection_bias_name(l), {E}, nullptr, [from, E](float* out) {
-                                 for (int64_t e = 0; e < E; ++e) out[e] = from != nullptr ? from[e] : 0.0f;
+      const std::vector<float>* bias = options.selection_bias;
+      if (bias == nullptr || bias->size() != static_cast<size_t>(config.num_hidden_layers * E))
+        return Status::InvalidArgument(fmt::format(
+            "exporting {}: the routers' selection biases (e_score_correction_bias) are {}, not {} x {} values",
+            config.architecture, bias == nullptr ? "missing" : std::to_string(bias->size()) + " values",
+            config.num_hidden_layers, E));
+      const float* from = bias->data() + l * E;
+      SafetensorsWriteTensor w{selection_bias_name(l), {E}, nullptr,
+                               [from, E](float* out) {
+                                 std::copy(from, from + E, out);
                                  return Status::OK();
-                               }};
+                               },
+                               SafetensorsWriteDtype::kF32};  // as published: routing compares it
       tensors.insert(at == tensors.end() ? at : at + 1, std::move(w));
     }
   }
@@ -389,9 +406,22 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
   RETURN_IF_ERROR(write_safetensors_dir(tmp.string(), tensors, wo));
   progress.finish();
 
-  // Tokenizer files.
+  // Tokenizer files, and the code files config.json's auto_map names ("module.Class" -> module.py).
   if (!options.copy_tokenizer_from.empty()) {
-    for (const std::string& name : hf_tokenizer_files()) {
+    std::vector<std::string> files = hf_tokenizer_files();
+    if (j.contains("auto_map")) {
+      for (const auto& [kind, target] : j["auto_map"].items()) {
+        if (!target.is_string()) continue;
+        const std::string ref = target.get<std::string>();
+        const std::string module = ref.substr(0, ref.find('.'));
+        const std::string file = module + ".py";
+        // Plain module names only: a map naming another repository ("repo--module.Class") or a
+        // path is not copied.
+        if (module.empty() || module.find_first_of("/\\-") != std::string::npos) continue;
+        if (std::find(files.begin(), files.end(), file) == files.end()) files.push_back(file);
+      }
+    }
+    for (const std::string& name : files) {
       const fs::path from = fs::path(options.copy_tokenizer_from) / name;
       if (!fs::is_regular_file(from, ec)) continue;
       ASSIGN_OR_RETURN(std::string text, read_text_file(from.string()));

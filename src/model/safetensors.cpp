@@ -544,8 +544,6 @@ int64_t write_element_size(SafetensorsWriteDtype dtype) { return dtype == Safete
 Status write_safetensors_file(const std::string& path, const std::vector<SafetensorsWriteTensor>& tensors,
                               const WriterOptions& options) {
   CHECK(options.piece_bytes >= 8);
-  const int64_t element = write_element_size(options.dtype);
-  const char* dtype_name = safetensors_dtype_name(options.dtype);
   nlohmann::ordered_json header;
   if (!options.metadata.empty()) header["__metadata__"] = options.metadata;
   std::set<std::string> names;
@@ -557,9 +555,11 @@ Status write_safetensors_file(const std::string& path, const std::vector<Safeten
     for (int64_t d : t.shape) {
       if (d < 0) return Status::InvalidArgument(fmt::format("{}: tensor '{}' has a negative dimension", path, t.name));
     }
-    const int64_t bytes = numel_of(t.shape) * element;
+    const SafetensorsWriteDtype dtype = t.dtype.value_or(options.dtype);
+    const int64_t bytes = numel_of(t.shape) * write_element_size(dtype);
     CHECK_MSG(bytes == 0 || t.data != nullptr || t.read, fmt::format("tensor '{}' has no data", t.name));
-    header[t.name] = {{"dtype", dtype_name}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[t.name] = {{"dtype", safetensors_dtype_name(dtype)}, {"shape", t.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();
@@ -573,8 +573,10 @@ Status write_safetensors_file(const std::string& path, const std::vector<Safeten
   RETURN_IF_ERROR(out.write(text.data(), static_cast<int64_t>(text.size())));
   std::vector<uint16_t> staging;
   std::vector<float> fetched;  // a tensor given by its reader
-  const int64_t piece_elems = options.piece_bytes / element;
   for (const auto& t : tensors) {
+    const SafetensorsWriteDtype dtype = t.dtype.value_or(options.dtype);
+    const int64_t element = write_element_size(dtype);
+    const int64_t piece_elems = options.piece_bytes / element;
     const int64_t n = numel_of(t.shape);
     const float* data = t.data;
     if (data == nullptr && n > 0) {
@@ -584,11 +586,11 @@ Status write_safetensors_file(const std::string& path, const std::vector<Safeten
     }
     for (int64_t done = 0; done < n;) {
       const int64_t count = std::min(piece_elems, n - done);
-      if (options.dtype == SafetensorsWriteDtype::kF32) {
+      if (dtype == SafetensorsWriteDtype::kF32) {
         RETURN_IF_ERROR(out.write(data + done, count * 4));
       } else {
         staging.resize(static_cast<size_t>(count));
-        uint16_t (*const round)(float) = options.dtype == SafetensorsWriteDtype::kBF16 ? f32_to_bf16 : f32_to_f16;
+        uint16_t (*const round)(float) = dtype == SafetensorsWriteDtype::kBF16 ? f32_to_bf16 : f32_to_f16;
         for (int64_t i = 0; i < count; ++i) staging[static_cast<size_t>(i)] = round(data[done + i]);
         RETURN_IF_ERROR(out.write(staging.data(), count * 2));
       }
@@ -604,13 +606,12 @@ Status write_safetensors_dir(const std::string& dir, const std::vector<Safetenso
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::IOError(fmt::format("cannot create directory {}: {}", dir, ec.message()));
-  const int64_t element = write_element_size(options.dtype);
 
   // Greedy shards in order, as transformers' shard_checkpoint does.
   std::vector<std::vector<SafetensorsWriteTensor>> shards(1);
   uint64_t shard_bytes = 0, total_bytes = 0;
   for (const auto& t : tensors) {
-    const uint64_t bytes = static_cast<uint64_t>(numel_of(t.shape) * element);
+    const uint64_t bytes = static_cast<uint64_t>(numel_of(t.shape) * write_element_size(t.dtype.value_or(options.dtype)));
     if (!shards.back().empty() && shard_bytes + bytes > options.max_shard_bytes) {
       shards.emplace_back();
       shard_bytes = 0;

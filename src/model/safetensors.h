@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -140,6 +141,9 @@ struct SafetensorsWriteTensor {
   // Used when data is null: fills numel(shape) floats, called once when the tensor is written
   // (so only one tensor at a time is held in memory, e.g. read out of a chunk space).
   std::function<Status(float* out)> read;
+  // Written in this dtype instead of WriterOptions::dtype when set (values routing compares, such
+  // as DeepSeek's e_score_correction_bias, stay F32 in a bf16 export).
+  std::optional<SafetensorsWriteDtype> dtype;
 };
 
 struct WriterOptions {

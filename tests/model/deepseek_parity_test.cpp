@@ -51,6 +51,10 @@ void check_parity(const std::string& variant) {
   if (!python_can_import("transformers")) {
     GTEST_SKIP() << kReferencePython << " cannot import transformers; the DeepSeek parity test needs it";
   }
+  if (!reference_script_runs("reference_deepseek.py")) {
+    GTEST_SKIP() << kReferencePython << " cannot import DeepSeek's published modeling code with its transformers "
+                 << "(tests/model/reference_deepseek.py probe)";
+  }
   const std::string dir = run_reference("reference_deepseek.py", "model_deepseek_parity", variant);
   ASSERT_FALSE(::testing::Test::HasFailure());
 

@@ -42,6 +42,9 @@ Writes OUTDIR/VARIANT/:
   grads.bin                        float32 gradients of "loss", concatenated in that order
   params_after.bin                 float32 parameters after the 3 AdamW steps, same layout
 
+Usage: reference_deepseek.py probe
+  Exits 0 when this interpreter imports the published code (the tests skip otherwise).
+
 Usage: reference_deepseek.py check REF_DIR EXPORT_DIR
   Loads both directories with the published code's from_pretrained (the class and version named
   by each config.json) and compares the export with the reference: the loading info (missing,
@@ -113,6 +116,14 @@ def load_published(folder, version):
     if package + ".modeling_deepseek" in sys.modules:
         return sys.modules[package + ".configuration_deepseek"], sys.modules[package + ".modeling_deepseek"]
     sys.dont_write_bytecode = True
+    # Names the published files import that later transformers releases dropped (DeepSeek's own
+    # later commit removes the first): given their 4.40 values where missing.
+    import transformers.pytorch_utils
+    import transformers.utils.import_utils
+    if not hasattr(transformers.pytorch_utils, "is_torch_greater_or_equal_than_1_13"):
+        transformers.pytorch_utils.is_torch_greater_or_equal_than_1_13 = True
+    if not hasattr(transformers.utils.import_utils, "is_torch_fx_available"):
+        transformers.utils.import_utils.is_torch_fx_available = lambda: True
     pkg = types.ModuleType(package)
     pkg.__path__ = [os.path.abspath(os.path.join(FIXTURES, folder))]
     sys.modules[package] = pkg
@@ -432,6 +443,10 @@ def check(ref_dir, export_dir):
 
 
 def main():
+    if len(sys.argv) == 2 and sys.argv[1] == "probe":  # can this interpreter run the published code?
+        for folder, version in (("DeepSeek-V3", 3), ("DeepSeek-V2-Lite", 2)):
+            load_published(folder, version)
+        return 0
     if len(sys.argv) == 4 and sys.argv[1] == "check":
         torch.set_num_threads(1)
         return 0 if check(sys.argv[2], sys.argv[3]) else 1

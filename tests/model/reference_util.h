@@ -25,6 +25,13 @@ inline bool python_can_import(const std::string& module) {
   return std::filesystem::exists(kReferencePython) && std::system(cmd.c_str()) == 0;
 }
 
+// True when tests/model/SCRIPT probe exits 0 (the script can run its reference here).
+inline bool reference_script_runs(const std::string& script) {
+  const std::string cmd = std::string(kReferencePython) + " " + STRATA_SOURCE_DIR + "/tests/model/" + script +
+                          " probe >/dev/null 2>&1";
+  return std::filesystem::exists(kReferencePython) && std::system(cmd.c_str()) == 0;
+}
+
 // Runs tests/model/SCRIPT OUT VARIANT with OUT = BUILD/tests/OUT_NAME; returns OUT/VARIANT.
 inline std::string run_reference(const std::string& script, const std::string& out_name, const std::string& variant) {
   namespace fs = std::filesystem;
