@@ -343,9 +343,8 @@ LevelSizes level_sizes(const PlanInput& in, int zero) {
 }
 
 // The device working set while everything streams: two layers' (or a layer's and the edge's)
-// parameters and gradients, the activations, and the saved activations (when offloaded, the
-// table's three slots: two that layers rotate through, one being offloaded while the next is
-// written, and the final norm's input; else every layer's).
+// parameters and gradients, the activations, and the saved activations (two layers' when
+// offloaded, else every layer's).
 struct WorkingSet {
   uint64_t param = 0, grad = 0, act = 0, saved_offloaded = 0;
 };
@@ -369,7 +368,7 @@ bool plan_working_set(const PlanInput& in, const LevelSizes& s, Plan& p, Working
     ws->act += in.param_working_bytes > 0 ? in.param_working_bytes : ws->param;
     ws->param = std::max(s.edge.param + s.layer.param, 2 * s.layer.param);
   }
-  ws->saved_offloaded = static_cast<uint64_t>(std::min<int64_t>(3, s.L + 1)) * in.saved_activation_bytes_per_layer;
+  ws->saved_offloaded = 2 * in.saved_activation_bytes_per_layer;
   bool offload = in.offload_activations == "true";
   uint64_t minimum = ws->param + ws->grad + ws->act + (offload ? ws->saved_offloaded : s.saved_all);
   if (in.offload_activations == "auto") minimum = ws->param + ws->grad + ws->act + ws->saved_offloaded;
