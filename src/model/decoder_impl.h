@@ -510,11 +510,6 @@ double Decoder<Ops>::forward_backward(const int32_t* inputs, const int32_t* targ
 // the longest length's until a sequence within the context comes, so with lengths mixed past the
 // context the two differ; a training run's fixed train.seq_len agrees.)
 template <class Ops>
-MlaRope Decoder<Ops>::mla_rope() const {
-  return {inv_freq_ops_, rope_scale_, staged_positions_, staged_rope_positions_};
-}
-
-template <class Ops>
 void Decoder<Ops>::update_rope(int64_t T) {
   const bool dynamic = config_.rope.scaling == kernels::RopeScaling::kDynamic;
   const int64_t length = dynamic ? std::max(T, config_.max_position_embeddings) : 0;
@@ -527,6 +522,11 @@ void Decoder<Ops>::update_rope(int64_t T) {
   inv_freq_ops_ = ops_.stage_constants(inv_freq_.data(), static_cast<int64_t>(inv_freq_.size()));
   rope_length_ = length;
   rope_scale_ = static_cast<float>(kernels::rope_attention_factor(rope));
+}
+
+template <class Ops>
+MlaRope Decoder<Ops>::mla_rope() const {
+  return {inv_freq_ops_, rope_scale_, staged_positions_, staged_rope_positions_};
 }
 
 template <class Ops>
