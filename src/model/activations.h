@@ -81,7 +81,8 @@ class ActivationTable {
   // may be no larger than a tile).
   bool mlp_tiled() const { return mlp_tiled_; }
   // The buffers layer l's forward writes and its backward reads: its own when the table keeps
-  // layers (l < L - 1), the shared ones otherwise.
+  // layers (l < L - 1, and l = L - 1 with an MTP module), the shared ones otherwise (the MTP
+  // block's always).
   const ActivationTable& layer(int64_t l) const {
     return static_cast<size_t>(l) < layer_views_.size() ? layer_views_[static_cast<size_t>(l)] : *this;
   }
@@ -98,6 +99,21 @@ class ActivationTable {
   float* final_rstd = nullptr;   // (N)
   Act* d_final = nullptr;      // (N, C) gradient of final_out
   Act* dres = nullptr;         // (N, C) gradient of the residual stream
+
+  // The MTP module (ModelConfig::trains_mtp; decoder_impl.h, mtp_forward_backward): the embedding
+  // of the tokens one ahead and its norm, the norm of the model's last hidden state, their
+  // concatenation (embedding first) and its gradient, the block's input and output, and the
+  // gradient of the block's output.
+  Act* mtp_embed = nullptr;     // (N, C)
+  Act* mtp_en = nullptr;        // (N, C) enorm output, later its gradient
+  Act* mtp_hn = nullptr;        // (N, C) hnorm output, later its gradient
+  float* mtp_e_rstd = nullptr;  // (N)
+  float* mtp_h_rstd = nullptr;  // (N)
+  Act* mtp_cat = nullptr;       // (N, 2C) eh_proj's input
+  Act* d_mtp_cat = nullptr;     // (N, 2C)
+  Act* mtp_x = nullptr;         // (N, C) the block's input, later the embedding's gradient
+  Act* mtp_out = nullptr;       // (N, C) the block's output
+  Act* mtp_dres = nullptr;      // (N, C) gradient through the block
 
   // One layer's intermediates, written by forward and again by backward's recomputation.
   Act* ln1 = nullptr;       // (N, C) input_layernorm output
@@ -164,6 +180,8 @@ class ActivationTable {
   int32_t* tokens_in = nullptr;      // (N)
   int32_t* tokens_target = nullptr;  // (N)
   int32_t* tokens_pos = nullptr;     // (N) positions in their documents (packed documents only)
+  int32_t* tokens_mtp_in = nullptr;      // (N) the MTP module's input tokens (one ahead)
+  int32_t* tokens_mtp_target = nullptr;  // (N) and its targets (two ahead)
 
   // One layer's gradient scratch.
   Act* d_ln = nullptr;    // (N, C) gradient of a norm's output
@@ -374,6 +392,17 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(final_rstd, N);
   take(d_final, N * C);
   take(dres, N * C);
+  const int64_t mtp = config.trains_mtp() && kv_tokens == 0 ? N : 0;
+  take(mtp_embed, mtp * C);
+  take(mtp_en, mtp * C);
+  take(mtp_hn, mtp * C);
+  take(mtp_e_rstd, mtp);
+  take(mtp_h_rstd, mtp);
+  take(mtp_cat, mtp * 2 * C);
+  take(d_mtp_cat, mtp * 2 * C);
+  take(mtp_x, mtp * C);
+  take(mtp_out, mtp * C);
+  take(mtp_dres, mtp * C);
   intermediates(*this, Nf, Re);
   take(d_ln, N * C);
   take(d_tmp, N * C);
@@ -415,13 +444,17 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(tokens_in, N);
   take(tokens_target, N);
   take(tokens_pos, N);
+  take(tokens_mtp_in, mtp);
+  take(tokens_mtp_target, mtp);
   take(kv_cache, kv_tokens > 0 ? L * 2 * kv_tokens * kv_dim : 0);
   take(logits, kv_tokens > 0 ? config.vocab_size : 0);
   // Kept layers: layers 0 .. L-2 get intermediates of their own (the last layer's are the shared
-  // ones, still intact when its backward, the first, runs).
+  // ones, still intact when its backward, the first, runs), and the last layer too when the MTP
+  // block, which runs in the shared ones, comes between its forward and its backward.
   layer_views_.clear();
   if (keep_layers) {
-    std::vector<ActivationTable> views(static_cast<size_t>(std::max<int64_t>(L - 1, 0)), *this);
+    const int64_t own = config.trains_mtp() ? L : L - 1;
+    std::vector<ActivationTable> views(static_cast<size_t>(std::max<int64_t>(own, 0)), *this);
     for (ActivationTable& view : views) intermediates(view, tiled ? 0 : N, experts_tiled ? 0 : R);
     if (base != nullptr) layer_views_ = std::move(views);
   }

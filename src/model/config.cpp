@@ -49,6 +49,7 @@ constexpr KeyLimit kKeyLimits[] = {
     {"q_lora_rank", ModelLimits::kLoraRank},
     {"kv_lora_rank", ModelLimits::kLoraRank},
     {"first_k_dense_replace", ModelLimits::kLayers},
+    {"num_nextn_predict_layers", ModelLimits::kLayers},
     {"moe_layer_freq", ModelLimits::kLayers},
     {"n_routed_experts", ModelLimits::kExperts},
     {"n_shared_experts", ModelLimits::kExperts},
@@ -421,14 +422,9 @@ Status read_deepseek_keys(const json& json, const std::string& source, ModelConf
   c->output_router_logits = false;
   RETURN_IF_ERROR(read_double(json, "router_bias_update_rate", "router_bias_update_rate", source,
                               &c->router_bias_update_rate));
-  int64_t nextn = v3 ? 1 : 0;
-  RETURN_IF_ERROR(read_int(json, "num_nextn_predict_layers", "num_nextn_predict_layers", source, false, &nextn));
-  if (nextn != 0) {
-    return Status::Unimplemented(fmt::format(
-        "{}: key 'num_nextn_predict_layers' is {}; strata does not train multi-token prediction modules yet: "
-        "set it to 0 (model.set num_nextn_predict_layers=0; the checkpoint's MTP layers are then not loaded)",
-        source, nextn));
-  }
+  c->num_nextn_predict_layers = v3 ? 1 : 0;
+  RETURN_IF_ERROR(read_int(json, "num_nextn_predict_layers", "num_nextn_predict_layers", source, false,
+                           &c->num_nextn_predict_layers));
   return Status::OK();
 }
 
@@ -704,6 +700,28 @@ Status ModelConfig::validate(const std::string& source) const {
   RETURN_IF_ERROR(at_most(source, "v_head_dim", v_head_dim));
   RETURN_IF_ERROR(at_most(source, "first_k_dense_replace", first_k_dense_replace));
   RETURN_IF_ERROR(at_most(source, "moe_layer_freq", moe_layer_freq));
+  RETURN_IF_ERROR(at_most(source, "num_nextn_predict_layers", num_nextn_predict_layers));
+  if (num_nextn_predict_layers < 0) {
+    return bad_key(source, "num_nextn_predict_layers",
+                   fmt::format("must not be negative, got {}", num_nextn_predict_layers));
+  }
+  if (num_nextn_predict_layers > 1) {
+    return Status::Unimplemented(fmt::format(
+        "{}: key 'num_nextn_predict_layers' is {}; strata trains one multi-token prediction module (DeepSeek-V3's): "
+        "set it to 1 or 0 (model.set num_nextn_predict_layers=1; the checkpoint's further MTP layers are then not "
+        "loaded)",
+        source, num_nextn_predict_layers));
+  }
+  if (num_nextn_predict_layers > 0 && !is_deepseek()) {
+    return bad_key(source, "num_nextn_predict_layers",
+                   fmt::format("is {}; multi-token prediction modules exist for the DeepSeek architectures only",
+                               num_nextn_predict_layers));
+  }
+  if (!(mtp_loss_weight >= 0) || !std::isfinite(mtp_loss_weight)) {
+    return Status::InvalidArgument(
+        fmt::format("{}: the MTP loss weight (train.mtp_weight) must be finite and not negative, got {}", source,
+                    mtp_loss_weight));
+  }
   RETURN_IF_ERROR(at_most(source, "n_group", n_group));
   RETURN_IF_ERROR(at_most(source, "topk_group", topk_group));
   if (rope.scaling == kernels::RopeScaling::kLlama3 || rope.scaling == kernels::RopeScaling::kYarn) {
@@ -897,7 +915,7 @@ int64_t ModelConfig::num_moe_layers() const {
 
 int64_t ModelConfig::dense_mlp_width() const {
   int64_t width = 0;
-  for (int64_t l = 0; l < num_hidden_layers; ++l) {
+  for (int64_t l = 0; l < num_blocks(); ++l) {
     width = std::max(width, is_moe_layer(l) ? shared_expert_intermediate_size : intermediate_size);
   }
   return width;
@@ -995,7 +1013,7 @@ nlohmann::json ModelConfig::to_json() const {
     j["norm_topk_prob"] = norm_topk_prob;
     j["routed_scaling_factor"] = routed_scale;
     j["aux_loss_alpha"] = 0.0;
-    j["num_nextn_predict_layers"] = 0;
+    j["num_nextn_predict_layers"] = num_nextn_predict_layers;
     if (router_bias_update_rate > 0) j["router_bias_update_rate"] = router_bias_update_rate;
     // DeepSeek's YaRN object names its type "type" and keeps the mscales.
     if (rope.scaling == kernels::RopeScaling::kYarn) {
@@ -1053,9 +1071,14 @@ std::optional<int64_t> ModelConfig::count_parameters() const {
   const std::optional<int64_t> vocab = checked_mul(vocab_size, C);
   std::optional<int64_t> total = sum({vocab, C, tie_word_embeddings ? 0 : vocab});  // embeddings, final norm
   if (!attention || !dense || !moe) return std::nullopt;
-  const int64_t moe_layers = num_moe_layers();
-  return sum({total, checked_mul(num_hidden_layers, *attention), checked_mul(num_hidden_layers - moe_layers, *dense),
-              checked_mul(moe_layers, *moe)});
+  // The MTP modules: a block each, and enorm, hnorm, eh_proj and shared_head.norm.
+  const int64_t blocks = num_hidden_layers + num_nextn_predict_layers;
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < blocks; ++l) moe_layers += is_moe_layer(l) ? 1 : 0;
+  return sum({total, checked_mul(blocks, *attention), checked_mul(blocks - moe_layers, *dense),
+              checked_mul(moe_layers, *moe),
+              // enorm, hnorm, shared_head.norm; eh_proj
+              checked_mul(num_nextn_predict_layers, 3 * C), checked_product(num_nextn_predict_layers, int64_t{2}, C, C)});
 }
 
 int64_t ModelConfig::num_parameters() const {
@@ -1071,9 +1094,11 @@ int64_t ModelConfig::num_tensors() const {
                                      : 6 + (attention_bias ? 3 : 0) + (qk_norm ? 2 : 0);
   const int64_t moe =
       1 + 3 * num_experts + (shared_expert_intermediate_size > 0 ? (shared_expert_gated ? 4 : 3) : 0);
-  const int64_t moe_layers = num_moe_layers();
-  return 2 + (tie_word_embeddings ? 0 : 1) + num_hidden_layers * attention + (num_hidden_layers - moe_layers) * 3 +
-         moe_layers * moe;
+  const int64_t blocks = num_hidden_layers + num_nextn_predict_layers;
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < blocks; ++l) moe_layers += is_moe_layer(l) ? 1 : 0;
+  return 2 + (tie_word_embeddings ? 0 : 1) + blocks * attention + (blocks - moe_layers) * 3 + moe_layers * moe +
+         num_nextn_predict_layers * 4;
 }
 
 }  // namespace strata::model

@@ -121,6 +121,19 @@ struct ModelConfig {
   // moe_layer_freq == 0 (used instead of decoder_sparse_step and mlp_only_layers).
   int64_t first_k_dense_replace = 0;
   int64_t moe_layer_freq = 1;
+  // DeepSeek-V3's multi-token prediction (num_nextn_predict_layers): after the model's layers,
+  // module d (block num_hidden_layers + d, named model.layers.{num_hidden_layers + d}.* as the
+  // published checkpoints store it) projects [enorm(embedding of the token d + 1 ahead),
+  // hnorm(previous depth's hidden state)] through eh_proj into one more decoder block, whose
+  // output goes through its shared_head.norm to the model's LM head and a cross-entropy for the
+  // token d + 2 ahead. It shares the embedding and LM head. strata implements one module (what
+  // DeepSeek-V3/R1 publish).
+  int64_t num_nextn_predict_layers = 0;
+  // What the MTP cross-entropy weighs in training (train.mtp_weight; not a config.json key): the
+  // step's objective is (sum of the main NLL + mtp_loss_weight / num_nextn_predict_layers x sum of
+  // the MTP NLL) / (the step's main targets). 0: the MTP modules are not computed and their
+  // tensors not updated (kept as loaded, and exported unchanged).
+  double mtp_loss_weight = 0.1;
 
   // Reads the keys of a Hugging Face Llama config.json. `source` names the file in messages.
   // RoPE: top-level `rope_theta`, or the newer `rope_parameters` object (which wins when both
@@ -153,6 +166,11 @@ struct ModelConfig {
   Status check_sequence_length(int64_t seq_len, const std::string& source) const;
 
   bool is_moe() const { return num_experts > 0; }
+  // The decoder blocks of the layout: the model's layers, then the MTP modules' blocks.
+  int64_t num_blocks() const { return num_hidden_layers + num_nextn_predict_layers; }
+  bool is_mtp_block(int64_t block) const { return block >= num_hidden_layers; }
+  // Whether training computes the MTP modules (and updates them).
+  bool trains_mtp() const { return num_nextn_predict_layers > 0 && mtp_loss_weight > 0; }
   bool is_mla() const { return kv_lora_rank > 0; }
   // Whether the routers hold a selection bias (loss-free balancing, or DeepSeek-V3's
   // e_score_correction_bias): training state saved beside the parameters.
@@ -165,10 +183,12 @@ struct ModelConfig {
   // Width of a value head and of the attention output (o_proj's input): v_head_dim with MLA.
   int64_t value_head_dim() const { return is_mla() ? v_head_dim : head_dim; }
   int64_t att_dim() const { return num_attention_heads * value_head_dim(); }
-  // Whether decoder layer `layer` has a mixture of experts instead of a dense MLP.
+  // Whether decoder block `layer` (a layer, or an MTP module's block) has a mixture of experts
+  // instead of a dense MLP.
   bool is_moe_layer(int64_t layer) const;
+  // MoE layers among the model's layers (the MTP blocks not counted).
   int64_t num_moe_layers() const;
-  // Widest dense MLP any layer runs: intermediate_size of the dense layers, the shared expert.
+  // Widest dense MLP any block runs: intermediate_size of the dense layers, the shared expert.
   int64_t dense_mlp_width() const;
   // The DeepSeek configs' n_shared_experts (shared_expert_intermediate_size / moe_intermediate_size).
   int64_t deepseek_shared_experts() const {

@@ -50,6 +50,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -84,6 +85,9 @@ class Model {
                                  float grad_scale, bool backward, const int32_t* positions = nullptr) = 0;
   virtual void set_access(ParamAccess* access) = 0;
   virtual double last_aux_loss() const = 0;
+  // The MTP module's cross-entropy in the last compute() with backward: the sum of its token
+  // NLLs and how many targets it had (0 and 0 without one; see ModelConfig::mtp_loss_weight).
+  virtual std::pair<double, int64_t> last_mtp_loss() const = 0;
   virtual const std::vector<int64_t>& expert_token_counts() const = 0;
   // The same counts to change: data-parallel ranks replace theirs by the sum over ranks before
   // update_expert_bias(), so every rank moves the bias alike.
@@ -201,12 +205,13 @@ class Decoder final : public Model {
   // MoE models: the auxiliary load-balancing loss of the last forward (0 for dense models),
   // reported whether or not it joins the training loss.
   double last_aux_loss() const override { return last_aux_loss_; }
-  // (L, E) row-major: assignments (a token's K choices count K times) to each expert of each
+  std::pair<double, int64_t> last_mtp_loss() const override { return {last_mtp_nll_, last_mtp_targets_}; }
+  // (blocks, E) row-major (the MTP block's row after the layers'): assignments (a token's K choices count K times) to each expert of each
   // layer, summed over the forward_backward calls since the last reset_expert_token_counts()
   // (one optimizer step). Rows of dense layers are 0; empty for dense models.
   const std::vector<int64_t>& expert_token_counts() const override { return expert_counts_; }
   std::vector<int64_t>& mutable_expert_token_counts() override { return expert_counts_; }
-  // (L, E): the loss-free balancing selection bias (all 0 unless
+  // (blocks, E): the loss-free balancing selection bias (all 0 unless
   // config.router_bias_update_rate > 0). Not a trained parameter; checkpoints save it apart.
   const std::vector<float>& expert_selection_bias() const override { return expert_bias_; }
   std::vector<float>& mutable_expert_selection_bias() override { return expert_bias_; }
@@ -285,6 +290,13 @@ class Decoder final : public Model {
   // training; in generation the cache (above), and attention sees the cached positions too.
   Status layer_forward(int64_t layer, const Act* x, Act* out, int64_t B, int64_t T, const RouterStats* stats,
                        bool grads, const KvSlot* kv = nullptr);
+  // The MTP module (ModelConfig::trains_mtp), forward and backward, after the head's backward
+  // left dL/d(last layer's output) in acts_.dres, to which it adds its own part. Its input
+  // tokens are the inputs one ahead and its targets the targets one ahead (the last position
+  // predicts nothing; with document masks, neither does a position whose next token starts a
+  // document). Its gradients are scaled by grad_scale * mtp_loss_weight / num_nextn_predict_layers.
+  Status mtp_forward_backward(const int32_t* inputs, const int32_t* targets, const int32_t* positions, int64_t B,
+                              int64_t T, float grad_scale);
   // Generation's head: final norm of the (C) row x and the LM head into acts_.logits, copied to
   // logits (V) on the host.
   Status decode_head(const Act* x, float* logits);
@@ -338,6 +350,9 @@ class Decoder final : public Model {
   parallel::Comm* context_comm_ = nullptr;
   std::vector<int32_t> context_positions_;
   double last_aux_loss_ = 0.0;
+  double last_mtp_nll_ = 0.0;
+  int64_t last_mtp_targets_ = 0;
+  std::vector<int32_t> mtp_tokens_;  // (2N) the MTP module's inputs, then its targets, on the host
   // Generation (begin_sequence): the sequence's capacity, the tokens per decode() at most, and
   // the tokens in the cache.
   int64_t kv_capacity_ = 0;

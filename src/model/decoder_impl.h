@@ -28,7 +28,7 @@ Decoder<Ops>::Decoder(const ModelConfig& config, Ops ops) : config_(config), lay
   update_rope(1);
   if (config_.is_moe()) {
     const size_t E = static_cast<size_t>(config_.num_experts);
-    expert_counts_.assign(static_cast<size_t>(config_.num_hidden_layers) * E, 0);
+    expert_counts_.assign(static_cast<size_t>(config_.num_blocks()) * E, 0);
     expert_bias_.assign(expert_counts_.size(), 0.0f);
     forward_counts_.assign(E, 0);
     forward_prob_sums_.assign(E, 0.0);
@@ -66,7 +66,7 @@ void Decoder<Ops>::set_expert_comm(parallel::Comm* comm) {
     CHECK_MSG(context_comm_ == nullptr, "expert parallelism beside context parallelism");
   }
   expert_comm_ = comm;
-  expert_routes_.assign(comm != nullptr ? static_cast<size_t>(config_.num_hidden_layers) : 0, ExpertRoute{});
+  expert_routes_.assign(comm != nullptr ? static_cast<size_t>(config_.num_blocks()) : 0, ExpertRoute{});
 }
 
 template <class Ops>
@@ -85,8 +85,9 @@ template <class Ops>
 void Decoder<Ops>::update_expert_bias() {
   if (config_.router_bias_update_rate <= 0) return;
   const int64_t E = config_.num_experts;
-  for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-    if (!config_.is_moe_layer(l)) continue;
+  for (int64_t l = 0; l < config_.num_blocks(); ++l) {
+    // An MTP block training does not compute routes nothing: its bias stays.
+    if (!config_.is_moe_layer(l) || (config_.is_mtp_block(l) && !config_.trains_mtp())) continue;
     kernels::moe_update_selection_bias(expert_bias_.data() + l * E, expert_counts_.data() + l * E, E,
                                        static_cast<float>(config_.router_bias_update_rate));
   }
@@ -548,7 +549,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
 
   // The head: final norm, LM head and cross-entropy (and their backward). With tied
   // embeddings the head reads (and accumulates into) the embedding's group as well.
-  const int head = static_cast<int>(L + 1);
+  const int head = static_cast<int>(layout_.num_layers() + 1);
   const bool tied = layout_.lm_head() == layout_.embed_tokens();
   // The final norm, LM head and loss, forward and backward together.
   trace::Span head_span("compute", "head");
@@ -603,13 +604,17 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   end_group(head, true, true);
   if (tied) end_group(0, true, true);
   head_span.end();
+  last_mtp_nll_ = 0.0;
+  last_mtp_targets_ = 0;
+  if (config_.trains_mtp()) RETURN_IF_ERROR(mtp_forward_backward(inputs, targets, positions, B, T, grad_scale));
   for (int64_t l = L - 1; l >= 0; --l) {
     Act* x = layer_checkpoint(l, N);  // (N, C)
     // The scratch still holds the last layer's intermediates (and routing) from forward, and
     // with kept layers every layer's are in its own set; otherwise the layer is recomputed from
     // its layer checkpoint. Either way the experts that received tokens are begun, parameters
     // and gradients, for the backward.
-    const bool recompute = l != L - 1 && !keep_layers_;
+    // (The MTP block ran in the scratch since the last layer's forward.)
+    const bool recompute = (l != L - 1 || config_.trains_mtp()) && !keep_layers_;
     // Fetching the layer's state (and its offloaded layer checkpoint) belongs to the recompute
     // span when there is one, else to the backward's.
     trace::Span recompute_span("compute", recompute ? "recompute" : "backward", l);
@@ -643,6 +648,117 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   end_group(0, false, true);
   ops_.trace_phase(nullptr);
   return loss;
+}
+
+template <class Ops>
+Status Decoder<Ops>::mtp_forward_backward(const int32_t* inputs, const int32_t* targets, const int32_t* positions,
+                                          int64_t B, int64_t T, float grad_scale) {
+  CHECK_MSG(config_.num_nextn_predict_layers == 1, "one multi-token prediction module (config validation)");
+  CHECK_MSG(context_comm_ == nullptr && expert_comm_ == nullptr,
+            "multi-token prediction with context or expert parallelism");
+  const int64_t N = B * T;
+  const int64_t C = config_.hidden_size;
+  const int64_t V = config_.vocab_size;
+  const int64_t block = config_.num_hidden_layers;  // the module's block
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  trace::Span span("compute", "mtp");
+  ops_.trace_phase("mtp");
+
+  // Its tokens: position t reads the input at t + 1 (at the row's end the target there, the token
+  // after the row, or 0 where that is ignored: the position predicts nothing) and predicts the
+  // target at t + 1.
+  ops_.synchronize();  // queued ops of a previous compute may still read the host arrays
+  mtp_tokens_.resize(static_cast<size_t>(2 * N));
+  int32_t* in = mtp_tokens_.data();
+  int32_t* target = in + N;
+  int64_t valid = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t i = b * T + t;
+      const bool last = t + 1 == T;
+      in[i] = !last ? inputs[i + 1] : std::max(targets[i], 0);
+      // A next token that starts a document is not predicted from the one before it.
+      const bool crosses = !last && positions != nullptr && positions[i + 1] == 0;
+      target[i] = last || crosses ? -1 : targets[i + 1];
+      valid += target[i] >= 0 ? 1 : 0;
+    }
+  }
+  const int32_t* staged_in = ops_.stage_tokens(in, N, acts_.tokens_mtp_in);
+  const int32_t* staged_target = ops_.stage_tokens(target, N, acts_.tokens_mtp_target);
+  const Act* hidden = layer_checkpoint(config_.num_hidden_layers, N);  // the last layer's output
+
+  RETURN_IF_ERROR(begin_group(0, true, false));
+  ops_.embedding_forward(acts_.mtp_embed, staged_in, param_blocks(layout_.embed_tokens()).data(),
+                         block_rows(layout_.embed_tokens()), N, C, V);
+  end_group(0, true, false);
+
+  const int group = static_cast<int>(1 + block);
+  RETURN_IF_ERROR(begin_group(group, true, true));
+  const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(block));
+  const LayerGrads g = LayerGrads::bind_with(grad_at(), layout_.layer(block));
+  ops_.rmsnorm_forward(acts_.mtp_en, acts_.mtp_e_rstd, acts_.mtp_embed, p.mtp_enorm, N, C, eps);
+  ops_.rmsnorm_forward(acts_.mtp_hn, acts_.mtp_h_rstd, hidden, p.mtp_hnorm, N, C, eps);
+  ops_.copy_columns(acts_.mtp_cat, 2 * C, acts_.mtp_en, C, N, C, kernels::ColumnOrder::kSame);
+  ops_.copy_columns(acts_.mtp_cat + C, 2 * C, acts_.mtp_hn, C, N, C, kernels::ColumnOrder::kSame);
+  ops_.linear_forward(acts_.mtp_x, acts_.mtp_cat, p.mtp_eh_proj, nullptr, N, 2 * C, C);
+  std::vector<int64_t> counts(static_cast<size_t>(config_.num_experts), 0);
+  std::vector<double> prob_sums(counts.size(), 0.0);
+  const RouterStats stats{counts.data(), prob_sums.data()};
+  Status st = layer_forward(block, acts_.mtp_x, acts_.mtp_out, B, T, &stats, /*grads=*/true);
+  if (!st.ok()) {
+    end_group(group, true, true);
+    return st;
+  }
+  for (size_t e = 0; e < counts.size(); ++e) expert_counts_[static_cast<size_t>(block) * counts.size() + e] += counts[e];
+
+  // Its head: shared_head.norm, then the model's LM head and cross-entropy (with tied
+  // embeddings the head reads the embedding's group).
+  const int head = static_cast<int>(layout_.num_layers() + 1);
+  const bool tied = layout_.lm_head() == layout_.embed_tokens();
+  st = tied ? begin_group(0, true, true) : Status::OK();
+  if (st.ok()) {
+    st = begin_group(head, true, true);
+    if (!st.ok() && tied) end_group(0, true, true);
+  }
+  if (!st.ok()) {
+    end_experts(block, true, true);
+    end_group(group, true, true);
+    return st;
+  }
+  const float scale = grad_scale * static_cast<float>(config_.mtp_loss_weight /
+                                                      static_cast<double>(config_.num_nextn_predict_layers));
+  ops_.rmsnorm_forward(acts_.final_out, acts_.final_rstd, acts_.mtp_out, p.mtp_head_norm, N, C, eps);
+  last_mtp_nll_ = ops_.lm_head_cross_entropy(
+      acts_.d_final, grad_blocks(layout_.lm_head()).data(), acts_.final_out, param_blocks(layout_.lm_head()).data(),
+      block_rows(layout_.lm_head()), staged_target, N, C, V, scale, ops_.lm_head_chunk_tokens(N, C, V));
+  last_mtp_targets_ = valid;
+  ops_.rmsnorm_backward(acts_.mtp_dres, g.mtp_head_norm, acts_.d_final, acts_.mtp_out, p.mtp_head_norm,
+                        acts_.final_rstd, N, C);
+  end_group(head, true, true);
+  if (tied) end_group(0, true, true);
+
+  // Back through the block, eh_proj and the two norms: the hidden state's part adds to dres.
+  st = layer_backward(block, acts_.mtp_x, acts_.mtp_dres, B, T, /*prob_grad=*/nullptr);
+  end_experts(block, true, true);
+  if (!st.ok()) {
+    end_group(group, true, true);
+    return st;
+  }
+  ops_.linear_backward(acts_.d_mtp_cat, g.mtp_eh_proj, nullptr, acts_.mtp_dres, acts_.mtp_cat, p.mtp_eh_proj, N,
+                       2 * C, C);
+  ops_.copy_columns(acts_.mtp_en, C, acts_.d_mtp_cat, 2 * C, N, C, kernels::ColumnOrder::kSame);
+  ops_.copy_columns(acts_.mtp_hn, C, acts_.d_mtp_cat + C, 2 * C, N, C, kernels::ColumnOrder::kSame);
+  ops_.rmsnorm_backward(acts_.mtp_x, g.mtp_enorm, acts_.mtp_en, acts_.mtp_embed, p.mtp_enorm, acts_.mtp_e_rstd, N, C);
+  ops_.rmsnorm_backward(acts_.d_tmp, g.mtp_hnorm, acts_.mtp_hn, hidden, p.mtp_hnorm, acts_.mtp_h_rstd, N, C);
+  ops_.add_inplace(acts_.dres, acts_.d_tmp, N * C);
+  end_group(group, true, true);
+
+  RETURN_IF_ERROR(begin_group(0, false, true));
+  ops_.embedding_backward(grad_blocks(layout_.embed_tokens()).data(), block_rows(layout_.embed_tokens()), acts_.mtp_x,
+                          staged_in, N, C, V);
+  end_group(0, false, true);
+  ops_.trace_phase(nullptr);
+  return Status::OK();
 }
 
 // ---- generation ------------------------------------------------------------------------------
@@ -721,7 +837,7 @@ template <class Ops>
 Status Decoder<Ops>::decode_head(const Act* x /*(C)*/, float* logits /*(V)*/) {
   const int64_t C = config_.hidden_size;
   const int64_t V = config_.vocab_size;
-  const int head = static_cast<int>(config_.num_hidden_layers + 1);
+  const int head = static_cast<int>(layout_.num_layers() + 1);
   const bool tied = layout_.lm_head() == layout_.embed_tokens();
   if (tied) RETURN_IF_ERROR(begin_group(0, true, false));
   if (Status st = begin_group(head, true, false); !st.ok()) {

@@ -258,6 +258,7 @@ Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const 
       continue;  // read_hf_selection_bias's
     if (info.name.ends_with("_scale_inv") && layout.find(info.name.substr(0, info.name.size() - 10)) != nullptr)
       continue;  // a weight's block scales (read_hf_tensor)
+    if (is_mtp_shared_copy(layout.config(), info.name)) continue;  // the module's copies of shared tensors
     extra.push_back(info.name);
   }
   if (!extra.empty()) {
@@ -269,6 +270,25 @@ Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const 
   return reader;
 }
 
+std::vector<std::pair<std::string, int64_t>> mtp_shared_copies(const ParamLayout& layout) {
+  std::vector<std::pair<std::string, int64_t>> out;
+  const ModelConfig& c = layout.config();
+  for (int64_t b = c.num_hidden_layers; b < c.num_blocks(); ++b) {
+    out.emplace_back(fmt::format("model.layers.{}.embed_tokens.weight", b), layout.embed_tokens());
+    out.emplace_back(fmt::format("model.layers.{}.shared_head.head.weight", b), layout.lm_head());
+  }
+  return out;
+}
+
+bool is_mtp_shared_copy(const ModelConfig& config, std::string_view name) {
+  for (int64_t b = config.num_hidden_layers; b < config.num_blocks(); ++b) {
+    if (name == fmt::format("model.layers.{}.embed_tokens.weight", b) ||
+        name == fmt::format("model.layers.{}.shared_head.head.weight", b))
+      return true;
+  }
+  return false;
+}
+
 std::string selection_bias_name(int64_t layer) {
   return fmt::format("model.layers.{}.mlp.gate.e_score_correction_bias", layer);
 }
@@ -276,8 +296,8 @@ std::string selection_bias_name(int64_t layer) {
 Status read_hf_selection_bias(const SafetensorsReader& reader, const ModelConfig& config, std::vector<float>* bias) {
   if (!config.router_selection_bias || !config.is_moe()) return Status::OK();
   const int64_t E = config.num_experts;
-  std::vector<float> read(static_cast<size_t>(config.num_hidden_layers * E), 0.0f);
-  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+  std::vector<float> read(static_cast<size_t>(config.num_blocks() * E), 0.0f);
+  for (int64_t l = 0; l < config.num_blocks(); ++l) {
     if (!config.is_moe_layer(l)) continue;
     const std::string name = selection_bias_name(l);
     if (reader.find(name) == nullptr)
@@ -372,17 +392,17 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
   // DeepSeek-V3's selection biases, after their layer's router.
   if (config.router_selection_bias && config.is_moe()) {
     const int64_t E = config.num_experts;
-    for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    for (int64_t l = 0; l < config.num_blocks(); ++l) {
       if (!config.is_moe_layer(l)) continue;
       const int64_t router = layout.layer(l).moe.router;
       auto at = std::find_if(tensors.begin(), tensors.end(),
                              [&](const SafetensorsWriteTensor& w) { return w.name == layout.at(router).name; });
       const std::vector<float>* bias = options.selection_bias;
-      if (bias == nullptr || bias->size() != static_cast<size_t>(config.num_hidden_layers * E))
+      if (bias == nullptr || bias->size() != static_cast<size_t>(config.num_blocks() * E))
         return Status::InvalidArgument(fmt::format(
             "exporting {}: the routers' selection biases (e_score_correction_bias) are {}, not {} x {} values",
             config.architecture, bias == nullptr ? "missing" : std::to_string(bias->size()) + " values",
-            config.num_hidden_layers, E));
+            config.num_blocks(), E));
       const float* from = bias->data() + l * E;
       SafetensorsWriteTensor w{selection_bias_name(l), {E}, nullptr,
                                [from, E](float* out) {
@@ -393,9 +413,23 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
       tensors.insert(at == tensors.end() ? at : at + 1, std::move(w));
     }
   }
+  // The MTP modules' copies of the embedding and the LM head, after the module's last tensor, as
+  // DeepSeek's checkpoints hold them (their serving code reads the module's own names).
+  for (const auto& [name, offset] : mtp_shared_copies(layout)) {
+    const std::string prefix = name.substr(0, name.find(".embed_tokens") != std::string::npos
+                                                   ? name.find(".embed_tokens") + 1
+                                                   : name.find(".shared_head") + 1);
+    auto after = std::find_if(tensors.rbegin(), tensors.rend(),
+                              [&](const SafetensorsWriteTensor& w) { return w.name.starts_with(prefix); });
+    const TensorSpec* source = &layout.at(offset);
+    SafetensorsWriteTensor w{name, source->shape, nullptr, [&read, source](float* out) { return read(*source, out); }};
+    tensors.insert(after.base(), std::move(w));
+  }
   uint64_t total_bytes = 0;
-  for (const TensorSpec& t : layout.tensors()) {
-    total_bytes += static_cast<uint64_t>(t.numel) * (options.dtype == SafetensorsWriteDtype::kF32 ? 4 : 2);
+  for (const SafetensorsWriteTensor& w : tensors) {
+    uint64_t n = 1;
+    for (int64_t d : w.shape) n *= static_cast<uint64_t>(d);
+    total_bytes += n * (options.dtype == SafetensorsWriteDtype::kF32 ? 4 : 2);
   }
   Progress progress(fmt::format("exporting {} weights to {}", export_dtype_name(options.dtype), dir.string()),
                     total_bytes);

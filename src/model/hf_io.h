@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -60,11 +61,18 @@ std::string block_scale_name(std::string_view weight_name);
 Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const ParamLayout& layout,
                                           const ReaderOptions& options = {});
 
+// The copies of shared tensors a DeepSeek checkpoint stores in each multi-token prediction module
+// (model.layers.{b}.embed_tokens.weight and .shared_head.head.weight, b >= num_hidden_layers),
+// each with the layout offset of the tensor it copies (the embedding, the LM head). Loading
+// ignores them (the module shares the model's); exports write them.
+std::vector<std::pair<std::string, int64_t>> mtp_shared_copies(const ParamLayout& layout);
+bool is_mtp_shared_copy(const ModelConfig& config, std::string_view name);
+
 // DeepSeek-V3's routers' selection biases (ModelConfig::router_selection_bias): one (E) tensor
-// per MoE layer, model.layers.{l}.mlp.gate.e_score_correction_bias. The decoder holds them with
+// per MoE block (the MTP modules' too), model.layers.{l}.mlp.gate.e_score_correction_bias. The decoder holds them with
 // the training state besides the parameters (the loss-free balancing bias), not in the layout.
 std::string selection_bias_name(int64_t layer);
-// Reads them into bias (L x E, zero for dense layers) from a checkpoint holding them; NotFound
+// Reads them into bias (blocks x E, zero for dense blocks) from a checkpoint holding them; NotFound
 // naming the first missing one. Does nothing (bias left as it is) when the config has none.
 Status read_hf_selection_bias(const SafetensorsReader& reader, const ModelConfig& config, std::vector<float>* bias);
 

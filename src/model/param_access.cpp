@@ -37,7 +37,8 @@ bool param_is_linear_weight(const ParamLayout& layout, const TensorSpec& tensor)
   const LayerOffsets& l = layout.layer(group - 1);
   const int64_t o = tensor.offset;
   if (o == l.q_proj || o == l.k_proj || o == l.v_proj || o == l.o_proj || o == l.gate_proj || o == l.up_proj ||
-      o == l.down_proj || o == l.q_a_proj || o == l.q_b_proj || o == l.kv_a_proj || o == l.kv_b_proj)
+      o == l.down_proj || o == l.q_a_proj || o == l.q_b_proj || o == l.kv_a_proj || o == l.kv_b_proj ||
+      o == l.mtp_eh_proj)
     return true;
   const MoeOffsets& moe = l.moe;
   if (o == moe.shared_gate_proj || o == moe.shared_up_proj || o == moe.shared_down_proj) return true;

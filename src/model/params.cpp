@@ -1,6 +1,7 @@
 #include "model/params.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -68,9 +69,15 @@ ParamLayout::ParamLayout(const ModelConfig& config) : config_(config) {
   const int64_t Fs = config.shared_expert_intermediate_size;
 
   embed_tokens_ = add("model.embed_tokens.weight", {V, C}, TensorRole::kMatrix);
-  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+  for (int64_t i = 0; i < config.num_blocks(); ++i) {
     const std::string p = fmt::format("model.layers.{}.", i);
     LayerOffsets o;
+    const bool mtp = config.is_mtp_block(i);
+    if (mtp) {
+      o.mtp_enorm = add(p + "enorm.weight", {C}, TensorRole::kNormWeight);
+      o.mtp_hnorm = add(p + "hnorm.weight", {C}, TensorRole::kNormWeight);
+      o.mtp_eh_proj = add(p + "eh_proj.weight", {C, 2 * C}, TensorRole::kMatrix);
+    }
     o.input_layernorm = add(p + "input_layernorm.weight", {C}, TensorRole::kNormWeight);
     if (config.is_mla()) {
       // DeepSeek's order: q (or its low-rank pair and their norm), the compressed kv with the
@@ -137,7 +144,15 @@ ParamLayout::ParamLayout(const ModelConfig& config) : config_(config) {
           o.moe.shared_expert_gate = add(m + "shared_expert_gate.weight", {1, C}, TensorRole::kMatrix);
       }
     }
+    if (mtp) o.mtp_head_norm = add(p + "shared_head.norm.weight", {C}, TensorRole::kNormWeight);
     layers_.push_back(o);
+  }
+  // An MTP module training does not compute keeps its tensors as loaded.
+  if (!config.trains_mtp()) {
+    for (TensorSpec& t : tensors_) {
+      int layer = -1;
+      if (std::sscanf(t.name.c_str(), "model.layers.%d.", &layer) == 1 && config.is_mtp_block(layer)) t.frozen = true;
+    }
   }
   final_norm_ = add("model.norm.weight", {C}, TensorRole::kNormWeight);
   lm_head_ = config.tie_word_embeddings ? embed_tokens_

@@ -1,6 +1,6 @@
 // Parameter layout: every parameter of a model lives in ONE flat fp32 buffer per kind (params,
 // grads, and later master/adam_m/adam_v and chunks), all sharing one ParamLayout. Tensors are
-// packed in first-use order (embeddings, layer 0 ... layer L-1, final norm, lm_head) at offsets
+// packed in block order (embeddings, layer 0 ... layer L-1, the MTP modules, final norm, lm_head) at offsets
 // aligned to kParamAlignment elements, under their Hugging Face names. Within an MoE layer:
 // router, then expert 0 (gate, up, down), expert 1, ..., then the shared expert and its gate.
 #pragma once
@@ -36,6 +36,9 @@ struct TensorSpec {
   int64_t numel = 0;
   bool weight_decay = false;   // true for 2-D matrices (embeddings included)
   TensorRole kind = TensorRole::kMatrix;
+  // Not updated by the optimizer: an MTP module's tensors when training does not compute them
+  // (ModelConfig::mtp_loss_weight 0), kept as loaded. Their gradients stay 0.
+  bool frozen = false;
   // > 0: the tensor is paged and computed in blocks of this many rows (the last may be
   // shorter): the vocabulary tensors of a model whose embedding dwarfs every other tensor,
   // which would otherwise set a chunk size that pads every other group. 0: one block.
@@ -88,6 +91,13 @@ struct LayerOffsets {
   int64_t up_proj = -1;
   int64_t down_proj = -1;
   MoeOffsets moe;  // MoE layers only
+  // A multi-token prediction module's own tensors (ModelConfig::num_nextn_predict_layers), in
+  // its block's LayerOffsets: the norms of the embedding and of the previous hidden state, the
+  // projection of their concatenation (embedding first), and the norm before the shared LM head.
+  int64_t mtp_enorm = -1;      // (C)
+  int64_t mtp_hnorm = -1;      // (C)
+  int64_t mtp_eh_proj = -1;    // (C, 2C)
+  int64_t mtp_head_norm = -1;  // (C) shared_head.norm
 };
 
 // Named pointers to one layer's tensors inside a flat buffer. T = const float for parameters,
@@ -114,6 +124,10 @@ struct LayerTensors {
   T* gate_proj;                 // (F, C) or null in MoE layers
   T* up_proj;                   // (F, C) or null
   T* down_proj;                 // (C, F) or null
+  T* mtp_enorm;                 // an MTP module's (LayerOffsets), else null
+  T* mtp_hnorm;
+  T* mtp_eh_proj;
+  T* mtp_head_norm;
 
   static LayerTensors bind(T* base, const LayerOffsets& o) {
     return bind_with([base](int64_t offset) { return base + offset; }, o);
@@ -127,7 +141,8 @@ struct LayerTensors {
             at(o.q_norm),          at(o.k_norm),    at(o.q_a_proj), at(o.q_a_layernorm),
             at(o.q_b_proj),        at(o.kv_a_proj), at(o.kv_a_layernorm), at(o.kv_b_proj),
             at(o.post_attention_layernorm),
-            at(o.gate_proj),       at(o.up_proj),   at(o.down_proj)};
+            at(o.gate_proj),       at(o.up_proj),   at(o.down_proj),
+            at(o.mtp_enorm),       at(o.mtp_hnorm), at(o.mtp_eh_proj), at(o.mtp_head_norm)};
   }
 };
 using LayerParams = LayerTensors<const float>;
@@ -188,7 +203,9 @@ class ParamLayout {
   int64_t num_parameters() const;
 
   int64_t embed_tokens() const { return embed_tokens_; }  // (V, C)
+  // Decoder block i: the model's layers 0 .. L-1, then the MTP modules' blocks.
   const LayerOffsets& layer(int64_t i) const { return layers_[static_cast<size_t>(i)]; }
+  // The blocks (ModelConfig::num_blocks()): a paged group each.
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   int64_t final_norm() const { return final_norm_; }  // (C)
   // (V, C); equals embed_tokens() when the embeddings are tied.

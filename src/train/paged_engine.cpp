@@ -285,6 +285,8 @@ Status PagedEngine::zero_grads() {
   net_->reset_expert_token_counts();  // the gradients themselves live in the chunk space
   reached_by_layer_.assign(static_cast<size_t>(mc_.num_moe_layers()), 0);
   reach_batches_ = 0;
+  mtp_nll_ = 0;
+  mtp_targets_ = 0;
   return state_->zero_grads();
 }
 
@@ -294,6 +296,10 @@ Result<double> PagedEngine::micro_batch(const int32_t* inputs, const int32_t* ta
   if (mc_.is_moe()) counts_before_ = net_->expert_token_counts();
   Result<double> loss = net_->compute(inputs, targets, B, T, grad_scale, /*backward=*/true, positions);
   train_aux_loss_ = net_->last_aux_loss();  // an evaluation's forward does not replace it
+  if (loss.ok()) {
+    mtp_nll_ += net_->last_mtp_loss().first;
+    mtp_targets_ += net_->last_mtp_loss().second;
+  }
   if (mc_.is_moe() && loss.ok()) {
     const std::vector<int64_t>& counts = net_->expert_token_counts();
     const int64_t E = mc_.num_experts;
@@ -425,7 +431,7 @@ std::vector<ExtraState> PagedEngine::extra_state() const {
   if (!mc_.has_selection_bias()) return out;
   const std::vector<float>& bias = net_->expert_selection_bias();
   const int64_t E = mc_.num_experts;
-  for (int64_t l = 0; l < mc_.num_hidden_layers; ++l) {
+  for (int64_t l = 0; l < mc_.num_blocks(); ++l) {
     if (!mc_.is_moe_layer(l)) continue;
     out.push_back({selection_bias_state_name(l),
                    std::vector<float>(bias.begin() + l * E, bias.begin() + (l + 1) * E)});
@@ -445,7 +451,7 @@ void PagedEngine::set_extra_state(const std::vector<ExtraState>& extra) {
   std::vector<float>& bias = net_->mutable_expert_selection_bias();
   const int64_t E = mc_.num_experts;
   size_t i = 0;
-  for (int64_t l = 0; l < mc_.num_hidden_layers; ++l) {
+  for (int64_t l = 0; l < mc_.num_blocks(); ++l) {
     if (!mc_.is_moe_layer(l)) continue;
     std::copy(extra[i].values.begin(), extra[i].values.end(), bias.begin() + l * E);
     ++i;
@@ -456,12 +462,17 @@ void PagedEngine::set_extra_state(const std::vector<ExtraState>& extra) {
 // auxiliary loss of the last micro-batch, the most loaded expert of the step relative to an even
 // split, and experts_reached().
 std::string PagedEngine::step_note() const {
-  if (!mc_.is_moe()) return {};
+  // The MTP module's mean NLL over its targets of this rank's micro-batches.
+  const std::string mtp = mc_.trains_mtp() && mtp_targets_ > 0
+                              ? fmt::format("mtp: loss {:.4f} (weight {})", mtp_nll_ / static_cast<double>(mtp_targets_),
+                                            mc_.mtp_loss_weight)
+                              : std::string();
+  if (!mc_.is_moe()) return mtp;
   const int64_t E = mc_.num_experts;
   const std::vector<int64_t>& counts = net_->expert_token_counts();
   double worst = 0;
   int64_t worst_layer = -1;
-  for (int64_t l = 0; l < mc_.num_hidden_layers; ++l) {
+  for (int64_t l = 0; l < mc_.num_blocks(); ++l) {
     if (!mc_.is_moe_layer(l)) continue;
     int64_t total = 0, most = 0;
     for (int64_t e = 0; e < E; ++e) {
@@ -474,8 +485,12 @@ std::string PagedEngine::step_note() const {
       worst_layer = l;
     }
   }
-  return fmt::format("moe: aux loss {:.4f} | expert load max/mean {:.2f} (layer {}) | experts reached {:.1f}%",
-                     train_aux_loss_, worst, worst_layer, 100 * std::max(experts_reached(), 0.0));
+  // DeepSeek's routers train without an auxiliary loss (the selection bias balances them).
+  const std::string aux = mc_.output_router_logits || mc_.router_aux_loss_coef > 0
+                              ? fmt::format("aux loss {:.4f} | ", train_aux_loss_)
+                              : std::string();
+  return fmt::format("moe: {}expert load max/mean {:.2f} (layer {}) | experts reached {:.1f}%{}", aux, worst,
+                     worst_layer, 100 * std::max(experts_reached(), 0.0), mtp.empty() ? "" : " | " + mtp);
 }
 
 }  // namespace strata

@@ -113,12 +113,13 @@ class PagedEngine {
 
   // Training state besides the tensors that a resume needs (MoE routers' balancing bias).
   std::vector<ExtraState> extra_state() const;
-  // The MoE routers' selection biases (L x E; ModelConfig::has_selection_bias), as exports and
+  // The MoE routers' selection biases (blocks x E; ModelConfig::has_selection_bias), as exports and
   // loads of Hugging Face weights hold them (model/hf_io.h).
   const std::vector<float>& selection_bias() const;
   void set_selection_bias(const std::vector<float>& bias);
   void set_extra_state(const std::vector<ExtraState>& extra);
-  // A second log line for a step, empty when there is nothing to add (MoE load balance).
+  // A second log line for a step, empty when there is nothing to add (MoE load balance, the MTP
+  // module's loss).
   std::string step_note() const;
   // MoE models: per MoE layer (in order), the share of its experts that this rank's training
   // micro-batches reached (gave at least one token) since zero_grads(), over the micro-batches:
@@ -159,6 +160,8 @@ class PagedEngine {
   PlanInput plan_input_;  // what plan_ was made from
   TrainConfig budgets_;  // the settings with every budget and the chunk size resolved
   double train_aux_loss_ = 0;  // the MoE aux loss of the last training micro-batch (step_note)
+  double mtp_nll_ = 0;         // the MTP module's NLL sum and targets since zero_grads() (step_note)
+  int64_t mtp_targets_ = 0;
   std::vector<int64_t> reached_by_layer_;  // experts given tokens, per MoE layer, since zero_grads
   int64_t reach_batches_ = 0;               // the micro-batches they count over
   std::vector<int64_t> counts_before_;               // the expert counts before a micro-batch

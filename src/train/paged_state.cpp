@@ -743,6 +743,7 @@ bool PagedState::apply_update(int g, std::span<const size_t> tensors, Tier where
   on_compute_thread([&] {
   for (size_t i : tensors) {
     const Piece& t = pieces_[i];
+    if (t.spec->frozen) continue;  // kept as loaded (model/params.h)
     // This rank's range of the tensor (all of it without sharded optimizer state); the moments,
     // and a sliced master, hold that range alone, the gradients and compute copy every element.
     const ElementRange range = updated_range(i);

@@ -53,6 +53,11 @@ ConfigSchema build_schema() {
          .help = "micro-batches per optimizer step"});
   s.add({.name = "train.steps", .type = T::kInt, .default_value = "200", .min = 1,
          .help = "optimizer steps to run"});
+  s.add({.name = "train.mtp_weight", .type = T::kFloat, .default_value = "0.1", .min = 0, .max = 1000,
+         .help = "weight of the multi-token prediction loss, for models with MTP modules (DeepSeek-V3's "
+                 "num_nextn_predict_layers): the step trains (main NLL + weight x MTP NLL) per main target. "
+                 "DeepSeek-V3 pretrained with 0.3, then 0.1. 0 = the modules are neither computed nor updated, and "
+                 "export as loaded"});
   s.add({.name = "train.max_skipped_steps", .type = T::kInt, .default_value = "5", .min = 0, .max = 1000000,
          .help = "a step whose loss or gradient norm is NaN/Inf is skipped (no update; the data and the lr schedule "
                  "move on, AdamW's step count does not); this many skipped in a row are tolerated, one more stops "
@@ -333,6 +338,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.eps = c.get_float("optim.eps");
   t.weight_decay = c.get_float("optim.weight_decay");
   t.grad_clip = c.get_float("optim.grad_clip");
+  t.mtp_weight = c.get_float("train.mtp_weight");
   t.overlap_backward = c.get_bool("optim.overlap_backward");
   t.precision_auto = c.get_string("train.precision") == "auto";
   t.precision = parse_precision(c.get_string("train.precision")).value_or(Precision::kFp32);

@@ -36,6 +36,7 @@ struct TrainConfig {
   int64_t grad_accum = 0;
   int64_t steps = 0;
   int64_t max_skipped_steps = 5;  // non-finite steps skipped in a row before the run stops
+  double mtp_weight = 0.1;        // the multi-token prediction loss's weight (ModelConfig::mtp_loss_weight)
   uint64_t seed = 0;
   // optimizer
   double lr = 0, min_lr_ratio = 0;

@@ -104,7 +104,22 @@ Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
   // model_type=mixtral alone switches the architecture too (the base's list would win).
   if (model_type_set && !architectures_set) j.erase("architectures");
   if (!t.model_overrides.empty()) source += " + model.set";
-  return model::ModelConfig::from_json(j, source);
+  ASSIGN_OR_RETURN(model::ModelConfig mc, model::ModelConfig::from_json(j, source));
+  // The MTP loss weight is training's (train.mtp_weight), not the model's.
+  mc.mtp_loss_weight = t.mtp_weight;
+  if (mc.trains_mtp() && t.parallel_context > 1)
+    return Status::InvalidArgument(fmt::format(
+        "parallel.context_parallel={} with {}'s multi-token prediction module: its tokens one ahead cross the "
+        "context group's chunks; set train.mtp_weight=0 (the module is then kept as loaded) or "
+        "parallel.context_parallel=1",
+        t.parallel_context, mc.architecture));
+  if (mc.trains_mtp() && t.parallel_expert > 1)
+    return Status::InvalidArgument(fmt::format(
+        "parallel.expert_parallel={} with {}'s multi-token prediction module: its block's experts are not yet "
+        "exchanged over the expert group; set train.mtp_weight=0 (the module is then kept as loaded) or "
+        "parallel.expert_parallel=1",
+        t.parallel_expert, mc.architecture));
+  return mc;
 }
 
 namespace {

@@ -456,10 +456,44 @@ json deepseek_v3_json() {
   })");
 }
 
-TEST(ModelConfigTest, ReadsDeepseekV3AsPublishedWithoutItsMtpModule) {
+TEST(ModelConfigTest, ReadsDeepseekV3AsPublishedWithItsMtpModule) {
   json j = deepseek_v3_json();
-  // Multi-token prediction modules are not trained yet: refused by name, and accepted at 0.
+  {
+    // One MTP module, as published: block 61, an MoE block like the layers after the third.
+    Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    EXPECT_EQ(c->num_nextn_predict_layers, 1);
+    EXPECT_EQ(c->num_blocks(), 62);
+    EXPECT_TRUE(c->is_mtp_block(61));
+    EXPECT_TRUE(c->is_moe_layer(61));
+    EXPECT_EQ(c->num_moe_layers(), 58);  // the model's layers only
+    // 682.6B parameters with the module: DeepSeek's 685B (671B + 14B) counts the module's own
+    // copies of the embedding and LM head besides (2 x 129280 x 7168 = 1.85B), which it shares.
+    EXPECT_GT(c->num_parameters(), int64_t{682'000'000'000});
+    EXPECT_LT(c->num_parameters(), int64_t{683'000'000'000});
+    const ParamLayout layout(*c);
+    EXPECT_EQ(c->num_parameters(), layout.num_parameters());
+    EXPECT_EQ(c->num_tensors(), static_cast<int64_t>(layout.tensors().size()));
+    ASSERT_NE(layout.find("model.layers.61.eh_proj.weight"), nullptr);
+    EXPECT_EQ(layout.find("model.layers.61.eh_proj.weight")->shape, (std::vector<int64_t>{7168, 14336}));
+    EXPECT_NE(layout.find("model.layers.61.shared_head.norm.weight"), nullptr);
+    EXPECT_NE(layout.find("model.layers.61.mlp.experts.255.down_proj.weight"), nullptr);
+    EXPECT_EQ(layout.find("model.layers.61.embed_tokens.weight"), nullptr);  // shared, not a tensor of its own
+    EXPECT_EQ(c->to_json()["num_nextn_predict_layers"], 1);
+    // Not trained (train.mtp_weight=0): its tensors are frozen, the others not.
+    ModelConfig frozen = *c;
+    frozen.mtp_loss_weight = 0;
+    const ParamLayout kept(frozen);
+    EXPECT_TRUE(kept.find("model.layers.61.eh_proj.weight")->frozen);
+    EXPECT_TRUE(kept.find("model.layers.61.mlp.gate.weight")->frozen);
+    EXPECT_FALSE(kept.find("model.layers.60.mlp.gate.weight")->frozen);
+    EXPECT_FALSE(layout.find("model.layers.61.eh_proj.weight")->frozen);
+  }
+  // More than one module is refused by name.
+  j["num_nextn_predict_layers"] = 2;
   expect_error(j, StatusCode::kUnimplemented, "num_nextn_predict_layers");
+  j["num_nextn_predict_layers"] = -1;
+  expect_error(j, StatusCode::kInvalidArgument, "num_nextn_predict_layers");
   j["num_nextn_predict_layers"] = 0;
   Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
   ASSERT_TRUE(c.ok()) << c.status().to_string();

@@ -29,8 +29,13 @@ constexpr double kLossTolerance = 1e-6;
 constexpr double kGradTolerance = 1e-4;
 // After three steps at lr 1e-2 the parameters move by about 3e-2; Adam's normalised update turns
 // a gradient's last-bit differences into update differences of up to a few 1e-6 of that on the
-// elements whose gradients are near zero. The bound is on each tensor's relative L2 error.
-constexpr double kStepParamTolerance = 1e-4;
+// elements whose gradients are near zero (its first step moves every element by lr whatever the
+// gradient's size, so an element whose gradient is within the GEMMs' rounding of 0 may move either
+// way). How many such elements a tensor has depends on the GEMM's summation order: the worst
+// tensor measured 5e-5 on one CPU and 1.02e-4 (a rarely routed expert of the V2 model) on an
+// AVX-512 one, whose OpenBLAS kernels sum in another order. The bound is on each tensor's
+// relative L2 error.
+constexpr double kStepParamTolerance = 3e-4;
 constexpr double kStepLossTolerance = 1e-5;
 
 std::vector<int32_t> flatten(const nlohmann::json& rows) {
@@ -58,16 +63,20 @@ void check_parity(const std::string& variant) {
   const std::string dir = run_reference("reference_deepseek.py", "model_deepseek_parity", variant);
   ASSERT_FALSE(::testing::Test::HasFailure());
 
-  Result<ModelConfig> config = ModelConfig::from_file(dir + "/config.json");
-  ASSERT_TRUE(config.ok()) << config.status().to_string();
-  ASSERT_TRUE(config->is_mla());
-  FlatModel<LlamaModel> model(*config);
-  Status loaded = model.load_safetensors(dir + "/model.safetensors");
-  ASSERT_TRUE(loaded.ok()) << loaded.to_string();
-
   std::ifstream ref_file(dir + "/reference.json");
   const nlohmann::json ref = nlohmann::json::parse(ref_file, nullptr, /*allow_exceptions=*/false);
   ASSERT_FALSE(ref.is_discarded()) << "cannot parse " << dir << "/reference.json";
+
+  Result<ModelConfig> config = ModelConfig::from_file(dir + "/config.json");
+  ASSERT_TRUE(config.ok()) << config.status().to_string();
+  ASSERT_TRUE(config->is_mla());
+  // The MTP module's loss weight is training's (train.mtp_weight).
+  const double mtp_weight = ref.value("mtp_weight", 0.0);
+  config->mtp_loss_weight = mtp_weight;
+  ASSERT_EQ(config->trains_mtp(), mtp_weight > 0);
+  FlatModel<LlamaModel> model(*config);
+  Status loaded = model.load_safetensors(dir + "/model.safetensors");
+  ASSERT_TRUE(loaded.ok()) << loaded.to_string();
   const int64_t B = ref["batch"].get<int64_t>();
   const int64_t T = ref["seq"].get<int64_t>();
   const std::vector<int32_t> inputs = flatten(ref["inputs"]);
@@ -76,12 +85,21 @@ void check_parity(const std::string& variant) {
   const int64_t valid = count_valid_targets(targets.data(), B * T);
   ASSERT_GT(valid, 0);
 
+  // The training loss: the main mean NLL, plus the MTP module's NLL sum weighted per main target.
+  auto train_loss = [&] {
+    const double nll = model.forward_backward(inputs.data(), targets.data(), B, T, 1.0f / static_cast<float>(valid));
+    return (nll + mtp_weight * model.net().last_mtp_loss().first) / static_cast<double>(valid);
+  };
   model.zero_grads();
-  const double loss =
-      model.forward_backward(inputs.data(), targets.data(), B, T, 1.0f / static_cast<float>(valid)) /
-      static_cast<double>(valid);
+  const double loss = train_loss();
   EXPECT_WITHIN(relative(loss, ref["loss"].get<double>()), kLossTolerance)
       << " loss " << loss << " vs PyTorch " << ref["loss"].get<double>();
+  if (mtp_weight > 0) {
+    const auto [mtp_nll, mtp_targets] = model.net().last_mtp_loss();
+    EXPECT_EQ(mtp_targets, ref["mtp_targets"].get<int64_t>());
+    EXPECT_WITHIN(relative(mtp_nll, ref["mtp_nll_sum"].get<double>()), kLossTolerance)
+        << " MTP NLL sum " << mtp_nll << " vs PyTorch " << ref["mtp_nll_sum"].get<double>();
+  }
 
   // Gradients by name (the selection biases have none: they are not parameters here).
   const std::vector<float> all_grads = read_floats(dir + "/grads.bin");
@@ -90,7 +108,9 @@ void check_parity(const std::string& variant) {
     expected[g["name"].get<std::string>()] = {g["offset"].get<int64_t>(), g["shape"].get<std::vector<int64_t>>()};
   int64_t biases = 0;
   for (const auto& [name, at] : expected) biases += name.ends_with("e_score_correction_bias") ? 1 : 0;
-  EXPECT_EQ(biases, config->router_selection_bias ? config->num_moe_layers() : 0);
+  int64_t moe_blocks = 0;
+  for (int64_t l = 0; l < config->num_blocks(); ++l) moe_blocks += config->is_moe_layer(l) ? 1 : 0;
+  EXPECT_EQ(biases, config->router_selection_bias ? moe_blocks : 0);
   EXPECT_EQ(expected.size(), model.layout().tensors().size() + static_cast<size_t>(biases));
   double worst = 0;
   std::string worst_name;
@@ -121,8 +141,7 @@ void check_parity(const std::string& variant) {
   double worst_step = 0;
   for (size_t step = 0; step < losses.size(); ++step) {
     model.zero_grads();
-    const double l = model.forward_backward(inputs.data(), targets.data(), B, T, 1.0f / static_cast<float>(valid)) /
-                     static_cast<double>(valid);
+    const double l = train_loss();
     EXPECT_WITHIN(relative(l, losses[step].get<double>()), kStepLossTolerance)
         << " loss before step " << step << ": " << l << " vs PyTorch " << losses[step].get<double>();
     worst_step = std::max(worst_step, relative(l, losses[step].get<double>()));
@@ -148,6 +167,11 @@ TEST(DeepseekParityTest, V3WithLowRankQueriesMatchesThePublishedModelingCode) { 
 TEST(DeepseekParityTest, V3WithYarnAndFullRankQueriesMatchesThePublishedModelingCode) {
   check_parity("deepseek_v3_noqlora");
 }
+
+// DeepSeek-V3's multi-token prediction module (an MoE block after the model's layers, sharing
+// its embedding and LM head), trained with weight 0.3: the module's NLL, every gradient (its own,
+// and what it adds to the shared tensors and the layers) and three AdamW steps.
+TEST(DeepseekParityTest, V3WithAMultiTokenPredictionModuleMatchesTheReference) { check_parity("deepseek_v3_mtp"); }
 
 // DeepSeek-V2: softmax scores, group-limited greedy top-k by each group's best score, weights
 // scaled without normalising, two shared experts (without its auxiliary loss, which strata

@@ -9,6 +9,8 @@ Usage: reference_deepseek.py OUTDIR VARIANT
            deepseek_v2          DeepseekV2ForCausalLM: softmax router, group_limited_greedy,
                                 unnormalised weights x routed_scaling_factor, 2 shared experts,
                                 sequence-level auxiliary loss (aux_loss_alpha, seq_aux)
+           deepseek_v3_mtp      deepseek_v3 with one multi-token prediction module (an MoE
+                                block) whose loss weighs MTP_WEIGHT
 
 The model code is the published Hugging Face remote code kept unmodified under
 tests/fixtures/deepseek/ (see its README.md), imported with importlib. Tiny random models
@@ -24,6 +26,19 @@ to the routed experts and, through the gathered sigmoid weights, to the gate. Th
 runs the published code in train mode, unpatched: its gate computes the auxiliary loss only
 in training, and its MoE training branch adds the aux loss's gradient through
 AddAuxiliaryLoss (the returned loss never includes it).
+
+Multi-token prediction: the published modeling code builds no MTP module (DeepSeek-V3's
+checkpoints store it as layer num_hidden_layers, which the code leaves unloaded). The module here
+is assembled from the published classes as the DeepSeek-V3 report (section 2.2) describes it and
+as the checkpoints name its tensors: model.layers.{L}.enorm / hnorm (the published RMSNorm),
+eh_proj (a bias-free Linear over the concatenation, embedding first, as DeepSeek's serving code
+orders it), one published DecoderLayer(config, L) (MoE, with its own gate and
+e_score_correction_bias) and shared_head.norm; the embedding and LM head are the model's (the
+checkpoint's model.layers.{L}.embed_tokens and shared_head.head copies are written too). Position
+t of the module combines the model's last hidden state before its final norm with the embedding
+of input t + 1 and predicts target t + 1; the last position predicts nothing. The training loss is
+mean main NLL + MTP_WEIGHT x (sum of the MTP NLL) / (main targets), strata's definition
+(ModelConfig::mtp_loss_weight).
 
 Writes OUTDIR/VARIANT/:
   config.json, model.safetensors   save_pretrained(safe_serialization=True) in float32, with
@@ -68,6 +83,7 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 BATCH, SEQ = 2, 12
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "fixtures", "deepseek")
+MTP_WEIGHT = 0.3
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, steps=3)
 MARGIN = 1e-4  # smallest acceptable gap at a top-k / group boundary (routing must not flip)
 
@@ -96,6 +112,8 @@ VARIANTS = {
                          n_shared_experts=2, aux_loss_alpha=0.001, seq_aux=True), 47, 2.0),
     # deepseek_v3 with a 256-token vocabulary, for training on bytes through the CLI.
     "deepseek_v3_bytes": ("DeepSeek-V3", 3, dict(V3, vocab_size=256), 64, 1.0),
+    # deepseek_v3 with one MTP module.
+    "deepseek_v3_mtp": ("DeepSeek-V3", 3, dict(V3, num_nextn_predict_layers=1), 66, 1.0),
     # The same without the auxiliary loss (strata refuses aux_loss_alpha > 0 for V2).
     "deepseek_v2_noaux": ("DeepSeek-V2-Lite", 2,
                           dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy",
@@ -156,6 +174,45 @@ def perturb(model, gate_gain, version):
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
 
 
+class MtpModule(torch.nn.Module):
+    """One multi-token prediction module from the published classes (see the docstring)."""
+
+    def __init__(self, modeling, config, version):
+        super().__init__()
+        norm = getattr(modeling, "DeepseekV%dRMSNorm" % version)
+        C = config.hidden_size
+        self.layer = config.num_hidden_layers
+        self.enorm = norm(C, eps=config.rms_norm_eps)
+        self.hnorm = norm(C, eps=config.rms_norm_eps)
+        self.eh_proj = torch.nn.Linear(2 * C, C, bias=False)
+        self.block = getattr(modeling, "DeepseekV%dDecoderLayer" % version)(config, self.layer)
+        self.head_norm = norm(C, eps=config.rms_norm_eps)
+        self.modeling = modeling
+
+    def checkpoint_name(self, name):
+        if name.startswith("block."):
+            return "model.layers.%d.%s" % (self.layer, name[len("block."):])
+        if name.startswith("head_norm."):
+            return "model.layers.%d.shared_head.norm.%s" % (self.layer, name[len("head_norm."):])
+        return "model.layers.%d.%s" % (self.layer, name)
+
+    def named_checkpoint_parameters(self):
+        return [(self.checkpoint_name(n), p) for n, p in self.named_parameters()]
+
+    def forward(self, model, hidden, inputs):
+        """Logits (B, T, V) of the tokens two ahead from `hidden`, the model's last hidden state
+        before its final norm, and the model's inputs."""
+        B, T = inputs.shape
+        ahead = torch.zeros_like(inputs)
+        ahead[:, :-1] = inputs[:, 1:]
+        embedded = model.model.embed_tokens(ahead)
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        mask = self.modeling._prepare_4d_causal_attention_mask(None, (B, T), x, 0)
+        positions = torch.arange(T, dtype=torch.long).unsqueeze(0)
+        out = self.block(x, attention_mask=mask, position_ids=positions)[0]
+        return model.lm_head(self.head_norm(out))
+
+
 def build(variant):
     folder, version, c, seed, gate_gain = VARIANTS[variant]
     configuration, modeling = load_published(folder, version)
@@ -168,6 +225,10 @@ def build(variant):
                        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV%dForCausalLM" % version}
     model = model_class(config).to(torch.float32)
     perturb(model, gate_gain, version)
+    if getattr(config, "num_nextn_predict_layers", 0):
+        model.mtp = MtpModule(modeling, config, version).to(torch.float32)
+        perturb(model.mtp, gate_gain, version)
+        model.mtp.train(model.training)
     # V2 with an auxiliary loss: train mode (the gate's aux loss and the MoE training branch;
     # the published training branch needs aux_loss_alpha > 0). V3, and V2 without it: eval mode
     # (the published noaux_tc gate asserts not training). Dropout is 0 either way.
@@ -182,8 +243,8 @@ def build(variant):
 class RoutingProbe:
     def __init__(self, model, config, version):
         self.config, self.version = config, version
-        self.gates = [(i, layer.mlp.gate) for i, layer in enumerate(model.model.layers)
-                      if hasattr(layer.mlp, "gate")]
+        layers = list(model.model.layers) + ([model.mtp.block] if hasattr(model, "mtp") else [])
+        self.gates = [(i, layer.mlp.gate) for i, layer in enumerate(layers) if hasattr(layer.mlp, "gate")]
         self.records = []
         for i, gate in self.gates:
             gate.register_forward_hook(self.hook(i))
@@ -258,15 +319,38 @@ class RoutingProbe:
 
 # ---------------------------------------------------------------------------------------------
 
+def parameters_by_name(model):
+    """The model's parameters by checkpoint name, the MTP module's after the model's."""
+    named = [(n, p) for n, p in model.named_parameters() if not n.startswith("mtp.")]
+    mtp = getattr(model, "mtp", None)
+    return named + (mtp.named_checkpoint_parameters() if mtp is not None else [])
+
+
 def forward_loss(model, probe, inputs, targets):
+    """(training loss, main mean NLL, aux, aux per layer, MTP NLL sum, MTP targets)."""
     probe.reset()
+    mtp = getattr(model, "mtp", None)
+    captured = []
+    hook = model.model.norm.register_forward_hook(lambda m, i, o: captured.append(i[0])) if mtp is not None else None
     logits = model(input_ids=inputs).logits
+    if hook is not None:
+        hook.remove()
     nll = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1), ignore_index=IGNORE_INDEX)
     aux_losses = probe.aux_losses()
     aux = sum(a.item() for a in aux_losses) if aux_losses else 0.0
     # For V2 the aux gradient is injected by the published AddAuxiliaryLoss during backward of
     # anything downstream of the MoE output, so backward(nll) yields d(nll + aux).
-    return nll, aux, [a.item() for a in aux_losses]
+    loss, mtp_sum, mtp_count = nll, 0.0, 0
+    if mtp is not None:
+        mtp_targets = torch.full_like(targets, IGNORE_INDEX)
+        mtp_targets[:, :-1] = targets[:, 1:]
+        mtp_logits = mtp(model, captured[0], inputs)
+        mtp_nll = F.cross_entropy(mtp_logits.reshape(-1, mtp_logits.shape[-1]), mtp_targets.reshape(-1),
+                                  ignore_index=IGNORE_INDEX, reduction="sum")
+        valid = int((targets != IGNORE_INDEX).sum())
+        loss = nll + MTP_WEIGHT * mtp_nll / valid
+        mtp_sum, mtp_count = mtp_nll.item(), int((mtp_targets != IGNORE_INDEX).sum())
+    return loss, nll, aux, [a.item() for a in aux_losses], mtp_sum, mtp_count
 
 
 def flat(tensors):
@@ -303,8 +387,21 @@ def run(outdir, variant):
     model, config, modeling, version, seed = build(variant)
     out = os.path.join(outdir, variant)
     os.makedirs(out, exist_ok=True)
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        del model.mtp  # save_pretrained writes the published model's tensors; the module's follow
     model.save_pretrained(out, safe_serialization=True)
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if mtp is not None:
+        model.mtp = mtp
+        import safetensors.torch
+        path = os.path.join(out, "model.safetensors")
+        tensors = safetensors.torch.load_file(path)
+        for name, p in mtp.named_checkpoint_parameters():
+            tensors[name] = p.detach().clone().contiguous()
+        tensors["model.layers.%d.embed_tokens.weight" % mtp.layer] = model.model.embed_tokens.weight.detach().clone()
+        tensors["model.layers.%d.shared_head.head.weight" % mtp.layer] = model.lm_head.weight.detach().clone()
+        safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+    initial = {n: p.detach().clone() for n, p in parameters_by_name(model)}
 
     generator = torch.Generator().manual_seed(seed + 100)
     inputs = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=generator)
@@ -317,11 +414,11 @@ def run(outdir, variant):
 
     # Gradient of the loss at the initial weights.
     model.zero_grad(set_to_none=True)
-    nll, aux, aux_layers = forward_loss(model, probe, inputs, targets)
+    total, nll, aux, aux_layers, mtp_sum, mtp_count = forward_loss(model, probe, inputs, targets)
     probe.check(stats)
-    nll.backward()
+    total.backward()
     names, grads, zero_grads, entries, offset = [], [], [], [], 0
-    for name, p in model.named_parameters():
+    for name, p in parameters_by_name(model):
         if p.grad is None:  # no gradient path (e_score_correction_bias only selects experts)
             zero_grads.append(name)
         g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
@@ -329,13 +426,13 @@ def run(outdir, variant):
         grads.append(g)
         entries.append(dict(name=name, shape=list(g.shape), offset=offset))
         offset += g.numel()
-    loss = nll.item() + aux
+    loss = total.item() + aux
     if version == 2 and config.aux_loss_alpha > 0:
         check_aux_gradient_trick(model, modeling, inputs, targets, probe, grads)
 
     # Three AdamW steps on the same batch, from the same initial weights.
     with torch.no_grad():
-        for n, p in model.named_parameters():
+        for n, p in parameters_by_name(model):
             p.copy_(initial[n])
     decay = [p for p in model.parameters() if p.dim() == 2]
     no_decay = [p for p in model.parameters() if p.dim() != 2]
@@ -345,16 +442,16 @@ def run(outdir, variant):
     losses, nlls, auxes = [], [], []
     for step in range(ADAMW["steps"]):
         model.zero_grad(set_to_none=True)
-        step_nll, step_aux, _ = forward_loss(model, probe, inputs, targets)
+        step_total, step_nll, step_aux, _, _, _ = forward_loss(model, probe, inputs, targets)
         probe.check(stats)
-        losses.append(step_nll.item() + step_aux)
+        losses.append(step_total.item() + step_aux)
         nlls.append(step_nll.item())
         auxes.append(step_aux)
-        step_nll.backward()
+        step_total.backward()
         if step == 0:
-            for (n, p), g in zip(model.named_parameters(), grads):
+            for (n, p), g in zip(parameters_by_name(model), grads):
                 assert torch.equal(p.grad if p.grad is not None else torch.zeros_like(p), g), n
-        unexpected = [n for n, p in model.named_parameters()
+        unexpected = [n for n, p in parameters_by_name(model)
                       if p.grad is None and not n.endswith("e_score_correction_bias")]
         assert not unexpected, "no gradient (an expert got no tokens?): %s" % unexpected
         optimizer.step()
@@ -363,7 +460,7 @@ def run(outdir, variant):
     with open(os.path.join(out, "grads.bin"), "wb") as f:
         f.write(flat(grads))
     with open(os.path.join(out, "params_after.bin"), "wb") as f:
-        f.write(flat(p for _, p in model.named_parameters()))
+        f.write(flat(p for _, p in parameters_by_name(model)))
 
     strata_targets = targets.clone()
     strata_targets[strata_targets == IGNORE_INDEX] = -1
@@ -372,6 +469,7 @@ def run(outdir, variant):
         variant=variant, architecture=model.__class__.__name__, batch=BATCH, seq=SEQ,
         inputs=inputs.tolist(), targets=strata_targets.tolist(),
         loss=loss, nll=nll.item(), aux_loss=aux, aux_losses=aux_layers,
+        mtp_weight=MTP_WEIGHT if mtp is not None else 0.0, mtp_nll_sum=mtp_sum, mtp_targets=mtp_count,
         aux_loss_alpha=alpha, aux_loss_unscaled=(aux / alpha if alpha else 0.0),
         grads=entries, zero_grads=zero_grads,
         adamw=dict(lr=ADAMW["lr"], betas=list(ADAMW["betas"]), eps=ADAMW["eps"],
