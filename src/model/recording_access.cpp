@@ -149,7 +149,8 @@ Status RecordingAccess::fetch_saved_activation(int index, void* /*data*/, uint64
 void RecordingAccess::mark_phase(const char* name) {
   if (name == nullptr) return;
   const std::string_view n = name;
-  if (n == "embedding forward" || n == "forward" || n == "head") {
+  // The MTP module runs its forward and backward together after the head, as the head does.
+  if (n == "embedding forward" || n == "forward" || n == "head" || n == "mtp") {
     phase_ = StepPhase::kForward;
   } else if (n == "recompute" || n == "backward" || n == "embedding backward") {
     phase_ = StepPhase::kBackward;

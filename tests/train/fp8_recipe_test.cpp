@@ -176,6 +176,68 @@ TEST_P(Fp8RecipeTest, LatentAttentionPagesBitwiseToo) {
   EXPECT_GT(tight.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
 }
 
+// DeepSeek-V3's multi-token prediction module (an MoE block after the layers, sharing the
+// embedding and LM head, model/decoder_impl.h) trained under the same tight budgets: its group
+// pages like a layer's, and the head's and the embedding's are acquired again for it.
+TEST_P(Fp8RecipeTest, MultiTokenPredictionPagesBitwiseToo) {
+  model::ModelConfig mc = deepseek_config();
+  mc.num_nextn_predict_layers = 1;
+  mc.mtp_loss_weight = 0.3;
+  ASSERT_TRUE(mc.validate("test").ok());
+  ASSERT_TRUE(mc.trains_mtp() && mc.is_moe_layer(mc.num_hidden_layers));
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 15);
+  const TrainResult roomy = train(mc, batches, 0, 0, 0);
+  for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
+  model::ParamLayout layout(mc);
+  const uint64_t c = PagedState::auto_chunk_bytes(layout, StateLayout::of(GetParam().precision));
+  // The module's phase holds its block, the head and its experts at once: a few chunks more
+  // than the layers need.
+  const TrainResult tight = train(mc, batches, 32 * c, 48 * c, 1024 * c, c);
+  EXPECT_EQ(roomy.losses, tight.losses);
+  EXPECT_TRUE(bitwise_equal(roomy.params, tight.params)) << "paging changed the parameters";
+  EXPECT_TRUE(bitwise_equal(roomy.m, tight.m) && bitwise_equal(roomy.v, tight.v)) << "paging changed the moments";
+  EXPECT_GT(tight.stats.host_to_device_bytes, 0u) << "nothing streamed to the device";
+  EXPECT_GT(tight.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
+  // The module trained: every tensor of it moved from where it started.
+  const std::vector<float> init = initial_params(layout, 7);
+  for (const model::TensorSpec& t : layout.tensors()) {
+    if (!t.name.starts_with("model.layers.3.") || t.name.ends_with("e_score_correction_bias")) continue;
+    if (t.name.find(".experts.") != std::string::npos) continue;  // an expert may get no token
+    EXPECT_NE(std::memcmp(init.data() + t.offset, roomy.params.data() + t.offset, t.numel * sizeof(float)), 0)
+        << t.name << " did not train";
+  }
+}
+
+// train.mtp_weight=0: the module is neither computed nor updated (its tensors are frozen), and
+// the rest trains as the model without it would (the same losses: the module adds nothing).
+TEST_P(Fp8RecipeTest, AnUntrainedMtpModuleStaysAsLoaded) {
+  model::ModelConfig mc = deepseek_config();
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 15);
+  const TrainResult without = train(mc, batches, 0, 0, 0);
+  mc.num_nextn_predict_layers = 1;
+  mc.mtp_loss_weight = 0;
+  ASSERT_TRUE(mc.validate("test").ok());
+  model::ParamLayout layout(mc);
+  const uint64_t c = PagedState::auto_chunk_bytes(layout, StateLayout::of(GetParam().precision));
+  const TrainResult kept = train(mc, batches, 32 * c, 48 * c, 1024 * c, c);
+  EXPECT_EQ(without.losses, kept.losses);
+  const std::vector<float> init = initial_params(layout, 7);
+  int frozen = 0;
+  for (const model::TensorSpec& t : layout.tensors()) {
+    if (!t.frozen) continue;
+    ++frozen;
+    EXPECT_EQ(std::memcmp(init.data() + t.offset, kept.params.data() + t.offset, t.numel * sizeof(float)), 0)
+        << t.name << " changed";
+    for (int64_t i = 0; i < t.numel; ++i) {
+      if (kept.m[static_cast<size_t>(t.offset + i)] != 0.0f || kept.v[static_cast<size_t>(t.offset + i)] != 0.0f) {
+        ADD_FAILURE() << t.name << " has moments";
+        break;
+      }
+    }
+  }
+  EXPECT_GT(frozen, 10);
+}
+
 // The compute copy the model reads: E4M3 blocks of the master for linear weights (bytes equal
 // to the reference quantiser's), bf16 of the master for everything else.
 TEST_P(Fp8RecipeTest, ComputeCopiesAreTheMasterQuantised) {
