@@ -106,7 +106,7 @@ struct SlicedShares {
 SlicedShares compute_sliced_shares(const model::ModelConfig& m, const model::ParamLayout& layout,
                                    const StateLayout& state, uint64_t chunk, int W, int P) {
   SlicedShares out;
-  const uint64_t L = static_cast<uint64_t>(m.num_hidden_layers);
+  const uint64_t L = static_cast<uint64_t>(m.num_blocks());
   uint64_t largest_share = 0;
   for (int r = 0; r < W; ++r) {
     const std::vector<StateTensor> share = PagedState::store_tensors(layout, state, r, W, P);
@@ -206,9 +206,12 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   PlanInput in;
   const bool cuda = device == DeviceKind::kCuda;
   const uint64_t C = static_cast<uint64_t>(m.hidden_size);
-  const uint64_t V = static_cast<uint64_t>(m.vocab_size), L = static_cast<uint64_t>(m.num_hidden_layers);
+  // The planner's layers are the layout's blocks: an MTP module's block is planned as one more
+  // layer (its group pages like a layer's); the layer checkpoints are the model's layers'.
+  const uint64_t V = static_cast<uint64_t>(m.vocab_size), L = static_cast<uint64_t>(m.num_blocks());
+  const uint64_t layers = static_cast<uint64_t>(m.num_hidden_layers);
   const uint64_t total = static_cast<uint64_t>(m.num_parameters());
-  in.num_layers = m.num_hidden_layers;
+  in.num_layers = m.num_blocks();
   in.edge_elements = V * C * (m.tie_word_embeddings ? 1 : 2) + C;
   in.layer_elements = (total - in.edge_elements) / std::max<uint64_t>(L, 1);
   if (m.is_moe()) {
@@ -218,19 +221,25 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
     // untrained router, whose tokens crowd onto a few experts, reaches fewer.
     const uint64_t E = static_cast<uint64_t>(m.num_experts), Fe = static_cast<uint64_t>(m.moe_intermediate_size);
     const double tokens = static_cast<double>(t.rank_tokens());
-    in.expert_elements = static_cast<uint64_t>(m.num_moe_layers()) * E * 3 * Fe * C / std::max<uint64_t>(L, 1);
-    in.moe_layers = m.num_moe_layers();
+    int64_t moe_blocks = 0;
+    for (int64_t l = 0; l < m.num_blocks(); ++l) moe_blocks += m.is_moe_layer(l) ? 1 : 0;
+    in.expert_elements = static_cast<uint64_t>(moe_blocks) * E * 3 * Fe * C / std::max<uint64_t>(L, 1);
+    in.moe_layers = moe_blocks;
     in.expert_fetch_fraction = 1.0 - std::pow(1.0 - static_cast<double>(m.num_experts_per_tok) / E, tokens);
     const std::vector<double>& given = t.experts_reached;
     if (given.size() == 1 || given.size() == static_cast<size_t>(m.num_moe_layers())) {
       // Per group (layer l is group l + 1), and their mean over the MoE layers.
-      in.expert_fetch_by_group.assign(static_cast<size_t>(m.num_hidden_layers) + 2, 0.0);
+      // (An MTP module's block is planned as the model's last MoE layer reaches.)
+      in.expert_fetch_by_group.assign(static_cast<size_t>(m.num_blocks()) + 2, 0.0);
       double sum = 0;
       for (int64_t l = 0, i = 0; l < m.num_hidden_layers; ++l) {
         if (!m.is_moe_layer(l)) continue;
         const double share = given[given.size() == 1 ? 0 : static_cast<size_t>(i++)];
         in.expert_fetch_by_group[static_cast<size_t>(l) + 1] = share;
         sum += share;
+      }
+      for (int64_t l = m.num_hidden_layers; l < m.num_blocks(); ++l) {
+        if (m.is_moe_layer(l)) in.expert_fetch_by_group[static_cast<size_t>(l) + 1] = given.back();
       }
       in.expert_fetch_fraction = sum / static_cast<double>(std::max<int64_t>(m.num_moe_layers(), 1));
     }
@@ -279,7 +288,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
                                                                       t.mlp_tile_tokens, t.ring_ranks());
   };
   const uint64_t table = static_cast<uint64_t>(table_bytes(false));
-  const uint64_t layer_checkpoints = (L + 1) * in.saved_activation_bytes_per_layer;
+  const uint64_t layer_checkpoints = (layers + 1) * in.saved_activation_bytes_per_layer;
   in.layer_workspace_bytes = table > layer_checkpoints ? table - layer_checkpoints : 0;
   // The CUDA fp8 recipe's quantised GEMM operands, allocated with the table (kernels/fp8_operands.h).
   if (cuda && state.compute_dtype() == DType::kF8E4M3)
@@ -309,7 +318,9 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   // values (4 * C * T when Hq * D = C; latent attention's heads are D = 192 and Dv = 128 wide).
   in.layer_forward_flops =
       tokens_mb * (2.0 * active_layer + 2.0 * static_cast<double>((m.q_dim() + m.att_dim()) * t.seq_len));
-  in.head_forward_flops = tokens_mb * 2.0 * static_cast<double>(V * C);
+  // An MTP module runs the LM head once more.
+  in.head_forward_flops = tokens_mb * 2.0 * static_cast<double>(V * C) *
+                          static_cast<double>(1 + (m.trains_mtp() ? m.num_nextn_predict_layers : 0));
   // Kept activations skip the recompute; auto keeps them only on cuda when they fit, which the
   // engine decides after planning, so auto is planned as recompute (the slower case).
   in.recompute = t.keep_activations != "true";
@@ -424,7 +435,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
     in.micro_batch_program_offloaded = model::record_micro_batch(m, /*offload_activations=*/true);
     in.state_tensors = tensors;
     in.state_layout = state;
-    in.offloaded_activations = model::saved_activation_count(static_cast<int>(L));
+    in.offloaded_activations = model::saved_activation_count(static_cast<int>(layers));
   }
   in.offload_activations = t.offload_activations;
   in.rates.compute_flops = planned_compute_flops(m, t, device);

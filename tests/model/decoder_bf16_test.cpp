@@ -296,6 +296,24 @@ TEST_P(Bf16DecoderTest, KeptLayerActivationsGiveTheRecomputedResultsBitwise) {
   expect_kept_equals_recomputed<LlamaModelBf16>(c);
 }
 
+// With DeepSeek-V3's MTP module, whose block runs in the shared buffers between the last layer's
+// forward and its backward: the last layer keeps its own when layers are kept, and is recomputed
+// otherwise.
+TEST(Bf16DecoderMtp, KeptLayerActivationsGiveTheRecomputedResultsBitwise) {
+  const nlohmann::json j = {
+      {"architectures", {"DeepseekV3ForCausalLM"}}, {"vocab_size", 96}, {"hidden_size", 64},
+      {"intermediate_size", 96}, {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"q_lora_rank", 24},
+      {"kv_lora_rank", 32}, {"qk_nope_head_dim", 16}, {"qk_rope_head_dim", 8}, {"v_head_dim", 12},
+      {"max_position_embeddings", 64}, {"n_routed_experts", 4}, {"num_experts_per_tok", 2}, {"n_group", 2},
+      {"topk_group", 1}, {"moe_intermediate_size", 32}, {"n_shared_experts", 1}, {"first_k_dense_replace", 1},
+      {"num_nextn_predict_layers", 1}, {"tie_word_embeddings", false}};
+  Result<ModelConfig> c = ModelConfig::from_json(j, "test");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  ASSERT_TRUE(c->trains_mtp());
+  expect_kept_equals_recomputed<LlamaModel>(*c);
+  expect_kept_equals_recomputed<LlamaModelBf16>(*c);
+}
+
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, Bf16DecoderTest, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? std::string("Moe") : std::string("Dense"); });
 

@@ -114,6 +114,8 @@ VARIANTS = {
     "deepseek_v3_bytes": ("DeepSeek-V3", 3, dict(V3, vocab_size=256), 64, 1.0),
     # deepseek_v3 with one MTP module.
     "deepseek_v3_mtp": ("DeepSeek-V3", 3, dict(V3, num_nextn_predict_layers=1), 66, 1.0),
+    # The same with a 256-token vocabulary, for training on bytes through the CLI.
+    "deepseek_v3_mtp_bytes": ("DeepSeek-V3", 3, dict(V3, num_nextn_predict_layers=1, vocab_size=256), 77, 1.0),
     # The same without the auxiliary loss (strata refuses aux_loss_alpha > 0 for V2).
     "deepseek_v2_noaux": ("DeepSeek-V2-Lite", 2,
                           dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy",
