@@ -33,6 +33,16 @@ install_reference_python() {
     $sudo /usr/bin/python3 -m pip install -q --break-system-packages "transformers==4.40.2" ||
       echo "setup: warning: transformers could not be installed; the tests that compare with it will be skipped" >&2
   fi
+  # Qwen3 parity against transformers' own Qwen3ForCausalLM (tests/model/reference_qwen3.py): the
+  # release that added it (4.51), in a virtual environment beside Debian's torch so that the
+  # system's 4.40 stays for the other references.
+  local venv="${STRATA_REFERENCE_VENV:-$HOME/.cache/strata/reference-transformers-4.51}"
+  if ! "$venv/bin/python" -c "import transformers.models.qwen3" 2>/dev/null; then
+    echo "setup: installing transformers==4.51.3 into $venv (Qwen3 reference test)"
+    { /usr/bin/python3 -m venv --system-site-packages "$venv" &&
+      "$venv/bin/python" -m pip install -q "transformers==4.51.3"; } ||
+      echo "setup: warning: transformers 4.51 could not be installed; the Qwen3 parity test will be skipped" >&2
+  fi
   # TensorBoard's own event reader checks strata's event files (tests/tools/tensorboard_test.cpp).
   if ! /usr/bin/python3 -c "import tensorboard" 2>/dev/null; then
     echo "setup: installing tensorboard for /usr/bin/python3 (reference test)"

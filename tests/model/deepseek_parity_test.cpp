@@ -1,4 +1,5 @@
-// DeepSeek parity with the published modeling code: tests/model/reference_deepseek.py runs
+// Parity with the models' own code: Qwen3 against transformers' Qwen3ForCausalLM
+// (tests/model/reference_qwen3.py), and DeepSeek with the published modeling code: tests/model/reference_deepseek.py runs
 // DeepSeek's own modeling_deepseek.py (kept under tests/fixtures/deepseek) on tiny random
 // DeepseekV3ForCausalLM models: latent attention with and without the low-rank q (and YaRN's
 // softmax scale), sigmoid scores with e_score_correction_bias, group-limited top-k that changes
@@ -52,15 +53,18 @@ std::vector<float> read_floats(const std::string& path) {
   return out;
 }
 
-void check_parity(const std::string& variant) {
+// The reference of `script` (reference_deepseek.py or reference_qwen3.py) for `variant`: loss,
+// every gradient, and three AdamW steps.
+void check_parity(const std::string& variant, const std::string& script = "reference_deepseek.py") {
   if (!python_can_import("transformers")) {
-    GTEST_SKIP() << kReferencePython << " cannot import transformers; the DeepSeek parity test needs it";
+    GTEST_SKIP() << kReferencePython << " cannot import transformers; the parity test needs it";
   }
-  if (!reference_script_runs("reference_deepseek.py")) {
-    GTEST_SKIP() << kReferencePython << " cannot import DeepSeek's published modeling code with its transformers "
-                 << "(tests/model/reference_deepseek.py probe)";
+  if (!reference_script_runs(script)) {
+    GTEST_SKIP() << "tests/model/" << script << " probe: the reference's model code cannot be imported here "
+                 << "(DeepSeek's published code with the system's transformers; for Qwen3, transformers 4.51, which "
+                 << "scripts/setup.sh installs into a virtual environment)";
   }
-  const std::string dir = run_reference("reference_deepseek.py", "model_deepseek_parity", variant);
+  const std::string dir = run_reference(script, "model_published_parity", variant);
   ASSERT_FALSE(::testing::Test::HasFailure());
 
   std::ifstream ref_file(dir + "/reference.json");
@@ -69,7 +73,7 @@ void check_parity(const std::string& variant) {
 
   Result<ModelConfig> config = ModelConfig::from_file(dir + "/config.json");
   ASSERT_TRUE(config.ok()) << config.status().to_string();
-  ASSERT_TRUE(config->is_mla());
+  ASSERT_EQ(config->architecture, ref["architecture"].get<std::string>());
   // The MTP module's loss weight is training's (train.mtp_weight).
   const double mtp_weight = ref.value("mtp_weight", 0.0);
   config->mtp_loss_weight = mtp_weight;
@@ -101,7 +105,8 @@ void check_parity(const std::string& variant) {
         << " MTP NLL sum " << mtp_nll << " vs PyTorch " << ref["mtp_nll_sum"].get<double>();
   }
 
-  // Gradients by name (the selection biases have none: they are not parameters here).
+  // Gradients by name (the selection biases have none: they are not parameters here; a tied LM
+  // head is the embedding's).
   const std::vector<float> all_grads = read_floats(dir + "/grads.bin");
   std::map<std::string, std::pair<int64_t, std::vector<int64_t>>> expected;  // name -> offset, shape
   for (const auto& g : ref["grads"])
@@ -172,6 +177,14 @@ TEST(DeepseekParityTest, V3WithYarnAndFullRankQueriesMatchesThePublishedModeling
 // its embedding and LM head), trained with weight 0.3: the module's NLL, every gradient (its own,
 // and what it adds to the shared tensors and the layers) and three AdamW steps.
 TEST(DeepseekParityTest, V3WithAMultiTokenPredictionModuleMatchesTheReference) { check_parity("deepseek_v3_mtp"); }
+
+// Qwen3 against transformers' own Qwen3ForCausalLM (4.51.3): per-head q/k norms before RoPE, an
+// explicit head_dim wider than hidden_size / heads, grouped-query attention; untied and tied.
+TEST(Qwen3ParityTest, MatchesTransformersQwen3ForCausalLM) { check_parity("qwen3", "reference_qwen3.py"); }
+
+TEST(Qwen3ParityTest, WithTiedEmbeddingsMatchesTransformersQwen3ForCausalLM) {
+  check_parity("qwen3_tied", "reference_qwen3.py");
+}
 
 // DeepSeek-V2: softmax scores, group-limited greedy top-k by each group's best score, weights
 // scaled without normalising, two shared experts (without its auxiliary loss, which strata

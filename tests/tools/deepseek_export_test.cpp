@@ -90,6 +90,30 @@ TEST(DeepseekExportTest, ZeroLearningRateExportsTheStartingModelAndThePublishedC
   fs::remove_all(dir);
 }
 
+// Qwen3: `strata convert` exports a Qwen3ForCausalLM that transformers' own class (4.51.3,
+// tests/model/reference_qwen3.py) loads with no missing or unexpected tensor, every tensor equal to
+// the source's and the same logits.
+TEST(Qwen3ExportTest, ExportsLoadInTransformersQwen3ForCausalLM) {
+  if (!python_can_import("transformers") || !reference_script_runs("reference_qwen3.py")) {
+    GTEST_SKIP() << "tests/model/reference_qwen3.py probe: no transformers with Qwen3 here (scripts/setup.sh "
+                 << "installs 4.51 into a virtual environment)";
+  }
+  const fs::path src = run_reference("reference_qwen3.py", "tools_qwen3_export", "qwen3");
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const fs::path dir = strata::testing::fresh_test_dir("strata_qwen3_export");
+  auto check = [&](const fs::path& exported) {
+    const std::string cmd = std::string(kReferencePython) + " " + STRATA_SOURCE_DIR +
+                            "/tests/model/reference_qwen3.py check " + src.string() + " " + exported.string() + " >" +
+                            exported.string() + ".check.log 2>&1";
+    return std::system(cmd.c_str());
+  };
+  const fs::path converted = dir / "converted";
+  CmdResult c = run_strata("convert --from " + src.string() + " --to " + converted.string());
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  ASSERT_EQ(check(converted), 0) << "see " << converted.string() << ".check.json";
+  fs::remove_all(dir);
+}
+
 // Every tensor of `a` is in `b` with the same shape and the same fp32 bits, and the other way.
 void expect_same_tensors(const fs::path& a, const fs::path& b) {
   Result<SafetensorsReader> ra = SafetensorsReader::open(a.string());
