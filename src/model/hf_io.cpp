@@ -213,6 +213,19 @@ Status read_hf_tensor(const SafetensorsReader& reader, const TensorSpec& t, floa
   return Status::OK();
 }
 
+Result<bool> read_hf_fp8_copy(const SafetensorsReader& reader, const TensorSpec& t, uint8_t* copy) {
+  const SafetensorsTensorInfo* info = reader.find(t.name);
+  if (info == nullptr) return false;
+  ASSIGN_OR_RETURN(bool scaled, has_block_scales(reader, t, *info));
+  if (!scaled) return false;
+  static_assert(kScaleBlock == kernels::kFp8Block, "the checkpoint's blocks are the recipe's");
+  const int64_t rows = t.shape[0], cols = t.shape[1];
+  RETURN_IF_ERROR(reader.read_raw(t.name, copy));
+  RETURN_IF_ERROR(reader.read_f32(block_scale_name(t.name),
+                                  reinterpret_cast<float*>(copy + kernels::fp8_matrix_scale_offset(rows, cols))));
+  return true;
+}
+
 Status read_hf_weights(const SafetensorsReader& reader, const ParamLayout& layout, float* params) {
   uint64_t total = 0;
   for (const TensorSpec& t : layout.tensors()) total += static_cast<uint64_t>(reader.find(t.name)->nbytes);

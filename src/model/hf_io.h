@@ -52,6 +52,10 @@ Status read_hf_weights(const SafetensorsReader& reader, const ParamLayout& layou
 // 128 x 128 block, ceil(rows/128) x ceil(cols/128) of them) is dequantised as DeepSeek's own
 // weight_dequant does: each element's E4M3 value times its block's scale, in fp32.
 Status read_hf_tensor(const SafetensorsReader& reader, const TensorSpec& t, float* out);
+// Such a weight's own E4M3 codes and block scales, written to `copy` in the fp8 recipe's matrix
+// layout (kernels/fp8.h: the rows x cols codes, then the fp32 scales of the 128 x 128 blocks at
+// fp8_matrix_scale_offset), unconverted; false (nothing written) for a tensor without them.
+Result<bool> read_hf_fp8_copy(const SafetensorsReader& reader, const TensorSpec& t, uint8_t* copy);
 // The name of a weight's block scales in such a checkpoint ("....weight" -> "....weight_scale_inv").
 std::string block_scale_name(std::string_view weight_name);
 

@@ -58,6 +58,8 @@ class PagedEngine {
 
   const model::ParamLayout& layout() const { return net_->layout(); }
   SavableState& state() { return *state_; }
+  // The fp8 recipe's compute copies straight from an FP8 checkpoint (PagedState::fill_quantized_copies).
+  Status load_quantized_copies(const PagedState::CopyFill& fill) { return state_->fill_quantized_copies(fill); }
   // "cpu", "cuda:0 (NVIDIA H200)": where the steps compute.
   std::string device_name() const { return device_->kind() == DeviceKind::kCpu ? "cpu" : device_->name(); }
   // One line for the run's start: where the state lives and in what sizes.

@@ -546,6 +546,40 @@ Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
   return store_->synchronize();
 }
 
+Status PagedState::fill_quantized_copies(const CopyFill& fill) {
+  const StateLayout& layout = store_->layout();
+  if (!layout.separate_master()) return Status::OK();
+  drain_compute();
+  drop_prefetch();  // weights gathered ahead would miss this change
+  for (int g = 0; g < store_->num_groups(); ++g) {
+    for (int sl = 0; sl < store_->update_slices(g); ++sl) {
+      std::vector<size_t> quantized;
+      for (size_t i : store_->slice_tensors(g, sl)) {
+        const Piece& t = pieces_[i];
+        if (t.spec->frozen || t.spec->num_blocks() != 1 || elsewhere(i)) continue;
+        if (!layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows})) continue;
+        if (store_->held(i, StateKind::kParam).count != static_cast<uint64_t>(t.numel)) continue;
+        quantized.push_back(i);
+      }
+      if (quantized.empty()) continue;
+      if (before_modify_) before_modify_(g);
+      RETURN_IF_ERROR(store_->acquire_slice(g, sl, StateKind::kParam, Tier::kHost, AccessMode::kReadWrite));
+      Status st;
+      for (size_t i : quantized) {
+        Result<bool> wrote = fill(*pieces_[i].spec, static_cast<uint8_t*>(store_->raw_pointer(i, StateKind::kParam)));
+        if (!wrote.ok()) {
+          st = wrote.status();
+          break;
+        }
+      }
+      store_->release_slice(g, sl, StateKind::kParam);
+      RETURN_IF_ERROR(st);
+      RETURN_IF_ERROR(store_->send_slice_home(g, sl, StateKind::kParam, Tier::kHost));
+    }
+  }
+  return store_->synchronize();
+}
+
 Status PagedState::refresh_compute_copy(int g) {
   for (int sl = 0; sl < store_->update_slices(g); ++sl) {
     RETURN_IF_ERROR(store_->acquire_slice(g, sl, StateKind::kMaster, Tier::kHost, AccessMode::kRead));

@@ -200,6 +200,15 @@ class PagedState : public model::ParamAccess, public SavableState {
   // for writing, group by group, so that a checkpoint is restored without a second copy of
   // the state. Stops at the first error.
   Status fill_kind(StateKind kind, const TensorFill& fill) override;
+  // The fp8 recipe: calls fill(tensor, copy) for every E4M3 block-quantised compute copy (a linear
+  // weight held whole and trained; model/params.h), with the copy acquired in host memory for
+  // writing in kernels/fp8.h's matrix layout (codes, then the fp32 scales of its 128 x 128
+  // blocks at fp8_matrix_scale_offset). fill returns whether it wrote the copy; a copy it leaves
+  // stays the master quantised. Loads an FP8 checkpoint's own codes and block scales (DeepSeek-V3's)
+  // after fill_kind wrote their dequantised values to the master; the next optimizer step
+  // quantises the updated master as always. Does nothing in the other recipes.
+  using CopyFill = std::function<Result<bool>(const model::TensorSpec& tensor, uint8_t* copy)>;
+  Status fill_quantized_copies(const CopyFill& fill);
   // Copies bytes [offset, offset + length) of the flat `kind` state (the layout of
   // load_params; only tensor bytes, whole floats) into dst from wherever the chunks are,
   // moving nothing: what a checkpoint save reads beside training.

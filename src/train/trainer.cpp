@@ -489,7 +489,7 @@ Status fill_starting_weights(const TrainConfig& t, Run& run, std::optional<model
   if (!run.start_selection_bias.empty()) run.engine->set_selection_bias(run.start_selection_bias);
   Progress progress(weights ? "loading weights from " + weights_from : "initialising weights",
                     static_cast<uint64_t>(run.layout.total_size()) * sizeof(float));
-  return run.engine->state().fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
+  RETURN_IF_ERROR(run.engine->state().fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
     if (weights) {
       RETURN_IF_ERROR(model::read_hf_tensor(*weights, spec, dst));
     } else {
@@ -497,6 +497,16 @@ Status fill_starting_weights(const TrainConfig& t, Run& run, std::optional<model
     }
     progress.add(static_cast<uint64_t>(spec.numel) * sizeof(float));
     return Status::OK();
+  }));
+  // An FP8 checkpoint's weights (DeepSeek-V3's, with 128 x 128 block scales): the master holds
+  // them dequantised; the fp8 recipe computes with the checkpoint's own codes and scales.
+  if (!weights) return Status::OK();
+  bool block_scaled = false;
+  for (const model::TensorSpec& spec : run.layout.tensors())
+    block_scaled = block_scaled || weights->find(model::block_scale_name(spec.name)) != nullptr;
+  if (!block_scaled) return Status::OK();
+  return run.engine->load_quantized_copies([&](const model::TensorSpec& spec, uint8_t* copy) {
+    return model::read_hf_fp8_copy(*weights, spec, copy);
   });
 }
 

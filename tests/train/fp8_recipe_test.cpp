@@ -19,6 +19,7 @@
 #include "model/decoder.h"
 #include "train/paged_state.h"
 #include "train_test_util.h"
+#include "../fp8_checkpoint.h"
 
 namespace strata {
 namespace {
@@ -236,6 +237,79 @@ TEST_P(Fp8RecipeTest, AnUntrainedMtpModuleStaysAsLoaded) {
     }
   }
   EXPECT_GT(frozen, 10);
+}
+
+// An FP8 checkpoint (DeepSeek-V3's format: E4M3 weights with fp32 scales per 128 x 128 block,
+// here of any value, not powers of two) loads straight into the fp8 recipe: the master holds the
+// weights dequantised, and the compute copy of every linear weight is the checkpoint's own codes
+// and scales, byte for byte (the recipe's own quantiser would round the scales to powers of two);
+// a step trains from them.
+TEST_P(Fp8RecipeTest, AnFp8CheckpointLoadsItsOwnCodesAndScalesAsTheComputeCopies) {
+  if (GetParam().precision != Precision::kFp8) GTEST_SKIP() << "the fp8 recipe's copies";
+  const model::ModelConfig mc = fp8_config();
+  model::ParamLayout layout(mc);
+  const auto written = model::write_checkpoint(dir_ / "fp8_checkpoint", layout, model::block_grid);
+  Result<model::SafetensorsReader> reader = model::open_hf_weights((dir_ / "fp8_checkpoint").string(), layout);
+  ASSERT_TRUE(reader.ok()) << reader.status().to_string();
+  std::vector<float> dequantised(static_cast<size_t>(layout.total_size()), 0.0f);
+  ASSERT_TRUE(model::read_hf_weights(*reader, layout, dequantised.data()).ok());
+
+  auto dev = CpuDevice::create(0, 0);
+  ASSERT_TRUE(dev.ok());
+  auto io = make_io_engine({.kind = "threads"});
+  ASSERT_TRUE(io.ok());
+  PagedStateOptions po;
+  po.precision = GetParam().precision;
+  po.moments = GetParam().moments;
+  po.device_bytes = po.host_bytes = 1ull << 30;
+  po.nvme_dir = (dir_ / "nvme").string();
+  po.grad_accum = 1;
+  po.optimizer = optimizer_config(0.5f);
+  auto paged = PagedState::create(**dev, io->get(), layout, po);
+  ASSERT_TRUE(paged.ok()) << paged.status().to_string();
+  PagedState& ps = **paged;
+  ASSERT_TRUE(ps.fill_kind(StateKind::kParam, [&](const model::TensorSpec& t, float* dst) {
+                  return model::read_hf_tensor(*reader, t, dst);
+                }).ok());
+  ASSERT_TRUE(ps.fill_quantized_copies([&](const model::TensorSpec& t, uint8_t* copy) {
+                  return model::read_hf_fp8_copy(*reader, t, copy);
+                }).ok());
+  std::vector<float> master(dequantised.size(), 0.0f);
+  ASSERT_TRUE(ps.store_params(master.data()).ok());
+  EXPECT_EQ(std::memcmp(master.data(), dequantised.data(), master.size() * sizeof(float)), 0)
+      << "the master is not the dequantised checkpoint";
+
+  std::unique_ptr<Stream> stream = (*dev)->create_stream();
+  ps.set_compute_stream(stream.get());
+  int copies = 0;
+  for (const model::TensorSpec& t : layout.tensors()) {
+    if (!model::param_is_linear_weight(layout, t)) continue;
+    const model::Written& w = written.at(t.name);
+    const int g = model::param_group_of(layout, t);
+    ASSERT_TRUE(ps.begin(g, true, false).ok());
+    stream->synchronize();
+    const auto* copy = static_cast<const uint8_t*>(ps.param(t.offset));
+    const int64_t rows = t.shape[0], cols = t.shape[1];
+    EXPECT_EQ(std::memcmp(copy, w.bytes.data(), w.bytes.size()), 0) << t.name << "'s codes";
+    EXPECT_EQ(std::memcmp(copy + kernels::fp8_matrix_scale_offset(rows, cols), w.scales.data(),
+                          w.scales.size() * sizeof(float)),
+              0)
+        << t.name << "'s block scales";
+    ps.end(g, true, false);
+    ++copies;
+  }
+  ps.set_compute_stream(nullptr);
+  EXPECT_GT(copies, 6);
+
+  std::unique_ptr<model::Model> net = model::make_cpu_decoder(DType::kF8E4M3, mc, dev->get());
+  net->set_access(&ps);
+  const auto batches = make_batches(1, kB * kT, 16);
+  ASSERT_TRUE(ps.zero_grads().ok());
+  Result<double> loss = net->compute(batches[0].inputs.data(), batches[0].targets.data(), kB, kT, 1.0f / (kB * kT), true);
+  ASSERT_TRUE(loss.ok()) << loss.status().to_string();
+  EXPECT_TRUE(std::isfinite(*loss));
+  EXPECT_TRUE(ps.clip_and_step(1e-2f).ok());
+  net->set_access(nullptr);
 }
 
 // The compute copy the model reads: E4M3 blocks of the master for linear weights (bytes equal
