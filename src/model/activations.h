@@ -114,6 +114,10 @@ class ActivationTable {
   Act* mtp_x = nullptr;         // (N, C) the block's input, later the embedding's gradient
   Act* mtp_out = nullptr;       // (N, C) the block's output
   Act* mtp_dres = nullptr;      // (N, C) gradient through the block
+  // With D > 1 modules: modules 1 .. D-1's outputs (the next module's input hidden state) and
+  // their gradients.
+  Act* mtp_hidden = nullptr;    // (D - 1, N, C)
+  Act* mtp_d_hidden = nullptr;  // (D - 1, N, C)
 
   // One layer's intermediates, written by forward and again by backward's recomputation.
   Act* ln1 = nullptr;       // (N, C) input_layernorm output
@@ -403,6 +407,9 @@ int64_t ActivationTable<Ops>::carve(char* base, const ModelConfig& config, int64
   take(mtp_x, mtp * C);
   take(mtp_out, mtp * C);
   take(mtp_dres, mtp * C);
+  const int64_t depths = config.trains_mtp() ? config.num_nextn_predict_layers - 1 : 0;
+  take(mtp_hidden, depths * mtp * C);
+  take(mtp_d_hidden, depths * mtp * C);
   intermediates(*this, Nf, Re);
   take(d_ln, N * C);
   take(d_tmp, N * C);

@@ -705,13 +705,6 @@ Status ModelConfig::validate(const std::string& source) const {
     return bad_key(source, "num_nextn_predict_layers",
                    fmt::format("must not be negative, got {}", num_nextn_predict_layers));
   }
-  if (num_nextn_predict_layers > 1) {
-    return Status::Unimplemented(fmt::format(
-        "{}: key 'num_nextn_predict_layers' is {}; strata trains one multi-token prediction module (DeepSeek-V3's): "
-        "set it to 1 or 0 (model.set num_nextn_predict_layers=1; the checkpoint's further MTP layers are then not "
-        "loaded)",
-        source, num_nextn_predict_layers));
-  }
   if (num_nextn_predict_layers > 0 && !is_deepseek()) {
     return bad_key(source, "num_nextn_predict_layers",
                    fmt::format("is {}; multi-token prediction modules exist for the DeepSeek architectures only",

@@ -126,8 +126,7 @@ struct ModelConfig {
   // published checkpoints store it) projects [enorm(embedding of the token d + 1 ahead),
   // hnorm(previous depth's hidden state)] through eh_proj into one more decoder block, whose
   // output goes through its shared_head.norm to the model's LM head and a cross-entropy for the
-  // token d + 2 ahead. It shares the embedding and LM head. strata implements one module (what
-  // DeepSeek-V3/R1 publish).
+  // token d + 2 ahead. It shares the embedding and LM head. (DeepSeek-V3/R1 publish one.)
   int64_t num_nextn_predict_layers = 0;
   // What the MTP cross-entropy weighs in training (train.mtp_weight; not a config.json key): the
   // step's objective is (sum of the main NLL + mtp_loss_weight / num_nextn_predict_layers x sum of

@@ -290,13 +290,17 @@ class Decoder final : public Model {
   // training; in generation the cache (above), and attention sees the cached positions too.
   Status layer_forward(int64_t layer, const Act* x, Act* out, int64_t B, int64_t T, const RouterStats* stats,
                        bool grads, const KvSlot* kv = nullptr);
-  // The MTP module (ModelConfig::trains_mtp), forward and backward, after the head's backward
-  // left dL/d(last layer's output) in acts_.dres, to which it adds its own part. Its input
-  // tokens are the inputs one ahead and its targets the targets one ahead (the last position
-  // predicts nothing; with document masks, neither does a position whose next token starts a
-  // document). Its gradients are scaled by grad_scale * mtp_loss_weight / num_nextn_predict_layers.
+  // The MTP modules (ModelConfig::trains_mtp), forward and backward, after the head's backward
+  // left dL/d(last layer's output) in acts_.dres, to which they add their part. Module k reads the
+  // inputs k ahead and predicts the targets k ahead (positions past the row's end, and with
+  // document masks those whose k tokens ahead cross the start of a document, predict nothing),
+  // from the last layer's output (k = 1) or module k - 1's. Their gradients are scaled by
+  // grad_scale * mtp_loss_weight / num_nextn_predict_layers.
   Status mtp_forward_backward(const int32_t* inputs, const int32_t* targets, const int32_t* positions, int64_t B,
                               int64_t T, float grad_scale);
+  // Module k's forward (its output left in the table for module k + 1), or forward and backward.
+  Status mtp_module(int64_t k, const int32_t* inputs, const int32_t* targets, const int32_t* positions, int64_t B,
+                    int64_t T, float grad_scale, bool backward);
   // Generation's head: final norm of the (C) row x and the LM head into acts_.logits, copied to
   // logits (V) on the host.
   Status decode_head(const Act* x, float* logits);
@@ -352,7 +356,7 @@ class Decoder final : public Model {
   double last_aux_loss_ = 0.0;
   double last_mtp_nll_ = 0.0;
   int64_t last_mtp_targets_ = 0;
-  std::vector<int32_t> mtp_tokens_;  // (2N) the MTP module's inputs, then its targets, on the host
+  std::vector<int32_t> mtp_tokens_;  // (2N) an MTP module's inputs, then its targets, on the host
   // Generation (begin_sequence): the sequence's capacity, the tokens per decode() at most, and
   // the tokens in the cache.
   int64_t kv_capacity_ = 0;

@@ -653,39 +653,57 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
 template <class Ops>
 Status Decoder<Ops>::mtp_forward_backward(const int32_t* inputs, const int32_t* targets, const int32_t* positions,
                                           int64_t B, int64_t T, float grad_scale) {
-  CHECK_MSG(config_.num_nextn_predict_layers == 1, "one multi-token prediction module (config validation)");
   CHECK_MSG(context_comm_ == nullptr && expert_comm_ == nullptr,
             "multi-token prediction with context or expert parallelism");
+  const int64_t D = config_.num_nextn_predict_layers;
+  trace::Span span("compute", "mtp");
+  ops_.trace_phase("mtp");
+  // The hidden states of the modules before the last, then each module's forward again with its
+  // backward, the last first: module k's backward gives module k - 1's output its gradient.
+  for (int64_t k = 1; k < D; ++k) RETURN_IF_ERROR(mtp_module(k, inputs, targets, positions, B, T, grad_scale, false));
+  for (int64_t k = D; k >= 1; --k) RETURN_IF_ERROR(mtp_module(k, inputs, targets, positions, B, T, grad_scale, true));
+  ops_.trace_phase(nullptr);
+  return Status::OK();
+}
+
+template <class Ops>
+Status Decoder<Ops>::mtp_module(int64_t k, const int32_t* inputs, const int32_t* targets, const int32_t* positions,
+                                int64_t B, int64_t T, float grad_scale, bool backward) {
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t V = config_.vocab_size;
-  const int64_t block = config_.num_hidden_layers;  // the module's block
+  const int64_t D = config_.num_nextn_predict_layers;
+  const int64_t block = config_.num_hidden_layers + k - 1;  // the module's block
   const float eps = static_cast<float>(config_.rms_norm_eps);
-  trace::Span span("compute", "mtp");
-  ops_.trace_phase("mtp");
+  // Module k's input hidden state (the last layer's output, or module k - 1's), where its
+  // gradient goes (added to dres, or written for module k - 1's backward), and for k < D its own
+  // output and the gradient module k + 1 gave it.
+  const Act* hidden = k == 1 ? layer_checkpoint(config_.num_hidden_layers, N) : acts_.mtp_hidden + (k - 2) * N * C;
+  Act* d_hidden = k == 1 ? nullptr : acts_.mtp_d_hidden + (k - 2) * N * C;
+  Act* out = k < D ? acts_.mtp_hidden + (k - 1) * N * C : acts_.mtp_out;
+  const Act* d_out = k < D ? acts_.mtp_d_hidden + (k - 1) * N * C : nullptr;
 
-  // Its tokens: position t reads the input at t + 1 (at the row's end the target there, the token
-  // after the row, or 0 where that is ignored: the position predicts nothing) and predicts the
-  // target at t + 1.
-  ops_.synchronize();  // queued ops of a previous compute may still read the host arrays
+  // Its tokens: position t reads the input at t + k (the token after the row at t + k = T: the
+  // row's last target, or 0 where that is ignored; beyond it 0, where nothing is predicted) and
+  // predicts the target at t + k. With document masks a position predicts nothing across the start
+  // of a document.
+  ops_.synchronize();  // queued ops may still read the host arrays
   mtp_tokens_.resize(static_cast<size_t>(2 * N));
   int32_t* in = mtp_tokens_.data();
   int32_t* target = in + N;
   int64_t valid = 0;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t i = b * T + t;
-      const bool last = t + 1 == T;
-      in[i] = !last ? inputs[i + 1] : std::max(targets[i], 0);
-      // A next token that starts a document is not predicted from the one before it.
-      const bool crosses = !last && positions != nullptr && positions[i + 1] == 0;
-      target[i] = last || crosses ? -1 : targets[i + 1];
+      const int64_t i = b * T + t, ahead = t + k;
+      in[i] = ahead < T ? inputs[i + k] : ahead == T ? std::max(targets[b * T + T - 1], 0) : 0;
+      bool crosses = false;
+      for (int64_t j = t + 1; positions != nullptr && j <= ahead && j < T; ++j) crosses = crosses || positions[b * T + j] == 0;
+      target[i] = ahead < T && !crosses ? targets[i + k] : -1;
       valid += target[i] >= 0 ? 1 : 0;
     }
   }
   const int32_t* staged_in = ops_.stage_tokens(in, N, acts_.tokens_mtp_in);
   const int32_t* staged_target = ops_.stage_tokens(target, N, acts_.tokens_mtp_target);
-  const Act* hidden = layer_checkpoint(config_.num_hidden_layers, N);  // the last layer's output
 
   RETURN_IF_ERROR(begin_group(0, true, false));
   ops_.embedding_forward(acts_.mtp_embed, staged_in, param_blocks(layout_.embed_tokens()).data(),
@@ -693,23 +711,25 @@ Status Decoder<Ops>::mtp_forward_backward(const int32_t* inputs, const int32_t* 
   end_group(0, true, false);
 
   const int group = static_cast<int>(1 + block);
-  RETURN_IF_ERROR(begin_group(group, true, true));
+  RETURN_IF_ERROR(begin_group(group, true, backward));
   const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(block));
-  const LayerGrads g = LayerGrads::bind_with(grad_at(), layout_.layer(block));
   ops_.rmsnorm_forward(acts_.mtp_en, acts_.mtp_e_rstd, acts_.mtp_embed, p.mtp_enorm, N, C, eps);
   ops_.rmsnorm_forward(acts_.mtp_hn, acts_.mtp_h_rstd, hidden, p.mtp_hnorm, N, C, eps);
   ops_.copy_columns(acts_.mtp_cat, 2 * C, acts_.mtp_en, C, N, C, kernels::ColumnOrder::kSame);
   ops_.copy_columns(acts_.mtp_cat + C, 2 * C, acts_.mtp_hn, C, N, C, kernels::ColumnOrder::kSame);
   ops_.linear_forward(acts_.mtp_x, acts_.mtp_cat, p.mtp_eh_proj, nullptr, N, 2 * C, C);
+  // The expert counts (the selection bias's) once per module: in the pass with backward.
   std::vector<int64_t> counts(static_cast<size_t>(config_.num_experts), 0);
   std::vector<double> prob_sums(counts.size(), 0.0);
   const RouterStats stats{counts.data(), prob_sums.data()};
-  Status st = layer_forward(block, acts_.mtp_x, acts_.mtp_out, B, T, &stats, /*grads=*/true);
-  if (!st.ok()) {
-    end_group(group, true, true);
+  Status st = layer_forward(block, acts_.mtp_x, out, B, T, backward ? &stats : nullptr, /*grads=*/backward);
+  if (!st.ok() || !backward) {
+    if (st.ok()) end_experts(block, true, false);
+    end_group(group, true, backward);
     return st;
   }
   for (size_t e = 0; e < counts.size(); ++e) expert_counts_[static_cast<size_t>(block) * counts.size() + e] += counts[e];
+  const LayerGrads g = LayerGrads::bind_with(grad_at(), layout_.layer(block));
 
   // Its head: shared_head.norm, then the model's LM head and cross-entropy (with tied
   // embeddings the head reads the embedding's group).
@@ -725,19 +745,19 @@ Status Decoder<Ops>::mtp_forward_backward(const int32_t* inputs, const int32_t* 
     end_group(group, true, true);
     return st;
   }
-  const float scale = grad_scale * static_cast<float>(config_.mtp_loss_weight /
-                                                      static_cast<double>(config_.num_nextn_predict_layers));
-  ops_.rmsnorm_forward(acts_.final_out, acts_.final_rstd, acts_.mtp_out, p.mtp_head_norm, N, C, eps);
-  last_mtp_nll_ = ops_.lm_head_cross_entropy(
+  const float scale = grad_scale * static_cast<float>(config_.mtp_loss_weight / static_cast<double>(D));
+  ops_.rmsnorm_forward(acts_.final_out, acts_.final_rstd, out, p.mtp_head_norm, N, C, eps);
+  last_mtp_nll_ += ops_.lm_head_cross_entropy(
       acts_.d_final, grad_blocks(layout_.lm_head()).data(), acts_.final_out, param_blocks(layout_.lm_head()).data(),
       block_rows(layout_.lm_head()), staged_target, N, C, V, scale, ops_.lm_head_chunk_tokens(N, C, V));
-  last_mtp_targets_ = valid;
-  ops_.rmsnorm_backward(acts_.mtp_dres, g.mtp_head_norm, acts_.d_final, acts_.mtp_out, p.mtp_head_norm,
-                        acts_.final_rstd, N, C);
+  last_mtp_targets_ += valid;
+  ops_.rmsnorm_backward(acts_.mtp_dres, g.mtp_head_norm, acts_.d_final, out, p.mtp_head_norm, acts_.final_rstd, N, C);
   end_group(head, true, true);
   if (tied) end_group(0, true, true);
+  if (d_out != nullptr) ops_.add_inplace(acts_.mtp_dres, d_out, N * C);
 
-  // Back through the block, eh_proj and the two norms: the hidden state's part adds to dres.
+  // Back through the block, eh_proj and the two norms: the hidden state's part goes to the
+  // module before (or adds to dres).
   st = layer_backward(block, acts_.mtp_x, acts_.mtp_dres, B, T, /*prob_grad=*/nullptr);
   end_experts(block, true, true);
   if (!st.ok()) {
@@ -749,15 +769,18 @@ Status Decoder<Ops>::mtp_forward_backward(const int32_t* inputs, const int32_t* 
   ops_.copy_columns(acts_.mtp_en, C, acts_.d_mtp_cat, 2 * C, N, C, kernels::ColumnOrder::kSame);
   ops_.copy_columns(acts_.mtp_hn, C, acts_.d_mtp_cat + C, 2 * C, N, C, kernels::ColumnOrder::kSame);
   ops_.rmsnorm_backward(acts_.mtp_x, g.mtp_enorm, acts_.mtp_en, acts_.mtp_embed, p.mtp_enorm, acts_.mtp_e_rstd, N, C);
-  ops_.rmsnorm_backward(acts_.d_tmp, g.mtp_hnorm, acts_.mtp_hn, hidden, p.mtp_hnorm, acts_.mtp_h_rstd, N, C);
-  ops_.add_inplace(acts_.dres, acts_.d_tmp, N * C);
+  if (d_hidden != nullptr) {
+    ops_.rmsnorm_backward(d_hidden, g.mtp_hnorm, acts_.mtp_hn, hidden, p.mtp_hnorm, acts_.mtp_h_rstd, N, C);
+  } else {
+    ops_.rmsnorm_backward(acts_.d_tmp, g.mtp_hnorm, acts_.mtp_hn, hidden, p.mtp_hnorm, acts_.mtp_h_rstd, N, C);
+    ops_.add_inplace(acts_.dres, acts_.d_tmp, N * C);
+  }
   end_group(group, true, true);
 
   RETURN_IF_ERROR(begin_group(0, false, true));
   ops_.embedding_backward(grad_blocks(layout_.embed_tokens()).data(), block_rows(layout_.embed_tokens()), acts_.mtp_x,
                           staged_in, N, C, V);
   end_group(0, false, true);
-  ops_.trace_phase(nullptr);
   return Status::OK();
 }
 

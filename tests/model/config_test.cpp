@@ -489,9 +489,15 @@ TEST(ModelConfigTest, ReadsDeepseekV3AsPublishedWithItsMtpModule) {
     EXPECT_FALSE(kept.find("model.layers.60.mlp.gate.weight")->frozen);
     EXPECT_FALSE(layout.find("model.layers.61.eh_proj.weight")->frozen);
   }
-  // More than one module is refused by name.
-  j["num_nextn_predict_layers"] = 2;
-  expect_error(j, StatusCode::kUnimplemented, "num_nextn_predict_layers");
+  {
+    // More modules follow as further blocks.
+    json k = j;
+    k["num_nextn_predict_layers"] = 2;
+    Result<ModelConfig> c = ModelConfig::from_json(k, kSource);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    EXPECT_EQ(c->num_blocks(), 63);
+    EXPECT_NE(ParamLayout(*c).find("model.layers.62.eh_proj.weight"), nullptr);
+  }
   j["num_nextn_predict_layers"] = -1;
   expect_error(j, StatusCode::kInvalidArgument, "num_nextn_predict_layers");
   j["num_nextn_predict_layers"] = 0;

@@ -299,19 +299,45 @@ TEST_P(Bf16DecoderTest, KeptLayerActivationsGiveTheRecomputedResultsBitwise) {
 // With DeepSeek-V3's MTP module, whose block runs in the shared buffers between the last layer's
 // forward and its backward: the last layer keeps its own when layers are kept, and is recomputed
 // otherwise.
-TEST(Bf16DecoderMtp, KeptLayerActivationsGiveTheRecomputedResultsBitwise) {
+ModelConfig mtp_config(int modules) {
   const nlohmann::json j = {
       {"architectures", {"DeepseekV3ForCausalLM"}}, {"vocab_size", 96}, {"hidden_size", 64},
       {"intermediate_size", 96}, {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"q_lora_rank", 24},
       {"kv_lora_rank", 32}, {"qk_nope_head_dim", 16}, {"qk_rope_head_dim", 8}, {"v_head_dim", 12},
       {"max_position_embeddings", 64}, {"n_routed_experts", 4}, {"num_experts_per_tok", 2}, {"n_group", 2},
       {"topk_group", 1}, {"moe_intermediate_size", 32}, {"n_shared_experts", 1}, {"first_k_dense_replace", 1},
-      {"num_nextn_predict_layers", 1}, {"tie_word_embeddings", false}};
+      {"num_nextn_predict_layers", modules}, {"tie_word_embeddings", false}};
   Result<ModelConfig> c = ModelConfig::from_json(j, "test");
-  ASSERT_TRUE(c.ok()) << c.status().to_string();
-  ASSERT_TRUE(c->trains_mtp());
-  expect_kept_equals_recomputed<LlamaModel>(*c);
-  expect_kept_equals_recomputed<LlamaModelBf16>(*c);
+  CHECK_MSG(c.ok(), c.status().to_string());
+  return *c;
+}
+
+TEST(Bf16DecoderMtp, KeptLayerActivationsGiveTheRecomputedResultsBitwise) {
+  for (int modules : {1, 2}) {
+    const ModelConfig c = mtp_config(modules);
+    ASSERT_TRUE(c.trains_mtp());
+    expect_kept_equals_recomputed<LlamaModel>(c);
+    expect_kept_equals_recomputed<LlamaModelBf16>(c);
+  }
+}
+
+// With packed documents a module predicts nothing across the start of a document: module k's
+// position t has a target only when no document starts in t + 1 .. t + k (and t + k < T).
+TEST(Bf16DecoderMtp, ModulesPredictNothingAcrossADocumentStart) {
+  const ModelConfig c = mtp_config(2);
+  FlatModel<LlamaModel> model(c);
+  model.init_weights(3);
+  const int64_t B = 1, T = 8;
+  const std::vector<int32_t> positions = {0, 1, 2, 0, 1, 2, 3, 0};
+  Tokens t = random_tokens(B * T, c.vocab_size, 9);
+  for (int32_t& target : t.targets) target = std::max(target, 0);  // every main target counts
+  model.zero_grads();
+  Result<double> loss = model.compute(t.inputs.data(), t.targets.data(), B, T, 1.0f / (B * T), true, positions.data());
+  ASSERT_TRUE(loss.ok()) << loss.status().to_string();
+  // Module 1: t = 0, 1, 3, 4, 5 (t = 2 and 6 precede a start, t = 7 is last); module 2: t = 0, 3, 4
+  // (t = 1 and 2 span the start at 3, t = 5 and 6 the one at 7, t = 6 and 7 run past the row).
+  EXPECT_EQ(model.net().last_mtp_loss().second, 5 + 3);
+  EXPECT_TRUE(std::isfinite(model.net().last_mtp_loss().first));
 }
 
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, Bf16DecoderTest, ::testing::Values(false, true),

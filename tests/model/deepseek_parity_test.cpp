@@ -89,10 +89,12 @@ void check_parity(const std::string& variant, const std::string& script = "refer
   const int64_t valid = count_valid_targets(targets.data(), B * T);
   ASSERT_GT(valid, 0);
 
-  // The training loss: the main mean NLL, plus the MTP module's NLL sum weighted per main target.
+  // The training loss: the main mean NLL, plus the MTP modules' NLL sum weighted per main target
+  // (mtp_weight over the modules).
   auto train_loss = [&] {
     const double nll = model.forward_backward(inputs.data(), targets.data(), B, T, 1.0f / static_cast<float>(valid));
-    return (nll + mtp_weight * model.net().last_mtp_loss().first) / static_cast<double>(valid);
+    const double per_module = config->num_nextn_predict_layers > 0 ? mtp_weight / config->num_nextn_predict_layers : 0;
+    return (nll + per_module * model.net().last_mtp_loss().first) / static_cast<double>(valid);
   };
   model.zero_grads();
   const double loss = train_loss();
@@ -177,6 +179,12 @@ TEST(DeepseekParityTest, V3WithYarnAndFullRankQueriesMatchesThePublishedModeling
 // its embedding and LM head), trained with weight 0.3: the module's NLL, every gradient (its own,
 // and what it adds to the shared tensors and the layers) and three AdamW steps.
 TEST(DeepseekParityTest, V3WithAMultiTokenPredictionModuleMatchesTheReference) { check_parity("deepseek_v3_mtp"); }
+
+// Two modules: the second reads the first's block output and the inputs two ahead, and its
+// gradient flows back through the first.
+TEST(DeepseekParityTest, V3WithTwoMultiTokenPredictionModulesMatchesTheReference) {
+  check_parity("deepseek_v3_mtp2");
+}
 
 // Qwen3 against transformers' own Qwen3ForCausalLM (4.51.3): per-head q/k norms before RoPE, an
 // explicit head_dim wider than hidden_size / heads, grouped-query attention; untied and tied.

@@ -11,6 +11,7 @@ Usage: reference_deepseek.py OUTDIR VARIANT
                                 sequence-level auxiliary loss (aux_loss_alpha, seq_aux)
            deepseek_v3_mtp      deepseek_v3 with one multi-token prediction module (an MoE
                                 block) whose loss weighs MTP_WEIGHT
+           deepseek_v3_mtp2     the same with two modules (the second reads the first's output)
 
 The model code is the published Hugging Face remote code kept unmodified under
 tests/fixtures/deepseek/ (see its README.md), imported with importlib. Tiny random models
@@ -35,10 +36,10 @@ eh_proj (a bias-free Linear over the concatenation, embedding first, as DeepSeek
 orders it), one published DecoderLayer(config, L) (MoE, with its own gate and
 e_score_correction_bias) and shared_head.norm; the embedding and LM head are the model's (the
 checkpoint's model.layers.{L}.embed_tokens and shared_head.head copies are written too). Position
-t of the module combines the model's last hidden state before its final norm with the embedding
-of input t + 1 and predicts target t + 1; the last position predicts nothing. The training loss is
-mean main NLL + MTP_WEIGHT x (sum of the MTP NLL) / (main targets), strata's definition
-(ModelConfig::mtp_loss_weight).
+t of module k (1, 2, ...) combines the previous hidden state (the model's last before its final
+norm, or module k - 1's block output) with the embedding of input t + k and predicts target t + k;
+the last k positions predict nothing. The training loss is mean main NLL + MTP_WEIGHT / D x (sum of
+the D modules' NLL) / (main targets), strata's definition (ModelConfig::mtp_loss_weight).
 
 Writes OUTDIR/VARIANT/:
   config.json, model.safetensors   save_pretrained(safe_serialization=True) in float32, with
@@ -112,8 +113,9 @@ VARIANTS = {
                          n_shared_experts=2, aux_loss_alpha=0.001, seq_aux=True), 47, 2.0),
     # deepseek_v3 with a 256-token vocabulary, for training on bytes through the CLI.
     "deepseek_v3_bytes": ("DeepSeek-V3", 3, dict(V3, vocab_size=256), 64, 1.0),
-    # deepseek_v3 with one MTP module.
+    # deepseek_v3 with one MTP module, and with two.
     "deepseek_v3_mtp": ("DeepSeek-V3", 3, dict(V3, num_nextn_predict_layers=1), 66, 1.0),
+    "deepseek_v3_mtp2": ("DeepSeek-V3", 3, dict(V3, num_nextn_predict_layers=2), 71, 1.0),
     # The same with a 256-token vocabulary, for training on bytes through the CLI.
     "deepseek_v3_mtp_bytes": ("DeepSeek-V3", 3, dict(V3, num_nextn_predict_layers=1, vocab_size=256), 77, 1.0),
     # The same without the auxiliary loss (strata refuses aux_loss_alpha > 0 for V2).
@@ -179,11 +181,12 @@ def perturb(model, gate_gain, version):
 class MtpModule(torch.nn.Module):
     """One multi-token prediction module from the published classes (see the docstring)."""
 
-    def __init__(self, modeling, config, version):
+    def __init__(self, modeling, config, version, depth):
         super().__init__()
         norm = getattr(modeling, "DeepseekV%dRMSNorm" % version)
         C = config.hidden_size
-        self.layer = config.num_hidden_layers
+        self.depth = depth  # 1, 2, ...: reads the inputs `depth` ahead
+        self.layer = config.num_hidden_layers + depth - 1
         self.enorm = norm(C, eps=config.rms_norm_eps)
         self.hnorm = norm(C, eps=config.rms_norm_eps)
         self.eh_proj = torch.nn.Linear(2 * C, C, bias=False)
@@ -201,18 +204,22 @@ class MtpModule(torch.nn.Module):
     def named_checkpoint_parameters(self):
         return [(self.checkpoint_name(n), p) for n, p in self.named_parameters()]
 
-    def forward(self, model, hidden, inputs):
-        """Logits (B, T, V) of the tokens two ahead from `hidden`, the model's last hidden state
-        before its final norm, and the model's inputs."""
+    def forward(self, model, hidden, inputs, targets):
+        """(block output, logits (B, T, V)) from `hidden` (the model's last hidden state before
+        its final norm, or the previous module's block output) and the inputs `depth` ahead. At
+        t + depth = T the input is the row's last target (0 where ignored), beyond it 0: those
+        positions predict nothing."""
         B, T = inputs.shape
+        k = self.depth
         ahead = torch.zeros_like(inputs)
-        ahead[:, :-1] = inputs[:, 1:]
+        ahead[:, :T - k] = inputs[:, k:]
+        ahead[:, T - k] = targets[:, T - 1].clamp(min=0)
         embedded = model.model.embed_tokens(ahead)
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         mask = self.modeling._prepare_4d_causal_attention_mask(None, (B, T), x, 0)
         positions = torch.arange(T, dtype=torch.long).unsqueeze(0)
         out = self.block(x, attention_mask=mask, position_ids=positions)[0]
-        return model.lm_head(self.head_norm(out))
+        return out, model.lm_head(self.head_norm(out))
 
 
 def build(variant):
@@ -228,7 +235,8 @@ def build(variant):
     model = model_class(config).to(torch.float32)
     perturb(model, gate_gain, version)
     if getattr(config, "num_nextn_predict_layers", 0):
-        model.mtp = MtpModule(modeling, config, version).to(torch.float32)
+        model.mtp = torch.nn.ModuleList([MtpModule(modeling, config, version, d + 1)
+                                         for d in range(config.num_nextn_predict_layers)]).to(torch.float32)
         perturb(model.mtp, gate_gain, version)
         model.mtp.train(model.training)
     # V2 with an auxiliary loss: train mode (the gate's aux loss and the MoE training branch;
@@ -245,7 +253,7 @@ def build(variant):
 class RoutingProbe:
     def __init__(self, model, config, version):
         self.config, self.version = config, version
-        layers = list(model.model.layers) + ([model.mtp.block] if hasattr(model, "mtp") else [])
+        layers = list(model.model.layers) + [module.block for module in getattr(model, "mtp", [])]
         self.gates = [(i, layer.mlp.gate) for i, layer in enumerate(layers) if hasattr(layer.mlp, "gate")]
         self.records = []
         for i, gate in self.gates:
@@ -324,8 +332,9 @@ class RoutingProbe:
 def parameters_by_name(model):
     """The model's parameters by checkpoint name, the MTP module's after the model's."""
     named = [(n, p) for n, p in model.named_parameters() if not n.startswith("mtp.")]
-    mtp = getattr(model, "mtp", None)
-    return named + (mtp.named_checkpoint_parameters() if mtp is not None else [])
+    for module in getattr(model, "mtp", []):
+        named += module.named_checkpoint_parameters()
+    return named
 
 
 def forward_loss(model, probe, inputs, targets):
@@ -344,14 +353,18 @@ def forward_loss(model, probe, inputs, targets):
     # anything downstream of the MoE output, so backward(nll) yields d(nll + aux).
     loss, mtp_sum, mtp_count = nll, 0.0, 0
     if mtp is not None:
-        mtp_targets = torch.full_like(targets, IGNORE_INDEX)
-        mtp_targets[:, :-1] = targets[:, 1:]
-        mtp_logits = mtp(model, captured[0], inputs)
-        mtp_nll = F.cross_entropy(mtp_logits.reshape(-1, mtp_logits.shape[-1]), mtp_targets.reshape(-1),
-                                  ignore_index=IGNORE_INDEX, reduction="sum")
-        valid = int((targets != IGNORE_INDEX).sum())
-        loss = nll + MTP_WEIGHT * mtp_nll / valid
-        mtp_sum, mtp_count = mtp_nll.item(), int((mtp_targets != IGNORE_INDEX).sum())
+        hidden, total, valid = captured[0], 0.0, int((targets != IGNORE_INDEX).sum())
+        for module in mtp:
+            k = module.depth
+            mtp_targets = torch.full_like(targets, IGNORE_INDEX)
+            mtp_targets[:, :-k] = targets[:, k:]
+            hidden, mtp_logits = module(model, hidden, inputs, targets)
+            mtp_nll = F.cross_entropy(mtp_logits.reshape(-1, mtp_logits.shape[-1]), mtp_targets.reshape(-1),
+                                      ignore_index=IGNORE_INDEX, reduction="sum")
+            total = total + mtp_nll
+            mtp_sum += mtp_nll.item()
+            mtp_count += int((mtp_targets != IGNORE_INDEX).sum())
+        loss = nll + MTP_WEIGHT / len(mtp) * total / valid
     return loss, nll, aux, [a.item() for a in aux_losses], mtp_sum, mtp_count
 
 
@@ -391,17 +404,18 @@ def run(outdir, variant):
     os.makedirs(out, exist_ok=True)
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
-        del model.mtp  # save_pretrained writes the published model's tensors; the module's follow
+        del model.mtp  # save_pretrained writes the published model's tensors; the modules' follow
     model.save_pretrained(out, safe_serialization=True)
     if mtp is not None:
         model.mtp = mtp
         import safetensors.torch
         path = os.path.join(out, "model.safetensors")
         tensors = safetensors.torch.load_file(path)
-        for name, p in mtp.named_checkpoint_parameters():
-            tensors[name] = p.detach().clone().contiguous()
-        tensors["model.layers.%d.embed_tokens.weight" % mtp.layer] = model.model.embed_tokens.weight.detach().clone()
-        tensors["model.layers.%d.shared_head.head.weight" % mtp.layer] = model.lm_head.weight.detach().clone()
+        for module in mtp:
+            for name, p in module.named_checkpoint_parameters():
+                tensors[name] = p.detach().clone().contiguous()
+            tensors["model.layers.%d.embed_tokens.weight" % module.layer] = model.model.embed_tokens.weight.detach().clone()
+            tensors["model.layers.%d.shared_head.head.weight" % module.layer] = model.lm_head.weight.detach().clone()
         safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
     initial = {n: p.detach().clone() for n, p in parameters_by_name(model)}
 

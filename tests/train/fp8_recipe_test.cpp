@@ -177,12 +177,13 @@ TEST_P(Fp8RecipeTest, LatentAttentionPagesBitwiseToo) {
   EXPECT_GT(tight.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
 }
 
-// DeepSeek-V3's multi-token prediction module (an MoE block after the layers, sharing the
-// embedding and LM head, model/decoder_impl.h) trained under the same tight budgets: its group
-// pages like a layer's, and the head's and the embedding's are acquired again for it.
+// DeepSeek-V3's multi-token prediction modules (MoE blocks after the layers, sharing the
+// embedding and LM head, model/decoder_impl.h), two of them, trained under the same tight
+// budgets: their groups page like layers', and the head's and the embedding's are acquired again
+// for each.
 TEST_P(Fp8RecipeTest, MultiTokenPredictionPagesBitwiseToo) {
   model::ModelConfig mc = deepseek_config();
-  mc.num_nextn_predict_layers = 1;
+  mc.num_nextn_predict_layers = 2;  // the second module reads the first's output
   mc.mtp_loss_weight = 0.3;
   ASSERT_TRUE(mc.validate("test").ok());
   ASSERT_TRUE(mc.trains_mtp() && mc.is_moe_layer(mc.num_hidden_layers));
@@ -202,7 +203,8 @@ TEST_P(Fp8RecipeTest, MultiTokenPredictionPagesBitwiseToo) {
   // The module trained: every tensor of it moved from where it started.
   const std::vector<float> init = initial_params(layout, 7);
   for (const model::TensorSpec& t : layout.tensors()) {
-    if (!t.name.starts_with("model.layers.3.") || t.name.ends_with("e_score_correction_bias")) continue;
+    if (!mc.is_mtp_block(model::param_group_of(layout, t) - 1) || t.name.ends_with("e_score_correction_bias"))
+      continue;
     if (t.name.find(".experts.") != std::string::npos) continue;  // an expert may get no token
     EXPECT_NE(std::memcmp(init.data() + t.offset, roomy.params.data() + t.offset, t.numel * sizeof(float)), 0)
         << t.name << " did not train";
