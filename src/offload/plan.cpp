@@ -338,7 +338,8 @@ LevelSizes level_sizes(const PlanInput& in, int zero) {
                      in.layer_sliced_param_bytes);
   s.edge = shard_of(in, s.full_edge, s.W, zero, in.edge_sliced_bytes, in.edge_sliced_moment_bytes,
                     in.edge_sliced_param_bytes);
-  s.saved_all = static_cast<uint64_t>(s.L + 1) * in.saved_activation_bytes_per_layer;
+  const int64_t checkpointed = in.checkpoint_layers >= 0 ? in.checkpoint_layers : s.L;
+  s.saved_all = static_cast<uint64_t>(checkpointed + 1) * in.saved_activation_bytes_per_layer;
   return s;
 }
 
@@ -711,8 +712,9 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
     if (!h.opt_dev[g]) p.cpu_adam_elements += s.updated(g == L ? in.edge_elements : in.layer_elements);
   }
   if (offload) {
-    fwd_d2h += static_cast<uint64_t>(L) * in.saved_activation_bytes_per_layer;
-    bwd_h2d += static_cast<uint64_t>(L) * in.saved_activation_bytes_per_layer;
+    const uint64_t checkpointed = static_cast<uint64_t>(in.checkpoint_layers >= 0 ? in.checkpoint_layers : L);
+    fwd_d2h += checkpointed * in.saved_activation_bytes_per_layer;
+    bwd_h2d += checkpointed * in.saved_activation_bytes_per_layer;
   }
   // Zeroing writes each streamed gradient on the device and sends it back; the norm (unless it
   // is taken inside the overlapped optimizer) reads each one there once more.
@@ -754,7 +756,9 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
         }
     } else {
       const ReplayResult& r = *replay;
-      const uint64_t ckpt = offload ? static_cast<uint64_t>(L) * in.saved_activation_bytes_per_layer : 0;
+      const uint64_t ckpt = offload ? static_cast<uint64_t>(in.checkpoint_layers >= 0 ? in.checkpoint_layers : L) *
+                                          in.saved_activation_bytes_per_layer
+                                    : 0;
       const ReplayMoves total = r.total();
       const ReplayMoves &fwd = r.of(StepPhase::kForward), &bwd = r.of(StepPhase::kBackward);
       const ReplayMoves &zero_pass = r.of(StepPhase::kZero), &norm = r.of(StepPhase::kNorm),

@@ -79,6 +79,9 @@ constexpr int kZeroLevels = 4;
 struct PlanInput {
   // Model state, as L identical layer groups plus the edge group.
   int64_t num_layers = 0;
+  // The layers with layer checkpoints (saved activations), when fewer than num_layers: a model's
+  // multi-token prediction blocks are planned as layers but save none. -1: num_layers.
+  int64_t checkpoint_layers = -1;
   uint64_t layer_elements = 0;  // parameters per decoder layer
   uint64_t edge_elements = 0;   // embeddings + untied LM head + final norm
   // MoE: the routed experts' parameters per layer (averaged over the L layers; part of

@@ -207,7 +207,7 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
     const uint64_t saved = 12 * static_cast<uint64_t>(layout.total_size());
     uint64_t extra = 0;  // the MoE routers' balancing bias, copied for each save
     if (mc.has_selection_bias())
-      extra = static_cast<uint64_t>(mc.num_moe_layers()) * static_cast<uint64_t>(mc.num_experts) * sizeof(float);
+      extra = static_cast<uint64_t>(mc.num_blocks()) * static_cast<uint64_t>(mc.num_experts) * sizeof(float);
     ckpt = std::min(t.ckpt_staging / piece * piece, saved + std::min(saved, piece)) + extra;
   }
   ram.items.push_back({"checkpoint", ckpt, 0, false,

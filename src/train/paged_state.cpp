@@ -162,7 +162,7 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
       if (t.offset == layout.final_norm()) C = static_cast<uint64_t>(t.numel);
     const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * C * dtype_size(state.activation_dtype());
     const uint64_t count =
-        static_cast<uint64_t>(model::saved_activation_count(static_cast<int>(layout.num_layers())));
+        static_cast<uint64_t>(model::saved_activation_count(static_cast<int>(layout.config().num_hidden_layers)));
     size.activation_chunks = StateStore::activation_chunks(static_cast<int>(count), bytes, chunk);
     size.state_bytes += count * bytes;
   }
@@ -320,7 +320,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
   if (options.offload_activations) {
     if (options.activation_tokens <= 0)
       return Status::InvalidArgument("activation offload needs activation_tokens (B * T of a micro-batch)");
-    offloaded = model::saved_activation_count(L);
+    offloaded = model::saved_activation_count(static_cast<int>(ps->layout_.config().num_hidden_layers));
     // Hidden size C: the final norm's weight has C elements.
     const int64_t C = ps->pieces_[ps->tensor_at(ps->layout_.final_norm())].numel;
     const uint64_t bytes = static_cast<uint64_t>(options.activation_tokens) * static_cast<uint64_t>(C) *

@@ -212,6 +212,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   const uint64_t layers = static_cast<uint64_t>(m.num_hidden_layers);
   const uint64_t total = static_cast<uint64_t>(m.num_parameters());
   in.num_layers = m.num_blocks();
+  in.checkpoint_layers = m.num_hidden_layers;
   in.edge_elements = V * C * (m.tie_word_embeddings ? 1 : 2) + C;
   in.layer_elements = (total - in.edge_elements) / std::max<uint64_t>(L, 1);
   if (m.is_moe()) {
@@ -227,7 +228,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
     in.moe_layers = moe_blocks;
     in.expert_fetch_fraction = 1.0 - std::pow(1.0 - static_cast<double>(m.num_experts_per_tok) / E, tokens);
     const std::vector<double>& given = t.experts_reached;
-    if (given.size() == 1 || given.size() == static_cast<size_t>(m.num_moe_layers())) {
+    if (given.size() == 1 || (!given.empty() && given.size() == static_cast<size_t>(m.num_moe_layers()))) {
       // Per group (layer l is group l + 1), and their mean over the MoE layers.
       // (An MTP module's block is planned as the model's last MoE layer reaches.)
       in.expert_fetch_by_group.assign(static_cast<size_t>(m.num_blocks()) + 2, 0.0);

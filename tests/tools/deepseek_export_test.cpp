@@ -157,10 +157,17 @@ TEST(DeepseekExportTest, TheMultiTokenPredictionModuleExportsAsItCameOrAsTrained
                              src.string();
 
   const fs::path same = dir / "same";
-  CmdResult r = run_strata(common + " run.dir=" + (dir / "run0").string() + " optim.lr=0 run.export=" + same.string());
+  CmdResult r = run_strata(common + " run.dir=" + (dir / "run0").string() + " optim.lr=0 ckpt.every=2 run.export=" +
+                           same.string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("mtp: loss"), std::string::npos) << "the module did not train: " << r.output;
   expect_same_tensors(src / "model.safetensors", same);
+  // The run's checkpoint converts to the same model (every MoE block's selection bias, the
+  // modules' included).
+  const fs::path converted = dir / "converted";
+  r = run_strata("convert --from " + (dir / "run0" / "checkpoints").string() + " --to " + converted.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_tensors(src / "model.safetensors", converted);
 
   const fs::path kept = dir / "kept";
   r = run_strata(common + " run.dir=" + (dir / "run1").string() + " optim.lr=1e-2 train.mtp_weight=0 run.export=" +

@@ -68,8 +68,9 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
   }
   if (out.config.has_selection_bias()) {
     const int64_t E = out.config.num_experts;
-    out.selection_bias.assign(static_cast<size_t>(out.config.num_hidden_layers * E), 0.0f);
-    for (int64_t l = 0; l < out.config.num_hidden_layers; ++l) {
+    // Every MoE block's, the MTP modules' too (the decoder's and export_hf's layout).
+    out.selection_bias.assign(static_cast<size_t>(out.config.num_blocks() * E), 0.0f);
+    for (int64_t l = 0; l < out.config.num_blocks(); ++l) {
       if (!out.config.is_moe_layer(l)) continue;
       const std::string name = ckpt::qualified_name(ckpt::TensorKind::kState, selection_bias_state_name(l));
       if (reader->find(name) == nullptr) continue;  // saved before it was trained: zeros, as resume starts
