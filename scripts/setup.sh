@@ -17,6 +17,7 @@ packages=(
   libopenblas-dev                               # CPU GEMM (optional at build time)
   libgtest-dev                                  # tests
   python3-torch python3-numpy python3-pip       # PyTorch reference for parity tests
+  python3-venv                                  # a newer transformers beside it for the Qwen3 reference
 )
 
 missing=()
@@ -36,7 +37,7 @@ install_reference_python() {
   # Qwen3 parity against transformers' own Qwen3ForCausalLM (tests/model/reference_qwen3.py): the
   # release that added it (4.51), in a virtual environment beside Debian's torch so that the
   # system's 4.40 stays for the other references.
-  local venv="${STRATA_REFERENCE_VENV:-$HOME/.cache/strata/reference-transformers-4.51}"
+  local venv="${STRATA_REFERENCE_VENV:-${HOME:-/root}/.cache/strata/reference-transformers-4.51}"
   if ! "$venv/bin/python" -c "import transformers.models.qwen3" 2>/dev/null; then
     echo "setup: installing transformers==4.51.3 into $venv (Qwen3 reference test)"
     { /usr/bin/python3 -m venv --system-site-packages "$venv" &&
