@@ -34,6 +34,16 @@ install_reference_python() {
     $sudo /usr/bin/python3 -m pip install -q --break-system-packages "transformers==4.40.2" ||
       echo "setup: warning: transformers could not be installed; the tests that compare with it will be skipped" >&2
   fi
+  # PEFT for the LoRA reference (tests/model/reference_lora.py): 0.11.1 runs on torch 1.13 and
+  # transformers 4.40. Its requirement torch>=1.13.0 rejects Debian's 1.13.0a0, so pip would pull
+  # torch 2: install it without dependencies, after those it needs (accelerate before 1.0, which
+  # still takes torch 1.x, and Jinja2 for the model card its save_pretrained writes).
+  if ! /usr/bin/python3 -c "import peft, jinja2" 2>/dev/null; then
+    echo "setup: installing peft==0.11.1 for /usr/bin/python3 (LoRA reference test)"
+    { $sudo /usr/bin/python3 -m pip install -q --break-system-packages "accelerate>=0.21.0,<1" Jinja2 &&
+      $sudo /usr/bin/python3 -m pip install -q --break-system-packages --no-deps "peft==0.11.1"; } ||
+      echo "setup: warning: peft could not be installed; the LoRA parity tests will be skipped" >&2
+  fi
   # Qwen3 parity against transformers' own Qwen3ForCausalLM (tests/model/reference_qwen3.py): the
   # release that added it (4.51), in a virtual environment beside Debian's torch so that the
   # system's 4.40 stays for the other references.

@@ -83,6 +83,7 @@ inline void AdamW::step(float* params, const float* grads, float lr) {
   p.eps = config_.eps;
   p.step = step_count_;
   for (const auto& t : layout_.tensors()) {
+    if (t.frozen) continue;  // kept as loaded (model/params.h), as the paged optimizer does
     p.weight_decay = t.weight_decay ? config_.weight_decay : 0.0f;
     kernels::cpu::adamw_step(params + t.offset, grads + t.offset, m_.data() + t.offset,
                              v_.data() + t.offset, t.numel, p);

@@ -12,7 +12,7 @@ namespace strata::kernels {
   void linear_forward(float* out /*(N,OC)*/, const float* x /*(N,IC)*/,                           \
                       const float* weight /*(OC,IC)*/, const float* bias /*(OC) or null*/,        \
                       int64_t N, int64_t IC, int64_t OC);                                         \
-  /* dx (N,IC) = (skipped when null); dweight (OC,IC) += ; dbias (OC) += (skipped when null) */    \
+  /* dx (N,IC) = (skipped when null); dweight (OC,IC) += (skipped when null); dbias (OC) += (skipped when null) */    \
   void linear_backward(float* dx, float* dweight, float* dbias, const float* dout /*(N,OC)*/,     \
                        const float* x /*(N,IC)*/, const float* weight /*(OC,IC)*/, int64_t N,     \
                        int64_t IC, int64_t OC);

@@ -7,7 +7,7 @@ namespace strata::kernels {
   /* rstd (N) is saved for backward */                                                            \
   void rmsnorm_forward(float* out /*(N,C)*/, float* rstd /*(N)*/, const float* x /*(N,C)*/,       \
                        const float* weight /*(C)*/, int64_t N, int64_t C, float eps);            \
-  /* dx (N,C) = ; dweight (C) += */                                                               \
+  /* dx (N,C) = ; dweight (C) += (null: skipped) */                                                               \
   void rmsnorm_backward(float* dx /*(N,C)*/, float* dweight /*(C)*/, const float* dout /*(N,C)*/, \
                         const float* x /*(N,C)*/, const float* weight /*(C)*/,                    \
                         const float* rstd /*(N)*/, int64_t N, int64_t C);

@@ -31,6 +31,7 @@
 #include "core/status.h"
 #include "kernels/moe.h"
 #include "kernels/rope.h"
+#include "model/lora.h"
 
 namespace strata::model {
 
@@ -133,6 +134,9 @@ struct ModelConfig {
   // the MTP NLL) / (the step's main targets). 0: the MTP modules are not computed and their
   // tensors not updated (kept as loaded, and exported unchanged).
   double mtp_loss_weight = 0.1;
+  // Low-rank adapters (train.method=lora and the lora.* keys; not config.json keys): with
+  // lora.enabled() the layout holds the adapters and every other tensor is frozen.
+  LoraConfig lora;
 
   // Reads the keys of a Hugging Face Llama config.json. `source` names the file in messages.
   // RoPE: top-level `rope_theta`, or the newer `rope_parameters` object (which wins when both

@@ -56,6 +56,7 @@
 #include "core/status.h"
 #include "kernels/cpu/backend.h"
 #include "kernels/cpu/queued_ops.h"
+#include "kernels/lora.h"
 #include "model/activations.h"
 #include "model/config.h"
 #include "model/expert_parallel.h"
@@ -109,6 +110,10 @@ class Model {
   // parallelism, not in the fp8 recipe) the routed experts over tiles of as many rows of the
   // expert order (model/moe_layer.h). Takes effect at the next compute. REQUIRES: tokens >= 0.
   virtual void set_mlp_tile_tokens(int64_t tokens) = 0;
+  // LoRA dropout's seed for the next training computes (model/lora.h): the masks depend on it, the
+  // adapted weight and the element only, so the caller sets one per micro-batch (from the run's
+  // seed, the step and the micro-batch) and a resumed run draws the same masks.
+  virtual void set_dropout_seed(uint64_t seed) { (void)seed; }
   // Bytes of the activation table for micro-batches of `tokens` (B * T) tokens, with the layer
   // checkpoints offloaded or not, in an expert group of `expert_ranks` (1: none; see
   // set_expert_comm) and a context group of `context_ranks` (0: none; see set_context_comm).
@@ -221,6 +226,7 @@ class Decoder final : public Model {
   void update_expert_bias() override;
   void set_keep_layer_activations(bool keep) override { keep_layers_ = keep; }
   void set_mlp_tile_tokens(int64_t tokens) override { mlp_tile_ = tokens; }
+  void set_dropout_seed(uint64_t seed) override { dropout_seed_ = seed; }
   Stream* compute_stream() override { return ops_.compute_stream(); }
   void set_expert_comm(parallel::Comm* comm) override;
   int expert_ranks() const override { return expert_comm_ != nullptr ? expert_comm_->world_size() : 1; }
@@ -262,7 +268,21 @@ class Decoder final : public Model {
   void end_group(int group, bool params, bool grads);
   // The tensor starting at flat-layout `offset`, from the ParamAccess.
   const W* param(int64_t offset) { return static_cast<const W*>(access_->param(offset)); }
-  float* grad(int64_t offset) { return access_->grad(offset); }
+  // Null for a frozen tensor (an untrained MTP module's, every base tensor with LoRA): the ops
+  // skip its gradient.
+  float* grad(int64_t offset) { return layout_.at(offset).frozen ? nullptr : access_->grad(offset); }
+  // What the ops take for a tensor's gradient blocks: null when it is frozen.
+  static float* const* grad_blocks_or_null(const std::vector<float*>& blocks) {
+    return blocks.empty() || blocks.front() == nullptr ? nullptr : blocks.data();
+  }
+  bool frozen(int64_t offset) const { return layout_.at(offset).frozen; }
+  // LoRA (model/lora.h): the adapter of the weight at flat-layout `weight` (none: a no-op) adds
+  // its part to y (n, OC) from x (n, IC), and in backward to dx (null: skipped) and its
+  // gradients from dy. row0: the rows' first index in the micro-batch (dropout's mask).
+  void lora_forward(int64_t weight, Act* y, const Act* x, int64_t n, int64_t IC, int64_t OC, int64_t row0 = 0);
+  void lora_backward(int64_t weight, Act* dx, const Act* dy, const Act* x, int64_t n, int64_t IC, int64_t OC,
+                     int64_t row0 = 0);
+  kernels::LoraDropout lora_dropout(int64_t weight, int64_t row0) const;
   // The row blocks of the tensor at `offset` (one pointer when it is not in blocks), and the
   // rows per block (its first dimension when it is not).
   std::vector<const W*> param_blocks(int64_t offset);
@@ -316,8 +336,9 @@ class Decoder final : public Model {
   // Returns expert parallelism's communication errors (other layers never fail).
   Status layer_backward(int64_t layer, const Act* x, Act* dres, int64_t B, int64_t T, const float* prob_grad);
   // The dense MLP's gate, up and activation of n rows x (n, C) into `into`'s buffers (null: the
-  // shared ones, which hold a token tile when the MLP is tiled).
-  void mlp_tile_forward(const LayerTensors<const W>& p, const Act* x, int64_t n,
+  // shared ones, which hold a token tile when the MLP is tiled). row0: the rows' first index in
+  // the micro-batch.
+  void mlp_tile_forward(int64_t layer, const LayerTensors<const W>& p, const Act* x, int64_t n, int64_t row0,
                         const ActivationTable<Ops>* into = nullptr);
   const float* layer_selection_bias(int64_t layer) const;
 
@@ -338,6 +359,8 @@ class Decoder final : public Model {
   const int32_t* staged_rope_positions_ = nullptr;
   bool keep_layers_ = false;
   int64_t mlp_tile_ = 0;  // tokens (and expert rows) per MLP tile (0: untiled)
+  uint64_t dropout_seed_ = 0;
+  bool dropout_on_ = false;  // in a compute with backward (LoRA dropout trains only)
   ActivationTable<Ops> acts_;
   ParamAccess* access_ = nullptr;
   // MoE state (empty for dense models).

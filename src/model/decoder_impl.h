@@ -145,16 +145,22 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
     mla_attention_forward(ops_, config_, p, a, acts_, B, T, mla_rope());
     ops_.linear_forward_residual(a.h, a.att, p.o_proj, x, N, config_.att_dim(), C);
   } else {
+  const LayerOffsets& o = layout_.layer(layer);
   if (p.q_norm != nullptr) {
     ops_.linear_forward(a.q_raw, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
+    lora_forward(o.q_proj, a.q_raw, a.ln1, N, C, Hq * D);
     ops_.linear_forward(a.k_raw, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
+    lora_forward(o.k_proj, a.k_raw, a.ln1, N, C, Hkv * D);
     ops_.rmsnorm_forward(a.q, a.q_norm_rstd, a.q_raw, p.q_norm, N * Hq, D, eps);
     ops_.rmsnorm_forward(k, a.k_norm_rstd, a.k_raw, p.k_norm, N * Hkv, D, eps);
   } else {
     ops_.linear_forward(a.q, a.ln1, p.q_proj, p.q_bias, N, C, Hq * D);
+    lora_forward(o.q_proj, a.q, a.ln1, N, C, Hq * D);
     ops_.linear_forward(k, a.ln1, p.k_proj, p.k_bias, N, C, Hkv * D);
+    lora_forward(o.k_proj, k, a.ln1, N, C, Hkv * D);
   }
   ops_.linear_forward(v, a.ln1, p.v_proj, p.v_bias, N, C, Hkv * D);
+  lora_forward(o.v_proj, v, a.ln1, N, C, Hkv * D);
   // Packed documents (training only): positions restart at each document, and attention stays
   // inside it.
   // With context parallelism RoPE rotates by the tokens' places in their sequences and attention
@@ -170,6 +176,7 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
                            D, past, positions);
   }
   ops_.linear_forward_residual(a.h, a.att, p.o_proj, x, N, Hq * D, C);
+  lora_forward(o.o_proj, a.h, a.att, N, Hq * D, C);
   }
 
   // MLP block: out = h + mlp(ln2), mlp = down(silu(gate(ln2)) * up(ln2)) or the experts.
@@ -219,25 +226,30 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
     if (out == nullptr) return Status::OK();
     for (int64_t r0 = 0; r0 < N; r0 += tile) {
       const int64_t n = std::min(tile, N - r0);
-      mlp_tile_forward(p, a.ln2 + r0 * C, n);
+      mlp_tile_forward(layer, p, a.ln2 + r0 * C, n, r0);
       ops_.linear_forward_residual(out + r0 * C, acts_.act, p.down_proj, a.h + r0 * C, n, F, C);
+      lora_forward(layout_.layer(layer).down_proj, out + r0 * C, acts_.act, n, F, C, r0);
     }
     return Status::OK();
   }
-  mlp_tile_forward(p, a.ln2, N, &a);
+  mlp_tile_forward(layer, p, a.ln2, N, 0, &a);
   if (out == nullptr) return Status::OK();
   ops_.linear_forward_residual(out, a.act, p.down_proj, a.h, N, F, C);
+  lora_forward(layout_.layer(layer).down_proj, out, a.act, N, F, C);
   return Status::OK();
 }
 
 template <class Ops>
-void Decoder<Ops>::mlp_tile_forward(const LayerTensors<const W>& p, const Act* x /*(n,C)*/, int64_t n,
-                                    const ActivationTable<Ops>* into) {
+void Decoder<Ops>::mlp_tile_forward(int64_t layer, const LayerTensors<const W>& p, const Act* x /*(n,C)*/, int64_t n,
+                                    int64_t row0, const ActivationTable<Ops>* into) {
   const ActivationTable<Ops>& a = into != nullptr ? *into : acts_;
+  const LayerOffsets& o = layout_.layer(layer);
   const int64_t C = config_.hidden_size;
   const int64_t F = config_.intermediate_size;
   ops_.linear_forward(a.gate, x, p.gate_proj, nullptr, n, C, F);
+  lora_forward(o.gate_proj, a.gate, x, n, C, F, row0);
   ops_.linear_forward(a.up, x, p.up_proj, nullptr, n, C, F);
+  lora_forward(o.up_proj, a.up, x, n, C, F, row0);
   ops_.swiglu_forward(a.act, a.gate, a.up, n * F);
 }
 
@@ -247,6 +259,7 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
                                     int64_t T, const float* prob_grad) {
   const auto p = LayerTensors<const W>::bind_with(param_at(), layout_.layer(layer));
   const LayerGrads g = LayerGrads::bind_with(grad_at(), layout_.layer(layer));
+  const LayerOffsets& o = layout_.layer(layer);
   const ActivationTable<Ops>& a = acts_.layer(layer);
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
@@ -281,11 +294,14 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
     for (int64_t r0 = 0; r0 < N; r0 += tile) {
       const int64_t n = std::min(tile, N - r0);
       const Act* x2 = a.ln2 + r0 * C;
-      if (tiled) mlp_tile_forward(p, x2, n);
+      if (tiled) mlp_tile_forward(layer, p, x2, n, r0);
       ops_.linear_backward(m.d_act, g.down_proj, nullptr, dres + r0 * C, m.act, p.down_proj, n, F, C);
+      lora_backward(o.down_proj, m.d_act, dres + r0 * C, m.act, n, F, C, r0);
       ops_.swiglu_backward(m.d_gate, m.d_up, m.d_act, m.gate, m.up, n * F);
       ops_.linear_backward(a.d_ln + r0 * C, g.gate_proj, nullptr, m.d_gate, x2, p.gate_proj, n, C, F);
+      lora_backward(o.gate_proj, a.d_ln + r0 * C, m.d_gate, x2, n, C, F, r0);
       ops_.linear_backward(a.d_tmp + r0 * C, g.up_proj, nullptr, m.d_up, x2, p.up_proj, n, C, F);
+      lora_backward(o.up_proj, a.d_tmp + r0 * C, m.d_up, x2, n, C, F, r0);
     }
     ops_.add_inplace(a.d_ln, a.d_tmp, N * C);
   }
@@ -295,6 +311,7 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
 
   // Attention block. h = x + o_proj(att): dL/dx starts as dL/dh.
   ops_.linear_backward(a.d_att, g.o_proj, nullptr, dres, a.att, p.o_proj, N, config_.att_dim(), C);
+  lora_backward(o.o_proj, a.d_att, dres, a.att, N, config_.att_dim(), C);
   if (config_.is_mla()) {
     mla_attention_backward(ops_, config_, p, g, a, acts_, B, T, mla_rope(), a.d_ln);
   } else {
@@ -310,14 +327,19 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
     // Through the per-head norms; d_qk_raw serves q, then k.
     ops_.rmsnorm_backward(a.d_qk_raw, g.q_norm, a.d_q, a.q_raw, p.q_norm, a.q_norm_rstd, N * Hq, D);
     ops_.linear_backward(a.d_ln, g.q_proj, g.q_bias, a.d_qk_raw, a.ln1, p.q_proj, N, C, Hq * D);
+    lora_backward(o.q_proj, a.d_ln, a.d_qk_raw, a.ln1, N, C, Hq * D);
     ops_.rmsnorm_backward(a.d_qk_raw, g.k_norm, a.d_k, a.k_raw, p.k_norm, a.k_norm_rstd, N * Hkv, D);
     ops_.linear_backward(a.d_tmp, g.k_proj, g.k_bias, a.d_qk_raw, a.ln1, p.k_proj, N, C, Hkv * D);
+    lora_backward(o.k_proj, a.d_tmp, a.d_qk_raw, a.ln1, N, C, Hkv * D);
   } else {
     ops_.linear_backward(a.d_ln, g.q_proj, g.q_bias, a.d_q, a.ln1, p.q_proj, N, C, Hq * D);
+    lora_backward(o.q_proj, a.d_ln, a.d_q, a.ln1, N, C, Hq * D);
     ops_.linear_backward(a.d_tmp, g.k_proj, g.k_bias, a.d_k, a.ln1, p.k_proj, N, C, Hkv * D);
+    lora_backward(o.k_proj, a.d_tmp, a.d_k, a.ln1, N, C, Hkv * D);
   }
   ops_.add_inplace(a.d_ln, a.d_tmp, N * C);
   ops_.linear_backward(a.d_tmp, g.v_proj, g.v_bias, a.d_v, a.ln1, p.v_proj, N, C, Hkv * D);
+  lora_backward(o.v_proj, a.d_tmp, a.d_v, a.ln1, N, C, Hkv * D);
   ops_.add_inplace(a.d_ln, a.d_tmp, N * C);
   }
   ops_.rmsnorm_backward(a.d_tmp, g.input_layernorm, a.d_ln, x, p.input_layernorm, a.ln1_rstd, N, C);
@@ -350,7 +372,7 @@ template <class Ops>
 std::vector<float*> Decoder<Ops>::grad_blocks(int64_t offset) {
   const TensorSpec& t = layout_.at(offset);
   std::vector<float*> out;
-  for (int64_t b = 0; b < t.num_blocks(); ++b) out.push_back(grad(t.block_offset(b)));
+  for (int64_t b = 0; b < t.num_blocks(); ++b) out.push_back(t.frozen ? nullptr : access_->grad(t.block_offset(b)));
   return out;
 }
 
@@ -539,6 +561,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
   CHECK_MSG(access_ != nullptr, "the model computes through a ParamAccess: set_access() first");
   check_tokens(inputs, targets, B * T);
   check_positions(positions, B, T);
+  dropout_on_ = backward;
   const int64_t N = B * T;
   const int64_t C = config_.hidden_size;
   const int64_t L = config_.num_hidden_layers;
@@ -596,7 +619,7 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
 
   // With tied embeddings lm_head() is the embedding's offset, so both gradients add up there.
   const double loss = ops_.lm_head_cross_entropy(
-      acts_.d_final, grad_blocks(layout_.lm_head()).data(), acts_.final_out, param_blocks(layout_.lm_head()).data(),
+      acts_.d_final, grad_blocks_or_null(grad_blocks(layout_.lm_head())), acts_.final_out, param_blocks(layout_.lm_head()).data(),
       block_rows(layout_.lm_head()), staged_targets, N, C, config_.vocab_size, grad_scale,
       ops_.lm_head_chunk_tokens(N, C, config_.vocab_size));
   ops_.rmsnorm_backward(acts_.dres, grad(layout_.final_norm()), acts_.d_final, layer_checkpoint(L, N),
@@ -639,6 +662,11 @@ Result<double> Decoder<Ops>::compute(const int32_t* inputs, const int32_t* targe
     end_group(static_cast<int>(1 + l), true, true);
     backward_span.reset();
     RETURN_IF_ERROR(done);
+  }
+  // A frozen embedding (LoRA) takes no gradient.
+  if (frozen(layout_.embed_tokens())) {
+    ops_.trace_phase(nullptr);
+    return loss;
   }
   trace::Span span("compute", "embedding backward");
   ops_.trace_phase("embedding backward");
@@ -748,7 +776,7 @@ Status Decoder<Ops>::mtp_module(int64_t k, const int32_t* inputs, const int32_t*
   const float scale = grad_scale * static_cast<float>(config_.mtp_loss_weight / static_cast<double>(D));
   ops_.rmsnorm_forward(acts_.final_out, acts_.final_rstd, out, p.mtp_head_norm, N, C, eps);
   last_mtp_nll_ += ops_.lm_head_cross_entropy(
-      acts_.d_final, grad_blocks(layout_.lm_head()).data(), acts_.final_out, param_blocks(layout_.lm_head()).data(),
+      acts_.d_final, grad_blocks_or_null(grad_blocks(layout_.lm_head())), acts_.final_out, param_blocks(layout_.lm_head()).data(),
       block_rows(layout_.lm_head()), staged_target, N, C, V, scale, ops_.lm_head_chunk_tokens(N, C, V));
   last_mtp_targets_ += valid;
   ops_.rmsnorm_backward(acts_.mtp_dres, g.mtp_head_norm, acts_.d_final, out, p.mtp_head_norm, acts_.final_rstd, N, C);
@@ -777,11 +805,47 @@ Status Decoder<Ops>::mtp_module(int64_t k, const int32_t* inputs, const int32_t*
   }
   end_group(group, true, true);
 
+  if (frozen(layout_.embed_tokens())) return Status::OK();
   RETURN_IF_ERROR(begin_group(0, false, true));
   ops_.embedding_backward(grad_blocks(layout_.embed_tokens()).data(), block_rows(layout_.embed_tokens()), acts_.mtp_x,
                           staged_in, N, C, V);
   end_group(0, false, true);
   return Status::OK();
+}
+
+// ---- LoRA ------------------------------------------------------------------------------------
+
+template <class Ops>
+kernels::LoraDropout Decoder<Ops>::lora_dropout(int64_t weight, int64_t row0) const {
+  kernels::LoraDropout d;
+  if (!dropout_on_ || !(config_.lora.dropout > 0)) return d;
+  d.p = static_cast<float>(config_.lora.dropout);
+  // One mask per adapted weight: the step's seed mixed with the weight's offset.
+  uint64_t z = dropout_seed_ ^ (static_cast<uint64_t>(weight) * 0xD1B54A32D192ED03ull);
+  z = (z ^ (z >> 32)) * 0x9E3779B97F4A7C15ull;
+  d.seed = z ^ (z >> 29);
+  d.row0 = row0;
+  return d;
+}
+
+template <class Ops>
+void Decoder<Ops>::lora_forward(int64_t weight, Act* y, const Act* x, int64_t n, int64_t IC, int64_t OC, int64_t row0) {
+  const LoraOffsets* lo = layout_.lora_of(weight);
+  if (lo == nullptr) return;
+  ops_.lora_forward(y, x, param(lo->a), param(lo->b), config_.lora.scale(), lora_dropout(weight, row0), n, IC, OC,
+                    config_.lora.rank);
+}
+
+template <class Ops>
+void Decoder<Ops>::lora_backward(int64_t weight, Act* dx, const Act* dy, const Act* x, int64_t n, int64_t IC,
+                                 int64_t OC, int64_t row0) {
+  const LoraOffsets* lo = layout_.lora_of(weight);
+  if (lo == nullptr) return;
+  float* da = grad(lo->a);
+  float* db = grad(lo->b);
+  CHECK_MSG(da != nullptr && db != nullptr, "a LoRA adapter without gradients in a backward");
+  ops_.lora_backward(dx, da, db, dy, x, param(lo->a), param(lo->b), config_.lora.scale(), lora_dropout(weight, row0),
+                     n, IC, OC, config_.lora.rank);
 }
 
 // ---- generation ------------------------------------------------------------------------------
@@ -816,6 +880,7 @@ Status Decoder<Ops>::begin_sequence(int64_t capacity, int64_t max_chunk) {
 template <class Ops>
 Status Decoder<Ops>::decode(const int32_t* tokens, int64_t n, float* logits) {
   CHECK_MSG(access_ != nullptr, "the model computes through a ParamAccess: set_access() first");
+  dropout_on_ = false;
   if (kv_capacity_ == 0 || acts_.kv_tokens() != kv_capacity_) {
     return Status::InvalidArgument("decode needs a sequence: call begin_sequence first (a compute() ends one)");
   }

@@ -108,6 +108,7 @@ SafetensorsWriteDtype hf_source_dtype(const SafetensorsReader& reader, const Par
   // Which of bf16 and f16 hold every tensor exactly (f32 always does).
   bool bf16 = true, f16 = true;
   for (const TensorSpec& t : layout.tensors()) {
+    if (t.adapts >= 0) continue;  // LoRA adapters are not the base's
     const SafetensorsTensorInfo* info = reader.find(t.name);
     CHECK_MSG(info != nullptr, "hf_source_dtype: tensor " + t.name + " is not in the checkpoint");
     const bool fp8 = info->dtype == "F8_E4M3" || info->dtype == "F8_E5M2";  // exact in both
@@ -228,9 +229,11 @@ Result<bool> read_hf_fp8_copy(const SafetensorsReader& reader, const TensorSpec&
 
 Status read_hf_weights(const SafetensorsReader& reader, const ParamLayout& layout, float* params) {
   uint64_t total = 0;
-  for (const TensorSpec& t : layout.tensors()) total += static_cast<uint64_t>(reader.find(t.name)->nbytes);
+  for (const TensorSpec& t : layout.tensors())
+    if (t.adapts < 0) total += static_cast<uint64_t>(reader.find(t.name)->nbytes);
   Progress progress("loading weights from " + reader.path(), total);
   for (const TensorSpec& t : layout.tensors()) {
+    if (t.adapts >= 0) continue;
     RETURN_IF_ERROR(read_hf_tensor(reader, t, params + t.offset));
     progress.add(static_cast<uint64_t>(reader.find(t.name)->nbytes));
   }
@@ -244,6 +247,7 @@ Result<SafetensorsReader> open_hf_weights(const std::string& dir_or_file, const 
 
   // Check everything before reading, so that a bad checkpoint leaves params untouched.
   for (const TensorSpec& t : layout.tensors()) {
+    if (t.adapts >= 0) continue;  // LoRA adapters are not the base's
     const SafetensorsTensorInfo* info = reader.find(t.name);
     if (info == nullptr) {
       std::string hint;
@@ -323,7 +327,7 @@ Status read_hf_selection_bias(const SafetensorsReader& reader, const ModelConfig
   return Status::OK();
 }
 
-Status check_export_target(const std::string& out_dir) {
+Status check_export_target(const std::string& out_dir, const std::string& marker) {
   std::error_code ec;
   const fs::path dir(without_trailing_slashes(out_dir));
   if (out_dir.empty()) return Status::InvalidArgument("the export directory is empty; name one");
@@ -331,26 +335,26 @@ Status check_export_target(const std::string& out_dir) {
   if (!fs::is_directory(dir, ec)) {
     return Status::InvalidArgument(fmt::format("export target {} exists and is not a directory", dir.string()));
   }
-  if (fs::is_empty(dir, ec) || fs::exists(dir / "config.json", ec)) return Status::OK();
+  if (fs::is_empty(dir, ec) || fs::exists(dir / marker, ec)) return Status::OK();
   return Status::InvalidArgument(fmt::format(
-      "export target {} is a non-empty directory without config.json; refusing to replace it (choose a new "
+      "export target {} is a non-empty directory without {}; refusing to replace it (choose a new "
       "directory)",
-      dir.string()));
+      dir.string(), marker));
 }
 
 Status export_hf(const std::string& out_dir, const ModelConfig& config, const ParamLayout& layout,
                  const float* params, const ExportOptions& options) {
   return export_hf(out_dir, config, layout,
                    [params](const TensorSpec& t, float* out) {
-                     std::copy(params + t.offset, params + t.offset + t.numel, out);
+                     std::copy_n(params + t.offset, t.numel, out);
                      return Status::OK();
                    },
                    options);
 }
 
-Status export_hf(const std::string& out_dir, const ModelConfig& config, const ParamLayout& layout,
-                 const TensorReader& read, const ExportOptions& options) {
-  RETURN_IF_ERROR(check_export_target(out_dir));
+Status write_export_dir(const std::string& out_dir, const std::string& marker,
+                        const std::function<Status(const std::string& tmp)>& fill) {
+  RETURN_IF_ERROR(check_export_target(out_dir, marker));
   std::error_code ec;
   const fs::path dir(without_trailing_slashes(out_dir));
   const fs::path tmp = dir.string() + ".tmp";
@@ -367,7 +371,33 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
   } remove_tmp{tmp};
   fs::create_directories(tmp, ec);
   if (ec) return Status::IOError(fmt::format("cannot create {}: {}", tmp.string(), ec.message()));
+  RETURN_IF_ERROR(fill(tmp.string()));
+  fsync_path(tmp.string(), /*directory=*/true);
 
+  // Swap the finished export in; a previous one is removed only after the rename.
+  const bool replace = fs::exists(dir, ec);
+  if (replace) {
+    fs::remove_all(old, ec);
+    fs::rename(dir, old, ec);
+    if (ec) return Status::IOError(fmt::format("cannot move the previous export {} aside: {}", dir.string(), ec.message()));
+  }
+  fs::rename(tmp, dir, ec);
+  if (ec) {
+    const std::string why = ec.message();
+    if (replace) fs::rename(old, dir, ec);  // the previous export goes back where it was
+    return Status::IOError(fmt::format("cannot rename {} to {}: {}", tmp.string(), dir.string(), why));
+  }
+  if (replace) fs::remove_all(old, ec);
+  fsync_path(dir.parent_path().empty() ? "." : dir.parent_path().string(), /*directory=*/true);
+  return Status::OK();
+}
+
+Status export_hf(const std::string& out_dir, const ModelConfig& config, const ParamLayout& layout,
+                 const TensorReader& read, const ExportOptions& options) {
+  const fs::path dir(without_trailing_slashes(out_dir));
+  return write_export_dir(out_dir, "config.json", [&](const std::string& tmp_dir) -> Status {
+  const fs::path tmp(tmp_dir);
+  std::error_code ec;
   // config.json
   json j = config.to_json();
   if (const char* type = model_type_of(config.architecture)) j["model_type"] = type;
@@ -389,6 +419,7 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
   // Weights, in layout order (first use), like transformers' state dict.
   std::vector<SafetensorsWriteTensor> tensors;
   for (const TensorSpec& t : layout.tensors()) {
+    if (t.adapts >= 0) continue;  // the base's tensors only (a merged export reads them merged)
     tensors.push_back({t.name, t.shape, nullptr, [&read, &t, &options](float* out) {
                          RETURN_IF_ERROR(read(t, out));
                          if (options.allow_nonfinite) return Status::OK();
@@ -475,24 +506,8 @@ Status export_hf(const std::string& out_dir, const ModelConfig& config, const Pa
       RETURN_IF_ERROR(write_file_atomic((tmp / name).string(), text));
     }
   }
-  fsync_path(tmp.string(), /*directory=*/true);
-
-  // Swap the finished export in; a previous one is removed only after the rename.
-  const bool replace = fs::exists(dir, ec);
-  if (replace) {
-    fs::remove_all(old, ec);
-    fs::rename(dir, old, ec);
-    if (ec) return Status::IOError(fmt::format("cannot move the previous export {} aside: {}", dir.string(), ec.message()));
-  }
-  fs::rename(tmp, dir, ec);
-  if (ec) {
-    const std::string why = ec.message();
-    if (replace) fs::rename(old, dir, ec);  // the previous export goes back where it was
-    return Status::IOError(fmt::format("cannot rename {} to {}: {}", tmp.string(), dir.string(), why));
-  }
-  if (replace) fs::remove_all(old, ec);
-  fsync_path(dir.parent_path().empty() ? "." : dir.parent_path().string(), /*directory=*/true);
   return Status::OK();
+  });
 }
 
 }  // namespace strata::model

@@ -37,7 +37,8 @@ Result<nlohmann::json> read_hf_config_json(const std::string& dir);
 Result<ModelConfig> load_hf_config(const std::string& dir);
 
 // Fills params (layout.total_size() elements) from a Hugging Face checkpoint: a directory, a
-// .safetensors file or a model.safetensors.index.json. Every layout tensor must be present
+// .safetensors file or a model.safetensors.index.json. Every layout tensor but the LoRA
+// adapters (TensorSpec::adapts, left as they are; model/peft_io.h reads them) must be present
 // with its shape (any dtype SafetensorsReader converts); a tied layout ignores lm_head.weight.
 // Extra checkpoint tensors produce one warning naming a few (rotary_emb.inv_freq is expected
 // and ignored). Everything is checked before any byte is read, so on a NotFound, shape or
@@ -108,8 +109,15 @@ struct ExportOptions {
 };
 
 // OK when export_hf may write `out_dir`: it does not exist, is empty, or holds a previous
-// export (a config.json), which export_hf replaces. Lets callers fail before long work.
-Status check_export_target(const std::string& out_dir);
+// export (a `marker` file: config.json, or a PEFT adapter's adapter_config.json), which the export
+// replaces. Lets callers fail before long work.
+Status check_export_target(const std::string& out_dir, const std::string& marker = "config.json");
+// How every export directory is written: check_export_target(out_dir, marker), then `fill`
+// writes the files into OUT_DIR.tmp (a fresh directory), which is fsynced and renamed to out_dir;
+// a previous export there is replaced only once the new one is complete, and on any error no
+// OUT_DIR.tmp stays behind.
+Status write_export_dir(const std::string& out_dir, const std::string& marker,
+                        const std::function<Status(const std::string& tmp)>& fill);
 
 // Writes a directory transformers' from_pretrained loads unchanged: config.json
 // (ModelConfig::to_json with model_type matching the architecture and the torch_dtype of

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -52,6 +54,16 @@ void fill_normal(float* out, int64_t n, double stddev, uint64_t seed) {
     const double angle = kTwoPi * uniform_open(&state);
     out[2 * j] = static_cast<float>(stddev * radius * std::cos(angle));
     if (2 * j + 1 < n) out[2 * j + 1] = static_cast<float>(stddev * radius * std::sin(angle));
+  }
+}
+
+// Uniform in [-bound, bound), one counter draw per element (as fill_normal, thread-independent).
+void fill_uniform(float* out, int64_t n, double bound, uint64_t seed) {
+#pragma omp parallel for schedule(static) if (n >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t state = seed + static_cast<uint64_t>(i) * kGamma;
+    const double u = static_cast<double>(splitmix64(&state) >> 11) * 0x1.0p-53;  // [0, 1)
+    out[i] = static_cast<float>((2.0 * u - 1.0) * bound);
   }
 }
 
@@ -145,6 +157,13 @@ ParamLayout::ParamLayout(const ModelConfig& config) : config_(config) {
       }
     }
     if (mtp) o.mtp_head_norm = add(p + "shared_head.norm.weight", {C}, TensorRole::kNormWeight);
+    // The layer's adapters follow its tensors, in its group.
+    const LoraConfig& lora = config.lora;
+    for (const auto& [bit, weight] : {std::pair{kLoraQ, o.q_proj}, {kLoraK, o.k_proj}, {kLoraV, o.v_proj},
+                                      {kLoraO, o.o_proj}, {kLoraGate, o.gate_proj}, {kLoraUp, o.up_proj},
+                                      {kLoraDown, o.down_proj}}) {
+      if (weight >= 0 && lora.targets_any(bit)) add_lora(weight);
+    }
     layers_.push_back(o);
   }
   // An MTP module training does not compute keeps its tensors as loaded.
@@ -157,6 +176,10 @@ ParamLayout::ParamLayout(const ModelConfig& config) : config_(config) {
   final_norm_ = add("model.norm.weight", {C}, TensorRole::kNormWeight);
   lm_head_ = config.tie_word_embeddings ? embed_tokens_
                                         : add("lm_head.weight", {V, C}, TensorRole::kMatrix);
+  // With LoRA only the adapters train.
+  if (config.lora.enabled()) {
+    for (TensorSpec& t : tensors_) t.frozen = t.frozen || t.adapts < 0;
+  }
   // Vocabulary tensors larger than every other tensor go in row blocks about the size of the
   // largest other one (whole multiples of kParamAlignment rows).
   int64_t largest_other = 0;
@@ -167,6 +190,24 @@ ParamLayout::ParamLayout(const ModelConfig& config) : config_(config) {
     for (TensorSpec& t : tensors_)
       if (t.offset == embed_tokens_ || t.offset == lm_head_) t.block_rows = rows;
   }
+}
+
+void ParamLayout::add_lora(int64_t weight) {
+  const TensorSpec w = at(weight);  // a copy: add() grows tensors_
+  constexpr std::string_view kSuffix = ".weight";
+  CHECK_MSG(w.shape.size() == 2 && w.name.ends_with(kSuffix), "LoRA on tensor " + w.name + ", not a linear weight");
+  const std::string module = w.name.substr(0, w.name.size() - kSuffix.size());
+  const int64_t r = config_.lora.rank;
+  const TensorRole a_role = config_.lora.init == LoraInit::kGaussian ? TensorRole::kLoraAGaussian : TensorRole::kLoraA;
+  LoraOffsets lo;
+  lo.a = add(module + ".lora_A.weight", {r, w.shape[1]}, a_role);
+  lo.b = add(module + ".lora_B.weight", {w.shape[0], r}, TensorRole::kLoraB);
+  for (int64_t o : {lo.a, lo.b}) {
+    TensorSpec& t = tensors_[index_.at(at(o).name)];
+    t.adapts = weight;
+    t.weight_decay = true;
+  }
+  lora_.emplace(weight, lo);
 }
 
 const TensorSpec& ParamLayout::at(int64_t offset) const {
@@ -225,8 +266,20 @@ void init_tensor(const TensorSpec& t, float* p, uint64_t seed) {
       std::fill(p, p + t.numel, 1.0f);
       break;
     case TensorRole::kBias:
+    case TensorRole::kLoraB:
       std::fill(p, p + t.numel, 0.0f);
       break;
+    case TensorRole::kLoraA: {
+      // kaiming_uniform_(a = sqrt(5)) over fan_in = in: bound = sqrt(6 / ((1 + 5) * in)).
+      uint64_t stream = seed ^ hash_name(t.name);
+      fill_uniform(p, t.numel, 1.0 / std::sqrt(static_cast<double>(t.shape[1])), splitmix64(&stream));
+      break;
+    }
+    case TensorRole::kLoraAGaussian: {
+      uint64_t stream = seed ^ hash_name(t.name);
+      fill_normal(p, t.numel, 1.0 / static_cast<double>(t.shape[0]), splitmix64(&stream));
+      break;
+    }
   }
 }
 

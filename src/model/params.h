@@ -27,6 +27,11 @@ enum class TensorRole : uint8_t {
   kMatrix,      // projections and embeddings: normal(0, 0.02) init, weight decay
   kNormWeight,  // RMSNorm gains: init 1, no weight decay
   kBias,        // projection biases: init 0, no weight decay
+  // LoRA factors (model/lora.h), with weight decay: A (r, in) as LoraConfig::init says, B (out, r)
+  // zero, so that the adapted model starts as its base.
+  kLoraA,
+  kLoraAGaussian,
+  kLoraB,
 };
 
 struct TensorSpec {
@@ -36,9 +41,12 @@ struct TensorSpec {
   int64_t numel = 0;
   bool weight_decay = false;   // true for 2-D matrices (embeddings included)
   TensorRole kind = TensorRole::kMatrix;
-  // Not updated by the optimizer: an MTP module's tensors when training does not compute them
-  // (ModelConfig::mtp_loss_weight 0), kept as loaded. Their gradients stay 0.
+  // Not trained: an MTP module's tensors when training does not compute them
+  // (ModelConfig::mtp_loss_weight 0), kept as loaded, and with LoRA every tensor but the
+  // adapters. The model computes no gradient for them.
   bool frozen = false;
+  // A LoRA factor (TensorRole kLoraA*/kLoraB): the offset of the weight it adapts; else -1.
+  int64_t adapts = -1;
   // > 0: the tensor is paged and computed in blocks of this many rows (the last may be
   // shorter): the vocabulary tensors of a model whose embedding dwarfs every other tensor,
   // which would otherwise set a chunk size that pads every other group. 0: one block.
@@ -184,6 +192,12 @@ struct MoeTensors {
 using MoeParams = MoeTensors<const float>;
 using MoeGrads = MoeTensors<float>;
 
+// The LoRA factors of one adapted weight (model/lora.h): A (r, in) and B (out, r).
+struct LoraOffsets {
+  int64_t a = -1;
+  int64_t b = -1;
+};
+
 class ParamLayout {
  public:
   ParamLayout() = default;
@@ -210,9 +224,18 @@ class ParamLayout {
   int64_t final_norm() const { return final_norm_; }  // (C)
   // (V, C); equals embed_tokens() when the embeddings are tied.
   int64_t lm_head() const { return lm_head_; }
+  // The adapter of the weight starting at `weight_offset`, or null (no LoRA, an untargeted
+  // weight, or -1).
+  const LoraOffsets* lora_of(int64_t weight_offset) const {
+    const auto it = lora_.find(weight_offset);
+    return it == lora_.end() ? nullptr : &it->second;
+  }
+  bool has_lora() const { return !lora_.empty(); }
 
  private:
   int64_t add(std::string name, std::vector<int64_t> shape, TensorRole kind);
+  // Adds the LoRA factors of the weight at `weight` (ModelConfig::lora's rank).
+  void add_lora(int64_t weight);
 
   ModelConfig config_;
   std::vector<TensorSpec> tensors_;
@@ -222,6 +245,7 @@ class ParamLayout {
   std::vector<LayerOffsets> layers_;
   int64_t final_norm_ = -1;
   int64_t lm_head_ = -1;
+  std::unordered_map<int64_t, LoraOffsets> lora_;
 };
 
 // Deterministic, platform-independent init: normal(0, 0.02) for matrices (splitmix64 +

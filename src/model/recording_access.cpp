@@ -62,6 +62,8 @@ class DryRunOps {
   STRATA_DRY_RUN_OP(linear_forward_residual)
   STRATA_DRY_RUN_OP(linear_forward_f32)
   STRATA_DRY_RUN_OP(linear_backward_f32)
+  STRATA_DRY_RUN_OP(lora_forward)
+  STRATA_DRY_RUN_OP(lora_backward)
   STRATA_DRY_RUN_OP(rope_forward)
   STRATA_DRY_RUN_OP(rope_backward)
   STRATA_DRY_RUN_OP(attention_forward)

@@ -47,6 +47,7 @@
 #include "kernels/attention.h"
 #include "kernels/bf16.h"
 #include "kernels/columns.h"
+#include "kernels/lora.h"
 #include "kernels/micro_batch_shape.h"
 #include "kernels/moe.h"
 
@@ -165,6 +166,13 @@ struct CpuCommonOps {
                                 const Act* v, const Act* out, const float* lse, int64_t B, int64_t Tq, int64_t Tk,  \
                                 int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, bool accumulate_dq,        \
                                 bool accumulate_dkv, int64_t Dv = 0, double scale = 0);                             \
+  /* LoRA (kernels/lora.h): y (N,OC) = y + scale * (drop(x) A^T) B^T, rounded once; backward: dA, dB += and    \
+     dx (null: skipped) = dx + drop'(dt A), rounded once. A (R,IC) and B (OC,R) are the adapter's compute copy. */  \
+  void lora_forward(Act* y, const Act* x /*(N,IC)*/, const W* A, const W* B, float scale, const LoraDropout& drop,  \
+                    int64_t N, int64_t IC, int64_t OC, int64_t R);                                                  \
+  void lora_backward(Act* dx, float* dA, float* dB, const Act* dy /*(N,OC)*/, const Act* x /*(N,IC)*/, const W* A, \
+                     const W* B, float scale, const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC,          \
+                     int64_t R);                                                                                    \
   /* dst (n) = src rounded to the activation type */                                                                \
   void round_activations(Act* dst, const float* src, int64_t n);                                                    \
   void swiglu_forward(Act* out /*(n)*/, const Act* gate /*(n)*/, const Act* up /*(n)*/, int64_t n);                 \

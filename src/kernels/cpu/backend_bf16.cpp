@@ -149,6 +149,30 @@ void CpuBf16Ops::attention_block_backward(float* dq, float* dk, float* dv, const
                                 Hkv, D, mask, accumulate_dq, accumulate_dkv, Dv, scale);
 }
 void CpuBf16Ops::round_activations(Bf16* dst, const float* src, int64_t n) { narrow(dst, src, n); }
+namespace {
+// Rounds fp32 values to the nearest bf16 in place (the recipe's activation rounding).
+void round_bf16_values(float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) v[i] = to_f32(to_bf16(v[i]));
+}
+}  // namespace
+void CpuBf16Ops::lora_forward(Bf16* y, const Bf16* x, const Bf16* A, const Bf16* B, float scale,
+                              const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC, int64_t R) {
+  std::vector<float> yf = widen(y, N * OC), t(static_cast<size_t>(N * R));
+  const std::vector<float> xf = widen(x, N * IC), af = widen(A, R * IC), bf = widen(B, OC * R);
+  cpu::lora_forward(yf.data(), t.data(), xf.data(), af.data(), bf.data(), scale, drop, N, IC, OC, R,
+                    round_bf16_values);
+  narrow(y, yf.data(), N * OC);
+}
+void CpuBf16Ops::lora_backward(Bf16* dx, float* dA, float* dB, const Bf16* dy, const Bf16* x, const Bf16* A,
+                               const Bf16* B, float scale, const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC,
+                               int64_t R) {
+  std::vector<float> dxf = dx != nullptr ? widen(dx, N * IC) : std::vector<float>();
+  const std::vector<float> dyf = widen(dy, N * OC), xf = widen(x, N * IC), af = widen(A, R * IC),
+                           bf = widen(B, OC * R);
+  cpu::lora_backward(dx != nullptr ? dxf.data() : nullptr, dA, dB, dyf.data(), xf.data(), af.data(), bf.data(), scale,
+                     drop, N, IC, OC, R, round_bf16_values);
+  if (dx != nullptr) narrow(dx, dxf.data(), N * IC);
+}
 void CpuBf16Ops::attention_backward(Bf16* dq, Bf16* dk, Bf16* dv, const Bf16* dout, const Bf16* q, const Bf16* k,
                                     const Bf16* v, const Bf16* out, const float* lse, int64_t B, int64_t T,
                                     int64_t Hq, int64_t Hkv, int64_t D, const int32_t* positions, int64_t Dv,
@@ -276,7 +300,7 @@ void CpuBf16Ops::accumulate_data_grad(Bf16* dx, float* dweight, const Bf16* dout
   std::vector<float> acc = widen(dx, N * IC);
   sgemm(false, false, N, IC, OC, 1.0f, df.data(), OC, wf.data(), IC, 1.0f, acc.data(), IC);
   narrow(dx, acc.data(), N * IC);
-  sgemm(true, false, OC, IC, N, 1.0f, df.data(), OC, xf.data(), IC, 1.0f, dweight, IC);
+  if (dweight != nullptr) sgemm(true, false, OC, IC, N, 1.0f, df.data(), OC, xf.data(), IC, 1.0f, dweight, IC);
 }
 void CpuBf16Ops::shared_expert_combine(Bf16* out, const Bf16* shared_out, const float* logit, int64_t N,
                                        int64_t C) {

@@ -105,6 +105,16 @@ void CpuF32Ops::attention_block_backward(float* dq, float* dk, float* dv, const 
   cpu::attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, D, mask, accumulate_dq,
                                 accumulate_dkv, Dv, scale);
 }
+void CpuF32Ops::lora_forward(float* y, const float* x, const float* A, const float* B, float scale,
+                             const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC, int64_t R) {
+  std::vector<float> t(static_cast<size_t>(N * R));
+  cpu::lora_forward(y, t.data(), x, A, B, scale, drop, N, IC, OC, R, [](float*, int64_t) {});
+}
+void CpuF32Ops::lora_backward(float* dx, float* dA, float* dB, const float* dy, const float* x, const float* A,
+                              const float* B, float scale, const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC,
+                              int64_t R) {
+  cpu::lora_backward(dx, dA, dB, dy, x, A, B, scale, drop, N, IC, OC, R, [](float*, int64_t) {});
+}
 void CpuF32Ops::round_activations(float* dst, const float* src, int64_t n) {
   if (dst != src) std::copy_n(src, n, dst);
 }

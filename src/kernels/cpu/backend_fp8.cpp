@@ -31,6 +31,7 @@ void data_grad(float* dx, const std::vector<float>& dout, const std::vector<floa
 // dweight (OC, IC) += q(dout)^T @ q(x), both in 128 x 1 tiles along the tokens (the GEMM's K).
 void weight_grad(float* dweight, const std::vector<float>& dout, const std::vector<float>& x, int64_t N, int64_t IC,
                  int64_t OC) {
+  if (dweight == nullptr) return;  // a frozen weight
   std::vector<float> dq(dout.size()), xq(x.size());
   cpu::fake_quantize_cols_e4m3(dq.data(), dout.data(), N, OC);
   cpu::fake_quantize_cols_e4m3(xq.data(), x.data(), N, IC);

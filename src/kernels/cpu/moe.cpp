@@ -528,13 +528,14 @@ void moe_experts_backward(float* dxs, const ExpertTensors<float>& dw, float* dga
     float* du = dup + r0 * F;
     // ys = act @ down^T: dact = dys @ down; ddown += dys^T @ act.
     sgemm(false, false, rows, F, C, 1.0f, dy, C, w.down[e], F, 0.0f, da, F);
-    sgemm(true, false, C, F, rows, 1.0f, dy, C, act + r0 * F, F, 1.0f, dw.down[e], F);
+    if (dw.down[e] != nullptr) sgemm(true, false, C, F, rows, 1.0f, dy, C, act + r0 * F, F, 1.0f, dw.down[e], F);
     swiglu_backward(dg, du, da, gate + r0 * F, up + r0 * F, rows * F);
     // gate = xs @ W_gate^T, up = xs @ W_up^T: dxs = dgate @ W_gate + dup @ W_up.
     sgemm(false, false, rows, C, F, 1.0f, dg, F, w.gate[e], C, 0.0f, dxs + r0 * C, C);
     sgemm(false, false, rows, C, F, 1.0f, du, F, w.up[e], C, 1.0f, dxs + r0 * C, C);
-    sgemm(true, false, F, C, rows, 1.0f, dg, F, x, C, 1.0f, dw.gate[e], C);
-    sgemm(true, false, F, C, rows, 1.0f, du, F, x, C, 1.0f, dw.up[e], C);
+    // (Frozen experts, with LoRA on the model, have no gradients.)
+    if (dw.gate[e] != nullptr) sgemm(true, false, F, C, rows, 1.0f, dg, F, x, C, 1.0f, dw.gate[e], C);
+    if (dw.up[e] != nullptr) sgemm(true, false, F, C, rows, 1.0f, du, F, x, C, 1.0f, dw.up[e], C);
   }
 }
 

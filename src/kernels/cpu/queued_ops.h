@@ -221,6 +221,14 @@ class CpuQueuedOps {
                                        accumulate_dkv, Dv, scale);
     });
   }
+  void lora_forward(Act* y, const Act* x, const W* A, const W* B, float scale, const LoraDropout& drop, int64_t N,
+                    int64_t IC, int64_t OC, int64_t R) {
+    launch([=, this] { direct_.lora_forward(y, x, A, B, scale, drop, N, IC, OC, R); });
+  }
+  void lora_backward(Act* dx, float* dA, float* dB, const Act* dy, const Act* x, const W* A, const W* B, float scale,
+                     const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC, int64_t R) {
+    launch([=, this] { direct_.lora_backward(dx, dA, dB, dy, x, A, B, scale, drop, N, IC, OC, R); });
+  }
   void round_activations(Act* dst, const float* src, int64_t n) {
     launch([=, this] { direct_.round_activations(dst, src, n); });
   }

@@ -61,7 +61,8 @@ void rmsnorm_backward(float* dx, float* dweight, const float* dout, const float*
       dw[c] += double(g[c]) * xr[c] * r;
     }
   }
-  for (int64_t c = 0; c < C; ++c) dweight[c] = static_cast<float>(double(dweight[c]) + dw[c]);
+  if (dweight != nullptr)
+    for (int64_t c = 0; c < C; ++c) dweight[c] = static_cast<float>(double(dweight[c]) + dw[c]);
 }
 
 }  // namespace ref
@@ -109,9 +110,9 @@ void rmsnorm_backward(float* dx, float* dweight, const float* dout, const float*
         }
       }
     }
-    // Reduce the chunks in index order for every column.
+    // Reduce the chunks in index order for every column (none for a frozen weight).
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < C; ++c) {
+    for (int64_t c = 0; c < (dweight != nullptr ? C : 0); ++c) {
       double s = 0;
       for (int64_t k = 0; k < chunks; ++k) s += partial[k * C + c];
       dweight[c] = static_cast<float>(double(dweight[c]) + s);

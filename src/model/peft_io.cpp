@@ -1,0 +1,180 @@
+#include "model/peft_io.h"
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "core/atomic_file.h"
+#include "kernels/linear.h"
+
+namespace strata::model {
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+constexpr std::string_view kPeftPrefix = "base_model.model.";
+
+// Which PEFT keys strata refuses when set, and what each would change.
+Status refuse_unsupported(const json& j, const std::string& file) {
+  auto set = [&j](const char* key) {
+    const auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return false;
+    if (it->is_boolean()) return it->get<bool>();
+    if (it->is_object() || it->is_array()) return !it->empty();
+    if (it->is_string()) return !it->get<std::string>().empty() && it->get<std::string>() != "none";
+    return true;
+  };
+  for (const char* key : {"use_dora", "use_rslora", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
+                          "modules_to_save", "layers_to_transform", "layer_replication"}) {
+    if (set(key))
+      return Status::Unimplemented(fmt::format(
+          "{}: key '{}' is set; strata computes plain LoRA (one rank and alpha for every module, no DoRA or "
+          "rsLoRA, every layer, no extra trained modules)",
+          file, key));
+  }
+  if (j.contains("bias") && j["bias"].is_string() && j["bias"].get<std::string>() != "none")
+    return Status::Unimplemented(fmt::format("{}: key 'bias' is '{}'; strata trains no biases with LoRA (bias: none)",
+                                             file, j["bias"].get<std::string>()));
+  return Status::OK();
+}
+
+// The regular expression strata writes as target_modules for the modules the layout adapts: the
+// attention projections and the dense MLP's, by their full names (a module-name list would also
+// match the experts' projections of the same name in MoE models).
+std::string target_regex(const ParamLayout& layout) {
+  const std::vector<std::string> names = lora_target_names(layout.config().lora.targets);
+  std::vector<std::string> attention, mlp;
+  for (const std::string& n : names) {
+    if (n == "q_proj" || n == "k_proj" || n == "v_proj" || n == "o_proj") attention.push_back(n);
+    if (n == "gate_proj" || n == "up_proj" || n == "down_proj") mlp.push_back(n);
+  }
+  std::vector<std::string> parts;
+  if (!attention.empty()) parts.push_back(fmt::format("self_attn\\.({})", fmt::join(attention, "|")));
+  if (!mlp.empty()) parts.push_back(fmt::format("mlp\\.({})", fmt::join(mlp, "|")));
+  return fmt::format("model\\.layers\\.\\d+\\.({})", fmt::join(parts, "|"));
+}
+
+}  // namespace
+
+std::string peft_tensor_name(std::string_view layout_name) {
+  return std::string(kPeftPrefix) + std::string(layout_name);
+}
+
+Result<LoraConfig> read_peft_adapter_config(const std::string& dir) {
+  const std::string file = (fs::path(dir) / kPeftConfigFile).string();
+  std::ifstream in(file);
+  if (!in)
+    return Status::NotFound(fmt::format("{}: cannot be opened; model.adapter names a PEFT adapter directory "
+                                        "(adapter_config.json and adapter_model.safetensors)",
+                                        file));
+  const json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Status::InvalidArgument(file + ": not a JSON object");
+  if (j.value("peft_type", std::string()) != "LORA")
+    return Status::Unimplemented(fmt::format("{}: peft_type is '{}'; strata reads LoRA adapters (LORA)", file,
+                                             j.value("peft_type", std::string("(missing)"))));
+  RETURN_IF_ERROR(refuse_unsupported(j, file));
+  LoraConfig c;
+  try {
+    c.rank = j.at("r").get<int64_t>();
+    c.alpha = j.at("lora_alpha").get<double>();
+    c.dropout = j.value("lora_dropout", 0.0);
+    const json& targets = j.at("target_modules");
+    std::vector<std::string> names;
+    if (targets.is_array()) {
+      names = targets.get<std::vector<std::string>>();
+    } else if (targets.is_string()) {
+      // A regular expression: the module names it mentions (open_peft_adapter then checks the
+      // tensors themselves).
+      const std::string re = targets.get<std::string>();
+      for (const char* n : {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+        if (re.find(n) != std::string::npos) names.emplace_back(n);
+    }
+    ASSIGN_OR_RETURN(c.targets, parse_lora_targets(names, file));
+    const json init = j.value("init_lora_weights", json(true));
+    c.init = init.is_string() && init.get<std::string>() == "gaussian" ? LoraInit::kGaussian : LoraInit::kKaiming;
+  } catch (const json::exception& e) {
+    return Status::InvalidArgument(fmt::format("{}: {}", file, e.what()));
+  }
+  RETURN_IF_ERROR(c.validate(file));
+  return c;
+}
+
+Result<SafetensorsReader> open_peft_adapter(const std::string& dir, const ParamLayout& layout) {
+  const std::string file = (fs::path(dir) / kPeftWeightsFile).string();
+  ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(file));
+  std::set<std::string> expected;
+  for (const TensorSpec& t : layout.tensors()) {
+    if (t.adapts < 0) continue;
+    const std::string name = peft_tensor_name(t.name);
+    expected.insert(name);
+    const SafetensorsTensorInfo* info = reader.find(name);
+    if (info == nullptr)
+      return Status::NotFound(fmt::format("{}: tensor '{}' is missing; the adapter does not adapt {} (lora.targets "
+                                          "names more modules than the adapter has)",
+                                          file, name, layout.at(t.adapts).name));
+    if (info->shape != t.shape)
+      return Status::InvalidArgument(fmt::format("{}: tensor '{}' has shape [{}], the model and rank expect [{}]", file,
+                                                 name, fmt::join(info->shape, ", "), fmt::join(t.shape, ", ")));
+    if (!safetensors_dtype_readable(info->dtype))
+      return Status::Unimplemented(fmt::format("{}: tensor '{}' has dtype {}", file, name, info->dtype));
+  }
+  for (const SafetensorsTensorInfo& info : reader.tensors()) {
+    if (expected.count(info.name) == 0)
+      return Status::InvalidArgument(fmt::format(
+          "{}: tensor '{}' is not an adapter of this model (strata adapts {}); is it the adapter of another model?",
+          file, info.name, fmt::join(lora_target_names(layout.config().lora.targets), ", ")));
+  }
+  return reader;
+}
+
+Status export_peft_adapter(const std::string& out_dir, const ParamLayout& layout, const TensorReader& read,
+                           const PeftExportOptions& options) {
+  CHECK_MSG(layout.has_lora(), "export_peft_adapter of a model without adapters");
+  const LoraConfig& lora = layout.config().lora;
+  const bool moe = layout.config().is_moe();
+  json c = {
+      {"peft_type", "LORA"},
+      {"task_type", "CAUSAL_LM"},
+      {"base_model_name_or_path", options.base_model},
+      {"r", lora.rank},
+      {"lora_alpha", lora.alpha},
+      {"lora_dropout", lora.dropout},
+      {"bias", "none"},
+      {"fan_in_fan_out", false},
+      {"inference_mode", true},
+      {"init_lora_weights", lora.init == LoraInit::kGaussian ? json("gaussian") : json(true)},
+      {"use_rslora", false},
+      {"use_dora", false},
+      {"modules_to_save", nullptr},
+      {"layers_to_transform", nullptr},
+      {"layers_pattern", nullptr},
+      {"rank_pattern", json::object()},
+      {"alpha_pattern", json::object()},
+      {"revision", nullptr},
+  };
+  // A list of module names matches by suffix, which in an MoE model would also take the experts'
+  // projections: there the exact names, as a regular expression.
+  c["target_modules"] = moe ? json(target_regex(layout)) : json(lora_target_names(lora.targets));
+  return write_export_dir(out_dir, kPeftConfigFile, [&](const std::string& tmp) -> Status {
+    std::vector<SafetensorsWriteTensor> tensors;
+    for (const TensorSpec& t : layout.tensors()) {
+      if (t.adapts < 0) continue;
+      tensors.push_back({peft_tensor_name(t.name), t.shape, nullptr, [&read, &t](float* out) { return read(t, out); }});
+    }
+    WriterOptions wo;
+    wo.dtype = options.dtype;
+    RETURN_IF_ERROR(write_safetensors_file((fs::path(tmp) / kPeftWeightsFile).string(), tensors, wo));
+    return write_file_atomic((fs::path(tmp) / kPeftConfigFile).string(), c.dump(2) + "\n");
+  });
+}
+
+void merge_lora(float* w, const float* a, const float* b, int64_t out, int64_t in, int64_t r, float scale) {
+  // w (out, in) += scale * b (out, r) @ a (r, in)
+  kernels::sgemm(false, false, out, in, r, scale, b, r, a, in, 1.0f, w, in);
+}
+
+}  // namespace strata::model
