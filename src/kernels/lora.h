@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "kernels/adamw_element.h"  // STRATA_HOST_DEVICE
+
 namespace strata::kernels {
 
 struct LoraDropout {
@@ -17,8 +19,9 @@ struct LoraDropout {
   int64_t row0 = 0;     // the first row's index in the micro-batch (token tiles)
 };
 
-// Whether element `index` is dropped: a splitmix64 hash of (seed, index) below p * 2^64.
-inline bool lora_dropped(uint64_t seed, uint64_t index, float p) {
+// Whether element `index` is dropped: a splitmix64 hash of (seed, index) below p * 2^64. The
+// same function on the host and in the CUDA kernels (kernels/cuda/lora.cu).
+STRATA_HOST_DEVICE bool lora_dropped(uint64_t seed, uint64_t index, float p) {
   uint64_t z = seed + (index + 1) * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -29,6 +32,7 @@ inline bool lora_dropped(uint64_t seed, uint64_t index, float p) {
 
 namespace cpu {
 // fp32 forms of the ops (the CPU backends widen and round around them, kernels/cpu/backend.h).
+// dA and dB may be null (not accumulated: an adapter that is not trained).
 // `round` (n values in place) is what the recipe rounds its activations with, applied where the
 // backend's outputs are stored: to drop(x), t, y, dt and dx.
 using RoundFn = void (*)(float* values, int64_t n);

@@ -841,10 +841,7 @@ void Decoder<Ops>::lora_backward(int64_t weight, Act* dx, const Act* dy, const A
                                  int64_t OC, int64_t row0) {
   const LoraOffsets* lo = layout_.lora_of(weight);
   if (lo == nullptr) return;
-  float* da = grad(lo->a);
-  float* db = grad(lo->b);
-  CHECK_MSG(da != nullptr && db != nullptr, "a LoRA adapter without gradients in a backward");
-  ops_.lora_backward(dx, da, db, dy, x, param(lo->a), param(lo->b), config_.lora.scale(), lora_dropout(weight, row0),
+  ops_.lora_backward(dx, grad(lo->a), grad(lo->b), dy, x, param(lo->a), param(lo->b), config_.lora.scale(), lora_dropout(weight, row0),
                      n, IC, OC, config_.lora.rank);
 }
 

@@ -48,7 +48,7 @@ bool StateLayout::is_f32(StateKind kind) const {
 
 uint64_t StateLayout::tensor_bytes(StateKind kind, const StateShape& t) const {
   const int64_t n = static_cast<int64_t>(t.elements);
-  if (weights_only && kind != StateKind::kParam) return 0;
+  if ((weights_only || t.frozen) && kind != StateKind::kParam) return 0;
   switch (kind) {
     case StateKind::kParam:
       if (quantized(t)) return kernels::fp8_matrix_bytes(t.matrix_rows, n / t.matrix_rows);

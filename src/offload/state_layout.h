@@ -8,6 +8,9 @@
 //   fp8      E4M3 + block scales (matrices     fp32     fp32   fp32 | bf16 | int8
 //            of linear layers), bf16 (rest)
 //
+// A frozen tensor (StateShape::frozen) has the compute copy alone in every recipe (in fp32 the
+// copy is its fp32 values).
+//
 // Gradients stay fp32 in every recipe: they accumulate over micro-batches with `+=`, and bf16
 // sums lose the low bits of every addend after the first few. Activations are the compute
 // copy's type (bf16 in the fp8 recipe: only the GEMMs' operands are quantised, inside the ops).
@@ -41,6 +44,9 @@ struct StateShape {
   // > 0: the tensor is a weight matrix of a linear layer with this many rows (out_features),
   // which the fp8 recipe keeps as E4M3 blocks. 0: any other tensor.
   int64_t matrix_rows = 0;
+  // Not trained (model::TensorSpec::frozen: a LoRA run's base, an untrained MTP module): the
+  // compute copy alone, without gradient, master or moments.
+  bool frozen = false;
 };
 
 // A contiguous range of a tensor's elements (row-major, flattened): e.g. the part of a tensor's

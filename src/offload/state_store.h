@@ -83,11 +83,13 @@ struct StateTensor {
   // This store holds nothing of the tensor, in any kind: other ranks hold all of it (an expert
   // that another rank of an expert group computes, model/expert_parallel.h).
   bool elsewhere = false;
-  StateShape shape() const { return {elements, matrix_rows}; }
+  // Not trained: the store holds its compute copy alone (StateShape::frozen).
+  bool frozen = false;
+  StateShape shape() const { return {elements, matrix_rows, frozen}; }
   // The shape of what the store holds of a kind that is sliced (`sliced`) or whole.
   StateShape shape(bool sliced) const {
     if (elsewhere) return {0, 0};
-    return sliced && slice ? StateShape{slice->count, matrix_rows} : shape();
+    return sliced && slice ? StateShape{slice->count, matrix_rows, frozen} : shape();
   }
   // The range held: the slice of a sliced kind, else every element; none when elsewhere.
   ElementRange held(bool sliced) const {
@@ -298,7 +300,10 @@ class StateStore {
     return sliced_[static_cast<size_t>(group) * kNumStateKinds + static_cast<size_t>(kind)];
   }
   // The elements of tensor i's `kind` state this store holds (StateTensor::held).
-  ElementRange held(size_t i, StateKind kind) const { return tensors_[i].held(sliced(tensors_[i].group, kind)); }
+  ElementRange held(size_t i, StateKind kind) const {
+    if (tensors_[i].frozen && kind != StateKind::kParam) return {0, 0};  // the compute copy alone
+    return tensors_[i].held(sliced(tensors_[i].group, kind));
+  }
   // Copies floats [first, first + count) of tensor i's `kind` state (an fp32 kind; of a sliced
   // kind, counted from the slice's first element) into `dst` from wherever its latest copy is, without moving or pinning anything
   // (ChunkSpace::read_tensor). The caller guarantees nobody writes them meanwhile.

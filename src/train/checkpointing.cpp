@@ -160,6 +160,7 @@ Status check_checkpoint_tensors(const ckpt::CheckpointReader& reader, const mode
                                 const std::string& context, const std::string& hint) {
   std::set<std::string> expected;
   for (const auto& t : layout.tensors()) {
+    if (t.frozen) continue;  // not saved: it comes from the run's source again
     for (ckpt::TensorKind kind : {ckpt::TensorKind::kParam, ckpt::TensorKind::kAdamM, ckpt::TensorKind::kAdamV}) {
       const std::string q = ckpt::qualified_name(kind, t.name);
       expected.insert(q);
@@ -238,7 +239,7 @@ Result<RunPosition> restore_checkpoint(const std::string& path, const nlohmann::
                           .with_context("resuming from " + reader->step_dir()));
       progress.add(static_cast<uint64_t>(t.numel) * sizeof(float));
       return check_finite(reader->step_dir(), q, dst, t.numel);
-    }));
+    }, TensorSet::kTrained));
   }
   progress.finish();
   if (extra != nullptr) {

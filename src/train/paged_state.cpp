@@ -26,9 +26,11 @@ namespace {
 
 // The store tensor of row block b of t (the whole tensor when it is not in blocks).
 StateTensor state_tensor(const model::ParamLayout& layout, const model::TensorSpec& t, int64_t b) {
-  return {t.num_blocks() > 1 ? t.name + "#" + std::to_string(b) : t.name, static_cast<uint64_t>(t.block_numel(b)),
-          model::param_group_of(layout, t), model::param_expert_of(layout, t),
-          model::param_is_linear_weight(layout, t) ? t.shape[0] : 0};
+  StateTensor s{t.num_blocks() > 1 ? t.name + "#" + std::to_string(b) : t.name, static_cast<uint64_t>(t.block_numel(b)),
+                model::param_group_of(layout, t), model::param_expert_of(layout, t),
+                model::param_is_linear_weight(layout, t) ? t.shape[0] : 0};
+  s.frozen = t.frozen;  // its compute copy alone
+  return s;
 }
 
 
@@ -411,6 +413,7 @@ Result<std::unique_ptr<PagedState>> PagedState::create(Device& device, IoEngine*
 Tier PagedState::adam_tier(int group) const { return update_tier(store_->home(group, StateKind::kAdamM)); }
 
 ElementRange PagedState::saved_range(const model::TensorSpec& t, size_t index) const {
+  if (t.frozen) return {0, 0};  // a frozen tensor comes from the run's source again
   if (!options_.placement || options_.placement->world() <= 1) return {0, static_cast<uint64_t>(t.numel)};
   return tensor_range(layout_, state_layout(options_), t, index, options_.rank, options_.placement->world(),
                       options_.expert_ranks);
@@ -484,7 +487,7 @@ size_t PagedState::tensor_at(int64_t offset) const {
   return it->second;
 }
 
-Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
+Status PagedState::fill_kind(StateKind saved, const TensorFill& fill, TensorSet which) {
   drain_compute();
   drop_prefetch();  // weights gathered ahead would miss this change
   const StateKind kind = stored_kind(saved);
@@ -497,8 +500,11 @@ Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
     if (before_modify_ && kind != StateKind::kGrad) before_modify_(g);
     const bool sliced = store_->sliced(g, kind);
     // A sliced master holds this rank's ranges only, so the compute copy, which every rank holds
-    // whole, is written here from the whole values rather than from the master afterwards.
-    const bool copy_too = sliced && kind == StateKind::kMaster;
+    // whole, is written here from the whole values rather than from the master afterwards; so is
+    // a frozen tensor's, which has no master.
+    bool frozen_in_group = false;
+    for (size_t i : store_->group_tensors(g)) frozen_in_group = frozen_in_group || pieces_[i].spec->frozen;
+    const bool copy_too = kind == StateKind::kMaster && (sliced || frozen_in_group);
     // Update slice by slice: host memory holds a chunk of each kind at a time, whatever the
     // group's size.
     for (int sl = 0; sl < store_->update_slices(g); ++sl) {
@@ -511,8 +517,10 @@ Status PagedState::fill_kind(StateKind saved, const TensorFill& fill) {
       }
       for (size_t i : store_->slice_tensors(g, sl)) {
         const Piece& p = pieces_[i];
-        if (elsewhere(i)) continue;  // nothing of it here (its blocks are all elsewhere alike)
-        if (p.spec->num_blocks() == 1 && f32 && !sliced) {
+        if (elsewhere(i) || !in_set(which, *p.spec)) continue;  // nothing of it here, or not asked for
+        // A frozen tensor holds no gradient or moments, and its values go to the compute copy.
+        if (p.spec->frozen && kind != StateKind::kParam && kind != StateKind::kMaster) continue;
+        if (p.spec->num_blocks() == 1 && f32 && !sliced && !(p.spec->frozen && kind == StateKind::kMaster)) {
           st = fill(*p.spec, store_->pointer(i, kind));
         } else {
           if (whole_of != p.spec) {
@@ -613,8 +621,16 @@ Status PagedState::copy_kind(StateKind saved, float* flat, bool to_store) {
     CHECK_MSG(!store_->sliced(g, kind), "copy_kind out of a kind this rank holds only its ranges of");
     for (int sl = 0; sl < store_->update_slices(g); ++sl) {
       RETURN_IF_ERROR(store_->acquire_slice(g, sl, kind, Tier::kHost, AccessMode::kRead));
-      for (size_t i : store_->slice_tensors(g, sl))
-        if (!elsewhere(i)) get_values(i, kind, flat + pieces_[i].offset, static_cast<uint64_t>(pieces_[i].numel));
+      for (size_t i : store_->slice_tensors(g, sl)) {
+        if (elsewhere(i)) continue;
+        if (pieces_[i].spec->frozen && kind != StateKind::kParam) {
+          // No gradient or moments; its values are its compute copy's.
+          if (kind == StateKind::kMaster)
+            RETURN_IF_ERROR(read_copy_values(i, 0, static_cast<uint64_t>(pieces_[i].numel), flat + pieces_[i].offset));
+          continue;
+        }
+        get_values(i, kind, flat + pieces_[i].offset, static_cast<uint64_t>(pieces_[i].numel));
+      }
       store_->release_slice(g, sl, kind);
       RETURN_IF_ERROR(store_->send_slice_home(g, sl, kind, Tier::kHost));
     }
@@ -640,9 +656,17 @@ Status PagedState::read_flat(StateKind saved, uint64_t offset, uint64_t length, 
     CHECK_MSG(first >= t.offset && first < t.offset + t.numel,
               "read_flat of flat offset " + std::to_string(first) + ", which is in no tensor");
     const int64_t count = std::min(end, t.offset + t.numel) - first;
+    const uint64_t at = static_cast<uint64_t>(first - t.offset);
+    if (t.spec->frozen && kind == StateKind::kMaster) {
+      // A frozen tensor's values are its compute copy's (it has no master).
+      RETURN_IF_ERROR(read_copy_values(it->second, at, static_cast<uint64_t>(count), out));
+      out += count;
+      first += count;
+      ++it;
+      continue;
+    }
     // Of a sliced kind the range must lie in this rank's slice; offsets count from its start.
     const ElementRange held = store_->held(it->second, kind);
-    const uint64_t at = static_cast<uint64_t>(first - t.offset);
     CHECK_MSG(at >= held.first && at + static_cast<uint64_t>(count) <= held.end(),
               "read_flat of " + std::string(state_kind_name(kind)) + " state outside this rank's range");
     if (store_->layout().is_f32(kind)) {
@@ -690,8 +714,10 @@ Status PagedState::zero_grads() {
     const int g = e.access.group;
     if (store_->zero_by_discard(g, e.access.kind)) continue;  // its chunks now read as zeros
     RETURN_IF_ERROR(store_->acquire_group(g, e.access.kind, e.access.prefetch_to, e.mode));
-    for (size_t i : store_->group_tensors(g))
-      kernels_->zero(store_->pointer(i, StateKind::kGrad), static_cast<int64_t>(store_->held(i, StateKind::kGrad).count));
+    for (size_t i : store_->group_tensors(g)) {
+      const uint64_t held = store_->held(i, StateKind::kGrad).count;
+      if (held > 0) kernels_->zero(store_->pointer(i, StateKind::kGrad), static_cast<int64_t>(held));
+    }
     kernels_->synchronize();
     store_->release_group(g, e.access.kind);
   }
@@ -763,7 +789,8 @@ bool PagedState::apply_update(int g, std::span<const size_t> tensors, Tier where
       kernels_->add_sum_squares(grad_buffers(g));
       ss = kernels_->end_norm();
     } else {
-      for (size_t i : tensors) ss += kernels::cpu::sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
+      for (size_t i : tensors)
+        if (!pieces_[i].spec->frozen) ss += kernels::cpu::sum_squares(store_->pointer(i, StateKind::kGrad), pieces_[i].numel);
     }
     *sum_squares = ss;
     if (!std::isfinite(ss)) return false;
@@ -860,6 +887,7 @@ Status PagedState::sum_gradients(int g, parallel::Comm& comm, Stream* stream) {
   Status st = Status::OK();
   for (size_t j = 0; j < buffers.size() && st.ok(); ++j) {
     float* p = const_cast<float*>(buffers[j].p);
+    if (pieces_[tensors[j]].spec->frozen) continue;  // no gradient (every rank skips it alike)
     if (!to_ranges) {
       st = comm.all_reduce_sum(p, static_cast<size_t>(buffers[j].n), stream);
       continue;
@@ -904,6 +932,7 @@ Status PagedState::reduce_handed_over(int g) {
 }
 
 ElementRange PagedState::updated_range(size_t i) const {
+  if (pieces_[i].spec->frozen) return {0, 0};
   return sharded() ? range_of(i, options_.rank) : ElementRange{0, static_cast<uint64_t>(pieces_[i].numel)};
 }
 
@@ -1419,8 +1448,11 @@ StateKernels* PagedState::cpu_state_kernels() { return cpu_kernels_.get(); }
 
 std::vector<GradBuffer> PagedState::grad_buffers(int g) {
   std::vector<GradBuffer> buffers;
-  for (size_t i : store_->group_tensors(g))
-    buffers.push_back({store_->pointer(i, StateKind::kGrad), static_cast<int64_t>(store_->held(i, StateKind::kGrad).count)});
+  for (size_t i : store_->group_tensors(g)) {
+    // A frozen tensor has none (an empty buffer keeps the tensors' order).
+    const uint64_t held = store_->held(i, StateKind::kGrad).count;
+    buffers.push_back({held > 0 ? store_->pointer(i, StateKind::kGrad) : nullptr, static_cast<int64_t>(held)});
+  }
   return buffers;
 }
 
@@ -1437,6 +1469,26 @@ void PagedState::write_copy(StateKernels& kernels, size_t i, const float* master
     const uint64_t from = range.first - store_->held(i, StateKind::kParam).first;
     kernels.round_copy(static_cast<char*>(copy) + from * size, master, static_cast<int64_t>(range.count));
   }
+}
+
+Status PagedState::read_copy_values(size_t i, uint64_t first, uint64_t count, float* out) {
+  const Piece& t = pieces_[i];
+  const StateLayout& layout = store_->layout();
+  if (layout.is_f32(StateKind::kParam)) return store_->read_tensor(i, StateKind::kParam, first, count, out);
+  if (layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows})) {
+    // E4M3 blocks: the whole matrix decoded, then the range.
+    const int64_t cols = t.numel / t.matrix_rows;
+    std::vector<uint8_t> copy(kernels::fp8_matrix_bytes(t.matrix_rows, cols));
+    RETURN_IF_ERROR(store_->read_tensor_bytes(i, StateKind::kParam, 0, copy.size(), copy.data()));
+    std::vector<float> values(static_cast<size_t>(t.numel));
+    kernels::cpu::dequantize_weight_e4m3(values.data(), copy.data(), t.matrix_rows, cols);
+    std::copy_n(values.data() + first, count, out);
+    return Status::OK();
+  }
+  std::vector<uint16_t> bits(count);
+  RETURN_IF_ERROR(store_->read_tensor_bytes(i, StateKind::kParam, first * 2, count * 2, bits.data()));
+  for (uint64_t k = 0; k < count; ++k) out[k] = kernels::bf16_to_f32(bits[k]);
+  return Status::OK();
 }
 
 void PagedState::put_values(size_t i, StateKind kind, const float* values, uint64_t count) {
@@ -1499,6 +1551,7 @@ const void* PagedState::param(int64_t offset) {
 }
 float* PagedState::grad(int64_t offset) {
   const size_t i = tensor_at(offset);
+  CHECK_MSG(!pieces_[i].spec->frozen, "the gradient of frozen tensor " + pieces_[i].spec->name);
   return workspace_ ? static_cast<float*>(workspace_->at(i)) : store_->pointer(i, StateKind::kGrad);
 }
 
@@ -1513,7 +1566,8 @@ WorkspaceLayout PagedState::workspace_layout(const std::vector<StateTensor>& ten
   for (const StateTensor& t : tensors) {
     // Nothing of an expert held elsewhere is computed here.
     const uint64_t bytes = kind == StateKind::kGrad ? t.elements * sizeof(float) : state.tensor_bytes(kind, t.shape());
-    w.tensor_bytes.push_back(t.elsewhere ? 0 : bytes);
+    // A frozen tensor's gradient is never computed.
+    w.tensor_bytes.push_back(t.elsewhere || (t.frozen && kind == StateKind::kGrad) ? 0 : bytes);
     w.groups.push_back(t.group);
   }
   return w;
@@ -1597,7 +1651,7 @@ void PagedState::open_gradients(int g, Stream& stream) {
 
 void PagedState::fill_gradients(int g, bool experts, Stream& stream) {
   for (size_t i : store_->group_tensors(g)) {
-    if ((store_->tensor(i).part != kDensePart) != experts || elsewhere(i)) continue;
+    if ((store_->tensor(i).part != kDensePart) != experts || elsewhere(i) || pieces_[i].spec->frozen) continue;
     float* w = static_cast<float*>(workspace_->at(i));
     const ElementRange own = store_->held(i, StateKind::kGrad);
     // Zeros, and this rank's sums so far in its range: the ranks' sum of what backward adds
@@ -1781,7 +1835,7 @@ void PagedState::queue_gradient_sums(int g, bool experts) {
   compute_done_event_->record(*model_stream());  // the group's backward
   cs.wait(*compute_done_event_);
   for (size_t i : store_->group_tensors(g)) {
-    if ((store_->tensor(i).part != kDensePart) != experts || elsewhere(i)) continue;
+    if ((store_->tensor(i).part != kDensePart) != experts || elsewhere(i) || pieces_[i].spec->frozen) continue;
     float* w = static_cast<float*>(workspace_->at(i));
     const ElementRange own = store_->held(i, StateKind::kGrad);
     float* slice = own.count > 0 ? store_->pointer(i, StateKind::kGrad) : nullptr;
@@ -1808,7 +1862,7 @@ void PagedState::sum_gradients_to_ranges(int g, bool experts, Stream& stream) {
   settle_before_collective();
   trace::Span span("communication", experts ? "expert gradient sums to ranges" : "gradient sums to ranges", g);
   for (size_t i : store_->group_tensors(g)) {
-    if ((store_->tensor(i).part != kDensePart) != experts || elsewhere(i)) continue;
+    if ((store_->tensor(i).part != kDensePart) != experts || elsewhere(i) || pieces_[i].spec->frozen) continue;
     float* w = static_cast<float*>(workspace_->at(i));
     // Each range summed onto its rank, in rank order (one process's sum of the same addends),
     // the whole tensor in one collective. After an error no more collectives: this rank's run

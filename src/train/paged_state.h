@@ -199,7 +199,7 @@ class PagedState : public model::ParamAccess, public SavableState {
   // Calls fill(tensor, data) for every tensor with its `kind` state acquired in host memory
   // for writing, group by group, so that a checkpoint is restored without a second copy of
   // the state. Stops at the first error.
-  Status fill_kind(StateKind kind, const TensorFill& fill) override;
+  Status fill_kind(StateKind kind, const TensorFill& fill, TensorSet which = TensorSet::kAll) override;
   // The fp8 recipe: calls fill(tensor, copy) for every E4M3 block-quantised compute copy (a linear
   // weight held whole and trained; model/params.h), with the copy acquired in host memory for
   // writing in kernels/fp8.h's matrix layout (codes, then the fp32 scales of its 128 x 128
@@ -332,6 +332,9 @@ class PagedState : public model::ParamAccess, public SavableState {
   // Tensor i's `kind` state (acquired; `count` elements, what the store holds of it) from / into
   // fp32 values: a copy for fp32 kinds, the moments' encoding or decoding for compact ones.
   void put_values(size_t i, StateKind kind, const float* values, uint64_t count);
+  // Elements [first, first + count) of store tensor i's compute copy as fp32 (a frozen tensor's
+  // values: it has no master), read wherever the copy lives.
+  Status read_copy_values(size_t i, uint64_t first, uint64_t count, float* out);
   void get_values(size_t i, StateKind kind, float* values, uint64_t count);
   // Decoded elements [first, first + count) of tensor i's compact moments, read beside training.
   Status read_moments(size_t i, StateKind kind, uint64_t first, uint64_t count, float* dst);

@@ -24,12 +24,21 @@ struct ExtraState {
 
 using TensorFill = std::function<Status(const model::TensorSpec&, float*)>;
 
+// Which tensors fill_kind writes: every one, the trained ones (what a checkpoint holds), or the
+// frozen ones (model::TensorSpec::frozen: a LoRA run's base, which a resumed run reads from its
+// source again).
+enum class TensorSet : uint8_t { kAll, kTrained, kFrozen };
+inline bool in_set(TensorSet set, const model::TensorSpec& t) {
+  return set == TensorSet::kAll || (set == TensorSet::kFrozen) == t.frozen;
+}
+
 class SavableState {
  public:
   virtual ~SavableState() = default;
 
-  // Writes every tensor of `kind`: fill(spec, dst) must write spec.numel floats to dst.
-  virtual Status fill_kind(StateKind kind, const TensorFill& fill) = 0;
+  // Writes every tensor of `kind` in `which`: fill(spec, dst) must write spec.numel floats to dst.
+  // A frozen tensor has parameters alone (its compute copy, written from the values).
+  virtual Status fill_kind(StateKind kind, const TensorFill& fill, TensorSet which = TensorSet::kAll) = 0;
   // Copies bytes [offset, offset + length) of the flat layout of `kind` (whole floats) into
   // dst: the state as it is now. May wait for a save in flight (through the before_modify
   // hook), so a save's own reading must not call it where flat_data() is not null.
@@ -45,8 +54,10 @@ class SavableState {
   virtual void set_before_modify(std::function<void(int group)> hook) = 0;
   // The elements of `t` (the index-th of ParamLayout::tensors()) this data-parallel rank writes
   // into a sharded checkpoint: its range (offload/placement.h's tensor_shard). All of them for
-  // one process.
+  // one process; none of a frozen tensor (checkpoints hold the trained state: a frozen tensor
+  // comes from the run's source again).
   virtual ElementRange saved_range(const model::TensorSpec& t, size_t /*index*/) const {
+    if (t.frozen) return {0, 0};
     return {0, static_cast<uint64_t>(t.numel)};
   }
   virtual int64_t step_count() const = 0;  // AdamW steps taken (bias correction)

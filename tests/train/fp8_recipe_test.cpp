@@ -58,7 +58,7 @@ class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
 
   // kSteps steps of kAccum micro-batches through a PagedState with these budgets (0 device: roomy).
   TrainResult train(const model::ModelConfig& mc, const std::vector<Batch>& batches, uint64_t device, uint64_t host,
-            uint64_t nvme, uint64_t chunk = 0, PagedState** keep = nullptr) {
+            uint64_t nvme, uint64_t chunk = 0, PagedState** keep = nullptr, int steps = kSteps) {
     const Recipe r = GetParam();
     // The fp32 weights every run starts from.
     const std::vector<float> init = initial_params(model::ParamLayout(mc), 7);
@@ -85,7 +85,7 @@ class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
     PagedState& ps = **paged;
     EXPECT_TRUE(ps.load_params(init.data()).ok());
     net->set_access(&ps);
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < steps; ++s) {
       EXPECT_TRUE(ps.zero_grads().ok());
       double loss = 0;
       for (int m = 0; m < kAccum; ++m) {
@@ -246,6 +246,63 @@ TEST_P(Fp8RecipeTest, AnUntrainedMtpModuleStaysAsLoaded) {
 // weights dequantised, and the compute copy of every linear weight is the checkpoint's own codes
 // and scales, byte for byte (the recipe's own quantiser would round the scales to powers of two);
 // a step trains from them.
+// LoRA (model/lora.h) on every recipe: the adapters train through tight budgets bitwise as with
+// room, with dropout; the frozen base keeps its compute copy alone (no gradient, master or
+// moment bytes exist for it) and reads back as loaded (paged_state_test.cpp holds LoRA runs
+// against the flat reference).
+TEST_P(Fp8RecipeTest, LoraAdaptersPageBitwiseAndTheBaseHasNoTrainingState) {
+  model::ModelConfig mc = fp8_config();
+  mc.lora.rank = 4;
+  mc.lora.alpha = 8;
+  mc.lora.dropout = 0.1;
+  ASSERT_TRUE(mc.validate("test").ok());
+  model::ParamLayout layout(mc);
+  ASSERT_TRUE(layout.has_lora());
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 16);
+  const TrainResult start = train(mc, batches, 0, 0, 0, 0, nullptr, /*steps=*/0);
+  const TrainResult roomy = train(mc, batches, 0, 0, 0);
+  for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
+  const StateLayout state = StateLayout::of(GetParam().precision, GetParam().moments);
+  const uint64_t c = PagedState::auto_chunk_bytes(layout, StateLayout::of(GetParam().precision));
+  const TrainResult tight = train(mc, batches, 8 * c, 10 * c, 1024 * c, c);
+  EXPECT_EQ(roomy.losses, tight.losses);
+  EXPECT_TRUE(bitwise_equal(roomy.params, tight.params)) << "paging changed the parameters";
+  EXPECT_TRUE(bitwise_equal(roomy.m, tight.m) && bitwise_equal(roomy.v, tight.v)) << "paging changed the moments";
+  EXPECT_GT(tight.stats.host_to_device_bytes, 0u) << "nothing streamed to the device";
+  EXPECT_GT(tight.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
+
+  // The base reads back as it was loaded (through its compute copy), with no moments; every
+  // adapter's B moved from its zero start.
+  uint64_t adapter_elements = 0, adapter_moment_bytes = 0;
+  for (const model::TensorSpec& t : layout.tensors()) {
+    const size_t at = static_cast<size_t>(t.offset);
+    if (t.adapts < 0) {
+      EXPECT_EQ(std::memcmp(start.params.data() + at, roomy.params.data() + at, t.numel * sizeof(float)), 0)
+          << "the frozen " << t.name << " changed";
+      for (int64_t i = 0; i < t.numel; ++i) {
+        if (roomy.m[at + i] != 0.0f || roomy.v[at + i] != 0.0f) {
+          ADD_FAILURE() << "the frozen " << t.name << " has moments";
+          break;
+        }
+      }
+      continue;
+    }
+    adapter_elements += static_cast<uint64_t>(t.numel);
+    adapter_moment_bytes += kernels::moment_bytes(GetParam().moments, t.numel);
+    if (t.name.ends_with("lora_B.weight")) {
+      bool moved = false;
+      for (int64_t i = 0; i < t.numel; ++i) moved = moved || roomy.params[at + i] != 0.0f;
+      EXPECT_TRUE(moved) << t.name << " did not train";
+    }
+  }
+  // The state's bytes: gradients, master and moments of the adapters alone.
+  EXPECT_EQ(PagedState::state_bytes(layout, state, StateKind::kGrad), adapter_elements * sizeof(float));
+  EXPECT_EQ(PagedState::state_bytes(layout, state, StateKind::kAdamM), adapter_moment_bytes);
+  EXPECT_EQ(PagedState::state_bytes(layout, state, StateKind::kMaster),
+            state.separate_master() ? adapter_elements * sizeof(float) : 0);
+
+}
+
 TEST_P(Fp8RecipeTest, AnFp8CheckpointLoadsItsOwnCodesAndScalesAsTheComputeCopies) {
   if (GetParam().precision != Precision::kFp8) GTEST_SKIP() << "the fp8 recipe's copies";
   const model::ModelConfig mc = fp8_config();

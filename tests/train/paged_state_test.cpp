@@ -14,6 +14,7 @@
 
 #include "core/cpu_device.h"
 #include "core/io_engine.h"
+#include "kernels/bf16.h"
 #include "model/decoder.h"
 #include "offload/placement.h"
 #include "idle_comm.h"
@@ -341,6 +342,55 @@ TEST_P(PagedStateTest, OptimizerOverlappingBackwardMatchesBitwise) {
   // Every group of every step was updated by the worker, queued the moment backward released it.
   EXPECT_EQ(overlapped.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
   EXPECT_EQ(tight.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
+}
+
+// LoRA (model/lora.h, with dropout): the paged run is the flat reference's bit for bit, roomy,
+// through host and nvme, with AdamW overlapping backward, and summing gradients at handover; the
+// frozen base never moves.
+// The flat run's parameters as a paged run reads them back: a frozen tensor has its compute copy
+// alone (bf16 values in the bf16 recipe).
+RunResult as_paged_reads(RunResult flat, const model::ModelConfig& mc, Precision precision) {
+  if (precision != Precision::kBf16) return flat;
+  for (const model::TensorSpec& t : model::ParamLayout(mc).tensors()) {
+    if (!t.frozen) continue;
+    for (int64_t i = 0; i < t.numel; ++i) {
+      float& x = flat.params[static_cast<size_t>(t.offset + i)];
+      x = kernels::to_f32(kernels::to_bf16(x));
+    }
+  }
+  return flat;
+}
+
+TEST_P(PagedStateTest, LoraMatchesFlatBuffersBitwise) {
+  model::ModelConfig mc = tiny_config(GetParam().tied);
+  mc.lora.rank = 4;
+  mc.lora.alpha = 8;
+  mc.lora.dropout = 0.1;
+  ASSERT_TRUE(mc.validate("test").ok());
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 17);
+  const RunResult flat = as_paged_reads(run_flat(mc, batches), mc, GetParam().precision);
+  const RunResult roomy = run_paged(mc, batches, 64ull << 20, 64ull << 20, 0, "");
+  expect_bitwise_equal(flat, roomy, mc);
+  model::ParamLayout layout(mc);
+  const uint64_t chunk = tight_chunk_bytes(layout, mc);
+  fs::create_directories(dir_ / "nvme");
+  const RunResult tight = run_paged(mc, batches, 6 * chunk, 8 * chunk, 64 * chunk, (dir_ / "nvme").string());
+  expect_bitwise_equal(flat, tight, mc);
+  EXPECT_GT(tight.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
+  const RunResult flat_unclipped = as_paged_reads(run_flat(mc, batches, /*grad_clip=*/0.0f), mc, GetParam().precision);
+  const RunResult overlapped =
+      run_paged(mc, batches, 6 * chunk, 8 * chunk, 64 * chunk, (dir_ / "nvme").string(), false, true, 0.0f);
+  expect_bitwise_equal(flat_unclipped, overlapped, mc);
+  EXPECT_GT(overlapped.overlapped_updates, 0);
+  const RunResult summed =
+      run_paged(mc, batches, 6 * chunk, 8 * chunk, 64 * chunk, (dir_ / "nvme").string(), false, false, kClip, true);
+  expect_bitwise_equal(flat, summed, mc);
+  const RunResult start = as_paged_reads({.params = initial_params(layout, 7)}, mc, GetParam().precision);
+  for (const model::TensorSpec& t : layout.tensors()) {
+    if (!t.frozen) continue;
+    EXPECT_EQ(std::memcmp(start.params.data() + t.offset, tight.params.data() + t.offset, t.numel * sizeof(float)), 0)
+        << "the frozen " << t.name << " moved";
+  }
 }
 
 // A data-parallel rank summing each group's gradients as the last micro-batch's backward hands it

@@ -41,10 +41,10 @@ void lora_backward(float* dx, float* dA, float* dB, const float* dy, const float
   std::vector<float> t(static_cast<size_t>(N * R)), dt(static_cast<size_t>(N * R));
   sgemm(false, true, N, R, IC, 1.0f, xd, IC, A, IC, 0.0f, t.data(), R);
   round(t.data(), N * R);
-  sgemm(true, false, OC, R, N, scale, dy, OC, t.data(), R, 1.0f, dB, R);
+  if (dB != nullptr) sgemm(true, false, OC, R, N, scale, dy, OC, t.data(), R, 1.0f, dB, R);
   sgemm(false, false, N, R, OC, scale, dy, OC, B, R, 0.0f, dt.data(), R);
   round(dt.data(), N * R);
-  sgemm(true, false, R, IC, N, 1.0f, dt.data(), R, xd, IC, 1.0f, dA, IC);
+  if (dA != nullptr) sgemm(true, false, R, IC, N, 1.0f, dt.data(), R, xd, IC, 1.0f, dA, IC);
   if (dx == nullptr) return;
   if (drop.p <= 0) {
     sgemm(false, false, N, IC, R, 1.0f, dt.data(), R, A, IC, 1.0f, dx, IC);

@@ -350,6 +350,16 @@ void CudaOps::attention_block_backward(float* dq, float* dk, float* dv, const Ac
   cuda::add_bf16_to_f32(dv, bdv, nkv, accumulate_dkv, stream_);
 }
 
+void CudaOps::lora_forward(Act* y, const Act* x, const W* A, const W* B, float scale, const LoraDropout& drop,
+                           int64_t N, int64_t IC, int64_t OC, int64_t R) {
+  cuda::lora_forward(*ctx_, y, x, A, B, scale, drop, N, IC, OC, R, stream_);
+}
+
+void CudaOps::lora_backward(Act* dx, float* dA, float* dB, const Act* dy, const Act* x, const W* A, const W* B,
+                            float scale, const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC, int64_t R) {
+  cuda::lora_backward(*ctx_, dx, dA, dB, dy, x, A, B, scale, drop, N, IC, OC, R, stream_);
+}
+
 void CudaOps::round_activations(Act* dst, const float* src, int64_t n) { cuda::f32_to_bf16(dst, src, n, stream_); }
 
 void CudaOps::swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n) {

@@ -31,6 +31,7 @@
 #include "kernels/attention_choice.h"
 #include "kernels/columns.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/lora.h"
 #include "kernels/micro_batch_shape.h"
 #include "kernels/moe.h"
 
@@ -139,6 +140,12 @@ class CudaOps {
                                 const Act* v, const Act* out, const float* lse, int64_t B, int64_t Tq, int64_t Tk,
                                 int64_t Hq, int64_t Hkv, int64_t D, AttentionBlock mask, bool accumulate_dq,
                                 bool accumulate_dkv, int64_t Dv = 0, double scale = 0);
+  // LoRA adapters (kernels/lora.h): cuda::lora_forward / lora_backward (ops.h), their chunks'
+  // buffers in the kernels' scratch. The fp8 recipe runs these too: adapters are bf16 tensors.
+  void lora_forward(Act* y, const Act* x, const W* A, const W* B, float scale, const LoraDropout& drop, int64_t N,
+                    int64_t IC, int64_t OC, int64_t R);
+  void lora_backward(Act* dx, float* dA, float* dB, const Act* dy, const Act* x, const W* A, const W* B, float scale,
+                     const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC, int64_t R);
   void round_activations(Act* dst, const float* src, int64_t n);
   void swiglu_forward(Act* out, const Act* gate, const Act* up, int64_t n);
   void swiglu_backward(Act* dgate, Act* dup, const Act* dout, const Act* gate, const Act* up, int64_t n);
@@ -213,8 +220,8 @@ class CudaOps {
 // fp8_linear_*), and the compute copy of a linear layer's weight is its stored E4M3 blocks, typed
 // as the W pointers every other tensor has. The experts run as a loop over experts of those
 // linear ops (kernels/experts_loop.h), as CpuFp8Ops runs them. Embedding, norms, attention,
-// router, the shared expert's gate and the LM head are the bf16 recipe's. The members declared
-// here hide CudaOps' of the same name.
+// router, the shared expert's gate, the LM head and the LoRA adapters (bf16 tensors, not fp8
+// linear weights) are the bf16 recipe's. The members declared here hide CudaOps' of the same name.
 class CudaFp8Ops : public CudaOps {
  public:
   static constexpr DType kWeightDType = DType::kF8E4M3;
@@ -233,8 +240,8 @@ class CudaFp8Ops : public CudaOps {
                                int64_t OC);
   void linear_backward(Act* dx, float* dweight, float* dbias, const Act* dout, const Act* x, const W* weight,
                        int64_t N, int64_t IC, int64_t OC);
-  // dx (N,IC) = round(dx + q(dout) @ W), dweight += q(dout)^T @ q(x): the experts' second data
-  // gradient accumulating onto the first (kernels/experts_loop.h).
+  // dx (N,IC) = round(dx + q(dout) @ W), dweight += q(dout)^T @ q(x) (null: skipped, a frozen
+  // expert): the experts' second data gradient accumulating onto the first (kernels/experts_loop.h).
   void accumulate_data_grad(Act* dx, float* dweight, const Act* dout, const Act* x, const W* weight, int64_t N,
                             int64_t IC, int64_t OC);
   // w: each expert's gate, up (F, C) and down (C, F) as E4M3 blocks; expert_offsets in device

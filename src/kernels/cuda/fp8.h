@@ -95,9 +95,10 @@ void fp8_linear_forward(Context& ctx, void* operands, bf16* out /*(N,OC)*/, cons
                         const bf16* residual /*(N,OC) or null*/, int64_t N, int64_t IC, int64_t OC,
                         cudaStream_t stream);
 // dx (N,IC) = q(dout) @ W (accumulate_dx: dx = round(dx + q(dout) @ W)); skipped when null.
-// dweight (OC,IC) += q(dout)^T @ q(x) (fp32); dbias (OC) += column sums of dout (null: none).
+// dweight (OC,IC) += q(dout)^T @ q(x) (fp32; null: none, a frozen weight); dbias (OC) += column
+// sums of dout (null: none).
 void fp8_linear_backward(Context& ctx, void* operands, bf16* dx /*(N,IC) or null*/, bool accumulate_dx,
-                         float* dweight /*(OC,IC)*/, float* dbias /*(OC) or null*/, const bf16* dout /*(N,OC)*/,
+                         float* dweight /*(OC,IC) or null*/, float* dbias /*(OC) or null*/, const bf16* dout /*(N,OC)*/,
                          const bf16* x /*(N,IC)*/, const uint8_t* weight /*(OC,IC)*/, int64_t N, int64_t IC,
                          int64_t OC, cudaStream_t stream);
 

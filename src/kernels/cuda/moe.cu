@@ -521,9 +521,11 @@ class GroupedGemms {
 // X (rows, in_features) bf16, dW fp32. Weight gradients accumulate over micro-batches, so the
 // product must reach them unrounded: one cuBLASLt GEMM per expert with fp32 C and beta = 1, as
 // linear_backward does for the dense weights. (A grouped GEMM into bf16 scratch followed by an
-// add would round every contribution to bf16 before it is accumulated.)
+// add would round every contribution to bf16 before it is accumulated.) A null dW is a frozen
+// expert weight: no GEMM.
 void add_weight_gradient(Context& ctx, float* dw, const bf16* dy, const bf16* x, int64_t rows, int64_t out_features,
                          int64_t in_features, cudaStream_t stream) {
+  if (dw == nullptr) return;
   gemm(ctx, /*trans_a=*/true, /*trans_b=*/false, out_features, in_features, rows, 1.0f, dy, out_features, x,
        in_features, 1.0f, dw, in_features, /*c_is_fp32=*/true, nullptr, stream);
 }

@@ -34,6 +34,7 @@
 #include "kernels/adamw.h"
 #include "kernels/cuda/lt_plan.h"
 #include "kernels/gemm_plan.h"
+#include "kernels/lora.h"
 #include "kernels/moe.h"
 #include "kernels/moments.h"
 
@@ -127,7 +128,8 @@ void embedding_backward_blocked(Context& ctx, float* const* dtable_blocks, int64
 void rmsnorm_forward(bf16* out /*(N,C)*/, float* rstd /*(N)*/, const bf16* x /*(N,C)*/,
                      const bf16* weight /*(C)*/, int64_t N, int64_t C, float eps,
                      cudaStream_t stream);
-// dx (N,C) = ; dweight (C) += (per-row-chunk partials in scratch, then a fixed-order sum).
+// dx (N,C) = ; dweight (C) += (per-row-chunk partials in scratch, then a fixed-order sum;
+// skipped when null: a frozen weight).
 // REQUIRES C <= 65536 (ModelLimits::kHiddenSize; a block's threads hold a row's columns).
 void rmsnorm_backward(Context& ctx, bf16* dx /*(N,C)*/, float* dweight /*(C)*/,
                       const bf16* dout /*(N,C)*/, const bf16* x /*(N,C)*/,
@@ -168,7 +170,7 @@ void linear_forward(Context& ctx, bf16* out /*(N,OC)*/, const bf16* x /*(N,IC)*/
 void linear_forward_residual(Context& ctx, bf16* out /*(N,OC)*/, const bf16* x /*(N,IC)*/,
                              const bf16* weight /*(OC,IC)*/, const bf16* residual /*(N,OC)*/, int64_t N,
                              int64_t IC, int64_t OC, cudaStream_t stream);
-// dx (N,IC) = (skipped when null); dweight (OC,IC) += (fp32, GEMM with beta = 1);
+// dx (N,IC) = (skipped when null); dweight (OC,IC) += (fp32, GEMM with beta = 1; skipped when null);
 // dbias (OC) += (fp32, skipped when null; fixed-order column sums through scratch).
 void linear_backward(Context& ctx, bf16* dx, float* dweight, float* dbias,
                      const bf16* dout /*(N,OC)*/, const bf16* x /*(N,IC)*/,
@@ -200,6 +202,25 @@ void gemm(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_
 void gemm_separate_c(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                      const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float beta, const void* c_in, void* C,
                      int64_t ldc, bool c_is_fp32, const bf16* bias, cudaStream_t stream);
+
+// ---- LoRA adapters (kernels/lora.h; lora.cu) ------------------------------------------------
+// The adapter's products are gemm()s (bf16 operands, fp32 accumulation), rounded to bf16 where
+// CpuBf16Ops rounds: drop(x), t = drop(x) A^T and dt = scale * dy B (N,R), y and dx. Dropout's
+// mask is kernels::lora_dropped's hash, drawn on the device, so no mask is stored; p == 0 skips
+// every mask kernel. Rows go in chunks that fit the Context's scratch (t, dt and, with dropout,
+// drop(x) and the fp32 product that joins dx), so the weight gradients add one GEMM per chunk.
+// A (R,IC) and B (OC,R) are the adapter's bf16 compute copies. REQUIRES R > 0.
+// y (N,OC) = round(y + scale * t B^T): the second GEMM reads y as its C (beta = 1).
+void lora_forward(Context& ctx, bf16* y /*(N,OC)*/, const bf16* x /*(N,IC)*/, const bf16* A /*(R,IC)*/,
+                  const bf16* B /*(OC,R)*/, float scale, const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC,
+                  int64_t R, cudaStream_t stream);
+// dB (OC,R) += scale * dy^T t; dA (R,IC) += dt^T drop(x) (fp32, beta = 1); dx (N,IC) = round(dx +
+// drop'(dt A)) (skipped when null): without dropout one GEMM onto dx, else the product in fp32
+// and a kernel that adds its kept elements, times 1 / (1 - p), rounding once.
+void lora_backward(Context& ctx, bf16* dx /*(N,IC) or null*/, float* dA /*(R,IC)*/, float* dB /*(OC,R)*/,
+                   const bf16* dy /*(N,OC)*/, const bf16* x /*(N,IC)*/, const bf16* A /*(R,IC)*/,
+                   const bf16* B /*(OC,R)*/, float scale, const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC,
+                   int64_t R, cudaStream_t stream);
 
 // ---- causal GQA attention (flash-style: the T x T scores never reach global memory) ---------
 // The WMMA kernel: CudaOps runs it where cuDNN cannot serve a shape (kernels/attention_choice.h)
@@ -451,7 +472,8 @@ void moe_experts_forward(Context& ctx, bf16* ys /*(S,C)*/, bf16* gate /*(S,F)*/,
                          const int64_t* expert_offsets /*(E+1)*/,
                          const ExpertTensors<const bf16>& w, int64_t E, int64_t C, int64_t F,
                          cudaStream_t stream);
-// dxs (S,C) =; dw.gate/up/down (fp32) += ; dgate, dup, dact (S,F) are scratch (overwritten).
+// dxs (S,C) =; dw.gate/up/down (fp32) += (an expert's null entry: that gradient is skipped, a
+// frozen weight); dgate, dup, dact (S,F) are scratch (overwritten).
 // dxs = dgate @ W_gate, then += dup @ W_up: two bf16 roundings, like the dense MLP's dx.
 void moe_experts_backward(Context& ctx, bf16* dxs /*(S,C)*/, const ExpertTensors<float>& dw,
                           bf16* dgate /*(S,F)*/, bf16* dup /*(S,F)*/, bf16* dact /*(S,F)*/,

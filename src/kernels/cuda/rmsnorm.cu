@@ -86,13 +86,13 @@ __global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* x, co
 
 // grid (chunks), block >= ceil(C / (kWidth * kSlots)) threads, at most kMaxBackwardThreads.
 // Block b handles rows [b * rows_per_chunk, ...): writes dx and partial (chunks, C) row b =
-// sum over its rows of dout * x * rstd. Thread t owns kSlots groups of kWidth columns, group k
-// at column (k * blockDim + t) * kWidth, for the whole chunk: their dweight sums stay in
-// registers, and the only trips through shared memory are the per-row block sums. With
-// kKeepRow the thread also keeps its weights and each row's dout and x in registers, so a row
-// is read from memory once; without (wide rows, where that many registers would spill), the
-// second pass over a row re-reads them (cache hits: the thread has just read them).
-// kWidth 8 REQUIRES C % 8 == 0 and 16-byte aligned rows.
+// sum over its rows of dout * x * rstd (nothing when partial is null: a frozen weight). Thread
+// t owns kSlots groups of kWidth columns, group k at column (k * blockDim + t) * kWidth, for the
+// whole chunk: their dweight sums stay in registers, and the only trips through shared memory
+// are the per-row block sums. With kKeepRow the thread also keeps its weights and each row's
+// dout and x in registers, so a row is read from memory once; without (wide rows, where that
+// many registers would spill), the second pass over a row re-reads them (cache hits: the thread
+// has just read them). kWidth 8 REQUIRES C % 8 == 0 and 16-byte aligned rows.
 template <int kWidth, int kSlots, bool kKeepRow>
 __global__ void __launch_bounds__(kMaxBackwardThreads)
     rmsnorm_backward_kernel(bf16* dx, float* partial, const bf16* dout, const bf16* x, const bf16* weight,
@@ -158,6 +158,7 @@ __global__ void __launch_bounds__(kMaxBackwardThreads)
       store_columns<kWidth>(dxr, c, d);
     }
   }
+  if (partial == nullptr) return;  // a frozen weight: no dweight
   float* part = partial + blockIdx.x * C;
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) {
@@ -234,13 +235,17 @@ void rmsnorm_backward(Context& ctx, bf16* dx, float* dweight, const bf16* dout, 
   const int64_t chunks = N < kMaxChunks ? N : kMaxChunks;
   const int64_t rows_per_chunk = ceil_div(N, chunks);
   const int64_t used_chunks = ceil_div(N, rows_per_chunk);
-  auto* partial =
-      static_cast<float*>(ctx.scratch(static_cast<size_t>(used_chunks * C) * sizeof(float), "rmsnorm_backward"));
+  float* partial = nullptr;  // a frozen weight (dweight null) takes no partial sums and no reduction
+  if (dweight != nullptr) {
+    partial =
+        static_cast<float*>(ctx.scratch(static_cast<size_t>(used_chunks * C) * sizeof(float), "rmsnorm_backward"));
+  }
   if (vector_rows(C, dx, dout, x, weight)) {
     launch_backward<kBf16PerPack>(dx, partial, dout, x, weight, rstd, N, C, used_chunks, rows_per_chunk, stream);
   } else {
     launch_backward<1>(dx, partial, dout, x, weight, rstd, N, C, used_chunks, rows_per_chunk, stream);
   }
+  if (dweight == nullptr) return;
   sum_partials_kernel<<<static_cast<unsigned>(ceil_div(C, kThreads)), kThreads, 0, stream>>>(dweight, partial,
                                                                                              used_chunks, C);
   CUDA_CHECK_LAUNCH();
