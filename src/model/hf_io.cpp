@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <xxhash.h>
 #include <fmt/ranges.h>
 
 #include "ckpt/finite.h"
@@ -126,6 +127,21 @@ SafetensorsWriteDtype hf_source_dtype(const SafetensorsReader& reader, const Par
   if (bf16) return SafetensorsWriteDtype::kBF16;
   if (f16) return SafetensorsWriteDtype::kF16;
   return SafetensorsWriteDtype::kF32;
+}
+
+std::string frozen_tensors_fingerprint(const SafetensorsReader& reader, const ParamLayout& layout) {
+  XXH3_state_t* h = XXH3_createState();
+  XXH3_64bits_reset(h);
+  for (const TensorSpec& spec : layout.tensors()) {
+    const SafetensorsTensorInfo* info = spec.frozen ? reader.find(spec.name) : nullptr;
+    if (info == nullptr) continue;
+    const std::string line =
+        fmt::format("{} {} [{}] {}\n", info->name, info->dtype, fmt::join(info->shape, ","), info->nbytes);
+    XXH3_64bits_update(h, line.data(), line.size());
+  }
+  const std::string out = fmt::format("{:016x}", XXH3_64bits_digest(h));
+  XXH3_freeState(h);
+  return out;
 }
 
 bool is_hf_directory(const std::string& dir) {

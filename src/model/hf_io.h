@@ -81,6 +81,12 @@ std::string selection_bias_name(int64_t layer);
 // naming the first missing one. Does nothing (bias left as it is) when the config has none.
 Status read_hf_selection_bias(const SafetensorsReader& reader, const ModelConfig& config, std::vector<float>* bias);
 
+// A fingerprint of the frozen tensors (TensorSpec::frozen) as `reader` stores them: xxh3 of their
+// names, dtypes, shapes and sizes, in hex. A run records it beside the source's path, since its
+// checkpoints hold the trained tensors only; it tells another model apart, not the same
+// architecture with other values.
+std::string frozen_tensors_fingerprint(const SafetensorsReader& reader, const ParamLayout& layout);
+
 // Export dtypes by the names of `strata convert --dtype` and run.export_dtype ("f32", "bf16",
 // "f16"), and by transformers' torch_dtype ("float32", "bfloat16", "float16").
 std::optional<SafetensorsWriteDtype> parse_export_dtype(std::string_view name);

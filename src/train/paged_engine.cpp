@@ -28,6 +28,7 @@ Result<std::unique_ptr<PagedEngine>> PagedEngine::create(const model::ModelConfi
   std::unique_ptr<PagedEngine> e(new PagedEngine());
   e->mc_ = mc;
   e->budgets_ = t;
+  e->dropout_seed_ = t.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(t.dp_rank) * 0xC2B2AE3D27D4EB4Full;
   // The plan is this rank's among the ranks launched (parallel.world_size is what strata plan
   // plans for), at the level the engine trains: parallel.zero, ZeRO-1 for auto.
   e->budgets_.plan_world_size = std::max(1, t.dp_world);
@@ -287,6 +288,7 @@ Status PagedEngine::zero_grads() {
   reach_batches_ = 0;
   mtp_nll_ = 0;
   mtp_targets_ = 0;
+  micro_in_step_ = 0;
   return state_->zero_grads();
 }
 
@@ -294,6 +296,12 @@ Result<double> PagedEngine::micro_batch(const int32_t* inputs, const int32_t* ta
                                         float grad_scale, bool last, float lr, const int32_t* positions) {
   if (last) state_->begin_last_micro_batch(lr);
   if (mc_.is_moe()) counts_before_ = net_->expert_token_counts();
+  if (mc_.lora.dropout > 0) {
+    uint64_t z = dropout_seed_ ^ (static_cast<uint64_t>(state_->step_count()) << 20 ^ static_cast<uint64_t>(micro_in_step_));
+    z = (z ^ (z >> 31)) * 0xBF58476D1CE4E5B9ull;
+    net_->set_dropout_seed(z ^ (z >> 29));
+  }
+  ++micro_in_step_;
   Result<double> loss = net_->compute(inputs, targets, B, T, grad_scale, /*backward=*/true, positions);
   train_aux_loss_ = net_->last_aux_loss();  // an evaluation's forward does not replace it
   if (loss.ok()) {

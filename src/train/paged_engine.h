@@ -164,6 +164,10 @@ class PagedEngine {
   double train_aux_loss_ = 0;  // the MoE aux loss of the last training micro-batch (step_note)
   double mtp_nll_ = 0;         // the MTP module's NLL sum and targets since zero_grads() (step_note)
   int64_t mtp_targets_ = 0;
+  // LoRA dropout's masks: a seed per micro-batch from the run's seed, this rank, the optimizer
+  // step and the micro-batch's place in it (a resumed run draws the same ones).
+  uint64_t dropout_seed_ = 0;
+  int64_t micro_in_step_ = 0;
   std::vector<int64_t> reached_by_layer_;  // experts given tokens, per MoE layer, since zero_grads
   int64_t reach_batches_ = 0;               // the micro-batches they count over
   std::vector<int64_t> counts_before_;               // the expert counts before a micro-batch

@@ -564,7 +564,7 @@ Status PagedState::fill_quantized_copies(const CopyFill& fill) {
       std::vector<size_t> quantized;
       for (size_t i : store_->slice_tensors(g, sl)) {
         const Piece& t = pieces_[i];
-        if (t.spec->frozen || t.spec->num_blocks() != 1 || elsewhere(i)) continue;
+        if (t.spec->num_blocks() != 1 || elsewhere(i)) continue;
         if (!layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows})) continue;
         if (store_->held(i, StateKind::kParam).count != static_cast<uint64_t>(t.numel)) continue;
         quantized.push_back(i);

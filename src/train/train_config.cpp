@@ -53,6 +53,27 @@ ConfigSchema build_schema() {
          .help = "micro-batches per optimizer step"});
   s.add({.name = "train.steps", .type = T::kInt, .default_value = "200", .min = 1,
          .help = "optimizer steps to run"});
+  s.add({.name = "train.method", .type = T::kString, .default_value = "full", .choices = {"full", "lora"},
+         .help = "full: train every parameter. lora: freeze the model and train low-rank adapters (lora.*) on its "
+                 "projections; the frozen weights keep only their compute copy (no gradients, master or Adam "
+                 "moments), checkpoints hold the adapters, and run.export writes a PEFT adapter"});
+  s.add({.name = "lora.rank", .type = T::kInt, .default_value = "16", .min = 1, .max = 4096,
+         .help = "the adapters' rank r (PEFT's r)"});
+  s.add({.name = "lora.alpha", .type = T::kFloat, .default_value = "32", .min = 1e-6, .max = 1e6,
+         .help = "the adapters' scale is alpha / rank (PEFT's lora_alpha)"});
+  s.add({.name = "lora.dropout", .type = T::kFloat, .default_value = "0", .min = 0, .max = 0.99,
+         .help = "dropout on the adapters' input in training steps (PEFT's lora_dropout)"});
+  s.add({.name = "lora.targets", .type = T::kStringList,
+         .default_value = "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]",
+         .help = "the projections that carry adapters, by PEFT's module names: q_proj, k_proj, v_proj, o_proj, "
+                 "gate_proj, up_proj, down_proj (the dense MLPs'), or all-linear"});
+  s.add({.name = "lora.init", .type = T::kString, .default_value = "kaiming", .choices = {"kaiming", "gaussian"},
+         .help = "how A starts (B starts at zero): kaiming = PEFT's default (uniform, bound 1/sqrt(in)); "
+                 "gaussian = normal with std 1/rank"});
+  s.add({.name = "model.adapter", .type = T::kString, .default_value = "",
+         .help = "a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to start the "
+                 "adapters from, with train.method=lora; its r, lora_alpha and target_modules replace lora.rank, "
+                 "lora.alpha and lora.targets"});
   s.add({.name = "train.mtp_weight", .type = T::kFloat, .default_value = "0.1", .min = 0, .max = 1000,
          .help = "weight of the multi-token prediction loss, for models with MTP modules (DeepSeek-V3's "
                  "num_nextn_predict_layers): the step trains (main NLL + weight x MTP NLL) per main target. "
@@ -205,6 +226,9 @@ ConfigSchema build_schema() {
                  "folder, refused if it holds another run unless resumed"});
   s.add({.name = "run.export", .type = T::kString, .default_value = "",
          .help = "directory for a Hugging Face export (config.json + safetensors) after the last step; empty = none"});
+  s.add({.name = "run.export_merged", .type = T::kBool, .default_value = "false",
+         .help = "with train.method=lora: run.export is the model with the adapters merged into its weights (a "
+                 "plain Hugging Face model) instead of the PEFT adapter"});
   s.add({.name = "run.export_dtype", .type = T::kString, .default_value = "auto",
          .choices = {"auto", "f32", "bf16", "f16"},
          .help = "dtype of run.export's weights (and its config.json torch_dtype); auto = the precision of the "
@@ -339,6 +363,21 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.weight_decay = c.get_float("optim.weight_decay");
   t.grad_clip = c.get_float("optim.grad_clip");
   t.mtp_weight = c.get_float("train.mtp_weight");
+  t.lora = c.get_string("train.method") == "lora";
+  t.model_adapter = c.get_string("model.adapter");
+  if (t.lora) {
+    t.lora_config.rank = c.get_int("lora.rank");
+    t.lora_config.alpha = c.get_float("lora.alpha");
+    t.lora_config.dropout = c.get_float("lora.dropout");
+    ASSIGN_OR_RETURN(t.lora_config.targets, model::parse_lora_targets(c.get_list("lora.targets"), c.origin("lora.targets")));
+    ASSIGN_OR_RETURN(t.lora_config.init, model::parse_lora_init(c.get_string("lora.init"), c.origin("lora.init")));
+  } else if (!t.model_adapter.empty()) {
+    return Status::InvalidArgument(c.origin("model.adapter") + ": key 'model.adapter' starts LoRA adapters; set "
+                                   "train.method=lora to train them");
+  } else if (t.run_export_merged) {
+    return Status::InvalidArgument(c.origin("run.export_merged") + ": key 'run.export_merged' merges LoRA "
+                                   "adapters; it needs train.method=lora");
+  }
   t.overlap_backward = c.get_bool("optim.overlap_backward");
   t.precision_auto = c.get_string("train.precision") == "auto";
   t.precision = parse_precision(c.get_string("train.precision")).value_or(Precision::kFp32);
@@ -422,6 +461,7 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.ckpt_staging = c.get_bytes("ckpt.staging");
   t.run_export = c.get_string("run.export");
   t.run_export_dtype = c.get_string("run.export_dtype");
+  t.run_export_merged = c.get_bool("run.export_merged");
   t.log_every = c.get_int("run.log_every");
   t.device = c.get_string("run.device");
   t.log_level = c.get_string("run.log_level");

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "model/lora.h"
 #include "offload/state_layout.h"
 
 namespace strata {
@@ -37,6 +38,9 @@ struct TrainConfig {
   int64_t steps = 0;
   int64_t max_skipped_steps = 5;  // non-finite steps skipped in a row before the run stops
   double mtp_weight = 0.1;        // the multi-token prediction loss's weight (ModelConfig::mtp_loss_weight)
+  bool lora = false;              // train.method=lora
+  model::LoraConfig lora_config;  // lora.* (ModelConfig::lora when train.method=lora)
+  std::string model_adapter;      // a PEFT adapter directory the adapters start from; "" = lora.init
   uint64_t seed = 0;
   // optimizer
   double lr = 0, min_lr_ratio = 0;
@@ -89,6 +93,7 @@ struct TrainConfig {
   bool run_dir_named = false;
   std::string run_export;         // Hugging Face export written after the last step; "" = none
   std::string run_export_dtype = "auto";  // f32 | bf16 | f16 | auto (the starting weights' precision)
+  bool run_export_merged = false;         // LoRA: export the merged model instead of the adapter
   int64_t log_every = 1;
   std::string device;
   std::string log_level;

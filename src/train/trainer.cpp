@@ -22,6 +22,7 @@
 #include "core/progress.h"
 #include "core/trace.h"
 #include "model/hf_io.h"
+#include "model/peft_io.h"
 #include "model/context_parallel.h"
 #include "model/decoder.h"
 #include "data/data.h"
@@ -107,6 +108,20 @@ Result<model::ModelConfig> resolve_model_config(const TrainConfig& t) {
   ASSIGN_OR_RETURN(model::ModelConfig mc, model::ModelConfig::from_json(j, source));
   // The MTP loss weight is training's (train.mtp_weight), not the model's.
   mc.mtp_loss_weight = t.mtp_weight;
+  if (t.lora) {
+    mc.lora = t.lora_config;
+    if (!t.model_adapter.empty()) {
+      // The adapter's own rank, scale and modules.
+      ASSIGN_OR_RETURN(const model::LoraConfig adapter, model::read_peft_adapter_config(t.model_adapter));
+      if (adapter.rank != mc.lora.rank || adapter.alpha != mc.lora.alpha || adapter.targets != mc.lora.targets)
+        LOG_INFO("model.adapter: rank {}, alpha {}, modules [{}] from {}", adapter.rank, adapter.alpha,
+                 fmt::join(model::lora_target_names(adapter.targets), ", "), t.model_adapter);
+      mc.lora.rank = adapter.rank;
+      mc.lora.alpha = adapter.alpha;
+      mc.lora.targets = adapter.targets;
+    }
+    RETURN_IF_ERROR(mc.validate(source + " with train.method=lora"));
+  }
   if (mc.trains_mtp() && t.parallel_context > 1)
     return Status::InvalidArgument(fmt::format(
         "parallel.context_parallel={} with {}'s multi-token prediction module: its tokens one ahead cross the "
@@ -193,6 +208,20 @@ struct Run {
   // The precision of the weights the run started from: run.export_dtype=auto exports in it, and
   // checkpoints record it as their model_config's torch_dtype so a resumed run still knows it.
   model::SafetensorsWriteDtype source_dtype = model::SafetensorsWriteDtype::kF32;
+  // Where the frozen tensors come from (checkpoints hold the trained state only): the source and
+  // a fingerprint of its tensors' names, dtypes and shapes, or the seed of a random init; null
+  // when nothing is frozen.
+  nlohmann::json frozen_from;
+  // The model config checkpoints record: the model's, with the LoRA settings and where the frozen
+  // tensors come from, which a resumed run must match.
+  nlohmann::json checkpoint_model_config() const {
+    nlohmann::json j = mc.to_json();
+    if (mc.lora.enabled()) j["strata_lora"] = mc.lora.to_json();
+    // Whether the MTP modules train decides what is frozen (and saved).
+    if (mc.num_nextn_predict_layers > 0) j["strata_mtp_weight"] = mc.mtp_loss_weight;
+    if (!frozen_from.is_null()) j["strata_frozen_from"] = frozen_from;
+    return j;
+  }
   // DeepSeek-V3's routers' selection biases read with the starting weights (empty otherwise).
   std::vector<float> start_selection_bias;
   std::unique_ptr<TokenDataset> dataset;
@@ -247,7 +276,7 @@ struct Run {
     pos.data_epoch = static_cast<int64_t>(sound_cursor.epoch);
     pos.data_index = static_cast<int64_t>(sound_cursor.index);
     pos.optimizer_step = engine->state().step_count();
-    nlohmann::json model_config = mc.to_json();
+    nlohmann::json model_config = checkpoint_model_config();
     model_config["torch_dtype"] = model::torch_dtype_name(source_dtype);
     const std::string best_note = best_eval_loss ? fmt::format("eval_loss {:.17g}", *best_eval_loss) : "";
     ASSIGN_OR_RETURN(bool started, checkpointer->save(engine->state(), pos, model_config, t.seed,
@@ -436,6 +465,9 @@ Result<std::optional<model::SafetensorsReader>> open_starting_weights(const Trai
   run.layout = model::ParamLayout(run.mc);
   const std::string weights_from = !t.model_from.empty() ? t.model_from : t.model_init;
   std::optional<model::SafetensorsReader> weights;
+  const bool any_frozen =
+      std::any_of(run.layout.tensors().begin(), run.layout.tensors().end(), [](const auto& s) { return s.frozen; });
+  if (any_frozen && weights_from.empty()) run.frozen_from = {{"init_seed", t.seed}};
   if (weights_from.empty()) return weights;
   ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_hf_weights(weights_from, run.layout));
   nlohmann::json source_json = nlohmann::json::object();
@@ -443,6 +475,10 @@ Result<std::optional<model::SafetensorsReader>> open_starting_weights(const Trai
     ASSIGN_OR_RETURN(source_json, model::read_hf_config_json(weights_from));
   }
   run.source_dtype = model::hf_source_dtype(reader, run.layout, source_json);
+  if (any_frozen) {
+    run.frozen_from = {{"source", fs::absolute(weights_from).lexically_normal().string()},
+                       {"tensors_xxh3", model::frozen_tensors_fingerprint(reader, run.layout)}};
+  }
   RETURN_IF_ERROR(model::read_hf_selection_bias(reader, run.mc, &run.start_selection_bias));
   weights.emplace(std::move(reader));
   return weights;
@@ -484,20 +520,33 @@ Result<HostRamPlan> open_engine(const TrainConfig& t, Run& run, Ranks& ranks) {
 }
 
 // The starting weights from model.from / model.init (`weights`), or initialised from train.seed.
-Status fill_starting_weights(const TrainConfig& t, Run& run, std::optional<model::SafetensorsReader>& weights) {
+Status fill_starting_weights(const TrainConfig& t, Run& run, std::optional<model::SafetensorsReader>& weights,
+                             TensorSet which = TensorSet::kAll) {
   const std::string weights_from = !t.model_from.empty() ? t.model_from : t.model_init;
-  if (!run.start_selection_bias.empty()) run.engine->set_selection_bias(run.start_selection_bias);
-  Progress progress(weights ? "loading weights from " + weights_from : "initialising weights",
-                    static_cast<uint64_t>(run.layout.total_size()) * sizeof(float));
+  if (!run.start_selection_bias.empty() && which == TensorSet::kAll)
+    run.engine->set_selection_bias(run.start_selection_bias);
+  // LoRA adapters: from model.adapter, else lora.init.
+  std::optional<model::SafetensorsReader> adapter;
+  if (!t.model_adapter.empty() && which != TensorSet::kFrozen) {
+    ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_peft_adapter(t.model_adapter, run.layout));
+    adapter.emplace(std::move(reader));
+  }
+  uint64_t bytes = 0;
+  for (const model::TensorSpec& spec : run.layout.tensors())
+    if (in_set(which, spec)) bytes += static_cast<uint64_t>(spec.numel) * sizeof(float);
+  Progress progress(weights ? "loading weights from " + weights_from : "initialising weights", bytes);
   RETURN_IF_ERROR(run.engine->state().fill_kind(StateKind::kParam, [&](const model::TensorSpec& spec, float* dst) {
-    if (weights) {
+    if (spec.adapts >= 0 && adapter) {
+      RETURN_IF_ERROR(adapter->read_f32(model::peft_tensor_name(spec.name), spec.shape, dst));
+    } else if (weights && spec.adapts < 0) {
       RETURN_IF_ERROR(model::read_hf_tensor(*weights, spec, dst));
     } else {
       model::init_tensor(spec, dst, t.seed);
     }
     progress.add(static_cast<uint64_t>(spec.numel) * sizeof(float));
     return Status::OK();
-  }));
+  }, which));
+  if (which == TensorSet::kTrained) return Status::OK();
   // An FP8 checkpoint's weights (DeepSeek-V3's, with 128 x 128 block scales): the master holds
   // them dequantised; the fp8 recipe computes with the checkpoint's own codes and scales.
   if (!weights) return Status::OK();
@@ -515,7 +564,7 @@ Status fill_starting_weights(const TrainConfig& t, Run& run, std::optional<model
 Status restore_run(const TrainConfig& t, Run& run, const std::string& resume_from) {
   std::vector<ExtraState> extra = run.engine->extra_state();
   ASSIGN_OR_RETURN(RunPosition pos,
-                   restore_checkpoint(resume_from, run.mc.to_json(), run.layout, run.engine->state(), &extra));
+                   restore_checkpoint(resume_from, run.checkpoint_model_config(), run.layout, run.engine->state(), &extra));
   run.engine->set_extra_state(extra);
   RETURN_IF_ERROR(
       run.loader->set_cursor({static_cast<uint64_t>(pos.data_epoch), static_cast<uint64_t>(pos.data_index)}));
@@ -624,6 +673,18 @@ Status open_run_dir(const TrainConfig& t, Run& run, const std::string& effective
   LOG_INFO("model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {:.2f}M parameters", mc.num_hidden_layers,
            mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size,
            static_cast<double>(mc.num_parameters()) / 1e6);
+  if (mc.lora.enabled()) {
+    int64_t trained = 0, adapted = 0;
+    for (const model::TensorSpec& s : run.layout.tensors()) {
+      trained += s.adapts >= 0 ? s.numel : 0;
+      adapted += s.adapts >= 0 && s.name.ends_with("lora_A.weight") ? 1 : 0;
+    }
+    LOG_INFO("lora: rank {}, alpha {} (scale {:.4g}), dropout {}, on {} projections [{}]: {:.3f}M trained parameters "
+             "({:.3f}% of the model's), the rest frozen",
+             mc.lora.rank, mc.lora.alpha, mc.lora.scale(), mc.lora.dropout, adapted,
+             fmt::join(model::lora_target_names(mc.lora.targets), ", "), static_cast<double>(trained) / 1e6,
+             100.0 * static_cast<double>(trained) / static_cast<double>(mc.num_parameters()));
+  }
   LOG_INFO("data: {} tokens, {} windows of {}; {} tokens per step ({} x {} x {} accumulation{}){}",
            run.dataset->num_tokens(), run.loader->num_windows(), t.seq_len, tokens_per_step, t.micro_batch,
            t.seq_len, t.grad_accum,
@@ -683,7 +744,9 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
   RETURN_IF_ERROR(resolve_run_model(t, *run));
   RETURN_IF_ERROR(open_dirs_and_data(t, *run, dirs, ranks));
   ASSIGN_OR_RETURN(std::optional<model::SafetensorsReader> weights, open_starting_weights(t, *run));
-  if (!t.run_export.empty()) RETURN_IF_ERROR(model::check_export_target(t.run_export));
+  if (!t.run_export.empty())
+    RETURN_IF_ERROR(model::check_export_target(
+        t.run_export, run->mc.lora.enabled() && !t.run_export_merged ? model::kPeftConfigFile : "config.json"));
   run->schedule.emplace(LrSchedule{t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.lr_schedule});
   ASSIGN_OR_RETURN(HostRamPlan host_ram, open_engine(t, *run, ranks));
 
@@ -694,6 +757,10 @@ Result<std::unique_ptr<Run>> prepare(TrainConfig& t, const std::string& effectiv
     if (resume_from.empty()) LOG_INFO("resume: no checkpoint in {}; starting from step 1", t.ckpt_dir);
   }
   if (resume_from.empty()) RETURN_IF_ERROR(fill_starting_weights(t, *run, weights));
+  // A checkpoint holds the trained state; frozen tensors (LoRA's base) come from the source again.
+  const bool any_frozen =
+      std::any_of(run->layout.tensors().begin(), run->layout.tensors().end(), [](const auto& s) { return s.frozen; });
+  if (!resume_from.empty() && any_frozen) RETURN_IF_ERROR(fill_starting_weights(t, *run, weights, TensorSet::kFrozen));
   weights.reset();
   if (!resume_from.empty()) RETURN_IF_ERROR(restore_run(t, *run, resume_from));
   if (!resume_from.empty() && t.ckpt_keep_best) {
@@ -1088,16 +1155,48 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
       ASSIGN_OR_RETURN(saved, ckpt::CheckpointReader::open(
                                   (fs::path(t.ckpt_dir) / ckpt::step_dir_name(run.last_saved_step)).string()));
     }
+    // Frozen tensors (LoRA's base) as the source holds them, read from it again; a checkpoint
+    // holds none of them.
+    const std::string weights_from = !t.model_from.empty() ? t.model_from : t.model_init;
+    std::optional<model::SafetensorsReader> base;
+    if (run.frozen_from.contains("source")) {
+      ASSIGN_OR_RETURN(model::SafetensorsReader reader, model::open_hf_weights(weights_from, run.layout));
+      base.emplace(std::move(reader));
+    }
     // Tensor by tensor out of the engine's state (or the final checkpoint): no second copy of the model.
+    auto read = [&](const model::TensorSpec& spec, float* out) -> Status {
+      if (spec.frozen && base) return model::read_hf_tensor(*base, spec, out);
+      if (saved && !spec.frozen) return saved->read_f32(spec.name, out, static_cast<uint64_t>(spec.numel));
+      return state.read_flat(StateKind::kParam, static_cast<uint64_t>(spec.offset) * sizeof(float),
+                             static_cast<uint64_t>(spec.numel) * sizeof(float), out);
+    };
+    const bool adapter_only = run.mc.lora.enabled() && !t.run_export_merged;
     GoodputAccountant::Timer exporting = run.goodput->time(GoodputPart::kExport);
-    Status exported = model::export_hf(
-        t.run_export, run.mc, run.layout,
-        [&](const model::TensorSpec& spec, float* out) {
-          if (saved) return saved->read_f32(spec.name, out, static_cast<uint64_t>(spec.numel));
-          return state.read_flat(StateKind::kParam, static_cast<uint64_t>(spec.offset) * sizeof(float),
-                                 static_cast<uint64_t>(spec.numel) * sizeof(float), out);
-        },
-        eo);
+    Status exported;
+    if (adapter_only) {
+      exported = model::export_peft_adapter(t.run_export, run.layout, read,
+                                            {.dtype = eo.dtype, .base_model = weights_from});
+    } else {
+      // A merged export: each adapted weight plus scale * B A, in fp32, then in the export's dtype.
+      std::vector<float> a, b;
+      exported = model::export_hf(
+          t.run_export, run.mc, run.layout,
+          [&](const model::TensorSpec& spec, float* out) -> Status {
+            RETURN_IF_ERROR(read(spec, out));
+            const model::LoraOffsets* lo = run.layout.lora_of(spec.offset);
+            if (lo == nullptr) return Status::OK();
+            const model::TensorSpec& sa = run.layout.at(lo->a);
+            const model::TensorSpec& sb = run.layout.at(lo->b);
+            a.resize(static_cast<size_t>(sa.numel));
+            b.resize(static_cast<size_t>(sb.numel));
+            RETURN_IF_ERROR(read(sa, a.data()));
+            RETURN_IF_ERROR(read(sb, b.data()));
+            model::merge_lora(out, a.data(), b.data(), spec.shape[0], spec.shape[1], run.mc.lora.rank,
+                              run.mc.lora.scale());
+            return Status::OK();
+          },
+          eo);
+    }
     exporting.stop();
     if (!exported.ok()) {
       // The trained state must outlive a failed export (a full disk): it goes to a checkpoint.
@@ -1108,7 +1207,10 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
                                               run.last_saved_step, t.ckpt_dir, t.ckpt_dir)
                                 : "the state could not be checkpointed either: " + saved.message());
     }
-    LOG_INFO("exported the weights after step {} to {} (Hugging Face format, {})", summary.steps_done, t.run_export,
+    LOG_INFO("exported the {} after step {} to {} ({}, {})", adapter_only ? "adapters" : "weights",
+             summary.steps_done, t.run_export,
+             adapter_only ? "PEFT adapter" : run.mc.lora.enabled() ? "Hugging Face format, adapters merged"
+                                                                   : "Hugging Face format",
              model::export_dtype_name(eo.dtype));
   }
   LOG_INFO("done: {} steps, loss {:.4f} -> {:.4f}", summary.steps_done, summary.first_loss, summary.last_loss);

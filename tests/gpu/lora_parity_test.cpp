@@ -1,6 +1,6 @@
 // LoRA adapters and frozen weights on CUDA: CudaOps' lora_forward and lora_backward against
 // CpuBf16Ops (the bf16 recipe emulated on the CPU, kernels/cpu/lora.cpp) on the same bf16
-// inputs, with and without dropout and without dx; and the weight-gradient ops given a null
+// inputs, with and without dropout, without dx and without dA, dB; and the weight-gradient ops given a null
 // gradient (a frozen weight, as the decoder passes them with LoRA on) compute everything else as
 // before.
 //
@@ -104,10 +104,11 @@ struct LoraCase {
   float p;
   int64_t row0;
   bool with_dx;
+  bool trained = true;  // dA and dB given (else null: an adapter that is not trained)
   std::string text() const {
     return "N=" + std::to_string(N) + " IC=" + std::to_string(IC) + " OC=" + std::to_string(OC) +
            " R=" + std::to_string(R) + " p=" + std::to_string(p) + " row0=" + std::to_string(row0) +
-           (with_dx ? "" : " (no dx)");
+           (with_dx ? "" : " (no dx)") + (trained ? "" : " (no dA, dB)");
   }
 };
 
@@ -140,16 +141,23 @@ void check_lora_case(kernels::CudaOps& ops, const LoraCase& c, uint64_t seed) {
   // Backward: dA, dB added to; dx = round(dx0 + drop'(dt A)) when asked for.
   std::vector<kernels::Bf16> want_dx = host_bf16(dx0);
   std::vector<float> want_dA = dA0, want_dB = dB0;
-  cpu.lora_backward(c.with_dx ? want_dx.data() : nullptr, want_dA.data(), want_dB.data(), hdy.data(), hx.data(),
-                    ha.data(), hb.data(), scale, drop, N, IC, OC, R);
+  cpu.lora_backward(c.with_dx ? want_dx.data() : nullptr, c.trained ? want_dA.data() : nullptr,
+                    c.trained ? want_dB.data() : nullptr, hdy.data(), hx.data(), ha.data(), hb.data(), scale, drop, N,
+                    IC, OC, R);
   DeviceBuffer<bf16> d_dx = upload_bf16(dx0);
   DeviceBuffer<float> d_dA(dA0), d_dB(dB0);
-  ops.lora_backward(c.with_dx ? d_dx.get() : nullptr, d_dA.get(), d_dB.get(), d_dy.get(), d_x.get(), d_a.get(),
-                    d_b.get(), scale, drop, N, IC, OC, R);
+  ops.lora_backward(c.with_dx ? d_dx.get() : nullptr, c.trained ? d_dA.get() : nullptr,
+                    c.trained ? d_dB.get() : nullptr, d_dy.get(), d_x.get(), d_a.get(), d_b.get(), scale, drop, N, IC,
+                    OC, R);
   ops.synchronize();
-  // What each side added (the starting values would otherwise dominate the error).
-  expect_close(added(download_f32(d_dA), dA0), added(want_dA, dA0), kBf16Tol, what + " dA");
-  expect_close(added(download_f32(d_dB), dB0), added(want_dB, dB0), kBf16Tol, what + " dB");
+  if (c.trained) {
+    // What each side added (the starting values would otherwise dominate the error).
+    expect_close(added(download_f32(d_dA), dA0), added(want_dA, dA0), kBf16Tol, what + " dA");
+    expect_close(added(download_f32(d_dB), dB0), added(want_dB, dB0), kBf16Tol, what + " dB");
+  } else {
+    expect_bitwise(download_f32(d_dA), dA0, what + " dA (not asked for, left alone)");
+    expect_bitwise(download_f32(d_dB), dB0, what + " dB (not asked for, left alone)");
+  }
   const std::vector<float> got_dx = download_bf16(d_dx);
   if (!c.with_dx) {
     expect_bitwise(got_dx, dx0, what + " dx (not asked for, left alone)");
@@ -166,17 +174,21 @@ void check_lora_case(kernels::CudaOps& ops, const LoraCase& c, uint64_t seed) {
     want_kept.push_back(dx0[static_cast<size_t>(i)]);
   }
   expect_bitwise(got_kept, want_kept, what + " dx where dropped");
-  if (c.p > 0) EXPECT_GT(drops, 0) << what << ": the mask dropped nothing";
+  if (c.p > 0) {
+    EXPECT_GT(drops, 0) << what << ": the mask dropped nothing";
+  }
 }
 
 TEST(LoraParity, ForwardAndBackwardMatchTheCpuBf16Recipe) {
   CudaOpSet set = open_cuda_ops();
   const LoraCase cases[] = {
-      {37, 96, 80, 8, 0.0f, 0, true},       // odd token count, no dropout
-      {37, 96, 80, 8, 0.1f, 5, true},       // dropout, rows after the micro-batch's first
-      {128, 256, 192, 16, 0.1f, 0, false},  // dropout without dx (the first layer's input)
-      {5, 24, 40, 4, 0.0f, 0, false},       // no dropout, no dx
-      {64, 160, 48, 8, 0.1f, 300, true},    // OC < IC (a down projection)
+      {37, 96, 80, 8, 0.0f, 0, true},         // odd token count, no dropout
+      {37, 96, 80, 8, 0.1f, 5, true},         // dropout, rows after the micro-batch's first
+      {128, 256, 192, 16, 0.1f, 0, false},    // dropout without dx (the first layer's input)
+      {5, 24, 40, 4, 0.0f, 0, false},         // no dropout, no dx
+      {64, 160, 48, 8, 0.1f, 300, true},      // OC < IC (a down projection)
+      {37, 96, 80, 8, 0.0f, 0, true, false},  // dx alone (an adapter that is not trained)
+      {37, 96, 80, 8, 0.1f, 5, true, false},
   };
   uint64_t seed = 100;
   for (const LoraCase& c : cases) check_lora_case(*set.ops, c, seed += 10);

@@ -1,4 +1,4 @@
-// strata convert --from SRC --to DST [--dtype auto|f32|bf16|f16] [--shard-size 5GB]
+// strata convert --from SRC --to DST [--dtype auto|f32|bf16|f16] [--shard-size 5GB] [--merge]
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -10,6 +10,7 @@
 #include "core/units.h"
 #include "model/hf_io.h"
 #include "model/params.h"
+#include "model/peft_io.h"
 #include "tools/strata/commands.h"
 #include "tools/strata/model_source.h"
 
@@ -17,7 +18,7 @@ namespace strata::tools {
 namespace {
 
 constexpr const char* kConvertUsage = R"(Usage: strata convert --from SRC --to DST [--dtype auto|f32|bf16|f16] [--shard-size 5GB]
-                      [--allow-nonfinite]
+                      [--merge] [--allow-nonfinite]
 
 Reads a Hugging Face model directory (config.json plus model.safetensors or sharded
 model-*.safetensors with model.safetensors.index.json) and writes it again as a Hugging Face
@@ -28,6 +29,11 @@ its `latest` file, or one step-N directory. Its checksums are verified, the mode
 from the manifest's model_config and the parameters are exported (optimizer state is not). It is
 checked as a resume checks it first: the manifest's fields, every tensor the config implies with
 exactly its shape, and no tensor the config lacks.
+
+A checkpoint of a LoRA run (train.method=lora) holds the adapters; the frozen base is read from
+the model the run started from (the manifest records its path and a fingerprint of its tensors).
+DST is then a PEFT adapter directory (adapter_config.json, adapter_model.safetensors), or with
+--merge the base with the adapters merged into its weights, a plain Hugging Face model.
 
 Weights holding NaN or Inf are refused, naming the first such tensor, unless --allow-nonfinite.
 
@@ -41,6 +47,7 @@ Options:
                      weights its run started from (the manifest's model_config torch_dtype; f32
                      when it names none). The export's config.json torch_dtype says which.
   --shard-size S     largest shard, e.g. 5GB (the default, as transformers), 500MB, 2GiB
+  --merge            a LoRA checkpoint: write the merged model instead of the adapter
   --allow-nonfinite  write weights that hold NaN or Inf (to inspect a diverged run)
   -h, --help         this text
 )";
@@ -59,7 +66,7 @@ int fail(const Status& st) {
 
 int convert_command(const std::vector<std::string>& args) {
   std::string from, to, dtype, shard_size;
-  bool allow_nonfinite = false;
+  bool allow_nonfinite = false, merge = false;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
@@ -68,6 +75,10 @@ int convert_command(const std::vector<std::string>& args) {
     }
     if (a == "--allow-nonfinite") {
       allow_nonfinite = true;
+      continue;
+    }
+    if (a == "--merge") {
+      merge = true;
       continue;
     }
     std::string* target = a == "--from" ? &from : a == "--to" ? &to : a == "--dtype" ? &dtype
@@ -137,6 +148,26 @@ int convert_command(const std::vector<std::string>& args) {
   eo.allow_nonfinite = allow_nonfinite;
   eo.selection_bias = &selection_bias;
   const model::ParamLayout layout(config);
+  if (merge && !layout.has_lora())
+    return usage_error("--merge merges LoRA adapters; " + from + " holds a model without them");
+  if (layout.has_lora() && !merge) {
+    auto read = [&params](const model::TensorSpec& t, float* out) {
+      std::copy_n(params.data() + t.offset, t.numel, out);
+      return Status::OK();
+    };
+    Status st = model::export_peft_adapter(to, layout, read, {.dtype = eo.dtype});
+    if (!st.ok()) return fail(st);
+    LOG_INFO("wrote the LoRA adapter to {} ({}; --merge writes the merged model)", to, dtype);
+    return 0;
+  }
+  if (layout.has_lora()) {
+    for (const model::TensorSpec& t : layout.tensors()) {
+      const model::LoraOffsets* lo = layout.lora_of(t.offset);
+      if (lo == nullptr) continue;
+      model::merge_lora(params.data() + t.offset, params.data() + lo->a, params.data() + lo->b, t.shape[0], t.shape[1],
+                        config.lora.rank, config.lora.scale());
+    }
+  }
   Status st = model::export_hf(to, config, layout, params.data(), eo);
   if (!st.ok()) return fail(st);
   LOG_INFO("wrote {} ({}, shards of at most {})", to, dtype, format_bytes(eo.max_shard_bytes));

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "ckpt/format.h"
 #include "ckpt/reader.h"
 #include "core/config.h"
@@ -31,6 +33,44 @@ bool looks_like_checkpoint(const std::string& path) {
   return ckpt::parse_step_dir_name(p.filename().string()).has_value();
 }
 
+namespace {
+
+// A checkpoint's frozen tensors (LoRA's base, an untrained MTP module) into params, from the
+// source model_config.strata_frozen_from names (checked against the fingerprint the run
+// recorded) or the random init of its seed.
+Status read_frozen_tensors(const model::ParamLayout& layout, const nlohmann::json& mc, const std::string& manifest,
+                           float* params) {
+  bool any = false;
+  for (const model::TensorSpec& t : layout.tensors()) any = any || t.frozen;
+  if (!any) return Status::OK();
+  const auto from = mc.find("strata_frozen_from");
+  if (from == mc.end() || !from->is_object())
+    return Status::InvalidArgument(manifest + ": the model has frozen tensors but model_config.strata_frozen_from "
+                                   "does not say where they come from");
+  if (const auto seed = from->find("init_seed"); seed != from->end() && seed->is_number_unsigned()) {
+    for (const model::TensorSpec& t : layout.tensors())
+      if (t.frozen) model::init_tensor(t, params + t.offset, seed->get<uint64_t>());
+    return Status::OK();
+  }
+  const std::string source = from->value("source", std::string());
+  Result<model::SafetensorsReader> reader = model::open_hf_weights(source, layout);
+  if (!reader.ok())
+    return reader.status().with_context(manifest + ": the frozen weights' source (model_config.strata_frozen_from)");
+  const std::string recorded = from->value("tensors_xxh3", std::string());
+  const std::string found = model::frozen_tensors_fingerprint(*reader, layout);
+  if (recorded != found)
+    return Status::InvalidArgument(fmt::format(
+        "{}: the frozen weights' source {} is not the model the run trained on (its tensors' fingerprint is {}, the "
+        "run recorded {}); put that model back at {}",
+        manifest, source, found, recorded, source));
+  LOG_INFO("reading the frozen weights from {} (model_config.strata_frozen_from)", source);
+  for (const model::TensorSpec& t : layout.tensors())
+    if (t.frozen) RETURN_IF_ERROR(model::read_hf_tensor(*reader, t, params + t.offset));
+  return Status::OK();
+}
+
+}  // namespace
+
 Result<LoadedModel> load_checkpoint(const std::string& path) {
   ckpt::ReaderOpenOptions ro;
   ro.verify = true;
@@ -45,6 +85,13 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
   if (!config.ok()) return config.status();
   LoadedModel out;
   out.config = *config;
+  // What the run trained: LoRA adapters over a frozen base, and whether its MTP modules trained.
+  if (const auto it = mc.find("strata_lora"); it != mc.end()) {
+    ASSIGN_OR_RETURN(out.config.lora, model::LoraConfig::from_json(*it, manifest + " model_config.strata_lora"));
+  }
+  if (const auto it = mc.find("strata_mtp_weight"); it != mc.end() && it->is_number())
+    out.config.mtp_loss_weight = it->get<double>();
+  RETURN_IF_ERROR(out.config.validate(manifest + " model_config"));
   if (const auto it = mc.find("torch_dtype"); it != mc.end() && it->is_string()) {
     out.source_dtype = model::parse_torch_dtype(it->get<std::string>()).value_or(model::SafetensorsWriteDtype::kF32);
   }
@@ -59,8 +106,11 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
   out.params.assign(static_cast<size_t>(layout.total_size()), 0.0f);
   LOG_INFO("reading checkpoint {} (step {}, {} parameters)", reader->step_dir(), reader->step(),
            layout.num_parameters());
+  // The frozen tensors are not in the checkpoint: they come from where the run took them.
+  RETURN_IF_ERROR(read_frozen_tensors(layout, mc, manifest, out.params.data()));
   Progress progress("reading " + reader->step_dir(), static_cast<uint64_t>(layout.total_size()) * sizeof(float));
   for (const model::TensorSpec& t : layout.tensors()) {
+    if (t.frozen) continue;
     const std::string name = ckpt::qualified_name(ckpt::TensorKind::kParam, t.name);
     Status st = reader->read_f32(name, out.params.data() + t.offset, static_cast<uint64_t>(t.numel));
     if (!st.ok()) return st.with_context("reading checkpoint " + reader->step_dir());

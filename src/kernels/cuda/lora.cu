@@ -1,7 +1,7 @@
-// LoRA adapters on CUDA (kernels/lora.h, declared in ops.h): four cuBLASLt GEMMs per backward
-// (two per forward) through gemm(), and, with dropout, two element-wise kernels that draw the
-// mask from kernels::lora_dropped's hash: one writes drop(x), one adds the kept elements of the
-// fp32 product dt A to dx. Per-element arithmetic is CpuBf16Ops's (kernels/cpu/lora.cpp): x times
+// LoRA adapters on CUDA (kernels/lora.h, declared in ops.h): two cuBLASLt GEMMs per forward and
+// up to five per backward through gemm(), and, with dropout, two element-wise kernels that draw
+// the mask from kernels::lora_dropped's hash: one writes drop(x), one adds the kept elements of
+// the fp32 product dt A to dx. Per-element arithmetic is CpuBf16Ops's (kernels/cpu/lora.cpp): x times
 // 1 / (1 - p) rounded to bf16; dx plus the product times 1 / (1 - p), rounded once.
 #include <string>
 
@@ -67,8 +67,8 @@ void masked_add(bf16* dx, const float* g, int64_t rows, int64_t IC, int64_t r0, 
   CUDA_CHECK_LAUNCH();
 }
 
-// One chunk's buffers in the Context's scratch, each 256-byte aligned: t and dt (rows, R) bf16,
-// drop(x) (rows, IC) bf16 and the fp32 product g (rows, IC) where asked for.
+// One chunk's buffers in the Context's scratch, each 256-byte aligned, those asked for: t and dt
+// (rows, R) bf16, drop(x) (rows, IC) bf16 and the fp32 product g (rows, IC).
 struct ChunkScratch {
   bf16* t = nullptr;
   bf16* dt = nullptr;
@@ -76,19 +76,20 @@ struct ChunkScratch {
   float* g = nullptr;
 };
 struct ChunkNeeds {
-  bool dt, xd, g;
+  bool t, dt, xd, g;
 };
 
 // The chunk's bytes before alignment, per row.
 size_t row_bytes(int64_t IC, int64_t R, const ChunkNeeds& needs) {
   const auto ic = static_cast<size_t>(IC), r = static_cast<size_t>(R);
-  return r * sizeof(bf16) * (needs.dt ? 2 : 1) + (needs.xd ? ic * sizeof(bf16) : 0) +
+  return (needs.t ? r * sizeof(bf16) : 0) + (needs.dt ? r * sizeof(bf16) : 0) + (needs.xd ? ic * sizeof(bf16) : 0) +
          (needs.g ? ic * sizeof(float) : 0);
 }
 
 size_t chunk_bytes(int64_t rows, int64_t IC, int64_t R, const ChunkNeeds& needs) {
   const auto r = static_cast<size_t>(rows), ic = static_cast<size_t>(IC), rank = static_cast<size_t>(R);
-  size_t bytes = align_up(r * rank * sizeof(bf16));
+  size_t bytes = 0;
+  if (needs.t) bytes += align_up(r * rank * sizeof(bf16));
   if (needs.dt) bytes += align_up(r * rank * sizeof(bf16));
   if (needs.xd) bytes += align_up(r * ic * sizeof(bf16));
   if (needs.g) bytes += align_up(r * ic * sizeof(float));
@@ -118,7 +119,7 @@ ChunkScratch take_scratch(const Context& ctx, int64_t rows, int64_t IC, int64_t 
     base += align_up(bytes);
     return p;
   };
-  s.t = reinterpret_cast<bf16*>(take(r * rank * sizeof(bf16)));
+  if (needs.t) s.t = reinterpret_cast<bf16*>(take(r * rank * sizeof(bf16)));
   if (needs.dt) s.dt = reinterpret_cast<bf16*>(take(r * rank * sizeof(bf16)));
   if (needs.xd) s.xd = reinterpret_cast<bf16*>(take(r * ic * sizeof(bf16)));
   if (needs.g) s.g = reinterpret_cast<float*>(take(r * ic * sizeof(float)));
@@ -141,7 +142,7 @@ void lora_forward(Context& ctx, bf16* y, const bf16* x, const bf16* A, const bf1
   if (N == 0) return;
   const bool dropping = drop.p > 0;
   const Mask mask = mask_of(drop);
-  const ChunkNeeds needs{/*dt=*/false, /*xd=*/dropping, /*g=*/false};
+  const ChunkNeeds needs{/*t=*/true, /*dt=*/false, /*xd=*/dropping, /*g=*/false};
   const int64_t chunk = chunk_rows(ctx, N, IC, R, needs, "lora_forward");
   const ChunkScratch s = take_scratch(ctx, chunk, IC, R, needs, "lora_forward");
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
@@ -162,29 +163,35 @@ void lora_backward(Context& ctx, bf16* dx, float* dA, float* dB, const bf16* dy,
                    const bf16* B, float scale, const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC, int64_t R,
                    cudaStream_t stream) {
   check_lora_shape("lora_backward", N, IC, OC, R, drop);
-  CHECK_MSG(dA != nullptr && dB != nullptr, "lora_backward: the adapter's gradients are required");
-  if (N == 0) return;
+  if (N == 0 || (dx == nullptr && dA == nullptr && dB == nullptr)) return;
   const bool dropping = drop.p > 0;
   const Mask mask = mask_of(drop);
-  const ChunkNeeds needs{/*dt=*/true, /*xd=*/dropping, /*g=*/dropping && dx != nullptr};
+  // t serves dB only; dt serves dA and dx; drop(x) serves t and dA (dx applies the mask itself).
+  const ChunkNeeds needs{/*t=*/dB != nullptr, /*dt=*/dA != nullptr || dx != nullptr,
+                         /*xd=*/dropping && (dA != nullptr || dB != nullptr), /*g=*/dropping && dx != nullptr};
   const int64_t chunk = chunk_rows(ctx, N, IC, R, needs, "lora_backward");
   const ChunkScratch s = take_scratch(ctx, chunk, IC, R, needs, "lora_backward");
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t rows = chunk < N - r0 ? chunk : N - r0;
     const bf16* dyc = dy + r0 * OC;
     const bf16* xin = x + r0 * IC;
-    if (dropping) {
+    if (needs.xd) {
       dropout(s.xd, xin, rows, IC, r0, mask, stream);
       xin = s.xd;
     }
-    // t (rows,R) = drop(x) @ A^T, recomputed and rounded as in the forward
-    gemm(ctx, false, true, rows, R, IC, 1.0f, xin, IC, A, IC, 0.0f, s.t, R, false, nullptr, stream);
-    // dB (OC,R) += scale * dy^T (OC,rows) @ t (rows,R), fp32
-    gemm(ctx, true, false, OC, R, rows, scale, dyc, OC, s.t, R, 1.0f, dB, R, /*c_is_fp32=*/true, nullptr, stream);
+    if (dB != nullptr) {
+      // t (rows,R) = drop(x) @ A^T, recomputed and rounded as in the forward
+      gemm(ctx, false, true, rows, R, IC, 1.0f, xin, IC, A, IC, 0.0f, s.t, R, false, nullptr, stream);
+      // dB (OC,R) += scale * dy^T (OC,rows) @ t (rows,R), fp32
+      gemm(ctx, true, false, OC, R, rows, scale, dyc, OC, s.t, R, 1.0f, dB, R, /*c_is_fp32=*/true, nullptr, stream);
+    }
+    if (!needs.dt) continue;
     // dt (rows,R) = scale * dy (rows,OC) @ B (OC,R), rounded to bf16
     gemm(ctx, false, false, rows, R, OC, scale, dyc, OC, B, R, 0.0f, s.dt, R, false, nullptr, stream);
-    // dA (R,IC) += dt^T (R,rows) @ drop(x) (rows,IC), fp32
-    gemm(ctx, true, false, R, IC, rows, 1.0f, s.dt, R, xin, IC, 1.0f, dA, IC, true, nullptr, stream);
+    if (dA != nullptr) {
+      // dA (R,IC) += dt^T (R,rows) @ drop(x) (rows,IC), fp32
+      gemm(ctx, true, false, R, IC, rows, 1.0f, s.dt, R, xin, IC, 1.0f, dA, IC, true, nullptr, stream);
+    }
     if (dx == nullptr) continue;
     bf16* dxc = dx + r0 * IC;
     if (!dropping) {

@@ -215,12 +215,13 @@ void lora_forward(Context& ctx, bf16* y /*(N,OC)*/, const bf16* x /*(N,IC)*/, co
                   const bf16* B /*(OC,R)*/, float scale, const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC,
                   int64_t R, cudaStream_t stream);
 // dB (OC,R) += scale * dy^T t; dA (R,IC) += dt^T drop(x) (fp32, beta = 1); dx (N,IC) = round(dx +
-// drop'(dt A)) (skipped when null): without dropout one GEMM onto dx, else the product in fp32
-// and a kernel that adds its kept elements, times 1 / (1 - p), rounding once.
-void lora_backward(Context& ctx, bf16* dx /*(N,IC) or null*/, float* dA /*(R,IC)*/, float* dB /*(OC,R)*/,
-                   const bf16* dy /*(N,OC)*/, const bf16* x /*(N,IC)*/, const bf16* A /*(R,IC)*/,
-                   const bf16* B /*(OC,R)*/, float scale, const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC,
-                   int64_t R, cudaStream_t stream);
+// drop'(dt A)): without dropout one GEMM onto dx, else the product in fp32 and a kernel that
+// adds its kept elements, times 1 / (1 - p), rounding once. Each of dx, dA and dB is skipped when
+// null (dA, dB: an adapter that is not trained), with the products only it needs.
+void lora_backward(Context& ctx, bf16* dx /*(N,IC) or null*/, float* dA /*(R,IC) or null*/,
+                   float* dB /*(OC,R) or null*/, const bf16* dy /*(N,OC)*/, const bf16* x /*(N,IC)*/,
+                   const bf16* A /*(R,IC)*/, const bf16* B /*(OC,R)*/, float scale, const LoraDropout& drop, int64_t N,
+                   int64_t IC, int64_t OC, int64_t R, cudaStream_t stream);
 
 // ---- causal GQA attention (flash-style: the T x T scores never reach global memory) ---------
 // The WMMA kernel: CudaOps runs it where cuDNN cannot serve a shape (kernels/attention_choice.h)
