@@ -44,11 +44,17 @@ uint64_t bytes_of(uint64_t elements, double per_element) {
   return static_cast<uint64_t>(std::ceil(static_cast<double>(elements) * per_element));
 }
 
+// The trained elements of a layer group or of the edge (PlanInput::layer_trained_share).
+uint64_t trained_elements(const PlanInput& in, bool edge) {
+  return edge ? bytes_of(in.edge_elements, in.edge_trained_share) : bytes_of(in.layer_elements, in.layer_trained_share);
+}
+
 GroupBytes group_bytes(const PlanInput& in, uint64_t elements, double param_bytes, uint64_t packed_chunks,
-                       uint64_t packed_param_chunks, uint64_t packed_moment_chunks) {
+                       uint64_t packed_param_chunks, uint64_t packed_moment_chunks, double trained_share) {
   const uint64_t c = in.chunk_size;
   GroupBytes g;
-  if (packed_chunks > 0 && packed_param_chunks > 0 && c > 0 && in.grad_bytes == 4) {
+  // (A group with no trained tensor packs no chunk of the fp32 kinds.)
+  if (packed_param_chunks > 0 && c > 0 && in.grad_bytes == 4) {
     g.grad = packed_chunks * c;
     g.adam_m = g.adam_v = (packed_moment_chunks > 0 ? packed_moment_chunks : packed_chunks) * c;
     g.master = in.separate_master ? packed_chunks * c : 0;
@@ -56,9 +62,10 @@ GroupBytes group_bytes(const PlanInput& in, uint64_t elements, double param_byte
     return g;
   }
   g.param = round_up(bytes_of(elements, param_bytes), c);
-  g.grad = round_up(elements * in.grad_bytes, c);
-  g.master = in.separate_master ? round_up(elements * 4, c) : 0;
-  g.adam_m = round_up(bytes_of(elements, in.moment_bytes), c);
+  const uint64_t trained = bytes_of(elements, trained_share);
+  g.grad = round_up(trained * in.grad_bytes, c);
+  g.master = in.separate_master ? round_up(trained * 4, c) : 0;
+  g.adam_m = round_up(bytes_of(trained, in.moment_bytes), c);
   g.adam_v = g.adam_m;
   return g;
 }
@@ -331,9 +338,9 @@ LevelSizes level_sizes(const PlanInput& in, int zero) {
   s.groups = s.L + 1;
   s.sharded = s.W > 1 && zero >= 1;
   s.full_layer = group_bytes(in, in.layer_elements, in.param_bytes, in.layer_chunks, in.layer_param_chunks,
-                             in.layer_moment_chunks);
+                             in.layer_moment_chunks, in.layer_trained_share);
   s.full_edge = group_bytes(in, in.edge_elements, in.edge_param_bytes, in.edge_chunks, in.edge_param_chunks,
-                            in.edge_moment_chunks);
+                            in.edge_moment_chunks, in.edge_trained_share);
   s.layer = shard_of(in, s.full_layer, s.W, zero, in.layer_sliced_bytes, in.layer_sliced_moment_bytes,
                      in.layer_sliced_param_bytes);
   s.edge = shard_of(in, s.full_edge, s.W, zero, in.edge_sliced_bytes, in.edge_sliced_moment_bytes,
@@ -709,7 +716,7 @@ PhaseTraffic plan_traffic(const PlanInput& in, const LevelSizes& s, const GroupH
     } else if (!h.opt_dev[g]) {
       opt_d2h += b.grad;  // once, for CPU AdamW
     }
-    if (!h.opt_dev[g]) p.cpu_adam_elements += s.updated(g == L ? in.edge_elements : in.layer_elements);
+    if (!h.opt_dev[g]) p.cpu_adam_elements += s.updated(trained_elements(in, g == L));
   }
   if (offload) {
     const uint64_t checkpointed = static_cast<uint64_t>(in.checkpoint_layers >= 0 ? in.checkpoint_layers : L);
@@ -826,8 +833,8 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
   StepPhases& ph = p.phases;
   ph.micro_batches = static_cast<int64_t>(accum);
   const double recompute_layers = in.recompute ? std::max(0.0, Ld - 1) : 0.0;
-  double forward_flops = Ld * in.layer_forward_flops + 3 * in.head_forward_flops;
-  double backward_flops = (2 * Ld + recompute_layers) * in.layer_forward_flops;
+  double forward_flops = Ld * in.layer_forward_flops + (1 + in.backward_factor) * in.head_forward_flops;
+  double backward_flops = (in.backward_factor * Ld + recompute_layers) * in.layer_forward_flops;
   if (forward_flops + backward_flops == 0) {  // only the step's total given: a third forward
     forward_flops = in.flops_per_step / static_cast<double>(accum) / 3;
     backward_flops = 2 * forward_flops;
@@ -847,7 +854,7 @@ void plan_time(const PlanInput& in, const LevelSizes& s, const GroupHomes& h, co
   // CPU backend (ov 0), and can with a GPU's copy engines (ov 1).
   uint64_t device_adam_elements = 0;
   for (int64_t g = 0; g < s.groups; ++g)
-    if (h.opt_dev[g]) device_adam_elements += s.updated(g == s.L ? in.edge_elements : in.layer_elements);
+    if (h.opt_dev[g]) device_adam_elements += s.updated(trained_elements(in, g == s.L));
   p.cpu_adam_s = static_cast<double>(p.cpu_adam_elements) / r.cpu_adam_params_per_s;
   // The step's disk time: its phases', each its reads and writes together.
   p.disk_s = static_cast<double>(accum) * (disk_seconds(tr.fwd_disk) + disk_seconds(tr.bwd_disk)) +
@@ -922,7 +929,8 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   const uint64_t experts_p = static_cast<uint64_t>(std::max<int64_t>(in.expert_ranks, 1));
   const uint64_t expert_elements = experts_p > 1 ? static_cast<uint64_t>(L) * in.expert_elements : 0;
   const uint64_t elements = static_cast<uint64_t>(L) * in.layer_elements + in.edge_elements;
-  const uint64_t G = (elements - expert_elements) * in.grad_bytes;
+  const uint64_t trained = static_cast<uint64_t>(L) * trained_elements(in, false) + trained_elements(in, true);
+  const uint64_t G = (trained - std::min(trained, expert_elements)) * in.grad_bytes;
   const uint64_t G_experts = expert_elements / experts_p * in.grad_bytes;
   const uint64_t P = bytes_of(static_cast<uint64_t>(L) * in.layer_elements - expert_elements, in.param_bytes) +
                      bytes_of(in.edge_elements, in.edge_param_bytes);
@@ -1165,7 +1173,8 @@ Plan make_plan(const PlanInput& in, SpillOrder order) { return plan_levels(in, o
 double micro_batch_flops(const PlanInput& in) {
   const double L = static_cast<double>(in.num_layers);
   const double recompute_layers = in.recompute ? std::max(0.0, L - 1) : 0.0;
-  return (3 * L + recompute_layers) * in.layer_forward_flops + 3 * in.head_forward_flops + in.tile_recompute_flops;
+  return ((1 + in.backward_factor) * L + recompute_layers) * in.layer_forward_flops +
+         (1 + in.backward_factor) * in.head_forward_flops + in.tile_recompute_flops;
 }
 
 std::string format_plan(const PlanInput& in, const Plan& p) {

@@ -102,6 +102,14 @@ struct PlanInput {
   double moment_bytes = 4;
   uint32_t grad_bytes = 4;
   bool separate_master = true;  // false on the CPU backend: the fp32 compute copy is the master
+  // Of a layer group's and of the edge group's elements, the share that is trained (has
+  // gradients, a master and moments): 1 but with LoRA (its adapters; the edge none), whose frozen
+  // tensors hold their compute copy alone.
+  double layer_trained_share = 1;
+  double edge_trained_share = 1;
+  // A backward's FLOPs per forward FLOP: 2 (the data and the weight gradients), 1 with LoRA (the
+  // frozen weights take no gradient; the adapters' own small GEMMs are not counted).
+  double backward_factor = 2;
   // Activations of one micro-batch.
   uint64_t saved_activation_bytes_per_layer = 0;  // the activation saved at a layer boundary
   uint64_t layer_workspace_bytes = 0;       // one layer's recomputation and backward scratch

@@ -210,7 +210,9 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   // layer (its group pages like a layer's); the layer checkpoints are the model's layers'.
   const uint64_t V = static_cast<uint64_t>(m.vocab_size), L = static_cast<uint64_t>(m.num_blocks());
   const uint64_t layers = static_cast<uint64_t>(m.num_hidden_layers);
-  const uint64_t total = static_cast<uint64_t>(m.num_parameters());
+  const model::ParamLayout layout(m);
+  // The model's parameters and, with LoRA, its adapters (in the layers' groups).
+  const uint64_t total = static_cast<uint64_t>(layout.num_parameters());
   in.num_layers = m.num_blocks();
   in.checkpoint_layers = m.num_hidden_layers;
   in.edge_elements = V * C * (m.tie_word_embeddings ? 1 : 2) + C;
@@ -250,7 +252,6 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   const StateLayout state = StateLayout::of(planned_precision(t, device), t.moments);
   in.grad_bytes = static_cast<uint32_t>(state.element_bytes(StateKind::kGrad));
   in.separate_master = state.separate_master();
-  const model::ParamLayout layout(m);
   {
     // The compute copy and the moments as the store sizes them, tensor by tensor (fp8 matrices
     // and int8 moments carry their scales), per element of the layers and of the edge.
@@ -269,6 +270,20 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
     in.param_bytes = layer_total > 0 ? static_cast<double>(layer_param) / static_cast<double>(layer_total) : 2.0;
     in.edge_param_bytes = in.edge_elements > 0 ? static_cast<double>(edge_param) / static_cast<double>(in.edge_elements) : 2.0;
     in.moment_bytes = total > 0 ? static_cast<double>(moments) / static_cast<double>(total) : 4.0;
+  }
+  {
+    // LoRA: the adapters alone are trained (the frozen tensors hold their compute copy only), and
+    // backward computes no weight gradient of the frozen weights.
+    uint64_t layer_trained = 0, edge_trained = 0, layer_all = 0, edge_all = 0;
+    for (const model::TensorSpec& s : layout.tensors()) {
+      const int g = model::param_group_of(layout, s);
+      const bool edge = g == 0 || g == layout.num_layers() + 1;
+      (edge ? edge_all : layer_all) += static_cast<uint64_t>(s.numel);
+      if (!s.frozen) (edge ? edge_trained : layer_trained) += static_cast<uint64_t>(s.numel);
+    }
+    in.layer_trained_share = layer_all > 0 ? static_cast<double>(layer_trained) / static_cast<double>(layer_all) : 1.0;
+    in.edge_trained_share = edge_all > 0 ? static_cast<double>(edge_trained) / static_cast<double>(edge_all) : 1.0;
+    if (m.lora.enabled()) in.backward_factor = 1.0;
   }
 
   // Activations, in the shapes of model/activations.h, for N tokens per micro-batch.

@@ -1,8 +1,8 @@
 // LoRA adapters and frozen weights on CUDA: CudaOps' lora_forward and lora_backward against
 // CpuBf16Ops (the bf16 recipe emulated on the CPU, kernels/cpu/lora.cpp) on the same bf16
-// inputs, with and without dropout, without dx and without dA, dB; and the weight-gradient ops given a null
-// gradient (a frozen weight, as the decoder passes them with LoRA on) compute everything else as
-// before.
+// inputs, with and without dropout, without dx and without dA, dB; and the weight-gradient ops
+// given a null gradient (a frozen weight, as the decoder passes them with LoRA on) compute
+// everything else as before.
 //
 // Tolerances (relative L2 error; NaN or Inf fails):
 //   kBf16Tol  y, dx (bf16) and dA, dB (fp32, but accumulated from the bf16-rounded t and dt,

@@ -384,6 +384,29 @@ TEST_F(PlanAccuracy, ModelsWithMtpModulesArePlannedInBytes) {
   }
 }
 
+// LoRA (model/lora.h): the frozen base holds its compute copy alone and the adapters hold every
+// kind; the plan counts them so, with room, through host memory and through nvme, and its bytes
+// are the engine's.
+TEST_F(PlanAccuracy, LoraIsPlannedInBytes) {
+  model::ModelConfig mc = dense_model();
+  mc.lora.rank = 4;
+  mc.lora.alpha = 8;
+  ASSERT_TRUE(mc.validate("test").ok());
+  std::string table;
+  for (Budget budget : {Budget::kRoomy, Budget::kHost, Budget::kNvme}) {
+    const Case c{budget == Budget::kRoomy ? "lora roomy" : budget == Budget::kHost ? "lora host" : "lora nvme", false,
+                 budget, false};
+    const std::string nvme_dir = ::testing::TempDir() + "/plan_accuracy_nvme";
+    std::filesystem::remove_all(nvme_dir);
+    const TrainConfig t = config(c, nvme_dir, &mc);
+    Plan plan;
+    Result<Measured> m = run(mc, t, &plan, /*timed=*/false);
+    ASSERT_TRUE(m.ok()) << c.name << ": " << m.status().to_string();
+    expect_bytes_match(c.name, plan, *m, &table);
+  }
+  std::printf("%s", table.c_str());
+}
+
 // An MoE model's traffic depends on its routing. Here each token picks 2 of 4 experts, and the
 // state starts at zero, so the router sends every token to the same two: half of each layer's
 // experts are reached (the engine measures it), where the plan assumes a balanced router that
