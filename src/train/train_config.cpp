@@ -365,16 +365,16 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.mtp_weight = c.get_float("train.mtp_weight");
   t.lora = c.get_string("train.method") == "lora";
   t.model_adapter = c.get_string("model.adapter");
-  if (t.lora) {
-    t.lora_config.rank = c.get_int("lora.rank");
-    t.lora_config.alpha = c.get_float("lora.alpha");
-    t.lora_config.dropout = c.get_float("lora.dropout");
-    ASSIGN_OR_RETURN(t.lora_config.targets, model::parse_lora_targets(c.get_list("lora.targets"), c.origin("lora.targets")));
-    ASSIGN_OR_RETURN(t.lora_config.init, model::parse_lora_init(c.get_string("lora.init"), c.origin("lora.init")));
-  } else if (!t.model_adapter.empty()) {
+  // Read whatever the method (strata plan sets full fine-tuning beside LoRA).
+  t.lora_config.rank = c.get_int("lora.rank");
+  t.lora_config.alpha = c.get_float("lora.alpha");
+  t.lora_config.dropout = c.get_float("lora.dropout");
+  ASSIGN_OR_RETURN(t.lora_config.targets, model::parse_lora_targets(c.get_list("lora.targets"), c.origin("lora.targets")));
+  ASSIGN_OR_RETURN(t.lora_config.init, model::parse_lora_init(c.get_string("lora.init"), c.origin("lora.init")));
+  if (!t.lora && !t.model_adapter.empty()) {
     return Status::InvalidArgument(c.origin("model.adapter") + ": key 'model.adapter' starts LoRA adapters; set "
                                    "train.method=lora to train them");
-  } else if (t.run_export_merged) {
+  } else if (!t.lora && t.run_export_merged) {
     return Status::InvalidArgument(c.origin("run.export_merged") + ": key 'run.export_merged' merges LoRA "
                                    "adapters; it needs train.method=lora");
   }

@@ -150,6 +150,39 @@ std::string format_recipe_comparison(const model::ModelConfig& mc, const TrainCo
   return out;
 }
 
+// Full fine-tuning and LoRA (lora.* as given) under the same budgets and recipe, side by side:
+// what is trained, the bytes on each tier, the traffic and the step time.
+std::string format_method_comparison(const model::ModelConfig& mc, const TrainConfig& tc, DeviceKind device) {
+  std::string out = fmt::format(
+      "  full fine-tuning and LoRA side by side (these budgets, the {} recipe; LoRA rank {} on [{}]):\n",
+      precision_name(planned_precision(tc, device)), tc.lora_config.rank,
+      fmt::join(model::lora_target_names(tc.lora_config.targets), ", "));
+  out += fmt::format("    {:<6} {:>10} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>10}  {}\n", "method", "trained",
+                     "device", "host", "nvme", "h2d/step", "disk/step", "step", "tokens/s", "fits");
+  for (const bool lora : {false, true}) {
+    model::ModelConfig m = mc;
+    m.lora = lora ? tc.lora_config : model::LoraConfig{};
+    if (!m.validate("lora.*").ok()) {
+      out += fmt::format("    {:<6} {}\n", "lora", m.validate("lora.*").message());
+      continue;
+    }
+    const model::ParamLayout layout(m);
+    TrainConfig t = tc;
+    t.chunk_size = PagedState::auto_chunk_bytes(layout, StateLayout::of(planned_precision(t, device), t.moments));
+    const Plan plan = make_plan(make_plan_input(m, t, device));
+    double trained = 0;
+    for (const model::TensorSpec& s : layout.tensors()) trained += s.frozen ? 0 : static_cast<double>(s.numel);
+    const double tokens = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum);
+    out += fmt::format("    {:<6} {:>10} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>10}  {}\n", lora ? "lora" : "full",
+                       count_text(trained), format_bytes(plan.device.total()), format_bytes(plan.host.total()),
+                       format_bytes(plan.nvme.total()), plan.fits ? format_bytes(plan.h2d_bytes) : "-",
+                       plan.fits ? format_bytes(plan.disk_read_bytes + plan.disk_write_bytes) : "-",
+                       plan.fits ? seconds_text(plan.step_s) : "-",
+                       plan.fits ? fmt::format("{:.0f}", tokens / plan.step_s) : "-", plan.fits ? "yes" : "no");
+  }
+  return out;
+}
+
 }  // namespace
 
 int plan_command(const std::vector<std::string>& args) {
@@ -361,6 +394,7 @@ int plan_command(const std::vector<std::string>& args) {
                 "recomputation not counted)\n", 100 * model_flops / plan.step_s / 989e12);
   }
   std::printf("%s", format_recipe_comparison(*mc, *tc, device).c_str());
+  std::printf("%s", format_method_comparison(*mc, *tc, device).c_str());
   // A plan for a machine not yet rented is still a plan: the check is said, not enforced here.
   if (!ram_fits.ok())
     std::printf("  not on this machine: %s (strata train refuses the run here)\n", ram_fits.message().c_str());
