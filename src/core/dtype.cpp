@@ -7,6 +7,7 @@ const char* dtype_name(DType dtype) {
     case DType::kF32: return "F32";
     case DType::kBF16: return "BF16";
     case DType::kF8E4M3: return "F8_E4M3";
+    case DType::kNF4: return "NF4";
   }
   return "?";
 }
@@ -15,6 +16,7 @@ uint64_t dtype_size(DType dtype) {
     case DType::kF32: return 4;
     case DType::kBF16: return 2;
     case DType::kF8E4M3: return 1;
+    case DType::kNF4: return 1;
   }
   return 0;
 }

@@ -392,18 +392,22 @@ class Decoder final : public Model {
 using CpuF32Model = kernels::CpuQueuedOps<kernels::CpuF32Ops>;
 using CpuBf16Model = kernels::CpuQueuedOps<kernels::CpuBf16Ops>;
 using CpuFp8Model = kernels::CpuQueuedOps<kernels::CpuFp8Ops>;
+using CpuNf4Model = kernels::CpuQueuedOps<kernels::CpuNf4Ops>;
 // The fp32 CPU reference and the GPU's bf16 recipe on the CPU (both instantiated in
 // decoder_cpu.cpp).
 using LlamaModel = Decoder<CpuF32Model>;
 using LlamaModelBf16 = Decoder<CpuBf16Model>;
 // The fp8 recipe on the CPU (its compute copy is per-tensor bytes: no FlatAccess serves it).
 using LlamaModelFp8 = Decoder<CpuFp8Model>;
+// The nf4 base (LoRA over NF4 linear weights) on the CPU.
+using LlamaModelNf4 = Decoder<CpuNf4Model>;
 extern template class Decoder<CpuF32Model>;
 extern template class Decoder<CpuBf16Model>;
 extern template class Decoder<CpuFp8Model>;
+extern template class Decoder<CpuNf4Model>;
 
 // The decoder on the CPU backend whose compute copy is `compute` (F32: the reference; BF16 and
-// F8_E4M3: the GPU's bf16 and fp8 recipes emulated). device: where its activation table lives
+// F8_E4M3: the GPU's bf16 and fp8 recipes emulated; NF4: the bf16 recipe over an NF4 base). device: where its activation table lives
 // (the arena of a cpu Device, under its budget, and its ops queued on a compute stream), or null
 // for ordinary host memory and ops run in the caller.
 std::unique_ptr<Model> make_cpu_decoder(DType compute, const ModelConfig& config, Device* device = nullptr);

@@ -1,6 +1,7 @@
 #include "offload/state_layout.h"
 
 #include "kernels/fp8.h"
+#include "kernels/nf4.h"
 
 namespace strata {
 
@@ -9,6 +10,7 @@ const char* precision_name(Precision precision) {
     case Precision::kFp32: return "fp32";
     case Precision::kBf16: return "bf16";
     case Precision::kFp8: return "fp8";
+    case Precision::kNf4: return "nf4";
   }
   return "?";
 }
@@ -17,6 +19,7 @@ std::optional<Precision> parse_precision(std::string_view name) {
   if (name == "fp32") return Precision::kFp32;
   if (name == "bf16") return Precision::kBf16;
   if (name == "fp8") return Precision::kFp8;
+  if (name == "nf4") return Precision::kNf4;
   return std::nullopt;
 }
 
@@ -51,6 +54,7 @@ uint64_t StateLayout::tensor_bytes(StateKind kind, const StateShape& t) const {
   if ((weights_only || t.frozen) && kind != StateKind::kParam) return 0;
   switch (kind) {
     case StateKind::kParam:
+      if (quantized(t) && precision == Precision::kNf4) return kernels::nf4_layout(n).bytes;
       if (quantized(t)) return kernels::fp8_matrix_bytes(t.matrix_rows, n / t.matrix_rows);
       return t.elements * dtype_size(activation_dtype());  // fp32 (the master itself), or bf16
     case StateKind::kAdamM:

@@ -34,8 +34,10 @@ using StateKind = ChunkKind;
 inline constexpr int kNumStateKinds = 5;  // param, grad, master, adam_m, adam_v
 inline const char* state_kind_name(StateKind kind) { return chunk_kind_name(kind); }
 
-enum class Precision : uint8_t { kFp32, kBf16, kFp8 };
-const char* precision_name(Precision precision);  // "fp32", "bf16", "fp8"
+// kNf4: the bf16 recipe with the linear layers' weights in NF4 (kernels/nf4.h), for LoRA's frozen
+// base only (lora.base=nf4): NF4 copies are written once from the loaded values and never updated.
+enum class Precision : uint8_t { kFp32, kBf16, kFp8, kNf4 };
+const char* precision_name(Precision precision);  // "fp32", "bf16", "fp8", "nf4"
 std::optional<Precision> parse_precision(std::string_view name);
 
 // What the layout needs to know of a tensor to size it.
@@ -78,6 +80,7 @@ struct StateLayout {
       case Precision::kFp32: return DType::kF32;
       case Precision::kBf16: return DType::kBF16;
       case Precision::kFp8: return DType::kF8E4M3;
+      case Precision::kNf4: return DType::kNF4;
     }
     return DType::kF32;
   }
@@ -88,7 +91,10 @@ struct StateLayout {
   // The kind that holds the fp32 master weights: kMaster, or kParam when it is the master.
   StateKind master_kind() const { return separate_master() ? StateKind::kMaster : StateKind::kParam; }
   // Whether this tensor's compute copy is fp8 blocks (the fp8 recipe's linear weights).
-  bool quantized(const StateShape& t) const { return precision == Precision::kFp8 && t.matrix_rows > 0; }
+  // (fp8: E4M3 blocks; nf4: NF4 with double-quantised scales.)
+  bool quantized(const StateShape& t) const {
+    return (precision == Precision::kFp8 || precision == Precision::kNf4) && t.matrix_rows > 0;
+  }
   // Bytes of `kind` for one tensor, its scales included; 0 when the layout has no such state.
   uint64_t tensor_bytes(StateKind kind, const StateShape& t) const;
   // Bytes per element of `kind` where every element takes the same (fp32 kinds, bf16 copies,

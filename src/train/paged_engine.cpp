@@ -119,7 +119,7 @@ Status PagedEngine::resolve_budgets() {
   if (budgets_.memory_device == 0) budgets_.memory_device = 2 * all_state + (256ull << 20);  // unlimited: room for all
   if (budgets_.chunk_size == 0) budgets_.chunk_size = PagedState::auto_chunk_bytes(params, layout);
   for (const model::TensorSpec& spec : params.tensors()) {
-    const uint64_t bytes = static_cast<uint64_t>(spec.block_numel(0)) * sizeof(float);  // its largest block
+    const uint64_t bytes = PagedState::largest_block_bytes(params, spec, layout);  // its largest block's
     if (bytes > budgets_.chunk_size)
       return Status::InvalidArgument(fmt::format(
           "memory.chunk_size {} cannot hold tensor '{}'{} ({}); raise memory.chunk_size to at least {}, or leave it auto",

@@ -18,6 +18,7 @@
 #include "kernels/fp8.h"
 #include "kernels/grad_norm.h"
 #include "kernels/moments.h"
+#include "kernels/nf4.h"
 #include "model/expert_parallel.h"
 #include "model/recording_access.h"
 
@@ -100,6 +101,14 @@ std::vector<StateTensor> PagedState::store_tensors(const model::ParamLayout& lay
   return tensors;
 }
 
+uint64_t PagedState::largest_block_bytes(const model::ParamLayout& layout, const model::TensorSpec& t,
+                                         const StateLayout& state) {
+  const StateShape shape = state_tensor(layout, t, 0).shape();
+  uint64_t most = 0;
+  for (StateKind k : state.kinds()) most = std::max(most, state.tensor_bytes(k, shape));
+  return most;
+}
+
 uint64_t PagedState::auto_chunk_bytes(const model::ParamLayout& layout, const StateLayout& state) {
   return StateStore::auto_chunk_bytes(state_tensors(layout), state);
 }
@@ -130,7 +139,7 @@ HostTierSize PagedState::host_tier_size(const model::ParamLayout& layout, const 
   const uint64_t chunk = options.chunk_bytes ? options.chunk_bytes : PagedState::auto_chunk_bytes(layout, state);
   size.chunk_bytes = chunk;
   for (const model::TensorSpec& t : layout.tensors())
-    if (static_cast<uint64_t>(t.block_numel(0)) * sizeof(float) > chunk) return size;  // refused later
+    if (largest_block_bytes(layout, t, state) > chunk) return size;  // refused later
   // A data-parallel rank's sliced kinds hold its ranges only (placement.h).
   const int world = options.placement ? options.placement->world() : 1;
   const std::vector<StateTensor> tensors = store_tensors(layout, state, options.rank, world, options.expert_ranks);
@@ -556,7 +565,7 @@ Status PagedState::fill_kind(StateKind saved, const TensorFill& fill, TensorSet 
 
 Status PagedState::fill_quantized_copies(const CopyFill& fill) {
   const StateLayout& layout = store_->layout();
-  if (!layout.separate_master()) return Status::OK();
+  if (!layout.separate_master() || layout.precision != Precision::kFp8) return Status::OK();  // E4M3 copies only
   drain_compute();
   drop_prefetch();  // weights gathered ahead would miss this change
   for (int g = 0; g < store_->num_groups(); ++g) {
@@ -1462,6 +1471,12 @@ void PagedState::write_copy(StateKernels& kernels, size_t i, const float* master
   void* copy = store_->raw_pointer(i, StateKind::kParam);
   if (store_->layout().quantized({static_cast<uint64_t>(t.numel), t.matrix_rows})) {
     CHECK_MSG(range.count == static_cast<uint64_t>(t.numel), "a quantised matrix's compute copy is written whole");
+    if (store_->layout().precision == Precision::kNf4) {
+      // A frozen base's NF4 copy, written once from the loaded values in host memory.
+      CHECK_MSG(t.spec->frozen, "an NF4 compute copy of trained tensor " + t.spec->name);
+      kernels::nf4_quantize(master, t.numel, static_cast<uint8_t*>(copy));
+      return;
+    }
     kernels.quantize_copy(copy, master, t.matrix_rows, t.numel / t.matrix_rows);
   } else {
     // The copy holds the tensor whole, or (ZeRO-3) this rank's range of it.
@@ -1475,6 +1490,14 @@ Status PagedState::read_copy_values(size_t i, uint64_t first, uint64_t count, fl
   const Piece& t = pieces_[i];
   const StateLayout& layout = store_->layout();
   if (layout.is_f32(StateKind::kParam)) return store_->read_tensor(i, StateKind::kParam, first, count, out);
+  if (layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows}) && layout.precision == Precision::kNf4) {
+    std::vector<uint8_t> copy(kernels::nf4_layout(t.numel).bytes);
+    RETURN_IF_ERROR(store_->read_tensor_bytes(i, StateKind::kParam, 0, copy.size(), copy.data()));
+    std::vector<float> values(static_cast<size_t>(t.numel));
+    kernels::nf4_dequantize(copy.data(), t.numel, values.data());
+    std::copy_n(values.data() + first, count, out);
+    return Status::OK();
+  }
   if (layout.quantized({static_cast<uint64_t>(t.numel), t.matrix_rows})) {
     // E4M3 blocks: the whole matrix decoded, then the range.
     const int64_t cols = t.numel / t.matrix_rows;

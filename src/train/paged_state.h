@@ -157,6 +157,10 @@ class PagedState : public model::ParamAccess, public SavableState {
   static std::vector<StateTensor> store_tensors(const model::ParamLayout& layout, const StateLayout& state, int rank,
                                                 int world, int expert_ranks = 1);
   static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, const StateLayout& state = {});
+  // The most bytes any kind of state of tensor t's largest row block takes (its fp32 kinds, or a
+  // frozen tensor's compute copy): what a chunk must hold.
+  static uint64_t largest_block_bytes(const model::ParamLayout& layout, const model::TensorSpec& t,
+                                      const StateLayout& state);
   static uint64_t auto_chunk_bytes(const model::ParamLayout& layout, Precision precision) {
     return auto_chunk_bytes(layout, StateLayout::of(precision));
   }

@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "core/units.h"
+#include "kernels/nf4.h"
 #include "model/recording_access.h"
 #include "offload/step_program.h"
 #include "train/paged_state.h"
@@ -149,7 +150,9 @@ Status PagedWeights::load(const float* flat) {
         const float* values = flat + offsets_[i];
         void* copy = store_->raw_pointer(i, StateKind::kParam);
         const int64_t n = static_cast<int64_t>(t.elements);
-        if (layout.quantized(t.shape())) {
+        if (layout.quantized(t.shape()) && layout.precision == Precision::kNf4) {
+          kernels::nf4_quantize(values, n, static_cast<uint8_t*>(copy));
+        } else if (layout.quantized(t.shape())) {
           kernels->quantize_copy(copy, values, t.matrix_rows, n / t.matrix_rows);
         } else if (layout.is_f32(StateKind::kParam)) {
           std::memcpy(copy, values, static_cast<size_t>(n) * sizeof(float));

@@ -388,7 +388,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   in.chunk_size = t.chunk_size;  // 0 (auto): sizes are planned without chunk padding
   bool every_tensor_fits = true;
   for (const model::TensorSpec& s : layout.tensors())
-    every_tensor_fits = every_tensor_fits && static_cast<uint64_t>(s.block_numel(0)) * 4 <= t.chunk_size;
+    every_tensor_fits = every_tensor_fits && PagedState::largest_block_bytes(layout, s, state) <= t.chunk_size;
   if (t.chunk_size > 0 && every_tensor_fits) {
     // The chunks as the paged state packs them: the layers (on average, as the
     // planner's layer groups are all alike), and the embedding plus the head. (A chunk size
@@ -597,7 +597,9 @@ DeviceKind planned_device(const TrainConfig& train) {
 
 Precision planned_precision(const TrainConfig& t, DeviceKind device) {
   if (device != DeviceKind::kCuda) return t.precision;
-  return !t.precision_auto && t.precision == Precision::kFp8 ? Precision::kFp8 : Precision::kBf16;
+  // (The fp8 recipe, or the bf16 recipe over an nf4 base, when named; the GPU's bf16 otherwise.)
+  if (!t.precision_auto && (t.precision == Precision::kFp8 || t.precision == Precision::kNf4)) return t.precision;
+  return Precision::kBf16;
 }
 
 int64_t largest_layer_count(const model::ModelConfig& m, TrainConfig t, DeviceKind device) {

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdlib>
 
+#include <fmt/format.h>
+
 #include "core/units.h"
 
 namespace strata {
@@ -70,6 +72,11 @@ ConfigSchema build_schema() {
   s.add({.name = "lora.init", .type = T::kString, .default_value = "kaiming", .choices = {"kaiming", "gaussian"},
          .help = "how A starts (B starts at zero): kaiming = PEFT's default (uniform, bound 1/sqrt(in)); "
                  "gaussian = normal with std 1/rank"});
+  s.add({.name = "lora.base", .type = T::kString, .default_value = "auto", .choices = {"auto", "bf16", "fp8", "nf4"},
+         .help = "the frozen base's compute copy with train.method=lora, what pages over PCIe and to nvme: bf16, fp8 "
+                 "(E4M3 with 128x128 block scales: the fp8 recipe) or nf4 (QLoRA's 4-bit NormalFloat with "
+                 "double-quantised scales, decoded to bf16 for the GEMMs; the bf16 recipe otherwise); auto = "
+                 "train.precision's. Sets the recipe: leave train.precision auto or name the same"});
   s.add({.name = "model.adapter", .type = T::kString, .default_value = "",
          .help = "a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to start the "
                  "adapters from, with train.method=lora; its r, lora_alpha and target_modules replace lora.rank, "
@@ -381,6 +388,19 @@ Result<TrainConfig> make_train_config(const Config& c) {
   t.overlap_backward = c.get_bool("optim.overlap_backward");
   t.precision_auto = c.get_string("train.precision") == "auto";
   t.precision = parse_precision(c.get_string("train.precision")).value_or(Precision::kFp32);
+  if (const std::string base = c.get_string("lora.base"); base != "auto") {
+    // The base's format is the recipe's compute copy: bf16, fp8, or the bf16 recipe over NF4.
+    if (!t.lora)
+      return Status::InvalidArgument(c.origin("lora.base") + ": key 'lora.base' is the frozen base's format; it "
+                                     "needs train.method=lora");
+    const Precision wanted = *parse_precision(base);
+    if (!t.precision_auto && t.precision != wanted)
+      return Status::InvalidArgument(fmt::format(
+          "{}: lora.base={} computes in the {} recipe but train.precision is {}; leave train.precision auto",
+          c.origin("lora.base"), base, wanted == Precision::kNf4 ? "bf16" : base, precision_name(t.precision)));
+    t.precision = wanted;
+    t.precision_auto = false;
+  }
   t.moments = kernels::parse_moment_format(c.get_string("optim.moments")).value_or(kernels::MomentFormat::kF32);
   t.stochastic_rounding = c.get_string("optim.moments_rounding") == "stochastic";
   if (t.overlap_backward && t.grad_clip > 0)

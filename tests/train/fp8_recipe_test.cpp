@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -16,6 +17,9 @@
 #include "core/io_engine.h"
 #include "kernels/fp8.h"
 #include "kernels/moments.h"
+#include "kernels/nf4.h"
+#include "kernels/bf16.h"
+#include "model/param_access.h"
 #include "model/decoder.h"
 #include "train/paged_state.h"
 #include "train_test_util.h"
@@ -59,7 +63,8 @@ class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
   // kSteps steps of kAccum micro-batches through a PagedState with these budgets (0 device: roomy).
   TrainResult train(const model::ModelConfig& mc, const std::vector<Batch>& batches, uint64_t device, uint64_t host,
             uint64_t nvme, uint64_t chunk = 0, PagedState** keep = nullptr, int steps = kSteps) {
-    const Recipe r = GetParam();
+    Recipe r = GetParam();
+    if (precision_) r.precision = *precision_;
     // The fp32 weights every run starts from.
     const std::vector<float> init = initial_params(model::ParamLayout(mc), 7);
     auto dev = CpuDevice::create(0, 0);
@@ -117,6 +122,7 @@ class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
   }
 
   fs::path dir_;
+  std::optional<Precision> precision_;  // the recipe train() runs, when not the parameter's
   std::vector<std::unique_ptr<Device>> devices_;
   std::vector<std::unique_ptr<IoEngine>> ios_;
   std::vector<std::unique_ptr<PagedState>> states_;
@@ -224,12 +230,13 @@ TEST_P(Fp8RecipeTest, AnUntrainedMtpModuleStaysAsLoaded) {
   const uint64_t c = PagedState::auto_chunk_bytes(layout, StateLayout::of(GetParam().precision));
   const TrainResult kept = train(mc, batches, 32 * c, 48 * c, 1024 * c, c);
   EXPECT_EQ(without.losses, kept.losses);
-  const std::vector<float> init = initial_params(layout, 7);
+  // A frozen tensor holds its compute copy alone: it reads back as loaded into that copy.
+  const TrainResult loaded = train(mc, batches, 0, 0, 0, 0, nullptr, /*steps=*/0);
   int frozen = 0;
   for (const model::TensorSpec& t : layout.tensors()) {
     if (!t.frozen) continue;
     ++frozen;
-    EXPECT_EQ(std::memcmp(init.data() + t.offset, kept.params.data() + t.offset, t.numel * sizeof(float)), 0)
+    EXPECT_EQ(std::memcmp(loaded.params.data() + t.offset, kept.params.data() + t.offset, t.numel * sizeof(float)), 0)
         << t.name << " changed";
     for (int64_t i = 0; i < t.numel; ++i) {
       if (kept.m[static_cast<size_t>(t.offset + i)] != 0.0f || kept.v[static_cast<size_t>(t.offset + i)] != 0.0f) {
@@ -301,6 +308,54 @@ TEST_P(Fp8RecipeTest, LoraAdaptersPageBitwiseAndTheBaseHasNoTrainingState) {
   EXPECT_EQ(PagedState::state_bytes(layout, state, StateKind::kMaster),
             state.separate_master() ? adapter_elements * sizeof(float) : 0);
 
+}
+
+// QLoRA's base (lora.base=nf4): the linear weights' compute copies are NF4 (kernels/nf4.h) of the
+// loaded values, every other tensor bf16; the adapters train through tight budgets bitwise as
+// with room, the base reads back as its NF4 values, and the copies take about a quarter of bf16's
+// bytes. (Once, beside the bf16 recipe's instance: the moments are the parameter's.)
+TEST_P(Fp8RecipeTest, LoraOnAnNf4BasePagesBitwise) {
+  if (GetParam().precision != Precision::kBf16) GTEST_SKIP() << "runs beside the bf16 recipe's instance";
+  model::ModelConfig mc = fp8_config();
+  mc.lora.rank = 4;
+  mc.lora.alpha = 8;
+  ASSERT_TRUE(mc.validate("test").ok());
+  model::ParamLayout layout(mc);
+  precision_ = Precision::kNf4;
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 18);
+  const TrainResult start = train(mc, batches, 0, 0, 0, 0, nullptr, /*steps=*/0);
+  const TrainResult roomy = train(mc, batches, 0, 0, 0);
+  for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
+  const StateLayout nf4 = StateLayout::of(Precision::kNf4, GetParam().moments);
+  const uint64_t c = PagedState::auto_chunk_bytes(layout, StateLayout::of(Precision::kBf16));
+  const TrainResult tight = train(mc, batches, 8 * c, 10 * c, 1024 * c, c);
+  EXPECT_EQ(roomy.losses, tight.losses);
+  EXPECT_TRUE(bitwise_equal(roomy.params, tight.params)) << "paging changed the parameters";
+  EXPECT_TRUE(bitwise_equal(roomy.m, tight.m) && bitwise_equal(roomy.v, tight.v)) << "paging changed the moments";
+  EXPECT_GT(tight.stats.nvme_to_host_bytes, 0u) << "the nvme tier was never read";
+  const std::vector<float> init = initial_params(layout, 7);
+  int matrices = 0;
+  for (const model::TensorSpec& t : layout.tensors()) {
+    const size_t at = static_cast<size_t>(t.offset);
+    if (!t.frozen) continue;
+    std::vector<float> expected(init.begin() + t.offset, init.begin() + t.offset + t.numel);
+    if (model::param_is_linear_weight(layout, t)) {
+      ++matrices;
+      std::vector<uint8_t> q(kernels::nf4_layout(t.numel).bytes);
+      kernels::nf4_quantize(expected.data(), t.numel, q.data());
+      kernels::nf4_dequantize(q.data(), t.numel, expected.data());
+    } else {
+      for (float& x : expected) x = kernels::to_f32(kernels::to_bf16(x));
+    }
+    EXPECT_EQ(std::memcmp(expected.data(), start.params.data() + at, t.numel * sizeof(float)), 0)
+        << t.name << " is not its loaded values in the base's format";
+    EXPECT_EQ(std::memcmp(start.params.data() + at, roomy.params.data() + at, t.numel * sizeof(float)), 0)
+        << "the frozen " << t.name << " changed";
+  }
+  EXPECT_EQ(matrices, 7 * mc.num_hidden_layers);
+  const uint64_t bf16_copy = PagedState::state_bytes(layout, StateLayout::of(Precision::kBf16), StateKind::kParam);
+  const uint64_t nf4_copy = PagedState::state_bytes(layout, nf4, StateKind::kParam);
+  EXPECT_LT(nf4_copy, bf16_copy / 2) << "an nf4 base should take well under half of bf16's bytes";
 }
 
 TEST_P(Fp8RecipeTest, AnFp8CheckpointLoadsItsOwnCodesAndScalesAsTheComputeCopies) {

@@ -280,11 +280,10 @@ int plan_command(const std::vector<std::string>& args) {
   // The chunks `strata train` would make, on either backend, so that padding is counted.
   {
     const model::ParamLayout layout(*mc);
-    if (tc->chunk_size == 0)
-      tc->chunk_size =
-          PagedState::auto_chunk_bytes(layout, StateLayout::of(planned_precision(*tc, device), tc->moments));
+    const StateLayout state = StateLayout::of(planned_precision(*tc, device), tc->moments);
+    if (tc->chunk_size == 0) tc->chunk_size = PagedState::auto_chunk_bytes(layout, state);
     for (const model::TensorSpec& t : layout.tensors()) {
-      const uint64_t bytes = static_cast<uint64_t>(t.block_numel(0)) * sizeof(float);  // its largest block
+      const uint64_t bytes = PagedState::largest_block_bytes(layout, t, state);  // its largest block's
       if (bytes <= tc->chunk_size) continue;
       const uint64_t least = (bytes + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;  // chunk sizes are 4 KiB multiples
       std::fprintf(stderr, "strata plan: error: tensor '%s' (%s) is larger than a chunk (%s); raise memory.chunk_size "

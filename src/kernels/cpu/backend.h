@@ -252,6 +252,30 @@ struct CpuFp8Ops : CpuBf16Ops {
                             int64_t IC, int64_t OC);
 };
 
+// The nf4 base (LoRA's frozen linear weights in NF4, kernels/nf4.h) on the bf16 recipe: the
+// `weight` pointers of the linear layers and the experts point at NF4 bytes, which each op
+// decodes and rounds to bf16 (what the CUDA backend's dequantised bf16 tiles hold), then computes
+// as CpuBf16Ops does. The weights are frozen: their gradients must be null. Every other op (norms,
+// attention, the LoRA adapters, in bf16) is the bf16 recipe's.
+struct CpuNf4Ops : CpuBf16Ops {
+  static constexpr DType kWeightDType = DType::kNF4;
+  static constexpr const char* kName = "cpu nf4 base (the bf16 recipe emulated, NF4 linear weights)";
+  using CpuBf16Ops::CpuBf16Ops;
+  void linear_forward(Act* out, const Act* x, const W* weight, const W* bias, int64_t N, int64_t IC, int64_t OC);
+  void linear_forward_residual(Act* out, const Act* x, const W* weight, const Act* residual, int64_t N, int64_t IC,
+                               int64_t OC);
+  void linear_backward(Act* dx, float* dweight, float* dbias, const Act* dout, const Act* x, const W* weight,
+                       int64_t N, int64_t IC, int64_t OC);
+  void moe_experts_forward(Act* ys, Act* gate, Act* up, Act* act, const Act* xs, const int64_t* expert_offsets,
+                           const ExpertTensors<const W>& w, int64_t E, int64_t C, int64_t F);
+  void moe_experts_backward(Act* dxs, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact,
+                            const Act* dys, const Act* xs, const Act* gate, const Act* up, const Act* act,
+                            const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E, int64_t C,
+                            int64_t F);
+  void accumulate_data_grad(Bf16* dx, float* dweight, const Bf16* dout, const Bf16* x, const Bf16* weight, int64_t N,
+                            int64_t IC, int64_t OC);
+};
+
 #undef STRATA_CPU_BACKEND_OPS
 
 }  // namespace strata::kernels

@@ -19,6 +19,10 @@ Status cuda_supports(const ModelConfig& config, DType compute) {
     return Status::Unimplemented(fmt::format("the CUDA attention kernel runs head_dim 64 and 128, not {}; train this "
                                              "model on the cpu (run.device=cpu)",
                                              config.head_dim));
+  if (compute == DType::kNF4)
+    return Status::Unimplemented("an nf4 base (lora.base=nf4) does not run on the CUDA backend yet: its NF4 weights "
+                                 "have a dequantising kernel but no GEMM path there; use lora.base=bf16 or fp8 on the "
+                                 "GPU, or nf4 on the cpu (run.device=cpu)");
   if (compute != DType::kBF16 && compute != DType::kF8E4M3)
     return Status::Unimplemented(fmt::format("the CUDA backend computes in the bf16 and fp8 recipes, not with {} "
                                              "weights; train.precision=fp32 runs on the cpu (run.device=cpu)",
