@@ -19,7 +19,8 @@ Result<uint32_t> parse_lora_targets(const std::vector<std::string>& names, const
   uint32_t bits = 0;
   for (const std::string& name : names) {
     if (name == "all-linear") {
-      for (const auto& [n, bit] : kTargetNames) bits |= bit;
+      // The attention and dense MLP projections (the routed experts are named apart).
+      for (const auto& [n, bit] : kTargetNames) bits |= bit == kLoraExperts ? 0u : bit;
       continue;
     }
     bool known = false;

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "ckpt/finite.h"
 #include "core/atomic_file.h"
 #include "kernels/linear.h"
 
@@ -29,7 +30,7 @@ Status refuse_unsupported(const json& j, const std::string& file) {
     return true;
   };
   for (const char* key : {"use_dora", "use_rslora", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
-                          "modules_to_save", "layers_to_transform", "layer_replication"}) {
+                          "modules_to_save", "layers_to_transform", "layer_replication", "loftq_config"}) {
     if (set(key))
       return Status::Unimplemented(fmt::format(
           "{}: key '{}' is set; strata computes plain LoRA (one rank and alpha for every module, no DoRA or "
@@ -95,7 +96,14 @@ Result<LoraConfig> read_peft_adapter_config(const std::string& dir) {
     }
     ASSIGN_OR_RETURN(c.targets, parse_lora_targets(names, file));
     const json init = j.value("init_lora_weights", json(true));
-    c.init = init.is_string() && init.get<std::string>() == "gaussian" ? LoraInit::kGaussian : LoraInit::kKaiming;
+    // PiSSA, OLoRA and LoftQ adapters belong to a base changed by their init (W - BA, or
+    // quantised): on the original base they would give another model.
+    if (init.is_string() && init.get<std::string>() != "gaussian")
+      return Status::Unimplemented(fmt::format(
+          "{}: init_lora_weights is '{}', an adapter over a base its init changed; strata applies adapters to the "
+          "base as it is (true or gaussian)",
+          file, init.get<std::string>()));
+    c.init = init.is_string() ? LoraInit::kGaussian : LoraInit::kKaiming;
   } catch (const json::exception& e) {
     return Status::InvalidArgument(fmt::format("{}: {}", file, e.what()));
   }
@@ -163,7 +171,15 @@ Status export_peft_adapter(const std::string& out_dir, const ParamLayout& layout
     std::vector<SafetensorsWriteTensor> tensors;
     for (const TensorSpec& t : layout.tensors()) {
       if (t.adapts < 0) continue;
-      tensors.push_back({peft_tensor_name(t.name), t.shape, nullptr, [&read, &t](float* out) { return read(t, out); }});
+      tensors.push_back({peft_tensor_name(t.name), t.shape, nullptr, [&read, &t](float* out) -> Status {
+                           RETURN_IF_ERROR(read(t, out));
+                           const uint64_t bad = ckpt::count_non_finite(DType::kF32, out, static_cast<uint64_t>(t.numel));
+                           if (bad == 0) return Status::OK();
+                           return Status::InvalidArgument(fmt::format(
+                               "adapter tensor '{}' holds {} NaN or Inf values of {}: the adapters are of a diverged "
+                               "run; export an earlier checkpoint",
+                               t.name, bad, t.numel));
+                         }});
     }
     WriterOptions wo;
     wo.dtype = options.dtype;

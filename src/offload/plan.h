@@ -110,6 +110,8 @@ struct PlanInput {
   // A backward's FLOPs per forward FLOP: 2 (the data and the weight gradients), 1 with LoRA (the
   // frozen weights take no gradient; the adapters' own small GEMMs are not counted).
   double backward_factor = 2;
+  // Whether the routed experts are trained (not with LoRA, whose adapters are on other projections).
+  bool experts_trained = true;
   // Activations of one micro-batch.
   uint64_t saved_activation_bytes_per_layer = 0;  // the activation saved at a layer boundary
   uint64_t layer_workspace_bytes = 0;       // one layer's recomputation and backward scratch

@@ -4,6 +4,8 @@
 #include <functional>
 #include <set>
 
+#include <fmt/format.h>
+
 #include "ckpt/finite.h"
 #include "core/log.h"
 #include "core/progress.h"
@@ -156,11 +158,18 @@ Status check_same_model(const ckpt::CheckpointReader& reader, const nlohmann::js
 
 }  // namespace
 
+bool frozen_tensors_saved(const ckpt::CheckpointReader& reader, const model::ParamLayout& layout) {
+  for (const auto& t : layout.tensors())
+    if (t.frozen && reader.find(ckpt::qualified_name(ckpt::TensorKind::kParam, t.name)) == nullptr) return false;
+  return true;
+}
+
 Status check_checkpoint_tensors(const ckpt::CheckpointReader& reader, const model::ParamLayout& layout,
                                 const std::string& context, const std::string& hint) {
   std::set<std::string> expected;
+  const bool frozen_saved = frozen_tensors_saved(reader, layout);
   for (const auto& t : layout.tensors()) {
-    if (t.frozen) continue;  // not saved: it comes from the run's source again
+    if (t.frozen && !frozen_saved) continue;  // not saved: it comes from the run's source again
     for (ckpt::TensorKind kind : {ckpt::TensorKind::kParam, ckpt::TensorKind::kAdamM, ckpt::TensorKind::kAdamV}) {
       const std::string q = ckpt::qualified_name(kind, t.name);
       expected.insert(q);
@@ -184,10 +193,13 @@ Status compare_model_configs(const nlohmann::json& saved, const nlohmann::json& 
   if (!saved.is_object() || saved.empty())
     return Status::InvalidArgument("the checkpoint records no model config, so it cannot be checked against this run's");
   // torch_dtype is the precision the weights came in (what an export keeps), not what the
-  // tensors mean: the checkpoint holds the fp32 master either way.
-  auto compared = [](const std::string& key) { return key != "torch_dtype"; };
+  // tensors mean: the checkpoint holds the fp32 master either way. Where frozen tensors come from
+  // is compared apart (below).
+  auto compared = [](const std::string& key) { return key != "torch_dtype" && key != "strata_frozen_from"; };
   for (auto it = run.begin(); it != run.end(); ++it) {
     if (!compared(it.key())) continue;
+    // Written before checkpoints recorded it (they saved every tensor, the frozen ones too).
+    if (it.key() == "strata_trains_mtp" && !saved.contains(it.key())) continue;
     auto s = saved.find(it.key());
     if (s == saved.end())
       return Status::InvalidArgument("the model config key '" + it.key() + "' (" + ckpt::quote_untrusted(it->dump(), 64) +
@@ -201,6 +213,24 @@ Status compare_model_configs(const nlohmann::json& saved, const nlohmann::json& 
     if (compared(it.key()) && !run.contains(it.key()))
       return Status::InvalidArgument("the checkpoint's model config has key " + ckpt::quote_untrusted(it.key(), 64) +
                                      ", which this run's lacks" + kOtherModel);
+  }
+  // The frozen tensors' source: the same model (its fingerprint) or the same random init; the
+  // path may differ (another mount, a moved copy).
+  const auto saved_from = saved.find("strata_frozen_from");
+  const auto run_from = run.find("strata_frozen_from");
+  if (saved_from != saved.end() && run_from != run.end()) {
+    for (const char* key : {"tensors_xxh3", "init_seed"}) {
+      if (saved_from->value(key, nlohmann::json()) == run_from->value(key, nlohmann::json())) continue;
+      const bool init = saved_from->contains("init_seed") || run_from->contains("init_seed");
+      return Status::InvalidArgument(
+          init ? fmt::format("the checkpoint's frozen weights are {}, this run's {}: start the run from the same "
+                             "weights (model.from) or the same random init (train.seed)",
+                             ckpt::quote_untrusted(saved_from->dump(), 120), ckpt::quote_untrusted(run_from->dump(), 120))
+               : fmt::format("the frozen weights this run reads ({}) are not the model the checkpoint was trained on "
+                             "({}): their tensors' fingerprints differ; set model.from to that model",
+                             run_from->value("source", std::string("?")),
+                             ckpt::quote_untrusted(saved_from->value("source", std::string("?")), 200)));
+    }
   }
   return Status::OK();
 }
@@ -239,7 +269,7 @@ Result<RunPosition> restore_checkpoint(const std::string& path, const nlohmann::
                           .with_context("resuming from " + reader->step_dir()));
       progress.add(static_cast<uint64_t>(t.numel) * sizeof(float));
       return check_finite(reader->step_dir(), q, dst, t.numel);
-    }, TensorSet::kTrained));
+    }, frozen_tensors_saved(*reader, layout) ? TensorSet::kAll : TensorSet::kTrained));
   }
   progress.finish();
   if (extra != nullptr) {

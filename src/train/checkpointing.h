@@ -119,6 +119,10 @@ Status check_checkpoint_tensors(const ckpt::CheckpointReader& reader, const mode
 // OK when two model configs (JSON objects) have the same keys with equal values; otherwise an
 // InvalidArgument naming the first key that differs, with both values. An empty `saved` is
 // refused: there is nothing to check the run against.
+// Whether `reader` holds the parameters of every frozen tensor of `layout` (a checkpoint written
+// before checkpoints left frozen tensors out, or of a model without any): they are then read from
+// it rather than from the run's source.
+bool frozen_tensors_saved(const ckpt::CheckpointReader& reader, const model::ParamLayout& layout);
 Status compare_model_configs(const nlohmann::json& saved, const nlohmann::json& run);
 
 }  // namespace strata

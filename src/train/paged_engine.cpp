@@ -294,14 +294,15 @@ Status PagedEngine::zero_grads() {
 
 Result<double> PagedEngine::micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                                         float grad_scale, bool last, float lr, const int32_t* positions) {
-  if (last) state_->begin_last_micro_batch(lr);
-  if (mc_.is_moe()) counts_before_ = net_->expert_token_counts();
+  // (Before begin_last_micro_batch, which counts the step early when AdamW overlaps backward.)
   if (mc_.lora.dropout > 0) {
     uint64_t z = dropout_seed_ ^ (static_cast<uint64_t>(state_->step_count()) << 20 ^ static_cast<uint64_t>(micro_in_step_));
     z = (z ^ (z >> 31)) * 0xBF58476D1CE4E5B9ull;
     net_->set_dropout_seed(z ^ (z >> 29));
   }
   ++micro_in_step_;
+  if (last) state_->begin_last_micro_batch(lr);
+  if (mc_.is_moe()) counts_before_ = net_->expert_token_counts();
   Result<double> loss = net_->compute(inputs, targets, B, T, grad_scale, /*backward=*/true, positions);
   train_aux_loss_ = net_->last_aux_loss();  // an evaluation's forward does not replace it
   if (loss.ok()) {

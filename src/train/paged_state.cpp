@@ -953,7 +953,7 @@ Status PagedState::gather_copy(int g, std::span<const size_t> tensors, Tier wher
   if (stream != nullptr) settle_before_collective();
   trace::Span span("communication", "updated weight gather", g);
   for (size_t i : tensors) {
-    if (elsewhere(i)) continue;
+    if (elsewhere(i) || pieces_[i].spec->frozen) continue;  // a frozen tensor was not updated (on any rank)
     // Each rank's range, from that rank, in one collective.
     const auto [copy, blocks] = copy_blocks(i);
     Status st = comm_of(i).all_gather_v(copy, blocks, stream);
@@ -977,7 +977,7 @@ void PagedState::queue_copy_gather(int g, std::span<const size_t> tensors) {
   // starts at once.
   copy_gathers_queued_ = true;
   for (size_t i : tensors) {
-    if (elsewhere(i)) continue;
+    if (elsewhere(i) || pieces_[i].spec->frozen) continue;  // a frozen tensor was not updated (on any rank)
     std::pair<char*, std::vector<size_t>> piece = copy_blocks(i);  // (no structured binding: it is captured)
     queue_collective("gathering the updated weights", g, expert_tensor(i),
                      [copy = piece.first, blocks = std::move(piece.second)](parallel::Comm& c, Stream* st) {

@@ -283,7 +283,7 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
     }
     in.layer_trained_share = layer_all > 0 ? static_cast<double>(layer_trained) / static_cast<double>(layer_all) : 1.0;
     in.edge_trained_share = edge_all > 0 ? static_cast<double>(edge_trained) / static_cast<double>(edge_all) : 1.0;
-    if (m.lora.enabled()) in.backward_factor = 1.0;
+    if (m.lora.enabled()) in.backward_factor = 1.0, in.experts_trained = false;
   }
 
   // Activations, in the shapes of model/activations.h, for N tokens per micro-batch.

@@ -217,8 +217,8 @@ struct Run {
   nlohmann::json checkpoint_model_config() const {
     nlohmann::json j = mc.to_json();
     if (mc.lora.enabled()) j["strata_lora"] = mc.lora.to_json();
-    // Whether the MTP modules train decides what is frozen (and saved).
-    if (mc.num_nextn_predict_layers > 0) j["strata_mtp_weight"] = mc.mtp_loss_weight;
+    // Whether the MTP modules train decides what is frozen (and saved); their weight may change.
+    if (mc.num_nextn_predict_layers > 0) j["strata_trains_mtp"] = mc.trains_mtp();
     if (!frozen_from.is_null()) j["strata_frozen_from"] = frozen_from;
     return j;
   }
@@ -554,7 +554,8 @@ Status fill_starting_weights(const TrainConfig& t, Run& run, std::optional<model
   for (const model::TensorSpec& spec : run.layout.tensors())
     block_scaled = block_scaled || weights->find(model::block_scale_name(spec.name)) != nullptr;
   if (!block_scaled) return Status::OK();
-  return run.engine->load_quantized_copies([&](const model::TensorSpec& spec, uint8_t* copy) {
+  return run.engine->load_quantized_copies([&](const model::TensorSpec& spec, uint8_t* copy) -> Result<bool> {
+    if (!in_set(which, spec)) return false;  // (a resume's trained copies come from the checkpoint)
     return model::read_hf_fp8_copy(*weights, spec, copy);
   });
 }
@@ -1113,6 +1114,7 @@ Status check_final_weights(Run& run) {
   SavableState& state = run.engine->state();
   std::vector<float> values;
   for (const model::TensorSpec& spec : run.layout.tensors()) {
+    if (spec.frozen) continue;  // unchanged since it was loaded (and checked)
     values.resize(static_cast<size_t>(spec.numel));
     RETURN_IF_ERROR(state.read_flat(StateKind::kParam, static_cast<uint64_t>(spec.offset) * sizeof(float),
                                     static_cast<uint64_t>(spec.numel) * sizeof(float), values.data()));
@@ -1166,6 +1168,10 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
     // Tensor by tensor out of the engine's state (or the final checkpoint): no second copy of the model.
     auto read = [&](const model::TensorSpec& spec, float* out) -> Status {
       if (spec.frozen && base) return model::read_hf_tensor(*base, spec, out);
+      if (spec.frozen && run.frozen_from.contains("init_seed")) {
+        model::init_tensor(spec, out, t.seed);  // a random init's values, as strata convert reads them
+        return Status::OK();
+      }
       if (saved && !spec.frozen) return saved->read_f32(spec.name, out, static_cast<uint64_t>(spec.numel));
       return state.read_flat(StateKind::kParam, static_cast<uint64_t>(spec.offset) * sizeof(float),
                              static_cast<uint64_t>(spec.numel) * sizeof(float), out);
@@ -1174,8 +1180,10 @@ Result<TrainSummary> finish(Run& run, const TrainConfig& t) {
     GoodputAccountant::Timer exporting = run.goodput->time(GoodputPart::kExport);
     Status exported;
     if (adapter_only) {
-      exported = model::export_peft_adapter(t.run_export, run.layout, read,
-                                            {.dtype = eo.dtype, .base_model = weights_from});
+      // PEFT keeps adapters in fp32; run.export_dtype names another dtype.
+      const model::SafetensorsWriteDtype dtype =
+          t.run_export_dtype == "auto" ? model::SafetensorsWriteDtype::kF32 : eo.dtype;
+      exported = model::export_peft_adapter(t.run_export, run.layout, read, {.dtype = dtype, .base_model = weights_from});
     } else {
       // A merged export: each adapted weight plus scale * B A, in fp32, then in the export's dtype.
       std::vector<float> a, b;

@@ -89,8 +89,8 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
   if (const auto it = mc.find("strata_lora"); it != mc.end()) {
     ASSIGN_OR_RETURN(out.config.lora, model::LoraConfig::from_json(*it, manifest + " model_config.strata_lora"));
   }
-  if (const auto it = mc.find("strata_mtp_weight"); it != mc.end() && it->is_number())
-    out.config.mtp_loss_weight = it->get<double>();
+  if (const auto it = mc.find("strata_trains_mtp"); it != mc.end() && it->is_boolean() && !it->get<bool>())
+    out.config.mtp_loss_weight = 0;  // the modules were frozen
   RETURN_IF_ERROR(out.config.validate(manifest + " model_config"));
   if (const auto it = mc.find("torch_dtype"); it != mc.end() && it->is_string()) {
     out.source_dtype = model::parse_torch_dtype(it->get<std::string>()).value_or(model::SafetensorsWriteDtype::kF32);
@@ -106,11 +106,13 @@ Result<LoadedModel> load_checkpoint(const std::string& path) {
   out.params.assign(static_cast<size_t>(layout.total_size()), 0.0f);
   LOG_INFO("reading checkpoint {} (step {}, {} parameters)", reader->step_dir(), reader->step(),
            layout.num_parameters());
-  // The frozen tensors are not in the checkpoint: they come from where the run took them.
-  RETURN_IF_ERROR(read_frozen_tensors(layout, mc, manifest, out.params.data()));
+  // The frozen tensors come from where the run took them (a checkpoint written before frozen
+  // tensors were left out holds them: they are read from it, below).
+  const bool frozen_saved = frozen_tensors_saved(*reader, layout);
+  if (!frozen_saved) RETURN_IF_ERROR(read_frozen_tensors(layout, mc, manifest, out.params.data()));
   Progress progress("reading " + reader->step_dir(), static_cast<uint64_t>(layout.total_size()) * sizeof(float));
   for (const model::TensorSpec& t : layout.tensors()) {
-    if (t.frozen) continue;
+    if (t.frozen && !frozen_saved) continue;
     const std::string name = ckpt::qualified_name(ckpt::TensorKind::kParam, t.name);
     Status st = reader->read_f32(name, out.params.data() + t.offset, static_cast<uint64_t>(t.numel));
     if (!st.ok()) return st.with_context("reading checkpoint " + reader->step_dir());
