@@ -191,7 +191,8 @@ HostRamPlan plan_host_ram(const model::ModelConfig& mc, const TrainConfig& t, co
     const uint64_t N = static_cast<uint64_t>(t.rank_tokens());
     const uint64_t wide = static_cast<uint64_t>(std::max({mc.hidden_size, mc.intermediate_size, mc.q_dim()}));
     const uint64_t narrow = static_cast<uint64_t>(mc.hidden_size);
-    const uint64_t token_operands = precision == Precision::kFp8 ? 5 : 3;
+    // LoRA's ops widen their input, output gradient and data gradient too, beside its dropout copy.
+    const uint64_t token_operands = (precision == Precision::kFp8 ? 5 : 3) + (mc.lora.enabled() ? 3 : 0);
     // An nf4 base's weight is decoded into fp32, rounded into bf16 and widened again: a matrix more.
     const uint64_t matrices = precision == Precision::kNf4 ? 3 : 2;
     scratch = sizeof(float) * (token_operands * N * wide + matrices * wide * narrow);

@@ -675,11 +675,15 @@ Status open_run_dir(const TrainConfig& t, Run& run, const std::string& effective
            mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size,
            static_cast<double>(mc.num_parameters()) / 1e6);
   if (mc.lora.enabled()) {
-    int64_t trained = 0, adapted = 0;
+    int64_t trained = 0, adapted = 0, mlp = 0;
     for (const model::TensorSpec& s : run.layout.tensors()) {
       trained += s.adapts >= 0 ? s.numel : 0;
       adapted += s.adapts >= 0 && s.name.ends_with("lora_A.weight") ? 1 : 0;
+      mlp += s.adapts >= 0 && s.name.ends_with("lora_A.weight") && s.name.find(".mlp.") != std::string::npos ? 1 : 0;
     }
+    if (mc.is_moe() && mlp == 0 && mc.lora.targets_any(model::kLoraGate | model::kLoraUp | model::kLoraDown))
+      LOG_WARN("lora.targets names MLP projections, but this model's MLPs are all mixtures of experts, which take no "
+               "adapters yet: only its attention projections are adapted");
     LOG_INFO("lora: rank {}, alpha {} (scale {:.4g}), dropout {}, on {} projections [{}]: {:.3f}M trained parameters "
              "({:.3f}% of the model's), the rest frozen",
              mc.lora.rank, mc.lora.alpha, mc.lora.scale(), mc.lora.dropout, adapted,
