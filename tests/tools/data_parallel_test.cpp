@@ -387,6 +387,26 @@ TEST_F(DataParallelTest, MoeAtZeroTwoAndThreeTrainsWhatOneProcessTrains) {
   }
 }
 
+// LoRA (train.method=lora): the adapters' gradients are summed over the ranks and their optimizer
+// state sharded (ZeRO-1, 2 and 3: gradients, then the compute copies too), the frozen base is left
+// alone (every rank reads it from the same random init); the merged export, read from the sharded
+// final checkpoint and the base's init, is what one process with the same global batch trains.
+TEST_F(DataParallelTest, LoraAdaptersShardedOverTheRanksTrainWhatOneProcessTrains) {
+  const std::string lora = " train.method=lora lora.rank=4 lora.alpha=8 run.export_merged=true";
+  const fs::path one = dir_ / "one";
+  CmdResult single = testing::run_strata(run_args(one.string(), 2) + lora + " run.export=" + (one / "export").string());
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  for (int zero : {1, 2, 3}) {
+    const std::string name = "lora_zero" + std::to_string(zero);
+    const fs::path run = dir_ / name;
+    auto ranks = launch(2, run_args(run.string(), 1) + lora + " parallel.zero=" + std::to_string(zero) +
+                               " run.export=" + (run / "export").string(),
+                        name);
+    ASSERT_TRUE(all_ok(ranks)) << all_output(ranks);
+    expect_trained_as(one, run, name);
+  }
+}
+
 // Expert parallelism: each MoE layer's routed rows go to the ranks of their experts and come back
 // (model/expert_parallel.h); the dense parts and the gradient sums stay data-parallel over the
 // whole world. An expert group of 2 at world 2, groups of 2 and of 4 at world 4 (ZeRO-3 and
