@@ -351,7 +351,8 @@ TEST_P(PagedStateTest, OptimizerOverlappingBackwardMatchesBitwise) {
 // alone (bf16 values in the bf16 recipe).
 RunResult as_paged_reads(RunResult flat, const model::ModelConfig& mc, Precision precision) {
   if (precision != Precision::kBf16) return flat;
-  for (const model::TensorSpec& t : model::ParamLayout(mc).tensors()) {
+  const model::ParamLayout layout(mc);
+  for (const model::TensorSpec& t : layout.tensors()) {
     if (!t.frozen) continue;
     for (int64_t i = 0; i < t.numel; ++i) {
       float& x = flat.params[static_cast<size_t>(t.offset + i)];
