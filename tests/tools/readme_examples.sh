@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the command lines the README shows for training (its Training section, its Hugging Face
-# section, the chat workflow, evaluation, packing, generation, plotting a run, planning and profiling)
+# section, the chat workflow, LoRA, evaluation, packing, generation, plotting a run, planning and profiling)
 # against a tiny model and tokenizer, so that they stay true.
 # Every /models/NAME is a 2-layer Llama carrying the qwen2 test tokenizer (with its chat
 # template); `strata train` lines get short-run overrides appended (a few steps of short
@@ -70,7 +70,7 @@ while IFS= read -r line; do
     exit 1
   fi
   count=$((count + 1))
-done < <(for section in "Hugging Face models, tokenizers and data" "Training" "Fine-tuning on chat data, end to end" "Evaluation" "Packing" "Generate" "Plots" \
+done < <(for section in "Hugging Face models, tokenizers and data" "Training" "Fine-tuning on chat data, end to end" "LoRA" "Evaluation" "Packing" "Generate" "Plots" \
                           "Will it fit, and how fast?" "Plan, profile, plot: one example"; do
            blocks sh "$section"  # the data section first: it tokenizes what Training's run.yaml reads
          done)
