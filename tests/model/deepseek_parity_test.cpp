@@ -39,20 +39,6 @@ constexpr double kGradTolerance = 1e-4;
 constexpr double kStepParamTolerance = 3e-4;
 constexpr double kStepLossTolerance = 1e-5;
 
-std::vector<int32_t> flatten(const nlohmann::json& rows) {
-  std::vector<int32_t> out;
-  for (const auto& row : rows)
-    for (const auto& tok : row) out.push_back(tok.get<int32_t>());
-  return out;
-}
-
-std::vector<float> read_floats(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<float> out;
-  for (float v; in.read(reinterpret_cast<char*>(&v), sizeof(v));) out.push_back(v);
-  return out;
-}
-
 // The reference of `script` (reference_deepseek.py or reference_qwen3.py) for `variant`: loss,
 // every gradient, and three AdamW steps.
 void check_parity(const std::string& variant, const std::string& script = "reference_deepseek.py") {

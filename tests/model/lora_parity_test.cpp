@@ -33,20 +33,6 @@ constexpr double kGradTolerance = 1e-4;
 constexpr double kStepLossTolerance = 1e-5;
 constexpr double kStepParamTolerance = 3e-4;
 
-std::vector<int32_t> flatten(const nlohmann::json& rows) {
-  std::vector<int32_t> out;
-  for (const auto& row : rows)
-    for (const auto& tok : row) out.push_back(tok.get<int32_t>());
-  return out;
-}
-
-std::vector<float> read_floats(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<float> out;
-  for (float v; in.read(reinterpret_cast<char*>(&v), sizeof(v));) out.push_back(v);
-  return out;
-}
-
 // tests/model/reference_lora.py MODE ARGS...: exit status 0 when its check passes.
 int run_check(const std::string& mode, const std::string& variant_dir, const std::string& target) {
   const std::string cmd = std::string(kReferencePython) + " " + STRATA_SOURCE_DIR + "/tests/model/reference_lora.py " +

@@ -35,13 +35,6 @@ std::string generate_reference(const std::string& variant) {
   return run_reference("reference_moe.py", "model_moe_parity", variant);
 }
 
-std::vector<int32_t> flatten(const nlohmann::json& rows) {
-  std::vector<int32_t> out;
-  for (const auto& row : rows)
-    for (const auto& tok : row) out.push_back(tok.get<int32_t>());
-  return out;
-}
-
 void check_parity(const std::string& variant, const std::string& architecture) {
   if (!python_can_import("transformers")) {
     GTEST_SKIP() << kReferencePython << " cannot import transformers; the architecture parity test needs it";

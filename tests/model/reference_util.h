@@ -7,7 +7,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 namespace strata::model {
 
@@ -43,6 +47,22 @@ inline std::string run_reference(const std::string& script, const std::string& o
       std::string(kReferencePython) + " " + path + " " + out.string() + " " + variant + " >" + log + " 2>&1";
   EXPECT_EQ(std::system(cmd.c_str()), 0) << "reference script failed; see " << log;
   return (out / variant).string();
+}
+
+// The reference's rows of token ids (reference.json's "inputs" / "targets"), flattened.
+inline std::vector<int32_t> flatten(const nlohmann::json& rows) {
+  std::vector<int32_t> out;
+  for (const auto& row : rows)
+    for (const auto& tok : row) out.push_back(tok.get<int32_t>());
+  return out;
+}
+
+// A file of float32 values (grads.bin, params_after.bin).
+inline std::vector<float> read_floats(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<float> out;
+  for (float v; in.read(reinterpret_cast<char*>(&v), sizeof(v));) out.push_back(v);
+  return out;
 }
 
 }  // namespace strata::model
