@@ -719,13 +719,6 @@ Status ModelConfig::validate(const std::string& source) const {
   if (lora.enabled() && is_mla())
     return Status::Unimplemented(source + ": LoRA adapters on multi-head latent attention (" + architecture +
                                  ") are not supported yet; use train.method=full");
-  if (lora.targets_any(kLoraGate | kLoraUp | kLoraDown) && shared_expert_intermediate_size > 0 && is_moe())
-    return Status::Unimplemented(source + ": key 'lora.targets': adapters on the shared expert's projections are not "
-                                          "supported yet; set lora.targets to the attention projections "
-                                          "([q_proj, k_proj, v_proj, o_proj])");
-  if (lora.targets_any(kLoraExperts))
-    return Status::Unimplemented(source + ": key 'lora.targets': adapters on the routed experts are not supported "
-                                          "yet; adapt the attention projections (and a shared expert's) instead");
   RETURN_IF_ERROR(at_most(source, "n_group", n_group));
   RETURN_IF_ERROR(at_most(source, "topk_group", topk_group));
   if (rope.scaling == kernels::RopeScaling::kLlama3 || rope.scaling == kernels::RopeScaling::kYarn) {

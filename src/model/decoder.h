@@ -283,6 +283,10 @@ class Decoder final : public Model {
   void lora_backward(int64_t weight, Act* dx, const Act* dy, const Act* x, int64_t n, int64_t IC, int64_t OC,
                      int64_t row0 = 0);
   kernels::LoraDropout lora_dropout(int64_t weight, int64_t row0) const;
+  // The adapters of MoE layer `layer` as moe_layer.h applies them, and what to pass it: null
+  // without LoRA, so that the block runs exactly as in full training.
+  MoeAdapters<Ops> moe_adapters(int64_t layer);
+  const MoeAdapters<Ops>* lora_of_moe(const MoeAdapters<Ops>& m) const { return layout_.has_lora() ? &m : nullptr; }
   // The row blocks of the tensor at `offset` (one pointer when it is not in blocks), and the
   // rows per block (its first dimension when it is not).
   std::vector<const W*> param_blocks(int64_t offset);

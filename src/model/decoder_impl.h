@@ -204,9 +204,10 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
     }
     RETURN_IF_ERROR(begin_experts(layer, /*params=*/true, grads));
     const auto m = MoeTensors<const W>::bind_with(param_at(), moe_offsets(layer));
+    const MoeAdapters<Ops> adapters = moe_adapters(layer);
     if (expert_comm_ != nullptr) {
       if (Status st = ep_experts_forward(ops_, *expert_comm_, config_, m.experts(), a,
-                                         expert_routes_[static_cast<size_t>(layer)]);
+                                         expert_routes_[static_cast<size_t>(layer)], lora_of_moe(adapters));
           !st.ok()) {
         // No more collectives of the access either; the experts begun are ended (the caller
         // ends only a layer that succeeded).
@@ -215,7 +216,8 @@ Status Decoder<Ops>::layer_forward(int64_t layer, const Act* x /*(N,C)*/, Act* o
         return st.with_context(fmt::format("layer {}", layer));
       }
     }
-    moe_mlp_forward(ops_, config_, m, a, acts_, a.ln2, out, N, /*experts_done=*/expert_comm_ != nullptr);
+    moe_mlp_forward(ops_, config_, m, a, acts_, a.ln2, out, N, /*experts_done=*/expert_comm_ != nullptr,
+                    lora_of_moe(adapters));
     if (out != nullptr) ops_.add_inplace(out, a.h, N * C);
     return Status::OK();
   }
@@ -273,17 +275,19 @@ Status Decoder<Ops>::layer_backward(int64_t layer, const Act* x /*(N,C)*/, Act* 
     const MoeOffsets mo = moe_offsets(layer);
     const auto mp = MoeTensors<const W>::bind_with(param_at(), mo);
     const MoeGrads mg = MoeGrads::bind_with(grad_at(), mo);
+    const MoeAdapters<Ops> adapters = moe_adapters(layer);
+    const MoeAdapters<Ops>* lora = lora_of_moe(adapters);
     if (expert_comm_ == nullptr) {
-      RETURN_IF_ERROR(moe_mlp_backward(ops_, config_, mp, mg, a, acts_, a.ln2, dres, prob_grad, a.d_ln, N));
+      RETURN_IF_ERROR(moe_mlp_backward(ops_, config_, mp, mg, a, acts_, a.ln2, dres, prob_grad, a.d_ln, N, lora));
     } else {
       const ExpertRoute& route = expert_routes_[static_cast<size_t>(layer)];
       auto exchange = [&] {
-        Status st = ep_experts_backward(ops_, *expert_comm_, config_, mp.experts(), mg.experts(), a, route);
+        Status st = ep_experts_backward(ops_, *expert_comm_, config_, mp.experts(), mg.experts(), a, route, lora);
         if (!st.ok()) access_->collectives_failed(st);  // before end_experts' sums
         return st.with_context(fmt::format("layer {}", layer));
       };
       RETURN_IF_ERROR(
-          moe_mlp_backward(ops_, config_, mp, mg, a, acts_, a.ln2, dres, prob_grad, a.d_ln, N, exchange));
+          moe_mlp_backward(ops_, config_, mp, mg, a, acts_, a.ln2, dres, prob_grad, a.d_ln, N, lora, exchange));
     }
   } else {
     // Token tiles (set_mlp_tile_tokens): each tile's intermediates recomputed, then its
@@ -843,6 +847,19 @@ void Decoder<Ops>::lora_backward(int64_t weight, Act* dx, const Act* dy, const A
   if (lo == nullptr) return;
   ops_.lora_backward(dx, grad(lo->a), grad(lo->b), dy, x, param(lo->a), param(lo->b), config_.lora.scale(), lora_dropout(weight, row0),
                      n, IC, OC, config_.lora.rank);
+}
+
+template <class Ops>
+MoeAdapters<Ops> Decoder<Ops>::moe_adapters(int64_t layer) {
+  MoeAdapters<Ops> m;
+  m.offsets = &layout_.layer(layer).moe;
+  m.experts = config_.lora.targets_any(kLoraExperts);
+  m.forward = [this](int64_t weight, Act* y, const Act* x, int64_t n, int64_t IC, int64_t OC, int64_t row0) {
+    lora_forward(weight, y, x, n, IC, OC, row0);
+  };
+  m.backward = [this](int64_t weight, Act* dx, const Act* dy, const Act* x, int64_t n, int64_t IC, int64_t OC,
+                      int64_t row0) { lora_backward(weight, dx, dy, x, n, IC, OC, row0); };
+  return m;
 }
 
 // ---- generation ------------------------------------------------------------------------------

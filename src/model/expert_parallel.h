@@ -31,6 +31,7 @@
 #include "core/status.h"
 #include "model/activations.h"
 #include "model/config.h"
+#include "model/moe_layer.h"
 #include "parallel/comm.h"
 
 namespace strata::model {
@@ -133,7 +134,8 @@ Status ep_plan(Ops& ops, parallel::Comm& comm, const ModelConfig& config, const 
 // may be null.
 template <class Ops, class Weights>
 Status ep_experts_forward(Ops& ops, parallel::Comm& comm, const ModelConfig& config, const Weights& w,
-                          const ActivationTable<Ops>& a, const ExpertRoute& route) {
+                          const ActivationTable<Ops>& a, const ExpertRoute& route,
+                          const MoeAdapters<Ops>* lora = nullptr) {
   const int64_t E = config.num_experts;
   const int64_t C = config.hidden_size;
   const int64_t Fe = config.moe_intermediate_size;
@@ -143,7 +145,13 @@ Status ep_experts_forward(Ops& ops, parallel::Comm& comm, const ModelConfig& con
   const int64_t R = route.received;
   if (R > 0) {
     ops.moe_gather(a.ep_xs, a.ep_arrival, route.order_at, R, C);
-    ops.moe_experts_forward(a.ep_ys, a.expert_gate, a.expert_up, a.expert_act, a.ep_xs, route.offsets_at, w, E, C, Fe);
+    if (lora != nullptr && lora->experts) {
+      moe_experts_forward_looped(ops, config, w, *lora, a.ep_ys, a.expert_gate, a.expert_up, a.expert_act, a.ep_xs,
+                                 route.offsets.data(), 0, R);
+    } else {
+      ops.moe_experts_forward(a.ep_ys, a.expert_gate, a.expert_up, a.expert_act, a.ep_xs, route.offsets_at, w, E, C,
+                              Fe);
+    }
     ops.moe_gather(a.ep_arrival, a.ep_ys, route.unorder_at, R, C);
   }
   return comm.all_to_all_v(a.ep_arrival, route.recv_bytes, a.expert_ys, route.send_bytes, stream)
@@ -156,7 +164,8 @@ Status ep_experts_forward(Ops& ops, parallel::Comm& comm, const ModelConfig& con
 // this route.
 template <class Ops, class Weights, class Grads>
 Status ep_experts_backward(Ops& ops, parallel::Comm& comm, const ModelConfig& config, const Weights& w,
-                           const Grads& dw, const ActivationTable<Ops>& a, const ExpertRoute& route) {
+                           const Grads& dw, const ActivationTable<Ops>& a, const ExpertRoute& route,
+                           const MoeAdapters<Ops>* lora = nullptr) {
   const int64_t E = config.num_experts;
   const int64_t C = config.hidden_size;
   const int64_t Fe = config.moe_intermediate_size;
@@ -166,8 +175,14 @@ Status ep_experts_backward(Ops& ops, parallel::Comm& comm, const ModelConfig& co
   const int64_t R = route.received;
   if (R > 0) {
     ops.moe_gather(a.ep_dys, a.ep_arrival, route.order_at, R, C);
-    ops.moe_experts_backward(a.ep_dxs, dw, a.d_expert_gate, a.d_expert_up, a.d_expert_act, a.ep_dys, a.ep_xs,
-                             a.expert_gate, a.expert_up, a.expert_act, route.offsets_at, w, E, C, Fe);
+    if (lora != nullptr && lora->experts) {
+      moe_experts_backward_looped(ops, config, w, dw, *lora, a.ep_dxs, a.d_expert_gate, a.d_expert_up, a.d_expert_act,
+                                  a.ep_dys, a.ep_xs, a.expert_gate, a.expert_up, a.expert_act, route.offsets.data(), 0,
+                                  R);
+    } else {
+      ops.moe_experts_backward(a.ep_dxs, dw, a.d_expert_gate, a.d_expert_up, a.d_expert_act, a.ep_dys, a.ep_xs,
+                               a.expert_gate, a.expert_up, a.expert_act, route.offsets_at, w, E, C, Fe);
+    }
     ops.moe_gather(a.ep_arrival, a.ep_dxs, route.unorder_at, R, C);
   }
   return comm.all_to_all_v(a.ep_arrival, route.recv_bytes, a.d_expert_xs, route.send_bytes, stream)

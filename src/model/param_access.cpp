@@ -21,6 +21,8 @@ int param_group_of(const ParamLayout& layout, const TensorSpec& tensor) {
 }
 
 int param_expert_of(const ParamLayout& layout, const TensorSpec& tensor) {
+  // An expert's adapters are paged, sharded and computed with it.
+  if (tensor.adapts >= 0) return param_expert_of(layout, layout.at(tensor.adapts));
   const int group = param_group_of(layout, tensor);
   if (group < 1 || group > layout.num_layers()) return -1;
   const MoeOffsets& moe = layout.layer(group - 1).moe;
@@ -42,7 +44,7 @@ bool param_is_linear_weight(const ParamLayout& layout, const TensorSpec& tensor)
     return true;
   const MoeOffsets& moe = l.moe;
   if (o == moe.shared_gate_proj || o == moe.shared_up_proj || o == moe.shared_down_proj) return true;
-  return param_expert_of(layout, tensor) >= 0;
+  return tensor.adapts < 0 && param_expert_of(layout, tensor) >= 0;  // an expert's weights, not its adapters
 }
 
 }  // namespace strata::model

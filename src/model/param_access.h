@@ -28,7 +28,8 @@ int param_group_count(const ParamLayout& layout);
 // The group of the tensor starting at `offset` in the flat layout. REQUIRES: a tensor offset.
 int param_group_of(const ParamLayout& layout, const TensorSpec& tensor);
 // The expert of its MoE layer (0 .. E-1) a tensor belongs to (its gate, up or down projection),
-// or -1 for every other tensor, the router and the shared expert included.
+// or -1 for every other tensor, the router and the shared expert included. An expert's LoRA
+// factors belong to it.
 int param_expert_of(const ParamLayout& layout, const TensorSpec& tensor);
 // Whether the tensor is the weight matrix of a linear layer the model computes with
 // linear_forward/linear_backward or the experts' ops (attention and MLP projections, the

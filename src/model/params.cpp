@@ -164,6 +164,17 @@ ParamLayout::ParamLayout(const ModelConfig& config) : config_(config) {
                                       {kLoraDown, o.down_proj}}) {
       if (weight >= 0 && lora.targets_any(bit)) add_lora(weight);
     }
+    // In an MoE layer the MLP's targets are the shared expert's projections, and `experts` those
+    // of every routed expert.
+    for (const auto& [bit, weight] : {std::pair{kLoraGate, o.moe.shared_gate_proj}, {kLoraUp, o.moe.shared_up_proj},
+                                      {kLoraDown, o.moe.shared_down_proj}}) {
+      if (weight >= 0 && lora.targets_any(bit)) add_lora(weight);
+    }
+    if (lora.targets_any(kLoraExperts)) {
+      for (size_t e = 0; e < o.moe.expert_gate.size(); ++e) {
+        for (int64_t weight : {o.moe.expert_gate[e], o.moe.expert_up[e], o.moe.expert_down[e]}) add_lora(weight);
+      }
+    }
     layers_.push_back(o);
   }
   // An MTP module training does not compute keeps its tensors as loaded.

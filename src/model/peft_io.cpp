@@ -1,5 +1,6 @@
 #include "model/peft_io.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -43,20 +44,23 @@ Status refuse_unsupported(const json& j, const std::string& file) {
   return Status::OK();
 }
 
-// The regular expression strata writes as target_modules for the modules the layout adapts: the
-// attention projections and the dense MLP's, by their full names (a module-name list would also
-// match the experts' projections of the same name in MoE models).
+// The regular expression strata writes as target_modules for the modules the layout adapts:
+// their full names with the layer and expert numbers as \d+ (a list of module names matches by
+// suffix, which in MoE models would also take the experts' or the shared expert's projections of
+// the same name).
 std::string target_regex(const ParamLayout& layout) {
-  const std::vector<std::string> names = lora_target_names(layout.config().lora.targets);
-  std::vector<std::string> attention, mlp;
-  for (const std::string& n : names) {
-    if (n == "q_proj" || n == "k_proj" || n == "v_proj" || n == "o_proj") attention.push_back(n);
-    if (n == "gate_proj" || n == "up_proj" || n == "down_proj") mlp.push_back(n);
+  static const std::regex kNumber("\\.\\d+\\.");
+  std::vector<std::string> modules;
+  for (const TensorSpec& t : layout.tensors()) {
+    if (t.adapts < 0 || !t.name.ends_with(".lora_A.weight")) continue;
+    std::string m = t.name.substr(0, t.name.size() - std::string_view(".lora_A.weight").size());
+    m = std::regex_replace(m, kNumber, ".#.");  // twice: a match consumes the dot the next needs
+    m = std::regex_replace(m, kNumber, ".#.");
+    std::string escaped;
+    for (char c : m) escaped += c == '.' ? std::string("\\.") : c == '#' ? std::string("\\d+") : std::string(1, c);
+    if (std::find(modules.begin(), modules.end(), escaped) == modules.end()) modules.push_back(escaped);
   }
-  std::vector<std::string> parts;
-  if (!attention.empty()) parts.push_back(fmt::format("self_attn\\.({})", fmt::join(attention, "|")));
-  if (!mlp.empty()) parts.push_back(fmt::format("mlp\\.({})", fmt::join(mlp, "|")));
-  return fmt::format("model\\.layers\\.\\d+\\.({})", fmt::join(parts, "|"));
+  return fmt::format("({})", fmt::join(modules, "|"));
 }
 
 }  // namespace
@@ -91,9 +95,23 @@ Result<LoraConfig> read_peft_adapter_config(const std::string& dir) {
       // A regular expression: the module names it mentions (open_peft_adapter then checks the
       // tensors themselves).
       const std::string re = targets.get<std::string>();
-      for (const char* n : {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
-        if (re.find(n) != std::string::npos) names.emplace_back(n);
+      // Each alternative's last name (an expert's projection: experts).
+      size_t begin = 0;
+      while (begin <= re.size()) {
+        const size_t end = std::min(re.find('|', begin), re.size());
+        std::string alt = re.substr(begin, end - begin);
+        std::erase_if(alt, [](char c) { return c == '(' || c == ')' || c == '\\' || c == '$' || c == '^'; });
+        const size_t dot = alt.rfind('.');
+        std::string name = dot == std::string::npos ? alt : alt.substr(dot + 1);
+        if (alt.find("experts.") != std::string::npos && alt.find("shared_expert") == std::string::npos)
+          name = "experts";
+        if (!name.empty() && std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+        begin = end + 1;
+      }
     }
+    // Mixtral's experts' projections.
+    for (std::string& n : names)
+      if (n == "w1" || n == "w2" || n == "w3") n = "experts";
     ASSIGN_OR_RETURN(c.targets, parse_lora_targets(names, file));
     const json init = j.value("init_lora_weights", json(true));
     // PiSSA, OLoRA and LoftQ adapters belong to a base changed by their init (W - BA, or

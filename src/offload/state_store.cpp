@@ -63,16 +63,23 @@ uint64_t StateStore::auto_chunk_bytes(const std::vector<StateTensor>& tensors, c
   return choose_group_chunk_bytes(bytes);
 }
 
-uint64_t StateStore::part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part, bool sliced) {
+uint64_t StateStore::part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part, const StateLayout& layout,
+                                   StateKind kind, bool sliced) {
   uint64_t bytes = 0;
-  for (size_t i : part.tensors) bytes += round_up(tensors[i].held(sliced).count * sizeof(float), kTensorAlignment);
+  for (size_t i : part.tensors) {
+    // Counted as fp32 elements whatever the kind's format, so that a part pages alike in every
+    // kind; but a frozen tensor has nothing beside its compute copy (an expert's LoRA factors
+    // are a small part of its gradients and moments, next to its frozen weights).
+    if (layout.tensor_bytes(kind, tensors[i].shape(sliced)) == 0) continue;
+    bytes += round_up(tensors[i].held(sliced).count * sizeof(float), kTensorAlignment);
+  }
   return bytes;
 }
 
 bool StateStore::opens_own_chunk(const std::vector<StateTensor>& tensors, const std::vector<Part>& parts, size_t pi,
-                                 bool sliced, uint64_t chunk_bytes) {
+                                 const StateLayout& layout, StateKind kind, bool sliced, uint64_t chunk_bytes) {
   if (pi == 0) return true;
-  const uint64_t bytes = part_bytes_of(tensors, parts[pi], sliced);
+  const uint64_t bytes = part_bytes_of(tensors, parts[pi], layout, kind, sliced);
   return bytes > 0 && bytes * kOwnChunkFraction >= chunk_bytes;
 }
 
@@ -131,7 +138,7 @@ StateStore::Packing::Packing(const std::vector<StateTensor>& tensors, uint64_t c
     for (size_t pi = 0; pi < parts[g].size(); ++pi) {
       PartBytes& p = groups_[g].emplace_back();
       p.id = parts[g][pi].id;
-      p.opens_own = pi > 0 && opens_own_chunk(tensors, parts[g], pi, sliced, chunk_bytes);
+      p.opens_own = pi > 0 && opens_own_chunk(tensors, parts[g], pi, layout, kind, sliced, chunk_bytes);
       for (size_t i : parts[g][pi].tensors) {
         const uint64_t bytes = layout.tensor_bytes(kind, tensors[i].shape(sliced));
         CHECK_MSG(bytes <= chunk_bytes, "tensor '" + tensors[i].name + "' does not fit a chunk");
@@ -255,7 +262,8 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
         // Asked homes are compared, as Packing::count does: a tier that was full for the chunk
         // before is full for this group's too, which would fall back alike.
         const bool own = pi == 0 ? !continues_group(g, kind, sliced, options.home, last_asked)
-                                 : opens_own_chunk(s->tensors_, s->parts_[g], pi, sliced, so.chunk_bytes);
+                                 : opens_own_chunk(s->tensors_, s->parts_[g], pi, s->layout_, kind, sliced,
+                                                   so.chunk_bytes);
         const size_t chunks_before = s->space_->num_chunks();
         if (own) {
           ASSIGN_OR_RETURN(ChunkId first, with_fallback([&] { return s->space_->add_chunk(kind, home); }));

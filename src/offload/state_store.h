@@ -370,14 +370,16 @@ class StateStore {
     std::array<std::vector<ChunkId>, kNumStateKinds> chunks;  // may be shared with neighbouring parts
     std::array<bool, kNumStateKinds> pinned{};
   };
-  // Bytes a part's tensors take in a chunk, alignment included.
+  // Bytes a part's tensors take in a chunk of `kind`, alignment included, counted as fp32
+  // elements (a part pages alike in every kind); frozen tensors count only in the compute copy.
   // `sliced`: of a sliced kind, what each tensor's slice holds.
-  static uint64_t part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part, bool sliced);
+  static uint64_t part_bytes_of(const std::vector<StateTensor>& tensors, const Part& part, const StateLayout& layout,
+                                StateKind kind, bool sliced);
   // Whether part pi of a group starts a chunk of its own (else it fills the chunk before it).
   // A part of a sliced kind whose slices are all empty (an expert another rank owns whole) opens
   // none.
-  static bool opens_own_chunk(const std::vector<StateTensor>& tensors, const std::vector<Part>& parts, size_t pi, bool sliced,
-                              uint64_t chunk_bytes);
+  static bool opens_own_chunk(const std::vector<StateTensor>& tensors, const std::vector<Part>& parts, size_t pi,
+                              const StateLayout& layout, StateKind kind, bool sliced, uint64_t chunk_bytes);
   // The parts of each group: the dense part first, then the others by id; each lists its
   // tensors (indices into `tensors`) in order.
   static std::vector<std::vector<Part>> make_parts(const std::vector<StateTensor>& tensors, int num_groups);

@@ -679,11 +679,14 @@ Status open_run_dir(const TrainConfig& t, Run& run, const std::string& effective
     for (const model::TensorSpec& s : run.layout.tensors()) {
       trained += s.adapts >= 0 ? s.numel : 0;
       adapted += s.adapts >= 0 && s.name.ends_with("lora_A.weight") ? 1 : 0;
-      mlp += s.adapts >= 0 && s.name.ends_with("lora_A.weight") && s.name.find(".mlp.") != std::string::npos ? 1 : 0;
+      const bool dense_mlp = s.adapts >= 0 && model::param_expert_of(run.layout, s) < 0 &&
+                             (s.name.find(".mlp.") != std::string::npos);
+      mlp += dense_mlp && s.name.ends_with("lora_A.weight") ? 1 : 0;
     }
     if (mc.is_moe() && mlp == 0 && mc.lora.targets_any(model::kLoraGate | model::kLoraUp | model::kLoraDown))
-      LOG_WARN("lora.targets names MLP projections, but this model's MLPs are all mixtures of experts, which take no "
-               "adapters yet: only its attention projections are adapted");
+      LOG_WARN("lora.targets names gate_proj/up_proj/down_proj, which in a mixture-of-experts layer are its shared "
+               "expert's, and this model has neither a shared expert nor dense MLPs; add `experts` to lora.targets "
+               "to adapt the routed experts' projections");
     LOG_INFO("lora: rank {}, alpha {} (scale {:.4g}), dropout {}, on {} projections [{}]: {:.3f}M trained parameters "
              "({:.3f}% of the model's), the rest frozen",
              mc.lora.rank, mc.lora.alpha, mc.lora.scale(), mc.lora.dropout, adapted,

@@ -188,5 +188,9 @@ TEST(LoraParityTest, LlamaAdaptersOnEveryProjectionMatchPeft) { check_lora_parit
 // PEFT's gaussian init on q and v only, B at its zero start: A's step-1 gradients are exactly 0.
 TEST(LoraParityTest, GaussianInitOnQueriesAndValuesMatchesPeft) { check_lora_parity("llama_lora_gaussian"); }
 
+// A Mixtral with adapters on the attention and on every expert's w1, w2 and w3 (run expert by
+// expert, model/moe_layer.h), the router's auxiliary loss in the objective.
+TEST(LoraParityTest, MixtralAdaptersOnTheExpertsMatchPeft) { check_lora_parity("mixtral_lora"); }
+
 }  // namespace
 }  // namespace strata::model

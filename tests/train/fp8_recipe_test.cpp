@@ -310,6 +310,47 @@ TEST_P(Fp8RecipeTest, LoraAdaptersPageBitwiseAndTheBaseHasNoTrainingState) {
 
 }
 
+// LoRA on an MoE model's attention, dense MLP, shared expert and every routed expert (which then
+// run expert by expert, model/moe_layer.h): the experts' adapters page with their experts, and the
+// adapters train through tight budgets bitwise as with room, with dropout.
+TEST_P(Fp8RecipeTest, LoraOnTheExpertsPagesBitwise) {
+  model::ModelConfig mc = fp8_moe_config();
+  mc.lora.rank = 4;
+  mc.lora.alpha = 8;
+  mc.lora.dropout = 0.1;
+  mc.lora.targets |= model::kLoraExperts;
+  ASSERT_TRUE(mc.validate("test").ok());
+  model::ParamLayout layout(mc);
+  const auto batches = make_batches(kSteps * kAccum, kB * kT, 19);
+  const TrainResult start = train(mc, batches, 0, 0, 0, 0, nullptr, /*steps=*/0);
+  const TrainResult roomy = train(mc, batches, 0, 0, 0);
+  for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
+  const uint64_t c = PagedState::auto_chunk_bytes(layout, StateLayout::of(GetParam().precision));
+  const TrainResult tight = train(mc, batches, 24 * c, 1024 * c, 0, c);  // the experts stream to the device
+  EXPECT_EQ(roomy.losses, tight.losses);
+  EXPECT_TRUE(bitwise_equal(roomy.params, tight.params)) << "paging changed the parameters";
+  EXPECT_TRUE(bitwise_equal(roomy.m, tight.m) && bitwise_equal(roomy.v, tight.v)) << "paging changed the moments";
+  EXPECT_GT(tight.stats.host_to_device_bytes, 0u) << "nothing streamed to the device";
+  int expert_adapters = 0, moved = 0, shared = 0;
+  for (const model::TensorSpec& t : layout.tensors()) {
+    const size_t at = static_cast<size_t>(t.offset);
+    if (t.adapts < 0) {
+      EXPECT_EQ(std::memcmp(start.params.data() + at, roomy.params.data() + at, t.numel * sizeof(float)), 0)
+          << "the frozen " << t.name << " changed";
+      continue;
+    }
+    shared += t.name.find(".shared_expert.") != std::string::npos ? 1 : 0;
+    if (model::param_expert_of(layout, t) < 0 || !t.name.ends_with("lora_B.weight")) continue;
+    ++expert_adapters;
+    bool m = false;
+    for (int64_t i = 0; i < t.numel; ++i) m = m || roomy.params[at + i] != 0.0f;
+    moved += m ? 1 : 0;
+  }
+  EXPECT_EQ(expert_adapters, 2 * 8 * 3);  // two MoE layers, eight experts, three projections
+  EXPECT_EQ(shared, 2 * 2 * 3);           // A and B of the shared expert's three projections
+  EXPECT_GT(moved, expert_adapters / 2) << "the routed experts' adapters hardly trained";
+}
+
 // QLoRA's base (lora.base=nf4): the linear weights' compute copies are NF4 (kernels/nf4.h) of the
 // loaded values, every other tensor bf16; the adapters train through tight budgets bitwise as
 // with room, the base reads back as its NF4 values, and the copies take about a quarter of bf16's

@@ -229,6 +229,16 @@ class CpuQueuedOps {
                      const LoraDropout& drop, int64_t N, int64_t IC, int64_t OC, int64_t R) {
     launch([=, this] { direct_.lora_backward(dx, dA, dB, dy, x, A, B, scale, drop, N, IC, OC, R); });
   }
+  // Where the direct op set has it (the emulated bf16 recipes' looped experts,
+  // kernels/experts_loop.h).
+  void accumulate_data_grad(Act* dx, float* dweight, const Act* dout, const Act* x, const W* weight, int64_t N,
+                            int64_t IC, int64_t OC)
+    requires requires(Direct& d, Act* a, float* f, const Act* c, const W* w, int64_t n) {
+      d.accumulate_data_grad(a, f, c, c, w, n, n, n);
+    }
+  {
+    launch([=, this] { direct_.accumulate_data_grad(dx, dweight, dout, x, weight, N, IC, OC); });
+  }
   void round_activations(Act* dst, const float* src, int64_t n) {
     launch([=, this] { direct_.round_activations(dst, src, n); });
   }
