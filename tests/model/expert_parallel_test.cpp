@@ -118,8 +118,15 @@ Run expert_parallel(const ModelConfig& config, const std::vector<Batch>& batches
 // The tolerance: the experts' sums regroup (see the file comment), a few float roundings per
 // element relative to the gradients' scale; the bf16 recipe rounds activations to 8 bits.
 template <class Net>
-void check_against_one_process(int P, bool skew, double tol) {
-  const ModelConfig config = moe_config(skew ? 0.01 : 0.0);
+void check_against_one_process(int P, bool skew, double tol, bool lora = false) {
+  ModelConfig config = moe_config(skew ? 0.01 : 0.0);
+  if (lora) {
+    // Adapters on the attention and on every expert (run expert by expert, on their ranks).
+    config.lora.rank = 4;
+    config.lora.alpha = 8;
+    config.lora.targets = kLoraQ | kLoraV | kLoraExperts;
+    ASSERT_TRUE(config.validate("test").ok());
+  }
   std::vector<Batch> batches;
   for (int r = 0; r < P; ++r) batches.push_back(tiny_batch(100 + static_cast<uint64_t>(r), config.vocab_size));
   const Run one = one_process<Net>(config, batches, skew);
@@ -133,6 +140,7 @@ void check_against_one_process(int P, bool skew, double tol) {
   }
   const ParamLayout layout(config);
   const std::vector<float>& ref = one.grads[0];
+  int expert_adapters = 0;  // with a gradient
   for (const TensorSpec& t : layout.tensors()) {
     const int expert = param_expert_of(layout, t);
     std::vector<float> got(static_cast<size_t>(t.numel), 0.0f);
@@ -161,12 +169,15 @@ void check_against_one_process(int P, bool skew, double tol) {
     }
     const double err = testing::relative_error(got.data(), ref.data() + t.offset, t.numel);
     EXPECT_TRUE(err <= tol) << t.name << ": relative error " << err;
+    expert_adapters += expert >= 0 && t.adapts >= 0 ? 1 : 0;
   }
+  if (lora) EXPECT_GT(expert_adapters, 0) << "no expert adapter got a gradient";
 }
 
 TEST(ExpertParallel, TwoRanksMatchOneProcess) { check_against_one_process<LlamaModel>(2, false, 1e-5); }
 TEST(ExpertParallel, FourRanksMatchOneProcess) { check_against_one_process<LlamaModel>(4, false, 1e-5); }
 TEST(ExpertParallel, Bf16RecipeMatchesOneProcess) { check_against_one_process<LlamaModelBf16>(2, false, 1e-3); }
+TEST(ExpertParallel, LoraOnTheExpertsMatchesOneProcess) { check_against_one_process<LlamaModel>(2, false, 1e-5, true); }
 
 // Layer 0 sends every row to experts 0 and 1: at P = 2 rank 1 receives nothing there, at P = 4
 // ranks 2 and 3 do; they still take part in every exchange, and the results hold.
