@@ -54,19 +54,24 @@ GroupBytes group_bytes(const PlanInput& in, uint64_t elements, double param_byte
   const uint64_t c = in.chunk_size;
   GroupBytes g;
   // (A group with no trained tensor packs no chunk of the fp32 kinds.)
+  const uint64_t trained = bytes_of(elements, trained_share);
   if (packed_param_chunks > 0 && c > 0 && in.grad_bytes == 4) {
     g.grad = packed_chunks * c;
     g.adam_m = g.adam_v = (packed_moment_chunks > 0 ? packed_moment_chunks : packed_chunks) * c;
     g.master = in.separate_master ? packed_chunks * c : 0;
     g.param = packed_param_chunks * c;
-    return g;
+  } else {
+    g.param = round_up(bytes_of(elements, param_bytes), c);
+    g.grad = round_up(trained * in.grad_bytes, c);
+    g.master = in.separate_master ? round_up(trained * 4, c) : 0;
+    g.adam_m = round_up(bytes_of(trained, in.moment_bytes), c);
+    g.adam_v = g.adam_m;
   }
-  g.param = round_up(bytes_of(elements, param_bytes), c);
-  const uint64_t trained = bytes_of(elements, trained_share);
-  g.grad = round_up(trained * in.grad_bytes, c);
-  g.master = in.separate_master ? round_up(trained * 4, c) : 0;
-  g.adam_m = round_up(bytes_of(trained, in.moment_bytes), c);
-  g.adam_v = g.adam_m;
+  if (in.optimizer_packs_small) {
+    // A group's even share of the chunks the groups fill together (SlicedKinds counts them exactly).
+    g.master = in.separate_master ? trained * 4 : 0;
+    g.adam_m = g.adam_v = bytes_of(trained, in.moment_bytes);
+  }
   return g;
 }
 
@@ -170,16 +175,23 @@ bool sliced_at(StateKind kind, int64_t world, int zero) {
 }
 
 // The largest share's slices of each kind sliced at the level, as the store packs them
-// (state_store.h, "Slices"); none without the store's tensors and chunk size.
+// (state_store.h, "Slices"), and the optimizer's whole kinds whose small groups pack on alike
+// (PlanInput::optimizer_packs_small); none without the store's tensors and chunk size.
 struct SlicedKinds {
   std::vector<std::pair<StateKind, StateStore::Packing>> packings;
   SlicedKinds(const PlanInput& in, int64_t world, int zero) {
     if (in.chunk_size == 0 || in.state_tensors.empty()) return;
     // The largest share's slices, so that every rank chooses the same homes.
     const std::vector<StateTensor>& tensors = in.sliced_share_tensors.empty() ? in.state_tensors : in.sliced_share_tensors;
-    for (StateKind k : in.state_layout.kinds())
-      if (sliced_at(k, world, zero))
+    for (StateKind k : in.state_layout.kinds()) {
+      if (sliced_at(k, world, zero)) {
         packings.emplace_back(k, StateStore::Packing(tensors, in.chunk_size, in.state_layout, k, true));
+      } else if (in.optimizer_packs_small) {
+        // Whole, but small groups pack on alike (the optimizer's kinds with LoRA).
+        StateStore::Packing whole(in.state_tensors, in.chunk_size, in.state_layout, k, false);
+        if (whole.packs_small()) packings.emplace_back(k, std::move(whole));
+      }
+    }
   }
   // The bytes per tier of each kind homed by `home`: the groups' slices share chunks, so a run
   // of groups homed alike takes the chunks their slices fill together, not a layer's even share

@@ -110,6 +110,10 @@ struct PlanInput {
   // A backward's FLOPs per forward FLOP: 2 (the data and the weight gradients), 1 with LoRA (the
   // frozen weights take no gradient; the adapters' own small GEMMs are not counted).
   double backward_factor = 2;
+  // The optimizer's kinds of the layers pack on from chunk to chunk, as the store packs small
+  // groups (StateStore::packs_small_group: LoRA's adapters): they are counted in bytes, and
+  // per tier as the store packs them, not as a chunk per layer.
+  bool optimizer_packs_small = false;
   // Whether the routed experts are trained (not with LoRA, whose adapters are on other projections).
   bool experts_trained = true;
   // Activations of one micro-batch.

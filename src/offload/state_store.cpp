@@ -121,6 +121,18 @@ Status StateStore::fill_order(const std::vector<uint64_t>& bytes, bool fills, co
   return Status::OK();
 }
 
+bool StateStore::packs_small_group(const std::vector<StateTensor>& tensors, const std::vector<Part>& parts,
+                                   const StateLayout& layout, StateKind kind, bool sliced, uint64_t chunk_bytes) {
+  if (kind != StateKind::kMaster && kind != StateKind::kAdamM && kind != StateKind::kAdamV) return false;
+  bool frozen = false;
+  uint64_t bytes = 0;
+  for (const Part& p : parts) {
+    for (size_t i : p.tensors) frozen = frozen || tensors[i].frozen;
+    bytes += part_bytes_of(tensors, p, layout, kind, sliced);
+  }
+  return frozen && bytes * kOwnChunkFraction < chunk_bytes;
+}
+
 bool StateStore::continues_group(int g, StateKind kind, bool sliced, const HomeOf& home, std::optional<Tier> last) {
   if (!sliced || g == 0) return false;
   return !home || last == home(g, kind, kDensePart);
@@ -134,7 +146,9 @@ StateStore::Packing::Packing(const std::vector<StateTensor>& tensors, uint64_t c
   for (const StateTensor& t : tensors) num_groups = std::max(num_groups, t.group + 1);
   const std::vector<std::vector<Part>> parts = make_parts(tensors, num_groups);
   groups_.resize(parts.size());
+  small_.resize(parts.size());
   for (size_t g = 0; g < parts.size(); ++g) {
+    small_[g] = packs_small_group(tensors, parts[g], layout, kind, sliced, chunk_bytes);
     for (size_t pi = 0; pi < parts[g].size(); ++pi) {
       PartBytes& p = groups_[g].emplace_back();
       p.id = parts[g][pi].id;
@@ -160,7 +174,7 @@ std::vector<std::vector<StateStore::PartChunks>> StateStore::Packing::count(cons
     for (size_t pi = 0; pi < groups_[g].size(); ++pi) {
       const PartBytes& part = groups_[g][pi];
       const uint64_t before = chunks;
-      const bool own = pi == 0 ? !continues_group(group, kind_, sliced_, home, last) : part.opens_own;
+      const bool own = pi == 0 ? !continues_group(group, kind_, sliced_ || small_[g], home, last) : part.opens_own;
       if (own) ++chunks, used = 0;
       const auto opens = [&](uint64_t bytes) {
         return chunks == 0 || round_up(used, kTensorAlignment) + bytes > chunk_bytes_;
@@ -250,6 +264,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
         fell_to = home;
         return added;
       };
+      const bool small = packs_small_group(s->tensors_, s->parts_[g], s->layout_, kind, sliced, so.chunk_bytes);
       for (size_t pi = 0; pi < s->parts_[g].size(); ++pi) {
         Part& part = s->parts_[g][pi];
         home = home_of(part.id);
@@ -261,7 +276,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(Device& device, IoEngine*
         // than each padding a chunk of its own: fetching one then brings its neighbours along.
         // Asked homes are compared, as Packing::count does: a tier that was full for the chunk
         // before is full for this group's too, which would fall back alike.
-        const bool own = pi == 0 ? !continues_group(g, kind, sliced, options.home, last_asked)
+        const bool own = pi == 0 ? !continues_group(g, kind, sliced || small, options.home, last_asked)
                                  : opens_own_chunk(s->tensors_, s->parts_[g], pi, s->layout_, kind, sliced,
                                                    so.chunk_bytes);
         const size_t chunks_before = s->space_->num_chunks();

@@ -39,6 +39,11 @@
 // where its moments live), never at once: the step's only concurrent acquisitions (an optimizer or
 // a communication thread beside compute) are of kinds ZeRO-1 holds whole.
 //
+// Small groups: a group with frozen tensors whose optimizer state (master, moments) is under half
+// a chunk packs it on from where the group before it ended too, as slices do (LoRA's adapters:
+// the chunk is sized for the frozen weights' compute copies, and a chunk per layer and kind would
+// be almost all padding). packs_small_group() says which.
+//
 // Ownership: the Device and IoEngine must outlive the store. Pointers from pointer() are valid
 // until the matching release. Thread safety: safe for concurrent use from several threads for
 // different groups (the ChunkSpace serializes), e.g. AdamW threads on host groups while compute
@@ -46,6 +51,7 @@
 // (see "Slices": that fails with InvalidArgument); acquire_parts() from one thread at a time.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -205,6 +211,8 @@ class StateStore {
     Packing(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes, const StateLayout& layout, StateKind kind,
             bool sliced);
     std::vector<std::vector<PartChunks>> count(const HomeOf& home = {}) const;
+    // Whether some group packs on as a small one (packs_small_group).
+    bool packs_small() const { return std::find(small_.begin(), small_.end(), true) != small_.end(); }
 
    private:
     struct PartBytes {
@@ -213,6 +221,7 @@ class StateStore {
       std::vector<uint64_t> bytes;  // each tensor's, in order
     };
     std::vector<std::vector<PartBytes>> groups_;
+    std::vector<bool> small_;  // per group: packs_small_group
     uint64_t chunk_bytes_ = 0;
     StateKind kind_ = StateKind::kParam;
     bool sliced_ = false;
@@ -383,9 +392,17 @@ class StateStore {
   // The parts of each group: the dense part first, then the others by id; each lists its
   // tensors (indices into `tensors`) in order.
   static std::vector<std::vector<Part>> make_parts(const std::vector<StateTensor>& tensors, int num_groups);
-  // Whether group g's slices of `kind` may continue in the chunk before them: the kind is sliced,
-  // g is not the first group, and `home` (when given) homes g's dense part where `last` (the tier
-  // of the part that opened the chunk before) is.
+  // Whether a group's state of `kind` is small enough to pack on from the chunk before it though
+  // it is whole: the optimizer's own kinds (master, moments) of a group with frozen tensors, whose
+  // trained tensors hold under 1/kOwnChunkFraction of a chunk of them (LoRA's adapters, in chunks
+  // sized for the frozen weights' compute copies). Only the optimizer acquires these kinds, one
+  // group at a time in the tier they live in, so two groups sharing a chunk never meet in two
+  // tiers. Full fine-tuning never packs so.
+  static bool packs_small_group(const std::vector<StateTensor>& tensors, const std::vector<Part>& parts,
+                                const StateLayout& layout, StateKind kind, bool sliced, uint64_t chunk_bytes);
+  // Whether group g's state of `kind` may continue in the chunk before it: the kind is sliced (or
+  // the group small, packs_small_group), g is not the first group, and `home` (when given) homes
+  // g's dense part where `last` (the tier of the part that opened the chunk before) is.
   static bool continues_group(int g, StateKind kind, bool sliced, const HomeOf& home, std::optional<Tier> last);
   // Index in parts_[group]. REQUIRES: the group has the part.
   size_t part_index(int group, int part) const;

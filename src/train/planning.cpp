@@ -437,6 +437,9 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
                       ? static_cast<int>(std::max<int64_t>(t.parallel_expert, 1)) : 1;
     const std::vector<StateTensor> tensors = PagedState::store_tensors(layout, state, rank, W, P);
     in.expert_chunks = expert_chunks(tensors, t.chunk_size, state, L, /*sliced=*/false);
+    in.optimizer_packs_small =
+        state.has(StateKind::kAdamM) &&
+        StateStore::Packing(tensors, t.chunk_size, state, StateKind::kAdamM, /*sliced=*/false).packs_small();
     if (W > 1) {
       const SlicedShares shares = sliced_shares(m, layout, state, t.chunk_size, W, P);
       in.sliced_share_tensors = shares.largest;

@@ -307,6 +307,11 @@ TEST_P(Fp8RecipeTest, LoraAdaptersPageBitwiseAndTheBaseHasNoTrainingState) {
   EXPECT_EQ(PagedState::state_bytes(layout, state, StateKind::kAdamM), adapter_moment_bytes);
   EXPECT_EQ(PagedState::state_bytes(layout, state, StateKind::kMaster),
             state.separate_master() ? adapter_elements * sizeof(float) : 0);
+  // The layers' moments are far under a chunk (sized for the frozen copies): they pack on from
+  // chunk to chunk instead of each layer opening one (StateStore::packs_small_group).
+  uint64_t moment_chunks = 0;
+  for (uint64_t n : PagedState::group_chunks(layout, c, state, StateKind::kAdamM)) moment_chunks += n;
+  EXPECT_LT(moment_chunks, static_cast<uint64_t>(mc.num_hidden_layers)) << "each layer's moments opened a chunk";
 
 }
 
