@@ -262,4 +262,44 @@ class CudaFp8Ops : public CudaOps {
   DeviceAllocation operands_;
 };
 
+// The nf4 base on CUDA (LoRA's frozen linear weights as NF4, lora.base=nf4; its CPU reference is
+// CpuNf4Ops): the bf16 recipe, except that each linear op first dequantises its weight's NF4 bytes
+// into a bf16 buffer (kernels/cuda/nf4.h: exactly the values CpuNf4Ops rounds to) and runs the
+// bf16 op on them, on the same stream, so the buffer is reused op after op. The experts run as a
+// loop over experts of those ops (kernels/experts_loop.h). The weights are frozen: weight
+// gradients of them must be null. The members declared here hide CudaOps' of the same name.
+class CudaNf4Ops : public CudaOps {
+ public:
+  static constexpr DType kWeightDType = DType::kNF4;
+  static constexpr const char* kName = "cuda nf4 base";
+
+  // As CudaOps::create.
+  static Result<CudaNf4Ops> create(Device& device);
+
+  // weight: the NF4 bytes of (OC, IC).
+  void linear_forward(Act* out, const Act* x, const W* weight, const W* bias, int64_t N, int64_t IC, int64_t OC);
+  void linear_forward_residual(Act* out, const Act* x, const W* weight, const Act* residual, int64_t N, int64_t IC,
+                               int64_t OC);
+  void linear_backward(Act* dx, float* dweight, float* dbias, const Act* dout, const Act* x, const W* weight,
+                       int64_t N, int64_t IC, int64_t OC);
+  // dx (N,IC) = round(dx + dout @ W), one rounding (cuBLASLt's beta = 1 onto the bf16 output), as
+  // CpuBf16Ops::accumulate_data_grad: the experts' second data gradient onto the first.
+  void accumulate_data_grad(Act* dx, float* dweight, const Act* dout, const Act* x, const W* weight, int64_t N,
+                            int64_t IC, int64_t OC);
+  // expert_offsets in device memory (read back to the host, which synchronises the stream).
+  void moe_experts_forward(Act* ys, Act* gate, Act* up, Act* act, const Act* xs, const int64_t* expert_offsets,
+                           const ExpertTensors<const W>& w, int64_t E, int64_t C, int64_t F);
+  void moe_experts_backward(Act* dxs, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact, const Act* dys,
+                            const Act* xs, const Act* gate, const Act* up, const Act* act,
+                            const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E, int64_t C,
+                            int64_t F);
+
+ private:
+  explicit CudaNf4Ops(CudaOps&& base) : CudaOps(std::move(base)) {}
+  // The (OC, IC) weight at `weight` (NF4 bytes) dequantised into weight_'s bf16 buffer.
+  const W* dequantized(const W* weight, int64_t OC, int64_t IC);
+
+  DeviceAllocation weight_;
+};
+
 }  // namespace strata::kernels

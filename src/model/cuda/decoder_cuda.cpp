@@ -12,6 +12,7 @@ namespace strata::model {
 
 template class Decoder<kernels::CudaOps>;
 template class Decoder<kernels::CudaFp8Ops>;
+template class Decoder<kernels::CudaNf4Ops>;
 
 Status cuda_supports(const ModelConfig& config, DType compute) {
   RETURN_IF_ERROR(config.validate("model"));
@@ -19,12 +20,9 @@ Status cuda_supports(const ModelConfig& config, DType compute) {
     return Status::Unimplemented(fmt::format("the CUDA attention kernel runs head_dim 64 and 128, not {}; train this "
                                              "model on the cpu (run.device=cpu)",
                                              config.head_dim));
-  if (compute == DType::kNF4)
-    return Status::Unimplemented("an nf4 base (lora.base=nf4) does not run on the CUDA backend yet: its NF4 weights "
-                                 "have a dequantising kernel but no GEMM path there; use lora.base=bf16 or fp8 on the "
-                                 "GPU, or nf4 on the cpu (run.device=cpu)");
-  if (compute != DType::kBF16 && compute != DType::kF8E4M3)
-    return Status::Unimplemented(fmt::format("the CUDA backend computes in the bf16 and fp8 recipes, not with {} "
+  if (compute != DType::kBF16 && compute != DType::kF8E4M3 && compute != DType::kNF4)
+    return Status::Unimplemented(fmt::format("the CUDA backend computes in the bf16 and fp8 recipes (and bf16 over an "
+                                             "nf4 base), not with {} "
                                              "weights; train.precision=fp32 runs on the cpu (run.device=cpu)",
                                              dtype_name(compute)));
   if (compute == DType::kF8E4M3) {
@@ -67,6 +65,7 @@ Result<std::unique_ptr<Model>> make_cuda_decoder(Device& device, const ModelConf
   if (device.kind() != DeviceKind::kCuda)
     return Status::InvalidArgument("the CUDA decoder needs a CUDA device, not " + device.name());
   if (compute == DType::kF8E4M3) return make_decoder<kernels::CudaFp8Ops>(device, config);
+  if (compute == DType::kNF4) return make_decoder<kernels::CudaNf4Ops>(device, config);
   return make_decoder<kernels::CudaOps>(device, config);
 }
 
