@@ -30,6 +30,7 @@
 #include "../test_util.h"
 #include "core/cpu_device.h"
 #include "gpu_test_util.h"
+#include "model_test_util.h"
 #include "model/config.h"
 #include "model/cuda/decoder_cuda.h"
 #include "model/decoder.h"
@@ -95,73 +96,6 @@ OptimizerConfig adam_config() {
   return opt;
 }
 
-// A decoder of the fp8 recipe over a PagedState on `device` (device_bytes of chunks there, the
-// rest in host memory); on the CPU also of the bf16 recipe (compute kBF16), the scale printed.
-struct Fp8Model {
-  std::unique_ptr<Device> device;
-  std::unique_ptr<StateKernels> kernels;
-  std::unique_ptr<model::Model> net;
-  std::unique_ptr<PagedState> state;
-
-  Fp8Model(const model::ModelConfig& config, bool cuda, uint64_t device_bytes = uint64_t{1} << 30,
-           DType compute = DType::kF8E4M3) {
-    Result<std::unique_ptr<Device>> d = cuda ? open_device("cuda", 0, uint64_t{8} << 30) : open_device("cpu", 0, 0);
-    CHECK_MSG(d.ok(), d.status().to_string());
-    device = std::move(d).value();
-    if (cuda) {
-      Result<std::unique_ptr<StateKernels>> k = make_cuda_state_kernels(*device);
-      CHECK_MSG(k.ok(), k.status().to_string());
-      kernels = std::move(k).value();
-      Result<std::unique_ptr<model::Model>> m = model::make_cuda_decoder(*device, config, DType::kF8E4M3);
-      CHECK_MSG(m.ok(), m.status().to_string());
-      net = std::move(m).value();
-    } else {
-      net = model::make_cpu_decoder(compute, config, device.get());
-    }
-    PagedStateOptions po;
-    po.device_bytes = device_bytes;
-    po.host_bytes = uint64_t{1} << 30;
-    po.optimizer = adam_config();
-    po.precision = compute == DType::kF8E4M3 ? Precision::kFp8 : Precision::kBf16;
-    po.device_kernels = kernels.get();
-    Result<std::unique_ptr<PagedState>> s = PagedState::create(*device, nullptr, net->layout(), po);
-    CHECK_MSG(s.ok(), s.status().to_string());
-    state = std::move(s).value();
-    net->set_access(state.get());
-  }
-  ~Fp8Model() {
-    net->set_access(nullptr);
-    state.reset();
-    net.reset();
-    kernels.reset();
-  }
-  std::vector<float> grads() {
-    std::vector<float> g(static_cast<size_t>(net->layout().total_size()));
-    CHECK(state->store_grads(g.data()).ok());
-    return g;
-  }
-  std::vector<float> params() {
-    std::vector<float> p(static_cast<size_t>(net->layout().total_size()));
-    CHECK(state->store_params(p.data()).ok());
-    return p;
-  }
-};
-
-struct Batch {
-  std::vector<int32_t> inputs, targets;
-};
-
-Batch random_batch(int64_t n, int64_t vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab - 1));
-  Batch b;
-  for (int64_t i = 0; i < n; ++i) {
-    b.inputs.push_back(token(rng));
-    b.targets.push_back(i % 7 == 5 ? -1 : token(rng));
-  }
-  return b;
-}
-
 std::vector<float> initial_params(const model::ModelConfig& config, uint64_t seed) {
   const model::ParamLayout layout(config);
   std::vector<float> params(static_cast<size_t>(layout.total_size()));
@@ -169,22 +103,13 @@ std::vector<float> initial_params(const model::ModelConfig& config, uint64_t see
   return params;
 }
 
-double cosine(const float* a, const float* b, int64_t n) {
-  double ab = 0, aa = 0, bb = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    ab += double(a[i]) * b[i];
-    aa += double(a[i]) * a[i];
-    bb += double(b[i]) * b[i];
-  }
-  return ab / (std::sqrt(aa) * std::sqrt(bb));
-}
-
 class Fp8ModelParity : public ::testing::TestWithParam<bool> {};
 
 TEST_P(Fp8ModelParity, LossAndEveryGradientMatchTheCpuRecipe) {
   const model::ModelConfig config = GetParam() ? moe_config() : dense_config();
-  Fp8Model gpu(config, /*cuda=*/true), cpu(config, /*cuda=*/false);
-  Fp8Model bf16(config, /*cuda=*/false, uint64_t{1} << 30, DType::kBF16);
+  PagedModel gpu(config, /*cuda=*/true, DType::kF8E4M3, adam_config());
+  PagedModel cpu(config, /*cuda=*/false, DType::kF8E4M3, adam_config());
+  PagedModel bf16(config, /*cuda=*/false, DType::kBF16, adam_config());
   const std::vector<float> init = initial_params(config, 31);
   ASSERT_TRUE(gpu.state->load_params(init.data()).ok());
   ASSERT_TRUE(cpu.state->load_params(init.data()).ok());
@@ -224,7 +149,7 @@ TEST_P(Fp8ModelParity, StepsTrackTheCpuRecipeAndPagingIsBitwise) {
   const int64_t B = 2, T = 64;
   const uint64_t state_bytes = static_cast<uint64_t>(model::ParamLayout(config).total_size()) * 17;  // fp8 recipe: 1 + 4 x 4 bytes
   auto run = [&](bool cuda, uint64_t device_bytes, std::vector<double>& losses) {
-    Fp8Model m(config, cuda, device_bytes);
+    PagedModel m(config, cuda, DType::kF8E4M3, adam_config(), device_bytes);
     CHECK(m.state->load_params(init.data()).ok());
     for (int step = 0; step < 3; ++step) {
       CHECK(m.state->zero_grads().ok());

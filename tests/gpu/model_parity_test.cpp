@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "gpu_test_util.h"
+#include "model_test_util.h"
 #include "model/config.h"
 #include "model/cuda/decoder_cuda.h"
 #include "model/decoder.h"
@@ -100,22 +101,6 @@ ModelConfig tiny_config(const Variant& v) {
   c.qk_norm = v.qwen_extras;
   c.fill_defaults();
   return c;
-}
-
-struct Batch {
-  std::vector<int32_t> inputs;   // (B, T)
-  std::vector<int32_t> targets;  // (B, T), -1 = ignored
-};
-
-Batch random_batch(int64_t n, int64_t vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab - 1));
-  Batch b;
-  for (int64_t i = 0; i < n; ++i) {
-    b.inputs.push_back(token(rng));
-    b.targets.push_back(i % 7 == 5 ? -1 : token(rng));  // some targets ignored, like padding
-  }
-  return b;
 }
 
 // The standard init, with norm gains and biases moved off 1 and 0 so that a misplaced gain or

@@ -22,6 +22,7 @@
 #include "../test_util.h"
 #include "core/cpu_device.h"
 #include "gpu_test_util.h"
+#include "model_test_util.h"
 #include "model/config.h"
 #include "model/cuda/decoder_cuda.h"
 #include "model/decoder.h"
@@ -34,6 +35,13 @@ namespace {
 constexpr double kLossTol = 5e-3;
 constexpr double kGradRelTol = 2.5e-2;
 constexpr double kGradCosineMin = 0.999;
+
+OptimizerConfig adam_config() {
+  OptimizerConfig opt;
+  opt.weight_decay = 0.1f;
+  opt.grad_clip = 1.0f;
+  return opt;
+}
 
 model::ModelConfig with_lora(model::ModelConfig c) {
   c.lora.rank = 8;
@@ -70,72 +78,6 @@ model::ModelConfig moe_config() {
   return with_lora(*c);
 }
 
-// A decoder over a PagedState of the nf4 recipe on `device` (device_bytes of chunks there).
-struct Nf4Model {
-  std::unique_ptr<Device> device;
-  std::unique_ptr<StateKernels> kernels;
-  std::unique_ptr<model::Model> net;
-  std::unique_ptr<PagedState> state;
-
-  Nf4Model(const model::ModelConfig& config, bool cuda, uint64_t device_bytes = uint64_t{1} << 30) {
-    Result<std::unique_ptr<Device>> d = cuda ? open_device("cuda", 0, uint64_t{8} << 30) : open_device("cpu", 0, 0);
-    CHECK_MSG(d.ok(), d.status().to_string());
-    device = std::move(d).value();
-    if (cuda) {
-      Result<std::unique_ptr<StateKernels>> k = make_cuda_state_kernels(*device);
-      CHECK_MSG(k.ok(), k.status().to_string());
-      kernels = std::move(k).value();
-      Result<std::unique_ptr<model::Model>> m = model::make_cuda_decoder(*device, config, DType::kNF4);
-      CHECK_MSG(m.ok(), m.status().to_string());
-      net = std::move(m).value();
-    } else {
-      net = model::make_cpu_decoder(DType::kNF4, config, device.get());
-    }
-    PagedStateOptions po;
-    po.device_bytes = device_bytes;
-    po.host_bytes = uint64_t{1} << 30;
-    po.optimizer.weight_decay = 0.1f;
-    po.optimizer.grad_clip = 1.0f;
-    po.precision = Precision::kNf4;
-    po.device_kernels = kernels.get();
-    Result<std::unique_ptr<PagedState>> s = PagedState::create(*device, nullptr, net->layout(), po);
-    CHECK_MSG(s.ok(), s.status().to_string());
-    state = std::move(s).value();
-    net->set_access(state.get());
-  }
-  ~Nf4Model() {
-    net->set_access(nullptr);
-    state.reset();
-    net.reset();
-    kernels.reset();
-  }
-  std::vector<float> grads() {
-    std::vector<float> g(static_cast<size_t>(net->layout().total_size()));
-    CHECK(state->store_grads(g.data()).ok());
-    return g;
-  }
-  std::vector<float> params() {
-    std::vector<float> p(static_cast<size_t>(net->layout().total_size()));
-    CHECK(state->store_params(p.data()).ok());
-    return p;
-  }
-};
-
-struct Batch {
-  std::vector<int32_t> inputs, targets;
-};
-
-Batch random_batch(int64_t n, int64_t vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab - 1));
-  Batch b;
-  for (int64_t i = 0; i < n; ++i) {
-    b.inputs.push_back(token(rng));
-    b.targets.push_back(i % 7 == 5 ? -1 : token(rng));
-  }
-  return b;
-}
-
 // The fp32 weights both start from, with every lora_B drawn nonzero (it starts at zero, which
 // would leave every A's gradient zero).
 std::vector<float> initial_params(const model::ModelConfig& config, uint64_t seed) {
@@ -150,21 +92,12 @@ std::vector<float> initial_params(const model::ModelConfig& config, uint64_t see
   return params;
 }
 
-double cosine(const float* a, const float* b, int64_t n) {
-  double ab = 0, aa = 0, bb = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    ab += double(a[i]) * b[i];
-    aa += double(a[i]) * a[i];
-    bb += double(b[i]) * b[i];
-  }
-  return ab / (std::sqrt(aa) * std::sqrt(bb));
-}
-
 class Nf4ModelParity : public ::testing::TestWithParam<bool> {};
 
 TEST_P(Nf4ModelParity, LossAndEveryAdapterGradientMatchTheCpuRecipe) {
   const model::ModelConfig config = GetParam() ? moe_config() : dense_config();
-  Nf4Model gpu(config, /*cuda=*/true), cpu(config, /*cuda=*/false);
+  PagedModel gpu(config, /*cuda=*/true, DType::kNF4, adam_config());
+  PagedModel cpu(config, /*cuda=*/false, DType::kNF4, adam_config());
   const std::vector<float> init = initial_params(config, 41);
   ASSERT_TRUE(gpu.state->load_params(init.data()).ok());
   ASSERT_TRUE(cpu.state->load_params(init.data()).ok());
@@ -206,7 +139,7 @@ TEST_P(Nf4ModelParity, StepsTrackTheCpuRecipeAndPagingIsBitwise) {
   const uint64_t chunk = PagedState::auto_chunk_bytes(model::ParamLayout(config), StateLayout::of(Precision::kNf4));
   const uint64_t tight = (GetParam() ? 24 : 8) * chunk;
   auto run = [&](bool cuda, uint64_t device_bytes, std::vector<double>& losses) {
-    Nf4Model m(config, cuda, device_bytes);
+    PagedModel m(config, cuda, DType::kNF4, adam_config(), device_bytes);
     CHECK(m.state->load_params(init.data()).ok());
     for (int step = 0; step < 3; ++step) {
       CHECK(m.state->zero_grads().ok());
