@@ -145,35 +145,9 @@ TEST_P(Fp8ModelParity, LossAndEveryGradientMatchTheCpuRecipe) {
 // through host memory (a device budget a third of the state's) is bitwise the resident run.
 TEST_P(Fp8ModelParity, StepsTrackTheCpuRecipeAndPagingIsBitwise) {
   const model::ModelConfig config = GetParam() ? moe_config() : dense_config();
-  const std::vector<float> init = initial_params(config, 37);
-  const int64_t B = 2, T = 64;
   const uint64_t state_bytes = static_cast<uint64_t>(model::ParamLayout(config).total_size()) * 17;  // fp8 recipe: 1 + 4 x 4 bytes
-  auto run = [&](bool cuda, uint64_t device_bytes, std::vector<double>& losses) {
-    PagedModel m(config, cuda, DType::kF8E4M3, adam_config(), device_bytes);
-    CHECK(m.state->load_params(init.data()).ok());
-    for (int step = 0; step < 3; ++step) {
-      CHECK(m.state->zero_grads().ok());
-      const Batch b = random_batch(B * T, config.vocab_size, 50 + step);
-      Result<double> loss = m.net->compute(b.inputs.data(), b.targets.data(), B, T, 1.0f / (B * T), true);
-      CHECK_MSG(loss.ok(), loss.status().to_string());
-      losses.push_back(*loss);
-      Result<double> norm = m.state->clip_and_step(1e-3f);
-      CHECK_MSG(norm.ok(), norm.status().to_string());
-      losses.push_back(*norm);
-    }
-    return m.params();
-  };
-  std::vector<double> cpu_losses, resident_losses, paged_losses;
-  run(false, uint64_t{1} << 30, cpu_losses);
-  const std::vector<float> resident = run(true, uint64_t{1} << 30, resident_losses);
-  const std::vector<float> paged = run(true, state_bytes / 3, paged_losses);
-  for (size_t i = 0; i < cpu_losses.size(); i += 2) {
-    const double err = std::abs(resident_losses[i] - cpu_losses[i]) / std::abs(cpu_losses[i]);
-    std::printf("step %zu: loss gpu %.6f cpu %.6f (rel %.2e)\n", i / 2 + 1, resident_losses[i], cpu_losses[i], err);
-    EXPECT_TRUE(err <= kLossTol) << "step " << i / 2 + 1;
-  }
-  EXPECT_EQ(paged_losses, resident_losses) << "paging changed the losses or gradient norms";
-  EXPECT_TRUE(paged == resident) << "paging changed the parameters";
+  expect_steps_track_cpu_and_page_bitwise(config, DType::kF8E4M3, adam_config(), initial_params(config, 37),
+                                          state_bytes / 3, 50, kLossTol);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, Fp8ModelParity, ::testing::Values(false, true),

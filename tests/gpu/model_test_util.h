@@ -2,7 +2,10 @@
 // and a decoder of some recipe over a PagedState on the GPU or on the CPU.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -98,5 +101,42 @@ struct PagedModel {
     return p;
   }
 };
+
+// Three AdamW steps (lr 1e-3) of a B x T batch each, from `init`, on the CPU, on the GPU with
+// room and on the GPU with `tight_device_bytes` of device chunks: each step's loss on the GPU
+// within loss_tol of the CPU's (relative), and the tight run's losses, gradient norms and final
+// parameters bitwise the roomy run's.
+inline void expect_steps_track_cpu_and_page_bitwise(const model::ModelConfig& config, DType compute,
+                                                    const OptimizerConfig& optimizer, const std::vector<float>& init,
+                                                    uint64_t tight_device_bytes, uint64_t batch_seed,
+                                                    double loss_tol) {
+  const int64_t B = 2, T = 64;
+  auto run = [&](bool cuda, uint64_t device_bytes, std::vector<double>& losses) {
+    PagedModel m(config, cuda, compute, optimizer, device_bytes);
+    CHECK(m.state->load_params(init.data()).ok());
+    for (int step = 0; step < 3; ++step) {
+      CHECK(m.state->zero_grads().ok());
+      const Batch b = random_batch(B * T, config.vocab_size, batch_seed + static_cast<uint64_t>(step));
+      Result<double> loss = m.net->compute(b.inputs.data(), b.targets.data(), B, T, 1.0f / (B * T), true);
+      CHECK_MSG(loss.ok(), loss.status().to_string());
+      losses.push_back(*loss);
+      Result<double> norm = m.state->clip_and_step(1e-3f);
+      CHECK_MSG(norm.ok(), norm.status().to_string());
+      losses.push_back(*norm);
+    }
+    return m.params();
+  };
+  std::vector<double> cpu_losses, resident_losses, paged_losses;
+  run(false, uint64_t{1} << 30, cpu_losses);
+  const std::vector<float> resident = run(true, uint64_t{1} << 30, resident_losses);
+  const std::vector<float> paged = run(true, tight_device_bytes, paged_losses);
+  for (size_t i = 0; i < cpu_losses.size(); i += 2) {
+    const double err = std::abs(resident_losses[i] - cpu_losses[i]) / std::abs(cpu_losses[i]);
+    std::printf("step %zu: loss gpu %.6f cpu %.6f (rel %.2e)\n", i / 2 + 1, resident_losses[i], cpu_losses[i], err);
+    EXPECT_TRUE(err <= loss_tol) << "step " << i / 2 + 1;
+  }
+  EXPECT_EQ(paged_losses, resident_losses) << "paging changed the losses or gradient norms";
+  EXPECT_TRUE(paged == resident) << "paging changed the parameters";
+}
 
 }  // namespace strata::testing

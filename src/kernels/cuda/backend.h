@@ -31,6 +31,7 @@
 #include "kernels/attention_choice.h"
 #include "kernels/columns.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/experts_loop.h"
 #include "kernels/lora.h"
 #include "kernels/micro_batch_shape.h"
 #include "kernels/moe.h"
@@ -214,6 +215,30 @@ class CudaOps {
   bool logged_document_masks_ = false;  // the WMMA kernel's taking document-masked batches, said once
 };
 
+// An op set of CudaOps whose experts run as a loop over experts of Self's own linear ops
+// (kernels/experts_loop.h; Self has accumulate_data_grad), each expert's weights in Self's
+// format: the expert offsets are read back to the host, which synchronises the stream.
+template <class Self>
+class CudaLoopedExperts : public CudaOps {
+ public:
+  void moe_experts_forward(Act* ys, Act* gate, Act* up, Act* act, const Act* xs, const int64_t* expert_offsets,
+                           const ExpertTensors<const W>& w, int64_t E, int64_t C, int64_t F) {
+    const int64_t* offsets = expert_offsets_on_host(expert_offsets, E);
+    looped_experts::forward(static_cast<Self&>(*this), ys, gate, up, act, xs, offsets, w, E, C, F);
+  }
+  void moe_experts_backward(Act* dxs, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact, const Act* dys,
+                            const Act* xs, const Act* gate, const Act* up, const Act* act,
+                            const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E, int64_t C,
+                            int64_t F) {
+    const int64_t* offsets = expert_offsets_on_host(expert_offsets, E);
+    looped_experts::backward(static_cast<Self&>(*this), dxs, dw, dgate, dup, dact, dys, xs, gate, up, act, offsets, w,
+                             E, C, F);
+  }
+
+ protected:
+  explicit CudaLoopedExperts(CudaOps&& base) : CudaOps(std::move(base)) {}
+};
+
 // The fp8 recipe on CUDA (DeepSeek-V3's; its CPU reference is CpuFp8Ops, kernels/cpu/backend.h):
 // the bf16 recipe, except that the linear layers' GEMMs (attention and MLP projections, the
 // experts, the shared expert) read E4M3 operands with block scales (kernels/cuda/fp8.h's
@@ -222,7 +247,7 @@ class CudaOps {
 // linear ops (kernels/experts_loop.h), as CpuFp8Ops runs them. Embedding, norms, attention,
 // router, the shared expert's gate, the LM head and the LoRA adapters (bf16 tensors, not fp8
 // linear weights) are the bf16 recipe's. The members declared here hide CudaOps' of the same name.
-class CudaFp8Ops : public CudaOps {
+class CudaFp8Ops : public CudaLoopedExperts<CudaFp8Ops> {
  public:
   static constexpr DType kWeightDType = DType::kF8E4M3;
   static constexpr const char* kName = "cuda fp8";
@@ -244,17 +269,9 @@ class CudaFp8Ops : public CudaOps {
   // expert): the experts' second data gradient accumulating onto the first (kernels/experts_loop.h).
   void accumulate_data_grad(Act* dx, float* dweight, const Act* dout, const Act* x, const W* weight, int64_t N,
                             int64_t IC, int64_t OC);
-  // w: each expert's gate, up (F, C) and down (C, F) as E4M3 blocks; expert_offsets in device
-  // memory (read back to the host, which synchronises the stream).
-  void moe_experts_forward(Act* ys, Act* gate, Act* up, Act* act, const Act* xs, const int64_t* expert_offsets,
-                           const ExpertTensors<const W>& w, int64_t E, int64_t C, int64_t F);
-  void moe_experts_backward(Act* dxs, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact, const Act* dys,
-                            const Act* xs, const Act* gate, const Act* up, const Act* act,
-                            const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E, int64_t C,
-                            int64_t F);
 
  private:
-  explicit CudaFp8Ops(CudaOps&& base) : CudaOps(std::move(base)) {}
+  explicit CudaFp8Ops(CudaOps&& base) : CudaLoopedExperts(std::move(base)) {}
   // The operand buffer for a linear layer of N tokens (grown, after the stream drains, when a
   // call needs more than activation_block planned).
   void* operands(int64_t N, int64_t IC, int64_t OC);
@@ -268,7 +285,7 @@ class CudaFp8Ops : public CudaOps {
 // bf16 op on them, on the same stream, so the buffer is reused op after op. The experts run as a
 // loop over experts of those ops (kernels/experts_loop.h). The weights are frozen: weight
 // gradients of them must be null. The members declared here hide CudaOps' of the same name.
-class CudaNf4Ops : public CudaOps {
+class CudaNf4Ops : public CudaLoopedExperts<CudaNf4Ops> {
  public:
   static constexpr DType kWeightDType = DType::kNF4;
   static constexpr const char* kName = "cuda nf4 base";
@@ -286,16 +303,9 @@ class CudaNf4Ops : public CudaOps {
   // CpuBf16Ops::accumulate_data_grad: the experts' second data gradient onto the first.
   void accumulate_data_grad(Act* dx, float* dweight, const Act* dout, const Act* x, const W* weight, int64_t N,
                             int64_t IC, int64_t OC);
-  // expert_offsets in device memory (read back to the host, which synchronises the stream).
-  void moe_experts_forward(Act* ys, Act* gate, Act* up, Act* act, const Act* xs, const int64_t* expert_offsets,
-                           const ExpertTensors<const W>& w, int64_t E, int64_t C, int64_t F);
-  void moe_experts_backward(Act* dxs, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact, const Act* dys,
-                            const Act* xs, const Act* gate, const Act* up, const Act* act,
-                            const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E, int64_t C,
-                            int64_t F);
 
  private:
-  explicit CudaNf4Ops(CudaOps&& base) : CudaOps(std::move(base)) {}
+  explicit CudaNf4Ops(CudaOps&& base) : CudaLoopedExperts(std::move(base)) {}
   // The (OC, IC) weight at `weight` (NF4 bytes) dequantised into weight_'s bf16 buffer.
   const W* dequantized(const W* weight, int64_t OC, int64_t IC);
 

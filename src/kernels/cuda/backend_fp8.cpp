@@ -3,7 +3,6 @@
 
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/fp8.h"
-#include "kernels/experts_loop.h"
 #include "kernels/fp8_operands.h"
 
 namespace strata::kernels {
@@ -55,21 +54,6 @@ void CudaFp8Ops::accumulate_data_grad(Act* dx, float* dweight, const Act* dout, 
                                       int64_t N, int64_t IC, int64_t OC) {
   cuda::fp8_linear_backward(*ctx_, operands(N, IC, OC), dx, /*accumulate_dx=*/true, dweight, nullptr, dout, x,
                             codes(weight), N, IC, OC, stream_);
-}
-
-void CudaFp8Ops::moe_experts_forward(Act* ys, Act* gate, Act* up, Act* act, const Act* xs,
-                                     const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E,
-                                     int64_t C, int64_t F) {
-  const int64_t* offsets = expert_offsets_on_host(expert_offsets, E);
-  looped_experts::forward(*this, ys, gate, up, act, xs, offsets, w, E, C, F);
-}
-
-void CudaFp8Ops::moe_experts_backward(Act* dxs, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact,
-                                      const Act* dys, const Act* xs, const Act* gate, const Act* up, const Act* act,
-                                      const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E,
-                                      int64_t C, int64_t F) {
-  const int64_t* offsets = expert_offsets_on_host(expert_offsets, E);
-  looped_experts::backward(*this, dxs, dw, dgate, dup, dact, dys, xs, gate, up, act, offsets, w, E, C, F);
 }
 
 }  // namespace strata::kernels

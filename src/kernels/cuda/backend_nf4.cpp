@@ -5,7 +5,6 @@
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/nf4.h"
 #include "kernels/cuda/ops.h"
-#include "kernels/experts_loop.h"
 
 namespace strata::kernels {
 
@@ -44,21 +43,6 @@ void CudaNf4Ops::accumulate_data_grad(Act* dx, float* dweight, const Act* dout, 
   // dx (N,IC) += dout (N,OC) @ weight (OC,IC), the sum rounded once into bf16.
   cuda::gemm(*ctx_, false, false, N, IC, OC, 1.0f, dout, OC, dequantized(weight, OC, IC), IC, 1.0f, dx, IC,
              /*c_is_fp32=*/false, nullptr, stream_);
-}
-
-void CudaNf4Ops::moe_experts_forward(Act* ys, Act* gate, Act* up, Act* act, const Act* xs,
-                                     const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E,
-                                     int64_t C, int64_t F) {
-  const int64_t* offsets = expert_offsets_on_host(expert_offsets, E);
-  looped_experts::forward(*this, ys, gate, up, act, xs, offsets, w, E, C, F);
-}
-
-void CudaNf4Ops::moe_experts_backward(Act* dxs, const ExpertTensors<float>& dw, Act* dgate, Act* dup, Act* dact,
-                                      const Act* dys, const Act* xs, const Act* gate, const Act* up, const Act* act,
-                                      const int64_t* expert_offsets, const ExpertTensors<const W>& w, int64_t E,
-                                      int64_t C, int64_t F) {
-  const int64_t* offsets = expert_offsets_on_host(expert_offsets, E);
-  looped_experts::backward(*this, dxs, dw, dgate, dup, dact, dys, xs, gate, up, act, offsets, w, E, C, F);
 }
 
 }  // namespace strata::kernels
