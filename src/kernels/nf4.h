@@ -28,8 +28,11 @@
 // each up to fp32 rounding. Inputs must be finite (the loader checks weights before quantising).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+
+#include "kernels/micro_batch_shape.h"
 
 namespace strata::kernels {
 
@@ -56,6 +59,13 @@ struct Nf4Layout {
   uint64_t bytes = 0;  // the whole buffer
 };
 Nf4Layout nf4_layout(int64_t n);
+
+// The bf16 buffer an op set that dequantises each weight before its GEMM (CUDA's) needs: the
+// largest linear weight of a micro-batch of `shape`'s model, C x max(F, 2C) (an MTP module's
+// projection is C x 2C).
+inline uint64_t nf4_dequantized_weight_bytes(const MicroBatchShape& shape) {
+  return static_cast<uint64_t>(shape.C) * static_cast<uint64_t>(std::max(shape.F, 2 * shape.C)) * 2;
+}
 
 // Quantises n finite elements into `out` (nf4_layout(n).bytes bytes).
 void nf4_quantize(const float* x, int64_t n, uint8_t* out);

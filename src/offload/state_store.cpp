@@ -149,6 +149,8 @@ StateStore::Packing::Packing(const std::vector<StateTensor>& tensors, uint64_t c
   small_.resize(parts.size());
   for (size_t g = 0; g < parts.size(); ++g) {
     small_[g] = packs_small_group(tensors, parts[g], layout, kind, sliced, chunk_bytes);
+    for (const Part& p : parts[g])
+      packs_small_trained_ = packs_small_trained_ || (small_[g] && part_bytes_of(tensors, p, layout, kind, sliced) > 0);
     for (size_t pi = 0; pi < parts[g].size(); ++pi) {
       PartBytes& p = groups_[g].emplace_back();
       p.id = parts[g][pi].id;

@@ -211,8 +211,9 @@ class StateStore {
     Packing(const std::vector<StateTensor>& tensors, uint64_t chunk_bytes, const StateLayout& layout, StateKind kind,
             bool sliced);
     std::vector<std::vector<PartChunks>> count(const HomeOf& home = {}) const;
-    // Whether some group packs on as a small one (packs_small_group).
-    bool packs_small() const { return std::find(small_.begin(), small_.end(), true) != small_.end(); }
+    // Whether some group with trained state packs on as a small one (packs_small_group; a group
+    // with none, an untrained MTP module's in full fine-tuning, packs on too but holds nothing).
+    bool packs_small() const { return packs_small_trained_; }
 
    private:
     struct PartBytes {
@@ -222,6 +223,7 @@ class StateStore {
     };
     std::vector<std::vector<PartBytes>> groups_;
     std::vector<bool> small_;  // per group: packs_small_group
+    bool packs_small_trained_ = false;
     uint64_t chunk_bytes_ = 0;
     StateKind kind_ = StateKind::kParam;
     bool sliced_ = false;

@@ -14,6 +14,7 @@
 #include "core/host_memory.h"
 #include "kernels/cpu/backend.h"
 #include "kernels/fp8_operands.h"
+#include "kernels/nf4.h"
 #include "kernels/lm_head_chunks.h"
 #include "model/activations.h"
 #include "model/recording_access.h"
@@ -310,6 +311,10 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   if (cuda && state.compute_dtype() == DType::kF8E4M3)
     in.layer_workspace_bytes +=
         kernels::fp8_operand_bytes(model::micro_batch_shape(m, static_cast<int64_t>(N), t.parallel_expert));
+  // The CUDA nf4 base's dequantised weight, allocated with the table (kernels/nf4.h).
+  if (cuda && state.compute_dtype() == DType::kNF4)
+    in.layer_workspace_bytes +=
+        kernels::nf4_dequantized_weight_bytes(model::micro_batch_shape(m, static_cast<int64_t>(N), t.parallel_expert));
   if (t.keep_activations == "true") in.kept_activation_bytes = static_cast<uint64_t>(table_bytes(true)) - table;
   // The LM head's logits chunks: on a GPU the buffer the CUDA backend reserves beside the
   // activation table (kernels/lm_head_chunks.h), on the CPU a host vector of 256 x V floats.

@@ -292,6 +292,10 @@ class CudaNf4Ops : public CudaLoopedExperts<CudaNf4Ops> {
 
   // As CudaOps::create.
   static Result<CudaNf4Ops> create(Device& device);
+  // CudaOps' buffers and the dequantised weight's, sized for the widest linear layer
+  // (kernels::nf4_dequantized_weight_bytes), planned with the activation table.
+  Result<void*> activation_block(uint64_t bytes, const MicroBatchShape& shape);
+  static uint64_t extra_activation_bytes(const MicroBatchShape& shape);
 
   // weight: the NF4 bytes of (OC, IC).
   void linear_forward(Act* out, const Act* x, const W* weight, const W* bias, int64_t N, int64_t IC, int64_t OC);
@@ -306,7 +310,8 @@ class CudaNf4Ops : public CudaLoopedExperts<CudaNf4Ops> {
 
  private:
   explicit CudaNf4Ops(CudaOps&& base) : CudaLoopedExperts(std::move(base)) {}
-  // The (OC, IC) weight at `weight` (NF4 bytes) dequantised into weight_'s bf16 buffer.
+  // The (OC, IC) weight at `weight` (NF4 bytes) dequantised into weight_'s bf16 buffer (grown,
+  // after the stream drains, for a weight wider than the planned one).
   const W* dequantized(const W* weight, int64_t OC, int64_t IC);
 
   DeviceAllocation weight_;

@@ -5,12 +5,26 @@
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/nf4.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/nf4.h"
 
 namespace strata::kernels {
 
 Result<CudaNf4Ops> CudaNf4Ops::create(Device& device) {
   ASSIGN_OR_RETURN(CudaOps base, CudaOps::create(device));
   return CudaNf4Ops(std::move(base));
+}
+
+uint64_t CudaNf4Ops::extra_activation_bytes(const MicroBatchShape& shape) {
+  return CudaOps::extra_activation_bytes(shape) + nf4_dequantized_weight_bytes(shape);
+}
+
+Result<void*> CudaNf4Ops::activation_block(uint64_t bytes, const MicroBatchShape& shape) {
+  ASSIGN_OR_RETURN(void* block, CudaOps::activation_block(bytes, shape));
+  weight_.reset();  // CudaOps::activation_block drained the stream
+  Result<DeviceAllocation> a = device_->allocate(nf4_dequantized_weight_bytes(shape));
+  if (!a.ok()) return a.status().with_context("the nf4 base's dequantised weight");
+  weight_ = std::move(a).value();
+  return block;
 }
 
 const CudaOps::W* CudaNf4Ops::dequantized(const W* weight, int64_t OC, int64_t IC) {
