@@ -18,7 +18,7 @@ Usage: reference_lora.py check VARIANT_DIR EXPORT_DIR
   Loads VARIANT_DIR/base with AutoModelForCausalLM.from_pretrained and EXPORT_DIR over it as
   PeftModel.from_pretrained does, then checks: no unexpected adapter key and no missing LoRA key;
   the same tensor names as VARIANT_DIR/trained_adapter and every tensor within TENSOR_TOLERANCE
-  (max |a - b| / max |b|); the logits on the batch within LOGIT_TOLERANCE (max |a - b|) of
+  (||a - b|| / ||b||); the logits on the batch within LOGIT_TOLERANCE (max |a - b|) of
   logits.bin. Writes EXPORT_DIR.check.json; exits 0 when all hold.
 Usage: reference_lora.py check_merged VARIANT_DIR MERGED_DIR
   Loads MERGED_DIR as a plain AutoModelForCausalLM (no PEFT): its safetensors must hold exactly the
@@ -53,7 +53,12 @@ BATCH, SEQ = 2, 12
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, steps=3)
 B_STD = 0.02  # lora_B redrawn from N(0, B_STD) for the variants that ask for it
 MARGIN = 1e-4  # smallest acceptable gap between the top-k and the next router probability
-TENSOR_TOLERANCE = 1e-4  # check: max |export - reference| / max |reference|, per adapter tensor
+# check: ||export - reference|| / ||reference|| per adapter tensor, the metric and bound the C++
+# side (lora_parity_test.cpp, kStepParamTolerance) holds strata's trained adapters to: after three
+# AdamW steps, Adam's normalised update turns last-bit differences in an element's tiny gradient
+# into differences of up to lr per step, so the largest element's error is no bound to hold (an
+# MoE's rarely routed expert showed 3e-4 of max |reference| in one build, 4e-5 in L2).
+TENSOR_TOLERANCE = 3e-4
 LOGIT_TOLERANCE = 1e-4  # check, check_merged: max |logits - reference logits|
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -336,8 +341,8 @@ def check(variant_dir, export_dir):
         if a.shape != b.shape:
             failures.append("%s: shape %s, reference %s" % (name, list(a.shape), list(b.shape)))
             continue
-        scale = b.abs().max().item()
-        err = (a - b).abs().max().item() / scale if scale > 0 else (a - b).abs().max().item()
+        scale = b.norm().item()
+        err = (a - b).norm().item() / scale if scale > 0 else (a - b).norm().item()
         errors[name] = err
         if worst_name is None or not err <= worst:
             worst, worst_name = err, name
