@@ -114,7 +114,9 @@ struct PlanInput {
   // groups (StateStore::packs_small_group: LoRA's adapters): they are counted in bytes, and
   // per tier as the store packs them, not as a chunk per layer.
   bool optimizer_packs_small = false;
-  // Whether the routed experts are trained (not with LoRA, whose adapters are on other projections).
+  // Whether the routed experts' weights are trained (not with LoRA: adapters on the experts, when
+  // targeted, count among the layer's trained elements, their gradient sums planned over every
+  // rank rather than the experts' holders, an overestimate with expert parallelism).
   bool experts_trained = true;
   // Activations of one micro-batch.
   uint64_t saved_activation_bytes_per_layer = 0;  // the activation saved at a layer boundary
