@@ -13,9 +13,11 @@
 set(STRATA_CHAOS_SEEDS "1" CACHE STRING "Chaos-mode seeds the suite runs (a list, e.g. 1;2;3)")
 if(TARGET test_train)
   foreach(seed ${STRATA_CHAOS_SEEDS})
-    set(filter *Bitwise*:*SaveDuringTraining*:*OverlappedCollectives*:OverlappedExpertGroups.*)
+    # The NVMe-for-every-kind runs under bf16 only: the fp32 runs page the same chunks, twice
+    # the bytes.
+    set(filter *Bitwise*:*SaveDuringTraining*:*OverlappedCollectives*:OverlappedExpertGroups.*-*NvmeEveryKindTest.*/fp32)
     if(NOT seed EQUAL 1)
-      set(filter ${filter}-*NvmeEveryKindTest.*:OverlappedExpertGroups.*)
+      set(filter ${filter}:*NvmeEveryKindTest.*:OverlappedExpertGroups.*)
     endif()
     add_test(NAME chaos_paging_seed_${seed} COMMAND test_train --gtest_filter=${filter})
     # COST (about its seconds in the release suite): ctest -j starts the longest tests first, so
