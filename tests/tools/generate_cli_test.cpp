@@ -1,7 +1,8 @@
 // strata generate: from a Hugging Face directory, a run directory and a checkpoint; the text it
 // streams is the one model::generate gives in-process (greedy), a --seed repeats a sampled text
 // and another seed changes it, --chat renders the template; weights paged through small device
-// and host budgets and nvme give the same text; bad inputs are refused by name.
+// and host budgets and nvme give the same text; a LoRA run generates as its merged export does;
+// bad inputs are refused by name.
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -205,6 +206,40 @@ TEST_F(GenerateCliTest, RunDirectoriesAndCheckpointsUseTheRunsTokenizer) {
   r = run_strata("generate --from " + (dir_ / "loose").string() + " --tokenizer " + kTokenizer.string() +
                  " --prompt hello --max-new-tokens 2");
   EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+// A LoRA run generates with its adapters over the base it took from model.from: greedily, the
+// text of the merged export (`convert --merge`, W + (alpha / r) B A) and not the base's. The
+// learning rate is high enough that four steps move the adapters past the base's greedy choices.
+TEST_F(GenerateCliTest, ALoraRunGeneratesWithItsAdaptersAsItsMergedExportDoes) {
+  std::string corpus;
+  for (int i = 0; i < 50; ++i) corpus += "hello world " + std::to_string(i % 5) + "\n";
+  std::ofstream(dir_ / "corpus.txt") << corpus;
+  const fs::path run = dir_ / "lora_run";
+  CmdResult r = run_strata("train data.paths=[" + (dir_ / "corpus.txt").string() +
+                           "] train.micro_batch=2 train.seq_len=16 optim.warmup_steps=1 optim.lr=0.05 train.steps=4 "
+                           "ckpt.every=4 train.method=lora lora.rank=4 lora.alpha=32 model.from=" +
+                           hf_.string() + " run.dir=" + run.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path merged = dir_ / "lora_merged";
+  r = run_strata("convert --merge --from " + (run / "checkpoints").string() + " --to " + merged.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // The generated text: the lines between the log line that starts generating and the one that
+  // counts the new tokens.
+  const auto generated = [](const std::string& from) {
+    const CmdResult g = run_strata("generate --from " + from + " --prompt 'hello world' --max-new-tokens 10 --ignore-eos");
+    EXPECT_EQ(g.exit_code, 0) << g.output;
+    const size_t begin = g.output.find('\n', g.output.find("generating up to"));
+    const size_t end = g.output.rfind('\n', g.output.find(" new tokens in"));
+    EXPECT_TRUE(begin != std::string::npos && end != std::string::npos && begin < end) << g.output;
+    return begin != std::string::npos && end != std::string::npos && begin < end
+               ? g.output.substr(begin + 1, end - begin - 1)
+               : std::string();
+  };
+  const std::string from_run = generated(run.string());
+  ASSERT_FALSE(from_run.empty());
+  EXPECT_EQ(from_run, generated(merged.string() + " --tokenizer " + kTokenizer.string()));
+  EXPECT_NE(from_run, generated(hf_.string())) << "the adapters changed no greedy choice";
 }
 
 TEST_F(GenerateCliTest, BadInputsAreRefusedByName) {
