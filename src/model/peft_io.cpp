@@ -63,6 +63,53 @@ std::string target_regex(const ParamLayout& layout) {
   return fmt::format("({})", fmt::join(modules, "|"));
 }
 
+// PEFT adapts the modules whose whole name matches a string target_modules (re.fullmatch). The
+// names below are the adaptable modules of the layouts strata reads (ParamLayout), at a few layer
+// and expert numbers: each target whose names the expression matches is adapted. The expressions
+// PEFT users write (alternations, groups, \d, .*, character classes) read the same in
+// ECMAScript's grammar; open_peft_adapter then checks the tensors the adapter holds.
+Result<uint32_t> targets_of_regex(const std::string& expression, const std::string& file) {
+  static constexpr std::pair<const char*, uint32_t> kModules[] = {
+      {"self_attn.q_proj", kLoraQ}, {"self_attn.k_proj", kLoraK}, {"self_attn.v_proj", kLoraV},
+      {"self_attn.o_proj", kLoraO}, {"mlp.gate_proj", kLoraGate}, {"mlp.up_proj", kLoraUp},
+      {"mlp.down_proj", kLoraDown},
+      // An MoE layer's shared expert (Qwen2-MoE's gated one, DeepSeek's): gate/up/down_proj.
+      {"mlp.shared_expert.gate_proj", kLoraGate}, {"mlp.shared_expert.up_proj", kLoraUp},
+      {"mlp.shared_expert.down_proj", kLoraDown}, {"mlp.shared_experts.gate_proj", kLoraGate},
+      {"mlp.shared_experts.up_proj", kLoraUp}, {"mlp.shared_experts.down_proj", kLoraDown},
+      // The routed experts (# is the expert's number), Mixtral's w1/w3/w2 among them.
+      {"mlp.experts.#.gate_proj", kLoraExperts}, {"mlp.experts.#.up_proj", kLoraExperts},
+      {"mlp.experts.#.down_proj", kLoraExperts}, {"block_sparse_moe.experts.#.w1", kLoraExperts},
+      {"block_sparse_moe.experts.#.w2", kLoraExperts}, {"block_sparse_moe.experts.#.w3", kLoraExperts},
+  };
+  std::regex re;
+  try {
+    re = std::regex(expression, std::regex::ECMAScript);
+  } catch (const std::regex_error& e) {
+    return Status::InvalidArgument(fmt::format(
+        "{}: key 'target_modules' is the expression '{}', which strata cannot read ({}); write it with "
+        "alternations, groups, \\d, .* and character classes, or as a list of module names",
+        file, expression, e.what()));
+  }
+  uint32_t bits = 0;
+  for (const auto& [module, bit] : kModules) {
+    for (const char* layer : {"0", "1", "10", "31"}) {
+      for (const char* expert : {"0", "1", "10"}) {
+        std::string name = fmt::format("model.layers.{}.{}", layer, module);
+        if (const size_t at = name.find('#'); at != std::string::npos) name.replace(at, 1, expert);
+        if (std::regex_match(name, re)) bits |= bit;
+      }
+    }
+  }
+  if (bits == 0)
+    return Status::InvalidArgument(fmt::format(
+        "{}: key 'target_modules' is the expression '{}', which matches none of the modules strata adapts "
+        "(model.layers.N.self_attn.q_proj/k_proj/v_proj/o_proj, model.layers.N.mlp.gate_proj/up_proj/down_proj, "
+        "their shared expert's and routed experts')",
+        file, expression));
+  return bits;
+}
+
 }  // namespace
 
 std::string peft_tensor_name(std::string_view layout_name) {
@@ -88,31 +135,19 @@ Result<LoraConfig> read_peft_adapter_config(const std::string& dir) {
     c.alpha = j.at("lora_alpha").get<double>();
     c.dropout = j.value("lora_dropout", 0.0);
     const json& targets = j.at("target_modules");
-    std::vector<std::string> names;
-    if (targets.is_array()) {
-      names = targets.get<std::vector<std::string>>();
-    } else if (targets.is_string()) {
-      // A regular expression: the module names it mentions (open_peft_adapter then checks the
-      // tensors themselves).
-      const std::string re = targets.get<std::string>();
-      // Each alternative's last name (an expert's projection: experts).
-      size_t begin = 0;
-      while (begin <= re.size()) {
-        const size_t end = std::min(re.find('|', begin), re.size());
-        std::string alt = re.substr(begin, end - begin);
-        std::erase_if(alt, [](char c) { return c == '(' || c == ')' || c == '\\' || c == '$' || c == '^'; });
-        const size_t dot = alt.rfind('.');
-        std::string name = dot == std::string::npos ? alt : alt.substr(dot + 1);
-        if (alt.find("experts.") != std::string::npos && alt.find("shared_expert") == std::string::npos)
-          name = "experts";
-        if (!name.empty() && std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
-        begin = end + 1;
-      }
+    if (targets.is_string() && targets.get<std::string>() != "all-linear") {
+      ASSIGN_OR_RETURN(c.targets, targets_of_regex(targets.get<std::string>(), file));
+    } else {
+      // A list of names, each matching the modules whose name ends with it (Mixtral's experts'
+      // w1/w2/w3 among them), or "all-linear".
+      std::vector<std::string> names =
+          targets.is_string() ? std::vector<std::string>{targets.get<std::string>()} : targets.get<std::vector<std::string>>();
+      for (std::string& n : names)
+        if (n == "w1" || n == "w2" || n == "w3") n = "experts";
+      std::sort(names.begin(), names.end());
+      names.erase(std::unique(names.begin(), names.end()), names.end());
+      ASSIGN_OR_RETURN(c.targets, parse_lora_targets(names, file));
     }
-    // Mixtral's experts' projections.
-    for (std::string& n : names)
-      if (n == "w1" || n == "w2" || n == "w3") n = "experts";
-    ASSIGN_OR_RETURN(c.targets, parse_lora_targets(names, file));
     const json init = j.value("init_lora_weights", json(true));
     // PiSSA, OLoRA and LoftQ adapters belong to a base changed by their init (W - BA, or
     // quantised): on the original base they would give another model.

@@ -26,8 +26,8 @@ inline constexpr const char* kPeftWeightsFile = "adapter_model.safetensors";
 std::string peft_tensor_name(std::string_view layout_name);
 
 // The LoRA settings of DIR/adapter_config.json: r, lora_alpha, lora_dropout, target_modules (a
-// list of module names, or the regular expression strata writes for MoE models) and
-// init_lora_weights. Errors name the file and key: not a LORA adapter, or a PEFT feature strata
+// list of module names, matched by suffix; or one expression, matched as PEFT does against whole
+// module names, strata's own for MoE models among them) and init_lora_weights. Errors name the file and key: not a LORA adapter, or a PEFT feature strata
 // does not compute (use_dora, use_rslora, a bias, rank_pattern/alpha_pattern, modules_to_save,
 // layers_to_transform, fan_in_fan_out).
 Result<LoraConfig> read_peft_adapter_config(const std::string& dir);
