@@ -941,7 +941,10 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   const uint64_t experts_p = static_cast<uint64_t>(std::max<int64_t>(in.expert_ranks, 1));
   const uint64_t expert_elements = experts_p > 1 ? static_cast<uint64_t>(L) * in.expert_elements : 0;
   const uint64_t trained = static_cast<uint64_t>(L) * trained_elements(in, false) + trained_elements(in, true);
-  const uint64_t trained_experts = in.experts_trained ? expert_elements : 0;
+  // The experts' trained elements: the experts themselves, or with LoRA the adapters on them.
+  const uint64_t trained_experts =
+      in.experts_trained ? expert_elements
+                         : (experts_p > 1 ? static_cast<uint64_t>(L) * in.expert_adapter_elements : 0);
   const uint64_t G = (trained - std::min(trained, trained_experts)) * in.grad_bytes;
   const uint64_t G_experts = trained_experts / experts_p * in.grad_bytes;
   const uint64_t P = bytes_of(static_cast<uint64_t>(L) * in.layer_elements - expert_elements, in.param_bytes) +
@@ -958,7 +961,8 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   // never quantised: bf16, or fp32 without a separate master).
   const bool all_trained = in.layer_trained_share >= 1 && in.edge_trained_share >= 1;
   const uint64_t P_updated = all_trained ? P : (trained - std::min(trained, trained_experts)) * (in.separate_master ? 2 : 4);
-  const uint64_t P_updated_experts = in.experts_trained ? P_experts : 0;
+  const uint64_t P_updated_experts =
+      in.experts_trained ? P_experts : trained_experts / experts_p * (in.separate_master ? 2 : 4);
   if (zero == 1 || zero == 2) c.update_all_gather = ring(P_updated) + ring_over(P_updated_experts, holders);
   if (zero == 3) {
     c.param_all_gather = 2 * accum * (ring(P) + ring_over(P_experts, holders));

@@ -114,10 +114,12 @@ struct PlanInput {
   // groups (StateStore::packs_small_group: LoRA's adapters): they are counted in bytes, and
   // per tier as the store packs them, not as a chunk per layer.
   bool optimizer_packs_small = false;
-  // Whether the routed experts' weights are trained (not with LoRA: adapters on the experts, when
-  // targeted, count among the layer's trained elements, their gradient sums planned over every
-  // rank rather than the experts' holders, an overestimate with expert parallelism).
+  // Whether the routed experts' weights are trained (not with LoRA, where adapters on the experts,
+  // when targeted, are trained instead: expert_adapter_elements of the layer's trained elements,
+  // per layer as expert_elements; with expert groups their sums and gathers run over the experts'
+  // holders, as the experts' own would).
   bool experts_trained = true;
+  uint64_t expert_adapter_elements = 0;
   // Activations of one micro-batch.
   uint64_t saved_activation_bytes_per_layer = 0;  // the activation saved at a layer boundary
   uint64_t layer_workspace_bytes = 0;       // one layer's recomputation and backward scratch

@@ -275,13 +275,16 @@ PlanInput make_plan_input(const model::ModelConfig& m, const TrainConfig& train,
   {
     // LoRA: the adapters alone are trained (the frozen tensors hold their compute copy only), and
     // backward computes no weight gradient of the frozen weights.
-    uint64_t layer_trained = 0, edge_trained = 0, layer_all = 0, edge_all = 0;
+    uint64_t layer_trained = 0, edge_trained = 0, layer_all = 0, edge_all = 0, expert_adapters = 0;
     for (const model::TensorSpec& s : layout.tensors()) {
       const int g = model::param_group_of(layout, s);
       const bool edge = g == 0 || g == layout.num_layers() + 1;
       (edge ? edge_all : layer_all) += static_cast<uint64_t>(s.numel);
       if (!s.frozen) (edge ? edge_trained : layer_trained) += static_cast<uint64_t>(s.numel);
+      if (!s.frozen && s.adapts >= 0 && model::param_expert_of(layout, s) >= 0)
+        expert_adapters += static_cast<uint64_t>(s.numel);
     }
+    in.expert_adapter_elements = expert_adapters / std::max<uint64_t>(L, 1);
     in.layer_trained_share = layer_all > 0 ? static_cast<double>(layer_trained) / static_cast<double>(layer_all) : 1.0;
     in.edge_trained_share = edge_all > 0 ? static_cast<double>(edge_trained) / static_cast<double>(edge_all) : 1.0;
     if (m.lora.enabled()) in.backward_factor = 1.0, in.experts_trained = false;

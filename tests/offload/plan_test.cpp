@@ -394,6 +394,34 @@ TEST(PlanDataParallel, SumsAtHandoverAndQueuedCollectivesHideBehindCompute) {
   EXPECT_EQ(make_plan(ranks(in, 4, 3)).comm_hidden_s, 0);
 }
 
+// LoRA on the routed experts with expert groups: the adapters on the experts are summed and
+// gathered over the ranks holding the same experts, as the experts' own weights would be; the
+// other adapters over every rank.
+TEST(PlanDataParallel, ExpertAdaptersAreSummedOverTheExpertsHolders) {
+  PlanInput in = base_input();  // grad_accum 4, 16 layers
+  in.expert_elements = 40'000'000;         // of the 50M per layer, frozen
+  in.experts_trained = false;
+  in.layer_trained_share = 0.0625;         // 3.125M adapter elements per layer,
+  in.expert_adapter_elements = 1'250'000;  // 1.25M of them on the experts
+  in.edge_trained_share = 0;
+  in.expert_ranks = 2;
+  // Gradient bytes (bf16): the dense adapters', and a rank's half of the experts' adapters.
+  const uint64_t L = 16, dense = L * 1'875'000 * 2, experts = L * 1'250'000 / 2 * 2;
+  for (int zero : {1, 2}) {
+    const Plan p = make_plan(ranks(in, 4, zero));
+    ASSERT_TRUE(p.fits) << p.problem;
+    // Over 4 ranks (3/4 of the bytes) and over the 2 holders of a rank's experts (1/2).
+    const uint64_t sums = dense / 4 * 3 + experts / 2;
+    EXPECT_EQ(p.comm.grad_reduce_scatter, (zero == 1 ? 1 : 4) * sums) << zero;
+    // The updated adapters (bf16 beside their fp32 master) gathered likewise.
+    EXPECT_EQ(p.comm.update_all_gather, dense / 4 * 3 + experts / 2) << zero;
+  }
+  // Without expert groups every adapter goes over every rank.
+  in.expert_ranks = 1;
+  const Plan flat = make_plan(ranks(in, 4, 1));
+  EXPECT_EQ(flat.comm.grad_reduce_scatter, (dense + L * 1'250'000 * 2) / 4 * 3);
+}
+
 // Overlapped ZeRO-3 gathers more groups ahead as the device has room left beside what the plan
 // keeps there (counted with the activations), up to kMaxGatherAhead; one without overlap.
 TEST(PlanDataParallel, RoomLeftOnTheDeviceGathersMoreGroupsAhead) {

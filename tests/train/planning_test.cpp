@@ -286,6 +286,14 @@ TEST(Planning, ExpertFetchFractionFollowsTheTokensPerMicroBatch) {
   t.seq_len = 2048;
   EXPECT_DOUBLE_EQ(make_plan_input(*mc, t, DeviceKind::kCpu).expert_fetch_fraction, 1.0);
   EXPECT_EQ(make_plan_input(model::ModelConfig::preset("tiny").value(), t, DeviceKind::kCpu).expert_elements, 0u);
+  // LoRA of rank 4 on the experts (and the queries): the experts stay frozen, their adapters
+  // are planned as theirs, A (4, 32) and B (16, 4) or A (4, 16) and B (32, 4) for each of the
+  // three projections of 8 experts, per layer.
+  mc->lora.rank = 4;
+  mc->lora.targets = model::kLoraQ | model::kLoraExperts;
+  in = make_plan_input(*mc, t, DeviceKind::kCpu);
+  EXPECT_FALSE(in.experts_trained);
+  EXPECT_EQ(in.expert_adapter_elements, 8u * 3 * (4 * 32 + 16 * 4));
 }
 
 // AdamW in host memory goes update slice by slice (a chunk of each kind at a time), so state
