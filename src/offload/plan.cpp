@@ -947,9 +947,14 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
                          : (experts_p > 1 ? static_cast<uint64_t>(L) * in.expert_adapter_elements : 0);
   const uint64_t G = (trained - std::min(trained, trained_experts)) * in.grad_bytes;
   const uint64_t G_experts = trained_experts / experts_p * in.grad_bytes;
-  const uint64_t P = bytes_of(static_cast<uint64_t>(L) * in.layer_elements - expert_elements, in.param_bytes) +
+  // The weights gathered at ZeRO-3: the experts' (and with LoRA their adapters') over their
+  // holders, the rest over every rank.
+  const uint64_t expert_adapters =
+      experts_p > 1 && !in.experts_trained ? static_cast<uint64_t>(L) * in.expert_adapter_elements : 0;
+  const uint64_t P = bytes_of(static_cast<uint64_t>(L) * in.layer_elements - expert_elements - expert_adapters,
+                              in.param_bytes) +
                      bytes_of(in.edge_elements, in.edge_param_bytes);
-  const uint64_t P_experts = bytes_of(expert_elements / experts_p, in.param_bytes);
+  const uint64_t P_experts = bytes_of((expert_elements + expert_adapters) / experts_p, in.param_bytes);
   auto ring_over = [](uint64_t bytes, uint64_t n) { return n <= 1 ? 0 : bytes / n * (n - 1) + bytes % n * (n - 1) / n; };
   auto ring = [&](uint64_t bytes) { return ring_over(bytes, w); };  // (W-1)/W x bytes
   const uint64_t holders = w / experts_p;

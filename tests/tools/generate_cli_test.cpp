@@ -229,12 +229,12 @@ TEST_F(GenerateCliTest, ALoraRunGeneratesWithItsAdaptersAsItsMergedExportDoes) {
   const auto generated = [](const std::string& from) {
     const CmdResult g = run_strata("generate --from " + from + " --prompt 'hello world' --max-new-tokens 10 --ignore-eos");
     EXPECT_EQ(g.exit_code, 0) << g.output;
-    const size_t begin = g.output.find('\n', g.output.find("generating up to"));
-    const size_t end = g.output.rfind('\n', g.output.find(" new tokens in"));
-    EXPECT_TRUE(begin != std::string::npos && end != std::string::npos && begin < end) << g.output;
-    return begin != std::string::npos && end != std::string::npos && begin < end
-               ? g.output.substr(begin + 1, end - begin - 1)
-               : std::string();
+    const size_t starts = g.output.find("generating up to"), counted = g.output.find(" new tokens in");
+    const size_t begin = starts == std::string::npos ? starts : g.output.find('\n', starts);
+    const size_t end = counted == std::string::npos ? counted : g.output.rfind('\n', counted);
+    const bool found = begin != std::string::npos && end != std::string::npos && begin < end;
+    EXPECT_TRUE(found) << g.output;
+    return found ? g.output.substr(begin + 1, end - begin - 1) : std::string();
   };
   const std::string from_run = generated(run.string());
   ASSERT_FALSE(from_run.empty());
