@@ -86,6 +86,16 @@ class GenerateCliTest : public ::testing::Test {
     return tok->decode(*out);
   }
 
+  // `strata train` from the exported model on a small text corpus (written here) into `run`.
+  std::string train_args(const fs::path& run) {
+    std::string text;
+    for (int i = 0; i < 50; ++i) text += "hello world " + std::to_string(i % 5) + "\n";
+    std::ofstream(dir_ / "corpus.txt") << text;
+    return "train data.paths=[" + (dir_ / "corpus.txt").string() +
+           "] train.micro_batch=2 train.seq_len=16 optim.warmup_steps=1 model.from=" + hf_.string() +
+           " run.dir=" + run.string();
+  }
+
   fs::path dir_, hf_;
   model::ModelConfig config_;
   std::vector<float> params_;
@@ -186,13 +196,8 @@ TEST_F(GenerateCliTest, ChatRendersTheTemplateWithTheGenerationPrompt) {
 }
 
 TEST_F(GenerateCliTest, RunDirectoriesAndCheckpointsUseTheRunsTokenizer) {
-  std::string text;
-  for (int i = 0; i < 50; ++i) text += "hello world " + std::to_string(i % 5) + "\n";
-  std::ofstream(dir_ / "corpus.txt") << text;
   const fs::path run = dir_ / "run";
-  CmdResult r = run_strata("train data.paths=[" + (dir_ / "corpus.txt").string() +
-                           "] train.micro_batch=2 train.seq_len=16 optim.warmup_steps=1 "
-                           "train.steps=2 ckpt.every=2 model.from=" + hf_.string() + " run.dir=" + run.string());
+  CmdResult r = run_strata(train_args(run) + " train.steps=2 ckpt.every=2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const fs::path& from : {run, run / "checkpoints", run / "checkpoints" / "step-2"}) {
     r = run_strata("generate --from " + from.string() + " --prompt hello --max-new-tokens 3");
@@ -212,14 +217,9 @@ TEST_F(GenerateCliTest, RunDirectoriesAndCheckpointsUseTheRunsTokenizer) {
 // text of the merged export (`convert --merge`, W + (alpha / r) B A) and not the base's. The
 // learning rate is high enough that four steps move the adapters past the base's greedy choices.
 TEST_F(GenerateCliTest, ALoraRunGeneratesWithItsAdaptersAsItsMergedExportDoes) {
-  std::string corpus;
-  for (int i = 0; i < 50; ++i) corpus += "hello world " + std::to_string(i % 5) + "\n";
-  std::ofstream(dir_ / "corpus.txt") << corpus;
   const fs::path run = dir_ / "lora_run";
-  CmdResult r = run_strata("train data.paths=[" + (dir_ / "corpus.txt").string() +
-                           "] train.micro_batch=2 train.seq_len=16 optim.warmup_steps=1 optim.lr=0.05 train.steps=4 "
-                           "ckpt.every=4 train.method=lora lora.rank=4 lora.alpha=32 model.from=" +
-                           hf_.string() + " run.dir=" + run.string());
+  CmdResult r = run_strata(train_args(run) +
+                           " optim.lr=0.05 train.steps=4 ckpt.every=4 train.method=lora lora.rank=4 lora.alpha=32");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const fs::path merged = dir_ / "lora_merged";
   r = run_strata("convert --merge --from " + (run / "checkpoints").string() + " --to " + merged.string());
