@@ -27,9 +27,10 @@ std::string peft_tensor_name(std::string_view layout_name);
 
 // The LoRA settings of DIR/adapter_config.json: r, lora_alpha, lora_dropout, target_modules (a
 // list of module names, matched by suffix; or one expression, matched as PEFT does against whole
-// module names, strata's own for MoE models among them) and init_lora_weights. Errors name the file and key: not a LORA adapter, or a PEFT feature strata
-// does not compute (use_dora, use_rslora, a bias, rank_pattern/alpha_pattern, modules_to_save,
-// layers_to_transform, fan_in_fan_out).
+// module names, strata's own for MoE models among them) and init_lora_weights. Errors name the
+// file and key: not a LORA adapter, or a PEFT feature strata does not compute (use_dora,
+// use_rslora, a bias, rank_pattern/alpha_pattern, modules_to_save, layers_to_transform,
+// fan_in_fan_out).
 Result<LoraConfig> read_peft_adapter_config(const std::string& dir);
 
 // Opens DIR/adapter_model.safetensors and checks it against `layout` before anything is read:

@@ -941,16 +941,15 @@ void plan_comm(const PlanInput& in, const LevelSizes& s, Plan& p) {
   const uint64_t experts_p = static_cast<uint64_t>(std::max<int64_t>(in.expert_ranks, 1));
   const uint64_t expert_elements = experts_p > 1 ? static_cast<uint64_t>(L) * in.expert_elements : 0;
   const uint64_t trained = static_cast<uint64_t>(L) * trained_elements(in, false) + trained_elements(in, true);
-  // The experts' trained elements: the experts themselves, or with LoRA the adapters on them.
-  const uint64_t trained_experts =
-      in.experts_trained ? expert_elements
-                         : (experts_p > 1 ? static_cast<uint64_t>(L) * in.expert_adapter_elements : 0);
-  const uint64_t G = (trained - std::min(trained, trained_experts)) * in.grad_bytes;
-  const uint64_t G_experts = trained_experts / experts_p * in.grad_bytes;
-  // The weights gathered at ZeRO-3: the experts' (and with LoRA their adapters') over their
-  // holders, the rest over every rank.
+  // With LoRA the adapters on the experts, held with their experts, are the experts' trained
+  // elements; otherwise the experts themselves.
   const uint64_t expert_adapters =
       experts_p > 1 && !in.experts_trained ? static_cast<uint64_t>(L) * in.expert_adapter_elements : 0;
+  const uint64_t trained_experts = in.experts_trained ? expert_elements : expert_adapters;
+  const uint64_t G = (trained - std::min(trained, trained_experts)) * in.grad_bytes;
+  const uint64_t G_experts = trained_experts / experts_p * in.grad_bytes;
+  // The weights gathered at ZeRO-3: the experts' (and their adapters') over their holders, the
+  // rest over every rank.
   const uint64_t P = bytes_of(static_cast<uint64_t>(L) * in.layer_elements - expert_elements - expert_adapters,
                               in.param_bytes) +
                      bytes_of(in.edge_elements, in.edge_param_bytes);
