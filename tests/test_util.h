@@ -1,12 +1,17 @@
-// Helpers shared by the test binaries: deterministic random data, NaN-safe comparisons and
-// central finite differences.
+// Helpers shared by the test binaries: deterministic random data, NaN-safe comparisons, reading
+// files and central finite differences.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -47,6 +52,21 @@ inline double max_scaled_error(const float* a, const float* b, int64_t n, double
     worst = std::max(worst, e);
   }
   return worst;
+}
+
+// A file's bytes; "" when it cannot be read.
+inline std::string read_text(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// A JSON file, parsed; a discarded value, and a failed expectation naming the file, when it
+// cannot be read or parsed.
+inline nlohmann::json read_json(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  EXPECT_FALSE(j.is_discarded()) << "cannot read or parse " << path;
+  return j;
 }
 
 #define EXPECT_WITHIN(err, tol) \

@@ -24,6 +24,7 @@
 
 #include "core/dtype.h"
 #include "core/status.h"
+#include "core/units.h"
 
 namespace strata::ckpt {
 
@@ -54,8 +55,6 @@ const char* file_of_kind(TensorKind kind);
 
 // Tensor dtypes: core/dtype.h (strata::DType, dtype_name, dtype_size, parse_dtype).
 using ::strata::DType;
-
-inline uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 // The element count of a row-major shape; nullopt for a negative dimension or a count past
 // 2^64 - 1.

@@ -21,10 +21,6 @@ namespace {
 constexpr uint64_t kDeviceAlignment = 256;
 constexpr uint64_t kPinnedAlignment = 4096;
 
-uint64_t round_up(uint64_t x, uint64_t multiple) {
-  return (x + multiple - 1) / multiple * multiple;
-}
-
 // Host allocation that reports failure instead of throwing; `alignment` is a power of two.
 void* aligned_host_alloc(uint64_t bytes, uint64_t alignment) {
   if (bytes > UINT64_MAX - alignment) return nullptr;

@@ -2,12 +2,12 @@
 
 #include <algorithm>
 
+#include "core/units.h"
 #include "kernels/fp8.h"
 
 namespace strata::kernels {
 namespace {
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 uint64_t aligned_bytes(int64_t bytes) { return static_cast<uint64_t>(round_up(bytes, 256)); }
 // codes (rows, cols) and 1 x 128 tile scales (rows, fp8_blocks(cols)).
 uint64_t tiles_bytes(int64_t rows, int64_t cols) {

@@ -2,12 +2,9 @@
 
 #include <algorithm>
 
+#include "core/units.h"
+
 namespace strata {
-namespace {
-
-uint64_t round_up(uint64_t x, uint64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
-
-}  // namespace
 
 const char* chunk_kind_name(ChunkKind kind) {
   switch (kind) {

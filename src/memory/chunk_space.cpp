@@ -13,12 +13,7 @@
 namespace strata {
 namespace {
 
-constexpr int kDevice = static_cast<int>(Tier::kDevice);
-constexpr int kHost = static_cast<int>(Tier::kHost);
-constexpr int kNvme = static_cast<int>(Tier::kNvme);
 constexpr uint64_t kNever = UINT64_MAX;       // next use of a chunk not in the schedule
-
-int idx(Tier t) { return static_cast<int>(t); }
 
 bool writes(AccessMode mode) { return mode != AccessMode::kRead; }
 

@@ -212,6 +212,12 @@ class ChunkSpace {
   ChunkSpaceStats stats() const;
 
  private:
+  // Per-tier arrays (tiers_, a chunk's slot[] and valid[]) are indexed by the tier's number.
+  static constexpr int kDevice = static_cast<int>(Tier::kDevice);
+  static constexpr int kHost = static_cast<int>(Tier::kHost);
+  static constexpr int kNvme = static_cast<int>(Tier::kNvme);
+  static constexpr int idx(Tier t) { return static_cast<int>(t); }
+
   // The outcome of one nvme read or write, shared by the fences of the two slots it touches.
   struct IoFence {
     IoTicket ticket = 0;

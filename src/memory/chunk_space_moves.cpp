@@ -12,12 +12,6 @@
 namespace strata {
 namespace {
 
-constexpr int kDevice = static_cast<int>(Tier::kDevice);
-constexpr int kHost = static_cast<int>(Tier::kHost);
-constexpr int kNvme = static_cast<int>(Tier::kNvme);
-
-int idx(Tier t) { return static_cast<int>(t); }
-
 uint64_t elapsed_ns(std::chrono::steady_clock::time_point start) {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                    std::chrono::steady_clock::now() - start)

@@ -28,7 +28,8 @@ KindBytes& KindBytes::operator+=(const KindBytes& o) {
 
 namespace {
 
-uint64_t round_up(uint64_t bytes, uint64_t chunk) {
+// bytes padded to whole chunks; unpadded when chunk is 0.
+uint64_t padded_to_chunks(uint64_t bytes, uint64_t chunk) {
   if (chunk == 0 || bytes == 0) return bytes;
   return (bytes + chunk - 1) / chunk * chunk;
 }
@@ -61,10 +62,10 @@ GroupBytes group_bytes(const PlanInput& in, uint64_t elements, double param_byte
     g.master = in.separate_master ? packed_chunks * c : 0;
     g.param = packed_param_chunks * c;
   } else {
-    g.param = round_up(bytes_of(elements, param_bytes), c);
-    g.grad = round_up(trained * in.grad_bytes, c);
-    g.master = in.separate_master ? round_up(trained * 4, c) : 0;
-    g.adam_m = round_up(bytes_of(trained, in.moment_bytes), c);
+    g.param = padded_to_chunks(bytes_of(elements, param_bytes), c);
+    g.grad = padded_to_chunks(trained * in.grad_bytes, c);
+    g.master = in.separate_master ? padded_to_chunks(trained * 4, c) : 0;
+    g.adam_m = padded_to_chunks(bytes_of(trained, in.moment_bytes), c);
     g.adam_v = g.adam_m;
   }
   if (in.optimizer_packs_small) {
@@ -471,7 +472,7 @@ GroupHomes place_on_device(const LevelSizes& s, const WorkingSet& ws, uint64_t f
 // host really has the slots.
 uint64_t nvme_staging_bytes(const PlanInput& in, uint64_t optimizer_kinds, uint64_t paged_kinds) {
   const uint64_t chunk =
-      in.chunk_size ? in.chunk_size : std::min<uint64_t>(64ull << 20, round_up(in.layer_elements * 4, 4096));
+      in.chunk_size ? in.chunk_size : std::min<uint64_t>(64ull << 20, round_up<uint64_t>(in.layer_elements * 4, 4096));
   return 2 * (optimizer_kinds + paged_kinds) * chunk;
 }
 

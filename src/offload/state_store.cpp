@@ -8,12 +8,11 @@
 #include <string>
 
 #include "core/trace.h"
+#include "core/units.h"
 
 namespace strata {
 
 namespace {
-
-uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 
 // A part smaller than 1/kOwnChunkFraction of a chunk shares chunks with its neighbours (so a
 // part padded to chunks of its own wastes less than its size).

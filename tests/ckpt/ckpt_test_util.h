@@ -17,6 +17,7 @@
 #include "ckpt/reader.h"
 #include "ckpt/writer.h"
 #include "core/io_engine.h"
+#include "test_util.h"
 
 namespace strata::ckpt::testing {
 
@@ -124,10 +125,7 @@ inline void expect_checkpoint_equals(const CheckpointReader& reader, const Train
   EXPECT_EQ(count, reader.tensors().size());
 }
 
-inline std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
+using strata::testing::read_text;
 
 class CkptTest : public ::testing::Test {
  protected:

@@ -12,7 +12,7 @@
 namespace strata::ckpt {
 namespace {
 
-using nlohmann::json;
+using json = nlohmann::json;
 
 const std::string kPath = "/ckpt/step-4/manifest.json";
 const std::string kStepDir = "/ckpt/step-4";

@@ -21,13 +21,11 @@
 #include "core/io_engine.h"
 #include "core/io_faulty.h"
 #include "core/io_uring_engine.h"
+#include "core/units.h"
 #include "test_util.h"
 
 namespace strata {
 namespace {
-
-constexpr uint64_t kKiB = 1024;
-constexpr uint64_t kMiB = 1024 * 1024;
 
 // 4 KiB-aligned host memory, freed on destruction.
 class AlignedBuffer {

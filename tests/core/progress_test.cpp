@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/units.h"
+
 namespace strata {
 namespace {
 
@@ -30,8 +32,6 @@ struct Harness {
     return o;
   }
 };
-
-constexpr uint64_t kMiB = uint64_t{1} << 20;
 
 TEST(ProgressTest, LinesShowAmountPercentRateAndEta) {
   EXPECT_EQ(Progress::format_line("loading weights", 256 * kMiB, 1024 * kMiB, 2.0, ProgressUnit::kBytes, ""),

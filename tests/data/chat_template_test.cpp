@@ -17,26 +17,21 @@
 #include <nlohmann/json.hpp>
 
 #include "data/tokenizer.h"
+#include "test_util.h"
 
 namespace strata::model {
 namespace {
 
 namespace fs = std::filesystem;
-using json = nlohmann::ordered_json;
+using ordered_json = nlohmann::ordered_json;
 
 const std::string kDir = std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/chat_templates";
 const std::string kTokenizers = std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/tokenizer";
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  EXPECT_TRUE(in.good() || in.eof()) << path;
-  return ss.str();
-}
+using strata::testing::read_text;
 
-const json& expected() {
-  static const json j = json::parse(read_text(kDir + "/expected.json"));
+const ordered_json& expected() {
+  static const ordered_json j = ordered_json::parse(read_text(kDir + "/expected.json"));
   return j;
 }
 
@@ -52,7 +47,7 @@ std::time_t fixed_now() {
   return ::timegm(&tm);
 }
 
-ChatRenderOptions options_of(const json& conv) {
+ChatRenderOptions options_of(const ordered_json& conv) {
   ChatRenderOptions o;
   o.add_generation_prompt = conv.value("add_generation_prompt", false);
   if (conv.contains("tools")) o.tools = conv["tools"];
@@ -61,21 +56,21 @@ ChatRenderOptions options_of(const json& conv) {
   return o;
 }
 
-std::string str_or_empty(const json& j) { return j.is_string() ? j.get<std::string>() : std::string(); }
+std::string str_or_empty(const ordered_json& j) { return j.is_string() ? j.get<std::string>() : std::string(); }
 
-ChatTemplate load(const json& entry) {
+ChatTemplate load(const ordered_json& entry) {
   Result<ChatTemplate> t = ChatTemplate::parse(read_text(kDir + "/" + entry["file"].get<std::string>()), entry["name"],
                                                str_or_empty(entry["bos_token"]), str_or_empty(entry["eos_token"]));
   EXPECT_TRUE(t.ok()) << t.status().to_string();
   return t.ok() ? std::move(t).value() : ChatTemplate();
 }
 
-const json& conversation(const std::string& name) {
-  for (const json& c : expected()["conversations"]) {
+const ordered_json& conversation(const std::string& name) {
+  for (const ordered_json& c : expected()["conversations"]) {
     if (c["name"] == name) return c;
   }
   ADD_FAILURE() << "no conversation " << name;
-  static const json none;
+  static const ordered_json none;
   return none;
 }
 
@@ -86,10 +81,10 @@ TEST(ChatTemplateTest, AtLeastThirtyPublicTemplatesOverEightConversations) {
 
 TEST(ChatTemplateTest, RenderingEqualsTransformersByteForByte) {
   int compared = 0, refused = 0;
-  for (const json& entry : expected()["templates"]) {
+  for (const ordered_json& entry : expected()["templates"]) {
     const ChatTemplate t = load(entry);
     for (const auto& [name, want] : entry["renders"].items()) {
-      const json& conv = conversation(name);
+      const ordered_json& conv = conversation(name);
       Result<std::string> text = t.render(conv["messages"], options_of(conv));
       if (want.contains("error")) {
         EXPECT_FALSE(text.ok()) << entry["name"] << " / " << name << ": transformers refused it (" << want["error"]
@@ -109,17 +104,17 @@ TEST(ChatTemplateTest, RenderingEqualsTransformersByteForByte) {
 
 TEST(ChatTemplateTest, AssistantSpansEqualTheRenderedTurns) {
   int spans = 0, loop_only = 0;
-  for (const json& entry : expected()["templates"]) {
+  for (const ordered_json& entry : expected()["templates"]) {
     const ChatTemplate t = load(entry);
     for (const auto& [name, want] : entry["renders"].items()) {
       if (!want.contains("spans")) continue;
-      const json& conv = conversation(name);
+      const ordered_json& conv = conversation(name);
       Result<RenderedChat> r = t.render_with_spans(conv["messages"], options_of(conv));
       ASSERT_TRUE(r.ok()) << entry["name"] << " / " << name << ": " << r.status().to_string();
       EXPECT_EQ(r->text, want["text"].get<std::string>()) << entry["name"] << " / " << name;
       ASSERT_EQ(r->assistant.size(), want["spans"].size()) << entry["name"] << " / " << name;
       for (size_t k = 0; k < r->assistant.size(); ++k) {
-        const json& s = want["spans"][k];
+        const ordered_json& s = want["spans"][k];
         const ByteSpan got = r->assistant[k];
         const std::string where = entry["name"].get<std::string>() + " / " + name + " message " + s["message"].dump() +
                                   ": got [" + r->text.substr(got.begin, got.end - got.begin) + "]";
@@ -141,7 +136,7 @@ TEST(ChatTemplateTest, AssistantSpansEqualTheRenderedTurns) {
 // A tokenizer directory: a fixture tokenizer.json and a tokenizer_config.json with the template.
 class ChatDir {
  public:
-  ChatDir(const std::string& tokenizer, const json& config) {
+  ChatDir(const std::string& tokenizer, const ordered_json& config) {
     std::string tmpl = ::testing::TempDir() + "strata_chat_XXXXXX";
     EXPECT_NE(::mkdtemp(tmpl.data()), nullptr);
     path_ = tmpl;
@@ -160,9 +155,9 @@ class ChatDir {
 
 TEST(ChatTemplateTest, IdsEqualApplyChatTemplateAndMasksCoverTheSpans) {
   int compared = 0;
-  for (const json& entry : expected()["templates"]) {
+  for (const ordered_json& entry : expected()["templates"]) {
     if (!entry["ids_tokenizer"].is_string()) continue;
-    json config = {{"chat_template", read_text(kDir + "/" + entry["file"].get<std::string>())}};
+    ordered_json config = {{"chat_template", read_text(kDir + "/" + entry["file"].get<std::string>())}};
     Result<Tokenizer> plain = Tokenizer::load(kTokenizers + "/" + entry["ids_tokenizer"].get<std::string>() + "/tokenizer.json");
     ASSERT_TRUE(plain.ok());
     for (const char* k : {"bos_token", "eos_token"}) {  // those the fixture vocabulary has
@@ -173,7 +168,7 @@ TEST(ChatTemplateTest, IdsEqualApplyChatTemplateAndMasksCoverTheSpans) {
     ASSERT_TRUE(tok.ok()) << entry["name"] << ": " << tok.status().to_string();
     for (const auto& [name, want] : entry["renders"].items()) {
       if (!want.contains("spans")) continue;
-      const json& conv = conversation(name);
+      const ordered_json& conv = conversation(name);
       Result<EncodedChat> chat = tok->encode_chat(conv["messages"], options_of(conv));
       ASSERT_TRUE(chat.ok()) << entry["name"] << " / " << name << ": " << chat.status().to_string();
       EXPECT_EQ(chat->ids, want["ids"].get<std::vector<int32_t>>()) << entry["name"] << " / " << name;
@@ -183,12 +178,12 @@ TEST(ChatTemplateTest, IdsEqualApplyChatTemplateAndMasksCoverTheSpans) {
       tok->encode_with_spans(chat->text, {.add_special_tokens = false, .parse_special = true}, &ids, &token_spans);
       for (size_t i = 0; i < ids.size(); ++i) {
         bool in_span = false;
-        for (const json& s : want["spans"]) {
+        for (const ordered_json& s : want["spans"]) {
           if (s["start"].is_null()) continue;
           const uint32_t b = s["start"], e = s["end"].is_null() ? b : s["end"].get<uint32_t>();
           in_span = in_span || (token_spans[i].begin < e && b < token_spans[i].end);
         }
-        const bool all_known = std::none_of(want["spans"].begin(), want["spans"].end(), [](const json& s) {
+        const bool all_known = std::none_of(want["spans"].begin(), want["spans"].end(), [](const ordered_json& s) {
           return s["start"].is_null() || s["end"].is_null();
         });
         if (all_known) {
@@ -206,7 +201,7 @@ TEST(ChatTemplateTest, QwenMaskCountsTheReplyAndItsEndMarkerOnly) {
   ChatDir dir("qwen2", {{"chat_template", qwen}, {"eos_token", "<|im_end|>"}});
   Result<Tokenizer> tok = Tokenizer::load(dir.path());
   ASSERT_TRUE(tok.ok()) << tok.status().to_string();
-  Result<EncodedChat> chat = tok->encode_chat(json::parse(R"([{"role":"user","content":"Hi there"},{"role":"assistant","content":"Hello!"}])"));
+  Result<EncodedChat> chat = tok->encode_chat(ordered_json::parse(R"([{"role":"user","content":"Hi there"},{"role":"assistant","content":"Hello!"}])"));
   ASSERT_TRUE(chat.ok()) << chat.status().to_string();
   std::vector<int32_t> counted;
   for (size_t i = 0; i < chat->ids.size(); ++i) {
@@ -217,7 +212,7 @@ TEST(ChatTemplateTest, QwenMaskCountsTheReplyAndItsEndMarkerOnly) {
 }
 
 TEST(ChatTemplateTest, TemplateIsReadFromAStringANamedListOrChatTemplateJinja) {
-  const json list = {{"chat_template", json::array({{{"name", "tool_use"}, {"template", "T"}}, {{"name", "default"}, {"template", "D"}}})}};
+  const ordered_json list = {{"chat_template", ordered_json::array({{{"name", "tool_use"}, {"template", "T"}}, {{"name", "default"}, {"template", "D"}}})}};
   Result<std::optional<std::string>> r = read_chat_template(list, "/x/tokenizer_config.json", "");
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->value(), "D");
@@ -226,7 +221,7 @@ TEST(ChatTemplateTest, TemplateIsReadFromAStringANamedListOrChatTemplateJinja) {
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("tool_use, default"), std::string::npos) << missing.status().message();
   EXPECT_NE(missing.status().message().find("/x/tokenizer_config.json"), std::string::npos);
-  EXPECT_FALSE(read_chat_template(json::object(), "/x/tokenizer_config.json", "")->has_value());
+  EXPECT_FALSE(read_chat_template(ordered_json::object(), "/x/tokenizer_config.json", "")->has_value());
   EXPECT_FALSE(read_chat_template({{"chat_template", 3}}, "/x/tokenizer_config.json", "").ok());
   // chat_template.jinja beside the config wins, as in transformers.
   ChatDir dir("qwen2", {{"chat_template", "from config"}, {"eos_token", "<|im_end|>"}});
@@ -234,7 +229,7 @@ TEST(ChatTemplateTest, TemplateIsReadFromAStringANamedListOrChatTemplateJinja) {
   Result<Tokenizer> tok = Tokenizer::load(dir.path());
   ASSERT_TRUE(tok.ok()) << tok.status().to_string();
   ASSERT_TRUE(tok->chat_template().has_value());
-  EXPECT_EQ(tok->chat_template()->render(json::parse(R"([{"role":"user","content":"x"}])"), {}).value(), "[user]");
+  EXPECT_EQ(tok->chat_template()->render(ordered_json::parse(R"([{"role":"user","content":"x"}])"), {}).value(), "[user]");
 }
 
 TEST(ChatTemplateTest, RefusalsNameTheConfigAndTheTemplateLine) {
@@ -247,7 +242,7 @@ TEST(ChatTemplateTest, RefusalsNameTheConfigAndTheTemplateLine) {
   // raise_exception's message, for a conversation the template refuses.
   Result<ChatTemplate> g2 = ChatTemplate::parse(read_text(kDir + "/google-gemma-2-it.jinja"), "gemma", "<bos>", "<eos>");
   ASSERT_TRUE(g2.ok());
-  Result<std::string> r = g2->render(json::parse(R"([{"role":"system","content":"x"},{"role":"user","content":"y"}])"), {});
+  Result<std::string> r = g2->render(ordered_json::parse(R"([{"role":"system","content":"x"},{"role":"user","content":"y"}])"), {});
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("System role not supported"), std::string::npos) << r.status().message();
   EXPECT_NE(r.status().message().find("gemma line 1"), std::string::npos) << r.status().message();

@@ -12,9 +12,9 @@
 namespace strata::model {
 namespace {
 
-using json = nlohmann::ordered_json;
+using ordered_json = nlohmann::ordered_json;
 
-std::string render(const std::string& source, const json& vars = json::object(), const JinjaOptions& options = {}) {
+std::string render(const std::string& source, const ordered_json& vars = ordered_json::object(), const JinjaOptions& options = {}) {
   Result<JinjaTemplate> t = JinjaTemplate::parse(source);
   if (!t.ok()) return "PARSE ERROR: " + t.status().message();
   Result<std::string> out = t->render(vars, options);
@@ -28,7 +28,7 @@ struct Case {
 };
 
 void check(const std::vector<Case>& cases) {
-  for (const Case& c : cases) EXPECT_EQ(render(c.source, json::parse(c.vars)), c.want) << c.source;
+  for (const Case& c : cases) EXPECT_EQ(render(c.source, ordered_json::parse(c.vars)), c.want) << c.source;
 }
 
 TEST(JinjaTest, ForLoopsAndTheirLoopVariable) {
@@ -114,7 +114,7 @@ TEST(JinjaTest, Filters) {
 }
 
 TEST(JinjaTest, ToJsonMatchesPythonJsonDumps) {
-  const json vars = json::parse(R"({"v": {"s": "é\"\n<>&", "n": [1, 2.5, 1.0, 1e20, 0.0001, true, null], "e": {}, "l": []}})");
+  const ordered_json vars = ordered_json::parse(R"({"v": {"s": "é\"\n<>&", "n": [1, 2.5, 1.0, 1e20, 0.0001, true, null], "e": {}, "l": []}})");
   EXPECT_EQ(render("{{ v | tojson }}", vars),
             R"({"s": "é\"\n<>&", "n": [1, 2.5, 1.0, 1e+20, 0.0001, true, null], "e": {}, "l": []})");
   EXPECT_EQ(render("{{ v.n[:2] | tojson(indent=2) }}", vars), "[\n  1,\n  2.5\n]");
@@ -141,14 +141,14 @@ TEST(JinjaTest, GlobalsRaiseExceptionAndStrftimeNow) {
   o.now = 86400 * 365;  // 1971-01-01
   ::setenv("TZ", "UTC", 1);
   ::tzset();
-  EXPECT_EQ(render("{{ strftime_now('%d %b %Y') }}", json::object(), o), "01 Jan 1971");
+  EXPECT_EQ(render("{{ strftime_now('%d %b %Y') }}", ordered_json::object(), o), "01 Jan 1971");
   EXPECT_EQ(render("line 1\n{{ raise_exception('Roles must alternate') }}"),
             "ERROR: line 2: the template raised an exception: Roles must alternate");
 }
 
 TEST(JinjaTest, WhitespaceControlAsTransformersSetsItUp) {
   // trim_blocks eats the newline after a block tag, lstrip_blocks the indentation before it.
-  EXPECT_EQ(render("{% for x in xs %}\n    {% if x %}\n{{ x }}\n    {% endif %}\n{% endfor %}\n", json::parse(R"({"xs": [1, 2]})")),
+  EXPECT_EQ(render("{% for x in xs %}\n    {% if x %}\n{{ x }}\n    {% endif %}\n{% endfor %}\n", ordered_json::parse(R"({"xs": [1, 2]})")),
             "1\n2\n");
   EXPECT_EQ(render("a  {{- ' b ' -}}  c\n  {%- if true %} d {% endif -%}\n e"), "a b c d e");
   EXPECT_EQ(render("x\n  {%+ if true %}y{% endif %}"), "x\n  y");  // {%+ keeps the indentation
@@ -158,7 +158,7 @@ TEST(JinjaTest, WhitespaceControlAsTransformersSetsItUp) {
 
 TEST(JinjaTest, UndefinedBehavesAsInJinja2) {
   EXPECT_EQ(render("[{{ nothing }}][{{ nothing | length }}][{% for x in nothing %}x{% endfor %}][{{ d.none_here }}]",
-                   json::parse(R"({"d": {}})")),
+                   ordered_json::parse(R"({"d": {}})")),
             "[][0][][]");
   EXPECT_EQ(render("{{ nothing.attr }}"), "ERROR: line 1: 'nothing' is undefined (reading .attr of it)");
 }
@@ -171,7 +171,7 @@ TEST(JinjaTest, ConstructsOutsideTheSubsetAreRefusedNamingThemAndTheLine) {
   EXPECT_EQ(render("{{ x is frob }}"), "PARSE ERROR: line 1: test 'frob' is outside the Jinja subset strata renders");
   EXPECT_EQ(render("{{ cycler(1) }}"), "ERROR: line 1: function 'cycler' is outside the Jinja subset strata renders");
   EXPECT_EQ(render("{{ 'a'.zfill(3) }}"), "ERROR: line 1: function method 'zfill' is outside the Jinja subset strata renders");
-  EXPECT_EQ(render("{{ xs.append(1) }}", json::parse(R"({"xs": []})")),
+  EXPECT_EQ(render("{{ xs.append(1) }}", ordered_json::parse(R"({"xs": []})")),
             "ERROR: line 1: method 'append' changes its object, which transformers' sandbox refuses too");
   EXPECT_EQ(render("{% if x %}never closed"), "PARSE ERROR: line 1: the template ends inside a block: expected {% endif %}");
   EXPECT_EQ(render("{{ 1 +  }}"), "PARSE ERROR: line 1: unexpected '}}' in an expression");
@@ -187,12 +187,12 @@ TEST(JinjaTest, HostileTemplatesHitLimitsWithClearErrors) {
   JinjaOptions few_steps;
   few_steps.max_steps = 100'000;
   EXPECT_EQ(render("{% for i in range(1000) %}{% for j in range(1000) %}{% for k in range(1000) %}{% endfor %}{% endfor %}{% endfor %}",
-                   json::object(), few_steps),
+                   ordered_json::object(), few_steps),
             "ERROR: line 1: the template takes more than 100000 steps (a loop too long for a chat template?)");
   EXPECT_EQ(render("{{ range(10000000000) }}"), "ERROR: line 1: range() of 10000000000 numbers, more than the limit of 1000000");
   JinjaOptions small;
   small.max_output_bytes = 1000;
-  EXPECT_EQ(render("{% for i in range(100) %}0123456789ABCDEF{% endfor %}", json::object(), small),
+  EXPECT_EQ(render("{% for i in range(100) %}0123456789ABCDEF{% endfor %}", ordered_json::object(), small),
             "ERROR: line 1: the output passes the limit of 1000 bytes");
   EXPECT_EQ(render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"), "ERROR: line 1: macro calls nest deeper than 64");
   EXPECT_EQ(render("{{ 2 ** 64 }}"), "ERROR: line 1: integer arithmetic overflows 64 bits");

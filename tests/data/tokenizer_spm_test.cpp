@@ -14,23 +14,17 @@
 #include <nlohmann/json.hpp>
 
 #include "data/tokenizer.h"
+#include "test_util.h"
 
 namespace strata::model {
 namespace {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
+using json = nlohmann::json;
 
-const std::string kFixtures = std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/tokenizer";
+const std::string kSpmFixtures = std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/tokenizer";
 
-json read_json(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  json j = json::parse(ss.str(), nullptr, false);
-  EXPECT_FALSE(j.is_discarded()) << path;
-  return j;
-}
+using strata::testing::read_json;
 
 // A copy of a fixture's tokenizer.json with an edit, in a directory of its own.
 class EditedTokenizer {
@@ -39,7 +33,7 @@ class EditedTokenizer {
     std::string tmpl = ::testing::TempDir() + "strata_spm_XXXXXX";
     EXPECT_NE(::mkdtemp(tmpl.data()), nullptr);
     path_ = tmpl;
-    json spec = read_json(kFixtures + "/" + fixture + "/tokenizer.json");
+    json spec = read_json(kSpmFixtures + "/" + fixture + "/tokenizer.json");
     edit(&spec);
     std::ofstream(path_ + "/tokenizer.json") << spec.dump();
   }
@@ -63,9 +57,9 @@ bool has_added_token_text(const std::string& text) {
 class SpmFixtureTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(SpmFixtureTest, IdsMatchHuggingFaceTokenizers) {
-  Result<Tokenizer> tok = Tokenizer::load(kFixtures + "/" + GetParam());
+  Result<Tokenizer> tok = Tokenizer::load(kSpmFixtures + "/" + GetParam());
   ASSERT_TRUE(tok.ok()) << tok.status().to_string();
-  const json expected = read_json(kFixtures + "/" + GetParam() + "/expected.json");
+  const json expected = read_json(kSpmFixtures + "/" + GetParam() + "/expected.json");
   ASSERT_GE(expected["cases"].size(), 30u);
   for (const json& c : expected["cases"]) {
     const std::string text = c["text"];
@@ -79,7 +73,7 @@ TEST_P(SpmFixtureTest, IdsMatchHuggingFaceTokenizers) {
 }
 
 TEST_P(SpmFixtureTest, SpansCoverTheTextInOrder) {
-  Result<Tokenizer> tok = Tokenizer::load(kFixtures + "/" + GetParam());
+  Result<Tokenizer> tok = Tokenizer::load(kSpmFixtures + "/" + GetParam());
   ASSERT_TRUE(tok.ok()) << tok.status().to_string();
   const std::string text = "Grüße 日本 <s>x  y</s> 😀";
   std::vector<int32_t> ids;
@@ -106,7 +100,7 @@ TEST(SpmTokenizerTest, MetaspaceAlwaysWithSplitMatches) {
   });
   Result<Tokenizer> tok = Tokenizer::load(dir.path());
   ASSERT_TRUE(tok.ok()) << tok.status().to_string();
-  const json expected = read_json(kFixtures + "/mistral/expected.json");  // outlives the loop
+  const json expected = read_json(kSpmFixtures + "/mistral/expected.json");  // outlives the loop
   for (const json& c : expected["cases"]) {
     EXPECT_EQ(tok->encode(c["text"].get<std::string>()), c["ids_split_always"].get<std::vector<int32_t>>())
         << c["text"].dump();
@@ -114,7 +108,7 @@ TEST(SpmTokenizerTest, MetaspaceAlwaysWithSplitMatches) {
 }
 
 TEST(SpmTokenizerTest, CharactersOutsideTheVocabularyUseByteTokens) {
-  Result<Tokenizer> tok = Tokenizer::load(kFixtures + "/llama2");
+  Result<Tokenizer> tok = Tokenizer::load(kSpmFixtures + "/llama2");
   ASSERT_TRUE(tok.ok()) << tok.status().to_string();
   // U+2603 is E2 98 83; the fixture's alphabet does not hold it.
   ASSERT_EQ(tok->token_to_id("\u2603"), -1);

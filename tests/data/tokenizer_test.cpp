@@ -24,22 +24,12 @@ namespace strata::model {
 namespace {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
+using json = nlohmann::json;
 
 const std::string kFixtures = std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/tokenizer";
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-json read_json(const std::string& path) {
-  json j = json::parse(read_text(path), nullptr, false);
-  EXPECT_FALSE(j.is_discarded()) << path;
-  return j;
-}
+using strata::testing::read_json;
+using strata::testing::read_text;
 
 std::vector<int32_t> ids_of(const json& j) { return j.get<std::vector<int32_t>>(); }
 

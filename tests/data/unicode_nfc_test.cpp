@@ -16,11 +16,11 @@
 namespace strata::model {
 namespace {
 
-const std::string kFixtures = std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/unicode";
+const std::string kUnicodeFixtures = std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/unicode";
 
 // The lines of a fixture after its "# Unicode X: ..." header; version gets X.
 std::vector<std::string> read_fixture(const std::string& name, std::string* version) {
-  std::ifstream in(kFixtures + "/" + name, std::ios::binary);
+  std::ifstream in(kUnicodeFixtures + "/" + name, std::ios::binary);
   EXPECT_TRUE(in.good()) << name;
   std::string line;
   std::getline(in, line);

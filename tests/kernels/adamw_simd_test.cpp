@@ -281,19 +281,19 @@ TEST_P(AdamWSimdTest, MixedNarrowsNaNAndInfMastersLikeScalar) {
 // gradient and its moments are 0, or an Inf from a step past the largest float. The bad element
 // sits at the start, in the vector body, in the tail, or in another thread's block; what is
 // written is the reference's, bit for bit, either way.
-enum class Outcome { kFinite, kZeroOverZero, kOverflow };
+enum class StepOutcome { kFinite, kZeroOverZero, kOverflow };
 
-struct FiniteCase {
+struct SimdFiniteCase {
   State s;
   std::vector<float> g;
   AdamWParams p;
 };
 
-FiniteCase finite_case(int64_t n, int64_t at, Outcome outcome) {
-  FiniteCase c{initial_state(n, true), random_vector(n, 5, 0.25f, 1.0f), {1e-3f, 0.9f, 0.999f, 0.0f, 0.1f, 1}};
+SimdFiniteCase simd_finite_case(int64_t n, int64_t at, StepOutcome outcome) {
+  SimdFiniteCase c{initial_state(n, true), random_vector(n, 5, 0.25f, 1.0f), {1e-3f, 0.9f, 0.999f, 0.0f, 0.1f, 1}};
   for (int64_t i = 1; i < n; i += 2) c.g[i] = -c.g[i];
-  if (outcome == Outcome::kZeroOverZero) c.g[at] = 0.0f;
-  if (outcome == Outcome::kOverflow) {
+  if (outcome == StepOutcome::kZeroOverZero) c.g[at] = 0.0f;
+  if (outcome == StepOutcome::kOverflow) {
     c.p.lr = 1e33f;  // the first step moves each element by lr against its gradient's sign
     c.p.weight_decay = 0.0f;
     c.s.w[at] = std::numeric_limits<float>::max();
@@ -302,23 +302,23 @@ FiniteCase finite_case(int64_t n, int64_t at, Outcome outcome) {
   return c;
 }
 
-constexpr Outcome kOutcomes[] = {Outcome::kFinite, Outcome::kZeroOverZero, Outcome::kOverflow};
+constexpr StepOutcome kStepOutcomes[] = {StepOutcome::kFinite, StepOutcome::kZeroOverZero, StepOutcome::kOverflow};
 
 TEST_P(AdamWSimdTest, F32ReportsWhetherEveryParameterWrittenIsFinite) {
   for (int64_t n : {1, 15, 16, 17, 1000, 100003}) {
     for (int64_t at : {int64_t{0}, n / 2, n - 1, std::max<int64_t>(0, n - 17)}) {
-      for (Outcome outcome : kOutcomes) {
+      for (StepOutcome outcome : kStepOutcomes) {
         SCOPED_TRACE(::testing::Message() << "n=" << n << " at=" << at << " outcome=" << int(outcome));
-        FiniteCase want = finite_case(n, at, outcome);
-        FiniteCase got = want;
+        SimdFiniteCase want = simd_finite_case(n, at, outcome);
+        SimdFiniteCase got = want;
         const bool want_finite =
             ref::adamw_step(want.s.w.data(), want.g.data(), want.s.m.data(), want.s.v.data(), n, want.p);
         const bool got_finite =
             adamw_step_f32(got.s.w.data(), got.g.data(), got.s.m.data(), got.s.v.data(), n, got.p, GetParam());
-        ASSERT_EQ(want_finite, outcome == Outcome::kFinite);
-        ASSERT_EQ(got_finite, outcome == Outcome::kFinite);
-        ASSERT_EQ(std::isnan(got.s.w[at]), outcome == Outcome::kZeroOverZero);
-        ASSERT_EQ(std::isinf(got.s.w[at]), outcome == Outcome::kOverflow);
+        ASSERT_EQ(want_finite, outcome == StepOutcome::kFinite);
+        ASSERT_EQ(got_finite, outcome == StepOutcome::kFinite);
+        ASSERT_EQ(std::isnan(got.s.w[at]), outcome == StepOutcome::kZeroOverZero);
+        ASSERT_EQ(std::isinf(got.s.w[at]), outcome == StepOutcome::kOverflow);
         ASSERT_TRUE(same_bits(got.s.w, want.s.w));
         ASSERT_TRUE(same_bits(got.s.m, want.s.m));
         ASSERT_TRUE(same_bits(got.s.v, want.s.v));
@@ -330,22 +330,22 @@ TEST_P(AdamWSimdTest, F32ReportsWhetherEveryParameterWrittenIsFinite) {
 TEST_P(AdamWSimdTest, MixedReportsWhetherEveryMasterWrittenIsFinite) {
   for (int64_t n : {1, 15, 16, 17, 1000, 100003}) {
     for (int64_t at : {int64_t{0}, n / 2, n - 1, std::max<int64_t>(0, n - 17)}) {
-      for (Outcome outcome : kOutcomes) {
+      for (StepOutcome outcome : kStepOutcomes) {
         SCOPED_TRACE(::testing::Message() << "n=" << n << " at=" << at << " outcome=" << int(outcome));
-        FiniteCase want = finite_case(n, at, outcome);
+        SimdFiniteCase want = simd_finite_case(n, at, outcome);
         std::vector<uint16_t> g(static_cast<size_t>(n));
         for (int64_t i = 0; i < n; ++i) {
           g[i] = f32_to_bf16(want.g[i]);
           want.g[i] = bf16_to_f32(g[i]);  // what the mixed step reads
         }
-        FiniteCase got = want;
+        SimdFiniteCase got = want;
         const bool want_finite =
             ref::adamw_step(want.s.w.data(), want.g.data(), want.s.m.data(), want.s.v.data(), n, want.p);
         std::vector<uint16_t> out(static_cast<size_t>(n));
         const bool got_finite = adamw_step_mixed(got.s.w.data(), g.data(), got.s.m.data(), got.s.v.data(), out.data(),
                                                  n, got.p, GetParam());
-        ASSERT_EQ(want_finite, outcome == Outcome::kFinite);
-        ASSERT_EQ(got_finite, outcome == Outcome::kFinite);
+        ASSERT_EQ(want_finite, outcome == StepOutcome::kFinite);
+        ASSERT_EQ(got_finite, outcome == StepOutcome::kFinite);
         ASSERT_TRUE(same_bits(got.s.w, want.s.w));
         ASSERT_TRUE(same_bits(got.s.m, want.s.m));
         ASSERT_TRUE(same_bits(got.s.v, want.s.v));

@@ -31,7 +31,7 @@ void PrintTo(const CeShape &s, std::ostream *os) {
       << "chunk=" << s.chunk;
 }
 // N not a multiple of chunk, odd V, chunk larger than N, chunk of one token.
-const CeShape kShapes[] = {{1, 8, 5, 4},      {7, 16, 33, 3},  {33, 64, 101, 8},
+const CeShape kCeShapes[] = {{1, 8, 5, 4},      {7, 16, 33, 3},  {33, 64, 101, 8},
                            {65, 32, 257, 64}, {10, 8, 7, 100}, {9, 16, 31, 1}};
 
 // Random targets with about one in five masked (-1).
@@ -196,7 +196,7 @@ TEST_P(CrossEntropyShapeTest, IgnoredTargetsContributeNothing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CrossEntropyShapeTest,
-                         ::testing::ValuesIn(kShapes));
+                         ::testing::ValuesIn(kCeShapes));
 
 TEST(CrossEntropyTest, AllIgnoredGivesZeroLossAndNoGradient) {
   CeData d({6, 8, 11, 4}, 500);

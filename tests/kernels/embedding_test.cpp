@@ -30,10 +30,10 @@ std::vector<int32_t> random_tokens(int64_t n, int32_t vocab, uint64_t seed) {
 struct Shape {
   int64_t N, C, V;
 };
-const Shape kShapes[] = {{1, 1, 1}, {3, 17, 5}, {17, 3, 4}, {127, 33, 11}, {2048, 64, 50}};
+const Shape kEmbeddingShapes[] = {{1, 1, 1}, {3, 17, 5}, {17, 3, 4}, {127, 33, 11}, {2048, 64, 50}};
 
 TEST(Embedding, FastForwardCopiesRows) {
-  for (const auto& s : kShapes) {
+  for (const auto& s : kEmbeddingShapes) {
     auto table = random_vector(s.V * s.C, 1);
     auto tokens = random_tokens(s.N, static_cast<int32_t>(s.V), 2);
     std::vector<float> out_ref(s.N * s.C), out(s.N * s.C, NAN);
@@ -58,7 +58,7 @@ TEST(Embedding, BackwardAddsEveryOccurrenceOntoTheTable) {
 }
 
 TEST(Embedding, FastBackwardMatchesReference) {
-  for (const auto& s : kShapes) {
+  for (const auto& s : kEmbeddingShapes) {
     auto dout = random_vector(s.N * s.C, 3);
     auto tokens = random_tokens(s.N, static_cast<int32_t>(s.V), 4);
     auto dtable_ref = random_vector(s.V * s.C, 5), dtable = dtable_ref;
@@ -106,7 +106,7 @@ TEST(Embedding, FastBackwardDoesNotDependOnThreadCount) {
 // The table in row blocks of 3 rows, each in an allocation of its own: the same rows out, and
 // the same additions into each row, bitwise, as with one contiguous table.
 TEST(Embedding, RowBlocksGiveTheContiguousResultsBitwise) {
-  for (const auto& s : kShapes) {
+  for (const auto& s : kEmbeddingShapes) {
     const int64_t rows = 3;
     auto table = random_vector(s.V * s.C, 5);
     auto dtable = random_vector(s.V * s.C, 6);

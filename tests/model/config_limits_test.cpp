@@ -11,11 +11,11 @@
 namespace strata::model {
 namespace {
 
-using nlohmann::json;
+using json = nlohmann::json;
 
-constexpr const char* kSource = "models/big/config.json";
+constexpr const char* kBigSource = "models/big/config.json";
 
-json llama_json() {
+json big_llama_json() {
   return json::parse(R"({
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
     "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 3,
@@ -24,8 +24,8 @@ json llama_json() {
   })");
 }
 
-json mixtral_json() {
-  json j = llama_json();
+json big_mixtral_json() {
+  json j = big_llama_json();
   j["architectures"] = {"MixtralForCausalLM"};
   j["model_type"] = "mixtral";
   j["num_local_experts"] = 8;
@@ -34,7 +34,7 @@ json mixtral_json() {
 }
 
 json qwen3_moe_json() {
-  json j = llama_json();
+  json j = big_llama_json();
   j["architectures"] = {"Qwen3MoeForCausalLM"};
   j["model_type"] = "qwen3_moe";
   j["num_experts"] = 8;
@@ -45,11 +45,11 @@ json qwen3_moe_json() {
 
 // The error names the source, and each of `words` (key, value as written, limit).
 void expect_refused(const json& j, const std::vector<std::string>& words) {
-  Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+  Result<ModelConfig> c = ModelConfig::from_json(j, kBigSource);
   ASSERT_FALSE(c.ok()) << "accepted " << j.dump();
   EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << c.status().to_string();
   const std::string& m = c.status().message();
-  EXPECT_NE(m.find(kSource), std::string::npos) << m;
+  EXPECT_NE(m.find(kBigSource), std::string::npos) << m;
   for (const std::string& w : words) EXPECT_NE(m.find(w), std::string::npos) << "missing '" << w << "' in: " << m;
 }
 
@@ -69,12 +69,12 @@ TEST(ModelLimitsTest, AbsurdDimensionsNameTheKeyTheValueAndTheLimit) {
       {"num_attention_heads", 1 << 20, {"'num_attention_heads'", "1048576", "4096"}},
   };
   for (const Case& c : cases) {
-    json j = llama_json();
+    json j = big_llama_json();
     j[c.key] = c.value;
     if (std::string(c.key) == "num_attention_heads") j["head_dim"] = 2;
     expect_refused(j, c.words);
   }
-  json m = mixtral_json();
+  json m = big_mixtral_json();
   m["num_local_experts"] = 100000000;
   expect_refused(m, {"'num_local_experts'", "100000000", "4096"});
   json q = qwen3_moe_json();
@@ -83,13 +83,13 @@ TEST(ModelLimitsTest, AbsurdDimensionsNameTheKeyTheValueAndTheLimit) {
 }
 
 TEST(ModelLimitsTest, IntegersBeyondInt64AreReportedAsWritten) {
-  json j = llama_json();
+  json j = big_llama_json();
   j["hidden_size"] = uint64_t{18446744073709551615u};
   expect_refused(j, {"'hidden_size'", "18446744073709551615", "65536"});
-  Result<ModelConfig> c = ModelConfig::from_json(j, kSource);
+  Result<ModelConfig> c = ModelConfig::from_json(j, kBigSource);
   EXPECT_EQ(c.status().message().find("-1"), std::string::npos) << c.status().message();
 
-  json f = llama_json();
+  json f = big_llama_json();
   f["vocab_size"] = 1e20;  // integral, but no int64 holds it
   expect_refused(f, {"'vocab_size'", "1e+20", "16777216"});
 
@@ -100,7 +100,7 @@ TEST(ModelLimitsTest, IntegersBeyondInt64AreReportedAsWritten) {
 
 TEST(ModelLimitsTest, KeysWithinLimitsWhoseProductIsTooLargeAreRefused) {
   // Every key at its limit: 3 * 65536 * 2^20 * 1024 MLP parameters alone, far past 2^44.
-  json j = llama_json();
+  json j = big_llama_json();
   j["hidden_size"] = ModelLimits::kHiddenSize;
   j["intermediate_size"] = ModelLimits::kIntermediateSize;
   j["num_hidden_layers"] = ModelLimits::kLayers;
@@ -121,11 +121,11 @@ TEST(ModelLimitsTest, KeysWithinLimitsWhoseProductIsTooLargeAreRefused) {
 
 TEST(ModelLimitsTest, TheLargestPublishedShapesAreAccepted) {
   // Llama 3.1 405B (dense), and a large MoE shape in Qwen3-MoE's form.
-  json llama = llama_json();
+  json llama = big_llama_json();
   llama.update(json::parse(R"({"vocab_size": 128256, "hidden_size": 16384, "intermediate_size": 53248,
       "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
       "max_position_embeddings": 131072})"));
-  Result<ModelConfig> a = ModelConfig::from_json(llama, kSource);
+  Result<ModelConfig> a = ModelConfig::from_json(llama, kBigSource);
   ASSERT_TRUE(a.ok()) << a.status().to_string();
   EXPECT_EQ(a->num_parameters(), 405853388800);  // the published count of Llama 3.1 405B
 
@@ -134,7 +134,7 @@ TEST(ModelLimitsTest, TheLargestPublishedShapesAreAccepted) {
       "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "head_dim": 128,
       "num_experts": 384, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
       "max_position_embeddings": 262144})"));
-  Result<ModelConfig> b = ModelConfig::from_json(moe, kSource);
+  Result<ModelConfig> b = ModelConfig::from_json(moe, kBigSource);
   ASSERT_TRUE(b.ok()) << b.status().to_string();
   EXPECT_GT(b->num_parameters(), int64_t{1000} * 1000 * 1000 * 1000);  // over a trillion
   EXPECT_EQ(ParamLayout(*b).num_parameters(), b->num_parameters());

@@ -14,7 +14,7 @@
 namespace strata::model {
 namespace {
 
-using nlohmann::json;
+using json = nlohmann::json;
 
 constexpr const char* kSource = "models/test/config.json";
 

@@ -31,7 +31,6 @@ namespace fs = std::filesystem;
 constexpr int64_t kB = kTinyB;
 constexpr int64_t kT = kTinyT;
 constexpr int64_t kExperts = 4;
-using Batch = TinyBatch;
 
 // The aux loss on; bias_rate > 0 turns on the loss-free balancing bias, which the tests set by
 // hand.
@@ -51,21 +50,21 @@ void set_bias(FlatModel<Net>& model, bool skew) {
 }
 
 template <class Net>
-Run one_process(const ModelConfig& config, const std::vector<Batch>& batches, bool skew) {
+Run one_process(const ModelConfig& config, const std::vector<TinyBatch>& batches, bool skew) {
   FlatModel<Net> model(config);
   model.init_weights(7);
   model.zero_grads();
   set_bias(model, skew);
   Run run;
   const float scale = 1.0f / static_cast<float>(batches.size() * kB * kT);
-  for (const Batch& b : batches)
+  for (const TinyBatch& b : batches)
     run.losses.push_back(model.forward_backward(b.inputs.data(), b.targets.data(), kB, kT, scale));
   run.grads.emplace_back(model.grads(), model.grads() + model.layout().total_size());
   return run;
 }
 
 template <class Net>
-Run expert_parallel(const ModelConfig& config, const std::vector<Batch>& batches, bool skew) {
+Run expert_parallel(const ModelConfig& config, const std::vector<TinyBatch>& batches, bool skew) {
   const int P = static_cast<int>(batches.size());
   const fs::path dir = fs::path(::testing::TempDir()) /
                        fmt::format("ep_test_{}_{}", ::getpid(), ::testing::UnitTest::GetInstance()->random_seed());
@@ -98,7 +97,7 @@ Run expert_parallel(const ModelConfig& config, const std::vector<Batch>& batches
       model.zero_grads();
       set_bias(model, skew);
       model.net().set_expert_comm(comm->get());
-      const Batch& b = batches[static_cast<size_t>(r)];
+      const TinyBatch& b = batches[static_cast<size_t>(r)];
       Result<double> loss = model.net().compute(b.inputs.data(), b.targets.data(), kB, kT, scale, true);
       model.net().set_expert_comm(nullptr);
       if (!loss.ok()) {
@@ -127,7 +126,7 @@ void check_against_one_process(int P, bool skew, double tol, bool lora = false) 
     config.lora.targets = kLoraQ | kLoraV | kLoraExperts;
     ASSERT_TRUE(config.validate("test").ok());
   }
-  std::vector<Batch> batches;
+  std::vector<TinyBatch> batches;
   for (int r = 0; r < P; ++r) batches.push_back(tiny_batch(100 + static_cast<uint64_t>(r), config.vocab_size));
   const Run one = one_process<Net>(config, batches, skew);
   const Run ep = expert_parallel<Net>(config, batches, skew);

@@ -38,7 +38,7 @@ ModelConfig config_from(const nlohmann::json& j) {
 }
 
 // Llama with GQA; head_dim 8.
-ModelConfig dense_config() {
+ModelConfig llama_config() {
   return config_from({{"architectures", {"LlamaForCausalLM"}}, {"vocab_size", 53}, {"hidden_size", 32},
                       {"intermediate_size", 40}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
                       {"num_key_value_heads", 2}, {"max_position_embeddings", 128}, {"rope_theta", 10000.0}});
@@ -54,7 +54,7 @@ ModelConfig qk_norm_config() {
 }
 
 // Qwen2-MoE: layers 0 and 2 have 4 experts (top-2) and a shared expert, layer 1 is dense.
-ModelConfig moe_config() {
+ModelConfig qwen2_moe_config() {
   return config_from({{"architectures", {"Qwen2MoeForCausalLM"}}, {"vocab_size", 31}, {"hidden_size", 16},
                       {"intermediate_size", 24}, {"num_hidden_layers", 3}, {"num_attention_heads", 2},
                       {"num_key_value_heads", 1}, {"max_position_embeddings", 64}, {"num_experts", 4},
@@ -62,7 +62,7 @@ ModelConfig moe_config() {
                       {"shared_expert_intermediate_size", 20}, {"mlp_only_layers", {1}}});
 }
 
-std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
+std::vector<int32_t> random_prompt(int64_t n, int64_t vocab, uint64_t seed) {
   const std::vector<float> r = testing::random_vector(n, seed, 0.0f, 1.0f);
   std::vector<int32_t> out;
   for (float x : r) out.push_back(std::min(static_cast<int32_t>(x * static_cast<float>(vocab)), static_cast<int32_t>(vocab - 1)));
@@ -105,7 +105,7 @@ template <class Net>
 void expect_cached_equals_recomputed(const ModelConfig& config, bool bitwise, double tolerance) {
   FlatModel<Net> model(config);
   model.init_weights(7);
-  const std::vector<int32_t> tokens = random_tokens(kTokens, config.vocab_size, 11);
+  const std::vector<int32_t> tokens = random_prompt(kTokens, config.vocab_size, 11);
   const std::vector<std::vector<float>> cached = cached_logits(model.net(), tokens, kPrefill);
   ASSERT_EQ(static_cast<int64_t>(cached.size()), kTokens - kPrefill + 1);
   for (int64_t t = kPrefill - 1; t < kTokens; ++t) {
@@ -125,15 +125,15 @@ void expect_cached_equals_recomputed(const ModelConfig& config, bool bitwise, do
 // independently in a fixed order: a position's logits do not depend on how the sequence is cut.
 TEST(Generate, KvCacheLogitsAreBitwiseTheFullRecomputeWithFixedOrderGemm) {
   FixedOrderGemm gemm(true);
-  expect_cached_equals_recomputed<LlamaModel>(dense_config(), /*bitwise=*/true, 0);
+  expect_cached_equals_recomputed<LlamaModel>(llama_config(), /*bitwise=*/true, 0);
   expect_cached_equals_recomputed<LlamaModel>(qk_norm_config(), true, 0);
-  expect_cached_equals_recomputed<LlamaModel>(moe_config(), true, 0);
+  expect_cached_equals_recomputed<LlamaModel>(qwen2_moe_config(), true, 0);
 }
 
 TEST(Generate, KvCacheLogitsAreBitwiseTheFullRecomputeInTheBf16Recipe) {
   FixedOrderGemm gemm(true);
-  expect_cached_equals_recomputed<LlamaModelBf16>(dense_config(), true, 0);
-  expect_cached_equals_recomputed<LlamaModelBf16>(moe_config(), true, 0);
+  expect_cached_equals_recomputed<LlamaModelBf16>(llama_config(), true, 0);
+  expect_cached_equals_recomputed<LlamaModelBf16>(qwen2_moe_config(), true, 0);
 }
 
 // With OpenBLAS a GEMM of one row and one of many may sum in different orders. Two orders of an
@@ -143,17 +143,17 @@ TEST(Generate, KvCacheLogitsAreBitwiseTheFullRecomputeInTheBf16Recipe) {
 // vocabulary) leaves a margin of a few times that.
 TEST(Generate, KvCacheLogitsMatchTheFullRecomputeWithOpenBlas) {
   FixedOrderGemm gemm(false);
-  expect_cached_equals_recomputed<LlamaModel>(dense_config(), /*bitwise=*/false, 1e-4);
-  expect_cached_equals_recomputed<LlamaModel>(moe_config(), false, 1e-4);
+  expect_cached_equals_recomputed<LlamaModel>(llama_config(), /*bitwise=*/false, 1e-4);
+  expect_cached_equals_recomputed<LlamaModel>(qwen2_moe_config(), false, 1e-4);
 }
 
 // Decoding's head (final norm and LM head on the last row) and the training forward's fused LM
 // head and cross-entropy give the same NLL of a sequence.
 TEST(Generate, CachedLogitsGiveTheTrainingForwardsLoss) {
-  for (const ModelConfig& config : {dense_config(), moe_config()}) {
+  for (const ModelConfig& config : {llama_config(), qwen2_moe_config()}) {
     FlatModel<LlamaModel> model(config);
     model.init_weights(3);
-    const std::vector<int32_t> tokens = random_tokens(kTokens, config.vocab_size, 5);
+    const std::vector<int32_t> tokens = random_prompt(kTokens, config.vocab_size, 5);
     std::vector<int32_t> inputs(tokens.begin(), tokens.end() - 1), targets(tokens.begin() + 1, tokens.end());
     const int64_t T = kTokens - 1;
     const double loss_before = model.forward_loss(inputs.data(), targets.data(), 1, T);
@@ -180,12 +180,12 @@ TEST(Generate, QueuedOpsOnAChaoticStreamDecodeAsOpsInTheCaller) {
   FixedOrderGemm gemm(true);
   Result<std::unique_ptr<CpuDevice>> device = CpuDevice::create(0, 0, /*chaos_seed=*/5);
   ASSERT_TRUE(device.ok()) << device.status().to_string();
-  for (const ModelConfig& config : {dense_config(), moe_config()}) {
+  for (const ModelConfig& config : {llama_config(), qwen2_moe_config()}) {
     FlatModel<LlamaModel> direct(config);
     FlatModel<LlamaModel> queued(config, CpuF32Model(device->get()));
     direct.init_weights(9);
     queued.init_weights(9);
-    const std::vector<int32_t> tokens = random_tokens(24, config.vocab_size, 4);
+    const std::vector<int32_t> tokens = random_prompt(24, config.vocab_size, 4);
     const auto want = cached_logits(direct.net(), tokens, 6);
     const auto got = cached_logits(queued.net(), tokens, 6);
     ASSERT_EQ(got.size(), want.size());
@@ -202,7 +202,7 @@ TEST(Generate, QueuedOpsOnAChaoticStreamDecodeAsOpsInTheCaller) {
 }
 
 TEST(Generate, DecodeRefusesWhatItCannotRun) {
-  FlatModel<LlamaModel> model(dense_config());
+  FlatModel<LlamaModel> model(llama_config());
   model.init_weights(1);
   std::vector<float> logits(53);
   const int32_t tokens[3] = {1, 2, 3};
@@ -217,7 +217,7 @@ TEST(Generate, DecodeRefusesWhatItCannotRun) {
   EXPECT_EQ(model.net().begin_sequence(0, 1).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(model.net().begin_sequence(4, 5).code(), StatusCode::kInvalidArgument);
 
-  nlohmann::json windowed = dense_config().to_json();
+  nlohmann::json windowed = llama_config().to_json();
   windowed["architectures"] = {"MistralForCausalLM"};
   windowed["sliding_window"] = 8;
   FlatModel<LlamaModel> mistral(config_from(windowed));

@@ -24,13 +24,13 @@
 #include "model/decoder.h"
 #include "model/flat_model.h"
 #include "../test_util.h"
+#include "reference_util.h"
 
 namespace strata::model {
 namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kPython = "/usr/bin/python3";
 constexpr double kLossTolerance = 1e-5;  // relative
 constexpr double kGradTolerance = 1e-4;  // relative norm, per tensor
 constexpr double kLogitTolerance = 1e-5;  // max |diff| / max |logit|
@@ -40,17 +40,14 @@ fs::path script() { return fs::path(STRATA_SOURCE_DIR) / "tests" / "model" / "hf
 // Looks the packages up without importing them (importing transformers takes seconds); a
 // package that is installed but broken then fails the tests instead of skipping them.
 bool python_has_transformers() {
-  const std::string cmd = std::string(kPython) +
+  const std::string cmd = std::string(kReferencePython) +
                           " -c 'import importlib.util as u, sys; "
                           "sys.exit(0 if u.find_spec(\"transformers\") and u.find_spec(\"safetensors\") else 1)'"
                           " >/dev/null 2>&1";
-  return fs::exists(kPython) && std::system(cmd.c_str()) == 0;
+  return fs::exists(kReferencePython) && std::system(cmd.c_str()) == 0;
 }
 
-nlohmann::json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-}
+using strata::testing::read_json;
 
 double relative(double a, double b) {
   if (!std::isfinite(a) || !std::isfinite(b)) return INFINITY;
@@ -84,7 +81,7 @@ fs::path reference(const std::string& variant) {
     const fs::path tmp = root / (variant + ".tmp." + std::to_string(::getpid()));
     fs::remove_all(tmp, ec);
     const std::string log = (root / (variant + ".log")).string();
-    const std::string cmd = std::string(kPython) + " " + script().string() + " generate " + tmp.string() + " " +
+    const std::string cmd = std::string(kReferencePython) + " " + script().string() + " generate " + tmp.string() + " " +
                             variant + " >" + log + " 2>&1";
     EXPECT_EQ(std::system(cmd.c_str()), 0) << "reference script failed; see " << log;
     fs::remove_all(dir, ec);  // stale: the script changed since it was generated
@@ -149,7 +146,7 @@ class HfVariantTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     if (!python_has_transformers()) {
-      GTEST_SKIP() << kPython << " cannot import transformers and safetensors; these tests compare with them";
+      GTEST_SKIP() << kReferencePython << " cannot import transformers and safetensors; these tests compare with them";
     }
     ref_ = reference(GetParam());
     ASSERT_FALSE(HasFailure());
@@ -244,7 +241,7 @@ TEST_P(HfVariantTest, LossAndGradientsMatchTransformers) {
 // Runs the script's check of exports against the reference; it writes EXPORT.check.json each.
 void check_in_transformers(const std::vector<fs::path>& export_dirs, const fs::path& ref) {
   const std::string log = export_dirs.at(0).string() + ".check.log";
-  std::string cmd = std::string(kPython) + " " + script().string() + " check " + ref.string();
+  std::string cmd = std::string(kReferencePython) + " " + script().string() + " check " + ref.string();
   for (const auto& d : export_dirs) cmd += " " + d.string();
   cmd += " >" + log + " 2>&1";
   EXPECT_EQ(std::system(cmd.c_str()), 0) << "transformers could not load an export; see " << log;

@@ -28,8 +28,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr double kLossTolerance = 1e-6;
-constexpr double kGradTolerance = 1e-4;
+constexpr double kLoraLossTolerance = 1e-6;
+constexpr double kLoraGradTolerance = 1e-4;
 constexpr double kStepLossTolerance = 1e-5;
 constexpr double kStepParamTolerance = 3e-4;
 
@@ -87,7 +87,7 @@ void check_lora_parity(const std::string& variant) {
   };
   model.zero_grads();
   const double loss = train_loss();
-  EXPECT_WITHIN(relative(loss, ref["loss"].get<double>()), kLossTolerance)
+  EXPECT_WITHIN(relative(loss, ref["loss"].get<double>()), kLoraLossTolerance)
       << " loss " << loss << " vs PEFT " << ref["loss"].get<double>();
 
   // Gradients: every adapter's by PEFT name; none for the frozen base.
@@ -112,7 +112,7 @@ void check_lora_parity(const std::string& variant) {
     ASSERT_NE(it, offsets.end()) << "PEFT has no tensor for " << t.name;
     ASSERT_LE(it->second + t.numel, static_cast<int64_t>(all_grads.size()));
     const double err = testing::relative_error(model.grads() + t.offset, all_grads.data() + it->second, t.numel);
-    EXPECT_WITHIN(err, kGradTolerance) << " gradient of " << t.name;
+    EXPECT_WITHIN(err, kLoraGradTolerance) << " gradient of " << t.name;
     worst = std::max(worst, err);
   }
   EXPECT_EQ(adapters, static_cast<int64_t>(offsets.size()));

@@ -19,14 +19,11 @@
 namespace strata::model {
 namespace {
 
-constexpr int64_t kB = kTinyB;
-constexpr int64_t kT = kTinyT;
-
 std::vector<float> gradients(bool output_router_logits, const TinyBatch& batch) {
   FlatModel<LlamaModel> model(tiny_moe_config(output_router_logits, 0.0));
   model.init_weights(7);
   model.zero_grads();
-  model.forward_backward(batch.inputs.data(), batch.targets.data(), kB, kT, 1.0f / (kB * kT));
+  model.forward_backward(batch.inputs.data(), batch.targets.data(), kTinyB, kTinyT, 1.0f / (kTinyB * kTinyT));
   return std::vector<float>(model.grads(), model.grads() + model.layout().total_size());
 }
 
@@ -52,19 +49,19 @@ TEST(MoeModelTest, ExpertCountsAccumulateOverAStepAndResetWithZeroGrads) {
   const TinyBatch a = tiny_batch(2, 31), b = tiny_batch(3, 31);
   FlatModel<LlamaModel> model(tiny_moe_config(true, 0.0));
   model.init_weights(3);
-  const int64_t E = 4, per_layer = kB * kT * 2;
+  const int64_t E = 4, per_layer = kTinyB * kTinyT * 2;
   auto layer_total = [&](int64_t layer) {
     int64_t s = 0;
     for (int64_t e = 0; e < E; ++e) s += model.net().expert_token_counts()[layer * E + e];
     return s;
   };
   model.zero_grads();
-  model.forward_backward(a.inputs.data(), a.targets.data(), kB, kT, 0.01f);
+  model.forward_backward(a.inputs.data(), a.targets.data(), kTinyB, kTinyT, 0.01f);
   EXPECT_EQ(layer_total(0), per_layer);
   EXPECT_EQ(layer_total(1), 0);  // dense layer
-  model.forward_backward(b.inputs.data(), b.targets.data(), kB, kT, 0.01f);
+  model.forward_backward(b.inputs.data(), b.targets.data(), kTinyB, kTinyT, 0.01f);
   EXPECT_EQ(layer_total(2), 2 * per_layer);
-  model.forward_loss(a.inputs.data(), a.targets.data(), kB, kT);  // evaluation does not count
+  model.forward_loss(a.inputs.data(), a.targets.data(), kTinyB, kTinyT);  // evaluation does not count
   EXPECT_EQ(layer_total(2), 2 * per_layer);
   EXPECT_TRUE(std::isfinite(model.net().last_aux_loss()));
   EXPECT_GT(model.net().last_aux_loss(), 0.0);
@@ -107,7 +104,7 @@ TEST(MoeModelTest, LossFreeBiasBalancesTheExperts) {
   double first = 0, tail = 0;
   for (int step = 0; step < kSteps; ++step) {
     model.zero_grads();
-    model.forward_backward(batch.inputs.data(), batch.targets.data(), kB, kT, 0.0f);
+    model.forward_backward(batch.inputs.data(), batch.targets.data(), kTinyB, kTinyT, 0.0f);
     const double now = imbalance(model.net());
     trajectory += fmt::format("{:.2f} ", now);
     if (step == 0) first = now;
@@ -127,7 +124,7 @@ TEST(MoeModelTest, WithoutARateTheBiasStaysZero) {
   FlatModel<LlamaModel> model(tiny_moe_config(true, 0.0));
   model.init_weights(5);
   model.zero_grads();
-  model.forward_backward(batch.inputs.data(), batch.targets.data(), kB, kT, 0.01f);
+  model.forward_backward(batch.inputs.data(), batch.targets.data(), kTinyB, kTinyT, 0.01f);
   model.net().update_expert_bias();
   for (float v : model.net().expert_selection_bias()) EXPECT_EQ(v, 0.0f);
 }

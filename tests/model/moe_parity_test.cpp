@@ -28,8 +28,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr double kLossTolerance = 1e-5;
-constexpr double kGradTolerance = 1e-4;
+constexpr double kMoeLossTolerance = 1e-5;
+constexpr double kMoeGradTolerance = 1e-4;
 
 std::string generate_reference(const std::string& variant) {
   return run_reference("reference_moe.py", "model_moe_parity", variant);
@@ -67,11 +67,11 @@ void check_parity(const std::string& variant, const std::string& architecture) {
                      static_cast<double>(valid);
   const bool aux_in_loss = config->is_moe() && config->output_router_logits;
   const double loss = nll + (aux_in_loss ? config->router_aux_loss_coef * model.net().last_aux_loss() : 0.0);
-  EXPECT_WITHIN(relative(loss, ref["loss"].get<double>()), kLossTolerance)
+  EXPECT_WITHIN(relative(loss, ref["loss"].get<double>()), kMoeLossTolerance)
       << " loss " << loss << " vs PyTorch " << ref["loss"].get<double>();
   if (config->is_moe()) {
     EXPECT_TRUE(aux_in_loss) << "the reference config sets output_router_logits";
-    EXPECT_WITHIN(relative(model.net().last_aux_loss(), ref["aux_loss"].get<double>()), kLossTolerance)
+    EXPECT_WITHIN(relative(model.net().last_aux_loss(), ref["aux_loss"].get<double>()), kMoeLossTolerance)
         << " aux loss " << model.net().last_aux_loss() << " vs PyTorch " << ref["aux_loss"].get<double>();
   }
 
@@ -93,7 +93,7 @@ void check_parity(const std::string& variant, const std::string& architecture) {
     EXPECT_EQ(it->second.second, t.shape) << t.name;
     ASSERT_LE(it->second.first + t.numel, static_cast<int64_t>(all_grads.size())) << t.name;
     const double err = testing::relative_error(model.grads() + t.offset, all_grads.data() + it->second.first, t.numel);
-    EXPECT_WITHIN(err, kGradTolerance) << " gradient of " << t.name;
+    EXPECT_WITHIN(err, kMoeGradTolerance) << " gradient of " << t.name;
     if (!(err <= worst)) {
       worst = err;
       worst_name = t.name;

@@ -33,11 +33,7 @@ std::string generate_reference(const std::string& variant) {
   return run_reference("reference_llama.py", "model_parity", variant);
 }
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  EXPECT_TRUE(in.good()) << "cannot open " << path;
-  return nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-}
+using strata::testing::read_json;
 
 void check_parity(const std::string& variant) {
   if (!python_can_import("torch")) {

@@ -3,6 +3,7 @@
 // naming the file (and tensor), while the JSON whitespace the library allows is accepted.
 // Where /usr/bin/python3 has `safetensors`, every crafted file gets the same verdict from it.
 #include "model/safetensors.h"
+#include "reference_util.h"
 
 #include <gtest/gtest.h>
 
@@ -19,9 +20,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kPython = "/usr/bin/python3";
 
-std::string test_dir() {
+std::string strict_test_dir() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   const fs::path dir = fs::path(STRATA_BINARY_DIR) / "tests" / "model_safetensors_strict" / info->name();
   fs::remove_all(dir);
@@ -73,7 +73,7 @@ std::vector<Case> cases() {
 }
 
 TEST(SafetensorsStrictTest, RefusesWhatTheReferenceLibraryRefuses) {
-  const std::string dir = test_dir();
+  const std::string dir = strict_test_dir();
   for (const Case& c : cases()) {
     const std::string path = dir + "/" + c.name + ".safetensors";
     write_exact(path, c.header, c.data_bytes);
@@ -87,7 +87,7 @@ TEST(SafetensorsStrictTest, RefusesWhatTheReferenceLibraryRefuses) {
 }
 
 TEST(SafetensorsStrictTest, MessagesNameTheFileTheTensorAndTheProblem) {
-  const std::string dir = test_dir();
+  const std::string dir = strict_test_dir();
   const std::string nul = dir + "/nul.safetensors";
   write_exact(nul, one_tensor("w", "F32", "[1]", 4) + std::string(3, '\0'), 4);
   Result<SafetensorsReader> r = SafetensorsReader::open(nul);
@@ -110,11 +110,11 @@ TEST(SafetensorsStrictTest, MessagesNameTheFileTheTensorAndTheProblem) {
 }
 
 TEST(SafetensorsStrictTest, PythonSafetensorsGivesTheSameVerdicts) {
-  const std::string probe = std::string(kPython) + " -c 'import safetensors' >/dev/null 2>&1";
-  if (!fs::exists(kPython) || std::system(probe.c_str()) != 0) {
-    GTEST_SKIP() << kPython << " cannot import safetensors; the verdicts are checked against it where it can";
+  const std::string probe = std::string(kReferencePython) + " -c 'import safetensors' >/dev/null 2>&1";
+  if (!fs::exists(kReferencePython) || std::system(probe.c_str()) != 0) {
+    GTEST_SKIP() << kReferencePython << " cannot import safetensors; the verdicts are checked against it where it can";
   }
-  const std::string dir = test_dir();
+  const std::string dir = strict_test_dir();
   const std::string script = dir + "/verdicts.py";
   std::ofstream(script) << "import sys\n"
                            "from safetensors import safe_open\n"
@@ -125,7 +125,7 @@ TEST(SafetensorsStrictTest, PythonSafetensorsGivesTheSameVerdicts) {
                            "        print('valid')\n"
                            "    except Exception:\n"
                            "        print('invalid')\n";
-  std::string cmd = std::string(kPython) + " " + script;
+  std::string cmd = std::string(kReferencePython) + " " + script;
   for (const Case& c : cases()) {
     const std::string path = dir + "/" + c.name + ".safetensors";
     write_exact(path, c.header, c.data_bytes);

@@ -25,13 +25,13 @@
 #include "model/hf_io.h"
 #include "model/params.h"
 #include "../test_util.h"
+#include "reference_util.h"
 
 namespace strata::model {
 namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kPython = "/usr/bin/python3";
 
 // A fresh directory per test.
 std::string test_dir() {
@@ -75,8 +75,8 @@ void expect_error(const Status& st, StatusCode code, const std::vector<std::stri
 }
 
 bool python_has(const std::string& modules) {
-  const std::string cmd = std::string(kPython) + " -c 'import " + modules + "' >/dev/null 2>&1";
-  return fs::exists(kPython) && std::system(cmd.c_str()) == 0;
+  const std::string cmd = std::string(kReferencePython) + " -c 'import " + modules + "' >/dev/null 2>&1";
+  return fs::exists(kReferencePython) && std::system(cmd.c_str()) == 0;
 }
 
 // ---- conversions ----------------------------------------------------------------------------
@@ -450,11 +450,11 @@ TEST(SafetensorsTest, MissingFileOrDirectoryIsNotFound) {
 
 TEST(SafetensorsTest, ReadsFileWrittenByPythonSafetensorsAndMatchesTorchBf16Rounding) {
   if (!python_has("torch, safetensors")) {
-    GTEST_SKIP() << kPython << " cannot import torch and safetensors; this test compares with them";
+    GTEST_SKIP() << kReferencePython << " cannot import torch and safetensors; this test compares with them";
   }
   const std::string dir = test_dir();
   const std::string path = dir + "/python.safetensors";
-  const std::string cmd = std::string(kPython) + " " + STRATA_SOURCE_DIR + "/tests/model/hf_reference.py safetensors " +
+  const std::string cmd = std::string(kReferencePython) + " " + STRATA_SOURCE_DIR + "/tests/model/hf_reference.py safetensors " +
                           path + " >" + dir + "/python.log 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << "see " << dir << "/python.log";
   Result<SafetensorsReader> r = SafetensorsReader::open(path);

@@ -10,8 +10,6 @@
 namespace strata {
 namespace {
 
-constexpr uint64_t kGiB = 1ull << 30;
-
 // A 1B-parameter-ish GPU layout: 16 layers of 50M, a 200M edge group.
 PlanInput base_input() {
   PlanInput in;

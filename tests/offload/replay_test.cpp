@@ -11,7 +11,7 @@
 namespace strata {
 namespace {
 
-constexpr uint64_t kChunk = 64 * 1024;
+constexpr uint64_t kReplayChunk = 64 * 1024;
 
 // The step program of a dense model of `layers` layers, as the decoder and the optimizer run it:
 // AdamW on each group where `home` puts its moments.
@@ -51,16 +51,16 @@ std::function<Tier(int, StateKind, int)> homes(std::function<Tier(StateKind)> la
 
 ReplayInput three_layers(uint64_t device_chunks, uint64_t chunks_per_tensor = 1) {
   ReplayInput in;
-  in.tensors.push_back({"embed", kChunk / 4, 0});
+  in.tensors.push_back({"embed", kReplayChunk / 4, 0});
   for (int g = 1; g <= 3; ++g)
     for (uint64_t i = 0; i < chunks_per_tensor; ++i)
-      in.tensors.push_back({"layer" + std::to_string(g) + "." + std::to_string(i), kChunk / 4, g});
+      in.tensors.push_back({"layer" + std::to_string(g) + "." + std::to_string(i), kReplayChunk / 4, g});
   in.store.layout = StateLayout::of(Precision::kFp32);
   in.store.lookahead = 0;
-  in.store.space.chunk_bytes = kChunk;
-  in.tensors.push_back({"head", kChunk / 4, 4});
-  in.store.space.device_bytes = (device_chunks + kEdgeChunks) * kChunk;
-  in.store.space.host_bytes = 100 * kChunk;
+  in.store.space.chunk_bytes = kReplayChunk;
+  in.tensors.push_back({"head", kReplayChunk / 4, 4});
+  in.store.space.device_bytes = (device_chunks + kEdgeChunks) * kReplayChunk;
+  in.store.space.host_bytes = 100 * kReplayChunk;
   in.store.home = homes([](StateKind) { return Tier::kHost; });
   return in;
 }
@@ -74,15 +74,15 @@ TEST(Replay, BeladyKeepsTheCopiesNeededSoonestInAFullDeviceTier) {
   const Result<ReplayResult> r = replay(three_layers(4));
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->of(StepPhase::kZero).h2d + r->of(StepPhase::kZero).d2h, 0u);
-  EXPECT_EQ(r->of(StepPhase::kForward).h2d, 3 * kChunk);
+  EXPECT_EQ(r->of(StepPhase::kForward).h2d, 3 * kReplayChunk);
   EXPECT_EQ(r->of(StepPhase::kForward).d2h, 0u);
   EXPECT_EQ(r->of(StepPhase::kBackward).h2d, 0u);
   EXPECT_EQ(r->of(StepPhase::kBackward).d2h, 0u);
   EXPECT_EQ(r->of(StepPhase::kNorm).h2d + r->of(StepPhase::kNorm).d2h, 0u);
   EXPECT_EQ(r->of(StepPhase::kOptimizer).h2d, 0u);
-  EXPECT_EQ(r->of(StepPhase::kOptimizer).d2h, 3 * kChunk);
+  EXPECT_EQ(r->of(StepPhase::kOptimizer).d2h, 3 * kReplayChunk);
   EXPECT_EQ(r->total().disk_read + r->total().disk_write, 0u);
-  EXPECT_EQ(r->peak_bytes[static_cast<size_t>(Tier::kDevice)], (4 + kEdgeChunks) * kChunk);
+  EXPECT_EQ(r->peak_bytes[static_cast<size_t>(Tier::kDevice)], (4 + kEdgeChunks) * kReplayChunk);
 }
 
 // With a slot for every parameter and gradient the device keeps them all: per step only
@@ -92,10 +92,10 @@ TEST(Replay, BeladyKeepsTheCopiesNeededSoonestInAFullDeviceTier) {
 TEST(Replay, ARoomyDeviceTierMovesOnlyWhatTheHostOptimizerChanges) {
   const Result<ReplayResult> r = replay(three_layers(6));
   ASSERT_TRUE(r.ok()) << r.status().to_string();
-  EXPECT_EQ(r->total().h2d, 3 * kChunk);
-  EXPECT_EQ(r->of(StepPhase::kForward).h2d, 3 * kChunk);
-  EXPECT_EQ(r->total().d2h, 3 * kChunk);
-  EXPECT_EQ(r->of(StepPhase::kOptimizer).d2h, 3 * kChunk);
+  EXPECT_EQ(r->total().h2d, 3 * kReplayChunk);
+  EXPECT_EQ(r->of(StepPhase::kForward).h2d, 3 * kReplayChunk);
+  EXPECT_EQ(r->total().d2h, 3 * kReplayChunk);
+  EXPECT_EQ(r->of(StepPhase::kOptimizer).d2h, 3 * kReplayChunk);
 }
 
 // Adam moments homed on nvme stay cached in free host slots from one step to the next: once
@@ -107,13 +107,13 @@ TEST(Replay, NvmeStateThatFitsInFreeHostSlotsStaysCached) {
   });
   in.store.space.nvme_bytes = 1ull << 30;  // address space only: no file, no byte written
   in.store.space.nvme_dir = "/nonexistent";
-  in.store.space.host_bytes = (6 + 6 + 1) * kChunk;  // the homes, a slot per moment, the staging slot
+  in.store.space.host_bytes = (6 + 6 + 1) * kReplayChunk;  // the homes, a slot per moment, the staging slot
   Result<ReplayResult> r = replay(in);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->total().disk_read, 0u);
   EXPECT_EQ(r->total().disk_write, 0u);
   // Two slots short: every step some moments go back to disk and are read again.
-  in.store.space.host_bytes = (6 + 4 + 1) * kChunk;
+  in.store.space.host_bytes = (6 + 4 + 1) * kReplayChunk;
   r = replay(in);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_GT(r->total().disk_read, 0u);
@@ -134,13 +134,13 @@ TEST(Replay, ATierTooSmallForOneAcquisitionIsReported) {
 TEST(Replay, ALargeModelsStepReplays) {
   ReplayInput in;
   for (int g = 1; g <= 32; ++g)
-    for (int i = 0; i < 14; ++i) in.tensors.push_back({"l" + std::to_string(g) + "." + std::to_string(i), kChunk / 4, g});
-  in.tensors.push_back({"head", kChunk / 4, 33});
+    for (int i = 0; i < 14; ++i) in.tensors.push_back({"l" + std::to_string(g) + "." + std::to_string(i), kReplayChunk / 4, g});
+  in.tensors.push_back({"head", kReplayChunk / 4, 33});
   in.store.layout = StateLayout::of(Precision::kBf16);
-  in.store.space.chunk_bytes = kChunk;
-  in.store.space.device_bytes = 200 * kChunk;
-  in.store.space.host_bytes = (34 * 21 + 300) * kChunk;
-  in.store.space.nvme_bytes = 34 * 50 * kChunk;
+  in.store.space.chunk_bytes = kReplayChunk;
+  in.store.space.device_bytes = 200 * kReplayChunk;
+  in.store.space.host_bytes = (34 * 21 + 300) * kReplayChunk;
+  in.store.space.nvme_bytes = 34 * 50 * kReplayChunk;
   in.store.home = [](int, StateKind k, int) {
     return k == StateKind::kParam || k == StateKind::kGrad ? Tier::kHost : Tier::kNvme;
   };

@@ -18,6 +18,7 @@
 #include "ckpt/reader.h"
 
 #include "tools/cli_util.h"
+#include "test_util.h"
 
 namespace {
 
@@ -26,10 +27,7 @@ namespace fs = std::filesystem;
 using strata::testing::CmdResult;
 using strata::testing::run_strata;
 
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
+using strata::testing::read_text;
 
 std::vector<nlohmann::json> metrics_of(const fs::path& file) {
   std::vector<nlohmann::json> out;

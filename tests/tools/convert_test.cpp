@@ -19,6 +19,7 @@
 #include "model/safetensors.h"
 
 #include "tools/cli_util.h"
+#include "test_util.h"
 
 namespace strata::model {
 namespace {
@@ -135,10 +136,7 @@ TEST_F(ConvertTest, TrainStartsFromHuggingFaceDirectoryAndExportsOne) {
   EXPECT_NE(both.output.find("model.from"), std::string::npos) << both.output;
 }
 
-nlohmann::json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in, nullptr, false);
-}
+using strata::testing::read_json;
 
 // The dtype of every tensor of a Hugging Face directory; "" when they differ.
 std::string weights_dtype(const fs::path& dir) {

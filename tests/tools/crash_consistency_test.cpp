@@ -21,6 +21,8 @@
 #include <thread>
 #include <vector>
 
+#include "test_util.h"
+
 extern char** environ;
 
 namespace {
@@ -28,10 +30,7 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
+using strata::testing::read_text;
 
 std::string trim(std::string s) {
   while (!s.empty() && (s.back() == '\n' || s.back() == ' ' || s.back() == '\r')) s.pop_back();

@@ -29,6 +29,7 @@
 #include "core/units.h"
 #include "model/safetensors.h"
 #include "tools/cli_util.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -49,10 +50,7 @@ std::vector<double> losses_of(const fs::path& metrics, const char* key = "loss")
   return out;
 }
 
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
+using strata::testing::read_text;
 
 // Largest |a - b| over every tensor of two exported models, and the largest |a|.
 struct ParamDiff {

@@ -16,6 +16,7 @@
 #include "svg_check.h"
 
 #include "tools/cli_util.h"
+#include "test_util.h"
 
 namespace {
 
@@ -26,12 +27,7 @@ using strata::testing::xml_problem;
 using strata::testing::CmdResult;
 using strata::testing::run_strata;
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using strata::testing::read_text;
 
 const std::vector<std::string> kCharts = {"loss.svg", "throughput.svg", "memory.svg", "stalls.svg", "overview.svg"};
 
@@ -69,10 +65,10 @@ class PlotCliTest : public ::testing::Test {
     const CmdResult r = run_strata("plot " + dir_.string());
     EXPECT_EQ(r.exit_code, 0) << r.output;
     for (const std::string& name : kCharts) {
-      const std::string svg = read_file(dir_ / "plots" / name);
+      const std::string svg = read_text(dir_ / "plots" / name);
       EXPECT_EQ(xml_problem(svg), "") << name;
     }
-    return read_file(dir_ / "plots" / "loss.svg");
+    return read_text(dir_ / "plots" / "loss.svg");
   }
   void expect_refused(const CmdResult& r, const std::vector<std::string>& words) {
     EXPECT_EQ(r.exit_code, 1) << r.output;
@@ -94,15 +90,15 @@ TEST_F(PlotCliTest, ChartsARealTrainingRun) {
   for (const std::string& name : kCharts) {
     const fs::path path = out / name;
     EXPECT_NE(r.output.find("wrote " + path.string()), std::string::npos) << r.output;
-    const std::string svg = read_file(path);
+    const std::string svg = read_text(path);
     EXPECT_EQ(xml_problem(svg), "") << path;
     EXPECT_EQ(svg.find("no data"), std::string::npos) << path << " drew no data";
   }
   for (const fs::directory_entry& e : fs::directory_iterator(out))
     EXPECT_NE(e.path().extension(), ".tmp") << "left behind: " << e.path();
-  const std::string loss = read_file(out / "loss.svg");
+  const std::string loss = read_text(out / "loss.svg");
   EXPECT_EQ(svg_series_path(loss, "loss").points.size(), 4u) << loss;
-  const std::string overview = read_file(out / "overview.svg");
+  const std::string overview = read_text(out / "overview.svg");
   for (const char* title : {">Loss<", ">Throughput<", ">Memory per tier", ">Time compute waited", ">Bytes moved"})
     EXPECT_NE(overview.find(title), std::string::npos) << title;
   // Without --out the charts go to RUN_DIR/plots.
@@ -173,7 +169,7 @@ TEST_F(PlotCliTest, AnUnfinishedLastLineIsSkipped) {
   const CmdResult r = run_strata("plot " + dir_.string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("metrics.jsonl:4: skipping the unfinished last line"), std::string::npos) << r.output;
-  EXPECT_EQ(svg_series_path(read_file(dir_ / "plots" / "loss.svg"), "loss").points.size(), 3u);
+  EXPECT_EQ(svg_series_path(read_text(dir_ / "plots" / "loss.svg"), "loss").points.size(), 3u);
 }
 
 TEST_F(PlotCliTest, AMissingRunOrMetricsFileSaysWhatToDo) {

@@ -12,6 +12,7 @@
 
 #include "tools/cli_util.h"
 #include "trace_check.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -19,18 +20,13 @@ namespace {
 namespace fs = std::filesystem;
 using testing::run_strata;
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using strata::testing::read_text;
 
 // The trace and report of a finished profile, checked for what every profile must hold.
 void expect_valid_profile(const fs::path& out, int steps, bool expect_nvme) {
   for (const char* f : {"trace.json", "report.txt", "report.json", "timeline.svg", "memory.svg"})
     ASSERT_TRUE(fs::exists(out / f)) << f;
-  const nlohmann::json trace = nlohmann::json::parse(read_file(out / "trace.json"));
+  const nlohmann::json trace = nlohmann::json::parse(read_text(out / "trace.json"));
   EXPECT_EQ(testing::check_trace_json(trace), "");
   std::map<int, std::string> thread_names;
   for (const auto& e : trace["traceEvents"])
@@ -55,7 +51,7 @@ void expect_valid_profile(const fs::path& out, int steps, bool expect_nvme) {
   EXPECT_GT(counters, 0);
   if (expect_nvme) EXPECT_GT(nvme, 0) << "no nvme request traced";
 
-  const nlohmann::json report = nlohmann::json::parse(read_file(out / "report.json"));
+  const nlohmann::json report = nlohmann::json::parse(read_text(out / "report.json"));
   EXPECT_EQ(report["steps"], steps);
   double sum = 0;
   for (const auto& [phase, s] : report["phases"].items()) sum += s.get<double>();
@@ -67,7 +63,7 @@ void expect_valid_profile(const fs::path& out, int steps, bool expect_nvme) {
   EXPECT_GT(report["traffic"][0]["bytes"].get<double>(), 0);
   EXPECT_GE(report["memory"].size(), 2u);
   for (const char* f : {"timeline.svg", "memory.svg"}) {
-    const std::string svg = read_file(out / f);
+    const std::string svg = read_text(out / f);
     EXPECT_NE(svg.find("<svg"), std::string::npos) << f;
     EXPECT_NE(svg.rfind("</svg>"), std::string::npos) << f;
   }

@@ -26,8 +26,8 @@ namespace {
 namespace fs = std::filesystem;
 
 // 4 tokens per micro-batch, 2 experts each, 8 experts: most micro-batches leave experts idle.
-constexpr int64_t kB = 1, kT = 4, kSteps = 4, kAccum = 2;
-constexpr uint64_t kChunk = 16 * kKiB;  // one expert (3 x 4 KiB) per chunk, a layer's rest in 2
+constexpr int64_t kExpertB = 1, kExpertT = 4, kExpertSteps = 4, kExpertAccum = 2;
+constexpr uint64_t kExpertChunk = 16 * kKiB;  // one expert (3 x 4 KiB) per chunk, a layer's rest in 2
 constexpr float kLr = 1e-2f;
 
 // A small Qwen2-MoE: layers 0 and 2 have 8 experts (top-2) and a shared expert, layer 1 is dense.
@@ -45,7 +45,7 @@ model::ModelConfig moe_config() {
 }
 
 std::vector<Batch> moe_batches(const model::ModelConfig& mc) {
-  std::vector<Batch> batches = make_batches(kSteps * kAccum, kB * kT, 17);
+  std::vector<Batch> batches = make_batches(kExpertSteps * kExpertAccum, kExpertB * kExpertT, 17);
   for (Batch& b : batches) {
     for (int32_t& t : b.inputs) t %= static_cast<int32_t>(mc.vocab_size);
     for (int32_t& t : b.targets) t %= static_cast<int32_t>(mc.vocab_size);
@@ -103,7 +103,7 @@ RunResult run_flat_with(const model::ModelConfig& mc, const std::vector<Batch>& 
   model::FlatModel<Net> net(mc);
   net.init_weights(7);
   RunResult r;
-  r.losses = train_flat(net, batches, kSteps, kAccum, kB, kT, grad_clip, kLr);
+  r.losses = train_flat(net, batches, kExpertSteps, kExpertAccum, kExpertB, kExpertT, grad_clip, kLr);
   r.params.assign(net.params(), net.params() + net.layout().total_size());
   return r;
 }
@@ -112,7 +112,7 @@ template <class Net>
 RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, const std::vector<Batch>& batches,
                          bool all_experts, uint64_t device_bytes, uint64_t host_bytes, uint64_t nvme_bytes,
                          const std::string& nvme_dir, size_t lookahead, bool overlap_optimizer = false,
-                         uint64_t chunk_bytes = kChunk) {
+                         uint64_t chunk_bytes = kExpertChunk) {
   auto device = CpuDevice::create(0, 0);
   CHECK(device.ok());
   auto io = make_io_engine({.kind = "threads"});
@@ -127,7 +127,7 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
   po.nvme_dir = nvme_dir;
   po.chunk_bytes = chunk_bytes;
   po.lookahead = lookahead;
-  po.grad_accum = kAccum;
+  po.grad_accum = kExpertAccum;
   po.optimizer = optimizer_config(overlap_optimizer ? 0.0f : 0.5f);
   po.overlap_optimizer = overlap_optimizer;
   auto paged = PagedState::create(**device, io->get(), net.layout(), po);
@@ -140,14 +140,14 @@ RunResult run_paged_with(Precision precision, const model::ModelConfig& mc, cons
   r.chunks = ps.store().space().num_chunks();
   CountingAccess access(ps, mc.num_experts, all_experts);
   net.set_access(&access);
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < kExpertSteps; ++s) {
     EXPECT_TRUE(ps.zero_grads().ok());
     net.reset_expert_token_counts();
     double loss = 0;
-    for (int m = 0; m < kAccum; ++m) {
-      const Batch& b = batches[s * kAccum + m];
-      if (m == kAccum - 1) ps.begin_last_micro_batch(kLr);
-      Result<double> l = net.compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kAccum * kB * kT), true);
+    for (int m = 0; m < kExpertAccum; ++m) {
+      const Batch& b = batches[s * kExpertAccum + m];
+      if (m == kExpertAccum - 1) ps.begin_last_micro_batch(kLr);
+      Result<double> l = net.compute(b.inputs.data(), b.targets.data(), kExpertB, kExpertT, 1.0f / (kExpertAccum * kExpertB * kExpertT), true);
       EXPECT_TRUE(l.ok()) << l.status().to_string();
       if (l.ok()) loss += *l;
     }
@@ -216,8 +216,8 @@ TEST_P(ExpertPagingTest, TightBudgetsThroughHostAndNvmeMatchFlatBitwise) {
   // of them when fetching every expert). Host: AdamW pins a whole MoE layer, 4 kinds x 10 chunks.
   const std::string nvme = (dir_ / "nvme").string();
   fs::create_directories(nvme);
-  const RunResult aware = run_paged(mc, batches, false, 24 * kChunk, host_chunks(48) * kChunk, 256 * kChunk, nvme, 2);
-  const RunResult all = run_paged(mc, batches, true, 24 * kChunk, host_chunks(48) * kChunk, 256 * kChunk, nvme, 2);
+  const RunResult aware = run_paged(mc, batches, false, 24 * kExpertChunk, host_chunks(48) * kExpertChunk, 256 * kExpertChunk, nvme, 2);
+  const RunResult all = run_paged(mc, batches, true, 24 * kExpertChunk, host_chunks(48) * kExpertChunk, 256 * kExpertChunk, nvme, 2);
   expect_bitwise_equal(flat, aware, mc);
   expect_bitwise_equal(flat, all, mc);
   // Some micro-batches left experts without tokens, and those were not fetched.
@@ -241,18 +241,18 @@ TEST_P(ExpertPagingTest, IdleExpertsAreNeverFetched) {
   const model::ModelConfig mc = moe_config();
   const auto batches = moe_batches(mc);
   const RunResult flat = run_flat(mc, batches);
-  const RunResult aware = run_paged(mc, batches, false, 256 * kChunk, 256 * kChunk, 0, "", 0);
-  const RunResult all = run_paged(mc, batches, true, 256 * kChunk, 256 * kChunk, 0, "", 0);
+  const RunResult aware = run_paged(mc, batches, false, 256 * kExpertChunk, 256 * kExpertChunk, 0, "", 0);
+  const RunResult all = run_paged(mc, batches, true, 256 * kExpertChunk, 256 * kExpertChunk, 0, "", 0);
   expect_bitwise_equal(flat, aware, mc);
   expect_bitwise_equal(flat, all, mc);
   ASSERT_EQ(aware.expert_param_chunks, 1);
   EXPECT_GT(aware.idle_expert_steps, 0);
   EXPECT_EQ(all.stats.host_to_device_bytes - aware.stats.host_to_device_bytes,
-            static_cast<uint64_t>(aware.idle_expert_steps) * kChunk);
+            static_cast<uint64_t>(aware.idle_expert_steps) * kExpertChunk);
   std::printf("roomy budgets: %lld idle (step, layer, expert) of %lld; host->device %llu bytes with expert-aware "
               "fetching, %llu fetching every expert\n",
               static_cast<long long>(aware.idle_expert_steps),
-              static_cast<long long>(kSteps * mc.num_moe_layers() * mc.num_experts),
+              static_cast<long long>(kExpertSteps * mc.num_moe_layers() * mc.num_experts),
               static_cast<unsigned long long>(aware.stats.host_to_device_bytes),
               static_cast<unsigned long long>(all.stats.host_to_device_bytes));
 }
@@ -266,14 +266,14 @@ TEST_P(ExpertPagingTest, OptimizerOverlappingBackwardMatchesFlatBitwise) {
   const std::string nvme = (dir_ / "nvme").string();
   fs::create_directories(nvme);
   const RunResult overlapped =
-      run_paged(mc, batches, false, 24 * kChunk, host_chunks(48) * kChunk, 256 * kChunk, nvme, 2, /*overlap_optimizer=*/true);
+      run_paged(mc, batches, false, 24 * kExpertChunk, host_chunks(48) * kExpertChunk, 256 * kExpertChunk, nvme, 2, /*overlap_optimizer=*/true);
   expect_bitwise_equal(flat, overlapped, mc);
-  EXPECT_EQ(overlapped.overlapped_updates, kSteps * (mc.num_hidden_layers + 2));
+  EXPECT_EQ(overlapped.overlapped_updates, kExpertSteps * (mc.num_hidden_layers + 2));
   // The compute thread acquires each update at its handover, along the schedule's cursor, and
   // the worker only applies it: every entry of the step is followed, the updates' included, and
   // after every step the cursor has wrapped to the next step's first, wherever the worker had
   // got to.
-  ASSERT_EQ(overlapped.cursors.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(overlapped.cursors.size(), static_cast<size_t>(kExpertSteps));
   for (size_t s = 0; s < overlapped.cursors.size(); ++s) EXPECT_EQ(overlapped.cursors[s], 0u) << "after step " << s;
 }
 

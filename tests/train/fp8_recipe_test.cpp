@@ -31,7 +31,7 @@ namespace {
 namespace fs = std::filesystem;
 using kernels::MomentFormat;
 
-constexpr int64_t kB = 2, kT = 16, kSteps = 4, kAccum = 2;
+constexpr int64_t kRecipeB = 2, kRecipeT = 16, kRecipeSteps = 4, kRecipeAccum = 2;
 
 struct Recipe {
   Precision precision;
@@ -60,9 +60,9 @@ class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  // kSteps steps of kAccum micro-batches through a PagedState with these budgets (0 device: roomy).
+  // kRecipeSteps steps of kRecipeAccum micro-batches through a PagedState with these budgets (0 device: roomy).
   TrainResult train(const model::ModelConfig& mc, const std::vector<Batch>& batches, uint64_t device, uint64_t host,
-            uint64_t nvme, uint64_t chunk = 0, PagedState** keep = nullptr, int steps = kSteps) {
+            uint64_t nvme, uint64_t chunk = 0, PagedState** keep = nullptr, int steps = kRecipeSteps) {
     Recipe r = GetParam();
     if (precision_) r.precision = *precision_;
     // The fp32 weights every run starts from.
@@ -81,7 +81,7 @@ class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
     po.nvme_bytes = nvme;
     po.nvme_dir = (dir_ / "nvme").string();
     po.chunk_bytes = chunk;
-    po.grad_accum = kAccum;
+    po.grad_accum = kRecipeAccum;
     po.optimizer = optimizer_config(0.5f);
     auto paged = PagedState::create(**dev, io->get(), net->layout(), po);
     EXPECT_TRUE(paged.ok()) << paged.status().to_string();
@@ -93,9 +93,9 @@ class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
     for (int s = 0; s < steps; ++s) {
       EXPECT_TRUE(ps.zero_grads().ok());
       double loss = 0;
-      for (int m = 0; m < kAccum; ++m) {
-        const Batch& b = batches[static_cast<size_t>(s * kAccum + m)];
-        Result<double> l = net->compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kAccum * kB * kT), true);
+      for (int m = 0; m < kRecipeAccum; ++m) {
+        const Batch& b = batches[static_cast<size_t>(s * kRecipeAccum + m)];
+        Result<double> l = net->compute(b.inputs.data(), b.targets.data(), kRecipeB, kRecipeT, 1.0f / (kRecipeAccum * kRecipeB * kRecipeT), true);
         EXPECT_TRUE(l.ok()) << l.status().to_string();
         if (l.ok()) loss += *l;
       }
@@ -134,9 +134,9 @@ bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
 
 TEST_P(Fp8RecipeTest, TightBudgetsThroughHostAndNvmeMatchRoomyBitwise) {
   const model::ModelConfig mc = fp8_config();
-  const auto batches = make_batches(kSteps * kAccum, kB * kT, 5);
+  const auto batches = make_batches(kRecipeSteps * kRecipeAccum, kRecipeB * kRecipeT, 5);
   const TrainResult roomy = train(mc, batches, 0, 0, 0);
-  ASSERT_EQ(roomy.losses.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(roomy.losses.size(), static_cast<size_t>(kRecipeSteps));
   for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
   model::ParamLayout layout(mc);
   const uint64_t chunk = PagedState::auto_chunk_bytes(layout, StateLayout::of(GetParam().precision, GetParam().moments));
@@ -153,7 +153,7 @@ TEST_P(Fp8RecipeTest, TightBudgetsThroughHostAndNvmeMatchRoomyBitwise) {
 
 TEST_P(Fp8RecipeTest, MixtureOfExpertsPagesBitwiseToo) {
   const model::ModelConfig mc = fp8_moe_config();
-  const auto batches = make_batches(kSteps * kAccum, kB * kT, 12);
+  const auto batches = make_batches(kRecipeSteps * kRecipeAccum, kRecipeB * kRecipeT, 12);
   const TrainResult roomy = train(mc, batches, 0, 0, 0);
   for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
   model::ParamLayout layout(mc);
@@ -170,7 +170,7 @@ TEST_P(Fp8RecipeTest, MixtureOfExpertsPagesBitwiseToo) {
 TEST_P(Fp8RecipeTest, LatentAttentionPagesBitwiseToo) {
   const model::ModelConfig mc = deepseek_config();
   ASSERT_TRUE(mc.is_mla());
-  const auto batches = make_batches(kSteps * kAccum, kB * kT, 14);
+  const auto batches = make_batches(kRecipeSteps * kRecipeAccum, kRecipeB * kRecipeT, 14);
   const TrainResult roomy = train(mc, batches, 0, 0, 0);
   for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
   model::ParamLayout layout(mc);
@@ -193,7 +193,7 @@ TEST_P(Fp8RecipeTest, MultiTokenPredictionPagesBitwiseToo) {
   mc.mtp_loss_weight = 0.3;
   ASSERT_TRUE(mc.validate("test").ok());
   ASSERT_TRUE(mc.trains_mtp() && mc.is_moe_layer(mc.num_hidden_layers));
-  const auto batches = make_batches(kSteps * kAccum, kB * kT, 15);
+  const auto batches = make_batches(kRecipeSteps * kRecipeAccum, kRecipeB * kRecipeT, 15);
   const TrainResult roomy = train(mc, batches, 0, 0, 0);
   for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
   model::ParamLayout layout(mc);
@@ -221,7 +221,7 @@ TEST_P(Fp8RecipeTest, MultiTokenPredictionPagesBitwiseToo) {
 // the rest trains as the model without it would (the same losses: the module adds nothing).
 TEST_P(Fp8RecipeTest, AnUntrainedMtpModuleStaysAsLoaded) {
   model::ModelConfig mc = deepseek_config();
-  const auto batches = make_batches(kSteps * kAccum, kB * kT, 15);
+  const auto batches = make_batches(kRecipeSteps * kRecipeAccum, kRecipeB * kRecipeT, 15);
   const TrainResult without = train(mc, batches, 0, 0, 0);
   mc.num_nextn_predict_layers = 1;
   mc.mtp_loss_weight = 0;
@@ -265,7 +265,7 @@ TEST_P(Fp8RecipeTest, LoraAdaptersPageBitwiseAndTheBaseHasNoTrainingState) {
   ASSERT_TRUE(mc.validate("test").ok());
   model::ParamLayout layout(mc);
   ASSERT_TRUE(layout.has_lora());
-  const auto batches = make_batches(kSteps * kAccum, kB * kT, 16);
+  const auto batches = make_batches(kRecipeSteps * kRecipeAccum, kRecipeB * kRecipeT, 16);
   const TrainResult start = train(mc, batches, 0, 0, 0, 0, nullptr, /*steps=*/0);
   const TrainResult roomy = train(mc, batches, 0, 0, 0);
   for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
@@ -326,7 +326,7 @@ TEST_P(Fp8RecipeTest, LoraOnTheExpertsPagesBitwise) {
   mc.lora.targets |= model::kLoraExperts;
   ASSERT_TRUE(mc.validate("test").ok());
   model::ParamLayout layout(mc);
-  const auto batches = make_batches(kSteps * kAccum, kB * kT, 19);
+  const auto batches = make_batches(kRecipeSteps * kRecipeAccum, kRecipeB * kRecipeT, 19);
   const TrainResult start = train(mc, batches, 0, 0, 0, 0, nullptr, /*steps=*/0);
   const TrainResult roomy = train(mc, batches, 0, 0, 0);
   for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
@@ -368,7 +368,7 @@ TEST_P(Fp8RecipeTest, LoraOnAnNf4BasePagesBitwise) {
   ASSERT_TRUE(mc.validate("test").ok());
   model::ParamLayout layout(mc);
   precision_ = Precision::kNf4;
-  const auto batches = make_batches(kSteps * kAccum, kB * kT, 18);
+  const auto batches = make_batches(kRecipeSteps * kRecipeAccum, kRecipeB * kRecipeT, 18);
   const TrainResult start = train(mc, batches, 0, 0, 0, 0, nullptr, /*steps=*/0);
   const TrainResult roomy = train(mc, batches, 0, 0, 0);
   for (double l : roomy.losses) ASSERT_TRUE(std::isfinite(l));
@@ -463,9 +463,9 @@ TEST_P(Fp8RecipeTest, AnFp8CheckpointLoadsItsOwnCodesAndScalesAsTheComputeCopies
 
   std::unique_ptr<model::Model> net = model::make_cpu_decoder(DType::kF8E4M3, mc, dev->get());
   net->set_access(&ps);
-  const auto batches = make_batches(1, kB * kT, 16);
+  const auto batches = make_batches(1, kRecipeB * kRecipeT, 16);
   ASSERT_TRUE(ps.zero_grads().ok());
-  Result<double> loss = net->compute(batches[0].inputs.data(), batches[0].targets.data(), kB, kT, 1.0f / (kB * kT), true);
+  Result<double> loss = net->compute(batches[0].inputs.data(), batches[0].targets.data(), kRecipeB, kRecipeT, 1.0f / (kRecipeB * kRecipeT), true);
   ASSERT_TRUE(loss.ok()) << loss.status().to_string();
   EXPECT_TRUE(std::isfinite(*loss));
   EXPECT_TRUE(ps.clip_and_step(1e-2f).ok());
@@ -477,7 +477,7 @@ TEST_P(Fp8RecipeTest, AnFp8CheckpointLoadsItsOwnCodesAndScalesAsTheComputeCopies
 TEST_P(Fp8RecipeTest, ComputeCopiesAreTheMasterQuantised) {
   if (GetParam().precision == Precision::kFp32) GTEST_SKIP() << "the fp32 recipe's copy is the master";
   const model::ModelConfig mc = fp8_config();
-  const auto batches = make_batches(kSteps * kAccum, kB * kT, 6);
+  const auto batches = make_batches(kRecipeSteps * kRecipeAccum, kRecipeB * kRecipeT, 6);
   PagedState* ps = nullptr;
   const TrainResult run = train(mc, batches, 0, 0, 0, 0, &ps);
   ASSERT_NE(ps, nullptr);
@@ -518,7 +518,7 @@ TEST_P(Fp8RecipeTest, ComputeCopiesAreTheMasterQuantised) {
 // What checkpoints read beside training (read_flat) is what store_moments decodes, for any range.
 TEST_P(Fp8RecipeTest, MomentsReadInRangesEqualTheWholeDecode) {
   const model::ModelConfig mc = fp8_config();
-  const auto batches = make_batches(kSteps * kAccum, kB * kT, 8);
+  const auto batches = make_batches(kRecipeSteps * kRecipeAccum, kRecipeB * kRecipeT, 8);
   PagedState* ps = nullptr;
   const TrainResult run = train(mc, batches, 0, 0, 0, 0, &ps);
   ASSERT_NE(ps, nullptr);
@@ -546,7 +546,7 @@ TEST_P(Fp8RecipeTest, MomentsReadInRangesEqualTheWholeDecode) {
 // checkpoint of decoded moments relies on).
 TEST_P(Fp8RecipeTest, MomentsLoadedBackAreUnchanged) {
   const model::ModelConfig mc = fp8_config();
-  const auto batches = make_batches(kSteps * kAccum, kB * kT, 9);
+  const auto batches = make_batches(kRecipeSteps * kRecipeAccum, kRecipeB * kRecipeT, 9);
   PagedState* ps = nullptr;
   const TrainResult run = train(mc, batches, 0, 0, 0, 0, &ps);
   ASSERT_NE(ps, nullptr);
@@ -606,7 +606,7 @@ TEST(Fp8Traffic, ParameterTrafficHalvesAgainstBf16) {
   mc.head_dim = 32;
   mc.num_hidden_layers = 8;
   const uint64_t chunk = static_cast<uint64_t>(mc.intermediate_size * mc.hidden_size) * 4;
-  const auto batches = make_batches(2 * kAccum, kB * kT, 3);
+  const auto batches = make_batches(2 * kRecipeAccum, kRecipeB * kRecipeT, 3);
   uint64_t moved[2] = {0, 0};
   for (int r = 0; r < 2; ++r) {
     const Precision precision = r == 0 ? Precision::kBf16 : Precision::kFp8;
@@ -621,7 +621,7 @@ TEST(Fp8Traffic, ParameterTrafficHalvesAgainstBf16) {
     po.chunk_bytes = chunk;
     po.device_bytes = 12 * chunk;  // a layer's state and a little: everything else streams
     po.host_bytes = 1ull << 30;
-    po.grad_accum = kAccum;
+    po.grad_accum = kRecipeAccum;
     po.optimizer = optimizer_config(0.5f);
     auto ps = PagedState::create(**dev, io->get(), net->layout(), po);
     ASSERT_TRUE(ps.ok()) << ps.status().to_string();
@@ -630,9 +630,9 @@ TEST(Fp8Traffic, ParameterTrafficHalvesAgainstBf16) {
     const ChunkSpaceStats before = (*ps)->stats();
     for (int s = 0; s < 2; ++s) {
       ASSERT_TRUE((*ps)->zero_grads().ok());
-      for (int m = 0; m < kAccum; ++m) {
-        const Batch& b = batches[static_cast<size_t>(s * kAccum + m)];
-        ASSERT_TRUE(net->compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (kAccum * kB * kT), true).ok());
+      for (int m = 0; m < kRecipeAccum; ++m) {
+        const Batch& b = batches[static_cast<size_t>(s * kRecipeAccum + m)];
+        ASSERT_TRUE(net->compute(b.inputs.data(), b.targets.data(), kRecipeB, kRecipeT, 1.0f / (kRecipeAccum * kRecipeB * kRecipeT), true).ok());
       }
       ASSERT_TRUE((*ps)->clip_and_step(1e-2f).ok());
     }

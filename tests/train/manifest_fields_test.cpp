@@ -10,7 +10,7 @@
 namespace strata {
 namespace {
 
-using nlohmann::json;
+using json = nlohmann::json;
 
 // A manifest as the trainer writes it (train/checkpointing.cpp), for step 12 of 2 ranks.
 ckpt::Manifest written() {

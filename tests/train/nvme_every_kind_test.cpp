@@ -39,8 +39,8 @@ model::ModelConfig model_config() {
   return mc;
 }
 
-constexpr int64_t kMicroBatch = 2, kSeqLen = 16, kAccum = 2;
-constexpr int kSteps = 4;
+constexpr int64_t kNvmeMicroBatch = 2, kNvmeSeqLen = 16, kNvmeAccum = 2;
+constexpr int kNvmeSteps = 4;
 
 struct TrainedRun {
   std::vector<double> losses;
@@ -61,8 +61,8 @@ Result<TrainedRun> train(const model::ModelConfig& mc, const TrainConfig& t, flo
   TrainedRun run;
   run.plan = engine->plan();
   const int64_t tokens = t.micro_batch * t.seq_len;
-  const std::vector<Batch> batches = make_batches(static_cast<int>(kSteps * t.grad_accum), tokens, 5);
-  for (int s = 0; s < kSteps; ++s) {
+  const std::vector<Batch> batches = make_batches(static_cast<int>(kNvmeSteps * t.grad_accum), tokens, 5);
+  for (int s = 0; s < kNvmeSteps; ++s) {
     RETURN_IF_ERROR(engine->zero_grads());
     double loss = 0;
     for (int64_t m = 0; m < t.grad_accum; ++m) {
@@ -103,7 +103,7 @@ void expect_same_bits(const TrainedRun& paged, const TrainedRun& reference) {
 // the compute's buffers and their chunks, which the chunk space's counters do not see.
 void expect_plan_is_the_engines(const TrainedRun& run, double tol, uint64_t chunk_bytes, uint64_t activation_copies = 0) {
   const Plan& plan = run.plan;
-  const double steps = kSteps - 1;
+  const double steps = kNvmeSteps - 1;
   const ChunkSpaceStats& a = run.first;
   const ChunkSpaceStats& b = run.last;
   const double h2d = static_cast<double>(b.host_to_device_bytes - a.host_to_device_bytes) / steps;
@@ -139,9 +139,9 @@ class NvmeEveryKindTest : public ::testing::TestWithParam<Precision> {
 
   TrainConfig config() const {
     TrainConfig t;
-    t.micro_batch = kMicroBatch;
-    t.seq_len = kSeqLen;
-    t.grad_accum = kAccum;
+    t.micro_batch = kNvmeMicroBatch;
+    t.seq_len = kNvmeSeqLen;
+    t.grad_accum = kNvmeAccum;
     t.precision = GetParam();
     t.keep_activations = "false";
     t.offload_activations = "false";
@@ -194,13 +194,13 @@ TEST_P(NvmeEveryKindTest, ParametersAndGradientsFourTimesTheHostTrainThroughNvme
   // the engine's depends on how far a copy or a disk request has got.
   expect_plan_is_the_engines(*paged, 0.0, tight.chunk_size);
   // Each version of a chunk reaches the disk at most once (a written copy stays valid until the
-  // chunk is written again). A step makes kAccum versions of each gradient that count, one per
+  // chunk is written again). A step makes kNvmeAccum versions of each gradient that count, one per
   // micro-batch: AdamW's and the zeroing's are discarded, not written. Over the steps counted,
   // one version from before them may be written within them.
   const size_t grad = static_cast<size_t>(ChunkKind::kGrad);
   const uint64_t grads_written = paged->last.written_by_kind[grad] - paged->first.written_by_kind[grad];
   EXPECT_GT(grads_written, 0u);
-  EXPECT_LE(grads_written, ((kSteps - 1) * kAccum + 1) * plan.nvme.grad);
+  EXPECT_LE(grads_written, ((kNvmeSteps - 1) * kNvmeAccum + 1) * plan.nvme.grad);
 }
 
 // AdamW overlapping backward (optim.overlap_backward, no clipping) updates each group on a

@@ -38,7 +38,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr int64_t kB = 2, kT = 16, kSteps = 3, kAccum = 2;
+constexpr int64_t kOverlapB = 2, kOverlapT = 16, kOverlapSteps = 3, kOverlapAccum = 2;
 
 struct RankRun {
   std::vector<double> losses;
@@ -78,7 +78,7 @@ Result<std::unique_ptr<parallel::Comm>> connect_among(const std::vector<int>& me
   return parallel::connect(launch, options);
 }
 
-// One rank's run: `steps` steps of kAccum micro-batches of its own batches.
+// One rank's run: `steps` steps of kOverlapAccum micro-batches of its own batches.
 RankRun run_rank(int rank, const WorldCase& w, bool overlap, const fs::path& rendezvous) {
   RankRun out;
   const int world = w.world, P = w.experts;
@@ -122,7 +122,7 @@ RankRun run_rank(int rank, const WorldCase& w, bool overlap, const fs::path& ren
   po.overlap_reduction = overlap;
   po.gather_ahead = w.ahead;
   po.expert_ranks = P;
-  po.grad_accum = kAccum;
+  po.grad_accum = kOverlapAccum;
   po.optimizer = optimizer_config(1.0f);
   // About a layer a chunk, six on the device: the groups' chunks move between the tiers.
   uint64_t largest = 0;
@@ -141,14 +141,14 @@ RankRun run_rank(int rank, const WorldCase& w, bool overlap, const fs::path& ren
   net.set_access(&ps);
   if (P > 1) net.set_expert_comm(comms[2].get());
   ps.set_comm(comms[0].get(), comms[1].get(), P > 1 ? comms[3].get() : nullptr, P > 1 ? comms[4].get() : nullptr);
-  const std::vector<Batch> batches = make_batches(kSteps * kAccum * world, kB * kT, 11);
-  for (int s = 0; s < kSteps && out.error.empty(); ++s) {
+  const std::vector<Batch> batches = make_batches(kOverlapSteps * kOverlapAccum * world, kOverlapB * kOverlapT, 11);
+  for (int s = 0; s < kOverlapSteps && out.error.empty(); ++s) {
     Status st = ps.zero_grads();
     double loss = 0;
-    for (int m = 0; m < kAccum && st.ok(); ++m) {
-      const Batch& b = batches[static_cast<size_t>((s * kAccum + m) * world + rank)];
-      if (m == kAccum - 1) ps.begin_last_micro_batch(1e-2f);  // (ZeRO-1's sums at handover)
-      Result<double> l = net.compute(b.inputs.data(), b.targets.data(), kB, kT, 1.0f / (world * kAccum * kB * kT), true);
+    for (int m = 0; m < kOverlapAccum && st.ok(); ++m) {
+      const Batch& b = batches[static_cast<size_t>((s * kOverlapAccum + m) * world + rank)];
+      if (m == kOverlapAccum - 1) ps.begin_last_micro_batch(1e-2f);  // (ZeRO-1's sums at handover)
+      Result<double> l = net.compute(b.inputs.data(), b.targets.data(), kOverlapB, kOverlapT, 1.0f / (world * kOverlapAccum * kOverlapB * kOverlapT), true);
       if (l.ok()) loss += *l;
       else st = l.status();
     }
@@ -250,13 +250,13 @@ TEST_P(OverlappedCollectives, AreTheBitsOfTheSameCollectivesInLine) {
     uint64_t kept = 0;
     const std::vector<bool> in_place = kept_gathers(order, ahead);
     for (size_t k = 0; k < order.size() && zero == 3; ++k)
-      if (in_place[k]) kept += kSteps * kAccum * a.group_bytes[static_cast<size_t>(order[k])];
+      if (in_place[k]) kept += kOverlapSteps * kOverlapAccum * a.group_bytes[static_cast<size_t>(order[k])];
     if (zero == 3 && (!tied || ahead > 1)) EXPECT_GT(kept, 0u);
     EXPECT_EQ(a.sent - b.sent, kept) << "rank " << r << " sent " << a.sent << " in line, " << b.sent << " overlapped";
     // ZeRO-1 and 2 gather each group's updated weights after the optimizer, overlapped on the
     // communication stream while the next groups update.
     EXPECT_EQ(a.queued_copy_gathers, 0) << "rank " << r;
-    EXPECT_EQ(b.queued_copy_gathers, zero <= 2 ? kSteps * b.groups : 0) << "rank " << r;
+    EXPECT_EQ(b.queued_copy_gathers, zero <= 2 ? kOverlapSteps * b.groups : 0) << "rank " << r;
   }
 }
 
@@ -275,7 +275,7 @@ TEST(OverlappedExpertGroups, AreTheBitsOfTheSameCollectivesInLine) {
     for (size_t r = 0; r < overlapped.size(); ++r) {
       EXPECT_EQ(inline_runs[r].expert_handover_sent, 0u) << "rank " << r;
       EXPECT_GT(overlapped[r].expert_handover_sent, 0u) << "rank " << r;
-      EXPECT_EQ(overlapped[r].queued_copy_gathers, zero == 2 ? kSteps * overlapped[r].groups : 0) << "rank " << r;
+      EXPECT_EQ(overlapped[r].queued_copy_gathers, zero == 2 ? kOverlapSteps * overlapped[r].groups : 0) << "rank " << r;
       // At ZeRO-3 the last layer's weights, its experts' among them, stay gathered around the head.
       if (zero == 3) EXPECT_LT(overlapped[r].sent, inline_runs[r].sent) << "rank " << r;
     }

@@ -75,14 +75,14 @@ model::ModelConfig moe_model() {
   return mc;
 }
 
-constexpr int64_t kMicroBatch = 2, kSeqLen = 32, kAccum = 2;
+constexpr int64_t kPlanMicroBatch = 2, kPlanSeqLen = 32, kPlanAccum = 2;
 // The first is the warm-up; the other six are the replay's counted steps (offload/replay.h):
 // traffic that rotates over 2 or 3 steps averages alike on both sides.
-constexpr int kSteps = 7;
+constexpr int kPlanSteps = 7;
 
 enum class Budget { kRoomy, kHost, kNvme };
 
-struct Case {
+struct PlanCase {
   const char* name;
   bool moe;
   Budget budget;
@@ -135,8 +135,8 @@ class PlanAccuracy : public ::testing::Test {
     o.quick = true;
     o.disk_dir = ::testing::TempDir();
     o.model = dense_model();
-    o.micro_batch = kMicroBatch;
-    o.seq_len = kSeqLen;
+    o.micro_batch = kPlanMicroBatch;
+    o.seq_len = kPlanSeqLen;
     Result<MachineProfile> p = bench_machine(o);
     ASSERT_TRUE(p.ok()) << p.status().to_string();
     profile_ = new MachineProfile(*p);
@@ -153,11 +153,11 @@ class PlanAccuracy : public ::testing::Test {
 
   // The settings of a case: the rates just measured, and budgets sized from the model's own
   // plan so that each case pages the way its name says.
-  static TrainConfig config(const Case& c, const std::string& nvme_dir, const model::ModelConfig* model = nullptr) {
+  static TrainConfig config(const PlanCase& c, const std::string& nvme_dir, const model::ModelConfig* model = nullptr) {
     TrainConfig t;
-    t.micro_batch = kMicroBatch;
-    t.seq_len = kSeqLen;
-    t.grad_accum = kAccum;
+    t.micro_batch = kPlanMicroBatch;
+    t.seq_len = kPlanSeqLen;
+    t.grad_accum = kPlanAccum;
     t.keep_activations = c.keep_activations ? "true" : "false";
     t.offload_activations = "auto";
     const MachineRates& r = profile_->rates;
@@ -203,7 +203,7 @@ class PlanAccuracy : public ::testing::Test {
   static inline MachineProfile* profile_ = nullptr;
 };
 
-// Runs the case for kSteps steps. Just before each timed step a micro-batch of the case's
+// Runs the case for kPlanSteps steps. Just before each timed step a micro-batch of the case's
 // model is timed without paging (ComputeProbe, what `strata bench machine` times for the
 // compute rate), and the step is predicted with the rate it shows: on a shared machine the
 // rate drifts within a second, and a prediction made with a rate from a minute ago would
@@ -214,8 +214,8 @@ Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* p
                      parallel::Comm* comm = nullptr) {
   MachineBenchOptions o;
   o.model = mc;  // the rate the ops reach on this model's shapes, as `strata bench machine` measures it
-  o.micro_batch = kMicroBatch;
-  o.seq_len = kSeqLen;
+  o.micro_batch = kPlanMicroBatch;
+  o.seq_len = kPlanSeqLen;
   o.keep_activations = t.keep_activations == "true";  // the rate of the mode the case runs in
   ASSIGN_OR_RETURN(std::unique_ptr<ComputeProbe> probe, ComputeProbe::create(o));
   OptimizerConfig oc = optimizer_config(1.0f);
@@ -223,11 +223,11 @@ Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* p
   if (comm != nullptr) RETURN_IF_ERROR(engine->set_comm(comm));
   *plan = engine->plan();
   const int64_t tokens = t.micro_batch * t.seq_len;
-  const std::vector<Batch> batches = make_batches(static_cast<int>(kSteps * t.grad_accum), tokens, 7);
+  const std::vector<Batch> batches = make_batches(static_cast<int>(kPlanSteps * t.grad_accum), tokens, 7);
   std::vector<double> seconds, predicted, ratios;
   double reached_sum = 0;
   ChunkSpaceStats first{};
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < kPlanSteps; ++s) {
     if (s == 1) first = engine->chunk_stats();
     TrainConfig now = t;
     if (timed) {
@@ -259,7 +259,7 @@ Result<Measured> run(const model::ModelConfig& mc, const TrainConfig& t, Plan* p
   }
   const ChunkSpaceStats last = engine->chunk_stats();
   Measured m;
-  const double steps = kSteps - 1;
+  const double steps = kPlanSteps - 1;
   m.device = static_cast<double>(last.tiers[static_cast<int>(Tier::kDevice)].peak_bytes + engine->activation_bytes());
   m.host = static_cast<double>(last.tiers[static_cast<int>(Tier::kHost)].peak_bytes);
   m.nvme = static_cast<double>(last.tiers[static_cast<int>(Tier::kNvme)].peak_bytes);
@@ -314,7 +314,7 @@ void expect_bytes_match(const std::string& name, const Plan& plan, const Measure
 }
 
 TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytes) {
-  const Case cases[] = {
+  const PlanCase cases[] = {
       {"dense roomy recompute", false, Budget::kRoomy, false},
       {"dense roomy kept", false, Budget::kRoomy, true},
       {"dense host recompute", false, Budget::kHost, false},
@@ -329,7 +329,7 @@ TEST_F(PlanAccuracy, PlanMatchesTheEngineInBytes) {
   const bool timed = time_tol > 0;
   std::string table = fmt::format("{:<24} {:>11} {:>10} {:>10} {:>6}\n", "config", "quantity", "planned", "measured",
                                   "ratio");
-  for (const Case& c : cases) {
+  for (const PlanCase& c : cases) {
     const std::string nvme_dir = ::testing::TempDir() + "/plan_accuracy_nvme";
     std::filesystem::remove_all(nvme_dir);
     const model::ModelConfig mc = c.moe ? moe_model() : dense_model();
@@ -367,7 +367,7 @@ TEST_F(PlanAccuracy, ModelsWithMtpModulesArePlannedInBytes) {
   mc.num_nextn_predict_layers = 1;
   ASSERT_TRUE(mc.validate("test").ok() && mc.trains_mtp());
   for (Budget budget : {Budget::kRoomy, Budget::kHost}) {
-    const Case c{budget == Budget::kRoomy ? "mtp roomy" : "mtp host", true, budget, false};
+    const PlanCase c{budget == Budget::kRoomy ? "mtp roomy" : "mtp host", true, budget, false};
     const std::string nvme_dir = ::testing::TempDir() + "/plan_accuracy_nvme";
     std::filesystem::remove_all(nvme_dir);
     TrainConfig t = config(c, nvme_dir, &mc);
@@ -394,7 +394,7 @@ TEST_F(PlanAccuracy, LoraIsPlannedInBytes) {
   ASSERT_TRUE(mc.validate("test").ok());
   std::string table;
   for (Budget budget : {Budget::kRoomy, Budget::kHost, Budget::kNvme}) {
-    const Case c{budget == Budget::kRoomy ? "lora roomy" : budget == Budget::kHost ? "lora host" : "lora nvme", false,
+    const PlanCase c{budget == Budget::kRoomy ? "lora roomy" : budget == Budget::kHost ? "lora host" : "lora nvme", false,
                  budget, false};
     const std::string nvme_dir = ::testing::TempDir() + "/plan_accuracy_nvme";
     std::filesystem::remove_all(nvme_dir);
@@ -416,7 +416,7 @@ TEST_F(PlanAccuracy, PlannedWithTheShareOfExpertsARunReachedTheBytesAreTheEngine
   model::ModelConfig mc = moe_model();
   mc.num_experts_per_tok = 2;
   for (Budget budget : {Budget::kHost, Budget::kNvme}) {
-    const Case c{budget == Budget::kHost ? "moe top-2 host" : "moe top-2 nvme", true, budget, false};
+    const PlanCase c{budget == Budget::kHost ? "moe top-2 host" : "moe top-2 nvme", true, budget, false};
     const std::string nvme_dir = ::testing::TempDir() + "/plan_accuracy_nvme";
     std::filesystem::remove_all(nvme_dir);
     TrainConfig t = config(c, nvme_dir);
@@ -444,11 +444,11 @@ TEST_F(PlanAccuracy, PlannedWithTheShareOfExpertsARunReachedTheBytesAreTheEngine
 // collectives moving nothing (IdleComm): what a rank pages does not depend on what the others
 // send it, only that its gradients are summed in place (written) before the norm.
 TEST_F(PlanAccuracy, ARanksPlanMatchesItsEngineInBytesAtWorldsTwoAndFour) {
-  const Case cases[] = {
+  const PlanCase cases[] = {
       {"dense nvme recompute", false, Budget::kNvme, false},
       {"moe nvme recompute", true, Budget::kNvme, false},
   };
-  for (const Case& c : cases) {
+  for (const PlanCase& c : cases) {
     for (int world : {2, 4}) {
       for (int zero : {0, 1, 2, 3}) {
         for (int rank : {0, world - 1}) {

@@ -36,7 +36,7 @@
 namespace strata {
 namespace {
 
-constexpr int64_t kB = 2, kT = 32;
+constexpr int64_t kStepB = 2, kStepT = 32;
 
 struct StepResult {
   double loss = 0;
@@ -63,7 +63,7 @@ StepResult one_step(const model::ModelConfig& mc, Precision precision, const Bat
   CHECK(ps.load_params(init.data()).ok());
   net->set_access(&ps);
   CHECK(ps.zero_grads().ok());
-  Result<double> loss = net->compute(batch.inputs.data(), batch.targets.data(), kB, kT, 1.0f / (kB * kT), true);
+  Result<double> loss = net->compute(batch.inputs.data(), batch.targets.data(), kStepB, kStepT, 1.0f / (kStepB * kStepT), true);
   CHECK_MSG(loss.ok(), loss.status().to_string());
   net->set_access(nullptr);
   StepResult out;
@@ -86,17 +86,17 @@ class RecipeStepTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(RecipeStepTest, Bf16AndFp8TrackTheFp32StepWithinTheirUnitRoundoff) {
   const model::ModelConfig mc = GetParam() ? fp8_moe_config() : fp8_config();
-  const Batch batch = make_batches(1, kB * kT, 3).front();
+  const Batch batch = make_batches(1, kStepB * kStepT, 3).front();
   const StepResult ref = one_step(mc, Precision::kFp32, batch);
   ASSERT_TRUE(std::isfinite(ref.loss));
-  struct Case {
+  struct StepCase {
     Precision precision;
     double u;
   };
-  const Case cases[] = {{Precision::kBf16, std::ldexp(1.0, -8)}, {Precision::kFp8, std::ldexp(1.0, -4)}};
+  const StepCase cases[] = {{Precision::kBf16, std::ldexp(1.0, -8)}, {Precision::kFp8, std::ldexp(1.0, -4)}};
   double grad_err[2] = {};
   for (int i = 0; i < 2; ++i) {
-    const Case& c = cases[i];
+    const StepCase& c = cases[i];
     const StepResult got = one_step(mc, c.precision, batch);
     const double loss_err = std::fabs(got.loss - ref.loss) / std::fabs(ref.loss);
     grad_err[i] = relative_l2(got.grads, ref.grads);

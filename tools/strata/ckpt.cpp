@@ -207,7 +207,7 @@ int bench(const std::vector<std::string>& args) {
   if (!size.ok()) return usage_error(size.status().message());
   Result<uint64_t> staging = parse_bytes(staging_text);
   if (!staging.ok()) return usage_error(staging.status().message());
-  const uint64_t bytes = ckpt::round_up(std::max<uint64_t>(*size, 4096), 4 * kMiB);
+  const uint64_t bytes = round_up(std::max<uint64_t>(*size, 4096), 4 * kMiB);
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return fail(Status::IOError("cannot create " + dir + ": " + ec.message()));
@@ -229,7 +229,7 @@ int bench(const std::vector<std::string>& args) {
   if (!device.ok()) return fail(device.status());
   ChunkSpaceOptions so;
   so.chunk_bytes = kChunk;
-  so.host_bytes = ckpt::round_up(bytes, kChunk);
+  so.host_bytes = round_up(bytes, kChunk);
   Result<std::unique_ptr<ChunkSpace>> space = ChunkSpace::create(**device, nullptr, so);
   if (!space.ok()) return fail(space.status());
   std::vector<TensorId> pieces;

@@ -38,6 +38,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -52,6 +53,9 @@
 #include "kernels/moe.h"
 
 namespace strata::kernels {
+
+// The shared expert's gate, in fp32 for both CPU recipes.
+inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
 // What both CPU recipes share: the memory of the activation table, the fp32 routing ops, and the
 // staging hooks the CUDA backend needs (no-ops here: the CPU ops read host memory).

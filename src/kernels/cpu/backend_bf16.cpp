@@ -28,8 +28,6 @@ std::vector<float> widen_blocks(const Bf16* const* blocks, int64_t block_rows, i
   return out;
 }
 
-float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
-
 }  // namespace
 
 void CpuBf16Ops::embedding_forward(Bf16* out, const int32_t* tokens, const Bf16* const* table_blocks,

@@ -177,10 +177,6 @@ void CpuF32Ops::moe_experts_backward(float* dxs, const ExpertTensors<float>& dw,
   cpu::moe_experts_backward(dxs, dw, dgate, dup, dact, dys, xs, gate, up, act, expert_offsets, w, E, C, F);
 }
 
-namespace {
-float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
-}  // namespace
-
 void CpuF32Ops::shared_expert_combine(float* out, const float* shared_out, const float* logit, int64_t N,
                                       int64_t C) {
   for (int64_t n = 0; n < N; ++n) {

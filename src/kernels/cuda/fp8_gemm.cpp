@@ -29,13 +29,13 @@
 
 #include "core/check.h"
 #include "core/cuda/cuda_check.h"
+#include "core/units.h"
 #include "kernels/cuda/cublas_check.h"
 #include "kernels/cuda/fp8.h"
 
 namespace strata::kernels::cuda {
 namespace {
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Scratch offsets (256-byte aligned) of the repacked scales.
 struct ScaleScratch {

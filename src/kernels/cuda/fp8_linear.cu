@@ -13,6 +13,7 @@
 // want every dimension a multiple of 16, and an expert sees any number of tokens.
 #include <string>
 
+#include "core/units.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/fp8.h"
@@ -22,7 +23,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 uint64_t aligned_bytes(int64_t bytes) { return static_cast<uint64_t>(round_up(bytes, 256)); }
 
 // Carves sections off the operand buffer in order.
