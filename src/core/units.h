@@ -3,11 +3,10 @@
 // Pure functions; safe for concurrent use.
 #pragma once
 
-#include <concepts>
 #include <cstdint>
 #include <string>
-#include <type_traits>
 
+#include "core/round_up.h"
 #include "core/status.h"
 
 namespace strata {
@@ -16,12 +15,6 @@ inline constexpr uint64_t kKiB = uint64_t{1} << 10;
 inline constexpr uint64_t kMiB = uint64_t{1} << 20;
 inline constexpr uint64_t kGiB = uint64_t{1} << 30;
 inline constexpr uint64_t kTiB = uint64_t{1} << 40;
-
-// x rounded up to a multiple of m (m > 0; x + m - 1 must fit in T).
-template <std::integral T>
-constexpr T round_up(T x, std::type_identity_t<T> m) {
-  return (x + m - 1) / m * m;
-}
 
 // Binary units with two decimals: 512 -> "512 B", 1536 -> "1.50 KiB", 3 << 30 -> "3.00 GiB".
 std::string format_bytes(uint64_t bytes);

@@ -13,7 +13,7 @@
 // want every dimension a multiple of 16, and an expert sees any number of tokens.
 #include <string>
 
-#include "core/units.h"
+#include "core/round_up.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/fp8.h"
