@@ -3,9 +3,11 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -52,6 +54,19 @@ inline double max_scaled_error(const float* a, const float* b, int64_t n, double
     worst = std::max(worst, e);
   }
   return worst;
+}
+
+// An empty folder for the running test: TempDir()/PREFIX_TESTNAME_PID, the '/' of a
+// parameterized test's name made '_'. ctest runs each test in a process of its own, so tests
+// running side by side never share one.
+inline std::filesystem::path fresh_test_dir(const std::string& prefix) {
+  std::string name = prefix + "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "_" +
+                     std::to_string(::getpid());
+  std::replace(name.begin(), name.end(), '/', '_');
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
 }
 
 // A file's bytes; "" when it cannot be read.

@@ -17,6 +17,7 @@
 #include "model/lora.h"
 #include "model/params.h"
 #include "model/peft_io.h"
+#include "test_util.h"
 
 namespace strata::model {
 namespace {
@@ -26,11 +27,7 @@ namespace fs = std::filesystem;
 class PeftConfigTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("peft_config_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
-            std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing::fresh_test_dir("peft_config");
   }
   void TearDown() override { fs::remove_all(dir_); }
 

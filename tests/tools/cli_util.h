@@ -11,6 +11,8 @@
 
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 namespace strata::testing {
 
 // Whether this build runs under AddressSanitizer or ThreadSanitizer, whose shadow memory is in
@@ -48,16 +50,6 @@ inline CmdResult run_strata(const std::string& args, const std::filesystem::path
   const int status = pclose(p);
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
-}
-
-// An empty folder for the running test: TempDir()/PREFIX_TESTNAME_PID.
-inline std::filesystem::path fresh_test_dir(const std::string& prefix) {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
-                                    (prefix + "_" + info->name() + "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
 }
 
 }  // namespace strata::testing

@@ -20,6 +20,7 @@
 #include "core/io_faulty.h"
 #include "model/decoder.h"
 #include "train_test_util.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -168,12 +169,7 @@ class CheckpointingTest : public ::testing::TestWithParam<CkptRecipe> {
   Precision recipe() const { return GetParam().precision; }
   kernels::MomentFormat moments() const { return GetParam().moments; }
   void SetUp() override {
-    const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    dir_ = fs::path(::testing::TempDir()) / ("strata_checkpointing_" + std::to_string(::getpid()) + "_" +
-                                             test.substr(0, test.find('/')) + precision_name(recipe()) +
-                                             kernels::moment_format_name(moments()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing::fresh_test_dir("strata_checkpointing");
   }
   void TearDown() override { fs::remove_all(dir_); }
   fs::path dir_;

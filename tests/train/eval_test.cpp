@@ -18,6 +18,7 @@
 #include "core/config.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -27,10 +28,7 @@ namespace fs = std::filesystem;
 class EvalTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_eval_" + std::to_string(::getpid()) + "_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing::fresh_test_dir("strata_eval");
     std::string text;
     for (int i = 0; i < 200; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
     std::ofstream(dir_ / "corpus.txt") << text;

@@ -19,6 +19,7 @@
 #include "reference_adamw.h"
 #include "train/paged_state.h"
 #include "train_test_util.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -194,12 +195,7 @@ class ExpertPagingTest : public ::testing::TestWithParam<Precision> {
   }
 
   void SetUp() override {
-    const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_experts_" + std::to_string(::getpid()) + "_" + test.substr(0, test.find('/')) +
-            precision_name(GetParam()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing::fresh_test_dir("strata_experts");
   }
   void TearDown() override { fs::remove_all(dir_); }
   fs::path dir_;

@@ -24,6 +24,7 @@
 #include "train/paged_state.h"
 #include "train_test_util.h"
 #include "../fp8_checkpoint.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -51,11 +52,7 @@ struct TrainResult {
 class Fp8RecipeTest : public ::testing::TestWithParam<Recipe> {
  protected:
   void SetUp() override {
-    const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    dir_ = fs::path(::testing::TempDir()) / ("strata_fp8_" + std::to_string(::getpid()) + "_" +
-                                             test.substr(0, test.find('/')) + precision_name(GetParam().precision) +
-                                             kernels::moment_format_name(GetParam().moments));
-    fs::remove_all(dir_);
+    dir_ = testing::fresh_test_dir("strata_fp8");
     fs::create_directories(dir_ / "nvme");
   }
   void TearDown() override { fs::remove_all(dir_); }

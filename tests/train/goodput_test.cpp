@@ -15,6 +15,7 @@
 #include "train/train_config.h"
 #include "train/planning.h"
 #include "train/trainer.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -82,10 +83,7 @@ TEST(GoodputTest, HighestRecordedStepSkipsEventsAndTornLines) {
 class GoodputRunTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_goodput_" + std::to_string(::getpid()) + "_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing::fresh_test_dir("strata_goodput");
     std::string text;
     for (int i = 0; i < 200; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
     std::ofstream(dir_ / "corpus.txt") << text;

@@ -15,6 +15,7 @@
 #include "core/config.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -24,11 +25,7 @@ namespace fs = std::filesystem;
 class PackingTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_packing_" + std::to_string(::getpid()) + "_" +
-            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing::fresh_test_dir("strata_packing");
     std::string text;  // documents of one line each: '\n' (byte 10) ends each
     for (int i = 0; i < 120; ++i) text += "document " + std::to_string(i) + " is short " + std::string(i % 9, 'x') + "\n";
     std::ofstream(dir_ / "docs.txt") << text;

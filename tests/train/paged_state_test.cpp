@@ -20,6 +20,7 @@
 #include "idle_comm.h"
 #include "reference_adamw.h"
 #include "train_test_util.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -183,12 +184,7 @@ class PagedStateTest : public ::testing::TestWithParam<Variant> {
 
   void SetUp() override {
     // One directory per test and process: ctest runs tests of this suite in parallel.
-    const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_paged_" + std::to_string(::getpid()) + "_" + test.substr(0, test.find('/')) + "_" +
-            std::to_string(GetParam().tied) + precision_name(GetParam().precision));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing::fresh_test_dir("strata_paged");
   }
   void TearDown() override { fs::remove_all(dir_); }
   fs::path dir_;

@@ -94,11 +94,7 @@ struct Case {
 class PagedWeightsTest : public ::testing::TestWithParam<std::tuple<Case, Precision>> {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("paged_weights_" + std::to_string(::getpid()) + "_" + std::get<0>(GetParam()).name + "_" +
-            precision_name(std::get<1>(GetParam())));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing::fresh_test_dir("paged_weights");
   }
   void TearDown() override { fs::remove_all(dir_); }
 
@@ -133,9 +129,7 @@ class PagedWeightsTest : public ::testing::TestWithParam<std::tuple<Case, Precis
 class PagedWeightsTest_ThreeTiers : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) / ("paged_weights_three_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing::fresh_test_dir("paged_weights_three");
   }
   void TearDown() override { fs::remove_all(dir_); }
   // The decoded logits of dense_config() with these options.

@@ -2,6 +2,7 @@
 // per folder (flock, the holder named); a requeued run with nothing to resume starts again and
 // keeps the earlier metrics.
 #include "train/run_dirs.h"
+#include "test_util.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -19,10 +20,7 @@ namespace fs = std::filesystem;
 class RunDirsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("strata_rundirs_" + std::to_string(::getpid()) + "_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing::fresh_test_dir("strata_rundirs");
   }
   void TearDown() override { fs::remove_all(dir_); }
   TrainConfig unnamed() {
