@@ -18,7 +18,6 @@
 namespace strata {
 namespace {
 
-constexpr uint64_t kDeviceAlignment = 256;
 constexpr uint64_t kPinnedAlignment = 4096;
 
 // Host allocation that reports failure instead of throwing; `alignment` is a power of two.

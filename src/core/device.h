@@ -133,6 +133,10 @@ class Event {
   Event() = default;
 };
 
+// The alignment of every device allocation, on every backend: what cuBLASLt and cuDNN want of
+// their operands and workspaces.
+inline constexpr uint64_t kDeviceAlignment = 256;
+
 class Device {
  public:
   // memory_budget() of a device whose memory is not capped (the CPU backend with budget 0).
@@ -147,7 +151,7 @@ class Device {
   // "cpu:0", "cuda:0 (NVIDIA H100 80GB HBM3)".
   virtual const std::string& name() const = 0;
 
-  // Device memory under the budget, aligned to at least 256 bytes. OutOfMemory names the tier,
+  // Device memory under the budget, aligned to kDeviceAlignment. OutOfMemory names the tier,
   // the request, the budget and what is in use.
   virtual Result<DeviceAllocation> allocate(uint64_t bytes) = 0;
   virtual uint64_t memory_in_use() const = 0;

@@ -8,7 +8,6 @@
 namespace strata {
 namespace {
 
-constexpr uint64_t kDeviceAlignment = 256;
 // The region for "whole device" is rounded down to this, the granularity of large cudaMallocs.
 constexpr uint64_t kRegionGranularity = uint64_t{2} << 20;
 
