@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "core/units.h"
+#include "core/round_up.h"
 #include "kernels/fp8.h"
 
 namespace strata::kernels {

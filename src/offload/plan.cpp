@@ -30,8 +30,7 @@ namespace {
 
 // bytes padded to whole chunks; unpadded when chunk is 0.
 uint64_t padded_to_chunks(uint64_t bytes, uint64_t chunk) {
-  if (chunk == 0 || bytes == 0) return bytes;
-  return (bytes + chunk - 1) / chunk * chunk;
+  return chunk == 0 ? bytes : round_up(bytes, chunk);
 }
 
 // Per-group sizes, rounded up to whole chunks because chunks are what the tiers hold.

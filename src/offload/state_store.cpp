@@ -8,7 +8,7 @@
 #include <string>
 
 #include "core/trace.h"
-#include "core/units.h"
+#include "core/round_up.h"
 
 namespace strata {
 

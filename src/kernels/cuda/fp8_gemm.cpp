@@ -29,13 +29,12 @@
 
 #include "core/check.h"
 #include "core/cuda/cuda_check.h"
-#include "core/units.h"
+#include "core/round_up.h"
 #include "kernels/cuda/cublas_check.h"
 #include "kernels/cuda/fp8.h"
 
 namespace strata::kernels::cuda {
 namespace {
-
 
 // Scratch offsets (256-byte aligned) of the repacked scales.
 struct ScaleScratch {
